@@ -1,0 +1,31 @@
+"""tensorwire: move tensors between processes and machines as fast as the wire allows,
+and say honestly how they moved.
+
+    async with tensorwire.start("127.0.0.1:0") as node:
+        peer = await node.connect("10.0.0.2:5555")
+        await peer.send({"x": x}, tag="act")
+        y = await peer.recv(tag="grad")
+"""
+
+from . import errors
+from ._node import Node, NodeConfig, start
+from ._path import Path
+from ._peer import Peer
+from .errors import *  # noqa: F403 - the error tree is part of the top-level API
+from .transports import Capabilities, Limits, Receipt
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Capabilities",
+    "Limits",
+    "Node",
+    "NodeConfig",
+    "Path",
+    "Peer",
+    "Receipt",
+    "__version__",
+    "errors",
+    "start",
+    *errors.__all__,
+]

@@ -1,0 +1,269 @@
+"""Node: a process's presence on the network. It serves the control plane, owns a listener
+for each transport it can use, connects to other nodes and accepts their connections."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._path import Path
+from ._peer import Peer
+from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, check_require
+from .control._convert import offer_from_pb, offer_to_pb
+from .control._pb import control_pb2
+from .errors import (
+    ClosedResourceError,
+    ConfigurationError,
+    ConnectTimeout,
+    NegotiationError,
+    TransportUnavailable,
+)
+from .transports import DEFAULT_PREFERENCE, Channel, Limits, Session, Transport, TransportContext, probe_all
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Node", "NodeConfig", "start"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """How a node behaves. Every field has a sensible default.
+
+    transports: transport names in order of preference (fastest first).
+    auth_token: if set, peers must present it in the handshake.
+    limits: memory and message bounds (see ``tensorwire.transports.Limits``).
+    connect_timeout: seconds a connect (handshake plus data connection) may take.
+    node_id: this node's name; a random one by default.
+    """
+
+    transports: tuple[str, ...] = DEFAULT_PREFERENCE
+    auth_token: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    connect_timeout: float = 10.0
+    node_id: str | None = None
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ConfigurationError(f"address {address!r} is not host:port")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise ConfigurationError(f"address {address!r} has a non-numeric port") from None
+
+
+class Node:
+    """One tensorwire endpoint. Create it with ``tensorwire.start``."""
+
+    def __init__(self, address: str, config: NodeConfig) -> None:
+        self.config = config
+        self.node_id = config.node_id or uuid.uuid4().hex
+        self._host, self._port = _split_address(address)
+        self.address = ""
+        self.transports: dict[str, Transport] = {}
+        self.offers: dict[str, Offer] = {}
+        self.unusable: dict[str, str] = {}
+        self._server: ControlServer | None = None
+        self._incoming: asyncio.Queue[Peer] = asyncio.Queue()
+        self._waiting: set[asyncio.Task[None]] = set()
+        self.peers: list[Peer] = []
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "serving"
+        return f"<Node {self.node_id[:12]} at {self.address} {state} transports={list(self.offers)} peers={len(self.peers)}>"
+
+    async def _start(self) -> Node:
+        usable, self.unusable = probe_all(self.config.transports)
+        if not usable:
+            raise TransportUnavailable(f"no usable transport among {self.config.transports}: {self.unusable}")
+        ctx = TransportContext(self.node_id, self._host, self.config.limits)
+        try:
+            for name, (cls, caps) in usable.items():
+                transport = cls(ctx, caps)
+                self.transports[name] = transport
+                blob = await transport.listen()
+                self.offers[name] = Offer(name, cls.version, blob, caps)
+            self._server = ControlServer(self)
+            port = await self._server.start(self._host, self._port)
+        except BaseException:
+            await self.aclose()
+            raise
+        self.address = f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
+        log.info("node %s serving at %s with %s", self.node_id, self.address, ", ".join(self.offers))
+        return self
+
+    # -- negotiation helpers used by the control server ---------------------------------------
+    def reachable(self, name: str, address: bytes) -> str | None:
+        return self.transports[name].accepts(address)
+
+    def _path(self, choice: Choice, channel: Channel) -> Path:
+        caps = self.offers[choice.name].capabilities
+        return Path(choice.name, channel.lanes, caps.rdma, caps.gpudirect, caps.memory_kinds, choice.passed_over)
+
+    def _expect_peer(self, choice: Choice, session_id: str, secret: bytes, remote_node: str, *, remote_addr: str) -> None:
+        session = Session(session_id, secret, self.node_id, remote_node, self.config.limits)
+        pending = self.transports[choice.name].expect(session)
+
+        async def wait() -> None:
+            try:
+                async with asyncio.timeout(self.config.connect_timeout):
+                    channel = await pending
+            except TimeoutError:
+                log.warning("peer %s completed the handshake but never opened its data connection", remote_addr)
+                if isinstance(pending, asyncio.Future):
+                    pending.cancel()
+                return
+            except asyncio.CancelledError:
+                return
+            peer = Peer(self, channel, remote_node=remote_node, remote_address=remote_addr, path=self._path(choice, channel))
+            self.peers.append(peer)
+            self._incoming.put_nowait(peer)
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
+
+    # -- public API -----------------------------------------------------------------------------
+    async def connect(
+        self, address: str, *, require: str = "any", transports: tuple[str, ...] | list[str] | None = None,
+        connect_timeout: float | None = None,
+    ) -> Peer:
+        """Handshake with the node at ``address`` and open the negotiated data path.
+
+        ``require`` ("any", "rdma", "gpudirect") fails with NegotiationError instead of falling
+        back below it; ``transports`` overrides the preference order for this connection.
+        """
+        self._check_open()
+        check_require(require)
+        preference = tuple(transports) if transports is not None else self.config.transports
+        for name in preference:
+            if name not in DEFAULT_PREFERENCE:
+                raise ConfigurationError(f"unknown transport {name!r}; known: {', '.join(DEFAULT_PREFERENCE)}")
+        timeout = self.config.connect_timeout if connect_timeout is None else connect_timeout
+        if require != "any":
+            self._precheck(require, preference)
+        request = control_pb2.HandshakeRequest(
+            node_id=self.node_id, protocol_version=PROTOCOL_VERSION, auth_token=self.config.auth_token or "",
+            preference=list(preference), require=require,
+        )
+        for offer in self.offers.values():
+            request.offers.append(offer_to_pb(offer))
+        for name, reason in self.unusable.items():
+            request.unavailable.add(name=name, reason=reason)
+        client = ControlClient(address)
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await client.handshake(request, timeout)
+                chosen = offer_from_pb(resp.chosen)
+                transport = self.transports.get(chosen.name)
+                if transport is None:
+                    raise NegotiationError(f"{address} chose {chosen.name!r}, which this node does not offer")
+                session = Session(resp.session_id, resp.session_secret, self.node_id, resp.server_node_id, self.config.limits)
+                channel = await transport.connect(chosen.address, session)
+        except TimeoutError as exc:
+            await client.aclose()
+            raise ConnectTimeout(f"connecting to {address} took longer than {timeout} s") from exc
+        except BaseException:
+            await client.aclose()
+            raise
+        choice = Choice(chosen.name, tuple((p.name, p.reason) for p in resp.passed_over))
+        peer = Peer(self, channel, remote_node=resp.server_node_id, remote_address=address,
+                    path=self._path(choice, channel), control=client)
+        self.peers.append(peer)
+        log.info("connected to %s: %s", address, peer.path)
+        return peer
+
+    def _precheck(self, require: str, preference: tuple[str, ...]) -> None:
+        """Fail fast, without a round trip, when this node alone cannot meet ``require``."""
+        attr = "rdma" if require == "rdma" else "gpudirect"
+        reasons = []
+        for name in preference:
+            offer = self.offers.get(name)
+            if offer is None:
+                reasons.append(f"{name}: {self.unusable.get(name, 'not enabled')}")
+            elif getattr(offer.capabilities, attr):
+                return
+            else:
+                reasons.append(f"{name}: no {require} on this node")
+        raise NegotiationError(f"require={require!r} cannot be met by this node ({'; '.join(reasons)})")
+
+    async def accept(self) -> Peer:
+        """Wait for the next peer that connects to this node."""
+        self._check_open()
+        return await self._incoming.get()
+
+    async def __aiter__(self) -> AsyncIterator[Peer]:
+        while not self._closed:
+            yield await self.accept()
+
+    def _forget(self, peer: Peer) -> None:
+        if peer in self.peers:
+            self.peers.remove(peer)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("node is closed")
+
+    async def aclose(self) -> None:
+        """Close peers, then listeners and the control plane; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._waiting):
+            task.cancel()
+        await asyncio.gather(*[p.aclose() for p in list(self.peers)], return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(grace=0.2)
+        await asyncio.gather(*[t.aclose() for t in self.transports.values()], return_exceptions=True)
+        await asyncio.gather(*self._waiting, return_exceptions=True)
+
+    def abort(self) -> None:
+        for p in list(self.peers):
+            p.abort()
+
+    async def __aenter__(self) -> Node:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class _Starting:
+    """``await start(...)`` gives a Node; ``async with start(...) as node`` also closes it."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    def __await__(self) -> Generator[Any, None, Node]:
+        return self._node._start().__await__()
+
+    async def __aenter__(self) -> Node:
+        return await self._node._start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._node.aclose()
+
+
+def start(address: str = "127.0.0.1:0", *, config: NodeConfig | None = None, **options: Any) -> _Starting:
+    """Start a node serving at ``address`` (port 0 picks a free port; read ``node.address``).
+
+    Options are NodeConfig fields: ``transports``, ``auth_token``, ``limits``,
+    ``connect_timeout``, ``node_id``.
+    """
+    cfg = config or NodeConfig()
+    if options:
+        try:
+            cfg = dataclasses.replace(cfg, **options)
+        except TypeError as exc:
+            raise ConfigurationError(f"unknown node option: {exc}") from None
+    if isinstance(cfg.transports, str):
+        raise ConfigurationError("transports must be a sequence of names, e.g. ('tcp',)")
+    cfg = dataclasses.replace(cfg, transports=tuple(cfg.transports))
+    return _Starting(Node(address, cfg))

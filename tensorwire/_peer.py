@@ -1,0 +1,108 @@
+"""Peer: one connected remote node, and the three verbs that move tensors to and from it."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigurationError
+from .tensors import prepare
+from .transports import Channel, ChannelState, Receipt
+
+if TYPE_CHECKING:
+    from ._node import Node
+    from ._path import Path
+    from .control import ControlClient
+
+__all__ = ["Peer", "tag_id"]
+
+_I64 = 1 << 63
+
+
+@functools.lru_cache(maxsize=4096)
+def _str_tag(tag: str) -> int:
+    return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def tag_id(tag: int | str) -> int:
+    """The 64-bit wire tag for ``tag``; strings hash the same in every process."""
+    if isinstance(tag, bool) or not isinstance(tag, (int, str)):
+        raise ConfigurationError(f"tag must be an int or a str, not {type(tag).__name__}")
+    if isinstance(tag, str):
+        return _str_tag(tag)
+    if not -_I64 <= tag < _I64:
+        raise ConfigurationError(f"tag {tag} does not fit in 64 bits")
+    return tag
+
+
+class Peer:
+    """A connected remote node. Either side may send and recv; messages match per tag, FIFO.
+
+    Use it as an async context manager, or call ``aclose()``. ``path`` says which transport
+    carries the bytes and why faster ones were not used.
+    """
+
+    def __init__(
+        self, node: Node, channel: Channel, *, remote_node: str, remote_address: str, path: Path,
+        control: ControlClient | None = None,
+    ) -> None:
+        self.node = node
+        self.channel = channel
+        self.remote_node = remote_node
+        self.remote_address = remote_address
+        self.path = path
+        self._control = control
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<Peer {self.remote_node[:12]} at {self.remote_address} via {self.path.transport} "
+            f"{self.channel.state.value} in_flight={self.channel.in_flight}>"
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self.channel.state is not ChannelState.OPEN
+
+    async def send(self, obj: Any, *, tag: int | str = 0) -> Receipt:
+        """Send a tensor or a pytree of tensors and scalars; returns how it went.
+
+        Returns once the bytes have left the caller's buffers, which may then be reused. Waits
+        (backpressure) when the peer holds more unreceived messages than its limits allow.
+        """
+        wire_tag = tag_id(tag)
+        msg = prepare(obj)
+        return await self.channel.send(wire_tag, msg)
+
+    async def recv(self, *, tag: int | str = 0, out: Any = None) -> Any:
+        """Receive the next message on ``tag``. With ``out=``, bytes land in the caller's
+        tensors (same pytree structure, dtypes and shapes) and ``out`` is returned."""
+        value, _ = await self.channel.recv(tag_id(tag), out)
+        return value
+
+    async def recv_with_receipt(self, *, tag: int | str = 0, out: Any = None) -> tuple[Any, Receipt]:
+        """Like ``recv``, and also say how the message came (protocol, direct or staged, time)."""
+        return await self.channel.recv(tag_id(tag), out)
+
+    async def aclose(self) -> None:
+        """Close the data channel and the control connection; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.channel.aclose()
+        finally:
+            if self._control is not None:
+                await self._control.aclose()
+            self.node._forget(self)
+
+    def abort(self) -> None:
+        """Drop the connection at once; pending operations fail."""
+        self.channel.abort()
+
+    async def __aenter__(self) -> Peer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,52 @@
+"""The control-plane client: one gRPC channel per peer, every call with a deadline."""
+
+from __future__ import annotations
+
+import grpc
+
+from ..errors import (
+    AuthenticationError,
+    ConnectTimeout,
+    ControlPlaneError,
+    NegotiationError,
+)
+from ._pb import control_pb2, control_pb2_grpc
+
+__all__ = ["ControlClient", "map_rpc_error"]
+
+
+def map_rpc_error(exc: grpc.aio.AioRpcError, target: str) -> Exception:
+    code, detail = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(f"{target} refused the handshake: {detail}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return NegotiationError(f"{target}: {detail}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ConnectTimeout(f"{target} did not answer in time ({detail})")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ControlPlaneError(f"cannot reach a tensorwire node at {target}: {detail}")
+    return ControlPlaneError(f"control call to {target} failed: {code.name}: {detail}")
+
+
+class ControlClient:
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = control_pb2_grpc.ControlStub(self._channel)
+
+    async def handshake(self, request: control_pb2.HandshakeRequest, timeout: float) -> control_pb2.HandshakeResponse:
+        try:
+            resp: control_pb2.HandshakeResponse = await self._stub.Handshake(request, timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            raise map_rpc_error(exc, self.target) from exc
+        return resp
+
+    async def node_info(self, timeout: float) -> control_pb2.NodeInfo:
+        try:
+            info: control_pb2.NodeInfo = await self._stub.GetNodeInfo(control_pb2.NodeInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise map_rpc_error(exc, self.target) from exc
+        return info
+
+    async def aclose(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,81 @@
+"""Choosing the data path: the first transport in the preference order that both nodes can use
+and that satisfies the ``require=`` policy. Every transport passed over gets a reason."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..errors import ConfigurationError, NegotiationError
+from ..transports import Capabilities
+
+__all__ = ["REQUIRE", "Choice", "Offer", "check_require", "choose"]
+
+REQUIRE = ("any", "rdma", "gpudirect")
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    name: str
+    version: int
+    address: bytes
+    capabilities: Capabilities
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    name: str
+    passed_over: tuple[tuple[str, str], ...]
+
+
+def check_require(require: str) -> str:
+    if require not in REQUIRE:
+        raise ConfigurationError(f"require={require!r}; expected one of {', '.join(REQUIRE)}")
+    return require
+
+
+def _meets(require: str, caps: Capabilities) -> str | None:
+    if require == "rdma" and not caps.rdma:
+        return "moves bytes through the kernel's TCP stack, not RDMA"
+    if require == "gpudirect" and not caps.gpudirect:
+        return "cannot move GPU memory directly to the NIC (no GPUDirect)"
+    return None
+
+
+def choose(
+    preference: list[str] | tuple[str, ...],
+    local: Mapping[str, Offer],
+    remote: Mapping[str, Offer],
+    local_unusable: Mapping[str, str],
+    remote_unusable: Mapping[str, str],
+    require: str,
+    reachable: Callable[[str, bytes], str | None],
+    *,
+    local_name: str = "server",
+    remote_name: str = "client",
+) -> Choice:
+    """Pick a transport; raise NegotiationError listing why each one was not usable."""
+    check_require(require)
+    passed: list[tuple[str, str]] = []
+    for name in preference:
+        if name not in local:
+            passed.append((name, f"on {local_name}: {local_unusable.get(name, 'not enabled')}"))
+            continue
+        if name not in remote:
+            passed.append((name, f"on {remote_name}: {remote_unusable.get(name, 'not enabled')}"))
+            continue
+        mine, theirs = local[name], remote[name]
+        if mine.version != theirs.version:
+            passed.append((name, f"version {theirs.version} on {remote_name} != {mine.version} on {local_name}"))
+            continue
+        why = reachable(name, theirs.address)
+        if why is not None:
+            passed.append((name, why))
+            continue
+        why = _meets(require, mine.capabilities) or _meets(require, theirs.capabilities)
+        if why is not None:
+            passed.append((name, f"require={require!r}: {name} {why}"))
+            continue
+        return Choice(name, tuple(passed))
+    detail = "; ".join(f"{n}: {r}" for n, r in passed) or "no transports offered"
+    raise NegotiationError(f"no transport satisfies require={require!r} ({detail})")

@@ -1,0 +1,114 @@
+"""The control-plane gRPC server: Handshake, node info, health and reflection."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ..errors import ConfigurationError, NegotiationError
+from ._convert import offer_from_pb, offer_to_pb
+from ._negotiate import choose
+from ._pb import control_pb2, control_pb2_grpc
+
+if TYPE_CHECKING:
+    from .._node import Node
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PROTOCOL_VERSION", "ControlServer"]
+
+PROTOCOL_VERSION = 1
+SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+
+
+class _Servicer(control_pb2_grpc.ControlServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def Handshake(  # noqa: N802 - gRPC method name
+        self, request: control_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.HandshakeResponse:
+        node = self.node
+        peer = context.peer()
+        if request.protocol_version != PROTOCOL_VERSION:
+            log.warning("handshake from %s refused: protocol version %d", peer, request.protocol_version)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol version {request.protocol_version} is not supported (this node speaks {PROTOCOL_VERSION})",
+            )
+        token = node.config.auth_token
+        if token is not None and not hmac.compare_digest(request.auth_token.encode(), token.encode()):
+            log.warning("handshake from %s refused: %s auth token", peer, "missing" if not request.auth_token else "wrong")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
+        remote = {o.name: offer_from_pb(o) for o in request.offers}
+        remote_unusable = {u.name: u.reason for u in request.unavailable}
+        preference = list(request.preference) or list(node.config.transports)
+        try:
+            choice = choose(
+                preference, node.offers, remote, node.unusable, remote_unusable, request.require or "any",
+                node.reachable, local_name=f"server {node.node_id}", remote_name=f"client {request.node_id or '?'}",
+            )
+        except (NegotiationError, ConfigurationError) as exc:
+            log.info("handshake from %s: %s", peer, exc)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        session_id = uuid.uuid4().hex
+        secret = os.urandom(32)
+        node._expect_peer(choice, session_id, secret, request.node_id, remote_addr=peer)
+        resp = control_pb2.HandshakeResponse(
+            session_id=session_id, session_secret=secret, server_node_id=node.node_id,
+            protocol_version=PROTOCOL_VERSION, chosen=offer_to_pb(node.offers[choice.name]),
+        )
+        for name, reason in choice.passed_over:
+            resp.passed_over.add(name=name, reason=reason)
+        return resp
+
+    async def GetNodeInfo(  # noqa: N802 - gRPC method name
+        self, request: control_pb2.NodeInfoRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.NodeInfo:
+        node = self.node
+        info = control_pb2.NodeInfo(
+            node_id=node.node_id, protocol_version=PROTOCOL_VERSION, preference=list(node.config.transports),
+            auth_required=node.config.auth_token is not None,
+        )
+        for offer in node.offers.values():
+            info.offers.append(offer_to_pb(offer, with_address=False))
+        for name, reason in node.unusable.items():
+            info.unavailable.add(name=name, reason=reason)
+        return info
+
+
+class ControlServer:
+    """A grpc.aio server with the Control service, health checking and reflection."""
+
+    def __init__(self, node: Node) -> None:
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        control_pb2_grpc.add_ControlServicer_to_server(_Servicer(node), self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server,
+        )
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.port = self._server.add_insecure_port(target)
+        except RuntimeError as exc:
+            raise ConfigurationError(f"cannot bind the control plane to {target}: {exc}") from exc
+        await self._server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace: float | None) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)

@@ -1,0 +1,20 @@
+"""Tensors: one adapter for numpy, torch, DLPack and buffers; pytrees; wire headers."""
+
+from ._dtypes import DTYPES, dtype_from_name, dtype_name
+from ._message import Outgoing, Spec, decode_header, match_out, prepare, rebuild
+from ._view import TensorView, as_view, is_tensor
+
+__all__ = [
+    "DTYPES",
+    "Outgoing",
+    "Spec",
+    "TensorView",
+    "as_view",
+    "decode_header",
+    "dtype_from_name",
+    "dtype_name",
+    "is_tensor",
+    "match_out",
+    "prepare",
+    "rebuild",
+]

@@ -1,0 +1,232 @@
+"""Pytrees of tensors and scalars, and the header that describes them on the wire.
+
+A message is a pytree (dict / list / tuple of tensors and plain scalars). ``prepare`` flattens it
+into a header (the tree structure with scalars inline, and one TensorSpec per tensor leaf) and
+the tensors' bytes in C order. ``decode_header`` is the receiver's side and trusts nothing: every
+length and shape is checked against the limits before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..control._pb import wire_pb2
+from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
+from ._dtypes import DTYPES
+from ._view import TensorView, as_view, empty, is_tensor, to_framework
+
+__all__ = ["Outgoing", "Spec", "decode_header", "match_out", "prepare", "rebuild"]
+
+MAX_DEPTH = 64
+MAX_NDIM = 64
+_INT64 = 2**63
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One tensor of a message, as its header describes it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    framework: str = "numpy"
+    device: str = "cpu"
+
+    def allocate(self) -> np.ndarray:
+        return empty(self.dtype, self.shape)
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A message ready to send: its header, and the tensors' bytes in wire order."""
+
+    tree: wire_pb2.TreeNode
+    specs: list[Spec]
+    arrays: list[np.ndarray]  # C-contiguous, over the caller's memory unless packed
+    packed: bool
+    nbytes: int
+    _header: bytes | None = field(default=None, repr=False)
+
+    @property
+    def header(self) -> bytes:
+        if self._header is None:
+            msg = wire_pb2.MessageHeader(tree=self.tree)
+            for s, a in zip(self.specs, self.arrays, strict=True):
+                strides = [st // a.itemsize for st in a.strides] if a.itemsize else []
+                msg.tensors.add(
+                    dtype=s.dtype, shape=s.shape, strides=strides, device=s.device,
+                    framework=s.framework, nbytes=s.nbytes,
+                )
+            self._header = msg.SerializeToString()
+        return self._header
+
+    def segments(self) -> list[memoryview]:
+        """The payload as flat byte views of the wire arrays (empty tensors omitted)."""
+        return [_bytes_of(a) for a in self.arrays if a.nbytes]
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeNode:
+    if depth > MAX_DEPTH:
+        raise UnsupportedTensorError(f"pytree is nested deeper than {MAX_DEPTH} levels")
+    node = wire_pb2.TreeNode()
+    if obj is None:
+        node.none = True
+    elif isinstance(obj, bool):
+        node.bool_value = obj
+    elif isinstance(obj, int) and not isinstance(obj, np.generic):
+        if -_INT64 <= obj < _INT64:
+            node.int_value = obj
+        else:
+            node.big_int = str(obj)
+    elif isinstance(obj, float):
+        node.float_value = obj
+    elif isinstance(obj, str):
+        node.str_value = obj
+    elif isinstance(obj, bytes):
+        node.bytes_value = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool, bytes)) and k is not None:
+                raise UnsupportedTensorError(f"dict key of type {type(k).__name__} is not supported")
+            node.dict.keys.append(_flatten(k, views, depth + 1))
+            node.dict.values.append(_flatten(v, views, depth + 1))
+        if not obj:
+            node.dict.SetInParent()
+    elif isinstance(obj, (list, tuple)):
+        seq = node.tuple if isinstance(obj, tuple) else node.list
+        seq.SetInParent()
+        for item in obj:
+            seq.items.append(_flatten(item, views, depth + 1))
+    elif is_tensor(obj):
+        node.tensor = len(views)
+        views.append(as_view(obj))
+    else:
+        raise UnsupportedTensorError(
+            f"cannot send {type(obj).__name__}: a message is a tensor, or a dict/list/tuple of tensors "
+            "and plain scalars (None, bool, int, float, str, bytes)"
+        )
+    return node
+
+
+def prepare(obj: object) -> Outgoing:
+    """Flatten a message for sending; the tensors' bytes are not copied unless packing is needed."""
+    views: list[TensorView] = []
+    tree = _flatten(obj, views, 0)
+    arrays: list[np.ndarray] = []
+    specs: list[Spec] = []
+    packed = False
+    total = 0
+    for v in views:
+        arr, was_packed = v.wire_array()
+        packed |= was_packed
+        arrays.append(arr)
+        specs.append(Spec(v.dtype, v.shape, int(arr.nbytes), v.framework, v.device))
+        total += int(arr.nbytes)
+    return Outgoing(tree, specs, arrays, packed, total)
+
+
+def decode_header(data: bytes | bytearray | memoryview, *, max_message_bytes: int) -> tuple[wire_pb2.TreeNode, list[Spec]]:
+    """Parse and validate a received header. Raises ProtocolError for anything inconsistent."""
+    try:
+        msg = wire_pb2.MessageHeader.FromString(bytes(data))
+    except Exception as exc:  # protobuf raises DecodeError and friends
+        raise ProtocolError(f"undecodable message header ({len(data)} bytes)") from exc
+    specs: list[Spec] = []
+    total = 0
+    for t in msg.tensors:
+        dt = DTYPES.get(t.dtype)
+        if dt is None:
+            raise ProtocolError(f"header names unknown dtype {t.dtype[:32]!r}")
+        if len(t.shape) > MAX_NDIM:
+            raise ProtocolError(f"header claims {len(t.shape)} dimensions (limit {MAX_NDIM})")
+        shape = tuple(int(d) for d in t.shape)
+        if any(d < 0 for d in shape):
+            raise ProtocolError(f"header claims a negative dimension in shape {shape}")
+        n = math.prod(shape) * dt.itemsize
+        if n != t.nbytes:
+            raise ProtocolError(f"header claims {t.nbytes} bytes for {t.dtype}{list(shape)} ({n} bytes)")
+        total += n
+        if total > max_message_bytes:
+            raise ProtocolError(f"message claims more than the {max_message_bytes}-byte limit")
+        if t.device not in ("", "cpu"):
+            raise ProtocolError(f"header claims device {t.device[:32]!r}, which this build cannot receive")
+        specs.append(Spec(t.dtype, shape, n, t.framework or "numpy", "cpu"))
+    _check_tree(msg.tree, len(specs), 0)
+    return msg.tree, specs
+
+
+def _check_tree(node: wire_pb2.TreeNode, ntensors: int, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"pytree deeper than {MAX_DEPTH} levels")
+    kind = node.WhichOneof("kind")
+    if kind == "tensor":
+        if node.tensor >= ntensors:
+            raise ProtocolError(f"tree refers to tensor {node.tensor} of {ntensors}")
+    elif kind in ("list", "tuple"):
+        for item in getattr(node, kind).items:
+            _check_tree(item, ntensors, depth + 1)
+    elif kind == "dict":
+        if len(node.dict.keys) != len(node.dict.values):
+            raise ProtocolError("dict node with unequal keys and values")
+        for k in node.dict.keys:
+            if k.WhichOneof("kind") in ("tensor", "list", "tuple", "dict"):
+                raise ProtocolError("dict key must be a scalar")
+        for v in node.dict.values:
+            _check_tree(v, ntensors, depth + 1)
+    elif kind is None:
+        raise ProtocolError("empty tree node")
+
+
+def rebuild(tree: wire_pb2.TreeNode, specs: list[Spec], arrays: list[Any]) -> Any:
+    """The received pytree, tensors in the sender's framework where this process has it loaded."""
+    leaves = [to_framework(a, s.framework) for a, s in zip(arrays, specs, strict=True)]
+    return _unflatten(tree, leaves)
+
+
+def _unflatten(node: wire_pb2.TreeNode, leaves: list[Any]) -> Any:
+    kind = node.WhichOneof("kind")
+    if kind == "tensor":
+        return leaves[node.tensor]
+    if kind == "list":
+        return [_unflatten(i, leaves) for i in node.list.items]
+    if kind == "tuple":
+        return tuple(_unflatten(i, leaves) for i in node.tuple.items)
+    if kind == "dict":
+        return {_unflatten(k, leaves): _unflatten(v, leaves) for k, v in zip(node.dict.keys, node.dict.values, strict=True)}
+    if kind == "none":
+        return None
+    if kind == "big_int":
+        return int(node.big_int)
+    return getattr(node, kind)
+
+
+def match_out(out: object, specs: list[Spec]) -> list[np.ndarray]:
+    """The caller's out= pytree as writable arrays, one per tensor leaf, checked against specs."""
+    views: list[TensorView] = []
+    _flatten(out, views, 0)
+    if len(views) != len(specs):
+        raise ShapeMismatchError(f"out= holds {len(views)} tensors but the message has {len(specs)}")
+    targets = []
+    for i, (v, s) in enumerate(zip(views, specs, strict=True)):
+        if v.dtype != s.dtype or v.shape != s.shape:
+            raise ShapeMismatchError(
+                f"out= tensor {i} is {v.dtype}{list(v.shape)} but the message carries {s.dtype}{list(s.shape)}"
+            )
+        targets.append(_writable(v))
+    return targets
+
+
+def _writable(v: TensorView) -> np.ndarray:
+    if not v.array.flags.c_contiguous:
+        raise ShapeMismatchError("out= buffer must be C-contiguous so bytes can land in it directly")
+    if not v.array.flags.writeable:
+        raise ShapeMismatchError("out= buffer is read-only")
+    return v.array

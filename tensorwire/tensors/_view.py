@@ -1,0 +1,154 @@
+"""One adapter for every tensor type: numpy, torch (CPU), DLPack and the buffer protocol.
+
+``as_view(obj)`` returns a TensorView, a host numpy array over the caller's own memory plus the
+framework it came from, so that a receiver can hand back the same kind of tensor. torch is
+detected through ``sys.modules``: tensorwire never imports torch just to check a type.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import UnsupportedTensorError
+from ._dtypes import DTYPES, dtype_from_name, dtype_name
+
+__all__ = ["TensorView", "as_view", "empty", "is_tensor", "to_framework"]
+
+# torch dtypes that numpy cannot hold natively; moved as same-width integers and re-viewed.
+_TORCH_REVIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorView:
+    """A host tensor as tensorwire sees it: a numpy array over the caller's memory."""
+
+    array: np.ndarray
+    framework: str = "numpy"
+    device: str = "cpu"
+
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self.array.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    @property
+    def contiguous(self) -> bool:
+        return bool(self.array.flags.c_contiguous)
+
+    def wire_array(self) -> tuple[np.ndarray, bool]:
+        """The bytes to put on the wire in C order, and whether a packing copy was needed."""
+        if self.array.flags.c_contiguous:
+            return self.array, False
+        return np.ascontiguousarray(self.array), True
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def is_tensor(obj: object) -> bool:
+    """True for objects ``as_view`` accepts as a tensor leaf (not for plain scalars)."""
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return True
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (bytes, str)):
+        return False
+    if hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"):
+        return True
+    try:
+        memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def _from_torch(t: Any) -> TensorView:
+    torch = _torch()
+    if t.device.type != "cpu":
+        raise UnsupportedTensorError(
+            f"torch tensor on {t.device} cannot be moved by this build yet: only CPU tensors are supported"
+        )
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    name = str(t.dtype).removeprefix("torch.")
+    if name in _TORCH_REVIEW:
+        carrier = getattr(torch, _TORCH_REVIEW[name])
+        arr = t.view(carrier).numpy().view(DTYPES[name])
+    else:
+        try:
+            arr = t.numpy()
+        except TypeError as exc:
+            raise UnsupportedTensorError(f"torch dtype {t.dtype} is not supported") from exc
+    dtype_name(arr.dtype)  # validates
+    return TensorView(arr, "torch")
+
+
+def as_view(obj: object) -> TensorView:
+    """Adapt a tensor-like object; raises UnsupportedTensorError with the reason otherwise."""
+    if isinstance(obj, np.ndarray):
+        arr = obj
+        framework = "numpy"
+    elif isinstance(obj, np.generic):
+        arr = np.asarray(obj)
+        framework = "numpy"
+    else:
+        torch = _torch()
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return _from_torch(obj)
+        if hasattr(obj, "__cuda_array_interface__"):
+            raise UnsupportedTensorError(
+                f"{type(obj).__name__} lives in CUDA memory, which this build cannot move yet"
+            )
+        if hasattr(obj, "__dlpack__"):
+            try:
+                arr = np.from_dlpack(obj)
+            except (BufferError, TypeError, RuntimeError, ValueError) as exc:
+                raise UnsupportedTensorError(
+                    f"{type(obj).__name__} could not be imported through DLPack: {exc}"
+                ) from exc
+            framework = "numpy"
+        else:
+            try:
+                arr = np.asarray(memoryview(obj))  # type: ignore[arg-type]
+            except (TypeError, ValueError) as exc:
+                raise UnsupportedTensorError(
+                    f"{type(obj).__name__} is not a tensor: expected numpy, torch, DLPack or a buffer"
+                ) from exc
+            framework = "numpy"
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder not in "=|" and not arr.dtype.isnative):
+        raise UnsupportedTensorError(f"big-endian dtype {arr.dtype} is not supported; convert to native order")
+    dtype_name(arr.dtype)
+    return TensorView(arr, framework)
+
+
+def to_framework(arr: np.ndarray, framework: str) -> Any:
+    """Hand a received array back as the sender's framework when this process has it loaded."""
+    if framework == "torch":
+        torch = _torch()
+        if torch is not None:
+            name = dtype_name(arr.dtype)
+            if name in _TORCH_REVIEW:
+                carrier = np.dtype(_TORCH_REVIEW[name])
+                return torch.from_numpy(arr.view(carrier)).view(getattr(torch, name))
+            return torch.from_numpy(arr)
+    return arr
+
+
+def empty(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    return np.empty(shape, dtype=dtype_from_name(dtype))

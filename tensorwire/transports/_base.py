@@ -1,0 +1,222 @@
+"""The data-plane contract every transport implements.
+
+A ``Transport`` says what it can do before it is used (``probe()``, no side effects), listens
+and publishes an opaque address blob that the control plane carries without parsing, and opens
+``Channel``s to peers. A ``Channel`` moves tagged messages both ways; matching sends to recvs,
+buffering and backpressure live in the shared ``Mailbox`` so that every transport behaves the same.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..errors import ClosedResourceError
+
+__all__ = [
+    "Capabilities",
+    "Channel",
+    "ChannelState",
+    "Limits",
+    "Receipt",
+    "Session",
+    "Transport",
+    "TransportContext",
+]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a transport can do on this machine, known before it is used."""
+
+    memory_kinds: tuple[str, ...] = ("host",)
+    one_sided: bool = False
+    rdma: bool = False
+    gpudirect: bool = False
+    lanes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds that keep a node's memory and a peer's claims in check.
+
+    recv_buffer_bytes: bytes of messages that arrived before their recv that one peer may
+        have buffered here; past it the sender waits for the recv (rendezvous), never the heap.
+    max_unexpected: messages (headers) one peer may have waiting here for a recv.
+    max_message_bytes: the largest message accepted from a peer.
+    max_header_bytes: the largest message header accepted from a peer.
+    chunk_bytes: payload frame size, so that concurrent messages interleave on one stream.
+    """
+
+    recv_buffer_bytes: int = 64 * MiB
+    max_unexpected: int = 1024
+    max_message_bytes: int = 1 << 40
+    max_header_bytes: int = 1 * MiB
+    chunk_bytes: int = 4 * MiB
+    inline_bytes: int = 64 * 1024
+    handshake_seconds: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """What the control plane agreed for one peer: identity, secret and limits."""
+
+    id: str
+    secret: bytes
+    local_node: str
+    remote_node: str
+    limits: Limits
+
+
+@dataclass(frozen=True, slots=True)
+class TransportContext:
+    """What a node gives each of its transports."""
+
+    node_id: str
+    host: str
+    limits: Limits
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """How one transfer went: which path carried it, how many bytes, how long it took.
+
+    protocol: "eager" (sent without waiting for the recv), "rendezvous" (payload moved once the
+        recv was posted, straight into its buffer) or "inline".
+    direct: bytes went between the caller's buffer and the wire with no copy by tensorwire.
+    staged: bytes passed through a tensorwire buffer (received before the recv was posted).
+    packed: a non-contiguous tensor was packed into C order first.
+    """
+
+    transport: str
+    lanes: tuple[str, ...]
+    nbytes: int
+    seconds: float
+    protocol: str
+    direct: bool
+    staged: bool
+    packed: bool
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class ChannelState(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+    BROKEN = "broken"
+
+
+class Channel(ABC):
+    """A bidirectional data-plane connection to one peer."""
+
+    transport: str
+    lanes: tuple[str, ...]
+
+    def __init__(self) -> None:
+        from ._mailbox import Mailbox
+
+        self.state = ChannelState.OPEN
+        self.mailbox = Mailbox(self)
+        self._on_close: list[Callable[[BaseException | None], Any]] = []
+
+    @abstractmethod
+    async def send(self, tag: int, msg: Any) -> Receipt:
+        """Send one prepared message (tensors.Outgoing) on ``tag``."""
+
+    async def recv(self, tag: int, out: object | None) -> tuple[Any, Receipt]:
+        return await self.mailbox.recv(tag, out)
+
+    @abstractmethod
+    async def pull(self, arrival: Any) -> None:
+        """Move a rendezvous arrival's payload into ``arrival.dest`` (the recv is posted)."""
+
+    @abstractmethod
+    def release(self, arrival: Any) -> None:
+        """The recv consumed ``arrival``: give its buffer credit and slot back to the sender."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close gracefully; idempotent. Pending operations fail with ClosedResourceError."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Close at once without telling the peer."""
+
+    @property
+    def in_flight(self) -> int:
+        return self.mailbox.in_flight
+
+    def check_open(self) -> None:
+        if self.state is not ChannelState.OPEN:
+            exc = self.mailbox.failure
+            if exc is not None:
+                raise exc
+            raise ClosedResourceError(f"{self.transport} channel is {self.state.value}")
+
+    def add_close_callback(self, cb: Callable[[BaseException | None], Any]) -> None:
+        self._on_close.append(cb)
+
+    def _closed(self, state: ChannelState, exc: BaseException) -> None:
+        """Mark the channel closed or broken and fail everything pending with ``exc``."""
+        if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+            return
+        self.state = state
+        self.mailbox.fail(exc)
+        for cb in self._on_close:
+            cb(exc)
+
+    async def __aenter__(self) -> Channel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class Transport(ABC):
+    """A way to move bytes between nodes. One instance per node."""
+
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    extra: ClassVar[str | None] = None  # the pip extra that installs what it needs
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> Capabilities | None:
+        """What this transport can do here, or None if it cannot run. No side effects."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Why ``probe()`` returned None, in words a user can act on."""
+        return f"{cls.name} cannot run on this machine"
+
+    def __init__(self, ctx: TransportContext, capabilities: Capabilities) -> None:
+        self.ctx = ctx
+        self.capabilities = capabilities
+
+    def accepts(self, address: bytes) -> str | None:
+        """None if a peer offering ``address`` is reachable, else why not (cheap, local check)."""
+        return None
+
+    @abstractmethod
+    async def listen(self) -> bytes:
+        """Start accepting data-plane connections; return the opaque address blob."""
+
+    @abstractmethod
+    def expect(self, session: Session) -> Awaitable[Channel]:
+        """Server side: await the peer's data connection for ``session`` (secret checked)."""
+
+    @abstractmethod
+    async def connect(self, address: bytes, session: Session) -> Channel:
+        """Client side: open the data connection for ``session`` to ``address``."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Stop listening and close every channel; idempotent."""

@@ -1,0 +1,108 @@
+"""The staged-TCP wire format: fixed 48-byte frame headers, checked before anything is trusted.
+
+::
+
+    offset size field
+    0      4    magic  b"TWR1"
+    4      1    type   (FrameType)
+    5      1    flags  (RENDEZVOUS = 1)
+    6      2    reserved, zero
+    8      4    meta_len     bytes of metadata after the header (message header, hello, ...)
+    12     8    payload_len  bytes of payload after the metadata
+    20     8    msg_id       sender-chosen message id
+    28     8    arg          MSG: tag (signed); DATA: payload offset; ABORT/CTS: unused
+    36     8    credit       receive-buffer bytes returned to the peer (piggybacked)
+    44     4    slots        message slots returned to the peer (piggybacked)
+
+A connection opens with CHALLENGE (server -> client, 32-byte nonce), HELLO (client: session id,
+HMAC proof of the session secret over the nonce, its limits) and WELCOME (server: its own proof
+and limits). Nothing else is accepted before HELLO is verified.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+from ..errors import ProtocolError
+
+__all__ = ["HEADER", "MAGIC", "FrameHeader", "FrameType", "PeerLimits", "proof"]
+
+MAGIC = b"TWR1"
+HEADER = struct.Struct("<4sBBHIQQqQI")
+assert HEADER.size == 48
+RENDEZVOUS = 1
+NONCE_BYTES = 32
+MAX_SESSION_ID = 128
+LIMITS = struct.Struct("<QIQI")  # recv_buffer_bytes, max_unexpected, max_message_bytes, max_header_bytes
+
+
+class FrameType(enum.IntEnum):
+    CHALLENGE = 1
+    HELLO = 2
+    WELCOME = 3
+    MSG = 4
+    CTS = 5
+    DATA = 6
+    ABORT = 7
+    CREDIT = 8
+    BYE = 9
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    type: FrameType
+    flags: int
+    meta_len: int
+    payload_len: int
+    msg_id: int
+    arg: int
+    credit: int
+    slots: int
+
+    def pack(self) -> bytes:
+        return pack(self.type, self.flags, self.meta_len, self.payload_len, self.msg_id, self.arg, self.credit, self.slots)
+
+
+def pack(
+    ftype: FrameType, flags: int = 0, meta_len: int = 0, payload_len: int = 0,
+    msg_id: int = 0, arg: int = 0, credit: int = 0, slots: int = 0,
+) -> bytes:
+    return HEADER.pack(MAGIC, ftype, flags, 0, meta_len, payload_len, msg_id, arg, credit, slots)
+
+
+def unpack(data: bytes | bytearray | memoryview) -> FrameHeader:
+    """Decode a frame header; ProtocolError on bad magic, unknown type or reserved bits."""
+    magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
+    try:
+        t = FrameType(ftype)
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+    if reserved or flags & ~RENDEZVOUS:
+        raise ProtocolError("reserved frame bits set")
+    return FrameHeader(t, flags, meta_len, payload_len, msg_id, arg, credit, slots)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLimits:
+    recv_buffer_bytes: int
+    max_unexpected: int
+    max_message_bytes: int
+    max_header_bytes: int
+
+    def pack(self) -> bytes:
+        return LIMITS.pack(self.recv_buffer_bytes, self.max_unexpected, self.max_message_bytes, self.max_header_bytes)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> PeerLimits:
+        return cls(*LIMITS.unpack(data))
+
+
+def proof(secret: bytes, nonce: bytes, session_id: bytes, role: bytes) -> bytes:
+    """HMAC-SHA256 over the connection's nonce: proves the secret without sending it."""
+    return hmac.new(secret, b"tensorwire-data-v1|" + role + b"|" + nonce + b"|" + session_id, hashlib.sha256).digest()

@@ -1,0 +1,350 @@
+"""The staged-TCP channel: one full-duplex stream per peer, credit-based flow control.
+
+A message smaller than the credit the receiver granted goes *eager*: header and payload right
+away, landing in the posted recv's buffer or in a bounded buffer here. A larger one goes
+*rendezvous*: the header goes first and the payload follows when the receiver's recv is posted
+(CTS), straight into the recv's ``out=``. Payloads move in ``chunk_bytes`` frames so that
+concurrent messages interleave. Credit and message slots come back piggybacked on any frame, or
+in a CREDIT frame when no traffic flows the other way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from contextlib import suppress
+
+from ...errors import (
+    BrokenResourceError,
+    ClosedResourceError,
+    PeerDisconnected,
+    ProtocolError,
+    TransferError,
+)
+from ...tensors import Outgoing, decode_header
+from .._base import Channel, ChannelState, Limits, Receipt
+from .._frames import RENDEZVOUS, FrameType, PeerLimits, pack
+from .._mailbox import Arrival
+from ._sockio import Buffer, SockIO
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TcpChannel"]
+
+_FLUSH_DELAY = 0.001
+
+
+def _slices(segs: list[memoryview], start: int, end: int) -> list[memoryview]:
+    out = []
+    pos = 0
+    for s in segs:
+        n = len(s)
+        if pos + n > start and pos < end:
+            out.append(s[max(start - pos, 0) : min(end - pos, n)])
+        pos += n
+        if pos >= end:
+            break
+    return out
+
+
+class TcpChannel(Channel):
+    transport = "tcp"
+
+    def __init__(self, io: SockIO, limits: Limits, remote: PeerLimits, *, name: str) -> None:
+        super().__init__()
+        self._io = io
+        self._limits = limits
+        self._remote = remote
+        self.lanes = (f"tcp x1 stream {name}",)
+        self._loop = asyncio.get_running_loop()
+        self._wlock = asyncio.Lock()
+        # what we may still send: the receiver's grants
+        self._send_credit = remote.recv_buffer_bytes
+        self._send_slots = remote.max_unexpected
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._next_id = 1
+        self._cts: dict[int, asyncio.Future[None]] = {}
+        self._sending = 0
+        # what the peer holds of our grants, and what we have to give back
+        self._used_credit = 0
+        self._used_slots = 0
+        self._ret_credit = 0
+        self._ret_slots = 0
+        self._flush: asyncio.TimerHandle | None = None
+        self._aux: set[asyncio.Task[None]] = set()
+        self._incoming: dict[int, Arrival] = {}  # payload being received
+        self._waiting: dict[int, Arrival] = {}  # rendezvous headers waiting for a recv
+        self._reader = self._loop.create_task(self._read_loop(), name=f"tensorwire-tcp-reader {name}")
+
+    def __repr__(self) -> str:
+        return f"<TcpChannel {self.lanes[0]} {self.state.value} in_flight={self.in_flight}>"
+
+    @property
+    def in_flight(self) -> int:
+        return self.mailbox.in_flight + self._sending
+
+    # -- sending ----------------------------------------------------------------------------
+    async def _write(
+        self, ftype: FrameType, *, flags: int = 0, meta: bytes = b"",
+        payload: list[memoryview] | None = None, msg_id: int = 0, arg: int = 0,
+    ) -> None:
+        async with self._wlock:
+            self.check_open()
+            credit, slots = self._ret_credit, self._ret_slots
+            self._ret_credit = self._ret_slots = 0
+            plen = sum(len(p) for p in payload) if payload else 0
+            bufs: list[Buffer] = [pack(ftype, flags, len(meta), plen, msg_id, arg, credit, slots)]
+            if meta:
+                bufs.append(meta)
+            if payload:
+                bufs.extend(payload)
+            try:
+                await self._io.send_all(bufs)
+            except PeerDisconnected as exc:
+                self._shutdown(ChannelState.BROKEN, exc)
+                raise
+
+    async def _take_slot(self) -> None:
+        while self._send_slots <= 0:
+            self.check_open()
+            fut = self._loop.create_future()
+            self._slot_waiters.append(fut)
+            await fut
+        self.check_open()
+        self._send_slots -= 1
+
+    async def send(self, tag: int, msg: Outgoing) -> Receipt:
+        self.check_open()
+        if msg.nbytes > self._remote.max_message_bytes:
+            raise TransferError(f"a {msg.nbytes}-byte message exceeds the peer's {self._remote.max_message_bytes}-byte limit")
+        header = msg.header
+        if len(header) > self._remote.max_header_bytes:
+            raise TransferError(f"message header of {len(header)} bytes exceeds the peer's limit")
+        t0 = time.perf_counter()
+        self._sending += 1
+        try:
+            await self._take_slot()
+            eager = msg.nbytes <= self._send_credit
+            if eager:
+                self._send_credit -= msg.nbytes
+            msg_id = self._next_id
+            self._next_id += 1
+            segs = msg.segments()
+            announced = False
+            try:
+                if eager:
+                    inline = min(msg.nbytes, self._limits.chunk_bytes)
+                    await self._write(FrameType.MSG, meta=header, payload=_slices(segs, 0, inline), msg_id=msg_id, arg=tag)
+                    announced = True
+                    await self._send_data(msg_id, segs, inline, msg.nbytes)
+                else:
+                    cts = self._loop.create_future()
+                    self._cts[msg_id] = cts
+                    try:
+                        await self._write(FrameType.MSG, flags=RENDEZVOUS, meta=header, msg_id=msg_id, arg=tag)
+                        announced = True
+                        await cts
+                    finally:
+                        self._cts.pop(msg_id, None)
+                    await self._send_data(msg_id, segs, 0, msg.nbytes)
+            except asyncio.CancelledError:
+                if announced:
+                    if self.state is ChannelState.OPEN:
+                        with suppress(Exception):
+                            await asyncio.shield(self._write(FrameType.ABORT, msg_id=msg_id))
+                else:
+                    self._send_slots += 1
+                    if eager:
+                        self._send_credit += msg.nbytes
+                raise
+        finally:
+            self._sending -= 1
+        return Receipt(
+            transport=self.transport, lanes=self.lanes, nbytes=msg.nbytes,
+            seconds=time.perf_counter() - t0, protocol="eager" if eager else "rendezvous",
+            direct=not msg.packed, staged=False, packed=msg.packed,
+        )
+
+    async def _send_data(self, msg_id: int, segs: list[memoryview], start: int, end: int) -> None:
+        chunk = self._limits.chunk_bytes
+        for off in range(start, end, chunk):
+            await self._write(FrameType.DATA, payload=_slices(segs, off, min(off + chunk, end)), msg_id=msg_id, arg=off)
+
+    # -- receiving --------------------------------------------------------------------------
+    async def pull(self, arrival: Arrival) -> None:
+        self.check_open()
+        if self._waiting.pop(arrival.msg_id, None) is None:
+            raise TransferError("rendezvous message is no longer pending")
+        self._incoming[arrival.msg_id] = arrival
+        await self._write(FrameType.CTS, msg_id=arrival.msg_id)
+        await asyncio.shield(arrival.done)
+
+    def release(self, arrival: Arrival) -> None:
+        self._used_slots -= 1
+        self._ret_slots += 1
+        if not arrival.rendezvous:
+            self._used_credit -= arrival.nbytes
+            self._ret_credit += arrival.nbytes
+        urgent = self._ret_credit >= self._limits.recv_buffer_bytes // 4 or self._ret_slots >= self._limits.max_unexpected // 4
+        if urgent and self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        if self._flush is None and self.state is ChannelState.OPEN:
+            self._flush = self._loop.call_later(0 if urgent else _FLUSH_DELAY, self._flush_credit)
+
+    def _flush_credit(self) -> None:
+        self._flush = None
+        if (self._ret_credit or self._ret_slots) and self.state is ChannelState.OPEN:
+            task = self._loop.create_task(self._write(FrameType.CREDIT))
+            self._aux.add(task)
+            task.add_done_callback(self._aux_done)
+
+    def _aux_done(self, task: asyncio.Task[None]) -> None:
+        self._aux.discard(task)
+        if not task.cancelled():
+            task.exception()  # failures already broke the channel
+
+    def _grant(self, credit: int, slots: int) -> None:
+        if not (credit or slots):
+            return
+        self._send_credit += credit
+        self._send_slots += slots
+        if self._send_credit > self._remote.recv_buffer_bytes or self._send_slots > self._remote.max_unexpected:
+            raise ProtocolError("peer returned more credit than it granted")
+        while self._slot_waiters:
+            f = self._slot_waiters.popleft()
+            if not f.done():
+                f.set_result(None)
+
+    async def _read_loop(self) -> None:
+        io, limits = self._io, self._limits
+        try:
+            while True:
+                hdr = await io.read_header()
+                self._grant(hdr.credit, hdr.slots)
+                t = hdr.type
+                if t is FrameType.MSG:
+                    if hdr.meta_len > limits.max_header_bytes:
+                        raise ProtocolError(f"message header of {hdr.meta_len} bytes exceeds the {limits.max_header_bytes}-byte limit")
+                    meta = await io.read_exact(hdr.meta_len)
+                    tree, specs = decode_header(meta, max_message_bytes=limits.max_message_bytes)
+                    rndv = bool(hdr.flags & RENDEZVOUS)
+                    arrival = Arrival(self, hdr.arg, tree, specs, msg_id=hdr.msg_id, rendezvous=rndv,
+                                      protocol="rendezvous" if rndv else "eager")
+                    if hdr.payload_len > arrival.nbytes or (rndv and hdr.payload_len):
+                        raise ProtocolError(f"MSG frame carries {hdr.payload_len} payload bytes for a {arrival.nbytes}-byte message")
+                    if hdr.msg_id in self._incoming or hdr.msg_id in self._waiting:
+                        raise ProtocolError(f"duplicate message id {hdr.msg_id}")
+                    self._used_slots += 1
+                    if self._used_slots > limits.max_unexpected:
+                        raise ProtocolError(f"peer sent more than {limits.max_unexpected} messages without credit")
+                    if not rndv:
+                        self._used_credit += arrival.nbytes
+                        if self._used_credit > limits.recv_buffer_bytes:
+                            raise ProtocolError("peer sent an eager message beyond its buffer credit")
+                    self.mailbox.arrive(arrival)
+                    if rndv:
+                        self._waiting[hdr.msg_id] = arrival
+                        continue
+                    if arrival.dest is None:
+                        arrival.allocate()  # size checked against credit above
+                    if hdr.payload_len:
+                        await io.read_into(arrival.view, 0, hdr.payload_len)
+                        arrival.written = hdr.payload_len
+                    if arrival.written == arrival.nbytes:
+                        arrival.complete()
+                    else:
+                        self._incoming[hdr.msg_id] = arrival
+                    continue
+                if hdr.meta_len:
+                    raise ProtocolError(f"{t.name} frame with {hdr.meta_len} metadata bytes")
+                if t is FrameType.DATA:
+                    arrival = self._incoming.get(hdr.msg_id)
+                    if arrival is None:
+                        raise ProtocolError(f"DATA for unknown message {hdr.msg_id}")
+                    if hdr.arg != arrival.written or hdr.payload_len == 0 or arrival.written + hdr.payload_len > arrival.nbytes:
+                        raise ProtocolError(f"DATA at offset {hdr.arg}+{hdr.payload_len} does not continue message {hdr.msg_id}")
+                    await self._read_data(arrival, hdr.payload_len)
+                    continue
+                if hdr.payload_len:
+                    raise ProtocolError(f"{t.name} frame with {hdr.payload_len} payload bytes")
+                if t is FrameType.CTS:
+                    fut = self._cts.get(hdr.msg_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
+                elif t is FrameType.ABORT:
+                    arrival = self._incoming.pop(hdr.msg_id, None) or self._waiting.pop(hdr.msg_id, None)
+                    if arrival is not None:
+                        self.mailbox.abort(arrival)
+                        self.release(arrival)
+                elif t is FrameType.CREDIT:
+                    pass
+                elif t is FrameType.BYE:
+                    self._shutdown(ChannelState.CLOSED, PeerDisconnected("peer closed the channel"))
+                    return
+                else:
+                    raise ProtocolError(f"unexpected {t.name} frame on an open channel")
+        except asyncio.CancelledError:
+            raise
+        except ProtocolError as exc:
+            log.warning("closing tcp channel %s: %s", self.lanes[0], exc)
+            self._shutdown(ChannelState.BROKEN, exc)
+        except PeerDisconnected as exc:
+            self._shutdown(ChannelState.BROKEN, exc)
+        except Exception as exc:  # a bug must not leave recvs hanging
+            log.exception("tcp reader failed")
+            self._shutdown(ChannelState.BROKEN, BrokenResourceError(f"tcp reader failed: {exc!r}"))
+
+    async def _read_data(self, arrival: Arrival, n: int) -> None:
+        start = arrival.written
+        await self._io.read_into(arrival.view, start, n)
+        arrival.written = start + n
+        if arrival.written == arrival.nbytes:
+            del self._incoming[arrival.msg_id]
+            arrival.complete()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def _shutdown(self, state: ChannelState, exc: BaseException) -> None:
+        if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+            return
+        self._closed(state, exc)
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        for fut in [*self._cts.values(), *self._slot_waiters]:
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()
+        self._slot_waiters.clear()
+        for a in [*self._incoming.values(), *self._waiting.values()]:
+            a.fail(exc)
+        self._incoming.clear()
+        self._waiting.clear()
+        if asyncio.current_task() is not self._reader:
+            self._reader.cancel()
+        for t in list(self._aux):
+            t.cancel()
+        self._io.close()
+
+    async def aclose(self) -> None:
+        if self.state is ChannelState.OPEN:
+            self.state = ChannelState.CLOSING
+            try:
+                async with asyncio.timeout(1.0), self._wlock:
+                    await self._io.send_all([pack(FrameType.BYE)])
+            except Exception:  # the peer may already be gone; closing goes on
+                pass
+            finally:
+                self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
+        if asyncio.current_task() is not self._reader:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    def abort(self) -> None:
+        self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
+
+    def check_open(self) -> None:
+        if self.state is ChannelState.CLOSING:
+            raise ClosedResourceError("channel is closing")
+        super().check_open()

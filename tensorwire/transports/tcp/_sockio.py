@@ -1,0 +1,197 @@
+"""Non-blocking socket I/O driven by the asyncio loop, without copying tensor payloads.
+
+asyncio's StreamReader copies every chunk; ``loop.sock_recv_into`` keeps a pending read into a
+buffer the caller may no longer own after a cancellation. This module reads only synchronously,
+right after the selector says the socket is readable, into a view it asks for at that moment:
+so when a recv is cancelled and its buffer swapped out, no later write can land in the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Sequence
+
+from ...errors import PeerDisconnected
+from .._frames import HEADER, FrameHeader, unpack
+
+__all__ = ["SockIO", "finish_uncancelled"]
+
+IOV_MAX = 512
+_BUFSIZE = 256 * 1024
+_SMALL = 64 * 1024
+
+Buffer = bytes | bytearray | memoryview
+
+
+class PeerEOF(PeerDisconnected):
+    """The peer closed its end of the connection."""
+
+
+def _advance(bufs: list[Buffer], n: int) -> list[Buffer]:
+    i = 0
+    while i < len(bufs) and n >= len(bufs[i]):
+        n -= len(bufs[i])
+        i += 1
+    rest = bufs[i:]
+    if n and rest:
+        rest[0] = memoryview(rest[0])[n:]
+    return rest
+
+
+async def finish_uncancelled(task: asyncio.Task[None]) -> None:
+    """Await ``task`` to the end even if we are cancelled meanwhile; then re-raise the cancel."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
+
+
+class SockIO:
+    """One connected non-blocking socket: buffered small reads, zero-copy large ones."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.loop = asyncio.get_running_loop()
+        self._buf = bytearray(_BUFSIZE)
+        self._start = 0
+        self._end = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- waiting ----------------------------------------------------------------------------
+    async def _wait(self, add: Callable[..., None], remove: Callable[[int], bool]) -> None:
+        fut = self.loop.create_future()
+        add(self.fd, _wake, fut)
+        try:
+            await fut
+        finally:
+            remove(self.fd)
+
+    def _readable(self) -> asyncio.Future[None] | object:
+        return self._wait(self.loop.add_reader, self.loop.remove_reader)
+
+    def _writable(self) -> object:
+        return self._wait(self.loop.add_writer, self.loop.remove_writer)
+
+    # -- reading ----------------------------------------------------------------------------
+    @property
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    async def _fill(self) -> None:
+        """Read whatever the socket has into the internal buffer (at least one byte)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < _SMALL:
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start : self._end]
+            self._start, self._end = 0, n
+        while True:
+            try:
+                n = self.sock.recv_into(memoryview(self._buf)[self._end :])
+            except (BlockingIOError, InterruptedError):
+                await self._readable()  # type: ignore[misc]
+                continue
+            except OSError as exc:
+                raise PeerEOF(f"connection failed: {exc}") from exc
+            if n == 0:
+                raise PeerEOF("peer closed the connection")
+            self._end += n
+            return
+
+    async def read_header(self) -> FrameHeader:
+        while self._end - self._start < HEADER.size:
+            await self._fill()
+        hdr = unpack(memoryview(self._buf)[self._start : self._start + HEADER.size])
+        self._start += HEADER.size
+        return hdr
+
+    async def read_exact(self, n: int) -> bytes:
+        """Read ``n`` bytes; callers check ``n`` against their limits first."""
+        if n <= len(self._buf) - _SMALL:
+            while self._end - self._start < n:
+                await self._fill()
+            data = bytes(self._buf[self._start : self._start + n])
+            self._start += n
+            return data
+        out = bytearray(n)
+        await self.read_into(lambda off, k: memoryview(out)[off : off + k], 0, n)
+        return bytes(out)
+
+    async def read_into(self, view: Callable[[int, int], memoryview], offset: int, n: int) -> None:
+        """Read ``n`` bytes into ``view(offset, k)``, asking for the view anew before each write."""
+        end = offset + n
+        while offset < end:
+            remaining = end - offset
+            if self._end > self._start:
+                k = min(remaining, self._end - self._start)
+                dst = view(offset, k)
+                k = len(dst)
+                dst[:] = memoryview(self._buf)[self._start : self._start + k]
+                self._start += k
+                offset += k
+                continue
+            if remaining < _SMALL:
+                await self._fill()
+                continue
+            dst = view(offset, remaining)
+            try:
+                k = self.sock.recv_into(dst)
+            except (BlockingIOError, InterruptedError):
+                await self._readable()  # type: ignore[misc]
+                continue
+            except OSError as exc:
+                raise PeerEOF(f"connection failed: {exc}") from exc
+            if k == 0:
+                raise PeerEOF("peer closed the connection mid-message")
+            offset += k
+
+    # -- writing ----------------------------------------------------------------------------
+    def _send_now(self, bufs: list[Buffer]) -> list[Buffer]:
+        while bufs:
+            try:
+                n = self.sock.sendmsg(bufs[:IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                return bufs
+            except OSError as exc:
+                raise PeerEOF(f"connection failed: {exc}") from exc
+            bufs = _advance(bufs, n)
+        return bufs
+
+    async def _send_rest(self, bufs: list[Buffer]) -> None:
+        while bufs:
+            await self._writable()  # type: ignore[misc]
+            bufs = self._send_now(bufs)
+
+    async def send_all(self, bufs: Sequence[Buffer]) -> None:
+        """Write a whole frame. Once started it is finished even if the caller is cancelled,
+        so the stream never holds half a frame; the cancellation is re-raised afterwards."""
+        rest = self._send_now([b for b in bufs if len(b)])
+        if not rest:
+            return
+        task = self.loop.create_task(self._send_rest(rest))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await finish_uncancelled(task)
+
+    def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        try:
+            self.loop.remove_reader(self.fd)
+            self.loop.remove_writer(self.fd)
+        except (ValueError, OSError):
+            pass
+        self.sock.close()
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

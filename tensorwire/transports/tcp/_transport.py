@@ -1,0 +1,194 @@
+"""The staged-TCP transport: always available, authenticated by the session secret."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import socket
+from collections.abc import Awaitable
+
+from ...errors import ConnectError, PeerDisconnected, ProtocolError
+from .._base import Capabilities, Channel, Session, Transport, TransportContext
+from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, FrameType, PeerLimits, pack, proof
+from ._channel import TcpChannel
+from ._sockio import SockIO
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TcpTransport"]
+
+
+def _split(address: bytes) -> tuple[str, int]:
+    try:
+        host, _, port = address.decode().rpartition(":")
+        return host.strip("[]"), int(port)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConnectError(f"malformed tcp address {address[:64]!r}") from exc
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    @classmethod
+    def probe(cls) -> Capabilities | None:
+        return Capabilities(memory_kinds=("host",), one_sided=False, rdma=False, lanes=("tcp",))
+
+    def __init__(self, ctx: TransportContext, capabilities: Capabilities) -> None:
+        super().__init__(ctx, capabilities)
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._pending: dict[str, tuple[Session, asyncio.Future[Channel]]] = {}
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._channels: set[TcpChannel] = set()
+        self._closed = False
+
+    @property
+    def _peer_limits(self) -> PeerLimits:
+        lim = self.ctx.limits
+        return PeerLimits(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes)
+
+    async def listen(self) -> bytes:
+        host = self.ctx.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop(), name="tensorwire-tcp-accept")
+        port = sock.getsockname()[1]
+        return f"[{host}]:{port}".encode() if family == socket.AF_INET6 else f"{host}:{port}".encode()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. EMFILE: keep serving after a pause
+                log.warning("tcp accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._handshake_server(conn, addr))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    def expect(self, session: Session) -> Awaitable[Channel]:
+        fut: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
+        self._pending[session.id] = (session, fut)
+
+        def forget(_: object) -> None:
+            entry = self._pending.get(session.id)
+            if entry is not None and entry[1] is fut:
+                del self._pending[session.id]
+
+        fut.add_done_callback(forget)
+        return fut
+
+    async def _handshake_server(self, conn: socket.socket, addr: object) -> None:
+        _tune(conn)
+        io = SockIO(conn)
+        who = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        try:
+            async with asyncio.timeout(self.ctx.limits.handshake_seconds):
+                nonce = os.urandom(NONCE_BYTES)
+                await io.send_all([pack(FrameType.CHALLENGE, payload_len=NONCE_BYTES), nonce])
+                hdr = await io.read_header()
+                lo = NONCE_BYTES + LIMITS.size
+                if hdr.type is not FrameType.HELLO or hdr.payload_len or not lo < hdr.meta_len <= lo + MAX_SESSION_ID:
+                    raise ProtocolError(f"expected HELLO, got {hdr.type.name} with {hdr.meta_len}+{hdr.payload_len} bytes")
+                meta = await io.read_exact(hdr.meta_len)
+                sid = meta[lo:]
+                entry = self._pending.get(sid.decode("utf-8", "replace"))
+                if entry is None:
+                    raise ProtocolError("unknown or already used session id")
+                session, fut = entry
+                if not hmac.compare_digest(meta[:NONCE_BYTES], proof(session.secret, nonce, sid, b"client")):
+                    raise ProtocolError("wrong session secret")
+                if fut.done():
+                    raise ProtocolError("session no longer pending")
+                remote = PeerLimits.unpack(meta[NONCE_BYTES:lo])
+                reply = proof(session.secret, nonce, sid, b"server") + self._peer_limits.pack()
+                await io.send_all([pack(FrameType.WELCOME, meta_len=len(reply)), reply])
+        except (ProtocolError, PeerDisconnected, TimeoutError, OSError) as exc:
+            log.warning("dropped tcp data connection from %s: %s", who, exc or type(exc).__name__)
+            io.close()
+            return
+        except BaseException:
+            io.close()
+            raise
+        channel = TcpChannel(io, self.ctx.limits, remote, name=f"{who}")
+        self._track(channel)
+        if fut.done():
+            await channel.aclose()
+        else:
+            fut.set_result(channel)
+
+    def _track(self, channel: TcpChannel) -> None:
+        self._channels.add(channel)
+        channel.add_close_callback(lambda _exc: self._channels.discard(channel))
+
+    async def connect(self, address: bytes, session: Session) -> Channel:
+        host, port = _split(address)
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        io: SockIO | None = None
+        try:
+            async with asyncio.timeout(self.ctx.limits.handshake_seconds):
+                await loop.sock_connect(sock, (host, port))
+                _tune(sock)
+                io = SockIO(sock)
+                hdr = await io.read_header()
+                if hdr.type is not FrameType.CHALLENGE or hdr.payload_len != NONCE_BYTES or hdr.meta_len:
+                    raise ProtocolError(f"expected CHALLENGE, got {hdr.type.name}")
+                nonce = await io.read_exact(NONCE_BYTES)
+                sid = session.id.encode()
+                hello = proof(session.secret, nonce, sid, b"client") + self._peer_limits.pack() + sid
+                await io.send_all([pack(FrameType.HELLO, meta_len=len(hello)), hello])
+                hdr = await io.read_header()
+                if hdr.type is not FrameType.WELCOME or hdr.meta_len != NONCE_BYTES + LIMITS.size or hdr.payload_len:
+                    raise ProtocolError(f"expected WELCOME, got {hdr.type.name}")
+                meta = await io.read_exact(hdr.meta_len)
+                if not hmac.compare_digest(meta[:NONCE_BYTES], proof(session.secret, nonce, sid, b"server")):
+                    raise ProtocolError("server did not prove the session secret")
+                remote = PeerLimits.unpack(meta[NONCE_BYTES:])
+        except (ProtocolError, PeerDisconnected, TimeoutError, OSError) as exc:
+            if io is not None:
+                io.close()
+            else:
+                sock.close()
+            raise ConnectError(f"tcp data connection to {host}:{port} failed: {exc or type(exc).__name__}") from exc
+        except BaseException:
+            if io is not None:
+                io.close()
+            else:
+                sock.close()
+            raise
+        channel = TcpChannel(io, self.ctx.limits, remote, name=f"{host}:{port}")
+        self._track(channel)
+        return channel
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for t in list(self._handshakes):
+            t.cancel()
+        for _, fut in list(self._pending.values()):
+            fut.cancel()
+        await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
+        tasks = [t for t in (self._accepting, *self._handshakes) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
