@@ -84,9 +84,9 @@ class Arrival:
         old = self.dest
         self.allocate()
         assert self.dest is not None
-        if self.written:
-            for src, dst in zip(old, self.dest, strict=True):
-                np.copyto(dst, src)
+        # a transport may be part way through a chunk, so ``written`` can lag: copy it all
+        for src, dst in zip(old, self.dest, strict=True):
+            np.copyto(dst, src)
 
     def view(self, offset: int, n: int) -> memoryview:
         """A writable byte view of the payload at ``offset``, at most ``n`` bytes long."""

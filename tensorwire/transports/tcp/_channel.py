@@ -178,7 +178,9 @@ class TcpChannel(Channel):
         if self._waiting.pop(arrival.msg_id, None) is None:
             raise TransferError("rendezvous message is no longer pending")
         self._incoming[arrival.msg_id] = arrival
-        await self._write(FrameType.CTS, msg_id=arrival.msg_id)
+        # once the message is ours the CTS must go out even if this recv is cancelled: the
+        # payload then lands in a buffer of our own and the message is requeued, not lost
+        await asyncio.shield(self._write(FrameType.CTS, msg_id=arrival.msg_id))
         await asyncio.shield(arrival.done)
 
     def release(self, arrival: Arrival) -> None:

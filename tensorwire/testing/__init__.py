@@ -1,0 +1,17 @@
+"""Conformance checks every transport must pass, usable from any test suite.
+
+    from tensorwire.testing import CHECKS, connected_pair
+
+    @pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())
+    async def test_conformance(check):
+        async with connected_pair("tcp") as (a, b):
+            await check(a, b)
+
+A check takes two connected peers (``a`` connected to ``b``) and raises AssertionError (or an
+error from the tree) when the transport breaks the contract. Some checks need tight limits; they
+carry them in ``LIMITS`` and ``connected_pair`` applies them.
+"""
+
+from ._conformance import CHECKS, LIMITS, connected_pair
+
+__all__ = ["CHECKS", "LIMITS", "connected_pair"]

@@ -1,0 +1,364 @@
+"""The conformance suite: one set of behaviours, checked over every transport."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from .._node import start
+from .._peer import Peer
+from ..errors import ClosedResourceError, PeerDisconnected, ShapeMismatchError, TensorWireError
+from ..tensors import DTYPES
+from ..transports import Limits
+
+__all__ = ["CHECKS", "LIMITS", "connected_pair"]
+
+Check = Callable[[Peer, Peer], Awaitable[None]]
+CHECKS: dict[str, Check] = {}
+LIMITS: dict[str, Limits] = {}
+MiB = 1 << 20
+
+
+def _check(limits: Limits | None = None) -> Callable[[Check], Check]:
+    def register(fn: Check) -> Check:
+        name = fn.__name__.removeprefix("check_")
+        CHECKS[name] = fn
+        if limits is not None:
+            LIMITS[name] = limits
+        return fn
+
+    return register
+
+
+@contextlib.asynccontextmanager
+async def connected_pair(transport: str, *, limits: Limits | None = None, check: str | None = None,
+                         **options: Any) -> AsyncIterator[tuple[Peer, Peer]]:
+    """Two nodes on loopback restricted to ``transport``, and the peers that join them."""
+    lim = limits or (LIMITS.get(check) if check else None) or Limits()
+    async with start("127.0.0.1:0", transports=(transport,), limits=lim, **options) as na, \
+            start("127.0.0.1:0", transports=(transport,), limits=lim, **options) as nb:
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        assert a.path.transport == transport, a.path
+        assert b.path.transport == transport, b.path
+        yield a, b
+
+
+def _rand(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Random bits of any dtype (NaN patterns included), so equality is checked bytewise."""
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = rng.integers(0, 256, size=n, dtype=np.uint8)
+    if dtype == np.bool_:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def _same(x: Any, y: Any) -> bool:
+    if isinstance(x, np.ndarray):
+        return (
+            isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape
+            and np.array_equal(np.ascontiguousarray(x).view(np.uint8), np.ascontiguousarray(y).view(np.uint8))
+        )
+    if isinstance(x, dict):
+        return isinstance(y, dict) and list(x) == list(y) and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y, strict=True))
+    return type(x) is type(y) and x == y
+
+
+@_check()
+async def check_every_dtype(a: Peer, b: Peer) -> None:
+    rng = np.random.default_rng(1)
+    for name, dt in DTYPES.items():
+        x = _rand(rng, dt, (3, 5))
+        await a.send(x, tag=name)
+        y = await b.recv(tag=name)
+        assert _same(x, y), f"{name} changed in transit"
+
+
+@_check()
+async def check_empty_and_zero_d(a: Peer, b: Peer) -> None:
+    for shape in [(), (0,), (3, 0, 2), (1,)]:
+        x = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape)
+        await a.send(x)
+        y = await b.recv()
+        assert _same(x, y), shape
+    await a.send({})
+    assert await b.recv() == {}
+    await a.send([])
+    assert await b.recv() == []
+
+
+@_check()
+async def check_pytrees_and_scalars(a: Peer, b: Peer) -> None:
+    rng = np.random.default_rng(2)
+    tree = {
+        "x": _rand(rng, np.dtype(np.float32), (4, 4)),
+        "nested": [(_rand(rng, np.dtype(np.int64), (2,)), None), {"deep": {"er": [1, 2.5, True]}}],
+        "scalars": (None, False, -7, 2**70, 3.25, "text", b"\x00bytes"),
+        3: "int key",
+    }
+    await a.send(tree, tag="tree")
+    got = await b.recv(tag="tree")
+    assert _same(tree, got), got
+    await a.send(42)
+    assert await b.recv() == 42
+
+
+@_check()
+async def check_both_directions(a: Peer, b: Peer) -> None:
+    x, y = np.arange(1000, dtype=np.int32), np.arange(2000, dtype=np.int16)
+    # both sides send first, then receive: must not deadlock while under the buffer limit
+    await asyncio.gather(a.send(x, tag=1), b.send(y, tag=1))
+    gx, gy = await asyncio.gather(b.recv(tag=1), a.recv(tag=1))
+    assert _same(x, gx)
+    assert _same(y, gy)
+
+
+@_check()
+async def check_non_contiguous(a: Peer, b: Peer) -> None:
+    base = np.arange(64 * 48, dtype=np.float64).reshape(64, 48)
+    for x in (base.T, base[::3, 5:40:2], base[::-1], np.broadcast_to(np.arange(4.0), (5, 4))):
+        r = await a.send(x)
+        assert r.packed
+        y = await b.recv()
+        assert y.flags.c_contiguous
+        assert np.array_equal(x, y)
+
+
+@_check()
+async def check_out_receive(a: Peer, b: Peer) -> None:
+    x = np.arange(10_000, dtype=np.float32)
+    out = np.zeros_like(x)
+    task = asyncio.ensure_future(b.recv_with_receipt(tag="o", out=out))
+    await asyncio.sleep(0.01)  # posted before the message arrives: lands in out directly
+    await a.send(x, tag="o")
+    got, receipt = await task
+    assert got is out
+    assert np.array_equal(out, x)
+    assert receipt.direct and not receipt.staged
+    # arrives before its recv: buffered, then copied into out and reported as staged
+    await a.send(x * 2, tag="o")
+    await asyncio.sleep(0.01)
+    got, receipt = await b.recv_with_receipt(tag="o", out=out)
+    assert np.array_equal(out, x * 2)
+    tree_out = {"a": np.empty(3, np.int8), "b": [np.empty((2, 2), np.float64)]}
+    await a.send({"a": np.arange(3, dtype=np.int8), "b": [np.eye(2)]}, tag="t")
+    got = await b.recv(tag="t", out=tree_out)
+    assert got is tree_out
+    assert np.array_equal(tree_out["b"][0], np.eye(2))
+
+
+@_check()
+async def check_out_mismatch_keeps_message(a: Peer, b: Peer) -> None:
+    x = np.arange(12, dtype=np.int32).reshape(3, 4)
+    await a.send(x, tag="m")
+    await asyncio.sleep(0.01)
+    for bad in (np.empty((4, 3), np.int32), np.empty((3, 4), np.int64), np.empty((3, 4), np.int32)[:, ::2]):
+        try:
+            await b.recv(tag="m", out=bad)
+        except ShapeMismatchError:
+            pass
+        else:
+            raise AssertionError(f"out={bad.dtype}{bad.shape} was accepted")
+    assert _same(x, await b.recv(tag="m"))  # nothing lost
+    # a posted recv with a bad out= fails when the message arrives; the message stays
+    task = asyncio.ensure_future(b.recv(tag="m", out=np.empty(5, np.int32)))
+    await asyncio.sleep(0.01)
+    await a.send(x, tag="m")
+    try:
+        await asyncio.wait_for(task, 5)
+    except ShapeMismatchError:
+        pass
+    else:
+        raise AssertionError("posted recv with a mismatched out= succeeded")
+    assert _same(x, await b.recv(tag="m"))
+
+
+@_check()
+async def check_tag_ordering(a: Peer, b: Peer) -> None:
+    for i in range(50):
+        await a.send(np.array([i]), tag="even" if i % 2 == 0 else "odd")
+    odd = [int((await b.recv(tag="odd"))[0]) for _ in range(25)]
+    even = [int((await b.recv(tag="even"))[0]) for _ in range(25)]
+    assert odd == list(range(1, 50, 2))
+    assert even == list(range(0, 50, 2))
+
+
+@_check()
+async def check_many_concurrent_tags(a: Peer, b: Peer) -> None:
+    ntags, per_tag = 24, 6
+
+    async def sender(t: int) -> None:
+        for i in range(per_tag):
+            await a.send(np.full(100 + t, t * 1000 + i, dtype=np.int64), tag=t)
+
+    async def receiver(t: int) -> list[int]:
+        return [int((await b.recv(tag=t))[0]) for _ in range(per_tag)]
+
+    results = await asyncio.gather(*[receiver(t) for t in reversed(range(ntags))],
+                                   *[sender(t) for t in range(ntags)])
+    for t, got in zip(reversed(range(ntags)), results[:ntags], strict=True):
+        assert got == [t * 1000 + i for i in range(per_tag)], (t, got)
+
+
+@_check()
+async def check_large_message_rendezvous(a: Peer, b: Peer) -> None:
+    x = np.random.default_rng(3).integers(0, 2**31, size=(24 * MiB) // 4, dtype=np.int32)
+    out = np.empty_like(x)
+    recv = asyncio.ensure_future(b.recv_with_receipt(tag="big", out=out))
+    r = await a.send(x, tag="big")
+    _, rr = await recv
+    assert np.array_equal(out, x)
+    assert r.protocol == "rendezvous", r  # larger than the 16 MiB buffer credit below
+    assert rr.direct
+    # unexpected large message: sender waits for the recv, then bytes land in place
+    send = asyncio.ensure_future(a.send(x[::-1], tag="big"))
+    await asyncio.sleep(0.05)
+    assert not send.done(), "a message beyond the buffer limit must wait for its recv"
+    got = await b.recv(tag="big")
+    await send
+    assert np.array_equal(got, x[::-1])
+
+
+LIMITS["large_message_rendezvous"] = Limits(recv_buffer_bytes=16 * MiB)
+
+
+@_check(Limits(recv_buffer_bytes=1 * MiB, max_unexpected=4))
+async def check_backpressure(a: Peer, b: Peer) -> None:
+    small = np.arange(1000, dtype=np.uint8)
+    for _ in range(4):
+        await asyncio.wait_for(a.send(small, tag="bp"), 5)
+    blocked = asyncio.ensure_future(a.send(small, tag="bp"))
+    await asyncio.sleep(0.05)
+    assert not blocked.done(), "sender was not held back past max_unexpected"
+    assert _same(small, await b.recv(tag="bp"))
+    await asyncio.wait_for(blocked, 5)  # one slot freed, the held-back send completes
+    for _ in range(4):
+        assert _same(small, await b.recv(tag="bp"))
+    # bytes: eager messages fit the credit, past it the sender waits for the recv
+    chunk = np.ones(400 * 1024, np.uint8)
+    for _ in range(2):
+        r = await asyncio.wait_for(a.send(chunk, tag="bytes"), 5)
+        assert r.protocol == "eager"
+    third = asyncio.ensure_future(a.send(chunk, tag="bytes"))
+    await asyncio.sleep(0.05)
+    assert not third.done(), "sender was not held back past recv_buffer_bytes"
+    for _ in range(3):
+        assert _same(chunk, await asyncio.wait_for(b.recv(tag="bytes"), 5))
+    assert (await third).protocol == "rendezvous"
+
+
+@_check()
+async def check_cancelled_recv_loses_nothing(a: Peer, b: Peer) -> None:
+    # a recv cancelled before anything arrives leaves no trace
+    waiting = asyncio.ensure_future(b.recv(tag="c"))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    x = np.random.default_rng(4).integers(0, 255, size=32 * MiB, dtype=np.uint8)
+    for delay in (0.0, 0.002, 0.01, 0.03):
+        out = np.zeros_like(x)
+        recv = asyncio.ensure_future(b.recv(tag="c", out=out))
+        send = asyncio.ensure_future(a.send(x, tag="c"))
+        await asyncio.sleep(delay)
+        recv.cancel()
+        try:
+            await recv
+        except asyncio.CancelledError:
+            snapshot = out.copy()
+            await send
+            await asyncio.sleep(0.02)
+            assert np.array_equal(out, snapshot), "out= was written after its recv was cancelled"
+            assert _same(x, await asyncio.wait_for(b.recv(tag="c"), 10)), "message lost or corrupted after cancel"
+        else:  # the recv finished before the cancel reached it
+            await send
+            assert np.array_equal(out, x)
+
+
+@_check()
+async def check_cancelled_send(a: Peer, b: Peer) -> None:
+    x = np.full(48 * MiB, 7, np.uint8)
+    y = np.full(1000, 9, np.uint8)
+    recv = asyncio.ensure_future(b.recv(tag="s"))
+    send = asyncio.ensure_future(a.send(x, tag="s"))
+    await asyncio.sleep(0.005)
+    send.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await send
+    await a.send(y, tag="s")
+    first = await asyncio.wait_for(recv, 10)
+    # the cancelled message either arrived whole (cancel came too late) or not at all
+    if _same(first, x):
+        first = await asyncio.wait_for(b.recv(tag="s"), 10)
+    assert _same(first, y), "a cancelled send left a partial or corrupt message"
+
+
+@_check()
+async def check_close_fails_pending(a: Peer, b: Peer) -> None:
+    await a.send(np.arange(5), tag="before-close")
+    await asyncio.sleep(0.01)
+    pending = asyncio.ensure_future(a.recv(tag="never"))
+    await asyncio.sleep(0.01)
+    await b.aclose()
+    await b.aclose()  # idempotent
+    try:
+        await asyncio.wait_for(pending, 5)
+    except PeerDisconnected:
+        pass
+    else:
+        raise AssertionError("pending recv did not fail when the peer closed")
+    try:
+        await b.send(np.arange(3))
+    except ClosedResourceError:
+        pass
+    else:
+        raise AssertionError("send on a closed peer succeeded")
+    try:
+        await a.send(np.arange(3))
+    except TensorWireError:
+        pass
+    else:
+        raise AssertionError("send to a closed peer succeeded")
+    assert a.closed and b.closed
+
+
+@_check()
+async def check_close_mid_transfer(a: Peer, b: Peer) -> None:
+    x = np.ones(128 * MiB, np.uint8)
+    recv = asyncio.ensure_future(b.recv(tag="big"))
+    send = asyncio.ensure_future(a.send(x, tag="big"))
+    await asyncio.sleep(0.01)
+    await b.aclose()
+    results = await asyncio.wait_for(asyncio.gather(send, recv, return_exceptions=True), 10)
+    assert isinstance(results[1], (ClosedResourceError, np.ndarray)), results[1]
+    assert results[0] is None or isinstance(results[0], (TensorWireError, object)), results[0]
+    # after the close, nothing hangs and both sides report it
+    try:
+        await asyncio.wait_for(a.recv(tag="x"), 5)
+    except TensorWireError:
+        pass
+    else:
+        raise AssertionError("recv after the peer closed did not fail")
+
+
+@_check()
+async def check_delivered_before_close_is_kept(a: Peer, b: Peer) -> None:
+    for i in range(3):
+        await b.send(np.array([i]), tag="k")
+    await asyncio.sleep(0.05)
+    await b.aclose()
+    await asyncio.sleep(0.05)
+    for i in range(3):
+        assert int((await asyncio.wait_for(a.recv(tag="k"), 5))[0]) == i
+    try:
+        await asyncio.wait_for(a.recv(tag="k"), 5)
+    except PeerDisconnected:
+        pass
+    else:
+        raise AssertionError("recv after the buffered messages did not report the disconnect")
