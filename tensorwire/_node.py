@@ -77,7 +77,10 @@ class Node:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "serving"
-        return f"<Node {self.node_id[:12]} at {self.address} {state} transports={list(self.offers)} peers={len(self.peers)}>"
+        return (
+            f"<Node {self.node_id[:12]} at {self.address} {state} "
+            f"transports={list(self.offers)} peers={len(self.peers)}>"
+        )
 
     async def _start(self) -> Node:
         usable, self.unusable = probe_all(self.config.transports)
@@ -107,7 +110,9 @@ class Node:
         caps = self.offers[choice.name].capabilities
         return Path(choice.name, channel.lanes, caps.rdma, caps.gpudirect, caps.memory_kinds, choice.passed_over)
 
-    def _expect_peer(self, choice: Choice, session_id: str, secret: bytes, remote_node: str, *, remote_addr: str) -> None:
+    def _expect_peer(
+        self, choice: Choice, session_id: str, secret: bytes, remote_node: str, *, remote_addr: str
+    ) -> None:
         session = Session(session_id, secret, self.node_id, remote_node, self.config.limits)
         pending = self.transports[choice.name].expect(session)
 
@@ -122,7 +127,9 @@ class Node:
                 return
             except asyncio.CancelledError:
                 return
-            peer = Peer(self, channel, remote_node=remote_node, remote_address=remote_addr, path=self._path(choice, channel))
+            peer = Peer(
+                self, channel, remote_node=remote_node, remote_address=remote_addr, path=self._path(choice, channel)
+            )
             self.peers.append(peer)
             self._incoming.put_nowait(peer)
 
@@ -132,7 +139,11 @@ class Node:
 
     # -- public API -----------------------------------------------------------------------------
     async def connect(
-        self, address: str, *, require: str = "any", transports: tuple[str, ...] | list[str] | None = None,
+        self,
+        address: str,
+        *,
+        require: str = "any",
+        transports: tuple[str, ...] | list[str] | None = None,
         connect_timeout: float | None = None,
     ) -> Peer:
         """Handshake with the node at ``address`` and open the negotiated data path.
@@ -150,8 +161,11 @@ class Node:
         if require != "any":
             self._precheck(require, preference)
         request = control_pb2.HandshakeRequest(
-            node_id=self.node_id, protocol_version=PROTOCOL_VERSION, auth_token=self.config.auth_token or "",
-            preference=list(preference), require=require,
+            node_id=self.node_id,
+            protocol_version=PROTOCOL_VERSION,
+            auth_token=self.config.auth_token or "",
+            preference=list(preference),
+            require=require,
         )
         for offer in self.offers.values():
             request.offers.append(offer_to_pb(offer))
@@ -165,7 +179,9 @@ class Node:
                 transport = self.transports.get(chosen.name)
                 if transport is None:
                     raise NegotiationError(f"{address} chose {chosen.name!r}, which this node does not offer")
-                session = Session(resp.session_id, resp.session_secret, self.node_id, resp.server_node_id, self.config.limits)
+                session = Session(
+                    resp.session_id, resp.session_secret, self.node_id, resp.server_node_id, self.config.limits
+                )
                 channel = await transport.connect(chosen.address, session)
         except TimeoutError as exc:
             await client.aclose()
@@ -174,8 +190,14 @@ class Node:
             await client.aclose()
             raise
         choice = Choice(chosen.name, tuple((p.name, p.reason) for p in resp.passed_over))
-        peer = Peer(self, channel, remote_node=resp.server_node_id, remote_address=address,
-                    path=self._path(choice, channel), control=client)
+        peer = Peer(
+            self,
+            channel,
+            remote_node=resp.server_node_id,
+            remote_address=address,
+            path=self._path(choice, channel),
+            control=client,
+        )
         self.peers.append(peer)
         log.info("connected to %s: %s", address, peer.path)
         return peer

@@ -44,7 +44,13 @@ class Peer:
     """
 
     def __init__(
-        self, node: Node, channel: Channel, *, remote_node: str, remote_address: str, path: Path,
+        self,
+        node: Node,
+        channel: Channel,
+        *,
+        remote_node: str,
+        remote_address: str,
+        path: Path,
         control: ControlClient | None = None,
     ) -> None:
         self.node = node

@@ -4,4 +4,13 @@ from ._client import ControlClient
 from ._negotiate import REQUIRE, Choice, Offer, check_require, choose
 from ._server import PROTOCOL_VERSION, ControlServer
 
-__all__ = ["PROTOCOL_VERSION", "REQUIRE", "Choice", "ControlClient", "ControlServer", "Offer", "check_require", "choose"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "REQUIRE",
+    "Choice",
+    "ControlClient",
+    "ControlServer",
+    "Offer",
+    "check_require",
+    "choose",
+]

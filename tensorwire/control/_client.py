@@ -32,18 +32,20 @@ class ControlClient:
     def __init__(self, target: str) -> None:
         self.target = target
         self._channel = grpc.aio.insecure_channel(target)
-        self._stub = control_pb2_grpc.ControlStub(self._channel)
+        self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
 
-    async def handshake(self, request: control_pb2.HandshakeRequest, timeout: float) -> control_pb2.HandshakeResponse:
+    async def handshake(self, request: control_pb2.HandshakeRequest, deadline: float) -> control_pb2.HandshakeResponse:
         try:
-            resp: control_pb2.HandshakeResponse = await self._stub.Handshake(request, timeout=timeout, wait_for_ready=True)
+            resp: control_pb2.HandshakeResponse = await self._stub.Handshake(
+                request, timeout=deadline, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as exc:
             raise map_rpc_error(exc, self.target) from exc
         return resp
 
-    async def node_info(self, timeout: float) -> control_pb2.NodeInfo:
+    async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
         try:
-            info: control_pb2.NodeInfo = await self._stub.GetNodeInfo(control_pb2.NodeInfoRequest(), timeout=timeout)
+            info: control_pb2.NodeInfo = await self._stub.GetNodeInfo(control_pb2.NodeInfoRequest(), timeout=deadline)
         except grpc.aio.AioRpcError as exc:
             raise map_rpc_error(exc, self.target) from exc
         return info

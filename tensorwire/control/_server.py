@@ -45,15 +45,24 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             )
         token = node.config.auth_token
         if token is not None and not hmac.compare_digest(request.auth_token.encode(), token.encode()):
-            log.warning("handshake from %s refused: %s auth token", peer, "missing" if not request.auth_token else "wrong")
+            log.warning(
+                "handshake from %s refused: %s auth token", peer, "missing" if not request.auth_token else "wrong"
+            )
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
         remote = {o.name: offer_from_pb(o) for o in request.offers}
         remote_unusable = {u.name: u.reason for u in request.unavailable}
         preference = list(request.preference) or list(node.config.transports)
         try:
             choice = choose(
-                preference, node.offers, remote, node.unusable, remote_unusable, request.require or "any",
-                node.reachable, local_name=f"server {node.node_id}", remote_name=f"client {request.node_id or '?'}",
+                preference,
+                node.offers,
+                remote,
+                node.unusable,
+                remote_unusable,
+                request.require or "any",
+                node.reachable,
+                local_name=f"server {node.node_id[:8]}",
+                remote_name=f"client {request.node_id[:8] or '?'}",
             )
         except (NegotiationError, ConfigurationError) as exc:
             log.info("handshake from %s: %s", peer, exc)
@@ -62,8 +71,11 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         secret = os.urandom(32)
         node._expect_peer(choice, session_id, secret, request.node_id, remote_addr=peer)
         resp = control_pb2.HandshakeResponse(
-            session_id=session_id, session_secret=secret, server_node_id=node.node_id,
-            protocol_version=PROTOCOL_VERSION, chosen=offer_to_pb(node.offers[choice.name]),
+            session_id=session_id,
+            session_secret=secret,
+            server_node_id=node.node_id,
+            protocol_version=PROTOCOL_VERSION,
+            chosen=offer_to_pb(node.offers[choice.name]),
         )
         for name, reason in choice.passed_over:
             resp.passed_over.add(name=name, reason=reason)
@@ -74,7 +86,9 @@ class _Servicer(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.NodeInfo:
         node = self.node
         info = control_pb2.NodeInfo(
-            node_id=node.node_id, protocol_version=PROTOCOL_VERSION, preference=list(node.config.transports),
+            node_id=node.node_id,
+            protocol_version=PROTOCOL_VERSION,
+            preference=list(node.config.transports),
             auth_required=node.config.auth_token is not None,
         )
         for offer in node.offers.values():
@@ -89,7 +103,7 @@ class ControlServer:
 
     def __init__(self, node: Node) -> None:
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        control_pb2_grpc.add_ControlServicer_to_server(_Servicer(node), self._server)
+        control_pb2_grpc.add_ControlServicer_to_server(_Servicer(node), self._server)  # type: ignore[no-untyped-call]
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(

@@ -2,7 +2,7 @@
 
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
 from ._message import Outgoing, Spec, decode_header, match_out, prepare, rebuild
-from ._view import TensorView, as_view, is_tensor
+from ._view import TensorView, as_view, byte_view, is_tensor
 
 __all__ = [
     "DTYPES",
@@ -10,6 +10,7 @@ __all__ = [
     "Spec",
     "TensorView",
     "as_view",
+    "byte_view",
     "decode_header",
     "dtype_from_name",
     "dtype_name",

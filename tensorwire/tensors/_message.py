@@ -17,7 +17,7 @@ import numpy as np
 from ..control._pb import wire_pb2
 from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
 from ._dtypes import DTYPES
-from ._view import TensorView, as_view, empty, is_tensor, to_framework
+from ._view import TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
 __all__ = ["Outgoing", "Spec", "decode_header", "match_out", "prepare", "rebuild"]
 
@@ -58,19 +58,19 @@ class Outgoing:
             for s, a in zip(self.specs, self.arrays, strict=True):
                 strides = [st // a.itemsize for st in a.strides] if a.itemsize else []
                 msg.tensors.add(
-                    dtype=s.dtype, shape=s.shape, strides=strides, device=s.device,
-                    framework=s.framework, nbytes=s.nbytes,
+                    dtype=s.dtype,
+                    shape=s.shape,
+                    strides=strides,
+                    device=s.device,
+                    framework=s.framework,
+                    nbytes=s.nbytes,
                 )
             self._header = msg.SerializeToString()
         return self._header
 
     def segments(self) -> list[memoryview]:
         """The payload as flat byte views of the wire arrays (empty tensors omitted)."""
-        return [_bytes_of(a) for a in self.arrays if a.nbytes]
-
-
-def _bytes_of(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
+        return [byte_view(a) for a in self.arrays if a.nbytes]
 
 
 def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeNode:
@@ -133,7 +133,9 @@ def prepare(obj: object) -> Outgoing:
     return Outgoing(tree, specs, arrays, packed, total)
 
 
-def decode_header(data: bytes | bytearray | memoryview, *, max_message_bytes: int) -> tuple[wire_pb2.TreeNode, list[Spec]]:
+def decode_header(
+    data: bytes | bytearray | memoryview, *, max_message_bytes: int
+) -> tuple[wire_pb2.TreeNode, list[Spec]]:
     """Parse and validate a received header. Raises ProtocolError for anything inconsistent."""
     try:
         msg = wire_pb2.MessageHeader.FromString(bytes(data))
@@ -200,7 +202,9 @@ def _unflatten(node: wire_pb2.TreeNode, leaves: list[Any]) -> Any:
     if kind == "tuple":
         return tuple(_unflatten(i, leaves) for i in node.tuple.items)
     if kind == "dict":
-        return {_unflatten(k, leaves): _unflatten(v, leaves) for k, v in zip(node.dict.keys, node.dict.values, strict=True)}
+        return {
+            _unflatten(k, leaves): _unflatten(v, leaves) for k, v in zip(node.dict.keys, node.dict.values, strict=True)
+        }
     if kind == "none":
         return None
     if kind == "big_int":

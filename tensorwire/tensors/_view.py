@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import UnsupportedTensorError
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
 
-__all__ = ["TensorView", "as_view", "empty", "is_tensor", "to_framework"]
+__all__ = ["TensorView", "as_view", "byte_view", "empty", "is_tensor", "to_framework"]
 
 # torch dtypes that numpy cannot hold natively; moved as same-width integers and re-viewed.
 _TORCH_REVIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
@@ -112,9 +112,7 @@ def as_view(obj: object) -> TensorView:
         if torch is not None and isinstance(obj, torch.Tensor):
             return _from_torch(obj)
         if hasattr(obj, "__cuda_array_interface__"):
-            raise UnsupportedTensorError(
-                f"{type(obj).__name__} lives in CUDA memory, which this build cannot move yet"
-            )
+            raise UnsupportedTensorError(f"{type(obj).__name__} lives in CUDA memory, which this build cannot move yet")
         if hasattr(obj, "__dlpack__"):
             try:
                 arr = np.from_dlpack(obj)
@@ -148,6 +146,11 @@ def to_framework(arr: np.ndarray, framework: str) -> Any:
                 return torch.from_numpy(arr.view(carrier)).view(getattr(torch, name))
             return torch.from_numpy(arr)
     return arr
+
+
+def byte_view(arr: np.ndarray) -> memoryview:
+    """A flat, writable-if-possible byte view of a C-contiguous array (no copy)."""
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def empty(dtype: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -35,12 +35,15 @@ def _check(limits: Limits | None = None) -> Callable[[Check], Check]:
 
 
 @contextlib.asynccontextmanager
-async def connected_pair(transport: str, *, limits: Limits | None = None, check: str | None = None,
-                         **options: Any) -> AsyncIterator[tuple[Peer, Peer]]:
+async def connected_pair(
+    transport: str, *, limits: Limits | None = None, check: str | None = None, **options: Any
+) -> AsyncIterator[tuple[Peer, Peer]]:
     """Two nodes on loopback restricted to ``transport``, and the peers that join them."""
     lim = limits or (LIMITS.get(check) if check else None) or Limits()
-    async with start("127.0.0.1:0", transports=(transport,), limits=lim, **options) as na, \
-            start("127.0.0.1:0", transports=(transport,), limits=lim, **options) as nb:
+    async with (
+        start("127.0.0.1:0", transports=(transport,), limits=lim, **options) as na,
+        start("127.0.0.1:0", transports=(transport,), limits=lim, **options) as nb,
+    ):
         a = await na.connect(nb.address)
         b = await nb.accept()
         assert a.path.transport == transport, a.path
@@ -53,14 +56,16 @@ def _rand(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...]) -> 
     n = int(np.prod(shape)) * dtype.itemsize
     raw = rng.integers(0, 256, size=n, dtype=np.uint8)
     if dtype == np.bool_:
-        raw = raw & 1
+        raw &= 1
     return raw.view(dtype).reshape(shape)
 
 
 def _same(x: Any, y: Any) -> bool:
     if isinstance(x, np.ndarray):
         return (
-            isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape
+            isinstance(y, np.ndarray)
+            and x.dtype == y.dtype
+            and x.shape == y.shape
             and np.array_equal(np.ascontiguousarray(x).view(np.uint8), np.ascontiguousarray(y).view(np.uint8))
         )
     if isinstance(x, dict):
@@ -200,8 +205,7 @@ async def check_many_concurrent_tags(a: Peer, b: Peer) -> None:
     async def receiver(t: int) -> list[int]:
         return [int((await b.recv(tag=t))[0]) for _ in range(per_tag)]
 
-    results = await asyncio.gather(*[receiver(t) for t in reversed(range(ntags))],
-                                   *[sender(t) for t in range(ntags)])
+    results = await asyncio.gather(*[receiver(t) for t in reversed(range(ntags))], *[sender(t) for t in range(ntags)])
     for t, got in zip(reversed(range(ntags)), results[:ntags], strict=True):
         assert got == [t * 1000 + i for i in range(per_tag)], (t, got)
 

@@ -64,12 +64,20 @@ class FrameHeader:
     slots: int
 
     def pack(self) -> bytes:
-        return pack(self.type, self.flags, self.meta_len, self.payload_len, self.msg_id, self.arg, self.credit, self.slots)
+        return pack(
+            self.type, self.flags, self.meta_len, self.payload_len, self.msg_id, self.arg, self.credit, self.slots
+        )
 
 
 def pack(
-    ftype: FrameType, flags: int = 0, meta_len: int = 0, payload_len: int = 0,
-    msg_id: int = 0, arg: int = 0, credit: int = 0, slots: int = 0,
+    ftype: FrameType,
+    flags: int = 0,
+    meta_len: int = 0,
+    payload_len: int = 0,
+    msg_id: int = 0,
+    arg: int = 0,
+    credit: int = 0,
+    slots: int = 0,
 ) -> bytes:
     return HEADER.pack(MAGIC, ftype, flags, 0, meta_len, payload_len, msg_id, arg, credit, slots)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ShapeMismatchError, TransferError
-from ..tensors import Spec, match_out, rebuild
+from ..tensors import Spec, byte_view, match_out, rebuild
 from ._base import Receipt
 
 if TYPE_CHECKING:
@@ -46,13 +46,32 @@ class Arrival:
     """One incoming message, from its header on. ``dest`` is where its payload lands."""
 
     __slots__ = (
-        "_flat", "channel", "dest", "direct", "done", "msg_id", "nbytes", "protocol",
-        "pulling", "rendezvous", "specs", "tag", "tree", "written",
+        "_flat",
+        "channel",
+        "dest",
+        "direct",
+        "done",
+        "msg_id",
+        "nbytes",
+        "protocol",
+        "pulling",
+        "rendezvous",
+        "specs",
+        "tag",
+        "tree",
+        "written",
     )
 
     def __init__(
-        self, channel: Channel, tag: int, tree: wire_pb2.TreeNode, specs: list[Spec], *,
-        msg_id: int = 0, rendezvous: bool = False, protocol: str = "eager",
+        self,
+        channel: Channel,
+        tag: int,
+        tree: wire_pb2.TreeNode,
+        specs: list[Spec],
+        *,
+        msg_id: int = 0,
+        rendezvous: bool = False,
+        protocol: str = "eager",
     ) -> None:
         self.channel = channel
         self.tag = tag
@@ -96,7 +115,7 @@ class Arrival:
             pos = 0
             for a in self.dest:
                 if a.nbytes:
-                    flat.append((pos, memoryview(a.reshape(-1).view(np.uint8))))
+                    flat.append((pos, byte_view(a)))
                     pos += a.nbytes
             self._flat = flat
         for start, mv in self._flat:
@@ -243,8 +262,13 @@ class Mailbox:
             value = out
         ch = self.channel
         receipt = Receipt(
-            transport=ch.transport, lanes=ch.lanes, nbytes=arrival.nbytes,
-            seconds=time.perf_counter() - t0, protocol=arrival.protocol,
-            direct=not staged, staged=staged, packed=False,
+            transport=ch.transport,
+            lanes=ch.lanes,
+            nbytes=arrival.nbytes,
+            seconds=time.perf_counter() - t0,
+            protocol=arrival.protocol,
+            direct=not staged,
+            staged=staged,
+            packed=False,
         )
         return value, receipt

@@ -50,7 +50,9 @@ def usable_names() -> list[str]:
     return [n for n, (target, _, _) in KNOWN.items() if target is not None]
 
 
-def probe_all(names: tuple[str, ...] | list[str]) -> tuple[dict[str, tuple[type[Transport], Capabilities]], dict[str, str]]:
+def probe_all(
+    names: tuple[str, ...] | list[str],
+) -> tuple[dict[str, tuple[type[Transport], Capabilities]], dict[str, str]]:
     """Probe each named transport: (usable name -> (class, capabilities), unusable name -> reason)."""
     usable: dict[str, tuple[type[Transport], Capabilities]] = {}
     unusable: dict[str, str] = {}

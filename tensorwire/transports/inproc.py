@@ -20,7 +20,7 @@ from collections.abc import Awaitable
 import numpy as np
 
 from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, TransferError
-from ..tensors import Outgoing
+from ..tensors import Outgoing, byte_view
 from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
 from ._mailbox import Arrival
 
@@ -31,7 +31,7 @@ _LISTENERS: weakref.WeakValueDictionary[str, InprocTransport] = weakref.WeakValu
 
 
 def _flat(arrays: list[np.ndarray]) -> list[memoryview]:
-    return [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes]
+    return [byte_view(a) for a in arrays if a.nbytes]
 
 
 class _Source:
@@ -100,7 +100,9 @@ class InprocChannel(Channel):
         t0 = time.perf_counter()
         peer = self._other()
         if msg.nbytes > peer._limits.max_message_bytes:
-            raise TransferError(f"a {msg.nbytes}-byte message exceeds the peer's {peer._limits.max_message_bytes}-byte limit")
+            raise TransferError(
+                f"a {msg.nbytes}-byte message exceeds the peer's {peer._limits.max_message_bytes}-byte limit"
+            )
         self._sending += 1
         try:
             while self._send_slots <= 0:
@@ -114,8 +116,15 @@ class InprocChannel(Channel):
                 self._send_credit -= msg.nbytes
             msg_id = self._next_id
             self._next_id += 1
-            arrival = Arrival(peer, tag, msg.tree, msg.specs, msg_id=msg_id, rendezvous=not eager,
-                              protocol="eager" if eager else "rendezvous")
+            arrival = Arrival(
+                peer,
+                tag,
+                msg.tree,
+                msg.specs,
+                msg_id=msg_id,
+                rendezvous=not eager,
+                protocol="eager" if eager else "rendezvous",
+            )
             segs = _flat(msg.arrays)
             source = None if eager else _Source(segs)
             if source is not None:
@@ -141,9 +150,14 @@ class InprocChannel(Channel):
         finally:
             self._sending -= 1
         return Receipt(
-            transport=self.transport, lanes=self.lanes, nbytes=msg.nbytes,
-            seconds=time.perf_counter() - t0, protocol=arrival.protocol,
-            direct=not msg.packed, staged=False, packed=msg.packed,
+            transport=self.transport,
+            lanes=self.lanes,
+            nbytes=msg.nbytes,
+            seconds=time.perf_counter() - t0,
+            protocol=arrival.protocol,
+            direct=not msg.packed,
+            staged=False,
+            packed=msg.packed,
         )
 
     async def pull(self, arrival: Arrival) -> None:

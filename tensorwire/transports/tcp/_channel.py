@@ -87,8 +87,14 @@ class TcpChannel(Channel):
 
     # -- sending ----------------------------------------------------------------------------
     async def _write(
-        self, ftype: FrameType, *, flags: int = 0, meta: bytes = b"",
-        payload: list[memoryview] | None = None, msg_id: int = 0, arg: int = 0,
+        self,
+        ftype: FrameType,
+        *,
+        flags: int = 0,
+        meta: bytes = b"",
+        payload: list[memoryview] | None = None,
+        msg_id: int = 0,
+        arg: int = 0,
     ) -> None:
         async with self._wlock:
             self.check_open()
@@ -118,7 +124,9 @@ class TcpChannel(Channel):
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
         if msg.nbytes > self._remote.max_message_bytes:
-            raise TransferError(f"a {msg.nbytes}-byte message exceeds the peer's {self._remote.max_message_bytes}-byte limit")
+            raise TransferError(
+                f"a {msg.nbytes}-byte message exceeds the peer's {self._remote.max_message_bytes}-byte limit"
+            )
         header = msg.header
         if len(header) > self._remote.max_header_bytes:
             raise TransferError(f"message header of {len(header)} bytes exceeds the peer's limit")
@@ -136,7 +144,9 @@ class TcpChannel(Channel):
             try:
                 if eager:
                     inline = min(msg.nbytes, self._limits.chunk_bytes)
-                    await self._write(FrameType.MSG, meta=header, payload=_slices(segs, 0, inline), msg_id=msg_id, arg=tag)
+                    await self._write(
+                        FrameType.MSG, meta=header, payload=_slices(segs, 0, inline), msg_id=msg_id, arg=tag
+                    )
                     announced = True
                     await self._send_data(msg_id, segs, inline, msg.nbytes)
                 else:
@@ -162,9 +172,14 @@ class TcpChannel(Channel):
         finally:
             self._sending -= 1
         return Receipt(
-            transport=self.transport, lanes=self.lanes, nbytes=msg.nbytes,
-            seconds=time.perf_counter() - t0, protocol="eager" if eager else "rendezvous",
-            direct=not msg.packed, staged=False, packed=msg.packed,
+            transport=self.transport,
+            lanes=self.lanes,
+            nbytes=msg.nbytes,
+            seconds=time.perf_counter() - t0,
+            protocol="eager" if eager else "rendezvous",
+            direct=not msg.packed,
+            staged=False,
+            packed=msg.packed,
         )
 
     async def _send_data(self, msg_id: int, segs: list[memoryview], start: int, end: int) -> None:
@@ -189,7 +204,10 @@ class TcpChannel(Channel):
         if not arrival.rendezvous:
             self._used_credit -= arrival.nbytes
             self._ret_credit += arrival.nbytes
-        urgent = self._ret_credit >= self._limits.recv_buffer_bytes // 4 or self._ret_slots >= self._limits.max_unexpected // 4
+        urgent = (
+            self._ret_credit >= self._limits.recv_buffer_bytes // 4
+            or self._ret_slots >= self._limits.max_unexpected // 4
+        )
         if urgent and self._flush is not None:
             self._flush.cancel()
             self._flush = None
@@ -229,14 +247,25 @@ class TcpChannel(Channel):
                 t = hdr.type
                 if t is FrameType.MSG:
                     if hdr.meta_len > limits.max_header_bytes:
-                        raise ProtocolError(f"message header of {hdr.meta_len} bytes exceeds the {limits.max_header_bytes}-byte limit")
+                        raise ProtocolError(
+                            f"message header of {hdr.meta_len} bytes exceeds the {limits.max_header_bytes}-byte limit"
+                        )
                     meta = await io.read_exact(hdr.meta_len)
                     tree, specs = decode_header(meta, max_message_bytes=limits.max_message_bytes)
                     rndv = bool(hdr.flags & RENDEZVOUS)
-                    arrival = Arrival(self, hdr.arg, tree, specs, msg_id=hdr.msg_id, rendezvous=rndv,
-                                      protocol="rendezvous" if rndv else "eager")
+                    arrival = Arrival(
+                        self,
+                        hdr.arg,
+                        tree,
+                        specs,
+                        msg_id=hdr.msg_id,
+                        rendezvous=rndv,
+                        protocol="rendezvous" if rndv else "eager",
+                    )
                     if hdr.payload_len > arrival.nbytes or (rndv and hdr.payload_len):
-                        raise ProtocolError(f"MSG frame carries {hdr.payload_len} payload bytes for a {arrival.nbytes}-byte message")
+                        raise ProtocolError(
+                            f"MSG frame carries {hdr.payload_len} payload bytes for a {arrival.nbytes}-byte message"
+                        )
                     if hdr.msg_id in self._incoming or hdr.msg_id in self._waiting:
                         raise ProtocolError(f"duplicate message id {hdr.msg_id}")
                     self._used_slots += 1
@@ -263,12 +292,18 @@ class TcpChannel(Channel):
                 if hdr.meta_len:
                     raise ProtocolError(f"{t.name} frame with {hdr.meta_len} metadata bytes")
                 if t is FrameType.DATA:
-                    arrival = self._incoming.get(hdr.msg_id)
-                    if arrival is None:
+                    target = self._incoming.get(hdr.msg_id)
+                    if target is None:
                         raise ProtocolError(f"DATA for unknown message {hdr.msg_id}")
-                    if hdr.arg != arrival.written or hdr.payload_len == 0 or arrival.written + hdr.payload_len > arrival.nbytes:
-                        raise ProtocolError(f"DATA at offset {hdr.arg}+{hdr.payload_len} does not continue message {hdr.msg_id}")
-                    await self._read_data(arrival, hdr.payload_len)
+                    if (
+                        hdr.arg != target.written
+                        or hdr.payload_len == 0
+                        or target.written + hdr.payload_len > target.nbytes
+                    ):
+                        raise ProtocolError(
+                            f"DATA at offset {hdr.arg}+{hdr.payload_len} does not continue message {hdr.msg_id}"
+                        )
+                    await self._read_data(target, hdr.payload_len)
                     continue
                 if hdr.payload_len:
                     raise ProtocolError(f"{t.name} frame with {hdr.payload_len} payload bytes")
@@ -277,10 +312,10 @@ class TcpChannel(Channel):
                     if fut is not None and not fut.done():
                         fut.set_result(None)
                 elif t is FrameType.ABORT:
-                    arrival = self._incoming.pop(hdr.msg_id, None) or self._waiting.pop(hdr.msg_id, None)
-                    if arrival is not None:
-                        self.mailbox.abort(arrival)
-                        self.release(arrival)
+                    gone = self._incoming.pop(hdr.msg_id, None) or self._waiting.pop(hdr.msg_id, None)
+                    if gone is not None:
+                        self.mailbox.abort(gone)
+                        self.release(gone)
                 elif t is FrameType.CREDIT:
                     pass
                 elif t is FrameType.BYE:

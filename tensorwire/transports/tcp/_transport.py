@@ -103,7 +103,9 @@ class TcpTransport(Transport):
                 hdr = await io.read_header()
                 lo = NONCE_BYTES + LIMITS.size
                 if hdr.type is not FrameType.HELLO or hdr.payload_len or not lo < hdr.meta_len <= lo + MAX_SESSION_ID:
-                    raise ProtocolError(f"expected HELLO, got {hdr.type.name} with {hdr.meta_len}+{hdr.payload_len} bytes")
+                    raise ProtocolError(
+                        f"expected HELLO, got {hdr.type.name} with {hdr.meta_len}+{hdr.payload_len} bytes"
+                    )
                 meta = await io.read_exact(hdr.meta_len)
                 sid = meta[lo:]
                 entry = self._pending.get(sid.decode("utf-8", "replace"))

@@ -1,0 +1,159 @@
+"""Control plane: handshake, negotiation, honest path, auth, health, reflection, codegen."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import tensorwire
+from tensorwire.control import Offer, choose
+from tensorwire.control._pb import control_pb2, control_pb2_grpc
+from tensorwire.transports import Capabilities
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_code_is_fresh() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+async def test_path_names_transport_and_reasons() -> None:
+    async with tensorwire.start("127.0.0.1:0") as a, tensorwire.start("127.0.0.1:0") as b:
+        peer = await a.connect(b.address, transports=("ucx", "tcp"))
+        assert peer.path.transport == "tcp"
+        reasons = dict(peer.path.passed_over)
+        assert ("ucx" in reasons and "not installed" in reasons["ucx"]) or "not part" in reasons["ucx"]
+        assert "tcp" in str(peer.path) and "not ucx" in str(peer.path)
+        assert peer.path.lanes and peer.path.lanes[0].startswith("tcp")
+        assert not peer.path.rdma
+        assert "via tcp" in repr(peer)
+
+
+async def test_default_preference_picks_inproc_in_process() -> None:
+    async with tensorwire.start("127.0.0.1:0") as a, tensorwire.start("127.0.0.1:0") as b:
+        peer = await a.connect(b.address)
+        assert peer.path.transport == "inproc"
+
+
+async def test_require_rdma_fails_with_reason() -> None:
+    async with tensorwire.start("127.0.0.1:0") as a, tensorwire.start("127.0.0.1:0") as b:
+        with pytest.raises(tensorwire.NegotiationError, match="rdma") as info:
+            await a.connect(b.address, require="rdma")
+        assert "tcp" in str(info.value)
+        with pytest.raises(tensorwire.ConfigurationError):
+            await a.connect(b.address, require="fast")
+        with pytest.raises(tensorwire.ConfigurationError):
+            await a.connect(b.address, transports=("carrier-pigeon",))
+
+
+def test_negotiation_server_side_require() -> None:
+    tcp = Capabilities(lanes=("tcp",))
+    rdma = Capabilities(rdma=True, lanes=("rc",))
+    local = {"tcp": Offer("tcp", 1, b"a", tcp), "verbs": Offer("verbs", 1, b"v", rdma)}
+    remote = {"tcp": Offer("tcp", 1, b"b", tcp)}
+    ok = lambda name, addr: None
+    choice = choose(["verbs", "tcp"], local, remote, {}, {"verbs": "pyverbs missing"}, "any", ok)
+    assert choice.name == "tcp"
+    assert choice.passed_over == (("verbs", "on client: pyverbs missing"),)
+    with pytest.raises(tensorwire.NegotiationError, match="pyverbs missing"):
+        choose(["verbs", "tcp"], local, remote, {}, {"verbs": "pyverbs missing"}, "rdma", ok)
+    remote["verbs"] = Offer("verbs", 1, b"w", rdma)
+    assert choose(["verbs", "tcp"], local, remote, {}, {}, "rdma", ok).name == "verbs"
+    remote["verbs"] = Offer("verbs", 2, b"w", rdma)
+    assert choose(["verbs", "tcp"], local, remote, {}, {}, "any", ok).passed_over[0][1].startswith("version")
+
+
+async def test_auth_token() -> None:
+    async with (
+        tensorwire.start("127.0.0.1:0", auth_token="s3cret", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as nobody,
+        tensorwire.start("127.0.0.1:0", auth_token="wrong", transports=("tcp",)) as wrong,
+        tensorwire.start("127.0.0.1:0", auth_token="s3cret", transports=("tcp",)) as friend,
+    ):
+        with pytest.raises(tensorwire.AuthenticationError):
+            await nobody.connect(server.address)
+        with pytest.raises(tensorwire.AuthenticationError):
+            await wrong.connect(server.address)
+        peer = await friend.connect(server.address)
+        other = await server.accept()
+        await peer.send(b"hello")
+        assert await other.recv() == b"hello"
+
+
+async def test_unreachable_and_closed() -> None:
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as a:
+        with pytest.raises(tensorwire.TensorWireError):
+            await a.connect("127.0.0.1:1", connect_timeout=2)
+    with pytest.raises(tensorwire.ClosedResourceError):
+        await a.connect("127.0.0.1:1")
+    await a.aclose()  # idempotent
+    with pytest.raises(tensorwire.ConfigurationError):
+        tensorwire.start("nonsense")
+    with pytest.raises(tensorwire.ConfigurationError):
+        tensorwire.start("127.0.0.1:0", bogus_option=1)
+
+
+async def test_await_start_and_node_iteration() -> None:
+    node = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+    try:
+        assert node.address.startswith("127.0.0.1:") and not node.address.endswith(":0")
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as other:
+            await other.connect(node.address)
+            async for peer in node:
+                assert peer.path.transport == "tcp"
+                break
+    finally:
+        await node.aclose()
+
+
+async def test_health_reflection_and_node_info_with_stock_grpc() -> None:
+    async with tensorwire.start("127.0.0.1:0", auth_token="t") as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for service in ("", "tensorwire.v1.Control"):
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            call = refl.ServerReflectionInfo()
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            reply = await call.read()
+            await call.done_writing()
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"tensorwire.v1.Control", "grpc.health.v1.Health"} <= names
+            info = await control_pb2_grpc.ControlStub(ch).GetNodeInfo(control_pb2.NodeInfoRequest(), timeout=5)
+            assert info.node_id == node.node_id and info.auth_required
+            assert {o.name for o in info.offers} == {"inproc", "tcp"}
+            assert all(not o.address for o in info.offers)
+            assert {u.name for u in info.unavailable} == {"ucx", "verbs"}
+
+
+async def test_handshake_rejects_other_protocol_version() -> None:
+    async with tensorwire.start("127.0.0.1:0") as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(control_pb2.HandshakeRequest(protocol_version=99), timeout=5)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_data_connection_never_opened_is_forgotten() -> None:
+    lim = tensorwire.Limits(handshake_seconds=0.5)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), connect_timeout=0.5, limits=lim) as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            req = control_pb2.HandshakeRequest(protocol_version=1, node_id="x")
+            req.offers.add(name="tcp", version=1, address=b"127.0.0.1:9")
+            resp = await stub.Handshake(req, timeout=5)
+            assert resp.chosen.name == "tcp" and len(resp.session_secret) == 32
+        import asyncio
+
+        await asyncio.sleep(1.0)
+        assert node.peers == []
+        assert node.transports["tcp"]._pending == {}
