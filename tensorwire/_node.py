@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .errors import (
     ConfigurationError,
     ConnectTimeout,
     NegotiationError,
+    PeerDisconnected,
     TransportUnavailable,
 )
 from .transports import DEFAULT_PREFERENCE, Channel, Limits, Session, Transport, TransportContext, probe_all
@@ -38,6 +40,8 @@ class NodeConfig:
     auth_token: if set, peers must present it in the handshake.
     limits: memory and message bounds (see ``tensorwire.transports.Limits``).
     connect_timeout: seconds a connect (handshake plus data connection) may take.
+    lease_seconds: a peer that neither renews its lease over the control plane nor answers
+        renewals for this long is declared dead (PeerDisconnected), even if its sockets stay up.
     node_id: this node's name; a random one by default.
     """
 
@@ -45,6 +49,7 @@ class NodeConfig:
     auth_token: str | None = None
     limits: Limits = field(default_factory=Limits)
     connect_timeout: float = 10.0
+    lease_seconds: float = 3.0
     node_id: str | None = None
 
 
@@ -73,6 +78,8 @@ class Node:
         self._incoming: asyncio.Queue[Peer] = asyncio.Queue()
         self._waiting: set[asyncio.Task[None]] = set()
         self.peers: list[Peer] = []
+        self._leases: dict[str, tuple[float, Peer]] = {}
+        self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
 
     def __repr__(self) -> str:
@@ -95,6 +102,7 @@ class Node:
                 self.offers[name] = Offer(name, cls.version, blob, caps)
             self._server = ControlServer(self)
             port = await self._server.start(self._host, self._port)
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_leases(), name="tensorwire-leases")
         except BaseException:
             await self.aclose()
             raise
@@ -131,11 +139,38 @@ class Node:
                 self, channel, remote_node=remote_node, remote_address=remote_addr, path=self._path(choice, channel)
             )
             self.peers.append(peer)
+            self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)
+            channel.add_close_callback(lambda _exc: self._leases.pop(session_id, None))
             self._incoming.put_nowait(peer)
 
         task = asyncio.get_running_loop().create_task(wait())
         self._waiting.add(task)
         task.add_done_callback(self._waiting.discard)
+
+    def _renew(self, session_id: str) -> bool:
+        entry = self._leases.get(session_id)
+        if entry is None:
+            return False
+        self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, entry[1])
+        return True
+
+    async def _watch_leases(self) -> None:
+        lease = self.config.lease_seconds
+        while True:
+            await asyncio.sleep(min(lease / 4, 0.5))
+            now = time.monotonic()
+            for sid, (expiry, peer) in list(self._leases.items()):
+                if now > expiry:
+                    del self._leases[sid]
+                    log.warning(
+                        "peer %s at %s missed its lease (%.1f s): declaring it dead",
+                        peer.remote_node[:8],
+                        peer.remote_address,
+                        lease,
+                    )
+                    peer.channel.fail(
+                        PeerDisconnected(f"peer {peer.remote_address} stopped renewing its {lease} s lease")
+                    )
 
     # -- public API -----------------------------------------------------------------------------
     async def connect(
@@ -199,6 +234,7 @@ class Node:
             control=client,
         )
         self.peers.append(peer)
+        peer._start_heartbeat(resp.session_id, (resp.lease_ms or 3000) / 1000)
         log.info("connected to %s: %s", address, peer.path)
         return peer
 
@@ -240,6 +276,8 @@ class Node:
         self._closed = True
         for task in list(self._waiting):
             task.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await asyncio.gather(*[p.aclose() for p in list(self.peers)], return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace=0.2)

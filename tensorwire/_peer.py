@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
+import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigurationError
+from .control._client import SessionLost
+from .errors import ConfigurationError, PeerDisconnected, TensorWireError
 from .tensors import prepare
 from .transports import Channel, ChannelState, Receipt
 
@@ -60,6 +63,7 @@ class Peer:
         self.path = path
         self._control = control
         self._closed = False
+        self._heartbeat: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -91,11 +95,38 @@ class Peer:
         """Like ``recv``, and also say how the message came (protocol, direct or staged, time)."""
         return await self.channel.recv(tag_id(tag), out)
 
+    def _start_heartbeat(self, session_id: str, lease: float) -> None:
+        self._heartbeat = asyncio.get_running_loop().create_task(
+            self._renew_lease(session_id, lease), name=f"tensorwire-heartbeat {self.remote_address}"
+        )
+
+    async def _renew_lease(self, session_id: str, lease: float) -> None:
+        """Renew our lease on the server; declare the server dead when renewals keep failing."""
+        assert self._control is not None
+        interval = lease / 3
+        last_ok = time.monotonic()
+        while not self.closed:
+            await asyncio.sleep(interval)
+            try:
+                await self._control.heartbeat(session_id, deadline=interval)
+                last_ok = time.monotonic()
+            except SessionLost as exc:
+                self.channel.fail(PeerDisconnected(str(exc)))
+                return
+            except TensorWireError as exc:
+                if time.monotonic() - last_ok > lease:
+                    self.channel.fail(
+                        PeerDisconnected(f"{self.remote_address} did not answer lease renewals for {lease} s ({exc})")
+                    )
+                    return
+
     async def aclose(self) -> None:
         """Close the data channel and the control connection; idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         try:
             await self.channel.aclose()
         finally:

@@ -12,7 +12,11 @@ from ..errors import (
 )
 from ._pb import control_pb2, control_pb2_grpc
 
-__all__ = ["ControlClient", "map_rpc_error"]
+__all__ = ["ControlClient", "SessionLost", "map_rpc_error"]
+
+
+class SessionLost(ControlPlaneError):
+    """The server dropped the session (it restarted, or the lease ran out)."""
 
 
 def map_rpc_error(exc: grpc.aio.AioRpcError, target: str) -> Exception:
@@ -49,6 +53,15 @@ class ControlClient:
         except grpc.aio.AioRpcError as exc:
             raise map_rpc_error(exc, self.target) from exc
         return info
+
+    async def heartbeat(self, session_id: str, deadline: float) -> None:
+        """Renew a lease. SessionLost means the server no longer knows the session."""
+        try:
+            await self._stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=session_id), timeout=deadline)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise SessionLost(f"{self.target} no longer knows this session: {exc.details()}") from exc
+            raise map_rpc_error(exc, self.target) from exc
 
     async def aclose(self) -> None:
         await self._channel.close()

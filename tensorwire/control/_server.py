@@ -76,10 +76,18 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             server_node_id=node.node_id,
             protocol_version=PROTOCOL_VERSION,
             chosen=offer_to_pb(node.offers[choice.name]),
+            lease_ms=int(node.config.lease_seconds * 1000),
         )
         for name, reason in choice.passed_over:
             resp.passed_over.add(name=name, reason=reason)
         return resp
+
+    async def Heartbeat(  # noqa: N802 - gRPC method name
+        self, request: control_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.HeartbeatResponse:
+        if not self.node._renew(request.session_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such session (closed, expired or never opened)")
+        return control_pb2.HeartbeatResponse(lease_ms=int(self.node.config.lease_seconds * 1000))
 
     async def GetNodeInfo(  # noqa: N802 - gRPC method name
         self, request: control_pb2.NodeInfoRequest, context: grpc.aio.ServicerContext

@@ -150,6 +150,10 @@ class Channel(ABC):
     def abort(self) -> None:
         """Close at once without telling the peer."""
 
+    @abstractmethod
+    def fail(self, exc: BaseException) -> None:
+        """Break the channel from outside (e.g. the lease ran out): pending work fails with ``exc``."""
+
     @property
     def in_flight(self) -> int:
         return self.mailbox.in_flight

@@ -199,6 +199,10 @@ class InprocChannel(Channel):
     async def aclose(self) -> None:
         self.abort()
 
+    def fail(self, exc: BaseException) -> None:
+        if self.state is ChannelState.OPEN:
+            self._fail(ChannelState.BROKEN, exc)
+
     def abort(self) -> None:
         if self.state is not ChannelState.OPEN:
             return

@@ -60,20 +60,34 @@ class HandshakeRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., auth_token: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., unavailable: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., preference: _Optional[_Iterable[str]] = ..., require: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("session_id", "session_secret", "server_node_id", "protocol_version", "chosen", "passed_over")
+    __slots__ = ("session_id", "session_secret", "server_node_id", "protocol_version", "chosen", "passed_over", "lease_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     SERVER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_FIELD_NUMBER: _ClassVar[int]
     PASSED_OVER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_secret: bytes
     server_node_id: str
     protocol_version: int
     chosen: TransportOffer
     passed_over: _containers.RepeatedCompositeFieldContainer[Unavailable]
-    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., server_node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., chosen: _Optional[_Union[TransportOffer, _Mapping]] = ..., passed_over: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., server_node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., chosen: _Optional[_Union[TransportOffer, _Mapping]] = ..., passed_over: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_ms",)
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_ms: int
+    def __init__(self, lease_ms: _Optional[int] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
     __slots__ = ()

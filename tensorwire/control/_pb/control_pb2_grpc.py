@@ -45,6 +45,11 @@ class ControlStub:
                 request_serializer=tensorwire_dot_v1_dot_control__pb2.NodeInfoRequest.SerializeToString,
                 response_deserializer=tensorwire_dot_v1_dot_control__pb2.NodeInfo.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/tensorwire.v1.Control/Heartbeat',
+                request_serializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -64,6 +69,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Renew the lease of a session. A session whose lease runs out is declared dead on the
+        server, and a client whose renewals keep failing declares the server dead: liveness comes
+        from here and from the data plane's own errors, so no transport gives up speed for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +90,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetNodeInfo,
                     request_deserializer=tensorwire_dot_v1_dot_control__pb2.NodeInfoRequest.FromString,
                     response_serializer=tensorwire_dot_v1_dot_control__pb2.NodeInfo.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +151,33 @@ class Control:
             '/tensorwire.v1.Control/GetNodeInfo',
             tensorwire_dot_v1_dot_control__pb2.NodeInfoRequest.SerializeToString,
             tensorwire_dot_v1_dot_control__pb2.NodeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorwire.v1.Control/Heartbeat',
+            tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.SerializeToString,
+            tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -381,6 +381,9 @@ class TcpChannel(Channel):
     def abort(self) -> None:
         self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
 
+    def fail(self, exc: BaseException) -> None:
+        self._shutdown(ChannelState.BROKEN, exc)
+
     def check_open(self) -> None:
         if self.state is ChannelState.CLOSING:
             raise ClosedResourceError("channel is closing")
