@@ -42,6 +42,8 @@ class NodeConfig:
     connect_timeout: seconds a connect (handshake plus data connection) may take.
     lease_seconds: a peer that neither renews its lease over the control plane nor answers
         renewals for this long is declared dead (PeerDisconnected), even if its sockets stay up.
+    checksum: crc32c on every staged-TCP payload frame (on when either side asks); a corrupted
+        frame raises IntegrityError and is never delivered.
     node_id: this node's name; a random one by default.
     """
 
@@ -50,6 +52,7 @@ class NodeConfig:
     limits: Limits = field(default_factory=Limits)
     connect_timeout: float = 10.0
     lease_seconds: float = 3.0
+    checksum: bool = False
     node_id: str | None = None
 
 
@@ -93,7 +96,7 @@ class Node:
         usable, self.unusable = probe_all(self.config.transports)
         if not usable:
             raise TransportUnavailable(f"no usable transport among {self.config.transports}: {self.unusable}")
-        ctx = TransportContext(self.node_id, self._host, self.config.limits)
+        ctx = TransportContext(self.node_id, self._host, self.config.limits, checksum=self.config.checksum)
         try:
             for name, (cls, caps) in usable.items():
                 transport = cls(ctx, caps)

@@ -15,6 +15,7 @@
     │   ├── ConnectError               the data-plane connection could not be opened
     │   ├── ProtocolError              a malformed, hostile or unauthenticated frame
     │   ├── TransferError              a transfer failed part way
+    │   │   └── IntegrityError         a checksum did not match: the message was not delivered
     │   └── PeerDisconnected           the peer went away; pending operations fail with this
     ├── ConnectTimeout                 connect/handshake ran past connect_timeout (also TimeoutError)
     └── ResourceError
@@ -38,6 +39,7 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ControlPlaneError",
+    "IntegrityError",
     "NegotiationError",
     "PeerDisconnected",
     "ProtocolError",
@@ -102,6 +104,10 @@ class ProtocolError(TransportError):
 
 class TransferError(TransportError):
     """A transfer failed part way."""
+
+
+class IntegrityError(TransferError):
+    """A frame's checksum did not match its bytes; the message is not delivered."""
 
 
 class PeerDisconnected(TransportError):

@@ -80,6 +80,7 @@ class TransportContext:
     node_id: str
     host: str
     limits: Limits
+    checksum: bool = False  # ask for crc32c on every payload frame where the transport can
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@
     offset size field
     0      4    magic  b"TWR1"
     4      1    type   (FrameType)
-    5      1    flags  (RENDEZVOUS = 1)
+    5      1    flags  (RENDEZVOUS = 1, CHECKSUM = 2: a crc32c trailer follows the payload)
     6      2    reserved, zero
     8      4    meta_len     bytes of metadata after the header (message header, hello, ...)
     12     8    payload_len  bytes of payload after the metadata
@@ -13,6 +13,10 @@
     28     8    arg          MSG: tag (signed); DATA: payload offset; ABORT/CTS: unused
     36     8    credit       receive-buffer bytes returned to the peer (piggybacked)
     44     4    slots        message slots returned to the peer (piggybacked)
+
+With checksums negotiated (either side asks), every MSG and DATA frame ends with a 4-byte
+crc32c (little endian) of its header, metadata and payload; a mismatch breaks the channel with
+IntegrityError and the message is never delivered.
 
 A connection opens with CHALLENGE (server -> client, 32-byte nonce), HELLO (client: session id,
 HMAC proof of the session secret over the nonce, its limits) and WELCOME (server: its own proof
@@ -35,9 +39,12 @@ MAGIC = b"TWR1"
 HEADER = struct.Struct("<4sBBHIQQqQI")
 assert HEADER.size == 48
 RENDEZVOUS = 1
+CHECKSUM = 2
+TRAILER = struct.Struct("<I")
+FLAG_CHECKSUM = 1  # PeerLimits.flags: this side wants crc32c on every payload frame
 NONCE_BYTES = 32
 MAX_SESSION_ID = 128
-LIMITS = struct.Struct("<QIQI")  # recv_buffer_bytes, max_unexpected, max_message_bytes, max_header_bytes
+LIMITS = struct.Struct("<QIQII")  # recv_buffer_bytes, max_unexpected, max_message_bytes, max_header_bytes, flags
 
 
 class FrameType(enum.IntEnum):
@@ -91,20 +98,25 @@ def unpack(data: bytes | bytearray | memoryview) -> FrameHeader:
         t = FrameType(ftype)
     except ValueError:
         raise ProtocolError(f"unknown frame type {ftype}") from None
-    if reserved or flags & ~RENDEZVOUS:
+    if reserved or flags & ~(RENDEZVOUS | CHECKSUM):
         raise ProtocolError("reserved frame bits set")
     return FrameHeader(t, flags, meta_len, payload_len, msg_id, arg, credit, slots)
 
 
 @dataclass(frozen=True, slots=True)
 class PeerLimits:
+    """What one side of a connection promises to accept, exchanged in HELLO/WELCOME."""
+
     recv_buffer_bytes: int
     max_unexpected: int
     max_message_bytes: int
     max_header_bytes: int
+    flags: int = 0
 
     def pack(self) -> bytes:
-        return LIMITS.pack(self.recv_buffer_bytes, self.max_unexpected, self.max_message_bytes, self.max_header_bytes)
+        return LIMITS.pack(
+            self.recv_buffer_bytes, self.max_unexpected, self.max_message_bytes, self.max_header_bytes, self.flags
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> PeerLimits:

@@ -16,16 +16,19 @@ import time
 from collections import deque
 from contextlib import suppress
 
+import crc32c
+
 from ...errors import (
     BrokenResourceError,
     ClosedResourceError,
+    IntegrityError,
     PeerDisconnected,
     ProtocolError,
     TransferError,
 )
 from ...tensors import Outgoing, decode_header
 from .._base import Channel, ChannelState, Limits, Receipt
-from .._frames import RENDEZVOUS, FrameType, PeerLimits, pack
+from .._frames import CHECKSUM, FLAG_CHECKSUM, RENDEZVOUS, TRAILER, FrameType, PeerLimits, pack
 from .._mailbox import Arrival
 from ._sockio import Buffer, SockIO
 
@@ -52,11 +55,12 @@ def _slices(segs: list[memoryview], start: int, end: int) -> list[memoryview]:
 class TcpChannel(Channel):
     transport = "tcp"
 
-    def __init__(self, io: SockIO, limits: Limits, remote: PeerLimits, *, name: str) -> None:
+    def __init__(self, io: SockIO, limits: Limits, remote: PeerLimits, *, name: str, checksum: bool = False) -> None:
         super().__init__()
         self._io = io
         self._limits = limits
         self._remote = remote
+        self.checksum = checksum or bool(remote.flags & FLAG_CHECKSUM)
         self.lanes = (f"tcp x1 stream {name}",)
         self._loop = asyncio.get_running_loop()
         self._wlock = asyncio.Lock()
@@ -101,11 +105,19 @@ class TcpChannel(Channel):
             credit, slots = self._ret_credit, self._ret_slots
             self._ret_credit = self._ret_slots = 0
             plen = sum(len(p) for p in payload) if payload else 0
+            summed = self.checksum and ftype in (FrameType.MSG, FrameType.DATA)
+            if summed:
+                flags |= CHECKSUM
             bufs: list[Buffer] = [pack(ftype, flags, len(meta), plen, msg_id, arg, credit, slots)]
             if meta:
                 bufs.append(meta)
             if payload:
                 bufs.extend(payload)
+            if summed:
+                crc = 0
+                for b in bufs:
+                    crc = crc32c.crc32c(b, crc)
+                bufs.append(TRAILER.pack(crc))
             try:
                 await self._io.send_all(bufs)
             except PeerDisconnected as exc:
@@ -275,19 +287,23 @@ class TcpChannel(Channel):
                         self._used_credit += arrival.nbytes
                         if self._used_credit > limits.recv_buffer_bytes:
                             raise ProtocolError("peer sent an eager message beyond its buffer credit")
+                    self._check_summed(hdr.flags)
+                    crc = crc32c.crc32c(meta, crc32c.crc32c(io.last_header)) if self.checksum else 0
                     self.mailbox.arrive(arrival)
                     if rndv:
+                        await self._verify(crc, arrival, 0, 0)
                         self._waiting[hdr.msg_id] = arrival
                         continue
                     if arrival.dest is None:
                         arrival.allocate()  # size checked against credit above
+                    self._incoming[hdr.msg_id] = arrival
                     if hdr.payload_len:
                         await io.read_into(arrival.view, 0, hdr.payload_len)
-                        arrival.written = hdr.payload_len
+                    await self._verify(crc, arrival, 0, hdr.payload_len)
+                    arrival.written = hdr.payload_len
                     if arrival.written == arrival.nbytes:
+                        del self._incoming[hdr.msg_id]
                         arrival.complete()
-                    else:
-                        self._incoming[hdr.msg_id] = arrival
                     continue
                 if hdr.meta_len:
                     raise ProtocolError(f"{t.name} frame with {hdr.meta_len} metadata bytes")
@@ -303,7 +319,9 @@ class TcpChannel(Channel):
                         raise ProtocolError(
                             f"DATA at offset {hdr.arg}+{hdr.payload_len} does not continue message {hdr.msg_id}"
                         )
-                    await self._read_data(target, hdr.payload_len)
+                    self._check_summed(hdr.flags)
+                    crc = crc32c.crc32c(io.last_header) if self.checksum else 0
+                    await self._read_data(target, hdr.payload_len, crc)
                     continue
                 if hdr.payload_len:
                     raise ProtocolError(f"{t.name} frame with {hdr.payload_len} payload bytes")
@@ -330,13 +348,35 @@ class TcpChannel(Channel):
             self._shutdown(ChannelState.BROKEN, exc)
         except PeerDisconnected as exc:
             self._shutdown(ChannelState.BROKEN, exc)
+        except IntegrityError as exc:
+            log.error("closing tcp channel %s: %s", self.lanes[0], exc)
+            self._shutdown(ChannelState.BROKEN, exc)
         except Exception as exc:  # a bug must not leave recvs hanging
             log.exception("tcp reader failed")
             self._shutdown(ChannelState.BROKEN, BrokenResourceError(f"tcp reader failed: {exc!r}"))
 
-    async def _read_data(self, arrival: Arrival, n: int) -> None:
+    def _check_summed(self, flags: int) -> None:
+        if bool(flags & CHECKSUM) != self.checksum:
+            raise ProtocolError("frame checksum flag does not match what the channel negotiated")
+
+    async def _verify(self, crc: int, arrival: Arrival, start: int, n: int) -> None:
+        """Check a frame's crc32c trailer against what landed; IntegrityError if it differs."""
+        if not self.checksum:
+            return
+        end = start + n
+        while start < end:
+            view = arrival.view(start, end - start)
+            crc = crc32c.crc32c(view, crc)
+            start += len(view)
+        (want,) = TRAILER.unpack(await self._io.read_exact(TRAILER.size))
+        if want != crc:
+            where = "its out= buffer may hold corrupted bytes" if arrival.direct else "nothing was delivered"
+            raise IntegrityError(f"crc32c mismatch in message {arrival.msg_id} on {self.lanes[0]}; {where}")
+
+    async def _read_data(self, arrival: Arrival, n: int, crc: int) -> None:
         start = arrival.written
         await self._io.read_into(arrival.view, start, n)
+        await self._verify(crc, arrival, start, n)
         arrival.written = start + n
         if arrival.written == arrival.nbytes:
             del self._incoming[arrival.msg_id]

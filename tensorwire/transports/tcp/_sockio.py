@@ -64,6 +64,7 @@ class SockIO:
         self._start = 0
         self._end = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self.last_header = b""  # raw bytes of the last frame header read (for checksums)
 
     # -- waiting ----------------------------------------------------------------------------
     async def _wait(self, add: Callable[..., None], remove: Callable[[int], bool]) -> None:
@@ -109,7 +110,9 @@ class SockIO:
     async def read_header(self) -> FrameHeader:
         while self._end - self._start < HEADER.size:
             await self._fill()
-        hdr = unpack(memoryview(self._buf)[self._start : self._start + HEADER.size])
+        raw = bytes(self._buf[self._start : self._start + HEADER.size])
+        hdr = unpack(raw)
+        self.last_header = raw
         self._start += HEADER.size
         return hdr
 

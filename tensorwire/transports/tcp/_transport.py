@@ -11,7 +11,7 @@ from collections.abc import Awaitable
 
 from ...errors import ConnectError, PeerDisconnected, ProtocolError
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
-from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, FrameType, PeerLimits, pack, proof
+from .._frames import FLAG_CHECKSUM, LIMITS, MAX_SESSION_ID, NONCE_BYTES, FrameType, PeerLimits, pack, proof
 from ._channel import TcpChannel
 from ._sockio import SockIO
 
@@ -51,7 +51,8 @@ class TcpTransport(Transport):
     @property
     def _peer_limits(self) -> PeerLimits:
         lim = self.ctx.limits
-        return PeerLimits(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes)
+        flags = FLAG_CHECKSUM if self.ctx.checksum else 0
+        return PeerLimits(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes, flags)
 
     async def listen(self) -> bytes:
         host = self.ctx.host
@@ -126,7 +127,7 @@ class TcpTransport(Transport):
         except BaseException:
             io.close()
             raise
-        channel = TcpChannel(io, self.ctx.limits, remote, name=f"{who}")
+        channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=f"{who}")
         self._track(channel)
         if fut.done():
             await channel.aclose()
@@ -175,7 +176,7 @@ class TcpTransport(Transport):
             else:
                 sock.close()
             raise
-        channel = TcpChannel(io, self.ctx.limits, remote, name=f"{host}:{port}")
+        channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=f"{host}:{port}")
         self._track(channel)
         return channel
 
