@@ -11,6 +11,7 @@ from . import errors
 from ._node import Node, NodeConfig, start
 from ._path import Path
 from ._peer import Peer
+from .control import TLSConfig
 from .errors import *  # noqa: F403 - the error tree is part of the top-level API
 from .transports import Capabilities, Limits, Receipt
 
@@ -24,6 +25,7 @@ __all__ = [
     "Path",
     "Peer",
     "Receipt",
+    "TLSConfig",
     "__version__",
     "errors",
     "start",

@@ -14,7 +14,7 @@ from typing import Any
 
 from ._path import Path
 from ._peer import Peer
-from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, check_require
+from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, TLSConfig, check_require
 from .control._convert import offer_from_pb, offer_to_pb
 from .control._pb import control_pb2
 from .errors import (
@@ -44,6 +44,8 @@ class NodeConfig:
         renewals for this long is declared dead (PeerDisconnected), even if its sockets stay up.
     checksum: crc32c on every staged-TCP payload frame (on when either side asks); a corrupted
         frame raises IntegrityError and is never delivered.
+    tls: certificates for the control plane (TLSConfig): TLS, or mutual TLS with
+        require_client_cert. The session secret then never crosses the network in the clear.
     node_id: this node's name; a random one by default.
     """
 
@@ -53,6 +55,7 @@ class NodeConfig:
     connect_timeout: float = 10.0
     lease_seconds: float = 3.0
     checksum: bool = False
+    tls: TLSConfig | None = None
     node_id: str | None = None
 
 
@@ -209,7 +212,7 @@ class Node:
             request.offers.append(offer_to_pb(offer))
         for name, reason in self.unusable.items():
             request.unavailable.add(name=name, reason=reason)
-        client = ControlClient(address)
+        client = ControlClient(address, self.config.tls)
         try:
             async with asyncio.timeout(timeout):
                 resp = await client.handshake(request, timeout)

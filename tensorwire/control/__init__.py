@@ -3,6 +3,7 @@
 from ._client import ControlClient
 from ._negotiate import REQUIRE, Choice, Offer, check_require, choose
 from ._server import PROTOCOL_VERSION, ControlServer
+from ._tls import TLSConfig
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -11,6 +12,7 @@ __all__ = [
     "ControlClient",
     "ControlServer",
     "Offer",
+    "TLSConfig",
     "check_require",
     "choose",
 ]

@@ -11,6 +11,7 @@ from ..errors import (
     NegotiationError,
 )
 from ._pb import control_pb2, control_pb2_grpc
+from ._tls import TLSConfig
 
 __all__ = ["ControlClient", "SessionLost", "map_rpc_error"]
 
@@ -19,7 +20,12 @@ class SessionLost(ControlPlaneError):
     """The server dropped the session (it restarted, or the lease ran out)."""
 
 
-def map_rpc_error(exc: grpc.aio.AioRpcError, target: str) -> Exception:
+_TLS_FAILURE = ("ssl", "handshake", "certificate")
+
+
+def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) -> Exception:
+    """A control-plane failure as an error from the tree. With TLS on, a server that closes the
+    connection during setup has most likely rejected our certificate, and we say so."""
     code, detail = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{target} refused the handshake: {detail}")
@@ -27,31 +33,41 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, target: str) -> Exception:
         return NegotiationError(f"{target}: {detail}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectTimeout(f"{target} did not answer in time ({detail})")
+    if code == grpc.StatusCode.UNAVAILABLE and tls:
+        low = detail.lower()
+        if any(w in low for w in _TLS_FAILURE):
+            return AuthenticationError(f"TLS handshake with {target} failed: {detail}")
+        if "socket closed" in low:
+            return AuthenticationError(
+                f"{target} closed the connection during TLS setup (certificate rejected?): {detail}"
+            )
     if code == grpc.StatusCode.UNAVAILABLE:
         return ControlPlaneError(f"cannot reach a tensorwire node at {target}: {detail}")
     return ControlPlaneError(f"control call to {target} failed: {code.name}: {detail}")
 
 
 class ControlClient:
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, tls: TLSConfig | None = None) -> None:
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target)
+        self._tls = tls is not None
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(target)
+        else:
+            self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=tls.channel_options())
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
 
     async def handshake(self, request: control_pb2.HandshakeRequest, deadline: float) -> control_pb2.HandshakeResponse:
         try:
-            resp: control_pb2.HandshakeResponse = await self._stub.Handshake(
-                request, timeout=deadline, wait_for_ready=True
-            )
+            resp: control_pb2.HandshakeResponse = await self._stub.Handshake(request, timeout=deadline)
         except grpc.aio.AioRpcError as exc:
-            raise map_rpc_error(exc, self.target) from exc
+            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
         return resp
 
     async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
         try:
             info: control_pb2.NodeInfo = await self._stub.GetNodeInfo(control_pb2.NodeInfoRequest(), timeout=deadline)
         except grpc.aio.AioRpcError as exc:
-            raise map_rpc_error(exc, self.target) from exc
+            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
         return info
 
     async def heartbeat(self, session_id: str, deadline: float) -> None:
@@ -61,7 +77,7 @@ class ControlClient:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise SessionLost(f"{self.target} no longer knows this session: {exc.details()}") from exc
-            raise map_rpc_error(exc, self.target) from exc
+            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
 
     async def aclose(self) -> None:
         await self._channel.close()

@@ -119,11 +119,16 @@ class ControlServer:
             self._server,
         )
         self.port = 0
+        self._tls = node.config.tls
 
     async def start(self, host: str, port: int) -> int:
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        tls = self._tls
         try:
-            self.port = self._server.add_insecure_port(target)
+            if tls is None:
+                self.port = self._server.add_insecure_port(target)
+            else:
+                self.port = self._server.add_secure_port(target, tls.server_credentials())
         except RuntimeError as exc:
             raise ConfigurationError(f"cannot bind the control plane to {target}: {exc}") from exc
         await self._server.start()

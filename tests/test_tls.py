@@ -1,0 +1,131 @@
+"""TLS and mutual TLS on the control plane, with certificates made for the test."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+import tensorwire
+from tensorwire import TLSConfig
+from tensorwire.control._pb.control_pb2 import HandshakeRequest
+from tensorwire.control._pb.control_pb2_grpc import ControlStub
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path: Path, cert: x509.Certificate, key) -> tuple[str, str]:
+    c, k = path.with_suffix(".crt"), path.with_suffix(".key")
+    c.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    k.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(c), str(k)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    d = tmp_path_factory.mktemp("pki")
+    ca_key, rogue_key = _key(), _key()
+    ca = _cert("tensorwire-test-ca", ca_key, "tensorwire-test-ca", ca_key, ca=True)
+    rogue = _cert("rogue-ca", rogue_key, "rogue-ca", rogue_key, ca=True)
+    out = {"ca": _write(d / "ca", ca, ca_key), "rogue_ca": _write(d / "rogue", rogue, rogue_key)}
+    for who, (issuer, ikey, iname) in {
+        "server": (ca, ca_key, "tensorwire-test-ca"),
+        "client": (ca, ca_key, "tensorwire-test-ca"),
+        "intruder": (rogue, rogue_key, "rogue-ca"),
+    }.items():
+        k = _key()
+        out[who] = _write(d / who, _cert(who, k, iname, ikey), k)
+    return out
+
+
+def _tls(pki, who: str, *, ca: str = "ca", mutual: bool = False) -> TLSConfig:
+    cert, key = pki[who]
+    return TLSConfig(cert_file=cert, key_file=key, ca_file=pki[ca][0], require_client_cert=mutual)
+
+
+async def _exchange(client: tensorwire.Node, server: tensorwire.Node) -> None:
+    a = await client.connect(server.address)
+    b = await server.accept()
+    await a.send(np.arange(5))
+    assert np.array_equal(await b.recv(), np.arange(5))
+
+
+async def test_tls(pki) -> None:
+    async with (
+        tensorwire.start("127.0.0.1:0", tls=_tls(pki, "server")) as server,
+        tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client")) as client,
+    ):
+        await _exchange(client, server)
+
+
+async def test_mutual_tls_accepts_good_and_rejects_bad_client_certs(pki) -> None:
+    async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "server", mutual=True), transports=("tcp",)) as server:
+        async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client")) as good:
+            await _exchange(good, server)
+        # a stock gRPC client that verifies the server but presents no certificate
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(pki["ca"][0]).read_bytes())
+        async with grpc.aio.secure_channel(server.address, creds) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await ControlStub(ch).Handshake(HandshakeRequest(protocol_version=1), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "intruder")) as intruder:
+            with pytest.raises(tensorwire.AuthenticationError):
+                await intruder.connect(server.address, connect_timeout=5)
+        async with tensorwire.start("127.0.0.1:0") as plaintext:
+            with pytest.raises(tensorwire.ControlPlaneError):
+                await plaintext.connect(server.address, connect_timeout=5)
+        # the server is unharmed
+        async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client")) as again:
+            await _exchange(again, server)
+
+
+async def test_client_rejects_a_server_it_cannot_verify(pki) -> None:
+    async with (
+        tensorwire.start("127.0.0.1:0", tls=_tls(pki, "intruder")) as fake_server,
+        tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client")) as client,
+    ):
+        with pytest.raises(tensorwire.AuthenticationError):
+            await client.connect(fake_server.address, connect_timeout=5)
+
+
+def test_bad_tls_configuration_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(tensorwire.ConfigurationError, match="cert_file"):
+        TLSConfig().server_credentials()
+    with pytest.raises(tensorwire.ConfigurationError, match="cannot read"):
+        TLSConfig(cert_file=str(tmp_path / "missing.crt"), key_file="x").server_credentials()
