@@ -79,3 +79,50 @@ async def test_frozen_client_is_declared_dead_by_server() -> None:
             assert node._leases == {}
         finally:
             await _stop(proc)
+
+
+async def _serve_child() -> tuple[asyncio.subprocess.Process, str]:
+    proc = await _spawn("-m", "tensorwire.cli", "serve", "--address", "127.0.0.1:0", "--transports", "tcp")
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    return proc, line.decode().split("serving at")[1].strip()
+
+
+async def test_sigkill_mid_gigabyte_transfer_then_restart() -> None:
+    """Every pending op on the survivor fails promptly; other peers and a restarted peer work."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as bystander_node,
+    ):
+        bystander = await bystander_node.connect(node.address)
+        bystander_remote = await node.accept()
+        proc, address = await _serve_child()
+        try:
+            peer = await node.connect(address)
+            payload = np.ones(1 << 30, np.uint8)
+            pending = [
+                asyncio.ensure_future(peer.send(payload, tag="big")),  # the child never receives it
+                asyncio.ensure_future(peer.recv(tag="a")),
+                asyncio.ensure_future(peer.recv(tag="b", out=np.empty(16))),
+            ]
+            await asyncio.sleep(0.3)
+            proc.kill()
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+            detected = time.monotonic() - t0
+            assert all(isinstance(r, tensorwire.PeerDisconnected) for r in results), results
+            assert detected < 5.0, detected
+            print(f"\nkilled peer detected in {detected * 1000:.1f} ms")
+        finally:
+            await _stop(proc)
+        # the survivor keeps serving its other peer
+        await bystander.send(np.arange(10), tag="still")
+        assert np.array_equal(await bystander_remote.recv(tag="still"), np.arange(10))
+        # and a restarted peer can be reached again
+        proc, address = await _serve_child()
+        try:
+            again = await node.connect(address)
+            r = await again.send(np.arange(1000), tag="hello")
+            assert r.nbytes == 8000
+        finally:
+            await _stop(proc)
