@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import platform
 import resource
@@ -237,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("address")
     p.add_argument("size_mib", type=int)
     args = parser.parse_args(argv)
+    # the command line is an application: it may configure logging (the library never does)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.cmd == "demo":
             return asyncio.run(_demo(args.size_mib, args.repeat))

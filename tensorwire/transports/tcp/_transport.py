@@ -7,6 +7,7 @@ import hmac
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable
 
 from ...errors import ConnectError, PeerDisconnected, ProtocolError
@@ -32,6 +33,28 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class _RateLimitedLog:
+    """Warn about the first ``per_window`` events in each window, then count the rest, so that a
+    flood of hostile connections cannot flood the log too."""
+
+    def __init__(self, logger: logging.Logger, per_window: int, window: float) -> None:
+        self._log, self._per, self._window = logger, per_window, window
+        self._start = 0.0
+        self._count = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._start > self._window:
+            if self._count > self._per:
+                self._log.warning(
+                    "... and %d more dropped connections in %.0f s", self._count - self._per, self._window
+                )
+            self._start, self._count = now, 0
+        self._count += 1
+        if self._count <= self._per:
+            self._log.warning(msg, *args)
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
@@ -47,6 +70,7 @@ class TcpTransport(Transport):
         self._handshakes: set[asyncio.Task[None]] = set()
         self._channels: set[TcpChannel] = set()
         self._closed = False
+        self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
 
     @property
     def _peer_limits(self) -> PeerLimits:
@@ -121,7 +145,7 @@ class TcpTransport(Transport):
                 reply = proof(session.secret, nonce, sid, b"server") + self._peer_limits.pack()
                 await io.send_all([pack(FrameType.WELCOME, meta_len=len(reply)), reply])
         except (ProtocolError, PeerDisconnected, TimeoutError, OSError) as exc:
-            log.warning("dropped tcp data connection from %s: %s", who, exc or type(exc).__name__)
+            self._drops.warn("dropped tcp data connection from %s: %s", who, exc or type(exc).__name__)
             io.close()
             return
         except BaseException:
