@@ -1,0 +1,202 @@
+"""Soak: many peers, random sizes, random cancellations and peer restarts; nothing lost or corrupted.
+
+    python benchmarks/soak.py [--duration 60] [--peers 4] [--max-mib 256] [--seed 0] [--transport tcp]
+
+A hub node in this process talks to worker processes. Each message carries an id, a crc32c of its
+payload and the payload itself (0 B to --max-mib, log-uniform). A worker verifies the crc of every
+message it receives and answers with the id and the verdict. The hub cancels some of its sends at
+random moments (asyncio.wait_for with a short deadline), workers cancel some of their recvs at
+random moments, and the hub SIGKILLs and restarts a random worker from time to time.
+
+Accounting, per message the hub tried to send:
+  verified   the worker acknowledged it with a matching crc
+  cancelled  the send was cancelled (delivered whole or not at all: both are fine)
+  failed     the send raised an error from the tree (counted by type; e.g. a killed worker)
+  corrupted  a worker saw a crc mismatch or the hub got a wrong crc back      -> must be 0
+  lost       the send returned, its worker stayed alive, yet no answer came   -> must be 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import math
+import random
+import sys
+import time
+
+import crc32c
+import numpy as np
+
+import tensorwire
+
+MiB = 1 << 20
+
+WORKER = r"""
+import asyncio, random, sys
+import crc32c, numpy as np, tensorwire
+
+async def main(address, seed, transport):
+    rng = random.Random(seed)
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        peer = await node.connect(address)
+        while True:
+            try:
+                if rng.random() < 0.2:  # a recv cancelled at a random moment must lose nothing
+                    try:
+                        msg = await asyncio.wait_for(peer.recv(tag="soak"), rng.uniform(0, 0.01))
+                    except TimeoutError:
+                        continue
+                else:
+                    msg = await peer.recv(tag="soak")
+            except tensorwire.PeerDisconnected:
+                return
+            data = msg["data"]
+            ok = crc32c.crc32c(memoryview(np.ascontiguousarray(data)).cast("B")) == msg["crc"]
+            await peer.send({"id": msg["id"], "ok": bool(ok)}, tag="ack")
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+"""
+
+
+class Worker:
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.proc: asyncio.subprocess.Process | None = None
+        self.peer: tensorwire.Peer | None = None
+        self.pending: dict[int, tuple[int, float]] = {}  # id -> (nbytes, sent_at)
+        self.cancelled: set[int] = set()  # ids whose send was cancelled: may never arrive
+        self.generation = 0
+
+
+async def run(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    nprng = np.random.default_rng(args.seed)
+    stats: collections.Counter[str] = collections.Counter()
+    failures: collections.Counter[str] = collections.Counter()
+    moved = 0
+    next_id = 0
+    pool = nprng.integers(0, 255, size=args.max_mib * MiB, dtype=np.uint8)  # random bytes, sliced per message
+
+    async with tensorwire.start("127.0.0.1:0", transports=(args.transport,)) as hub:
+        workers = [Worker(i) for i in range(args.peers)]
+
+        async def launch(w: Worker) -> None:
+            w.generation += 1
+            w.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", WORKER, hub.address, str(args.seed * 100 + w.slot * 10 + w.generation),
+                args.transport,
+            )
+            w.peer = await asyncio.wait_for(hub.accept(), 30)
+            w.pending = {}
+            w.cancelled = set()
+
+        async def kill(w: Worker) -> None:
+            assert w.proc is not None
+            w.proc.kill()
+            await w.proc.wait()
+            stats["restarts"] += 1
+            stats["unacked_at_kill"] += len(w.pending)  # died with the worker, reported separately
+            if w.peer is not None:
+                await w.peer.aclose()
+
+        async def drain_acks(w: Worker, wait: float) -> None:
+            assert w.peer is not None
+            while any(mid not in w.cancelled for mid in w.pending):  # cancelled ones may never come
+                try:
+                    ack = await asyncio.wait_for(w.peer.recv(tag="ack"), wait)
+                except TimeoutError:
+                    return
+                except tensorwire.TensorWireError as exc:
+                    failures[f"ack {type(exc).__name__}"] += 1
+                    return
+                entry = w.pending.pop(ack["id"], None)
+                if entry is None:
+                    continue
+                stats["verified" if ack["ok"] else "corrupted"] += 1
+
+        for w in workers:
+            await launch(w)
+        t_end = time.monotonic() + args.duration
+        t0 = time.monotonic()
+        while time.monotonic() < t_end:
+            w = rng.choice(workers)
+            assert w.peer is not None
+            if rng.random() < args.restart_rate:
+                await kill(w)
+                await launch(w)
+                continue
+            size = 0 if rng.random() < 0.05 else int(math.exp(rng.uniform(math.log(1), math.log(args.max_mib * MiB))))
+            start = rng.randrange(0, len(pool) - size + 1)
+            data = pool[start : start + size]
+            msg = {"id": next_id, "crc": crc32c.crc32c(memoryview(data)), "data": data}
+            next_id += 1
+            stats["attempted"] += 1
+            try:
+                if rng.random() < 0.1:  # cancel this send at a random moment
+                    try:
+                        await asyncio.wait_for(w.peer.send(msg, tag="soak"), rng.uniform(0, 0.02))
+                    except TimeoutError:
+                        stats["cancelled"] += 1
+                        # delivered whole or not at all: if it arrives, it is verified like any other
+                        w.pending[msg["id"]] = (size, time.monotonic())
+                        w.cancelled.add(msg["id"])
+                        continue
+                else:
+                    await w.peer.send(msg, tag="soak")
+            except tensorwire.TensorWireError as exc:
+                failures[type(exc).__name__] += 1
+                continue
+            moved += size
+            w.pending[msg["id"]] = (size, time.monotonic())
+            if len(w.pending) > 8:
+                await drain_acks(w, 30)
+        elapsed = time.monotonic() - t0
+        lost = 0
+        cancelled_not_delivered = 0
+        for w in workers:
+            await drain_acks(w, 30)
+            for mid in w.pending:  # the worker is alive and answered everything it got
+                if mid in w.cancelled:
+                    cancelled_not_delivered += 1
+                else:
+                    lost += 1
+            assert w.proc is not None
+            w.proc.kill()
+            await w.proc.wait()
+
+    print(f"soak over {args.transport}: {elapsed:.1f} s, {args.peers} worker processes, sizes 0 B..{args.max_mib} MiB")
+    rows = [
+        ("messages attempted", stats["attempted"]),
+        ("verified by a worker", stats["verified"]),
+        ("sends cancelled (random)", stats["cancelled"]),
+        ("  of those never delivered", cancelled_not_delivered),
+        ("worker restarts (SIGKILL)", stats["restarts"]),
+        ("unacknowledged when their worker was killed", stats["unacked_at_kill"]),
+        ("bytes moved (completed sends)", f"{moved / 1e9:.2f} GB ({moved / elapsed / 1e9:.2f} GB/s)"),
+    ]
+    for name, value in rows:
+        print(f"  {name:<46} {value}")
+    print("  failures by type: " + (", ".join(f"{k}={v}" for k, v in sorted(failures.items())) or "none"))
+    corrupted = stats["corrupted"]
+    verdict = "OK" if lost == 0 and corrupted == 0 else "FAILED"
+    print(f"lost: {lost}, corrupted: {corrupted} -> {verdict}")
+    return 0 if verdict == "OK" else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--max-mib", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart-rate", type=float, default=0.01, help="chance per step to kill and restart a worker")
+    p.add_argument("--transport", default="tcp")
+    return asyncio.run(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
