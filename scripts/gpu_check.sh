@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Every GPU test and the GPU benchmark, in one call, on a machine with a CUDA GPU and CuPy.
+#
+#   bash scripts/gpu_check.sh            # from anywhere; runs in the repository root
+#   PYTHON=/path/to/python bash scripts/gpu_check.sh
+#   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh
+#
+# The project's Python dependencies are installed first where they are missing or too old:
+# from the package index when it can be reached, else from wheels carried in .whl/ (git-ignored;
+# see docs/gpu.md for how to fill it), into /tmp/tensorwire-site, which goes on PYTHONPATH.
+# Ends with a summary; exits non-zero when a test or the benchmark failed.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SITE=/tmp/tensorwire-site
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+"$PY" -c 'import sys, cupy; print("python", sys.version.split()[0], "| cupy", cupy.__version__, "| CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(), "| devices", cupy.cuda.runtime.getDeviceCount())' \
+    || echo "WARNING: CuPy or CUDA is not usable here; the GPU tests will skip"
+
+deps() {  # deps index|wheels: what to install for the project's test dependencies (pyproject.toml)
+    "$PY" - "$1" <<'EOF'
+import pathlib, re, sys, tomllib
+from importlib import metadata
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+skip = {"ruff", "mypy", "grpcio-tools"}  # tools, not imported by the tests
+reqs = [Requirement(r) for r in project["dependencies"] + project.get("optional-dependencies", {}).get("dev", [])]
+reqs = [r for r in reqs if r.name not in skip and (r.marker is None or r.marker.evaluate())]
+reqs.append(Requirement("pytest>=8.4"))  # the carried pytest-asyncio 1.x needs it
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+
+def have(name):
+    try:
+        return Version(metadata.version(name))
+    except metadata.PackageNotFoundError:
+        return None
+
+bad = {norm(r.name): r for r in reqs if have(r.name) is None or have(r.name) not in r.specifier}
+if sys.argv[1] == "index":
+    print(" ".join(str(r) for r in bad.values()))
+    sys.exit()
+for wheel in sorted(pathlib.Path(".whl").glob("*.whl")):
+    name, version = wheel.name.split("-")[:2]
+    installed = have(name)
+    if norm(name) in bad or (norm(name) not in {norm(r.name) for r in reqs}
+                             and (installed is None or installed < Version(version))):
+        print(wheel)  # a needed dependency, or a helper of one that is absent or older here
+EOF
+}
+
+echo "== dependencies"
+"$PY" -c 'import pytest; print("pytest", pytest.__version__)'
+NEED=$(deps index)
+if [ -n "$NEED" ]; then
+    echo "missing or too old: $NEED"
+    if "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; then
+        echo "installing from the package index"
+        # shellcheck disable=SC2086
+        "$PY" -m pip install -q --disable-pip-version-check --target "$SITE" $NEED
+    elif [ -d .whl ]; then
+        WHEELS=$(deps wheels)
+        echo "no network: installing carried wheels: $(echo $WHEELS)"
+        # shellcheck disable=SC2086
+        [ -n "$WHEELS" ] && "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+            --no-cache-dir --upgrade --target "$SITE" $WHEELS
+    else
+        echo "no network and no .whl/ folder: continuing without them"
+    fi
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    STILL=$(deps index)
+    [ -n "$STILL" ] && echo "still missing: $STILL"
+else
+    echo "all present"
+fi
+
+echo "== GPU tests: $PY -m pytest -m gpu tests/ -q"
+"$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee /tmp/tensorwire-gpu-tests.log
+TESTS_RC=${PIPESTATUS[0]}
+
+echo "== GPU benchmark: $PY benchmarks/gpu_pack.py ${BENCH_ARGS:-}"
+# shellcheck disable=SC2086
+PYTHONUNBUFFERED=1 "$PY" benchmarks/gpu_pack.py ${BENCH_ARGS:-} 2>&1 | tee /tmp/tensorwire-gpu-bench.log
+BENCH_RC=${PIPESTATUS[0]}
+
+echo "== summary"
+echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' /tmp/tensorwire-gpu-tests.log | tail -1) (exit $TESTS_RC)"
+echo "benchmark: $(grep -m1 '^device:' /tmp/tensorwire-gpu-bench.log || echo 'no device line') (exit $BENCH_RC)"
+if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]; then
+    echo "GPU CHECK: PASS"
+    exit 0
+fi
+echo "GPU CHECK: FAIL"
+exit 1

@@ -1,0 +1,98 @@
+"""tensorwire.native without a GPU: importing it needs no CuPy, calling it says what is missing,
+and the copy planner (pure Python) maps every layout onto the right bytes."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from tensorwire.errors import TensorError, UnsupportedTensorError
+
+
+def test_import_without_cupy_and_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    for name in [m for m in sys.modules if m.startswith("tensorwire.native")]:
+        monkeypatch.delitem(sys.modules, name)
+    import tensorwire.native as native
+
+    assert "cupy" not in [m for m in sys.modules if sys.modules[m] is not None]
+    with pytest.raises(native.NativeUnavailableError, match=r"CuPy") as info:
+        native.pack(np.zeros(3))
+    assert isinstance(info.value, TensorError)
+    assert isinstance(info.value, UnsupportedTensorError)
+    assert "pip install cupy" in str(info.value)
+    with pytest.raises(TensorError, match=r"CuPy"):
+        native.unpack(np.zeros(3, np.uint8), np.zeros(3, np.uint8))
+
+
+# ------------------------------------------------------------------ the planner, simulated
+
+
+def _layouts():
+    return {
+        "contig": ((6, 10), lambda a: a),
+        "0d": ((), lambda a: a),
+        "transpose": ((40, 24), lambda a: a.T),
+        "permute4": ((2, 17, 5, 33), lambda a: a.transpose(0, 3, 1, 2)),
+        "neg": ((9, 13), lambda a: a[::-1, ::-1]),
+        "neg-T": ((20, 18), lambda a: a[::-1].T),
+        "step": ((16, 30), lambda a: a[1::3, 2::5]),
+        "rows": ((16, 32), lambda a: a[:, 8:24]),
+        "rows-odd": ((15, 31), lambda a: a[3:, 1:-2]),
+        "column": ((12, 7), lambda a: a[:, 3]),
+        "8d": ((2, 3, 2, 3, 2, 3, 2, 3), lambda a: a.transpose(7, 6, 5, 4, 3, 2, 1, 0)),
+        "8d-slices": ((3, 4, 3, 4, 3, 4, 3, 4), lambda a: a[::2, 1:, ::-1, :, 1::2, :, ::-1, 1:3]),
+        "broadcast": ((5, 1, 7), lambda a: np.broadcast_to(a, (5, 4, 7))),
+    }
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("layout", list(_layouts()))
+@pytest.mark.parametrize("packed_offset", [0, 4])
+def test_plan_maps_every_layout(layout: str, itemsize: int, packed_offset: int) -> None:
+    from tensorwire.native._pack import _plan
+
+    base_shape, view = _layouts()[layout]
+    rng = np.random.default_rng()
+    n = int(np.prod(base_shape)) * itemsize
+    buf = rng.integers(0, 256, size=n + 64, dtype=np.uint8)
+    base = buf[16:16 + n].view(f"V{itemsize}").reshape(base_shape)
+    x = view(base)
+    plan = _plan(x.shape, x.strides, itemsize, x.ctypes.data, 256 + packed_offset)
+    assert plan.word in (1, 2, 4, 8, 16)
+    assert plan.nwords * plan.word == x.nbytes
+    assert x.ctypes.data % plan.word == 0 and (256 + packed_offset) % plan.word == 0
+    # what the kernels do: word i of the packed side <-> word at offset(i) of the strided side
+    origin = x.ctypes.data - buf.ctypes.data
+    words = np.lib.stride_tricks.as_strided(
+        buf[origin:], shape=(*plan.shape, plan.word), strides=(*(s * plan.word for s in plan.strides), 1))
+    assert words.tobytes() == np.ascontiguousarray(x).tobytes()
+    assert plan.kind in ("memcpy", "tiled", "elementwise")
+    if plan.kind == "tiled":
+        assert plan.tile_axis is not None and abs(plan.strides[plan.tile_axis]) == 1
+
+
+def test_plan_kinds() -> None:
+    from tensorwire.native._pack import _plan
+
+    def kind(x: np.ndarray) -> tuple[str, int]:
+        p = _plan(x.shape, x.strides, x.itemsize, x.ctypes.data & ~255, 0)
+        return p.kind, p.word
+
+    a = np.zeros((256, 512), np.float32)
+    assert kind(a) == ("memcpy", 16)
+    assert kind(a[:, 128:384]) == ("elementwise", 16)
+    assert kind(a.T) == ("tiled", 4)
+    assert kind(np.zeros((8, 64, 64, 32), np.float16).transpose(0, 3, 1, 2)) == ("tiled", 2)
+    assert kind(a[:, ::2]) == ("elementwise", 4)
+    assert kind(np.zeros((), np.complex128)) == ("memcpy", 16)
+    assert kind(np.zeros((4, 8), np.float64).T) == ("elementwise", 8)  # too small to tile
+
+
+def test_kernel_sources_are_generated() -> None:
+    from tensorwire.native._pack import _elementwise_source, _tiled_source
+
+    src = _elementwise_source("tw_pack_w4_i32_d3", 4, "unsigned int", 3, unpack=False)
+    assert "tw_pack_w4_i32_d3(" in src and "s2" in src and "__global__" in src
+    src = _tiled_source("tw_tiled_w16_r2", 16, 2)
+    assert "tw_word16 tile[32]" in src and "ds1" in src
