@@ -81,7 +81,7 @@ class Node:
         self.offers: dict[str, Offer] = {}
         self.unusable: dict[str, str] = {}
         self._server: ControlServer | None = None
-        self._incoming: asyncio.Queue[Peer] = asyncio.Queue()
+        self._incoming: asyncio.Queue[Peer | None] = asyncio.Queue()  # None: the node closed
         self._waiting: set[asyncio.Task[None]] = set()
         self.peers: list[Peer] = []
         self._leases: dict[str, tuple[float, Peer]] = {}
@@ -261,11 +261,19 @@ class Node:
     async def accept(self) -> Peer:
         """Wait for the next peer that connects to this node."""
         self._check_open()
-        return await self._incoming.get()
+        peer = await self._incoming.get()
+        if peer is None:
+            self._incoming.put_nowait(None)  # wake the next waiter too
+            raise ClosedResourceError("node is closed")
+        return peer
 
     async def __aiter__(self) -> AsyncIterator[Peer]:
-        while not self._closed:
-            yield await self.accept()
+        """Peers as they connect, until the node closes."""
+        while True:
+            try:
+                yield await self.accept()
+            except ClosedResourceError:
+                return
 
     def _forget(self, peer: Peer) -> None:
         if peer in self.peers:
@@ -282,6 +290,7 @@ class Node:
         self._closed = True
         for task in list(self._waiting):
             task.cancel()
+        self._incoming.put_nowait(None)
         if self._watchdog is not None:
             self._watchdog.cancel()
         await asyncio.gather(*[p.aclose() for p in list(self.peers)], return_exceptions=True)

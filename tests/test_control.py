@@ -157,3 +157,20 @@ async def test_data_connection_never_opened_is_forgotten() -> None:
         await asyncio.sleep(1.0)
         assert node.peers == []
         assert node.transports["tcp"]._pending == {}
+
+
+async def test_accept_wakes_when_node_closes() -> None:
+    import asyncio
+
+    node = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+    waiter = asyncio.ensure_future(node.accept())
+
+    async def iterate() -> int:
+        return len([p async for p in node])
+
+    iterator = asyncio.ensure_future(iterate())
+    await asyncio.sleep(0.05)
+    await node.aclose()
+    with pytest.raises(tensorwire.ClosedResourceError):
+        await asyncio.wait_for(waiter, 5)
+    assert await asyncio.wait_for(iterator, 5) == 0
