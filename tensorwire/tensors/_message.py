@@ -116,8 +116,34 @@ def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeN
     return node
 
 
+_SINGLE_TREE = wire_pb2.TreeNode(tensor=0)
+_CACHE_LIMIT = 1024
+_single_cache: dict[tuple[np.dtype, tuple[int, ...]], tuple[list[Spec], bytes]] = {}
+_decode_cache: dict[bytes, tuple[wire_pb2.TreeNode, list[Spec]]] = {}
+
+
+def _prepare_array(arr: np.ndarray) -> Outgoing:
+    """The common case, one contiguous numpy array: header built once per (dtype, shape)."""
+    key = (arr.dtype, arr.shape)
+    hit = _single_cache.get(key)
+    if hit is None:
+        msg = _prepare_tree(arr)
+        if len(_single_cache) >= _CACHE_LIMIT:
+            _single_cache.clear()
+        _single_cache[key] = (msg.specs, msg.header)
+        return msg
+    specs, header = hit
+    return Outgoing(_SINGLE_TREE, specs, [arr], False, specs[0].nbytes, header)
+
+
 def prepare(obj: object) -> Outgoing:
     """Flatten a message for sending; the tensors' bytes are not copied unless packing is needed."""
+    if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype.isnative:
+        return _prepare_array(obj)
+    return _prepare_tree(obj)
+
+
+def _prepare_tree(obj: object) -> Outgoing:
     views: list[TensorView] = []
     tree = _flatten(obj, views, 0)
     arrays: list[np.ndarray] = []
@@ -136,7 +162,28 @@ def prepare(obj: object) -> Outgoing:
 def decode_header(
     data: bytes | bytearray | memoryview, *, max_message_bytes: int
 ) -> tuple[wire_pb2.TreeNode, list[Spec]]:
-    """Parse and validate a received header. Raises ProtocolError for anything inconsistent."""
+    """Parse and validate a received header. Raises ProtocolError for anything inconsistent.
+
+    Validated results are cached by the header's bytes (small headers only), so a stream of
+    same-shaped messages is parsed once.
+    """
+    small = len(data) <= 512
+    if small:
+        key = bytes(data)
+        hit = _decode_cache.get(key)
+        if hit is not None and max(sum(s.nbytes for s in hit[1]), 0) <= max_message_bytes:
+            return hit
+    tree, specs = _decode_header(data, max_message_bytes)
+    if small:
+        if len(_decode_cache) >= _CACHE_LIMIT:
+            _decode_cache.clear()
+        _decode_cache[key] = (tree, specs)
+    return tree, specs
+
+
+def _decode_header(
+    data: bytes | bytearray | memoryview, max_message_bytes: int
+) -> tuple[wire_pb2.TreeNode, list[Spec]]:
     try:
         msg = wire_pb2.MessageHeader.FromString(bytes(data))
     except Exception as exc:  # protobuf raises DecodeError and friends
@@ -214,6 +261,10 @@ def _unflatten(node: wire_pb2.TreeNode, leaves: list[Any]) -> Any:
 
 def match_out(out: object, specs: list[Spec]) -> list[np.ndarray]:
     """The caller's out= pytree as writable arrays, one per tensor leaf, checked against specs."""
+    if type(out) is np.ndarray and len(specs) == 1:
+        s = specs[0]
+        if out.dtype == DTYPES.get(s.dtype) and out.shape == s.shape and out.flags.c_contiguous and out.flags.writeable:
+            return [out]
     views: list[TensorView] = []
     _flatten(out, views, 0)
     if len(views) != len(specs):

@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import ProtocolError
 
@@ -59,8 +60,7 @@ class FrameType(enum.IntEnum):
     BYE = 9
 
 
-@dataclass(frozen=True, slots=True)
-class FrameHeader:
+class FrameHeader(NamedTuple):
     type: FrameType
     flags: int
     meta_len: int
@@ -70,10 +70,12 @@ class FrameHeader:
     credit: int
     slots: int
 
+
     def pack(self) -> bytes:
-        return pack(
-            self.type, self.flags, self.meta_len, self.payload_len, self.msg_id, self.arg, self.credit, self.slots
-        )
+        return pack(*self)
+
+
+_TYPES = {int(t): t for t in FrameType}
 
 
 def pack(
@@ -94,10 +96,9 @@ def unpack(data: bytes | bytearray | memoryview) -> FrameHeader:
     magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
-    try:
-        t = FrameType(ftype)
-    except ValueError:
-        raise ProtocolError(f"unknown frame type {ftype}") from None
+    t = _TYPES.get(ftype)
+    if t is None:
+        raise ProtocolError(f"unknown frame type {ftype}")
     if reserved or flags & ~(RENDEZVOUS | CHECKSUM):
         raise ProtocolError("reserved frame bits set")
     return FrameHeader(t, flags, meta_len, payload_len, msg_id, arg, credit, slots)

@@ -245,8 +245,10 @@ class Mailbox:
                 arrival.allocate()
             arrival.pulling = True
             await self.channel.pull(arrival)
-        else:
+        elif not arrival.done.done():
             await asyncio.shield(arrival.done)
+        else:
+            arrival.done.result()  # raises if the message failed
         self.channel.release(arrival)
         assert arrival.dest is not None
         staged = False
