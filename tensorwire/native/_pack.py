@@ -106,8 +106,7 @@ class _Plan:
         return None
 
 
-def _plan(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, strided_ptr: int,
-          packed_ptr: int) -> _Plan:
+def _plan(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, strided_ptr: int, packed_ptr: int) -> _Plan:
     """Plan the copy of a non-empty array of ``shape``/``strides`` (bytes) into C order."""
     dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
     dims.append((itemsize, 1))
@@ -122,8 +121,12 @@ def _plan(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, strid
     inner = merged[-1][0]  # bytes in the innermost run; its stride is one byte
     word = 16
     while word > 1:
-        if (inner % word == 0 and strided_ptr % word == 0 and packed_ptr % word == 0
-                and all(s % word == 0 for _, s in merged[:-1])):
+        if (
+            inner % word == 0
+            and strided_ptr % word == 0
+            and packed_ptr % word == 0
+            and all(s % word == 0 for _, s in merged[:-1])
+        ):
             break
         word //= 2
     words = [(n, s // word) for n, s in merged[:-1]]
@@ -146,8 +149,7 @@ def _elementwise_source(name: str, word: int, index: str, ndim: int, unpack: boo
         body.append(f"    q = r / n{d}; off += (long long)(r - q * n{d}) * s{d}; r = q;")
     body.append("    off += (long long)r * s0;")
     body.append("    return off;")
-    offset_fn = (f"__device__ __forceinline__ long long tw_offset({index} r, {params}) {{\n"
-                 + "\n".join(body) + "\n}\n")
+    offset_fn = f"__device__ __forceinline__ long long tw_offset({index} r, {params}) {{\n" + "\n".join(body) + "\n}\n"
     if unpack:
         load, store = "src[{i}]", f"dst[tw_offset({{i}}, {args})]"
     else:
@@ -185,8 +187,9 @@ def _tiled_source(name: str, word: int, nrest: int, index: str = "long long") ->
     if nrest:
         decompose.append(f"        {t} r = z, q;")
     for k in range(nrest - 1, -1, -1):
-        decompose.append(f"        q = r / m{k}; soff += (r - q * m{k}) * ss{k};"
-                         f" doff += (r - q * m{k}) * ds{k}; r = q;")
+        decompose.append(
+            f"        q = r / m{k}; soff += (r - q * m{k}) * ss{k}; doff += (r - q * m{k}) * ds{k}; r = q;"
+        )
     decomp = "\n".join(decompose)
     return f"""{_PRELUDE}
 extern "C" __global__ void __launch_bounds__({_TILE * _TILE_ROWS})
@@ -246,7 +249,8 @@ def _check_array(cp: ModuleType, obj: object, what: str) -> None:
         available = False
     if not available:
         raise NativeUnavailableError(
-            f"tensorwire.native needs a CUDA device, and CuPy finds none ({what} is {type(obj).__name__})")
+            f"tensorwire.native needs a CUDA device, and CuPy finds none ({what} is {type(obj).__name__})"
+        )
     raise UnsupportedTensorError(f"{what} must be a cupy.ndarray on a CUDA device, not {type(obj).__name__}")
 
 
@@ -308,7 +312,8 @@ def _resolve_stream(cp: ModuleType, stream: Any) -> Any:
     if isinstance(ptr, int):
         return _external_stream(cp, ptr)
     raise UnsupportedTensorError(
-        f"stream must be a cupy stream, a raw cudaStream_t or None, not {type(stream).__name__}")
+        f"stream must be a cupy stream, a raw cudaStream_t or None, not {type(stream).__name__}"
+    )
 
 
 def _copy(cp: ModuleType, strided: Any, packed: Any, unpack: bool, stream: Any) -> None:
@@ -335,18 +340,30 @@ def _copy(cp: ModuleType, strided: Any, packed: Any, unpack: bool, stream: Any) 
         s_strides, d_strides = (pstrides, plan.strides) if unpack else (plan.strides, pstrides)
         rest = [d for d in range(ndim) if d not in (a, b)]
         nbatch = math.prod(plan.shape[d] for d in rest)
-        span = max(sum(abs(s) * (n - 1) for n, s in zip(plan.shape, strides, strict=True))
-                   for strides in (s_strides, d_strides))
-        narrow = max(span, nbatch + _MAX_GRID_YZ, plan.shape[a] + _TILE * _MAX_GRID_YZ,
-                     plan.shape[b] + _TILE) < _NARROW_LIMIT
+        span = max(
+            sum(abs(s) * (n - 1) for n, s in zip(plan.shape, strides, strict=True))
+            for strides in (s_strides, d_strides)
+        )
+        narrow = (
+            max(span, nbatch + _MAX_GRID_YZ, plan.shape[a] + _TILE * _MAX_GRID_YZ, plan.shape[b] + _TILE)
+            < _NARROW_LIMIT
+        )
         index = "int" if narrow else "long long"
         itype: Any = np.int32 if narrow else np.int64
         key: tuple[Any, ...] = ("tiled", word, len(rest), index)
         name = f"tw_tiled_w{word}_{'i32' if narrow else 'i64'}_r{len(rest)}"
         fn = _get_kernel(cp, device_id, key, name, _tiled_source(name, word, len(rest), index))
-        args: list[Any] = [np.uint64(src_ptr), np.uint64(dst_ptr), itype(plan.shape[a]), itype(plan.shape[b]),
-                           itype(s_strides[a]), itype(s_strides[b]), itype(d_strides[a]), itype(d_strides[b]),
-                           itype(nbatch)]
+        args: list[Any] = [
+            np.uint64(src_ptr),
+            np.uint64(dst_ptr),
+            itype(plan.shape[a]),
+            itype(plan.shape[b]),
+            itype(s_strides[a]),
+            itype(s_strides[b]),
+            itype(d_strides[a]),
+            itype(d_strides[b]),
+            itype(nbatch),
+        ]
         for d in rest:
             args += [itype(plan.shape[d]), itype(s_strides[d]), itype(d_strides[d])]
         grid = (-(-plan.shape[b] // _TILE), min(-(-plan.shape[a] // _TILE), _MAX_GRID_YZ), min(nbatch, _MAX_GRID_YZ))
@@ -407,8 +424,10 @@ def unpack(packed: Any, dst: Any, stream: Any = None) -> Any:
     nbytes = int(dst.nbytes)
     _check_packed(cp, packed, nbytes, dst, "packed")
     if dst.size > 1 and any(s == 0 and n > 1 for n, s in zip(dst.shape, dst.strides, strict=True)):
-        raise UnsupportedTensorError("dst has overlapping elements (a zero stride, as from broadcasting); "
-                                     "unpack needs every element of dst to own its memory")
+        raise UnsupportedTensorError(
+            "dst has overlapping elements (a zero stride, as from broadcasting); "
+            "unpack needs every element of dst to own its memory"
+        )
     with dst.device:
         st = _resolve_stream(cp, stream)
         if nbytes:
