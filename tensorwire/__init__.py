@@ -9,6 +9,7 @@ and say honestly how they moved.
 
 from . import errors
 from ._node import Node, NodeConfig, start
+from ._onesided import Handle, RemoteHandle
 from ._path import Path
 from ._peer import Peer
 from .control import TLSConfig
@@ -19,12 +20,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Capabilities",
+    "Handle",
     "Limits",
     "Node",
     "NodeConfig",
     "Path",
     "Peer",
     "Receipt",
+    "RemoteHandle",
     "TLSConfig",
     "__version__",
     "errors",

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._onesided import ExposureTable, Handle, serve_ops
 from ._path import Path
 from ._peer import Peer
 from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, TLSConfig, check_require
@@ -85,6 +86,8 @@ class Node:
         self._waiting: set[asyncio.Task[None]] = set()
         self.peers: list[Peer] = []
         self._leases: dict[str, tuple[float, Peer]] = {}
+        self._sessions: dict[str, Peer] = {}
+        self.exposures = ExposureTable()
         self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -124,8 +127,38 @@ class Node:
         caps = self.offers[choice.name].capabilities
         return Path(choice.name, channel.lanes, caps.rdma, caps.gpudirect, caps.memory_kinds, choice.passed_over)
 
+    def _adopt(self, peer: Peer) -> None:
+        """A new peer, either side: track it and serve its one-sided requests."""
+        self.peers.append(peer)
+        assert peer.session is not None
+        self._sessions[peer.session.id] = peer
+        peer.channel.add_close_callback(
+            lambda _exc: self._sessions.pop(peer.session.id, None) if peer.session else None
+        )
+        peer._spawn(serve_ops(peer, self.exposures))
+
+    def _session_peer(self, session_id: str) -> Peer | None:
+        return self._sessions.get(session_id)
+
+    def expose(self, tensor: Any, *, name: str) -> Handle:
+        """Publish a C-contiguous tensor under ``name`` for session peers to read and write.
+        The tensor stays alive and must stay valid until ``unexpose(name)``."""
+        self._check_open()
+        return self.exposures.expose(tensor, name)
+
+    def unexpose(self, name: str) -> None:
+        """Revoke ``name``: later lookups, reads and writes through old handles fail."""
+        self.exposures.unexpose(name)
+
     def _expect_peer(
-        self, choice: Choice, session_id: str, secret: bytes, remote_node: str, *, remote_addr: str
+        self,
+        choice: Choice,
+        session_id: str,
+        secret: bytes,
+        remote_node: str,
+        *,
+        remote_addr: str,
+        control_address: str = "",
     ) -> None:
         session = Session(session_id, secret, self.node_id, remote_node, self.config.limits)
         pending = self.transports[choice.name].expect(session)
@@ -142,9 +175,15 @@ class Node:
             except asyncio.CancelledError:
                 return
             peer = Peer(
-                self, channel, remote_node=remote_node, remote_address=remote_addr, path=self._path(choice, channel)
+                self,
+                channel,
+                remote_node=remote_node,
+                remote_address=remote_addr,
+                path=self._path(choice, channel),
+                session=session,
+                control_address=control_address,
             )
-            self.peers.append(peer)
+            self._adopt(peer)
             self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)
             channel.add_close_callback(lambda _exc: self._leases.pop(session_id, None))
             self._incoming.put_nowait(peer)
@@ -207,6 +246,7 @@ class Node:
             auth_token=self.config.auth_token or "",
             preference=list(preference),
             require=require,
+            control_address=self.address,
         )
         for offer in self.offers.values():
             request.offers.append(offer_to_pb(offer))
@@ -238,8 +278,9 @@ class Node:
             remote_address=address,
             path=self._path(choice, channel),
             control=client,
+            session=session,
         )
-        self.peers.append(peer)
+        self._adopt(peer)
         peer._start_heartbeat(resp.session_id, (resp.lease_ms or 3000) / 1000)
         log.info("connected to %s: %s", address, peer.path)
         return peer

@@ -6,17 +6,20 @@ import asyncio
 import functools
 import hashlib
 import time
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from .control._client import SessionLost
-from .errors import ConfigurationError, PeerDisconnected, TensorWireError
+from . import _onesided
+from ._onesided import RemoteHandle
+from .control._auth import lookup_proof
+from .control._client import ControlClient, SessionLost
+from .errors import ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
 from .tensors import prepare
-from .transports import Channel, ChannelState, Receipt
+from .transports import Channel, ChannelState, Receipt, Session
 
 if TYPE_CHECKING:
     from ._node import Node
     from ._path import Path
-    from .control import ControlClient
 
 __all__ = ["Peer", "tag_id"]
 
@@ -55,6 +58,8 @@ class Peer:
         remote_address: str,
         path: Path,
         control: ControlClient | None = None,
+        session: Session | None = None,
+        control_address: str = "",
     ) -> None:
         self.node = node
         self.channel = channel
@@ -64,6 +69,9 @@ class Peer:
         self._control = control
         self._closed = False
         self._heartbeat: asyncio.Task[None] | None = None
+        self.session = session
+        self._control_address = control_address  # the remote's control plane, for lookups
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def __repr__(self) -> str:
         return (
@@ -120,6 +128,47 @@ class Peer:
                     )
                     return
 
+    # -- one-sided ---------------------------------------------------------------------------
+    async def lookup(self, name: str) -> RemoteHandle:
+        """Resolve a tensor the peer exposed under ``name`` (HandleNotFound if it has none)."""
+        if self.session is None:
+            raise ConfigurationError("this peer has no session to authenticate a lookup")
+        if self._control is None:
+            if not self._control_address:
+                raise ControlPlaneError(f"{self.remote_address} did not say where its control plane listens")
+            self._control = ControlClient(self._control_address, self.node.config.tls)
+        resp = await self._control.lookup(
+            self.session.id, name, lookup_proof(self.session.secret, name), deadline=self.node.config.connect_timeout
+        )
+        return RemoteHandle(
+            resp.name,
+            resp.dtype,
+            tuple(resp.shape),
+            resp.nbytes,
+            resp.generation,
+            self.remote_node,
+            resp.transport,
+            resp.remote_key,
+        )
+
+    async def read(self, handle: RemoteHandle, *, out: Any = None) -> Any:
+        """Read the whole of a peer's exposed tensor into ``out`` (allocated if None)."""
+        value, _ = await _onesided.read(self, handle, out)
+        return value
+
+    async def read_with_receipt(self, handle: RemoteHandle, *, out: Any = None) -> tuple[Any, Receipt]:
+        return await _onesided.read(self, handle, out)
+
+    async def write(self, handle: RemoteHandle, src: Any) -> Receipt:
+        """Overwrite the whole of a peer's exposed tensor with ``src`` (same dtype and shape).
+        A cancelled write may leave the target partly written."""
+        return await _onesided.write(self, handle, src)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def aclose(self) -> None:
         """Close the data channel and the control connection; idempotent."""
         if self._closed:
@@ -127,6 +176,8 @@ class Peer:
         self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         try:
             await self.channel.aclose()
         finally:

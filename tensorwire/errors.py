@@ -9,7 +9,8 @@
     │   └── ShapeMismatchError         out= or a declared shape does not fit (also ValueError)
     ├── ControlPlaneError              the gRPC control plane failed or refused
     │   ├── AuthenticationError        wrong or missing token / credentials
-    │   └── NegotiationError           no shared transport satisfies require=
+    │   ├── NegotiationError           no shared transport satisfies require=
+    │   └── HandleNotFound             no such exposed tensor (never exposed, revoked, re-exposed)
     ├── TransportError                 the data plane failed
     │   ├── TransportUnavailable       a transport cannot be used here (lists alternatives)
     │   ├── ConnectError               the data-plane connection could not be opened
@@ -39,6 +40,7 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ControlPlaneError",
+    "HandleNotFound",
     "IntegrityError",
     "NegotiationError",
     "PeerDisconnected",
@@ -84,6 +86,10 @@ class AuthenticationError(ControlPlaneError):
 
 class NegotiationError(ControlPlaneError):
     """No transport both nodes share satisfies the ``require=`` policy."""
+
+
+class HandleNotFound(ControlPlaneError):
+    """The named tensor is not exposed by that peer (never was, was revoked, or was re-exposed)."""
 
 
 class TransportError(TensorWireError):

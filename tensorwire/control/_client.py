@@ -8,6 +8,7 @@ from ..errors import (
     AuthenticationError,
     ConnectTimeout,
     ControlPlaneError,
+    HandleNotFound,
     NegotiationError,
 )
 from ._pb import control_pb2, control_pb2_grpc
@@ -78,6 +79,17 @@ class ControlClient:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise SessionLost(f"{self.target} no longer knows this session: {exc.details()}") from exc
             raise map_rpc_error(exc, self.target, tls=self._tls) from exc
+
+    async def lookup(self, session_id: str, name: str, proof: bytes, deadline: float) -> control_pb2.LookupResponse:
+        try:
+            resp: control_pb2.LookupResponse = await self._stub.Lookup(
+                control_pb2.LookupRequest(session_id=session_id, name=name, proof=proof), timeout=deadline
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise HandleNotFound(f"{self.target}: {exc.details()}") from exc
+            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
+        return resp
 
     async def aclose(self) -> None:
         await self._channel.close()

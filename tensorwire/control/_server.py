@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..errors import ConfigurationError, NegotiationError
+from ._auth import lookup_proof
 from ._convert import offer_from_pb, offer_to_pb
 from ._negotiate import choose
 from ._pb import control_pb2, control_pb2_grpc
@@ -69,7 +70,9 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         session_id = uuid.uuid4().hex
         secret = os.urandom(32)
-        node._expect_peer(choice, session_id, secret, request.node_id, remote_addr=peer)
+        node._expect_peer(
+            choice, session_id, secret, request.node_id, remote_addr=peer, control_address=request.control_address
+        )
         resp = control_pb2.HandshakeResponse(
             session_id=session_id,
             session_secret=secret,
@@ -88,6 +91,27 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         if not self.node._renew(request.session_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such session (closed, expired or never opened)")
         return control_pb2.HeartbeatResponse(lease_ms=int(self.node.config.lease_seconds * 1000))
+
+    async def Lookup(  # noqa: N802 - gRPC method name
+        self, request: control_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.LookupResponse:
+        node = self.node
+        peer = node._session_peer(request.session_id)
+        if (
+            peer is None
+            or peer.session is None
+            or not hmac.compare_digest(request.proof, lookup_proof(peer.session.secret, request.name))
+        ):
+            log.warning("lookup of %r from %s refused: no such session or bad proof", request.name[:64], context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lookups need an open session and its proof")
+        entry = node.exposures.get(request.name)
+        if entry is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.name!r} is not exposed")
+            raise AssertionError("unreachable: abort raises")
+        h = entry.handle
+        return control_pb2.LookupResponse(
+            name=h.name, dtype=h.dtype, shape=list(h.shape), nbytes=h.nbytes, generation=h.generation
+        )
 
     async def GetNodeInfo(  # noqa: N802 - gRPC method name
         self, request: control_pb2.NodeInfoRequest, context: grpc.aio.ServicerContext

@@ -156,6 +156,8 @@ class Mailbox:
         posted = self._posted.get(arrival.tag)
         while posted:
             p = posted.popleft()
+            if not posted:
+                del self._posted[arrival.tag]
             if p.future.done():  # cancelled recv
                 continue
             if p.out is not None:
@@ -174,6 +176,8 @@ class Mailbox:
         q = self._arrived.get(arrival.tag)
         if q is not None and arrival in q:
             q.remove(arrival)
+            if not q:
+                del self._arrived[arrival.tag]
         arrival.fail(SenderAborted("sender cancelled the message"))
 
     def fail(self, exc: BaseException) -> None:
@@ -206,6 +210,8 @@ class Mailbox:
                     # a mismatched out= raises here and leaves the message queued
                     targets = match_out(out, arrival.specs) if out is not None else None
                     q.popleft()
+                    if not q:
+                        del self._arrived[tag]  # tags may be unique per operation: keep no empties
                 else:
                     if self.failure is not None:
                         raise self.failure
@@ -223,6 +229,10 @@ class Mailbox:
                             if pq is not None and p in pq:
                                 pq.remove(p)
                         raise
+                    finally:
+                        pq = self._posted.get(tag)
+                        if pq is not None and not pq:
+                            del self._posted[tag]
                     targets = None
                 try:
                     return await self._complete(arrival, out, targets, t0)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorwire/v1/control.proto\x12\rtensorwire.v1\"g\n\x0c\x43\x61pabilities\x12\x14\n\x0cmemory_kinds\x18\x01 \x03(\t\x12\x11\n\tone_sided\x18\x02 \x01(\x08\x12\x0c\n\x04rdma\x18\x03 \x01(\x08\x12\x11\n\tgpudirect\x18\x04 \x01(\x08\x12\r\n\x05lanes\x18\x05 \x03(\t\"s\n\x0eTransportOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x0c\x12\x31\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x1b.tensorwire.v1.Capabilities\"+\n\x0bUnavailable\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd6\x01\n\x10HandshakeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12-\n\x06offers\x18\x04 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x05 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x06 \x03(\t\x12\x0f\n\x07require\x18\x07 \x01(\t\"\xe3\x01\n\x11HandshakeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\x0c\x12\x16\n\x0eserver_node_id\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12-\n\x06\x63hosen\x18\x05 \x01(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bpassed_over\x18\x06 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"\x11\n\x0fNodeInfoRequest\"\xc0\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12-\n\x06offers\x18\x03 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x04 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x05 \x03(\t\x12\x15\n\rauth_required\x18\x06 \x01(\x08\x32\xf1\x01\n\x07\x43ontrol\x12N\n\tHandshake\x12\x1f.tensorwire.v1.HandshakeRequest\x1a .tensorwire.v1.HandshakeResponse\x12\x46\n\x0bGetNodeInfo\x12\x1e.tensorwire.v1.NodeInfoRequest\x1a\x17.tensorwire.v1.NodeInfo\x12N\n\tHeartbeat\x12\x1f.tensorwire.v1.HeartbeatRequest\x1a .tensorwire.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorwire/v1/control.proto\x12\rtensorwire.v1\"g\n\x0c\x43\x61pabilities\x12\x14\n\x0cmemory_kinds\x18\x01 \x03(\t\x12\x11\n\tone_sided\x18\x02 \x01(\x08\x12\x0c\n\x04rdma\x18\x03 \x01(\x08\x12\x11\n\tgpudirect\x18\x04 \x01(\x08\x12\r\n\x05lanes\x18\x05 \x03(\t\"s\n\x0eTransportOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x0c\x12\x31\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x1b.tensorwire.v1.Capabilities\"+\n\x0bUnavailable\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xef\x01\n\x10HandshakeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12-\n\x06offers\x18\x04 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x05 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x06 \x03(\t\x12\x0f\n\x07require\x18\x07 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x08 \x01(\t\"\xe3\x01\n\x11HandshakeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\x0c\x12\x16\n\x0eserver_node_id\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12-\n\x06\x63hosen\x18\x05 \x01(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bpassed_over\x18\x06 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\"@\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\"\x87\x01\n\x0eLookupResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nremote_key\x18\x07 \x01(\x0c\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"\x11\n\x0fNodeInfoRequest\"\xc0\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12-\n\x06offers\x18\x03 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x04 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x05 \x03(\t\x12\x15\n\rauth_required\x18\x06 \x01(\x08\x32\xb8\x02\n\x07\x43ontrol\x12N\n\tHandshake\x12\x1f.tensorwire.v1.HandshakeRequest\x1a .tensorwire.v1.HandshakeResponse\x12\x46\n\x0bGetNodeInfo\x12\x1e.tensorwire.v1.NodeInfoRequest\x1a\x17.tensorwire.v1.NodeInfo\x12N\n\tHeartbeat\x12\x1f.tensorwire.v1.HeartbeatRequest\x1a .tensorwire.v1.HeartbeatResponse\x12\x45\n\x06Lookup\x12\x1c.tensorwire.v1.LookupRequest\x1a\x1d.tensorwire.v1.LookupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNAVAILABLE']._serialized_start=268
   _globals['_UNAVAILABLE']._serialized_end=311
   _globals['_HANDSHAKEREQUEST']._serialized_start=314
-  _globals['_HANDSHAKEREQUEST']._serialized_end=528
-  _globals['_HANDSHAKERESPONSE']._serialized_start=531
-  _globals['_HANDSHAKERESPONSE']._serialized_end=758
-  _globals['_HEARTBEATREQUEST']._serialized_start=760
-  _globals['_HEARTBEATREQUEST']._serialized_end=798
-  _globals['_HEARTBEATRESPONSE']._serialized_start=800
-  _globals['_HEARTBEATRESPONSE']._serialized_end=837
-  _globals['_NODEINFOREQUEST']._serialized_start=839
-  _globals['_NODEINFOREQUEST']._serialized_end=856
-  _globals['_NODEINFO']._serialized_start=859
-  _globals['_NODEINFO']._serialized_end=1051
-  _globals['_CONTROL']._serialized_start=1054
-  _globals['_CONTROL']._serialized_end=1295
+  _globals['_HANDSHAKEREQUEST']._serialized_end=553
+  _globals['_HANDSHAKERESPONSE']._serialized_start=556
+  _globals['_HANDSHAKERESPONSE']._serialized_end=783
+  _globals['_LOOKUPREQUEST']._serialized_start=785
+  _globals['_LOOKUPREQUEST']._serialized_end=849
+  _globals['_LOOKUPRESPONSE']._serialized_start=852
+  _globals['_LOOKUPRESPONSE']._serialized_end=987
+  _globals['_HEARTBEATREQUEST']._serialized_start=989
+  _globals['_HEARTBEATREQUEST']._serialized_end=1027
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1029
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1066
+  _globals['_NODEINFOREQUEST']._serialized_start=1068
+  _globals['_NODEINFOREQUEST']._serialized_end=1085
+  _globals['_NODEINFO']._serialized_start=1088
+  _globals['_NODEINFO']._serialized_end=1280
+  _globals['_CONTROL']._serialized_start=1283
+  _globals['_CONTROL']._serialized_end=1595
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class Unavailable(_message.Message):
     def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "auth_token", "offers", "unavailable", "preference", "require")
+    __slots__ = ("node_id", "protocol_version", "auth_token", "offers", "unavailable", "preference", "require", "control_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class HandshakeRequest(_message.Message):
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     PREFERENCE_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     auth_token: str
@@ -57,7 +58,8 @@ class HandshakeRequest(_message.Message):
     unavailable: _containers.RepeatedCompositeFieldContainer[Unavailable]
     preference: _containers.RepeatedScalarFieldContainer[str]
     require: str
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., auth_token: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., unavailable: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., preference: _Optional[_Iterable[str]] = ..., require: _Optional[str] = ...) -> None: ...
+    control_address: str
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., auth_token: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., unavailable: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., preference: _Optional[_Iterable[str]] = ..., require: _Optional[str] = ..., control_address: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("session_id", "session_secret", "server_node_id", "protocol_version", "chosen", "passed_over", "lease_ms")
@@ -76,6 +78,34 @@ class HandshakeResponse(_message.Message):
     passed_over: _containers.RepeatedCompositeFieldContainer[Unavailable]
     lease_ms: int
     def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., server_node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., chosen: _Optional[_Union[TransportOffer, _Mapping]] = ..., passed_over: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "name", "proof")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    name: str
+    proof: bytes
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "generation", "transport", "remote_key")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_KEY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    generation: int
+    transport: str
+    remote_key: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., transport: _Optional[str] = ..., remote_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -50,6 +50,11 @@ class ControlStub:
                 request_serializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/tensorwire.v1.Control/Lookup',
+                request_serializer=tensorwire_dot_v1_dot_control__pb2.LookupRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_control__pb2.LookupResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -78,6 +83,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """Resolve the name of an exposed tensor into a handle a session peer can read and write.
+        Only peers of an open session get an answer, and they must prove the session secret.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +108,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.FromString,
                     response_serializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=tensorwire_dot_v1_dot_control__pb2.LookupRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_control__pb2.LookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class Control:
             '/tensorwire.v1.Control/Heartbeat',
             tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.SerializeToString,
             tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorwire.v1.Control/Lookup',
+            tensorwire_dot_v1_dot_control__pb2.LookupRequest.SerializeToString,
+            tensorwire_dot_v1_dot_control__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,127 @@
+"""One-sided expose / lookup / read / write (owner-assisted on tcp and inproc)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire.control._pb import control_pb2, control_pb2_grpc
+from tensorwire.testing import connected_pair
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_read_write_both_directions(transport: str) -> None:
+    async with connected_pair(transport) as (a, b):
+        kv = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
+        a.node.expose(kv, name="kv/3")
+        h = await b.lookup("kv/3")
+        assert (h.dtype, h.shape, h.nbytes) == ("float32", (1024, 1024), 4 << 20)
+        out = np.empty_like(kv)
+        got, receipt = await b.read_with_receipt(h, out=out)
+        assert got is out
+        assert np.array_equal(out, kv)
+        assert receipt.protocol == "owner-assisted" and receipt.transport == transport
+        new = np.full_like(kv, 7.0)
+        r = await b.write(h, new)
+        assert r.protocol == "owner-assisted"
+        assert np.array_equal(kv, new), "write did not land in the exposed memory"
+        # the accepting side can look up the connecting side's tensors too
+        w = np.ones(10, np.int64)
+        b.node.expose(w, name="weights")
+        hw = await a.lookup("weights")
+        assert np.array_equal(await a.read(hw), w)
+
+
+async def test_large_read_lands_in_place_and_concurrent_ops() -> None:
+    async with connected_pair("tcp") as (a, b):
+        big = np.random.default_rng(0).integers(0, 255, 96 << 20, dtype=np.uint8)
+        a.node.expose(big, name="big")
+        small = [np.full(100, i) for i in range(8)]
+        for i, s in enumerate(small):
+            a.node.expose(s, name=f"s{i}")
+        h = await b.lookup("big")
+        hs = [await b.lookup(f"s{i}") for i in range(8)]
+        results = await asyncio.gather(b.read(h), *[b.read(x) for x in hs])
+        assert np.array_equal(results[0], big)
+        for i, r in enumerate(results[1:]):
+            assert np.array_equal(r, small[i])
+
+
+async def test_revoked_and_reexposed_handles_fail_clearly() -> None:
+    async with connected_pair("tcp") as (a, b):
+        x = np.arange(10)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        a.node.unexpose("x")
+        with pytest.raises(tensorwire.HandleNotFound, match="not exposed"):
+            await b.read(h)
+        with pytest.raises(tensorwire.HandleNotFound):
+            await b.write(h, np.zeros(10, x.dtype))
+        with pytest.raises(tensorwire.HandleNotFound):
+            await b.lookup("x")
+        a.node.expose(np.arange(10), name="x")
+        with pytest.raises(tensorwire.HandleNotFound, match="again"):
+            await b.read(h)  # stale generation
+        assert np.array_equal(await b.read(await b.lookup("x")), np.arange(10))
+        # nothing lingers in the mailboxes after failed operations
+        await asyncio.sleep(0.05)
+        assert list(b.channel.mailbox._arrived) == []
+
+
+async def test_bad_input_gets_clear_errors() -> None:
+    async with connected_pair("tcp") as (a, b):
+        ro = np.arange(4)
+        ro.flags.writeable = False
+        a.node.expose(ro, name="ro")
+        with pytest.raises(tensorwire.ConfigurationError):
+            a.node.expose(np.arange(3), name="ro")
+        with pytest.raises(tensorwire.ShapeMismatchError):
+            a.node.expose(np.arange(12).reshape(3, 4).T, name="nc")
+        with pytest.raises(tensorwire.HandleNotFound):
+            a.node.unexpose("never")
+        h = await b.lookup("ro")
+        with pytest.raises(tensorwire.ShapeMismatchError):
+            await b.read(h, out=np.empty(5, np.int64))
+        with pytest.raises(tensorwire.ShapeMismatchError):
+            await b.write(h, np.zeros(4, np.float32))
+        with pytest.raises(tensorwire.HandleNotFound, match="read-only"):
+            await b.write(h, np.zeros(4, np.int64))
+        assert np.array_equal(ro, np.arange(4))
+
+
+async def test_cancelled_read_never_writes_out_after_cancel() -> None:
+    async with connected_pair("tcp") as (a, b):
+        src = np.full(64 << 20, 3, np.uint8)
+        a.node.expose(src, name="src")
+        h = await b.lookup("src")
+        for delay in (0.0, 0.005, 0.02):
+            out = np.zeros_like(src)
+            task = asyncio.ensure_future(b.read(h, out=out))
+            await asyncio.sleep(delay)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if task.cancelled():
+                snapshot = out.copy()
+                await asyncio.sleep(0.3)
+                assert np.array_equal(out, snapshot), "out= written after the read was cancelled"
+        assert np.array_equal(await b.read(h), src)  # the channel is still fine
+
+
+async def test_lookup_requires_a_session_and_its_secret() -> None:
+    async with connected_pair("tcp") as (a, b):
+        a.node.expose(np.arange(3), name="secret-weights")
+        async with grpc.aio.insecure_channel(a.node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            for sid, proof in [("nope", b""), (b.session.id, b"forged" * 6)]:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Lookup(
+                        control_pb2.LookupRequest(session_id=sid, name="secret-weights", proof=proof), timeout=5
+                    )
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert np.array_equal(await b.read(await b.lookup("secret-weights")), np.arange(3))
