@@ -1,14 +1,42 @@
-"""The conformance suite over every transport available here."""
+"""The conformance suite over every transport available here.
+
+ucx runs twice: over UCX's tcp transport only, and over shared memory (UCX's default choice on
+one machine). The UCX options go to the node's UCX context through ``ucx_config``, never through
+the environment.
+"""
+
+import contextlib
+import importlib.util
 
 import pytest
 
 from tensorwire.testing import CHECKS, connected_pair
 
-TRANSPORTS = ["tcp", "inproc"]
+_NO_UCXX = importlib.util.find_spec("ucxx") is None
+_ucx = pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed (pip install 'tensorwire[ucx]')")
+
+# (transport, UCX options) by test id
+VARIANTS = {
+    "tcp": ("tcp", None),
+    "inproc": ("inproc", None),
+    "ucx-tls=tcp": ("ucx", {"TLS": "tcp"}),
+    "ucx-tls=sm": ("ucx", {"TLS": "sm,self"}),
+}
+TRANSPORTS = [pytest.param(v, id=v, marks=_ucx if v.startswith("ucx") else ()) for v in VARIANTS]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+def _options(variant: str) -> contextlib.AbstractContextManager[None]:
+    options = VARIANTS[variant][1]
+    if options is None:
+        return contextlib.nullcontext()
+    from tensorwire.transports.ucx import ucx_config
+
+    return ucx_config(**options)
+
+
+@pytest.mark.parametrize("variant", TRANSPORTS)
 @pytest.mark.parametrize("name", list(CHECKS))
-async def test_conformance(transport: str, name: str) -> None:
-    async with connected_pair(transport, check=name) as (a, b):
-        await CHECKS[name](a, b)
+async def test_conformance(variant: str, name: str) -> None:
+    with _options(variant):
+        async with connected_pair(VARIANTS[variant][0], check=name) as (a, b):
+            await CHECKS[name](a, b)

@@ -42,6 +42,12 @@ def _meets(require: str, caps: Capabilities) -> str | None:
     return None
 
 
+def _tcp_only(caps: Capabilities) -> bool:
+    """Every lane goes through kernel TCP. ``tcp_only`` is not carried by the handshake message,
+    so a peer's offer is also judged by its lanes ("tcp" or "tcp/<device>")."""
+    return caps.tcp_only or (bool(caps.lanes) and all(lane.split("/")[0] == "tcp" for lane in caps.lanes))
+
+
 def choose(
     preference: list[str] | tuple[str, ...],
     local: Mapping[str, Offer],
@@ -76,6 +82,14 @@ def choose(
         if why is not None:
             passed.append((name, f"require={require!r}: {name} {why}"))
             continue
+        if name != "tcp" and "tcp" in preference[preference.index(name) + 1 :] and "tcp" in local and "tcp" in remote:
+            side = (
+                local_name if _tcp_only(mine.capabilities) else remote_name if _tcp_only(theirs.capabilities) else None
+            )
+            if side is not None:
+                why = f"only tcp lanes on {side}: tensorwire's tcp transport moves the same bytes with less machinery"
+                passed.append((name, why))
+                continue
         return Choice(name, tuple(passed))
     detail = "; ".join(f"{n}: {r}" for n, r in passed) or "no transports offered"
     raise NegotiationError(f"no transport satisfies require={require!r} ({detail})")

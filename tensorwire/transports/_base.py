@@ -32,13 +32,19 @@ MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a transport can do on this machine, known before it is used."""
+    """What a transport can do on this machine, known before it is used.
+
+    tcp_only: every lane this transport could use goes through the kernel's TCP stack (UCX
+        with only its tcp transport, say); negotiation then prefers tensorwire's own tcp
+        transport, which moves the same bytes with less machinery, and says so.
+    """
 
     memory_kinds: tuple[str, ...] = ("host",)
     one_sided: bool = False
     rdma: bool = False
     gpudirect: bool = False
     lanes: tuple[str, ...] = ()
+    tcp_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ DEFAULT_PREFERENCE: tuple[str, ...] = ("inproc", "ucx", "verbs", "tcp")
 KNOWN: dict[str, tuple[str | None, str | None, str | None]] = {
     "inproc": ("tensorwire.transports.inproc:InprocTransport", None, None),
     "tcp": ("tensorwire.transports.tcp:TcpTransport", None, None),
-    "ucx": (None, "ucxx", "ucx"),
+    "ucx": ("tensorwire.transports.ucx:UcxTransport", "ucxx", "ucx"),
     "verbs": (None, "pyverbs", "verbs"),
 }
 

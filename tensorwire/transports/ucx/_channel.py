@@ -1,0 +1,648 @@
+"""The UCX channel: tagged messages over ucp tag send/recv, one-sided put/get over rkeys.
+
+Wire mapping (UCX tag matching is per worker, so every tag carries the receiver's channel key):
+
+::
+
+    64-bit UCX tag = key (32 bits, chosen by the receiving side) | kind (4) | sequence (28)
+    kind CTRL: the channel's control stream, one receive always posted: 48-byte frames of
+               tensorwire's staged-TCP format (_frames.py): MSG (message header; small
+               payloads ride inline), CTS, ABORT, CREDIT, BYE; credit piggybacked on each
+    kind DATA: a message's payload, sequence = message id, one UCX message per tensor
+
+A message within the receiver's credit goes *eager*: the sender posts the MSG frame and the
+payload sends back to back. When the MSG arrives the receiver announces it to the mailbox
+first; if a recv with ``out=`` is posted, that recv's task posts the payload receives straight
+into ``out=`` (``pull``), so UCX's own rendezvous moves large tensors zero-copy into the
+caller's buffer; if no recv is posted, the payload lands in a buffer of tensorwire's own at once
+(bounded by the credit). A message beyond the credit goes *rendezvous*: the payload waits in the
+sender's memory until the receiver's recv posts its receives and sends CTS. Payloads of at most
+8 KiB ride inside the MSG frame (one UCX message per tensorwire message).
+
+Cancellation: UCX cannot take back a tag receive that has matched, so a recv cancelled while
+UCX writes into its ``out=`` lets that write finish before the cancellation takes effect (the
+message is then requeued whole and delivered to the next recv). A send cancelled after its
+payload was handed to UCX likewise finishes first (UCX cannot recall a send), so the message
+arrives whole; one cancelled before that (waiting for CTS) sends ABORT and never arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ...errors import BrokenResourceError, ClosedResourceError, PeerDisconnected, ProtocolError, TransferError
+from ...tensors import Outgoing, byte_view, decode_header
+from .._base import Channel, ChannelState, Limits, Receipt
+from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack
+from .._mailbox import Arrival
+from ._ucp import RemoteKey, Ucp
+from ._worker import Worker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CTRL", "DATA", "HELLO", "WELCOME", "UcxChannel", "ctrl_bytes", "make_tag"]
+
+HELLO, WELCOME, CTRL, DATA = 1, 2, 3, 4
+_SEQ = (1 << 28) - 1
+_INLINE_MAX = 8 * 1024
+_FLUSH_DELAY = 0.001
+
+
+def make_tag(key: int, kind: int, seq: int = 0) -> int:
+    return (key << 32) | (kind << 28) | (seq & _SEQ)
+
+
+def inline_limit(limits: Limits) -> int:
+    return min(limits.inline_bytes, _INLINE_MAX)
+
+
+def ctrl_bytes(limits: Limits) -> int:
+    """Size of the control receive buffer: the largest frame this side accepts."""
+    return HEADER.size + limits.max_header_bytes + inline_limit(limits)
+
+
+class _Transfer:
+    """Payload receives posted for one message; completes its arrival when all have landed."""
+
+    __slots__ = ("arrival", "pending", "reqs")
+
+    def __init__(self, arrival: Arrival) -> None:
+        self.arrival = arrival
+        self.pending = 0
+        self.reqs: list[Any] = []
+
+
+class UcxChannel(Channel):
+    transport = "ucx"
+
+    def __init__(
+        self,
+        worker: Worker,
+        ucp: Ucp | None,
+        ep: Any,
+        *,
+        rx_key: int,
+        tx_key: int,
+        limits: Limits,
+        remote: PeerLimits,
+        remote_ctrl: int,
+        name: str,
+    ) -> None:
+        super().__init__()
+        self._w = worker
+        self._lib = worker.lib
+        self._ucp = ucp
+        self._ep = ep
+        self._rx_key = rx_key
+        self._tx_key = tx_key
+        self._limits = limits
+        self._remote = remote
+        self._remote_ctrl = remote_ctrl
+        self._inline = inline_limit(limits)
+        self.name = name
+        self._loop = asyncio.get_running_loop()
+        self._ctrl_tag = self._lib.UCXXTag(make_tag(tx_key, CTRL))
+        self._rx_ctrl_tag = self._lib.UCXXTag(make_tag(rx_key, CTRL))
+        self._ctrl_buf = np.empty(ctrl_bytes(limits), np.uint8)
+        self._ctrl_arr: Any = None
+        # what we may still send: the receiver's grants
+        self._send_credit = remote.recv_buffer_bytes
+        self._send_slots = remote.max_unexpected
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._next_id = 1
+        self._cts: dict[int, asyncio.Future[None]] = {}
+        self._sending = 0
+        # what the peer holds of our grants, and what we owe back
+        self._used_credit = 0
+        self._used_slots = 0
+        self._ret_credit = 0
+        self._ret_slots = 0
+        self._flush: asyncio.TimerHandle | None = None
+        self._waiting: dict[int, tuple[Arrival, bool]] = {}  # msg id -> (arrival, needs CTS)
+        self._incoming: dict[int, _Transfer] = {}
+        self._eager: set[Arrival] = set()  # arrivals that spent buffer credit
+        self._futs: set[asyncio.Future[Any]] = set()
+        self._rkeys: set[RemoteKey] = set()
+        self._closed_ev = asyncio.Event()
+        self.lanes = self._query_lanes()
+        self._post_ctrl_recv()
+
+    def __repr__(self) -> str:
+        return f"<UcxChannel {self.name} [{', '.join(self.lanes)}] {self.state.value} in_flight={self.in_flight}>"
+
+    def _query_lanes(self) -> tuple[str, ...]:
+        if self._ucp is None:
+            return ("ucx",)
+        try:
+            pairs = self._ucp.ep_transports(self._ep.handle)
+        except Exception as exc:
+            log.debug("ucp_ep_query failed: %s", exc)
+            return ("ucx",)
+        return tuple(dict.fromkeys(f"{t}/{d}" for t, d in pairs)) or ("ucx",)
+
+    @property
+    def in_flight(self) -> int:
+        return self.mailbox.in_flight + self._sending
+
+    @property
+    def endpoint_handle(self) -> int:
+        """The raw ``ucp_ep_h`` of this channel (for the one-sided bindings)."""
+        return int(self._ep.handle)
+
+    # -- UCX plumbing -------------------------------------------------------------------------
+    def _error(self, exc: BaseException, what: str) -> BaseException:
+        """A ucxx exception as a tensorwire one (never let a UCXXError reach a user)."""
+        text = f"ucx {what} failed: {exc}"
+        low = str(exc).lower()
+        if "cancel" in low and self.mailbox.failure is not None:
+            return self.mailbox.failure  # cancelled because the channel closed or failed
+        if any(w in low for w in ("reset", "connect", "timeout", "unreachable")):
+            return PeerDisconnected(text)
+        return TransferError(text)
+
+    def _check(self, req: Any, what: str) -> BaseException | None:
+        try:
+            req.check_error()
+        except Exception as exc:
+            return self._error(exc, what)
+        return None
+
+    async def _wait(self, req: Any, keep: object, what: str) -> None:
+        """Wait for one request; the channel failing ends the wait with its error."""
+        if not req.completed:
+            fut = self._w.future(req, keep=keep, owner=self)
+            self._futs.add(fut)
+            try:
+                await fut
+            finally:
+                self._futs.discard(fut)
+        err = self._check(req, what)
+        if err is not None:
+            raise err
+
+    def _send_frame(self, frame: bytes | np.ndarray) -> None:
+        """Post one control frame; frames go out in the order they are posted."""
+        req = self._ep.tag_send(self._lib_array(frame), self._ctrl_tag)
+        if req.completed:
+            err = self._check(req, "control send")
+            if err is not None:
+                self._shutdown(ChannelState.BROKEN, err)
+            return
+        self._w.watch(req, self._ctrl_sent, keep=frame, owner=self)
+
+    def _ctrl_sent(self, req: Any) -> None:
+        err = self._check(req, "control send")
+        if err is not None and self.state is ChannelState.OPEN:
+            self._shutdown(ChannelState.BROKEN, err)
+
+    def _lib_array(self, buf: Any) -> Any:
+        from ucxx._lib.arr import Array
+
+        return Array(buf)
+
+    def _frame(
+        self,
+        ftype: FrameType,
+        *,
+        flags: int = 0,
+        meta_len: int = 0,
+        payload_len: int = 0,
+        msg_id: int = 0,
+        arg: int = 0,
+    ) -> bytes:
+        credit, slots = self._ret_credit, self._ret_slots
+        self._ret_credit = self._ret_slots = 0
+        return pack(ftype, flags, meta_len, payload_len, msg_id, arg, credit, slots)
+
+    # -- sending ------------------------------------------------------------------------------
+    async def _take_slot(self) -> None:
+        while self._send_slots <= 0:
+            self.check_open()
+            fut = self._loop.create_future()
+            self._slot_waiters.append(fut)
+            await fut
+        self.check_open()
+        self._send_slots -= 1
+
+    async def send(self, tag: int, msg: Outgoing) -> Receipt:
+        self.check_open()
+        if msg.nbytes > self._remote.max_message_bytes:
+            raise TransferError(
+                f"a {msg.nbytes}-byte message exceeds the peer's {self._remote.max_message_bytes}-byte limit"
+            )
+        header = msg.header
+        if len(header) > self._remote.max_header_bytes or HEADER.size + len(header) > self._remote_ctrl:
+            raise TransferError(f"message header of {len(header)} bytes exceeds the peer's limit")
+        t0 = time.perf_counter()
+        self._sending += 1
+        try:
+            await self._take_slot()
+            nbytes = msg.nbytes
+            eager = nbytes <= self._send_credit
+            if eager:
+                self._send_credit -= nbytes
+            msg_id = self._next_id
+            self._next_id += 1
+            segs = msg.segments()
+            inline = eager and nbytes <= self._inline and HEADER.size + len(header) + nbytes <= self._remote_ctrl
+            if inline:
+                frame = self._frame(FrameType.MSG, meta_len=len(header), payload_len=nbytes, msg_id=msg_id, arg=tag)
+                self._send_frame(b"".join([frame, header, *segs]) if nbytes else frame + header)
+                protocol = "inline"
+            elif eager:
+                self._send_frame(self._frame(FrameType.MSG, meta_len=len(header), msg_id=msg_id, arg=tag) + header)
+                await self._send_payload(msg_id, segs)
+                protocol = "eager"
+            else:
+                cts = self._loop.create_future()
+                self._cts[msg_id] = cts
+                try:
+                    self._send_frame(
+                        self._frame(FrameType.MSG, flags=RENDEZVOUS, meta_len=len(header), msg_id=msg_id, arg=tag)
+                        + header
+                    )
+                    await cts
+                except asyncio.CancelledError:
+                    if self.state is ChannelState.OPEN:
+                        self._send_frame(self._frame(FrameType.ABORT, msg_id=msg_id))
+                    raise
+                finally:
+                    self._cts.pop(msg_id, None)
+                await self._send_payload(msg_id, segs)
+                protocol = "rendezvous"
+        finally:
+            self._sending -= 1
+        return Receipt(
+            transport=self.transport,
+            lanes=self.lanes,
+            nbytes=msg.nbytes,
+            seconds=time.perf_counter() - t0,
+            protocol=protocol,
+            direct=not msg.packed and protocol != "inline",
+            staged=False,
+            packed=msg.packed,
+        )
+
+    async def _send_payload(self, msg_id: int, segs: list[memoryview]) -> None:
+        """Hand every segment to UCX, then wait for all of them. UCX cannot recall a send, so a
+        cancellation waits for the payload to finish moving and then takes effect."""
+        self.check_open()
+        tag = self._lib.UCXXTag(make_tag(self._tx_key, DATA, msg_id))
+        reqs = [(self._ep.tag_send(self._lib_array(s), tag), s) for s in segs]
+        cancelled = False
+        for req, seg in reqs:
+            while True:
+                try:
+                    await self._wait(req, seg, "payload send")
+                    break
+                except asyncio.CancelledError:
+                    cancelled = True
+                    if self.state is not ChannelState.OPEN:
+                        raise
+        if cancelled:
+            raise asyncio.CancelledError
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _post_ctrl_recv(self) -> None:
+        if self.state is not ChannelState.OPEN:
+            return
+        if self._ctrl_arr is None:
+            self._ctrl_arr = self._lib_array(self._ctrl_buf)
+        req = self._w.worker.tag_recv(self._ctrl_arr, self._rx_ctrl_tag)
+        self._w.watch(req, self._on_ctrl, keep=self._ctrl_buf, owner=self, passive=True)
+
+    def _on_ctrl(self, req: Any) -> None:
+        if self.state is not ChannelState.OPEN:
+            return
+        err = self._check(req, "control receive")
+        if err is not None:
+            log.warning("closing ucx channel %s: %s", self.name, err)
+            self._shutdown(ChannelState.BROKEN, err)
+            return
+        try:
+            self._handle_frame()
+        except ProtocolError as exc:
+            log.warning("closing ucx channel %s: %s", self.name, exc)
+            self._shutdown(ChannelState.BROKEN, exc)
+            return
+        except Exception as exc:  # a bug must not leave recvs hanging
+            log.exception("ucx control handler failed")
+            self._shutdown(ChannelState.BROKEN, BrokenResourceError(f"ucx control handler failed: {exc!r}"))
+            return
+        self._post_ctrl_recv()
+
+    def _grant(self, credit: int, slots: int) -> None:
+        if not (credit or slots):
+            return
+        self._send_credit += credit
+        self._send_slots += slots
+        if self._send_credit > self._remote.recv_buffer_bytes or self._send_slots > self._remote.max_unexpected:
+            raise ProtocolError("peer returned more credit than it granted")
+        while self._slot_waiters:
+            f = self._slot_waiters.popleft()
+            if not f.done():
+                f.set_result(None)
+
+    def _handle_frame(self) -> None:
+        buf = self._ctrl_buf
+        hdr = unpack(buf[: HEADER.size].data)
+        self._grant(hdr.credit, hdr.slots)
+        limits = self._limits
+        t = hdr.type
+        if t is FrameType.MSG:
+            if hdr.meta_len > limits.max_header_bytes or hdr.payload_len > self._inline:
+                raise ProtocolError(f"MSG frame of {hdr.meta_len}+{hdr.payload_len} bytes exceeds the limits")
+            end = HEADER.size + hdr.meta_len
+            tree, specs = decode_header(buf[HEADER.size : end].tobytes(), max_message_bytes=limits.max_message_bytes)
+            rndv = bool(hdr.flags & RENDEZVOUS)
+            nbytes = sum(s.nbytes for s in specs)
+            inline = hdr.payload_len == nbytes and not rndv
+            if hdr.payload_len and not inline:
+                raise ProtocolError(f"MSG frame carries {hdr.payload_len} inline bytes of a {nbytes}-byte message")
+            if hdr.msg_id in self._waiting or hdr.msg_id in self._incoming:
+                raise ProtocolError(f"duplicate message id {hdr.msg_id}")
+            self._used_slots += 1
+            if self._used_slots > limits.max_unexpected:
+                raise ProtocolError(f"peer sent more than {limits.max_unexpected} messages without credit")
+            protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
+            arrival = Arrival(self, hdr.arg, tree, specs, msg_id=hdr.msg_id, rendezvous=not inline, protocol=protocol)
+            if not rndv:
+                self._used_credit += nbytes
+                if self._used_credit > limits.recv_buffer_bytes:
+                    raise ProtocolError("peer sent an eager message beyond its buffer credit")
+                self._eager.add(arrival)
+            self.mailbox.arrive(arrival)
+            if inline:
+                if arrival.dest is None:
+                    arrival.allocate()
+                if nbytes:
+                    pos = end
+                    while pos - end < nbytes:
+                        view = arrival.view(pos - end, nbytes)
+                        view[:] = buf[pos : pos + len(view)].data
+                        pos += len(view)
+                    arrival.written = nbytes
+                arrival.complete()
+            elif rndv:
+                self._waiting[hdr.msg_id] = (arrival, True)
+            elif arrival.dest is None:
+                self._adopt(arrival)  # nobody waits: buffer it here, within the credit
+            else:
+                # a recv with out= matched: its task posts the receives into out= (pull)
+                self._waiting[hdr.msg_id] = (arrival, False)
+                self._loop.call_soon(self._check_pulled, arrival)
+            return
+        if hdr.meta_len or hdr.payload_len:
+            raise ProtocolError(f"{t.name} frame with {hdr.meta_len}+{hdr.payload_len} bytes")
+        if t is FrameType.CTS:
+            fut = self._cts.get(hdr.msg_id)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif t is FrameType.ABORT:
+            entry = self._waiting.pop(hdr.msg_id, None)
+            transfer = self._incoming.pop(hdr.msg_id, None)
+            gone = entry[0] if entry else transfer.arrival if transfer else None
+            if transfer is not None:
+                self._cancel(transfer.reqs)  # never matched: the sender sent no payload
+            if gone is not None:
+                self.mailbox.abort(gone)
+                self.release(gone)
+        elif t is FrameType.CREDIT:
+            pass
+        elif t is FrameType.BYE:
+            self._shutdown(ChannelState.CLOSED, PeerDisconnected("peer closed the channel"))
+        else:
+            raise ProtocolError(f"unexpected {t.name} frame on an open channel")
+
+    def _check_pulled(self, arrival: Arrival) -> None:
+        """An eager message matched a recv with out=, whose task should have pulled it by now.
+        If that recv was cancelled first, the mailbox requeued the message into a buffer of
+        its own: receive the payload there, so the sender is not held up."""
+        entry = self._waiting.get(arrival.msg_id)
+        if entry is None or entry[0] is not arrival or self.state is not ChannelState.OPEN:
+            return
+        if arrival.direct and not arrival.pulling:
+            self._loop.call_soon(self._check_pulled, arrival)
+            return
+        if not arrival.pulling:
+            del self._waiting[arrival.msg_id]
+            self._adopt(arrival)
+
+    def _adopt(self, arrival: Arrival) -> None:
+        """Receive an eager payload into a buffer of our own now; a later recv copies it."""
+        arrival.rendezvous = False
+        if arrival.dest is None or arrival.direct:
+            arrival.allocate()
+        self._post_payload(arrival)
+
+    def _post_payload(self, arrival: Arrival) -> _Transfer:
+        assert arrival.dest is not None
+        transfer = _Transfer(arrival)
+        tag = self._lib.UCXXTag(make_tag(self._rx_key, DATA, arrival.msg_id))
+        recv = self._w.worker.tag_recv
+        self._incoming[arrival.msg_id] = transfer
+        for a in arrival.dest:
+            if not a.nbytes:
+                continue
+            req = recv(self._lib_array(byte_view(a)), tag)
+            transfer.reqs.append(req)
+            transfer.pending += 1
+            self._w.watch(req, functools.partial(self._payload_done, transfer), keep=a, owner=self)
+        if not transfer.pending:
+            self._incoming.pop(arrival.msg_id, None)
+            arrival.complete()
+        return transfer
+
+    def _payload_done(self, transfer: _Transfer, req: Any) -> None:
+        arrival = transfer.arrival
+        transfer.pending -= 1
+        err = self._check(req, "payload receive")
+        if err is not None and not arrival.done.done():
+            if self.state is ChannelState.OPEN and "cancel" not in str(err).lower():
+                log.warning("ucx channel %s: %s", self.name, err)
+                self._shutdown(ChannelState.BROKEN, err)
+            arrival.fail(err)
+        if transfer.pending == 0:
+            if self._incoming.get(arrival.msg_id) is transfer:
+                del self._incoming[arrival.msg_id]
+            if not arrival.done.done():
+                arrival.written = arrival.nbytes
+                arrival.complete()
+
+    async def pull(self, arrival: Arrival) -> None:
+        self.check_open()
+        entry = self._waiting.pop(arrival.msg_id, None)
+        if entry is None:
+            transfer = self._incoming.get(arrival.msg_id)
+            if transfer is None or transfer.arrival is not arrival:
+                if arrival.done.done():
+                    arrival.done.result()
+                    return
+                raise TransferError("message is no longer pending")
+        else:
+            self._post_payload(arrival)
+            if entry[1]:
+                self._send_frame(self._frame(FrameType.CTS, msg_id=arrival.msg_id))
+        # UCX may be writing into arrival.dest (perhaps the caller's out=): a cancellation
+        # waits for that to finish (or for the sender to abort, or the channel to fail)
+        cancelled = False
+        while not arrival.done.done():
+            try:
+                await asyncio.shield(arrival.done)
+            except asyncio.CancelledError:
+                cancelled = True
+            except Exception:
+                break
+        if cancelled:
+            raise asyncio.CancelledError
+        arrival.done.result()
+
+    def release(self, arrival: Arrival) -> None:
+        self._used_slots -= 1
+        self._ret_slots += 1
+        if arrival in self._eager:
+            self._eager.discard(arrival)
+            self._used_credit -= arrival.nbytes
+            self._ret_credit += arrival.nbytes
+        urgent = (
+            self._ret_credit >= self._limits.recv_buffer_bytes // 4
+            or self._ret_slots >= self._limits.max_unexpected // 4
+        )
+        if urgent and self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        if self._flush is None and self.state is ChannelState.OPEN:
+            self._flush = self._loop.call_later(0 if urgent else _FLUSH_DELAY, self._flush_credit)
+
+    def _flush_credit(self) -> None:
+        self._flush = None
+        if (self._ret_credit or self._ret_slots) and self.state is ChannelState.OPEN:
+            self._send_frame(self._frame(FrameType.CREDIT))
+
+    # -- one-sided ----------------------------------------------------------------------------
+    def remote_key(self, packed: bytes) -> RemoteKey:
+        """Unpack a peer's packed rkey (``MemoryRegion.rkey``) for use on this channel."""
+        self.check_open()
+        ucp = self._require_ucp()
+        key = RemoteKey(ucp.rkey_unpack(self.endpoint_handle, packed), ucp)
+        self._rkeys.add(key)
+        return key
+
+    def _require_ucp(self) -> Ucp:
+        if self._ucp is None:
+            raise TransferError("ucx one-sided operations need the libucp bindings, which failed to load")
+        return self._ucp
+
+    async def _one_sided(self, op: str, buf: memoryview, remote_addr: int, rkey: RemoteKey) -> None:
+        self.check_open()
+        if rkey.handle is None:
+            raise ClosedResourceError("remote key is closed")
+        ucp = self._require_ucp()
+        view = memoryview(buf).cast("B")
+        n = view.nbytes
+        if n == 0:
+            return
+        if op == "get" and view.readonly:
+            raise TransferError("get needs a writable destination")
+        arr = np.frombuffer(view, np.uint8)
+        ptr = arr.ctypes.data
+        fn = ucp.put if op == "put" else ucp.get
+        req = fn(self.endpoint_handle, ptr, n, remote_addr, rkey.handle)
+        if op == "put":
+            # local completion only says the source may be reused: flush for remote completion
+            if req is not None:
+                await self._raw_wait(req, arr)
+            req = ucp.flush(self.endpoint_handle)
+        if req is not None:
+            await self._raw_wait(req, arr)
+
+    async def _raw_wait(self, req: int, keep: object) -> None:
+        fut = self._w.watch_raw(self._require_ucp(), req, keep)
+        self._futs.add(fut)
+        cancelled = False
+        try:
+            while not fut.done():  # UCX cannot take back a put or get: let it finish
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    cancelled = True
+                    if self.state is not ChannelState.OPEN:
+                        raise
+            fut.result()
+        finally:
+            self._futs.discard(fut)
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def put(self, src: Any, remote_addr: int, rkey: RemoteKey) -> None:
+        """Write ``src`` (bytes-like) to the peer's registered memory at ``remote_addr``.
+
+        Returns once the bytes are in the peer's memory (put, then an endpoint flush).
+        """
+        await self._one_sided("put", memoryview(src), remote_addr, rkey)
+
+    async def get(self, remote_addr: int, rkey: RemoteKey, dest: Any) -> None:
+        """Read ``len(dest)`` bytes of the peer's registered memory at ``remote_addr`` into ``dest``."""
+        await self._one_sided("get", memoryview(dest), remote_addr, rkey)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _cancel(self, reqs: list[Any]) -> None:
+        for r in reqs:
+            self._w.cancel(r)
+
+    def _shutdown(self, state: ChannelState, exc: BaseException) -> None:
+        if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+            return
+        self._closed(state, exc)
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        for fut in [*self._cts.values(), *self._slot_waiters, *self._futs]:
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()
+        self._slot_waiters.clear()
+        for a, _ in self._waiting.values():
+            a.fail(exc)
+        for t in self._incoming.values():
+            t.arrival.fail(exc)
+        self._waiting.clear()
+        self._incoming.clear()
+        for key in self._rkeys:
+            key.close()
+        self._rkeys.clear()
+        self._w.abandon(self)  # cancel what UCX still holds of ours; keep its buffers alive
+        self._closed_ev.set()
+        task = self._loop.create_task(self._w.close_endpoint(self._ep))
+        self._w.track(task)
+
+    async def aclose(self) -> None:
+        if self.state is ChannelState.OPEN:
+            self.state = ChannelState.CLOSING
+            try:
+                req = self._ep.tag_send(self._lib_array(pack(FrameType.BYE)), self._ctrl_tag)
+                async with asyncio.timeout(1.0):
+                    if not req.completed:
+                        await self._w.future(req, owner=self)
+            except Exception:  # the peer may already be gone; closing goes on
+                pass
+            finally:
+                self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
+
+    def abort(self) -> None:
+        self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
+
+    def fail(self, exc: BaseException) -> None:
+        self._shutdown(ChannelState.BROKEN, exc)
+
+    def check_open(self) -> None:
+        if self.state is ChannelState.CLOSING:
+            raise ClosedResourceError("channel is closing")
+        super().check_open()

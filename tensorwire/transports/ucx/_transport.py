@@ -1,0 +1,381 @@
+"""The ucx transport: one UCX worker per node; channels are keyed tag streams between workers.
+
+Address blob: ``b"TWU1"`` followed by the UCX worker address. A client creates an endpoint to
+that address (without UCX peer error handling, which would disable the shared-memory lanes;
+liveness comes from the control-plane lease) and sends HELLO on the well-known hello tag:
+
+::
+
+    HELLO   "TWUH" ver flags sid_len addr_len rx_key ctrl_bytes | limits | session id |
+            client worker address | HMAC-SHA256(secret, sha256(everything before), sid, "ucx-client")
+    WELCOME "TWUW" ver flags 0 0 rx_key ctrl_bytes | limits | HMAC(..., "ucx-server")
+
+The server drops a HELLO that does not prove the pending session's secret (a warning, rate
+limited), and only then creates an endpoint back to the client. ``rx_key`` is the 32-bit tag
+key the sender of that message receives its channel on; ``ctrl_bytes`` the size of its control
+receive buffer (so the other side knows how much it may inline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import struct
+from collections import OrderedDict
+from collections.abc import Awaitable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ...errors import ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
+from .._base import Capabilities, Channel, Session, Transport, TransportContext
+from .._frames import FLAG_CHECKSUM, LIMITS, MAX_SESSION_ID, PeerLimits, proof
+from ..tcp._transport import _RateLimitedLog
+from ._channel import HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
+from ._ucp import Ucp
+from ._ucp import load as load_ucp
+from ._worker import Worker, context_resources, import_ucxx, ucx_options
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ADDRESS_MAGIC", "UcxTransport"]
+
+ADDRESS_MAGIC = b"TWU1"
+_HELLO_MAGIC = b"TWUH"
+_WELCOME_MAGIC = b"TWUW"
+_VERSION = 1
+_HEAD = struct.Struct("<4sBBHIII")  # magic, version, flags, sid_len, addr_len, rx_key, ctrl_bytes
+_PROOF = 32
+_HELLO_MAX = 64 * 1024
+_WELCOME_BYTES = _HEAD.size + LIMITS.size + _PROOF
+_PROBED_MAX = 64
+
+# UCX transports that move bytes by RDMA, and those that move GPU memory
+_RDMA_TLS = ("rc", "dc", "ud", "srd", "gga", "ib")
+_CUDA_TLS = ("cuda", "gdr")
+
+
+def _digest(secret: bytes, body: bytes, sid: bytes, role: bytes) -> bytes:
+    return proof(secret, hashlib.sha256(body).digest(), sid, role)
+
+
+class UcxTransport(Transport):
+    name = "ucx"
+    extra = "ucx"
+    _why_not: ClassVar[str] = "ucx cannot run on this machine"
+
+    @classmethod
+    def probe(cls) -> Capabilities | None:
+        try:
+            import_ucxx()
+            resources = context_resources(tuple(sorted(ucx_options().items())))
+        except ImportError as exc:
+            cls._why_not = f"ucxx is not installed (pip install 'tensorwire[ucx]'): {exc}"
+            return None
+        except Exception as exc:
+            cls._why_not = f"UCX could not create a context: {exc}"
+            return None
+        tls = [t for t, _ in resources if t != "self"]
+        if not tls:
+            cls._why_not = "UCX offers no transport here (check UCX_TLS)"
+            return None
+        rdma = any(t.startswith(_RDMA_TLS) for t in tls)
+        cuda = any(t.startswith(_CUDA_TLS) for t in tls)
+        return Capabilities(
+            memory_kinds=("host", "cuda") if cuda else ("host",),
+            one_sided=False,  # put/get exist (UcxChannel.put/get) but are not wired to expose/read yet
+            rdma=rdma,
+            gpudirect=False,
+            lanes=tuple(dict.fromkeys(f"{t}/{d}" for t, d in resources if t != "self")),
+            tcp_only=all(t == "tcp" for t in tls),
+        )
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        return cls._why_not
+
+    def __init__(self, ctx: TransportContext, capabilities: Capabilities) -> None:
+        super().__init__(ctx, capabilities)
+        self.options = ucx_options()  # read now: ucx_config() applies to nodes started inside it
+        self.worker: Worker | None = None
+        self.ucp: Ucp | None = None
+        self._pending: dict[str, tuple[Session, asyncio.Future[Channel]]] = {}
+        self._channels: set[UcxChannel] = set()
+        self._keys: set[int] = set()
+        self._probed: OrderedDict[bytes, Any] = OrderedDict()  # worker address -> endpoint from accepts()
+        self._hello_buf = np.empty(_HELLO_MAX, np.uint8)
+        self._hello_req: Any = None
+        self._closed = False
+        self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
+
+    def __repr__(self) -> str:
+        return f"<UcxTransport channels={len(self._channels)} options={self.options}>"
+
+    @property
+    def _peer_limits(self) -> PeerLimits:
+        lim = self.ctx.limits
+        flags = FLAG_CHECKSUM if self.ctx.checksum else 0
+        return PeerLimits(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes, flags)
+
+    def _new_key(self) -> int:
+        while True:
+            key = secrets.randbits(32)
+            if key and key not in self._keys:
+                self._keys.add(key)
+                return key
+
+    def _w(self) -> Worker:
+        if self.worker is None or self._closed:
+            raise ConnectError("ucx transport is not listening")
+        return self.worker
+
+    # -- listening ---------------------------------------------------------------------------
+    async def listen(self) -> bytes:
+        self.worker = Worker(self.options)
+        try:
+            self.ucp = load_ucp()
+        except TransportUnavailable as exc:
+            log.warning("ucx one-sided bindings unavailable: %s", exc)
+        self._post_hello()
+        return ADDRESS_MAGIC + self.worker.address
+
+    def _post_hello(self) -> None:
+        w = self.worker
+        if w is None or self._closed:
+            return
+        from ucxx._lib.arr import Array
+
+        self._hello_req = w.worker.tag_recv(Array(self._hello_buf), w.lib.UCXXTag(make_tag(0, HELLO)))
+        w.watch(self._hello_req, self._on_hello, keep=self._hello_buf, owner=self, passive=True)
+
+    def _parse_address(self, address: bytes) -> bytes | str:
+        if len(address) <= len(ADDRESS_MAGIC) or not address.startswith(ADDRESS_MAGIC):
+            return f"address blob is not a tensorwire ucx v{_VERSION} address ({address[:8]!r}...)"
+        return address[len(ADDRESS_MAGIC) :]
+
+    def _endpoint(self, worker_address: bytes) -> Any:
+        w = self._w()
+        ep = self._probed.pop(worker_address, None)
+        if ep is not None:
+            return ep
+        addr = w.lib.UCXAddress.create_from_buffer(worker_address)
+        return w.worker.create_endpoint_from_worker_address(addr, False)
+
+    def accepts(self, address: bytes) -> str | None:
+        """Whether UCX can reach the peer: tries to create the endpoint (kept for its HELLO)."""
+        parsed = self._parse_address(address)
+        if isinstance(parsed, str):
+            return parsed
+        if self.worker is None or self._closed:
+            return "ucx transport is not listening"
+        if parsed in self._probed:
+            return None
+        try:
+            ep = self._endpoint(parsed)
+        except Exception as exc:
+            return f"UCX cannot create an endpoint to the peer: {exc}"
+        self._probed[parsed] = ep
+        while len(self._probed) > _PROBED_MAX:
+            _, old = self._probed.popitem(last=False)
+            self.worker.track(asyncio.get_running_loop().create_task(self.worker.close_endpoint(old)))
+        return None
+
+    def expect(self, session: Session) -> Awaitable[Channel]:
+        fut: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
+        self._pending[session.id] = (session, fut)
+
+        def forget(_: object) -> None:
+            entry = self._pending.get(session.id)
+            if entry is not None and entry[1] is fut:
+                del self._pending[session.id]
+
+        fut.add_done_callback(forget)
+        return fut
+
+    def _on_hello(self, req: Any) -> None:
+        if self._closed:
+            return
+        try:
+            req.check_error()
+        except Exception as exc:
+            if "cancel" not in str(exc).lower():
+                self._drops.warn("dropped ucx hello: %s", exc)
+        else:
+            try:
+                self._accept_hello()
+            except ProtocolError as exc:
+                self._drops.warn("dropped ucx hello: %s", exc)
+            except Exception as exc:
+                self._drops.warn("dropped ucx hello: %r", exc)
+        self._post_hello()
+
+    def _accept_hello(self) -> None:
+        w = self._w()
+        buf = self._hello_buf
+        magic, version, _flags, sid_len, addr_len, rx_key, remote_ctrl = _HEAD.unpack_from(buf.data, 0)
+        if magic != _HELLO_MAGIC or version != _VERSION:
+            raise ProtocolError(f"not a tensorwire ucx v{_VERSION} hello")
+        if not 0 < sid_len <= MAX_SESSION_ID or not 0 < addr_len <= _HELLO_MAX or rx_key == 0:
+            raise ProtocolError("malformed hello")
+        body_len = _HEAD.size + LIMITS.size + sid_len + addr_len
+        if body_len + _PROOF > _HELLO_MAX:
+            raise ProtocolError("hello too long")
+        body = buf[:body_len].tobytes()
+        sid = body[_HEAD.size + LIMITS.size : _HEAD.size + LIMITS.size + sid_len]
+        worker_address = body[_HEAD.size + LIMITS.size + sid_len :]
+        entry = self._pending.get(sid.decode("utf-8", "replace"))
+        if entry is None:
+            raise ProtocolError("unknown or already used session id")
+        session, fut = entry
+        if not hmac.compare_digest(
+            buf[body_len : body_len + _PROOF].tobytes(), _digest(session.secret, body, sid, b"ucx-client")
+        ):
+            raise ProtocolError("wrong session secret")
+        if fut.done():
+            raise ProtocolError("session no longer pending")
+        remote = PeerLimits.unpack(body[_HEAD.size : _HEAD.size + LIMITS.size])
+        try:
+            ep = self._endpoint(worker_address)
+        except Exception as exc:
+            raise ProtocolError(f"cannot create an endpoint to the client: {exc}") from exc
+        my_key = self._new_key()
+        channel = UcxChannel(
+            w,
+            self.ucp,
+            ep,
+            rx_key=my_key,
+            tx_key=rx_key,
+            limits=self.ctx.limits,
+            remote=remote,
+            remote_ctrl=remote_ctrl,
+            name=f"server {session.remote_node[:8]}",
+        )
+        self._track(channel, my_key)
+        head = (
+            _HEAD.pack(_WELCOME_MAGIC, _VERSION, 0, 0, 0, my_key, ctrl_bytes(self.ctx.limits))
+            + self._peer_limits.pack()
+        )
+        welcome = head + _digest(session.secret, head, sid, b"ucx-server")
+        from ucxx._lib.arr import Array
+
+        wreq = ep.tag_send(Array(welcome), w.lib.UCXXTag(make_tag(rx_key, WELCOME)))
+        if not wreq.completed:
+            w.watch(wreq, lambda r: None, keep=welcome, owner=channel)
+        fut.set_result(channel)
+
+    def _track(self, channel: UcxChannel, key: int) -> None:
+        self._channels.add(channel)
+
+        def gone(_exc: object) -> None:
+            self._channels.discard(channel)
+            self._keys.discard(key)
+
+        channel.add_close_callback(gone)
+
+    # -- connecting --------------------------------------------------------------------------
+    async def connect(self, address: bytes, session: Session) -> Channel:
+        parsed = self._parse_address(address)
+        if isinstance(parsed, str):
+            raise ConnectError(parsed)
+        w = self._w()
+        from ucxx._lib.arr import Array
+
+        try:
+            ep = self._endpoint(parsed)
+        except Exception as exc:
+            raise ConnectError(f"UCX cannot create an endpoint to the peer: {exc}") from exc
+        my_key = self._new_key()
+        sid = session.id.encode()
+        welcome = np.zeros(_WELCOME_BYTES + 64, np.uint8)
+        wreq = w.worker.tag_recv(Array(welcome), w.lib.UCXXTag(make_tag(my_key, WELCOME)))
+        try:
+            async with asyncio.timeout(self.ctx.limits.handshake_seconds):
+                head = _HEAD.pack(
+                    _HELLO_MAGIC, _VERSION, 0, len(sid), len(w.address), my_key, ctrl_bytes(self.ctx.limits)
+                )
+                body = head + self._peer_limits.pack() + sid + w.address
+                hello = body + _digest(session.secret, body, sid, b"ucx-client")
+                hreq = ep.tag_send(Array(hello), w.lib.UCXXTag(make_tag(0, HELLO)))
+                if not hreq.completed:
+                    await w.future(hreq, keep=hello, owner=self)
+                hreq.check_error()
+                if not wreq.completed:
+                    await w.future(wreq, keep=welcome, owner=self)
+                wreq.check_error()
+            reply = welcome.tobytes()
+            magic, version, _f, _s, _a, server_key, remote_ctrl = _HEAD.unpack_from(reply, 0)
+            if magic != _WELCOME_MAGIC or version != _VERSION or server_key == 0:
+                raise ProtocolError("expected a tensorwire ucx WELCOME")
+            head = reply[: _HEAD.size + LIMITS.size]
+            if not hmac.compare_digest(
+                reply[len(head) : len(head) + _PROOF], _digest(session.secret, head, sid, b"ucx-server")
+            ):
+                raise ProtocolError("server did not prove the session secret")
+            remote = PeerLimits.unpack(head[_HEAD.size :])
+        except BaseException as exc:
+            w.cancel(wreq)
+            w.abandon(self)
+            self._keys.discard(my_key)
+            w.track(asyncio.get_running_loop().create_task(w.close_endpoint(ep)))
+            if isinstance(exc, (ProtocolError, PeerDisconnected, TimeoutError)) or (
+                isinstance(exc, Exception) and type(exc).__module__.startswith("ucxx")
+            ):
+                raise ConnectError(f"ucx data connection failed: {exc or type(exc).__name__}") from exc
+            raise
+        channel = UcxChannel(
+            w,
+            self.ucp,
+            ep,
+            rx_key=my_key,
+            tx_key=server_key,
+            limits=self.ctx.limits,
+            remote=remote,
+            remote_ctrl=remote_ctrl,
+            name=f"client {session.remote_node[:8]}",
+        )
+        self._track(channel, my_key)
+        return channel
+
+    # -- one-sided ---------------------------------------------------------------------------
+    def register(self, buffer: Any) -> Any:
+        """Register ``buffer`` (writable, bytes-like, C-contiguous) with this node's UCX context.
+
+        Returns a ``MemoryRegion`` whose ``address``/``length``/``rkey`` a peer needs to put to or
+        get from it (``UcxChannel.remote_key(region.rkey)``, then ``put``/``get``).
+        """
+        from ._ucp import MemoryRegion
+
+        w = self._w()
+        if self.ucp is None:
+            raise TransportUnavailable("ucx: the libucp bindings did not load; one-sided is unavailable")
+        arr = np.frombuffer(memoryview(buffer).cast("B"), np.uint8)
+        address, length = arr.ctypes.data, arr.nbytes
+        memh = self.ucp.mem_map(w.context.handle, address, length)
+        try:
+            rkey = self.ucp.rkey_pack(w.context.handle, memh)
+        except BaseException:
+            self.ucp.mem_unmap(w.context.handle, memh)
+            raise
+        return MemoryRegion(address, length, rkey, self.ucp, w.context.handle, memh, buffer)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        for _, fut in list(self._pending.values()):
+            fut.cancel()
+        await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
+        self._closed = True
+        w = self.worker
+        if w is None:
+            return
+        if self._hello_req is not None:
+            w.cancel(self._hello_req)
+        for ep in self._probed.values():
+            w.track(asyncio.get_running_loop().create_task(w.close_endpoint(ep)))
+        self._probed.clear()
+        await w.drain()
+        w.close()

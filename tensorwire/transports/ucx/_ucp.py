@@ -1,0 +1,322 @@
+"""ctypes bindings to the few libucp calls ucxx's Python API does not offer.
+
+One-sided operations (``ucp_put_nbx`` / ``ucp_get_nbx`` with remote keys), memory
+registration (``ucp_mem_map`` / ``ucp_rkey_pack``) and endpoint queries (``ucp_ep_query`` for the
+transports an endpoint really uses). They operate on the raw ``ucp_context_h``,
+``ucp_worker_h`` and ``ucp_ep_h`` handles that ucxx exposes (``.handle``), in the very libucp
+that ucxx loaded (found in ``/proc/self/maps``), so handles are shared, never duplicated.
+
+Calls go through ctypes (the GIL is released for each one; one call costs about a microsecond,
+far below a network operation). Requests are polled with ``ucp_request_check_status`` after
+each progress round of the node's worker, then freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import PeerDisconnected, TransferError, TransportUnavailable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MemoryRegion", "RemoteKey", "Ucp", "load", "loaded_library"]
+
+UCS_OK = 0
+UCS_INPROGRESS = 1
+_ERR_LAST = -100
+_PTR_MAX = 1 << 64
+
+_MEM_MAP_ADDRESS = 1 << 0
+_MEM_MAP_LENGTH = 1 << 1
+_EP_ATTR_TRANSPORTS = 1 << 3
+# status codes that mean the peer or the link is gone
+
+
+def _disconnect(status: int) -> bool:
+    """NOT_CONNECTED, CONNECTION_RESET, UNREACHABLE, and the link and endpoint failure ranges."""
+    return status in (-6, -24, -25) or -89 <= status <= -40
+
+
+class _RequestParam(Structure):
+    _fields_ = [
+        ("op_attr_mask", c_uint32),
+        ("flags", c_uint32),
+        ("request", c_void_p),
+        ("cb", c_void_p),
+        ("datatype", c_uint64),
+        ("user_data", c_void_p),
+        ("reply_buffer", c_void_p),
+        ("memory_type", c_int),
+        ("recv_info", c_void_p),
+        ("memh", c_void_p),
+    ]
+
+
+class _MemMapParams(Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("address", c_void_p),
+        ("length", c_size_t),
+        ("flags", c_uint),
+        ("prot", c_uint),
+        ("memory_type", c_int),
+        ("exported_memh_buffer", c_void_p),
+    ]
+
+
+class _TransportEntry(Structure):
+    _fields_ = [("transport_name", c_char_p), ("device_name", c_char_p)]
+
+
+class _Transports(Structure):
+    _fields_ = [("entries", POINTER(_TransportEntry)), ("num_entries", c_uint), ("entry_size", c_size_t)]
+
+
+class _SockaddrStorage(Structure):
+    _fields_ = [("data", c_uint64 * 16)]  # 128 bytes, 8-aligned like struct sockaddr_storage
+
+
+class _EpAttr(Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("name", c_char * 32),
+        ("local_sockaddr", _SockaddrStorage),
+        ("remote_sockaddr", _SockaddrStorage),
+        ("transports", _Transports),
+        ("user_data", c_void_p),
+    ]
+
+
+def loaded_library(name: str = "libucp.so") -> str | None:
+    """The path of the ``name`` this process has mapped (after ucxx was imported), if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if os.path.basename(path).startswith(name):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _status_of(ptr: int | None) -> int:
+    """UCS_PTR_STATUS: OK for NULL, the error for an error pointer, INPROGRESS for a request."""
+    if not ptr:
+        return UCS_OK
+    if ptr >= _PTR_MAX + _ERR_LAST:
+        return ptr - _PTR_MAX
+    return UCS_INPROGRESS
+
+
+class Ucp:
+    """The libucp functions tensorwire binds, from the library ucxx loaded."""
+
+    def __init__(self, ucp: ctypes.CDLL, ucs: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        self._ucs = ucs
+        f = ucp
+        self._mem_map = self._fn(f.ucp_mem_map, c_int, c_void_p, POINTER(_MemMapParams), POINTER(c_void_p))
+        self._mem_unmap = self._fn(f.ucp_mem_unmap, c_int, c_void_p, c_void_p)
+        self._rkey_pack = self._fn(f.ucp_rkey_pack, c_int, c_void_p, c_void_p, POINTER(c_void_p), POINTER(c_size_t))
+        self._rkey_buffer_release = self._fn(f.ucp_rkey_buffer_release, None, c_void_p)
+        self._rkey_unpack = self._fn(f.ucp_ep_rkey_unpack, c_int, c_void_p, c_void_p, POINTER(c_void_p))
+        self._rkey_destroy = self._fn(f.ucp_rkey_destroy, None, c_void_p)
+        self._put = self._fn(f.ucp_put_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, c_void_p)
+        self._get = self._fn(f.ucp_get_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, c_void_p)
+        self._flush = self._fn(f.ucp_ep_flush_nbx, c_void_p, c_void_p, c_void_p)
+        self._check = self._fn(f.ucp_request_check_status, c_int, c_void_p)
+        self._free = self._fn(f.ucp_request_free, None, c_void_p)
+        self._ep_query = self._fn(f.ucp_ep_query, c_int, c_void_p, POINTER(_EpAttr))
+        self._version = self._fn(f.ucp_get_version, None, POINTER(c_uint), POINTER(c_uint), POINTER(c_uint))
+        self._strerror = self._fn(ucs.ucs_status_string, c_char_p, c_int)
+        self._param = _RequestParam()  # no callback: requests are polled, then freed
+        self._ucxx_cancel = _ucxx_cancel()
+
+    @staticmethod
+    def _fn(fn: Any, restype: Any, *argtypes: Any) -> Any:
+        fn.restype = restype
+        fn.argtypes = list(argtypes)
+        return fn
+
+    # -- status ----------------------------------------------------------------------------
+    def status_string(self, status: int) -> str:
+        s = self._strerror(status)
+        return s.decode() if s else f"status {status}"
+
+    def error(self, status: int, what: str) -> Exception:
+        text = f"{what} failed: {self.status_string(status)} ({status})"
+        return PeerDisconnected(text) if _disconnect(status) else TransferError(text)
+
+    def _check_status(self, status: int, what: str) -> None:
+        if status != UCS_OK:
+            raise self.error(status, what)
+
+    def version(self) -> tuple[int, int, int]:
+        a, b, c = c_uint(), c_uint(), c_uint()
+        self._version(byref(a), byref(b), byref(c))
+        return a.value, b.value, c.value
+
+    # -- requests --------------------------------------------------------------------------
+    def _submit(self, ptr: int | None, what: str) -> int | None:
+        """None if the operation completed at once; else the request to poll. Raises on error."""
+        status = _status_of(ptr)
+        if status == UCS_OK:
+            return None
+        if status == UCS_INPROGRESS:
+            assert ptr is not None
+            return ptr
+        raise self.error(status, what)
+
+    def request_done(self, req: int) -> bool:
+        return bool(self._check(req) != UCS_INPROGRESS)
+
+    def request_finish(self, req: int) -> int:
+        """The request's final status; frees it."""
+        status = int(self._check(req))
+        self._free(req)
+        return status
+
+    def cancel_request(self, req: Any) -> None:
+        """Cancel a ucxx request (``ucxx::Request::cancel``, which calls ``ucp_request_cancel``).
+
+        ucxx's Python API cancels a request only when its last reference goes away, which
+        would also lose the means to see when UCX is done with the buffer; this calls the same
+        C++ method on the live request instead.
+        """
+        if self._ucxx_cancel is None:
+            raise TransferError("ucxx::Request::cancel is not exported by this libucxx")
+        self._ucxx_cancel(req.ucxx_ptr)
+
+    # -- one-sided -------------------------------------------------------------------------
+    def put(self, ep: int, buf: int, nbytes: int, remote_addr: int, rkey: int) -> int | None:
+        return self._submit(self._put(ep, buf, nbytes, remote_addr, rkey, byref(self._param)), "ucp_put_nbx")
+
+    def get(self, ep: int, buf: int, nbytes: int, remote_addr: int, rkey: int) -> int | None:
+        return self._submit(self._get(ep, buf, nbytes, remote_addr, rkey, byref(self._param)), "ucp_get_nbx")
+
+    def flush(self, ep: int) -> int | None:
+        return self._submit(self._flush(ep, byref(self._param)), "ucp_ep_flush_nbx")
+
+    def mem_map(self, context: int, address: int, length: int) -> int:
+        params = _MemMapParams(field_mask=_MEM_MAP_ADDRESS | _MEM_MAP_LENGTH, address=address, length=length)
+        memh = c_void_p()
+        self._check_status(self._mem_map(context, byref(params), byref(memh)), "ucp_mem_map")
+        assert memh.value is not None
+        return memh.value
+
+    def mem_unmap(self, context: int, memh: int) -> None:
+        self._check_status(self._mem_unmap(context, memh), "ucp_mem_unmap")
+
+    def rkey_pack(self, context: int, memh: int) -> bytes:
+        buf, size = c_void_p(), c_size_t()
+        self._check_status(self._rkey_pack(context, memh, byref(buf), byref(size)), "ucp_rkey_pack")
+        try:
+            return ctypes.string_at(buf, size.value)
+        finally:
+            self._rkey_buffer_release(buf)
+
+    def rkey_unpack(self, ep: int, packed: bytes) -> int:
+        rkey = c_void_p()
+        self._check_status(self._rkey_unpack(ep, packed, byref(rkey)), "ucp_ep_rkey_unpack")
+        assert rkey.value is not None
+        return rkey.value
+
+    def rkey_destroy(self, rkey: int) -> None:
+        self._rkey_destroy(rkey)
+
+    # -- endpoints -------------------------------------------------------------------------
+    def ep_transports(self, ep: int) -> list[tuple[str, str]]:
+        """(transport, device) for each lane the endpoint uses, e.g. ("posix", "memory")."""
+        entries = (_TransportEntry * 32)()
+        attr = _EpAttr(field_mask=_EP_ATTR_TRANSPORTS)
+        attr.transports.entries = ctypes.cast(entries, POINTER(_TransportEntry))
+        attr.transports.num_entries = 32
+        attr.transports.entry_size = ctypes.sizeof(_TransportEntry)
+        self._check_status(self._ep_query(ep, byref(attr)), "ucp_ep_query")
+        out = []
+        for i in range(min(attr.transports.num_entries, 32)):
+            e = entries[i]
+            out.append(((e.transport_name or b"?").decode(), (e.device_name or b"?").decode()))
+        return out
+
+
+def _ucxx_cancel() -> Any:
+    path = loaded_library("libucxx.so")
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_NOLOAD | os.RTLD_LOCAL)
+        fn = lib._ZN4ucxx7Request6cancelEv  # void ucxx::Request::cancel(), `this` as first argument
+    except (OSError, AttributeError):
+        return None
+    fn.restype = None
+    fn.argtypes = [c_void_p]
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Ucp:
+    """The bindings for the libucp that ucxx loaded (import ucxx first)."""
+    from ._worker import import_ucxx
+
+    import_ucxx()
+    path = loaded_library("libucp.so")
+    ucs_path = loaded_library("libucs.so")
+    if path is None or ucs_path is None:
+        raise TransportUnavailable("ucx: libucp is not loaded in this process")
+    mode = os.RTLD_NOW | os.RTLD_NOLOAD | os.RTLD_LOCAL
+    try:
+        lib = ctypes.CDLL(path, mode=mode)
+        ucs = ctypes.CDLL(ucs_path, mode=mode)
+        return Ucp(lib, ucs, path)
+    except (OSError, AttributeError) as exc:
+        raise TransportUnavailable(f"ucx: cannot bind {path}: {exc}") from exc
+
+
+@dataclass(eq=False)
+class MemoryRegion:
+    """Memory registered with a node's UCX context: peers may put to and get from it.
+
+    ``rkey`` is the packed remote key a peer unpacks (``UcxChannel.remote_key``) to reach
+    ``[address, address + length)``. Close it (or leave the ``with`` block) before freeing the
+    memory; the caller keeps the memory alive while it is registered.
+    """
+
+    address: int
+    length: int
+    rkey: bytes
+    _ucp: Ucp
+    _context: int
+    _memh: int | None
+    _owner: Any = None  # keeps the exporting object alive
+
+    def close(self) -> None:
+        if self._memh is not None:
+            memh, self._memh = self._memh, None
+            self._ucp.mem_unmap(self._context, memh)
+
+    def __enter__(self) -> MemoryRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(eq=False)
+class RemoteKey:
+    """A peer's packed rkey unpacked on one endpoint; valid until closed or the channel closes."""
+
+    handle: int | None
+    _ucp: Ucp
+
+    def close(self) -> None:
+        if self.handle is not None:
+            h, self.handle = self.handle, None
+            self._ucp.rkey_destroy(h)

@@ -1,0 +1,309 @@
+"""One UCX context and worker per node, progressed from the asyncio loop.
+
+Blocking progress mode: the worker's epoll descriptor is registered with ``loop.add_reader``;
+after every burst of progress the worker is *armed* (``ucp_worker_arm``) so that the next event
+wakes the loop. While requests that expect to finish soon are in flight (sends, payload
+receives, one-sided operations) the loop keeps progressing between its other callbacks for a
+short while, then arms and falls back to a 1 ms timer; when only passive receives are posted
+(the per-channel header receive, the hello receive) nothing runs until the descriptor fires, so
+an idle node costs no CPU.
+
+Importing ucxx edits ``os.environ`` (it sets UCX_MEMTYPE_CACHE, UCX_RNDV_THRESH and others).
+tensorwire restores the environment right after that import and passes the options it wants to
+the UCX context directly, so using the ucx transport never leaves the environment changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ...errors import ConfigurationError, TransportUnavailable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Worker", "context_resources", "import_ucxx", "ucx_config", "ucx_options"]
+
+# Options every tensorwire UCX context gets (the caller's ucx_config() entries win).
+_BASE_OPTIONS: dict[str, str] = {"WARN_UNUSED_ENV_VARS": "n"}
+_OPTIONS: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "tensorwire_ucx_options", default=()
+)
+_SPIN_ACTIVE = 0.002  # keep progressing this long after the last completion while work is in flight
+_SPIN_IDLE = 50e-6  # and this long after a completion when nothing else is in flight (latency)
+_FALLBACK = 0.001  # poll period while armed with work in flight (a missed wake-up costs at most this)
+_ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
+
+_import_lock = threading.Lock()
+
+
+def import_ucxx() -> Any:
+    """Import ucxx's binding module, undoing the environment edits ucxx makes on import."""
+    with _import_lock:
+        before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+        try:
+            from ucxx._lib import libucxx
+        finally:
+            after = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+            for k, v in after.items():
+                if before.get(k) != v:
+                    if k in before:
+                        os.environ[k] = before[k]
+                    else:
+                        del os.environ[k]
+                    log.debug("ucxx set %s=%s on import; restored", k, v)
+    return libucxx
+
+
+@contextlib.contextmanager
+def ucx_config(**options: str) -> Iterator[None]:
+    """UCX options (``TLS="tcp"``, ``RNDV_THRESH="16k"``, ...) for nodes started inside this block.
+
+    Keys are UCX configuration names without the ``UCX_`` prefix; they are passed to the UCX
+    context when a node's ucx transport starts, never through the environment. Environment
+    variables the user set (``UCX_TLS=...``) still apply where no option overrides them.
+    """
+    for k, v in options.items():
+        if not isinstance(v, str) or k.startswith("UCX_"):
+            raise ConfigurationError(f"ucx_config: pass {k.removeprefix('UCX_')}='...' as a string")
+    token = _OPTIONS.set(tuple(sorted({**dict(_OPTIONS.get()), **options}.items())))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+def ucx_options() -> dict[str, str]:
+    """The UCX options a context created here and now would get."""
+    return {**_BASE_OPTIONS, **dict(_OPTIONS.get())}
+
+
+_RESOURCE = re.compile(r"resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+\s+(\S+)/(\S+)")
+
+
+@functools.lru_cache(maxsize=16)
+def context_resources(options: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """(transport, device) pairs a UCX context with ``options`` can use on this machine."""
+    lib = import_ucxx()
+    ctx = lib.UCXContext(dict(options), feature_flags=(lib.Feature.TAG,))
+    try:
+        return tuple(dict.fromkeys((m.group(1), m.group(2)) for m in _RESOURCE.finditer(ctx.info)))
+    finally:
+        del ctx
+
+
+class _Watch:
+    __slots__ = ("callback", "keep", "owner", "passive")
+
+    def __init__(self, callback: Callable[[Any], None], keep: object, owner: object, passive: bool) -> None:
+        self.callback = callback
+        self.keep = keep  # buffers UCX reads or writes until the request completes
+        self.owner = owner
+        self.passive = passive
+
+
+class Worker:
+    """A node's UCX context and worker, and the loop integration that progresses them."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.lib = import_ucxx()
+        feats = self.lib.Feature
+        try:
+            self.context = self.lib.UCXContext(dict(options), feature_flags=(feats.TAG, feats.WAKEUP, feats.RMA))
+            self.worker = self.lib.UCXWorker(self.context)
+            self.worker.init_blocking_progress_mode()
+            self.address = bytes(self.worker.address)
+        except Exception as exc:
+            raise TransportUnavailable(f"ucx: could not start a UCX worker: {exc}") from exc
+        self.options = dict(options)
+        self.loop = asyncio.get_running_loop()
+        self._fd = self.worker.epoll_file_descriptor
+        self._watch: dict[Any, _Watch] = {}
+        self._raw: dict[int, tuple[asyncio.Future[None], object]] = {}  # ucp request pointer -> waiter
+        self._ucp: Any = None
+        self._graveyard: list[tuple[Any, object]] = []  # cancelled requests UCX may still hold
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._scheduled = False
+        self._fallback: asyncio.TimerHandle | None = None
+        self._last = 0.0
+        self._closed = False
+        self.loop.add_reader(self._fd, self._on_readable)
+
+    # -- requests --------------------------------------------------------------------------
+    def watch(
+        self,
+        req: Any,
+        callback: Callable[[Any], None],
+        *,
+        keep: object = None,
+        owner: object = None,
+        passive: bool = False,
+    ) -> None:
+        """Call ``callback(req)`` from the loop once ``req`` completes (successfully or not)."""
+        self._watch[req] = _Watch(callback, keep, owner, passive)
+        self.kick()
+
+    def future(self, req: Any, *, keep: object = None, owner: object = None) -> asyncio.Future[Any]:
+        """A future that resolves to ``req`` when it completes."""
+        fut: asyncio.Future[Any] = self.loop.create_future()
+
+        def done(r: Any) -> None:
+            if not fut.done():
+                fut.set_result(r)
+
+        self.watch(req, done, keep=keep, owner=owner)
+        return fut
+
+    def watch_raw(self, ucp: Any, request: int, keep: object = None) -> asyncio.Future[None]:
+        """A future for a raw ``ucp_*_nbx`` request pointer (one-sided operations)."""
+        self._ucp = ucp
+        fut: asyncio.Future[None] = self.loop.create_future()
+        self._raw[request] = (fut, keep)
+        self.kick()
+        return fut
+
+    def cancel(self, req: Any) -> None:
+        """Ask UCX to cancel ``req`` (a receive that has not matched completes as cancelled at
+        once; one that has matched, or a send, runs to completion)."""
+        if req.completed:
+            return
+        try:
+            from ._ucp import load
+
+            load().cancel_request(req)
+        except Exception as exc:  # no binding: dropping the last reference cancels it too
+            log.debug("ucx request cancel: %s", exc)
+
+    def abandon(self, owner: object) -> None:
+        """Cancel every request of ``owner`` and stop reporting them; their buffers stay
+        referenced until UCX is done with them (or the worker closes)."""
+        for r in [r for r, w in self._watch.items() if w.owner is owner]:
+            w = self._watch.pop(r)
+            self.cancel(r)
+            if not r.completed:
+                self._graveyard.append((r, w.keep))
+        self.kick()
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Keep a background task (an endpoint close) until it ends; close() waits for them."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- progress --------------------------------------------------------------------------
+    def kick(self) -> None:
+        """Progress soon (after posting an operation)."""
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self.loop.call_soon(self._progress)
+
+    def _on_readable(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._progress()
+
+    def _dispatch(self) -> int:
+        n = 0
+        if self._graveyard:
+            self._graveyard = [(r, k) for r, k in self._graveyard if not r.completed]
+        if self._watch:
+            done = [(r, w) for r, w in self._watch.items() if r.completed]
+            for r, w in done:
+                if self._watch.pop(r, None) is None:
+                    continue
+                n += 1
+                try:
+                    w.callback(r)
+                except Exception:  # a bug in a callback must not stop progress for everyone
+                    log.exception("ucx completion callback failed")
+        if self._raw:
+            ucp = self._ucp
+            for ptr in [p for p in self._raw if ucp.request_done(p)]:
+                fut, _ = self._raw.pop(ptr)
+                n += 1
+                status = ucp.request_finish(ptr)
+                if not fut.done():
+                    if status == 0:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(ucp.error(status, "one-sided operation"))
+                        fut.exception()
+        return n
+
+    def _progress(self) -> None:
+        self._scheduled = False
+        if self._closed:
+            return
+        if self._fallback is not None:
+            self._fallback.cancel()
+            self._fallback = None
+        worker = self.worker
+        for _ in range(_ROUNDS):
+            worker.progress()
+            if not self._dispatch():
+                break
+            self._last = time.monotonic()
+        active = bool(self._raw) or any(not w.passive for w in self._watch.values())
+        idle_for = time.monotonic() - self._last
+        if idle_for < (_SPIN_ACTIVE if active else _SPIN_IDLE) or not worker.arm():
+            self._scheduled = True
+            self.loop.call_soon(self._progress)
+            return
+        if active:
+            self._fallback = self.loop.call_later(_FALLBACK, self.kick)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def close_endpoint(self, ep: Any, grace: float = 1.0) -> None:
+        """Close a UCX endpoint without ever blocking the loop (a dead peer's flush times out)."""
+        try:
+            req = ep.close()
+        except Exception as exc:
+            log.debug("ucx endpoint close failed: %s", exc)
+            return
+        if req is None:
+            return
+        fut = self.future(req)
+        try:
+            async with asyncio.timeout(grace):
+                await fut
+        except TimeoutError:
+            log.debug("ucx endpoint close did not finish in %.1f s (peer gone?)", grace)
+            self.forget_request(req)
+
+    def forget_request(self, req: Any) -> None:
+        self._watch.pop(req, None)
+
+    async def drain(self) -> None:
+        """Wait for background endpoint closes (each bounded by its own timeout)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop progressing and free the worker and context; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._fallback is not None:
+            self._fallback.cancel()
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self._fd)
+        for fut, _ in self._raw.values():
+            fut.cancel()
+        self._raw.clear()
+        self._watch.clear()
+        self._graveyard.clear()
+        try:
+            self.worker.progress()
+            self.worker.cancel_inflight_requests()
+        except Exception as exc:
+            log.debug("ucx worker cleanup: %s", exc)
+        del self.worker
+        del self.context
