@@ -159,6 +159,29 @@ async def check_out_receive(a: Peer, b: Peer) -> None:
 
 
 @_check()
+async def check_back_to_back_messages_land_in_place(a: Peer, b: Peer) -> None:
+    """A receiver that re-posts its recv right after each message gets every one in place."""
+    x = np.arange(MiB // 4, dtype=np.int32)
+    out = np.empty_like(x)
+    n = 12
+
+    async def receiver() -> list[bool]:
+        staged = []
+        for _ in range(n):
+            _, r = await b.recv_with_receipt(tag="b2b", out=out)
+            staged.append(r.staged)
+        return staged
+
+    task = asyncio.ensure_future(receiver())
+    await asyncio.sleep(0.01)
+    for _ in range(n):
+        await a.send(x, tag="b2b")
+    staged = await asyncio.wait_for(task, 10)
+    assert np.array_equal(out, x)
+    assert sum(staged) <= 1, f"{sum(staged)} of {n} back-to-back messages were staged, not received in place"
+
+
+@_check()
 async def check_out_mismatch_keeps_message(a: Peer, b: Peer) -> None:
     x = np.arange(12, dtype=np.int32).reshape(3, 4)
     await a.send(x, tag="m")

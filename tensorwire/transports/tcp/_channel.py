@@ -52,6 +52,18 @@ def _slices(segs: list[memoryview], start: int, end: int) -> list[memoryview]:
     return out
 
 
+_REPOST_AFTER = 64 * 1024
+
+
+async def _let_recvs_repost(arrival: Arrival) -> None:
+    """After a large message, let the task that received it run and post its next recv before
+    the next header is read: otherwise back-to-back messages miss their recv and are staged
+    through a buffer of ours (measured: 29 of 30 staged without this, 0 with it)."""
+    if arrival.nbytes >= _REPOST_AFTER:
+        for _ in range(3):  # done -> shield -> recv task -> next recv posted
+            await asyncio.sleep(0)
+
+
 class TcpChannel(Channel):
     transport = "tcp"
 
@@ -304,6 +316,7 @@ class TcpChannel(Channel):
                     if arrival.written == arrival.nbytes:
                         del self._incoming[hdr.msg_id]
                         arrival.complete()
+                        await _let_recvs_repost(arrival)
                     continue
                 if hdr.meta_len:
                     raise ProtocolError(f"{t.name} frame with {hdr.meta_len} metadata bytes")
@@ -381,6 +394,7 @@ class TcpChannel(Channel):
         if arrival.written == arrival.nbytes:
             del self._incoming[arrival.msg_id]
             arrival.complete()
+            await _let_recvs_repost(arrival)
 
     # -- lifecycle --------------------------------------------------------------------------
     def _shutdown(self, state: ChannelState, exc: BaseException) -> None:
