@@ -163,6 +163,34 @@ async def _serve(address: str, echo: list[str], token: str | None, transports: l
 
 
 # -- doctor ---------------------------------------------------------------------------------
+def _ucx_report() -> dict[str, Any]:
+    """UCX as this process would load it: version, library, transports, RDMA."""
+    import importlib.util
+
+    if importlib.util.find_spec("ucxx") is None:
+        return {"installed": False, "reason": "ucxx is not installed (pip install 'tensorwire[ucx]')"}
+    try:
+        from .transports.ucx._transport import _RDMA_TLS
+        from .transports.ucx._ucp import load, loaded_library
+        from .transports.ucx._worker import context_resources, ucx_options
+
+        resources = context_resources(tuple(sorted(ucx_options().items())))
+        ucp = load()
+        transports = sorted({t for t, _ in resources})
+        return {
+            "installed": True,
+            "version": ".".join(str(v) for v in ucp.version()),
+            "libucp": ucp.path,
+            "libucxx": loaded_library("libucxx.so"),
+            "transports": transports,
+            "devices": [f"{t}/{d}" for t, d in resources],
+            "rdma": any(t.startswith(_RDMA_TLS) for t in transports),
+            "rdma_transports": [t for t in transports if t.startswith(_RDMA_TLS)],
+        }
+    except Exception as exc:
+        return {"installed": True, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def _doctor_report() -> dict[str, Any]:
     usable, unusable = probe_all(DEFAULT_PREFERENCE)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -194,6 +222,7 @@ def _doctor_report() -> dict[str, Any]:
         "rdma_devices": rdma,
         "memlock": {"soft": lim(soft), "hard": lim(hard)},
         "gpus": gpus,
+        "ucx": _ucx_report(),
     }
 
 
@@ -217,6 +246,16 @@ def _doctor(as_json: bool) -> int:
     print(f"RDMA devices: {', '.join(report['rdma_devices']) or 'none (no /sys/class/infiniband)'}")
     print(f"memlock limit: soft {report['memlock']['soft']}, hard {report['memlock']['hard']}")
     print(f"GPUs: {', '.join(report['gpus']) or 'none visible'}")
+    ucx = report["ucx"]
+    if not ucx["installed"]:
+        print(f"UCX: {ucx['reason']}")
+    elif "error" in ucx:
+        print(f"UCX: unusable ({ucx['error']})")
+    else:
+        rdma = ", ".join(ucx["rdma_transports"]) or "none (this libucx has no verbs/RDMA transports)"
+        print(f"UCX {ucx['version']} from {ucx['libucp']}")
+        print(f"  transports: {', '.join(ucx['devices'])}")
+        print(f"  RDMA transports: {rdma}")
     return 0
 
 

@@ -323,7 +323,7 @@ class UcxTransport(Transport):
             if isinstance(exc, (ProtocolError, PeerDisconnected, TimeoutError)) or (
                 isinstance(exc, Exception) and type(exc).__module__.startswith("ucxx")
             ):
-                raise ConnectError(f"ucx data connection failed: {exc or type(exc).__name__}") from exc
+                raise ConnectError(f"ucx data connection failed: {str(exc) or type(exc).__name__}") from exc
             raise
         channel = UcxChannel(
             w,

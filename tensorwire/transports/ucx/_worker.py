@@ -39,7 +39,7 @@ _OPTIONS: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.Cont
     "tensorwire_ucx_options", default=()
 )
 _SPIN_ACTIVE = 0.002  # keep progressing this long after the last completion while work is in flight
-_SPIN_IDLE = 50e-6  # and this long after a completion when nothing else is in flight (latency)
+_SPIN_IDLE = 250e-6  # and this long after a completion when nothing else is in flight (latency)
 _FALLBACK = 0.001  # poll period while armed with work in flight (a missed wake-up costs at most this)
 _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
 

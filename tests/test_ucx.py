@@ -1,0 +1,257 @@
+"""The ucx transport beyond the conformance suite: one-sided put/get, negotiation, the hello's
+authentication, the environment, idle CPU, and a peer killed mid-transfer. Real UCX on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire.testing import connected_pair
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (pip install 'tensorwire[ucx]')"
+    ),
+    pytest.mark.timeout(15),
+]
+
+MiB = 1 << 20
+
+
+def _ucx_config(**options: str):  # type: ignore[no-untyped-def]
+    from tensorwire.transports.ucx import ucx_config
+
+    return ucx_config(**options)
+
+
+@pytest.mark.parametrize("tls", ["sm,self", "tcp"])
+@pytest.mark.parametrize("size", [1 * MiB, 64 * MiB])
+async def test_put_and_get_between_two_nodes(tls: str, size: int) -> None:
+    """The one-sided bindings: b registers memory, a puts into it and gets it back."""
+    with _ucx_config(TLS=tls):
+        async with connected_pair("ucx") as (a, b):
+            transport = b.node.transports["ucx"]
+            region = np.zeros(size, np.uint8)
+            with transport.register(region) as mr:  # type: ignore[attr-defined]
+                assert mr.address == region.ctypes.data and mr.length == size and mr.rkey
+                await b.send({"addr": mr.address, "rkey": mr.rkey}, tag="mr")
+                info = await a.recv(tag="mr")
+                rkey = a.channel.remote_key(info["rkey"])  # type: ignore[attr-defined]
+                src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+                await a.channel.put(src, info["addr"], rkey)  # type: ignore[attr-defined]
+                assert np.array_equal(region, src), "put did not land in the peer's memory"
+                region[: size // 2] = 7  # the owner changes its memory; a get sees the change
+                back = np.empty(size, np.uint8)
+                await a.channel.get(info["addr"], rkey, back)  # type: ignore[attr-defined]
+                assert np.array_equal(back[: size // 2], np.full(size // 2, 7, np.uint8))
+                assert np.array_equal(back[size // 2 :], src[size // 2 :])
+                # a part of the region, at an offset
+                await a.channel.get(info["addr"] + 4096, rkey, back[:4096])  # type: ignore[attr-defined]
+                assert np.array_equal(back[:4096], region[4096:8192])
+                rkey.close()
+                rkey.close()  # idempotent
+                with pytest.raises(tensorwire.ClosedResourceError):
+                    await a.channel.get(info["addr"], rkey, back)  # type: ignore[attr-defined]
+
+
+async def test_path_names_ucx_lanes() -> None:
+    with _ucx_config(TLS="sm,self"):
+        async with connected_pair("ucx") as (a, _b):
+            assert a.path.transport == "ucx"
+            assert any(lane.split("/")[0] in ("posix", "sysv", "cma") for lane in a.path.lanes), a.path
+            assert "tcp" not in " ".join(a.path.lanes)
+            assert not a.path.rdma
+    with _ucx_config(TLS="tcp"):
+        async with connected_pair("ucx") as (a, _):
+            assert all(lane.startswith("tcp/") for lane in a.path.lanes), a.path
+            caps = a.node.offers["ucx"].capabilities
+            assert caps.tcp_only and not caps.rdma and not caps.one_sided
+
+
+async def test_tcp_only_ucx_gives_way_to_tcp_and_says_so() -> None:
+    with _ucx_config(TLS="tcp"):
+        async with tensorwire.start(transports=("ucx", "tcp")) as na, tensorwire.start(transports=("ucx", "tcp")) as nb:
+            peer = await na.connect(nb.address)
+            assert peer.path.transport == "tcp"
+            reasons = dict(peer.path.passed_over)
+            assert "only tcp lanes" in reasons["ucx"], reasons
+            assert "not ucx: only tcp lanes" in str(peer.path)
+    # with shared memory, ucx is preferred over tcp
+    with _ucx_config(TLS="sm,self,tcp"):
+        async with tensorwire.start(transports=("ucx", "tcp")) as na, tensorwire.start(transports=("ucx", "tcp")) as nb:
+            peer = await na.connect(nb.address)
+            assert peer.path.transport == "ucx", peer.path
+
+
+async def test_unreachable_ucx_falls_back_to_tcp_with_a_reason() -> None:
+    """One node offers UCX over shared memory only, the other over tcp only: no endpoint."""
+    with _ucx_config(TLS="sm,self"):
+        na = await tensorwire.start(transports=("ucx", "tcp"))
+    try:
+        with _ucx_config(TLS="tcp"):
+            nb = await tensorwire.start(transports=("ucx", "tcp"))
+        try:
+            peer = await na.connect(nb.address)
+            assert peer.path.transport == "tcp"
+            assert "ucx" in dict(peer.path.passed_over)
+        finally:
+            await nb.aclose()
+    finally:
+        await na.aclose()
+
+
+async def test_hello_without_the_secret_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """A UCX peer that knows the worker address but not the session secret gets no channel."""
+    from ucxx._lib.arr import Array
+
+    from tensorwire.transports.ucx import ADDRESS_MAGIC
+    from tensorwire.transports.ucx._channel import HELLO, make_tag
+
+    caplog.set_level(logging.WARNING, logger="tensorwire")
+    async with tensorwire.start(transports=("ucx",)) as server, tensorwire.start(transports=("ucx",)) as attacker:
+        blob = server.offers["ucx"].address
+        assert blob.startswith(ADDRESS_MAGIC)
+        w = attacker.transports["ucx"].worker  # type: ignore[attr-defined]
+        ep = w.worker.create_endpoint_from_worker_address(w.lib.UCXAddress.create_from_buffer(blob[4:]), False)
+        for junk in (b"x" * 100, b"TWUH" + bytes(200)):
+            req = ep.tag_send(Array(junk), w.lib.UCXXTag(make_tag(0, HELLO)))
+            await w.future(req)
+        for _ in range(100):
+            if sum("dropped ucx hello" in r.getMessage() for r in caplog.records) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sum("dropped ucx hello" in r.getMessage() for r in caplog.records) >= 2
+        await w.close_endpoint(ep)
+        # and an honest client still gets in
+        peer = await attacker.connect(server.address)
+        other = await server.accept()
+        await peer.send(np.arange(3), tag=1)
+        assert np.array_equal(await other.recv(tag=1), np.arange(3))
+
+
+def test_ucx_config_rejects_bad_options() -> None:
+    with pytest.raises(tensorwire.ConfigurationError), _ucx_config(UCX_TLS="tcp"):
+        pass
+
+
+def _run(code: str, timeout: float = 12) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_using_ucx_leaves_the_environment_alone() -> None:
+    proc = _run(
+        """
+        import asyncio, os
+        before = dict(os.environ)
+        import tensorwire
+        assert dict(os.environ) == before, "import edited os.environ"
+        async def main():
+            async with tensorwire.start(transports=("ucx",)) as n:
+                assert "ucx" in n.offers, n.unusable
+        asyncio.run(main())
+        changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
+        assert not changed, changed
+        print("ok")
+        """
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_idle_node_burns_no_cpu() -> None:
+    """A node with a ucx listener and a connected peer sleeps in epoll while nothing moves."""
+    proc = _run(
+        """
+        import asyncio, resource, time
+        import numpy as np, tensorwire
+        async def main():
+            async with tensorwire.start(transports=("ucx",)) as a, tensorwire.start(transports=("ucx",)) as b:
+                p = await a.connect(b.address); q = await b.accept()
+                await p.send(np.ones(1 << 20), tag=1); await q.recv(tag=1)
+                await asyncio.sleep(0.2)
+                r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+                await asyncio.sleep(2.0)
+                r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+                cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+                print(f"idle cpu {100 * cpu / (t1 - t0):.2f}%")
+        asyncio.run(main())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    pct = float(proc.stdout.split("idle cpu ")[1].rstrip("%\n"))
+    # two nodes, each with a lease watchdog and heartbeats: a few tenths of a percent at most
+    assert pct < 5.0, proc.stdout
+
+
+@pytest.mark.multiprocess
+async def test_peer_killed_mid_transfer_fails_pending_ops() -> None:
+    """SIGKILL the sender while 256 MiB moves over shared memory: the recv fails promptly
+    (the control-plane lease; UCX peer error handling is off), nothing hangs, the node serves on."""
+    async with tensorwire.start(transports=("ucx",), lease_seconds=1.0) as node:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                    import asyncio, numpy as np, tensorwire
+                    async def main():
+                        async with tensorwire.start(transports=("ucx",), lease_seconds=1.0) as n:
+                            p = await n.connect({node.address!r})
+                            x = np.ones(256 << 20, np.uint8)
+                            while True:
+                                await p.send(x, tag=1)
+                    asyncio.run(main())
+                    """
+            ),
+        )
+        try:
+            async with asyncio.timeout(10):
+                peer = await node.accept()
+            out = np.empty(256 * MiB, np.uint8)
+            await peer.recv(tag=1, out=out)
+            recv = asyncio.ensure_future(peer.recv(tag=1, out=out))
+            await asyncio.sleep(0.01)
+            os.kill(child.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+
+            async def drain() -> None:  # messages that had fully arrived may still come
+                async with asyncio.timeout(8):
+                    await recv
+                    while True:
+                        await peer.recv(tag=1, out=out)
+
+            with pytest.raises(tensorwire.TensorWireError):
+                await drain()
+            assert time.monotonic() - t0 < 5
+        finally:
+            if child.returncode is None:
+                child.kill()
+            await child.wait()
+        # the node still serves a new peer
+        async with tensorwire.start(transports=("ucx",)) as other:
+            p = await other.connect(node.address)
+            q = await node.accept()
+            await p.send(np.arange(4), tag=2)
+            assert np.array_equal(await q.recv(tag=2), np.arange(4))
+
+
+def test_doctor_reports_ucx() -> None:
+    from tensorwire.cli import _doctor_report
+
+    ucx = _doctor_report()["ucx"]
+    assert ucx["version"].count(".") == 2
+    assert ucx["libucp"].endswith(tuple(f"libucp.so{s}" for s in ("", ".0", ".0.0.0")))
+    assert "tcp" in ucx["transports"]
+    assert ucx["rdma"] is False  # the PyPI libucx is built without verbs
