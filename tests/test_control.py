@@ -26,11 +26,12 @@ def test_generated_code_is_fresh() -> None:
 
 async def test_path_names_transport_and_reasons() -> None:
     async with tensorwire.start("127.0.0.1:0") as a, tensorwire.start("127.0.0.1:0") as b:
-        peer = await a.connect(b.address, transports=("ucx", "tcp"))
+        peer = await a.connect(b.address, transports=("verbs", "tcp"))
         assert peer.path.transport == "tcp"
         reasons = dict(peer.path.passed_over)
-        assert ("ucx" in reasons and "not installed" in reasons["ucx"]) or "not part" in reasons["ucx"]
-        assert "tcp" in str(peer.path) and "not ucx" in str(peer.path)
+        assert "verbs" in reasons
+        assert "not installed" in reasons["verbs"] or "not part" in reasons["verbs"]
+        assert "tcp" in str(peer.path) and "not verbs" in str(peer.path)
         assert peer.path.lanes and peer.path.lanes[0].startswith("tcp")
         assert not peer.path.rdma
         assert "via tcp" in repr(peer)
@@ -129,9 +130,11 @@ async def test_health_reflection_and_node_info_with_stock_grpc() -> None:
             assert {"tensorwire.v1.Control", "grpc.health.v1.Health"} <= names
             info = await control_pb2_grpc.ControlStub(ch).GetNodeInfo(control_pb2.NodeInfoRequest(), timeout=5)
             assert info.node_id == node.node_id and info.auth_required
-            assert {o.name for o in info.offers} == {"inproc", "tcp"}
+            offered = {o.name for o in info.offers}
+            assert {"inproc", "tcp"} <= offered
             assert all(not o.address for o in info.offers)
-            assert {u.name for u in info.unavailable} == {"ucx", "verbs"}
+            assert offered | {u.name for u in info.unavailable} == {"inproc", "ucx", "verbs", "tcp"}
+            assert all(u.reason for u in info.unavailable)
 
 
 async def test_handshake_rejects_other_protocol_version() -> None:

@@ -565,14 +565,6 @@ async def test_slow_loris_is_dropped_after_the_handshake_timeout(caplog: pytest.
         assert took >= limit * 0.8, f"dropped after {took:.2f} s, before the {limit} s handshake deadline"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="TcpTransport._handshake_server (tcp/_transport.py) logs `exc or type(exc).__name__`; an exception "
-    "instance is always truthy, so "
-    "for a handshake timeout (TimeoutError with an empty str) the warning ends in ': ' with no reason at all. "
-    "Same pattern in TcpTransport.connect (ConnectError message of a timed-out connect)",
-)
 async def test_handshake_timeout_warning_says_why(caplog: pytest.LogCaptureFixture) -> None:
     async with honest_pair(tensorwire.Limits(handshake_seconds=0.3)) as env, raw(env.data_address) as r:
         await r.closed_by_server(within=3)
@@ -801,7 +793,7 @@ async def test_protocol_violation_after_auth_closes_only_that_connection(
     await _violate(caplog, attack, reason)
 
 
-# -- headers that pass decode_header but cannot be rebuilt (see the report in the xfail reasons) ---
+# -- headers that once passed decode_header and then could not be rebuilt: now protocol errors ---
 def _header_msg(tree: wire_pb2.TreeNode, tensors: list[wire_pb2.TensorSpec] | None = None, *, flags: int = 0) -> Any:
     h = wire_pb2.MessageHeader(tensors=tensors or [], tree=tree).SerializeToString()
     return lambda s: frame(MSG, flags=flags, meta_len=len(h), msg_id=s.msg_id(), arg=7) + h
@@ -817,47 +809,18 @@ def _empty_dict_key() -> wire_pb2.TreeNode:
 _ZERO_BUT_HUGE = [wire_pb2.TensorSpec(dtype="float32", shape=[0, 2**62, 2**62], nbytes=0)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="decode_header does not validate TreeNode.big_int (tensors/_message.py _check_tree); rebuild's "
-    "int(node.big_int) raises ValueError in the receiver's recv, the channel stays open, and the message is "
-    "requeued by Mailbox.recv, so every later recv on that tag raises the same ValueError",
-)
 async def test_header_with_non_numeric_big_int_is_a_protocol_error(caplog: pytest.LogCaptureFixture) -> None:
     await _violate(caplog, _header_msg(wire_pb2.TreeNode(big_int="not-a-number")), "")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="_check_tree only rejects container/tensor dict keys, not a key TreeNode with no kind; rebuild's "
-    "_unflatten does getattr(node, None) and recv raises TypeError (not a tensorwire error) with the channel "
-    "left open and the message requeued",
-)
 async def test_header_with_empty_dict_key_is_a_protocol_error(caplog: pytest.LogCaptureFixture) -> None:
     await _violate(caplog, _header_msg(_empty_dict_key()), "")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="decode_header accepts a zero-byte tensor whose other dims overflow (shape [0, 2**62, 2**62]); "
-    "Arrival.allocate -> np.empty raises ValueError inside TcpChannel._read_loop (the eager "
-    "`arrival.allocate()`), which lands in the catch-all ('tcp reader failed', ERROR with traceback); the recv "
-    "already matched to that arrival then fails with a bare AssertionError in Mailbox._complete "
-    "(`assert arrival.dest is not None`) instead of ProtocolError",
-)
 async def test_header_with_unallocatable_empty_tensor_is_a_protocol_error(caplog: pytest.LogCaptureFixture) -> None:
     await _violate(caplog, _header_msg(wire_pb2.TreeNode(tensor=0), _ZERO_BUT_HUGE), "")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="as above, sent as a rendezvous message: Mailbox._complete calls Arrival.allocate in the recv, "
-    "np.empty's ValueError reaches the caller, the channel stays open and the message is requeued",
-)
 async def test_rendezvous_header_with_unallocatable_empty_tensor_is_a_protocol_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -55,7 +55,7 @@ async def test_echo_across_processes(echo_server: str) -> None:
     rng = np.random.default_rng(0)
     async with tensorwire.start("127.0.0.1:0") as node:
         peer = await node.connect(echo_server)
-        assert peer.path.transport == "tcp"
+        assert peer.path.transport in node.offers and peer.path.transport != "inproc"
         assert dict(peer.path.passed_over)["inproc"] == "peer is in another process"
         tree = {
             "a": rng.standard_normal((64, 33)).astype(np.float32),
@@ -121,7 +121,7 @@ def test_demo_runs_and_verifies() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every byte matches" in proc.stdout
-    assert "path: tcp" in proc.stdout
+    assert "path: " in proc.stdout
     assert "demo passed" in proc.stdout
 
 
@@ -132,5 +132,6 @@ def test_doctor_json() -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["transports"]["tcp"]["usable"]
-    assert report["connect_to_another_process"]["transport"] == "tcp"
+    pick = report["connect_to_another_process"]["transport"]
+    assert pick != "inproc" and report["transports"][pick]["usable"]
     assert "memlock" in report

@@ -9,6 +9,7 @@ length and shape is checked against the limits before anything is allocated.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,12 @@ from ._view import TensorView, as_view, byte_view, empty, is_tensor, to_framewor
 
 __all__ = ["Outgoing", "Spec", "decode_header", "match_out", "prepare", "rebuild"]
 
-MAX_DEPTH = 64
+# Each pytree level is two protobuf levels (TreeNode, then Sequence/Mapping), and protobuf's
+# decoder stops at 100: 32 levels keeps every message we send decodable on the other side.
+MAX_DEPTH = 32
+MAX_BIG_INT_DIGITS = 1000
+_BIG_INT = re.compile(rf"-?[0-9]{{1,{MAX_BIG_INT_DIGITS}}}")
+_SCALAR_KINDS = frozenset({"none", "bool_value", "int_value", "float_value", "str_value", "bytes_value", "big_int"})
 MAX_NDIM = 64
 _INT64 = 2**63
 
@@ -65,7 +71,10 @@ class Outgoing:
                     framework=s.framework,
                     nbytes=s.nbytes,
                 )
-            self._header = msg.SerializeToString()
+            try:
+                self._header = msg.SerializeToString()
+            except Exception as exc:  # protobuf's own limits (nesting, sizes)
+                raise UnsupportedTensorError(f"message header cannot be encoded: {exc}") from exc
         return self._header
 
     def segments(self) -> list[memoryview]:
@@ -85,8 +94,11 @@ def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeN
         if -_INT64 <= obj < _INT64:
             node.int_value = obj
         else:
-            node.big_int = str(obj)
-    elif isinstance(obj, float):
+            text = str(obj) if obj.bit_length() < 3300 else ""
+            if not text or len(text.lstrip("-")) > MAX_BIG_INT_DIGITS:
+                raise UnsupportedTensorError(f"integers beyond {MAX_BIG_INT_DIGITS} digits are not supported")
+            node.big_int = text
+    elif isinstance(obj, float) and not isinstance(obj, np.generic):
         node.float_value = obj
     elif isinstance(obj, str):
         node.str_value = obj
@@ -199,6 +211,8 @@ def _decode_header(
         shape = tuple(int(d) for d in t.shape)
         if any(d < 0 for d in shape):
             raise ProtocolError(f"header claims a negative dimension in shape {shape}")
+        if math.prod(max(d, 1) for d in shape) * dt.itemsize >= 1 << 62:
+            raise ProtocolError(f"header claims an impossible shape {list(shape)[:8]}")
         n = math.prod(shape) * dt.itemsize
         if n != t.nbytes:
             raise ProtocolError(f"header claims {t.nbytes} bytes for {t.dtype}{list(shape)} ({n} bytes)")
@@ -213,6 +227,7 @@ def _decode_header(
 
 
 def _check_tree(node: wire_pb2.TreeNode, ntensors: int, depth: int) -> None:
+    """Everything ``rebuild`` will do must succeed for a tree that passes here."""
     if depth > MAX_DEPTH:
         raise ProtocolError(f"pytree deeper than {MAX_DEPTH} levels")
     kind = node.WhichOneof("kind")
@@ -226,10 +241,14 @@ def _check_tree(node: wire_pb2.TreeNode, ntensors: int, depth: int) -> None:
         if len(node.dict.keys) != len(node.dict.values):
             raise ProtocolError("dict node with unequal keys and values")
         for k in node.dict.keys:
-            if k.WhichOneof("kind") in ("tensor", "list", "tuple", "dict"):
+            if k.WhichOneof("kind") not in _SCALAR_KINDS:
                 raise ProtocolError("dict key must be a scalar")
+            _check_tree(k, ntensors, depth + 1)
         for v in node.dict.values:
             _check_tree(v, ntensors, depth + 1)
+    elif kind == "big_int":
+        if not _BIG_INT.fullmatch(node.big_int):
+            raise ProtocolError("big_int is not a decimal integer of at most 1000 digits")
     elif kind is None:
         raise ProtocolError("empty tree node")
 

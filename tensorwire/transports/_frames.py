@@ -70,7 +70,6 @@ class FrameHeader(NamedTuple):
     credit: int
     slots: int
 
-
     def pack(self) -> bytes:
         return pack(*self)
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ShapeMismatchError, TransferError
+from ..errors import ShapeMismatchError, TensorWireError, TransferError
 from ..tensors import Spec, byte_view, match_out, rebuild
 from ._base import Receipt
 
@@ -48,6 +48,7 @@ class Arrival:
     __slots__ = (
         "_flat",
         "channel",
+        "consumed",
         "dest",
         "direct",
         "done",
@@ -82,6 +83,7 @@ class Arrival:
         self.rendezvous = rendezvous
         self.protocol = protocol
         self.pulling = False
+        self.consumed = False  # handed to a recv: its credit went back, it is never requeued
         self.dest: list[np.ndarray] | None = None
         self.direct = False  # dest is the recv's out= buffer
         self.written = 0
@@ -239,7 +241,8 @@ class Mailbox:
                 except SenderAborted:
                     continue
                 except BaseException:
-                    if not (arrival.done.done() and arrival.done.exception() is not None):
+                    failed = arrival.done.done() and arrival.done.exception() is not None
+                    if not failed and not arrival.consumed:
                         self._requeue(arrival)
                     raise
         finally:
@@ -259,19 +262,26 @@ class Mailbox:
             await asyncio.shield(arrival.done)
         else:
             arrival.done.result()  # raises if the message failed
+        arrival.consumed = True
         self.channel.release(arrival)
-        assert arrival.dest is not None
+        if arrival.dest is None:
+            raise TransferError("message completed without a destination buffer")
         staged = False
-        if out is None:
-            value = rebuild(arrival.tree, arrival.specs, arrival.dest)
-        else:
-            if not arrival.direct:
-                if targets is None:
-                    targets = match_out(out, arrival.specs)
-                for src, dst in zip(arrival.dest, targets, strict=True):
-                    np.copyto(dst, src)
-                staged = True
-            value = out
+        try:
+            if out is None:
+                value = rebuild(arrival.tree, arrival.specs, arrival.dest)
+            else:
+                if not arrival.direct:
+                    if targets is None:
+                        targets = match_out(out, arrival.specs)
+                    for src, dst in zip(arrival.dest, targets, strict=True):
+                        np.copyto(dst, src)
+                    staged = True
+                value = out
+        except TensorWireError:
+            raise
+        except Exception as exc:  # validated headers make this unreachable; never jam the tag
+            raise TransferError(f"received message could not be rebuilt: {exc!r}") from exc
         ch = self.channel
         receipt = Receipt(
             transport=ch.transport,

@@ -306,9 +306,9 @@ class TcpChannel(Channel):
                         await self._verify(crc, arrival, 0, 0)
                         self._waiting[hdr.msg_id] = arrival
                         continue
+                    self._incoming[hdr.msg_id] = arrival  # so a failure below fails its recv too
                     if arrival.dest is None:
                         arrival.allocate()  # size checked against credit above
-                    self._incoming[hdr.msg_id] = arrival
                     if hdr.payload_len:
                         await io.read_into(arrival.view, 0, hdr.payload_len)
                     await self._verify(crc, arrival, 0, hdr.payload_len)

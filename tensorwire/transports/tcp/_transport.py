@@ -145,7 +145,7 @@ class TcpTransport(Transport):
                 reply = proof(session.secret, nonce, sid, b"server") + self._peer_limits.pack()
                 await io.send_all([pack(FrameType.WELCOME, meta_len=len(reply)), reply])
         except (ProtocolError, PeerDisconnected, TimeoutError, OSError) as exc:
-            self._drops.warn("dropped tcp data connection from %s: %s", who, exc or type(exc).__name__)
+            self._drops.warn("dropped tcp data connection from %s: %s", who, str(exc) or type(exc).__name__)
             io.close()
             return
         except BaseException:
@@ -193,7 +193,9 @@ class TcpTransport(Transport):
                 io.close()
             else:
                 sock.close()
-            raise ConnectError(f"tcp data connection to {host}:{port} failed: {exc or type(exc).__name__}") from exc
+            raise ConnectError(
+                f"tcp data connection to {host}:{port} failed: {str(exc) or type(exc).__name__}"
+            ) from exc
         except BaseException:
             if io is not None:
                 io.close()
