@@ -126,3 +126,42 @@ async def test_sigkill_mid_gigabyte_transfer_then_restart() -> None:
             assert r.nbytes == 8000
         finally:
             await _stop(proc)
+
+
+OWNER = """
+import asyncio, sys, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=(sys.argv[1],)) as node:
+        big = np.ones(512 << 20, np.uint8)
+        node.expose(big, name="big")
+        print(node.address, flush=True)
+        peer = await node.accept()
+        await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_sigkill_fails_pending_reads_writes_sends_and_recvs(transport: str) -> None:
+    proc = await _spawn("-c", OWNER, transport)
+    try:
+        assert proc.stdout is not None
+        address = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+            peer = await node.connect(address)
+            h = await peer.lookup("big")
+            pending = [
+                asyncio.ensure_future(peer.read(h)),
+                asyncio.ensure_future(peer.write(h, np.zeros(512 << 20, np.uint8))),
+                asyncio.ensure_future(peer.send(np.ones(256 << 20, np.uint8), tag="never-received")),
+                asyncio.ensure_future(peer.recv(tag="never-sent")),
+            ]
+            await asyncio.sleep(0.2)
+            proc.kill()
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+            detected = time.monotonic() - t0
+            assert all(isinstance(r, tensorwire.PeerDisconnected) for r in results), results
+            assert detected < 5.0, detected
+    finally:
+        await _stop(proc)

@@ -134,6 +134,10 @@ class TcpChannel(Channel):
                 await self._io.send_all(bufs)
             except PeerDisconnected as exc:
                 self._shutdown(ChannelState.BROKEN, exc)
+                # closed by this side meanwhile? then say that, not what the socket saw
+                failure = self.mailbox.failure
+                if failure is not None and failure is not exc:
+                    raise failure from exc
                 raise
 
     async def _take_slot(self) -> None:

@@ -49,6 +49,8 @@ async def finish_uncancelled(task: asyncio.Task[None]) -> None:
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+    if task.cancelled():  # not us: the connection was closed under the write
+        raise PeerEOF("connection closed while a frame was being written")
     task.result()
 
 
