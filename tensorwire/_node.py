@@ -201,9 +201,16 @@ class Node:
 
     async def _watch_leases(self) -> None:
         lease = self.config.lease_seconds
+        interval = min(lease / 4, 0.5)
         while True:
-            await asyncio.sleep(min(lease / 4, 0.5))
+            before = time.monotonic()
+            await asyncio.sleep(interval)
             now = time.monotonic()
+            lag = now - before - interval
+            if lag > interval:
+                # our own loop was stalled (page faults, a long copy): renewals may be sitting
+                # unread, so that time does not count against the peers
+                self._leases = {sid: (exp + lag, p) for sid, (exp, p) in self._leases.items()}
             for sid, (expiry, peer) in list(self._leases.items()):
                 if now > expiry:
                     del self._leases[sid]

@@ -114,7 +114,11 @@ class Peer:
         interval = lease / 3
         last_ok = time.monotonic()
         while not self.closed:
+            before = time.monotonic()
             await asyncio.sleep(interval)
+            lag = time.monotonic() - before - interval
+            if lag > interval:
+                last_ok += lag  # our own loop stalled: that time is not the peer's silence
             try:
                 await self._control.heartbeat(session_id, deadline=interval)
                 last_ok = time.monotonic()

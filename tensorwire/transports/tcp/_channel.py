@@ -213,6 +213,8 @@ class TcpChannel(Channel):
     async def _send_data(self, msg_id: int, segs: list[memoryview], start: int, end: int) -> None:
         chunk = self._limits.chunk_bytes
         for off in range(start, end, chunk):
+            if off > start:
+                await asyncio.sleep(0)  # a socket that never blocks must not starve the loop
             await self._write(FrameType.DATA, payload=_slices(segs, off, min(off + chunk, end)), msg_id=msg_id, arg=off)
 
     # -- receiving --------------------------------------------------------------------------

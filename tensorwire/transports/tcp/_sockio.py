@@ -20,6 +20,9 @@ __all__ = ["SockIO", "finish_uncancelled"]
 IOV_MAX = 512
 _BUFSIZE = 256 * 1024
 _SMALL = 64 * 1024
+# A receiver that never finds its socket empty would otherwise never give the loop back (and
+# miss its lease renewals): yield after this many bytes read without waiting.
+_YIELD_EVERY = 8 << 20
 
 Buffer = bytes | bytearray | memoryview
 
@@ -133,7 +136,11 @@ class SockIO:
     async def read_into(self, view: Callable[[int, int], memoryview], offset: int, n: int) -> None:
         """Read ``n`` bytes into ``view(offset, k)``, asking for the view anew before each write."""
         end = offset + n
+        since_yield = 0
         while offset < end:
+            if since_yield >= _YIELD_EVERY:  # data keeps coming: let the rest of the loop run too
+                since_yield = 0
+                await asyncio.sleep(0)
             remaining = end - offset
             if self._end > self._start:
                 k = min(remaining, self._end - self._start)
@@ -157,6 +164,7 @@ class SockIO:
             if k == 0:
                 raise PeerEOF("peer closed the connection mid-message")
             offset += k
+            since_yield += k
 
     # -- writing ----------------------------------------------------------------------------
     def _send_now(self, bufs: list[Buffer]) -> list[Buffer]:
