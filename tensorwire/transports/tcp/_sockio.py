@@ -20,6 +20,7 @@ __all__ = ["SockIO", "finish_uncancelled"]
 IOV_MAX = 512
 _BUFSIZE = 256 * 1024
 _SMALL = 64 * 1024
+_HEADER_FILL = 16 * 1024
 # A receiver that never finds its socket empty would otherwise never give the loop back (and
 # miss its lease renewals): yield after this many bytes read without waiting.
 _YIELD_EVERY = 8 << 20
@@ -91,8 +92,8 @@ class SockIO:
     def buffered(self) -> int:
         return self._end - self._start
 
-    async def _fill(self) -> None:
-        """Read whatever the socket has into the internal buffer (at least one byte)."""
+    async def _fill(self, limit: int = _BUFSIZE) -> None:
+        """Read what the socket has, at most ``limit`` bytes, into the internal buffer (at least one)."""
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._buf) - self._end < _SMALL:
@@ -101,7 +102,7 @@ class SockIO:
             self._start, self._end = 0, n
         while True:
             try:
-                n = self.sock.recv_into(memoryview(self._buf)[self._end :])
+                n = self.sock.recv_into(memoryview(self._buf)[self._end : self._end + limit])
             except (BlockingIOError, InterruptedError):
                 await self._readable()  # type: ignore[misc]
                 continue
@@ -114,7 +115,9 @@ class SockIO:
 
     async def read_header(self) -> FrameHeader:
         while self._end - self._start < HEADER.size:
-            await self._fill()
+            # a header, its metadata and a small payload; a large payload that follows should go
+            # straight to its destination, not through this buffer (one copy fewer)
+            await self._fill(_HEADER_FILL)
         raw = bytes(self._buf[self._start : self._start + HEADER.size])
         hdr = unpack(raw)
         self.last_header = raw
