@@ -74,6 +74,14 @@ def choose(
         if mine.version != theirs.version:
             passed.append((name, f"version {theirs.version} on {remote_name} != {mine.version} on {local_name}"))
             continue
+        if name != "tcp" and "tcp" in preference[preference.index(name) + 1 :] and "tcp" in local and "tcp" in remote:
+            side = (
+                local_name if _tcp_only(mine.capabilities) else remote_name if _tcp_only(theirs.capabilities) else None
+            )
+            if side is not None:
+                reason = f"only tcp lanes on {side}: tensorwire's tcp transport moves the same bytes with less machinery"
+                passed.append((name, reason))
+                continue
         why = reachable(name, theirs.address)
         if why is not None:
             passed.append((name, why))
@@ -82,14 +90,6 @@ def choose(
         if why is not None:
             passed.append((name, f"require={require!r}: {name} {why}"))
             continue
-        if name != "tcp" and "tcp" in preference[preference.index(name) + 1 :] and "tcp" in local and "tcp" in remote:
-            side = (
-                local_name if _tcp_only(mine.capabilities) else remote_name if _tcp_only(theirs.capabilities) else None
-            )
-            if side is not None:
-                why = f"only tcp lanes on {side}: tensorwire's tcp transport moves the same bytes with less machinery"
-                passed.append((name, why))
-                continue
         return Choice(name, tuple(passed))
     detail = "; ".join(f"{n}: {r}" for n, r in passed) or "no transports offered"
     raise NegotiationError(f"no transport satisfies require={require!r} ({detail})")
