@@ -79,7 +79,7 @@ def choose(
                 local_name if _tcp_only(mine.capabilities) else remote_name if _tcp_only(theirs.capabilities) else None
             )
             if side is not None:
-                reason = f"only tcp lanes on {side}: tensorwire's tcp transport moves the same bytes with less machinery"
+                reason = f"only tcp lanes on {side}: tensorwire's tcp transport moves those bytes with less machinery"
                 passed.append((name, reason))
                 continue
         why = reachable(name, theirs.address)
