@@ -327,6 +327,37 @@ async def check_cancelled_send(a: Peer, b: Peer) -> None:
 
 
 @_check()
+async def check_random_send_cancellations_lose_nothing(a: Peer, b: Peer) -> None:
+    """Sends cancelled at random moments arrive whole or not at all, and never stall the tag."""
+    import random
+
+    rng = random.Random(7)
+    sent_whole: list[int] = []
+
+    async def receive() -> list[int]:
+        got = []
+        while True:
+            m = await asyncio.wait_for(b.recv(tag="rc"), 10)
+            if m["i"] == -1:
+                return got
+            assert (m["x"] == m["i"] % 251).all(), f"message {m['i']} corrupted"
+            got.append(m["i"])
+
+    receiver = asyncio.ensure_future(receive())  # receiving meanwhile: cancels land mid-payload too
+    for i in range(40):
+        x = np.full(int(2 ** rng.uniform(10, 25)), i % 251, np.uint8)
+        try:
+            await asyncio.wait_for(a.send({"i": i, "x": x}, tag="rc"), rng.uniform(0, 0.01))
+            sent_whole.append(i)
+        except TimeoutError:
+            pass
+    await a.send({"i": -1, "x": np.zeros(1, np.uint8)}, tag="rc")
+    got = await receiver
+    assert got == sorted(got), got
+    assert set(sent_whole) <= set(got), f"completed sends missing: {sorted(set(sent_whole) - set(got))}"
+
+
+@_check()
 async def check_close_fails_pending(a: Peer, b: Peer) -> None:
     await a.send(np.arange(5), tag="before-close")
     await asyncio.sleep(0.01)

@@ -111,7 +111,11 @@ class TcpChannel(Channel):
         payload: list[memoryview] | None = None,
         msg_id: int = 0,
         arg: int = 0,
+        sent: list[bool] | None = None,
     ) -> None:
+        """Write one whole frame. ``sent`` gets True appended once the frame is on the wire, also
+        when a cancellation arrives while it is being finished (send_all completes a frame it
+        started before re-raising), so a caller can tell 'never sent' from 'sent, then cancelled'."""
         async with self._wlock:
             self.check_open()
             credit, slots = self._ret_credit, self._ret_slots
@@ -132,6 +136,10 @@ class TcpChannel(Channel):
                 bufs.append(TRAILER.pack(crc))
             try:
                 await self._io.send_all(bufs)
+            except asyncio.CancelledError:
+                if sent is not None:
+                    sent.append(True)
+                raise
             except PeerDisconnected as exc:
                 self._shutdown(ChannelState.BROKEN, exc)
                 # closed by this side meanwhile? then say that, not what the socket saw
@@ -139,6 +147,8 @@ class TcpChannel(Channel):
                 if failure is not None and failure is not exc:
                     raise failure from exc
                 raise
+            if sent is not None:
+                sent.append(True)
 
     async def _take_slot(self) -> None:
         while self._send_slots <= 0:
@@ -168,21 +178,26 @@ class TcpChannel(Channel):
             msg_id = self._next_id
             self._next_id += 1
             segs = msg.segments()
-            announced = False
+            announced: list[bool] = []  # the MSG frame is on the wire: the receiver accounts for it
             try:
                 if eager:
                     inline = min(msg.nbytes, self._limits.chunk_bytes)
                     await self._write(
-                        FrameType.MSG, meta=header, payload=_slices(segs, 0, inline), msg_id=msg_id, arg=tag
+                        FrameType.MSG,
+                        meta=header,
+                        payload=_slices(segs, 0, inline),
+                        msg_id=msg_id,
+                        arg=tag,
+                        sent=announced,
                     )
-                    announced = True
                     await self._send_data(msg_id, segs, inline, msg.nbytes)
                 else:
                     cts = self._loop.create_future()
                     self._cts[msg_id] = cts
                     try:
-                        await self._write(FrameType.MSG, flags=RENDEZVOUS, meta=header, msg_id=msg_id, arg=tag)
-                        announced = True
+                        await self._write(
+                            FrameType.MSG, flags=RENDEZVOUS, meta=header, msg_id=msg_id, arg=tag, sent=announced
+                        )
                         await cts
                     finally:
                         self._cts.pop(msg_id, None)
