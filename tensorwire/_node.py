@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,8 @@ from .errors import (
     PeerDisconnected,
     TransportUnavailable,
 )
+from .rpc._registry import MethodRegistry, methods_of
+from .rpc._server import attach as _serve_rpc
 from .transports import DEFAULT_PREFERENCE, Channel, Limits, Session, Transport, TransportContext, probe_all
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,7 @@ class Node:
             lambda _exc: self._sessions.pop(peer.session.id, None) if peer.session else None
         )
         peer._spawn(serve_ops(peer, self.exposures))
+        _serve_rpc(peer, methods_of(self))
 
     def _session_peer(self, session_id: str) -> Peer | None:
         return self._sessions.get(session_id)
@@ -145,6 +148,17 @@ class Node:
         The tensor stays alive and must stay valid until ``unexpose(name)``."""
         self._check_open()
         return self.exposures.expose(tensor, name)
+
+    def method(self, name: str | Callable[..., Any] | None = None, *, max_arg_bytes: int | None = None) -> Any:
+        """Register an async function (or async generator, for ``peer.stream``) as an RPC method:
+        ``@node.method("forward")``; the name defaults to the function's. ``max_arg_bytes``
+        declares the most tensor bytes one call's arguments may carry."""
+        return methods_of(self).decorator(name, max_arg_bytes=max_arg_bytes)
+
+    @property
+    def methods(self) -> MethodRegistry:
+        """The RPC methods this node offers, by name, and their ``limits`` (CallLimits)."""
+        return methods_of(self)
 
     def unexpose(self, name: str) -> None:
         """Revoke ``name``: later lookups, reads and writes through old handles fail."""

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import hashlib
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from . import _onesided
@@ -14,6 +14,7 @@ from ._onesided import RemoteHandle
 from .control._auth import lookup_proof
 from .control._client import ControlClient, SessionLost
 from .errors import ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
+from .rpc import _client as _rpc
 from .tensors import prepare
 from .transports import Channel, ChannelState, Receipt, Session
 
@@ -102,6 +103,24 @@ class Peer:
     async def recv_with_receipt(self, *, tag: int | str = 0, out: Any = None) -> tuple[Any, Receipt]:
         """Like ``recv``, and also say how the message came (protocol, direct or staged, time)."""
         return await self.channel.recv(tag_id(tag), out)
+
+    # -- tensor RPC ------------------------------------------------------------------------
+    async def call(
+        self, name: str, /, *args: Any, _deadline: float | None = None, _out: Any = None, **kwargs: Any
+    ) -> Any:
+        """Run the peer's method ``name`` with these arguments and return its result.
+
+        ``_deadline`` (seconds) travels with the call and the server enforces it too
+        (DeadlineExceeded). ``_out`` (tensors with the result's structure) receives the result in
+        place and is returned. No method may take parameters of those names. Cancelling the
+        caller cancels the method. The method's exception comes back as a RemoteError.
+        """
+        return await _rpc.call(self, name, args, kwargs, _deadline, _out)
+
+    def stream(self, name: str, /, *args: Any, _deadline: float | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        """``async for item in peer.stream("name", ...)``: the items a streaming method yields.
+        ``_deadline`` covers the whole stream; leaving the loop early cancels the method."""
+        return _rpc.stream(self, name, args, kwargs, _deadline)
 
     def _start_heartbeat(self, session_id: str, lease: float) -> None:
         self._heartbeat = asyncio.get_running_loop().create_task(

@@ -18,6 +18,10 @@
     │   ├── TransferError              a transfer failed part way
     │   │   └── IntegrityError         a checksum did not match: the message was not delivered
     │   └── PeerDisconnected           the peer went away; pending operations fail with this
+    ├── RemoteError                    a remote method failed: its type name, message, traceback text
+    │   ├── MethodNotFound             the peer offers no method by that name
+    │   └── InvalidArguments           arguments that do not fit the method's signature or limits
+    ├── DeadlineExceeded               an RPC ran past its deadline, on either side (also TimeoutError)
     ├── ConnectTimeout                 connect/handshake ran past connect_timeout (also TimeoutError)
     └── ResourceError
         ├── ClosedResourceError        used after aclose() by this side
@@ -40,11 +44,15 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ControlPlaneError",
+    "DeadlineExceeded",
     "HandleNotFound",
     "IntegrityError",
+    "InvalidArguments",
+    "MethodNotFound",
     "NegotiationError",
     "PeerDisconnected",
     "ProtocolError",
+    "RemoteError",
     "ResourceError",
     "ShapeMismatchError",
     "TensorError",
@@ -118,6 +126,42 @@ class IntegrityError(TransferError):
 
 class PeerDisconnected(TransportError):
     """The peer closed or died; every pending operation with it fails with this."""
+
+
+class RemoteError(TensorWireError):
+    """A method called on a peer raised. The remote exception's type name, message and
+    traceback text come back as ``remote_type``, ``remote_message`` and ``remote_traceback``
+    (the traceback is also attached as a note, so it prints with this error)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        remote_type: str = "",
+        remote_message: str = "",
+        remote_traceback: str = "",
+        method: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+        self.method = method
+        if remote_traceback:
+            self.add_note(f"remote traceback:\n{remote_traceback.rstrip()}")
+
+
+class MethodNotFound(RemoteError):
+    """The peer offers no method by that name; the message lists the ones it does."""
+
+
+class InvalidArguments(RemoteError):
+    """The arguments do not fit the method's signature, or a tensor breaks a declared limit."""
+
+
+class DeadlineExceeded(TensorWireError, TimeoutError):
+    """An RPC ran past its deadline (``peer.call(..., _deadline=s)`` or an enclosing
+    ``tensorwire.rpc.deadline``); the server cancels the method when it runs out there too."""
 
 
 class ConnectTimeout(TensorWireError, TimeoutError):

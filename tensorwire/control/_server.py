@@ -129,6 +129,20 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             info.unavailable.add(name=name, reason=reason)
         return info
 
+    async def ListMethods(  # noqa: N802 - gRPC method name
+        self, request: control_pb2.ListMethodsRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.ListMethodsResponse:
+        from ..rpc import _grpc  # here, not at the top: rpc imports tensors, which import control
+
+        return await _grpc.list_methods(self.node, request, context)
+
+    async def Invoke(  # noqa: N802 - gRPC method name
+        self, request: control_pb2.InvokeRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.InvokeResponse:
+        from ..rpc import _grpc
+
+        return await _grpc.invoke(self.node, request, context)
+
 
 class ControlServer:
     """A grpc.aio server with the Control service, health checking and reflection."""

@@ -138,3 +138,87 @@ class NodeInfo(_message.Message):
     preference: _containers.RepeatedScalarFieldContainer[str]
     auth_required: bool
     def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., unavailable: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., preference: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ...) -> None: ...
+
+class ListMethodsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MethodInfo(_message.Message):
+    __slots__ = ("name", "signature", "streaming", "doc", "max_arg_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
+    DOC_FIELD_NUMBER: _ClassVar[int]
+    MAX_ARG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    signature: str
+    streaming: bool
+    doc: str
+    max_arg_bytes: int
+    def __init__(self, name: _Optional[str] = ..., signature: _Optional[str] = ..., streaming: _Optional[bool] = ..., doc: _Optional[str] = ..., max_arg_bytes: _Optional[int] = ...) -> None: ...
+
+class ListMethodsResponse(_message.Message):
+    __slots__ = ("methods",)
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    methods: _containers.RepeatedCompositeFieldContainer[MethodInfo]
+    def __init__(self, methods: _Optional[_Iterable[_Union[MethodInfo, _Mapping]]] = ...) -> None: ...
+
+class Value(_message.Message):
+    __slots__ = ("bool_value", "int_value", "float_value", "str_value", "bytes_value", "list_value", "map_value")
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_VALUE_FIELD_NUMBER: _ClassVar[int]
+    LIST_VALUE_FIELD_NUMBER: _ClassVar[int]
+    MAP_VALUE_FIELD_NUMBER: _ClassVar[int]
+    bool_value: bool
+    int_value: int
+    float_value: float
+    str_value: str
+    bytes_value: bytes
+    list_value: ValueList
+    map_value: ValueMap
+    def __init__(self, bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bytes_value: _Optional[bytes] = ..., list_value: _Optional[_Union[ValueList, _Mapping]] = ..., map_value: _Optional[_Union[ValueMap, _Mapping]] = ...) -> None: ...
+
+class ValueList(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, items: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class ValueMap(_message.Message):
+    __slots__ = ("entries",)
+    class EntriesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.MessageMap[str, Value]
+    def __init__(self, entries: _Optional[_Mapping[str, Value]] = ...) -> None: ...
+
+class InvokeRequest(_message.Message):
+    __slots__ = ("method", "args", "kwargs")
+    class KwargsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    args: _containers.RepeatedCompositeFieldContainer[Value]
+    kwargs: _containers.MessageMap[str, Value]
+    def __init__(self, method: _Optional[str] = ..., args: _Optional[_Iterable[_Union[Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, Value]] = ...) -> None: ...
+
+class InvokeResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: Value
+    def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...

@@ -55,6 +55,16 @@ class ControlStub:
                 request_serializer=tensorwire_dot_v1_dot_control__pb2.LookupRequest.SerializeToString,
                 response_deserializer=tensorwire_dot_v1_dot_control__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.ListMethods = channel.unary_unary(
+                '/tensorwire.v1.Control/ListMethods',
+                request_serializer=tensorwire_dot_v1_dot_control__pb2.ListMethodsRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_control__pb2.ListMethodsResponse.FromString,
+                _registered_method=True)
+        self.Invoke = channel.unary_unary(
+                '/tensorwire.v1.Control/Invoke',
+                request_serializer=tensorwire_dot_v1_dot_control__pb2.InvokeRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_control__pb2.InvokeResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -91,6 +101,25 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListMethods(self, request, context):
+        """The tensor-RPC methods this node offers. Open to stock gRPC clients (grpcurl).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Invoke(self, request, context):
+        """Call a method whose arguments and result are scalars (or lists and maps of them), for
+        stock gRPC clients. Tensors never cross the control plane: tensorwire peers call methods
+        over the data plane (peer.call). The gRPC deadline becomes the method's deadline; an
+        exception the method raises comes back as a status whose details start with its type
+        name ("ValueError: ..."), with the type in the trailing metadata key tensorwire-remote-type
+        and the traceback text in tensorwire-traceback-bin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +142,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=tensorwire_dot_v1_dot_control__pb2.LookupRequest.FromString,
                     response_serializer=tensorwire_dot_v1_dot_control__pb2.LookupResponse.SerializeToString,
+            ),
+            'ListMethods': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMethods,
+                    request_deserializer=tensorwire_dot_v1_dot_control__pb2.ListMethodsRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_control__pb2.ListMethodsResponse.SerializeToString,
+            ),
+            'Invoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Invoke,
+                    request_deserializer=tensorwire_dot_v1_dot_control__pb2.InvokeRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_control__pb2.InvokeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +262,60 @@ class Control:
             '/tensorwire.v1.Control/Lookup',
             tensorwire_dot_v1_dot_control__pb2.LookupRequest.SerializeToString,
             tensorwire_dot_v1_dot_control__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMethods(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorwire.v1.Control/ListMethods',
+            tensorwire_dot_v1_dot_control__pb2.ListMethodsRequest.SerializeToString,
+            tensorwire_dot_v1_dot_control__pb2.ListMethodsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Invoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorwire.v1.Control/Invoke',
+            tensorwire_dot_v1_dot_control__pb2.InvokeRequest.SerializeToString,
+            tensorwire_dot_v1_dot_control__pb2.InvokeResponse.FromString,
             options,
             channel_credentials,
             insecure,

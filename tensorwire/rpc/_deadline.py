@@ -1,0 +1,76 @@
+"""Deadlines that travel with calls.
+
+``asyncio.timeout`` cannot be read from inside the code it wraps, so a deadline that should
+travel to the server is either given to the call (``peer.call(..., _deadline=2.0)``) or set
+for a block with ``async with tensorwire.rpc.deadline(2.0):``, which is an ``asyncio.timeout``
+that calls made inside it can see. A method served by this node runs with its caller's
+deadline set the same way, so calls it makes in turn inherit what is left of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from ..errors import ConfigurationError
+
+__all__ = ["current_deadline", "deadline", "effective_deadline"]
+
+# absolute loop.time() by which the current block (or the call being served) must finish
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("tensorwire_rpc_deadline", default=None)
+
+
+def _check_seconds(seconds: object, what: str) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or math.isnan(seconds):
+        raise ConfigurationError(f"{what} must be a number of seconds, not {seconds!r}")
+    return float(seconds)
+
+
+@asynccontextmanager
+async def deadline(seconds: float) -> AsyncIterator[None]:
+    """An ``asyncio.timeout(seconds)`` whose remaining time travels with the calls made inside.
+
+    Expiry raises the built-in ``TimeoutError`` here, like ``asyncio.timeout``; servers cancel
+    the calls that were running for it. Nested deadlines keep the earlier one.
+    """
+    seconds = _check_seconds(seconds, "deadline")
+    loop = asyncio.get_running_loop()
+    when = loop.time() + seconds
+    outer = _DEADLINE.get()
+    if outer is not None:
+        when = min(when, outer)
+    token = _DEADLINE.set(when)
+    try:
+        async with asyncio.timeout_at(when):
+            yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def current_deadline() -> float | None:
+    """Seconds left before the enclosing ``deadline()`` block, or the call being served, must
+    finish; None if there is none."""
+    when = _DEADLINE.get()
+    if when is None:
+        return None
+    return when - asyncio.get_running_loop().time()
+
+
+def effective_deadline(explicit: float | None) -> float | None:
+    """The seconds a call may take: the smaller of ``explicit`` and the enclosing deadline."""
+    left = current_deadline()
+    if explicit is not None:
+        explicit = _check_seconds(explicit, "_deadline")
+        if math.isinf(explicit):
+            explicit = None
+    if explicit is None:
+        return left
+    return explicit if left is None else min(explicit, left)
+
+
+def set_deadline(when: float | None) -> None:
+    """Run the rest of the current task under the absolute deadline ``when`` (server side)."""
+    _DEADLINE.set(when)

@@ -1,0 +1,196 @@
+"""How calls travel on a peer's data plane: reserved tags and the shape of each message.
+
+Every message is an ordinary tensorwire message (a pytree), sent with ``Channel.send`` on a
+reserved tag, so calls get the transport's zero-copy paths, credit and interleaving for free.
+
+caller -> server
+    REQUEST_TAG     (meta, method, args, kwargs)      arguments inline
+                    (meta, method)                    arguments follow on args_tag after GO
+                    meta = int64[id, deadline_ns, kind, nbytes]   (-1: no deadline / inline)
+    args_tag(id)    (args, kwargs)                    only after GO
+    args_tag(id)    None                              tombstone: the caller gave up part way
+    CONTROL_TAG     (CANCEL, id, ArgsState) | (CREDIT, id, n)
+server -> caller, all on reply_tag(id)
+    (GO,)                       admitted: send the arguments now
+    (ITEM, value)               one item of a streaming method (at most STREAM_WINDOW unacked)
+    (RESULT, value)             terminal
+    (ERROR, code, type, message, traceback)                            terminal
+    (CANCELLED,)                terminal: the call was cancelled as its caller asked
+
+Every call the server sees ends with exactly one terminal message, so a caller that gives up
+can drain its reply tag and leave nothing behind. ``deadline_ns`` is the time that was left
+when the caller sent the request; clocks are never compared. The call id and deadline travel in
+the ``meta`` tensor rather than in the pytree so that the header of a request repeats exactly
+from call to call, and both ends' header caches hit.
+"""
+
+from __future__ import annotations
+
+import enum
+import traceback
+from typing import Any
+
+import numpy as np
+
+from ..errors import DeadlineExceeded, InvalidArguments, MethodNotFound, RemoteError
+
+__all__ = [
+    "CONTROL_TAG",
+    "INLINE_BYTES",
+    "ArgsState",
+    "REQUEST_TAG",
+    "STREAM_WINDOW",
+    "Code",
+    "Control",
+    "Kind",
+    "Reply",
+    "Request",
+    "args_tag",
+    "error_reply",
+    "meta",
+    "parse_request",
+    "raise_error",
+    "reply_tag",
+]
+
+_BASE = -0x7477_5250_0000_0000  # "twRP": below the one-sided range, far from hashed string tags
+REQUEST_TAG = _BASE - 1
+CONTROL_TAG = _BASE - 2
+INLINE_BYTES = 64 * 1024  # arguments up to this size ride in the request itself
+STREAM_WINDOW = 16  # stream items in flight before the caller must acknowledge
+_MAX_TEXT = 16 * 1024
+
+
+def reply_tag(call_id: int) -> int:
+    return _BASE + 2 * call_id
+
+
+def args_tag(call_id: int) -> int:
+    return _BASE + 2 * call_id + 1
+
+
+class Kind(enum.IntEnum):
+    UNARY = 0
+    STREAM = 1
+
+
+class Reply(enum.IntEnum):
+    GO = 0
+    ITEM = 1
+    RESULT = 2
+    ERROR = 3
+    CANCELLED = 4
+
+
+TERMINAL = frozenset((Reply.RESULT, Reply.ERROR, Reply.CANCELLED))
+
+
+class Control(enum.IntEnum):
+    CANCEL = 0
+    CREDIT = 1
+
+
+class ArgsState(enum.IntEnum):
+    """What a cancelling caller says of the arguments it was to send after GO."""
+
+    NONE = 0  # it never started sending them: nothing will come
+    SENT = 1  # they went out whole
+    INTERRUPTED = 2  # the send was cut short (they may or may not arrive); a tombstone follows
+
+
+class Code(enum.IntEnum):
+    RAISED = 0  # the method raised
+    NOT_FOUND = 1
+    INVALID = 2
+    DEADLINE = 3
+
+
+def meta(call_id: int, deadline: float | None, kind: Kind, nbytes: int) -> np.ndarray:
+    dl = -1 if deadline is None else max(0, int(deadline * 1e9))
+    return np.array((call_id, dl, int(kind), nbytes), np.int64)
+
+
+class Request:
+    """A parsed request envelope."""
+
+    __slots__ = ("args", "call_id", "deadline", "error", "kind", "kwargs", "method", "nbytes")
+
+    def __init__(
+        self,
+        call_id: int,
+        method: str,
+        kind: Kind,
+        deadline: float | None,
+        nbytes: int,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.call_id = call_id
+        self.method = method
+        self.kind = kind
+        self.deadline = deadline
+        self.nbytes = nbytes  # -1: the arguments came inline
+        self.args = args
+        self.kwargs = kwargs or {}
+        self.error: InvalidArguments | None = None
+
+
+def parse_request(env: object) -> Request | None:
+    """Validate a received envelope; None if it is not one (hostile or broken peer)."""
+    if not isinstance(env, tuple) or len(env) not in (2, 4):
+        return None
+    m, method = env[0], env[1]
+    if not (isinstance(m, np.ndarray) and m.dtype == np.int64 and m.shape == (4,) and isinstance(method, str)):
+        return None
+    call_id, dl, kind, nbytes = m.tolist()
+    if not 0 < call_id < 1 << 60 or kind not in (Kind.UNARY, Kind.STREAM) or dl < -1:
+        return None
+    deadline = None if dl < 0 else dl / 1e9
+    if len(env) == 2:
+        return Request(call_id, method, Kind(kind), deadline, nbytes) if nbytes >= 0 else None
+    if nbytes != -1:
+        return None
+    req = Request(call_id, method, Kind(kind), deadline, -1)
+    try:
+        req.args, req.kwargs = split_args(env[2], env[3])
+    except InvalidArguments as exc:
+        req.error = exc
+    return req
+
+
+def split_args(args: object, kwargs: object) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments as sent; anything else raises InvalidArguments."""
+    if isinstance(args, (tuple, list)) and isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs):
+        return tuple(args), kwargs
+    raise InvalidArguments("malformed call arguments: expected a tuple and a dict with string keys")
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT // 2] + "\n...\n" + text[-_MAX_TEXT // 2 :]
+
+
+def error_reply(exc: BaseException, code: Code = Code.RAISED) -> tuple[Any, ...]:
+    """The ERROR message for ``exc``: type name, message and traceback text, never the object."""
+    if isinstance(exc, RemoteError) and exc.remote_type:
+        name, message = exc.remote_type, exc.remote_message or str(exc)
+    else:
+        name, message = type(exc).__name__, str(exc)
+    tb = "" if code is not Code.RAISED else "".join(traceback.format_exception(exc))
+    return (Reply.ERROR, int(code), _clip(name), _clip(message), _clip(tb))
+
+
+def raise_error(msg: tuple[Any, ...], method: str, where: str) -> None:
+    """Raise the error an ERROR message describes, as the caller's error tree has it."""
+    try:
+        _, code, name, message, tb = msg
+        code = Code(code)
+    except (ValueError, TypeError):
+        raise RemoteError(f"{method} on {where} failed with an unreadable error reply", method=method) from None
+    kw = {"remote_type": str(name), "remote_message": str(message), "remote_traceback": str(tb), "method": method}
+    if code is Code.NOT_FOUND:
+        raise MethodNotFound(f"{where}: {message}", **kw)
+    if code is Code.INVALID:
+        raise InvalidArguments(f"{method} on {where}: {message}", **kw)
+    if code is Code.DEADLINE:
+        raise DeadlineExceeded(f"{method} on {where}: {message}")
+    raise RemoteError(f"{method} on {where} raised {name}: {message}", **kw)

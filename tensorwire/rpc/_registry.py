@@ -1,0 +1,213 @@
+"""The methods a node offers, and the limits that keep their calls in check."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .._node import Node
+
+__all__ = ["RESERVED_KWARGS", "CallLimits", "Method", "MethodRegistry", "methods_of"]
+
+RESERVED_KWARGS = ("_deadline", "_out")  # peer.call's own keywords: no method may take them
+MiB = 1 << 20
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True, slots=True)
+class CallLimits:
+    """Per-node bounds on the calls it serves (set with ``node.methods.limits = ...``).
+
+    max_concurrent: calls admitted at once, over every peer and the control plane. Past it the
+        node stops reading requests, so callers wait (backpressure) instead of piling up.
+    max_inflight_bytes: tensor bytes of the arguments of admitted calls held at once; a call
+        whose arguments do not fit waits for others to finish before its tensors move.
+    max_arg_bytes: the largest argument payload one call may carry (None: max_inflight_bytes);
+        a method can declare a smaller limit of its own.
+    """
+
+    max_concurrent: int = 64
+    max_inflight_bytes: int = 1 << 30
+    max_arg_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1:
+            raise ConfigurationError("max_concurrent must be at least 1")
+        if self.max_inflight_bytes < 1:
+            raise ConfigurationError("max_inflight_bytes must be positive")
+        if self.max_arg_bytes is not None and self.max_arg_bytes < 0:
+            raise ConfigurationError("max_arg_bytes must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One registered method."""
+
+    name: str
+    fn: Callable[..., Any]
+    streaming: bool  # an async generator: callers use peer.stream
+    signature: str
+    doc: str
+    max_arg_bytes: int | None = None
+
+
+class ByteBudget:
+    """An asyncio byte semaphore: FIFO, so a large request is not starved by small ones."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def acquire(self, n: int) -> None:
+        if n > self.total:
+            raise ConfigurationError(f"{n} bytes can never fit a budget of {self.total}")
+        if not self._waiters and self.free >= n:
+            self.free -= n
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted just as we were cancelled: give it back
+            else:
+                self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def release(self, n: int) -> None:
+        self.free += n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._waiters[0][0] <= self.free:
+            n, fut = self._waiters.popleft()
+            if fut.done():
+                continue
+            self.free -= n
+            fut.set_result(None)
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn, eval_str=True)  # string annotations read better evaluated
+    except (TypeError, ValueError):
+        return None
+    except Exception:  # an annotation that does not evaluate here: keep its text
+        return inspect.signature(fn)
+
+
+class MethodRegistry(Mapping[str, Method]):
+    """The methods one node offers, by name, with the node's CallLimits.
+
+    ``node.method`` registers into it; ``node.methods`` is this object.
+    """
+
+    def __init__(self) -> None:
+        self._methods: dict[str, Method] = {}
+        self._limits = CallLimits()
+        self.slots = asyncio.Semaphore(self._limits.max_concurrent)
+        self.budget = ByteBudget(self._limits.max_inflight_bytes)
+
+    def __getitem__(self, name: str) -> Method:
+        return self._methods[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._methods)
+
+    def __len__(self) -> int:
+        return len(self._methods)
+
+    def __repr__(self) -> str:
+        return f"<MethodRegistry {sorted(self._methods)} {self._limits}>"
+
+    @property
+    def limits(self) -> CallLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: CallLimits) -> None:
+        """New limits apply to calls admitted from now on; calls in flight keep theirs."""
+        if not isinstance(limits, CallLimits):
+            raise ConfigurationError("limits must be a tensorwire.rpc.CallLimits")
+        self._limits = limits
+        self.slots = asyncio.Semaphore(limits.max_concurrent)
+        self.budget = ByteBudget(limits.max_inflight_bytes)
+
+    def arg_limit(self, method: Method) -> int:
+        """The most argument bytes one call of ``method`` may carry here."""
+        limit = self._limits.max_inflight_bytes
+        if self._limits.max_arg_bytes is not None:
+            limit = min(limit, self._limits.max_arg_bytes)
+        if method.max_arg_bytes is not None:
+            limit = min(limit, method.max_arg_bytes)
+        return limit
+
+    def register(self, fn: Callable[..., Any], name: str | None = None, *, max_arg_bytes: int | None = None) -> Method:
+        streaming = inspect.isasyncgenfunction(fn)
+        if not (streaming or inspect.iscoroutinefunction(fn)):
+            raise ConfigurationError(
+                f"{getattr(fn, '__name__', fn)!r} is not an async function or async generator; "
+                "RPC methods must be declared with 'async def'"
+            )
+        name = name if name is not None else getattr(fn, "__name__", None)
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise ConfigurationError("a method name is a non-empty string of at most 256 characters")
+        if name in self._methods:
+            raise ConfigurationError(f"a method named {name!r} is already registered")
+        if max_arg_bytes is not None and (isinstance(max_arg_bytes, bool) or max_arg_bytes < 0):
+            raise ConfigurationError("max_arg_bytes must be a non-negative int or None")
+        sig = _signature(fn)
+        named = {} if sig is None else sig.parameters
+        var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        clash = [k for k in RESERVED_KWARGS if k in named and named[k].kind not in var]
+        if clash:
+            raise ConfigurationError(
+                f"method {name!r} takes a parameter named {clash[0]!r}, which peer.call keeps for itself "
+                f"(its keywords {', '.join(RESERVED_KWARGS)})"
+            )
+        text = "(...)" if sig is None else str(sig.replace(return_annotation=inspect.Signature.empty))
+        doc = inspect.getdoc(fn) or ""
+        method = Method(name, fn, streaming, text, doc.split("\n\n", 1)[0], max_arg_bytes)
+        self._methods[name] = method
+        return method
+
+    def unregister(self, name: str) -> None:
+        """Stop offering ``name``; calls already running finish."""
+        if self._methods.pop(name, None) is None:
+            raise ConfigurationError(f"no method named {name!r} is registered")
+
+    def decorator(self, name: str | Callable[..., Any] | None = None, *, max_arg_bytes: int | None = None) -> Any:
+        """``@node.method``, ``@node.method()`` or ``@node.method("name", max_arg_bytes=...)``."""
+        if callable(name):
+            self.register(name)
+            return name
+
+        def register(fn: F) -> F:
+            self.register(fn, name, max_arg_bytes=max_arg_bytes)
+            return fn
+
+        return register
+
+
+_REGISTRIES: weakref.WeakKeyDictionary[Node, MethodRegistry] = weakref.WeakKeyDictionary()
+
+
+def methods_of(node: Node) -> MethodRegistry:
+    """The registry of ``node`` (created on first use)."""
+    reg = _REGISTRIES.get(node)
+    if reg is None:
+        reg = _REGISTRIES[node] = MethodRegistry()
+    return reg

@@ -1,0 +1,438 @@
+"""The serving side of tensor RPC: per-peer request and control loops, one task per call.
+
+Every peer of a node gets two background loops (started when the peer is adopted, cancelled
+when it closes): one reads requests, one reads cancellations and stream acknowledgements. The
+request reader takes a node-wide slot (``CallLimits.max_concurrent``) for the request it read
+before anything reads the next one, so a saturated node stops reading and its callers wait on
+the transport's own credit: backpressure all the way back, never an unbounded queue. Then it
+hands the reading on to a fresh task and serves its request itself, so each call runs in its
+own task (a slow call never holds up another) and starts in the loop iteration its request
+arrived in. Argument bytes count against ``CallLimits.max_inflight_bytes`` before they move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Awaitable
+from typing import TYPE_CHECKING, Any, cast
+
+from ..errors import (
+    DeadlineExceeded,
+    InvalidArguments,
+    MethodNotFound,
+    TensorWireError,
+    TransferError,
+    UnsupportedTensorError,
+)
+from ..tensors import prepare
+from ..transports import ChannelState
+from ._codec import encode
+from ._deadline import set_deadline
+from ._protocol import (
+    CONTROL_TAG,
+    REQUEST_TAG,
+    STREAM_WINDOW,
+    ArgsState,
+    Code,
+    Control,
+    Kind,
+    Reply,
+    Request,
+    args_tag,
+    error_reply,
+    parse_request,
+    reply_tag,
+    split_args,
+)
+from ._registry import Method, MethodRegistry
+
+if TYPE_CHECKING:
+    from .._peer import Peer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["attach", "run_local", "server_of", "start_method"]
+
+DRAIN_SECONDS = 60.0  # how long to wait for a message a finished call still owes us
+ARGS_SECONDS = 60.0  # how long an admitted call waits for the arguments it said GO to
+_EARLY_SECONDS = 60.0  # how long a cancellation for a request not read yet is remembered
+_EARLY_MAX = 4096
+_META_BYTES = 32  # the int64[4] meta tensor of every request
+
+
+def start_method(method: Method, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> Any:
+    """Call ``method.fn``: a coroutine or an async generator. Calling an ``async def`` runs none
+    of its body, so a TypeError here is always about the arguments, never from the method."""
+    try:
+        return method.fn(*args, **kwargs)
+    except TypeError as exc:
+        raise InvalidArguments(f"arguments do not fit {method.name}{method.signature}: {exc}") from exc
+
+
+def not_found(registry: MethodRegistry, name: str) -> MethodNotFound:
+    names = sorted(registry)
+    offered = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    return MethodNotFound(f"no method named {name[:256]!r}; this node offers: {offered or 'none'}")
+
+
+def _code(exc: BaseException) -> Code:
+    if isinstance(exc, MethodNotFound):
+        return Code.NOT_FOUND
+    if isinstance(exc, InvalidArguments):
+        return Code.INVALID
+    if isinstance(exc, DeadlineExceeded):
+        return Code.DEADLINE
+    return Code.RAISED
+
+
+class _Call:
+    __slots__ = (
+        "args_done",
+        "cancel_requested",
+        "cancel_state",
+        "credit",
+        "go_sent",
+        "inline_bytes",
+        "received_at",
+        "receiving_args",
+        "req",
+        "responding",
+        "task",
+        "tombstone_seen",
+        "wake",
+    )
+
+    def __init__(self, req: Request, received_at: float, inline_bytes: int) -> None:
+        self.req = req
+        self.received_at = received_at
+        self.inline_bytes = inline_bytes
+        self.task: asyncio.Task[None] | None = None
+        self.cancel_requested = False
+        self.cancel_state: ArgsState | None = None  # what the caller said of its arguments
+        self.responding = False  # the terminal reply is on its way: too late to cancel
+        self.go_sent = False
+        self.receiving_args = False
+        self.args_done = False  # the arguments (or the caller's tombstone) were received
+        self.tombstone_seen = False
+        self.credit = STREAM_WINDOW
+        self.wake: asyncio.Future[None] | None = None
+
+    def cancel(self, state: ArgsState) -> None:
+        self.cancel_state = state
+        if self.responding or self.cancel_requested:
+            return
+        self.cancel_requested = True
+        if self.task is None:
+            return  # not started yet: it answers CANCELLED when it starts
+        if self.receiving_args and state is not ArgsState.NONE:
+            return  # the arguments or a tombstone are coming: the receive ends by itself
+        self.task.cancel()
+
+    def grant(self, n: int) -> None:
+        self.credit = min(self.credit + n, STREAM_WINDOW)
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+
+class PeerServer:
+    """Serves one peer's calls against one node's registry."""
+
+    def __init__(self, peer: Peer, registry: MethodRegistry) -> None:
+        self.peer = peer
+        self.registry = registry
+        self.calls: dict[int, _Call] = {}
+        self._early: OrderedDict[int, float] = OrderedDict()  # cancels for requests not read yet
+        self._tombstoned: OrderedDict[int, float] = OrderedDict()  # took a tombstone before its cancel
+        self._malformed = 0
+
+    def _warn(self, what: str) -> None:
+        self._malformed += 1
+        if self._malformed == 1 or self._malformed % 1000 == 0:
+            log.warning("%s from %s dropped (%d so far)", what, self.peer.remote_address, self._malformed)
+
+    # -- loops --------------------------------------------------------------------------------
+    async def serve_requests(self) -> None:
+        """Read one request, hand the reading on to a fresh task, then serve the request in this
+        one: the call starts in the same loop iteration its request arrived in."""
+        channel = self.peer.channel
+        while True:
+            try:
+                env, receipt = await channel.recv(REQUEST_TAG, None)
+            except TensorWireError:
+                self._stop()  # the channel is gone: callers see that themselves
+                return
+            req = parse_request(env)
+            if req is None:
+                self._warn("malformed RPC request")
+            elif req.call_id in self.calls:
+                self._warn(f"RPC request reusing the id of a running call ({req.call_id})")
+            else:
+                break
+        inline = receipt.nbytes - _META_BYTES if req.nbytes < 0 else 0
+        call = _Call(req, asyncio.get_running_loop().time(), inline)
+        if self._early.pop(req.call_id, None) is not None:
+            call.cancel_requested = True
+        self.calls[req.call_id] = call
+        slots = self.registry.slots
+        try:
+            await slots.acquire()  # backpressure: no slot, no reading
+        except BaseException:
+            self.calls.pop(req.call_id, None)
+            raise
+        call.task = asyncio.current_task()
+        self.peer._spawn(self.serve_requests())
+        await self._run(call, slots)
+
+    def _stop(self) -> None:
+        for call in self.calls.values():
+            if call.task is not None:
+                call.task.cancel()
+
+    async def serve_control(self) -> None:
+        channel = self.peer.channel
+        while True:
+            try:
+                msg, _ = await channel.recv(CONTROL_TAG, None)
+            except TensorWireError:
+                return
+            if not (isinstance(msg, tuple) and len(msg) == 3 and all(isinstance(x, int) for x in msg)):
+                self._warn("malformed RPC control message")
+                continue
+            op, call_id, arg = msg
+            call = self.calls.get(call_id)
+            if op == Control.CANCEL:
+                if arg not in (ArgsState.NONE, ArgsState.SENT, ArgsState.INTERRUPTED):
+                    self._warn("malformed RPC cancel")
+                elif call is not None:
+                    call.cancel(ArgsState(arg))
+                elif arg == ArgsState.INTERRUPTED:
+                    # the call is over; unless it took the caller's tombstone itself, that is coming
+                    if self._tombstoned.pop(call_id, None) is None:
+                        self.peer._spawn(self._drain(args_tag(call_id), until_tombstone=True))
+                else:
+                    _remember(self._early, call_id)
+            elif op == Control.CREDIT:
+                if call is not None:
+                    call.grant(arg)
+            else:
+                self._warn("unknown RPC control message")
+
+    # -- one call -----------------------------------------------------------------------------
+    async def _run(self, call: _Call, slots: asyncio.Semaphore) -> None:
+        req = call.req
+        try:
+            try:
+                if call.cancel_requested:
+                    raise asyncio.CancelledError
+                reply = await self._execute(call)
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if call.cancel_requested:
+                    if task is not None and task.cancelling():
+                        task.uncancel()
+                    reply = (Reply.CANCELLED,)
+                elif task is not None and task.cancelling():
+                    raise  # the peer or node is closing
+                else:  # a CancelledError nobody asked for (raised by the method): an error like any
+                    reply = error_reply(exc)
+            except Exception as exc:
+                reply = error_reply(exc, _code(exc))
+            call.responding = True
+            await self._send_reply(reply_tag(req.call_id), reply)
+        except TensorWireError:
+            pass  # the channel went away; the caller sees that itself
+        finally:
+            slots.release()
+            self.calls.pop(req.call_id, None)
+            self._clean_args(call)
+
+    def _clean_args(self, call: _Call) -> None:
+        """Make sure nothing the caller sent on the call's argument tag stays behind."""
+        if not call.go_sent:
+            return
+        state = call.cancel_state
+        if not call.args_done:
+            if state is not ArgsState.NONE:  # gave up waiting (safety timeout): take whatever comes
+                self.peer._spawn(self._drain(args_tag(call.req.call_id), until_tombstone=False))
+        elif state is ArgsState.INTERRUPTED and not call.tombstone_seen:
+            self.peer._spawn(self._drain(args_tag(call.req.call_id), until_tombstone=True))
+
+    async def _execute(self, call: _Call) -> tuple[Any, ...]:
+        req, reg = call.req, self.registry
+        method = reg.get(req.method)
+        if method is None:
+            raise not_found(reg, req.method)
+        if (req.kind is Kind.STREAM) != method.streaming:
+            how = "peer.stream" if method.streaming else "peer.call"
+            what = "a" if method.streaming else "not a"
+            raise InvalidArguments(f"{method.name!r} is {what} streaming method; use {how}")
+        if req.error is not None:
+            raise req.error
+        nbytes = req.nbytes if req.nbytes >= 0 else call.inline_bytes
+        limit = reg.arg_limit(method)
+        if nbytes > limit:
+            raise InvalidArguments(
+                f"the arguments of {method.name!r} carry {nbytes} tensor bytes; the limit here is {limit}"
+            )
+        deadline_at = None if req.deadline is None else call.received_at + req.deadline
+        budget = reg.budget
+        held = 0
+        tm = asyncio.timeout_at(deadline_at)
+        try:
+            if nbytes:
+                async with tm:
+                    await budget.acquire(nbytes)
+                held = nbytes
+            if req.nbytes >= 0:
+                # outside the deadline: once GO is out, what the caller sends must be received
+                args, kwargs = await self._receive_args(call)
+                if call.cancel_requested:
+                    raise asyncio.CancelledError
+            else:
+                args, kwargs = req.args, req.kwargs
+            tm = asyncio.timeout_at(deadline_at)
+            async with tm:
+                if deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at:
+                    raise TimeoutError
+                set_deadline(deadline_at)
+                started = start_method(method, args, kwargs)
+                if method.streaming:
+                    await self._stream(call, cast(AsyncGenerator[Any, None], started))
+                    return (Reply.RESULT, None)
+                return (Reply.RESULT, await cast(Awaitable[Any], started))
+        except TimeoutError as exc:
+            if tm.expired() or (deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at):
+                raise DeadlineExceeded(f"its {req.deadline:.3g} s deadline ran out on the server") from exc
+            raise
+        finally:
+            if held:
+                budget.release(held)
+
+    async def _receive_args(self, call: _Call) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        req = call.req
+        call.go_sent = True
+        await self._send(reply_tag(req.call_id), (Reply.GO,))
+        call.receiving_args = True
+        try:
+            async with asyncio.timeout(ARGS_SECONDS):
+                while True:
+                    try:
+                        payload, receipt = await self.peer.channel.recv(args_tag(req.call_id), None)
+                        break
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if task is None or task.cancelling():
+                            raise
+                        # not a cancellation of ours: a transport reporting the caller's aborted
+                        # send that way (inproc does); what the caller sends next is still coming
+                    except TransferError:
+                        if self.peer.channel.state is not ChannelState.OPEN:
+                            raise
+                        # "no longer pending": the caller aborted it before we pulled; same again
+        finally:
+            call.receiving_args = False
+        call.args_done = True
+        if payload is None:  # the caller's tombstone: it gave up part way through the arguments
+            call.tombstone_seen = True
+            call.cancel_requested = True
+            if call.cancel_state is None:  # its cancel is still on the way: it must not drain
+                _remember(self._tombstoned, req.call_id)
+            raise asyncio.CancelledError
+        if receipt.nbytes != req.nbytes:
+            raise InvalidArguments(f"the request announced {req.nbytes} argument bytes but {receipt.nbytes} came")
+        if not (isinstance(payload, tuple) and len(payload) == 2):
+            raise InvalidArguments("malformed call arguments: expected (args, kwargs)")
+        return split_args(*payload)
+
+    async def _stream(self, call: _Call, agen: AsyncGenerator[Any, None]) -> None:
+        tag = reply_tag(call.req.call_id)
+        loop = asyncio.get_running_loop()
+        async with contextlib.aclosing(agen):
+            async for item in agen:
+                while call.credit <= 0:  # the caller has not taken the last window yet
+                    call.wake = loop.create_future()
+                    await call.wake
+                call.credit -= 1
+                await self._send(tag, (Reply.ITEM, item))
+
+    async def _send(self, tag: int, msg: tuple[Any, ...]) -> None:
+        await self.peer.channel.send(tag, encode(msg))
+
+    async def _send_reply(self, tag: int, reply: tuple[Any, ...]) -> None:
+        channel = self.peer.channel
+        try:
+            # results repeat their structure (cached encoding); errors carry fresh text
+            await channel.send(tag, encode(reply) if reply[0] == Reply.RESULT else prepare(reply))
+        except (UnsupportedTensorError, TransferError) as exc:
+            # nothing of it was sent (a result we cannot move, or one past the peer's limits)
+            await channel.send(tag, prepare(error_reply(exc)))
+
+    async def _drain(self, tag: int, *, until_tombstone: bool) -> None:
+        """Receive and drop what a finished call's caller still sends on ``tag``: its arguments,
+        or everything up to its tombstone, so nothing lingers."""
+        with contextlib.suppress(TensorWireError, TimeoutError):
+            async with asyncio.timeout(DRAIN_SECONDS):
+                while True:
+                    msg, _ = await self.peer.channel.recv(tag, None)
+                    if msg is None or not until_tombstone:
+                        return
+
+
+def _remember(ids: OrderedDict[int, float], call_id: int) -> None:
+    """Note ``call_id`` for a while (a minute, a few thousand entries at most)."""
+    now = time.monotonic()
+    ids[call_id] = now
+    while ids and (len(ids) > _EARLY_MAX or next(iter(ids.values())) < now - _EARLY_SECONDS):
+        ids.popitem(last=False)
+
+
+# weak both ways: a server refers to its peer, so a strong value here would keep both alive
+_servers: weakref.WeakKeyDictionary[Peer, weakref.ref[PeerServer]] = weakref.WeakKeyDictionary()
+
+
+def server_of(peer: Peer) -> PeerServer | None:
+    """The service answering ``peer``'s calls, while it runs (for tests and introspection)."""
+    ref = _servers.get(peer)
+    return None if ref is None else ref()
+
+
+def attach(peer: Peer, registry: MethodRegistry) -> PeerServer:
+    """Serve ``registry``'s methods to ``peer`` until it closes (Node calls this for every peer)."""
+    server = PeerServer(peer, registry)
+    _servers[peer] = weakref.ref(server)
+    peer._spawn(server.serve_requests())
+    peer._spawn(server.serve_control())
+    return server
+
+
+async def run_local(
+    registry: MethodRegistry, name: str, args: list[Any], kwargs: dict[str, Any], deadline: float | None
+) -> Any:
+    """Run a method for the control plane's Invoke: same slots, deadline and errors as a call
+    over the data plane, without tensors."""
+    method = registry.get(name)
+    if method is None:
+        raise not_found(registry, name)
+    if method.streaming:
+        raise InvalidArguments(f"{name!r} is a streaming method: call it through a tensorwire peer (peer.stream)")
+    loop = asyncio.get_running_loop()
+    deadline_at = None if deadline is None else loop.time() + deadline
+    tm = asyncio.timeout_at(deadline_at)
+    slots = registry.slots
+    try:
+        async with tm:
+            await slots.acquire()
+            try:
+                set_deadline(deadline_at)
+                return await start_method(method, args, kwargs)
+            finally:
+                slots.release()
+    except TimeoutError as exc:
+        if tm.expired():
+            raise DeadlineExceeded(f"{name}: its {deadline:.3g} s deadline ran out on the server") from exc
+        raise

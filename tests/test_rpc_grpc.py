@@ -1,0 +1,205 @@
+"""A stock gRPC client lists a node's methods and invokes scalar ones.
+
+The client runs in another process with stubs generated here by grpc_tools.protoc from
+proto/tensorwire/v1/control.proto; it never imports tensorwire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorwire
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CLIENT = r"""
+import json, sys
+import grpc
+import control_pb2 as pb, control_pb2_grpc as pb_grpc
+
+def value(v):
+    kind = v.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "list_value":
+        return [value(x) for x in v.list_value.items]
+    if kind == "map_value":
+        return {k: value(x) for k, x in v.map_value.entries.items()}
+    if kind == "bytes_value":
+        return {"bytes": v.bytes_value.hex()}
+    return getattr(v, kind)
+
+out = {}
+token = sys.argv[2] if len(sys.argv) > 2 else None
+metadata = [("authorization", "Bearer " + token)] if token else None
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    stub = pb_grpc.ControlStub(channel)
+    try:
+        listed = stub.ListMethods(pb.ListMethodsRequest(), timeout=5, metadata=metadata)
+        out["methods"] = {m.name: [m.signature, m.streaming, m.doc, m.max_arg_bytes] for m in listed.methods}
+    except grpc.RpcError as exc:
+        out["methods"] = exc.code().name
+
+    def invoke(key, method, *args, timeout=5, **kwargs):
+        req = pb.InvokeRequest(method=method, args=list(args))
+        for k, v in kwargs.items():
+            req.kwargs[k].CopyFrom(v)
+        try:
+            out[key] = {"result": value(stub.Invoke(req, timeout=timeout, metadata=metadata).result)}
+        except grpc.RpcError as exc:
+            trailing = dict(exc.trailing_metadata() or ())
+            out[key] = {
+                "code": exc.code().name,
+                "details": exc.details(),
+                "type": trailing.get("tensorwire-remote-type"),
+                "traceback": (trailing.get("tensorwire-traceback-bin") or b"").decode(),
+            }
+
+    V = pb.Value
+    invoke("add", "add", V(int_value=2), V(int_value=3))
+    invoke("add_kw", "add", V(int_value=2**40), b=V(int_value=-1))
+    invoke(
+        "describe", "describe", V(str_value="x"),
+        dims=V(list_value=pb.ValueList(items=[V(int_value=1), V(float_value=2.5), V(bool_value=True), V()])),
+        blob=V(bytes_value=b"\x00\xff"),
+    )
+    invoke("fail", "fail", V(str_value="bad input"))
+    invoke("boom", "boom")
+    invoke("nope", "nope")
+    invoke("wrong_args", "add", V(int_value=1), V(int_value=2), V(int_value=3))
+    invoke("slow", "slow", V(float_value=30.0), timeout=0.3)
+    invoke("tensor", "tensor")
+    invoke("stream", "count", V(int_value=3))
+assert "tensorwire" not in sys.modules
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    import grpc_tools
+
+    src = tmp_path_factory.mktemp("proto")
+    out = tmp_path_factory.mktemp("stubs")
+    # at the top of its own include path, so the generated modules are plain top-level ones and
+    # nothing in them is named tensorwire
+    shutil.copy(ROOT / "proto" / "tensorwire" / "v1" / "control.proto", src / "control.proto")
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    rc = protoc.main(
+        ["protoc", f"-I{src}", f"-I{include}", f"--python_out={out}", f"--grpc_python_out={out}", "control.proto"]
+    )
+    assert rc == 0, "protoc failed"
+    (out / "client.py").write_text(CLIENT)
+    return out
+
+
+async def _stock_client(stubs: Path, address: str, *extra: str) -> dict[str, Any]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-E",  # PYTHON* variables ignored; the generated stubs sit next to the script
+        str(stubs / "client.py"),
+        address,
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=stubs,
+    )
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, stderr.decode()
+    result: dict[str, Any] = json.loads(stdout)
+    return result
+
+
+def _register(node: tensorwire.Node) -> dict[str, list[str]]:
+    seen: dict[str, list[str]] = {"cancelled": []}
+
+    @node.method()
+    async def add(a: int, b: int = 0) -> int:
+        """Adds two integers.
+
+        Longer text that ListMethods leaves out."""
+        return a + b
+
+    @node.method()
+    async def describe(name: str, dims: list[Any], blob: bytes = b"") -> dict[str, Any]:
+        return {"name": name, "dims": dims, "n": len(dims), "blob": blob, "nothing": None}
+
+    @node.method()
+    async def fail(message: str) -> None:
+        raise ValueError(message)
+
+    @node.method()
+    async def boom() -> None:
+        raise RuntimeError("kaput")
+
+    @node.method()
+    async def slow(seconds: float) -> None:
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            seen["cancelled"].append("slow")
+            raise
+
+    @node.method()
+    async def tensor() -> np.ndarray:
+        return np.ones(3)
+
+    @node.method()
+    async def count(n: int) -> Any:
+        for i in range(n):
+            yield i
+
+    return seen
+
+
+@pytest.mark.multiprocess
+async def test_stock_grpc_client_lists_and_invokes(stubs: Path) -> None:
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        seen = _register(node)
+        out = await _stock_client(stubs, node.address)
+        # tensorwire peers see the same methods and keep working alongside
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as other:
+            peer = await other.connect(node.address)
+            assert await peer.call("add", 40, b=2) == 42
+
+    methods = out["methods"]
+    assert sorted(methods) == ["add", "boom", "count", "describe", "fail", "slow", "tensor"]
+    assert methods["add"][:3] == ["(a: int, b: int = 0)", False, "Adds two integers."]
+    assert methods["count"][1] is True and methods["add"][3] > 0
+    assert out["add"] == {"result": 5}
+    assert out["add_kw"] == {"result": 2**40 - 1}
+    assert out["describe"] == {
+        "result": {"name": "x", "dims": [1, 2.5, True, None], "n": 4, "blob": {"bytes": "00ff"}, "nothing": None}
+    }
+    fail = out["fail"]
+    assert fail["code"] == "INVALID_ARGUMENT" and fail["details"] == "ValueError: bad input"
+    assert fail["type"] == "ValueError" and "raise ValueError(message)" in fail["traceback"]
+    boom = out["boom"]
+    assert boom["code"] == "UNKNOWN" and boom["details"] == "RuntimeError: kaput" and boom["type"] == "RuntimeError"
+    nope = out["nope"]
+    assert nope["code"] == "UNIMPLEMENTED" and nope["type"] == "MethodNotFound" and "add" in nope["details"]
+    wrong = out["wrong_args"]
+    assert wrong["code"] == "INVALID_ARGUMENT" and wrong["type"] == "InvalidArguments" and "add" in wrong["details"]
+    assert out["slow"]["code"] == "DEADLINE_EXCEEDED"
+    assert seen["cancelled"] == ["slow"], "the gRPC deadline must cancel the method"
+    assert out["tensor"]["code"] == "FAILED_PRECONDITION" and "ndarray" in out["tensor"]["details"]
+    assert out["stream"]["code"] == "INVALID_ARGUMENT" and "streaming" in out["stream"]["details"]
+
+
+@pytest.mark.multiprocess
+async def test_stock_grpc_client_needs_the_token(stubs: Path) -> None:
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), auth_token="s3cret") as node:
+        _register(node)
+        denied = await _stock_client(stubs, node.address)
+        allowed = await _stock_client(stubs, node.address, "s3cret")
+    assert denied["methods"] == "UNAUTHENTICATED" and denied["add"]["code"] == "UNAUTHENTICATED"
+    assert allowed["add"] == {"result": 5} and "add" in allowed["methods"]
