@@ -335,7 +335,7 @@ async def check_random_send_cancellations_lose_nothing(a: Peer, b: Peer) -> None
     sent_whole: list[int] = []
 
     async def receive() -> list[int]:
-        got = []
+        got: list[int] = []
         while True:
             m = await asyncio.wait_for(b.recv(tag="rc"), 10)
             if m["i"] == -1:

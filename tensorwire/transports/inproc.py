@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, TransferError
 from ..tensors import Outgoing, byte_view
 from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
-from ._mailbox import Arrival
+from ._mailbox import Arrival, SenderAborted
 
 __all__ = ["InprocChannel", "InprocTransport"]
 
@@ -167,11 +167,11 @@ class InprocChannel(Channel):
 
     async def pull(self, arrival: Arrival) -> None:
         source = self._sources.pop(arrival.msg_id, None)
-        if source is None or source.aborted:
-            raise TransferError("rendezvous message is no longer pending")
+        if source is None or source.aborted:  # the sender gave up first: the recv waits for the next
+            raise SenderAborted("sender cancelled the message before it was pulled")
         await _copy(source.segs, arrival, source)
         if source.aborted:
-            raise asyncio.CancelledError
+            raise SenderAborted("sender cancelled the message while it was being pulled")
         arrival.complete()
         if not source.done.done():
             source.done.set_result(None)
