@@ -136,6 +136,11 @@ async def main():
         node.expose(big, name="big")
         target = np.ones(512 << 20, np.uint8)
         node.expose(target, name="target")
+
+        @node.method("slow")
+        async def slow():
+            await asyncio.sleep(600)
+
         print(node.address, flush=True)
         peer = await node.accept()
         await asyncio.sleep(600)
@@ -144,7 +149,7 @@ asyncio.run(main())
 
 
 @pytest.mark.parametrize("transport", ["tcp"])
-async def test_sigkill_fails_pending_reads_writes_sends_and_recvs(transport: str) -> None:
+async def test_sigkill_fails_pending_reads_writes_sends_recvs_and_calls(transport: str) -> None:
     proc = await _spawn("-c", OWNER, transport)
     try:
         assert proc.stdout is not None
@@ -158,6 +163,7 @@ async def test_sigkill_fails_pending_reads_writes_sends_and_recvs(transport: str
                 asyncio.ensure_future(peer.write(t, np.zeros(512 << 20, np.uint8))),
                 asyncio.ensure_future(peer.send(np.ones(256 << 20, np.uint8), tag="never-received")),
                 asyncio.ensure_future(peer.recv(tag="never-sent")),
+                asyncio.ensure_future(peer.call("slow")),
             ]
             await asyncio.sleep(0.05)
             proc.kill()
