@@ -264,8 +264,10 @@ async def parent(args: argparse.Namespace) -> int:
         peer = await node.connect(addrs["tw"])
         print(f"tensorwire path: {peer.path}")
         for size in sizes:
-            data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
-            want = crc32c.crc32c(memoryview(data))
+            # off the loop: a loop blocked for seconds stops lease renewals (the peer would be
+            # right to declare us dead)
+            data = await asyncio.to_thread(lambda n=size: np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8))
+            want = await asyncio.to_thread(crc32c.crc32c, memoryview(data))
             n = count_for(size, args.seconds, 3e9)
             await bench_tw(peer, data, min(n, 3))  # warm up: page-faults the buffers
             t_tw, crc = await bench_tw(peer, data, n)
@@ -278,7 +280,7 @@ async def parent(args: argparse.Namespace) -> int:
             if size <= args.grpc_max:
                 gn = count_for(size, args.seconds, 0.5e9)
                 t_g, crc = await bench_grpc(channel, data, gn)
-                if crc != expected_stream_crc(data, gn):
+                if crc != await asyncio.to_thread(expected_stream_crc, data, gn):
                     bad.append(f"grpc stream {fmt_size(size)}")
                 g = gn * size / t_g / 1e9
                 t_g, crc = await bench_grpc_unary(channel, data, gn)
