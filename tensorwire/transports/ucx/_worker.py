@@ -38,8 +38,8 @@ _BASE_OPTIONS: dict[str, str] = {"WARN_UNUSED_ENV_VARS": "n"}
 _OPTIONS: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
     "tensorwire_ucx_options", default=()
 )
-_SPIN_ACTIVE = 0.002  # keep progressing this long after the last completion while work is in flight
-_SPIN_IDLE = 250e-6  # and this long after a completion when nothing else is in flight (latency)
+_SPIN_ACTIVE = 0.002  # keep progressing this long after UCX last made progress
+_SPIN_IDLE = 250e-6  # and this long after an operation was posted or completed (latency)
 _FALLBACK = 0.001  # poll period while armed with work in flight (a missed wake-up costs at most this)
 _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
 
@@ -134,7 +134,8 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._scheduled = False
         self._fallback: asyncio.TimerHandle | None = None
-        self._last = 0.0
+        self._last = 0.0  # UCX last made progress
+        self._last_event = 0.0  # an operation was last posted or completed
         self._closed = False
         self.loop.add_reader(self._fd, self._on_readable)
 
@@ -200,7 +201,8 @@ class Worker:
 
     # -- progress --------------------------------------------------------------------------
     def kick(self) -> None:
-        """Progress soon (after posting an operation)."""
+        """Progress soon (after posting an operation); an answer is likely, so spin a little."""
+        self._last_event = time.monotonic()
         if not self._scheduled and not self._closed:
             self._scheduled = True
             self.loop.call_soon(self._progress)
@@ -247,17 +249,25 @@ class Worker:
             self._fallback = None
         worker = self.worker
         for _ in range(_ROUNDS):
-            worker.progress()
-            if not self._dispatch():
+            moved = worker.progress_once()
+            completed = self._dispatch()
+            if moved or completed:
+                self._last = time.monotonic()  # UCX moved something: keep going while it does
+            if completed:
+                self._last_event = self._last
+                break  # let the tasks those completions woke run before progressing more
+            if not moved:
                 break
-            self._last = time.monotonic()
-        active = bool(self._raw) or any(not w.passive for w in self._watch.values())
-        idle_for = time.monotonic() - self._last
-        if idle_for < (_SPIN_ACTIVE if active else _SPIN_IDLE) or not worker.arm():
+        worker.progress()  # ucxx's own bookkeeping (scheduled cancellations)
+        now = time.monotonic()
+        spin = now - self._last < _SPIN_ACTIVE or now - self._last_event < _SPIN_IDLE
+        if self._scheduled:  # a completion callback posted work and kicked: that run comes next
+            return
+        if spin or not worker.arm():
             self._scheduled = True
             self.loop.call_soon(self._progress)
             return
-        if active:
+        if self._raw or any(not w.passive for w in self._watch.values()):
             self._fallback = self.loop.call_later(_FALLBACK, self.kick)
 
     # -- lifecycle -------------------------------------------------------------------------
