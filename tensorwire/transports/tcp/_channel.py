@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from contextlib import suppress
 
 import crc32c
@@ -28,6 +27,7 @@ from ...errors import (
 )
 from ...tensors import Outgoing, decode_header
 from .._base import Channel, ChannelState, Limits, Receipt
+from .._credit import ReceiveBudget, SendWindow
 from .._frames import CHECKSUM, FLAG_CHECKSUM, RENDEZVOUS, TRAILER, FrameType, PeerLimits, pack
 from .._mailbox import Arrival
 from ._sockio import Buffer, SockIO
@@ -35,8 +35,6 @@ from ._sockio import Buffer, SockIO
 log = logging.getLogger(__name__)
 
 __all__ = ["TcpChannel"]
-
-_FLUSH_DELAY = 0.001
 
 
 def _slices(segs: list[memoryview], start: int, end: int) -> list[memoryview]:
@@ -76,19 +74,11 @@ class TcpChannel(Channel):
         self.lanes = (f"tcp x1 stream {name}",)
         self._loop = asyncio.get_running_loop()
         self._wlock = asyncio.Lock()
-        # what we may still send: the receiver's grants
-        self._send_credit = remote.recv_buffer_bytes
-        self._send_slots = remote.max_unexpected
-        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._window = SendWindow(remote)  # what we may still send: the receiver's grants
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
         self._sending = 0
-        # what the peer holds of our grants, and what we have to give back
-        self._used_credit = 0
-        self._used_slots = 0
-        self._ret_credit = 0
-        self._ret_slots = 0
-        self._flush: asyncio.TimerHandle | None = None
+        self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._aux: set[asyncio.Task[None]] = set()
         self._incoming: dict[int, Arrival] = {}  # payload being received
         self._waiting: dict[int, Arrival] = {}  # rendezvous headers waiting for a recv
@@ -118,8 +108,7 @@ class TcpChannel(Channel):
         started before re-raising), so a caller can tell 'never sent' from 'sent, then cancelled'."""
         async with self._wlock:
             self.check_open()
-            credit, slots = self._ret_credit, self._ret_slots
-            self._ret_credit = self._ret_slots = 0
+            credit, slots = self._budget.take_returns()
             plen = sum(len(p) for p in payload) if payload else 0
             summed = self.checksum and ftype in (FrameType.MSG, FrameType.DATA)
             if summed:
@@ -150,15 +139,6 @@ class TcpChannel(Channel):
             if sent is not None:
                 sent.append(True)
 
-    async def _take_slot(self) -> None:
-        while self._send_slots <= 0:
-            self.check_open()
-            fut = self._loop.create_future()
-            self._slot_waiters.append(fut)
-            await fut
-        self.check_open()
-        self._send_slots -= 1
-
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
         if msg.nbytes > self._remote.max_message_bytes:
@@ -171,10 +151,8 @@ class TcpChannel(Channel):
         t0 = time.perf_counter()
         self._sending += 1
         try:
-            await self._take_slot()
-            eager = msg.nbytes <= self._send_credit
-            if eager:
-                self._send_credit -= msg.nbytes
+            await self._window.take_slot(self.check_open)
+            eager = self._window.reserve(msg.nbytes)
             msg_id = self._next_id
             self._next_id += 1
             segs = msg.segments()
@@ -208,9 +186,7 @@ class TcpChannel(Channel):
                         with suppress(Exception):
                             await asyncio.shield(self._write(FrameType.ABORT, msg_id=msg_id))
                 else:
-                    self._send_slots += 1
-                    if eager:
-                        self._send_credit += msg.nbytes
+                    self._window.unspend(msg.nbytes, eager)
                 raise
         finally:
             self._sending -= 1
@@ -244,24 +220,10 @@ class TcpChannel(Channel):
         await asyncio.shield(arrival.done)
 
     def release(self, arrival: Arrival) -> None:
-        self._used_slots -= 1
-        self._ret_slots += 1
-        if not arrival.rendezvous:
-            self._used_credit -= arrival.nbytes
-            self._ret_credit += arrival.nbytes
-        urgent = (
-            self._ret_credit >= self._limits.recv_buffer_bytes // 4
-            or self._ret_slots >= self._limits.max_unexpected // 4
-        )
-        if urgent and self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        if self._flush is None and self.state is ChannelState.OPEN:
-            self._flush = self._loop.call_later(0 if urgent else _FLUSH_DELAY, self._flush_credit)
+        self._budget.release(arrival.nbytes, not arrival.rendezvous, schedule=self.state is ChannelState.OPEN)
 
     def _flush_credit(self) -> None:
-        self._flush = None
-        if (self._ret_credit or self._ret_slots) and self.state is ChannelState.OPEN:
+        if self.state is ChannelState.OPEN:
             task = self._loop.create_task(self._write(FrameType.CREDIT))
             self._aux.add(task)
             task.add_done_callback(self._aux_done)
@@ -271,24 +233,12 @@ class TcpChannel(Channel):
         if not task.cancelled():
             task.exception()  # failures already broke the channel
 
-    def _grant(self, credit: int, slots: int) -> None:
-        if not (credit or slots):
-            return
-        self._send_credit += credit
-        self._send_slots += slots
-        if self._send_credit > self._remote.recv_buffer_bytes or self._send_slots > self._remote.max_unexpected:
-            raise ProtocolError("peer returned more credit than it granted")
-        while self._slot_waiters:
-            f = self._slot_waiters.popleft()
-            if not f.done():
-                f.set_result(None)
-
     async def _read_loop(self) -> None:
         io, limits = self._io, self._limits
         try:
             while True:
                 hdr = await io.read_header()
-                self._grant(hdr.credit, hdr.slots)
+                self._window.grant(hdr.credit, hdr.slots)
                 t = hdr.type
                 if t is FrameType.MSG:
                     if hdr.meta_len > limits.max_header_bytes:
@@ -313,13 +263,7 @@ class TcpChannel(Channel):
                         )
                     if hdr.msg_id in self._incoming or hdr.msg_id in self._waiting:
                         raise ProtocolError(f"duplicate message id {hdr.msg_id}")
-                    self._used_slots += 1
-                    if self._used_slots > limits.max_unexpected:
-                        raise ProtocolError(f"peer sent more than {limits.max_unexpected} messages without credit")
-                    if not rndv:
-                        self._used_credit += arrival.nbytes
-                        if self._used_credit > limits.recv_buffer_bytes:
-                            raise ProtocolError("peer sent an eager message beyond its buffer credit")
+                    self._budget.admit(arrival.nbytes, eager=not rndv)
                     self._check_summed(hdr.flags)
                     crc = crc32c.crc32c(meta, crc32c.crc32c(io.last_header)) if self.checksum else 0
                     self.mailbox.arrive(arrival)
@@ -422,14 +366,12 @@ class TcpChannel(Channel):
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
             return
         self._closed(state, exc)
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        for fut in [*self._cts.values(), *self._slot_waiters]:
+        self._budget.close()
+        self._window.fail(exc)
+        for fut in self._cts.values():
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()
-        self._slot_waiters.clear()
         for a in [*self._incoming.values(), *self._waiting.values()]:
             a.fail(exc)
         self._incoming.clear()

@@ -32,7 +32,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -40,6 +39,7 @@ import numpy as np
 from ...errors import BrokenResourceError, ClosedResourceError, PeerDisconnected, ProtocolError, TransferError
 from ...tensors import Outgoing, byte_view, decode_header
 from .._base import Channel, ChannelState, Limits, Receipt
+from .._credit import ReceiveBudget, SendWindow
 from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack
 from .._mailbox import Arrival
 from ._ucp import RemoteKey, Ucp
@@ -52,7 +52,6 @@ __all__ = ["CTRL", "DATA", "HELLO", "WELCOME", "UcxChannel", "ctrl_bytes", "make
 HELLO, WELCOME, CTRL, DATA = 1, 2, 3, 4
 _SEQ = (1 << 28) - 1
 _INLINE_MAX = 8 * 1024
-_FLUSH_DELAY = 0.001
 
 
 def make_tag(key: int, kind: int, seq: int = 0) -> int:
@@ -112,19 +111,11 @@ class UcxChannel(Channel):
         self._rx_ctrl_tag = self._lib.UCXXTag(make_tag(rx_key, CTRL))
         self._ctrl_buf = np.empty(ctrl_bytes(limits), np.uint8)
         self._ctrl_arr: Any = None
-        # what we may still send: the receiver's grants
-        self._send_credit = remote.recv_buffer_bytes
-        self._send_slots = remote.max_unexpected
-        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._window = SendWindow(remote)  # what we may still send: the receiver's grants
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
         self._sending = 0
-        # what the peer holds of our grants, and what we owe back
-        self._used_credit = 0
-        self._used_slots = 0
-        self._ret_credit = 0
-        self._ret_slots = 0
-        self._flush: asyncio.TimerHandle | None = None
+        self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._waiting: dict[int, tuple[Arrival, bool]] = {}  # msg id -> (arrival, needs CTS)
         self._incoming: dict[int, _Transfer] = {}
         self._eager: set[Arrival] = set()  # arrivals that spent buffer credit
@@ -217,20 +208,10 @@ class UcxChannel(Channel):
         msg_id: int = 0,
         arg: int = 0,
     ) -> bytes:
-        credit, slots = self._ret_credit, self._ret_slots
-        self._ret_credit = self._ret_slots = 0
+        credit, slots = self._budget.take_returns()
         return pack(ftype, flags, meta_len, payload_len, msg_id, arg, credit, slots)
 
     # -- sending ------------------------------------------------------------------------------
-    async def _take_slot(self) -> None:
-        while self._send_slots <= 0:
-            self.check_open()
-            fut = self._loop.create_future()
-            self._slot_waiters.append(fut)
-            await fut
-        self.check_open()
-        self._send_slots -= 1
-
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
         if msg.nbytes > self._remote.max_message_bytes:
@@ -243,11 +224,9 @@ class UcxChannel(Channel):
         t0 = time.perf_counter()
         self._sending += 1
         try:
-            await self._take_slot()
+            await self._window.take_slot(self.check_open)
             nbytes = msg.nbytes
-            eager = nbytes <= self._send_credit
-            if eager:
-                self._send_credit -= nbytes
+            eager = self._window.reserve(nbytes)
             msg_id = self._next_id
             self._next_id += 1
             segs = msg.segments()
@@ -338,22 +317,10 @@ class UcxChannel(Channel):
             return
         self._post_ctrl_recv()
 
-    def _grant(self, credit: int, slots: int) -> None:
-        if not (credit or slots):
-            return
-        self._send_credit += credit
-        self._send_slots += slots
-        if self._send_credit > self._remote.recv_buffer_bytes or self._send_slots > self._remote.max_unexpected:
-            raise ProtocolError("peer returned more credit than it granted")
-        while self._slot_waiters:
-            f = self._slot_waiters.popleft()
-            if not f.done():
-                f.set_result(None)
-
     def _handle_frame(self) -> None:
         buf = self._ctrl_buf
         hdr = unpack(buf[: HEADER.size].data)
-        self._grant(hdr.credit, hdr.slots)
+        self._window.grant(hdr.credit, hdr.slots)
         limits = self._limits
         t = hdr.type
         if t is FrameType.MSG:
@@ -368,15 +335,10 @@ class UcxChannel(Channel):
                 raise ProtocolError(f"MSG frame carries {hdr.payload_len} inline bytes of a {nbytes}-byte message")
             if hdr.msg_id in self._waiting or hdr.msg_id in self._incoming:
                 raise ProtocolError(f"duplicate message id {hdr.msg_id}")
-            self._used_slots += 1
-            if self._used_slots > limits.max_unexpected:
-                raise ProtocolError(f"peer sent more than {limits.max_unexpected} messages without credit")
+            self._budget.admit(nbytes, eager=not rndv)
             protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
             arrival = Arrival(self, hdr.arg, tree, specs, msg_id=hdr.msg_id, rendezvous=not inline, protocol=protocol)
             if not rndv:
-                self._used_credit += nbytes
-                if self._used_credit > limits.recv_buffer_bytes:
-                    raise ProtocolError("peer sent an eager message beyond its buffer credit")
                 self._eager.add(arrival)
             self.mailbox.arrive(arrival)
             if inline:
@@ -505,25 +467,12 @@ class UcxChannel(Channel):
         arrival.done.result()
 
     def release(self, arrival: Arrival) -> None:
-        self._used_slots -= 1
-        self._ret_slots += 1
-        if arrival in self._eager:
-            self._eager.discard(arrival)
-            self._used_credit -= arrival.nbytes
-            self._ret_credit += arrival.nbytes
-        urgent = (
-            self._ret_credit >= self._limits.recv_buffer_bytes // 4
-            or self._ret_slots >= self._limits.max_unexpected // 4
-        )
-        if urgent and self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        if self._flush is None and self.state is ChannelState.OPEN:
-            self._flush = self._loop.call_later(0 if urgent else _FLUSH_DELAY, self._flush_credit)
+        eager = arrival in self._eager  # inline and eager arrivals spent buffer credit
+        self._eager.discard(arrival)
+        self._budget.release(arrival.nbytes, eager, schedule=self.state is ChannelState.OPEN)
 
     def _flush_credit(self) -> None:
-        self._flush = None
-        if (self._ret_credit or self._ret_slots) and self.state is ChannelState.OPEN:
+        if self.state is ChannelState.OPEN:
             self._send_frame(self._frame(FrameType.CREDIT))
 
     # -- one-sided ----------------------------------------------------------------------------
@@ -601,14 +550,12 @@ class UcxChannel(Channel):
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
             return
         self._closed(state, exc)
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        for fut in [*self._cts.values(), *self._slot_waiters, *self._futs]:
+        self._budget.close()
+        self._window.fail(exc)
+        for fut in [*self._cts.values(), *self._futs]:
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()
-        self._slot_waiters.clear()
         for a, _ in self._waiting.values():
             a.fail(exc)
         for t in self._incoming.values():

@@ -1,0 +1,137 @@
+"""Credit-based flow control shared by the stream transports (tcp, ucx).
+
+A receiver grants each peer ``recv_buffer_bytes`` of buffer credit and ``max_unexpected``
+message slots. ``SendWindow`` is the sender's view of those grants: a message that fits the
+credit may go eager, every message needs a slot, and a sender without slots waits.
+``ReceiveBudget`` is the receiver's view: it checks that the peer stays within what it was
+granted (a violation is a ProtocolError) and collects what consumed messages give back, to be
+piggybacked on the next frame or flushed in a CREDIT frame shortly after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from ..errors import ProtocolError
+from ._base import Limits
+from ._frames import PeerLimits
+
+__all__ = ["FLUSH_DELAY", "ReceiveBudget", "SendWindow"]
+
+FLUSH_DELAY = 0.001  # seconds a credit return waits for a frame to ride on
+
+
+class SendWindow:
+    """What this side may still send to a peer."""
+
+    def __init__(self, remote: PeerLimits) -> None:
+        self._max_credit = remote.recv_buffer_bytes
+        self._max_slots = remote.max_unexpected
+        self.credit = remote.recv_buffer_bytes
+        self.slots = remote.max_unexpected
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def take_slot(self, check_open: Callable[[], None]) -> None:
+        """Wait for a message slot (backpressure); ``check_open`` raises once the channel is gone."""
+        while self.slots <= 0:
+            check_open()
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            await fut
+        check_open()
+        self.slots -= 1
+
+    def reserve(self, nbytes: int) -> bool:
+        """Spend credit for an eager message if it fits; False means it must go rendezvous."""
+        if nbytes <= self.credit:
+            self.credit -= nbytes
+            return True
+        return False
+
+    def unspend(self, nbytes: int, eager: bool) -> None:
+        """A message that never reached the wire gives its slot (and credit) back locally."""
+        self.slots += 1
+        if eager:
+            self.credit += nbytes
+
+    def grant(self, credit: int, slots: int) -> None:
+        """The peer returned credit and slots; wake senders waiting for a slot."""
+        if not (credit or slots):
+            return
+        self.credit += credit
+        self.slots += slots
+        if self.credit > self._max_credit or self.slots > self._max_slots:
+            raise ProtocolError("peer returned more credit than it granted")
+        while self._waiters:
+            f = self._waiters.popleft()
+            if not f.done():
+                f.set_result(None)
+
+    def fail(self, exc: BaseException) -> None:
+        for f in self._waiters:
+            if not f.done():
+                f.set_exception(exc)
+                f.exception()
+        self._waiters.clear()
+
+
+class ReceiveBudget:
+    """What a peer holds of this side's grants, and what this side owes back."""
+
+    def __init__(self, limits: Limits, flush: Callable[[], None]) -> None:
+        self._limits = limits
+        self._flush = flush  # sends a CREDIT frame when something is still owed
+        self._used_credit = 0
+        self._used_slots = 0
+        self._ret_credit = 0
+        self._ret_slots = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def admit(self, nbytes: int, eager: bool) -> None:
+        """A message header arrived: it takes a slot, and credit if it came eager."""
+        self._used_slots += 1
+        if self._used_slots > self._limits.max_unexpected:
+            raise ProtocolError(f"peer sent more than {self._limits.max_unexpected} messages without credit")
+        if eager:
+            self._used_credit += nbytes
+            if self._used_credit > self._limits.recv_buffer_bytes:
+                raise ProtocolError("peer sent an eager message beyond its buffer credit")
+
+    def release(self, nbytes: int, eager: bool, *, schedule: bool = True) -> None:
+        """A message was consumed (or aborted): owe its slot and credit back to the peer."""
+        self._used_slots -= 1
+        self._ret_slots += 1
+        if eager:
+            self._used_credit -= nbytes
+            self._ret_credit += nbytes
+        if not schedule:
+            return
+        lim = self._limits
+        urgent = self._ret_credit >= lim.recv_buffer_bytes // 4 or self._ret_slots >= lim.max_unexpected // 4
+        if urgent and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(0 if urgent else FLUSH_DELAY, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self.owed:
+            self._flush()
+
+    @property
+    def owed(self) -> bool:
+        return bool(self._ret_credit or self._ret_slots)
+
+    def take_returns(self) -> tuple[int, int]:
+        """What to piggyback on the frame being written now."""
+        credit, slots = self._ret_credit, self._ret_slots
+        self._ret_credit = self._ret_slots = 0
+        return credit, slots
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
