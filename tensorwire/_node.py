@@ -359,6 +359,7 @@ class Node:
         if self._server is not None:
             await self._server.stop(grace=0.2)
         await asyncio.gather(*[t.aclose() for t in self.transports.values()], return_exceptions=True)
+        self.exposures.clear()  # no peer can reach them now; let the tensors go
         await asyncio.gather(*self._waiting, return_exceptions=True)
 
     def abort(self) -> None:

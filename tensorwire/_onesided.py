@@ -104,9 +104,6 @@ class ExposureTable:
     def get(self, name: str) -> _Exposed | None:
         return self._by_name.get(name)
 
-    def names(self) -> list[str]:
-        return list(self._by_name)
-
     def clear(self) -> None:
         self._by_name.clear()
 
