@@ -2,7 +2,7 @@
 
 tensorwire demo                 two processes on loopback, a verified 256 MiB pytree
 tensorwire serve --echo 0       a node that echoes what it receives on tag 0
-tensorwire doctor [--json]      what this machine offers and which path a connect takes
+tensorwire doctor [ADDR] [--json]  what this machine offers and which path a connect takes
 """
 
 from __future__ import annotations
@@ -12,19 +12,15 @@ import asyncio
 import json
 import logging
 import os
-import platform
-import resource
 import statistics
 import sys
 import time
-from pathlib import Path as FsPath
 from typing import Any
 
 import numpy as np
 
 from . import __version__, start
 from .errors import TensorWireError
-from .transports import DEFAULT_PREFERENCE, probe_all
 
 MiB = 1 << 20
 
@@ -163,100 +159,19 @@ async def _serve(address: str, echo: list[str], token: str | None, transports: l
 
 
 # -- doctor ---------------------------------------------------------------------------------
-def _ucx_report() -> dict[str, Any]:
-    """UCX as this process would load it: version, library, transports, RDMA."""
-    import importlib.util
+def _doctor_report(address: str | None = None, token: str | None = None) -> dict[str, Any]:
+    from ._doctor import report
 
-    if importlib.util.find_spec("ucxx") is None:
-        return {"installed": False, "reason": "ucxx is not installed (pip install 'tensorwire[ucx]')"}
-    try:
-        from .transports.ucx._transport import _RDMA_TLS
-        from .transports.ucx._ucp import load, loaded_library
-        from .transports.ucx._worker import context_resources, ucx_options
-
-        resources = context_resources(tuple(sorted(ucx_options().items())))
-        ucp = load()
-        transports = sorted({t for t, _ in resources})
-        return {
-            "installed": True,
-            "version": ".".join(str(v) for v in ucp.version()),
-            "libucp": ucp.path,
-            "libucxx": loaded_library("libucxx.so"),
-            "transports": transports,
-            "devices": [f"{t}/{d}" for t, d in resources],
-            "rdma": any(t.startswith(_RDMA_TLS) for t in transports),
-            "rdma_transports": [t for t in transports if t.startswith(_RDMA_TLS)],
-        }
-    except Exception as exc:
-        return {"installed": True, "error": f"{type(exc).__name__}: {exc}"}
+    return report(address, token)
 
 
-def _doctor_report() -> dict[str, Any]:
-    usable, unusable = probe_all(DEFAULT_PREFERENCE)
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    ib = FsPath("/sys/class/infiniband")
-    rdma = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
-    gpus = (
-        sorted(p.name for p in FsPath("/proc/driver/nvidia/gpus").iterdir())
-        if FsPath("/proc/driver/nvidia/gpus").is_dir()
-        else []
-    )
+def _doctor(as_json: bool, address: str | None = None, token: str | None = None) -> int:
+    from ._doctor import render
 
-    def lim(v: int) -> str:
-        return "unlimited" if v == resource.RLIM_INFINITY else f"{v // 1024} KiB"
-
-    transports = {
-        n: {"usable": True, "rdma": c.rdma, "one_sided": c.one_sided, "memory": list(c.memory_kinds)}
-        for n, (_, c) in usable.items()
-    }
-    transports.update({n: {"usable": False, "reason": r} for n, r in unusable.items()})
-    remote_pick = next((n for n in DEFAULT_PREFERENCE if n in usable and n != "inproc"), None)
-    passed = [f"{n}: {unusable[n]}" for n in DEFAULT_PREFERENCE if n in unusable]
-    return {
-        "tensorwire": __version__,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "transports": transports,
-        "preference": list(DEFAULT_PREFERENCE),
-        "connect_to_another_process": {"transport": remote_pick, "passed_over": passed},
-        "rdma_devices": rdma,
-        "memlock": {"soft": lim(soft), "hard": lim(hard)},
-        "gpus": gpus,
-        "ucx": _ucx_report(),
-    }
-
-
-def _doctor(as_json: bool) -> int:
-    report = _doctor_report()
-    if as_json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"tensorwire {report['tensorwire']} (python {report['python']}, numpy {report['numpy']})")
-    print("transports (preference order):")
-    for name in report["preference"]:
-        t = report["transports"][name]
-        if t["usable"]:
-            print(f"  {name:7} usable   rdma={t['rdma']} one_sided={t['one_sided']} memory={','.join(t['memory'])}")
-        else:
-            print(f"  {name:7} unusable {t['reason']}")
-    pick = report["connect_to_another_process"]
-    print(f"a connect to another process would use: {pick['transport']}")
-    for line in pick["passed_over"]:
-        print(f"  not {line}")
-    print(f"RDMA devices: {', '.join(report['rdma_devices']) or 'none (no /sys/class/infiniband)'}")
-    print(f"memlock limit: soft {report['memlock']['soft']}, hard {report['memlock']['hard']}")
-    print(f"GPUs: {', '.join(report['gpus']) or 'none visible'}")
-    ucx = report["ucx"]
-    if not ucx["installed"]:
-        print(f"UCX: {ucx['reason']}")
-    elif "error" in ucx:
-        print(f"UCX: unusable ({ucx['error']})")
-    else:
-        rdma = ", ".join(ucx["rdma_transports"]) or "none (this libucx has no verbs/RDMA transports)"
-        print(f"UCX {ucx['version']} from {ucx['libucp']}")
-        print(f"  transports: {', '.join(ucx['devices'])}")
-        print(f"  RDMA transports: {rdma}")
-    return 0
+    rep = _doctor_report(address, token)
+    print(json.dumps(rep, indent=2) if as_json else render(rep))
+    conn = rep.get("connect")
+    return 1 if conn is not None and "error" in conn else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
     p = sub.add_parser("doctor", help="what this machine offers and which path a connect would take")
     p.add_argument("--json", action="store_true")
+    p.add_argument("address", nargs="?", help="also connect to the node at ADDRESS and show the path it negotiates")
+    p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="auth token for ADDRESS")
     p = sub.add_parser("_demo-peer")
     p.add_argument("address")
     p.add_argument("size_mib", type=int)
@@ -285,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "serve":
             return asyncio.run(_serve(args.address, args.echo, args.token, args.transports))
         if args.cmd == "doctor":
-            return _doctor(args.json)
+            return _doctor(args.json, args.address, args.token)
         if args.cmd == "_demo-peer":
             return asyncio.run(_demo_child(args.address, args.size_mib))
     except KeyboardInterrupt:

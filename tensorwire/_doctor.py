@@ -1,0 +1,320 @@
+"""``tensorwire doctor``: why this machine will or will not get RDMA, and which path a connect takes.
+
+Everything here is read from the running system (sysfs, procfs, the loaded libucx, a real
+handshake when an address is given); nothing is guessed from package names alone. The report is
+a plain dict so that ``--json`` prints exactly what the table shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import platform
+import resource
+from pathlib import Path as FsPath
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .errors import TensorWireError
+from .transports import DEFAULT_PREFERENCE, probe_all
+
+SYS = FsPath(os.environ.get("TENSORWIRE_SYSFS", "/sys"))
+PROC = FsPath(os.environ.get("TENSORWIRE_PROCFS", "/proc"))
+
+
+def _read(path: FsPath) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _numa(device_dir: FsPath) -> int | None:
+    """NUMA node of a PCI device (None when unknown; the kernel says -1 on single-node machines)."""
+    text = _read(device_dir / "numa_node")
+    if text is None:
+        return None
+    try:
+        node = int(text)
+    except ValueError:
+        return None
+    return node if node >= 0 else None
+
+
+def _pci_of(device_dir: FsPath) -> str | None:
+    try:
+        return device_dir.resolve().name
+    except OSError:
+        return None
+
+
+def rdma_devices() -> list[dict[str, Any]]:
+    """RDMA devices with their ports: state, link layer, RoCE v2 GIDs, NUMA node, backing netdev."""
+    ib = SYS / "class" / "infiniband"
+    if not ib.is_dir():
+        return []
+    out: list[dict[str, Any]] = []
+    for dev in sorted(ib.iterdir()):
+        ports = []
+        for port in sorted((dev / "ports").iterdir()) if (dev / "ports").is_dir() else []:
+            gids = []
+            types = port / "gid_attrs" / "types"
+            for gid_file in (
+                sorted((port / "gids").iterdir(), key=lambda p: int(p.name)) if (port / "gids").is_dir() else []
+            ):
+                gid = _read(gid_file)
+                if not gid or gid.replace(":", "").strip("0") == "":
+                    continue
+                gids.append({"index": int(gid_file.name), "gid": gid, "type": _read(types / gid_file.name) or "?"})
+            ports.append(
+                {
+                    "port": int(port.name),
+                    "state": (_read(port / "state") or "?").split(":")[-1].strip(),
+                    "link_layer": _read(port / "link_layer") or "?",
+                    "rate": _read(port / "rate") or "?",
+                    "gids": gids,
+                }
+            )
+        netdevs = (
+            sorted(p.name for p in (dev / "device" / "net").iterdir()) if (dev / "device" / "net").is_dir() else []
+        )
+        out.append(
+            {
+                "name": dev.name,
+                "pci": _pci_of(dev / "device"),
+                "numa_node": _numa(dev / "device"),
+                "netdevs": netdevs,
+                "ports": ports,
+            }
+        )
+    return out
+
+
+def gpus() -> list[dict[str, Any]]:
+    """NVIDIA GPUs the driver exposes, with PCI address, model and NUMA node."""
+    root = PROC / "driver" / "nvidia" / "gpus"
+    if not root.is_dir():
+        return []
+    out = []
+    for bus in sorted(root.iterdir()):
+        info = _read(bus / "information") or ""
+        model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("Model")), "?")
+        pci = bus.name.lower()
+        out.append({"pci": pci, "model": model, "numa_node": _numa(SYS / "bus" / "pci" / "devices" / pci)})
+    return out
+
+
+def gpudirect() -> dict[str, Any]:
+    """Whether a NIC can DMA straight into GPU memory: nvidia-peermem or dma-buf, and why not."""
+    driver = _read(PROC / "driver" / "nvidia" / "version")
+    peermem = (SYS / "module" / "nvidia_peermem").is_dir() or (SYS / "module" / "nv_peer_mem").is_dir()
+    # dma-buf export of GPU memory needs the open kernel modules (the "Open" flavour in the
+    # version string) and a kernel with dma-buf support in the RDMA core (5.12+).
+    release = platform.release()
+    try:
+        major, minor = (int(x) for x in release.split(".")[:2])
+        kernel_ok = (major, minor) >= (5, 12)
+    except ValueError:
+        kernel_ok = False
+    open_modules = driver is not None and "Open Kernel Module" in driver
+    reasons = []
+    if driver is None:
+        reasons.append("no NVIDIA driver loaded")
+    else:
+        if not peermem:
+            reasons.append("nvidia-peermem is not loaded (modprobe nvidia-peermem)")
+        if not open_modules:
+            reasons.append("dma-buf needs NVIDIA's open kernel modules")
+        if not kernel_ok:
+            reasons.append(f"dma-buf needs Linux >= 5.12 (this is {release})")
+    dmabuf = driver is not None and open_modules and kernel_ok
+    return {
+        "driver": driver.splitlines()[0] if driver else None,
+        "peermem": peermem,
+        "dmabuf": dmabuf,
+        "ready": peermem or dmabuf,
+        "why_not": [] if (peermem or dmabuf) else reasons,
+    }
+
+
+def placement(rdma: list[dict[str, Any]], gpu_list: list[dict[str, Any]]) -> list[str]:
+    """One line per GPU: the RDMA devices on its NUMA node, or a warning that traffic crosses sockets."""
+    lines = []
+    for g in gpu_list:
+        same = [d["name"] for d in rdma if d["numa_node"] is not None and d["numa_node"] == g["numa_node"]]
+        if not rdma:
+            lines.append(f"GPU {g['pci']}: no RDMA device to pair with")
+        elif g["numa_node"] is None:
+            lines.append(f"GPU {g['pci']}: NUMA node unknown (single-node machine?)")
+        elif same:
+            lines.append(f"GPU {g['pci']} (NUMA {g['numa_node']}): same node as {', '.join(same)}")
+        else:
+            lines.append(
+                f"GPU {g['pci']} (NUMA {g['numa_node']}): no RDMA device on its NUMA node; traffic crosses sockets"
+            )
+    return lines
+
+
+def ucx_report() -> dict[str, Any]:
+    """UCX as this process would load it: version, library, transports, RDMA."""
+    if importlib.util.find_spec("ucxx") is None:
+        return {"installed": False, "reason": "ucxx is not installed (pip install 'tensorwire[ucx]')"}
+    try:
+        from .transports.ucx._transport import _RDMA_TLS
+        from .transports.ucx._ucp import load, loaded_library
+        from .transports.ucx._worker import context_resources, ucx_options
+
+        resources = context_resources(tuple(sorted(ucx_options().items())))
+        ucp = load()
+        transports = sorted({t for t, _ in resources})
+        return {
+            "installed": True,
+            "version": ".".join(str(v) for v in ucp.version()),
+            "libucp": ucp.path,
+            "libucxx": loaded_library("libucxx.so"),
+            "transports": transports,
+            "devices": [f"{t}/{d}" for t, d in resources],
+            "rdma": any(t.startswith(_RDMA_TLS) for t in transports),
+            "rdma_transports": [t for t in transports if t.startswith(_RDMA_TLS)],
+        }
+    except Exception as exc:
+        return {"installed": True, "error": f"{type(exc).__name__}: {exc}"}
+
+
+async def probe_address(address: str, token: str | None, wait_s: float) -> dict[str, Any]:
+    """Connect to a running node for real and report the path the handshake chose, and why."""
+    from . import NodeConfig, start
+
+    try:
+        async with start("127.0.0.1:0", config=NodeConfig(auth_token=token)) as node:
+            async with asyncio.timeout(wait_s):
+                peer = await node.connect(address)
+            try:
+                path = peer.path
+                return {
+                    "address": address,
+                    "transport": path.transport,
+                    "lanes": list(path.lanes),
+                    "rdma": path.rdma,
+                    "gpudirect": path.gpudirect,
+                    "passed_over": [f"{n}: {r}" for n, r in path.passed_over],
+                    "summary": str(path),
+                }
+            finally:
+                await peer.aclose()
+    except TimeoutError:
+        return {"address": address, "error": f"no answer within {wait_s:g} s"}
+    except TensorWireError as exc:
+        return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def report(address: str | None = None, token: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
+    usable, unusable = probe_all(DEFAULT_PREFERENCE)
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+    def lim(v: int) -> str:
+        return "unlimited" if v == resource.RLIM_INFINITY else f"{v // 1024} KiB"
+
+    transports: dict[str, Any] = {
+        n: {"usable": True, "rdma": c.rdma, "one_sided": c.one_sided, "memory": list(c.memory_kinds)}
+        for n, (_, c) in usable.items()
+    }
+    transports.update({n: {"usable": False, "reason": r} for n, r in unusable.items()})
+    remote_pick = next((n for n in DEFAULT_PREFERENCE if n in usable and n != "inproc"), None)
+    passed = [f"{n}: {unusable[n]}" for n in DEFAULT_PREFERENCE if n in unusable]
+    rdma = rdma_devices()
+    gpu_list = gpus()
+    out: dict[str, Any] = {
+        "tensorwire": __version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "transports": transports,
+        "preference": list(DEFAULT_PREFERENCE),
+        "connect_to_another_process": {"transport": remote_pick, "passed_over": passed},
+        "rdma_devices": rdma,
+        "memlock": {
+            "soft": lim(soft),
+            "hard": lim(hard),
+            "warning": (
+                "memlock is limited: RDMA registration of large tensors will fail with ENOMEM "
+                "(raise it: ulimit -l unlimited, or LimitMEMLOCK=infinity for a service)"
+                if rdma and soft != resource.RLIM_INFINITY
+                else None
+            ),
+        },
+        "gpus": gpu_list,
+        "gpudirect": gpudirect(),
+        "placement": placement(rdma, gpu_list),
+        "ucx": ucx_report(),
+    }
+    if address is not None:
+        out["connect"] = asyncio.run(probe_address(address, token, timeout))
+    return out
+
+
+def render(rep: dict[str, Any]) -> str:
+    lines = [
+        f"tensorwire {rep['tensorwire']} (python {rep['python']}, numpy {rep['numpy']})",
+        "transports (preference order):",
+    ]
+    for name in rep["preference"]:
+        t = rep["transports"][name]
+        if t["usable"]:
+            lines.append(
+                f"  {name:7} usable   rdma={t['rdma']} one_sided={t['one_sided']} memory={','.join(t['memory'])}"
+            )
+        else:
+            lines.append(f"  {name:7} unusable {t['reason']}")
+    pick = rep["connect_to_another_process"]
+    lines.append(f"a connect to another process would use: {pick['transport']}")
+    lines += [f"  not {line}" for line in pick["passed_over"]]
+    if not rep["rdma_devices"]:
+        lines.append("RDMA devices: none (no /sys/class/infiniband)")
+    else:
+        lines.append("RDMA devices:")
+        for d in rep["rdma_devices"]:
+            numa = "?" if d["numa_node"] is None else d["numa_node"]
+            lines.append(f"  {d['name']} pci={d['pci']} numa={numa} netdev={','.join(d['netdevs']) or '-'}")
+            for p in d["ports"]:
+                v2 = [g for g in p["gids"] if "v2" in g["type"].lower()]
+                gid = f"RoCE v2 GID index {v2[0]['index']} ({v2[0]['gid']})" if v2 else f"{len(p['gids'])} GIDs"
+                lines.append(f"    port {p['port']}: {p['state']} {p['link_layer']} {p['rate']}; {gid}")
+    lock = rep["memlock"]
+    lines.append(f"memlock limit: soft {lock['soft']}, hard {lock['hard']}")
+    if lock["warning"]:
+        lines.append(f"  warning: {lock['warning']}")
+    if not rep["gpus"]:
+        lines.append("GPUs: none visible")
+    else:
+        lines.append("GPUs:")
+        lines += [
+            f"  {g['pci']} {g['model']} numa={'?' if g['numa_node'] is None else g['numa_node']}" for g in rep["gpus"]
+        ]
+    gd = rep["gpudirect"]
+    if gd["driver"] is None:
+        lines.append("GPUDirect RDMA: no (no NVIDIA driver loaded)")
+    else:
+        state = "ready" if gd["ready"] else "not ready"
+        lines.append(f"GPUDirect RDMA: {state} (peermem={gd['peermem']}, dmabuf={gd['dmabuf']}); {gd['driver']}")
+        lines += [f"  {why}" for why in gd["why_not"]]
+    lines += [f"  {line}" for line in rep["placement"]]
+    ucx = rep["ucx"]
+    if not ucx["installed"]:
+        lines.append(f"UCX: {ucx['reason']}")
+    elif "error" in ucx:
+        lines.append(f"UCX: unusable ({ucx['error']})")
+    else:
+        rdma_tls = ", ".join(ucx["rdma_transports"]) or "none (this libucx has no verbs/RDMA transports)"
+        lines.append(f"UCX {ucx['version']} from {ucx['libucp']}")
+        lines.append(f"  transports: {', '.join(ucx['devices'])}")
+        lines.append(f"  RDMA transports: {rdma_tls}")
+    conn = rep.get("connect")
+    if conn is not None:
+        if "error" in conn:
+            lines.append(f"connect {conn['address']}: failed: {conn['error']}")
+        else:
+            lines.append(f"connect {conn['address']}: {conn['summary']}")
+    return "\n".join(lines)

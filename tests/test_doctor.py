@@ -1,0 +1,150 @@
+"""`tensorwire doctor`: RDMA devices, GPUs, GPUDirect readiness and placement read from sysfs/procfs,
+and a real handshake against a given address."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorwire import _doctor
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+@pytest.fixture
+def fake_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A sysfs/procfs layout as a two-socket RoCE box with one GPU presents it (the real one has none)."""
+    sys_root, proc = tmp_path / "sys", tmp_path / "proc"
+    pci_nic = sys_root / "devices" / "pci0000:80" / "0000:81:00.0"
+    _write(pci_nic / "numa_node", "1")
+    (pci_nic / "net" / "ens1f0").mkdir(parents=True)
+    dev = sys_root / "class" / "infiniband" / "mlx5_0"
+    dev.mkdir(parents=True)
+    (dev / "device").symlink_to(pci_nic)
+    port = dev / "ports" / "1"
+    _write(port / "state", "4: ACTIVE")
+    _write(port / "link_layer", "Ethernet")
+    _write(port / "rate", "100 Gb/sec (4X EDR)")
+    for i, (gid, kind) in enumerate(
+        [
+            ("fe80:0000:0000:0000:0a00:27ff:fe00:0001", "IB/RoCE v1"),
+            ("fe80:0000:0000:0000:0a00:27ff:fe00:0001", "RoCE v2"),
+            ("0000:0000:0000:0000:0000:ffff:0a00:0001", "IB/RoCE v1"),
+            ("0000:0000:0000:0000:0000:ffff:0a00:0001", "RoCE v2"),
+            ("0000:0000:0000:0000:0000:0000:0000:0000", ""),
+        ]
+    ):
+        _write(port / "gids" / str(i), gid)
+        _write(port / "gid_attrs" / "types" / str(i), kind)
+    _write(
+        proc / "driver" / "nvidia" / "version", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.1  (proprietary)"
+    )
+    _write(
+        proc / "driver" / "nvidia" / "gpus" / "0000:17:00.0" / "information",
+        "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ: 1",
+    )
+    _write(sys_root / "bus" / "pci" / "devices" / "0000:17:00.0" / "numa_node", "0")
+    monkeypatch.setattr(_doctor, "SYS", sys_root)
+    monkeypatch.setattr(_doctor, "PROC", proc)
+    return sys_root, proc
+
+
+def test_rdma_devices_ports_and_roce_v2_gid(fake_machine: tuple[Path, Path]) -> None:
+    (dev,) = _doctor.rdma_devices()
+    assert dev["name"] == "mlx5_0" and dev["numa_node"] == 1 and dev["netdevs"] == ["ens1f0"]
+    assert dev["pci"] == "0000:81:00.0"
+    (port,) = dev["ports"]
+    assert port["state"] == "ACTIVE" and port["link_layer"] == "Ethernet"
+    assert [g["index"] for g in port["gids"]] == [0, 1, 2, 3]  # the all-zero GID is not listed
+    text = _doctor.render(_doctor.report())
+    # the RoCE v2 GID shown is the first v2 entry (IPv6 link-local here), with its index
+    assert "RoCE v2 GID index 1" in text
+
+
+def test_gpu_placement_and_gpudirect_reasons(fake_machine: tuple[Path, Path]) -> None:
+    rep = _doctor.report()
+    (gpu,) = rep["gpus"]
+    assert gpu == {"pci": "0000:17:00.0", "model": "NVIDIA H100 80GB HBM3", "numa_node": 0}
+    gd = rep["gpudirect"]
+    assert not gd["peermem"] and not gd["dmabuf"] and not gd["ready"]
+    assert any("nvidia-peermem" in why for why in gd["why_not"])
+    assert any("open kernel modules" in why for why in gd["why_not"])
+    # the GPU sits on node 0, the NIC on node 1
+    assert rep["placement"] == ["GPU 0000:17:00.0 (NUMA 0): no RDMA device on its NUMA node; traffic crosses sockets"]
+    if resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] != resource.RLIM_INFINITY:
+        assert "ENOMEM" in rep["memlock"]["warning"]  # RDMA devices present and memlock limited
+    text = _doctor.render(rep)
+    assert "GPUDirect RDMA: not ready" in text and "traffic crosses sockets" in text
+
+
+def test_peermem_loaded_makes_gpudirect_ready(fake_machine: tuple[Path, Path]) -> None:
+    sys_root, _ = fake_machine
+    (sys_root / "module" / "nvidia_peermem").mkdir(parents=True)
+    gd = _doctor.gpudirect()
+    assert gd["peermem"] and gd["ready"] and gd["why_not"] == []
+
+
+def test_this_machine_has_no_rdma_and_says_so() -> None:
+    rep = _doctor.report()
+    if rep["rdma_devices"]:
+        pytest.skip("this machine has RDMA devices")
+    text = _doctor.render(rep)
+    assert "RDMA devices: none" in text
+
+
+def _serve() -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensorwire.cli", "serve", "--address", "127.0.0.1:0", "--transports", "tcp"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    return proc, line.split("serving at")[1].strip()
+
+
+def test_doctor_address_reports_the_negotiated_path() -> None:
+    proc, address = _serve()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "tensorwire.cli", "doctor", address, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        conn = json.loads(out.stdout)["connect"]
+        # the server only offers tcp, so that is what the handshake picks; ucx is passed over
+        assert conn["transport"] == "tcp" and conn["rdma"] is False
+        assert conn["lanes"] and conn["summary"].startswith("tcp [")
+        table = subprocess.run(
+            [sys.executable, "-m", "tensorwire.cli", "doctor", address], capture_output=True, text=True, timeout=60
+        )
+        assert f"connect {address}: tcp [" in table.stdout
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_doctor_address_that_does_not_answer_fails_clearly() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tensorwire.cli", "doctor", "127.0.0.1:9", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    conn = json.loads(out.stdout)["connect"]
+    assert "error" in conn and conn["address"] == "127.0.0.1:9"
