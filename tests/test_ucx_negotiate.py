@@ -2,6 +2,7 @@
 gives way to tensorwire's tcp transport when both sides have it, and says so. No UCX needed."""
 
 from tensorwire.control import Offer, choose
+from tensorwire.control._convert import offer_from_pb, offer_to_pb
 from tensorwire.transports import Capabilities
 
 TCP = Capabilities(lanes=("tcp",))
@@ -27,7 +28,7 @@ def test_tcp_only_ucx_gives_way_to_tcp() -> None:
 
 
 def test_peer_tcp_only_judged_by_lanes() -> None:
-    """tcp_only does not travel in the handshake; a peer's lanes say the same thing."""
+    """A peer that predates the tcp_only field: its lanes say the same thing."""
     remote = _offers(Capabilities(lanes=("tcp/eth0",)))
     choice = _choose(_offers(UCX_SM), remote)
     assert choice.name == "tcp"
@@ -43,3 +44,15 @@ def test_tcp_only_ucx_is_used_when_tcp_is_not_an_option() -> None:
     assert _choose(_offers(UCX_TCP), _offers(UCX_TCP), preference=("ucx",)).name == "ucx"
     # tcp preferred *before* ucx: nothing to give way to
     assert _choose(_offers(UCX_TCP), _offers(UCX_TCP), preference=("tcp", "ucx")).name == "tcp"
+
+
+def test_tcp_only_travels_in_the_handshake() -> None:
+    """tcp_only survives the protobuf round trip, so a peer's flag counts even when its lane
+    names do not look like tcp (a future UCX naming its lanes differently)."""
+    odd = Capabilities(lanes=("sockets/eth0",), tcp_only=True, one_sided=True)
+    back = offer_from_pb(offer_to_pb(Offer("ucx", 1, b"u", odd)))
+    assert back.capabilities == odd
+    remote = {"ucx": back, "tcp": Offer("tcp", 1, b"t", TCP)}
+    choice = _choose(_offers(UCX_SM), remote)
+    assert choice.name == "tcp"
+    assert "only tcp lanes on client" in dict(choice.passed_over)["ucx"]

@@ -16,6 +16,7 @@ def caps_to_pb(caps: Capabilities) -> control_pb2.Capabilities:
         rdma=caps.rdma,
         gpudirect=caps.gpudirect,
         lanes=list(caps.lanes),
+        tcp_only=caps.tcp_only,
     )
 
 
@@ -26,6 +27,7 @@ def caps_from_pb(pb: control_pb2.Capabilities) -> Capabilities:
         rdma=pb.rdma,
         gpudirect=pb.gpudirect,
         lanes=tuple(pb.lanes),
+        tcp_only=pb.tcp_only,
     )
 
 

@@ -43,8 +43,8 @@ def _meets(require: str, caps: Capabilities) -> str | None:
 
 
 def _tcp_only(caps: Capabilities) -> bool:
-    """Every lane goes through kernel TCP. ``tcp_only`` is not carried by the handshake message,
-    so a peer's offer is also judged by its lanes ("tcp" or "tcp/<device>")."""
+    """Every lane goes through kernel TCP. The handshake carries ``tcp_only``; an offer from a
+    node that predates that field is also judged by its lanes ("tcp" or "tcp/<device>")."""
     return caps.tcp_only or (bool(caps.lanes) and all(lane.split("/")[0] == "tcp" for lane in caps.lanes))
 
 

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Capabilities(_message.Message):
-    __slots__ = ("memory_kinds", "one_sided", "rdma", "gpudirect", "lanes")
+    __slots__ = ("memory_kinds", "one_sided", "rdma", "gpudirect", "lanes", "tcp_only")
     MEMORY_KINDS_FIELD_NUMBER: _ClassVar[int]
     ONE_SIDED_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
     GPUDIRECT_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
+    TCP_ONLY_FIELD_NUMBER: _ClassVar[int]
     memory_kinds: _containers.RepeatedScalarFieldContainer[str]
     one_sided: bool
     rdma: bool
     gpudirect: bool
     lanes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, memory_kinds: _Optional[_Iterable[str]] = ..., one_sided: _Optional[bool] = ..., rdma: _Optional[bool] = ..., gpudirect: _Optional[bool] = ..., lanes: _Optional[_Iterable[str]] = ...) -> None: ...
+    tcp_only: bool
+    def __init__(self, memory_kinds: _Optional[_Iterable[str]] = ..., one_sided: _Optional[bool] = ..., rdma: _Optional[bool] = ..., gpudirect: _Optional[bool] = ..., lanes: _Optional[_Iterable[str]] = ..., tcp_only: _Optional[bool] = ...) -> None: ...
 
 class TransportOffer(_message.Message):
     __slots__ = ("name", "version", "address", "capabilities")
@@ -90,7 +92,7 @@ class LookupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "nbytes", "generation", "transport", "remote_key")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "generation", "transport", "remote_key", "writable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class LookupResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     REMOTE_KEY_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -105,7 +108,8 @@ class LookupResponse(_message.Message):
     generation: int
     transport: str
     remote_key: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., transport: _Optional[str] = ..., remote_key: _Optional[bytes] = ...) -> None: ...
+    writable: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., transport: _Optional[str] = ..., remote_key: _Optional[bytes] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
