@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._onesided import ExposureTable, Handle, serve_ops
+from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
 from ._peer import Peer
 from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, TLSConfig, check_require
@@ -90,6 +90,7 @@ class Node:
         self._leases: dict[str, tuple[float, Peer]] = {}
         self._sessions: dict[str, Peer] = {}
         self.exposures = ExposureTable()
+        self._retiring: set[asyncio.Task[None]] = set()  # unexposed tensors waiting for peers' acks
         self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -145,9 +146,11 @@ class Node:
 
     def expose(self, tensor: Any, *, name: str) -> Handle:
         """Publish a C-contiguous tensor under ``name`` for session peers to read and write.
-        The tensor stays alive and must stay valid until ``unexpose(name)``."""
+        The tensor stays alive and must stay valid until ``unexpose(name)``. Transports with
+        one-sided support (ucx) register its memory now (once per region, however often it
+        is exposed), so their peers read and write it without this node's code."""
         self._check_open()
-        return self.exposures.expose(tensor, name)
+        return self.exposures.expose(tensor, name, self.transports)
 
     def method(self, name: str | Callable[..., Any] | None = None, *, max_arg_bytes: int | None = None) -> Any:
         """Register an async function (or async generator, for ``peer.stream``) as an RPC method:
@@ -160,9 +163,20 @@ class Node:
         """The RPC methods this node offers, by name, and their ``limits`` (CallLimits)."""
         return methods_of(self)
 
-    def unexpose(self, name: str) -> None:
-        """Revoke ``name``: later lookups, reads and writes through old handles fail."""
-        self.exposures.unexpose(name)
+    def unexpose(self, name: str) -> Revocation:
+        """Revoke ``name``: lookups and reads and writes through old handles fail
+        (HandleNotFound). Peers holding a one-sided key (ucx) are told; their direct
+        operations fail once the notice has reached them, and the memory stays registered and
+        referenced until each has acknowledged (or gone). ``await node.unexpose(name)`` to
+        wait for that: afterwards no peer's operation reaches the tensor."""
+        entry = self.exposures.unexpose(name)
+        if not entry.given:
+            entry.release()
+            return Revocation(None)
+        task = asyncio.get_running_loop().create_task(retire(entry, self._session_peer))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return Revocation(task)
 
     def _expect_peer(
         self,
@@ -358,8 +372,9 @@ class Node:
         await asyncio.gather(*[p.aclose() for p in list(self.peers)], return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace=0.2)
+        await asyncio.gather(*self._retiring, return_exceptions=True)  # their peers are closed
+        self.exposures.clear()  # no peer can reach them now: unregister, let the tensors go
         await asyncio.gather(*[t.aclose() for t in self.transports.values()], return_exceptions=True)
-        self.exposures.clear()  # no peer can reach them now; let the tensors go
         await asyncio.gather(*self._waiting, return_exceptions=True)
 
     def abort(self) -> None:

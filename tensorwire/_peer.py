@@ -153,7 +153,12 @@ class Peer:
 
     # -- one-sided ---------------------------------------------------------------------------
     async def lookup(self, name: str) -> RemoteHandle:
-        """Resolve a tensor the peer exposed under ``name`` (HandleNotFound if it has none)."""
+        """Resolve a tensor the peer exposed under ``name`` (HandleNotFound if it has none).
+
+        Over a one-sided transport (ucx) the handle carries the registered memory's key, and
+        reads and writes through it move the bytes without the owner's code (``handle.direct``);
+        otherwise they go through the owner's node. A handle works on the peer that looked it up.
+        """
         if self.session is None:
             raise ConfigurationError("this peer has no session to authenticate a lookup")
         if self._control is None:
@@ -163,7 +168,7 @@ class Peer:
         resp = await self._control.lookup(
             self.session.id, name, lookup_proof(self.session.secret, name), deadline=self.node.config.connect_timeout
         )
-        return RemoteHandle(
+        handle = RemoteHandle(
             resp.name,
             resp.dtype,
             tuple(resp.shape),
@@ -172,10 +177,15 @@ class Peer:
             self.remote_node,
             resp.transport,
             resp.remote_key,
+            resp.writable,
         )
+        if handle.direct:
+            _onesided.remember(self, handle)
+        return handle
 
     async def read(self, handle: RemoteHandle, *, out: Any = None) -> Any:
-        """Read the whole of a peer's exposed tensor into ``out`` (allocated if None)."""
+        """Read the whole of a peer's exposed tensor into ``out`` (allocated if None; same dtype
+        and shape as the handle, else ShapeMismatchError). HandleNotFound once revoked."""
         value, _ = await _onesided.read(self, handle, out)
         return value
 
@@ -184,7 +194,8 @@ class Peer:
 
     async def write(self, handle: RemoteHandle, src: Any) -> Receipt:
         """Overwrite the whole of a peer's exposed tensor with ``src`` (same dtype and shape).
-        A cancelled write may leave the target partly written."""
+        Returns once the bytes are in the owner's memory. A cancelled write may leave the target
+        partly written."""
         return await _onesided.write(self, handle, src)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -104,14 +104,27 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         ):
             log.warning("lookup of %r from %s refused: no such session or bad proof", request.name[:64], context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lookups need an open session and its proof")
+            raise AssertionError("unreachable: abort raises")
         entry = node.exposures.get(request.name)
         if entry is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.name!r} is not exposed")
             raise AssertionError("unreachable: abort raises")
         h = entry.handle
-        return control_pb2.LookupResponse(
-            name=h.name, dtype=h.dtype, shape=list(h.shape), nbytes=h.nbytes, generation=h.generation
+        resp = control_pb2.LookupResponse(
+            name=h.name,
+            dtype=h.dtype,
+            shape=list(h.shape),
+            nbytes=h.nbytes,
+            generation=h.generation,
+            writable=h.writable,
         )
+        # a one-sided key for the transport this peer's channel uses, if it registered the tensor
+        hold = entry.holds.get(peer.channel.transport)
+        if hold is not None:
+            resp.transport = peer.channel.transport
+            resp.remote_key = hold.remote_key
+            entry.given.add(request.session_id)  # unexpose waits for this peer to acknowledge
+        return resp
 
     async def GetNodeInfo(  # noqa: N802 - gRPC method name
         self, request: control_pb2.NodeInfoRequest, context: grpc.aio.ServicerContext

@@ -25,17 +25,18 @@ import logging
 import secrets
 import struct
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import numpy as np
 
-from ...errors import ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
+from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import FLAG_CHECKSUM, LIMITS, MAX_SESSION_ID, PeerLimits, proof
+from .._remote import Hold, RegistrationCache
 from ..tcp._transport import _RateLimitedLog
 from ._channel import HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
-from ._ucp import Ucp
+from ._ucp import MemoryRegion, Ucp
 from ._ucp import load as load_ucp
 from ._worker import Worker, context_resources, import_ucxx, ucx_options
 
@@ -82,11 +83,17 @@ class UcxTransport(Transport):
         if not tls:
             cls._why_not = "UCX offers no transport here (check UCX_TLS)"
             return None
+        try:
+            load_ucp()
+            one_sided = True  # expose/lookup/read/write use ucp put/get with rkeys
+        except TransportUnavailable as exc:
+            log.debug("ucx without one-sided: %s", exc)
+            one_sided = False
         rdma = any(t.startswith(_RDMA_TLS) for t in tls)
         cuda = any(t.startswith(_CUDA_TLS) for t in tls)
         return Capabilities(
             memory_kinds=("host", "cuda") if cuda else ("host",),
-            one_sided=False,  # put/get exist (UcxChannel.put/get) but are not wired to expose/read yet
+            one_sided=one_sided,
             rdma=rdma,
             gpudirect=False,
             lanes=tuple(dict.fromkeys(f"{t}/{d}" for t, d in resources if t != "self")),
@@ -110,6 +117,7 @@ class UcxTransport(Transport):
         self._hello_req: Any = None
         self._closed = False
         self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
+        self.registrations = RegistrationCache(self.name, self._map)
 
     def __repr__(self) -> str:
         return f"<UcxTransport channels={len(self._channels)} options={self.options}>"
@@ -340,26 +348,42 @@ class UcxTransport(Transport):
         return channel
 
     # -- one-sided ---------------------------------------------------------------------------
-    def register(self, buffer: Any) -> Any:
+    def _map(self, address: int, length: int, writable: bool) -> tuple[bytes, Callable[[], None]]:
+        """ucp_mem_map + ucp_rkey_pack, for the registration cache."""
+        w = self._w()
+        ucp = self.ucp
+        if ucp is None:
+            raise TransportUnavailable("ucx: the libucp bindings did not load; one-sided is unavailable")
+        context = w.context.handle
+        memh = ucp.mem_map(context, address, length, writable=writable)
+        try:
+            rkey = ucp.rkey_pack(context, memh)
+        except BaseException:
+            ucp.mem_unmap(context, memh)
+            raise
+
+        def unmap() -> None:
+            if not self._closed:
+                ucp.mem_unmap(context, memh)
+
+        return rkey, unmap
+
+    def register_region(self, address: int, length: int, *, writable: bool, owner: Any = None) -> Hold:
+        """Register ``[address, address + length)`` with this node's UCX context, through the
+        registration cache (the same region registered twice is mapped once)."""
+        if length <= 0:
+            raise ConfigurationError("cannot register an empty region")
+        return self.registrations.acquire(address, length, writable, owner)
+
+    def register(self, buffer: Any) -> MemoryRegion:
         """Register ``buffer`` (writable, bytes-like, C-contiguous) with this node's UCX context.
 
         Returns a ``MemoryRegion`` whose ``address``/``length``/``rkey`` a peer needs to put to or
         get from it (``UcxChannel.remote_key(region.rkey)``, then ``put``/``get``).
         """
-        from ._ucp import MemoryRegion
-
-        w = self._w()
-        if self.ucp is None:
-            raise TransportUnavailable("ucx: the libucp bindings did not load; one-sided is unavailable")
         arr = np.frombuffer(memoryview(buffer).cast("B"), np.uint8)
-        address, length = arr.ctypes.data, arr.nbytes
-        memh = self.ucp.mem_map(w.context.handle, address, length)
-        try:
-            rkey = self.ucp.rkey_pack(w.context.handle, memh)
-        except BaseException:
-            self.ucp.mem_unmap(w.context.handle, memh)
-            raise
-        return MemoryRegion(address, length, rkey, self.ucp, w.context.handle, memh, buffer)
+        hold = self.register_region(arr.ctypes.data, arr.nbytes, writable=True, owner=buffer)
+        return MemoryRegion(arr.ctypes.data, arr.nbytes, hold.registration.key, hold)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def aclose(self) -> None:
@@ -368,6 +392,10 @@ class UcxTransport(Transport):
         for _, fut in list(self._pending.values()):
             fut.cancel()
         await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
+        try:
+            self.registrations.clear()  # before the context goes
+        except Exception as exc:
+            log.warning("ucx: unmapping registered memory failed: %s", exc)
         self._closed = True
         w = self.worker
         if w is None:

@@ -34,6 +34,10 @@ _PTR_MAX = 1 << 64
 
 _MEM_MAP_ADDRESS = 1 << 0
 _MEM_MAP_LENGTH = 1 << 1
+_MEM_MAP_PROT = 1 << 3
+_PROT_LOCAL = (1 << 0) | (1 << 1)  # local read and write
+_PROT_REMOTE_READ = 1 << 8
+_PROT_REMOTE_WRITE = 1 << 9
 _EP_ATTR_TRANSPORTS = 1 << 3
 # status codes that mean the peer or the link is gone
 
@@ -204,8 +208,13 @@ class Ucp:
     def flush(self, ep: int) -> int | None:
         return self._submit(self._flush(ep, byref(self._param)), "ucp_ep_flush_nbx")
 
-    def mem_map(self, context: int, address: int, length: int) -> int:
-        params = _MemMapParams(field_mask=_MEM_MAP_ADDRESS | _MEM_MAP_LENGTH, address=address, length=length)
+    def mem_map(self, context: int, address: int, length: int, *, writable: bool = True) -> int:
+        """Register memory. Without ``writable`` peers get read access only (where the lane
+        enforces it: RDMA registrations do, shared memory through cma does not)."""
+        prot = _PROT_LOCAL | _PROT_REMOTE_READ | (_PROT_REMOTE_WRITE if writable else 0)
+        params = _MemMapParams(
+            field_mask=_MEM_MAP_ADDRESS | _MEM_MAP_LENGTH | _MEM_MAP_PROT, address=address, length=length, prot=prot
+        )
         memh = c_void_p()
         self._check_status(self._mem_map(context, byref(params), byref(memh)), "ucp_mem_map")
         assert memh.value is not None
@@ -286,21 +295,18 @@ class MemoryRegion:
 
     ``rkey`` is the packed remote key a peer unpacks (``UcxChannel.remote_key``) to reach
     ``[address, address + length)``. Close it (or leave the ``with`` block) before freeing the
-    memory; the caller keeps the memory alive while it is registered.
+    memory; the caller keeps the memory alive while it is registered. Registrations of the
+    same region share one ``ucp_mem_map`` (the transport's registration cache); the last
+    ``close()`` unmaps it.
     """
 
     address: int
     length: int
     rkey: bytes
-    _ucp: Ucp
-    _context: int
-    _memh: int | None
-    _owner: Any = None  # keeps the exporting object alive
+    _hold: Any  # transports._remote.Hold
 
     def close(self) -> None:
-        if self._memh is not None:
-            memh, self._memh = self._memh, None
-            self._ucp.mem_unmap(self._context, memh)
+        self._hold.release()
 
     def __enter__(self) -> MemoryRegion:
         return self
