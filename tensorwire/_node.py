@@ -4,11 +4,12 @@ for each transport it can use, connects to other nodes and accepts their connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,9 @@ class NodeConfig:
     tls: certificates for the control plane (TLSConfig): TLS, or mutual TLS with
         require_client_cert. The session secret then never crosses the network in the clear.
     node_id: this node's name; a random one by default.
+    ucx_options: UCX configuration for this node's ucx transport, names without the ``UCX_``
+        prefix: ``{"TLS": "sm,self"}``, ``{"RNDV_THRESH": "64k"}``. Passed to the UCX context,
+        never through the environment; they win over ``ucx_config()`` and ``UCX_*`` variables.
     """
 
     transports: tuple[str, ...] = DEFAULT_PREFERENCE
@@ -60,6 +64,7 @@ class NodeConfig:
     checksum: bool = False
     tls: TLSConfig | None = None
     node_id: str | None = None
+    ucx_options: Mapping[str, str] = field(default_factory=dict)
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -101,14 +106,22 @@ class Node:
             f"transports={list(self.offers)} peers={len(self.peers)}>"
         )
 
+    def _transport_options(self) -> contextlib.AbstractContextManager[None]:
+        if not self.config.ucx_options or "ucx" not in self.config.transports:
+            return contextlib.nullcontext()
+        from .transports.ucx._worker import ucx_config
+
+        return ucx_config(**self.config.ucx_options)
+
     async def _start(self) -> Node:
-        usable, self.unusable = probe_all(self.config.transports)
-        if not usable:
-            raise TransportUnavailable(f"no usable transport among {self.config.transports}: {self.unusable}")
-        ctx = TransportContext(self.node_id, self._host, self.config.limits, checksum=self.config.checksum)
+        with self._transport_options():  # probe and construct under this node's UCX options
+            usable, self.unusable = probe_all(self.config.transports)
+            if not usable:
+                raise TransportUnavailable(f"no usable transport among {self.config.transports}: {self.unusable}")
+            ctx = TransportContext(self.node_id, self._host, self.config.limits, checksum=self.config.checksum)
+            transports = [(name, cls, caps, cls(ctx, caps)) for name, (cls, caps) in usable.items()]
         try:
-            for name, (cls, caps) in usable.items():
-                transport = cls(ctx, caps)
+            for name, cls, caps, transport in transports:
                 self.transports[name] = transport
                 blob = await transport.listen()
                 self.offers[name] = Offer(name, cls.version, blob, caps)

@@ -28,8 +28,9 @@ async def test_read_write_both_directions(transport: str) -> None:
         assert receipt.protocol == "owner-assisted" and receipt.transport == transport
         new = np.full_like(kv, 7.0)
         r = await b.write(h, new)
-        assert r.protocol == "owner-assisted"
+        assert r.protocol == "owner-assisted" and not h.direct
         assert np.array_equal(kv, new), "write did not land in the exposed memory"
+        assert a.node.exposures.served == 2  # the owner's node answered both
         # the accepting side can look up the connecting side's tensors too
         w = np.ones(10, np.int64)
         b.node.expose(w, name="weights")

@@ -1,0 +1,235 @@
+"""One-sided expose / lookup / read / write over ucx: really direct (ucp get/put with rkeys),
+registered once per region, revoked with acknowledgements. Real UCX on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import signal
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire.testing import connected_pair
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (pip install 'tensorwire[ucx]')"
+    ),
+    pytest.mark.timeout(20),
+]
+
+MiB = 1 << 20
+
+
+def _pair(tls: str = "sm,self"):  # type: ignore[no-untyped-def]
+    return connected_pair("ucx", ucx_options={"TLS": tls})
+
+
+@pytest.mark.parametrize("tls", ["sm,self", "tcp"])
+async def test_read_and_write_are_one_sided(tls: str) -> None:
+    async with _pair(tls) as (a, b):
+        kv = np.arange(4 * MiB // 4, dtype=np.float32).reshape(1024, 1024)
+        a.node.expose(kv, name="kv/3")
+        h = await b.lookup("kv/3")
+        assert h.direct and h.transport == "ucx" and h.writable
+        assert (h.dtype, h.shape, h.nbytes) == ("float32", (1024, 1024), 4 * MiB)
+        out = np.empty_like(kv)
+        got, receipt = await b.read_with_receipt(h, out=out)
+        assert got is out and np.array_equal(out, kv)
+        assert receipt.protocol == "one-sided" and receipt.direct and not receipt.staged
+        assert receipt.transport == "ucx" and receipt.lanes == b.path.lanes
+        if tls == "tcp":
+            assert all(lane.startswith("tcp/") for lane in receipt.lanes), receipt.lanes
+        new = np.full_like(kv, 7.0)
+        w = await b.write(h, new)
+        assert w.protocol == "one-sided" and w.direct and w.nbytes == kv.nbytes
+        assert np.array_equal(kv, new), "put did not land in the exposed memory"
+        # the owner's code answered none of it: its owner-assisted service never ran
+        assert a.node.exposures.served == 0
+        # the other direction, and a second lookup of the same generation reuses the key
+        x = np.arange(10, dtype=np.int64)
+        b.node.expose(x, name="x")
+        hx = await a.lookup("x")
+        assert hx.direct and np.array_equal(await a.read(hx), x)
+        assert await a.lookup("x") == hx
+        assert b.node.exposures.served == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(30)
+async def test_read_and_write_while_the_owner_process_is_stopped() -> None:
+    """Over shared memory a get/put needs nothing of the owner: the owner process is frozen
+    (SIGSTOP) while the reader reads 64 MiB and writes it back."""
+    code = textwrap.dedent(
+        """
+        import asyncio, sys, numpy as np, tensorwire
+        async def main():
+            async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as n:
+                x = np.arange(64 << 20, dtype=np.uint8)
+                n.expose(x, name="x")
+                print(n.address, flush=True)
+                p = await n.accept()
+                await p.recv(tag="check")
+                await p.send(bool((x == 5).all()), tag="result")
+                await p.recv(tag="bye")
+        asyncio.run(main())
+        """
+    )
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        async with asyncio.timeout(15):
+            address = (await child.stdout.readline()).decode().strip()
+        async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as node:
+            peer = await node.connect(address)
+            h = await peer.lookup("x")
+            assert h.direct
+            os.kill(child.pid, signal.SIGSTOP)
+            try:
+                async with asyncio.timeout(2):  # well inside the 3 s lease
+                    got, receipt = await peer.read_with_receipt(h)
+                    w = await peer.write(h, np.full(64 << 20, 5, np.uint8))
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+            assert np.array_equal(got, np.arange(64 << 20, dtype=np.uint8))
+            assert receipt.protocol == w.protocol == "one-sided"
+            await peer.send(None, tag="check")
+            async with asyncio.timeout(5):
+                assert await peer.recv(tag="result") is True, "the write did not land in the stopped owner's memory"
+            await peer.send(None, tag="bye")
+    finally:
+        if child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGCONT)
+        async with asyncio.timeout(10):
+            await child.wait()
+
+
+async def test_a_region_is_registered_once() -> None:
+    async with _pair() as (a, b):
+        cache = a.node.transports["ucx"].registrations  # type: ignore[attr-defined]
+        before = cache.registrations
+        x = np.arange(MiB, dtype=np.uint8)
+        a.node.expose(x, name="one")
+        a.node.expose(x, name="two")  # the same memory under a second name
+        with a.node.transports["ucx"].register(x) as mr:  # type: ignore[attr-defined]
+            assert mr.address == x.ctypes.data
+        assert cache.registrations == before + 1 and cache.hits >= 2
+        a.node.expose(x[: MiB // 2], name="half")  # another region: its own registration
+        assert cache.registrations == before + 2
+        h1, h2 = await b.lookup("one"), await b.lookup("two")
+        assert h1.remote_key == h2.remote_key
+        assert np.array_equal(await b.read(h2), x)
+        await a.node.unexpose("one")
+        assert np.array_equal(await b.read(h2), x), "revoking one name must not unmap the other's memory"
+        await a.node.unexpose("two")
+        await a.node.unexpose("half")
+        assert cache.regions == {}, "the last release did not unmap"
+
+
+async def test_unexpose_revokes_direct_handles() -> None:
+    async with _pair() as (a, b):
+        x = np.arange(1000)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        assert np.array_equal(await b.read(h), x)
+        await a.node.unexpose("x")  # every key holder acknowledged; the memory is unmapped
+        assert a.node.transports["ucx"].registrations.regions == {}  # type: ignore[attr-defined]
+        with pytest.raises(tensorwire.HandleNotFound, match="revoked"):
+            await b.read(h)
+        with pytest.raises(tensorwire.HandleNotFound, match="revoked"):
+            await b.write(h, np.zeros_like(x))
+        with pytest.raises(tensorwire.HandleNotFound):
+            await b.lookup("x")
+        a.node.expose(np.arange(1000) * 2, name="x")  # exposed again: a new generation
+        with pytest.raises(tensorwire.HandleNotFound, match="revoked"):
+            await b.read(h)
+        h2 = await b.lookup("x")
+        assert h2.generation != h.generation
+        assert np.array_equal(await b.read(h2), np.arange(1000) * 2)
+        # not awaited: the name is gone at once, the peer's key once the notice reached it
+        revocation = a.node.unexpose("x")
+        assert not revocation.done()
+        with pytest.raises(tensorwire.HandleNotFound):
+            await b.lookup("x")
+        await revocation
+        assert revocation.done()
+        with pytest.raises(tensorwire.HandleNotFound, match="revoked"):
+            await b.read(h2)
+
+
+async def test_revocation_waits_for_operations_in_flight() -> None:
+    async with _pair() as (a, b):
+        big = np.random.default_rng(1).integers(0, 256, 256 * MiB, dtype=np.uint8)
+        a.node.expose(big, name="big")
+        h = await b.lookup("big")
+        read = asyncio.ensure_future(b.read(h))
+        await asyncio.sleep(0)  # the get is posted
+        await a.node.unexpose("big")
+        assert read.done(), "the owner unmapped while a peer's get was still moving"
+        assert np.array_equal(read.result(), big)
+
+
+async def test_bad_input_gets_clear_errors() -> None:
+    async with _pair() as (a, b):
+        ro = np.arange(4)
+        ro.flags.writeable = False
+        a.node.expose(ro, name="ro")
+        h = await b.lookup("ro")
+        assert h.direct and not h.writable
+        with pytest.raises(tensorwire.ShapeMismatchError):
+            await b.read(h, out=np.empty(5, np.int64))  # too small... or too large
+        with pytest.raises(tensorwire.ShapeMismatchError):
+            await b.read(h, out=np.empty(4, np.int32))
+        with pytest.raises(tensorwire.ShapeMismatchError):
+            await b.write(h, np.zeros(4, np.float32))
+        frozen = np.empty(4, np.int64)
+        frozen.flags.writeable = False
+        with pytest.raises(tensorwire.ShapeMismatchError, match="read-only"):
+            await b.read(h, out=frozen)
+        with pytest.raises(tensorwire.HandleNotFound, match="read-only"):
+            await b.write(h, np.zeros(4, np.int64))
+        assert np.array_equal(ro, np.arange(4))
+        # a strided out= is filled through a packed copy, and the receipt says so
+        wide = np.zeros((4, 2), np.int64)
+        got, receipt = await b.read_with_receipt(h, out=wide[:, 0])
+        assert np.array_equal(wide[:, 0], np.arange(4)) and receipt.packed and not receipt.direct
+        # a handle works on the peer that looked it up
+        with pytest.raises(tensorwire.ConfigurationError, match="belongs to node"):
+            await a.read(h)
+
+
+async def test_cancelled_read_never_writes_out_after_cancel() -> None:
+    async with _pair() as (a, b):
+        src = np.full(64 * MiB, 3, np.uint8)
+        a.node.expose(src, name="src")
+        h = await b.lookup("src")
+        for delay in (0.0, 0.002, 0.01):
+            out = np.zeros_like(src)
+            task = asyncio.ensure_future(b.read(h, out=out))
+            await asyncio.sleep(delay)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            snapshot = out.copy()
+            await asyncio.sleep(0.1)
+            assert np.array_equal(out, snapshot), "out= written after the read was cancelled"
+        assert np.array_equal(await b.read(h), src)
+
+
+async def test_node_ucx_options() -> None:
+    async with (
+        tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as na,
+        tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as nb,
+    ):
+        assert na.offers["ucx"].capabilities.tcp_only
+        peer = await na.connect(nb.address)
+        assert all(lane.startswith("tcp/") for lane in peer.path.lanes), peer.path
+    with pytest.raises(tensorwire.ConfigurationError):
+        await tensorwire.start(transports=("ucx",), ucx_options={"UCX_TLS": "tcp"})
