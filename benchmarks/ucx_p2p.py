@@ -1,4 +1,4 @@
-"""tensorwire's ucx transport against raw ucxx, two processes on loopback.
+"""tensorwire's ucx transport against raw ucxx (and NIXL), two processes on loopback.
 
 For each UCX_TLS setting (UCX's default choice, which on one machine is shared memory, and
 tcp) this measures, in the same run:
@@ -7,18 +7,27 @@ tcp) this measures, in the same run:
   loop, the fastest way to drive ucxx) against ``peer.send`` / ``peer.recv(out=...)``; each
   transfer is timed from the send to an 8-byte acknowledgement, on both sides the same way;
 - the 8-byte round trip (ping-pong, median);
-- one-sided put and get: ucp_put_nbx / ucp_get_nbx through tensorwire's bindings on raw
-  handles with a busy loop, against ``UcxChannel.put`` / ``get`` driven by the node's loop.
+- one-sided write and read, 4 KiB .. 512 MiB: ucp_put_nbx (+ flush) / ucp_get_nbx through
+  tensorwire's ctypes bindings on raw handles with a busy loop, against tensorwire's public
+  one-sided API (``node.expose`` on the owner, ``peer.lookup`` / ``peer.write`` /
+  ``peer.read(out=)`` on the other side, driven by the node's loop), and against NIXL (UCX
+  backend, host memory, WRITE / READ polled to DONE) when a Python with NIXL is available:
+  this one if it imports ``nixl`` or ``nixl_cu12``, or ``--nixl-python`` (NIXL pulls torch and
+  CUDA 13 libraries, so it may live in its own virtual environment). Without one the NIXL
+  column says so.
 
-Goals: tensorwire ucx >= 0.9x raw ucxx bandwidth at >= 1 MiB; 8-byte round trip within 1.5x
-of raw ucxx. Run: ``python benchmarks/ucx_p2p.py [--sizes-mib 1 4 ...] [--tls default tcp]``.
+Goals: tensorwire ucx >= 0.9x raw ucxx bandwidth at >= 1 MiB; one-sided ahead of NIXL at every
+size; 8-byte round trip within 1.5x of raw ucxx.
+Run: ``python benchmarks/ucx_p2p.py [--sizes-mib 1 4 ...] [--os-kib 4 64 ...] [--tls default tcp]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +38,7 @@ import numpy as np
 
 MiB = 1 << 20
 SIZES = [1, 4, 16, 64, 256, 512]
+OS_KIB = [4, 64, 1024, 16384, 65536, 524288]  # one-sided sizes
 RTT_ITERS = 3000
 
 
@@ -37,9 +47,19 @@ def _reps(nbytes: int) -> int:
     return max(3, min(10, (1 << 30) // (nbytes * _window(nbytes))))
 
 
+def _os_reps(nbytes: int) -> int:
+    """Timed one-sided operations per size: about 1 GiB, at least 5, at most 2000."""
+    return max(5, min(2000, (1 << 30) // nbytes))
+
+
 def _window(nbytes: int) -> int:
     """Messages in flight at once for the bandwidth rows (as osu_bw does), both raw and tensorwire."""
     return max(1, min(8, (64 * MiB) // nbytes))
+
+
+def _rate(nbytes: int, times: list[float]) -> float:
+    """GB/s at the median operation time (one-sided rows: many short operations)."""
+    return nbytes / statistics.median(times) / 1e9
 
 
 def _options(tls: str) -> dict[str, str]:
@@ -96,7 +116,15 @@ def raw_server(tls: str, sizes: list[int]) -> dict[str, Any]:
     r = _Raw(tls)
     ucp = load()
     child = subprocess.Popen(
-        [sys.executable, __file__, "_raw-client", tls, bytes(r.worker.address).hex(), json.dumps(sizes)],
+        [
+            sys.executable,
+            __file__,
+            "_raw-client",
+            tls,
+            bytes(r.worker.address).hex(),
+            json.dumps(sizes),
+            json.dumps(OS_ARG),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -126,7 +154,7 @@ def raw_server(tls: str, sizes: list[int]) -> dict[str, Any]:
         lat.append(time.perf_counter() - t0)
     out["rtt_us"] = statistics.median(lat[100:]) * 1e6
     # one-sided: register a region, give the child its rkey, let it put and get
-    region = np.zeros(max(sizes) * MiB, np.uint8)
+    region = np.zeros(max(OS_ARG), np.uint8)
     memh = ucp.mem_map(r.ctx.handle, region.ctypes.data, region.nbytes)
     rkey = ucp.rkey_pack(r.ctx.handle, memh)
     info = np.frombuffer(region.ctypes.data.to_bytes(8, "little") + len(rkey).to_bytes(4, "little") + rkey, np.uint8)
@@ -169,11 +197,11 @@ def raw_client(tls: str, address: str) -> None:
     klen = int.from_bytes(info[8:12].tobytes(), "little")
     rkey = ucp.rkey_unpack(r.ep.handle, info[12 : 12 + klen].tobytes())
     res: dict[str, dict[int, float]] = {"put": {}, "get": {}}
-    for size in sizes:
-        buf = np.ones(size * MiB, np.uint8)
+    for size in OS_ARG:
+        buf = np.ones(size, np.uint8)
         for op in ("put", "get"):
             times = []
-            for i in range(_reps(buf.nbytes) + 1):
+            for i in range(_os_reps(size) + 1):
                 t0 = time.perf_counter()
                 if op == "put":
                     r.wait_raw(ucp, ucp.put(r.ep.handle, buf.ctypes.data, buf.nbytes, addr, rkey))
@@ -182,10 +210,123 @@ def raw_client(tls: str, address: str) -> None:
                     r.wait_raw(ucp, ucp.get(r.ep.handle, buf.ctypes.data, buf.nbytes, addr, rkey))
                 if i:
                     times.append(time.perf_counter() - t0)
-            res[op][size] = buf.nbytes / min(times) / 1e9
+            res[op][size] = _rate(size, times)
     ucp.rkey_destroy(rkey)
     r.wait(r.send(np.zeros(8, np.uint8), 7))
     print(json.dumps(res), flush=True)
+
+
+# -- NIXL (run under a Python that has it) ----------------------------------------------------
+_MARK = "TWB "  # lines of ours on stdout (UCX and NIXL may print there too)
+
+
+def _nixl_module() -> Any:
+    for name in ("nixl._api", "nixl_cu12"):
+        try:
+            return __import__(name, fromlist=["nixl_agent"])
+        except ImportError:
+            continue
+    raise ImportError("neither nixl nor nixl_cu12 imports")
+
+
+def _say(obj: Any) -> None:
+    print(_MARK + json.dumps(obj), flush=True)
+
+
+def _hear(stream: Any) -> Any:
+    while True:
+        line = stream.readline()
+        if not line:
+            raise RuntimeError("the other NIXL process ended early")
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK) :])
+
+
+def nixl_target() -> None:
+    nx = _nixl_module()
+    agent = nx.nixl_agent("tw-target", nx.nixl_agent_config(backends=["UCX"]))
+    region = np.zeros(max(OS_ARG), np.uint8)
+    agent.register_memory([(region.ctypes.data, region.nbytes, 0, "")], "DRAM")
+    _say({"meta": agent.get_agent_metadata().hex(), "addr": region.ctypes.data})
+    agent.add_remote_agent(bytes.fromhex(_hear(sys.stdin)["meta"]))
+    _say("ready")
+    _hear(sys.stdin)  # bye
+
+
+def nixl_initiator() -> None:
+    nx = _nixl_module()
+    agent = nx.nixl_agent("tw-initiator", nx.nixl_agent_config(backends=["UCX"]))
+    target = _hear(sys.stdin)
+    remote = agent.add_remote_agent(bytes.fromhex(target["meta"]))
+    buf = np.ones(max(OS_ARG), np.uint8)
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    _say({"meta": agent.get_agent_metadata().hex()})
+    _hear(sys.stdin)  # go
+    res: dict[str, dict[int, float]] = {"put": {}, "get": {}}
+    for size in OS_ARG:
+        local = agent.get_xfer_descs([(buf.ctypes.data, size, 0)], "DRAM")
+        far = agent.get_xfer_descs([(target["addr"], size, 0)], "DRAM")
+        for op, name in (("put", "WRITE"), ("get", "READ")):
+            handle = None
+            for _ in range(1000):  # the connection comes up in the background
+                try:
+                    handle = agent.initialize_xfer(name, local, far, remote)
+                    break
+                except Exception:
+                    time.sleep(0.005)
+            if handle is None:
+                raise RuntimeError("NIXL could not create a transfer")
+            times = []
+            for i in range(_os_reps(size) + 1):
+                t0 = time.perf_counter()
+                state = agent.transfer(handle)
+                while state == "PROC":
+                    state = agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL {name} failed: {state}")
+                if i:
+                    times.append(time.perf_counter() - t0)
+            res[op][size] = _rate(size, times)
+            agent.release_xfer_handle(handle)
+    _say(res)
+
+
+def _nixl_python(arg: str | None) -> str | None:
+    if arg:
+        return arg
+    if importlib.util.find_spec("nixl") or importlib.util.find_spec("nixl_cu12"):
+        return sys.executable
+    return None
+
+
+def nixl_run(python: str, tls: str) -> dict[str, Any]:
+    env = dict(os.environ)
+    if tls != "default":
+        env["UCX_TLS"] = tls
+    env["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+    sizes = json.dumps(OS_ARG)
+    spawn = [python, __file__]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
+    target = subprocess.Popen([*spawn, "_nixl-target", sizes], **pipes)  # type: ignore[call-overload]
+    initiator = subprocess.Popen([*spawn, "_nixl-initiator", sizes], **pipes)  # type: ignore[call-overload]
+    try:
+        initiator.stdin.write(_MARK + json.dumps(_hear(target.stdout)) + "\n")
+        initiator.stdin.flush()
+        target.stdin.write(_MARK + json.dumps(_hear(initiator.stdout)) + "\n")
+        target.stdin.flush()
+        _hear(target.stdout)  # ready
+        initiator.stdin.write(_MARK + '"go"\n')
+        initiator.stdin.flush()
+        result: dict[str, Any] = _hear(initiator.stdout)
+        target.stdin.write(_MARK + '"bye"\n')
+        target.stdin.flush()
+        return result
+    finally:
+        for proc in (initiator, target):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 # -- tensorwire -----------------------------------------------------------------------------
@@ -197,7 +338,7 @@ async def tw_server(tls: str, sizes: list[int]) -> dict[str, Any]:
     with ucx_config(**_options(tls)):
         async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as node:
             child = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "_tw-client", tls, node.address, json.dumps(sizes)
+                sys.executable, __file__, "_tw-client", tls, node.address, json.dumps(sizes), json.dumps(OS_ARG)
             )
             peer = await node.accept()
             out["path"] = str(peer.path)
@@ -221,12 +362,14 @@ async def tw_server(tls: str, sizes: list[int]) -> dict[str, Any]:
                 await peer.recv(tag=5, out=x)
                 lat.append(time.perf_counter() - t0)
             out["rtt_us"] = statistics.median(lat[100:]) * 1e6
-            region = np.zeros(max(sizes) * MiB, np.uint8)
-            transport = node.transports["ucx"]
-            with transport.register(region) as mr:  # type: ignore[attr-defined]
-                await peer.send({"addr": mr.address, "rkey": mr.rkey}, tag=6)
-                result = await peer.recv(tag=7)
+            region = np.zeros(max(OS_ARG), np.uint8)
+            for size in OS_ARG:
+                node.expose(region[:size], name=f"r{size}")
+            await peer.send(None, tag=6)
+            result = await peer.recv(tag=7)
             out["put"], out["get"] = result["put"], result["get"]
+            out["onesided_path"] = result["receipt"]
+            out["served"] = node.exposures.served
             await child.wait()
     return out
 
@@ -248,70 +391,126 @@ async def tw_client(tls: str, address: str) -> None:
             for _ in range(RTT_ITERS):
                 await peer.recv(tag=4, out=x)
                 await peer.send(x, tag=5)
-            info = await peer.recv(tag=6)
-            ch = peer.channel
-            rkey = ch.remote_key(info["rkey"])  # type: ignore[attr-defined]
-            res: dict[str, dict[int, float]] = {"put": {}, "get": {}}
-            for size in SIZES_ARG:
-                buf = np.ones(size * MiB, np.uint8)
+            await peer.recv(tag=6)
+            res: dict[str, Any] = {"put": {}, "get": {}}
+            for size in OS_ARG:
+                h = await peer.lookup(f"r{size}")
+                buf = np.ones(size, np.uint8)
                 for op in ("put", "get"):
                     times = []
-                    for i in range(_reps(buf.nbytes) + 1):
+                    for i in range(_os_reps(size) + 1):
                         t0 = time.perf_counter()
                         if op == "put":
-                            await ch.put(buf, info["addr"], rkey)  # type: ignore[attr-defined]
+                            receipt = await peer.write(h, buf)
                         else:
-                            await ch.get(info["addr"], rkey, buf)  # type: ignore[attr-defined]
+                            _, receipt = await peer.read_with_receipt(h, out=buf)
                         if i:
                             times.append(time.perf_counter() - t0)
-                    res[op][size] = buf.nbytes / min(times) / 1e9
-            rkey.close()
+                    res[op][size] = _rate(size, times)
+            res["receipt"] = f"{receipt.protocol}, direct={receipt.direct}, lanes {', '.join(receipt.lanes)}"
             await peer.send(res, tag=7)
             await peer.aclose()
 
 
 # -- report ---------------------------------------------------------------------------------
-def _row(tls: str, op: str, size: str, raw: float, tw: float, unit: str, goal: float | None, lower: bool) -> str:
+def _human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1024)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:9.1f} us" if unit == "us" else f"{value:7.2f} GB/s"
+
+
+def _row(
+    tls: str,
+    op: str,
+    size: str,
+    raw: float,
+    tw: float,
+    unit: str,
+    goal: float | None,
+    lower: bool,
+    nixl: float | None = None,
+    nixl_note: str = "",
+) -> str:
     ratio = (raw / tw if lower else tw / raw) if raw and tw else float("nan")
-    verdict = "" if goal is None else ("PASS" if ratio >= goal else "MISS")
-    fmt = "{:9.1f} us" if unit == "us" else "{:7.2f} GB/s"
-    return f"{tls:8} {op:10} {size:>8} {fmt.format(raw):>13} {fmt.format(tw):>13} {ratio:6.2f}x  {verdict}"
+    verdicts = [] if goal is None else ["PASS" if ratio >= goal else "MISS"]
+    nixl_col, vs = nixl_note or "-", ""
+    if nixl is not None:
+        nixl_col = _fmt(nixl, unit)
+        vs = f"{tw / nixl:5.2f}x"
+        verdicts.append("NIXL " + ("PASS" if tw > nixl else "MISS"))
+    return (
+        f"{tls:8} {op:10} {size:>8} {_fmt(raw, unit):>13} {_fmt(tw, unit):>13} {ratio:6.2f}x"
+        f" {nixl_col:>13} {vs:>6}  {' '.join(verdicts)}"
+    )
 
 
 def main() -> int:
-    global SIZES_ARG
+    global SIZES_ARG, OS_ARG
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=SIZES)
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=SIZES, help="send/recv sizes")
+    p.add_argument("--os-kib", type=int, nargs="+", default=OS_KIB, help="one-sided sizes")
     p.add_argument("--tls", nargs="+", default=["default", "tcp"], help="UCX_TLS settings ('default' = UCX's choice)")
+    p.add_argument("--nixl-python", help="a Python with nixl (or nixl_cu12) for the NIXL column")
     args = p.parse_args()
     SIZES_ARG = args.sizes_mib
+    OS_ARG = [k * 1024 for k in args.os_kib]
+    nixl_py = _nixl_python(args.nixl_python)
+    note = "" if nixl_py else "no NIXL"
     lines = [
-        "ratio = tensorwire / raw for bandwidth, raw / tensorwire for latency; goals: bandwidth >= 0.9x at >= 1 MiB, "
+        "ratio = tensorwire / raw for bandwidth, raw / tensorwire for latency; vs NIXL = tensorwire / NIXL.",
+        "goals: bandwidth >= 0.9x raw at >= 1 MiB, one-sided ahead of NIXL at every size, "
         "8-byte round trip within 1.5x (ratio >= 0.67)",
-        f"{'UCX_TLS':8} {'op':10} {'size':>8} {'raw ucxx':>13} {'tensorwire':>13} {'ratio':>7}  goal",
+        f"{'UCX_TLS':8} {'op':10} {'size':>8} {'raw ucxx':>13} {'tensorwire':>13} {'ratio':>7}"
+        f" {'NIXL':>13} {'vs':>6}  goal",
     ]
+    if not nixl_py:
+        print("# NIXL rows skipped: no Python with nixl here (pip install nixl-cu12 into a venv, pass --nixl-python)")
     for tls in args.tls:
         raw = raw_server(tls, SIZES_ARG)
         tw = asyncio.run(tw_server(tls, SIZES_ARG))
+        nixl: dict[str, Any] | None = None
+        if nixl_py:
+            try:
+                nixl = nixl_run(nixl_py, tls)
+            except Exception as exc:
+                print(f"# UCX_TLS={tls}: NIXL failed: {exc}", flush=True)
         print(f"# UCX_TLS={tls}: tensorwire path {tw['path']}", flush=True)
+        print(f"# UCX_TLS={tls}: one-sided receipts: {tw['onesided_path']}; owner-assisted ops served: {tw['served']}")
         for s in SIZES_ARG:
             lines.append(_row(tls, "send/recv", f"{s} MiB", raw["bw"][s], tw["bw"][s], "GB/s", 0.9, False))
         lines.append(_row(tls, "round trip", "8 B", raw["rtt_us"], tw["rtt_us"], "us", 1 / 1.5, True))
-        for op in ("put", "get"):
-            for s in SIZES_ARG:
-                lines.append(_row(tls, op, f"{s} MiB", raw[op][str(s)], tw[op][s], "GB/s", 0.9, False))
+        for op, label in (("put", "write"), ("get", "read")):
+            for s in OS_ARG:
+                n = nixl[op][str(s)] if nixl else None
+                goal = 0.9 if s >= MiB else None
+                lines.append(
+                    _row(tls, label, _human(s), raw[op][str(s)], tw[op][s], "GB/s", goal, False, n, note or "failed")
+                )
     print("\n".join(lines))
     return 0
 
 
 SIZES_ARG: list[int] = SIZES
+OS_ARG: list[int] = [k * 1024 for k in OS_KIB]
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_raw-client":
-        SIZES_ARG = json.loads(sys.argv[4]) if len(sys.argv) > 4 else SIZES
-        raw_client(sys.argv[2], sys.argv[3])
-    elif len(sys.argv) > 1 and sys.argv[1] == "_tw-client":
-        SIZES_ARG = json.loads(sys.argv[4]) if len(sys.argv) > 4 else SIZES
-        asyncio.run(tw_client(sys.argv[2], sys.argv[3]))
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    if mode in ("_raw-client", "_tw-client"):
+        SIZES_ARG = json.loads(sys.argv[4])
+        OS_ARG = json.loads(sys.argv[5])
+        if mode == "_raw-client":
+            raw_client(sys.argv[2], sys.argv[3])
+        else:
+            asyncio.run(tw_client(sys.argv[2], sys.argv[3]))
+    elif mode in ("_nixl-target", "_nixl-initiator"):
+        OS_ARG = json.loads(sys.argv[2])
+        nixl_target() if mode == "_nixl-target" else nixl_initiator()
     else:
         sys.exit(main())

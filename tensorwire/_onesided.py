@@ -311,6 +311,8 @@ def remember(peer: Peer, handle: RemoteHandle) -> None:
     states = _states(peer)
     if key in states:
         return  # the same generation again (or revoked already): the key is the same
+    if not isinstance(peer.channel, OneSidedChannel) or peer.channel.transport != handle.transport:
+        raise TransferError(f"lookup of {handle.name!r} returned a {handle.transport} key this peer cannot use")
     blob = unpack_remote_key(handle.remote_key)
     if blob.transport != handle.transport or blob.length < handle.nbytes:
         raise TransferError(f"lookup of {handle.name!r} returned a key that does not cover the tensor")
@@ -355,7 +357,7 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
             f"{handle.name!r} (generation {handle.generation}) was revoked by its owner "
             "(unexposed or exposed again); look it up anew"
         )
-    if handle.transport != peer.channel.transport or not isinstance(peer.channel, OneSidedChannel):
+    if handle.transport != peer.channel.transport:
         raise ConfigurationError(
             f"{handle.name!r} has a {handle.transport} key, but this peer uses {peer.path.transport}"
         )
@@ -363,13 +365,16 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
 
 
 async def _move(peer: Peer, state: _Direct, op: str, arr: np.ndarray) -> None:
-    channel = peer.channel
-    assert isinstance(channel, OneSidedChannel) and state.blob is not None
+    channel: Any = peer.channel  # a OneSidedChannel: _direct_state checked
+    assert state.blob is not None
     if state.rkey is None:
         state.rkey = channel.remote_key(state.blob.key)
     state.inflight += 1
     try:
-        if op == "get":
+        rma = getattr(channel, "rma", None)
+        if rma is not None:  # the transport's fast path: raw pointer, no buffer re-wrapping
+            await rma(op, arr.__array_interface__["data"][0], arr.nbytes, state.blob.address, state.rkey, arr)
+        elif op == "get":
             await channel.get(state.blob.address, state.rkey, arr)
         else:
             await channel.put(arr, state.blob.address, state.rkey)

@@ -52,6 +52,7 @@ __all__ = ["CTRL", "DATA", "HELLO", "WELCOME", "UcxChannel", "ctrl_bytes", "make
 HELLO, WELCOME, CTRL, DATA = 1, 2, 3, 4
 _SEQ = (1 << 28) - 1
 _INLINE_MAX = 8 * 1024
+_INLINE_STREAK = 16  # one-sided operations finished inline in a row before yielding to the loop
 
 
 def make_tag(key: int, kind: int, seq: int = 0) -> int:
@@ -490,27 +491,34 @@ class UcxChannel(Channel):
         return self._ucp
 
     async def _one_sided(self, op: str, buf: memoryview, remote_addr: int, rkey: RemoteKey) -> None:
-        self.check_open()
-        if rkey.handle is None:
-            raise ClosedResourceError("remote key is closed")
-        ucp = self._require_ucp()
         view = memoryview(buf).cast("B")
-        n = view.nbytes
-        if n == 0:
-            return
         if op == "get" and view.readonly:
             raise TransferError("get needs a writable destination")
         arr = np.frombuffer(view, np.uint8)
-        ptr = arr.ctypes.data
-        fn = ucp.put if op == "put" else ucp.get
-        req = fn(self.endpoint_handle, ptr, n, remote_addr, rkey.handle)
+        await self.rma(op, arr.__array_interface__["data"][0], view.nbytes, remote_addr, rkey, arr)
+
+    async def rma(self, op: str, ptr: int, n: int, remote_addr: int, rkey: RemoteKey, keep: object) -> None:
+        """Get (``op="get"``) ``n`` bytes at ``remote_addr`` into ``ptr``, or put them from
+        ``ptr`` and flush; ``keep`` holds the local memory until UCX is done with it."""
+        self.check_open()
+        if rkey.handle is None:
+            raise ClosedResourceError("remote key is closed")
+        if n == 0:
+            return
+        ucp = self._require_ucp()
+        w = self._w
         if op == "put":
+            req = ucp.put(self.endpoint_handle, ptr, n, remote_addr, rkey.handle)
             # local completion only says the source may be reused: flush for remote completion
-            if req is not None:
-                await self._raw_wait(req, arr)
+            if req is not None and not w.finish_inline(ucp, req):
+                await self._raw_wait(req, keep)
             req = ucp.flush(self.endpoint_handle)
-        if req is not None:
-            await self._raw_wait(req, arr)
+        else:
+            req = ucp.get(self.endpoint_handle, ptr, n, remote_addr, rkey.handle)
+        if req is not None and not w.finish_inline(ucp, req):
+            await self._raw_wait(req, keep)
+        elif w.inline_streak >= _INLINE_STREAK:
+            await asyncio.sleep(0)  # all of it finished inline for a while: let the loop run
 
     async def _raw_wait(self, req: int, keep: object) -> None:
         fut = self._w.watch_raw(self._require_ucp(), req, keep)

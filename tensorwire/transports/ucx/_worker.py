@@ -42,6 +42,7 @@ _SPIN_ACTIVE = 0.002  # keep progressing this long after UCX last made progress
 _SPIN_IDLE = 250e-6  # and this long after an operation was posted or completed (latency)
 _FALLBACK = 0.001  # poll period while armed with work in flight (a missed wake-up costs at most this)
 _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
+_INLINE_ROUNDS = 4  # progress rounds a one-sided operation spends inline before going async
 
 _import_lock = threading.Lock()
 
@@ -137,6 +138,7 @@ class Worker:
         self._last = 0.0  # UCX last made progress
         self._last_event = 0.0  # an operation was last posted or completed
         self._closed = False
+        self.inline_streak = 0  # one-sided operations finished inline since the last progress run
         self.loop.add_reader(self._fd, self._on_readable)
 
     # -- requests --------------------------------------------------------------------------
@@ -171,6 +173,29 @@ class Worker:
         self._raw[request] = (fut, keep)
         self.kick()
         return fut
+
+    def finish_inline(self, ucp: Any, request: int, rounds: int = _INLINE_ROUNDS) -> bool:
+        """Progress right here, a few rounds, for a raw request that usually completes within
+        microseconds (a get or put over shared memory). True if it completed: it is freed, and
+        its error raised. False: nothing was decided, wait for it with ``watch_raw``.
+
+        Completions of other requests that this progress finds are dispatched by the progress
+        run it schedules; ``inline_streak`` tells a caller when to yield to the loop."""
+        worker = self.worker
+        done = ucp.request_done(request)
+        for _ in range(rounds):
+            if done:
+                break
+            worker.progress_once()
+            done = ucp.request_done(request)
+        self.kick()
+        if not done:
+            return False
+        self.inline_streak += 1
+        status = ucp.request_finish(request)
+        if status:
+            raise ucp.error(status, "one-sided operation")
+        return True
 
     def cancel(self, req: Any) -> None:
         """Ask UCX to cancel ``req`` (a receive that has not matched completes as cancelled at
@@ -242,6 +267,7 @@ class Worker:
 
     def _progress(self) -> None:
         self._scheduled = False
+        self.inline_streak = 0
         if self._closed:
             return
         if self._fallback is not None:
