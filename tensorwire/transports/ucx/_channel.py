@@ -55,6 +55,14 @@ _INLINE_MAX = 8 * 1024
 _INLINE_STREAK = 16  # one-sided operations finished inline in a row before yielding to the loop
 
 
+@functools.cache
+def _array() -> Any:
+    """ucxx's buffer wrapper class (imported once: an import statement per message costs)."""
+    from ucxx._lib.arr import Array
+
+    return Array
+
+
 def make_tag(key: int, kind: int, seq: int = 0) -> int:
     return (key << 32) | (kind << 28) | (seq & _SEQ)
 
@@ -195,9 +203,7 @@ class UcxChannel(Channel):
             self._shutdown(ChannelState.BROKEN, err)
 
     def _lib_array(self, buf: Any) -> Any:
-        from ucxx._lib.arr import Array
-
-        return Array(buf)
+        return _array()(buf)
 
     def _frame(
         self,
@@ -316,7 +322,9 @@ class UcxChannel(Channel):
             log.exception("ucx control handler failed")
             self._shutdown(ChannelState.BROKEN, BrokenResourceError(f"ucx control handler failed: {exc!r}"))
             return
-        self._post_ctrl_recv()
+        # after the task this frame woke has run (the round-trip path): a frame arriving
+        # meanwhile waits in UCX's unexpected queue and matches this receive in order
+        self._loop.call_soon(self._post_ctrl_recv)
 
     def _handle_frame(self) -> None:
         buf = self._ctrl_buf
