@@ -423,11 +423,14 @@ def _drain_later(peer: Peer, tag: int) -> None:
     peer._spawn(drain())
 
 
-async def read(peer: Peer, handle: RemoteHandle, out: Any = None) -> tuple[Any, Receipt]:
+async def read(
+    peer: Peer, handle: RemoteHandle, out: Any = None, *, want_receipt: bool = True
+) -> tuple[Any, Receipt | None]:
+    """Read the whole tensor into ``out``; the receipt (None unless ``want_receipt``) says how."""
     t0 = time.perf_counter()
     if out is None:
         out = np.empty(handle.shape, dtype_from_name(handle.dtype))
-    target = as_view(out).array
+    target = out if type(out) is np.ndarray else as_view(out).array
     _check_against(handle, target, "out=")
     state = _direct_state(peer, handle)
     if state is not None:
@@ -438,7 +441,7 @@ async def read(peer: Peer, handle: RemoteHandle, out: Any = None) -> tuple[Any, 
         await _move(peer, state, "get", dest)
         if packed:
             target[...] = dest
-        return out, _direct_receipt(peer, dest.nbytes, t0, packed)
+        return out, _direct_receipt(peer, dest.nbytes, t0, packed) if want_receipt else None
     reply, _ = _tags()
     await peer.send({"op": "read", "name": handle.name, "generation": handle.generation, "reply": reply}, tag=_OPS_TAG)
     try:
@@ -457,7 +460,7 @@ async def read(peer: Peer, handle: RemoteHandle, out: Any = None) -> tuple[Any, 
 
 async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
     t0 = time.perf_counter()
-    arr = as_view(src).array
+    arr = src if type(src) is np.ndarray else as_view(src).array
     _check_against(handle, arr, "the source")
     state = _direct_state(peer, handle)
     if state is not None:

@@ -186,11 +186,14 @@ class Peer:
     async def read(self, handle: RemoteHandle, *, out: Any = None) -> Any:
         """Read the whole of a peer's exposed tensor into ``out`` (allocated if None; same dtype
         and shape as the handle, else ShapeMismatchError). HandleNotFound once revoked."""
-        value, _ = await _onesided.read(self, handle, out)
+        value, _ = await _onesided.read(self, handle, out, want_receipt=False)
         return value
 
     async def read_with_receipt(self, handle: RemoteHandle, *, out: Any = None) -> tuple[Any, Receipt]:
-        return await _onesided.read(self, handle, out)
+        """Like ``read``, and also say how the bytes came ("one-sided" or "owner-assisted")."""
+        value, receipt = await _onesided.read(self, handle, out)
+        assert receipt is not None
+        return value, receipt
 
     async def write(self, handle: RemoteHandle, src: Any) -> Receipt:
         """Overwrite the whole of a peer's exposed tensor with ``src`` (same dtype and shape).

@@ -141,6 +141,7 @@ class Ucp:
         self._version = self._fn(f.ucp_get_version, None, POINTER(c_uint), POINTER(c_uint), POINTER(c_uint))
         self._strerror = self._fn(ucs.ucs_status_string, c_char_p, c_int)
         self._param = _RequestParam()  # no callback: requests are polled, then freed
+        self._param_ref = byref(self._param)
         self._ucxx_cancel = _ucxx_cancel()
 
     @staticmethod
@@ -200,13 +201,13 @@ class Ucp:
 
     # -- one-sided -------------------------------------------------------------------------
     def put(self, ep: int, buf: int, nbytes: int, remote_addr: int, rkey: int) -> int | None:
-        return self._submit(self._put(ep, buf, nbytes, remote_addr, rkey, byref(self._param)), "ucp_put_nbx")
+        return self._submit(self._put(ep, buf, nbytes, remote_addr, rkey, self._param_ref), "ucp_put_nbx")
 
     def get(self, ep: int, buf: int, nbytes: int, remote_addr: int, rkey: int) -> int | None:
-        return self._submit(self._get(ep, buf, nbytes, remote_addr, rkey, byref(self._param)), "ucp_get_nbx")
+        return self._submit(self._get(ep, buf, nbytes, remote_addr, rkey, self._param_ref), "ucp_get_nbx")
 
     def flush(self, ep: int) -> int | None:
-        return self._submit(self._flush(ep, byref(self._param)), "ucp_ep_flush_nbx")
+        return self._submit(self._flush(ep, self._param_ref), "ucp_ep_flush_nbx")
 
     def mem_map(self, context: int, address: int, length: int, *, writable: bool = True) -> int:
         """Register memory. Without ``writable`` peers get read access only (where the lane

@@ -182,12 +182,12 @@ class Worker:
         Completions of other requests that this progress finds are dispatched by the progress
         run it schedules; ``inline_streak`` tells a caller when to yield to the loop."""
         worker = self.worker
-        done = ucp.request_done(request)
+        done = False
         for _ in range(rounds):
-            if done:
-                break
             worker.progress_once()
             done = ucp.request_done(request)
+            if done:
+                break
         self.kick()
         if not done:
             return False
