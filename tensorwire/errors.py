@@ -4,6 +4,7 @@
 
     TensorWireError
     ├── ConfigurationError             bad argument or setting (also ValueError)
+    │   └── ScheduleError              a pipeline schedule that cannot run (shows the grid)
     ├── TensorError
     │   ├── UnsupportedTensorError     not a tensor tensorwire can move (also TypeError)
     │   └── ShapeMismatchError         out= or a declared shape does not fit (also ValueError)
@@ -54,6 +55,7 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "ResourceError",
+    "ScheduleError",
     "ShapeMismatchError",
     "TensorError",
     "TensorWireError",
@@ -70,6 +72,11 @@ class TensorWireError(Exception):
 
 class ConfigurationError(TensorWireError, ValueError):
     """An argument or setting is invalid."""
+
+
+class ScheduleError(ConfigurationError):
+    """A pipeline schedule cannot run (an action out of order, missing, or waiting forever on a
+    neighbour); the message draws the step-by-stage grid as far as it runs and marks the problem."""
 
 
 class TensorError(TensorWireError):

@@ -1,0 +1,322 @@
+"""Pipeline schedules as data: per stage, the list of actions (``F3`` = forward of microbatch 3,
+``B3`` = its backward) that stage runs in order during one step.
+
+A schedule is checked before it runs by playing it in unit time: at each step every stage runs
+its next action if what that action needs is there (a forward needs the previous stage's forward
+of the same microbatch, a backward the next stage's backward of it and this stage's own forward).
+A schedule that gets stuck would deadlock the real pipeline, whatever the transport; one that
+finishes gives the step-by-stage grid (``Schedule.grid``) and the bubble fraction. The error for
+a bad schedule is that grid, played as far as it goes, with the stuck actions marked.
+
+Sends never block a stage (they are tasks, awaited when the step ends) and every message has a
+tag of its own (step, direction, microbatch), so the order in which one stage sends and its
+neighbour receives cannot deadlock: only the dependencies above can, and the player checks them.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from ..errors import ScheduleError
+
+__all__ = ["SCHEDULES", "Action", "Kind", "Schedule", "get_schedule", "gpipe", "one_f_one_b"]
+
+
+class Kind(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+_ACTION = re.compile(r"([FB])(\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One unit of work on one stage: the forward or backward pass of one microbatch."""
+
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """``"F3"`` -> Action(FORWARD, 3)."""
+        match = _ACTION.fullmatch(text.strip())
+        if match is None:
+            raise ScheduleError(f"{text!r} is not an action: write F<microbatch> or B<microbatch>, e.g. F0, B3")
+        return cls(Kind(match[1]), int(match[2]))
+
+
+def F(i: int) -> Action:  # noqa: N802 - reads like the notation
+    return Action(Kind.FORWARD, i)
+
+
+def B(i: int) -> Action:  # noqa: N802
+    return Action(Kind.BACKWARD, i)
+
+
+_Key = tuple[int, Kind, int]  # (stage, kind, microbatch)
+
+
+@dataclass(frozen=True, slots=True)
+class _Play:
+    """What playing a schedule in unit time gave: the timeline, and where it got stuck."""
+
+    rows: list[list[Action | None]]  # rows[step][stage]
+    stuck: dict[int, str]  # stage -> why its next action cannot run
+    missing: dict[int, list[Action]]  # stage -> actions it never runs
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Per stage, the actions of one training step in the order that stage runs them.
+
+    ``str(schedule)`` is one line per stage (``stage 0: F0 F1 B0 B1``) and ``Schedule.parse``
+    reads it back. ``validate()`` raises ScheduleError with the grid when the schedule cannot
+    run; ``grid()`` draws the timeline; ``bubble`` is the idle fraction of that timeline.
+    """
+
+    name: str
+    num_microbatches: int
+    stages: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def __str__(self) -> str:
+        return "\n".join(f"stage {s}: {' '.join(map(str, acts))}" for s, acts in enumerate(self.stages))
+
+    @classmethod
+    def parse(cls, text: str, *, num_microbatches: int | None = None, name: str = "custom") -> Schedule:
+        """Read ``stage 0: F0 F1 B0 B1`` lines (the ``stage N:`` prefix is optional, stages in
+        order). ``num_microbatches`` defaults to the largest microbatch named plus one."""
+        stages: list[tuple[Action, ...]] = []
+        for lineno, line in enumerate(text.strip().splitlines()):
+            head, sep, body = line.partition(":")
+            if sep:
+                label = head.strip().removeprefix("stage").strip()
+                if label != str(len(stages)):
+                    raise ScheduleError(f"line {lineno + 1}: expected 'stage {len(stages)}:', got {head.strip()!r}")
+            else:
+                body = head
+            stages.append(tuple(Action.parse(tok) for tok in body.split()))
+        if not stages:
+            raise ScheduleError("a schedule needs at least one stage")
+        if num_microbatches is None:
+            num_microbatches = 1 + max((a.microbatch for acts in stages for a in acts), default=0)
+        return cls(name, num_microbatches, tuple(stages))
+
+    @classmethod
+    def from_actions(
+        cls, stages: Iterable[Iterable[Action | str]], num_microbatches: int, name: str = "custom"
+    ) -> Schedule:
+        return cls(
+            name,
+            num_microbatches,
+            tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts) for acts in stages),
+        )
+
+    # -- checking -----------------------------------------------------------------------------
+    def _play(self) -> _Play:
+        p, m = self.num_stages, self.num_microbatches
+        done: dict[_Key, int] = {}
+        pos = [0] * p
+        rows: list[list[Action | None]] = []
+        while True:
+            row: list[Action | None] = [None] * p
+            stuck: dict[int, str] = {}
+            for s in range(p):
+                if pos[s] >= len(self.stages[s]):
+                    continue
+                action = self.stages[s][pos[s]]
+                why = self._blocked(s, action, done, pos)
+                if why is None:
+                    row[s] = action
+                else:
+                    stuck[s] = why
+            if not any(a is not None for a in row):
+                break
+            step = len(rows)
+            for s, ran in enumerate(row):
+                if ran is not None:
+                    done[(s, ran.kind, ran.microbatch)] = step
+                    pos[s] += 1
+            rows.append(row)
+        missing = {}
+        if not stuck:
+            for s in range(p):
+                lack = [a for k in Kind for i in range(m) if (s, k, i) not in done for a in [Action(k, i)]]
+                if lack:
+                    missing[s] = lack
+        return _Play(rows, stuck, missing)
+
+    def _blocked(self, s: int, a: Action, done: dict[_Key, int], pos: list[int]) -> str | None:
+        """Why stage ``s`` cannot run ``a`` now (None: it can)."""
+        p, m, i = self.num_stages, self.num_microbatches, a.microbatch
+        if i >= m:
+            return f"{a} names microbatch {i}, but the schedule has {m} (0..{m - 1})"
+        if (s, a.kind, i) in done:
+            return f"{a} runs a second time on stage {s} (first at step {done[(s, a.kind, i)]})"
+        if a.kind is Kind.BACKWARD and (s, Kind.FORWARD, i) not in done:
+            later = F(i) in self.stages[s][pos[s] :]
+            return f"{a} comes before F{i} on stage {s}" if later else f"{a} but stage {s} never runs F{i}"
+        n = s - 1 if a.kind is Kind.FORWARD else s + 1
+        if not 0 <= n < p or (n, a.kind, i) in done:
+            return None
+        need = "activation" if a.kind is Kind.FORWARD else "gradient"
+        there = pos[n] < len(self.stages[n])
+        if a not in self.stages[n]:
+            state = "which it never runs"
+        elif there:
+            state = f"which is stuck at {self.stages[n][pos[n]]}"
+        else:
+            state = "which has finished"
+        return f"{a} waits for the {need} of {a} from stage {n}, {state}"
+
+    def validate(self) -> Schedule:
+        """Raise ScheduleError, with the grid pointing at the problem, unless this schedule
+        runs to the end: every microbatch forward then backward once on every stage, forwards
+        in stage order, backwards in reverse, no stage waiting forever on a neighbour."""
+        if self.num_microbatches < 1:
+            raise ScheduleError(f"a schedule needs at least one microbatch, not {self.num_microbatches}")
+        if not self.stages:
+            raise ScheduleError("a schedule needs at least one stage")
+        play = self._play()
+        if play.stuck or play.missing:
+            raise ScheduleError(self._explain(play))
+        return self
+
+    @property
+    def valid(self) -> bool:
+        try:
+            self.validate()
+        except ScheduleError:
+            return False
+        return True
+
+    def timeline(self) -> list[list[Action | None]]:
+        """``rows[step][stage]``: what each stage runs at each unit step (None: idle)."""
+        self.validate()
+        return self._play().rows
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the unit-time timeline (forward and backward cost the same):
+        (p-1)/(m+p-1) for GPipe and 1F1B."""
+        rows = self.timeline()
+        cells = len(rows) * self.num_stages
+        return 1 - sum(a is not None for row in rows for a in row) / cells if cells else 0.0
+
+    def peak_activations(self, stage: int) -> int:
+        """Most microbatches whose forward ran and backward did not, on ``stage``: how many
+        sets of activations that stage holds at once (m for GPipe, at most p-stage for 1F1B)."""
+        live = peak = 0
+        for a in self.stages[stage]:
+            live += 1 if a.kind is Kind.FORWARD else -1
+            peak = max(peak, live)
+        return peak
+
+    # -- drawing --------------------------------------------------------------------------------
+    def grid(self) -> str:
+        """The step-by-stage timeline of a valid schedule, or of an invalid one as far as it runs,
+        with the stuck actions marked ``>F3<`` in a last row."""
+        return self._draw(self._play())
+
+    def _draw(self, play: _Play) -> str:
+        p = self.num_stages
+        width = max([len(f">{a}<") for acts in self.stages for a in acts] + [len(f"stage {p - 1}")])
+        head = "step  " + " ".join(f"{'stage ' + str(s):<{width}}" for s in range(p))
+        lines = [head.rstrip()]
+        for step, row in enumerate(play.rows):
+            cells = " ".join(f"{str(a) if a is not None else '.':<{width}}" for a in row)
+            lines.append(f"{step:>4}  {cells}".rstrip())
+        if play.stuck:
+            ran = [sum(r[s] is not None for r in play.rows) for s in range(p)]
+            marks = [f">{self.stages[s][ran[s]]}<" if s in play.stuck else "" for s in range(p)]
+            lines.append(("stuck " + " ".join(f"{c:<{width}}" for c in marks)).rstrip())
+        return "\n".join(lines)
+
+    def _explain(self, play: _Play) -> str:
+        p, m = self.num_stages, self.num_microbatches
+        if play.stuck:
+            roots = [s for s, why in sorted(play.stuck.items()) if "which is stuck at" not in why]
+            if roots:
+                what = f"stage {roots[0]}: {play.stuck[roots[0]]}"
+            else:
+                what = f"deadlock: stages {', '.join(map(str, sorted(play.stuck)))} wait on each other"
+        else:
+            first = min(play.missing)
+            what = f"stage {first} never runs {', '.join(map(str, play.missing[first]))}"
+        lines = [f"schedule {self.name!r} (p={p}, m={m}) cannot run: {what}", self._draw(play)]
+        lines += [f"  stage {s}: {why}" for s, why in sorted(play.stuck.items())]
+        lines += [f"  stage {s} never runs {', '.join(map(str, acts))}" for s, acts in sorted(play.missing.items())]
+        return "\n".join(lines)
+
+
+# -- generators ---------------------------------------------------------------------------------
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ScheduleError(f"num_stages must be a positive int, not {num_stages!r}")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ScheduleError(f"num_microbatches must be a positive int, not {num_microbatches!r}")
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: every stage runs all forwards, then all backwards. Holds m activations per stage."""
+    _check_sizes(num_stages, num_microbatches)
+    m = num_microbatches
+    acts = tuple([F(i) for i in range(m)] + [B(i) for i in range(m)])
+    return Schedule("gpipe", m, tuple(acts for _ in range(num_stages)))
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B: stage s runs p-1-s forwards to fill the pipe, then alternates one forward and one
+    backward, then drains the remaining backwards. Same bubble as GPipe, but stage s holds at
+    most p-s microbatches' activations instead of m."""
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    stages = []
+    for s in range(p):
+        warmup = min(p - 1 - s, m)
+        acts = [F(i) for i in range(warmup)]
+        for i in range(m - warmup):
+            acts += [F(warmup + i), B(i)]
+        acts += [B(i) for i in range(m - warmup, m)]
+        stages.append(tuple(acts))
+    return Schedule("1f1b", m, tuple(stages))
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def get_schedule(name: str) -> Callable[[int, int], Schedule]:
+    """The generator of a named schedule: ``get_schedule("1f1b")(num_stages, num_microbatches)``."""
+    key = name.lower().replace("-", "").replace("_", "") if isinstance(name, str) else name
+    try:
+        return SCHEDULES[key]
+    except (KeyError, TypeError):
+        raise ScheduleError(f"no schedule named {name!r}; known: {', '.join(SCHEDULES)}") from None
+
+
+def make_schedule(
+    schedule: str | Schedule | Sequence[Sequence[str]], num_stages: int, num_microbatches: int
+) -> Schedule:
+    """A validated schedule for ``num_stages`` and ``num_microbatches`` from a name or a Schedule."""
+    if isinstance(schedule, str):
+        sched = get_schedule(schedule)(num_stages, num_microbatches)
+    elif isinstance(schedule, Schedule):
+        sched = schedule
+    else:
+        sched = Schedule.from_actions(schedule, num_microbatches)
+    if sched.num_stages != num_stages or sched.num_microbatches != num_microbatches:
+        raise ScheduleError(
+            f"schedule {sched.name!r} is for p={sched.num_stages}, m={sched.num_microbatches}; "
+            f"this step has p={num_stages}, m={num_microbatches}"
+        )
+    return sched.validate()

@@ -1,0 +1,169 @@
+"""Pipeline schedules as data: generation for any p and m, validation, the grid, parsing."""
+
+from __future__ import annotations
+
+import graphlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorwire import ConfigurationError, ScheduleError
+from tensorwire.pipeline import Action, Kind, Schedule, get_schedule, gpipe, make_schedule, one_f_one_b
+
+sizes = st.tuples(st.integers(1, 8), st.integers(1, 24))
+
+
+def runs(schedule: Schedule) -> bool:
+    """An independent verdict: the schedule is complete (every F and B once per stage) and the
+    graph of program order plus data dependencies has no cycle."""
+    p, m = schedule.num_stages, schedule.num_microbatches
+    want = sorted((k.value, i) for k in Kind for i in range(m))
+    for acts in schedule.stages:
+        if sorted((a.kind.value, a.microbatch) for a in acts) != want:
+            return False
+    graph: dict[tuple[int, str, int], set[tuple[int, str, int]]] = {}
+    for s, acts in enumerate(schedule.stages):
+        for j, a in enumerate(acts):
+            node = (s, a.kind.value, a.microbatch)
+            deps = graph.setdefault(node, set())
+            if j:
+                prev = acts[j - 1]
+                deps.add((s, prev.kind.value, prev.microbatch))
+            if a.kind is Kind.FORWARD and s > 0:
+                deps.add((s - 1, "F", a.microbatch))
+            if a.kind is Kind.BACKWARD:
+                deps.add((s, "F", a.microbatch))
+                if s < p - 1:
+                    deps.add((s + 1, "B", a.microbatch))
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError:
+        return False
+    return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes, st.sampled_from(["gpipe", "1f1b"]))
+def test_generated_schedules_are_valid_with_the_theoretical_bubble(size: tuple[int, int], name: str) -> None:
+    p, m = size
+    sched = get_schedule(name)(p, m)
+    assert sched.num_stages == p and sched.num_microbatches == m
+    sched.validate()
+    assert runs(sched)
+    for acts in sched.stages:
+        assert sorted((a.kind.value, a.microbatch) for a in acts) == sorted(
+            (k.value, i) for k in Kind for i in range(m)
+        )
+    rows = sched.timeline()
+    assert len(rows) == 2 * (m + p - 1)  # fill, 2m units of work, drain
+    assert sched.bubble == pytest.approx((p - 1) / (m + p - 1))
+    for s in range(p):
+        peak = sched.peak_activations(s)
+        assert peak == (m if name == "gpipe" else min(p - s, m))
+    assert Schedule.parse(str(sched), name=name) == sched
+
+
+@st.composite
+def perturbed(draw: st.DrawFn) -> Schedule:
+    """A valid schedule with a few swaps, drops or duplicates: some still run, most do not."""
+    p, m = draw(st.integers(1, 5)), draw(st.integers(1, 6))
+    stages = [list(acts) for acts in draw(st.sampled_from([gpipe, one_f_one_b]))(p, m).stages]
+    for _ in range(draw(st.integers(0, 3))):
+        s = draw(st.integers(0, p - 1))
+        acts = stages[s]
+        op = draw(st.sampled_from(["swap", "drop", "dup", "move"]))
+        j = draw(st.integers(0, len(acts) - 1))
+        if op == "swap" and j + 1 < len(acts):
+            acts[j], acts[j + 1] = acts[j + 1], acts[j]
+        elif op == "drop" and len(acts) > 1:
+            del acts[j]
+        elif op == "dup":
+            acts.insert(draw(st.integers(0, len(acts))), acts[j])
+        elif op == "move":
+            acts.insert(draw(st.integers(0, len(acts) - 1)), acts.pop(j))
+    return Schedule("perturbed", m, tuple(tuple(a) for a in stages))
+
+
+@settings(max_examples=400, deadline=None)
+@given(perturbed())
+def test_validation_agrees_with_the_dependency_graph(sched: Schedule) -> None:
+    ok = runs(sched)
+    assert sched.valid == ok, str(sched)
+    if not ok:
+        with pytest.raises(ScheduleError) as err:
+            sched.validate()
+        message = str(err.value)
+        assert "cannot run" in message and "step  stage 0" in message
+        assert ">" in message or "never runs" in message  # the grid points at the problem
+
+
+def test_invalid_schedule_prints_the_grid_pointing_at_the_error() -> None:
+    sched = Schedule.parse(
+        """
+        stage 0: F0 F1 B0 B1
+        stage 1: F0 B1 F1 B0
+        """
+    )
+    with pytest.raises(ScheduleError) as err:
+        sched.validate()
+    assert str(err.value) == (
+        "schedule 'custom' (p=2, m=2) cannot run: stage 1: B1 comes before F1 on stage 1\n"
+        "step  stage 0 stage 1\n"
+        "   0  F0      .\n"
+        "   1  F1      F0\n"
+        "stuck >B0<    >B1<\n"
+        "  stage 0: B0 waits for the gradient of B0 from stage 1, which is stuck at B1\n"
+        "  stage 1: B1 comes before F1 on stage 1"
+    )
+
+
+def test_deadlock_between_neighbours_is_named() -> None:
+    # stage 1 wants microbatch 1 first, but stage 0 will not send it before B0 comes back
+    sched = Schedule.parse("F0 B0 F1 B1\nF1 F0 B0 B1")
+    with pytest.raises(ScheduleError, match=r"deadlock: stages 0, 1 wait on each other") as err:
+        sched.validate()
+    assert "stuck >B0<    >F1<" in str(err.value)
+    assert "F1 waits for the activation of F1 from stage 0, which is stuck at B0" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "m", "needle"),
+    [
+        ("F0 B0 F1 B1\nF0 B0 F1", 2, "stage 0: B1 waits for the gradient of B1 from stage 1, which it never runs"),
+        ("F0 B0 F0 B0", 1, "F0 runs a second time on stage 0 (first at step 0)"),
+        ("F0 F5 B0 B5", 2, "F5 names microbatch 5, but the schedule has 2 (0..1)"),
+        ("F0 B0", 2, "stage 0 never runs F1, B1"),
+        ("B0 F0", 1, "B0 comes before F0 on stage 0"),
+    ],
+)
+def test_each_kind_of_mistake_is_explained(text: str, m: int, needle: str) -> None:
+    with pytest.raises(ScheduleError) as err:
+        Schedule.parse(text, num_microbatches=m).validate()
+    assert needle in str(err.value)
+
+
+def test_a_valid_grid() -> None:
+    assert one_f_one_b(2, 2).grid() == (
+        "step  stage 0 stage 1\n   0  F0      .\n   1  F1      F0\n   2  .       B0\n"
+        "   3  B0      F1\n   4  .       B1\n   5  B1      ."
+    )
+
+
+def test_names_parsing_and_sizes() -> None:
+    assert get_schedule("1F1B") is one_f_one_b and get_schedule("GPipe") is gpipe
+    with pytest.raises(ScheduleError, match="known: gpipe, 1f1b"):
+        get_schedule("interleaved")
+    assert Action.parse(" B12 ") == Action(Kind.BACKWARD, 12) and str(Action(Kind.FORWARD, 3)) == "F3"
+    for bad in ("X1", "F", "F-1", "f1"):
+        with pytest.raises(ScheduleError, match="is not an action"):
+            Action.parse(bad)
+    with pytest.raises(ScheduleError, match="expected 'stage 1:'"):
+        Schedule.parse("stage 0: F0 B0\nstage 2: F0 B0")
+    for p, m in [(0, 4), (4, 0), (True, 3), (2, 1.5)]:
+        with pytest.raises(ScheduleError):
+            gpipe(p, m)  # type: ignore[arg-type]
+    with pytest.raises(ScheduleError, match="for p=2, m=3; this step has p=4, m=3"):
+        make_schedule(gpipe(2, 3), 4, 3)
+    assert make_schedule([["F0", "B0"], ["F0", "B0"]], 2, 1).valid
+    assert issubclass(ScheduleError, ConfigurationError)
