@@ -237,7 +237,7 @@ async def test_bad_input_gets_clear_errors() -> None:
         assert np.array_equal(ro, np.arange(4))
         # a strided out= is filled through a packed copy, and the receipt says so
         wide = np.zeros((4, 2), np.int64)
-        got, receipt = await b.read_with_receipt(h, out=wide[:, 0])
+        _, receipt = await b.read_with_receipt(h, out=wide[:, 0])
         assert np.array_equal(wide[:, 0], np.arange(4)) and receipt.packed and not receipt.direct
         # a handle works on the peer that looked it up
         with pytest.raises(tensorwire.ConfigurationError, match="belongs to node"):
