@@ -1,0 +1,238 @@
+"""The driver: introduces the stages to each other, splits batches into microbatches, runs steps.
+
+    async with tensorwire.start() as node:
+        pipe = await Pipeline.connect(node, ["10.0.0.1:5000", "10.0.0.2:5000", ...])
+        result = await pipe.step(x, y, microbatches=8, schedule="1f1b")
+        print(result.loss, result.bubble)
+
+The driver is any node that knows the stages' addresses in pipeline order. It calls each stage's
+``tw.pipeline.configure`` (tensor RPC over the data plane), which links the stages into a chain;
+each step is one ``tw.pipeline.step`` call per stage, all at once, carrying that stage's actions
+from the schedule (and the microbatches to stage 0, the targets to the last stage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigurationError, PeerDisconnected, RemoteError, ShapeMismatchError, TensorWireError
+from ._schedule import Schedule, make_schedule
+
+if TYPE_CHECKING:
+    from .._node import Node
+    from .._peer import Peer
+
+__all__ = ["Pipeline", "StepResult", "split"]
+
+
+def split(batch: Any, microbatches: int) -> list[Any]:
+    """Split a tensor (numpy or torch) along its first dimension into ``microbatches`` parts whose
+    sizes differ by at most one."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigurationError(f"microbatches must be a positive int, not {microbatches!r}")
+    n = len(batch)
+    if n < microbatches:
+        raise ShapeMismatchError(f"a batch of {n} cannot be split into {microbatches} microbatches")
+    base, extra = divmod(n, microbatches)
+    bounds = list(itertools.accumulate([base + (i < extra) for i in range(microbatches)], initial=0))
+    return [batch[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one training step gave.
+
+    loss: the batch's loss (the microbatch losses weighted by their share of the batch).
+    losses: each microbatch's own loss.
+    seconds: the step's wall time at the driver.
+    stages: per stage, its compute time, time waiting for neighbours and wall time (seconds).
+    """
+
+    loss: float
+    losses: list[float]
+    seconds: float
+    schedule: Schedule
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle fraction: 1 - (compute summed over stages) / (stages x step time)."""
+        busy = sum(s["compute_s"] for s in self.stages)
+        return max(0.0, 1 - busy / (len(self.stages) * self.seconds)) if self.seconds > 0 else 0.0
+
+
+class Pipeline:
+    """A driver's handle on a chain of configured stages. Make one with ``Pipeline.connect``."""
+
+    def __init__(self, node: Node, peers: list[Peer], links: list[dict[str, Any]]) -> None:
+        self.node = node
+        self.peers = peers
+        self._links = links
+        self._steps = itertools.count()
+        self._closed = False
+        #: how long to wait, after one stage failed a step, for the others to report their error
+        self.abort_grace = max(5.0, 2 * node.config.lease_seconds)
+
+    def __repr__(self) -> str:
+        return f"<Pipeline {len(self.peers)} stages: {' -> '.join(p.remote_address for p in self.peers)}>"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.peers)
+
+    @property
+    def paths(self) -> list[str]:
+        """The negotiated path of each link, stage s -> s+1, as stage s sees it."""
+        return [str(info["next_path"]) for info in self._links[:-1]]
+
+    @classmethod
+    async def connect(
+        cls,
+        node: Node,
+        addresses: Sequence[str],
+        *,
+        transports: Sequence[str] | None = None,
+        connect_timeout: float | None = None,
+    ) -> Pipeline:
+        """Connect to the stages at ``addresses`` (in pipeline order) and link them into a chain.
+        ``transports`` is the preference order for the links between stages; ``connect_timeout``
+        bounds each stage's linking (default: the node's)."""
+        if not addresses:
+            raise ConfigurationError("a pipeline needs at least one stage address")
+        wait = connect_timeout if connect_timeout is not None else node.config.connect_timeout
+        peers: list[Peer] = []
+        try:
+            for address in addresses:
+                peers.append(await node.connect(address, transports=tuple(transports) if transports else None))
+            p = len(peers)
+            links = await asyncio.gather(
+                *[
+                    peer.call(
+                        "tw.pipeline.configure",
+                        s,
+                        p,
+                        peers[s - 1].remote_node if s > 0 else None,
+                        addresses[s + 1] if s + 1 < p else None,
+                        list(transports) if transports else None,
+                        wait,
+                        _deadline=wait + 5,
+                    )
+                    for s, peer in enumerate(peers)
+                ]
+            )
+        except BaseException:
+            for peer in peers:
+                await peer.aclose()
+            raise
+        return cls(node, peers, list(links))
+
+    async def step(
+        self,
+        inputs: Any,
+        targets: Any,
+        *,
+        microbatches: int,
+        schedule: str | Schedule = "1f1b",
+    ) -> StepResult:
+        """One training step: split ``inputs`` and ``targets`` into microbatches, run them through
+        the stages as ``schedule`` says, and have every stage step its optimizer. Shapes may change
+        from step to step. If any stage fails, every stage fails this step and this raises the
+        first stage's error, with every stage's account attached as a note."""
+        if self._closed:
+            raise ConfigurationError("this pipeline is closed")
+        sched = make_schedule(schedule, self.num_stages, microbatches)
+        xs, ys = split(inputs, microbatches), split(targets, microbatches)
+        if [len(x) for x in xs] != [len(y) for y in ys]:
+            raise ShapeMismatchError(f"inputs have {len(inputs)} samples but targets {len(targets)}")
+        total = sum(len(x) for x in xs)
+        weights = [len(x) / total for x in xs]
+        step = next(self._steps)
+        p = self.num_stages
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        calls = [
+            loop.create_task(
+                peer.call(
+                    "tw.pipeline.step",
+                    step,
+                    " ".join(map(str, sched.stages[s])),
+                    xs if s == 0 else None,
+                    ys if s == p - 1 else None,
+                    weights if s == p - 1 else None,
+                )
+            )
+            for s, peer in enumerate(self.peers)
+        ]
+        try:
+            _, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+            if pending:  # one failed: the others fail soon (their neighbours abort them)
+                _, pending = await asyncio.wait(pending, timeout=self.abort_grace)
+        finally:
+            for task in calls:
+                task.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+        seconds = loop.time() - t0
+        outcomes: list[BaseException | dict[str, Any]] = []
+        for task in calls:
+            if task.cancelled():
+                outcomes.append(TimeoutError(f"no answer within {self.abort_grace} s of the first failure"))
+            else:
+                exc = task.exception()
+                outcomes.append(exc if exc is not None else task.result())
+        if any(isinstance(o, BaseException) for o in outcomes):
+            raise self._failure(step, outcomes)
+        stats = [o for o in outcomes if isinstance(o, dict)]
+        losses = [float(v) for v in stats[-1]["losses"]]
+        loss = float(sum(w * v for w, v in zip(weights, losses, strict=True)))
+        return StepResult(loss, losses, seconds, sched, stats)
+
+    def _failure(self, step: int, outcomes: list[BaseException | dict[str, Any]]) -> BaseException:
+        """The error that started it, with every stage's account as a note."""
+        lines = []
+        root: BaseException | None = None
+        for s, o in enumerate(outcomes):
+            where = f"stage {s} ({self.peers[s].remote_address})"
+            if not isinstance(o, BaseException):
+                lines.append(f"  {where}: finished")
+                continue
+            kind = o.remote_type if isinstance(o, RemoteError) else type(o).__name__
+            text = o.remote_message if isinstance(o, RemoteError) else str(o)
+            lines.append(f"  {where}: {kind}: {text}")
+            if isinstance(o, PeerDisconnected):  # the driver lost this stage itself: it is gone
+                o = PeerDisconnected(f"pipeline step {step}: {where} is gone: {o}")
+                root = o if root is None or not isinstance(root, PeerDisconnected) else root
+            elif root is None and not (isinstance(o, RemoteError) and o.remote_type == "BrokenResourceError"):
+                root = o
+        if root is None:
+            root = next(o for o in outcomes if isinstance(o, BaseException))
+        root.add_note(f"pipeline step {step}, every stage:\n" + "\n".join(lines))
+        return root
+
+    async def state(self) -> list[dict[str, Any]]:
+        """Every stage's parameters, by name, in stage order."""
+        return list(await asyncio.gather(*[peer.call("tw.pipeline.state") for peer in self.peers]))
+
+    async def aclose(self) -> None:
+        """Tell the stages this driver is done (they drop their links), then disconnect; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(TensorWireError, TimeoutError):
+            async with asyncio.timeout(5):
+                await asyncio.gather(
+                    *[peer.call("tw.pipeline.release") for peer in self.peers if not peer.closed],
+                    return_exceptions=True,
+                )
+        for peer in self.peers:
+            await peer.aclose()
+
+    async def __aenter__(self) -> Pipeline:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,232 @@
+"""What a stage computes: its part of the model, behind one small interface.
+
+A ``Part`` runs the forward of one microbatch and keeps what its backward needs in a context;
+runs the backward from the gradient of its output and returns the gradient of its input; sums
+its parameters' gradients over the microbatches of a step; and steps its own optimizer. The last
+stage's part also computes the loss.
+
+Two kinds come with tensorwire: ``TorchPart`` wraps an ``nn.Module`` (autograd does the
+backward) and ``FunctionPart`` wraps any object with an explicit ``forward``/``backward`` (a numpy
+layer, say), so the pipeline needs torch only where a stage uses it. torch is imported when a
+TorchPart is made, never by ``import tensorwire``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import ConfigurationError
+
+__all__ = ["FunctionPart", "Layer", "Part", "TorchPart", "as_part"]
+
+
+class Part(ABC):
+    """One stage's share of the model. Subclass it for another framework."""
+
+    #: the loss the last stage computes, or None on the other stages
+    has_loss: bool = False
+
+    @abstractmethod
+    def forward(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
+        """Run the forward of one microbatch: (output, context for its backward)."""
+
+    @abstractmethod
+    def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
+        """Last stage: forward and loss of one microbatch, the loss scaled by ``weight`` (its share
+        of the batch). Returns (unscaled loss, context)."""
+
+    @abstractmethod
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        """Backward of one microbatch from the gradient of its output (None after
+        ``forward_loss``): add to the parameters' gradients, return the input's gradient
+        (None when ``needs_input_grad`` was False)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Forget the gradients summed so far (called before each step's first microbatch)."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """Apply the step's summed gradients with this part's optimizer."""
+
+    @abstractmethod
+    def state(self) -> dict[str, Any]:
+        """Parameters (and buffers) by name, as tensors, for checks and checkpoints."""
+
+
+@runtime_checkable
+class Layer(Protocol):
+    """Anything with an explicit backward, for ``FunctionPart``:
+
+    forward(x) -> (y, ctx);  backward(ctx, grad_y) -> grad_x, adding to its own gradients;
+    optionally step() (apply and clear the gradients), zero_grad() and state()."""
+
+    def forward(self, x: Any) -> tuple[Any, Any]: ...
+
+    def backward(self, ctx: Any, grad: Any) -> Any: ...
+
+
+class FunctionPart(Part):
+    """A stage made of a ``Layer``: numpy or anything else that does its own backward.
+
+    ``loss(y, target) -> (loss, grad_y)`` makes it the last stage; the pipeline scales both by
+    the microbatch's share of the batch, so the step's loss is the batch mean when ``loss`` is a
+    mean over its microbatch.
+    """
+
+    def __init__(self, layer: Layer, *, loss: Callable[[Any, Any], tuple[Any, Any]] | None = None) -> None:
+        if not (callable(getattr(layer, "forward", None)) and callable(getattr(layer, "backward", None))):
+            raise ConfigurationError(f"{type(layer).__name__} needs forward(x) -> (y, ctx) and backward(ctx, grad)")
+        self.layer = layer
+        self.loss = loss
+        self.has_loss = loss is not None
+
+    def forward(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
+        y, ctx = self.layer.forward(x)
+        return y, ctx
+
+    def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
+        if self.loss is None:
+            raise ConfigurationError("this stage has no loss, so it cannot be the last stage")
+        y, ctx = self.layer.forward(x)
+        value, grad = self.loss(y, target)
+        return float(value), (ctx, grad * weight)
+
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        if grad is None:  # after forward_loss: the loss gave the output's gradient
+            ctx, grad = ctx
+        return self.layer.backward(ctx, grad)
+
+    def zero_grad(self) -> None:
+        fn = getattr(self.layer, "zero_grad", None)
+        if fn is not None:
+            fn()
+
+    def step(self) -> None:
+        fn = getattr(self.layer, "step", None)
+        if fn is not None:
+            fn()
+
+    def state(self) -> dict[str, Any]:
+        fn = getattr(self.layer, "state", None)
+        return dict(fn()) if fn is not None else {}
+
+
+def _torch() -> Any:
+    try:
+        return importlib.import_module("torch")
+    except ImportError as exc:
+        raise ConfigurationError("TorchPart needs torch: pip install 'tensorwire[torch]'") from exc
+
+
+class TorchPart(Part):
+    """A stage made of an ``nn.Module`` (any callable whose parameters are torch tensors).
+
+    optimizer: a ``torch.optim.Optimizer`` over the module's parameters, or a callable that
+        makes one from them (``lambda ps: torch.optim.SGD(ps, lr=0.1)``); None: no update.
+    loss: ``loss(output, target) -> scalar tensor`` on the last stage, a mean over the
+        microbatch (as ``F.mse_loss`` or ``F.cross_entropy``); the pipeline scales it by the
+        microbatch's share of the batch, so gradients equal those of the whole batch's mean.
+
+    The input of a stage is one tensor and so is its output (activations keep their shape,
+    dtype and device kind across the wire; shapes may change from step to step).
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        *,
+        optimizer: Any = None,
+        loss: Callable[[Any, Any], Any] | None = None,
+    ) -> None:
+        torch = _torch()
+        self._torch = torch
+        if not callable(module):
+            raise ConfigurationError(f"{type(module).__name__} is not callable")
+        self.module = module
+        params = list(module.parameters()) if hasattr(module, "parameters") else []
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(params)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ConfigurationError("optimizer= must be a torch Optimizer or make one from the parameters")
+        self.optimizer = optimizer
+        self.params = params
+        self.loss = loss
+        self.has_loss = loss is not None
+
+    def _input(self, x: Any, needs_input_grad: bool) -> Any:
+        torch = self._torch
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+        t = t.detach()
+        if needs_input_grad and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+
+    def forward(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
+        x_in = self._input(x, needs_input_grad)
+        with self._torch.enable_grad():
+            y = self.module(x_in)
+        return y.detach(), (x_in, y)
+
+    def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
+        if self.loss is None:
+            raise ConfigurationError("this stage has no loss, so it cannot be the last stage")
+        torch = self._torch
+        x_in = self._input(x, needs_input_grad)
+        if not isinstance(target, torch.Tensor):
+            target = torch.as_tensor(np.asarray(target))
+        with torch.enable_grad():
+            loss = self.loss(self.module(x_in), target)
+            scaled = loss * weight
+        return float(loss.detach()), (x_in, scaled)
+
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        torch = self._torch
+        x_in, out = ctx
+        if grad is not None and not isinstance(grad, torch.Tensor):
+            grad = torch.as_tensor(np.asarray(grad))
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)
+        if not x_in.requires_grad:
+            return None
+        return x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def state(self) -> dict[str, Any]:
+        if hasattr(self.module, "state_dict"):
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return {}
+
+
+def as_part(obj: Any, *, optimizer: Any = None, loss: Callable[..., Any] | None = None) -> Part:
+    """A Part for ``obj``: itself if it is one, a TorchPart for a torch module, a FunctionPart
+    for a Layer (forward/backward)."""
+    if isinstance(obj, Part):
+        if optimizer is not None or loss is not None:
+            raise ConfigurationError("pass optimizer= and loss= to the Part itself")
+        return obj
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        return TorchPart(obj, optimizer=optimizer, loss=loss)
+    if isinstance(obj, Layer):
+        if optimizer is not None:
+            raise ConfigurationError("a Layer steps its own parameters (its step()); optimizer= is for torch modules")
+        return FunctionPart(obj, loss=loss)
+    raise ConfigurationError(
+        f"{type(obj).__name__} is not a stage part: pass a torch nn.Module, an object with "
+        "forward(x) -> (y, ctx) and backward(ctx, grad), or a Part"
+    )

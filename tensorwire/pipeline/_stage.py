@@ -1,0 +1,400 @@
+"""A stage server: one part of the model on one node, its neighbours reached through peers.
+
+How stages find each other (the control plane does the introductions): every stage is a node
+that serves four RPC methods. A driver that knows the stages' addresses, in pipeline order,
+connects to each and calls ``configure`` with its rank, the address of the next stage and the
+node id of the previous one. Stage s then connects to stage s+1 (one peer per link, negotiated
+like any other: ucx, tcp, ...) and waits until stage s-1 has connected to it. After that the
+driver calls ``step`` on every stage at once; stage 0 gets the microbatches, the last stage the
+targets, and activations and gradients flow between neighbours on tags of their own
+(``tw.pipeline/<step>/f|b/<microbatch>``), so headers carry every shape and nothing waits for a
+shape exchange.
+
+Failure: a stage whose link breaks (its neighbour died: PeerDisconnected from the transport or
+the lease), whose own code raises, or whose step is cancelled sends an abort to its other
+neighbours on ``tw.pipeline/abort``. Every stage listens on that tag and on its links' health
+while a step runs, cancels its step on an abort and passes it on, so every stage fails the step
+promptly with an error that names the stage where it started. A failed step breaks the stages
+(BrokenResourceError) until a driver configures them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import (
+    BrokenResourceError,
+    BusyResourceError,
+    ClosedResourceError,
+    ConfigurationError,
+    ConnectTimeout,
+    PeerDisconnected,
+    TensorWireError,
+)
+from ._part import Part, as_part
+from ._schedule import Action, Kind
+
+if TYPE_CHECKING:
+    from .._node import Node
+    from .._peer import Peer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ABORT_TAG", "METHODS", "Stage", "message_tag"]
+
+ABORT_TAG = "tw.pipeline/abort"
+METHODS = ("tw.pipeline.configure", "tw.pipeline.step", "tw.pipeline.state", "tw.pipeline.release")
+_ABORT_SEND_SECONDS = 2.0
+
+
+def message_tag(step: int, direction: str, microbatch: int) -> str:
+    """The tag of one activation (``f``) or gradient (``b``) between two neighbours."""
+    return f"tw.pipeline/{step}/{direction}/{microbatch}"
+
+
+@dataclass(slots=True)
+class _Link:
+    rank: int  # the neighbour's rank
+    peer: Peer
+    watcher: asyncio.Task[None] | None = None
+
+    def __str__(self) -> str:
+        return f"stage {self.rank} ({self.peer.remote_address})"
+
+
+class Stage:
+    """Serve one pipeline stage on ``node``.
+
+    ``part`` is what the stage computes: a torch ``nn.Module`` (with ``optimizer=`` and, on the
+    last stage, ``loss=``), an object with ``forward``/``backward`` (``FunctionPart``), or a
+    ``Part``. ``build(rank, num_stages) -> Part`` instead makes the part once the driver has said
+    which rank this stage is. ``offload`` runs compute in a worker thread, so the event loop keeps
+    moving other microbatches' bytes (and leases) while a layer computes.
+
+    One stage per node. ``async with Stage(node, part):`` serves until the block ends; the stage
+    never closes the node.
+    """
+
+    def __init__(
+        self,
+        node: Node,
+        part: Any = None,
+        *,
+        build: Callable[[int, int], Any] | None = None,
+        optimizer: Any = None,
+        loss: Callable[..., Any] | None = None,
+        offload: bool = True,
+    ) -> None:
+        if (part is None) == (build is None):
+            raise ConfigurationError("give a Stage either part= or build=, not both or neither")
+        self.node = node
+        self._build = build
+        self._options = {"optimizer": optimizer, "loss": loss}
+        self.part: Part | None = None if part is None else as_part(part, optimizer=optimizer, loss=loss)
+        self.offload = offload
+        self.rank = -1
+        self.num_stages = 0
+        self.prev: _Link | None = None
+        self.next: _Link | None = None
+        self._broken: TensorWireError | None = None
+        self._task: asyncio.Task[dict[str, Any]] | None = None
+        self._sends: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._closed = False
+        registry = node.methods
+        if any(name in registry for name in METHODS):
+            raise BusyResourceError(f"node {node.address} already serves a pipeline stage")
+        node.method("tw.pipeline.configure")(self._configure)
+        node.method("tw.pipeline.step")(self._step)
+        node.method("tw.pipeline.state")(self._state)
+        node.method("tw.pipeline.release")(self._release)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "broken" if self._broken else "ready" if self.rank >= 0 else "waiting"
+        return f"<Stage {self.rank}/{self.num_stages} at {self.node.address} {state}>"
+
+    @property
+    def links(self) -> list[_Link]:
+        return [link for link in (self.prev, self.next) if link is not None]
+
+    # -- configure ------------------------------------------------------------------------------
+    async def _configure(
+        self,
+        rank: int,
+        num_stages: int,
+        prev_node: str | None,
+        next_address: str | None,
+        transports: list[str] | None = None,
+        connect_seconds: float = 10.0,
+    ) -> dict[str, Any]:
+        self._check_open()
+        if not 0 <= rank < num_stages:
+            raise ConfigurationError(f"rank {rank} is not in 0..{num_stages - 1}")
+        await self._drop_links()
+        self.rank, self.num_stages, self._broken = rank, num_stages, None
+        if self._build is not None:
+            self.part = as_part(await asyncio.to_thread(self._build, rank, num_stages), **self._options)
+        assert self.part is not None
+        if rank == num_stages - 1 and not self.part.has_loss:
+            raise ConfigurationError(f"stage {rank} is the last stage but its part has no loss")
+        try:
+            async with asyncio.timeout(connect_seconds):
+                if next_address is not None:
+                    peer = await self.node.connect(next_address, transports=tuple(transports) if transports else None)
+                    self.next = _Link(rank + 1, peer)
+                if prev_node is not None:
+                    self.prev = _Link(rank - 1, await self._wait_for(prev_node))
+        except TimeoutError:
+            waiting = (
+                f"connecting to the next stage at {next_address}"
+                if self.next is None and next_address is not None
+                else "waiting for the previous stage to connect"
+            )
+            raise ConnectTimeout(f"stage {rank}: linking took longer than {connect_seconds} s, {waiting}") from None
+        for link in self.links:
+            link.watcher = asyncio.get_running_loop().create_task(self._watch(link), name=f"tw.pipeline watch {link}")
+        log.info("stage %d/%d at %s: prev %s, next %s", rank, num_stages, self.node.address, self.prev, self.next)
+        return {
+            "rank": rank,
+            "prev_path": str(self.prev.peer.path) if self.prev else None,
+            "next_path": str(self.next.peer.path) if self.next else None,
+        }
+
+    async def _wait_for(self, node_id: str) -> Peer:
+        """The peer the previous stage opened to this node (it connects; this side accepts)."""
+        while True:
+            for peer in self.node.peers:
+                if peer.remote_node == node_id and not peer.closed:
+                    return peer
+            await asyncio.sleep(0.005)
+
+    async def _drop_links(self) -> None:
+        links, self.prev, self.next = self.links, None, None
+        for link in links:
+            if link.watcher is not None:
+                link.watcher.cancel()
+        for link in links:
+            await link.peer.aclose()
+
+    # -- failure --------------------------------------------------------------------------------
+    async def _watch(self, link: _Link) -> None:
+        """Wait for an abort from ``link`` or for the link to break; either fails this stage."""
+        try:
+            msg = await link.peer.recv(tag=ABORT_TAG)
+        except TensorWireError as exc:
+            if link in self.links and not self._closed:
+                error = self._link_broke(link, exc)
+                self._fail(error, self.rank, str(error), skip=link)
+            return
+        origin, reason = int(msg["origin"]), str(msg["reason"])
+        self._fail(BrokenResourceError(f"stage {self.rank}: aborted because {reason}"), origin, reason, skip=link)
+
+    def _fail(self, error: TensorWireError, origin: int, reason: str, *, skip: _Link | None = None) -> None:
+        """Break this stage (once), cancel its step and pass ``reason`` to the other neighbours."""
+        if self._broken is not None:
+            return
+        self._broken = error
+        log.warning("%s", error)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        for task in list(self._sends):
+            task.cancel()
+        for link in self.links:
+            if link is not skip and not link.peer.closed:
+                self._spawn(self._send_abort(link, origin, reason))
+
+    def _link_broke(self, link: _Link, exc: BaseException) -> PeerDisconnected:
+        return PeerDisconnected(f"stage {self.rank}: its link to {link} broke: {type(exc).__name__}: {exc}")
+
+    async def _send_abort(self, link: _Link, origin: int, reason: str) -> None:
+        with contextlib.suppress(TensorWireError, TimeoutError):
+            async with asyncio.timeout(_ABORT_SEND_SECONDS):
+                await link.peer.send({"origin": origin, "reason": reason}, tag=ABORT_TAG)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- one step -------------------------------------------------------------------------------
+    async def _step(
+        self,
+        step: int,
+        actions: str,
+        inputs: list[Any] | None = None,
+        targets: list[Any] | None = None,
+        weights: list[float] | None = None,
+    ) -> dict[str, Any]:
+        self._check_open()
+        if self.rank < 0 or self.part is None:
+            raise ClosedResourceError(f"stage at {self.node.address} has not been configured by a driver")
+        if self._broken is not None:
+            raise BrokenResourceError(f"stage {self.rank} is broken by an earlier failure: {self._broken}")
+        if self._task is not None:
+            raise BusyResourceError(f"stage {self.rank} is already running a step")
+        plan = [Action.parse(tok) for tok in actions.split()]
+        task = asyncio.get_running_loop().create_task(self._run(step, plan, inputs, targets, weights))
+        self._task = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if self._broken is not None and (me is None or me.cancelling() == 0):
+                raise self._broken from None  # an abort cancelled the step, not our caller
+            error = BrokenResourceError(f"stage {self.rank}: step {step} was cancelled by its caller")
+            self._fail(error, self.rank, str(error))
+            raise
+        except TensorWireError as exc:
+            self._fail(exc, self.rank, str(exc))
+            raise
+        except Exception as exc:
+            reason = f"stage {self.rank} raised {type(exc).__name__} in step {step}: {exc}"
+            self._fail(BrokenResourceError(reason), self.rank, reason)
+            raise
+        finally:
+            self._task = None
+            for t in list(self._sends):
+                t.cancel()
+
+    async def _compute(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        def timed() -> tuple[Any, float]:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            return out, time.perf_counter() - t0
+
+        return await asyncio.to_thread(timed) if self.offload else timed()
+
+    async def _recv(self, link: _Link | None, tag: str) -> Any:
+        assert link is not None
+        try:
+            return await link.peer.recv(tag=tag)
+        except TensorWireError as exc:
+            raise self._link_broke(link, exc) from exc
+
+    def _send_later(self, link: _Link | None, obj: Any, tag: str) -> None:
+        """Send without waiting, so the next microbatch computes while this one moves."""
+        assert link is not None
+
+        async def send() -> None:
+            try:
+                await link.peer.send(obj, tag=tag)
+            except TensorWireError as exc:
+                error = self._link_broke(link, exc)
+                self._fail(error, self.rank, str(error), skip=link)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    async def _run(
+        self,
+        step: int,
+        plan: list[Action],
+        inputs: list[Any] | None,
+        targets: list[Any] | None,
+        weights: list[float] | None,
+    ) -> dict[str, Any]:
+        part = self.part
+        assert part is not None
+        first, last = self.rank == 0, self.rank == self.num_stages - 1
+        m = sum(a.kind is Kind.FORWARD for a in plan)
+        if first and (inputs is None or len(inputs) != m):
+            got = 0 if inputs is None else len(inputs)
+            raise ConfigurationError(f"stage 0 needs {m} input microbatches, got {got}")
+        if last and (targets is None or weights is None or len(targets) != m or len(weights) != m):
+            raise ConfigurationError(f"the last stage needs {m} targets and weights")
+        t_start = time.perf_counter()
+        busy = wait = 0.0
+        ctxs: dict[int, Any] = {}
+        losses: list[float] = [0.0] * m
+        _, dt = await self._compute(part.zero_grad)
+        busy += dt
+        for action in plan:
+            i = action.microbatch
+            if action.kind is Kind.FORWARD:
+                if first:
+                    assert inputs is not None
+                    x = inputs[i]
+                else:
+                    t0 = time.perf_counter()
+                    x = await self._recv(self.prev, message_tag(step, "f", i))
+                    wait += time.perf_counter() - t0
+                if last:
+                    assert targets is not None and weights is not None
+                    (losses[i], ctxs[i]), dt = await self._compute(
+                        part.forward_loss, x, targets[i], float(weights[i]), not first
+                    )
+                else:
+                    (y, ctxs[i]), dt = await self._compute(part.forward, x, not first)
+                    self._send_later(self.next, y, message_tag(step, "f", i))
+            else:
+                grad = None
+                if not last:
+                    t0 = time.perf_counter()
+                    grad = await self._recv(self.next, message_tag(step, "b", i))
+                    wait += time.perf_counter() - t0
+                gx, dt = await self._compute(part.backward, ctxs.pop(i), grad)
+                if not first:
+                    self._send_later(self.prev, gx, message_tag(step, "b", i))
+            busy += dt
+        t0 = time.perf_counter()
+        while self._sends:  # every byte of this step has left before the parameters change
+            await asyncio.gather(*list(self._sends))
+        if self._broken is not None:
+            raise self._broken
+        send_wait = time.perf_counter() - t0
+        _, dt = await self._compute(part.step)
+        busy += dt
+        return {
+            "rank": self.rank,
+            "losses": losses if last else None,
+            "compute_s": busy,
+            "recv_wait_s": wait,
+            "send_wait_s": send_wait,
+            "wall_s": time.perf_counter() - t_start,
+        }
+
+    # -- the rest -------------------------------------------------------------------------------
+    async def _state(self) -> dict[str, Any]:
+        self._check_open()
+        if self.part is None:
+            raise ClosedResourceError("this stage has no part yet: a driver has not configured it")
+        return await asyncio.to_thread(self.part.state)
+
+    async def _release(self) -> None:
+        """The driver is done: drop the links (a later driver configures them again)."""
+        if self._task is not None:
+            self._task.cancel()
+        await self._drop_links()
+        self.rank = -1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("stage is closed")
+
+    async def aclose(self) -> None:
+        """Stop serving: cancel a running step, close the links; idempotent. The node stays open."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+        for task in list(self._background):
+            task.cancel()
+        await self._drop_links()
+        registry = self.node.methods
+        for name in METHODS:
+            with contextlib.suppress(Exception):
+                registry.unregister(name)
+
+    async def __aenter__(self) -> Stage:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
