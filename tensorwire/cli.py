@@ -1,8 +1,9 @@
-"""tensorwire's command line: demo, serve, doctor.
+"""tensorwire's command line: demo, serve, doctor, stage.
 
 tensorwire demo                 two processes on loopback, a verified 256 MiB pytree
 tensorwire serve --echo 0       a node that echoes what it receives on tag 0
 tensorwire doctor [ADDR] [--json]  what this machine offers and which path a connect takes
+tensorwire stage --part MOD:FN  a pipeline stage server (see tensorwire.pipeline)
 """
 
 from __future__ import annotations
@@ -158,6 +159,17 @@ async def _serve(address: str, echo: list[str], token: str | None, transports: l
     return 0
 
 
+# -- stage ----------------------------------------------------------------------------------
+async def _stage(address: str, part: str, token: str | None, transports: list[str] | None, offload: bool) -> int:
+    from .pipeline._serve import serve_stage
+
+    def ready(bound: str) -> None:
+        print(f"tensorwire stage serving at {bound}", flush=True)
+
+    await serve_stage(address, part, ready=ready, offload=offload, transports=transports, auth_token=token)
+    return 0
+
+
 # -- doctor ---------------------------------------------------------------------------------
 def _doctor_report(address: str | None = None, token: str | None = None) -> dict[str, Any]:
     from ._doctor import report
@@ -190,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("address", nargs="?", help="also connect to the node at ADDRESS and show the path it negotiates")
     p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="auth token for ADDRESS")
+    p = sub.add_parser("stage", help="serve a pipeline stage; a driver links the stages and runs steps")
+    p.add_argument("--part", required=True, help="MODULE:FUNCTION or FILE.py:FUNCTION; FUNCTION(rank, num_stages)")
+    p.add_argument("--address", default="127.0.0.1:0")
+    p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="require this auth token")
+    p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
+    p.add_argument("--no-offload", action="store_true", help="compute on the event loop instead of a thread")
     p = sub.add_parser("_demo-peer")
     p.add_argument("address")
     p.add_argument("size_mib", type=int)
@@ -203,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_serve(args.address, args.echo, args.token, args.transports))
         if args.cmd == "doctor":
             return _doctor(args.json, args.address, args.token)
+        if args.cmd == "stage":
+            return asyncio.run(_stage(args.address, args.part, args.token, args.transports, not args.no_offload))
         if args.cmd == "_demo-peer":
             return asyncio.run(_demo_child(args.address, args.size_mib))
     except KeyboardInterrupt:

@@ -120,6 +120,7 @@ class Pipeline:
                         addresses[s + 1] if s + 1 < p else None,
                         list(transports) if transports else None,
                         wait,
+                        addresses[s - 1] if s > 0 else None,
                         _deadline=wait + 5,
                     )
                     for s, peer in enumerate(peers)
@@ -224,10 +225,11 @@ class Pipeline:
         self._closed = True
         with contextlib.suppress(TensorWireError, TimeoutError):
             async with asyncio.timeout(5):
-                await asyncio.gather(
-                    *[peer.call("tw.pipeline.release") for peer in self.peers if not peer.closed],
-                    return_exceptions=True,
-                )
+                for close in (False, True):  # first every stage stops watching, then they unlink
+                    await asyncio.gather(
+                        *[peer.call("tw.pipeline.release", close) for peer in self.peers if not peer.closed],
+                        return_exceptions=True,
+                    )
         for peer in self.peers:
             await peer.aclose()
 

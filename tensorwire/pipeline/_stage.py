@@ -62,10 +62,11 @@ def message_tag(step: int, direction: str, microbatch: int) -> str:
 class _Link:
     rank: int  # the neighbour's rank
     peer: Peer
+    address: str  # the neighbour's node, as the driver knows it
     watcher: asyncio.Task[None] | None = None
 
     def __str__(self) -> str:
-        return f"stage {self.rank} ({self.peer.remote_address})"
+        return f"stage {self.rank} ({self.address})"
 
 
 class Stage:
@@ -132,6 +133,7 @@ class Stage:
         next_address: str | None,
         transports: list[str] | None = None,
         connect_seconds: float = 10.0,
+        prev_address: str | None = None,
     ) -> dict[str, Any]:
         self._check_open()
         if not 0 <= rank < num_stages:
@@ -147,9 +149,10 @@ class Stage:
             async with asyncio.timeout(connect_seconds):
                 if next_address is not None:
                     peer = await self.node.connect(next_address, transports=tuple(transports) if transports else None)
-                    self.next = _Link(rank + 1, peer)
+                    self.next = _Link(rank + 1, peer, next_address)
                 if prev_node is not None:
-                    self.prev = _Link(rank - 1, await self._wait_for(prev_node))
+                    peer = await self._wait_for(prev_node)
+                    self.prev = _Link(rank - 1, peer, prev_address or peer.remote_address)
         except TimeoutError:
             waiting = (
                 f"connecting to the next stage at {next_address}"
@@ -367,12 +370,18 @@ class Stage:
             raise ClosedResourceError("this stage has no part yet: a driver has not configured it")
         return await asyncio.to_thread(self.part.state)
 
-    async def _release(self) -> None:
-        """The driver is done: drop the links (a later driver configures them again)."""
+    async def _release(self, close: bool = True) -> None:
+        """The driver is done. It first calls this with ``close=False`` on every stage, which
+        stops watching the links (so that no stage takes its neighbour's leaving for a failure),
+        then with ``close=True``, which drops them. A later driver configures them again."""
         if self._task is not None:
             self._task.cancel()
-        await self._drop_links()
         self.rank = -1
+        for link in self.links:
+            if link.watcher is not None:
+                link.watcher.cancel()
+        if close:
+            await self._drop_links()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,136 @@
+"""Four pipeline stages in four processes on loopback, training an MLP.
+
+    python examples/pipeline_mlp.py [--transport tcp|ucx] [--schedule 1f1b|gpipe] [--steps 5]
+
+Each stage is a ``tensorwire stage`` process serving ``build_part`` from this file; this process
+is the driver: it links the stages, feeds them batches split into microbatches and prints the
+loss of each step, the negotiated path of each link and the bubble fraction. The same
+``build_part`` can serve stages on other machines:
+
+    tensorwire stage --part examples/pipeline_mlp.py:build_part --address 0.0.0.0:5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+WIDTH = 256
+IN, OUT = 64, 10
+LR = 0.05
+PART = f"{os.path.abspath(__file__)}:build_part"  # what the stage processes serve
+
+
+def build_model(rank: int, num_stages: int) -> Any:
+    """Stage ``rank``'s slice of the MLP, the same weights in every process (seeded by rank)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(1000 + rank)
+    d_in = IN if rank == 0 else WIDTH
+    if rank == num_stages - 1:
+        return nn.Sequential(nn.Linear(d_in, WIDTH), nn.GELU(), nn.Linear(WIDTH, OUT))
+    return nn.Sequential(nn.Linear(d_in, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU())
+
+
+def make_optimizer(params: Any) -> Any:
+    import torch
+
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def build_part(rank: int, num_stages: int) -> Any:
+    """What ``tensorwire stage --part examples/pipeline_mlp.py:build_part`` serves."""
+    import torch
+    from torch import nn
+
+    from tensorwire.pipeline import TorchPart
+
+    torch.set_num_threads(int(os.environ.get("TENSORWIRE_STAGE_THREADS", "1")))  # one core per stage
+    last = rank == num_stages - 1
+    return TorchPart(
+        build_model(rank, num_stages), optimizer=make_optimizer, loss=nn.functional.cross_entropy if last else None
+    )
+
+
+async def spawn_stages(
+    n: int, part: str, transports: list[str], env: dict[str, str] | None = None
+) -> tuple[list[Any], list[str]]:
+    """Start ``n`` stage processes on loopback (port 0) and read the address each one bound."""
+    procs, addresses = [], []
+    for _ in range(n):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tensorwire.cli", "stage", "--part", part,
+            "--address", "127.0.0.1:0", "--transports", *transports,
+            stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        procs.append(proc)
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            async with asyncio.timeout(60):
+                line = (await proc.stdout.readline()).decode()
+            if not line.startswith("tensorwire stage serving at "):
+                raise RuntimeError(f"a stage process did not start (exit {await proc.wait()})")
+            addresses.append(line.rsplit(" ", 1)[1].strip())
+    except BaseException:
+        await stop(procs)
+        raise
+    return procs, addresses
+
+
+async def stop(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.returncode is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            async with asyncio.timeout(10):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+async def main(transport: str, schedule: str, steps: int, microbatches: int, batch: int) -> None:
+    import torch
+
+    import tensorwire
+    from tensorwire.pipeline import get_schedule
+
+    p = 4
+    procs, addresses = await spawn_stages(p, PART, [transport])
+    try:
+        async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+            pipe = await tensorwire.pipeline.Pipeline.connect(node, addresses, transports=[transport])
+            async with pipe:
+                print(f"{p} stage processes: {', '.join(addresses)}")
+                for s, path in enumerate(pipe.paths):
+                    print(f"  link stage {s} -> {s + 1}: {path}")
+                g = torch.Generator().manual_seed(0)
+                teacher = torch.randn(IN, OUT, generator=g)
+                theory = get_schedule(schedule)(p, microbatches).bubble
+                for step in range(steps):
+                    x = torch.randn(batch, IN, generator=g)
+                    y = (x @ teacher).argmax(dim=1)
+                    r = await pipe.step(x, y, microbatches=microbatches, schedule=schedule)
+                    print(
+                        f"step {step}: loss {r.loss:.4f}  {r.seconds * 1e3:6.1f} ms  "
+                        f"bubble {r.bubble:.2f} (theory {theory:.2f} for p={p}, m={microbatches})"
+                    )
+    finally:
+        await stop(procs)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=256)
+    a = ap.parse_args()
+    asyncio.run(main(a.transport, a.schedule, a.steps, a.microbatches, a.batch))
