@@ -16,6 +16,7 @@
     │   ├── TransportUnavailable       a transport cannot be used here (lists alternatives)
     │   ├── ConnectError               the data-plane connection could not be opened
     │   ├── ProtocolError              a malformed, hostile or unauthenticated frame
+    │   ├── RegistrationError          memory could not be registered with the device (memlock)
     │   ├── TransferError              a transfer failed part way
     │   │   └── IntegrityError         a checksum did not match: the message was not delivered
     │   └── PeerDisconnected           the peer went away; pending operations fail with this
@@ -53,6 +54,7 @@ __all__ = [
     "NegotiationError",
     "PeerDisconnected",
     "ProtocolError",
+    "RegistrationError",
     "RemoteError",
     "ResourceError",
     "ScheduleError",
@@ -121,6 +123,11 @@ class ConnectError(TransportError):
 
 class ProtocolError(TransportError):
     """A frame was malformed, hostile, or did not prove the session secret."""
+
+
+class RegistrationError(TransportError):
+    """Memory could not be registered with the RDMA device (pinned memory over RLIMIT_MEMLOCK,
+    an address the device cannot map); the message says which limit and how to raise it."""
 
 
 class TransferError(TransportError):
