@@ -18,6 +18,14 @@ import os
 import sys
 from typing import Any
 
+# imported here, when `tensorwire stage --part` loads this file before its node serves: importing
+# torch inside build_part would hold the GIL for seconds while the stage must answer lease renewals
+import torch
+from torch import nn
+
+import tensorwire
+from tensorwire.pipeline import Pipeline, TorchPart, get_schedule
+
 WIDTH = 256
 IN, OUT = 64, 10
 LR = 0.05
@@ -26,9 +34,6 @@ PART = f"{os.path.abspath(__file__)}:build_part"  # what the stage processes ser
 
 def build_model(rank: int, num_stages: int) -> Any:
     """Stage ``rank``'s slice of the MLP, the same weights in every process (seeded by rank)."""
-    import torch
-    from torch import nn
-
     torch.manual_seed(1000 + rank)
     d_in = IN if rank == 0 else WIDTH
     if rank == num_stages - 1:
@@ -37,18 +42,11 @@ def build_model(rank: int, num_stages: int) -> Any:
 
 
 def make_optimizer(params: Any) -> Any:
-    import torch
-
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
 def build_part(rank: int, num_stages: int) -> Any:
     """What ``tensorwire stage --part examples/pipeline_mlp.py:build_part`` serves."""
-    import torch
-    from torch import nn
-
-    from tensorwire.pipeline import TorchPart
-
     torch.set_num_threads(int(os.environ.get("TENSORWIRE_STAGE_THREADS", "1")))  # one core per stage
     last = rank == num_stages - 1
     return TorchPart(
@@ -96,16 +94,11 @@ async def stop(procs: list[Any]) -> None:
 
 
 async def main(transport: str, schedule: str, steps: int, microbatches: int, batch: int) -> None:
-    import torch
-
-    import tensorwire
-    from tensorwire.pipeline import get_schedule
-
     p = 4
     procs, addresses = await spawn_stages(p, PART, [transport])
     try:
         async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
-            pipe = await tensorwire.pipeline.Pipeline.connect(node, addresses, transports=[transport])
+            pipe = await Pipeline.connect(node, addresses, transports=[transport])
             async with pipe:
                 print(f"{p} stage processes: {', '.join(addresses)}")
                 for s, path in enumerate(pipe.paths):

@@ -50,7 +50,9 @@ class StepResult:
     loss: the batch's loss (the microbatch losses weighted by their share of the batch).
     losses: each microbatch's own loss.
     seconds: the step's wall time at the driver.
-    stages: per stage, its compute time, time waiting for neighbours and wall time (seconds).
+    stages: per stage (seconds): ``compute_s`` (wall time in its part's code), ``cpu_s`` (CPU
+        time of that code), ``recv_wait_s`` (waiting for a neighbour), ``send_wait_s`` (the step's
+        last sends), ``wall_s``.
     """
 
     loss: float

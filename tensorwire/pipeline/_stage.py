@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,10 @@ class Stage:
         self._sends: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._cpu = 0.0
+        # one thread runs all of this stage's code (build included; the loop's own thread when not
+        # offloading), so thread-local settings such as torch.set_num_threads hold for all of it
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tw-stage")
         registry = node.methods
         if any(name in registry for name in METHODS):
             raise BusyResourceError(f"node {node.address} already serves a pipeline stage")
@@ -141,7 +146,8 @@ class Stage:
         await self._drop_links()
         self.rank, self.num_stages, self._broken = rank, num_stages, None
         if self._build is not None:
-            self.part = as_part(await asyncio.to_thread(self._build, rank, num_stages), **self._options)
+            built, _ = await self._compute(self._build, rank, num_stages)
+            self.part = as_part(built, **self._options)
         assert self.part is not None
         if rank == num_stages - 1 and not self.part.has_loss:
             raise ConfigurationError(f"stage {rank} is the last stage but its part has no loss")
@@ -266,12 +272,16 @@ class Stage:
                 t.cancel()
 
     async def _compute(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """Run ``fn`` (in a worker thread when offloading); (its result, wall seconds). The CPU
+        seconds of the thread go to ``self._cpu``."""
+
         def timed() -> tuple[Any, float]:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             out = fn(*args)
+            self._cpu += time.thread_time() - c0
             return out, time.perf_counter() - t0
 
-        return await asyncio.to_thread(timed) if self.offload else timed()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, timed) if self.offload else timed()
 
     async def _recv(self, link: _Link | None, tag: str) -> Any:
         assert link is not None
@@ -313,7 +323,7 @@ class Stage:
         if last and (targets is None or weights is None or len(targets) != m or len(weights) != m):
             raise ConfigurationError(f"the last stage needs {m} targets and weights")
         t_start = time.perf_counter()
-        busy = wait = 0.0
+        busy = wait = self._cpu = 0.0
         ctxs: dict[int, Any] = {}
         losses: list[float] = [0.0] * m
         _, dt = await self._compute(part.zero_grad)
@@ -358,6 +368,7 @@ class Stage:
             "rank": self.rank,
             "losses": losses if last else None,
             "compute_s": busy,
+            "cpu_s": self._cpu,
             "recv_wait_s": wait,
             "send_wait_s": send_wait,
             "wall_s": time.perf_counter() - t_start,
@@ -368,7 +379,7 @@ class Stage:
         self._check_open()
         if self.part is None:
             raise ClosedResourceError("this stage has no part yet: a driver has not configured it")
-        return await asyncio.to_thread(self.part.state)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.part.state)
 
     async def _release(self, close: bool = True) -> None:
         """The driver is done. It first calls this with ``close=False`` on every stage, which
@@ -397,6 +408,7 @@ class Stage:
         for task in list(self._background):
             task.cancel()
         await self._drop_links()
+        self._executor.shutdown(wait=False, cancel_futures=True)
         registry = self.node.methods
         for name in METHODS:
             with contextlib.suppress(Exception):
