@@ -18,6 +18,16 @@ from .transports import Capabilities, Limits, Receipt
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # tensorwire.pipeline loads on first use (``import tensorwire.pipeline`` works too)
+    if name == "pipeline":
+        import importlib
+
+        return importlib.import_module(".pipeline", __name__)
+    raise AttributeError(f"module 'tensorwire' has no attribute {name!r}")
+
+
 __all__ = [
     "Capabilities",
     "Handle",

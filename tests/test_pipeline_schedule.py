@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import graphlib
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -167,3 +169,15 @@ def test_names_parsing_and_sizes() -> None:
         make_schedule(gpipe(2, 3), 4, 3)
     assert make_schedule([["F0", "B0"], ["F0", "B0"]], 2, 1).valid
     assert issubclass(ScheduleError, ConfigurationError)
+
+
+@pytest.mark.timeout(60)
+def test_importing_the_pipeline_needs_no_torch() -> None:
+    code = (
+        "import sys, tensorwire\n"
+        "assert 'tensorwire.pipeline' not in sys.modules\n"
+        "from tensorwire.pipeline import FunctionPart, Stage, get_schedule\n"
+        "assert tensorwire.pipeline.Stage is Stage and get_schedule('gpipe')(2, 2).valid\n"
+        "assert 'torch' not in sys.modules, 'the pipeline imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
