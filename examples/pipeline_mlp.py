@@ -1,6 +1,6 @@
 """Four pipeline stages in four processes on loopback, training an MLP.
 
-    python examples/pipeline_mlp.py [--transport tcp|ucx] [--schedule 1f1b|gpipe] [--steps 5]
+    python examples/pipeline_mlp.py [--transport tcp|ucx] [--schedule 1f1b|gpipe] [--steps 8]
 
 Each stage is a ``tensorwire stage`` process serving ``build_part`` from this file; this process
 is the driver: it links the stages, feeds them batches split into microbatches and prints the
@@ -28,7 +28,7 @@ from tensorwire.pipeline import Pipeline, TorchPart, get_schedule
 
 WIDTH = 256
 IN, OUT = 64, 10
-LR = 0.05
+LR = 0.3
 PART = f"{os.path.abspath(__file__)}:build_part"  # what the stage processes serve
 
 
@@ -122,7 +122,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=256)
     a = ap.parse_args()
