@@ -239,6 +239,15 @@ async def test_an_error_in_one_stage_fails_the_step_on_every_stage() -> None:
         # the pipeline stays broken until it is configured again
         with pytest.raises(tensorwire.RemoteError, match="broken by an earlier failure"):
             await pipe.step(x, y, microbatches=4)
+        # a new driver configures the same stages again, and they train; the old one is refused
+        bad.armed = False
+        addresses = [peer.remote_address for peer in pipe.peers]
+        async with await pipeline.Pipeline.connect(pipe.node, addresses) as again:
+            assert (await again.step(x, y, microbatches=4)).loss > 0
+            with pytest.raises(tensorwire.RemoteError, match="configured by another driver"):
+                await pipe.step(x, y, microbatches=4)
+            await pipe.aclose()  # its release is refused too: the new driver's links stay up
+            assert (await again.step(x, y, microbatches=2, schedule="gpipe")).loss > 0
 
 
 @pytest.mark.timeout(30)

@@ -162,6 +162,7 @@ class Pipeline:
             loop.create_task(
                 peer.call(
                     "tw.pipeline.step",
+                    self._links[s]["generation"],
                     step,
                     " ".join(map(str, sched.stages[s])),
                     xs if s == 0 else None,
@@ -229,7 +230,11 @@ class Pipeline:
             async with asyncio.timeout(5):
                 for close in (False, True):  # first every stage stops watching, then they unlink
                     await asyncio.gather(
-                        *[peer.call("tw.pipeline.release", close) for peer in self.peers if not peer.closed],
+                        *[
+                            peer.call("tw.pipeline.release", info["generation"], close)
+                            for peer, info in zip(self.peers, self._links, strict=True)
+                            if not peer.closed
+                        ],
                         return_exceptions=True,
                     )
         for peer in self.peers:

@@ -110,6 +110,7 @@ class Stage:
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
         self._cpu = 0.0
+        self._generation = 0  # which configure the stage is in: a stale driver's calls are refused
         # one thread runs all of this stage's code (build included; the loop's own thread when not
         # offloading), so thread-local settings such as torch.set_num_threads hold for all of it
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tw-stage")
@@ -141,10 +142,13 @@ class Stage:
         prev_address: str | None = None,
     ) -> dict[str, Any]:
         self._check_open()
+        if self._task is not None:
+            raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
         if not 0 <= rank < num_stages:
             raise ConfigurationError(f"rank {rank} is not in 0..{num_stages - 1}")
         await self._drop_links()
         self.rank, self.num_stages, self._broken = rank, num_stages, None
+        self._generation += 1
         if self._build is not None:
             built, _ = await self._compute(self._build, rank, num_stages)
             self.part = as_part(built, **self._options)
@@ -171,6 +175,7 @@ class Stage:
         log.info("stage %d/%d at %s: prev %s, next %s", rank, num_stages, self.node.address, self.prev, self.next)
         return {
             "rank": rank,
+            "generation": self._generation,
             "prev_path": str(self.prev.peer.path) if self.prev else None,
             "next_path": str(self.next.peer.path) if self.next else None,
         }
@@ -234,6 +239,7 @@ class Stage:
     # -- one step -------------------------------------------------------------------------------
     async def _step(
         self,
+        generation: int,
         step: int,
         actions: str,
         inputs: list[Any] | None = None,
@@ -243,6 +249,7 @@ class Stage:
         self._check_open()
         if self.rank < 0 or self.part is None:
             raise ClosedResourceError(f"stage at {self.node.address} has not been configured by a driver")
+        self._check_generation(generation)
         if self._broken is not None:
             raise BrokenResourceError(f"stage {self.rank} is broken by an earlier failure: {self._broken}")
         if self._task is not None:
@@ -381,10 +388,15 @@ class Stage:
             raise ClosedResourceError("this stage has no part yet: a driver has not configured it")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.part.state)
 
-    async def _release(self, close: bool = True) -> None:
+    def _check_generation(self, generation: int) -> None:
+        if generation != self._generation:
+            raise BrokenResourceError(f"stage at {self.node.address} has been configured by another driver since")
+
+    async def _release(self, generation: int, close: bool = True) -> None:
         """The driver is done. It first calls this with ``close=False`` on every stage, which
         stops watching the links (so that no stage takes its neighbour's leaving for a failure),
         then with ``close=True``, which drops them. A later driver configures them again."""
+        self._check_generation(generation)
         if self._task is not None:
             self._task.cancel()
         self.rank = -1
