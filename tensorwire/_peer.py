@@ -94,15 +94,22 @@ class Peer:
         msg = prepare(obj)
         return await self.channel.send(wire_tag, msg)
 
-    async def recv(self, *, tag: int | str = 0, out: Any = None) -> Any:
+    async def recv(self, *, tag: int | str = 0, out: Any = None, device: Any = None) -> Any:
         """Receive the next message on ``tag``. With ``out=``, bytes land in the caller's
-        tensors (same pytree structure, dtypes and shapes) and ``out`` is returned."""
-        value, _ = await self.channel.recv(tag_id(tag), out)
+        tensors (same pytree structure, dtypes and shapes; host or CUDA) and ``out`` is returned.
+
+        ``device=`` ("cpu", "cuda", "cuda:1", 1 or a torch.device) says where the received
+        tensors are allocated; by default where the sender's were (CUDA where this process has
+        it). CUDA tensors come back safe to use on the caller's current stream.
+        """
+        value, _ = await self.channel.recv(tag_id(tag), out, device)
         return value
 
-    async def recv_with_receipt(self, *, tag: int | str = 0, out: Any = None) -> tuple[Any, Receipt]:
-        """Like ``recv``, and also say how the message came (protocol, direct or staged, time)."""
-        return await self.channel.recv(tag_id(tag), out)
+    async def recv_with_receipt(
+        self, *, tag: int | str = 0, out: Any = None, device: Any = None
+    ) -> tuple[Any, Receipt]:
+        """Like ``recv``, and also say how the message came (protocol, direct or staged, memory, time)."""
+        return await self.channel.recv(tag_id(tag), out, device)
 
     # -- tensor RPC ------------------------------------------------------------------------
     async def call(

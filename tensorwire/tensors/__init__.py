@@ -1,11 +1,15 @@
 """Tensors: one adapter for numpy, torch, DLPack and buffers; pytrees; wire headers."""
 
+from ._device import Device, DeviceTensor, EngineArray, parse_device
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
 from ._message import Outgoing, Spec, decode_header, match_out, prepare, rebuild
 from ._view import TensorView, as_view, byte_view, is_tensor
 
 __all__ = [
     "DTYPES",
+    "Device",
+    "DeviceTensor",
+    "EngineArray",
     "Outgoing",
     "Spec",
     "TensorView",
@@ -16,6 +20,7 @@ __all__ = [
     "dtype_name",
     "is_tensor",
     "match_out",
+    "parse_device",
     "prepare",
     "rebuild",
 ]

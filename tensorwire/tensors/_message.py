@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from ..control._pb import wire_pb2
 from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
+from ._device import DeviceTensor
 from ._dtypes import DTYPES
 from ._view import TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
@@ -30,6 +32,7 @@ _BIG_INT = re.compile(rf"-?[0-9]{{1,{MAX_BIG_INT_DIGITS}}}")
 _SCALAR_KINDS = frozenset({"none", "bool_value", "int_value", "float_value", "str_value", "bytes_value", "big_int"})
 MAX_NDIM = 64
 _INT64 = 2**63
+_CUDA_DEVICE = re.compile(r"cuda(:[0-9]{1,6})?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,21 +51,32 @@ class Spec:
 
 @dataclass(slots=True)
 class Outgoing:
-    """A message ready to send: its header, and the tensors' bytes in wire order."""
+    """A message ready to send: its header, and the tensors' bytes in wire order.
+
+    ``arrays`` holds host arrays and, for CUDA tensors, DeviceTensors (wire bytes in device
+    memory, complete once their ``ready`` event is). ``memory`` is "cuda" if any tensor was in
+    device memory; ``staged`` says the device bytes were already copied to host (``to_host``).
+    """
 
     tree: wire_pb2.TreeNode
     specs: list[Spec]
-    arrays: list[np.ndarray]  # C-contiguous, over the caller's memory unless packed
+    arrays: Sequence[np.ndarray | DeviceTensor]  # C-contiguous, over the caller's memory unless packed
     packed: bool
     nbytes: int
     _header: bytes | None = field(default=None, repr=False)
+    on_device: bool = False
+    staged: bool = False
+    memory: str = "host"  # the device memory kind of the tensors ("cuda"), else "host"
 
     @property
     def header(self) -> bytes:
         if self._header is None:
             msg = wire_pb2.MessageHeader(tree=self.tree)
             for s, a in zip(self.specs, self.arrays, strict=True):
-                strides = [st // a.itemsize for st in a.strides] if a.itemsize else []
+                if isinstance(a, DeviceTensor):
+                    strides = _c_strides(a.shape)
+                else:
+                    strides = [st // a.itemsize for st in a.strides] if a.itemsize else []
                 msg.tensors.add(
                     dtype=s.dtype,
                     shape=s.shape,
@@ -78,8 +92,44 @@ class Outgoing:
         return self._header
 
     def segments(self) -> list[memoryview]:
-        """The payload as flat byte views of the wire arrays (empty tensors omitted)."""
-        return [byte_view(a) for a in self.arrays if a.nbytes]
+        """The payload as flat byte views of the wire arrays (empty tensors omitted); host only."""
+        if self.on_device:
+            raise UnsupportedTensorError("message holds device tensors: use parts(), or to_host() first")
+        return [byte_view(a) for a in self.arrays if isinstance(a, np.ndarray) and a.nbytes]
+
+    def parts(self) -> list[memoryview | DeviceTensor]:
+        """The payload in order: host byte views and device tensors (empty tensors omitted)."""
+        return [a if isinstance(a, DeviceTensor) else byte_view(a) for a in self.arrays if a.nbytes]
+
+    async def to_host(self) -> None:
+        """Copy every device tensor's bytes into host memory of our own (for transports that
+        cannot read device memory); waits for each producer's event on a copy lane."""
+        if not self.on_device:
+            return
+        from ..memory import download
+
+        arrays: list[np.ndarray | DeviceTensor] = []
+        for a in self.arrays:
+            if isinstance(a, DeviceTensor):
+                host = np.empty(a.nbytes, np.uint8)
+                if a.nbytes:
+                    await download(a.buf, host.data, a.ready)
+                arrays.append(host)
+            else:
+                arrays.append(a)
+        self.header  # noqa: B018 - encode while the device shapes are still at hand
+        self.arrays = arrays
+        self.on_device = False
+        self.staged = True
+
+
+def _c_strides(shape: tuple[int, ...]) -> list[int]:
+    out = []
+    acc = 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return list(reversed(out))
 
 
 def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeNode:
@@ -158,17 +208,24 @@ def prepare(obj: object) -> Outgoing:
 def _prepare_tree(obj: object) -> Outgoing:
     views: list[TensorView] = []
     tree = _flatten(obj, views, 0)
-    arrays: list[np.ndarray] = []
+    arrays: list[np.ndarray | DeviceTensor] = []
     specs: list[Spec] = []
     packed = False
+    on_device = False
     total = 0
     for v in views:
         arr, was_packed = v.wire_array()
         packed |= was_packed
         arrays.append(arr)
-        specs.append(Spec(v.dtype, v.shape, int(arr.nbytes), v.framework, v.device))
+        if isinstance(arr, DeviceTensor):
+            on_device = True
+            device = "cuda" if arr.engine.kind == "cuda" else "cpu"
+        else:
+            device = "cpu"
+        specs.append(Spec(v.dtype, v.shape, int(arr.nbytes), v.framework, device))
         total += int(arr.nbytes)
-    return Outgoing(tree, specs, arrays, packed, total)
+    memory = next((a.engine.kind for a in arrays if isinstance(a, DeviceTensor)), "host")
+    return Outgoing(tree, specs, arrays, packed, total, on_device=on_device, memory=memory)
 
 
 def decode_header(
@@ -219,9 +276,13 @@ def _decode_header(
         total += n
         if total > max_message_bytes:
             raise ProtocolError(f"message claims more than the {max_message_bytes}-byte limit")
-        if t.device not in ("", "cpu"):
+        if t.device in ("", "cpu"):
+            device = "cpu"
+        elif _CUDA_DEVICE.fullmatch(t.device):
+            device = "cuda"
+        else:
             raise ProtocolError(f"header claims device {t.device[:32]!r}, which this build cannot receive")
-        specs.append(Spec(t.dtype, shape, n, t.framework or "numpy", "cpu"))
+        specs.append(Spec(t.dtype, shape, n, t.framework or "numpy", device))
     _check_tree(msg.tree, len(specs), 0)
     return msg.tree, specs
 
@@ -278,8 +339,9 @@ def _unflatten(node: wire_pb2.TreeNode, leaves: list[Any]) -> Any:
     return getattr(node, kind)
 
 
-def match_out(out: object, specs: list[Spec]) -> list[np.ndarray]:
-    """The caller's out= pytree as writable arrays, one per tensor leaf, checked against specs."""
+def match_out(out: object, specs: list[Spec]) -> list[np.ndarray | DeviceTensor]:
+    """The caller's out= pytree as writable arrays (host) or DeviceTensors (device), one per
+    tensor leaf, checked against specs."""
     if type(out) is np.ndarray and len(specs) == 1:
         s = specs[0]
         if out.dtype == DTYPES.get(s.dtype) and out.shape == s.shape and out.flags.c_contiguous and out.flags.writeable:
@@ -288,13 +350,13 @@ def match_out(out: object, specs: list[Spec]) -> list[np.ndarray]:
     _flatten(out, views, 0)
     if len(views) != len(specs):
         raise ShapeMismatchError(f"out= holds {len(views)} tensors but the message has {len(specs)}")
-    targets = []
+    targets: list[np.ndarray | DeviceTensor] = []
     for i, (v, s) in enumerate(zip(views, specs, strict=True)):
         if v.dtype != s.dtype or v.shape != s.shape:
             raise ShapeMismatchError(
                 f"out= tensor {i} is {v.dtype}{list(v.shape)} but the message carries {s.dtype}{list(s.shape)}"
             )
-        targets.append(_writable(v))
+        targets.append(v.dev.target() if v.dev is not None else _writable(v))
     return targets
 
 

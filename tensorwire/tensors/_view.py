@@ -1,8 +1,11 @@
-"""One adapter for every tensor type: numpy, torch (CPU), DLPack and the buffer protocol.
+"""One adapter for every tensor type: numpy, torch, CuPy, DLPack, ``__cuda_array_interface__``
+and the buffer protocol.
 
-``as_view(obj)`` returns a TensorView, a host numpy array over the caller's own memory plus the
-framework it came from, so that a receiver can hand back the same kind of tensor. torch is
-detected through ``sys.modules``: tensorwire never imports torch just to check a type.
+``as_view(obj)`` returns a TensorView: for host tensors a numpy array over the caller's own
+memory, for CUDA tensors a :class:`~tensorwire.tensors._device.DeviceSource` (nothing copied or
+enqueued yet), plus the framework it came from, so that a receiver can hand back the same kind
+of tensor. torch is detected through ``sys.modules`` and CuPy through the object's type:
+tensorwire never imports either just to check a type.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UnsupportedTensorError
+from ._device import DeviceSource, DeviceTensor, EngineArray, device_source
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
 
 __all__ = ["TensorView", "as_view", "byte_view", "empty", "is_tensor", "to_framework"]
@@ -24,30 +28,51 @@ _TORCH_REVIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "
 
 @dataclass(frozen=True, slots=True)
 class TensorView:
-    """A host tensor as tensorwire sees it: a numpy array over the caller's memory."""
+    """A tensor as tensorwire sees it: a numpy array over the caller's host memory, or (``dev``)
+    a description of the caller's device memory."""
 
-    array: np.ndarray
+    host: np.ndarray | None
     framework: str = "numpy"
     device: str = "cpu"
+    dev: DeviceSource | None = None
+
+    @property
+    def array(self) -> np.ndarray:
+        """The host array; UnsupportedTensorError for a device tensor (a host-only path)."""
+        if self.host is None:
+            raise UnsupportedTensorError(
+                f"this operation needs a host tensor, and a {self.framework} tensor on {self.device} was given"
+            )
+        return self.host
 
     @property
     def dtype(self) -> str:
+        if self.dev is not None:
+            return self.dev.dtype
         return dtype_name(self.array.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.dev is not None:
+            return self.dev.shape
         return tuple(self.array.shape)
 
     @property
     def nbytes(self) -> int:
+        if self.dev is not None:
+            return self.dev.nbytes
         return int(self.array.nbytes)
 
     @property
     def contiguous(self) -> bool:
+        if self.dev is not None:
+            return self.dev.contiguous
         return bool(self.array.flags.c_contiguous)
 
-    def wire_array(self) -> tuple[np.ndarray, bool]:
+    def wire_array(self) -> tuple[np.ndarray | DeviceTensor, bool]:
         """The bytes to put on the wire in C order, and whether a packing copy was needed."""
+        if self.dev is not None:
+            return self.dev.wire()
         if self.array.flags.c_contiguous:
             return self.array, False
         return np.ascontiguousarray(self.array), True
@@ -64,6 +89,8 @@ def is_tensor(obj: object) -> bool:
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         return True
+    if isinstance(obj, EngineArray):
+        return True
     if isinstance(obj, (bytes, str)):
         return False
     if hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"):
@@ -78,9 +105,9 @@ def is_tensor(obj: object) -> bool:
 def _from_torch(t: Any) -> TensorView:
     torch = _torch()
     if t.device.type != "cpu":
-        raise UnsupportedTensorError(
-            f"torch tensor on {t.device} cannot be moved by this build yet: only CPU tensors are supported"
-        )
+        dev = device_source(t)
+        assert dev is not None
+        return TensorView(None, "torch", dev.device, dev)
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
@@ -111,8 +138,16 @@ def as_view(obj: object) -> TensorView:
         torch = _torch()
         if torch is not None and isinstance(obj, torch.Tensor):
             return _from_torch(obj)
-        if hasattr(obj, "__cuda_array_interface__"):
-            raise UnsupportedTensorError(f"{type(obj).__name__} lives in CUDA memory, which this build cannot move yet")
+        if isinstance(obj, EngineArray) or hasattr(obj, "__cuda_array_interface__"):
+            dev = device_source(obj)
+            if dev is None:
+                raise UnsupportedTensorError(f"{type(obj).__name__} could not be read as device memory")
+            return TensorView(None, dev.framework, dev.device, dev)
+        if hasattr(obj, "__dlpack__") and _dlpack_on_cuda(obj):
+            raise UnsupportedTensorError(
+                f"{type(obj).__name__} lives in CUDA memory and offers only DLPack: pass a torch tensor or a "
+                "CuPy array (cupy.from_dlpack(x)), whose streams tensorwire can follow"
+            )
         if hasattr(obj, "__dlpack__"):
             try:
                 arr = np.from_dlpack(obj)
@@ -135,8 +170,19 @@ def as_view(obj: object) -> TensorView:
     return TensorView(arr, framework)
 
 
-def to_framework(arr: np.ndarray, framework: str) -> Any:
-    """Hand a received array back as the sender's framework when this process has it loaded."""
+def _dlpack_on_cuda(obj: object) -> bool:
+    try:
+        kind, _ = obj.__dlpack_device__()  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return int(kind) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+def to_framework(arr: np.ndarray | DeviceTensor, framework: str) -> Any:
+    """Hand a received array back as the sender's framework when this process has it loaded;
+    a device tensor is already the framework object it was allocated as."""
+    if isinstance(arr, DeviceTensor):
+        return arr.value
     if framework == "torch":
         torch = _torch()
         if torch is not None:

@@ -98,6 +98,8 @@ class Receipt:
     direct: bytes went between the caller's buffer and the wire with no copy by tensorwire.
     staged: bytes passed through a tensorwire buffer (received before the recv was posted).
     packed: a non-contiguous tensor was packed into C order first.
+    memory: "cuda" if the tensors were (sending) or are now (receiving) in CUDA memory, else
+        "host"; with ``staged`` such bytes went through host staging buffers of tensorwire's.
     """
 
     transport: str
@@ -108,6 +110,7 @@ class Receipt:
     direct: bool
     staged: bool
     packed: bool
+    memory: str = "host"
 
     @property
     def gbps(self) -> float:
@@ -126,6 +129,9 @@ class Channel(ABC):
 
     transport: str
     lanes: tuple[str, ...]
+    # device memory kinds this channel writes and reads itself ("cuda", and "host-engine", the
+    # host stand-in of tests); other device tensors are staged through host memory around it
+    device_kinds: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         from ._mailbox import Mailbox
@@ -138,8 +144,8 @@ class Channel(ABC):
     async def send(self, tag: int, msg: Any) -> Receipt:
         """Send one prepared message (tensors.Outgoing) on ``tag``."""
 
-    async def recv(self, tag: int, out: object | None) -> tuple[Any, Receipt]:
-        return await self.mailbox.recv(tag, out)
+    async def recv(self, tag: int, out: object | None, device: object = None) -> tuple[Any, Receipt]:
+        return await self.mailbox.recv(tag, out, device)
 
     @abstractmethod
     async def pull(self, arrival: Any) -> None:

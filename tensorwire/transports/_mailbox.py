@@ -8,7 +8,13 @@ until a recv pulls it.
 
 A cancelled recv never leaves its ``out=`` buffer to be written later: what already landed there
 is copied into a buffer of tensorwire's own, the rest of the payload follows it there, and the
-message goes back to the head of its tag's queue, so nothing is lost.
+message goes back to the head of its tag's queue, so nothing is lost. (For a CUDA ``out=``, the
+copies already queued into it are ordered before the consumer stream's later work.)
+
+Device memory: a transport that can write device memory (``Channel.device_kinds``) lands a
+matched message straight in the recv's CUDA ``out=`` or in tensors allocated on the requested
+device; anything else lands in host memory of our own, and the recv moves it where it was asked
+for (``device=``, or by default the sender's memory kind where this process has CUDA).
 """
 
 from __future__ import annotations
@@ -20,8 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ShapeMismatchError, TensorWireError, TransferError
+from ..errors import ConfigurationError, TensorWireError, TransferError
+from ..memory import download
 from ..tensors import Spec, byte_view, match_out, rebuild
+from ..tensors._device import (
+    Device,
+    DeviceTensor,
+    Landing,
+    allocate_device,
+    check_cuda,
+    cuda_usable,
+    parse_device,
+)
 from ._base import Receipt
 
 if TYPE_CHECKING:
@@ -52,12 +68,14 @@ class Arrival:
         "dest",
         "direct",
         "done",
+        "landing",
         "msg_id",
         "nbytes",
         "protocol",
         "pulling",
         "rendezvous",
         "specs",
+        "staged",
         "tag",
         "tree",
         "written",
@@ -84,11 +102,13 @@ class Arrival:
         self.protocol = protocol
         self.pulling = False
         self.consumed = False  # handed to a recv: its credit went back, it is never requeued
-        self.dest: list[np.ndarray] | None = None
+        self.dest: list[np.ndarray | DeviceTensor] | None = None
         self.direct = False  # dest is the recv's out= buffer
         self.written = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._flat: list[tuple[int, memoryview]] | None = None
+        self._flat: list[tuple[int, int, memoryview | None]] | None = None
+        self.landing: Landing | None = None  # device copies queued for this message
+        self.staged = False  # device bytes went through host staging chunks
         if self.nbytes == 0 and not rendezvous:
             self.done.set_result(None)
 
@@ -103,28 +123,61 @@ class Arrival:
         if self.dest is None or not self.direct:
             return
         old = self.dest
-        self.allocate()
-        assert self.dest is not None
-        # a transport may be part way through a chunk, so ``written`` can lag: copy it all
-        for src, dst in zip(old, self.dest, strict=True):
-            np.copyto(dst, src)
+        new: list[np.ndarray | DeviceTensor] = []
+        for spec, d in zip(self.specs, old, strict=True):
+            if isinstance(d, DeviceTensor):
+                # a device buffer of our own on the same device; the copy of what landed queues
+                # after the landing copies, and the caller's stream waits for it
+                mine = DeviceTensor(d.engine.empty(d.nbytes), d.dtype, d.shape, spec.framework)
+                if self.landing is not None:
+                    self.landing.copy(mine, d)
+                    self.landing.hand_back(d)
+                new.append(mine)
+            else:
+                own = spec.allocate()
+                # a transport may be part way through a chunk, so ``written`` can lag: copy it all
+                np.copyto(own, d)
+                new.append(own)
+        self.dest = new
+        self.direct = False
+        self._flat = None
 
-    def view(self, offset: int, n: int) -> memoryview:
-        """A writable byte view of the payload at ``offset``, at most ``n`` bytes long."""
+    def _layout(self) -> list[tuple[int, int, memoryview | None]]:
         if self._flat is None:
             assert self.dest is not None
             flat = []
             pos = 0
-            for a in self.dest:
+            for i, a in enumerate(self.dest):
                 if a.nbytes:
-                    flat.append((pos, byte_view(a)))
+                    flat.append((pos, i, None if isinstance(a, DeviceTensor) else byte_view(a)))
                     pos += a.nbytes
             self._flat = flat
-        for start, mv in self._flat:
+        return self._flat
+
+    def locate(self, offset: int) -> tuple[int, int, int]:
+        """Which tensor of ``dest`` holds payload byte ``offset``: (index, offset in it, bytes left in it)."""
+        assert self.dest is not None
+        for start, i, _ in self._layout():
+            n = self.dest[i].nbytes
+            if start <= offset < start + n:
+                return i, offset - start, start + n - offset
+        raise IndexError(f"offset {offset} outside a {self.nbytes}-byte payload")
+
+    def view(self, offset: int, n: int) -> memoryview:
+        """A writable byte view of the (host) payload at ``offset``, at most ``n`` bytes long."""
+        for start, _, mv in self._layout():
+            if mv is None:
+                continue
             end = start + len(mv)
             if start <= offset < end:
                 return mv[offset - start : min(end, offset + n) - start]
-        raise IndexError(f"offset {offset} outside a {self.nbytes}-byte payload")
+        raise IndexError(f"offset {offset} outside the host part of a {self.nbytes}-byte payload")
+
+    def land(self) -> Landing:
+        """The device side of this message (created on first use)."""
+        if self.landing is None:
+            self.landing = Landing()
+        return self.landing
 
     def complete(self) -> None:
         if not self.done.done():
@@ -135,10 +188,11 @@ class Arrival:
 
 
 class _Posted:
-    __slots__ = ("future", "out")
+    __slots__ = ("device", "future", "out")
 
-    def __init__(self, out: object | None) -> None:
+    def __init__(self, out: object | None, device: Device | None) -> None:
         self.out = out
+        self.device = device
         self.future: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
 
 
@@ -162,13 +216,17 @@ class Mailbox:
                 del self._posted[arrival.tag]
             if p.future.done():  # cancelled recv
                 continue
-            if p.out is not None:
-                try:
-                    arrival.dest = match_out(p.out, arrival.specs)
-                    arrival.direct = True
-                except ShapeMismatchError as exc:
-                    p.future.set_exception(exc)
-                    continue
+            try:
+                if p.out is not None:
+                    targets = match_out(p.out, arrival.specs)
+                    if self._lands(targets):
+                        arrival.dest = targets
+                        arrival.direct = True
+                elif arrival.nbytes and self.channel.device_kinds:
+                    self._place(arrival, p.device)
+            except TensorWireError as exc:
+                p.future.set_exception(exc)
+                continue
             p.future.set_result(arrival)
             return
         self._arrived.setdefault(arrival.tag, deque()).append(arrival)
@@ -196,13 +254,36 @@ class Mailbox:
                     a.fail(exc)
             self._arrived[tag] = keep
 
+    def _lands(self, targets: list[np.ndarray | DeviceTensor]) -> bool:
+        """Can this channel write every target where it is (host, or device memory it knows)?"""
+        kinds = self.channel.device_kinds
+        return all(not isinstance(t, DeviceTensor) or t.engine.kind in kinds for t in targets)
+
+    def _place(self, arrival: Arrival, want: Device | None) -> None:
+        """A recv without out= is posted: allocate device tensors where they are to end up, so
+        the transport lands the payload there directly."""
+        where = [_placement(s, want) for s in arrival.specs]
+        if "cuda" not in self.channel.device_kinds or all(w is None for w in where):
+            return
+        arrival.dest = [
+            s.allocate() if w is None else allocate_device(s.dtype, s.shape, s.framework, w)
+            for s, w in zip(arrival.specs, where, strict=True)
+        ]
+        arrival.direct = False
+
     # -- user side ------------------------------------------------------------------------
     def _requeue(self, arrival: Arrival) -> None:
         arrival.detach()
         self._arrived.setdefault(arrival.tag, deque()).appendleft(arrival)
 
-    async def recv(self, tag: int, out: object | None) -> tuple[Any, Receipt]:
+    async def recv(self, tag: int, out: object | None, device: object = None) -> tuple[Any, Receipt]:
         t0 = time.perf_counter()
+        want = parse_device(device)
+        if want is not None:
+            if out is not None:
+                raise ConfigurationError("pass out= or device=, not both: out= already says where the bytes go")
+            if want.kind == "cuda":
+                want = Device("cuda", check_cuda(want.index))
         self.in_flight += 1
         try:
             while True:
@@ -218,7 +299,7 @@ class Mailbox:
                     if self.failure is not None:
                         raise self.failure
                     self.channel.check_open()
-                    p = _Posted(out)
+                    p = _Posted(out, want)
                     self._posted.setdefault(tag, deque()).append(p)
                     try:
                         arrival = await p.future
@@ -237,7 +318,7 @@ class Mailbox:
                             del self._posted[tag]
                     targets = None
                 try:
-                    return await self._complete(arrival, out, targets, t0)
+                    return await self._complete(arrival, out, targets, t0, want)
                 except SenderAborted:
                     continue
                 except BaseException:
@@ -249,12 +330,19 @@ class Mailbox:
             self.in_flight -= 1
 
     async def _complete(
-        self, arrival: Arrival, out: object | None, targets: list[np.ndarray] | None, t0: float
+        self,
+        arrival: Arrival,
+        out: object | None,
+        targets: list[np.ndarray | DeviceTensor] | None,
+        t0: float,
+        want: Device | None = None,
     ) -> tuple[Any, Receipt]:
         if arrival.rendezvous and not arrival.pulling:
-            if targets is not None:
+            if targets is not None and self._lands(targets):
                 arrival.dest, arrival.direct = targets, True
-            elif arrival.dest is None:
+            elif targets is None and arrival.dest is None and self.channel.device_kinds:
+                self._place(arrival, want)
+            if arrival.dest is None:
                 arrival.allocate()
             arrival.pulling = True
             await self.channel.pull(arrival)
@@ -266,18 +354,25 @@ class Mailbox:
         self.channel.release(arrival)
         if arrival.dest is None:
             raise TransferError("message completed without a destination buffer")
-        staged = False
+        staged = arrival.staged
+        memory = "host"
         try:
+            dest = arrival.dest
             if out is None:
-                value = rebuild(arrival.tree, arrival.specs, arrival.dest)
+                final = [_final(s, d, want) for s, d in zip(arrival.specs, dest, strict=True)]
+            elif arrival.direct:
+                final = dest
             else:
-                if not arrival.direct:
-                    if targets is None:
-                        targets = match_out(out, arrival.specs)
-                    for src, dst in zip(arrival.dest, targets, strict=True):
-                        np.copyto(dst, src)
-                    staged = True
-                value = out
+                final = targets if targets is not None else match_out(out, arrival.specs)
+            if any(isinstance(d, DeviceTensor) for d in (*dest, *final)):
+                staged |= await _settle_device(arrival, dest, final)
+                memory = next((d.engine.kind for d in final if isinstance(d, DeviceTensor)), "host")
+            else:
+                for src, dst in zip(dest, final, strict=True):
+                    if src is not dst:
+                        np.copyto(dst, src)  # type: ignore[arg-type]
+                        staged = True
+            value = rebuild(arrival.tree, arrival.specs, final) if out is None else out
         except TensorWireError:
             raise
         except Exception as exc:  # validated headers make this unreachable; never jam the tag
@@ -292,5 +387,50 @@ class Mailbox:
             direct=not staged,
             staged=staged,
             packed=False,
+            memory=memory,
         )
         return value, receipt
+
+
+def _placement(spec: Spec, want: Device | None) -> int | None:
+    """The CUDA device a received tensor goes to, or None for host memory."""
+    if want is None:
+        if spec.device == "cuda" and cuda_usable():
+            return check_cuda(None)
+        return None
+    return want.index if want.kind == "cuda" else None
+
+
+def _final(spec: Spec, d: np.ndarray | DeviceTensor, want: Device | None) -> np.ndarray | DeviceTensor:
+    """What a recv without out= hands back for one tensor: ``d`` itself where it already sits
+    where it is wanted, else a new tensor there."""
+    where = _placement(spec, want)
+    if isinstance(d, DeviceTensor) and d.value is not None and d.engine.kind == "cuda" and where == d.buf.device:
+        return d
+    if where is None:
+        return d if isinstance(d, np.ndarray) else spec.allocate()
+    return allocate_device(spec.dtype, spec.shape, spec.framework, where)
+
+
+async def _settle_device(
+    arrival: Arrival, dest: list[np.ndarray | DeviceTensor], final: list[np.ndarray | DeviceTensor]
+) -> bool:
+    """Move what landed in ``dest`` to ``final`` where they differ, then hand device tensors to
+    their consumers' streams. Returns True if a copy was needed."""
+    landing = arrival.land()
+    copied = False
+    for src, dst in zip(dest, final, strict=True):
+        if src is dst or not src.nbytes:
+            continue
+        copied = True
+        if isinstance(dst, DeviceTensor):
+            if isinstance(src, DeviceTensor):
+                landing.copy(dst, src)
+            else:
+                await landing.upload(dst, src)
+        elif isinstance(src, DeviceTensor):
+            await download(src.buf, byte_view(dst), landing.flush(src))
+        else:
+            np.copyto(dst, src)
+    await landing.finish(final)
+    return copied

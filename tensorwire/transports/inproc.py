@@ -17,10 +17,8 @@ import weakref
 from collections import deque
 from collections.abc import Awaitable
 
-import numpy as np
-
 from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, TransferError
-from ..tensors import Outgoing, byte_view
+from ..tensors import Outgoing
 from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
 from ._mailbox import Arrival, SenderAborted
 
@@ -29,10 +27,6 @@ __all__ = ["InprocChannel", "InprocTransport"]
 _CHUNK = 4 << 20
 _REPOST_AFTER = 64 * 1024
 _LISTENERS: weakref.WeakValueDictionary[str, InprocTransport] = weakref.WeakValueDictionary()
-
-
-def _flat(arrays: list[np.ndarray]) -> list[memoryview]:
-    return [byte_view(a) for a in arrays if a.nbytes]
 
 
 class _Source:
@@ -100,6 +94,7 @@ class InprocChannel(Channel):
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         t0 = time.perf_counter()
         peer = self._other()
+        await msg.to_host()  # device tensors: staged through host memory (no device lanes here)
         if msg.nbytes > peer._limits.max_message_bytes:
             raise TransferError(
                 f"a {msg.nbytes}-byte message exceeds the peer's {peer._limits.max_message_bytes}-byte limit"
@@ -130,7 +125,7 @@ class InprocChannel(Channel):
                 rendezvous=not eager,
                 protocol="eager" if eager else "rendezvous",
             )
-            segs = _flat(msg.arrays)
+            segs = msg.segments()
             source = None if eager else _Source(segs)
             if source is not None:
                 peer._sources[msg_id] = source
@@ -160,9 +155,10 @@ class InprocChannel(Channel):
             nbytes=msg.nbytes,
             seconds=time.perf_counter() - t0,
             protocol=arrival.protocol,
-            direct=not msg.packed,
-            staged=False,
+            direct=not msg.packed and not msg.staged,
+            staged=msg.staged,
             packed=msg.packed,
+            memory=msg.memory,
         )
 
     async def pull(self, arrival: Arrival) -> None:

@@ -6,6 +6,13 @@ away, landing in the posted recv's buffer or in a bounded buffer here. A larger 
 (CTS), straight into the recv's ``out=``. Payloads move in ``chunk_bytes`` frames so that
 concurrent messages interleave. Credit and message slots come back piggybacked on any frame, or
 in a CREDIT frame when no traffic flows the other way.
+
+CUDA tensors are staged (``tensorwire.memory``): on the way out, chunks are copied from the
+device into a ring of page-locked host chunks on a lane of our own (after the producer stream's
+event), and chunk k goes on the wire while the copies of chunks k+1.. run; on the way in, each
+DATA frame is read into a page-locked chunk whose copy to the device is queued at once, so the
+next frame is read while it runs, and the recv's stream waits for the last copy. A device
+tensor's frames are at most one staging chunk long (never mixed with other tensors' bytes).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import asyncio
 import logging
 import time
 from contextlib import suppress
+from typing import Any
 
 import crc32c
 
@@ -25,7 +33,8 @@ from ...errors import (
     ProtocolError,
     TransferError,
 )
-from ...tensors import Outgoing, decode_header
+from ...memory import stage_out
+from ...tensors import DeviceTensor, Outgoing, decode_header
 from .._base import Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import CHECKSUM, FLAG_CHECKSUM, RENDEZVOUS, TRAILER, FrameType, PeerLimits, pack
@@ -62,8 +71,13 @@ async def _let_recvs_repost(arrival: Arrival) -> None:
             await asyncio.sleep(0)
 
 
+def _on_device(arrival: Arrival) -> bool:
+    return arrival.dest is not None and any(isinstance(d, DeviceTensor) for d in arrival.dest)
+
+
 class TcpChannel(Channel):
     transport = "tcp"
+    device_kinds = frozenset({"cuda", "host-engine"})
 
     def __init__(self, io: SockIO, limits: Limits, remote: PeerLimits, *, name: str, checksum: bool = False) -> None:
         super().__init__()
@@ -155,15 +169,15 @@ class TcpChannel(Channel):
             eager = self._window.reserve(msg.nbytes)
             msg_id = self._next_id
             self._next_id += 1
-            segs = msg.segments()
+            segs: list[memoryview | DeviceTensor] = msg.parts() if msg.on_device else list(msg.segments())
             announced: list[bool] = []  # the MSG frame is on the wire: the receiver accounts for it
             try:
                 if eager:
-                    inline = min(msg.nbytes, self._limits.chunk_bytes)
+                    inline = 0 if msg.on_device else min(msg.nbytes, self._limits.chunk_bytes)
                     await self._write(
                         FrameType.MSG,
                         meta=header,
-                        payload=_slices(segs, 0, inline),
+                        payload=_slices(segs, 0, inline) if inline else None,  # type: ignore[arg-type]
                         msg_id=msg_id,
                         arg=tag,
                         sent=announced,
@@ -196,17 +210,45 @@ class TcpChannel(Channel):
             nbytes=msg.nbytes,
             seconds=time.perf_counter() - t0,
             protocol="eager" if eager else "rendezvous",
-            direct=not msg.packed,
-            staged=False,
+            direct=not msg.packed and msg.memory == "host",
+            staged=msg.memory != "host",
             packed=msg.packed,
+            memory=msg.memory,
         )
 
-    async def _send_data(self, msg_id: int, segs: list[memoryview], start: int, end: int) -> None:
+    async def _send_data(self, msg_id: int, segs: list[memoryview | DeviceTensor], start: int, end: int) -> None:
+        if any(isinstance(s, DeviceTensor) for s in segs):
+            await self._send_parts(msg_id, segs, start, end)
+            return
         chunk = self._limits.chunk_bytes
         for off in range(start, end, chunk):
             if off > start:
                 await asyncio.sleep(0)  # a socket that never blocks must not starve the loop
-            await self._write(FrameType.DATA, payload=_slices(segs, off, min(off + chunk, end)), msg_id=msg_id, arg=off)
+            await self._write(FrameType.DATA, payload=_slices(segs, off, min(off + chunk, end)), msg_id=msg_id, arg=off)  # type: ignore[arg-type]
+
+    async def _send_parts(self, msg_id: int, parts: list[memoryview | DeviceTensor], start: int, end: int) -> None:
+        """DATA frames for a message with device tensors: host parts in ``chunk_bytes`` frames,
+        device parts one staging chunk per frame, the device copies running ahead of the socket."""
+        chunk = self._limits.chunk_bytes
+        pos = 0
+        for part in parts:
+            n = part.nbytes
+            lo, hi = max(start, pos), min(end, pos + n)
+            if lo < hi:
+                if isinstance(part, DeviceTensor):
+                    gen = stage_out(part.buf, lo - pos, hi - pos, part.ready)
+                    try:
+                        async for off, view in gen:
+                            await self._write(FrameType.DATA, payload=[view], msg_id=msg_id, arg=pos + off)
+                            await asyncio.sleep(0)
+                    finally:
+                        await gen.aclose()
+                else:
+                    for off in range(lo, hi, chunk):
+                        piece = part[off - pos : min(off + chunk, hi) - pos]
+                        await self._write(FrameType.DATA, payload=[piece], msg_id=msg_id, arg=off)
+                        await asyncio.sleep(0)
+            pos += n
 
     # -- receiving --------------------------------------------------------------------------
     async def pull(self, arrival: Arrival) -> None:
@@ -274,9 +316,13 @@ class TcpChannel(Channel):
                     self._incoming[hdr.msg_id] = arrival  # so a failure below fails its recv too
                     if arrival.dest is None:
                         arrival.allocate()  # size checked against credit above
-                    if hdr.payload_len:
-                        await io.read_into(arrival.view, 0, hdr.payload_len)
-                    await self._verify(crc, arrival, 0, hdr.payload_len)
+                    if _on_device(arrival):
+                        crc = await self._land(arrival, 0, hdr.payload_len, crc)
+                        await self._check_trailer(crc, arrival)
+                    else:
+                        if hdr.payload_len:
+                            await io.read_into(arrival.view, 0, hdr.payload_len)
+                        await self._verify(crc, arrival, 0, hdr.payload_len)
                     arrival.written = hdr.payload_len
                     if arrival.written == arrival.nbytes:
                         del self._incoming[hdr.msg_id]
@@ -351,10 +397,59 @@ class TcpChannel(Channel):
             where = "its out= buffer may hold corrupted bytes" if arrival.direct else "nothing was delivered"
             raise IntegrityError(f"crc32c mismatch in message {arrival.msg_id} on {self.lanes[0]}; {where}")
 
+    async def _check_trailer(self, crc: int, arrival: Arrival) -> None:
+        if not self.checksum:
+            return
+        (want,) = TRAILER.unpack(await self._io.read_exact(TRAILER.size))
+        if want != crc:
+            where = "its out= buffer may hold corrupted bytes" if arrival.direct else "nothing was delivered"
+            raise IntegrityError(f"crc32c mismatch in message {arrival.msg_id} on {self.lanes[0]}; {where}")
+
+    async def _land(self, arrival: Arrival, start: int, n: int, crc: int) -> int:
+        """Read ``n`` payload bytes at ``start`` into a destination that holds device tensors:
+        host tensors straight from the socket, device ones through staging chunks whose copies
+        to the device overlap the next reads. Returns the running crc32c."""
+        io, summed = self._io, self.checksum
+        pos, end = start, start + n
+        while pos < end:
+            i, off, left = arrival.locate(pos)
+            k = min(end - pos, left)
+            assert arrival.dest is not None
+            d = arrival.dest[i]
+            if isinstance(d, DeviceTensor):
+                arrival.staged = True
+                sums = [crc]
+
+                async def fill(view: memoryview, _pos: int, sums: list[int] = sums) -> None:
+                    await io.read_into(lambda o, m: view[o : o + m], 0, len(view))
+                    if summed:
+                        sums[0] = crc32c.crc32c(view, sums[0])
+
+                def target(i: int = i) -> Any:
+                    assert arrival.dest is not None
+                    return arrival.dest[i].buf  # type: ignore[union-attr]
+
+                await arrival.land().stage(d).write(target, off, k, fill)
+                crc = sums[0]
+            else:
+                await io.read_into(arrival.view, pos, k)
+                if summed:
+                    p = pos
+                    while p < pos + k:
+                        view = arrival.view(p, pos + k - p)
+                        crc = crc32c.crc32c(view, crc)
+                        p += len(view)
+            pos += k
+        return crc
+
     async def _read_data(self, arrival: Arrival, n: int, crc: int) -> None:
         start = arrival.written
-        await self._io.read_into(arrival.view, start, n)
-        await self._verify(crc, arrival, start, n)
+        if _on_device(arrival):
+            crc = await self._land(arrival, start, n, crc)
+            await self._check_trailer(crc, arrival)
+        else:
+            await self._io.read_into(arrival.view, start, n)
+            await self._verify(crc, arrival, start, n)
         arrival.written = start + n
         if arrival.written == arrival.nbytes:
             del self._incoming[arrival.msg_id]

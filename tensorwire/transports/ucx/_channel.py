@@ -24,6 +24,13 @@ UCX writes into its ``out=`` lets that write finish before the cancellation take
 message is then requeued whole and delivered to the next recv). A send cancelled after its
 payload was handed to UCX likewise finishes first (UCX cannot recall a send), so the message
 arrives whole; one cancelled before that (waiting for CTS) sends ABORT and never arrives.
+
+CUDA memory (where this UCX has cuda transports): payload sends and receives are posted with
+the device pointers themselves, so UCX moves them over cuda_copy / cuda_ipc (or GPUDirect
+lanes); the lanes say which. A send posts only after the producer stream's event has
+completed; a receive posts only after the consumer stream's work on the destination has, and
+UCX completes it once the bytes are in place. Without cuda transports, device tensors are
+staged through host memory first (``Outgoing.to_host``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import BrokenResourceError, ClosedResourceError, PeerDisconnected, ProtocolError, TransferError
-from ...tensors import Outgoing, byte_view, decode_header
+from ...memory import wait_event
+from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header
 from .._base import Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack
@@ -76,6 +84,47 @@ def ctrl_bytes(limits: Limits) -> int:
     return HEADER.size + limits.max_header_bytes + inline_limit(limits)
 
 
+class _CudaBytes:
+    """``nbytes`` bytes of device memory at ``ptr`` in the CUDA array interface, for ucxx.
+
+    (A torch tensor's own interface refuses bfloat16, and reports a stream to synchronize;
+    the stream ordering is done here, with events, before the pointer reaches UCX.)
+    """
+
+    __slots__ = ("__cuda_array_interface__", "owner")
+
+    def __init__(self, t: DeviceTensor) -> None:
+        self.owner = t.buf.owner
+        self.__cuda_array_interface__ = {
+            "shape": (t.nbytes,),
+            "typestr": "|u1",
+            "data": (t.buf.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+
+def _payload(part: memoryview | DeviceTensor | np.ndarray) -> Any:
+    if isinstance(part, DeviceTensor):
+        return _CudaBytes(part)
+    if isinstance(part, np.ndarray):
+        return byte_view(part)
+    return part
+
+
+async def _targets_ready(arrival: Arrival) -> None:
+    """Wait (on the host, without blocking the loop) for the consumer streams' work on the
+    device destinations of ``arrival``: UCX writes outside every stream."""
+    for t in arrival.dest or ():
+        if isinstance(t, DeviceTensor) and t.stream is not None:
+            await wait_event(t.engine, t.engine.record_on(t.stream))
+
+
+def _on_device(arrival: Arrival) -> bool:
+    return arrival.dest is not None and any(isinstance(d, DeviceTensor) for d in arrival.dest)
+
+
 class _Transfer:
     """Payload receives posted for one message; completes its arrival when all have landed."""
 
@@ -102,8 +151,11 @@ class UcxChannel(Channel):
         remote: PeerLimits,
         remote_ctrl: int,
         name: str,
+        cuda: bool = False,
     ) -> None:
         super().__init__()
+        if cuda:
+            self.device_kinds = frozenset({"cuda"})
         self._w = worker
         self._lib = worker.lib
         self._ucp = ucp
@@ -229,6 +281,8 @@ class UcxChannel(Channel):
         if len(header) > self._remote.max_header_bytes or HEADER.size + len(header) > self._remote_ctrl:
             raise TransferError(f"message header of {len(header)} bytes exceeds the peer's limit")
         t0 = time.perf_counter()
+        if msg.on_device and "cuda" not in self.device_kinds:
+            await msg.to_host()  # no cuda transports in this UCX: stage through host memory
         self._sending += 1
         try:
             await self._window.take_slot(self.check_open)
@@ -236,11 +290,16 @@ class UcxChannel(Channel):
             eager = self._window.reserve(nbytes)
             msg_id = self._next_id
             self._next_id += 1
-            segs = msg.segments()
-            inline = eager and nbytes <= self._inline and HEADER.size + len(header) + nbytes <= self._remote_ctrl
+            segs: list[memoryview | DeviceTensor] = msg.parts() if msg.on_device else list(msg.segments())
+            inline = (
+                not msg.on_device
+                and eager
+                and nbytes <= self._inline
+                and HEADER.size + len(header) + nbytes <= self._remote_ctrl
+            )
             if inline:
                 frame = self._frame(FrameType.MSG, meta_len=len(header), payload_len=nbytes, msg_id=msg_id, arg=tag)
-                self._send_frame(b"".join([frame, header, *segs]) if nbytes else frame + header)
+                self._send_frame(b"".join([frame, header, *segs]) if nbytes else frame + header)  # type: ignore[list-item]
                 protocol = "inline"
             elif eager:
                 self._send_frame(self._frame(FrameType.MSG, meta_len=len(header), msg_id=msg_id, arg=tag) + header)
@@ -271,17 +330,22 @@ class UcxChannel(Channel):
             nbytes=msg.nbytes,
             seconds=time.perf_counter() - t0,
             protocol=protocol,
-            direct=not msg.packed and protocol != "inline",
-            staged=False,
+            direct=not msg.packed and protocol != "inline" and not msg.staged,
+            staged=msg.staged,
             packed=msg.packed,
+            memory=msg.memory,
         )
 
-    async def _send_payload(self, msg_id: int, segs: list[memoryview]) -> None:
+    async def _send_payload(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> None:
         """Hand every segment to UCX, then wait for all of them. UCX cannot recall a send, so a
-        cancellation waits for the payload to finish moving and then takes effect."""
+        cancellation waits for the payload to finish moving and then takes effect. Device
+        segments are posted once their producers' events have completed."""
+        for s in segs:
+            if isinstance(s, DeviceTensor) and s.ready is not None:
+                await wait_event(s.engine, s.ready)
         self.check_open()
         tag = self._lib.UCXXTag(make_tag(self._tx_key, DATA, msg_id))
-        reqs = [(self._ep.tag_send(self._lib_array(s), tag), s) for s in segs]
+        reqs = [(self._ep.tag_send(self._lib_array(_payload(s)), tag), s) for s in segs]
         cancelled = False
         for req, seg in reqs:
             while True:
@@ -407,11 +471,25 @@ class UcxChannel(Channel):
             self._adopt(arrival)
 
     def _adopt(self, arrival: Arrival) -> None:
-        """Receive an eager payload into a buffer of our own now; a later recv copies it."""
+        """Receive an eager payload into a buffer of our own now (or into the device tensors a
+        recv allocated for it); a later recv copies it."""
         arrival.rendezvous = False
         if arrival.dest is None or arrival.direct:
             arrival.allocate()
+        if _on_device(arrival):
+            task = self._loop.create_task(self._post_when_ready(arrival))
+            self._w.track(task)
+            return
         self._post_payload(arrival)
+
+    async def _post_when_ready(self, arrival: Arrival) -> None:
+        try:
+            await _targets_ready(arrival)
+        except Exception as exc:
+            arrival.fail(TransferError(f"device destination not ready: {exc!r}"))
+            return
+        if self.state is ChannelState.OPEN:
+            self._post_payload(arrival)
 
     def _post_payload(self, arrival: Arrival) -> _Transfer:
         assert arrival.dest is not None
@@ -422,7 +500,7 @@ class UcxChannel(Channel):
         for a in arrival.dest:
             if not a.nbytes:
                 continue
-            req = recv(self._lib_array(byte_view(a)), tag)
+            req = recv(self._lib_array(_payload(a)), tag)
             transfer.reqs.append(req)
             transfer.pending += 1
             self._w.watch(req, functools.partial(self._payload_done, transfer), keep=a, owner=self)
@@ -449,6 +527,9 @@ class UcxChannel(Channel):
 
     async def pull(self, arrival: Arrival) -> None:
         self.check_open()
+        if _on_device(arrival) and arrival.msg_id in self._waiting:
+            await _targets_ready(arrival)  # before anything changes: a cancel here loses nothing
+            self.check_open()
         entry = self._waiting.pop(arrival.msg_id, None)
         if entry is None:
             transfer = self._incoming.get(arrival.msg_id)

@@ -259,6 +259,7 @@ class UcxTransport(Transport):
             limits=self.ctx.limits,
             remote=remote,
             remote_ctrl=remote_ctrl,
+            cuda="cuda" in self.capabilities.memory_kinds,
             name=f"server {session.remote_node[:8]}",
         )
         self._track(channel, my_key)
@@ -342,6 +343,7 @@ class UcxTransport(Transport):
             limits=self.ctx.limits,
             remote=remote,
             remote_ctrl=remote_ctrl,
+            cuda="cuda" in self.capabilities.memory_kinds,
             name=f"client {session.remote_node[:8]}",
         )
         self._track(channel, my_key)

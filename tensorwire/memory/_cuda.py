@@ -1,0 +1,172 @@
+"""The CUDA copy engine: streams, events and page-locked chunks through CuPy's runtime bindings.
+
+Every call here takes raw handles (``cudaStream_t``/``cudaEvent_t`` as ints), so streams of
+torch and of CuPy are treated alike. CuPy is imported only when a CUDA tensor is first met.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import threading
+from types import ModuleType
+from typing import Any
+
+from ..errors import UnsupportedTensorError
+from ._engine import DONE, CopyEngine, DeviceBuffer, Event, HostChunk, Lane
+
+__all__ = ["CudaEngine", "CudaEvent", "cuda_device_count", "cupy_module"]
+
+_NOT_READY = 600  # cudaErrorNotReady
+_engines: dict[int, CudaEngine] = {}
+_engines_lock = threading.Lock()
+
+
+class CudaUnavailableError(UnsupportedTensorError):
+    """CUDA memory cannot be moved here: CuPy or a CUDA device is missing."""
+
+
+def cupy_module() -> ModuleType:
+    try:
+        return importlib.import_module("cupy")
+    except ImportError as exc:
+        raise CudaUnavailableError(
+            "moving CUDA tensors needs CuPy (its streams, events and pinned memory), and it could not "
+            f"be imported ({exc}); install the build matching your CUDA, e.g. 'pip install cupy-cuda12x' "
+            "or 'pip install cupy-cuda13x' (tensorwire[cuda])"
+        ) from exc
+
+
+def cuda_device_count() -> int:
+    """CUDA devices CuPy sees here; 0 without CuPy or a driver (never raises)."""
+    try:
+        cp = importlib.import_module("cupy")
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+class CudaEvent(Event):
+    __slots__ = ("_rt", "device", "ptr")
+
+    def __init__(self, cp: ModuleType, device: int) -> None:
+        rt = cp.cuda.runtime
+        self._rt = rt
+        self.device = device
+        with cp.cuda.Device(device):
+            self.ptr = int(rt.eventCreateWithFlags(rt.eventDisableTiming))
+
+    def record(self, stream: int) -> CudaEvent:
+        self._rt.eventRecord(self.ptr, stream)
+        return self
+
+    def query(self) -> bool:
+        status = int(self._rt.eventQuery(self.ptr))
+        if status == 0:
+            return True
+        if status == _NOT_READY:
+            return False
+        # any other status is a sticky CUDA error: let the runtime turn it into an exception
+        self._rt.eventSynchronize(self.ptr)
+        return True
+
+    def synchronize(self) -> None:
+        self._rt.eventSynchronize(self.ptr)
+
+    def __del__(self) -> None:
+        try:
+            self._rt.eventDestroy(self.ptr)
+        except Exception:  # interpreter shutdown or a dead context: nothing left to free
+            pass
+
+
+class CudaLane(Lane):
+    """A non-blocking CUDA stream of tensorwire's own on one device."""
+
+    engine: CudaEngine
+
+    def __init__(self, engine: CudaEngine) -> None:
+        self.engine = engine
+        cp = engine.cp
+        self._rt = cp.cuda.runtime
+        with cp.cuda.Device(engine.device):
+            self.stream = int(self._rt.streamCreateWithFlags(self._rt.streamNonBlocking))
+
+    def _memcpy(self, dst: int, src: int, n: int, kind: int) -> None:
+        if n:
+            self._rt.memcpyAsync(dst, src, n, kind, self.stream)
+
+    def to_host(self, dst: HostChunk, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
+        self._memcpy(dst.ptr + dst_off, src.ptr + src_off, n, self._rt.memcpyDeviceToHost)
+
+    def to_device(self, dst: DeviceBuffer, dst_off: int, src: HostChunk, src_off: int, n: int) -> None:
+        self._memcpy(dst.ptr + dst_off, src.ptr + src_off, n, self._rt.memcpyHostToDevice)
+
+    def device_copy(self, dst: DeviceBuffer, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
+        self._memcpy(dst.ptr + dst_off, src.ptr + src_off, n, self._rt.memcpyDeviceToDevice)
+
+    def record(self) -> Event:
+        return CudaEvent(self.engine.cp, self.engine.device).record(self.stream)
+
+    def wait(self, event: Event) -> None:
+        if isinstance(event, CudaEvent):
+            self._rt.streamWaitEvent(self.stream, event.ptr, 0)
+        elif not event.query():
+            raise UnsupportedTensorError("a CUDA stream cannot wait for an event of another engine")
+
+
+class CudaEngine(CopyEngine):
+    """Copies between one CUDA device and page-locked host chunks, on streams of its own."""
+
+    kind = "cuda"
+
+    def __init__(self, device: int) -> None:
+        super().__init__()
+        self.cp = cupy_module()
+        self.device = device
+
+    @classmethod
+    def get(cls, device: int) -> CudaEngine:
+        engine = _engines.get(device)
+        if engine is None:
+            with _engines_lock:
+                engine = _engines.get(device)
+                if engine is None:
+                    engine = _engines[device] = cls(device)
+        return engine
+
+    def _new_lane(self) -> Lane:
+        return CudaLane(self)
+
+    def host_chunk(self, nbytes: int) -> HostChunk:
+        rt = self.cp.cuda.runtime
+        ptr = int(rt.hostAlloc(nbytes, rt.hostAllocPortable))
+        raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        return HostChunk(memoryview(raw).cast("B"), ptr, nbytes, raw)
+
+    def free_chunk(self, chunk: HostChunk) -> None:
+        self.cp.cuda.runtime.freeHost(chunk.ptr)
+
+    def empty(self, nbytes: int) -> DeviceBuffer:
+        cp = self.cp
+        with cp.cuda.Device(self.device):
+            arr = cp.empty(nbytes, dtype=cp.uint8)
+        return DeviceBuffer(self, int(arr.data.ptr), nbytes, self.device, arr)
+
+    def record_on(self, stream: int | None) -> Event:
+        if stream is None:
+            return DONE
+        return CudaEvent(self.cp, self.device).record(stream)
+
+    def stream_wait(self, stream: int | None, event: Event) -> bool:
+        if stream is None:
+            return False
+        if isinstance(event, CudaEvent):
+            self.cp.cuda.runtime.streamWaitEvent(stream, event.ptr, 0)
+        return True
+
+
+def lane_stream(lane: Lane) -> Any:
+    """The raw ``cudaStream_t`` of a CUDA lane (for kernels launched on it)."""
+    assert isinstance(lane, CudaLane)
+    return lane.stream

@@ -1,0 +1,383 @@
+"""Copy engines: who moves bytes between device memory and host memory, and in what order.
+
+tensorwire stages device tensors through host memory on transports that cannot read device
+memory (staged TCP). The staging pipeline (``_pipeline.py``) is written against this small
+interface, so the same chunking, overlap and ordering logic runs with two engines:
+
+* :class:`~tensorwire.memory._cuda.CudaEngine`: CUDA streams and events through CuPy's runtime
+  bindings; host chunks are page-locked (``cudaHostAlloc``), so copies run asynchronously on
+  the GPU's copy engines.
+* :class:`HostEngine`: "device" memory is host memory and each lane is a worker thread that
+  runs its copies in order; events are set as the worker passes them. It stands in for a GPU
+  in CPU-only tests (optionally slow, to make overlap and ordering matter) and is what a
+  reader can check the pipeline's logic against.
+
+Vocabulary (CUDA's): a *lane* is an ordered queue of copies (a stream); an *event* marks the
+point of a lane's queue where it was recorded and completes when everything before it has run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CopyEngine",
+    "DeviceBuffer",
+    "Event",
+    "HostChunk",
+    "HostEngine",
+    "Lane",
+    "wait_event",
+]
+
+
+class Event(ABC):
+    """A point in a lane's queue; done once every copy enqueued before it has finished."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the event has completed (never blocks)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until the event completes (only ever called in a worker thread)."""
+
+
+class DoneEvent(Event):
+    """An event with nothing before it."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+DONE = DoneEvent()
+
+
+@dataclass(eq=False, slots=True)
+class DeviceBuffer:
+    """A C-contiguous run of ``nbytes`` bytes in an engine's device memory, at ``ptr``.
+
+    ``owner`` keeps the memory alive (the framework tensor, a CuPy array, a numpy array for the
+    host engine); ``device`` is the device index.
+    """
+
+    engine: CopyEngine
+    ptr: int
+    nbytes: int
+    device: int
+    owner: Any = field(repr=False, default=None)
+
+
+@dataclass(eq=False, slots=True)
+class HostChunk:
+    """A staging buffer in host memory (page-locked where the engine can), ``size`` bytes."""
+
+    view: memoryview
+    ptr: int
+    size: int
+    owner: Any = field(repr=False, default=None)
+
+
+class Lane(ABC):
+    """An ordered queue of asynchronous copies on one device (a CUDA stream)."""
+
+    engine: CopyEngine
+
+    @abstractmethod
+    def to_host(self, dst: HostChunk, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
+        """Enqueue a copy of ``n`` bytes from device memory into a host chunk."""
+
+    @abstractmethod
+    def to_device(self, dst: DeviceBuffer, dst_off: int, src: HostChunk, src_off: int, n: int) -> None:
+        """Enqueue a copy of ``n`` bytes from a host chunk into device memory."""
+
+    @abstractmethod
+    def device_copy(self, dst: DeviceBuffer, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
+        """Enqueue a device-to-device copy."""
+
+    @abstractmethod
+    def record(self) -> Event:
+        """An event that completes once everything enqueued so far has run."""
+
+    @abstractmethod
+    def wait(self, event: Event) -> None:
+        """Make later work on this lane wait for ``event`` (which may belong to another queue)."""
+
+
+class CopyEngine(ABC):
+    """Device memory of one kind and device, and the lanes that copy to and from it."""
+
+    kind: str
+    device: int
+
+    def __init__(self) -> None:
+        self._lanes: list[Lane] = []
+        self._pools: dict[str, Any] = {}
+        self._waiter: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.device}"
+
+    # -- lanes ------------------------------------------------------------------------------
+    @abstractmethod
+    def _new_lane(self) -> Lane: ...
+
+    def lane(self) -> Lane:
+        """A lane of this engine's, from a free list; give it back with :meth:`give_back`."""
+        with self._lock:
+            if self._lanes:
+                return self._lanes.pop()
+        return self._new_lane()
+
+    def give_back(self, lane: Lane) -> None:
+        with self._lock:
+            if len(self._lanes) < 16:
+                self._lanes.append(lane)
+
+    # -- memory -----------------------------------------------------------------------------
+    @abstractmethod
+    def host_chunk(self, nbytes: int) -> HostChunk:
+        """A new staging chunk in host memory (page-locked where this engine can)."""
+
+    @abstractmethod
+    def free_chunk(self, chunk: HostChunk) -> None:
+        """Free a chunk from :meth:`host_chunk`."""
+
+    @abstractmethod
+    def empty(self, nbytes: int) -> DeviceBuffer:
+        """A new device buffer of tensorwire's own (freed with the returned object)."""
+
+    def pool(self, direction: str) -> Any:
+        """The process-wide staging pool of this engine for ``direction`` ("out" or "in")."""
+        from ._pinned import PinnedPool
+
+        with self._lock:
+            pool = self._pools.get(direction)
+            if pool is None:
+                pool = self._pools[direction] = PinnedPool(self)
+            return pool
+
+    # -- streams of frameworks ----------------------------------------------------------------
+    @abstractmethod
+    def record_on(self, stream: int | None) -> Event:
+        """An event recorded on a framework's stream (``None``: nothing to wait for)."""
+
+    @abstractmethod
+    def stream_wait(self, stream: int | None, event: Event) -> bool:
+        """Make a framework's ``stream`` wait for ``event`` without blocking the host.
+
+        Returns False if this engine has no such streams, and the caller must wait on the host.
+        """
+
+    # -- waiting from asyncio ---------------------------------------------------------------
+    def run_blocking(self, fn: Callable[[], None]) -> asyncio.Future[None]:
+        """Run ``fn`` in this engine's waiter thread (never on the event loop)."""
+        if self._waiter is None:
+            with self._lock:
+                if self._waiter is None:
+                    self._waiter = ThreadPoolExecutor(2, thread_name_prefix=f"tensorwire-{self.kind}-wait")
+        return asyncio.get_running_loop().run_in_executor(self._waiter, fn)
+
+
+_SPIN_SECONDS = 200e-6
+
+
+async def wait_event(engine: CopyEngine, event: Event) -> None:
+    """Wait for ``event`` without blocking the event loop.
+
+    Asks once; then lets the loop run a few times (a chunk copy usually finishes within tens of
+    microseconds of being asked for); then waits in the engine's waiter thread, which polls with
+    short sleeps so that it never holds the interpreter while the copy runs.
+    """
+    if event.query():
+        return
+    start = time.perf_counter()
+    while time.perf_counter() - start < _SPIN_SECONDS:
+        await asyncio.sleep(0)
+        if event.query():
+            return
+
+    def poll() -> None:
+        delay = 10e-6
+        while not event.query():
+            time.sleep(delay)
+            delay = min(delay * 2, 500e-6)
+
+    await engine.run_blocking(poll)
+
+
+# --------------------------------------------------------------------------- the host engine
+
+
+class _HostEvent(Event):
+    __slots__ = ("_flag",)
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self) -> None:
+        self._flag.wait()
+
+
+class _HostLane(Lane):
+    """A worker thread that runs its queue in order, like a CUDA stream."""
+
+    engine: HostEngine
+
+    def __init__(self, engine: HostEngine) -> None:
+        self.engine = engine
+        self._queue: deque[Callable[[], None]] = deque()
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="tensorwire-host-lane", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                op = self._queue.popleft()
+            if op is _STOP:
+                return
+            op()
+
+    def _put(self, op: Callable[[], None]) -> None:
+        with self._cv:
+            self._queue.append(op)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        self._put(_STOP)
+
+    def _copy(self, dst: memoryview, src: memoryview) -> Callable[[], None]:
+        engine = self.engine
+        delay = engine.copy_delay
+        engine.copy_queued(+1)
+
+        def op() -> None:
+            if delay:
+                time.sleep(delay)
+            dst[:] = src
+            engine.copy_queued(-1)
+
+        return op
+
+    def to_host(self, dst: HostChunk, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
+        self._put(self._copy(dst.view[dst_off : dst_off + n], _bytes(src)[src_off : src_off + n]))
+
+    def to_device(self, dst: DeviceBuffer, dst_off: int, src: HostChunk, src_off: int, n: int) -> None:
+        self._put(self._copy(_bytes(dst)[dst_off : dst_off + n], src.view[src_off : src_off + n]))
+
+    def device_copy(self, dst: DeviceBuffer, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
+        self._put(self._copy(_bytes(dst)[dst_off : dst_off + n], _bytes(src)[src_off : src_off + n]))
+
+    def record(self) -> Event:
+        ev = _HostEvent()
+        self._put(ev.set)
+        return ev
+
+    def wait(self, event: Event) -> None:
+        if not event.query():
+            self._put(event.synchronize)
+
+
+def _STOP() -> None:  # noqa: N802 - a sentinel
+    return None
+
+
+def _bytes(buf: DeviceBuffer) -> memoryview:
+    arr = buf.owner
+    if not isinstance(arr, np.ndarray):
+        arr = arr.array  # an EngineArray
+    assert isinstance(arr, np.ndarray), "host-engine buffers are numpy arrays"
+    return arr.reshape(-1).view(np.uint8).data
+
+
+class HostEngine(CopyEngine):
+    """Host memory posing as device memory; each lane a thread. For tests and as a reference.
+
+    ``copy_delay`` seconds are slept before every copy, so that copies are slower than the
+    network and the pipeline's overlap and ordering are put to the test. ``poison`` fills a
+    staging chunk with 0xA5 whenever it goes back to its pool, so that a chunk reused before
+    its copy finished shows up as corrupted data.
+    """
+
+    kind = "host-engine"
+
+    def __init__(self, device: int = 0, *, copy_delay: float = 0.0, poison: bool = True) -> None:
+        super().__init__()
+        self.device = device
+        self.copy_delay = copy_delay
+        self.poison = poison
+        self.chunks_allocated = 0
+        self.max_queued = 0  # most copies queued and not yet run at once (read-ahead, overlap)
+        self._queued = 0
+        self._all_lanes: list[_HostLane] = []
+
+    def copy_queued(self, delta: int) -> None:
+        with self._lock:
+            self._queued += delta
+            self.max_queued = max(self.max_queued, self._queued)
+
+    def close(self) -> None:
+        """Stop every lane's thread (after what is queued on it)."""
+        for lane in self._all_lanes:
+            lane.stop()
+        self._all_lanes.clear()
+        self._lanes.clear()
+
+    def _new_lane(self) -> Lane:
+        lane = _HostLane(self)
+        self._all_lanes.append(lane)
+        return lane
+
+    def host_chunk(self, nbytes: int) -> HostChunk:
+        arr = np.empty(nbytes, np.uint8)
+        self.chunks_allocated += 1
+        return HostChunk(arr.data, int(arr.ctypes.data), nbytes, arr)
+
+    def free_chunk(self, chunk: HostChunk) -> None:
+        return None
+
+    def empty(self, nbytes: int) -> DeviceBuffer:
+        arr = np.empty(nbytes, np.uint8)
+        return DeviceBuffer(self, int(arr.ctypes.data), nbytes, self.device, arr)
+
+    def buffer(self, arr: np.ndarray) -> DeviceBuffer:
+        """A device buffer over a C-contiguous numpy array (no copy)."""
+        if not arr.flags.c_contiguous:
+            raise ValueError("host-engine buffers must be C-contiguous")
+        return DeviceBuffer(self, int(arr.ctypes.data) if arr.size else 0, int(arr.nbytes), self.device, arr)
+
+    def record_on(self, stream: int | None) -> Event:
+        return DONE
+
+    def stream_wait(self, stream: int | None, event: Event) -> bool:
+        return False
+
+    def scrub(self, chunk: HostChunk) -> None:
+        if self.poison:
+            with contextlib.suppress(ValueError, TypeError):
+                chunk.view[:] = b"\xa5" * chunk.size

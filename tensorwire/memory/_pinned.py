@@ -1,0 +1,124 @@
+"""A bounded pool of host staging chunks (page-locked on a GPU), shared by a process.
+
+Each engine has two pools, one for each direction, so that a large send never starves a
+receive of chunks. A pool hands out at most ``depth`` chunks of ``chunk_bytes`` each,
+allocating them the first time they are needed and keeping them for the life of the process
+(page-locking memory costs milliseconds; reusing it costs nothing).
+
+A chunk goes back with the event of the last copy that uses it; the next taker waits for that
+event before writing into it, so a chunk is never overwritten while a copy still reads it.
+
+Deadlock rule: a pipeline only blocks for a chunk while it holds none (``acquire``); while it
+holds some it only takes what is free at once (``try_acquire``). So every pipeline that waits
+holds nothing, and every chunk in use belongs to a pipeline that can make progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING
+
+from ._engine import Event, HostChunk, wait_event
+
+if TYPE_CHECKING:
+    from ._engine import CopyEngine
+
+__all__ = ["CHUNK_BYTES", "DEPTH", "PinnedPool"]
+
+CHUNK_BYTES = 4 << 20
+DEPTH = 8
+
+
+class PinnedPool:
+    """At most ``depth`` host chunks of ``chunk_bytes`` for ``engine``'s staging copies."""
+
+    def __init__(self, engine: CopyEngine, chunk_bytes: int = CHUNK_BYTES, depth: int = DEPTH) -> None:
+        self.engine = engine
+        self.chunk_bytes = chunk_bytes
+        self.depth = depth
+        self._free: deque[tuple[HostChunk, Event | None]] = deque()
+        self._allocated = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def __repr__(self) -> str:
+        return f"<PinnedPool {self.engine.name} {self.depth}x{self.chunk_bytes} free={self.free}>"
+
+    @property
+    def free(self) -> int:
+        return len(self._free) + self.depth - self._allocated
+
+    def configure(self, chunk_bytes: int, depth: int) -> None:
+        """Change the chunk size and depth (frees every idle chunk; for benchmarks and tests)."""
+        if chunk_bytes <= 0 or depth <= 0:
+            raise ValueError("chunk_bytes and depth must be positive")
+        while self._free:
+            chunk, _ = self._free.popleft()
+            self._allocated -= 1
+            self.engine.free_chunk(chunk)
+        self.chunk_bytes, self.depth = chunk_bytes, depth
+
+    def _take(self) -> tuple[HostChunk, Event | None] | None:
+        """A chunk whose last copy has finished if there is one, else a new one while under the
+        depth, else the one given back first (its copy finishes soonest)."""
+        for i, (chunk, event) in enumerate(self._free):
+            if event is None or event.query():
+                del self._free[i]
+                return chunk, None
+        if self._free and self._allocated >= self.depth:
+            return self._free.popleft()
+        if self._allocated < self.depth:
+            self._allocated += 1
+            try:
+                return self.engine.host_chunk(self.chunk_bytes), None
+            except BaseException:
+                self._allocated -= 1
+                raise
+        return None
+
+    async def _ready(self, entry: tuple[HostChunk, Event | None]) -> HostChunk:
+        chunk, event = entry
+        if event is not None:
+            try:
+                await wait_event(self.engine, event)
+            except BaseException:
+                self._free.appendleft(entry)  # still owned by its copy; the next taker waits
+                self._wake()
+                raise
+        scrub = getattr(self.engine, "scrub", None)
+        if scrub is not None:
+            scrub(chunk)
+        return chunk
+
+    async def acquire(self) -> HostChunk:
+        """A chunk, waiting for one to come back if all are in use. Call only holding none."""
+        while True:
+            entry = self._take()
+            if entry is not None:
+                return await self._ready(entry)
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+
+    async def try_acquire(self) -> HostChunk | None:
+        """A chunk if one is free now (its last copy perhaps still to finish), else None."""
+        entry = self._take()
+        if entry is None:
+            return None
+        return await self._ready(entry)
+
+    def release(self, chunk: HostChunk, after: Event | None = None) -> None:
+        """Give ``chunk`` back; it is reused once ``after`` (its last copy) has completed."""
+        self._free.append((chunk, after))
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return

@@ -1,0 +1,460 @@
+"""CUDA tensors (torch, CuPy) as tensorwire sees them, the ``device=`` argument, and landing
+received bytes in device memory with the consumer's stream in mind.
+
+Streams, as torch and CuPy users expect them:
+
+* Sending: the tensor's bytes are read only after an event recorded on the producer's current
+  stream (``torch.cuda.current_stream()`` / CuPy's current stream) at the moment of the send;
+  the copy lane waits for that event, never the whole device. A non-contiguous tensor is packed
+  by ``tensorwire.native`` on the producer's stream first.
+* Receiving: the copies into the destination run on a lane of tensorwire's own that first waits
+  for the consumer's current stream; the consumer's stream then waits for the lane's last event.
+  So the tensor a recv returns may be used on the consumer's stream at once; another stream
+  must be ordered after it as usual (``wait_stream``). The host never waits for the device.
+
+Without CuPy or a device, nothing here imports CuPy until a CUDA tensor is met, and then a
+clear :class:`~tensorwire.errors.UnsupportedTensorError` says what to install.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigurationError, UnsupportedTensorError
+from ..memory import CopyEngine, DeviceBuffer, Event, HostEngine, StageIn, wait_event
+from ._dtypes import DTYPES, dtype_name
+
+__all__ = [
+    "Device",
+    "DeviceSource",
+    "DeviceTensor",
+    "EngineArray",
+    "Landing",
+    "allocate_device",
+    "cuda_usable",
+    "device_source",
+    "parse_device",
+]
+
+# dtypes CuPy lacks travel as same-width unsigned integers
+_CARRIER = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+_DEVICE_RE = re.compile(r"(cpu|cuda)(?::([0-9]{1,6}))?")
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """Where a received tensor is to live: ``cpu``, ``cuda`` (the current device) or ``cuda:N``."""
+
+    kind: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+
+CPU = Device("cpu")
+
+
+def parse_device(device: object) -> Device | None:
+    """``device=`` as torch names it: "cpu", "cuda", "cuda:1", 1 (cuda:1), a torch.device or a
+    CuPy Device. None stays None (the sender's memory kind, where this process can hold it)."""
+    if device is None:
+        return None
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, bool):
+        raise ConfigurationError(f"device must be a string such as 'cuda:0', an int or a torch.device, not {device!r}")
+    if isinstance(device, (int, np.integer)):
+        if device < 0:
+            raise ConfigurationError(f"device index {device} is negative")
+        return Device("cuda", int(device))
+    kind = getattr(device, "type", None)
+    if isinstance(kind, str):  # torch.device
+        index = getattr(device, "index", None)
+        return parse_device(kind if index is None else f"{kind}:{index}")
+    ident = getattr(device, "id", None)
+    if isinstance(ident, int) and type(device).__module__.startswith("cupy"):
+        return Device("cuda", ident)
+    if not isinstance(device, str):
+        raise ConfigurationError(
+            f"device must be a string such as 'cuda:0', an int or a torch.device, not {type(device).__name__}"
+        )
+    m = _DEVICE_RE.fullmatch(device.strip())
+    if m is None:
+        raise ConfigurationError(f"unknown device {device!r}: tensorwire receives into 'cpu', 'cuda' or 'cuda:N'")
+    if m.group(1) == "cpu":
+        return CPU
+    return Device("cuda", None if m.group(2) is None else int(m.group(2)))
+
+
+@functools.cache
+def _device_count() -> int:
+    from ..memory._cuda import cuda_device_count
+
+    return cuda_device_count()
+
+
+def cuda_usable() -> bool:
+    """True where CuPy is installed and sees a CUDA device (checked once per process)."""
+    return _device_count() > 0
+
+
+def check_cuda(index: int | None) -> int:
+    """The device index to allocate on for ``cuda``/``cuda:N``; raises if there is no such device."""
+    n = _device_count()
+    if n == 0:
+        from ..memory._cuda import cupy_module
+
+        cupy_module()  # raises with what to install when CuPy is missing
+        raise UnsupportedTensorError(
+            f"device 'cuda{'' if index is None else f':{index}'}' asked for, but CuPy finds no CUDA device here"
+        )
+    if index is None:
+        return _current_device()
+    if index >= n:
+        raise ConfigurationError(f"device 'cuda:{index}' asked for, but this process sees {n} CUDA device(s)")
+    return index
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def _cp() -> Any:
+    from ..memory._cuda import cupy_module
+
+    return cupy_module()
+
+
+def _current_device() -> int:
+    torch = _torch()
+    if torch is not None and torch.cuda.is_available():
+        return int(torch.cuda.current_device())
+    return int(_cp().cuda.runtime.getDevice())
+
+
+def _engine(device: int) -> CopyEngine:
+    from ..memory._cuda import CudaEngine
+
+    return CudaEngine.get(device)
+
+
+def _stream(framework: str, device: int) -> int:
+    """The framework's current stream on ``device``, as a raw handle."""
+    if framework == "torch":
+        return int(_torch().cuda.current_stream(device).cuda_stream)
+    cp = _cp()
+    with cp.cuda.Device(device):
+        return int(cp.cuda.get_current_stream().ptr)
+
+
+def _carrier(name: str) -> np.dtype:
+    return np.dtype(_CARRIER.get(name, name)) if name in _CARRIER else DTYPES[name]
+
+
+def _cupy_view(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], name: str, device: int, owner: Any) -> Any:
+    """A CuPy array over someone else's device memory (no copy, no synchronization)."""
+    cp = _cp()
+    carrier = _carrier(name)
+    if any(n == 0 for n in shape):
+        span = 0
+    else:
+        span = sum((n - 1) * abs(s) for n, s in zip(shape, strides, strict=True)) + carrier.itemsize
+    base = ptr - sum((n - 1) * -s for n, s in zip(shape, strides, strict=True) if s < 0)
+    mem = cp.cuda.UnownedMemory(base, span, owner, device)
+    return cp.ndarray(shape, dtype=carrier, memptr=cp.cuda.MemoryPointer(mem, ptr - base), strides=strides)
+
+
+# --------------------------------------------------------------------------- device tensors
+
+
+@dataclass(eq=False, slots=True)
+class DeviceTensor:
+    """A tensor's wire bytes in device memory: what a send reads, or where a recv writes.
+
+    ``stream``: the framework stream the tensor belongs to (producer's or consumer's).
+    ``ready``: sending: the bytes are complete once this event has completed.
+    ``value``: receiving: the object handed to the caller (torch / CuPy / EngineArray).
+    ``unpack_to``: receiving into a non-contiguous ``out=``: the strided CuPy view that ``buf``
+    is unpacked into once every byte has landed.
+    """
+
+    buf: DeviceBuffer
+    dtype: str
+    shape: tuple[int, ...]
+    framework: str
+    stream: int | None = None
+    ready: Event | None = None
+    value: Any = field(default=None, repr=False)
+    unpack_to: Any = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes
+
+    @property
+    def engine(self) -> CopyEngine:
+        return self.buf.engine
+
+    @property
+    def device(self) -> str:
+        return f"{self.buf.engine.kind}:{self.buf.device}"
+
+
+@dataclass(eq=False, slots=True)
+class DeviceSource:
+    """A framework's device tensor as handed to tensorwire (nothing enqueued yet)."""
+
+    value: Any
+    framework: str
+    engine: CopyEngine
+    dtype: str
+    shape: tuple[int, ...]
+    ptr: int
+    strides: tuple[int, ...]  # bytes
+    contiguous: bool
+    stream: int | None
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def device(self) -> str:
+        return f"{self.engine.kind}:{self.engine.device}"
+
+    def wire(self) -> tuple[DeviceTensor, bool]:
+        """The bytes to send in C order (packed on the producer's stream if need be), and whether
+        packing was needed. The bytes are complete once the returned tensor's ``ready`` event is."""
+        engine = self.engine
+        if self.contiguous:
+            buf = DeviceBuffer(engine, self.ptr, self.nbytes, engine.device, self.value)
+            return DeviceTensor(
+                buf, self.dtype, self.shape, self.framework, self.stream, engine.record_on(self.stream)
+            ), False
+        from ..native import pack
+
+        packed = engine.empty(self.nbytes)
+        src = _cupy_view(self.ptr, self.shape, self.strides, self.dtype, engine.device, self.value)
+        pack(src, out=packed.owner, stream=self.stream)
+        ready = engine.record_on(self.stream)
+        return DeviceTensor(packed, self.dtype, self.shape, self.framework, self.stream, ready), True
+
+    def target(self) -> DeviceTensor:
+        """Where a recv into this tensor writes: its own memory, or a buffer to unpack from."""
+        engine = self.engine
+        if self.contiguous:
+            buf = DeviceBuffer(engine, self.ptr, self.nbytes, engine.device, self.value)
+            return DeviceTensor(buf, self.dtype, self.shape, self.framework, self.stream, value=self.value)
+        if any(s == 0 and n > 1 for n, s in zip(self.shape, self.strides, strict=True)):
+            raise UnsupportedTensorError("out= tensor has overlapping elements (a zero stride); it cannot be written")
+        view = _cupy_view(self.ptr, self.shape, self.strides, self.dtype, engine.device, self.value)
+        return DeviceTensor(
+            engine.empty(self.nbytes),
+            self.dtype,
+            self.shape,
+            self.framework,
+            self.stream,
+            value=self.value,
+            unpack_to=view,
+        )
+
+
+class EngineArray:
+    """A C-contiguous numpy array posing as device memory of a :class:`~tensorwire.memory.HostEngine`.
+
+    Moves through exactly the staging code a CUDA tensor does (pinned pools, lanes, events), with
+    the host engine in place of a GPU: what tests without a GPU send and receive (``out=``).
+    """
+
+    def __init__(self, engine: HostEngine, array: np.ndarray) -> None:
+        if not array.flags.c_contiguous:
+            raise UnsupportedTensorError("EngineArray needs a C-contiguous array")
+        self.engine = engine
+        self.array = array
+
+    def __repr__(self) -> str:
+        return f"EngineArray({self.engine.name}, {self.array.dtype}{list(self.array.shape)})"
+
+
+def device_source(obj: object) -> DeviceSource | None:
+    """A DeviceSource for a CUDA torch tensor, a CuPy array, a ``__cuda_array_interface__``
+    object or an EngineArray; None if ``obj`` is none of those (host tensors)."""
+    if isinstance(obj, EngineArray):
+        a = obj.array
+        name = dtype_name(a.dtype)
+        return DeviceSource(
+            obj, "host-engine", obj.engine, name, tuple(a.shape), int(a.ctypes.data), tuple(a.strides), True, None
+        )
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.device.type != "cuda":
+            if obj.device.type == "cpu":
+                return None
+            raise UnsupportedTensorError(f"torch tensor on {obj.device} cannot be moved: only cpu and cuda tensors")
+        return _torch_source(obj)
+    cai = getattr(type(obj), "__cuda_array_interface__", None)
+    if cai is None:
+        return None
+    return _cupy_source(obj)
+
+
+def _torch_source(t: Any) -> DeviceSource:
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise UnsupportedTensorError(f"torch dtype {t.dtype} is not supported; supported: {', '.join(DTYPES)}")
+    device = int(t.device.index if t.device.index is not None else t.get_device())
+    item = t.element_size()
+    return DeviceSource(
+        t,
+        "torch",
+        _engine(device),
+        name,
+        tuple(t.shape),
+        int(t.data_ptr()),
+        tuple(s * item for s in t.stride()),
+        bool(t.is_contiguous()),
+        _stream("torch", device),
+    )
+
+
+def _cupy_source(a: Any) -> DeviceSource:
+    cp = _cp()
+    if not isinstance(a, cp.ndarray):
+        try:
+            a = cp.asarray(a)  # other __cuda_array_interface__ producers (numba, ...)
+        except Exception as exc:
+            raise UnsupportedTensorError(f"{type(a).__name__} could not be read as CUDA memory: {exc}") from exc
+    name = dtype_name(np.dtype(a.dtype.str))
+    device = int(a.device.id)
+    return DeviceSource(
+        a,
+        "cupy",
+        _engine(device),
+        name,
+        tuple(a.shape),
+        int(a.data.ptr),
+        tuple(a.strides),
+        bool(a.flags.c_contiguous),
+        _stream("cupy", device),
+    )
+
+
+def allocate_device(dtype: str, shape: tuple[int, ...], framework: str, device: int) -> DeviceTensor:
+    """A new tensor on CUDA device ``device`` for a received one: torch if the sender's was torch
+    (and torch is loaded here), else CuPy. Allocated on the consumer's current stream."""
+    torch = _torch()
+    engine = _engine(device)
+    if framework == "torch" and torch is not None:
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
+        buf = DeviceBuffer(engine, int(t.data_ptr()), int(t.numel() * t.element_size()), device, t)
+        return DeviceTensor(buf, dtype, shape, "torch", _stream("torch", device), value=t)
+    cp = _cp()
+    with cp.cuda.Device(device):
+        a = cp.empty(shape, dtype=_carrier(dtype))
+    buf = DeviceBuffer(engine, int(a.data.ptr), int(a.nbytes), device, a)
+    return DeviceTensor(buf, dtype, shape, "cupy", _stream("cupy", device), value=a)
+
+
+def host_value(arr: np.ndarray, framework: str) -> Any:
+    """A received host array as the sender's framework would want it on the host."""
+    if framework == "cupy":
+        return arr  # CuPy's host counterpart is numpy
+    return arr
+
+
+# --------------------------------------------------------------------------- landing
+
+
+class Landing:
+    """The device side of one received message: a StageIn per device written to, each waiting
+    first for the consumer streams of the tensors it writes; ``finish`` hands them over."""
+
+    __slots__ = ("_stages", "_streams")
+
+    def __init__(self) -> None:
+        self._stages: dict[CopyEngine, StageIn] = {}
+        self._streams: set[tuple[CopyEngine, int | None]] = set()
+
+    def stage(self, target: DeviceTensor) -> StageIn:
+        engine = target.engine
+        st = self._stages.get(engine)
+        if st is None:
+            st = self._stages[engine] = StageIn(engine)
+        key = (engine, target.stream)
+        if key not in self._streams:
+            self._streams.add(key)
+            st.lane.wait(engine.record_on(target.stream))  # the consumer's work on it so far
+        return st
+
+    def flush(self, target: DeviceTensor) -> Event | None:
+        """An event after which every copy queued so far into ``target``'s device has run."""
+        st = self._stages.get(target.engine)
+        return None if st is None else st.mark()
+
+    def hand_back(self, target: DeviceTensor) -> None:
+        """Order ``target``'s stream after every copy queued into it so far (the caller's buffer
+        is given up: a cancelled recv). Engines without streams wait here."""
+        event = self.flush(target)
+        if event is not None and not target.engine.stream_wait(target.stream, event):
+            event.synchronize()
+
+    async def upload(self, target: DeviceTensor, src: np.ndarray) -> None:
+        """Copy host array ``src`` into ``target`` through staging chunks."""
+        data = src.reshape(-1).view(np.uint8).data if src.nbytes else memoryview(b"")
+
+        def fill(view: memoryview, pos: int) -> None:
+            view[:] = data[pos : pos + len(view)]
+
+        await self.stage(target).write(lambda: target.buf, 0, target.nbytes, fill)
+
+    def copy(self, target: DeviceTensor, src: DeviceTensor) -> None:
+        """Queue a device copy of ``src``'s bytes (landed through this landing) into ``target``."""
+        if src.engine is not target.engine:
+            raise UnsupportedTensorError(f"cannot copy between {src.device} and {target.device} directly")
+        self.stage(target).device_copy(target.buf, 0, src.buf, 0, target.nbytes)
+
+    async def finish(self, targets: list[Any]) -> None:
+        """Every byte has been queued: unpack into strided ``out=`` tensors, then make each
+        target's stream wait for the copies (or wait here, for engines without streams)."""
+        for t in targets:
+            if isinstance(t, DeviceTensor) and t.unpack_to is not None and t.nbytes:
+                from ..memory._cuda import lane_stream
+                from ..native import unpack
+
+                def run(lane: Any, t: DeviceTensor = t) -> None:
+                    unpack(t.buf.owner, t.unpack_to, stream=lane_stream(lane))
+
+                self.stage(t).launch(run)
+        done: dict[CopyEngine, Event | None] = {e: st.finish() for e, st in self._stages.items()}
+        for t in targets:
+            if not isinstance(t, DeviceTensor):
+                continue
+            event = done.get(t.engine)
+            if event is None:
+                continue
+            if not t.engine.stream_wait(t.stream, event):
+                await wait_event(t.engine, event)
+
+    def finish_now(self, targets: list[Any]) -> None:
+        """``finish`` without awaiting (for cancellation paths): engines without streams block."""
+        done: dict[CopyEngine, Event | None] = {e: st.finish() for e, st in self._stages.items()}
+        for t in targets:
+            if isinstance(t, DeviceTensor):
+                event = done.get(t.engine)
+                if event is not None and not t.engine.stream_wait(t.stream, event):
+                    event.synchronize()

@@ -1,0 +1,281 @@
+"""Device tensors without a GPU: ``device=`` parsing and errors, and the staging pipeline run
+for real with the host copy engine (a worker thread per lane standing in for a CUDA stream,
+optionally slow, chunks poisoned on reuse) over real sockets.
+
+The CUDA engine runs the same pipeline code; tests/gpu/test_cuda_p2p.py checks it on a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire.errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
+from tensorwire.memory import HostEngine, StageIn, download, stage_out
+from tensorwire.tensors import Device, EngineArray, parse_device, prepare
+from tensorwire.testing import connected_pair
+from tensorwire.transports import Limits
+
+CHUNK = 64 * 1024
+DEPTH = 3
+_NO_UCXX = importlib.util.find_spec("ucxx") is None
+
+
+@pytest.fixture
+def engine() -> HostEngine:
+    e = HostEngine(copy_delay=0.0002)
+    e.pool("out").configure(CHUNK, DEPTH)
+    e.pool("in").configure(CHUNK, DEPTH)
+    yield e
+    e.close()
+
+
+def _bytes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+# -- device= ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        (None, None),
+        ("cpu", Device("cpu")),
+        ("cpu:0", Device("cpu")),
+        ("cuda", Device("cuda")),
+        ("cuda:0", Device("cuda", 0)),
+        (" cuda:3 ", Device("cuda", 3)),
+        (2, Device("cuda", 2)),
+        (np.int64(1), Device("cuda", 1)),
+    ],
+)
+def test_parse_device(spec: object, want: Device | None) -> None:
+    assert parse_device(spec) == want
+
+
+def test_parse_torch_device() -> None:
+    torch = pytest.importorskip("torch")
+    assert parse_device(torch.device("cuda", 1)) == Device("cuda", 1)
+    assert parse_device(torch.device("cuda")) == Device("cuda")
+    assert parse_device(torch.device("cpu")) == Device("cpu")
+    with pytest.raises(ConfigurationError, match="meta"):
+        parse_device(torch.device("meta"))
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:-1", "mps", "cuda:0:1", "", True, -1, 1.5, b"cuda"])
+def test_bad_devices_are_configuration_errors(bad: object) -> None:
+    with pytest.raises(ConfigurationError):
+        parse_device(bad)
+
+
+async def test_recv_device_errors_come_from_the_call() -> None:
+    async with connected_pair("tcp") as (a, b):
+        with pytest.raises(ConfigurationError, match="mps"):
+            await b.recv(tag="t", device="mps")
+        with pytest.raises(ConfigurationError, match="not both"):
+            await b.recv(tag="t", device="cpu", out=np.empty(3))
+        if importlib.util.find_spec("cupy") is None:
+            with pytest.raises(UnsupportedTensorError, match="CuPy"):
+                await b.recv(tag="t", device="cuda:0")
+        # nothing was consumed by the failed calls
+        await a.send(np.arange(3), tag="t")
+        got = await b.recv(tag="t", device="cpu")
+        assert np.array_equal(got, np.arange(3))
+
+
+async def test_device_cpu_gives_host_tensors_of_the_senders_framework() -> None:
+    torch = pytest.importorskip("torch")
+    async with connected_pair("tcp") as (a, b):
+        await a.send({"t": torch.arange(5.0)}, tag="t")
+        got = await b.recv(tag="t", device="cpu")
+        assert isinstance(got["t"], torch.Tensor) and got["t"].device.type == "cpu"
+        assert torch.equal(got["t"], torch.arange(5.0))
+
+
+# -- the pipeline alone ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("start", "end"), [(0, 1), (0, CHUNK), (5, CHUNK * 7 + 3), (CHUNK - 1, CHUNK * 2 + 1)])
+async def test_stage_out_yields_the_range_in_order(engine: HostEngine, start: int, end: int) -> None:
+    data = _bytes(CHUNK * 8, start)
+    buf = engine.buffer(data)
+    seen = []
+    gen = stage_out(buf, start, end)
+    async for off, view in gen:
+        assert len(view) <= CHUNK
+        seen.append((off, bytes(view)))
+    assert [o for o, _ in seen] == sorted(o for o, _ in seen)
+    assert b"".join(v for _, v in seen) == data[start:end].tobytes()
+    assert engine.chunks_allocated <= DEPTH
+
+
+async def test_stage_out_copies_ahead_of_the_consumer(engine: HostEngine) -> None:
+    """While the consumer holds chunk k, the copies of the chunks after it are already queued."""
+    data = _bytes(CHUNK * 10, 1)
+    out = np.zeros_like(data)
+    await download(engine.buffer(data), out.data)
+    assert np.array_equal(out, data)
+    assert engine.max_queued >= 2
+
+
+async def test_stage_out_closed_early_returns_its_chunks(engine: HostEngine) -> None:
+    data = _bytes(CHUNK * 10, 2)
+    gen = stage_out(engine.buffer(data), 0, data.nbytes)
+    async for _ in gen:
+        break
+    await gen.aclose()
+    pool = engine.pool("out")
+    assert pool.free == DEPTH
+    out = np.zeros_like(data)  # the pool still works, and poisoned chunks never leak through
+    await download(engine.buffer(data), out.data)
+    assert np.array_equal(out, data)
+
+
+async def test_stage_in_overlaps_and_lands_every_byte(engine: HostEngine) -> None:
+    src = _bytes(CHUNK * 9 + 17, 3)
+    dst = engine.empty(src.nbytes)
+    st = StageIn(engine)
+    fills = []
+
+    async def fill(view: memoryview, pos: int) -> None:
+        fills.append(pos)
+        await asyncio.sleep(0)
+        view[:] = src[pos : pos + len(view)].data
+
+    await st.write(lambda: dst, 0, src.nbytes, fill)
+    event = st.finish()
+    assert event is not None
+    event.synchronize()
+    assert np.array_equal(dst.owner, src)
+    assert fills == list(range(0, src.nbytes, CHUNK))
+    assert engine.max_queued >= 2  # chunk k+1 was filled while chunk k's copy was queued
+    assert engine.chunks_allocated <= DEPTH
+
+
+async def test_stage_in_fill_failure_gives_the_chunk_back(engine: HostEngine) -> None:
+    dst = engine.empty(CHUNK * 2)
+
+    def fill(view: memoryview, pos: int) -> None:
+        raise RuntimeError("socket gone")
+
+    with pytest.raises(RuntimeError):
+        await StageIn(engine).write(lambda: dst, 0, dst.nbytes, fill)
+    assert engine.pool("in").free == DEPTH
+
+
+# -- end to end over real transports ----------------------------------------------------------
+def _arr(engine: HostEngine, data: np.ndarray) -> EngineArray:
+    return EngineArray(engine, data)
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "crc32c"])
+@pytest.mark.parametrize("nbytes", [1, 1000, CHUNK * 5 + 7, 3 << 20])
+@pytest.mark.parametrize("order", ["recv-first", "send-first"])
+async def test_tcp_staged_roundtrip(engine: HostEngine, nbytes: int, order: str, checksum: bool) -> None:
+    limits = Limits(recv_buffer_bytes=1 << 20)  # 3 MiB goes rendezvous
+    data = _bytes(nbytes, nbytes).view(np.uint8)
+    async with connected_pair("tcp", limits=limits, checksum=checksum) as (a, b):
+        out = _arr(engine, np.zeros(nbytes, np.uint8))
+        if order == "recv-first":
+            recv = asyncio.ensure_future(b.recv_with_receipt(tag="x", out=out))
+            await asyncio.sleep(0.01)
+            sent = await a.send(_arr(engine, data), tag="x")
+            got, receipt = await recv
+        else:
+            send = asyncio.ensure_future(a.send(_arr(engine, data), tag="x"))
+            await asyncio.sleep(0.05)
+            got, receipt = await b.recv_with_receipt(tag="x", out=out)
+            sent = await send
+        assert got is out
+        assert np.array_equal(out.array, data)
+        assert sent.staged and sent.memory == "host-engine" and not sent.direct
+        assert receipt.staged and receipt.memory == "host-engine"
+
+
+async def test_tcp_mixed_pytree_with_host_and_device_tensors(engine: HostEngine) -> None:
+    rng = np.random.default_rng(7)
+    dev = rng.standard_normal((300, 70)).astype(np.float32)
+    host = rng.integers(0, 1 << 30, (1000,), dtype=np.int64)
+    dev2 = rng.integers(0, 255, (CHUNK * 2 + 1,), dtype=np.uint8)
+    async with connected_pair("tcp") as (a, b):
+        msg = {"d": _arr(engine, dev), "h": host, "s": "text", "l": [_arr(engine, dev2), 3]}
+        out = {
+            "d": _arr(engine, np.zeros_like(dev)),
+            "h": np.zeros_like(host),
+            "s": "text",
+            "l": [_arr(engine, np.zeros_like(dev2)), 3],
+        }
+        await asyncio.gather(a.send(msg, tag=1), b.recv(tag=1, out=out))
+        assert np.array_equal(out["d"].array, dev)
+        assert np.array_equal(out["h"], host)
+        assert np.array_equal(out["l"][0].array, dev2)
+        # without out=: an engine's memory is not CUDA, so the tensors come back on the host
+        await a.send(msg, tag=2)
+        got = await b.recv(tag=2)
+        assert np.array_equal(got["d"], dev) and np.array_equal(got["l"][0], dev2)
+
+
+@pytest.mark.parametrize(
+    "transport",
+    ["inproc", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed"))],
+)
+async def test_transports_without_device_lanes_stage_through_host(engine: HostEngine, transport: str) -> None:
+    data = _bytes(CHUNK * 3 + 5, 11)
+    async with connected_pair(transport) as (a, b):
+        out = _arr(engine, np.zeros_like(data))
+        recv = asyncio.ensure_future(b.recv_with_receipt(tag="x", out=out))
+        sent = await a.send(_arr(engine, data), tag="x")
+        _, receipt = await recv
+        assert np.array_equal(out.array, data)
+        assert sent.staged and sent.memory == "host-engine"
+        assert receipt.staged and receipt.memory == "host-engine"
+
+
+async def test_out_mismatch_on_a_device_tensor(engine: HostEngine) -> None:
+    async with connected_pair("tcp") as (a, b):
+        await a.send(_arr(engine, np.zeros(10, np.float32)), tag="x")
+        with pytest.raises(ShapeMismatchError, match="float32"):
+            await b.recv(tag="x", out=_arr(engine, np.zeros(10, np.float64)))
+        out = _arr(engine, np.ones(10, np.float32))
+        await b.recv(tag="x", out=out)  # still queued after the mismatch
+        assert not out.array.any()
+
+
+async def test_cancelled_recv_stops_writing_into_its_device_out() -> None:
+    """A recv into device memory cancelled part way: nothing lands in its out= after the cancel
+    returns, and the message reaches the next recv whole."""
+    slow = HostEngine(copy_delay=0.004)
+    slow.pool("in").configure(CHUNK, DEPTH)
+    slow.pool("out").configure(CHUNK, DEPTH)
+    try:
+        data = _bytes(CHUNK * 40, 5)
+        async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+            first = _arr(slow, np.zeros_like(data))
+            recv = asyncio.ensure_future(b.recv(tag="x", out=first))
+            send = asyncio.ensure_future(a.send(_arr(slow, data), tag="x"))
+            while not first.array.any():
+                await asyncio.sleep(0.005)
+            recv.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await recv
+            snapshot = first.array.copy()
+            assert 0 < np.count_nonzero(snapshot == data) < data.size  # part way, really
+            second = _arr(slow, np.zeros_like(data))
+            await b.recv(tag="x", out=second)
+            await send
+            assert np.array_equal(second.array, data)
+            assert np.array_equal(first.array, snapshot)
+    finally:
+        slow.close()
+
+
+def test_device_views_refuse_host_only_paths(engine: HostEngine) -> None:
+    view = tensorwire.tensors.as_view(_arr(engine, np.zeros(4)))
+    assert view.dev is not None and view.device == "host-engine:0"
+    with pytest.raises(UnsupportedTensorError, match="host tensor"):
+        _ = view.array
+    msg = prepare(_arr(engine, np.zeros(4)))
+    assert msg.on_device and msg.memory == "host-engine"
+    with pytest.raises(UnsupportedTensorError, match="device tensors"):
+        msg.segments()
