@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU test and the GPU benchmark, in one call, on a machine with a CUDA GPU and CuPy.
+# Every GPU test and the GPU benchmarks, in one call, on a machine with a CUDA GPU and CuPy.
 #
 #   bash scripts/gpu_check.sh            # from anywhere; runs in the repository root
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
-#   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh
+#   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
+#   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
 #
 # The project's Python dependencies are installed first where they are missing or too old:
 # from the package index when it can be reached, else from wheels carried in .whl/ (git-ignored;
@@ -79,21 +80,36 @@ else
     echo "all present"
 fi
 
-echo "== GPU tests: $PY -m pytest -m gpu tests/ -q"
-"$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee /tmp/tensorwire-gpu-tests.log
+# each step has a time limit, so that the whole check stays under ~8 minutes (a lent machine
+# gives one command 10); a step that runs out reports exit 124
+T_TESTS=${T_TESTS:-240}
+T_PACK=${T_PACK:-75}
+T_P2P=${T_P2P:-180}
+
+echo "== GPU tests: $PY -m pytest -m gpu tests/ -q (limit ${T_TESTS}s)"
+timeout -k 10 "$T_TESTS" "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
+    2>&1 | tee /tmp/tensorwire-gpu-tests.log
 TESTS_RC=${PIPESTATUS[0]}
 
-echo "== GPU benchmark: $PY benchmarks/gpu_pack.py ${BENCH_ARGS:-}"
+echo "== GPU benchmark: $PY benchmarks/gpu_pack.py ${BENCH_ARGS:-} (limit ${T_PACK}s)"
 # shellcheck disable=SC2086
-PYTHONUNBUFFERED=1 "$PY" benchmarks/gpu_pack.py ${BENCH_ARGS:-} 2>&1 | tee /tmp/tensorwire-gpu-bench.log
+PYTHONUNBUFFERED=1 timeout -k 10 "$T_PACK" "$PY" benchmarks/gpu_pack.py ${BENCH_ARGS:-} 2>&1 | tee /tmp/tensorwire-gpu-bench.log
 BENCH_RC=${PIPESTATUS[0]}
+
+echo "== GPU benchmark: $PY benchmarks/gpu_p2p.py ${P2P_ARGS:-} (limit ${T_P2P}s)"
+# shellcheck disable=SC2086
+PYTHONUNBUFFERED=1 timeout -k 10 "$T_P2P" "$PY" benchmarks/gpu_p2p.py ${P2P_ARGS:-} 2>&1 | tee /tmp/tensorwire-gpu-p2p.log
+P2P_RC=${PIPESTATUS[0]}
 
 echo "== summary"
 echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' /tmp/tensorwire-gpu-tests.log | tail -1) (exit $TESTS_RC)"
-echo "benchmark: $(grep -m1 '^device:' /tmp/tensorwire-gpu-bench.log || echo 'no device line') (exit $BENCH_RC)"
-if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]; then
+grep -E '^(FAILED|ERROR) ' /tmp/tensorwire-gpu-tests.log | head -20
+echo "gpu_pack:  $(grep -m1 '^device:' /tmp/tensorwire-gpu-bench.log || echo 'no device line') (exit $BENCH_RC)"
+echo "gpu_p2p:   $(grep -m1 '^device:' /tmp/tensorwire-gpu-p2p.log || echo 'no device line') (exit $P2P_RC)"
+grep -E '^(\||tcp path|ucx path|ucx cuda: skipped|.*FAILED)' /tmp/tensorwire-gpu-p2p.log
+if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$P2P_RC" -eq 0 ]; then
     echo "GPU CHECK: PASS"
     exit 0
 fi
-echo "GPU CHECK: FAIL"
+echo "GPU CHECK: FAIL (exit codes: tests $TESTS_RC, gpu_pack $BENCH_RC, gpu_p2p $P2P_RC; 124 = ran out of time)"
 exit 1

@@ -254,8 +254,9 @@ async def test_cancelled_recv_stops_writing_into_its_device_out() -> None:
             first = _arr(slow, np.zeros_like(data))
             recv = asyncio.ensure_future(b.recv(tag="x", out=first))
             send = asyncio.ensure_future(a.send(_arr(slow, data), tag="x"))
-            while not first.array.any():
-                await asyncio.sleep(0.005)
+            async with asyncio.timeout(30):
+                while not first.array.any():  # noqa: ASYNC110 - polling the bytes landing is the point
+                    await asyncio.sleep(0.005)
             recv.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await recv

@@ -307,6 +307,8 @@ def _resolve_stream(cp: ModuleType, stream: Any) -> Any:
     if isinstance(stream, base or cp.cuda.Stream):
         return stream
     if isinstance(stream, int):
+        if stream == 0:  # the legacy default stream (torch's and CuPy's default)
+            return cp.cuda.Stream.null
         return _external_stream(cp, stream)
     ptr = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream and friends
     if isinstance(ptr, int):

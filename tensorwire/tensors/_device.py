@@ -354,20 +354,87 @@ def _cupy_source(a: Any) -> DeviceSource:
     )
 
 
-def allocate_device(dtype: str, shape: tuple[int, ...], framework: str, device: int) -> DeviceTensor:
+@dataclass(frozen=True, slots=True)
+class Streams:
+    """The caller's current streams when a recv was called: the device it would allocate on, and
+    torch's and CuPy's current stream there (None where that framework is not in use)."""
+
+    device: int
+    torch: int | None
+    cupy: int | None
+
+    def of(self, framework: str, device: int) -> int | None:
+        if device != self.device:
+            return None
+        return self.torch if framework == "torch" else self.cupy if framework == "cupy" else None
+
+
+def capture_streams(want: Device | None) -> Streams | None:
+    """Take the caller's streams at the moment of the recv (later, another task may have made
+    another stream current). Cheap without CUDA: nothing is imported for host-only receivers."""
+    if want is not None and want.kind != "cuda":
+        return None
+    torch = _torch()
+    torch_live = torch is not None and bool(torch.cuda.is_initialized())
+    cupy_live = "cupy" in sys.modules
+    if want is None and not (torch_live or cupy_live):
+        return None
+    device = want.index if want is not None and want.index is not None else _current_device()
+    return Streams(
+        device,
+        _stream("torch", device) if torch is not None and (torch_live or want is not None) else None,
+        _stream("cupy", device) if cupy_live or want is not None else None,
+    )
+
+
+def _torch_stream(torch: Any, ptr: int, device: int) -> Any:
+    """A torch stream object for the raw handle ``ptr`` (its own objects where they match)."""
+    for s in (torch.cuda.current_stream(device), torch.cuda.default_stream(device)):
+        if int(s.cuda_stream) == ptr:
+            return s
+    return torch.cuda.ExternalStream(ptr, device=device)
+
+
+def use_streams(targets: list[Any], streams: Streams | None) -> None:
+    """Point ``out=`` targets at the streams captured when their recv was called."""
+    if streams is None:
+        return
+    for t in targets:
+        if isinstance(t, DeviceTensor) and t.engine.kind == "cuda":
+            s = streams.of(t.framework, t.buf.device)
+            if s is not None:
+                t.stream = s
+
+
+def allocate_device(
+    dtype: str, shape: tuple[int, ...], framework: str, device: int, streams: Streams | None = None
+) -> DeviceTensor:
     """A new tensor on CUDA device ``device`` for a received one: torch if the sender's was torch
-    (and torch is loaded here), else CuPy. Allocated on the consumer's current stream."""
+    (and torch is loaded here), else CuPy. Allocated on the consumer's stream (the one current
+    when the recv was called, ``streams``, else the current one)."""
     torch = _torch()
     engine = _engine(device)
     if framework == "torch" and torch is not None:
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
+        stream = streams.of("torch", device) if streams is not None else None
+        if stream is None:
+            stream = _stream("torch", device)
+        with torch.cuda.stream(_torch_stream(torch, stream, device)):
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
         buf = DeviceBuffer(engine, int(t.data_ptr()), int(t.numel() * t.element_size()), device, t)
-        return DeviceTensor(buf, dtype, shape, "torch", _stream("torch", device), value=t)
+        return DeviceTensor(buf, dtype, shape, "torch", stream, value=t)
     cp = _cp()
+    stream = streams.of("cupy", device) if streams is not None else None
     with cp.cuda.Device(device):
-        a = cp.empty(shape, dtype=_carrier(dtype))
+        if stream is None:
+            stream = int(cp.cuda.get_current_stream().ptr)
+            a = cp.empty(shape, dtype=_carrier(dtype))
+        else:
+            from ..native._pack import _resolve_stream
+
+            with _resolve_stream(cp, stream):
+                a = cp.empty(shape, dtype=_carrier(dtype))
     buf = DeviceBuffer(engine, int(a.data.ptr), int(a.nbytes), device, a)
-    return DeviceTensor(buf, dtype, shape, "cupy", _stream("cupy", device), value=a)
+    return DeviceTensor(buf, dtype, shape, "cupy", stream, value=a)
 
 
 def host_value(arr: np.ndarray, framework: str) -> Any:

@@ -33,10 +33,13 @@ from ..tensors._device import (
     Device,
     DeviceTensor,
     Landing,
+    Streams,
     allocate_device,
+    capture_streams,
     check_cuda,
     cuda_usable,
     parse_device,
+    use_streams,
 )
 from ._base import Receipt
 
@@ -188,11 +191,12 @@ class Arrival:
 
 
 class _Posted:
-    __slots__ = ("device", "future", "out")
+    __slots__ = ("device", "future", "out", "streams")
 
-    def __init__(self, out: object | None, device: Device | None) -> None:
+    def __init__(self, out: object | None, device: Device | None, streams: Streams | None) -> None:
         self.out = out
         self.device = device
+        self.streams = streams
         self.future: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
 
 
@@ -219,11 +223,12 @@ class Mailbox:
             try:
                 if p.out is not None:
                     targets = match_out(p.out, arrival.specs)
+                    use_streams(targets, p.streams)
                     if self._lands(targets):
                         arrival.dest = targets
                         arrival.direct = True
                 elif arrival.nbytes and self.channel.device_kinds:
-                    self._place(arrival, p.device)
+                    self._place(arrival, p.device, p.streams)
             except TensorWireError as exc:
                 p.future.set_exception(exc)
                 continue
@@ -259,14 +264,14 @@ class Mailbox:
         kinds = self.channel.device_kinds
         return all(not isinstance(t, DeviceTensor) or t.engine.kind in kinds for t in targets)
 
-    def _place(self, arrival: Arrival, want: Device | None) -> None:
+    def _place(self, arrival: Arrival, want: Device | None, streams: Streams | None) -> None:
         """A recv without out= is posted: allocate device tensors where they are to end up, so
         the transport lands the payload there directly."""
-        where = [_placement(s, want) for s in arrival.specs]
+        where = [_placement(s, want, streams) for s in arrival.specs]
         if "cuda" not in self.channel.device_kinds or all(w is None for w in where):
             return
         arrival.dest = [
-            s.allocate() if w is None else allocate_device(s.dtype, s.shape, s.framework, w)
+            s.allocate() if w is None else allocate_device(s.dtype, s.shape, s.framework, w, streams)
             for s, w in zip(arrival.specs, where, strict=True)
         ]
         arrival.direct = False
@@ -284,6 +289,7 @@ class Mailbox:
                 raise ConfigurationError("pass out= or device=, not both: out= already says where the bytes go")
             if want.kind == "cuda":
                 want = Device("cuda", check_cuda(want.index))
+        streams = capture_streams(want)
         self.in_flight += 1
         try:
             while True:
@@ -299,7 +305,7 @@ class Mailbox:
                     if self.failure is not None:
                         raise self.failure
                     self.channel.check_open()
-                    p = _Posted(out, want)
+                    p = _Posted(out, want, streams)
                     self._posted.setdefault(tag, deque()).append(p)
                     try:
                         arrival = await p.future
@@ -318,7 +324,7 @@ class Mailbox:
                             del self._posted[tag]
                     targets = None
                 try:
-                    return await self._complete(arrival, out, targets, t0, want)
+                    return await self._complete(arrival, out, targets, t0, want, streams)
                 except SenderAborted:
                     continue
                 except BaseException:
@@ -336,12 +342,13 @@ class Mailbox:
         targets: list[np.ndarray | DeviceTensor] | None,
         t0: float,
         want: Device | None = None,
+        streams: Streams | None = None,
     ) -> tuple[Any, Receipt]:
         if arrival.rendezvous and not arrival.pulling:
             if targets is not None and self._lands(targets):
                 arrival.dest, arrival.direct = targets, True
             elif targets is None and arrival.dest is None and self.channel.device_kinds:
-                self._place(arrival, want)
+                self._place(arrival, want, streams)
             if arrival.dest is None:
                 arrival.allocate()
             arrival.pulling = True
@@ -359,7 +366,7 @@ class Mailbox:
         try:
             dest = arrival.dest
             if out is None:
-                final = [_final(s, d, want) for s, d in zip(arrival.specs, dest, strict=True)]
+                final = [_final(s, d, want, streams) for s, d in zip(arrival.specs, dest, strict=True)]
             elif arrival.direct:
                 final = dest
             else:
@@ -392,24 +399,26 @@ class Mailbox:
         return value, receipt
 
 
-def _placement(spec: Spec, want: Device | None) -> int | None:
+def _placement(spec: Spec, want: Device | None, streams: Streams | None) -> int | None:
     """The CUDA device a received tensor goes to, or None for host memory."""
     if want is None:
         if spec.device == "cuda" and cuda_usable():
-            return check_cuda(None)
+            return streams.device if streams is not None else check_cuda(None)
         return None
     return want.index if want.kind == "cuda" else None
 
 
-def _final(spec: Spec, d: np.ndarray | DeviceTensor, want: Device | None) -> np.ndarray | DeviceTensor:
+def _final(
+    spec: Spec, d: np.ndarray | DeviceTensor, want: Device | None, streams: Streams | None
+) -> np.ndarray | DeviceTensor:
     """What a recv without out= hands back for one tensor: ``d`` itself where it already sits
     where it is wanted, else a new tensor there."""
-    where = _placement(spec, want)
+    where = _placement(spec, want, streams)
     if isinstance(d, DeviceTensor) and d.value is not None and d.engine.kind == "cuda" and where == d.buf.device:
         return d
     if where is None:
         return d if isinstance(d, np.ndarray) else spec.allocate()
-    return allocate_device(spec.dtype, spec.shape, spec.framework, where)
+    return allocate_device(spec.dtype, spec.shape, spec.framework, where, streams)
 
 
 async def _settle_device(

@@ -1,0 +1,251 @@
+"""CUDA tensors between two processes on one GPU: staged TCP for CUDA memory against staged TCP
+for host memory, ucx (cuda_ipc) where ucxx is installed, and the device's own copy as the ceiling.
+
+    python benchmarks/gpu_p2p.py [--sizes 1M,16M,256M,1G,4G] [--chunk 4M] [--depth 8] [--json out.json]
+
+This process sends; a child process (started here) receives on the same GPU. For each size and
+memory kind the sender sends one tensor and the receiver lands it in a preallocated tensor of
+the same kind (``recv(out=...)``), makes its stream wait for the copies (a CUDA receive
+synchronizes its current stream before it answers), and answers with one small message; a
+transfer's time runs from ``send`` to that answer, so it counts delivered bytes only. The last
+transfer of each row is checked (the receiver sums the bytes it holds).
+
+Rows, all from one run:
+
+  d2d copy         torch ``y.copy_(x)`` on the GPU, CUDA-event timed (the ceiling)
+  tcp host         tensorwire tcp, numpy host arrays                        (the baseline)
+  tcp cuda         tensorwire tcp, torch CUDA tensors, staged through pinned chunks
+  ucx cuda         tensorwire ucx, torch CUDA tensors (cuda_ipc on one node), when ucxx is here
+
+GB/s counts the tensor's bytes once (1 GB = 1e9 bytes), median over the repeats after one
+warm-up. Goals from issue #8: tcp cuda >= 0.8x tcp host; ucx cuda >= 0.7x the d2d copy at 1 GiB.
+Speed is never asserted: the script prints PASS/MISS and exits 0 unless a transfer broke.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tensorwire
+
+import numpy as np
+
+import tensorwire
+
+MiB = 1 << 20
+GiB = 1 << 30
+UNITS = {"K": 1 << 10, "M": MiB, "G": GiB}
+DEFAULT_SIZES = "1M,16M,256M,1G,4G"
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+
+
+def fmt_size(n: int) -> str:
+    for unit, v in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= v and n % v == 0:
+            return f"{n // v} {unit}"
+    return f"{n} B"
+
+
+def repeats(n: int) -> int:
+    return 20 if n <= 16 * MiB else 8 if n <= 256 * MiB else 4 if n <= GiB else 2
+
+
+def _configure(chunk: int, depth: int) -> None:
+    from tensorwire.memory._cuda import CudaEngine
+
+    engine = CudaEngine.get(0)
+    for direction in ("out", "in"):
+        engine.pool(direction).configure(chunk, depth)
+
+
+# -- the receiving child ----------------------------------------------------------------------------
+async def child(args: argparse.Namespace) -> None:
+    import torch
+
+    _configure(args.chunk, args.depth)
+    async with contextlib.AsyncExitStack() as stack:
+        started = [await stack.enter_async_context(tensorwire.start("127.0.0.1:0", transports=("tcp",)))]
+        if args.ucx:
+            started.append(await stack.enter_async_context(tensorwire.start("127.0.0.1:0", transports=("ucx",))))
+        print(json.dumps([n.address for n in started]), flush=True)
+        for node in started:
+            peer = await node.accept()
+            while True:
+                cmd = await peer.recv(tag="cmd")
+                if cmd == "next":
+                    break
+                kind, nbytes, count = cmd
+                if kind == "cuda":
+                    out: Any = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+                else:
+                    out = np.empty(nbytes, np.uint8)
+                await peer.send("ready", tag="ack")
+                for i in range(count):
+                    await peer.recv(tag="data", out=out)
+                    if kind == "cuda":
+                        torch.cuda.current_stream().synchronize()  # the bytes are really in place
+                    total = -1
+                    if i == count - 1:
+                        total = int(out.sum(dtype=torch.int64)) if kind == "cuda" else int(out.sum(dtype=np.int64))
+                    await peer.send(total, tag="ack")
+                del out
+                torch.cuda.empty_cache()
+
+
+# -- the sending parent -----------------------------------------------------------------------------
+async def transfer(peer: Any, kind: str, x: Any, count: int, want: int) -> list[float]:
+    """``count`` timed transfers of ``x`` after one warm-up; checks the receiver's byte sum."""
+    await peer.send((kind, int(x.nbytes), count + 1), tag="cmd")
+    assert await peer.recv(tag="ack") == "ready"
+    times = []
+    for i in range(count + 1):
+        t0 = time.perf_counter()
+        await peer.send(x, tag="data")
+        total = await peer.recv(tag="ack")
+        dt = time.perf_counter() - t0
+        if i:
+            times.append(dt)
+        if i == count and total != want:
+            raise RuntimeError(f"{kind} {fmt_size(int(x.nbytes))}: receiver holds byte sum {total}, sent {want}")
+    return times
+
+
+def d2d_seconds(torch: Any, x: Any, count: int) -> float:
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(count):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del y
+    return statistics.median(times)
+
+
+async def parent(args: argparse.Namespace) -> int:
+    import cupy as cp
+    import torch
+
+    _configure(args.chunk, args.depth)
+    ucx = importlib.util.find_spec("ucxx") is not None and not args.no_ucx
+    cmd = [sys.executable, __file__, "--child", "--chunk", str(args.chunk), "--depth", str(args.depth)]
+    if ucx:
+        cmd.append("--ucx")
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    addresses = json.loads(await proc.stdout.readline())
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    name = torch.cuda.get_device_name(0)
+    print(
+        f"device: {name}, torch {torch.__version__}, CuPy {cp.__version__}, "
+        f"staging {args.depth} x {fmt_size(args.chunk)} pinned chunks each way",
+        flush=True,
+    )
+    rows: dict[int, dict[str, float]] = {n: {} for n in sizes}
+    broke = False
+    lanes: dict[str, str] = {}
+    try:
+        for t, address in zip(["tcp", "ucx"], addresses, strict=False):
+            async with tensorwire.start("127.0.0.1:0", transports=(t,)) as node:
+                peer = await node.connect(address)
+                lanes[t] = str(peer.path)
+                for n in sizes:
+                    x = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+                    want = int(x.sum(dtype=torch.int64))
+                    count = repeats(n)
+                    if t == "tcp":
+                        rows[n]["d2d copy"] = n / d2d_seconds(torch, x, count) / 1e9
+                        host = x.cpu().numpy()
+                        kinds = [("tcp host", "host", host), ("tcp cuda", "cuda", x)]
+                    else:
+                        kinds = [("ucx cuda", "cuda", x)]
+                    for label, kind, obj in kinds:
+                        try:
+                            times = await transfer(peer, kind, obj, count, want)
+                            rows[n][label] = n / statistics.median(times) / 1e9
+                        except Exception as exc:  # report and go on with the other rows
+                            print(f"{label} {fmt_size(n)}: FAILED {exc!r}", flush=True)
+                            broke = True
+                    print(
+                        f"  {t} {fmt_size(n)}: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rows[n].items()),
+                        flush=True,
+                    )
+                    del x
+                    torch.cuda.empty_cache()
+                await peer.send("next", tag="cmd")
+                await peer.aclose()
+    finally:
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+    print()
+    for t, path in lanes.items():
+        print(f"{t} path: {path}")
+    if not ucx:
+        print("ucx cuda: skipped, ucxx is not installed here (its wheel is too big to carry to the GPU machine)")
+    print()
+    head = "| size     | d2d copy GB/s | tcp host GB/s | tcp cuda GB/s | cuda/host | goal >=0.8 |"
+    if ucx:
+        head += " ucx cuda GB/s | ucx/d2d |"
+    print(head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for n in sizes:
+        r = rows[n]
+        ratio = r["tcp cuda"] / r["tcp host"] if "tcp cuda" in r and "tcp host" in r else float("nan")
+        goal = "PASS" if ratio >= 0.8 else "MISS" if ratio == ratio else "-"
+        line = (
+            f"| {fmt_size(n):8} | {r.get('d2d copy', float('nan')):13.1f} | {r.get('tcp host', float('nan')):13.2f} "
+            f"| {r.get('tcp cuda', float('nan')):13.2f} | {ratio:8.2f}x | {goal:10} |"
+        )
+        if ucx:
+            u = r.get("ucx cuda", float("nan"))
+            line += f" {u:13.2f} | {u / r.get('d2d copy', float('nan')):6.2f}x |"
+        print(line)
+    print(
+        "\nGB/s: the tensor's bytes once per transfer, median of the repeats after a warm-up; "
+        "cuda/host: tcp cuda over tcp host (goal >= 0.8x); ucx/d2d: ucx over the device's own copy "
+        "(goal >= 0.7x at 1 GiB)."
+    )
+    if args.json:
+        args.result = {"device": name, "rows": {str(k): v for k, v in rows.items()}}
+    return 1 if broke else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes, e.g. 1M,16M,1G")
+    parser.add_argument("--chunk", type=parse_size, default=4 * MiB, help="staging chunk size")
+    parser.add_argument("--depth", type=int, default=8, help="staging chunks per direction")
+    parser.add_argument("--no-ucx", action="store_true", help="skip the ucx rows even where ucxx is installed")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ucx", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        asyncio.run(child(args))
+        return 0
+    rc = asyncio.run(parent(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(args.result))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

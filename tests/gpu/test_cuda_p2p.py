@@ -1,0 +1,264 @@
+"""CUDA tensors end to end on a GPU: torch and CuPy over staged TCP (and ucx where ucxx is
+installed), streams honoured both ways, device= allocation, strided tensors through the native
+kernels, and the CUDA copy engine's pipeline on its own.
+
+Two nodes in one process talk over real loopback sockets; benchmarks/gpu_p2p.py runs two
+processes. Skips with a reason without CuPy, a CUDA device or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+with warnings.catch_warnings():  # CuPy's own import-time notices are not ours to fail on
+    warnings.simplefilter("ignore")
+    cp = pytest.importorskip(
+        "cupy", reason="CuPy is not installed: the CUDA transfer tests need it", exc_type=ImportError
+    )
+
+
+def _device_count() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+if _device_count() == 0:
+    pytest.skip("CuPy is installed but finds no CUDA device", allow_module_level=True)
+
+from tensorwire.memory import StageIn, download  # noqa: E402
+from tensorwire.memory._cuda import CudaEngine  # noqa: E402
+from tensorwire.testing import connected_pair  # noqa: E402
+from tensorwire.transports import Limits  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+_NO_UCXX = importlib.util.find_spec("ucxx") is None
+
+
+def _torch() -> Any:
+    return pytest.importorskip("torch", reason="torch is not installed: the torch CUDA tests need it")
+
+
+def _rand_torch(torch: Any, shape: tuple[int, ...], dtype: Any, seed: int) -> Any:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, device="cuda").bool()
+    return torch.randint(-100, 100, shape, generator=g, device="cuda").to(dtype)
+
+
+# -- the CUDA copy engine alone ------------------------------------------------------------------
+async def test_cuda_engine_pipeline_roundtrip() -> None:
+    engine = CudaEngine.get(0)
+    src = cp.asarray(np.random.default_rng(1).integers(0, 256, 9 * MiB + 123, dtype=np.uint8))
+    cp.cuda.get_current_stream().synchronize()
+    from tensorwire.memory import DeviceBuffer
+
+    host = np.zeros(src.size, np.uint8)
+    await download(DeviceBuffer(engine, int(src.data.ptr), int(src.nbytes), 0, src), host.data)
+    assert np.array_equal(host, cp.asnumpy(src))
+    dst = cp.zeros_like(src)
+    st = StageIn(engine)
+
+    def fill(view: memoryview, pos: int) -> None:
+        view[:] = host[pos : pos + len(view)].data
+
+    await st.write(lambda: DeviceBuffer(engine, int(dst.data.ptr), int(dst.nbytes), 0, dst), 0, dst.nbytes, fill)
+    event = st.finish()
+    assert event is not None
+    event.synchronize()
+    assert bool((dst == src).all())
+
+
+def test_staging_chunks_are_page_locked() -> None:
+    engine = CudaEngine.get(0)
+    chunk = engine.host_chunk(1 * MiB)
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(chunk.ptr)
+        assert attrs.type == cp.cuda.runtime.memoryTypeHost
+    finally:
+        engine.free_chunk(chunk)
+
+
+# -- torch over staged TCP -------------------------------------------------------------------------
+@pytest.mark.parametrize("nbytes", [4, 1000, 5 * MiB + 3, 40 * MiB])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "bool", "complex64"])
+async def test_torch_cuda_tcp_roundtrip(nbytes: int, dtype: str) -> None:
+    torch = _torch()
+    dt = getattr(torch, dtype)
+    n = max(1, nbytes // torch.empty((), dtype=dt).element_size())
+    x = _rand_torch(torch, (n,), dt, n)
+    async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=8 * MiB)) as (a, b):
+        recv = asyncio.ensure_future(b.recv_with_receipt(tag="x"))
+        sent = await a.send({"x": x, "k": 3}, tag="x")
+        got, receipt = await recv
+        y = got["x"]
+        assert isinstance(y, torch.Tensor) and y.is_cuda and y.dtype == dt and got["k"] == 3
+        assert torch.equal(y, x)  # on the current stream: ordered after the recv's copies
+        assert sent.memory == "cuda" and sent.staged and not sent.direct
+        assert receipt.memory == "cuda" and receipt.staged
+
+
+async def test_cuda_message_before_its_recv() -> None:
+    torch = _torch()
+    x = _rand_torch(torch, (3 * MiB,), torch.float32, 2)
+    async with connected_pair("tcp") as (a, b):
+        await a.send(x, tag="early")  # eager: lands in host memory before any recv
+        await asyncio.sleep(0.05)
+        y, receipt = await b.recv_with_receipt(tag="early")
+        assert y.is_cuda and torch.equal(y, x) and receipt.staged and receipt.memory == "cuda"
+
+
+async def test_out_torch_cuda_contiguous_and_strided() -> None:
+    torch = _torch()
+    x = _rand_torch(torch, (300, 500), torch.float32, 3)
+    async with connected_pair("tcp") as (a, b):
+        out = torch.zeros_like(x)
+        recv = asyncio.ensure_future(b.recv(tag="o", out=out))
+        await a.send(x, tag="o")
+        assert (await recv) is out and torch.equal(out, x)
+        base = torch.zeros(500, 300, device="cuda")
+        strided = base.t()  # (300, 500), not contiguous: unpacked by the native kernel
+        recv = asyncio.ensure_future(b.recv(tag="o", out=strided))
+        await a.send(x, tag="o")
+        await recv
+        assert torch.equal(strided, x) and torch.equal(base, x.t())
+
+
+async def test_strided_sends_are_packed_on_the_gpu() -> None:
+    torch = _torch()
+    x = _rand_torch(torch, (700, 900), torch.float16, 4)
+    async with connected_pair("tcp") as (a, b):
+        recv = asyncio.ensure_future(b.recv(tag="s"))
+        sent = await a.send({"t": x.t(), "s": x[::3, 5:800:7]}, tag="s")
+        got = await recv
+        assert sent.packed
+        assert torch.equal(got["t"], x.t().contiguous()) and torch.equal(got["s"], x[::3, 5:800:7].contiguous())
+
+
+async def test_send_waits_for_the_producer_stream() -> None:
+    """The producer's stream is still busy when send is called: the bytes sent are the ones the
+    stream writes last, not what the memory held when send was called."""
+    torch = _torch()
+    x = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    async with connected_pair("tcp") as (a, b):
+        recv = asyncio.ensure_future(b.recv(tag="p", device="cuda:0"))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning on the side stream
+            x.fill_(7)
+            sending = asyncio.ensure_future(a.send(x, tag="p"))
+            await asyncio.sleep(0)  # the send's events are taken while the side stream is current
+        assert not side.query()  # the side stream is really still busy
+        await sending
+        y = await recv
+        assert int(y.min()) == 7 and int(y.max()) == 7
+
+
+async def test_recv_orders_the_consumer_stream_without_blocking_the_host() -> None:
+    torch = _torch()
+    x = _rand_torch(torch, (4 * MiB,), torch.float32, 5)
+    consumer = torch.cuda.Stream()
+    async with connected_pair("tcp") as (a, b):
+        with torch.cuda.stream(consumer):
+            torch.cuda._sleep(200_000_000)  # the consumer stream is busy with earlier work
+            recv = asyncio.ensure_future(b.recv(tag="c"))
+            await a.send(x, tag="c")
+            y = await recv
+            assert not consumer.query()  # recv returned without waiting for the consumer stream
+            z = y * 2  # ordered after the copies on the consumer stream
+        consumer.synchronize()
+        assert torch.equal(z, x * 2)
+
+
+# -- CuPy, device=, mixed memories -----------------------------------------------------------------
+async def test_cupy_roundtrip_comes_back_as_cupy() -> None:
+    x = cp.asarray(np.random.default_rng(6).standard_normal((1000, 1500)).astype(np.float32))
+    async with connected_pair("tcp") as (a, b):
+        recv = asyncio.ensure_future(b.recv(tag="c"))
+        await a.send({"x": x, "v": x[::-1, ::2]}, tag="c")
+        got = await recv
+        assert isinstance(got["x"], cp.ndarray) and bool((got["x"] == x).all())
+        assert bool((got["v"] == x[::-1, ::2]).all())
+
+
+async def test_device_argument_moves_between_memories() -> None:
+    torch = _torch()
+    x = _rand_torch(torch, (2 * MiB,), torch.float32, 7)
+    host = np.arange(1 << 20, dtype=np.int32)
+    async with connected_pair("tcp") as (a, b):
+        await a.send(x, tag="d")
+        y = await b.recv(tag="d", device="cpu")
+        assert isinstance(y, torch.Tensor) and y.device.type == "cpu" and torch.equal(y, x.cpu())
+        recv = asyncio.ensure_future(b.recv(tag="d", device="cuda:0"))
+        await a.send(host, tag="d")
+        z = await recv
+        assert isinstance(z, cp.ndarray) and z.device.id == 0 and np.array_equal(cp.asnumpy(z), host)
+        recv = asyncio.ensure_future(b.recv(tag="d", device=torch.device("cuda", 0)))
+        await a.send(torch.from_numpy(host), tag="d")
+        w = await recv
+        assert isinstance(w, torch.Tensor) and w.is_cuda and torch.equal(w.cpu(), torch.from_numpy(host))
+        with pytest.raises(tensorwire_errors().ConfigurationError, match="device"):
+            await b.recv(tag="d", device=f"cuda:{_device_count()}")
+
+
+def tensorwire_errors() -> Any:
+    import tensorwire.errors
+
+    return tensorwire.errors
+
+
+async def test_empty_and_zero_dim_cuda_tensors() -> None:
+    torch = _torch()
+    async with connected_pair("tcp") as (a, b):
+        msg = {"e": torch.empty(0, 3, device="cuda"), "s": torch.tensor(2.5, device="cuda")}
+        recv = asyncio.ensure_future(b.recv(tag="z"))
+        await a.send(msg, tag="z")
+        got = await recv
+        assert got["e"].shape == (0, 3) and got["e"].is_cuda
+        assert got["s"].shape == () and float(got["s"]) == 2.5
+
+
+@pytest.mark.parametrize(
+    "transport",
+    ["inproc", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed here"))],
+)
+async def test_other_transports_move_cuda_tensors(transport: str) -> None:
+    torch = _torch()
+    x = _rand_torch(torch, (3 * MiB,), torch.float32, 8)
+    async with connected_pair(transport) as (a, b):
+        recv = asyncio.ensure_future(b.recv_with_receipt(tag="u"))
+        sent = await a.send(x, tag="u")
+        y, receipt = await recv
+        assert y.is_cuda and torch.equal(y, x)
+        assert sent.memory == "cuda" and receipt.memory == "cuda"
+        if transport == "ucx" and "cuda" in b.channel.device_kinds:
+            assert not sent.staged, "ucx with cuda transports moves device memory itself"
+            assert any("cuda" in lane for lane in a.path.lanes + b.channel.lanes), b.channel.lanes
+
+
+async def test_cancelled_cuda_recv_leaves_the_message_whole() -> None:
+    torch = _torch()
+    x = _rand_torch(torch, (64 * MiB,), torch.float32, 9)
+    async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=8 * MiB)) as (a, b):
+        first = torch.zeros_like(x)
+        recv = asyncio.ensure_future(b.recv(tag="k", out=first))
+        send = asyncio.ensure_future(a.send(x, tag="k"))
+        await asyncio.sleep(0.02)
+        recv.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await recv
+        second = torch.zeros_like(x)
+        await b.recv(tag="k", out=second)
+        await send
+        assert torch.equal(second, x)
