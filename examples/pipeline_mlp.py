@@ -26,6 +26,9 @@ from torch import nn
 import tensorwire
 from tensorwire.pipeline import Pipeline, TorchPart, get_schedule
 
+# torch's first optimizer imports torch._dynamo (1-2 s holding the GIL): make one now, not in build_part
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
 WIDTH = 256
 IN, OUT = 64, 10
 LR = 0.3
