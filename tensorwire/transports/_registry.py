@@ -18,7 +18,7 @@ KNOWN: dict[str, tuple[str | None, str | None, str | None]] = {
     "inproc": ("tensorwire.transports.inproc:InprocTransport", None, None),
     "tcp": ("tensorwire.transports.tcp:TcpTransport", None, None),
     "ucx": ("tensorwire.transports.ucx:UcxTransport", "ucxx", "ucx"),
-    "verbs": (None, "pyverbs", "verbs"),
+    "verbs": ("tensorwire.transports.verbs:VerbsTransport", "pyverbs", "verbs"),
 }
 
 

@@ -1,0 +1,873 @@
+"""The verbs channel: tagged messages over one RC queue pair, one-sided reads and writes by rkey.
+
+Two-sided messages. A message header (and a payload of at most ``inline_bytes``) travels as
+SEND frames into the peer's ring of pre-posted, registered receive buffers (``_wire.py``). A
+larger payload stays where it is: the sender registers it (through the registration cache, so
+the same tensor is registered once) and sends segment descriptors; the receiver moves it with
+RDMA READ straight into the recv's ``out=`` (registered once and cached too), or, when no recv
+is waiting for an eager message, into a buffer of its own; then it sends FIN and the sender's
+``send`` returns. A message within the receiver's buffer credit is read at once (*eager*); one
+beyond it waits until a recv is posted (*rendezvous*).
+
+Two kinds of credit keep both sides in bounds. The mailbox's (``_credit.py``): buffer bytes and
+message slots per peer, as on every transport. The ring's: a frame may only be sent into a ring
+slot the peer has posted again, which the peer reports as its count of frames processed,
+carried on every frame; a few slots are kept for CREDIT frames alone, so reports always get
+through and nothing ever meets RNR (``rnr_retry`` is infinite as a backstop, not a mechanism).
+
+Cancellation: a recv cancelled while RDMA READs write into its ``out=`` lets them finish first
+(then the message is requeued whole); a send cancelled before its MSG frame left is withdrawn;
+one cancelled later sends ABORT and waits for the receiver's FIN: dropped, or read whole.
+
+Completion errors become tensorwire errors: retries exhausted (the peer's port or host is gone)
+-> PeerDisconnected, anything else -> TransferError; either breaks the channel (an RC queue
+pair in the error state is done). The bootstrap TCP connection stays open as a liveness signal:
+its end breaks the channel at once, failing every pending operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ...errors import (
+    BrokenResourceError,
+    ClosedResourceError,
+    PeerDisconnected,
+    ProtocolError,
+    TensorWireError,
+    TransferError,
+)
+from ...tensors import Outgoing, decode_header
+from .._base import Channel, ChannelState, Limits, Receipt
+from .._credit import FLUSH_DELAY, ReceiveBudget, SendWindow
+from .._frames import PeerLimits
+from .._mailbox import Arrival
+from ._memory import MemoryCache, Region
+from ._queue import WC_FLUSH, WC_RETRY_EXC, WC_RNR_RETRY_EXC, QueuePair, wc_status_name
+from ._verbs import pv
+from ._wire import FRAME, SEG, Flag, Kind, check_flags, kind_of
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RemoteKey", "VerbsChannel"]
+
+RESERVE = 4  # ring slots only CREDIT and BYE frames may use
+_SEND_BIT = 1 << 62
+_RDMA_BIT = 1 << 61
+_U32 = (1 << 32) - 1
+_MAX_SEGS = 65535
+
+
+def _host(a: object) -> np.ndarray:
+    """A payload array in host memory (device tensors are staged before they reach a channel
+    without ``device_kinds``)."""
+    if not isinstance(a, np.ndarray):
+        raise TransferError(f"the verbs channel moves host memory, not {type(a).__name__}")
+    return a
+
+
+class RemoteKey:
+    """A peer's rkey as this channel uses it (verbs rkeys need no unpacking)."""
+
+    __slots__ = ("handle", "rkey")
+
+    def __init__(self, rkey: int) -> None:
+        self.rkey = rkey
+        self.handle: int | None = rkey
+
+    def close(self) -> None:
+        self.handle = None
+
+
+class _Out:
+    """One frame waiting for a ring slot at the peer and a send buffer here."""
+
+    __slots__ = ("arg", "body", "ctrl", "flags", "kind", "meta_len", "msg_id", "nseg", "payload_len", "posted")
+
+    def __init__(
+        self,
+        kind: Kind,
+        body: bytes = b"",
+        *,
+        flags: int = 0,
+        nseg: int = 0,
+        meta_len: int = 0,
+        msg_id: int = 0,
+        arg: int = 0,
+        payload_len: int = 0,
+        ctrl: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.body = body
+        self.flags = flags
+        self.nseg = nseg
+        self.meta_len = meta_len
+        self.msg_id = msg_id
+        self.arg = arg
+        self.payload_len = payload_len
+        self.ctrl = ctrl
+        self.posted = False
+
+
+class _Incoming:
+    """A message whose payload is (or will be) read from the sender's memory."""
+
+    __slots__ = ("arrival", "pending", "pulled", "regions", "rendezvous", "segs")
+
+    def __init__(self, arrival: Arrival, segs: list[tuple[int, int, int]], rendezvous: bool) -> None:
+        self.arrival = arrival
+        self.segs = segs
+        self.rendezvous = rendezvous
+        self.pulled = False  # a recv reads it (and sends the FIN once it has returned)
+        self.pending = 0
+        self.regions: list[Region] = []
+
+
+class VerbsChannel(Channel):
+    transport = "verbs"
+
+    def __init__(
+        self,
+        qp: QueuePair,
+        memory: MemoryCache,
+        *,
+        limits: Limits,
+        remote: PeerLimits,
+        remote_slots: int,
+        remote_slot_bytes: int,
+        max_rdma: int,
+        max_msg: int,
+        name: str,
+        on_shutdown: Callable[[], None],
+    ) -> None:
+        super().__init__()
+        self._qp = qp
+        self._mem = memory
+        self._limits = limits
+        self._remote = remote
+        self._peer_ring = remote_slots
+        self._frame_max = min(qp.slot_bytes, remote_slot_bytes) - FRAME.size
+        self._inline = min(limits.inline_bytes, 4 * self._frame_max)
+        self._max_rdma = max_rdma
+        self._chunk = max(4096, min(max_msg, 4 << 20))
+        self.name = name
+        self._on_shutdown = on_shutdown
+        self.lanes = (f"rc/{qp.port.device}:{qp.port.port}",)
+        self._loop = asyncio.get_running_loop()
+        e = pv().enums
+        self._read_access = e.IBV_ACCESS_REMOTE_READ
+        self._write_access = e.IBV_ACCESS_LOCAL_WRITE
+        # ring credit
+        self._sent = 0  # frames posted to the peer
+        self._peer_processed = 0  # frames the peer took from its ring (so re-posted)
+        self._processed = 0  # frames taken from our ring
+        self._unreported = 0  # non-CREDIT frames processed since our count last went out
+        self._report_timer: asyncio.TimerHandle | None = None
+        self._credit_wanted = False
+        self._outq: deque[_Out] = deque()
+        self._send_free = list(range(qp.send_slots))
+        self._send_cbs: dict[int, Callable[[BaseException | None], None]] = {}
+        # RDMA operations
+        self._rdma_q: deque[tuple[bool, int, int, int, int, int, Callable[[BaseException | None], None]]] = deque()
+        self._rdma_cbs: dict[int, Callable[[BaseException | None], None]] = {}
+        self._rdma_ids = 0
+        # mailbox credit
+        self._window = SendWindow(remote)
+        self._budget = ReceiveBudget(limits, self._want_credit)
+        self._next_id = 1
+        self._fins: dict[int, asyncio.Future[int]] = {}
+        self._frags: dict[int, list[bytes]] = {}
+        self._waiting: dict[int, _Incoming] = {}
+        self._incoming: dict[int, _Incoming] = {}
+        self._eager: set[Arrival] = set()
+        self._futs: set[asyncio.Future[Any]] = set()
+        self._sending = 0
+        self.stats = {"frames_out": 0, "frames_in": 0, "reads": 0, "writes": 0, "credit_frames": 0}
+
+    def __repr__(self) -> str:
+        return f"<VerbsChannel {self.name} [{', '.join(self.lanes)}] {self.state.value} in_flight={self.in_flight}>"
+
+    @property
+    def in_flight(self) -> int:
+        return self.mailbox.in_flight + self._sending
+
+    def start(self) -> None:
+        self._qp.start()
+        self._qp.drain()  # anything that landed before the loop watched the descriptor
+
+    # -- completions ------------------------------------------------------------------------------
+    def _completions(self, wcs: list[Any]) -> None:
+        if any(wc.status for wc in wcs):
+            # after an error every outstanding request completes as 'flushed', not always
+            # after the one that failed: name the cause
+            wcs = sorted(wcs, key=lambda wc: wc.status == WC_FLUSH)
+        for wc in wcs:
+            if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+                return
+            wr_id = wc.wr_id
+            status = wc.status
+            err: BaseException | None = None
+            if status:
+                err = self._wc_error(status, wr_id)
+            if wr_id & _SEND_BIT:
+                slot = wr_id & 0xFFFF
+                self._send_free.append(slot)
+                cb = self._send_cbs.pop(slot, None)
+                if cb is not None:
+                    cb(err)
+            elif wr_id & _RDMA_BIT:
+                rcb = self._rdma_cbs.pop(wr_id, None)
+                if rcb is not None:
+                    rcb(err)
+            elif err is None:
+                try:
+                    self._on_frame(wr_id, wc.byte_len)
+                except ProtocolError as exc:
+                    log.warning("closing verbs channel %s: %s", self.name, exc)
+                    self._shutdown(ChannelState.BROKEN, exc)
+                    return
+                except TensorWireError as exc:
+                    self._shutdown(ChannelState.BROKEN, exc)
+                    return
+                except Exception as exc:  # a bug must not leave recvs hanging
+                    log.exception("verbs frame handler failed")
+                    self._shutdown(ChannelState.BROKEN, BrokenResourceError(f"verbs frame handler failed: {exc!r}"))
+                    return
+            if err is not None:
+                if self.state is ChannelState.OPEN or self.state is ChannelState.CLOSING:
+                    log.warning("verbs channel %s: %s", self.name, err)
+                self._shutdown(ChannelState.BROKEN, err)
+                return
+        self._pump()
+        self._pump_rdma()
+
+    def _wc_error(self, status: int, wr_id: int) -> BaseException:
+        what = "send" if wr_id & _SEND_BIT else "RDMA operation" if wr_id & _RDMA_BIT else "receive"
+        text = f"verbs {what} failed: {wc_status_name(status)}"
+        if status == WC_FLUSH and self.mailbox.failure is not None:
+            return self.mailbox.failure
+        if status in (WC_RETRY_EXC, WC_RNR_RETRY_EXC):
+            return PeerDisconnected(text)
+        return TransferError(text)
+
+    # -- frames out -------------------------------------------------------------------------------
+    def _enqueue(self, out: _Out) -> None:
+        self._outq.append(out)
+        self._pump()
+
+    def _ring_free(self) -> int:
+        return self._peer_ring - (self._sent - self._peer_processed)
+
+    def _pump(self) -> None:
+        if self.state not in (ChannelState.OPEN, ChannelState.CLOSING):
+            return
+        while self._outq and self._send_free:
+            out = self._outq[0]
+            if self._ring_free() <= (0 if out.ctrl else RESERVE):
+                break
+            self._outq.popleft()
+            self._post(out)
+        if self._credit_wanted and self._send_free and self._ring_free() > 0:
+            self._post(_Out(Kind.CREDIT, ctrl=True))
+
+    def _post(self, out: _Out, done: Callable[[BaseException | None], None] | None = None) -> None:
+        credit, slots = self._budget.take_returns()
+        self._credit_wanted = False
+        self._unreported = 0
+        if self._report_timer is not None:
+            self._report_timer.cancel()
+            self._report_timer = None
+        slot = self._send_free.pop()
+        qp = self._qp
+        off = slot * qp.slot_bytes
+        view = qp.send_view
+        FRAME.pack_into(
+            view.data,
+            off,
+            out.kind,
+            out.flags,
+            out.nseg,
+            out.meta_len,
+            out.msg_id,
+            out.arg,
+            out.payload_len,
+            credit,
+            slots,
+            self._processed & _U32,
+        )
+        n = FRAME.size + len(out.body)
+        if out.body:
+            view[off + FRAME.size : off + n] = np.frombuffer(out.body, np.uint8)
+        if done is not None:
+            self._send_cbs[slot] = done
+        try:
+            qp.post_send(_SEND_BIT | slot, slot, n)
+        except pv().pyverbs_error.PyverbsError as exc:
+            self._send_free.append(slot)
+            self._send_cbs.pop(slot, None)
+            self._shutdown(ChannelState.BROKEN, TransferError(f"verbs post_send failed: {exc}"))
+            return
+        out.posted = True
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s > %s flags=%d id=%d len=%d", self.name, out.kind.name, out.flags, out.msg_id, n)
+        self._sent += 1
+        self.stats["frames_out"] += 1
+        if out.kind is Kind.CREDIT:
+            self.stats["credit_frames"] += 1
+
+    def _want_credit(self) -> None:
+        """Something is owed to the peer (ring slots or mailbox credit): send a CREDIT frame."""
+        if self.state is not ChannelState.OPEN:
+            return
+        self._credit_wanted = True
+        self._pump()
+
+    def _schedule_report(self) -> None:
+        if self._unreported >= (self._qp.slots - RESERVE) // 4:
+            self._want_credit()
+        elif self._report_timer is None:
+            self._report_timer = self._loop.call_later(FLUSH_DELAY, self._report_due)
+
+    def _report_due(self) -> None:
+        self._report_timer = None
+        if self._unreported:
+            self._want_credit()
+
+    def _send_body(
+        self, kind: Kind, body: bytes, *, flags: int, nseg: int, meta_len: int, msg_id: int, tag: int, nbytes: int
+    ) -> list[_Out]:
+        """Queue a MSG whose body may span several frames (FRAG ... MSG)."""
+        outs = []
+        step = self._frame_max
+        pos = 0
+        while len(body) - pos > step:
+            outs.append(_Out(Kind.FRAG, body[pos : pos + step], msg_id=msg_id))
+            pos += step
+        outs.append(
+            _Out(
+                kind,
+                body[pos:],
+                flags=flags,
+                nseg=nseg,
+                meta_len=meta_len,
+                msg_id=msg_id,
+                arg=tag,
+                payload_len=nbytes,
+            )
+        )
+        for out in outs:
+            self._outq.append(out)
+        self._pump()
+        return outs
+
+    # -- sending ------------------------------------------------------------------------------------
+    async def send(self, tag: int, msg: Outgoing) -> Receipt:
+        self.check_open()
+        if msg.nbytes > self._remote.max_message_bytes:
+            raise TransferError(
+                f"a {msg.nbytes}-byte message exceeds the peer's {self._remote.max_message_bytes}-byte limit"
+            )
+        header = msg.header
+        if len(header) > self._remote.max_header_bytes:
+            raise TransferError(f"message header of {len(header)} bytes exceeds the peer's limit")
+        t0 = time.perf_counter()
+        self._sending += 1
+        try:
+            await self._window.take_slot(self.check_open)
+            nbytes = msg.nbytes
+            eager = self._window.reserve(nbytes)
+            msg_id = self._next_id
+            self._next_id += 1
+            if eager and nbytes <= self._inline:
+                body = b"".join([header, *msg.segments()]) if nbytes else header
+                self._send_body(
+                    Kind.MSG,
+                    body,
+                    flags=Flag.INLINE,
+                    nseg=0,
+                    meta_len=len(header),
+                    msg_id=msg_id,
+                    tag=tag,
+                    nbytes=nbytes,
+                )
+                protocol = "inline"
+            else:
+                await self._send_described(msg, header, msg_id, tag, eager)
+                protocol = "eager" if eager else "rendezvous"
+        finally:
+            self._sending -= 1
+        return Receipt(
+            transport=self.transport,
+            lanes=self.lanes,
+            nbytes=msg.nbytes,
+            seconds=time.perf_counter() - t0,
+            protocol=protocol,
+            direct=not msg.packed and protocol != "inline",
+            staged=False,
+            packed=msg.packed,
+        )
+
+    async def _send_described(self, msg: Outgoing, header: bytes, msg_id: int, tag: int, eager: bool) -> None:
+        """Register the payload, send its descriptors, wait for the receiver's FIN."""
+        arrays = [_host(a) for a in msg.arrays if a.nbytes]
+        if len(arrays) > _MAX_SEGS:
+            self._window.unspend(msg.nbytes, eager)
+            raise TransferError(f"a message of {len(arrays)} tensors exceeds the {_MAX_SEGS} a verbs message carries")
+        regions: list[Region] = []
+        try:
+            for a in arrays:
+                regions.append(self._mem.acquire(a, self._read_access))
+        except BaseException:
+            for r in regions:
+                self._mem.release(r)
+            self._window.unspend(msg.nbytes, eager)
+            raise
+        descs = b"".join(
+            SEG.pack(a.__array_interface__["data"][0], a.nbytes, r.rkey, 0)
+            for a, r in zip(arrays, regions, strict=True)
+        )
+        fin: asyncio.Future[int] = self._loop.create_future()
+        self._fins[msg_id] = fin
+        outs = self._send_body(
+            Kind.MSG,
+            header + descs,
+            flags=0 if eager else Flag.RENDEZVOUS,
+            nseg=len(arrays),
+            meta_len=len(header),
+            msg_id=msg_id,
+            tag=tag,
+            nbytes=msg.nbytes,
+        )
+        try:
+            try:
+                flags = await asyncio.shield(fin)  # a cancellation must not cancel fin itself
+            except asyncio.CancelledError:
+                if not any(o.posted for o in outs):  # nothing went out: withdraw the message
+                    for o in outs:
+                        if o in self._outq:
+                            self._outq.remove(o)
+                    self._window.unspend(msg.nbytes, eager)
+                    raise
+                if self.state is ChannelState.OPEN:
+                    self._enqueue(_Out(Kind.ABORT, msg_id=msg_id))
+                # the peer may be reading our memory: it answers with FIN (read whole, or dropped)
+                while not fin.done():
+                    try:
+                        await asyncio.shield(fin)
+                    except asyncio.CancelledError:
+                        continue
+                    except TensorWireError:
+                        break
+                raise
+        finally:
+            self._fins.pop(msg_id, None)
+            for r in regions:
+                self._mem.release(r)
+        if flags & Flag.FAILED:
+            raise TransferError("the peer could not read the message's payload")
+
+    # -- frames in ----------------------------------------------------------------------------------
+    def _on_frame(self, slot: int, nbytes: int) -> None:
+        qp = self._qp
+        if nbytes < FRAME.size:
+            raise ProtocolError(f"verbs frame of {nbytes} bytes is shorter than its header")
+        buf = qp.slot_view(slot, nbytes)
+        fields = FRAME.unpack_from(buf.data, 0)
+        kind_v, flags_v, nseg, meta_len, msg_id, arg, payload_len, credit, slots, processed = fields
+        body = buf[FRAME.size :].tobytes()
+        qp.post_recv(slot)  # the bytes are ours now: the slot goes back to the ring
+        self._processed += 1
+        self.stats["frames_in"] += 1
+        kind = kind_of(kind_v)
+        flags = check_flags(flags_v)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s < %s flags=%d id=%d len=%d", self.name, kind.name, flags, msg_id, nbytes)
+        delta = (processed - self._peer_processed) & _U32
+        if delta > self._sent - self._peer_processed:
+            raise ProtocolError("peer reported more frames processed than were sent")
+        self._peer_processed += delta
+        self._window.grant(credit, slots)
+        if kind is not Kind.CREDIT:
+            self._unreported += 1
+            self._schedule_report()
+        if kind is Kind.MSG:
+            self._on_msg(flags, nseg, meta_len, msg_id, arg, payload_len, body)
+        elif kind is Kind.FRAG:
+            parts = self._frags.setdefault(msg_id, [])
+            parts.append(body)
+            limit = self._limits.max_header_bytes + self._inline + _MAX_SEGS * SEG.size
+            if sum(len(p) for p in parts) > limit:
+                raise ProtocolError("fragmented verbs message body exceeds the limits")
+        elif kind is Kind.FIN:
+            fut = self._fins.get(msg_id)
+            if fut is not None and not fut.done():
+                fut.set_result(int(flags))
+        elif kind is Kind.ABORT:
+            entry = self._waiting.pop(msg_id, None)
+            if entry is not None:
+                self.mailbox.abort(entry.arrival)
+                self.release(entry.arrival)
+                self._enqueue(_Out(Kind.FIN, flags=Flag.DROPPED, msg_id=msg_id))
+            # a message being read gets its FIN when the read is done
+        elif kind is Kind.BYE:
+            self._shutdown(ChannelState.CLOSED, PeerDisconnected("peer closed the channel"))
+
+    def _on_msg(
+        self, flags: Flag, nseg: int, meta_len: int, msg_id: int, tag: int, payload_len: int, body: bytes
+    ) -> None:
+        limits = self._limits
+        parts = self._frags.pop(msg_id, None)
+        if parts:
+            body = b"".join([*parts, body])
+        inline = bool(flags & Flag.INLINE)
+        rndv = bool(flags & Flag.RENDEZVOUS)
+        if meta_len > limits.max_header_bytes:
+            raise ProtocolError(f"message header of {meta_len} bytes exceeds the limit")
+        expect = meta_len + (payload_len if inline else nseg * SEG.size)
+        if len(body) != expect or (inline and (nseg or rndv or payload_len > self._inline)):
+            raise ProtocolError("malformed verbs MSG frame")
+        if msg_id in self._waiting or msg_id in self._incoming:
+            raise ProtocolError(f"duplicate message id {msg_id}")
+        tree, specs = decode_header(body[:meta_len], max_message_bytes=limits.max_message_bytes)
+        nbytes = sum(s.nbytes for s in specs)
+        segs: list[tuple[int, int, int]] = []
+        if inline:
+            if payload_len != nbytes:
+                raise ProtocolError(f"MSG frame carries {payload_len} inline bytes of a {nbytes}-byte message")
+        else:
+            for k in range(nseg):
+                addr, length, rkey, _ = SEG.unpack_from(body, meta_len + k * SEG.size)
+                segs.append((addr, length, rkey))
+            if sum(s[1] for s in segs) != nbytes or payload_len != nbytes or not nbytes:
+                raise ProtocolError("verbs segment descriptors do not match the message header")
+        self._budget.admit(nbytes, eager=not rndv)
+        protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
+        arrival = Arrival(self, tag, tree, specs, msg_id=msg_id, rendezvous=not inline, protocol=protocol)
+        if not rndv:
+            self._eager.add(arrival)
+        self.mailbox.arrive(arrival)
+        if inline:
+            if arrival.dest is None:
+                arrival.allocate()
+            pos = meta_len
+            while pos - meta_len < nbytes:
+                view = arrival.view(pos - meta_len, nbytes)
+                view[:] = body[pos : pos + len(view)]
+                pos += len(view)
+            arrival.written = nbytes
+            arrival.complete()
+            return
+        entry = _Incoming(arrival, segs, rndv)
+        self._waiting[msg_id] = entry
+        if rndv:
+            return  # the recv pulls it
+        if arrival.dest is None:
+            self._adopt(entry)  # nobody waits: read it into a buffer of our own now, within the credit
+        else:
+            self._loop.call_soon(self._check_pulled, arrival)  # the recv's task reads into out=
+
+    def _check_pulled(self, arrival: Arrival) -> None:
+        """An eager message matched a recv with out=, whose task should have pulled it by now; if
+        that recv was cancelled first, the message was requeued into our own buffer: read it."""
+        entry = self._waiting.get(arrival.msg_id)
+        if entry is None or entry.arrival is not arrival or self.state is not ChannelState.OPEN:
+            return
+        if arrival.direct and not arrival.pulling:
+            self._loop.call_soon(self._check_pulled, arrival)
+            return
+        if not arrival.pulling:
+            self._adopt(entry)
+
+    def _adopt(self, entry: _Incoming) -> None:
+        arrival = entry.arrival
+        arrival.rendezvous = False
+        if arrival.dest is None or arrival.direct:
+            arrival.allocate()
+        self._read(entry)
+
+    def _read(self, entry: _Incoming) -> None:
+        """RDMA READ the sender's segments into ``arrival.dest``; FIN when all have landed."""
+        arrival = entry.arrival
+        self._waiting.pop(arrival.msg_id, None)
+        assert arrival.dest is not None
+        try:
+            dests = [_host(a) for a in arrival.dest if a.nbytes]
+            for a in dests:
+                entry.regions.append(self._mem.acquire(a, self._write_access))
+        except TensorWireError as exc:
+            self._read_failed(entry, exc)
+            return
+        self._incoming[arrival.msg_id] = entry
+        pieces = []
+        di, doff, si, soff = 0, 0, 0, 0
+        while di < len(dests) and si < len(entry.segs):
+            d, region = dests[di], entry.regions[di]
+            saddr, slen, rkey = entry.segs[si]
+            n = min(d.nbytes - doff, slen - soff, self._chunk)
+            pieces.append((d.__array_interface__["data"][0] + doff, region.lkey, n, saddr + soff, rkey))
+            doff += n
+            soff += n
+            if doff == d.nbytes:
+                di, doff = di + 1, 0
+            if soff == slen:
+                si, soff = si + 1, 0
+        entry.pending = len(pieces)
+        done = functools.partial(self._read_done, entry)
+        for laddr, lkey, n, raddr, rkey in pieces:
+            self._rdma(True, laddr, lkey, n, raddr, rkey, done)
+        self._pump_rdma()
+
+    def _read_failed(self, entry: _Incoming, exc: BaseException) -> None:
+        arrival = entry.arrival
+        self._release_regions(entry)
+        self._incoming.pop(arrival.msg_id, None)
+        arrival.fail(exc)
+        self.release(arrival)
+        self._enqueue(_Out(Kind.FIN, flags=Flag.FAILED, msg_id=arrival.msg_id))
+
+    def _release_regions(self, entry: _Incoming) -> None:
+        regions, entry.regions = entry.regions, []
+        for r in regions:
+            self._mem.release(r)
+
+    def _read_done(self, entry: _Incoming, err: BaseException | None) -> None:
+        if err is not None:
+            return  # the channel breaks (_completions), which fails the arrival
+        entry.pending -= 1
+        self.stats["reads"] += 1
+        if entry.pending:
+            return
+        arrival = entry.arrival
+        self._release_regions(entry)
+        self._incoming.pop(arrival.msg_id, None)
+        arrival.written = arrival.nbytes
+        arrival.complete()
+        if not entry.pulled:
+            self._fin(arrival.msg_id)
+
+    def _fin(self, msg_id: int) -> None:
+        if self.state is ChannelState.OPEN:
+            self._enqueue(_Out(Kind.FIN, msg_id=msg_id))
+
+    async def pull(self, arrival: Arrival) -> None:
+        self.check_open()
+        entry = self._waiting.get(arrival.msg_id)
+        if entry is None or entry.arrival is not arrival:
+            inc = self._incoming.get(arrival.msg_id)
+            if inc is None or inc.arrival is not arrival:
+                if arrival.done.done():
+                    arrival.done.result()
+                    return
+                raise TransferError("message is no longer pending")
+        else:
+            entry.pulled = True
+            self._read(entry)
+        # RDMA READs may be writing into arrival.dest (perhaps the caller's out=): a
+        # cancellation waits for them to finish (or for the channel to fail)
+        cancelled = False
+        while not arrival.done.done():
+            try:
+                await asyncio.shield(arrival.done)
+            except asyncio.CancelledError:
+                cancelled = True
+            except Exception:
+                break
+        if entry is not None and entry.pulled and arrival.done.done() and arrival.done.exception() is None:
+            # the sender's send returns on FIN: let this recv return (and its caller post the
+            # next one) first, so that a sender going back to back finds the next recv waiting
+            self._loop.call_soon(self._fin, arrival.msg_id)
+        if cancelled:
+            raise asyncio.CancelledError
+        arrival.done.result()
+
+    def release(self, arrival: Arrival) -> None:
+        eager = arrival in self._eager
+        self._eager.discard(arrival)
+        self._budget.release(arrival.nbytes, eager, schedule=self.state is ChannelState.OPEN)
+
+    # -- RDMA operations ----------------------------------------------------------------------------
+    def _rdma(
+        self,
+        read: bool,
+        laddr: int,
+        lkey: int,
+        n: int,
+        raddr: int,
+        rkey: int,
+        done: Callable[[BaseException | None], None],
+    ) -> None:
+        self._rdma_q.append((read, laddr, lkey, n, raddr, rkey, done))
+
+    def _pump_rdma(self) -> None:
+        if self.state not in (ChannelState.OPEN, ChannelState.CLOSING):
+            return
+        qp = self._qp
+        while self._rdma_q and len(self._rdma_cbs) < self._max_rdma:
+            read, laddr, lkey, n, raddr, rkey, done = self._rdma_q.popleft()
+            self._rdma_ids += 1
+            wr_id = _RDMA_BIT | self._rdma_ids
+            self._rdma_cbs[wr_id] = done
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "%s %s %d bytes %#x <- %#x rkey %#x", self.name, "READ" if read else "WRITE", n, laddr, raddr, rkey
+                )
+            try:
+                qp.post_rdma(wr_id, read, laddr, lkey, n, raddr, rkey)
+            except pv().pyverbs_error.PyverbsError as exc:
+                self._rdma_cbs.pop(wr_id, None)
+                self._shutdown(ChannelState.BROKEN, TransferError(f"verbs post_send failed: {exc}"))
+                return
+
+    # -- one-sided ----------------------------------------------------------------------------------
+    def remote_key(self, packed: bytes) -> RemoteKey:
+        """A peer's verbs key (``RemoteKeyBlob.key``: the rkey, 4 bytes little endian)."""
+        self.check_open()
+        if len(packed) != 4:
+            raise ProtocolError("a verbs remote key is 4 bytes")
+        return RemoteKey(int.from_bytes(packed, "little"))
+
+    async def rma(self, op: str, ptr: int, n: int, remote_addr: int, rkey: RemoteKey, keep: object) -> None:
+        """Read (``op="get"``) ``n`` bytes at ``remote_addr`` into ``ptr``, or write them from ``ptr``
+        (``op="put"``); returns once they are in place (an RC completion follows the peer's ack).
+        ``keep`` is the numpy array over ``ptr`` (registered through the cache)."""
+        self.check_open()
+        if rkey.handle is None:
+            raise ClosedResourceError("remote key is closed")
+        if n == 0:
+            return
+        read = op == "get"
+        if not isinstance(keep, np.ndarray) or keep.__array_interface__["data"][0] != ptr or keep.nbytes != n:
+            raise TransferError("verbs one-sided operations take the numpy array they move")
+        if read and not keep.flags.writeable:
+            raise TransferError("get needs a writable destination")
+        region = self._mem.acquire(keep, self._write_access if read else 0)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        pending = [0]
+
+        def done(err: BaseException | None) -> None:
+            pending[0] -= 1
+            if fut.done():
+                return
+            if err is not None:
+                fut.set_exception(err)
+                fut.exception()
+            elif pending[0] == 0:
+                fut.set_result(None)
+
+        pos = 0
+        while pos < n:
+            k = min(self._chunk, n - pos)
+            self._rdma(read, ptr + pos, region.lkey, k, remote_addr + pos, rkey.rkey, done)
+            pending[0] += 1
+            pos += k
+        self.stats["reads" if read else "writes"] += pending[0]
+        self._pump_rdma()
+        self._futs.add(fut)
+        cancelled = False
+        try:
+            while not fut.done():  # an RDMA operation cannot be recalled: let it finish
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    cancelled = True
+                    if self.state is not ChannelState.OPEN:
+                        raise
+            fut.result()
+        finally:
+            self._futs.discard(fut)
+            self._mem.release(region)
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def get(self, remote_addr: int, rkey: RemoteKey, dest: Any) -> None:
+        arr = np.frombuffer(memoryview(dest).cast("B"), np.uint8)
+        await self.rma("get", arr.__array_interface__["data"][0], arr.nbytes, remote_addr, rkey, arr)
+
+    async def put(self, src: Any, remote_addr: int, rkey: RemoteKey) -> None:
+        arr = np.frombuffer(memoryview(src).cast("B"), np.uint8)
+        await self.rma("put", arr.__array_interface__["data"][0], arr.nbytes, remote_addr, rkey, arr)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def peer_gone(self) -> None:
+        """The bootstrap connection ended: take what completed, then fail what is pending."""
+        if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+            return
+        if self.state is ChannelState.CLOSING:  # our own aclose: the peer took our BYE
+            self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
+            return
+        try:
+            self._qp.drain()
+        except Exception as exc:
+            log.debug("draining the CQ of a lost peer failed: %s", exc)
+        self._shutdown(ChannelState.BROKEN, PeerDisconnected("peer's connection ended (closed or died)"))
+
+    def _shutdown(self, state: ChannelState, exc: BaseException) -> None:
+        if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+            return
+        self._qp.close()  # first: no DMA touches our memory after this
+        self._closed(state, exc)
+        self._budget.close()
+        self._window.fail(exc)
+        if self._report_timer is not None:
+            self._report_timer.cancel()
+            self._report_timer = None
+        for fut in [*self._fins.values(), *self._futs]:
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()
+        callbacks = [*self._rdma_cbs.values(), *(q[-1] for q in self._rdma_q), *self._send_cbs.values()]
+        self._rdma_cbs.clear()
+        self._rdma_q.clear()
+        self._send_cbs.clear()
+        for cb in callbacks:
+            try:
+                cb(exc)
+            except Exception:
+                log.exception("verbs completion callback failed during shutdown")
+        for entry in [*self._waiting.values(), *self._incoming.values()]:
+            self._release_regions(entry)
+            entry.arrival.fail(exc)
+        self._waiting.clear()
+        self._incoming.clear()
+        self._outq.clear()
+        self._frags.clear()
+        self._on_shutdown()
+
+    async def aclose(self) -> None:
+        if self.state is not ChannelState.OPEN:
+            return
+        self.state = ChannelState.CLOSING
+        try:
+            sent: asyncio.Future[None] = self._loop.create_future()
+
+            def done(err: BaseException | None) -> None:
+                if not sent.done():
+                    sent.set_result(None)
+
+            if self._send_free and self._ring_free() > 0:
+                self._post(_Out(Kind.BYE, ctrl=True), done)
+                async with asyncio.timeout(1.0):
+                    await sent  # the peer's ring took it
+        except Exception:  # the peer may be gone already; closing goes on
+            pass
+        finally:
+            self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
+
+    def abort(self) -> None:
+        self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
+
+    def fail(self, exc: BaseException) -> None:
+        self._shutdown(ChannelState.BROKEN, exc)
+
+    def check_open(self) -> None:
+        if self.state is ChannelState.CLOSING:
+            raise ClosedResourceError("channel is closing")
+        super().check_open()

@@ -1,0 +1,197 @@
+"""Registered memory for the verbs transport: a cache of memory regions keyed by region.
+
+Registering pins pages and costs a system call, so the buffers a peer reads from (a sender's
+tensors) and the buffers RDMA READs land in (a recv's ``out=``) are registered once and found
+again by address: an entry covers ``[address, address + length)`` with some access rights and
+serves any later use inside that range with no more than those rights.
+
+A registration pins the *physical* pages behind a virtual range. If the memory were freed and
+the range reused, a cached registration would still point at the old pages, so every cached
+entry is tied to the object that owns the memory (the root of a numpy array's ``base`` chain)
+through a weak reference: when the owner dies, its entries are deregistered. Memory whose owner
+cannot be weakly referenced is registered for one use only. The cache is bounded (entries and
+pinned bytes); the least recently used idle entries go first, and a registration refused with
+ENOMEM evicts every idle entry and tries once more before it fails with RegistrationError.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from ._verbs import errno_of, pv, registration_error
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MemoryCache", "Region", "owner_of", "ring_buffer"]
+
+_MAX_ENTRIES = 512
+_MAX_BYTES = 8 << 30
+
+
+def owner_of(arr: np.ndarray) -> Any:
+    """The object that owns ``arr``'s memory: the end of its ``base`` chain."""
+    obj: Any = arr
+    while isinstance(obj, np.ndarray) and obj.base is not None:
+        obj = obj.base
+    return obj
+
+
+class Region:
+    """One memory registration (an ``ibv_mr``) and who is using it."""
+
+    __slots__ = ("__weakref__", "access", "address", "cached", "length", "lkey", "mr", "rkey", "root", "uses")
+
+    def __init__(self, mr: Any, address: int, length: int, access: int, root: int, cached: bool) -> None:
+        self.mr = mr
+        self.address = address
+        self.length = length
+        self.access = access
+        self.lkey: int = mr.lkey
+        self.rkey: int = mr.rkey
+        self.root = root
+        self.cached = cached
+        self.uses = 0
+
+    def covers(self, address: int, length: int, access: int) -> bool:
+        return (
+            self.address <= address
+            and address + length <= self.address + self.length
+            and (self.access & access) == access
+        )
+
+    def close(self) -> None:
+        mr, self.mr = self.mr, None
+        if mr is not None:
+            try:
+                mr.close()
+            except Exception as exc:
+                log.warning("deregistering %d bytes at %#x failed: %s", self.length, self.address, exc)
+
+
+class MemoryCache:
+    """Registrations of one protection domain, cached per memory owner (module docstring)."""
+
+    def __init__(self, pd: Any, *, max_entries: int = _MAX_ENTRIES, max_bytes: int = _MAX_BYTES) -> None:
+        self._pd = pd
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._by_root: dict[int, list[Region]] = {}
+        self._lru: OrderedDict[Region, None] = OrderedDict()
+        self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
+        self.pinned = 0
+        self.registrations = 0  # calls to ibv_reg_mr
+        self.hits = 0
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def acquire(self, arr: np.ndarray, access: int) -> Region:
+        """A registration covering ``arr`` (C-contiguous) with ``access``; ``release`` it after use."""
+        address = int(arr.__array_interface__["data"][0])
+        length = int(arr.nbytes)
+        owner = owner_of(arr)
+        root = id(owner)
+        for region in self._by_root.get(root, ()):
+            if region.mr is not None and region.covers(address, length, access):
+                self.hits += 1
+                region.uses += 1
+                self._lru.move_to_end(region)
+                return region
+        cached = True
+        if root not in self._finalizers:
+            try:
+                self._finalizers[root] = weakref.finalize(owner, self._owner_died, root)
+            except TypeError:
+                cached = False  # cannot tell when it dies: register for this use only
+        region = Region(self._register(address, length, access), address, length, access, root, cached)
+        region.uses = 1
+        if cached:
+            self._by_root.setdefault(root, []).append(region)
+            self._lru[region] = None
+            self.pinned += length
+            self._trim()
+        return region
+
+    def release(self, region: Region) -> None:
+        region.uses -= 1
+        if region.uses <= 0 and not region.cached:
+            region.close()
+
+    def _register(self, address: int, length: int, access: int) -> Any:
+        verbs = pv()
+        self.registrations += 1
+        try:
+            return verbs.mr.MR(self._pd, length, access, address=address)
+        except verbs.pyverbs_error.PyverbsError as exc:
+            if errno_of(exc) is None or not self._lru:
+                raise registration_error(exc, length) from exc
+            first = exc
+        self._evict(everything=True)  # ENOMEM and the like: free what is idle, try once more
+        try:
+            return verbs.mr.MR(self._pd, length, access, address=address)
+        except verbs.pyverbs_error.PyverbsError as exc:
+            raise registration_error(exc, length) from first
+
+    def _trim(self) -> None:
+        if len(self._lru) > self._max_entries or self.pinned > self._max_bytes:
+            self._evict(everything=False)
+
+    def _evict(self, *, everything: bool) -> None:
+        for region in list(self._lru):
+            if not everything and len(self._lru) <= self._max_entries and self.pinned <= self._max_bytes:
+                return
+            if region.uses == 0:
+                self._drop(region)
+
+    def _drop(self, region: Region) -> None:
+        self._lru.pop(region, None)
+        regions = self._by_root.get(region.root)
+        if regions is not None and region in regions:
+            regions.remove(region)
+            if not regions:
+                del self._by_root[region.root]
+                fin = self._finalizers.pop(region.root, None)
+                if fin is not None:
+                    fin.detach()
+        self.pinned -= region.length
+        region.close()
+
+    def _owner_died(self, root: int) -> None:
+        self._finalizers.pop(root, None)
+        for region in self._by_root.pop(root, []):
+            self._lru.pop(region, None)
+            self.pinned -= region.length
+            region.close()
+
+    def close(self) -> None:
+        """Deregister everything (the protection domain is going away)."""
+        if self._closed:
+            return
+        self._closed = True
+        for fin in self._finalizers.values():
+            fin.detach()
+        self._finalizers.clear()
+        for region in list(self._lru):
+            region.close()
+        self._lru.clear()
+        self._by_root.clear()
+        self.pinned = 0
+
+
+def ring_buffer(pd: Any, nbytes: int, access: int) -> tuple[Any, np.ndarray]:
+    """A buffer pyverbs allocates and registers, with a numpy view of its bytes."""
+    import ctypes
+
+    verbs = pv()
+    try:
+        mr = verbs.mr.MR(pd, nbytes, access)
+    except verbs.pyverbs_error.PyverbsError as exc:
+        raise registration_error(exc, nbytes, "ring buffer") from exc
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(mr.buf))
+    return mr, view

@@ -1,0 +1,400 @@
+"""The verbs transport: RC queue pairs over pyverbs, one per peer, on one RDMA port per node.
+
+``probe()`` reads sysfs only (is pyverbs installed, is there an active port with a usable GID).
+``listen()`` opens the device, picks the GID (``_verbs.choose_gid``: RoCE v2, IPv4-mapped, the
+node's own address when it has one), starts the small TCP bootstrap listener on the node's
+host and returns the offer blob (``_wire.py``). Each connection creates its queue pair, trades
+queue pair numbers and PSNs over the bootstrap socket, proven by the session secret, and keeps
+that socket open as its liveness signal.
+
+Device choice: the port whose GID is the node's address, else the first active one; the
+environment variable ``TENSORWIRE_VERBS_DEVICE`` ("mlx5_0" or "mlx5_0:1") narrows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
+from .._base import Capabilities, Channel, Session, Transport, TransportContext
+from .._frames import FLAG_CHECKSUM, LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
+from .._remote import Hold, RegistrationCache
+from ..tcp._transport import _RateLimitedLog
+from ._channel import VerbsChannel
+from ._dmabuf import dmabuf_status
+from ._memory import MemoryCache
+from ._queue import QueuePair
+from ._verbs import Port, choose_port, claim_event_fds, find_spec, pv, registration_error, unclaim
+from ._wire import QP_INFO, Offer, QpInfo
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEVICE_ENV", "VerbsTransport"]
+
+DEVICE_ENV = "TENSORWIRE_VERBS_DEVICE"
+_CHALLENGE = b"TWVC"
+_HELLO = b"TWVH"
+_WELCOME = b"TWVW"
+_READY = b"TWVR"
+_SID = struct.Struct("<H")
+_PROOF = 32
+SLOTS = 64
+SLOT_BYTES = 16 * 1024
+SEND_SLOTS = 32
+MAX_RDMA = 32
+
+
+def _digest(secret: bytes, nonce: bytes, body: bytes, sid: bytes, role: bytes) -> bytes:
+    return proof(secret, hashlib.sha256(nonce + body).digest(), sid, role)
+
+
+class VerbsTransport(Transport):
+    name = "verbs"
+    extra = "verbs"
+    _why_not: ClassVar[str] = "verbs cannot run on this machine"
+
+    @classmethod
+    def probe(cls) -> Capabilities | None:
+        if not find_spec():
+            cls._why_not = (
+                "pyverbs is not installed "
+                "(Debian/Ubuntu: apt install python3-pyverbs; or pip install 'tensorwire[verbs]')"
+            )
+            return None
+        port = choose_port(want=os.environ.get(DEVICE_ENV, ""))
+        if isinstance(port, str):
+            cls._why_not = port
+            return None
+        if not any(n.startswith("uverbs") for n in _listdir("/dev/infiniband")):
+            cls._why_not = "no /dev/infiniband/uverbs* device files (is the ib_uverbs module loaded?)"
+            return None
+        try:
+            pv()
+        except ImportError as exc:
+            cls._why_not = f"pyverbs does not import: {exc}"
+            return None
+        gpu, _ = dmabuf_status()
+        return Capabilities(
+            memory_kinds=("host", "cuda") if gpu else ("host",),
+            one_sided=True,
+            rdma=True,
+            gpudirect=gpu,
+            lanes=(f"rc/{port.device}:{port.port}",),
+        )
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        return cls._why_not
+
+    def __init__(self, ctx: TransportContext, capabilities: Capabilities) -> None:
+        super().__init__(ctx, capabilities)
+        self.port: Port | None = None
+        self._ctx: Any = None
+        self._pd: Any = None
+        self._mtu = 0
+        self._lid = 0
+        self._max_msg = 1 << 30
+        self._rd_atomic = 1
+        self._event_fds: set[int] = set()
+        self.memory: MemoryCache | None = None
+        self.registrations = RegistrationCache(self.name, self._map)
+        self._server: asyncio.Server | None = None
+        self._pending: dict[str, tuple[Session, asyncio.Future[Channel]]] = {}
+        self._channels: set[VerbsChannel] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
+
+    def __repr__(self) -> str:
+        where = self.port.describe() if self.port else "not listening"
+        return f"<VerbsTransport {where} channels={len(self._channels)}>"
+
+    @property
+    def _peer_limits(self) -> PeerLimits:
+        lim = self.ctx.limits
+        flags = FLAG_CHECKSUM if self.ctx.checksum else 0
+        return PeerLimits(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes, flags)
+
+    # -- listening ------------------------------------------------------------------------------
+    async def listen(self) -> bytes:
+        port = choose_port(self.ctx.host, want=os.environ.get(DEVICE_ENV, ""))
+        if isinstance(port, str):
+            raise TransportUnavailable(f"verbs: {port}")
+        v = pv()
+        try:
+            self._ctx = v.device.Context(name=port.device)
+            self._event_fds = claim_event_fds()  # its async event file
+            self._pd = v.pd.PD(self._ctx)
+            pattr = self._ctx.query_port(port.port)
+            dattr = self._ctx.query_device()
+        except v.pyverbs_error.PyverbsError as exc:
+            self._close_device()
+            raise TransportUnavailable(f"verbs: cannot open {port.device}: {exc}") from exc
+        self.port = port
+        self._mtu = int(pattr.active_mtu)
+        self._lid = int(pattr.lid)
+        self._max_msg = int(pattr.max_msg_sz) or self._max_msg
+        self._rd_atomic = max(1, min(16, int(dattr.max_qp_rd_atom), int(dattr.max_qp_init_rd_atom)))
+        self.memory = MemoryCache(self._pd)
+        self._server = await asyncio.start_server(self._serve, host=self.ctx.host, port=0)
+        bport = self._server.sockets[0].getsockname()[1]
+        log.debug("verbs listening on %s, bootstrap port %d", port.describe(), bport)
+        return Offer(port.port, port.roce, port.gid_index, self._lid, self._mtu, port.gid, self.ctx.host, bport).pack()
+
+    def accepts(self, address: bytes) -> str | None:
+        try:
+            offer = Offer.unpack(address)
+        except ProtocolError as exc:
+            return str(exc)
+        if self.port is None or self._closed:
+            return "verbs transport is not listening"
+        if offer.roce != self.port.roce:
+            mine = "RoCE" if self.port.roce else "InfiniBand"
+            theirs = "RoCE" if offer.roce else "InfiniBand"
+            return f"the peer's RDMA port is {theirs}, this node's is {mine}"
+        return None
+
+    def expect(self, session: Session) -> Awaitable[Channel]:
+        fut: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
+        self._pending[session.id] = (session, fut)
+
+        def forget(_: object) -> None:
+            entry = self._pending.get(session.id)
+            if entry is not None and entry[1] is fut:
+                del self._pending[session.id]
+
+        fut.add_done_callback(forget)
+        return fut
+
+    def _queue_pair(self) -> QueuePair:
+        if self.port is None or self._closed:
+            raise ConnectError("verbs transport is not listening")
+        return QueuePair(
+            self._ctx,
+            self._pd,
+            self.port,
+            lid=self._lid,
+            mtu=self._mtu,
+            slots=SLOTS,
+            slot_bytes=SLOT_BYTES,
+            send_slots=SEND_SLOTS,
+            max_rdma=MAX_RDMA,
+            rd_atomic=self._rd_atomic,
+            on_completions=lambda wcs: None,
+        )
+
+    def _channel(
+        self, qp: QueuePair, remote: QpInfo, limits: PeerLimits, writer: asyncio.StreamWriter, name: str
+    ) -> VerbsChannel:
+        assert self.memory is not None
+
+        def closed() -> None:
+            self._channels.discard(channel)
+            writer.close()
+
+        channel = VerbsChannel(
+            qp,
+            self.memory,
+            limits=self.ctx.limits,
+            remote=limits,
+            remote_slots=remote.slots,
+            remote_slot_bytes=remote.slot_bytes,
+            max_rdma=MAX_RDMA,
+            max_msg=self._max_msg,
+            name=name,
+            on_shutdown=closed,
+        )
+        qp._on_completions = channel._completions
+        self._channels.add(channel)
+        channel.start()
+        return channel
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        peer = writer.get_extra_info("peername")
+        who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        qp: QueuePair | None = None
+        channel: VerbsChannel | None = None
+        try:
+            try:
+                async with asyncio.timeout(self.ctx.limits.handshake_seconds):
+                    nonce = os.urandom(NONCE_BYTES)
+                    writer.write(_CHALLENGE + nonce)
+                    head = await reader.readexactly(len(_HELLO) + _SID.size)
+                    (sid_len,) = _SID.unpack_from(head, len(_HELLO))
+                    if head[: len(_HELLO)] != _HELLO or not 0 < sid_len <= MAX_SESSION_ID:
+                        raise ProtocolError("expected a tensorwire verbs HELLO")
+                    rest = await reader.readexactly(QP_INFO.size + LIMITS.size + sid_len)
+                    body = head + rest
+                    sid = rest[QP_INFO.size + LIMITS.size :]
+                    got = await reader.readexactly(_PROOF)
+                    entry = self._pending.get(sid.decode("utf-8", "replace"))
+                    if entry is None:
+                        raise ProtocolError("unknown or already used session id")
+                    session, fut = entry
+                    if not hmac.compare_digest(got, _digest(session.secret, nonce, body, sid, b"verbs-client")):
+                        raise ProtocolError("wrong session secret")
+                    if fut.done():
+                        raise ProtocolError("session no longer pending")
+                    remote = QpInfo.unpack(rest[: QP_INFO.size])
+                    limits = PeerLimits.unpack(rest[QP_INFO.size : QP_INFO.size + LIMITS.size])
+                    qp = self._queue_pair()
+                    qp.connect(remote)
+                    welcome = _WELCOME + qp.info().pack() + self._peer_limits.pack()
+                    writer.write(welcome + _digest(session.secret, nonce, welcome, sid, b"verbs-server"))
+                    if await reader.readexactly(len(_READY)) != _READY:
+                        raise ProtocolError("expected READY")
+            except (ProtocolError, ConnectError, TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+                self._drops.warn("dropped verbs bootstrap from %s: %s", who, str(exc) or type(exc).__name__)
+                if qp is not None:
+                    qp.close()
+                return
+            except BaseException:
+                if qp is not None:
+                    qp.close()
+                raise
+            channel = self._channel(qp, remote, limits, writer, f"server {session.remote_node[:8]}")
+            if fut.done():
+                await channel.aclose()
+                return
+            fut.set_result(channel)
+            await self._watch(reader, channel)
+        finally:
+            if channel is None:
+                writer.close()
+
+    async def _watch(self, reader: asyncio.StreamReader, channel: VerbsChannel) -> None:
+        """The bootstrap socket's end is the peer's end: fail what is pending at once."""
+        try:
+            while await reader.read(4096):
+                pass  # nothing is sent after READY; ignore anything a confused peer writes
+        except (OSError, asyncio.CancelledError):
+            pass
+        channel.peer_gone()
+
+    # -- connecting -----------------------------------------------------------------------------
+    async def connect(self, address: bytes, session: Session) -> Channel:
+        try:
+            offer = Offer.unpack(address)
+        except ProtocolError as exc:
+            raise ConnectError(str(exc)) from exc
+        why = self.accepts(address)
+        if why is not None:
+            raise ConnectError(f"verbs: {why}")
+        qp: QueuePair | None = None
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(self.ctx.limits.handshake_seconds):
+                reader, writer = await asyncio.open_connection(offer.host, offer.bootstrap_port)
+                challenge = await reader.readexactly(len(_CHALLENGE) + NONCE_BYTES)
+                if challenge[: len(_CHALLENGE)] != _CHALLENGE:
+                    raise ProtocolError("expected a tensorwire verbs CHALLENGE")
+                nonce = challenge[len(_CHALLENGE) :]
+                qp = self._queue_pair()
+                sid = session.id.encode()
+                body = _HELLO + _SID.pack(len(sid)) + qp.info().pack() + self._peer_limits.pack() + sid
+                writer.write(body + _digest(session.secret, nonce, body, sid, b"verbs-client"))
+                welcome = await reader.readexactly(len(_WELCOME) + QP_INFO.size + LIMITS.size)
+                got = await reader.readexactly(_PROOF)
+                if welcome[: len(_WELCOME)] != _WELCOME:
+                    raise ProtocolError("expected a tensorwire verbs WELCOME")
+                if not hmac.compare_digest(got, _digest(session.secret, nonce, welcome, sid, b"verbs-server")):
+                    raise ProtocolError("server did not prove the session secret")
+                remote = QpInfo.unpack(welcome[len(_WELCOME) : len(_WELCOME) + QP_INFO.size])
+                limits = PeerLimits.unpack(welcome[len(_WELCOME) + QP_INFO.size :])
+                qp.connect(remote)
+                writer.write(_READY)
+                await writer.drain()
+        except BaseException as exc:
+            if qp is not None:
+                qp.close()
+            if writer is not None:
+                writer.close()
+            if isinstance(exc, (ProtocolError, PeerDisconnected, TimeoutError, OSError, asyncio.IncompleteReadError)):
+                raise ConnectError(
+                    f"verbs connection to {offer.host}:{offer.bootstrap_port} failed: {str(exc) or type(exc).__name__}"
+                ) from exc
+            raise
+        channel = self._channel(qp, remote, limits, writer, f"client {session.remote_node[:8]}")
+        task = asyncio.get_running_loop().create_task(self._watch(reader, channel))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return channel
+
+    # -- one-sided ------------------------------------------------------------------------------
+    def _map(self, address: int, length: int, writable: bool) -> tuple[bytes, Callable[[], None]]:
+        """ibv_reg_mr with remote access, for the registration cache (the key is the rkey)."""
+        if self._pd is None or self._closed:
+            raise TransportUnavailable("verbs transport is not listening")
+        v = pv()
+        e = v.enums
+        access = e.IBV_ACCESS_REMOTE_READ
+        if writable:
+            access |= e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_LOCAL_WRITE
+        try:
+            mr = v.mr.MR(self._pd, length, access, address=address)
+        except v.pyverbs_error.PyverbsError as exc:
+            raise registration_error(exc, length, "an exposed tensor") from exc
+
+        def unregister() -> None:
+            mr.close()
+
+        return int(mr.rkey).to_bytes(4, "little"), unregister
+
+    def register_region(self, address: int, length: int, *, writable: bool, owner: Any = None) -> Hold:
+        """Register ``[address, address + length)`` for peers' RDMA READ (and WRITE if
+        ``writable``), through the registration cache."""
+        if length <= 0:
+            raise ConfigurationError("cannot register an empty region")
+        return self.registrations.acquire(address, length, writable, owner)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        for _, fut in list(self._pending.values()):
+            fut.cancel()
+        await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        try:
+            self.registrations.clear()
+        except Exception as exc:
+            log.warning("verbs: deregistering exposed memory failed: %s", exc)
+        if self.memory is not None:
+            self.memory.close()
+        self._close_device()
+
+    def _close_device(self) -> None:
+        for obj in (self._pd, self._ctx):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception as exc:
+                    log.debug("closing %s failed: %s", type(obj).__name__, exc)
+        self._pd = self._ctx = None
+        unclaim(self._event_fds)
+        self._event_fds = set()
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
