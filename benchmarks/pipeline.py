@@ -7,8 +7,9 @@ layers, one torch thread), run 1F1B steps with m = 4, 8 and 16 microbatches over
 For each row:
 
   step      median wall time of a step at the driver
-  alone     the slowest stage's forward+backward of the whole batch in m microbatches, measured
-            in this process before the stages start (one thread, no other stage running)
+  alone     the slowest stage's compute for one step (forward+backward of the batch in m
+            microbatches, and its optimizer step) through the same Part, measured in this process
+            before the stages start (one thread, no other stage running)
   ideal     alone x (m+p-1)/m: a perfect pipeline of that compute, nothing else
   in-run    the slowest stage's own compute wall time during the step (the stage reports it),
             and ideal(in-run) = in-run x (m+p-1)/m: the same ideal with the compute the stages
@@ -68,25 +69,28 @@ def build_part(rank: int, num_stages: int) -> Any:
     )
 
 
-def compute_alone(width: int, batch: int, m: int, repeat: int = 3) -> float:
-    """Seconds the slowest stage needs for forward+backward of a batch in m microbatches."""
+def compute_alone(width: int, batch: int, m: int, repeat: int = 5) -> float:
+    """Seconds the slowest stage needs for one step's compute alone: forward+backward of a batch in
+    m microbatches and its optimizer step (median of ``repeat``)."""
     torch.set_num_threads(1)
     worst = 0.0
     for rank in range(P):
-        model = build_model(rank, P)
+        part = build_part(rank, P)
         x = torch.randn(batch // m, width)
-        best = float("inf")
+        times = []
         for _ in range(repeat + 1):
             t0 = time.perf_counter()
+            part.zero_grad()
             for _ in range(m):
-                xi = x.detach().requires_grad_(rank > 0)
-                y = model(xi)
                 if rank == P - 1:
-                    nn.functional.mse_loss(y, x).backward()
+                    _, ctx = part.forward_loss(x, x, 1 / m, rank > 0)
+                    part.backward(ctx, None)
                 else:
-                    y.backward(torch.ones_like(y))
-            best = min(best, time.perf_counter() - t0)
-        worst = max(worst, best)
+                    y, ctx = part.forward(x, rank > 0)
+                    part.backward(ctx, torch.ones_like(y))
+            part.step()
+            times.append(time.perf_counter() - t0)
+        worst = max(worst, statistics.median(times[1:]))
     return worst
 
 

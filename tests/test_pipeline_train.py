@@ -263,3 +263,18 @@ async def test_bad_configuration_is_reported() -> None:
     with pytest.raises(tensorwire.ShapeMismatchError):
         pipeline.split(np.zeros(3), 4)
     assert [len(c) for c in pipeline.split(np.zeros(10), 4)] == [3, 3, 2, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+async def test_cuda_stages_match_one_process(schedule: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+    def make() -> list[Any]:
+        return [m.cuda() for m in mlp()]
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 24, generator=g).cuda(), torch.randn(n, 3, generator=g).cuda()) for n in (64, 40)]
+    await train_and_compare(make, batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), schedule, "tcp")

@@ -14,6 +14,7 @@ TorchPart is made, never by ``import tensorwire``.
 from __future__ import annotations
 
 import importlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -156,13 +157,28 @@ class TorchPart(Part):
                 raise ConfigurationError("optimizer= must be a torch Optimizer or make one from the parameters")
         self.optimizer = optimizer
         self.params = params
+        # where the module computes: inputs, gradients and targets that arrive elsewhere move there
+        self.device = params[0].device if params else None
+        self._threads: set[int] = set()  # threads whose current CUDA device is this part's
         self.loss = loss
         self.has_loss = loss is not None
 
+    def _enter(self) -> None:
+        """Make the module's GPU current in the calling thread (and give the thread its CUDA
+        context) the first time a thread runs this part: stage code runs in a worker thread."""
+        if self.device is not None and self.device.type == "cuda":
+            ident = threading.get_ident()
+            if ident not in self._threads:
+                self._torch.cuda.set_device(self.device)
+                self._threads.add(ident)
+
     def _input(self, x: Any, needs_input_grad: bool) -> Any:
+        self._enter()
         torch = self._torch
         t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
         t = t.detach()
+        if self.device is not None and t.device != self.device:
+            t = t.to(self.device)
         if needs_input_grad and t.is_floating_point():
             t.requires_grad_(True)
         return t
@@ -180,16 +196,21 @@ class TorchPart(Part):
         x_in = self._input(x, needs_input_grad)
         if not isinstance(target, torch.Tensor):
             target = torch.as_tensor(np.asarray(target))
+        if self.device is not None and target.device != self.device:
+            target = target.to(self.device)
         with torch.enable_grad():
             loss = self.loss(self.module(x_in), target)
             scaled = loss * weight
         return float(loss.detach()), (x_in, scaled)
 
     def backward(self, ctx: Any, grad: Any) -> Any:
+        self._enter()
         torch = self._torch
         x_in, out = ctx
         if grad is not None and not isinstance(grad, torch.Tensor):
             grad = torch.as_tensor(np.asarray(grad))
+        if grad is not None and grad.device != out.device:
+            grad = grad.to(out.device)
         if out.requires_grad:
             torch.autograd.backward(out, grad)
         if not x_in.requires_grad:
@@ -201,6 +222,7 @@ class TorchPart(Part):
             p.grad = None
 
     def step(self) -> None:
+        self._enter()
         if self.optimizer is not None:
             self.optimizer.step()
 
