@@ -310,7 +310,7 @@ class VerbsChannel(Channel):
             self._send_cbs[slot] = done
         try:
             qp.post_send(_SEND_BIT | slot, slot, n)
-        except pv().pyverbs_error.PyverbsError as exc:
+        except (pv().pyverbs_error.PyverbsError, BrokenResourceError) as exc:
             self._send_free.append(slot)
             self._send_cbs.pop(slot, None)
             self._shutdown(ChannelState.BROKEN, TransferError(f"verbs post_send failed: {exc}"))
@@ -721,7 +721,7 @@ class VerbsChannel(Channel):
                 )
             try:
                 qp.post_rdma(wr_id, read, laddr, lkey, n, raddr, rkey)
-            except pv().pyverbs_error.PyverbsError as exc:
+            except (pv().pyverbs_error.PyverbsError, BrokenResourceError) as exc:
                 self._rdma_cbs.pop(wr_id, None)
                 self._shutdown(ChannelState.BROKEN, TransferError(f"verbs post_send failed: {exc}"))
                 return

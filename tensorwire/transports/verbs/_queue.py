@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ConnectError
+from ...errors import BrokenResourceError, ConnectError
 from ._memory import ring_buffer
 from ._verbs import Port, comp_channel_fd, gid_text, pv, unclaim
 from ._wire import QpInfo
@@ -153,11 +153,13 @@ class QueuePair:
 
     # -- posting ---------------------------------------------------------------------------------
     def post_recv(self, slot: int) -> None:
+        self._check()
         v = pv()
         sge = v.wr.SGE(self.recv_addr + slot * self.slot_bytes, self.slot_bytes, self.recv_mr.lkey)
         self.qp.post_recv(v.wr.RecvWR(wr_id=slot, num_sge=1, sg=[sge]))
 
     def post_send(self, wr_id: int, slot: int, nbytes: int) -> None:
+        self._check()
         v = pv()
         sge = v.wr.SGE(self.send_addr + slot * self.slot_bytes, nbytes, self.send_mr.lkey)
         wr = v.wr.SendWR(
@@ -166,6 +168,7 @@ class QueuePair:
         self.qp.post_send(wr)
 
     def post_rdma(self, wr_id: int, read: bool, laddr: int, lkey: int, n: int, raddr: int, rkey: int) -> None:
+        self._check()
         v = pv()
         e = v.enums
         wr = v.wr.SendWR(
@@ -177,6 +180,10 @@ class QueuePair:
         )
         wr.set_wr_rdma(rkey, raddr)
         self.qp.post_send(wr)
+
+    def _check(self) -> None:
+        if self._closed:  # pyverbs would pass a destroyed queue pair to the provider
+            raise BrokenResourceError("verbs queue pair is closed")
 
     def slot_view(self, slot: int, nbytes: int) -> np.ndarray:
         off = slot * self.slot_bytes
