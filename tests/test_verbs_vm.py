@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "rxe-vm.sh"
 GUEST_TESTS = "tests/verbs"
+# what the guest needs to import tensorwire and run its tests, at the versions this host runs
+GUEST_DEPS = (
+    "grpcio",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "protobuf",
+    "numpy",
+    "ml_dtypes",
+    "crc32c",
+    "pytest",
+    "pytest-asyncio",
+    "pytest-timeout",
+    "hypothesis",
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -30,17 +45,26 @@ def _tail(text: str, n: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
+def _env() -> dict[str, str]:
+    """PYDEPS pinned to this interpreter's versions (the image is rebuilt when they change)."""
+    try:
+        pins = " ".join(f"{name}=={metadata.version(name)}" for name in GUEST_DEPS)
+    except metadata.PackageNotFoundError:
+        return dict(os.environ)
+    return dict(os.environ, PYDEPS=pins)
+
+
 @pytest.fixture(scope="session")
 def rxe_vm() -> Path:
     """The guest image, built if missing; skips (with the reason) where it cannot be."""
     if shutil.which("bash") is None:
         pytest.skip("bash is not available to run scripts/rxe-vm.sh")
-    check = subprocess.run(["bash", str(SCRIPT), "check"], capture_output=True, text=True, timeout=60)
+    check = subprocess.run(["bash", str(SCRIPT), "check"], capture_output=True, text=True, timeout=60, env=_env())
     if check.returncode == 0:
         return SCRIPT
     if os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None:
         pytest.skip(f"no Soft-RoCE guest: {check.stdout.strip()}; building one needs root (apt-get, debootstrap)")
-    setup = subprocess.run(["bash", str(SCRIPT), "setup"], capture_output=True, text=True, timeout=1700)
+    setup = subprocess.run(["bash", str(SCRIPT), "setup"], capture_output=True, text=True, timeout=1700, env=_env())
     if setup.returncode != 0:
         pytest.skip(f"the Soft-RoCE guest could not be built:\n{_tail(setup.stdout + setup.stderr)}")
     return SCRIPT
@@ -51,7 +75,7 @@ def guest_run(rxe_vm: Path) -> tuple[int, str]:
     """Boot one guest once and run the verbs tests in it: (exit code, output)."""
     cmd = f"timeout 1500 python3 -m pytest -p no:cacheprovider -q -rA --timeout=300 {GUEST_TESTS}"
     proc = subprocess.run(
-        ["bash", str(rxe_vm), "run", str(ROOT), "--", cmd], capture_output=True, text=True, timeout=1700
+        ["bash", str(rxe_vm), "run", str(ROOT), "--", cmd], capture_output=True, text=True, timeout=1700, env=_env()
     )
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -101,6 +125,7 @@ def test_two_guests_exchange_tensors_over_rdma(rxe_vm: Path) -> None:
         capture_output=True,
         text=True,
         timeout=1500,
+        env=_env(),
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, _tail(output, 60)
