@@ -68,20 +68,42 @@ async def _eventually(pred: Callable[[], bool], seconds: float = 3.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def _await_chain(task: asyncio.Task[Any]) -> list[str]:
+    """Where a task waits: its coroutines, innermost last, and what the innermost awaits."""
+    chain, obj = [], task.get_coro()
+    while obj is not None:
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None)
+        if frame is None:
+            chain.append(repr(obj))
+            break
+        chain.append(f"{frame.f_code.co_qualname}:{frame.f_lineno}")
+        obj = getattr(obj, "cr_await", None) or getattr(obj, "ag_await", None)
+    return chain
+
+
 async def _settled(a: tensorwire.Peer, b: tensorwire.Peer, seconds: float = 3.0) -> None:
     """Wait until no call is running and no RPC message or recv lingers on either side."""
 
-    def quiet() -> bool:
-        for p in (a, b):
+    def lingering() -> list[str]:
+        left = []
+        for name, p in (("a", a), ("b", b)):
             mb = p.channel.mailbox
-            if set(mb._arrived) or set(mb._posted) - SERVICE_TAGS:
-                return False
+            if set(mb._arrived):
+                left.append(f"{name}: arrived {sorted(mb._arrived)}")
+            if set(mb._posted) - SERVICE_TAGS:
+                left.append(f"{name}: posted {sorted(set(mb._posted) - SERVICE_TAGS)}")
             server = server_of(p)
             if server is not None and server.calls:
-                return False
-        return True
+                for cid, call in server.calls.items():
+                    state = {k: getattr(call, k) for k in type(call).__slots__ if k not in ("req", "task")}
+                    stack = _await_chain(call.task) if call.task is not None else None
+                    left.append(f"{name}: call {cid} {call.req!r} {state} at {stack}")
+        return left
 
-    await _eventually(quiet, seconds)
+    give_up = time.monotonic() + seconds
+    while left := lingering():
+        assert time.monotonic() < give_up, f"still there after {seconds} s: {left}"
+        await asyncio.sleep(0.01)
 
 
 # -- echo -----------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from collections.abc import Awaitable
 from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, TransferError
 from ..tensors import Outgoing
 from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
-from ._mailbox import Arrival, SenderAborted
+from ._mailbox import Arrival, SenderAborted, _settle
 
 __all__ = ["InprocChannel", "InprocTransport"]
 
@@ -71,6 +71,7 @@ class InprocChannel(Channel):
         self._sources: dict[int, _Source] = {}
         self._next_id = 1
         self._sending = 0
+        self._pulls: set[asyncio.Task[None]] = set()
 
     def __repr__(self) -> str:
         return f"<InprocChannel {self.state.value} in_flight={self.in_flight}>"
@@ -165,9 +166,24 @@ class InprocChannel(Channel):
         source = self._sources.pop(arrival.msg_id, None)
         if source is None or source.aborted:  # the sender gave up first: the recv waits for the next
             raise SenderAborted("sender cancelled the message before it was pulled")
-        await _copy(source.segs, arrival, source)
+        # The copy runs as a task of its own, like a transfer on a wire: a recv cancelled part way
+        # leaves the message requeued (pulling) and the copy goes on into the arrival's current
+        # destination, so the next recv of the tag gets it and the sender's send returns.
+        task = asyncio.get_running_loop().create_task(self._pull(source, arrival))
+        self._pulls.add(task)
+        task.add_done_callback(self._pulls.discard)
+        await asyncio.shield(arrival.done)
+
+    async def _pull(self, source: _Source, arrival: Arrival) -> None:
+        try:
+            await _copy(source.segs, arrival, source)
+        except BaseException as exc:
+            arrival.fail(TransferError(f"in-process copy failed: {exc!r}"))
+            _settle(source.done, TransferError("the receiver's copy failed"))
+            raise
         if source.aborted:
-            raise SenderAborted("sender cancelled the message while it was being pulled")
+            arrival.fail(SenderAborted("sender cancelled the message while it was being pulled"))
+            return
         arrival.complete()
         if not source.done.done():
             source.done.set_result(None)
@@ -196,6 +212,8 @@ class InprocChannel(Channel):
                 src.done.set_exception(PeerDisconnected("in-process peer closed its channel"))
                 src.done.exception()
         self._sources.clear()
+        for task in self._pulls:
+            task.cancel()
 
     async def aclose(self) -> None:
         self.abort()
