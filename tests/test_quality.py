@@ -18,8 +18,8 @@ def _tool(name: str) -> str:
 
 
 def test_ruff() -> None:
-    proc = subprocess.run([_tool("ruff"), "check", "tensorwire", "scripts"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    where = ["tensorwire", "scripts", "tests", "benchmarks", "examples"]
+    proc = subprocess.run([_tool("ruff"), "check", *where], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 from pathlib import Path
@@ -64,7 +65,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
     ca = _cert("tensorwire-test-ca", ca_key, "tensorwire-test-ca", ca_key, ca=True)
     rogue = _cert("rogue-ca", rogue_key, "rogue-ca", rogue_key, ca=True)
     out = {"ca": _write(d / "ca", ca, ca_key), "rogue_ca": _write(d / "rogue", rogue, rogue_key)}
-    for who, (issuer, ikey, iname) in {
+    for who, (_issuer, ikey, iname) in {
         "server": (ca, ca_key, "tensorwire-test-ca"),
         "client": (ca, ca_key, "tensorwire-test-ca"),
         "intruder": (rogue, rogue_key, "rogue-ca"),
@@ -99,7 +100,7 @@ async def test_mutual_tls_accepts_good_and_rejects_bad_client_certs(pki) -> None
         async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client")) as good:
             await _exchange(good, server)
         # a stock gRPC client that verifies the server but presents no certificate
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(pki["ca"][0]).read_bytes())
+        creds = grpc.ssl_channel_credentials(root_certificates=await asyncio.to_thread(Path(pki["ca"][0]).read_bytes))
         async with grpc.aio.secure_channel(server.address, creds) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await ControlStub(ch).Handshake(HandshakeRequest(protocol_version=1), timeout=5)
