@@ -178,8 +178,10 @@ class InprocChannel(Channel):
         try:
             await _copy(source.segs, arrival, source)
         except BaseException as exc:
-            arrival.fail(TransferError(f"in-process copy failed: {exc!r}"))
-            _settle(source.done, TransferError("the receiver's copy failed"))
+            # cancelled because the channel closed: the recv reports the closing, as elsewhere
+            why = self.mailbox.failure or TransferError(f"in-process copy failed: {exc!r}")
+            arrival.fail(why)
+            _settle(source.done, PeerDisconnected("in-process peer closed its channel"))
             raise
         if source.aborted:
             arrival.fail(SenderAborted("sender cancelled the message while it was being pulled"))
