@@ -5,6 +5,7 @@
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
+#   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh)
 #
 # The project's Python dependencies are installed first where they are missing or too old:
 # from the package index when it can be reached, else from wheels carried in .whl/ (git-ignored;
@@ -14,6 +15,10 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SITE=/tmp/tensorwire-site
+INSTALL_ONLY=0
+[ "${1:-}" = "--install-only" ] && INSTALL_ONLY=1  # install what was carried (see gpu_wheels.sh), no tests
+# what an earlier call on this (warm) machine installed counts as installed
+[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
@@ -78,6 +83,29 @@ if [ -n "$NEED" ]; then
     [ -n "$STILL" ] && echo "still missing: $STILL"
 else
     echo "all present"
+fi
+
+# ucxx for the ucx cuda rows: from the index, or from the folders scripts/gpu_wheels.sh fills
+if ! "$PY" -c 'import ucxx' 2>/dev/null; then
+    UCX_WHEELS=$(ls .whl-ucx/*.whl .whl-libucx/*.whl 2>/dev/null || true)
+    if [ -n "$UCX_WHEELS" ]; then
+        echo "ucxx: installing carried wheels: $(echo $UCX_WHEELS | xargs -n1 basename | tr '\n' ' ')"
+        # shellcheck disable=SC2086
+        "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$SITE" $UCX_WHEELS || echo "ucxx: install failed"
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    elif "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; then
+        echo "ucxx: installing ucxx-cu13 from the package index"
+        "$PY" -m pip install -q --disable-pip-version-check --target "$SITE" ucxx-cu13 || echo "ucxx: install failed"
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+fi
+"$PY" -c 'import ucxx, importlib.metadata as m; print("ucxx", ucxx.__version__, "| libucx", *[d.metadata["Name"] + " " + d.version for d in m.distributions() if d.metadata["Name"].startswith("libucx-")])' 2>/dev/null \
+    || echo "ucxx: not importable here; the ucx GPU rows and tests skip (scripts/gpu_wheels.sh fills .whl-ucx/ and .whl-libucx/)"
+
+if [ "$INSTALL_ONLY" -eq 1 ]; then
+    echo "installed into $SITE; run the check in a later call on this machine"
+    exit 0
 fi
 
 # each step has a time limit, so that the whole check stays under ~8 minutes (a lent machine
