@@ -1,9 +1,10 @@
 """pyverbs as the verbs transport uses it: the lazy import, the port and GID choice, the
 completion channel's file descriptor, and pyverbs errors turned into tensorwire ones.
 
-Only APIs present in both Debian's pyverbs (rdma-core 44) and the PyPI ``pyverbs`` package are
-used. Everything about devices, ports and GIDs that can be read without opening the device comes
-from sysfs (``/sys/class/infiniband``), so ``probe()`` has no side effects.
+Only APIs present in both Debian's pyverbs (rdma-core 44) and the PyPI ``pyverbs`` package (59)
+are used, but for two that differ: the enums module (``pv``) and the completion channel's fd.
+Everything about devices, ports and GIDs that can be read without opening the device comes from
+sysfs (``/sys/class/infiniband``), so ``probe()`` has no side effects.
 
 GID choice on RoCE (Ethernet link layer): the RoCE v2 GID that maps the IPv4 address the node
 serves on (``::ffff:a.b.c.d``), else the first RoCE v2 IPv4-mapped GID, else the first RoCE v2
@@ -52,9 +53,21 @@ def find_spec() -> bool:
 
 @functools.cache
 def pv() -> Any:
-    """The pyverbs modules, imported once (ImportError if pyverbs is missing)."""
-    names = ("device", "pd", "cq", "mr", "qp", "addr", "wr", "enums", "pyverbs_error")
-    return SimpleNamespace(**{n: importlib.import_module(f"pyverbs.{n}") for n in names})
+    """The pyverbs modules, imported once (ImportError if pyverbs is missing).
+
+    ``enums`` is libibverbs' enums module: ``pyverbs.enums`` up to rdma-core 44 (plain ints),
+    ``pyverbs.libibverbs_enums`` in later releases (``IntEnum``/``IntFlag`` members, which
+    compare and combine as the ints do).
+    """
+    names = ("device", "pd", "cq", "mr", "qp", "addr", "wr", "pyverbs_error")
+    modules = {n: importlib.import_module(f"pyverbs.{n}") for n in names}
+    try:
+        modules["enums"] = importlib.import_module("pyverbs.libibverbs_enums")
+    except ModuleNotFoundError as exc:
+        if exc.name != "pyverbs.libibverbs_enums":
+            raise
+        modules["enums"] = importlib.import_module("pyverbs.enums")
+    return SimpleNamespace(**modules)
 
 
 @dataclass(frozen=True, slots=True)
