@@ -18,7 +18,9 @@
 #
 # Environment: TW_RXE_DIR (cache, default ~/.cache/tensorwire-rxe-vm), ACCEL (tcg|kvm, default tcg),
 # SMP (default 2), MEM (default 2G), PYDEPS (pip requirements for the guest),
-# RUN_TIMEOUT (seconds one run may take, default 1500), REBUILD=1 (rebuild the image).
+# RUN_TIMEOUT (seconds one run may take, default 1500), REBUILD=1 (rebuild the image),
+# EXTRA_MOUNT=HOST_DIR:GUEST_DIR (a host directory the guests see read-only at GUEST_DIR, mounted
+# before the command runs; scripts/pyverbs-pypi.sh brings rdma-core 59 and PyPI's pyverbs this way).
 # setup needs root (apt-get, debootstrap, chroot) and network access to a Debian mirror and PyPI.
 set -euo pipefail
 
@@ -139,19 +141,31 @@ setup() {
   log "image ready in $W ($((SECONDS - t0)) s)"
 }
 
+extra_virtfs() {  # the EXTRA_MOUNT share, if any
+  [ -n "${EXTRA_MOUNT:-}" ] || return 0
+  echo "-virtfs local,path=${EXTRA_MOUNT%%:*},mount_tag=extra,security_model=none,readonly=on,id=extra"
+}
+
 qemu_cmd() {  # qemu_cmd SHARE PROJ NETARGS KERNEL_ARGS
   local cpu="max"; [ "$ACCEL" = kvm ] && cpu="host"
   echo "qemu-system-x86_64 -accel $ACCEL -cpu $cpu -smp $SMP -m $MEM -nographic -no-reboot -nodefaults -serial stdio
     -kernel $W/vmlinuz -initrd $W/initrd.img -drive file=$W/rootfs.img,if=virtio,format=raw,snapshot=on
     -virtfs local,path=$1,mount_tag=share,security_model=none,id=share
-    -virtfs local,path=$2,mount_tag=proj,security_model=none,id=proj $3
+    -virtfs local,path=$2,mount_tag=proj,security_model=none,id=proj $(extra_virtfs) $3
     -append"
 }
 KARGS="root=/dev/vda rw console=ttyS0 init=/sbin/tw-init net.ifnames=0 panic=-1 quiet loglevel=3"
 
 guest_share() {  # guest_share CMD: a scratch dir holding cmd.sh
   local s; s=$(mktemp -d "$W/run.XXXXXX")
-  printf '#!/bin/sh\n%s\n' "$1" > "$s/cmd.sh"
+  {
+    printf '#!/bin/sh\n'
+    if [ -n "${EXTRA_MOUNT:-}" ]; then
+      printf 'mkdir -p %s && mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,ro extra %s || exit 93\n' \
+        "${EXTRA_MOUNT#*:}" "${EXTRA_MOUNT#*:}"
+    fi
+    printf '%s\n' "$1"
+  } > "$s/cmd.sh"
   echo "$s"
 }
 

@@ -7,6 +7,12 @@ two guests on one L2 link run ``tests/verbs/two_node.py`` against each other. Th
 is built on first use (about 2-3 minutes, root and network to the Debian mirror and PyPI
 needed) and cached in ``~/.cache/tensorwire-rxe-vm``; where it cannot be built these tests skip
 and say why.
+
+The same guest also runs the conformance suite with PyPI's ``pyverbs`` 59.0 (the ``verbs`` extra)
+and rdma-core 59's libraries instead of Debian's 44, built from the PyPI sdist by
+``scripts/pyverbs-pypi.sh`` and cached in ``~/.cache/tensorwire-pyverbs-pypi``. That build takes
+about 6-7 minutes on two cores, so these tests use it where it is cached and build it only
+when TW_PYVERBS_BUILD=1; otherwise they skip, naming the command that builds it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "rxe-vm.sh"
+PYPI_SCRIPT = ROOT / "scripts" / "pyverbs-pypi.sh"
+PYPI_PREFIX = "/opt/rdma-core-59"
 GUEST_TESTS = "tests/verbs"
 # what the guest needs to import tensorwire and run its tests, at the versions this host runs
 GUEST_DEPS = (
@@ -110,6 +118,14 @@ def test_verbs_unit_tests_pass_in_the_guest(guest_run: tuple[int, str]) -> None:
     assert all("dma-buf" in line for line in skips), skips
 
 
+def test_the_guest_runs_debian_pyverbs_44(guest_run: tuple[int, str]) -> None:
+    _, output = guest_run
+    stack = dict(re.findall(r"^\[guest\] VERBS_STACK (\w+) (.*)$", output, re.M))
+    assert stack.get("pyverbs", "").endswith(" /usr/lib/python3/dist-packages/pyverbs/__init__.py"), stack
+    assert re.search(r"/libibverbs\.so\.1\.\d+\.44\.\d+$", stack.get("libibverbs", "")), stack
+    assert "/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav" in stack.get("provider", ""), stack
+
+
 def test_two_guests_exchange_tensors_over_rdma(rxe_vm: Path) -> None:
     proc = subprocess.run(
         [
@@ -131,3 +147,58 @@ def test_two_guests_exchange_tensors_over_rdma(rxe_vm: Path) -> None:
     assert proc.returncode == 0, _tail(output, 60)
     assert "[a] TWO_NODE_OK" in output and "[b] TWO_NODE_OK" in output, _tail(output, 60)
     assert re.search(r"\[b\] round trip of 4194304 bytes: eager", output), _tail(output, 60)
+
+
+@pytest.fixture(scope="session")
+def pypi_pyverbs(rxe_vm: Path) -> Path:
+    """PyPI's pyverbs 59.0 and rdma-core 59, built (cached) for the guest by pyverbs-pypi.sh."""
+    check = subprocess.run(["bash", str(PYPI_SCRIPT), "check"], capture_output=True, text=True, timeout=60)
+    if check.returncode == 0:
+        return PYPI_SCRIPT
+    if os.environ.get("TW_PYVERBS_BUILD") != "1":
+        pytest.skip(
+            f"{check.stdout.strip()}; the build takes about 6-7 minutes on two cores, so it runs only "
+            "with TW_PYVERBS_BUILD=1 (or once by hand: bash scripts/pyverbs-pypi.sh build)"
+        )
+    build = subprocess.run(["bash", str(PYPI_SCRIPT), "build"], capture_output=True, text=True, timeout=3000)
+    if build.returncode != 0:
+        pytest.skip(f"PyPI pyverbs could not be built:\n{_tail(build.stdout + build.stderr)}")
+    return PYPI_SCRIPT
+
+
+@pytest.fixture(scope="session")
+def pypi_guest_run(pypi_pyverbs: Path) -> tuple[int, str]:
+    """One guest with PyPI's pyverbs and rdma-core 59 in use: the conformance suite and the
+    stack report (which pyverbs, libibverbs and provider the process mapped)."""
+    tests = f"{GUEST_TESTS}/test_conformance_verbs.py {GUEST_TESTS}/test_verbs_guest.py::test_the_verbs_stack_in_use"
+    cmd = f"timeout 1500 python3 -m pytest -p no:cacheprovider -q -rA --timeout=300 {tests}"
+    proc = subprocess.run(
+        ["bash", str(pypi_pyverbs), "run", str(ROOT), "--", cmd],
+        capture_output=True,
+        text=True,
+        timeout=1700,
+        env=_env(),
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_the_guest_runs_pypi_pyverbs_and_rdma_core_59(pypi_guest_run: tuple[int, str]) -> None:
+    _, output = pypi_guest_run
+    stack = dict(re.findall(r"^\[guest\] VERBS_STACK (\w+) (.*)$", output, re.M))
+    assert _results(output).get("tests/verbs/test_verbs_guest.py::test_the_verbs_stack_in_use") == "PASSED", _tail(
+        output, 60
+    )
+    assert re.fullmatch(rf"59\.0 {PYPI_PREFIX}/python/pyverbs/__init__\.py", stack.get("pyverbs", "")), stack
+    assert re.fullmatch(rf"{PYPI_PREFIX}/lib/libibverbs\.so\.1\.\d+\.59\.0", stack.get("libibverbs", "")), stack
+    assert re.fullmatch(rf"{PYPI_PREFIX}/lib/libibverbs/librxe-rdmav\d+\.so", stack.get("provider", "")), stack
+
+
+def test_conformance_suite_passes_over_verbs_with_pypi_pyverbs(pypi_guest_run: tuple[int, str]) -> None:
+    rc, output = pypi_guest_run
+    results = {k: v for k, v in _results(output).items() if "test_conformance_verbs" in k}
+    from tensorwire.testing import CHECKS
+
+    assert len(results) == len(CHECKS), f"expected {len(CHECKS)} conformance results:\n{_tail(output, 60)}"
+    failed = {k: v for k, v in results.items() if v != "PASSED"}
+    assert not failed, f"{failed}\n{_tail(output, 80)}"
+    assert rc == 0, _tail(output, 60)

@@ -40,6 +40,42 @@ def _transport(peer: tensorwire.Peer) -> VerbsTransport:
     return t
 
 
+def _mapped(fragment: str) -> list[str]:
+    """Paths of the files mapped into this process whose name contains ``fragment``."""
+    paths = {line.split(None, 5)[5] for line in Path("/proc/self/maps").read_text().splitlines() if fragment in line}
+    return sorted(p.strip() for p in paths)
+
+
+def test_the_verbs_stack_in_use() -> None:
+    """Which pyverbs, libibverbs and provider this run uses, from the process itself: printed
+    (the host-side tests read it), and where TW_VERBS_STACK names a prefix, all from there."""
+    from importlib import metadata
+
+    from tensorwire.transports.verbs._verbs import pv
+
+    v = pv()
+    port = choose_port(os.environ.get("RXE_IP", ""))
+    assert not isinstance(port, str), port
+    ctx = v.device.Context(name=port.device)  # the provider is loaded by now
+    try:
+        pyverbs_file = sys.modules["pyverbs"].__file__ or ""
+        try:
+            version = metadata.version("pyverbs")
+        except metadata.PackageNotFoundError:
+            version = "(no package metadata)"
+        libibverbs, provider = _mapped("/libibverbs.so"), _mapped("/librxe-")
+        print(f"VERBS_STACK pyverbs {version} {pyverbs_file}")
+        print(f"VERBS_STACK libibverbs {' '.join(libibverbs)}")
+        print(f"VERBS_STACK provider {' '.join(provider)}")
+    finally:
+        ctx.close()
+    assert len(libibverbs) == 1 and len(provider) == 1, (libibverbs, provider)
+    prefix = os.environ.get("TW_VERBS_STACK")
+    if prefix:
+        for path in (pyverbs_file, libibverbs[0], provider[0]):
+            assert path.startswith(prefix + "/"), f"{path} is not from {prefix}"
+
+
 def test_gid_is_the_roce_v2_ipv4_mapped_one() -> None:
     ip = os.environ.get("RXE_IP", "")
     port = choose_port(ip)
