@@ -157,8 +157,8 @@ def pypi_pyverbs(rxe_vm: Path) -> Path:
         return PYPI_SCRIPT
     if os.environ.get("TW_PYVERBS_BUILD") != "1":
         pytest.skip(
-            f"{check.stdout.strip()}; the build takes about 6-7 minutes on two cores, so it runs only "
-            "with TW_PYVERBS_BUILD=1 (or once by hand: bash scripts/pyverbs-pypi.sh build)"
+            f"{check.stdout.strip()}; it takes about 6-7 minutes on two cores, so the tests build it "
+            "only with TW_PYVERBS_BUILD=1"
         )
     build = subprocess.run(["bash", str(PYPI_SCRIPT), "build"], capture_output=True, text=True, timeout=3000)
     if build.returncode != 0:
