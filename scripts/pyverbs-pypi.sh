@@ -6,6 +6,7 @@
 #   scripts/pyverbs-pypi.sh run DIR -- CMD...      rxe-vm.sh run, with PyPI's pyverbs and rdma-core 59 in use
 #   scripts/pyverbs-pypi.sh run2 DIR -- CMD_A -- CMD_B   rxe-vm.sh run2, likewise in both guests
 #   scripts/pyverbs-pypi.sh env                    print what a guest command exports to use them
+#   scripts/pyverbs-pypi.sh mount                  print HOST_DIR:GUEST_DIR for rxe-vm.sh's EXTRA_MOUNT
 #
 # PyPI's pyverbs 59.0 is an sdist carrying all of rdma-core 59. Its wheel holds only the pyverbs
 # package and links against the system's libibverbs.so.1 with rdma-core 59's private symbol
@@ -115,6 +116,10 @@ build() {
   log "ready in $W ($((SECONDS - t0)) s): $(ls "root$PREFIX/lib"/libibverbs.so.1.*), $(ls "root$PREFIX/python" | tr '\n' ' ')"
 }
 
+mount_spec() {  # HOST_DIR:GUEST_DIR for rxe-vm.sh's EXTRA_MOUNT
+  echo "$W/root$PREFIX:$PREFIX"
+}
+
 guest_env() {  # what a guest command exports
   echo "export PYTHONPATH=$PREFIX/python:\$PYTHONPATH LD_LIBRARY_PATH=$PREFIX/lib TW_VERBS_STACK=$PREFIX"
 }
@@ -122,7 +127,7 @@ guest_env() {  # what a guest command exports
 run() {  # run DIR -- CMD...
   local dir=$1; shift; [ "${1:-}" = "--" ] && shift
   check >&2 || return 1
-  EXTRA_MOUNT="$W/root$PREFIX:$PREFIX" bash "$HERE/rxe-vm.sh" run "$dir" -- "$(guest_env); $*"
+  EXTRA_MOUNT="$(mount_spec)" bash "$HERE/rxe-vm.sh" run "$dir" -- "$(guest_env); $*"
 }
 
 run2() {  # run2 DIR -- CMD_A -- CMD_B
@@ -134,14 +139,15 @@ run2() {  # run2 DIR -- CMD_A -- CMD_B
   done
   [ -n "$b" ] || { log "run2 needs DIR -- CMD_A -- CMD_B"; return 2; }
   check >&2 || return 1
-  EXTRA_MOUNT="$W/root$PREFIX:$PREFIX" bash "$HERE/rxe-vm.sh" run2 "$dir" -- "$(guest_env);$a" -- "$(guest_env);$b"
+  EXTRA_MOUNT="$(mount_spec)" bash "$HERE/rxe-vm.sh" run2 "$dir" -- "$(guest_env);$a" -- "$(guest_env);$b"
 }
 
 case "${1:-}" in
   build) build ;;
   check) check ;;
   env) guest_env ;;
+  mount) check >&2 && mount_spec ;;
   run) shift; run "$@" ;;
   run2) shift; run2 "$@" ;;
-  *) echo "usage: $0 build | check | env | run DIR -- CMD... | run2 DIR -- CMD_A -- CMD_B" >&2; exit 2 ;;
+  *) echo "usage: $0 build | check | env | mount | run DIR -- CMD... | run2 DIR -- CMD_A -- CMD_B" >&2; exit 2 ;;
 esac
