@@ -2,7 +2,7 @@
 
 from ._device import Device, DeviceTensor, EngineArray, parse_device
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
-from ._message import Outgoing, Spec, decode_header, match_out, prepare, rebuild
+from ._message import Outgoing, Spec, decode_header, decode_header_sized, match_out, prepare, rebuild
 from ._view import TensorView, as_view, byte_view, is_tensor
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "as_view",
     "byte_view",
     "decode_header",
+    "decode_header_sized",
     "dtype_from_name",
     "dtype_name",
     "is_tensor",

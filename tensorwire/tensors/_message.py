@@ -22,7 +22,7 @@ from ._device import DeviceTensor
 from ._dtypes import DTYPES
 from ._view import TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
-__all__ = ["Outgoing", "Spec", "decode_header", "match_out", "prepare", "rebuild"]
+__all__ = ["Outgoing", "Spec", "decode_header", "decode_header_sized", "match_out", "prepare", "rebuild"]
 
 # Each pytree level is two protobuf levels (TreeNode, then Sequence/Mapping), and protobuf's
 # decoder stops at 100: 32 levels keeps every message we send decodable on the other side.
@@ -181,7 +181,7 @@ def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeN
 _SINGLE_TREE = wire_pb2.TreeNode(tensor=0)
 _CACHE_LIMIT = 1024
 _single_cache: dict[tuple[np.dtype, tuple[int, ...]], tuple[list[Spec], bytes]] = {}
-_decode_cache: dict[bytes, tuple[wire_pb2.TreeNode, list[Spec]]] = {}
+_decode_cache: dict[bytes, tuple[wire_pb2.TreeNode, list[Spec], int]] = {}
 
 
 def _prepare_array(arr: np.ndarray) -> Outgoing:
@@ -236,18 +236,27 @@ def decode_header(
     Validated results are cached by the header's bytes (small headers only), so a stream of
     same-shaped messages is parsed once.
     """
+    tree, specs, _ = decode_header_sized(data, max_message_bytes=max_message_bytes)
+    return tree, specs
+
+
+def decode_header_sized(
+    data: bytes | bytearray | memoryview, *, max_message_bytes: int
+) -> tuple[wire_pb2.TreeNode, list[Spec], int]:
+    """``decode_header``, and the payload's total size (the sum of the specs' ``nbytes``)."""
     small = len(data) <= 512
     if small:
-        key = bytes(data)
+        key = data if type(data) is bytes else bytes(data)
         hit = _decode_cache.get(key)
-        if hit is not None and max(sum(s.nbytes for s in hit[1]), 0) <= max_message_bytes:
+        if hit is not None and hit[2] <= max_message_bytes:
             return hit
     tree, specs = _decode_header(data, max_message_bytes)
+    result = (tree, specs, sum(s.nbytes for s in specs))
     if small:
         if len(_decode_cache) >= _CACHE_LIMIT:
             _decode_cache.clear()
-        _decode_cache[key] = (tree, specs)
-    return tree, specs
+        _decode_cache[key] = result
+    return result
 
 
 def _decode_header(

@@ -89,7 +89,7 @@ class TransportContext:
     checksum: bool = False  # ask for crc32c on every payload frame where the transport can
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Receipt:
     """How one transfer went: which path carried it, how many bytes, how long it took.
 
@@ -100,6 +100,9 @@ class Receipt:
     packed: a non-contiguous tensor was packed into C order first.
     memory: "cuda" if the tensors were (sending) or are now (receiving) in CUDA memory, else
         "host"; with ``staged`` such bytes went through host staging buffers of tensorwire's.
+
+    Not frozen: one is built per message, and a frozen dataclass's ``__init__`` costs about
+    four times as much (every field through ``object.__setattr__``). Treat it as read-only.
     """
 
     transport: str
@@ -146,6 +149,12 @@ class Channel(ABC):
 
     async def recv(self, tag: int, out: object | None, device: object = None) -> tuple[Any, Receipt]:
         return await self.mailbox.recv(tag, out, device)
+
+    def wait_briefly(self, fut: Any) -> None:
+        """A recv just posted ``fut``: a transport that can progress inline (without the loop)
+        may do so for a short, bounded time, so that an answer due within microseconds is
+        taken without a trip through the event loop. Never blocks for long; default: nothing."""
+        return None
 
     @abstractmethod
     async def pull(self, arrival: Any) -> None:

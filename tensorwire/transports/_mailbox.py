@@ -94,12 +94,13 @@ class Arrival:
         msg_id: int = 0,
         rendezvous: bool = False,
         protocol: str = "eager",
+        nbytes: int | None = None,
     ) -> None:
         self.channel = channel
         self.tag = tag
         self.tree = tree
         self.specs = specs
-        self.nbytes = sum(s.nbytes for s in specs)
+        self.nbytes = sum(s.nbytes for s in specs) if nbytes is None else nbytes
         self.msg_id = msg_id
         self.rendezvous = rendezvous
         self.protocol = protocol
@@ -175,6 +176,21 @@ class Arrival:
             if start <= offset < end:
                 return mv[offset - start : min(end, offset + n) - start]
         raise IndexError(f"offset {offset} outside the host part of a {self.nbytes}-byte payload")
+
+    def fill(self, data: memoryview) -> None:
+        """Copy the whole payload (``data``, ``nbytes`` long) into ``dest`` (host memory)."""
+        dest = self.dest
+        assert dest is not None
+        if len(dest) == 1 and type(dest[0]) is np.ndarray:
+            byte_view(dest[0])[:] = data
+        else:
+            pos = 0
+            n = len(data)
+            while pos < n:
+                view = self.view(pos, n)
+                view[:] = data[pos : pos + len(view)]
+                pos += len(view)
+        self.written = self.nbytes
 
     def land(self) -> Landing:
         """The device side of this message (created on first use)."""
@@ -307,6 +323,7 @@ class Mailbox:
                     self.channel.check_open()
                     p = _Posted(out, want, streams)
                     self._posted.setdefault(tag, deque()).append(p)
+                    self.channel.wait_briefly(p.future)
                     try:
                         arrival = await p.future
                     except asyncio.CancelledError:

@@ -45,11 +45,12 @@ import numpy as np
 
 from ...errors import BrokenResourceError, ClosedResourceError, PeerDisconnected, ProtocolError, TransferError
 from ...memory import wait_event
-from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header
+from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
 from .._base import Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
-from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack
+from .._frames import CHECKSUM, HEADER, MAGIC, RENDEZVOUS, FrameType, PeerLimits, pack
 from .._mailbox import Arrival
+from . import _ucp
 from ._ucp import RemoteKey, Ucp
 from ._worker import Worker
 
@@ -61,6 +62,10 @@ HELLO, WELCOME, CTRL, DATA = 1, 2, 3, 4
 _SEQ = (1 << 28) - 1
 _INLINE_MAX = 8 * 1024
 _INLINE_STREAK = 16  # one-sided operations finished inline in a row before yielding to the loop
+_FRAME_TYPES = {int(t): t for t in FrameType}
+_ANSWER_WINDOW = 200e-6  # a recv this soon after our last frame may wait inline for the answer
+_WAIT_INLINE = 50e-6  # for at most this long
+_WAIT_BACKOFF = 1024  # recvs without an inline wait after repeated failures, at most
 
 
 @functools.cache
@@ -171,7 +176,13 @@ class UcxChannel(Channel):
         self._ctrl_tag = self._lib.UCXXTag(make_tag(tx_key, CTRL))
         self._rx_ctrl_tag = self._lib.UCXXTag(make_tag(rx_key, CTRL))
         self._ctrl_buf = np.empty(ctrl_bytes(limits), np.uint8)
+        self._ctrl_mv = memoryview(self._ctrl_buf.data)
         self._ctrl_arr: Any = None
+        self._ctrl_posted = False
+        self._peer_failures = _ucp.peer_failures_survived  # failures seen before this channel
+        self._last_send = 0.0  # when this side last sent a frame (an answer may be due)
+        self._wait_penalty = 0  # recvs to skip inline waits for after the next failed one
+        self._wait_skip = 0  # recvs that still skip it
         self._window = SendWindow(remote)  # what we may still send: the receiver's grants
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
@@ -217,6 +228,9 @@ class UcxChannel(Channel):
             return self.mailbox.failure  # cancelled because the channel closed or failed
         if any(w in low for w in ("reset", "connect", "timeout", "unreachable")):
             return PeerDisconnected(text)
+        if "input/output" in low and _ucp.peer_failures_survived > self._peer_failures:
+            # a transfer to a dead process failed (see _ucp._on_ucx_log): the peer is gone
+            return PeerDisconnected(f"{text} (the peer process is gone)")
         return TransferError(text)
 
     def _check(self, req: Any, what: str) -> BaseException | None:
@@ -241,6 +255,7 @@ class UcxChannel(Channel):
 
     def _send_frame(self, frame: bytes | np.ndarray) -> None:
         """Post one control frame; frames go out in the order they are posted."""
+        self._last_send = time.perf_counter()
         req = self._ep.tag_send(self._lib_array(frame), self._ctrl_tag)
         if req.completed:
             err = self._check(req, "control send")
@@ -272,6 +287,49 @@ class UcxChannel(Channel):
 
     # -- sending ------------------------------------------------------------------------------
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
+        if self.state is ChannelState.OPEN and not msg.on_device and msg.nbytes <= self._inline:
+            receipt = self._send_inline(tag, msg)
+            if receipt is not None:
+                return receipt
+        return await self._send(tag, msg)
+
+    def _send_inline(self, tag: int, msg: Outgoing) -> Receipt | None:
+        """The small-message path: one control frame carries header and payload, and nothing
+        waits (a slot and the credit are at hand). None when the general path must decide."""
+        t0 = time.perf_counter()
+        nbytes = msg.nbytes
+        window = self._window
+        header = msg.header
+        if (
+            window.slots <= 0
+            or nbytes > window.credit
+            or len(header) > self._remote.max_header_bytes
+            or HEADER.size + len(header) + nbytes > self._remote_ctrl
+            or nbytes > self._remote.max_message_bytes
+        ):
+            return None
+        window.slots -= 1
+        window.credit -= nbytes
+        msg_id = self._next_id
+        self._next_id += 1
+        credit, slots = self._budget.take_returns()
+        frame = HEADER.pack(MAGIC, FrameType.MSG, 0, 0, len(header), nbytes, msg_id, tag, credit, slots) + header
+        if nbytes:
+            frame += b"".join([a.tobytes() for a in msg.arrays if a.nbytes])  # type: ignore[union-attr]
+        self._send_frame(frame)
+        return Receipt(
+            self.transport,
+            self.lanes,
+            nbytes,
+            time.perf_counter() - t0,
+            "inline",
+            False,
+            msg.staged,
+            msg.packed,
+            msg.memory,
+        )
+
+    async def _send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
         if msg.nbytes > self._remote.max_message_bytes:
             raise TransferError(
@@ -360,15 +418,37 @@ class UcxChannel(Channel):
             raise asyncio.CancelledError
 
     # -- receiving ----------------------------------------------------------------------------
-    def _post_ctrl_recv(self) -> None:
-        if self.state is not ChannelState.OPEN:
+    def wait_briefly(self, fut: Any) -> None:
+        """Right after this side sent a frame, wait for the answer inline for up to
+        ``_WAIT_INLINE`` (a ping-pong: the answer usually comes within tens of microseconds).
+        Where that keeps failing (the answer comes later, or only from a task of this very
+        loop), it backs off exponentially, so the wasted time stays a small fraction."""
+        if self.state is not ChannelState.OPEN or time.perf_counter() - self._last_send > _ANSWER_WINDOW:
             return
+        if self._wait_skip:
+            self._wait_skip -= 1
+            return
+        try:
+            self._post_ctrl_recv()
+            if self._w.progress_until(fut, _WAIT_INLINE):
+                self._wait_penalty = 0
+            else:
+                self._wait_penalty = min(2 * self._wait_penalty or 1, _WAIT_BACKOFF)
+                self._wait_skip = self._wait_penalty
+        except Exception:  # never: a recv must not fail here; the loop's progress takes over
+            log.exception("ucx inline wait failed")
+
+    def _post_ctrl_recv(self) -> None:
+        if self.state is not ChannelState.OPEN or self._ctrl_posted:
+            return
+        self._ctrl_posted = True
         if self._ctrl_arr is None:
             self._ctrl_arr = self._lib_array(self._ctrl_buf)
         req = self._w.worker.tag_recv(self._ctrl_arr, self._rx_ctrl_tag)
         self._w.watch(req, self._on_ctrl, keep=self._ctrl_buf, owner=self, passive=True)
 
     def _on_ctrl(self, req: Any) -> None:
+        self._ctrl_posted = False
         if self.state is not ChannelState.OPEN:
             return
         err = self._check(req, "control receive")
@@ -391,26 +471,33 @@ class UcxChannel(Channel):
         self._loop.call_soon(self._post_ctrl_recv)
 
     def _handle_frame(self) -> None:
-        buf = self._ctrl_buf
-        hdr = unpack(buf[: HEADER.size].data)
-        self._window.grant(hdr.credit, hdr.slots)
-        limits = self._limits
-        t = hdr.type
-        if t is FrameType.MSG:
-            if hdr.meta_len > limits.max_header_bytes or hdr.payload_len > self._inline:
-                raise ProtocolError(f"MSG frame of {hdr.meta_len}+{hdr.payload_len} bytes exceeds the limits")
-            end = HEADER.size + hdr.meta_len
-            tree, specs = decode_header(buf[HEADER.size : end].tobytes(), max_message_bytes=limits.max_message_bytes)
-            rndv = bool(hdr.flags & RENDEZVOUS)
-            nbytes = sum(s.nbytes for s in specs)
-            inline = hdr.payload_len == nbytes and not rndv
-            if hdr.payload_len and not inline:
-                raise ProtocolError(f"MSG frame carries {hdr.payload_len} inline bytes of a {nbytes}-byte message")
-            if hdr.msg_id in self._waiting or hdr.msg_id in self._incoming:
-                raise ProtocolError(f"duplicate message id {hdr.msg_id}")
+        mv = self._ctrl_mv
+        magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(mv)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
+        if reserved or flags & ~(RENDEZVOUS | CHECKSUM):
+            raise ProtocolError("reserved frame bits set")
+        if credit or slots:
+            self._window.grant(credit, slots)
+        if ftype == FrameType.MSG:
+            limits = self._limits
+            if meta_len > limits.max_header_bytes or payload_len > self._inline:
+                raise ProtocolError(f"MSG frame of {meta_len}+{payload_len} bytes exceeds the limits")
+            end = HEADER.size + meta_len
+            tree, specs, nbytes = decode_header_sized(
+                bytes(mv[HEADER.size : end]), max_message_bytes=limits.max_message_bytes
+            )
+            rndv = bool(flags & RENDEZVOUS)
+            inline = payload_len == nbytes and not rndv
+            if payload_len and not inline:
+                raise ProtocolError(f"MSG frame carries {payload_len} inline bytes of a {nbytes}-byte message")
+            if msg_id in self._waiting or msg_id in self._incoming:
+                raise ProtocolError(f"duplicate message id {msg_id}")
             self._budget.admit(nbytes, eager=not rndv)
             protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
-            arrival = Arrival(self, hdr.arg, tree, specs, msg_id=hdr.msg_id, rendezvous=not inline, protocol=protocol)
+            arrival = Arrival(
+                self, arg, tree, specs, msg_id=msg_id, rendezvous=not inline, protocol=protocol, nbytes=nbytes
+            )
             if not rndv:
                 self._eager.add(arrival)
             self.mailbox.arrive(arrival)
@@ -418,31 +505,29 @@ class UcxChannel(Channel):
                 if arrival.dest is None:
                     arrival.allocate()
                 if nbytes:
-                    pos = end
-                    while pos - end < nbytes:
-                        view = arrival.view(pos - end, nbytes)
-                        view[:] = buf[pos : pos + len(view)].data
-                        pos += len(view)
-                    arrival.written = nbytes
+                    arrival.fill(mv[end : end + nbytes])
                 arrival.complete()
             elif rndv:
-                self._waiting[hdr.msg_id] = (arrival, True)
+                self._waiting[msg_id] = (arrival, True)
             elif arrival.dest is None:
                 self._adopt(arrival)  # nobody waits: buffer it here, within the credit
             else:
                 # a recv with out= matched: its task posts the receives into out= (pull)
-                self._waiting[hdr.msg_id] = (arrival, False)
+                self._waiting[msg_id] = (arrival, False)
                 self._loop.call_soon(self._check_pulled, arrival)
             return
-        if hdr.meta_len or hdr.payload_len:
-            raise ProtocolError(f"{t.name} frame with {hdr.meta_len}+{hdr.payload_len} bytes")
+        t = _FRAME_TYPES.get(ftype)
+        if t is None:
+            raise ProtocolError(f"unknown frame type {ftype}")
+        if meta_len or payload_len:
+            raise ProtocolError(f"{t.name} frame with {meta_len}+{payload_len} bytes")
         if t is FrameType.CTS:
-            fut = self._cts.get(hdr.msg_id)
+            fut = self._cts.get(msg_id)
             if fut is not None and not fut.done():
                 fut.set_result(None)
         elif t is FrameType.ABORT:
-            entry = self._waiting.pop(hdr.msg_id, None)
-            transfer = self._incoming.pop(hdr.msg_id, None)
+            entry = self._waiting.pop(msg_id, None)
+            transfer = self._incoming.pop(msg_id, None)
             gone = entry[0] if entry else transfer.arrival if transfer else None
             if transfer is not None:
                 self._cancel(transfer.reqs)  # never matched: the sender sent no payload

@@ -29,6 +29,7 @@ __all__ = ["MemoryRegion", "RemoteKey", "Ucp", "load", "loaded_library"]
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
+_IO_ERROR = -3
 _ERR_LAST = -100
 _PTR_MAX = 1 << 64
 
@@ -157,6 +158,8 @@ class Ucp:
 
     def error(self, status: int, what: str) -> Exception:
         text = f"{what} failed: {self.status_string(status)} ({status})"
+        if status == _IO_ERROR and peer_failures_survived:
+            return PeerDisconnected(f"{text} (a peer process is gone)")
         return PeerDisconnected(text) if _disconnect(status) else TransferError(text)
 
     def _check_status(self, status: int, what: str) -> None:
@@ -271,6 +274,58 @@ def _ucxx_cancel() -> Any:
     return fn
 
 
+# -- peer failures without UCX peer error handling ---------------------------------------------
+# Endpoints are created without UCX's peer error handling (it would exclude the shared-memory
+# lanes, see docs/ucx.md). Without it, UCX logs a failed transfer to a dead peer (a cma
+# process_vm_readv/writev of a SIGKILLed process: "No such process") at FATAL level, and its
+# default log handler aborts the whole process. The transfer itself returns an error status,
+# which reaches the request. This handler, first in UCX's chain, swallows FATAL lines from the
+# transports' peer-failure sites (logged here at warning level instead), so the survivor sees
+# the error on the request (and the control-plane lease) instead of dying. Anything else
+# fatal still goes to UCX's own handler.
+_LOG_STOP, _LOG_CONTINUE = 0, 1
+_LOG_FATAL = 0
+_PEER_FAILURE_SITES = frozenset({b"cma_ep.c", b"scopy_ep.c", b"knem_ep.c", b"xpmem_ep.c", b"tcp_ep.c", b"ucp_ep.c"})
+_LOG_FUNC = ctypes.CFUNCTYPE(c_int, c_char_p, c_uint, c_char_p, c_int, c_void_p, c_char_p, c_void_p)
+_log_handler: Any = None  # kept alive as long as UCX may call it
+peer_failures_survived = 0  # FATAL peer-failure lines swallowed (tests and doctor read it)
+
+
+def _vformat(fmt: bytes, ap: int | None) -> str:
+    try:
+        libc = ctypes.CDLL(None)
+        buf = ctypes.create_string_buffer(512)
+        libc.vsnprintf.argtypes = [c_void_p, c_size_t, c_char_p, c_void_p]
+        libc.vsnprintf(buf, len(buf), fmt, ap)
+        return buf.value.decode(errors="replace")
+    except Exception:  # never raise into C
+        return fmt.decode(errors="replace")
+
+
+def _on_ucx_log(file: bytes, line: int, function: bytes, level: int, comp: int, fmt: bytes, ap: int) -> int:
+    global peer_failures_survived
+    if level != _LOG_FATAL or os.path.basename(file or b"") not in _PEER_FAILURE_SITES:
+        return _LOG_CONTINUE
+    peer_failures_survived += 1
+    log.warning("ucx: a transfer to a peer that is gone failed: %s", _vformat(fmt, ap))
+    return _LOG_STOP
+
+
+def _install_log_handler(ucs: ctypes.CDLL) -> None:
+    global _log_handler
+    if _log_handler is not None:
+        return
+    try:
+        push = ucs.ucs_log_push_handler
+    except AttributeError:
+        log.debug("ucx: libucs has no ucs_log_push_handler; peer failures over cma stay fatal")
+        return
+    push.restype = None
+    push.argtypes = [_LOG_FUNC]
+    _log_handler = _LOG_FUNC(_on_ucx_log)
+    push(_log_handler)
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> Ucp:
     """The bindings for the libucp that ucxx loaded (import ucxx first)."""
@@ -285,6 +340,7 @@ def load() -> Ucp:
     try:
         lib = ctypes.CDLL(path, mode=mode)
         ucs = ctypes.CDLL(ucs_path, mode=mode)
+        _install_log_handler(ucs)
         return Ucp(lib, ucs, path)
     except (OSError, AttributeError) as exc:
         raise TransportUnavailable(f"ucx: cannot bind {path}: {exc}") from exc

@@ -139,6 +139,7 @@ class Worker:
         self._last_event = 0.0  # an operation was last posted or completed
         self._closed = False
         self.inline_streak = 0  # one-sided operations finished inline since the last progress run
+        self._fresh = False  # requests were added since the last dispatch
         self.loop.add_reader(self._fd, self._on_readable)
 
     # -- requests --------------------------------------------------------------------------
@@ -153,6 +154,7 @@ class Worker:
     ) -> None:
         """Call ``callback(req)`` from the loop once ``req`` completes (successfully or not)."""
         self._watch[req] = _Watch(callback, keep, owner, passive)
+        self._fresh = True  # it may have completed when posted: the next run dispatches
         self.kick()
 
     def future(self, req: Any, *, keep: object = None, owner: object = None) -> asyncio.Future[Any]:
@@ -171,6 +173,7 @@ class Worker:
         self._ucp = ucp
         fut: asyncio.Future[None] = self.loop.create_future()
         self._raw[request] = (fut, keep)
+        self._fresh = True
         self.kick()
         return fut
 
@@ -196,6 +199,26 @@ class Worker:
         if status:
             raise ucp.error(status, "one-sided operation")
         return True
+
+    def progress_until(self, fut: asyncio.Future[Any], seconds: float) -> bool:
+        """Progress right here until ``fut`` is done or ``seconds`` have passed; True if done.
+
+        For a recv whose answer is due within microseconds (a ping-pong): taking it here saves
+        the trips through the event loop (its selector, the callbacks, the task's wake-up)
+        that would otherwise cost more than the wait itself. Completions found are dispatched
+        as the loop would dispatch them. Bounded, and only used right after this side sent."""
+        if self._closed:
+            return False
+        worker = self.worker
+        clock = time.perf_counter
+        deadline = clock() + seconds
+        while not fut.done():
+            if worker.progress_once() or self._fresh:
+                self._dispatch()
+            elif clock() >= deadline:
+                break
+        self.kick()
+        return fut.done()
 
     def cancel(self, req: Any) -> None:
         """Ask UCX to cancel ``req`` (a receive that has not matched completes as cancelled at
@@ -238,6 +261,7 @@ class Worker:
             self._progress()
 
     def _dispatch(self) -> int:
+        self._fresh = False
         n = 0
         if self._graveyard:
             self._graveyard = [(r, k) for r, k in self._graveyard if not r.completed]
@@ -276,7 +300,8 @@ class Worker:
         worker = self.worker
         for _ in range(_ROUNDS):
             moved = worker.progress_once()
-            completed = self._dispatch()
+            # a request completes inside progress, or when it is posted (then it is fresh)
+            completed = self._dispatch() if moved or self._fresh or self._graveyard else 0
             if moved or completed:
                 self._last = time.monotonic()  # UCX moved something: keep going while it does
             if completed:
@@ -284,7 +309,12 @@ class Worker:
                 break  # let the tasks those completions woke run before progressing more
             if not moved:
                 break
-        worker.progress()  # ucxx's own bookkeeping (scheduled cancellations)
+        # ucxx's progress(): UCX progress until nothing moves (a cma transfer runs to its end
+        # here, see docs/ucx.md) and ucxx's own bookkeeping (scheduled cancellations); what it
+        # completed is dispatched now, or the wake-up for it would be gone
+        worker.progress()
+        if self._dispatch():
+            self._last = self._last_event = time.monotonic()
         now = time.monotonic()
         spin = now - self._last < _SPIN_ACTIVE or now - self._last_event < _SPIN_IDLE
         if self._scheduled:  # a completion callback posted work and kicked: that run comes next
