@@ -10,12 +10,14 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
 
 import tensorwire
 from tensorwire.testing import connected_pair
+from tensorwire.transports.ucx import _ucp
 
 pytestmark = [
     pytest.mark.skipif(
@@ -107,6 +109,60 @@ async def test_read_and_write_while_the_owner_process_is_stopped() -> None:
         if child.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signal.SIGCONT)
+        async with asyncio.timeout(10):
+            await child.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(30)
+async def test_owner_killed_during_reads_fails_them_and_the_reader_lives() -> None:
+    """The owner is SIGKILLed while this process reads its memory over cma (process_vm_readv
+    by this process, inside UCX): UCX would log that as fatal and abort the reader; tensorwire
+    turns it into PeerDisconnected, and the node goes on serving."""
+    code = textwrap.dedent(
+        """
+        import asyncio, numpy as np, tensorwire
+        async def main():
+            async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as n:
+                x = np.ones(256 << 20, dtype=np.uint8)
+                n.expose(x, name="x")
+                print(n.address, flush=True)
+                p = await n.accept()
+                await p.recv(tag="bye")
+        asyncio.run(main())
+        """
+    )
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        async with asyncio.timeout(15):
+            address = (await child.stdout.readline()).decode().strip()
+        async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}, lease_seconds=1.0) as node:
+            peer = await node.connect(address)
+            h = await peer.lookup("x")
+            out = np.empty(256 << 20, np.uint8)
+            await peer.read(h, out=out)
+            failures = _ucp.peer_failures_survived
+            killer = threading.Timer(0.02, os.kill, (child.pid, signal.SIGKILL))  # lands mid-read
+            killer.start()
+
+            async def read_until_it_fails() -> None:
+                async with asyncio.timeout(8):
+                    while True:
+                        await peer.read(h, out=out)
+
+            with pytest.raises(tensorwire.PeerDisconnected):
+                await read_until_it_fails()
+            killer.join()
+            print("cma reads from the dead owner survived:", _ucp.peer_failures_survived - failures)
+            async with tensorwire.start(transports=("ucx",)) as other:  # the node still serves
+                p = await other.connect(node.address)
+                await p.send(np.arange(10), tag=1)
+                q = await node.accept()
+                assert np.array_equal(await q.recv(tag=1), np.arange(10))
+    finally:
+        if child.returncode is None:
+            child.kill()
         async with asyncio.timeout(10):
             await child.wait()
 

@@ -17,7 +17,20 @@ import ctypes
 import functools
 import logging
 import os
-from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
+from ctypes import (
+    POINTER,
+    Structure,
+    byref,
+    c_char,
+    c_char_p,
+    c_int,
+    c_int8,
+    c_size_t,
+    c_uint,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,24 +134,27 @@ def _status_of(ptr: int | None) -> int:
 
 
 class Ucp:
-    """The libucp functions tensorwire binds, from the library ucxx loaded."""
+    """The libucp functions tensorwire binds, from the library ucxx loaded.
+
+    ``ucs_status_t`` is a packed enum: one signed byte (the rest of the return register is
+    not defined), hence ``c_int8`` for every function that returns one."""
 
     def __init__(self, ucp: ctypes.CDLL, ucs: ctypes.CDLL, path: str) -> None:
         self.path = path
         self._ucs = ucs
         f = ucp
-        self._mem_map = self._fn(f.ucp_mem_map, c_int, c_void_p, POINTER(_MemMapParams), POINTER(c_void_p))
-        self._mem_unmap = self._fn(f.ucp_mem_unmap, c_int, c_void_p, c_void_p)
-        self._rkey_pack = self._fn(f.ucp_rkey_pack, c_int, c_void_p, c_void_p, POINTER(c_void_p), POINTER(c_size_t))
+        self._mem_map = self._fn(f.ucp_mem_map, c_int8, c_void_p, POINTER(_MemMapParams), POINTER(c_void_p))
+        self._mem_unmap = self._fn(f.ucp_mem_unmap, c_int8, c_void_p, c_void_p)
+        self._rkey_pack = self._fn(f.ucp_rkey_pack, c_int8, c_void_p, c_void_p, POINTER(c_void_p), POINTER(c_size_t))
         self._rkey_buffer_release = self._fn(f.ucp_rkey_buffer_release, None, c_void_p)
-        self._rkey_unpack = self._fn(f.ucp_ep_rkey_unpack, c_int, c_void_p, c_void_p, POINTER(c_void_p))
+        self._rkey_unpack = self._fn(f.ucp_ep_rkey_unpack, c_int8, c_void_p, c_void_p, POINTER(c_void_p))
         self._rkey_destroy = self._fn(f.ucp_rkey_destroy, None, c_void_p)
         self._put = self._fn(f.ucp_put_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, c_void_p)
         self._get = self._fn(f.ucp_get_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, c_void_p)
         self._flush = self._fn(f.ucp_ep_flush_nbx, c_void_p, c_void_p, c_void_p)
-        self._check = self._fn(f.ucp_request_check_status, c_int, c_void_p)
+        self._check = self._fn(f.ucp_request_check_status, c_int8, c_void_p)
         self._free = self._fn(f.ucp_request_free, None, c_void_p)
-        self._ep_query = self._fn(f.ucp_ep_query, c_int, c_void_p, POINTER(_EpAttr))
+        self._ep_query = self._fn(f.ucp_ep_query, c_int8, c_void_p, POINTER(_EpAttr))
         self._version = self._fn(f.ucp_get_version, None, POINTER(c_uint), POINTER(c_uint), POINTER(c_uint))
         self._strerror = self._fn(ucs.ucs_status_string, c_char_p, c_int)
         self._param = _RequestParam()  # no callback: requests are polled, then freed
