@@ -308,6 +308,36 @@ async def check_cancelled_recv_loses_nothing(a: Peer, b: Peer) -> None:
             assert np.array_equal(out, x)
 
 
+@_check()
+async def check_recv_into_out_cancelled_at_every_step_loses_nothing(a: Peer, b: Peer) -> None:
+    # a recv with out= cancelled after 0..14 loop iterations of an eager message's landing
+    # (before its header came, after it matched while the task had not run yet, while the
+    # payload lands in out=): once the cancel returns out= is never written again, and the
+    # next recv of the tag gets the whole message
+    x = np.random.default_rng(6).integers(0, 255, size=16 * MiB, dtype=np.uint8)
+    for spins in (0, 1, 2, 3, 4, 5, 6, 8, 10, 14):
+        out = np.zeros_like(x)
+        recv = asyncio.ensure_future(b.recv(tag="o", out=out))
+        send = asyncio.ensure_future(a.send(x, tag="o"))
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        recv.cancel()
+        try:
+            await recv
+        except asyncio.CancelledError:
+            snapshot = out.copy()
+            await asyncio.wait_for(send, 10)
+            for _ in range(20):
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.01)
+            assert np.array_equal(out, snapshot), f"out= was written after its recv was cancelled ({spins})"
+            got = await asyncio.wait_for(b.recv(tag="o"), 10)
+            assert _same(x, got), f"message lost or corrupted after a cancel at {spins} iterations"
+        else:
+            await asyncio.wait_for(send, 10)
+            assert np.array_equal(out, x)
+
+
 @_check(Limits(recv_buffer_bytes=4 * MiB))
 async def check_recv_cancelled_mid_payload_loses_nothing(a: Peer, b: Peer) -> None:
     # a recv without out= cancelled at every point of a rendezvous payload's landing (counted in loop

@@ -20,6 +20,7 @@ for (``device=``, or by default the sender's memory kind where this process has 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,7 @@ class Arrival:
         "landing",
         "msg_id",
         "nbytes",
+        "pinned",
         "protocol",
         "pulling",
         "rendezvous",
@@ -108,6 +110,9 @@ class Arrival:
         self.consumed = False  # handed to a recv: its credit went back, it is never requeued
         self.dest: list[np.ndarray | DeviceTensor] | None = None
         self.direct = False  # dest is the recv's out= buffer
+        # the transport writes into dest and cannot redirect (a posted UCX receive): a recv
+        # cancelled meanwhile waits for the write to finish before it gives the message back
+        self.pinned = False
         self.written = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._flat: list[tuple[int, int, memoryview | None]] | None = None
@@ -329,7 +334,10 @@ class Mailbox:
                     except asyncio.CancelledError:
                         f = p.future
                         if f.done() and not f.cancelled() and f.exception() is None:
-                            self._requeue(f.result())
+                            arrival = f.result()
+                            if arrival.pinned and not await _finished(arrival):
+                                raise  # it failed: nothing to give back
+                            self._requeue(arrival)
                         else:
                             pq = self._posted.get(tag)
                             if pq is not None and p in pq:
@@ -414,6 +422,15 @@ class Mailbox:
             memory=memory,
         )
         return value, receipt
+
+
+async def _finished(arrival: Arrival) -> bool:
+    """Wait for a pinned arrival's transfer to end, whatever cancellations come; True if its
+    bytes all landed."""
+    while not arrival.done.done():
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(arrival.done)
+    return arrival.done.exception() is None
 
 
 def _placement(spec: Spec, want: Device | None, streams: Streams | None) -> int | None:

@@ -61,6 +61,7 @@ __all__ = ["CTRL", "DATA", "HELLO", "WELCOME", "UcxChannel", "ctrl_bytes", "make
 HELLO, WELCOME, CTRL, DATA = 1, 2, 3, 4
 _SEQ = (1 << 28) - 1
 _INLINE_MAX = 8 * 1024
+_CTRL_BURST = 64  # control frames taken in one go when they are already waiting
 _INLINE_STREAK = 16  # one-sided operations finished inline in a row before yielding to the loop
 _FRAME_TYPES = {int(t): t for t in FrameType}
 _ANSWER_WINDOW = 200e-6  # a recv this soon after our last frame may wait inline for the answer
@@ -449,26 +450,46 @@ class UcxChannel(Channel):
 
     def _on_ctrl(self, req: Any) -> None:
         self._ctrl_posted = False
-        if self.state is not ChannelState.OPEN:
+        if not self._take_ctrl(req):
             return
+        # frames that are already here (a burst of sends) are taken now, so that the payload
+        # receives of all of them are posted before UCX starts moving any payload (over cma
+        # this process does the copying, inside progress, one payload after the other)
+        worker = self._w.worker
+        for _ in range(_CTRL_BURST):
+            if self.state is not ChannelState.OPEN or not worker.tag_probe(self._rx_ctrl_tag).matched:
+                break
+            req = worker.tag_recv(self._ctrl_arr, self._rx_ctrl_tag)
+            if not req.completed:  # not expected: matched above; its completion calls back
+                self._ctrl_posted = True
+                self._w.watch(req, self._on_ctrl, keep=self._ctrl_buf, owner=self, passive=True)
+                return
+            if not self._take_ctrl(req):
+                return
+        # after the task this frame woke has run (the round-trip path): a frame arriving
+        # meanwhile waits in UCX's unexpected queue and matches this receive in order
+        self._loop.call_soon(self._post_ctrl_recv)
+
+    def _take_ctrl(self, req: Any) -> bool:
+        """Handle the control frame ``req`` received; False if the channel is (now) shut."""
+        if self.state is not ChannelState.OPEN:
+            return False
         err = self._check(req, "control receive")
         if err is not None:
             log.warning("closing ucx channel %s: %s", self.name, err)
             self._shutdown(ChannelState.BROKEN, err)
-            return
+            return False
         try:
             self._handle_frame()
         except ProtocolError as exc:
             log.warning("closing ucx channel %s: %s", self.name, exc)
             self._shutdown(ChannelState.BROKEN, exc)
-            return
+            return False
         except Exception as exc:  # a bug must not leave recvs hanging
             log.exception("ucx control handler failed")
             self._shutdown(ChannelState.BROKEN, BrokenResourceError(f"ucx control handler failed: {exc!r}"))
-            return
-        # after the task this frame woke has run (the round-trip path): a frame arriving
-        # meanwhile waits in UCX's unexpected queue and matches this receive in order
-        self._loop.call_soon(self._post_ctrl_recv)
+            return False
+        return True
 
     def _handle_frame(self) -> None:
         mv = self._ctrl_mv
@@ -511,8 +532,13 @@ class UcxChannel(Channel):
                 self._waiting[msg_id] = (arrival, True)
             elif arrival.dest is None:
                 self._adopt(arrival)  # nobody waits: buffer it here, within the credit
+            elif not _on_device(arrival):
+                # a recv with out= (host memory) matched: receive straight into it now, one
+                # loop turn before its task would; a cancel of that recv waits for the write
+                arrival.pinned = True
+                self._post_payload(arrival)
             else:
-                # a recv with out= matched: its task posts the receives into out= (pull)
+                # device memory must be ready first: the recv's task posts the receives (pull)
                 self._waiting[msg_id] = (arrival, False)
                 self._loop.call_soon(self._check_pulled, arrival)
             return
