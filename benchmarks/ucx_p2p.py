@@ -216,6 +216,70 @@ def raw_client(tls: str, address: str) -> None:
     print(json.dumps(res), flush=True)
 
 
+# -- ucxx's own asyncio API: the round trip an asyncio program gets from ucxx itself ----------
+async def _ucxx_async(role: str, tls: str, mode: str, peer: str | None) -> None:
+    """8-byte ping-pong over ucxx's public asyncio API (ep.send/ep.recv with integer tags,
+    force_tag=True; endpoints from worker addresses without peer error handling, as tensorwire
+    creates them). The server prints its worker address, the client sends its own first."""
+    import ucxx
+
+    ucxx.init(options={"WARN_UNUSED_ENV_VARS": "n", **_options(tls)}, progress_mode=mode)
+    x = np.zeros(1, np.float64)
+    if role == "server":
+        print(_MARK + json.dumps(bytes(ucxx.get_worker_address()).hex()), flush=True)
+        peer = await asyncio.to_thread(_hear, sys.stdin)  # the client's address (UCX may print first)
+        addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(peer))
+        ep = await ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=False)
+        lat = []
+        for _ in range(RTT_ITERS):
+            t0 = time.perf_counter()
+            await ep.send(x, tag=1, force_tag=True)
+            await ep.recv(x, tag=2, force_tag=True)
+            lat.append(time.perf_counter() - t0)
+        print(_MARK + json.dumps(statistics.median(lat[100:]) * 1e6), flush=True)
+        await ep.recv(x, tag=3, force_tag=True)  # the client is done: both may close now
+    else:
+        assert peer is not None
+        ep = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(bytes.fromhex(peer)), endpoint_error_handling=False
+        )
+        print(_MARK + json.dumps(bytes(ucxx.get_worker_address()).hex()), flush=True)
+        for _ in range(RTT_ITERS):
+            await ep.recv(x, tag=1, force_tag=True)
+            await ep.send(x, tag=2, force_tag=True)
+        await ep.send(x, tag=3, force_tag=True)
+        await asyncio.sleep(0.2)
+
+
+def ucxx_async_rtt(tls: str) -> float | None:
+    """The best 8-byte round trip of ucxx's asyncio API (blocking and polling progress modes)."""
+    best = None
+    for mode in ("blocking", "polling"):
+        server = subprocess.Popen(
+            [sys.executable, __file__, "_ucxx-async", "server", tls, mode],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        client = None
+        try:
+            assert server.stdin is not None and server.stdout is not None
+            address = _hear(server.stdout)
+            client = subprocess.Popen(
+                [sys.executable, __file__, "_ucxx-async", "client", tls, mode, address],
+                stdout=server.stdin, text=True,
+            )
+            rtt = float(_hear(server.stdout))
+            best = rtt if best is None else min(best, rtt)
+            client.wait(timeout=30)
+            server.wait(timeout=30)
+        except Exception as exc:
+            print(f"# ucxx asyncio API ({mode}, UCX_TLS={tls}) failed: {exc!r}", flush=True)
+        finally:
+            for proc in (server, client):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+    return best
+
+
 # -- NIXL (run under a Python that has it) ----------------------------------------------------
 _MARK = "TWB "  # lines of ours on stdout (UCX and NIXL may print there too)
 
@@ -237,7 +301,7 @@ def _hear(stream: Any) -> Any:
     while True:
         line = stream.readline()
         if not line:
-            raise RuntimeError("the other NIXL process ended early")
+            raise RuntimeError("the other benchmark process ended early")
         if line.startswith(_MARK):
             return json.loads(line[len(_MARK) :])
 
@@ -486,6 +550,8 @@ def main() -> int:
         for s in SIZES_ARG:
             lines.append(_row(tls, "send/recv", f"{s} MiB", raw["bw"][s], tw["bw"][s], "GB/s", 0.9, False))
         lines.append(_row(tls, "round trip", "8 B", raw["rtt_us"], tw["rtt_us"], "us", 1 / 1.5, True))
+        if (async_rtt := ucxx_async_rtt(tls)) is not None:  # raw column: ucxx's asyncio API
+            lines.append(_row(tls, "rtt async", "8 B", async_rtt, tw["rtt_us"], "us", None, True))
         for op, label in (("put", "write"), ("get", "read")):
             for s in OS_ARG:
                 n = nixl[op][str(s)] if nixl else None
@@ -509,6 +575,8 @@ if __name__ == "__main__":
             raw_client(sys.argv[2], sys.argv[3])
         else:
             asyncio.run(tw_client(sys.argv[2], sys.argv[3]))
+    elif mode == "_ucxx-async":
+        asyncio.run(_ucxx_async(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] if len(sys.argv) > 5 else None))
     elif mode in ("_nixl-target", "_nixl-initiator"):
         OS_ARG = json.loads(sys.argv[2])
         nixl_target() if mode == "_nixl-target" else nixl_initiator()
