@@ -43,7 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BrokenResourceError, ClosedResourceError, PeerDisconnected, ProtocolError, TransferError
+from ...errors import (
+    BrokenResourceError,
+    ClosedResourceError,
+    PeerDisconnected,
+    ProtocolError,
+    TensorWireError,
+    TransferError,
+)
 from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
 from .._base import Channel, ChannelState, Limits, Receipt
@@ -175,6 +182,8 @@ class UcxChannel(Channel):
         self.name = name
         self._loop = asyncio.get_running_loop()
         self._ctrl_tag = self._lib.UCXXTag(make_tag(tx_key, CTRL))
+        self._ctrl_tag_value = make_tag(tx_key, CTRL)
+        self._ep_handle = int(ep.handle)
         self._rx_ctrl_tag = self._lib.UCXXTag(make_tag(rx_key, CTRL))
         self._ctrl_buf = np.empty(ctrl_bytes(limits), np.uint8)
         self._ctrl_mv = memoryview(self._ctrl_buf.data)
@@ -255,8 +264,22 @@ class UcxChannel(Channel):
             raise err
 
     def _send_frame(self, frame: bytes | np.ndarray) -> None:
-        """Post one control frame; frames go out in the order they are posted."""
+        """Post one control frame; frames go out in the order they are posted (one endpoint:
+        UCX keeps the order of its tag sends, whichever API posted them)."""
         self._last_send = time.perf_counter()
+        if self._ucp is not None:
+            # straight to ucp_tag_send_nbx: a small frame is usually sent when the call
+            # returns, without the request object, array wrapper and watch of ucxx's tag_send
+            data = frame if type(frame) is bytes else bytes(frame)
+            try:
+                req = self._ucp.tag_send(self._ep_handle, data, self._ctrl_tag_value)
+            except TensorWireError as exc:
+                self._shutdown(ChannelState.BROKEN, exc)
+                return
+            if req is not None:
+                fut = self._w.watch_raw(self._ucp, req, data)
+                fut.add_done_callback(self._ctrl_sent_raw)
+            return
         req = self._ep.tag_send(self._lib_array(frame), self._ctrl_tag)
         if req.completed:
             err = self._check(req, "control send")
@@ -267,6 +290,13 @@ class UcxChannel(Channel):
 
     def _ctrl_sent(self, req: Any) -> None:
         err = self._check(req, "control send")
+        if err is not None and self.state is ChannelState.OPEN:
+            self._shutdown(ChannelState.BROKEN, err)
+
+    def _ctrl_sent_raw(self, fut: asyncio.Future[None]) -> None:
+        if fut.cancelled():
+            return
+        err = fut.exception()
         if err is not None and self.state is ChannelState.OPEN:
             self._shutdown(ChannelState.BROKEN, err)
 

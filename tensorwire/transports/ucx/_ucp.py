@@ -152,6 +152,8 @@ class Ucp:
         self._put = self._fn(f.ucp_put_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, c_void_p)
         self._get = self._fn(f.ucp_get_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, c_void_p)
         self._flush = self._fn(f.ucp_ep_flush_nbx, c_void_p, c_void_p, c_void_p)
+        # control frames: a bytes object is passed by pointer (c_char_p), no copy
+        self.tag_send_raw = self._fn(f.ucp_tag_send_nbx, c_void_p, c_void_p, c_char_p, c_size_t, c_uint64, c_void_p)
         self._check = self._fn(f.ucp_request_check_status, c_int8, c_void_p)
         self._free = self._fn(f.ucp_request_free, None, c_void_p)
         self._ep_query = self._fn(f.ucp_ep_query, c_int8, c_void_p, POINTER(_EpAttr))
@@ -227,6 +229,11 @@ class Ucp:
 
     def flush(self, ep: int) -> int | None:
         return self._submit(self._flush(ep, self._param_ref), "ucp_ep_flush_nbx")
+
+    def tag_send(self, ep: int, data: bytes, tag: int) -> int | None:
+        """``ucp_tag_send_nbx`` of ``data`` (kept alive by the caller until it completes):
+        None when done at once (a small eager message usually is), else the request to poll."""
+        return self._submit(self.tag_send_raw(ep, data, len(data), tag, self._param_ref), "ucp_tag_send_nbx")
 
     def mem_map(self, context: int, address: int, length: int, *, writable: bool = True) -> int:
         """Register memory. Without ``writable`` peers get read access only (where the lane
