@@ -101,6 +101,9 @@ class ReceiveBudget:
 
     def release(self, nbytes: int, eager: bool, *, schedule: bool = True) -> None:
         """A message was consumed (or aborted): owe its slot and credit back to the peer."""
+        if self._used_slots <= 0 or (eager and nbytes > self._used_credit):
+            # a message released twice would hand the sender credit this side never had
+            raise RuntimeError(f"tensorwire bug: release of a {nbytes}-byte message that holds no slot or credit")
         self._used_slots -= 1
         self._ret_slots += 1
         if eager:

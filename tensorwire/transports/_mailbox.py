@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, TensorWireError, TransferError
 from ..memory import download
-from ..tensors import Spec, byte_view, match_out, rebuild
+from ..tensors import DTYPES, Spec, byte_view, match_out, rebuild
 from ..tensors._device import (
     Device,
     DeviceTensor,
@@ -79,6 +79,7 @@ class Arrival:
         "protocol",
         "pulling",
         "rendezvous",
+        "settled",
         "specs",
         "staged",
         "tag",
@@ -113,6 +114,7 @@ class Arrival:
         # the transport writes into dest and cannot redirect (a posted UCX receive): a recv
         # cancelled meanwhile waits for the write to finish before it gives the message back
         self.pinned = False
+        self.settled = False  # its slot and credit went back to the sender already
         self.written = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._flat: list[tuple[int, int, memoryview | None]] | None = None
@@ -211,6 +213,28 @@ class Arrival:
         _settle(self.done, exc)
 
 
+class _Delivered:
+    """What an express delivery (``Mailbox.deliver``) hands the waiting recv: its out= holds
+    the message already."""
+
+    __slots__ = ("specs", "tree")
+
+    def __init__(self, tree: wire_pb2.TreeNode, specs: list[Spec]) -> None:
+        self.tree = tree
+        self.specs = specs
+
+    def give_back(self, channel: Channel, tag: int, out: np.ndarray) -> Arrival:
+        """The message as a complete arrival in a buffer of ours (its recv was cancelled after
+        the bytes landed in out=); its slot and credit went back when it was delivered."""
+        arrival = Arrival(channel, tag, self.tree, self.specs, protocol="inline")
+        arrival.dest = [out.copy()]
+        arrival.written = arrival.nbytes
+        arrival.settled = True
+        if not arrival.done.done():
+            arrival.done.set_result(None)
+        return arrival
+
+
 class _Posted:
     __slots__ = ("device", "future", "out", "streams")
 
@@ -218,7 +242,7 @@ class _Posted:
         self.out = out
         self.device = device
         self.streams = streams
-        self.future: asyncio.Future[Arrival] = asyncio.get_running_loop().create_future()
+        self.future: asyncio.Future[Arrival | _Delivered] = asyncio.get_running_loop().create_future()
 
 
 class Mailbox:
@@ -232,6 +256,32 @@ class Mailbox:
         self.in_flight = 0
 
     # -- transport side -------------------------------------------------------------------
+    def deliver(self, tag: int, tree: wire_pb2.TreeNode, specs: list[Spec], data: memoryview) -> bool:
+        """The express path for a small message whose bytes came with its header (``data``):
+        if the oldest recv posted on ``tag`` waits with an ``out=`` that is one contiguous,
+        writable host array of the message's dtype and shape, copy ``data`` into it and wake
+        that recv; True if so. The message is then consumed: the transport gives its slot
+        and credit back at once. Anything else (no recv, another out=, a pytree) is False,
+        and the transport goes the general way (``arrive``)."""
+        posted = self._posted.get(tag)
+        if not posted or len(specs) != 1:
+            return False
+        p = posted[0]
+        out = p.out
+        if type(out) is not np.ndarray or p.future.done():
+            return False
+        s = specs[0]
+        if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
+            return False
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            return False
+        posted.popleft()
+        if not posted:
+            del self._posted[tag]
+        memoryview(out).cast("B")[:] = data  # type: ignore[arg-type]  # numpy arrays are buffers
+        p.future.set_result(_Delivered(tree, specs))
+        return True
+
     def arrive(self, arrival: Arrival) -> None:
         """A message header arrived. Match it to a posted recv or queue it."""
         posted = self._posted.get(arrival.tag)
@@ -330,14 +380,25 @@ class Mailbox:
                     self._posted.setdefault(tag, deque()).append(p)
                     self.channel.wait_briefly(p.future)
                     try:
-                        arrival = await p.future
+                        got = await p.future
+                        if isinstance(got, _Delivered):  # express: the bytes are in out= already
+                            ch = self.channel
+                            seconds = time.perf_counter() - t0
+                            nbytes = out.nbytes  # type: ignore[union-attr]  # an ndarray: deliver() checked
+                            return out, Receipt(ch.transport, ch.lanes, nbytes, seconds, "inline", True, False, False)
+                        arrival = got
                     except asyncio.CancelledError:
                         f = p.future
                         if f.done() and not f.cancelled() and f.exception() is None:
-                            arrival = f.result()
-                            if arrival.pinned and not await _finished(arrival):
+                            got = f.result()
+                            if isinstance(got, _Delivered):
+                                # delivered into out= before the cancel: give the message back
+                                assert isinstance(out, np.ndarray)
+                                self._requeue(got.give_back(self.channel, tag, out))
+                                raise
+                            if got.pinned and not await _finished(got):
                                 raise  # it failed: nothing to give back
-                            self._requeue(arrival)
+                            self._requeue(got)
                         else:
                             pq = self._posted.get(tag)
                             if pq is not None and p in pq:
@@ -383,7 +444,8 @@ class Mailbox:
         else:
             arrival.done.result()  # raises if the message failed
         arrival.consumed = True
-        self.channel.release(arrival)
+        if not arrival.settled:
+            self.channel.release(arrival)
         if arrival.dest is None:
             raise TransferError("message completed without a destination buffer")
         staged = arrival.staged
