@@ -83,6 +83,16 @@ async def check_every_dtype(a: Peer, b: Peer) -> None:
         await a.send(x, tag=name)
         y = await b.recv(tag=name)
         assert _same(x, y), f"{name} changed in transit"
+        # into out=, with the recv waiting before the message comes (and after)
+        out = np.zeros_like(x)
+        waiting = asyncio.ensure_future(b.recv(tag=name, out=out))
+        await asyncio.sleep(0)
+        await a.send(x, tag=name)
+        assert await asyncio.wait_for(waiting, 10) is out and _same(x, out), f"{name} changed in transit into out="
+        await a.send(x, tag=name)
+        await asyncio.sleep(0.001)
+        out = np.zeros_like(x)
+        assert await b.recv(tag=name, out=out) is out and _same(x, out), f"{name} changed in transit into out="
 
 
 @_check()

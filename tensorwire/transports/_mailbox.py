@@ -214,20 +214,39 @@ class Arrival:
 
 
 class _Delivered:
-    """What an express delivery (``Mailbox.deliver``) hands the waiting recv: its out= holds
-    the message already."""
+    """What an express delivery (``Mailbox.deliver``) hands the waiting recv: the message's
+    tensors, already filled (the recv's out= array, or new host arrays)."""
 
-    __slots__ = ("specs", "tree")
+    __slots__ = ("dest", "specs", "tree")
 
-    def __init__(self, tree: wire_pb2.TreeNode, specs: list[Spec]) -> None:
+    def __init__(self, tree: wire_pb2.TreeNode, specs: list[Spec], dest: list[np.ndarray]) -> None:
         self.tree = tree
         self.specs = specs
+        self.dest = dest
 
-    def give_back(self, channel: Channel, tag: int, out: np.ndarray) -> Arrival:
-        """The message as a complete arrival in a buffer of ours (its recv was cancelled after
-        the bytes landed in out=); its slot and credit went back when it was delivered."""
-        arrival = Arrival(channel, tag, self.tree, self.specs, protocol="inline")
-        arrival.dest = [out.copy()]
+    def finish(self, channel: Channel, out: object | None, t0: float) -> tuple[Any, Receipt]:
+        """The recv's value and receipt."""
+        if out is not None:  # out= is one array: deliver() checked
+            nbytes = self.dest[0].nbytes
+            value = out
+        else:
+            nbytes = sum(a.nbytes for a in self.dest)
+            try:
+                value = rebuild(self.tree, self.specs, self.dest)
+            except TensorWireError:
+                raise
+            except Exception as exc:  # validated headers make this unreachable
+                raise TransferError(f"received message could not be rebuilt: {exc!r}") from exc
+        protocol = "inline" if nbytes else "eager"  # as the general path names them
+        seconds = time.perf_counter() - t0
+        return value, Receipt(channel.transport, channel.lanes, nbytes, seconds, protocol, True, False, False)
+
+    def give_back(self, channel: Channel, tag: int) -> Arrival:
+        """The message as a complete arrival in buffers of ours (its recv was cancelled after
+        the bytes landed); its slot and credit went back when it was delivered."""
+        nbytes = sum(a.nbytes for a in self.dest)
+        arrival = Arrival(channel, tag, self.tree, self.specs, protocol="inline" if nbytes else "eager")
+        arrival.dest = [a.copy() for a in self.dest]  # out= stays the caller's
         arrival.written = arrival.nbytes
         arrival.settled = True
         if not arrival.done.done():
@@ -257,29 +276,48 @@ class Mailbox:
 
     # -- transport side -------------------------------------------------------------------
     def deliver(self, tag: int, tree: wire_pb2.TreeNode, specs: list[Spec], data: memoryview) -> bool:
-        """The express path for a small message whose bytes came with its header (``data``):
-        if the oldest recv posted on ``tag`` waits with an ``out=`` that is one contiguous,
-        writable host array of the message's dtype and shape, copy ``data`` into it and wake
-        that recv; True if so. The message is then consumed: the transport gives its slot
-        and credit back at once. Anything else (no recv, another out=, a pytree) is False,
-        and the transport goes the general way (``arrive``)."""
+        """The express path for a small message whose bytes came with its header (``data``,
+        the tensors' bytes in order): if the oldest recv posted on ``tag`` waits with an
+        ``out=`` that is one contiguous, writable host array of the message's dtype and shape,
+        or without ``out=`` and ``device=`` for a message of host tensors, copy ``data`` into
+        out= (or into new host arrays) and wake that recv; True if so. The message is then
+        consumed: the transport gives its slot and credit back at once. Anything else (no recv,
+        another out=, device memory) is False, and the transport goes the general way
+        (``arrive``)."""
         posted = self._posted.get(tag)
-        if not posted or len(specs) != 1:
+        if not posted:
             return False
         p = posted[0]
+        if p.future.done():
+            return False
         out = p.out
-        if type(out) is not np.ndarray or p.future.done():
-            return False
-        s = specs[0]
-        if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
-            return False
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            return False
+        if out is None:
+            if p.device is not None or any(s.device == "cuda" for s in specs):
+                return False
+            dest = [s.allocate() for s in specs]
+            pos = 0
+            for a in dest:
+                n = a.nbytes
+                if n:
+                    byte_view(a)[:] = data[pos : pos + n]
+                    pos += n
+        else:
+            if type(out) is not np.ndarray or len(specs) != 1:
+                return False
+            s = specs[0]
+            if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
+                return False
+            if not (out.flags.c_contiguous and out.flags.writeable):
+                return False
+            if out.dtype.isbuiltin == 1:  # numpy's own dtypes: the cheapest copy
+                memoryview(out).cast("B")[:] = data  # type: ignore[arg-type]
+            else:  # bfloat16 and kin (ml_dtypes) cannot be a memoryview's format
+                byte_view(out)[:] = data
+            dest = [out]
         posted.popleft()
         if not posted:
             del self._posted[tag]
-        memoryview(out).cast("B")[:] = data  # type: ignore[arg-type]  # numpy arrays are buffers
-        p.future.set_result(_Delivered(tree, specs))
+        p.future.set_result(_Delivered(tree, specs, dest))
         return True
 
     def arrive(self, arrival: Arrival) -> None:
@@ -381,11 +419,8 @@ class Mailbox:
                     self.channel.wait_briefly(p.future)
                     try:
                         got = await p.future
-                        if isinstance(got, _Delivered):  # express: the bytes are in out= already
-                            ch = self.channel
-                            seconds = time.perf_counter() - t0
-                            nbytes = out.nbytes  # type: ignore[union-attr]  # an ndarray: deliver() checked
-                            return out, Receipt(ch.transport, ch.lanes, nbytes, seconds, "inline", True, False, False)
+                        if isinstance(got, _Delivered):  # express: the bytes are in place already
+                            return got.finish(self.channel, out, t0)
                         arrival = got
                     except asyncio.CancelledError:
                         f = p.future
@@ -393,8 +428,7 @@ class Mailbox:
                             got = f.result()
                             if isinstance(got, _Delivered):
                                 # delivered into out= before the cancel: give the message back
-                                assert isinstance(out, np.ndarray)
-                                self._requeue(got.give_back(self.channel, tag, out))
+                                self._requeue(got.give_back(self.channel, tag))
                                 raise
                             if got.pinned and not await _finished(got):
                                 raise  # it failed: nothing to give back

@@ -545,7 +545,7 @@ class UcxChannel(Channel):
             if msg_id in self._waiting or msg_id in self._incoming:
                 raise ProtocolError(f"duplicate message id {msg_id}")
             self._budget.admit(nbytes, eager=not rndv)
-            if inline and nbytes and self.mailbox.deliver(arg, tree, specs, mv[end : end + nbytes]):
+            if inline and self.mailbox.deliver(arg, tree, specs, mv[end : end + nbytes]):
                 self._budget.release(nbytes, True, schedule=True)  # consumed: straight into out=
                 return
             protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
