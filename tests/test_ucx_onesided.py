@@ -63,31 +63,47 @@ async def test_read_and_write_are_one_sided(tls: str) -> None:
         assert b.node.exposures.served == 0
 
 
+async def _spawn_owner(array: str, then: str) -> tuple[asyncio.subprocess.Process, str]:
+    """A child process whose node (shared memory lanes only) exposes ``x = <array>`` as "x",
+    prints its address, accepts one peer ``p`` and runs ``then``; returns it and the address."""
+    body = textwrap.indent(textwrap.dedent(then).strip(), " " * 8)
+    code = (
+        "import asyncio, numpy as np, tensorwire\n"
+        "async def main():\n"
+        '    async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as n:\n'
+        f"        x = {array}\n"
+        '        n.expose(x, name="x")\n'
+        "        print(n.address, flush=True)\n"
+        "        p = await n.accept()\n"
+        f"{body}\n"
+        "asyncio.run(main())\n"
+    )
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    assert child.stdout is not None
+    try:
+        async with asyncio.timeout(15):
+            address = (await child.stdout.readline()).decode().strip()
+    except BaseException:
+        child.kill()
+        await child.wait()
+        raise
+    return child, address
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(30)
 async def test_read_and_write_while_the_owner_process_is_stopped() -> None:
     """Over shared memory a get/put needs nothing of the owner: the owner process is frozen
     (SIGSTOP) while the reader reads 64 MiB and writes it back."""
-    code = textwrap.dedent(
+    child, address = await _spawn_owner(
+        "np.arange(64 << 20, dtype=np.uint8)",
         """
-        import asyncio, sys, numpy as np, tensorwire
-        async def main():
-            async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as n:
-                x = np.arange(64 << 20, dtype=np.uint8)
-                n.expose(x, name="x")
-                print(n.address, flush=True)
-                p = await n.accept()
-                await p.recv(tag="check")
-                await p.send(bool((x == 5).all()), tag="result")
-                await p.recv(tag="bye")
-        asyncio.run(main())
-        """
+        await p.recv(tag="check")
+        await p.send(bool((x == 5).all()), tag="result")
+        await p.recv(tag="bye")
+        """,
     )
-    child = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
     try:
-        assert child.stdout is not None
-        async with asyncio.timeout(15):
-            address = (await child.stdout.readline()).decode().strip()
         async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as node:
             peer = await node.connect(address)
             h = await peer.lookup("x")
@@ -119,24 +135,8 @@ async def test_owner_killed_during_reads_fails_them_and_the_reader_lives() -> No
     """The owner is SIGKILLed while this process reads its memory over cma (process_vm_readv
     by this process, inside UCX): UCX would log that as fatal and abort the reader; tensorwire
     turns it into PeerDisconnected, and the node goes on serving."""
-    code = textwrap.dedent(
-        """
-        import asyncio, numpy as np, tensorwire
-        async def main():
-            async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as n:
-                x = np.ones(256 << 20, dtype=np.uint8)
-                n.expose(x, name="x")
-                print(n.address, flush=True)
-                p = await n.accept()
-                await p.recv(tag="bye")
-        asyncio.run(main())
-        """
-    )
-    child = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    child, address = await _spawn_owner("np.ones(256 << 20, dtype=np.uint8)", 'await p.recv(tag="bye")')
     try:
-        assert child.stdout is not None
-        async with asyncio.timeout(15):
-            address = (await child.stdout.readline()).decode().strip()
         async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}, lease_seconds=1.0) as node:
             peer = await node.connect(address)
             h = await peer.lookup("x")
