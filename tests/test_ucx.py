@@ -142,6 +142,27 @@ async def test_hello_without_the_secret_is_dropped(caplog: pytest.LogCaptureFixt
         assert np.array_equal(await other.recv(tag=1), np.arange(3))
 
 
+async def test_inline_answer_wait_backs_off_when_answers_come_late() -> None:
+    """A recv right after a send waits inline (holding the loop) for at most 50 us; when the
+    answer keeps coming later (here it can only come from this very loop: both nodes share it),
+    the wait backs off exponentially, so it skips almost every recv, and nothing is lost."""
+    async with connected_pair("ucx") as (a, b):
+        channel = a.channel
+
+        async def echo() -> None:
+            for _ in range(200):
+                x = await b.recv(tag=1)
+                await b.send(x, tag=2)
+
+        server = asyncio.ensure_future(echo())
+        for i in range(200):
+            await a.send(np.array([i]), tag=1)
+            assert int((await a.recv(tag=2))[0]) == i
+        await server
+        # every inline wait failed: the back-off doubled up to skipping >= 64 recvs in a row
+        assert channel._wait_penalty >= 64, channel._wait_penalty  # type: ignore[attr-defined]
+
+
 def test_ucx_config_rejects_bad_options() -> None:
     with pytest.raises(tensorwire.ConfigurationError), _ucx_config(UCX_TLS="tcp"):
         pass
