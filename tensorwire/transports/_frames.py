@@ -91,8 +91,17 @@ def pack(
 
 
 def unpack(data: bytes | bytearray | memoryview) -> FrameHeader:
-    """Decode a frame header; ProtocolError on bad magic, unknown type or reserved bits."""
-    magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack(data)
+    """Decode the frame header at the start of ``data`` (a receive buffer may hold more);
+    ProtocolError on bad magic, unknown type or reserved bits."""
+    return FrameHeader(*unpack_fields(data))
+
+
+def unpack_fields(
+    data: bytes | bytearray | memoryview,
+) -> tuple[FrameType, int, int, int, int, int, int, int]:
+    """``unpack`` as a plain tuple in FrameHeader's order (no NamedTuple built: the per-message
+    paths of the transports call this)."""
+    magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
     t = _TYPES.get(ftype)
@@ -100,7 +109,7 @@ def unpack(data: bytes | bytearray | memoryview) -> FrameHeader:
         raise ProtocolError(f"unknown frame type {ftype}")
     if reserved or flags & ~(RENDEZVOUS | CHECKSUM):
         raise ProtocolError("reserved frame bits set")
-    return FrameHeader(t, flags, meta_len, payload_len, msg_id, arg, credit, slots)
+    return t, flags, meta_len, payload_len, msg_id, arg, credit, slots
 
 
 @dataclass(frozen=True, slots=True)

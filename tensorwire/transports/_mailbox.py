@@ -188,8 +188,8 @@ class Arrival:
         """Copy the whole payload (``data``, ``nbytes`` long) into ``dest`` (host memory)."""
         dest = self.dest
         assert dest is not None
-        if len(dest) == 1 and type(dest[0]) is np.ndarray:
-            byte_view(dest[0])[:] = data
+        if all(type(a) is np.ndarray for a in dest):
+            _copy_into(dest, data)  # type: ignore[arg-type]
         else:
             pos = 0
             n = len(data)
@@ -231,22 +231,18 @@ class _Delivered:
             value = out
         else:
             nbytes = sum(a.nbytes for a in self.dest)
-            try:
-                value = rebuild(self.tree, self.specs, self.dest)
-            except TensorWireError:
-                raise
-            except Exception as exc:  # validated headers make this unreachable
-                raise TransferError(f"received message could not be rebuilt: {exc!r}") from exc
+            value = _rebuild(self.tree, self.specs, self.dest)  # type: ignore[arg-type]
         protocol = "inline" if nbytes else "eager"  # as the general path names them
         seconds = time.perf_counter() - t0
         return value, Receipt(channel.transport, channel.lanes, nbytes, seconds, protocol, True, False, False)
 
-    def give_back(self, channel: Channel, tag: int) -> Arrival:
+    def give_back(self, channel: Channel, tag: int, out: object | None) -> Arrival:
         """The message as a complete arrival in buffers of ours (its recv was cancelled after
         the bytes landed); its slot and credit went back when it was delivered."""
         nbytes = sum(a.nbytes for a in self.dest)
         arrival = Arrival(channel, tag, self.tree, self.specs, protocol="inline" if nbytes else "eager")
-        arrival.dest = [a.copy() for a in self.dest]  # out= stays the caller's
+        # the caller's out= stays the caller's: copy it; arrays deliver() allocated are ours
+        arrival.dest = [a.copy() for a in self.dest] if out is not None else list(self.dest)
         arrival.written = arrival.nbytes
         arrival.settled = True
         if not arrival.done.done():
@@ -295,12 +291,6 @@ class Mailbox:
             if p.device is not None or any(s.device == "cuda" for s in specs):
                 return False
             dest = [s.allocate() for s in specs]
-            pos = 0
-            for a in dest:
-                n = a.nbytes
-                if n:
-                    byte_view(a)[:] = data[pos : pos + n]
-                    pos += n
         else:
             if type(out) is not np.ndarray or len(specs) != 1:
                 return False
@@ -309,11 +299,8 @@ class Mailbox:
                 return False
             if not (out.flags.c_contiguous and out.flags.writeable):
                 return False
-            if out.dtype.isbuiltin == 1:  # numpy's own dtypes: the cheapest copy
-                memoryview(out).cast("B")[:] = data  # type: ignore[arg-type]
-            else:  # bfloat16 and kin (ml_dtypes) cannot be a memoryview's format
-                byte_view(out)[:] = data
             dest = [out]
+        _copy_into(dest, data)
         posted.popleft()
         if not posted:
             del self._posted[tag]
@@ -428,7 +415,7 @@ class Mailbox:
                             got = f.result()
                             if isinstance(got, _Delivered):
                                 # delivered into out= before the cancel: give the message back
-                                self._requeue(got.give_back(self.channel, tag))
+                                self._requeue(got.give_back(self.channel, tag, out))
                                 raise
                             if got.pinned and not await _finished(got):
                                 raise  # it failed: nothing to give back
@@ -500,7 +487,7 @@ class Mailbox:
                     if src is not dst:
                         np.copyto(dst, src)  # type: ignore[arg-type]
                         staged = True
-            value = rebuild(arrival.tree, arrival.specs, final) if out is None else out
+            value = _rebuild(arrival.tree, arrival.specs, final) if out is None else out
         except TensorWireError:
             raise
         except Exception as exc:  # validated headers make this unreachable; never jam the tag
@@ -518,6 +505,30 @@ class Mailbox:
             memory=memory,
         )
         return value, receipt
+
+
+def _copy_into(arrays: list[np.ndarray], data: memoryview) -> None:
+    """Copy ``data`` (the tensors' bytes in order, empty tensors taking none) into host arrays."""
+    pos = 0
+    for a in arrays:
+        n = a.nbytes
+        if not n:
+            continue
+        if a.dtype.isbuiltin == 1:  # numpy's own dtypes: the cheapest copy
+            memoryview(a).cast("B")[:] = data[pos : pos + n]  # type: ignore[arg-type]
+        else:  # bfloat16 and kin (ml_dtypes) cannot be a memoryview's format
+            byte_view(a)[:] = data[pos : pos + n]
+        pos += n
+
+
+def _rebuild(tree: wire_pb2.TreeNode, specs: list[Spec], arrays: list[np.ndarray | DeviceTensor]) -> Any:
+    """``rebuild``, with anything but our own errors reported as a TransferError."""
+    try:
+        return rebuild(tree, specs, arrays)
+    except TensorWireError:
+        raise
+    except Exception as exc:  # validated headers make this unreachable; never jam the tag
+        raise TransferError(f"received message could not be rebuilt: {exc!r}") from exc
 
 
 async def _finished(arrival: Arrival) -> bool:

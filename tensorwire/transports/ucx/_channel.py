@@ -55,7 +55,7 @@ from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
 from .._base import Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
-from .._frames import CHECKSUM, HEADER, MAGIC, RENDEZVOUS, FrameType, PeerLimits, pack
+from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
 from .._mailbox import Arrival
 from . import _ucp
 from ._ucp import RemoteKey, Ucp
@@ -70,10 +70,17 @@ _SEQ = (1 << 28) - 1
 _INLINE_MAX = 8 * 1024
 _CTRL_BURST = 64  # control frames taken in one go when they are already waiting
 _INLINE_STREAK = 16  # one-sided operations finished inline in a row before yielding to the loop
-_FRAME_TYPES = {int(t): t for t in FrameType}
 _ANSWER_WINDOW = 200e-6  # a recv this soon after our last frame may wait inline for the answer
 _WAIT_INLINE = 50e-6  # for at most this long
 _WAIT_BACKOFF = 1024  # recvs without an inline wait after repeated failures, at most
+
+
+def _wire_bytes(part: np.ndarray | memoryview) -> np.ndarray | memoryview:
+    """A buffer ``bytes.join`` can take: an array of numpy's own dtypes as it is, other arrays
+    (bfloat16 and kin cannot export a buffer) as a byte view."""
+    if type(part) is np.ndarray and part.dtype.isbuiltin != 1:
+        return byte_view(part)
+    return part
 
 
 @functools.cache
@@ -238,7 +245,7 @@ class UcxChannel(Channel):
             return self.mailbox.failure  # cancelled because the channel closed or failed
         if any(w in low for w in ("reset", "connect", "timeout", "unreachable")):
             return PeerDisconnected(text)
-        if "input/output" in low and _ucp.peer_failures_survived > self._peer_failures:
+        if "input/output" in low and _ucp.peer_gone_since(self._peer_failures):
             # a transfer to a dead process failed (see _ucp._on_ucx_log): the peer is gone
             return PeerDisconnected(f"{text} (the peer process is gone)")
         return TransferError(text)
@@ -343,11 +350,7 @@ class UcxChannel(Channel):
         window.credit -= nbytes
         msg_id = self._next_id
         self._next_id += 1
-        credit, slots = self._budget.take_returns()
-        frame = HEADER.pack(MAGIC, FrameType.MSG, 0, 0, len(header), nbytes, msg_id, tag, credit, slots) + header
-        if nbytes:
-            frame += b"".join([a.tobytes() for a in msg.arrays if a.nbytes])  # type: ignore[union-attr]
-        self._send_frame(frame)
+        self._send_inline_frame(tag, msg_id, header, msg.arrays, nbytes)  # type: ignore[arg-type]  # host
         return Receipt(
             self.transport,
             self.lanes,
@@ -359,6 +362,15 @@ class UcxChannel(Channel):
             msg.packed,
             msg.memory,
         )
+
+    def _send_inline_frame(
+        self, tag: int, msg_id: int, header: bytes, parts: list[np.ndarray] | list[memoryview], nbytes: int
+    ) -> None:
+        """One MSG frame carrying the header and the payload: host arrays or byte views, whose
+        bytes are copied once, into the frame."""
+        credit, slots = self._budget.take_returns()
+        frame = pack(FrameType.MSG, 0, len(header), nbytes, msg_id, tag, credit, slots)
+        self._send_frame(b"".join([frame, header, *map(_wire_bytes, parts)]))  # type: ignore[list-item]
 
     async def _send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
@@ -387,8 +399,7 @@ class UcxChannel(Channel):
                 and HEADER.size + len(header) + nbytes <= self._remote_ctrl
             )
             if inline:
-                frame = self._frame(FrameType.MSG, meta_len=len(header), payload_len=nbytes, msg_id=msg_id, arg=tag)
-                self._send_frame(b"".join([frame, header, *segs]) if nbytes else frame + header)  # type: ignore[list-item]
+                self._send_inline_frame(tag, msg_id, header, segs, nbytes)  # type: ignore[arg-type]
                 protocol = "inline"
             elif eager:
                 self._send_frame(self._frame(FrameType.MSG, meta_len=len(header), msg_id=msg_id, arg=tag) + header)
@@ -523,14 +534,10 @@ class UcxChannel(Channel):
 
     def _handle_frame(self) -> None:
         mv = self._ctrl_mv
-        magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(mv)
-        if magic != MAGIC:
-            raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
-        if reserved or flags & ~(RENDEZVOUS | CHECKSUM):
-            raise ProtocolError("reserved frame bits set")
+        t, flags, meta_len, payload_len, msg_id, arg, credit, slots = unpack_fields(mv)
         if credit or slots:
             self._window.grant(credit, slots)
-        if ftype == FrameType.MSG:
+        if t is FrameType.MSG:
             limits = self._limits
             if meta_len > limits.max_header_bytes or payload_len > self._inline:
                 raise ProtocolError(f"MSG frame of {meta_len}+{payload_len} bytes exceeds the limits")
@@ -575,9 +582,6 @@ class UcxChannel(Channel):
                 self._waiting[msg_id] = (arrival, False)
                 self._loop.call_soon(self._check_pulled, arrival)
             return
-        t = _FRAME_TYPES.get(ftype)
-        if t is None:
-            raise ProtocolError(f"unknown frame type {ftype}")
         if meta_len or payload_len:
             raise ProtocolError(f"{t.name} frame with {meta_len}+{payload_len} bytes")
         if t is FrameType.CTS:

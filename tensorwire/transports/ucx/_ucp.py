@@ -176,7 +176,7 @@ class Ucp:
 
     def error(self, status: int, what: str) -> Exception:
         text = f"{what} failed: {self.status_string(status)} ({status})"
-        if status == _IO_ERROR and peer_failures_survived:
+        if status == _IO_ERROR and peer_gone_since(0):
             return PeerDisconnected(f"{text} (a peer process is gone)")
         return PeerDisconnected(text) if _disconnect(status) else TransferError(text)
 
@@ -332,6 +332,12 @@ def _on_ucx_log(file: bytes, line: int, function: bytes, level: int, comp: int, 
     peer_failures_survived += 1
     log.warning("ucx: a transfer to a peer that is gone failed: %s", _vformat(fmt, ap))
     return _LOG_STOP
+
+
+def peer_gone_since(count: int) -> bool:
+    """Did a transfer to a dead peer fail (an I/O error on its request, see ``_on_ucx_log``)
+    after ``peer_failures_survived`` read ``count``?"""
+    return peer_failures_survived > count
 
 
 def _install_log_handler(ucs: ctypes.CDLL) -> None:
