@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -229,15 +231,30 @@ asyncio.run(main())
 """
 
 
+def _readable_copy_of_the_package() -> Path:
+    """A directory every user may read, holding a copy of ``tensorwire``."""
+    pkg = Path(tempfile.mkdtemp(prefix="tw-enomem-"))
+    shutil.copytree(ROOT / "tensorwire", pkg / "tensorwire", ignore=shutil.ignore_patterns("__pycache__"))
+    for d in (pkg, *(p for p in pkg.rglob("*") if p.is_dir())):
+        d.chmod(0o755)
+    return pkg
+
+
 async def test_registration_enomem_names_the_memlock_limit() -> None:
     if os.stat("/dev/infiniband/uverbs0").st_mode & 0o6 != 0o6:
         pytest.skip("the uverbs device is not usable by an unprivileged user here")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), HOME="/tmp")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _ENOMEM, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd="/tmp"
-    )
-    async with asyncio.timeout(120):
-        out, _ = await proc.communicate()
+    # the child runs as nobody: give it a copy of the package it can read (the checkout may
+    # sit in a directory only its owner can enter, as a clone into `mktemp -d` does)
+    pkg = await asyncio.to_thread(_readable_copy_of_the_package)
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), os.environ.get("PYTHONPATH", "")]), HOME="/tmp")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _ENOMEM, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd="/tmp"
+        )
+        async with asyncio.timeout(120):
+            out, _ = await proc.communicate()
+    finally:
+        shutil.rmtree(pkg, ignore_errors=True)
     text = out.decode(errors="replace")
     assert "ERROR" in text and "NO ERROR" not in text, text
     assert "ENOMEM" in text and "RLIMIT_MEMLOCK" in text and "64 KiB" in text, text
