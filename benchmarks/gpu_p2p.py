@@ -106,21 +106,22 @@ async def child(args: argparse.Namespace) -> None:
 
 
 # -- the sending parent -----------------------------------------------------------------------------
-async def transfer(peer: Any, kind: str, x: Any, count: int, want: int) -> list[float]:
-    """``count`` timed transfers of ``x`` after one warm-up; checks the receiver's byte sum."""
+async def transfer(peer: Any, kind: str, x: Any, count: int, want: int) -> tuple[list[float], Any]:
+    """``count`` timed transfers of ``x`` after one warm-up (checks the receiver's byte sum);
+    the times and the last send's receipt (which path the bytes took)."""
     await peer.send((kind, int(x.nbytes), count + 1), tag="cmd")
     assert await peer.recv(tag="ack") == "ready"
     times = []
     for i in range(count + 1):
         t0 = time.perf_counter()
-        await peer.send(x, tag="data")
+        receipt = await peer.send(x, tag="data")
         total = await peer.recv(tag="ack")
         dt = time.perf_counter() - t0
         if i:
             times.append(dt)
         if i == count and total != want:
             raise RuntimeError(f"{kind} {fmt_size(int(x.nbytes))}: receiver holds byte sum {total}, sent {want}")
-    return times
+    return times, receipt
 
 
 def d2d_seconds(torch: Any, x: Any, count: int) -> float:
@@ -160,6 +161,7 @@ async def parent(args: argparse.Namespace) -> int:
     rows: dict[int, dict[str, float]] = {n: {} for n in sizes}
     broke = False
     lanes: dict[str, str] = {}
+    how: dict[str, str] = {}  # per row: the path the last transfer's receipt names
     try:
         for t, address in zip(["tcp", "ucx"], addresses, strict=False):
             async with tensorwire.start("127.0.0.1:0", transports=(t,)) as node:
@@ -177,8 +179,12 @@ async def parent(args: argparse.Namespace) -> int:
                         kinds = [("ucx cuda", "cuda", x)]
                     for label, kind, obj in kinds:
                         try:
-                            times = await transfer(peer, kind, obj, count, want)
+                            times, receipt = await transfer(peer, kind, obj, count, want)
                             rows[n][label] = n / statistics.median(times) / 1e9
+                            how[label] = (
+                                f"{receipt.transport} memory={receipt.memory} staged={receipt.staged} "
+                                f"direct={receipt.direct} lanes={', '.join(receipt.lanes) or '-'}"
+                            )
                         except Exception as exc:  # report and go on with the other rows
                             print(f"{label} {fmt_size(n)}: FAILED {exc!r}", flush=True)
                             broke = True
@@ -198,6 +204,8 @@ async def parent(args: argparse.Namespace) -> int:
     print()
     for t, path in lanes.items():
         print(f"{t} path: {path}")
+    for label, text in how.items():
+        print(f"{label} receipt: {text}")
     if not ucx:
         print("ucx cuda: skipped, ucxx is not installed here (its wheel is too big to carry to the GPU machine)")
     print()
