@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 
 import numpy as np
 import pytest
@@ -162,6 +163,21 @@ async def test_stage_in_fill_failure_gives_the_chunk_back(engine: HostEngine) ->
     with pytest.raises(RuntimeError):
         await StageIn(engine).write(lambda: dst, 0, dst.nbytes, fill)
     assert engine.pool("in").free == DEPTH
+
+
+def test_lanes_beyond_the_free_list_are_closed(engine: HostEngine) -> None:
+    """An engine keeps 16 idle lanes (streams on a GPU); one given back beyond that is closed
+    (its thread ends here, its stream is destroyed on a GPU), not dropped while still alive."""
+    lanes = [engine.lane() for _ in range(20)]
+    for lane in lanes:
+        engine.give_back(lane)
+    closed = [lane for lane in lanes if not lane._thread.is_alive()]  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 5
+    while len(closed) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        closed = [lane for lane in lanes if not lane._thread.is_alive()]  # type: ignore[attr-defined]
+    assert len(closed) == 4
+    assert engine.lane() in lanes[:16]  # the kept ones are handed out again, still working
 
 
 # -- end to end over real transports ----------------------------------------------------------

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import logging
 import threading
 from types import ModuleType
 from typing import Any
 
-from ..errors import UnsupportedTensorError
+from ..errors import RegistrationError, TransferError, UnsupportedTensorError
 from ._engine import DONE, CopyEngine, DeviceBuffer, Event, HostChunk, Lane
 
 __all__ = ["CudaEngine", "CudaEvent", "cuda_device_count", "cupy_module"]
+
+log = logging.getLogger(__name__)
 
 _NOT_READY = 600  # cudaErrorNotReady
 _engines: dict[int, CudaEngine] = {}
@@ -33,7 +36,7 @@ def cupy_module() -> ModuleType:
         raise CudaUnavailableError(
             "moving CUDA tensors needs CuPy (its streams, events and pinned memory), and it could not "
             f"be imported ({exc}); install the build matching your CUDA, e.g. 'pip install cupy-cuda12x' "
-            "or 'pip install cupy-cuda13x' (tensorwire[cuda])"
+            "or 'pip install cupy-cuda13x' (tensorwire[cuda] for CUDA 12, tensorwire[cuda13] for CUDA 13)"
         ) from exc
 
 
@@ -66,12 +69,15 @@ class CudaEvent(Event):
             return True
         if status == _NOT_READY:
             return False
-        # any other status is a sticky CUDA error: let the runtime turn it into an exception
-        self._rt.eventSynchronize(self.ptr)
+        # any other status is a sticky CUDA error: let the runtime say which, in our error tree
+        self.synchronize()
         return True
 
     def synchronize(self) -> None:
-        self._rt.eventSynchronize(self.ptr)
+        try:
+            self._rt.eventSynchronize(self.ptr)
+        except Exception as exc:  # cupy's CUDARuntimeError: the device failed a copy or kernel
+            raise TransferError(f"CUDA reported an error on device {self.device} during a copy: {exc}") from exc
 
     def __del__(self) -> None:
         try:
@@ -108,6 +114,14 @@ class CudaLane(Lane):
     def record(self) -> Event:
         return CudaEvent(self.engine.cp, self.engine.device).record(self.stream)
 
+    def close(self) -> None:
+        stream, self.stream = self.stream, 0
+        if stream:
+            try:
+                self._rt.streamDestroy(stream)  # CUDA frees it once its queued work has run
+            except Exception as exc:  # a dead context: nothing left to free
+                log.debug("CUDA stream destroy failed: %s", exc)
+
     def wait(self, event: Event) -> None:
         if isinstance(event, CudaEvent):
             self._rt.streamWaitEvent(self.stream, event.ptr, 0)
@@ -140,17 +154,28 @@ class CudaEngine(CopyEngine):
 
     def host_chunk(self, nbytes: int) -> HostChunk:
         rt = self.cp.cuda.runtime
-        ptr = int(rt.hostAlloc(nbytes, rt.hostAllocPortable))
+        try:
+            ptr = int(rt.hostAlloc(nbytes, rt.hostAllocPortable))
+        except Exception as exc:  # cupy's CUDARuntimeError (out of memory, no device, ...)
+            raise RegistrationError(
+                f"could not page-lock {nbytes} bytes of host memory for CUDA staging: {exc}"
+            ) from exc
         raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
         return HostChunk(memoryview(raw).cast("B"), ptr, nbytes, raw)
 
     def free_chunk(self, chunk: HostChunk) -> None:
         self.cp.cuda.runtime.freeHost(chunk.ptr)
 
-    def empty(self, nbytes: int) -> DeviceBuffer:
+    def empty(self, nbytes: int, stream: int | None = None) -> DeviceBuffer:
         cp = self.cp
         with cp.cuda.Device(self.device):
-            arr = cp.empty(nbytes, dtype=cp.uint8)
+            if stream is None:
+                arr = cp.empty(nbytes, dtype=cp.uint8)
+            else:
+                from ..native._pack import _resolve_stream
+
+                with _resolve_stream(cp, stream):  # CuPy's pool keeps the block for this stream
+                    arr = cp.empty(nbytes, dtype=cp.uint8)
         return DeviceBuffer(self, int(arr.data.ptr), nbytes, self.device, arr)
 
     def record_on(self, stream: int | None) -> Event:

@@ -117,6 +117,10 @@ class Lane(ABC):
     def wait(self, event: Event) -> None:
         """Make later work on this lane wait for ``event`` (which may belong to another queue)."""
 
+    @abstractmethod
+    def close(self) -> None:
+        """Free the lane once what is queued on it has run (a lane the engine does not keep)."""
+
 
 class CopyEngine(ABC):
     """Device memory of one kind and device, and the lanes that copy to and from it."""
@@ -149,6 +153,8 @@ class CopyEngine(ABC):
         with self._lock:
             if len(self._lanes) < 16:
                 self._lanes.append(lane)
+                return
+        lane.close()
 
     # -- memory -----------------------------------------------------------------------------
     @abstractmethod
@@ -160,8 +166,11 @@ class CopyEngine(ABC):
         """Free a chunk from :meth:`host_chunk`."""
 
     @abstractmethod
-    def empty(self, nbytes: int) -> DeviceBuffer:
-        """A new device buffer of tensorwire's own (freed with the returned object)."""
+    def empty(self, nbytes: int, stream: int | None = None) -> DeviceBuffer:
+        """A new device buffer of tensorwire's own (freed with the returned object), allocated for
+        use on ``stream`` (the producer's or consumer's; None: the current one). A caching
+        allocator hands a freed block to the next allocation on the same stream without waiting,
+        so the buffer must belong to the stream that orders every use of it."""
 
     def pool(self, direction: str) -> Any:
         """The process-wide staging pool of this engine for ``direction`` ("out" or "in")."""
@@ -268,6 +277,11 @@ class _HostLane(Lane):
             self._queue.append(op)
             self._cv.notify()
 
+    def close(self) -> None:
+        self.stop()
+        with contextlib.suppress(ValueError):
+            self.engine._all_lanes.remove(self)
+
     def stop(self) -> None:
         self._put(_STOP)
 
@@ -361,7 +375,7 @@ class HostEngine(CopyEngine):
     def free_chunk(self, chunk: HostChunk) -> None:
         return None
 
-    def empty(self, nbytes: int) -> DeviceBuffer:
+    def empty(self, nbytes: int, stream: int | None = None) -> DeviceBuffer:
         arr = np.empty(nbytes, np.uint8)
         return DeviceBuffer(self, int(arr.ctypes.data), nbytes, self.device, arr)
 

@@ -243,7 +243,7 @@ class DeviceSource:
             ), False
         from ..native import pack
 
-        packed = engine.empty(self.nbytes)
+        packed = engine.empty(self.nbytes, self.stream)  # written on the producer's stream
         src = _cupy_view(self.ptr, self.shape, self.strides, self.dtype, engine.device, self.value)
         pack(src, out=packed.owner, stream=self.stream)
         ready = engine.record_on(self.stream)
@@ -258,8 +258,10 @@ class DeviceSource:
         if any(s == 0 and n > 1 for n, s in zip(self.shape, self.strides, strict=True)):
             raise UnsupportedTensorError("out= tensor has overlapping elements (a zero stride); it cannot be written")
         view = _cupy_view(self.ptr, self.shape, self.strides, self.dtype, engine.device, self.value)
+        # the copies land here and the unpack reads it on a lane of ours; the consumer stream
+        # waits for those before its next work, so its pool may hand the block on after that
         return DeviceTensor(
-            engine.empty(self.nbytes),
+            engine.empty(self.nbytes, self.stream),
             self.dtype,
             self.shape,
             self.framework,
@@ -376,7 +378,9 @@ def capture_streams(want: Device | None) -> Streams | None:
         return None
     torch = _torch()
     torch_live = torch is not None and bool(torch.cuda.is_initialized())
-    cupy_live = "cupy" in sys.modules
+    # CuPy imported on a machine without a usable GPU (a CPU box with CuPy installed) has no
+    # current device or stream to take: such a receiver is host-only unless it asks for cuda
+    cupy_live = "cupy" in sys.modules and cuda_usable()
     if want is None and not (torch_live or cupy_live):
         return None
     device = want.index if want is not None and want.index is not None else _current_device()
@@ -493,7 +497,11 @@ class Landing:
         """Queue a device copy of ``src``'s bytes (landed through this landing) into ``target``."""
         if src.engine is not target.engine:
             raise UnsupportedTensorError(f"cannot copy between {src.device} and {target.device} directly")
-        self.stage(target).device_copy(target.buf, 0, src.buf, 0, target.nbytes)
+        st = self.stage(target)
+        # ``target`` may be a block just taken from the pool of ``src``'s stream: the copy also
+        # waits for the work that stream has queued since the landing began
+        st.lane.wait(target.engine.record_on(src.stream))
+        st.device_copy(target.buf, 0, src.buf, 0, target.nbytes)
 
     async def finish(self, targets: list[Any]) -> None:
         """Every byte has been queued: unpack into strided ``out=`` tensors, then make each

@@ -139,7 +139,7 @@ class Arrival:
             if isinstance(d, DeviceTensor):
                 # a device buffer of our own on the same device; the copy of what landed queues
                 # after the landing copies, and the caller's stream waits for it
-                mine = DeviceTensor(d.engine.empty(d.nbytes), d.dtype, d.shape, spec.framework)
+                mine = DeviceTensor(d.engine.empty(d.nbytes, d.stream), d.dtype, d.shape, spec.framework)
                 if self.landing is not None:
                     self.landing.copy(mine, d)
                     self.landing.hand_back(d)
