@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import statistics
 import sys
@@ -144,13 +143,24 @@ async def parent(args: argparse.Namespace) -> int:
     import torch
 
     _configure(args.chunk, args.depth)
-    ucx = importlib.util.find_spec("ucxx") is not None and not args.no_ucx
+    ucx, why_no_ucx = False, "--no-ucx given"
+    if not args.no_ucx:
+        from tensorwire.transports.ucx import UcxTransport
+
+        caps = UcxTransport.probe()  # ucxx importable and a UCX context that starts, not just installed
+        ucx = caps is not None
+        why_no_ucx = "" if ucx else UcxTransport.unavailable_reason()
+        if caps is not None and "cuda" not in caps.memory_kinds:
+            print(f"note: this libucx has no cuda transports ({', '.join(caps.lanes)}): ucx rows stage through host")
     cmd = [sys.executable, __file__, "--child", "--chunk", str(args.chunk), "--depth", str(args.depth)]
     if ucx:
         cmd.append("--ucx")
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
-    addresses = json.loads(await proc.stdout.readline())
+    first = await proc.stdout.readline()
+    if not first:
+        raise RuntimeError(f"the receiving child exited before it listened (exit status {await proc.wait()})")
+    addresses = json.loads(first)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     name = torch.cuda.get_device_name(0)
     print(
@@ -207,7 +217,7 @@ async def parent(args: argparse.Namespace) -> int:
     for label, text in how.items():
         print(f"{label} receipt: {text}")
     if not ucx:
-        print("ucx cuda: skipped, ucxx is not installed here (its wheel is too big to carry to the GPU machine)")
+        print(f"ucx cuda: skipped: {why_no_ucx} (docs/gpu.md says how to carry ucxx to a GPU machine)")
     print()
     head = "| size     | d2d copy GB/s | tcp host GB/s | tcp cuda GB/s | cuda/host | goal >=0.8 |"
     if ucx:

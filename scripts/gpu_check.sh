@@ -29,13 +29,18 @@ deps() {  # deps index|wheels: what to install for the project's test dependenci
     "$PY" - "$1" <<'EOF'
 import pathlib, re, sys, tomllib
 from importlib import metadata
-from packaging.requirements import Requirement
-from packaging.version import Version
+try:
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+except ImportError:  # no packaging on the machine: pip carries its own copy
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.version import Version
 
 project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
 # tools, not imported by the tests; ucxx (~67 MB, over the device tool's carry limit as a wheel)
-# is optional: its tests skip with a reason without it
-skip = {"ruff", "mypy", "grpcio-tools", "ucxx-cu12", "ucxx-cu13"}
+# is optional: its tests skip with a reason without it; torch comes with the GPU machine, built
+# for its CUDA: never install another over it
+skip = {"ruff", "mypy", "grpcio-tools", "ucxx-cu12", "ucxx-cu13", "torch"}
 reqs = [Requirement(r) for r in project["dependencies"] + project.get("optional-dependencies", {}).get("dev", [])]
 reqs = [r for r in reqs if r.name not in skip and (r.marker is None or r.marker.evaluate())]
 reqs.append(Requirement("pytest>=8.4"))  # the carried pytest-asyncio 1.x needs it

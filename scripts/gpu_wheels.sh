@@ -28,7 +28,7 @@ mkdir -p .whl .whl-ucx .whl-libucx
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d .whl \
     grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 'protobuf>=7.35.1,<8' \
     'ml_dtypes>=0.4' 'crc32c>=2.4' 'pytest>=8.4' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' \
-    'hypothesis>=6.100' 'cryptography>=42' cffi pycparser sortedcontainers attrs
+    'hypothesis>=6.100' 'cryptography>=42' cffi pycparser sortedcontainers attrs packaging
 
 # the ucxx stack with its dependencies, then sorted: numpy is on the machine already
 tmp=$(mktemp -d)

@@ -236,7 +236,8 @@ def _cupy() -> ModuleType:
         raise NativeUnavailableError(
             "tensorwire.native needs CuPy and a CUDA GPU to pack/unpack device tensors, and CuPy "
             f"could not be imported ({exc}); install the build matching your CUDA, e.g. "
-            "'pip install cupy-cuda12x' (or tensorwire[cuda]), or move host tensors with numpy"
+            "'pip install cupy-cuda12x' or 'cupy-cuda13x' (tensorwire[cuda] or tensorwire[cuda13]), "
+            "or move host tensors with numpy"
         ) from exc
 
 

@@ -40,6 +40,7 @@ from tensorwire.transports import Limits  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
+SPIN = 1_000_000_000  # torch.cuda._sleep cycles: about half a second at GPU clocks
 _NO_UCXX = importlib.util.find_spec("ucxx") is None
 
 
@@ -67,6 +68,7 @@ async def test_cuda_engine_pipeline_roundtrip() -> None:
     await download(DeviceBuffer(engine, int(src.data.ptr), int(src.nbytes), 0, src), host.data)
     assert np.array_equal(host, cp.asnumpy(src))
     dst = cp.zeros_like(src)
+    cp.cuda.get_current_stream().synchronize()  # the zeros are written before our lane copies in
     st = StageIn(engine)
 
     def fill(view: memoryview, pos: int) -> None:
@@ -154,14 +156,15 @@ async def test_send_waits_for_the_producer_stream() -> None:
     side.wait_stream(torch.cuda.current_stream())
     async with connected_pair("tcp") as (a, b):
         recv = asyncio.ensure_future(b.recv(tag="p", device="cuda:0"))
+        await asyncio.sleep(0)  # the recv takes its consumer stream (the default one) now
         with torch.cuda.stream(side):
-            torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning on the side stream
+            torch.cuda._sleep(SPIN)  # the side stream stays busy
             x.fill_(7)
             sending = asyncio.ensure_future(a.send(x, tag="p"))
             await asyncio.sleep(0)  # the send's events are taken while the side stream is current
         assert not side.query()  # the side stream is really still busy
         await sending
-        y = await recv
+        y = await recv  # ordered on the default stream, where y.min() runs
         assert int(y.min()) == 7 and int(y.max()) == 7
 
 
@@ -171,11 +174,13 @@ async def test_recv_orders_the_consumer_stream_without_blocking_the_host() -> No
     consumer = torch.cuda.Stream()
     async with connected_pair("tcp") as (a, b):
         with torch.cuda.stream(consumer):
-            torch.cuda._sleep(200_000_000)  # the consumer stream is busy with earlier work
+            torch.cuda._sleep(SPIN)  # the consumer stream is busy with earlier work
             recv = asyncio.ensure_future(b.recv(tag="c"))
-            await a.send(x, tag="c")
-            y = await recv
-            assert not consumer.query()  # recv returned without waiting for the consumer stream
+            await asyncio.sleep(0)  # the recv takes the consumer stream now
+        await a.send(x, tag="c")  # from the default stream, which is idle: the bytes go at once
+        y = await recv
+        assert not consumer.query()  # recv returned without waiting for the consumer stream
+        with torch.cuda.stream(consumer):
             z = y * 2  # ordered after the copies on the consumer stream
         consumer.synchronize()
         assert torch.equal(z, x * 2)
