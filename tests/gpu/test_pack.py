@@ -15,8 +15,9 @@ import pytest
 
 with warnings.catch_warnings():  # CuPy's own import-time notices are not ours to fail on
     warnings.simplefilter("ignore")
-    cp = pytest.importorskip("cupy", reason="CuPy is not installed: the GPU pack/unpack tests need it",
-                             exc_type=ImportError)
+    cp = pytest.importorskip(
+        "cupy", reason="CuPy is not installed: the GPU pack/unpack tests need it", exc_type=ImportError
+    )
 
 
 def _device_count() -> int:
@@ -168,9 +169,9 @@ def test_misaligned_views() -> None:
     seed = _seed()
     raw, host = _random_base((4099,), np.uint8, seed)
     for start in range(1, 9):
-        x = raw[start:start + 64 * 48].reshape(64, 48)[:, 3:45].T
-        hx = host[start:start + 64 * 48].reshape(64, 48)[:, 3:45].T
-        out = cp.full(x.nbytes + 3, POISON, cp.uint8)[1:1 + x.nbytes]  # misaligned output too
+        x = raw[start : start + 64 * 48].reshape(64, 48)[:, 3:45].T
+        hx = host[start : start + 64 * 48].reshape(64, 48)[:, 3:45].T
+        out = cp.full(x.nbytes + 3, POISON, cp.uint8)[1 : 1 + x.nbytes]  # misaligned output too
         pack(x, out=out)
         assert out.get().tobytes() == _host_bytes(hx), (seed, start)
         dst = cp.zeros((42, 80), cp.uint8)[:, 5:69]
