@@ -87,6 +87,30 @@ async def test_recv_device_errors_come_from_the_call() -> None:
         assert np.array_equal(got, np.arange(3))
 
 
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_cupy_without_a_gpu_leaves_receivers_host_only(transport: str) -> None:
+    """CuPy installed on a machine with no usable GPU (a CPU box, a CI runner): importing it must
+    not make receives look for a current CUDA device; device="cuda" fails with what is missing."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("cupy", reason="CuPy is not installed here (it is in the dev extra)", exc_type=ImportError)
+    from tensorwire.memory._cuda import cuda_device_count
+
+    if cuda_device_count():
+        pytest.skip("this machine has a CUDA device: tests/gpu cover it")
+    async with connected_pair(transport) as (a, b):
+        recv = asyncio.ensure_future(b.recv(tag="h"))
+        await a.send({"x": np.arange(10), "n": 3}, tag="h")
+        got = await recv
+        assert isinstance(got["x"], np.ndarray) and np.array_equal(got["x"], np.arange(10)) and got["n"] == 3
+        with pytest.raises(UnsupportedTensorError, match="no CUDA device"):
+            await b.recv(tag="h", device="cuda")
+        await a.send(np.ones(4), tag="h")  # the failed call consumed nothing
+        assert np.array_equal(await b.recv(tag="h", out=np.zeros(4)), np.ones(4))
+
+
 async def test_device_cpu_gives_host_tensors_of_the_senders_framework() -> None:
     torch = pytest.importorskip("torch")
     async with connected_pair("tcp") as (a, b):
