@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -91,8 +92,6 @@ async def test_recv_device_errors_come_from_the_call() -> None:
 async def test_cupy_without_a_gpu_leaves_receivers_host_only(transport: str) -> None:
     """CuPy installed on a machine with no usable GPU (a CPU box, a CI runner): importing it must
     not make receives look for a current CUDA device; device="cuda" fails with what is missing."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pytest.importorskip("cupy", reason="CuPy is not installed here (it is in the dev extra)", exc_type=ImportError)
@@ -109,6 +108,40 @@ async def test_cupy_without_a_gpu_leaves_receivers_host_only(transport: str) -> 
             await b.recv(tag="h", device="cuda")
         await a.send(np.ones(4), tag="h")  # the failed call consumed nothing
         assert np.array_equal(await b.recv(tag="h", out=np.zeros(4)), np.ones(4))
+
+
+class _Interface:
+    """Another library's CUDA array, as far as its ``__cuda_array_interface__`` goes."""
+
+    def __init__(self, cai: dict[str, object]) -> None:
+        self._cai = cai
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        return self._cai
+
+
+@pytest.mark.parametrize(
+    ("cai", "match"),
+    [
+        ({"shape": (4,), "typestr": "<f4", "version": 3}, "no usable __cuda_array_interface__"),
+        ({"data": (0, False), "shape": (4,), "typestr": "<f4", "mask": object(), "version": 3}, "masked"),
+        ({"data": (0, False), "shape": (4,), "typestr": "<f4", "stream": "s", "version": 3}, "stream must be"),
+        ({"data": (0, False), "shape": (2,), "typestr": "<U4", "version": 3}, "not supported"),
+    ],
+    ids=["no-data", "masked", "bad-stream", "bad-dtype"],
+)
+async def test_bad_cuda_array_interfaces_fail_the_send_alone(cai: dict[str, object], match: str) -> None:
+    """Objects exposing a broken ``__cuda_array_interface__`` get a clear error from the send
+    (read without CuPy importing them, which would synchronize on the host), and nothing is sent."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("cupy", reason="CuPy is not installed here (it is in the dev extra)", exc_type=ImportError)
+    async with connected_pair("tcp") as (a, b):
+        with pytest.raises(UnsupportedTensorError, match=match):
+            await a.send({"x": _Interface(cai)}, tag="i")
+        await a.send(7, tag="i")
+        assert await b.recv(tag="i") == 7
 
 
 async def test_device_cpu_gives_host_tensors_of_the_senders_framework() -> None:

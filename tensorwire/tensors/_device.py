@@ -334,13 +334,39 @@ def _torch_source(t: Any) -> DeviceSource:
     )
 
 
+def _interface_source(obj: Any) -> DeviceSource:
+    """Another library's CUDA array (numba, ...), read from its ``__cuda_array_interface__`` here:
+    ``cupy.asarray`` would synchronize the producer's stream on the host (blocking the loop) where
+    a send only needs an event on it. Version 3's ``stream`` is the producer's stream (1: the
+    legacy default stream, 2: the per-thread default one); without one the data is ready now, and
+    CuPy's current stream (where a strided array is packed) stands in."""
+    try:
+        cai = obj.__cuda_array_interface__
+        ptr = int(cai["data"][0])
+        shape = tuple(int(n) for n in cai["shape"])
+        dt = np.dtype(cai["typestr"])
+        given = cai.get("strides")
+        stream = cai.get("stream")
+        masked = cai.get("mask") is not None
+    except Exception as exc:
+        raise UnsupportedTensorError(f"{type(obj).__name__} has no usable __cuda_array_interface__: {exc!r}") from exc
+    if masked:
+        raise UnsupportedTensorError(f"{type(obj).__name__}: masked CUDA arrays cannot be sent")
+    name = dtype_name(dt)
+    c_strides = tuple(int(s) for s in np.empty((0, *shape[1:]), dt).strides) if shape else ()
+    strides = c_strides if given is None else tuple(int(s) for s in given)
+    contiguous = strides == c_strides or any(n == 0 for n in shape)
+    if stream is not None and not isinstance(stream, int):
+        raise UnsupportedTensorError(f"{type(obj).__name__}: __cuda_array_interface__ stream must be an int or None")
+    device = _current_device() if ptr == 0 else int(_cp().cuda.runtime.pointerGetAttributes(ptr).device)
+    raw = _stream("cupy", device) if stream is None else 0 if stream == 1 else int(stream)
+    return DeviceSource(obj, "cupy", _engine(device), name, shape, ptr, strides, contiguous, raw)
+
+
 def _cupy_source(a: Any) -> DeviceSource:
     cp = _cp()
     if not isinstance(a, cp.ndarray):
-        try:
-            a = cp.asarray(a)  # other __cuda_array_interface__ producers (numba, ...)
-        except Exception as exc:
-            raise UnsupportedTensorError(f"{type(a).__name__} could not be read as CUDA memory: {exc}") from exc
+        return _interface_source(a)
     name = dtype_name(np.dtype(a.dtype.str))
     device = int(a.device.id)
     return DeviceSource(

@@ -168,6 +168,43 @@ async def test_send_waits_for_the_producer_stream() -> None:
         assert int(y.min()) == 7 and int(y.max()) == 7
 
 
+class _Foreign:
+    """A CUDA array of another library (numba, ...): only its ``__cuda_array_interface__`` (v3),
+    naming the stream that is still writing it."""
+
+    def __init__(self, t: Any, stream: int) -> None:
+        self._t, self._stream = t, stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        cai = dict(self._t.__cuda_array_interface__)
+        cai.update(version=3, stream=self._stream)
+        return cai
+
+
+async def test_foreign_cuda_array_waits_for_its_stream_without_blocking_the_host() -> None:
+    """The interface's stream is the producer's: the send orders its copies after it with an
+    event (cupy.asarray would synchronize that stream on the host, stalling the event loop)."""
+    torch = _torch()
+    x = torch.zeros((1024, 2048), dtype=torch.float32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    async with connected_pair("tcp") as (a, b):
+        recv = asyncio.ensure_future(b.recv(tag="f"))
+        await asyncio.sleep(0)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SPIN)
+            x.fill_(3)
+        sending = asyncio.ensure_future(a.send({"x": _Foreign(x, side.cuda_stream), "v": _Foreign(x.t(), 1)}, tag="f"))
+        await asyncio.sleep(0)  # the send has read the interfaces and recorded its events
+        assert not side.query()  # ...without waiting for the side stream
+        await sending
+        got = await recv
+        cp.cuda.get_current_stream().synchronize()
+        assert bool((got["x"] == 3).all()), "the bytes sent are the ones the side stream wrote"
+        assert got["v"].shape == (2048, 1024)
+
+
 async def test_recv_orders_the_consumer_stream_without_blocking_the_host() -> None:
     torch = _torch()
     x = _rand_torch(torch, (4 * MiB,), torch.float32, 5)
