@@ -358,7 +358,15 @@ def _interface_source(obj: Any) -> DeviceSource:
     contiguous = strides == c_strides or any(n == 0 for n in shape)
     if stream is not None and not isinstance(stream, int):
         raise UnsupportedTensorError(f"{type(obj).__name__}: __cuda_array_interface__ stream must be an int or None")
-    device = _current_device() if ptr == 0 else int(_cp().cuda.runtime.pointerGetAttributes(ptr).device)
+    if not cuda_usable():
+        _cp()  # raises with what to install where CuPy is missing
+        raise UnsupportedTensorError(
+            f"{type(obj).__name__} is CUDA memory (__cuda_array_interface__), but CuPy finds no CUDA device here"
+        )
+    try:
+        device = _current_device() if ptr == 0 else int(_cp().cuda.runtime.pointerGetAttributes(ptr).device)
+    except Exception as exc:  # cupy's CUDARuntimeError: not a device pointer of this process
+        raise UnsupportedTensorError(f"{type(obj).__name__}: {ptr:#x} is not CUDA memory here: {exc}") from exc
     raw = _stream("cupy", device) if stream is None else 0 if stream == 1 else int(stream)
     return DeviceSource(obj, "cupy", _engine(device), name, shape, ptr, strides, contiguous, raw)
 
