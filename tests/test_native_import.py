@@ -56,7 +56,7 @@ def test_plan_maps_every_layout(layout: str, itemsize: int, packed_offset: int) 
     rng = np.random.default_rng()
     n = int(np.prod(base_shape)) * itemsize
     buf = rng.integers(0, 256, size=n + 64, dtype=np.uint8)
-    base = buf[16:16 + n].view(f"V{itemsize}").reshape(base_shape)
+    base = buf[16 : 16 + n].view(f"V{itemsize}").reshape(base_shape)
     x = view(base)
     plan = _plan(x.shape, x.strides, itemsize, x.ctypes.data, 256 + packed_offset)
     assert plan.word in (1, 2, 4, 8, 16)
@@ -65,7 +65,8 @@ def test_plan_maps_every_layout(layout: str, itemsize: int, packed_offset: int) 
     # what the kernels do: word i of the packed side <-> word at offset(i) of the strided side
     origin = x.ctypes.data - buf.ctypes.data
     words = np.lib.stride_tricks.as_strided(
-        buf[origin:], shape=(*plan.shape, plan.word), strides=(*(s * plan.word for s in plan.strides), 1))
+        buf[origin:], shape=(*plan.shape, plan.word), strides=(*(s * plan.word for s in plan.strides), 1)
+    )
     assert words.tobytes() == np.ascontiguousarray(x).tobytes()
     assert plan.kind in ("memcpy", "tiled", "elementwise")
     if plan.kind == "tiled":

@@ -127,9 +127,10 @@ class _Interface:
         ({"shape": (4,), "typestr": "<f4", "version": 3}, "no usable __cuda_array_interface__"),
         ({"data": (0, False), "shape": (4,), "typestr": "<f4", "mask": object(), "version": 3}, "masked"),
         ({"data": (0, False), "shape": (4,), "typestr": "<f4", "stream": "s", "version": 3}, "stream must be"),
+        ({"data": (0, False), "shape": (4,), "typestr": "<f4", "stream": 0, "version": 3}, "stream must be"),
         ({"data": (0, False), "shape": (2,), "typestr": "<U4", "version": 3}, "not supported"),
     ],
-    ids=["no-data", "masked", "bad-stream", "bad-dtype"],
+    ids=["no-data", "masked", "bad-stream", "stream-0", "bad-dtype"],
 )
 async def test_bad_cuda_array_interfaces_fail_the_send_alone(cai: dict[str, object], match: str) -> None:
     """Objects exposing a broken ``__cuda_array_interface__`` get a clear error from the send

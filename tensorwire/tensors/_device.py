@@ -356,16 +356,30 @@ def _interface_source(obj: Any) -> DeviceSource:
     c_strides = tuple(int(s) for s in np.empty((0, *shape[1:]), dt).strides) if shape else ()
     strides = c_strides if given is None else tuple(int(s) for s in given)
     contiguous = strides == c_strides or any(n == 0 for n in shape)
-    if stream is not None and not isinstance(stream, int):
-        raise UnsupportedTensorError(f"{type(obj).__name__}: __cuda_array_interface__ stream must be an int or None")
+    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream == 0):
+        # version 3 forbids 0 (ambiguous between the legacy and the per-thread default stream)
+        raise UnsupportedTensorError(
+            f"{type(obj).__name__}: __cuda_array_interface__ stream must be None or a nonzero int, not {stream!r}"
+        )
     if not cuda_usable():
         _cp()  # raises with what to install where CuPy is missing
         raise UnsupportedTensorError(
             f"{type(obj).__name__} is CUDA memory (__cuda_array_interface__), but CuPy finds no CUDA device here"
         )
+    # stream 2 (cudaStreamPerThread) means the calling thread's: the send records on it right
+    # here, in the caller's thread, before its first await
     try:
-        device = _current_device() if ptr == 0 else int(_cp().cuda.runtime.pointerGetAttributes(ptr).device)
-    except Exception as exc:  # cupy's CUDARuntimeError: not a device pointer of this process
+        if ptr == 0:
+            device = _current_device()
+        else:
+            rt = _cp().cuda.runtime
+            attrs = rt.pointerGetAttributes(ptr)
+            if attrs.type not in (rt.memoryTypeDevice, rt.memoryTypeManaged):
+                raise UnsupportedTensorError(f"{type(obj).__name__}: {ptr:#x} is not device memory")
+            device = int(attrs.device)
+    except UnsupportedTensorError:
+        raise
+    except Exception as exc:  # cupy's CUDARuntimeError: not a pointer CUDA knows in this process
         raise UnsupportedTensorError(f"{type(obj).__name__}: {ptr:#x} is not CUDA memory here: {exc}") from exc
     raw = _stream("cupy", device) if stream is None else 0 if stream == 1 else int(stream)
     return DeviceSource(obj, "cupy", _engine(device), name, shape, ptr, strides, contiguous, raw)
@@ -440,8 +454,12 @@ def use_streams(targets: list[Any], streams: Streams | None) -> None:
     for t in targets:
         if isinstance(t, DeviceTensor) and t.engine.kind == "cuda":
             s = streams.of(t.framework, t.buf.device)
-            if s is not None:
+            if s is not None and s != t.stream:
                 t.stream = s
+                if t.unpack_to is not None:
+                    # the scratch to unpack from came from the pool of the stream current when
+                    # out= was matched; nothing has touched it: take it from the consumer's instead
+                    t.buf = t.engine.empty(t.nbytes, s)
 
 
 def allocate_device(
@@ -495,13 +513,15 @@ class Landing:
         self._stages: dict[CopyEngine, StageIn] = {}
         self._streams: set[tuple[CopyEngine, int | None]] = set()
 
-    def stage(self, target: DeviceTensor) -> StageIn:
+    def stage(self, target: DeviceTensor, fresh: bool = False) -> StageIn:
+        """The lane that writes ``target``, ordered after its stream's work so far (the first
+        time that stream is met, or again with ``fresh``: ``target`` was allocated since)."""
         engine = target.engine
         st = self._stages.get(engine)
         if st is None:
             st = self._stages[engine] = StageIn(engine)
         key = (engine, target.stream)
-        if key not in self._streams:
+        if fresh or key not in self._streams:
             self._streams.add(key)
             st.lane.wait(engine.record_on(target.stream))  # the consumer's work on it so far
         return st
@@ -525,17 +545,26 @@ class Landing:
         def fill(view: memoryview, pos: int) -> None:
             view[:] = data[pos : pos + len(view)]
 
-        await self.stage(target).write(lambda: target.buf, 0, target.nbytes, fill)
+        await self.stage(target, fresh=True).write(lambda: target.buf, 0, target.nbytes, fill)
 
     def copy(self, target: DeviceTensor, src: DeviceTensor) -> None:
         """Queue a device copy of ``src``'s bytes (landed through this landing) into ``target``."""
         if src.engine is not target.engine:
             raise UnsupportedTensorError(f"cannot copy between {src.device} and {target.device} directly")
-        st = self.stage(target)
-        # ``target`` may be a block just taken from the pool of ``src``'s stream: the copy also
-        # waits for the work that stream has queued since the landing began
-        st.lane.wait(target.engine.record_on(src.stream))
+        # ``target`` may be a block just taken from its stream's pool (allocated after the
+        # landing began): the copy waits for that stream's work queued since
+        st = self.stage(target, fresh=True)
         st.device_copy(target.buf, 0, src.buf, 0, target.nbytes)
+
+    def release(self, src: DeviceTensor) -> None:
+        """``src`` is a buffer of ours that copies of this landing read and that is dropped now:
+        the stream whose pool it came from waits for those reads before handing the block on
+        (torch's ``record_stream``). Engines without streams wait here."""
+        if src.stream is None:
+            return
+        event = self.flush(src)
+        if event is not None and not src.engine.stream_wait(src.stream, event):
+            event.synchronize()
 
     async def finish(self, targets: list[Any]) -> None:
         """Every byte has been queued: unpack into strided ``out=`` tensors, then make each

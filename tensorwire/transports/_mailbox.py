@@ -139,7 +139,7 @@ class Arrival:
             if isinstance(d, DeviceTensor):
                 # a device buffer of our own on the same device; the copy of what landed queues
                 # after the landing copies, and the caller's stream waits for it
-                mine = DeviceTensor(d.engine.empty(d.nbytes, d.stream), d.dtype, d.shape, spec.framework)
+                mine = DeviceTensor(d.engine.empty(d.nbytes, d.stream), d.dtype, d.shape, spec.framework, d.stream)
                 if self.landing is not None:
                     self.landing.copy(mine, d)
                     self.landing.hand_back(d)
@@ -394,6 +394,8 @@ class Mailbox:
                     arrival = q[0]
                     # a mismatched out= raises here and leaves the message queued
                     targets = match_out(out, arrival.specs) if out is not None else None
+                    if targets is not None:
+                        use_streams(targets, streams)
                     q.popleft()
                     if not q:
                         del self._arrived[tag]  # tags may be unique per operation: keep no empties
@@ -478,7 +480,10 @@ class Mailbox:
             elif arrival.direct:
                 final = dest
             else:
-                final = targets if targets is not None else match_out(out, arrival.specs)
+                if targets is None:
+                    targets = match_out(out, arrival.specs)
+                    use_streams(targets, streams)
+                final = targets
             if any(isinstance(d, DeviceTensor) for d in (*dest, *final)):
                 staged |= await _settle_device(arrival, dest, final)
                 memory = next((d.engine.kind for d in final if isinstance(d, DeviceTensor)), "host")
@@ -583,4 +588,7 @@ async def _settle_device(
         else:
             np.copyto(dst, src)
     await landing.finish(final)
+    for src, dst in zip(dest, final, strict=True):
+        if src is not dst and isinstance(src, DeviceTensor) and src.nbytes:
+            landing.release(src)  # a buffer of ours, read by the copies above and dropped now
     return copied

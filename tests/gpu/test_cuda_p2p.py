@@ -185,24 +185,28 @@ class _Foreign:
 async def test_foreign_cuda_array_waits_for_its_stream_without_blocking_the_host() -> None:
     """The interface's stream is the producer's: the send orders its copies after it with an
     event (cupy.asarray would synchronize that stream on the host, stalling the event loop)."""
+    from tensorwire.native import pack
+
     torch = _torch()
     x = torch.zeros((1024, 2048), dtype=torch.float32, device="cuda")
+    w = torch.arange(64 * 48, dtype=torch.float32, device="cuda").reshape(64, 48)  # on the legacy stream
+    pack(cp.empty((64, 48), cp.float32).T)  # compile the transpose kernel before the clock starts
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     async with connected_pair("tcp") as (a, b):
         recv = asyncio.ensure_future(b.recv(tag="f"))
         await asyncio.sleep(0)
         with torch.cuda.stream(side):
             torch.cuda._sleep(SPIN)
             x.fill_(3)
-        sending = asyncio.ensure_future(a.send({"x": _Foreign(x, side.cuda_stream), "v": _Foreign(x.t(), 1)}, tag="f"))
+        sending = asyncio.ensure_future(a.send({"x": _Foreign(x, side.cuda_stream), "v": _Foreign(w.t(), 1)}, tag="f"))
         await asyncio.sleep(0)  # the send has read the interfaces and recorded its events
         assert not side.query()  # ...without waiting for the side stream
         await sending
         got = await recv
         cp.cuda.get_current_stream().synchronize()
         assert bool((got["x"] == 3).all()), "the bytes sent are the ones the side stream wrote"
-        assert got["v"].shape == (2048, 1024)
+        assert np.array_equal(cp.asnumpy(got["v"]), w.t().cpu().numpy()), "a strided one, packed on the GPU"
 
 
 async def test_recv_orders_the_consumer_stream_without_blocking_the_host() -> None:
