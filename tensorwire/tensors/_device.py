@@ -419,6 +419,14 @@ class Streams:
         return self.torch if framework == "torch" else self.cupy if framework == "cupy" else None
 
 
+def _torch_cuda(torch: Any) -> bool:
+    """torch is imported here and built with CUDA (a CPU-only build has no streams to take)."""
+    try:
+        return torch is not None and bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
 def capture_streams(want: Device | None) -> Streams | None:
     """Take the caller's streams at the moment of the recv (later, another task may have made
     another stream current). Cheap without CUDA: nothing is imported for host-only receivers."""
@@ -434,7 +442,7 @@ def capture_streams(want: Device | None) -> Streams | None:
     device = want.index if want is not None and want.index is not None else _current_device()
     return Streams(
         device,
-        _stream("torch", device) if torch is not None and (torch_live or want is not None) else None,
+        _stream("torch", device) if torch_live or (want is not None and _torch_cuda(torch)) else None,
         _stream("cupy", device) if cupy_live or want is not None else None,
     )
 
@@ -470,7 +478,7 @@ def allocate_device(
     when the recv was called, ``streams``, else the current one)."""
     torch = _torch()
     engine = _engine(device)
-    if framework == "torch" and torch is not None:
+    if framework == "torch" and _torch_cuda(torch):  # else CuPy: a CPU-only torch cannot hold it
         stream = streams.of("torch", device) if streams is not None else None
         if stream is None:
             stream = _stream("torch", device)
