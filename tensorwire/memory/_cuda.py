@@ -100,7 +100,7 @@ class CudaLane(Lane):
 
     def _memcpy(self, dst: int, src: int, n: int, kind: int) -> None:
         if n:
-            self._rt.memcpyAsync(dst, src, n, kind, self.stream)
+            self._rt.memcpyAsync(dst, src, n, kind, self._live())
 
     def to_host(self, dst: HostChunk, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
         self._memcpy(dst.ptr + dst_off, src.ptr + src_off, n, self._rt.memcpyDeviceToHost)
@@ -112,7 +112,12 @@ class CudaLane(Lane):
         self._memcpy(dst.ptr + dst_off, src.ptr + src_off, n, self._rt.memcpyDeviceToDevice)
 
     def record(self) -> Event:
-        return CudaEvent(self.engine.cp, self.engine.device).record(self.stream)
+        return CudaEvent(self.engine.cp, self.engine.device).record(self._live())
+
+    def _live(self) -> int:
+        if not self.stream:  # closed: never fall through to the legacy default stream (handle 0)
+            raise TransferError("a closed CUDA lane of tensorwire's was used")
+        return self.stream
 
     def close(self) -> None:
         stream, self.stream = self.stream, 0
@@ -124,7 +129,7 @@ class CudaLane(Lane):
 
     def wait(self, event: Event) -> None:
         if isinstance(event, CudaEvent):
-            self._rt.streamWaitEvent(self.stream, event.ptr, 0)
+            self._rt.streamWaitEvent(self._live(), event.ptr, 0)
         elif not event.query():
             raise UnsupportedTensorError("a CUDA stream cannot wait for an event of another engine")
 
@@ -194,4 +199,4 @@ class CudaEngine(CopyEngine):
 def lane_stream(lane: Lane) -> Any:
     """The raw ``cudaStream_t`` of a CUDA lane (for kernels launched on it)."""
     assert isinstance(lane, CudaLane)
-    return lane.stream
+    return lane._live()

@@ -220,6 +220,7 @@ class DeviceSource:
     strides: tuple[int, ...]  # bytes
     contiguous: bool
     stream: int | None
+    readonly: bool = False  # a read-only __cuda_array_interface__: never a recv's out=
 
     @property
     def nbytes(self) -> int:
@@ -251,6 +252,8 @@ class DeviceSource:
 
     def target(self) -> DeviceTensor:
         """Where a recv into this tensor writes: its own memory, or a buffer to unpack from."""
+        if self.readonly:
+            raise UnsupportedTensorError(f"out= {type(self.value).__name__} is read-only (__cuda_array_interface__)")
         engine = self.engine
         if self.contiguous:
             buf = DeviceBuffer(engine, self.ptr, self.nbytes, engine.device, self.value)
@@ -348,6 +351,7 @@ def _interface_source(obj: Any) -> DeviceSource:
         given = cai.get("strides")
         stream = cai.get("stream")
         masked = cai.get("mask") is not None
+        readonly = bool(cai["data"][1])
     except Exception as exc:
         raise UnsupportedTensorError(f"{type(obj).__name__} has no usable __cuda_array_interface__: {exc!r}") from exc
     if masked:
@@ -382,7 +386,7 @@ def _interface_source(obj: Any) -> DeviceSource:
     except Exception as exc:  # cupy's CUDARuntimeError: not a pointer CUDA knows in this process
         raise UnsupportedTensorError(f"{type(obj).__name__}: {ptr:#x} is not CUDA memory here: {exc}") from exc
     raw = _stream("cupy", device) if stream is None else 0 if stream == 1 else int(stream)
-    return DeviceSource(obj, "cupy", _engine(device), name, shape, ptr, strides, contiguous, raw)
+    return DeviceSource(obj, "cupy", _engine(device), name, shape, ptr, strides, contiguous, raw, readonly)
 
 
 def _cupy_source(a: Any) -> DeviceSource:

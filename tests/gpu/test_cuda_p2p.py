@@ -33,6 +33,7 @@ def _device_count() -> int:
 if _device_count() == 0:
     pytest.skip("CuPy is installed but finds no CUDA device", allow_module_level=True)
 
+from tensorwire.errors import UnsupportedTensorError  # noqa: E402
 from tensorwire.memory import StageIn, download  # noqa: E402
 from tensorwire.memory._cuda import CudaEngine  # noqa: E402
 from tensorwire.testing import connected_pair  # noqa: E402
@@ -172,13 +173,13 @@ class _Foreign:
     """A CUDA array of another library (numba, ...): only its ``__cuda_array_interface__`` (v3),
     naming the stream that is still writing it."""
 
-    def __init__(self, t: Any, stream: int) -> None:
-        self._t, self._stream = t, stream
+    def __init__(self, t: Any, stream: int, readonly: bool = False) -> None:
+        self._t, self._stream, self._readonly = t, stream, readonly
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         cai = dict(self._t.__cuda_array_interface__)
-        cai.update(version=3, stream=self._stream)
+        cai.update(version=3, stream=self._stream, data=(cai["data"][0], self._readonly))
         return cai
 
 
@@ -207,6 +208,19 @@ async def test_foreign_cuda_array_waits_for_its_stream_without_blocking_the_host
         cp.cuda.get_current_stream().synchronize()
         assert bool((got["x"] == 3).all()), "the bytes sent are the ones the side stream wrote"
         assert np.array_equal(cp.asnumpy(got["v"]), w.t().cpu().numpy()), "a strided one, packed on the GPU"
+
+
+async def test_read_only_foreign_out_is_refused_and_the_message_kept() -> None:
+    torch = _torch()
+    x = torch.arange(1000, dtype=torch.float32, device="cuda")
+    frozen = torch.zeros_like(x)
+    async with connected_pair("tcp") as (a, b):
+        await a.send(x, tag="ro")
+        with pytest.raises(UnsupportedTensorError, match="read-only"):
+            await b.recv(tag="ro", out=_Foreign(frozen, 1, readonly=True))
+        assert int(frozen.count_nonzero()) == 0
+        y = await b.recv(tag="ro")
+        assert torch.equal(y, x)
 
 
 async def test_recv_orders_the_consumer_stream_without_blocking_the_host() -> None:
