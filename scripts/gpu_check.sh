@@ -139,7 +139,7 @@ echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' /tmp/ten
 grep -E '^(FAILED|ERROR) ' /tmp/tensorwire-gpu-tests.log | head -20
 echo "gpu_pack:  $(grep -m1 '^device:' /tmp/tensorwire-gpu-bench.log || echo 'no device line') (exit $BENCH_RC)"
 echo "gpu_p2p:   $(grep -m1 '^device:' /tmp/tensorwire-gpu-p2p.log || echo 'no device line') (exit $P2P_RC)"
-grep -E '^(\||tcp path|ucx path|ucx cuda: skipped|.*FAILED)' /tmp/tensorwire-gpu-p2p.log
+grep -E '^(\||tcp path|ucx path|.* receipt: |note: |ucx cuda: skipped|.*FAILED)' /tmp/tensorwire-gpu-p2p.log
 if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$P2P_RC" -eq 0 ]; then
     echo "GPU CHECK: PASS"
     exit 0
