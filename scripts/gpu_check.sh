@@ -38,9 +38,9 @@ except ImportError:  # no packaging on the machine: pip carries its own copy
 
 project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
 # tools, not imported by the tests; ucxx (~67 MB, over the device tool's carry limit as a wheel)
-# is optional: its tests skip with a reason without it; torch comes with the GPU machine, built
-# for its CUDA: never install another over it
-skip = {"ruff", "mypy", "grpcio-tools", "ucxx-cu12", "ucxx-cu13", "torch"}
+# is optional: its tests skip with a reason without it; torch and CuPy come with the GPU machine,
+# built for its CUDA: never install others over them (the dev extra's cupy-cuda12x is for CPU CI)
+skip = {"ruff", "mypy", "grpcio-tools", "ucxx-cu12", "ucxx-cu13", "torch", "cupy-cuda12x", "cupy-cuda13x"}
 reqs = [Requirement(r) for r in project["dependencies"] + project.get("optional-dependencies", {}).get("dev", [])]
 reqs = [r for r in reqs if r.name not in skip and (r.marker is None or r.marker.evaluate())]
 reqs.append(Requirement("pytest>=8.4"))  # the carried pytest-asyncio 1.x needs it
