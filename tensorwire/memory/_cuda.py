@@ -6,17 +6,19 @@ torch and of CuPy are treated alike. CuPy is imported only when a CUDA tensor is
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
 import threading
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 from ..errors import RegistrationError, TransferError, UnsupportedTensorError
 from ._engine import DONE, CopyEngine, DeviceBuffer, Event, HostChunk, Lane
 
-__all__ = ["CudaEngine", "CudaEvent", "cuda_device_count", "cupy_module"]
+__all__ = ["CudaEngine", "CudaEvent", "allocating_on", "cuda_device_count", "cupy_module"]
 
 log = logging.getLogger(__name__)
 
@@ -173,14 +175,8 @@ class CudaEngine(CopyEngine):
 
     def empty(self, nbytes: int, stream: int | None = None) -> DeviceBuffer:
         cp = self.cp
-        with cp.cuda.Device(self.device):
-            if stream is None:
-                arr = cp.empty(nbytes, dtype=cp.uint8)
-            else:
-                from ..native._pack import _resolve_stream
-
-                with _resolve_stream(cp, stream):  # CuPy's pool keeps the block for this stream
-                    arr = cp.empty(nbytes, dtype=cp.uint8)
+        with allocating_on(cp, self.device, stream):
+            arr = cp.empty(nbytes, dtype=cp.uint8)
         return DeviceBuffer(self, int(arr.data.ptr), nbytes, self.device, arr)
 
     def record_on(self, stream: int | None) -> Event:
@@ -194,6 +190,21 @@ class CudaEngine(CopyEngine):
         if isinstance(event, CudaEvent):
             self.cp.cuda.runtime.streamWaitEvent(stream, event.ptr, 0)
         return True
+
+
+@contextlib.contextmanager
+def allocating_on(cp: ModuleType, device: int, stream: int | None) -> Iterator[None]:
+    """CuPy allocations inside come from ``device``, from the pool arena of ``stream`` (None: the
+    current one). CuPy hands a freed block to the next allocation on the same stream without
+    waiting, so memory must be taken from the stream that orders its uses."""
+    with cp.cuda.Device(device):
+        if stream is None:
+            yield
+            return
+        from ..native._pack import _resolve_stream
+
+        with _resolve_stream(cp, stream):
+            yield
 
 
 def lane_stream(lane: Lane) -> Any:

@@ -105,16 +105,18 @@ def cuda_usable() -> bool:
     return _device_count() > 0
 
 
+def _no_cuda(what: str) -> UnsupportedTensorError:
+    """The error for CUDA memory asked for where there is none: what to install if CuPy is
+    missing (raised from here), else that CuPy finds no device."""
+    _cp()
+    return UnsupportedTensorError(f"{what}, but CuPy finds no CUDA device here")
+
+
 def check_cuda(index: int | None) -> int:
     """The device index to allocate on for ``cuda``/``cuda:N``; raises if there is no such device."""
     n = _device_count()
     if n == 0:
-        from ..memory._cuda import cupy_module
-
-        cupy_module()  # raises with what to install when CuPy is missing
-        raise UnsupportedTensorError(
-            f"device 'cuda{'' if index is None else f':{index}'}' asked for, but CuPy finds no CUDA device here"
-        )
+        raise _no_cuda(f"device 'cuda{'' if index is None else f':{index}'}' asked for")
     if index is None:
         return _current_device()
     if index >= n:
@@ -132,9 +134,17 @@ def _cp() -> Any:
     return cupy_module()
 
 
+def _torch_cuda(torch: Any) -> bool:
+    """torch is imported here and built with CUDA (a CPU-only build has no streams to take)."""
+    try:
+        return torch is not None and bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
 def _current_device() -> int:
     torch = _torch()
-    if torch is not None and torch.cuda.is_available():
+    if _torch_cuda(torch):
         return int(torch.cuda.current_device())
     return int(_cp().cuda.runtime.getDevice())
 
@@ -250,25 +260,32 @@ class DeviceSource:
         ready = engine.record_on(self.stream)
         return DeviceTensor(packed, self.dtype, self.shape, self.framework, self.stream, ready), True
 
-    def target(self) -> DeviceTensor:
-        """Where a recv into this tensor writes: its own memory, or a buffer to unpack from."""
+    def target(self, streams: Streams | None = None) -> DeviceTensor:
+        """Where a recv into this tensor writes: its own memory, or a buffer to unpack from.
+        Ordered on the consumer's stream: the one of ``streams`` (taken when the recv was
+        called) for this framework and device, else the tensor's own."""
         if self.readonly:
             raise UnsupportedTensorError(f"out= {type(self.value).__name__} is read-only (__cuda_array_interface__)")
         engine = self.engine
+        stream = self.stream
+        if streams is not None and engine.kind == "cuda":
+            taken = streams.of(self.framework, engine.device)
+            if taken is not None:
+                stream = taken
         if self.contiguous:
             buf = DeviceBuffer(engine, self.ptr, self.nbytes, engine.device, self.value)
-            return DeviceTensor(buf, self.dtype, self.shape, self.framework, self.stream, value=self.value)
+            return DeviceTensor(buf, self.dtype, self.shape, self.framework, stream, value=self.value)
         if any(s == 0 and n > 1 for n, s in zip(self.shape, self.strides, strict=True)):
             raise UnsupportedTensorError("out= tensor has overlapping elements (a zero stride); it cannot be written")
         view = _cupy_view(self.ptr, self.shape, self.strides, self.dtype, engine.device, self.value)
         # the copies land here and the unpack reads it on a lane of ours; the consumer stream
         # waits for those before its next work, so its pool may hand the block on after that
         return DeviceTensor(
-            engine.empty(self.nbytes, self.stream),
+            engine.empty(self.nbytes, stream),
             self.dtype,
             self.shape,
             self.framework,
-            self.stream,
+            stream,
             value=self.value,
             unpack_to=view,
         )
@@ -366,10 +383,7 @@ def _interface_source(obj: Any) -> DeviceSource:
             f"{type(obj).__name__}: __cuda_array_interface__ stream must be None or a nonzero int, not {stream!r}"
         )
     if not cuda_usable():
-        _cp()  # raises with what to install where CuPy is missing
-        raise UnsupportedTensorError(
-            f"{type(obj).__name__} is CUDA memory (__cuda_array_interface__), but CuPy finds no CUDA device here"
-        )
+        raise _no_cuda(f"{type(obj).__name__} is CUDA memory (__cuda_array_interface__)")
     # stream 2 (cudaStreamPerThread) means the calling thread's: the send records on it right
     # here, in the caller's thread, before its first await
     try:
@@ -423,14 +437,6 @@ class Streams:
         return self.torch if framework == "torch" else self.cupy if framework == "cupy" else None
 
 
-def _torch_cuda(torch: Any) -> bool:
-    """torch is imported here and built with CUDA (a CPU-only build has no streams to take)."""
-    try:
-        return torch is not None and bool(torch.cuda.is_available())
-    except Exception:
-        return False
-
-
 def capture_streams(want: Device | None) -> Streams | None:
     """Take the caller's streams at the moment of the recv (later, another task may have made
     another stream current). Cheap without CUDA: nothing is imported for host-only receivers."""
@@ -459,21 +465,6 @@ def _torch_stream(torch: Any, ptr: int, device: int) -> Any:
     return torch.cuda.ExternalStream(ptr, device=device)
 
 
-def use_streams(targets: list[Any], streams: Streams | None) -> None:
-    """Point ``out=`` targets at the streams captured when their recv was called."""
-    if streams is None:
-        return
-    for t in targets:
-        if isinstance(t, DeviceTensor) and t.engine.kind == "cuda":
-            s = streams.of(t.framework, t.buf.device)
-            if s is not None and s != t.stream:
-                t.stream = s
-                if t.unpack_to is not None:
-                    # the scratch to unpack from came from the pool of the stream current when
-                    # out= was matched; nothing has touched it: take it from the consumer's instead
-                    t.buf = t.engine.empty(t.nbytes, s)
-
-
 def allocate_device(
     dtype: str, shape: tuple[int, ...], framework: str, device: int, streams: Streams | None = None
 ) -> DeviceTensor:
@@ -490,17 +481,14 @@ def allocate_device(
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
         buf = DeviceBuffer(engine, int(t.data_ptr()), int(t.numel() * t.element_size()), device, t)
         return DeviceTensor(buf, dtype, shape, "torch", stream, value=t)
+    from ..memory._cuda import allocating_on
+
     cp = _cp()
     stream = streams.of("cupy", device) if streams is not None else None
-    with cp.cuda.Device(device):
-        if stream is None:
-            stream = int(cp.cuda.get_current_stream().ptr)
-            a = cp.empty(shape, dtype=_carrier(dtype))
-        else:
-            from ..native._pack import _resolve_stream
-
-            with _resolve_stream(cp, stream):
-                a = cp.empty(shape, dtype=_carrier(dtype))
+    if stream is None:
+        stream = _stream("cupy", device)
+    with allocating_on(cp, device, stream):
+        a = cp.empty(shape, dtype=_carrier(dtype))
     buf = DeviceBuffer(engine, int(a.data.ptr), int(a.nbytes), device, a)
     return DeviceTensor(buf, dtype, shape, "cupy", stream, value=a)
 
@@ -544,8 +532,10 @@ class Landing:
         return None if st is None else st.mark()
 
     def hand_back(self, target: DeviceTensor) -> None:
-        """Order ``target``'s stream after every copy queued into it so far (the caller's buffer
-        is given up: a cancelled recv). Engines without streams wait here."""
+        """Order ``target``'s stream after every copy of this landing queued so far: the caller's
+        buffer is given up (a cancelled recv), or a buffer of ours that the copies read is dropped
+        (its stream's pool must not hand the block on before: torch's ``record_stream``).
+        Engines without streams wait here."""
         event = self.flush(target)
         if event is not None and not target.engine.stream_wait(target.stream, event):
             event.synchronize()
@@ -567,16 +557,6 @@ class Landing:
         # landing began): the copy waits for that stream's work queued since
         st = self.stage(target, fresh=True)
         st.device_copy(target.buf, 0, src.buf, 0, target.nbytes)
-
-    def release(self, src: DeviceTensor) -> None:
-        """``src`` is a buffer of ours that copies of this landing read and that is dropped now:
-        the stream whose pool it came from waits for those reads before handing the block on
-        (torch's ``record_stream``). Engines without streams wait here."""
-        if src.stream is None:
-            return
-        event = self.flush(src)
-        if event is not None and not src.engine.stream_wait(src.stream, event):
-            event.synchronize()
 
     async def finish(self, targets: list[Any]) -> None:
         """Every byte has been queued: unpack into strided ``out=`` tensors, then make each

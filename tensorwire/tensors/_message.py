@@ -18,7 +18,7 @@ import numpy as np
 
 from ..control._pb import wire_pb2
 from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
-from ._device import DeviceTensor
+from ._device import DeviceTensor, Streams
 from ._dtypes import DTYPES
 from ._view import TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
@@ -348,9 +348,9 @@ def _unflatten(node: wire_pb2.TreeNode, leaves: list[Any]) -> Any:
     return getattr(node, kind)
 
 
-def match_out(out: object, specs: list[Spec]) -> list[np.ndarray | DeviceTensor]:
+def match_out(out: object, specs: list[Spec], streams: Streams | None = None) -> list[np.ndarray | DeviceTensor]:
     """The caller's out= pytree as writable arrays (host) or DeviceTensors (device), one per
-    tensor leaf, checked against specs."""
+    tensor leaf, checked against specs; device ones ordered on the recv's ``streams``."""
     if type(out) is np.ndarray and len(specs) == 1:
         s = specs[0]
         if out.dtype == DTYPES.get(s.dtype) and out.shape == s.shape and out.flags.c_contiguous and out.flags.writeable:
@@ -365,7 +365,7 @@ def match_out(out: object, specs: list[Spec]) -> list[np.ndarray | DeviceTensor]
             raise ShapeMismatchError(
                 f"out= tensor {i} is {v.dtype}{list(v.shape)} but the message carries {s.dtype}{list(s.shape)}"
             )
-        targets.append(v.dev.target() if v.dev is not None else _writable(v))
+        targets.append(v.dev.target(streams) if v.dev is not None else _writable(v))
     return targets
 
 

@@ -40,7 +40,6 @@ from ..tensors._device import (
     check_cuda,
     cuda_usable,
     parse_device,
-    use_streams,
 )
 from ._base import Receipt
 
@@ -318,8 +317,7 @@ class Mailbox:
                 continue
             try:
                 if p.out is not None:
-                    targets = match_out(p.out, arrival.specs)
-                    use_streams(targets, p.streams)
+                    targets = match_out(p.out, arrival.specs, p.streams)
                     if self._lands(targets):
                         arrival.dest = targets
                         arrival.direct = True
@@ -393,9 +391,7 @@ class Mailbox:
                 if q:
                     arrival = q[0]
                     # a mismatched out= raises here and leaves the message queued
-                    targets = match_out(out, arrival.specs) if out is not None else None
-                    if targets is not None:
-                        use_streams(targets, streams)
+                    targets = match_out(out, arrival.specs, streams) if out is not None else None
                     q.popleft()
                     if not q:
                         del self._arrived[tag]  # tags may be unique per operation: keep no empties
@@ -480,10 +476,7 @@ class Mailbox:
             elif arrival.direct:
                 final = dest
             else:
-                if targets is None:
-                    targets = match_out(out, arrival.specs)
-                    use_streams(targets, streams)
-                final = targets
+                final = targets if targets is not None else match_out(out, arrival.specs, streams)
             if any(isinstance(d, DeviceTensor) for d in (*dest, *final)):
                 staged |= await _settle_device(arrival, dest, final)
                 memory = next((d.engine.kind for d in final if isinstance(d, DeviceTensor)), "host")
@@ -589,6 +582,6 @@ async def _settle_device(
             np.copyto(dst, src)
     await landing.finish(final)
     for src, dst in zip(dest, final, strict=True):
-        if src is not dst and isinstance(src, DeviceTensor) and src.nbytes:
-            landing.release(src)  # a buffer of ours, read by the copies above and dropped now
+        if src is not dst and isinstance(src, DeviceTensor) and src.nbytes and src.stream is not None:
+            landing.hand_back(src)  # a buffer of ours, read by the copies above and dropped now
     return copied
