@@ -293,7 +293,9 @@ class _HostLane(Lane):
         def op() -> None:
             if delay:
                 time.sleep(delay)
-            dst[:] = src
+            # np.copyto lets go of the GIL for the copy, as a GPU's copy engine leaves the CPU
+            # free; a memoryview assignment would hold it and stall the event loop meanwhile
+            np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
             engine.copy_queued(-1)
 
         return op
