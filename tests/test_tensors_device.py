@@ -306,6 +306,82 @@ async def test_transports_without_device_lanes_stage_through_host(engine: HostEn
         assert receipt.staged and receipt.memory == "host-engine"
 
 
+def _ucx_device_lanes(*peers: tensorwire.Peer) -> None:
+    """Let these ucx channels land host-engine memory by pointer, as they land CUDA memory where
+    UCX has cuda transports. The host engine's "device" memory is host memory, and UCX finds a
+    buffer's memory type by itself, so ucx's device-pointer path (payloads posted as
+    ``__cuda_array_interface__`` buffers after the producer's event, receives into device
+    destinations posted by the recv's task once the consumer's work is done) runs for real here."""
+    for p in peers:
+        p.channel.device_kinds = frozenset({*p.channel.device_kinds, "cuda", "host-engine"})
+
+
+@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
+@pytest.mark.parametrize("nbytes", [100, CHUNK * 3 + 5, 3 << 20], ids=["small", "eager", "rendezvous"])
+@pytest.mark.parametrize("order", ["recv-first", "send-first"])
+async def test_ucx_device_pointer_path(engine: HostEngine, nbytes: int, order: str) -> None:
+    data = _bytes(nbytes, nbytes)
+    async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        _ucx_device_lanes(a, b)
+        out = _arr(engine, np.zeros(nbytes, np.uint8))
+        if order == "recv-first":
+            recv = asyncio.ensure_future(b.recv_with_receipt(tag="x", out=out))
+            await asyncio.sleep(0.01)
+            sent = await a.send(_arr(engine, data), tag="x")
+            got, receipt = await recv
+        else:
+            send = asyncio.ensure_future(a.send(_arr(engine, data), tag="x"))
+            await asyncio.sleep(0.05)
+            got, receipt = await b.recv_with_receipt(tag="x", out=out)
+            sent = await send
+        assert got is out and np.array_equal(out.array, data)
+        # the sender posts the tensor's own memory: no staging copy, whatever the receiver does
+        assert sent.memory == "host-engine" and not sent.staged and sent.direct
+        assert receipt.memory == "host-engine"
+        if order == "recv-first" or nbytes > 1 << 20:  # posted (or rendezvous): UCX writes into out=
+            assert not receipt.staged and receipt.direct
+            assert engine.max_queued == 0, "a lane copied bytes that UCX should have moved by pointer"
+        else:  # an eager message that came first was buffered in host memory: said so
+            assert receipt.staged and not receipt.direct
+
+
+@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
+@pytest.mark.parametrize("nbytes", [CHUNK * 3 + 5, 3 << 20], ids=["eager", "rendezvous"])
+async def test_ucx_device_out_cancelled_at_every_step_loses_nothing(engine: HostEngine, nbytes: int) -> None:
+    """A recv into device memory over ucx's device-pointer path cancelled after 0..14 loop
+    iterations (before the header, while waiting for the consumer's work, while UCX writes):
+    once the cancel returns its out= is never written again, and the next recv gets the message."""
+    data = _bytes(nbytes, 9)
+    cancelled = 0
+    async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        _ucx_device_lanes(a, b)
+        for spins in (0, 1, 2, 3, 4, 5, 6, 8, 10, 14):
+            out = _arr(engine, np.zeros_like(data))
+            recv = asyncio.ensure_future(b.recv(tag="o", out=out))
+            send = asyncio.ensure_future(a.send(_arr(engine, data), tag="o"))
+            for _ in range(spins):
+                await asyncio.sleep(0)
+            recv.cancel()
+            try:
+                await recv
+            except asyncio.CancelledError:
+                cancelled += 1
+                snapshot = out.array.copy()
+                second = _arr(engine, np.zeros_like(data))
+                # a rendezvous send waits for a recv to pull it: the next recv runs alongside
+                async with asyncio.timeout(10):
+                    await asyncio.gather(send, b.recv(tag="o", out=second))
+                for _ in range(20):
+                    await asyncio.sleep(0)
+                await asyncio.sleep(0.01)
+                assert np.array_equal(out.array, snapshot), f"out= written after its recv was cancelled ({spins})"
+                assert np.array_equal(second.array, data), f"message lost or corrupted after a cancel at {spins}"
+            else:
+                await asyncio.wait_for(send, 10)
+                assert np.array_equal(out.array, data)
+    assert cancelled >= 3, f"only {cancelled} of 10 recvs were cancelled before they completed"
+
+
 async def test_out_mismatch_on_a_device_tensor(engine: HostEngine) -> None:
     async with connected_pair("tcp") as (a, b):
         await a.send(_arr(engine, np.zeros(10, np.float32)), tag="x")

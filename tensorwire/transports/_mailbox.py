@@ -137,11 +137,13 @@ class Arrival:
         for spec, d in zip(self.specs, old, strict=True):
             if isinstance(d, DeviceTensor):
                 # a device buffer of our own on the same device; the copy of what landed queues
-                # after the landing copies, and the caller's stream waits for it
+                # after the landing copies (or after the transport's own writes by pointer,
+                # finished by now), and the caller's stream waits for it
                 mine = DeviceTensor(d.engine.empty(d.nbytes, d.stream), d.dtype, d.shape, spec.framework, d.stream)
-                if self.landing is not None:
-                    self.landing.copy(mine, d)
-                    self.landing.hand_back(d)
+                if self.landing is not None or self.written:
+                    landing = self.land()
+                    landing.copy(mine, d)
+                    landing.hand_back(d)
                 new.append(mine)
             else:
                 own = spec.allocate()
