@@ -8,7 +8,9 @@ The CUDA engine runs the same pipeline code; tests/gpu/test_cuda_p2p.py checks i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import threading
 import time
 import warnings
 
@@ -17,7 +19,7 @@ import pytest
 
 import tensorwire
 from tensorwire.errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
-from tensorwire.memory import HostEngine, StageIn, download, stage_out
+from tensorwire.memory import Event, HostEngine, StageIn, download, stage_out
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
 from tensorwire.testing import connected_pair
 from tensorwire.transports import Limits
@@ -380,6 +382,113 @@ async def test_ucx_device_out_cancelled_at_every_step_loses_nothing(engine: Host
                 await asyncio.wait_for(send, 10)
                 assert np.array_equal(out.array, data)
     assert cancelled >= 3, f"only {cancelled} of 10 recvs were cancelled before they completed"
+
+
+class _Gate(Event):
+    """An event the test completes by hand: a stream that waits for it is busy until then."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+
+    def open(self) -> None:
+        self._flag.set()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self) -> None:
+        self._flag.wait()
+
+
+@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
+@pytest.mark.parametrize("nbytes", [CHUNK * 3 + 5, 3 << 20], ids=["eager", "rendezvous"])
+async def test_ucx_device_recv_cancelled_while_its_stream_is_busy(engine: HostEngine, nbytes: int) -> None:
+    """UCX writes outside every stream, so ucx posts a receive into device memory only once the
+    consumer stream's earlier work is done. A recv cancelled while it waits for that posts
+    nothing into its out=, and the message goes whole to the next recv (an eager one is taken
+    into a buffer of ours as soon as the stream allows, without any recv)."""
+    stream = engine.stream()
+    gate = _Gate()
+    engine.stream_lane(stream).wait(gate)  # the consumer's stream is busy until the gate opens
+    data = _bytes(nbytes, 3)
+    try:
+        async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+            _ucx_device_lanes(a, b)
+            out = EngineArray(engine, np.zeros_like(data), stream=stream)
+            recv = asyncio.ensure_future(b.recv(tag="x", out=out))
+            send = asyncio.ensure_future(a.send(_arr(engine, data), tag="x"))
+            await asyncio.sleep(0.1)  # matched; the recv waits for its stream
+            assert not recv.done() and not send.done()
+            recv.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await recv
+            gate.open()
+            if nbytes <= 1 << 20:  # eager: received into a buffer of ours, no recv needed
+                await asyncio.wait_for(send, 10)
+            second = _arr(engine, np.zeros_like(data))
+            async with asyncio.timeout(10):
+                await asyncio.gather(send, b.recv(tag="x", out=second))
+            assert np.array_equal(second.array, data)
+            await asyncio.to_thread(engine.record_on(stream).synchronize)  # the stream's work done
+            assert not out.array.any(), "out= was written after its recv was cancelled"
+    finally:
+        gate.open()
+
+
+@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
+@pytest.mark.parametrize("cancel_first", [False, True], ids=["pending", "cancelled"])
+async def test_ucx_close_does_not_wait_for_a_busy_stream(engine: HostEngine, cancel_first: bool) -> None:
+    """Closing while ucx waits for a consumer stream that stays busy (a recv into its tensor, or
+    the buffer of ours that a cancelled recv's message went to) ends promptly: the recv fails
+    with ClosedResourceError, and the close waits for no stream."""
+    stream = engine.stream()
+    gate = _Gate()
+    engine.stream_lane(stream).wait(gate)  # never opened before the nodes are closed
+    data = _bytes(CHUNK * 3 + 5, 5)
+    try:
+        async with asyncio.timeout(10):
+            async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+                _ucx_device_lanes(a, b)
+                out = EngineArray(engine, np.zeros_like(data), stream=stream)
+                recv = asyncio.ensure_future(b.recv(tag="x", out=out))
+                send = asyncio.ensure_future(a.send(_arr(engine, data), tag="x"))
+                await asyncio.sleep(0.1)
+                if cancel_first:  # the message then goes to a buffer of ours, on the same stream
+                    recv.cancel()
+                    await asyncio.gather(recv, return_exceptions=True)
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
+            assert recv.done() and send.done()
+            if not cancel_first:
+                with pytest.raises(tensorwire.ClosedResourceError):
+                    recv.result()
+            assert not out.array.any()
+            with contextlib.suppress(BaseException):
+                send.result()
+    finally:
+        gate.open()
+
+
+async def test_recv_orders_the_consumer_stream_after_its_copies(engine: HostEngine) -> None:
+    """A recv into a tensor of a stream returns without waiting on the host: the copies wait
+    for the stream's earlier work, and the stream's later work waits for the copies (as on a
+    GPU). The message fits the staging ring: a larger one would wait for the stream, since a
+    chunk is reused only after its copy."""
+    stream = engine.stream()
+    gate = _Gate()
+    engine.stream_lane(stream).wait(gate)  # earlier work of the consumer, not done yet
+    data = _bytes(CHUNK * (DEPTH - 1) + 5, 4)
+    try:
+        async with connected_pair("tcp") as (a, b):
+            out = EngineArray(engine, np.zeros_like(data), stream=stream)
+            await asyncio.wait_for(asyncio.gather(a.send(_arr(engine, data), tag="x"), b.recv(tag="x", out=out)), 10)
+            await asyncio.sleep(0.05)
+            assert not out.array.any(), "copies into out= ran before the stream's earlier work"
+            gate.open()
+            await asyncio.to_thread(engine.record_on(stream).synchronize)
+            assert np.array_equal(out.array, data)
+    finally:
+        gate.open()
 
 
 async def test_out_mismatch_on_a_device_tensor(engine: HostEngine) -> None:

@@ -212,7 +212,9 @@ async def wait_event(engine: CopyEngine, event: Event) -> None:
 
     Asks once; then lets the loop run a few times (a chunk copy usually finishes within tens of
     microseconds of being asked for); then waits in the engine's waiter thread, which polls with
-    short sleeps so that it never holds the interpreter while the copy runs.
+    short sleeps so that it never holds the interpreter while the copy runs. A wait that is
+    cancelled stops polling too, so an event that never completes (a stuck stream) does not keep
+    one of the engine's few waiter threads busy.
     """
     if event.query():
         return
@@ -221,14 +223,18 @@ async def wait_event(engine: CopyEngine, event: Event) -> None:
         await asyncio.sleep(0)
         if event.query():
             return
+    gone = threading.Event()
 
     def poll() -> None:
         delay = 10e-6
-        while not event.query():
+        while not event.query() and not gone.is_set():
             time.sleep(delay)
             delay = min(delay * 2, 500e-6)
 
-    await engine.run_blocking(poll)
+    try:
+        await engine.run_blocking(poll)
+    finally:
+        gone.set()
 
 
 # --------------------------------------------------------------------------- the host engine
@@ -351,6 +357,7 @@ class HostEngine(CopyEngine):
         self.max_queued = 0  # most copies queued and not yet run at once (read-ahead, overlap)
         self._queued = 0
         self._all_lanes: list[_HostLane] = []
+        self._streams: dict[int, _HostLane] = {}
 
     def copy_queued(self, delta: int) -> None:
         with self._lock:
@@ -358,11 +365,12 @@ class HostEngine(CopyEngine):
             self.max_queued = max(self.max_queued, self._queued)
 
     def close(self) -> None:
-        """Stop every lane's thread (after what is queued on it)."""
+        """Stop every lane's thread (after what is queued on it), streams' too."""
         for lane in self._all_lanes:
             lane.stop()
         self._all_lanes.clear()
         self._lanes.clear()
+        self._streams.clear()
 
     def _new_lane(self) -> Lane:
         lane = _HostLane(self)
@@ -387,11 +395,30 @@ class HostEngine(CopyEngine):
             raise ValueError("host-engine buffers must be C-contiguous")
         return DeviceBuffer(self, int(arr.ctypes.data) if arr.size else 0, int(arr.nbytes), self.device, arr)
 
+    def stream(self) -> int:
+        """A new stream of this engine's, as a handle for ``EngineArray(..., stream=)``: a lane
+        that plays a framework's stream (a producer's or a consumer's), so that the staging code's
+        ordering against such streams runs here as on a GPU. Tensors without one have none, and a
+        recv into them waits for its copies on the host."""
+        lane = self._new_lane()
+        assert isinstance(lane, _HostLane)
+        self._streams[id(lane)] = lane
+        return id(lane)
+
+    def stream_lane(self, stream: int) -> Lane:
+        """The lane behind a handle from :meth:`stream` (to queue work of the framework's on it)."""
+        return self._streams[stream]
+
     def record_on(self, stream: int | None) -> Event:
-        return DONE
+        lane = None if stream is None else self._streams.get(stream)
+        return DONE if lane is None else lane.record()
 
     def stream_wait(self, stream: int | None, event: Event) -> bool:
-        return False
+        lane = None if stream is None else self._streams.get(stream)
+        if lane is None:
+            return False
+        lane.wait(event)
+        return True
 
     def scrub(self, chunk: HostChunk) -> None:
         if self.poison:

@@ -298,11 +298,12 @@ class EngineArray:
     the host engine in place of a GPU: what tests without a GPU send and receive (``out=``).
     """
 
-    def __init__(self, engine: HostEngine, array: np.ndarray) -> None:
+    def __init__(self, engine: HostEngine, array: np.ndarray, stream: int | None = None) -> None:
         if not array.flags.c_contiguous:
             raise UnsupportedTensorError("EngineArray needs a C-contiguous array")
         self.engine = engine
         self.array = array
+        self.stream = stream  # from engine.stream(): the framework stream it belongs to, or None
 
     def __repr__(self) -> str:
         return f"EngineArray({self.engine.name}, {self.array.dtype}{list(self.array.shape)})"
@@ -315,7 +316,15 @@ def device_source(obj: object) -> DeviceSource | None:
         a = obj.array
         name = dtype_name(a.dtype)
         return DeviceSource(
-            obj, "host-engine", obj.engine, name, tuple(a.shape), int(a.ctypes.data), tuple(a.strides), True, None
+            obj,
+            "host-engine",
+            obj.engine,
+            name,
+            tuple(a.shape),
+            int(a.ctypes.data),
+            tuple(a.strides),
+            True,
+            obj.stream,
         )
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):

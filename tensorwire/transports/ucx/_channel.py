@@ -141,6 +141,23 @@ async def _targets_ready(arrival: Arrival) -> None:
             await wait_event(t.engine, t.engine.record_on(t.stream))
 
 
+async def _until_targets_ready(arrival: Arrival) -> None:
+    """``_targets_ready``, cut short when ``arrival`` fails meanwhile (its channel closed or
+    broke: the streams may be busy for long, and nobody waits for them any more); raises that
+    failure then."""
+    ready = asyncio.ensure_future(_targets_ready(arrival))
+    try:
+        await asyncio.wait((ready, arrival.done), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not ready.done():
+            ready.cancel()
+    if not ready.done() or ready.cancelled():
+        if arrival.done.done() and not arrival.done.cancelled() and arrival.done.exception() is not None:
+            raise arrival.done.exception()  # type: ignore[misc]
+        raise TransferError("message ended before its device destination was ready")
+    ready.result()
+
+
 def _on_device(arrival: Arrival) -> bool:
     return arrival.dest is not None and any(isinstance(d, DeviceTensor) for d in arrival.dest)
 
@@ -632,7 +649,7 @@ class UcxChannel(Channel):
 
     async def _post_when_ready(self, arrival: Arrival) -> None:
         try:
-            await _targets_ready(arrival)
+            await _until_targets_ready(arrival)
         except Exception as exc:
             arrival.fail(TransferError(f"device destination not ready: {exc!r}"))
             return
@@ -676,7 +693,16 @@ class UcxChannel(Channel):
     async def pull(self, arrival: Arrival) -> None:
         self.check_open()
         if _on_device(arrival) and arrival.msg_id in self._waiting:
-            await _targets_ready(arrival)  # before anything changes: a cancel here loses nothing
+            try:
+                await _until_targets_ready(arrival)  # before anything changes: a cancel here loses nothing
+            except BaseException:
+                # nothing was posted: the next recv pulls the message afresh, and an eager one
+                # is received into a buffer of ours meanwhile, so that its sender is not held up
+                arrival.pulling = False
+                entry = self._waiting.get(arrival.msg_id)
+                if entry is not None and entry[0] is arrival and not entry[1]:
+                    self._loop.call_soon(self._check_pulled, arrival)
+                raise
             self.check_open()
         entry = self._waiting.pop(arrival.msg_id, None)
         if entry is None:
