@@ -37,25 +37,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tensorwire
 
 import numpy as np
+from _sizes import GiB, MiB, fmt_size, parse_size
 
 import tensorwire
 
-MiB = 1 << 20
-GiB = 1 << 30
-UNITS = {"K": 1 << 10, "M": MiB, "G": GiB}
 DEFAULT_SIZES = "1M,16M,256M,1G,4G"
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
-
-
-def fmt_size(n: int) -> str:
-    for unit, v in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= v and n % v == 0:
-            return f"{n // v} {unit}"
-    return f"{n} B"
 
 
 def repeats(n: int) -> int:

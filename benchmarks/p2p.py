@@ -32,24 +32,12 @@ import time
 import crc32c
 import grpc
 import numpy as np
+from _sizes import fmt_size, parse_size
 
 import tensorwire
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
-
-
-def fmt_size(n: int) -> str:
-    for unit, v in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= v and n % v == 0:
-            return f"{n // v} {unit}"
-    return f"{n} B"
 
 
 def _identity(b: bytes) -> bytes:
