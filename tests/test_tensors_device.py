@@ -10,16 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import threading
 import time
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import tensorwire
 from tensorwire.errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
-from tensorwire.memory import Event, HostEngine, StageIn, download, stage_out
+from tensorwire.memory import HostEngine, StageIn, download, stage_out
+from tensorwire.memory._engine import _HostEvent
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
 from tensorwire.testing import connected_pair
 from tensorwire.transports import Limits
@@ -384,20 +385,17 @@ async def test_ucx_device_out_cancelled_at_every_step_loses_nothing(engine: Host
     assert cancelled >= 3, f"only {cancelled} of 10 recvs were cancelled before they completed"
 
 
-class _Gate(Event):
-    """An event the test completes by hand: a stream that waits for it is busy until then."""
-
-    def __init__(self) -> None:
-        self._flag = threading.Event()
-
-    def open(self) -> None:
-        self._flag.set()
-
-    def query(self) -> bool:
-        return self._flag.is_set()
-
-    def synchronize(self) -> None:
-        self._flag.wait()
+@contextlib.contextmanager
+def _busy_stream(engine: HostEngine) -> Iterator[tuple[int, _HostEvent]]:
+    """A stream of ``engine``'s that stays busy until the event it yields is set (earlier work
+    of the framework's on it); set on the way out in any case, so no lane thread is left waiting."""
+    stream = engine.stream()
+    gate = _HostEvent()
+    engine.stream_lane(stream).wait(gate)
+    try:
+        yield stream, gate
+    finally:
+        gate.set()
 
 
 @pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
@@ -407,11 +405,8 @@ async def test_ucx_device_recv_cancelled_while_its_stream_is_busy(engine: HostEn
     consumer stream's earlier work is done. A recv cancelled while it waits for that posts
     nothing into its out=, and the message goes whole to the next recv (an eager one is taken
     into a buffer of ours as soon as the stream allows, without any recv)."""
-    stream = engine.stream()
-    gate = _Gate()
-    engine.stream_lane(stream).wait(gate)  # the consumer's stream is busy until the gate opens
     data = _bytes(nbytes, 3)
-    try:
+    with _busy_stream(engine) as (stream, gate):  # the consumer's stream is busy until the gate opens
         async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
             _ucx_device_lanes(a, b)
             out = EngineArray(engine, np.zeros_like(data), stream=stream)
@@ -422,7 +417,7 @@ async def test_ucx_device_recv_cancelled_while_its_stream_is_busy(engine: HostEn
             recv.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await recv
-            gate.open()
+            gate.set()
             if nbytes <= 1 << 20:  # eager: received into a buffer of ours, no recv needed
                 await asyncio.wait_for(send, 10)
             second = _arr(engine, np.zeros_like(data))
@@ -431,8 +426,6 @@ async def test_ucx_device_recv_cancelled_while_its_stream_is_busy(engine: HostEn
             assert np.array_equal(second.array, data)
             await asyncio.to_thread(engine.record_on(stream).synchronize)  # the stream's work done
             assert not out.array.any(), "out= was written after its recv was cancelled"
-    finally:
-        gate.open()
 
 
 @pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
@@ -441,11 +434,8 @@ async def test_ucx_close_does_not_wait_for_a_busy_stream(engine: HostEngine, can
     """Closing while ucx waits for a consumer stream that stays busy (a recv into its tensor, or
     the buffer of ours that a cancelled recv's message went to) ends promptly: the recv fails
     with ClosedResourceError, and the close waits for no stream."""
-    stream = engine.stream()
-    gate = _Gate()
-    engine.stream_lane(stream).wait(gate)  # never opened before the nodes are closed
     data = _bytes(CHUNK * 3 + 5, 5)
-    try:
+    with _busy_stream(engine) as (stream, _):  # never free before the nodes are closed
         async with asyncio.timeout(10):
             async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
                 _ucx_device_lanes(a, b)
@@ -465,8 +455,6 @@ async def test_ucx_close_does_not_wait_for_a_busy_stream(engine: HostEngine, can
             assert not out.array.any()
             with contextlib.suppress(BaseException):
                 send.result()
-    finally:
-        gate.open()
 
 
 async def test_recv_orders_the_consumer_stream_after_its_copies(engine: HostEngine) -> None:
@@ -474,21 +462,16 @@ async def test_recv_orders_the_consumer_stream_after_its_copies(engine: HostEngi
     for the stream's earlier work, and the stream's later work waits for the copies (as on a
     GPU). The message fits the staging ring: a larger one would wait for the stream, since a
     chunk is reused only after its copy."""
-    stream = engine.stream()
-    gate = _Gate()
-    engine.stream_lane(stream).wait(gate)  # earlier work of the consumer, not done yet
     data = _bytes(CHUNK * (DEPTH - 1) + 5, 4)
-    try:
+    with _busy_stream(engine) as (stream, gate):  # earlier work of the consumer, not done yet
         async with connected_pair("tcp") as (a, b):
             out = EngineArray(engine, np.zeros_like(data), stream=stream)
             await asyncio.wait_for(asyncio.gather(a.send(_arr(engine, data), tag="x"), b.recv(tag="x", out=out)), 10)
             await asyncio.sleep(0.05)
             assert not out.array.any(), "copies into out= ran before the stream's earlier work"
-            gate.open()
+            gate.set()
             await asyncio.to_thread(engine.record_on(stream).synchronize)
             assert np.array_equal(out.array, data)
-    finally:
-        gate.open()
 
 
 async def test_out_mismatch_on_a_device_tensor(engine: HostEngine) -> None:

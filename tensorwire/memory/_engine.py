@@ -372,7 +372,7 @@ class HostEngine(CopyEngine):
         self._lanes.clear()
         self._streams.clear()
 
-    def _new_lane(self) -> Lane:
+    def _new_lane(self) -> _HostLane:
         lane = _HostLane(self)
         self._all_lanes.append(lane)
         return lane
@@ -401,7 +401,6 @@ class HostEngine(CopyEngine):
         ordering against such streams runs here as on a GPU. Tensors without one have none, and a
         recv into them waits for its copies on the host."""
         lane = self._new_lane()
-        assert isinstance(lane, _HostLane)
         self._streams[id(lane)] = lane
         return id(lane)
 

@@ -135,27 +135,25 @@ def _payload(part: memoryview | DeviceTensor | np.ndarray) -> Any:
 
 async def _targets_ready(arrival: Arrival) -> None:
     """Wait (on the host, without blocking the loop) for the consumer streams' work on the
-    device destinations of ``arrival``: UCX writes outside every stream."""
-    for t in arrival.dest or ():
-        if isinstance(t, DeviceTensor) and t.stream is not None:
-            await wait_event(t.engine, t.engine.record_on(t.stream))
+    device destinations of ``arrival``: UCX writes outside every stream. Cut short when
+    ``arrival`` fails meanwhile (its channel closed or broke: the streams may stay busy for long,
+    and nobody waits for them any more), raising that failure."""
 
+    async def streams() -> None:
+        for t in arrival.dest or ():
+            if isinstance(t, DeviceTensor) and t.stream is not None:
+                await wait_event(t.engine, t.engine.record_on(t.stream))
 
-async def _until_targets_ready(arrival: Arrival) -> None:
-    """``_targets_ready``, cut short when ``arrival`` fails meanwhile (its channel closed or
-    broke: the streams may be busy for long, and nobody waits for them any more); raises that
-    failure then."""
-    ready = asyncio.ensure_future(_targets_ready(arrival))
+    ready = asyncio.ensure_future(streams())
     try:
         await asyncio.wait((ready, arrival.done), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not ready.done():
-            ready.cancel()
-    if not ready.done() or ready.cancelled():
-        if arrival.done.done() and not arrival.done.cancelled() and arrival.done.exception() is not None:
-            raise arrival.done.exception()  # type: ignore[misc]
-        raise TransferError("message ended before its device destination was ready")
-    ready.result()
+        ready.cancel()  # a no-op once it is done
+    if ready.done() and not ready.cancelled():
+        ready.result()
+        return
+    arrival.done.result()  # raises the message's failure
+    raise TransferError("message ended before its device destination was ready")
 
 
 def _on_device(arrival: Arrival) -> bool:
@@ -649,7 +647,7 @@ class UcxChannel(Channel):
 
     async def _post_when_ready(self, arrival: Arrival) -> None:
         try:
-            await _until_targets_ready(arrival)
+            await _targets_ready(arrival)
         except Exception as exc:
             arrival.fail(TransferError(f"device destination not ready: {exc!r}"))
             return
@@ -694,7 +692,7 @@ class UcxChannel(Channel):
         self.check_open()
         if _on_device(arrival) and arrival.msg_id in self._waiting:
             try:
-                await _until_targets_ready(arrival)  # before anything changes: a cancel here loses nothing
+                await _targets_ready(arrival)  # before anything changes: a cancel here loses nothing
             except BaseException:
                 # nothing was posted: the next recv pulls the message afresh, and an eager one
                 # is received into a buffer of ours meanwhile, so that its sender is not held up
