@@ -232,6 +232,20 @@ async def parent(args: argparse.Namespace) -> int:
     return 1 if broke else 0
 
 
+def _no_gpu() -> str:
+    """Why this machine cannot run the benchmark, or "" when it can."""
+    from tensorwire.memory._cuda import cuda_device_count
+
+    try:
+        import cupy  # noqa: F401
+        import torch
+    except ImportError as exc:
+        return f"needs CuPy, torch and a CUDA GPU ({exc})"
+    if cuda_device_count() == 0 or not torch.cuda.is_available():
+        return "needs a CUDA GPU that both CuPy and torch can use, and there is none here"
+    return ""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes, e.g. 1M,16M,1G")
@@ -245,6 +259,10 @@ def main() -> int:
     if args.child:
         asyncio.run(child(args))
         return 0
+    why = _no_gpu()
+    if why:
+        print(f"gpu_p2p: {why}", file=sys.stderr)
+        return 2
     rc = asyncio.run(parent(args))
     if args.json:
         Path(args.json).write_text(json.dumps(args.result))

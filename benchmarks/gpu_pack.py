@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"gpu_pack: needs CuPy and a CUDA GPU ({exc})", file=sys.stderr)
         return 2
+    from tensorwire.memory._cuda import cuda_device_count
+
+    if cuda_device_count() == 0:
+        print("gpu_pack: needs a CUDA GPU, and CuPy sees none here", file=sys.stderr)
+        return 2
 
     from tensorwire.native import pack, unpack
     from tensorwire.native._pack import _plan

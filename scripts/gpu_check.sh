@@ -90,9 +90,49 @@ else
     echo "all present"
 fi
 
+ucx_wheels() {  # the carried ucxx wheels to install, less those the machine's image has already
+    "$PY" - <<'EOF'
+# cuda-bindings, cuda-core, cuda-pathfinder and nvidia-ml-py come with the GPU image, where CuPy
+# and torch use them; a carried copy first on PYTHONPATH would shadow them. So a carried wheel is
+# installed only when its package is absent here, or its version here fails what the other
+# carried wheels require of it.
+import pathlib, re, sys, zipfile
+from email.parser import Parser
+from importlib import metadata
+try:
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.version import Version
+
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+wheels = sorted(pathlib.Path(".whl-ucx").glob("*.whl")) + sorted(pathlib.Path(".whl-libucx").glob("*.whl"))
+needs = {}
+for wheel in wheels:
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                needs.setdefault(norm(req.name), []).append(req.specifier)
+for wheel in wheels:
+    name, version = wheel.name.split("-")[:2]
+    try:
+        here = Version(metadata.version(name))
+    except metadata.PackageNotFoundError:
+        print(wheel)
+        continue
+    if all(here in spec for spec in needs.get(norm(name), [])):
+        print(f"ucxx: keeping this machine's {name} {here} (carried: {version})", file=sys.stderr)
+    else:
+        print(wheel)
+EOF
+}
+
 # ucxx for the ucx cuda rows: from the index, or from the folders scripts/gpu_wheels.sh fills
 if ! "$PY" -c 'import ucxx' 2>/dev/null; then
-    UCX_WHEELS=$(ls .whl-ucx/*.whl .whl-libucx/*.whl 2>/dev/null || true)
+    UCX_WHEELS=$(ucx_wheels)
     if [ -n "$UCX_WHEELS" ]; then
         echo "ucxx: installing carried wheels: $(echo $UCX_WHEELS | xargs -n1 basename | tr '\n' ' ')"
         # shellcheck disable=SC2086
