@@ -168,6 +168,24 @@ def test_ucx_config_rejects_bad_options() -> None:
         pass
 
 
+async def test_context_defaults_yield_to_the_callers_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tensorwire's own UCX defaults (MEMTYPE_CACHE=n, as ucxx sets on import) reach a real
+    context, which accepts them; a node's ucx_options and a UCX_* variable of the same name win."""
+
+    async def options(**node_options: str) -> dict[str, str]:
+        async with tensorwire.start(transports=("ucx",), ucx_options=node_options) as node:
+            assert "ucx" in node.offers, node.unusable
+            return dict(node.transports["ucx"].worker.options)  # type: ignore[attr-defined]
+
+    monkeypatch.delenv("UCX_MEMTYPE_CACHE", raising=False)
+    got = await options()
+    assert got["MEMTYPE_CACHE"] == "n" and got["WARN_UNUSED_ENV_VARS"] == "n", got
+    assert (await options(MEMTYPE_CACHE="try"))["MEMTYPE_CACHE"] == "try"
+    monkeypatch.setenv("UCX_MEMTYPE_CACHE", "y")
+    assert "MEMTYPE_CACHE" not in await options()  # the environment's value applies
+    assert (await options(MEMTYPE_CACHE="n"))["MEMTYPE_CACHE"] == "n"
+
+
 def _run(code: str, timeout: float = 12) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, check=False

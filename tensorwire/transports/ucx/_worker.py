@@ -33,8 +33,14 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Worker", "context_resources", "import_ucxx", "ucx_config", "ucx_options"]
 
-# Options every tensorwire UCX context gets (the caller's ucx_config() entries win).
-_BASE_OPTIONS: dict[str, str] = {"WARN_UNUSED_ENV_VARS": "n"}
+# Options every tensorwire UCX context gets, unless the caller says otherwise: ucx_config() or a
+# node's ucx_options, or a UCX_* environment variable of the same name.
+# MEMTYPE_CACHE=n: UCX learns that an address is CUDA memory from its memory-type cache, which is
+# filled by intercepting CUDA allocations; an allocation it missed (a driver entry point reached
+# through cuGetProcAddress, a statically linked runtime) is then taken for host memory. ucxx sets
+# the same on import (and tensorwire undoes ucxx's environment edits), UCX's own GPU notes and
+# ucx-py's configuration page list it; each send and receive then asks the driver instead.
+_BASE_OPTIONS: dict[str, str] = {"WARN_UNUSED_ENV_VARS": "n", "MEMTYPE_CACHE": "n"}
 _OPTIONS: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
     "tensorwire_ucx_options", default=()
 )
@@ -84,8 +90,9 @@ def ucx_config(**options: str) -> Iterator[None]:
 
 
 def ucx_options() -> dict[str, str]:
-    """The UCX options a context created here and now would get."""
-    return {**_BASE_OPTIONS, **dict(_OPTIONS.get())}
+    """The UCX options a context created here and now would get (on top of UCX_* variables)."""
+    base = {k: v for k, v in _BASE_OPTIONS.items() if f"UCX_{k}" not in os.environ}
+    return {**base, **dict(_OPTIONS.get())}
 
 
 _RESOURCE = re.compile(r"resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+\s+(\S+)/(\S+)")
