@@ -4,11 +4,14 @@ for host memory, ucx (cuda_ipc) where ucxx is installed, and the device's own co
     python benchmarks/gpu_p2p.py [--sizes 1M,16M,256M,1G,4G] [--chunk 4M] [--depth 8] [--json out.json]
 
 This process sends; a child process (started here) receives on the same GPU. For each size and
-memory kind the sender sends one tensor and the receiver lands it in a preallocated tensor of
-the same kind (``recv(out=...)``), makes its stream wait for the copies (a CUDA receive
-synchronizes its current stream before it answers), and answers with one small message; a
-transfer's time runs from ``send`` to that answer, so it counts delivered bytes only. The last
-transfer of each row is checked (the receiver sums the bytes it holds).
+memory kind the sender sends a batch of ``window`` tensors back to back, as a training loop
+streams activations, and the receiver lands each in a preallocated tensor of the same kind
+(``recv(out=...)``) and waits for its current stream after each (a CUDA receive), then answers the
+batch with one small message. A batch's time runs from its first ``send`` to that answer, so it
+counts delivered bytes only; a transfer's time is the batch's over ``window``. The one answer per
+batch is how bandwidth tools (osu_bw, ucx_perftest's tag_bw) keep a round trip out of every
+transfer; ``--window 1`` times every transfer to its own answer instead. The last batch of each
+row is checked (the receiver sums the bytes it holds).
 
 Rows, all from one run:
 
@@ -17,8 +20,8 @@ Rows, all from one run:
   tcp cuda         tensorwire tcp, torch CUDA tensors, staged through pinned chunks
   ucx cuda         tensorwire ucx, torch CUDA tensors (cuda_ipc on one node), when ucxx is here
 
-GB/s counts the tensor's bytes once (1 GB = 1e9 bytes), median over the repeats after one
-warm-up. Goals from issue #8: tcp cuda >= 0.8x tcp host; ucx cuda >= 0.7x the d2d copy at 1 GiB.
+GB/s counts the tensor's bytes once (1 GB = 1e9 bytes), median over the batches after one
+warm-up transfer. Goals from issue #8: tcp cuda >= 0.8x tcp host; ucx cuda >= 0.7x the d2d copy at 1 GiB.
 Speed is never asserted: the script prints PASS/MISS and exits 0 unless a transfer broke.
 """
 
@@ -44,8 +47,10 @@ import tensorwire
 DEFAULT_SIZES = "1M,16M,256M,1G,4G"
 
 
-def repeats(n: int) -> int:
-    return 20 if n <= 16 * MiB else 8 if n <= 256 * MiB else 4 if n <= GiB else 2
+def plan(n: int, window: int | None) -> tuple[int, int]:
+    """(transfers per batch, timed batches) for a tensor of ``n`` bytes."""
+    w, batches = (5, 4) if n <= 16 * MiB else (4, 2) if n <= GiB else (2, 2)
+    return (window or w), batches
 
 
 def _configure(chunk: int, depth: int) -> None:
@@ -72,18 +77,19 @@ async def child(args: argparse.Namespace) -> None:
                 cmd = await peer.recv(tag="cmd")
                 if cmd == "next":
                     break
-                kind, nbytes, count = cmd
+                kind, nbytes, batches = cmd
                 if kind == "cuda":
                     out: Any = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
                 else:
                     out = np.empty(nbytes, np.uint8)
                 await peer.send("ready", tag="ack")
-                for i in range(count):
-                    await peer.recv(tag="data", out=out)
-                    if kind == "cuda":
-                        torch.cuda.current_stream().synchronize()  # the bytes are really in place
+                for b, window in enumerate(batches):
+                    for _ in range(window):
+                        await peer.recv(tag="data", out=out)
+                        if kind == "cuda":
+                            torch.cuda.current_stream().synchronize()  # the bytes are really in place
                     total = -1
-                    if i == count - 1:
+                    if b == len(batches) - 1:
                         total = int(out.sum(dtype=torch.int64)) if kind == "cuda" else int(out.sum(dtype=np.int64))
                     await peer.send(total, tag="ack")
                 del out
@@ -91,20 +97,23 @@ async def child(args: argparse.Namespace) -> None:
 
 
 # -- the sending parent -----------------------------------------------------------------------------
-async def transfer(peer: Any, kind: str, x: Any, count: int, want: int) -> tuple[list[float], Any]:
-    """``count`` timed transfers of ``x`` after one warm-up (checks the receiver's byte sum);
-    the times and the last send's receipt (which path the bytes took)."""
-    await peer.send((kind, int(x.nbytes), count + 1), tag="cmd")
+async def transfer(peer: Any, kind: str, x: Any, window: int, batches: int, want: int) -> tuple[list[float], Any]:
+    """One warm-up transfer of ``x``, then ``batches`` timed batches of ``window`` transfers (the
+    last checked against the receiver's byte sum); the time per transfer of each batch, and the
+    last send's receipt (which path the bytes took)."""
+    schedule = [1] + [window] * batches
+    await peer.send((kind, int(x.nbytes), schedule), tag="cmd")
     assert await peer.recv(tag="ack") == "ready"
     times = []
-    for i in range(count + 1):
+    for b, count in enumerate(schedule):
         t0 = time.perf_counter()
-        receipt = await peer.send(x, tag="data")
+        for _ in range(count):
+            receipt = await peer.send(x, tag="data")
         total = await peer.recv(tag="ack")
         dt = time.perf_counter() - t0
-        if i:
-            times.append(dt)
-        if i == count and total != want:
+        if b:
+            times.append(dt / count)
+        if b == len(schedule) - 1 and total != want:
             raise RuntimeError(f"{kind} {fmt_size(int(x.nbytes))}: receiver holds byte sum {total}, sent {want}")
     return times, receipt
 
@@ -166,16 +175,16 @@ async def parent(args: argparse.Namespace) -> int:
                 for n in sizes:
                     x = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
                     want = int(x.sum(dtype=torch.int64))
-                    count = repeats(n)
+                    window, batches = plan(n, args.window)
                     if t == "tcp":
-                        rows[n]["d2d copy"] = n / d2d_seconds(torch, x, count) / 1e9
+                        rows[n]["d2d copy"] = n / d2d_seconds(torch, x, max(window * batches, 5)) / 1e9
                         host = x.cpu().numpy()
                         kinds = [("tcp host", "host", host), ("tcp cuda", "cuda", x)]
                     else:
                         kinds = [("ucx cuda", "cuda", x)]
                     for label, kind, obj in kinds:
                         try:
-                            times, receipt = await transfer(peer, kind, obj, count, want)
+                            times, receipt = await transfer(peer, kind, obj, window, batches, want)
                             rows[n][label] = n / statistics.median(times) / 1e9
                             how[label] = (
                                 f"{receipt.transport} memory={receipt.memory} staged={receipt.staged} "
@@ -223,7 +232,8 @@ async def parent(args: argparse.Namespace) -> int:
             line += f" {u:13.2f} | {u / r.get('d2d copy', float('nan')):6.2f}x |"
         print(line)
     print(
-        "\nGB/s: the tensor's bytes once per transfer, median of the repeats after a warm-up; "
+        f"\nGB/s: the tensor's bytes once per transfer, median over batches of {args.window or 'a few'} "
+        "back-to-back transfers each answered once, after a warm-up; "
         "cuda/host: tcp cuda over tcp host (goal >= 0.8x); ucx/d2d: ucx over the device's own copy "
         "(goal >= 0.7x at 1 GiB)."
     )
@@ -251,6 +261,9 @@ def main() -> int:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes, e.g. 1M,16M,1G")
     parser.add_argument("--chunk", type=parse_size, default=4 * MiB, help="staging chunk size")
     parser.add_argument("--depth", type=int, default=8, help="staging chunks per direction")
+    parser.add_argument(
+        "--window", type=int, help="transfers per timed batch (default: 5, 4 or 2 by size; 1: each transfer answered)"
+    )
     parser.add_argument("--no-ucx", action="store_true", help="skip the ucx rows even where ucxx is installed")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
