@@ -22,7 +22,7 @@ from tensorwire.errors import ConfigurationError, ShapeMismatchError, Unsupporte
 from tensorwire.memory import HostEngine, StageIn, download, stage_out
 from tensorwire.memory._engine import _HostEvent
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
-from tensorwire.testing import connected_pair
+from tensorwire.testing import connected_pair, exchange
 from tensorwire.transports import Limits
 
 CHUNK = 64 * 1024
@@ -246,24 +246,6 @@ def _arr(engine: HostEngine, data: np.ndarray) -> EngineArray:
     return EngineArray(engine, data)
 
 
-async def _exchange(
-    a: tensorwire.Peer, b: tensorwire.Peer, src: object, out: object, order: str
-) -> tuple[object, tensorwire.Receipt, tensorwire.Receipt]:
-    """Send ``src`` from a to b's ``recv(out=out)``, the recv posted first or the send started
-    first; the recv's value, the send's receipt and the recv's receipt."""
-    if order == "recv-first":
-        recv = asyncio.ensure_future(b.recv_with_receipt(tag="x", out=out))
-        await asyncio.sleep(0.01)
-        sent = await a.send(src, tag="x")
-        got, receipt = await recv
-    else:
-        send = asyncio.ensure_future(a.send(src, tag="x"))
-        await asyncio.sleep(0.05)
-        got, receipt = await b.recv_with_receipt(tag="x", out=out)
-        sent = await send
-    return got, sent, receipt
-
-
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "crc32c"])
 @pytest.mark.parametrize("nbytes", [1, 1000, CHUNK * 5 + 7, 3 << 20])
 @pytest.mark.parametrize("order", ["recv-first", "send-first"])
@@ -272,7 +254,7 @@ async def test_tcp_staged_roundtrip(engine: HostEngine, nbytes: int, order: str,
     data = _bytes(nbytes, nbytes).view(np.uint8)
     async with connected_pair("tcp", limits=limits, checksum=checksum) as (a, b):
         out = _arr(engine, np.zeros(nbytes, np.uint8))
-        got, sent, receipt = await _exchange(a, b, _arr(engine, data), out, order)
+        got, sent, receipt = await exchange(a, b, _arr(engine, data), out, order)
         assert got is out
         assert np.array_equal(out.array, data)
         assert sent.staged and sent.memory == "host-engine" and not sent.direct
@@ -336,7 +318,7 @@ async def test_ucx_device_pointer_path(engine: HostEngine, nbytes: int, order: s
     async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
         _ucx_device_lanes(a, b)
         out = _arr(engine, np.zeros(nbytes, np.uint8))
-        got, sent, receipt = await _exchange(a, b, _arr(engine, data), out, order)
+        got, sent, receipt = await exchange(a, b, _arr(engine, data), out, order)
         assert got is out and np.array_equal(out.array, data)
         # the sender posts the tensor's own memory: no staging copy, whatever the receiver does
         assert sent.memory == "host-engine" and not sent.staged and sent.direct

@@ -9,9 +9,10 @@
 
 A check takes two connected peers (``a`` connected to ``b``) and raises AssertionError (or an
 error from the tree) when the transport breaks the contract. Some checks need tight limits; they
-carry them in ``LIMITS`` and ``connected_pair`` applies them.
+carry them in ``LIMITS`` and ``connected_pair`` applies them. ``exchange`` sends one message
+from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send started first.
 """
 
-from ._conformance import CHECKS, LIMITS, connected_pair
+from ._conformance import CHECKS, LIMITS, connected_pair, exchange
 
-__all__ = ["CHECKS", "LIMITS", "connected_pair"]
+__all__ = ["CHECKS", "LIMITS", "connected_pair", "exchange"]

@@ -13,9 +13,9 @@ from .._node import start
 from .._peer import Peer
 from ..errors import ClosedResourceError, PeerDisconnected, ShapeMismatchError, TensorWireError
 from ..tensors import DTYPES
-from ..transports import Limits
+from ..transports import Limits, Receipt
 
-__all__ = ["CHECKS", "LIMITS", "connected_pair"]
+__all__ = ["CHECKS", "LIMITS", "connected_pair", "exchange"]
 
 Check = Callable[[Peer, Peer], Awaitable[None]]
 CHECKS: dict[str, Check] = {}
@@ -49,6 +49,25 @@ async def connected_pair(
         assert a.path.transport == transport, a.path
         assert b.path.transport == transport, b.path
         yield a, b
+
+
+async def exchange(a: Peer, b: Peer, src: Any, out: Any, order: str, tag: Any = "x") -> tuple[Any, Receipt, Receipt]:
+    """Send ``src`` from ``a`` to ``b``'s ``recv(out=out)``, with the recv posted first
+    (``order="recv-first"``) or the send started first (``"send-first"``, eager messages then
+    arrive before their recv); the recv's value, the send's receipt and the recv's receipt."""
+    if order == "recv-first":
+        recv = asyncio.ensure_future(b.recv_with_receipt(tag=tag, out=out))
+        await asyncio.sleep(0.01)
+        sent = await a.send(src, tag=tag)
+        got, receipt = await recv
+    elif order == "send-first":
+        send = asyncio.ensure_future(a.send(src, tag=tag))
+        await asyncio.sleep(0.05)
+        got, receipt = await b.recv_with_receipt(tag=tag, out=out)
+        sent = await send
+    else:
+        raise ValueError(f"order must be 'recv-first' or 'send-first', not {order!r}")
+    return got, sent, receipt
 
 
 def _rand(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
