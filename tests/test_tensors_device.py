@@ -22,7 +22,7 @@ from tensorwire.errors import ConfigurationError, ShapeMismatchError, Unsupporte
 from tensorwire.memory import HostEngine, StageIn, download, stage_out
 from tensorwire.memory._engine import _HostEvent
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
-from tensorwire.testing import connected_pair, exchange
+from tensorwire.testing import cancel_recv_at_every_step, connected_pair, exchange
 from tensorwire.transports import Limits
 
 CHUNK = 64 * 1024
@@ -337,33 +337,11 @@ async def test_ucx_device_out_cancelled_at_every_step_loses_nothing(engine: Host
     iterations (before the header, while waiting for the consumer's work, while UCX writes):
     once the cancel returns its out= is never written again, and the next recv gets the message."""
     data = _bytes(nbytes, 9)
-    cancelled = 0
     async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
         _ucx_device_lanes(a, b)
-        for spins in (0, 1, 2, 3, 4, 5, 6, 8, 10, 14):
-            out = _arr(engine, np.zeros_like(data))
-            recv = asyncio.ensure_future(b.recv(tag="o", out=out))
-            send = asyncio.ensure_future(a.send(_arr(engine, data), tag="o"))
-            for _ in range(spins):
-                await asyncio.sleep(0)
-            recv.cancel()
-            try:
-                await recv
-            except asyncio.CancelledError:
-                cancelled += 1
-                snapshot = out.array.copy()
-                second = _arr(engine, np.zeros_like(data))
-                # a rendezvous send waits for a recv to pull it: the next recv runs alongside
-                async with asyncio.timeout(10):
-                    await asyncio.gather(send, b.recv(tag="o", out=second))
-                for _ in range(20):
-                    await asyncio.sleep(0)
-                await asyncio.sleep(0.01)
-                assert np.array_equal(out.array, snapshot), f"out= written after its recv was cancelled ({spins})"
-                assert np.array_equal(second.array, data), f"message lost or corrupted after a cancel at {spins}"
-            else:
-                await asyncio.wait_for(send, 10)
-                assert np.array_equal(out.array, data)
+        cancelled = await cancel_recv_at_every_step(
+            a, b, _arr(engine, data), lambda: _arr(engine, np.zeros_like(data)), lambda t: t.array.copy()
+        )
     assert cancelled >= 3, f"only {cancelled} of 10 recvs were cancelled before they completed"
 
 

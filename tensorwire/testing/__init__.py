@@ -10,9 +10,11 @@
 A check takes two connected peers (``a`` connected to ``b``) and raises AssertionError (or an
 error from the tree) when the transport breaks the contract. Some checks need tight limits; they
 carry them in ``LIMITS`` and ``connected_pair`` applies them. ``exchange`` sends one message
-from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send started first.
+from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send started first;
+``cancel_recv_at_every_step`` cancels such recvs at every step of a transfer and checks that
+nothing is lost and no cancelled ``out=`` is written afterwards.
 """
 
-from ._conformance import CHECKS, LIMITS, connected_pair, exchange
+from ._conformance import CHECKS, LIMITS, cancel_recv_at_every_step, connected_pair, exchange
 
-__all__ = ["CHECKS", "LIMITS", "connected_pair", "exchange"]
+__all__ = ["CHECKS", "LIMITS", "cancel_recv_at_every_step", "connected_pair", "exchange"]

@@ -15,7 +15,7 @@ from ..errors import ClosedResourceError, PeerDisconnected, ShapeMismatchError, 
 from ..tensors import DTYPES
 from ..transports import Limits, Receipt
 
-__all__ = ["CHECKS", "LIMITS", "connected_pair", "exchange"]
+__all__ = ["CHECKS", "LIMITS", "cancel_recv_at_every_step", "connected_pair", "exchange"]
 
 Check = Callable[[Peer, Peer], Awaitable[None]]
 CHECKS: dict[str, Check] = {}
@@ -68,6 +68,48 @@ async def exchange(a: Peer, b: Peer, src: Any, out: Any, order: str, tag: Any = 
     else:
         raise ValueError(f"order must be 'recv-first' or 'send-first', not {order!r}")
     return got, sent, receipt
+
+
+async def cancel_recv_at_every_step(
+    a: Peer,
+    b: Peer,
+    src: Any,
+    new_out: Callable[[], Any],
+    contents: Callable[[Any], np.ndarray],
+    tag: Any = "o",
+) -> int:
+    """Send ``src`` from ``a`` ten times, each into a recv of ``b``'s into ``new_out()`` that is
+    cancelled after 0..14 loop iterations (before the header came, while it waits for the
+    consumer's work, while the bytes land). Once a cancel returns, that ``out=`` is never written
+    again, and the next recv gets the whole message; it runs alongside the send, so rendezvous
+    messages are covered too. ``contents`` gives a tensor's bytes as a host array. Returns how
+    many of the recvs the cancel reached before they completed."""
+    want = contents(src)
+    cancelled = 0
+    for spins in (0, 1, 2, 3, 4, 5, 6, 8, 10, 14):
+        out = new_out()
+        recv = asyncio.ensure_future(b.recv(tag=tag, out=out))
+        send = asyncio.ensure_future(a.send(src, tag=tag))
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        recv.cancel()
+        try:
+            await recv
+        except asyncio.CancelledError:
+            cancelled += 1
+            snapshot = contents(out)
+            second = new_out()
+            async with asyncio.timeout(10):
+                await asyncio.gather(send, b.recv(tag=tag, out=second))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.01)
+            assert np.array_equal(contents(out), snapshot), f"out= written after its recv was cancelled ({spins})"
+            assert np.array_equal(contents(second), want), f"message lost or corrupted after a cancel at {spins}"
+        else:
+            await asyncio.wait_for(send, 10)
+            assert np.array_equal(contents(out), want)
+    return cancelled
 
 
 def _rand(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
