@@ -19,6 +19,7 @@ import numpy as np
 
 from . import __version__
 from .errors import TensorWireError
+from .memory._gpudirect import gpudirect_status
 from .transports import DEFAULT_PREFERENCE, probe_all
 
 SYS = FsPath(os.environ.get("TENSORWIRE_SYSFS", "/sys"))
@@ -109,35 +110,7 @@ def gpus() -> list[dict[str, Any]]:
 
 def gpudirect() -> dict[str, Any]:
     """Whether a NIC can DMA straight into GPU memory: nvidia-peermem or dma-buf, and why not."""
-    driver = _read(PROC / "driver" / "nvidia" / "version")
-    peermem = (SYS / "module" / "nvidia_peermem").is_dir() or (SYS / "module" / "nv_peer_mem").is_dir()
-    # dma-buf export of GPU memory needs the open kernel modules (the "Open" flavour in the
-    # version string) and a kernel with dma-buf support in the RDMA core (5.12+).
-    release = platform.release()
-    try:
-        major, minor = (int(x) for x in release.split(".")[:2])
-        kernel_ok = (major, minor) >= (5, 12)
-    except ValueError:
-        kernel_ok = False
-    open_modules = driver is not None and "Open Kernel Module" in driver
-    reasons = []
-    if driver is None:
-        reasons.append("no NVIDIA driver loaded")
-    else:
-        if not peermem:
-            reasons.append("nvidia-peermem is not loaded (modprobe nvidia-peermem)")
-        if not open_modules:
-            reasons.append("dma-buf needs NVIDIA's open kernel modules")
-        if not kernel_ok:
-            reasons.append(f"dma-buf needs Linux >= 5.12 (this is {release})")
-    dmabuf = driver is not None and open_modules and kernel_ok
-    return {
-        "driver": driver.splitlines()[0] if driver else None,
-        "peermem": peermem,
-        "dmabuf": dmabuf,
-        "ready": peermem or dmabuf,
-        "why_not": [] if (peermem or dmabuf) else reasons,
-    }
+    return gpudirect_status(SYS, PROC)
 
 
 def placement(rdma: list[dict[str, Any]], gpu_list: list[dict[str, Any]]) -> list[str]:

@@ -301,3 +301,29 @@ def test_doctor_reports_ucx() -> None:
     assert ucx["libucp"].endswith(tuple(f"libucp.so{s}" for s in ("", ".0", ".0.0.0")))
     assert "tcp" in ucx["transports"]
     assert ucx["rdma"] is False  # the PyPI libucx is built without verbs
+
+
+@pytest.mark.parametrize(
+    ("tls", "kernel_ready", "want"),
+    [
+        (["rc_mlx5", "dc_mlx5", "cuda_copy", "cuda_ipc", "gdr_copy"], True, True),
+        (["rc_mlx5", "cuda_copy"], False, False),  # no nvidia-peermem, no dma-buf
+        (["tcp", "sysv", "cuda_copy", "cuda_ipc"], True, False),  # no RDMA lane
+        (["rc_verbs", "ud_verbs"], True, False),  # a UCX without cuda transports
+    ],
+)
+def test_gpudirect_needs_rdma_and_cuda_lanes_and_the_kernels_consent(
+    tls: list[str], kernel_ready: bool, want: bool
+) -> None:
+    from tensorwire.transports.ucx._transport import _gpudirect
+
+    assert _gpudirect(tls, lambda: kernel_ready) is want
+
+
+def test_this_ucx_says_no_gpudirect() -> None:
+    """The PyPI libucx has no verbs lanes: never GPUDirect, whatever the kernel allows."""
+    from tensorwire.transports.ucx import UcxTransport
+
+    caps = UcxTransport.probe()
+    assert caps is not None, UcxTransport.unavailable_reason()
+    assert not caps.rdma and not caps.gpudirect

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
+from ...memory._gpudirect import gpudirect_status
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import FLAG_CHECKSUM, LIMITS, MAX_SESSION_ID, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
@@ -57,6 +58,14 @@ _PROBED_MAX = 64
 # UCX transports that move bytes by RDMA, and those that move GPU memory
 _RDMA_TLS = ("rc", "dc", "ud", "srd", "gga", "ib")
 _CUDA_TLS = ("cuda", "gdr")
+
+
+def _gpudirect(tls: list[str], kernel_ready: Callable[[], bool]) -> bool:
+    """UCX moves GPU memory over its RDMA lanes itself (GPUDirect RDMA) where it has both RDMA and
+    cuda transports and the kernel lets the NIC reach GPU memory (nvidia-peermem or dma-buf)."""
+    rdma = any(t.startswith(_RDMA_TLS) for t in tls)
+    cuda = any(t.startswith(_CUDA_TLS) for t in tls)
+    return rdma and cuda and kernel_ready()
 
 
 def _digest(secret: bytes, body: bytes, sid: bytes, role: bytes) -> bytes:
@@ -95,7 +104,7 @@ class UcxTransport(Transport):
             memory_kinds=("host", "cuda") if cuda else ("host",),
             one_sided=one_sided,
             rdma=rdma,
-            gpudirect=False,
+            gpudirect=_gpudirect(tls, lambda: bool(gpudirect_status()["ready"])),
             lanes=tuple(dict.fromkeys(f"{t}/{d}" for t, d in resources if t != "self")),
             tcp_only=all(t == "tcp" for t in tls),
         )
