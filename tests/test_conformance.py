@@ -40,3 +40,14 @@ async def test_conformance(variant: str, name: str) -> None:
     with _options(variant):
         async with connected_pair(VARIANTS[variant][0], check=name) as (a, b):
             await CHECKS[name](a, b)
+
+
+async def test_exchange_refuses_an_unknown_order() -> None:
+    import numpy as np
+
+    import tensorwire
+    from tensorwire.testing import exchange
+
+    async with connected_pair("inproc") as (a, b):
+        with pytest.raises(tensorwire.ConfigurationError, match="recv-first"):
+            await exchange(a, b, np.zeros(4), np.zeros(4), "sideways")

@@ -11,7 +11,7 @@ import numpy as np
 
 from .._node import start
 from .._peer import Peer
-from ..errors import ClosedResourceError, PeerDisconnected, ShapeMismatchError, TensorWireError
+from ..errors import ClosedResourceError, ConfigurationError, PeerDisconnected, ShapeMismatchError, TensorWireError
 from ..tensors import DTYPES
 from ..transports import Limits, Receipt
 
@@ -66,7 +66,7 @@ async def exchange(a: Peer, b: Peer, src: Any, out: Any, order: str, tag: Any = 
         got, receipt = await b.recv_with_receipt(tag=tag, out=out)
         sent = await send
     else:
-        raise ValueError(f"order must be 'recv-first' or 'send-first', not {order!r}")
+        raise ConfigurationError(f"order must be 'recv-first' or 'send-first', not {order!r}")
     return got, sent, receipt
 
 
