@@ -28,7 +28,6 @@ Speed is never asserted: the script prints PASS/MISS and exits 0 unless a transf
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import statistics
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import numpy as np
 from _sizes import GiB, MiB, fmt_size, parse_size
+from _two_process import make_parser, receipt_text, run, start_child, stop_child
 
 import tensorwire
 
@@ -147,15 +147,7 @@ async def parent(args: argparse.Namespace) -> int:
         why_no_ucx = "" if ucx else UcxTransport.unavailable_reason()
         if caps is not None and "cuda" not in caps.memory_kinds:
             print(f"note: this libucx has no cuda transports ({', '.join(caps.lanes)}): ucx rows stage through host")
-    cmd = [sys.executable, __file__, "--child", "--chunk", str(args.chunk), "--depth", str(args.depth)]
-    if ucx:
-        cmd.append("--ucx")
-    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None
-    first = await proc.stdout.readline()
-    if not first:
-        raise RuntimeError(f"the receiving child exited before it listened (exit status {await proc.wait()})")
-    addresses = json.loads(first)
+    proc, addresses = await start_child(__file__, args, *(["--ucx"] if ucx else []))
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     name = torch.cuda.get_device_name(0)
     print(
@@ -186,10 +178,7 @@ async def parent(args: argparse.Namespace) -> int:
                         try:
                             times, receipt = await transfer(peer, kind, obj, window, batches, want)
                             rows[n][label] = n / statistics.median(times) / 1e9
-                            how[label] = (
-                                f"{receipt.transport} memory={receipt.memory} staged={receipt.staged} "
-                                f"direct={receipt.direct} lanes={', '.join(receipt.lanes) or '-'}"
-                            )
+                            how[label] = receipt_text(receipt)
                         except Exception as exc:  # report and go on with the other rows
                             print(f"{label} {fmt_size(n)}: FAILED {exc!r}", flush=True)
                             broke = True
@@ -202,10 +191,7 @@ async def parent(args: argparse.Namespace) -> int:
                 await peer.send("next", tag="cmd")
                 await peer.aclose()
     finally:
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except TimeoutError:
-            proc.kill()
+        await stop_child(proc)
     print()
     for t, path in lanes.items():
         print(f"{t} path: {path}")
@@ -257,29 +243,18 @@ def _no_gpu() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes, e.g. 1M,16M,1G")
-    parser.add_argument("--chunk", type=parse_size, default=4 * MiB, help="staging chunk size")
-    parser.add_argument("--depth", type=int, default=8, help="staging chunks per direction")
+    parser = make_parser(__doc__, DEFAULT_SIZES)
     parser.add_argument(
         "--window", type=int, help="transfers per timed batch (default: 5, 4 or 2 by size; 1: each transfer answered)"
     )
     parser.add_argument("--no-ucx", action="store_true", help="skip the ucx rows even where ucxx is installed")
-    parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ucx", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        asyncio.run(child(args))
-        return 0
-    why = _no_gpu()
+    why = "" if args.child else _no_gpu()
     if why:
         print(f"gpu_p2p: {why}", file=sys.stderr)
         return 2
-    rc = asyncio.run(parent(args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(args.result))
-    return rc
+    return run(args, child, parent)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import numpy as np
 from _sizes import MiB, fmt_size, parse_size
+from _two_process import make_parser, receipt_text, run, start_child, stop_child
 
 import tensorwire
 from tensorwire.memory import HostEngine
@@ -124,12 +125,7 @@ async def transfer(peer: Any, kind: str, x: Any, nbytes: int, count: int, want: 
 
 async def parent(args: argparse.Namespace) -> int:
     engine = make_engine(args)
-    cmd = [sys.executable, __file__, "--child", "--chunk", str(args.chunk), "--depth", str(args.depth)]
-    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None
-    first = await proc.stdout.readline()
-    if not first:
-        raise RuntimeError(f"the receiving child exited before it listened (exit status {await proc.wait()})")
+    proc, address = await start_child(__file__, args)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     print(
         f"staging {args.depth} x {fmt_size(args.chunk)} chunks each way, host copy engine "
@@ -141,7 +137,7 @@ async def parent(args: argparse.Namespace) -> int:
     broke = False
     try:
         async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
-            peer = await node.connect(json.loads(first))
+            peer = await node.connect(address)
             path = str(peer.path)
             for n in sizes:
                 # off the loop: seconds of work at 1 GiB would look like a dead node to the peer's lease
@@ -156,10 +152,7 @@ async def parent(args: argparse.Namespace) -> int:
                             broke = True
                             continue
                         times[n, kind] += got
-                        how[kind] = (
-                            f"{receipt.transport} memory={receipt.memory} staged={receipt.staged} "
-                            f"direct={receipt.direct} lanes={', '.join(receipt.lanes) or '-'}"
-                        )
+                        how[kind] = receipt_text(receipt)
                 print(
                     f"  {fmt_size(n)}: "
                     + ", ".join(
@@ -171,10 +164,7 @@ async def parent(args: argparse.Namespace) -> int:
             await peer.send("done", tag="cmd")
             await peer.aclose()
     finally:
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except TimeoutError:
-            proc.kill()
+        await stop_child(proc)
         engine.close()
     print(f"\npath: {path}")
     for kind, text in how.items():
@@ -205,21 +195,9 @@ async def parent(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="1M,16M,256M,1G", help="comma-separated sizes, e.g. 1M,16M,1G")
-    parser.add_argument("--chunk", type=parse_size, default=4 * MiB, help="staging chunk size")
-    parser.add_argument("--depth", type=int, default=8, help="staging chunks per direction")
+    parser = make_parser(__doc__, "1M,16M,256M,1G")
     parser.add_argument("--turns", type=int, default=3, help="turns of the two rows per size (alternating order)")
-    parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        asyncio.run(child(args))
-        return 0
-    rc = asyncio.run(parent(args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(args.result))
-    return rc
+    return run(parser.parse_args(), child, parent)
 
 
 if __name__ == "__main__":
