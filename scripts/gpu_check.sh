@@ -25,49 +25,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 "$PY" -c 'import sys, cupy; print("python", sys.version.split()[0], "| cupy", cupy.__version__, "| CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(), "| devices", cupy.cuda.runtime.getDeviceCount())' \
     || echo "WARNING: CuPy or CUDA is not usable here; the GPU tests will skip"
 
-deps() {  # deps index|wheels: what to install for the project's test dependencies (pyproject.toml)
-    "$PY" - "$1" <<'EOF'
-import pathlib, re, sys, tomllib
-from importlib import metadata
-try:
-    from packaging.requirements import Requirement
-    from packaging.version import Version
-except ImportError:  # no packaging on the machine: pip carries its own copy
-    from pip._vendor.packaging.requirements import Requirement
-    from pip._vendor.packaging.version import Version
-
-project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
-# tools, not imported by the tests; ucxx (~67 MB, over the device tool's carry limit as a wheel)
-# is optional: its tests skip with a reason without it; torch and CuPy come with the GPU machine,
-# built for its CUDA: never install others over them (the dev extra's cupy-cuda12x is for CPU CI)
-skip = {"ruff", "mypy", "grpcio-tools", "ucxx-cu12", "ucxx-cu13", "torch", "cupy-cuda12x", "cupy-cuda13x"}
-reqs = [Requirement(r) for r in project["dependencies"] + project.get("optional-dependencies", {}).get("dev", [])]
-reqs = [r for r in reqs if r.name not in skip and (r.marker is None or r.marker.evaluate())]
-reqs.append(Requirement("pytest>=8.4"))  # the carried pytest-asyncio 1.x needs it
-norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
-
-def have(name):
-    try:
-        return Version(metadata.version(name))
-    except metadata.PackageNotFoundError:
-        return None
-
-bad = {norm(r.name): r for r in reqs if have(r.name) is None or have(r.name) not in r.specifier}
-if sys.argv[1] == "index":
-    print(" ".join(str(r) for r in bad.values()))
-    sys.exit()
-for wheel in sorted(pathlib.Path(".whl").glob("*.whl")):
-    name, version = wheel.name.split("-")[:2]
-    installed = have(name)
-    if norm(name) in bad or (norm(name) not in {norm(r.name) for r in reqs}
-                             and (installed is None or installed < Version(version))):
-        print(wheel)  # a needed dependency, or a helper of one that is absent or older here
-EOF
-}
+deps() { "$PY" scripts/gpu_deps.py "$@"; }  # missing | wheels DIR...: what to install (see there)
 
 echo "== dependencies"
 "$PY" -c 'import pytest; print("pytest", pytest.__version__)'
-NEED=$(deps index)
+NEED=$(deps missing)
 if [ -n "$NEED" ]; then
     echo "missing or too old: $NEED"
     if "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; then
@@ -75,7 +37,7 @@ if [ -n "$NEED" ]; then
         # shellcheck disable=SC2086
         "$PY" -m pip install -q --disable-pip-version-check --target "$SITE" $NEED
     elif [ -d .whl ]; then
-        WHEELS=$(deps wheels)
+        WHEELS=$(deps wheels .whl)
         echo "no network: installing carried wheels: $(echo $WHEELS)"
         # shellcheck disable=SC2086
         [ -n "$WHEELS" ] && "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
@@ -84,55 +46,15 @@ if [ -n "$NEED" ]; then
         echo "no network and no .whl/ folder: continuing without them"
     fi
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    STILL=$(deps index)
+    STILL=$(deps missing)
     [ -n "$STILL" ] && echo "still missing: $STILL"
 else
     echo "all present"
 fi
 
-ucx_wheels() {  # the carried ucxx wheels to install, less those the machine's image has already
-    "$PY" - <<'EOF'
-# cuda-bindings, cuda-core, cuda-pathfinder and nvidia-ml-py come with the GPU image, where CuPy
-# and torch use them; a carried copy first on PYTHONPATH would shadow them. So a carried wheel is
-# installed only when its package is absent here, or its version here fails what the other
-# carried wheels require of it.
-import pathlib, re, sys, zipfile
-from email.parser import Parser
-from importlib import metadata
-try:
-    from packaging.requirements import Requirement
-    from packaging.version import Version
-except ImportError:
-    from pip._vendor.packaging.requirements import Requirement
-    from pip._vendor.packaging.version import Version
-
-norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
-wheels = sorted(pathlib.Path(".whl-ucx").glob("*.whl")) + sorted(pathlib.Path(".whl-libucx").glob("*.whl"))
-needs = {}
-for wheel in wheels:
-    with zipfile.ZipFile(wheel) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        for line in Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []:
-            req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                needs.setdefault(norm(req.name), []).append(req.specifier)
-for wheel in wheels:
-    name, version = wheel.name.split("-")[:2]
-    try:
-        here = Version(metadata.version(name))
-    except metadata.PackageNotFoundError:
-        print(wheel)
-        continue
-    if all(here in spec for spec in needs.get(norm(name), [])):
-        print(f"ucxx: keeping this machine's {name} {here} (carried: {version})", file=sys.stderr)
-    else:
-        print(wheel)
-EOF
-}
-
 # ucxx for the ucx cuda rows: from the index, or from the folders scripts/gpu_wheels.sh fills
 if ! "$PY" -c 'import ucxx' 2>/dev/null; then
-    UCX_WHEELS=$(ucx_wheels)
+    UCX_WHEELS=$(deps wheels .whl-ucx .whl-libucx)
     if [ -n "$UCX_WHEELS" ]; then
         echo "ucxx: installing carried wheels: $(echo $UCX_WHEELS | xargs -n1 basename | tr '\n' ' ')"
         # shellcheck disable=SC2086
