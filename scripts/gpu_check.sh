@@ -9,12 +9,17 @@
 #
 # The project's Python dependencies are installed first where they are missing or too old:
 # from the package index when it can be reached, else from wheels carried in .whl/ (git-ignored;
-# see docs/gpu.md for how to fill it), into /tmp/tensorwire-site, which goes on PYTHONPATH.
+# see docs/gpu.md for how to fill it), into /tmp/tensorwire-site-pyX.Y (this Python's version), which goes on PYTHONPATH.
 # Ends with a summary; exits non-zero when a test or the benchmark failed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-SITE=/tmp/tensorwire-site
+# one folder per Python version: a folder another Python filled (its compiled modules) must not
+# go on this one's path
+SITE=/tmp/tensorwire-site-py$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+# the logs go where the device tool brings files back from ($OUT), so that a failure's whole
+# traceback comes back even when the reply's tail is too short for it; else /tmp
+LOGS=${OUT:-/tmp}
 INSTALL_ONLY=0
 [ "${1:-}" = "--install-only" ] && INSTALL_ONLY=1  # install what was carried (see gpu_wheels.sh), no tests
 # what an earlier call on this (warm) machine installed counts as installed
@@ -83,25 +88,25 @@ T_P2P=${T_P2P:-180}
 
 echo "== GPU tests: $PY -m pytest -m gpu tests/ -q (limit ${T_TESTS}s)"
 timeout -k 10 "$T_TESTS" "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
-    2>&1 | tee /tmp/tensorwire-gpu-tests.log
+    2>&1 | tee "$LOGS/tensorwire-gpu-tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 echo "== GPU benchmark: $PY benchmarks/gpu_pack.py ${BENCH_ARGS:-} (limit ${T_PACK}s)"
 # shellcheck disable=SC2086
-PYTHONUNBUFFERED=1 timeout -k 10 "$T_PACK" "$PY" benchmarks/gpu_pack.py ${BENCH_ARGS:-} 2>&1 | tee /tmp/tensorwire-gpu-bench.log
+PYTHONUNBUFFERED=1 timeout -k 10 "$T_PACK" "$PY" benchmarks/gpu_pack.py ${BENCH_ARGS:-} 2>&1 | tee "$LOGS/tensorwire-gpu-bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 
 echo "== GPU benchmark: $PY benchmarks/gpu_p2p.py ${P2P_ARGS:-} (limit ${T_P2P}s)"
 # shellcheck disable=SC2086
-PYTHONUNBUFFERED=1 timeout -k 10 "$T_P2P" "$PY" benchmarks/gpu_p2p.py ${P2P_ARGS:-} 2>&1 | tee /tmp/tensorwire-gpu-p2p.log
+PYTHONUNBUFFERED=1 timeout -k 10 "$T_P2P" "$PY" benchmarks/gpu_p2p.py ${P2P_ARGS:-} 2>&1 | tee "$LOGS/tensorwire-gpu-p2p.log"
 P2P_RC=${PIPESTATUS[0]}
 
 echo "== summary"
-echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' /tmp/tensorwire-gpu-tests.log | tail -1) (exit $TESTS_RC)"
-grep -E '^(FAILED|ERROR) ' /tmp/tensorwire-gpu-tests.log | head -20
-echo "gpu_pack:  $(grep -m1 '^device:' /tmp/tensorwire-gpu-bench.log || echo 'no device line') (exit $BENCH_RC)"
-echo "gpu_p2p:   $(grep -m1 '^device:' /tmp/tensorwire-gpu-p2p.log || echo 'no device line') (exit $P2P_RC)"
-grep -E '^(\||tcp path|ucx path|.* receipt: |note: |ucx cuda: skipped|.*FAILED)' /tmp/tensorwire-gpu-p2p.log
+echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/tensorwire-gpu-tests.log" | tail -1) (exit $TESTS_RC)"
+grep -E '^(FAILED|ERROR) ' "$LOGS/tensorwire-gpu-tests.log" | head -20
+echo "gpu_pack:  $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-bench.log" || echo 'no device line') (exit $BENCH_RC)"
+echo "gpu_p2p:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-p2p.log" || echo 'no device line') (exit $P2P_RC)"
+grep -E '^(\||tcp path|ucx path|.* receipt: |note: |ucx cuda: skipped|.*FAILED)' "$LOGS/tensorwire-gpu-p2p.log"
 if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$P2P_RC" -eq 0 ]; then
     echo "GPU CHECK: PASS"
     exit 0
