@@ -1,5 +1,6 @@
 """What the two-process staging benchmarks (staged_p2p, gpu_p2p) share: their command line, the
-receiving child started from the same script, and how a receipt is printed."""
+receiving child started from the same script, the timed batches of transfers between the two,
+and how a receipt is printed."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from _sizes import MiB, parse_size
+from _sizes import MiB, fmt_size, parse_size
 
 
 def make_parser(doc: str | None, sizes: str) -> argparse.ArgumentParser:
@@ -58,6 +60,51 @@ async def stop_child(proc: asyncio.subprocess.Process) -> None:
         await asyncio.wait_for(proc.wait(), 30)
     except TimeoutError:
         proc.kill()
+
+
+async def send_batches(
+    peer: Any, kind: str, x: Any, nbytes: int, schedule: list[int], want: int
+) -> tuple[list[float], Any]:
+    """The parent's side: tell the child to expect ``kind`` tensors of ``nbytes`` in batches of
+    ``schedule[i]`` back-to-back transfers (the first batch a warm-up), send ``x`` so, and wait
+    for the child's one answer per batch. Returns the time per transfer of each timed batch and
+    the last send's receipt (which path the bytes took); the byte sum the child holds after the
+    last batch must be ``want``."""
+    await peer.send((kind, nbytes, schedule), tag="cmd")
+    if await peer.recv(tag="ack") != "ready":
+        raise RuntimeError("the receiver did not get ready")
+    times = []
+    receipt = None
+    for b, count in enumerate(schedule):
+        t0 = time.perf_counter()
+        for _ in range(count):
+            receipt = await peer.send(x, tag="data")
+        total = await peer.recv(tag="ack")
+        dt = time.perf_counter() - t0
+        if b:
+            times.append(dt / count)
+        if b == len(schedule) - 1 and total != want:
+            raise RuntimeError(f"{kind} {fmt_size(nbytes)}: receiver holds byte sum {total}, sent {want}")
+    return times, receipt
+
+
+async def receive_batches(
+    peer: Any,
+    out: Any,
+    schedule: list[int],
+    total: Callable[[], Awaitable[int]],
+    landed: Callable[[], None] | None = None,
+) -> None:
+    """The child's side of :func:`send_batches`: say ready, then receive each batch into ``out``
+    (``landed()`` after each transfer, if given) and answer it once, the last batch with
+    ``await total()`` (the byte sum it holds), the others with -1."""
+    await peer.send("ready", tag="ack")
+    for b, window in enumerate(schedule):
+        for _ in range(window):
+            await peer.recv(tag="data", out=out)
+            if landed is not None:
+                landed()
+        await peer.send(await total() if b == len(schedule) - 1 else -1, tag="ack")
 
 
 def receipt_text(receipt: Any) -> str:

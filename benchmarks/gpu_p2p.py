@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import numpy as np
 from _sizes import GiB, MiB, fmt_size, parse_size
-from _two_process import make_parser, receipt_text, run, start_child, stop_child
+from _two_process import make_parser, receipt_text, receive_batches, run, send_batches, start_child, stop_child
 
 import tensorwire
 
@@ -61,6 +61,12 @@ def _configure(chunk: int, depth: int) -> None:
         engine.pool(direction).configure(chunk, depth)
 
 
+async def _byte_sum(out: Any) -> int:
+    import torch
+
+    return int(out.sum(dtype=torch.int64 if isinstance(out, torch.Tensor) else np.int64))
+
+
 # -- the receiving child ----------------------------------------------------------------------------
 async def child(args: argparse.Namespace) -> None:
     import torch
@@ -77,21 +83,14 @@ async def child(args: argparse.Namespace) -> None:
                 cmd = await peer.recv(tag="cmd")
                 if cmd == "next":
                     break
-                kind, nbytes, batches = cmd
+                kind, nbytes, schedule = cmd
                 if kind == "cuda":
                     out: Any = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
                 else:
                     out = np.empty(nbytes, np.uint8)
-                await peer.send("ready", tag="ack")
-                for b, window in enumerate(batches):
-                    for _ in range(window):
-                        await peer.recv(tag="data", out=out)
-                        if kind == "cuda":
-                            torch.cuda.current_stream().synchronize()  # the bytes are really in place
-                    total = -1
-                    if b == len(batches) - 1:
-                        total = int(out.sum(dtype=torch.int64)) if kind == "cuda" else int(out.sum(dtype=np.int64))
-                    await peer.send(total, tag="ack")
+                # a CUDA receive waits for its current stream after each transfer: the bytes are in place
+                landed = torch.cuda.current_stream().synchronize if kind == "cuda" else None
+                await receive_batches(peer, out, schedule, functools.partial(_byte_sum, out), landed)
                 del out
                 torch.cuda.empty_cache()
 
@@ -101,21 +100,7 @@ async def transfer(peer: Any, kind: str, x: Any, window: int, batches: int, want
     """One warm-up transfer of ``x``, then ``batches`` timed batches of ``window`` transfers (the
     last checked against the receiver's byte sum); the time per transfer of each batch, and the
     last send's receipt (which path the bytes took)."""
-    schedule = [1] + [window] * batches
-    await peer.send((kind, int(x.nbytes), schedule), tag="cmd")
-    assert await peer.recv(tag="ack") == "ready"
-    times = []
-    for b, count in enumerate(schedule):
-        t0 = time.perf_counter()
-        for _ in range(count):
-            receipt = await peer.send(x, tag="data")
-        total = await peer.recv(tag="ack")
-        dt = time.perf_counter() - t0
-        if b:
-            times.append(dt / count)
-        if b == len(schedule) - 1 and total != want:
-            raise RuntimeError(f"{kind} {fmt_size(int(x.nbytes))}: receiver holds byte sum {total}, sent {want}")
-    return times, receipt
+    return await send_batches(peer, kind, x, int(x.nbytes), [1] + [window] * batches, want)
 
 
 def d2d_seconds(torch: Any, x: Any, count: int) -> float:

@@ -32,11 +32,10 @@ import time
 import crc32c
 import grpc
 import numpy as np
-from _sizes import fmt_size, parse_size
+from _sizes import MiB, fmt_size, parse_size
 
 import tensorwire
 
-MiB = 1 << 20
 CHUNK = 4 * MiB
 
 

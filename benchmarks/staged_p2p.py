@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import numpy as np
 from _sizes import MiB, fmt_size, parse_size
-from _two_process import make_parser, receipt_text, run, start_child, stop_child
+from _two_process import make_parser, receipt_text, receive_batches, run, send_batches, start_child, stop_child
 
 import tensorwire
 from tensorwire.memory import HostEngine
@@ -91,38 +92,17 @@ async def child(args: argparse.Namespace) -> None:
         print(json.dumps(node.address), flush=True)
         peer = await node.accept()
         while (cmd := await peer.recv(tag="cmd")) != "done":
-            kind, nbytes, count = cmd
+            kind, nbytes, schedule = cmd
             arr = np.empty(nbytes, np.uint8)
-            out = wrap(engine, kind, arr)
-            await peer.send("ready", tag="ack")
-            for i in range(count):
-                await peer.recv(tag="data", out=out)
-                total = await asyncio.to_thread(_sum, arr) if i == count - 1 else -1
-                await peer.send(total, tag="ack")
-            del arr, out
+            await receive_batches(
+                peer, wrap(engine, kind, arr), schedule, functools.partial(asyncio.to_thread, _sum, arr)
+            )
+            del arr
         await peer.aclose()
     engine.close()
 
 
 # -- the sending parent -----------------------------------------------------------------------------
-async def transfer(peer: Any, kind: str, x: Any, nbytes: int, count: int, want: int) -> tuple[list[float], Any]:
-    """``count`` timed transfers of ``x`` after one warm-up; the times and the last receipt."""
-    await peer.send((kind, nbytes, count + 1), tag="cmd")
-    if await peer.recv(tag="ack") != "ready":
-        raise RuntimeError("the receiver did not get ready")
-    times = []
-    receipt = None
-    for i in range(count + 1):
-        t0 = time.perf_counter()
-        receipt = await peer.send(x, tag="data")
-        total = await peer.recv(tag="ack")
-        if i:
-            times.append(time.perf_counter() - t0)
-        if i == count and total != want:
-            raise RuntimeError(f"{kind} {fmt_size(nbytes)}: receiver holds byte sum {total}, sent {want}")
-    return times, receipt
-
-
 async def parent(args: argparse.Namespace) -> int:
     engine = make_engine(args)
     proc, address = await start_child(__file__, args)
@@ -146,7 +126,9 @@ async def parent(args: argparse.Namespace) -> int:
                 for turn in range(args.turns):
                     for kind in ROWS if turn % 2 == 0 else ROWS[::-1]:
                         try:
-                            got, receipt = await transfer(peer, kind, wrap(engine, kind, data), n, repeats(n), want)
+                            got, receipt = await send_batches(
+                                peer, kind, wrap(engine, kind, data), n, [1] * (repeats(n) + 1), want
+                            )
                         except Exception as exc:  # report and go on with the other cells
                             print(f"{kind} {fmt_size(n)}: FAILED {exc!r}", flush=True)
                             broke = True

@@ -9,7 +9,8 @@
 #
 # The project's Python dependencies are installed first where they are missing or too old:
 # from the package index when it can be reached, else from wheels carried in .whl/ (git-ignored;
-# see docs/gpu.md for how to fill it), into /tmp/tensorwire-site-pyX.Y (this Python's version), which goes on PYTHONPATH.
+# see docs/gpu.md for how to fill it), into /tmp/tensorwire-site-pyX.Y (this Python's version),
+# which goes on PYTHONPATH.
 # Ends with a summary; exits non-zero when a test or the benchmark failed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -31,13 +32,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
     || echo "WARNING: CuPy or CUDA is not usable here; the GPU tests will skip"
 
 deps() { "$PY" scripts/gpu_deps.py "$@"; }  # missing | wheels DIR...: what to install (see there)
+online() { "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; }
 
 echo "== dependencies"
 "$PY" -c 'import pytest; print("pytest", pytest.__version__)'
 NEED=$(deps missing)
 if [ -n "$NEED" ]; then
     echo "missing or too old: $NEED"
-    if "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; then
+    if online; then
         echo "installing from the package index"
         # shellcheck disable=SC2086
         "$PY" -m pip install -q --disable-pip-version-check --target "$SITE" $NEED
@@ -66,7 +68,7 @@ if ! "$PY" -c 'import ucxx' 2>/dev/null; then
         "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
             --target "$SITE" $UCX_WHEELS || echo "ucxx: install failed"
         export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    elif "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; then
+    elif online; then
         echo "ucxx: installing ucxx-cu13 from the package index"
         "$PY" -m pip install -q --disable-pip-version-check --target "$SITE" ucxx-cu13 || echo "ucxx: install failed"
         export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"

@@ -78,11 +78,10 @@ def main(argv: list[str]) -> int:
         needs.setdefault(norm(req.name), []).append(req)
     for wheel in wheels:
         name, version = wheel.name.split("-")[:2]
-        have = here(name)
-        if have is None or any(have not in r.specifier for r in needs.get(norm(name), [])):
+        if here(name) is None or any(unmet(r) for r in needs.get(norm(name), [])):
             print(wheel)
         else:
-            print(f"keeping this machine's {name} {have} (carried: {version})", file=sys.stderr)
+            print(f"keeping this machine's {name} {here(name)} (carried: {version})", file=sys.stderr)
     return 0
 
 

@@ -8,9 +8,9 @@
 #               libucx itself
 #   .whl-libucx/  libucx-cu13 alone (about 41 MB: UCX with its cuda_copy/cuda_ipc transports)
 #
-# Two calls, .whl/ in both: the first installs into /tmp/tensorwire-site-pyX.Y, which stays while the
-# machine is warm (the next call within its idle time), and the second installs the rest and runs
-# the check. Should the machine have gone cold in between, the second still has every test
+# Two calls, .whl/ in both: the first installs into /tmp/tensorwire-site-pyX.Y, which stays while
+# the machine is warm (the next call within its idle time), and the second installs the rest and
+# runs the check. Should the machine have gone cold in between, the second still has every test
 # dependency, and only the ucx rows skip (and say why):
 #   run(carry=[".whl", ".whl-ucx"], command="bash scripts/gpu_check.sh --install-only")
 #   run(carry=[".whl", ".whl-libucx"], command="bash scripts/gpu_check.sh")

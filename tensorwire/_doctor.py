@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import platform
 import resource
 from pathlib import Path as FsPath
@@ -18,19 +17,11 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from ._sysfs import PROC, SYS
+from ._sysfs import read_text as _read
 from .errors import TensorWireError
 from .memory._gpudirect import gpudirect_status
 from .transports import DEFAULT_PREFERENCE, probe_all
-
-SYS = FsPath(os.environ.get("TENSORWIRE_SYSFS", "/sys"))
-PROC = FsPath(os.environ.get("TENSORWIRE_PROCFS", "/proc"))
-
-
-def _read(path: FsPath) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
 
 
 def _numa(device_dir: FsPath) -> int | None:

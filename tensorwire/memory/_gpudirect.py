@@ -4,27 +4,19 @@ Linux >= 5.12). Read by the doctor and by transports that report ``gpudirect``."
 
 from __future__ import annotations
 
-import os
 import platform
 from pathlib import Path
 from typing import Any
 
+from .._sysfs import PROC, SYS, read_text
+
 __all__ = ["gpudirect_status"]
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
-def gpudirect_status(sys_root: Path | None = None, proc_root: Path | None = None) -> dict[str, Any]:
+def gpudirect_status(sys_root: Path = SYS, proc_root: Path = PROC) -> dict[str, Any]:
     """{driver, peermem, dmabuf, ready, why_not}: ``ready`` when either way is there, else the
-    reasons. The roots default to /sys and /proc (``TENSORWIRE_SYSFS``/``TENSORWIRE_PROCFS``)."""
-    sys_root = sys_root or Path(os.environ.get("TENSORWIRE_SYSFS", "/sys"))
-    proc_root = proc_root or Path(os.environ.get("TENSORWIRE_PROCFS", "/proc"))
-    driver = _read(proc_root / "driver" / "nvidia" / "version")
+    reasons. The roots are /sys and /proc unless ``TENSORWIRE_SYSFS``/``TENSORWIRE_PROCFS`` say."""
+    driver = read_text(proc_root / "driver" / "nvidia" / "version")
     peermem = (sys_root / "module" / "nvidia_peermem").is_dir() or (sys_root / "module" / "nv_peer_mem").is_dir()
     # dma-buf export of GPU memory needs the open kernel modules (the "Open" flavour in the
     # version string) and a kernel with dma-buf support in the RDMA core (5.12+).

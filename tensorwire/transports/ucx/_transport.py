@@ -60,11 +60,15 @@ _RDMA_TLS = ("rc", "dc", "ud", "srd", "gga", "ib")
 _CUDA_TLS = ("cuda", "gdr")
 
 
+def _lane_kinds(tls: list[str]) -> tuple[bool, bool]:
+    """Whether UCX lists an RDMA transport, and a cuda one."""
+    return any(t.startswith(_RDMA_TLS) for t in tls), any(t.startswith(_CUDA_TLS) for t in tls)
+
+
 def _gpudirect(tls: list[str], kernel_ready: Callable[[], bool]) -> bool:
     """UCX moves GPU memory over its RDMA lanes itself (GPUDirect RDMA) where it has both RDMA and
     cuda transports and the kernel lets the NIC reach GPU memory (nvidia-peermem or dma-buf)."""
-    rdma = any(t.startswith(_RDMA_TLS) for t in tls)
-    cuda = any(t.startswith(_CUDA_TLS) for t in tls)
+    rdma, cuda = _lane_kinds(tls)
     return rdma and cuda and kernel_ready()
 
 
@@ -98,8 +102,7 @@ class UcxTransport(Transport):
         except TransportUnavailable as exc:
             log.debug("ucx without one-sided: %s", exc)
             one_sided = False
-        rdma = any(t.startswith(_RDMA_TLS) for t in tls)
-        cuda = any(t.startswith(_CUDA_TLS) for t in tls)
+        rdma, cuda = _lane_kinds(tls)
         return Capabilities(
             memory_kinds=("host", "cuda") if cuda else ("host",),
             one_sided=one_sided,
