@@ -5,7 +5,8 @@
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
-#   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh)
+#   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh;
+#                                              # for when they need two device calls)
 #
 # The project's Python dependencies are installed first where they are missing or too old:
 # from the package index when it can be reached, else from wheels carried in .whl/ (git-ignored;

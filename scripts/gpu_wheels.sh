@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # Fill the git-ignored wheel folders that scripts/gpu_check.sh installs from on a lent GPU machine
-# (Python 3.12, x86-64, CUDA 13, no network), in pieces that fit the device tool's 64 MiB carry
-# limit two at a time (with the working tree):
+# (Python 3.12, x86-64, CUDA 13, no network), so that all of them travel in one call of the device
+# tool (at most 64 MiB with the working tree):
 #
-#   .whl/       the project's test dependencies the machine lacks (grpc, protobuf, pytest, ...)
-#   .whl-ucx/   the ucxx stack for CUDA 13 (ucxx-cu13, libucxx, rmm, cuda-bindings, ...), less
-#               libucx itself
-#   .whl-libucx/  libucx-cu13 alone (about 41 MB: UCX with its cuda_copy/cuda_ipc transports)
+#   .whl/         the project's test dependencies the machine may lack (grpc, protobuf, pytest, ...)
+#   .whl-ucx/     the ucxx stack for CUDA 13 (ucxx-cu13, libucxx, rmm, cuda-bindings, ...), less
+#                 libucx itself
+#   .whl-libucx/  libucx-cu13, thinned by scripts/thin_wheel.py: the wheel (40 MiB) also holds
+#                 UCX's static archives, a third copy of each shared library (libX.so.0.0.0, which
+#                 nothing loads: libraries need libX.so.0, UCX's module loader opens libX.so),
+#                 perftest, tools and headers; the libraries ucxx loads are about 11 MiB
 #
-# Two calls, .whl/ in both: the first installs into /tmp/tensorwire-site-pyX.Y, which stays while
-# the machine is warm (the next call within its idle time), and the second installs the rest and
-# runs the check. Should the machine have gone cold in between, the second still has every test
-# dependency, and only the ucx rows skip (and say why):
+#   run(carry=[".whl", ".whl-ucx", ".whl-libucx"], command="bash scripts/gpu_check.sh")
+#
+# With ucxx importable the ucx cuda rows of benchmarks/gpu_p2p.py and the ucx GPU tests run.
+# Should the three ever be over the limit together, this script says so, and two calls do it:
+# the first installs into /tmp/tensorwire-site-pyX.Y, which stays while the machine is warm (the
+# next call within its idle time):
 #   run(carry=[".whl", ".whl-ucx"], command="bash scripts/gpu_check.sh --install-only")
 #   run(carry=[".whl", ".whl-libucx"], command="bash scripts/gpu_check.sh")
-# With ucxx importable the ucx cuda rows of benchmarks/gpu_p2p.py and the ucx GPU tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -34,6 +38,10 @@ mkdir -p .whl .whl-ucx .whl-libucx
     'hypothesis>=6.100' 'cryptography>=42' packaging
 rm -f .whl/numpy-*.whl  # the machine's own numpy stays
 
+# what a run never loads from the libucx wheel (scripts/thin_wheel.py; checked on CPU by running
+# the ucx tests over the thinned wheel, and by UCX_LOG_LEVEL=debug showing the modules it opens)
+THIN=('*.a' '*.la' '*.so.0.0.0' 'libucx/bin/*' 'libucx/share/*' 'libucx/include/*'
+      'libucx/lib/cmake/*' 'libucx/lib/pkgconfig/*' 'libucx/lib/ucx/libucx_perftest*')
 # the ucxx stack with its dependencies, then sorted: numpy is on the machine already
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -41,20 +49,26 @@ trap 'rm -rf "$tmp"' EXIT
 for w in "$tmp"/*.whl; do
     case "$(basename "$w")" in
         numpy-*) ;;
-        libucx_cu13-*) mv "$w" .whl-libucx/ ;;
+        libucx_cu13-*) "$PY" scripts/thin_wheel.py "$w" .whl-libucx "${THIN[@]}" ;;
         *) mv "$w" .whl-ucx/ ;;
     esac
 done
 
-status=0
 for d in .whl .whl-ucx .whl-libucx; do
     printf '%-13s %3d wheels %6.1f MiB\n' "$d" "$(find "$d" -name '*.whl' | wc -l)" "$(echo "$(du -sb "$d" | cut -f1) / 1048576" | bc -l)"
 done
-for d in .whl-ucx .whl-libucx; do  # each call carries .whl and one of these
+size=$(du -scb .whl .whl-ucx .whl-libucx | tail -1 | cut -f1)
+if [ "$size" -le "$LIMIT" ]; then
+    echo "one call carries them all: run(carry=[\".whl\", \".whl-ucx\", \".whl-libucx\"], command=\"bash scripts/gpu_check.sh\")"
+    exit 0
+fi
+status=0
+for d in .whl-ucx .whl-libucx; do  # two calls, each carrying .whl and one of these
     size=$(du -scb .whl "$d" | tail -1 | cut -f1)
     if [ "$size" -gt "$LIMIT" ]; then
         echo ".whl and $d together are over the carry limit: split them" >&2
         status=1
     fi
 done
+[ "$status" -eq 0 ] && echo "over the limit together: two calls (gpu_check.sh --install-only first, see the top of this script)"
 exit "$status"
