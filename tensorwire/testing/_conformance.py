@@ -70,6 +70,19 @@ async def exchange(a: Peer, b: Peer, src: Any, out: Any, order: str, tag: Any = 
     return got, sent, receipt
 
 
+async def _cancel_after(spins: int, task: asyncio.Future[Any]) -> bool:
+    """Let the loop turn ``spins`` times, then cancel ``task``: whether the cancel reached it
+    before it completed (else its result is there, and an error it raised comes out here)."""
+    for _ in range(spins):
+        await asyncio.sleep(0)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return True
+    return False
+
+
 async def cancel_recv_at_every_step(
     a: Peer,
     b: Peer,
@@ -90,12 +103,7 @@ async def cancel_recv_at_every_step(
         out = new_out()
         recv = asyncio.ensure_future(b.recv(tag=tag, out=out))
         send = asyncio.ensure_future(a.send(src, tag=tag))
-        for _ in range(spins):
-            await asyncio.sleep(0)
-        recv.cancel()
-        try:
-            await recv
-        except asyncio.CancelledError:
+        if await _cancel_after(spins, recv):
             cancelled += 1
             snapshot = contents(out)
             second = new_out()
@@ -390,12 +398,7 @@ async def check_recv_into_out_cancelled_at_every_step_loses_nothing(a: Peer, b: 
         out = np.zeros_like(x)
         recv = asyncio.ensure_future(b.recv(tag="o", out=out))
         send = asyncio.ensure_future(a.send(x, tag="o"))
-        for _ in range(spins):
-            await asyncio.sleep(0)
-        recv.cancel()
-        try:
-            await recv
-        except asyncio.CancelledError:
+        if await _cancel_after(spins, recv):
             snapshot = out.copy()
             await asyncio.wait_for(send, 10)
             for _ in range(20):
@@ -420,12 +423,7 @@ async def check_small_recv_cancelled_at_every_step_loses_nothing(a: Peer, b: Pee
         recv = asyncio.ensure_future(b.recv_with_receipt(tag="s", out=out))
         await asyncio.sleep(0)  # the recv is posted
         send = asyncio.ensure_future(a.send(x, tag="s"))
-        for _ in range(spins):
-            await asyncio.sleep(0)
-        recv.cancel()
-        try:
-            _, receipt = await recv
-        except asyncio.CancelledError:
+        if await _cancel_after(spins, recv):
             snapshot = out.copy()
             await asyncio.wait_for(send, 10)
             await asyncio.sleep(0.01)
@@ -435,6 +433,7 @@ async def check_small_recv_cancelled_at_every_step_loses_nothing(a: Peer, b: Pee
         else:
             await asyncio.wait_for(send, 10)
             assert np.array_equal(out, x)
+            _, receipt = recv.result()
             assert receipt.nbytes == x.nbytes and not receipt.staged
     # express deliveries keep the tag's order with messages already queued
     for i in range(3):
@@ -458,13 +457,7 @@ async def check_recv_cancelled_mid_payload_loses_nothing(a: Peer, b: Peer) -> No
     for spins in (0, 1, 2, 3, 4, 6, 9, 14):
         recv = asyncio.ensure_future(b.recv(tag="m"))
         send = asyncio.ensure_future(a.send(x, tag="m"))
-        for _ in range(spins):
-            await asyncio.sleep(0)
-        recv.cancel()
-        try:
-            got = await recv
-        except asyncio.CancelledError:
-            got = await asyncio.wait_for(b.recv(tag="m"), 10)
+        got = await asyncio.wait_for(b.recv(tag="m"), 10) if await _cancel_after(spins, recv) else recv.result()
         assert _same(x, got), f"message lost or corrupted after a cancel at {spins} iterations"
         await asyncio.wait_for(send, 10)
 
