@@ -68,8 +68,9 @@ async def send_batches(
     """The parent's side: tell the child to expect ``kind`` tensors of ``nbytes`` in batches of
     ``schedule[i]`` back-to-back transfers (the first batch a warm-up), send ``x`` so, and wait
     for the child's one answer per batch. Returns the time per transfer of each timed batch and
-    the last send's receipt (which path the bytes took); the byte sum the child holds after the
-    last batch must be ``want``."""
+    the last send's receipt (which path the bytes took). After the last batch, untimed, the child
+    says the byte sum it holds, which must be ``want``: summing a large tensor takes longer than
+    sending it, so it stays out of every batch's time."""
     await peer.send((kind, nbytes, schedule), tag="cmd")
     if await peer.recv(tag="ack") != "ready":
         raise RuntimeError("the receiver did not get ready")
@@ -79,12 +80,13 @@ async def send_batches(
         t0 = time.perf_counter()
         for _ in range(count):
             receipt = await peer.send(x, tag="data")
-        total = await peer.recv(tag="ack")
+        await peer.recv(tag="ack")
         dt = time.perf_counter() - t0
         if b:
             times.append(dt / count)
-        if b == len(schedule) - 1 and total != want:
-            raise RuntimeError(f"{kind} {fmt_size(nbytes)}: receiver holds byte sum {total}, sent {want}")
+    total = await peer.recv(tag="sum")
+    if total != want:
+        raise RuntimeError(f"{kind} {fmt_size(nbytes)}: receiver holds byte sum {total}, sent {want}")
     return times, receipt
 
 
@@ -96,15 +98,16 @@ async def receive_batches(
     landed: Callable[[], None] | None = None,
 ) -> None:
     """The child's side of :func:`send_batches`: say ready, then receive each batch into ``out``
-    (``landed()`` after each transfer, if given) and answer it once, the last batch with
-    ``await total()`` (the byte sum it holds), the others with -1."""
+    (``landed()`` after each transfer, if given) and answer it once; after the last, say
+    ``await total()`` (the byte sum it holds)."""
     await peer.send("ready", tag="ack")
-    for b, window in enumerate(schedule):
+    for window in schedule:
         for _ in range(window):
             await peer.recv(tag="data", out=out)
             if landed is not None:
                 landed()
-        await peer.send(await total() if b == len(schedule) - 1 else -1, tag="ack")
+        await peer.send(True, tag="ack")
+    await peer.send(await total(), tag="sum")
 
 
 def receipt_text(receipt: Any) -> str:

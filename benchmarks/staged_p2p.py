@@ -22,10 +22,10 @@ GPU for the real rows.
 
 This process sends; a child process receives each message into a preallocated tensor of the same
 kind (``recv(out=...)``) and answers with one small message, so a transfer's time runs from
-``send`` to that answer and counts delivered bytes only. The receiver checks the last transfer of
-each cell (byte sum). The two rows take turns (``--turns``) and each cell keeps its median over
-all turns' repeats. Speed is never asserted: the script prints PASS/MISS against 0.8x and exits 0
-unless a transfer broke.
+``send`` to that answer and counts delivered bytes only. After the last transfer of each cell
+the receiver sums the bytes it holds, untimed, and the sender checks the sum. The two rows take
+turns (``--turns``) and each cell keeps its median over all turns' repeats. Speed is never
+asserted: the script prints PASS/MISS against 0.8x and exits 0 unless a transfer broke.
 """
 
 from __future__ import annotations
