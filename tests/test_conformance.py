@@ -5,6 +5,7 @@ one machine). The UCX options go to the node's UCX context through ``ucx_config`
 the environment.
 """
 
+import asyncio
 import contextlib
 import importlib.util
 
@@ -40,6 +41,28 @@ async def test_conformance(variant: str, name: str) -> None:
     with _options(variant):
         async with connected_pair(VARIANTS[variant][0], check=name) as (a, b):
             await CHECKS[name](a, b)
+
+
+@pytest.mark.parametrize("variant", [p for p in TRANSPORTS if p.id != "inproc"])  # inproc encodes no header
+async def test_header_past_the_peers_limit_is_refused(variant: str) -> None:
+    """A message whose header (its tree and tensor specs) is larger than the peer accepts fails
+    at the sender with TransferError naming the limit; nothing of it reaches the peer."""
+    import numpy as np
+
+    import tensorwire
+
+    with _options(variant):
+        async with connected_pair(VARIANTS[variant][0], limits=tensorwire.Limits(max_header_bytes=1024)) as (a, b):
+            recv = asyncio.ensure_future(b.recv(tag="h"))
+            wide = {f"key-{i}": np.zeros(1, np.int8) for i in range(100)}
+            with pytest.raises(
+                tensorwire.TransferError, match=r"header of \d+ bytes exceeds the peer's 1024-byte limit"
+            ):
+                await asyncio.wait_for(a.send(wide, tag="h"), 5)
+            narrow = {f"key-{i}": np.full(1, i, np.int8) for i in range(3)}
+            await asyncio.wait_for(a.send(narrow, tag="h"), 5)
+            got = await asyncio.wait_for(recv, 5)
+            assert sorted(got) == sorted(narrow) and all(int(got[k][0]) == int(v[0]) for k, v in narrow.items())
 
 
 async def test_exchange_refuses_an_unknown_order() -> None:

@@ -159,7 +159,7 @@ async def test_data_connection_never_opened_is_forgotten() -> None:
 
         await asyncio.sleep(1.0)
         assert node.peers == []
-        assert node.transports["tcp"]._pending == {}
+        assert len(node.transports["tcp"].sessions) == 0
 
 
 async def test_accept_wakes_when_node_closes() -> None:

@@ -11,7 +11,14 @@ import numpy as np
 
 from .._node import start
 from .._peer import Peer
-from ..errors import ClosedResourceError, ConfigurationError, PeerDisconnected, ShapeMismatchError, TensorWireError
+from ..errors import (
+    ClosedResourceError,
+    ConfigurationError,
+    PeerDisconnected,
+    ShapeMismatchError,
+    TensorWireError,
+    TransferError,
+)
 from ..tensors import DTYPES
 from ..transports import Limits, Receipt
 
@@ -357,6 +364,24 @@ async def check_backpressure(a: Peer, b: Peer) -> None:
     for _ in range(3):
         assert _same(chunk, await asyncio.wait_for(b.recv(tag="bytes"), 5))
     assert (await third).protocol == "rendezvous"
+
+
+@_check(Limits(max_message_bytes=1 * MiB))
+async def check_send_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None:
+    """A message larger than the peer accepts fails at the sender, with TransferError naming the
+    limit, before any of it leaves: the receiver sees nothing of it, and the tag goes on."""
+    recv = asyncio.ensure_future(b.recv(tag="lim"))
+    for big in (np.ones(MiB + 1, np.uint8), {"a": np.ones(MiB // 2, np.uint8), "b": np.ones(MiB // 2 + 8, np.uint8)}):
+        refused: TransferError | None = None
+        try:
+            await asyncio.wait_for(a.send(big, tag="lim"), 5)
+        except TransferError as exc:
+            refused = exc
+        assert refused is not None, "a message past the peer's max_message_bytes was sent"
+        assert f"exceeds the peer's {MiB}-byte limit" in str(refused), refused
+    edge = np.arange(MiB, dtype=np.uint8)  # exactly at the limit: accepted
+    await asyncio.wait_for(a.send(edge, tag="lim"), 5)
+    assert _same(await asyncio.wait_for(recv, 5), edge)
 
 
 @_check()

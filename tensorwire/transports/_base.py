@@ -8,19 +8,21 @@ buffering and backpressure live in the shared ``Mailbox`` so that every transpor
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import ClosedResourceError
+from ..errors import ClosedResourceError, ProtocolError
 
 __all__ = [
     "Capabilities",
     "Channel",
     "ChannelState",
     "Limits",
+    "PendingSessions",
     "Receipt",
     "Session",
     "Transport",
@@ -206,6 +208,48 @@ class Channel(ABC):
         await self.aclose()
 
 
+class PendingSessions:
+    """The sessions a transport's server side waits for a data connection for, each with the
+    future its channel resolves (``Transport.expect``). A HELLO is admitted against its entry;
+    an entry leaves once its future is done, and closing the transport cancels what still waits."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, tuple[Session, asyncio.Future[Channel]]] = {}
+
+    def expect(self, session: Session) -> asyncio.Future[Channel]:
+        fut: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
+        self._by_id[session.id] = (session, fut)
+
+        def forget(_: object) -> None:
+            entry = self._by_id.get(session.id)
+            if entry is not None and entry[1] is fut:  # not a later expect of the same id
+                del self._by_id[session.id]
+
+        fut.add_done_callback(forget)
+        return fut
+
+    def admit(self, sid: bytes | str, proven: Callable[[Session], bool]) -> tuple[Session, asyncio.Future[Channel]]:
+        """The waiting entry a peer's HELLO names, if ``proven(session)`` says the HELLO's proof
+        of the session secret holds; ProtocolError saying which check failed otherwise."""
+        key = sid if isinstance(sid, str) else sid.decode("utf-8", "replace")
+        entry = self._by_id.get(key)
+        if entry is None:
+            raise ProtocolError("unknown or already used session id")
+        if not proven(entry[0]):
+            raise ProtocolError("wrong session secret")
+        if entry[1].done():
+            raise ProtocolError("session no longer pending")
+        return entry
+
+    def __len__(self) -> int:
+        """How many sessions are still waiting (or done, for one more loop turn)."""
+        return len(self._by_id)
+
+    def cancel_all(self) -> None:
+        for _, fut in list(self._by_id.values()):
+            fut.cancel()
+
+
 class Transport(ABC):
     """A way to move bytes between nodes. One instance per node."""
 
@@ -226,6 +270,7 @@ class Transport(ABC):
     def __init__(self, ctx: TransportContext, capabilities: Capabilities) -> None:
         self.ctx = ctx
         self.capabilities = capabilities
+        self.sessions = PendingSessions()
 
     def accepts(self, address: bytes) -> str | None:
         """None if a peer offering ``address`` is reachable, else why not (cheap, local check)."""
@@ -235,9 +280,10 @@ class Transport(ABC):
     async def listen(self) -> bytes:
         """Start accepting data-plane connections; return the opaque address blob."""
 
-    @abstractmethod
     def expect(self, session: Session) -> Awaitable[Channel]:
-        """Server side: await the peer's data connection for ``session`` (secret checked)."""
+        """Server side: await the peer's data connection for ``session`` (secret checked: the
+        transport admits the peer's HELLO through ``self.sessions``)."""
+        return self.sessions.expect(session)
 
     @abstractmethod
     async def connect(self, address: bytes, session: Session) -> Channel:

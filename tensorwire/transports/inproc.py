@@ -15,9 +15,8 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Awaitable
 
-from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, TransferError
+from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, ProtocolError, TransferError
 from ..tensors import Outgoing
 from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
 from ._mailbox import Arrival, SenderAborted, _settle
@@ -95,11 +94,11 @@ class InprocChannel(Channel):
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         t0 = time.perf_counter()
         peer = self._other()
-        await msg.to_host()  # device tensors: staged through host memory (no device lanes here)
-        if msg.nbytes > peer._limits.max_message_bytes:
+        if msg.nbytes > peer._limits.max_message_bytes:  # no header limit: headers are never encoded here
             raise TransferError(
                 f"a {msg.nbytes}-byte message exceeds the peer's {peer._limits.max_message_bytes}-byte limit"
             )
+        await msg.to_host()  # device tensors: staged through host memory (no device lanes here)
         self._sending += 1
         try:
             if msg.nbytes >= _REPOST_AFTER:
@@ -242,7 +241,6 @@ class InprocTransport(Transport):
     def __init__(self, ctx: TransportContext, capabilities: Capabilities) -> None:
         super().__init__(ctx, capabilities)
         self._token = f"{os.getpid()}/{uuid.uuid4().hex}"
-        self._pending: dict[str, tuple[Session, asyncio.Future[Channel]]] = {}
         self._channels: set[InprocChannel] = set()
 
     async def listen(self) -> bytes:
@@ -257,31 +255,25 @@ class InprocTransport(Transport):
             return "peer's in-process listener is closed"
         return None
 
-    def expect(self, session: Session) -> Awaitable[Channel]:
-        fut: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
-        self._pending[session.id] = (session, fut)
-        fut.add_done_callback(lambda _f: self._pending.pop(session.id, None))
-        return fut
-
     async def connect(self, address: bytes, session: Session) -> Channel:
         server = _LISTENERS.get(address.decode("utf-8", "replace"))
         if server is None:
             raise ConnectError("in-process peer is not listening (another process, or closed)")
-        entry = server._pending.get(session.id)
-        if entry is None or not hmac.compare_digest(entry[0].secret, session.secret) or entry[1].done():
-            raise ConnectError("in-process peer rejected the session")
+        try:
+            _, fut = server.sessions.admit(session.id, lambda s: hmac.compare_digest(s.secret, session.secret))
+        except ProtocolError as exc:
+            raise ConnectError(f"in-process peer rejected the session: {exc}") from None
         mine, theirs = InprocChannel(self), InprocChannel(server)
         mine._link(theirs)
         theirs._link(mine)
         self._channels.add(mine)
         server._channels.add(theirs)
-        entry[1].set_result(theirs)
+        fut.set_result(theirs)
         return mine
 
     async def aclose(self) -> None:
         _LISTENERS.pop(self._token, None)
-        for _, fut in list(self._pending.values()):
-            fut.cancel()
+        self.sessions.cancel_all()
         for ch in list(self._channels):
             await ch.aclose()
         self._channels.clear()

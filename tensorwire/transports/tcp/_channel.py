@@ -155,13 +155,8 @@ class TcpChannel(Channel):
 
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
-        if msg.nbytes > self._remote.max_message_bytes:
-            raise TransferError(
-                f"a {msg.nbytes}-byte message exceeds the peer's {self._remote.max_message_bytes}-byte limit"
-            )
         header = msg.header
-        if len(header) > self._remote.max_header_bytes:
-            raise TransferError(f"message header of {len(header)} bytes exceeds the peer's limit")
+        self._remote.check_send(msg.nbytes, len(header))
         t0 = time.perf_counter()
         self._sending += 1
         try:

@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable
 
 from ...errors import ConnectError, PeerDisconnected, ProtocolError
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
@@ -66,7 +65,6 @@ class TcpTransport(Transport):
         super().__init__(ctx, capabilities)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._pending: dict[str, tuple[Session, asyncio.Future[Channel]]] = {}
         self._handshakes: set[asyncio.Task[None]] = set()
         self._channels: set[TcpChannel] = set()
         self._closed = False
@@ -105,18 +103,6 @@ class TcpTransport(Transport):
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
 
-    def expect(self, session: Session) -> Awaitable[Channel]:
-        fut: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
-        self._pending[session.id] = (session, fut)
-
-        def forget(_: object) -> None:
-            entry = self._pending.get(session.id)
-            if entry is not None and entry[1] is fut:
-                del self._pending[session.id]
-
-        fut.add_done_callback(forget)
-        return fut
-
     async def _handshake_server(self, conn: socket.socket, addr: object) -> None:
         _tune(conn)
         io = SockIO(conn)
@@ -133,14 +119,9 @@ class TcpTransport(Transport):
                     )
                 meta = await io.read_exact(hdr.meta_len)
                 sid = meta[lo:]
-                entry = self._pending.get(sid.decode("utf-8", "replace"))
-                if entry is None:
-                    raise ProtocolError("unknown or already used session id")
-                session, fut = entry
-                if not hmac.compare_digest(meta[:NONCE_BYTES], proof(session.secret, nonce, sid, b"client")):
-                    raise ProtocolError("wrong session secret")
-                if fut.done():
-                    raise ProtocolError("session no longer pending")
+                session, fut = self.sessions.admit(
+                    sid, lambda s: hmac.compare_digest(meta[:NONCE_BYTES], proof(s.secret, nonce, sid, b"client"))
+                )
                 remote = PeerLimits.unpack(meta[NONCE_BYTES:lo])
                 reply = proof(session.secret, nonce, sid, b"server") + self._peer_limits.pack()
                 await io.send_all([pack(FrameType.WELCOME, meta_len=len(reply)), reply])
@@ -214,8 +195,7 @@ class TcpTransport(Transport):
             self._accepting.cancel()
         for t in list(self._handshakes):
             t.cancel()
-        for _, fut in list(self._pending.values()):
-            fut.cancel()
+        self.sessions.cancel_all()
         await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
         tasks = [t for t in (self._accepting, *self._handshakes) if t is not None]
         await asyncio.gather(*tasks, return_exceptions=True)

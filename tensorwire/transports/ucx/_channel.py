@@ -389,13 +389,8 @@ class UcxChannel(Channel):
 
     async def _send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
-        if msg.nbytes > self._remote.max_message_bytes:
-            raise TransferError(
-                f"a {msg.nbytes}-byte message exceeds the peer's {self._remote.max_message_bytes}-byte limit"
-            )
         header = msg.header
-        if len(header) > self._remote.max_header_bytes or HEADER.size + len(header) > self._remote_ctrl:
-            raise TransferError(f"message header of {len(header)} bytes exceeds the peer's limit")
+        self._remote.check_send(msg.nbytes, len(header), self._remote_ctrl - HEADER.size)  # and its ctrl buffer
         t0 = time.perf_counter()
         if msg.on_device and "cuda" not in self.device_kinds:
             await msg.to_host()  # no cuda transports in this UCX: stage through host memory

@@ -25,7 +25,7 @@ import logging
 import secrets
 import struct
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -121,7 +121,6 @@ class UcxTransport(Transport):
         self.options = ucx_options()  # read now: ucx_config() applies to nodes started inside it
         self.worker: Worker | None = None
         self.ucp: Ucp | None = None
-        self._pending: dict[str, tuple[Session, asyncio.Future[Channel]]] = {}
         self._channels: set[UcxChannel] = set()
         self._keys: set[int] = set()
         self._probed: OrderedDict[bytes, Any] = OrderedDict()  # worker address -> endpoint from accepts()
@@ -203,18 +202,6 @@ class UcxTransport(Transport):
             self.worker.track(asyncio.get_running_loop().create_task(self.worker.close_endpoint(old)))
         return None
 
-    def expect(self, session: Session) -> Awaitable[Channel]:
-        fut: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
-        self._pending[session.id] = (session, fut)
-
-        def forget(_: object) -> None:
-            entry = self._pending.get(session.id)
-            if entry is not None and entry[1] is fut:
-                del self._pending[session.id]
-
-        fut.add_done_callback(forget)
-        return fut
-
     def _on_hello(self, req: Any) -> None:
         if self._closed:
             return
@@ -246,16 +233,10 @@ class UcxTransport(Transport):
         body = buf[:body_len].tobytes()
         sid = body[_HEAD.size + LIMITS.size : _HEAD.size + LIMITS.size + sid_len]
         worker_address = body[_HEAD.size + LIMITS.size + sid_len :]
-        entry = self._pending.get(sid.decode("utf-8", "replace"))
-        if entry is None:
-            raise ProtocolError("unknown or already used session id")
-        session, fut = entry
-        if not hmac.compare_digest(
-            buf[body_len : body_len + _PROOF].tobytes(), _digest(session.secret, body, sid, b"ucx-client")
-        ):
-            raise ProtocolError("wrong session secret")
-        if fut.done():
-            raise ProtocolError("session no longer pending")
+        got = buf[body_len : body_len + _PROOF].tobytes()
+        session, fut = self.sessions.admit(
+            sid, lambda s: hmac.compare_digest(got, _digest(s.secret, body, sid, b"ucx-client"))
+        )
         remote = PeerLimits.unpack(body[_HEAD.size : _HEAD.size + LIMITS.size])
         try:
             ep = self._endpoint(worker_address)
@@ -403,8 +384,7 @@ class UcxTransport(Transport):
     async def aclose(self) -> None:
         if self._closed:
             return
-        for _, fut in list(self._pending.values()):
-            fut.cancel()
+        self.sessions.cancel_all()
         await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
         try:
             self.registrations.clear()  # before the context goes

@@ -19,7 +19,7 @@ import hmac
 import logging
 import os
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
@@ -106,7 +106,6 @@ class VerbsTransport(Transport):
         self.memory: MemoryCache | None = None
         self.registrations = RegistrationCache(self.name, self._map)
         self._server: asyncio.Server | None = None
-        self._pending: dict[str, tuple[Session, asyncio.Future[Channel]]] = {}
         self._channels: set[VerbsChannel] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -160,18 +159,6 @@ class VerbsTransport(Transport):
             theirs = "RoCE" if offer.roce else "InfiniBand"
             return f"the peer's RDMA port is {theirs}, this node's is {mine}"
         return None
-
-    def expect(self, session: Session) -> Awaitable[Channel]:
-        fut: asyncio.Future[Channel] = asyncio.get_running_loop().create_future()
-        self._pending[session.id] = (session, fut)
-
-        def forget(_: object) -> None:
-            entry = self._pending.get(session.id)
-            if entry is not None and entry[1] is fut:
-                del self._pending[session.id]
-
-        fut.add_done_callback(forget)
-        return fut
 
     def _queue_pair(self) -> QueuePair:
         if self.port is None or self._closed:
@@ -238,14 +225,9 @@ class VerbsTransport(Transport):
                     body = head + rest
                     sid = rest[QP_INFO.size + LIMITS.size :]
                     got = await reader.readexactly(_PROOF)
-                    entry = self._pending.get(sid.decode("utf-8", "replace"))
-                    if entry is None:
-                        raise ProtocolError("unknown or already used session id")
-                    session, fut = entry
-                    if not hmac.compare_digest(got, _digest(session.secret, nonce, body, sid, b"verbs-client")):
-                        raise ProtocolError("wrong session secret")
-                    if fut.done():
-                        raise ProtocolError("session no longer pending")
+                    session, fut = self.sessions.admit(
+                        sid, lambda s: hmac.compare_digest(got, _digest(s.secret, nonce, body, sid, b"verbs-client"))
+                    )
                     remote = QpInfo.unpack(rest[: QP_INFO.size])
                     limits = PeerLimits.unpack(rest[QP_INFO.size : QP_INFO.size + LIMITS.size])
                     qp = self._queue_pair()
@@ -362,8 +344,7 @@ class VerbsTransport(Transport):
     async def aclose(self) -> None:
         if self._closed:
             return
-        for _, fut in list(self._pending.values()):
-            fut.cancel()
+        self.sessions.cancel_all()
         await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
         self._closed = True
         if self._server is not None:
