@@ -183,6 +183,8 @@ class Channel(ABC):
         return self.mailbox.in_flight
 
     def check_open(self) -> None:
+        if self.state is ChannelState.CLOSING:  # our own aclose is under way
+            raise ClosedResourceError(f"{self.transport} channel is closing")
         if self.state is not ChannelState.OPEN:
             exc = self.mailbox.failure
             if exc is not None:

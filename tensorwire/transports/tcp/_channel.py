@@ -490,8 +490,3 @@ class TcpChannel(Channel):
 
     def fail(self, exc: BaseException) -> None:
         self._shutdown(ChannelState.BROKEN, exc)
-
-    def check_open(self) -> None:
-        if self.state is ChannelState.CLOSING:
-            raise ClosedResourceError("channel is closing")
-        super().check_open()

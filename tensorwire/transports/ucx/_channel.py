@@ -852,8 +852,3 @@ class UcxChannel(Channel):
 
     def fail(self, exc: BaseException) -> None:
         self._shutdown(ChannelState.BROKEN, exc)
-
-    def check_open(self) -> None:
-        if self.state is ChannelState.CLOSING:
-            raise ClosedResourceError("channel is closing")
-        super().check_open()
