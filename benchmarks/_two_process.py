@@ -110,6 +110,12 @@ async def receive_batches(
     await peer.send(await total(), tag="sum")
 
 
+async def host_byte_sum(arr: Any) -> int:
+    """The sum of a host array's bytes (the check that every byte arrived), off the event loop:
+    seconds at GiB sizes would stall the loop and look like a dead node to the peer's lease."""
+    return await asyncio.to_thread(lambda: int(arr.sum(dtype="int64")))
+
+
 def receipt_text(receipt: Any) -> str:
     return (
         f"{receipt.transport} memory={receipt.memory} staged={receipt.staged} "

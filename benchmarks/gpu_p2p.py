@@ -28,7 +28,6 @@ Speed is never asserted: the script prints PASS/MISS and exits 0 unless a transf
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import functools
 import json
@@ -41,7 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import numpy as np
 from _sizes import GiB, MiB, fmt_size, parse_size
-from _two_process import make_parser, receipt_text, receive_batches, run, send_batches, start_child, stop_child
+from _two_process import (
+    host_byte_sum,
+    make_parser,
+    receipt_text,
+    receive_batches,
+    run,
+    send_batches,
+    start_child,
+    stop_child,
+)
 
 import tensorwire
 
@@ -67,7 +75,7 @@ async def _byte_sum(out: Any) -> int:
 
     if isinstance(out, torch.Tensor):
         return int(out.sum(dtype=torch.int64))  # on the GPU: milliseconds
-    return await asyncio.to_thread(lambda: int(out.sum(dtype=np.int64)))  # seconds at 4 GiB: off the loop
+    return await host_byte_sum(out)
 
 
 # -- the receiving child ----------------------------------------------------------------------------

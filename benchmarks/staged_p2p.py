@@ -44,7 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import numpy as np
 from _sizes import MiB, fmt_size, parse_size
-from _two_process import make_parser, receipt_text, receive_batches, run, send_batches, start_child, stop_child
+from _two_process import (
+    host_byte_sum,
+    make_parser,
+    receipt_text,
+    receive_batches,
+    run,
+    send_batches,
+    start_child,
+    stop_child,
+)
 
 import tensorwire
 from tensorwire.memory import HostEngine
@@ -62,10 +71,6 @@ def make_engine(args: argparse.Namespace) -> HostEngine:
     for direction in ("out", "in"):
         engine.pool(direction).configure(args.chunk, args.depth)
     return engine
-
-
-def _sum(arr: np.ndarray) -> int:
-    return int(arr.sum(dtype=np.int64))
 
 
 def copy_gbs(chunk: int) -> float:
@@ -94,9 +99,7 @@ async def child(args: argparse.Namespace) -> None:
         while (cmd := await peer.recv(tag="cmd")) != "done":
             kind, nbytes, schedule = cmd
             arr = np.empty(nbytes, np.uint8)
-            await receive_batches(
-                peer, wrap(engine, kind, arr), schedule, functools.partial(asyncio.to_thread, _sum, arr)
-            )
+            await receive_batches(peer, wrap(engine, kind, arr), schedule, functools.partial(host_byte_sum, arr))
             del arr
         await peer.aclose()
     engine.close()
@@ -122,7 +125,7 @@ async def parent(args: argparse.Namespace) -> int:
             for n in sizes:
                 # off the loop: seconds of work at 1 GiB would look like a dead node to the peer's lease
                 data = await asyncio.to_thread(np.random.default_rng(n).integers, 0, 256, n, dtype=np.uint8)
-                want = await asyncio.to_thread(_sum, data)
+                want = await host_byte_sum(data)
                 for turn in range(args.turns):
                     for kind in ROWS if turn % 2 == 0 else ROWS[::-1]:
                         try:

@@ -30,9 +30,12 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import ProtocolError, TransferError
+
+if TYPE_CHECKING:
+    from ._base import TransportContext
 
 __all__ = ["HEADER", "MAGIC", "FrameHeader", "FrameType", "PeerLimits", "proof"]
 
@@ -130,6 +133,13 @@ class PeerLimits:
     @classmethod
     def unpack(cls, data: bytes) -> PeerLimits:
         return cls(*LIMITS.unpack(data))
+
+    @classmethod
+    def of(cls, ctx: TransportContext) -> PeerLimits:
+        """What a node's transport promises its peers: its limits, and whether it checksums."""
+        lim = ctx.limits
+        flags = FLAG_CHECKSUM if ctx.checksum else 0
+        return cls(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes, flags)
 
     def check_send(self, nbytes: int, header_len: int, header_max: int | None = None) -> None:
         """Refuse, before any of it is sent, a message this peer would drop the connection for:

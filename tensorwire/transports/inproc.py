@@ -19,6 +19,7 @@ from collections import deque
 from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, ProtocolError, TransferError
 from ..tensors import Outgoing
 from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
+from ._frames import PeerLimits
 from ._mailbox import Arrival, SenderAborted, _settle
 
 __all__ = ["InprocChannel", "InprocTransport"]
@@ -62,7 +63,8 @@ class InprocChannel(Channel):
 
     def __init__(self, transport: InprocTransport) -> None:
         super().__init__()
-        self._limits = transport.ctx.limits
+        self._promise = PeerLimits.of(transport.ctx)  # what its peer may send it
+        self._remote = self._promise  # what its peer accepts (set by _link)
         self.peer: InprocChannel | None = None
         self._send_credit = 0
         self._send_slots = 0
@@ -81,8 +83,9 @@ class InprocChannel(Channel):
 
     def _link(self, other: InprocChannel) -> None:
         self.peer = other
-        self._send_credit = other._limits.recv_buffer_bytes
-        self._send_slots = other._limits.max_unexpected
+        self._remote = other._promise
+        self._send_credit = self._remote.recv_buffer_bytes
+        self._send_slots = self._remote.max_unexpected
 
     def _other(self) -> InprocChannel:
         self.check_open()
@@ -94,10 +97,7 @@ class InprocChannel(Channel):
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         t0 = time.perf_counter()
         peer = self._other()
-        if msg.nbytes > peer._limits.max_message_bytes:  # no header limit: headers are never encoded here
-            raise TransferError(
-                f"a {msg.nbytes}-byte message exceeds the peer's {peer._limits.max_message_bytes}-byte limit"
-            )
+        self._remote.check_send(msg.nbytes, 0)  # no header limit: headers are never encoded here
         await msg.to_host()  # device tensors: staged through host memory (no device lanes here)
         self._sending += 1
         try:

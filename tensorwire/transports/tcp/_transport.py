@@ -11,7 +11,7 @@ import time
 
 from ...errors import ConnectError, PeerDisconnected, ProtocolError
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
-from .._frames import FLAG_CHECKSUM, LIMITS, MAX_SESSION_ID, NONCE_BYTES, FrameType, PeerLimits, pack, proof
+from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, FrameType, PeerLimits, pack, proof
 from ._channel import TcpChannel
 from ._sockio import SockIO
 
@@ -70,12 +70,6 @@ class TcpTransport(Transport):
         self._closed = False
         self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
 
-    @property
-    def _peer_limits(self) -> PeerLimits:
-        lim = self.ctx.limits
-        flags = FLAG_CHECKSUM if self.ctx.checksum else 0
-        return PeerLimits(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes, flags)
-
     async def listen(self) -> bytes:
         host = self.ctx.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -123,7 +117,7 @@ class TcpTransport(Transport):
                     sid, lambda s: hmac.compare_digest(meta[:NONCE_BYTES], proof(s.secret, nonce, sid, b"client"))
                 )
                 remote = PeerLimits.unpack(meta[NONCE_BYTES:lo])
-                reply = proof(session.secret, nonce, sid, b"server") + self._peer_limits.pack()
+                reply = proof(session.secret, nonce, sid, b"server") + PeerLimits.of(self.ctx).pack()
                 await io.send_all([pack(FrameType.WELCOME, meta_len=len(reply)), reply])
         except (ProtocolError, PeerDisconnected, TimeoutError, OSError) as exc:
             self._drops.warn("dropped tcp data connection from %s: %s", who, str(exc) or type(exc).__name__)
@@ -160,7 +154,7 @@ class TcpTransport(Transport):
                     raise ProtocolError(f"expected CHALLENGE, got {hdr.type.name}")
                 nonce = await io.read_exact(NONCE_BYTES)
                 sid = session.id.encode()
-                hello = proof(session.secret, nonce, sid, b"client") + self._peer_limits.pack() + sid
+                hello = proof(session.secret, nonce, sid, b"client") + PeerLimits.of(self.ctx).pack() + sid
                 await io.send_all([pack(FrameType.HELLO, meta_len=len(hello)), hello])
                 hdr = await io.read_header()
                 if hdr.type is not FrameType.WELCOME or hdr.meta_len != NONCE_BYTES + LIMITS.size or hdr.payload_len:

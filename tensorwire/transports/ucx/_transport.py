@@ -33,7 +33,7 @@ import numpy as np
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
 from ...memory._gpudirect import gpudirect_status
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
-from .._frames import FLAG_CHECKSUM, LIMITS, MAX_SESSION_ID, PeerLimits, proof
+from .._frames import LIMITS, MAX_SESSION_ID, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
 from ..tcp._transport import _RateLimitedLog
 from ._channel import HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
@@ -132,12 +132,6 @@ class UcxTransport(Transport):
 
     def __repr__(self) -> str:
         return f"<UcxTransport channels={len(self._channels)} options={self.options}>"
-
-    @property
-    def _peer_limits(self) -> PeerLimits:
-        lim = self.ctx.limits
-        flags = FLAG_CHECKSUM if self.ctx.checksum else 0
-        return PeerLimits(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes, flags)
 
     def _new_key(self) -> int:
         while True:
@@ -258,7 +252,7 @@ class UcxTransport(Transport):
         self._track(channel, my_key)
         head = (
             _HEAD.pack(_WELCOME_MAGIC, _VERSION, 0, 0, 0, my_key, ctrl_bytes(self.ctx.limits))
-            + self._peer_limits.pack()
+            + PeerLimits.of(self.ctx).pack()
         )
         welcome = head + _digest(session.secret, head, sid, b"ucx-server")
         from ucxx._lib.arr import Array
@@ -298,7 +292,7 @@ class UcxTransport(Transport):
                 head = _HEAD.pack(
                     _HELLO_MAGIC, _VERSION, 0, len(sid), len(w.address), my_key, ctrl_bytes(self.ctx.limits)
                 )
-                body = head + self._peer_limits.pack() + sid + w.address
+                body = head + PeerLimits.of(self.ctx).pack() + sid + w.address
                 hello = body + _digest(session.secret, body, sid, b"ucx-client")
                 hreq = ep.tag_send(Array(hello), w.lib.UCXXTag(make_tag(0, HELLO)))
                 if not hreq.completed:

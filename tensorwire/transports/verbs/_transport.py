@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
-from .._frames import FLAG_CHECKSUM, LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
+from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
 from ..tcp._transport import _RateLimitedLog
 from ._channel import VerbsChannel
@@ -114,12 +114,6 @@ class VerbsTransport(Transport):
     def __repr__(self) -> str:
         where = self.port.describe() if self.port else "not listening"
         return f"<VerbsTransport {where} channels={len(self._channels)}>"
-
-    @property
-    def _peer_limits(self) -> PeerLimits:
-        lim = self.ctx.limits
-        flags = FLAG_CHECKSUM if self.ctx.checksum else 0
-        return PeerLimits(lim.recv_buffer_bytes, lim.max_unexpected, lim.max_message_bytes, lim.max_header_bytes, flags)
 
     # -- listening ------------------------------------------------------------------------------
     async def listen(self) -> bytes:
@@ -232,7 +226,7 @@ class VerbsTransport(Transport):
                     limits = PeerLimits.unpack(rest[QP_INFO.size : QP_INFO.size + LIMITS.size])
                     qp = self._queue_pair()
                     qp.connect(remote)
-                    welcome = _WELCOME + qp.info().pack() + self._peer_limits.pack()
+                    welcome = _WELCOME + qp.info().pack() + PeerLimits.of(self.ctx).pack()
                     writer.write(welcome + _digest(session.secret, nonce, welcome, sid, b"verbs-server"))
                     if await reader.readexactly(len(_READY)) != _READY:
                         raise ProtocolError("expected READY")
@@ -284,7 +278,7 @@ class VerbsTransport(Transport):
                 nonce = challenge[len(_CHALLENGE) :]
                 qp = self._queue_pair()
                 sid = session.id.encode()
-                body = _HELLO + _SID.pack(len(sid)) + qp.info().pack() + self._peer_limits.pack() + sid
+                body = _HELLO + _SID.pack(len(sid)) + qp.info().pack() + PeerLimits.of(self.ctx).pack() + sid
                 writer.write(body + _digest(session.secret, nonce, body, sid, b"verbs-client"))
                 welcome = await reader.readexactly(len(_WELCOME) + QP_INFO.size + LIMITS.size)
                 got = await reader.readexactly(_PROOF)
