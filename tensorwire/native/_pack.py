@@ -19,7 +19,10 @@ How a copy is planned (``_plan``, pure Python, so it is tested on machines witho
 
 Kernels are CUDA C strings compiled through CuPy's NVRTC bindings (``cupy.RawModule``) the
 first time a (kind, word size, number of axes, index width) class is needed, then cached per
-device. CuPy is imported only inside the functions.
+device. Which class, grid and arguments a copy launches is planned in pure Python too
+(``_launch``), so that every class is compiled by NVRTC and its parameters checked against the
+launch's arguments on machines without a GPU (tests/test_native_nvrtc.py). CuPy is imported only
+inside the functions.
 """
 
 from __future__ import annotations
@@ -255,15 +258,15 @@ def _check_array(cp: ModuleType, obj: object, what: str) -> None:
     raise UnsupportedTensorError(f"{what} must be a cupy.ndarray on a CUDA device, not {type(obj).__name__}")
 
 
-def _get_kernel(cp: ModuleType, device_id: int, key: tuple[Any, ...], name: str, source: str) -> Any:
-    full_key = (device_id, *key)
+def _get_kernel(cp: ModuleType, device_id: int, launch: _Launch) -> Any:
+    full_key = (device_id, *launch.key)
     fn = _kernels.get(full_key)
     if fn is None:
         with _kernels_lock:
             fn = _kernels.get(full_key)
             if fn is None:
-                module = cp.RawModule(code=source)
-                fn = module.get_function(name)
+                module = cp.RawModule(code=launch.source())
+                fn = module.get_function(launch.name)
                 _kernels[full_key] = fn
     return fn
 
@@ -319,21 +322,33 @@ def _resolve_stream(cp: ModuleType, stream: Any) -> Any:
     )
 
 
-def _copy(cp: ModuleType, strided: Any, packed: Any, unpack: bool, stream: Any) -> None:
-    """Copy between ``strided`` (any layout) and ``packed`` (C-contiguous bytes) on ``stream``."""
-    strided_ptr = int(strided.data.ptr)
-    packed_ptr = int(packed.data.ptr)
-    plan = _plan(tuple(strided.shape), tuple(strided.strides), int(strided.dtype.itemsize), strided_ptr, packed_ptr)
-    device_id = int(strided.device.id)
-    src_ptr, dst_ptr = (packed_ptr, strided_ptr) if unpack else (strided_ptr, packed_ptr)
-    kind = plan.kind
-    if kind == "memcpy":
-        nbytes = plan.nwords * plan.word
-        cp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
-        return
+@dataclass(frozen=True)
+class _Launch:
+    """One kernel launch, planned in pure Python: which kernel class, its grid and its arguments.
+
+    ``key`` names the kernel class (what is compiled and cached per device) and ``args`` are numpy
+    scalars whose widths must match the kernel's parameters one for one.
+    """
+
+    key: tuple[Any, ...]
+    name: str
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    args: tuple[Any, ...]
+
+    def source(self) -> str:
+        if self.key[0] == "tiled":
+            _, word, nrest, index = self.key
+            return _tiled_source(self.name, word, nrest, index)
+        _, unpack, word, index, ndim = self.key
+        return _elementwise_source(self.name, word, index, ndim, unpack)
+
+
+def _launch(plan: _Plan, unpack: bool, src_ptr: int, dst_ptr: int, sm_count: int) -> _Launch:
+    """The kernel launch for a ``tiled`` or ``elementwise`` plan (a ``memcpy`` plan needs none)."""
     word = plan.word
     ndim = len(plan.shape)
-    if kind == "tiled":
+    if plan.kind == "tiled":
         axis = plan.tile_axis
         assert axis is not None
         last = ndim - 1
@@ -353,9 +368,6 @@ def _copy(cp: ModuleType, strided: Any, packed: Any, unpack: bool, stream: Any) 
         )
         index = "int" if narrow else "long long"
         itype: Any = np.int32 if narrow else np.int64
-        key: tuple[Any, ...] = ("tiled", word, len(rest), index)
-        name = f"tw_tiled_w{word}_{'i32' if narrow else 'i64'}_r{len(rest)}"
-        fn = _get_kernel(cp, device_id, key, name, _tiled_source(name, word, len(rest), index))
         args: list[Any] = [
             np.uint64(src_ptr),
             np.uint64(dst_ptr),
@@ -370,25 +382,49 @@ def _copy(cp: ModuleType, strided: Any, packed: Any, unpack: bool, stream: Any) 
         for d in rest:
             args += [itype(plan.shape[d]), itype(s_strides[d]), itype(d_strides[d])]
         grid = (-(-plan.shape[b] // _TILE), min(-(-plan.shape[a] // _TILE), _MAX_GRID_YZ), min(nbatch, _MAX_GRID_YZ))
-        fn(grid, (_TILE, _TILE_ROWS, 1), tuple(args))
-        return
+        return _Launch(
+            key=("tiled", word, len(rest), index),
+            name=f"tw_tiled_w{word}_{'i32' if narrow else 'i64'}_r{len(rest)}",
+            grid=grid,
+            block=(_TILE, _TILE_ROWS, 1),
+            args=tuple(args),
+        )
     n = plan.nwords
     blocks = -(-n // _BLOCK)
     per_sm = _UNPACK_BLOCKS_PER_SM if unpack else _PACK_BLOCKS_PER_SM
     if per_sm:
-        blocks = min(blocks, _sm_count(cp, device_id) * per_sm)
+        blocks = min(blocks, sm_count * per_sm)
     blocks = min(blocks, 2**31 - 1)
     step = blocks * _BLOCK
     wide = n + 4 * step >= _NARROW_LIMIT
     index = "unsigned long long" if wide else "unsigned int"
     itype = np.uint64 if wide else np.uint32
-    key = ("elementwise", unpack, word, index, ndim)
-    name = f"tw_{'unpack' if unpack else 'pack'}_w{word}_{'i64' if wide else 'i32'}_d{ndim}"
-    fn = _get_kernel(cp, device_id, key, name, _elementwise_source(name, word, index, ndim, unpack))
     args = [np.uint64(src_ptr), np.uint64(dst_ptr), itype(n)]
     for extent, stride in zip(plan.shape, plan.strides, strict=True):
         args += [itype(extent), np.int64(stride)]
-    fn((blocks,), (_BLOCK,), tuple(args))
+    return _Launch(
+        key=("elementwise", unpack, word, index, ndim),
+        name=f"tw_{'unpack' if unpack else 'pack'}_w{word}_{'i64' if wide else 'i32'}_d{ndim}",
+        grid=(blocks,),
+        block=(_BLOCK,),
+        args=tuple(args),
+    )
+
+
+def _copy(cp: ModuleType, strided: Any, packed: Any, unpack: bool, stream: Any) -> None:
+    """Copy between ``strided`` (any layout) and ``packed`` (C-contiguous bytes) on ``stream``."""
+    strided_ptr = int(strided.data.ptr)
+    packed_ptr = int(packed.data.ptr)
+    plan = _plan(tuple(strided.shape), tuple(strided.strides), int(strided.dtype.itemsize), strided_ptr, packed_ptr)
+    device_id = int(strided.device.id)
+    src_ptr, dst_ptr = (packed_ptr, strided_ptr) if unpack else (strided_ptr, packed_ptr)
+    if plan.kind == "memcpy":
+        nbytes = plan.nwords * plan.word
+        cp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+        return
+    launch = _launch(plan, unpack, src_ptr, dst_ptr, _sm_count(cp, device_id))
+    fn = _get_kernel(cp, device_id, launch)
+    fn(launch.grid, launch.block, launch.args)
 
 
 def pack(src: Any, out: Any = None, stream: Any = None) -> Any:
