@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tensorwire.errors import TensorError, UnsupportedTensorError
+from tensorwire.testing import PACK_LAYOUTS
 
 
 def test_import_without_cupy_and_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,21 +30,10 @@ def test_import_without_cupy_and_clear_error(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def _layouts():
-    return {
-        "contig": ((6, 10), lambda a: a),
-        "0d": ((), lambda a: a),
-        "transpose": ((40, 24), lambda a: a.T),
-        "permute4": ((2, 17, 5, 33), lambda a: a.transpose(0, 3, 1, 2)),
-        "neg": ((9, 13), lambda a: a[::-1, ::-1]),
-        "neg-T": ((20, 18), lambda a: a[::-1].T),
-        "step": ((16, 30), lambda a: a[1::3, 2::5]),
-        "rows": ((16, 32), lambda a: a[:, 8:24]),
-        "rows-odd": ((15, 31), lambda a: a[3:, 1:-2]),
-        "column": ((12, 7), lambda a: a[:, 3]),
-        "8d": ((2, 3, 2, 3, 2, 3, 2, 3), lambda a: a.transpose(7, 6, 5, 4, 3, 2, 1, 0)),
-        "8d-slices": ((3, 4, 3, 4, 3, 4, 3, 4), lambda a: a[::2, 1:, ::-1, :, 1::2, :, ::-1, 1:3]),
-        "broadcast": ((5, 1, 7), lambda a: np.broadcast_to(a, (5, 4, 7))),
-    }
+    # the GPU tests' layouts that hold elements, and a broadcast (a zero stride), which packs too
+    layouts = {name: spec for name, spec in PACK_LAYOUTS.items() if "empty" not in name}
+    layouts["broadcast"] = ((5, 1, 7), lambda a: np.broadcast_to(a, (5, 4, 7)))
+    return layouts
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8, 16])

@@ -13,8 +13,12 @@ carry them in ``LIMITS`` and ``connected_pair`` applies them. ``exchange`` sends
 from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send started first;
 ``cancel_recv_at_every_step`` cancels such recvs at every step of a transfer and checks that
 nothing is lost and no cancelled ``out=`` is written afterwards.
+
+``PACK_LAYOUTS`` are strided views (of numpy or CuPy arrays) that reach every copy kind of
+``tensorwire.native``'s pack and unpack.
 """
 
 from ._conformance import CHECKS, LIMITS, cancel_recv_at_every_step, connected_pair, exchange
+from ._layouts import PACK_LAYOUTS
 
-__all__ = ["CHECKS", "LIMITS", "cancel_recv_at_every_step", "connected_pair", "exchange"]
+__all__ = ["CHECKS", "LIMITS", "PACK_LAYOUTS", "cancel_recv_at_every_step", "connected_pair", "exchange"]
