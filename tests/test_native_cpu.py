@@ -6,7 +6,10 @@ exactly as on a GPU (``_plan``, then ``_launch``, with the real host pointers), 
 block by block: a block's threads as fibers that all reach each ``__syncthreads`` before any goes
 on where the kernel syncs, one after the other where it never does. Every layout the GPU tests
 use runs at every word size, both directions, with a one-SM pack grid so that the grid-stride
-loops turn over.
+loops turn over; some also misaligned, and some through the 64-bit index kernels (which a GPU
+uses past 2**31 words) as well. Every access through ``src`` and ``dst`` is bounds-checked against
+the buffers the case allocated, so a stray index fails with its address instead of corrupting
+this process.
 
 This checks the kernels' index arithmetic and the arguments each launch passes. It says nothing
 about the GPU's memory model, coalescing or speed; tests/gpu and the GPU benchmarks check those on
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -38,10 +42,13 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++ or cla
 POISON = 0xA5
 ITEMSIZES = (1, 2, 4, 8, 16)
 LARGE = {"transpose-large", "step-large"}  # millions of elements: two word sizes are enough
+# layouts also run through the 64-bit index kernels (on a GPU those serve past 2**31 words)
+WIDE = {"1d-step", "transpose", "nhwc-to-nchw", "negative-transpose", "step-slice", "8d-slices", "8d-tiled"}
 
 SHIM = r"""
 #include <ucontext.h>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 struct tw_dim3 { unsigned int x, y, z; };
@@ -55,6 +62,24 @@ static const std::function<void()>* tw_body;
 static bool tw_finished;
 static inline void __syncthreads() { swapcontext(tw_fiber, &tw_scheduler); }
 static void tw_fiber_main() { (*tw_body)(); tw_finished = true; }
+
+// src and dst are bounds-checked: an access outside the buffers the case allocated is recorded
+// (the first address) and goes to a scratch word instead, so a wrong index fails the test and
+// never corrupts this process.
+static unsigned long long tw_lo[2], tw_hi[2], tw_bad;
+template <class T, int Side> struct tw_span {
+    T* p;
+    tw_span(T* q) : p(q) {}
+    template <class I> T& operator[](I i) const {
+        const unsigned long long a = (unsigned long long)p + (unsigned long long)((long long)i * (long long)sizeof(T));
+        if (a < tw_lo[Side] || a + sizeof(T) > tw_hi[Side]) {
+            if (!tw_bad) tw_bad = a;
+            static typename std::remove_const<T>::type scratch;
+            return scratch;
+        }
+        return p[i];
+    }
+};
 
 #define __global__
 #define __device__
@@ -109,6 +134,14 @@ _C_TYPES = {
 }
 
 
+def _checked(source: str) -> str:
+    """The kernel source with its src and dst pointers bounds-checked (the shim's tw_span)."""
+    out, n_src = re.subn(r"const (\w[\w ]*)\* __restrict__ src\b", r"tw_span<const \1, 0> src", source)
+    out, n_dst = re.subn(r"(\w[\w ]*)\* __restrict__ dst\b", r"tw_span<\1, 1> dst", out)
+    assert (n_src, n_dst) == (1, 1), "the kernel no longer takes 'const T* __restrict__ src, T* __restrict__ dst'"
+    return out
+
+
 def _wrapper(k: int, launch: _Launch) -> str:
     """The kernel in a namespace of its own, and a C entry point that runs its launch."""
     word = launch.key[1] if launch.key[0] == "tiled" else launch.key[2]
@@ -119,11 +152,14 @@ def _wrapper(k: int, launch: _Launch) -> str:
     syncs = "true" if "__syncthreads" in launch.source() else "false"
     return f"""
 namespace tw_k{k} {{
-{launch.source()}
+{_checked(launch.source())}
 }}
-extern "C" void run_{launch.name}(const unsigned* grid, const unsigned* block, {params}) {{
+extern "C" unsigned long long run_{launch.name}(
+    const unsigned* grid, const unsigned* block, const unsigned long long* bounds, {params}) {{
     const unsigned g[3] = {{grid[0], grid[1], grid[2]}}, b[3] = {{block[0], block[1], block[2]}};
+    tw_lo[0] = bounds[0]; tw_hi[0] = bounds[1]; tw_lo[1] = bounds[2]; tw_hi[1] = bounds[3]; tw_bad = 0;
     tw_run(g, b, {syncs}, [=] {{ tw_k{k}::{launch.name}((const {w}*)a0, ({w}*)a1{rest}); }});
+    return tw_bad;
 }}
 """
 
@@ -132,7 +168,8 @@ extern "C" void run_{launch.name}(const unsigned* grid, const unsigned* block, {
 class Case:
     """One planned copy with its buffers kept alive, and the check of its result."""
 
-    launch: _Launch | None  # None: the plan is a plain memcpy, no kernel
+    launch: _Launch
+    bounds: tuple[int, int, int, int]  # the src buffer's first and past-the-end address, then dst's
     check: Callable[[], None]
 
 
@@ -155,16 +192,27 @@ def _check(unpack: bool, x: np.ndarray, base: np.ndarray, packed: np.ndarray, vi
         assert packed.tobytes() == np.ascontiguousarray(x).tobytes(), why
 
 
-def _cases() -> Iterator[tuple[str, Case]]:
+def _variants(layout: str) -> list[tuple[int, bool]]:
+    """(offset of the packed buffer from 256-byte alignment, 64-bit indices) to run ``layout`` with."""
+    out = [(0, False)]
+    if layout in ("transpose", "row-slice", "8d-slices"):
+        out.append((1, False))
+    if layout in WIDE:
+        out.append((0, True))
+    return out
+
+
+def _cases(layouts: dict[str, tuple[tuple[int, ...], View]]) -> Iterator[tuple[str, Case]]:
     seed = int(np.random.SeedSequence().entropy % (1 << 63))
     rng = np.random.default_rng(seed)
-    for layout, (shape, view) in PACK_LAYOUTS.items():
+    for layout, (shape, view) in layouts.items():
         for itemsize in (1, 4) if layout in LARGE else ITEMSIZES:
-            for packed_offset in (0, 1) if layout in ("transpose", "row-slice", "8d-slices") else (0,):
+            for packed_offset, wide in _variants(layout):
                 n = math.prod(shape) * itemsize
                 dt = np.dtype(f"V{itemsize}")
                 for unpack in (False, True):
-                    cid = f"{layout}-{itemsize}B-{'unpack' if unpack else 'pack'}{'-misaligned' * packed_offset}"
+                    cid = f"{layout}-{itemsize}B-{'unpack' if unpack else 'pack'}"
+                    cid += "-misaligned" * packed_offset + "-i64" * wide
                     why = f"{cid} seed={seed}"
                     raw = _aligned(n)
                     raw[...] = POISON if unpack else rng.integers(0, 256, n, dtype=np.uint8)
@@ -179,83 +227,86 @@ def _cases() -> Iterator[tuple[str, Case]]:
                         assert x.flags.c_contiguous or x.size == 1, why
                         continue
                     src, dst = (_ptr(packed), _ptr(x)) if unpack else (_ptr(x), _ptr(packed))
-                    launch = _launch(plan, unpack, src, dst, sm_count=1)
+                    launch = _launch(plan, unpack, src, dst, sm_count=1, narrow_limit=0 if wide else 2**31)
+                    strided_buf = (_ptr(raw), _ptr(raw) + n)
+                    packed_buf = (_ptr(packed), _ptr(packed) + x.nbytes)
+                    bounds = (*packed_buf, *strided_buf) if unpack else (*strided_buf, *packed_buf)
+                    check = partial(_check, unpack, x, base, packed, view, why)
+                    yield cid, Case(launch, bounds, check)
 
-                    yield cid, Case(launch, partial(_check, unpack, x, base, packed, view, why))
+
+CASES = dict(_cases(PACK_LAYOUTS))
 
 
-CASES = dict(_cases())
-KERNEL_CASES = {cid: case for cid, case in CASES.items() if case.launch is not None}
+def _build(launches: list[_Launch], where: str) -> ctypes.CDLL:
+    """The kernels of ``launches`` (one per kernel class) in one shared library built for the host."""
+    cpp, so = Path(where) / "kernels.cpp", Path(where) / "kernels.so"
+    cpp.write_text(SHIM + "".join(_wrapper(k, launch) for k, launch in enumerate(launches)))
+    assert CXX is not None
+    cmd = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", str(so), str(cpp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ctypes.CDLL(str(so))
 
 
 @pytest.fixture(scope="module")
 def kernels() -> Iterator[ctypes.CDLL]:
-    """Every kernel class the cases launch, in one shared library built for the host."""
-    launches: dict[str, _Launch] = {}
-    for case in KERNEL_CASES.values():
-        assert case.launch is not None
-        launches.setdefault(case.launch.name, case.launch)
     with tempfile.TemporaryDirectory(prefix="tw-kernels-") as tmp:
-        cpp = Path(tmp) / "kernels.cpp"
-        so = Path(tmp) / "kernels.so"
-        cpp.write_text(SHIM + "".join(_wrapper(k, launch) for k, launch in enumerate(launches.values())))
-        assert CXX is not None
-        cmd = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", str(so), str(cpp)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        yield ctypes.CDLL(str(so))
+        yield _build(list({case.launch.name: case.launch for case in CASES.values()}.values()), tmp)
 
 
-def _run(lib: ctypes.CDLL, launch: _Launch) -> None:
+def _execute(lib: ctypes.CDLL, launch: _Launch, case: Case) -> None:
+    """Run ``launch`` on ``case``'s buffers: it stays inside them, and the bytes are right."""
     fn = getattr(lib, f"run_{launch.name}")
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint)] + [
-        _C_TYPES[a.dtype][1] for a in launch.args
+    fn.argtypes = [
+        ctypes.POINTER(ctypes.c_uint),
+        ctypes.POINTER(ctypes.c_uint),
+        ctypes.POINTER(ctypes.c_ulonglong),
+        *(_C_TYPES[a.dtype][1] for a in launch.args),
     ]
-    fn.restype = None
+    fn.restype = ctypes.c_ulonglong
     grid = (ctypes.c_uint * 3)(*launch.grid, *(1,) * (3 - len(launch.grid)))
     block = (ctypes.c_uint * 3)(*launch.block, *(1,) * (3 - len(launch.block)))
-    fn(grid, block, *(a.item() for a in launch.args))
-
-
-def test_the_cases_reach_every_kernel_kind() -> None:
-    kinds = {
-        (c.launch.key[0], c.launch.key[1] if c.launch.key[0] == "elementwise" else None)
-        for c in KERNEL_CASES.values()
-        if c.launch
-    }
-    assert kinds == {("elementwise", False), ("elementwise", True), ("tiled", None)}
-    words = {c.launch.key[2] for c in KERNEL_CASES.values() if c.launch and c.launch.key[0] == "elementwise"}
-    assert words == set(ITEMSIZES)
-    assert any(c.launch and c.launch.grid[0] * 4 * 256 < c.launch.args[2] for c in KERNEL_CASES.values()), (
-        "no pack launch turns its grid-stride loop over four words in flight"
-    )
-
-
-@pytest.mark.parametrize("cid", list(KERNEL_CASES))
-def test_kernel_on_the_cpu(cid: str, kernels: ctypes.CDLL) -> None:
-    case = KERNEL_CASES[cid]
-    assert case.launch is not None
-    _run(kernels, case.launch)
+    bounds = (ctypes.c_ulonglong * 4)(*case.bounds)
+    bad = fn(grid, block, bounds, *(a.item() for a in launch.args))
+    lo, hi = min(case.bounds[0], case.bounds[2]), max(case.bounds[1], case.bounds[3])
+    assert bad == 0, f"{launch.name} touched {bad:#x}, outside its buffers ({bad - lo:+d} bytes from {lo:#x}..{hi:#x})"
     case.check()
 
 
-def test_a_wrong_argument_shows() -> None:
-    """The check is not vacuous: a launch with one stride off writes different bytes."""
-    (_, case), *_ = ((c, k) for c, k in KERNEL_CASES.items() if c.startswith("step-slice-4B-pack"))
-    assert case.launch is not None
-    launch = case.launch
-    args = list(launch.args)
-    args[-1] = type(args[-1])(int(args[-1]) + 1)  # the innermost stride
-    bad = _Launch(launch.key, launch.name, launch.grid, launch.block, tuple(args))
+def test_the_cases_reach_every_kernel_class() -> None:
+    keys = {case.launch.key for case in CASES.values()}
+    assert {k[1] for k in keys if k[0] == "elementwise"} == {False, True}  # pack and unpack
+    elementwise = {k[2:4] for k in keys if k[0] == "elementwise"}
+    assert elementwise == {(w, index) for w in ITEMSIZES for index in ("unsigned int", "unsigned long long")}
+    tiled = {(k[1], k[3]) for k in keys if k[0] == "tiled"}
+    assert tiled == {(w, index) for w in ITEMSIZES for index in ("int", "long long")}
+    assert any(c.launch.grid[0] * 4 * 256 < c.launch.args[2] for c in CASES.values()), (
+        "no launch turns its grid-stride loop over four words in flight"
+    )
+
+
+@pytest.mark.parametrize("cid", list(CASES))
+def test_kernel_on_the_cpu(cid: str, kernels: ctypes.CDLL) -> None:
+    _execute(kernels, CASES[cid].launch, CASES[cid])
+
+
+@pytest.mark.parametrize(
+    ("cid", "arg", "wrong", "error"),
+    [
+        ("step-slice-4B-pack", -1, lambda s: s + 1, "seed="),  # the innermost stride one word off
+        ("transpose-4B-unpack", 6, lambda s: s * 1000, "outside its buffers"),  # far outside the base
+    ],
+)
+def test_a_wrong_argument_shows(cid: str, arg: int, wrong: Callable[[int], int], error: str) -> None:
+    """The checks are not vacuous: a launch with one argument wrong fails them, and writes far
+    outside the buffers are caught before they land (this process would not survive them)."""
+    layout = cid.split("-4B-")[0]
+    case = dict(_cases({layout: PACK_LAYOUTS[layout]}))[cid]  # fresh buffers, not the shared cases'
+    args = list(case.launch.args)
+    args[arg] = type(args[arg])(wrong(int(args[arg])))
+    bad = replace(case.launch, args=tuple(args))
     with tempfile.TemporaryDirectory(prefix="tw-kernels-") as tmp:
-        cpp, so = Path(tmp) / "k.cpp", Path(tmp) / "k.so"
-        cpp.write_text(SHIM + _wrapper(0, bad))
-        assert CXX is not None
-        subprocess.run(
-            [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", str(so), str(cpp)],
-            check=True,
-            timeout=120,
-        )
-        _run(ctypes.CDLL(str(so)), bad)
-    with pytest.raises(AssertionError):
-        case.check()
+        lib = _build([bad], tmp)
+        with pytest.raises(AssertionError, match=error):
+            _execute(lib, bad, case)

@@ -344,8 +344,14 @@ class _Launch:
         return _elementwise_source(self.name, word, index, ndim, unpack)
 
 
-def _launch(plan: _Plan, unpack: bool, src_ptr: int, dst_ptr: int, sm_count: int) -> _Launch:
-    """The kernel launch for a ``tiled`` or ``elementwise`` plan (a ``memcpy`` plan needs none)."""
+def _launch(
+    plan: _Plan, unpack: bool, src_ptr: int, dst_ptr: int, sm_count: int, narrow_limit: int = _NARROW_LIMIT
+) -> _Launch:
+    """The kernel launch for a ``tiled`` or ``elementwise`` plan (a ``memcpy`` plan needs none).
+
+    Indices are 32-bit where every index and offset stays below ``narrow_limit`` (tests lower it to
+    run the 64-bit kernels on small tensors).
+    """
     word = plan.word
     ndim = len(plan.shape)
     if plan.kind == "tiled":
@@ -363,8 +369,7 @@ def _launch(plan: _Plan, unpack: bool, src_ptr: int, dst_ptr: int, sm_count: int
             for strides in (s_strides, d_strides)
         )
         narrow = (
-            max(span, nbatch + _MAX_GRID_YZ, plan.shape[a] + _TILE * _MAX_GRID_YZ, plan.shape[b] + _TILE)
-            < _NARROW_LIMIT
+            max(span, nbatch + _MAX_GRID_YZ, plan.shape[a] + _TILE * _MAX_GRID_YZ, plan.shape[b] + _TILE) < narrow_limit
         )
         index = "int" if narrow else "long long"
         itype: Any = np.int32 if narrow else np.int64
@@ -396,7 +401,7 @@ def _launch(plan: _Plan, unpack: bool, src_ptr: int, dst_ptr: int, sm_count: int
         blocks = min(blocks, sm_count * per_sm)
     blocks = min(blocks, 2**31 - 1)
     step = blocks * _BLOCK
-    wide = n + 4 * step >= _NARROW_LIMIT
+    wide = n + 4 * step >= narrow_limit
     index = "unsigned long long" if wide else "unsigned int"
     itype = np.uint64 if wide else np.uint32
     args = [np.uint64(src_ptr), np.uint64(dst_ptr), itype(n)]
