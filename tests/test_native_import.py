@@ -87,3 +87,15 @@ def test_kernel_sources_are_generated() -> None:
     assert "tw_pack_w4_i32_d3(" in src and "s2" in src and "__global__" in src
     src = _tiled_source("tw_tiled_w16_r2", 16, 2)
     assert "tw_word16 tile[32]" in src and "ds1" in src
+
+
+def test_launch_reads_the_narrow_limit_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/gpu lowers _NARROW_LIMIT to run the 64-bit kernels on small tensors: the launch must see it."""
+    from tensorwire.native import _pack
+
+    plan = _pack._Plan(4, (64, 48), (64, 1))
+    assert _pack._launch(plan, False, 0, 0, sm_count=1).key[3] == "unsigned int"
+    monkeypatch.setattr(_pack, "_NARROW_LIMIT", 0)
+    assert _pack._launch(plan, False, 0, 0, sm_count=1).key[3] == "unsigned long long"
+    tiled = _pack._Plan(4, (40, 24), (1, 40))
+    assert _pack._launch(tiled, True, 0, 0, sm_count=1).key[3] == "long long"

@@ -345,13 +345,15 @@ class _Launch:
 
 
 def _launch(
-    plan: _Plan, unpack: bool, src_ptr: int, dst_ptr: int, sm_count: int, narrow_limit: int = _NARROW_LIMIT
+    plan: _Plan, unpack: bool, src_ptr: int, dst_ptr: int, sm_count: int, narrow_limit: int | None = None
 ) -> _Launch:
     """The kernel launch for a ``tiled`` or ``elementwise`` plan (a ``memcpy`` plan needs none).
 
-    Indices are 32-bit where every index and offset stays below ``narrow_limit`` (tests lower it to
-    run the 64-bit kernels on small tensors).
+    Indices are 32-bit where every index and offset stays below ``narrow_limit`` (default
+    ``_NARROW_LIMIT``; tests lower it to run the 64-bit kernels on small tensors).
     """
+    if narrow_limit is None:
+        narrow_limit = _NARROW_LIMIT
     word = plan.word
     ndim = len(plan.shape)
     if plan.kind == "tiled":
