@@ -29,8 +29,19 @@ except ImportError:  # no packaging on the machine: pip carries its own copy
 
 # tools, not imported by the tests; ucxx comes in its own folders (scripts/gpu_wheels.sh) and is
 # optional: its tests skip with a reason without it; torch and CuPy come with the GPU machine,
-# built for its CUDA: never install others over them (the dev extra's cupy-cuda12x is for CPU CI)
-SKIP = {"ruff", "mypy", "grpcio-tools", "ucxx-cu12", "ucxx-cu13", "torch", "cupy-cuda12x", "cupy-cuda13x"}
+# built for its CUDA: never install others over them (the dev extra's cupy-cuda12x is for CPU CI,
+# and so is its NVRTC: the machine's CuPy brings its own for CUDA 13)
+SKIP = {
+    "ruff",
+    "mypy",
+    "grpcio-tools",
+    "ucxx-cu12",
+    "ucxx-cu13",
+    "torch",
+    "cupy-cuda12x",
+    "cupy-cuda13x",
+    "nvidia-cuda-nvrtc-cu12",
+}
 
 
 def norm(name: str) -> str:

@@ -70,3 +70,15 @@ def test_this_test_environment_misses_nothing() -> None:
 def test_without_a_verb_it_prints_its_usage() -> None:
     proc = subprocess.run([sys.executable, "scripts/gpu_deps.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "gpu_deps.py wheels DIR" in proc.stderr
+
+
+def test_what_the_gpu_machine_brings_is_never_asked_for() -> None:
+    """Its torch, CuPy and CuPy's NVRTC are built for its CUDA; the dev extra's CPU-CI copies stay out."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_deps
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    names = {gpu_deps.norm(r.name) for r in gpu_deps.project_requirements()}
+    assert names.isdisjoint({"torch", "cupy-cuda12x", "cupy-cuda13x", "nvidia-cuda-nvrtc-cu12", "ucxx-cu12"})
+    assert {"grpcio", "protobuf", "pytest"} <= names
