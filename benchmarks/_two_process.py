@@ -42,11 +42,13 @@ def run(
     return rc
 
 
-async def start_child(script: str, args: argparse.Namespace, *extra: str) -> tuple[asyncio.subprocess.Process, Any]:
-    """This script again as the receiving child, with the same staging; the child and the first
-    line it prints (JSON: where it listens)."""
+async def start_child(
+    script: str, args: argparse.Namespace, *extra: str, env: dict[str, str] | None = None
+) -> tuple[asyncio.subprocess.Process, Any]:
+    """This script again as the receiving child, with the same staging (and ``env``, else ours);
+    the child and the first line it prints (JSON: where it listens)."""
     cmd = [sys.executable, script, "--child", "--chunk", str(args.chunk), "--depth", str(args.depth), *extra]
-    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env=env)
     assert proc.stdout is not None
     first = await proc.stdout.readline()
     if not first:
@@ -54,12 +56,18 @@ async def start_child(script: str, args: argparse.Namespace, *extra: str) -> tup
     return proc, json.loads(first)
 
 
-async def stop_child(proc: asyncio.subprocess.Process) -> None:
-    """Wait for the child to end after its last message; kill it if it does not within 30 s."""
+async def stop_child(proc: asyncio.subprocess.Process) -> str:
+    """Wait for the child to end after its last message; kill it if it does not within 30 s.
+    Returns what it printed after its first line (UCX's reports, when asked for)."""
+    rest = b""
     try:
+        if proc.stdout is not None:
+            rest = await asyncio.wait_for(proc.stdout.read(), 30)
         await asyncio.wait_for(proc.wait(), 30)
     except TimeoutError:
         proc.kill()
+        await proc.wait()
+    return rest.decode(errors="replace")
 
 
 async def send_batches(

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ from _two_process import (
 )
 
 import tensorwire
+from tensorwire.transports.ucx import used_protocols
 
 DEFAULT_SIZES = "1M,16M,256M,1G,4G"
 
@@ -136,7 +138,10 @@ async def parent(args: argparse.Namespace) -> int:
         why_no_ucx = "" if ucx else UcxTransport.unavailable_reason()
         if caps is not None and "cuda" not in caps.memory_kinds:
             print(f"note: this libucx has no cuda transports ({', '.join(caps.lanes)}): ucx rows stage through host")
-    proc, addresses = await start_child(__file__, args, *(["--ucx"] if ucx else []))
+    # the child's UCX reports the protocols it really used (UCX_PROTO_INFO=used) as it ends: the
+    # lanes a path names are what UCX may use, this is what it did (cuda_ipc, or a fallback)
+    env = {"UCX_PROTO_INFO": "used", **os.environ} if ucx else None
+    proc, addresses = await start_child(__file__, args, *(["--ucx"] if ucx else []), env=env)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     name = torch.cuda.get_device_name(0)
     print(
@@ -181,10 +186,16 @@ async def parent(args: argparse.Namespace) -> int:
                 await peer.send("next", tag="cmd")
                 await peer.aclose()
     finally:
-        await stop_child(proc)
+        report = await stop_child(proc)
     print()
     for t, path in lanes.items():
         print(f"{t} path: {path}")
+    if ucx:
+        used = [u for u in used_protocols(report) if "cuda" in u.operation]
+        for u in used:
+            print(f"ucx used: {u.protocol} on {u.lanes} for {u.operation}, {u.sizes} bytes ({u.times}x)")
+        if not any("cuda_ipc" in u.lanes for u in used):
+            print("note: the receiving child's UCX names no cuda_ipc protocol for CUDA memory (a fallback?)")
     for label, text in how.items():
         print(f"{label} receipt: {text}")
     if not ucx:

@@ -31,6 +31,9 @@ echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
 "$PY" -c 'import sys, cupy; print("python", sys.version.split()[0], "| cupy", cupy.__version__, "| CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(), "| devices", cupy.cuda.runtime.getDeviceCount())' \
     || echo "WARNING: CuPy or CUDA is not usable here; the GPU tests will skip"
+# memory from cudaMallocAsync pools or torch's expandable segments is not cuda_ipc-able in UCX 1.21
+# (UCX moves it another way, silently): say when the machine asks for either
+echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-(unset)}"
 
 deps() { "$PY" scripts/gpu_deps.py "$@"; }  # missing | wheels DIR...: what to install (see there)
 online() { "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; }
@@ -109,7 +112,7 @@ echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/t
 grep -E '^(FAILED|ERROR) ' "$LOGS/tensorwire-gpu-tests.log" | head -20
 echo "gpu_pack:  $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-bench.log" || echo 'no device line') (exit $BENCH_RC)"
 echo "gpu_p2p:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-p2p.log" || echo 'no device line') (exit $P2P_RC)"
-grep -E '^(\||tcp path|ucx path|.* receipt: |note: |ucx cuda: skipped|.*FAILED)' "$LOGS/tensorwire-gpu-p2p.log"
+grep -E '^(\||tcp path|ucx path|ucx used: |.* receipt: |note: |ucx cuda: skipped|.*FAILED)' "$LOGS/tensorwire-gpu-p2p.log"
 if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$P2P_RC" -eq 0 ]; then
     echo "GPU CHECK: PASS"
     exit 0

@@ -186,9 +186,14 @@ async def test_context_defaults_yield_to_the_callers_options(monkeypatch: pytest
     assert (await options(MEMTYPE_CACHE="n"))["MEMTYPE_CACHE"] == "n"
 
 
-def _run(code: str, timeout: float = 12) -> subprocess.CompletedProcess[str]:
+def _run(code: str, timeout: float = 12, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
     )
 
 
@@ -320,6 +325,22 @@ def test_gpudirect_needs_rdma_and_cuda_lanes_and_the_kernels_consent(
     assert _gpudirect(tls, lambda: kernel_ready) is want
 
 
+@pytest.mark.parametrize(
+    ("tls", "cuda_support", "want"),
+    [
+        (["tcp", "sysv", "cuda_copy", "cuda_ipc"], True, ("host", "cuda")),
+        (["tcp", "sysv", "cuda_copy", "cuda_ipc"], False, ("host",)),  # ucxx would refuse device buffers
+        (["tcp", "sysv"], True, ("host",)),
+    ],
+)
+def test_cuda_memory_needs_a_cuda_lane_and_ucxx_consent(
+    tls: list[str], cuda_support: bool, want: tuple[str, ...]
+) -> None:
+    from tensorwire.transports.ucx._transport import _memory_kinds
+
+    assert _memory_kinds(tls, cuda_support) == want
+
+
 def test_this_ucx_says_no_gpudirect() -> None:
     """The PyPI libucx has no verbs lanes: never GPUDirect, whatever the kernel allows."""
     from tensorwire.transports.ucx import UcxTransport
@@ -327,3 +348,37 @@ def test_this_ucx_says_no_gpudirect() -> None:
     caps = UcxTransport.probe()
     assert caps is not None, UcxTransport.unavailable_reason()
     assert not caps.rdma and not caps.gpudirect
+
+
+def test_ucx_says_which_protocols_it_used() -> None:
+    """UCX_PROTO_INFO=used makes UCX report, as a worker goes, every protocol it selected; the GPU
+    test holds cuda_ipc to it. Here, on host memory, the same report must come out at shutdown and
+    parse: an 8 MiB message goes rendezvous, on a lane of this machine."""
+    from tensorwire.transports.ucx import used_protocols
+
+    proc = _run(
+        """
+        import asyncio, numpy as np, tensorwire
+
+        async def main():
+            async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as a, \\
+                       tensorwire.start("127.0.0.1:0", transports=("ucx",)) as b:
+                accepted = asyncio.ensure_future(b.accept())
+                pa = await a.connect(b.address)
+                pb = await accepted
+                x = np.arange(8 << 20, dtype=np.uint8)
+                _, got = await asyncio.gather(pa.send(x, tag="x"), pb.recv(tag="x"))
+                assert np.array_equal(got, x)
+
+        asyncio.run(main())
+        """,
+        env={**os.environ, "UCX_PROTO_INFO": "used"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    used = used_protocols(proc.stdout)
+    big = [u for u in used if "tag_send" in u.operation and "host" in u.operation and "rendezvous" in u.protocol]
+    assert big, f"no rendezvous tag send in UCX's report: {used}\n{proc.stdout[-3000:]}"
+    assert all(u.times >= 1 and u.lanes.split("/")[0] in ("cma", "sysv", "posix", "tcp") for u in big), big
+    assert not used_protocols("| a | b |\n| 0  0..92 | eager short | sysv/memory |\n| 93..5028 | x | y |"), (
+        "rows selected zero times, or without a count, are not 'used'"
+    )

@@ -1,6 +1,8 @@
 """CUDA tensors over ucx's device-pointer path on a GPU: payloads posted as device pointers
-(cuda_copy within a process, cuda_ipc between processes on one GPU), streams honoured both
-ways, cancellation at every step, and the path naming cuda_ipc between two processes.
+(between two nodes UCX moves them with cuda_ipc, in one process through its same-process
+shortcut, between processes by mapping the other's memory), streams honoured both ways,
+cancellation at every step, and between two processes the path naming cuda_ipc and UCX's own
+account of the protocols it used (UCX_PROTO_INFO=used) showing cuda_ipc moved the bytes.
 
 tests/test_tensors_device.py runs the same ucx code without a GPU (host-engine memory posted by
 pointer); this file is where it meets CUDA memory and UCX's cuda transports. Skips with a reason
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 import textwrap
 import warnings
@@ -35,7 +38,7 @@ if importlib.util.find_spec("ucxx") is None:
 import tensorwire
 from tensorwire.testing import cancel_recv_at_every_step, connected_pair, exchange
 from tensorwire.transports import Limits
-from tensorwire.transports.ucx import UcxTransport
+from tensorwire.transports.ucx import UcxTransport, used_protocols
 
 _CAPS = UcxTransport.probe()
 if _CAPS is None:
@@ -201,8 +204,10 @@ async def test_ucx_between_two_processes_on_one_gpu_says_cuda_ipc() -> None:
     UCX's cuda_ipc lanes (the transport that maps the other process's memory)."""
     torch = _torch()
     sizes = [4096, 3 * MiB, 64 * MiB]
+    # the child's UCX prints the protocols it used, with how often, when its worker goes
+    env = {**os.environ, "UCX_PROTO_INFO": "used"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _CHILD, str(len(sizes)), stdout=asyncio.subprocess.PIPE
+        sys.executable, "-c", _CHILD, str(len(sizes)), stdout=asyncio.subprocess.PIPE, env=env
     )
     try:
         assert proc.stdout is not None
@@ -222,7 +227,13 @@ async def test_ucx_between_two_processes_on_one_gpu_says_cuda_ipc() -> None:
                 assert got["sum"] == int(x.sum(dtype=torch.int64)), f"{n} bytes: the child got other bytes"
                 assert torch.equal(got["y"], x * 2), f"{n} bytes: the answer came back wrong"
             await peer.send("bye", tag="bye")
+        tables = (await asyncio.wait_for(proc.stdout.read(), 30)).decode(errors="replace")
         assert await asyncio.wait_for(proc.wait(), 30) == 0
+        used = used_protocols(tables)
+        assert any("cuda" in u.operation and "cuda_ipc" in u.lanes for u in used), (
+            "UCX did not say it moved CUDA memory with cuda_ipc (a silent fallback?); the protocols "
+            f"it used: {used}\n{tables[-4000:]}"
+        )
     finally:
         if proc.returncode is None:
             proc.kill()

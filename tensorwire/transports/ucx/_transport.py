@@ -39,7 +39,7 @@ from ..tcp._transport import _RateLimitedLog
 from ._channel import HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
 from ._ucp import MemoryRegion, Ucp
 from ._ucp import load as load_ucp
-from ._worker import Worker, context_resources, import_ucxx, ucx_options
+from ._worker import Worker, context_cuda_support, context_resources, import_ucxx, ucx_options
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,12 @@ def _lane_kinds(tls: list[str]) -> tuple[bool, bool]:
     return any(t.startswith(_RDMA_TLS) for t in tls), any(t.startswith(_CUDA_TLS) for t in tls)
 
 
+def _memory_kinds(tls: list[str], cuda_support: bool) -> tuple[str, ...]:
+    """CUDA memory goes by pointer where UCX lists a cuda transport and ucxx agrees to post device
+    buffers (it refuses them where the context's TLS leaves cuda/cuda_copy out)."""
+    return ("host", "cuda") if _lane_kinds(tls)[1] and cuda_support else ("host",)
+
+
 def _gpudirect(tls: list[str], kernel_ready: Callable[[], bool]) -> bool:
     """UCX moves GPU memory over its RDMA lanes itself (GPUDirect RDMA) where it has both RDMA and
     cuda transports and the kernel lets the NIC reach GPU memory (nvidia-peermem or dma-buf)."""
@@ -85,7 +91,9 @@ class UcxTransport(Transport):
     def probe(cls) -> Capabilities | None:
         try:
             import_ucxx()
-            resources = context_resources(tuple(sorted(ucx_options().items())))
+            options = tuple(sorted(ucx_options().items()))
+            resources = context_resources(options)
+            cuda_support = context_cuda_support(options)
         except ImportError as exc:
             cls._why_not = f"ucxx is not installed (pip install 'tensorwire[ucx]'): {exc}"
             return None
@@ -103,8 +111,10 @@ class UcxTransport(Transport):
             log.debug("ucx without one-sided: %s", exc)
             one_sided = False
         rdma, cuda = _lane_kinds(tls)
+        if cuda and not cuda_support:
+            log.warning("UCX lists cuda transports but ucxx will not post device buffers (UCX_TLS leaves cuda out?)")
         return Capabilities(
-            memory_kinds=("host", "cuda") if cuda else ("host",),
+            memory_kinds=_memory_kinds(tls, cuda_support),
             one_sided=one_sided,
             rdma=rdma,
             gpudirect=_gpudirect(tls, lambda: bool(gpudirect_status()["ready"])),

@@ -31,15 +31,17 @@ from ...errors import ConfigurationError, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Worker", "context_resources", "import_ucxx", "ucx_config", "ucx_options"]
+__all__ = ["Worker", "context_cuda_support", "context_resources", "import_ucxx", "ucx_config", "ucx_options"]
 
 # Options every tensorwire UCX context gets, unless the caller says otherwise: ucx_config() or a
 # node's ucx_options, or a UCX_* environment variable of the same name.
 # MEMTYPE_CACHE=n: UCX learns that an address is CUDA memory from its memory-type cache, which is
 # filled by intercepting CUDA allocations; an allocation it missed (a driver entry point reached
-# through cuGetProcAddress, a statically linked runtime) is then taken for host memory. ucxx sets
-# the same on import (and tensorwire undoes ucxx's environment edits), UCX's own GPU notes and
-# ucx-py's configuration page list it; each send and receive then asks the driver instead.
+# through cuGetProcAddress, a statically linked runtime) is then taken for host memory. UCX's own
+# GPU notes and ucx-py's configuration page list it; each send and receive then asks the driver
+# instead. ucxx sets UCX_MEMTYPE_CACHE=n in the environment on import, but libucs has read its
+# global options by then, so that edit does nothing (and tensorwire undoes it); this option, set
+# through the context's config, is what turns the cache off (UCS keeps it process-wide).
 _BASE_OPTIONS: dict[str, str] = {"WARN_UNUSED_ENV_VARS": "n", "MEMTYPE_CACHE": "n"}
 _OPTIONS: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
     "tensorwire_ucx_options", default=()
@@ -99,14 +101,26 @@ _RESOURCE = re.compile(r"resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+
 
 
 @functools.lru_cache(maxsize=16)
-def context_resources(options: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-    """(transport, device) pairs a UCX context with ``options`` can use on this machine."""
+def _context_facts(options: tuple[tuple[str, str], ...]) -> tuple[tuple[tuple[str, str], ...], bool]:
     lib = import_ucxx()
     ctx = lib.UCXContext(dict(options), feature_flags=(lib.Feature.TAG,))
     try:
-        return tuple(dict.fromkeys((m.group(1), m.group(2)) for m in _RESOURCE.finditer(ctx.info)))
+        resources = tuple(dict.fromkeys((m.group(1), m.group(2)) for m in _RESOURCE.finditer(ctx.info)))
+        return resources, bool(getattr(ctx, "cuda_support", False))
     finally:
         del ctx
+
+
+def context_resources(options: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """(transport, device) pairs a UCX context with ``options`` can use on this machine."""
+    return _context_facts(options)[0]
+
+
+def context_cuda_support(options: tuple[tuple[str, str], ...]) -> bool:
+    """Whether ucxx will post device buffers with a context of ``options``: UCX must report CUDA
+    memory and its TLS must not leave out cuda/cuda_copy (ucxx refuses device buffers otherwise,
+    with a ValueError, even where UCX lists a cuda transport)."""
+    return _context_facts(options)[1]
 
 
 class _Watch:
