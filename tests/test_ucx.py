@@ -382,3 +382,13 @@ def test_ucx_says_which_protocols_it_used() -> None:
     assert not used_protocols("| a | b |\n| 0  0..92 | eager short | sysv/memory |\n| 93..5028 | x | y |"), (
         "rows selected zero times, or without a count, are not 'used'"
     )
+
+
+def test_ucxx_refusing_device_buffers_is_seen() -> None:
+    """Where UCX_TLS leaves cuda_copy out, ucxx refuses device buffers: the probe must see it."""
+    code = """
+        from tensorwire.transports.ucx._worker import context_cuda_support, ucx_options
+        print(context_cuda_support(tuple(sorted(ucx_options().items()))))
+    """
+    assert _run(code, env={**os.environ, "UCX_TLS": "^cuda_copy"}).stdout.split() == ["False"]
+    assert _run(code, env={k: v for k, v in os.environ.items() if k != "UCX_TLS"}).stdout.split() == ["True"]
