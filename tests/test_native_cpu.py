@@ -144,15 +144,15 @@ def _checked(source: str) -> str:
 
 def _wrapper(k: int, launch: _Launch) -> str:
     """The kernel in a namespace of its own, and a C entry point that runs its launch."""
-    word = launch.key[1] if launch.key[0] == "tiled" else launch.key[2]
-    w = _WORD_TYPES[word]
+    w = _WORD_TYPES[launch.word]
     w = f"tw_k{k}::{w}" if w.startswith("tw_") else w
     params = ", ".join(f"{_C_TYPES[a.dtype][0]} a{i}" for i, a in enumerate(launch.args))
     rest = "".join(f", a{i}" for i in range(2, len(launch.args)))
-    syncs = "true" if "__syncthreads" in launch.source() else "false"
+    source = launch.source()
+    syncs = "true" if "__syncthreads" in source else "false"
     return f"""
 namespace tw_k{k} {{
-{_checked(launch.source())}
+{_checked(source)}
 }}
 extern "C" unsigned long long run_{launch.name}(
     const unsigned* grid, const unsigned* block, const unsigned long long* bounds, {params}) {{

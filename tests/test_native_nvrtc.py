@@ -136,11 +136,9 @@ def test_kernel_compiles_and_matches_its_launch(key: tuple[Any, ...], arch: str)
     assert all(1 <= g <= _MAX_GRID_YZ for g in launch.grid[1:])
 
 
-def _word(key: tuple[Any, ...]) -> int:
-    return int(key[1] if key[0] == "tiled" else key[2])
-
-
-@pytest.mark.parametrize("key", [k for k in LAUNCHES if _word(k) == 16], ids=lambda k: LAUNCHES[k].name)
+@pytest.mark.parametrize(
+    "key", [k for k, launch in LAUNCHES.items() if launch.word == 16], ids=lambda k: LAUNCHES[k].name
+)
 def test_sixteen_byte_words_move_as_one_vector(key: tuple[Any, ...]) -> None:
     launch = LAUNCHES[key]
     ptx = _ptx(launch.name, launch.source(), ARCHS[-1])

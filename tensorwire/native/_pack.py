@@ -336,6 +336,11 @@ class _Launch:
     block: tuple[int, ...]
     args: tuple[Any, ...]
 
+    @property
+    def word(self) -> int:
+        """Bytes each thread moves at a time (the kernel's word type)."""
+        return int(self.key[1] if self.key[0] == "tiled" else self.key[2])
+
     def source(self) -> str:
         if self.key[0] == "tiled":
             _, word, nrest, index = self.key

@@ -51,8 +51,6 @@ DTYPES = {
     "complex128": np.complex128,
 }
 
-LAYOUTS = PACK_LAYOUTS
-
 
 def _seed() -> int:
     return int(np.random.SeedSequence().entropy % (1 << 63))
@@ -76,11 +74,11 @@ def _host_bytes(x: np.ndarray) -> bytes:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(PACK_LAYOUTS))
 def test_pack_unpack_roundtrip(layout: str, dtype: str) -> None:
     seed = _seed()
     why = f"layout={layout} dtype={dtype} seed={seed}"
-    base_shape, view = LAYOUTS[layout]
+    base_shape, view = PACK_LAYOUTS[layout]
     np_dtype = DTYPES[dtype]
     base, host_base = _random_base(base_shape, np_dtype, seed)
     x, host_x = view(base), view(host_base)
@@ -108,7 +106,7 @@ def test_pack_unpack_roundtrip(layout: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float32", "complex128"])
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k not in ("0d", "empty", "empty-slice")])
+@pytest.mark.parametrize("layout", [k for k in PACK_LAYOUTS if k not in ("0d", "empty", "empty-slice")])
 def test_64bit_index_kernels(layout: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The 64-bit index variants (used past 2**31 words) on small tensors, with few blocks."""
     from tensorwire.native import _pack
@@ -123,7 +121,7 @@ def test_64bit_index_kernels(layout: str, dtype: str, monkeypatch: pytest.Monkey
 def test_unpack_into_other_layout(layout: str) -> None:
     """pack(x) unpacked into a differently laid out array of the same shape gives the same values."""
     seed = _seed()
-    base_shape, view = LAYOUTS[layout]
+    base_shape, view = PACK_LAYOUTS[layout]
     x = view(_random_base(base_shape, np.float32, seed)[0])
     dst = cp.full(x.shape[::-1], np.nan, dtype=cp.float32).T  # F order
     unpack(pack(x), dst)
