@@ -16,6 +16,12 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# a Python that does not start would otherwise read as "all dependencies present" and every step
+# as exit 127: say so once and stop
+if ! "$PY" -c 'pass' 2>/dev/null; then
+    echo "GPU CHECK: FAIL: $PY does not run here (set PYTHON to a Python 3 interpreter)"
+    exit 2
+fi
 # one folder per Python version: a folder another Python filled (its compiled modules) must not
 # go on this one's path
 SITE=/tmp/tensorwire-site-py$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
