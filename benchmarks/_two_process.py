@@ -103,17 +103,17 @@ async def receive_batches(
     out: Any,
     schedule: list[int],
     total: Callable[[], Awaitable[int]],
-    landed: Callable[[], None] | None = None,
+    landed: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """The child's side of :func:`send_batches`: say ready, then receive each batch into ``out``
-    (``landed()`` after each transfer, if given) and answer it once; after the last, say
+    (``await landed()`` after each transfer, if given) and answer it once; after the last, say
     ``await total()`` (the byte sum it holds)."""
     await peer.send("ready", tag="ack")
     for window in schedule:
         for _ in range(window):
             await peer.recv(tag="data", out=out)
             if landed is not None:
-                landed()
+                await landed()
         await peer.send(True, tag="ack")
     await peer.send(await total(), tag="sum")
 

@@ -80,6 +80,18 @@ async def _byte_sum(out: Any) -> int:
     return await host_byte_sum(out)
 
 
+async def _stream_done() -> None:
+    """Wait until the work queued so far on torch's current stream is done, without blocking the loop
+    (the library's own wait: an event on the stream, polled off the loop)."""
+    import torch
+
+    from tensorwire.memory import wait_event
+    from tensorwire.memory._cuda import CudaEngine
+
+    engine = CudaEngine.get(0)
+    await wait_event(engine, engine.record_on(int(torch.cuda.current_stream().cuda_stream)))
+
+
 # -- the receiving child ----------------------------------------------------------------------------
 async def child(args: argparse.Namespace) -> None:
     import torch
@@ -102,7 +114,7 @@ async def child(args: argparse.Namespace) -> None:
                 else:
                     out = np.empty(nbytes, np.uint8)
                 # a CUDA receive waits for its current stream after each transfer: the bytes are in place
-                landed = torch.cuda.current_stream().synchronize if kind == "cuda" else None
+                landed = _stream_done if kind == "cuda" else None
                 await receive_batches(peer, out, schedule, functools.partial(_byte_sum, out), landed)
                 del out
                 torch.cuda.empty_cache()
@@ -191,10 +203,10 @@ async def parent(args: argparse.Namespace) -> int:
     for t, path in lanes.items():
         print(f"{t} path: {path}")
     if ucx:
-        used = [u for u in used_protocols(report) if "cuda" in u.operation]
-        for u in used:
-            print(f"ucx used: {u.protocol} on {u.lanes} for {u.operation}, {u.sizes} bytes ({u.times}x)")
-        if not any("cuda_ipc" in u.lanes for u in used):
+        used = [p for p in used_protocols(report) if "cuda" in p.operation]
+        for p in used:
+            print(f"ucx used: {p.protocol} on {p.lanes} for {p.operation}, {p.sizes} bytes ({p.times}x)")
+        if not any("cuda_ipc" in p.lanes for p in used):
             print("note: the receiving child's UCX names no cuda_ipc protocol for CUDA memory (a fallback?)")
     for label, text in how.items():
         print(f"{label} receipt: {text}")
