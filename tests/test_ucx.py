@@ -309,20 +309,23 @@ def test_doctor_reports_ucx() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tls", "kernel_ready", "want"),
+    ("tls", "cuda_support", "kernel_ready", "want"),
     [
-        (["rc_mlx5", "dc_mlx5", "cuda_copy", "cuda_ipc", "gdr_copy"], True, True),
-        (["rc_mlx5", "cuda_copy"], False, False),  # no nvidia-peermem, no dma-buf
-        (["tcp", "sysv", "cuda_copy", "cuda_ipc"], True, False),  # no RDMA lane
-        (["rc_verbs", "ud_verbs"], True, False),  # a UCX without cuda transports
+        (["rc_mlx5", "dc_mlx5", "cuda_copy", "cuda_ipc", "gdr_copy"], True, True, True),
+        (["rc_mlx5", "cuda_copy"], True, False, False),  # no nvidia-peermem, no dma-buf
+        (["tcp", "sysv", "cuda_copy", "cuda_ipc"], True, True, False),  # no RDMA lane
+        (["rc_verbs", "ud_verbs"], True, True, False),  # a UCX without cuda transports
+        # ucxx refuses device buffers (UCX_TLS leaves cuda_copy out): they go through host memory,
+        # so the path must not claim GPUDirect
+        (["rc_mlx5", "cuda_ipc", "gdr_copy"], False, True, False),
     ],
 )
-def test_gpudirect_needs_rdma_and_cuda_lanes_and_the_kernels_consent(
-    tls: list[str], kernel_ready: bool, want: bool
+def test_gpudirect_needs_rdma_lanes_cuda_memory_and_the_kernels_consent(
+    tls: list[str], cuda_support: bool, kernel_ready: bool, want: bool
 ) -> None:
     from tensorwire.transports.ucx._transport import _gpudirect
 
-    assert _gpudirect(tls, lambda: kernel_ready) is want
+    assert _gpudirect(tls, cuda_support, lambda: kernel_ready) is want
 
 
 @pytest.mark.parametrize(

@@ -71,11 +71,11 @@ def _memory_kinds(tls: list[str], cuda_support: bool) -> tuple[str, ...]:
     return ("host", "cuda") if _lane_kinds(tls)[1] and cuda_support else ("host",)
 
 
-def _gpudirect(tls: list[str], kernel_ready: Callable[[], bool]) -> bool:
-    """UCX moves GPU memory over its RDMA lanes itself (GPUDirect RDMA) where it has both RDMA and
-    cuda transports and the kernel lets the NIC reach GPU memory (nvidia-peermem or dma-buf)."""
-    rdma, cuda = _lane_kinds(tls)
-    return rdma and cuda and kernel_ready()
+def _gpudirect(tls: list[str], cuda_support: bool, kernel_ready: Callable[[], bool]) -> bool:
+    """UCX moves GPU memory over its RDMA lanes itself (GPUDirect RDMA) where it has RDMA lanes,
+    takes CUDA memory by pointer (:func:`_memory_kinds`) and the kernel lets the NIC reach GPU
+    memory (nvidia-peermem or dma-buf)."""
+    return _lane_kinds(tls)[0] and "cuda" in _memory_kinds(tls, cuda_support) and kernel_ready()
 
 
 def _digest(secret: bytes, body: bytes, sid: bytes, role: bytes) -> bytes:
@@ -117,7 +117,7 @@ class UcxTransport(Transport):
             memory_kinds=_memory_kinds(tls, cuda_support),
             one_sided=one_sided,
             rdma=rdma,
-            gpudirect=_gpudirect(tls, lambda: bool(gpudirect_status()["ready"])),
+            gpudirect=_gpudirect(tls, cuda_support, lambda: bool(gpudirect_status()["ready"])),
             lanes=tuple(dict.fromkeys(f"{t}/{d}" for t, d in resources if t != "self")),
             tcp_only=all(t == "tcp" for t in tls),
         )
