@@ -505,6 +505,27 @@ async def check_cancelled_send(a: Peer, b: Peer) -> None:
     assert _same(first, y), "a cancelled send left a partial or corrupt message"
 
 
+@_check(Limits(recv_buffer_bytes=1 * MiB))
+async def check_send_cancelled_at_every_step_with_its_recv_posted(a: Peer, b: Peer) -> None:
+    """A rendezvous send cancelled after 0..24 loop iterations while its recv is already posted
+    (the header matched, the recv not yet pulling: the sender's abort can come in between): the
+    recv gets that message whole or, if the sender withdrew it, the next one; never an error."""
+    x = np.full(2 * MiB, 7, np.uint8)  # past recv_buffer_bytes: rendezvous
+    for spins in range(25):
+        y = np.full(1000, spins, np.uint8)
+        recv = asyncio.ensure_future(b.recv(tag="w"))
+        await asyncio.sleep(0)  # posted
+        send = asyncio.ensure_future(a.send(x, tag="w"))
+        whole = not await _cancel_after(spins, send)
+        await a.send(y, tag="w")
+        first = await asyncio.wait_for(recv, 10)
+        if _same(first, x):
+            first = await asyncio.wait_for(b.recv(tag="w"), 10)
+        elif whole:
+            raise AssertionError(f"a send that completed was not received (cancel after {spins} iterations)")
+        assert _same(first, y), f"a cancelled send left a partial or corrupt message ({spins} iterations)"
+
+
 @_check()
 async def check_random_send_cancellations_lose_nothing(a: Peer, b: Peer) -> None:
     """Sends cancelled at random moments arrive whole or not at all, and never stall the tag."""

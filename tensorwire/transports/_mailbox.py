@@ -452,6 +452,10 @@ class Mailbox:
         streams: Streams | None = None,
     ) -> tuple[Any, Receipt]:
         if arrival.rendezvous and not arrival.pulling:
+            if arrival.done.done():
+                # its sender withdrew it between the match and now (SenderAborted: this recv
+                # waits for the next message), or the channel failed: say so before pulling
+                arrival.done.result()
             if targets is not None and self._lands(targets):
                 arrival.dest, arrival.direct = targets, True
             elif targets is None and arrival.dest is None and self.channel.device_kinds:
