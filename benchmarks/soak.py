@@ -14,6 +14,7 @@ Accounting, per message the hub tried to send:
   failed     the send raised an error from the tree (counted by type; e.g. a killed worker)
   corrupted  a worker saw a crc mismatch or the hub got a wrong crc back      -> must be 0
   lost       the send returned, its worker stayed alive, yet no answer came   -> must be 0
+  crashed    a worker exited on its own (an error reached its recv)            -> must be 0
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import collections
 import contextlib
 import math
 import random
+import signal
 import sys
 import time
 
@@ -86,17 +88,29 @@ async def run(args: argparse.Namespace) -> int:
         async def launch(w: Worker) -> None:
             w.generation += 1
             w.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", WORKER, hub.address, str(args.seed * 100 + w.slot * 10 + w.generation),
+                sys.executable,
+                "-c",
+                WORKER,
+                hub.address,
+                str(args.seed * 100 + w.slot * 10 + w.generation),
                 args.transport,
             )
             w.peer = await asyncio.wait_for(hub.accept(), 30)
             w.pending = {}
             w.cancelled = set()
 
-        async def kill(w: Worker) -> None:
+        async def stop(w: Worker) -> None:
+            """SIGKILL the worker; a worker that had already exited on its own (a recv raised?)
+            is counted, and fails the run: its traceback is on stderr above."""
             assert w.proc is not None
-            w.proc.kill()
-            await w.proc.wait()
+            if w.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):  # it may exit just now
+                    w.proc.kill()
+            if await w.proc.wait() != -signal.SIGKILL:
+                stats["crashed"] += 1
+
+        async def kill(w: Worker) -> None:
+            await stop(w)
             stats["restarts"] += 1
             stats["unacked_at_kill"] += len(w.pending)  # died with the worker, reported separately
             if w.peer is not None:
@@ -163,9 +177,7 @@ async def run(args: argparse.Namespace) -> int:
                     cancelled_not_delivered += 1
                 else:
                     lost += 1
-            assert w.proc is not None
-            w.proc.kill()
-            await w.proc.wait()
+            await stop(w)
 
     print(f"soak over {args.transport}: {elapsed:.1f} s, {args.peers} worker processes, sizes 0 B..{args.max_mib} MiB")
     rows = [
@@ -174,15 +186,16 @@ async def run(args: argparse.Namespace) -> int:
         ("sends cancelled (random)", stats["cancelled"]),
         ("  of those never delivered", cancelled_not_delivered),
         ("worker restarts (SIGKILL)", stats["restarts"]),
+        ("workers that exited on their own", stats["crashed"]),
         ("unacknowledged when their worker was killed", stats["unacked_at_kill"]),
         ("bytes moved (completed sends)", f"{moved / 1e9:.2f} GB ({moved / elapsed / 1e9:.2f} GB/s)"),
     ]
     for name, value in rows:
         print(f"  {name:<46} {value}")
     print("  failures by type: " + (", ".join(f"{k}={v}" for k, v in sorted(failures.items())) or "none"))
-    corrupted = stats["corrupted"]
-    verdict = "OK" if lost == 0 and corrupted == 0 else "FAILED"
-    print(f"lost: {lost}, corrupted: {corrupted} -> {verdict}")
+    corrupted, crashed = stats["corrupted"], stats["crashed"]
+    verdict = "OK" if lost == 0 and corrupted == 0 and crashed == 0 else "FAILED"
+    print(f"lost: {lost}, corrupted: {corrupted}, workers crashed: {crashed} -> {verdict}")
     return 0 if verdict == "OK" else 1
 
 
