@@ -384,13 +384,15 @@ class Worker:
             self.loop.remove_reader(self._fd)
         for fut, _ in self._raw.values():
             fut.cancel()
-        self._raw.clear()
-        self._watch.clear()
-        self._graveyard.clear()
         try:
             self.worker.progress()
             self.worker.cancel_inflight_requests()
         except Exception as exc:
             log.debug("ucx worker cleanup: %s", exc)
+        # the buffers of sends UCX never finished (to a peer that died) are let go only now:
+        # the progress above may still have touched them
+        self._raw.clear()
+        self._watch.clear()
+        self._graveyard.clear()
         del self.worker
         del self.context
