@@ -1,6 +1,7 @@
 """Soak: many peers, random sizes, random cancellations and peer restarts; nothing lost or corrupted.
 
     python benchmarks/soak.py [--duration 60] [--peers 4] [--max-mib 256] [--seed 0] [--transport tcp]
+                               [--checksum]
 
 A hub node in this process talks to worker processes. Each message carries an id, a crc32c of its
 payload and the payload itself (0 B to --max-mib, log-uniform). A worker verifies the crc of every
@@ -82,7 +83,7 @@ async def run(args: argparse.Namespace) -> int:
     next_id = 0
     pool = nprng.integers(0, 255, size=args.max_mib * MiB, dtype=np.uint8)  # random bytes, sliced per message
 
-    async with tensorwire.start("127.0.0.1:0", transports=(args.transport,)) as hub:
+    async with tensorwire.start("127.0.0.1:0", transports=(args.transport,), checksum=args.checksum) as hub:
         workers = [Worker(i) for i in range(args.peers)]
 
         async def launch(w: Worker) -> None:
@@ -179,7 +180,11 @@ async def run(args: argparse.Namespace) -> int:
                     lost += 1
             await stop(w)
 
-    print(f"soak over {args.transport}: {elapsed:.1f} s, {args.peers} worker processes, sizes 0 B..{args.max_mib} MiB")
+    summed = " with frame checksums" if args.checksum else ""
+    print(
+        f"soak over {args.transport}{summed}: {elapsed:.1f} s, {args.peers} worker processes, "
+        f"sizes 0 B..{args.max_mib} MiB"
+    )
     rows = [
         ("messages attempted", stats["attempted"]),
         ("verified by a worker", stats["verified"]),
@@ -207,6 +212,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restart-rate", type=float, default=0.01, help="chance per step to kill and restart a worker")
     p.add_argument("--transport", default="tcp")
+    p.add_argument("--checksum", action="store_true", help="crc32c on every staged-TCP payload frame (both ways)")
     return asyncio.run(run(p.parse_args()))
 
 
