@@ -1,13 +1,18 @@
 """Soak: many peers, random sizes, random cancellations and peer restarts; nothing lost or corrupted.
 
     python benchmarks/soak.py [--duration 60] [--peers 4] [--max-mib 256] [--seed 0] [--transport tcp]
-                               [--checksum]
+                               [--checksum] [--engine]
 
 A hub node in this process talks to worker processes. Each message carries an id, a crc32c of its
 payload and the payload itself (0 B to --max-mib, log-uniform). A worker verifies the crc of every
 message it receives and answers with the id and the verdict. The hub cancels some of its sends at
 random moments (asyncio.wait_for with a short deadline), workers cancel some of their recvs at
 random moments, and the hub SIGKILLs and restarts a random worker from time to time.
+
+``--engine`` sends each payload as "device" memory of a HostEngine (tensorwire.tensors.EngineArray):
+it then takes the path a CUDA tensor takes (tcp: staged through pinned chunks on copy lanes; ucx:
+posted by pointer after its producer event), with chunks poisoned on reuse, so a chunk handed
+back too early shows up as a crc mismatch.
 
 Accounting, per message the hub tried to send:
   verified   the worker acknowledged it with a matching crc
@@ -34,6 +39,8 @@ import crc32c
 import numpy as np
 
 import tensorwire
+from tensorwire.memory import HostEngine
+from tensorwire.tensors import EngineArray
 
 MiB = 1 << 20
 
@@ -82,6 +89,7 @@ async def run(args: argparse.Namespace) -> int:
     moved = 0
     next_id = 0
     pool = nprng.integers(0, 255, size=args.max_mib * MiB, dtype=np.uint8)  # random bytes, sliced per message
+    engine = HostEngine() if args.engine else None  # poisons its staging chunks on reuse
 
     async with tensorwire.start("127.0.0.1:0", transports=(args.transport,), checksum=args.checksum) as hub:
         workers = [Worker(i) for i in range(args.peers)]
@@ -146,7 +154,9 @@ async def run(args: argparse.Namespace) -> int:
             size = 0 if rng.random() < 0.05 else int(math.exp(rng.uniform(math.log(1), math.log(args.max_mib * MiB))))
             start = rng.randrange(0, len(pool) - size + 1)
             data = pool[start : start + size]
-            msg = {"id": next_id, "crc": crc32c.crc32c(memoryview(data)), "data": data}
+            crc = crc32c.crc32c(memoryview(data))
+            payload = EngineArray(engine, data) if engine is not None and size else data
+            msg = {"id": next_id, "crc": crc, "data": payload}
             next_id += 1
             stats["attempted"] += 1
             try:
@@ -180,7 +190,9 @@ async def run(args: argparse.Namespace) -> int:
                     lost += 1
             await stop(w)
 
-    summed = " with frame checksums" if args.checksum else ""
+    if engine is not None:
+        engine.close()
+    summed = (" with frame checksums" if args.checksum else "") + (", payloads in HostEngine memory" if engine else "")
     print(
         f"soak over {args.transport}{summed}: {elapsed:.1f} s, {args.peers} worker processes, "
         f"sizes 0 B..{args.max_mib} MiB"
@@ -213,6 +225,7 @@ def main() -> int:
     p.add_argument("--restart-rate", type=float, default=0.01, help="chance per step to kill and restart a worker")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--checksum", action="store_true", help="crc32c on every staged-TCP payload frame (both ways)")
+    p.add_argument("--engine", action="store_true", help="send payloads as HostEngine 'device' memory (staged path)")
     return asyncio.run(run(p.parse_args()))
 
 
