@@ -451,11 +451,11 @@ class Mailbox:
         want: Device | None = None,
         streams: Streams | None = None,
     ) -> tuple[Any, Receipt]:
+        if arrival.done.done():
+            # raises if it failed: its sender withdrew it, perhaps between the match and now
+            # (SenderAborted: this recv waits for the next message), or the channel failed
+            arrival.done.result()
         if arrival.rendezvous and not arrival.pulling:
-            if arrival.done.done():
-                # its sender withdrew it between the match and now (SenderAborted: this recv
-                # waits for the next message), or the channel failed: say so before pulling
-                arrival.done.result()
             if targets is not None and self._lands(targets):
                 arrival.dest, arrival.direct = targets, True
             elif targets is None and arrival.dest is None and self.channel.device_kinds:
@@ -466,8 +466,6 @@ class Mailbox:
             await self.channel.pull(arrival)
         elif not arrival.done.done():
             await asyncio.shield(arrival.done)
-        else:
-            arrival.done.result()  # raises if the message failed
         arrival.consumed = True
         if not arrival.settled:
             self.channel.release(arrival)
