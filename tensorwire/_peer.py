@@ -13,7 +13,7 @@ from . import _onesided
 from ._onesided import RemoteHandle
 from .control._auth import lookup_proof
 from .control._client import ControlClient, SessionLost
-from .errors import ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
+from .errors import ClosedResourceError, ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
 from .rpc import _client as _rpc
 from .tensors import prepare
 from .transports import Channel, ChannelState, Receipt, Session
@@ -168,6 +168,8 @@ class Peer:
         """
         if self.session is None:
             raise ConfigurationError("this peer has no session to authenticate a lookup")
+        if self._closed:  # (and a control connection opened now would never be closed)
+            raise ClosedResourceError(f"the peer {self.remote_address} is closed")
         if self._control is None:
             if not self._control_address:
                 raise ControlPlaneError(f"{self.remote_address} did not say where its control plane listens")

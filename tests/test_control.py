@@ -1,16 +1,19 @@
 """Control plane: handshake, negotiation, honest path, auth, health, reflection, codegen."""
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorwire
 from tensorwire.control import Offer, choose
+from tensorwire.control._client import ControlClient
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
 from tensorwire.transports import Capabilities
 
@@ -177,3 +180,66 @@ async def test_accept_wakes_when_node_closes() -> None:
     with pytest.raises(tensorwire.ClosedResourceError):
         await asyncio.wait_for(waiter, 5)
     assert await asyncio.wait_for(iterator, 5) == 0
+
+
+class _NeverAnswers(control_pb2_grpc.ControlServicer):
+    """A control server whose Lookup never answers: a call to it stays in flight."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.arrived = asyncio.Event()
+
+    async def Lookup(self, request: control_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]  # noqa: N802
+        self.calls += 1
+        self.arrived.set()
+        await asyncio.Event().wait()
+
+
+async def test_closing_the_control_client_fails_calls_in_flight_as_closed_not_cancelled() -> None:
+    server = grpc.aio.server()
+    servicer = _NeverAnswers()
+    control_pb2_grpc.add_ControlServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        client = ControlClient(f"127.0.0.1:{port}")
+        call = asyncio.create_task(client.lookup("sid", "x", b"", deadline=60))
+        await asyncio.wait_for(servicer.arrived.wait(), 30)
+        await client.aclose()
+        # grpc cancels its calls as the channel closes; nobody cancelled the caller, so that is no
+        # CancelledError for it (it would look like its own cancellation) but a closed resource
+        with pytest.raises(tensorwire.ClosedResourceError, match=r"control connection .* is closed"):
+            await call
+        with pytest.raises(tensorwire.ClosedResourceError):
+            await client.lookup("sid", "x", b"", deadline=60)  # grpc alone would raise its UsageError
+        await client.aclose()  # idempotent
+        assert servicer.calls == 1
+
+        # the caller's own cancellation stays a cancellation, closed client or not
+        servicer.arrived.clear()
+        other = ControlClient(f"127.0.0.1:{port}")
+        call = asyncio.create_task(other.lookup("sid", "x", b"", deadline=60))
+        await asyncio.wait_for(servicer.arrived.wait(), 30)
+        call.cancel()
+        await other.aclose()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    finally:
+        await server.stop(0)
+
+
+async def test_lookup_on_a_closed_peer_says_closed() -> None:
+    async with tensorwire.start("127.0.0.1:0") as a, tensorwire.start("127.0.0.1:0") as b:
+        peer = await a.connect(b.address, transports=("tcp",))
+        b.expose(np.arange(4), name="x")
+        assert (await peer.lookup("x")).shape == (4,)
+        await peer.aclose()
+        with pytest.raises(tensorwire.ClosedResourceError, match="closed"):
+            await peer.lookup("x")
+        # the accepting side opens its control connection at its first lookup: not after close
+        await a.connect(b.address, transports=("tcp",))
+        accepted = await asyncio.wait_for(b.accept(), 30)
+        await accepted.aclose()
+        with pytest.raises(tensorwire.ClosedResourceError):
+            await accepted.lookup("x")
+        assert accepted._control is None

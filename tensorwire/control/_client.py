@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
 import grpc
 
 from ..errors import (
     AuthenticationError,
+    ClosedResourceError,
     ConnectTimeout,
     ControlPlaneError,
     HandleNotFound,
@@ -15,6 +20,8 @@ from ._pb import control_pb2, control_pb2_grpc
 from ._tls import TLSConfig
 
 __all__ = ["ControlClient", "SessionLost", "map_rpc_error"]
+
+_R = TypeVar("_R")
 
 
 class SessionLost(ControlPlaneError):
@@ -51,22 +58,44 @@ class ControlClient:
     def __init__(self, target: str, tls: TLSConfig | None = None) -> None:
         self.target = target
         self._tls = tls is not None
+        self._closed = False
         if tls is None:
             self._channel = grpc.aio.insecure_channel(target)
         else:
             self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=tls.channel_options())
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
 
+    async def _unary(self, method: Callable[..., Awaitable[_R]], request: Any, deadline: float) -> _R:
+        """One call. Closing the client fails the calls in flight and later ones with
+        ClosedResourceError: grpc cancels its calls when its channel closes, and that
+        CancelledError must not reach a caller nobody cancelled."""
+        if self._closed:
+            raise self._closed_error()
+        try:
+            return await method(request, timeout=deadline)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                raise self._closed_error() from None
+            raise
+        except grpc.aio.UsageError as exc:  # the channel closed between our check and the call
+            raise self._closed_error() from exc
+
+    def _closed_error(self) -> ClosedResourceError:
+        return ClosedResourceError(f"the control connection to {self.target} is closed")
+
     async def handshake(self, request: control_pb2.HandshakeRequest, deadline: float) -> control_pb2.HandshakeResponse:
         try:
-            resp: control_pb2.HandshakeResponse = await self._stub.Handshake(request, timeout=deadline)
+            resp: control_pb2.HandshakeResponse = await self._unary(self._stub.Handshake, request, deadline)
         except grpc.aio.AioRpcError as exc:
             raise map_rpc_error(exc, self.target, tls=self._tls) from exc
         return resp
 
     async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
         try:
-            info: control_pb2.NodeInfo = await self._stub.GetNodeInfo(control_pb2.NodeInfoRequest(), timeout=deadline)
+            info: control_pb2.NodeInfo = await self._unary(
+                self._stub.GetNodeInfo, control_pb2.NodeInfoRequest(), deadline
+            )
         except grpc.aio.AioRpcError as exc:
             raise map_rpc_error(exc, self.target, tls=self._tls) from exc
         return info
@@ -74,17 +103,16 @@ class ControlClient:
     async def heartbeat(self, session_id: str, deadline: float) -> None:
         """Renew a lease. SessionLost means the server no longer knows the session."""
         try:
-            await self._stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=session_id), timeout=deadline)
+            await self._unary(self._stub.Heartbeat, control_pb2.HeartbeatRequest(session_id=session_id), deadline)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise SessionLost(f"{self.target} no longer knows this session: {exc.details()}") from exc
             raise map_rpc_error(exc, self.target, tls=self._tls) from exc
 
     async def lookup(self, session_id: str, name: str, proof: bytes, deadline: float) -> control_pb2.LookupResponse:
+        request = control_pb2.LookupRequest(session_id=session_id, name=name, proof=proof)
         try:
-            resp: control_pb2.LookupResponse = await self._stub.Lookup(
-                control_pb2.LookupRequest(session_id=session_id, name=name, proof=proof), timeout=deadline
-            )
+            resp: control_pb2.LookupResponse = await self._unary(self._stub.Lookup, request, deadline)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise HandleNotFound(f"{self.target}: {exc.details()}") from exc
@@ -92,4 +120,6 @@ class ControlClient:
         return resp
 
     async def aclose(self) -> None:
+        """Close the channel; calls in flight and later ones fail with ClosedResourceError. Idempotent."""
+        self._closed = True
         await self._channel.close()
