@@ -163,6 +163,64 @@ async def test_inline_answer_wait_backs_off_when_answers_come_late() -> None:
         assert channel._wait_penalty >= 64, channel._wait_penalty  # type: ignore[attr-defined]
 
 
+async def test_busy_ucx_that_moves_nothing_is_polled_not_spun_and_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A UCX worker that refuses to arm (work pending) yet moves nothing for seconds is polled
+    every millisecond instead of spun, with a warning; progress again ends that. A peer SIGKILLed
+    mid-send over shared memory can leave a worker so for good (docs/ucx.md), but not on demand:
+    here a real worker's arm and progress_once are overridden to look like it."""
+    from tensorwire.transports.ucx import _worker as ucx_worker
+
+    monkeypatch.setattr(ucx_worker, "_STALL", 0.2)
+    async with connected_pair("ucx") as (a, b):
+        w = a.node.transports["ucx"].worker
+        real = w.worker
+
+        class Wedged:
+            def __init__(self) -> None:
+                self.calls = 0
+                self.moves = 0  # progress_once reports this many moves, one per call
+
+            def progress_once(self) -> int:
+                self.calls += 1
+                if self.moves:
+                    self.moves -= 1
+                    return 1
+                return 0
+
+            def progress(self) -> None:
+                pass
+
+            def arm(self) -> bool:
+                return False
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+        wedged = Wedged()
+        w.worker = wedged
+        try:
+            with caplog.at_level(logging.WARNING, logger="tensorwire.transports.ucx._worker"):
+                w.kick()
+                await asyncio.sleep(0.5)
+                assert w.stalled
+                assert "without moving anything" in caplog.text and "docs/ucx.md" in caplog.text
+                before = wedged.calls
+                await asyncio.sleep(0.3)
+                # polled every 1 ms: a few hundred progress calls; spinning makes tens of thousands
+                assert wedged.calls - before < 1500, wedged.calls - before
+                wedged.moves = 1
+                await asyncio.sleep(0.05)
+                assert not w.stalled
+                assert "makes progress again" in caplog.text
+        finally:
+            w.worker = real
+        w.kick()
+        await a.send(np.arange(3), tag=1)
+        assert np.array_equal(await asyncio.wait_for(b.recv(tag=1), 5), np.arange(3))
+
+
 def test_ucx_config_rejects_bad_options() -> None:
     with pytest.raises(tensorwire.ConfigurationError), _ucx_config(UCX_TLS="tcp"):
         pass

@@ -50,6 +50,11 @@ _SPIN_ACTIVE = 0.002  # keep progressing this long after UCX last made progress
 _SPIN_IDLE = 250e-6  # and this long after an operation was posted or completed (latency)
 _FALLBACK = 0.001  # poll period while armed with work in flight (a missed wake-up costs at most this)
 _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
+# UCX refuses to arm (work pending) yet has moved nothing for this long: stop spinning (poll every
+# _FALLBACK) and say so. A peer may be stalled; or one that died in the middle of a send over
+# shared memory has left a FIFO slot it claimed unwritten, which blocks this worker's shared-memory
+# receive queue for good (see docs/ucx.md)
+_STALL = 5.0
 _INLINE_ROUNDS = 4  # progress rounds a one-sided operation spends inline before going async
 
 _import_lock = threading.Lock()
@@ -156,7 +161,8 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._scheduled = False
         self._fallback: asyncio.TimerHandle | None = None
-        self._last = 0.0  # UCX last made progress
+        self._last = time.monotonic()  # UCX last made progress
+        self.stalled = False  # see _STALL
         self._last_event = 0.0  # an operation was last posted or completed
         self._closed = False
         self.inline_streak = 0  # one-sided operations finished inline since the last progress run
@@ -325,6 +331,9 @@ class Worker:
             completed = self._dispatch() if moved or self._fresh or self._graveyard else 0
             if moved or completed:
                 self._last = time.monotonic()  # UCX moved something: keep going while it does
+                if self.stalled:
+                    self.stalled = False
+                    log.warning("ucx: UCX makes progress again")
             if completed:
                 self._last_event = self._last
                 break  # let the tasks those completions woke run before progressing more
@@ -342,10 +351,27 @@ class Worker:
             return
         if spin or not worker.arm():
             self._scheduled = True
-            self.loop.call_soon(self._progress)
+            if spin or now - self._last < _STALL:
+                self.loop.call_soon(self._progress)
+            else:  # busy, yet nothing has moved for seconds: poll instead of spinning
+                self._stall(now)
+                self._fallback = self.loop.call_later(_FALLBACK, self._progress)
             return
         if self._raw or any(not w.passive for w in self._watch.values()):
             self._fallback = self.loop.call_later(_FALLBACK, self.kick)
+
+    def _stall(self, now: float) -> None:
+        if self.stalled:
+            return
+        self.stalled = True
+        log.warning(
+            "ucx: UCX has had work pending for %.0f s without moving anything; polling every %.0f ms "
+            "instead of spinning. A peer may be stalled, or one that died in the middle of a send over "
+            "shared memory has blocked this node's shared-memory receive queue: then nothing more "
+            "arrives over it until the node restarts (a UCX limitation; see docs/ucx.md)",
+            now - self._last,
+            _FALLBACK * 1000,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def close_endpoint(self, ep: Any, grace: float = 1.0) -> None:
