@@ -81,6 +81,23 @@ async def test_path_names_ucx_lanes() -> None:
             assert caps.tcp_only and not caps.rdma and caps.one_sided
 
 
+async def test_ucx_without_the_shared_memory_fifo_keeps_cma_and_moves_data() -> None:
+    """The setting docs/ucx.md recommends where processes may be SIGKILLed: no posix/sysv FIFO
+    (which a sender killed mid-send blocks for good), cma for bulk, tcp for the rest."""
+    options = {"TLS": "^posix,sysv"}
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options) as a,
+        tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options) as b,
+    ):
+        p = await a.connect(b.address)
+        q = await asyncio.wait_for(b.accept(), 10)
+        kinds = {lane.split("/")[0] for lane in p.path.lanes}
+        assert p.path.transport == "ucx" and "cma" in kinds and not kinds & {"posix", "sysv"}, p.path
+        x = np.random.default_rng(1).random(4 << 20)  # 32 MiB: a rendezvous transfer
+        await p.send(x, tag=1)
+        assert np.array_equal(await q.recv(tag=1), x)
+
+
 async def test_tcp_only_ucx_gives_way_to_tcp_and_says_so() -> None:
     with _ucx_config(TLS="tcp"):
         async with tensorwire.start(transports=("ucx", "tcp")) as na, tensorwire.start(transports=("ucx", "tcp")) as nb:
