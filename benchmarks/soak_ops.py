@@ -43,8 +43,12 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import ctypes
+import gc
 import math
+import os
 import random
+import resource
 import signal
 import sys
 import time
@@ -141,6 +145,17 @@ def pattern(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
 
 
+def usage() -> tuple[int, int, int]:
+    """This process's resident memory (bytes), open file descriptors and asyncio tasks (Linux),
+    after a garbage collection and giving freed heap back (so what stays is what is held)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return rss, len(os.listdir("/proc/self/fd")), len(asyncio.all_tasks())
+
+
 class Problem(Exception):
     """An operation's outcome broke a promise; the message says which."""
 
@@ -175,6 +190,7 @@ class Soak:
         self.workers = [Worker(i) for i in range(args.peers)]
         self.hub: tensorwire.Node | None = None
         self.launching = asyncio.Lock()  # hub.accept() must hand each launch its own worker
+        self.resources: list[tuple[str, int, int, int]] = []  # (when, RSS bytes, open fds, asyncio tasks)
 
     # -- helpers -----------------------------------------------------------------------------
     def size(self, most: int) -> int:
@@ -475,9 +491,11 @@ class Soak:
             self.hub = hub
             for w in self.workers:
                 await self.launch(w)
+            self.resources.append(("start", *usage()))
             t0 = time.monotonic()
             await asyncio.gather(*(self.driver(t0 + self.args.duration) for _ in range(self.args.concurrency)))
             elapsed = time.monotonic() - t0
+            self.resources.append(("end", *usage()))
             for w in self.workers:
                 await self.stop(w)
         return self.report(elapsed)
@@ -494,6 +512,9 @@ class Soak:
         for name in names:
             print(f"  {name:<11}" + "".join(f"{self.outcomes[name, k]:>24}" for k in kinds))
         print(f"  bytes moved: {self.moved / 1e9:.2f} GB ({self.moved / elapsed / 1e9:.2f} GB/s)")
+        seen = ", ".join(f"{w} RSS {rss / MiB:.0f} MiB, {fds} fds, {n} tasks" for w, rss, fds, n in self.resources)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"  hub (same workers alive): {seen}; peak RSS {peak:.0f} MiB")
         for kind, text in self.examples.items():
             print(f"  first {kind}: {text}")
         bad = dict(self.problems)
