@@ -29,20 +29,18 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import math
 import random
-import signal
 import sys
 import time
 
 import crc32c
 import numpy as np
+from _sizes import MiB
+from _soak import kill_and_reap, random_size
 
 import tensorwire
 from tensorwire.memory import HostEngine
 from tensorwire.tensors import EngineArray
-
-MiB = 1 << 20
 
 WORKER = r"""
 import asyncio, random, sys
@@ -109,13 +107,8 @@ async def run(args: argparse.Namespace) -> int:
             w.cancelled = set()
 
         async def stop(w: Worker) -> None:
-            """SIGKILL the worker; a worker that had already exited on its own (a recv raised?)
-            is counted, and fails the run: its traceback is on stderr above."""
             assert w.proc is not None
-            if w.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):  # it may exit just now
-                    w.proc.kill()
-            if await w.proc.wait() != -signal.SIGKILL:
+            if not await kill_and_reap(w.proc):  # it had exited on its own (a recv raised?): fails the run
                 stats["crashed"] += 1
 
         async def kill(w: Worker) -> None:
@@ -151,7 +144,7 @@ async def run(args: argparse.Namespace) -> int:
                 await kill(w)
                 await launch(w)
                 continue
-            size = 0 if rng.random() < 0.05 else int(math.exp(rng.uniform(math.log(1), math.log(args.max_mib * MiB))))
+            size = random_size(rng, args.max_mib * MiB)
             start = rng.randrange(0, len(pool) - size + 1)
             data = pool[start : start + size]
             crc = crc32c.crc32c(memoryview(data))

@@ -45,11 +45,9 @@ import collections
 import contextlib
 import ctypes
 import gc
-import math
 import os
 import random
 import resource
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -57,10 +55,11 @@ from typing import Any
 
 import crc32c
 import numpy as np
+from _sizes import MiB
+from _soak import kill_and_reap, random_size
 
 import tensorwire
 
-MiB = 1 << 20
 MARK = 0xA5  # what a cancelled read's buffer is filled with afterwards
 
 WORKER = r"""
@@ -141,6 +140,11 @@ def crc(a: Any) -> int:
     return crc32c.crc32c(memoryview(np.ascontiguousarray(a)).cast("B"))
 
 
+def zeros_crc(n: int) -> int:
+    """The crc of a freshly exposed region of ``n`` zero bytes."""
+    return crc(np.zeros(n, np.uint8))
+
+
 def pattern(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
 
@@ -193,11 +197,6 @@ class Soak:
         self.resources: list[tuple[str, int, int, int]] = []  # (when, RSS bytes, open fds, asyncio tasks)
 
     # -- helpers -----------------------------------------------------------------------------
-    def size(self, most: int) -> int:
-        if self.rng.random() < 0.05:
-            return 0
-        return int(math.exp(self.rng.uniform(0, math.log(max(most, 2)))))
-
     def data(self, n: int) -> np.ndarray:
         start = self.rng.randrange(0, len(self.pool) - n + 1)
         return self.pool[start : start + n]
@@ -236,22 +235,19 @@ class Soak:
     # -- workers -----------------------------------------------------------------------------
     async def launch(self, w: Worker) -> None:
         assert self.hub is not None
-        w.region_bytes = max(1, self.size(self.args.max_mib * MiB))
+        w.region_bytes = max(1, random_size(self.rng, self.args.max_mib * MiB))
         async with self.launching:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", WORKER, self.hub.address, self.args.transport, str(w.region_bytes)
             )
             w.peer = await asyncio.wait_for(self.hub.accept(), 60)
         w.handle = None
-        w.content = crc(np.zeros(w.region_bytes, np.uint8))
+        w.content = zeros_crc(w.region_bytes)
         w.ready.set()
 
     async def stop(self, w: Worker) -> None:
         assert w.proc is not None
-        if w.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.kill()
-        if await w.proc.wait() != -signal.SIGKILL:
+        if not await kill_and_reap(w.proc):
             self.crashed += 1
 
     async def restart(self, w: Worker) -> None:
@@ -267,7 +263,7 @@ class Soak:
 
     # -- operations --------------------------------------------------------------------------
     async def op_crc(self, w: Worker, peer: tensorwire.Peer) -> str:
-        x = self.data(self.size(self.args.max_mib * MiB))
+        x = self.data(random_size(self.rng, self.args.max_mib * MiB))
         done, got = await self.maybe_cancelled(peer.call("crc", x), self.cancel_after())
         if not done:
             return "cancelled"
@@ -276,10 +272,9 @@ class Soak:
         return "verified"
 
     async def op_echo(self, w: Worker, peer: tensorwire.Peer) -> str:
-        x = self.data(self.size(self.args.max_mib * MiB // 2))
+        x = self.data(random_size(self.rng, self.args.max_mib * MiB // 2))
         out = np.empty_like(x) if self.rng.random() < 0.5 else None
-        aw = peer.call("echo", x, _out=out) if out is not None else peer.call("echo", x)
-        done, got = await self.maybe_cancelled(aw, self.cancel_after())
+        done, got = await self.maybe_cancelled(peer.call("echo", x, _out=out), self.cancel_after())
         if not done:
             return "cancelled"
         if out is not None:
@@ -319,7 +314,7 @@ class Soak:
 
     async def op_stream(self, w: Worker, peer: tensorwire.Peer) -> str:
         n = self.rng.randrange(0, 9)
-        size = self.size(self.args.max_mib * MiB // 8)
+        size = random_size(self.rng, self.args.max_mib * MiB // 8)
         seed = self.rng.randrange(1 << 30)
         leave = self.rng.randrange(0, n + 1) if self.rng.random() < 0.3 else n
 
@@ -400,7 +395,7 @@ class Soak:
             return outcome
 
     async def reexpose(self, w: Worker, peer: tensorwire.Peer, old: tensorwire.RemoteHandle) -> str:
-        nbytes = max(1, self.size(self.args.max_mib * MiB))
+        nbytes = max(1, random_size(self.rng, self.args.max_mib * MiB))
         token = self.rng.randrange(1 << 62)
         done, got = await self.maybe_cancelled(peer.call("reexpose", nbytes, token), self.cancel_after())
         w.handle = None
@@ -409,7 +404,7 @@ class Soak:
             w.region_bytes, w.content = theirs["n"], theirs["crc"]
             return "cancelled"
         self.check(got == nbytes, f"reexpose returned {got!r}")
-        w.region_bytes, w.content = nbytes, crc(np.zeros(nbytes, np.uint8))
+        w.region_bytes, w.content = nbytes, zeros_crc(nbytes)
         try:
             await peer.read(old, out=np.empty(old.nbytes, np.uint8))
         except tensorwire.HandleNotFound:
@@ -429,27 +424,16 @@ class Soak:
         try:
             async with asyncio.timeout(self.args.hang):
                 outcome = await op(w, peer)
-        except Problem as exc:
+        except (Problem, tensorwire.TensorWireError) as exc:  # the tree's timeouts are TensorWireErrors
             if w.generation != generation:
                 outcome = "failed (worker killed)"  # e.g. a region crc that changed as it died
             else:
-                self.problem(exc.kind, f"{name}: {exc}")
-                outcome = exc.kind
-        except TimeoutError as exc:
-            if isinstance(exc, tensorwire.TensorWireError) and w.generation != generation:
-                outcome = "failed (worker killed)"
-            elif isinstance(exc, tensorwire.TensorWireError):
-                self.problem("unexpected", f"{name}: {type(exc).__name__}: {exc}")
-                outcome = "unexpected"
-            else:
-                self.problem("hung", f"{name}: no outcome after {self.args.hang} s")
-                outcome = "hung"
-        except tensorwire.TensorWireError as exc:
-            if w.generation != generation:
-                outcome = "failed (worker killed)"
-            else:
-                self.problem("unexpected", f"{name}: {type(exc).__name__}: {exc}")
-                outcome = "unexpected"
+                outcome = exc.kind if isinstance(exc, Problem) else "unexpected"
+                text = str(exc) if isinstance(exc, Problem) else f"{type(exc).__name__}: {exc}"
+                self.problem(outcome, f"{name}: {text}")
+        except TimeoutError:  # asyncio.timeout's own
+            self.problem("hung", f"{name}: no outcome after {self.args.hang} s")
+            outcome = "hung"
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

@@ -65,14 +65,25 @@ class ControlClient:
             self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=tls.channel_options())
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
 
-    async def _unary(self, method: Callable[..., Awaitable[_R]], request: Any, deadline: float) -> _R:
-        """One call. Closing the client fails the calls in flight and later ones with
+    async def _unary(
+        self,
+        method: Callable[..., Awaitable[_R]],
+        request: Any,
+        deadline: float,
+        not_found: Callable[[str | None], Exception] | None = None,
+    ) -> _R:
+        """One call, its failure as an error from the tree (NOT_FOUND as ``not_found(details)``
+        where given). Closing the client fails the calls in flight and later ones with
         ClosedResourceError: grpc cancels its calls when its channel closes, and that
         CancelledError must not reach a caller nobody cancelled."""
         if self._closed:
             raise self._closed_error()
         try:
             return await method(request, timeout=deadline)
+        except grpc.aio.AioRpcError as exc:
+            if not_found is not None and exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise not_found(exc.details()) from exc
+            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
@@ -85,39 +96,27 @@ class ControlClient:
         return ClosedResourceError(f"the control connection to {self.target} is closed")
 
     async def handshake(self, request: control_pb2.HandshakeRequest, deadline: float) -> control_pb2.HandshakeResponse:
-        try:
-            resp: control_pb2.HandshakeResponse = await self._unary(self._stub.Handshake, request, deadline)
-        except grpc.aio.AioRpcError as exc:
-            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
-        return resp
+        return await self._unary(self._stub.Handshake, request, deadline)
 
     async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
-        try:
-            info: control_pb2.NodeInfo = await self._unary(
-                self._stub.GetNodeInfo, control_pb2.NodeInfoRequest(), deadline
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
-        return info
+        return await self._unary(self._stub.GetNodeInfo, control_pb2.NodeInfoRequest(), deadline)
 
     async def heartbeat(self, session_id: str, deadline: float) -> None:
         """Renew a lease. SessionLost means the server no longer knows the session."""
-        try:
-            await self._unary(self._stub.Heartbeat, control_pb2.HeartbeatRequest(session_id=session_id), deadline)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise SessionLost(f"{self.target} no longer knows this session: {exc.details()}") from exc
-            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
+        await self._unary(
+            self._stub.Heartbeat,
+            control_pb2.HeartbeatRequest(session_id=session_id),
+            deadline,
+            not_found=lambda details: SessionLost(f"{self.target} no longer knows this session: {details}"),
+        )
 
     async def lookup(self, session_id: str, name: str, proof: bytes, deadline: float) -> control_pb2.LookupResponse:
-        request = control_pb2.LookupRequest(session_id=session_id, name=name, proof=proof)
-        try:
-            resp: control_pb2.LookupResponse = await self._unary(self._stub.Lookup, request, deadline)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise HandleNotFound(f"{self.target}: {exc.details()}") from exc
-            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
-        return resp
+        return await self._unary(
+            self._stub.Lookup,
+            control_pb2.LookupRequest(session_id=session_id, name=name, proof=proof),
+            deadline,
+            not_found=lambda details: HandleNotFound(f"{self.target}: {details}"),
+        )
 
     async def aclose(self) -> None:
         """Close the channel; calls in flight and later ones fail with ClosedResourceError. Idempotent."""
