@@ -2,7 +2,9 @@
 
 An owner exposes a C-contiguous tensor under a name; a session peer resolves the name over the
 control plane into a RemoteHandle (dtype, shape, generation, and for one-sided transports the
-registered address and key) and then reads or writes the whole tensor.
+registered address and key) and then reads or writes the whole tensor, or rows of it
+(``handle[3]``, ``handle[4:8]``: a contiguous byte range of a C-contiguous tensor, so the same
+single get/put or owner-assisted request at an offset).
 
 Direct (transports whose Capabilities say ``one_sided``: ucx): ``expose`` registers the memory
 with each such transport (through its registration cache); Lookup hands the session peer a
@@ -30,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
+import operator
 import time
 import weakref
 from collections.abc import Callable, Generator, Mapping
@@ -61,15 +65,18 @@ __all__ = [
     "RemoteHandle",
     "Revocation",
     "read",
+    "read_many",
     "remember",
     "retire",
     "serve_ops",
     "write",
+    "write_many",
 ]
 
 _OPS_TAG = -0x7477_6F70_7300_0001  # reserved: owner-assisted one-sided requests
 _REPLY_BASE = -0x7477_7270_0000_0000  # reserved range for per-operation replies and payloads
 _DRAIN_SECONDS = 60.0
+_MAX_REGIONS = 256  # regions in one owner-assisted request (its header stays far below the limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +104,49 @@ class RemoteHandle:
     transport: str = ""  # one-sided transport holding a registration, "" = owner-assisted
     remote_key: bytes = b""  # transports._remote blob: address, length and the transport's key
     writable: bool = True
+    offset: int = 0  # where this handle's bytes start in the exposed tensor (rows: ``handle[a:b]``)
 
     @property
     def direct(self) -> bool:
         """Reads and writes move the bytes one-sided, without the owner's code."""
         return bool(self.remote_key)
+
+    def __getitem__(self, index: int | slice) -> RemoteHandle:
+        """Rows along the first axis as a handle of their own, as numpy indexes: ``h[3]`` (one
+        row, that axis dropped), ``h[4:8]``, ``h[-2:]``, ``h[4:8][1]``. An exposed tensor is
+        C-contiguous, so rows are one range of its bytes: reading or writing them moves just
+        those bytes. Only steps of 1; anything else is a ShapeMismatchError."""
+        if not self.shape:
+            raise ShapeMismatchError(f"{self.name!r} is 0-d: it has no rows to index")
+        rows, rest = self.shape[0], self.shape[1:]
+        row_bytes = dtype_from_name(self.dtype).itemsize * math.prod(rest)
+        if isinstance(index, slice):
+            if index.step not in (None, 1):
+                raise ShapeMismatchError(
+                    f"{self.name!r}: a slice of rows has step 1 (got {index.step!r}), else it is not contiguous"
+                )
+            try:
+                start, stop, _ = index.indices(rows)
+            except TypeError:
+                raise ShapeMismatchError(f"{self.name!r}: slice bounds are ints, not {index!r}") from None
+            stop = max(start, stop)
+            shape: tuple[int, ...] = (stop - start, *rest)
+            nbytes = (stop - start) * row_bytes
+        else:
+            if isinstance(index, bool) or not hasattr(type(index), "__index__"):
+                raise ShapeMismatchError(
+                    f"a handle is indexed by an int or a slice of rows, not {type(index).__name__}"
+                )
+            start = operator.index(index)
+            if not -rows <= start < rows:
+                raise ShapeMismatchError(f"row {start} is out of range for {self.name!r} with {rows} rows")
+            start %= rows
+            shape, nbytes = rest, row_bytes
+        # (not dataclasses.replace: a handle per block read, and replace costs four times this)
+        return RemoteHandle(
+            self.name, self.dtype, shape, nbytes, self.generation, self.owner, self.transport, self.remote_key,
+            self.writable, self.offset + start * row_bytes,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -239,30 +284,21 @@ async def serve_ops(peer: Peer, table: ExposureTable) -> None:
 
 
 async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> None:
+    """One read or write of a list of regions: the reply (a read's tensors) is a list of as many."""
     reply: int = req["reply"]
-    op, name, gen = req.get("op"), req.get("name"), req.get("generation")
+    op = req.get("op")
     table.served += 1
-    entry = table.get(name) if isinstance(name, str) else None
-    error = None
-    if entry is None:
-        error = f"{name!r} is not exposed (revoked or never exposed)"
-    elif gen != entry.handle.generation:
-        error = f"{name!r} was exposed again since it was looked up; look it up anew"
+    regions, error = _regions(table, req.get("regions"), writing=op == "write")
     try:
         if op == "read":
-            if error is not None or entry is None:
-                await peer.send({"error": error}, tag=reply)
-            else:
-                await peer.send(entry.array, tag=reply)
+            await peer.send(regions if error is None else {"error": error}, tag=reply)
         elif op == "write":
             data_tag = req.get("data")
             if not isinstance(data_tag, int):
                 return
-            if error is None and entry is not None and not entry.handle.writable:
-                error = f"{name!r} is exposed read-only"
-            if error is None and entry is not None:
+            if error is None:
                 try:
-                    await peer.recv(tag=data_tag, out=entry.array)
+                    await peer.recv(tag=data_tag, out=regions)
                 except ShapeMismatchError as exc:
                     error = str(exc)
             if error is not None:
@@ -270,6 +306,43 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
             await peer.send({"error": error} if error else {"ok": True}, tag=reply)
     except TensorWireError:
         return  # the channel went away: the requester sees that itself
+
+
+def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[np.ndarray], str | None]:
+    """The parts of exposed tensors a request names, or why it cannot have them (a peer may
+    send anything: every name, generation and range is checked)."""
+    if not isinstance(items, list) or not 0 < len(items) <= _MAX_REGIONS:
+        return [], f"a request names 1..{_MAX_REGIONS} regions"
+    out = []
+    for item in items:
+        name = item.get("name") if isinstance(item, dict) else None
+        entry = table.get(name) if isinstance(name, str) else None
+        if entry is None:
+            return [], f"{name!r} is not exposed (revoked or never exposed)"
+        if item.get("generation") != entry.handle.generation:
+            return [], f"{name!r} was exposed again since it was looked up; look it up anew"
+        if writing and not entry.handle.writable:
+            return [], f"{name!r} is exposed read-only"
+        offset, shape, arr = item.get("offset"), item.get("shape"), entry.array
+        if (
+            type(offset) is not int
+            or not isinstance(shape, list)
+            or not all(type(n) is int and n >= 0 for n in shape)
+            or len(shape) > 64
+        ):
+            return [], f"malformed region of {name!r}: offset {offset!r}, shape {shape!r}"
+        count = math.prod(shape)
+        if offset < 0 or offset % arr.itemsize or offset + count * arr.itemsize > arr.nbytes:
+            return [], (
+                f"bytes {offset}..{offset + count * arr.itemsize} of shape {shape} are not within "
+                f"{name!r} ({arr.nbytes} bytes of {arr.dtype})"
+            )
+        if offset == 0 and tuple(shape) == arr.shape:
+            out.append(arr)
+        else:
+            start = offset // arr.itemsize
+            out.append(arr.reshape(-1)[start : start + count].reshape(shape))
+    return out, None
 
 
 # -- the requester's side -----------------------------------------------------------------------
@@ -361,41 +434,74 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
         raise ConfigurationError(
             f"{handle.name!r} has a {handle.transport} key, but this peer uses {peer.path.transport}"
         )
+    assert state.blob is not None
+    if handle.offset < 0 or handle.offset + handle.nbytes > state.blob.length:
+        raise ShapeMismatchError(
+            f"{handle.name!r}: bytes {handle.offset}..{handle.offset + handle.nbytes} are not within "
+            f"the exposed {state.blob.length} (index the handle for rows: handle[a:b])"
+        )
     return state
 
 
-async def _move(peer: Peer, state: _Direct, op: str, arr: np.ndarray) -> None:
+async def _move(peer: Peer, op: str, moves: list[tuple[_Direct, np.ndarray, int]]) -> None:
+    """Get into (``op="get"``) or put from each array, at its handle's registered address plus
+    the offset, one-sided; returns once all of them are in place. The transport posts a batch
+    at once and waits for it as a whole where it can (``rma_many``)."""
     channel: Any = peer.channel  # a OneSidedChannel: _direct_state checked
-    assert state.blob is not None
-    if state.rkey is None:
-        state.rkey = channel.remote_key(state.blob.key)
-    state.inflight += 1
+    items = []
+    for state, arr, offset in moves:
+        assert state.blob is not None
+        if state.rkey is None:
+            state.rkey = channel.remote_key(state.blob.key)
+        items.append((arr.__array_interface__["data"][0], arr.nbytes, state.blob.address + offset, state.rkey, arr))
+    for state, _, _ in moves:
+        state.inflight += 1
     try:
-        rma = getattr(channel, "rma", None)
-        if rma is not None:  # the transport's fast path: raw pointer, no buffer re-wrapping
-            await rma(op, arr.__array_interface__["data"][0], arr.nbytes, state.blob.address, state.rkey, arr)
-        elif op == "get":
-            await channel.get(state.blob.address, state.rkey, arr)
-        else:
-            await channel.put(arr, state.blob.address, state.rkey)
+        if len(items) == 1 and hasattr(channel, "rma"):  # one: the fast path, no batch bookkeeping
+            await channel.rma(op, *items[0])
+        elif hasattr(channel, "rma_many"):
+            await channel.rma_many(op, items)
+        else:  # the protocol's portable calls, one at a time
+            for _, _, address, rkey, arr in items:
+                await (channel.get(address, rkey, arr) if op == "get" else channel.put(arr, address, rkey))
     finally:
-        state.inflight -= 1
-        if not state.inflight and state.idle is not None:
-            state.idle.set()
+        for state, _, _ in moves:
+            state.inflight -= 1
+            if not state.inflight and state.idle is not None:
+                state.idle.set()
 
 
-def _direct_receipt(peer: Peer, nbytes: int, t0: float, packed: bool) -> Receipt:
+def _receipt(peer: Peer, protocol: str, nbytes: int, t0: float, packed: bool, moved: Receipt | None) -> Receipt:
+    """A one-sided operation's receipt; ``moved``: the channel's own, for an owner-assisted one."""
     ch = peer.channel
+    if moved is not None:
+        return replace(
+            moved, protocol=protocol, nbytes=nbytes, packed=packed or moved.packed, seconds=time.perf_counter() - t0
+        )
     return Receipt(
         transport=ch.transport,
         lanes=ch.lanes,
         nbytes=nbytes,
         seconds=time.perf_counter() - t0,
-        protocol="one-sided",
+        protocol=protocol,
         direct=not packed,
         staged=False,
         packed=packed,
     )
+
+
+def _protocol(peer: Peer, direct: list[Any], assisted: list[int]) -> str:
+    """What a receipt says: the owner took part in any of it, or in none."""
+    if assisted:
+        return "owner-assisted"
+    if direct:
+        return "one-sided"
+    return "one-sided" if isinstance(peer.channel, OneSidedChannel) else "owner-assisted"  # an empty batch
+
+
+def _naming(handle: RemoteHandle) -> dict[str, Any]:
+    """What an owner-assisted request says of the bytes it is about."""
+    return {"name": handle.name, "generation": handle.generation, "offset": handle.offset, "shape": list(handle.shape)}
 
 
 def _tags() -> tuple[int, int]:
@@ -423,58 +529,142 @@ def _drain_later(peer: Peer, tag: int) -> None:
     peer._spawn(drain())
 
 
+def _split(peer: Peer, handles: list[RemoteHandle]) -> tuple[list[tuple[int, _Direct]], list[int]]:
+    """Which handles go one-sided (index, state) and which through the owner (index); all are
+    checked before anything moves."""
+    direct, assisted = [], []
+    for i, h in enumerate(handles):
+        state = _direct_state(peer, h)
+        if state is None:
+            assisted.append(i)
+        else:
+            direct.append((i, state))
+    return direct, assisted
+
+
 async def read(
     peer: Peer, handle: RemoteHandle, out: Any = None, *, want_receipt: bool = True
 ) -> tuple[Any, Receipt | None]:
-    """Read the whole tensor into ``out``; the receipt (None unless ``want_receipt``) says how."""
-    t0 = time.perf_counter()
-    if out is None:
-        out = np.empty(handle.shape, dtype_from_name(handle.dtype))
-    target = out if type(out) is np.ndarray else as_view(out).array
-    _check_against(handle, target, "out=")
-    state = _direct_state(peer, handle)
-    if state is not None:
-        if not target.flags.writeable:
-            raise ShapeMismatchError("out= buffer is read-only")
-        packed = not target.flags.c_contiguous
-        dest = np.empty(target.shape, target.dtype) if packed else target
-        await _move(peer, state, "get", dest)
-        if packed:
-            target[...] = dest
-        return out, _direct_receipt(peer, dest.nbytes, t0, packed) if want_receipt else None
-    reply, _ = _tags()
-    await peer.send({"op": "read", "name": handle.name, "generation": handle.generation, "reply": reply}, tag=_OPS_TAG)
-    try:
-        try:
-            _, receipt = await peer.recv_with_receipt(tag=reply, out=out)
-        except ShapeMismatchError:
-            answer = await peer.recv(tag=reply)  # not the tensor: the owner's error
-            if isinstance(answer, dict) and answer.get("error"):
-                raise HandleNotFound(f"read of {handle.name!r}: {answer['error']}") from None
-            raise TransferError(f"read of {handle.name!r}: unexpected answer from the owner") from None
-    except asyncio.CancelledError:
-        _drain_later(peer, reply)
-        raise
-    return out, replace(receipt, protocol="owner-assisted", seconds=time.perf_counter() - t0)
+    """One handle. A one-sided read into a plain buffer skips the batch's bookkeeping (a
+    quarter of what a small read costs); everything else is a batch of one."""
+    if handle.direct and (out is None or (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable)):
+        t0 = time.perf_counter()
+        if out is None:
+            out = np.empty(handle.shape, dtype_from_name(handle.dtype))
+        _check_against(handle, out, "out=")
+        state = _direct_state(peer, handle)
+        if state is not None:
+            await _move(peer, "get", [(state, out, handle.offset)])
+            return out, _receipt(peer, "one-sided", out.nbytes, t0, False, None) if want_receipt else None
+    results, receipt = await read_many(peer, [handle], [out], want_receipt=want_receipt)
+    return results[0], receipt
 
 
 async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
+    """One handle; as ``read``, a one-sided write from a plain array takes the short way."""
+    if handle.direct and handle.writable and type(src) is np.ndarray and src.flags.c_contiguous:
+        t0 = time.perf_counter()
+        _check_against(handle, src, "the source")
+        state = _direct_state(peer, handle)
+        if state is not None:
+            await _move(peer, "put", [(state, src, handle.offset)])
+            return _receipt(peer, "one-sided", src.nbytes, t0, False, None)
+    return await write_many(peer, [handle], [src])
+
+
+async def read_many(
+    peer: Peer, handles: list[RemoteHandle], outs: list[Any] | None, *, want_receipt: bool = True
+) -> tuple[list[Any], Receipt | None]:
+    """Read each handle's tensor (or rows) into its ``out`` (allocated where None), as one
+    batch; the receipt (None unless ``want_receipt``) says how, with the bytes of all."""
     t0 = time.perf_counter()
-    arr = src if type(src) is np.ndarray else as_view(src).array
-    _check_against(handle, arr, "the source")
-    state = _direct_state(peer, handle)
-    if state is not None:
-        if not handle.writable:
-            raise HandleNotFound(f"write of {handle.name!r}: {handle.name!r} is exposed read-only")
-        packed = not arr.flags.c_contiguous
-        data_arr = np.ascontiguousarray(arr)
-        await _move(peer, state, "put", data_arr)
-        return _direct_receipt(peer, data_arr.nbytes, t0, packed)
-    reply, data = _tags()
-    req = {"op": "write", "name": handle.name, "generation": handle.generation, "reply": reply, "data": data}
-    await peer.send(req, tag=_OPS_TAG)
+    if outs is None:
+        outs = [None] * len(handles)
+    elif len(outs) != len(handles):
+        raise ConfigurationError(f"{len(handles)} handles but {len(outs)} out= buffers")
+    results, targets, dests = [], [], []
+    for h, out in zip(handles, outs, strict=True):
+        if out is None:
+            out = np.empty(h.shape, dtype_from_name(h.dtype))
+        target = out if type(out) is np.ndarray else as_view(out).array
+        _check_against(h, target, "out=")
+        if not target.flags.writeable:
+            raise ShapeMismatchError("out= buffer is read-only")
+        results.append(out)
+        targets.append(target)
+        # the bytes land contiguously; a strided out= gets them from a buffer of ours once all came
+        dests.append(target if target.flags.c_contiguous else np.empty(target.shape, target.dtype))
+    direct, assisted = _split(peer, handles)
+    moved = None
+    if direct:
+        await _move(peer, "get", [(state, dests[i], handles[i].offset) for i, state in direct])
+    for k in range(0, len(assisted), _MAX_REGIONS):
+        part = assisted[k : k + _MAX_REGIONS]
+        moved = await _assisted_read(peer, [handles[i] for i in part], [dests[i] for i in part])
+    packed = False
+    for target, dest in zip(targets, dests, strict=True):
+        if dest is not target:
+            target[...] = dest
+            packed = True
+    if not want_receipt:
+        return results, None
+    return results, _receipt(peer, _protocol(peer, direct, assisted), sum(d.nbytes for d in dests), t0, packed, moved)
+
+
+async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[np.ndarray]) -> Receipt:
+    reply, _ = _tags()
+    await peer.send({"op": "read", "regions": [_naming(h) for h in handles], "reply": reply}, tag=_OPS_TAG)
     try:
-        receipt = await peer.send(src, tag=data)
+        try:
+            _, receipt = await peer.recv_with_receipt(tag=reply, out=dests)
+        except ShapeMismatchError:
+            answer = await peer.recv(tag=reply)  # not the tensors: the owner's error
+            if isinstance(answer, dict) and answer.get("error"):
+                raise HandleNotFound(f"read of {_names(handles)}: {answer['error']}") from None
+            raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
+    except asyncio.CancelledError:
+        _drain_later(peer, reply)
+        raise
+    return receipt
+
+
+def _names(handles: list[RemoteHandle]) -> str:
+    names = sorted({h.name for h in handles})
+    return repr(names[0]) if len(names) == 1 else f"{len(names)} tensors ({names[0]!r}, ...)"
+
+
+async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -> Receipt:
+    """Write each source into its handle's tensor (or rows), as one batch; returns once all
+    the bytes are in the owner's memory."""
+    t0 = time.perf_counter()
+    if len(srcs) != len(handles):
+        raise ConfigurationError(f"{len(handles)} handles but {len(srcs)} sources")
+    arrays = []
+    for h, src in zip(handles, srcs, strict=True):
+        arr = src if type(src) is np.ndarray else as_view(src).array
+        _check_against(h, arr, "the source")
+        arrays.append(arr)
+    direct, assisted = _split(peer, handles)
+    for i, _ in direct:
+        if not handles[i].writable:
+            raise HandleNotFound(f"write of {handles[i].name!r}: {handles[i].name!r} is exposed read-only")
+    packed = any(not a.flags.c_contiguous for a in arrays)
+    moved = None
+    if direct:
+        await _move(peer, "put", [(state, np.ascontiguousarray(arrays[i]), handles[i].offset) for i, state in direct])
+    for k in range(0, len(assisted), _MAX_REGIONS):
+        part = assisted[k : k + _MAX_REGIONS]
+        moved = await _assisted_write(peer, [handles[i] for i in part], [srcs[i] for i in part])
+    return _receipt(peer, _protocol(peer, direct, assisted), sum(a.nbytes for a in arrays), t0, packed, moved)
+
+
+async def _assisted_write(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -> Receipt:
+    reply, data = _tags()
+    await peer.send(
+        {"op": "write", "regions": [_naming(h) for h in handles], "reply": reply, "data": data}, tag=_OPS_TAG
+    )
+    try:
+        receipt = await peer.send(srcs, tag=data)
     except asyncio.CancelledError:
         peer._spawn(_cancel_write(peer, data, reply))
         raise
@@ -485,8 +675,8 @@ async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
         raise
     if not isinstance(answer, dict) or answer.get("error"):
         error = answer.get("error") if isinstance(answer, dict) else "unexpected answer"
-        raise HandleNotFound(f"write of {handle.name!r}: {error}")
-    return replace(receipt, protocol="owner-assisted", seconds=time.perf_counter() - t0)
+        raise HandleNotFound(f"write of {_names(handles)}: {error}")
+    return receipt
 
 
 async def _cancel_write(peer: Peer, data: int, reply: int) -> None:

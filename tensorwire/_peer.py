@@ -6,7 +6,7 @@ import asyncio
 import functools
 import hashlib
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _onesided
@@ -193,8 +193,9 @@ class Peer:
         return handle
 
     async def read(self, handle: RemoteHandle, *, out: Any = None) -> Any:
-        """Read the whole of a peer's exposed tensor into ``out`` (allocated if None; same dtype
-        and shape as the handle, else ShapeMismatchError). HandleNotFound once revoked."""
+        """Read a peer's exposed tensor, or the rows a handle names (``handle[4:8]``), into
+        ``out`` (allocated if None; same dtype and shape as the handle, else
+        ShapeMismatchError). HandleNotFound once revoked."""
         value, _ = await _onesided.read(self, handle, out, want_receipt=False)
         return value
 
@@ -205,10 +206,34 @@ class Peer:
         return value, receipt
 
     async def write(self, handle: RemoteHandle, src: Any) -> Receipt:
-        """Overwrite the whole of a peer's exposed tensor with ``src`` (same dtype and shape).
+        """Overwrite a peer's exposed tensor, or the rows a handle names, with ``src`` (same
+        dtype and shape as the handle).
         Returns once the bytes are in the owner's memory. A cancelled write may leave the target
         partly written."""
         return await _onesided.write(self, handle, src)
+
+    async def read_many(self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None) -> list[Any]:
+        """Read many handles of this peer (rows of one tensor, or of several) as one batch:
+        each into its ``outs`` entry (allocated where None). One-sided, the gets are posted at
+        once and waited for together; through the owner, one request answers up to 256 of them.
+        Everything is checked before anything moves. Returns the tensors in order."""
+        values, _ = await _onesided.read_many(
+            self, list(handles), None if outs is None else list(outs), want_receipt=False
+        )
+        return values
+
+    async def read_many_with_receipt(
+        self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None
+    ) -> tuple[list[Any], Receipt]:
+        """Like ``read_many``; the receipt counts the bytes of all of them."""
+        values, receipt = await _onesided.read_many(self, list(handles), None if outs is None else list(outs))
+        assert receipt is not None
+        return values, receipt
+
+    async def write_many(self, handles: Sequence[RemoteHandle], srcs: Sequence[Any]) -> Receipt:
+        """Write ``srcs[i]`` into ``handles[i]`` for all of them as one batch (puts then one
+        flush, one-sided); returns once every byte is in the owner's memory."""
+        return await _onesided.write_many(self, list(handles), list(srcs))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tensorwire
+from tensorwire._onesided import _OPS_TAG, _tags
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
 from tensorwire.testing import connected_pair
 
@@ -93,6 +94,53 @@ async def test_bad_input_gets_clear_errors() -> None:
         with pytest.raises(tensorwire.HandleNotFound, match="read-only"):
             await b.write(h, np.zeros(4, np.int64))
         assert np.array_equal(ro, np.arange(4))
+
+
+async def test_row_requests_the_handle_could_not_make_get_an_error_answer() -> None:
+    """The owner checks every region a request names (a peer may send anything): outside the
+    tensor, misaligned, malformed -> an error answer naming it, nothing read or written."""
+    async with connected_pair("tcp") as (a, b):
+        kv = np.arange(40, dtype=np.int32).reshape(10, 4)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        bad = [(4, [10, 4]), (2, [1, 4]), (-16, [1, 4]), (160, [1]), ("0", [1, 4]), (0, [1, -4]),
+               (0, "4"), (0, [1.0, 4]), (None, None), (0, [1] * 65)]  # fmt: skip
+        for op in ("read", "write"):
+            for offset, shape in bad:
+                reply, data = _tags()
+                good = {"name": "kv", "generation": h.generation, "offset": 0, "shape": [1, 4]}
+                region = {"name": "kv", "generation": h.generation, "offset": offset, "shape": shape}
+                await b.send({"op": op, "regions": [good, region], "reply": reply, "data": data}, tag=_OPS_TAG)
+                if op == "write":
+                    await b.send(np.full(4, -1, np.int32), tag=data)
+                answer = await asyncio.wait_for(b.recv(tag=reply), 5)
+                assert isinstance(answer, dict) and answer["error"], (op, offset, shape, answer)
+                assert "not within" in answer["error"] or "malformed" in answer["error"], answer
+        good = {"name": "kv", "generation": h.generation, "offset": 0, "shape": [1, 4]}
+        for regions in ("x", [], [good] * 257, [5], [{**good, "name": 5}], [{**good, "generation": 0}]):
+            reply, _ = _tags()
+            await b.send({"op": "read", "regions": regions, "reply": reply}, tag=_OPS_TAG)
+            answer = await asyncio.wait_for(b.recv(tag=reply), 5)
+            assert isinstance(answer, dict) and answer["error"], (regions, answer)
+        assert np.array_equal(kv, np.arange(40).reshape(10, 4)), "a refused write reached the tensor"
+        assert np.array_equal(await b.read(h[9]), kv[9])  # the service still answers
+        await asyncio.sleep(0.05)
+        assert list(b.channel.mailbox._arrived) == [] and list(a.channel.mailbox._arrived) == []
+
+
+async def test_read_only_and_strided_out_buffers() -> None:
+    async with connected_pair("tcp") as (a, b):
+        kv = np.arange(24, dtype=np.int64).reshape(4, 6)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        ro = np.empty((4, 6), np.int64)
+        ro.flags.writeable = False
+        with pytest.raises(tensorwire.ShapeMismatchError, match="read-only"):
+            await b.read(h, out=ro)
+        strided = np.zeros((6, 4), np.int64).T
+        got, receipt = await b.read_with_receipt(h, out=strided)
+        assert got is strided and np.array_equal(strided, kv) and receipt.packed
+        assert np.array_equal(await b.read(h), kv)  # nothing of the refused read lingers
 
 
 async def test_cancelled_read_never_writes_out_after_cancel() -> None:

@@ -14,6 +14,7 @@ from .._peer import Peer
 from ..errors import (
     ClosedResourceError,
     ConfigurationError,
+    HandleNotFound,
     PeerDisconnected,
     ShapeMismatchError,
     TensorWireError,
@@ -620,3 +621,151 @@ async def check_delivered_before_close_is_kept(a: Peer, b: Peer) -> None:
         pass
     else:
         raise AssertionError("recv after the buffered messages did not report the disconnect")
+
+
+@_check()
+async def check_one_sided_rows(a: Peer, b: Peer) -> None:
+    """Reads and writes of rows of an exposed tensor (``handle[i]``, ``handle[a:b]``) move just
+    those rows, one-sided where the transport can, and leave the others alone."""
+    kv = np.arange(64 * 32 * 8, dtype=np.int32).reshape(64, 32, 8)
+    before = kv.copy()
+    a.node.expose(kv, name="kv")
+    h = await b.lookup("kv")
+    assert h.offset == 0 and h[:].nbytes == kv.nbytes and h[:] == h
+    protocol = "one-sided" if h.direct else "owner-assisted"
+    # reads: rows, a negative index, a slice of a slice, an empty slice; allocated and into out=
+    for index in (3, -1, slice(5, 9), slice(-4, None), slice(60, 70), slice(10, 10)):
+        sub = h[index]
+        want = kv[index]
+        assert (sub.shape, sub.nbytes) == (want.shape, want.nbytes), (index, sub)
+        got, receipt = await b.read_with_receipt(sub)
+        assert np.array_equal(got, want), index
+        assert receipt.protocol == protocol and receipt.nbytes == want.nbytes, receipt
+    assert np.array_equal(await b.read(h[5:20][2:4][1]), kv[8])
+    out = np.full((4, 32, 8), -1, np.int32)
+    assert await b.read(h[17:21], out=out) is out and np.array_equal(out, kv[17:21])
+    strided = np.full((32, 4, 8), -1, np.int32).transpose(1, 0, 2)  # a non-contiguous out=
+    await b.read(h[40:44], out=strided)
+    assert np.array_equal(strided, kv[40:44])
+    # writes land in just those rows
+    receipt = await b.write(h[10:12], np.full((2, 32, 8), 7, np.int32))
+    assert receipt.protocol == protocol and receipt.nbytes == 2 * 32 * 8 * 4, receipt
+    await b.write(h[-1], np.full((32, 8), 9, np.int32))
+    await b.write(h[30:30], np.empty((0, 32, 8), np.int32))
+    before[10:12], before[-1] = 7, 9
+    assert np.array_equal(kv, before), "a row write reached rows outside its slice"
+    if h.direct:
+        assert a.node.exposures.served == 0, "the owner's code took part in a one-sided row access"
+    # what cannot be a contiguous range of rows, and buffers of the wrong shape
+    for bad in (slice(None, None, 2), slice(None, None, 0), slice("a", None), 64, -65, "x", (1, 2), True, 1.0):
+        try:
+            h[bad]  # type: ignore[index]
+        except ShapeMismatchError:
+            pass
+        else:
+            raise AssertionError(f"handle[{bad!r}] was accepted")
+    for call in (b.read(h[3], out=np.empty((1, 32, 8), np.int32)), b.write(h[2:4], np.zeros((3, 32, 8), np.int32))):
+        try:
+            await call
+        except ShapeMismatchError:
+            pass
+        else:
+            raise AssertionError("a buffer of the wrong shape was accepted")
+    a.node.expose(np.float64(2.5), name="scalar")
+    scalar = await b.lookup("scalar")
+    try:
+        scalar[0]
+    except ShapeMismatchError:
+        pass
+    else:
+        raise AssertionError("a 0-d handle was indexed")
+    # rows of a revoked handle fail like the handle
+    await a.node.unexpose("kv")
+    try:
+        await b.read(h[3])
+    except HandleNotFound:
+        pass
+    else:
+        raise AssertionError("a row of a revoked handle was read")
+
+
+@_check()
+async def check_one_sided_batches(a: Peer, b: Peer) -> None:
+    """``read_many`` / ``write_many``: many handles (rows of one tensor, other tensors) as one
+    batch, in order, checked as a whole before anything moves."""
+    kv = np.arange(512 * 64, dtype=np.int32).reshape(512, 64)
+    w = np.linspace(0, 1, 10)
+    a.node.expose(kv, name="kv")
+    a.node.expose(w, name="w")
+    h, hw = await b.lookup("kv"), await b.lookup("w")
+    protocol = "one-sided" if h.direct else "owner-assisted"
+    strided = np.full((64, 2), -1, np.int32).T
+    handles = [h[3], h[10:12], hw, h[-1], h[5:5], hw[7]]
+    outs = [None, strided, None, np.empty(64, np.int32), None, None]
+    got, receipt = await b.read_many_with_receipt(handles, outs=outs)
+    wants = [kv[3], kv[10:12], w, kv[-1], kv[5:5], w[7]]
+    assert len(got) == len(wants) and got[1] is strided and got[3] is outs[3]
+    for g, want in zip(got, wants, strict=True):
+        assert np.array_equal(g, want), (g, want)
+    assert receipt.protocol == protocol and receipt.packed, receipt
+    assert receipt.nbytes == sum(x.nbytes for x in wants), receipt
+    # more rows than one owner-assisted request carries, in a random order
+    rows = np.random.default_rng(0).permutation(512)[:300]
+    got = await b.read_many([h[int(r)] for r in rows])
+    assert np.array_equal(np.stack(got), kv[rows])
+    # writes land where their handles say, and nowhere else
+    before, w_before = kv.copy(), w.copy()
+    receipt = await b.write_many(
+        [h[0], h[20:22], hw[2:4]], [np.full(64, 5, np.int32), np.full((2, 64), 6, np.int32), np.array([9.0, 9.5])]
+    )
+    assert receipt.protocol == protocol and receipt.nbytes == (64 + 128) * 4 + 16, receipt
+    before[0], before[20:22], w_before[2:4] = 5, 6, (9.0, 9.5)
+    assert np.array_equal(kv, before) and np.array_equal(w, w_before), "a batched write landed wrong"
+    await b.write_many([h[rows[i]] for i in range(300)], [np.full(64, i, np.int32) for i in range(300)])
+    before[rows] = np.arange(300)[:, None]
+    assert np.array_equal(kv, before)
+    assert await b.read_many([]) == []
+    if h.direct:
+        assert a.node.exposures.served == 0, "the owner's code took part in a one-sided batch"
+    # one bad entry fails the batch before anything moves
+    for call in (
+        b.write_many([h[1], hw], [np.zeros(64, np.int32), np.zeros(3)]),
+        b.read_many([h[1], h[2]], outs=[None]),
+        b.write_many([h[1]], []),
+    ):
+        try:
+            await call
+        except (ShapeMismatchError, ConfigurationError):
+            pass
+        else:
+            raise AssertionError("a batch with a bad entry was accepted")
+    assert np.array_equal(kv, before) and np.array_equal(w, w_before), "a refused batch moved bytes"
+    await a.node.unexpose("w")
+    for call in (b.read_many([h[1], hw]), b.write_many([h[1], hw], [np.zeros(64, np.int32), np.zeros(10)])):
+        try:
+            await call
+        except HandleNotFound:
+            pass
+        else:
+            raise AssertionError("a batch with a revoked handle was accepted")
+    if h.direct:  # checked before anything moved; the owner checks the whole request likewise
+        assert np.array_equal(kv, before)
+
+
+@_check()
+async def check_cancelled_batch_read_never_writes_after(a: Peer, b: Peer) -> None:
+    """A cancelled ``read_many`` writes into none of its buffers once the cancel returned."""
+    pool = np.full(64 * MiB, 3, np.uint8)
+    a.node.expose(pool, name="pool")
+    h = await b.lookup("pool")
+    blocks = [h[i * 2 * MiB : (i + 1) * 2 * MiB] for i in range(32)]
+    for spins in (0, 1, 3, 10, 30, 100, 300):
+        outs = [np.zeros(2 * MiB, np.uint8) for _ in blocks]
+        task = asyncio.ensure_future(b.read_many(blocks, outs=outs))
+        cancelled = await _cancel_after(spins, task)
+        if cancelled:
+            snapshot = [o.copy() for o in outs]
+            await asyncio.sleep(0.2)
+            assert all(np.array_equal(o, s) for o, s in zip(outs, snapshot, strict=True)), "written after the cancel"
+    got = await b.read_many(blocks[:2])
+    assert all(np.array_equal(g, pool[: 2 * MiB]) for g in got)  # the channel is still fine

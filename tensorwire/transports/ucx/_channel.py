@@ -767,30 +767,79 @@ class UcxChannel(Channel):
             req = ucp.put(self.endpoint_handle, ptr, n, remote_addr, rkey.handle)
             # local completion only says the source may be reused: flush for remote completion
             if req is not None and not w.finish_inline(ucp, req):
-                await self._raw_wait(req, keep)
+                await self._raw_wait((req, keep))
             req = ucp.flush(self.endpoint_handle)
         else:
             req = ucp.get(self.endpoint_handle, ptr, n, remote_addr, rkey.handle)
         if req is not None and not w.finish_inline(ucp, req):
-            await self._raw_wait(req, keep)
+            await self._raw_wait((req, keep))
         elif w.inline_streak >= _INLINE_STREAK:
             await asyncio.sleep(0)  # all of it finished inline for a while: let the loop run
 
-    async def _raw_wait(self, req: int, keep: object) -> None:
-        fut = self._w.watch_raw(self._require_ucp(), req, keep)
-        self._futs.add(fut)
+    async def rma_many(self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]) -> None:
+        """``rma`` for a batch of ``(ptr, n, remote_addr, rkey, keep)``: every operation posted at
+        once, then progressed together (and, for puts, one flush); returns once all completed.
+        UCX cannot take back what it was given, so a failure or a cancellation still waits for
+        everything posted before it is raised."""
+        self.check_open()
+        ucp = self._require_ucp()
+        w, ep = self._w, self.endpoint_handle
+        post = ucp.put if op == "put" else ucp.get
+        posted: list[tuple[int, object]] = []
+        error: BaseException | None = None
+        for ptr, n, remote_addr, rkey, keep in items:
+            if n == 0:
+                continue
+            if rkey.handle is None:
+                error = ClosedResourceError("remote key is closed")
+                break
+            try:
+                req = post(ep, ptr, n, remote_addr, rkey.handle)
+            except TensorWireError as exc:
+                error = exc
+                break
+            if req is not None:
+                posted.append((req, keep))
+        waiting = []
+        for req, keep in posted:
+            try:
+                if not w.finish_inline(ucp, req):
+                    waiting.append((req, keep))
+            except TensorWireError as exc:
+                error = error or exc
+        if waiting:
+            await self._raw_wait(*waiting)
+        if error is not None:
+            raise error
+        if op == "put":
+            req = ucp.flush(ep)
+            if req is not None and not w.finish_inline(ucp, req):
+                await self._raw_wait((req, None))
+        if w.inline_streak >= _INLINE_STREAK:
+            await asyncio.sleep(0)
+
+    async def _raw_wait(self, *requests: tuple[int, object]) -> None:
+        """Wait for raw requests (with the memory each keeps) until every one completed; the
+        first failure is raised then. A cancellation waits too (UCX cannot take back a put or
+        get), and is raised after, unless the channel is closing."""
+        ucp = self._require_ucp()
+        futs = [self._w.watch_raw(ucp, req, keep) for req, keep in requests]
+        self._futs.update(futs)
         cancelled = False
         try:
-            while not fut.done():  # UCX cannot take back a put or get: let it finish
+            pending = set(futs)
+            while pending:
                 try:
-                    await asyncio.shield(fut)
+                    _, pending = await asyncio.wait(pending)
                 except asyncio.CancelledError:
                     cancelled = True
                     if self.state is not ChannelState.OPEN:
                         raise
-            fut.result()
+                    pending = {f for f in pending if not f.done()}
+            for fut in futs:
+                fut.result()
         finally:
-            self._futs.discard(fut)
+            self._futs.difference_update(futs)
         if cancelled:
             raise asyncio.CancelledError
 

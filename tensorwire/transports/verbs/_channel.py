@@ -733,17 +733,27 @@ class VerbsChannel(Channel):
         """Read (``op="get"``) ``n`` bytes at ``remote_addr`` into ``ptr``, or write them from ``ptr``
         (``op="put"``); returns once they are in place (an RC completion follows the peer's ack).
         ``keep`` is the numpy array over ``ptr`` (registered through the cache)."""
+        await self.rma_many(op, [(ptr, n, remote_addr, rkey, keep)])
+
+    async def rma_many(self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]) -> None:
+        """``rma`` for a batch of ``(ptr, n, remote_addr, rkey, keep)``: every RDMA READ or WRITE
+        posted at once (the send queue's depth permitting), one future for all; returns once all
+        completed. Nothing posted can be recalled, so a cancellation waits for it too."""
         self.check_open()
-        if rkey.handle is None:
-            raise ClosedResourceError("remote key is closed")
-        if n == 0:
-            return
         read = op == "get"
-        if not isinstance(keep, np.ndarray) or keep.__array_interface__["data"][0] != ptr or keep.nbytes != n:
-            raise TransferError("verbs one-sided operations take the numpy array they move")
-        if read and not keep.flags.writeable:
-            raise TransferError("get needs a writable destination")
-        region = self._mem.acquire(keep, self._write_access if read else 0)
+        work = []
+        for ptr, n, remote_addr, rkey, keep in items:
+            if rkey.handle is None:
+                raise ClosedResourceError("remote key is closed")
+            if not isinstance(keep, np.ndarray) or keep.__array_interface__["data"][0] != ptr or keep.nbytes != n:
+                raise TransferError("verbs one-sided operations take the numpy array they move")
+            if read and not keep.flags.writeable:
+                raise TransferError("get needs a writable destination")
+            if n:
+                work.append((ptr, n, remote_addr, rkey, keep))
+        if not work:
+            return
+        regions = []
         fut: asyncio.Future[None] = self._loop.create_future()
         pending = [0]
 
@@ -757,28 +767,34 @@ class VerbsChannel(Channel):
             elif pending[0] == 0:
                 fut.set_result(None)
 
-        pos = 0
-        while pos < n:
-            k = min(self._chunk, n - pos)
-            self._rdma(read, ptr + pos, region.lkey, k, remote_addr + pos, rkey.rkey, done)
-            pending[0] += 1
-            pos += k
-        self.stats["reads" if read else "writes"] += pending[0]
-        self._pump_rdma()
-        self._futs.add(fut)
-        cancelled = False
         try:
-            while not fut.done():  # an RDMA operation cannot be recalled: let it finish
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    cancelled = True
-                    if self.state is not ChannelState.OPEN:
-                        raise
-            fut.result()
+            for *_, keep in work:  # every registration before anything is queued
+                regions.append(self._mem.acquire(keep, self._write_access if read else 0))
+            for (ptr, n, remote_addr, rkey, _), region in zip(work, regions, strict=True):
+                pos = 0
+                while pos < n:
+                    k = min(self._chunk, n - pos)
+                    self._rdma(read, ptr + pos, region.lkey, k, remote_addr + pos, rkey.rkey, done)
+                    pending[0] += 1
+                    pos += k
+            self.stats["reads" if read else "writes"] += pending[0]
+            self._pump_rdma()
+            self._futs.add(fut)
+            cancelled = False
+            try:
+                while not fut.done():  # an RDMA operation cannot be recalled: let it finish
+                    try:
+                        await asyncio.shield(fut)
+                    except asyncio.CancelledError:
+                        cancelled = True
+                        if self.state is not ChannelState.OPEN:
+                            raise
+                fut.result()
+            finally:
+                self._futs.discard(fut)
         finally:
-            self._futs.discard(fut)
-            self._mem.release(region)
+            for region in regions:
+                self._mem.release(region)
         if cancelled:
             raise asyncio.CancelledError
 

@@ -1,0 +1,187 @@
+"""Scattered row reads of an exposed tensor (KV-cache blocks) against one read of the same bytes.
+
+    python benchmarks/kv_rows.py [--transports ucx tcp] [--pool-mib 256] [--block-kib 16 64 256 1024]
+                                 [--total-mib 32] [--inflight 1 8] [--batch 16] [--repeat 3]
+
+A child process exposes a uint8 pool of --pool-mib as ``pool`` (its content from a seeded
+generator). This process connects over each transport, looks the pool up and, for each block
+size, reads --total-mib worth of blocks at random distinct places, each block into its place
+in one buffer: single reads (``peer.read(h[a:b], out=...)``) with 1 or 8 in flight, and
+batches (``peer.read_many(handles, outs=...)``) of 16 blocks and of all of them. The
+baseline, in the same run and the same process: one read of a contiguous range of the same
+total size (``h[0:total]``). Rows: GB/s and the ratio to the baseline, best of --repeat turns,
+and the median latency of one block read alone. Every read's bytes are checked once per cell.
+
+Over ucx the reads are one-sided gets at an offset; over tcp each is a request the owner's node
+answers ("owner-assisted"): the table's protocol column says which. Speed is never asserted;
+the script exits 1 only when bytes came back wrong or something crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import tensorwire
+
+MiB = 1 << 20
+SEED = 7
+
+
+def pool_bytes(nbytes: int) -> np.ndarray:
+    return np.random.default_rng(SEED).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+async def child(transport: str, nbytes: int) -> None:
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        node.expose(pool_bytes(nbytes), name="pool")
+        print(json.dumps({"address": node.address}), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent is done
+
+
+async def gather_blocks(peer: tensorwire.Peer, h: tensorwire.RemoteHandle, starts: np.ndarray, block: int,
+                        out: np.ndarray, mode: str) -> str:  # fmt: skip
+    """Read the blocks at ``starts`` into consecutive places of ``out``: ``N`` single reads in
+    flight at a time, or ``batch N``: ``read_many`` of N blocks at a time; the protocol the
+    receipts named."""
+    places = [out[j * block : (j + 1) * block] for j in range(len(starts))]
+    handles = [h[s : s + block] for s in starts.tolist()]
+    protocols: set[str] = set()
+    if mode.startswith("batch"):
+        n = int(mode.split()[1]) if mode != "batch" else len(handles)
+        for k in range(0, len(handles), n):
+            _, receipt = await peer.read_many_with_receipt(handles[k : k + n], outs=places[k : k + n])
+            protocols.add(receipt.protocol)
+        return ",".join(sorted(protocols))
+    it = iter(zip(handles, places, strict=True))
+
+    async def lane() -> None:
+        for sub, place in it:
+            _, receipt = await peer.read_with_receipt(sub, out=place)
+            protocols.add(receipt.protocol)
+
+    await asyncio.gather(*[lane() for _ in range(int(mode))])
+    return ",".join(sorted(protocols))
+
+
+async def measure(transport: str, args: argparse.Namespace) -> list[dict[str, object]]:
+    pool_n = args.pool_mib * MiB
+    total = args.total_mib * MiB
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--child", transport, str(pool_n), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdin is not None
+    rows: list[dict[str, object]] = []
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        if not line:
+            raise RuntimeError(f"the {transport} child exited before it listened")
+        address = json.loads(line)["address"]
+        expected = pool_bytes(pool_n)
+        rng = np.random.default_rng(1)
+        async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+            peer = await node.connect(address)
+            h = await peer.lookup("pool")
+            out = np.empty(total, np.uint8)
+            whole = h[0:total]
+
+            async def baseline() -> float:
+                t0 = time.perf_counter()
+                await peer.read(whole, out=out)
+                return time.perf_counter() - t0
+
+            await baseline()
+            if not np.array_equal(out, expected[:total]):
+                raise AssertionError(f"{transport}: the contiguous read came back wrong")
+            for kib in args.block_kib:
+                block = kib << 10
+                n = total // block
+                lat = []
+                for _ in range(min(200, max(20, 4 * MiB // block))):
+                    s = int(rng.integers(0, pool_n // block)) * block
+                    t0 = time.perf_counter()
+                    await peer.read(h[s : s + block], out=out[:block])
+                    lat.append(time.perf_counter() - t0)
+                for k in [str(i) for i in args.inflight] + [f"batch {b}" for b in args.batch] + ["batch"]:
+                    best = base = float("inf")
+                    protocol = ""
+                    for turn in range(args.repeat):
+                        base = min(base, await baseline())
+                        starts = rng.choice(pool_n // block, n, replace=False) * block
+                        out[:] = 0
+                        t0 = time.perf_counter()
+                        protocol = await gather_blocks(peer, h, starts, block, out, k)
+                        best = min(best, time.perf_counter() - t0)
+                        if turn == 0:
+                            want = expected.reshape(-1, block)[starts // block].reshape(-1)
+                            if not np.array_equal(out[: n * block], want):
+                                raise AssertionError(f"{transport}: blocks of {kib} KiB came back wrong")
+                    rows.append({
+                        "transport": transport, "path": str(peer.path.transport), "protocol": protocol,
+                        "block_kib": kib, "blocks": n, "inflight": k,
+                        "gbps": n * block / best / 1e9, "base_gbps": total / base / 1e9,
+                        "ratio": (n * block / best) / (total / base), "lat_us": statistics.median(lat) * 1e6,
+                    })  # fmt: skip
+                    print(_line(rows[-1]), flush=True)
+    finally:
+        proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+    return rows
+
+
+HEADER = (
+    "| transport | protocol | block | blocks | reads | GB/s | contiguous GB/s | ratio | one block µs |\n"
+    "|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _line(r: dict[str, object]) -> str:
+    return (
+        f"| {r['transport']} | {r['protocol']} | {r['block_kib']} KiB | {r['blocks']} | {r['inflight']} "
+        f"| {r['gbps']:.2f} | {r['base_gbps']:.2f} | {r['ratio']:.2f}x | {r['lat_us']:.0f} |"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--transports", nargs="+", default=["ucx", "tcp"])
+    parser.add_argument("--pool-mib", type=int, default=256)
+    parser.add_argument("--total-mib", type=int, default=32, help="bytes read per cell")
+    parser.add_argument("--block-kib", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--inflight", type=int, nargs="+", default=[1, 8], help="single reads in flight")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16], help="read_many of this many blocks (and of all)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        asyncio.run(child(args.child[0], int(args.child[1])))
+        return 0
+    if args.total_mib > args.pool_mib:
+        parser.error("--total-mib is at most --pool-mib")
+    print(HEADER, flush=True)
+    rows = []
+    for transport in args.transports:
+        try:
+            rows += asyncio.run(measure(transport, args))
+        except tensorwire.TransportUnavailable as exc:
+            print(f"| {transport} | skipped: {exc} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
