@@ -14,6 +14,8 @@ operation at random, over and over:
   raises     a method that raises ValueError (RemoteError naming it); an unknown one (MethodNotFound)
   stream     a streaming method's items (known content), sometimes left early
   write-read write random bytes to the region, read them back, ask the worker for its crc too
+  rows       the same through rows and batches: the region cut at up to 40 random places, the
+             pieces (``h[a:b]``) written with ``write_many`` and read with ``read_many``, shuffled
   reexpose   the worker unexposes the region (awaiting every peer's acknowledgement) and exposes a
              new one, while 0-2 reads of the old handle race it (each returns the old content
              whole or fails with HandleNotFound); then the old handle must fail with
@@ -45,13 +47,14 @@ import collections
 import contextlib
 import ctypes
 import gc
+import operator
 import os
 import random
 import resource
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import crc32c
 import numpy as np
@@ -345,22 +348,48 @@ class Soak:
         return w.handle
 
     async def op_write_read(self, w: Worker, peer: tensorwire.Peer) -> str:
+        return await self.write_read(w, peer, rows=False)
+
+    async def op_rows(self, w: Worker, peer: tensorwire.Peer) -> str:
+        return await self.write_read(w, peer, rows=True)
+
+    async def write_read(self, w: Worker, peer: tensorwire.Peer, *, rows: bool) -> str:
+        """Write the region, read it back, compare with the owner's crc; ``rows``: the region cut
+        at up to 40 random places, the pieces written with write_many and read with read_many
+        in a random order."""
         async with w.region:
             h = await self.lookup(w, peer)
+            n = h.nbytes
+            cuts = sorted(self.rng.sample(range(1, n), min(n - 1, self.rng.randrange(41)))) if rows and n > 1 else []
+            pieces = list(zip([0, *cuts], [*cuts, n], strict=True))
+            self.rng.shuffle(pieces)
+            handles = [h[a:b] for a, b in pieces]
+
+            def write(src: np.ndarray) -> Awaitable[Any]:
+                return peer.write_many(handles, [src[a:b] for a, b in pieces]) if rows else peer.write(h, src)
+
+            async def read(out: np.ndarray) -> np.ndarray:
+                if not rows:
+                    return cast(np.ndarray, await peer.read(h, out=out))
+                outs = [out[a:b] for a, b in pieces]
+                got = await peer.read_many(handles, outs=outs)
+                self.check(all(map(operator.is_, got, outs)), "read_many(outs=) returned other objects")
+                return out
+
             outcome = "verified"
             if self.rng.random() < 0.8:  # else read what is there
                 src = self.data(h.nbytes)
-                done, _ = await self.maybe_cancelled(peer.write(h, src), self.cancel_after())
+                done, _ = await self.maybe_cancelled(write(src), self.cancel_after())
                 w.content = crc(src) if done else None
                 self.moved += h.nbytes if done else 0
                 outcome = "verified" if done else "cancelled"
             cancelled_out: np.ndarray | None = None
             out = np.empty(h.nbytes, np.uint8)
-            done, got = await self.maybe_cancelled(peer.read(h, out=out), self.cancel_after())
+            done, got = await self.maybe_cancelled(read(out), self.cancel_after())
             if not done:
                 out.fill(MARK)
                 cancelled_out, out = out, np.empty(h.nbytes, np.uint8)
-                got = await peer.read(h, out=out)
+                got = await read(out)
                 outcome = "cancelled"
             self.check(got is out, "read(out=) returned another object")
             self.moved += h.nbytes
@@ -457,7 +486,8 @@ class Soak:
             ("deadline", self.op_deadline, 1),
             ("raises", self.op_raises, 1),
             ("stream", self.op_stream, 2),
-            ("write-read", self.op_write_read, 4),
+            ("write-read", self.op_write_read, 3),
+            ("rows", self.op_rows, 2),
             ("reexpose", self.op_reexpose, 1),
         ]
         weights = [weight for _, _, weight in ops]
