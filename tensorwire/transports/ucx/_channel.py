@@ -778,7 +778,8 @@ class UcxChannel(Channel):
 
     async def rma_many(self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]) -> None:
         """``rma`` for a batch of ``(ptr, n, remote_addr, rkey, keep)``: every operation posted at
-        once, then progressed together (and, for puts, one flush); returns once all completed.
+        once, each given its few inline progress rounds, those still going waited for together
+        (and, for puts, one flush); returns once all completed.
         UCX cannot take back what it was given, so a failure or a cancellation still waits for
         everything posted before it is raised."""
         self.check_open()
