@@ -457,9 +457,7 @@ async def _move(peer: Peer, op: str, moves: list[tuple[_Direct, np.ndarray, int]
     for state, _, _ in moves:
         state.inflight += 1
     try:
-        if len(items) == 1 and hasattr(channel, "rma"):  # one: the fast path, no batch bookkeeping
-            await channel.rma(op, *items[0])
-        elif hasattr(channel, "rma_many"):
+        if hasattr(channel, "rma_many"):
             await channel.rma_many(op, items)
         else:  # the protocol's portable calls, one at a time
             for _, _, address, rkey, arr in items:

@@ -756,25 +756,7 @@ class UcxChannel(Channel):
     async def rma(self, op: str, ptr: int, n: int, remote_addr: int, rkey: RemoteKey, keep: object) -> None:
         """Get (``op="get"``) ``n`` bytes at ``remote_addr`` into ``ptr``, or put them from
         ``ptr`` and flush; ``keep`` holds the local memory until UCX is done with it."""
-        self.check_open()
-        if rkey.handle is None:
-            raise ClosedResourceError("remote key is closed")
-        if n == 0:
-            return
-        ucp = self._require_ucp()
-        w = self._w
-        if op == "put":
-            req = ucp.put(self.endpoint_handle, ptr, n, remote_addr, rkey.handle)
-            # local completion only says the source may be reused: flush for remote completion
-            if req is not None and not w.finish_inline(ucp, req):
-                await self._raw_wait((req, keep))
-            req = ucp.flush(self.endpoint_handle)
-        else:
-            req = ucp.get(self.endpoint_handle, ptr, n, remote_addr, rkey.handle)
-        if req is not None and not w.finish_inline(ucp, req):
-            await self._raw_wait((req, keep))
-        elif w.inline_streak >= _INLINE_STREAK:
-            await asyncio.sleep(0)  # all of it finished inline for a while: let the loop run
+        await self.rma_many(op, [(ptr, n, remote_addr, rkey, keep)])
 
     async def rma_many(self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]) -> None:
         """``rma`` for a batch of ``(ptr, n, remote_addr, rkey, keep)``: every operation posted at
