@@ -50,7 +50,20 @@ from .errors import (
     TensorWireError,
     TransferError,
 )
+from .memory import CopyEngine, DeviceBuffer, Event, download, wait_event
 from .tensors import as_view, dtype_from_name
+from .tensors._device import (
+    Device,
+    DeviceSource,
+    DeviceTensor,
+    Landing,
+    Streams,
+    allocate_device,
+    capture_streams,
+    check_cuda,
+    cuda_usable,
+    parse_device,
+)
 from .transports import Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
 
@@ -89,6 +102,7 @@ class Handle:
     nbytes: int
     generation: int
     writable: bool
+    memory: str = "host"  # or the device kind: "cuda" (a torch CUDA tensor, a CuPy array), ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +119,7 @@ class RemoteHandle:
     remote_key: bytes = b""  # transports._remote blob: address, length and the transport's key
     writable: bool = True
     offset: int = 0  # where this handle's bytes start in the exposed tensor (rows: ``handle[a:b]``)
+    memory: str = "host"  # where the owner's tensor lives: "host", "cuda"
 
     @property
     def direct(self) -> bool:
@@ -145,17 +160,30 @@ class RemoteHandle:
         # (not dataclasses.replace: a handle per block read, and replace costs four times this)
         return RemoteHandle(
             self.name, self.dtype, shape, nbytes, self.generation, self.owner, self.transport, self.remote_key,
-            self.writable, self.offset + start * row_bytes,
+            self.writable, self.offset + start * row_bytes, self.memory,
         )  # fmt: skip
 
 
 @dataclass(slots=True)
 class _Exposed:
     handle: Handle
-    array: np.ndarray
+    array: np.ndarray | None  # host memory
+    dev: DeviceSource | None  # device memory (CUDA), C-contiguous
     source: Any  # the caller's object, kept alive while exposed
     holds: dict[str, Hold] = field(default_factory=dict)  # one-sided transport -> registration
     given: set[str] = field(default_factory=set)  # sessions that received a remote key
+
+    def region(self, offset: int, shape: tuple[int, ...]) -> Any:
+        """The tensor's elements from byte ``offset`` on, as ``shape`` (checked by the caller):
+        what an owner-assisted read sends from or a write receives into."""
+        if self.array is None:
+            assert self.dev is not None
+            return self.source if offset == 0 and shape == self.handle.shape else self.dev.region(offset, shape)
+        arr = self.array
+        if offset == 0 and shape == arr.shape:
+            return arr
+        start = offset // arr.itemsize
+        return arr.reshape(-1)[start : start + math.prod(shape)].reshape(shape)
 
     def release(self) -> None:
         """Unregister the memory (one reference of the registration cache) and let it go."""
@@ -176,22 +204,35 @@ class ExposureTable:
         self.served = 0  # owner-assisted reads and writes this node answered
 
     def expose(self, tensor: Any, name: str, transports: Mapping[str, Transport] | None = None) -> Handle:
-        """Publish ``tensor``; register it with every one-sided transport in ``transports``."""
+        """Publish ``tensor``; register it with every one-sided transport in ``transports`` that
+        registers its kind of memory (``region_kinds``: host, and CUDA where UCX has cuda lanes)."""
         if not isinstance(name, str) or not name or len(name) > 256:
             raise ConfigurationError("a handle name is a non-empty string of at most 256 characters")
         if name in self._by_name:
             raise ConfigurationError(f"{name!r} is already exposed; unexpose it first")
         view = as_view(tensor)
-        arr = view.array
-        if not arr.flags.c_contiguous:
+        dev = view.dev
+        if dev is None:
+            arr: np.ndarray | None = view.array
+            assert arr is not None
+            contiguous, writable, address, kind = arr.flags.c_contiguous, arr.flags.writeable, arr.ctypes.data, "host"
+        else:
+            arr = None
+            contiguous, writable, address, kind = dev.contiguous, not dev.readonly, dev.ptr, dev.engine.kind
+        if not contiguous:
             raise ShapeMismatchError(f"exposed tensors must be C-contiguous ({name!r} is not)")
-        h = Handle(name, view.dtype, view.shape, view.nbytes, next(self._generation), bool(arr.flags.writeable))
-        entry = _Exposed(h, arr, tensor)
+        h = Handle(name, view.dtype, view.shape, view.nbytes, next(self._generation), bool(writable), kind)
+        entry = _Exposed(h, arr, dev, tensor)
         try:
             for tname, transport in (transports or {}).items():
-                if h.nbytes and transport.capabilities.one_sided and isinstance(transport, OneSidedTransport):
+                if (
+                    h.nbytes
+                    and transport.capabilities.one_sided
+                    and isinstance(transport, OneSidedTransport)
+                    and kind in transport.region_kinds
+                ):
                     entry.holds[tname] = transport.register_region(
-                        arr.ctypes.data, h.nbytes, writable=h.writable, owner=arr
+                        address, h.nbytes, writable=h.writable, owner=arr if dev is None else tensor
                     )
         except BaseException:
             entry.release()
@@ -308,7 +349,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
         return  # the channel went away: the requester sees that itself
 
 
-def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[np.ndarray], str | None]:
+def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[Any], str | None]:
     """The parts of exposed tensors a request names, or why it cannot have them (a peer may
     send anything: every name, generation and range is checked)."""
     if not isinstance(items, list) or not 0 < len(items) <= _MAX_REGIONS:
@@ -323,7 +364,7 @@ def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[n
             return [], f"{name!r} was exposed again since it was looked up; look it up anew"
         if writing and not entry.handle.writable:
             return [], f"{name!r} is exposed read-only"
-        offset, shape, arr = item.get("offset"), item.get("shape"), entry.array
+        offset, shape, h = item.get("offset"), item.get("shape"), entry.handle
         if (
             type(offset) is not int
             or not isinstance(shape, list)
@@ -331,17 +372,13 @@ def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[n
             or len(shape) > 64
         ):
             return [], f"malformed region of {name!r}: offset {offset!r}, shape {shape!r}"
-        count = math.prod(shape)
-        if offset < 0 or offset % arr.itemsize or offset + count * arr.itemsize > arr.nbytes:
+        itemsize = dtype_from_name(h.dtype).itemsize
+        end = offset + math.prod(shape) * itemsize
+        if offset < 0 or offset % itemsize or end > h.nbytes:
             return [], (
-                f"bytes {offset}..{offset + count * arr.itemsize} of shape {shape} are not within "
-                f"{name!r} ({arr.nbytes} bytes of {arr.dtype})"
+                f"bytes {offset}..{end} of shape {shape} are not within {name!r} ({h.nbytes} bytes of {h.dtype})"
             )
-        if offset == 0 and tuple(shape) == arr.shape:
-            out.append(arr)
-        else:
-            start = offset // arr.itemsize
-            out.append(arr.reshape(-1)[start : start + count].reshape(shape))
+        out.append(entry.region(offset, tuple(shape)))
     return out, None
 
 
@@ -443,25 +480,27 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
     return state
 
 
-async def _move(peer: Peer, op: str, moves: list[tuple[_Direct, np.ndarray, int]]) -> None:
-    """Get into (``op="get"``) or put from each array, at its handle's registered address plus
-    the offset, one-sided; returns once all of them are in place. The transport posts a batch
-    at once and waits for it as a whole where it can (``rma_many``)."""
+async def _move(peer: Peer, op: str, moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]]) -> None:
+    """Get into (``op="get"``) or put from each buffer (a host array, or device memory the
+    channel takes by pointer), at its handle's registered address plus the offset, one-sided;
+    returns once all of them are in place. The transport posts a batch at once and waits for
+    it as a whole where it can (``rma_many``)."""
     channel: Any = peer.channel  # a OneSidedChannel: _direct_state checked
     items = []
-    for state, arr, offset in moves:
+    for state, buf, offset in moves:
         assert state.blob is not None
         if state.rkey is None:
             state.rkey = channel.remote_key(state.blob.key)
-        items.append((arr.__array_interface__["data"][0], arr.nbytes, state.blob.address + offset, state.rkey, arr))
+        ptr = buf.__array_interface__["data"][0] if isinstance(buf, np.ndarray) else buf.ptr
+        items.append((ptr, buf.nbytes, state.blob.address + offset, state.rkey, buf))
     for state, _, _ in moves:
         state.inflight += 1
     try:
         if hasattr(channel, "rma_many"):
             await channel.rma_many(op, items)
-        else:  # the protocol's portable calls, one at a time
-            for _, _, address, rkey, arr in items:
-                await (channel.get(address, rkey, arr) if op == "get" else channel.put(arr, address, rkey))
+        else:  # the protocol's portable calls, one at a time (host memory)
+            for _, _, address, rkey, buf in items:
+                await (channel.get(address, rkey, buf) if op == "get" else channel.put(buf, address, rkey))
     finally:
         for state, _, _ in moves:
             state.inflight -= 1
@@ -469,12 +508,27 @@ async def _move(peer: Peer, op: str, moves: list[tuple[_Direct, np.ndarray, int]
                 state.idle.set()
 
 
-def _receipt(peer: Peer, protocol: str, nbytes: int, t0: float, packed: bool, moved: Receipt | None) -> Receipt:
+def _receipt(
+    peer: Peer,
+    protocol: str,
+    nbytes: int,
+    t0: float,
+    packed: bool,
+    moved: Receipt | None,
+    memory: str = "host",
+    staged: bool = False,
+) -> Receipt:
     """A one-sided operation's receipt; ``moved``: the channel's own, for an owner-assisted one."""
     ch = peer.channel
     if moved is not None:
         return replace(
-            moved, protocol=protocol, nbytes=nbytes, packed=packed or moved.packed, seconds=time.perf_counter() - t0
+            moved,
+            protocol=protocol,
+            nbytes=nbytes,
+            packed=packed or moved.packed,
+            staged=staged or moved.staged,
+            memory=memory if memory != "host" else moved.memory,
+            seconds=time.perf_counter() - t0,
         )
     return Receipt(
         transport=ch.transport,
@@ -482,9 +536,10 @@ def _receipt(peer: Peer, protocol: str, nbytes: int, t0: float, packed: bool, mo
         nbytes=nbytes,
         seconds=time.perf_counter() - t0,
         protocol=protocol,
-        direct=not packed,
-        staged=False,
+        direct=not packed and not staged,
+        staged=staged,
         packed=packed,
+        memory=memory,
     )
 
 
@@ -541,11 +596,14 @@ def _split(peer: Peer, handles: list[RemoteHandle]) -> tuple[list[tuple[int, _Di
 
 
 async def read(
-    peer: Peer, handle: RemoteHandle, out: Any = None, *, want_receipt: bool = True
+    peer: Peer, handle: RemoteHandle, out: Any = None, *, device: Any = None, want_receipt: bool = True
 ) -> tuple[Any, Receipt | None]:
     """One handle. A one-sided read into a plain buffer skips the batch's bookkeeping (a
     quarter of what a small read costs); everything else is a batch of one."""
-    if handle.direct and (out is None or (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable)):
+    if handle.direct and (
+        (out is None and device is None and handle.memory == "host")
+        or (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable)
+    ):
         t0 = time.perf_counter()
         if out is None:
             out = np.empty(handle.shape, dtype_from_name(handle.dtype))
@@ -554,7 +612,7 @@ async def read(
         if state is not None:
             await _move(peer, "get", [(state, out, handle.offset)])
             return out, _receipt(peer, "one-sided", out.nbytes, t0, False, None) if want_receipt else None
-    results, receipt = await read_many(peer, [handle], [out], want_receipt=want_receipt)
+    results, receipt = await read_many(peer, [handle], [out], device=device, want_receipt=want_receipt)
     return results[0], receipt
 
 
@@ -570,46 +628,188 @@ async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
     return await write_many(peer, [handle], [src])
 
 
+class _Dest:
+    """Where one handle of a read lands: a host array (``target``, with ``dest`` the C-contiguous
+    one the bytes land in), or device memory (``dev``, the caller's; or ``tensor``, allocated)."""
+
+    __slots__ = ("dest", "dev", "target", "tensor", "value")
+
+    def __init__(self, value: Any, target: np.ndarray | None, dev: DeviceSource | None = None) -> None:
+        self.value = value  # what the read returns
+        self.target = target
+        self.dest = target if target is None or target.flags.c_contiguous else np.empty(target.shape, target.dtype)
+        self.dev = dev
+        self.tensor: DeviceTensor | None = None
+
+    def host(self) -> np.ndarray:
+        """The host array the bytes land in (a host destination)."""
+        assert self.dest is not None
+        return self.dest
+
+    @property
+    def nbytes(self) -> int:
+        if self.target is not None:
+            return int(self.target.nbytes)
+        return self.tensor.nbytes if self.tensor is not None else self.dev.nbytes  # type: ignore[union-attr]
+
+
+def _where(handle: RemoteHandle, want: Device | None, streams: Streams | None) -> int | None:
+    """The CUDA device a read without out= allocates on, or None for host memory: ``device=``
+    where given, else where the owner's tensor is, if this process has CUDA."""
+    if want is None:
+        if handle.memory == "cuda" and cuda_usable():
+            return streams.device if streams is not None else check_cuda(None)
+        return None
+    return want.index if want.kind == "cuda" else None
+
+
+def _destinations(
+    handles: list[RemoteHandle], outs: list[Any], device: Any
+) -> tuple[list[_Dest], Streams | None, bool]:
+    """Each handle's destination, checked (dtype, shape, writable); allocated where ``outs``
+    has None. Also the caller's streams, taken now, and whether any destination is on a device."""
+    want = parse_device(device)
+    if want is not None:
+        if any(out is not None for out in outs):
+            raise ConfigurationError("pass out= or device=, not both: out= already says where the bytes go")
+        if want.kind == "cuda":
+            want = Device("cuda", check_cuda(want.index))
+    on_device = want is not None and want.kind == "cuda"
+    views: list[Any] = []
+    for out in outs:
+        view = None if out is None or type(out) is np.ndarray else as_view(out)
+        views.append(view)
+        on_device = on_device or (view is not None and view.dev is not None)
+    if not on_device and want is None:
+        on_device = any(h.memory == "cuda" for h in handles) and cuda_usable()
+    streams = capture_streams(want) if on_device else None
+    dests = []
+    for h, out, view in zip(handles, outs, views, strict=True):
+        if out is None:
+            where = _where(h, want, streams)
+            if where is None:
+                dests.append(_Dest(*(2 * (np.empty(h.shape, dtype_from_name(h.dtype)),))))
+                continue
+            t = allocate_device(h.dtype, h.shape, "torch", where, streams)
+            d = _Dest(t.value, None)
+            d.tensor = t
+            dests.append(d)
+            continue
+        if view is not None and view.dev is not None:
+            if view.dtype != h.dtype or view.shape != h.shape:
+                raise ShapeMismatchError(
+                    f"out= is {view.dtype}{list(view.shape)} but {h.name!r} is {h.dtype}{list(h.shape)}"
+                )
+            if view.dev.readonly:
+                raise ShapeMismatchError(f"out= {type(out).__name__} is read-only (__cuda_array_interface__)")
+            dests.append(_Dest(out, None, view.dev))
+            continue
+        target = out if view is None else view.array
+        _check_against(h, target, "out=")
+        if not target.flags.writeable:
+            raise ShapeMismatchError("out= buffer is read-only")
+        dests.append(_Dest(out, target))
+    return dests, streams, on_device
+
+
 async def read_many(
-    peer: Peer, handles: list[RemoteHandle], outs: list[Any] | None, *, want_receipt: bool = True
+    peer: Peer, handles: list[RemoteHandle], outs: list[Any] | None, *, device: Any = None, want_receipt: bool = True
 ) -> tuple[list[Any], Receipt | None]:
-    """Read each handle's tensor (or rows) into its ``out`` (allocated where None), as one
+    """Read each handle's tensor (or rows) into its ``out`` (allocated where None: on
+    ``device``, else where the owner's tensor lives if this process can hold it there), as one
     batch; the receipt (None unless ``want_receipt``) says how, with the bytes of all."""
     t0 = time.perf_counter()
     if outs is None:
         outs = [None] * len(handles)
     elif len(outs) != len(handles):
         raise ConfigurationError(f"{len(handles)} handles but {len(outs)} out= buffers")
-    results, targets, dests = [], [], []
-    for h, out in zip(handles, outs, strict=True):
-        if out is None:
-            out = np.empty(h.shape, dtype_from_name(h.dtype))
-        target = out if type(out) is np.ndarray else as_view(out).array
-        _check_against(h, target, "out=")
-        if not target.flags.writeable:
-            raise ShapeMismatchError("out= buffer is read-only")
-        results.append(out)
-        targets.append(target)
-        # the bytes land contiguously; a strided out= gets them from a buffer of ours once all came
-        dests.append(target if target.flags.c_contiguous else np.empty(target.shape, target.dtype))
+    dests, streams, on_device = _destinations(handles, outs, device)
     direct, assisted = _split(peer, handles)
     moved = None
+    memory, staged = "host", False
     if direct:
-        await _move(peer, "get", [(state, dests[i], handles[i].offset) for i, state in direct])
+        if on_device:
+            memory, staged = await _get_device(peer, handles, dests, direct, streams)
+        else:
+            await _move(peer, "get", [(state, dests[i].host(), handles[i].offset) for i, state in direct])
     for k in range(0, len(assisted), _MAX_REGIONS):
         part = assisted[k : k + _MAX_REGIONS]
-        moved = await _assisted_read(peer, [handles[i] for i in part], [dests[i] for i in part])
+        # device memory: the recv lands it (staged or by pointer) and orders the consumer's stream
+        moved = await _assisted_read(
+            peer, [handles[i] for i in part], [dests[i].value if dests[i].dest is None else dests[i].dest for i in part]
+        )
     packed = False
-    for target, dest in zip(targets, dests, strict=True):
-        if dest is not target:
-            target[...] = dest
-            packed = True
+    for d in dests:
+        if d.dest is not d.target:
+            if d.target is not None:
+                d.target[...] = d.dest
+            packed = packed or d.target is not None or (d.tensor is not None and d.tensor.unpack_to is not None)
     if not want_receipt:
-        return results, None
-    return results, _receipt(peer, _protocol(peer, direct, assisted), sum(d.nbytes for d in dests), t0, packed, moved)
+        return [d.value for d in dests], None
+    nbytes = sum(d.nbytes for d in dests)
+    if memory == "host" and on_device:
+        memory = next((_kind(d) for d in dests if d.target is None), "host")
+    receipt = _receipt(peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
+    return [d.value for d in dests], receipt
 
 
-async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[np.ndarray]) -> Receipt:
+def _kind(d: _Dest) -> str:
+    if d.tensor is not None:
+        return d.tensor.engine.kind
+    assert d.dev is not None
+    return d.dev.engine.kind
+
+
+async def _get_device(
+    peer: Peer, handles: list[RemoteHandle], dests: list[_Dest], direct: list[tuple[int, _Direct]], streams: Any
+) -> tuple[str, bool]:
+    """The one-sided gets of a batch with device destinations. Memory of a kind the channel
+    takes by pointer (ucx with cuda lanes) is posted once the consumer stream's earlier work on
+    it is done; other device memory gets the bytes through host memory and a landing. Strided
+    destinations are unpacked on a lane. Returns the memory kind and whether it was staged."""
+    kinds = peer.channel.device_kinds
+    landing = Landing()
+    waits: list[tuple[CopyEngine, Event]] = []
+    moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
+    uploads: list[tuple[DeviceTensor, np.ndarray]] = []
+    memory, staged = "host", False
+    for i, state in direct:
+        d = dests[i]
+        if d.target is not None:
+            moves.append((state, d.host(), handles[i].offset))
+            continue
+        t = d.tensor if d.tensor is not None else d.dev.target(streams)  # type: ignore[union-attr]
+        d.tensor = t
+        memory = t.engine.kind
+        if t.engine.kind in kinds:
+            if t.stream is not None:
+                waits.append((t.engine, t.engine.record_on(t.stream)))  # taken now, at the call
+            moves.append((state, t.buf, handles[i].offset))
+        else:
+            host = np.empty(t.nbytes, np.uint8)
+            uploads.append((t, host))
+            moves.append((state, host, handles[i].offset))
+            staged = True
+    for engine, event in waits:  # UCX writes outside every stream: the consumer's work first
+        await wait_event(engine, event)
+    await _move(peer, "get", moves)
+    targets = [t for t, _ in uploads] + [d.tensor for _, d in _each(direct, dests) if d.tensor is not None]
+    try:
+        for t, host in uploads:
+            await landing.upload(t, host)
+        await landing.finish([t for t in targets if t.unpack_to is not None or any(t is u for u, _ in uploads)])
+    except asyncio.CancelledError:
+        landing.finish_now(targets)  # the copies queued so far come before the consumer's work
+        raise
+    return memory, staged
+
+
+def _each(direct: list[tuple[int, _Direct]], dests: list[_Dest]) -> Generator[tuple[int, _Dest], None, None]:
+    for i, _ in direct:
+        yield i, dests[i]
+
+
+async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[Any]) -> Receipt:
     reply, _ = _tags()
     await peer.send({"op": "read", "regions": [_naming(h) for h in handles], "reply": reply}, tag=_OPS_TAG)
     try:
@@ -633,27 +833,62 @@ def _names(handles: list[RemoteHandle]) -> str:
 
 async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -> Receipt:
     """Write each source into its handle's tensor (or rows), as one batch; returns once all
-    the bytes are in the owner's memory."""
+    the bytes are in the owner's memory. Device sources are read after their producer
+    stream's work queued before this call (an event recorded now)."""
     t0 = time.perf_counter()
     if len(srcs) != len(handles):
         raise ConfigurationError(f"{len(handles)} handles but {len(srcs)} sources")
-    arrays = []
+    arrays: list[np.ndarray | DeviceSource] = []
     for h, src in zip(handles, srcs, strict=True):
-        arr = src if type(src) is np.ndarray else as_view(src).array
-        _check_against(h, arr, "the source")
+        if type(src) is np.ndarray:
+            arr: np.ndarray | DeviceSource = src
+        else:
+            view = as_view(src)
+            arr = view.array if view.dev is None else view.dev
+        if isinstance(arr, np.ndarray):
+            _check_against(h, arr, "the source")
+        elif arr.dtype != h.dtype or arr.shape != h.shape:
+            raise ShapeMismatchError(
+                f"the source is {arr.dtype}{list(arr.shape)} but {h.name!r} is {h.dtype}{list(h.shape)}"
+            )
         arrays.append(arr)
     direct, assisted = _split(peer, handles)
     for i, _ in direct:
         if not handles[i].writable:
             raise HandleNotFound(f"write of {handles[i].name!r}: {handles[i].name!r} is exposed read-only")
-    packed = any(not a.flags.c_contiguous for a in arrays)
+    packed = any(not a.flags.c_contiguous if isinstance(a, np.ndarray) else not a.contiguous for a in arrays)
     moved = None
+    memory, staged = "host", False
     if direct:
-        await _move(peer, "put", [(state, np.ascontiguousarray(arrays[i]), handles[i].offset) for i, state in direct])
+        # device sources: their bytes in C order, after an event on the producer's stream, now
+        wired: dict[int, DeviceTensor] = {}
+        for i, _ in direct:
+            a = arrays[i]
+            if isinstance(a, DeviceSource):
+                wired[i] = a.wire()[0]
+        moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
+        for i, state in direct:
+            t = wired.get(i)
+            if t is None:
+                moves.append((state, np.ascontiguousarray(arrays[i]), handles[i].offset))
+                continue
+            memory = t.engine.kind
+            if t.engine.kind in peer.channel.device_kinds:
+                if t.ready is not None:
+                    await wait_event(t.engine, t.ready)
+                moves.append((state, t.buf, handles[i].offset))
+            else:
+                host = np.empty(t.nbytes, np.uint8)
+                if t.nbytes:
+                    await download(t.buf, host.data, t.ready)
+                moves.append((state, host, handles[i].offset))
+                staged = True
+        await _move(peer, "put", moves)
     for k in range(0, len(assisted), _MAX_REGIONS):
         part = assisted[k : k + _MAX_REGIONS]
         moved = await _assisted_write(peer, [handles[i] for i in part], [srcs[i] for i in part])
-    return _receipt(peer, _protocol(peer, direct, assisted), sum(a.nbytes for a in arrays), t0, packed, moved)
+    nbytes = sum(a.nbytes for a in arrays)
+    return _receipt(peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
 
 
 async def _assisted_write(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -> Receipt:

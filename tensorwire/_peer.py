@@ -187,46 +187,55 @@ class Peer:
             resp.transport,
             resp.remote_key,
             resp.writable,
+            memory=resp.memory or "host",
         )
         if handle.direct:
             _onesided.remember(self, handle)
         return handle
 
-    async def read(self, handle: RemoteHandle, *, out: Any = None) -> Any:
+    async def read(self, handle: RemoteHandle, *, out: Any = None, device: Any = None) -> Any:
         """Read a peer's exposed tensor, or the rows a handle names (``handle[4:8]``), into
-        ``out`` (allocated if None; same dtype and shape as the handle, else
-        ShapeMismatchError). HandleNotFound once revoked."""
-        value, _ = await _onesided.read(self, handle, out, want_receipt=False)
+        ``out``: a host or CUDA tensor of the handle's dtype and shape (else ShapeMismatchError),
+        ready for use on the stream current at the call. Without ``out`` it is allocated on
+        ``device`` ("cpu", "cuda:N", as recv), by default where the owner's tensor lives
+        (``handle.memory``) if this process can hold it there. HandleNotFound once revoked."""
+        value, _ = await _onesided.read(self, handle, out, device=device, want_receipt=False)
         return value
 
-    async def read_with_receipt(self, handle: RemoteHandle, *, out: Any = None) -> tuple[Any, Receipt]:
+    async def read_with_receipt(
+        self, handle: RemoteHandle, *, out: Any = None, device: Any = None
+    ) -> tuple[Any, Receipt]:
         """Like ``read``, and also say how the bytes came ("one-sided" or "owner-assisted")."""
-        value, receipt = await _onesided.read(self, handle, out)
+        value, receipt = await _onesided.read(self, handle, out, device=device)
         assert receipt is not None
         return value, receipt
 
     async def write(self, handle: RemoteHandle, src: Any) -> Receipt:
-        """Overwrite a peer's exposed tensor, or the rows a handle names, with ``src`` (same
-        dtype and shape as the handle).
-        Returns once the bytes are in the owner's memory. A cancelled write may leave the target
-        partly written."""
+        """Overwrite a peer's exposed tensor, or the rows a handle names, with ``src`` (a host or
+        CUDA tensor of the handle's dtype and shape; a CUDA one is read after the work queued on
+        its stream before the call). Returns once the bytes are in the owner's memory. A
+        cancelled write may leave the target partly written."""
         return await _onesided.write(self, handle, src)
 
-    async def read_many(self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None) -> list[Any]:
+    async def read_many(
+        self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None, device: Any = None
+    ) -> list[Any]:
         """Read many handles of this peer (rows of one tensor, or of several) as one batch:
         each into its ``outs`` entry (allocated where None). One-sided, the gets are posted at
         once and waited for together; through the owner, one request answers up to 256 of them.
         Everything is checked before anything moves. Returns the tensors in order."""
         values, _ = await _onesided.read_many(
-            self, list(handles), None if outs is None else list(outs), want_receipt=False
+            self, list(handles), None if outs is None else list(outs), device=device, want_receipt=False
         )
         return values
 
     async def read_many_with_receipt(
-        self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None
+        self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None, device: Any = None
     ) -> tuple[list[Any], Receipt]:
         """Like ``read_many``; the receipt counts the bytes of all of them."""
-        values, receipt = await _onesided.read_many(self, list(handles), None if outs is None else list(outs))
+        values, receipt = await _onesided.read_many(
+            self, list(handles), None if outs is None else list(outs), device=device
+        )
         assert receipt is not None
         return values, receipt
 

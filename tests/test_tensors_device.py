@@ -482,3 +482,39 @@ def test_device_views_refuse_host_only_paths(engine: HostEngine) -> None:
     assert msg.on_device and msg.memory == "host-engine"
     with pytest.raises(UnsupportedTensorError, match="device tensors"):
         msg.segments()
+
+
+@pytest.mark.parametrize(
+    "transport", ["tcp", "inproc", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="no ucxx"))]
+)
+async def test_recv_cancelled_while_copying_a_buffered_message_to_the_device(transport: str) -> None:
+    """A message that arrived before its recv waits whole in host memory of ours; the recv then
+    copies it into its device out=. Cancelled during those copies, the recv lets the copies
+    already queued finish before the cancel returns (nothing lands after), and the message goes
+    back to the queue whole for the next recv. (It used to keep writing after the cancel, and
+    the message was lost.)"""
+    slow = HostEngine(copy_delay=0.002)
+    slow.pool("in").configure(CHUNK, DEPTH)
+    try:
+        data = [_bytes(CHUNK * 8, s) for s in range(4)]
+        async with connected_pair(transport) as (a, b):
+            await a.send(data, tag="x")
+            await asyncio.sleep(0.05)  # buffered on b's side, no recv yet
+            outs = [EngineArray(slow, np.zeros(CHUNK * 8, np.uint8)) for _ in data]
+            recv = asyncio.ensure_future(b.recv(tag="x", out=outs))
+            async with asyncio.timeout(30):
+                while not outs[0].array.any():  # noqa: ASYNC110 - polling the bytes landing is the point
+                    await asyncio.sleep(0.001)
+            recv.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await recv
+            snapshot = [o.array.copy() for o in outs]
+            assert not all(np.array_equal(s, d) for s, d in zip(snapshot, data, strict=True)), "not part way"
+            await asyncio.sleep(0.1)
+            for o, s in zip(outs, snapshot, strict=True):
+                assert np.array_equal(o.array, s), "out= was written after its recv was cancelled"
+            again = [EngineArray(slow, np.zeros(CHUNK * 8, np.uint8)) for _ in data]
+            await asyncio.wait_for(b.recv(tag="x", out=again), 10)
+            assert all(np.array_equal(o.array, d) for o, d in zip(again, data, strict=True))
+    finally:
+        slow.close()

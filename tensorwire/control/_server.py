@@ -117,6 +117,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             nbytes=h.nbytes,
             generation=h.generation,
             writable=h.writable,
+            memory=h.memory,
         )
         # a one-sided key for the transport this peer's channel uses, if it registered the tensor
         hold = entry.holds.get(peer.channel.transport)

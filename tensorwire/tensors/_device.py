@@ -260,6 +260,28 @@ class DeviceSource:
         ready = engine.record_on(self.stream)
         return DeviceTensor(packed, self.dtype, self.shape, self.framework, self.stream, ready), True
 
+    def region(self, offset: int, shape: tuple[int, ...]) -> Any:
+        """The C-contiguous run of elements starting ``offset`` bytes into this C-contiguous
+        tensor, as ``shape``, as an object of the tensor's own framework (no copy): what an
+        exposed tensor's owner sends from, or receives into, for rows a peer names."""
+        count = 1
+        for n in shape:
+            count *= n
+        item = DTYPES[self.dtype].itemsize
+        start = offset // item
+        value = self.value
+        if isinstance(value, EngineArray):
+            return EngineArray(
+                value.engine, value.array.reshape(-1)[start : start + count].reshape(shape), value.stream
+            )
+        if self.framework == "torch":
+            return value.reshape(-1)[start : start + count].view(shape)
+        cp = _cp()
+        if isinstance(value, cp.ndarray):
+            return value.reshape(-1)[start : start + count].reshape(shape)
+        strides = tuple(int(s) for s in np.empty((0, *shape[1:]), _carrier(self.dtype)).strides) if shape else ()
+        return _cupy_view(self.ptr + offset, shape, strides, self.dtype, self.engine.device, value)
+
     def target(self, streams: Streams | None = None) -> DeviceTensor:
         """Where a recv into this tensor writes: its own memory, or a buffer to unpack from.
         Ordered on the consumer's stream: the one of ``streams`` (taken when the recv was

@@ -20,8 +20,11 @@ from ..errors import (
     TensorWireError,
     TransferError,
 )
-from ..tensors import DTYPES
+from ..memory import HostEngine
+from ..memory._engine import _HostEvent
+from ..tensors import DTYPES, EngineArray
 from ..transports import Limits, Receipt
+from ..transports._remote import OneSidedTransport
 
 __all__ = ["CHECKS", "LIMITS", "cancel_recv_at_every_step", "connected_pair", "exchange"]
 
@@ -727,3 +730,135 @@ async def check_cancelled_batch_read_never_writes_after(a: Peer, b: Peer) -> Non
             assert all(np.array_equal(o, s) for o, s in zip(outs, snapshot, strict=True)), "written after the cancel"
     got = await b.read_many(blocks[:2])
     assert all(np.array_equal(g, pool[: 2 * MiB]) for g in got)  # the channel is still fine
+    # into device memory (staged through host memory where the transport cannot take it)
+    engine = HostEngine(copy_delay=0.001)
+    try:
+        for spins in (0, 3, 30, 100, 300, 1000):
+            douts = [EngineArray(engine, np.zeros(2 * MiB, np.uint8)) for _ in blocks[:8]]
+            task = asyncio.ensure_future(b.read_many(blocks[:8], outs=douts))
+            if await _cancel_after(spins, task):
+                snapshot = [o.array.copy() for o in douts]
+                await asyncio.sleep(0.1)
+                assert all(np.array_equal(o.array, s) for o, s in zip(douts, snapshot, strict=True)), (
+                    "device memory written after the cancel"
+                )
+        got = await b.read_many(blocks[:2], outs=[EngineArray(engine, np.zeros(2 * MiB, np.uint8)) for _ in "ab"])
+        assert all(np.array_equal(g.array, pool[: 2 * MiB]) for g in got)
+    finally:
+        engine.close()
+
+
+def _by_pointer(a: Peer, b: Peer) -> bool:
+    """Declare, for a one-sided transport, that its nodes register host-engine memory and its
+    channels post one-sided operations on it by pointer, as ucx does CUDA memory where UCX has
+    cuda lanes. A host engine's "device" memory is host memory, so this is true of it, and the
+    by-pointer path (stream waits, gets and puts at device addresses) runs for real."""
+    transport = a.node.transports.get(a.channel.transport)
+    if not isinstance(transport, OneSidedTransport) or not transport.capabilities.one_sided:
+        return False
+    transport.region_kinds = transport.region_kinds | {"host-engine"}
+    for p in (a, b):
+        p.channel.device_kinds = p.channel.device_kinds | {"host-engine"}
+    return True
+
+
+@contextlib.contextmanager
+def _busy(engine: HostEngine) -> Iterator[tuple[int, _HostEvent]]:
+    """A stream of ``engine``'s that is busy (earlier work of a framework's) until the gate is
+    set; set on the way out in any case."""
+    stream = engine.stream()
+    gate = _HostEvent()
+    engine.stream_lane(stream).wait(gate)
+    try:
+        yield stream, gate
+    finally:
+        gate.set()
+
+
+async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bool) -> None:
+    kv = np.arange(64 * 32 * 8, dtype=np.int32).reshape(64, 32, 8)
+    hkv = -kv
+    a.node.expose(EngineArray(engine, kv), name=f"dkv{n}")
+    a.node.expose(hkv, name=f"hkv{n}")
+    hd, hh = await b.lookup(f"dkv{n}"), await b.lookup(f"hkv{n}")
+    assert hd.memory == "host-engine" and hh.memory == "host", (hd, hh)
+    assert hd.direct == direct, f"device memory exposed {'without' if direct else 'with'} a one-sided key"
+    protocol = "one-sided" if direct else "owner-assisted"
+    served = a.node.exposures.served
+
+    def dev(shape: tuple[int, ...], value: int = 0, stream: int | None = None) -> EngineArray:
+        return EngineArray(engine, np.full(shape, value, np.int32), stream=stream)
+
+    # reads into device out=, from device and host memory
+    out = dev((4, 32, 8), -1)
+    got, receipt = await b.read_with_receipt(hd[3:7], out=out)
+    assert got is out and np.array_equal(out.array, kv[3:7])
+    assert receipt.protocol == protocol and receipt.memory == "host-engine" and receipt.nbytes == out.array.nbytes
+    got, receipt = await b.read_with_receipt(hh[10:12], out=dev((2, 32, 8)))
+    assert np.array_equal(got.array, hkv[10:12]) and receipt.memory == "host-engine", receipt
+    # device memory into host buffers; without out= a host array (no host-engine allocations here)
+    assert np.array_equal(await b.read(hd[5]), kv[5])
+    strided = np.zeros((32, 2, 8), np.int32).transpose(1, 0, 2)
+    await b.read(hd[8:10], out=strided)
+    assert np.array_equal(strided, kv[8:10])
+    # a batch of both kinds, both ways
+    outs = [dev((32, 8)), None, np.zeros((32, 8), np.int32), dev((2, 32, 8))]
+    got = await b.read_many([hd[1], hh[2:4], hd[-1], hd[40:42]], outs=outs)
+    assert got[0] is outs[0] and got[3] is outs[3]
+    for g, want in zip(got, (kv[1], hkv[2:4], kv[-1], kv[40:42]), strict=True):
+        assert np.array_equal(g.array if isinstance(g, EngineArray) else g, want)
+    # a read into a tensor of a busy stream writes nothing before that stream's earlier work
+    with _busy(engine) as (stream, gate):
+        out = dev((4, 32, 8), stream=stream)
+        task = asyncio.ensure_future(b.read(hd[20:24], out=out))
+        await asyncio.sleep(0.05)
+        assert not out.array.any(), "a read wrote into out= before its stream's earlier work was done"
+        gate.set()
+        await asyncio.wait_for(task, 10)
+        await asyncio.to_thread(engine.record_on(stream).synchronize)
+        assert np.array_equal(out.array, kv[20:24])
+    # writes from device memory into both kinds
+    before, hbefore = kv.copy(), hkv.copy()
+    receipt = await b.write(hd[10:12], dev((2, 32, 8), 7))
+    assert receipt.protocol == protocol and receipt.memory == "host-engine", receipt
+    await b.write(hh[0], dev((32, 8), 8))
+    await b.write(hd[-1], np.full((32, 8), 9, np.int32))
+    await b.write_many([hd[12], hh[1:3]], [dev((32, 8), 10), dev((2, 32, 8), 11)])
+    before[10:12], before[-1], before[12] = 7, 9, 10
+    hbefore[0], hbefore[1:3] = 8, 11
+    assert np.array_equal(kv, before) and np.array_equal(hkv, hbefore), "a write from device memory landed wrong"
+    # a write carries what the producer's stream wrote into the source before the call
+    with _busy(engine) as (stream, gate):
+        src = dev((32, 8), stream=stream)
+        fresh = np.full((32, 8), 12, np.int32)
+        engine.stream_lane(stream).device_copy(engine.buffer(src.array), 0, engine.buffer(fresh), 0, fresh.nbytes)
+        task = asyncio.ensure_future(b.write(hd[30], src))
+        await asyncio.sleep(0.05)
+        assert not (kv[30] == 12).any(), "a write read its source before the producer's stream wrote it"
+        gate.set()
+        await asyncio.wait_for(task, 10)
+        assert (kv[30] == 12).all(), "a write did not wait for its producer's stream"
+    if direct:
+        assert a.node.exposures.served == served, "the owner's code took part in a one-sided device access"
+    # refused before anything moves
+    for call in (b.read(hd[3], out=dev((2, 8))), b.read(hd[3], out=dev((32, 8)), device="cpu")):
+        with _refused((ShapeMismatchError, ConfigurationError), "a bad device out= was accepted"):
+            await call
+    await a.node.unexpose(f"dkv{n}")
+    with _refused(HandleNotFound, "a revoked device exposure was read"):
+        await b.read(hd[3], out=dev((32, 8)))
+
+
+@_check()
+async def check_one_sided_device_memory(a: Peer, b: Peer) -> None:
+    """Exposed device memory, and device memory read into and written from (host-engine memory,
+    which goes every way CUDA memory does): rows land exactly, reads wait for the consumer's
+    stream and writes for the producer's. Twice over a one-sided transport: as it is (host-engine
+    memory staged through host memory, or served by its owner), and by pointer."""
+    engine = HostEngine(copy_delay=0.0001)
+    try:
+        await _device_round(a, b, engine, 0, direct=False)
+        if _by_pointer(a, b):
+            await _device_round(a, b, engine, 1, direct=True)
+    finally:
+        engine.close()

@@ -469,6 +469,7 @@ class Mailbox:
         arrival.consumed = True
         if not arrival.settled:
             self.channel.release(arrival)
+            arrival.settled = True
         if arrival.dest is None:
             raise TransferError("message completed without a destination buffer")
         staged = arrival.staged
@@ -482,7 +483,15 @@ class Mailbox:
             else:
                 final = targets if targets is not None else match_out(out, arrival.specs, streams)
             if any(isinstance(d, DeviceTensor) for d in (*dest, *final)):
-                staged |= await _settle_device(arrival, dest, final)
+                try:
+                    staged |= await _settle_device(arrival, dest, final)
+                except asyncio.CancelledError:
+                    # the bytes are whole in ``dest``: the copies queued into the caller's
+                    # tensors finish first (or come before their streams' next work), and the
+                    # message goes back to the queue for the next recv
+                    arrival.land().finish_now(final)
+                    arrival.consumed = False
+                    raise
                 memory = next((d.engine.kind for d in final if isinstance(d, DeviceTensor)), "host")
             else:
                 for src, dst in zip(dest, final, strict=True):

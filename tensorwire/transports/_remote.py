@@ -173,6 +173,7 @@ class OneSidedTransport(Protocol):
     """A transport whose Capabilities say ``one_sided``: it registers memory for peers."""
 
     name: str
+    region_kinds: frozenset[str]  # the memory kinds register_region takes ("host", "cuda")
 
     def register_region(self, address: int, length: int, *, writable: bool, owner: Any = None) -> Hold:
         """Register ``[address, address + length)`` (through the cache) for peers to reach."""

@@ -92,7 +92,7 @@ class LookupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "nbytes", "generation", "transport", "remote_key", "writable")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "generation", "transport", "remote_key", "writable", "memory")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class LookupResponse(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     REMOTE_KEY_FIELD_NUMBER: _ClassVar[int]
     WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -109,7 +110,8 @@ class LookupResponse(_message.Message):
     transport: str
     remote_key: bytes
     writable: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., transport: _Optional[str] = ..., remote_key: _Optional[bytes] = ..., writable: _Optional[bool] = ...) -> None: ...
+    memory: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., transport: _Optional[str] = ..., remote_key: _Optional[bytes] = ..., writable: _Optional[bool] = ..., memory: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)

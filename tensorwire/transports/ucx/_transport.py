@@ -139,6 +139,9 @@ class UcxTransport(Transport):
         self._closed = False
         self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
         self.registrations = RegistrationCache(self.name, self._map)
+        # memory register_region takes: host, and CUDA where this UCX moves it by pointer
+        # (UCX finds a region's memory type itself when it maps it)
+        self.region_kinds = frozenset({"host", *(k for k in capabilities.memory_kinds if k == "cuda")})
 
     def __repr__(self) -> str:
         return f"<UcxTransport channels={len(self._channels)} options={self.options}>"

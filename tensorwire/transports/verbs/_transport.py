@@ -105,6 +105,9 @@ class VerbsTransport(Transport):
         self._event_fds: set[int] = set()
         self.memory: MemoryCache | None = None
         self.registrations = RegistrationCache(self.name, self._map)
+        # host memory only: exposing CUDA memory would register it as a dma-buf (_dmabuf.py),
+        # which is not wired here yet; such tensors are served through their owner instead
+        self.region_kinds = frozenset({"host"})
         self._server: asyncio.Server | None = None
         self._channels: set[VerbsChannel] = set()
         self._tasks: set[asyncio.Task[None]] = set()
