@@ -767,7 +767,7 @@ async def _get_device(
     takes by pointer (ucx with cuda lanes) is posted once the consumer stream's earlier work on
     it is done; other device memory gets the bytes through host memory and a landing. Strided
     destinations are unpacked on a lane. Returns the memory kind and whether it was staged."""
-    kinds = peer.channel.device_kinds
+    kinds = peer.channel.device_kinds if peer.channel.rma_device else frozenset()
     landing = Landing()
     waits: list[tuple[CopyEngine, Event]] = []
     moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
@@ -873,7 +873,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
                 moves.append((state, np.ascontiguousarray(arrays[i]), handles[i].offset))
                 continue
             memory = t.engine.kind
-            if t.engine.kind in peer.channel.device_kinds:
+            if peer.channel.rma_device and t.engine.kind in peer.channel.device_kinds:
                 if t.ready is not None:
                     await wait_event(t.engine, t.ready)
                 moves.append((state, t.buf, handles[i].offset))

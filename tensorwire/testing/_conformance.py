@@ -749,12 +749,17 @@ async def check_cancelled_batch_read_never_writes_after(a: Peer, b: Peer) -> Non
 
 
 def _by_pointer(a: Peer, b: Peer) -> bool:
-    """Declare, for a one-sided transport, that its nodes register host-engine memory and its
-    channels post one-sided operations on it by pointer, as ucx does CUDA memory where UCX has
-    cuda lanes. A host engine's "device" memory is host memory, so this is true of it, and the
-    by-pointer path (stream waits, gets and puts at device addresses) runs for real."""
+    """Declare, for a one-sided transport whose operations take device pointers (``rma_device``),
+    that its nodes register host-engine memory and its channels post one-sided operations on it
+    by pointer, as ucx does CUDA memory where UCX has cuda lanes. A host engine's "device"
+    memory is host memory, so this is true of it, and the by-pointer path (stream waits, gets
+    and puts at device addresses) runs for real."""
     transport = a.node.transports.get(a.channel.transport)
-    if not isinstance(transport, OneSidedTransport) or not transport.capabilities.one_sided:
+    if (
+        not isinstance(transport, OneSidedTransport)
+        or not transport.capabilities.one_sided
+        or not b.channel.rma_device  # verbs: host arrays only
+    ):
         return False
     transport.region_kinds = transport.region_kinds | {"host-engine"}
     for p in (a, b):

@@ -137,6 +137,8 @@ class Channel(ABC):
     # device memory kinds this channel writes and reads itself ("cuda", and "host-engine", the
     # host stand-in of tests); other device tensors are staged through host memory around it
     device_kinds: frozenset[str] = frozenset()
+    # one-sided channels: gets and puts take memory of those kinds by pointer as well
+    rma_device: bool = False
 
     def __init__(self) -> None:
         from ._mailbox import Mailbox

@@ -173,6 +173,9 @@ class _Transfer:
 
 class UcxChannel(Channel):
     transport = "ucx"
+    # one-sided operations take any pointer (UCX finds its memory type): device memory of the
+    # kinds in ``device_kinds`` is posted as it is
+    rma_device = True
 
     def __init__(
         self,

@@ -133,6 +133,8 @@ class _Incoming:
 
 class VerbsChannel(Channel):
     transport = "verbs"
+    # (rma_device stays False: one-sided operations take host arrays only; device memory would
+    # need a dma-buf registration, _dmabuf.py, not wired here, so the caller stages it)
 
     def __init__(
         self,
