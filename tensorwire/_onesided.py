@@ -340,6 +340,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
             if error is None:
                 try:
                     await peer.recv(tag=data_tag, out=regions)
+                    await _landed(regions)
                 except ShapeMismatchError as exc:
                     error = str(exc)
             if error is not None:
@@ -347,6 +348,16 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
             await peer.send({"error": error} if error else {"ok": True}, tag=reply)
     except TensorWireError:
         return  # the channel went away: the requester sees that itself
+
+
+async def _landed(regions: list[Any]) -> None:
+    """A recv into device memory returns once its copies are ordered before the owner's stream;
+    a write is acknowledged once they have run (its writer is told the bytes are in place)."""
+    for region in regions:
+        if type(region) is not np.ndarray:
+            dev = as_view(region).dev
+            if dev is not None and dev.stream is not None:
+                await wait_event(dev.engine, dev.engine.record_on(dev.stream))
 
 
 def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[Any], str | None]:

@@ -783,7 +783,9 @@ def _busy(engine: HostEngine) -> Iterator[tuple[int, _HostEvent]]:
 async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bool) -> None:
     kv = np.arange(64 * 32 * 8, dtype=np.int32).reshape(64, 32, 8)
     hkv = -kv
-    a.node.expose(EngineArray(engine, kv), name=f"dkv{n}")
+    # on a stream of the owner's: an owner-assisted write lands on a lane, ordered before that
+    # stream's next work, and is acknowledged only once it has landed
+    a.node.expose(EngineArray(engine, kv, stream=engine.stream()), name=f"dkv{n}")
     a.node.expose(hkv, name=f"hkv{n}")
     hd, hh = await b.lookup(f"dkv{n}"), await b.lookup(f"hkv{n}")
     assert hd.memory == "host-engine" and hh.memory == "host", (hd, hh)
