@@ -64,7 +64,7 @@ from .tensors._device import (
     cuda_usable,
     parse_device,
 )
-from .transports import Receipt, Transport
+from .transports import ChannelState, Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
 
 if TYPE_CHECKING:
@@ -325,14 +325,27 @@ async def serve_ops(peer: Peer, table: ExposureTable) -> None:
 
 
 async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> None:
-    """One read or write of a list of regions: the reply (a read's tensors) is a list of as many."""
+    """One read or write of a list of regions: the reply (a read's tensors) is a list of as many.
+    A request the owner refuses is answered with why; so is one whose bytes the owner could not
+    move while the channel stayed up (``failed``: a TransferError for the requester), so that no
+    requester waits for an answer that never comes."""
     reply: int = req["reply"]
     op = req.get("op")
     table.served += 1
     regions, error = _regions(table, req.get("regions"), writing=op == "write")
+    failed = False
     try:
         if op == "read":
-            await peer.send(regions if error is None else {"error": error}, tag=reply)
+            if error is None:
+                try:
+                    await peer.send(regions, tag=reply)
+                    return
+                except TensorWireError as exc:
+                    if peer.channel.state is not ChannelState.OPEN:
+                        return  # the channel went away: the requester sees that itself
+                    error, failed = f"the owner could not send the regions: {exc}", True
+                    log.warning("one-sided read from %s failed at the owner: %s", peer.remote_address, exc)
+            await peer.send({"error": error, "failed": failed}, tag=reply)
         elif op == "write":
             data_tag = req.get("data")
             if not isinstance(data_tag, int):
@@ -341,11 +354,18 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                 try:
                     await peer.recv(tag=data_tag, out=regions)
                     await _landed(regions)
-                except ShapeMismatchError as exc:
+                except ShapeMismatchError as exc:  # refused before the message was taken
                     error = str(exc)
-            if error is not None:
+                    await peer.recv(tag=data_tag)  # drain what the writer sent, so nothing lingers
+                except TensorWireError as exc:
+                    if peer.channel.state is not ChannelState.OPEN:
+                        return
+                    error, failed = f"the owner could not take the bytes: {exc}", True
+                    log.warning("one-sided write from %s failed at the owner: %s", peer.remote_address, exc)
+                    _drain_later(peer, data_tag)  # if it is still queued
+            else:
                 await peer.recv(tag=data_tag)  # drain what the writer sent, so nothing lingers
-            await peer.send({"error": error} if error else {"ok": True}, tag=reply)
+            await peer.send({"error": error, "failed": failed} if error else {"ok": True}, tag=reply)
     except TensorWireError:
         return  # the channel went away: the requester sees that itself
 
@@ -829,12 +849,18 @@ async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[An
         except ShapeMismatchError:
             answer = await peer.recv(tag=reply)  # not the tensors: the owner's error
             if isinstance(answer, dict) and answer.get("error"):
-                raise HandleNotFound(f"read of {_names(handles)}: {answer['error']}") from None
+                raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}") from None
             raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
     except asyncio.CancelledError:
         _drain_later(peer, reply)
         raise
     return receipt
+
+
+def _owner_error(answer: Any) -> type[TensorWireError]:
+    """What an owner's error answer is raised as: it refused the request (a name, generation or
+    range it does not have: HandleNotFound), or it failed to move bytes it has (TransferError)."""
+    return TransferError if isinstance(answer, dict) and answer.get("failed") else HandleNotFound
 
 
 def _names(handles: list[RemoteHandle]) -> str:
@@ -919,7 +945,7 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], srcs: list[An
         raise
     if not isinstance(answer, dict) or answer.get("error"):
         error = answer.get("error") if isinstance(answer, dict) else "unexpected answer"
-        raise HandleNotFound(f"write of {_names(handles)}: {error}")
+        raise _owner_error(answer)(f"write of {_names(handles)}: {error}")
     return receipt
 
 

@@ -174,3 +174,41 @@ async def test_lookup_requires_a_session_and_its_secret() -> None:
                     )
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert np.array_equal(await b.read(await b.lookup("secret-weights")), np.arange(3))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_an_owner_that_fails_to_move_the_bytes_answers_with_a_transfer_error(transport: str, op: str) -> None:
+    """The owner's node could not send a read's regions (or take a write's bytes) although the
+    channel is up: the requester gets a TransferError saying so at once, instead of waiting for
+    an answer that never comes, and the next operation works. (A failure is injected into the
+    owner's peer: one send of tensors, or one recv into the exposed tensor, raises.)"""
+    async with connected_pair(transport) as (a, b):
+        kv = np.arange(1024, dtype=np.int64)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        real_send, real_recv = a.send, a.recv
+        injected = []
+
+        async def failing_send(obj, *, tag):  # type: ignore[no-untyped-def]
+            if op == "read" and isinstance(obj, list) and not injected:
+                injected.append(tag)
+                raise tensorwire.TransferError("injected: the device copy failed")
+            return await real_send(obj, tag=tag)
+
+        async def failing_recv(*, tag, out=None, **kw):  # type: ignore[no-untyped-def]
+            if op == "write" and out is not None and not injected:
+                injected.append(tag)
+                raise tensorwire.TransferError("injected: the device copy failed")
+            return await real_recv(tag=tag, out=out, **kw)
+
+        a.send, a.recv = failing_send, failing_recv  # type: ignore[method-assign]
+        call = b.read(h[3:9]) if op == "read" else b.write(h[3:9], np.zeros(6, np.int64))
+        with pytest.raises(tensorwire.TransferError, match="injected: the device copy failed"):
+            await asyncio.wait_for(call, 10)
+        assert injected
+        await asyncio.sleep(0.05)
+        assert np.array_equal(await asyncio.wait_for(b.read(h[3:9]), 10), kv[3:9])
+        await asyncio.wait_for(b.write(h[0], np.int64(-1)), 10)
+        assert kv[0] == -1
+        assert not a.channel.mailbox._arrived, "the failed write's payload lingers at the owner"

@@ -748,6 +748,30 @@ async def check_cancelled_batch_read_never_writes_after(a: Peer, b: Peer) -> Non
         engine.close()
 
 
+@_check()
+async def check_device_tensors(a: Peer, b: Peer) -> None:
+    """Device tensors (host-engine memory, which goes every way CUDA memory does) sent and
+    received, small and large, in a pytree with host ones: by pointer where the channel takes
+    them, else staged through host memory; the receipts say the memory kind."""
+    engine = HostEngine(copy_delay=0.0001)
+    try:
+        for n in (100, 300_000, 3 * MiB):
+            x = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            out = EngineArray(engine, np.zeros(n, np.uint8))
+            got, sent, receipt = await exchange(a, b, EngineArray(engine, x), out, "recv-first", tag=n)
+            assert got is out and np.array_equal(out.array, x), n
+            assert sent.memory == "host-engine" and receipt.memory == "host-engine", (sent, receipt)
+            h = np.arange(10.0)
+            await a.send({"d": EngineArray(engine, x), "h": h, "step": 3}, tag="tree")
+            tree = await b.recv(tag="tree")  # no out=: host memory (host-engine memory is not allocated here)
+            assert np.array_equal(tree["d"], x) and np.array_equal(tree["h"], h) and tree["step"] == 3
+            back = EngineArray(engine, np.zeros(n, np.uint8))
+            await asyncio.gather(b.send(x, tag="back"), a.recv(tag="back", out=back))
+            assert np.array_equal(back.array, x)
+    finally:
+        engine.close()
+
+
 def _by_pointer(a: Peer, b: Peer) -> bool:
     """Declare, for a one-sided transport whose operations take device pointers (``rma_device``),
     that its nodes register host-engine memory and its channels post one-sided operations on it

@@ -376,6 +376,8 @@ class VerbsChannel(Channel):
         header = msg.header
         self._remote.check_send(msg.nbytes, len(header))
         t0 = time.perf_counter()
+        if msg.on_device:
+            await msg.to_host()  # device tensors: staged through host memory (no device lanes here)
         self._sending += 1
         try:
             await self._window.take_slot(self.check_open)
@@ -407,9 +409,10 @@ class VerbsChannel(Channel):
             nbytes=msg.nbytes,
             seconds=time.perf_counter() - t0,
             protocol=protocol,
-            direct=not msg.packed and protocol != "inline",
-            staged=False,
+            direct=not msg.packed and protocol != "inline" and not msg.staged,
+            staged=msg.staged,
             packed=msg.packed,
+            memory=msg.memory,
         )
 
     async def _send_described(self, msg: Outgoing, header: bytes, msg_id: int, tag: int, eager: bool) -> None:
