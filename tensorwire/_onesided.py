@@ -631,9 +631,13 @@ async def read(
 ) -> tuple[Any, Receipt | None]:
     """One handle. A one-sided read into a plain buffer skips the batch's bookkeeping (a
     quarter of what a small read costs); everything else is a batch of one."""
-    if handle.direct and (
-        (out is None and device is None and handle.memory == "host")
-        or (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable)
+    if (
+        handle.direct
+        and device is None
+        and (
+            (out is None and handle.memory == "host")
+            or (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable)
+        )
     ):
         t0 = time.perf_counter()
         if out is None:
@@ -719,7 +723,8 @@ def _destinations(
         if out is None:
             where = _where(h, want, streams)
             if where is None:
-                dests.append(_Dest(*(2 * (np.empty(h.shape, dtype_from_name(h.dtype)),))))
+                arr = np.empty(h.shape, dtype_from_name(h.dtype))
+                dests.append(_Dest(arr, arr))
                 continue
             t = allocate_device(h.dtype, h.shape, "torch", where, streams)
             d = _Dest(t.value, None)
@@ -771,10 +776,11 @@ async def read_many(
         )
     packed = False
     for d in dests:
-        if d.dest is not d.target:
-            if d.target is not None:
-                d.target[...] = d.dest
-            packed = packed or d.target is not None or (d.tensor is not None and d.tensor.unpack_to is not None)
+        if d.target is not None and d.dest is not d.target:
+            d.target[...] = d.dest
+            packed = True
+        elif d.tensor is not None and d.tensor.unpack_to is not None:
+            packed = True  # unpacked on a lane by _get_device
     if not want_receipt:
         return [d.value for d in dests], None
     nbytes = sum(d.nbytes for d in dests)
@@ -824,20 +830,16 @@ async def _get_device(
     for engine, event in waits:  # UCX writes outside every stream: the consumer's work first
         await wait_event(engine, event)
     await _move(peer, "get", moves)
-    targets = [t for t, _ in uploads] + [d.tensor for _, d in _each(direct, dests) if d.tensor is not None]
+    uploaded = {id(t) for t, _ in uploads}
+    targets = [t for i, _ in direct if (t := dests[i].tensor) is not None]
     try:
         for t, host in uploads:
             await landing.upload(t, host)
-        await landing.finish([t for t in targets if t.unpack_to is not None or any(t is u for u, _ in uploads)])
+        await landing.finish([t for t in targets if t.unpack_to is not None or id(t) in uploaded])
     except asyncio.CancelledError:
         landing.finish_now(targets)  # the copies queued so far come before the consumer's work
         raise
     return memory, staged
-
-
-def _each(direct: list[tuple[int, _Direct]], dests: list[_Dest]) -> Generator[tuple[int, _Dest], None, None]:
-    for i, _ in direct:
-        yield i, dests[i]
 
 
 async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[Any]) -> Receipt:

@@ -212,3 +212,28 @@ async def test_an_owner_that_fails_to_move_the_bytes_answers_with_a_transfer_err
         await asyncio.wait_for(b.write(h[0], np.int64(-1)), 10)
         assert kv[0] == -1
         assert not a.channel.mailbox._arrived, "the failed write's payload lingers at the owner"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_read_device_argument(transport: str) -> None:
+    """``device=`` says where a read without out= allocates, as recv's does; bad ones and
+    ``out=`` with ``device=`` fail before anything moves."""
+    from tensorwire.tensors._device import cuda_usable
+
+    async with connected_pair(transport) as (a, b):
+        kv = np.arange(64, dtype=np.float32).reshape(8, 8)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        assert h.memory == "host" and h[2].memory == "host"
+        got = await b.read(h[2], device="cpu")
+        assert isinstance(got, np.ndarray) and np.array_equal(got, kv[2])
+        (got,) = await b.read_many([h[3]], device="cpu")
+        assert np.array_equal(got, kv[3])
+        with pytest.raises(tensorwire.ConfigurationError, match="unknown device"):
+            await b.read(h[2], device="tpu")
+        with pytest.raises(tensorwire.ConfigurationError, match="not both"):
+            await b.read(h[2], out=np.empty(8, np.float32), device="cpu")
+        if not cuda_usable():
+            with pytest.raises(tensorwire.UnsupportedTensorError):
+                await b.read(h[2], device="cuda")
+        assert a.node.exposures.served == 2

@@ -872,7 +872,11 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
     if direct:
         assert a.node.exposures.served == served, "the owner's code took part in a one-sided device access"
     # refused before anything moves
-    for call in (b.read(hd[3], out=dev((2, 8))), b.read(hd[3], out=dev((32, 8)), device="cpu")):
+    for call in (
+        b.read(hd[3], out=dev((2, 8))),
+        b.read(hd[3], out=dev((32, 8)), device="cpu"),
+        b.read(hh[3], out=np.zeros((32, 8), np.int32), device="cpu"),
+    ):
         with _refused((ShapeMismatchError, ConfigurationError), "a bad device out= was accepted"):
             await call
     await a.node.unexpose(f"dkv{n}")
