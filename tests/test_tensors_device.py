@@ -12,7 +12,6 @@ import contextlib
 import importlib.util
 import time
 import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -20,9 +19,8 @@ import pytest
 import tensorwire
 from tensorwire.errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
 from tensorwire.memory import HostEngine, StageIn, download, stage_out
-from tensorwire.memory._engine import _HostEvent
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
-from tensorwire.testing import cancel_recv_at_every_step, connected_pair, exchange
+from tensorwire.testing import busy_stream, cancel_recv_at_every_step, connected_pair, exchange
 from tensorwire.transports import Limits
 
 CHUNK = 64 * 1024
@@ -345,19 +343,6 @@ async def test_ucx_device_out_cancelled_at_every_step_loses_nothing(engine: Host
     assert cancelled >= 3, f"only {cancelled} of 10 recvs were cancelled before they completed"
 
 
-@contextlib.contextmanager
-def _busy_stream(engine: HostEngine) -> Iterator[tuple[int, _HostEvent]]:
-    """A stream of ``engine``'s that stays busy until the event it yields is set (earlier work
-    of the framework's on it); set on the way out in any case, so no lane thread is left waiting."""
-    stream = engine.stream()
-    gate = _HostEvent()
-    engine.stream_lane(stream).wait(gate)
-    try:
-        yield stream, gate
-    finally:
-        gate.set()
-
-
 @pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
 @pytest.mark.parametrize("nbytes", [CHUNK * 3 + 5, 3 << 20], ids=["eager", "rendezvous"])
 async def test_ucx_device_recv_cancelled_while_its_stream_is_busy(engine: HostEngine, nbytes: int) -> None:
@@ -366,7 +351,7 @@ async def test_ucx_device_recv_cancelled_while_its_stream_is_busy(engine: HostEn
     nothing into its out=, and the message goes whole to the next recv (an eager one is taken
     into a buffer of ours as soon as the stream allows, without any recv)."""
     data = _bytes(nbytes, 3)
-    with _busy_stream(engine) as (stream, gate):  # the consumer's stream is busy until the gate opens
+    with busy_stream(engine) as (stream, gate):  # the consumer's stream is busy until the gate opens
         async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
             _ucx_device_lanes(a, b)
             out = EngineArray(engine, np.zeros_like(data), stream=stream)
@@ -395,7 +380,7 @@ async def test_ucx_close_does_not_wait_for_a_busy_stream(engine: HostEngine, can
     the buffer of ours that a cancelled recv's message went to) ends promptly: the recv fails
     with ClosedResourceError, and the close waits for no stream."""
     data = _bytes(CHUNK * 3 + 5, 5)
-    with _busy_stream(engine) as (stream, _):  # never free before the nodes are closed
+    with busy_stream(engine) as (stream, _):  # never free before the nodes are closed
         async with asyncio.timeout(10):
             async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
                 _ucx_device_lanes(a, b)
@@ -423,7 +408,7 @@ async def test_recv_orders_the_consumer_stream_after_its_copies(engine: HostEngi
     GPU). The message fits the staging ring: a larger one would wait for the stream, since a
     chunk is reused only after its copy."""
     data = _bytes(CHUNK * (DEPTH - 1) + 5, 4)
-    with _busy_stream(engine) as (stream, gate):  # earlier work of the consumer, not done yet
+    with busy_stream(engine) as (stream, gate):  # earlier work of the consumer, not done yet
         async with connected_pair("tcp") as (a, b):
             out = EngineArray(engine, np.zeros_like(data), stream=stream)
             await asyncio.wait_for(asyncio.gather(a.send(_arr(engine, data), tag="x"), b.recv(tag="x", out=out)), 10)

@@ -12,13 +12,22 @@ error from the tree) when the transport breaks the contract. Some checks need ti
 carry them in ``LIMITS`` and ``connected_pair`` applies them. ``exchange`` sends one message
 from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send started first;
 ``cancel_recv_at_every_step`` cancels such recvs at every step of a transfer and checks that
-nothing is lost and no cancelled ``out=`` is written afterwards.
+nothing is lost and no cancelled ``out=`` is written afterwards. ``busy_stream(engine)`` holds a
+host-engine stream busy until its gate is set (a framework's earlier work, for stream-order tests).
 
 ``PACK_LAYOUTS`` are strided views (of numpy or CuPy arrays) that reach every copy kind of
 ``tensorwire.native``'s pack and unpack.
 """
 
-from ._conformance import CHECKS, LIMITS, cancel_recv_at_every_step, connected_pair, exchange
+from ._conformance import CHECKS, LIMITS, busy_stream, cancel_recv_at_every_step, connected_pair, exchange
 from ._layouts import PACK_LAYOUTS
 
-__all__ = ["CHECKS", "LIMITS", "PACK_LAYOUTS", "cancel_recv_at_every_step", "connected_pair", "exchange"]
+__all__ = [
+    "CHECKS",
+    "LIMITS",
+    "PACK_LAYOUTS",
+    "busy_stream",
+    "cancel_recv_at_every_step",
+    "connected_pair",
+    "exchange",
+]

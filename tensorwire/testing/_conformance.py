@@ -26,7 +26,7 @@ from ..tensors import DTYPES, EngineArray
 from ..transports import Limits, Receipt
 from ..transports._remote import OneSidedTransport
 
-__all__ = ["CHECKS", "LIMITS", "cancel_recv_at_every_step", "connected_pair", "exchange"]
+__all__ = ["CHECKS", "LIMITS", "busy_stream", "cancel_recv_at_every_step", "connected_pair", "exchange"]
 
 Check = Callable[[Peer, Peer], Awaitable[None]]
 CHECKS: dict[str, Check] = {}
@@ -792,9 +792,9 @@ def _by_pointer(a: Peer, b: Peer) -> bool:
 
 
 @contextlib.contextmanager
-def _busy(engine: HostEngine) -> Iterator[tuple[int, _HostEvent]]:
-    """A stream of ``engine``'s that is busy (earlier work of a framework's) until the gate is
-    set; set on the way out in any case."""
+def busy_stream(engine: HostEngine) -> Iterator[tuple[int, _HostEvent]]:
+    """A stream of ``engine``'s that stays busy (earlier work of a framework's on it) until the
+    event it yields is set; set on the way out in any case, so no lane thread is left waiting."""
     stream = engine.stream()
     gate = _HostEvent()
     engine.stream_lane(stream).wait(gate)
@@ -839,7 +839,7 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
     for g, want in zip(got, (kv[1], hkv[2:4], kv[-1], kv[40:42]), strict=True):
         assert np.array_equal(g.array if isinstance(g, EngineArray) else g, want)
     # a read into a tensor of a busy stream writes nothing before that stream's earlier work
-    with _busy(engine) as (stream, gate):
+    with busy_stream(engine) as (stream, gate):
         out = dev((4, 32, 8), stream=stream)
         task = asyncio.ensure_future(b.read(hd[20:24], out=out))
         await asyncio.sleep(0.05)
@@ -859,7 +859,7 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
     hbefore[0], hbefore[1:3] = 8, 11
     assert np.array_equal(kv, before) and np.array_equal(hkv, hbefore), "a write from device memory landed wrong"
     # a write carries what the producer's stream wrote into the source before the call
-    with _busy(engine) as (stream, gate):
+    with busy_stream(engine) as (stream, gate):
         src = dev((32, 8), stream=stream)
         fresh = np.full((32, 8), 12, np.int32)
         engine.stream_lane(stream).device_copy(engine.buffer(src.array), 0, engine.buffer(fresh), 0, fresh.nbytes)
