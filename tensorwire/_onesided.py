@@ -25,6 +25,14 @@ On transports without one-sided support (tcp, inproc) the same calls go through 
 node: a small request on a reserved tag, answered by the owner's per-peer service, with the
 payload moving straight between the exposed memory and the requester's buffer (rendezvous
 for large tensors). Receipts say ``protocol="owner-assisted"`` so nobody mistakes it for RDMA.
+
+Device memory (CUDA; the host engine's in tests): an exposed device tensor is registered only
+with transports whose ``region_kinds`` name its kind (ucx with cuda lanes), else served by its
+owner with send/recv's staging. A read into, or a write from, a device tensor keeps to the
+framework's streams as send/recv do: one-sided by pointer where the channel takes that memory
+(``rma_device``; posted after the consumer's or producer's event), else through host memory
+and a landing. The owner's own streams are not waited for: as with RDMA, the owner exposes and
+writes its tensor when its work on it is done.
 """
 
 from __future__ import annotations
