@@ -58,7 +58,7 @@ from .errors import (
     TensorWireError,
     TransferError,
 )
-from .memory import CopyEngine, DeviceBuffer, Event, download, wait_event
+from .memory import CopyEngine, DeviceBuffer, Event, wait_event
 from .tensors import as_view, dtype_from_name
 from .tensors._device import (
     Device,
@@ -798,6 +798,12 @@ async def read_many(
     return [d.value for d in dests], receipt
 
 
+def _by_pointer(peer: Peer, t: DeviceTensor) -> bool:
+    """The channel's one-sided operations take ``t``'s memory as it is (ucx with cuda lanes),
+    else it goes through host memory around them."""
+    return peer.channel.rma_device and t.engine.kind in peer.channel.device_kinds
+
+
 def _kind(d: _Dest) -> str:
     if d.tensor is not None:
         return d.tensor.engine.kind
@@ -812,7 +818,6 @@ async def _get_device(
     takes by pointer (ucx with cuda lanes) is posted once the consumer stream's earlier work on
     it is done; other device memory gets the bytes through host memory and a landing. Strided
     destinations are unpacked on a lane. Returns the memory kind and whether it was staged."""
-    kinds = peer.channel.device_kinds if peer.channel.rma_device else frozenset()
     landing = Landing()
     waits: list[tuple[CopyEngine, Event]] = []
     moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
@@ -826,7 +831,7 @@ async def _get_device(
         t = d.tensor if d.tensor is not None else d.dev.target(streams)  # type: ignore[union-attr]
         d.tensor = t
         memory = t.engine.kind
-        if t.engine.kind in kinds:
+        if _by_pointer(peer, t):
             if t.stream is not None:
                 waits.append((t.engine, t.engine.record_on(t.stream)))  # taken now, at the call
             moves.append((state, t.buf, handles[i].offset))
@@ -920,15 +925,12 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
                 moves.append((state, np.ascontiguousarray(arrays[i]), handles[i].offset))
                 continue
             memory = t.engine.kind
-            if peer.channel.rma_device and t.engine.kind in peer.channel.device_kinds:
+            if _by_pointer(peer, t):
                 if t.ready is not None:
                     await wait_event(t.engine, t.ready)
                 moves.append((state, t.buf, handles[i].offset))
             else:
-                host = np.empty(t.nbytes, np.uint8)
-                if t.nbytes:
-                    await download(t.buf, host.data, t.ready)
-                moves.append((state, host, handles[i].offset))
+                moves.append((state, await t.to_host(), handles[i].offset))
                 staged = True
         await _move(peer, "put", moves)
     for k in range(0, len(assisted), _MAX_REGIONS):

@@ -19,6 +19,7 @@ clear :class:`~tensorwire.errors.UnsupportedTensorError` says what to install.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigurationError, UnsupportedTensorError
-from ..memory import CopyEngine, DeviceBuffer, Event, HostEngine, StageIn, wait_event
+from ..memory import CopyEngine, DeviceBuffer, Event, HostEngine, StageIn, download, wait_event
 from ._dtypes import DTYPES, dtype_name
 
 __all__ = [
@@ -168,6 +169,11 @@ def _carrier(name: str) -> np.dtype:
     return np.dtype(_CARRIER.get(name, name)) if name in _CARRIER else DTYPES[name]
 
 
+def _c_strides(shape: tuple[int, ...], dt: np.dtype) -> tuple[int, ...]:
+    """The byte strides of a C-contiguous array of ``shape`` and ``dt``."""
+    return tuple(int(s) for s in np.empty((0, *shape[1:]), dt).strides) if shape else ()
+
+
 def _cupy_view(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], name: str, device: int, owner: Any) -> Any:
     """A CuPy array over someone else's device memory (no copy, no synchronization)."""
     cp = _cp()
@@ -215,6 +221,14 @@ class DeviceTensor:
     @property
     def device(self) -> str:
         return f"{self.buf.engine.kind}:{self.buf.device}"
+
+    async def to_host(self) -> np.ndarray:
+        """Its bytes in a new host array (uint8), read once ``ready`` has completed, through the
+        staging chunks (for a transport that cannot read device memory)."""
+        host = np.empty(self.nbytes, np.uint8)
+        if self.nbytes:
+            await download(self.buf, host.data, self.ready)
+        return host
 
 
 @dataclass(eq=False, slots=True)
@@ -264,11 +278,8 @@ class DeviceSource:
         """The C-contiguous run of elements starting ``offset`` bytes into this C-contiguous
         tensor, as ``shape``, as an object of the tensor's own framework (no copy): what an
         exposed tensor's owner sends from, or receives into, for rows a peer names."""
-        count = 1
-        for n in shape:
-            count *= n
-        item = DTYPES[self.dtype].itemsize
-        start = offset // item
+        count = math.prod(shape)
+        start = offset // DTYPES[self.dtype].itemsize
         value = self.value
         if isinstance(value, EngineArray):
             return EngineArray(
@@ -279,7 +290,7 @@ class DeviceSource:
         cp = _cp()
         if isinstance(value, cp.ndarray):
             return value.reshape(-1)[start : start + count].reshape(shape)
-        strides = tuple(int(s) for s in np.empty((0, *shape[1:]), _carrier(self.dtype)).strides) if shape else ()
+        strides = _c_strides(shape, _carrier(self.dtype))
         return _cupy_view(self.ptr + offset, shape, strides, self.dtype, self.engine.device, value)
 
     def target(self, streams: Streams | None = None) -> DeviceTensor:
@@ -405,7 +416,7 @@ def _interface_source(obj: Any) -> DeviceSource:
     if masked:
         raise UnsupportedTensorError(f"{type(obj).__name__}: masked CUDA arrays cannot be sent")
     name = dtype_name(dt)
-    c_strides = tuple(int(s) for s in np.empty((0, *shape[1:]), dt).strides) if shape else ()
+    c_strides = _c_strides(shape, dt)
     strides = c_strides if given is None else tuple(int(s) for s in given)
     contiguous = strides == c_strides or any(n == 0 for n in shape)
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream == 0):

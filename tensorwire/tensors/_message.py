@@ -106,17 +106,9 @@ class Outgoing:
         cannot read device memory); waits for each producer's event on a copy lane."""
         if not self.on_device:
             return
-        from ..memory import download
-
         arrays: list[np.ndarray | DeviceTensor] = []
         for a in self.arrays:
-            if isinstance(a, DeviceTensor):
-                host = np.empty(a.nbytes, np.uint8)
-                if a.nbytes:
-                    await download(a.buf, host.data, a.ready)
-                arrays.append(host)
-            else:
-                arrays.append(a)
+            arrays.append(await a.to_host() if isinstance(a, DeviceTensor) else a)
         self.header  # noqa: B018 - encode while the device shapes are still at hand
         self.arrays = arrays
         self.on_device = False

@@ -149,7 +149,14 @@ class Channel(ABC):
 
     @abstractmethod
     async def send(self, tag: int, msg: Any) -> Receipt:
-        """Send one prepared message (tensors.Outgoing) on ``tag``."""
+        """Send one prepared message (tensors.Outgoing) on ``tag``. Device tensors of a kind the
+        channel does not move itself are staged first (``stage_device``)."""
+
+    async def stage_device(self, msg: Any) -> None:
+        """Before a send: device tensors of a memory kind this channel does not move itself
+        (``device_kinds``) go to host memory of ours first (``Outgoing.to_host``)."""
+        if msg.on_device and msg.memory not in self.device_kinds:
+            await msg.to_host()
 
     async def recv(self, tag: int, out: object | None, device: object = None) -> tuple[Any, Receipt]:
         return await self.mailbox.recv(tag, out, device)

@@ -98,7 +98,7 @@ class InprocChannel(Channel):
         t0 = time.perf_counter()
         peer = self._other()
         self._remote.check_send(msg.nbytes, 0)  # no header limit: headers are never encoded here
-        await msg.to_host()  # device tensors: staged through host memory (no device lanes here)
+        await self.stage_device(msg)  # no device lanes here: through host memory
         self._sending += 1
         try:
             if msg.nbytes >= _REPOST_AFTER:

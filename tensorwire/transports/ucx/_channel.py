@@ -395,8 +395,7 @@ class UcxChannel(Channel):
         header = msg.header
         self._remote.check_send(msg.nbytes, len(header), self._remote_ctrl - HEADER.size)  # and its ctrl buffer
         t0 = time.perf_counter()
-        if msg.on_device and "cuda" not in self.device_kinds:
-            await msg.to_host()  # no cuda transports in this UCX: stage through host memory
+        await self.stage_device(msg)  # no cuda transports in this UCX: through host memory
         self._sending += 1
         try:
             await self._window.take_slot(self.check_open)

@@ -67,8 +67,7 @@ _MAX_SEGS = 65535
 
 
 def _host(a: object) -> np.ndarray:
-    """A payload array in host memory (device tensors are staged before they reach a channel
-    without ``device_kinds``)."""
+    """A payload array in host memory (``send`` stages device tensors first: ``stage_device``)."""
     if not isinstance(a, np.ndarray):
         raise TransferError(f"the verbs channel moves host memory, not {type(a).__name__}")
     return a
@@ -376,8 +375,7 @@ class VerbsChannel(Channel):
         header = msg.header
         self._remote.check_send(msg.nbytes, len(header))
         t0 = time.perf_counter()
-        if msg.on_device:
-            await msg.to_host()  # device tensors: staged through host memory (no device lanes here)
+        await self.stage_device(msg)  # no device lanes here: through host memory
         self._sending += 1
         try:
             await self._window.take_slot(self.check_open)
