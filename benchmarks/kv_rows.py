@@ -2,6 +2,7 @@
 
     python benchmarks/kv_rows.py [--transports ucx tcp] [--pool-mib 256] [--block-kib 16 64 256 1024]
                                  [--total-mib 32] [--inflight 1 8] [--batch 16] [--repeat 3]
+                                 [--memory host|cuda]
 
 A child process exposes a uint8 pool of --pool-mib as ``pool`` (its content from a seeded
 generator). This process connects over each transport, looks the pool up and, for each block
@@ -15,6 +16,14 @@ and the median latency of one block read alone. Every read's bytes are checked o
 Over ucx the reads are one-sided gets at an offset; over tcp each is a request the owner's node
 answers ("owner-assisted"): the table's protocol column says which. Speed is never asserted;
 the script exits 1 only when bytes came back wrong or something crashed.
+
+``--memory cuda`` puts the pool and the reader's buffer on GPU 0 (CuPy arrays), as a KV cache
+is: over ucx with cuda lanes the gets go from device memory to device memory (cuda_ipc between
+two processes on one GPU), over tcp the owner stages the blocks through pinned host memory.
+Every timed read (the baseline's too) ends with a wait for the reader's current stream, so it
+counts bytes in place, and the device's own copy of the contiguous bytes is printed as the
+ceiling. (``--memory host-engine``, not listed in --help: numpy posing as device memory,
+tensorwire's stand-in for a GPU, for running this script's device code on a machine without one.)
 """
 
 from __future__ import annotations
@@ -25,10 +34,12 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 import tensorwire
+from tensorwire.tensors import EngineArray
 
 MiB = 1 << 20
 SEED = 7
@@ -38,19 +49,90 @@ def pool_bytes(nbytes: int) -> np.ndarray:
     return np.random.default_rng(SEED).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-async def child(transport: str, nbytes: int) -> None:
+class Memory:
+    """Where the pool and the reader's buffer live: ``host`` (numpy), ``cuda`` (CuPy, the current
+    device) or ``host-engine`` (numpy posing as device memory, see the module's docstring)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.engine: Any = None
+        if kind == "cuda":
+            import cupy
+
+            self.cp = cupy
+        elif kind == "host-engine":
+            from tensorwire.memory import HostEngine
+
+            self.engine = HostEngine(poison=False)
+
+    def put(self, a: np.ndarray) -> Any:
+        """``a`` copied into this memory."""
+        if self.kind == "cuda":
+            return self.cp.asarray(a)
+        if self.kind == "host-engine":
+            return EngineArray(self.engine, a.copy())
+        return a
+
+    def zeros(self, n: int) -> Any:
+        return self.put(np.zeros(n, np.uint8))
+
+    def view(self, buf: Any, a: int, b: int) -> Any:
+        """Bytes ``a:b`` of ``buf``, a view (a read into it lands in ``buf``)."""
+        if self.kind == "host-engine":
+            return EngineArray(self.engine, buf.array[a:b])
+        return buf[a:b]
+
+    def fetch(self, buf: Any) -> np.ndarray:
+        """``buf``'s bytes in host memory, for the checks (untimed)."""
+        if self.kind == "cuda":
+            return self.cp.asnumpy(buf)
+        return buf.array if self.kind == "host-engine" else buf
+
+    def zero(self, buf: Any) -> None:
+        (buf.array if self.kind == "host-engine" else buf).fill(0)
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait until the work queued on the current stream is done: a read into CUDA memory may
+        still be landing, on that stream, when it returns. Blocks: only the reader runs here."""
+        if self.kind == "cuda":
+            self.cp.cuda.get_current_stream().synchronize()
+
+    def d2d_gbps(self, buf: Any) -> float:
+        """The device's own copy of ``buf``'s bytes, GB/s (CUDA events; best of 5)."""
+        cp = self.cp
+        dst = cp.empty_like(buf)
+        best = float("inf")
+        for _ in range(6):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, buf.data.ptr, buf.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                        cp.cuda.get_current_stream().ptr)  # fmt: skip
+            stop.record()
+            stop.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(start, stop) / 1e3)
+        return buf.nbytes / best / 1e9
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+async def child(transport: str, nbytes: int, memory: str) -> None:
+    mem = Memory(memory)
     async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
-        node.expose(pool_bytes(nbytes), name="pool")
+        node.expose(mem.put(pool_bytes(nbytes)), name="pool")
         print(json.dumps({"address": node.address}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent is done
+    mem.close()
 
 
 async def gather_blocks(peer: tensorwire.Peer, h: tensorwire.RemoteHandle, starts: np.ndarray, block: int,
-                        out: np.ndarray, mode: str) -> str:  # fmt: skip
+                        out: Any, mode: str, mem: Memory) -> str:  # fmt: skip
     """Read the blocks at ``starts`` into consecutive places of ``out``: ``N`` single reads in
     flight at a time, or ``batch N``: ``read_many`` of N blocks at a time; the protocol the
     receipts named."""
-    places = [out[j * block : (j + 1) * block] for j in range(len(starts))]
+    places = [mem.view(out, j * block, (j + 1) * block) for j in range(len(starts))]
     handles = [h[s : s + block] for s in starts.tolist()]
     protocols: set[str] = set()
     if mode.startswith("batch"):
@@ -70,15 +152,16 @@ async def gather_blocks(peer: tensorwire.Peer, h: tensorwire.RemoteHandle, start
     return ",".join(sorted(protocols))
 
 
-async def measure(transport: str, args: argparse.Namespace) -> list[dict[str, object]]:
+async def measure(transport: str, args: argparse.Namespace, notes: list[str]) -> list[dict[str, object]]:
     pool_n = args.pool_mib * MiB
     total = args.total_mib * MiB
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--child", transport, str(pool_n), stdin=asyncio.subprocess.PIPE,
+        sys.executable, __file__, "--child", transport, str(pool_n), args.memory, stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None and proc.stdin is not None
     rows: list[dict[str, object]] = []
+    mem = Memory(args.memory)
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 60)
         if not line:
@@ -89,25 +172,30 @@ async def measure(transport: str, args: argparse.Namespace) -> list[dict[str, ob
         async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
             peer = await node.connect(address)
             h = await peer.lookup("pool")
-            out = np.empty(total, np.uint8)
+            notes.append(f"{transport}: path {peer.path}; the pool is in {h.memory} memory")
+            out = mem.zeros(total)
             whole = h[0:total]
 
             async def baseline() -> float:
+                mem.settle()
                 t0 = time.perf_counter()
                 await peer.read(whole, out=out)
+                mem.settle()
                 return time.perf_counter() - t0
 
             await baseline()
-            if not np.array_equal(out, expected[:total]):
+            if not np.array_equal(mem.fetch(out), expected[:total]):
                 raise AssertionError(f"{transport}: the contiguous read came back wrong")
             for kib in args.block_kib:
                 block = kib << 10
                 n = total // block
                 lat = []
+                first = mem.view(out, 0, block)
                 for _ in range(min(200, max(20, 4 * MiB // block))):
                     s = int(rng.integers(0, pool_n // block)) * block
                     t0 = time.perf_counter()
-                    await peer.read(h[s : s + block], out=out[:block])
+                    await peer.read(h[s : s + block], out=first)
+                    mem.settle()
                     lat.append(time.perf_counter() - t0)
                 for k in [str(i) for i in args.inflight] + [f"batch {b}" for b in args.batch] + ["batch"]:
                     best = base = float("inf")
@@ -115,17 +203,18 @@ async def measure(transport: str, args: argparse.Namespace) -> list[dict[str, ob
                     for turn in range(args.repeat):
                         base = min(base, await baseline())
                         starts = rng.choice(pool_n // block, n, replace=False) * block
-                        out[:] = 0
+                        mem.zero(out)
                         t0 = time.perf_counter()
-                        protocol = await gather_blocks(peer, h, starts, block, out, k)
+                        protocol = await gather_blocks(peer, h, starts, block, out, k, mem)
+                        mem.settle()
                         best = min(best, time.perf_counter() - t0)
                         if turn == 0:
                             want = expected.reshape(-1, block)[starts // block].reshape(-1)
-                            if not np.array_equal(out[: n * block], want):
+                            if not np.array_equal(mem.fetch(out)[: n * block], want):
                                 raise AssertionError(f"{transport}: blocks of {kib} KiB came back wrong")
                     rows.append({
-                        "transport": transport, "path": str(peer.path.transport), "protocol": protocol,
-                        "block_kib": kib, "blocks": n, "inflight": k,
+                        "transport": transport, "memory": args.memory, "path": str(peer.path.transport),
+                        "protocol": protocol, "block_kib": kib, "blocks": n, "inflight": k,
                         "gbps": n * block / best / 1e9, "base_gbps": total / base / 1e9,
                         "ratio": (n * block / best) / (total / base), "lat_us": statistics.median(lat) * 1e6,
                     })  # fmt: skip
@@ -137,6 +226,7 @@ async def measure(transport: str, args: argparse.Namespace) -> list[dict[str, ob
         except TimeoutError:
             proc.kill()
             await proc.wait()
+        mem.close()
     return rows
 
 
@@ -153,6 +243,19 @@ def _line(r: dict[str, object]) -> str:
     )
 
 
+def _no_gpu() -> str:
+    """Why --memory cuda cannot run here, or "" when it can."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"needs CuPy and a CUDA GPU ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"needs a CUDA GPU, and CUDA does not start here ({exc})"
+    return "" if count else "needs a CUDA GPU, and CuPy sees none here"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transports", nargs="+", default=["ucx", "tcp"])
@@ -163,20 +266,39 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[16], help="read_many of this many blocks (and of all)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory", choices=["host", "cuda", "host-engine"], default="host", metavar="{host,cuda}",
+        help="where the pool and the reader's buffer live (cuda: GPU 0, through CuPy)",
+    )  # fmt: skip
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        asyncio.run(child(args.child[0], int(args.child[1])))
+        asyncio.run(child(args.child[0], int(args.child[1]), args.child[2]))
         return 0
     if args.total_mib > args.pool_mib:
         parser.error("--total-mib is at most --pool-mib")
+    if args.memory == "cuda":
+        why = _no_gpu()
+        if why:
+            print(f"kv_rows: --memory cuda {why}", file=sys.stderr)
+            return 2
+        import cupy
+
+        mem = Memory("cuda")
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+        print(f"device: {name}, CuPy {cupy.__version__}; its own copy of {args.total_mib} MiB (the ceiling): "
+              f"{mem.d2d_gbps(mem.zeros(args.total_mib * MiB)):.1f} GB/s", flush=True)  # fmt: skip
+    print(f"memory: {args.memory}", flush=True)
     print(HEADER, flush=True)
     rows = []
+    notes: list[str] = []
     for transport in args.transports:
         try:
-            rows += asyncio.run(measure(transport, args))
+            rows += asyncio.run(measure(transport, args, notes))
         except tensorwire.TransportUnavailable as exc:
             print(f"| {transport} | skipped: {exc} |", flush=True)
+    for note in notes:
+        print(note)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

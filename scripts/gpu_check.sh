@@ -5,6 +5,7 @@
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
+#   KV_ARGS="--block-kib 16" bash scripts/gpu_check.sh     # benchmarks/kv_rows.py's (with --memory cuda)
 #   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh;
 #                                              # for when they need two device calls)
 #
@@ -92,11 +93,12 @@ if [ "$INSTALL_ONLY" -eq 1 ]; then
     exit 0
 fi
 
-# each step has a time limit, so that the whole check stays under ~8 minutes (a lent machine
+# each step has a time limit, so that the whole check stays under ~9.5 minutes (a lent machine
 # gives one command 10); a step that runs out reports exit 124
 T_TESTS=${T_TESTS:-240}
 T_PACK=${T_PACK:-75}
 T_P2P=${T_P2P:-180}
+T_KV=${T_KV:-60}
 
 echo "== GPU tests: $PY -m pytest -m gpu tests/ -q (limit ${T_TESTS}s)"
 timeout -k 10 "$T_TESTS" "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
@@ -113,15 +115,25 @@ echo "== GPU benchmark: $PY benchmarks/gpu_p2p.py ${P2P_ARGS:-} (limit ${T_P2P}s
 PYTHONUNBUFFERED=1 timeout -k 10 "$T_P2P" "$PY" benchmarks/gpu_p2p.py ${P2P_ARGS:-} 2>&1 | tee "$LOGS/tensorwire-gpu-p2p.log"
 P2P_RC=${PIPESTATUS[0]}
 
+# one-sided reads of scattered KV-cache blocks, GPU memory to GPU memory (ucx: cuda_ipc gets; tcp:
+# the owner stages them); a small run: two block sizes, 8 in flight and batches
+KV=${KV_ARGS:---pool-mib 256 --total-mib 32 --block-kib 64 1024 --inflight 8 --batch 16 --repeat 2}
+echo "== GPU benchmark: $PY benchmarks/kv_rows.py --memory cuda $KV (limit ${T_KV}s)"
+# shellcheck disable=SC2086
+PYTHONUNBUFFERED=1 timeout -k 10 "$T_KV" "$PY" benchmarks/kv_rows.py --memory cuda $KV 2>&1 | tee "$LOGS/tensorwire-gpu-kv.log"
+KV_RC=${PIPESTATUS[0]}
+
 echo "== summary"
 echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/tensorwire-gpu-tests.log" | tail -1) (exit $TESTS_RC)"
 grep -E '^(FAILED|ERROR) ' "$LOGS/tensorwire-gpu-tests.log" | head -20
 echo "gpu_pack:  $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-bench.log" || echo 'no device line') (exit $BENCH_RC)"
 echo "gpu_p2p:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-p2p.log" || echo 'no device line') (exit $P2P_RC)"
 grep -E '^(\||tcp path|ucx path|ucx used: |.* receipt: |note: |ucx cuda: skipped|.*FAILED)' "$LOGS/tensorwire-gpu-p2p.log"
-if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$P2P_RC" -eq 0 ]; then
+echo "kv_rows:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-kv.log" || echo 'no device line') (exit $KV_RC)"
+grep -E '^(\||(ucx|tcp): path|Traceback|.*Error)' "$LOGS/tensorwire-gpu-kv.log"
+if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$P2P_RC" -eq 0 ] && [ "$KV_RC" -eq 0 ]; then
     echo "GPU CHECK: PASS"
     exit 0
 fi
-echo "GPU CHECK: FAIL (exit codes: tests $TESTS_RC, gpu_pack $BENCH_RC, gpu_p2p $P2P_RC; 124 = ran out of time)"
+echo "GPU CHECK: FAIL (exit codes: tests $TESTS_RC, gpu_pack $BENCH_RC, gpu_p2p $P2P_RC, kv_rows $KV_RC; 124 = ran out of time)"
 exit 1

@@ -1,0 +1,56 @@
+"""The GPU benchmarks' device code, run on this machine with tensorwire's stand-in for a GPU.
+
+``benchmarks/kv_rows.py --memory cuda`` runs only where a GPU is lent, which is rarely; its
+device code (the pool exposed from device memory in a child process, reads into views of one
+device buffer, the byte checks) is the same with ``--memory host-engine``, numpy posing as device
+memory. This runs it for real, two processes over tcp, so that the next GPU run does not find a
+broken script. The script checks every cell's bytes and exits 1 when any came back wrong.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(120)
+def test_kv_rows_reads_blocks_into_device_memory(tmp_path: Path) -> None:
+    rows_file = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [
+            sys.executable, "benchmarks/kv_rows.py", "--memory", "host-engine", "--transports", "tcp",
+            "--pool-mib", "8", "--total-mib", "2", "--block-kib", "64", "1024", "--inflight", "4",
+            "--batch", "8", "--repeat", "1", "--json", str(rows_file),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=100,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(rows_file.read_text())
+    # 2 block sizes x (4 in flight, batches of 8, one batch of all)
+    assert len(rows) == 6, rows
+    assert {r["memory"] for r in rows} == {"host-engine"}
+    # host-engine memory is not registered with tcp: its owner serves every read
+    assert {r["protocol"] for r in rows} == {"owner-assisted"}
+    assert "tcp: path tcp" in proc.stdout and "the pool is in host-engine memory" in proc.stdout, proc.stdout
+
+
+def test_kv_rows_with_cuda_memory_and_no_gpu_says_why() -> None:
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount():
+            pytest.skip("a GPU is here: tests/gpu and scripts/gpu_check.sh run the cuda variant")
+    except Exception:  # no CuPy, or CUDA does not start: the case under test
+        pass
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/kv_rows.py", "--memory", "cuda"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--memory cuda needs" in proc.stderr, proc.stderr
