@@ -120,8 +120,10 @@ class Memory:
 
 async def child(transport: str, nbytes: int, memory: str) -> None:
     mem = Memory(memory)
+    pool = mem.put(pool_bytes(nbytes))
+    mem.settle()  # a copy up from pageable memory may still be landing; gets ignore streams
     async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
-        node.expose(mem.put(pool_bytes(nbytes)), name="pool")
+        node.expose(pool, name="pool")
         print(json.dumps({"address": node.address}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent is done
     mem.close()

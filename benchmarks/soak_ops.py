@@ -2,6 +2,7 @@
 
     python benchmarks/soak_ops.py [--duration 60] [--peers 3] [--concurrency 4] [--max-mib 64]
                                   [--seed 0] [--restart-rate 0.005] [--transport tcp]
+                                  [--engine [--by-pointer]]
 
 ``benchmarks/soak.py`` does this for send/recv; this script does it for the rest of the peer API.
 A hub node in this process drives worker processes, each of which exposes one uint8 tensor named
@@ -21,6 +22,14 @@ operation at random, over and over:
              whole or fails with HandleNotFound); then the old handle must fail with
              HandleNotFound, and a new lookup works
   restart    SIGKILL a worker and start a new one (--restart-rate, per operation)
+
+``--engine`` puts the regions in "device" memory of a HostEngine (``EngineArray``: host memory
+that goes every way CUDA memory does, on a stream of the worker's) and makes the hub's write
+sources and read buffers device memory half the time: the one-sided paths of CUDA tensors
+(served by the owner through staging, or staged around the one-sided gets and puts), with
+staging chunks poisoned on reuse. ``--by-pointer`` (ucx) also declares that memory registrable
+and postable by pointer, as ucx takes CUDA memory where UCX has cuda lanes, so the gets and puts
+go at its addresses after the streams' events.
 
 Every operation but restart is cancelled at a random moment now and then (asyncio.wait_for with
 a short limit); a cancelled write leaves the region's content unknown until the next write. A
@@ -54,7 +63,7 @@ import resource
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -62,6 +71,8 @@ from _sizes import MiB
 from _soak import kill_and_reap, random_size
 
 import tensorwire
+from tensorwire.memory import HostEngine, wait_event
+from tensorwire.tensors import EngineArray
 
 MARK = 0xA5  # what a cancelled read's buffer is filled with afterwards
 
@@ -75,10 +86,28 @@ def crc(a):
 def pattern(seed, n):
     return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
 
-async def main(address, transport, region_bytes):
+async def main(address, transport, region_bytes, engine_mode):
+    engine = None
+    if engine_mode != "host":
+        from tensorwire.memory import HostEngine
+        from tensorwire.tensors import EngineArray
+        engine = HostEngine()
+        stream = engine.stream()  # the owner's: its served writes land on a lane of this stream
+
+    def region(n):  # a region's memory, and the numpy array that holds its bytes
+        if engine is None:
+            a = np.zeros(n, np.uint8)
+            return a, a
+        a = np.zeros(n, np.uint8)
+        return EngineArray(engine, a, stream=stream), a
+
     async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
-        state = {"region": np.zeros(region_bytes, np.uint8)}
-        node.expose(state["region"], name="region")
+        if engine_mode == "by-pointer":
+            t = node.transports.get(transport)
+            t.region_kinds = t.region_kinds | {"host-engine"}
+        state = {}
+        tensor, state["region"] = region(region_bytes)
+        node.expose(tensor, name="region")
 
         @node.method("crc")
         async def crc_of(x):
@@ -108,8 +137,8 @@ async def main(address, transport, region_bytes):
 
         async def swap(nbytes):
             await node.unexpose("region")  # every peer holding a key has let go of the old one
-            state["region"] = np.zeros(nbytes, np.uint8)
-            node.expose(state["region"], name="region")
+            tensor, state["region"] = region(nbytes)
+            node.expose(tensor, name="region")
 
         swaps = {}  # token -> the swap's task, or None: settled before it came (a no-op then)
 
@@ -135,7 +164,7 @@ async def main(address, transport, region_bytes):
         except tensorwire.PeerDisconnected:
             return
 
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))
 """
 
 
@@ -198,11 +227,30 @@ class Soak:
         self.hub: tensorwire.Node | None = None
         self.launching = asyncio.Lock()  # hub.accept() must hand each launch its own worker
         self.resources: list[tuple[str, int, int, int]] = []  # (when, RSS bytes, open fds, asyncio tasks)
+        self.engine = HostEngine() if args.engine else None  # poisons its staging chunks on reuse
+        self.stream = self.engine.stream() if self.engine is not None else None
+        self.mode = "by-pointer" if args.by_pointer else "engine" if args.engine else "host"
 
     # -- helpers -----------------------------------------------------------------------------
     def data(self, n: int) -> np.ndarray:
         start = self.rng.randrange(0, len(self.pool) - n + 1)
         return self.pool[start : start + n]
+
+    def dev(self, a: np.ndarray) -> Any:
+        """``a`` as a one-sided call gets it: itself, or (--engine, half the time) HostEngine
+        "device" memory over the same bytes (so a read into it lands in ``a``), on a stream of
+        the hub's half of those times."""
+        if self.engine is None or self.rng.random() < 0.5:
+            return a
+        return EngineArray(self.engine, a, stream=self.stream if self.rng.random() < 0.5 else None)
+
+    async def settle(self) -> None:
+        """Wait for the hub's stream (--engine): a read into memory of a stream lands ordered
+        before that stream's next work, as a CUDA read does, and may still be landing when it
+        returns (or, cancelled, be finishing its queued copies); the host looks at the bytes
+        only after that, as it would after a CUDA stream synchronize."""
+        if self.engine is not None:
+            await wait_event(self.engine, self.engine.record_on(self.stream))
 
     def cancel_after(self) -> float | None:
         """A random short limit for this operation (asyncio.wait_for), or None: run it whole."""
@@ -241,9 +289,11 @@ class Soak:
         w.region_bytes = max(1, random_size(self.rng, self.args.max_mib * MiB))
         async with self.launching:
             w.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", WORKER, self.hub.address, self.args.transport, str(w.region_bytes)
+                sys.executable, "-c", WORKER, self.hub.address, self.args.transport, str(w.region_bytes), self.mode
             )
             w.peer = await asyncio.wait_for(self.hub.accept(), 60)
+        if self.mode == "by-pointer":  # what the worker declared of its transport, for our gets and puts
+            w.peer.channel.device_kinds = w.peer.channel.device_kinds | {"host-engine"}
         w.handle = None
         w.content = zeros_crc(w.region_bytes)
         w.ready.set()
@@ -366,12 +416,16 @@ class Soak:
             handles = [h[a:b] for a, b in pieces]
 
             def write(src: np.ndarray) -> Awaitable[Any]:
-                return peer.write_many(handles, [src[a:b] for a, b in pieces]) if rows else peer.write(h, src)
+                if rows:
+                    return peer.write_many(handles, [self.dev(src[a:b]) for a, b in pieces])
+                return peer.write(h, self.dev(src))
 
             async def read(out: np.ndarray) -> np.ndarray:
                 if not rows:
-                    return cast(np.ndarray, await peer.read(h, out=out))
-                outs = [out[a:b] for a, b in pieces]
+                    into = self.dev(out)
+                    self.check(await peer.read(h, out=into) is into, "read(out=) returned another object")
+                    return out
+                outs = [self.dev(out[a:b]) for a, b in pieces]
                 got = await peer.read_many(handles, outs=outs)
                 self.check(all(map(operator.is_, got, outs)), "read_many(outs=) returned other objects")
                 return out
@@ -386,10 +440,12 @@ class Soak:
             cancelled_out: np.ndarray | None = None
             out = np.empty(h.nbytes, np.uint8)
             done, got = await self.maybe_cancelled(read(out), self.cancel_after())
+            await self.settle()
             if not done:
                 out.fill(MARK)
                 cancelled_out, out = out, np.empty(h.nbytes, np.uint8)
                 got = await read(out)
+                await self.settle()
                 outcome = "cancelled"
             self.check(got is out, "read(out=) returned another object")
             self.moved += h.nbytes
@@ -512,6 +568,8 @@ class Soak:
             self.resources.append(("end", *usage()))
             for w in self.workers:
                 await self.stop(w)
+        if self.engine is not None:
+            self.engine.close()
         return self.report(elapsed)
 
     def report(self, elapsed: float) -> int:
@@ -519,7 +577,9 @@ class Soak:
         print(
             f"soak of RPC and one-sided ops over {a.transport}: {elapsed:.1f} s, {a.peers} worker processes, "
             f"{a.concurrency} concurrent, sizes 0 B..{a.max_mib} MiB, seed {a.seed}"
-        )
+            + {"host": "", "engine": "; regions and half the buffers in HostEngine memory",
+               "by-pointer": "; regions and half the buffers in HostEngine memory, taken by pointer"}[self.mode]
+        )  # fmt: skip
         names = sorted({name for name, _ in self.outcomes})
         kinds = sorted({kind for _, kind in self.outcomes}, key=lambda k: (k != "verified", k != "cancelled", k))
         print(f"  {'operation':<11}" + "".join(f"{k:>24}" for k in kinds))
@@ -549,7 +609,12 @@ def main() -> int:
     p.add_argument("--restart-rate", type=float, default=0.005, help="chance per operation to restart a worker")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--hang", type=float, default=120.0, help="seconds after which an operation counts as hung")
-    return asyncio.run(Soak(p.parse_args()).run())
+    p.add_argument("--engine", action="store_true", help="regions and half the buffers in HostEngine 'device' memory")
+    p.add_argument("--by-pointer", action="store_true", help="with --engine over ucx: that memory taken by pointer")
+    args = p.parse_args()
+    if args.by_pointer and not (args.engine and args.transport == "ucx"):
+        p.error("--by-pointer goes with --engine --transport ucx (the transport whose gets take device pointers)")
+    return asyncio.run(Soak(args).run())
 
 
 if __name__ == "__main__":

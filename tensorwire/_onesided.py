@@ -59,7 +59,7 @@ from .errors import (
     TransferError,
 )
 from .memory import CopyEngine, DeviceBuffer, Event, wait_event
-from .tensors import as_view, dtype_from_name
+from .tensors import Outgoing, as_view, dtype_from_name, prepare
 from .tensors._device import (
     Device,
     DeviceSource,
@@ -780,7 +780,10 @@ async def read_many(
         part = assisted[k : k + _MAX_REGIONS]
         # device memory: the recv lands it (staged or by pointer) and orders the consumer's stream
         moved = await _assisted_read(
-            peer, [handles[i] for i in part], [dests[i].value if dests[i].dest is None else dests[i].dest for i in part]
+            peer,
+            [handles[i] for i in part],
+            [dests[i].value if dests[i].dest is None else dests[i].dest for i in part],
+            streams,
         )
     packed = False
     for d in dests:
@@ -855,12 +858,15 @@ async def _get_device(
     return memory, staged
 
 
-async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[Any]) -> Receipt:
+async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[Any], streams: Streams | None) -> Receipt:
+    """Ask the owner for the rows and receive them into ``dests``; device ones ordered on the
+    consumer's ``streams`` taken at the read's call (another task may have made other streams
+    current while the request was on its way)."""
     reply, _ = _tags()
     await peer.send({"op": "read", "regions": [_naming(h) for h in handles], "reply": reply}, tag=_OPS_TAG)
     try:
         try:
-            _, receipt = await peer.recv_with_receipt(tag=reply, out=dests)
+            _, receipt = await peer.channel.recv(reply, dests, streams=streams)
         except ShapeMismatchError:
             answer = await peer.recv(tag=reply)  # not the tensors: the owner's error
             if isinstance(answer, dict) and answer.get("error"):
@@ -905,6 +911,10 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
             )
         arrays.append(arr)
     direct, assisted = _split(peer, handles)
+    # the owner-served parts' messages now, at the call: device sources record their producer
+    # stream's event here, not after the awaits below (by then another stream may be current)
+    parts = [assisted[k : k + _MAX_REGIONS] for k in range(0, len(assisted), _MAX_REGIONS)]
+    outgoing = [prepare([srcs[i] for i in part]) for part in parts]
     for i, _ in direct:
         if not handles[i].writable:
             raise HandleNotFound(f"write of {handles[i].name!r}: {handles[i].name!r} is exposed read-only")
@@ -933,20 +943,21 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
                 moves.append((state, await t.to_host(), handles[i].offset))
                 staged = True
         await _move(peer, "put", moves)
-    for k in range(0, len(assisted), _MAX_REGIONS):
-        part = assisted[k : k + _MAX_REGIONS]
-        moved = await _assisted_write(peer, [handles[i] for i in part], [srcs[i] for i in part])
+    for part, msg in zip(parts, outgoing, strict=True):
+        moved = await _assisted_write(peer, [handles[i] for i in part], msg)
     nbytes = sum(a.nbytes for a in arrays)
     return _receipt(peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
 
 
-async def _assisted_write(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -> Receipt:
+async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing) -> Receipt:
+    """Send the owner a write request and then the sources, ``msg`` (prepared at the write's
+    call); returns once the owner has the bytes in place."""
     reply, data = _tags()
     await peer.send(
         {"op": "write", "regions": [_naming(h) for h in handles], "reply": reply, "data": data}, tag=_OPS_TAG
     )
     try:
-        receipt = await peer.send(srcs, tag=data)
+        receipt = await peer.channel.send(data, msg)
     except asyncio.CancelledError:
         peer._spawn(_cancel_write(peer, data, reply))
         raise

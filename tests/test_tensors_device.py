@@ -146,6 +146,47 @@ async def test_bad_cuda_array_interfaces_fail_the_send_alone(cai: dict[str, obje
         assert await b.recv(tag="i") == 7
 
 
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((5, 3, 4), np.int32), ((7,), np.float64), ((), np.float16), ((1, 1, 9), np.uint8), ((2, 1, 3), np.complex128)],
+)
+def test_c_strides_are_those_of_a_c_contiguous_array(shape: tuple[int, ...], dtype: type) -> None:
+    """The strides a CUDA view of an exposed tensor's rows is built with (``DeviceSource.region``)
+    and that a ``__cuda_array_interface__``'s are compared against. Numpy 2 gives a zero-size
+    array zero strides, so they cannot be read off ``np.empty((0, ...))`` (they were, once)."""
+    from tensorwire.tensors._device import _c_strides
+
+    assert _c_strides(shape, np.dtype(dtype)) == np.zeros(shape, dtype).strides
+    assert _c_strides((4, 0, 3), np.dtype(np.int32)) == (12, 12, 4)
+
+
+@pytest.mark.parametrize(
+    ("shape", "given", "want"),
+    [
+        ((5, 3, 4), None, ((48, 16, 4), True)),
+        ((5, 3, 4), (48, 16, 4), ((48, 16, 4), True)),
+        ((3, 5), (4, 12), ((4, 12), False)),  # a transpose
+        ((5, 4), (32, 4), ((32, 4), False)),  # every other row
+        ((1, 4), (999, 4), ((999, 4), True)),  # a dimension of 1 has any stride
+        ((4, 1), (4, 0), ((4, 0), True)),
+        ((0, 4), (7, 3), ((7, 3), True)),  # no elements
+    ],
+)
+def test_cuda_array_interface_layouts(
+    shape: tuple[int, ...], given: tuple[int, ...] | None, want: tuple[tuple[int, ...], bool]
+) -> None:
+    from tensorwire.tensors._device import _layout
+
+    assert _layout(shape, np.dtype(np.int32), given) == want
+
+
+def test_cuda_array_interface_with_strides_of_another_rank_is_refused() -> None:
+    from tensorwire.tensors._device import _layout
+
+    with pytest.raises(UnsupportedTensorError, match="2 strides for 3 dimensions"):
+        _layout((2, 3, 4), np.dtype(np.int32), (16, 4))
+
+
 async def test_device_cpu_gives_host_tensors_of_the_senders_framework() -> None:
     torch = pytest.importorskip("torch")
     async with connected_pair("tcp") as (a, b):

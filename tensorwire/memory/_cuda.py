@@ -70,6 +70,11 @@ class CudaEvent(Event):
         if status == 0:
             return True
         if status == _NOT_READY:
+            # the runtime may keep "not ready" as this thread's last error, where torch's next
+            # launch check (cudaGetLastError) would read it as a failure: clear it, as torch's
+            # own event and stream queries do (check_status calls cudaGetLastError, then raises)
+            with contextlib.suppress(self._rt.CUDARuntimeError):
+                self._rt.check_status(status)
             return False
         # any other status is a sticky CUDA error: let the runtime say which, in our error tree
         self.synchronize()

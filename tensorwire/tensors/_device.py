@@ -170,8 +170,31 @@ def _carrier(name: str) -> np.dtype:
 
 
 def _c_strides(shape: tuple[int, ...], dt: np.dtype) -> tuple[int, ...]:
-    """The byte strides of a C-contiguous array of ``shape`` and ``dt``."""
-    return tuple(int(s) for s in np.empty((0, *shape[1:]), dt).strides) if shape else ()
+    """The byte strides of a C-contiguous array of ``shape`` and ``dt`` (a dimension of 0
+    counts as 1, as numpy's own C-contiguous arrays have it). Computed, not read off an empty
+    numpy array: numpy 2 gives a zero-size array zero strides."""
+    strides = []
+    step = int(dt.itemsize)
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+def _layout(shape: tuple[int, ...], dt: np.dtype, given: Any) -> tuple[tuple[int, ...], bool]:
+    """(byte strides, C-contiguous?) of a ``__cuda_array_interface__``'s ``shape`` and its
+    ``strides`` entry (None: C-contiguous). The strides of a dimension of size 1 say nothing
+    (producers report anything there), and a tensor with no elements is contiguous."""
+    c_strides = _c_strides(shape, dt)
+    if given is None:
+        return c_strides, True
+    strides = tuple(int(s) for s in given)
+    if len(strides) != len(shape):
+        raise UnsupportedTensorError(f"__cuda_array_interface__ has {len(strides)} strides for {len(shape)} dimensions")
+    contiguous = any(n == 0 for n in shape) or all(
+        s == c for n, s, c in zip(shape, strides, c_strides, strict=True) if n != 1
+    )
+    return strides, contiguous
 
 
 def _cupy_view(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], name: str, device: int, owner: Any) -> Any:
@@ -416,9 +439,7 @@ def _interface_source(obj: Any) -> DeviceSource:
     if masked:
         raise UnsupportedTensorError(f"{type(obj).__name__}: masked CUDA arrays cannot be sent")
     name = dtype_name(dt)
-    c_strides = _c_strides(shape, dt)
-    strides = c_strides if given is None else tuple(int(s) for s in given)
-    contiguous = strides == c_strides or any(n == 0 for n in shape)
+    strides, contiguous = _layout(shape, dt, given)
     if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool) or stream == 0):
         # version 3 forbids 0 (ambiguous between the legacy and the per-thread default stream)
         raise UnsupportedTensorError(
@@ -449,7 +470,7 @@ def _cupy_source(a: Any) -> DeviceSource:
     cp = _cp()
     if not isinstance(a, cp.ndarray):
         return _interface_source(a)
-    name = dtype_name(np.dtype(a.dtype.str))
+    name = dtype_name(a.dtype)  # not a.dtype.str: bfloat16's is "<V2", a plain void type
     device = int(a.device.id)
     return DeviceSource(
         a,

@@ -792,6 +792,22 @@ def _by_pointer(a: Peer, b: Peer) -> bool:
 
 
 @contextlib.contextmanager
+def _slow_sends(peer: Peer) -> Iterator[None]:
+    """Every send of ``peer``'s waits 50 ms before it goes, as one held up by backpressure."""
+    send = peer.channel.send
+
+    async def slow(tag: int, msg: Any) -> Receipt:
+        await asyncio.sleep(0.05)
+        return await send(tag, msg)
+
+    peer.channel.send = slow  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del peer.channel.send  # the class's method again
+
+
+@contextlib.contextmanager
 def busy_stream(engine: HostEngine) -> Iterator[tuple[int, _HostEvent]]:
     """A stream of ``engine``'s that stays busy (earlier work of a framework's on it) until the
     event it yields is set; set on the way out in any case, so no lane thread is left waiting."""
@@ -869,6 +885,22 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
         gate.set()
         await asyncio.wait_for(task, 10)
         assert (kv[30] == 12).all(), "a write did not wait for its producer's stream"
+    # ... and for that work only, though its request is held up (a slow send): work queued on
+    # the producer's stream after the call (which may itself wait for the write) is not waited for
+    stream = engine.stream()
+    src = dev((32, 8), 13, stream=stream)
+    with _slow_sends(b):
+        task = asyncio.ensure_future(b.write(hd[31], src))
+        await asyncio.sleep(0)  # the call
+        later = _HostEvent()
+        engine.stream_lane(stream).wait(later)
+        try:
+            await asyncio.wait_for(task, 5)
+        except TimeoutError:
+            raise AssertionError("a write waited for its producer stream's work queued after the call") from None
+        finally:
+            later.set()
+    assert (kv[31] == 13).all(), "a write from a stream landed wrong"
     if direct:
         assert a.node.exposures.served == served, "the owner's code took part in a one-sided device access"
     # refused before anything moves

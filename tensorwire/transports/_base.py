@@ -13,9 +13,12 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ClosedResourceError, ProtocolError
+
+if TYPE_CHECKING:
+    from ..tensors._device import Streams
 
 __all__ = [
     "Capabilities",
@@ -158,8 +161,13 @@ class Channel(ABC):
         if msg.on_device and msg.memory not in self.device_kinds:
             await msg.to_host()
 
-    async def recv(self, tag: int, out: object | None, device: object = None) -> tuple[Any, Receipt]:
-        return await self.mailbox.recv(tag, out, device)
+    async def recv(
+        self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None
+    ) -> tuple[Any, Receipt]:
+        """``streams``: the consumer's streams, taken by a caller inside the library at its own
+        call (one that awaited since, when another task may have made other streams current);
+        by default taken now."""
+        return await self.mailbox.recv(tag, out, device, streams=streams)
 
     def wait_briefly(self, fut: Any) -> None:
         """A recv just posted ``fut``: a transport that can progress inline (without the loop)

@@ -377,7 +377,9 @@ class Mailbox:
         arrival.detach()
         self._arrived.setdefault(arrival.tag, deque()).appendleft(arrival)
 
-    async def recv(self, tag: int, out: object | None, device: object = None) -> tuple[Any, Receipt]:
+    async def recv(
+        self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None
+    ) -> tuple[Any, Receipt]:
         t0 = time.perf_counter()
         want = parse_device(device)
         if want is not None:
@@ -385,7 +387,8 @@ class Mailbox:
                 raise ConfigurationError("pass out= or device=, not both: out= already says where the bytes go")
             if want.kind == "cuda":
                 want = Device("cuda", check_cuda(want.index))
-        streams = capture_streams(want)
+        if streams is None:
+            streams = capture_streams(want)
         self.in_flight += 1
         try:
             while True:

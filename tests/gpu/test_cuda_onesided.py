@@ -62,6 +62,19 @@ def _ucx_cuda() -> None:
 TRANSPORTS = ["tcp", "inproc", "ucx"]
 
 
+def _slow_sends(peer: tensorwire.Peer) -> None:
+    """Make every send of ``peer``'s wait 50 ms before it goes, as one held up by backpressure
+    does: an owner-served read or write then resumes after its request's send, when the stream
+    current in this thread may be another task's (torch's current stream is the thread's)."""
+    send = peer.channel.send
+
+    async def slow(tag: int, msg: Any) -> Any:
+        await asyncio.sleep(0.05)
+        return await send(tag, msg)
+
+    peer.channel.send = slow  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_cuda_exposure_read_and_written_by_rows(transport: str) -> None:
     torch = _torch()
@@ -119,10 +132,13 @@ async def test_cuda_exposure_read_and_written_by_rows(transport: str) -> None:
             await b.read(h[1], out=torch.zeros((64, 16), dtype=torch.int32, device="cuda"))
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["", "slow-sends"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_cuda_read_waits_for_the_consumer_stream(transport: str) -> None:
+async def test_cuda_read_waits_for_the_consumer_stream(transport: str, slow: bool) -> None:
     """A read into a CUDA tensor lands after the work its stream had queued at the call (here a
-    fill that the read must overwrite), and may be used on that stream at once."""
+    fill that the read must overwrite), and may be used on that stream at once. The stream is
+    the one current at the call, though another is current by the time an owner-served read's
+    request has gone (``slow``)."""
     torch = _torch()
     if transport == "ucx":
         _ucx_cuda()
@@ -132,6 +148,8 @@ async def test_cuda_read_waits_for_the_consumer_stream(transport: str) -> None:
     async with connected_pair(transport) as (a, b):
         a.node.expose(kv, name="kv")
         h = await b.lookup("kv")
+        if slow:
+            _slow_sends(b)
         out = torch.zeros_like(kv)
         consumer.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(consumer):
@@ -145,9 +163,12 @@ async def test_cuda_read_waits_for_the_consumer_stream(transport: str) -> None:
         assert ok, "the read landed before the consumer stream's earlier fill (or was not ready on it)"
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["", "slow-sends"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_cuda_write_waits_for_the_producer_stream(transport: str) -> None:
-    """A write from a CUDA tensor carries what its stream wrote into it before the call."""
+async def test_cuda_write_waits_for_the_producer_stream(transport: str, slow: bool) -> None:
+    """A write from a CUDA tensor carries what its stream wrote into it before the call: the
+    stream current at the call, though another is current by the time an owner-served write's
+    request has gone (``slow``)."""
     torch = _torch()
     if transport == "ucx":
         _ucx_cuda()
@@ -159,6 +180,8 @@ async def test_cuda_write_waits_for_the_producer_stream(transport: str) -> None:
     async with connected_pair(transport) as (a, b):
         a.node.expose(kv, name="kv")
         h = await b.lookup("kv")
+        if slow:
+            _slow_sends(b)
         with torch.cuda.stream(side):
             torch.cuda._sleep(SPIN)
             src.fill_(7)

@@ -59,6 +59,22 @@ def _rand_torch(torch: Any, shape: tuple[int, ...], dtype: Any, seed: int) -> An
 
 
 # -- the CUDA copy engine alone ------------------------------------------------------------------
+def test_a_busy_event_query_leaves_no_error_for_the_next_torch_launch() -> None:
+    """Waiting on an event polls cudaEventQuery on the caller's thread; "not ready" may stay as
+    that thread's last CUDA error, which torch's launch check (cudaGetLastError) would raise as
+    "device not ready" at the next kernel. The engine clears it, as torch's own queries do."""
+    torch = _torch()
+    engine = CudaEngine.get(0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SPIN)
+    event = engine.record_on(int(side.cuda_stream))
+    assert not event.query(), "the side stream finished half a second of spinning at once"
+    x = torch.full((4,), 2.0, device="cuda") * 3  # launches on the current stream, checked by torch
+    assert float(x.sum()) == 24.0
+    event.synchronize()
+
+
 async def test_cuda_engine_pipeline_roundtrip() -> None:
     engine = CudaEngine.get(0)
     src = cp.asarray(np.random.default_rng(1).integers(0, 256, 9 * MiB + 123, dtype=np.uint8))

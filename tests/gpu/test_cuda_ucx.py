@@ -222,7 +222,7 @@ async def test_ucx_between_two_processes_on_one_gpu_says_cuda_ipc() -> None:
                 x = torch.randint(-1000, 1000, (n // 4,), generator=g, device="cuda", dtype=torch.int32)
                 sent = await peer.send(x, tag="x")
                 assert sent.memory == "cuda" and not sent.staged, sent
-                got, receipt = await peer.recv_with_receipt(tag="y")
+                got, receipt = await asyncio.wait_for(peer.recv_with_receipt(tag="y"), 60)
                 assert receipt.memory == "cuda", receipt
                 assert got["sum"] == int(x.sum(dtype=torch.int64)), f"{n} bytes: the child got other bytes"
                 assert torch.equal(got["y"], x * 2), f"{n} bytes: the answer came back wrong"
