@@ -395,6 +395,9 @@ class Soak:
         if w.handle is None:
             w.handle = await peer.lookup("region")
             self.check(w.handle.nbytes == w.region_bytes, f"lookup says {w.handle.nbytes} B, not {w.region_bytes}")
+            if self.mode != "host" and w.handle.direct != (self.mode == "by-pointer"):
+                # HostEngine memory is served by its owner unless declared taken by pointer
+                raise Problem("unexpected", f"the region's handle is {'' if w.handle.direct else 'not '}one-sided")
         return w.handle
 
     async def op_write_read(self, w: Worker, peer: tensorwire.Peer) -> str:
