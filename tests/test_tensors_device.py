@@ -20,7 +20,7 @@ import tensorwire
 from tensorwire.errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
 from tensorwire.memory import HostEngine, StageIn, download, stage_out
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
-from tensorwire.testing import busy_stream, cancel_recv_at_every_step, connected_pair, exchange
+from tensorwire.testing import CHECKS, busy_stream, cancel_recv_at_every_step, connected_pair, exchange
 from tensorwire.transports import Limits
 
 CHUNK = 64 * 1024
@@ -367,6 +367,16 @@ async def test_ucx_device_pointer_path(engine: HostEngine, nbytes: int, order: s
             assert engine.max_queued == 0, "a lane copied bytes that UCX should have moved by pointer"
         else:  # an eager message that came first was buffered in host memory: said so
             assert receipt.staged and not receipt.direct
+
+
+@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
+async def test_ucx_device_send_cancelled_while_its_stream_is_busy() -> None:
+    """The conformance check, on ucx's device-pointer path: the payload is posted once the
+    producer's event has completed, so a send cancelled before that posts nothing, and must
+    tell its receiver (ABORT), which has its header and waits for the payload."""
+    async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        _ucx_device_lanes(a, b)
+        await CHECKS["device_send_cancelled_while_its_stream_is_busy"](a, b)
 
 
 @pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")

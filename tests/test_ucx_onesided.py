@@ -11,6 +11,8 @@ import signal
 import sys
 import textwrap
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -328,3 +330,35 @@ async def test_node_ucx_options() -> None:
         assert all(lane.startswith("tcp/") for lane in peer.path.lanes), peer.path
     with pytest.raises(tensorwire.ConfigurationError):
         await tensorwire.start(transports=("ucx",), ucx_options={"UCX_TLS": "tcp"})
+
+
+async def _until(pred: Callable[[], bool], seconds: float) -> None:
+    """Let the loop run (UCX progress included) until ``pred()``; fails after ``seconds``."""
+    give_up = time.monotonic() + seconds
+    while not pred():
+        assert time.monotonic() < give_up, f"not true after {seconds} s"
+        await asyncio.sleep(0)
+
+
+async def test_a_closed_channel_destroys_its_remote_keys_only_after_their_operations() -> None:
+    """UCX forbids destroying a remote key while operations that use it are outstanding (a
+    cuda_ipc get runs in fragments UCX posts as it progresses). A channel closed while its gets
+    are in flight fails them at once, and destroys their keys once UCX has finished them."""
+    async with _pair("tcp") as (a, b):
+        kv = np.ones(64 * MiB, np.uint8)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        read = asyncio.ensure_future(b.read(h, out=np.empty_like(kv)))
+        ch = b.channel
+        await _until(lambda: bool(ch._raw_reqs), 5)  # the get is posted and waited for
+        keys = list(ch._rkeys)
+        inflight = set(ch._raw_reqs)
+        assert keys and all(k.handle is not None for k in keys)
+        ch.abort()
+        with pytest.raises(tensorwire.TensorWireError):
+            await read
+        worker = ch._w
+        assert inflight & set(worker._raw), "the get finished before the close: nothing to check (a larger one?)"
+        assert all(k.handle is not None for k in keys), "a remote key was destroyed under an outstanding get"
+        await _until(lambda: not inflight & set(worker._raw), 10)
+        assert all(k.handle is None for k in keys), "a closed channel's remote keys were never destroyed"

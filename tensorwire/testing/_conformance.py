@@ -772,6 +772,38 @@ async def check_device_tensors(a: Peer, b: Peer) -> None:
         engine.close()
 
 
+@_check()
+async def check_device_send_cancelled_while_its_stream_is_busy(a: Peer, b: Peer) -> None:
+    """A send of device memory moves its bytes only after its producer stream's earlier work
+    (an event). Cancelled while it waits for that, after its header went (eager) or its
+    receiver answered (rendezvous): it arrives whole or not at all, the receiver is not left
+    waiting for its payload, and the next message on the tag arrives."""
+    engine = HostEngine()
+    try:
+        for n in (300_000, 3 * MiB):
+            rng = np.random.default_rng(n)
+            first, second = (rng.integers(0, 256, n, dtype=np.uint8) for _ in "ab")
+            tag = f"busy-send-{n}"
+            out = EngineArray(engine, np.zeros(n, np.uint8))
+            recv = asyncio.ensure_future(b.recv(tag=tag, out=out))
+            with busy_stream(engine) as (stream, gate):
+                send = asyncio.ensure_future(a.send(EngineArray(engine, first, stream=stream), tag=tag))
+                await asyncio.sleep(0.1)  # the header is out (or answered); the send waits for its stream
+                assert not send.done(), "a send moved device memory before its producer stream's work"
+                send.cancel()
+                gate.set()  # copies already queued on the stream may then run, and the cancel return
+                await asyncio.wait([send], timeout=10)
+                assert send.done(), "a cancelled device send did not return"
+            await a.send(EngineArray(engine, second), tag=tag)
+            async with asyncio.timeout(10):
+                await recv
+                if np.array_equal(out.array, first):  # the cancelled one arrived, whole
+                    await b.recv(tag=tag, out=out)
+            assert np.array_equal(out.array, second), "a cancelled device send left its receiver wrong or waiting"
+    finally:
+        engine.close()
+
+
 def _by_pointer(a: Peer, b: Peer) -> bool:
     """Declare, for a one-sided transport whose operations take device pointers (``rma_device``),
     that its nodes register host-engine memory and its channels post one-sided operations on it

@@ -23,7 +23,8 @@ Cancellation: UCX cannot take back a tag receive that has matched, so a recv can
 UCX writes into its ``out=`` lets that write finish before the cancellation takes effect (the
 message is then requeued whole and delivered to the next recv). A send cancelled after its
 payload was handed to UCX likewise finishes first (UCX cannot recall a send), so the message
-arrives whole; one cancelled before that (waiting for CTS) sends ABORT and never arrives.
+arrives whole; one cancelled before that (waiting for CTS, or for its producer stream's event
+before device memory is posted) sends ABORT and never arrives.
 
 CUDA memory (where this UCX has cuda transports): payload sends and receives are posted with
 the device pointers themselves, so UCX moves them over cuda_copy / cuda_ipc (or GPUDirect
@@ -228,6 +229,7 @@ class UcxChannel(Channel):
         self._eager: set[Arrival] = set()  # arrivals that spent buffer credit
         self._futs: set[asyncio.Future[Any]] = set()
         self._rkeys: set[RemoteKey] = set()
+        self._raw_reqs: set[int] = set()  # raw one-sided requests of ours being waited for
         self._closed_ev = asyncio.Event()
         self.lanes = self._query_lanes()
         self._post_ctrl_recv()
@@ -451,10 +453,17 @@ class UcxChannel(Channel):
     async def _send_payload(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> None:
         """Hand every segment to UCX, then wait for all of them. UCX cannot recall a send, so a
         cancellation waits for the payload to finish moving and then takes effect. Device
-        segments are posted once their producers' events have completed."""
-        for s in segs:
-            if isinstance(s, DeviceTensor) and s.ready is not None:
-                await wait_event(s.engine, s.ready)
+        segments are posted once their producers' events have completed. Cancelled (or failed)
+        while it waits for those, it has posted nothing: its receiver, which has the header, is
+        told (ABORT) that no payload will come."""
+        try:
+            for s in segs:
+                if isinstance(s, DeviceTensor) and s.ready is not None:
+                    await wait_event(s.engine, s.ready)
+        except BaseException:
+            if self.state is ChannelState.OPEN:
+                self._send_frame(self._frame(FrameType.ABORT, msg_id=msg_id))
+            raise
         self.check_open()
         tag = self._lib.UCXXTag(make_tag(self._tx_key, DATA, msg_id))
         reqs = [(self._ep.tag_send(self._lib_array(_payload(s)), tag), s) for s in segs]
@@ -810,6 +819,8 @@ class UcxChannel(Channel):
         ucp = self._require_ucp()
         futs = [self._w.watch_raw(ucp, req, keep) for req, keep in requests]
         self._futs.update(futs)
+        ptrs = {req for req, _ in requests}
+        self._raw_reqs.update(ptrs)
         cancelled = False
         try:
             pending = set(futs)
@@ -825,6 +836,7 @@ class UcxChannel(Channel):
                 fut.result()
         finally:
             self._futs.difference_update(futs)
+            self._raw_reqs.difference_update(ptrs)
         if cancelled:
             raise asyncio.CancelledError
 
@@ -860,8 +872,9 @@ class UcxChannel(Channel):
             t.arrival.fail(exc)
         self._waiting.clear()
         self._incoming.clear()
-        for key in self._rkeys:
-            key.close()
+        # one-sided requests may still be in flight (their waits were just failed): their keys
+        # are destroyed once UCX has finished them
+        self._w.retire(list(self._rkeys), self._raw_reqs)
         self._rkeys.clear()
         self._w.abandon(self)  # cancel what UCX still holds of ours; keep its buffers alive
         self._closed_ev.set()

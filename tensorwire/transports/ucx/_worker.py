@@ -122,9 +122,12 @@ def context_resources(options: tuple[tuple[str, str], ...]) -> tuple[tuple[str, 
 
 
 def context_cuda_support(options: tuple[tuple[str, str], ...]) -> bool:
-    """Whether ucxx will post device buffers with a context of ``options``: UCX must report CUDA
-    memory and its TLS must not leave out cuda/cuda_copy (ucxx refuses device buffers otherwise,
-    with a ValueError, even where UCX lists a cuda transport)."""
+    """Whether ucxx will post device buffers with a context of ``options``: its TLS must not
+    leave out cuda/cuda_copy (ucxx refuses device buffers otherwise, with a ValueError, even
+    where UCX lists a cuda transport). Not whether UCX has CUDA: ucxx 0.52's memory-type test
+    reads the host bit (``memory_types & UCS_MEMORY_TYPE_CUDA``, a bitmap tested with the enum
+    value 1), so it is true without any cuda transport; the caller also needs a cuda lane among
+    ``context_resources``."""
     return _context_facts(options)[1]
 
 
@@ -158,6 +161,10 @@ class Worker:
         self._raw: dict[int, tuple[asyncio.Future[None], object]] = {}  # ucp request pointer -> waiter
         self._ucp: Any = None
         self._graveyard: list[tuple[Any, object]] = []  # cancelled requests UCX may still hold
+        # remote keys of closed channels, each destroyed once the raw requests that may use it
+        # (those in flight when its channel closed) have completed: UCX forbids destroying an
+        # rkey that outstanding operations use
+        self._retired: list[tuple[set[int], list[Any]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._scheduled = False
         self._fallback: asyncio.TimerHandle | None = None
@@ -269,6 +276,28 @@ class Worker:
                 self._graveyard.append((r, w.keep))
         self.kick()
 
+    def retire(self, keys: list[Any], requests: set[int]) -> None:
+        """Close ``keys`` (objects with ``close()``: remote keys) once none of ``requests`` (raw
+        request pointers) is in flight any more; at once if none is now."""
+        inflight = {r for r in requests if r in self._raw}
+        if inflight:
+            self._retired.append((inflight, keys))
+            return
+        for key in keys:
+            key.close()
+
+    def _close_retired(self) -> None:
+        """Close the retired keys none of whose requests is in flight any more."""
+        keep = []
+        for inflight, keys in self._retired:
+            inflight.intersection_update(self._raw)
+            if inflight:
+                keep.append((inflight, keys))
+            else:
+                for key in keys:
+                    key.close()
+        self._retired = keep
+
     def track(self, task: asyncio.Task[None]) -> None:
         """Keep a background task (an endpoint close) until it ends; close() waits for them."""
         self._tasks.add(task)
@@ -314,6 +343,8 @@ class Worker:
                     else:
                         fut.set_exception(ucp.error(status, "one-sided operation"))
                         fut.exception()
+            if self._retired:
+                self._close_retired()
         return n
 
     def _progress(self) -> None:
@@ -415,10 +446,17 @@ class Worker:
             self.worker.cancel_inflight_requests()
         except Exception as exc:
             log.debug("ucx worker cleanup: %s", exc)
-        # the buffers of sends UCX never finished (to a peer that died) are let go only now:
-        # the progress above may still have touched them
+        # the buffers of sends UCX never finished (to a peer that died) are let go only once the
+        # worker is gone: the progress above may still have touched them, and a cuda transport's
+        # copies may still be running until the worker is destroyed
+        held = [*self._raw.values(), *self._watch.values(), *self._graveyard]
         self._raw.clear()
         self._watch.clear()
         self._graveyard.clear()
+        for _, keys in self._retired:  # before the worker they belong to
+            for key in keys:
+                key.close()
+        self._retired.clear()
         del self.worker
         del self.context
+        del held
