@@ -13,13 +13,22 @@ carry them in ``LIMITS`` and ``connected_pair`` applies them. ``exchange`` sends
 from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send started first;
 ``cancel_recv_at_every_step`` cancels such recvs at every step of a transfer and checks that
 nothing is lost and no cancelled ``out=`` is written afterwards. ``busy_stream(engine)`` holds a
-host-engine stream busy until its gate is set (a framework's earlier work, for stream-order tests).
+host-engine stream busy until its gate is set (a framework's earlier work, for stream-order tests);
+``slow_sends(peer)`` holds each of a peer's sends up for 50 ms, as backpressure does.
 
 ``PACK_LAYOUTS`` are strided views (of numpy or CuPy arrays) that reach every copy kind of
 ``tensorwire.native``'s pack and unpack.
 """
 
-from ._conformance import CHECKS, LIMITS, busy_stream, cancel_recv_at_every_step, connected_pair, exchange
+from ._conformance import (
+    CHECKS,
+    LIMITS,
+    busy_stream,
+    cancel_recv_at_every_step,
+    connected_pair,
+    exchange,
+    slow_sends,
+)
 from ._layouts import PACK_LAYOUTS
 
 __all__ = [
@@ -30,4 +39,5 @@ __all__ = [
     "cancel_recv_at_every_step",
     "connected_pair",
     "exchange",
+    "slow_sends",
 ]

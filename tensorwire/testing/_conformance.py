@@ -824,7 +824,7 @@ def _by_pointer(a: Peer, b: Peer) -> bool:
 
 
 @contextlib.contextmanager
-def _slow_sends(peer: Peer) -> Iterator[None]:
+def slow_sends(peer: Peer) -> Iterator[None]:
     """Every send of ``peer``'s waits 50 ms before it goes, as one held up by backpressure."""
     send = peer.channel.send
 
@@ -921,7 +921,7 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
     # the producer's stream after the call (which may itself wait for the write) is not waited for
     stream = engine.stream()
     src = dev((32, 8), 13, stream=stream)
-    with _slow_sends(b):
+    with slow_sends(b):
         task = asyncio.ensure_future(b.write(hd[31], src))
         await asyncio.sleep(0)  # the call
         later = _HostEvent()

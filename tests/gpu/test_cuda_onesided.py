@@ -12,6 +12,7 @@ device or torch, and its ucx tests without ucxx or a libucx with cuda transports
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -35,7 +36,7 @@ if cuda_device_count() == 0:
     pytest.skip("CuPy is installed but finds no CUDA device", allow_module_level=True)
 
 import tensorwire
-from tensorwire.testing import connected_pair
+from tensorwire.testing import connected_pair, slow_sends
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 MiB = 1 << 20
@@ -60,19 +61,6 @@ def _ucx_cuda() -> None:
 
 
 TRANSPORTS = ["tcp", "inproc", "ucx"]
-
-
-def _slow_sends(peer: tensorwire.Peer) -> None:
-    """Make every send of ``peer``'s wait 50 ms before it goes, as one held up by backpressure
-    does: an owner-served read or write then resumes after its request's send, when the stream
-    current in this thread may be another task's (torch's current stream is the thread's)."""
-    send = peer.channel.send
-
-    async def slow(tag: int, msg: Any) -> Any:
-        await asyncio.sleep(0.05)
-        return await send(tag, msg)
-
-    peer.channel.send = slow  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -148,19 +136,18 @@ async def test_cuda_read_waits_for_the_consumer_stream(transport: str, slow: boo
     async with connected_pair(transport) as (a, b):
         a.node.expose(kv, name="kv")
         h = await b.lookup("kv")
-        if slow:
-            _slow_sends(b)
-        out = torch.zeros_like(kv)
-        consumer.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(consumer):
-            torch.cuda._sleep(SPIN)  # the consumer's earlier work on out=: a slow fill of -1
-            out.fill_(-1)
-            read = asyncio.ensure_future(b.read(h, out=out))
-            await asyncio.sleep(0)  # the read takes the consumer stream now
-        await asyncio.wait_for(read, 60)
-        with torch.cuda.stream(consumer):
-            ok = torch.equal(out, kv)  # on the consumer's stream, right away
-        assert ok, "the read landed before the consumer stream's earlier fill (or was not ready on it)"
+        with slow_sends(b) if slow else contextlib.nullcontext():
+            out = torch.zeros_like(kv)
+            consumer.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(consumer):
+                torch.cuda._sleep(SPIN)  # the consumer's earlier work on out=: a slow fill of -1
+                out.fill_(-1)
+                read = asyncio.ensure_future(b.read(h, out=out))
+                await asyncio.sleep(0)  # the read takes the consumer stream now
+            await asyncio.wait_for(read, 60)
+            with torch.cuda.stream(consumer):
+                ok = torch.equal(out, kv)  # on the consumer's stream, right away
+            assert ok, "the read landed before the consumer stream's earlier fill (or was not ready on it)"
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["", "slow-sends"])
@@ -180,17 +167,16 @@ async def test_cuda_write_waits_for_the_producer_stream(transport: str, slow: bo
     async with connected_pair(transport) as (a, b):
         a.node.expose(kv, name="kv")
         h = await b.lookup("kv")
-        if slow:
-            _slow_sends(b)
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(SPIN)
-            src.fill_(7)
-            write = asyncio.ensure_future(b.write(h, src))
-            await asyncio.sleep(0)  # the write takes its event while the side stream is current
-        assert not side.query()
-        await asyncio.wait_for(write, 60)
-        torch.cuda.synchronize()
-        assert int(kv.min()) == 7 and int(kv.max()) == 7, "the write read its source before its stream wrote it"
+        with slow_sends(b) if slow else contextlib.nullcontext():
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(SPIN)
+                src.fill_(7)
+                write = asyncio.ensure_future(b.write(h, src))
+                await asyncio.sleep(0)  # the write takes its event while the side stream is current
+            assert not side.query()
+            await asyncio.wait_for(write, 60)
+            torch.cuda.synchronize()
+            assert int(kv.min()) == 7 and int(kv.max()) == 7, "the write read its source before its stream wrote it"
 
 
 _CHILD = textwrap.dedent(
