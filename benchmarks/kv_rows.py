@@ -88,15 +88,20 @@ class Memory:
             return self.cp.asnumpy(buf)
         return buf.array if self.kind == "host-engine" else buf
 
-    def zero(self, buf: Any) -> None:
+    async def zero(self, buf: Any) -> None:
         (buf.array if self.kind == "host-engine" else buf).fill(0)
-        self.settle()
+        await self.settle()
 
-    def settle(self) -> None:
+    async def settle(self) -> None:
         """Wait until the work queued on the current stream is done: a read into CUDA memory may
-        still be landing, on that stream, when it returns. Blocks: only the reader runs here."""
+        still be landing, on that stream, when it returns. The library's own wait (an event on
+        the stream, polled off the loop), so UCX's progress goes on meanwhile."""
         if self.kind == "cuda":
-            self.cp.cuda.get_current_stream().synchronize()
+            from tensorwire.memory import wait_event
+            from tensorwire.memory._cuda import CudaEngine
+
+            engine = CudaEngine.get(self.cp.cuda.Device().id)
+            await wait_event(engine, engine.record_on(int(self.cp.cuda.get_current_stream().ptr)))
 
     def d2d_gbps(self, buf: Any) -> float:
         """The device's own copy of ``buf``'s bytes, GB/s (CUDA events; best of 5)."""
@@ -121,7 +126,7 @@ class Memory:
 async def child(transport: str, nbytes: int, memory: str) -> None:
     mem = Memory(memory)
     pool = mem.put(pool_bytes(nbytes))
-    mem.settle()  # a copy up from pageable memory may still be landing; gets ignore streams
+    await mem.settle()  # a copy up from pageable memory may still be landing; gets ignore streams
     async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
         node.expose(pool, name="pool")
         print(json.dumps({"address": node.address}), flush=True)
@@ -179,10 +184,10 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
             whole = h[0:total]
 
             async def baseline() -> float:
-                mem.settle()
+                await mem.settle()
                 t0 = time.perf_counter()
                 await peer.read(whole, out=out)
-                mem.settle()
+                await mem.settle()
                 return time.perf_counter() - t0
 
             await baseline()
@@ -197,7 +202,7 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
                     s = int(rng.integers(0, pool_n // block)) * block
                     t0 = time.perf_counter()
                     await peer.read(h[s : s + block], out=first)
-                    mem.settle()
+                    await mem.settle()
                     lat.append(time.perf_counter() - t0)
                 for k in [str(i) for i in args.inflight] + [f"batch {b}" for b in args.batch] + ["batch"]:
                     best = base = float("inf")
@@ -205,10 +210,10 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
                     for turn in range(args.repeat):
                         base = min(base, await baseline())
                         starts = rng.choice(pool_n // block, n, replace=False) * block
-                        mem.zero(out)
+                        await mem.zero(out)
                         t0 = time.perf_counter()
                         protocol = await gather_blocks(peer, h, starts, block, out, k, mem)
-                        mem.settle()
+                        await mem.settle()
                         best = min(best, time.perf_counter() - t0)
                         if turn == 0:
                             want = expected.reshape(-1, block)[starts // block].reshape(-1)

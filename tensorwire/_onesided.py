@@ -601,10 +601,12 @@ def _tags() -> tuple[int, int]:
     return _REPLY_BASE + n, _REPLY_BASE + n + 1
 
 
-def _check_against(handle: RemoteHandle, arr: np.ndarray, what: str) -> None:
-    if arr.dtype != dtype_from_name(handle.dtype) or tuple(arr.shape) != handle.shape:
+def _check_against(handle: RemoteHandle, x: np.ndarray | DeviceSource, what: str) -> None:
+    """``x`` (a host array, or device memory) has the handle's dtype and shape."""
+    same = x.dtype == dtype_from_name(handle.dtype) if isinstance(x, np.ndarray) else x.dtype == handle.dtype
+    if not same or tuple(x.shape) != handle.shape:
         raise ShapeMismatchError(
-            f"{what} is {arr.dtype}{list(arr.shape)} but {handle.name!r} is {handle.dtype}{list(handle.shape)}"
+            f"{what} is {x.dtype}{list(x.shape)} but {handle.name!r} is {handle.dtype}{list(handle.shape)}"
         )
 
 
@@ -740,10 +742,7 @@ def _destinations(
             dests.append(d)
             continue
         if view is not None and view.dev is not None:
-            if view.dtype != h.dtype or view.shape != h.shape:
-                raise ShapeMismatchError(
-                    f"out= is {view.dtype}{list(view.shape)} but {h.name!r} is {h.dtype}{list(h.shape)}"
-                )
+            _check_against(h, view.dev, "out=")
             if view.dev.readonly:
                 raise ShapeMismatchError(f"out= {type(out).__name__} is read-only (__cuda_array_interface__)")
             dests.append(_Dest(out, None, view.dev))
@@ -903,12 +902,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         else:
             view = as_view(src)
             arr = view.array if view.dev is None else view.dev
-        if isinstance(arr, np.ndarray):
-            _check_against(h, arr, "the source")
-        elif arr.dtype != h.dtype or arr.shape != h.shape:
-            raise ShapeMismatchError(
-                f"the source is {arr.dtype}{list(arr.shape)} but {h.name!r} is {h.dtype}{list(h.shape)}"
-            )
+        _check_against(h, arr, "the source")
         arrays.append(arr)
     direct, assisted = _split(peer, handles)
     # the owner-served parts' messages now, at the call: device sources record their producer

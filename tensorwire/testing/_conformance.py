@@ -26,7 +26,7 @@ from ..tensors import DTYPES, EngineArray
 from ..transports import Limits, Receipt
 from ..transports._remote import OneSidedTransport
 
-__all__ = ["CHECKS", "LIMITS", "busy_stream", "cancel_recv_at_every_step", "connected_pair", "exchange"]
+__all__ = ["CHECKS", "LIMITS", "busy_stream", "cancel_recv_at_every_step", "connected_pair", "exchange", "slow_sends"]
 
 Check = Callable[[Peer, Peer], Awaitable[None]]
 CHECKS: dict[str, Check] = {}

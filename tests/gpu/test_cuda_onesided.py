@@ -14,9 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import json
-import os
-import sys
 import textwrap
 import warnings
 from typing import Any
@@ -209,24 +206,17 @@ _CHILD = textwrap.dedent(
 )
 
 
-async def test_ucx_one_sided_between_two_processes_on_one_gpu_says_cuda_ipc() -> None:
+async def test_ucx_one_sided_between_two_processes_on_one_gpu_says_cuda_ipc(cuda_ipc_child: Any) -> None:
     """Two processes on one GPU: the reader gets rows of the owner's CUDA tensor into its own
     CUDA memory and writes a row back, one-sided, and UCX's own account of the protocols it used
     (UCX_PROTO_INFO=used) says cuda_ipc moved CUDA memory."""
     torch = _torch()
     _ucx_cuda()
-    from tensorwire.transports.ucx import used_protocols
-
-    env = {**os.environ, "UCX_PROTO_INFO": "used"}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _CHILD, stdout=asyncio.subprocess.PIPE, env=env)
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        assert line, f"the child exited before it listened (exit status {await proc.wait()})"
+    async with cuda_ipc_child(_CHILD) as address:
         kv = torch.randint(-1000, 1000, (1024, 256, 64), dtype=torch.int32, device="cuda")  # 64 MiB
         torch.cuda.synchronize()
         async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as node:
-            peer = await node.connect(json.loads(line))
+            peer = await node.connect(address)
             node.expose(kv, name="kv")
             await peer.send("exposed", tag="exposed")
             report = await asyncio.wait_for(peer.recv(tag="report"), 60)
@@ -239,14 +229,3 @@ async def test_ucx_one_sided_between_two_processes_on_one_gpu_says_cuda_ipc() ->
             assert int(kv[7].min()) == -5 and int(kv[7].max()) == -5, "the one-sided write did not land"
             assert node.exposures.served == 0, "the owner's code took part in one-sided operations"
             await peer.send("bye", tag="bye")
-        tables = (await asyncio.wait_for(proc.stdout.read(), 30)).decode(errors="replace")
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
-        used = used_protocols(tables)
-        assert any("cuda" in u.operation and "cuda_ipc" in u.lanes for u in used), (
-            "UCX did not say it moved CUDA memory with cuda_ipc (a silent fallback?); the protocols "
-            f"it used: {used}\n{tables[-4000:]}"
-        )
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
-import os
-import sys
 import textwrap
 import warnings
 from typing import Any
@@ -38,7 +35,7 @@ if importlib.util.find_spec("ucxx") is None:
 import tensorwire
 from tensorwire.testing import cancel_recv_at_every_step, connected_pair, exchange
 from tensorwire.transports import Limits
-from tensorwire.transports.ucx import UcxTransport, used_protocols
+from tensorwire.transports.ucx import UcxTransport
 
 _CAPS = UcxTransport.probe()
 if _CAPS is None:
@@ -199,22 +196,15 @@ _CHILD = textwrap.dedent(
 )
 
 
-async def test_ucx_between_two_processes_on_one_gpu_says_cuda_ipc() -> None:
+async def test_ucx_between_two_processes_on_one_gpu_says_cuda_ipc(cuda_ipc_child: Any) -> None:
     """Two processes on one GPU: the tensors go by device pointer both ways, and the path names
-    UCX's cuda_ipc lanes (the transport that maps the other process's memory)."""
+    UCX's cuda_ipc lanes (the transport that maps the other process's memory); so does the
+    child's UCX, in its account of the protocols it used."""
     torch = _torch()
     sizes = [4096, 3 * MiB, 64 * MiB]
-    # the child's UCX prints the protocols it used, with how often, when its worker goes
-    env = {**os.environ, "UCX_PROTO_INFO": "used"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _CHILD, str(len(sizes)), stdout=asyncio.subprocess.PIPE, env=env
-    )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        assert line, f"the child exited before it listened (exit status {await proc.wait()})"
+    async with cuda_ipc_child(_CHILD, str(len(sizes))) as address:
         async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as node:
-            peer = await node.connect(json.loads(line))
+            peer = await node.connect(address)
             assert peer.path.transport == "ucx", peer.path
             assert any(lane.startswith("cuda_ipc") for lane in peer.path.lanes), peer.path
             for i, n in enumerate(sizes):
@@ -227,14 +217,3 @@ async def test_ucx_between_two_processes_on_one_gpu_says_cuda_ipc() -> None:
                 assert got["sum"] == int(x.sum(dtype=torch.int64)), f"{n} bytes: the child got other bytes"
                 assert torch.equal(got["y"], x * 2), f"{n} bytes: the answer came back wrong"
             await peer.send("bye", tag="bye")
-        tables = (await asyncio.wait_for(proc.stdout.read(), 30)).decode(errors="replace")
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
-        used = used_protocols(tables)
-        assert any("cuda" in u.operation and "cuda_ipc" in u.lanes for u in used), (
-            "UCX did not say it moved CUDA memory with cuda_ipc (a silent fallback?); the protocols "
-            f"it used: {used}\n{tables[-4000:]}"
-        )
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
