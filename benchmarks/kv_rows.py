@@ -2,7 +2,7 @@
 
     python benchmarks/kv_rows.py [--transports ucx tcp] [--pool-mib 256] [--block-kib 16 64 256 1024]
                                  [--total-mib 32] [--inflight 1 8] [--batch 16] [--repeat 3]
-                                 [--memory host|cuda]
+                                 [--memory host|cuda] [--pool-memory host]
 
 A child process exposes a uint8 pool of --pool-mib as ``pool`` (its content from a seeded
 generator). This process connects over each transport, looks the pool up and, for each block
@@ -24,6 +24,11 @@ Every timed read (the baseline's too) ends with a wait for the reader's current 
 counts bytes in place, and the device's own copy of the contiguous bytes is printed as the
 ceiling. (``--memory host-engine``, not listed in --help: numpy posing as device memory,
 tensorwire's stand-in for a GPU, for running this script's device code on a machine without one.)
+
+``--pool-memory host`` keeps the pool in the child's host memory whatever --memory says: a KV
+cache offloaded to CPU memory and read back into the GPU. Where the transport cannot write the
+reader's memory by pointer (verbs, ucx without cuda lanes, and host-engine memory on any) those
+are one-sided gets into pinned staging chunks, each chunk copied up while the next are got.
 """
 
 from __future__ import annotations
@@ -163,7 +168,8 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
     pool_n = args.pool_mib * MiB
     total = args.total_mib * MiB
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--child", transport, str(pool_n), args.memory, stdin=asyncio.subprocess.PIPE,
+        sys.executable, __file__, "--child", transport, str(pool_n), args.pool_memory or args.memory,
+        stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None and proc.stdin is not None
@@ -220,7 +226,8 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
                             if not np.array_equal(mem.fetch(out)[: n * block], want):
                                 raise AssertionError(f"{transport}: blocks of {kib} KiB came back wrong")
                     rows.append({
-                        "transport": transport, "memory": args.memory, "path": str(peer.path.transport),
+                        "transport": transport, "memory": args.memory, "pool_memory": args.pool_memory or args.memory,
+                        "path": str(peer.path.transport),
                         "protocol": protocol, "block_kib": kib, "blocks": n, "inflight": k,
                         "gbps": n * block / best / 1e9, "base_gbps": total / base / 1e9,
                         "ratio": (n * block / best) / (total / base), "lat_us": statistics.median(lat) * 1e6,
@@ -277,6 +284,7 @@ def main() -> int:
         "--memory", choices=["host", "cuda", "host-engine"], default="host", metavar="{host,cuda}",
         help="where the pool and the reader's buffer live (cuda: GPU 0, through CuPy)",
     )  # fmt: skip
+    parser.add_argument("--pool-memory", choices=["host"], help="the pool in host memory whatever --memory says")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -295,7 +303,7 @@ def main() -> int:
         name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
         print(f"device: {name}, CuPy {cupy.__version__}; its own copy of {args.total_mib} MiB (the ceiling): "
               f"{mem.d2d_gbps(mem.zeros(args.total_mib * MiB)):.1f} GB/s", flush=True)  # fmt: skip
-    print(f"memory: {args.memory}", flush=True)
+    print(f"memory: {args.memory}; the pool: {args.pool_memory or args.memory}", flush=True)
     print(HEADER, flush=True)
     rows = []
     notes: list[str] = []

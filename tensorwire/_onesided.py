@@ -44,7 +44,7 @@ import math
 import operator
 import time
 import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +58,7 @@ from .errors import (
     TensorWireError,
     TransferError,
 )
-from .memory import CopyEngine, DeviceBuffer, Event, wait_event
+from .memory import CopyEngine, DeviceBuffer, Event, HostChunk, Piece, scatter, wait_event
 from .tensors import Outgoing, as_view, dtype_from_name, prepare
 from .tensors._device import (
     Device,
@@ -519,11 +519,17 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
     return state
 
 
-async def _move(peer: Peer, op: str, moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]]) -> None:
+async def _move(
+    peer: Peer,
+    op: str,
+    moves: Sequence[tuple[_Direct, np.ndarray | DeviceBuffer, int]],
+    within: np.ndarray | None = None,
+) -> None:
     """Get into (``op="get"``) or put from each buffer (a host array, or device memory the
     channel takes by pointer), at its handle's registered address plus the offset, one-sided;
     returns once all of them are in place. The transport posts a batch at once and waits for
-    it as a whole where it can (``rma_many``)."""
+    it as a whole where it can (``rma_many``). ``within``: one host array that holds every
+    buffer (a staging chunk), registered as a whole."""
     channel: Any = peer.channel  # a OneSidedChannel: _direct_state checked
     items = []
     for state, buf, offset in moves:
@@ -531,7 +537,8 @@ async def _move(peer: Peer, op: str, moves: list[tuple[_Direct, np.ndarray | Dev
         if state.rkey is None:
             state.rkey = channel.remote_key(state.blob.key)
         ptr = buf.__array_interface__["data"][0] if isinstance(buf, np.ndarray) else buf.ptr
-        items.append((ptr, buf.nbytes, state.blob.address + offset, state.rkey, buf))
+        keep = buf if within is None else within
+        items.append((ptr, buf.nbytes, state.blob.address + offset, state.rkey, keep))
     for state, _, _ in moves:
         state.inflight += 1
     try:
@@ -818,13 +825,14 @@ async def _get_device(
 ) -> tuple[str, bool]:
     """The one-sided gets of a batch with device destinations. Memory of a kind the channel
     takes by pointer (ucx with cuda lanes) is posted once the consumer stream's earlier work on
-    it is done; other device memory gets the bytes through host memory and a landing. Strided
-    destinations are unpacked on a lane. Returns the memory kind and whether it was staged."""
+    it is done; other device memory gets its bytes in staging chunks, each chunk copied up while
+    the next ones are got (``StageIn.gather``). Strided destinations are unpacked on a lane.
+    Returns the memory kind and whether it was staged."""
     landing = Landing()
     waits: list[tuple[CopyEngine, Event]] = []
     moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
-    uploads: list[tuple[DeviceTensor, np.ndarray]] = []
-    memory, staged = "host", False
+    staged: dict[CopyEngine, list[tuple[_Direct, DeviceTensor, int]]] = {}
+    memory = "host"
     for i, state in direct:
         d = dests[i]
         if d.target is not None:
@@ -838,23 +846,36 @@ async def _get_device(
                 waits.append((t.engine, t.engine.record_on(t.stream)))  # taken now, at the call
             moves.append((state, t.buf, handles[i].offset))
         else:
-            host = np.empty(t.nbytes, np.uint8)
-            uploads.append((t, host))
-            moves.append((state, host, handles[i].offset))
-            staged = True
+            staged.setdefault(t.engine, []).append((state, t, handles[i].offset))
     for engine, event in waits:  # UCX writes outside every stream: the consumer's work first
         await wait_event(engine, event)
-    await _move(peer, "get", moves)
-    uploaded = {id(t) for t, _ in uploads}
+    if moves:
+        await _move(peer, "get", moves)
     targets = [t for i, _ in direct if (t := dests[i].tensor) is not None]
     try:
-        for t, host in uploads:
-            await landing.upload(t, host)
-        await landing.finish([t for t in targets if t.unpack_to is not None or id(t) in uploaded])
-    except asyncio.CancelledError:
-        landing.finish_now(targets)  # the copies queued so far come before the consumer's work
+        for jobs in staged.values():
+            await _gather(peer, landing, jobs)
+        await landing.finish([t for t in targets if t.unpack_to is not None or t.engine in staged])
+    except BaseException:  # cancelled or failed: the copies queued so far come before the consumer's work
+        landing.finish_now(targets)
         raise
-    return memory, staged
+    return memory, bool(staged)
+
+
+async def _gather(peer: Peer, landing: Landing, jobs: list[tuple[_Direct, DeviceTensor, int]]) -> None:
+    """Get each ``(state, tensor, offset)`` of one engine through its staging chunks: the gets
+    land in the chunks themselves, each chunk copied up on the landing's lane (after each
+    tensor's consumer stream) while the next chunks are being got."""
+    stage = None
+    for _, t, _ in jobs:
+        stage = landing.stage(t, fresh=True)
+    assert stage is not None
+
+    async def fetch(chunk: HostChunk, pieces: list[Piece]) -> None:
+        gets = [(jobs[i][0], chunk.array[off : off + k], jobs[i][2] + pos) for i, pos, off, k in pieces]
+        await _move(peer, "get", gets, within=chunk.array)
+
+    await stage.gather([t.buf for _, t, _ in jobs], fetch, spoiled=lambda: peer.channel.state is not ChannelState.OPEN)
 
 
 async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[Any], streams: Streams | None) -> Receipt:
@@ -923,6 +944,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
             if isinstance(a, DeviceSource):
                 wired[i] = a.wire()[0]
         moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
+        down: dict[CopyEngine, list[tuple[_Direct, DeviceTensor, int]]] = {}
         for i, state in direct:
             t = wired.get(i)
             if t is None:
@@ -934,13 +956,31 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
                     await wait_event(t.engine, t.ready)
                 moves.append((state, t.buf, handles[i].offset))
             else:
-                moves.append((state, await t.to_host(), handles[i].offset))
-                staged = True
-        await _move(peer, "put", moves)
+                down.setdefault(t.engine, []).append((state, t, handles[i].offset))
+        if moves:
+            await _move(peer, "put", moves)
+        for jobs in down.values():
+            await _scatter(peer, jobs)
+        staged = bool(down)
     for part, msg in zip(parts, outgoing, strict=True):
         moved = await _assisted_write(peer, [handles[i] for i in part], msg)
     nbytes = sum(a.nbytes for a in arrays)
     return _receipt(peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
+
+
+async def _scatter(peer: Peer, jobs: list[tuple[_Direct, DeviceTensor, int]]) -> None:
+    """Put each ``(state, tensor, offset)`` of one engine through its staging chunks: each
+    chunk is copied down (after the tensors' producer events) and put from the chunk itself
+    while the next chunks are being copied down."""
+
+    async def push(chunk: HostChunk, pieces: list[Piece]) -> None:
+        puts = [(jobs[i][0], chunk.array[off : off + k], jobs[i][2] + pos) for i, pos, off, k in pieces]
+        await _move(peer, "put", puts, within=chunk.array)
+
+    events = list({id(e): e for _, t, _ in jobs if (e := t.ready) is not None}.values())
+    await scatter(
+        [t.buf for _, t, _ in jobs], push, after=events, spoiled=lambda: peer.channel.state is not ChannelState.OPEN
+    )
 
 
 async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing) -> Receipt:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import tensorwire
-from tensorwire.errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
-from tensorwire.memory import HostEngine, StageIn, download, stage_out
+from tensorwire.errors import ConfigurationError, ShapeMismatchError, TransferError, UnsupportedTensorError
+from tensorwire.memory import DeviceBuffer, HostChunk, HostEngine, StageIn, download, scatter, stage_out
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
 from tensorwire.testing import CHECKS, busy_stream, cancel_recv_at_every_step, connected_pair, exchange
 from tensorwire.transports import Limits
@@ -263,6 +263,201 @@ async def test_stage_in_fill_failure_gives_the_chunk_back(engine: HostEngine) ->
     with pytest.raises(RuntimeError):
         await StageIn(engine).write(lambda: dst, 0, dst.nbytes, fill)
     assert engine.pool("in").free == DEPTH
+
+
+# -- pieces: one-sided operations through the staging chunks ----------------------------------
+_SIZES = [1, 100, CHUNK * 2 + 5, 0, CHUNK - 3, 7, CHUNK * 4]
+
+
+class _Mover:
+    """``fetch``/``push`` for ``StageIn.gather`` and ``scatter`` as a one-sided transport does
+    them: each call a batch of copies between a chunk and "remote" arrays, finished after a
+    short wait; it records how many run at once, and can be told to fail one call."""
+
+    def __init__(self, remote: list[np.ndarray], *, fail_at: int | None = None, hold: float = 0.002) -> None:
+        self.remote = remote
+        self.fail_at = fail_at
+        self.hold = hold
+        self.calls: list[list[tuple[int, int, int, int]]] = []
+        self.running = 0
+        self.most = 0
+        self.running_when_failed: int | None = None
+        self.ended: list[float] = []
+        self.broken = 0  # calls that failed or were stopped
+
+    async def _go(self, pieces: list[tuple[int, int, int, int]]) -> int:
+        n = len(self.calls)
+        self.calls.append(pieces)
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            if n == self.fail_at:
+                await asyncio.sleep(self.hold / 2)
+                self.running_when_failed = self.running
+                self.broken += 1
+                raise TransferError("remote gone")
+            try:
+                await asyncio.sleep(self.hold)
+            except asyncio.CancelledError:
+                self.broken += 1
+                await asyncio.sleep(self.hold)  # what was posted finishes first, as UCX and verbs do
+                raise
+            return n
+        finally:
+            self.running -= 1
+            self.ended.append(time.monotonic())
+
+    async def fetch(self, chunk: HostChunk, pieces: list[tuple[int, int, int, int]]) -> None:
+        await self._go(pieces)
+        for i, pos, off, k in pieces:
+            chunk.array[off : off + k] = self.remote[i][pos : pos + k]
+
+    async def push(self, chunk: HostChunk, pieces: list[tuple[int, int, int, int]]) -> None:
+        for i, pos, off, k in pieces:
+            self.remote[i][pos : pos + k] = chunk.array[off : off + k]
+        await self._go(pieces)
+
+
+async def _gathered(engine: HostEngine, dsts: list[DeviceBuffer], mover: _Mover) -> None:
+    """``gather`` into ``dsts``, and wait until every copy has landed."""
+    st = StageIn(engine)
+    await st.gather(dsts, mover.fetch, spoiled=lambda: False)
+    event = st.finish()
+    assert event is not None
+    event.synchronize()
+
+
+async def test_gather_lays_tensors_end_to_end_across_chunks(engine: HostEngine) -> None:
+    """Small tensors share a chunk, large ones span several, empty ones take none; several
+    chunks are fetched at once (at most the pool's depth) and every byte lands."""
+    src = [_bytes(n, 10 + n) for n in _SIZES]
+    dsts = [engine.empty(n) for n in _SIZES]
+    mover = _Mover(src)
+    await _gathered(engine, dsts, mover)
+    for d, s in zip(dsts, src, strict=True):
+        assert np.array_equal(d.owner, s)
+    assert [i for i, *_ in mover.calls[0]] == [0, 1, 2]  # 1 and 100 bytes share the first chunk
+    for pieces in mover.calls:
+        assert sum(k for *_, k in pieces) <= CHUNK
+        assert all(k > 0 for *_, k in pieces)
+    assert sum(k for pieces in mover.calls for *_, k in pieces) == sum(_SIZES)
+    assert len(mover.calls) == -(-sum(_SIZES) // CHUNK)  # no chunk left part empty but the last
+    assert 2 <= mover.most <= DEPTH
+    assert engine.pool("in").free == DEPTH and engine.chunks_allocated <= DEPTH
+
+
+@pytest.mark.parametrize("spoiled", [False, True], ids=["open", "closing"])
+async def test_gather_failure_settles_every_fetch_first(engine: HostEngine, spoiled: bool) -> None:
+    """A failed fetch is raised once every other fetch in flight has ended; the chunks go back
+    to the pool, unless the transport no longer waits for what it posted (``spoiled``): the
+    failed and stopped fetches' chunks are then retired, never handed out again."""
+    src = [_bytes(CHUNK * 6, 4)]
+    dsts = [engine.empty(CHUNK * 6)]
+    mover = _Mover(src, fail_at=1, hold=0.01)
+    pool = engine.pool("in")
+    with pytest.raises(TransferError, match="remote gone"):
+        await StageIn(engine).gather(dsts, mover.fetch, spoiled=lambda: spoiled)
+    assert mover.running == 0  # nothing still writes into a chunk
+    assert mover.running_when_failed is not None and mover.running_when_failed >= 2
+    assert pool.free == DEPTH
+    # the failed fetch's chunk, and those of fetches stopped (begun or not)
+    assert pool.retired >= mover.broken >= 1 if spoiled else pool.retired == 0
+    await _gathered(engine, dsts, _Mover(src))
+    assert np.array_equal(dsts[0].owner, src[0])
+    assert engine.chunks_allocated == DEPTH + pool.retired  # retired ones were replaced, not reused
+
+
+async def test_gather_cancelled_returns_after_its_fetches(engine: HostEngine) -> None:
+    src = [_bytes(CHUNK * 6, 5)]
+    dsts = [engine.empty(CHUNK * 6)]
+    mover = _Mover(src, hold=0.05)
+    task = asyncio.ensure_future(StageIn(engine).gather(dsts, mover.fetch, spoiled=lambda: False))
+    await asyncio.sleep(0.02)  # the first fetches are under way (each holds 50 ms)
+    assert mover.running >= 2
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stopped = time.monotonic()
+    assert mover.running == 0 and max(mover.ended) <= stopped
+    assert engine.pool("in").free == DEPTH and engine.pool("in").retired == 0
+
+
+async def test_scatter_copies_after_the_producer_and_pushes_every_byte(engine: HostEngine) -> None:
+    """The copies down wait for the producers' events (here: a busy stream that then writes the
+    source); each chunk is pushed once its copies are done, several at once."""
+    final = [_bytes(n, 20 + n) for n in _SIZES]
+    srcs = [engine.buffer(np.zeros(n, np.uint8)) for n in _SIZES]
+    remote = [np.zeros(n, np.uint8) for n in _SIZES]
+    mover = _Mover(remote)
+    with busy_stream(engine) as (stream, gate):
+        lane = engine.stream_lane(stream)
+        for s, f in zip(srcs, final, strict=True):
+            if f.nbytes:
+                lane.device_copy(s, 0, engine.buffer(f), 0, f.nbytes)
+        ready = engine.record_on(stream)
+        task = asyncio.ensure_future(scatter(srcs, mover.push, after=[ready], spoiled=lambda: False))
+        await asyncio.sleep(0.05)
+        assert not mover.calls  # nothing pushed before the producer's work
+        gate.set()
+        await task
+    for r, f in zip(remote, final, strict=True):
+        assert np.array_equal(r, f)
+    assert [0, 1, 2] in [[i for i, *_ in pieces] for pieces in mover.calls]  # pushed in any order
+    assert 2 <= mover.most <= DEPTH
+    assert engine.pool("out").free == DEPTH
+
+
+@pytest.mark.parametrize("spoiled", [False, True], ids=["open", "closing"])
+async def test_scatter_failure_settles_every_push_first(engine: HostEngine, spoiled: bool) -> None:
+    srcs = [engine.buffer(_bytes(CHUNK * 6, 6))]
+    mover = _Mover([np.zeros(CHUNK * 6, np.uint8)], fail_at=1, hold=0.01)
+    with pytest.raises(TransferError, match="remote gone"):
+        await scatter(srcs, mover.push, spoiled=lambda: spoiled)
+    assert mover.running == 0
+    pool = engine.pool("out")
+    assert pool.free == DEPTH
+    assert pool.retired >= mover.broken >= 1 if spoiled else pool.retired == 0
+
+
+@pytest.mark.parametrize("spoiled", [False, True], ids=["open", "closing"])
+@pytest.mark.parametrize("way", ["gather", "scatter"])
+async def test_a_single_chunk_move_that_fails_gives_its_chunk_back_or_retires_it(
+    engine: HostEngine, way: str, spoiled: bool
+) -> None:
+    """A move of one chunk is awaited in place (no task); failed, its chunk is handled alike."""
+    mover = _Mover([np.zeros(1000, np.uint8)], fail_at=0)
+    buf = engine.buffer(_bytes(1000, 7))
+    if way == "gather":
+        move = StageIn(engine).gather([buf], mover.fetch, spoiled=lambda: spoiled)
+    else:
+        move = scatter([buf], mover.push, spoiled=lambda: spoiled)
+    with pytest.raises(TransferError, match="remote gone"):
+        await move
+    pool = engine.pool("in" if way == "gather" else "out")
+    assert pool.free == DEPTH and pool.retired == int(spoiled)
+
+
+async def test_a_retired_chunk_is_freed_once_nothing_holds_it() -> None:
+    """Its memory goes back once the transport drops its last reference (a finalizer)."""
+    freed: list[int] = []
+
+    class Counting(HostEngine):
+        def free_chunk(self, chunk: HostChunk) -> None:
+            freed.append(chunk.ptr)
+
+    engine = Counting()
+    try:
+        pool = engine.pool("in")
+        chunk = await pool.acquire()
+        held = chunk.array[10:20]  # what a transport still holds
+        ptr = chunk.ptr
+        pool.retire(chunk)
+        del chunk
+        assert freed == [] and pool.free == pool.depth
+        del held
+        assert freed == [ptr]
+    finally:
+        engine.close()
 
 
 def test_lanes_beyond_the_free_list_are_closed(engine: HostEngine) -> None:

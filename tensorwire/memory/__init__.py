@@ -3,7 +3,7 @@ and the staging pipelines that move device memory through host chunks."""
 
 from ._engine import CopyEngine, DeviceBuffer, Event, HostChunk, HostEngine, Lane, wait_event
 from ._pinned import CHUNK_BYTES, DEPTH, PinnedPool
-from ._pipeline import StageIn, download, stage_out
+from ._pipeline import Piece, StageIn, download, scatter, stage_out
 
 __all__ = [
     "CHUNK_BYTES",
@@ -15,8 +15,10 @@ __all__ = [
     "HostEngine",
     "Lane",
     "PinnedPool",
+    "Piece",
     "StageIn",
     "download",
+    "scatter",
     "stage_out",
     "wait_event",
 ]

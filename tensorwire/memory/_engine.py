@@ -90,6 +90,12 @@ class HostChunk:
     ptr: int
     size: int
     owner: Any = field(repr=False, default=None)
+    # the same bytes as one numpy array, made once: what a one-sided transport is handed (its
+    # registration cache finds a chunk again by this array's owner)
+    array: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.array = np.frombuffer(self.view, np.uint8) if self.size else np.empty(0, np.uint8)
 
 
 class Lane(ABC):

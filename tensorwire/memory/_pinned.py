@@ -16,6 +16,8 @@ holds nothing, and every chunk in use belongs to a pipeline that can make progre
 from __future__ import annotations
 
 import asyncio
+import logging
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from ._engine import CopyEngine
 
 __all__ = ["CHUNK_BYTES", "DEPTH", "PinnedPool"]
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
 DEPTH = 8
@@ -40,6 +44,7 @@ class PinnedPool:
         self._free: deque[tuple[HostChunk, Event | None]] = deque()
         self._allocated = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self.retired = 0  # chunks given up on (``retire``)
 
     def __repr__(self) -> str:
         return f"<PinnedPool {self.engine.name} {self.depth}x{self.chunk_bytes} free={self.free}>"
@@ -116,9 +121,28 @@ class PinnedPool:
         self._free.append((chunk, after))
         self._wake()
 
+    def retire(self, chunk: HostChunk) -> None:
+        """Never hand ``chunk`` out again: a transport may still write into it or read from it
+        (a one-sided operation a closing channel gave up waiting for). Its memory is freed once
+        nothing holds its ``array`` any more (the transport keeps it while its operation may
+        run); the pool may allocate a new chunk in its place."""
+        self._allocated -= 1
+        self.retired += 1
+        fin = weakref.finalize(chunk.array, _free, self.engine, chunk.ptr)
+        fin.atexit = False  # at exit the process's memory goes anyway (and CUDA may be gone)
+        self._wake()
+
     def _wake(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
                 return
+
+
+def _free(engine: CopyEngine, ptr: int) -> None:
+    """Free a retired chunk's memory (from a finalizer: nothing may be raised)."""
+    try:
+        engine.free_chunk(HostChunk(memoryview(b""), ptr, 0))
+    except Exception as exc:
+        log.warning("freeing a retired staging chunk at %#x failed: %s", ptr, exc)

@@ -8,18 +8,92 @@ In (:class:`StageIn`): a chunk is filled (from a socket, or from host memory), i
 device is queued, and the chunk goes back to the pool with that copy's event, so the next
 chunk is filled while the copy runs. The message's last event is what the consumer's stream
 waits for: the host never waits for the device on the receive path.
+
+Pieces (``StageIn.gather`` and ``scatter``): for one-sided operations through host memory, a
+batch's tensors are laid end to end across chunks (small ones share a chunk, large ones span
+several), and each chunk's pieces are moved by the caller (a batch of RDMA gets into the chunk,
+or puts out of it) while the next chunks are being moved or copied: up to the pool's depth of
+chunks in flight. The transport reads and writes the chunk itself, no copy in between.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ._engine import CopyEngine, DeviceBuffer, Event, HostChunk, Lane, wait_event
 
-__all__ = ["StageIn", "download", "stage_out"]
+if TYPE_CHECKING:
+    from ._pinned import PinnedPool
+
+__all__ = ["Piece", "StageIn", "download", "scatter", "stage_out"]
 
 Fill = Callable[[memoryview, int], Awaitable[None] | None]
+# (tensor index, byte offset in the tensor, byte offset in the chunk, length)
+Piece = tuple[int, int, int, int]
+# moves a chunk's pieces (a batch of gets into it, or puts from it); returns once done
+Move = Callable[[HostChunk, list[Piece]], Awaitable[None]]
+
+
+def _pieces(todo: deque[tuple[int, int, int]], size: int) -> list[Piece]:
+    """Take the next ``size`` bytes of ``todo`` ((index, offset, end) runs) as one chunk's pieces."""
+    pieces: list[Piece] = []
+    used = 0
+    while todo and used < size:
+        i, pos, end = todo.popleft()
+        k = min(end - pos, size - used)
+        pieces.append((i, pos, used, k))
+        used += k
+        if pos + k < end:
+            todo.appendleft((i, pos + k, end))
+    return pieces
+
+
+async def _alone(
+    pool: PinnedPool, chunk: HostChunk, event: Event | None, move: Awaitable[None], spoiled: Callable[[], bool]
+) -> None:
+    """A move awaited here (the only one under way: no task, no hop through the loop); failed or
+    cancelled, its chunk goes back to the pool or is retired, as ``_settle`` decides."""
+    try:
+        await move
+    except BaseException:
+        if spoiled():
+            pool.retire(chunk)
+        else:
+            pool.release(chunk, after=event)
+        raise
+
+
+# a chunk being moved: its pieces, the event of the copies it waits for first, the move
+_Flight = tuple[HostChunk, list[Piece], Event | None, "asyncio.Future[None]"]
+
+
+async def _settle(pool: PinnedPool, inflight: deque[_Flight], spoiled: Callable[[], bool]) -> None:
+    """Leaving early: stop the moves still going and wait for them (each waits for what its
+    transport posted), then give their chunks back, or retire those a move may still touch: it
+    failed or was stopped and ``spoiled()`` says its transport no longer waits for what it
+    posted. A second cancellation while waiting is raised once all are settled."""
+    for *_, task in inflight:
+        task.cancel()
+    cancelled = False
+    pending = {task for *_, task in inflight}
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    doubt = spoiled()
+    for chunk, _, event, task in inflight:
+        clean = not task.cancelled() and task.exception() is None  # also marks it retrieved
+        if clean or not doubt:
+            pool.release(chunk, after=event)
+        else:
+            pool.retire(chunk)
+    inflight.clear()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def stage_out(
@@ -69,6 +143,77 @@ async def download(src: DeviceBuffer, dst: memoryview, after: Event | None = Non
             dst[off : off + len(view)] = view
     finally:
         await gen.aclose()
+
+
+async def _window(
+    pool: PinnedPool,
+    bufs: Sequence[DeviceBuffer],
+    start: Callable[[HostChunk, list[Piece]], tuple[Event | None, Awaitable[None]]],
+    done: Callable[[HostChunk, list[Piece]], None],
+    spoiled: Callable[[], bool],
+) -> None:
+    """``bufs`` laid end to end across chunks of ``pool``, up to its depth of them being moved at
+    once: ``start(chunk, pieces)`` begins a chunk's move (the event of copies the chunk must
+    outlive, and the move), ``done(chunk, pieces)`` takes each chunk back in order once moved.
+    The one chunk left when nothing else is under way is moved in place (no task, no hop through
+    the loop: a small tensor's whole move). Leaving early: ``_settle``."""
+    todo = deque((i, 0, b.nbytes) for i, b in enumerate(bufs) if b.nbytes)
+    inflight: deque[_Flight] = deque()
+    try:
+        while todo or inflight:
+            while todo and len(inflight) < pool.depth:
+                chunk = await (pool.try_acquire() if inflight else pool.acquire())
+                if chunk is None:
+                    break
+                pieces = _pieces(todo, chunk.size)
+                event, move = start(chunk, pieces)
+                if not todo and not inflight:
+                    await _alone(pool, chunk, event, move, spoiled)
+                    done(chunk, pieces)
+                    break
+                inflight.append((chunk, pieces, event, asyncio.ensure_future(move)))
+            if not inflight:
+                continue
+            chunk, pieces, _, task = inflight[0]
+            await asyncio.shield(task)
+            inflight.popleft()
+            done(chunk, pieces)
+    finally:
+        if inflight:
+            await _settle(pool, inflight, spoiled)
+
+
+async def scatter(
+    srcs: Sequence[DeviceBuffer], push: Move, *, after: Sequence[Event] = (), spoiled: Callable[[], bool]
+) -> None:
+    """Move all of ``srcs`` (one engine's device memory) out through host chunks: each chunk's
+    pieces are copied down on one lane that first waits for ``after`` (the producers' events),
+    and ``push(chunk, pieces)`` moves them on once their copies are done; up to the pool's depth
+    of chunks are being copied or pushed at once. Returns once every push has. Failed or
+    cancelled, as :meth:`StageIn.gather`."""
+    if not any(b.nbytes for b in srcs):
+        return
+    engine = srcs[0].engine
+    pool = engine.pool("out")
+    lane = engine.lane()
+    for event in after:
+        lane.wait(event)
+
+    def start(chunk: HostChunk, pieces: list[Piece]) -> tuple[Event | None, Awaitable[None]]:
+        for i, pos, off, k in pieces:
+            lane.to_host(chunk, off, srcs[i], pos, k)
+        event = lane.record()
+        return event, copied_then(event, chunk, pieces)
+
+    async def copied_then(event: Event, chunk: HostChunk, pieces: list[Piece]) -> None:
+        await wait_event(engine, event)
+        await push(chunk, pieces)
+
+    try:
+        # pushed: nothing reads the chunk any more
+        await _window(pool, srcs, start, lambda chunk, _: pool.release(chunk), spoiled)
+    finally:
+        engine.give_back(lane)
 
 
 class StageIn:
@@ -123,6 +268,29 @@ class StageIn:
             self._last = lane.record()
             self.pool.release(chunk, after=self._last)
             pos += k
+
+    async def gather(self, dsts: Sequence[DeviceBuffer], fetch: Move, *, spoiled: Callable[[], bool]) -> None:
+        """Fill ``dsts`` whole through host chunks: ``fetch(chunk, pieces)`` lands each chunk's
+        pieces in it (several chunks at once, up to the pool's depth), and each chunk's copies
+        to the device are queued in order as it lands. Returns once every copy is queued
+        (``finish`` for the event after them). Failed or cancelled, the fetches still going are
+        stopped and waited for; ``spoiled()`` (asked then) says whether one that failed may
+        still write into its chunk, which is then never reused."""
+        await _window(
+            self.pool,
+            dsts,
+            lambda chunk, pieces: (None, fetch(chunk, pieces)),
+            lambda chunk, pieces: self._up(dsts, chunk, pieces),
+            spoiled,
+        )
+
+    def _up(self, dsts: Sequence[DeviceBuffer], chunk: HostChunk, pieces: list[Piece]) -> None:
+        """Queue the copies of a landed chunk's pieces to the device; the chunk goes back after them."""
+        lane = self.lane
+        for i, pos, off, k in pieces:
+            lane.to_device(dsts[i], pos, chunk, off, k)
+        self._last = lane.record()
+        self.pool.release(chunk, after=self._last)
 
     def device_copy(self, dst: DeviceBuffer, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
         """Queue a device-to-device copy after everything written so far."""

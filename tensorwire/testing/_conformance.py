@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -959,5 +960,63 @@ async def check_one_sided_device_memory(a: Peer, b: Peer) -> None:
         await _device_round(a, b, engine, 0, direct=False)
         if _by_pointer(a, b):
             await _device_round(a, b, engine, 1, direct=True)
+    finally:
+        engine.close()
+
+
+@_check()
+async def check_device_memory_through_a_few_small_chunks(a: Peer, b: Peer) -> None:
+    """Reads into device memory and writes from it with a staging pool of three 64 KiB chunks
+    (host-engine memory, which goes every way CUDA memory does): a tensor spanning many chunks,
+    and batches of small rows that share one, land exactly. Where the handle is one-sided and
+    the memory staged, the gets and puts use the chunks themselves: no host copy of the whole
+    tensor is made (the peak of traced host memory stays under an eighth of it)."""
+    n = 4 * MiB
+    engine = HostEngine(copy_delay=0.00002)
+    for direction in ("in", "out"):
+        engine.pool(direction).configure(64 << 10, 3)
+    rng = np.random.default_rng(8)
+    pool = rng.integers(0, 256, n, dtype=np.uint8)
+    a.node.expose(pool, name="stg")
+    h = await b.lookup("stg")
+
+    async def peak(op: Awaitable[Any]) -> tuple[Any, int]:
+        tracemalloc.start()
+        try:
+            result = await op
+            return result, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    def whole(receipt: Receipt, most: int, what: str) -> None:
+        if h.direct:
+            assert receipt.staged and receipt.protocol == "one-sided", receipt
+            assert most < n // 8, f"a staged one-sided {what} of {n} bytes held {most} bytes of host memory"
+
+    try:
+        await b.read(h, out=EngineArray(engine, np.zeros(n, np.uint8)))  # once first: the pool's chunks exist
+        out = EngineArray(engine, np.zeros(n, np.uint8))
+        (_, receipt), most = await peak(b.read_with_receipt(h, out=out))
+        assert np.array_equal(out.array, pool), "a read into device memory through small chunks landed wrong"
+        assert receipt.memory == "host-engine", receipt
+        whole(receipt, most, "read")
+        # small rows sharing chunks and one spanning several, in one batch
+        spans = [(7, 107), (5000, 5001), (100_000, 100_000 + 300_000), (2 * MiB, 2 * MiB + 64)]
+        outs = [EngineArray(engine, np.zeros(e - s, np.uint8)) for s, e in spans]
+        got = await b.read_many([h[s:e] for s, e in spans], outs=outs)
+        for g, (s, e) in zip(got, spans, strict=True):
+            assert np.array_equal(g.array, pool[s:e]), f"row {s}:{e} of a batch through small chunks landed wrong"
+        # writes: the whole tensor, then rows in a batch
+        fresh = rng.integers(0, 256, n, dtype=np.uint8)
+        receipt, most = await peak(b.write(h, EngineArray(engine, fresh.copy())))
+        assert np.array_equal(pool, fresh), "a write from device memory through small chunks landed wrong"
+        whole(receipt, most, "write")
+        rows = [rng.integers(0, 256, e - s, dtype=np.uint8) for s, e in spans]
+        await b.write_many([h[s:e] for s, e in spans], [EngineArray(engine, r.copy()) for r in rows])
+        for r, (s, e) in zip(rows, spans, strict=True):
+            fresh[s:e] = r
+        assert np.array_equal(pool, fresh), "a batch of writes from device memory through small chunks landed wrong"
+        for direction in ("in", "out"):
+            assert engine.pool(direction).free == 3, f"the {direction} pool did not get its chunks back"
     finally:
         engine.close()

@@ -161,6 +161,38 @@ async def test_out_buffer_registered_once() -> None:
         assert smem.registrations - before <= 1
 
 
+async def test_staged_device_memory_registers_each_staging_chunk_once() -> None:
+    """Reads into device memory (host-engine memory, staged as CUDA memory is on verbs) get
+    into the staging chunks themselves, and writes put from them: the chunks are registered the
+    first time and found in the cache after, however many tensors go through them."""
+    from tensorwire.memory import HostEngine
+    from tensorwire.tensors import EngineArray
+
+    engine = HostEngine()
+    for direction in ("in", "out"):
+        engine.pool(direction).configure(256 << 10, 4)
+    try:
+        async with _pair() as (a, b):
+            kv = np.arange(MiB, dtype=np.int32)  # 4 MiB: sixteen chunks
+            a.node.expose(kv, name="kv")
+            h = await b.lookup("kv")
+            assert h.direct
+            mem = _transport(b).memory
+            assert mem is not None
+            for i in range(3):
+                out = EngineArray(engine, np.zeros(MiB, np.int32))
+                _, r = await b.read_with_receipt(h, out=out)
+                assert r.protocol == "one-sided" and r.staged and r.memory == "host-engine", r
+                assert np.array_equal(out.array, kv)
+                await b.write(h, EngineArray(engine, kv + 1))
+                kv -= 1
+                if i == 0:
+                    first = mem.registrations
+            assert mem.registrations == first, f"{mem.registrations - first} registrations after the first round"
+    finally:
+        engine.close()
+
+
 async def test_remote_access_error_is_a_transfer_error_and_breaks_the_channel() -> None:
     async with _pair() as (a, b):
         a.node.expose(np.zeros(4096, np.uint8), name="z")

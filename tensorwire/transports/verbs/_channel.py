@@ -741,15 +741,17 @@ class VerbsChannel(Channel):
     async def rma_many(self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]) -> None:
         """``rma`` for a batch of ``(ptr, n, remote_addr, rkey, keep)``: every RDMA READ or WRITE
         posted at once (the send queue's depth permitting), one future for all; returns once all
-        completed. Nothing posted can be recalled, so a cancellation waits for it too."""
+        completed. Nothing posted can be recalled, so a cancellation waits for it too. ``keep``
+        is the numpy array that holds the ``n`` bytes at ``ptr`` (they, or a staging chunk they
+        lie in: what is registered, and found again in the cache)."""
         self.check_open()
         read = op == "get"
         work = []
         for ptr, n, remote_addr, rkey, keep in items:
             if rkey.handle is None:
                 raise ClosedResourceError("remote key is closed")
-            if not isinstance(keep, np.ndarray) or keep.__array_interface__["data"][0] != ptr or keep.nbytes != n:
-                raise TransferError("verbs one-sided operations take the numpy array they move")
+            if not isinstance(keep, np.ndarray) or not _holds(keep, ptr, n):
+                raise TransferError("verbs one-sided operations take a numpy array that holds the bytes they move")
             if read and not keep.flags.writeable:
                 raise TransferError("get needs a writable destination")
             if n:
@@ -880,3 +882,9 @@ class VerbsChannel(Channel):
 
     def fail(self, exc: BaseException) -> None:
         self._shutdown(ChannelState.BROKEN, exc)
+
+
+def _holds(arr: np.ndarray, ptr: int, n: int) -> bool:
+    """``arr`` is C-contiguous and its memory holds the ``n`` bytes at ``ptr``."""
+    base = int(arr.__array_interface__["data"][0])
+    return bool(arr.flags.c_contiguous) and base <= ptr and ptr + n <= base + arr.nbytes
