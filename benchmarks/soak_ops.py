@@ -2,7 +2,7 @@
 
     python benchmarks/soak_ops.py [--duration 60] [--peers 3] [--concurrency 4] [--max-mib 64]
                                   [--seed 0] [--restart-rate 0.005] [--transport tcp]
-                                  [--engine [--by-pointer]]
+                                  [--engine [--by-pointer | --host-regions]]
 
 ``benchmarks/soak.py`` does this for send/recv; this script does it for the rest of the peer API.
 A hub node in this process drives worker processes, each of which exposes one uint8 tensor named
@@ -29,7 +29,10 @@ sources and read buffers device memory half the time: the one-sided paths of CUD
 (served by the owner through staging, or staged around the one-sided gets and puts), with
 staging chunks poisoned on reuse. ``--by-pointer`` (ucx) also declares that memory registrable
 and postable by pointer, as ucx takes CUDA memory where UCX has cuda lanes, so the gets and puts
-go at its addresses after the streams' events.
+go at its addresses after the streams' events. ``--host-regions`` keeps the regions in the
+workers' host memory instead: over ucx the hub's reads into its device buffers and writes from
+them are then one-sided gets and puts through its staging chunks (the path of CUDA tensors on
+verbs, or on a ucx without cuda lanes), cancelled and cut short by kills like the rest.
 
 Every operation but restart is cancelled at a random moment now and then (asyncio.wait_for with
 a short limit); a cancelled write leaves the region's content unknown until the next write. A
@@ -230,6 +233,8 @@ class Soak:
         self.engine = HostEngine() if args.engine else None  # poisons its staging chunks on reuse
         self.stream = self.engine.stream() if self.engine is not None else None
         self.mode = "by-pointer" if args.by_pointer else "engine" if args.engine else "host"
+        if args.host_regions:
+            self.mode = "host-regions"
 
     # -- helpers -----------------------------------------------------------------------------
     def data(self, n: int) -> np.ndarray:
@@ -289,8 +294,9 @@ class Soak:
         w.region_bytes = max(1, random_size(self.rng, self.args.max_mib * MiB))
         async with self.launching:
             w.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", WORKER, self.hub.address, self.args.transport, str(w.region_bytes), self.mode
-            )
+                sys.executable, "-c", WORKER, self.hub.address, self.args.transport, str(w.region_bytes),
+                "host" if self.mode == "host-regions" else self.mode,
+            )  # fmt: skip
             w.peer = await asyncio.wait_for(self.hub.accept(), 60)
         if self.mode == "by-pointer":  # what the worker declared of its transport, for our gets and puts
             w.peer.channel.device_kinds = w.peer.channel.device_kinds | {"host-engine"}
@@ -395,8 +401,10 @@ class Soak:
         if w.handle is None:
             w.handle = await peer.lookup("region")
             self.check(w.handle.nbytes == w.region_bytes, f"lookup says {w.handle.nbytes} B, not {w.region_bytes}")
-            if self.mode != "host" and w.handle.direct != (self.mode == "by-pointer"):
-                # HostEngine memory is served by its owner unless declared taken by pointer
+            one_sided = self.mode == "by-pointer" or (self.mode == "host-regions" and self.args.transport != "tcp")
+            if self.mode != "host" and w.handle.direct != one_sided:
+                # HostEngine memory is served by its owner unless declared taken by pointer; host
+                # memory is one-sided where the transport is
                 raise Problem("unexpected", f"the region's handle is {'' if w.handle.direct else 'not '}one-sided")
         return w.handle
 
@@ -581,7 +589,8 @@ class Soak:
             f"soak of RPC and one-sided ops over {a.transport}: {elapsed:.1f} s, {a.peers} worker processes, "
             f"{a.concurrency} concurrent, sizes 0 B..{a.max_mib} MiB, seed {a.seed}"
             + {"host": "", "engine": "; regions and half the buffers in HostEngine memory",
-               "by-pointer": "; regions and half the buffers in HostEngine memory, taken by pointer"}[self.mode]
+               "by-pointer": "; regions and half the buffers in HostEngine memory, taken by pointer",
+               "host-regions": "; half the buffers in HostEngine memory, the regions in host memory"}[self.mode]
         )  # fmt: skip
         names = sorted({name for name, _ in self.outcomes})
         kinds = sorted({kind for _, kind in self.outcomes}, key=lambda k: (k != "verified", k != "cancelled", k))
@@ -589,6 +598,9 @@ class Soak:
         for name in names:
             print(f"  {name:<11}" + "".join(f"{self.outcomes[name, k]:>24}" for k in kinds))
         print(f"  bytes moved: {self.moved / 1e9:.2f} GB ({self.moved / elapsed / 1e9:.2f} GB/s)")
+        if self.engine is not None:  # given up on: an operation of a closing channel may still touch them
+            pools = {d: self.engine.pool(d) for d in ("in", "out")}
+            print("  staging chunks retired: " + ", ".join(f"{d} {p.retired} of {p.depth}" for d, p in pools.items()))
         seen = ", ".join(f"{w} RSS {rss / MiB:.0f} MiB, {fds} fds, {n} tasks" for w, rss, fds, n in self.resources)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"  hub (same workers alive): {seen}; peak RSS {peak:.0f} MiB")
@@ -614,9 +626,12 @@ def main() -> int:
     p.add_argument("--hang", type=float, default=120.0, help="seconds after which an operation counts as hung")
     p.add_argument("--engine", action="store_true", help="regions and half the buffers in HostEngine 'device' memory")
     p.add_argument("--by-pointer", action="store_true", help="with --engine over ucx: that memory taken by pointer")
+    p.add_argument("--host-regions", action="store_true", help="with --engine: the regions in host memory")
     args = p.parse_args()
     if args.by_pointer and not (args.engine and args.transport == "ucx"):
         p.error("--by-pointer goes with --engine --transport ucx (the transport whose gets take device pointers)")
+    if args.host_regions and (not args.engine or args.by_pointer):
+        p.error("--host-regions goes with --engine, and not with --by-pointer")
     return asyncio.run(Soak(args).run())
 
 

@@ -176,6 +176,61 @@ async def test_cuda_write_waits_for_the_producer_stream(transport: str, slow: bo
             assert int(kv.min()) == 7 and int(kv.max()) == 7, "the write read its source before its stream wrote it"
 
 
+async def test_staged_one_sided_cuda_goes_through_the_pinned_chunks() -> None:
+    """Where a channel cannot take CUDA pointers (verbs, a ucx without cuda lanes; here a ucx
+    channel told so), one-sided reads of a host exposure into CUDA tensors land in the pinned
+    staging chunks and are copied up from them, and writes go down through them. A pool of
+    three 256 KiB chunks, so that a 16 MiB tensor spans 64 of them and a batch of rows shares
+    them; the read lands after its consumer stream's earlier work, the write carries what its
+    producer stream wrote, and every chunk comes back to its pool."""
+    torch = _torch()
+    if importlib.util.find_spec("ucxx") is None:
+        pytest.skip("ucxx is not installed here (docs/gpu.md: scripts/gpu_wheels.sh carries it)")
+    from tensorwire.memory import CHUNK_BYTES, DEPTH
+    from tensorwire.memory._cuda import CudaEngine
+
+    engine = CudaEngine.get(torch.cuda.current_device())
+    pools = [engine.pool("in"), engine.pool("out")]
+    for pool in pools:
+        pool.configure(256 << 10, 3)
+    n = 16 * MiB
+    host = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    want = torch.from_numpy(host.copy()).cuda()
+    consumer = torch.cuda.Stream()
+    consumer.wait_stream(torch.cuda.current_stream())
+    try:
+        async with connected_pair("ucx") as (a, b):
+            b.channel.device_kinds = frozenset()  # as verbs: no CUDA pointers in one-sided operations
+            a.node.expose(host, name="host")
+            h = await b.lookup("host")
+            assert h.direct, h
+            out = torch.zeros(n, dtype=torch.uint8, device="cuda")
+            with torch.cuda.stream(consumer):
+                torch.cuda._sleep(SPIN)  # the consumer's earlier work on out=: a slow fill
+                out.fill_(1)
+                got, receipt = await asyncio.wait_for(b.read_with_receipt(h, out=out), 60)
+                ok = torch.equal(out, want)  # on the consumer's stream, right away
+            assert got is out and ok, "a staged one-sided read into CUDA memory landed wrong or too early"
+            assert receipt.protocol == "one-sided" and receipt.staged and receipt.memory == "cuda", receipt
+            spans = [(5, 105), (4000, 4001), (MiB, 3 * MiB + 17), (n - 64, n)]
+            outs = [torch.zeros(e - s, dtype=torch.uint8, device="cuda") for s, e in spans]
+            await asyncio.wait_for(b.read_many([h[s:e] for s, e in spans], outs=outs), 60)
+            for o, (s, e) in zip(outs, spans, strict=True):
+                assert torch.equal(o, want[s:e]), f"row {s}:{e} of a staged batch landed wrong"
+            src = torch.zeros(n, dtype=torch.uint8, device="cuda")
+            with torch.cuda.stream(consumer):
+                torch.cuda._sleep(SPIN)
+                src.fill_(9)
+                receipt = await asyncio.wait_for(b.write(h, src), 60)
+            assert receipt.staged and receipt.protocol == "one-sided", receipt
+            assert (host == 9).all(), "a staged one-sided write read its source before its stream wrote it"
+            for pool in pools:
+                assert pool.free == 3 and pool.retired == 0, pool
+    finally:
+        for pool in pools:
+            pool.configure(CHUNK_BYTES, DEPTH)
+
+
 _CHILD = textwrap.dedent(
     """
     import asyncio, json, sys
