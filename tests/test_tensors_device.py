@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -435,6 +436,41 @@ async def test_a_single_chunk_move_that_fails_gives_its_chunk_back_or_retires_it
         await move
     pool = engine.pool("in" if way == "gather" else "out")
     assert pool.free == DEPTH and pool.retired == int(spoiled)
+
+
+@pytest.mark.parametrize("way", ["gather", "scatter"])
+async def test_a_copy_that_cannot_be_queued_loses_no_chunk(way: str) -> None:
+    """A copy to or from the device that fails to queue (on a GPU: a CUDA error) fails the move,
+    and the pool keeps count: the chunk whose copies were queued in part is retired, one with
+    none queued goes back."""
+
+    class Failing(HostEngine):
+        def _new_lane(self) -> Any:
+            lane = super()._new_lane()
+
+            def refuse(*_: object) -> None:
+                raise RuntimeError("copy refused")
+
+            lane.to_device = refuse  # type: ignore[method-assign]
+            lane.to_host = refuse  # type: ignore[method-assign]
+            return lane
+
+    engine = Failing()
+    try:
+        pool = engine.pool("in" if way == "gather" else "out")
+        pool.configure(CHUNK, DEPTH)
+        bufs = [engine.buffer(_bytes(CHUNK * 5, 9))]
+        mover = _Mover([np.zeros(CHUNK * 5, np.uint8)])
+        if way == "gather":
+            move = StageIn(engine).gather(bufs, mover.fetch, spoiled=lambda: False)
+        else:
+            move = scatter(bufs, mover.push, spoiled=lambda: False)
+        with pytest.raises(RuntimeError, match="copy refused"):
+            await move
+        assert mover.running == 0
+        assert pool.free == DEPTH and pool.retired == (1 if way == "gather" else 0)
+    finally:
+        engine.close()
 
 
 async def test_a_retired_chunk_is_freed_once_nothing_holds_it() -> None:

@@ -166,10 +166,14 @@ async def _window(
                 if chunk is None:
                     break
                 pieces = _pieces(todo, chunk.size)
-                event, move = start(chunk, pieces)
+                try:
+                    event, move = start(chunk, pieces)
+                except BaseException:
+                    pool.release(chunk)  # nothing was queued on it
+                    raise
                 if not todo and not inflight:
                     await _alone(pool, chunk, event, move, spoiled)
-                    done(chunk, pieces)
+                    _done(pool, done, chunk, pieces)
                     break
                 inflight.append((chunk, pieces, event, asyncio.ensure_future(move)))
             if not inflight:
@@ -177,10 +181,22 @@ async def _window(
             chunk, pieces, _, task = inflight[0]
             await asyncio.shield(task)
             inflight.popleft()
-            done(chunk, pieces)
+            _done(pool, done, chunk, pieces)
     finally:
         if inflight:
             await _settle(pool, inflight, spoiled)
+
+
+def _done(
+    pool: PinnedPool, done: Callable[[HostChunk, list[Piece]], None], chunk: HostChunk, pieces: list[Piece]
+) -> None:
+    """``done(chunk, pieces)``; should it fail (a copy that could not be queued), the chunk is
+    retired: some of its copies may have been queued, and may still read it."""
+    try:
+        done(chunk, pieces)
+    except BaseException:
+        pool.retire(chunk)
+        raise
 
 
 async def scatter(
