@@ -3,7 +3,8 @@
 ``benchmarks/kv_rows.py --memory cuda`` runs only where a GPU is lent, which is rarely; its
 device code (the pool exposed from device memory in a child process, reads into views of one
 device buffer, the byte checks) is the same with ``--memory host-engine``, numpy posing as device
-memory. This runs it for real, two processes over tcp, so that the next GPU run does not find a
+memory. This runs it for real, two processes over tcp (and, with ``--pool-memory host``, over
+ucx: one-sided gets staged through the chunks), so that the next GPU run does not find a
 broken script. The script checks every cell's bytes and exits 1 when any came back wrong.
 """
 
@@ -38,6 +39,28 @@ def test_kv_rows_reads_blocks_into_device_memory(tmp_path: Path) -> None:
     # host-engine memory is not registered with tcp: its owner serves every read
     assert {r["protocol"] for r in rows} == {"owner-assisted"}
     assert "tcp: path tcp" in proc.stdout and "the pool is in host-engine memory" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_kv_rows_reads_a_host_pool_into_device_memory_one_sided(tmp_path: Path) -> None:
+    """``--pool-memory host`` over ucx: one-sided gets of a host pool into device memory, staged
+    through the reader's chunks (the path of CUDA tensors on verbs)."""
+    pytest.importorskip("ucxx", reason="ucxx is not installed: the ucx variant needs it")
+    rows_file = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [
+            sys.executable, "benchmarks/kv_rows.py", "--memory", "host-engine", "--pool-memory", "host",
+            "--transports", "ucx", "--pool-mib", "16", "--total-mib", "8", "--block-kib", "64", "4096",
+            "--inflight", "2", "--batch", "4", "--repeat", "1", "--json", str(rows_file),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=100,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(rows_file.read_text())
+    assert len(rows) == 6, rows
+    assert {(r["memory"], r["pool_memory"], r["protocol"]) for r in rows} == {("host-engine", "host", "one-sided")}
+    assert "the pool is in host memory" in proc.stdout, proc.stdout
 
 
 def test_kv_rows_with_cuda_memory_and_no_gpu_says_why() -> None:
