@@ -42,11 +42,12 @@ import time
 from typing import Any
 
 import numpy as np
+from _sizes import MiB
+from _two_process import stop_child
 
 import tensorwire
 from tensorwire.tensors import EngineArray
 
-MiB = 1 << 20
 SEED = 7
 
 
@@ -75,10 +76,12 @@ class Memory:
         if self.kind == "cuda":
             return self.cp.asarray(a)
         if self.kind == "host-engine":
-            return EngineArray(self.engine, a.copy())
+            return EngineArray(self.engine, a)
         return a
 
     def zeros(self, n: int) -> Any:
+        if self.kind == "cuda":
+            return self.cp.zeros(n, self.cp.uint8)
         return self.put(np.zeros(n, np.uint8))
 
     def view(self, buf: Any, a: int, b: int) -> Any:
@@ -197,7 +200,7 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
                 return time.perf_counter() - t0
 
             await baseline()
-            if not np.array_equal(mem.fetch(out), expected[:total]):
+            if not await asyncio.to_thread(np.array_equal, mem.fetch(out), expected[:total]):  # off the loop
                 raise AssertionError(f"{transport}: the contiguous read came back wrong")
             for kib in args.block_kib:
                 block = kib << 10
@@ -222,8 +225,8 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
                         await mem.settle()
                         best = min(best, time.perf_counter() - t0)
                         if turn == 0:
-                            want = expected.reshape(-1, block)[starts // block].reshape(-1)
-                            if not np.array_equal(mem.fetch(out)[: n * block], want):
+                            got = mem.fetch(out)[: n * block]
+                            if not await asyncio.to_thread(_blocks_are, got, expected, starts, block):
                                 raise AssertionError(f"{transport}: blocks of {kib} KiB came back wrong")
                     rows.append({
                         "transport": transport, "memory": args.memory, "pool_memory": args.pool_memory or args.memory,
@@ -235,13 +238,14 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
                     print(_line(rows[-1]), flush=True)
     finally:
         proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        await stop_child(proc)
         mem.close()
     return rows
+
+
+def _blocks_are(got: np.ndarray, expected: np.ndarray, starts: np.ndarray, block: int) -> bool:
+    """``got`` holds the blocks of ``expected`` at ``starts``, end to end (a check off the loop)."""
+    return bool(np.array_equal(got, expected.reshape(-1, block)[starts // block].reshape(-1)))
 
 
 HEADER = (

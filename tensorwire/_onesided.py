@@ -58,7 +58,7 @@ from .errors import (
     TensorWireError,
     TransferError,
 )
-from .memory import CopyEngine, DeviceBuffer, Event, HostChunk, Piece, scatter, wait_event
+from .memory import CopyEngine, DeviceBuffer, Event, HostChunk, Move, Piece, scatter, wait_event
 from .tensors import Outgoing, as_view, dtype_from_name, prepare
 from .tensors._device import (
     Device,
@@ -70,7 +70,7 @@ from .tensors._device import (
     capture_streams,
     check_cuda,
     cuda_usable,
-    parse_device,
+    wanted_device,
 )
 from .transports import ChannelState, Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
@@ -528,7 +528,7 @@ async def _move(
     """Get into (``op="get"``) or put from each buffer (a host array, or device memory the
     channel takes by pointer), at its handle's registered address plus the offset, one-sided;
     returns once all of them are in place. The transport posts a batch at once and waits for
-    it as a whole where it can (``rma_many``). ``within``: one host array that holds every
+    it as a whole (``OneSidedChannel.rma_many``). ``within``: one host array that holds every
     buffer (a staging chunk), registered as a whole."""
     channel: Any = peer.channel  # a OneSidedChannel: _direct_state checked
     items = []
@@ -542,11 +542,7 @@ async def _move(
     for state, _, _ in moves:
         state.inflight += 1
     try:
-        if hasattr(channel, "rma_many"):
-            await channel.rma_many(op, items)
-        else:  # the protocol's portable calls, one at a time (host memory)
-            for _, _, address, rkey, buf in items:
-                await (channel.get(address, rkey, buf) if op == "get" else channel.put(buf, address, rkey))
+        await channel.rma_many(op, items)
     finally:
         for state, _, _ in moves:
             state.inflight -= 1
@@ -720,12 +716,7 @@ def _destinations(
 ) -> tuple[list[_Dest], Streams | None, bool]:
     """Each handle's destination, checked (dtype, shape, writable); allocated where ``outs``
     has None. Also the caller's streams, taken now, and whether any destination is on a device."""
-    want = parse_device(device)
-    if want is not None:
-        if any(out is not None for out in outs):
-            raise ConfigurationError("pass out= or device=, not both: out= already says where the bytes go")
-        if want.kind == "cuda":
-            want = Device("cuda", check_cuda(want.index))
+    want = wanted_device(device, any(out is not None for out in outs))
     on_device = want is not None and want.kind == "cuda"
     views: list[Any] = []
     for out in outs:
@@ -870,12 +861,24 @@ async def _gather(peer: Peer, landing: Landing, jobs: list[tuple[_Direct, Device
     for _, t, _ in jobs:
         stage = landing.stage(t, fresh=True)
     assert stage is not None
+    await stage.gather([t.buf for _, t, _ in jobs], _chunk_moves(peer, "get", jobs), spoiled=_closing(peer))
 
-    async def fetch(chunk: HostChunk, pieces: list[Piece]) -> None:
-        gets = [(jobs[i][0], chunk.array[off : off + k], jobs[i][2] + pos) for i, pos, off, k in pieces]
-        await _move(peer, "get", gets, within=chunk.array)
 
-    await stage.gather([t.buf for _, t, _ in jobs], fetch, spoiled=lambda: peer.channel.state is not ChannelState.OPEN)
+def _chunk_moves(peer: Peer, op: str, jobs: list[tuple[_Direct, DeviceTensor, int]]) -> Move:
+    """Gets into (or puts from) a staging chunk of its pieces of ``jobs``' tensors, each at its
+    handle's offset plus the piece's place in the tensor: one batch per chunk."""
+
+    async def move(chunk: HostChunk, pieces: list[Piece]) -> None:
+        items = [(jobs[i][0], chunk.array[off : off + k], jobs[i][2] + pos) for i, pos, off, k in pieces]
+        await _move(peer, op, items, within=chunk.array)
+
+    return move
+
+
+def _closing(peer: Peer) -> Callable[[], bool]:
+    """Whether ``peer``'s channel has stopped waiting for what it posted (it is closing): a
+    staging chunk such an operation used may still be touched."""
+    return lambda: peer.channel.state is not ChannelState.OPEN
 
 
 async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[Any], streams: Streams | None) -> Receipt:
@@ -972,15 +975,8 @@ async def _scatter(peer: Peer, jobs: list[tuple[_Direct, DeviceTensor, int]]) ->
     """Put each ``(state, tensor, offset)`` of one engine through its staging chunks: each
     chunk is copied down (after the tensors' producer events) and put from the chunk itself
     while the next chunks are being copied down."""
-
-    async def push(chunk: HostChunk, pieces: list[Piece]) -> None:
-        puts = [(jobs[i][0], chunk.array[off : off + k], jobs[i][2] + pos) for i, pos, off, k in pieces]
-        await _move(peer, "put", puts, within=chunk.array)
-
     events = list({id(e): e for _, t, _ in jobs if (e := t.ready) is not None}.values())
-    await scatter(
-        [t.buf for _, t, _ in jobs], push, after=events, spoiled=lambda: peer.channel.state is not ChannelState.OPEN
-    )
+    await scatter([t.buf for _, t, _ in jobs], _chunk_moves(peer, "put", jobs), after=events, spoiled=_closing(peer))
 
 
 async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing) -> Receipt:

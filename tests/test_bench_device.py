@@ -17,29 +17,39 @@ from pathlib import Path
 
 import pytest
 
+from tensorwire.memory._cuda import cuda_device_count
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _kv_rows(*argv: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/kv_rows.py argv...`` in a process of its own, this checkout's tensorwire."""
+    return subprocess.run(
+        [sys.executable, "benchmarks/kv_rows.py", *argv], cwd=ROOT, capture_output=True, text=True,
+        timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
+def _rows(tmp_path: Path, *argv: str) -> tuple[list[dict[str, object]], str]:
+    """A run that must succeed: its table rows (``--json``) and what it printed."""
+    rows_file = tmp_path / "rows.json"
+    proc = _kv_rows(*argv, "--json", str(rows_file))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(rows_file.read_text()), proc.stdout
 
 
 @pytest.mark.timeout(120)
 def test_kv_rows_reads_blocks_into_device_memory(tmp_path: Path) -> None:
-    rows_file = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [
-            sys.executable, "benchmarks/kv_rows.py", "--memory", "host-engine", "--transports", "tcp",
-            "--pool-mib", "8", "--total-mib", "2", "--block-kib", "64", "1024", "--inflight", "4",
-            "--batch", "8", "--repeat", "1", "--json", str(rows_file),
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=100,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    rows, stdout = _rows(
+        tmp_path, "--memory", "host-engine", "--transports", "tcp", "--pool-mib", "8", "--total-mib", "2",
+        "--block-kib", "64", "1024", "--inflight", "4", "--batch", "8", "--repeat", "1",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(rows_file.read_text())
     # 2 block sizes x (4 in flight, batches of 8, one batch of all)
     assert len(rows) == 6, rows
     assert {r["memory"] for r in rows} == {"host-engine"}
     # host-engine memory is not registered with tcp: its owner serves every read
     assert {r["protocol"] for r in rows} == {"owner-assisted"}
-    assert "tcp: path tcp" in proc.stdout and "the pool is in host-engine memory" in proc.stdout, proc.stdout
+    assert "tcp: path tcp" in stdout and "the pool is in host-engine memory" in stdout, stdout
 
 
 @pytest.mark.timeout(120)
@@ -48,34 +58,18 @@ def test_kv_rows_reads_a_host_pool_into_device_memory_one_sided(tmp_path: Path) 
     through the reader's chunks (the path of CUDA tensors on verbs)."""
     if importlib.util.find_spec("ucxx") is None:  # not imported here: the script's processes load it
         pytest.skip("ucxx is not installed: the ucx variant needs it")
-    rows_file = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [
-            sys.executable, "benchmarks/kv_rows.py", "--memory", "host-engine", "--pool-memory", "host",
-            "--transports", "ucx", "--pool-mib", "16", "--total-mib", "8", "--block-kib", "64", "4096",
-            "--inflight", "2", "--batch", "4", "--repeat", "1", "--json", str(rows_file),
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=100,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    rows, stdout = _rows(
+        tmp_path, "--memory", "host-engine", "--pool-memory", "host", "--transports", "ucx", "--pool-mib", "16",
+        "--total-mib", "8", "--block-kib", "64", "4096", "--inflight", "2", "--batch", "4", "--repeat", "1",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(rows_file.read_text())
     assert len(rows) == 6, rows
     assert {(r["memory"], r["pool_memory"], r["protocol"]) for r in rows} == {("host-engine", "host", "one-sided")}
-    assert "the pool is in host memory" in proc.stdout, proc.stdout
+    assert "the pool is in host memory" in stdout, stdout
 
 
 def test_kv_rows_with_cuda_memory_and_no_gpu_says_why() -> None:
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount():
-            pytest.skip("a GPU is here: tests/gpu and scripts/gpu_check.sh run the cuda variant")
-    except Exception:  # no CuPy, or CUDA does not start: the case under test
-        pass
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/kv_rows.py", "--memory", "cuda"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    if cuda_device_count():
+        pytest.skip("a GPU is here: tests/gpu and scripts/gpu_check.sh run the cuda variant")
+    proc = _kv_rows("--memory", "cuda", timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--memory cuda needs" in proc.stderr, proc.stderr

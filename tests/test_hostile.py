@@ -19,7 +19,6 @@ import logging
 import random
 import struct
 import time
-import tracemalloc
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import pytest
 import tensorwire
 from tensorwire.control._pb import control_pb2, control_pb2_grpc, wire_pb2
 from tensorwire.errors import ProtocolError, TensorWireError
+from tensorwire.testing import peak_allocation
 from tensorwire.transports import ChannelState
 
 # -- the wire format, as documented in tensorwire/transports/_frames.py ---------------------------
@@ -304,20 +304,6 @@ def drop_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
         and r.levelno == logging.WARNING
         and r.getMessage().startswith("dropped tcp data connection from")
     ]
-
-
-@contextlib.contextmanager
-def peak_allocation() -> Any:
-    """Measure the peak of traced allocations (Python objects and numpy buffers) in the body."""
-    result = {"peak": 0}
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        yield result
-        result["peak"] = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
 
 
 # == attacks before authentication =================================================================

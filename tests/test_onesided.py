@@ -105,10 +105,10 @@ async def test_row_requests_the_handle_could_not_make_get_an_error_answer() -> N
         h = await b.lookup("kv")
         bad = [(4, [10, 4]), (2, [1, 4]), (-16, [1, 4]), (160, [1]), ("0", [1, 4]), (0, [1, -4]),
                (0, "4"), (0, [1.0, 4]), (None, None), (0, [1] * 65)]  # fmt: skip
+        good = {"name": "kv", "generation": h.generation, "offset": 0, "shape": [1, 4]}
         for op in ("read", "write"):
             for offset, shape in bad:
                 reply, data = _tags()
-                good = {"name": "kv", "generation": h.generation, "offset": 0, "shape": [1, 4]}
                 region = {"name": "kv", "generation": h.generation, "offset": offset, "shape": shape}
                 await b.send({"op": op, "regions": [good, region], "reply": reply, "data": data}, tag=_OPS_TAG)
                 if op == "write":
@@ -116,7 +116,6 @@ async def test_row_requests_the_handle_could_not_make_get_an_error_answer() -> N
                 answer = await asyncio.wait_for(b.recv(tag=reply), 5)
                 assert isinstance(answer, dict) and answer["error"], (op, offset, shape, answer)
                 assert "not within" in answer["error"] or "malformed" in answer["error"], answer
-        good = {"name": "kv", "generation": h.generation, "offset": 0, "shape": [1, 4]}
         for regions in ("x", [], [good] * 257, [5], [{**good, "name": 5}], [{**good, "generation": 0}]):
             reply, _ = _tags()
             await b.send({"op": "read", "regions": regions, "reply": reply}, tag=_OPS_TAG)

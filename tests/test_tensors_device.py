@@ -19,7 +19,7 @@ import pytest
 
 import tensorwire
 from tensorwire.errors import ConfigurationError, ShapeMismatchError, TransferError, UnsupportedTensorError
-from tensorwire.memory import DeviceBuffer, HostChunk, HostEngine, StageIn, download, scatter, stage_out
+from tensorwire.memory import DeviceBuffer, HostChunk, HostEngine, StageIn, download, scatter, stage_out, wait_event
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
 from tensorwire.testing import CHECKS, busy_stream, cancel_recv_at_every_step, connected_pair, exchange
 from tensorwire.transports import Limits
@@ -651,7 +651,7 @@ async def test_ucx_device_recv_cancelled_while_its_stream_is_busy(engine: HostEn
             async with asyncio.timeout(10):
                 await asyncio.gather(send, b.recv(tag="x", out=second))
             assert np.array_equal(second.array, data)
-            await asyncio.to_thread(engine.record_on(stream).synchronize)  # the stream's work done
+            await wait_event(engine, engine.record_on(stream))  # the stream's work done
             assert not out.array.any(), "out= was written after its recv was cancelled"
 
 
@@ -697,7 +697,7 @@ async def test_recv_orders_the_consumer_stream_after_its_copies(engine: HostEngi
             await asyncio.sleep(0.05)
             assert not out.array.any(), "copies into out= ran before the stream's earlier work"
             gate.set()
-            await asyncio.to_thread(engine.record_on(stream).synchronize)
+            await wait_event(engine, engine.record_on(stream))
             assert np.array_equal(out.array, data)
 
 

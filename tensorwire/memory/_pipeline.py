@@ -28,7 +28,7 @@ from ._engine import CopyEngine, DeviceBuffer, Event, HostChunk, Lane, wait_even
 if TYPE_CHECKING:
     from ._pinned import PinnedPool
 
-__all__ = ["Piece", "StageIn", "download", "scatter", "stage_out"]
+__all__ = ["Move", "Piece", "StageIn", "download", "scatter", "stage_out"]
 
 Fill = Callable[[memoryview, int], Awaitable[None] | None]
 # (tensor index, byte offset in the tensor, byte offset in the chunk, length)
@@ -59,11 +59,17 @@ async def _alone(
     try:
         await move
     except BaseException:
-        if spoiled():
-            pool.retire(chunk)
-        else:
-            pool.release(chunk, after=event)
+        _hand_back(pool, chunk, event, touched=spoiled())
         raise
+
+
+def _hand_back(pool: PinnedPool, chunk: HostChunk, event: Event | None, *, touched: bool) -> None:
+    """A chunk whose move ended: back to the pool after ``event``, or retired where the move
+    may still touch it (``touched``: it failed or was stopped, and its channel is closing)."""
+    if touched:
+        pool.retire(chunk)
+    else:
+        pool.release(chunk, after=event)
 
 
 # a chunk being moved: its pieces, the event of the copies it waits for first, the move
@@ -87,10 +93,7 @@ async def _settle(pool: PinnedPool, inflight: deque[_Flight], spoiled: Callable[
     doubt = spoiled()
     for chunk, _, event, task in inflight:
         clean = not task.cancelled() and task.exception() is None  # also marks it retrieved
-        if clean or not doubt:
-            pool.release(chunk, after=event)
-        else:
-            pool.retire(chunk)
+        _hand_back(pool, chunk, event, touched=doubt and not clean)
     inflight.clear()
     if cancelled:
         raise asyncio.CancelledError

@@ -41,6 +41,7 @@ __all__ = [
     "cuda_usable",
     "device_source",
     "parse_device",
+    "wanted_device",
 ]
 
 # dtypes CuPy lacks travel as same-width unsigned integers
@@ -111,6 +112,17 @@ def _no_cuda(what: str) -> UnsupportedTensorError:
     missing (raised from here), else that CuPy finds no device."""
     _cp()
     return UnsupportedTensorError(f"{what}, but CuPy finds no CUDA device here")
+
+
+def wanted_device(device: object, has_out: bool) -> Device | None:
+    """A recv's or read's ``device=``, parsed and checked: not with ``out=`` (it already says
+    where the bytes go), and a CUDA device that exists here, its index made explicit."""
+    want = parse_device(device)
+    if want is None:
+        return None
+    if has_out:
+        raise ConfigurationError("pass out= or device=, not both: out= already says where the bytes go")
+    return Device("cuda", check_cuda(want.index)) if want.kind == "cuda" else want
 
 
 def check_cuda(index: int | None) -> int:

@@ -14,7 +14,8 @@ from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send
 ``cancel_recv_at_every_step`` cancels such recvs at every step of a transfer and checks that
 nothing is lost and no cancelled ``out=`` is written afterwards. ``busy_stream(engine)`` holds a
 host-engine stream busy until its gate is set (a framework's earlier work, for stream-order tests);
-``slow_sends(peer)`` holds each of a peer's sends up for 50 ms, as backpressure does.
+``slow_sends(peer)`` holds each of a peer's sends up for 50 ms, as backpressure does;
+``peak_allocation()`` measures the peak of traced host allocations in its body.
 
 ``PACK_LAYOUTS`` are strided views (of numpy or CuPy arrays) that reach every copy kind of
 ``tensorwire.native``'s pack and unpack.
@@ -27,6 +28,7 @@ from ._conformance import (
     cancel_recv_at_every_step,
     connected_pair,
     exchange,
+    peak_allocation,
     slow_sends,
 )
 from ._layouts import PACK_LAYOUTS
@@ -39,5 +41,6 @@ __all__ = [
     "cancel_recv_at_every_step",
     "connected_pair",
     "exchange",
+    "peak_allocation",
     "slow_sends",
 ]

@@ -21,13 +21,22 @@ from ..errors import (
     TensorWireError,
     TransferError,
 )
-from ..memory import HostEngine
+from ..memory import HostEngine, wait_event
 from ..memory._engine import _HostEvent
 from ..tensors import DTYPES, EngineArray
 from ..transports import Limits, Receipt
 from ..transports._remote import OneSidedTransport
 
-__all__ = ["CHECKS", "LIMITS", "busy_stream", "cancel_recv_at_every_step", "connected_pair", "exchange", "slow_sends"]
+__all__ = [
+    "CHECKS",
+    "LIMITS",
+    "busy_stream",
+    "cancel_recv_at_every_step",
+    "connected_pair",
+    "exchange",
+    "peak_allocation",
+    "slow_sends",
+]
 
 Check = Callable[[Peer, Peer], Awaitable[None]]
 CHECKS: dict[str, Check] = {}
@@ -825,6 +834,25 @@ def _by_pointer(a: Peer, b: Peer) -> bool:
 
 
 @contextlib.contextmanager
+def peak_allocation() -> Iterator[dict[str, int]]:
+    """The peak of traced allocations (Python objects and numpy buffers) in the body, above
+    what was traced when it began: ``mem["peak"]`` once the body is done. Tracing is started
+    (and stopped after) unless it is on already (``-X tracemalloc``), when only its peak is reset."""
+    result = {"peak": 0}
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        yield result
+        result["peak"] = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if started:
+            tracemalloc.stop()
+
+
+@contextlib.contextmanager
 def slow_sends(peer: Peer) -> Iterator[None]:
     """Every send of ``peer``'s waits 50 ms before it goes, as one held up by backpressure."""
     send = peer.channel.send
@@ -841,10 +869,11 @@ def slow_sends(peer: Peer) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def busy_stream(engine: HostEngine) -> Iterator[tuple[int, _HostEvent]]:
-    """A stream of ``engine``'s that stays busy (earlier work of a framework's on it) until the
-    event it yields is set; set on the way out in any case, so no lane thread is left waiting."""
-    stream = engine.stream()
+def busy_stream(engine: HostEngine, stream: int | None = None) -> Iterator[tuple[int, _HostEvent]]:
+    """A stream of ``engine``'s (a new one, or ``stream``: from now on) that stays busy
+    (earlier work of a framework's on it) until the event it yields is set; set on the way out
+    in any case, so no lane thread is left waiting."""
+    stream = engine.stream() if stream is None else stream
     gate = _HostEvent()
     engine.stream_lane(stream).wait(gate)
     try:
@@ -895,7 +924,7 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
         assert not out.array.any(), "a read wrote into out= before its stream's earlier work was done"
         gate.set()
         await asyncio.wait_for(task, 10)
-        await asyncio.to_thread(engine.record_on(stream).synchronize)
+        await wait_event(engine, engine.record_on(stream))
         assert np.array_equal(out.array, kv[20:24])
     # writes from device memory into both kinds
     before, hbefore = kv.copy(), hkv.copy()
@@ -925,14 +954,11 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
     with slow_sends(b):
         task = asyncio.ensure_future(b.write(hd[31], src))
         await asyncio.sleep(0)  # the call
-        later = _HostEvent()
-        engine.stream_lane(stream).wait(later)
-        try:
-            await asyncio.wait_for(task, 5)
-        except TimeoutError:
-            raise AssertionError("a write waited for its producer stream's work queued after the call") from None
-        finally:
-            later.set()
+        with busy_stream(engine, stream):  # work queued after it
+            try:
+                await asyncio.wait_for(task, 5)
+            except TimeoutError:
+                raise AssertionError("a write waited for its producer stream's work queued after the call") from None
     assert (kv[31] == 13).all(), "a write from a stream landed wrong"
     if direct:
         assert a.node.exposures.served == served, "the owner's code took part in a one-sided device access"
@@ -981,12 +1007,9 @@ async def check_device_memory_through_a_few_small_chunks(a: Peer, b: Peer) -> No
     h = await b.lookup("stg")
 
     async def peak(op: Awaitable[Any]) -> tuple[Any, int]:
-        tracemalloc.start()
-        try:
+        with peak_allocation() as mem:
             result = await op
-            return result, tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        return result, mem["peak"]
 
     def whole(receipt: Receipt, most: int, what: str) -> None:
         if h.direct:

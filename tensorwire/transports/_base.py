@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -198,6 +199,40 @@ class Channel(ABC):
     @property
     def in_flight(self) -> int:
         return self.mailbox.in_flight
+
+    def _send_receipt(self, msg: Any, protocol: str, t0: float) -> Receipt:
+        """The receipt of a send of ``msg`` (tensors.Outgoing) that began at ``t0``."""
+        return Receipt(
+            transport=self.transport,
+            lanes=self.lanes,
+            nbytes=msg.nbytes,
+            seconds=time.perf_counter() - t0,
+            protocol=protocol,
+            direct=not msg.packed and protocol != "inline" and not msg.staged,
+            staged=msg.staged,
+            packed=msg.packed,
+            memory=msg.memory,
+        )
+
+    async def _finish_posted(self, futs: Collection[asyncio.Future[None]]) -> None:
+        """Wait until every one of ``futs`` (operations the hardware cannot take back: UCX
+        requests, RDMA work requests) has completed, then raise the first failure. A
+        cancellation waits too and is raised after, unless the channel is closing (its shutdown
+        fails what is pending)."""
+        cancelled = False
+        pending = set(futs)
+        while pending:
+            try:
+                _, pending = await asyncio.wait(pending)
+            except asyncio.CancelledError:
+                cancelled = True
+                if self.state is not ChannelState.OPEN:
+                    raise
+                pending = {f for f in pending if not f.done()}
+        for fut in futs:
+            fut.result()
+        if cancelled:
+            raise asyncio.CancelledError
 
     def check_open(self) -> None:
         if self.state is ChannelState.CLOSING:  # our own aclose is under way

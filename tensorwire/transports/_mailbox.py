@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConfigurationError, TensorWireError, TransferError
+from ..errors import TensorWireError, TransferError
 from ..memory import download
 from ..tensors import DTYPES, Spec, byte_view, match_out, rebuild
 from ..tensors._device import (
@@ -39,7 +39,7 @@ from ..tensors._device import (
     capture_streams,
     check_cuda,
     cuda_usable,
-    parse_device,
+    wanted_device,
 )
 from ._base import Receipt
 
@@ -107,7 +107,9 @@ class Arrival:
         self.rendezvous = rendezvous
         self.protocol = protocol
         self.pulling = False
-        self.consumed = False  # handed to a recv: its credit went back, it is never requeued
+        # handed to a recv whole (credit: ``settled``); not requeued, unless that recv is cancelled
+        # while copying its bytes into device memory, when the message goes back whole
+        self.consumed = False
         self.dest: list[np.ndarray | DeviceTensor] | None = None
         self.direct = False  # dest is the recv's out= buffer
         # the transport writes into dest and cannot redirect (a posted UCX receive): a recv
@@ -381,12 +383,7 @@ class Mailbox:
         self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None
     ) -> tuple[Any, Receipt]:
         t0 = time.perf_counter()
-        want = parse_device(device)
-        if want is not None:
-            if out is not None:
-                raise ConfigurationError("pass out= or device=, not both: out= already says where the bytes go")
-            if want.kind == "cuda":
-                want = Device("cuda", check_cuda(want.index))
+        want = wanted_device(device, out is not None)
         if streams is None:
             streams = capture_streams(want)
         self.in_flight += 1

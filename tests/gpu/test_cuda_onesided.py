@@ -44,10 +44,15 @@ def _torch() -> Any:
     return pytest.importorskip("torch", reason="torch is not installed: the torch CUDA tests need it")
 
 
-def _ucx_cuda() -> None:
-    """Skip unless ucx runs here with cuda transports."""
+def _ucxx() -> None:
+    """Skip unless ucxx is installed (not imported here)."""
     if importlib.util.find_spec("ucxx") is None:
         pytest.skip("ucxx is not installed here (docs/gpu.md: scripts/gpu_wheels.sh carries it)")
+
+
+def _ucx_cuda() -> None:
+    """Skip unless ucx runs here with cuda transports."""
+    _ucxx()
     from tensorwire.transports.ucx import UcxTransport
 
     caps = UcxTransport.probe()
@@ -60,11 +65,17 @@ def _ucx_cuda() -> None:
 TRANSPORTS = ["tcp", "inproc", "ucx"]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_cuda_exposure_read_and_written_by_rows(transport: str) -> None:
+def _torch_for(transport: str) -> Any:
+    """torch, and a skip unless ``transport`` can run here with CUDA memory."""
     torch = _torch()
     if transport == "ucx":
         _ucx_cuda()
+    return torch
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_cuda_exposure_read_and_written_by_rows(transport: str) -> None:
+    torch = _torch_for(transport)
     kv = torch.arange(256 * 64 * 16, dtype=torch.int32, device="cuda").reshape(256, 64, 16)
     host = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
     torch.cuda.synchronize()  # the owner's tensors are ready before anyone is told of them
@@ -124,9 +135,7 @@ async def test_cuda_read_waits_for_the_consumer_stream(transport: str, slow: boo
     fill that the read must overwrite), and may be used on that stream at once. The stream is
     the one current at the call, though another is current by the time an owner-served read's
     request has gone (``slow``)."""
-    torch = _torch()
-    if transport == "ucx":
-        _ucx_cuda()
+    torch = _torch_for(transport)
     kv = torch.arange(64 * MiB // 4, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     consumer = torch.cuda.Stream()
@@ -153,9 +162,7 @@ async def test_cuda_write_waits_for_the_producer_stream(transport: str, slow: bo
     """A write from a CUDA tensor carries what its stream wrote into it before the call: the
     stream current at the call, though another is current by the time an owner-served write's
     request has gone (``slow``)."""
-    torch = _torch()
-    if transport == "ucx":
-        _ucx_cuda()
+    torch = _torch_for(transport)
     kv = torch.zeros(16 * MiB // 4, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     src = torch.zeros_like(kv)
@@ -184,8 +191,7 @@ async def test_staged_one_sided_cuda_goes_through_the_pinned_chunks() -> None:
     them; the read lands after its consumer stream's earlier work, the write carries what its
     producer stream wrote, and every chunk comes back to its pool."""
     torch = _torch()
-    if importlib.util.find_spec("ucxx") is None:
-        pytest.skip("ucxx is not installed here (docs/gpu.md: scripts/gpu_wheels.sh carries it)")
+    _ucxx()
     from tensorwire.memory import CHUNK_BYTES, DEPTH
     from tensorwire.memory._cuda import CudaEngine
 

@@ -371,17 +371,7 @@ class UcxChannel(Channel):
         msg_id = self._next_id
         self._next_id += 1
         self._send_inline_frame(tag, msg_id, header, msg.arrays, nbytes)  # type: ignore[arg-type]  # host
-        return Receipt(
-            self.transport,
-            self.lanes,
-            nbytes,
-            time.perf_counter() - t0,
-            "inline",
-            False,
-            msg.staged,
-            msg.packed,
-            msg.memory,
-        )
+        return self._send_receipt(msg, "inline", t0)
 
     def _send_inline_frame(
         self, tag: int, msg_id: int, header: bytes, parts: list[np.ndarray] | list[memoryview], nbytes: int
@@ -438,17 +428,7 @@ class UcxChannel(Channel):
                 protocol = "rendezvous"
         finally:
             self._sending -= 1
-        return Receipt(
-            transport=self.transport,
-            lanes=self.lanes,
-            nbytes=msg.nbytes,
-            seconds=time.perf_counter() - t0,
-            protocol=protocol,
-            direct=not msg.packed and protocol != "inline" and not msg.staged,
-            staged=msg.staged,
-            packed=msg.packed,
-            memory=msg.memory,
-        )
+        return self._send_receipt(msg, protocol, t0)
 
     async def _send_payload(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> None:
         """Hand every segment to UCX, then wait for all of them. UCX cannot recall a send, so a
@@ -821,24 +801,11 @@ class UcxChannel(Channel):
         self._futs.update(futs)
         ptrs = {req for req, _ in requests}
         self._raw_reqs.update(ptrs)
-        cancelled = False
         try:
-            pending = set(futs)
-            while pending:
-                try:
-                    _, pending = await asyncio.wait(pending)
-                except asyncio.CancelledError:
-                    cancelled = True
-                    if self.state is not ChannelState.OPEN:
-                        raise
-                    pending = {f for f in pending if not f.done()}
-            for fut in futs:
-                fut.result()
+            await self._finish_posted(futs)
         finally:
             self._futs.difference_update(futs)
             self._raw_reqs.difference_update(ptrs)
-        if cancelled:
-            raise asyncio.CancelledError
 
     async def put(self, src: Any, remote_addr: int, rkey: RemoteKey) -> None:
         """Write ``src`` (bytes-like) to the peer's registered memory at ``remote_addr``.

@@ -279,12 +279,8 @@ class Worker:
     def retire(self, keys: list[Any], requests: set[int]) -> None:
         """Close ``keys`` (objects with ``close()``: remote keys) once none of ``requests`` (raw
         request pointers) is in flight any more; at once if none is now."""
-        inflight = {r for r in requests if r in self._raw}
-        if inflight:
-            self._retired.append((inflight, keys))
-            return
-        for key in keys:
-            key.close()
+        self._retired.append(({r for r in requests if r in self._raw}, keys))
+        self._close_retired()
 
     def _close_retired(self) -> None:
         """Close the retired keys none of whose requests is in flight any more."""

@@ -401,17 +401,7 @@ class VerbsChannel(Channel):
                 protocol = "eager" if eager else "rendezvous"
         finally:
             self._sending -= 1
-        return Receipt(
-            transport=self.transport,
-            lanes=self.lanes,
-            nbytes=msg.nbytes,
-            seconds=time.perf_counter() - t0,
-            protocol=protocol,
-            direct=not msg.packed and protocol != "inline" and not msg.staged,
-            staged=msg.staged,
-            packed=msg.packed,
-            memory=msg.memory,
-        )
+        return self._send_receipt(msg, protocol, t0)
 
     async def _send_described(self, msg: Outgoing, header: bytes, msg_id: int, tag: int, eager: bool) -> None:
         """Register the payload, send its descriptors, wait for the receiver's FIN."""
@@ -785,23 +775,11 @@ class VerbsChannel(Channel):
             self.stats["reads" if read else "writes"] += pending[0]
             self._pump_rdma()
             self._futs.add(fut)
-            cancelled = False
-            try:
-                while not fut.done():  # an RDMA operation cannot be recalled: let it finish
-                    try:
-                        await asyncio.shield(fut)
-                    except asyncio.CancelledError:
-                        cancelled = True
-                        if self.state is not ChannelState.OPEN:
-                            raise
-                fut.result()
-            finally:
-                self._futs.discard(fut)
+            await self._finish_posted([fut])  # an RDMA operation cannot be recalled: let it finish
         finally:
+            self._futs.discard(fut)
             for region in regions:
                 self._mem.release(region)
-        if cancelled:
-            raise asyncio.CancelledError
 
     async def get(self, remote_addr: int, rkey: RemoteKey, dest: Any) -> None:
         arr = np.frombuffer(memoryview(dest).cast("B"), np.uint8)
