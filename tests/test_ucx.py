@@ -291,6 +291,84 @@ def test_using_ucx_leaves_the_environment_alone() -> None:
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
 
 
+_UCXX_FIRST = """
+    import asyncio, json, os, sys
+    import ucxx  # before tensorwire, as dask or RAPIDS would
+    ucxx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    import tensorwire
+    from tensorwire.testing import CHECKS, connected_pair
+    from tensorwire.transports.ucx import ucx_config
+    async def main():
+        async with tensorwire.start(transports=("ucx",)) as n:
+            cfg = n.transports["ucx"].worker.context.config
+        if CHECK:
+            with ucx_config(TLS="tcp"):
+                async with connected_pair("ucx") as (a, b):
+                    await CHECKS["back_to_back_messages_land_in_place"](a, b)
+        return {k: cfg[k] for k in ("RNDV_THRESH", "RNDV_FRAG_MEM_TYPES", "MAX_RNDV_RAILS")}
+    cfg = asyncio.run(main())
+    left = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    print(json.dumps({"config": cfg, "ucxx_env": ucxx_env, "left": left}))
+"""
+
+
+def _ucx_env(**variables: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("UCX_")}, **variables}
+
+
+def test_ucxx_imported_first_does_not_choose_tensorwires_ucx_settings() -> None:
+    """ucxx's import sets UCX_RNDV_THRESH=8192, UCX_MAX_RNDV_RAILS=1 and others where they are
+    unset. Imported before tensorwire, those values pass for the user's unless told apart: with
+    them, back-to-back messages over TLS=tcp were staged instead of landing in the posted out=.
+    A context must look as it does without the earlier import, and the environment stays as
+    ucxx left it (dask still reads it)."""
+    import json
+
+    alone = _run(
+        """
+        import asyncio, json, tensorwire
+        async def main():
+            async with tensorwire.start(transports=("ucx",)) as n:
+                cfg = n.transports["ucx"].worker.context.config
+                return {k: cfg[k] for k in ("RNDV_THRESH", "RNDV_FRAG_MEM_TYPES", "MAX_RNDV_RAILS")}
+        print(json.dumps(asyncio.run(main())))
+        """,
+        env=_ucx_env(),
+    )
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    first = _run(f"CHECK = True\n{textwrap.dedent(_UCXX_FIRST)}", timeout=60, env=_ucx_env())
+    assert first.returncode == 0, first.stdout + first.stderr
+    got = json.loads(first.stdout.splitlines()[-1])
+    assert got["ucxx_env"].get("UCX_RNDV_THRESH") == "8192", got  # what ucxx does on import
+    assert got["config"] == json.loads(alone.stdout.splitlines()[-1]), got
+    assert got["left"] == got["ucxx_env"], got
+
+
+def test_the_users_own_ucx_variables_still_count_after_ucxx_was_imported_first() -> None:
+    """The same values set by the user before the process started are the user's: they apply
+    (and with them back-to-back messages over TLS=tcp are staged, which is why they are not the
+    default)."""
+    import json
+
+    proc = _run(
+        f"CHECK = False\n{textwrap.dedent(_UCXX_FIRST)}",
+        timeout=60,
+        env=_ucx_env(UCX_RNDV_THRESH="8192", UCX_MAX_RNDV_RAILS="1"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])["config"]
+    assert got["RNDV_THRESH"] == "intra:8K,inter:8K" and got["MAX_RNDV_RAILS"] == "1", got
+
+
+def test_ucxx_leftovers_are_told_from_the_users_values() -> None:
+    from tensorwire.transports.ucx._worker import _ucxx_leftovers
+
+    env = {"UCX_RNDV_THRESH": "8192", "UCX_MAX_RNDV_RAILS": "2", "UCX_TLS": "tcp", "UCX_MEMTYPE_CACHE": "n"}
+    assert _ucxx_leftovers(env, {"UCX_TLS": "tcp"}) == {"UCX_RNDV_THRESH", "UCX_MEMTYPE_CACHE"}
+    assert _ucxx_leftovers(env, {"UCX_RNDV_THRESH": "8192"}) == {"UCX_MEMTYPE_CACHE"}
+    assert _ucxx_leftovers(env, None) == {"UCX_RNDV_THRESH", "UCX_MEMTYPE_CACHE"}  # /proc unreadable
+
+
 def test_idle_node_burns_no_cpu() -> None:
     """A node with a ucx listener and a connected peer sleeps in epoll while nothing moves."""
     proc = _run(

@@ -10,7 +10,9 @@ an idle node costs no CPU.
 
 Importing ucxx edits ``os.environ`` (it sets UCX_MEMTYPE_CACHE, UCX_RNDV_THRESH and others).
 tensorwire restores the environment right after that import and passes the options it wants to
-the UCX context directly, so using the ucx transport never leaves the environment changed.
+the UCX context directly, so using the ucx transport never leaves the environment changed. Where
+something else imported ucxx first, its values are already in the environment; tensorwire tells
+them from the user's own and keeps them out of its contexts (see :func:`import_ucxx`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import functools
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigurationError, TransportUnavailable
@@ -57,12 +61,37 @@ _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
 _STALL = 5.0
 _INLINE_ROUNDS = 4  # progress rounds a one-sided operation spends inline before going async
 
-_import_lock = threading.Lock()
+_import_lock = threading.RLock()
+# What importing ucxx puts into os.environ where the variable is unset (ucxx/__init__.py, 0.4x-0.52;
+# PROTO_ENABLE only for UCX 1.12-1.17, CUDA_COPY_MAX_REG_RATIO only on some GPUs)
+_UCXX_IMPORT_DEFAULTS: dict[str, str] = {
+    "UCX_MEMTYPE_CACHE": "n",
+    "UCX_RNDV_THRESH": "8192",
+    "UCX_RNDV_FRAG_MEM_TYPE": "cuda",
+    "UCX_MAX_RNDV_RAILS": "1",
+    "UCX_PROTO_ENABLE": "n",
+    "UCX_CUDA_COPY_MAX_REG_RATIO": "1.0",
+}
+_libucxx: Any = None
+# ucxx's import-time values found in the environment when ucxx had been imported before tensorwire
+# first needed it: not the user's choice, so hidden from the contexts tensorwire creates
+_leftovers: frozenset[str] = frozenset()
 
 
 def import_ucxx() -> Any:
-    """Import ucxx's binding module, undoing the environment edits ucxx makes on import."""
+    """Import ucxx's binding module, undoing the environment edits ucxx makes on import.
+
+    Where ucxx was imported earlier (by dask, RAPIDS, the program itself), its edits are already in
+    the environment and look like the user's. A variable is taken for ucxx's when it holds exactly
+    the value ucxx sets and the process did not start with it (``/proc/self/environ``); such
+    variables are hidden while tensorwire creates a UCX context (``_without_leftovers``). A user
+    who wants one of those values passes it with ``ucx_config()`` or a node's ``ucx_options``.
+    """
+    global _libucxx, _leftovers
     with _import_lock:
+        if _libucxx is not None:
+            return _libucxx
+        earlier = "ucxx" in sys.modules
         before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
         try:
             from ucxx._lib import libucxx
@@ -75,7 +104,48 @@ def import_ucxx() -> Any:
                     else:
                         del os.environ[k]
                     log.debug("ucxx set %s=%s on import; restored", k, v)
+        if earlier:
+            _leftovers = _ucxx_leftovers(before, _initial_environment())
+            if _leftovers:
+                log.info(
+                    "ucxx was imported before tensorwire and left %s in the environment; tensorwire's "
+                    "UCX contexts do not take them (pass them with ucx_config() to keep them)",
+                    ", ".join(f"{k}={before[k]}" for k in sorted(_leftovers)),
+                )
+        _libucxx = libucxx
     return libucxx
+
+
+def _ucxx_leftovers(env: Mapping[str, str], initial: Mapping[str, str] | None) -> frozenset[str]:
+    """The variables of ``env`` that ucxx's import put there: ucxx's exact value, and not in the
+    environment the process started with (``initial``; None where it cannot be read)."""
+    return frozenset(
+        k for k, v in _UCXX_IMPORT_DEFAULTS.items() if env.get(k) == v and (initial is None or initial.get(k) != v)
+    )
+
+
+def _initial_environment() -> dict[str, str] | None:
+    """The environment this process was started with: ``os.environ`` edits (putenv) never reach
+    the block the kernel shows in /proc/self/environ."""
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (os.fsdecode(item).partition("=") for item in raw.split(b"\0") if item)
+    return {k: v for k, _, v in pairs}
+
+
+@contextlib.contextmanager
+def _without_leftovers() -> Iterator[None]:
+    """While a UCX context and worker are created: ucxx's leftovers hidden from the environment
+    (UCX reads UCX_* variables then), put back right after. Holds the import lock."""
+    with _import_lock:
+        hidden = {k: os.environ.pop(k) for k in _leftovers if os.environ.get(k) == _UCXX_IMPORT_DEFAULTS[k]}
+        try:
+            yield
+        finally:
+            for k, v in hidden.items():
+                os.environ.setdefault(k, v)
 
 
 @contextlib.contextmanager
@@ -98,7 +168,8 @@ def ucx_config(**options: str) -> Iterator[None]:
 
 def ucx_options() -> dict[str, str]:
     """The UCX options a context created here and now would get (on top of UCX_* variables)."""
-    base = {k: v for k, v in _BASE_OPTIONS.items() if f"UCX_{k}" not in os.environ}
+    env = {k for k in os.environ if k not in _leftovers}
+    base = {k: v for k, v in _BASE_OPTIONS.items() if f"UCX_{k}" not in env}
     return {**base, **dict(_OPTIONS.get())}
 
 
@@ -108,7 +179,8 @@ _RESOURCE = re.compile(r"resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+
 @functools.lru_cache(maxsize=16)
 def _context_facts(options: tuple[tuple[str, str], ...]) -> tuple[tuple[tuple[str, str], ...], bool]:
     lib = import_ucxx()
-    ctx = lib.UCXContext(dict(options), feature_flags=(lib.Feature.TAG,))
+    with _without_leftovers():
+        ctx = lib.UCXContext(dict(options), feature_flags=(lib.Feature.TAG,))
     try:
         resources = tuple(dict.fromkeys((m.group(1), m.group(2)) for m in _RESOURCE.finditer(ctx.info)))
         return resources, bool(getattr(ctx, "cuda_support", False))
@@ -148,8 +220,9 @@ class Worker:
         self.lib = import_ucxx()
         feats = self.lib.Feature
         try:
-            self.context = self.lib.UCXContext(dict(options), feature_flags=(feats.TAG, feats.WAKEUP, feats.RMA))
-            self.worker = self.lib.UCXWorker(self.context)
+            with _without_leftovers():
+                self.context = self.lib.UCXContext(dict(options), feature_flags=(feats.TAG, feats.WAKEUP, feats.RMA))
+                self.worker = self.lib.UCXWorker(self.context)
             self.worker.init_blocking_progress_mode()
             self.address = bytes(self.worker.address)
         except Exception as exc:
