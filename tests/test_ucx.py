@@ -369,6 +369,21 @@ def test_ucxx_leftovers_are_told_from_the_users_values() -> None:
     assert _ucxx_leftovers(env, None) == {"UCX_RNDV_THRESH", "UCX_MEMTYPE_CACHE"}  # /proc unreadable
 
 
+def test_ucx_options_take_ucxx_leftovers_for_unset_until_the_user_changes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorwire.transports.ucx import _worker
+
+    monkeypatch.setattr(_worker, "_leftovers", frozenset({"UCX_MEMTYPE_CACHE"}))
+    monkeypatch.setenv("UCX_MEMTYPE_CACHE", "n")  # ucxx's value: tensorwire passes its own option
+    assert _worker.ucx_options()["MEMTYPE_CACHE"] == "n"
+    with _worker._without_leftovers():
+        assert "UCX_MEMTYPE_CACHE" not in os.environ
+    assert os.environ["UCX_MEMTYPE_CACHE"] == "n"  # put back for everyone else
+    monkeypatch.setenv("UCX_MEMTYPE_CACHE", "try")  # changed since: the user's, and it applies
+    assert "MEMTYPE_CACHE" not in _worker.ucx_options()
+    with _worker._without_leftovers():
+        assert os.environ["UCX_MEMTYPE_CACHE"] == "try"
+
+
 def test_idle_node_burns_no_cpu() -> None:
     """A node with a ucx listener and a connected peer sleeps in epoll while nothing moves."""
     proc = _run(

@@ -135,12 +135,17 @@ def _initial_environment() -> dict[str, str] | None:
     return {k: v for k, _, v in pairs}
 
 
+def _leftovers_now() -> list[str]:
+    """ucxx's leftovers still in the environment with ucxx's value (one changed since is the user's)."""
+    return [k for k in _leftovers if os.environ.get(k) == _UCXX_IMPORT_DEFAULTS[k]]
+
+
 @contextlib.contextmanager
 def _without_leftovers() -> Iterator[None]:
     """While a UCX context and worker are created: ucxx's leftovers hidden from the environment
     (UCX reads UCX_* variables then), put back right after. Holds the import lock."""
     with _import_lock:
-        hidden = {k: os.environ.pop(k) for k in _leftovers if os.environ.get(k) == _UCXX_IMPORT_DEFAULTS[k]}
+        hidden = {k: os.environ.pop(k) for k in _leftovers_now()}
         try:
             yield
         finally:
@@ -168,7 +173,7 @@ def ucx_config(**options: str) -> Iterator[None]:
 
 def ucx_options() -> dict[str, str]:
     """The UCX options a context created here and now would get (on top of UCX_* variables)."""
-    env = {k for k in os.environ if k not in _leftovers}
+    env = set(os.environ).difference(_leftovers_now())
     base = {k: v for k, v in _BASE_OPTIONS.items() if f"UCX_{k}" not in env}
     return {**base, **dict(_OPTIONS.get())}
 
