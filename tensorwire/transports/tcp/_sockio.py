@@ -70,6 +70,8 @@ class SockIO:
         self._start = 0
         self._end = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._waiter: asyncio.Future[None] | None = None
+        self._watching = False
         self.last_header = b""  # raw bytes of the last frame header read (for checksums)
 
     # -- waiting ----------------------------------------------------------------------------
@@ -81,8 +83,27 @@ class SockIO:
         finally:
             remove(self.fd)
 
-    def _readable(self) -> asyncio.Future[None] | object:
-        return self._wait(self.loop.add_reader, self.loop.remove_reader)
+    async def _readable(self) -> None:
+        # the reader stays registered across reads (two epoll_ctl calls a message fewer); it is
+        # removed when it fires with nobody waiting, since level-triggered it would fire again
+        fut = self._waiter = self.loop.create_future()
+        if not self._watching:
+            self.loop.add_reader(self.fd, self._on_readable)
+            self._watching = True
+        try:
+            await fut
+        finally:
+            if self._waiter is fut:
+                self._waiter = None
+
+    def _on_readable(self) -> None:
+        fut = self._waiter
+        if fut is None or fut.done():
+            self.loop.remove_reader(self.fd)
+            self._watching = False
+            return
+        self._waiter = None
+        fut.set_result(None)
 
     def _writable(self) -> object:
         return self._wait(self.loop.add_writer, self.loop.remove_writer)
@@ -104,7 +125,7 @@ class SockIO:
             try:
                 n = self.sock.recv_into(memoryview(self._buf)[self._end : self._end + limit])
             except (BlockingIOError, InterruptedError):
-                await self._readable()  # type: ignore[misc]
+                await self._readable()
                 continue
             except OSError as exc:
                 raise PeerEOF(f"connection failed: {exc}") from exc
@@ -160,7 +181,7 @@ class SockIO:
             try:
                 k = self.sock.recv_into(dst)
             except (BlockingIOError, InterruptedError):
-                await self._readable()  # type: ignore[misc]
+                await self._readable()
                 continue
             except OSError as exc:
                 raise PeerEOF(f"connection failed: {exc}") from exc
@@ -200,6 +221,7 @@ class SockIO:
     def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
+        self._watching = False
         try:
             self.loop.remove_reader(self.fd)
             self.loop.remove_writer(self.fd)

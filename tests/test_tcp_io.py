@@ -1,0 +1,124 @@
+"""The staged-TCP socket layer (``transports/tcp/_sockio.py``) on real sockets: how it waits for
+a readable socket. The reader stays registered with the loop between reads, so a steady exchange
+does not pay two epoll_ctl calls per message; it is removed when it fires with nobody waiting
+(level-triggered, it would fire on every loop turn) and when the socket closes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import numpy as np
+import pytest
+
+from tensorwire.testing import connected_pair
+from tensorwire.transports.tcp._sockio import SockIO
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@contextmanager
+def _counting_readers(loop: asyncio.AbstractEventLoop) -> Iterator[dict[str, int]]:
+    """Count the loop's add_reader/remove_reader calls (the real ones still run)."""
+    counts = {"add": 0, "remove": 0}
+    add, remove = loop.add_reader, loop.remove_reader
+
+    def counted_add(fd: int, cb: object, *args: object) -> None:
+        counts["add"] += 1
+        add(fd, cb, *args)  # type: ignore[arg-type]
+
+    def counted_remove(fd: int) -> bool:
+        counts["remove"] += 1
+        return remove(fd)
+
+    loop.add_reader, loop.remove_reader = counted_add, counted_remove  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        del loop.add_reader, loop.remove_reader  # back to the class's methods
+
+
+@asynccontextmanager
+async def _pair() -> AsyncIterator[tuple[SockIO, socket.socket]]:
+    a, b = socket.socketpair()
+    io = SockIO(a)
+    try:
+        yield io, b
+    finally:
+        io.close()
+        b.close()
+
+
+async def test_a_steady_exchange_does_not_register_the_reader_per_message() -> None:
+    loop = asyncio.get_running_loop()
+    async with connected_pair("tcp") as (a, b):
+        x, out = np.arange(4.0), np.empty(4)
+
+        async def echo() -> None:
+            back = np.empty(4)
+            for _ in range(300):
+                await b.send(await b.recv(tag=1, out=back), tag=2)
+
+        task = asyncio.create_task(echo())
+        with _counting_readers(loop) as counts:
+            for i in range(300):
+                await a.send(x + i, tag=1)
+                await a.recv(tag=2, out=out)
+                assert np.array_equal(out, x + i)
+        await task
+    # before: one add and one remove for every wait of either side's read loop (over 600 each)
+    assert counts["add"] < 60, counts
+
+
+async def test_data_that_arrives_while_nobody_reads_is_read_later_without_spinning() -> None:
+    async with _pair() as (io, peer):
+        peer.sendall(b"one!")
+        assert await io.read_exact(4) == b"one!"
+        fired = 0
+        real = io._on_readable
+
+        def counted() -> None:
+            nonlocal fired
+            fired += 1
+            real()
+
+        io._on_readable = counted  # type: ignore[method-assign]
+        waiting = asyncio.create_task(io.read_exact(4))  # registers the (counted) reader
+        await asyncio.sleep(0.01)
+        peer.sendall(b"two!")
+        assert await waiting == b"two!"
+        peer.sendall(b"three")  # nobody waits now: one callback removes the reader
+        await asyncio.sleep(0.3)
+        assert fired <= 3, fired  # a reader left registered would fire on every loop turn
+        assert not io._watching
+        assert await asyncio.wait_for(io.read_exact(5), 5) == b"three"
+
+
+async def test_a_cancelled_read_leaves_the_socket_readable_for_the_next() -> None:
+    async with _pair() as (io, peer):
+        first = asyncio.create_task(io.read_exact(3))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        peer.sendall(b"abc")
+        await asyncio.sleep(0.05)  # the reader fires for nobody and is removed
+        assert await asyncio.wait_for(io.read_exact(3), 5) == b"abc"
+
+
+async def test_close_removes_the_reader() -> None:
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    io = SockIO(a)
+    fd = io.fd
+    reading = asyncio.create_task(io.read_exact(1))
+    await asyncio.sleep(0.01)
+    assert io._watching
+    io.close()
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    assert not loop.remove_reader(fd)  # nothing was left registered on the closed descriptor
+    b.close()
