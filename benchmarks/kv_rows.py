@@ -46,6 +46,7 @@ from _sizes import MiB
 from _two_process import stop_child
 
 import tensorwire
+from tensorwire.memory import wait_event
 from tensorwire.tensors import EngineArray
 
 SEED = 7
@@ -65,7 +66,10 @@ class Memory:
         if kind == "cuda":
             import cupy
 
+            from tensorwire.memory._cuda import CudaEngine
+
             self.cp = cupy
+            self.cuda = CudaEngine.get(cupy.cuda.Device().id)  # looked up once: settle() is timed
         elif kind == "host-engine":
             from tensorwire.memory import HostEngine
 
@@ -105,14 +109,11 @@ class Memory:
         still be landing, on that stream, when it returns. The library's own wait (an event on
         the stream, polled off the loop), so UCX's progress goes on meanwhile."""
         if self.kind == "cuda":
-            from tensorwire.memory import wait_event
-            from tensorwire.memory._cuda import CudaEngine
-
-            engine = CudaEngine.get(self.cp.cuda.Device().id)
+            engine = self.cuda
             await wait_event(engine, engine.record_on(int(self.cp.cuda.get_current_stream().ptr)))
 
     def d2d_gbps(self, buf: Any) -> float:
-        """The device's own copy of ``buf``'s bytes, GB/s (CUDA events; best of 5)."""
+        """The device's own copy of ``buf``'s bytes, GB/s (CUDA events; best of 6)."""
         cp = self.cp
         dst = cp.empty_like(buf)
         best = float("inf")
@@ -170,6 +171,15 @@ async def gather_blocks(peer: tensorwire.Peer, h: tensorwire.RemoteHandle, start
 async def measure(transport: str, args: argparse.Namespace, notes: list[str]) -> list[dict[str, object]]:
     pool_n = args.pool_mib * MiB
     total = args.total_mib * MiB
+    # this side's node first: a transport that cannot run here raises TransportUnavailable (a
+    # skipped row) before a child is started that would die of it
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        return await _measure(node, transport, args, notes, pool_n, total)
+
+
+async def _measure(
+    node: tensorwire.Node, transport: str, args: argparse.Namespace, notes: list[str], pool_n: int, total: int
+) -> list[dict[str, object]]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--child", transport, str(pool_n), args.pool_memory or args.memory,
         stdin=asyncio.subprocess.PIPE,
@@ -185,57 +195,56 @@ async def measure(transport: str, args: argparse.Namespace, notes: list[str]) ->
         address = json.loads(line)["address"]
         expected = pool_bytes(pool_n)
         rng = np.random.default_rng(1)
-        async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
-            peer = await node.connect(address)
-            h = await peer.lookup("pool")
-            notes.append(f"{transport}: path {peer.path}; the pool is in {h.memory} memory")
-            out = mem.zeros(total)
-            whole = h[0:total]
+        peer = await node.connect(address)
+        h = await peer.lookup("pool")
+        notes.append(f"{transport}: path {peer.path}; the pool is in {h.memory} memory")
+        out = mem.zeros(total)
+        whole = h[0:total]
 
-            async def baseline() -> float:
-                await mem.settle()
+        async def baseline() -> float:
+            await mem.settle()
+            t0 = time.perf_counter()
+            await peer.read(whole, out=out)
+            await mem.settle()
+            return time.perf_counter() - t0
+
+        await baseline()
+        if not await asyncio.to_thread(np.array_equal, mem.fetch(out), expected[:total]):  # off the loop
+            raise AssertionError(f"{transport}: the contiguous read came back wrong")
+        for kib in args.block_kib:
+            block = kib << 10
+            n = total // block
+            lat = []
+            first = mem.view(out, 0, block)
+            for _ in range(min(200, max(20, 4 * MiB // block))):
+                s = int(rng.integers(0, pool_n // block)) * block
                 t0 = time.perf_counter()
-                await peer.read(whole, out=out)
+                await peer.read(h[s : s + block], out=first)
                 await mem.settle()
-                return time.perf_counter() - t0
-
-            await baseline()
-            if not await asyncio.to_thread(np.array_equal, mem.fetch(out), expected[:total]):  # off the loop
-                raise AssertionError(f"{transport}: the contiguous read came back wrong")
-            for kib in args.block_kib:
-                block = kib << 10
-                n = total // block
-                lat = []
-                first = mem.view(out, 0, block)
-                for _ in range(min(200, max(20, 4 * MiB // block))):
-                    s = int(rng.integers(0, pool_n // block)) * block
+                lat.append(time.perf_counter() - t0)
+            for k in [str(i) for i in args.inflight] + [f"batch {b}" for b in args.batch] + ["batch"]:
+                best = base = float("inf")
+                protocol = ""
+                for turn in range(args.repeat):
+                    base = min(base, await baseline())
+                    starts = rng.choice(pool_n // block, n, replace=False) * block
+                    await mem.zero(out)
                     t0 = time.perf_counter()
-                    await peer.read(h[s : s + block], out=first)
+                    protocol = await gather_blocks(peer, h, starts, block, out, k, mem)
                     await mem.settle()
-                    lat.append(time.perf_counter() - t0)
-                for k in [str(i) for i in args.inflight] + [f"batch {b}" for b in args.batch] + ["batch"]:
-                    best = base = float("inf")
-                    protocol = ""
-                    for turn in range(args.repeat):
-                        base = min(base, await baseline())
-                        starts = rng.choice(pool_n // block, n, replace=False) * block
-                        await mem.zero(out)
-                        t0 = time.perf_counter()
-                        protocol = await gather_blocks(peer, h, starts, block, out, k, mem)
-                        await mem.settle()
-                        best = min(best, time.perf_counter() - t0)
-                        if turn == 0:
-                            got = mem.fetch(out)[: n * block]
-                            if not await asyncio.to_thread(_blocks_are, got, expected, starts, block):
-                                raise AssertionError(f"{transport}: blocks of {kib} KiB came back wrong")
-                    rows.append({
-                        "transport": transport, "memory": args.memory, "pool_memory": args.pool_memory or args.memory,
-                        "path": str(peer.path.transport),
-                        "protocol": protocol, "block_kib": kib, "blocks": n, "inflight": k,
-                        "gbps": n * block / best / 1e9, "base_gbps": total / base / 1e9,
-                        "ratio": (n * block / best) / (total / base), "lat_us": statistics.median(lat) * 1e6,
-                    })  # fmt: skip
-                    print(_line(rows[-1]), flush=True)
+                    best = min(best, time.perf_counter() - t0)
+                    if turn == 0:
+                        got = mem.fetch(out)[: n * block]
+                        if not await asyncio.to_thread(_blocks_are, got, expected, starts, block):
+                            raise AssertionError(f"{transport}: blocks of {kib} KiB came back wrong")
+                rows.append({
+                    "transport": transport, "memory": args.memory, "pool_memory": args.pool_memory or args.memory,
+                    "path": str(peer.path.transport),
+                    "protocol": protocol, "block_kib": kib, "blocks": n, "inflight": k,
+                    "gbps": n * block / best / 1e9, "base_gbps": total / base / 1e9,
+                    "ratio": (n * block / best) / (total / base), "lat_us": statistics.median(lat) * 1e6,
+                })  # fmt: skip
+                print(_line(rows[-1]), flush=True)
     finally:
         proc.stdin.close()
         await stop_child(proc)

@@ -22,18 +22,19 @@ from tensorwire.memory._cuda import cuda_device_count
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _kv_rows(*argv: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
-    """``benchmarks/kv_rows.py argv...`` in a process of its own, this checkout's tensorwire."""
+def _kv_rows(*argv: str, timeout: float = 100, path: str = "") -> subprocess.CompletedProcess[str]:
+    """``benchmarks/kv_rows.py argv...`` in a process of its own, this checkout's tensorwire
+    (after ``path``, a folder of modules that go first)."""
     return subprocess.run(
         [sys.executable, "benchmarks/kv_rows.py", *argv], cwd=ROOT, capture_output=True, text=True,
-        timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=timeout, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT)) if p)},
     )  # fmt: skip
 
 
-def _rows(tmp_path: Path, *argv: str) -> tuple[list[dict[str, object]], str]:
+def _rows(tmp_path: Path, *argv: str, path: str = "") -> tuple[list[dict[str, object]], str]:
     """A run that must succeed: its table rows (``--json``) and what it printed."""
     rows_file = tmp_path / "rows.json"
-    proc = _kv_rows(*argv, "--json", str(rows_file))
+    proc = _kv_rows(*argv, "--json", str(rows_file), path=path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(rows_file.read_text()), proc.stdout
 
@@ -65,6 +66,21 @@ def test_kv_rows_reads_a_host_pool_into_device_memory_one_sided(tmp_path: Path) 
     assert len(rows) == 6, rows
     assert {(r["memory"], r["pool_memory"], r["protocol"]) for r in rows} == {("host-engine", "host", "one-sided")}
     assert "the pool is in host memory" in stdout, stdout
+
+
+@pytest.mark.timeout(120)
+def test_kv_rows_skips_a_transport_that_cannot_run_and_measures_the_rest(tmp_path: Path) -> None:
+    """As on a GPU machine where ucxx did not install: the ucx row says why it was skipped and
+    the tcp rows are measured (the child that served ucx used to die first, failing the run)."""
+    hidden = tmp_path / "hidden"
+    (hidden / "ucxx").mkdir(parents=True)
+    (hidden / "ucxx" / "__init__.py").write_text('raise ImportError("ucxx hidden by the test")\n')
+    rows, stdout = _rows(
+        tmp_path, "--memory", "host-engine", "--transports", "ucx", "tcp", "--pool-mib", "8", "--total-mib", "2",
+        "--block-kib", "64", "--inflight", "1", "--batch", "4", "--repeat", "1", path=str(hidden),
+    )  # fmt: skip
+    assert "| ucx | skipped: " in stdout and "ucxx hidden by the test" in stdout, stdout
+    assert {r["transport"] for r in rows} == {"tcp"} and len(rows) == 3, rows
 
 
 def test_kv_rows_with_cuda_memory_and_no_gpu_says_why() -> None:
