@@ -76,6 +76,7 @@ from _soak import kill_and_reap, random_size
 import tensorwire
 from tensorwire.memory import HostEngine, wait_event
 from tensorwire.tensors import EngineArray
+from tensorwire.testing import host_engine_by_pointer
 
 MARK = 0xA5  # what a cancelled read's buffer is filled with afterwards
 
@@ -103,8 +104,8 @@ async def main(address, transport, region_bytes, engine_mode):
 
     async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
         if engine_mode == "by-pointer":
-            t = node.transports.get(transport)
-            t.region_kinds = t.region_kinds | {"host-engine"}
+            from tensorwire.testing import host_engine_by_pointer
+            host_engine_by_pointer(transport=node.transports.get(transport))
         state = {}
         tensor, state["region"] = region(region_bytes)
         node.expose(tensor, name="region")
@@ -295,7 +296,7 @@ class Soak:
             )  # fmt: skip
             w.peer = await asyncio.wait_for(self.hub.accept(), 60)
         if self.mode == "by-pointer":  # what the worker declared of its transport, for our gets and puts
-            w.peer.channel.device_kinds = w.peer.channel.device_kinds | {"host-engine"}
+            host_engine_by_pointer(w.peer)
         w.handle = None
         w.content = zeros_crc(w.region_bytes)
         w.ready.set()

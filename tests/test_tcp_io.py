@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
-import sys
-import textwrap
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import numpy as np
 import pytest
 
-from tensorwire.testing import connected_pair
+from tensorwire.testing import connected_pair, idle_cpu_percent
 from tensorwire.transports.tcp._sockio import SockIO
 
 pytestmark = pytest.mark.timeout(20)
@@ -113,43 +110,21 @@ async def test_a_cancelled_read_leaves_the_socket_readable_for_the_next() -> Non
 
 async def test_close_removes_the_reader() -> None:
     loop = asyncio.get_running_loop()
-    a, b = socket.socketpair()
-    io = SockIO(a)
-    fd = io.fd
-    reading = asyncio.create_task(io.read_exact(1))
-    await asyncio.sleep(0.01)
-    assert io._watching
-    io.close()
-    reading.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await reading
-    assert not loop.remove_reader(fd)  # nothing was left registered on the closed descriptor
-    b.close()
+    async with _pair() as (io, _):
+        fd = io.fd
+        reading = asyncio.create_task(io.read_exact(1))
+        await asyncio.sleep(0.01)
+        assert io._watching
+        io.close()
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert not loop.remove_reader(fd)  # nothing was left registered on the closed descriptor
 
 
 def test_idle_tcp_nodes_burn_no_cpu() -> None:
     """Two nodes joined over tcp, after a transfer, sleep in epoll while nothing moves: the reader
     left registered between reads must not wake the loop."""
-    code = textwrap.dedent(
-        """
-        import asyncio, resource, time
-        import numpy as np, tensorwire
-        async def main():
-            async with tensorwire.start(transports=("tcp",)) as a, tensorwire.start(transports=("tcp",)) as b:
-                p = await a.connect(b.address); q = await b.accept()
-                await p.send(np.ones(1 << 20), tag=1); await q.recv(tag=1)
-                await q.send(np.ones(8), tag=2); await p.recv(tag=2)
-                await asyncio.sleep(0.2)
-                r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-                await asyncio.sleep(2.0)
-                r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-                cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-                print(f"idle cpu {100 * cpu / (t1 - t0):.2f}%")
-        asyncio.run(main())
-        """
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=15, check=False)
-    assert proc.returncode == 0, proc.stderr
-    pct = float(proc.stdout.split("idle cpu ")[1].rstrip("%\n"))
+    pct = idle_cpu_percent("tcp")
     # leases and heartbeats only: a few tenths of a percent; a spinning reader takes a whole core
-    assert pct < 5.0, proc.stdout
+    assert pct < 5.0, f"idle cpu {pct:.2f}%"

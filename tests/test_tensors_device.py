@@ -21,7 +21,14 @@ import tensorwire
 from tensorwire.errors import ConfigurationError, ShapeMismatchError, TransferError, UnsupportedTensorError
 from tensorwire.memory import DeviceBuffer, HostChunk, HostEngine, StageIn, download, scatter, stage_out, wait_event
 from tensorwire.tensors import Device, EngineArray, parse_device, prepare
-from tensorwire.testing import CHECKS, busy_stream, cancel_recv_at_every_step, connected_pair, exchange
+from tensorwire.testing import (
+    CHECKS,
+    busy_stream,
+    cancel_recv_at_every_step,
+    connected_pair,
+    exchange,
+    host_engine_by_pointer,
+)
 from tensorwire.transports import Limits
 
 CHUNK = 64 * 1024
@@ -248,7 +255,7 @@ async def test_stage_in_overlaps_and_lands_every_byte(engine: HostEngine) -> Non
     await st.write(lambda: dst, 0, src.nbytes, fill)
     event = st.finish()
     assert event is not None
-    event.synchronize()
+    await wait_event(engine, event)
     assert np.array_equal(dst.owner, src)
     assert fills == list(range(0, src.nbytes, CHUNK))
     assert engine.max_queued >= 2  # chunk k+1 was filled while chunk k's copy was queued
@@ -283,7 +290,6 @@ class _Mover:
         self.running = 0
         self.most = 0
         self.running_when_failed: int | None = None
-        self.ended: list[float] = []
         self.broken = 0  # calls that failed or were stopped
 
     async def _go(self, pieces: list[tuple[int, int, int, int]]) -> int:
@@ -306,7 +312,6 @@ class _Mover:
             return n
         finally:
             self.running -= 1
-            self.ended.append(time.monotonic())
 
     async def fetch(self, chunk: HostChunk, pieces: list[tuple[int, int, int, int]]) -> None:
         await self._go(pieces)
@@ -325,7 +330,7 @@ async def _gathered(engine: HostEngine, dsts: list[DeviceBuffer], mover: _Mover)
     await st.gather(dsts, mover.fetch, spoiled=lambda: False)
     event = st.finish()
     assert event is not None
-    event.synchronize()
+    await wait_event(engine, event)
 
 
 async def test_gather_lays_tensors_end_to_end_across_chunks(engine: HostEngine) -> None:
@@ -362,7 +367,10 @@ async def test_gather_failure_settles_every_fetch_first(engine: HostEngine, spoi
     assert mover.running_when_failed is not None and mover.running_when_failed >= 2
     assert pool.free == DEPTH
     # the failed fetch's chunk, and those of fetches stopped (begun or not)
-    assert pool.retired >= mover.broken >= 1 if spoiled else pool.retired == 0
+    if spoiled:
+        assert pool.retired >= mover.broken >= 1
+    else:
+        assert pool.retired == 0
     await _gathered(engine, dsts, _Mover(src))
     assert np.array_equal(dsts[0].owner, src[0])
     assert engine.chunks_allocated == DEPTH + pool.retired  # retired ones were replaced, not reused
@@ -378,8 +386,7 @@ async def test_gather_cancelled_returns_after_its_fetches(engine: HostEngine) ->
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    stopped = time.monotonic()
-    assert mover.running == 0 and max(mover.ended) <= stopped
+    assert mover.running == 0  # every fetch ended before the cancel returned
     assert engine.pool("in").free == DEPTH and engine.pool("in").retired == 0
 
 
@@ -417,7 +424,10 @@ async def test_scatter_failure_settles_every_push_first(engine: HostEngine, spoi
     assert mover.running == 0
     pool = engine.pool("out")
     assert pool.free == DEPTH
-    assert pool.retired >= mover.broken >= 1 if spoiled else pool.retired == 0
+    if spoiled:
+        assert pool.retired >= mover.broken >= 1
+    else:
+        assert pool.retired == 0
 
 
 @pytest.mark.parametrize("spoiled", [False, True], ids=["open", "closing"])
@@ -570,23 +580,13 @@ async def test_transports_without_device_lanes_stage_through_host(engine: HostEn
         assert receipt.staged and receipt.memory == "host-engine"
 
 
-def _ucx_device_lanes(*peers: tensorwire.Peer) -> None:
-    """Let these ucx channels land host-engine memory by pointer, as they land CUDA memory where
-    UCX has cuda transports. The host engine's "device" memory is host memory, and UCX finds a
-    buffer's memory type by itself, so ucx's device-pointer path (payloads posted as
-    ``__cuda_array_interface__`` buffers after the producer's event, receives into device
-    destinations posted by the recv's task once the consumer's work is done) runs for real here."""
-    for p in peers:
-        p.channel.device_kinds = frozenset({*p.channel.device_kinds, "cuda", "host-engine"})
-
-
 @pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
 @pytest.mark.parametrize("nbytes", [100, CHUNK * 3 + 5, 3 << 20], ids=["small", "eager", "rendezvous"])
 @pytest.mark.parametrize("order", ["recv-first", "send-first"])
 async def test_ucx_device_pointer_path(engine: HostEngine, nbytes: int, order: str) -> None:
     data = _bytes(nbytes, nbytes)
     async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
-        _ucx_device_lanes(a, b)
+        host_engine_by_pointer(a, b)
         out = _arr(engine, np.zeros(nbytes, np.uint8))
         got, sent, receipt = await exchange(a, b, _arr(engine, data), out, order)
         assert got is out and np.array_equal(out.array, data)
@@ -606,7 +606,7 @@ async def test_ucx_device_send_cancelled_while_its_stream_is_busy() -> None:
     producer's event has completed, so a send cancelled before that posts nothing, and must
     tell its receiver (ABORT), which has its header and waits for the payload."""
     async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
-        _ucx_device_lanes(a, b)
+        host_engine_by_pointer(a, b)
         await CHECKS["device_send_cancelled_while_its_stream_is_busy"](a, b)
 
 
@@ -618,7 +618,7 @@ async def test_ucx_device_out_cancelled_at_every_step_loses_nothing(engine: Host
     once the cancel returns its out= is never written again, and the next recv gets the message."""
     data = _bytes(nbytes, 9)
     async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
-        _ucx_device_lanes(a, b)
+        host_engine_by_pointer(a, b)
         cancelled = await cancel_recv_at_every_step(
             a, b, _arr(engine, data), lambda: _arr(engine, np.zeros_like(data)), lambda t: t.array.copy()
         )
@@ -635,7 +635,7 @@ async def test_ucx_device_recv_cancelled_while_its_stream_is_busy(engine: HostEn
     data = _bytes(nbytes, 3)
     with busy_stream(engine) as (stream, gate):  # the consumer's stream is busy until the gate opens
         async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
-            _ucx_device_lanes(a, b)
+            host_engine_by_pointer(a, b)
             out = EngineArray(engine, np.zeros_like(data), stream=stream)
             recv = asyncio.ensure_future(b.recv(tag="x", out=out))
             send = asyncio.ensure_future(a.send(_arr(engine, data), tag="x"))
@@ -665,7 +665,7 @@ async def test_ucx_close_does_not_wait_for_a_busy_stream(engine: HostEngine, can
     with busy_stream(engine) as (stream, _):  # never free before the nodes are closed
         async with asyncio.timeout(10):
             async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
-                _ucx_device_lanes(a, b)
+                host_engine_by_pointer(a, b)
                 out = EngineArray(engine, np.zeros_like(data), stream=stream)
                 recv = asyncio.ensure_future(b.recv(tag="x", out=out))
                 send = asyncio.ensure_future(a.send(_arr(engine, data), tag="x"))
@@ -749,39 +749,3 @@ def test_device_views_refuse_host_only_paths(engine: HostEngine) -> None:
     assert msg.on_device and msg.memory == "host-engine"
     with pytest.raises(UnsupportedTensorError, match="device tensors"):
         msg.segments()
-
-
-@pytest.mark.parametrize(
-    "transport", ["tcp", "inproc", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="no ucxx"))]
-)
-async def test_recv_cancelled_while_copying_a_buffered_message_to_the_device(transport: str) -> None:
-    """A message that arrived before its recv waits whole in host memory of ours; the recv then
-    copies it into its device out=. Cancelled during those copies, the recv lets the copies
-    already queued finish before the cancel returns (nothing lands after), and the message goes
-    back to the queue whole for the next recv. (It used to keep writing after the cancel, and
-    the message was lost.)"""
-    slow = HostEngine(copy_delay=0.002)
-    slow.pool("in").configure(CHUNK, DEPTH)
-    try:
-        data = [_bytes(CHUNK * 8, s) for s in range(4)]
-        async with connected_pair(transport) as (a, b):
-            await a.send(data, tag="x")
-            await asyncio.sleep(0.05)  # buffered on b's side, no recv yet
-            outs = [EngineArray(slow, np.zeros(CHUNK * 8, np.uint8)) for _ in data]
-            recv = asyncio.ensure_future(b.recv(tag="x", out=outs))
-            async with asyncio.timeout(30):
-                while not outs[0].array.any():  # noqa: ASYNC110 - polling the bytes landing is the point
-                    await asyncio.sleep(0.001)
-            recv.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await recv
-            snapshot = [o.array.copy() for o in outs]
-            assert not all(np.array_equal(s, d) for s, d in zip(snapshot, data, strict=True)), "not part way"
-            await asyncio.sleep(0.1)
-            for o, s in zip(outs, snapshot, strict=True):
-                assert np.array_equal(o.array, s), "out= was written after its recv was cancelled"
-            again = [EngineArray(slow, np.zeros(CHUNK * 8, np.uint8)) for _ in data]
-            await asyncio.wait_for(b.recv(tag="x", out=again), 10)
-            assert all(np.array_equal(o.array, d) for o, d in zip(again, data, strict=True))
-    finally:
-        slow.close()

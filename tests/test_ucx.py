@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -13,12 +14,13 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 import tensorwire
-from tensorwire.testing import connected_pair
+from tensorwire.testing import connected_pair, idle_cpu_percent
 from tensorwire.transports.ucx import _ucp
 
 pytestmark = [
@@ -291,72 +293,64 @@ def test_using_ucx_leaves_the_environment_alone() -> None:
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
 
 
-_UCXX_FIRST = """
-    import asyncio, json, os, sys
-    import ucxx  # before tensorwire, as dask or RAPIDS would
-    ucxx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    import tensorwire
-    from tensorwire.testing import CHECKS, connected_pair
-    from tensorwire.transports.ucx import ucx_config
-    async def main():
-        async with tensorwire.start(transports=("ucx",)) as n:
-            cfg = n.transports["ucx"].worker.context.config
-        if CHECK:
-            with ucx_config(TLS="tcp"):
-                async with connected_pair("ucx") as (a, b):
-                    await CHECKS["back_to_back_messages_land_in_place"](a, b)
-        return {k: cfg[k] for k in ("RNDV_THRESH", "RNDV_FRAG_MEM_TYPES", "MAX_RNDV_RAILS")}
-    cfg = asyncio.run(main())
-    left = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    print(json.dumps({"config": cfg, "ucxx_env": ucxx_env, "left": left}))
+def _ucx_settings(*, ucxx_first: bool, check: bool) -> str:
+    """A script that prints (JSON) the UCX settings of a node's real context, the UCX_* variables
+    after an ``import ucxx`` done before tensorwire's (``ucxx_first``, as dask or RAPIDS would),
+    and those left at the end; with ``check``, it also runs back_to_back_messages_land_in_place
+    over TLS=tcp."""
+    return f"""
+import asyncio, json, os
+if {ucxx_first}:
+    import ucxx
+ucxx_env = {{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+import tensorwire
+from tensorwire.testing import CHECKS, connected_pair
+from tensorwire.transports.ucx import ucx_config
+async def main():
+    async with tensorwire.start(transports=("ucx",)) as n:
+        cfg = n.transports["ucx"].worker.context.config
+    if {check}:
+        with ucx_config(TLS="tcp"):
+            async with connected_pair("ucx") as (a, b):
+                await CHECKS["back_to_back_messages_land_in_place"](a, b)
+    return {{k: cfg[k] for k in ("RNDV_THRESH", "RNDV_FRAG_MEM_TYPES", "MAX_RNDV_RAILS")}}
+cfg = asyncio.run(main())
+left = {{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+print(json.dumps({{"config": cfg, "ucxx_env": ucxx_env, "left": left}}))
 """
+
+
+def _settings(code: str, env: dict[str, str]) -> dict[str, Any]:
+    proc = _run(code, timeout=50, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(json.loads(proc.stdout.splitlines()[-1]))
 
 
 def _ucx_env(**variables: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith("UCX_")}, **variables}
 
 
+@pytest.mark.timeout(60)
 def test_ucxx_imported_first_does_not_choose_tensorwires_ucx_settings() -> None:
     """ucxx's import sets UCX_RNDV_THRESH=8192, UCX_MAX_RNDV_RAILS=1 and others where they are
     unset. Imported before tensorwire, those values pass for the user's unless told apart: with
     them, back-to-back messages over TLS=tcp were staged instead of landing in the posted out=.
     A context must look as it does without the earlier import, and the environment stays as
     ucxx left it (dask still reads it)."""
-    import json
-
-    alone = _run(
-        """
-        import asyncio, json, tensorwire
-        async def main():
-            async with tensorwire.start(transports=("ucx",)) as n:
-                cfg = n.transports["ucx"].worker.context.config
-                return {k: cfg[k] for k in ("RNDV_THRESH", "RNDV_FRAG_MEM_TYPES", "MAX_RNDV_RAILS")}
-        print(json.dumps(asyncio.run(main())))
-        """,
-        env=_ucx_env(),
-    )
-    assert alone.returncode == 0, alone.stdout + alone.stderr
-    first = _run(f"CHECK = True\n{textwrap.dedent(_UCXX_FIRST)}", timeout=60, env=_ucx_env())
-    assert first.returncode == 0, first.stdout + first.stderr
-    got = json.loads(first.stdout.splitlines()[-1])
+    alone = _settings(_ucx_settings(ucxx_first=False, check=False), _ucx_env())
+    got = _settings(_ucx_settings(ucxx_first=True, check=True), _ucx_env())
     assert got["ucxx_env"].get("UCX_RNDV_THRESH") == "8192", got  # what ucxx does on import
-    assert got["config"] == json.loads(alone.stdout.splitlines()[-1]), got
+    assert got["config"] == alone["config"], got
     assert got["left"] == got["ucxx_env"], got
 
 
+@pytest.mark.timeout(60)
 def test_the_users_own_ucx_variables_still_count_after_ucxx_was_imported_first() -> None:
     """The same values set by the user before the process started are the user's: they apply
     (and with them back-to-back messages over TLS=tcp are staged, which is why they are not the
     default)."""
-    import json
-
-    proc = _run(
-        f"CHECK = False\n{textwrap.dedent(_UCXX_FIRST)}",
-        timeout=60,
-        env=_ucx_env(UCX_RNDV_THRESH="8192", UCX_MAX_RNDV_RAILS="1"),
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = json.loads(proc.stdout.splitlines()[-1])["config"]
+    env = _ucx_env(UCX_RNDV_THRESH="8192", UCX_MAX_RNDV_RAILS="1")
+    got = _settings(_ucx_settings(ucxx_first=True, check=False), env)["config"]
     assert got["RNDV_THRESH"] == "intra:8K,inter:8K" and got["MAX_RNDV_RAILS"] == "1", got
 
 
@@ -386,27 +380,9 @@ def test_ucx_options_take_ucxx_leftovers_for_unset_until_the_user_changes_them(m
 
 def test_idle_node_burns_no_cpu() -> None:
     """A node with a ucx listener and a connected peer sleeps in epoll while nothing moves."""
-    proc = _run(
-        """
-        import asyncio, resource, time
-        import numpy as np, tensorwire
-        async def main():
-            async with tensorwire.start(transports=("ucx",)) as a, tensorwire.start(transports=("ucx",)) as b:
-                p = await a.connect(b.address); q = await b.accept()
-                await p.send(np.ones(1 << 20), tag=1); await q.recv(tag=1)
-                await asyncio.sleep(0.2)
-                r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-                await asyncio.sleep(2.0)
-                r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-                cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-                print(f"idle cpu {100 * cpu / (t1 - t0):.2f}%")
-        asyncio.run(main())
-        """
-    )
-    assert proc.returncode == 0, proc.stderr
-    pct = float(proc.stdout.split("idle cpu ")[1].rstrip("%\n"))
+    pct = idle_cpu_percent("ucx")
     # two nodes, each with a lease watchdog and heartbeats: a few tenths of a percent at most
-    assert pct < 5.0, proc.stdout
+    assert pct < 5.0, f"idle cpu {pct:.2f}%"
 
 
 @pytest.mark.multiprocess

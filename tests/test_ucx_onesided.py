@@ -350,9 +350,9 @@ async def test_a_closed_channel_destroys_its_remote_keys_only_after_their_operat
         h = await b.lookup("kv")
         read = asyncio.ensure_future(b.read(h, out=np.empty_like(kv)))
         ch = b.channel
-        await _until(lambda: bool(ch._raw_reqs), 5)  # the get is posted and waited for
+        await _until(lambda: bool(ch._w._raw), 5)  # the get is posted and waited for
         keys = list(ch._rkeys)
-        inflight = set(ch._raw_reqs)
+        inflight = set(ch._w._raw)
         assert keys and all(k.handle is not None for k in keys)
         ch.abort()
         with pytest.raises(tensorwire.TensorWireError):

@@ -15,7 +15,10 @@ from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send
 nothing is lost and no cancelled ``out=`` is written afterwards. ``busy_stream(engine)`` holds a
 host-engine stream busy until its gate is set (a framework's earlier work, for stream-order tests);
 ``slow_sends(peer)`` holds each of a peer's sends up for 50 ms, as backpressure does;
-``peak_allocation()`` measures the peak of traced host allocations in its body.
+``peak_allocation()`` measures the peak of traced host allocations in its body;
+``idle_cpu_percent(transport)`` the CPU two idle nodes joined over it burn (in a process of their
+own); ``host_engine_by_pointer`` declares that channels (and a transport's registrations) take
+host-engine memory by pointer, as ucx does CUDA memory where UCX has cuda lanes.
 
 ``PACK_LAYOUTS`` are strided views (of numpy or CuPy arrays) that reach every copy kind of
 ``tensorwire.native``'s pack and unpack.
@@ -28,9 +31,11 @@ from ._conformance import (
     cancel_recv_at_every_step,
     connected_pair,
     exchange,
+    host_engine_by_pointer,
     peak_allocation,
     slow_sends,
 )
+from ._idle import idle_cpu_percent
 from ._layouts import PACK_LAYOUTS
 
 __all__ = [
@@ -41,6 +46,8 @@ __all__ = [
     "cancel_recv_at_every_step",
     "connected_pair",
     "exchange",
+    "host_engine_by_pointer",
+    "idle_cpu_percent",
     "peak_allocation",
     "slow_sends",
 ]

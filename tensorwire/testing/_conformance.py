@@ -34,6 +34,7 @@ __all__ = [
     "cancel_recv_at_every_step",
     "connected_pair",
     "exchange",
+    "host_engine_by_pointer",
     "peak_allocation",
     "slow_sends",
 ]
@@ -814,22 +815,62 @@ async def check_device_send_cancelled_while_its_stream_is_busy(a: Peer, b: Peer)
         engine.close()
 
 
-def _by_pointer(a: Peer, b: Peer) -> bool:
-    """Declare, for a one-sided transport whose operations take device pointers (``rma_device``),
-    that its nodes register host-engine memory and its channels post one-sided operations on it
-    by pointer, as ucx does CUDA memory where UCX has cuda lanes. A host engine's "device"
-    memory is host memory, so this is true of it, and the by-pointer path (stream waits, gets
-    and puts at device addresses) runs for real."""
-    transport = a.node.transports.get(a.channel.transport)
-    if (
-        not isinstance(transport, OneSidedTransport)
-        or not transport.capabilities.one_sided
-        or not b.channel.rma_device  # verbs: host arrays only
-    ):
-        return False
-    transport.region_kinds = transport.region_kinds | {"host-engine"}
-    for p in (a, b):
+@_check()
+async def check_recv_cancelled_while_copying_a_buffered_message_to_the_device(a: Peer, b: Peer) -> None:
+    """A message that arrived before its recv waits whole in host memory of ours; the recv then
+    copies it into its device out=. Cancelled during those copies, the recv lets the copies
+    already queued finish before the cancel returns (nothing lands after), and the message goes
+    back to the queue whole for the next recv. (It used to keep writing after the cancel, and
+    the message was lost.)"""
+    chunk = 64 << 10
+    slow = HostEngine(copy_delay=0.002)
+    slow.pool("in").configure(chunk, 3)
+    try:
+        data = [np.random.default_rng(s).integers(0, 256, chunk * 8, dtype=np.uint8) for s in range(4)]
+        await a.send(data, tag="buffered")
+        await asyncio.sleep(0.05)  # buffered on b's side, no recv yet
+        outs = [EngineArray(slow, np.zeros(chunk * 8, np.uint8)) for _ in data]
+        recv = asyncio.ensure_future(b.recv(tag="buffered", out=outs))
+        async with asyncio.timeout(30):
+            while not outs[0].array.any():  # noqa: ASYNC110 - polling the bytes landing is the point
+                await asyncio.sleep(0.001)
+        recv.cancel()
+        with _refused(asyncio.CancelledError, "a recv cancelled while copying to the device finished anyway"):
+            await recv
+        snapshot = [o.array.copy() for o in outs]
+        assert not all(np.array_equal(s, d) for s, d in zip(snapshot, data, strict=True)), "not part way"
+        await asyncio.sleep(0.1)
+        for o, s in zip(outs, snapshot, strict=True):
+            assert np.array_equal(o.array, s), "out= was written after its recv was cancelled"
+        again = [EngineArray(slow, np.zeros(chunk * 8, np.uint8)) for _ in data]
+        await asyncio.wait_for(b.recv(tag="buffered", out=again), 10)
+        assert all(np.array_equal(o.array, d) for o, d in zip(again, data, strict=True)), "the message was lost"
+    finally:
+        slow.close()
+
+
+def host_engine_by_pointer(*peers: Peer, transport: Any = None) -> None:
+    """Declare that ``peers``' channels move host-engine memory by pointer (``device_kinds``:
+    sends, receives, and one-sided operations where the channel has ``rma_device``), and that
+    ``transport`` registers it for peers (``region_kinds``), as ucx does CUDA memory where UCX
+    has cuda lanes. A host engine's "device" memory is host memory, so this is true of it for a
+    transport that takes any pointer (ucx finds a buffer's memory type itself), and its device
+    path (stream waits, posts at device addresses) then runs for real. Each process declares
+    its own side."""
+    if transport is not None:
+        transport.region_kinds = transport.region_kinds | {"host-engine"}
+    for p in peers:
         p.channel.device_kinds = p.channel.device_kinds | {"host-engine"}
+
+
+def _by_pointer(a: Peer, b: Peer) -> bool:
+    """``host_engine_by_pointer`` for ``a``'s node and both channels, where the transport is
+    one-sided and its operations take device pointers (``rma_device``; not verbs: host arrays
+    only). Whether it did."""
+    transport = a.node.transports.get(a.channel.transport)
+    if not isinstance(transport, OneSidedTransport) or not transport.capabilities.one_sided or not b.channel.rma_device:
+        return False
+    host_engine_by_pointer(a, b, transport=transport)
     return True
 
 

@@ -15,25 +15,16 @@ import asyncio
 import contextlib
 import importlib.util
 import textwrap
-import warnings
 from typing import Any
 
 import numpy as np
 import pytest
+from _gpu_skip import cupy_with_a_device
 
-with warnings.catch_warnings():  # CuPy's own import-time notices are not ours to fail on
-    warnings.simplefilter("ignore")
-    cp = pytest.importorskip(
-        "cupy", reason="CuPy is not installed: the CUDA one-sided tests need it", exc_type=ImportError
-    )
+cp = cupy_with_a_device("the CUDA one-sided tests")
 
-from tensorwire.memory._cuda import cuda_device_count
-
-if cuda_device_count() == 0:
-    pytest.skip("CuPy is installed but finds no CUDA device", allow_module_level=True)
-
-import tensorwire
-from tensorwire.testing import connected_pair, slow_sends
+import tensorwire  # noqa: E402
+from tensorwire.testing import connected_pair, slow_sends  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 MiB = 1 << 20

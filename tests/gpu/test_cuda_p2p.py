@@ -10,32 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import warnings
 from typing import Any
 
 import numpy as np
 import pytest
+from _gpu_skip import cupy_with_a_device
 
-with warnings.catch_warnings():  # CuPy's own import-time notices are not ours to fail on
-    warnings.simplefilter("ignore")
-    cp = pytest.importorskip(
-        "cupy", reason="CuPy is not installed: the CUDA transfer tests need it", exc_type=ImportError
-    )
-
-
-def _device_count() -> int:
-    try:
-        return int(cp.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-if _device_count() == 0:
-    pytest.skip("CuPy is installed but finds no CUDA device", allow_module_level=True)
+cp = cupy_with_a_device("the CUDA transfer tests")
 
 from tensorwire.errors import UnsupportedTensorError  # noqa: E402
 from tensorwire.memory import StageIn, download  # noqa: E402
-from tensorwire.memory._cuda import CudaEngine  # noqa: E402
+from tensorwire.memory._cuda import CudaEngine, cuda_device_count  # noqa: E402
 from tensorwire.testing import connected_pair  # noqa: E402
 from tensorwire.transports import Limits  # noqa: E402
 
@@ -285,7 +270,7 @@ async def test_device_argument_moves_between_memories() -> None:
         w = await recv
         assert isinstance(w, torch.Tensor) and w.is_cuda and torch.equal(w.cpu(), torch.from_numpy(host))
         with pytest.raises(tensorwire_errors().ConfigurationError, match="device"):
-            await b.recv(tag="d", device=f"cuda:{_device_count()}")
+            await b.recv(tag="d", device=f"cuda:{cuda_device_count()}")
 
 
 def tensorwire_errors() -> Any:

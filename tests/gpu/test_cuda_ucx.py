@@ -14,28 +14,19 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import textwrap
-import warnings
 from typing import Any
 
 import pytest
+from _gpu_skip import cupy_with_a_device
 
-with warnings.catch_warnings():  # CuPy's own import-time notices are not ours to fail on
-    warnings.simplefilter("ignore")
-    cp = pytest.importorskip(
-        "cupy", reason="CuPy is not installed: the CUDA transfer tests need it", exc_type=ImportError
-    )
-
-from tensorwire.memory._cuda import cuda_device_count
-
-if cuda_device_count() == 0:
-    pytest.skip("CuPy is installed but finds no CUDA device", allow_module_level=True)
+cp = cupy_with_a_device("the CUDA transfer tests")
 if importlib.util.find_spec("ucxx") is None:
     pytest.skip("ucxx is not installed here (docs/gpu.md: scripts/gpu_wheels.sh carries it)", allow_module_level=True)
 
-import tensorwire
-from tensorwire.testing import cancel_recv_at_every_step, connected_pair, exchange
-from tensorwire.transports import Limits
-from tensorwire.transports.ucx import UcxTransport
+import tensorwire  # noqa: E402
+from tensorwire.testing import cancel_recv_at_every_step, connected_pair, exchange  # noqa: E402
+from tensorwire.transports import Limits  # noqa: E402
+from tensorwire.transports.ucx import UcxTransport  # noqa: E402
 
 _CAPS = UcxTransport.probe()
 if _CAPS is None:

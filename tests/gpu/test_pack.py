@@ -6,28 +6,13 @@ Every test draws fresh random bytes; the seed is in the test's failure message.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import numpy as np
 import pytest
+from _gpu_skip import cupy_with_a_device
 
-with warnings.catch_warnings():  # CuPy's own import-time notices are not ours to fail on
-    warnings.simplefilter("ignore")
-    cp = pytest.importorskip(
-        "cupy", reason="CuPy is not installed: the GPU pack/unpack tests need it", exc_type=ImportError
-    )
-
-
-def _device_count() -> int:
-    try:
-        return int(cp.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-if _device_count() == 0:
-    pytest.skip("CuPy is installed but finds no CUDA device", allow_module_level=True)
+cp = cupy_with_a_device("the GPU pack/unpack tests")
 
 if os.environ.get("TENSORWIRE_TEST_NO_POOL"):  # exact allocations, for compute-sanitizer runs
     cp.cuda.set_allocator(None)

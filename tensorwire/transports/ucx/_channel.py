@@ -229,7 +229,6 @@ class UcxChannel(Channel):
         self._eager: set[Arrival] = set()  # arrivals that spent buffer credit
         self._futs: set[asyncio.Future[Any]] = set()
         self._rkeys: set[RemoteKey] = set()
-        self._raw_reqs: set[int] = set()  # raw one-sided requests of ours being waited for
         self._closed_ev = asyncio.Event()
         self.lanes = self._query_lanes()
         self._post_ctrl_recv()
@@ -799,13 +798,10 @@ class UcxChannel(Channel):
         ucp = self._require_ucp()
         futs = [self._w.watch_raw(ucp, req, keep) for req, keep in requests]
         self._futs.update(futs)
-        ptrs = {req for req, _ in requests}
-        self._raw_reqs.update(ptrs)
         try:
             await self._finish_posted(futs)
         finally:
             self._futs.difference_update(futs)
-            self._raw_reqs.difference_update(ptrs)
 
     async def put(self, src: Any, remote_addr: int, rkey: RemoteKey) -> None:
         """Write ``src`` (bytes-like) to the peer's registered memory at ``remote_addr``.
@@ -841,7 +837,7 @@ class UcxChannel(Channel):
         self._incoming.clear()
         # one-sided requests may still be in flight (their waits were just failed): their keys
         # are destroyed once UCX has finished them
-        self._w.retire(list(self._rkeys), self._raw_reqs)
+        self._w.retire(list(self._rkeys))
         self._rkeys.clear()
         self._w.abandon(self)  # cancel what UCX still holds of ours; keep its buffers alive
         self._closed_ev.set()

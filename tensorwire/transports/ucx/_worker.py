@@ -354,10 +354,10 @@ class Worker:
                 self._graveyard.append((r, w.keep))
         self.kick()
 
-    def retire(self, keys: list[Any], requests: set[int]) -> None:
-        """Close ``keys`` (objects with ``close()``: remote keys) once none of ``requests`` (raw
-        request pointers) is in flight any more; at once if none is now."""
-        self._retired.append(({r for r in requests if r in self._raw}, keys))
+    def retire(self, keys: list[Any]) -> None:
+        """Close ``keys`` (objects with ``close()``: remote keys) once none of the raw requests
+        in flight now (those that may use them, and others') is any more; at once if none is."""
+        self._retired.append((set(self._raw), keys))
         self._close_retired()
 
     def _close_retired(self) -> None:
