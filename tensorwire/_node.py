@@ -281,7 +281,7 @@ class Node:
         """
         self._check_open()
         check_require(require)
-        preference = tuple(transports) if transports is not None else self.config.transports
+        preference = tuple(dict.fromkeys(transports if transports is not None else self.config.transports))
         for name in preference:
             if name not in DEFAULT_PREFERENCE:
                 raise ConfigurationError(f"unknown transport {name!r}; known: {', '.join(DEFAULT_PREFERENCE)}")

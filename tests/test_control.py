@@ -74,6 +74,48 @@ def test_negotiation_server_side_require() -> None:
     assert choose(["verbs", "tcp"], local, remote, {}, {}, "any", ok).passed_over[0][1].startswith("version")
 
 
+def test_negotiation_counts_a_repeated_name_once() -> None:
+    tcp = Capabilities(lanes=("tcp",))
+    local = {"tcp": Offer("tcp", 1, b"a", tcp), "verbs": Offer("verbs", 1, b"v", Capabilities(rdma=True))}
+    remote = {"tcp": Offer("tcp", 1, b"b", tcp), "verbs": Offer("verbs", 1, b"w", Capabilities(rdma=True))}
+    calls: list[str] = []
+
+    def unreachable(name: str, addr: bytes) -> str | None:
+        calls.append(name)
+        return "unreachable" if name == "verbs" else None
+
+    choice = choose(["verbs"] * 5 + ["tcp", "verbs"], local, remote, {}, {}, "any", unreachable)
+    assert choice.name == "tcp"
+    assert choice.passed_over == (("verbs", "unreachable"),)
+    assert calls == ["verbs", "tcp"]
+    with pytest.raises(tensorwire.ConfigurationError, match="at most 32"):
+        choose([f"t{i}" for i in range(33)], local, remote, {}, {}, "any", unreachable)
+
+
+async def test_handshake_with_a_huge_preference_order_is_refused() -> None:
+    """A repeated name used to cost a scan of the rest of the list each time (40 000 entries kept
+    the node's loop busy for 15 s); the server now refuses more than 32 names before choosing."""
+    async with tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            req = control_pb2.HandshakeRequest(protocol_version=1, node_id="x", preference=["inproc"] * 40_000)
+            req.offers.add(name="inproc", version=node.offers["inproc"].version, address=b"elsewhere")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(req, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "at most 32" in (info.value.details() or "")
+            many = control_pb2.HandshakeRequest(protocol_version=1, node_id="x", preference=["tcp"])
+            for i in range(33):
+                many.offers.add(name=f"t{i}", version=1)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(many, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        peer = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+        async with peer:
+            p = await peer.connect(node.address, transports=("tcp", "tcp"))
+            assert p.path.transport == "tcp"
+
+
 async def test_auth_token() -> None:
     async with (
         tensorwire.start("127.0.0.1:0", auth_token="s3cret", transports=("tcp",)) as server,

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from ..errors import ConfigurationError, NegotiationError
 from ..transports import Capabilities
 
-__all__ = ["REQUIRE", "Choice", "Offer", "check_require", "choose"]
+__all__ = ["MAX_TRANSPORTS", "REQUIRE", "Choice", "Offer", "check_require", "choose"]
 
 REQUIRE = ("any", "rdma", "gpudirect")
+MAX_TRANSPORTS = 32  # names in a preference order, offers or reasons in one handshake
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +63,11 @@ def choose(
 ) -> Choice:
     """Pick a transport; raise NegotiationError listing why each one was not usable."""
     check_require(require)
+    order = list(dict.fromkeys(preference))  # a name said twice counts once, where it came first
+    if len(order) > MAX_TRANSPORTS:
+        raise ConfigurationError(f"a preference order of {len(order)} transports; at most {MAX_TRANSPORTS}")
     passed: list[tuple[str, str]] = []
-    for name in preference:
+    for i, name in enumerate(order):
         if name not in local:
             passed.append((name, f"on {local_name}: {local_unusable.get(name, 'not enabled')}"))
             continue
@@ -74,7 +78,7 @@ def choose(
         if mine.version != theirs.version:
             passed.append((name, f"version {theirs.version} on {remote_name} != {mine.version} on {local_name}"))
             continue
-        if name != "tcp" and "tcp" in preference[preference.index(name) + 1 :] and "tcp" in local and "tcp" in remote:
+        if name != "tcp" and "tcp" in order[i + 1 :] and "tcp" in local and "tcp" in remote:
             side = (
                 local_name if _tcp_only(mine.capabilities) else remote_name if _tcp_only(theirs.capabilities) else None
             )

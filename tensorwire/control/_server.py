@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from ..errors import ConfigurationError, NegotiationError
 from ._auth import lookup_proof
 from ._convert import offer_from_pb, offer_to_pb
-from ._negotiate import choose
+from ._negotiate import MAX_TRANSPORTS, choose
 from ._pb import control_pb2, control_pb2_grpc
 
 if TYPE_CHECKING:
@@ -50,6 +50,14 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 "handshake from %s refused: %s auth token", peer, "missing" if not request.auth_token else "wrong"
             )
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
+        sizes = (len(request.preference), len(request.offers), len(request.unavailable))
+        if max(sizes) > MAX_TRANSPORTS:
+            log.warning("handshake from %s refused: %d preferences, %d offers, %d reasons", peer, *sizes)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a handshake names at most {MAX_TRANSPORTS} transports in each of its preference order, "
+                f"offers and reasons (got {sizes[0]}, {sizes[1]}, {sizes[2]})",
+            )
         remote = {o.name: offer_from_pb(o) for o in request.offers}
         remote_unusable = {u.name: u.reason for u in request.unavailable}
         preference = list(request.preference) or list(node.config.transports)
