@@ -314,6 +314,10 @@ async def serve_ops(peer: Peer, table: ExposureTable) -> None:
             if not isinstance(req, dict) or not isinstance(req.get("reply"), int):
                 log.warning("malformed one-sided request from %s dropped", peer.remote_address)
                 continue
+            if req.get("op") == "drop":  # a cancelled write's note, sent after the payload arrived
+                if isinstance(req.get("data"), int):
+                    _drain_later(peer, req["data"])
+                continue
             if req.get("op") == "revoke":
                 # mark it now, before any task sees a later message from the owner
                 name, gen = req.get("name"), req.get("generation")
@@ -1003,10 +1007,14 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
 
 
 async def _cancel_write(peer: Peer, data: int, reply: int) -> None:
-    """Tell the owner the payload will not come (a tensorless message it cannot take as one)."""
+    """Tell the owner the payload will not come (a tensorless message it cannot take as one).
+    A send cancelled late may have delivered the payload whole all the same: the owner then
+    answers ``ok`` and our note is left over on its data tag, so we ask it to drop the note."""
     try:
         await peer.send(None, tag=data)
         async with asyncio.timeout(_DRAIN_SECONDS):
-            await peer.recv(tag=reply)
+            answer = await peer.recv(tag=reply)
+        if isinstance(answer, dict) and answer.get("ok"):
+            await peer.send({"op": "drop", "data": data, "reply": reply}, tag=_OPS_TAG)
     except (TensorWireError, TimeoutError, ClosedResourceError):
         pass

@@ -236,3 +236,29 @@ async def test_read_device_argument(transport: str) -> None:
             with pytest.raises(tensorwire.UnsupportedTensorError):
                 await b.read(h[2], device="cuda")
         assert a.node.exposures.served == 2
+
+
+async def test_cancelled_writes_leave_nothing_at_the_owner() -> None:
+    """A write cancelled while the last bytes of its payload were going out still delivers them
+    (a frame once started is finished); the owner takes the payload and answers ok, and the
+    writer's 'payload will not come' note used to stay on the owner's data tag for good, each
+    one holding a message slot of the writer's until its sends blocked (about 1 in 6 cancelled
+    16 MiB writes here). The writer now asks the owner to drop that note."""
+    async with connected_pair("tcp", limits=tensorwire.Limits(max_unexpected=64)) as (a, b):
+        size = 16 << 20
+        dst = np.zeros(size, np.uint8)
+        a.node.expose(dst, name="x")
+        h = await b.lookup("x")
+        rng = np.random.default_rng(1)
+        for _ in range(60):
+            task = asyncio.ensure_future(b.write(h, np.full(size, 1, np.uint8)))
+            for _ in range(int(rng.integers(0, 40))):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await b.write(h, np.full(size, 9, np.uint8))  # a whole write after them all
+        assert (dst == 9).all()
+        async with asyncio.timeout(10):
+            while a.channel.mailbox._arrived or b.channel._window.slots < 64:  # noqa: ASYNC110 - no event to wait on
+                await asyncio.sleep(0.02)
