@@ -225,6 +225,7 @@ class Node:
                 control_address=control_address,
             )
             self._adopt(peer)
+            peer._lease = self.config.lease_seconds
             self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)
             channel.add_close_callback(lambda _exc: self._leases.pop(session_id, None))
             self._incoming.put_nowait(peer)
@@ -238,6 +239,7 @@ class Node:
         if entry is None:
             return False
         self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, entry[1])
+        entry[1]._confirm()
         return True
 
     async def _watch_leases(self) -> None:
@@ -301,6 +303,7 @@ class Node:
         for name, reason in self.unusable.items():
             request.unavailable.add(name=name, reason=reason)
         client = ControlClient(address, self.config.tls)
+        since = time.monotonic()  # the server's lease on this session begins after this
         try:
             async with asyncio.timeout(timeout):
                 resp = await client.handshake(request, timeout)
@@ -329,7 +332,7 @@ class Node:
             session=session,
         )
         self._adopt(peer)
-        peer._start_heartbeat(resp.session_id, (resp.lease_ms or 3000) / 1000)
+        peer._start_heartbeat(resp.session_id, (resp.lease_ms or 3000) / 1000, since)
         log.info("connected to %s: %s", address, peer.path)
         return peer
 

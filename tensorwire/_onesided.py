@@ -534,6 +534,7 @@ async def _move(
     returns once all of them are in place. The transport posts a batch at once and waits for
     it as a whole (``OneSidedChannel.rma_many``). ``within``: one host array that holds every
     buffer (a staging chunk), registered as a whole."""
+    await peer._lease_fence()  # then nothing awaits before the operations are posted
     channel: Any = peer.channel  # a OneSidedChannel: _direct_state checked
     items = []
     for state, buf, offset in moves:

@@ -73,6 +73,11 @@ class Peer:
         self.session = session
         self._control_address = control_address  # the remote's control plane, for lookups
         self._tasks: set[asyncio.Task[None]] = set()
+        # the session's lease, and when the other side last proved it alive: our own renewal
+        # was sent (we connected), or its renewal reached us (it connected). See _lease_fence.
+        self._lease: float | None = None
+        self._confirmed = time.monotonic()
+        self._renewed = asyncio.Event()
 
     def __repr__(self) -> str:
         return (
@@ -129,7 +134,9 @@ class Peer:
         ``_deadline`` covers the whole stream; leaving the loop early cancels the method."""
         return _rpc.stream(self, name, args, kwargs, _deadline)
 
-    def _start_heartbeat(self, session_id: str, lease: float) -> None:
+    def _start_heartbeat(self, session_id: str, lease: float, since: float) -> None:
+        """``since``: when the handshake was sent, which is before the server's lease began."""
+        self._lease, self._confirmed = lease, since
         self._heartbeat = asyncio.get_running_loop().create_task(
             self._renew_lease(session_id, lease), name=f"tensorwire-heartbeat {self.remote_address}"
         )
@@ -145,9 +152,11 @@ class Peer:
             lag = time.monotonic() - before - interval
             if lag > interval:
                 last_ok += lag  # our own loop stalled: that time is not the peer's silence
+            sent = time.monotonic()
             try:
                 await self._control.heartbeat(session_id, deadline=interval)
                 last_ok = time.monotonic()
+                self._confirmed = max(self._confirmed, sent)
             except SessionLost as exc:
                 self.channel.fail(PeerDisconnected(str(exc)))
                 return
@@ -157,6 +166,55 @@ class Peer:
                         PeerDisconnected(f"{self.remote_address} did not answer lease renewals for {lease} s ({exc})")
                     )
                     return
+
+    def _confirm(self) -> None:
+        """The other side renewed its lease with us (we accepted its connection)."""
+        self._confirmed = time.monotonic()
+        self._renewed.set()
+
+    def _lease_fresh(self) -> bool:
+        return self._lease is None or time.monotonic() - self._confirmed < self._lease * 0.75
+
+    async def _lease_fence(self) -> None:
+        """Before a direct one-sided operation: make sure the other side cannot yet have declared
+        this session dead. An owner that did (its lease ran out while we were stalled: SIGSTOP,
+        swap, a long pause) may already have unregistered and reused the memory, and a put over
+        shared memory (UCX's cma) reaches it all the same. The other side declares us dead no
+        sooner than a whole lease after the last proof of life we know of, so we post only
+        within three quarters of a lease of it (renewals come every third); past that we renew
+        first (we connected) or wait for its next renewal (it connected), and fail the
+        operation if the session is gone."""
+        if self._lease_fresh():
+            return
+        lease = self._lease
+        assert lease is not None
+        if self._heartbeat is not None and self._control is not None and self.session is not None:
+            sent = time.monotonic()
+            try:
+                await self._control.heartbeat(self.session.id, deadline=lease / 3)
+            except SessionLost as exc:
+                self.channel.fail(PeerDisconnected(str(exc)))
+                raise PeerDisconnected(str(exc)) from exc
+            except TensorWireError as exc:
+                raise PeerDisconnected(
+                    f"{self.remote_address} did not confirm the session for a one-sided operation: {exc}"
+                ) from exc
+            self._confirmed = max(self._confirmed, sent)
+        else:
+            try:
+                async with asyncio.timeout(lease / 2):  # its renewals come every third of a lease
+                    while not self._lease_fresh():
+                        self._renewed.clear()
+                        await self._renewed.wait()
+            except TimeoutError:
+                pass
+        self.channel.check_open()
+        if not self._lease_fresh():
+            raise PeerDisconnected(
+                f"{self.remote_address} has not renewed its {lease} s lease for "
+                f"{time.monotonic() - self._confirmed:.1f} s: it may have declared this session dead, "
+                "so one-sided access to its memory is refused"
+            )
 
     # -- one-sided ---------------------------------------------------------------------------
     async def lookup(self, name: str) -> RemoteHandle:

@@ -110,9 +110,11 @@ async def test_read_and_write_while_the_owner_process_is_stopped() -> None:
             peer = await node.connect(address)
             h = await peer.lookup("x")
             assert h.direct
+            renewed = peer._confirmed
+            await _until(lambda: peer._confirmed > renewed, 5)  # the lease was just renewed
             os.kill(child.pid, signal.SIGSTOP)
             try:
-                async with asyncio.timeout(2):  # well inside the 3 s lease
+                async with asyncio.timeout(2):  # well inside three quarters of the 3 s lease
                     got, receipt = await peer.read_with_receipt(h)
                     w = await peer.write(h, np.full(64 << 20, 5, np.uint8))
             finally:
@@ -362,3 +364,64 @@ async def test_a_closed_channel_destroys_its_remote_keys_only_after_their_operat
         assert all(k.handle is not None for k in keys), "a remote key was destroyed under an outstanding get"
         await _until(lambda: not inflight & set(worker._raw), 10)
         assert all(k.handle is None for k in keys), "a closed channel's remote keys were never destroyed"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(40)
+async def test_a_reader_declared_dead_cannot_write_into_memory_the_owner_let_go() -> None:
+    """The reader is frozen (SIGSTOP) past its lease: the owner declares it dead, unexposes the
+    tensor (the await returns at once, its channel being closed) and reuses the memory. Over
+    shared memory a put needs nothing of the owner, and the reader's channel is still open when
+    it wakes: its first write used to land in the reused memory. Now a direct operation first
+    makes sure the session is still alive (the reader's last renewal is too old: it renews, and
+    learns the session is gone)."""
+    code = textwrap.dedent(
+        """
+        import asyncio, sys, time, numpy as np, tensorwire
+        async def main():
+            async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}, lease_seconds=1.0) as n:
+                peer = await n.connect(sys.argv[1])
+                h = await peer.lookup("x")
+                assert h.direct
+                await peer.write(h, np.full(h.shape, 1, np.uint8))
+                print("ready", flush=True)
+                while True:  # until a stall of this loop shows that we were stopped and resumed
+                    t = time.monotonic()
+                    await asyncio.sleep(0.01)
+                    if time.monotonic() - t > 0.5:
+                        break
+                try:
+                    await peer.write(h, np.full(h.shape, 7, np.uint8))
+                    print("written", flush=True)
+                except tensorwire.PeerDisconnected as exc:
+                    print("refused:", exc, flush=True)
+        asyncio.run(main())
+        """
+    )
+    async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}, lease_seconds=1.0) as node:
+        x = np.zeros(1 << 16, np.uint8)
+        node.expose(x, name="x")
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, node.address, stdout=asyncio.subprocess.PIPE
+        )
+        assert child.stdout is not None
+        try:
+            async with asyncio.timeout(25):
+                peer = await node.accept()
+                assert (await child.stdout.readline()).strip() == b"ready"
+                assert (x == 1).all()
+                os.kill(child.pid, signal.SIGSTOP)
+                await _until(lambda: peer.closed, 10)  # the lease ran out
+                await node.unexpose("x")
+                x[:] = 0  # the owner reuses the memory
+                os.kill(child.pid, signal.SIGCONT)
+                said = (await child.stdout.readline()).decode()
+                await child.wait()
+            assert said.startswith("refused:"), said
+            assert not x.any(), "a write landed in memory after its revocation completed"
+        finally:
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGCONT)
+                    child.kill()
+                await child.wait()
