@@ -148,11 +148,21 @@ class Node:
         self.peers.append(peer)
         assert peer.session is not None
         self._sessions[peer.session.id] = peer
-        peer.channel.add_close_callback(
-            lambda _exc: self._sessions.pop(peer.session.id, None) if peer.session else None
-        )
+        peer.channel.add_close_callback(lambda _exc: self._gone(peer))
         peer._spawn(serve_ops(peer, self.exposures))
         _serve_rpc(peer, methods_of(self))
+
+    def _gone(self, peer: Peer) -> None:
+        """A peer's channel closed (either side, or its lease ran out): it leaves ``peers`` and
+        its session, and lets go of its control connection; messages that had fully arrived
+        stay deliverable to whoever holds the Peer, until it is closed."""
+        if peer.session is not None:
+            self._sessions.pop(peer.session.id, None)
+        self._forget(peer)
+        task = peer._wind_down()
+        if task is not None:
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     def _session_peer(self, session_id: str) -> Peer | None:
         return self._sessions.get(session_id)

@@ -228,6 +228,7 @@ class Peer:
             raise ConfigurationError("this peer has no session to authenticate a lookup")
         if self._closed:  # (and a control connection opened now would never be closed)
             raise ClosedResourceError(f"the peer {self.remote_address} is closed")
+        self.channel.check_open()  # its session is gone with the channel: say why, not "refused"
         if self._control is None:
             if not self._control_address:
                 raise ControlPlaneError(f"{self.remote_address} did not say where its control plane listens")
@@ -322,6 +323,15 @@ class Peer:
             if self._control is not None:
                 await self._control.aclose()
             self.node._forget(self)
+
+    def _wind_down(self) -> asyncio.Task[None] | None:
+        """The channel closed: stop renewing the lease and close the control connection (a
+        later ``aclose`` still closes the rest). Returns the closing task, if any."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self._control is None:
+            return None
+        return asyncio.get_running_loop().create_task(self._control.aclose())
 
     def abort(self) -> None:
         """Drop the connection at once; pending operations fail."""

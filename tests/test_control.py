@@ -285,3 +285,54 @@ async def test_lookup_on_a_closed_peer_says_closed() -> None:
         with pytest.raises(tensorwire.ClosedResourceError):
             await accepted.lookup("x")
         assert accepted._control is None
+
+
+async def test_peers_whose_channel_closed_leave_node_peers_and_close_their_control_connection() -> None:
+    """A long-running server used to keep every peer that ever connected in ``node.peers``
+    (only a local ``aclose`` removed one): a stage server grew by one or two per driver
+    session. Now a peer leaves once its channel closes, from either side, and its control
+    connection closes with it; what had arrived is still delivered."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server:
+        for _ in range(3):
+            async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+                p = await client.connect(server.address)
+                q = await server.accept()
+                await p.send(np.arange(4), tag="last")
+                control = p._control
+            async with asyncio.timeout(5):
+                while server.peers:  # noqa: ASYNC110 - no event to wait on
+                    await asyncio.sleep(0.01)
+            assert q.closed and q not in server.peers
+            assert np.array_equal(await q.recv(tag="last"), np.arange(4)), "an arrived message was lost"
+            await q.aclose()
+            assert control is not None and control._closed
+        # the accepting side's lookups open a control connection too; a failure closes it
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+            p = await client.connect(server.address)
+            q = await server.accept()
+            client.expose(np.arange(3), name="w")
+            assert np.array_equal(await q.read(await q.lookup("w")), np.arange(3))
+            assert q._control is not None
+            p.abort()
+            async with asyncio.timeout(5):
+                while not q._control._closed:  # noqa: ASYNC110 - no event to wait on
+                    await asyncio.sleep(0.01)
+            assert server.peers == [] and client.peers == []
+
+
+async def test_lookup_after_the_session_died_says_so() -> None:
+    """It used to report 'refused the handshake: lookups need an open session'
+    (AuthenticationError), as if the proof were wrong."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server:
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+            server.expose(np.arange(3), name="w")
+            p = await client.connect(server.address)
+            q = await server.accept()
+            q.channel.fail(tensorwire.PeerDisconnected("declared dead for the test"))
+            with pytest.raises(tensorwire.PeerDisconnected, match="declared dead for the test"):
+                await q.lookup("w")
+            async with asyncio.timeout(5):
+                while not p.closed:  # noqa: ASYNC110 - no event to wait on
+                    await asyncio.sleep(0.01)
+            with pytest.raises(tensorwire.PeerDisconnected):
+                await p.lookup("w")
