@@ -447,8 +447,19 @@ class _Direct:
             rkey.close()
 
 
-# (peer -> (name, generation) -> state); dies with the peer
+# (peer -> (name, generation) -> state), live handles only; dies with the peer
 _directs: weakref.WeakKeyDictionary[Peer, dict[tuple[str, int], _Direct]] = weakref.WeakKeyDictionary()
+# (peer -> name -> the newest generation it revoked): generations only grow and a name has one
+# live generation at a time, so every generation up to that one is dead. One int per name
+# instead of a state per revoked generation (a name exposed again and again).
+_revoked: weakref.WeakKeyDictionary[Peer, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def _revoked_upto(peer: Peer) -> dict[str, int]:
+    upto = _revoked.get(peer)
+    if upto is None:
+        upto = _revoked[peer] = {}
+    return upto
 
 
 def _states(peer: Peer) -> dict[tuple[str, int], _Direct]:
@@ -462,8 +473,8 @@ def remember(peer: Peer, handle: RemoteHandle) -> None:
     """A lookup on ``peer`` returned a direct handle: keep its key for reads and writes."""
     key = (handle.name, handle.generation)
     states = _states(peer)
-    if key in states:
-        return  # the same generation again (or revoked already): the key is the same
+    if key in states or handle.generation <= _revoked_upto(peer).get(handle.name, 0):
+        return  # the same generation again (the key is the same), or revoked already
     if not isinstance(peer.channel, OneSidedChannel) or peer.channel.transport != handle.transport:
         raise TransferError(f"lookup of {handle.name!r} returned a {handle.transport} key this peer cannot use")
     blob = unpack_remote_key(handle.remote_key)
@@ -473,21 +484,22 @@ def remember(peer: Peer, handle: RemoteHandle) -> None:
 
 
 def _mark_revoked(peer: Peer, name: str, generation: int) -> None:
-    states = _states(peer)
-    state = states.get((name, generation))
-    if state is None:
-        states[(name, generation)] = _Direct(None)  # revoked before the lookup returned
-    else:
+    upto = _revoked_upto(peer)
+    upto[name] = max(upto.get(name, 0), generation)  # also when the lookup has not returned yet
+    state = _states(peer).get((name, generation))
+    if state is not None:
         state.revoked = True
 
 
 async def _acknowledge(peer: Peer, name: str, generation: int, reply: int) -> None:
-    """Once the revoked handle's running operations finished, tell the owner."""
-    state = _states(peer)[(name, generation)]
-    if state.inflight:
-        state.idle = asyncio.Event()
-        await state.idle.wait()
-    state.close()
+    """Once the revoked handle's running operations finished, forget it and tell the owner."""
+    state = _states(peer).get((name, generation))
+    if state is not None:
+        if state.inflight:
+            state.idle = asyncio.Event()
+            await state.idle.wait()
+        state.close()
+        _states(peer).pop((name, generation), None)
     try:
         await peer.send({"ok": True}, tag=reply)
     except TensorWireError:
@@ -503,9 +515,9 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
     if not handle.direct:
         return None
     state = _states(peer).get((handle.name, handle.generation))
-    if state is None:
+    if state is None and handle.generation > _revoked_upto(peer).get(handle.name, 0):
         raise ConfigurationError(f"{handle.name!r} was not looked up on this peer; call peer.lookup first")
-    if state.revoked:
+    if state is None or state.revoked:
         raise HandleNotFound(
             f"{handle.name!r} (generation {handle.generation}) was revoked by its owner "
             "(unexposed or exposed again); look it up anew"
@@ -644,11 +656,18 @@ def _split(peer: Peer, handles: list[RemoteHandle]) -> tuple[list[tuple[int, _Di
     return direct, assisted
 
 
+def _check_handles(handles: Sequence[Any]) -> None:
+    for h in handles:
+        if not isinstance(h, RemoteHandle):
+            raise ConfigurationError(f"expected a RemoteHandle (from peer.lookup), got {type(h).__name__}")
+
+
 async def read(
     peer: Peer, handle: RemoteHandle, out: Any = None, *, device: Any = None, want_receipt: bool = True
 ) -> tuple[Any, Receipt | None]:
     """One handle. A one-sided read into a plain buffer skips the batch's bookkeeping (a
     quarter of what a small read costs); everything else is a batch of one."""
+    _check_handles((handle,))
     if (
         handle.direct
         and device is None
@@ -671,6 +690,7 @@ async def read(
 
 async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
     """One handle; as ``read``, a one-sided write from a plain array takes the short way."""
+    _check_handles((handle,))
     if handle.direct and handle.writable and type(src) is np.ndarray and src.flags.c_contiguous:
         t0 = time.perf_counter()
         _check_against(handle, src, "the source")
@@ -769,6 +789,7 @@ async def read_many(
         outs = [None] * len(handles)
     elif len(outs) != len(handles):
         raise ConfigurationError(f"{len(handles)} handles but {len(outs)} out= buffers")
+    _check_handles(handles)
     dests, streams, on_device = _destinations(handles, outs, device)
     direct, assisted = _split(peer, handles)
     moved = None
@@ -924,6 +945,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
     t0 = time.perf_counter()
     if len(srcs) != len(handles):
         raise ConfigurationError(f"{len(handles)} handles but {len(srcs)} sources")
+    _check_handles(handles)
     arrays: list[np.ndarray | DeviceSource] = []
     for h, src in zip(handles, srcs, strict=True):
         if type(src) is np.ndarray:

@@ -224,6 +224,8 @@ class Peer:
         reads and writes through it move the bytes without the owner's code (``handle.direct``);
         otherwise they go through the owner's node. A handle works on the peer that looked it up.
         """
+        if not isinstance(name, str):
+            raise ConfigurationError(f"lookup takes the name a tensor was exposed under, not {type(name).__name__}")
         if self.session is None:
             raise ConfigurationError("this peer has no session to authenticate a lookup")
         if self._closed:  # (and a control connection opened now would never be closed)

@@ -262,3 +262,26 @@ async def test_cancelled_writes_leave_nothing_at_the_owner() -> None:
         async with asyncio.timeout(10):
             while a.channel.mailbox._arrived or b.channel._window.slots < 64:  # noqa: ASYNC110 - no event to wait on
                 await asyncio.sleep(0.02)
+
+
+async def test_what_is_not_a_handle_or_a_name_is_refused_clearly() -> None:
+    """None, a str or an int where a handle belongs used to raise a bare AttributeError; a long
+    unknown name came back as RESOURCE_EXHAUSTED, the refusal echoing all of it."""
+    async with connected_pair("tcp") as (a, b):
+        a.node.expose(np.arange(4), name="x")
+        h = await b.lookup("x")
+        for bad in (None, "x", 3):
+            with pytest.raises(tensorwire.ConfigurationError, match="RemoteHandle"):
+                await b.read(bad)  # type: ignore[arg-type]
+            with pytest.raises(tensorwire.ConfigurationError, match="RemoteHandle"):
+                await b.write(bad, np.arange(4))  # type: ignore[arg-type]
+            with pytest.raises(tensorwire.ConfigurationError, match="RemoteHandle"):
+                await b.read_many([h, bad])  # type: ignore[list-item]
+            with pytest.raises(tensorwire.ConfigurationError, match="RemoteHandle"):
+                await b.write_many([bad], [np.arange(4)])  # type: ignore[list-item]
+        for bad_name in (None, 3, b"x"):
+            with pytest.raises(tensorwire.ConfigurationError, match="name"):
+                await b.lookup(bad_name)  # type: ignore[arg-type]
+        with pytest.raises(tensorwire.HandleNotFound, match="is not exposed"):
+            await b.lookup("y" * 20_000)
+        assert np.array_equal(await b.read(h), np.arange(4))

@@ -425,3 +425,22 @@ async def test_a_reader_declared_dead_cannot_write_into_memory_the_owner_let_go(
                     os.kill(child.pid, signal.SIGCONT)
                     child.kill()
                 await child.wait()
+
+
+async def test_a_name_exposed_again_and_again_keeps_one_state_on_the_reader() -> None:
+    """The reader used to keep a state per revoked (name, generation) for the life of the peer."""
+    from tensorwire import _onesided
+
+    async with _pair() as (a, b):
+        old = []
+        for i in range(50):
+            x = np.full(64, i, np.uint8)
+            a.node.expose(x, name="x")
+            h = await b.lookup("x")
+            assert np.array_equal(await b.read(h), x)
+            await a.node.unexpose("x")
+            old.append(h)
+        assert len(_onesided._directs.get(b, {})) == 0 and _onesided._revoked[b] == {"x": old[-1].generation}
+        for h in (old[0], old[-1]):
+            with pytest.raises(tensorwire.HandleNotFound, match="revoked"):
+                await b.read(h)

@@ -115,7 +115,8 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             raise AssertionError("unreachable: abort raises")
         entry = node.exposures.get(request.name)
         if entry is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.name!r} is not exposed")
+            name = request.name if len(request.name) <= 200 else request.name[:200] + "..."
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{name!r} is not exposed")
             raise AssertionError("unreachable: abort raises")
         h = entry.handle
         resp = control_pb2.LookupResponse(
