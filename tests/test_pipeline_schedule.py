@@ -171,6 +171,82 @@ def test_names_parsing_and_sizes() -> None:
     assert issubclass(ScheduleError, ConfigurationError)
 
 
+def test_blank_lines_are_ignored() -> None:
+    want = Schedule.parse("stage 0: F0 B0\nstage 1: F0 B0")
+    for text in ("stage 0: F0 B0\n\nstage 1: F0 B0", "F0 B0\n   \nF0 B0\n\n", "\n\nstage 0: F0 B0\n\t\nstage 1: F0 B0"):
+        got = Schedule.parse(text)
+        assert got == want and got.valid, text
+
+
+def _valid(sched: Schedule, max_unexpected: int) -> bool:
+    try:
+        sched.validate(max_unexpected=max_unexpected)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _reverse(m: int) -> Schedule:
+    """Stage 1 takes its forwards in reverse order: each needs every activation sent before it."""
+    return Schedule.from_actions(
+        [
+            [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)],
+            [f"F{i}" for i in reversed(range(m))] + [f"B{i}" for i in range(m)],
+        ],
+        m,
+        name="reverse",
+    )
+
+
+def test_the_message_limit_of_a_link_is_played() -> None:
+    # a receiver holds at most max_unexpected unreceived messages from one neighbour: the rest
+    # stay with the sender until one is received, so waiting for one of them first deadlocks
+    sched = _reverse(3)
+    assert sched.valid  # 1024 by default
+    sched.validate(max_unexpected=3)
+    with pytest.raises(ScheduleError) as err:
+        sched.validate(max_unexpected=2)
+    assert str(err.value) == (
+        "schedule 'reverse' (p=2, m=3) cannot run: stage 1: F2 waits for the activation of F2 from stage 0, "
+        "which cannot arrive: 2 activations sent before it on that link are still unreceived, and stage 1 holds "
+        "at most 2 unreceived messages from a neighbour (Limits.max_unexpected)\n"
+        "step  stage 0 stage 1\n"
+        "   0  F0      .\n"
+        "   1  F1      .\n"
+        "   2  F2      .\n"
+        "stuck >B0<    >F2<\n"
+        "  stage 0: B0 waits for the gradient of B0 from stage 1, which is stuck at F2\n"
+        "  stage 1: F2 waits for the activation of F2 from stage 0, which cannot arrive: 2 activations sent "
+        "before it on that link are still unreceived, and stage 1 holds at most 2 unreceived messages from a "
+        "neighbour (Limits.max_unexpected)"
+    )
+    # gradients too, and per stage: stage 0 receives B2 B1 B0 and wants B0 first
+    backwards = Schedule.parse("F0 F1 F2 B0 B1 B2\nF0 F1 F2 B2 B1 B0")
+    backwards.validate(max_unexpected=[3, 1])  # stage 1 receives activations in order
+    with pytest.raises(ScheduleError, match="stage 0: B0 waits for the gradient of B0 from stage 1, which cannot"):
+        backwards.validate(max_unexpected=[2, 1024])
+    # the default limit: what the probe ran into at 1100 microbatches
+    _reverse(1000).validate()
+    with pytest.raises(ScheduleError, match="1099 activations sent before it on that link are still unreceived"):
+        _reverse(1100).validate()
+    for bad in (0, [4], [1, 0], True):
+        with pytest.raises(ScheduleError, match="max_unexpected must be"):
+            sched.validate(max_unexpected=bad)  # type: ignore[arg-type]
+    assert make_schedule("gpipe", 2, 3, max_unexpected=1).valid
+    assert sched.grid(max_unexpected=2).endswith("stuck >B0<    >F2<")
+
+
+@settings(max_examples=150, deadline=None)
+@given(perturbed(), st.integers(1, 8))
+def test_a_limit_binds_only_past_the_messages_in_flight(sched: Schedule, limit: int) -> None:
+    # a link carries m messages a step, so a limit of m or more never binds; gpipe and 1f1b
+    # receive in the order they send, so no limit binds them at all
+    m = sched.num_microbatches
+    assert sched.valid == _valid(sched, max(limit, m))
+    for make in (gpipe, one_f_one_b):
+        make(sched.num_stages, m).validate(max_unexpected=1)
+
+
 @pytest.mark.timeout(60)
 def test_importing_the_pipeline_needs_no_torch() -> None:
     code = (

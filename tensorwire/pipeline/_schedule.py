@@ -10,7 +10,10 @@ a bad schedule is that grid, played as far as it goes, with the stuck actions ma
 
 Sends never block a stage (they are tasks, awaited when the step ends) and every message has a
 tag of its own (step, direction, microbatch), so the order in which one stage sends and its
-neighbour receives cannot deadlock: only the dependencies above can, and the player checks them.
+neighbour receives does not matter, with one exception that the player models too: a receiver
+holds at most ``Limits.max_unexpected`` unreceived messages from one peer (1024 by default). A
+message sent while that many earlier ones on its link wait unreceived does not leave the sender
+until one of them is received, so a stage that waits for it before receiving those waits forever.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ScheduleError
+from ..transports import Limits
 
 __all__ = ["SCHEDULES", "Action", "Kind", "Schedule", "get_schedule", "gpipe", "one_f_one_b"]
 
@@ -61,6 +65,20 @@ def B(i: int) -> Action:  # noqa: N802
 
 
 _Key = tuple[int, Kind, int]  # (stage, kind, microbatch)
+_Link = tuple[int, Kind]  # the messages that ``stage`` receives of ``kind``: (stage, kind)
+
+#: unreceived messages a receiver holds from one peer unless told otherwise (``Limits``' default)
+DEFAULT_MAX_UNEXPECTED = Limits().max_unexpected
+
+
+@dataclass(slots=True)
+class _Links:
+    """The messages on each link, in the order they were sent, and how many wait unreceived."""
+
+    limits: tuple[int, ...]  # per receiving stage
+    sent: dict[_Link, list[int]]
+    index: dict[_Key, int]  # (receiving stage, kind, microbatch) -> its place on the link
+    waiting: dict[_Link, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +113,11 @@ class Schedule:
     @classmethod
     def parse(cls, text: str, *, num_microbatches: int | None = None, name: str = "custom") -> Schedule:
         """Read ``stage 0: F0 F1 B0 B1`` lines (the ``stage N:`` prefix is optional, stages in
-        order). ``num_microbatches`` defaults to the largest microbatch named plus one."""
+        order; blank lines are ignored). ``num_microbatches`` defaults to the largest microbatch named plus one."""
         stages: list[tuple[Action, ...]] = []
-        for lineno, line in enumerate(text.strip().splitlines()):
+        for lineno, line in enumerate(text.splitlines()):
+            if not line.strip():  # blank lines separate nothing
+                continue
             head, sep, body = line.partition(":")
             if sep:
                 label = head.strip().removeprefix("stage").strip()
@@ -123,11 +143,12 @@ class Schedule:
         )
 
     # -- checking -----------------------------------------------------------------------------
-    def _play(self) -> _Play:
+    def _play(self, max_unexpected: int | Sequence[int] | None = None) -> _Play:
         p, m = self.num_stages, self.num_microbatches
         done: dict[_Key, int] = {}
         pos = [0] * p
         rows: list[list[Action | None]] = []
+        links = _Links(_limits(max_unexpected, p), {}, {}, {})
         while True:
             row: list[Action | None] = [None] * p
             stuck: dict[int, str] = {}
@@ -135,7 +156,7 @@ class Schedule:
                 if pos[s] >= len(self.stages[s]):
                     continue
                 action = self.stages[s][pos[s]]
-                why = self._blocked(s, action, done, pos)
+                why = self._blocked(s, action, done, pos, links)
                 if why is None:
                     row[s] = action
                 else:
@@ -147,6 +168,7 @@ class Schedule:
                 if ran is not None:
                     done[(s, ran.kind, ran.microbatch)] = step
                     pos[s] += 1
+                    _travel(links, s, ran, p)
             rows.append(row)
         missing = {}
         if not stuck:
@@ -156,7 +178,7 @@ class Schedule:
                     missing[s] = lack
         return _Play(rows, stuck, missing)
 
-    def _blocked(self, s: int, a: Action, done: dict[_Key, int], pos: list[int]) -> str | None:
+    def _blocked(self, s: int, a: Action, done: dict[_Key, int], pos: list[int], links: _Links) -> str | None:
         """Why stage ``s`` cannot run ``a`` now (None: it can)."""
         p, m, i = self.num_stages, self.num_microbatches, a.microbatch
         if i >= m:
@@ -167,9 +189,18 @@ class Schedule:
             later = F(i) in self.stages[s][pos[s] :]
             return f"{a} comes before F{i} on stage {s}" if later else f"{a} but stage {s} never runs F{i}"
         n = s - 1 if a.kind is Kind.FORWARD else s + 1
-        if not 0 <= n < p or (n, a.kind, i) in done:
-            return None
         need = "activation" if a.kind is Kind.FORWARD else "gradient"
+        if not 0 <= n < p:
+            return None
+        if (n, a.kind, i) in done:
+            ahead, limit = _ahead(links, s, a.kind, i, done)
+            if ahead < limit:
+                return None
+            return (
+                f"{a} waits for the {need} of {a} from stage {n}, which cannot arrive: {ahead} {need}s sent "
+                f"before it on that link are still unreceived, and stage {s} holds at most {limit} "
+                f"unreceived messages from a neighbour (Limits.max_unexpected)"
+            )
         there = pos[n] < len(self.stages[n])
         if a not in self.stages[n]:
             state = "which it never runs"
@@ -179,15 +210,20 @@ class Schedule:
             state = "which has finished"
         return f"{a} waits for the {need} of {a} from stage {n}, {state}"
 
-    def validate(self) -> Schedule:
+    def validate(self, *, max_unexpected: int | Sequence[int] | None = None) -> Schedule:
         """Raise ScheduleError, with the grid pointing at the problem, unless this schedule
         runs to the end: every microbatch forward then backward once on every stage, forwards
-        in stage order, backwards in reverse, no stage waiting forever on a neighbour."""
+        in stage order, backwards in reverse, no stage waiting forever on a neighbour.
+
+        ``max_unexpected`` is how many unreceived messages a stage holds from one neighbour
+        (its node's ``Limits.max_unexpected``; one number for every stage or one per stage;
+        default 1024): a message with that many unreceived ones ahead of it on its link stays
+        with the sender, so a stage that waits for it before receiving those would wait forever."""
         if self.num_microbatches < 1:
             raise ScheduleError(f"a schedule needs at least one microbatch, not {self.num_microbatches}")
         if not self.stages:
             raise ScheduleError("a schedule needs at least one stage")
-        play = self._play()
+        play = self._play(max_unexpected)
         if play.stuck or play.missing:
             raise ScheduleError(self._explain(play))
         return self
@@ -223,10 +259,10 @@ class Schedule:
         return peak
 
     # -- drawing --------------------------------------------------------------------------------
-    def grid(self) -> str:
+    def grid(self, *, max_unexpected: int | Sequence[int] | None = None) -> str:
         """The step-by-stage timeline of a valid schedule, or of an invalid one as far as it runs,
         with the stuck actions marked ``>F3<`` in a last row."""
-        return self._draw(self._play())
+        return self._draw(self._play(max_unexpected))
 
     def _draw(self, play: _Play) -> str:
         p = self.num_stages
@@ -257,6 +293,40 @@ class Schedule:
         lines += [f"  stage {s}: {why}" for s, why in sorted(play.stuck.items())]
         lines += [f"  stage {s} never runs {', '.join(map(str, acts))}" for s, acts in sorted(play.missing.items())]
         return "\n".join(lines)
+
+
+def _limits(max_unexpected: int | Sequence[int] | None, p: int) -> tuple[int, ...]:
+    if max_unexpected is None:
+        return (DEFAULT_MAX_UNEXPECTED,) * p
+    limits = (max_unexpected,) * p if isinstance(max_unexpected, int) else tuple(max_unexpected)
+    if len(limits) != p or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in limits):
+        raise ScheduleError(f"max_unexpected must be a positive int or one per stage ({p}), not {max_unexpected!r}")
+    return limits
+
+
+def _travel(links: _Links, s: int, a: Action, p: int) -> None:
+    """Stage ``s`` ran ``a``: it received its input (unless it is the first of its direction)
+    and sent its output to the next stage in that direction (unless it is the last)."""
+    to = s + 1 if a.kind is Kind.FORWARD else s - 1
+    came = s - 1 if a.kind is Kind.FORWARD else s + 1
+    if 0 <= came < p:
+        links.waiting[(s, a.kind)] -= 1
+    if 0 <= to < p:
+        order = links.sent.setdefault((to, a.kind), [])
+        links.index[(to, a.kind, a.microbatch)] = len(order)
+        order.append(a.microbatch)
+        links.waiting[(to, a.kind)] = links.waiting.get((to, a.kind), 0) + 1
+
+
+def _ahead(links: _Links, s: int, kind: Kind, i: int, done: dict[_Key, int]) -> tuple[int, int]:
+    """(unreceived messages sent before microbatch ``i``'s on the link into stage ``s``, the
+    limit on that link). The receiver's message slots go to the oldest unreceived messages."""
+    limit = links.limits[s]
+    if links.waiting[(s, kind)] <= limit:  # every message on the link has its slot
+        return 0, limit
+    k = links.index[(s, kind, i)]
+    received = sum((s, kind, j) in done for j in links.sent[(s, kind)][:k])
+    return k - received, limit
 
 
 # -- generators ---------------------------------------------------------------------------------
@@ -305,9 +375,14 @@ def get_schedule(name: str) -> Callable[[int, int], Schedule]:
 
 
 def make_schedule(
-    schedule: str | Schedule | Sequence[Sequence[str]], num_stages: int, num_microbatches: int
+    schedule: str | Schedule | Sequence[Sequence[str]],
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    max_unexpected: int | Sequence[int] | None = None,
 ) -> Schedule:
-    """A validated schedule for ``num_stages`` and ``num_microbatches`` from a name or a Schedule."""
+    """A validated schedule for ``num_stages`` and ``num_microbatches`` from a name or a Schedule
+    (``max_unexpected``: as in ``Schedule.validate``)."""
     if isinstance(schedule, str):
         sched = get_schedule(schedule)(num_stages, num_microbatches)
     elif isinstance(schedule, Schedule):
@@ -319,4 +394,4 @@ def make_schedule(
             f"schedule {sched.name!r} is for p={sched.num_stages}, m={sched.num_microbatches}; "
             f"this step has p={num_stages}, m={num_microbatches}"
         )
-    return sched.validate()
+    return sched.validate(max_unexpected=max_unexpected)
