@@ -5,23 +5,35 @@
         result = await pipe.step(x, y, microbatches=8, schedule="1f1b")
         print(result.loss, result.bubble)
 
-The driver is any node that knows the stages' addresses in pipeline order. It calls each stage's
-``tw.pipeline.configure`` (tensor RPC over the data plane), which links the stages into a chain;
-each step is one ``tw.pipeline.step`` call per stage, all at once, carrying that stage's actions
-from the schedule (and the microbatches to stage 0, the targets to the last stage).
+The driver is any node that knows the stages' addresses in pipeline order. It takes a generation
+newer than any the stages have seen and calls each stage's ``tw.pipeline.configure`` (tensor RPC
+over the data plane) with it, which links the stages into a chain; each step is one
+``tw.pipeline.step`` call per stage, all at once, carrying that stage's actions from the schedule
+(and the microbatches to stage 0, the targets to the last stage), then, once every stage has
+finished, one ``tw.pipeline.commit`` call per stage, which applies its optimizer update.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigurationError, PeerDisconnected, RemoteError, ShapeMismatchError, TensorWireError
-from ._schedule import Schedule, make_schedule
+from ..errors import (
+    BusyResourceError,
+    ConfigurationError,
+    PeerDisconnected,
+    RemoteError,
+    ShapeMismatchError,
+    TensorWireError,
+)
+from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, make_schedule
+from ._stage import ticket_key
 
 if TYPE_CHECKING:
     from .._node import Node
@@ -50,9 +62,10 @@ class StepResult:
     loss: the batch's loss (the microbatch losses weighted by their share of the batch).
     losses: each microbatch's own loss.
     seconds: the step's wall time at the driver.
-    stages: per stage (seconds): ``compute_s`` (wall time in its part's code), ``cpu_s`` (CPU
-        time of that code), ``recv_wait_s`` (waiting for a neighbour), ``send_wait_s`` (the step's
-        last sends), ``wall_s``.
+    stages: per stage (seconds): ``compute_s`` (wall time in its part's code, the optimizer
+        step included), ``cpu_s`` (CPU time of that code), ``recv_wait_s`` (waiting for a
+        neighbour), ``send_wait_s`` (the step's last sends), ``wall_s`` (forward and backward
+        until the stage answered), ``commit_s`` (its optimizer step, after every stage answered).
     """
 
     loss: float
@@ -71,11 +84,15 @@ class StepResult:
 class Pipeline:
     """A driver's handle on a chain of configured stages. Make one with ``Pipeline.connect``."""
 
-    def __init__(self, node: Node, peers: list[Peer], links: list[dict[str, Any]]) -> None:
+    def __init__(self, node: Node, peers: list[Peer], links: list[dict[str, Any]], generation: str) -> None:
         self.node = node
         self.peers = peers
         self._links = links
+        self._generation = generation  # what the stages know this driver's configuration by
+        #: per stage, how many unreceived messages it holds from a neighbour (its node's limits)
+        self.max_unexpected = [int(info.get("max_unexpected", DEFAULT_MAX_UNEXPECTED)) for info in links]
         self._steps = itertools.count()
+        self._stepping = False
         self._closed = False
         #: how long to wait, after one stage failed a step, for the others to report their error
         self.abort_grace = max(5.0, 2 * node.config.lease_seconds)
@@ -103,17 +120,37 @@ class Pipeline:
     ) -> Pipeline:
         """Connect to the stages at ``addresses`` (in pipeline order) and link them into a chain.
         ``transports`` is the preference order for the links between stages; ``connect_timeout``
-        bounds each stage's linking (default: the node's)."""
+        bounds each stage's linking (default: the node's).
+
+        Each stage is a node of its own: an address given twice, or two addresses of one node,
+        is a ConfigurationError. The stages take this driver's configuration over any earlier
+        one's (whose later calls they refuse); of two drivers that connect at once, one gets
+        every stage and the other is refused (BrokenResourceError)."""
         if not addresses:
             raise ConfigurationError("a pipeline needs at least one stage address")
+        twice = [a for a, n in collections.Counter(addresses).items() if n > 1]
+        if twice:
+            raise ConfigurationError(f"stage address {twice[0]} is given twice: each stage is a node of its own")
         wait = connect_timeout if connect_timeout is not None else node.config.connect_timeout
         peers: list[Peer] = []
         try:
             for address in addresses:
                 peers.append(await node.connect(address, transports=tuple(transports) if transports else None))
+            seen: dict[str, str] = {}
+            for address, peer in zip(addresses, peers, strict=True):
+                if peer.remote_node in seen:
+                    raise ConfigurationError(
+                        f"stage addresses {seen[peer.remote_node]} and {address} reach the same node "
+                        f"({peer.remote_node[:12]}): each stage is a node of its own"
+                    )
+                seen[peer.remote_node] = address
+            # newer than any configuration the stages have seen; the token orders drivers that
+            # pick the same number at once (the stages refuse the older of the two)
+            generation = 1 + max(await asyncio.gather(*[peer.call("tw.pipeline.generation") for peer in peers]))
+            token = uuid.uuid4().hex
             p = len(peers)
-            links = await asyncio.gather(
-                *[
+            calls = [
+                asyncio.get_running_loop().create_task(
                     peer.call(
                         "tw.pipeline.configure",
                         s,
@@ -123,16 +160,19 @@ class Pipeline:
                         list(transports) if transports else None,
                         wait,
                         addresses[s - 1] if s > 0 else None,
+                        generation=generation,
+                        token=token,
                         _deadline=wait + 5,
                     )
-                    for s, peer in enumerate(peers)
-                ]
-            )
+                )
+                for s, peer in enumerate(peers)
+            ]
+            links = await _all_or_none(calls)
         except BaseException:
             for peer in peers:
                 await peer.aclose()
             raise
-        return cls(node, peers, list(links))
+        return cls(node, peers, links, ticket_key(generation, token))
 
     async def step(
         self,
@@ -145,10 +185,23 @@ class Pipeline:
         """One training step: split ``inputs`` and ``targets`` into microbatches, run them through
         the stages as ``schedule`` says, and have every stage step its optimizer. Shapes may change
         from step to step. If any stage fails, every stage fails this step and this raises the
-        first stage's error, with every stage's account attached as a note."""
+        first stage's error, with every stage's account attached as a note.
+
+        A step is all or nothing: each stage applies its optimizer update only once every stage
+        has finished the step, so a step that fails, or that the caller cancels, changes no
+        stage's parameters. Steps run one at a time (BusyResourceError otherwise)."""
         if self._closed:
             raise ConfigurationError("this pipeline is closed")
-        sched = make_schedule(schedule, self.num_stages, microbatches)
+        if self._stepping:
+            raise BusyResourceError("this pipeline is already running a step; steps run one at a time")
+        self._stepping = True
+        try:
+            return await self._step(inputs, targets, microbatches, schedule)
+        finally:
+            self._stepping = False
+
+    async def _step(self, inputs: Any, targets: Any, microbatches: int, schedule: str | Schedule) -> StepResult:
+        sched = make_schedule(schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected)
         xs, ys = split(inputs, microbatches), split(targets, microbatches)
         if [len(x) for x in xs] != [len(y) for y in ys]:
             raise ShapeMismatchError(f"inputs have {len(inputs)} samples but targets {len(targets)}")
@@ -162,7 +215,7 @@ class Pipeline:
             loop.create_task(
                 peer.call(
                     "tw.pipeline.step",
-                    self._links[s]["generation"],
+                    self._generation,
                     step,
                     " ".join(map(str, sched.stages[s])),
                     xs if s == 0 else None,
@@ -180,7 +233,6 @@ class Pipeline:
             for task in calls:
                 task.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
-        seconds = loop.time() - t0
         outcomes: list[BaseException | dict[str, Any]] = []
         for task in calls:
             if task.cancelled():
@@ -189,20 +241,36 @@ class Pipeline:
                 exc = task.exception()
                 outcomes.append(exc if exc is not None else task.result())
         if any(isinstance(o, BaseException) for o in outcomes):
-            raise self._failure(step, outcomes)
+            raise self._failure(step, outcomes)  # no stage applies anything
         stats = [o for o in outcomes if isinstance(o, dict)]
+        # every stage finished: now every one applies its update, even if our caller gives up
+        # meanwhile (the commits are on their way; half of them would be a half-updated model)
+        commits = [loop.create_task(peer.call("tw.pipeline.commit", self._generation, step)) for peer in self.peers]
+        applied = await asyncio.shield(asyncio.gather(*commits, return_exceptions=True))
+        seconds = loop.time() - t0
+        if any(isinstance(o, BaseException) for o in applied):
+            error = self._failure(step, list(applied), ok="applied its update")
+            error.add_note("the model is no longer consistent: reconfigure, and restore the parameters")
+            raise error
+        for stat, commit in zip(stats, applied, strict=True):
+            assert isinstance(commit, dict)
+            stat["commit_s"] = commit["compute_s"]
+            stat["compute_s"] += commit["compute_s"]
+            stat["cpu_s"] += commit["cpu_s"]
         losses = [float(v) for v in stats[-1]["losses"]]
         loss = float(sum(w * v for w, v in zip(weights, losses, strict=True)))
         return StepResult(loss, losses, seconds, sched, stats)
 
-    def _failure(self, step: int, outcomes: list[BaseException | dict[str, Any]]) -> BaseException:
+    def _failure(
+        self, step: int, outcomes: list[BaseException | dict[str, Any]], ok: str = "finished, update not applied"
+    ) -> BaseException:
         """The error that started it, with every stage's account as a note."""
         lines = []
         root: BaseException | None = None
         for s, o in enumerate(outcomes):
             where = f"stage {s} ({self.peers[s].remote_address})"
             if not isinstance(o, BaseException):
-                lines.append(f"  {where}: finished")
+                lines.append(f"  {where}: {ok}")
                 continue
             kind = o.remote_type if isinstance(o, RemoteError) else type(o).__name__
             text = o.remote_message if isinstance(o, RemoteError) else str(o)
@@ -231,8 +299,8 @@ class Pipeline:
                 for close in (False, True):  # first every stage stops watching, then they unlink
                     await asyncio.gather(
                         *[
-                            peer.call("tw.pipeline.release", info["generation"], close)
-                            for peer, info in zip(self.peers, self._links, strict=True)
+                            peer.call("tw.pipeline.release", self._generation, close)
+                            for peer in self.peers
                             if not peer.closed
                         ],
                         return_exceptions=True,
@@ -245,3 +313,19 @@ class Pipeline:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+async def _all_or_none(calls: list[asyncio.Task[Any]]) -> list[Any]:
+    """The results of every call, or the first error (in stage order) as soon as one fails, the
+    others cancelled: a stage that refuses must not leave the rest waiting for it to link."""
+    try:
+        await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+    for task in calls:
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            raise exc
+    return [task.result() for task in calls]

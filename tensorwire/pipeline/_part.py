@@ -72,6 +72,17 @@ class Layer(Protocol):
     def backward(self, ctx: Any, grad: Any) -> Any: ...
 
 
+class _LossContext:
+    """What ``FunctionPart.forward_loss`` keeps for the backward: the layer's own context and the
+    (scaled) gradient the loss gave. A type of its own, so that a layer's context is never taken
+    for one (a ``None`` gradient from the next stage means "no gradient", not "last stage")."""
+
+    __slots__ = ("ctx", "grad")
+
+    def __init__(self, ctx: Any, grad: Any) -> None:
+        self.ctx, self.grad = ctx, grad
+
+
 class FunctionPart(Part):
     """A stage made of a ``Layer``: numpy or anything else that does its own backward.
 
@@ -96,11 +107,11 @@ class FunctionPart(Part):
             raise ConfigurationError("this stage has no loss, so it cannot be the last stage")
         y, ctx = self.layer.forward(x)
         value, grad = self.loss(y, target)
-        return float(value), (ctx, grad * weight)
+        return float(value), _LossContext(ctx, grad * weight)
 
     def backward(self, ctx: Any, grad: Any) -> Any:
-        if grad is None:  # after forward_loss: the loss gave the output's gradient
-            ctx, grad = ctx
+        if isinstance(ctx, _LossContext):  # after forward_loss: the loss gave the output's gradient
+            ctx, grad = ctx.ctx, ctx.grad
         return self.layer.backward(ctx, grad)
 
     def zero_grad(self) -> None:

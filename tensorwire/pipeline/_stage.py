@@ -1,21 +1,29 @@
 """A stage server: one part of the model on one node, its neighbours reached through peers.
 
 How stages find each other (the control plane does the introductions): every stage is a node
-that serves four RPC methods. A driver that knows the stages' addresses, in pipeline order,
-connects to each and calls ``configure`` with its rank, the address of the next stage and the
-node id of the previous one. Stage s then connects to stage s+1 (one peer per link, negotiated
-like any other: ucx, tcp, ...) and waits until stage s-1 has connected to it. After that the
-driver calls ``step`` on every stage at once; stage 0 gets the microbatches, the last stage the
-targets, and activations and gradients flow between neighbours on tags of their own
-(``tw.pipeline/<step>/f|b/<microbatch>``), so headers carry every shape and nothing waits for a
-shape exchange.
+that serves the RPC methods in ``METHODS``. A driver that knows the stages' addresses, in
+pipeline order, asks each for its generation, takes a newer one for itself (the highest it was
+told plus one, and a random token that breaks ties between drivers), and calls ``configure`` on
+each with its rank, the address of the next stage, the node id of the previous one and that
+generation. Stage s then connects to stage s+1 (one peer per link, negotiated like any other:
+ucx, tcp, ...), says hello on it with the generation, and waits for the hello of stage s-1 with
+the same generation. A stage configures for one driver at a time and refuses (or interrupts) a
+configure older than the newest it has seen, so of two drivers that connect at once the newer
+one gets every stage and the older one is refused, never a mixed chain.
+
+After that the driver calls ``step`` on every stage at once; stage 0 gets the microbatches, the
+last stage the targets, and activations and gradients flow between neighbours on tags of their
+own (``tw.pipeline/<step>/f|b/<microbatch>``), so headers carry every shape and nothing waits for
+a shape exchange. A stage that has run its backwards keeps its gradients and answers; only once
+every stage has answered does the driver call ``commit`` on each, which steps the optimizer. A
+step that fails or is cancelled on any stage therefore updates no stage.
 
 Failure: a stage whose link breaks (its neighbour died: PeerDisconnected from the transport or
-the lease), whose own code raises, or whose step is cancelled sends an abort to its other
-neighbours on ``tw.pipeline/abort``. Every stage listens on that tag and on its links' health
-while a step runs, cancels its step on an abort and passes it on, so every stage fails the step
-promptly with an error that names the stage where it started. A failed step breaks the stages
-(BrokenResourceError) until a driver configures them again.
+the lease), whose own code raises, whose output cannot be sent, or whose step is cancelled sends
+an abort to its neighbours on ``tw.pipeline/abort``. Every stage listens on that tag and on its
+links' health while configured, cancels its step on an abort and passes it on, so every stage
+fails the step promptly with an error that names the stage where it started. A failed step
+breaks the stages (BrokenResourceError) until a driver configures them again.
 """
 
 from __future__ import annotations
@@ -35,8 +43,13 @@ from ..errors import (
     ClosedResourceError,
     ConfigurationError,
     ConnectTimeout,
+    ControlPlaneError,
     PeerDisconnected,
+    ResourceError,
+    TensorError,
     TensorWireError,
+    TransportError,
+    UnsupportedTensorError,
 )
 from ._part import Part, as_part
 from ._schedule import Action, Kind
@@ -50,13 +63,33 @@ log = logging.getLogger(__name__)
 __all__ = ["ABORT_TAG", "METHODS", "Stage", "message_tag"]
 
 ABORT_TAG = "tw.pipeline/abort"
-METHODS = ("tw.pipeline.configure", "tw.pipeline.step", "tw.pipeline.state", "tw.pipeline.release")
+METHODS = (
+    "tw.pipeline.generation",
+    "tw.pipeline.configure",
+    "tw.pipeline.step",
+    "tw.pipeline.commit",
+    "tw.pipeline.state",
+    "tw.pipeline.release",
+)
 _ABORT_SEND_SECONDS = 2.0
+#: errors of a send that say the link itself failed; anything else is the message's own fault
+_LINK_ERRORS = (TransportError, ResourceError, ControlPlaneError)
+
+_Ticket = tuple[int, str]  # (generation, driver token): which driver's configure, ordered
 
 
 def message_tag(step: int, direction: str, microbatch: int) -> str:
     """The tag of one activation (``f``) or gradient (``b``) between two neighbours."""
     return f"tw.pipeline/{step}/{direction}/{microbatch}"
+
+
+def ticket_key(generation: int, token: str) -> str:
+    """How a driver names its configuration in ``step``, ``commit`` and ``release`` calls."""
+    return f"{generation}/{token}"
+
+
+def _hello_tag(key: str) -> str:
+    return f"tw.pipeline/link/{key}"
 
 
 @dataclass(slots=True)
@@ -110,15 +143,23 @@ class Stage:
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
         self._cpu = 0.0
-        self._generation = 0  # which configure the stage is in: a stale driver's calls are refused
+        # which driver's configure the stage is in: a stale driver's calls are refused
+        self._ticket: _Ticket = (0, "")
+        self._newest: _Ticket = (0, "")  # the newest configure seen; older ones are refused
+        self._configuring: asyncio.Task[dict[str, Any]] | None = None
+        self._config_lock = asyncio.Lock()
+        self._running: int | None = None  # the step that self._task runs
+        self._pending: int | None = None  # a finished step whose update waits for the driver's commit
         # one thread runs all of this stage's code (build included; the loop's own thread when not
         # offloading), so thread-local settings such as torch.set_num_threads hold for all of it
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tw-stage")
         registry = node.methods
         if any(name in registry for name in METHODS):
             raise BusyResourceError(f"node {node.address} already serves a pipeline stage")
+        node.method("tw.pipeline.generation")(self._generation)
         node.method("tw.pipeline.configure")(self._configure)
         node.method("tw.pipeline.step")(self._step)
+        node.method("tw.pipeline.commit")(self._commit)
         node.method("tw.pipeline.state")(self._state)
         node.method("tw.pipeline.release")(self._release)
 
@@ -131,6 +172,11 @@ class Stage:
         return [link for link in (self.prev, self.next) if link is not None]
 
     # -- configure ------------------------------------------------------------------------------
+    async def _generation(self) -> int:
+        """The newest generation a driver has configured (or begun to configure) this stage with."""
+        self._check_open()
+        return self._newest[0]
+
     async def _configure(
         self,
         rank: int,
@@ -140,15 +186,71 @@ class Stage:
         transports: list[str] | None = None,
         connect_seconds: float = 10.0,
         prev_address: str | None = None,
+        *,
+        generation: int,
+        token: str,
     ) -> dict[str, Any]:
         self._check_open()
-        if self._task is not None:
-            raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
         if not 0 <= rank < num_stages:
             raise ConfigurationError(f"rank {rank} is not in 0..{num_stages - 1}")
+        if prev_node is not None and prev_node == self.node.node_id:
+            raise ConfigurationError(
+                f"stage {rank} at {self.node.address} would be its own previous stage: "
+                "the driver named this node twice in a row"
+            )
+        ticket = (generation, token)
+        self._refuse_older(ticket)
+        self._newest = ticket
+        if self._configuring is not None:  # an older driver's configure, still linking: it loses
+            self._configuring.cancel()
+        async with self._config_lock:  # one configure at a time; a newer one may have come meanwhile
+            self._check_open()
+            self._refuse_older(ticket, waited=True)
+            if self._task is not None:
+                raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
+            task = asyncio.get_running_loop().create_task(
+                self._link(ticket, rank, num_stages, prev_node, next_address, transports, connect_seconds, prev_address)
+            )
+            self._configuring = task
+            try:
+                return await task
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure was interrupted")
+                if me is not None and me.cancelling():
+                    raise  # our caller gave up
+                raise BrokenResourceError(
+                    f"stage at {self.node.address}: a newer driver configured it while this one was linking it"
+                ) from None
+            except BaseException as exc:
+                self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure failed: {exc}")
+                raise
+            finally:
+                self._configuring = None
+
+    def _refuse_older(self, ticket: _Ticket, *, waited: bool = False) -> None:
+        if ticket < self._newest or (ticket == self._newest and not waited):
+            raise BrokenResourceError(
+                f"stage at {self.node.address} has been configured by a newer driver "
+                f"(generation {self._newest[0]}; this driver's is {ticket[0]})"
+            )
+
+    async def _link(
+        self,
+        ticket: _Ticket,
+        rank: int,
+        num_stages: int,
+        prev_node: str | None,
+        next_address: str | None,
+        transports: list[str] | None,
+        connect_seconds: float,
+        prev_address: str | None,
+    ) -> dict[str, Any]:
+        """Take the new rank, build the part, link to both neighbours for this generation."""
         await self._drop_links()
-        self.rank, self.num_stages, self._broken = rank, num_stages, None
-        self._generation += 1
+        self.rank, self.num_stages, self._broken, self._pending = rank, num_stages, None, None
+        self._ticket = ticket
+        key = ticket_key(*ticket)
         if self._build is not None:
             built, _ = await self._compute(self._build, rank, num_stages)
             self.part = as_part(built, **self._options)
@@ -159,9 +261,16 @@ class Stage:
             async with asyncio.timeout(connect_seconds):
                 if next_address is not None:
                     peer = await self.node.connect(next_address, transports=tuple(transports) if transports else None)
+                    if peer.remote_node == self.node.node_id:
+                        await peer.aclose()
+                        raise ConfigurationError(
+                            f"stage {rank} at {self.node.address} would be its own next stage "
+                            f"({next_address}): the driver named this node twice in a row"
+                        )
                     self.next = _Link(rank + 1, peer, next_address)
+                    await peer.send({"generation": ticket[0]}, tag=_hello_tag(key))
                 if prev_node is not None:
-                    peer = await self._wait_for(prev_node)
+                    peer = await self._wait_for(prev_node, _hello_tag(key))
                     self.prev = _Link(rank - 1, peer, prev_address or peer.remote_address)
         except TimeoutError:
             waiting = (
@@ -175,18 +284,31 @@ class Stage:
         log.info("stage %d/%d at %s: prev %s, next %s", rank, num_stages, self.node.address, self.prev, self.next)
         return {
             "rank": rank,
-            "generation": self._generation,
+            "generation": ticket[0],
             "prev_path": str(self.prev.peer.path) if self.prev else None,
             "next_path": str(self.next.peer.path) if self.next else None,
+            "max_unexpected": self.node.config.limits.max_unexpected,
         }
 
-    async def _wait_for(self, node_id: str) -> Peer:
-        """The peer the previous stage opened to this node (it connects; this side accepts)."""
-        while True:
-            for peer in self.node.peers:
-                if peer.remote_node == node_id and not peer.closed:
-                    return peer
-            await asyncio.sleep(0.005)
+    async def _wait_for(self, node_id: str, tag: str) -> Peer:
+        """The peer on which the previous stage, configured by the same driver, said hello (it
+        connects; this side accepts). Other peers from that node (an older configure's link, a
+        driver on the same node) never say this hello."""
+        loop = asyncio.get_running_loop()
+        hellos: dict[Peer, asyncio.Task[Any]] = {}
+        try:
+            while True:
+                for peer in self.node.peers:
+                    if peer.remote_node == node_id and not peer.closed and peer not in hellos:
+                        hellos[peer] = loop.create_task(peer.recv(tag=tag))
+                for peer, task in hellos.items():
+                    if task.done() and not task.cancelled() and task.exception() is None:
+                        return peer
+                await asyncio.sleep(0.005)
+        finally:
+            for task in hellos.values():
+                task.cancel()
+            await asyncio.gather(*hellos.values(), return_exceptions=True)
 
     async def _drop_links(self) -> None:
         links, self.prev, self.next = self.links, None, None
@@ -226,6 +348,14 @@ class Stage:
     def _link_broke(self, link: _Link, exc: BaseException) -> PeerDisconnected:
         return PeerDisconnected(f"stage {self.rank}: its link to {link} broke: {type(exc).__name__}: {exc}")
 
+    def _unsendable(self, what: str, exc: Exception) -> TensorWireError:
+        """This stage's own output cannot be sent (not a tensor, a layout the wire cannot carry):
+        the link is fine, the message is at fault. Wrapped in the error tree, the original kept."""
+        cls = type(exc) if isinstance(exc, TensorError) else UnsupportedTensorError
+        error = cls(f"stage {self.rank} cannot send {what}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+
     async def _send_abort(self, link: _Link, origin: int, reason: str) -> None:
         with contextlib.suppress(TensorWireError, TimeoutError):
             async with asyncio.timeout(_ABORT_SEND_SECONDS):
@@ -239,7 +369,7 @@ class Stage:
     # -- one step -------------------------------------------------------------------------------
     async def _step(
         self,
-        generation: int,
+        generation: str,
         step: int,
         actions: str,
         inputs: list[Any] | None = None,
@@ -250,19 +380,25 @@ class Stage:
         if self.rank < 0 or self.part is None:
             raise ClosedResourceError(f"stage at {self.node.address} has not been configured by a driver")
         self._check_generation(generation)
+        if self._task is not None:
+            if self._running is None or step <= self._running:
+                raise BusyResourceError(f"stage {self.rank} is already running a step")
+            # a driver runs one step at a time: a later one means it gave up on this one (its
+            # cancellation is still on its way here)
+            error = BrokenResourceError(f"stage {self.rank}: step {self._running} was cancelled by its caller")
+            self._fail(error, self.rank, str(error))
         if self._broken is not None:
             raise BrokenResourceError(f"stage {self.rank} is broken by an earlier failure: {self._broken}")
-        if self._task is not None:
-            raise BusyResourceError(f"stage {self.rank} is already running a step")
         plan = [Action.parse(tok) for tok in actions.split()]
         task = asyncio.get_running_loop().create_task(self._run(step, plan, inputs, targets, weights))
-        self._task = task
+        self._task, self._running = task, step
         try:
             return await task
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if self._broken is not None and (me is None or me.cancelling() == 0):
-                raise self._broken from None  # an abort cancelled the step, not our caller
+                # an abort cancelled the step, not our caller
+                raise self._broken from self._broken.__cause__
             error = BrokenResourceError(f"stage {self.rank}: step {step} was cancelled by its caller")
             self._fail(error, self.rank, str(error))
             raise
@@ -274,7 +410,7 @@ class Stage:
             self._fail(BrokenResourceError(reason), self.rank, reason)
             raise
         finally:
-            self._task = None
+            self._task = self._running = None
             for t in list(self._sends):
                 t.cancel()
 
@@ -297,16 +433,21 @@ class Stage:
         except TensorWireError as exc:
             raise self._link_broke(link, exc) from exc
 
-    def _send_later(self, link: _Link | None, obj: Any, tag: str) -> None:
-        """Send without waiting, so the next microbatch computes while this one moves."""
+    def _send_later(self, link: _Link | None, obj: Any, tag: str, what: str) -> None:
+        """Send without waiting, so the next microbatch computes while this one moves. A send
+        that fails fails the step at once: as a broken link when the link failed, as this
+        stage's own error (and every neighbour told) when the message cannot be sent."""
         assert link is not None
 
         async def send() -> None:
             try:
                 await link.peer.send(obj, tag=tag)
-            except TensorWireError as exc:
-                error = self._link_broke(link, exc)
-                self._fail(error, self.rank, str(error), skip=link)
+            except _LINK_ERRORS as exc:
+                broke = self._link_broke(link, exc)
+                self._fail(broke, self.rank, str(broke), skip=link)
+            except Exception as exc:
+                error = self._unsendable(f"{what} to {link}", exc)
+                self._fail(error, self.rank, str(error))
 
         task = asyncio.get_running_loop().create_task(send())
         self._sends.add(task)
@@ -329,6 +470,7 @@ class Stage:
             raise ConfigurationError(f"stage 0 needs {m} input microbatches, got {got}")
         if last and (targets is None or weights is None or len(targets) != m or len(weights) != m):
             raise ConfigurationError(f"the last stage needs {m} targets and weights")
+        self._pending = None  # an earlier step the driver never committed: its gradients go
         t_start = time.perf_counter()
         busy = wait = self._cpu = 0.0
         ctxs: dict[int, Any] = {}
@@ -352,7 +494,7 @@ class Stage:
                     )
                 else:
                     (y, ctxs[i]), dt = await self._compute(part.forward, x, not first)
-                    self._send_later(self.next, y, message_tag(step, "f", i))
+                    self._send_later(self.next, y, message_tag(step, "f", i), f"its activation of microbatch {i}")
             else:
                 grad = None
                 if not last:
@@ -361,7 +503,7 @@ class Stage:
                     wait += time.perf_counter() - t0
                 gx, dt = await self._compute(part.backward, ctxs.pop(i), grad)
                 if not first:
-                    self._send_later(self.prev, gx, message_tag(step, "b", i))
+                    self._send_later(self.prev, gx, message_tag(step, "b", i), f"its gradient of microbatch {i}")
             busy += dt
         t0 = time.perf_counter()
         while self._sends:  # every byte of this step has left before the parameters change
@@ -369,8 +511,7 @@ class Stage:
         if self._broken is not None:
             raise self._broken
         send_wait = time.perf_counter() - t0
-        _, dt = await self._compute(part.step)
-        busy += dt
+        self._pending = step  # the update waits until the driver knows every stage got this far
         return {
             "rank": self.rank,
             "losses": losses if last else None,
@@ -381,6 +522,23 @@ class Stage:
             "wall_s": time.perf_counter() - t_start,
         }
 
+    async def _commit(self, generation: str, step: int) -> dict[str, float]:
+        """Every stage finished ``step``: apply its summed gradients (the optimizer step)."""
+        self._check_open()
+        self._check_generation(generation)
+        if self._pending != step or self.part is None:
+            why = f": {self._broken}" if self._broken is not None else ""
+            raise BrokenResourceError(f"stage {self.rank} has no finished step {step} to apply{why}")
+        self._pending = None
+        cpu = self._cpu
+        try:
+            _, dt = await self._compute(self.part.step)
+        except Exception as exc:
+            reason = f"stage {self.rank} raised {type(exc).__name__} applying step {step}: {exc}"
+            self._fail(BrokenResourceError(reason), self.rank, reason)
+            raise
+        return {"compute_s": dt, "cpu_s": self._cpu - cpu}
+
     # -- the rest -------------------------------------------------------------------------------
     async def _state(self) -> dict[str, Any]:
         self._check_open()
@@ -388,18 +546,18 @@ class Stage:
             raise ClosedResourceError("this stage has no part yet: a driver has not configured it")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.part.state)
 
-    def _check_generation(self, generation: int) -> None:
-        if generation != self._generation:
+    def _check_generation(self, generation: str) -> None:
+        if generation != ticket_key(*self._ticket):
             raise BrokenResourceError(f"stage at {self.node.address} has been configured by another driver since")
 
-    async def _release(self, generation: int, close: bool = True) -> None:
+    async def _release(self, generation: str, close: bool = True) -> None:
         """The driver is done. It first calls this with ``close=False`` on every stage, which
         stops watching the links (so that no stage takes its neighbour's leaving for a failure),
         then with ``close=True``, which drops them. A later driver configures them again."""
         self._check_generation(generation)
         if self._task is not None:
             self._task.cancel()
-        self.rank = -1
+        self.rank, self._pending = -1, None
         for link in self.links:
             if link.watcher is not None:
                 link.watcher.cancel()
@@ -417,6 +575,8 @@ class Stage:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
+        if self._configuring is not None:
+            self._configuring.cancel()
         for task in list(self._background):
             task.cancel()
         await self._drop_links()
