@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import ClosedResourceError, ProtocolError
+from ..errors import ClosedResourceError, ConfigurationError, ProtocolError
 
 if TYPE_CHECKING:
     from ..tensors._device import Streams
@@ -61,9 +61,12 @@ class Limits:
         have buffered here; past it the sender waits for the recv (rendezvous), never the heap.
     max_unexpected: messages (headers) one peer may have waiting here for a recv.
     max_message_bytes: the largest message accepted from a peer.
-    max_header_bytes: the largest message header accepted from a peer.
+    max_header_bytes: the largest message header accepted from a peer; at least
+        MIN_HEADER_BYTES, so that a short error reply (an RPC's reply of last resort) always fits.
     chunk_bytes: payload frame size, so that concurrent messages interleave on one stream.
     """
+
+    MIN_HEADER_BYTES: ClassVar[int] = 1024
 
     recv_buffer_bytes: int = 64 * MiB
     max_unexpected: int = 1024
@@ -72,6 +75,14 @@ class Limits:
     chunk_bytes: int = 4 * MiB
     inline_bytes: int = 64 * 1024
     handshake_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        n = self.max_header_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < self.MIN_HEADER_BYTES:
+            raise ConfigurationError(
+                f"max_header_bytes must be an int of at least {self.MIN_HEADER_BYTES} (a short error reply "
+                f"must always fit), not {n!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
