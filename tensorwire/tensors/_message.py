@@ -143,7 +143,13 @@ def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeN
     elif isinstance(obj, float) and not isinstance(obj, np.generic):
         node.float_value = obj
     elif isinstance(obj, str):
-        node.str_value = obj
+        try:
+            node.str_value = obj
+        except UnicodeEncodeError as exc:  # lone surrogates ("\udcff", from os.fsdecode and the like)
+            shown = obj[max(0, exc.start - 20) : exc.end + 20].encode("utf-8", "backslashreplace").decode()
+            raise UnsupportedTensorError(
+                f"a string that cannot be encoded as UTF-8 ({exc.reason}) cannot be sent: ...{shown!r}..."
+            ) from None
     elif isinstance(obj, bytes):
         node.bytes_value = obj
     elif isinstance(obj, dict):
