@@ -78,6 +78,8 @@ with grpc.insecure_channel(sys.argv[1]) as channel:
     invoke("slow", "slow", V(float_value=30.0), timeout=0.3)
     invoke("tensor", "tensor")
     invoke("stream", "count", V(int_value=3))
+    invoke("selfcancel", "selfcancel", timeout=10)
+    invoke("surrogate", "surrogate")
 assert "tensorwire" not in sys.modules
 print(json.dumps(out))
 """
@@ -158,6 +160,17 @@ def _register(node: tensorwire.Node) -> dict[str, list[str]]:
         for i in range(n):
             yield i
 
+    @node.method()
+    async def selfcancel() -> None:
+        """Awaits work that something else cancels: the CancelledError is the method's own."""
+        work = asyncio.ensure_future(asyncio.sleep(30))
+        asyncio.get_running_loop().call_later(0.05, work.cancel)
+        await work
+
+    @node.method()
+    async def surrogate() -> None:
+        raise ValueError("bad \udcff text")
+
     return seen
 
 
@@ -172,7 +185,7 @@ async def test_stock_grpc_client_lists_and_invokes(stubs: Path) -> None:
             assert await peer.call("add", 40, b=2) == 42
 
     methods = out["methods"]
-    assert sorted(methods) == ["add", "boom", "count", "describe", "fail", "slow", "tensor"]
+    assert sorted(methods) == ["add", "boom", "count", "describe", "fail", "selfcancel", "slow", "surrogate", "tensor"]
     assert methods["add"][:3] == ["(a: int, b: int = 0)", False, "Adds two integers."]
     assert methods["count"][1] is True and methods["add"][3] > 0
     assert out["add"] == {"result": 5}
@@ -193,6 +206,11 @@ async def test_stock_grpc_client_lists_and_invokes(stubs: Path) -> None:
     assert seen["cancelled"] == ["slow"], "the gRPC deadline must cancel the method"
     assert out["tensor"]["code"] == "FAILED_PRECONDITION" and "ndarray" in out["tensor"]["details"]
     assert out["stream"]["code"] == "INVALID_ARGUMENT" and "streaming" in out["stream"]["details"]
+    # a CancelledError of the method's own is an error like any (a status at once, not never)
+    assert out["selfcancel"]["code"] == "UNKNOWN" and out["selfcancel"]["type"] == "CancelledError"
+    # text that is not valid UTF-8 travels escaped
+    surrogate = out["surrogate"]
+    assert surrogate["code"] == "INVALID_ARGUMENT" and surrogate["details"] == "ValueError: bad \\udcff text"
 
 
 @pytest.mark.multiprocess

@@ -4,7 +4,9 @@ A call sends one request (arguments inline up to INLINE_BYTES; larger ones after
 GO, so they never move before the server has room for them) and waits on a reply tag of its
 own. A caller that gives up (cancelled, its deadline ran out, a stream closed early) tells the
 server to cancel, and a background task drains the call's remaining replies, so nothing is
-left behind in the mailbox.
+left behind in the mailbox. What calls may have outstanding on one peer stays within both
+sides' message slots (``_Budget``), so that no mix of calls and unread streams can stop the
+replies, cancellations or credit of the others; the deadline covers the wait for that room.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import asyncio
 import contextlib
 import itertools
 import weakref
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
@@ -23,6 +26,7 @@ from ..errors import (
     RemoteError,
     ShapeMismatchError,
     TensorWireError,
+    TransferError,
 )
 from ..tensors import Outgoing, prepare
 from ..transports import Channel, ChannelState
@@ -51,36 +55,134 @@ if TYPE_CHECKING:
 __all__ = ["call", "stream"]
 
 _ids = itertools.count(1)
-_MAX_OUTSTANDING = 256  # per peer: leaves the transport's message slots room for the rest
-_outstanding: weakref.WeakKeyDictionary[Peer, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+_MAX_OUTSTANDING = 256  # calls per peer, whatever its limits
 
 
-def _slots(peer: Peer) -> asyncio.Semaphore:
-    sem = _outstanding.get(peer)
-    if sem is None:
-        cap = max(1, min(_MAX_OUTSTANDING, peer.node.config.limits.max_unexpected // 4))
-        sem = _outstanding[peer] = asyncio.Semaphore(cap)
-    return sem
+class _Budget:
+    """What this node's calls to one peer may hold of the two channels' message slots.
+
+    A message takes one of its receiver's slots (``Limits.max_unexpected``) until it is
+    received, and a sender without slots waits; cancellations and stream credit are messages
+    too. So neither side's slots may fill with calls:
+
+    - requests: the peer may leave every request unread while it is busy (CallLimits), so at
+      most a quarter of *its* slots carry outstanding calls (``max_calls``);
+    - replies: an outstanding call may leave one reply unread here, a stream one item per unit
+      of its window and its final reply; those ``units`` stay within half of *our* slots. A
+      stream starts with a window of 1 and takes more (up to STREAM_WINDOW) only from units
+      free at the time, and such extra units stay within a quarter of ours, so that streams
+      opened and left unread never keep new calls out.
+
+    The rest stays free for the peer's own calls to us, their cancellations and credit, and
+    everything else on the channel. A call waits (FIFO) for room, under its deadline, and gives
+    its room back once the server owes it nothing more.
+    """
+
+    __slots__ = ("_waiters", "calls", "extra", "max_calls", "max_extra", "max_units", "units")
+
+    def __init__(self, max_calls: int, max_units: int) -> None:
+        self.max_calls = max_calls
+        self.max_units = max_units
+        self.max_extra = max_units // 4
+        self.calls = 0
+        self.units = 0
+        self.extra = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def _fits(self, units: int) -> bool:
+        return self.calls < self.max_calls and self.units + units <= self.max_units
+
+    async def acquire(self, units: int) -> None:
+        """Room for one more call that may leave ``units`` replies unread here."""
+        if not self._waiters and self._fits(units):
+            self.calls += 1
+            self.units += units
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (units, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(units)  # granted just as we were cancelled: give it back
+            else:
+                with contextlib.suppress(ValueError):  # _wake may have dropped it already
+                    self._waiters.remove(entry)
+                self._wake()  # the head of the line left: the next may fit
+            raise
+
+    def take_extra(self, want: int) -> int:
+        """Up to ``want`` more units for a stream's window, if they are free now; never waits."""
+        if want <= 0 or self._waiters:
+            return 0
+        n = min(want, self.max_extra - self.extra, self.max_units - self.units)
+        if n <= 0:
+            return 0
+        self.units += n
+        self.extra += n
+        return n
+
+    def release(self, units: int, extra: int = 0) -> None:
+        self.calls -= 1
+        self.units -= units + extra
+        self.extra -= extra
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            units, fut = self._waiters[0]
+            if not fut.done():
+                if not self._fits(units):
+                    return
+                self.calls += 1
+                self.units += units
+                fut.set_result(None)
+            self._waiters.popleft()
+
+
+_budgets: weakref.WeakKeyDictionary[Peer, _Budget] = weakref.WeakKeyDictionary()
+
+
+def _budget(peer: Peer) -> _Budget:
+    budget = _budgets.get(peer)
+    if budget is None:
+        ours = peer.node.config.limits.max_unexpected
+        # the peer's slots, as its transport announced them in the data-plane handshake (every
+        # channel keeps them as ``_remote``; a channel without them is taken to grant ours)
+        theirs = getattr(getattr(peer.channel, "_remote", None), "max_unexpected", ours)
+        if not isinstance(theirs, int) or theirs < 1:
+            theirs = ours
+        max_calls = max(1, min(_MAX_OUTSTANDING, theirs // 4))
+        budget = _budgets[peer] = _Budget(max_calls, max(2, ours // 2))
+    return budget
 
 
 class _Progress:
-    __slots__ = ("args", "finished")
+    __slots__ = ("args", "finished", "sent")
 
     def __init__(self) -> None:
         self.args = ArgsState.NONE  # how far the arguments sent after GO got
         self.finished = False  # a terminal reply arrived: the server owes us nothing more
+        self.sent = False  # the request may have reached the server
 
 
 def _request(
-    call_id: int, name: str, kind: Kind, left: float | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    call_id: int,
+    name: str,
+    kind: Kind,
+    left: float | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    window: int = 0,
 ) -> tuple[Outgoing, Outgoing | None]:
     """The request, with the arguments inline when they are small; else the arguments apart."""
     if not isinstance(name, str):
         raise ConfigurationError(f"a method name is a string, not {type(name).__name__}")
     payload = encode((args, kwargs))  # an argument tensorwire cannot move fails here, locally
     if payload.nbytes <= INLINE_BYTES:
-        return encode((meta(call_id, left, kind, -1), name, args, kwargs)), None
-    return encode((meta(call_id, left, kind, payload.nbytes), name)), payload
+        return encode((meta(call_id, left, kind, -1, window), name, args, kwargs)), None
+    return encode((meta(call_id, left, kind, payload.nbytes, window), name)), payload
 
 
 async def _next_reply(channel: Channel, tag: int) -> tuple[Any, ...]:
@@ -114,7 +216,13 @@ async def _send_request(
     name: str,
     where: str,
 ) -> None:
-    await channel.send(REQUEST_TAG, request)
+    progress.sent = True
+    try:
+        await channel.send(REQUEST_TAG, request)
+    except TransferError:
+        if channel.state is ChannelState.OPEN:
+            progress.sent = False  # refused before any of it went out (past the peer's limits)
+        raise
     if payload is not None:
         msg = await _next_reply(channel, reply_tag(call_id))
         if msg[0] != Reply.GO:
@@ -125,25 +233,31 @@ async def _send_request(
         progress.args = ArgsState.SENT
 
 
-def _abandon(peer: Peer, call_id: int, progress: _Progress) -> None:
-    """Give up on a call: ask the server to cancel it and drain what it still sends."""
-    if progress.finished or peer.channel.state is not ChannelState.OPEN:
+def _finish(peer: Peer, call_id: int, progress: _Progress, release: Callable[[], None]) -> None:
+    """The call is over here: give its room back at once if the server owes it nothing more;
+    else ask the server to cancel it, and give the room back once what it still sends is drained."""
+    if progress.finished or not progress.sent or peer.channel.state is not ChannelState.OPEN:
+        release()
         return
     progress.finished = True
-    peer._spawn(_cancel_and_drain(peer.channel, call_id, progress.args))
+    peer._spawn(_cancel_and_drain(peer.channel, call_id, progress.args, release))
 
 
-async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState) -> None:
-    with contextlib.suppress(TensorWireError, TimeoutError):
-        await channel.send(CONTROL_TAG, prepare((int(Control.CANCEL), call_id, int(args))))
-        if args is ArgsState.INTERRUPTED:
-            # the cut-short arguments may or may not have arrived: a tombstone tells the server
-            await channel.send(args_tag(call_id), prepare(None))
+async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState, release: Callable[[], None]) -> None:
+    try:
         async with asyncio.timeout(DRAIN_SECONDS):
+            await channel.send(CONTROL_TAG, prepare((int(Control.CANCEL), call_id, int(args))))
+            if args is ArgsState.INTERRUPTED:
+                # the cut-short arguments may or may not have arrived: a tombstone tells the server
+                await channel.send(args_tag(call_id), prepare(None))
             while True:
                 msg, _ = await channel.recv(reply_tag(call_id), None)
                 if isinstance(msg, tuple) and msg and msg[0] in TERMINAL:
                     return
+    except (TensorWireError, TimeoutError):
+        pass
+    finally:
+        release()
 
 
 def _expired(name: str, left: float) -> DeadlineExceeded:
@@ -162,26 +276,23 @@ async def call(
     channel = peer.channel
     where = peer.remote_address
     progress = _Progress()
-    slots = _slots(peer)
-    await slots.acquire()
+    budget = _budget(peer)
+    tm = asyncio.timeout(left)
     try:
-        tm = asyncio.timeout(left)
         async with tm:
-            await _send_request(channel, call_id, request, payload, progress, name, where)
-            if out is not None:
-                return await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
-            msg = await _next_reply(channel, reply_tag(call_id))
-            return _terminal(msg, progress, name, where)
+            await budget.acquire(1)  # one reply at a time may wait here unread
+            try:
+                await _send_request(channel, call_id, request, payload, progress, name, where)
+                if out is not None:
+                    return await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
+                msg = await _next_reply(channel, reply_tag(call_id))
+                return _terminal(msg, progress, name, where)
+            finally:
+                _finish(peer, call_id, progress, lambda: budget.release(1))
     except TimeoutError as exc:
-        _abandon(peer, call_id, progress)
         if left is not None and tm.expired():
             raise _expired(name, left) from exc
         raise
-    except BaseException:
-        _abandon(peer, call_id, progress)
-        raise
-    finally:
-        slots.release()
 
 
 async def _reply_into(channel: Channel, tag: int, out: Any, progress: _Progress, name: str, where: str) -> Any:
@@ -206,38 +317,45 @@ async def stream(
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
     call_id = next(_ids)
-    request, payload = _request(call_id, name, Kind.STREAM, left, args, kwargs)
     channel = peer.channel
     where = peer.remote_address
     tag = reply_tag(call_id)
     progress = _Progress()
     deadline_at = None if left is None else asyncio.get_running_loop().time() + left
-    slots = _slots(peer)
-    await slots.acquire()
-    try:
-        tm = asyncio.timeout_at(deadline_at)
-        async with tm:  # the request only: a timeout must never span a yield
-            await _send_request(channel, call_id, request, payload, progress, name, where)
-        taken = 0
-        while True:
+    budget = _budget(peer)
+    extra = 0  # units beyond the first item and the final reply: the window past 1
+    tm = asyncio.timeout_at(deadline_at)
+    try:  # a timeout must never span a yield: each wait has one of its own
+        async with tm:
+            await budget.acquire(2)  # one item, and the final reply
+        try:
+            extra = budget.take_extra(STREAM_WINDOW - 1)
+            window = 1 + extra
+            request, payload = _request(call_id, name, Kind.STREAM, left, args, kwargs, window)
             tm = asyncio.timeout_at(deadline_at)
             async with tm:
-                msg = await _next_reply(channel, tag)
-            if msg[0] != Reply.ITEM or len(msg) != 2:
-                _terminal(msg, progress, name, where)
-                return
-            taken += 1
-            if taken == STREAM_WINDOW // 2:
-                taken = 0
-                await channel.send(CONTROL_TAG, prepare((int(Control.CREDIT), call_id, STREAM_WINDOW // 2)))
-            yield msg[1]
+                await _send_request(channel, call_id, request, payload, progress, name, where)
+            taken = 0
+            while True:
+                tm = asyncio.timeout_at(deadline_at)
+                async with tm:
+                    msg = await _next_reply(channel, tag)
+                if msg[0] != Reply.ITEM or len(msg) != 2:
+                    _terminal(msg, progress, name, where)
+                    return
+                taken += 1
+                if taken >= max(1, window // 2):
+                    more = budget.take_extra(STREAM_WINDOW - window)  # a window that grows as it is read
+                    window += more
+                    extra += more
+                    tm = asyncio.timeout_at(deadline_at)
+                    async with tm:
+                        await channel.send(CONTROL_TAG, prepare((int(Control.CREDIT), call_id, taken + more)))
+                    taken = 0
+                yield msg[1]
+        finally:
+            _finish(peer, call_id, progress, lambda: budget.release(2, extra))
     except TimeoutError as exc:
-        _abandon(peer, call_id, progress)
         if left is not None and tm.expired():
             raise _expired(name, left) from exc
         raise
-    except BaseException:
-        _abandon(peer, call_id, progress)
-        raise
-    finally:
-        slots.release()

@@ -5,6 +5,9 @@ travel to the server is either given to the call (``peer.call(..., _deadline=2.0
 for a block with ``async with tensorwire.rpc.deadline(2.0):``, which is an ``asyncio.timeout``
 that calls made inside it can see. A method served by this node runs with its caller's
 deadline set the same way, so calls it makes in turn inherit what is left of it.
+
+A deadline further away than ``MAX_DEADLINE`` seconds (about 31 years), ``math.inf`` among them,
+is no deadline; ``-math.inf``, like any deadline at or below zero, has already passed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from ..errors import ConfigurationError
+from ._protocol import MAX_DEADLINE
 
 __all__ = ["current_deadline", "deadline", "effective_deadline"]
 
@@ -24,9 +28,15 @@ _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("tensor
 
 
 def _check_seconds(seconds: object, what: str) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or math.isnan(seconds):
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise ConfigurationError(f"{what} must be a number of seconds, not {seconds!r}")
-    return float(seconds)
+    try:
+        value = float(seconds)
+    except OverflowError:  # an int past any float: as good as infinite
+        value = math.inf if seconds > 0 else -math.inf
+    if math.isnan(value):
+        raise ConfigurationError(f"{what} must be a number of seconds, not {seconds!r}")
+    return value
 
 
 @asynccontextmanager
@@ -38,10 +48,10 @@ async def deadline(seconds: float) -> AsyncIterator[None]:
     """
     seconds = _check_seconds(seconds, "deadline")
     loop = asyncio.get_running_loop()
-    when = loop.time() + seconds
+    when: float | None = None if seconds > MAX_DEADLINE else loop.time() + seconds
     outer = _DEADLINE.get()
     if outer is not None:
-        when = min(when, outer)
+        when = outer if when is None else min(when, outer)
     token = _DEADLINE.set(when)
     try:
         async with asyncio.timeout_at(when):
@@ -64,7 +74,7 @@ def effective_deadline(explicit: float | None) -> float | None:
     left = current_deadline()
     if explicit is not None:
         explicit = _check_seconds(explicit, "_deadline")
-        if math.isinf(explicit):
+        if explicit > MAX_DEADLINE:  # +inf among them; -inf has passed long ago
             explicit = None
     if explicit is None:
         return left

@@ -8,13 +8,13 @@ tensors never cross the control plane. A node started with ``auth_token`` asks f
 from __future__ import annotations
 
 import hmac
-import traceback
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
 from ..control._pb import control_pb2
 from ..errors import DeadlineExceeded, InvalidArguments, MethodNotFound, RemoteError
+from ._protocol import describe, safe_text, traceback_text
 from ._registry import methods_of
 from ._server import run_local
 
@@ -54,7 +54,10 @@ def value_to_pb(obj: Any, depth: int = 0) -> control_pb2.Value:
     elif isinstance(obj, float):
         v.float_value = obj
     elif isinstance(obj, str):
-        v.str_value = obj
+        try:
+            v.str_value = obj
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"a string that is not valid UTF-8 ({exc.reason}): {safe_text(obj)[:64]!r}") from None
     elif isinstance(obj, bytes):
         v.bytes_value = obj
     elif isinstance(obj, (list, tuple)):
@@ -125,13 +128,13 @@ async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, exc: B
     if isinstance(exc, RemoteError) and exc.remote_type:  # a remote error passed through
         name, message, tb = exc.remote_type, exc.remote_message, exc.remote_traceback
     else:
-        name, message = type(exc).__name__, str(exc)
+        name, message = type(exc).__name__, describe(exc)
         ours = isinstance(exc, (MethodNotFound, InvalidArguments, DeadlineExceeded))
-        tb = "" if ours else "".join(traceback.format_exception(exc))
+        tb = "" if ours else traceback_text(exc)
     metadata: list[tuple[str, str | bytes]] = [("tensorwire-remote-type", _ascii(name))]
     if tb:
-        metadata.append(("tensorwire-traceback-bin", tb.encode()[-16384:]))
-    await context.abort(code, f"{name}: {message}"[:4096], trailing_metadata=tuple(metadata))
+        metadata.append(("tensorwire-traceback-bin", safe_text(tb).encode()[-16384:]))
+    await context.abort(code, safe_text(f"{name}: {message}")[:4096], trailing_metadata=tuple(metadata))
     raise AssertionError("unreachable: abort raises")
 
 

@@ -6,13 +6,15 @@ reserved tag, so calls get the transport's zero-copy paths, credit and interleav
 caller -> server
     REQUEST_TAG     (meta, method, args, kwargs)      arguments inline
                     (meta, method)                    arguments follow on args_tag after GO
-                    meta = int64[id, deadline_ns, kind, nbytes]   (-1: no deadline / inline)
+                    meta = int64[id, deadline_ns, kind, nbytes, window]
+                        deadline_ns -1: none; nbytes -1: inline; window: a stream's first credit
     args_tag(id)    (args, kwargs)                    only after GO
     args_tag(id)    None                              tombstone: the caller gave up part way
     CONTROL_TAG     (CANCEL, id, ArgsState) | (CREDIT, id, n)
 server -> caller, all on reply_tag(id)
     (GO,)                       admitted: send the arguments now
-    (ITEM, value)               one item of a streaming method (at most STREAM_WINDOW unacked)
+    (ITEM, value)               one item of a streaming method (no more than the caller's credit:
+                                the window it asked for, then what it grants; STREAM_WINDOW at most)
     (RESULT, value)             terminal
     (ERROR, code, type, message, traceback)                            terminal
     (CANCELLED,)                terminal: the call was cancelled as its caller asked
@@ -22,11 +24,17 @@ can drain its reply tag and leave nothing behind. ``deadline_ns`` is the time th
 when the caller sent the request; clocks are never compared. The call id and deadline travel in
 the ``meta`` tensor rather than in the pytree so that the header of a request repeats exactly
 from call to call, and both ends' header caches hit.
+
+Replies and requests use message slots of the receiving side's channel (``Limits.max_unexpected``)
+until they are received, like any message; the caller keeps what it has outstanding within its
+peer's and its own slots (see ``_client``), so that cancellations and credit always get through.
+Error text always travels: anything that cannot be encoded is escaped (``safe_text``).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import traceback
 from typing import Any
 
@@ -46,11 +54,15 @@ __all__ = [
     "Reply",
     "Request",
     "args_tag",
+    "brief_error",
+    "describe",
     "error_reply",
     "meta",
     "parse_request",
     "raise_error",
     "reply_tag",
+    "safe_text",
+    "traceback_text",
 ]
 
 _BASE = -0x7477_5250_0000_0000  # "twRP": below the one-sided range, far from hashed string tags
@@ -59,6 +71,9 @@ CONTROL_TAG = _BASE - 2
 INLINE_BYTES = 64 * 1024  # arguments up to this size ride in the request itself
 STREAM_WINDOW = 16  # stream items in flight before the caller must acknowledge
 _MAX_TEXT = 16 * 1024
+# a deadline further away than this (about 31 years) is no deadline at all; nanoseconds of it
+# would overflow int64 long before a float of seconds does
+MAX_DEADLINE = 1e9
 
 
 def reply_tag(call_id: int) -> int:
@@ -105,15 +120,19 @@ class Code(enum.IntEnum):
     DEADLINE = 3
 
 
-def meta(call_id: int, deadline: float | None, kind: Kind, nbytes: int) -> np.ndarray:
-    dl = -1 if deadline is None else max(0, int(deadline * 1e9))
-    return np.array((call_id, dl, int(kind), nbytes), np.int64)
+def meta(call_id: int, deadline: float | None, kind: Kind, nbytes: int, window: int = 0) -> np.ndarray:
+    """The request's int64 envelope; a deadline past MAX_DEADLINE (or not finite) travels as none."""
+    if deadline is None or math.isnan(deadline) or deadline > MAX_DEADLINE:
+        dl = -1
+    else:
+        dl = 0 if deadline <= 0 else int(deadline * 1e9)
+    return np.array((call_id, dl, int(kind), nbytes, window), np.int64)
 
 
 class Request:
     """A parsed request envelope."""
 
-    __slots__ = ("args", "call_id", "deadline", "error", "kind", "kwargs", "method", "nbytes")
+    __slots__ = ("args", "call_id", "deadline", "error", "kind", "kwargs", "method", "nbytes", "window")
 
     def __init__(
         self,
@@ -122,6 +141,7 @@ class Request:
         kind: Kind,
         deadline: float | None,
         nbytes: int,
+        window: int = STREAM_WINDOW,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -130,6 +150,7 @@ class Request:
         self.kind = kind
         self.deadline = deadline
         self.nbytes = nbytes  # -1: the arguments came inline
+        self.window = window  # a stream's first credit (1..STREAM_WINDOW)
         self.args = args
         self.kwargs = kwargs or {}
         self.error: InvalidArguments | None = None
@@ -140,17 +161,18 @@ def parse_request(env: object) -> Request | None:
     if not isinstance(env, tuple) or len(env) not in (2, 4):
         return None
     m, method = env[0], env[1]
-    if not (isinstance(m, np.ndarray) and m.dtype == np.int64 and m.shape == (4,) and isinstance(method, str)):
+    if not (isinstance(m, np.ndarray) and m.dtype == np.int64 and m.shape == (5,) and isinstance(method, str)):
         return None
-    call_id, dl, kind, nbytes = m.tolist()
+    call_id, dl, kind, nbytes, window = m.tolist()
     if not 0 < call_id < 1 << 60 or kind not in (Kind.UNARY, Kind.STREAM) or dl < -1:
         return None
     deadline = None if dl < 0 else dl / 1e9
+    window = min(max(window, 1), STREAM_WINDOW)
     if len(env) == 2:
-        return Request(call_id, method, Kind(kind), deadline, nbytes) if nbytes >= 0 else None
+        return Request(call_id, method, Kind(kind), deadline, nbytes, window) if nbytes >= 0 else None
     if nbytes != -1:
         return None
-    req = Request(call_id, method, Kind(kind), deadline, -1)
+    req = Request(call_id, method, Kind(kind), deadline, -1, window)
     try:
         req.args, req.kwargs = split_args(env[2], env[3])
     except InvalidArguments as exc:
@@ -165,18 +187,64 @@ def split_args(args: object, kwargs: object) -> tuple[tuple[Any, ...], dict[str,
     raise InvalidArguments("malformed call arguments: expected a tuple and a dict with string keys")
 
 
-def _clip(text: str) -> str:
+def safe_text(text: object) -> str:
+    """``text`` as a string that encodes as UTF-8: lone surrogates and the like escaped
+    (backslashreplace); anything but a string is first given to ``str``."""
+    if not isinstance(text, str):
+        text = describe(text)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
+def describe(obj: object) -> str:
+    """``str(obj)``, or what is known of it when its ``__str__`` raises."""
+    try:
+        text = str(obj)
+        if isinstance(text, str):
+            return text
+    except Exception as exc:
+        return f"<{safe_text(type(obj).__name__)} whose str() raised {safe_text(type(exc).__name__)}>"
+    return f"<{safe_text(type(obj).__name__)} whose str() is not a string>"
+
+
+def _clip(text: object) -> str:
+    text = safe_text(text)
     return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT // 2] + "\n...\n" + text[-_MAX_TEXT // 2 :]
 
 
+def traceback_text(exc: BaseException) -> str:
+    """The traceback of ``exc`` as text; empty if even that fails."""
+    try:
+        return "".join(traceback.format_exception(exc))
+    except Exception:  # a hostile exception (its notes, its cause) must not cost the reply
+        return ""
+
+
 def error_reply(exc: BaseException, code: Code = Code.RAISED) -> tuple[Any, ...]:
-    """The ERROR message for ``exc``: type name, message and traceback text, never the object."""
+    """The ERROR message for ``exc``: type name, message and traceback text, never the object.
+    Never raises, and its text always encodes."""
     if isinstance(exc, RemoteError) and exc.remote_type:
-        name, message = exc.remote_type, exc.remote_message or str(exc)
+        name, message = exc.remote_type, exc.remote_message or describe(exc)
     else:
-        name, message = type(exc).__name__, str(exc)
-    tb = "" if code is not Code.RAISED else "".join(traceback.format_exception(exc))
+        name, message = type(exc).__name__, describe(exc)
+    tb = "" if code is not Code.RAISED else traceback_text(exc)
     return (Reply.ERROR, int(code), _clip(name), _clip(message), _clip(tb))
+
+
+def _ascii(text: object, limit: int) -> str:
+    out = safe_text(text).encode("ascii", "backslashreplace").decode()
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def brief_error(name: object, message: object, code: Code = Code.RAISED, note: object = "") -> tuple[Any, ...]:
+    """An ERROR message whose header stays a few hundred bytes whatever it says (ASCII, clipped,
+    no traceback): the reply of last resort when a fuller one does not fit the caller's limits.
+    ``note`` (clipped first) follows the start of ``message``."""
+    tail = f" [{_ascii(note, 200)}]" if note else ""
+    return (Reply.ERROR, int(code), _ascii(name, 64), _ascii(message, 400 - len(tail)) + tail, "")
 
 
 def raise_error(msg: tuple[Any, ...], method: str, where: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import weakref
 from collections import deque
@@ -15,7 +16,7 @@ from ..errors import ConfigurationError
 if TYPE_CHECKING:
     from .._node import Node
 
-__all__ = ["RESERVED_KWARGS", "CallLimits", "Method", "MethodRegistry", "methods_of"]
+__all__ = ["RESERVED_KWARGS", "ByteBudget", "CallLimits", "Method", "MethodRegistry", "Slots", "methods_of"]
 
 RESERVED_KWARGS = ("_deadline", "_out")  # peer.call's own keywords: no method may take them
 MiB = 1 << 20
@@ -61,7 +62,8 @@ class Method:
 
 
 class ByteBudget:
-    """An asyncio byte semaphore: FIFO, so a large request is not starved by small ones."""
+    """An asyncio byte semaphore: FIFO, so a large request is not starved by small ones. Its
+    total can change while it is in use (``resize``)."""
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -80,10 +82,11 @@ class ByteBudget:
         try:
             await fut
         except BaseException:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release(n)  # granted just as we were cancelled: give it back
             else:
-                self._waiters.remove(entry)
+                with contextlib.suppress(ValueError):  # _wake may have dropped it already
+                    self._waiters.remove(entry)
                 self._wake()
             raise
 
@@ -91,13 +94,63 @@ class ByteBudget:
         self.free += n
         self._wake()
 
+    def resize(self, total: int) -> None:
+        """A new total; bytes held now count against it. Waiters that can never fit fail."""
+        self.free += total - self.total
+        self.total = total
+        for n, fut in self._waiters:
+            if n > total and not fut.done():
+                fut.set_exception(ConfigurationError(f"{n} bytes can never fit a budget of {total}"))
+        self._wake()
+
     def _wake(self) -> None:
-        while self._waiters and self._waiters[0][0] <= self.free:
+        while self._waiters and (self._waiters[0][1].done() or self._waiters[0][0] <= self.free):
             n, fut = self._waiters.popleft()
             if fut.done():
                 continue
             self.free -= n
             fut.set_result(None)
+
+
+class Slots:
+    """An asyncio semaphore (FIFO) whose size can change while it is in use: calls admitted
+    now count against a new ``max_concurrent``, and raising it lets waiters in at once."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self) -> None:
+        if not self._waiters and self.used < self.total:
+            self.used += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted just as we were cancelled: give it back
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        self.used -= 1
+        self._wake()
+
+    def resize(self, total: int) -> None:
+        self.total = total
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.used < self.total:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self.used += 1
+                fut.set_result(None)
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
@@ -118,7 +171,7 @@ class MethodRegistry(Mapping[str, Method]):
     def __init__(self) -> None:
         self._methods: dict[str, Method] = {}
         self._limits = CallLimits()
-        self.slots = asyncio.Semaphore(self._limits.max_concurrent)
+        self.slots = Slots(self._limits.max_concurrent)
         self.budget = ByteBudget(self._limits.max_inflight_bytes)
 
     def __getitem__(self, name: str) -> Method:
@@ -139,12 +192,13 @@ class MethodRegistry(Mapping[str, Method]):
 
     @limits.setter
     def limits(self, limits: CallLimits) -> None:
-        """New limits apply to calls admitted from now on; calls in flight keep theirs."""
+        """New limits apply at once: calls running now count against them, and requests waiting
+        for a slot or for bytes go in as soon as the new limits leave room."""
         if not isinstance(limits, CallLimits):
             raise ConfigurationError("limits must be a tensorwire.rpc.CallLimits")
         self._limits = limits
-        self.slots = asyncio.Semaphore(limits.max_concurrent)
-        self.budget = ByteBudget(limits.max_inflight_bytes)
+        self.slots.resize(limits.max_concurrent)
+        self.budget.resize(limits.max_inflight_bytes)
 
     def arg_limit(self, method: Method) -> int:
         """The most argument bytes one call of ``method`` may carry here."""

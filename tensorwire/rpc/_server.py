@@ -8,6 +8,11 @@ the transport's own credit: backpressure all the way back, never an unbounded qu
 hands the reading on to a fresh task and serves its request itself, so each call runs in its
 own task (a slow call never holds up another) and starts in the loop iteration its request
 arrived in. Argument bytes count against ``CallLimits.max_inflight_bytes`` before they move.
+A request its caller cancelled before it was admitted is answered at once, without a slot.
+
+Every request ends with a terminal reply, whatever the method did: an error whose text cannot
+be encoded is escaped, and a reply that does not fit the caller's limits becomes a brief error
+that does (``Limits`` keeps ``max_header_bytes`` well above its size).
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ from ..errors import (
     DeadlineExceeded,
     InvalidArguments,
     MethodNotFound,
+    RemoteError,
     TensorWireError,
     TransferError,
-    UnsupportedTensorError,
 )
 from ..tensors import prepare
 from ..transports import ChannelState
@@ -44,12 +49,14 @@ from ._protocol import (
     Reply,
     Request,
     args_tag,
+    brief_error,
+    describe,
     error_reply,
     parse_request,
     reply_tag,
     split_args,
 )
-from ._registry import Method, MethodRegistry
+from ._registry import Method, MethodRegistry, Slots
 
 if TYPE_CHECKING:
     from .._peer import Peer
@@ -62,7 +69,7 @@ DRAIN_SECONDS = 60.0  # how long to wait for a message a finished call still owe
 ARGS_SECONDS = 60.0  # how long an admitted call waits for the arguments it said GO to
 _EARLY_SECONDS = 60.0  # how long a cancellation for a request not read yet is remembered
 _EARLY_MAX = 4096
-_META_BYTES = 32  # the int64[4] meta tensor of every request
+_META_BYTES = 40  # the int64[5] meta tensor of every request
 
 
 def start_method(method: Method, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> Any:
@@ -119,7 +126,7 @@ class _Call:
         self.receiving_args = False
         self.args_done = False  # the arguments (or the caller's tombstone) were received
         self.tombstone_seen = False
-        self.credit = STREAM_WINDOW
+        self.credit = req.window  # stream items the caller has room for (it grants more)
         self.wake: asyncio.Future[None] | None = None
 
     def cancel(self, state: ArgsState) -> None:
@@ -128,7 +135,7 @@ class _Call:
             return
         self.cancel_requested = True
         if self.task is None:
-            return  # not started yet: it answers CANCELLED when it starts
+            return  # not read yet: it answers CANCELLED when it is
         if self.receiving_args and state is not ArgsState.NONE:
             return  # the arguments or a tombstone are coming: the receive ends by itself
         self.task.cancel()
@@ -178,13 +185,23 @@ class PeerServer:
         if self._early.pop(req.call_id, None) is not None:
             call.cancel_requested = True
         self.calls[req.call_id] = call
-        slots = self.registry.slots
+        slots: Slots | None = self.registry.slots
+        task = asyncio.current_task()
+        call.task = task  # a cancel for it interrupts the wait for a slot
         try:
-            await slots.acquire()  # backpressure: no slot, no reading
+            if not call.cancel_requested:
+                assert slots is not None
+                await slots.acquire()  # backpressure: no slot, no reading
+        except asyncio.CancelledError:
+            if not call.cancel_requested or task is None or task.cancelling() > 1:
+                self.calls.pop(req.call_id, None)
+                raise  # the peer or node is closing
+            task.uncancel()  # its caller gave up: answer at once, no slot needed
         except BaseException:
             self.calls.pop(req.call_id, None)
             raise
-        call.task = asyncio.current_task()
+        if call.cancel_requested:
+            slots = None
         self.peer._spawn(self.serve_requests())
         await self._run(call, slots)
 
@@ -223,7 +240,7 @@ class PeerServer:
                 self._warn("unknown RPC control message")
 
     # -- one call -----------------------------------------------------------------------------
-    async def _run(self, call: _Call, slots: asyncio.Semaphore) -> None:
+    async def _run(self, call: _Call, slots: Slots | None) -> None:
         req = call.req
         try:
             try:
@@ -243,11 +260,12 @@ class PeerServer:
             except Exception as exc:
                 reply = error_reply(exc, _code(exc))
             call.responding = True
-            await self._send_reply(reply_tag(req.call_id), reply)
+            await self._send_reply(reply_tag(req.call_id), reply, req.method)
         except TensorWireError:
             pass  # the channel went away; the caller sees that itself
         finally:
-            slots.release()
+            if slots is not None:
+                slots.release()
             self.calls.pop(req.call_id, None)
             self._clean_args(call)
 
@@ -363,14 +381,36 @@ class PeerServer:
     async def _send(self, tag: int, msg: tuple[Any, ...]) -> None:
         await self.peer.channel.send(tag, encode(msg))
 
-    async def _send_reply(self, tag: int, reply: tuple[Any, ...]) -> None:
-        channel = self.peer.channel
+    async def _send_reply(self, tag: int, reply: tuple[Any, ...], method: str) -> None:
+        """Send a call's terminal reply, or, when it cannot go (it does not encode, or it is past
+        the caller's limits), an error saying why; at last a brief one, which always fits."""
+        failure = await self._try_send(tag, reply)
+        if failure is None:
+            return
+        if reply[0] == Reply.ERROR:  # the method's own error, cut down to what surely fits
+            _, code, name, message, _ = reply
+            note = f"the full error could not be sent: {describe(failure)}"
+            await self.peer.channel.send(tag, prepare(brief_error(name, message, Code(code), note)))
+            return
+        if await self._try_send(tag, error_reply(failure)) is not None:
+            what = f"the result of {method} could not be sent: {describe(failure)}"
+            await self.peer.channel.send(tag, prepare(brief_error(type(failure).__name__, what)))
+
+    async def _try_send(self, tag: int, reply: tuple[Any, ...]) -> Exception | None:
+        """Send ``reply``; the error if none of it went out because it does not encode or does
+        not fit the caller's limits. Other failures (the channel went away) raise."""
         try:
             # results repeat their structure (cached encoding); errors carry fresh text
-            await channel.send(tag, encode(reply) if reply[0] == Reply.RESULT else prepare(reply))
-        except (UnsupportedTensorError, TransferError) as exc:
-            # nothing of it was sent (a result we cannot move, or one past the peer's limits)
-            await channel.send(tag, prepare(error_reply(exc)))
+            msg = encode(reply) if reply[0] == Reply.RESULT else prepare(reply)
+        except Exception as exc:  # UnsupportedTensorError, or whatever a strange object raised
+            return exc
+        try:
+            await self.peer.channel.send(tag, msg)
+        except TransferError as exc:
+            if self.peer.channel.state is not ChannelState.OPEN:
+                raise
+            return exc  # refused before any of it was sent: past the caller's limits
+        return None
 
     async def _drain(self, tag: int, *, until_tombstone: bool) -> None:
         """Receive and drop what a finished call's caller still sends on ``tag``: its arguments,
@@ -430,6 +470,19 @@ async def run_local(
             try:
                 set_deadline(deadline_at)
                 return await start_method(method, args, kwargs)
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the gRPC call was cancelled, or its deadline ran out
+                # a CancelledError nobody asked for (raised by the method): an error like any
+                reply = error_reply(exc)
+                raise RemoteError(
+                    f"{name} raised CancelledError",
+                    remote_type=reply[2],
+                    remote_message=reply[3],
+                    remote_traceback=reply[4],
+                    method=name,
+                ) from exc
             finally:
                 slots.release()
     except TimeoutError as exc:

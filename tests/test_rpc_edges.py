@@ -1,0 +1,371 @@
+"""Tensor RPC at its edges: text that cannot be encoded, the message slots that calls and unread
+streams share, deadlines of every size, replies past the caller's limits, limits changed live.
+
+Every wait here has a bound of its own, so a regression fails with a message instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+import tensorwire
+from tensorwire.rpc import CallLimits, deadline
+from tensorwire.rpc._server import server_of
+from tensorwire.testing import connected_pair
+from tensorwire.transports import Limits
+
+TRANSPORTS = ["tcp", "inproc"]
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.asynccontextmanager
+async def _nodes(
+    transport: str, *, caller: Limits | None = None, server: Limits | None = None
+) -> AsyncIterator[tuple[tensorwire.Peer, tensorwire.Peer]]:
+    """A caller's peer of a serving node and the server's peer of it, each node with its own limits."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,), limits=server or Limits()) as ns,
+        tensorwire.start("127.0.0.1:0", transports=(transport,), limits=caller or Limits()) as nc,
+    ):
+        a = await nc.connect(ns.address)
+        async with asyncio.timeout(5):
+            b = await ns.accept()
+        yield a, b
+
+
+def _register(node: tensorwire.Node) -> None:
+    @node.method()
+    async def add(a: Any, b: Any) -> Any:
+        return a + b
+
+    @node.method()
+    async def count(n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+
+    @node.method()
+    async def sleep(seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "slept"
+
+
+async def _within(seconds: float, what: str, aw: Any) -> Any:
+    """``await aw``, failing the test (not hanging it) if it takes longer than ``seconds``."""
+    tm = asyncio.timeout(seconds)
+    try:
+        async with tm:
+            return await aw
+    except TimeoutError:
+        if tm.expired():
+            pytest.fail(f"{what}: no answer within {seconds} s")
+        raise  # DeadlineExceeded, say: the answer
+
+
+async def _eventually(pred: Callable[[], bool], seconds: float = 5.0) -> None:
+    give_up = time.monotonic() + seconds
+    while not pred():
+        assert time.monotonic() < give_up, f"not true after {seconds} s"
+        await asyncio.sleep(0.01)
+
+
+async def _settled(a: tensorwire.Peer, b: tensorwire.Peer) -> None:
+    """No call running on the server and no reply left unread at the caller."""
+    server = server_of(b)
+    await _eventually(lambda: (server is None or not server.calls) and not a.channel.mailbox._arrived)
+
+
+# -- text that cannot be encoded ------------------------------------------------------------------
+class _BadStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_text_that_cannot_be_encoded_comes_back_as_an_error(transport: str) -> None:
+    """A lone surrogate in an error or a result, or an exception whose str() raises: the caller
+    gets a RemoteError with the text escaped, never a caller waiting forever. On its own side a
+    caller gets a tree error, not a UnicodeEncodeError."""
+    async with _nodes(transport) as (a, b):
+        _register(b.node)
+
+        @b.node.method()
+        async def bad_error() -> None:
+            raise ValueError("bad \udcff text")
+
+        @b.node.method()
+        async def bad_result() -> str:
+            return "bad \udcff text"
+
+        @b.node.method()
+        async def bad_str() -> None:
+            raise _BadStr
+
+        @b.node.method()
+        async def bad_item() -> AsyncIterator[str]:
+            yield "fine"
+            yield "bad \udcff"
+
+        with pytest.raises(tensorwire.RemoteError) as info:
+            await _within(5, "error with a surrogate", a.call("bad_error"))
+        assert info.value.remote_type == "ValueError"
+        assert info.value.remote_message == "bad \\udcff text"
+        assert "bad_error" in info.value.remote_traceback
+
+        with pytest.raises(tensorwire.RemoteError, match="UTF-8") as info:
+            await _within(5, "result with a surrogate", a.call("bad_result"))
+        assert info.value.remote_type == "UnsupportedTensorError"
+
+        with pytest.raises(tensorwire.RemoteError, match="str") as info:
+            await _within(5, "exception whose str() raises", a.call("bad_str"))
+        assert info.value.remote_type == "_BadStr"
+
+        got: list[str] = []
+
+        async def consume() -> None:
+            async for item in a.stream("bad_item"):
+                got.append(item)
+
+        with pytest.raises(tensorwire.RemoteError, match="UTF-8"):
+            await _within(5, "stream item with a surrogate", consume())
+        assert got == ["fine"]
+
+        with pytest.raises(tensorwire.UnsupportedTensorError, match="UTF-8"):
+            await _within(5, "argument with a surrogate", a.call("add", "\udcff", "x"))
+        with pytest.raises(tensorwire.UnsupportedTensorError, match="UTF-8"):
+            await _within(5, "method name with a surrogate", a.call("\udcffname"))
+        assert await _within(5, "a call afterwards", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
+
+
+# -- message slots shared by calls and unread streams ---------------------------------------------
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_unread_streams_never_starve_other_calls(transport: str) -> None:
+    """Streams opened and left unread (their first item taken) must not take the caller's
+    message slots from the other calls: 80 of them with the default 1024 slots, 5 with 32."""
+    async with _nodes(transport) as (a, b):
+        _register(b.node)
+        b.node.methods.limits = CallLimits(max_concurrent=256)
+        streams = [a.stream("count", 1000) for _ in range(80)]
+        try:
+            for k, s in enumerate(streams):
+                assert await _within(5, f"first item of stream {k}", anext(s)) == 0
+            assert await _within(5, "a call while 80 streams are open", a.call("add", 1, 2)) == 3
+        finally:
+            for s in streams:
+                await _within(5, "closing a stream", s.aclose())  # type: ignore[attr-defined]
+        assert await _within(5, "a call afterwards", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
+
+    async with _nodes(transport, caller=Limits(max_unexpected=32)) as (a, b):
+        _register(b.node)
+        streams = [a.stream("count", 40) for _ in range(5)]
+        try:
+            for k, s in enumerate(streams):
+                assert await _within(5, f"first item of stream {k}", anext(s)) == 0
+            assert await _within(5, "a call while 5 streams are open", a.call("add", 1, 2)) == 3
+            for k, s in enumerate(streams):
+                rest = await _within(10, f"the rest of stream {k}", _collect(s))
+                assert rest == list(range(1, 40))
+        finally:
+            for s in streams:
+                await _within(5, "closing a stream", s.aclose())  # type: ignore[attr-defined]
+        await _settled(a, b)
+
+
+async def _collect(agen: AsyncIterator[Any]) -> list[Any]:
+    return [x async for x in agen]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_stream_credit_gets_through_queued_requests(transport: str) -> None:
+    """The server has 64 message slots and admits 2 calls at once; the caller has the default
+    1024. Two streams run while 100 calls queue behind them: the queued requests must leave the
+    server room for the streams' credit, or nothing ever finishes."""
+    async with _nodes(transport, server=Limits(max_unexpected=64)) as (a, b):
+        _register(b.node)
+        b.node.methods.limits = CallLimits(max_concurrent=2)
+
+        @b.node.method()
+        async def slow_count(n: int) -> AsyncIterator[int]:
+            for i in range(n):
+                yield i
+                await asyncio.sleep(0.001)
+
+        streams = [asyncio.ensure_future(_collect(a.stream("slow_count", 100))) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        calls = [asyncio.ensure_future(a.call("add", i, 1)) for i in range(100)]
+        try:
+            results = await _within(20, "2 streams and 100 queued calls", asyncio.gather(*streams, *calls))
+        finally:
+            for f in (*streams, *calls):
+                f.cancel()
+            await asyncio.gather(*streams, *calls, return_exceptions=True)
+        assert results[:2] == [list(range(100))] * 2
+        assert results[2:] == [i + 1 for i in range(100)]
+        await _settled(a, b)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_deadline_covers_the_wait_for_room(transport: str) -> None:
+    """With 4 message slots a side a peer takes one call at a time from this node: a call made
+    while another is outstanding waits for it, and its deadline runs while it waits. A call made
+    inside a stream's loop ends by its deadline too."""
+    lim = Limits(max_unexpected=4)
+    async with _nodes(transport, caller=lim, server=lim) as (a, b):
+        _register(b.node)
+        slow = asyncio.ensure_future(a.call("sleep", 3.0))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(tensorwire.DeadlineExceeded):
+            await _within(2, "a call with _deadline=0.3 behind another", a.call("add", 1, 2, _deadline=0.3))
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(TimeoutError):  # DeadlineExceeded, or the block's own expiry
+            async with deadline(0.3):
+                await a.call("add", 1, 2)
+        assert time.monotonic() - t0 < 3
+        slow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await slow
+
+        async def nested() -> None:
+            agen = a.stream("count", 3)
+            async with contextlib.aclosing(agen):  # type: ignore[type-var]
+                async for i in agen:
+                    await a.call("add", i, 1, _deadline=0.3)
+
+        with pytest.raises(tensorwire.DeadlineExceeded):
+            await _within(2, "a call inside a stream loop", nested())
+        assert await _within(5, "a call afterwards", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
+
+
+# -- deadlines of every size ----------------------------------------------------------------------
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_huge_and_infinite_deadlines(transport: str) -> None:
+    """A deadline too far away to count (1e10 s, 1e300 s, inf, an int past any float) is no
+    deadline, for calls, streams and deadline() blocks."""
+    async with connected_pair(transport) as (a, b):
+        _register(b.node)
+        for far in (1e10, 1e300, math.inf, 10**400):
+            what = f"_deadline={str(far)[:8]}"
+            assert await _within(5, what, a.call("add", 1, 2, _deadline=far)) == 3
+            assert await _within(5, what, _collect(a.stream("count", 3, _deadline=far))) == [0, 1, 2]
+        for far in (1e10, math.inf):
+            async with deadline(far):
+                assert await _within(5, f"deadline({far})", a.call("add", 1, 2)) == 3
+                async with deadline(1e300):  # nested: the earlier one, still none
+                    assert await _within(5, "nested deadline", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_minus_infinite_deadline_has_passed(transport: str) -> None:
+    async with connected_pair(transport) as (a, b):
+        _register(b.node)
+        with pytest.raises(tensorwire.DeadlineExceeded):
+            await _within(2, "_deadline=-inf", a.call("sleep", 10.0, _deadline=-math.inf))
+        with pytest.raises(tensorwire.DeadlineExceeded):
+            await _within(2, "stream _deadline=-inf", _collect(a.stream("count", 3, _deadline=-math.inf)))
+        with pytest.raises(TimeoutError):
+            async with deadline(-math.inf):
+                await _within(2, "deadline(-inf)", a.call("sleep", 10.0))
+        with pytest.raises(tensorwire.ConfigurationError):
+            await a.call("add", 1, 2, _deadline=math.nan)
+        await _settled(a, b)
+
+
+# -- replies past the caller's limits -------------------------------------------------------------
+def test_limits_keep_room_for_an_error_reply() -> None:
+    with pytest.raises(tensorwire.ConfigurationError, match="max_header_bytes"):
+        Limits(max_header_bytes=600)
+    with pytest.raises(tensorwire.ConfigurationError, match="max_header_bytes"):
+        Limits(max_header_bytes=Limits.MIN_HEADER_BYTES - 1)
+    assert Limits(max_header_bytes=Limits.MIN_HEADER_BYTES).max_header_bytes == 1024
+
+
+async def test_replies_past_the_callers_header_limit_come_back_as_errors() -> None:
+    """The caller accepts headers of 1 KiB at most: an error with a long message keeps its type
+    and the start of its message, a result too big says so; the node keeps serving."""
+    async with connected_pair("tcp", limits=Limits(max_header_bytes=1024)) as (a, b):
+        _register(b.node)
+
+        @b.node.method()
+        async def fail(n: int) -> None:
+            raise KeyError("x" * n)
+
+        @b.node.method()
+        async def big(n: int) -> list[int]:
+            return list(range(n))
+
+        with pytest.raises(tensorwire.RemoteError) as info:
+            await _within(5, "a long error", a.call("fail", 20_000))
+        assert info.value.remote_type == "KeyError" and "xxxxxxxx" in info.value.remote_message
+        assert "could not be sent" in info.value.remote_message
+        with pytest.raises(tensorwire.RemoteError, match="exceeds") as info:
+            await _within(5, "a big result", a.call("big", 5000))
+        assert info.value.remote_type == "TransferError"
+        assert await _within(5, "a call afterwards", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
+
+
+# -- limits changed while calls wait --------------------------------------------------------------
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_raising_max_concurrent_lets_a_waiting_request_in(transport: str) -> None:
+    async with connected_pair(transport) as (a, b):
+        b.node.methods.limits = CallLimits(max_concurrent=1)
+        gate = asyncio.Event()
+
+        @b.node.method()
+        async def wait_gate() -> str:
+            await gate.wait()
+            return "opened"
+
+        @b.node.method()
+        async def open_gate() -> str:
+            gate.set()
+            return "set"
+
+        waiting = asyncio.ensure_future(a.call("wait_gate"))
+        await asyncio.sleep(0.1)
+        opener = asyncio.ensure_future(a.call("open_gate"))
+        await asyncio.sleep(0.1)
+        assert not opener.done()
+        b.node.methods.limits = CallLimits(max_concurrent=8)
+        try:
+            assert await _within(5, "the request that waited for a slot", opener) == "set"
+            assert await _within(5, "the call it unblocked", waiting) == "opened"
+        finally:
+            gate.set()
+            waiting.cancel()
+            opener.cancel()
+        assert b.node.methods.slots.used == 0
+        await _settled(a, b)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_queued_request_its_caller_gave_up_on_is_answered_at_once(transport: str) -> None:
+    """max_concurrent=1 and a call holding it: a queued call whose deadline runs out is answered
+    without waiting for a slot, so its room at the caller comes back while the first still runs."""
+    async with connected_pair(transport) as (a, b):
+        _register(b.node)
+        b.node.methods.limits = CallLimits(max_concurrent=1)
+        slow = asyncio.ensure_future(a.call("sleep", 5.0))
+        await asyncio.sleep(0.1)
+        for _ in range(3):
+            with pytest.raises(tensorwire.DeadlineExceeded):
+                await _within(3, "a queued call with a deadline", a.call("add", 1, 2, _deadline=0.2))
+        server = server_of(b)
+        assert server is not None
+        await _eventually(lambda: len(server.calls) == 1, 2.0)  # only the slow one
+        assert not slow.done()
+        slow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await slow
+        await _settled(a, b)
