@@ -125,3 +125,14 @@ def test_torch_tensors_roundtrip() -> None:
         assert msg.specs[0].framework == "torch"
         assert isinstance(got["t"], torch.Tensor) and got["t"].dtype == dtype
         assert torch.equal(got["nc"], t.T.contiguous())
+
+
+def test_torch_tensors_without_one_buffer_are_refused_clearly() -> None:
+    """A nested tensor used to raise torch's own RuntimeError from ``.numpy()`` (a pipeline stage
+    returning one hung the step); sparse ones, a TypeError."""
+    torch = pytest.importorskip("torch")
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    sparse = torch.eye(3).to_sparse()
+    for t, what in ((nested, "nested"), (sparse, "sparse")):
+        with pytest.raises(tensorwire.UnsupportedTensorError, match=what):
+            prepare({"x": t})

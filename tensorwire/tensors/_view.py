@@ -104,6 +104,11 @@ def is_tensor(obj: object) -> bool:
 
 def _from_torch(t: Any) -> TensorView:
     torch = _torch()
+    if t.layout is not torch.strided or t.is_nested:
+        raise UnsupportedTensorError(
+            f"torch tensors of layout {'nested' if t.is_nested else t.layout} have no single buffer to send; "
+            "send a dense one (t.to_dense(), or t.to_padded_tensor(0) for a nested one)"
+        )
     if t.device.type != "cpu":
         dev = device_source(t)
         assert dev is not None
@@ -122,6 +127,8 @@ def _from_torch(t: Any) -> TensorView:
             arr = t.numpy()
         except TypeError as exc:
             raise UnsupportedTensorError(f"torch dtype {t.dtype} is not supported") from exc
+        except RuntimeError as exc:  # a tensor subclass (DTensor, ...) torch will not expose
+            raise UnsupportedTensorError(f"this torch tensor ({type(t).__name__}) has no numpy view: {exc}") from exc
     dtype_name(arr.dtype)  # validates
     return TensorView(arr, "torch")
 
