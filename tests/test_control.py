@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorwire
-from tensorwire.control import Offer, choose
+from tensorwire.control import PROTOCOL_VERSION, Offer, choose
 from tensorwire.control._client import ControlClient
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
 from tensorwire.transports import Capabilities
@@ -98,13 +98,15 @@ async def test_handshake_with_a_huge_preference_order_is_refused() -> None:
     async with tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as node:
         async with grpc.aio.insecure_channel(node.address) as ch:
             stub = control_pb2_grpc.ControlStub(ch)
-            req = control_pb2.HandshakeRequest(protocol_version=1, node_id="x", preference=["inproc"] * 40_000)
+            req = control_pb2.HandshakeRequest(
+                protocol_version=PROTOCOL_VERSION, node_id="x", preference=["inproc"] * 40_000
+            )
             req.offers.add(name="inproc", version=node.offers["inproc"].version, address=b"elsewhere")
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Handshake(req, timeout=5)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "at most 32" in (info.value.details() or "")
-            many = control_pb2.HandshakeRequest(protocol_version=1, node_id="x", preference=["tcp"])
+            many = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, node_id="x", preference=["tcp"])
             for i in range(33):
                 many.offers.add(name=f"t{i}", version=1)
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -196,7 +198,7 @@ async def test_data_connection_never_opened_is_forgotten() -> None:
     async with tensorwire.start("127.0.0.1:0", transports=("tcp",), connect_timeout=0.5, limits=lim) as node:
         async with grpc.aio.insecure_channel(node.address) as ch:
             stub = control_pb2_grpc.ControlStub(ch)
-            req = control_pb2.HandshakeRequest(protocol_version=1, node_id="x")
+            req = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, node_id="x")
             req.offers.add(name="tcp", version=1, address=b"127.0.0.1:9")
             resp = await stub.Handshake(req, timeout=5)
             assert resp.chosen.name == "tcp" and len(resp.session_secret) == 32

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import tensorwire
+from tensorwire.control import PROTOCOL_VERSION
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
 
 pytestmark = pytest.mark.multiprocess
@@ -103,7 +104,7 @@ async def test_flood_leaves_honest_traffic_and_memory_intact() -> None:
             peer = await node.connect(address)
             # learn the data port the way any client can: from a handshake
             async with grpc.aio.insecure_channel(address) as ch:
-                req = control_pb2.HandshakeRequest(protocol_version=1, node_id="attacker")
+                req = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, node_id="attacker")
                 req.offers.add(name="tcp", version=1, address=b"127.0.0.1:9")
                 resp = await control_pb2_grpc.ControlStub(ch).Handshake(req, timeout=5)
             dhost, dport = resp.chosen.address.decode().rsplit(":", 1)

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import tensorwire
+from tensorwire.control import PROTOCOL_VERSION
 from tensorwire.control._pb import control_pb2, control_pb2_grpc, wire_pb2
 from tensorwire.errors import ProtocolError, TensorWireError
 from tensorwire.testing import peak_allocation
@@ -378,7 +379,7 @@ async def _control_handshake(node: tensorwire.Node, node_id: str = "") -> tuple[
     )
     request = control_pb2.HandshakeRequest(
         node_id=node_id or f"raw-{uuid.uuid4().hex}",
-        protocol_version=1,
+        protocol_version=PROTOCOL_VERSION,
         preference=["tcp"],
         require="any",
         offers=[offer],

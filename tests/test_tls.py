@@ -17,6 +17,7 @@ from cryptography.x509.oid import NameOID
 
 import tensorwire
 from tensorwire import TLSConfig
+from tensorwire.control import PROTOCOL_VERSION
 from tensorwire.control._pb.control_pb2 import HandshakeRequest
 from tensorwire.control._pb.control_pb2_grpc import ControlStub
 
@@ -103,7 +104,7 @@ async def test_mutual_tls_accepts_good_and_rejects_bad_client_certs(pki) -> None
         creds = grpc.ssl_channel_credentials(root_certificates=await asyncio.to_thread(Path(pki["ca"][0]).read_bytes))
         async with grpc.aio.secure_channel(server.address, creds) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await ControlStub(ch).Handshake(HandshakeRequest(protocol_version=1), timeout=5)
+                await ControlStub(ch).Handshake(HandshakeRequest(protocol_version=PROTOCOL_VERSION), timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "intruder")) as intruder:
             with pytest.raises(tensorwire.AuthenticationError):

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PROTOCOL_VERSION", "ControlServer"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RPC requests carry a stream's first window (5 header numbers, not 4)
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 
 
