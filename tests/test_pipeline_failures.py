@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _pipeline_reference import mse, one_process_step
 
 import tensorwire
 from tensorwire import pipeline
@@ -81,11 +82,6 @@ class Wrapped:
 
     def state(self) -> dict[str, np.ndarray]:
         return self.inner.state()
-
-
-def mse(y: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
-    d = y - target
-    return float(np.mean(d * d)), (2 * d / d.size).astype(np.float32)
 
 
 def layers(p: int = 4, seed: int = 3) -> list[Wrapped]:
@@ -279,20 +275,6 @@ async def test_a_cancelled_step_breaks_the_stages_and_updates_none() -> None:
     assert got.loss == pytest.approx(want, rel=1e-5)
     for s in range(4):
         np.testing.assert_allclose(states[s]["w"], reference[s].inner.w, rtol=1e-5, atol=1e-6)
-
-
-def one_process_step(ls: list[Wrapped], x: np.ndarray, y: np.ndarray) -> float:
-    h, ctxs = x, []
-    for layer in ls:
-        layer.zero_grad()
-        h, ctx = layer.forward(h)
-        ctxs.append(ctx)
-    loss, grad = mse(h, y)
-    for layer, ctx in zip(reversed(ls), reversed(ctxs), strict=True):
-        grad = layer.backward(ctx, grad)
-    for layer in ls:
-        layer.step()
-    return loss
 
 
 @pytest.mark.timeout(60)

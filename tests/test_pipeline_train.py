@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _pipeline_reference import mse, one_process_step
 
 import tensorwire
 from tensorwire import pipeline
@@ -165,11 +166,6 @@ class NumpyLinear:
         return {"w": self.w.copy(), "b": self.b.copy()}
 
 
-def mse(y: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
-    diff = y - target
-    return float(np.mean(diff * diff)), (2 * diff / diff.size).astype(np.float32)
-
-
 def numpy_layers(seed: int = 3) -> list[NumpyLinear]:
     rng = np.random.default_rng(seed)
     return [NumpyLinear(rng, 12, 12, True) for _ in range(3)] + [NumpyLinear(rng, 12, 2, False)]
@@ -186,17 +182,7 @@ async def test_numpy_layers_with_explicit_backward(schedule: str) -> None:
             x = rng.standard_normal((n, 12)).astype(np.float32)
             y = rng.standard_normal((n, 2)).astype(np.float32)
             result = await pipe.step(x, y, microbatches=8, schedule=schedule)
-            # one process, whole batch
-            h, ctxs = x, []
-            for layer in reference:
-                layer.zero_grad()
-                h, ctx = layer.forward(h)
-                ctxs.append(ctx)
-            want, grad = mse(h, y)
-            for layer, ctx in zip(reversed(reference), reversed(ctxs), strict=True):
-                grad = layer.backward(ctx, grad)
-            for layer in reference:
-                layer.step()
+            want = one_process_step(reference, x, y)  # one process, whole batch
             assert result.loss == pytest.approx(want, rel=RTOL)
         states = await pipe.state()
     for s, (state, layer) in enumerate(zip(states, reference, strict=True)):

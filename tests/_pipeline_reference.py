@@ -1,0 +1,28 @@
+"""The same training step in one process, for the pipeline tests to compare against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def mse(y: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
+    diff = y - target
+    return float(np.mean(diff * diff)), (2 * diff / diff.size).astype(np.float32)
+
+
+def one_process_step(layers: list[Any], x: np.ndarray, y: np.ndarray) -> float:
+    """Forward the whole batch through ``layers`` (zero_grad/forward/backward/step objects),
+    mean squared error, backward, one optimizer step each; returns the loss."""
+    h, ctxs = x, []
+    for layer in layers:
+        layer.zero_grad()
+        h, ctx = layer.forward(h)
+        ctxs.append(ctx)
+    loss, grad = mse(h, y)
+    for layer, ctx in zip(reversed(layers), reversed(ctxs), strict=True):
+        grad = layer.backward(ctx, grad)
+    for layer in layers:
+        layer.step()
+    return loss
