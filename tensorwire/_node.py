@@ -98,6 +98,7 @@ class Node:
         self._retiring: set[asyncio.Task[None]] = set()  # unexposed tensors waiting for peers' acks
         self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "serving"
@@ -225,6 +226,9 @@ class Node:
                 return
             except asyncio.CancelledError:
                 return
+            if self._closed:  # the node began closing after this handshake
+                channel.abort()
+                return
             peer = Peer(
                 self,
                 channel,
@@ -331,6 +335,10 @@ class Node:
         except BaseException:
             await client.aclose()
             raise
+        if self._closed:  # closed while we were connecting: nobody would ever close this peer
+            channel.abort()
+            await client.aclose()
+            raise ClosedResourceError("node is closed")
         choice = Choice(chosen.name, tuple((p.name, p.reason) for p in resp.passed_over))
         peer = Peer(
             self,
@@ -386,10 +394,15 @@ class Node:
             raise ClosedResourceError("node is closed")
 
     async def aclose(self) -> None:
-        """Close peers, then listeners and the control plane; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Close peers, then listeners and the control plane; idempotent. The closing runs to
+        its end even if the caller is cancelled meanwhile (say, an RPC method of this node that
+        closes it: closing the peers cancels the method), and every call waits for it."""
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-node-close")
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         for task in list(self._waiting):
             task.cancel()
         self._incoming.put_nowait(None)

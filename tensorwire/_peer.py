@@ -29,7 +29,11 @@ _I64 = 1 << 63
 
 @functools.lru_cache(maxsize=4096)
 def _str_tag(tag: str) -> int:
-    return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "little", signed=True)
+    try:
+        raw = tag.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate: no bytes every process would agree on
+        raise ConfigurationError(f"tag {tag!r} cannot be encoded as UTF-8: {exc.reason}") from None
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
 
 
 def tag_id(tag: int | str) -> int:

@@ -1,6 +1,7 @@
 """Control plane: handshake, negotiation, honest path, auth, health, reflection, codegen."""
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import tensorwire
 from tensorwire.control import PROTOCOL_VERSION, Offer, choose
 from tensorwire.control._client import ControlClient
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
+from tensorwire.testing import connected_pair
 from tensorwire.transports import Capabilities
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -338,3 +340,68 @@ async def test_lookup_after_the_session_died_says_so() -> None:
                     await asyncio.sleep(0.01)
             with pytest.raises(tensorwire.PeerDisconnected):
                 await p.lookup("w")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_node_closed_from_its_own_rpc_method_closes_all_the_way(transport: str) -> None:
+    """Closing the node closes its peers, which cancels their running methods: a 'shutdown'
+    method that called node.aclose() used to cancel its own close halfway, leaving the control
+    plane serving (new connects succeeded) and every later aclose() a no-op."""
+    server = await tensorwire.start("127.0.0.1:0", transports=(transport,))
+    started = asyncio.Event()
+
+    @server.method("shutdown")
+    async def shutdown() -> None:
+        started.set()
+        await server.aclose()
+
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as client:
+        p = await client.connect(server.address)
+        with pytest.raises(tensorwire.TensorWireError):
+            await asyncio.wait_for(p.call("shutdown"), 10)
+        assert started.is_set()
+        await asyncio.wait_for(server.aclose(), 10)  # waits for the close under way
+        with pytest.raises(tensorwire.TensorWireError):
+            await client.connect(server.address, connect_timeout=2)
+        assert server.peers == []
+
+
+@pytest.mark.parametrize("turns", [1, 2, 3, 5, 8])
+async def test_a_cancelled_node_close_still_finishes(turns: int) -> None:
+    server = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+        await client.connect(server.address)
+        closing = asyncio.ensure_future(server.aclose())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        await asyncio.wait_for(server.aclose(), 10)
+        with pytest.raises(tensorwire.TensorWireError):
+            await client.connect(server.address, connect_timeout=2)
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 4, 8, 16, 32])
+async def test_connect_racing_the_nodes_close_leaves_no_open_peer(turns: int) -> None:
+    """A connect that was under way when its node closed used to return an open peer of the
+    closed node, never closed, its heartbeat still running."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server:
+        client = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+        connecting = asyncio.ensure_future(client.connect(server.address))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await asyncio.wait_for(client.aclose(), 10)
+        try:
+            peer = await asyncio.wait_for(connecting, 10)
+        except tensorwire.TensorWireError:
+            pass
+        else:
+            assert peer.closed, "connect returned an open peer of a closed node"
+        assert client.peers == []
+
+
+async def test_a_tag_that_cannot_be_encoded_is_a_configuration_error() -> None:
+    async with connected_pair("inproc") as (a, _):
+        with pytest.raises(tensorwire.ConfigurationError, match="UTF-8"):
+            await a.send(np.arange(3), tag="\ud800")

@@ -600,10 +600,23 @@ async def check_close_mid_transfer(a: Peer, b: Peer) -> None:
     await b.aclose()
     results = await asyncio.wait_for(asyncio.gather(send, recv, return_exceptions=True), 10)
     assert isinstance(results[1], (ClosedResourceError, np.ndarray)), results[1]
-    assert results[0] is None or isinstance(results[0], (TensorWireError, object)), results[0]
+    assert isinstance(results[0], (Receipt, TensorWireError)), results[0]
     # after the close, nothing hangs and both sides report it
     with _refused(TensorWireError, "recv after the peer closed did not fail"):
         await asyncio.wait_for(a.recv(tag="x"), 5)
+
+
+@_check()
+async def check_closing_side_pending_send_says_closed(a: Peer, b: Peer) -> None:
+    """A send waiting for its receiver (rendezvous: larger than the credit, no recv posted) when
+    its own side closes fails with ClosedResourceError, not as if the peer had gone."""
+    x = np.ones(96 * MiB, np.uint8)  # past the 64 MiB of credit a peer grants by default
+    send = asyncio.ensure_future(a.send(x, tag="never-received"))
+    await asyncio.sleep(0.05)
+    assert not send.done(), "a send past the peer's credit completed with no recv posted"
+    await a.aclose()
+    with _refused(ClosedResourceError, "the closing side's own pending send did not say it was closed"):
+        await asyncio.wait_for(send, 10)
 
 
 @_check()

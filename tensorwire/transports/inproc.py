@@ -226,7 +226,13 @@ class InprocChannel(Channel):
     def abort(self) -> None:
         if self.state is not ChannelState.OPEN:
             return
-        self._fail(ChannelState.CLOSED, ClosedResourceError("channel closed"))
+        closed = ClosedResourceError("channel closed")
+        self._fail(ChannelState.CLOSED, closed)
+        if self.peer is not None:  # our own rendezvous sends wait in the peer's sources: we closed
+            for src in self.peer._sources.values():
+                if not src.done.done():
+                    src.done.set_exception(closed)
+                    src.done.exception()
         if self.peer is not None and self.peer.state is ChannelState.OPEN:
             self.peer._fail(ChannelState.BROKEN, PeerDisconnected("in-process peer closed its channel"))
 
