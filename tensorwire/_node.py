@@ -328,7 +328,8 @@ class Node:
                 session = Session(
                     resp.session_id, resp.session_secret, self.node_id, resp.server_node_id, self.config.limits
                 )
-                channel = await transport.connect(chosen.address, session)
+                dial = transport.dial_address(chosen.address, address.rpartition(":")[0])
+                channel = await transport.connect(dial, session)
         except TimeoutError as exc:
             await client.aclose()
             raise ConnectTimeout(f"connecting to {address} took longer than {timeout} s") from exc

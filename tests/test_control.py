@@ -405,3 +405,23 @@ async def test_a_tag_that_cannot_be_encoded_is_a_configuration_error() -> None:
     async with connected_pair("inproc") as (a, _):
         with pytest.raises(tensorwire.ConfigurationError, match="UTF-8"):
             await a.send(np.arange(3), tag="\ud800")
+
+
+async def test_a_node_listening_on_every_interface_is_dialled_where_its_control_plane_was_reached() -> None:
+    """A node started on 0.0.0.0 (as the README's stage servers are) offered the tcp address
+    '0.0.0.0:<port>', which a peer on another machine cannot connect to (probe: ConnectError
+    from a second network namespace). The client now dials the host it reached the node's
+    control plane at. Here: the node on 0.0.0.0, reached at 127.0.0.2, must see its data
+    connection arrive at 127.0.0.2 (dialling 0.0.0.0 itself lands on 127.0.0.1)."""
+    async with tensorwire.start("0.0.0.0:0", transports=("tcp",)) as server:
+        tcp = server.transports["tcp"]
+        port = server.address.rpartition(":")[2]
+        assert tcp.dial_address(b"0.0.0.0:7", "10.1.2.3") == b"10.1.2.3:7"
+        assert tcp.dial_address(b"[::]:7", "[fd00::2]") == b"[fd00::2]:7"
+        assert tcp.dial_address(b"10.9.9.9:7", "10.1.2.3") == b"10.9.9.9:7"
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+            p = await client.connect(f"127.0.0.2:{port}")
+            q = await server.accept()
+            assert q.channel._io.sock.getsockname()[0] == "127.0.0.2"  # type: ignore[attr-defined]
+            await p.send(np.arange(3), tag="t")
+            assert np.array_equal(await q.recv(tag="t"), np.arange(3))

@@ -341,6 +341,12 @@ class Transport(ABC):
         """None if a peer offering ``address`` is reachable, else why not (cheap, local check)."""
         return None
 
+    def dial_address(self, address: bytes, dialled_host: str) -> bytes:
+        """Client side: where to connect for a peer that offered ``address``, whose control plane
+        we reached at ``dialled_host`` (a transport whose address names a listening host
+        replaces a wildcard one with it)."""
+        return address
+
     @abstractmethod
     async def listen(self) -> bytes:
         """Start accepting data-plane connections; return the opaque address blob."""

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 __all__ = ["TcpTransport"]
 
 
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
 def _split(address: bytes) -> tuple[str, int]:
     try:
         host, _, port = address.decode().rpartition(":")
@@ -136,6 +139,15 @@ class TcpTransport(Transport):
     def _track(self, channel: TcpChannel) -> None:
         self._channels.add(channel)
         channel.add_close_callback(lambda _exc: self._channels.discard(channel))
+
+    def dial_address(self, address: bytes, dialled_host: str) -> bytes:
+        """A node listening on every interface (``0.0.0.0``, ``::``) offers that wildcard, which
+        names no machine to a peer elsewhere: dial the host whose control plane we reached."""
+        host, port = _split(address)
+        if host not in _WILDCARDS or not dialled_host:
+            return address
+        dialled_host = dialled_host.strip("[]")
+        return (f"[{dialled_host}]:{port}" if ":" in dialled_host else f"{dialled_host}:{port}").encode()
 
     async def connect(self, address: bytes, session: Session) -> Channel:
         host, port = _split(address)
