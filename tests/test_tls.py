@@ -131,3 +131,30 @@ def test_bad_tls_configuration_is_a_clear_error(tmp_path: Path) -> None:
         TLSConfig().server_credentials()
     with pytest.raises(tensorwire.ConfigurationError, match="cannot read"):
         TLSConfig(cert_file=str(tmp_path / "missing.crt"), key_file="x").server_credentials()
+
+
+async def test_certificates_that_do_not_load_are_named(pki, tmp_path: Path) -> None:
+    """A garbage certificate, a key of another certificate or a garbage CA bundle used to come
+    back as 'cannot bind the control plane ... Failed to bind to address'."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n")
+    cert, key = pki["server"]
+    cases = [
+        (TLSConfig(cert_file=str(garbage), key_file=key), "certificate"),
+        (TLSConfig(cert_file=cert, key_file=pki["client"][1]), "another certificate"),
+        (TLSConfig(cert_file=cert, key_file=key, ca_file=str(garbage)), "CA bundle"),
+    ]
+    for tls, what in cases:
+        with pytest.raises(tensorwire.ConfigurationError, match=what) as info:
+            await tensorwire.start("127.0.0.1:0", tls=tls)
+        assert "bind" not in str(info.value)
+
+
+async def test_a_server_certificate_for_another_name_is_an_authentication_error(pki) -> None:
+    """It used to be 'cannot reach a tensorwire node' (ControlPlaneError)."""
+    async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "server")) as server:
+        cert, key = pki["client"]
+        other = TLSConfig(cert_file=cert, key_file=key, ca_file=pki["ca"][0], server_name="not-the-server")
+        async with tensorwire.start("127.0.0.1:0", tls=other) as client:
+            with pytest.raises(tensorwire.AuthenticationError):
+                await client.connect(server.address, connect_timeout=5)

@@ -28,7 +28,7 @@ class SessionLost(ControlPlaneError):
     """The server dropped the session (it restarted, or the lease ran out)."""
 
 
-_TLS_FAILURE = ("ssl", "handshake", "certificate")
+_TLS_FAILURE = ("ssl", "handshake", "certificate", "hostname verification")
 
 
 def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) -> Exception:
@@ -41,7 +41,7 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) 
         return NegotiationError(f"{target}: {detail}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectTimeout(f"{target} did not answer in time ({detail})")
-    if code == grpc.StatusCode.UNAVAILABLE and tls:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN) and tls:
         low = detail.lower()
         if any(w in low for w in _TLS_FAILURE):
             return AuthenticationError(f"TLS handshake with {target} failed: {detail}")

@@ -7,6 +7,7 @@ plaintext for speed. Rejected TLS handshakes are logged by gRPC core (GRPC_VERBO
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,25 @@ def _read(path: str | None, what: str) -> bytes | None:
         return Path(path).read_bytes()
     except OSError as exc:
         raise ConfigurationError(f"cannot read the {what} {path!r}: {exc.strerror}") from exc
+
+
+def _check_pem(cert_file: str | None, key_file: str | None, ca_file: str | None) -> None:
+    """Load the files as TLS would, so that a garbage certificate, a key of another certificate
+    or a garbage CA bundle is named now, not reported by gRPC as a failure to bind."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if cert_file is not None and key_file is not None:
+        try:
+            ctx.load_cert_chain(cert_file, key_file)
+        except ssl.SSLError as exc:
+            raise ConfigurationError(
+                f"the TLS certificate {cert_file!r} with the private key {key_file!r} does not load "
+                f"(not PEM, or the key belongs to another certificate): {exc.reason or exc}"
+            ) from exc
+    if ca_file is not None:
+        try:
+            ctx.load_verify_locations(cafile=ca_file)
+        except ssl.SSLError as exc:
+            raise ConfigurationError(f"the TLS CA bundle {ca_file!r} does not load: {exc.reason or exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +71,19 @@ class TLSConfig:
         ca = _read(self.ca_file, "CA bundle")
         if self.require_client_cert and ca is None:
             raise ConfigurationError("require_client_cert needs ca_file to verify client certificates")
+        _check_pem(self.cert_file, self.key_file, self.ca_file)
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=self.require_client_cert
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
+        creds = grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca_file, "CA bundle"),
             private_key=_read(self.key_file, "private key"),
             certificate_chain=_read(self.cert_file, "certificate"),
         )
+        _check_pem(self.cert_file, self.key_file, self.ca_file)
+        return creds
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
