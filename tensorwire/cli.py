@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,6 +28,7 @@ from . import __version__, start
 from .errors import TensorWireError
 
 MiB = 1 << 20
+_T = TypeVar("_T")
 
 
 # -- demo -----------------------------------------------------------------------------------
@@ -83,6 +88,106 @@ async def _demo_child(address: str, size_mib: int) -> int:
     return 0
 
 
+_DEMO_STEP_S = 120.0  # no step of the demo (starting B, one transfer) may take longer
+_GRACE_S = 3.0  # how long B gets to exit after SIGTERM before it is killed
+
+
+class _DemoFailed(Exception):
+    """The demo could not run to its end; the message says why (printed without a traceback)."""
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+async def _stop_child(child: asyncio.subprocess.Process) -> None:
+    """Terminate the demo's second process; kill it when it is still there after a short grace."""
+    if child.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            child.terminate()
+    try:
+        async with asyncio.timeout(_GRACE_S):
+            await child.wait()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        await child.wait()
+
+
+async def _unless_child_exits(child: asyncio.subprocess.Process, work: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``work``, but fail at once, naming B's exit, when B exits before ``work`` is done."""
+    task = asyncio.ensure_future(work)
+    exited = asyncio.ensure_future(child.wait())
+    try:
+        await asyncio.wait({task, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and child.returncode == 0:  # B exits 0 only once told "done": let A finish too
+            await asyncio.wait({task}, timeout=_GRACE_S)
+        if not task.done():
+            raise _DemoFailed(f"node B (pid {child.pid}) {_exit_text(child.returncode)} before the demo finished")
+        try:
+            return task.result()
+        except TensorWireError as exc:  # the peer went away: say so when it is because B died
+            await asyncio.wait({exited}, timeout=_GRACE_S)
+            if child.returncode:
+                raise _DemoFailed(f"node B (pid {child.pid}) {_exit_text(child.returncode)}: {exc}") from exc
+            raise
+    finally:
+        task.cancel()
+        exited.cancel()
+        await asyncio.gather(task, exited, return_exceptions=True)
+
+
+async def _demo_exchange(node: Any, child: asyncio.subprocess.Process, want: dict[str, Any], repeat: int) -> bool:
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(_DEMO_STEP_S) as deadline:
+            peer = await node.accept()
+            print(f"node A {node.address} <- node B (pid {child.pid})")
+            print(f"path: {peer.path}")
+            t0 = time.perf_counter()
+            receipt = await peer.send(want, tag="demo")
+            verdict = await peer.recv(tag="verdict")
+            t_first = time.perf_counter() - t0
+            nbytes = verdict["bytes"]
+            print(
+                f"sent a pytree of {len(want)} leaves, {nbytes / MiB:.1f} MiB "
+                f"({receipt.protocol}, packed={receipt.packed}); B verified it in {t_first:.2f} s: "
+                f"{'every byte matches' if not verdict['errors'] else verdict['errors']}",
+                flush=True,
+            )
+            print(f"B sees the path as: {verdict['path']}", flush=True)
+            big = want["activations"]
+            times = []
+            for _ in range(repeat):
+                deadline.reschedule(loop.time() + _DEMO_STEP_S)
+                t0 = time.perf_counter()
+                await peer.send("bw", tag="ctl")
+                await peer.send(big, tag="bw")
+                await peer.recv(tag="ack")
+                times.append(time.perf_counter() - t0)
+            deadline.reschedule(loop.time() + _DEMO_STEP_S)
+            await peer.send("back", tag="ctl")
+            back = await peer.recv(tag="back")
+            back_ok = _verify(back, big) == []
+            await peer.send("done", tag="ctl")
+    except TimeoutError as exc:
+        raise _DemoFailed(f"a step of the demo took longer than {_DEMO_STEP_S:g} s") from exc
+    best, med = min(times), statistics.median(times)
+    print(
+        f"bandwidth A->B, {big.nbytes / MiB:.0f} MiB tensor x{repeat}: "
+        f"best {big.nbytes / best / 1e9:.2f} GB/s, median {big.nbytes / med / 1e9:.2f} GB/s"
+    )
+    print(f"B->A echo of the {big.nbytes / MiB:.0f} MiB tensor: {'verified' if back_ok else 'CORRUPTED'}")
+    return not verdict["errors"] and back_ok
+
+
 async def _demo(size_mib: int, repeat: int) -> int:
     t_start = time.perf_counter()
     want = _demo_payload(size_mib)
@@ -91,49 +196,38 @@ async def _demo(size_mib: int, repeat: int) -> int:
             sys.executable, "-m", "tensorwire.cli", "_demo-peer", node.address, str(size_mib)
         )
         try:
-            async with asyncio.timeout(120):
-                peer = await node.accept()
-                print(f"node A {node.address} <- node B (pid {child.pid})")
-                print(f"path: {peer.path}")
-                t0 = time.perf_counter()
-                receipt = await peer.send(want, tag="demo")
-                verdict = await peer.recv(tag="verdict")
-                t_first = time.perf_counter() - t0
-                nbytes = verdict["bytes"]
-                print(
-                    f"sent a pytree of {len(want)} leaves, {nbytes / MiB:.1f} MiB "
-                    f"({receipt.protocol}, packed={receipt.packed}); B verified it in {t_first:.2f} s: "
-                    f"{'every byte matches' if not verdict['errors'] else verdict['errors']}"
-                )
-                print(f"B sees the path as: {verdict['path']}")
-                big = want["activations"]
-                times = []
-                for _ in range(repeat):
-                    t0 = time.perf_counter()
-                    await peer.send("bw", tag="ctl")
-                    await peer.send(big, tag="bw")
-                    await peer.recv(tag="ack")
-                    times.append(time.perf_counter() - t0)
-                await peer.send("back", tag="ctl")
-                back = await peer.recv(tag="back")
-                back_ok = _verify(back, big) == []
-                await peer.send("done", tag="ctl")
-                best, med = min(times), statistics.median(times)
-                print(
-                    f"bandwidth A->B, {big.nbytes / MiB:.0f} MiB tensor x{repeat}: "
-                    f"best {big.nbytes / best / 1e9:.2f} GB/s, median {big.nbytes / med / 1e9:.2f} GB/s"
-                )
-                print(f"B->A echo of the {big.nbytes / MiB:.0f} MiB tensor: {'verified' if back_ok else 'CORRUPTED'}")
-                ok = not verdict["errors"] and back_ok
-        finally:
-            try:
-                async with asyncio.timeout(20):
-                    await child.wait()
-            except TimeoutError:
-                child.kill()
+            ok = await _unless_child_exits(child, _demo_exchange(node, child, want, repeat))
+        except BaseException:  # failed, Ctrl-C or SIGTERM: B is not left behind, nor waited for
+            await _stop_child(child)
+            raise
+        try:
+            async with asyncio.timeout(20):
                 await child.wait()
+        except TimeoutError:
+            await _stop_child(child)
     print(f"demo {'passed' if ok else 'FAILED'} in {time.perf_counter() - t_start:.1f} s")
+    if child.returncode != 0:
+        print(f"tensorwire demo: node B (pid {child.pid}) {_exit_text(child.returncode)}", file=sys.stderr)
     return 0 if ok and child.returncode == 0 else 1
+
+
+def _run_until_signal(work: Coroutine[Any, Any, int]) -> int:
+    """``asyncio.run(work)`` that takes SIGTERM like Ctrl-C: ``work`` is cancelled and cleans up."""
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await work
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        return asyncio.run(run())
+    except asyncio.CancelledError:  # only SIGTERM cancels this task (Ctrl-C raises KeyboardInterrupt)
+        return 128 + signal.SIGTERM
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -177,13 +271,49 @@ def _doctor_report(address: str | None = None, token: str | None = None) -> dict
     return report(address, token)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what is written to file descriptor 1 to descriptor 2 for a while.
+
+    Native libraries (UCX's warnings) write to descriptor 1 directly, past ``sys.stdout``; while the
+    doctor probes them, that goes to stderr so that stdout holds nothing but the report.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        with contextlib.suppress(Exception):  # flush C stdio, which may hold native output
+            ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _doctor(as_json: bool, address: str | None = None, token: str | None = None) -> int:
     from ._doctor import render
 
-    rep = _doctor_report(address, token)
+    with _stdout_to_stderr() if as_json else contextlib.nullcontext():
+        rep = _doctor_report(address, token)
     print(json.dumps(rep, indent=2) if as_json else render(rep))
     conn = rep.get("connect")
     return 1 if conn is not None and "error" in conn else 0
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int no smaller than ``low`` (anything else is a usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, not {value}")
+        return value
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"tensorwire {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="two processes on loopback exchange a verified pytree")
-    p.add_argument("--size-mib", type=int, default=256, help="size of the large tensor (default 256)")
-    p.add_argument("--repeat", type=int, default=3, help="bandwidth repetitions (default 3)")
+    p.add_argument("--size-mib", type=_at_least(1), default=256, help="size of the large tensor (default 256)")
+    p.add_argument("--repeat", type=_at_least(1), default=3, help="bandwidth repetitions (default 3)")
     p = sub.add_parser("serve", help="run a node")
     p.add_argument("--address", default="127.0.0.1:0")
     p.add_argument("--echo", action="append", default=[], metavar="TAG", help="echo messages received on TAG")
@@ -216,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.cmd == "demo":
-            return asyncio.run(_demo(args.size_mib, args.repeat))
+            return _run_until_signal(_demo(args.size_mib, args.repeat))
         if args.cmd == "serve":
             return asyncio.run(_serve(args.address, args.echo, args.token, args.transports))
         if args.cmd == "doctor":
@@ -229,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except TensorWireError as exc:
         print(f"tensorwire: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except _DemoFailed as exc:
+        print(f"tensorwire demo: {exc}", file=sys.stderr)
         return 1
     return 2
 

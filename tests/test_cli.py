@@ -1,0 +1,130 @@
+"""The command line as a user runs it: bad arguments, a dying or interrupted demo, doctor --json.
+
+Every command runs in a subprocess with a timeout; the demo's second process is found through
+/proc (the demo prints its pid only once it has connected)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc"),
+]
+
+CLI = [sys.executable, "-m", "tensorwire.cli"]
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
+def _alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def _demo_peer_of(parent: int, timeout: float = 30.0) -> int:
+    """The pid of the `_demo-peer` process a demo started, as soon as it exists."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None and st[1] == parent:
+                try:
+                    if b"_demo-peer" in (entry / "cmdline").read_bytes():
+                        return int(entry.name)
+                except OSError:
+                    pass
+        time.sleep(0.01)
+    raise AssertionError(f"the demo (pid {parent}) started no _demo-peer within {timeout:g} s")
+
+
+def _kill(*pids: int) -> None:
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (["--size-mib", "1", "--repeat", "0"], "argument --repeat: must be 1 or more, not 0"),
+        (["--size-mib", "1", "--repeat", "-2"], "argument --repeat: must be 1 or more, not -2"),
+        (["--size-mib", "-5", "--repeat", "1"], "argument --size-mib: must be 1 or more, not -5"),
+        (["--size-mib", "many"], "argument --size-mib: not an integer: 'many'"),
+    ],
+)
+def test_demo_rejects_bad_numbers_with_a_usage_error(args: list[str], complaint: str) -> None:
+    out = subprocess.run([*CLI, "demo", *args], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert complaint in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_demo_says_at_once_that_its_second_process_died() -> None:
+    demo = subprocess.Popen([*CLI, "demo", "--size-mib", "1", "--repeat", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    child = 0
+    try:
+        child = _demo_peer_of(demo.pid)
+        os.kill(child, signal.SIGKILL)  # before it connects: node A is waiting in accept()
+        _, err = demo.communicate(timeout=60)  # the old demo waited 120 s, then raised TimeoutError
+    finally:
+        _kill(demo.pid, child)
+        demo.communicate()
+    assert demo.returncode == 1, err
+    assert f"node B (pid {child}) was killed by SIGKILL" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_demo_stops_its_second_process(signum: signal.Signals, code: int) -> None:
+    # many repetitions: the demo is in its bandwidth loop, over whichever transport it picked
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    demo = subprocess.Popen([*CLI, "demo", "--size-mib", "4", "--repeat", "1000000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    assert demo.stdout is not None
+    child = 0
+    try:
+        child = _demo_peer_of(demo.pid)
+        lines = []
+        for line in demo.stdout:
+            lines.append(line)
+            if line.startswith("B sees the path as:"):
+                break
+        else:
+            raise AssertionError(f"the demo ended early: {''.join(lines)}")
+        os.kill(demo.pid, signum)  # the parent alone, as `kill` or a supervisor sends it
+        # promptly: the old demo waited 20 s for its child after a SIGINT (and left it on SIGTERM)
+        _, err = demo.communicate(timeout=15)
+    finally:
+        _kill(demo.pid, child)
+        demo.communicate()
+    assert demo.returncode == code, err
+    assert "Traceback" not in err
+    assert not _alive(child), "the demo left its second process running"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+def test_doctor_json_stdout_is_only_json_when_ucx_warns() -> None:
+    # a transport UCX does not know makes it print warnings on file descriptor 1 while it is probed
+    env = {**os.environ, "UCX_TLS": "bogus"}
+    out = subprocess.run([*CLI, "doctor", "--json"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["transports"]["tcp"]["usable"]
