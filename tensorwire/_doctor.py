@@ -187,8 +187,11 @@ def report(address: str | None = None, token: str | None = None, timeout: float 
         for n, (_, c) in usable.items()
     }
     transports.update({n: {"usable": False, "reason": r} for n, r in unusable.items()})
-    remote_pick = next((n for n in DEFAULT_PREFERENCE if n in usable and n != "inproc"), None)
-    passed = [f"{n}: {unusable[n]}" for n in DEFAULT_PREFERENCE if n in unusable]
+    remote = [n for n in DEFAULT_PREFERENCE if n != "inproc"]
+    remote_pick = next((n for n in remote if n in usable), None)
+    # passed over: what ranks above the pick (all of them when nothing is usable), not what ranks below
+    above = remote[: remote.index(remote_pick)] if remote_pick is not None else remote
+    passed = [f"{n}: {unusable[n]}" for n in above if n in unusable]
     rdma = rdma_devices()
     gpu_list = gpus()
     out: dict[str, Any] = {

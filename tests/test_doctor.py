@@ -148,3 +148,26 @@ def test_doctor_address_that_does_not_answer_fails_clearly() -> None:
     assert out.returncode == 1
     conn = json.loads(out.stdout)["connect"]
     assert "error" in conn and conn["address"] == "127.0.0.1:9"
+
+
+def test_passed_over_names_only_transports_ranked_above_the_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from tensorwire.transports import DEFAULT_PREFERENCE
+
+    caps = SimpleNamespace(rdma=False, one_sided=False, memory_kinds=("host",))
+    verbs_why = "pyverbs is not installed"
+
+    def probe_all(_names: object, *, ucx: bool) -> tuple[dict[str, object], dict[str, str]]:
+        usable = {n: (None, caps) for n in ("inproc", "tcp", *(("ucx",) if ucx else ()))}
+        return usable, {"verbs": verbs_why, **({} if ucx else {"ucx": "no libucx"})}
+
+    assert DEFAULT_PREFERENCE.index("ucx") < DEFAULT_PREFERENCE.index("verbs") < DEFAULT_PREFERENCE.index("tcp")
+    monkeypatch.setattr(_doctor, "probe_all", lambda names: probe_all(names, ucx=True))
+    rep = _doctor.report()
+    # verbs ranks below ucx: it was never a candidate, so it was not passed over
+    assert rep["connect_to_another_process"] == {"transport": "ucx", "passed_over": []}
+    assert "not verbs" not in _doctor.render(rep)
+    monkeypatch.setattr(_doctor, "probe_all", lambda names: probe_all(names, ucx=False))
+    pick = _doctor.report()["connect_to_another_process"]
+    assert pick == {"transport": "tcp", "passed_over": ["ucx: no libucx", f"verbs: {verbs_why}"]}
