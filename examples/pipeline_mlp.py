@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from typing import Any
 
@@ -96,8 +97,18 @@ async def stop(procs: list[Any]) -> None:
             await proc.wait()
 
 
+def cancel_on_sigterm() -> None:
+    """Take SIGTERM like Ctrl-C: cancel this task, so that its ``finally`` stops the stage processes."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    # a second SIGTERM while the stages are being stopped is ignored rather than cutting that short
+    loop.add_signal_handler(signal.SIGTERM, lambda: task.cancelling() or task.cancel())
+
+
 async def main(transport: str, schedule: str, steps: int, microbatches: int, batch: int) -> None:
     p = 4
+    cancel_on_sigterm()
     procs, addresses = await spawn_stages(p, PART, [transport])
     try:
         async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
@@ -129,4 +140,9 @@ if __name__ == "__main__":
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=256)
     a = ap.parse_args()
-    asyncio.run(main(a.transport, a.schedule, a.steps, a.microbatches, a.batch))
+    try:
+        asyncio.run(main(a.transport, a.schedule, a.steps, a.microbatches, a.batch))
+    except KeyboardInterrupt:
+        sys.exit(128 + signal.SIGINT)
+    except asyncio.CancelledError:  # SIGTERM; the stage processes are stopped by now
+        sys.exit(128 + signal.SIGTERM)

@@ -128,3 +128,41 @@ def test_doctor_json_stdout_is_only_json_when_ucx_warns() -> None:
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["transports"]["tcp"]["usable"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_pipeline_example_stops_its_stage_processes_when_signalled(signum: signal.Signals, code: int) -> None:
+    pytest.importorskip("torch")
+    root = Path(__file__).resolve().parents[1]
+    example = root / "examples" / "pipeline_mlp.py"
+    # a script's sys.path starts at its own folder: make it import this checkout's tensorwire
+    path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    driver = subprocess.Popen([sys.executable, str(example), "--steps", "1000000"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    assert driver.stdout is not None
+    stages: list[int] = []
+    try:
+        lines = []
+        for line in driver.stdout:
+            lines.append(line)
+            if line.startswith("step 0:"):
+                break
+        else:
+            raise AssertionError(f"the example ended early: {''.join(lines)}{driver.communicate()[1][-2000:]}")
+        stages = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _ppid(int(e.name)) == driver.pid]
+        assert len(stages) == 4, lines
+        os.kill(driver.pid, signum)  # the driver alone, as `kill` or a supervisor sends it
+        _, err = driver.communicate(timeout=60)
+    finally:
+        _kill(driver.pid, *stages)
+        driver.communicate()
+    assert driver.returncode == code, err
+    assert "Traceback" not in err
+    assert not [pid for pid in stages if _alive(pid)], "the example left stage processes running"
+
+
+def _ppid(pid: int) -> int | None:
+    st = _stat(pid)
+    return None if st is None else st[1]
