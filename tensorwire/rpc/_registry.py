@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._checks import check_int
 from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ __all__ = ["RESERVED_KWARGS", "ByteBudget", "CallLimits", "Method", "MethodRegis
 
 RESERVED_KWARGS = ("_deadline", "_out")  # peer.call's own keywords: no method may take them
 MiB = 1 << 20
+_U64 = (1 << 64) - 1  # byte limits are reported in uint64 fields (GetMethods' max_arg_bytes)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,6 +36,9 @@ class CallLimits:
         whose arguments do not fit waits for others to finish before its tensors move.
     max_arg_bytes: the largest argument payload one call may carry (None: max_inflight_bytes);
         a method can declare a smaller limit of its own.
+
+    Each is an int (ConfigurationError otherwise, here): max_concurrent and max_inflight_bytes
+    at least 1, max_arg_bytes at least 0; byte limits below 2**64.
     """
 
     max_concurrent: int = 64
@@ -41,12 +46,11 @@ class CallLimits:
     max_arg_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_concurrent < 1:
-            raise ConfigurationError("max_concurrent must be at least 1")
-        if self.max_inflight_bytes < 1:
-            raise ConfigurationError("max_inflight_bytes must be positive")
-        if self.max_arg_bytes is not None and self.max_arg_bytes < 0:
-            raise ConfigurationError("max_arg_bytes must not be negative")
+        set_ = object.__setattr__  # frozen: store the checked values as plain ints
+        set_(self, "max_concurrent", check_int("CallLimits.max_concurrent", self.max_concurrent, 1))
+        set_(self, "max_inflight_bytes", check_int("CallLimits.max_inflight_bytes", self.max_inflight_bytes, 1, _U64))
+        if self.max_arg_bytes is not None:
+            set_(self, "max_arg_bytes", check_int("CallLimits.max_arg_bytes", self.max_arg_bytes, 0, _U64))
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,8 +225,8 @@ class MethodRegistry(Mapping[str, Method]):
             raise ConfigurationError("a method name is a non-empty string of at most 256 characters")
         if name in self._methods:
             raise ConfigurationError(f"a method named {name!r} is already registered")
-        if max_arg_bytes is not None and (isinstance(max_arg_bytes, bool) or max_arg_bytes < 0):
-            raise ConfigurationError("max_arg_bytes must be a non-negative int or None")
+        if max_arg_bytes is not None:
+            max_arg_bytes = check_int(f"max_arg_bytes of method {name!r}", max_arg_bytes, 0, _U64)
         sig = _signature(fn)
         named = {} if sig is None else sig.parameters
         var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .._checks import check_int, check_seconds
 from ..errors import ClosedResourceError, ConfigurationError, ProtocolError
 
 if TYPE_CHECKING:
@@ -63,10 +64,21 @@ class Limits:
     max_message_bytes: the largest message accepted from a peer.
     max_header_bytes: the largest message header accepted from a peer; at least
         MIN_HEADER_BYTES, so that a short error reply (an RPC's reply of last resort) always fits.
-    chunk_bytes: payload frame size, so that concurrent messages interleave on one stream.
+    chunk_bytes: payload frame size, so that concurrent messages interleave on one stream; at
+        least MIN_CHUNK_BYTES.
+    inline_bytes: the most payload bytes a transport may carry with a message's header (ucx,
+        verbs).
+    handshake_seconds: how long an incoming data connection has to prove its session.
+
+    Every field is checked here (ConfigurationError): the byte counts are ints that the wire's
+    limits record can carry (recv_buffer_bytes and max_message_bytes below 2**64, from 0;
+    max_unexpected from 1, and max_header_bytes, below 2**32), and handshake_seconds is a
+    finite number of seconds above 0. recv_buffer_bytes=0 is valid: every message then waits
+    for its recv (rendezvous).
     """
 
     MIN_HEADER_BYTES: ClassVar[int] = 1024
+    MIN_CHUNK_BYTES: ClassVar[int] = 4096
 
     recv_buffer_bytes: int = 64 * MiB
     max_unexpected: int = 1024
@@ -78,11 +90,22 @@ class Limits:
 
     def __post_init__(self) -> None:
         n = self.max_header_bytes
-        if isinstance(n, bool) or not isinstance(n, int) or n < self.MIN_HEADER_BYTES:
+        if isinstance(n, int) and not isinstance(n, bool) and n < self.MIN_HEADER_BYTES:
             raise ConfigurationError(
                 f"max_header_bytes must be an int of at least {self.MIN_HEADER_BYTES} (a short error reply "
                 f"must always fit), not {n!r}"
             )
+        u32, u64 = (1 << 32) - 1, (1 << 64) - 1  # the fields of the wire's LIMITS record (_frames.py)
+        for name, lo, hi in (
+            ("recv_buffer_bytes", 0, u64),
+            ("max_unexpected", 1, u32),
+            ("max_message_bytes", 0, u64),
+            ("max_header_bytes", self.MIN_HEADER_BYTES, u32),
+            ("chunk_bytes", self.MIN_CHUNK_BYTES, u64),
+            ("inline_bytes", 0, u64),
+        ):
+            object.__setattr__(self, name, check_int(f"Limits.{name}", getattr(self, name), lo, hi))
+        object.__setattr__(self, "handshake_seconds", check_seconds("Limits.handshake_seconds", self.handshake_seconds))
 
 
 @dataclass(frozen=True, slots=True)

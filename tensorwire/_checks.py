@@ -1,0 +1,57 @@
+"""Checks for configuration values. A wrong value is a ConfigurationError raised where it is
+given, naming the setting, the value and what is allowed; a right one comes back as a plain
+``int``, ``float`` or ``bool`` (numpy scalars included), so nothing later trips over its type."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+import numpy as np
+
+from .errors import ConfigurationError
+
+__all__ = ["MAX_SECONDS", "check_bool", "check_int", "check_seconds"]
+
+MAX_SECONDS = 1e9  # ~31 years; a gRPC deadline overflows past ~9e9 s
+
+
+def check_int(what: str, value: object, lo: int, hi: int | None = None) -> int:
+    """``value`` as an int in ``[lo, hi]`` (no upper bound where ``hi`` is None)."""
+    allowed = f"an int of at least {lo}" if hi is None else f"an int from {lo} to {_bound(hi)}"
+    if isinstance(value, (bool, np.bool_)) or not hasattr(type(value), "__index__"):
+        raise ConfigurationError(f"{what} must be {allowed}, not {value!r}")
+    n = operator.index(value)  # type: ignore[arg-type]
+    if n < lo or (hi is not None and n > hi):
+        raise ConfigurationError(f"{what} must be {allowed}, not {value!r}")
+    return n
+
+
+def _bound(n: int) -> str:
+    """2**64 - 1 rather than its 20 digits: the size of a wire field reads better."""
+    k = (n + 1).bit_length() - 1
+    return f"2**{k} - 1" if k >= 16 and n + 1 == 1 << k else str(n)
+
+
+def check_seconds(what: str, value: object, lo: float = 0.0, hi: float = MAX_SECONDS) -> float:
+    """``value`` as a finite number of seconds above ``lo`` (at least ``lo`` where it is not 0)
+    and at most ``hi``."""
+    top = int(hi) if float(hi).is_integer() else hi
+    allowed = f"a number of seconds > 0 and at most {top}" if lo == 0 else f"a number of seconds from {lo} to {top}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ConfigurationError(f"{what} must be {allowed}, not {value!r}")
+    try:
+        s = float(value)
+    except OverflowError:  # an int past any float
+        s = math.inf
+    if not (math.isfinite(s) and (s > 0 if lo == 0 else s >= lo) and s <= hi):
+        raise ConfigurationError(f"{what} must be {allowed}, not {value!r}")
+    return s
+
+
+def check_bool(what: str, value: object) -> bool:
+    """``value`` as a bool: True or False (numpy's too), never a truthy stand-in like 2 or 'no'."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ConfigurationError(f"{what} must be True or False, not {value!r}")
