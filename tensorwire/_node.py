@@ -9,10 +9,11 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from ._checks import check_bool, check_seconds
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
 from ._peer import Peer
@@ -29,7 +30,7 @@ from .errors import (
 )
 from .rpc._registry import MethodRegistry, methods_of
 from .rpc._server import attach as _serve_rpc
-from .transports import DEFAULT_PREFERENCE, Channel, Limits, Session, Transport, TransportContext, probe_all
+from .transports import DEFAULT_PREFERENCE, KNOWN, Channel, Limits, Session, Transport, TransportContext, probe_all
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,15 @@ class NodeConfig:
     ucx_options: UCX configuration for this node's ucx transport, names without the ``UCX_``
         prefix: ``{"TLS": "sm,self"}``, ``{"RNDV_THRESH": "64k"}``. Passed to the UCX context,
         never through the environment; they win over ``ucx_config()`` and ``UCX_*`` variables.
+
+    Every field is checked when the config is made (``start()`` makes one from its options): a
+    wrong type or value is a ConfigurationError that says what is allowed. connect_timeout is a
+    finite number of seconds > 0; lease_seconds one from MIN_LEASE_SECONDS up to what the
+    handshake's uint32 milliseconds carry (MAX_LEASE_SECONDS, about 49 days).
     """
+
+    MIN_LEASE_SECONDS: ClassVar[float] = 0.05  # the watchdog wakes every lease / 4 (at most 0.5 s)
+    MAX_LEASE_SECONDS: ClassVar[float] = float((1 << 32) - 1) // 1000  # lease_ms is a uint32
 
     transports: tuple[str, ...] = DEFAULT_PREFERENCE
     auth_token: str | None = None
@@ -65,6 +74,59 @@ class NodeConfig:
     tls: TLSConfig | None = None
     node_id: str | None = None
     ucx_options: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: store the checked values, normalized
+        names = self.transports
+        if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+            raise ConfigurationError(f"transports must be a sequence of names, e.g. ('tcp',), not {names!r}")
+        names = tuple(names)
+        if not names:
+            raise ConfigurationError(f"transports is empty; name at least one of: {', '.join(KNOWN)}")
+        for name in names:
+            if not isinstance(name, str) or name not in KNOWN:
+                raise ConfigurationError(f"unknown transport {name!r} in transports; known: {', '.join(KNOWN)}")
+        set_(self, "transports", names)
+        _check_name("auth_token", self.auth_token)
+        if not isinstance(self.limits, Limits):
+            raise ConfigurationError(
+                f"limits must be a tensorwire.Limits (e.g. Limits(max_unexpected=64)), not {self.limits!r}"
+            )
+        set_(self, "connect_timeout", check_seconds("connect_timeout", self.connect_timeout))
+        set_(
+            self,
+            "lease_seconds",
+            check_seconds("lease_seconds", self.lease_seconds, self.MIN_LEASE_SECONDS, self.MAX_LEASE_SECONDS),
+        )
+        set_(self, "checksum", check_bool("checksum", self.checksum))
+        if self.tls is not None and not isinstance(self.tls, TLSConfig):
+            raise ConfigurationError(
+                f"tls must be a tensorwire.TLSConfig(cert_file=..., key_file=..., ...) or None, not {self.tls!r}"
+            )
+        _check_name("node_id", self.node_id)
+        opts = self.ucx_options
+        if not isinstance(opts, Mapping):
+            raise ConfigurationError(f"ucx_options must be a mapping like {{'TLS': 'sm,self'}}, not {opts!r}")
+        for key, value in opts.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ConfigurationError(
+                    f"ucx_options maps names to strings (e.g. {{'RNDV_THRESH': '64k'}}), not {key!r}: {value!r}"
+                )
+        set_(self, "ucx_options", dict(opts))
+
+
+def _check_name(what: str, value: object) -> None:
+    """auth_token and node_id: None, or a non-empty string that UTF-8 can carry."""
+    if value is None:
+        return
+    ok = isinstance(value, str) and value != ""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            ok = False
+    if not ok:
+        raise ConfigurationError(f"{what} must be a non-empty string or None, not {value!r}")
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -448,15 +510,15 @@ def start(address: str = "127.0.0.1:0", *, config: NodeConfig | None = None, **o
     """Start a node serving at ``address`` (port 0 picks a free port; read ``node.address``).
 
     Options are NodeConfig fields: ``transports``, ``auth_token``, ``limits``,
-    ``connect_timeout``, ``node_id``.
+    ``connect_timeout``, ``lease_seconds``, ``checksum``, ``tls``, ``node_id``, ``ucx_options``.
+    A bad address, option or value raises ConfigurationError here, before anything starts.
     """
+    if config is not None and not isinstance(config, NodeConfig):
+        raise ConfigurationError(f"config must be a tensorwire.NodeConfig, not {config!r}")
     cfg = config or NodeConfig()
     if options:
         try:
             cfg = dataclasses.replace(cfg, **options)
         except TypeError as exc:
             raise ConfigurationError(f"unknown node option: {exc}") from None
-    if isinstance(cfg.transports, str):
-        raise ConfigurationError("transports must be a sequence of names, e.g. ('tcp',)")
-    cfg = dataclasses.replace(cfg, transports=tuple(cfg.transports))
     return _Starting(Node(address, cfg))

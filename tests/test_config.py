@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tensorwire
-from tensorwire import ConfigurationError, Limits
+from tensorwire import ConfigurationError, Limits, NodeConfig
 from tensorwire.rpc import CallLimits
 from tensorwire.testing import connected_pair
 
@@ -20,6 +20,13 @@ pytestmark = pytest.mark.timeout(60)
 
 U32, U64 = 1 << 32, 1 << 64
 MIN_CHUNK = 4096  # Limits.MIN_CHUNK_BYTES
+MIN_LEASE, MAX_LEASE = 0.05, 4294967.0  # NodeConfig.MIN_/MAX_LEASE_SECONDS (lease_ms is a uint32)
+
+
+def test_bounds_are_the_documented_ones() -> None:
+    assert Limits.MIN_CHUNK_BYTES == MIN_CHUNK
+    assert (NodeConfig.MIN_LEASE_SECONDS, NodeConfig.MAX_LEASE_SECONDS) == (MIN_LEASE, MAX_LEASE)
+    assert MAX_LEASE * 1000 < U32 <= (MAX_LEASE + 1) * 1000
 
 
 # -- Limits -----------------------------------------------------------------------------------------
@@ -96,6 +103,96 @@ async def test_max_message_bytes_zero_allows_header_only_messages() -> None:
         assert await b.recv(tag=1) == {"s": "hello", "n": 3}
         with pytest.raises(tensorwire.TransferError, match="0-byte limit"):
             await a.send(np.ones(1), tag=1)
+
+
+# -- node options -------------------------------------------------------------------------------------
+BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("lease_seconds", {"lease_seconds": 0}),  # the watchdog spun a core and declared every peer dead
+    ("lease_seconds", {"lease_seconds": -1}),
+    ("lease_seconds", {"lease_seconds": 1e-3}),
+    ("lease_seconds", {"lease_seconds": MIN_LEASE / 2}),
+    ("lease_seconds", {"lease_seconds": math.nan}),
+    ("lease_seconds", {"lease_seconds": math.inf}),
+    ("lease_seconds", {"lease_seconds": 1e9}),  # lease_ms is a uint32: every handshake failed
+    ("lease_seconds", {"lease_seconds": MAX_LEASE + 1}),
+    ("lease_seconds", {"lease_seconds": "3"}),
+    ("lease_seconds", {"lease_seconds": True}),
+    ("connect_timeout", {"connect_timeout": 0}),  # a serving node could never accept a peer
+    ("connect_timeout", {"connect_timeout": -1}),
+    ("connect_timeout", {"connect_timeout": math.nan}),
+    ("connect_timeout", {"connect_timeout": math.inf}),
+    ("connect_timeout", {"connect_timeout": 1e12}),  # past what a gRPC deadline carries
+    ("connect_timeout", {"connect_timeout": "5"}),
+    ("checksum", {"checksum": 2}),  # broke every tcp connection
+    ("checksum", {"checksum": "true"}),
+    ("checksum", {"checksum": "no"}),
+    ("checksum", {"checksum": 1}),
+    ("checksum", {"checksum": None}),
+    ("transports", {"transports": None}),
+    ("transports", {"transports": ()}),
+    ("transports", {"transports": [1]}),
+    ("transports", {"transports": ["TCP"]}),
+    ("transports", {"transports": ("tcp", "nosuch")}),
+    ("transports", {"transports": 5}),
+    ("tls", {"tls": "cert.pem"}),
+    ("limits", {"limits": {"max_unexpected": 5}}),
+    ("limits", {"limits": None}),
+    ("ucx_options", {"ucx_options": ["TLS"]}),
+    ("ucx_options", {"ucx_options": {"RNDV_THRESH": 5}}),
+    ("ucx_options", {"ucx_options": {5: "x"}}),
+    ("auth_token", {"auth_token": 123}),
+    ("auth_token", {"auth_token": b"token"}),
+    ("auth_token", {"auth_token": ""}),  # would "require" a token every client has
+    ("auth_token", {"auth_token": "\ud800"}),
+    ("node_id", {"node_id": 5}),
+    ("node_id", {"node_id": ""}),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "options"), BAD_OPTIONS, ids=[f"{k}={v!r}" for _, o in BAD_OPTIONS for k, v in o.items()]
+)
+async def test_node_options_reject(field: str, options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError, match=field):
+        tensorwire.start("127.0.0.1:0", **options)
+    with pytest.raises(ConfigurationError, match=field):
+        NodeConfig(**options)
+
+
+async def test_config_must_be_a_node_config() -> None:
+    with pytest.raises(ConfigurationError, match="NodeConfig"):
+        tensorwire.start("127.0.0.1:0", config={"lease_seconds": 1.0})  # type: ignore[arg-type]
+
+
+async def test_lease_at_its_bounds() -> None:
+    with pytest.raises(ConfigurationError, match="lease_seconds"):
+        NodeConfig(lease_seconds=0)
+    for lease in (MIN_LEASE, MAX_LEASE):
+        async with connected_pair("tcp", lease_seconds=lease) as (a, b):
+            await a.send(np.ones(10), tag=1)
+            assert np.array_equal(await b.recv(tag=1), np.ones(10))
+            assert b.node.config.lease_seconds == lease and type(b.node.config.lease_seconds) is float
+
+
+async def test_checksum_takes_numpy_bools() -> None:
+    cfg = NodeConfig(checksum=np.True_)  # type: ignore[arg-type]
+    assert cfg.checksum is True
+    async with connected_pair("tcp", checksum=np.True_) as (a, b):
+        assert a.node.config.checksum is True
+        assert a.channel.checksum is True and b.channel.checksum is True
+        x = np.arange(10_000.0)
+        await a.send(x, tag=1)
+        assert np.array_equal(await b.recv(tag=1), x)
+    assert NodeConfig(checksum=np.False_).checksum is False  # type: ignore[arg-type]
+
+
+def test_node_config_normalizes() -> None:
+    cfg = NodeConfig(transports=["tcp"], connect_timeout=np.float32(2), ucx_options={"TLS": "tcp"})  # type: ignore[arg-type]
+    assert cfg.transports == ("tcp",)
+    assert type(cfg.connect_timeout) is float and cfg.connect_timeout == 2.0
+    assert cfg.ucx_options == {"TLS": "tcp"}
+    with pytest.raises(ConfigurationError, match="transports must be a sequence"):
+        NodeConfig(transports="tcp")  # type: ignore[arg-type]
 
 
 # -- CallLimits --------------------------------------------------------------------------------------

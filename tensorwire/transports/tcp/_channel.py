@@ -84,7 +84,7 @@ class TcpChannel(Channel):
         self._io = io
         self._limits = limits
         self._remote = remote
-        self.checksum = checksum or bool(remote.flags & FLAG_CHECKSUM)
+        self.checksum = bool(checksum) or bool(remote.flags & FLAG_CHECKSUM)  # compared with != per frame
         self.lanes = (f"tcp x1 stream {name}",)
         self._loop = asyncio.get_running_loop()
         self._wlock = asyncio.Lock()
