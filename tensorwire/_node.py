@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
@@ -129,14 +130,24 @@ def _check_name(what: str, value: object) -> None:
         raise ConfigurationError(f"{what} must be a non-empty string or None, not {value!r}")
 
 
-def _split_address(address: str) -> tuple[str, int]:
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def _split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
+    """``"host:port"`` (an IPv6 host in brackets: ``"[::1]:5000"``) as (host, port), with the
+    port from ``lowest_port`` to 65535; ConfigurationError otherwise."""
+    if not isinstance(address, str):
+        raise ConfigurationError(f"an address is a 'host:port' string, not {address!r}")
     host, sep, port = address.rpartition(":")
     if not sep or not host:
         raise ConfigurationError(f"address {address!r} is not host:port")
-    try:
-        return host.strip("[]"), int(port)
-    except ValueError:
-        raise ConfigurationError(f"address {address!r} has a non-numeric port") from None
+    if host.startswith("[") and host.endswith("]") and len(host) > 2:
+        host = host[1:-1]
+    elif ":" in host or "[" in host or "]" in host:
+        raise ConfigurationError(f"address {address!r}: write an IPv6 host in brackets, as in '[::1]:5000'")
+    if not _PORT.fullmatch(port) or not lowest_port <= int(port) <= 65535:
+        raise ConfigurationError(f"address {address!r}: the port must be a number from {lowest_port} to 65535")
+    return host, int(port)
 
 
 class Node:
@@ -358,6 +369,9 @@ class Node:
         back below it; ``transports`` overrides the preference order for this connection.
         """
         self._check_open()
+        _split_address(address, lowest_port=1)
+        if connect_timeout is not None:
+            connect_timeout = check_seconds("connect_timeout", connect_timeout)
         check_require(require)
         preference = tuple(dict.fromkeys(transports if transports is not None else self.config.transports))
         for name in preference:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,93 @@ def test_node_config_normalizes() -> None:
     assert cfg.ucx_options == {"TLS": "tcp"}
     with pytest.raises(ConfigurationError, match="transports must be a sequence"):
         NodeConfig(transports="tcp")  # type: ignore[arg-type]
+
+
+# -- addresses ---------------------------------------------------------------------------------------
+BAD_START = [
+    None,
+    5000,
+    b"127.0.0.1:0",
+    "127.0.0.1:99999",  # served at 34463 (wrapped)
+    "127.0.0.1:65536",
+    "127.0.0.1:-1",  # served at 65535
+    "127.0.0.1:+5",
+    "127.0.0.1: 0",
+    "127.0.0.1:1_0",
+    "127.0.0.1:\u0663",  # an Arabic-Indic digit three
+    "::1:0",  # an IPv6 host goes in brackets
+    "[::1:0",
+    "[]:0",
+]
+
+
+@pytest.mark.parametrize("address", BAD_START, ids=repr)
+async def test_start_rejects_bad_addresses(address: Any) -> None:
+    with pytest.raises(ConfigurationError, match="address"):
+        tensorwire.start(address)
+
+
+BAD_CONNECT = [None, 123, "localhost", "127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1:x", "::1:5000", b"127.0.0.1:1"]
+
+
+async def test_connect_rejects_bad_addresses_and_timeouts() -> None:
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        for address in BAD_CONNECT:
+            with pytest.raises(ConfigurationError, match="address"):
+                await node.connect(address)  # type: ignore[arg-type]
+        for timeout in ("5", 0, -1, math.nan, math.inf, True):
+            with pytest.raises(ConfigurationError, match="connect_timeout"):
+                await node.connect("127.0.0.1:1", connect_timeout=timeout)  # type: ignore[arg-type]
+        assert node.peers == []
+
+
+async def test_addresses_at_their_bounds_work() -> None:
+    with pytest.raises(ConfigurationError, match="port"):
+        tensorwire.start("localhost:65536")
+    async with (
+        tensorwire.start("localhost:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        port = int(server.address.rpartition(":")[2])
+        peer = await client.connect(f"localhost:{port}", connect_timeout=np.float64(10))
+        other = await server.accept()
+        await peer.send(np.ones(4), tag=1)
+        assert np.array_equal(await other.recv(tag=1), np.ones(4))
+
+
+def _ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6(), reason="no IPv6 loopback here")
+async def test_ipv6_in_brackets_works() -> None:
+    with pytest.raises(ConfigurationError, match="brackets"):
+        tensorwire.start("::1:0")
+    async with (
+        tensorwire.start("[::1]:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        assert server.address.startswith("[::1]:")
+        peer = await client.connect(server.address)
+        other = await server.accept()
+        await peer.send(np.ones(4), tag=1)
+        assert np.array_equal(await other.recv(tag=1), np.ones(4))
+
+
+# 192.0.2.1 is TEST-NET-1 (RFC 5737): never a local address; 256.1.1.1 does not resolve
+@pytest.mark.parametrize("host", ["192.0.2.1", "256.1.1.1"])
+@pytest.mark.parametrize("transports", [("tcp",), None])
+async def test_a_host_that_cannot_be_bound_is_a_configuration_error(host: str, transports: Any) -> None:
+    options = {} if transports is None else {"transports": transports}
+    with pytest.raises(ConfigurationError, match=host.replace(".", r"\.")) as info:
+        async with tensorwire.start(f"{host}:0", **options):
+            pass
+    assert isinstance(info.value.__cause__, OSError)
 
 
 # -- CallLimits --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import os
 import socket
 import time
 
-from ...errors import ConnectError, PeerDisconnected, ProtocolError
+from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, FrameType, PeerLimits, pack, proof
 from ._channel import TcpChannel
@@ -76,10 +76,16 @@ class TcpTransport(Transport):
     async def listen(self) -> bytes:
         host = self.ctx.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen(128)
+        sock: socket.socket | None = None
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            sock.listen(128)
+        except OSError as exc:  # socket.gaierror too: a host that does not resolve, or is not ours
+            if sock is not None:
+                sock.close()
+            raise ConfigurationError(f"cannot bind the tcp transport to {host!r}: {exc}") from exc
         sock.setblocking(False)
         self._listener = sock
         self._accepting = asyncio.get_running_loop().create_task(self._accept_loop(), name="tensorwire-tcp-accept")
