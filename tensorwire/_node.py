@@ -190,6 +190,14 @@ class Node:
     async def _start(self) -> Node:
         with self._transport_options():  # probe and construct under this node's UCX options
             usable, self.unusable = probe_all(self.config.transports)
+            if self.config.ucx_options and "ucx" in self.unusable:
+                from .transports.ucx._transport import CONTEXT_REFUSED
+
+                if self.unusable["ucx"].startswith(CONTEXT_REFUSED):
+                    # options set on purpose that UCX refuses: say so, rather than a quiet tcp path
+                    raise ConfigurationError(
+                        f"ucx_options {dict(self.config.ucx_options)} were refused: {self.unusable['ucx']}"
+                    )
             if not usable:
                 raise TransportUnavailable(f"no usable transport among {self.config.transports}: {self.unusable}")
             ctx = TransportContext(self.node_id, self._host, self.config.limits, checksum=self.config.checksum)

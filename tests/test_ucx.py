@@ -539,3 +539,12 @@ def test_ucxx_refusing_device_buffers_is_seen() -> None:
     """
     assert _run(code, env={**os.environ, "UCX_TLS": "^cuda_copy"}).stdout.split() == ["False"]
     assert _run(code, env={k: v for k, v in os.environ.items() if k != "UCX_TLS"}).stdout.split() == ["True"]
+
+
+@pytest.mark.parametrize("options", [{"BOGUS_OPT": "1"}, {"TLS": "nonsense"}, {"RNDV_THRESH": "notanumber"}])
+async def test_ucx_options_ucx_refuses_are_a_configuration_error(options: dict[str, str]) -> None:
+    """They used to leave ucx unusable without a word, the node quietly on tcp."""
+    with pytest.raises(tensorwire.ConfigurationError, match="were refused"):
+        await tensorwire.start("127.0.0.1:0", ucx_options=options)
+    async with tensorwire.start("127.0.0.1:0", ucx_options={"TLS": "tcp"}) as node:
+        assert "ucx" in node.offers

@@ -82,6 +82,9 @@ def _digest(secret: bytes, body: bytes, sid: bytes, role: bytes) -> bytes:
     return proof(secret, hashlib.sha256(body).digest(), sid, role)
 
 
+CONTEXT_REFUSED = "UCX could not create a context"  # how probe() says UCX refused its configuration
+
+
 class UcxTransport(Transport):
     name = "ucx"
     extra = "ucx"
@@ -98,7 +101,7 @@ class UcxTransport(Transport):
             cls._why_not = f"ucxx is not installed (pip install 'tensorwire[ucx]'): {exc}"
             return None
         except Exception as exc:
-            cls._why_not = f"UCX could not create a context: {exc}"
+            cls._why_not = f"{CONTEXT_REFUSED}: {exc}"
             return None
         tls = [t for t, _ in resources if t != "self"]
         if not tls:
