@@ -92,6 +92,17 @@ def test_demo_says_at_once_that_its_second_process_died() -> None:
     assert "Traceback" not in err
 
 
+def _read_until(proc: subprocess.Popen[str], prefix: str, what: str) -> list[str]:
+    """``proc``'s stdout lines up to the first that starts with ``prefix``."""
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"{what} ended early: {''.join(lines)}{proc.communicate()[1][-2000:]}")
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_demo_stops_its_second_process(signum: signal.Signals, code: int) -> None:
     # many repetitions: the demo is in its bandwidth loop, over whichever transport it picked
@@ -102,13 +113,7 @@ def test_an_interrupted_demo_stops_its_second_process(signum: signal.Signals, co
     child = 0
     try:
         child = _demo_peer_of(demo.pid)
-        lines = []
-        for line in demo.stdout:
-            lines.append(line)
-            if line.startswith("B sees the path as:"):
-                break
-        else:
-            raise AssertionError(f"the demo ended early: {''.join(lines)}")
+        _read_until(demo, "B sees the path as:", "the demo")
         os.kill(demo.pid, signum)  # the parent alone, as `kill` or a supervisor sends it
         # promptly: the old demo waited 20 s for its child after a SIGINT (and left it on SIGTERM)
         _, err = demo.communicate(timeout=15)
@@ -144,13 +149,7 @@ def test_pipeline_example_stops_its_stage_processes_when_signalled(signum: signa
     assert driver.stdout is not None
     stages: list[int] = []
     try:
-        lines = []
-        for line in driver.stdout:
-            lines.append(line)
-            if line.startswith("step 0:"):
-                break
-        else:
-            raise AssertionError(f"the example ended early: {''.join(lines)}{driver.communicate()[1][-2000:]}")
+        lines = _read_until(driver, "step 0:", "the example")
         stages = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _ppid(int(e.name)) == driver.pid]
         assert len(stages) == 4, lines
         os.kill(driver.pid, signum)  # the driver alone, as `kill` or a supervisor sends it
