@@ -214,6 +214,67 @@ async def test_two_drivers_connecting_at_once_one_wins() -> None:
 
 
 @pytest.mark.timeout(60)
+async def test_a_newer_driver_waits_for_the_older_ones_commits() -> None:
+    """A driver connecting between an older driver's step and its commits used to take over the
+    stages whose commit had not arrived yet: those discarded the step while the others applied
+    it (a probe saw it in 3 to 6 of 40 rounds). Here stage 0's commit goes at once and the
+    others' 0.5 s later; the newer driver's configure waits for them."""
+    ls = layers(3)
+    async with stages(parts(ls)) as (addresses, d1), nodes(1) as (d2,):
+        x, y = batch()
+        first = await pipeline.Pipeline.connect(d1, addresses)
+        for s, peer in enumerate(first.peers):
+            real = peer.call
+
+            async def late_commit(name: str, *args: Any, _real: Any = real, _s: int = s, **kw: Any) -> Any:
+                if name == "tw.pipeline.commit" and _s > 0:
+                    await asyncio.sleep(0.5)
+                return await _real(name, *args, **kw)
+
+            peer.call = late_commit  # type: ignore[method-assign]
+        before = [layer.state()["w"].copy() for layer in ls]
+        async with asyncio.timeout(30):
+            stepping = asyncio.ensure_future(first.step(x, y, microbatches=4))
+            while not all(layer.backwards for layer in ls):  # noqa: ASYNC110 - no event to wait on
+                await asyncio.sleep(0.005)
+            second = await pipeline.Pipeline.connect(d2, addresses)
+            assert (await stepping).loss > 0
+        changed = [not np.array_equal(b, layer.state()["w"]) for b, layer in zip(before, ls, strict=True)]
+        assert changed == [True, True, True], f"the step was applied on some stages only: {changed}"
+        async with second, asyncio.timeout(20):
+            assert (await second.step(x, y, microbatches=4)).loss > 0
+
+
+@pytest.mark.timeout(60)
+async def test_an_older_drivers_step_during_a_newer_configure_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a newer driver's configure was dropping the old links, the older driver's step was
+    still accepted, met no links (a bare AssertionError) and broke the newly configured stages.
+    Dropping links is slowed down here to open that window wide."""
+    from tensorwire.pipeline import _stage
+
+    drop = _stage.Stage._drop_links
+
+    async def slow_drop(self: Any) -> None:
+        await drop(self)
+        await asyncio.sleep(0.2)
+
+    async with stages(parts(layers(3))) as (addresses, d1), nodes(1) as (d2,):
+        x, y = batch()
+        first = await pipeline.Pipeline.connect(d1, addresses)
+        monkeypatch.setattr(_stage.Stage, "_drop_links", slow_drop)
+        async with asyncio.timeout(30):
+            connecting = asyncio.ensure_future(pipeline.Pipeline.connect(d2, addresses))
+            await asyncio.sleep(0.05)
+            with pytest.raises(tensorwire.RemoteError) as info:
+                await first.step(x, y, microbatches=2)
+            assert info.value.remote_type in ("BrokenResourceError", "BusyResourceError"), info.value
+            second = await connecting
+        monkeypatch.setattr(_stage.Stage, "_drop_links", drop)
+        async with second, asyncio.timeout(20):
+            assert (await second.step(x, y, microbatches=2)).loss > 0
+
+
+@pytest.mark.timeout(60)
 async def test_a_stage_named_twice_is_refused() -> None:
     async with stages(parts(layers(2))) as ([a, b], driver):
         for order in ([a, a], [a, b, a]):

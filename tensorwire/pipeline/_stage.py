@@ -72,6 +72,7 @@ METHODS = (
     "tw.pipeline.release",
 )
 _ABORT_SEND_SECONDS = 2.0
+_COMMIT_GRACE = 2.0  # how long a new configure waits for the old driver's commit of a finished step
 #: errors of a send that say the link itself failed; anything else is the message's own fault
 _LINK_ERRORS = (TransportError, ResourceError, ControlPlaneError)
 
@@ -208,6 +209,16 @@ class Stage:
             self._refuse_older(ticket, waited=True)
             if self._task is not None:
                 raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
+            if self._pending is not None:
+                # a finished step waits for its driver's commit, which comes at once from a live
+                # driver: give it that long, so that a step is never applied on some stages only
+                await self._wait_for_commit()
+                self._check_open()
+                self._refuse_older(ticket, waited=True)
+                if self._task is not None:
+                    raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
+            # from here the old driver's calls are refused (nothing awaits before this)
+            self._ticket = ticket
             task = asyncio.get_running_loop().create_task(
                 self._link(ticket, rank, num_stages, prev_node, next_address, transports, connect_seconds, prev_address)
             )
@@ -227,6 +238,20 @@ class Stage:
                 raise
             finally:
                 self._configuring = None
+
+    async def _wait_for_commit(self) -> None:
+        """Until the pending step is committed (or dropped), for at most _COMMIT_GRACE seconds;
+        a driver that died between its stages' answers and its commits never sends them."""
+        give_up = time.monotonic() + _COMMIT_GRACE
+        while self._pending is not None and time.monotonic() < give_up:  # noqa: ASYNC110 - cleared in many places
+            await asyncio.sleep(0.01)
+        if self._pending is not None:
+            log.warning(
+                "stage %d: step %d was never committed by its driver; a new driver discards it "
+                "(if the old driver died while committing, other stages may have applied it)",
+                self.rank,
+                self._pending,
+            )
 
     def _refuse_older(self, ticket: _Ticket, *, waited: bool = False) -> None:
         if ticket < self._newest or (ticket == self._newest and not waited):
@@ -427,7 +452,8 @@ class Stage:
         return await asyncio.get_running_loop().run_in_executor(self._executor, timed) if self.offload else timed()
 
     async def _recv(self, link: _Link | None, tag: str) -> Any:
-        assert link is not None
+        if link is None:
+            raise BrokenResourceError(f"stage {self.rank}: its links were dropped (a driver is configuring it)")
         try:
             return await link.peer.recv(tag=tag)
         except TensorWireError as exc:
@@ -437,7 +463,8 @@ class Stage:
         """Send without waiting, so the next microbatch computes while this one moves. A send
         that fails fails the step at once: as a broken link when the link failed, as this
         stage's own error (and every neighbour told) when the message cannot be sent."""
-        assert link is not None
+        if link is None:
+            raise BrokenResourceError(f"stage {self.rank}: its links were dropped (a driver is configuring it)")
 
         async def send() -> None:
             try:
