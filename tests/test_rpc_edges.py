@@ -369,3 +369,78 @@ async def test_a_queued_request_its_caller_gave_up_on_is_answered_at_once(transp
         with contextlib.suppress(asyncio.CancelledError):
             await slow
         await _settled(a, b)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("who", ["remote", "local"])
+async def test_a_call_waiting_for_room_fails_when_the_peer_closes(transport: str, who: str) -> None:
+    """A call waiting for room (a stream left unread holds this side's only room) used to wait
+    forever after the channel closed: nothing woke the budget's waiters."""
+    server = await tensorwire.start("127.0.0.1:0", transports=(transport,))
+    try:
+        async with tensorwire.start("127.0.0.1:0", transports=(transport,), limits=Limits(max_unexpected=4)) as node:
+
+            @server.method()
+            async def count(n: int) -> AsyncIterator[int]:
+                for i in range(n):
+                    yield i
+
+            @server.method()
+            async def add(x: int, y: int) -> int:
+                return x + y
+
+            peer = await node.connect(server.address)
+            await server.accept()
+            held = peer.stream("count", 100)
+            assert await held.__anext__() == 0
+            waiting = asyncio.ensure_future(peer.call("add", 1, 2))
+            await asyncio.sleep(0.2)
+            assert not waiting.done(), "the call did not wait for room (the test's premise)"
+            await (server.aclose() if who == "remote" else peer.aclose())
+            with pytest.raises((tensorwire.PeerDisconnected, tensorwire.ClosedResourceError)):
+                await asyncio.wait_for(waiting, 5)
+            with pytest.raises((tensorwire.PeerDisconnected, tensorwire.ClosedResourceError)):
+                await asyncio.wait_for(peer.call("add", 1, 2), 5)
+            with contextlib.suppress(tensorwire.TensorWireError):
+                await held.aclose()  # type: ignore[attr-defined]
+    finally:
+        await server.aclose()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_call_cancelled_before_its_request_went_out_gives_its_room_back_at_once(transport: str) -> None:
+    """A call whose deadline ran out while its request waited for one of the server's message
+    slots (the server takes messages only as it receives them: recv_buffer_bytes=0, and its
+    one call slot is busy) kept its room for the 60 s the drain waits for an answer that never
+    comes; with two rooms, the next calls waited that minute."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,), limits=Limits(recv_buffer_bytes=0)) as server,
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as other,
+        tensorwire.start("127.0.0.1:0", transports=(transport,), limits=Limits(max_unexpected=4)) as node,
+    ):
+        server.methods.limits = CallLimits(max_concurrent=1)
+
+        @server.method()
+        async def sleep(s: float) -> str:
+            await asyncio.sleep(s)
+            return "ok"
+
+        @server.method()
+        async def count(n: int) -> AsyncIterator[int]:
+            for i in range(n):
+                yield i
+
+        peer = await node.connect(server.address)
+        await server.accept()
+        busy = await other.connect(server.address)
+        await server.accept()
+        longs = [asyncio.ensure_future(busy.call("sleep", 0.5)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        expired = await asyncio.gather(
+            *[peer.call("sleep", 0, _deadline=0.2) for _ in range(2)], return_exceptions=True
+        )
+        assert all(isinstance(e, tensorwire.DeadlineExceeded) for e in expired), expired
+        await asyncio.gather(*longs)
+        async with asyncio.timeout(10):  # the old code: 60 s (a stream needs both rooms)
+            assert [i async for i in peer.stream("count", 3)] == [0, 1, 2]
+            assert await peer.call("sleep", 0) == "ok"

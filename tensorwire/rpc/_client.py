@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
+    ClosedResourceError,
     ConfigurationError,
     DeadlineExceeded,
     ProtocolError,
@@ -78,7 +79,7 @@ class _Budget:
     its room back once the server owes it nothing more.
     """
 
-    __slots__ = ("_waiters", "calls", "extra", "max_calls", "max_extra", "max_units", "units")
+    __slots__ = ("_waiters", "calls", "extra", "failure", "max_calls", "max_extra", "max_units", "units")
 
     def __init__(self, max_calls: int, max_units: int) -> None:
         self.max_calls = max_calls
@@ -87,13 +88,24 @@ class _Budget:
         self.calls = 0
         self.units = 0
         self.extra = 0
+        self.failure: BaseException | None = None  # the channel closed: no call will get room
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def fail(self, exc: BaseException | None) -> None:
+        """The channel closed: calls waiting for room fail with its error, and so do later ones."""
+        self.failure = exc if exc is not None else ClosedResourceError("the channel closed")
+        while self._waiters:
+            _, fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(self.failure)
 
     def _fits(self, units: int) -> bool:
         return self.calls < self.max_calls and self.units + units <= self.max_units
 
     async def acquire(self, units: int) -> None:
         """Room for one more call that may leave ``units`` replies unread here."""
+        if self.failure is not None:
+            raise self.failure
         if not self._waiters and self._fits(units):
             self.calls += 1
             self.units += units
@@ -155,16 +167,21 @@ def _budget(peer: Peer) -> _Budget:
             theirs = ours
         max_calls = max(1, min(_MAX_OUTSTANDING, theirs // 4))
         budget = _budgets[peer] = _Budget(max_calls, max(2, ours // 2))
+        if peer.channel.state is not ChannelState.OPEN:
+            budget.fail(peer.channel.mailbox.failure)
+        else:
+            peer.channel.add_close_callback(budget.fail)
     return budget
 
 
 class _Progress:
-    __slots__ = ("args", "finished", "sent")
+    __slots__ = ("args", "finished", "sent", "whole")
 
     def __init__(self) -> None:
         self.args = ArgsState.NONE  # how far the arguments sent after GO got
         self.finished = False  # a terminal reply arrived: the server owes us nothing more
         self.sent = False  # the request may have reached the server
+        self.whole = False  # the request's send returned: it did reach the server
 
 
 def _request(
@@ -223,6 +240,7 @@ async def _send_request(
         if channel.state is ChannelState.OPEN:
             progress.sent = False  # refused before any of it went out (past the peer's limits)
         raise
+    progress.whole = True
     if payload is not None:
         msg = await _next_reply(channel, reply_tag(call_id))
         if msg[0] != Reply.GO:
@@ -240,7 +258,17 @@ def _finish(peer: Peer, call_id: int, progress: _Progress, release: Callable[[],
         release()
         return
     progress.finished = True
+    if not progress.whole:
+        # cancelled while the request was being sent (waiting for a slot, most likely): it may
+        # never have arrived, and then no answer comes to end the drain for a minute. Give the
+        # room back now; the drain receives whatever does come, so nothing piles up unread.
+        release()
+        release = _nothing
     peer._spawn(_cancel_and_drain(peer.channel, call_id, progress.args, release))
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState, release: Callable[[], None]) -> None:
