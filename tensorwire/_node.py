@@ -78,16 +78,7 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: store the checked values, normalized
-        names = self.transports
-        if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
-            raise ConfigurationError(f"transports must be a sequence of names, e.g. ('tcp',), not {names!r}")
-        names = tuple(names)
-        if not names:
-            raise ConfigurationError(f"transports is empty; name at least one of: {', '.join(KNOWN)}")
-        for name in names:
-            if not isinstance(name, str) or name not in KNOWN:
-                raise ConfigurationError(f"unknown transport {name!r} in transports; known: {', '.join(KNOWN)}")
-        set_(self, "transports", names)
+        set_(self, "transports", _check_transports(self.transports))
         _check_name("auth_token", self.auth_token)
         if not isinstance(self.limits, Limits):
             raise ConfigurationError(
@@ -114,6 +105,19 @@ class NodeConfig:
                     f"ucx_options maps names to strings (e.g. {{'RNDV_THRESH': '64k'}}), not {key!r}: {value!r}"
                 )
         set_(self, "ucx_options", dict(opts))
+
+
+def _check_transports(names: object) -> tuple[str, ...]:
+    """A non-empty sequence of known transport names, in preference order (a repeat counts once)."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise ConfigurationError(f"transports must be a sequence of names, e.g. ('tcp',), not {names!r}")
+    order = tuple(dict.fromkeys(names))
+    if not order:
+        raise ConfigurationError(f"transports is empty; name at least one of: {', '.join(KNOWN)}")
+    for name in order:
+        if not isinstance(name, str) or name not in KNOWN:
+            raise ConfigurationError(f"unknown transport {name!r} in transports; known: {', '.join(KNOWN)}")
+    return order
 
 
 def _check_name(what: str, value: object) -> None:
@@ -240,6 +244,7 @@ class Node:
         stay deliverable to whoever holds the Peer, until it is closed."""
         if peer.session is not None:
             self._sessions.pop(peer.session.id, None)
+            self._leases.pop(peer.session.id, None)
         self._forget(peer)
         task = peer._wind_down()
         if task is not None:
@@ -321,8 +326,7 @@ class Node:
             )
             self._adopt(peer)
             peer._lease = self.config.lease_seconds
-            self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)
-            channel.add_close_callback(lambda _exc: self._leases.pop(session_id, None))
+            self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)  # _gone drops it
             self._incoming.put_nowait(peer)
 
         task = asyncio.get_running_loop().create_task(wait())
@@ -377,14 +381,11 @@ class Node:
         back below it; ``transports`` overrides the preference order for this connection.
         """
         self._check_open()
-        _split_address(address, lowest_port=1)
+        host, _ = _split_address(address, lowest_port=1)
         if connect_timeout is not None:
             connect_timeout = check_seconds("connect_timeout", connect_timeout)
         check_require(require)
-        preference = tuple(dict.fromkeys(transports if transports is not None else self.config.transports))
-        for name in preference:
-            if name not in DEFAULT_PREFERENCE:
-                raise ConfigurationError(f"unknown transport {name!r}; known: {', '.join(DEFAULT_PREFERENCE)}")
+        preference = self.config.transports if transports is None else _check_transports(transports)
         timeout = self.config.connect_timeout if connect_timeout is None else connect_timeout
         if require != "any":
             self._precheck(require, preference)
@@ -412,7 +413,7 @@ class Node:
                 session = Session(
                     resp.session_id, resp.session_secret, self.node_id, resp.server_node_id, self.config.limits
                 )
-                dial = transport.dial_address(chosen.address, address.rpartition(":")[0])
+                dial = transport.dial_address(chosen.address, host)
                 channel = await transport.connect(dial, session)
         except TimeoutError as exc:
             await client.aclose()

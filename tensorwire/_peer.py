@@ -156,13 +156,10 @@ class Peer:
             lag = time.monotonic() - before - interval
             if lag > interval:
                 last_ok += lag  # our own loop stalled: that time is not the peer's silence
-            sent = time.monotonic()
             try:
-                await self._control.heartbeat(session_id, deadline=interval)
+                await self._renew_once(session_id, interval)
                 last_ok = time.monotonic()
-                self._confirmed = max(self._confirmed, sent)
-            except SessionLost as exc:
-                self.channel.fail(PeerDisconnected(str(exc)))
+            except PeerDisconnected:  # the server no longer knows the session: the channel failed
                 return
             except TensorWireError as exc:
                 if time.monotonic() - last_ok > lease:
@@ -170,6 +167,18 @@ class Peer:
                         PeerDisconnected(f"{self.remote_address} did not answer lease renewals for {lease} s ({exc})")
                     )
                     return
+
+    async def _renew_once(self, session_id: str, deadline: float) -> None:
+        """One lease renewal (we connected); a renewal the server answered proves the session
+        alive as of when it was sent. SessionLost fails the channel and raises PeerDisconnected."""
+        assert self._control is not None
+        sent = time.monotonic()
+        try:
+            await self._control.heartbeat(session_id, deadline=deadline)
+        except SessionLost as exc:
+            self.channel.fail(PeerDisconnected(str(exc)))
+            raise PeerDisconnected(str(exc)) from exc
+        self._confirmed = max(self._confirmed, sent)
 
     def _confirm(self) -> None:
         """The other side renewed its lease with us (we accepted its connection)."""
@@ -193,17 +202,14 @@ class Peer:
         lease = self._lease
         assert lease is not None
         if self._heartbeat is not None and self._control is not None and self.session is not None:
-            sent = time.monotonic()
             try:
-                await self._control.heartbeat(self.session.id, deadline=lease / 3)
-            except SessionLost as exc:
-                self.channel.fail(PeerDisconnected(str(exc)))
-                raise PeerDisconnected(str(exc)) from exc
+                await self._renew_once(self.session.id, lease / 3)
+            except PeerDisconnected:
+                raise
             except TensorWireError as exc:
                 raise PeerDisconnected(
                     f"{self.remote_address} did not confirm the session for a one-sided operation: {exc}"
                 ) from exc
-            self._confirmed = max(self._confirmed, sent)
         else:
             try:
                 async with asyncio.timeout(lease / 2):  # its renewals come every third of a lease

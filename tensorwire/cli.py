@@ -218,7 +218,7 @@ def _run_until_signal(work: Coroutine[Any, Any, int]) -> int:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        loop.add_signal_handler(signal.SIGTERM, lambda: task.cancelling() or task.cancel())  # once: cleanup runs
         try:
             return await work
         finally:

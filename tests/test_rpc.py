@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire._onesided import _OPS_TAG
@@ -62,10 +63,7 @@ def _register_basics(node: tensorwire.Node) -> dict[str, Any]:
 
 
 async def _eventually(pred: Callable[[], bool], seconds: float = 3.0) -> None:
-    give_up = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < give_up, f"not true after {seconds} s: {pred}"
-        await asyncio.sleep(0.01)
+    await eventually(pred, seconds)
 
 
 def _await_chain(task: asyncio.Task[Any]) -> list[str]:

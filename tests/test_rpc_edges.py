@@ -10,10 +10,11 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire.rpc import CallLimits, deadline
@@ -68,11 +69,7 @@ async def _within(seconds: float, what: str, aw: Any) -> Any:
         raise  # DeadlineExceeded, say: the answer
 
 
-async def _eventually(pred: Callable[[], bool], seconds: float = 5.0) -> None:
-    give_up = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < give_up, f"not true after {seconds} s"
-        await asyncio.sleep(0.01)
+_eventually = eventually
 
 
 async def _settled(a: tensorwire.Peer, b: tensorwire.Peer) -> None:

@@ -11,11 +11,11 @@ import signal
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire.testing import connected_pair
@@ -336,10 +336,7 @@ async def test_node_ucx_options() -> None:
 
 async def _until(pred: Callable[[], bool], seconds: float) -> None:
     """Let the loop run (UCX progress included) until ``pred()``; fails after ``seconds``."""
-    give_up = time.monotonic() + seconds
-    while not pred():
-        assert time.monotonic() < give_up, f"not true after {seconds} s"
-        await asyncio.sleep(0)
+    await eventually(pred, seconds, pause=0)
 
 
 async def test_a_closed_channel_destroys_its_remote_keys_only_after_their_operations() -> None:

@@ -150,7 +150,8 @@ class Stage:
         self._configuring: asyncio.Task[dict[str, Any]] | None = None
         self._config_lock = asyncio.Lock()
         self._running: int | None = None  # the step that self._task runs
-        self._pending: int | None = None  # a finished step whose update waits for the driver's commit
+        self._settled = asyncio.Event()  # no finished step waits for its commit (see _pending)
+        self._pending = None  # a finished step whose update waits for the driver's commit
         # one thread runs all of this stage's code (build included; the loop's own thread when not
         # offloading), so thread-local settings such as torch.set_num_threads hold for all of it
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tw-stage")
@@ -239,12 +240,24 @@ class Stage:
             finally:
                 self._configuring = None
 
+    @property
+    def _pending(self) -> int | None:
+        return self._pending_step
+
+    @_pending.setter
+    def _pending(self, step: int | None) -> None:
+        self._pending_step = step
+        if step is None:
+            self._settled.set()
+        else:
+            self._settled.clear()
+
     async def _wait_for_commit(self) -> None:
         """Until the pending step is committed (or dropped), for at most _COMMIT_GRACE seconds;
         a driver that died between its stages' answers and its commits never sends them."""
-        give_up = time.monotonic() + _COMMIT_GRACE
-        while self._pending is not None and time.monotonic() < give_up:  # noqa: ASYNC110 - cleared in many places
-            await asyncio.sleep(0.01)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_COMMIT_GRACE):
+                await self._settled.wait()
         if self._pending is not None:
             log.warning(
                 "stage %d: step %d was never committed by its driver; a new driver discards it "
@@ -274,7 +287,6 @@ class Stage:
         """Take the new rank, build the part, link to both neighbours for this generation."""
         await self._drop_links()
         self.rank, self.num_stages, self._broken, self._pending = rank, num_stages, None, None
-        self._ticket = ticket
         key = ticket_key(*ticket)
         if self._build is not None:
             built, _ = await self._compute(self._build, rank, num_stages)

@@ -12,10 +12,8 @@ replies, cancellations or credit of the others; the deadline covers the wait for
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import weakref
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +46,7 @@ from ._protocol import (
     raise_error,
     reply_tag,
 )
+from ._registry import FifoAdmission
 from ._server import DRAIN_SECONDS
 
 if TYPE_CHECKING:
@@ -59,7 +58,7 @@ _ids = itertools.count(1)
 _MAX_OUTSTANDING = 256  # calls per peer, whatever its limits
 
 
-class _Budget:
+class _Budget(FifoAdmission):
     """What this node's calls to one peer may hold of the two channels' message slots.
 
     A message takes one of its receiver's slots (``Limits.max_unexpected``) until it is
@@ -79,9 +78,8 @@ class _Budget:
     its room back once the server owes it nothing more.
     """
 
-    __slots__ = ("_waiters", "calls", "extra", "failure", "max_calls", "max_extra", "max_units", "units")
-
     def __init__(self, max_calls: int, max_units: int) -> None:
+        super().__init__()
         self.max_calls = max_calls
         self.max_units = max_units
         self.max_extra = max_units // 4
@@ -89,40 +87,28 @@ class _Budget:
         self.units = 0
         self.extra = 0
         self.failure: BaseException | None = None  # the channel closed: no call will get room
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     def fail(self, exc: BaseException | None) -> None:
         """The channel closed: calls waiting for room fail with its error, and so do later ones."""
-        self.failure = exc if exc is not None else ClosedResourceError("the channel closed")
-        while self._waiters:
-            _, fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_exception(self.failure)
+        failure = self.failure = exc if exc is not None else ClosedResourceError("the channel closed")
+        self._fail_waiters(lambda _n: failure)
 
     def _fits(self, units: int) -> bool:
         return self.calls < self.max_calls and self.units + units <= self.max_units
+
+    def _take(self, units: int) -> None:
+        self.calls += 1
+        self.units += units
+
+    def _give(self, units: int) -> None:
+        self.calls -= 1
+        self.units -= units
 
     async def acquire(self, units: int) -> None:
         """Room for one more call that may leave ``units`` replies unread here."""
         if self.failure is not None:
             raise self.failure
-        if not self._waiters and self._fits(units):
-            self.calls += 1
-            self.units += units
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (units, fut)
-        self._waiters.append(entry)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release(units)  # granted just as we were cancelled: give it back
-            else:
-                with contextlib.suppress(ValueError):  # _wake may have dropped it already
-                    self._waiters.remove(entry)
-                self._wake()  # the head of the line left: the next may fit
-            raise
+        await self._admit(units)
 
     def take_extra(self, want: int) -> int:
         """Up to ``want`` more units for a stream's window, if they are free now; never waits."""
@@ -136,21 +122,8 @@ class _Budget:
         return n
 
     def release(self, units: int, extra: int = 0) -> None:
-        self.calls -= 1
-        self.units -= units + extra
         self.extra -= extra
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters:
-            units, fut = self._waiters[0]
-            if not fut.done():
-                if not self._fits(units):
-                    return
-                self.calls += 1
-                self.units += units
-                fut.set_result(None)
-            self._waiters.popleft()
+        self._release(units + extra)
 
 
 _budgets: weakref.WeakKeyDictionary[Peer, _Budget] = weakref.WeakKeyDictionary()
@@ -160,11 +133,7 @@ def _budget(peer: Peer) -> _Budget:
     budget = _budgets.get(peer)
     if budget is None:
         ours = peer.node.config.limits.max_unexpected
-        # the peer's slots, as its transport announced them in the data-plane handshake (every
-        # channel keeps them as ``_remote``; a channel without them is taken to grant ours)
-        theirs = getattr(getattr(peer.channel, "_remote", None), "max_unexpected", ours)
-        if not isinstance(theirs, int) or theirs < 1:
-            theirs = ours
+        theirs = peer.channel.remote_limits.max_unexpected  # announced in the data-plane handshake
         max_calls = max(1, min(_MAX_OUTSTANDING, theirs // 4))
         budget = _budgets[peer] = _Budget(max_calls, max(2, ours // 2))
         if peer.channel.state is not ChannelState.OPEN:

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import MAX_SECONDS
 from ..errors import DeadlineExceeded, InvalidArguments, MethodNotFound, RemoteError
 
 __all__ = [
@@ -73,7 +74,7 @@ STREAM_WINDOW = 16  # stream items in flight before the caller must acknowledge
 _MAX_TEXT = 16 * 1024
 # a deadline further away than this (about 31 years) is no deadline at all; nanoseconds of it
 # would overflow int64 long before a float of seconds does
-MAX_DEADLINE = 1e9
+MAX_DEADLINE = MAX_SECONDS
 
 
 def reply_tag(call_id: int) -> int:

@@ -17,7 +17,16 @@ from ..errors import ConfigurationError
 if TYPE_CHECKING:
     from .._node import Node
 
-__all__ = ["RESERVED_KWARGS", "ByteBudget", "CallLimits", "Method", "MethodRegistry", "Slots", "methods_of"]
+__all__ = [
+    "RESERVED_KWARGS",
+    "ByteBudget",
+    "CallLimits",
+    "FifoAdmission",
+    "Method",
+    "MethodRegistry",
+    "Slots",
+    "methods_of",
+]
 
 RESERVED_KWARGS = ("_deadline", "_out")  # peer.call's own keywords: no method may take them
 MiB = 1 << 20
@@ -65,20 +74,26 @@ class Method:
     max_arg_bytes: int | None = None
 
 
-class ByteBudget:
-    """An asyncio byte semaphore: FIFO, so a large request is not starved by small ones. Its
-    total can change while it is in use (``resize``)."""
+class FifoAdmission:
+    """FIFO asyncio admission: a waiter gets in once what it asks for fits and nobody is ahead
+    of it, so a large request is not starved by small ones. Subclasses say what fits and how it
+    is taken and given back (``_fits``, ``_take``, ``_give``)."""
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.free = total
+    def __init__(self) -> None:
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    async def acquire(self, n: int) -> None:
-        if n > self.total:
-            raise ConfigurationError(f"{n} bytes can never fit a budget of {self.total}")
-        if not self._waiters and self.free >= n:
-            self.free -= n
+    def _fits(self, n: int) -> bool:
+        raise NotImplementedError
+
+    def _take(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _give(self, n: int) -> None:
+        raise NotImplementedError
+
+    async def _admit(self, n: int) -> None:
+        if not self._waiters and self._fits(n):
+            self._take(n)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (n, fut)
@@ -87,74 +102,97 @@ class ByteBudget:
             await fut
         except BaseException:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(n)  # granted just as we were cancelled: give it back
+                self._give(n)  # granted just as we were cancelled: give it back
             else:
                 with contextlib.suppress(ValueError):  # _wake may have dropped it already
                     self._waiters.remove(entry)
-                self._wake()
+            self._wake()  # the head of the line may have left: the next may fit
             raise
 
-    def release(self, n: int) -> None:
-        self.free += n
+    def _release(self, n: int) -> None:
+        self._give(n)
         self._wake()
+
+    def _fail_waiters(self, error: Callable[[int], BaseException | None]) -> None:
+        """Fail each waiter for which ``error(n)`` gives an exception."""
+        for n, fut in self._waiters:
+            exc = error(n)
+            if exc is not None and not fut.done():
+                fut.set_exception(exc)
+
+    def _wake(self) -> None:
+        while self._waiters:
+            n, fut = self._waiters[0]
+            if not fut.done():
+                if not self._fits(n):
+                    return
+                self._take(n)
+                fut.set_result(None)
+            self._waiters.popleft()
+
+
+class ByteBudget(FifoAdmission):
+    """An asyncio byte semaphore (FIFO). Its total can change while it is in use (``resize``)."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__()
+        self.total = total
+        self.free = total
+
+    def _fits(self, n: int) -> bool:
+        return n <= self.free
+
+    def _take(self, n: int) -> None:
+        self.free -= n
+
+    def _give(self, n: int) -> None:
+        self.free += n
+
+    async def acquire(self, n: int) -> None:
+        if n > self.total:
+            raise ConfigurationError(f"{n} bytes can never fit a budget of {self.total}")
+        await self._admit(n)
+
+    def release(self, n: int) -> None:
+        self._release(n)
 
     def resize(self, total: int) -> None:
         """A new total; bytes held now count against it. Waiters that can never fit fail."""
         self.free += total - self.total
         self.total = total
-        for n, fut in self._waiters:
-            if n > total and not fut.done():
-                fut.set_exception(ConfigurationError(f"{n} bytes can never fit a budget of {total}"))
+        self._fail_waiters(
+            lambda n: ConfigurationError(f"{n} bytes can never fit a budget of {total}") if n > total else None
+        )
         self._wake()
 
-    def _wake(self) -> None:
-        while self._waiters and (self._waiters[0][1].done() or self._waiters[0][0] <= self.free):
-            n, fut = self._waiters.popleft()
-            if fut.done():
-                continue
-            self.free -= n
-            fut.set_result(None)
 
-
-class Slots:
+class Slots(FifoAdmission):
     """An asyncio semaphore (FIFO) whose size can change while it is in use: calls admitted
     now count against a new ``max_concurrent``, and raising it lets waiters in at once."""
 
     def __init__(self, total: int) -> None:
+        super().__init__()
         self.total = total
         self.used = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.used < self.total
+
+    def _take(self, n: int) -> None:
+        self.used += 1
+
+    def _give(self, n: int) -> None:
+        self.used -= 1
 
     async def acquire(self) -> None:
-        if not self._waiters and self.used < self.total:
-            self.used += 1
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release()  # granted just as we were cancelled: give it back
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
-            raise
+        await self._admit(1)
 
     def release(self) -> None:
-        self.used -= 1
-        self._wake()
+        self._release(1)
 
     def resize(self, total: int) -> None:
         self.total = total
         self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self.used < self.total:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                self.used += 1
-                fut.set_result(None)
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._checks import check_int, check_seconds
-from ..errors import ClosedResourceError, ConfigurationError, ProtocolError
+from ..errors import ClosedResourceError, ProtocolError
 
 if TYPE_CHECKING:
     from ..tensors._device import Streams
+    from ._frames import PeerLimits
 
 __all__ = [
     "Capabilities",
@@ -77,7 +78,7 @@ class Limits:
     for its recv (rendezvous).
     """
 
-    MIN_HEADER_BYTES: ClassVar[int] = 1024
+    MIN_HEADER_BYTES: ClassVar[int] = 1024  # below it not even a short RPC error reply fits
     MIN_CHUNK_BYTES: ClassVar[int] = 4096
 
     recv_buffer_bytes: int = 64 * MiB
@@ -89,12 +90,6 @@ class Limits:
     handshake_seconds: float = 10.0
 
     def __post_init__(self) -> None:
-        n = self.max_header_bytes
-        if isinstance(n, int) and not isinstance(n, bool) and n < self.MIN_HEADER_BYTES:
-            raise ConfigurationError(
-                f"max_header_bytes must be an int of at least {self.MIN_HEADER_BYTES} (a short error reply "
-                f"must always fit), not {n!r}"
-            )
         u32, u64 = (1 << 32) - 1, (1 << 64) - 1  # the fields of the wire's LIMITS record (_frames.py)
         for name, lo, hi in (
             ("recv_buffer_bytes", 0, u64),
@@ -177,6 +172,14 @@ class Channel(ABC):
     device_kinds: frozenset[str] = frozenset()
     # one-sided channels: gets and puts take memory of those kinds by pointer as well
     rma_device: bool = False
+    # what the peer promised to accept (its Limits), exchanged as the channel opened: every
+    # transport sets it before it hands the channel out
+    _remote: PeerLimits
+
+    @property
+    def remote_limits(self) -> PeerLimits:
+        """The peer's limits: its message slots, credit, largest message and header."""
+        return self._remote
 
     def __init__(self) -> None:
         from ._mailbox import Mailbox

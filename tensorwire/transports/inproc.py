@@ -149,17 +149,7 @@ class InprocChannel(Channel):
                 raise
         finally:
             self._sending -= 1
-        return Receipt(
-            transport=self.transport,
-            lanes=self.lanes,
-            nbytes=msg.nbytes,
-            seconds=time.perf_counter() - t0,
-            protocol=arrival.protocol,
-            direct=not msg.packed and not msg.staged,
-            staged=msg.staged,
-            packed=msg.packed,
-            memory=msg.memory,
-        )
+        return self._send_receipt(msg, arrival.protocol, t0)
 
     async def pull(self, arrival: Arrival) -> None:
         source = self._sources.pop(arrival.msg_id, None)

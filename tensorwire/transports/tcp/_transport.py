@@ -31,6 +31,11 @@ def _split(address: bytes) -> tuple[str, int]:
         raise ConnectError(f"malformed tcp address {address[:64]!r}") from exc
 
 
+def _join(host: str, port: int) -> bytes:
+    """The address blob: ``host:port``, an IPv6 host in brackets (``_split`` reads it back)."""
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -89,8 +94,7 @@ class TcpTransport(Transport):
         sock.setblocking(False)
         self._listener = sock
         self._accepting = asyncio.get_running_loop().create_task(self._accept_loop(), name="tensorwire-tcp-accept")
-        port = sock.getsockname()[1]
-        return f"[{host}]:{port}".encode() if family == socket.AF_INET6 else f"{host}:{port}".encode()
+        return _join(host, sock.getsockname()[1])
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -152,8 +156,7 @@ class TcpTransport(Transport):
         host, port = _split(address)
         if host not in _WILDCARDS or not dialled_host:
             return address
-        dialled_host = dialled_host.strip("[]")
-        return (f"[{dialled_host}]:{port}" if ":" in dialled_host else f"{dialled_host}:{port}").encode()
+        return _join(dialled_host.strip("[]"), port)
 
     async def connect(self, address: bytes, session: Session) -> Channel:
         host, port = _split(address)
