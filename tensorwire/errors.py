@@ -18,7 +18,8 @@
     │   ├── ProtocolError              a malformed, hostile or unauthenticated frame
     │   ├── RegistrationError          memory could not be registered with the device (memlock)
     │   ├── TransferError              a transfer failed part way
-    │   │   └── IntegrityError         a checksum did not match: the message was not delivered
+    │   │   ├── IntegrityError         a checksum did not match: the message was not delivered
+    │   │   └── MessageRefused         past the peer's limits: none of it was sent, the channel stays
     │   └── PeerDisconnected           the peer went away; pending operations fail with this
     ├── RemoteError                    a remote method failed: its type name, message, traceback text
     │   ├── MethodNotFound             the peer offers no method by that name
@@ -50,6 +51,7 @@ __all__ = [
     "HandleNotFound",
     "IntegrityError",
     "InvalidArguments",
+    "MessageRefused",
     "MethodNotFound",
     "NegotiationError",
     "PeerDisconnected",
@@ -136,6 +138,12 @@ class TransferError(TransportError):
 
 class IntegrityError(TransferError):
     """A frame's checksum did not match its bytes; the message is not delivered."""
+
+
+class MessageRefused(TransferError):
+    """A send the peer would refuse (its payload past the peer's ``max_message_bytes``, its
+    header past ``max_header_bytes``), refused at the sender before any byte of it went out; the
+    channel stays open and the tag goes on, so the caller may send something smaller."""
 
 
 class PeerDisconnected(TransportError):

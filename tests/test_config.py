@@ -102,7 +102,7 @@ async def test_max_message_bytes_zero_allows_header_only_messages() -> None:
     async with connected_pair("tcp", limits=Limits(max_message_bytes=0)) as (a, b):
         await a.send({"s": "hello", "n": 3}, tag=1)
         assert await b.recv(tag=1) == {"s": "hello", "n": 3}
-        with pytest.raises(tensorwire.TransferError, match="0-byte limit"):
+        with pytest.raises(tensorwire.MessageRefused, match="0-byte limit"):
             await a.send(np.ones(1), tag=1)
 
 

@@ -46,7 +46,7 @@ async def test_conformance(variant: str, name: str) -> None:
 @pytest.mark.parametrize("variant", [p for p in TRANSPORTS if p.id != "inproc"])  # inproc encodes no header
 async def test_header_past_the_peers_limit_is_refused(variant: str) -> None:
     """A message whose header (its tree and tensor specs) is larger than the peer accepts fails
-    at the sender with TransferError naming the limit; nothing of it reaches the peer."""
+    at the sender with MessageRefused naming the limit; nothing of it reaches the peer."""
     import numpy as np
 
     import tensorwire
@@ -56,7 +56,7 @@ async def test_header_past_the_peers_limit_is_refused(variant: str) -> None:
             recv = asyncio.ensure_future(b.recv(tag="h"))
             wide = {f"key-{i}": np.zeros(1, np.int8) for i in range(100)}
             with pytest.raises(
-                tensorwire.TransferError, match=r"header of \d+ bytes exceeds the peer's 1024-byte limit"
+                tensorwire.MessageRefused, match=r"header of \d+ bytes exceeds the peer's 1024-byte limit"
             ):
                 await asyncio.wait_for(a.send(wide, tag="h"), 5)
             narrow = {f"key-{i}": np.full(1, i, np.int8) for i in range(3)}

@@ -307,7 +307,7 @@ async def test_replies_past_the_callers_header_limit_come_back_as_errors() -> No
         assert "could not be sent" in info.value.remote_message
         with pytest.raises(tensorwire.RemoteError, match="exceeds") as info:
             await _within(5, "a big result", a.call("big", 5000))
-        assert info.value.remote_type == "TransferError"
+        assert info.value.remote_type == "MessageRefused"
         assert await _within(5, "a call afterwards", a.call("add", 1, 2)) == 3
         await _settled(a, b)
 

@@ -21,11 +21,11 @@ from ..errors import (
     ClosedResourceError,
     ConfigurationError,
     DeadlineExceeded,
+    MessageRefused,
     ProtocolError,
     RemoteError,
     ShapeMismatchError,
     TensorWireError,
-    TransferError,
 )
 from ..tensors import Outgoing, prepare
 from ..transports import Channel, ChannelState
@@ -205,9 +205,8 @@ async def _send_request(
     progress.sent = True
     try:
         await channel.send(REQUEST_TAG, request)
-    except TransferError:
-        if channel.state is ChannelState.OPEN:
-            progress.sent = False  # refused before any of it went out (past the peer's limits)
+    except MessageRefused:
+        progress.sent = False  # none of it went out (past the peer's limits)
         raise
     progress.whole = True
     if payload is not None:

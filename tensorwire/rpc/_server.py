@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ..errors import (
     DeadlineExceeded,
     InvalidArguments,
+    MessageRefused,
     MethodNotFound,
     RemoteError,
     TensorWireError,
@@ -406,10 +407,8 @@ class PeerServer:
             return exc
         try:
             await self.peer.channel.send(tag, msg)
-        except TransferError as exc:
-            if self.peer.channel.state is not ChannelState.OPEN:
-                raise
-            return exc  # refused before any of it was sent: past the caller's limits
+        except MessageRefused as exc:
+            return exc  # none of it was sent: past the caller's limits
         return None
 
     async def _drain(self, tag: int, *, until_tombstone: bool) -> None:

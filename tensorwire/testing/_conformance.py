@@ -16,10 +16,10 @@ from ..errors import (
     ClosedResourceError,
     ConfigurationError,
     HandleNotFound,
+    MessageRefused,
     PeerDisconnected,
     ShapeMismatchError,
     TensorWireError,
-    TransferError,
 )
 from ..memory import HostEngine, wait_event
 from ..memory._engine import _HostEvent
@@ -385,14 +385,14 @@ async def check_backpressure(a: Peer, b: Peer) -> None:
 
 @_check(Limits(max_message_bytes=1 * MiB))
 async def check_send_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None:
-    """A message larger than the peer accepts fails at the sender, with TransferError naming the
+    """A message larger than the peer accepts fails at the sender, with MessageRefused naming the
     limit, before any of it leaves: the receiver sees nothing of it, and the tag goes on."""
     recv = asyncio.ensure_future(b.recv(tag="lim"))
     for big in (np.ones(MiB + 1, np.uint8), {"a": np.ones(MiB // 2, np.uint8), "b": np.ones(MiB // 2 + 8, np.uint8)}):
-        refused: TransferError | None = None
+        refused: MessageRefused | None = None
         try:
             await asyncio.wait_for(a.send(big, tag="lim"), 5)
-        except TransferError as exc:
+        except MessageRefused as exc:
             refused = exc
         assert refused is not None, "a message past the peer's max_message_bytes was sent"
         assert f"exceeds the peer's {MiB}-byte limit" in str(refused), refused

@@ -32,7 +32,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..errors import ProtocolError, TransferError
+from ..errors import MessageRefused, ProtocolError
 
 if TYPE_CHECKING:
     from ._base import TransportContext
@@ -143,12 +143,12 @@ class PeerLimits:
 
     def check_send(self, nbytes: int, header_len: int, header_max: int | None = None) -> None:
         """Refuse, before any of it is sent, a message this peer would drop the connection for:
-        TransferError naming the limit; ``header_max`` is a transport's own tighter header bound."""
+        MessageRefused naming the limit; ``header_max`` is a transport's own tighter header bound."""
         if nbytes > self.max_message_bytes:
-            raise TransferError(f"a {nbytes}-byte message exceeds the peer's {self.max_message_bytes}-byte limit")
+            raise MessageRefused(f"a {nbytes}-byte message exceeds the peer's {self.max_message_bytes}-byte limit")
         limit = self.max_header_bytes if header_max is None else min(self.max_header_bytes, header_max)
         if header_len > limit:
-            raise TransferError(f"a message header of {header_len} bytes exceeds the peer's {limit}-byte limit")
+            raise MessageRefused(f"a message header of {header_len} bytes exceeds the peer's {limit}-byte limit")
 
 
 def proof(secret: bytes, nonce: bytes, session_id: bytes, role: bytes) -> bytes:
