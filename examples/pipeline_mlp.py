@@ -67,6 +67,7 @@ async def spawn_stages(
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tensorwire.cli", "stage", "--part", part,
             "--address", "127.0.0.1:0", "--transports", *transports,
+            "--parent", str(os.getpid()),  # they go even if this driver is SIGKILLed
             stdout=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         procs.append(proc)

@@ -18,6 +18,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import __version__, start
-from .errors import TensorWireError
+from .errors import ConfigurationError, TensorWireError
 
 MiB = 1 << 20
 _T = TypeVar("_T")
@@ -193,7 +194,8 @@ async def _demo(size_mib: int, repeat: int) -> int:
     want = _demo_payload(size_mib)
     async with start("127.0.0.1:0") as node:
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tensorwire.cli", "_demo-peer", node.address, str(size_mib)
+            *(sys.executable, "-m", "tensorwire.cli", "_demo-peer", node.address, str(size_mib)),
+            *("--parent", str(os.getpid())),  # B goes even if this process is SIGKILLed
         )
         try:
             ok = await _unless_child_exits(child, _demo_exchange(node, child, want, repeat))
@@ -228,6 +230,36 @@ def _run_until_signal(work: Coroutine[Any, Any, int]) -> int:
         return asyncio.run(run())
     except asyncio.CancelledError:  # only SIGTERM cancels this task (Ctrl-C raises KeyboardInterrupt)
         return 128 + signal.SIGTERM
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _exit_with_parent(pid: int) -> None:
+    """Take SIGTERM when process ``pid``, which must be this one's parent, exits, even if it is
+    SIGKILLed and cannot stop its children: the kernel sends it (Linux, PR_SET_PDEATHSIG), else a
+    thread polls the parent every half second. A parent already gone is a ConfigurationError."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+            polled = False
+        except (OSError, AttributeError):
+            polled = True
+    else:
+        polled = True
+    # checked after the signal is armed: a parent that died before then is seen here
+    if os.getppid() != pid:
+        raise ConfigurationError(f"--parent {pid}: that process is not this one's parent (it may have exited)")
+    if polled:
+
+        def watch() -> None:
+            while os.getppid() == pid:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="tensorwire-parent-watch", daemon=True).start()
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -341,20 +373,27 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("_demo-peer")
     p.add_argument("address")
     p.add_argument("size_mib", type=int)
+    for name in ("serve", "stage", "_demo-peer"):
+        sub.choices[name].add_argument(
+            "--parent", type=_at_least(1), default=None, metavar="PID",
+            help="exit (as on SIGTERM) when process PID, the one that started this one, exits, even by SIGKILL",
+        )  # fmt: skip
     args = parser.parse_args(argv)
     # the command line is an application: it may configure logging (the library never does)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "parent", None) is not None:
+            _exit_with_parent(args.parent)
         if args.cmd == "demo":
             return _run_until_signal(_demo(args.size_mib, args.repeat))
         if args.cmd == "serve":
-            return asyncio.run(_serve(args.address, args.echo, args.token, args.transports))
+            return _run_until_signal(_serve(args.address, args.echo, args.token, args.transports))
         if args.cmd == "doctor":
             return _doctor(args.json, args.address, args.token)
         if args.cmd == "stage":
-            return asyncio.run(_stage(args.address, args.part, args.token, args.transports, not args.no_offload))
+            return _run_until_signal(_stage(args.address, args.part, args.token, args.transports, not args.no_offload))
         if args.cmd == "_demo-peer":
-            return asyncio.run(_demo_child(args.address, args.size_mib))
+            return _run_until_signal(_demo_child(args.address, args.size_mib))
     except KeyboardInterrupt:
         return 130
     except TensorWireError as exc:

@@ -125,6 +125,68 @@ def test_an_interrupted_demo_stops_its_second_process(signum: signal.Signals, co
     assert not _alive(child), "the demo left its second process running"
 
 
+def _gone_within(pid: int, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not _alive(pid):
+            return True
+        time.sleep(0.02)
+    return not _alive(pid)
+
+
+# a parent that starts `serve --parent <its pid>`, prints the server's pid once it serves, and waits
+_PARENT = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-m", "tensorwire.cli", "serve", "--transports", "tcp",
+                          "--parent", str(os.getpid())], stdout=subprocess.PIPE, text=True)
+line = child.stdout.readline()
+print(child.pid, line.strip(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_server_started_with_parent_exits_when_its_parent_dies(signum: signal.Signals) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    server = 0
+    try:
+        pid, ready = parent.stdout.readline().split(" ", 1)
+        server = int(pid)
+        assert "serving at" in ready, ready
+        assert _alive(server)
+        os.kill(parent.pid, signum)  # SIGKILL: the parent can do nothing for its child
+        parent.wait(10)
+        # the old CLI had no --parent (a usage error) and a server left by its parent ran on
+        assert _gone_within(server, 15), "the server outlived its parent"
+    finally:
+        _kill(parent.pid, server)
+        parent.communicate()
+
+
+def test_parent_that_is_not_the_parent_is_refused() -> None:
+    out = subprocess.run([*CLI, "serve", "--parent", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "--parent 1: that process is not this one's parent" in out.stderr
+    assert "Traceback" not in out.stderr
+    bad = subprocess.run([*CLI, "stage", "--part", "x:y", "--parent", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "argument --parent: must be 1 or more, not 0" in bad.stderr, bad.stderr
+
+
+def test_serve_closes_its_node_on_sigterm() -> None:
+    server = subprocess.Popen([*CLI, "serve", "--transports", "tcp"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _read_until(server, "tensorwire node", "serve")
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+    finally:
+        _kill(server.pid)
+        server.communicate()
+    assert server.returncode == 128 + signal.SIGTERM, err  # it used to die of the signal (-15)
+    assert "Traceback" not in err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
 def test_doctor_json_stdout_is_only_json_when_ucx_warns() -> None:
     # a transport UCX does not know makes it print warnings on file descriptor 1 while it is probed
@@ -136,7 +198,7 @@ def test_doctor_json_stdout_is_only_json_when_ucx_warns() -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGKILL, -9)])
 def test_pipeline_example_stops_its_stage_processes_when_signalled(signum: signal.Signals, code: int) -> None:
     pytest.importorskip("torch")
     root = Path(__file__).resolve().parents[1]
@@ -154,12 +216,14 @@ def test_pipeline_example_stops_its_stage_processes_when_signalled(signum: signa
         assert len(stages) == 4, lines
         os.kill(driver.pid, signum)  # the driver alone, as `kill` or a supervisor sends it
         _, err = driver.communicate(timeout=60)
+        # SIGKILL: the driver can do nothing; the stages go because they were started with --parent
+        left = [pid for pid in stages if not _gone_within(pid, 15)]
     finally:
         _kill(driver.pid, *stages)
         driver.communicate()
     assert driver.returncode == code, err
     assert "Traceback" not in err
-    assert not [pid for pid in stages if _alive(pid)], "the example left stage processes running"
+    assert not left, "the example left stage processes running"
 
 
 def _ppid(pid: int) -> int | None:
