@@ -767,7 +767,7 @@ def _destinations(
         if view is not None and view.dev is not None:
             _check_against(h, view.dev, "out=")
             if view.dev.readonly:
-                raise ShapeMismatchError(f"out= {type(out).__name__} is read-only (__cuda_array_interface__)")
+                raise ShapeMismatchError(f"out= {type(out).__name__} is read-only ({view.dev.readonly})")
             dests.append(_Dest(out, None, view.dev))
             continue
         target = out if view is None else view.array

@@ -71,6 +71,31 @@ def test_unsupported_objects_get_clear_errors() -> None:
         prepare(deep)
 
 
+class _DLPackOnly:
+    """An object of some library that offers nothing but DLPack, on device type ``kind``."""
+
+    def __init__(self, kind: int) -> None:
+        self.kind = kind
+
+    def __dlpack__(self, **kw: object) -> object:
+        raise AssertionError("imported without a CUDA device to import it to")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.kind, 0
+
+
+@pytest.mark.parametrize("kind", [2, 13], ids=["kDLCUDA", "kDLCUDAManaged"])
+def test_dlpack_only_cuda_memory_without_a_device_says_so(kind: int) -> None:
+    # on a GPU it is imported through CuPy (tests/gpu/test_cuda_p2p.py); here nothing can hold it
+    with pytest.raises(tensorwire.UnsupportedTensorError, match=r"_DLPackOnly is CUDA memory \(DLPack\)"):
+        prepare({"x": _DLPackOnly(kind)})
+
+
+def test_dlpack_only_pinned_host_memory_is_refused_with_what_to_send() -> None:
+    with pytest.raises(tensorwire.UnsupportedTensorError, match="page-locked host memory offered only through"):
+        prepare(_DLPackOnly(3))
+
+
 def test_non_contiguous_is_packed_and_strides_describe_wire() -> None:
     x = np.arange(12.0).reshape(3, 4).T
     msg = prepare(x)

@@ -279,7 +279,7 @@ class DeviceSource:
     strides: tuple[int, ...]  # bytes
     contiguous: bool
     stream: int | None
-    readonly: bool = False  # a read-only __cuda_array_interface__: never a recv's out=
+    readonly: str = ""  # why it may not be written (never a recv's out=): empty when it may
 
     @property
     def nbytes(self) -> int:
@@ -333,7 +333,7 @@ class DeviceSource:
         Ordered on the consumer's stream: the one of ``streams`` (taken when the recv was
         called) for this framework and device, else the tensor's own."""
         if self.readonly:
-            raise UnsupportedTensorError(f"out= {type(self.value).__name__} is read-only (__cuda_array_interface__)")
+            raise UnsupportedTensorError(f"out= {type(self.value).__name__} is read-only ({self.readonly})")
         engine = self.engine
         stream = self.stream
         if streams is not None and engine.kind == "cuda":
@@ -401,10 +401,47 @@ def device_source(obj: object) -> DeviceSource | None:
                 return None
             raise UnsupportedTensorError(f"torch tensor on {obj.device} cannot be moved: only cpu and cuda tensors")
         return _torch_source(obj)
-    cai = getattr(type(obj), "__cuda_array_interface__", None)
-    if cai is None:
+    if getattr(type(obj), "__cuda_array_interface__", None) is not None:
+        return _cupy_source(obj)
+    if dlpack_device_kind(obj) in _DLPACK_CUDA:
+        return _dlpack_source(obj)
+    return None
+
+
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged: device memory a CUDA stream orders
+_DLPACK_PINNED = 3  # kDLCUDAHost: page-locked host memory, written by CUDA streams
+
+
+def dlpack_device_kind(obj: object) -> int | None:
+    """The DLPack device type ``obj`` says it lives on, None if it offers no DLPack."""
+    if not hasattr(obj, "__dlpack__"):
         return None
-    return _cupy_source(obj)
+    try:
+        kind, _ = obj.__dlpack_device__()  # type: ignore[attr-defined]
+        return int(kind)
+    except Exception:
+        return None
+
+
+def _dlpack_source(obj: Any) -> DeviceSource:
+    """A CUDA object that offers only DLPack (JAX, ...), imported as a CuPy array over the same
+    memory. CuPy hands the producer its current stream (DLPack's ``stream=``), and the producer
+    orders its pending writes before that stream (an event, not a host wait), so the send's event
+    on that stream follows them. It is never written into (a recv's out=, a writable exposure):
+    which stream its owner reads it on is not known, and several such libraries (JAX) treat
+    their arrays as immutable."""
+    if not cuda_usable():
+        raise _no_cuda(f"{type(obj).__name__} is CUDA memory (DLPack)")
+    try:
+        arr = _cp().from_dlpack(obj)
+    except Exception as exc:  # the producer's BufferError, TypeError, ...
+        raise UnsupportedTensorError(f"{type(obj).__name__} could not be imported through DLPack: {exc}") from exc
+    src = _cupy_source(arr)
+    src.readonly = (
+        "a DLPack-only CUDA object, whose consumer stream tensorwire cannot know: receive into a torch "
+        "tensor or a CuPy array"
+    )
+    return src
 
 
 def _torch_source(t: Any) -> DeviceSource:
@@ -445,7 +482,7 @@ def _interface_source(obj: Any) -> DeviceSource:
         given = cai.get("strides")
         stream = cai.get("stream")
         masked = cai.get("mask") is not None
-        readonly = bool(cai["data"][1])
+        readonly = "a read-only __cuda_array_interface__" if cai["data"][1] else ""
     except Exception as exc:
         raise UnsupportedTensorError(f"{type(obj).__name__} has no usable __cuda_array_interface__: {exc!r}") from exc
     if masked:

@@ -17,7 +17,15 @@ from typing import Any
 import numpy as np
 
 from ..errors import UnsupportedTensorError
-from ._device import DeviceSource, DeviceTensor, EngineArray, device_source
+from ._device import (
+    _DLPACK_CUDA,
+    _DLPACK_PINNED,
+    DeviceSource,
+    DeviceTensor,
+    EngineArray,
+    device_source,
+    dlpack_device_kind,
+)
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
 
 __all__ = ["TensorView", "as_view", "byte_view", "empty", "is_tensor", "to_framework"]
@@ -145,15 +153,17 @@ def as_view(obj: object) -> TensorView:
         torch = _torch()
         if torch is not None and isinstance(obj, torch.Tensor):
             return _from_torch(obj)
-        if isinstance(obj, EngineArray) or hasattr(obj, "__cuda_array_interface__"):
+        kind = dlpack_device_kind(obj)
+        if isinstance(obj, EngineArray) or hasattr(obj, "__cuda_array_interface__") or kind in _DLPACK_CUDA:
             dev = device_source(obj)
             if dev is None:
                 raise UnsupportedTensorError(f"{type(obj).__name__} could not be read as device memory")
             return TensorView(None, dev.framework, dev.device, dev)
-        if hasattr(obj, "__dlpack__") and _dlpack_on_cuda(obj):
+        if kind == _DLPACK_PINNED:
             raise UnsupportedTensorError(
-                f"{type(obj).__name__} lives in CUDA memory and offers only DLPack: pass a torch tensor or a "
-                "CuPy array (cupy.from_dlpack(x)), whose streams tensorwire can follow"
+                f"{type(obj).__name__} is page-locked host memory offered only through DLPack, which "
+                "says nothing of the CUDA stream that may still be writing it: pass a torch tensor, a "
+                "CuPy or numpy array"
             )
         if hasattr(obj, "__dlpack__"):
             try:
@@ -175,14 +185,6 @@ def as_view(obj: object) -> TensorView:
         raise UnsupportedTensorError(f"big-endian dtype {arr.dtype} is not supported; convert to native order")
     dtype_name(arr.dtype)
     return TensorView(arr, framework)
-
-
-def _dlpack_on_cuda(obj: object) -> bool:
-    try:
-        kind, _ = obj.__dlpack_device__()  # type: ignore[attr-defined]
-    except Exception:
-        return False
-    return int(kind) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 
 
 def to_framework(arr: np.ndarray | DeviceTensor, framework: str) -> Any:

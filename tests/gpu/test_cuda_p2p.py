@@ -224,6 +224,61 @@ async def test_read_only_foreign_out_is_refused_and_the_message_kept() -> None:
         assert torch.equal(y, x)
 
 
+class _DLPackOnly:
+    """A CUDA array of a library that offers nothing but DLPack (JAX, ...), here a torch tensor's."""
+
+    def __init__(self, t: Any) -> None:
+        self._t = t
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self._t.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> Any:
+        return self._t.__dlpack_device__()
+
+
+@pytest.mark.parametrize(
+    "transport", ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="no ucxx"))]
+)
+async def test_dlpack_only_cuda_object_is_sent_after_its_producer_stream(transport: str) -> None:
+    """Imported through CuPy, which hands the producer its stream: the producer orders its writes
+    before it with an event, so the bytes sent are the ones the busy stream writes last, and the
+    host does not wait for that stream meanwhile."""
+    torch = _torch()
+    x = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")
+    s = torch.arange(3000, dtype=torch.float32, device="cuda").reshape(60, 50)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    async with connected_pair(transport) as (a, b):
+        recv = asyncio.ensure_future(b.recv(tag="d"))
+        await asyncio.sleep(0)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SPIN)
+            x.fill_(9)
+            sending = asyncio.ensure_future(a.send({"x": _DLPackOnly(x), "t": _DLPackOnly(s.t())}, tag="d"))
+            await asyncio.sleep(0)  # the import and the send's events happen while side is current
+        assert not side.query(), "the send waited for the producer's stream on the host"
+        await sending
+        got = await recv
+        cp.cuda.get_current_stream().synchronize()
+        assert bool((got["x"] == 9).all()), "the bytes sent are the ones the side stream wrote"
+        assert np.array_equal(cp.asnumpy(got["t"]), s.t().cpu().numpy()), "a strided one, packed on the GPU"
+
+
+async def test_dlpack_only_cuda_object_is_never_written_into() -> None:
+    torch = _torch()
+    x = torch.arange(1000, dtype=torch.float32, device="cuda")
+    frozen = torch.zeros_like(x)
+    async with connected_pair("tcp") as (a, b):
+        await a.send(x, tag="dl")
+        with pytest.raises(UnsupportedTensorError, match="read-only \\(a DLPack-only CUDA object"):
+            await b.recv(tag="dl", out=_DLPackOnly(frozen))
+        assert int(frozen.count_nonzero()) == 0
+        assert torch.equal(await b.recv(tag="dl"), x), "the refused recv lost the message"
+        h = a.node.expose(_DLPackOnly(frozen), name="dl")
+        assert h.memory == "cuda" and not h.writable
+
+
 async def test_recv_orders_the_consumer_stream_without_blocking_the_host() -> None:
     torch = _torch()
     x = _rand_torch(torch, (4 * MiB,), torch.float32, 5)
