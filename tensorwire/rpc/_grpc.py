@@ -100,16 +100,17 @@ def _authorized(node: Node, context: grpc.aio.ServicerContext) -> bool:
     return False
 
 
-async def _deny(context: grpc.aio.ServicerContext) -> NoReturn:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this node needs 'authorization: Bearer <token>' metadata")
-    raise AssertionError("unreachable: abort raises")
+async def _require_auth(node: Node, context: grpc.aio.ServicerContext) -> None:
+    """Abort the call (UNAUTHENTICATED) unless it carries the node's token, where it has one."""
+    if not _authorized(node, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this node needs 'authorization: Bearer <token>' metadata")
+        raise AssertionError("unreachable: abort raises")
 
 
 async def list_methods(
     node: Node, request: control_pb2.ListMethodsRequest, context: grpc.aio.ServicerContext
 ) -> control_pb2.ListMethodsResponse:
-    if not _authorized(node, context):
-        await _deny(context)
+    await _require_auth(node, context)
     reg = methods_of(node)
     resp = control_pb2.ListMethodsResponse()
     for name in sorted(reg):
@@ -141,8 +142,7 @@ async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, exc: B
 async def invoke(
     node: Node, request: control_pb2.InvokeRequest, context: grpc.aio.ServicerContext
 ) -> control_pb2.InvokeResponse:
-    if not _authorized(node, context):
-        await _deny(context)
+    await _require_auth(node, context)
     try:
         args = [value_from_pb(v) for v in request.args]
         kwargs = {k: value_from_pb(v) for k, v in request.kwargs.items()}

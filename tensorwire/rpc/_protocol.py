@@ -201,14 +201,12 @@ def safe_text(text: object) -> str:
 
 
 def describe(obj: object) -> str:
-    """``str(obj)``, or what is known of it when its ``__str__`` raises."""
+    """``str(obj)``, or what is known of it when its ``__str__`` raises (a ``__str__`` that
+    returns something other than a string makes ``str`` raise TypeError)."""
     try:
-        text = str(obj)
-        if isinstance(text, str):
-            return text
+        return str(obj)
     except Exception as exc:
         return f"<{safe_text(type(obj).__name__)} whose str() raised {safe_text(type(exc).__name__)}>"
-    return f"<{safe_text(type(obj).__name__)} whose str() is not a string>"
 
 
 def _clip(text: object) -> str:

@@ -29,7 +29,6 @@ __all__ = [
 ]
 
 RESERVED_KWARGS = ("_deadline", "_out")  # peer.call's own keywords: no method may take them
-MiB = 1 << 20
 _U64 = (1 << 64) - 1  # byte limits are reported in uint64 fields (GetMethods' max_arg_bytes)
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -115,11 +115,11 @@ class _Call:
         "wake",
     )
 
-    def __init__(self, req: Request, received_at: float, inline_bytes: int) -> None:
+    def __init__(self, req: Request, received_at: float, inline_bytes: int, task: asyncio.Task[Any]) -> None:
         self.req = req
         self.received_at = received_at
         self.inline_bytes = inline_bytes
-        self.task: asyncio.Task[None] | None = None
+        self.task = task  # reads the request, waits for a slot, runs the method and replies
         self.cancel_requested = False
         self.cancel_state: ArgsState | None = None  # what the caller said of its arguments
         self.responding = False  # the terminal reply is on its way: too late to cancel
@@ -135,8 +135,6 @@ class _Call:
         if self.responding or self.cancel_requested:
             return
         self.cancel_requested = True
-        if self.task is None:
-            return  # not read yet: it answers CANCELLED when it is
         if self.receiving_args and state is not ArgsState.NONE:
             return  # the arguments or a tombstone are coming: the receive ends by itself
         self.task.cancel()
@@ -182,34 +180,30 @@ class PeerServer:
             else:
                 break
         inline = receipt.nbytes - _META_BYTES if req.nbytes < 0 else 0
-        call = _Call(req, asyncio.get_running_loop().time(), inline)
+        task = asyncio.current_task()
+        assert task is not None  # peer._spawn runs this loop as a task
+        call = _Call(req, asyncio.get_running_loop().time(), inline, task)
         if self._early.pop(req.call_id, None) is not None:
             call.cancel_requested = True
-        self.calls[req.call_id] = call
-        slots: Slots | None = self.registry.slots
-        task = asyncio.current_task()
-        call.task = task  # a cancel for it interrupts the wait for a slot
+        self.calls[req.call_id] = call  # a cancel for it now interrupts the wait for a slot
+        slots = self.registry.slots
         try:
             if not call.cancel_requested:
-                assert slots is not None
                 await slots.acquire()  # backpressure: no slot, no reading
         except asyncio.CancelledError:
-            if not call.cancel_requested or task is None or task.cancelling() > 1:
+            if not call.cancel_requested or task.cancelling() > 1:
                 self.calls.pop(req.call_id, None)
                 raise  # the peer or node is closing
             task.uncancel()  # its caller gave up: answer at once, no slot needed
         except BaseException:
             self.calls.pop(req.call_id, None)
             raise
-        if call.cancel_requested:
-            slots = None
         self.peer._spawn(self.serve_requests())
-        await self._run(call, slots)
+        await self._run(call, None if call.cancel_requested else slots)
 
     def _stop(self) -> None:
         for call in self.calls.values():
-            if call.task is not None:
-                call.task.cancel()
+            call.task.cancel()
 
     async def serve_control(self) -> None:
         channel = self.peer.channel
@@ -249,12 +243,11 @@ class PeerServer:
                     raise asyncio.CancelledError
                 reply = await self._execute(call)
             except asyncio.CancelledError as exc:
-                task = asyncio.current_task()
                 if call.cancel_requested:
-                    if task is not None and task.cancelling():
-                        task.uncancel()
+                    if call.task.cancelling():
+                        call.task.uncancel()
                     reply = (Reply.CANCELLED,)
-                elif task is not None and task.cancelling():
+                elif call.task.cancelling():
                     raise  # the peer or node is closing
                 else:  # a CancelledError nobody asked for (raised by the method): an error like any
                     reply = error_reply(exc)
@@ -344,8 +337,7 @@ class PeerServer:
                         payload, receipt = await self.peer.channel.recv(args_tag(req.call_id), None)
                         break
                     except asyncio.CancelledError:
-                        task = asyncio.current_task()
-                        if task is None or task.cancelling():
+                        if call.task.cancelling():
                             raise
                         # not a cancellation of ours: a transport reporting the caller's aborted
                         # send that way (inproc does); what the caller sends next is still coming
