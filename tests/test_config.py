@@ -234,6 +234,14 @@ async def test_connect_rejects_bad_addresses_and_timeouts() -> None:
         assert node.peers == []
 
 
+async def _one_message(client: tensorwire.Node, server: tensorwire.Node, address: str, **options: Any) -> Any:
+    """Connect ``client`` to ``server`` at ``address``, send one message across; what arrives."""
+    peer = await client.connect(address, **options)
+    other = await server.accept()
+    await peer.send(np.ones(4), tag=1)
+    return await other.recv(tag=1)
+
+
 async def test_addresses_at_their_bounds_work() -> None:
     with pytest.raises(ConfigurationError, match="port"):
         tensorwire.start("localhost:65536")
@@ -242,10 +250,8 @@ async def test_addresses_at_their_bounds_work() -> None:
         tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
     ):
         port = int(server.address.rpartition(":")[2])
-        peer = await client.connect(f"localhost:{port}", connect_timeout=np.float64(10))
-        other = await server.accept()
-        await peer.send(np.ones(4), tag=1)
-        assert np.array_equal(await other.recv(tag=1), np.ones(4))
+        got = await _one_message(client, server, f"localhost:{port}", connect_timeout=np.float64(10))
+        assert np.array_equal(got, np.ones(4))
 
 
 def _ipv6() -> bool:
@@ -266,10 +272,8 @@ async def test_ipv6_in_brackets_works() -> None:
         tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
     ):
         assert server.address.startswith("[::1]:")
-        peer = await client.connect(server.address)
-        other = await server.accept()
-        await peer.send(np.ones(4), tag=1)
-        assert np.array_equal(await other.recv(tag=1), np.ones(4))
+        got = await _one_message(client, server, server.address)
+        assert np.array_equal(got, np.ones(4))
 
 
 # 192.0.2.1 is TEST-NET-1 (RFC 5737): never a local address; 256.1.1.1 does not resolve

@@ -6,14 +6,13 @@ only: no torch needed."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import warnings
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
+from _pipeline_fixtures import NumpyLinear, nodes, stages
 from _pipeline_reference import mse, one_process_step
 
 import tensorwire
@@ -21,40 +20,10 @@ from tensorwire import pipeline
 from tensorwire.pipeline import Schedule
 
 
-class Linear:
-    """y = tanh(x @ w) (or x @ w on the last stage), explicit backward and SGD step."""
-
-    def __init__(self, rng: np.random.Generator, d_in: int, d_out: int, tanh: bool) -> None:
-        self.w = (rng.standard_normal((d_in, d_out)) / np.sqrt(d_in)).astype(np.float32)
-        self.tanh = tanh
-        self.zero_grad()
-
-    def zero_grad(self) -> None:
-        self.gw = np.zeros_like(self.w)
-
-    def forward(self, x: np.ndarray) -> tuple[Any, Any]:
-        z = x @ self.w
-        y = np.tanh(z) if self.tanh else z
-        return y, (x, y)
-
-    def backward(self, ctx: Any, grad: np.ndarray) -> Any:
-        x, y = ctx
-        if self.tanh:
-            grad = grad * (1 - y * y)
-        self.gw += x.T @ grad
-        return grad @ self.w.T
-
-    def step(self) -> None:
-        self.w -= 0.05 * self.gw
-
-    def state(self) -> dict[str, np.ndarray]:
-        return {"w": self.w.copy()}
-
-
 class Wrapped:
     """A layer whose forward output or backward can be made to misbehave."""
 
-    def __init__(self, inner: Linear) -> None:
+    def __init__(self, inner: NumpyLinear) -> None:
         self.inner = inner
         self.output: Any = None  # what forward returns instead of its output, when set
         self.raise_at_backward: int | None = None  # the n-th backward of a step raises
@@ -86,31 +55,11 @@ class Wrapped:
 
 def layers(p: int = 4, seed: int = 3) -> list[Wrapped]:
     rng = np.random.default_rng(seed)
-    return [Wrapped(Linear(rng, 8, 8 if s < p - 1 else 2, s < p - 1)) for s in range(p)]
+    return [Wrapped(NumpyLinear(rng, 8, 8 if s < p - 1 else 2, s < p - 1, bias=False)) for s in range(p)]
 
 
 def parts(ls: list[Any]) -> list[pipeline.FunctionPart]:
     return [pipeline.FunctionPart(layer, loss=mse if s == len(ls) - 1 else None) for s, layer in enumerate(ls)]
-
-
-@contextlib.asynccontextmanager
-async def nodes(n: int, **options: Any) -> AsyncIterator[list[tensorwire.Node]]:
-    async with contextlib.AsyncExitStack() as stack:
-        yield [
-            await stack.enter_async_context(tensorwire.start("127.0.0.1:0", transports=("tcp",), **options))
-            for _ in range(n)
-        ]
-
-
-@contextlib.asynccontextmanager
-async def stages(
-    ps: list[Any], offload: bool = False, **options: Any
-) -> AsyncIterator[tuple[list[str], tensorwire.Node]]:
-    """Stages serving ``ps`` and one driver node; yields (stage addresses, driver node)."""
-    async with nodes(len(ps) + 1, **options) as ns, contextlib.AsyncExitStack() as stack:
-        for node, part in zip(ns, ps, strict=False):
-            await stack.enter_async_context(pipeline.Stage(node, part, offload=offload))
-        yield [n.address for n in ns[:-1]], ns[-1]
 
 
 def batch(n: int = 16, d_out: int = 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _pipeline_fixtures import NumpyLinear, stages
 from _pipeline_reference import mse, one_process_step
 
 import tensorwire
@@ -27,18 +28,11 @@ RTOL = 1e-5
 
 
 @contextlib.asynccontextmanager
-async def stages_and_driver(parts: list[Any], transport: str, **stage_options: Any) -> AsyncIterator[pipeline.Pipeline]:
-    async with contextlib.AsyncExitStack() as stack:
-        nodes = [
-            await stack.enter_async_context(tensorwire.start("127.0.0.1:0", transports=(transport,)))
-            for _ in range(len(parts) + 1)
-        ]
-        for node, part in zip(nodes, parts, strict=False):
-            await stack.enter_async_context(pipeline.Stage(node, part, **stage_options))
-        pipe = await pipeline.Pipeline.connect(nodes[-1], [n.address for n in nodes[:-1]])
-        stack.push_async_callback(pipe.aclose)
-        assert all(path.startswith(f"{transport} ") for path in pipe.paths), pipe.paths
-        yield pipe
+async def stages_and_driver(parts: list[Any], transport: str, offload: bool = True) -> AsyncIterator[pipeline.Pipeline]:
+    async with stages(parts, transport, offload=offload) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            assert all(path.startswith(f"{transport} ") for path in pipe.paths), pipe.paths
+            yield pipe
 
 
 def mlp(seed: int = 0) -> list[Any]:
@@ -133,39 +127,6 @@ async def test_transformer_block_matches_one_process(schedule: str, transport: s
 
 
 # -- numpy stages: a layer with an explicit backward, no torch involved ---------------------------
-class NumpyLinear:
-    """y = act(x @ w + b), with its own backward and SGD step."""
-
-    def __init__(self, rng: np.random.Generator, d_in: int, d_out: int, tanh: bool, lr: float = 0.05) -> None:
-        self.w = (rng.standard_normal((d_in, d_out)) / np.sqrt(d_in)).astype(np.float32)
-        self.b = np.zeros(d_out, np.float32)
-        self.tanh, self.lr = tanh, lr
-        self.zero_grad()
-
-    def zero_grad(self) -> None:
-        self.gw, self.gb = np.zeros_like(self.w), np.zeros_like(self.b)
-
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        z = x @ self.w + self.b
-        y = np.tanh(z) if self.tanh else z
-        return y, (x, y)
-
-    def backward(self, ctx: Any, grad: np.ndarray) -> np.ndarray:
-        x, y = ctx
-        if self.tanh:
-            grad = grad * (1 - y * y)
-        self.gw += x.T @ grad
-        self.gb += grad.sum(axis=0)
-        return grad @ self.w.T
-
-    def step(self) -> None:
-        self.w -= self.lr * self.gw
-        self.b -= self.lr * self.gb
-
-    def state(self) -> dict[str, np.ndarray]:
-        return {"w": self.w.copy(), "b": self.b.copy()}
-
-
 def numpy_layers(seed: int = 3) -> list[NumpyLinear]:
     rng = np.random.default_rng(seed)
     return [NumpyLinear(rng, 12, 12, True) for _ in range(3)] + [NumpyLinear(rng, 12, 2, False)]
