@@ -6,6 +6,7 @@ does not pay two epoll_ctl calls per message; it is removed when it fires with n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -13,6 +14,7 @@ from contextlib import asynccontextmanager, contextmanager
 import numpy as np
 import pytest
 
+import tensorwire
 from tensorwire.testing import connected_pair, idle_cpu_percent
 from tensorwire.transports.tcp._sockio import SockIO
 
@@ -128,3 +130,74 @@ def test_idle_tcp_nodes_burn_no_cpu() -> None:
     pct = idle_cpu_percent("tcp")
     # leases and heartbeats only: a few tenths of a percent; a spinning reader takes a whole core
     assert pct < 5.0, f"idle cpu {pct:.2f}%"
+
+
+# -- the small-message paths: frames taken in the readable callback, frames written at once -----
+async def test_small_messages_reach_their_recv_without_waking_the_reader_task() -> None:
+    """A small eager message whole in the receive buffer is handed to its recv from the readable
+    callback: the reader task stays parked on the same wait for the whole exchange."""
+    async with connected_pair("tcp") as (a, b):
+        await a.send(np.zeros(1), tag=0)  # the channel is up and idle
+        await b.recv(tag=0)
+        io = b.channel._io  # type: ignore[attr-defined]
+        await asyncio.sleep(0.01)
+        parked = io._waiter
+        assert parked is not None and io._parked
+        out = np.empty(4)
+        for i in range(50):
+            recv = asyncio.ensure_future(b.recv(tag=1, out=out))  # posted first: express
+            await asyncio.sleep(0)
+            await a.send(np.arange(4.0) + i, tag=1)
+            assert await asyncio.wait_for(recv, 5) is out
+            assert np.array_equal(out, np.arange(4.0) + i)
+            await a.send({"i": i, "x": np.full(3, i)}, tag=2)  # nobody waits: kept for the recv
+            await asyncio.sleep(0.001)
+            got = await asyncio.wait_for(b.recv(tag=2), 5)
+            assert got["i"] == i and np.array_equal(got["x"], np.full(3, i))
+        assert io._waiter is parked and not parked.done()
+
+
+@pytest.mark.parametrize("posted", [True, False], ids=["recv-posted", "recv-later"])
+async def test_a_corrupted_small_frame_is_never_delivered(posted: bool) -> None:
+    """With checksums, a small message whose bytes were damaged on the way fails its recv with
+    IntegrityError (the readable callback leaves the frame to the reader, which reports it)."""
+    async with connected_pair("tcp", checksum=True) as (a, b):
+        io = a.channel._io  # type: ignore[attr-defined]
+        real = io.send_now
+
+        def corrupting(bufs: list[object]) -> list[object]:
+            last = bytearray(bufs[-2])  # the payload, before the crc32c trailer
+            last[0] ^= 0x10
+            return real([*bufs[:-2], last, bufs[-1]])  # type: ignore[list-item]
+
+        recv = asyncio.ensure_future(b.recv(tag=1)) if posted else None
+        await asyncio.sleep(0.01)
+        io.send_now = corrupting
+        await a.send(np.arange(16, dtype=np.uint8), tag=1)
+        io.send_now = real
+        if recv is None:
+            await asyncio.sleep(0.05)
+            recv = asyncio.ensure_future(b.recv(tag=1))
+        with pytest.raises(tensorwire.IntegrityError):
+            await asyncio.wait_for(recv, 5)
+
+
+async def test_a_send_cancelled_while_its_one_frame_is_part_written_keeps_the_stream_whole() -> None:
+    """A message in one frame that the socket takes only part of is finished before any other
+    frame, even when its sender is cancelled meanwhile; what follows arrives intact."""
+    async with connected_pair("tcp") as (a, b):
+        x = np.full(3 << 20, 5, np.uint8)  # eager, one frame, more than the socket takes at once
+        for spins in range(6):
+            send = asyncio.ensure_future(a.send(x, tag=1))
+            for _ in range(spins):
+                await asyncio.sleep(0)
+            send.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await send
+            y = np.full(100, spins, np.uint8)
+            await asyncio.wait_for(a.send(y, tag=1), 5)
+            first = await asyncio.wait_for(b.recv(tag=1), 5)
+            if first.nbytes == x.nbytes:  # the cancel came after the frame was written
+                assert np.array_equal(first, x)
+                first = await asyncio.wait_for(b.recv(tag=1), 5)
+            assert np.array_equal(first, y)

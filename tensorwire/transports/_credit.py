@@ -88,6 +88,8 @@ class ReceiveBudget:
         self._ret_credit = 0
         self._ret_slots = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._urgent = False  # the pending timer is the no-delay one
+        self._flushing = False  # a flush was asked for and has not taken the returns yet
 
     def admit(self, nbytes: int, eager: bool) -> None:
         """A message header arrived: it takes a slot, and credit if it came eager."""
@@ -109,19 +111,21 @@ class ReceiveBudget:
         if eager:
             self._used_credit -= nbytes
             self._ret_credit += nbytes
-        if not schedule:
+        if not schedule or self._flushing:  # the flush under way takes these returns too
             return
         lim = self._limits
         urgent = self._ret_credit >= lim.recv_buffer_bytes // 4 or self._ret_slots >= lim.max_unexpected // 4
-        if urgent and self._timer is not None:
+        if self._timer is not None:
+            if self._urgent or not urgent:
+                return  # the pending timer comes soon enough
             self._timer.cancel()
-            self._timer = None
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(0 if urgent else FLUSH_DELAY, self._due)
+        self._urgent = urgent
+        self._timer = asyncio.get_running_loop().call_later(0 if urgent else FLUSH_DELAY, self._due)
 
     def _due(self) -> None:
         self._timer = None
         if self.owed:
+            self._flushing = True
             self._flush()
 
     @property
@@ -132,6 +136,7 @@ class ReceiveBudget:
         """What to piggyback on the frame being written now."""
         credit, slots = self._ret_credit, self._ret_slots
         self._ret_credit = self._ret_slots = 0
+        self._flushing = False
         return credit, slots
 
     def close(self) -> None:

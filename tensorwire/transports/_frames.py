@@ -100,11 +100,11 @@ def unpack(data: bytes | bytearray | memoryview) -> FrameHeader:
 
 
 def unpack_fields(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview, offset: int = 0
 ) -> tuple[FrameType, int, int, int, int, int, int, int]:
-    """``unpack`` as a plain tuple in FrameHeader's order (no NamedTuple built: the per-message
-    paths of the transports call this)."""
-    magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(data)
+    """``unpack`` as a plain tuple in FrameHeader's order, of the header at ``offset`` (no
+    NamedTuple built: the per-message paths of the transports call this)."""
+    magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(data, offset)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
     t = _TYPES.get(ftype)

@@ -274,7 +274,14 @@ class Mailbox:
         self.in_flight = 0
 
     # -- transport side -------------------------------------------------------------------
-    def deliver(self, tag: int, tree: wire_pb2.TreeNode, specs: list[Spec], data: memoryview) -> bool:
+    def deliver(
+        self,
+        tag: int,
+        tree: wire_pb2.TreeNode,
+        specs: list[Spec],
+        data: memoryview,
+        dest: list[np.ndarray] | None = None,
+    ) -> bool:
         """The express path for a small message whose bytes came with its header (``data``,
         the tensors' bytes in order): if the oldest recv posted on ``tag`` waits with an
         ``out=`` that is one contiguous, writable host array of the message's dtype and shape,
@@ -282,33 +289,47 @@ class Mailbox:
         out= (or into new host arrays) and wake that recv; True if so. The message is then
         consumed: the transport gives its slot and credit back at once. Anything else (no recv,
         another out=, device memory) is False, and the transport goes the general way
-        (``arrive``)."""
-        posted = self._posted.get(tag)
-        if not posted:
-            return False
-        p = posted[0]
-        if p.future.done():
-            return False
-        out = p.out
-        if out is None:
-            if p.device is not None or any(s.device == "cuda" for s in specs):
+        (``arrive``). ``dest``: what ``express_dest`` just returned for this message, if the
+        caller asked first."""
+        if dest is None:
+            dest = self.express_dest(tag, specs)
+            if dest is None:
                 return False
-            dest = [s.allocate() for s in specs]
-        else:
-            if type(out) is not np.ndarray or len(specs) != 1:
-                return False
-            s = specs[0]
-            if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
-                return False
-            if not (out.flags.c_contiguous and out.flags.writeable):
-                return False
-            dest = [out]
         _copy_into(dest, data)
-        posted.popleft()
+        posted = self._posted[tag]
+        p = posted.popleft()
         if not posted:
             del self._posted[tag]
         p.future.set_result(_Delivered(tree, specs, dest))
         return True
+
+    def express_dest(self, tag: int, specs: list[Spec]) -> list[np.ndarray] | None:
+        """Where ``deliver`` would put a message of ``specs`` on ``tag`` now (the oldest posted
+        recv's out=, or new host arrays), or None if it would not take it. No side effects but
+        the allocation; valid until the loop runs again."""
+        posted = self._posted.get(tag)
+        if not posted:
+            return None
+        p = posted[0]
+        if p.future.done():
+            return None
+        out = p.out
+        if out is None:
+            if p.device is not None or any(s.device == "cuda" for s in specs):
+                return None
+            return [s.allocate() for s in specs]
+        if type(out) is not np.ndarray or len(specs) != 1:
+            return None
+        s = specs[0]
+        if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
+            return None
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            return None
+        return [out]
+
+    def has_posted(self, tag: int) -> bool:
+        """Is any recv (perhaps one cancelled a moment ago) posted on ``tag``?"""
+        return tag in self._posted
 
     def arrive(self, arrival: Arrival) -> None:
         """A message header arrived. Match it to a posted recv or queue it."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from contextlib import suppress
 from typing import Any
 
@@ -34,10 +35,20 @@ from ...errors import (
     TransferError,
 )
 from ...memory import stage_out
-from ...tensors import DeviceTensor, Outgoing, decode_header
+from ...tensors import DeviceTensor, Outgoing, decode_header, decode_header_sized
 from .._base import Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
-from .._frames import CHECKSUM, FLAG_CHECKSUM, RENDEZVOUS, TRAILER, FrameType, PeerLimits, pack
+from .._frames import (
+    CHECKSUM,
+    FLAG_CHECKSUM,
+    HEADER,
+    RENDEZVOUS,
+    TRAILER,
+    FrameType,
+    PeerLimits,
+    pack,
+    unpack_fields,
+)
 from .._mailbox import Arrival
 from ._sockio import Buffer, SockIO
 
@@ -60,6 +71,10 @@ def _slices(segs: list[memoryview], start: int, end: int) -> list[memoryview]:
 
 
 _REPOST_AFTER = 64 * 1024
+# frames up to this size (header, metadata, payload, trailer) whole in the receive buffer are
+# handled in the socket's readable callback (``TcpChannel._on_frames``), not by the reader task
+_FAST_FRAME = 16 * 1024
+_MSG, _CTS, _CREDIT = FrameType.MSG, FrameType.CTS, FrameType.CREDIT
 
 
 async def _let_recvs_repost(arrival: Arrival) -> None:
@@ -69,6 +84,42 @@ async def _let_recvs_repost(arrival: Arrival) -> None:
     if arrival.nbytes >= _REPOST_AFTER:
         for _ in range(3):  # done -> shield -> recv task -> next recv posted
             await asyncio.sleep(0)
+
+
+class _Turn:
+    """Whose turn it is to write a frame on the stream, in FIFO order. The turn passes straight
+    from one writer to the next (``busy`` stays True), so a writer that finds it free may write
+    a frame at once, with no await, and nobody is overtaken."""
+
+    __slots__ = ("_waiters", "busy")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def take(self) -> None:
+        if not self.busy:
+            self.busy = True
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.give()  # handed over just as we were cancelled: pass it on
+            else:
+                with suppress(ValueError):
+                    self._waiters.remove(fut)
+            raise
+
+    def give(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.busy = False
 
 
 def _on_device(arrival: Arrival) -> bool:
@@ -87,7 +138,7 @@ class TcpChannel(Channel):
         self.checksum = bool(checksum) or bool(remote.flags & FLAG_CHECKSUM)  # compared with != per frame
         self.lanes = (f"tcp x1 stream {name}",)
         self._loop = asyncio.get_running_loop()
-        self._wlock = asyncio.Lock()
+        self._turn = _Turn()  # the stream's writers take turns, one whole frame each
         self._window = SendWindow(remote)  # what we may still send: the receiver's grants
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
@@ -97,6 +148,7 @@ class TcpChannel(Channel):
         self._incoming: dict[int, Arrival] = {}  # payload being received
         self._waiting: dict[int, Arrival] = {}  # rendezvous headers waiting for a recv
         self._reader = self._loop.create_task(self._read_loop(), name=f"tensorwire-tcp-reader {name}")
+        io.on_frames = self._on_frames
 
     def __repr__(self) -> str:
         return f"<TcpChannel {self.lanes[0]} {self.state.value} in_flight={self.in_flight}>"
@@ -106,6 +158,34 @@ class TcpChannel(Channel):
         return self.mailbox.in_flight + self._sending
 
     # -- sending ----------------------------------------------------------------------------
+    def _frame(
+        self, ftype: FrameType, flags: int, meta: bytes, payload: list[memoryview] | None, msg_id: int, arg: int
+    ) -> list[Buffer]:
+        """The buffers of one frame, returned credit piggybacked; to be written at once."""
+        credit, slots = self._budget.take_returns()
+        plen = sum(len(p) for p in payload) if payload else 0
+        summed = self.checksum and (ftype is FrameType.MSG or ftype is FrameType.DATA)
+        if summed:
+            flags |= CHECKSUM
+        bufs: list[Buffer] = [pack(ftype, flags, len(meta), plen, msg_id, arg, credit, slots)]
+        if meta:
+            bufs.append(meta)
+        if payload:
+            bufs.extend(payload)
+        if summed:
+            crc = 0
+            for b in bufs:
+                crc = crc32c.crc32c(b, crc)
+            bufs.append(TRAILER.pack(crc))
+        return bufs
+
+    def _broken_write(self, exc: PeerDisconnected) -> BaseException:
+        """Writing failed: break the channel; what to raise (closed by this side meanwhile? then
+        that, not what the socket saw)."""
+        self._shutdown(ChannelState.BROKEN, exc)
+        failure = self.mailbox.failure
+        return failure if failure is not None else exc
+
     async def _write(
         self,
         ftype: FrameType,
@@ -120,44 +200,95 @@ class TcpChannel(Channel):
         """Write one whole frame. ``sent`` gets True appended once the frame is on the wire, also
         when a cancellation arrives while it is being finished (send_all completes a frame it
         started before re-raising), so a caller can tell 'never sent' from 'sent, then cancelled'."""
-        async with self._wlock:
+        await self._turn.take()
+        try:
             self.check_open()
-            credit, slots = self._budget.take_returns()
-            plen = sum(len(p) for p in payload) if payload else 0
-            summed = self.checksum and ftype in (FrameType.MSG, FrameType.DATA)
-            if summed:
-                flags |= CHECKSUM
-            bufs: list[Buffer] = [pack(ftype, flags, len(meta), plen, msg_id, arg, credit, slots)]
-            if meta:
-                bufs.append(meta)
-            if payload:
-                bufs.extend(payload)
-            if summed:
-                crc = 0
-                for b in bufs:
-                    crc = crc32c.crc32c(b, crc)
-                bufs.append(TRAILER.pack(crc))
+            bufs = self._frame(ftype, flags, meta, payload, msg_id, arg)
             try:
-                await self._io.send_all(bufs)
+                rest = self._io.send_now(bufs)
+                if rest:
+                    await self._io.send_rest(rest)
             except asyncio.CancelledError:
                 if sent is not None:
                     sent.append(True)
                 raise
             except PeerDisconnected as exc:
-                self._shutdown(ChannelState.BROKEN, exc)
-                # closed by this side meanwhile? then say that, not what the socket saw
-                failure = self.mailbox.failure
-                if failure is not None and failure is not exc:
-                    raise failure from exc
-                raise
+                failure = self._broken_write(exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
             if sent is not None:
                 sent.append(True)
+        finally:
+            self._turn.give()
 
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
         header = msg.header
-        self._remote.check_send(msg.nbytes, len(header))
+        nbytes = msg.nbytes
+        self._remote.check_send(nbytes, len(header))
         t0 = time.perf_counter()
+        window = self._window
+        if (
+            not self._turn.busy
+            and window.slots > 0
+            and nbytes <= window.credit
+            and nbytes <= self._limits.chunk_bytes
+            and not msg.on_device
+        ):
+            # the common case: an eager message in one frame, a slot free and the stream idle:
+            # the frame goes out now, nothing awaited unless the socket takes only part of it
+            window.slots -= 1
+            window.credit -= nbytes
+            msg_id = self._next_id
+            self._next_id += 1
+            bufs = self._frame(FrameType.MSG, 0, header, msg.segments() if nbytes else None, msg_id, tag)
+            try:
+                rest = self._io.send_now(bufs)
+            except PeerDisconnected as exc:
+                failure = self._broken_write(exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
+            if rest:
+                await self._finish_frame(rest, msg_id)
+            return Receipt(
+                self.transport,
+                self.lanes,
+                nbytes,
+                time.perf_counter() - t0,
+                "eager",
+                not msg.packed and msg.memory == "host",
+                msg.memory != "host",
+                msg.packed,
+                msg.memory,
+            )
+        return await self._send(tag, msg, t0)
+
+    async def _finish_frame(self, rest: list[Buffer], msg_id: int) -> None:
+        """The socket took part of a message's one frame: write the rest before any other frame
+        (the turn is ours), even if cancelled; a cancelled sender then withdraws the message."""
+        self._turn.busy = True  # it was free, and nothing ran since
+        self._sending += 1
+        try:
+            try:
+                await self._io.send_rest(rest)
+            except PeerDisconnected as exc:
+                failure = self._broken_write(exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
+            finally:
+                self._turn.give()
+        except asyncio.CancelledError:
+            if self.state is ChannelState.OPEN:
+                with suppress(Exception):
+                    await asyncio.shield(self._write(FrameType.ABORT, msg_id=msg_id))
+            raise
+        finally:
+            self._sending -= 1
+
+    async def _send(self, tag: int, msg: Outgoing, t0: float) -> Receipt:
         self._sending += 1
         try:
             await self._window.take_slot(self.check_open)
@@ -166,6 +297,7 @@ class TcpChannel(Channel):
             self._next_id += 1
             segs: list[memoryview | DeviceTensor] = msg.parts() if msg.on_device else list(msg.segments())
             announced: list[bool] = []  # the MSG frame is on the wire: the receiver accounts for it
+            header = msg.header
             try:
                 if eager:
                     inline = 0 if msg.on_device else min(msg.nbytes, self._limits.chunk_bytes)
@@ -362,17 +494,98 @@ class TcpChannel(Channel):
                     raise ProtocolError(f"unexpected {t.name} frame on an open channel")
         except asyncio.CancelledError:
             raise
-        except ProtocolError as exc:
+        except Exception as exc:
+            self._read_failed(exc)
+
+    def _read_failed(self, exc: Exception) -> None:
+        """Reading the stream failed (reader task or readable callback): break the channel."""
+        if isinstance(exc, ProtocolError):
             log.warning("closing tcp channel %s: %s", self.lanes[0], exc)
-            self._shutdown(ChannelState.BROKEN, exc)
-        except PeerDisconnected as exc:
-            self._shutdown(ChannelState.BROKEN, exc)
-        except IntegrityError as exc:
+        elif isinstance(exc, IntegrityError):
             log.error("closing tcp channel %s: %s", self.lanes[0], exc)
-            self._shutdown(ChannelState.BROKEN, exc)
-        except Exception as exc:  # a bug must not leave recvs hanging
-            log.exception("tcp reader failed")
-            self._shutdown(ChannelState.BROKEN, BrokenResourceError(f"tcp reader failed: {exc!r}"))
+        elif not isinstance(exc, PeerDisconnected):  # a bug must not leave recvs hanging
+            log.error("tcp reader failed", exc_info=exc)
+            exc = BrokenResourceError(f"tcp reader failed: {exc!r}")
+        self._shutdown(ChannelState.BROKEN, exc)
+
+    def _on_frames(self, buf: bytearray, start: int, end: int) -> tuple[int, bool]:
+        """The fast path of the read loop, called by the socket's readable callback while the
+        reader task waits between frames: take the whole frames at ``buf[start:end]`` that need
+        no waiting (an eager message whose payload came with its header, up to ``_FAST_FRAME``
+        bytes, CTS and CREDIT) the way the read loop would, so that a small message reaches its
+        recv without a trip through the reader task. Returns the new start, and True when the
+        reader task must take the frame there: anything else, and any frame that fails a check
+        (the task finds the same fault and reports it), decided before anything is changed."""
+        limits = self._limits
+        mailbox = self.mailbox
+        hsize = HEADER.size
+        if self.state is not ChannelState.OPEN:
+            return start, True
+        try:
+            while end - start >= hsize:
+                try:
+                    t, flags, meta_len, payload_len, msg_id, arg, credit, slots = unpack_fields(buf, start)
+                except ProtocolError:
+                    return start, True
+                if t is _MSG:
+                    if bool(flags & CHECKSUM) != self.checksum or flags & RENDEZVOUS:
+                        return start, True
+                    size = hsize + meta_len + payload_len + (TRAILER.size if self.checksum else 0)
+                    if size > _FAST_FRAME or meta_len > limits.max_header_bytes:
+                        return start, True
+                    if end - start < size:
+                        return start, True  # the reader checks the header now, then waits for the rest
+                    meta_end = start + hsize + meta_len
+                    try:
+                        tree, specs, nbytes = decode_header_sized(
+                            bytes(buf[start + hsize : meta_end]), max_message_bytes=limits.max_message_bytes
+                        )
+                    except ProtocolError:
+                        return start, True
+                    if payload_len != nbytes or msg_id in self._incoming or msg_id in self._waiting:
+                        return start, True  # a message in several frames, or a fault
+                    if self.checksum:
+                        frame_end = meta_end + payload_len
+                        (want,) = TRAILER.unpack_from(buf, frame_end)
+                        if crc32c.crc32c(memoryview(buf)[start:frame_end]) != want:
+                            return start, True
+                    dest = None
+                    if mailbox.has_posted(arg):
+                        dest = mailbox.express_dest(arg, specs)
+                        if dest is None:
+                            return start, True  # a recv that wants the general path (device, pytree)
+                    # accepted: from here on, what the read loop does
+                    if credit or slots:
+                        self._window.grant(credit, slots)
+                    self._budget.admit(nbytes, eager=True)
+                    data = memoryview(buf)[meta_end : meta_end + nbytes]
+                    if dest is not None:
+                        mailbox.deliver(arg, tree, specs, data, dest)
+                        self._budget.release(nbytes, True)  # consumed: its slot and credit go back
+                    else:  # nobody waits: kept here (within the credit) for the next recv
+                        arrival = Arrival(self, arg, tree, specs, msg_id=msg_id, nbytes=nbytes)
+                        arrival.allocate()
+                        if nbytes:
+                            arrival.fill(data)
+                        arrival.complete()
+                        mailbox.arrive(arrival)
+                    start += size
+                elif t is _CTS or t is _CREDIT:
+                    if meta_len or payload_len:
+                        return start, True
+                    if credit or slots:
+                        self._window.grant(credit, slots)
+                    if t is _CTS:
+                        fut = self._cts.get(msg_id)
+                        if fut is not None and not fut.done():
+                            fut.set_result(None)
+                    start += hsize
+                else:
+                    return start, True
+        except Exception as exc:
+            self._read_failed(exc)
+            return start, True
+        return start, False
 
     def _check_summed(self, flags: int) -> None:
         if bool(flags & CHECKSUM) != self.checksum:
@@ -476,8 +689,12 @@ class TcpChannel(Channel):
         if self.state is ChannelState.OPEN:
             self.state = ChannelState.CLOSING
             try:
-                async with asyncio.timeout(1.0), self._wlock:
-                    await self._io.send_all([pack(FrameType.BYE)])
+                async with asyncio.timeout(1.0):
+                    await self._turn.take()
+                    try:
+                        await self._io.send_all([pack(FrameType.BYE)])
+                    finally:
+                        self._turn.give()
             except Exception:  # the peer may already be gone; closing goes on
                 pass
             finally:
