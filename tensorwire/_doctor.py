@@ -19,6 +19,7 @@ import numpy as np
 from . import __version__
 from ._sysfs import PROC, SYS
 from ._sysfs import read_text as _read
+from .control._negotiate import _tcp_only
 from .errors import TensorWireError
 from .memory._gpudirect import gpudirect_status
 from .transports import DEFAULT_PREFERENCE, probe_all
@@ -175,6 +176,43 @@ async def probe_address(address: str, token: str | None, wait_s: float) -> dict[
         return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
 
 
+_ONE_MACHINE_TLS = ("self", "sysv", "posix", "cma", "knem", "xpmem", "cuda_copy", "cuda_ipc", "gdr_copy")
+
+
+def _pick(
+    usable: dict[str, tuple[Any, Any]], unusable: dict[str, str]
+) -> tuple[str | None, list[str], dict[str, Any] | None]:
+    """What a connect to another tensorwire process with this machine's setup would choose,
+    by the handshake's rules (a transport whose lanes are all tcp gives way to tcp), what ranks
+    above it and why not; and, where that pick is ucx, what a peer on another machine would
+    get: UCX's shared-memory lanes reach only this machine."""
+    remote = [n for n in DEFAULT_PREFERENCE if n != "inproc"]
+    passed: list[str] = []
+    pick = None
+    for i, name in enumerate(remote):
+        if name not in usable:
+            passed.append(f"{name}: {unusable[name]}")
+            continue
+        caps = usable[name][1]
+        if name != "tcp" and "tcp" in remote[i + 1 :] and "tcp" in usable and _tcp_only(caps):
+            passed.append(f"{name}: {_TCP_ONLY} ({', '.join(caps.lanes)})")
+            continue
+        pick = name
+        break
+    machine = None
+    if pick == "ucx" and "tcp" in usable:
+        caps = usable["ucx"][1]
+        across = [lane for lane in caps.lanes if not lane.split("/")[0].startswith(_ONE_MACHINE_TLS)]
+        if across and all(lane.split("/")[0] == "tcp" for lane in across):
+            machine = {"transport": "tcp", "passed_over": [f"ucx: across machines {_TCP_ONLY} ({', '.join(across)})"]}
+        elif across:
+            machine = {"transport": "ucx", "lanes": across}
+    return pick, passed, machine
+
+
+_TCP_ONLY = "only tcp lanes: tensorwire's tcp transport moves those bytes with less machinery"
+
+
 def report(address: str | None = None, token: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
     usable, unusable = probe_all(DEFAULT_PREFERENCE)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -187,13 +225,11 @@ def report(address: str | None = None, token: str | None = None, timeout: float 
         for n, (_, c) in usable.items()
     }
     transports.update({n: {"usable": False, "reason": r} for n, r in unusable.items()})
-    remote = [n for n in DEFAULT_PREFERENCE if n != "inproc"]
-    remote_pick = next((n for n in remote if n in usable), None)
-    # passed over: what ranks above the pick (all of them when nothing is usable), not what ranks below
-    above = remote[: remote.index(remote_pick)] if remote_pick is not None else remote
-    passed = [f"{n}: {unusable[n]}" for n in above if n in unusable]
+    remote_pick, passed, machine_pick = _pick(usable, unusable)
     rdma = rdma_devices()
     gpu_list = gpus()
+    if "verbs" in unusable and not rdma:
+        transports["verbs"]["note"] = "this machine has no RDMA device, so verbs would have nothing to use anyway"
     out: dict[str, Any] = {
         "tensorwire": __version__,
         "python": platform.python_version(),
@@ -201,6 +237,7 @@ def report(address: str | None = None, token: str | None = None, timeout: float 
         "transports": transports,
         "preference": list(DEFAULT_PREFERENCE),
         "connect_to_another_process": {"transport": remote_pick, "passed_over": passed},
+        "connect_to_another_machine": machine_pick,
         "rdma_devices": rdma,
         "memlock": {
             "soft": lim(soft),
@@ -235,9 +272,16 @@ def render(rep: dict[str, Any]) -> str:
             )
         else:
             lines.append(f"  {name:7} unusable {t['reason']}")
+            if t.get("note"):
+                lines.append(f"          ({t['note']})")
     pick = rep["connect_to_another_process"]
-    lines.append(f"a connect to another process would use: {pick['transport']}")
+    lines.append(f"a connect to another process on this machine would use: {pick['transport']}")
     lines += [f"  not {line}" for line in pick["passed_over"]]
+    machine = rep.get("connect_to_another_machine")
+    if machine is not None:
+        lanes = f" [{', '.join(machine['lanes'])}]" if machine.get("lanes") else ""
+        lines.append(f"a connect to another machine would use: {machine['transport']}{lanes}")
+        lines += [f"  not {line}" for line in machine.get("passed_over", [])]
     if not rep["rdma_devices"]:
         lines.append("RDMA devices: none (no /sys/class/infiniband)")
     else:

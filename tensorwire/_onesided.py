@@ -10,7 +10,11 @@ Direct (transports whose Capabilities say ``one_sided``: ucx): ``expose`` regist
 with each such transport (through its registration cache); Lookup hands the session peer a
 remote-key blob (``transports/_remote.py``) for the transport its channel uses; the reader
 unpacks the key once per (peer, handle generation) and moves the bytes with get/put + flush.
-No code of the owner's runs per operation. Receipts say ``protocol="one-sided"``.
+No code of the owner's runs per operation. Receipts say ``protocol="one-sided"`` where the
+channel reaches the owner's memory without the owner's CPU (a cma or RDMA lane), and
+``"one-sided-emulated"`` where UCX emulates get/put over its other lanes (tcp, sysv/posix
+shared memory): no tensorwire code of the owner's runs then either, but its UCX worker, driven
+by its event loop, serves each operation (``UcxChannel.one_sided_direct``).
 
 Revocation of direct handles: ``unexpose`` removes the name at once (lookups and
 owner-assisted operations fail from then on), then sends every peer that received the key a
@@ -602,13 +606,20 @@ def _receipt(
     )
 
 
+def _one_sided(peer: Peer) -> str:
+    """What a get/put over this peer's channel is: "one-sided" where it reaches the owner's
+    memory without the owner's CPU, "one-sided-emulated" where the transport emulates it and
+    the owner's worker serves it (UCX without a cma or RDMA lane)."""
+    return "one-sided" if getattr(peer.channel, "one_sided_direct", True) else "one-sided-emulated"
+
+
 def _protocol(peer: Peer, direct: list[Any], assisted: list[int]) -> str:
     """What a receipt says: the owner took part in any of it, or in none."""
     if assisted:
         return "owner-assisted"
     if direct:
-        return "one-sided"
-    return "one-sided" if isinstance(peer.channel, OneSidedChannel) else "owner-assisted"  # an empty batch
+        return _one_sided(peer)
+    return _one_sided(peer) if isinstance(peer.channel, OneSidedChannel) else "owner-assisted"  # an empty batch
 
 
 def _naming(handle: RemoteHandle) -> dict[str, Any]:
@@ -683,7 +694,7 @@ async def read(
         state = _direct_state(peer, handle)
         if state is not None:
             await _move(peer, "get", [(state, out, handle.offset)])
-            return out, _receipt(peer, "one-sided", out.nbytes, t0, False, None) if want_receipt else None
+            return out, _receipt(peer, _one_sided(peer), out.nbytes, t0, False, None) if want_receipt else None
     results, receipt = await read_many(peer, [handle], [out], device=device, want_receipt=want_receipt)
     return results[0], receipt
 
@@ -697,7 +708,7 @@ async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
         state = _direct_state(peer, handle)
         if state is not None:
             await _move(peer, "put", [(state, src, handle.offset)])
-            return _receipt(peer, "one-sided", src.nbytes, t0, False, None)
+            return _receipt(peer, _one_sided(peer), src.nbytes, t0, False, None)
     return await write_many(peer, [handle], [src])
 
 

@@ -12,8 +12,10 @@ class Path:
     """The negotiated data path of one peer.
 
     transport: the transport that carries the bytes ("tcp", "inproc", "ucx", ...).
-    lanes: what carries them inside that transport ("tcp x1 stream 127.0.0.1:4242").
-    rdma / gpudirect: whether bytes move by RDMA, and GPU memory without staging.
+    lanes: what carries them inside that transport ("tcp x1 stream 127.0.0.1:4242"; for ucx the
+        lanes of the endpoint to this peer, "cma/memory", "tcp/lo").
+    rdma / gpudirect: whether bytes move by RDMA, and GPU memory without staging (for ucx:
+        only where the endpoint has an RDMA lane, not merely where this node lists one).
     passed_over: (transport, reason) for each transport preferred over this one and not used.
     """
 
@@ -24,10 +26,35 @@ class Path:
     memory_kinds: tuple[str, ...]
     passed_over: tuple[tuple[str, str], ...]
 
+    def __post_init__(self) -> None:
+        if self.transport == "ucx" and self.rdma:
+            from .transports.ucx._lanes import rdma
+
+            # rdma comes from the transport's capabilities (its context lists an RDMA
+            # transport); a peer on this machine (shared memory) or one without RDMA gets an
+            # endpoint without such a lane, and its bytes do not move by RDMA
+            if not rdma(self.lanes):
+                object.__setattr__(self, "rdma", False)
+                object.__setattr__(self, "gpudirect", False)
+
+    @property
+    def how(self) -> str:
+        """How the bytes move, in words ("RDMA", "kernel TCP", "shared memory (cma single copy)")."""
+        if self.transport == "ucx":
+            from .transports.ucx._lanes import describe
+
+            return describe(self.lanes)
+        if self.rdma:
+            return "RDMA"
+        if self.transport == "tcp":
+            return "kernel TCP"
+        if self.transport == "inproc":
+            return "same process, one copy"
+        return "direct"
+
     def __str__(self) -> str:
         lanes = ", ".join(self.lanes) or "-"
-        kind = "RDMA" if self.rdma else "staged through the kernel" if self.transport == "tcp" else "direct"
-        text = f"{self.transport} [{lanes}] ({kind})"
+        text = f"{self.transport} [{lanes}] ({self.how})"
         if self.passed_over:
             text += "; not " + "; not ".join(f"{n}: {r}" for n, r in self.passed_over)
         return text

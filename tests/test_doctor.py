@@ -151,11 +151,9 @@ def test_doctor_address_that_does_not_answer_fails_clearly() -> None:
 
 
 def test_passed_over_names_only_transports_ranked_above_the_pick(monkeypatch: pytest.MonkeyPatch) -> None:
-    from types import SimpleNamespace
+    from tensorwire.transports import DEFAULT_PREFERENCE, Capabilities
 
-    from tensorwire.transports import DEFAULT_PREFERENCE
-
-    caps = SimpleNamespace(rdma=False, one_sided=False, memory_kinds=("host",))
+    caps = Capabilities(memory_kinds=("host",), lanes=("sysv/memory", "cma/memory"))
     verbs_why = "pyverbs is not installed"
 
     def probe_all(_names: object, *, ucx: bool) -> tuple[dict[str, object], dict[str, str]]:

@@ -49,6 +49,12 @@ def _tcp_only(caps: Capabilities) -> bool:
     return caps.tcp_only or (bool(caps.lanes) and all(lane.split("/")[0] == "tcp" for lane in caps.lanes))
 
 
+def _endpoint_lanes(transports: Mapping[str, object] | None, name: str, address: bytes) -> tuple[str, ...]:
+    """The lanes ``transports[name]`` would use with the peer at ``address`` (``()``: unknown)."""
+    query: Callable[[bytes], tuple[str, ...]] | None = getattr((transports or {}).get(name), "endpoint_lanes", None)
+    return query(address) if query is not None else ()
+
+
 def choose(
     preference: list[str] | tuple[str, ...],
     local: Mapping[str, Offer],
@@ -60,8 +66,14 @@ def choose(
     *,
     local_name: str = "server",
     remote_name: str = "client",
+    transports: Mapping[str, object] | None = None,
 ) -> Choice:
-    """Pick a transport; raise NegotiationError listing why each one was not usable."""
+    """Pick a transport; raise NegotiationError listing why each one was not usable.
+
+    ``transports``: this node's transport objects. One with ``endpoint_lanes(address)`` says
+    which lanes it would really use with that peer once ``reachable`` said yes (a UCX
+    endpoint's, which can be fewer than either side lists: two machines share no shared
+    memory); left with tcp lanes only, it gives way to tcp as one that lists only tcp lanes does."""
     check_require(require)
     order = list(dict.fromkeys(preference))  # a name said twice counts once, where it came first
     if len(order) > MAX_TRANSPORTS:
@@ -90,6 +102,15 @@ def choose(
         if why is not None:
             passed.append((name, why))
             continue
+        if name != "tcp" and "tcp" in order[i + 1 :] and "tcp" in local and "tcp" in remote:
+            used = _endpoint_lanes(transports, name, theirs.address)
+            if used and all(lane.split("/")[0] == "tcp" for lane in used):
+                reason = (
+                    f"only tcp lanes between {local_name} and {remote_name} ({', '.join(used)}): "
+                    "tensorwire's tcp transport moves those bytes with less machinery"
+                )
+                passed.append((name, reason))
+                continue
         why = _meets(require, mine.capabilities) or _meets(require, theirs.capabilities)
         if why is not None:
             passed.append((name, f"require={require!r}: {name} {why}"))

@@ -72,6 +72,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 node.reachable,
                 local_name=f"server {node.node_id[:8]}",
                 remote_name=f"client {request.node_id[:8] or '?'}",
+                transports=node.transports,
             )
         except (NegotiationError, ConfigurationError) as exc:
             log.info("handshake from %s: %s", peer, exc)

@@ -102,6 +102,13 @@ async def exchange(a: Peer, b: Peer, src: Any, out: Any, order: str, tag: Any = 
     return got, sent, receipt
 
 
+def _one_sided(peer: Peer) -> str:
+    """The protocol a direct read or write of ``peer``'s says: "one-sided" where its channel
+    reaches the owner's memory without the owner's CPU, "one-sided-emulated" where the transport
+    emulates get/put (UCX without a cma or RDMA lane: ``UcxChannel.one_sided_direct``)."""
+    return "one-sided" if getattr(peer.channel, "one_sided_direct", True) else "one-sided-emulated"
+
+
 async def _cancel_after(spins: int, task: asyncio.Future[Any]) -> bool:
     """Let the loop turn ``spins`` times, then cancel ``task``: whether the cancel reached it
     before it completed (else its result is there, and an error it raised comes out here)."""
@@ -641,7 +648,7 @@ async def check_one_sided_rows(a: Peer, b: Peer) -> None:
     a.node.expose(kv, name="kv")
     h = await b.lookup("kv")
     assert h.offset == 0 and h[:].nbytes == kv.nbytes and h[:] == h
-    protocol = "one-sided" if h.direct else "owner-assisted"
+    protocol = _one_sided(b) if h.direct else "owner-assisted"
     # reads: rows, a negative index, a slice of a slice, an empty slice; allocated and into out=
     for index in (3, -1, slice(5, 9), slice(-4, None), slice(60, 70), slice(10, 10)):
         sub = h[index]
@@ -691,7 +698,7 @@ async def check_one_sided_batches(a: Peer, b: Peer) -> None:
     a.node.expose(kv, name="kv")
     a.node.expose(w, name="w")
     h, hw = await b.lookup("kv"), await b.lookup("w")
-    protocol = "one-sided" if h.direct else "owner-assisted"
+    protocol = _one_sided(b) if h.direct else "owner-assisted"
     strided = np.full((64, 2), -1, np.int32).T
     handles = [h[3], h[10:12], hw, h[-1], h[5:5], hw[7]]
     outs = [None, strided, None, np.empty(64, np.int32), None, None]
@@ -946,7 +953,7 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
     hd, hh = await b.lookup(f"dkv{n}"), await b.lookup(f"hkv{n}")
     assert hd.memory == "host-engine" and hh.memory == "host", (hd, hh)
     assert hd.direct == direct, f"device memory exposed {'without' if direct else 'with'} a one-sided key"
-    protocol = "one-sided" if direct else "owner-assisted"
+    protocol = _one_sided(b) if direct else "owner-assisted"
     served = a.node.exposures.served
 
     def dev(shape: tuple[int, ...], value: int = 0, stream: int | None = None) -> EngineArray:
@@ -1067,7 +1074,7 @@ async def check_device_memory_through_a_few_small_chunks(a: Peer, b: Peer) -> No
 
     def whole(receipt: Receipt, most: int, what: str) -> None:
         if h.direct:
-            assert receipt.staged and receipt.protocol == "one-sided", receipt
+            assert receipt.staged and receipt.protocol == _one_sided(b), receipt
             assert most < n // 8, f"a staged one-sided {what} of {n} bytes held {most} bytes of host memory"
 
     try:

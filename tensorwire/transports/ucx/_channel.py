@@ -59,6 +59,7 @@ from .._credit import ReceiveBudget, SendWindow
 from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
 from .._mailbox import Arrival
 from . import _ucp
+from ._lanes import one_sided_direct
 from ._ucp import RemoteKey, Ucp
 from ._worker import Worker
 
@@ -231,6 +232,9 @@ class UcxChannel(Channel):
         self._rkeys: set[RemoteKey] = set()
         self._closed_ev = asyncio.Event()
         self.lanes = self._query_lanes()
+        # whether a get/put reaches the peer's memory without its CPU (a cma or RDMA lane), or
+        # UCX emulates it and the peer's worker serves it (the receipts say which)
+        self.one_sided_direct = one_sided_direct(self.lanes)
         self._post_ctrl_recv()
 
     def __repr__(self) -> str:

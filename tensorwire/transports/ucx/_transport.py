@@ -37,6 +37,7 @@ from .._frames import LIMITS, MAX_SESSION_ID, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
 from ..tcp._transport import _RateLimitedLog
 from ._channel import HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
+from ._lanes import CUDA_TLS, RDMA_TLS
 from ._ucp import MemoryRegion, Ucp
 from ._ucp import load as load_ucp
 from ._worker import Worker, context_cuda_support, context_resources, import_ucxx, ucx_options
@@ -55,9 +56,8 @@ _HELLO_MAX = 64 * 1024
 _WELCOME_BYTES = _HEAD.size + LIMITS.size + _PROOF
 _PROBED_MAX = 64
 
-# UCX transports that move bytes by RDMA, and those that move GPU memory
-_RDMA_TLS = ("rc", "dc", "ud", "srd", "gga", "ib")
-_CUDA_TLS = ("cuda", "gdr")
+_RDMA_TLS = RDMA_TLS  # UCX transports that move bytes by RDMA
+_CUDA_TLS = CUDA_TLS  # and those that move GPU memory
 
 
 def _lane_kinds(tls: list[str]) -> tuple[bool, bool]:
@@ -211,6 +211,23 @@ class UcxTransport(Transport):
             _, old = self._probed.popitem(last=False)
             self.worker.track(asyncio.get_running_loop().create_task(self.worker.close_endpoint(old)))
         return None
+
+    def endpoint_lanes(self, address: bytes) -> tuple[str, ...]:
+        """The lanes UCX gave the endpoint that :meth:`accepts` created to ``address`` (what a
+        channel to that peer will use), or ``()`` when unknown. The lanes a context lists are
+        what UCX may use with anyone; an endpoint's are what it can use with this peer: two
+        nodes whose shared-memory transports do not match (``TLS="sysv,tcp"`` against
+        ``"posix,tcp"``), or on two machines, share only tcp lanes."""
+        parsed = self._parse_address(address)
+        ep = self._probed.get(parsed) if isinstance(parsed, bytes) else None
+        if ep is None or self.ucp is None:
+            return ()
+        try:
+            pairs = self.ucp.ep_transports(ep.handle)
+        except Exception as exc:
+            log.debug("ucp_ep_query failed: %s", exc)
+            return ()
+        return tuple(dict.fromkeys(f"{t}/{d}" for t, d in pairs))
 
     def _on_hello(self, req: Any) -> None:
         if self._closed:
