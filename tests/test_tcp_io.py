@@ -185,8 +185,18 @@ async def test_a_corrupted_small_frame_is_never_delivered(posted: bool) -> None:
 async def test_a_send_cancelled_while_its_one_frame_is_part_written_keeps_the_stream_whole() -> None:
     """A message in one frame that the socket takes only part of is finished before any other
     frame, even when its sender is cancelled meanwhile; what follows arrives intact."""
-    async with connected_pair("tcp") as (a, b):
-        x = np.full(3 << 20, 5, np.uint8)  # eager, one frame, more than the socket takes at once
+    # eager, one frame (chunk_bytes above its size), more than the socket takes at once
+    async with connected_pair("tcp", limits=tensorwire.Limits(chunk_bytes=64 << 20)) as (a, b):
+        x = np.full(32 << 20, 5, np.uint8)
+        io = a.channel._io  # type: ignore[attr-defined]
+        real, finished = io.send_rest, 0
+
+        async def counted(rest: list[object]) -> None:
+            nonlocal finished
+            finished += 1
+            await real(rest)
+
+        io.send_rest = counted
         for spins in range(6):
             send = asyncio.ensure_future(a.send(x, tag=1))
             for _ in range(spins):
@@ -201,3 +211,4 @@ async def test_a_send_cancelled_while_its_one_frame_is_part_written_keeps_the_st
                 assert np.array_equal(first, x)
                 first = await asyncio.wait_for(b.recv(tag=1), 5)
             assert np.array_equal(first, y)
+        assert finished, "no send was part written: the test proves nothing"
