@@ -171,6 +171,7 @@ class Node:
         self.peers: list[Peer] = []
         self._leases: dict[str, tuple[float, Peer]] = {}
         self._sessions: dict[str, Peer] = {}
+        self._opening: dict[str, asyncio.Task[None]] = {}  # handshaken sessions whose data path is opening
         self.exposures = ExposureTable()
         self._retiring: set[asyncio.Task[None]] = set()  # unexposed tensors waiting for peers' acks
         self._watchdog: asyncio.Task[None] | None = None
@@ -254,6 +255,15 @@ class Node:
     def _session_peer(self, session_id: str) -> Peer | None:
         return self._sessions.get(session_id)
 
+    async def _session_peer_soon(self, session_id: str) -> Peer | None:
+        """The session's peer; for a session whose data connection is still being adopted (a
+        control call that overtook it), once it is. None: no such session here (closed,
+        expired, or never opened: this node restarted at that address)."""
+        opening = self._opening.get(session_id)
+        if opening is not None:
+            await asyncio.wait([opening], timeout=self.config.connect_timeout)
+        return self._sessions.get(session_id)
+
     def expose(self, tensor: Any, *, name: str) -> Handle:
         """Publish a C-contiguous tensor under ``name`` for session peers to read and write.
         The tensor stays alive and must stay valid until ``unexpose(name)``. Transports with
@@ -331,7 +341,9 @@ class Node:
 
         task = asyncio.get_running_loop().create_task(wait())
         self._waiting.add(task)
+        self._opening[session_id] = task
         task.add_done_callback(self._waiting.discard)
+        task.add_done_callback(lambda _t: self._opening.pop(session_id, None))
 
     def _renew(self, session_id: str) -> bool:
         entry = self._leases.get(session_id)

@@ -132,6 +132,10 @@ class RemoteHandle:
     writable: bool = True
     offset: int = 0  # where this handle's bytes start in the exposed tensor (rows: ``handle[a:b]``)
     memory: str = "host"  # where the owner's tensor lives: "host", "cuda"
+    # the session of the peer that looked it up: a handle works on that peer only. A node
+    # restarted at the same address (even with the same node_id) exposes new memory under
+    # names and generations that may equal the old ones; this tells them apart.
+    session: str = ""
 
     @property
     def direct(self) -> bool:
@@ -172,7 +176,7 @@ class RemoteHandle:
         # (not dataclasses.replace: a handle per block read, and replace costs four times this)
         return RemoteHandle(
             self.name, self.dtype, shape, nbytes, self.generation, self.owner, self.transport, self.remote_key,
-            self.writable, self.offset + start * row_bytes, self.memory,
+            self.writable, self.offset + start * row_bytes, self.memory, self.session,
         )  # fmt: skip
 
 
@@ -515,6 +519,14 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
     if handle.owner != peer.remote_node:
         raise ConfigurationError(
             f"{handle.name!r} belongs to node {handle.owner[:12]}, not to this peer ({peer.remote_node[:12]})"
+        )
+    if peer.session is None or handle.session != peer.session.id:
+        # the owner's name and generation match, but they belong to another session: an earlier
+        # incarnation of the node (restarted at the same address with the same node_id, its
+        # tensors exposed anew) or another Peer object. Never let it reach this session's memory.
+        raise HandleNotFound(
+            f"{handle.name!r} was looked up on another session with node {handle.owner[:12]} (a peer "
+            "since closed, a node since restarted, or another Peer object); look it up on this peer"
         )
     if not handle.direct:
         return None

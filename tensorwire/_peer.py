@@ -232,7 +232,9 @@ class Peer:
 
         Over a one-sided transport (ucx) the handle carries the registered memory's key, and
         reads and writes through it move the bytes without the owner's code (``handle.direct``);
-        otherwise they go through the owner's node. A handle works on the peer that looked it up.
+        otherwise they go through the owner's node. A handle works on the peer that looked it up:
+        on any other (another Peer object, or a peer of the same node_id restarted at that
+        address) it is HandleNotFound, so it never reaches memory it was not looked up for.
         """
         if not isinstance(name, str):
             raise ConfigurationError(f"lookup takes the name a tensor was exposed under, not {type(name).__name__}")
@@ -245,9 +247,12 @@ class Peer:
             if not self._control_address:
                 raise ControlPlaneError(f"{self.remote_address} did not say where its control plane listens")
             self._control = ControlClient(self._control_address, self.node.config.tls)
-        resp = await self._control.lookup(
-            self.session.id, name, lookup_proof(self.session.secret, name), deadline=self.node.config.connect_timeout
-        )
+        try:
+            proof = lookup_proof(self.session.secret, name)
+            resp = await self._control.lookup(self.session.id, name, proof, deadline=self.node.config.connect_timeout)
+        except SessionLost as exc:  # the node there restarted, or declared us dead: so is the peer
+            self.channel.fail(PeerDisconnected(str(exc)))
+            raise PeerDisconnected(str(exc)) from exc
         handle = RemoteHandle(
             resp.name,
             resp.dtype,
@@ -259,6 +264,7 @@ class Peer:
             resp.remote_key,
             resp.writable,
             memory=resp.memory or "host",
+            session=self.session.id,
         )
         if handle.direct:
             _onesided.remember(self, handle)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -28,6 +28,10 @@ class SessionLost(ControlPlaneError):
     """The server dropped the session (it restarted, or the lease ran out)."""
 
 
+# trailing metadata of a Lookup refused because the server does not know the session at all
+SESSION_LOST_METADATA = (("tensorwire-session", "lost"),)
+
+
 _TLS_FAILURE = ("ssl", "handshake", "certificate", "hostname verification")
 
 
@@ -50,7 +54,10 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) 
                 f"{target} closed the connection during TLS setup (certificate rejected?): {detail}"
             )
     if code == grpc.StatusCode.UNAVAILABLE:
-        return ControlPlaneError(f"cannot reach a tensorwire node at {target}: {detail}")
+        hint = ""
+        if not tls and "socket closed" in detail.lower():  # what a TLS server does to plaintext
+            hint = " (if that node serves TLS, this one needs tls= too)"
+        return ControlPlaneError(f"cannot reach a tensorwire node at {target}: {detail}{hint}")
     return ControlPlaneError(f"control call to {target} failed: {code.name}: {detail}")
 
 
@@ -59,10 +66,16 @@ class ControlClient:
         self.target = target
         self._tls = tls is not None
         self._closed = False
+        # A subchannel (the connection) of our own: by default grpc shares one per target among
+        # a process's channels, and with it the reconnect backoff of a channel that kept failing
+        # against a dead node (an old peer's renewals or lookups), so a connect() to the node
+        # restarted there failed fast with that stale 'Connection refused' for up to the backoff.
+        options: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
         if tls is None:
-            self._channel = grpc.aio.insecure_channel(target)
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=tls.channel_options())
+            options += tls.channel_options()
+            self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=options)
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
 
     async def _unary(
@@ -70,19 +83,21 @@ class ControlClient:
         method: Callable[..., Awaitable[_R]],
         request: Any,
         deadline: float,
-        not_found: Callable[[str | None], Exception] | None = None,
+        special: Mapping[grpc.StatusCode, Callable[[grpc.aio.AioRpcError], Exception | None]] | None = None,
     ) -> _R:
-        """One call, its failure as an error from the tree (NOT_FOUND as ``not_found(details)``
-        where given). Closing the client fails the calls in flight and later ones with
-        ClosedResourceError: grpc cancels its calls when its channel closes, and that
-        CancelledError must not reach a caller nobody cancelled."""
+        """One call, its failure as an error from the tree (a status in ``special`` as what
+        ``special[code](exc)`` returns, unless None). Closing the client fails the calls in
+        flight and later ones with ClosedResourceError: grpc cancels its calls when its channel
+        closes, and that CancelledError must not reach a caller nobody cancelled."""
         if self._closed:
             raise self._closed_error()
         try:
             return await method(request, timeout=deadline)
         except grpc.aio.AioRpcError as exc:
-            if not_found is not None and exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise not_found(exc.details()) from exc
+            make = special.get(exc.code()) if special is not None else None
+            error = make(exc) if make is not None else None
+            if error is not None:
+                raise error from exc
             raise map_rpc_error(exc, self.target, tls=self._tls) from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -107,16 +122,30 @@ class ControlClient:
             self._stub.Heartbeat,
             control_pb2.HeartbeatRequest(session_id=session_id),
             deadline,
-            not_found=lambda details: SessionLost(f"{self.target} no longer knows this session: {details}"),
+            {grpc.StatusCode.NOT_FOUND: self._session_lost},
         )
 
+    def _session_lost(self, exc: grpc.aio.AioRpcError) -> SessionLost:
+        return SessionLost(f"{self.target} no longer knows this session: {exc.details()}")
+
     async def lookup(self, session_id: str, name: str, proof: bytes, deadline: float) -> control_pb2.LookupResponse:
+        """Resolve an exposed name: HandleNotFound if there is none, SessionLost if the server no
+        longer knows the session."""
         return await self._unary(
             self._stub.Lookup,
             control_pb2.LookupRequest(session_id=session_id, name=name, proof=proof),
             deadline,
-            not_found=lambda details: HandleNotFound(f"{self.target}: {details}"),
+            {
+                grpc.StatusCode.NOT_FOUND: lambda exc: HandleNotFound(f"{self.target}: {exc.details()}"),
+                grpc.StatusCode.UNAUTHENTICATED: self._lookup_refused,
+            },
         )
+
+    def _lookup_refused(self, exc: grpc.aio.AioRpcError) -> SessionLost | None:
+        """SessionLost where the server said it does not know the session (None: a bad proof)."""
+        trailing = exc.trailing_metadata() or ()
+        lost = any(tuple(item) in SESSION_LOST_METADATA for item in trailing)
+        return self._session_lost(exc) if lost else None
 
     async def aclose(self) -> None:
         """Close the channel; calls in flight and later ones fail with ClosedResourceError. Idempotent."""

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..errors import ConfigurationError, NegotiationError
 from ._auth import lookup_proof
+from ._client import SESSION_LOST_METADATA
 from ._convert import offer_from_pb, offer_to_pb
 from ._negotiate import MAX_TRANSPORTS, choose
 from ._pb import control_pb2, control_pb2_grpc
@@ -27,6 +28,7 @@ __all__ = ["PROTOCOL_VERSION", "ControlServer"]
 
 PROTOCOL_VERSION = 2  # 2: RPC requests carry a stream's first window (5 header numbers, not 4)
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+_NO_SESSION = "no such session (closed, expired or never opened: a node restarted at this address)"
 
 
 class _Servicer(control_pb2_grpc.ControlServicer):
@@ -98,20 +100,23 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         self, request: control_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.HeartbeatResponse:
         if not self.node._renew(request.session_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND, "no such session (closed, expired or never opened)")
+            await context.abort(grpc.StatusCode.NOT_FOUND, _NO_SESSION)
         return control_pb2.HeartbeatResponse(lease_ms=int(self.node.config.lease_seconds * 1000))
 
     async def Lookup(  # noqa: N802 - gRPC method name
         self, request: control_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.LookupResponse:
         node = self.node
-        peer = node._session_peer(request.session_id)
-        if (
-            peer is None
-            or peer.session is None
-            or not hmac.compare_digest(request.proof, lookup_proof(peer.session.secret, request.name))
-        ):
-            log.warning("lookup of %r from %s refused: no such session or bad proof", request.name[:64], context.peer())
+        peer = await node._session_peer_soon(request.session_id)
+        if peer is None or peer.session is None:
+            # the session ended here (closed, its lease ran out) or never was here: this node
+            # restarted at that address. Not a refusal of credentials: the caller's peer is gone.
+            # (UNAUTHENTICATED as for a bad proof, marked so that our client can tell the two apart)
+            log.info("lookup of %r from %s: no such session", request.name[:64], context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_SESSION, SESSION_LOST_METADATA)
+            raise AssertionError("unreachable: abort raises")
+        if not hmac.compare_digest(request.proof, lookup_proof(peer.session.secret, request.name)):
+            log.warning("lookup of %r from %s refused: bad proof", request.name[:64], context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lookups need an open session and its proof")
             raise AssertionError("unreachable: abort raises")
         entry = node.exposures.get(request.name)
