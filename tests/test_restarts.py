@@ -174,12 +174,6 @@ async def test_connect_to_a_restarted_node_is_not_refused_by_an_old_peers_backof
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.xfail(
-    strict=True,
-    reason="rpc/_client._budgets (a WeakKeyDictionary keyed by Peer) keeps a call budget whose "
-    "stored failure's traceback holds frames that reference the Peer: a peer that was called and "
-    "then went away is kept forever unless aclose()d (fix proposed in rpc/_client.py, not ours)",
-)
 async def test_a_called_peer_that_went_away_is_freed_without_aclose() -> None:
     """A server keeps no Peer (channel, mailbox, buffers) of a client that called it, or that it
     called, and then died; the user drops such peers (``async for peer in node``) unclosed."""
