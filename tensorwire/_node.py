@@ -337,6 +337,7 @@ class Node:
             self._adopt(peer)
             peer._lease = self.config.lease_seconds
             self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)  # _gone drops it
+            log.info("accepted %s (node %s): %s", remote_addr, remote_node[:12], peer.path)
             self._incoming.put_nowait(peer)
 
         task = asyncio.get_running_loop().create_task(wait())

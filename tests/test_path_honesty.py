@@ -193,3 +193,15 @@ def test_doctor_says_verbs_has_no_device_here_rather_than_blaming_the_setup() ->
         pytest.skip("this machine has RDMA devices or pyverbs")
     assert "no RDMA device" in verbs["note"]
     assert "no RDMA device" in _doctor.render(rep)
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=needs_ucx)])
+async def test_both_sides_log_the_path_they_took(transport: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The connecting side logged its path; the accepting side logged nothing about its own."""
+    caplog.set_level("INFO", logger="tensorwire")
+    async with tensorwire.start(transports=(transport,)) as a, tensorwire.start(transports=(transport,)) as b:
+        await a.connect(b.address)
+        other = await asyncio.wait_for(b.accept(), 10)
+        accepted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("accepted ")]
+        assert accepted == [f"accepted {other.remote_address} (node {a.node_id[:12]}): {other.path}"], accepted
+        assert transport in accepted[0]
