@@ -194,6 +194,61 @@ async def test_a_newer_driver_waits_for_the_older_ones_commits() -> None:
             assert (await second.step(x, y, microbatches=4)).loss > 0
 
 
+def _die_while_committing(first: pipeline.Pipeline, dead: asyncio.Event, sent: int) -> None:
+    """The driver's commits to the first ``sent`` stages go; the others wait until it has died."""
+    for s, peer in enumerate(first.peers):
+        real = peer.call
+
+        async def dying(name: str, *args: Any, _real: Any = real, _s: int = s, **kw: Any) -> Any:
+            if name == "tw.pipeline.commit" and _s >= sent:
+                await dead.wait()
+                raise tensorwire.PeerDisconnected("the driver died before this commit left")
+            return await _real(name, *args, **kw)
+
+        peer.call = dying  # type: ignore[method-assign]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("commits", [1, 0], ids=["stage-0-committed", "none-committed"])
+async def test_a_step_of_a_driver_that_died_while_committing_is_settled_by_the_next(commits: int) -> None:
+    """The driver died after its commit reached stage 0 only: the old code left stage 0 a step
+    ahead of the others for good. The next driver applies that step on the stages that still
+    hold it; and one that no stage applied, it drops everywhere."""
+    ls, ref = layers(3), layers(3)
+    x, y = batch()
+    before = [layer.state()["w"].copy() for layer in ls]
+    async with stages(parts(ls)) as (addresses, d1), nodes(1) as (d2,):
+        first = await pipeline.Pipeline.connect(d1, addresses)
+        dead = asyncio.Event()
+        _die_while_committing(first, dead, commits)
+        async with asyncio.timeout(30):
+            stepping = asyncio.ensure_future(first.step(x, y, microbatches=4))
+            if commits:
+                while np.array_equal(before[0], ls[0].state()["w"]):  # noqa: ASYNC110 - no event to wait on
+                    await asyncio.sleep(0.005)
+            else:
+                while not all(layer.backwards for layer in ls):  # noqa: ASYNC110 - no event to wait on
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.1)  # every stage has answered; the commits wait
+            for peer in first.peers:
+                peer.abort()  # the driver is gone: no commits, no release
+            dead.set()
+            with pytest.raises(tensorwire.TensorWireError):
+                await stepping
+            second = await pipeline.Pipeline.connect(d2, addresses)
+        async with second:
+            after = [state["w"] for state in await second.state()]
+            async with asyncio.timeout(20):
+                assert (await second.step(x, y, microbatches=4)).loss > 0  # and training goes on
+    if commits:
+        one_process_step(ref, x, y)
+        for s in range(3):
+            np.testing.assert_allclose(after[s], ref[s].state()["w"], rtol=1e-5, err_msg=f"stage {s}")
+    else:
+        for s in range(3):
+            np.testing.assert_array_equal(after[s], before[s], err_msg=f"stage {s}")
+
+
 @pytest.mark.timeout(60)
 async def test_an_older_drivers_step_during_a_newer_configure_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """While a newer driver's configure was dropping the old links, the older driver's step was

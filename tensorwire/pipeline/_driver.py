@@ -168,6 +168,7 @@ class Pipeline:
                 for s, peer in enumerate(peers)
             ]
             links = await _all_or_none(calls)
+            await _settle(peers, links, ticket_key(generation, token))
         except BaseException:
             for peer in peers:
                 await peer.aclose()
@@ -313,6 +314,20 @@ class Pipeline:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+async def _settle(peers: list[Peer], links: list[dict[str, Any]], key: str) -> None:
+    """A driver before this one died while its commits were on their way: every stage is now
+    taken from it (configure did that first), so what each reports is final. A step that some
+    stage applied is applied on every stage that still holds it; one that none applied is
+    dropped everywhere. So no stage is left a step ahead of the others."""
+    orphans = {s: (str(o[0]), int(o[1])) for s, info in enumerate(links) if (o := info.get("orphan"))}
+    if not orphans:
+        return
+    applied = {(str(c[0]), int(c[1])) for info in links if (c := info.get("committed"))}
+    await asyncio.gather(
+        *[peers[s].call("tw.pipeline.settle", key, *orphan, orphan in applied) for s, orphan in orphans.items()]
+    )
 
 
 async def _all_or_none(calls: list[asyncio.Task[Any]]) -> list[Any]:

@@ -18,6 +18,14 @@ a shape exchange. A stage that has run its backwards keeps its gradients and ans
 every stage has answered does the driver call ``commit`` on each, which steps the optimizer. A
 step that fails or is cancelled on any stage therefore updates no stage.
 
+A driver that dies while its commits are on their way leaves some stages updated and others
+holding the finished step. The next driver settles that: each configure reports the finished
+step the stage still held from the driver before (its *orphan*, kept with its gradients where
+the part outlives configurations, ``part=``) and the last step it committed; a step that any
+stage committed is then applied on every stage that holds it as an orphan (``settle``), and one
+that no stage committed is dropped. Configure takes the stage from the old driver before it
+reports, so no commit of the old driver can land after the report.
+
 Failure: a stage whose link breaks (its neighbour died: PeerDisconnected from the transport or
 the lease), whose own code raises, whose output cannot be sent, or whose step is cancelled sends
 an abort to its neighbours on ``tw.pipeline/abort``. Every stage listens on that tag and on its
@@ -70,6 +78,7 @@ METHODS = (
     "tw.pipeline.commit",
     "tw.pipeline.state",
     "tw.pipeline.release",
+    "tw.pipeline.settle",
 )
 _ABORT_SEND_SECONDS = 2.0
 _COMMIT_GRACE = 2.0  # how long a new configure waits for the old driver's commit of a finished step
@@ -152,6 +161,10 @@ class Stage:
         self._running: int | None = None  # the step that self._task runs
         self._settled = asyncio.Event()  # no finished step waits for its commit (see _pending)
         self._pending = None  # a finished step whose update waits for the driver's commit
+        # a finished step of an earlier driver that never committed it here, as (its key, step):
+        # its gradients are still in the part until the next step; the new driver settles it
+        self._orphan: tuple[str, int] | None = None
+        self._last_commit: tuple[str, int] | None = None  # (driver key, step) last applied here
         # one thread runs all of this stage's code (build included; the loop's own thread when not
         # offloading), so thread-local settings such as torch.set_num_threads hold for all of it
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tw-stage")
@@ -164,6 +177,7 @@ class Stage:
         node.method("tw.pipeline.commit")(self._commit)
         node.method("tw.pipeline.state")(self._state)
         node.method("tw.pipeline.release")(self._release)
+        node.method("tw.pipeline.settle")(self._settle)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "broken" if self._broken else "ready" if self.rank >= 0 else "waiting"
@@ -219,6 +233,12 @@ class Stage:
                 if self._task is not None:
                     raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
             # from here the old driver's calls are refused (nothing awaits before this)
+            if self._pending is not None:
+                # never committed here; perhaps on other stages, before that driver went away.
+                # A part built afresh (build=) drops it; one that lives on keeps it to be settled
+                self._orphan = None if self._build is not None else (ticket_key(*self._ticket), self._pending)
+            elif self._build is not None:
+                self._orphan = None
             self._ticket = ticket
             task = asyncio.get_running_loop().create_task(
                 self._link(ticket, rank, num_stages, prev_node, next_address, transports, connect_seconds, prev_address)
@@ -325,6 +345,9 @@ class Stage:
             "prev_path": str(self.prev.peer.path) if self.prev else None,
             "next_path": str(self.next.peer.path) if self.next else None,
             "max_unexpected": self.node.config.limits.max_unexpected,
+            # for the driver to settle a step an earlier driver committed on some stages only
+            "orphan": list(self._orphan) if self._orphan is not None else None,
+            "committed": list(self._last_commit) if self._last_commit is not None else None,
         }
 
     async def _wait_for(self, node_id: str, tag: str) -> Peer:
@@ -510,6 +533,7 @@ class Stage:
         if last and (targets is None or weights is None or len(targets) != m or len(weights) != m):
             raise ConfigurationError(f"the last stage needs {m} targets and weights")
         self._pending = None  # an earlier step the driver never committed: its gradients go
+        self._orphan = None  # and so do those of an earlier driver's step nobody settled
         t_start = time.perf_counter()
         busy = wait = self._cpu = 0.0
         ctxs: dict[int, Any] = {}
@@ -569,6 +593,11 @@ class Stage:
             why = f": {self._broken}" if self._broken is not None else ""
             raise BrokenResourceError(f"stage {self.rank} has no finished step {step} to apply{why}")
         self._pending = None
+        return await self._apply(ticket_key(*self._ticket), step)
+
+    async def _apply(self, key: str, step: int) -> dict[str, float]:
+        """The optimizer step for the gradients of ``step`` of the driver ``key``."""
+        assert self.part is not None
         cpu = self._cpu
         try:
             _, dt = await self._compute(self.part.step)
@@ -576,7 +605,29 @@ class Stage:
             reason = f"stage {self.rank} raised {type(exc).__name__} applying step {step}: {exc}"
             self._fail(BrokenResourceError(reason), self.rank, reason)
             raise
+        self._last_commit = (key, step)
         return {"compute_s": dt, "cpu_s": self._cpu - cpu}
+
+    async def _settle(self, generation: str, key: str, step: int, apply: bool) -> bool:
+        """The new driver's word on the orphan ``(key, step)`` its configure reported: apply it
+        (another stage committed it before that driver went away) or drop it. True if applied."""
+        self._check_open()
+        self._check_generation(generation)
+        if self._orphan != (key, step):
+            raise BrokenResourceError(f"stage {self.rank} holds no finished step {step} of driver {key} to settle")
+        if self._task is not None:
+            raise BusyResourceError(f"stage {self.rank} is running a step")
+        self._orphan = None
+        if not apply:
+            log.warning("stage %d: dropped step %d of an earlier driver, which no stage applied", self.rank, step)
+            return False
+        await self._apply(key, step)
+        log.warning(
+            "stage %d: applied step %d of an earlier driver, which had applied it on other stages before it went away",
+            self.rank,
+            step,
+        )
+        return True
 
     # -- the rest -------------------------------------------------------------------------------
     async def _state(self) -> dict[str, Any]:
