@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PROTOCOL_VERSION", "ControlServer"]
 
-PROTOCOL_VERSION = 2  # 2: RPC requests carry a stream's first window (5 header numbers, not 4)
+PROTOCOL_VERSION = 3  # 2: RPC requests carry a stream's first window; 3: checksummed tcp frames carry a header check
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 _NO_SESSION = "no such session (closed, expired or never opened: a node restarted at this address)"
 

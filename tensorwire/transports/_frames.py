@@ -6,7 +6,7 @@
     0      4    magic  b"TWR1"
     4      1    type   (FrameType)
     5      1    flags  (RENDEZVOUS = 1, CHECKSUM = 2: a crc32c trailer follows the payload)
-    6      2    reserved, zero
+    6      2    check: zero, or with checksums the low 16 bits of the header's crc32c
     8      4    meta_len     bytes of metadata after the header (message header, hello, ...)
     12     8    payload_len  bytes of payload after the metadata
     20     8    msg_id       sender-chosen message id
@@ -16,7 +16,10 @@
 
 With checksums negotiated (either side asks), every MSG and DATA frame ends with a 4-byte
 crc32c (little endian) of its header, metadata and payload; a mismatch breaks the channel with
-IntegrityError and the message is never delivered.
+IntegrityError and the message is never delivered. Every frame after the handshake also carries
+a check of its own header (the low 16 bits of the crc32c of the 48 bytes with the check field
+zero), verified before its lengths are trusted: a flipped length would otherwise be found only
+at the trailer, once as many bytes as it claims had come.
 
 A connection opens with CHALLENGE (server -> client, 32-byte nonce), HELLO (client: session id,
 HMAC proof of the session secret over the nonce, its limits) and WELCOME (server: its own proof
@@ -32,7 +35,9 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..errors import MessageRefused, ProtocolError
+import crc32c
+
+from ..errors import IntegrityError, MessageRefused, ProtocolError
 
 if TYPE_CHECKING:
     from ._base import TransportContext
@@ -89,28 +94,46 @@ def pack(
     arg: int = 0,
     credit: int = 0,
     slots: int = 0,
+    *,
+    checked: bool = False,
 ) -> bytes:
-    return HEADER.pack(MAGIC, ftype, flags, 0, meta_len, payload_len, msg_id, arg, credit, slots)
+    """A frame header; ``checked`` (a channel with checksums) fills in its header check."""
+    raw = HEADER.pack(MAGIC, ftype, flags, 0, meta_len, payload_len, msg_id, arg, credit, slots)
+    if not checked:
+        return raw
+    return raw[:6] + _CHECK.pack(crc32c.crc32c(raw) & 0xFFFF) + raw[8:]
 
 
-def unpack(data: bytes | bytearray | memoryview) -> FrameHeader:
+_CHECK = struct.Struct("<H")
+_ZERO_CHECK = bytes(2)
+
+
+def _header_check(data: bytes | bytearray | memoryview, offset: int) -> int:
+    view = memoryview(data)[offset : offset + HEADER.size]
+    return crc32c.crc32c(view[8:], crc32c.crc32c(_ZERO_CHECK, crc32c.crc32c(view[:6]))) & 0xFFFF
+
+
+def unpack(data: bytes | bytearray | memoryview, *, checked: bool = False) -> FrameHeader:
     """Decode the frame header at the start of ``data`` (a receive buffer may hold more);
-    ProtocolError on bad magic, unknown type or reserved bits."""
-    return FrameHeader(*unpack_fields(data))
+    ProtocolError on bad magic, unknown type or reserved bits, IntegrityError when ``checked``
+    and its header check does not match."""
+    return FrameHeader(*unpack_fields(data, checked=checked))
 
 
 def unpack_fields(
-    data: bytes | bytearray | memoryview, offset: int = 0
+    data: bytes | bytearray | memoryview, offset: int = 0, *, checked: bool = False
 ) -> tuple[FrameType, int, int, int, int, int, int, int]:
     """``unpack`` as a plain tuple in FrameHeader's order, of the header at ``offset`` (no
     NamedTuple built: the per-message paths of the transports call this)."""
-    magic, ftype, flags, reserved, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(data, offset)
+    magic, ftype, flags, check, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(data, offset)
+    if checked and check != _header_check(data, offset):
+        raise IntegrityError("a frame header does not match its check: the stream was corrupted")
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
     t = _TYPES.get(ftype)
     if t is None:
         raise ProtocolError(f"unknown frame type {ftype}")
-    if reserved or flags & ~(RENDEZVOUS | CHECKSUM):
+    if (check and not checked) or flags & ~(RENDEZVOUS | CHECKSUM):
         raise ProtocolError("reserved frame bits set")
     return t, flags, meta_len, payload_len, msg_id, arg, credit, slots
 

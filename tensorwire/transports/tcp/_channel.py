@@ -149,6 +149,7 @@ class TcpChannel(Channel):
         self._waiting: dict[int, Arrival] = {}  # rendezvous headers waiting for a recv
         self._reader = self._loop.create_task(self._read_loop(), name=f"tensorwire-tcp-reader {name}")
         io.on_frames = self._on_frames
+        io.checked = self.checksum  # every frame from here carries a header check
 
     def __repr__(self) -> str:
         return f"<TcpChannel {self.lanes[0]} {self.state.value} in_flight={self.in_flight}>"
@@ -167,7 +168,7 @@ class TcpChannel(Channel):
         summed = self.checksum and (ftype is FrameType.MSG or ftype is FrameType.DATA)
         if summed:
             flags |= CHECKSUM
-        bufs: list[Buffer] = [pack(ftype, flags, len(meta), plen, msg_id, arg, credit, slots)]
+        bufs: list[Buffer] = [pack(ftype, flags, len(meta), plen, msg_id, arg, credit, slots, checked=self.checksum)]
         if meta:
             bufs.append(meta)
         if payload:
@@ -524,9 +525,11 @@ class TcpChannel(Channel):
         try:
             while end - start >= hsize:
                 try:
-                    t, flags, meta_len, payload_len, msg_id, arg, credit, slots = unpack_fields(buf, start)
-                except ProtocolError:
-                    return start, True
+                    t, flags, meta_len, payload_len, msg_id, arg, credit, slots = unpack_fields(
+                        buf, start, checked=self.checksum
+                    )
+                except (ProtocolError, IntegrityError):
+                    return start, True  # the reader task finds it too, and breaks the channel
                 if t is _MSG:
                     if bool(flags & CHECKSUM) != self.checksum or flags & RENDEZVOUS:
                         return start, True
@@ -692,7 +695,7 @@ class TcpChannel(Channel):
                 async with asyncio.timeout(1.0):
                     await self._turn.take()
                     try:
-                        await self._io.send_all([pack(FrameType.BYE)])
+                        await self._io.send_all([pack(FrameType.BYE, checked=self.checksum)])
                     finally:
                         self._turn.give()
             except Exception:  # the peer may already be gone; closing goes on

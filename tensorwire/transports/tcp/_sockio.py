@@ -81,6 +81,7 @@ class SockIO:
         self._failure: PeerDisconnected | None = None  # what the readable callback's recv saw
         self._closed = False
         self.last_header = b""  # raw bytes of the last frame header read (for checksums)
+        self.checked = False  # frame headers carry a check (a channel with checksums)
         # called from the readable callback while the reader is parked between frames, with
         # (buffer, start, end): handles the whole frames it can at ``start`` and returns
         # (new start, whether the reader task must handle what follows)
@@ -193,7 +194,7 @@ class SockIO:
                 finally:
                     self._parked = False
         raw = bytes(self._buf[self._start : self._start + HEADER.size])
-        hdr = unpack(raw)
+        hdr = unpack(raw, checked=self.checked)
         self.last_header = raw
         self._start += HEADER.size
         return hdr
