@@ -257,8 +257,10 @@ async def test_an_older_drivers_step_during_a_newer_configure_is_refused(monkeyp
     from tensorwire.pipeline import _stage
 
     drop = _stage.Stage._drop_links
+    dropping = asyncio.Event()
 
     async def slow_drop(self: Any) -> None:
+        dropping.set()  # a newer configure is under way on this stage
         await drop(self)
         await asyncio.sleep(0.2)
 
@@ -268,7 +270,9 @@ async def test_an_older_drivers_step_during_a_newer_configure_is_refused(monkeyp
         monkeypatch.setattr(_stage.Stage, "_drop_links", slow_drop)
         async with asyncio.timeout(30):
             connecting = asyncio.ensure_future(pipeline.Pipeline.connect(d2, addresses))
-            await asyncio.sleep(0.05)
+            # not a fixed sleep: under load the newer driver's connects took longer than that,
+            # and the older driver's step then ran before any configure (it did not raise)
+            await dropping.wait()
             with pytest.raises(tensorwire.RemoteError) as info:
                 await first.step(x, y, microbatches=2)
             assert info.value.remote_type in ("BrokenResourceError", "BusyResourceError"), info.value
