@@ -128,7 +128,7 @@ def ucx_report() -> dict[str, Any]:
     if importlib.util.find_spec("ucxx") is None:
         return {"installed": False, "reason": "ucxx is not installed (pip install 'tensorwire[ucx]')"}
     try:
-        from .transports.ucx._transport import _RDMA_TLS
+        from .transports.ucx._lanes import RDMA_TLS
         from .transports.ucx._ucp import load, loaded_library
         from .transports.ucx._worker import context_resources, ucx_options
 
@@ -142,8 +142,8 @@ def ucx_report() -> dict[str, Any]:
             "libucxx": loaded_library("libucxx.so"),
             "transports": transports,
             "devices": [f"{t}/{d}" for t, d in resources],
-            "rdma": any(t.startswith(_RDMA_TLS) for t in transports),
-            "rdma_transports": [t for t in transports if t.startswith(_RDMA_TLS)],
+            "rdma": any(t.startswith(RDMA_TLS) for t in transports),
+            "rdma_transports": [t for t in transports if t.startswith(RDMA_TLS)],
         }
     except Exception as exc:
         return {"installed": True, "error": f"{type(exc).__name__}: {exc}"}

@@ -622,7 +622,7 @@ def _one_sided(peer: Peer) -> str:
     """What a get/put over this peer's channel is: "one-sided" where it reaches the owner's
     memory without the owner's CPU, "one-sided-emulated" where the transport emulates it and
     the owner's worker serves it (UCX without a cma or RDMA lane)."""
-    return "one-sided" if getattr(peer.channel, "one_sided_direct", True) else "one-sided-emulated"
+    return "one-sided" if peer.channel.one_sided_direct else "one-sided-emulated"
 
 
 def _protocol(peer: Peer, direct: list[Any], assisted: list[int]) -> str:

@@ -176,9 +176,15 @@ class Peer:
         try:
             await self._control.heartbeat(session_id, deadline=deadline)
         except SessionLost as exc:
-            self.channel.fail(PeerDisconnected(str(exc)))
-            raise PeerDisconnected(str(exc)) from exc
+            raise self._session_lost(exc) from exc
         self._confirmed = max(self._confirmed, sent)
+
+    def _session_lost(self, exc: SessionLost) -> PeerDisconnected:
+        """The node there no longer knows our session (it restarted, or declared us dead): the
+        peer is gone; fail its channel, and return the error to raise."""
+        err = PeerDisconnected(str(exc))
+        self.channel.fail(err)
+        return err
 
     def _confirm(self) -> None:
         """The other side renewed its lease with us (we accepted its connection)."""
@@ -251,8 +257,7 @@ class Peer:
             proof = lookup_proof(self.session.secret, name)
             resp = await self._control.lookup(self.session.id, name, proof, deadline=self.node.config.connect_timeout)
         except SessionLost as exc:  # the node there restarted, or declared us dead: so is the peer
-            self.channel.fail(PeerDisconnected(str(exc)))
-            raise PeerDisconnected(str(exc)) from exc
+            raise self._session_lost(exc) from exc
         handle = RemoteHandle(
             resp.name,
             resp.dtype,
@@ -282,7 +287,8 @@ class Peer:
     async def read_with_receipt(
         self, handle: RemoteHandle, *, out: Any = None, device: Any = None
     ) -> tuple[Any, Receipt]:
-        """Like ``read``, and also say how the bytes came ("one-sided" or "owner-assisted")."""
+        """Like ``read``, and also say how the bytes came ("one-sided", "one-sided-emulated" where
+        the transport emulates get/put and the owner's progress serves it, or "owner-assisted")."""
         value, receipt = await _onesided.read(self, handle, out, device=device)
         assert receipt is not None
         return value, receipt

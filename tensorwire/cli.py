@@ -237,29 +237,32 @@ _PR_SET_PDEATHSIG = 1
 
 def _exit_with_parent(pid: int) -> None:
     """Take SIGTERM when process ``pid``, which must be this one's parent, exits, even if it is
-    SIGKILLed and cannot stop its children: the kernel sends it (Linux, PR_SET_PDEATHSIG), else a
-    thread polls the parent every half second. A parent already gone is a ConfigurationError."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-            polled = False
-        except (OSError, AttributeError):
-            polled = True
-    else:
-        polled = True
-    # checked after the signal is armed: a parent that died before then is seen here
-    if os.getppid() != pid:
-        raise ConfigurationError(f"--parent {pid}: that process is not this one's parent (it may have exited)")
-    if polled:
+    SIGKILLed and cannot stop its children. A thread polls the parent every half second. On
+    Linux the kernel also signals at once (PR_SET_PDEATHSIG, SIGUSR2 here); it does so when the
+    *thread* that started this process ends, so the handler checks that the parent process is
+    really gone and otherwise leaves it to the poll. A parent already gone is refused."""
 
-        def watch() -> None:
-            while os.getppid() == pid:
-                time.sleep(0.5)
+    def gone() -> bool:
+        return os.getppid() != pid
+
+    def on_death_signal(signum: int, frame: object) -> None:
+        if gone():
             os.kill(os.getpid(), signal.SIGTERM)
 
-        threading.Thread(target=watch, name="tensorwire-parent-watch", daemon=True).start()
+    if sys.platform.startswith("linux"):
+        signal.signal(signal.SIGUSR2, on_death_signal)
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGUSR2, 0, 0, 0)
+    # checked after the signal is armed: a parent that died before then is seen here
+    if gone():
+        raise ConfigurationError(f"--parent {pid}: that process is not this one's parent (it may have exited)")
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="tensorwire-parent-watch", daemon=True).start()
 
 
 # -- serve ----------------------------------------------------------------------------------

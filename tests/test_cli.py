@@ -164,6 +164,40 @@ def test_a_server_started_with_parent_exits_when_its_parent_dies(signum: signal.
         parent.communicate()
 
 
+# the same, but the server is started from a thread that ends at once; the parent lives on
+_PARENT_THREAD = """
+import os, subprocess, sys, threading, time
+box = []
+def launch():  # starts the server, waits until it serves (its --parent armed), and ends
+    child = subprocess.Popen([sys.executable, "-m", "tensorwire.cli", "serve", "--transports", "tcp",
+                              "--parent", str(os.getpid())], stdout=subprocess.PIPE, text=True)
+    box.append((child, child.stdout.readline()))
+t = threading.Thread(target=launch); t.start(); t.join()
+child, line = box[0]
+print(child.pid, line.strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_outlives_the_thread_that_started_it_but_not_its_parent() -> None:
+    """PR_SET_PDEATHSIG fires when the launching *thread* ends: the first --parent stopped the
+    server 0 s after that thread ended although its parent process lived on."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT_THREAD], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    server = 0
+    try:
+        pid, ready = parent.stdout.readline().split(" ", 1)
+        server = int(pid)
+        assert "serving at" in ready, ready
+        assert not _gone_within(server, 2), "the server stopped when the thread that started it ended"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        assert _gone_within(server, 15), "the server outlived its parent"
+    finally:
+        _kill(parent.pid, server)
+        parent.communicate()
+
+
 def test_parent_that_is_not_the_parent_is_refused() -> None:
     out = subprocess.run([*CLI, "serve", "--parent", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out.stdout + out.stderr

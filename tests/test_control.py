@@ -76,6 +76,33 @@ def test_negotiation_server_side_require() -> None:
     assert choose(["verbs", "tcp"], local, remote, {}, {}, "any", ok).passed_over[0][1].startswith("version")
 
 
+class _Endpoints:
+    """What a transport says of the lanes its endpoint to a peer really has (UCX asks
+    ``ucp_ep_query``; no RDMA NIC here, so the lanes are given)."""
+
+    def __init__(self, lanes: tuple[str, ...]) -> None:
+        self.lanes = lanes
+
+    def endpoint_lanes(self, address: bytes) -> tuple[str, ...]:
+        return self.lanes
+
+
+def test_require_rdma_is_judged_by_the_endpoints_lanes() -> None:
+    """Both nodes' UCX lists an RDMA transport, but the endpoint between them (one machine) has
+    shared-memory lanes only: the old code chose ucx for require="rdma", and the path then
+    said rdma=False."""
+    caps = Capabilities(rdma=True, lanes=("rc_mlx5/mlx5_0:1", "cma/memory", "tcp/eth0"))
+    local = {"ucx": Offer("ucx", 1, b"a", caps)}
+    remote = {"ucx": Offer("ucx", 1, b"b", caps)}
+    ok = lambda name, addr: None
+    shm = {"ucx": _Endpoints(("cma/memory", "sysv/memory"))}
+    with pytest.raises(tensorwire.NegotiationError, match=r"has no RDMA lane between server and client \(cma/memory"):
+        choose(["ucx"], local, remote, {}, {}, "rdma", ok, transports=shm)
+    assert choose(["ucx"], local, remote, {}, {}, "any", ok, transports=shm).name == "ucx"
+    nic = {"ucx": _Endpoints(("rc_mlx5/mlx5_0:1", "cma/memory"))}
+    assert choose(["ucx"], local, remote, {}, {}, "rdma", ok, transports=nic).name == "ucx"
+
+
 def test_negotiation_counts_a_repeated_name_once() -> None:
     tcp = Capabilities(lanes=("tcp",))
     local = {"tcp": Offer("tcp", 1, b"a", tcp), "verbs": Offer("verbs", 1, b"v", Capabilities(rdma=True))}

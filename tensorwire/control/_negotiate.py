@@ -43,10 +43,24 @@ def _meets(require: str, caps: Capabilities) -> str | None:
     return None
 
 
+def tcp_lanes_only(lanes: tuple[str, ...]) -> bool:
+    """Every lane (UCX's "transport/device" names) is tcp: bytes through the kernel's TCP stack."""
+    from ..transports.ucx._lanes import tcp_only  # pure lane-name functions; imported late (cycle)
+
+    return tcp_only(lanes)
+
+
+def rdma_lane(lanes: tuple[str, ...]) -> bool:
+    """Some lane moves bytes by RDMA."""
+    from ..transports.ucx._lanes import rdma
+
+    return rdma(lanes)
+
+
 def _tcp_only(caps: Capabilities) -> bool:
     """Every lane goes through kernel TCP. The handshake carries ``tcp_only``; an offer from a
     node that predates that field is also judged by its lanes ("tcp" or "tcp/<device>")."""
-    return caps.tcp_only or (bool(caps.lanes) and all(lane.split("/")[0] == "tcp" for lane in caps.lanes))
+    return caps.tcp_only or tcp_lanes_only(caps.lanes)
 
 
 def _endpoint_lanes(transports: Mapping[str, object] | None, name: str, address: bytes) -> tuple[str, ...]:
@@ -102,16 +116,20 @@ def choose(
         if why is not None:
             passed.append((name, why))
             continue
-        if name != "tcp" and "tcp" in order[i + 1 :] and "tcp" in local and "tcp" in remote:
-            used = _endpoint_lanes(transports, name, theirs.address)
-            if used and all(lane.split("/")[0] == "tcp" for lane in used):
-                reason = (
-                    f"only tcp lanes between {local_name} and {remote_name} ({', '.join(used)}): "
-                    "tensorwire's tcp transport moves those bytes with less machinery"
-                )
-                passed.append((name, reason))
-                continue
+        fallback = name != "tcp" and "tcp" in order[i + 1 :] and "tcp" in local and "tcp" in remote
+        used = _endpoint_lanes(transports, name, theirs.address) if fallback or require != "any" else ()
+        if fallback and tcp_lanes_only(used):
+            reason = (
+                f"only tcp lanes between {local_name} and {remote_name} ({', '.join(used)}): "
+                "tensorwire's tcp transport moves those bytes with less machinery"
+            )
+            passed.append((name, reason))
+            continue
         why = _meets(require, mine.capabilities) or _meets(require, theirs.capabilities)
+        if why is None and require != "any" and used and not rdma_lane(used):
+            # both sides list RDMA, but the endpoint between them has none (one machine: shared
+            # memory), and the path would say rdma=False: not what was required
+            why = f"has no RDMA lane between {local_name} and {remote_name} ({', '.join(used)})"
         if why is not None:
             passed.append((name, f"require={require!r}: {name} {why}"))
             continue

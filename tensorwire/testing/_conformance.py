@@ -106,7 +106,7 @@ def _one_sided(peer: Peer) -> str:
     """The protocol a direct read or write of ``peer``'s says: "one-sided" where its channel
     reaches the owner's memory without the owner's CPU, "one-sided-emulated" where the transport
     emulates get/put (UCX without a cma or RDMA lane: ``UcxChannel.one_sided_direct``)."""
-    return "one-sided" if getattr(peer.channel, "one_sided_direct", True) else "one-sided-emulated"
+    return "one-sided" if peer.channel.one_sided_direct else "one-sided-emulated"
 
 
 async def _cancel_after(spins: int, task: asyncio.Future[Any]) -> bool:

@@ -172,6 +172,9 @@ class Channel(ABC):
     device_kinds: frozenset[str] = frozenset()
     # one-sided channels: gets and puts take memory of those kinds by pointer as well
     rma_device: bool = False
+    # one-sided channels: a get/put reaches the peer's memory without its CPU (cma, RDMA); False
+    # where the transport emulates it and the peer's own progress serves it (UCX over tcp lanes)
+    one_sided_direct: bool = True
     # what the peer promised to accept (its Limits), exchanged as the channel opened: every
     # transport sets it before it hands the channel out
     _remote: PeerLimits

@@ -56,13 +56,10 @@ _HELLO_MAX = 64 * 1024
 _WELCOME_BYTES = _HEAD.size + LIMITS.size + _PROOF
 _PROBED_MAX = 64
 
-_RDMA_TLS = RDMA_TLS  # UCX transports that move bytes by RDMA
-_CUDA_TLS = CUDA_TLS  # and those that move GPU memory
-
 
 def _lane_kinds(tls: list[str]) -> tuple[bool, bool]:
     """Whether UCX lists an RDMA transport, and a cuda one."""
-    return any(t.startswith(_RDMA_TLS) for t in tls), any(t.startswith(_CUDA_TLS) for t in tls)
+    return any(t.startswith(RDMA_TLS) for t in tls), any(t.startswith(CUDA_TLS) for t in tls)
 
 
 def _memory_kinds(tls: list[str], cuda_support: bool) -> tuple[str, ...]:

@@ -40,6 +40,7 @@ import numpy as np
 from ...errors import (
     BrokenResourceError,
     ClosedResourceError,
+    MessageRefused,
     PeerDisconnected,
     ProtocolError,
     TensorWireError,
@@ -408,7 +409,7 @@ class VerbsChannel(Channel):
         arrays = [_host(a) for a in msg.arrays if a.nbytes]
         if len(arrays) > _MAX_SEGS:
             self._window.unspend(msg.nbytes, eager)
-            raise TransferError(f"a message of {len(arrays)} tensors exceeds the {_MAX_SEGS} a verbs message carries")
+            raise MessageRefused(f"a message of {len(arrays)} tensors exceeds the {_MAX_SEGS} a verbs message carries")
         regions: list[Region] = []
         try:
             for a in arrays:
