@@ -5,6 +5,7 @@ Every command runs in a subprocess with a timeout; the demo's second process is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -134,68 +136,59 @@ def _gone_within(pid: int, seconds: float) -> bool:
     return not _alive(pid)
 
 
-# a parent that starts `serve --parent <its pid>`, prints the server's pid once it serves, and waits
+# a parent that starts `serve --parent <its pid>` (from a thread that then ends, with "thread"),
+# prints the server's pid once it serves (its --parent armed), and lives on
 _PARENT = """
-import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-m", "tensorwire.cli", "serve", "--transports", "tcp",
-                          "--parent", str(os.getpid())], stdout=subprocess.PIPE, text=True)
-line = child.stdout.readline()
-print(child.pid, line.strip(), flush=True)
-time.sleep(600)
-"""
-
-
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
-def test_a_server_started_with_parent_exits_when_its_parent_dies(signum: signal.Signals) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
-    assert parent.stdout is not None
-    server = 0
-    try:
-        pid, ready = parent.stdout.readline().split(" ", 1)
-        server = int(pid)
-        assert "serving at" in ready, ready
-        assert _alive(server)
-        os.kill(parent.pid, signum)  # SIGKILL: the parent can do nothing for its child
-        parent.wait(10)
-        # the old CLI had no --parent (a usage error) and a server left by its parent ran on
-        assert _gone_within(server, 15), "the server outlived its parent"
-    finally:
-        _kill(parent.pid, server)
-        parent.communicate()
-
-
-# the same, but the server is started from a thread that ends at once; the parent lives on
-_PARENT_THREAD = """
 import os, subprocess, sys, threading, time
 box = []
-def launch():  # starts the server, waits until it serves (its --parent armed), and ends
+def launch():
     child = subprocess.Popen([sys.executable, "-m", "tensorwire.cli", "serve", "--transports", "tcp",
                               "--parent", str(os.getpid())], stdout=subprocess.PIPE, text=True)
     box.append((child, child.stdout.readline()))
-t = threading.Thread(target=launch); t.start(); t.join()
+if sys.argv[1] == "thread":
+    t = threading.Thread(target=launch); t.start(); t.join()
+else:
+    launch()
 child, line = box[0]
 print(child.pid, line.strip(), flush=True)
 time.sleep(600)
 """
 
 
-def test_a_server_outlives_the_thread_that_started_it_but_not_its_parent() -> None:
-    """PR_SET_PDEATHSIG fires when the launching *thread* ends: the first --parent stopped the
-    server 0 s after that thread ended although its parent process lived on."""
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT_THREAD], stdout=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def _server_of_a_parent(how: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """(the parent process, its serving server's pid); both are killed afterwards."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, how], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     server = 0
     try:
         pid, ready = parent.stdout.readline().split(" ", 1)
         server = int(pid)
         assert "serving at" in ready, ready
+        yield parent, server
+    finally:
+        _kill(parent.pid, server)
+        parent.communicate()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_server_started_with_parent_exits_when_its_parent_dies(signum: signal.Signals) -> None:
+    with _server_of_a_parent("main") as (parent, server):
+        assert _alive(server)
+        os.kill(parent.pid, signum)  # SIGKILL: the parent can do nothing for its child
+        parent.wait(10)
+        # the old CLI had no --parent (a usage error) and a server left by its parent ran on
+        assert _gone_within(server, 15), "the server outlived its parent"
+
+
+def test_a_server_outlives_the_thread_that_started_it_but_not_its_parent() -> None:
+    """PR_SET_PDEATHSIG fires when the launching *thread* ends: the first --parent stopped the
+    server 0 s after that thread ended although its parent process lived on."""
+    with _server_of_a_parent("thread") as (parent, server):
         assert not _gone_within(server, 2), "the server stopped when the thread that started it ended"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
         assert _gone_within(server, 15), "the server outlived its parent"
-    finally:
-        _kill(parent.pid, server)
-        parent.communicate()
 
 
 def test_parent_that_is_not_the_parent_is_refused() -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..errors import ConfigurationError, NegotiationError
-from ..transports import Capabilities
+from ..transports import Capabilities, Transport
 
 __all__ = ["MAX_TRANSPORTS", "REQUIRE", "Choice", "Offer", "check_require", "choose"]
 
@@ -63,10 +63,10 @@ def _tcp_only(caps: Capabilities) -> bool:
     return caps.tcp_only or tcp_lanes_only(caps.lanes)
 
 
-def _endpoint_lanes(transports: Mapping[str, object] | None, name: str, address: bytes) -> tuple[str, ...]:
+def _endpoint_lanes(transports: Mapping[str, Transport] | None, name: str, address: bytes) -> tuple[str, ...]:
     """The lanes ``transports[name]`` would use with the peer at ``address`` (``()``: unknown)."""
-    query: Callable[[bytes], tuple[str, ...]] | None = getattr((transports or {}).get(name), "endpoint_lanes", None)
-    return query(address) if query is not None else ()
+    transport = (transports or {}).get(name)
+    return transport.endpoint_lanes(address) if transport is not None else ()
 
 
 def choose(
@@ -80,11 +80,11 @@ def choose(
     *,
     local_name: str = "server",
     remote_name: str = "client",
-    transports: Mapping[str, object] | None = None,
+    transports: Mapping[str, Transport] | None = None,
 ) -> Choice:
     """Pick a transport; raise NegotiationError listing why each one was not usable.
 
-    ``transports``: this node's transport objects. One with ``endpoint_lanes(address)`` says
+    ``transports``: this node's transport objects. Each one's ``endpoint_lanes(address)`` says
     which lanes it would really use with that peer once ``reachable`` said yes (a UCX
     endpoint's, which can be fewer than either side lists: two machines share no shared
     memory); left with tcp lanes only, it gives way to tcp as one that lists only tcp lanes does."""

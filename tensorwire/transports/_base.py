@@ -370,6 +370,12 @@ class Transport(ABC):
         """None if a peer offering ``address`` is reachable, else why not (cheap, local check)."""
         return None
 
+    def endpoint_lanes(self, address: bytes) -> tuple[str, ...]:
+        """The lanes a connection to the peer at ``address`` (already checked by ``accepts``)
+        would really use, where they can be fewer than this transport lists (UCX: shared memory
+        only on one machine); ``()`` when the transport cannot tell or has one way only."""
+        return ()
+
     def dial_address(self, address: bytes, dialled_host: str) -> bytes:
         """Client side: where to connect for a peer that offered ``address``, whose control plane
         we reached at ``dialled_host`` (a transport whose address names a listening host

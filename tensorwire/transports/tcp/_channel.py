@@ -541,7 +541,7 @@ class TcpChannel(Channel):
                     meta_end = start + hsize + meta_len
                     try:
                         tree, specs, nbytes = decode_header_sized(
-                            bytes(buf[start + hsize : meta_end]), max_message_bytes=limits.max_message_bytes
+                            bytes(memoryview(buf)[start + hsize : meta_end]), max_message_bytes=limits.max_message_bytes
                         )
                     except ProtocolError:
                         return start, True
