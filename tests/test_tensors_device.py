@@ -154,6 +154,75 @@ async def test_bad_cuda_array_interfaces_fail_the_send_alone(cai: dict[str, obje
         assert await b.recv(tag="i") == 7
 
 
+@pytest.mark.parametrize(("own", "want"), [(True, 5), (False, 111)], ids=["interface-stream", "framework-stream"])
+def test_a_recv_target_keeps_the_stream_its_object_names(own: bool, want: int) -> None:
+    """A recv's out= is written in order with its consumer stream: CuPy's current stream, taken at
+    the call, for CuPy arrays; but the stream a ``__cuda_array_interface__`` names (v3 ``stream``:
+    where its owner uses the memory) for another library's array, which CuPy's current stream
+    must not replace (it did once: the copies then raced the owner's pending work on its stream)."""
+    from tensorwire.tensors._device import DeviceSource, Streams
+
+    engine = HostEngine()
+    engine.kind = "cuda"  # target() takes the caller's streams only for CUDA memory
+    data = np.zeros(4, np.float32)
+    src = DeviceSource(data, "cupy", engine, "float32", (4,), int(data.ctypes.data), (4,), True, 5, own_stream=own)
+    target = src.target(Streams(device=0, torch=None, cupy=111))
+    assert target.stream == want and target.buf.ptr == src.ptr
+    assert src.target(Streams(device=1, torch=None, cupy=111)).stream == 5  # another device's: not taken
+
+
+class _FakeCudaRuntime:
+    """The few CuPy runtime calls the CUDA engine's events make, recording which device was
+    current at each (CUDA's default streams, handle 0, are the current device's)."""
+
+    eventDisableTiming = 2  # noqa: N815 - CuPy's names
+    CUDARuntimeError = RuntimeError
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.calls: list[tuple[str, int, int]] = []  # (call, stream, current device)
+
+    def eventCreateWithFlags(self, flags: int) -> int:  # noqa: N802
+        return 0x1000 + len(self.calls)
+
+    def eventRecord(self, event: int, stream: int) -> None:  # noqa: N802
+        self.calls.append(("record", stream, self.current))
+
+    def streamWaitEvent(self, stream: int, event: int, flags: int) -> None:  # noqa: N802
+        self.calls.append(("wait", stream, self.current))
+
+    def eventDestroy(self, event: int) -> None:  # noqa: N802
+        return None
+
+
+def test_cuda_events_are_recorded_and_waited_for_with_their_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor on cuda:1 while cuda:0 is current, on its device's default stream (handle 0, as
+    torch.cuda.current_stream(1).cuda_stream gives it): the event must be recorded, and the
+    stream made to wait, with cuda:1 current, else handle 0 is cuda:0's stream (CUDA refuses an
+    event of device 1 there, or a wait orders the wrong device's work)."""
+    import types
+
+    from tensorwire.memory import _cuda
+
+    rt = _FakeCudaRuntime()
+
+    @contextlib.contextmanager
+    def device(n: int) -> Any:
+        before, rt.current = rt.current, n
+        try:
+            yield
+        finally:
+            rt.current = before
+
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt, Device=device))
+    monkeypatch.setattr(_cuda, "cupy_module", lambda: cp)
+    engine = _cuda.CudaEngine(1)
+    event = engine.record_on(0)
+    assert engine.stream_wait(0, event)
+    assert rt.calls == [("record", 0, 1), ("wait", 0, 1)]
+    assert rt.current == 0  # and the caller's device is current again
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype"),
     [((5, 3, 4), np.int32), ((7,), np.float64), ((), np.float16), ((1, 1, 9), np.uint8), ((2, 1, 3), np.complex128)],

@@ -52,17 +52,22 @@ def cuda_device_count() -> int:
 
 
 class CudaEvent(Event):
-    __slots__ = ("_rt", "device", "ptr")
+    __slots__ = ("_cp", "_rt", "device", "ptr")
 
     def __init__(self, cp: ModuleType, device: int) -> None:
         rt = cp.cuda.runtime
+        self._cp = cp
         self._rt = rt
         self.device = device
         with cp.cuda.Device(device):
             self.ptr = int(rt.eventCreateWithFlags(rt.eventDisableTiming))
 
     def record(self, stream: int) -> CudaEvent:
-        self._rt.eventRecord(self.ptr, stream)
+        # with this event's device current: the default streams' handles (0, and 2 for the
+        # per-thread one) name the current device's stream, and CUDA refuses to record an event
+        # on a stream of another device
+        with self._cp.cuda.Device(self.device):
+            self._rt.eventRecord(self.ptr, stream)
         return self
 
     def query(self) -> bool:
@@ -193,7 +198,8 @@ class CudaEngine(CopyEngine):
         if stream is None:
             return False
         if isinstance(event, CudaEvent):
-            self.cp.cuda.runtime.streamWaitEvent(stream, event.ptr, 0)
+            with self.cp.cuda.Device(self.device):  # a default stream's handle names the current device's
+                self.cp.cuda.runtime.streamWaitEvent(stream, event.ptr, 0)
         return True
 
 

@@ -280,6 +280,9 @@ class DeviceSource:
     contiguous: bool
     stream: int | None
     readonly: str = ""  # why it may not be written (never a recv's out=): empty when it may
+    # the stream came with the object itself (a __cuda_array_interface__ v3 ``stream``), not from
+    # its framework's current one: the streams a recv took at its call never replace it
+    own_stream: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -331,12 +334,13 @@ class DeviceSource:
     def target(self, streams: Streams | None = None) -> DeviceTensor:
         """Where a recv into this tensor writes: its own memory, or a buffer to unpack from.
         Ordered on the consumer's stream: the one of ``streams`` (taken when the recv was
-        called) for this framework and device, else the tensor's own."""
+        called) for this framework and device, else the tensor's own; a stream the object names
+        itself (``own_stream``) always wins, since its owner uses the memory there."""
         if self.readonly:
             raise UnsupportedTensorError(f"out= {type(self.value).__name__} is read-only ({self.readonly})")
         engine = self.engine
         stream = self.stream
-        if streams is not None and engine.kind == "cuda":
+        if streams is not None and engine.kind == "cuda" and not self.own_stream:
             taken = streams.of(self.framework, engine.device)
             if taken is not None:
                 stream = taken
@@ -512,7 +516,19 @@ def _interface_source(obj: Any) -> DeviceSource:
     except Exception as exc:  # cupy's CUDARuntimeError: not a pointer CUDA knows in this process
         raise UnsupportedTensorError(f"{type(obj).__name__}: {ptr:#x} is not CUDA memory here: {exc}") from exc
     raw = _stream("cupy", device) if stream is None else 0 if stream == 1 else int(stream)
-    return DeviceSource(obj, "cupy", _engine(device), name, shape, ptr, strides, contiguous, raw, readonly)
+    return DeviceSource(
+        obj,
+        "cupy",
+        _engine(device),
+        name,
+        shape,
+        ptr,
+        strides,
+        contiguous,
+        raw,
+        readonly,
+        own_stream=stream is not None,
+    )
 
 
 def _cupy_source(a: Any) -> DeviceSource:
