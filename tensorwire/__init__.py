@@ -14,6 +14,7 @@ from ._path import Path
 from ._peer import Peer
 from .control import TLSConfig
 from .errors import *  # noqa: F403 - the error tree is part of the top-level API
+from .rpc import CallReceipt
 from .transports import Capabilities, Limits, Receipt
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "CallReceipt",
     "Capabilities",
     "Handle",
     "Limits",

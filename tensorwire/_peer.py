@@ -14,6 +14,7 @@ from ._onesided import RemoteHandle
 from .control._auth import lookup_proof
 from .control._client import ControlClient, SessionLost
 from .errors import ClosedResourceError, ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
+from .rpc import CallReceipt
 from .rpc import _client as _rpc
 from .tensors import prepare
 from .transports import Channel, ChannelState, Receipt, Session
@@ -131,12 +132,30 @@ class Peer:
         place and is returned. No method may take parameters of those names. Cancelling the
         caller cancels the method. The method's exception comes back as a RemoteError.
         """
-        return await _rpc.call(self, name, args, kwargs, _deadline, _out)
+        value, _ = await _rpc.call(self, name, args, kwargs, _deadline, _out)
+        return value
+
+    async def call_with_receipt(
+        self, name: str, /, *args: Any, _deadline: float | None = None, _out: Any = None, **kwargs: Any
+    ) -> tuple[Any, CallReceipt]:
+        """Like ``call``, and also say how the call's bytes moved: a ``CallReceipt`` with the
+        Receipt of the request (arguments inline in it, or not), of the arguments sent apart
+        when they were too large to ride inline, and of the result (direct into ``_out=`` or
+        staged), and the call's wall time. A call that fails raises as ``call`` does."""
+        value, receipt = await _rpc.call(self, name, args, kwargs, _deadline, _out, want_receipt=True)
+        assert receipt is not None
+        return value, receipt
 
     def stream(self, name: str, /, *args: Any, _deadline: float | None = None, **kwargs: Any) -> AsyncIterator[Any]:
         """``async for item in peer.stream("name", ...)``: the items a streaming method yields.
         ``_deadline`` covers the whole stream; leaving the loop early cancels the method."""
         return _rpc.stream(self, name, args, kwargs, _deadline)
+
+    def stream_with_receipts(
+        self, name: str, /, *args: Any, _deadline: float | None = None, **kwargs: Any
+    ) -> AsyncIterator[tuple[Any, Receipt]]:
+        """Like ``stream``, each item as ``(item, Receipt)``: how the message that carried it came."""
+        return _rpc.stream(self, name, args, kwargs, _deadline, receipts=True)
 
     def _start_heartbeat(self, session_id: str, lease: float, since: float) -> None:
         """``since``: when the handshake was sent, which is before the server's lease began."""

@@ -4,6 +4,7 @@
     async def forward(x, mask=None): ...
 
     y = await peer.call("forward", x, mask=m, _deadline=2.0)
+    y, receipt = await peer.call_with_receipt("forward", x)   # CallReceipt: how each message moved
     async for chunk in peer.stream("generate", prompt): ...
 
 Between tensorwire peers a call rides the peer's data plane (request, tensors, replies and
@@ -15,6 +16,7 @@ the caller cancels the method on the server.
 """
 
 from ._deadline import current_deadline, deadline
+from ._receipt import CallReceipt
 from ._registry import CallLimits, Method, MethodRegistry
 
-__all__ = ["CallLimits", "Method", "MethodRegistry", "current_deadline", "deadline"]
+__all__ = ["CallLimits", "CallReceipt", "Method", "MethodRegistry", "current_deadline", "deadline"]

@@ -7,12 +7,15 @@ server to cancel, and a background task drains the call's remaining replies, so 
 left behind in the mailbox. What calls may have outstanding on one peer stays within both
 sides' message slots (``_Budget``), so that no mix of calls and unread streams can stop the
 replies, cancellations or credit of the others; the deadline covers the wait for that room.
+The channel's receipt of every message a call sends or takes is passed along; only
+``peer.call_with_receipt`` (``want_receipt``) has them made into a ``CallReceipt``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -28,7 +31,7 @@ from ..errors import (
     TensorWireError,
 )
 from ..tensors import Outgoing, prepare
-from ..transports import Channel, ChannelState
+from ..transports import Channel, ChannelState, Receipt
 from ._codec import encode
 from ._deadline import effective_deadline
 from ._protocol import (
@@ -46,6 +49,7 @@ from ._protocol import (
     raise_error,
     reply_tag,
 )
+from ._receipt import CallReceipt
 from ._registry import FifoAdmission
 from ._server import DRAIN_SECONDS
 
@@ -182,11 +186,13 @@ def _request(
     return encode((meta(call_id, left, kind, payload.nbytes, window), name)), payload
 
 
-async def _next_reply(channel: Channel, tag: int) -> tuple[Any, ...]:
-    msg, _ = await channel.recv(tag, None)
+async def _next_reply(channel: Channel, tag: int) -> tuple[tuple[Any, ...], Receipt]:
+    """The next reply on ``tag``, and the receipt of how it came."""
+    got = await channel.recv(tag, None)
+    msg = got[0]
     if not (isinstance(msg, tuple) and msg and isinstance(msg[0], int)):
         raise ProtocolError(f"malformed RPC reply ({type(msg).__name__})")
-    return msg
+    return got
 
 
 def _terminal(msg: tuple[Any, ...], progress: _Progress, method: str, where: str) -> Any:
@@ -212,22 +218,25 @@ async def _send_request(
     progress: _Progress,
     name: str,
     where: str,
-) -> None:
+) -> tuple[Receipt, Receipt | None]:
+    """Send the request, and the arguments apart once the server says GO; their receipts."""
     progress.sent = True
     try:
-        await channel.send(REQUEST_TAG, request)
+        sent = await channel.send(REQUEST_TAG, request)
     except MessageRefused:
         progress.sent = False  # none of it went out (past the peer's limits)
         raise
     progress.whole = True
-    if payload is not None:
-        msg = await _next_reply(channel, reply_tag(call_id))
-        if msg[0] != Reply.GO:
-            _terminal(msg, progress, name, where)
-            raise ProtocolError(f"{name}: the server answered before it received the arguments")
-        progress.args = ArgsState.INTERRUPTED  # until the send returns
-        await channel.send(args_tag(call_id), payload)
-        progress.args = ArgsState.SENT
+    if payload is None:
+        return sent, None
+    msg, _ = await _next_reply(channel, reply_tag(call_id))
+    if msg[0] != Reply.GO:
+        _terminal(msg, progress, name, where)
+        raise ProtocolError(f"{name}: the server answered before it received the arguments")
+    progress.args = ArgsState.INTERRUPTED  # until the send returns
+    sent_args = await channel.send(args_tag(call_id), payload)
+    progress.args = ArgsState.SENT
+    return sent, sent_args
 
 
 def _finish(peer: Peer, call_id: int, progress: _Progress, release: Callable[[], None]) -> None:
@@ -272,9 +281,19 @@ def _expired(name: str, left: float) -> DeadlineExceeded:
 
 
 async def call(
-    peer: Peer, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float | None, out: Any = None
-) -> Any:
-    """``peer.call``: run ``name`` on the peer and return its result (landed in ``out`` if given)."""
+    peer: Peer,
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    deadline: float | None,
+    out: Any = None,
+    *,
+    want_receipt: bool = False,
+) -> tuple[Any, CallReceipt | None]:
+    """``peer.call``: run ``name`` on the peer; its result (landed in ``out`` if given), and how
+    the call's messages moved (None unless ``want_receipt``: the channel's receipts are passed
+    along either way, and only this one is built on request)."""
+    t0 = time.perf_counter() if want_receipt else 0.0
     left = effective_deadline(deadline)
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
@@ -289,11 +308,15 @@ async def call(
         async with tm:
             await budget.acquire(1)  # one reply at a time may wait here unread
             try:
-                await _send_request(channel, call_id, request, payload, progress, name, where)
+                sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
                 if out is not None:
-                    return await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
-                msg = await _next_reply(channel, reply_tag(call_id))
-                return _terminal(msg, progress, name, where)
+                    value, came = await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
+                else:
+                    msg, came = await _next_reply(channel, reply_tag(call_id))
+                    value = _terminal(msg, progress, name, where)
+                if not want_receipt:
+                    return value, None
+                return value, CallReceipt(sent, sent_args, came, time.perf_counter() - t0)
             finally:
                 _finish(peer, call_id, progress, lambda: budget.release(1))
     except TimeoutError as exc:
@@ -302,24 +325,34 @@ async def call(
         raise
 
 
-async def _reply_into(channel: Channel, tag: int, out: Any, progress: _Progress, name: str, where: str) -> Any:
-    """Receive the result straight into the caller's ``out`` tensors (posted before it arrives)."""
+async def _reply_into(
+    channel: Channel, tag: int, out: Any, progress: _Progress, name: str, where: str
+) -> tuple[Any, Receipt]:
+    """Receive the result straight into the caller's ``out`` tensors (posted before it arrives);
+    ``out``, and the receipt of how the result came."""
     try:
-        await channel.recv(tag, (int(Reply.RESULT), out))
+        _, came = await channel.recv(tag, (int(Reply.RESULT), out))
     except ShapeMismatchError as exc:
         # not a result of that shape: an error (raised here), or a result that does not fit
-        msg = await _next_reply(channel, tag)
+        msg, _ = await _next_reply(channel, tag)
         _terminal(msg, progress, name, where)
         raise ShapeMismatchError(f"{name}'s result does not fit _out= (it was dropped): {exc}") from None
     progress.finished = True
-    return out
+    return out, came
 
 
 async def stream(
-    peer: Peer, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float | None
+    peer: Peer,
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    deadline: float | None,
+    *,
+    receipts: bool = False,
 ) -> AsyncIterator[Any]:
-    """``peer.stream``: the items a streaming method yields, as they come. Leaving the loop
-    early (break, an exception, aclose) cancels the method on the server."""
+    """``peer.stream``: the items a streaming method yields, as they come (with ``receipts``,
+    each as ``(item, Receipt)``: how the message that carried it came). Leaving the loop early
+    (break, an exception, aclose) cancels the method on the server."""
     left = effective_deadline(deadline)
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
@@ -346,7 +379,7 @@ async def stream(
             while True:
                 tm = asyncio.timeout_at(deadline_at)
                 async with tm:
-                    msg = await _next_reply(channel, tag)
+                    msg, came = await _next_reply(channel, tag)
                 if msg[0] != Reply.ITEM or len(msg) != 2:
                     _terminal(msg, progress, name, where)
                     return
@@ -359,7 +392,7 @@ async def stream(
                     async with tm:
                         await channel.send(CONTROL_TAG, prepare((int(Control.CREDIT), call_id, taken + more)))
                     taken = 0
-                yield msg[1]
+                yield (msg[1], came) if receipts else msg[1]
         finally:
             _finish(peer, call_id, progress, lambda: budget.release(2, extra))
     except TimeoutError as exc:
