@@ -670,6 +670,47 @@ async def test_ucx_device_pointer_path(engine: HostEngine, nbytes: int, order: s
 
 
 @pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
+@pytest.mark.parametrize("nbytes", [0, 100, CHUNK - 16], ids=["empty", "inline", "eager"])
+@pytest.mark.parametrize("order", ["recv-first", "send-first"])
+async def test_ucx_host_message_into_a_device_out(engine: HostEngine, nbytes: int, order: str) -> None:
+    """A host message into a device out= the channel takes by pointer. One small enough to ride
+    in the control frame (inline) arrives as host bytes: it reaches the device by the recv's own
+    copy and says staged. The old code tried to write it into the device tensor as if it were
+    host memory, the control handler failed, and the recv hung until the lease ran out."""
+    data = _bytes(nbytes, 5)
+    async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        host_engine_by_pointer(a, b)
+        out = _arr(engine, np.zeros(nbytes, np.uint8))
+        async with asyncio.timeout(10):
+            got, sent, receipt = await exchange(a, b, data, out, order)
+        assert got is out and np.array_equal(out.array, data)
+        assert sent.memory == "host" and receipt.memory == "host-engine"
+        if receipt.protocol == "inline":  # host bytes of ours, then copied to the device
+            assert receipt.staged and not receipt.direct
+        assert b.channel.state.value == "open"
+
+
+@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
+async def test_a_recv_never_outlives_its_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message matched to a recv that no transport tracks any more (here: ucx's control
+    handler fails on it, as it did on an inline message into device memory) fails with the
+    channel: the mailbox fails every message it handed a recv. The old code left the recv
+    waiting for good."""
+
+    def broken_fill(self: Any, data: memoryview) -> None:
+        raise RuntimeError("a transport bug")
+
+    async with connected_pair("ucx") as (a, b):
+        out = {"x": np.zeros(100, np.uint8)}  # a pytree out=: not the express path
+        recv = asyncio.ensure_future(b.recv(tag="x", out=out))
+        await asyncio.sleep(0.05)
+        monkeypatch.setattr("tensorwire.transports._mailbox.Arrival.fill", broken_fill)
+        await a.send({"x": np.ones(100, np.uint8)}, tag="x")
+        with pytest.raises(tensorwire.errors.BrokenResourceError, match="control handler failed"):
+            await asyncio.wait_for(recv, 10)
+
+
+@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
 async def test_ucx_device_send_cancelled_while_its_stream_is_busy() -> None:
     """The conformance check, on ucx's device-pointer path: the payload is posted once the
     producer's event has completed, so a send cancelled before that posts nothing, and must

@@ -270,6 +270,9 @@ class Mailbox:
         self.channel = channel
         self._arrived: dict[int, deque[Arrival]] = {}
         self._posted: dict[int, deque[_Posted]] = {}
+        # arrivals handed to a recv that waits for them to complete: failed with the channel
+        # too, so that no recv outlives its channel, whatever the transport still tracks
+        self._held: set[Arrival] = set()
         self.failure: BaseException | None = None
         self.in_flight = 0
 
@@ -351,6 +354,7 @@ class Mailbox:
             except TensorWireError as exc:
                 p.future.set_exception(exc)
                 continue
+            self._held.add(arrival)
             p.future.set_result(arrival)
             return
         self._arrived.setdefault(arrival.tag, deque()).append(arrival)
@@ -377,6 +381,8 @@ class Mailbox:
                 if not a.done.done():
                     a.fail(exc)
             self._arrived[tag] = keep
+        for a in self._held:
+            a.fail(exc)  # a whole message delivered before the failure stays delivered
 
     def _lands(self, targets: list[np.ndarray | DeviceTensor]) -> bool:
         """Can this channel write every target where it is (host, or device memory it knows)?"""
@@ -418,6 +424,7 @@ class Mailbox:
                     q.popleft()
                     if not q:
                         del self._arrived[tag]  # tags may be unique per operation: keep no empties
+                    self._held.add(arrival)
                 else:
                     if self.failure is not None:
                         raise self.failure
@@ -434,6 +441,8 @@ class Mailbox:
                         f = p.future
                         if f.done() and not f.cancelled() and f.exception() is None:
                             got = f.result()
+                            if isinstance(got, Arrival):
+                                self._held.discard(got)  # given back (requeued) or failed
                             if isinstance(got, _Delivered):
                                 # delivered into out= before the cancel: give the message back
                                 self._requeue(got.give_back(self.channel, tag, out))
@@ -460,6 +469,8 @@ class Mailbox:
                     if not failed and not arrival.consumed:
                         self._requeue(arrival)
                     raise
+                finally:
+                    self._held.discard(arrival)
         finally:
             self.in_flight -= 1
 

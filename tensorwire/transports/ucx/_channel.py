@@ -567,7 +567,10 @@ class UcxChannel(Channel):
                 self._eager.add(arrival)
             self.mailbox.arrive(arrival)
             if inline:
-                if arrival.dest is None:
+                if arrival.dest is None or _on_device(arrival):
+                    # the bytes came in the control frame, in host memory: into buffers of
+                    # ours, and a device out= gets them by the recv's own copy (staged), as
+                    # when the message comes before its recv
                     arrival.allocate()
                 if nbytes:
                     arrival.fill(mv[end : end + nbytes])
