@@ -1,0 +1,894 @@
+"""The README and docs/ as a new user meets them: their code runs against real nodes, the names
+and numbers they quote are the code's, and the command lines they show are accepted.
+
+Code blocks are found by the heading they sit under and the text they open with, so a block
+that is moved or rewritten fails here by name instead of being skipped. A snippet runs as
+written except for what a loopback test must change, each change made on the syntax tree and
+checked to have happened once: a partner's address for "10.0.0.2:5555", "127.0.0.1:0" for a
+fixed port, a recorded address before a stage waits for ever, a ``break`` for a loop's ``...``.
+What a snippet's comments say it prints or returns is compared with what it printed or
+returned. tests/test_cli.py runs the commands themselves (demo, serve --parent, doctor); here
+their flags are compared with the README's, and the first line serve and stage print.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import builtins
+import contextlib
+import dataclasses
+import doctest
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire import pipeline
+from tensorwire.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+HAVE_UCX = importlib.util.find_spec("ucxx") is not None
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- reading the pages -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # of the block's first line of code, 1-based
+    lang: str
+    heading: str  # the last heading above it
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    """Every fenced code block of ``page`` (indented ones, in list items, too), with its heading."""
+    lines = page.read_text().splitlines()
+    found, heading, i = [], "", 0
+    while i < len(lines):
+        fence = re.fullmatch(r"( *)```([\w-]*)\s*", lines[i])
+        if fence:
+            indent = len(fence[1])
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == " " * indent + "```"), None)
+            assert end is not None, f"{page.name}:{i + 1}: a code block that never closes"
+            text = "".join(line[indent:] + "\n" for line in lines[i + 1 : end])
+            found.append(Block(page, i + 2, fence[2], heading, text))
+            i = end + 1
+            continue
+        if title := re.fullmatch(r"#{1,6} (.+)", lines[i]):
+            heading = title[1].strip()
+        i += 1
+    return found
+
+
+def block(page: Path, heading: str, opening: str) -> Block:
+    """The one code block under ``heading`` whose text starts with ``opening``."""
+    hits = [b for b in blocks(page) if b.heading == heading and b.text.startswith(opening)]
+    assert len(hits) == 1, f"{page.name}: {len(hits)} blocks under {heading!r} open with {opening!r}"
+    return hits[0]
+
+
+def prose(page: Path) -> str:
+    """The page with runs of whitespace made one space, for phrases that wrap across lines."""
+    return " ".join(page.read_text().split())
+
+
+def spans(page: Path) -> list[str]:
+    """The text of every `inline code` span (also one that wraps), whitespace made one space."""
+    text = re.sub(r"^ *```.*?^ *```", "", page.read_text(), flags=re.M | re.S)
+    return [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", text)]
+
+
+def python_blocks() -> list[Block]:
+    return [b for page in PAGES for b in blocks(page) if b.lang == "python"]
+
+
+# -- running snippets --------------------------------------------------------------------------
+class _Edit(ast.NodeTransformer):
+    """Rewrites of a snippet's tree, each of which must apply exactly once."""
+
+    def __init__(self, block: Block) -> None:
+        self.block = block
+        self.constants: dict[str, ast.expr] = {}  # a string constant -> what replaces it
+        self.for_body: ast.stmt | None = None  # replaces an ``async for``'s lone ``...``
+        self.with_start: list[ast.stmt] = []  # put at the top of ``async with tensorwire.start(...) as node:``
+        self.done: dict[str, int] = {}
+
+    def _did(self, what: str) -> None:
+        self.done[what] = self.done.get(what, 0) + 1
+
+    def visit_Constant(self, node: ast.Constant) -> ast.expr:
+        if isinstance(node.value, str) and node.value in self.constants:
+            self._did(repr(node.value))
+            return ast.copy_location(self.constants[node.value], node)
+        return node
+
+    def visit_AsyncFor(self, node: ast.AsyncFor) -> ast.AST:
+        self.generic_visit(node)
+        body = node.body
+        if self.for_body is not None and len(body) == 1 and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and body[0].value.value is Ellipsis:
+                self._did("async for ...")
+                node.body = [ast.copy_location(self.for_body, body[0])]
+        return node
+
+    def visit_AsyncWith(self, node: ast.AsyncWith) -> ast.AST:
+        self.generic_visit(node)
+        starts = [
+            item
+            for item in node.items
+            if isinstance(item.context_expr, ast.Call)
+            and ast.unparse(item.context_expr.func) == "tensorwire.start"
+            and isinstance(item.optional_vars, ast.Name)
+            and item.optional_vars.id == "node"
+        ]
+        if starts and self.with_start:
+            self._did("async with tensorwire.start(...) as node")
+            node.body = [*self.with_start, *node.body]
+        return node
+
+    def check(self, **expected: int) -> None:
+        assert self.done == expected, f"{self.block}: the snippet changed, its edits did not apply: {self.done}"
+
+
+def _stmt(source: str) -> ast.stmt:
+    return ast.parse(source).body[0]
+
+
+def _compile(block: Block, tree: ast.Module | None = None) -> Any:
+    tree = tree or ast.parse(block.text)
+    ast.fix_missing_locations(tree)
+    ast.increment_lineno(tree, block.line - 1)  # tracebacks point into the page
+    return compile(tree, str(block.page), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+
+
+async def run_snippet(code: Any, namespace: dict[str, Any]) -> None:
+    result = eval(code, namespace)  # compiled with top-level await: a coroutine where it awaits
+    if inspect.iscoroutine(result):
+        await result
+
+
+def comment_of(block: Block, code: str) -> str:
+    """The comment on the line of ``block`` that holds ``code``, with the comment-only lines
+    right below it that continue it."""
+    lines = block.text.splitlines()
+    at = next(i for i, line in enumerate(lines) if code in line)
+    parts = [lines[at].split("#", 1)[1]]
+    for line in lines[at + 1 :]:
+        if not line.lstrip().startswith("#"):
+            break
+        parts.append(line.lstrip()[1:])
+    return " ".join(" ".join(parts).split())
+
+
+def ellipsis_pattern(text: str) -> re.Pattern[str]:
+    """``text`` as a pattern in which each "..." stands for any text."""
+    return re.compile(".*?".join(re.escape(piece) for piece in text.split("...")), re.S)
+
+
+@contextlib.asynccontextmanager
+async def pair(transport: str) -> AsyncIterator[tuple[tensorwire.Node, tensorwire.Peer]]:
+    """A node, and a peer of another node connected to it, both offering ``transport`` only."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as node,
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as other,
+    ):
+        yield node, await other.connect(node.address)
+
+
+# -- every snippet is Python a user can paste -------------------------------------------------
+@pytest.mark.parametrize("snippet", python_blocks(), ids=str)
+def test_every_python_block_compiles(snippet: Block) -> None:
+    if snippet.text.lstrip().startswith(">>>"):
+        test = doctest.DocTestParser().get_doctest(snippet.text, {}, str(snippet), str(snippet.page), snippet.line)
+        assert test.examples, f"{snippet}: a >>> block without examples"
+        for example in test.examples:
+            compile(example.source, str(snippet), "single", dont_inherit=True)
+    else:
+        _compile(snippet)  # SyntaxError names the page and line
+
+
+def test_the_pages_have_the_blocks_this_file_runs() -> None:
+    # guards the heading-based lookup itself: a page that lost its blocks would skip nothing here
+    assert len([b for b in blocks(README) if b.lang == "python"]) >= 6
+    assert any(b.text.startswith(">>> ") for b in blocks(ROOT / "docs" / "pipeline.md"))
+
+
+# -- README: Use --------------------------------------------------------------------------------
+# the other machine of the README's first snippet, in a process of its own, installed without
+# the ucx and verbs extras (their modules cannot be imported there, as on a plain `pip install .`)
+PARTNER = r"""
+import asyncio, sys
+sys.modules["ucxx"] = sys.modules["pyverbs"] = None
+import numpy as np, tensorwire
+
+async def main():
+    async with tensorwire.start("127.0.0.1:0") as node:
+        print(node.address, flush=True)
+        peer = await node.accept()
+        msg = await peer.recv(tag="act")
+        assert msg["step"] == 3 and np.array_equal(msg["x"], np.ones((4, 4))), msg
+        await peer.send(np.full((4, 4), 2.0), tag="grad")
+        back = await node.connect((await asyncio.to_thread(sys.stdin.readline)).strip())
+        print("connected back", flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # until the test is done
+        await back.aclose()
+
+asyncio.run(main())
+"""
+
+
+async def test_use_snippet_runs_against_a_node_in_another_process(capsys: pytest.CaptureFixture[str]) -> None:
+    use = block(README, "Use", "import asyncio, numpy as np, tensorwire")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    partner = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", PARTNER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    assert partner.stdin is not None and partner.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            address = (await partner.stdout.readline()).decode().strip()
+            assert address.startswith("127.0.0.1:"), f"the partner did not start: {address!r}"
+
+            def announce(node_address: str) -> None:  # the partner connects back, for `async for`
+                assert partner.stdin is not None
+                partner.stdin.write(node_address.encode() + b"\n")
+
+            tree = ast.parse(use.text)
+            edit = _Edit(use)
+            edit.constants["10.0.0.2:5555"] = ast.Constant(address)
+            edit.for_body = ast.Break()
+            edit.with_start = [_stmt("_announce(node.address)")]
+            tree = edit.visit(tree)
+            run = [s for s in tree.body if ast.unparse(s) == "asyncio.run(main())"]
+            assert len(run) == 1, f"{use}: the snippet no longer ends in asyncio.run(main())"
+            tree.body.remove(run[0])  # it runs on this test's loop instead
+            edit.check(**{"'10.0.0.2:5555'": 1, "async for ...": 1, "async with tensorwire.start(...) as node": 1})
+            namespace: dict[str, Any] = {"__name__": "readme_use", "_announce": announce}
+            await run_snippet(_compile(use, tree), namespace)
+            await namespace["main"]()
+            assert (await partner.stdout.readline()).decode().strip() == "connected back"
+    finally:
+        partner.stdin.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(30):
+                await partner.wait()
+        if partner.returncode is None:
+            partner.kill()
+            await partner.wait()
+    assert partner.returncode == 0, "the partner process failed (its traceback is above)"
+    printed = capsys.readouterr().out.strip()
+    said = comment_of(use, "print(peer.path)")
+    assert ellipsis_pattern(said).fullmatch(printed), f"README says {said!r}, the snippet printed {printed!r}"
+
+
+# -- README: one-sided (and docs/ucx.md's) ------------------------------------------------------
+ONE_SIDED_TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="no ucxx"))]
+
+
+@pytest.mark.parametrize("transport", ONE_SIDED_TRANSPORTS)
+async def test_one_sided_snippet_reads_and_writes_what_it_says(transport: str) -> None:
+    snippet = block(README, "One-sided reads and writes", "kv = np.zeros((32, 1024, 128), np.float16)")
+    rng = np.random.default_rng(0)
+    shape = (32, 1024, 128)
+    new_values = rng.standard_normal(shape).astype(np.float16)
+    new_rows = rng.standard_normal((8, *shape[1:])).astype(np.float16)
+    row3, row9 = (rng.standard_normal(shape[1:]).astype(np.float16) for _ in range(2))
+    async with pair(transport) as (node, peer):
+        ns: dict[str, Any] = {"np": np, "node": node, "peer": peer, "buf": np.full(shape, 9, np.float16)}
+        ns |= {"new_values": new_values, "new_rows": new_rows, "ids": [1, 5, 9], "row3": row3, "row9": row9}
+        await run_snippet(_compile(snippet), ns)
+        kv, h = ns["kv"], ns["h"]
+        # the whole read came before any write; each write reached the owner's tensor
+        assert not ns["buf"].any(), "read(h, out=buf) did not land in buf"
+        want = new_values.copy()
+        want[4:12] = new_rows
+        blocks_want = [want[i].copy() for i in (1, 5, 9)]  # as they were when read_many ran
+        want[3], want[9] = row3, row9
+        assert np.array_equal(kv, want)
+        assert np.array_equal(ns["block"], new_values[7])
+        assert len(ns["blocks"]) == 3 and all(map(np.array_equal, ns["blocks"], blocks_want))
+        # "over ucx ... h.direct is True ... the receipt says protocol='one-sided'"; tcp: owner-assisted
+        assert h.direct is (transport == "ucx")
+        assert ns["receipt"].protocol == ("one-sided" if transport == "ucx" else "owner-assisted")
+        # "later reads/writes/lookups: HandleNotFound"
+        with pytest.raises(tensorwire.HandleNotFound):
+            await peer.lookup("kv/3")
+        with pytest.raises(tensorwire.HandleNotFound):
+            await peer.read(h[7])
+        with pytest.raises(tensorwire.HandleNotFound):
+            await peer.write(h[7], row3)
+    # "h[4:12][1] works too"; a step, a tuple, an index out of range, a 0-d handle do not
+    assert h[4:12][1].shape == h[5].shape == shape[1:]
+    assert h[-2:].shape == (2, *shape[1:])
+    for bad in (lambda: h[::2], lambda: h[1, 2], lambda: h[32], lambda: h[7][0][0][0]):
+        with pytest.raises(tensorwire.ShapeMismatchError):
+            bad()
+
+
+@pytest.mark.skipif(not HAVE_UCX, reason="no ucxx")
+async def test_ucx_page_one_sided_snippet() -> None:
+    snippet = block(ROOT / "docs" / "ucx.md", "One-sided expose / lookup / read / write", "handle = node.expose(kv")
+    kv = np.arange(1 << 16, dtype=np.float32)
+    src = -kv
+    async with pair("ucx") as (node, peer):
+        ns: dict[str, Any] = {"node": node, "peer": peer, "kv": kv, "buf": np.empty_like(kv), "src": src}
+        await run_snippet(_compile(snippet), ns)
+        assert ns["h"].direct
+        assert np.array_equal(ns["buf"], np.arange(1 << 16, dtype=np.float32)) and np.array_equal(kv, src)
+        with pytest.raises(tensorwire.HandleNotFound):
+            await peer.read(ns["h"])
+
+
+# -- README: tensor RPC --------------------------------------------------------------------------
+async def test_rpc_snippet_calls_streams_and_receives_in_place() -> None:
+    snippet = block(README, "Tensor RPC", '@node.method("forward")')
+    async with pair("tcp") as (node, peer):
+
+        @node.method("double")  # the snippet calls these two without defining them
+        async def double(x: Any) -> Any:
+            return x * 2
+
+        @node.method("generate")
+        async def generate(prompt: Any) -> AsyncIterator[Any]:
+            for i in range(3):
+                yield prompt + i
+
+        x = np.arange(6.0).reshape(3, 2)
+        ns: dict[str, Any] = {"node": node, "peer": peer, "x": x, "m": x > 2, "buf": np.empty_like(x)}
+        ns["prompt"] = np.arange(4)
+        await run_snippet(_compile(snippet), ns)
+        assert ns["out"]["rows"] == 3 and np.array_equal(ns["out"]["y"], x * 2)
+        assert ns["y"] is ns["buf"] and np.array_equal(ns["buf"], x * 2), "_out=buf: the result lands in buf"
+        assert np.array_equal(ns["chunk"], np.arange(4) + 2)
+
+        # the CallLimits the README sets are the defaults it describes
+        setting = next(s for s in spans(README) if s.startswith("node.methods.limits = tensorwire.rpc.CallLimits("))
+        exec(setting, {"node": node, "tensorwire": tensorwire})
+        assert node.methods.limits == tensorwire.rpc.CallLimits(), setting
+
+
+# -- README: stock gRPC clients -------------------------------------------------------------------
+@pytest.fixture
+def readme_stubs(tmp_path: Path) -> Path:
+    """Stubs made by the README's own protoc command, in tmp_path (the README runs it from the
+    repository root and writes there: the proto's path is made absolute, python is this one)."""
+    pytest.importorskip("grpc_tools")
+    protoc = block(README, "Tensor RPC", "cp proto/tensorwire/v1/control.proto .")
+    command = protoc.text.strip().replace("cp proto/", f"cp {shlex.quote(str(ROOT))}/proto/")
+    command = re.sub(r"^python |&& python ", lambda m: m[0].replace("python", shlex.quote(sys.executable)), command)
+    made = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert {"control_pb2.py", "control_pb2_grpc.py"} <= {p.name for p in tmp_path.iterdir()}
+    return tmp_path
+
+
+async def test_stock_grpc_snippets(readme_stubs: Path) -> None:
+    import grpc
+    from google.protobuf import json_format
+
+    from tensorwire.control._pb import control_pb2, control_pb2_grpc
+
+    client = block(README, "Tensor RPC", "import grpc, control_pb2 as pb, control_pb2_grpc as pb_grpc")
+    curl = block(README, "Tensor RPC", "grpcurl -plaintext -d ")
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+
+        @node.method("add")
+        async def add(a: int, b: int) -> int:
+            return a + b
+
+        script = client.text.replace("HOST:PORT", node.address)
+        assert script != client.text
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-E", "-c", script, cwd=readme_stubs, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        listed, result = out.decode().splitlines()
+        assert ast.literal_eval(listed) == ["add"]
+        assert result == comment_of(client, "print(stub.Invoke(")
+
+        # grpcurl's JSON, through the same messages
+        request = re.search(r"-d '([^']*)'", curl.text)
+        assert request is not None and "tensorwire.v1.Control/Invoke" in curl.text
+        service = control_pb2.DESCRIPTOR.services_by_name["Control"]
+        assert service.full_name == "tensorwire.v1.Control" and "Invoke" in service.methods_by_name
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            reply = await control_pb2_grpc.ControlStub(channel).Invoke(
+                json_format.Parse(request[1], control_pb2.InvokeRequest()), timeout=10
+            )
+        assert json.loads(json_format.MessageToJson(reply)) == json.loads(comment_of(curl, "Control/Invoke"))
+
+
+# -- README and docs/pipeline.md: pipelines -----------------------------------------------------
+def _numpy_part(rank: int, num_stages: int) -> pipeline.FunctionPart:
+    from _pipeline_fixtures import NumpyLinear
+
+    def mse(y: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
+        return float(((y - target) ** 2).mean()), 2 * (y - target) / y.size
+
+    last = rank == num_stages - 1
+    layer = NumpyLinear(np.random.default_rng(rank), 4, 4, tanh=not last)
+    return pipeline.FunctionPart(layer, loss=mse if last else None)
+
+
+@contextlib.asynccontextmanager
+async def _stages(
+    snippet: Block, tree: ast.stmt, n: int, namespace: Callable[[], dict[str, Any]]
+) -> AsyncIterator[list[str]]:
+    """Serve ``n`` copies of ``snippet``'s stage statement ``tree`` as tasks, each in a
+    ``namespace()`` of its own, and yield their addresses: "0.0.0.0:5000" binds "127.0.0.1:0", and
+    each stage records its address before it waits for ever."""
+    bound: list[str] = []
+    edit = _Edit(snippet)
+    edit.constants["0.0.0.0:5000"] = ast.Constant("127.0.0.1:0")
+    edit.with_start = [_stmt("_bound.append(node.address)")]
+    module = edit.visit(ast.Module([tree], []))
+    edit.check(**{"'0.0.0.0:5000'": 1, "async with tensorwire.start(...) as node": 1})
+    code = _compile(snippet, module)
+    tasks = [asyncio.create_task(run_snippet(code, namespace() | {"_bound": bound})) for _ in range(n)]
+    try:
+        async with asyncio.timeout(30):
+            while len(bound) < n:
+                for task in tasks:
+                    if task.done():
+                        task.result()  # a stage that failed to start says why
+                await asyncio.sleep(0.01)
+        yield bound
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _split(tree: ast.Module) -> tuple[list[ast.stmt], ast.stmt, ast.stmt, list[ast.stmt]]:
+    """What comes before a snippet's two ``async with`` statements, the two, and what follows."""
+    at = [i for i, s in enumerate(tree.body) if isinstance(s, ast.AsyncWith)]
+    assert len(at) == 2 and at[1] == at[0] + 1, "the snippet is no longer a stage then a driver"
+    return tree.body[: at[0]], tree.body[at[0]], tree.body[at[1]], tree.body[at[1] + 1 :]
+
+
+async def test_readme_pipeline_snippet_trains_a_step(capsys: pytest.CaptureFixture[str]) -> None:
+    snippet = block(README, "Pipeline-parallel stages", "from tensorwire import pipeline")
+    head, stage, driver, tail = _split(ast.parse(snippet.text))  # the import, the stage, the driver, print
+    ns: dict[str, Any] = {"tensorwire": tensorwire, "asyncio": asyncio, "build_part": _numpy_part}
+    await run_snippet(_compile(snippet, ast.Module(head, [])), ns)
+    async with _stages(snippet, stage, 2, ns.copy) as addresses:
+        rng = np.random.default_rng(1)
+        ns |= {"stage_addresses": addresses, "x": rng.standard_normal((16, 4)), "y": rng.standard_normal((16, 4))}
+        await run_snippet(_compile(snippet, ast.Module([driver, *tail], [])), ns)
+    r = ns["r"]  # "r.loss, r.bubble"
+    assert np.isfinite(r.loss) and 0 <= r.bubble <= 1 and len(r.losses) == 8
+    assert capsys.readouterr().out == pipeline.get_schedule("1f1b")(4, 8).grid() + "\n"
+
+
+async def test_pipeline_page_stage_and_drive_snippets(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    page = ROOT / "docs" / "pipeline.md"
+    serve = block(page, "Start stages", 'async with tensorwire.start("0.0.0.0:5000") as node:')
+    drive = block(page, "Drive", "async with tensorwire.start() as node:")
+    (stage,) = ast.parse(serve.text).body
+    common: dict[str, Any] = {"tensorwire": tensorwire, "asyncio": asyncio, "pipeline": pipeline}
+
+    def stage_namespace() -> dict[str, Any]:
+        make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1)
+        return common | {"F": torch.nn.functional, "make_opt": make_opt, "module": torch.nn.Linear(4, 4)}
+
+    async with _stages(serve, stage, 4, stage_namespace) as addresses:
+        tree = ast.parse(drive.text)
+        edit = _Edit(drive)
+        for i, address in enumerate(addresses):
+            edit.constants[f"h{i}:5000"] = ast.Constant(address)
+        tree = edit.visit(tree)
+        edit.check(**{f"'h{i}:5000'": 1 for i in range(4)})
+        x, y = torch.randn(16, 4), torch.randn(16, 4)
+        run_ns = common | {"batches": [(x, y), (x[:12], y[:12])]}  # shapes may change between steps
+        await run_snippet(_compile(drive, tree), run_ns)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 3 and len(ast.literal_eval(printed[0])) == 3, printed  # pipe.paths: one per link
+    assert len(run_ns["params"]) == 4 and all(isinstance(p, dict) and p for p in run_ns["params"])
+
+
+def test_pipeline_page_doctest_and_schedule_errors() -> None:
+    page = ROOT / "docs" / "pipeline.md"
+    session = block(page, "Schedules are data", ">>> from tensorwire.pipeline import get_schedule, Schedule")
+    test = doctest.DocTestParser().get_doctest(session.text, {}, str(session), str(page), session.line)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    out: list[str] = []
+    runner.run(test, out=out.append)
+    assert runner.failures == 0, "".join(out)
+    # the refusals the page shows, made from the schedules they describe
+    stuck = block(page, "Schedules are data", "schedule 'custom' (p=2, m=2) cannot run:")
+    with pytest.raises(tensorwire.ScheduleError) as custom:
+        pipeline.Schedule.parse("stage 0: F0 F1 B0 B1\nstage 1: F0 B1 F1 B0").validate()
+    assert str(custom.value) == stuck.text.rstrip("\n")
+    limit = block(page, "Schedules are data", "schedule 'reverse' (p=2, m=3) cannot run:")
+    reverse = pipeline.Schedule.parse("stage 0: F0 F1 F2 B2 B1 B0\nstage 1: F2 B2 F1 B1 F0 B0", name="reverse")
+    with pytest.raises(tensorwire.ScheduleError) as refused:
+        reverse.validate(max_unexpected=2)
+    assert str(refused.value).splitlines()[0] == limit.text.strip()
+    reverse.validate()  # "GPipe and 1F1B ... no limit binds them": the default 1024 does not bind this one
+
+
+# -- names the pages use exist ------------------------------------------------------------------
+def _resolve(dotted: str) -> object:
+    """``tensorwire.a.b.C.d``: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def test_every_tensorwire_name_the_pages_mention_exists() -> None:
+    named = {
+        name
+        for page in PAGES
+        for text in [page.read_text()]
+        for name in re.findall(r"(?<![\w/.-])tensorwire(?:\.[A-Za-z_]\w*)+", text)
+        if not name.startswith("tensorwire.v1.")  # the proto package, checked below
+    }
+    assert {"tensorwire.Limits", "tensorwire.rpc.current_deadline", "tensorwire.pipeline"} <= named
+    missing = []
+    for name in sorted(named):
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError) as exc:
+            missing.append(f"{name}: {exc}")
+    assert not missing, "names the pages use that do not exist:\n" + "\n".join(missing)
+    from tensorwire.control._pb import control_pb2
+
+    for name in {n for p in PAGES for n in re.findall(r"tensorwire\.v1\.[\w/]+", p.read_text())}:
+        service, _, method = name.removeprefix("tensorwire.v1.").partition("/")
+        if method:
+            assert method in control_pb2.DESCRIPTOR.services_by_name[service].methods_by_name, name
+        else:
+            known = {*control_pb2.DESCRIPTOR.services_by_name, *control_pb2.DESCRIPTOR.message_types_by_name}
+            assert service in known, name
+
+
+# Errors of other libraries the pages name (asyncio's, grpc's)
+FOREIGN_ERRORS = {"CancelledError", "UsageError"}
+
+
+# Where the pages name a class by itself, where to find it. A `Class.attribute` of one of these
+# must exist; an `...Error` must be tensorwire's own, a builtin or one of FOREIGN_ERRORS.
+def _classes() -> dict[str, object]:
+    import tensorwire.transports._credit as credit
+    import tensorwire.transports._mailbox as mailbox
+    import tensorwire.transports._remote as remote
+    import tensorwire.transports.ucx as ucx
+    from tensorwire.control._pb import control_pb2
+
+    found: dict[str, object] = {}
+    for module in (tensorwire, tensorwire.rpc, pipeline, tensorwire.transports, ucx, mailbox, credit, remote):
+        found |= {k: v for k, v in vars(module).items() if inspect.isclass(v)}
+    found |= {k: getattr(control_pb2, k) for k in control_pb2.DESCRIPTOR.message_types_by_name}
+    return found
+
+
+def test_every_class_attribute_and_error_the_pages_name_exists() -> None:
+    classes = _classes()
+    wrong, checked = [], 0
+    for page in PAGES:
+        for span in spans(page):
+            for name, attr in re.findall(r"(?<![\w.])([A-Z]\w*[a-z]\w*)(?:\.([a-z_]\w*))?", span):
+                if name in classes and attr:
+                    checked += 1
+                    cls = classes[name]
+                    fields = getattr(getattr(cls, "DESCRIPTOR", None), "fields_by_name", {})  # protobuf
+                    if not hasattr(cls, attr) and attr not in fields:
+                        wrong.append(f"{page.name}: {name}.{attr}")
+                elif (
+                    name.endswith("Error")
+                    and name not in classes.keys() | FOREIGN_ERRORS
+                    and not hasattr(builtins, name)
+                ):
+                    wrong.append(f"{page.name}: {name}")
+    assert checked >= 15, "the class lookup found too little to mean anything"
+    assert not wrong, "named in the pages, missing in the code: " + ", ".join(wrong)
+
+
+def test_option_receipt_and_limit_lists_match_the_code() -> None:
+    text = prose(README)
+    # "Node options (...), with their defaults: `transports` (...), ..., `ucx_options` (...)."
+    options = text[text.index("Node options (") : text.index("Each is checked when it is given")]
+    node_options = re.findall(r"`(\w+)` \(", options)  # `checksum` (False)
+    limits = re.findall(r"`(\w+)` \d", options)  # `max_unexpected` 1024
+    assert sorted(node_options) == sorted(f.name for f in dataclasses.fields(tensorwire.NodeConfig)), options
+    assert sorted(limits) == sorted(f.name for f in dataclasses.fields(tensorwire.Limits)), options
+    # "**Receipts**: `send` returns a `Receipt` with `transport`, ..., `memory` (...); ..."
+    receipts = text[text.index("**Receipts**") :].split(" with ", 1)[1].split(";", 1)[0]
+    named = set(re.findall(r"`(\w+)`", receipts))
+    assert named == {f.name for f in dataclasses.fields(tensorwire.Receipt)}, receipts
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return str(n)
+
+
+def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
+    import tensorwire.transports.ucx._channel as ucx_channel
+    import tensorwire.transports.ucx._worker as ucx_worker
+    import tensorwire.transports.verbs._channel as verbs_channel
+    import tensorwire.transports.verbs._memory as verbs_memory
+    import tensorwire.transports.verbs._transport as verbs
+    from tensorwire import _checks, _onesided
+    from tensorwire.pipeline import _stage
+    from tensorwire.rpc import _client, _protocol
+    from tensorwire.transports import DEFAULT_PREFERENCE, _frames
+
+    config, limits, calls = tensorwire.NodeConfig(), tensorwire.Limits(), tensorwire.rpc.CallLimits()
+    us = 1e6
+    quoted: dict[Path, list[str]] = {
+        README: [
+            f"`transports` (preference order, `{', '.join(DEFAULT_PREFERENCE)}`)",
+            f"`checksum` ({config.checksum}), `lease_seconds` ({config.lease_seconds:g})",
+            f"`connect_timeout` ({config.connect_timeout:g})",
+            *[
+                f"`{f.name}` {_size(v) if f.name.endswith('_bytes') else f'{v:g}'}"
+                for f in dataclasses.fields(limits)
+                for v in [getattr(limits, f.name)]
+            ],
+            f"(`Limits.recv_buffer_bytes`, default {_size(limits.recv_buffer_bytes)} per peer",
+            f"({limits.max_unexpected} by default)",
+            f"(default lease {config.lease_seconds:g} s)",
+            f"`max_header_bytes` at least {tensorwire.Limits.MIN_HEADER_BYTES}",
+            f"`chunk_bytes` at least {tensorwire.Limits.MIN_CHUNK_BYTES}",
+            f"`lease_seconds` from {tensorwire.NodeConfig.MIN_LEASE_SECONDS:g} s to about "
+            f"{int(tensorwire.NodeConfig.MAX_LEASE_SECONDS / 86400)} days",
+            f"at most 10**{round(np.log10(_checks.MAX_SECONDS))};",
+            f"about {int(_checks.MAX_SECONDS / (365.25 * 86400))} years",
+            f"`Limits` keeps that limit at {tensorwire.Limits.MIN_HEADER_BYTES // 1024} KiB or more",
+            f"arguments up to {_size(_protocol.INLINE_BYTES)} ride inside the request",
+            f"({_client._MAX_OUTSTANDING} calls at most)",
+            f"plus up to {_protocol.STREAM_WINDOW - 1} taken",
+            f"CallLimits(max_concurrent={calls.max_concurrent},",
+            f"{limits.max_unexpected} by default) also hold up",
+            f"{_frames.HEADER.size}-byte frame headers",
+            f"Payloads move in {_size(limits.chunk_bytes)} frames",
+            f"one request carries up to {_onesided._MAX_REGIONS} regions",
+        ],
+        ROOT / "docs" / "pipeline.md": [
+            f"`Limits.max_unexpected` unreceived messages from one peer ({limits.max_unexpected} by default)",
+            f"the lease (a silent peer, {config.lease_seconds:g} s by default)",
+            f"Its configure waits up to {_stage._COMMIT_GRACE:g} s for a pending commit",
+        ],
+        ROOT / "docs" / "ucx.md": [
+            f"keeps progressing for {ucx_worker._SPIN_IDLE * us:g} us ({ucx_worker._SPIN_ACTIVE * 1e3:g} ms while",
+            f"then a {ucx_worker._FALLBACK * 1e3:g} ms fallback poll",
+            f"a recv posted within {ucx_channel._ANSWER_WINDOW * us:g} us of this channel's last send",
+            f"for up to {ucx_channel._WAIT_INLINE * us:g} us before it goes to the loop",
+            f"up to {ucx_channel._WAIT_BACKOFF} recvs after each miss",
+            f"ride in its MSG frame (up to {_size(ucx_channel._INLINE_MAX)})",
+            f"are taken at once (up to {ucx_channel._CTRL_BURST})",
+            f"moved nothing for {ucx_worker._STALL:g} s",
+        ],
+        ROOT / "docs" / "verbs.md": [
+            f"a ring of {verbs.SLOTS} receive buffers of {_size(verbs.SLOT_BYTES)}",
+            f"and {verbs.SEND_SLOTS} send buffers",
+            f"at most {verbs.MAX_RDMA} RDMA operations in flight per queue pair",
+            f"keeping {verbs_channel.RESERVE} slots for CREDIT and BYE frames",
+            f"Bounded ({verbs_memory._MAX_ENTRIES} entries, {_size(verbs_memory._MAX_BYTES)} pinned)",
+        ],
+    }
+    absent = [
+        f"{page.name}: {phrase!r}"
+        for page, phrases in quoted.items()
+        for text in [prose(page)]
+        for phrase in phrases
+        if " ".join(phrase.split()) not in text
+    ]
+    assert not absent, "phrases made from the code's values, missing from the pages:\n" + "\n".join(absent)
+
+
+# -- files, commands and links the pages name ----------------------------------------------------
+_TOP = ("benchmarks", "scripts", "tests", "examples", "tensorwire", "proto", "docs", "transports")
+
+
+def test_every_file_and_anchor_the_pages_name_exists() -> None:
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        for path in re.findall(rf"(?<![\w./-])((?:{'|'.join(_TOP)})/[\w./*-]*[\w*/])", text):
+            path, _, test = path.partition("::")
+            path = path.split(":")[0]
+            where = [ROOT / path, ROOT / "tensorwire" / path]
+            if not any(p.exists() or ("*" in path and list(ROOT.glob(path))) for p in where):
+                missing.append(f"{page.name}: {path}")
+        for path, test in re.findall(r"(tests/\w+\.py)::(\w+)", text):
+            if f"def {test}(" not in (ROOT / path).read_text():
+                missing.append(f"{page.name}: {path}::{test}")
+        slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+        for target, anchor in re.findall(r"\]\(([\w./-]*)#([\w-]+)\)", text):
+            other = (page.parent / target).read_text() if target else text
+            if target:
+                slugs_there = {
+                    re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", other, re.M)
+                }
+            else:
+                slugs_there = slugs
+            if anchor not in slugs_there:
+                missing.append(f"{page.name}: #{anchor}")
+    assert not missing, "named in the pages, not in the repository:\n" + "\n".join(missing)
+
+
+def test_benchmark_flags_the_pages_use_exist() -> None:
+    used: dict[str, set[str]] = {}
+    for page in PAGES:
+        for span in spans(page) + [b.text for b in blocks(page)]:
+            for line in span.splitlines():
+                for name, args in re.findall(r"\b(\w+)\.py((?:\s+(?:--?[\w-]+|[^\s`#-][^\s`]*))*)", line):
+                    if (ROOT / "benchmarks" / f"{name}.py").exists():
+                        used.setdefault(name, set()).update(re.findall(r"(?<!\S)(--[a-z][\w-]*)", args))
+    assert used.get("soak_ops") and used.get("pipeline"), used
+    unknown = [
+        f"benchmarks/{name}.py {flag}"
+        for name, flags in sorted(used.items())
+        for flag in sorted(flags)
+        if f'"{flag}"' not in (ROOT / "benchmarks" / f"{name}.py").read_text()
+    ]
+    assert not unknown, "flags the pages pass that the benchmarks do not take: " + ", ".join(unknown)
+
+
+def test_the_two_commands_are_what_ci_and_the_package_run() -> None:
+    first, second = (b.text.strip() for b in blocks(README) if b.heading == "Two commands" and b.lang == "bash")
+    assert first.endswith(".venv/bin/tensorwire demo")
+    assert 'tensorwire = "tensorwire.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert second in (ROOT / ".ci" / "run").read_text(), "CI no longer runs the README's test command verbatim"
+
+
+# -- the command line ------------------------------------------------------------------------------
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as done:
+        cli_main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def _flags(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", text)) - {"--help"}
+
+
+def _usage_entries() -> dict[str, str]:
+    """The README's command-line block: each subcommand's usage and description text."""
+    usage = block(README, "Command line", "tensorwire demo").text
+    entries: dict[str, str] = {}
+    current = ""
+    for line in usage.splitlines():
+        if line.startswith("tensorwire "):
+            current = line.split()[1]
+            entries[current] = ""
+        entries[current] += line + "\n"
+    return entries
+
+
+def test_readme_command_line_block_is_the_parsers(capsys: pytest.CaptureFixture[str]) -> None:
+    entries = _usage_entries()
+    commands = re.search(r"\{([\w,-]+)\}", _help(capsys))
+    assert commands is not None
+    assert sorted(entries) == sorted(c for c in commands[1].split(",") if not c.startswith("_"))
+    for command, entry in entries.items():
+        text = _help(capsys, command)
+        assert _flags(entry) == _flags(text), f"README's `tensorwire {command}` vs its --help"
+        for flag, default in re.findall(r"\[(--[\w-]+) (\d+)\]", entry):  # "[--size-mib 256]"
+            assert re.search(rf"{flag} \S+\s+[^\n]*\(default {default}\)", text), f"{command} {flag} {default}"
+        if "[ADDRESS]" in entry:
+            assert re.search(r"\[address\]", text), f"{command}: no optional ADDRESS"
+
+
+def test_command_lines_in_the_pages_use_real_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    helps: dict[str, str] = {}
+    seen = 0
+    for page in PAGES:
+        for b in blocks(page):
+            if b.lang != "bash":
+                continue
+            for line in b.text.splitlines():
+                m = re.search(r"(?:^|/|\s)tensorwire (\w+)(.*)", line.split("#")[0])
+                if m is None:
+                    continue
+                seen += 1
+                if m[1] not in helps:
+                    helps[m[1]] = _help(capsys, m[1])
+                assert _flags(m[2]) <= _flags(helps[m[1]]), f"{b}: {line.strip()}"
+    assert seen >= 3
+
+
+STAGE_PART = """
+import numpy as np
+from tensorwire.pipeline import FunctionPart
+
+class Scale:
+    def forward(self, x):
+        return 2 * x, None
+    def backward(self, ctx, grad):
+        return 2 * grad
+
+def build_part(rank, num_stages):
+    return FunctionPart(Scale())
+"""
+
+
+async def test_serve_and_stage_print_where_they_serve_and_exit_143_on_sigterm(tmp_path: Path) -> None:
+    (tmp_path / "part.py").write_text(STAGE_PART)
+    said = prose(README)
+    serve_line = re.search(r"`(tensorwire node <id> serving at [\d.:]+)`", said)
+    stage_line = re.search(r"`(tensorwire stage serving at [\d.:]+)`", said)
+    assert serve_line and stage_line
+    page = ROOT / "docs" / "pipeline.md"
+    prints = comment_of(block(page, "Start stages", "tensorwire stage --part "), "# prints:")
+    assert prints.startswith("prints: "), prints
+
+    def pattern(example: str) -> re.Pattern[str]:
+        text = re.escape(example).replace(re.escape("<id>"), "[0-9a-f]+")
+        return re.compile(re.sub(r"127\\\.0\\\.0\\\.1:\d+", r"127\\.0\\.0\\.1:\\d+", text))
+
+    cli = [sys.executable, "-m", "tensorwire.cli"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    runs = {
+        "serve": ([*cli, "serve", "--transports", "tcp"], pattern(serve_line[1])),
+        "stage": ([*cli, "stage", "--part", f"{tmp_path / 'part.py'}:build_part", "--transports", "tcp"],
+                  pattern(stage_line[1])),
+    }  # fmt: skip
+    procs = {
+        name: await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        for name, (argv, _) in runs.items()
+    }
+    try:
+        for name, proc in procs.items():
+            assert proc.stdout is not None
+            async with asyncio.timeout(60):
+                first = (await proc.stdout.readline()).decode().strip()
+            assert runs[name][1].fullmatch(first), f"{name} printed {first!r}"
+            if name == "stage":  # docs/pipeline.md's, for the --address it shows
+                assert first.rsplit(" ", 1)[0] == prints.removeprefix("prints: ").rsplit(" ", 1)[0], prints
+            proc.send_signal(signal.SIGTERM)
+        for name, proc in procs.items():
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+            assert b"Traceback" not in err, f"{name}: {err.decode()}"
+        stage = procs["stage"]  # serve's exit on SIGTERM is tests/test_cli.py's
+        assert stage.returncode == 128 + signal.SIGTERM, stage.returncode
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+def test_helpers_find_what_they_should() -> None:
+    # the pattern helpers the tests above compare with: a wrong one would pass anything
+    assert ellipsis_pattern("tcp [x ...] (y); ...").fullmatch("tcp [x 1.2:3] (y); not z: w")
+    assert not ellipsis_pattern("tcp [x ...] (y)").fullmatch("ucx [x 1] (y)")
+    fake = Block(README, 1, "python", "h", "print(a)  # one\n          # two\nb = 1  # not this\n")
+    assert comment_of(fake, "print(a)") == "one two"
+    assert _flags("[--size-mib 256] [--parent PID] --x") == {"--size-mib", "--parent", "--x"}
