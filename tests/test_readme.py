@@ -673,6 +673,7 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
             f"({_client._MAX_OUTSTANDING} calls at most)",
             f"plus up to {_protocol.STREAM_WINDOW - 1} taken",
             f"CallLimits(max_concurrent={calls.max_concurrent},",
+            f"its `max_concurrent`, {calls.max_concurrent} by default",
             f"{limits.max_unexpected} by default) also hold up",
             f"{_frames.HEADER.size}-byte frame headers",
             f"Payloads move in {_size(limits.chunk_bytes)} frames",
