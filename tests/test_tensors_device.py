@@ -690,6 +690,45 @@ async def test_ucx_host_message_into_a_device_out(engine: HostEngine, nbytes: in
         assert b.channel.state.value == "open"
 
 
+_MIXES = {
+    # name: (what is sent, the out= given), built from (engine, x, h)
+    "device->device": lambda e, x, h: (EngineArray(e, x), EngineArray(e, np.zeros_like(x))),
+    "device->host": lambda e, x, h: (EngineArray(e, x), np.zeros_like(x)),
+    "host->device": lambda e, x, h: (x, EngineArray(e, np.zeros_like(x))),
+    "tree->tree": lambda e, x, h: (
+        {"d": EngineArray(e, x), "h": h},
+        {"d": EngineArray(e, np.zeros_like(x)), "h": np.zeros_like(h)},
+    ),
+    "device->no out": lambda e, x, h: (EngineArray(e, x), None),
+    "tree->no out": lambda e, x, h: ({"d": EngineArray(e, x), "h": h}, None),
+}
+
+
+def _host(v: Any) -> np.ndarray:
+    return v.array if isinstance(v, EngineArray) else np.asarray(v)
+
+
+@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
+@pytest.mark.parametrize("mix", list(_MIXES))
+@pytest.mark.parametrize("nbytes", [0, 100, CHUNK - 16, 3 << 20], ids=["empty", "inline", "eager", "rendezvous"])
+@pytest.mark.parametrize("order", ["recv-first", "send-first"])
+async def test_ucx_by_pointer_mixes_of_host_and_device(engine: HostEngine, mix: str, nbytes: int, order: str) -> None:
+    """Every mix of host and device memory on the two sides of ucx's device-pointer path (the
+    path CUDA memory takes where UCX has cuda lanes), at each protocol's size: the bytes arrive
+    whole and the channel stays usable."""
+    x, h = _bytes(nbytes, 3), _bytes(37, 4)
+    src, out = _MIXES[mix](engine, x, h)
+    async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        host_engine_by_pointer(a, b)
+        async with asyncio.timeout(10):
+            got, _, _ = await exchange(a, b, src, out, order)
+            if isinstance(got, dict):
+                assert np.array_equal(_host(got["d"]), x) and np.array_equal(_host(got["h"]), h)
+            else:
+                assert np.array_equal(_host(got), x)
+            await asyncio.gather(a.send(h, tag="after"), b.recv(tag="after"))
+
+
 @pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
 async def test_a_recv_never_outlives_its_channel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A message matched to a recv that no transport tracks any more (here: ucx's control
