@@ -362,6 +362,9 @@ async def test_rpc_snippet_calls_streams_and_receives_in_place() -> None:
         assert ns["out"]["rows"] == 3 and np.array_equal(ns["out"]["y"], x * 2)
         assert ns["y"] is ns["buf"] and np.array_equal(ns["buf"], x * 2), "_out=buf: the result lands in buf"
         assert np.array_equal(ns["chunk"], np.arange(4) + 2)
+        receipt = ns["receipt"]
+        assert np.array_equal(ns["z"], x * 2) and isinstance(receipt, tensorwire.CallReceipt)
+        assert receipt.transport == "tcp" and receipt.args_inline and receipt.result.nbytes >= x.nbytes
 
         # the CallLimits the README sets are the defaults it describes
         setting = next(s for s in spans(README) if s.startswith("node.methods.limits = tensorwire.rpc.CallLimits("))
