@@ -55,9 +55,8 @@ async def test_header_past_the_peers_limit_is_refused(variant: str) -> None:
         async with connected_pair(VARIANTS[variant][0], limits=tensorwire.Limits(max_header_bytes=1024)) as (a, b):
             recv = asyncio.ensure_future(b.recv(tag="h"))
             wide = {f"key-{i}": np.zeros(1, np.int8) for i in range(100)}
-            with pytest.raises(
-                tensorwire.MessageRefused, match=r"header of \d+ bytes exceeds the peer's 1024-byte limit"
-            ):
+            refused = r"header of \d+ bytes exceeds the peer's 1024-byte limit \(its Limits.max_header_bytes\)"
+            with pytest.raises(tensorwire.MessageRefused, match=refused):
                 await asyncio.wait_for(a.send(wide, tag="h"), 5)
             narrow = {f"key-{i}": np.full(1, i, np.int8) for i in range(3)}
             await asyncio.wait_for(a.send(narrow, tag="h"), 5)

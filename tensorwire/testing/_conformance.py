@@ -402,7 +402,7 @@ async def check_send_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None:
         except MessageRefused as exc:
             refused = exc
         assert refused is not None, "a message past the peer's max_message_bytes was sent"
-        assert f"exceeds the peer's {MiB}-byte limit" in str(refused), refused
+        assert f"exceeds the peer's {MiB}-byte limit (its Limits.max_message_bytes)" in str(refused), refused
     edge = np.arange(MiB, dtype=np.uint8)  # exactly at the limit: accepted
     await asyncio.wait_for(a.send(edge, tag="lim"), 5)
     assert _same(await asyncio.wait_for(recv, 5), edge)

@@ -168,10 +168,18 @@ class PeerLimits:
         """Refuse, before any of it is sent, a message this peer would drop the connection for:
         MessageRefused naming the limit; ``header_max`` is a transport's own tighter header bound."""
         if nbytes > self.max_message_bytes:
-            raise MessageRefused(f"a {nbytes}-byte message exceeds the peer's {self.max_message_bytes}-byte limit")
-        limit = self.max_header_bytes if header_max is None else min(self.max_header_bytes, header_max)
+            raise MessageRefused(
+                f"a {nbytes}-byte message exceeds the peer's {self.max_message_bytes}-byte limit "
+                "(its Limits.max_message_bytes)"
+            )
+        if header_max is not None and header_max < self.max_header_bytes:
+            limit, name = header_max, "this transport's own header limit"
+        else:
+            limit, name = self.max_header_bytes, "its Limits.max_header_bytes"
         if header_len > limit:
-            raise MessageRefused(f"a message header of {header_len} bytes exceeds the peer's {limit}-byte limit")
+            raise MessageRefused(
+                f"a message header of {header_len} bytes exceeds the peer's {limit}-byte limit ({name})"
+            )
 
 
 def proof(secret: bytes, nonce: bytes, session_id: bytes, role: bytes) -> bytes:
