@@ -558,7 +558,7 @@ def _copy_into(arrays: list[np.ndarray], data: memoryview) -> None:
         if not n:
             continue
         if a.dtype.isbuiltin == 1:  # numpy's own dtypes: the cheapest copy
-            memoryview(a).cast("B")[:] = data[pos : pos + n]  # type: ignore[arg-type]
+            memoryview(a).cast("B")[:] = data[pos : pos + n]  # type: ignore[arg-type, unused-ignore]  # numpy < 2.5 stubs
         else:  # bfloat16 and kin (ml_dtypes) cannot be a memoryview's format
             byte_view(a)[:] = data[pos : pos + n]
         pos += n

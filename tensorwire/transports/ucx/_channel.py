@@ -383,7 +383,7 @@ class UcxChannel(Channel):
         bytes are copied once, into the frame."""
         credit, slots = self._budget.take_returns()
         frame = pack(FrameType.MSG, 0, len(header), nbytes, msg_id, tag, credit, slots)
-        self._send_frame(b"".join([frame, header, *map(_wire_bytes, parts)]))  # type: ignore[list-item]
+        self._send_frame(b"".join([frame, header, *map(_wire_bytes, parts)]))  # type: ignore[list-item, unused-ignore]  # numpy < 2.5
 
     async def _send(self, tag: int, msg: Outgoing) -> Receipt:
         self.check_open()
