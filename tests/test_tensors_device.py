@@ -669,27 +669,6 @@ async def test_ucx_device_pointer_path(engine: HostEngine, nbytes: int, order: s
             assert receipt.staged and not receipt.direct
 
 
-@pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed")
-@pytest.mark.parametrize("nbytes", [0, 100, CHUNK - 16], ids=["empty", "inline", "eager"])
-@pytest.mark.parametrize("order", ["recv-first", "send-first"])
-async def test_ucx_host_message_into_a_device_out(engine: HostEngine, nbytes: int, order: str) -> None:
-    """A host message into a device out= the channel takes by pointer. One small enough to ride
-    in the control frame (inline) arrives as host bytes: it reaches the device by the recv's own
-    copy and says staged. The old code tried to write it into the device tensor as if it were
-    host memory, the control handler failed, and the recv hung until the lease ran out."""
-    data = _bytes(nbytes, 5)
-    async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
-        host_engine_by_pointer(a, b)
-        out = _arr(engine, np.zeros(nbytes, np.uint8))
-        async with asyncio.timeout(10):
-            got, sent, receipt = await exchange(a, b, data, out, order)
-        assert got is out and np.array_equal(out.array, data)
-        assert sent.memory == "host" and receipt.memory == "host-engine"
-        if receipt.protocol == "inline":  # host bytes of ours, then copied to the device
-            assert receipt.staged and not receipt.direct
-        assert b.channel.state.value == "open"
-
-
 _MIXES = {
     # name: (what is sent, the out= given), built from (engine, x, h)
     "device->device": lambda e, x, h: (EngineArray(e, x), EngineArray(e, np.zeros_like(x))),
@@ -715,17 +694,28 @@ def _host(v: Any) -> np.ndarray:
 async def test_ucx_by_pointer_mixes_of_host_and_device(engine: HostEngine, mix: str, nbytes: int, order: str) -> None:
     """Every mix of host and device memory on the two sides of ucx's device-pointer path (the
     path CUDA memory takes where UCX has cuda lanes), at each protocol's size: the bytes arrive
-    whole and the channel stays usable."""
+    whole and the channel stays usable.
+
+    A host message small enough to ride in the control frame (inline) into a device out= arrives
+    as host bytes: it reaches the device by the recv's own copy and says staged. The code before
+    515a0b0 wrote it into the device tensor as if it were host memory, the control handler
+    failed, and the recv hung."""
     x, h = _bytes(nbytes, 3), _bytes(37, 4)
     src, out = _MIXES[mix](engine, x, h)
     async with connected_pair("ucx", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
         host_engine_by_pointer(a, b)
         async with asyncio.timeout(10):
-            got, _, _ = await exchange(a, b, src, out, order)
+            got, sent, receipt = await exchange(a, b, src, out, order)
             if isinstance(got, dict):
                 assert np.array_equal(_host(got["d"]), x) and np.array_equal(_host(got["h"]), h)
             else:
                 assert np.array_equal(_host(got), x)
+            if mix == "host->device":
+                assert got is out
+                assert sent.memory == "host" and receipt.memory == "host-engine"
+                if receipt.protocol == "inline":  # host bytes of ours, then copied to the device
+                    assert receipt.staged and not receipt.direct
+                assert b.channel.state.value == "open"
             await asyncio.gather(a.send(h, tag="after"), b.recv(tag="after"))
 
 
