@@ -3,9 +3,14 @@
 #
 #   bash scripts/gpu_check.sh            # from anywhere; runs in the repository root
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
-#   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
+#   BUDGET=390 bash scripts/gpu_check.sh                   # seconds for the whole check (default)
+#   STEPS="p2p tests kv pack" bash scripts/gpu_check.sh    # which steps, in this order (default)
+#   STEPS=tests LF=1 bash scripts/gpu_check.sh             # a warm rerun of the tests that failed
+#   XDIST=1 bash scripts/gpu_check.sh                      # the tests in one process (default 4)
+#   STEPS=tests TESTS=tests/gpu/test_cuda_ucx.py bash scripts/gpu_check.sh   # some tests only
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
 #   KV_ARGS="--block-kib 16" bash scripts/gpu_check.sh     # benchmarks/kv_rows.py's (with --memory cuda)
+#   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh;
 #                                              # for when they need two device calls)
 #
@@ -13,9 +18,14 @@
 # from the package index when it can be reached, else from wheels carried in .whl/ (git-ignored;
 # see docs/gpu.md for how to fill it), into /tmp/tensorwire-site-pyX.Y (this Python's version),
 # which goes on PYTHONPATH.
-# Ends with a summary; exits non-zero when a test or the benchmark failed.
+# Ends with a summary and the line that reruns what did not pass; exits 0 when every step passed,
+# 2 where CuPy finds no GPU (or the Python does not run), else 1.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
+# this checkout's tensorwire, for every step and the processes they start: a GPU machine has it
+# installed nowhere (a benchmark run as a script has only benchmarks/ on its path), and an
+# installed one elsewhere is not the code under test
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 # a Python that does not start would otherwise read as "all dependencies present" and every step
 # as exit 127: say so once and stop
@@ -143,63 +153,166 @@ if [ "$INSTALL_ONLY" -eq 1 ]; then
     exit 0
 fi
 
-# each step has a time limit, so that the whole check stays under ~9.5 minutes (a lent machine
-# gives one command 10); a step that runs out reports exit 124. The limits, plus 10 s of kill
-# grace each (timeout -k), come to 545 s: about 55 s are left for installing carried wheels and
-# for the version report and the doctor above (usually ~10 s together, at most 35 s each)
-T_TESTS=${T_TESTS:-200}
-T_PACK=${T_PACK:-75}
-T_P2P=${T_P2P:-170}
-T_KV=${T_KV:-60}
+# The lent machine gives a task 15 minutes of device time in all, its start (a minute or two) and
+# any rerun included, so the check runs under one time budget (BUDGET, from the script's start)
+# and its steps go in order of what the issue needs most: the two-process benchmark (its table is
+# the issue's goals), then every GPU test, then the one-sided KV benchmark, then the pack kernels'
+# benchmark (measured on an H100 before; docs/gpu.md). A step gets its own limit or what the
+# budget has left, whichever is less, and is not started with under 30 s left: the summary then
+# says which steps did not run and the line that reruns them (a warm machine keeps the installed
+# wheels and the tests' last-failed list). STEPS picks and orders the steps. Each step's limit
+# plus 10 s of kill grace stays inside the budget, with 5 s for the summary.
+BUDGET=${BUDGET:-390}
+STEPS=${STEPS:-p2p tests kv pack}
+T_P2P=${T_P2P:-150}
+T_TESTS=${T_TESTS:-150}
+T_KV=${T_KV:-45}
+T_PACK=${T_PACK:-45}
+MIN_STEP=30
+
+declare -A RC SPENT
+# a machine where CuPy finds no GPU skips every GPU test: that is no pass of the GPU check
+GPUS=$("$PY" -c 'from tensorwire.memory._cuda import cuda_device_count as n; print(n())' 2>/dev/null || echo 0)
+# the limit a step gets now (its own cap, or what is left of the budget), 0 when too little is left
+limit_for() {
+    local cap=$1 left=$((BUDGET - SECONDS - 15))
+    [ "$left" -lt "$cap" ] && cap=$left
+    [ "$cap" -lt "$MIN_STEP" ] && cap=0
+    echo "$cap"
+}
+
+step_p2p() {
+    echo "== GPU benchmark: $PY benchmarks/gpu_p2p.py ${P2P_ARGS:-} (limit ${1}s)"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 timeout -k 10 "$1" "$PY" benchmarks/gpu_p2p.py ${P2P_ARGS:-} 2>&1 | tee "$LOGS/tensorwire-gpu-p2p.log"
+    return "${PIPESTATUS[0]}"
+}
 
 # -ra: the short summary names every failure and error, and every skip with its reason (-rs
 # alone drops the FAILED lines); a limit per test (T_TEST), so that one hang cannot eat the
-# step. -v names each test as it starts (the log's last name is the one running when the step
-# ran out; the PASSED lines stay in the log only). At the step's limit pytest gets SIGINT, so it
-# still prints the failures so far and its summary. Deprecation and future warnings from the
-# GPU stack (CuPy, torch, pynvml, ...) land in the warnings summary instead of failing every
-# test that meets them on this one run; STRICT_WARNINGS=1 keeps them errors, as pyproject.toml has it.
-PYTEST_ARGS=(-m gpu tests/ -v -ra -p no:cacheprovider --continue-on-collection-errors --durations=10)
-"$PY" -c 'import pytest_timeout' 2>/dev/null && PYTEST_ARGS+=(--timeout="${T_TEST:-60}")
-[ "${STRICT_WARNINGS:-0}" = 1 ] || PYTEST_ARGS+=(-W default::DeprecationWarning -W default::FutureWarning)
-echo "== GPU tests: $PY -m pytest ${PYTEST_ARGS[*]} (limit ${T_TESTS}s)"
-timeout -s INT -k 10 "$T_TESTS" "$PY" -m pytest "${PYTEST_ARGS[@]}" 2>&1 | tee "$LOGS/tensorwire-gpu-tests.log" \
-    | grep --line-buffered -v -E ' PASSED +\[ *[0-9]+%\]$'
-TESTS_RC=${PIPESTATUS[0]}
-
-echo "== GPU benchmark: $PY benchmarks/gpu_pack.py ${BENCH_ARGS:-} (limit ${T_PACK}s)"
-# shellcheck disable=SC2086
-PYTHONUNBUFFERED=1 timeout -k 10 "$T_PACK" "$PY" benchmarks/gpu_pack.py ${BENCH_ARGS:-} 2>&1 | tee "$LOGS/tensorwire-gpu-bench.log"
-BENCH_RC=${PIPESTATUS[0]}
-
-echo "== GPU benchmark: $PY benchmarks/gpu_p2p.py ${P2P_ARGS:-} (limit ${T_P2P}s)"
-# shellcheck disable=SC2086
-PYTHONUNBUFFERED=1 timeout -k 10 "$T_P2P" "$PY" benchmarks/gpu_p2p.py ${P2P_ARGS:-} 2>&1 | tee "$LOGS/tensorwire-gpu-p2p.log"
-P2P_RC=${PIPESTATUS[0]}
+# step. -v names each test as it starts (the tests still running when the step ran out are those
+# named but never finished; the PASSED lines, and xdist's lines of a test starting, go to the log
+# only). At the step's limit pytest gets SIGINT, so it still prints the failures so far and its
+# summary. Deprecation and future warnings from the GPU stack (CuPy, torch, pynvml, ...) land in
+# the warnings summary instead of failing every test that meets them on this one run;
+# STRICT_WARNINGS=1 keeps them errors, as pyproject.toml has it.
+# With pytest-xdist (the GPU image has it) the tests run in XDIST processes (default 4) that share
+# the GPU: its 16 cores sit idle otherwise, and no test asserts a time. The cache (last-failed)
+# lives in /tmp, so that LF=1 on a warm machine reruns only what failed.
+step_tests() {
+    # shellcheck disable=SC2206
+    local args=(-m gpu ${TESTS:-tests/} -v -ra -o cache_dir=/tmp/tensorwire-pytest-cache --continue-on-collection-errors
+        --durations=10)
+    "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout="${T_TEST:-60}")
+    [ "${STRICT_WARNINGS:-0}" = 1 ] || args+=(-W default::DeprecationWarning -W default::FutureWarning)
+    [ "${XDIST:-4}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null && args+=(-n "${XDIST:-4}")
+    [ "${LF:-0}" = 1 ] && args+=(--lf)
+    echo "== GPU tests: $PY -m pytest ${args[*]} (limit ${1}s)"
+    timeout -s INT -k 10 "$1" "$PY" -m pytest "${args[@]}" 2>&1 | tee "$LOGS/tensorwire-gpu-tests.log" \
+        | grep --line-buffered -v -E '(^| )PASSED( |$)|^[^ ]*::[^ ]+ $'
+    return "${PIPESTATUS[0]}"
+}
 
 # one-sided reads of scattered KV-cache blocks, GPU memory to GPU memory (ucx: cuda_ipc gets; tcp:
 # the owner stages them); a small run: two block sizes, 8 in flight and batches
-KV=${KV_ARGS:---pool-mib 256 --total-mib 32 --block-kib 64 1024 --inflight 8 --batch 16 --repeat 2}
-echo "== GPU benchmark: $PY benchmarks/kv_rows.py --memory cuda $KV (limit ${T_KV}s)"
-# shellcheck disable=SC2086
-PYTHONUNBUFFERED=1 timeout -k 10 "$T_KV" "$PY" benchmarks/kv_rows.py --memory cuda $KV 2>&1 | tee "$LOGS/tensorwire-gpu-kv.log"
-KV_RC=${PIPESTATUS[0]}
+step_kv() {
+    local kv=${KV_ARGS:---pool-mib 256 --total-mib 32 --block-kib 64 1024 --inflight 8 --batch 16 --repeat 2}
+    echo "== GPU benchmark: $PY benchmarks/kv_rows.py --memory cuda $kv (limit ${1}s)"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 timeout -k 10 "$1" "$PY" benchmarks/kv_rows.py --memory cuda $kv 2>&1 | tee "$LOGS/tensorwire-gpu-kv.log"
+    return "${PIPESTATUS[0]}"
+}
 
-echo "== summary"
-echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/tensorwire-gpu-tests.log" | tail -1 | sed 's/^=* *//; s/ *=*$//') (exit $TESTS_RC)"
-grep -E '^(FAILED|ERROR) ' "$LOGS/tensorwire-gpu-tests.log" | head -30
-# the warnings let through above (by kind), and a crash or a test out of time
-sed -n '/warnings summary/,/-- Docs/p' "$LOGS/tensorwire-gpu-tests.log" | grep -E '[A-Za-z]+Warning' | sort | uniq -c | head -15
-grep -E -m5 '^(Fatal Python error|\+* Timeout \+*)' "$LOGS/tensorwire-gpu-tests.log"
-[ "$TESTS_RC" -eq 124 ] && echo "tests ran out of time in: $(grep -E '^tests/' "$LOGS/tensorwire-gpu-tests.log" | tail -1)"
-echo "gpu_pack:  $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-bench.log" || echo 'no device line') (exit $BENCH_RC)"
-echo "gpu_p2p:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-p2p.log" || echo 'no device line') (exit $P2P_RC)"
-grep -E '^(\||tcp path|ucx path|ucx used: |.* receipt: |note: |ucx cuda: skipped|.*FAILED)' "$LOGS/tensorwire-gpu-p2p.log"
-echo "kv_rows:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-kv.log" || echo 'no device line') (exit $KV_RC)"
-grep -E '^(\||(ucx|tcp): path|Traceback|.*Error)' "$LOGS/tensorwire-gpu-kv.log"
-if [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$P2P_RC" -eq 0 ] && [ "$KV_RC" -eq 0 ]; then
+step_pack() {
+    local pack=${BENCH_ARGS:---gib 0.5 --repeats 10}
+    echo "== GPU benchmark: $PY benchmarks/gpu_pack.py $pack (limit ${1}s)"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 timeout -k 10 "$1" "$PY" benchmarks/gpu_pack.py $pack 2>&1 | tee "$LOGS/tensorwire-gpu-bench.log"
+    return "${PIPESTATUS[0]}"
+}
+
+for step in $STEPS; do
+    if ! declare -F "step_$step" >/dev/null; then
+        echo "== unknown step '$step' (steps: p2p tests kv pack)"
+        RC[$step]=unknown
+        continue
+    fi
+    cap=T_${step^^}
+    lim=$(limit_for "${!cap}")
+    if [ "$lim" -eq 0 ]; then
+        echo "== $step: not started: $((BUDGET - SECONDS)) s of the ${BUDGET} s budget left, a step needs $((MIN_STEP + 15))"
+        RC[$step]=skipped
+        continue
+    fi
+    began=$SECONDS
+    "step_$step" "$lim"
+    RC[$step]=$?
+    SPENT[$step]=$((SECONDS - began))
+done
+
+echo "== summary (${SECONDS} s of the ${BUDGET} s budget)"
+unfinished() { # the tests a -v log names as started and never as ended (one per xdist process)
+    "$PY" - "$1" <<'EOF'
+import re
+import sys
+
+log = open(sys.argv[1], errors="replace").read()
+ended = r"(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+test = r"\S*::\S+"  # a test's id (a file outside the root dir shows as ::name)
+done = set(re.findall(rf"{ended} +({test})", log)) | set(re.findall(rf"^({test}) +{ended}", log, re.M))
+running = [t for t in dict.fromkeys(re.findall(rf"^({test})", log, re.M)) if t not in done]
+print(" ".join(running) or "(none named)")
+EOF
+}
+result() { # a step's outcome in words, with its time
+    case "${RC[$1]:-}" in
+        "") echo "not in STEPS" ;;
+        skipped) echo "not run: the budget ran out" ;;
+        unknown) echo "no such step" ;;
+        124) echo "ran out of its ${SPENT[$1]} s (exit 124)" ;;
+        *) echo "exit ${RC[$1]}, ${SPENT[$1]} s" ;;
+    esac
+}
+if [ -n "${RC[p2p]:-}" ] && [ "${RC[p2p]}" != skipped ]; then
+    echo "gpu_p2p:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-p2p.log" || echo 'no device line') ($(result p2p))"
+    # the table, or, when the step ran out before it, each size's numbers as they were measured
+    grep -E '^(\||  (tcp|ucx) [0-9]|tcp path|ucx path|ucx used: |.* receipt: |note: |ucx cuda: skipped|.*FAILED)' \
+        "$LOGS/tensorwire-gpu-p2p.log"
+fi
+if [ -n "${RC[tests]:-}" ] && [ "${RC[tests]}" != skipped ]; then
+    echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/tensorwire-gpu-tests.log" | tail -1 | sed 's/^=* *//; s/ *=*$//') ($(result tests))"
+    grep -E '^(\[gw[0-9]+\] )?(FAILED|ERROR) ' "$LOGS/tensorwire-gpu-tests.log" | head -30
+    # the warnings let through above (by kind), and a crash or a test out of time
+    sed -n '/warnings summary/,/-- Docs/p' "$LOGS/tensorwire-gpu-tests.log" | grep -E '[A-Za-z]+Warning' | sort | uniq -c | head -15
+    grep -E -m5 '^(Fatal Python error|\+* Timeout \+*)' "$LOGS/tensorwire-gpu-tests.log"
+    [ "${RC[tests]}" -eq 124 ] && echo "tests ran out of time in: $(unfinished "$LOGS/tensorwire-gpu-tests.log")"
+fi
+if [ -n "${RC[kv]:-}" ] && [ "${RC[kv]}" != skipped ]; then
+    echo "kv_rows:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-kv.log" || echo 'no device line') ($(result kv))"
+    grep -E '^(\||(ucx|tcp): path|Traceback|.*Error)' "$LOGS/tensorwire-gpu-kv.log"
+fi
+if [ -n "${RC[pack]:-}" ] && [ "${RC[pack]}" != skipped ]; then
+    echo "gpu_pack:  $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-bench.log" || echo 'no device line') ($(result pack))"
+fi
+failed=() rerun=()
+for step in $STEPS; do
+    echo "step $step: $(result "$step")"
+    [ "${RC[$step]}" = 0 ] && continue
+    failed+=("$step")
+    [ "${RC[$step]}" = unknown ] || rerun+=("$step")
+done
+if [ "$GPUS" = 0 ]; then
+    echo "GPU CHECK: FAIL: CuPy finds no CUDA GPU here, so the GPU tests skip and the benchmarks cannot run"
+    exit 2
+fi
+if [ ${#failed[@]} -eq 0 ]; then
     echo "GPU CHECK: PASS"
     exit 0
 fi
-echo "GPU CHECK: FAIL (exit codes: tests $TESTS_RC, gpu_pack $BENCH_RC, gpu_p2p $P2P_RC, kv_rows $KV_RC; 124 = ran out of time)"
+echo "GPU CHECK: FAIL (steps not passed: ${failed[*]})"
+if [ ${#rerun[@]} -gt 0 ]; then
+    lf=""
+    [[ " ${rerun[*]} " == *" tests "* ]] && [ "${RC[tests]}" != skipped ] && lf=" LF=1"
+    echo "rerun on this warm machine: STEPS=\"${rerun[*]}\"$lf bash scripts/gpu_check.sh"
+fi
 exit 1

@@ -11,7 +11,7 @@
 #                 nothing loads: libraries need libX.so.0, UCX's module loader opens libX.so),
 #                 perftest, tools and headers; the libraries ucxx loads are about 11 MiB
 #
-#   run(carry=[".whl", ".whl-ucx", ".whl-libucx"], command="bash scripts/gpu_check.sh")
+#   run(carry=[".whl", ".whl-ucx", ".whl-libucx"], command="bash scripts/gpu_check.sh", timeout_s=450)
 #
 # With ucxx importable the ucx cuda rows of benchmarks/gpu_p2p.py and the ucx GPU tests run.
 # Should the three ever be over the limit together, this script says so, and two calls do it:
@@ -34,7 +34,7 @@ mkdir -p .whl .whl-ucx .whl-libucx
 # so that a bare Python 3.12 has all it needs; gpu_check.sh installs only what is absent or older
 "$PY" -m pip download -q "${PLAT[@]}" -d .whl \
     grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 'protobuf>=7.35.1,<8' \
-    'ml_dtypes>=0.4' 'crc32c>=2.4' 'pytest>=8.4' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' \
+    'ml_dtypes>=0.4' 'crc32c>=2.4' 'pytest>=8.4' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'pytest-xdist>=3.5' \
     'hypothesis>=6.100' 'cryptography>=42' packaging
 rm -f .whl/numpy-*.whl  # the machine's own numpy stays
 
@@ -59,7 +59,7 @@ for d in .whl .whl-ucx .whl-libucx; do
 done
 size=$(du -scb .whl .whl-ucx .whl-libucx | tail -1 | cut -f1)
 if [ "$size" -le "$LIMIT" ]; then
-    echo "one call carries them all: run(carry=[\".whl\", \".whl-ucx\", \".whl-libucx\"], command=\"bash scripts/gpu_check.sh\")"
+    echo "one call carries them all: run(carry=[\".whl\", \".whl-ucx\", \".whl-libucx\"], command=\"bash scripts/gpu_check.sh\", timeout_s=450)"
     exit 0
 fi
 status=0

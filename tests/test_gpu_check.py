@@ -1,0 +1,133 @@
+"""scripts/gpu_check.sh on this machine: its steps, its time budget and its verdict.
+
+A task lent a GPU has 15 minutes of device time, the machine's start and any rerun included, so
+the check runs its steps in order under one budget (BUDGET), never starts a step it cannot give
+45 s, and ends with the line that reruns what did not pass. Without a GPU it must say so and exit
+2, however its steps went. Where a test needs the check to see a GPU that is not here, a stand-in
+``cupy`` that only counts one device goes first on PYTHONPATH: the check's steps then run (and
+fail) for real, which is what the rerun line is about.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorwire.memory._cuda import cuda_device_count
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(
+    cuda_device_count() > 0, reason="a GPU is here: these runs of the check would run its GPU steps for real"
+)
+
+_ONE_GPU = '''"""A stand-in for CuPy that only says there is one CUDA device (tests/test_gpu_check.py)."""
+__version__ = "0+stand-in"
+
+
+class _Runtime:
+    @staticmethod
+    def getDeviceCount():
+        return 1
+
+
+class cuda:
+    runtime = _Runtime
+'''
+
+
+def _check(tmp_path: Path, *, one_gpu: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), **env}
+    if one_gpu:
+        fake = tmp_path / "stand-in"
+        (fake / "cupy").mkdir(parents=True, exist_ok=True)
+        (fake / "cupy" / "__init__.py").write_text(_ONE_GPU)
+        full["PYTHONPATH"] = os.pathsep.join(p for p in (str(fake), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=full, capture_output=True, text=True, timeout=150
+    )
+
+
+def test_gpu_check_stops_at_once_when_its_python_does_not_run(tmp_path: Path) -> None:
+    # before the guard a missing interpreter read as "all present" and went on to fail every step
+    missing = tmp_path / "no-such-python"
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh"],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": str(missing), "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"GPU CHECK: FAIL: {missing} does not run here" in proc.stdout
+    assert "== dependencies" not in proc.stdout
+
+
+def test_gpu_check_runs_the_steps_named_in_their_order_and_fails_without_a_gpu(tmp_path: Path) -> None:
+    # a tensorwire that is not this checkout's comes first on the path the check is given; the
+    # steps must run this checkout's (on a GPU machine none is installed, and a benchmark run as a
+    # script found none: kv_rows.py failed to import tensorwire there)
+    shadow = tmp_path / "shadow" / "tensorwire"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("not the tensorwire of this checkout")\n')
+    proc = _check(tmp_path, STEPS="pack kv bogus", BUDGET="100", T_PACK="1000", PYTHONPATH=str(shadow.parent))
+    out = proc.stdout
+    assert proc.returncode == 2, out + proc.stderr
+    pack, kv = out.index("benchmarks/gpu_pack.py --gib 0.5"), out.index("benchmarks/kv_rows.py --memory cuda")
+    assert pack < kv, "the steps run in the order STEPS names them"
+    limit = re.search(r"gpu_pack.py .*\(limit (\d+)s\)$", out, re.M)
+    assert limit and 30 <= int(limit[1]) <= 100 - 15, "a step's limit is what the budget has left, if less"
+    assert "gpu_p2p.py" not in out and "== GPU tests" not in out, "a step STEPS does not name does not run"
+    assert re.search(r"^step pack: exit 2, \d+ s$", out, re.M), out  # the benchmark's own "no GPU here"
+    assert re.search(r"^step kv: exit 2, \d+ s$", out, re.M), out  # not 1: the shadow's ImportError
+    assert "not the tensorwire of this checkout" not in out
+    assert "== unknown step 'bogus' (steps: p2p tests kv pack)" in out and "step bogus: no such step" in out
+    assert out.rstrip().endswith(
+        "GPU CHECK: FAIL: CuPy finds no CUDA GPU here, so the GPU tests skip and the benchmarks cannot run"
+    ), "all skipped is no pass of the GPU check"
+    assert (tmp_path / "out" / "tensorwire-gpu-check.log").read_text().rstrip().endswith("the benchmarks cannot run")
+
+
+def test_gpu_check_starts_no_step_the_budget_cannot_hold_and_says_how_to_rerun(tmp_path: Path) -> None:
+    # 44 s: whatever the set-up took, under 45 s are left for the first step
+    proc = _check(tmp_path, one_gpu=True, STEPS="p2p tests", BUDGET="44")
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    for step in ("p2p", "tests"):
+        assert re.search(rf"^== {step}: not started: -?\d+ s of the 44 s budget left, a step needs 45$", out, re.M), out
+        assert f"step {step}: not run: the budget ran out" in out
+    assert "benchmarks/gpu_p2p.py" not in out and "== GPU tests" not in out
+    assert "GPU CHECK: FAIL (steps not passed: p2p tests)" in out
+    # nothing of the tests ran, so all of them again, not the last-failed ones
+    assert out.rstrip().endswith('rerun on this warm machine: STEPS="p2p tests" bash scripts/gpu_check.sh'), out
+
+
+def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_the_failed(tmp_path: Path) -> None:
+    # with the stand-in the pack tests see a device and fail; a test of ours sleeps past the step
+    hang = tmp_path / "test_hang.py"
+    hang.write_text(
+        "import time\n\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_sleeps_past_the_step():\n    time.sleep(300)\n"
+    )
+    tests = f"tests/gpu/test_pack.py {hang}"
+    proc = _check(tmp_path, one_gpu=True, STEPS="tests", TESTS=tests, XDIST="2", T_TESTS="30")
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    head = re.search(r"^== GPU tests: .* -m gpu tests/gpu/test_pack.py \S+ .*\(limit 30s\)$", out, re.M)
+    assert head, out
+    if "-n 2" not in head[0]:
+        pytest.fail(f"pytest-xdist is a dev dependency: the tests should run in 2 processes\n{head[0]}")
+    assert re.search(r"^step tests: ran out of its \d+ s \(exit 124\)$", out, re.M), out
+    # pytest, interrupted at the step's limit, still summed up what had failed
+    assert re.search(r"^(\[gw\d\] )?FAILED tests/gpu/test_pack.py::", out, re.M), out
+    running = re.search(r"^tests ran out of time in: (.*)$", out, re.M)
+    assert running and running[1].endswith("::test_sleeps_past_the_step"), out
+    assert "GPU CHECK: FAIL (steps not passed: tests)" in out
+    assert out.rstrip().endswith('rerun on this warm machine: STEPS="tests" LF=1 bash scripts/gpu_check.sh'), out
