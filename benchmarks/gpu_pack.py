@@ -73,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     h = round((args.gib * (1 << 30) / 4 / 64 / 64) ** 0.5)  # NHWC 64 x h x h x 64
     cases: list[tuple[str, tuple[int, ...], Callable[[Any], Any]]] = [
         (f"transpose {n}x{n}", (n, n), lambda a: a.T),
-        (f"row slice [:, {n // 4}:{n // 4 + n}] of {n}x{3 * n // 2}", (n, 3 * n // 2),
-         lambda a: a[:, n // 4:n // 4 + n]),
+        (
+            f"row slice [:, {n // 4}:{n // 4 + n}] of {n}x{3 * n // 2}",
+            (n, 3 * n // 2),
+            lambda a: a[:, n // 4 : n // 4 + n],
+        ),
         (f"step slice [:, ::2] of {n}x{2 * n}", (n, 2 * n), lambda a: a[:, ::2]),
         (f"NHWC->NCHW 64x{h}x{h}x64", (64, h, h, 64), lambda a: a.transpose(0, 3, 1, 2)),
     ]
@@ -114,28 +117,42 @@ def main(argv: list[str] | None = None) -> int:
         memcpy_ms = timings[("memcpy", "d2d copy")]
         for (op, impl), ms in timings.items():
             cupy_ms = timings.get((op, "cupy"), ms)
-            rows.append({
-                "case": label, "plan": f"{plan.kind}/{plan.word}B", "op": op, "impl": impl, "ms": ms,
-                "gbps": 2 * nbytes / (ms * 1e-3) / 1e9, "x_cupy": cupy_ms / ms, "of_memcpy": memcpy_ms / ms,
-                "bytes": nbytes,
-            })
+            rows.append(
+                {
+                    "case": label,
+                    "plan": f"{plan.kind}/{plan.word}B",
+                    "op": op,
+                    "impl": impl,
+                    "ms": ms,
+                    "gbps": 2 * nbytes / (ms * 1e-3) / 1e9,
+                    "x_cupy": cupy_ms / ms,
+                    "of_memcpy": memcpy_ms / ms,
+                    "bytes": nbytes,
+                }
+            )
         del base, x, buf, dst_base, dst, copy_dst
         cp.get_default_memory_pool().free_all_blocks()
 
     width = max(len(r["case"]) for r in rows)
-    header = (f"| {'case':<{width}} | {'plan':<16} | {'op':<6} | {'impl':<10} | {'ms':>7} | {'GB/s':>6} "
-              f"| {'vs cupy':>7} | {'of memcpy':>9} |")
+    header = (
+        f"| {'case':<{width}} | {'plan':<16} | {'op':<6} | {'impl':<10} | {'ms':>7} | {'GB/s':>6} "
+        f"| {'vs cupy':>7} | {'of memcpy':>9} |"
+    )
     print()
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         plan_s = r["plan"] if r["impl"] == "tensorwire" else ""
         vs = f"{r['x_cupy']:.2f}x" if r["op"] != "memcpy" else "-"
-        print(f"| {r['case']:<{width}} | {plan_s:<16} | {r['op']:<6} | {r['impl']:<10} | {r['ms']:7.3f} "
-              f"| {r['gbps']:6.0f} | {vs:>7} | {r['of_memcpy']:9.0%} |")
+        print(
+            f"| {r['case']:<{width}} | {plan_s:<16} | {r['op']:<6} | {r['impl']:<10} | {r['ms']:7.3f} "
+            f"| {r['gbps']:6.0f} | {vs:>7} | {r['of_memcpy']:9.0%} |"
+        )
     print()
-    print("GB/s counts bytes read + written; 'vs cupy' = CuPy time / this time (>1: faster than CuPy); "
-          "'of memcpy' = share of the contiguous d2d copy's speed.")
+    print(
+        "GB/s counts bytes read + written; 'vs cupy' = CuPy time / this time (>1: faster than CuPy); "
+        "'of memcpy' = share of the contiguous d2d copy's speed."
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "rows": rows}, f, indent=1)

@@ -259,7 +259,9 @@ def ucxx_async_rtt(tls: str) -> float | None:
     for mode in ("blocking", "polling"):
         server = subprocess.Popen(
             [sys.executable, __file__, "_ucxx-async", "server", tls, mode],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         client = None
         try:
@@ -267,7 +269,8 @@ def ucxx_async_rtt(tls: str) -> float | None:
             address = _hear(server.stdout)
             client = subprocess.Popen(
                 [sys.executable, __file__, "_ucxx-async", "client", tls, mode, address],
-                stdout=server.stdin, text=True,
+                stdout=server.stdin,
+                text=True,
             )
             rtt = float(_hear(server.stdout))
             best = rtt if best is None else min(best, rtt)
