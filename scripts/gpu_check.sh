@@ -265,8 +265,7 @@ print(" ".join(running) or "(none named)")
 EOF
 }
 result() { # a step's outcome in words, with its time
-    case "${RC[$1]:-}" in
-        "") echo "not in STEPS" ;;
+    case "${RC[$1]}" in
         skipped) echo "not run: the budget ran out" ;;
         unknown) echo "no such step" ;;
         124) echo "ran out of its ${SPENT[$1]} s (exit 124)" ;;
