@@ -158,7 +158,7 @@ fi
 # and its steps go in order of what the issue needs most: the two-process benchmark (its table is
 # the issue's goals), then every GPU test, then the one-sided KV benchmark, then the pack kernels'
 # benchmark (measured on an H100 before; docs/gpu.md). A step gets its own limit or what the
-# budget has left, whichever is less, and is not started with under 30 s left: the summary then
+# budget has left, whichever is less, and is not started with under 45 s left: the summary then
 # says which steps did not run and the line that reruns them (a warm machine keeps the installed
 # wheels and the tests' last-failed list). STEPS picks and orders the steps. Each step's limit
 # plus 10 s of kill grace stays inside the budget, with 5 s for the summary.
@@ -181,12 +181,17 @@ limit_for() {
     echo "$cap"
 }
 
-step_p2p() {
-    echo "== GPU benchmark: $PY benchmarks/gpu_p2p.py ${P2P_ARGS:-} (limit ${1}s)"
-    # shellcheck disable=SC2086
-    PYTHONUNBUFFERED=1 timeout -k 10 "$1" "$PY" benchmarks/gpu_p2p.py ${P2P_ARGS:-} 2>&1 | tee "$LOGS/tensorwire-gpu-p2p.log"
+# bench LIMIT LOG SCRIPT ARGS...: one benchmark under its limit, its output also in $LOGS/LOG
+bench() {
+    local limit=$1 log=$2
+    shift 2
+    echo "== GPU benchmark: $PY benchmarks/$* (limit ${limit}s)"
+    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$PY" "benchmarks/$@" 2>&1 | tee "$LOGS/$log"
     return "${PIPESTATUS[0]}"
 }
+
+# shellcheck disable=SC2086
+step_p2p() { bench "$1" tensorwire-gpu-p2p.log gpu_p2p.py ${P2P_ARGS:-}; }
 
 # -ra: the short summary names every failure and error, and every skip with its reason (-rs
 # alone drops the FAILED lines); a limit per test (T_TEST), so that one hang cannot eat the
@@ -215,21 +220,13 @@ step_tests() {
 
 # one-sided reads of scattered KV-cache blocks, GPU memory to GPU memory (ucx: cuda_ipc gets; tcp:
 # the owner stages them); a small run: two block sizes, 8 in flight and batches
+# shellcheck disable=SC2086
 step_kv() {
-    local kv=${KV_ARGS:---pool-mib 256 --total-mib 32 --block-kib 64 1024 --inflight 8 --batch 16 --repeat 2}
-    echo "== GPU benchmark: $PY benchmarks/kv_rows.py --memory cuda $kv (limit ${1}s)"
-    # shellcheck disable=SC2086
-    PYTHONUNBUFFERED=1 timeout -k 10 "$1" "$PY" benchmarks/kv_rows.py --memory cuda $kv 2>&1 | tee "$LOGS/tensorwire-gpu-kv.log"
-    return "${PIPESTATUS[0]}"
+    bench "$1" tensorwire-gpu-kv.log kv_rows.py --memory cuda \
+        ${KV_ARGS:---pool-mib 256 --total-mib 32 --block-kib 64 1024 --inflight 8 --batch 16 --repeat 2}
 }
-
-step_pack() {
-    local pack=${BENCH_ARGS:---gib 0.5 --repeats 10}
-    echo "== GPU benchmark: $PY benchmarks/gpu_pack.py $pack (limit ${1}s)"
-    # shellcheck disable=SC2086
-    PYTHONUNBUFFERED=1 timeout -k 10 "$1" "$PY" benchmarks/gpu_pack.py $pack 2>&1 | tee "$LOGS/tensorwire-gpu-bench.log"
-    return "${PIPESTATUS[0]}"
-}
+# shellcheck disable=SC2086
+step_pack() { bench "$1" tensorwire-gpu-bench.log gpu_pack.py ${BENCH_ARGS:---gib 0.5 --repeats 10}; }
 
 for step in $STEPS; do
     if ! declare -F "step_$step" >/dev/null; then
@@ -264,6 +261,7 @@ running = [t for t in dict.fromkeys(re.findall(rf"^({test})", log, re.M)) if t n
 print(" ".join(running) or "(none named)")
 EOF
 }
+ran() { [ -n "${RC[$1]:-}" ] && [ "${RC[$1]}" != skipped ]; }  # the step was started
 result() { # a step's outcome in words, with its time
     case "${RC[$1]}" in
         skipped) echo "not run: the budget ran out" ;;
@@ -272,13 +270,13 @@ result() { # a step's outcome in words, with its time
         *) echo "exit ${RC[$1]}, ${SPENT[$1]} s" ;;
     esac
 }
-if [ -n "${RC[p2p]:-}" ] && [ "${RC[p2p]}" != skipped ]; then
+if ran p2p; then
     echo "gpu_p2p:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-p2p.log" || echo 'no device line') ($(result p2p))"
     # the table, or, when the step ran out before it, each size's numbers as they were measured
     grep -E '^(\||  (tcp|ucx) [0-9]|tcp path|ucx path|ucx used: |.* receipt: |note: |ucx cuda: skipped|.*FAILED)' \
         "$LOGS/tensorwire-gpu-p2p.log"
 fi
-if [ -n "${RC[tests]:-}" ] && [ "${RC[tests]}" != skipped ]; then
+if ran tests; then
     echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/tensorwire-gpu-tests.log" | tail -1 | sed 's/^=* *//; s/ *=*$//') ($(result tests))"
     grep -E '^(\[gw[0-9]+\] )?(FAILED|ERROR) ' "$LOGS/tensorwire-gpu-tests.log" | head -30
     # the warnings let through above (by kind), and a crash or a test out of time
@@ -286,11 +284,11 @@ if [ -n "${RC[tests]:-}" ] && [ "${RC[tests]}" != skipped ]; then
     grep -E -m5 '^(Fatal Python error|\+* Timeout \+*)' "$LOGS/tensorwire-gpu-tests.log"
     [ "${RC[tests]}" -eq 124 ] && echo "tests ran out of time in: $(unfinished "$LOGS/tensorwire-gpu-tests.log")"
 fi
-if [ -n "${RC[kv]:-}" ] && [ "${RC[kv]}" != skipped ]; then
+if ran kv; then
     echo "kv_rows:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-kv.log" || echo 'no device line') ($(result kv))"
     grep -E '^(\||(ucx|tcp): path|Traceback|.*Error)' "$LOGS/tensorwire-gpu-kv.log"
 fi
-if [ -n "${RC[pack]:-}" ] && [ "${RC[pack]}" != skipped ]; then
+if ran pack; then
     echo "gpu_pack:  $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-bench.log" || echo 'no device line') ($(result pack))"
 fi
 failed=() rerun=()
