@@ -1,8 +1,35 @@
 import logging
+import os
+from types import ModuleType
 
 import pytest
+
+_BACKGROUND = pytest.StashKey[list[ModuleType]]()
 
 
 @pytest.fixture(autouse=True)
 def _quiet_grpc_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorwire")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the slow outside work of test modules that will run (their ``start_in_background``:
+    the Soft-RoCE guests of test_verbs_vm.py) now, so it overlaps the rest of the suite. Not in
+    an xdist worker (each would start its own) nor when only collecting; the module's fixtures
+    then start it when first asked."""
+    started: list[ModuleType] = []
+    session.config.stash[_BACKGROUND] = started
+    if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
+        return
+    for item in session.items:
+        module = getattr(item, "module", None)
+        start = getattr(module, "start_in_background", None)
+        if module is None or start is None or module in started or item.get_closest_marker("skip"):
+            continue
+        start()
+        started.append(module)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for module in session.config.stash.get(_BACKGROUND, []):
+        module.stop_in_background()

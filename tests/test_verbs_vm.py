@@ -13,16 +13,24 @@ extra) and rdma-core 59's libraries instead of Debian's 44, built from the PyPI 
 ``scripts/pyverbs-pypi.sh`` and cached in ``~/.cache/tensorwire-pyverbs-pypi``. That build takes
 about 6-7 minutes on two cores, so these tests use it where it is cached and build it only
 when TW_PYVERBS_BUILD=1; otherwise they skip, naming the command that builds it.
+
+The guests' runs start in a thread as soon as collection shows these tests will run
+(``GuestRuns``), so their emulated minutes overlap the rest of the suite.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
+from concurrent.futures import Future
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,7 +61,7 @@ GUEST_DEPS = (
     "hypothesis",
 )
 
-# the first test waits for the session's guest run (and any build): bounded by the subprocess limits
+# the first test waits for the guests' runs (and any build): bounded by the subprocess limits
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 
 
@@ -70,61 +78,207 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYDEPS=pins)
 
 
+class _Skip(Exception):
+    """A step that cannot run here, and why: the tests that need it skip with the reason."""
+
+
+class GuestRuns:
+    """The guests' work, in one thread of its own: the image (built if missing), PyPI's
+    pyverbs (where built), one guest running ``tests/verbs``, then two guests talking RDMA.
+
+    The emulated guests take about 7 minutes of the suite, mostly waiting on one core while the
+    host's tests use the other, so ``tests/conftest.py`` starts this as soon as collection says
+    these tests will run (``start``), and the tests, last in the suite, find the results ready.
+    Where nothing started it early (this file run alone, an xdist worker), the first fixture that
+    asks starts it. The guests run at a lower priority (``nice``), so the host's own tests keep
+    their core; each run is a process group of its own, killed when it outlives its limit or
+    the session ends first (``stop``)."""
+
+    STEPS = ("image", "pypi", "single", "pair")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._procs: set[subprocess.Popen[str]] = set()
+        self._futures: dict[str, Future[Any]] = {step: Future() for step in self.STEPS}
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._work, name="rxe-guests", daemon=True)
+                self._thread.start()
+
+    def result(self, step: str) -> Any:
+        """The step's result (waiting for it); skips the calling test where it cannot run."""
+        self.start()
+        try:
+            return self._futures[step].result()
+        except _Skip as exc:
+            pytest.skip(str(exc))
+
+    def stop(self) -> None:
+        """Kill what still runs (the session is ending); idempotent."""
+        with self._lock:
+            self._stopped = True
+            procs = list(self._procs)
+        for proc in procs:
+            _kill_session(proc)
+
+    def _work(self) -> None:
+        steps = {"image": self._image, "pypi": self._pypi, "single": self._single, "pair": self._pair}
+        for name in self.STEPS:
+            future = self._futures[name]
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(steps[name]())
+            except BaseException as exc:  # handed to the test that asks for this step
+                future.set_exception(exc)
+
+    def _run(self, args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        """Run ``args`` (nice'd, in a session of its own): (exit code, stdout, stderr)."""
+        with self._lock:
+            if self._stopped:
+                raise _Skip("the session ended before the guests ran")
+            proc = subprocess.Popen(
+                ["nice", "-n", "10", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+            self._procs.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc)
+            out, err = proc.communicate()
+            err += f"\n(killed after {timeout:.0f} s)"
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        return proc.returncode, out, err
+
+    def _image(self) -> Path:
+        if shutil.which("bash") is None:
+            raise _Skip("bash is not available to run scripts/rxe-vm.sh")
+        rc, out, _ = self._run(["bash", str(SCRIPT), "check"], 60, _env())
+        if rc == 0:
+            return SCRIPT
+        if os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None:
+            raise _Skip(f"no Soft-RoCE guest: {out.strip()}; building one needs root (apt-get, debootstrap)")
+        rc, out, err = self._run(["bash", str(SCRIPT), "setup"], 1700, _env())
+        if rc != 0:
+            raise _Skip(f"the Soft-RoCE guest could not be built:\n{_tail(out + err)}")
+        return SCRIPT
+
+    def _pypi(self) -> str:
+        """'' where PyPI's pyverbs 59 and rdma-core 59 are built for the guest (cached by
+        pyverbs-pypi.sh, or built now with TW_PYVERBS_BUILD=1), else why they are not."""
+        self._futures["image"].result()
+        rc, out, _ = self._run(["bash", str(PYPI_SCRIPT), "check"], 60)
+        if rc == 0:
+            return ""
+        if os.environ.get("TW_PYVERBS_BUILD") != "1":
+            return (
+                f"{out.strip()}; it takes about 6-7 minutes on two cores, so the tests build it "
+                "only with TW_PYVERBS_BUILD=1"
+            )
+        rc, out, err = self._run(["bash", str(PYPI_SCRIPT), "build"], 2400)
+        if rc != 0:
+            return f"PyPI pyverbs could not be built:\n{_tail(out + err)}"
+        return ""
+
+    def _single(self) -> dict[str, tuple[int, str]]:
+        """Boot one guest once: tests/verbs on Debian's pyverbs 44, then, where PyPI's pyverbs is
+        built, the conformance suite and the stack report on it in a process of its own (one boot
+        for both saves half a minute of the emulated guest). Stack -> (exit code, output)."""
+        vm = self._futures["image"].result()
+        pypi_build = self._futures["pypi"].result()
+        cmd, env = DEBIAN_CMD, dict(_env(), RUN_TIMEOUT="2400")
+        if not pypi_build:
+            _, mount, _ = self._run(["bash", str(PYPI_SCRIPT), "mount"], 60)
+            _, guest_env, _ = self._run(["bash", str(PYPI_SCRIPT), "env"], 60)
+            env["EXTRA_MOUNT"] = mount.strip()
+            cmd = f'{DEBIAN_CMD}; echo "{_SPLIT} $?"; ({guest_env.strip()}; {PYPI_CMD})'
+        rc, out, err = self._run(["bash", str(vm), "run", str(ROOT), "--", cmd], 2500, env)
+        output = out + err
+        if pypi_build:
+            return {"debian": (rc, output)}
+        split = re.search(rf"^\[guest\] {_SPLIT} (\d+)$", output, re.M)
+        if split is None:  # the guest did not get that far: both runs failed
+            return {"debian": (rc or 99, output), "pypi": (rc or 99, output)}
+        return {"debian": (int(split.group(1)), output[: split.start()]), "pypi": (rc, output[split.end() :])}
+
+    def _pair(self) -> tuple[int, str]:
+        """Two guests on one L2 link run tests/verbs/two_node.py against each other."""
+        vm = self._futures["image"].result()
+        rc, out, err = self._run(
+            [
+                "bash",
+                str(vm),
+                "run2",
+                str(ROOT),
+                "--",
+                "timeout 600 python3 -m tests.verbs.two_node a",
+                "--",
+                "timeout 600 python3 -m tests.verbs.two_node b",
+            ],
+            1500,
+            _env(),
+        )
+        return rc, out + err
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL every process of ``proc``'s session: qemu runs under coreutils' ``timeout``,
+    which makes a process group of its own, so killing ``proc``'s group would miss it."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[3]) == proc.pid:  # field 6: the session id
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+GUESTS = GuestRuns()
+
+
+def start_in_background() -> None:
+    """Called by tests/conftest.py once collection shows that tests of this file will run."""
+    GUESTS.start()
+
+
+def stop_in_background() -> None:
+    """Called by tests/conftest.py when the session ends."""
+    GUESTS.stop()
+
+
 @pytest.fixture(scope="session")
 def rxe_vm() -> Path:
     """The guest image, built if missing; skips (with the reason) where it cannot be."""
-    if shutil.which("bash") is None:
-        pytest.skip("bash is not available to run scripts/rxe-vm.sh")
-    check = subprocess.run(["bash", str(SCRIPT), "check"], capture_output=True, text=True, timeout=60, env=_env())
-    if check.returncode == 0:
-        return SCRIPT
-    if os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None:
-        pytest.skip(f"no Soft-RoCE guest: {check.stdout.strip()}; building one needs root (apt-get, debootstrap)")
-    setup = subprocess.run(["bash", str(SCRIPT), "setup"], capture_output=True, text=True, timeout=1700, env=_env())
-    if setup.returncode != 0:
-        pytest.skip(f"the Soft-RoCE guest could not be built:\n{_tail(setup.stdout + setup.stderr)}")
-    return SCRIPT
+    path: Path = GUESTS.result("image")
+    return path
 
 
 @pytest.fixture(scope="session")
 def pypi_build(rxe_vm: Path) -> str:
-    """'' where PyPI's pyverbs 59 and rdma-core 59 are built for the guest (cached by
-    pyverbs-pypi.sh, or built now with TW_PYVERBS_BUILD=1), else why they are not."""
-    check = subprocess.run(["bash", str(PYPI_SCRIPT), "check"], capture_output=True, text=True, timeout=60)
-    if check.returncode == 0:
-        return ""
-    if os.environ.get("TW_PYVERBS_BUILD") != "1":
-        return (
-            f"{check.stdout.strip()}; it takes about 6-7 minutes on two cores, so the tests build it "
-            "only with TW_PYVERBS_BUILD=1"
-        )
-    build = subprocess.run(["bash", str(PYPI_SCRIPT), "build"], capture_output=True, text=True, timeout=2400)
-    if build.returncode != 0:
-        return f"PyPI pyverbs could not be built:\n{_tail(build.stdout + build.stderr)}"
-    return ""
+    """'' where PyPI's pyverbs 59 and rdma-core 59 are built for the guest, else why not."""
+    reason: str = GUESTS.result("pypi")
+    return reason
 
 
 @pytest.fixture(scope="session")
 def guest_runs(rxe_vm: Path, pypi_build: str) -> dict[str, tuple[int, str]]:
-    """Boot one guest once: tests/verbs on Debian's pyverbs 44, then, where PyPI's pyverbs is
-    built, the conformance suite and the stack report on it in a process of its own (one boot
-    for both saves half a minute of the emulated guest). Stack -> (exit code, output)."""
-    cmd, env = DEBIAN_CMD, dict(_env(), RUN_TIMEOUT="2400")
-    if not pypi_build:
-        mount = subprocess.run(["bash", str(PYPI_SCRIPT), "mount"], capture_output=True, text=True, timeout=60)
-        guest_env = subprocess.run(["bash", str(PYPI_SCRIPT), "env"], capture_output=True, text=True, timeout=60)
-        env["EXTRA_MOUNT"] = mount.stdout.strip()
-        cmd = f'{DEBIAN_CMD}; echo "{_SPLIT} $?"; ({guest_env.stdout.strip()}; {PYPI_CMD})'
-    proc = subprocess.run(
-        ["bash", str(rxe_vm), "run", str(ROOT), "--", cmd], capture_output=True, text=True, timeout=2500, env=env
-    )
-    output = proc.stdout + proc.stderr
-    if pypi_build:
-        return {"debian": (proc.returncode, output)}
-    split = re.search(rf"^\[guest\] {_SPLIT} (\d+)$", output, re.M)
-    if split is None:  # the guest did not get that far: both runs failed
-        return {"debian": (proc.returncode or 99, output), "pypi": (proc.returncode or 99, output)}
-    return {"debian": (int(split.group(1)), output[: split.start()]), "pypi": (proc.returncode, output[split.end() :])}
+    """tests/verbs in one guest boot, per verbs stack: (exit code, output)."""
+    runs: dict[str, tuple[int, str]] = GUESTS.result("single")
+    return runs
 
 
 @pytest.fixture(scope="session")
@@ -180,24 +334,8 @@ def test_the_guest_runs_debian_pyverbs_44(guest_run: tuple[int, str]) -> None:
 
 
 def test_two_guests_exchange_tensors_over_rdma(rxe_vm: Path) -> None:
-    proc = subprocess.run(
-        [
-            "bash",
-            str(rxe_vm),
-            "run2",
-            str(ROOT),
-            "--",
-            "timeout 600 python3 -m tests.verbs.two_node a",
-            "--",
-            "timeout 600 python3 -m tests.verbs.two_node b",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        env=_env(),
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, _tail(output, 60)
+    rc, output = GUESTS.result("pair")
+    assert rc == 0, _tail(output, 60)
     assert "[a] TWO_NODE_OK" in output and "[b] TWO_NODE_OK" in output, _tail(output, 60)
     assert re.search(r"\[b\] round trip of 4194304 bytes: eager", output), _tail(output, 60)
 
