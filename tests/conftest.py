@@ -1,5 +1,6 @@
 import logging
 import os
+import signal
 from types import ModuleType
 
 import pytest
@@ -10,6 +11,14 @@ _BACKGROUND = pytest.StashKey[list[ModuleType]]()
 @pytest.fixture(autouse=True)
 def _quiet_grpc_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="tensorwire")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Started in the background by a shell without job control (``pytest ... &`` in a script),
+    this process ignores SIGINT and its children inherit that, so the tests that interrupt a
+    demo or a pipeline with SIGINT would see it ignored; give SIGINT back its usual meaning."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
