@@ -103,6 +103,18 @@ async def test_offer_carries_the_gid_and_the_path_says_rdma() -> None:
         assert np.array_equal(await b.recv(tag=1), np.arange(10))
 
 
+def test_verbs_claims_no_gpu_memory_even_where_dma_buf_export_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    # there is no GPU in the guest, so dma-buf export is pretended; the channel stages CUDA
+    # tensors through host memory whatever it says, and a path must not say GPUDirect for that
+    from tensorwire.transports.verbs import _dmabuf, _transport
+
+    monkeypatch.setattr(_dmabuf, "dmabuf_status", lambda: (True, "pretended"))
+    monkeypatch.setattr(_transport, "dmabuf_status", _dmabuf.dmabuf_status, raising=False)
+    caps = VerbsTransport.probe()
+    assert caps is not None, VerbsTransport.unavailable_reason()
+    assert caps.rdma and caps.memory_kinds == ("host",) and not caps.gpudirect, caps
+
+
 async def test_one_sided_read_and_write_with_real_rkeys() -> None:
     async with _pair() as (a, b):
         kv = np.arange(2 * MiB // 4, dtype=np.float32).reshape(512, 1024)

@@ -28,7 +28,6 @@ from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
 from ..tcp._transport import _RateLimitedLog
 from ._channel import VerbsChannel
-from ._dmabuf import dmabuf_status
 from ._memory import MemoryCache
 from ._queue import QueuePair
 from ._verbs import Port, choose_port, claim_event_fds, find_spec, pv, registration_error, unclaim
@@ -80,12 +79,16 @@ class VerbsTransport(Transport):
         except ImportError as exc:
             cls._why_not = f"pyverbs does not import: {exc}"
             return None
-        gpu, _ = dmabuf_status()
+        # Host memory only, and no GPUDirect, even where dma-buf export is possible here
+        # (dmabuf_status): the channel stages CUDA tensors through pinned host chunks and
+        # exposes host memory only, so claiming "cuda" would make a path say GPUDirect while
+        # its bytes go through host memory. _dmabuf.register_cuda is the piece that would
+        # change that, once sends, receives and exposes post GPU memory by its registration.
         return Capabilities(
-            memory_kinds=("host", "cuda") if gpu else ("host",),
+            memory_kinds=("host",),
             one_sided=True,
             rdma=True,
-            gpudirect=gpu,
+            gpudirect=False,
             lanes=(f"rc/{port.device}:{port.port}",),
         )
 
