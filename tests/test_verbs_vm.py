@@ -91,8 +91,8 @@ class GuestRuns:
     these tests will run (``start``), and the tests, last in the suite, find the results ready.
     Where nothing started it early (this file run alone, an xdist worker), the first fixture that
     asks starts it. The guests run at a lower priority (``nice``), so the host's own tests keep
-    their core; each run is a process group of its own, killed when it outlives its limit or
-    the session ends first (``stop``)."""
+    their core; each run is a session of its own, all of it killed when it outlives its limit
+    or the pytest session ends first (``stop``)."""
 
     STEPS = ("image", "pypi", "single", "pair")
 
@@ -235,14 +235,16 @@ class GuestRuns:
 def _kill_session(proc: subprocess.Popen[str]) -> None:
     """SIGKILL every process of ``proc``'s session: qemu runs under coreutils' ``timeout``,
     which makes a process group of its own, so killing ``proc``'s group would miss it."""
+    with contextlib.suppress(OSError):
+        proc.kill()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            session = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])  # field 6
+        except (OSError, ValueError, IndexError):
             continue
-        if int(stat.rsplit(")", 1)[1].split()[3]) == proc.pid:  # field 6: the session id
+        if session == proc.pid:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(int(entry.name), signal.SIGKILL)
 
