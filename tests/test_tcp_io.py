@@ -132,6 +132,12 @@ def test_idle_tcp_nodes_burn_no_cpu() -> None:
     assert pct < 5.0, f"idle cpu {pct:.2f}%"
 
 
+def test_idle_measure_that_runs_out_of_time_says_how_far_it_got() -> None:
+    # idle for 60 s with 8 s to do it: the child is killed, and the error names its last step
+    with pytest.raises(AssertionError, match=r"did not finish in 8 s; they got as far as: imported( -> \w+)*"):
+        idle_cpu_percent("tcp", seconds=60, timeout=8)
+
+
 # -- the small-message paths: frames taken in the readable callback, frames written at once -----
 async def test_small_messages_reach_their_recv_without_waking_the_reader_task() -> None:
     """A small eager message whole in the receive buffer is handed to its recv from the readable

@@ -378,6 +378,7 @@ def test_ucx_options_take_ucxx_leftovers_for_unset_until_the_user_changes_them(m
         assert os.environ["UCX_MEMTYPE_CACHE"] == "try"
 
 
+@pytest.mark.timeout(60)  # the child imports ucxx and joins two nodes; idle_cpu_percent says where it stuck
 def test_idle_node_burns_no_cpu() -> None:
     """A node with a ucx listener and a connected peer sleeps in epoll while nothing moves."""
     pct = idle_cpu_percent("ucx")
