@@ -126,15 +126,11 @@ class GuestRuns:
             _kill_session(proc)
 
     def _work(self) -> None:
-        steps = {"image": self._image, "pypi": self._pypi, "single": self._single, "pair": self._pair}
-        for name in self.STEPS:
-            future = self._futures[name]
-            if not future.set_running_or_notify_cancel():
-                continue
+        for name in self.STEPS:  # each step's method is named after it
             try:
-                future.set_result(steps[name]())
+                self._futures[name].set_result(getattr(self, f"_{name}")())
             except BaseException as exc:  # handed to the test that asks for this step
-                future.set_exception(exc)
+                self._futures[name].set_exception(exc)
 
     def _run(self, args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str]:
         """Run ``args`` (at nice 19, in a session of its own): (exit code, stdout, stderr)."""
@@ -269,22 +265,16 @@ def stop_in_background() -> None:
 
 
 @pytest.fixture(scope="session")
-def rxe_vm() -> Path:
-    """The guest image, built if missing; skips (with the reason) where it cannot be."""
-    path: Path = GUESTS.result("image")
-    return path
-
-
-@pytest.fixture(scope="session")
-def pypi_build(rxe_vm: Path) -> str:
+def pypi_build() -> str:
     """'' where PyPI's pyverbs 59 and rdma-core 59 are built for the guest, else why not."""
     reason: str = GUESTS.result("pypi")
     return reason
 
 
 @pytest.fixture(scope="session")
-def guest_runs(rxe_vm: Path, pypi_build: str) -> dict[str, tuple[int, str]]:
-    """tests/verbs in one guest boot, per verbs stack: (exit code, output)."""
+def guest_runs() -> dict[str, tuple[int, str]]:
+    """tests/verbs in one guest boot, per verbs stack: (exit code, output); each step skips
+    with the image's reason where there is no guest image."""
     runs: dict[str, tuple[int, str]] = GUESTS.result("single")
     return runs
 
@@ -341,7 +331,7 @@ def test_the_guest_runs_debian_pyverbs_44(guest_run: tuple[int, str]) -> None:
     assert "/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav" in stack.get("provider", ""), stack
 
 
-def test_two_guests_exchange_tensors_over_rdma(rxe_vm: Path) -> None:
+def test_two_guests_exchange_tensors_over_rdma() -> None:
     rc, output = GUESTS.result("pair")
     assert rc == 0, _tail(output, 60)
     assert "[a] TWO_NODE_OK" in output and "[b] TWO_NODE_OK" in output, _tail(output, 60)

@@ -48,8 +48,8 @@ def idle_cpu_percent(transport: str, seconds: float = 2.0, timeout: float = 30.0
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        # what the child wrote so far comes as bytes, text=True or not
+        out, err = (b.decode(errors="replace") if isinstance(b, bytes) else b or "" for b in (exc.stdout, exc.stderr))
         steps = " -> ".join(out.split()) or "nothing (not even imported)"
         raise AssertionError(
             f"the idle {transport} nodes did not finish in {timeout:.0f} s; they got as far as: {steps}\n{err}"
