@@ -377,19 +377,20 @@ async def test_a_reader_declared_dead_cannot_write_into_memory_the_owner_let_go(
     learns the session is gone)."""
     code = textwrap.dedent(
         """
-        import asyncio, sys, time, numpy as np, tensorwire
+        import asyncio, signal, sys, numpy as np, tensorwire
         async def main():
             async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}, lease_seconds=1.0) as n:
                 peer = await n.connect(sys.argv[1])
                 h = await peer.lookup("x")
                 assert h.direct
                 await peer.write(h, np.full(h.shape, 1, np.uint8))
+                # SIGCONT says that we were stopped and resumed. (A stall of this loop did not:
+                # stopped after "ready" went out but before the loop's first timestamp, we never
+                # saw one, and the test timed out, 1 run in 12.)
+                resumed = asyncio.Event()
+                asyncio.get_running_loop().add_signal_handler(signal.SIGCONT, resumed.set)
                 print("ready", flush=True)
-                while True:  # until a stall of this loop shows that we were stopped and resumed
-                    t = time.monotonic()
-                    await asyncio.sleep(0.01)
-                    if time.monotonic() - t > 0.5:
-                        break
+                await resumed.wait()
                 try:
                     await peer.write(h, np.full(h.shape, 7, np.uint8))
                     print("written", flush=True)
