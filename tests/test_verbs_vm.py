@@ -86,7 +86,7 @@ class GuestRuns:
     """The guests' work, in one thread of its own: the image (built if missing), PyPI's
     pyverbs (where built), one guest running ``tests/verbs``, then two guests talking RDMA.
 
-    The emulated guests take about 7 minutes of the suite, so ``tests/conftest.py`` starts
+    The emulated guests take about 5 minutes of the suite, so ``tests/conftest.py`` starts
     this as soon as collection says these tests will run (``start``), and the tests, last in
     the suite, find the results ready. Where nothing started it early (this file run alone, an
     xdist worker), the first fixture that asks starts it. The guests run at the lowest priority
