@@ -36,7 +36,7 @@ INIT_VERSION=2
 # PYDEPS' bytecode is compiled into the image by the guest's own Python (checked-hash pycs: valid
 # whatever mtimes mkfs keeps). The guest writes no bytecode (the checkout is shared with the host),
 # so without it every Python process in the guest compiled numpy, grpc and the rest again:
-# `import tensorwire` took 14-15 s there, 6-7 s with it
+# `import tensorwire` took 14-15 s there, 5.5-8 s with it
 PYC=checked-hash
 # the modules the guest needs before its root is mounted; its initrd holds these only (Debian's
 # holds most of the kernel's: 35 MB that took 5 s to unpack under TCG, and a boot 30 s, now 24 s)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tensorwire import _doctor
+from tensorwire._sysfs import read_text
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -57,6 +58,17 @@ def fake_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path,
     monkeypatch.setattr(_doctor, "SYS", sys_root)
     monkeypatch.setattr(_doctor, "PROC", proc)
     return sys_root, proc
+
+
+def test_read_text_reads_a_kernel_file_whole_and_none_where_it_cannot(tmp_path: Path) -> None:
+    # one read for an attribute; a /proc file longer than a read's chunk is read to its end
+    big = tmp_path / "maps"
+    big.write_bytes(b"x" * (3 << 16) + b"end\n")
+    text = read_text(big)
+    assert text is not None and len(text) == (3 << 16) + 3 and text.endswith("xend")
+    (tmp_path / "state").write_text("4: ACTIVE\n")
+    assert read_text(str(tmp_path / "state")) == "4: ACTIVE"
+    assert read_text(tmp_path / "absent") is None and read_text(tmp_path) is None
 
 
 def test_rdma_devices_ports_and_roce_v2_gid(fake_machine: tuple[Path, Path]) -> None:

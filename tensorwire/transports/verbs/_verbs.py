@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from ..._sysfs import read_text
 from ...errors import RegistrationError, TransportError
 
 __all__ = [
@@ -91,20 +92,8 @@ class Port:
 
 
 def _read(path: str) -> str:
-    """A sysfs attribute's text ('' where it cannot be read). One ``os.read``: an attribute is
-    at most a page, and a port's GID table is 128-1024 files read on every probe and listen,
-    which a text file object per read made three times slower (0.6-1 s for rxe's 1024 GIDs in
-    the emulated Soft-RoCE guest, 0.2-0.3 s this way)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return ""
-    try:
-        return os.read(fd, 4096).decode(errors="replace").strip()
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)
+    """A sysfs attribute's text, '' where it cannot be read."""
+    return read_text(path) or ""
 
 
 def gid_text(gid: bytes) -> str:
