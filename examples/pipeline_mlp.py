@@ -1,6 +1,6 @@
-"""Four pipeline stages in four processes on loopback, training an MLP.
+"""Pipeline stages in processes on loopback (four by default), training an MLP.
 
-    python examples/pipeline_mlp.py [--transport tcp|ucx] [--schedule 1f1b|gpipe] [--steps 8]
+    python examples/pipeline_mlp.py [--transport tcp|ucx] [--schedule 1f1b|gpipe] [--steps 8] [--stages 4]
 
 Each stage is a ``tensorwire stage`` process serving ``build_part`` from this file; this process
 is the driver: it links the stages, feeds them batches split into microbatches and prints the
@@ -27,8 +27,10 @@ from torch import nn
 import tensorwire
 from tensorwire.pipeline import Pipeline, TorchPart, get_schedule
 
-# torch's first optimizer imports torch._dynamo (1-2 s holding the GIL): make one now, not in build_part
-torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+# torch's first optimizer imports torch._dynamo (1-2 s holding the GIL): a stage makes one now, not
+# in build_part; the driver (this file run as a script) steps no optimizer
+if __name__ != "__main__":
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 WIDTH = 256
 IN, OUT = 64, 10
@@ -107,8 +109,7 @@ def cancel_on_sigterm() -> None:
     loop.add_signal_handler(signal.SIGTERM, lambda: task.cancelling() or task.cancel())
 
 
-async def main(transport: str, schedule: str, steps: int, microbatches: int, batch: int) -> None:
-    p = 4
+async def main(transport: str, schedule: str, steps: int, microbatches: int, batch: int, p: int = 4) -> None:
     cancel_on_sigterm()
     procs, addresses = await spawn_stages(p, PART, [transport])
     try:
@@ -140,9 +141,12 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--stages", type=int, default=4, help="stage processes, one slice of the MLP each (2 or more)")
     a = ap.parse_args()
+    if a.stages < 2:
+        ap.error(f"--stages must be 2 or more, not {a.stages}")
     try:
-        asyncio.run(main(a.transport, a.schedule, a.steps, a.microbatches, a.batch))
+        asyncio.run(main(a.transport, a.schedule, a.steps, a.microbatches, a.batch, a.stages))
     except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)
     except asyncio.CancelledError:  # SIGTERM; the stage processes are stopped by now

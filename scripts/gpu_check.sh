@@ -168,7 +168,7 @@ T_P2P=${T_P2P:-150}
 T_TESTS=${T_TESTS:-150}
 T_KV=${T_KV:-45}
 T_PACK=${T_PACK:-45}
-MIN_STEP=30
+MIN_STEP=${MIN_STEP:-30}  # the least limit a step is started with (tests/test_gpu_check.py lowers it)
 
 declare -A RC SPENT
 # a machine where CuPy finds no GPU skips every GPU test: that is no pass of the GPU check

@@ -116,17 +116,20 @@ def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_the_fail
     hang.write_text(
         "import time\n\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_sleeps_past_the_step():\n    time.sleep(300)\n"
     )
-    tests = f"tests/gpu/test_pack.py {hang}"
-    proc = _check(tmp_path, one_gpu=True, STEPS="tests", TESTS=tests, XDIST="2", T_TESTS="30")
+    # one pack test, not all 231: pytest, its 2 workers and that failure take 5 s here (9 s with both
+    # cores busy), so a limit of 20 s holds them, and the sleeper runs out of it (a GPU machine's
+    # steps need at least 30 s, MIN_STEP)
+    tests = f"tests/gpu/test_pack.py::test_plan_choices_on_device_arrays {hang}"
+    proc = _check(tmp_path, one_gpu=True, STEPS="tests", TESTS=tests, XDIST="2", T_TESTS="20", MIN_STEP="20")
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
-    head = re.search(r"^== GPU tests: .* -m gpu tests/gpu/test_pack.py \S+ .*\(limit 30s\)$", out, re.M)
+    head = re.search(r"^== GPU tests: .* -m gpu tests/gpu/test_pack.py::\S+ \S+ .*\(limit 20s\)$", out, re.M)
     assert head, out
     if "-n 2" not in head[0]:
         pytest.fail(f"pytest-xdist is a dev dependency: the tests should run in 2 processes\n{head[0]}")
     assert re.search(r"^step tests: ran out of its \d+ s \(exit 124\)$", out, re.M), out
     # pytest, interrupted at the step's limit, still summed up what had failed
-    assert re.search(r"^(\[gw\d\] )?FAILED tests/gpu/test_pack.py::", out, re.M), out
+    assert re.search(r"^(\[gw\d\] )?FAILED tests/gpu/test_pack.py::test_plan_choices_on_device_arrays", out, re.M), out
     running = re.search(r"^tests ran out of time in: (.*)$", out, re.M)
     assert running and running[1].endswith("::test_sleeps_past_the_step"), out
     assert "GPU CHECK: FAIL (steps not passed: tests)" in out

@@ -185,11 +185,13 @@ async def test_killed_stage_fails_every_other_stage_promptly(transport: str) -> 
 
 
 @pytest.mark.timeout(30)
-def test_stage_command_reports_a_bad_part() -> None:
+def test_stage_command_reports_a_bad_part(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tensorwire.cli", "stage", "--part"]
+    empty = tmp_path / "parts.py"  # a file of no parts (the example would import torch for seconds)
+    empty.write_text("WIDTH = 4\n")
     for part, needle in [
         ("no_such_module_xyz:build", "cannot import no_such_module_xyz"),
-        (f"{EXAMPLE}:no_such_function", "has no function 'no_such_function'"),
+        (f"{empty}:no_such_function", "has no function 'no_such_function'"),
         ("nocolon", "is not MODULE:FUNCTION"),
     ]:
         out = subprocess.run([*cmd, part], capture_output=True, text=True, timeout=30)
