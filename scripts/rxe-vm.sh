@@ -20,7 +20,8 @@
 # SMP (default 2), MEM (default 2G), PYDEPS (pip requirements for the guest),
 # RUN_TIMEOUT (seconds one run may take, default 1500), REBUILD=1 (rebuild the image),
 # EXTRA_MOUNT=HOST_DIR:GUEST_DIR (a host directory the guests see read-only at GUEST_DIR, mounted
-# before the command runs; scripts/pyverbs-pypi.sh brings rdma-core 59 and PyPI's pyverbs this way).
+# before the command runs; scripts/pyverbs-pypi.sh brings rdma-core 59 and PyPI's pyverbs this way),
+# GUEST_PYC (packages of DIR whose bytecode is compiled here for the guest, default tensorwire).
 # setup needs root (apt-get, debootstrap, chroot) and network access to a Debian mirror and PyPI.
 set -euo pipefail
 
@@ -41,6 +42,12 @@ PYC=checked-hash
 # the modules the guest needs before its root is mounted; its initrd holds these only (Debian's
 # holds most of the kernel's: 35 MB that took 5 s to unpack under TCG, and a boot 30 s, now 24 s)
 INITRD_MODULES="virtio_pci virtio_blk virtio_net ext4"
+# DIR's own packages (GUEST_PYC) had no bytecode either: each guest process that imported
+# tensorwire compiled it from source, 6-8 s under TCG (11-14 s for tensorwire, its testing and
+# verbs modules; 5.5-6 s with bytecode). So each run copies them into its share, compiles them
+# here (checked-hash, with co_filename under /proj) and the guest mounts the copy over DIR's
+# package: the same sources, with bytecode, and nothing written into DIR
+GUEST_PYC=${GUEST_PYC-tensorwire}
 
 log() { echo "rxe-vm: $*" >&2; }
 
@@ -178,10 +185,23 @@ qemu_cmd() {  # qemu_cmd SHARE PROJ NETARGS KERNEL_ARGS
 }
 KARGS="root=/dev/vda rw console=ttyS0 init=/sbin/tw-init net.ifnames=0 panic=-1 quiet loglevel=3"
 
-guest_share() {  # guest_share CMD: a scratch dir holding cmd.sh
-  local s; s=$(mktemp -d "$W/run.XXXXXX")
+guest_share() {  # guest_share CMD DIR: a scratch dir holding cmd.sh and DIR's compiled packages
+  local s pkg; s=$(mktemp -d "$W/run.XXXXXX")
+  # by this host's python3 only where it is the guest's 3.11 (other bytecode the guest would ignore)
+  if [ -n "$GUEST_PYC" ] && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    for pkg in $GUEST_PYC; do
+      [ -f "$2/$pkg/__init__.py" ] || continue
+      mkdir -p "$s/pyc" && cp -r "$2/$pkg" "$s/pyc/" && find "$s/pyc/$pkg" -name __pycache__ -prune -exec rm -rf {} +
+    done
+    if [ -d "$s/pyc" ] && ! python3 -m compileall -q -j 0 --invalidation-mode checked-hash -s "$s/pyc" -p /proj \
+        "$s/pyc" >/dev/null 2>&1; then
+      log "compiling $GUEST_PYC for the guest failed; it compiles them itself"; rm -rf "$s/pyc"
+    fi
+  fi
   {
     printf '#!/bin/sh\n'
+    # shellcheck disable=SC2016
+    printf '[ -d /share/pyc ] && cp -r /share/pyc /tmp/pyc && for p in /tmp/pyc/*/; do mount --bind "$p" "/proj/$(basename "$p")"; done\n'
     if [ -n "${EXTRA_MOUNT:-}" ]; then
       printf 'mkdir -p %s && mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,ro extra %s || exit 93\n' \
         "${EXTRA_MOUNT#*:}" "${EXTRA_MOUNT#*:}"
@@ -204,7 +224,7 @@ run() {  # run DIR -- CMD...
   local dir=$1; shift; [ "${1:-}" = "--" ] && shift
   [ -d "$dir" ] || { log "no directory $dir"; return 2; }
   image_ready || setup
-  local s proj; s=$(guest_share "$*"); proj=$(cd "$dir" && pwd)
+  local s proj; proj=$(cd "$dir" && pwd); s=$(guest_share "$*" "$proj")
   # shellcheck disable=SC2046
   timeout "$RUN_TIMEOUT" $(qemu_cmd "$s" "$proj" "-nic user,model=virtio-net-pci") \
     "$KARGS tw_ip=10.0.2.15 tw_role=single" > "$s/console.log" 2>&1 || true
@@ -223,7 +243,7 @@ run2() {  # run2 DIR -- CMD_A -- CMD_B
   [ -n "$b" ] || { log "run2 needs DIR -- CMD_A -- CMD_B"; return 2; }
   image_ready || setup
   local sa sb proj port pa pb rca=0 rcb=0
-  sa=$(guest_share "$a"); sb=$(guest_share "$b"); proj=$(cd "$dir" && pwd); port=$(free_port)
+  proj=$(cd "$dir" && pwd); sa=$(guest_share "$a" "$proj"); sb=$(guest_share "$b" "$proj"); port=$(free_port)
   # an L2 link between the guests: qemu's socket netdev (A listens, B connects)
   # shellcheck disable=SC2046
   SMP=1 timeout "$RUN_TIMEOUT" $(SMP=1 qemu_cmd "$sa" "$proj" \

@@ -122,6 +122,35 @@ async def _cancel_after(spins: int, task: asyncio.Future[Any]) -> bool:
     return False
 
 
+async def _landing_size(
+    a: Peer, b: Peer, cap: int, *, turns: int, seconds: float = 0.0, above: int = 0, out: bool = False
+) -> int:
+    """The smallest message (1 MiB doubling, past ``above`` bytes, at most ``cap``) whose landing
+    at ``b`` takes more than twice ``turns`` loop turns (a margin: a busy machine lands more bytes
+    per turn) and more than ``seconds``, measured with a probe message (``recv(out=)`` where
+    ``out``); ``cap`` where none does. A check that cancels a recv
+    at every turn of a landing needs one that lasts longer than its last cancel, and how large
+    that is depends on the transport: 16 MiB land over tcp in 11-18 turns and over ucx in 3, and
+    4 MiB over Soft-RoCE in the emulated guest in hundreds (a 16 MiB message took a second there,
+    so the cancel checks spent most of the guest's time moving bytes)."""
+    sizes = [MiB << k for k in range(16) if above < MiB << k < cap] + [cap]
+    x = np.ones(cap, np.uint8)
+    for size in sizes[:-1]:
+        msg = x[:size]
+        recv = asyncio.ensure_future(b.recv(tag="landing", out=np.empty_like(msg) if out else None))
+        send = asyncio.ensure_future(a.send(msg, tag="landing"))
+        began, spun = asyncio.get_running_loop().time(), 0
+        while not recv.done():
+            await asyncio.sleep(0)
+            spun += 1
+        took = asyncio.get_running_loop().time() - began
+        await asyncio.wait_for(send, 10)
+        assert _same(recv.result(), msg), "the probe message came back changed"
+        if spun > 2 * turns and took > seconds:
+            return size
+    return cap
+
+
 async def cancel_recv_at_every_step(
     a: Peer,
     b: Peer,
@@ -416,8 +445,10 @@ async def check_cancelled_recv_loses_nothing(a: Peer, b: Peer) -> None:
     waiting.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await waiting
-    x = np.random.default_rng(4).integers(0, 255, size=32 * MiB, dtype=np.uint8)
-    for delay in (0.0, 0.002, 0.01, 0.03):
+    delays = (0.0, 0.002, 0.01, 0.03)
+    size = await _landing_size(a, b, 32 * MiB, turns=14, seconds=delays[-1], out=True)
+    x = np.random.default_rng(4).integers(0, 255, size=size, dtype=np.uint8)
+    for delay in delays:
         out = np.zeros_like(x)
         recv = asyncio.ensure_future(b.recv(tag="c", out=out))
         send = asyncio.ensure_future(a.send(x, tag="c"))
@@ -442,8 +473,10 @@ async def check_recv_into_out_cancelled_at_every_step_loses_nothing(a: Peer, b: 
     # (before its header came, after it matched while the task had not run yet, while the
     # payload lands in out=): once the cancel returns out= is never written again, and the
     # next recv of the tag gets the whole message
-    x = np.random.default_rng(6).integers(0, 255, size=16 * MiB, dtype=np.uint8)
-    for spins in (0, 1, 2, 3, 4, 5, 6, 8, 10, 14):
+    every = (0, 1, 2, 3, 4, 5, 6, 8, 10, 14)
+    size = await _landing_size(a, b, 16 * MiB, turns=every[-1], out=True)
+    x = np.random.default_rng(6).integers(0, 255, size=size, dtype=np.uint8)
+    for spins in every:
         out = np.zeros_like(x)
         recv = asyncio.ensure_future(b.recv(tag="o", out=out))
         send = asyncio.ensure_future(a.send(x, tag="o"))
@@ -502,8 +535,11 @@ async def check_recv_cancelled_mid_payload_loses_nothing(a: Peer, b: Peer) -> No
     # a recv without out= cancelled at every point of a rendezvous payload's landing (counted in loop
     # iterations, so the in-process copy is hit between its chunks): the send still returns and
     # the next recv of the tag gets the whole message
-    x = np.random.default_rng(5).integers(0, 255, size=24 * MiB, dtype=np.uint8)
-    for spins in (0, 1, 2, 3, 4, 6, 9, 14):
+    every = (0, 1, 2, 3, 4, 6, 9, 14)
+    # past recv_buffer_bytes (4 MiB): rendezvous
+    size = await _landing_size(a, b, 24 * MiB, turns=every[-1], above=4 * MiB)
+    x = np.random.default_rng(5).integers(0, 255, size=size, dtype=np.uint8)
+    for spins in every:
         recv = asyncio.ensure_future(b.recv(tag="m"))
         send = asyncio.ensure_future(a.send(x, tag="m"))
         got = await asyncio.wait_for(b.recv(tag="m"), 10) if await _cancel_after(spins, recv) else recv.result()
