@@ -43,9 +43,9 @@ PYC=checked-hash
 # holds most of the kernel's: 35 MB that took 5 s to unpack under TCG, and a boot 30 s, now 24 s)
 INITRD_MODULES="virtio_pci virtio_blk virtio_net ext4"
 # DIR's own packages (GUEST_PYC) had no bytecode either: each guest process that imported
-# tensorwire compiled it from source, 6-8 s under TCG (11-14 s for tensorwire, its testing and
-# verbs modules; 5.5-6 s with bytecode). So each run copies them into its share, compiles them
-# here (checked-hash, with co_filename under /proj) and the guest mounts the copy over DIR's
+# tensorwire compiled it from source (tensorwire, its testing and verbs modules took 8-9.6 s to
+# import under TCG, 4.9-6.8 s with bytecode). So each run copies them into its share, compiles
+# them here (checked-hash, with co_filename under /proj) and the guest mounts the copy over DIR's
 # package: the same sources, with bytecode, and nothing written into DIR
 GUEST_PYC=${GUEST_PYC-tensorwire}
 

@@ -128,22 +128,28 @@ async def _landing_size(
     """The smallest message (1 MiB doubling, past ``above`` bytes, at most ``cap``) whose landing
     at ``b`` takes more than twice ``turns`` loop turns (a margin: a busy machine lands more bytes
     per turn) and more than ``seconds``, measured with a probe message (``recv(out=)`` where
-    ``out``); ``cap`` where none does. A check that cancels a recv
-    at every turn of a landing needs one that lasts longer than its last cancel, and how large
-    that is depends on the transport: 16 MiB land over tcp in 11-18 turns and over ucx in 3, and
-    4 MiB over Soft-RoCE in the emulated guest in hundreds (a 16 MiB message took a second there,
-    so the cancel checks spent most of the guest's time moving bytes)."""
+    ``out``); ``cap`` where none does.
+
+    A check that cancels a recv at every turn of a landing needs one that lasts longer than its
+    last cancel, and how large that is depends on the transport: 16 MiB land over tcp in 11-18
+    turns and over ucx in 3, 4 MiB over Soft-RoCE in the emulated guest in hundreds (a 16 MiB
+    message took a second there, so the cancel checks spent most of the guest's time moving bytes)."""
     sizes = [MiB << k for k in range(16) if above < MiB << k < cap] + [cap]
     x = np.ones(cap, np.uint8)
+    loop = asyncio.get_running_loop()
     for size in sizes[:-1]:
         msg = x[:size]
         recv = asyncio.ensure_future(b.recv(tag="landing", out=np.empty_like(msg) if out else None))
         send = asyncio.ensure_future(a.send(msg, tag="landing"))
-        began, spun = asyncio.get_running_loop().time(), 0
+        began, spun = loop.time(), 0
         while not recv.done():
+            if loop.time() - began > 10:
+                recv.cancel()
+                send.cancel()
+                raise AssertionError(f"a probe message of {size >> 20} MiB did not land in 10 s")
             await asyncio.sleep(0)
             spun += 1
-        took = asyncio.get_running_loop().time() - began
+        took = loop.time() - began
         await asyncio.wait_for(send, 10)
         assert _same(recv.result(), msg), "the probe message came back changed"
         if spun > 2 * turns and took > seconds:
