@@ -45,7 +45,7 @@ INITRD_MODULES="virtio_pci virtio_blk virtio_net ext4"
 # DIR's own packages (GUEST_PYC) had no bytecode either: each guest process that imported
 # tensorwire compiled it from source (tensorwire, its testing and verbs modules took 8-9.6 s to
 # import under TCG, 4.9-6.8 s with bytecode). So each run copies them into its share, compiles
-# them here (checked-hash, with co_filename under /proj) and the guest mounts the copy over DIR's
+# them here (PYC, with co_filename under /proj) and the guest mounts the copy over DIR's
 # package: the same sources, with bytecode, and nothing written into DIR
 GUEST_PYC=${GUEST_PYC-tensorwire}
 
@@ -193,7 +193,7 @@ guest_share() {  # guest_share CMD DIR: a scratch dir holding cmd.sh and DIR's c
       [ -f "$2/$pkg/__init__.py" ] || continue
       mkdir -p "$s/pyc" && cp -r "$2/$pkg" "$s/pyc/" && find "$s/pyc/$pkg" -name __pycache__ -prune -exec rm -rf {} +
     done
-    if [ -d "$s/pyc" ] && ! python3 -m compileall -q -j 0 --invalidation-mode checked-hash -s "$s/pyc" -p /proj \
+    if [ -d "$s/pyc" ] && ! python3 -m compileall -q -j 0 --invalidation-mode "$PYC" -s "$s/pyc" -p /proj \
         "$s/pyc" >/dev/null 2>&1; then
       log "compiling $GUEST_PYC for the guest failed; it compiles them itself"; rm -rf "$s/pyc"
     fi

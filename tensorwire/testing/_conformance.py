@@ -109,6 +109,11 @@ def _one_sided(peer: Peer) -> str:
     return "one-sided" if peer.channel.one_sided_direct else "one-sided-emulated"
 
 
+# the loop turns after which the recv-cancel checks cancel: before the header came, while it
+# waits for the consumer's work, while the bytes land
+_EVERY_TURN = (0, 1, 2, 3, 4, 5, 6, 8, 10, 14)
+
+
 async def _cancel_after(spins: int, task: asyncio.Future[Any]) -> bool:
     """Let the loop turn ``spins`` times, then cancel ``task``: whether the cancel reached it
     before it completed (else its result is there, and an error it raised comes out here)."""
@@ -134,10 +139,10 @@ async def _landing_size(
     last cancel, and how large that is depends on the transport: 16 MiB land over tcp in 11-18
     turns and over ucx in 3, 4 MiB over Soft-RoCE in the emulated guest in hundreds (a 16 MiB
     message took a second there, so the cancel checks spent most of the guest's time moving bytes)."""
-    sizes = [MiB << k for k in range(16) if above < MiB << k < cap] + [cap]
-    x = np.ones(cap, np.uint8)
+    probes = [MiB << k for k in range(16) if above < MiB << k < cap]
+    x = np.ones(probes[-1] if probes else 0, np.uint8)
     loop = asyncio.get_running_loop()
-    for size in sizes[:-1]:
+    for size in probes:
         msg = x[:size]
         recv = asyncio.ensure_future(b.recv(tag="landing", out=np.empty_like(msg) if out else None))
         send = asyncio.ensure_future(a.send(msg, tag="landing"))
@@ -173,7 +178,7 @@ async def cancel_recv_at_every_step(
     many of the recvs the cancel reached before they completed."""
     want = contents(src)
     cancelled = 0
-    for spins in (0, 1, 2, 3, 4, 5, 6, 8, 10, 14):
+    for spins in _EVERY_TURN:
         out = new_out()
         recv = asyncio.ensure_future(b.recv(tag=tag, out=out))
         send = asyncio.ensure_future(a.send(src, tag=tag))
@@ -479,10 +484,9 @@ async def check_recv_into_out_cancelled_at_every_step_loses_nothing(a: Peer, b: 
     # (before its header came, after it matched while the task had not run yet, while the
     # payload lands in out=): once the cancel returns out= is never written again, and the
     # next recv of the tag gets the whole message
-    every = (0, 1, 2, 3, 4, 5, 6, 8, 10, 14)
-    size = await _landing_size(a, b, 16 * MiB, turns=every[-1], out=True)
+    size = await _landing_size(a, b, 16 * MiB, turns=_EVERY_TURN[-1], out=True)
     x = np.random.default_rng(6).integers(0, 255, size=size, dtype=np.uint8)
-    for spins in every:
+    for spins in _EVERY_TURN:
         out = np.zeros_like(x)
         recv = asyncio.ensure_future(b.recv(tag="o", out=out))
         send = asyncio.ensure_future(a.send(x, tag="o"))
