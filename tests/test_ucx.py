@@ -549,3 +549,59 @@ async def test_ucx_options_ucx_refuses_are_a_configuration_error(options: dict[s
         await tensorwire.start("127.0.0.1:0", ucx_options=options)
     async with tensorwire.start("127.0.0.1:0", ucx_options={"TLS": "tcp"}) as node:
         assert "ucx" in node.offers
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\x44", b"\x2f" + bytes(30), b"\x0f" + bytes(200), b""],
+    ids=["version-4", "version-15", "version-15-long", "empty"],
+)
+async def test_a_handshake_with_a_bad_ucx_address_is_refused_and_the_node_lives_on(body: bytes) -> None:
+    """A UCX worker address reaches UCX from a handshake, before any proof of a session; UCX
+    aborts the process on an address format version it does not know. The node refuses it
+    and goes on serving."""
+    import grpc
+
+    from tensorwire.control import PROTOCOL_VERSION
+    from tensorwire.control._pb import control_pb2, control_pb2_grpc
+
+    async with tensorwire.start(transports=("ucx", "tcp")) as server, tensorwire.start(transports=("ucx",)) as honest:
+        request = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, node_id="x", preference=["ucx"])
+        request.offers.add(name="ucx", version=server.offers["ucx"].version, address=b"TWU1" + body)
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await control_pb2_grpc.ControlStub(channel).Handshake(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "ucx" in (refused.value.details() or "")
+        peer = await honest.connect(server.address)
+        x = np.arange(1000, dtype=np.float32)
+        await peer.send(x, tag=1)
+        assert np.array_equal(await (await server.accept()).recv(tag=1), x)
+
+
+async def test_a_server_answering_with_a_bad_ucx_address_gets_a_clean_error() -> None:
+    """The connecting side hands the server's chosen address to UCX too."""
+    import grpc
+
+    from tensorwire.control import PROTOCOL_VERSION
+    from tensorwire.control._pb import control_pb2, control_pb2_grpc
+
+    class Hostile(control_pb2_grpc.ControlServicer):
+        async def Handshake(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+            resp = control_pb2.HandshakeResponse(
+                session_id="s" * 32, session_secret=bytes(32), server_node_id="h", protocol_version=PROTOCOL_VERSION
+            )
+            resp.chosen.name, resp.chosen.version, resp.chosen.address = "ucx", version, b"TWU1\x44"
+            return resp
+
+    async with tensorwire.start(transports=("ucx",)) as client:
+        version = client.offers["ucx"].version
+        server = grpc.aio.server()
+        control_pb2_grpc.add_ControlServicer_to_server(Hostile(), server)  # type: ignore[no-untyped-call]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            with pytest.raises(tensorwire.ConnectError, match="not a UCX worker address"):
+                await client.connect(f"127.0.0.1:{port}", connect_timeout=5)
+        finally:
+            await server.stop(0)

@@ -55,6 +55,15 @@ _PROOF = 32
 _HELLO_MAX = 64 * 1024
 _WELCOME_BYTES = _HEAD.size + LIMITS.size + _PROOF
 _PROBED_MAX = 64
+# UCX reads a worker address with no length to bound it and trusts what it reads: a format
+# version it does not know (the low 4 bits of the first byte: 0 for v1, 1 for v2) fails an
+# assertion that aborts the process, and a length field pointing past the end reads beyond the
+# buffer. An address comes from a handshake, before any data-plane proof, so its version is
+# checked here and UCX gets it followed by zeros: a walk past its end stops at the next
+# interface record, whose zero bandwidth UCX refuses (64 KiB outlasts the longest walk, 64
+# endpoint addresses of 255 bytes).
+_UCX_ADDRESS_VERSIONS = (0, 1)
+_ADDRESS_TAIL = bytes(64 << 10)
 
 
 def _lane_kinds(tls: list[str]) -> tuple[bool, bool]:
@@ -187,7 +196,10 @@ class UcxTransport(Transport):
         ep = self._probed.pop(worker_address, None)
         if ep is not None:
             return ep
-        addr = w.lib.UCXAddress.create_from_buffer(worker_address)
+        version = worker_address[0] & 0x0F if worker_address else None
+        if version not in _UCX_ADDRESS_VERSIONS:
+            raise ProtocolError(f"not a UCX worker address (format version {version}; UCX writes 0 or 1)")
+        addr = w.lib.UCXAddress.create_from_buffer(worker_address + _ADDRESS_TAIL)
         return w.worker.create_endpoint_from_worker_address(addr, False)
 
     def accepts(self, address: bytes) -> str | None:
