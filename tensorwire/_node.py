@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import re
 import time
@@ -152,6 +153,32 @@ def _split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
     if not _PORT.fullmatch(port) or not lowest_port <= int(port) <= 65535:
         raise ConfigurationError(f"address {address!r}: the port must be a number from {lowest_port} to 65535")
     return host, int(port)
+
+
+def _dialable(control_address: str, caller: str) -> str:
+    """Where to reach the control plane of a client that says it serves at ``control_address``
+    and called from ``caller`` (gRPC's ``ipv4:10.0.0.7:5123`` / ``ipv6:[::1]:5123``). A client
+    serving on every interface (``0.0.0.0``, ``::``) names no machine, and one serving on
+    loopback names ours when it called from elsewhere: both are the host it called from, at the
+    port it gave. (Dialled as given, a lookup would reach this machine, and maybe another node
+    there, which would deny the session and so break a healthy peer.)"""
+    kind, _, rest = caller.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return control_address
+    try:
+        host, port = _split_address(control_address, lowest_port=1)
+        called_from = ipaddress.ip_address(rest.rpartition(":")[0].strip("[]").partition("%")[0])
+    except (ConfigurationError, ValueError):
+        return control_address  # said nothing usable: a lookup dialling it fails and says so
+    if isinstance(called_from, ipaddress.IPv6Address) and called_from.ipv4_mapped is not None:
+        called_from = called_from.ipv4_mapped
+    try:
+        served = ipaddress.ip_address("127.0.0.1" if host.lower() == "localhost" else host)
+    except ValueError:  # another name: trust it
+        return control_address
+    if not (served.is_unspecified or (served.is_loopback and not called_from.is_loopback)):
+        return control_address
+    return f"[{called_from}]:{port}" if called_from.version == 6 else f"{called_from}:{port}"
 
 
 class Node:
@@ -332,7 +359,7 @@ class Node:
                 remote_address=remote_addr,
                 path=self._path(choice, channel),
                 session=session,
-                control_address=control_address,
+                control_address=_dialable(control_address, remote_addr),
             )
             self._adopt(peer)
             peer._lease = self.config.lease_seconds
@@ -516,8 +543,18 @@ class Node:
         await asyncio.gather(*self._waiting, return_exceptions=True)
 
     def abort(self) -> None:
+        """Forceful close: every peer's connection drops at once (its pending operations fail),
+        and the node closes (no new peers; listeners and control plane stop) in the background.
+        ``aclose()`` waits for that to finish."""
         for p in list(self.peers):
             p.abort()
+        if self._closing is None:
+            self._closed = True
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop to close on: the node is refused from now on, aclose() ends it
+                return
+            self._closing = loop.create_task(self._close(), name="tensorwire-node-close")
 
     async def __aenter__(self) -> Node:
         return self

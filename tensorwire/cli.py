@@ -15,6 +15,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import statistics
 import sys
@@ -266,6 +267,12 @@ def _exit_with_parent(pid: int) -> None:
 
 
 # -- serve ----------------------------------------------------------------------------------
+def _wire_tag(text: str) -> int | str:
+    """A tag given on the command line: an int where it is written as one (ASCII digits only:
+    ``str.isdigit`` is also true of '²', which int() refuses), else the string."""
+    return int(text) if re.fullmatch(r"-?[0-9]+", text) else text
+
+
 async def _serve(address: str, echo: list[str], token: str | None, transports: list[str] | None) -> int:
     options: dict[str, Any] = {"auth_token": token}
     if transports:
@@ -274,7 +281,7 @@ async def _serve(address: str, echo: list[str], token: str | None, transports: l
         print(f"tensorwire node {node.node_id} serving at {node.address}", flush=True)
 
         async def echo_loop(peer: Any, tag: str) -> None:
-            wire_tag: int | str = int(tag) if tag.lstrip("-").isdigit() else tag
+            wire_tag = _wire_tag(tag)
             try:
                 while True:
                     await peer.send(await peer.recv(tag=wire_tag), tag=wire_tag)

@@ -257,3 +257,11 @@ def test_pipeline_example_stops_its_stage_processes_when_signalled(signum: signa
 def _ppid(pid: int) -> int | None:
     st = _stat(pid)
     return None if st is None else st[1]
+
+
+def test_serve_reads_a_tag_of_digits_as_an_int_and_anything_else_as_a_string() -> None:
+    from tensorwire.cli import _wire_tag
+
+    assert _wire_tag("0") == 0 and _wire_tag("-3") == -3
+    assert _wire_tag("²") == "²"  # str.isdigit says yes; int() would refuse it and end the server
+    assert _wire_tag("grads") == "grads" and _wire_tag("-") == "-"

@@ -452,3 +452,58 @@ async def test_a_node_listening_on_every_interface_is_dialled_where_its_control_
             assert q.channel._io.sock.getsockname()[0] == "127.0.0.2"  # type: ignore[attr-defined]
             await p.send(np.arange(3), tag="t")
             assert np.array_equal(await q.recv(tag="t"), np.arange(3))
+
+
+def test_a_clients_control_address_is_dialled_where_it_called_from() -> None:
+    from tensorwire._node import _dialable
+
+    # a wildcard names no machine: the host the handshake came from, at the port given
+    assert _dialable("0.0.0.0:7001", "ipv4:10.0.0.7:50123") == "10.0.0.7:7001"
+    assert _dialable("[::]:7001", "ipv6:[fd00::7]:50123") == "[fd00::7]:7001"
+    assert _dialable("[::]:7001", "ipv6:[::ffff:10.0.0.7]:50123") == "10.0.0.7:7001"
+    # loopback names this machine when the call came from elsewhere
+    assert _dialable("127.0.0.1:7001", "ipv4:10.0.0.7:50123") == "10.0.0.7:7001"
+    assert _dialable("localhost:7001", "ipv4:10.0.0.7:50123") == "10.0.0.7:7001"
+    assert _dialable("127.0.0.1:7001", "ipv4:127.0.0.1:50123") == "127.0.0.1:7001"
+    # a host of its own, a name, or what cannot be read stays as it was
+    assert _dialable("10.0.0.8:7001", "ipv4:10.0.0.7:50123") == "10.0.0.8:7001"
+    assert _dialable("node-b:7001", "ipv4:10.0.0.7:50123") == "node-b:7001"
+    assert _dialable("0.0.0.0:7001", "unix:/tmp/s") == "0.0.0.0:7001"
+    assert _dialable("nonsense", "ipv4:10.0.0.7:50123") == "nonsense"
+
+
+async def test_a_client_serving_on_every_interface_is_looked_up_where_it_called_from() -> None:
+    """Its handshake says it serves at 0.0.0.0:<port>; the accepting side's lookups dial the
+    host the handshake came from (here 127.0.0.1), not the wildcard."""
+    async with (
+        tensorwire.start("0.0.0.0:0", transports=("tcp",)) as client,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+    ):
+        client.expose(np.arange(6, dtype=np.int64), name="w")
+        await client.connect(server.address)
+        q = await server.accept()
+        assert q._control_address == f"127.0.0.1:{client.address.rpartition(':')[2]}"
+        assert np.array_equal(await q.read(await q.lookup("w")), np.arange(6))
+
+
+async def test_an_aborted_node_drops_its_peers_and_takes_no_new_ones() -> None:
+    server = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+        p = await client.connect(server.address)
+        q = await server.accept()
+        pending = asyncio.ensure_future(q.recv(tag="never"))
+        await asyncio.sleep(0)
+        server.abort()
+        server.abort()  # idempotent
+        with pytest.raises(tensorwire.TensorWireError):
+            async with asyncio.timeout(5):
+                await pending
+        with pytest.raises(tensorwire.ClosedResourceError):
+            await server.accept()
+        with pytest.raises(tensorwire.TensorWireError):
+            await client.connect(server.address, connect_timeout=2)
+        with pytest.raises(tensorwire.PeerDisconnected):
+            async with asyncio.timeout(5):
+                await p.recv(tag="x")
+        await server.aclose()
+        await server.aclose()

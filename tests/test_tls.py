@@ -158,3 +158,24 @@ async def test_a_server_certificate_for_another_name_is_an_authentication_error(
         async with tensorwire.start("127.0.0.1:0", tls=other) as client:
             with pytest.raises(tensorwire.AuthenticationError):
                 await client.connect(server.address, connect_timeout=5)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"require_client_cert": "no"},  # truthy: it would switch mutual TLS on
+        {"require_client_cert": None},
+        {"server_name": 5},
+        {"server_name": ""},
+        {"cert_file": 123},
+        {"ca_file": ""},
+    ],
+)
+def test_tls_config_refuses_values_that_are_not_what_they_seem(bad: dict[str, object]) -> None:
+    with pytest.raises(tensorwire.ConfigurationError, match="TLSConfig"):
+        TLSConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_tls_config_takes_paths(tmp_path: Path) -> None:
+    config = TLSConfig(cert_file=tmp_path / "c.pem", key_file=tmp_path / "k.pem")  # type: ignore[arg-type]
+    assert config.cert_file == str(tmp_path / "c.pem") and config.require_client_cert is False

@@ -99,6 +99,20 @@ def test_gid_choice_without_v2_or_on_infiniband(tmp_path: Path) -> None:
     assert "no RDMA port" in str(choose_port(root=str(tmp_path), want="mlx5_0:2"))
 
 
+def test_a_wildcard_bootstrap_host_is_dialled_at_the_host_whose_control_plane_answered() -> None:
+    from tensorwire.transports import Capabilities, Limits, TransportContext
+
+    transport = VerbsTransport(TransportContext("n", "127.0.0.1", Limits()), Capabilities())
+    gid = bytes(10) + b"\xff\xff" + bytes([10, 0, 2, 15])
+    for wildcard in ("0.0.0.0", "::"):
+        offer = Offer(1, True, 1, 0, 3, gid, wildcard, 40001)
+        assert Offer.unpack(transport.dial_address(offer.pack(), "10.0.2.15")).host == "10.0.2.15"
+        assert Offer.unpack(transport.dial_address(offer.pack(), "[fd00::5]")).host == "fd00::5"
+    named = Offer(1, True, 1, 0, 3, gid, "10.0.2.16", 40001).pack()
+    assert transport.dial_address(named, "10.0.2.15") == named
+    assert transport.dial_address(b"garbage", "10.0.2.15") == b"garbage"  # connect says what is wrong
+
+
 def test_offer_and_qp_info_round_trip_and_reject_garbage() -> None:
     gid = bytes(10) + b"\xff\xff" + bytes([10, 0, 2, 15])
     offer = Offer(1, True, 1, 0, 3, gid, "10.0.2.15", 40001)

@@ -7,12 +7,14 @@ plaintext for speed. Rejected TLS handshakes are logged by gRPC core (GRPC_VERBO
 
 from __future__ import annotations
 
+import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from .._checks import check_bool
 from ..errors import ConfigurationError
 
 __all__ = ["TLSConfig"]
@@ -63,6 +65,20 @@ class TLSConfig:
     ca_file: str | None = None
     require_client_cert: bool = False
     server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("cert_file", "key_file", "ca_file"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+                raise ConfigurationError(f"TLSConfig.{field} is the path of a PEM file, not {value!r}")
+            object.__setattr__(self, field, str(os.fspath(value)))
+        # a truthy stand-in ("no" from a config file) must not switch mutual TLS on
+        require = check_bool("TLSConfig.require_client_cert", self.require_client_cert)
+        object.__setattr__(self, "require_client_cert", require)
+        if self.server_name is not None and (not isinstance(self.server_name, str) or not self.server_name):
+            raise ConfigurationError(f"TLSConfig.server_name is a host name, not {self.server_name!r}")
 
     def server_credentials(self) -> grpc.ServerCredentials:
         cert, key = _read(self.cert_file, "certificate"), _read(self.key_file, "private key")

@@ -14,6 +14,7 @@ environment variable ``TENSORWIRE_VERBS_DEVICE`` ("mlx5_0" or "mlx5_0:1") narrow
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -26,7 +27,7 @@ from ...errors import ConfigurationError, ConnectError, PeerDisconnected, Protoc
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
-from ..tcp._transport import _RateLimitedLog
+from ..tcp._transport import _WILDCARDS, _RateLimitedLog
 from ._channel import VerbsChannel
 from ._memory import MemoryCache
 from ._queue import QueuePair
@@ -265,6 +266,17 @@ class VerbsTransport(Transport):
         channel.peer_gone()
 
     # -- connecting -----------------------------------------------------------------------------
+    def dial_address(self, address: bytes, dialled_host: str) -> bytes:
+        """A node listening on every interface offers that wildcard as its bootstrap host, which
+        names no machine to a peer elsewhere: dial the host whose control plane we reached."""
+        try:
+            offer = Offer.unpack(address)
+        except ProtocolError:
+            return address  # connect says what is wrong with it
+        if offer.host not in _WILDCARDS or not dialled_host:
+            return address
+        return dataclasses.replace(offer, host=dialled_host.strip("[]")).pack()
+
     async def connect(self, address: bytes, session: Session) -> Channel:
         try:
             offer = Offer.unpack(address)
