@@ -2,6 +2,8 @@
 
 * ``_frames.unpack`` sees 48 bytes straight off the socket: it must return a FrameHeader or raise
   ProtocolError, and accept exactly the headers the documented format allows.
+* ``PeerLimits.unpack`` sees the limits a peer promises in its handshake (tcp, ucx and verbs):
+  it must return them or raise ProtocolError, and accept only limits a channel can keep.
 * ``decode_header`` sees a peer's message header: whatever the bytes, it returns a validated
   result or raises ProtocolError, and a result it returns respects the limits.
 * ``prepare`` -> header -> ``decode_header`` -> ``rebuild`` gives back the pytree that was sent.
@@ -22,7 +24,8 @@ from tensorwire.control._pb import wire_pb2
 from tensorwire.errors import ProtocolError, UnsupportedTensorError
 from tensorwire.tensors import DTYPES, Spec, decode_header, prepare, rebuild
 from tensorwire.tensors._message import MAX_DEPTH
-from tensorwire.transports._frames import FrameHeader, FrameType, pack, unpack
+from tensorwire.transports import Limits, TransportContext
+from tensorwire.transports._frames import FrameHeader, FrameType, PeerLimits, pack, unpack
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LAYOUT = struct.Struct("<4sBBHIQQqQI")  # the documented 48-byte header, independent of _frames
@@ -90,6 +93,46 @@ def test_pack_unpack_round_trip(
     assert len(data) == 48
     assert LAYOUT.unpack(data) == (MAGIC, ftype, flags, 0, meta_len, payload_len, msg_id, arg, credit, slots)
     assert unpack(data) == FrameHeader(ftype, flags, meta_len, payload_len, msg_id, arg, credit, slots)
+
+
+# == the limits a peer promises ======================================================================
+PEER_LIMITS = struct.Struct("<QIQII")  # recv_buffer_bytes, max_unexpected, max_message_bytes, max_header_bytes, flags
+FLAG_CHECKSUM = 1
+
+
+@SETTINGS
+@given(
+    recv_buffer_bytes=st.integers(0, 2**64 - 1),
+    max_unexpected=st.one_of(st.integers(0, 2), st.integers(0, 2**32 - 1)),
+    max_message_bytes=st.integers(0, 2**64 - 1),
+    max_header_bytes=st.one_of(st.integers(1020, 1028), st.integers(0, 2**32 - 1)),
+    flags=st.one_of(st.sampled_from([0, 1, 2, 0x80]), st.integers(0, 2**32 - 1)),
+)
+@example(64 << 20, 0, 1 << 40, 1 << 20, 0)  # no message slot: every send waited for one forever
+@example(64 << 20, 1024, 1 << 40, 1023, 0)  # a header bound below Limits.MIN_HEADER_BYTES
+@example(64 << 20, 1024, 1 << 40, 1 << 20, 2)  # a flag this version does not know
+@example(0, 1, 0, 1024, 1)  # the smallest limits a node may set, and checksums
+def test_peer_limits_unpack_accepts_only_limits_a_channel_can_keep(
+    recv_buffer_bytes: int, max_unexpected: int, max_message_bytes: int, max_header_bytes: int, flags: int
+) -> None:
+    fields = (recv_buffer_bytes, max_unexpected, max_message_bytes, max_header_bytes, flags)
+    keepable = max_unexpected >= 1 and max_header_bytes >= Limits.MIN_HEADER_BYTES and not flags & ~FLAG_CHECKSUM
+    try:
+        limits = PeerLimits.unpack(PEER_LIMITS.pack(*fields))
+    except ProtocolError:
+        assert not keepable, f"limits a channel can keep were refused: {fields}"
+        return
+    assert keepable, f"limits no channel can keep were accepted: {fields}"
+    assert limits == PeerLimits(*fields)
+    assert PeerLimits.unpack(limits.pack()) == limits
+
+
+def test_what_a_node_promises_passes_its_peers_check() -> None:
+    """The smallest limits a node may be given, too: the check refuses no honest peer."""
+    for lim in (Limits(), Limits(recv_buffer_bytes=0, max_unexpected=1, max_header_bytes=Limits.MIN_HEADER_BYTES)):
+        for checksum in (False, True):
+            promise = PeerLimits.of(TransportContext("n", "127.0.0.1", lim, checksum))
+            assert PeerLimits.unpack(promise.pack()) == promise
 
 
 # == message headers: hostile input =================================================================

@@ -33,7 +33,8 @@ from tensorwire.control import PROTOCOL_VERSION
 from tensorwire.control._pb import control_pb2, control_pb2_grpc, wire_pb2
 from tensorwire.errors import ProtocolError, TensorWireError
 from tensorwire.testing import peak_allocation
-from tensorwire.transports import ChannelState
+from tensorwire.transports import Capabilities, ChannelState, TransportContext
+from tensorwire.transports.tcp import TcpTransport
 
 # -- the wire format, as documented in tensorwire/transports/_frames.py ---------------------------
 FRAME = struct.Struct("<4sBBHIQQqQI")
@@ -70,9 +71,11 @@ def mac(secret: bytes, nonce: bytes, sid: bytes, role: bytes) -> bytes:
     return hmac.new(secret, b"tensorwire-data-v1|" + role + b"|" + nonce + b"|" + sid, hashlib.sha256).digest()
 
 
-def hello(secret: bytes, nonce: bytes, sid: bytes) -> bytes:
+def hello(
+    secret: bytes, nonce: bytes, sid: bytes, limits: tuple[int, ...] = (8 * MiB, 64, 64 * MiB, 64 * 1024, 0)
+) -> bytes:
     """A HELLO frame proving ``secret`` for ``sid``, with modest limits of our own."""
-    meta = mac(secret, nonce, sid, b"client") + LIMITS.pack(8 * MiB, 64, 64 * MiB, 64 * 1024, 0) + sid
+    meta = mac(secret, nonce, sid, b"client") + LIMITS.pack(*limits) + sid
     return frame(HELLO, meta_len=len(meta)) + meta
 
 
@@ -468,6 +471,66 @@ async def test_hello_replaying_a_used_session_id_is_dropped(caplog: pytest.LogCa
         await _attack_pre_auth(env, caplog, attack, "unknown or already used session id")
         await s.delivers()
         assert s.peer.channel.state is ChannelState.OPEN
+
+
+# limits no channel can keep, and what refusing them says
+UNKEEPABLE_LIMITS = {
+    # every send would wait for a message slot for good
+    "no-message-slots": ((8 * MiB, 0, 64 * MiB, 64 * 1024, 0), "no message in flight"),
+    # not even a short RPC error reply would fit (Limits.MIN_HEADER_BYTES)
+    "header-bound-too-small": ((8 * MiB, 64, 64 * MiB, 1023, 0), "below the 1024-byte minimum"),
+    "unknown-flags": ((8 * MiB, 64, 64 * MiB, 64 * 1024, 0x80), "unknown flags 0x80"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNKEEPABLE_LIMITS))
+async def test_hello_promising_limits_no_channel_can_keep_is_dropped(
+    caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    """A client holding the session secret (buggy, or hostile) that promises limits no channel
+    can keep is refused at its HELLO. Before, it got a channel, and with no message slot every
+    send the node made on it waited for good."""
+    limits, reason = UNKEEPABLE_LIMITS[name]
+    async with honest_pair() as env:
+        sid, secret, _ = await _control_handshake(env.server)
+
+        async def attack(r: Raw) -> None:
+            nonce = await r.challenge()
+            await r.send(hello(secret, nonce, sid, limits))
+
+        await _attack_pre_auth(env, caplog, attack, reason)
+
+
+@pytest.mark.parametrize("name", list(UNKEEPABLE_LIMITS))
+async def test_welcome_promising_limits_no_channel_can_keep_fails_the_connect(name: str) -> None:
+    """The same from the client's side: a server that proves the session secret and promises
+    limits no channel can keep fails the connect with ConnectError saying why."""
+    limits, reason = UNKEEPABLE_LIMITS[name]
+    secret, sid = b"s" * 32, b"sid-1"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonce = bytes(range(NONCE))
+        writer.write(frame(CHALLENGE, payload_len=NONCE) + nonce)
+        hello_meta_len = FRAME.unpack(await reader.readexactly(FRAME.size))[4]
+        await reader.readexactly(hello_meta_len)
+        meta = mac(secret, nonce, sid, b"server") + LIMITS.pack(*limits)
+        writer.write(frame(WELCOME, meta_len=len(meta)) + meta)
+        with contextlib.suppress(ConnectionError):
+            await reader.read()  # until the client hangs up
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    lim = tensorwire.Limits(handshake_seconds=5)
+    transport = TcpTransport(TransportContext("n", "127.0.0.1", lim), Capabilities())
+    session = tensorwire.transports.Session(sid.decode(), secret, "n", "fake-server", lim)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(tensorwire.ConnectError, match=reason):
+            await asyncio.wait_for(transport.connect(f"127.0.0.1:{port}".encode(), session), 10)
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 @pytest.mark.parametrize(

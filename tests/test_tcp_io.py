@@ -11,11 +11,28 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
+import crc32c
 import numpy as np
 import pytest
 
 import tensorwire
+from tensorwire.tensors import prepare
 from tensorwire.testing import connected_pair, idle_cpu_percent
+from tensorwire.transports import Capabilities, ChannelState, Limits, Session, TransportContext
+from tensorwire.transports._frames import (
+    CHECKSUM,
+    FLAG_CHECKSUM,
+    HEADER,
+    RENDEZVOUS,
+    TRAILER,
+    FrameHeader,
+    FrameType,
+    PeerLimits,
+    pack,
+    unpack,
+)
+from tensorwire.transports.tcp import TcpTransport
+from tensorwire.transports.tcp._channel import TcpChannel
 from tensorwire.transports.tcp._sockio import SockIO
 
 pytestmark = pytest.mark.timeout(20)
@@ -218,3 +235,205 @@ async def test_a_send_cancelled_while_its_one_frame_is_part_written_keeps_the_st
                 first = await asyncio.wait_for(b.recv(tag=1), 5)
             assert np.array_equal(first, y)
         assert finished, "no send was part written: the test proves nothing"
+
+
+# -- a TcpChannel on one end of a loopback connection, the other end driven frame by frame -------
+MiB = 1 << 20
+
+
+@asynccontextmanager
+async def _channel(
+    limits: Limits | None = None, *, remote: PeerLimits | None = None, checksum: bool = False
+) -> AsyncIterator[tuple[TcpChannel, socket.socket]]:
+    """A channel on a loopback TCP connection (past its handshake) and the raw, non-blocking
+    socket of its peer; ``remote``: what that peer promised (by default, plenty)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname())
+        mine, _ = listener.accept()
+    peer.setblocking(False)
+    flags = FLAG_CHECKSUM if checksum else 0
+    remote = remote or PeerLimits(64 * MiB, 1024, 1 << 40, MiB, flags)
+    ch = TcpChannel(SockIO(mine), limits or Limits(), remote, name="test", checksum=checksum)
+    try:
+        yield ch, peer
+    finally:
+        ch.abort()
+        await ch.aclose()
+        peer.close()
+
+
+def _frame(
+    ftype: FrameType,
+    *,
+    flags: int = 0,
+    meta: bytes = b"",
+    payload: bytes = b"",
+    msg_id: int = 0,
+    arg: int = 0,
+    checksum: bool = False,
+) -> bytes:
+    """One frame as a peer writes it: MSG and DATA end in a crc32c trailer where ``checksum``."""
+    summed = checksum and ftype in (FrameType.MSG, FrameType.DATA)
+    raw = pack(ftype, flags | (CHECKSUM if summed else 0), len(meta), len(payload), msg_id, arg, checked=checksum)
+    raw += meta + payload
+    return raw + TRAILER.pack(crc32c.crc32c(raw)) if summed else raw
+
+
+async def _read_frame(peer: socket.socket, *, checksum: bool = False) -> tuple[FrameHeader, bytes]:
+    """The next frame the channel wrote: its header, and its metadata and payload."""
+    loop = asyncio.get_running_loop()
+
+    async def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            got = await loop.sock_recv(peer, n - len(data))
+            assert got, "the channel closed the connection"
+            data += got
+        return data
+
+    hdr = unpack(await exactly(HEADER.size), checked=checksum)
+    body = await exactly(hdr.meta_len + hdr.payload_len + (TRAILER.size if hdr.flags & CHECKSUM else 0))
+    return hdr, body
+
+
+def _fill(sock: socket.socket, data: bytes) -> None:
+    """Put all of ``data`` in the kernel's buffers now, nobody reading yet (a loopback
+    connection holds a few MiB)."""
+    sock.setblocking(False)
+    view = memoryview(data)
+    while view:
+        view = view[sock.send(view) :]
+
+
+async def test_a_rendezvous_header_whose_trailer_comes_later_still_reaches_its_recv() -> None:
+    """With checksums, a rendezvous MSG frame's crc32c trailer may reach the socket after the
+    rest of the frame (TCP splits anywhere). Before, the recv posted for it was handed the
+    message while the reader still waited for the trailer, found nothing to pull and failed
+    (TransferError); the message went back to the queue marked as pulled, so no CTS ever went
+    out and every later recv on the tag, and the sender, waited for good."""
+    loop = asyncio.get_running_loop()
+    async with _channel(checksum=True) as (ch, peer):
+        x = np.arange(1024.0)
+        out = np.zeros_like(x)
+        recv = asyncio.ensure_future(ch.recv(5, out))
+        await asyncio.sleep(0.01)
+        msg = _frame(FrameType.MSG, flags=RENDEZVOUS, meta=prepare(x).header, msg_id=1, arg=5, checksum=True)
+        await loop.sock_sendall(peer, msg[: -TRAILER.size])
+        await asyncio.sleep(0.05)
+        assert not recv.done(), recv
+        await loop.sock_sendall(peer, msg[-TRAILER.size :])
+        async with asyncio.timeout(5):
+            hdr, _ = await _read_frame(peer, checksum=True)
+            assert (hdr.type, hdr.msg_id) == (FrameType.CTS, 1)
+            await loop.sock_sendall(peer, _frame(FrameType.DATA, payload=x.tobytes(), msg_id=1, checksum=True))
+            got, receipt = await recv
+        assert got is out and np.array_equal(out, x)
+        assert receipt.protocol == "rendezvous"
+
+
+@pytest.mark.parametrize("path", ["reader-task", "readable-callback"])
+async def test_a_flood_of_small_frames_lets_the_loop_run(path: str) -> None:
+    """A peer that keeps the socket full of frames that need no waiting, ABORTs of messages it
+    never sent (taken by the reader task) or empty CREDITs (taken in the readable callback),
+    all legal and ignored, must not hold the event loop: here 1 MiB of them waits in the socket,
+    then the close. Before, the reader took them all and the close without the loop running
+    anything else (a peer that keeps sending held it for good, and the node missed its lease
+    renewals); now it lets the loop run every so often, as ``read_into`` does for payloads."""
+    async with _channel() as (ch, peer):
+        await asyncio.sleep(0.01)  # the reader is parked between frames
+        if path == "reader-task":
+            flood = _frame(FrameType.ABORT, msg_id=999) * ((1 << 20) // HEADER.size)
+        else:
+            # one small message first, so that the 16 KiB reads never end on a frame boundary
+            # (the callback went back to the loop, by chance, whenever one did)
+            for n in range(1, 17):
+                x = np.zeros(n, np.uint8)
+                flood = _frame(FrameType.MSG, meta=prepare(x).header, payload=x.tobytes(), msg_id=1, arg=1)
+                if len(flood) % 16:
+                    break
+            flood += _frame(FrameType.CREDIT) * ((1 << 20) // HEADER.size)
+        _fill(peer, flood)
+        peer.shutdown(socket.SHUT_WR)
+        turns = 0
+        async with asyncio.timeout(10):
+            while ch.state is ChannelState.OPEN:
+                turns += 1
+                await asyncio.sleep(0)
+        # the reader got to the close (the channel breaks there), and this task ran meanwhile;
+        # before, only in the few turns until the reader started on the flood
+        assert ch.state is ChannelState.BROKEN
+        assert turns > 8, turns
+
+
+async def test_a_send_cancelled_before_its_frame_went_out_hands_its_slot_to_a_waiting_send() -> None:
+    """A send that took the peer's last message slot and was cancelled before its frame went out
+    gives the slot back here; a send waiting for one must take it. Before, it waited for the
+    peer to return a slot, which a peer that has not consumed anything yet never does."""
+    remote = PeerLimits(64 * MiB, 2, 1 << 40, MiB)  # two message slots
+    async with _channel(Limits(chunk_bytes=16 * MiB), remote=remote) as (ch, peer):
+        big = np.ones(16 * MiB, np.uint8)  # one frame, more than the socket takes: it holds the turn
+        first = asyncio.ensure_future(ch.send(1, prepare(big)))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(ch.send(2, prepare(np.arange(4.0))))  # the last slot; waits for the turn
+        await asyncio.sleep(0.01)
+        third = asyncio.ensure_future(ch.send(3, prepare(np.arange(4.0))))  # waits for a slot
+        await asyncio.sleep(0.01)
+        assert not (first.done() or second.done() or third.done())
+        second.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await second
+
+        async def tags() -> list[int]:  # the peer reads on, returning nothing
+            seen = []
+            while len(seen) < 2:
+                hdr, _ = await _read_frame(peer)
+                if hdr.type is FrameType.MSG:
+                    seen.append(hdr.arg)
+            return seen
+
+        async with asyncio.timeout(5):
+            reading = asyncio.ensure_future(tags())
+            await first
+        async with asyncio.timeout(2):
+            await third
+            assert await reading == [1, 3]  # the cancelled send never reached the wire
+
+
+async def test_aclose_returns_when_the_peer_stopped_reading() -> None:
+    """aclose bounds its BYE by a second; with the kernel's send buffer full (a peer that stopped
+    reading: hung, stopped, or gone without a reset) the BYE cannot go, and the close goes on
+    without it. Before, the BYE was written like any frame, finished whatever cancellation came,
+    and aclose never returned."""
+    async with _channel() as (ch, peer):
+        await ch.send(1, prepare(np.arange(4.0)))  # a working channel, idle: nobody's turn
+        # the kernel's buffer full, as whole frames to a peer that stopped reading leave it
+        # (these bytes are never read)
+        sock = ch._io.sock
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                sock.send(b"\0" * 65536)
+        closing = asyncio.ensure_future(ch.aclose())
+        try:
+            await asyncio.wait_for(asyncio.shield(closing), 5)
+        finally:
+            peer.close()  # an aclose still writing the BYE fails now, and ends
+            await asyncio.wait_for(closing, 5)
+        assert ch.state is ChannelState.CLOSED
+
+
+@pytest.mark.parametrize(
+    "address",
+    [b"127.0.0.1:70000", b"127.0.0.1:-1", b"127.0.0.1:0", b"a..b:80", b"a\x00b:80", b"x" * 300 + b":80"],
+    ids=["port-past-65535", "negative-port", "port-0", "empty-label", "nul", "long-label"],
+)
+async def test_a_malformed_address_is_a_connect_error(address: bytes) -> None:
+    """The tcp address a server offers is an opaque blob to the control plane: one the socket
+    module or the resolver refuses fails the connect with ConnectError, no OverflowError,
+    UnicodeError or ValueError."""
+    transport = TcpTransport(TransportContext("n", "127.0.0.1", Limits(handshake_seconds=2)), Capabilities())
+    session = Session("sid", b"k" * 32, "a", "b", Limits())
+    try:
+        with pytest.raises(tensorwire.ConnectError):
+            await transport.connect(transport.dial_address(address, "127.0.0.1"), session)
+    finally:
+        await transport.aclose()

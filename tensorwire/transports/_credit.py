@@ -51,10 +51,12 @@ class SendWindow:
         return False
 
     def unspend(self, nbytes: int, eager: bool) -> None:
-        """A message that never reached the wire gives its slot (and credit) back locally."""
+        """A message that never reached the wire gives its slot (and credit) back locally; a
+        sender waiting for a slot may take it (the peer has nothing to return for it)."""
         self.slots += 1
         if eager:
             self.credit += nbytes
+        self._wake()
 
     def grant(self, credit: int, slots: int) -> None:
         """The peer returned credit and slots; wake senders waiting for a slot."""
@@ -64,6 +66,9 @@ class SendWindow:
         self.slots += slots
         if self.credit > self._max_credit or self.slots > self._max_slots:
             raise ProtocolError("peer returned more credit than it granted")
+        self._wake()
+
+    def _wake(self) -> None:
         while self._waiters:
             f = self._waiters.popleft()
             if not f.done():

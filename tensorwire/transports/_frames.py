@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import crc32c
 
 from ..errors import IntegrityError, MessageRefused, ProtocolError
+from ._base import Limits
 
 if TYPE_CHECKING:
     from ._base import TransportContext
@@ -155,7 +156,21 @@ class PeerLimits:
 
     @classmethod
     def unpack(cls, data: bytes) -> PeerLimits:
-        return cls(*LIMITS.unpack(data))
+        """The limits a peer sent in its handshake; ProtocolError for limits no channel can
+        keep: no message slot (every send would wait for one forever), a header bound below
+        ``Limits.MIN_HEADER_BYTES`` (not even a short error reply would fit), or flags this
+        version does not know."""
+        limits = cls(*LIMITS.unpack(data))
+        if limits.max_unexpected < 1:
+            raise ProtocolError("peer limits allow no message in flight (max_unexpected 0)")
+        if limits.max_header_bytes < Limits.MIN_HEADER_BYTES:
+            raise ProtocolError(
+                f"peer limits allow message headers of {limits.max_header_bytes} bytes, "
+                f"below the {Limits.MIN_HEADER_BYTES}-byte minimum"
+            )
+        if limits.flags & ~FLAG_CHECKSUM:
+            raise ProtocolError(f"peer limits carry unknown flags {limits.flags:#x}")
+        return limits
 
     @classmethod
     def of(cls, ctx: TransportContext) -> PeerLimits:

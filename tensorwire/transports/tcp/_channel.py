@@ -382,6 +382,7 @@ class TcpChannel(Channel):
     async def pull(self, arrival: Arrival) -> None:
         self.check_open()
         if self._waiting.pop(arrival.msg_id, None) is None:
+            arrival.pulling = False  # no CTS went out: a later recv must ask for it again
             raise TransferError("rendezvous message is no longer pending")
         self._incoming[arrival.msg_id] = arrival
         # once the message is ours the CTS must go out even if this recv is cancelled: the
@@ -436,11 +437,15 @@ class TcpChannel(Channel):
                     self._budget.admit(arrival.nbytes, eager=not rndv)
                     self._check_summed(hdr.flags)
                     crc = crc32c.crc32c(meta, crc32c.crc32c(io.last_header)) if self.checksum else 0
-                    self.mailbox.arrive(arrival)
                     if rndv:
+                        # whole (trailer checked) and pullable before a recv can see it: the
+                        # trailer may come later than the header, and a recv matched meanwhile
+                        # would pull a message that is not waiting yet
                         await self._verify(crc, arrival, 0, 0)
                         self._waiting[hdr.msg_id] = arrival
+                        self.mailbox.arrive(arrival)
                         continue
+                    self.mailbox.arrive(arrival)
                     self._incoming[hdr.msg_id] = arrival  # so a failure below fails its recv too
                     if arrival.dest is None:
                         arrival.allocate()  # size checked against credit above
@@ -695,7 +700,7 @@ class TcpChannel(Channel):
                 async with asyncio.timeout(1.0):
                     await self._turn.take()
                     try:
-                        await self._io.send_all([pack(FrameType.BYE, checked=self.checksum)])
+                        await self._io.send_last([pack(FrameType.BYE, checked=self.checksum)])
                     finally:
                         self._turn.give()
             except Exception:  # the peer may already be gone; closing goes on

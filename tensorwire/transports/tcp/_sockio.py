@@ -29,6 +29,9 @@ _HEADER_FILL = 16 * 1024
 # A receiver that never finds its socket empty would otherwise never give the loop back (and
 # miss its lease renewals): yield after this many bytes read without waiting.
 _YIELD_EVERY = 8 << 20
+# ... and after this many bytes of frames taken on the header path: each costs Python work (a
+# peer sending empty CREDIT frames, or ABORTs of unknown messages, would hold the loop for good)
+_YIELD_FRAMES = 64 << 10
 
 Buffer = bytes | bytearray | memoryview
 
@@ -80,6 +83,7 @@ class SockIO:
         self._parked = False  # the reader waits in read_header, between frames
         self._failure: PeerDisconnected | None = None  # what the readable callback's recv saw
         self._closed = False
+        self._unyielded = 0  # bytes of frames the reader took since the loop last ran others
         self.last_header = b""  # raw bytes of the last frame header read (for checksums)
         self.checked = False  # frame headers carry a check (a channel with checksums)
         # called from the readable callback while the reader is parked between frames, with
@@ -108,6 +112,7 @@ class SockIO:
         finally:
             if self._waiter is fut:
                 self._waiter = None
+            self._unyielded = 0
 
     def _on_readable(self) -> None:
         fut = self._waiter
@@ -128,12 +133,17 @@ class SockIO:
         try:
             if not self._recv_some(_HEADER_FILL):
                 return False  # nothing there after all
+            taken = 0
             while True:
-                self._start, wake = on_frames(self._buf, self._start, self._end)
+                start = self._start
+                self._start, wake = on_frames(self._buf, start, self._end)
                 if wake or self._closed or fut.done():
                     break
-                if self._start == self._end or not self._recv_some(_HEADER_FILL):
-                    return False  # parked still: the rest of a frame comes later
+                taken += self._start - start
+                if self._start == self._end or taken >= _YIELD_FRAMES or not self._recv_some(_HEADER_FILL):
+                    # parked still: the rest of a frame comes later, or frames keep coming and
+                    # the rest of the loop runs first (we are called again while more waits)
+                    return False
         except PeerDisconnected as exc:
             self._failure = exc  # the reader raises it
         return not (self._closed or fut.done())
@@ -177,8 +187,13 @@ class SockIO:
         to it first (from here, or from the readable callback while this waits)."""
         on_frames = self.on_frames
         while True:
+            if self._unyielded >= _YIELD_FRAMES:  # frames keep coming: let the rest of the loop run too
+                self._unyielded = 0
+                await asyncio.sleep(0)
             if on_frames is not None and self._end - self._start >= HEADER.size:
-                self._start, _ = on_frames(self._buf, self._start, self._end)
+                start = self._start
+                self._start, _ = on_frames(self._buf, start, self._end)
+                self._unyielded += self._start - start
                 if self._closed:  # the frames broke the channel
                     raise PeerEOF("connection closed")
             if self._end - self._start >= HEADER.size:
@@ -197,6 +212,7 @@ class SockIO:
         hdr = unpack(raw, checked=self.checked)
         self.last_header = raw
         self._start += HEADER.size
+        self._unyielded += HEADER.size
         return hdr
 
     async def read_exact(self, n: int) -> bytes:
@@ -277,6 +293,14 @@ class SockIO:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         await finish_uncancelled(task)
+
+    async def send_last(self, bufs: Sequence[Buffer]) -> None:
+        """Write the frame after which the connection closes (BYE). Unlike ``send_all``, a
+        cancellation stops it part way: a peer that stopped reading must not hold the close up,
+        and nothing but the close follows the half frame."""
+        rest = self.send_now([b for b in bufs if len(b)])
+        if rest:
+            await self._send_rest(rest)
 
     def close(self) -> None:
         self._closed = True

@@ -26,9 +26,12 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 def _split(address: bytes) -> tuple[str, int]:
     try:
         host, _, port = address.decode().rpartition(":")
-        return host.strip("[]"), int(port)
+        host, number = host.strip("[]"), int(port)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ConnectError(f"malformed tcp address {address[:64]!r}") from exc
+    if not 0 < number < 65536 or "\0" in host:  # the socket calls would raise OverflowError, ValueError
+        raise ConnectError(f"malformed tcp address {address[:64]!r}")
+    return host, number
 
 
 def _join(host: str, port: int) -> bytes:
@@ -184,7 +187,14 @@ class TcpTransport(Transport):
                 if not hmac.compare_digest(meta[:NONCE_BYTES], proof(session.secret, nonce, sid, b"server")):
                     raise ProtocolError("server did not prove the session secret")
                 remote = PeerLimits.unpack(meta[NONCE_BYTES:])
-        except (ProtocolError, PeerDisconnected, TimeoutError, OSError) as exc:
+        except (
+            ProtocolError,
+            PeerDisconnected,
+            TimeoutError,
+            OSError,
+            ValueError,  # UnicodeError too: a host the resolver cannot encode (an empty or long label)
+            OverflowError,  # a port the socket module refuses
+        ) as exc:
             if io is not None:
                 io.close()
             else:
