@@ -52,22 +52,34 @@ class NumpyLinear:
 
 
 @contextlib.asynccontextmanager
-async def nodes(n: int, transport: str = "tcp", **options: Any) -> AsyncIterator[list[tensorwire.Node]]:
-    """``n`` nodes on loopback (port 0) offering ``transport`` alone; ``options`` are NodeConfig's."""
+async def nodes(
+    n: int, transport: str = "tcp", *, only: dict[int, dict[str, Any]] | None = None, **options: Any
+) -> AsyncIterator[list[tensorwire.Node]]:
+    """``n`` nodes on loopback (port 0) offering ``transport`` alone; ``options`` are NodeConfig's,
+    and ``only[i]`` node i's own (``limits=`` for one node, say)."""
+    only = only or {}
     async with contextlib.AsyncExitStack() as stack:
         yield [
-            await stack.enter_async_context(tensorwire.start("127.0.0.1:0", transports=(transport,), **options))
-            for _ in range(n)
+            await stack.enter_async_context(
+                tensorwire.start("127.0.0.1:0", transports=(transport,), **{**options, **only.get(i, {})})
+            )
+            for i in range(n)
         ]
 
 
 @contextlib.asynccontextmanager
 async def stages(
-    parts: list[Any], transport: str = "tcp", *, offload: bool = False, **options: Any
+    parts: list[Any],
+    transport: str = "tcp",
+    *,
+    offload: bool = False,
+    only: dict[int, dict[str, Any]] | None = None,
+    **options: Any,
 ) -> AsyncIterator[tuple[list[str], tensorwire.Node]]:
     """Stages serving ``parts`` and one driver node, all on ``nodes(..., **options)``; yields
-    (stage addresses, driver node). ``offload`` is the stages' (compute in a worker thread)."""
-    async with nodes(len(parts) + 1, transport, **options) as ns, contextlib.AsyncExitStack() as stack:
+    (stage addresses, driver node). ``offload`` is the stages' (compute in a worker thread);
+    ``only[s]``: NodeConfig options of stage s's node alone."""
+    async with nodes(len(parts) + 1, transport, only=only, **options) as ns, contextlib.AsyncExitStack() as stack:
         for node, part in zip(ns, parts, strict=False):
             await stack.enter_async_context(pipeline.Stage(node, part, offload=offload))
         yield [n.address for n in ns[:-1]], ns[-1]

@@ -132,6 +132,112 @@ async def test_a_torch_nested_tensor_output_fails_the_step_promptly() -> None:
             assert "stage 1 cannot send its activation of microbatch 0" in err.value.remote_message
 
 
+# -- a message past a node's limits, a batch the driver cannot send ------------------------------
+def wide(seed: int = 3) -> list[pipeline.FunctionPart]:
+    """8 -> 64 -> 4 -> 2: stage 0's activations are 256 bytes a row, its inputs 32."""
+    rng = np.random.default_rng(seed)
+    ls = [NumpyLinear(rng, 8, 64, True), NumpyLinear(rng, 64, 4, True), NumpyLinear(rng, 4, 2, False)]
+    return parts(ls)
+
+
+@pytest.mark.timeout(60)
+async def test_a_send_the_next_stage_refuses_fails_every_stage_promptly() -> None:
+    small = {1: {"limits": tensorwire.Limits(max_message_bytes=1500)}}  # stage 1 takes 5 rows at most
+    async with stages(wide(), only=small) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            pipe.abort_grace = 60.0  # every stage must hear of it from its neighbours, not from this
+            x, y = batch(8)
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0  # 4 rows a microbatch: fits
+            before = await pipe.state()
+            x, y = batch(16)
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(10):  # the old code waited for abort_grace
+                    await pipe.step(x, y, microbatches=2)  # 8 rows: 2048 bytes, refused
+            # the link is fine and the message was at fault: not "its link to stage 1 broke"
+            assert err.value.remote_type == "MessageRefused", err.value
+            message = err.value.remote_message
+            assert "stage 0 cannot send its activation of microbatch 0 to stage 1" in message, message
+            assert "exceeds the peer's 1500-byte limit" in message and "broke" not in message, message
+            notes = "\n".join(err.value.__notes__)
+            for s in (1, 2):  # the neighbour waiting for that activation was told too
+                assert f"stage {s}: aborted because stage 0 cannot send its activation" in notes, notes
+            assert "Timeout" not in notes and "DeadlineExceeded" not in notes, notes
+            after = await pipe.state()
+    for s in range(3):
+        np.testing.assert_array_equal(after[s]["w"], before[s]["w"], err_msg=f"stage {s}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("which", "error", "needle"),
+    [
+        ("inputs", tensorwire.UnsupportedTensorError, "the input of microbatch 0 cannot be sent to stage 0: dtype"),
+        ("targets", tensorwire.UnsupportedTensorError, "the target of microbatch 0 cannot be sent to stage 2: dtype"),
+        ("too-big", tensorwire.MessageRefused, "carries 2048 bytes of microbatches, past the 1024-byte limit"),
+    ],
+)
+async def test_a_batch_the_driver_cannot_send_is_refused_before_any_stage_starts(
+    which: str, error: type[Exception], needle: str
+) -> None:
+    small = {0: {"limits": tensorwire.Limits(max_message_bytes=1024)}}
+    async with stages(parts(layers(3)), only=small) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            pipe.abort_grace = 60.0
+            x, y = batch()
+            before = await pipe.state()
+            bad = np.array([object()] * len(x), dtype=object)  # no dtype the wire carries
+            given = {"inputs": (bad, y), "targets": (x, bad), "too-big": batch(64)}[which]
+            with pytest.raises(error, match=needle):
+                async with asyncio.timeout(10):  # the old code waited for abort_grace
+                    await pipe.step(*given, microbatches=2)
+            after = await pipe.state()
+            # no stage started it, so none is broken: training goes on with the same driver
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0
+    for s in range(3):
+        np.testing.assert_array_equal(after[s]["w"], before[s]["w"], err_msg=f"stage {s}")
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_that_fails_at_the_driver_cuts_the_others_short_at_once() -> None:
+    # the driver cannot check everything before the calls go out: here the last stage's call,
+    # with 64 microbatches' targets and weights, has a header past that node's 1024-byte limit
+    tight = {2: {"limits": tensorwire.Limits(max_header_bytes=1024)}}
+    x, y = batch(64)
+    async with stages(parts(layers(3)), only=tight) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            pipe.abort_grace = 60.0
+            with pytest.raises(tensorwire.MessageRefused, match="header") as err:
+                async with asyncio.timeout(10):  # the old code waited for abort_grace
+                    await pipe.step(x, y, microbatches=64)
+            # the real error, raised at the driver; the stages it cut short say so, and none of
+            # them is taken for the cause
+            notes = "\n".join(err.value.__notes__)
+            for s in (0, 1):
+                line = f"stage {s} ({addresses[s]}): BrokenResourceError: cancelled at once: the call to stage 2"
+                assert line in notes, notes
+            assert "Timeout" not in notes and "DeadlineExceeded" not in notes, notes
+        # the stages that were cut short are broken until a driver configures them again
+        async with await pipeline.Pipeline.connect(driver, addresses) as again:
+            assert (await again.step(x, y, microbatches=4)).loss > 0
+
+
+@pytest.mark.timeout(60)
+async def test_the_stage_that_failed_is_named_not_one_the_driver_cut_short() -> None:
+    ls = layers()
+    async with stages(parts(ls)) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            x, y = batch()
+            ls[3].raise_at_backward = 1
+            pipe.abort_grace = 0.0  # no time for the others: the driver cancels their calls at once
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(10):
+                    await pipe.step(x, y, microbatches=4, schedule="gpipe")
+    # the old code raised a built-in TimeoutError of stage 0, which it had cut short itself
+    assert err.value.remote_type == "FloatingPointError", err.value
+    notes = "\n".join(err.value.__notes__)
+    assert "TimeoutError" not in notes, notes  # a cut-short stage says DeadlineExceeded, a tensorwire error
+
+
 # -- drivers ---------------------------------------------------------------------------------------
 @pytest.mark.timeout(90)
 async def test_two_drivers_connecting_at_once_one_wins() -> None:

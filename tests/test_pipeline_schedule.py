@@ -1,17 +1,21 @@
-"""Pipeline schedules as data: generation for any p and m, validation, the grid, parsing."""
+"""Pipeline schedules as data: generation for any p and m, validation, the grid, parsing; and
+bad arguments to the schedule API and to ``split``, which raise tensorwire errors."""
 
 from __future__ import annotations
 
 import graphlib
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorwire import ConfigurationError, ScheduleError
-from tensorwire.pipeline import Action, Kind, Schedule, get_schedule, gpipe, make_schedule, one_f_one_b
+from tensorwire import ConfigurationError, ScheduleError, ShapeMismatchError, UnsupportedTensorError
+from tensorwire.pipeline import Action, Kind, Schedule, get_schedule, gpipe, make_schedule, one_f_one_b, split
 
 sizes = st.tuples(st.integers(1, 8), st.integers(1, 24))
 
@@ -176,6 +180,75 @@ def test_blank_lines_are_ignored() -> None:
     for text in ("stage 0: F0 B0\n\nstage 1: F0 B0", "F0 B0\n   \nF0 B0\n\n", "\n\nstage 0: F0 B0\n\t\nstage 1: F0 B0"):
         got = Schedule.parse(text)
         assert got == want and got.valid, text
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "needle"),
+    [
+        (lambda: make_schedule(None, 2, 2), ScheduleError, "a schedule is a name (gpipe, 1f1b), a Schedule, or"),
+        (lambda: make_schedule(3, 2, 2), ScheduleError, "one list of actions per stage, not 3"),
+        (lambda: make_schedule([[0, 1]], 1, 1), ScheduleError, "an action is a string such as 'F0' or 'B3', not 0"),
+        (lambda: make_schedule([None], 1, 1), ScheduleError, "stage 0's actions must be a list of actions"),
+        (lambda: Action.parse(3), ScheduleError, "an action is a string"),
+        (lambda: Schedule.parse(None), ScheduleError, "Schedule.parse reads text, one line per stage, not NoneType"),
+        (lambda: Schedule.parse("F0 B0", num_microbatches=1.5), ScheduleError, "num_microbatches must be an int"),
+        (lambda: Action("F", 0), ScheduleError, "an Action's kind is Kind.FORWARD or Kind.BACKWARD, not 'F'"),
+        (lambda: Action(Kind.FORWARD, -1), ScheduleError, "an Action's microbatch is an int from 0, not -1"),
+        (lambda: Schedule("x", 1, (("F0", "B0"),)), ScheduleError, "stage 0's actions must be Actions, not 'F0'"),
+        (lambda: Schedule.parse("F0 B0").peak_activations(5), ScheduleError, "stage 5 is not in 0..0"),
+        (lambda: Schedule.parse("F0 B0").validate(max_unexpected="4"), ScheduleError, "max_unexpected must be"),
+        (lambda: split(np.float32(1.0), 1), ShapeMismatchError, "a 0-d tensor (float32) has no first dimension"),
+        (lambda: split(None, 1), UnsupportedTensorError, "a batch is one tensor, split along its first dimension"),
+        (lambda: split({"ids": np.zeros((4, 2))}, 2), UnsupportedTensorError, "dict is not a tensor"),
+        (lambda: split(np.zeros(4), 2.0), ConfigurationError, "microbatches must be a positive int, not 2.0"),
+    ],
+    ids=[
+        "schedule-None",
+        "schedule-int",
+        "action-int",
+        "stage-None",
+        "Action.parse-int",
+        "parse-None",
+        "m-float",
+        "Action-str-kind",
+        "Action-negative",
+        "Schedule-of-strings",
+        "peak-bad-stage",
+        "limit-str",
+        "split-scalar",
+        "split-None",
+        "split-dict",
+        "split-float-m",
+    ],
+)
+def test_bad_arguments_raise_tensorwire_errors(call: Callable[[], Any], error: type[Exception], needle: str) -> None:
+    # the old code raised TypeError, AttributeError or IndexError from deep inside
+    with pytest.raises(error) as err:
+        call()
+    assert needle in str(err.value), err.value
+
+
+def test_one_string_per_stage_is_explained() -> None:
+    with pytest.raises(ScheduleError) as err:
+        make_schedule(["F0 F1 B0 B1", "F0 F1 B0 B1"], 2, 2)  # not "'F' is not an action"
+    assert "stage 0's actions are one string, 'F0 F1 B0 B1': give a list per stage (['F0', 'F1', 'B0', 'B1'])" in (
+        str(err.value)
+    )
+    assert "Schedule.parse" in str(err.value)
+
+
+def test_numpy_integers_are_counts() -> None:
+    # from a numpy config array, say: np.int64 is an integer like any other (bools are not)
+    p, m = np.int64(2), np.int64(4)
+    for make in (gpipe, one_f_one_b):
+        sched = make(p, m)  # type: ignore[arg-type]
+        assert sched.valid and sched == make(2, 4) and type(sched.num_microbatches) is int
+    assert make_schedule("1f1b", 2, m, max_unexpected=np.int64(1)) == one_f_one_b(2, 4)  # type: ignore[arg-type]
+    assert make_schedule([["F0", "B0"]], 1, np.int64(1)).valid  # type: ignore[arg-type]
+    assert Action(Kind.FORWARD, np.int64(3)) == Action.parse("F3")  # type: ignore[arg-type]
+    assert [len(c) for c in split(np.zeros(10), m)] == [3, 3, 2, 2]  # type: ignore[arg-type]
+    with pytest.raises(ScheduleError, match="num_microbatches must be a positive int"):
+        gpipe(2, np.bool_(True))  # type: ignore[arg-type]
 
 
 def _valid(sched: Schedule, max_unexpected: int) -> bool:

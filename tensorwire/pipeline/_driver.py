@@ -19,19 +19,26 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import numbers
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
+    BrokenResourceError,
     BusyResourceError,
     ConfigurationError,
+    DeadlineExceeded,
+    MessageRefused,
     PeerDisconnected,
     RemoteError,
     ShapeMismatchError,
+    TensorError,
     TensorWireError,
+    UnsupportedTensorError,
 )
+from ..tensors import as_view, is_tensor
 from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, make_schedule
 from ._stage import ticket_key
 
@@ -45,9 +52,19 @@ __all__ = ["Pipeline", "StepResult", "split"]
 def split(batch: Any, microbatches: int) -> list[Any]:
     """Split a tensor (numpy or torch) along its first dimension into ``microbatches`` parts whose
     sizes differ by at most one."""
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+    if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
         raise ConfigurationError(f"microbatches must be a positive int, not {microbatches!r}")
-    n = len(batch)
+    microbatches = int(microbatches)
+    if not is_tensor(batch):  # a stage's input and output are one tensor each
+        raise UnsupportedTensorError(
+            f"a batch is one tensor, split along its first dimension; {type(batch).__name__} is not a tensor"
+        )
+    try:
+        n = len(batch)
+    except TypeError:
+        raise ShapeMismatchError(
+            f"a 0-d tensor ({type(batch).__name__}) has no first dimension to split into microbatches"
+        ) from None
     if n < microbatches:
         raise ShapeMismatchError(f"a batch of {n} cannot be split into {microbatches} microbatches")
     base, extra = divmod(n, microbatches)
@@ -208,8 +225,9 @@ class Pipeline:
             raise ShapeMismatchError(f"inputs have {len(inputs)} samples but targets {len(targets)}")
         total = sum(len(x) for x in xs)
         weights = [len(x) / total for x in xs]
-        step = next(self._steps)
         p = self.num_stages
+        self._check_sendable([(0, "input", xs), (p - 1, "target", ys)])
+        step = next(self._steps)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         calls = [
@@ -226,23 +244,46 @@ class Pipeline:
             )
             for s, peer in enumerate(self.peers)
         ]
+        ended: list[asyncio.Task[Any]] = []  # the calls in the order they ended
+        for task in calls:
+            task.add_done_callback(ended.append)
+        local: int | None = None  # a stage whose call failed here, at the driver
         try:
             _, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
-            if pending:  # one failed: the others fail soon (their neighbours abort them)
+            first = next((calls.index(t) for t in ended if _error(t) is not None), None)
+            if first is not None and not isinstance(_error(calls[first]), (RemoteError, PeerDisconnected)):
+                # the call failed here, at the driver, most likely before it reached its stage:
+                # then no neighbour of that stage aborts the others, which wait for it, and
+                # waiting abort_grace for them is no use
+                local = first
+            elif pending:  # one failed: the others fail soon (their neighbours abort them)
                 _, pending = await asyncio.wait(pending, timeout=self.abort_grace)
         finally:
             for task in calls:
                 task.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
         outcomes: list[BaseException | dict[str, Any]] = []
-        for task in calls:
+        cut: set[int] = set()  # stages whose calls the driver cancelled: what they say is the driver's
+        for s, task in enumerate(calls):
             if task.cancelled():
-                outcomes.append(TimeoutError(f"no answer within {self.abort_grace} s of the first failure"))
+                cut.add(s)
+                if local is not None:
+                    outcomes.append(
+                        BrokenResourceError(f"cancelled at once: the call to stage {local} failed at the driver")
+                    )
+                else:
+                    outcomes.append(DeadlineExceeded(f"no answer within {self.abort_grace} s of the first failure"))
             else:
                 exc = task.exception()
                 outcomes.append(exc if exc is not None else task.result())
         if any(isinstance(o, BaseException) for o in outcomes):
-            raise self._failure(step, outcomes)  # no stage applies anything
+            error = self._failure(step, outcomes, order=[calls.index(t) for t in ended], cut=cut)
+            if local is not None and cut:
+                error.add_note(
+                    "the driver cancelled the other stages' calls at once, which breaks those stages: "
+                    "Pipeline.connect again before the next step"
+                )
+            raise error  # no stage applies anything
         stats = [o for o in outcomes if isinstance(o, dict)]
         # every stage finished: now every one applies its update, even if our caller gives up
         # meanwhile (the commits are on their way; half of them would be a half-updated model)
@@ -262,12 +303,44 @@ class Pipeline:
         loss = float(sum(w * v for w, v in zip(weights, losses, strict=True)))
         return StepResult(loss, losses, seconds, sched, stats)
 
+    def _check_sendable(self, parts: list[tuple[int, str, list[Any]]]) -> None:
+        """Refuse here, before any stage starts the step, microbatches that the call to their
+        stage could not carry (``parts``: (stage, what, microbatches)): not a tensor the wire
+        takes, or past that stage's message limit. Such a call would fail at the driver while
+        the other stages, already in the step, wait for that stage, and cancelling them breaks
+        every stage until the next ``Pipeline.connect``."""
+        nbytes: dict[int, int] = {}
+        for s, what, batch in parts:
+            for i, x in enumerate(batch):
+                try:
+                    nbytes[s] = nbytes.get(s, 0) + as_view(x).nbytes
+                except TensorError as exc:
+                    raise type(exc)(f"the {what} of microbatch {i} cannot be sent to stage {s}: {exc}") from exc
+        for s, n in nbytes.items():
+            peer = self.peers[s]
+            limit = peer.channel.remote_limits.max_message_bytes
+            if n > limit:
+                raise MessageRefused(
+                    f"this step's call to stage {s} ({peer.remote_address}) carries {n} bytes of "
+                    f"microbatches, past the {limit}-byte limit of that stage's node (its "
+                    "Limits.max_message_bytes): take smaller batches"
+                )
+
     def _failure(
-        self, step: int, outcomes: list[BaseException | dict[str, Any]], ok: str = "finished, update not applied"
+        self,
+        step: int,
+        outcomes: list[BaseException | dict[str, Any]],
+        ok: str = "finished, update not applied",
+        *,
+        order: list[int] | None = None,
+        cut: Collection[int] = (),
     ) -> BaseException:
-        """The error that started it, with every stage's account as a note."""
+        """The error that started it, with every stage's account as a note. ``order``: the
+        stages in the order their calls ended (default: stage order); ``cut``: the stages whose
+        calls the driver cancelled, whose outcomes say only that."""
         lines = []
-        root: BaseException | None = None
+        ranked: list[tuple[int, int, BaseException]] = []
+        when = {s: n for n, s in enumerate(order if order is not None else range(len(outcomes)))}
         for s, o in enumerate(outcomes):
             where = f"stage {s} ({self.peers[s].remote_address})"
             if not isinstance(o, BaseException):
@@ -276,13 +349,20 @@ class Pipeline:
             kind = o.remote_type if isinstance(o, RemoteError) else type(o).__name__
             text = o.remote_message if isinstance(o, RemoteError) else str(o)
             lines.append(f"  {where}: {kind}: {text}")
-            if isinstance(o, PeerDisconnected):  # the driver lost this stage itself: it is gone
+            # the root is the error that ended first, of the most telling kind: the driver lost
+            # the stage itself; then a stage's own error; then "aborted because" (which names
+            # the stage it came from); never the driver's cancel unless there is nothing else
+            if s in cut:
+                rank = 3
+            elif isinstance(o, PeerDisconnected):  # the driver lost this stage itself: it is gone
                 o = PeerDisconnected(f"pipeline step {step}: {where} is gone: {o}")
-                root = o if root is None or not isinstance(root, PeerDisconnected) else root
-            elif root is None and not (isinstance(o, RemoteError) and o.remote_type == "BrokenResourceError"):
-                root = o
-        if root is None:
-            root = next(o for o in outcomes if isinstance(o, BaseException))
+                rank = 0
+            elif isinstance(o, RemoteError) and o.remote_type == "BrokenResourceError":
+                rank = 2
+            else:
+                rank = 1
+            ranked.append((rank, when.get(s, len(outcomes) + s), o))
+        root = min(ranked, key=lambda r: r[:2])[2]
         root.add_note(f"pipeline step {step}, every stage:\n" + "\n".join(lines))
         return root
 
@@ -314,6 +394,11 @@ class Pipeline:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _error(task: asyncio.Task[Any]) -> BaseException | None:
+    """The error a finished call raised (None: it answered, or it was cancelled)."""
+    return None if task.cancelled() else task.exception()
 
 
 async def _settle(peers: list[Peer], links: list[dict[str, Any]], key: str) -> None:

@@ -19,6 +19,7 @@ until one of them is received, so a stage that waits for it before receiving tho
 from __future__ import annotations
 
 import enum
+import numbers
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,14 @@ class Kind(enum.Enum):
 _ACTION = re.compile(r"([FB])(\d+)")
 
 
+def _count(value: object) -> int | None:
+    """``value`` as an int if it is an integer (numpy's too, from a config array), else None;
+    a bool is not a count."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     """One unit of work on one stage: the forward or backward pass of one microbatch."""
@@ -44,12 +53,25 @@ class Action:
     kind: Kind
     microbatch: int
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            raise ScheduleError(
+                f"an Action's kind is Kind.FORWARD or Kind.BACKWARD, not {self.kind!r} "
+                "(Action.parse reads the notation: Action.parse('F0'))"
+            )
+        microbatch = _count(self.microbatch)
+        if microbatch is None or microbatch < 0:
+            raise ScheduleError(f"an Action's microbatch is an int from 0, not {self.microbatch!r}")
+        object.__setattr__(self, "microbatch", microbatch)
+
     def __str__(self) -> str:
         return f"{self.kind.value}{self.microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
         """``"F3"`` -> Action(FORWARD, 3)."""
+        if not isinstance(text, str):
+            raise ScheduleError(f"an action is a string such as 'F0' or 'B3', not {text!r}")
         match = _ACTION.fullmatch(text.strip())
         if match is None:
             raise ScheduleError(f"{text!r} is not an action: write F<microbatch> or B<microbatch>, e.g. F0, B3")
@@ -103,6 +125,28 @@ class Schedule:
     num_microbatches: int
     stages: tuple[tuple[Action, ...], ...]
 
+    def __post_init__(self) -> None:
+        # the types only (validate() judges the values), so that checking never fails with a
+        # TypeError or AttributeError from deep inside the player
+        m = _count(self.num_microbatches)
+        if m is None:
+            raise ScheduleError(f"num_microbatches must be an int, not {self.num_microbatches!r}")
+        object.__setattr__(self, "num_microbatches", m)
+        if isinstance(self.stages, str) or not isinstance(self.stages, Iterable):
+            raise ScheduleError(f"a Schedule's stages are one tuple of Actions per stage, not {self.stages!r}")
+        stages = []
+        for s, acts in enumerate(self.stages):
+            if isinstance(acts, str) or not isinstance(acts, Iterable):
+                raise ScheduleError(f"stage {s}'s actions must be a tuple of Actions, not {acts!r}")
+            row = tuple(acts)
+            bad = next((a for a in row if not isinstance(a, Action)), None)
+            if bad is not None:
+                raise ScheduleError(
+                    f"stage {s}'s actions must be Actions, not {bad!r} (Schedule.from_actions reads strings)"
+                )
+            stages.append(row)
+        object.__setattr__(self, "stages", tuple(stages))
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -114,6 +158,8 @@ class Schedule:
     def parse(cls, text: str, *, num_microbatches: int | None = None, name: str = "custom") -> Schedule:
         """Read ``stage 0: F0 F1 B0 B1`` lines (the ``stage N:`` prefix is optional, stages in
         order; blank lines are ignored). ``num_microbatches`` defaults to the largest microbatch named plus one."""
+        if not isinstance(text, str):
+            raise ScheduleError(f"Schedule.parse reads text, one line per stage, not {type(text).__name__}")
         stages: list[tuple[Action, ...]] = []
         for lineno, line in enumerate(text.splitlines()):
             if not line.strip():  # blank lines separate nothing
@@ -136,11 +182,23 @@ class Schedule:
     def from_actions(
         cls, stages: Iterable[Iterable[Action | str]], num_microbatches: int, name: str = "custom"
     ) -> Schedule:
-        return cls(
-            name,
-            num_microbatches,
-            tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts) for acts in stages),
-        )
+        """One list of actions (``Action`` or ``"F0"``) per stage, in stage order."""
+        if isinstance(stages, str) or not isinstance(stages, Iterable):
+            raise ScheduleError(
+                f"a schedule is a name ({', '.join(SCHEDULES)}), a Schedule, or one list of actions per "
+                f"stage, not {stages!r}"
+            )
+        rows = []
+        for s, acts in enumerate(stages):
+            if isinstance(acts, str):  # iterated, it would give 'F', '0', ' ', ...
+                raise ScheduleError(
+                    f"stage {s}'s actions are one string, {acts!r}: give a list per stage "
+                    f"({acts.split()!r}), or pass the one-line-per-stage text to Schedule.parse"
+                )
+            if not isinstance(acts, Iterable):
+                raise ScheduleError(f"stage {s}'s actions must be a list of actions such as 'F0', not {acts!r}")
+            rows.append(tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts))
+        return cls(name, num_microbatches, tuple(rows))
 
     # -- checking -----------------------------------------------------------------------------
     def _play(self, max_unexpected: int | Sequence[int] | None = None) -> _Play:
@@ -252,6 +310,10 @@ class Schedule:
     def peak_activations(self, stage: int) -> int:
         """Most microbatches whose forward ran and backward did not, on ``stage``: how many
         sets of activations that stage holds at once (m for GPipe, at most p-stage for 1F1B)."""
+        s = _count(stage)
+        if s is None or not 0 <= s < self.num_stages:
+            raise ScheduleError(f"stage {stage!r} is not in 0..{self.num_stages - 1}")
+        stage = s
         live = peak = 0
         for a in self.stages[stage]:
             live += 1 if a.kind is Kind.FORWARD else -1
@@ -298,10 +360,17 @@ class Schedule:
 def _limits(max_unexpected: int | Sequence[int] | None, p: int) -> tuple[int, ...]:
     if max_unexpected is None:
         return (DEFAULT_MAX_UNEXPECTED,) * p
-    limits = (max_unexpected,) * p if isinstance(max_unexpected, int) else tuple(max_unexpected)
-    if len(limits) != p or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in limits):
-        raise ScheduleError(f"max_unexpected must be a positive int or one per stage ({p}), not {max_unexpected!r}")
-    return limits
+    bad = ScheduleError(f"max_unexpected must be a positive int or one per stage ({p}), not {max_unexpected!r}")
+    if isinstance(max_unexpected, numbers.Integral):
+        given: tuple[object, ...] = (max_unexpected,) * p
+    elif isinstance(max_unexpected, Iterable) and not isinstance(max_unexpected, str):
+        given = tuple(max_unexpected)
+    else:
+        raise bad
+    limits = tuple(_count(n) for n in given)
+    if len(limits) != p or any(n is None or n < 1 for n in limits):
+        raise bad
+    return tuple(n for n in limits if n is not None)
 
 
 def _travel(links: _Links, s: int, a: Action, p: int) -> None:
@@ -330,27 +399,28 @@ def _ahead(links: _Links, s: int, kind: Kind, i: int, done: dict[_Key, int]) -> 
 
 
 # -- generators ---------------------------------------------------------------------------------
-def _check_sizes(num_stages: int, num_microbatches: int) -> None:
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+def _check_sizes(num_stages: int, num_microbatches: int) -> tuple[int, int]:
+    """(p, m) as ints: positive integers (numpy's too)."""
+    p, m = _count(num_stages), _count(num_microbatches)
+    if p is None or p < 1:
         raise ScheduleError(f"num_stages must be a positive int, not {num_stages!r}")
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+    if m is None or m < 1:
         raise ScheduleError(f"num_microbatches must be a positive int, not {num_microbatches!r}")
+    return p, m
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """GPipe: every stage runs all forwards, then all backwards. Holds m activations per stage."""
-    _check_sizes(num_stages, num_microbatches)
-    m = num_microbatches
+    p, m = _check_sizes(num_stages, num_microbatches)
     acts = tuple([F(i) for i in range(m)] + [B(i) for i in range(m)])
-    return Schedule("gpipe", m, tuple(acts for _ in range(num_stages)))
+    return Schedule("gpipe", m, tuple(acts for _ in range(p)))
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """1F1B: stage s runs p-1-s forwards to fill the pipe, then alternates one forward and one
     backward, then drains the remaining backwards. Same bubble as GPipe, but stage s holds at
     most p-s microbatches' activations instead of m."""
-    _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
+    p, m = _check_sizes(num_stages, num_microbatches)
     stages = []
     for s in range(p):
         warmup = min(p - 1 - s, m)
@@ -381,8 +451,8 @@ def make_schedule(
     *,
     max_unexpected: int | Sequence[int] | None = None,
 ) -> Schedule:
-    """A validated schedule for ``num_stages`` and ``num_microbatches`` from a name or a Schedule
-    (``max_unexpected``: as in ``Schedule.validate``)."""
+    """A validated schedule for ``num_stages`` and ``num_microbatches`` from a name, a Schedule or
+    one list of actions per stage (``max_unexpected``: as in ``Schedule.validate``)."""
     if isinstance(schedule, str):
         sched = get_schedule(schedule)(num_stages, num_microbatches)
     elif isinstance(schedule, Schedule):

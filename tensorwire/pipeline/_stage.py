@@ -51,12 +51,9 @@ from ..errors import (
     ClosedResourceError,
     ConfigurationError,
     ConnectTimeout,
-    ControlPlaneError,
     PeerDisconnected,
-    ResourceError,
-    TensorError,
+    RemoteError,
     TensorWireError,
-    TransportError,
     UnsupportedTensorError,
 )
 from ._part import Part, as_part
@@ -82,8 +79,6 @@ METHODS = (
 )
 _ABORT_SEND_SECONDS = 2.0
 _COMMIT_GRACE = 2.0  # how long a new configure waits for the old driver's commit of a finished step
-#: errors of a send that say the link itself failed; anything else is the message's own fault
-_LINK_ERRORS = (TransportError, ResourceError, ControlPlaneError)
 
 _Ticket = tuple[int, str]  # (generation, driver token): which driver's configure, ordered
 
@@ -409,10 +404,15 @@ class Stage:
         return PeerDisconnected(f"stage {self.rank}: its link to {link} broke: {type(exc).__name__}: {exc}")
 
     def _unsendable(self, what: str, exc: Exception) -> TensorWireError:
-        """This stage's own output cannot be sent (not a tensor, a layout the wire cannot carry):
-        the link is fine, the message is at fault. Wrapped in the error tree, the original kept."""
-        cls = type(exc) if isinstance(exc, TensorError) else UnsupportedTensorError
-        error = cls(f"stage {self.rank} cannot send {what}: {type(exc).__name__}: {exc}")
+        """This stage's own output cannot be sent (not a tensor, a layout the wire cannot carry,
+        past the neighbour's message limits: MessageRefused): the link is fine, the message is at
+        fault. Wrapped in the error tree, its type kept where it is one of ours, the original kept."""
+        message = f"stage {self.rank} cannot send {what}: {type(exc).__name__}: {exc}"
+        error: TensorWireError
+        if isinstance(exc, TensorWireError) and not isinstance(exc, RemoteError):
+            error = type(exc)(message)
+        else:
+            error = UnsupportedTensorError(message)
         error.__cause__ = exc
         return error
 
@@ -497,19 +497,23 @@ class Stage:
     def _send_later(self, link: _Link | None, obj: Any, tag: str, what: str) -> None:
         """Send without waiting, so the next microbatch computes while this one moves. A send
         that fails fails the step at once: as a broken link when the link failed, as this
-        stage's own error (and every neighbour told) when the message cannot be sent."""
+        stage's own error (and every neighbour told) when the message cannot be sent. Only the
+        link's state tells the two apart: a transport error can leave the link open (the
+        neighbour's limits refused the message: MessageRefused), and then that neighbour, which
+        waits for this message, must be told too."""
         if link is None:
             raise BrokenResourceError(f"stage {self.rank}: its links were dropped (a driver is configuring it)")
 
         async def send() -> None:
             try:
                 await link.peer.send(obj, tag=tag)
-            except _LINK_ERRORS as exc:
-                broke = self._link_broke(link, exc)
-                self._fail(broke, self.rank, str(broke), skip=link)
             except Exception as exc:
-                error = self._unsendable(f"{what} to {link}", exc)
-                self._fail(error, self.rank, str(error))
+                if link.peer.closed:
+                    broke = self._link_broke(link, exc)
+                    self._fail(broke, self.rank, str(broke), skip=link)
+                else:
+                    error = self._unsendable(f"{what} to {link}", exc)
+                    self._fail(error, self.rank, str(error))
 
         task = asyncio.get_running_loop().create_task(send())
         self._sends.add(task)
