@@ -1,6 +1,7 @@
 """The tensor adapter and message headers."""
 
 import array
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -161,3 +162,215 @@ def test_torch_tensors_without_one_buffer_are_refused_clearly() -> None:
     for t, what in ((nested, "nested"), (sparse, "sparse")):
         with pytest.raises(tensorwire.UnsupportedTensorError, match=what):
             prepare({"x": t})
+
+
+# -- what a recv may not write into, and what cannot be read ---------------------------------------
+def _specs(obj: object) -> list:
+    return decode_header(prepare(obj).header, max_message_bytes=1 << 40)[1]
+
+
+def _matrix(a: object) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PendingDeprecationWarning)  # numpy would rather it were not used
+        return np.matrix(a)
+
+
+def test_ndarray_subclasses_are_moved_as_plain_arrays_over_their_memory(tmp_path) -> None:
+    """np.matrix keeps two dimensions through reshape(-1): its byte view was one row long to a
+    socket (tcp sent a sixth of the message and lost the stream) and could not be assigned to
+    (a recv into one broke the channel). Read as the plain ndarray over the same memory, it and
+    other subclasses (np.memmap) are sent whole and received into."""
+    m = _matrix(np.arange(6.0).reshape(2, 3))
+    msg = prepare(m)
+    assert type(msg.arrays[0]) is np.ndarray and np.shares_memory(msg.arrays[0], m)
+    assert [len(s) for s in msg.segments()] == [48] and bytes(msg.segments()[0]) == np.asarray(m).tobytes()
+    assert len(tensorwire.tensors.byte_view(m)) == 48  # the backstop, for arrays from elsewhere
+    mm = np.memmap(tmp_path / "mm", dtype=np.float64, mode="w+", shape=(2, 3))
+    for out in (_matrix(np.zeros((2, 3))), mm):
+        (target,) = match_out(out, _specs(m))
+        assert type(target) is np.ndarray and np.shares_memory(target, out)
+        tensorwire.tensors.byte_view(target)[:] = np.asarray(m).tobytes()
+        assert np.array_equal(np.asarray(out), np.asarray(m))
+
+
+def test_masked_arrays_are_refused() -> None:
+    masked = np.ma.masked_array([1.0, 2.0, 3.0], mask=[0, 1, 0])
+    with pytest.raises(tensorwire.UnsupportedTensorError, match="mask"):
+        prepare({"x": masked})
+    with pytest.raises(tensorwire.UnsupportedTensorError, match="mask"):
+        match_out(np.ma.masked_array(np.zeros(3)), _specs(np.zeros(3)))
+
+
+def test_a_numpy_scalar_out_is_refused_as_immutable() -> None:
+    """np.asarray(np.float64(0)) is a new 0-d array: bytes received into it were lost."""
+    specs = _specs(np.float64(42.0))
+    for out in (np.float64(0.0), [np.float64(0.0)]):
+        with pytest.raises(tensorwire.UnsupportedTensorError, match=r"numpy scalar .*immutable"):
+            match_out(out, specs)
+    zero_d = np.zeros((), np.float64)
+    assert np.shares_memory(match_out([zero_d], specs)[0], zero_d)  # what to pass instead
+    assert not as_view(np.float64(1.0)).array.flags.writeable
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_a_torch_out_with_the_conj_or_neg_bit_is_refused(bit: str) -> None:
+    """Such a view's values exist only once resolved into a copy: a recv wrote into the copy and
+    returned the caller's tensor untouched. Sending one sends its values."""
+    torch = pytest.importorskip("torch")
+    base = torch.zeros(2, dtype=torch.complex64)
+    out = base.conj() if bit == "conj" else base.conj().imag
+    assert out.is_conj() if bit == "conj" else out.is_neg()
+    dtype = "complex64" if bit == "conj" else "float32"
+    specs = _specs(np.zeros(2, dtype))
+    with pytest.raises(tensorwire.UnsupportedTensorError, match=f"torch's {bit} bit"):
+        match_out(out, specs)
+    with pytest.raises(tensorwire.UnsupportedTensorError, match=f"torch's {bit} bit"):
+        match_out({"a": [out]}, specs)
+    src = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    sent = src.conj() if bit == "conj" else src.conj().imag
+    got, _ = roundtrip(sent)
+    assert torch.equal(got, sent.resolve_conj().resolve_neg())
+
+
+class _FailingProtocol:
+    """An object whose DLPack or CUDA array interface property fails when looked at."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, name: str) -> object:
+        if name == self.name:
+            raise RuntimeError(f"{name} is broken")
+        raise AttributeError(name)
+
+
+def _unreadable() -> list:
+    import mmap
+
+    closed = mmap.mmap(-1, 16)
+    closed.close()
+    released = memoryview(bytearray(16))
+    released.release()
+    return [
+        pytest.param(closed, id="closed-mmap"),
+        pytest.param(released, id="released-memoryview"),
+        pytest.param(_FailingProtocol("__dlpack__"), id="failing-dlpack"),
+        pytest.param(_FailingProtocol("__cuda_array_interface__"), id="failing-cuda-array-interface"),
+    ]
+
+
+@pytest.mark.parametrize("obj", _unreadable())
+def test_unreadable_buffers_are_refused(obj: object) -> None:
+    """A closed mmap or released memoryview raised ValueError from memoryview(); an object whose
+    protocol property fails, its own error: both from prepare, and from a recv's match_out."""
+    with pytest.raises(tensorwire.UnsupportedTensorError):
+        prepare({"x": obj})
+    with pytest.raises(tensorwire.UnsupportedTensorError):
+        match_out([obj], _specs([np.zeros(2, np.uint8)]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_tensors_of_more_than_64_dimensions_are_refused(dtype: str) -> None:
+    """numpy holds at most 64 dimensions: .numpy() raised a plain ValueError (and the bfloat16
+    path nothing caught at all)."""
+    torch = pytest.importorskip("torch")
+    t = torch.zeros([1] * 65, dtype=getattr(torch, dtype))
+    with pytest.raises(tensorwire.UnsupportedTensorError, match="65 dimensions"):
+        prepare(t)
+    with pytest.raises(tensorwire.UnsupportedTensorError, match="65 dimensions"):
+        match_out(t, _specs(np.zeros([1] * 64)))
+    assert prepare(torch.zeros([1] * 64, dtype=getattr(torch, dtype))).specs[0].shape == (1,) * 64
+
+
+def test_out_leaves_that_share_memory_are_refused() -> None:
+    """recv(out=[buf, buf]) returned the second tensor twice, the first lost."""
+    specs = _specs([np.zeros(4), np.zeros(4)])
+    buf = np.zeros(4)
+    with pytest.raises(tensorwire.ShapeMismatchError, match="out= tensors 0 and 1 share memory"):
+        match_out([buf, buf], specs)
+    x = np.zeros(7)
+    with pytest.raises(tensorwire.ShapeMismatchError, match="share memory"):
+        match_out((x[3:], x[:4]), specs)  # overlapping by one element, in any order
+    y = np.zeros(8)
+    left, right = match_out([y[:4], y[4:]], specs)  # touching is not sharing
+    assert np.shares_memory(left, y) and np.shares_memory(right, y)
+    empty = np.zeros(0)
+    assert len(match_out([empty, empty], _specs([empty, empty]))) == 2  # no bytes, nothing to share
+
+
+def test_overlap_of_many_out_leaves_is_found_quickly() -> None:
+    """Sorted by address, not compared pair by pair: 20000 leaves of one buffer check fast, and
+    the one pair that overlaps is named."""
+    n = 20_000
+    buf = np.zeros(n + 1, np.int8)
+    leaves = [buf[i : i + 1] for i in range(n)]
+    specs = _specs([np.zeros(1, np.int8)] * n)
+    assert len(match_out(leaves, specs)) == n
+    leaves[n // 3] = buf[n // 2 : n // 2 + 1]  # the same byte as leaf n // 2
+    with pytest.raises(tensorwire.ShapeMismatchError, match=f"out= tensors {n // 3} and {n // 2} share memory"):
+        match_out(leaves, specs)
+
+
+def _odd_outs() -> list:
+    import ctypes
+    import mmap
+
+    class Pair(ctypes.Structure):
+        _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_int32)]
+
+    closed = mmap.mmap(-1, 32)
+    closed.close()
+    released = memoryview(bytearray(32))
+    released.release()
+    return [
+        _matrix(np.zeros((1, 4))),
+        np.ma.masked_array(np.zeros(4)),
+        np.rec.array(np.zeros(4, dtype=[("a", "f8")])),
+        np.char.array(["abcd"] * 4),
+        np.broadcast_to(np.zeros(1), (4,)),
+        np.zeros(4, ">f8"),
+        np.zeros(4, object),
+        np.float64(0.0),
+        np.void(b"12345678"),
+        (Pair * 4)(),
+        (ctypes.c_double * 4)(),
+        array.array("d", [0.0] * 4),
+        bytearray(32),
+        b"x" * 32,
+        "text",
+        None,
+        {1, 2},
+        closed,
+        released,
+        _FailingProtocol("__dlpack__"),
+        _FailingProtocol("__cuda_array_interface__"),
+        _DLPackOnly(3),
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec", [np.zeros(4), np.zeros(4, np.complex64), [np.zeros(4), np.zeros(4)]], ids=["float64", "complex64", "two"]
+)
+def test_match_out_raises_only_tensorwire_errors(spec: object) -> None:
+    """A recv's out= is matched where the message arrives (a transport's reader): any error but
+    ours used to reach it, and there broke the whole channel."""
+    specs = _specs(spec)
+    outs = _odd_outs()
+    torch = pytest.importorskip("torch")
+    base = torch.zeros(4, dtype=torch.complex64)
+    outs += [
+        base.conj(),
+        base.conj().imag,
+        torch.zeros([1] * 65),
+        torch.zeros([1] * 65, dtype=torch.bfloat16),
+        torch.eye(4).to_sparse(),
+        torch.zeros(4, device="meta"),
+        torch.zeros(1).expand(4),
+        torch.zeros(4, dtype=torch.float8_e4m3fnuz),
+    ]
+    for odd in outs:
+        for out in (odd, [odd, odd], {"a": odd}):
+            try:
+                match_out(out, specs)
+            except tensorwire.TensorWireError:
+                pass

@@ -888,3 +888,98 @@ def test_device_views_refuse_host_only_paths(engine: HostEngine) -> None:
     assert msg.on_device and msg.memory == "host-engine"
     with pytest.raises(UnsupportedTensorError, match="device tensors"):
         msg.segments()
+
+
+# -- device out= a recv may not write into, and out= leaves that share memory ------------------------
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_a_torch_device_out_with_the_conj_or_neg_bit_is_refused(bit: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA torch view with the conj or neg bit is resolved into a copy: a recv into it wrote
+    the copy and returned the caller's tensor untouched. Its DeviceSource says it is read-only
+    (CPU tensors, with the host engine standing in for a CUDA one; on a GPU: below)."""
+    torch = pytest.importorskip("torch")
+    from tensorwire.tensors import _device
+
+    engine = HostEngine()
+    monkeypatch.setattr(_device, "_engine", lambda device: engine)
+    monkeypatch.setattr(_device, "_stream", lambda framework, device: None)
+    try:
+        base = torch.zeros(4, dtype=torch.complex64)
+        src = _device._torch_source(base.conj() if bit == "conj" else base.conj().imag)
+        assert f"torch's {bit} bit" in src.readonly
+        with pytest.raises(UnsupportedTensorError, match=f"read-only .*torch's {bit} bit"):
+            src.target()
+        plain = _device._torch_source(base)
+        assert not plain.readonly and plain.target().buf.ptr == base.data_ptr()
+    finally:
+        engine.close()
+
+
+def _torch_cuda() -> Any:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    return torch
+
+
+async def test_a_cuda_torch_out_with_the_conj_bit_is_refused_on_a_gpu() -> None:
+    torch = _torch_cuda()
+    src = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64, device="cuda")
+    async with connected_pair("tcp") as (a, b):
+        await a.send(src, tag="c")
+        base = torch.zeros(2, dtype=torch.complex64, device="cuda")
+        with pytest.raises(UnsupportedTensorError, match="conj bit"):
+            await b.recv(tag="c", out=base.conj())
+        assert await b.recv(tag="c", out=base) is base  # the message stayed
+        torch.cuda.synchronize()
+        assert torch.equal(base, src)
+
+
+def test_an_engine_array_of_an_ndarray_subclass_holds_the_plain_array(engine: HostEngine) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PendingDeprecationWarning)
+        m = np.matrix(np.arange(6.0).reshape(2, 3))
+    e = EngineArray(engine, m)
+    assert type(e.array) is np.ndarray and np.shares_memory(e.array, m)
+
+
+async def test_out_leaves_sharing_memory_with_device_leaves_are_refused(engine: HostEngine) -> None:
+    """A host leaf and an engine array over the same memory (one address space, as CUDA's unified
+    addressing gives host and device pointers), or two engine arrays: refused, and the message
+    stays for the next recv."""
+    data = _bytes(64, 3)
+    async with connected_pair("tcp") as (a, b):
+        await a.send([data, data[::-1].copy()], tag="x")
+        shared = np.zeros(64, np.uint8)
+        for out in ([shared, _arr(engine, shared)], [_arr(engine, shared), _arr(engine, shared)]):
+            with pytest.raises(ShapeMismatchError, match="out= tensors 0 and 1 share memory"):
+                await b.recv(tag="x", out=out)
+        out = [_arr(engine, np.zeros(64, np.uint8)), np.zeros(64, np.uint8)]
+        await b.recv(tag="x", out=out)
+        assert np.array_equal(out[0].array, data) and np.array_equal(out[1], data[::-1])
+
+
+def test_a_strided_device_leaf_counts_from_its_lowest_to_its_highest_byte() -> None:
+    """Negative strides reach below the pointer; interleaved strided leaves may share memory as
+    far as a span can tell, and are refused."""
+    from tensorwire.tensors import TensorView
+    from tensorwire.tensors._device import DeviceSource
+    from tensorwire.tensors._message import _refuse_overlap
+
+    engine = HostEngine()
+    try:
+        base = 0x10000
+
+        def leaf(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> TensorView:
+            src = DeviceSource(None, "cupy", engine, "float32", shape, ptr, strides, False, None)
+            return TensorView(None, "cupy", "cuda:0", src)
+
+        backwards = leaf(base + 28, (4,), (-4,))  # bytes 16..32
+        forwards = leaf(base, (4,), (4,))  # bytes 0..16
+        _refuse_overlap([backwards, forwards])
+        _refuse_overlap([leaf(base + 16, (0, 3), (12, 4)), leaf(base + 16, (4,), (4,))])  # no elements
+        with pytest.raises(ShapeMismatchError, match="share memory"):
+            _refuse_overlap([forwards, leaf(base + 12, (2,), (-8,))])  # bytes 4..16
+        with pytest.raises(ShapeMismatchError, match="share memory"):
+            _refuse_overlap([leaf(base, (2, 2), (16, 4)), leaf(base + 8, (2, 2), (16, 4))])  # interleaved
+    finally:
+        engine.close()

@@ -40,6 +40,7 @@ __all__ = [
     "allocate_device",
     "cuda_usable",
     "device_source",
+    "offers",
     "parse_device",
     "wanted_device",
 ]
@@ -374,7 +375,9 @@ class EngineArray:
         if not array.flags.c_contiguous:
             raise UnsupportedTensorError("EngineArray needs a C-contiguous array")
         self.engine = engine
-        self.array = array
+        # a subclass (np.matrix, ...) as the plain ndarray over its memory: its own reshape may
+        # keep dimensions, and the engine's byte views of it would come out short
+        self.array = array if type(array) is np.ndarray else np.ndarray.view(array, np.ndarray)
         self.stream = stream  # from engine.stream(): the framework stream it belongs to, or None
 
     def __repr__(self) -> str:
@@ -416,9 +419,18 @@ _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged: device memory a CUDA stream o
 _DLPACK_PINNED = 3  # kDLCUDAHost: page-locked host memory, written by CUDA streams
 
 
+def offers(obj: object, name: str) -> bool:
+    """``hasattr(obj, name)``, for a protocol attribute (``__dlpack__``, ...) of an object of
+    any library: one whose property fails does offer it, and using it then says what failed."""
+    try:
+        return hasattr(obj, name)
+    except Exception:
+        return True
+
+
 def dlpack_device_kind(obj: object) -> int | None:
     """The DLPack device type ``obj`` says it lives on, None if it offers no DLPack."""
-    if not hasattr(obj, "__dlpack__"):
+    if not offers(obj, "__dlpack__"):
         return None
     try:
         kind, _ = obj.__dlpack_device__()  # type: ignore[attr-defined]
@@ -450,10 +462,16 @@ def _dlpack_source(obj: Any) -> DeviceSource:
 
 def _torch_source(t: Any) -> DeviceSource:
     t = t.detach()
+    # a conjugate or negative view (torch's lazy conj/neg bits) is resolved into a copy (on the
+    # current stream), which can be sent but never received into: the caller's tensor would
+    # not see the bytes
+    readonly = ""
     if t.is_conj():
         t = t.resolve_conj()
+        readonly = "a conjugate view (torch's conj bit); receive into a tensor without it, then .conj() that"
     if t.is_neg():
         t = t.resolve_neg()
+        readonly = readonly or "a negative view (torch's neg bit, as x.conj().imag has); receive into a plain tensor"
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise UnsupportedTensorError(f"torch dtype {t.dtype} is not supported; supported: {', '.join(DTYPES)}")
@@ -469,6 +487,7 @@ def _torch_source(t: Any) -> DeviceSource:
         tuple(s * item for s in t.stride()),
         bool(t.is_contiguous()),
         _stream("torch", device),
+        readonly,
     )
 
 
@@ -670,7 +689,7 @@ class Landing:
 
     async def upload(self, target: DeviceTensor, src: np.ndarray) -> None:
         """Copy host array ``src`` into ``target`` through staging chunks."""
-        data = src.reshape(-1).view(np.uint8).data if src.nbytes else memoryview(b"")
+        data = np.asarray(src).reshape(-1).view(np.uint8).data if src.nbytes else memoryview(b"")  # as byte_view
 
         def fill(view: memoryview, pos: int) -> None:
             view[:] = data[pos : pos + len(view)]

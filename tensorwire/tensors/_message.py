@@ -18,9 +18,9 @@ import numpy as np
 
 from ..control._pb import wire_pb2
 from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
-from ._device import DeviceTensor, Streams
+from ._device import DeviceSource, DeviceTensor, Streams
 from ._dtypes import DTYPES
-from ._view import TensorView, as_view, byte_view, empty, is_tensor, to_framework
+from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
 __all__ = ["Outgoing", "Spec", "decode_header", "decode_header_sized", "match_out", "prepare", "rebuild"]
 
@@ -30,7 +30,6 @@ MAX_DEPTH = 32
 MAX_BIG_INT_DIGITS = 1000
 _BIG_INT = re.compile(rf"-?[0-9]{{1,{MAX_BIG_INT_DIGITS}}}")
 _SCALAR_KINDS = frozenset({"none", "bool_value", "int_value", "float_value", "str_value", "bytes_value", "big_int"})
-MAX_NDIM = 64
 _INT64 = 2**63
 _CUDA_DEVICE = re.compile(r"cuda(:[0-9]{1,6})?")
 
@@ -357,19 +356,56 @@ def match_out(out: object, specs: list[Spec], streams: Streams | None = None) ->
     _flatten(out, views, 0)
     if len(views) != len(specs):
         raise ShapeMismatchError(f"out= holds {len(views)} tensors but the message has {len(specs)}")
-    targets: list[np.ndarray | DeviceTensor] = []
     for i, (v, s) in enumerate(zip(views, specs, strict=True)):
         if v.dtype != s.dtype or v.shape != s.shape:
             raise ShapeMismatchError(
                 f"out= tensor {i} is {v.dtype}{list(v.shape)} but the message carries {s.dtype}{list(s.shape)}"
             )
-        targets.append(v.dev.target(streams) if v.dev is not None else _writable(v))
-    return targets
+        if v.dev is None:
+            _writable(v)
+    if len(views) > 1:
+        _refuse_overlap(views)
+    return [v.dev.target(streams) if v.dev is not None else v.array for v in views]
 
 
 def _writable(v: TensorView) -> np.ndarray:
+    if v.readonly:
+        raise UnsupportedTensorError(f"out= {v.framework} tensor cannot be received into: {v.readonly}")
     if not v.array.flags.c_contiguous:
         raise ShapeMismatchError("out= buffer must be C-contiguous so bytes can land in it directly")
     if not v.array.flags.writeable:
         raise ShapeMismatchError("out= buffer is read-only")
     return v.array
+
+
+def _span(v: TensorView) -> tuple[int, int]:
+    """The addresses ``[start, end)`` a checked out= leaf's bytes may lie in (host and device
+    pointers share one address space under CUDA's unified addressing); empty for no bytes."""
+    if v.dev is None:
+        start = int(v.array.ctypes.data)
+        return start, start + int(v.array.nbytes)  # C-contiguous: exactly its bytes
+    d: DeviceSource = v.dev
+    if d.nbytes == 0:
+        return d.ptr, d.ptr
+    low = d.ptr + sum((n - 1) * s for n, s in zip(d.shape, d.strides, strict=True) if s < 0)
+    high = d.ptr + sum((n - 1) * s for n, s in zip(d.shape, d.strides, strict=True) if s > 0)
+    return low, high + DTYPES[d.dtype].itemsize
+
+
+def _refuse_overlap(views: list[TensorView]) -> None:
+    """ShapeMismatchError if two out= leaves may share memory: the later tensor's bytes would
+    overwrite the earlier one's (``recv(out=[buf, buf])``). Sorted by start address, each leaf
+    is compared with the furthest end before it: O(n log n) for many leaves. A strided device
+    leaf counts from its lowest to its highest byte, so interleaved ones are refused too."""
+    spans = sorted((*_span(v), i) for i, v in enumerate(views))
+    reach, last = -1, -1
+    for start, end, i in spans:
+        if start == end:
+            continue
+        if start < reach:
+            first, second = sorted((last, i))
+            raise ShapeMismatchError(
+                f"out= tensors {first} and {second} share memory: each tensor of the message needs its own buffer"
+            )
+        if end > reach:
+            reach, last = end, i

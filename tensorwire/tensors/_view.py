@@ -25,10 +25,14 @@ from ._device import (
     EngineArray,
     device_source,
     dlpack_device_kind,
+    offers,
 )
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
 
-__all__ = ["TensorView", "as_view", "byte_view", "empty", "is_tensor", "to_framework"]
+__all__ = ["MAX_NDIM", "TensorView", "as_view", "byte_view", "empty", "is_tensor", "to_framework"]
+
+# numpy's own limit (NPY_MAXDIMS), and so the most dimensions a header may claim
+MAX_NDIM = 64
 
 # torch dtypes that numpy cannot hold natively; moved as same-width integers and re-viewed.
 _TORCH_REVIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
@@ -43,6 +47,9 @@ class TensorView:
     framework: str = "numpy"
     device: str = "cpu"
     dev: DeviceSource | None = None
+    # why a recv may not write into it although its array is ours to write (a numpy scalar, a
+    # torch view whose bytes had to be copied): empty when it may; ``host`` is then read-only too
+    readonly: str = ""
 
     @property
     def array(self) -> np.ndarray:
@@ -101,12 +108,14 @@ def is_tensor(obj: object) -> bool:
         return True
     if isinstance(obj, (bytes, str)):
         return False
-    if hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"):
+    if offers(obj, "__dlpack__") or offers(obj, "__cuda_array_interface__"):
         return True
     try:
         memoryview(obj)  # type: ignore[arg-type]
     except TypeError:
         return False
+    except (ValueError, BufferError):  # a buffer, but not now (a closed mmap, a released view): as_view says so
+        return True
     return True
 
 
@@ -117,47 +126,72 @@ def _from_torch(t: Any) -> TensorView:
             f"torch tensors of layout {'nested' if t.is_nested else t.layout} have no single buffer to send; "
             "send a dense one (t.to_dense(), or t.to_padded_tensor(0) for a nested one)"
         )
+    if t.dim() > MAX_NDIM:
+        raise UnsupportedTensorError(f"torch tensor of {t.dim()} dimensions: at most {MAX_NDIM} can be moved")
     if t.device.type != "cpu":
         dev = device_source(t)
         assert dev is not None
         return TensorView(None, "torch", dev.device, dev)
     t = t.detach()
+    # a conjugate or negative view (torch's lazy conj/neg bits) has no buffer holding its values:
+    # they are resolved into a copy, which can be sent but not received into (the caller's
+    # tensor would never see the bytes)
+    readonly = ""
     if t.is_conj():
         t = t.resolve_conj()
+        readonly = "a conjugate view (torch's conj bit); receive into a tensor without it, then .conj() that"
     if t.is_neg():
         t = t.resolve_neg()
+        readonly = readonly or "a negative view (torch's neg bit, as x.conj().imag has); receive into a plain tensor"
     name = str(t.dtype).removeprefix("torch.")
-    if name in _TORCH_REVIEW:
-        carrier = getattr(torch, _TORCH_REVIEW[name])
-        arr = t.view(carrier).numpy().view(DTYPES[name])
-    else:
-        try:
+    try:
+        if name in _TORCH_REVIEW:
+            carrier = getattr(torch, _TORCH_REVIEW[name])
+            arr = t.view(carrier).numpy().view(DTYPES[name])
+        else:
             arr = t.numpy()
-        except TypeError as exc:
-            raise UnsupportedTensorError(f"torch dtype {t.dtype} is not supported") from exc
-        except RuntimeError as exc:  # a tensor subclass (DTensor, ...) torch will not expose
-            raise UnsupportedTensorError(f"this torch tensor ({type(t).__name__}) has no numpy view: {exc}") from exc
+    except TypeError as exc:
+        raise UnsupportedTensorError(f"torch dtype {t.dtype} is not supported") from exc
+    except (RuntimeError, ValueError) as exc:  # a tensor subclass (DTensor, ...) torch will not expose
+        raise UnsupportedTensorError(f"this torch tensor ({type(t).__name__}) has no numpy view: {exc}") from exc
     dtype_name(arr.dtype)  # validates
-    return TensorView(arr, "torch")
+    if readonly:
+        arr.flags.writeable = False  # the copy's numpy view only; paths that check this refuse it too
+    return TensorView(arr, "torch", readonly=readonly)
 
 
 def as_view(obj: object) -> TensorView:
     """Adapt a tensor-like object; raises UnsupportedTensorError with the reason otherwise."""
+    readonly = ""
     if isinstance(obj, np.ndarray):
-        arr = obj
+        ma = sys.modules.get("numpy.ma")  # none can exist before numpy.ma is imported
+        if ma is not None and isinstance(obj, ma.MaskedArray):
+            raise UnsupportedTensorError(
+                "a masked array's mask cannot be sent: send arr.filled(value), or arr.data and arr.mask"
+            )
+        # a subclass (np.matrix, np.memmap, ...) as the plain ndarray over the same memory: its
+        # own reshape and view may keep dimensions (a matrix stays 2-D), and byte views of it
+        # then come out short
+        arr = obj if type(obj) is np.ndarray else np.ndarray.view(obj, np.ndarray)
         framework = "numpy"
     elif isinstance(obj, np.generic):
-        arr = np.asarray(obj)
+        arr = np.asarray(obj)  # a copy: numpy scalars are immutable
+        arr.flags.writeable = False
+        readonly = f"a numpy scalar ({type(obj).__name__}) is immutable; receive into a 0-d array, np.empty((), dtype)"
         framework = "numpy"
     else:
         torch = _torch()
         if torch is not None and isinstance(obj, torch.Tensor):
             return _from_torch(obj)
         kind = dlpack_device_kind(obj)
-        if isinstance(obj, EngineArray) or hasattr(obj, "__cuda_array_interface__") or kind in _DLPACK_CUDA:
+        if isinstance(obj, EngineArray) or offers(obj, "__cuda_array_interface__") or kind in _DLPACK_CUDA:
             dev = device_source(obj)
             if dev is None:
                 raise UnsupportedTensorError(f"{type(obj).__name__} could not be read as device memory")
+            if len(dev.shape) > MAX_NDIM:
+                raise UnsupportedTensorError(
+                    f"{type(obj).__name__} of {len(dev.shape)} dimensions: at most {MAX_NDIM} can be moved"
+                )
             return TensorView(None, dev.framework, dev.device, dev)
         if kind == _DLPACK_PINNED:
             raise UnsupportedTensorError(
@@ -165,10 +199,10 @@ def as_view(obj: object) -> TensorView:
                 "says nothing of the CUDA stream that may still be writing it: pass a torch tensor, a "
                 "CuPy or numpy array"
             )
-        if hasattr(obj, "__dlpack__"):
+        if offers(obj, "__dlpack__"):
             try:
-                arr = np.from_dlpack(obj)
-            except (BufferError, TypeError, RuntimeError, ValueError) as exc:
+                arr = np.from_dlpack(obj)  # type: ignore[arg-type]  # offers() found __dlpack__
+            except Exception as exc:  # the producer's BufferError, TypeError, ... (its own code runs here)
                 raise UnsupportedTensorError(
                     f"{type(obj).__name__} could not be imported through DLPack: {exc}"
                 ) from exc
@@ -176,15 +210,17 @@ def as_view(obj: object) -> TensorView:
         else:
             try:
                 arr = np.asarray(memoryview(obj))  # type: ignore[arg-type]
-            except (TypeError, ValueError) as exc:
+            except TypeError as exc:
                 raise UnsupportedTensorError(
                     f"{type(obj).__name__} is not a tensor: expected numpy, torch, DLPack or a buffer"
                 ) from exc
+            except (ValueError, BufferError) as exc:  # a closed mmap, a released memoryview, ...
+                raise UnsupportedTensorError(f"{type(obj).__name__}'s buffer cannot be read: {exc}") from exc
             framework = "numpy"
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder not in "=|" and not arr.dtype.isnative):
         raise UnsupportedTensorError(f"big-endian dtype {arr.dtype} is not supported; convert to native order")
     dtype_name(arr.dtype)
-    return TensorView(arr, framework)
+    return TensorView(arr, framework, readonly=readonly)
 
 
 def to_framework(arr: np.ndarray | DeviceTensor, framework: str) -> Any:
@@ -204,8 +240,10 @@ def to_framework(arr: np.ndarray | DeviceTensor, framework: str) -> Any:
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
-    """A flat, writable-if-possible byte view of a C-contiguous array (no copy)."""
-    return arr.reshape(-1).view(np.uint8).data
+    """A flat, writable-if-possible byte view of a C-contiguous array (no copy). Read through
+    the plain ndarray: a subclass's reshape may keep dimensions (np.matrix stays 2-D), and a 2-D
+    memoryview is one row long to a socket and cannot be assigned to."""
+    return np.asarray(arr).reshape(-1).view(np.uint8).data
 
 
 def empty(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
