@@ -388,6 +388,169 @@ async def test_remote_exceptions_keep_type_message_and_traceback(pair: tuple[ten
     assert await a.call("add", 1, 1) == 2  # the node keeps serving
 
 
+class _Halt(BaseException):
+    """Neither an Exception nor a cancellation: a framework's "abort this request", say."""
+
+
+async def _answer(aw: Any, seconds: float = 5.0) -> Any:
+    """``await aw``; a call that never answers fails the test instead of hanging it."""
+    tm = asyncio.timeout(seconds)
+    try:
+        async with tm:
+            return await aw
+    except TimeoutError:
+        if tm.expired():
+            pytest.fail(f"no answer within {seconds} s: the call hangs")
+        raise
+
+
+async def test_a_method_raising_a_base_exception_still_answers(pair: tuple[tensorwire.Peer, tensorwire.Peer]) -> None:
+    """A BaseException of the method's own (a BaseExceptionGroup out of its TaskGroup among them)
+    comes back as an error, and the call's slot comes back with it (the node has one here)."""
+    a, b = pair
+    _register_basics(b.node)
+    b.node.methods.limits = CallLimits(max_concurrent=1)
+
+    async def stop() -> None:
+        raise _Halt("stop here")
+
+    @b.node.method()
+    async def halt() -> None:
+        await stop()
+
+    @b.node.method()
+    async def group() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(stop())
+
+    @b.node.method()
+    async def halting() -> AsyncIterator[int]:
+        yield 1
+        await stop()
+
+    for name, remote_type in (("halt", "_Halt"), ("group", "BaseExceptionGroup")):
+        with pytest.raises(tensorwire.RemoteError) as info:
+            await _answer(a.call(name))
+        assert info.value.remote_type == remote_type and "stop" in info.value.remote_traceback
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for x in a.stream("halting"):
+            got.append(x)
+
+    with pytest.raises(tensorwire.RemoteError, match="_Halt: stop here"):
+        await _answer(consume())
+    assert got == [1]
+    assert await _answer(a.call("add", 1, 2)) == 3
+    await _settled(a, b)
+
+
+async def test_a_method_cancelled_by_the_serving_application_still_answers(
+    pair: tuple[tensorwire.Peer, tensorwire.Peer],
+) -> None:
+    """Its caller did not cancel and its peer is open: the caller gets an error, not silence."""
+    a, b = pair
+    _register_basics(b.node)
+    running: set[asyncio.Task[Any]] = set()
+
+    @b.node.method()
+    async def work() -> str:
+        task = asyncio.current_task()
+        assert task is not None
+        running.add(task)  # say, to drop the work in flight when the model reloads
+        try:
+            await asyncio.sleep(30)
+            return "done"
+        finally:
+            running.discard(task)
+
+    call = asyncio.ensure_future(a.call("work"))
+    await _eventually(lambda: bool(running))
+    for task in list(running):
+        task.cancel()
+        task.cancel()  # twice: all of it is taken back before the reply goes
+    with pytest.raises(tensorwire.RemoteError) as info:
+        await _answer(call)
+    assert type(info.value) is tensorwire.RemoteError and info.value.remote_type == "CancelledError"
+    assert await _answer(a.call("add", 1, 2)) == 3
+    await _settled(a, b)
+
+
+async def test_errors_raised_inside_a_method_are_its_own(pair: tuple[tensorwire.Peer, tensorwire.Peer]) -> None:
+    """MethodNotFound, InvalidArguments and DeadlineExceeded say something of the call itself.
+    Raised by a call the method makes, they are the method's error (RemoteError, with their type
+    as remote_type): a caller of "relay" must not be told that "relay" does not exist."""
+    a, b = pair
+    _register_basics(a.node)  # what b's methods call on a
+    _register_basics(b.node)
+
+    @b.node.method()
+    async def relay(name: str, *args: Any) -> Any:
+        return await b.call(name, *args)
+
+    @b.node.method()
+    async def impatient() -> Any:
+        return await b.call("sleep", 5.0, _deadline=0.05)
+
+    for args, remote_type in (
+        (("not_on_a",), "MethodNotFound"),
+        (("add", 1, 2, 3), "InvalidArguments"),
+    ):
+        with pytest.raises(tensorwire.RemoteError) as info:
+            await _answer(a.call("relay", *args))
+        assert type(info.value) is tensorwire.RemoteError, info.value
+        assert info.value.remote_type == remote_type and "relay" in info.value.remote_traceback
+    with pytest.raises(tensorwire.RemoteError) as info:
+        await _answer(a.call("impatient"))
+    assert type(info.value) is tensorwire.RemoteError and info.value.remote_type == "DeadlineExceeded"
+    assert await _answer(a.call("relay", "add", 1, 2)) == 3
+    # the call's own lookup, arguments and deadline still say so
+    with pytest.raises(tensorwire.MethodNotFound):
+        await _answer(a.call("not_on_b"))
+    with pytest.raises(tensorwire.InvalidArguments):
+        await _answer(a.call("relay"))
+    with pytest.raises(tensorwire.DeadlineExceeded):
+        await _answer(a.call("impatient", _deadline=0.02))
+    await _settled(a, b)
+
+
+async def test_out_takes_tensors_only(pair: tuple[tensorwire.Peer, tensorwire.Peer]) -> None:
+    """The result's tensors land in ``_out`` and the call returns ``_out`` itself. An ``_out``
+    without a tensor would take an error reply (which carries none) for a result and swallow it,
+    and a scalar in it would come back as it was, not as the method returned it: both are
+    refused before anything is sent."""
+    a, b = pair
+    _register_basics(b.node)
+    calls = 0
+
+    @b.node.method()
+    async def step() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        return {"x": np.arange(4, dtype=np.float32), "step": 12}
+
+    x = np.zeros(4, np.float32)
+    refused: list[Any] = [(), {}, [[], {}], {"x": x, "step": 0}, [x, None], "x", b"x"]
+    for out in refused:
+        with pytest.raises(tensorwire.ConfigurationError, match="_out"):
+            await _answer(a.call("step", _out=out))
+        with pytest.raises(tensorwire.ConfigurationError, match="_out"):
+            await _answer(a.call("fail", "swallowed", _out=out))
+    assert calls == 0
+    nested: Any = x
+    for _ in range(40):
+        nested = [nested]
+    with pytest.raises(tensorwire.ConfigurationError, match="deeper"):
+        await _answer(a.call("step", _out=nested))
+    # with a tensor in _out, errors come through as they do without
+    with pytest.raises(tensorwire.RemoteError, match="ValueError"):
+        await _answer(a.call("fail", "not swallowed", _out={"x": x}))
+    with pytest.raises(tensorwire.MethodNotFound):
+        await _answer(a.call("no_such_method", _out=(x,)))
+    assert (await _answer(a.call("step")))["step"] == 12
+    await _settled(a, b)
+
+
 async def test_bad_calls_get_clear_errors_and_the_node_keeps_serving(
     pair: tuple[tensorwire.Peer, tensorwire.Peer],
 ) -> None:

@@ -13,11 +13,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 from _polling import eventually
 
 import tensorwire
-from tensorwire.rpc import CallLimits, deadline
+from tensorwire.rpc import CallLimits, _server, deadline
+from tensorwire.rpc._protocol import REQUEST_TAG, Kind, Reply, meta, reply_tag
 from tensorwire.rpc._server import server_of
 from tensorwire.testing import connected_pair
 from tensorwire.transports import Limits
@@ -441,3 +443,86 @@ async def test_a_call_cancelled_before_its_request_went_out_gives_its_room_back_
         async with asyncio.timeout(10):  # the old code: 60 s (a stream needs both rooms)
             assert [i async for i in peer.stream("count", 3)] == [0, 1, 2]
             assert await peer.call("sleep", 0) == "ok"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("how", ["abort", "aclose"])
+async def test_a_peer_gone_while_the_node_is_saturated_has_its_calls_cancelled(transport: str, how: str) -> None:
+    """The peer's request reader waits for a slot (it read a second request, and the node's only
+    slot is taken), so it never sees the channel close: the close itself must cancel the gone
+    peer's calls and give their slot back."""
+    async with _nodes(transport) as (a, b):
+        b.node.methods.limits = CallLimits(max_concurrent=1)
+        started = asyncio.Event()
+        cancelled = asyncio.Event()
+
+        @b.node.method()
+        async def hold() -> None:
+            started.set()
+            try:
+                await asyncio.sleep(3600)  # a long poll, or long work
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        @b.node.method()
+        async def ok() -> int:
+            return 1
+
+        first = asyncio.ensure_future(a.call("hold"))
+        await _within(5, "the first call to start", started.wait())
+        second = asyncio.ensure_future(a.call("hold"))
+        server = server_of(b)
+        assert server is not None
+        await _eventually(lambda: len(server.calls) == 2)  # read; its reader waits for the slot
+        if how == "abort":
+            a.abort()
+        else:
+            await a.aclose()
+        await asyncio.gather(first, second, return_exceptions=True)
+        await _within(5, "the gone peer's call to be cancelled", cancelled.wait())
+        await _eventually(lambda: not server.calls and b.node.methods.slots.used == 0)
+        async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as other:
+            peer = await other.connect(b.node.address)
+            assert await _within(5, "a call from another peer", peer.call("ok")) == 1
+
+
+async def test_arguments_still_moving_after_args_seconds_are_received(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ARGS_SECONDS is a safety net for a caller that never sends the arguments it was told GO
+    for: arguments that have begun to arrive take as long as they need (1 GiB, the default
+    max_inflight_bytes, needs 86 s at 100 Mb/s). Scaled down: 0.1 s, for 32 MiB in 4 KiB frames
+    (half a second on loopback)."""
+    monkeypatch.setattr(_server, "ARGS_SECONDS", 0.1)
+    limits = Limits(recv_buffer_bytes=1 << 20, chunk_bytes=4096)
+    async with _nodes("tcp", caller=limits, server=limits) as (a, b):
+
+        @b.node.method()
+        async def take(x: np.ndarray) -> int:
+            return int(x.size)
+
+        x = np.ones(32 << 20, np.uint8)
+        assert await _within(30, "a call with large arguments", a.call("take", x)) == x.size
+        await _settled(a, b)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_arguments_that_never_come_fail_the_call_with_a_clear_error(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_server, "ARGS_SECONDS", 0.05)
+    async with _nodes(transport) as (a, b):
+
+        @b.node.method()
+        async def take(x: np.ndarray) -> int:
+            return int(x.size)
+
+        call_id = 1 << 50  # far from the ids of the calls this process makes
+        # a request whose 1 MiB of arguments are to follow once the server says GO; they never do
+        await a.send((meta(call_id, None, Kind.UNARY, 1 << 20), "take"), tag=REQUEST_TAG)
+        assert await _within(5, "GO", a.recv(tag=reply_tag(call_id))) == (Reply.GO,)
+        reply = await _within(5, "the error", a.recv(tag=reply_tag(call_id)))
+        assert reply[0] == Reply.ERROR and reply[2] == "TransferError", reply
+        assert "'take' did not start to arrive within 0.05 s" in reply[3], reply
+        server = server_of(b)
+        assert server is not None
+        await _eventually(lambda: not server.calls and b.node.methods.slots.used == 0)

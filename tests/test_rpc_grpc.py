@@ -80,6 +80,8 @@ with grpc.insecure_channel(sys.argv[1]) as channel:
     invoke("stream", "count", V(int_value=3))
     invoke("selfcancel", "selfcancel", timeout=10)
     invoke("surrogate", "surrogate")
+    invoke("halt", "halt")
+    invoke("relay", "relay")
 assert "tensorwire" not in sys.modules
 print(json.dumps(out))
 """
@@ -119,6 +121,10 @@ async def _stock_client(stubs: Path, address: str, *extra: str) -> dict[str, Any
     assert proc.returncode == 0, stderr.decode()
     result: dict[str, Any] = json.loads(stdout)
     return result
+
+
+class _Halt(BaseException):
+    """Neither an Exception nor a cancellation: a framework's "abort this request", say."""
 
 
 def _register(node: tensorwire.Node) -> dict[str, list[str]]:
@@ -171,21 +177,40 @@ def _register(node: tensorwire.Node) -> dict[str, list[str]]:
     async def surrogate() -> None:
         raise ValueError("bad \udcff text")
 
+    @node.method()
+    async def halt() -> None:
+        """Raises what a TaskGroup raises when a child raised a BaseException."""
+
+        async def stop() -> None:
+            raise _Halt("stop")
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(stop())
+
     return seen
 
 
 @pytest.mark.multiprocess
 async def test_stock_grpc_client_lists_and_invokes(stubs: Path) -> None:
-    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as other,
+    ):
         seen = _register(node)
+        peer = await other.connect(node.address)
+        back = await node.accept()
+
+        @node.method()
+        async def relay() -> None:
+            """Calls a method that the node at the other end does not have."""
+            await back.call("not_there")
+
         out = await _stock_client(stubs, node.address)
         # tensorwire peers see the same methods and keep working alongside
-        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as other:
-            peer = await other.connect(node.address)
-            assert await peer.call("add", 40, b=2) == 42
+        assert await peer.call("add", 40, b=2) == 42
 
     methods = out["methods"]
-    assert sorted(methods) == ["add", "boom", "count", "describe", "fail", "selfcancel", "slow", "surrogate", "tensor"]
+    assert sorted(methods) == "add boom count describe fail halt relay selfcancel slow surrogate tensor".split()
     assert methods["add"][:3] == ["(a: int, b: int = 0)", False, "Adds two integers."]
     assert methods["count"][1] is True and methods["add"][3] > 0
     assert out["add"] == {"result": 5}
@@ -211,6 +236,13 @@ async def test_stock_grpc_client_lists_and_invokes(stubs: Path) -> None:
     # text that is not valid UTF-8 travels escaped
     surrogate = out["surrogate"]
     assert surrogate["code"] == "INVALID_ARGUMENT" and surrogate["details"] == "ValueError: bad \\udcff text"
+    # a BaseException of the method's own gets a status at once, not the client's deadline
+    halt = out["halt"]
+    assert halt["code"] == "UNKNOWN" and halt["type"] == "BaseExceptionGroup" and "_Halt" in halt["traceback"], halt
+    # the MethodNotFound of a call the method makes is the method's error: relay itself exists
+    relay = out["relay"]
+    assert relay["code"] == "UNKNOWN" and relay["type"] == "MethodNotFound", relay
+    assert "not_there" in relay["details"] and "await back.call" in relay["traceback"], relay
 
 
 @pytest.mark.multiprocess

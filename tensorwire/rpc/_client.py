@@ -20,6 +20,8 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -30,7 +32,7 @@ from ..errors import (
     ShapeMismatchError,
     TensorWireError,
 )
-from ..tensors import Outgoing, prepare
+from ..tensors import Outgoing, is_tensor, prepare
 from ..transports import Channel, ChannelState, Receipt
 from ._codec import encode
 from ._deadline import effective_deadline
@@ -60,6 +62,7 @@ __all__ = ["call", "stream"]
 
 _ids = itertools.count(1)
 _MAX_OUTSTANDING = 256  # calls per peer, whatever its limits
+_MAX_OUT_DEPTH = 32  # as deep as a message's pytree may be
 
 
 class _Budget(FifoAdmission):
@@ -294,6 +297,8 @@ async def call(
     the call's messages moved (None unless ``want_receipt``: the channel's receipts are passed
     along either way, and only this one is built on request)."""
     t0 = time.perf_counter() if want_receipt else 0.0
+    if out is not None and type(out) is not np.ndarray:
+        _check_out(out)
     left = effective_deadline(deadline)
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
@@ -325,11 +330,39 @@ async def call(
         raise
 
 
+def _check_out(out: Any) -> None:
+    """Refuse an ``_out=`` that is not tensors alone (in dicts, lists and tuples), at least one.
+    The result's tensors land in ``_out`` and the call returns ``_out`` itself: the receive
+    matches tensors only, so an ``_out`` without any would take an error reply (which carries
+    none) for a result and swallow it, and a scalar in it would come back as it was, not as the
+    method returned it."""
+    if not _out_tensors(out, 0):
+        raise ConfigurationError("_out= holds no tensor: give the tensors the result lands in, or no _out")
+
+
+def _out_tensors(obj: Any, depth: int) -> int:
+    if isinstance(obj, dict):
+        items: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif is_tensor(obj):
+        return 1
+    else:
+        raise ConfigurationError(
+            f"_out= holds {type(obj).__name__} (not a tensor): it takes the result's tensors only (in dicts, lists and "
+            "tuples) and the call returns it as it is; call without _out= for a result with scalars"
+        )
+    if depth > _MAX_OUT_DEPTH:
+        raise ConfigurationError(f"_out= is nested deeper than {_MAX_OUT_DEPTH} levels")
+    return sum(_out_tensors(x, depth + 1) for x in items)
+
+
 async def _reply_into(
     channel: Channel, tag: int, out: Any, progress: _Progress, name: str, where: str
 ) -> tuple[Any, Receipt]:
     """Receive the result straight into the caller's ``out`` tensors (posted before it arrives);
-    ``out``, and the receipt of how the result came."""
+    ``out``, and the receipt of how the result came. ``out`` holds a tensor (``_check_out``), so
+    an error or a cancellation, which carries none, never matches it and is raised below."""
     try:
         _, came = await channel.recv(tag, (int(Reply.RESULT), out))
     except ShapeMismatchError as exc:

@@ -7,6 +7,7 @@ tensors never cross the control plane. A node started with ``auth_token`` asks f
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -159,6 +160,11 @@ async def invoke(
     except Exception as exc:
         code = next((c for t, c in _STATUS if isinstance(exc, t)), grpc.StatusCode.UNKNOWN)
         await _fail(context, code, exc)
+    except BaseException as exc:
+        if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+            raise  # the gRPC call was cancelled, or the process is stopping
+        # the method's own (a BaseExceptionGroup out of its TaskGroup, say): a status, not silence
+        await _fail(context, grpc.StatusCode.UNKNOWN, exc)
     try:
         value = value_to_pb(result)
     except ValueError as exc:

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 __all__ = ["attach", "run_local", "server_of", "start_method"]
 
 DRAIN_SECONDS = 60.0  # how long to wait for a message a finished call still owes us
-ARGS_SECONDS = 60.0  # how long an admitted call waits for the arguments it said GO to
+ARGS_SECONDS = 60.0  # how long an admitted call waits for the arguments it asked for (GO) to begin arriving
 _EARLY_SECONDS = 60.0  # how long a cancellation for a request not read yet is remembered
 _EARLY_MAX = 4096
 _META_BYTES = 40  # the int64[5] meta tensor of every request
@@ -89,6 +89,8 @@ def not_found(registry: MethodRegistry, name: str) -> MethodNotFound:
 
 
 def _code(exc: BaseException) -> Code:
+    """What an error raised before the method ran says of the call (the lookup, the arguments,
+    the deadline); once the method runs, what it raises is its own (``_Call.in_method``)."""
     if isinstance(exc, MethodNotFound):
         return Code.NOT_FOUND
     if isinstance(exc, InvalidArguments):
@@ -105,6 +107,7 @@ class _Call:
         "cancel_state",
         "credit",
         "go_sent",
+        "in_method",
         "inline_bytes",
         "received_at",
         "receiving_args",
@@ -127,6 +130,9 @@ class _Call:
         self.receiving_args = False
         self.args_done = False  # the arguments (or the caller's tombstone) were received
         self.tombstone_seen = False
+        # the method runs: what is raised now is its own error, whatever its type (a MethodNotFound
+        # from a call it makes says nothing of this call's method)
+        self.in_method = False
         self.credit = req.window  # stream items the caller has room for (it grants more)
         self.wake: asyncio.Future[None] | None = None
 
@@ -152,6 +158,9 @@ class PeerServer:
         self.peer = peer
         self.registry = registry
         self.calls: dict[int, _Call] = {}
+        # a peer that goes away while the request reader waits for a slot never reads again, so
+        # the reader cannot be what stops its calls
+        peer.channel.add_close_callback(lambda _exc: self._stop())
         self._early: OrderedDict[int, float] = OrderedDict()  # cancels for requests not read yet
         self._tombstoned: OrderedDict[int, float] = OrderedDict()  # took a tombstone before its cancel
         self._malformed = 0
@@ -247,12 +256,22 @@ class PeerServer:
                     if call.task.cancelling():
                         call.task.uncancel()
                     reply = (Reply.CANCELLED,)
-                elif call.task.cancelling():
+                elif call.task.cancelling() and self._closing():
                     raise  # the peer or node is closing
-                else:  # a CancelledError nobody asked for (raised by the method): an error like any
+                else:
+                    # a CancelledError nobody here asked for: raised by the method, or the server's
+                    # application cancelled its task; the caller still waits: an error like any
+                    while call.task.cancelling():
+                        call.task.uncancel()
                     reply = error_reply(exc)
             except Exception as exc:
-                reply = error_reply(exc, _code(exc))
+                reply = error_reply(exc, Code.RAISED if call.in_method else _code(exc))
+            except BaseException as exc:
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                # the method's own (a BaseExceptionGroup out of its TaskGroup, say): its caller
+                # still gets its answer, and the call its slot back
+                reply = error_reply(exc)
             call.responding = True
             await self._send_reply(reply_tag(req.call_id), reply, req.method)
         except TensorWireError:
@@ -262,6 +281,11 @@ class PeerServer:
                 slots.release()
             self.calls.pop(req.call_id, None)
             self._clean_args(call)
+
+    def _closing(self) -> bool:
+        """Is this peer going away (closed here, or its channel gone)? Then a cancelled call
+        answers nothing: nobody would read it."""
+        return self.peer._closed or self.peer.channel.state is not ChannelState.OPEN
 
     def _clean_args(self, call: _Call) -> None:
         """Make sure nothing the caller sent on the call's argument tag stays behind."""
@@ -313,12 +337,14 @@ class PeerServer:
                     raise TimeoutError
                 set_deadline(deadline_at)
                 started = start_method(method, args, kwargs)
+                call.in_method = True
                 if method.streaming:
                     await self._stream(call, cast(AsyncGenerator[Any, None], started))
                     return (Reply.RESULT, None)
                 return (Reply.RESULT, await cast(Awaitable[Any], started))
         except TimeoutError as exc:
             if tm.expired() or (deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at):
+                call.in_method = False  # the server's deadline ran out: not an error of the method's
                 raise DeadlineExceeded(f"its {req.deadline:.3g} s deadline ran out on the server") from exc
             raise
         finally:
@@ -327,24 +353,46 @@ class PeerServer:
 
     async def _receive_args(self, call: _Call) -> tuple[tuple[Any, ...], dict[str, Any]]:
         req = call.req
+        tag = args_tag(req.call_id)
+        channel = self.peer.channel
         call.go_sent = True
         await self._send(reply_tag(req.call_id), (Reply.GO,))
         call.receiving_args = True
+        loop = asyncio.get_running_loop()
+        tm = asyncio.timeout(None)
+
+        def overdue() -> None:
+            # the safety net is for a caller that never sends what it was told GO for: arguments
+            # that have begun to arrive (they matched our recv) take as long as they need to move
+            if channel.mailbox.has_posted(tag):
+                tm.reschedule(loop.time())
+
         try:
-            async with asyncio.timeout(ARGS_SECONDS):
-                while True:
-                    try:
-                        payload, receipt = await self.peer.channel.recv(args_tag(req.call_id), None)
-                        break
-                    except asyncio.CancelledError:
-                        if call.task.cancelling():
-                            raise
-                        # not a cancellation of ours: a transport reporting the caller's aborted
-                        # send that way (inproc does); what the caller sends next is still coming
-                    except TransferError:
-                        if self.peer.channel.state is not ChannelState.OPEN:
-                            raise
-                        # "no longer pending": the caller aborted it before we pulled; same again
+            async with tm:
+                watchdog = loop.call_later(ARGS_SECONDS, overdue)
+                try:
+                    while True:
+                        try:
+                            payload, receipt = await channel.recv(tag, None)
+                            break
+                        except asyncio.CancelledError:
+                            if call.task.cancelling():
+                                raise
+                            # not a cancellation of ours: a transport reporting the caller's aborted
+                            # send that way (inproc does); what the caller sends next is still coming
+                        except TransferError:
+                            if channel.state is not ChannelState.OPEN:
+                                raise
+                            # "no longer pending": the caller aborted it before we pulled; same again
+                finally:
+                    watchdog.cancel()
+        except TimeoutError:
+            if not tm.expired():
+                raise
+            raise TransferError(
+                f"the arguments of {req.method[:256]!r} did not start to arrive within {ARGS_SECONDS:g} s "
+                "of the server asking for them"
+            ) from None
         finally:
             call.receiving_args = False
         call.args_done = True
@@ -460,23 +508,35 @@ async def run_local(
             await slots.acquire()
             try:
                 set_deadline(deadline_at)
-                return await start_method(method, args, kwargs)
-            except asyncio.CancelledError as exc:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # the gRPC call was cancelled, or its deadline ran out
-                # a CancelledError nobody asked for (raised by the method): an error like any
-                reply = error_reply(exc)
-                raise RemoteError(
-                    f"{name} raised CancelledError",
-                    remote_type=reply[2],
-                    remote_message=reply[3],
-                    remote_traceback=reply[4],
-                    method=name,
-                ) from exc
+                started = start_method(method, args, kwargs)
+                try:
+                    return await started
+                except (MethodNotFound, InvalidArguments) as exc:
+                    # raised while the method ran (by a call it makes): its own error, which says
+                    # nothing of this call's method or arguments
+                    raise _raised(name, exc) from exc
+                except asyncio.CancelledError as exc:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # the gRPC call was cancelled, or its deadline ran out
+                    # a CancelledError nobody asked for (raised by the method): an error like any
+                    raise _raised(name, exc) from exc
             finally:
                 slots.release()
     except TimeoutError as exc:
         if tm.expired():
             raise DeadlineExceeded(f"{name}: its {deadline:.3g} s deadline ran out on the server") from exc
         raise
+
+
+def _raised(name: str, exc: BaseException) -> RemoteError:
+    """``exc``, raised by the method ``name`` itself, as an error that Invoke reports by its own
+    type name, message and traceback."""
+    _, _, remote_type, message, tb = error_reply(exc)
+    return RemoteError(
+        f"{name} raised {remote_type}",
+        remote_type=remote_type,
+        remote_message=message,
+        remote_traceback=tb,
+        method=name,
+    )
