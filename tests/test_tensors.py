@@ -1,6 +1,7 @@
 """The tensor adapter and message headers."""
 
 import array
+import asyncio
 import warnings
 
 import ml_dtypes
@@ -374,3 +375,64 @@ def test_match_out_raises_only_tensorwire_errors(spec: object) -> None:
                 match_out(out, specs)
             except tensorwire.TensorWireError:
                 pass
+
+
+def test_out_must_have_the_messages_structure_not_just_its_tensors() -> None:
+    """Tensors matched by their place alone would let {"k": K, "v": V} land crosswise in
+    out={"v": ..., "k": ...}; out= must have the message's containers, keys and tensor places."""
+    k, v = np.arange(4.0), np.arange(4.0) + 10
+    msg = prepare({"k": k, "v": v})
+    tree, specs = decode_header(msg.header, max_message_bytes=1 << 30)
+    bk, bv = np.empty(4), np.empty(4)
+    landed = match_out({"k": bk, "v": bv}, specs, tree=tree)
+    assert landed[0] is bk and landed[1] is bv
+    bad = [
+        ({"v": bv, "k": bk}, "keys"),
+        ({"k": bk, "w": bv}, "keys"),
+        ([bk, bv], "a list where the message has a dict"),
+        ({"k": bk, "v": [bv]}, r"out=\['v'\] is a list where the message has a tensor"),
+        (bk, "a tensor where the message has a dict"),
+    ]
+    for out, match in bad:
+        with pytest.raises(tensorwire.ShapeMismatchError, match=match):
+            match_out(out, specs, tree=tree)
+    tree1, specs1 = decode_header(prepare([k]).header, max_message_bytes=1 << 30)
+    with pytest.raises(tensorwire.ShapeMismatchError, match="a tensor where the message has a list"):
+        match_out(np.empty(4), specs1, tree=tree1)
+    with pytest.raises(tensorwire.ShapeMismatchError, match="a list of 2 where the message has one of 1"):
+        match_out([np.empty(4), np.empty(4)], specs1, tree=tree1)
+    # a scalar of the message faces any scalar of out=; a tensor never faces a scalar
+    tree2, specs2 = decode_header(prepare({"x": k, "step": 12}).header, max_message_bytes=1 << 30)
+    match_out({"x": bk, "step": None}, specs2, tree=tree2)
+    with pytest.raises(tensorwire.ShapeMismatchError, match="a scalar where the message has a tensor"):
+        match_out({"x": 0, "step": bk}, specs2, tree=tree2)
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+async def test_a_recv_into_out_returns_out_or_the_messages_scalars_around_outs_tensors(transport: str) -> None:
+    from tensorwire.testing import connected_pair
+
+    async with connected_pair(transport) as (a, b):
+        buf = np.empty(4)
+        out = {"x": buf, "step": 0}
+        await a.send({"x": np.arange(4.0), "step": 0}, tag=1)
+        assert await b.recv(tag=1, out=out) is out  # nothing of the message's but out's tensors
+        await a.send({"x": np.arange(4.0) + 1, "step": 12}, tag=1)
+        got = await b.recv(tag=1, out=out)
+        assert got == {"x": buf, "step": 12} and got["x"] is buf and np.array_equal(buf, np.arange(4.0) + 1)
+        # posted before the message comes, and crosswise keys: refused, the message kept
+        bk, bv = np.empty(4), np.empty(4)
+        wrong = asyncio.ensure_future(b.recv(tag=2, out={"v": bv, "k": bk}))
+        await asyncio.sleep(0.01)
+        await a.send({"k": np.arange(4.0), "v": np.arange(4.0) + 10}, tag=2)
+        with pytest.raises(tensorwire.ShapeMismatchError, match="keys"):
+            await wrong
+        right = await b.recv(tag=2, out={"k": bk, "v": bv})
+        assert np.array_equal(right["k"], np.arange(4.0)) and np.array_equal(bv, np.arange(4.0) + 10)
+        # a one-tensor list does not fit one array (over the express path of small messages too)
+        single = asyncio.ensure_future(b.recv(tag=3, out=np.empty(4)))
+        await asyncio.sleep(0.01)
+        await a.send([np.arange(4.0)], tag=3)
+        with pytest.raises(tensorwire.ShapeMismatchError, match="a tensor where the message has a list"):
+            await single
+        assert np.array_equal((await b.recv(tag=3, out=[bk]))[0], np.arange(4.0))

@@ -2,7 +2,16 @@
 
 from ._device import Device, DeviceTensor, EngineArray, parse_device
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
-from ._message import Outgoing, Spec, decode_header, decode_header_sized, match_out, prepare, rebuild
+from ._message import (
+    Outgoing,
+    Spec,
+    decode_header,
+    decode_header_sized,
+    match_out,
+    prepare,
+    rebuild,
+    with_scalars,
+)
 from ._view import TensorView, as_view, byte_view, is_tensor
 
 __all__ = [
@@ -21,6 +30,7 @@ __all__ = [
     "dtype_name",
     "is_tensor",
     "match_out",
+    "with_scalars",
     "parse_device",
     "prepare",
     "rebuild",

@@ -22,7 +22,16 @@ from ._device import DeviceSource, DeviceTensor, Streams
 from ._dtypes import DTYPES
 from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
-__all__ = ["Outgoing", "Spec", "decode_header", "decode_header_sized", "match_out", "prepare", "rebuild"]
+__all__ = [
+    "Outgoing",
+    "Spec",
+    "decode_header",
+    "decode_header_sized",
+    "match_out",
+    "prepare",
+    "rebuild",
+    "with_scalars",
+]
 
 # Each pytree level is two protobuf levels (TreeNode, then Sequence/Mapping), and protobuf's
 # decoder stops at 100: 32 levels keeps every message we send decodable on the other side.
@@ -345,15 +354,20 @@ def _unflatten(node: wire_pb2.TreeNode, leaves: list[Any]) -> Any:
     return getattr(node, kind)
 
 
-def match_out(out: object, specs: list[Spec], streams: Streams | None = None) -> list[np.ndarray | DeviceTensor]:
+def match_out(
+    out: object, specs: list[Spec], streams: Streams | None = None, tree: wire_pb2.TreeNode | None = None
+) -> list[np.ndarray | DeviceTensor]:
     """The caller's out= pytree as writable arrays (host) or DeviceTensors (device), one per
-    tensor leaf, checked against specs; device ones ordered on the recv's ``streams``."""
-    if type(out) is np.ndarray and len(specs) == 1:
+    tensor leaf, checked against specs (and against the message's ``tree``: the same
+    containers, keys and tensor places); device ones ordered on the recv's ``streams``."""
+    if type(out) is np.ndarray and len(specs) == 1 and (tree is None or tree.HasField("tensor")):
         s = specs[0]
         if out.dtype == DTYPES.get(s.dtype) and out.shape == s.shape and out.flags.c_contiguous and out.flags.writeable:
             return [out]
     views: list[TensorView] = []
-    _flatten(out, views, 0)
+    node = _flatten(out, views, 0)
+    if tree is not None:
+        _same_structure(node, tree, "out=")
     if len(views) != len(specs):
         raise ShapeMismatchError(f"out= holds {len(views)} tensors but the message has {len(specs)}")
     for i, (v, s) in enumerate(zip(views, specs, strict=True)):
@@ -366,6 +380,61 @@ def match_out(out: object, specs: list[Spec], streams: Streams | None = None) ->
     if len(views) > 1:
         _refuse_overlap(views)
     return [v.dev.target(streams) if v.dev is not None else v.array for v in views]
+
+
+_CONTAINERS = ("list", "tuple", "dict")
+
+
+def _same_structure(mine: wire_pb2.TreeNode, theirs: wire_pb2.TreeNode, where: str) -> None:
+    """ShapeMismatchError unless out= (``mine``) has the message's containers, dict keys (in
+    its order) and tensors where the message has them: tensors matched by their place alone
+    would let ``{"k": K, "v": V}`` land in ``out={"v": ..., "k": ...}`` crosswise. A scalar of
+    the message may face any scalar of out= (the recv returns the message's)."""
+    a, b = mine.WhichOneof("kind"), theirs.WhichOneof("kind")
+    if (a == "tensor") != (b == "tensor") or ((a in _CONTAINERS or b in _CONTAINERS) and a != b):
+        raise ShapeMismatchError(f"{where} is {_kind_name(a)} where the message has {_kind_name(b)}")
+    if b == "dict":
+        if list(mine.dict.keys) != list(theirs.dict.keys):
+            ours = [_unflatten(k, []) for k in mine.dict.keys]
+            keys = [_unflatten(k, []) for k in theirs.dict.keys]
+            raise ShapeMismatchError(f"{where} has the keys {ours!r} where the message has {keys!r} (in that order)")
+        for k, m, t in zip(mine.dict.keys, mine.dict.values, theirs.dict.values, strict=True):
+            _same_structure(m, t, f"{where}[{_unflatten(k, [])!r}]")
+    elif b in ("list", "tuple"):
+        ms, ts = getattr(mine, b).items, getattr(theirs, b).items
+        if len(ms) != len(ts):
+            raise ShapeMismatchError(f"{where} is a {b} of {len(ms)} where the message has one of {len(ts)}")
+        for i, (m, t) in enumerate(zip(ms, ts, strict=True)):
+            _same_structure(m, t, f"{where}[{i}]")
+
+
+def _kind_name(kind: str | None) -> str:
+    return {"tensor": "a tensor", "list": "a list", "tuple": "a tuple", "dict": "a dict"}.get(kind or "", "a scalar")
+
+
+def with_scalars(out: object, tree: wire_pb2.TreeNode) -> object:
+    """What a recv into ``out`` returns: ``out`` itself, or where the message's scalars differ
+    from those ``out`` holds, the message's structure with ``out``'s tensors in it (checked by
+    ``match_out`` to have that structure)."""
+    if type(out) is np.ndarray or (tree.HasField("tensor") and is_tensor(out)):
+        return out
+    views: list[TensorView] = []
+    if _flatten(out, views, 0) == tree:
+        return out
+    return _with_scalars(out, tree)
+
+
+def _with_scalars(obj: Any, node: wire_pb2.TreeNode) -> Any:
+    kind = node.WhichOneof("kind")
+    if kind == "tensor":
+        return obj
+    if kind == "list":
+        return [_with_scalars(o, n) for o, n in zip(obj, node.list.items, strict=True)]
+    if kind == "tuple":
+        return tuple(_with_scalars(o, n) for o, n in zip(obj, node.tuple.items, strict=True))
+    if kind == "dict":
+        return {k: _with_scalars(v, n) for (k, v), n in zip(obj.items(), node.dict.values, strict=True)}
+    return _unflatten(node, [])
 
 
 def _writable(v: TensorView) -> np.ndarray:

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import TensorWireError, TransferError
+from ..errors import TensorWireError, TransferError, UnsupportedTensorError
 from ..memory import download
-from ..tensors import DTYPES, Spec, byte_view, match_out, rebuild
+from ..tensors import DTYPES, Spec, byte_view, match_out, rebuild, with_scalars
 from ..tensors._device import (
     Device,
     DeviceTensor,
@@ -295,7 +295,7 @@ class Mailbox:
         (``arrive``). ``dest``: what ``express_dest`` just returned for this message, if the
         caller asked first."""
         if dest is None:
-            dest = self.express_dest(tag, specs)
+            dest = self.express_dest(tag, tree, specs)
             if dest is None:
                 return False
         _copy_into(dest, data)
@@ -306,7 +306,7 @@ class Mailbox:
         p.future.set_result(_Delivered(tree, specs, dest))
         return True
 
-    def express_dest(self, tag: int, specs: list[Spec]) -> list[np.ndarray] | None:
+    def express_dest(self, tag: int, tree: wire_pb2.TreeNode, specs: list[Spec]) -> list[np.ndarray] | None:
         """Where ``deliver`` would put a message of ``specs`` on ``tag`` now (the oldest posted
         recv's out=, or new host arrays), or None if it would not take it. No side effects but
         the allocation; valid until the loop runs again."""
@@ -321,8 +321,8 @@ class Mailbox:
             if p.device is not None or any(s.device == "cuda" for s in specs):
                 return None
             return [s.allocate() for s in specs]
-        if type(out) is not np.ndarray or len(specs) != 1:
-            return None
+        if type(out) is not np.ndarray or len(specs) != 1 or not tree.HasField("tensor"):
+            return None  # (a one-tensor list or dict does not fit an array: the general way says so)
         s = specs[0]
         if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
             return None
@@ -345,7 +345,7 @@ class Mailbox:
                 continue
             try:
                 if p.out is not None:
-                    targets = match_out(p.out, arrival.specs, p.streams)
+                    targets = match_out(p.out, arrival.specs, p.streams, arrival.tree)
                     if self._lands(targets):
                         arrival.dest = targets
                         arrival.direct = True
@@ -353,6 +353,11 @@ class Mailbox:
                     self._place(arrival, p.device, p.streams)
             except TensorWireError as exc:
                 p.future.set_exception(exc)
+                continue
+            except Exception as exc:  # the caller's out= object misbehaved: that recv fails, not the channel
+                error = UnsupportedTensorError(f"out= could not be received into: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                p.future.set_exception(error)
                 continue
             self._held.add(arrival)
             p.future.set_result(arrival)
@@ -420,7 +425,7 @@ class Mailbox:
                 if q:
                     arrival = q[0]
                     # a mismatched out= raises here and leaves the message queued
-                    targets = match_out(out, arrival.specs, streams) if out is not None else None
+                    targets = match_out(out, arrival.specs, streams, arrival.tree) if out is not None else None
                     q.popleft()
                     if not q:
                         del self._arrived[tag]  # tags may be unique per operation: keep no empties
@@ -513,7 +518,7 @@ class Mailbox:
             elif arrival.direct:
                 final = dest
             else:
-                final = targets if targets is not None else match_out(out, arrival.specs, streams)
+                final = targets if targets is not None else match_out(out, arrival.specs, streams, arrival.tree)
             if any(isinstance(d, DeviceTensor) for d in (*dest, *final)):
                 try:
                     staged |= await _settle_device(arrival, dest, final)
@@ -530,7 +535,7 @@ class Mailbox:
                     if src is not dst:
                         np.copyto(dst, src)  # type: ignore[arg-type]
                         staged = True
-            value = _rebuild(arrival.tree, arrival.specs, final) if out is None else out
+            value = _rebuild(arrival.tree, arrival.specs, final) if out is None else with_scalars(out, arrival.tree)
         except TensorWireError:
             raise
         except Exception as exc:  # validated headers make this unreachable; never jam the tag

@@ -559,7 +559,7 @@ class TcpChannel(Channel):
                             return start, True
                     dest = None
                     if mailbox.has_posted(arg):
-                        dest = mailbox.express_dest(arg, specs)
+                        dest = mailbox.express_dest(arg, tree, specs)
                         if dest is None:
                             return start, True  # a recv that wants the general path (device, pytree)
                     # accepted: from here on, what the read loop does
