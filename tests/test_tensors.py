@@ -436,3 +436,24 @@ async def test_a_recv_into_out_returns_out_or_the_messages_scalars_around_outs_t
         with pytest.raises(tensorwire.ShapeMismatchError, match="a tensor where the message has a list"):
             await single
         assert np.array_equal((await b.recv(tag=3, out=[bk]))[0], np.arange(4.0))
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+async def test_an_out_that_raises_fails_its_recv_and_not_the_channel(transport: str) -> None:
+    from tensorwire.testing import connected_pair
+
+    class Broken(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def]
+            raise RuntimeError("no items today")
+
+    async with connected_pair(transport) as (a, b):
+        posted = asyncio.ensure_future(b.recv(tag=1, out=Broken(x=np.empty(3))))
+        await asyncio.sleep(0.01)
+        await a.send({"x": np.arange(3.0)}, tag=1)
+        with pytest.raises(tensorwire.UnsupportedTensorError, match="no items today"):
+            await posted
+        with pytest.raises(tensorwire.UnsupportedTensorError, match="no items today"):  # the message waits now
+            await b.recv(tag=1, out=Broken(x=np.empty(3)))
+        assert np.array_equal((await b.recv(tag=1))["x"], np.arange(3.0))
+        await a.send(np.arange(2), tag=2)
+        assert np.array_equal(await b.recv(tag=2), np.arange(2))

@@ -216,6 +216,17 @@ class Arrival:
         _settle(self.done, exc)
 
 
+def _match(out: object, arrival: Arrival, streams: Streams | None) -> list[np.ndarray | DeviceTensor]:
+    """``match_out`` for ``arrival``, whatever the caller's out= object raises (a dict whose
+    ``items`` fails, say) as an error of the tree: it fails that recv, never the channel."""
+    try:
+        return match_out(out, arrival.specs, streams, arrival.tree)
+    except TensorWireError:
+        raise
+    except Exception as exc:
+        raise UnsupportedTensorError(f"out= cannot be received into: {type(exc).__name__}: {exc}") from exc
+
+
 class _Delivered:
     """What an express delivery (``Mailbox.deliver``) hands the waiting recv: the message's
     tensors, already filled (the recv's out= array, or new host arrays)."""
@@ -345,19 +356,14 @@ class Mailbox:
                 continue
             try:
                 if p.out is not None:
-                    targets = match_out(p.out, arrival.specs, p.streams, arrival.tree)
+                    targets = _match(p.out, arrival, p.streams)
                     if self._lands(targets):
                         arrival.dest = targets
                         arrival.direct = True
                 elif arrival.nbytes and self.channel.device_kinds:
                     self._place(arrival, p.device, p.streams)
-            except TensorWireError as exc:
+            except TensorWireError as exc:  # that recv fails, not the channel
                 p.future.set_exception(exc)
-                continue
-            except Exception as exc:  # the caller's out= object misbehaved: that recv fails, not the channel
-                error = UnsupportedTensorError(f"out= could not be received into: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-                p.future.set_exception(error)
                 continue
             self._held.add(arrival)
             p.future.set_result(arrival)
@@ -425,7 +431,7 @@ class Mailbox:
                 if q:
                     arrival = q[0]
                     # a mismatched out= raises here and leaves the message queued
-                    targets = match_out(out, arrival.specs, streams, arrival.tree) if out is not None else None
+                    targets = _match(out, arrival, streams) if out is not None else None
                     q.popleft()
                     if not q:
                         del self._arrived[tag]  # tags may be unique per operation: keep no empties
@@ -518,7 +524,7 @@ class Mailbox:
             elif arrival.direct:
                 final = dest
             else:
-                final = targets if targets is not None else match_out(out, arrival.specs, streams, arrival.tree)
+                final = targets if targets is not None else _match(out, arrival, streams)
             if any(isinstance(d, DeviceTensor) for d in (*dest, *final)):
                 try:
                     staged |= await _settle_device(arrival, dest, final)
