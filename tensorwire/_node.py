@@ -314,10 +314,11 @@ class Node:
         """Revoke ``name``: lookups and reads and writes through old handles fail
         (HandleNotFound). Peers holding a one-sided key (ucx) are told; their direct
         operations fail once the notice has reached them, and the memory stays registered and
-        referenced until each has acknowledged (or gone). ``await node.unexpose(name)`` to
-        wait for that: afterwards no peer's operation reaches the tensor."""
+        referenced until each has acknowledged (or gone), and until the owner-assisted reads
+        and writes already moving its bytes (tcp, inproc) have ended. ``await
+        node.unexpose(name)`` to wait for that: afterwards no peer's operation reaches the tensor."""
         entry = self.exposures.unexpose(name)
-        if not entry.given:
+        if not entry.given and not entry.busy:
             entry.release()
             return Revocation(None)
         task = asyncio.get_running_loop().create_task(retire(entry, self._session_peer))

@@ -19,16 +19,19 @@ by its event loop, serves each operation (``UcxChannel.one_sided_direct``).
 Revocation of direct handles: ``unexpose`` removes the name at once (lookups and
 owner-assisted operations fail from then on), then sends every peer that received the key a
 *revoke* notice on the reserved ops tag. A peer marks the handle revoked (its later reads and
-writes fail with HandleNotFound), waits for its operations on it that are still moving, and
-acknowledges. Only when every such peer acknowledged (or its channel closed) does the owner
-unregister the memory and drop its reference to the tensor. So a tensorwire peer never
-touches memory the owner has let go of; an operation that started before the notice arrived
-completes against the exposed memory as it was.
+writes fail with HandleNotFound, and so does one under way at its next gets or puts: each batch
+of them checks the mark right before it is posted, ``_move``), waits for its operations on it
+that are still moving, and acknowledges. Only when every such peer acknowledged (or its channel
+closed) does the owner unregister the memory and drop its reference to the tensor. So a tensorwire peer never
+touches memory the owner has let go of; gets and puts posted before the notice arrived
+complete against the exposed memory as it was.
 
 On transports without one-sided support (tcp, inproc) the same calls go through the owner's
 node: a small request on a reserved tag, answered by the owner's per-peer service, with the
 payload moving straight between the exposed memory and the requester's buffer (rendezvous
 for large tensors). Receipts say ``protocol="owner-assisted"`` so nobody mistakes it for RDMA.
+``unexpose`` lets the requests being served from or into the tensor end before it lets the
+tensor go (``_Exposed.busy``): a write still being received lands until then, never after.
 
 Device memory (CUDA; the host engine's in tests): an exposed device tensor is registered only
 with transports whose ``region_kinds`` name its kind (ucx with cuda lanes), else served by its
@@ -48,7 +51,7 @@ import math
 import operator
 import time
 import weakref
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +145,14 @@ class RemoteHandle:
         """Reads and writes move the bytes one-sided, without the owner's code."""
         return bool(self.remote_key)
 
+    def __iter__(self) -> Iterator[RemoteHandle]:
+        """Not iterable: ``__getitem__`` would otherwise make ``for row in h`` and ``list(h)``
+        run past the last row into a ShapeMismatchError that names a row nobody asked for."""
+        raise ConfigurationError(
+            f"a handle ({self.name!r}) is not iterable: index its rows (h[3], h[4:8]), "
+            "or list them for read_many: [h[i] for i in range(h.shape[0])]"
+        )
+
     def __getitem__(self, index: int | slice) -> RemoteHandle:
         """Rows along the first axis as a handle of their own, as numpy indexes: ``h[3]`` (one
         row, that axis dropped), ``h[4:8]``, ``h[-2:]``, ``h[4:8][1]``. An exposed tensor is
@@ -188,6 +199,8 @@ class _Exposed:
     source: Any  # the caller's object, kept alive while exposed
     holds: dict[str, Hold] = field(default_factory=dict)  # one-sided transport -> registration
     given: set[str] = field(default_factory=set)  # sessions that received a remote key
+    busy: int = 0  # owner-assisted reads and writes moving its bytes now (``_serve_one``)
+    idle: asyncio.Event | None = None  # set when ``busy`` drops to 0, for a retire waiting on it
 
     def region(self, offset: int, shape: tuple[int, ...]) -> Any:
         """The tensor's elements from byte ``offset`` on, as ``shape`` (checked by the caller):
@@ -200,6 +213,22 @@ class _Exposed:
             return arr
         start = offset // arr.itemsize
         return arr.reshape(-1)[start : start + math.prod(shape)].reshape(shape)
+
+    def enter(self) -> None:
+        """An owner-assisted operation starts moving this tensor's bytes."""
+        self.busy += 1
+
+    def leave(self) -> None:
+        self.busy -= 1
+        if not self.busy and self.idle is not None:
+            self.idle.set()
+
+    async def quiet(self) -> None:
+        """Until no owner-assisted operation moves its bytes any more. Once unexposed none
+        starts: each ends when its bytes have moved, or its channel closed (a dead peer's lease)."""
+        while self.busy:
+            self.idle = asyncio.Event()
+            await self.idle.wait()
 
     def release(self) -> None:
         """Unregister the memory (one reference of the registration cache) and let it go."""
@@ -275,8 +304,9 @@ class ExposureTable:
 
 class Revocation:
     """What ``node.unexpose`` returns. Awaiting it is optional: it completes once every peer
-    that held a one-sided key acknowledged the revocation (or went away) and the memory was
-    unregistered; from then on no direct read or write of any peer reaches the tensor."""
+    that held a one-sided key acknowledged the revocation (or went away), the owner-assisted
+    reads and writes already moving its bytes ended, and the memory was unregistered; from then
+    on no read or write of any peer reaches the tensor."""
 
     __slots__ = ("_task",)
 
@@ -292,10 +322,12 @@ class Revocation:
 
 
 async def retire(entry: _Exposed, session_peer: Callable[[str], Peer | None]) -> None:
-    """Revoke an unexposed tensor's direct handles, then unregister it (module docstring)."""
+    """Revoke an unexposed tensor's direct handles and let the owner-assisted operations under
+    way end (a write still being received lands in the tensor), then unregister it (module
+    docstring)."""
     try:
         peers = [p for p in map(session_peer, sorted(entry.given)) if p is not None and not p.closed]
-        await asyncio.gather(*[_revoke(p, entry.handle) for p in peers], return_exceptions=True)
+        await asyncio.gather(*[_revoke(p, entry.handle) for p in peers], entry.quiet(), return_exceptions=True)
     finally:
         entry.release()
 
@@ -352,7 +384,9 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
     reply: int = req["reply"]
     op = req.get("op")
     table.served += 1
-    regions, error = _regions(table, req.get("regions"), writing=op == "write")
+    regions, entries, error = _regions(table, req.get("regions"), writing=op == "write")
+    for entry in entries:  # an unexpose now waits for this operation (``retire``)
+        entry.enter()
     failed = False
     try:
         if op == "read":
@@ -388,6 +422,9 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
             await peer.send({"error": error, "failed": failed} if error else {"ok": True}, tag=reply)
     except TensorWireError:
         return  # the channel went away: the requester sees that itself
+    finally:
+        for entry in entries:
+            entry.leave()
 
 
 async def _landed(regions: list[Any]) -> None:
@@ -400,21 +437,22 @@ async def _landed(regions: list[Any]) -> None:
                 await wait_event(dev.engine, dev.engine.record_on(dev.stream))
 
 
-def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[Any], str | None]:
-    """The parts of exposed tensors a request names, or why it cannot have them (a peer may
-    send anything: every name, generation and range is checked)."""
+def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[Any], list[_Exposed], str | None]:
+    """The parts of exposed tensors a request names and the exposures they are of (one per
+    part), or why it cannot have them (a peer may send anything: every name, generation and
+    range is checked)."""
     if not isinstance(items, list) or not 0 < len(items) <= _MAX_REGIONS:
-        return [], f"a request names 1..{_MAX_REGIONS} regions"
-    out = []
+        return [], [], f"a request names 1..{_MAX_REGIONS} regions"
+    out, entries = [], []
     for item in items:
         name = item.get("name") if isinstance(item, dict) else None
         entry = table.get(name) if isinstance(name, str) else None
         if entry is None:
-            return [], f"{name!r} is not exposed (revoked or never exposed)"
+            return [], [], f"{name!r} is not exposed (revoked or never exposed)"
         if item.get("generation") != entry.handle.generation:
-            return [], f"{name!r} was exposed again since it was looked up; look it up anew"
+            return [], [], f"{name!r} was exposed again since it was looked up; look it up anew"
         if writing and not entry.handle.writable:
-            return [], f"{name!r} is exposed read-only"
+            return [], [], f"{name!r} is exposed read-only"
         offset, shape, h = item.get("offset"), item.get("shape"), entry.handle
         if (
             type(offset) is not int
@@ -422,15 +460,15 @@ def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[A
             or not all(type(n) is int and n >= 0 for n in shape)
             or len(shape) > 64
         ):
-            return [], f"malformed region of {name!r}: offset {offset!r}, shape {shape!r}"
+            return [], [], f"malformed region of {name!r}: offset {offset!r}, shape {shape!r}"
         itemsize = dtype_from_name(h.dtype).itemsize
         end = offset + math.prod(shape) * itemsize
         if offset < 0 or offset % itemsize or end > h.nbytes:
-            return [], (
-                f"bytes {offset}..{end} of shape {shape} are not within {name!r} ({h.nbytes} bytes of {h.dtype})"
-            )
+            why = f"bytes {offset}..{end} of shape {shape} are not within {name!r} ({h.nbytes} bytes of {h.dtype})"
+            return [], [], why
         out.append(entry.region(offset, tuple(shape)))
-    return out, None
+        entries.append(entry)
+    return out, entries, None
 
 
 # -- the requester's side -----------------------------------------------------------------------
@@ -440,10 +478,11 @@ _op_ids = itertools.count(1)
 class _Direct:
     """A peer's registered tensor as this side reaches it: the key, unpacked once."""
 
-    __slots__ = ("blob", "idle", "inflight", "revoked", "rkey")
+    __slots__ = ("blob", "idle", "inflight", "name", "revoked", "rkey")
 
-    def __init__(self, blob: RemoteKeyBlob | None) -> None:
+    def __init__(self, blob: RemoteKeyBlob | None, name: str = "") -> None:
         self.blob = blob
+        self.name = name
         self.rkey: Any = None
         self.inflight = 0
         self.revoked = blob is None
@@ -488,7 +527,7 @@ def remember(peer: Peer, handle: RemoteHandle) -> None:
     blob = unpack_remote_key(handle.remote_key)
     if blob.transport != handle.transport or blob.length < handle.nbytes:
         raise TransferError(f"lookup of {handle.name!r} returned a key that does not cover the tensor")
-    states[key] = _Direct(blob)
+    states[key] = _Direct(blob, handle.name)
 
 
 def _mark_revoked(peer: Peer, name: str, generation: int) -> None:
@@ -563,11 +602,19 @@ async def _move(
     it as a whole (``OneSidedChannel.rma_many``). ``within``: one host array that holds every
     buffer (a staging chunk), registered as a whole."""
     await peer._lease_fence()  # then nothing awaits before the operations are posted
+    # The handles were checked before the caller's first await, but the revocation may have come
+    # since (while this fence, a stream's event or an earlier chunk of the same transfer was
+    # awaited) and been acknowledged: between two chunks nothing is in flight. The owner may
+    # then have let the memory go. Checked here, with no await before ``inflight`` counts the
+    # operations: a notice that comes later waits for them (``_acknowledge``).
+    for state, _, _ in moves:
+        if state.revoked:
+            raise HandleNotFound(_revoked_midway(state, op))
     channel: Any = peer.channel  # a OneSidedChannel: _direct_state checked
     items = []
     for state, buf, offset in moves:
         assert state.blob is not None
-        if state.rkey is None:
+        if state.rkey is None:  # its first use (a revoked state never gets here: its key is closed)
             state.rkey = channel.remote_key(state.blob.key)
         ptr = buf.__array_interface__["data"][0] if isinstance(buf, np.ndarray) else buf.ptr
         keep = buf if within is None else within
@@ -581,6 +628,19 @@ async def _move(
             state.inflight -= 1
             if not state.inflight and state.idle is not None:
                 state.idle.set()
+
+
+def _revoked_midway(state: _Direct, op: str) -> str:
+    """Why an operation stopped at a handle revoked while it was under way, and what moved."""
+    where = (
+        "the bytes put before it are in the owner's tensor (the write landed in part, or not at all)"
+        if op == "put"
+        else "the destination may hold the bytes got before it (the read landed in part, or not at all)"
+    )
+    return (
+        f"{state.name!r} was revoked by its owner (unexposed or exposed again) while this operation was "
+        f"under way: nothing more of it was started; {where}. Look it up anew"
+    )
 
 
 def _receipt(
@@ -935,7 +995,11 @@ async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[An
     consumer's ``streams`` taken at the read's call (another task may have made other streams
     current while the request was on its way)."""
     reply, _ = _tags()
-    await peer.send({"op": "read", "regions": [_naming(h) for h in handles], "reply": reply}, tag=_OPS_TAG)
+    await _request(
+        peer,
+        {"op": "read", "regions": [_naming(h) for h in handles], "reply": reply},
+        lambda: _drain_later(peer, reply),
+    )
     try:
         try:
             _, receipt = await peer.channel.recv(reply, dests, streams=streams)
@@ -948,6 +1012,28 @@ async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[An
         _drain_later(peer, reply)
         raise
     return receipt
+
+
+async def _request(peer: Peer, req: dict[str, Any], undo: Callable[[], None]) -> None:
+    """Send an owner-assisted request. The send is left to finish by itself: a caller cancelled
+    meanwhile returns at once, and if the request then goes out whole (the owner answers it)
+    ``undo()`` runs: it takes the answer (and for a write says the payload will not come). One
+    that never went out has nothing to undo; a note for it would wait at the owner for good.
+    (Cancelled part way, a send may still deliver the request: tcp finishes a frame it started,
+    and the abort after it is ignored for a message already whole. Each answer nobody took held
+    one of the owner's message slots, until the owner could send this peer nothing at all; the
+    owner's service of a write waited for its payload for good.)"""
+    sending = asyncio.get_running_loop().create_task(peer.send(req, tag=_OPS_TAG))
+    try:
+        await asyncio.shield(sending)
+    except asyncio.CancelledError:
+
+        def sent(task: asyncio.Task[Receipt]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                undo()
+
+        sending.add_done_callback(sent)
+        raise
 
 
 def _owner_error(answer: Any) -> type[TensorWireError]:
@@ -1033,8 +1119,10 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     """Send the owner a write request and then the sources, ``msg`` (prepared at the write's
     call); returns once the owner has the bytes in place."""
     reply, data = _tags()
-    await peer.send(
-        {"op": "write", "regions": [_naming(h) for h in handles], "reply": reply, "data": data}, tag=_OPS_TAG
+    await _request(
+        peer,
+        {"op": "write", "regions": [_naming(h) for h in handles], "reply": reply, "data": data},
+        lambda: peer._spawn(_cancel_write(peer, data, reply)),
     )
     try:
         receipt = await peer.channel.send(data, msg)

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import hashlib
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _onesided
@@ -35,6 +35,19 @@ def _str_tag(tag: str) -> int:
     except UnicodeEncodeError as exc:  # a lone surrogate: no bytes every process would agree on
         raise ConfigurationError(f"tag {tag!r} cannot be encoded as UTF-8: {exc.reason}") from None
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+
+
+def _listed(what: str, items: object) -> list[Any]:
+    """A batch argument of ``read_many`` / ``write_many`` as a list: a sequence (or another
+    iterable) of handles, buffers or sources. One handle is not a batch of its rows."""
+    if isinstance(items, RemoteHandle):
+        raise ConfigurationError(
+            f"{what}: a list of handles, not one handle ({items.name!r}); peer.read(h) and "
+            "peer.write(h, src) take one, and [h[i] for i in range(h.shape[0])] lists its rows"
+        )
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise ConfigurationError(f"{what} must be a sequence, one entry per handle, not {type(items).__name__}")
+    return list(items)
 
 
 def tag_id(tag: int | str) -> int:
@@ -327,7 +340,11 @@ class Peer:
         once and waited for together; through the owner, one request answers up to 256 of them.
         Everything is checked before anything moves. Returns the tensors in order."""
         values, _ = await _onesided.read_many(
-            self, list(handles), None if outs is None else list(outs), device=device, want_receipt=False
+            self,
+            _listed("handles", handles),
+            None if outs is None else _listed("outs", outs),
+            device=device,
+            want_receipt=False,
         )
         return values
 
@@ -336,7 +353,7 @@ class Peer:
     ) -> tuple[list[Any], Receipt]:
         """Like ``read_many``; the receipt counts the bytes of all of them."""
         values, receipt = await _onesided.read_many(
-            self, list(handles), None if outs is None else list(outs), device=device
+            self, _listed("handles", handles), None if outs is None else _listed("outs", outs), device=device
         )
         assert receipt is not None
         return values, receipt
@@ -344,7 +361,7 @@ class Peer:
     async def write_many(self, handles: Sequence[RemoteHandle], srcs: Sequence[Any]) -> Receipt:
         """Write ``srcs[i]`` into ``handles[i]`` for all of them as one batch (puts then one
         flush, one-sided); returns once every byte is in the owner's memory."""
-        return await _onesided.write_many(self, list(handles), list(srcs))
+        return await _onesided.write_many(self, _listed("handles", handles), _listed("srcs", srcs))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

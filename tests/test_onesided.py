@@ -285,3 +285,69 @@ async def test_what_is_not_a_handle_or_a_name_is_refused_clearly() -> None:
         with pytest.raises(tensorwire.HandleNotFound, match="is not exposed"):
             await b.lookup("y" * 20_000)
         assert np.array_equal(await b.read(h), np.arange(4))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("how", ["cancel", "abort"])
+async def test_unexpose_waits_for_a_write_being_received_but_not_for_one_that_stopped(transport: str, how: str) -> None:
+    """``await node.unexpose()`` waits for the owner-assisted writes still landing in the tensor
+    (it used to return at once, and they went on landing), but not for long on one whose writer
+    stops part way: cancelled (the rest of the payload never comes) or gone (its channel closes,
+    as a dead peer's lease closes it). Afterwards nothing lands."""
+    async with connected_pair(transport, limits=tensorwire.Limits(recv_buffer_bytes=4 << 20)) as (a, b):
+        n = 64 << 20
+        dst = np.zeros(n, np.uint8)
+        a.node.expose(dst, name="x")
+        h = await b.lookup("x")
+        write = asyncio.ensure_future(b.write(h, np.ones(n, np.uint8)))
+        async with asyncio.timeout(10):
+            while not dst.any():  # noqa: ASYNC110 - polling the bytes landing is the point
+                await asyncio.sleep(0)
+        assert not dst.all(), "the write was over before it could be seen under way"
+        revocation = a.node.unexpose("x")
+        assert not revocation.done(), "the unexpose did not wait for the write landing in the tensor"
+        if how == "cancel":
+            write.cancel()
+        else:
+            b.abort()
+        with contextlib.suppress(asyncio.CancelledError, tensorwire.TensorWireError):
+            await asyncio.wait_for(write, 10)
+        async with asyncio.timeout(10):
+            await revocation
+        landed = int(np.count_nonzero(dst))
+        await asyncio.sleep(0.05)
+        assert int(np.count_nonzero(dst)) == landed, "a write landed after `await node.unexpose()` returned"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_batch_of_one_handle_or_of_nothing_is_refused_clearly(transport: str) -> None:
+    """``read_many(h)`` iterated the handle's rows through ``__getitem__`` and failed with "row 8 is
+    out of range"; ``write_many([h], None)`` with a bare TypeError; ``for row in h`` too."""
+    async with connected_pair(transport) as (a, b):
+        x = np.arange(8, dtype=np.int32)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        with pytest.raises(tensorwire.ConfigurationError, match="not one handle"):
+            await b.read_many(h)  # type: ignore[arg-type]
+        with pytest.raises(tensorwire.ConfigurationError, match="not one handle"):
+            await b.read_many_with_receipt(h)  # type: ignore[arg-type]
+        with pytest.raises(tensorwire.ConfigurationError, match="not one handle"):
+            await b.write_many(h, [x])  # type: ignore[arg-type]
+        for bad in (None, 3, "ab", b"ab"):
+            with pytest.raises(tensorwire.ConfigurationError, match="sequence"):
+                await b.write_many([h], bad)  # type: ignore[arg-type]
+            with pytest.raises(tensorwire.ConfigurationError, match="sequence"):
+                await b.read_many(bad)  # type: ignore[arg-type]
+            if bad is not None:  # (outs=None: all allocated)
+                with pytest.raises(tensorwire.ConfigurationError, match="sequence"):
+                    await b.read_many([h], outs=bad)  # type: ignore[arg-type]
+        with pytest.raises(tensorwire.ConfigurationError, match="not iterable"):
+            [row for row in h]
+        with pytest.raises(tensorwire.ConfigurationError, match="not iterable"):
+            list(h)
+        # what is a batch still is: a tuple, a generator, rows listed by index
+        got = await b.read_many(h[i] for i in range(2))
+        assert [int(g) for g in got] == [0, 1]
+        assert np.array_equal(np.stack(await b.read_many(tuple(h[i] for i in range(8)))), x)
+        await b.write_many((h[0], h[1]), (np.int32(5) * np.ones((), np.int32), np.full((), 6, np.int32)))
+        assert x[:2].tolist() == [5, 6] and a.node.exposures.served

@@ -18,7 +18,9 @@ import pytest
 from _polling import eventually
 
 import tensorwire
-from tensorwire.testing import connected_pair
+from tensorwire.memory import HostEngine
+from tensorwire.tensors import EngineArray
+from tensorwire.testing import busy_stream, connected_pair, host_engine_by_pointer
 from tensorwire.transports.ucx import _ucp
 
 pytestmark = [
@@ -276,6 +278,63 @@ async def test_revocation_waits_for_the_peers_operations() -> None:
         async with asyncio.timeout(5):
             await revocation
         assert cache.regions == {}
+
+
+async def test_a_write_waiting_at_the_lease_check_when_its_handle_is_revoked_moves_nothing() -> None:
+    """A direct operation checks its handle, then waits at the lease check (a stale lease: proof
+    that the owner has not declared the session dead). The revocation acknowledged meanwhile
+    (nothing of it was in flight) used to let it post all the same, once the check passed:
+    a write landed after ``await node.unexpose()`` had returned."""
+    async with _pair() as (a, b):
+        x = np.zeros(1 << 16, np.uint8)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        # b accepted: past three quarters of a lease, its check waits for a's next renewal, and
+        # a renews every third of a lease: one just came, so the next is that far away
+        seen = b._confirmed
+        await _until(lambda: b._confirmed > seen, 5)
+        assert b._lease is not None
+        b._confirmed -= b._lease  # as a stall of b's loop as long as a lease leaves it
+        write = asyncio.ensure_future(b.write(h, np.ones(1 << 16, np.uint8)))
+        await asyncio.sleep(0)  # the handle checked, the write waits at the lease check
+        assert not write.done()
+        async with asyncio.timeout(5):
+            await a.node.unexpose("x")
+        assert not write.done(), "the lease check passed before the revocation was through: nothing to check"
+        with pytest.raises(tensorwire.HandleNotFound, match="under way"):
+            await asyncio.wait_for(write, 5)
+        assert not x.any(), "a write landed in memory after `await node.unexpose()` returned"
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_an_operation_waiting_for_its_stream_when_its_handle_is_revoked_moves_nothing(op: str) -> None:
+    """A read into device memory (or a write from it) that UCX takes by pointer first waits for
+    the consumer's (producer's) stream: its earlier work on that memory. A revocation
+    acknowledged meanwhile stops it there (HandleNotFound): it used to get or put afterwards."""
+    async with _pair() as (a, b):
+        host_engine_by_pointer(b)
+        engine = HostEngine()
+        try:
+            x = np.full(1 << 16, 5 if op == "read" else 0, np.uint8)
+            a.node.expose(x, name="x")
+            h = await b.lookup("x")
+            with busy_stream(engine) as (stream, gate):
+                dev = EngineArray(engine, np.full(1 << 16, 0 if op == "read" else 7, np.uint8), stream=stream)
+                task = asyncio.ensure_future(b.read(h, out=dev) if op == "read" else b.write(h, dev))
+                await asyncio.sleep(0)  # the handle checked, it waits for the stream
+                async with asyncio.timeout(5):
+                    await a.node.unexpose("x")
+                x[:] = 9  # the owner's memory again
+                gate.set()
+                with pytest.raises(tensorwire.HandleNotFound, match="under way"):
+                    await asyncio.wait_for(task, 5)
+            await asyncio.sleep(0.05)
+            if op == "read":
+                assert not dev.array.any(), "a read took bytes from memory after `await node.unexpose()` returned"
+            else:
+                assert (x == 9).all(), "a write landed in memory after `await node.unexpose()` returned"
+        finally:
+            engine.close()
 
 
 async def test_bad_input_gets_clear_errors() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tracemalloc
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from .._node import start
+from .._onesided import _OPS_TAG
 from .._peer import Peer
 from ..errors import (
     ClosedResourceError,
@@ -20,6 +22,7 @@ from ..errors import (
     PeerDisconnected,
     ShapeMismatchError,
     TensorWireError,
+    UnsupportedTensorError,
 )
 from ..memory import HostEngine, wait_event
 from ..memory._engine import _HostEvent
@@ -1154,3 +1157,237 @@ async def check_device_memory_through_a_few_small_chunks(a: Peer, b: Peer) -> No
             assert engine.pool(direction).free == 3, f"the {direction} pool did not get its chunks back"
     finally:
         engine.close()
+
+
+async def _partly(array: np.ndarray, what: str) -> None:
+    """Until some of ``array``'s bytes are set, but not all: a transfer into it under way
+    (looked at every turn of the loop: inproc copies 4 MiB a turn)."""
+    async with asyncio.timeout(30):
+        while not array.any():  # noqa: ASYNC110 - polling the bytes landing is the point
+            await asyncio.sleep(0)
+    assert not array.all(), f"{what} was over before it could be seen under way (a smaller chunk pool?)"
+
+
+@_check(Limits(recv_buffer_bytes=4 * MiB))  # the payload rendezvous: it lands in the tensor as it comes
+async def check_no_write_lands_after_unexpose_returned(a: Peer, b: Peer) -> None:
+    """A write under way when its tensor is unexposed: once ``await node.unexpose()`` returned,
+    none of its bytes land. One-sided, it stops at its next chunk (HandleNotFound, the part
+    written before stays); through the owner, the unexpose waits for it to land whole. A
+    write from device memory staged through one 1 MiB chunk at a time: between two chunks
+    nothing is in flight, and the revocation is acknowledged then (a staged write used to go on
+    putting its chunks after that; an owner-assisted one to go on landing)."""
+    n = 16 * MiB
+    engine = HostEngine(copy_delay=0.005)
+    engine.pool("out").configure(MiB, 1)
+    try:
+        dst = np.zeros(n, np.uint8)
+        a.node.expose(dst, name="wdst")
+        h = await b.lookup("wdst")
+        write = asyncio.ensure_future(b.write(h, EngineArray(engine, np.ones(n, np.uint8))))
+        try:
+            await _partly(dst, "the write")
+            async with asyncio.timeout(30):  # (not wait_for: its task would let the loop turn first)
+                await a.node.unexpose("wdst")
+            landed = int(np.count_nonzero(dst))
+            failed: HandleNotFound | None = None
+            async with asyncio.timeout(30):
+                try:
+                    await write
+                except HandleNotFound as exc:
+                    failed = exc
+        finally:
+            write.cancel()
+        await asyncio.sleep(0.05)
+        assert int(np.count_nonzero(dst)) == landed, "a write landed after `await node.unexpose()` returned"
+        if failed is None:
+            assert landed == n, "a write said it completed, but not all of it landed"
+        else:
+            assert h.direct, f"an owner-assisted write under way failed at the unexpose: {failed}"
+            assert "under way" in str(failed), failed
+        with _refused(HandleNotFound, "a write of an unexposed tensor was accepted"):
+            await b.write(h, np.ones(n, np.uint8))
+    finally:
+        engine.close()
+
+
+@_check(Limits(recv_buffer_bytes=4 * MiB))
+async def check_no_read_reaches_the_tensor_after_unexpose_returned(a: Peer, b: Peer) -> None:
+    """A read under way when its tensor is unexposed: once ``await node.unexpose()`` returned,
+    it takes nothing more from the tensor, which its owner then overwrites. One-sided, it stops
+    at its next chunk (HandleNotFound); through the owner, the unexpose waits for it to be sent.
+    Into device memory through one chunk at a time (host-engine memory, copied up slowly)."""
+    n = 8 * MiB
+    engine = HostEngine(copy_delay=0.005)
+    engine.pool("in").configure(256 << 10, 1)
+    try:
+        src = np.full(n, 3, np.uint8)
+        a.node.expose(src, name="rsrc")
+        h = await b.lookup("rsrc")
+        out = EngineArray(engine, np.zeros(n, np.uint8))
+        read = asyncio.ensure_future(b.read(h, out=out))
+        try:
+            await _partly(out.array, "the read")
+            async with asyncio.timeout(30):
+                await a.node.unexpose("rsrc")
+            src[:] = 7  # the owner's memory again
+            failed: HandleNotFound | None = None
+            async with asyncio.timeout(30):
+                try:
+                    await read
+                except HandleNotFound as exc:
+                    failed = exc
+        finally:
+            read.cancel()
+        await asyncio.sleep(0.05)
+        assert not (out.array == 7).any(), "a read took bytes from the tensor after `await node.unexpose()` returned"
+        if failed is None:
+            assert (out.array == 3).all(), "a read said it completed, but not all of it landed"
+        else:
+            assert h.direct, f"an owner-assisted read under way failed at the unexpose: {failed}"
+            assert "under way" in str(failed), failed
+    finally:
+        engine.close()
+
+
+@contextlib.contextmanager
+def _held_requests(peer: Peer) -> Iterator[tuple[asyncio.Event, asyncio.Event]]:
+    """Each owner-assisted request ``peer`` sends waits for a gate (the first event yielded,
+    cleared again as each passes it) and then goes out whole, even if it was cancelled meanwhile:
+    the cancel is raised after, as tcp does for a frame it had started on a busy socket (and the
+    abort it then sends is ignored for a message already whole). The second event is set while
+    a request waits. Its other sends go as they come."""
+    send = peer.channel.send
+    gate, waiting = asyncio.Event(), asyncio.Event()
+
+    async def held(tag: int, msg: Any) -> Receipt:
+        if tag != _OPS_TAG:
+            return await send(tag, msg)
+
+        async def through() -> Receipt:
+            waiting.set()
+            await gate.wait()
+            gate.clear()
+            waiting.clear()
+            return await send(tag, msg)
+
+        going = asyncio.ensure_future(through())
+        try:
+            return await asyncio.shield(going)
+        except asyncio.CancelledError:
+            with contextlib.suppress(TensorWireError):
+                await going
+            raise
+
+    peer.channel.send = held  # type: ignore[method-assign]
+    try:
+        yield gate, waiting
+    finally:
+        del peer.channel.send  # the class's method again
+        gate.set()
+
+
+@_check(Limits(max_unexpected=4))
+async def check_one_sided_requests_cancelled_on_their_way_leave_nothing_behind(a: Peer, b: Peer) -> None:
+    """Owner-assisted reads and writes cancelled while their request is on its way, a request
+    that then goes out whole all the same: the cancel returns at once, and the owner's answers
+    are taken (a write's owner is told its payload will not come). More of them than the owner
+    may have waiting at this peer (``max_unexpected=4``): their answers used to stay in the
+    mailbox, each holding one of the owner's slots, until the owner could send this peer
+    nothing; and each such write's service waited for its payload for good."""
+    engine = HostEngine()
+    try:
+        x = np.arange(1024, dtype=np.int64)
+        a.node.expose(EngineArray(engine, x), name="req")  # device memory: owner-assisted everywhere
+        h = await b.lookup("req")
+        assert not h.direct, h
+        late = 0
+        with _held_requests(b) as (gate, waiting):
+            for i in range(10):
+                op = b.read(h[0:8]) if i % 2 else b.write(h[8:16], np.full(8, i, np.int64))
+                task = asyncio.ensure_future(op)
+                await asyncio.wait_for(waiting.wait(), 10)  # its request is on its way
+                task.cancel()
+                for _ in range(10):
+                    await asyncio.sleep(0)
+                late += not task.done()
+                gate.set()  # the request goes out whole
+                await asyncio.wait_for(asyncio.wait([task]), 10)
+                assert task.cancelled(), task
+        try:
+            async with asyncio.timeout(10):
+                await a.send(np.arange(3), tag="after")  # the owner can still send this peer messages
+                assert np.array_equal(await b.recv(tag="after"), np.arange(3))
+                assert np.array_equal(await b.read(h[0:4]), x[:4])
+                await b.write(h[8:16], np.full(8, -1, np.int64))
+                while b.channel.mailbox._arrived or a.channel.mailbox._arrived:  # noqa: ASYNC110 - no event
+                    await asyncio.sleep(0.01)
+                await a.node.unexpose("req")  # it waits for the owner's services of it: none may be left waiting
+        except TimeoutError:
+            raise AssertionError(
+                f"the owner's answers to cancelled requests were left behind ({len(b.channel.mailbox._arrived)} "
+                "in the mailbox), or its service of a cancelled write waits for the payload"
+            ) from None
+        assert (x[8:16] == -1).all()
+        assert not late, f"{late} operations cancelled while their request was on its way waited for it to go"
+    finally:
+        engine.close()
+
+
+def _matrix(data: Any) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PendingDeprecationWarning)  # numpy would rather it were not used
+        return np.matrix(data)
+
+
+@_check()
+async def check_ndarray_subclasses_move_whole(a: Peer, b: Peer) -> None:
+    """An ndarray subclass moves as the plain array over its memory. np.matrix stays 2-D through
+    reshape(-1), and its byte view was one row long: tcp sent a sixth of the message (its receipt
+    said all of it) and lost the stream, inproc raised ValueError; a recv into one broke the
+    channel (tcp, ucx) or raised NotImplementedError (inproc)."""
+    x = _matrix(np.arange(6.0).reshape(2, 3))
+    await a.send(x, tag="mx")
+    got = await asyncio.wait_for(b.recv(tag="mx"), 10)
+    assert _same(np.asarray(x), got), got
+    for order in ("recv-first", "send-first"):
+        out = _matrix(np.zeros((2, 3)))
+        got, _, _ = await asyncio.wait_for(exchange(a, b, x * 2, out, order, tag="mx"), 10)
+        assert got is out and np.array_equal(np.asarray(out), np.asarray(x) * 2), f"{order}: {out}"
+        tree = {"m": _matrix(np.zeros((2, 3))), "v": np.zeros(4)}
+        got, _, _ = await asyncio.wait_for(exchange(a, b, {"m": x, "v": np.ones(4)}, tree, order, tag="mt"), 10)
+        assert got is tree and np.array_equal(np.asarray(tree["m"]), np.asarray(x)) and tree["v"].all(), order
+    with _refused(UnsupportedTensorError, "a masked array was sent without its mask"):
+        await a.send(np.ma.masked_array([1.0, 2.0], mask=[False, True]), tag="mx")
+    await a.send(np.arange(3), tag="after")
+    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="after"), 10))
+
+
+@_check()
+async def check_out_that_cannot_hold_the_message_keeps_it(a: Peer, b: Peer) -> None:
+    """An out= a recv cannot write into: a numpy scalar (immutable: np.asarray makes a new 0-d
+    array, which the bytes reached instead), or leaves that share memory (the first tensor was
+    lost under the second). Refused whether the message came first or the recv was waiting, and
+    the message stays for the next recv."""
+    x = [np.arange(4.0), np.arange(4.0) + 10]
+    buf = np.zeros(4)
+    span = np.zeros(7)
+    bad: list[tuple[Any, Any, type[TensorWireError]]] = [
+        (np.array(42.0), np.float64(0.0), UnsupportedTensorError),
+        (x, [buf, buf], ShapeMismatchError),
+        (x, (span[3:], span[:4]), ShapeMismatchError),
+    ]
+    for src, out, error in bad:
+        await a.send(src, tag="o")  # queued when the recv comes
+        await asyncio.sleep(0.01)
+        with _refused(error, f"out={out!r} was accepted"):
+            await asyncio.wait_for(b.recv(tag="o", out=out), 10)
+        assert _same(src, await asyncio.wait_for(b.recv(tag="o"), 10)), "the refused message was lost"
+        waiting = asyncio.ensure_future(b.recv(tag="o", out=out))  # waiting when it comes
+        await asyncio.sleep(0.01)
+        await a.send(src, tag="o")
+        with _refused(error, f"a waiting recv with out={out!r} succeeded"):
+            await asyncio.wait_for(waiting, 10)
+        assert _same(src, await asyncio.wait_for(b.recv(tag="o"), 10)), "the refused message was lost"
+    assert not buf.any() and not span.any(), "a refused out= was written"
+    await a.send(np.arange(3), tag="after")
+    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="after"), 10))
