@@ -412,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     except _DemoFailed as exc:
         print(f"tensorwire demo: {exc}", file=sys.stderr)
         return 1
+    except MemoryError:  # the demo's tensors (--size-mib) do not fit in this machine's memory
+        print(f"tensorwire {args.cmd}: out of memory (--size-mib {getattr(args, 'size_mib', '?')})", file=sys.stderr)
+        return 1
     return 2
 
 

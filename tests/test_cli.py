@@ -265,3 +265,9 @@ def test_serve_reads_a_tag_of_digits_as_an_int_and_anything_else_as_a_string() -
     assert _wire_tag("0") == 0 and _wire_tag("-3") == -3
     assert _wire_tag("²") == "²"  # str.isdigit says yes; int() would refuse it and end the server
     assert _wire_tag("grads") == "grads" and _wire_tag("-") == "-"
+
+
+def test_a_demo_too_big_for_memory_says_so_without_a_traceback() -> None:
+    out = subprocess.run([*CLI, "demo", "--size-mib", "100000000"], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "out of memory (--size-mib 100000000)" in out.stderr and "Traceback" not in out.stderr
