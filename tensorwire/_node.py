@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -157,7 +158,8 @@ def _split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
 
 def _dialable(control_address: str, caller: str) -> str:
     """Where to reach the control plane of a client that says it serves at ``control_address``
-    and called from ``caller`` (gRPC's ``ipv4:10.0.0.7:5123`` / ``ipv6:[::1]:5123``). A client
+    and called from ``caller`` (gRPC's ``ipv4:10.0.0.7:5123`` / ``ipv6:%5B::1%5D:5123``, its
+    brackets percent-encoded). A client
     serving on every interface (``0.0.0.0``, ``::``) names no machine, and one serving on
     loopback names ours when it called from elsewhere: both are the host it called from, at the
     port it gave. (Dialled as given, a lookup would reach this machine, and maybe another node
@@ -167,7 +169,8 @@ def _dialable(control_address: str, caller: str) -> str:
         return control_address
     try:
         host, port = _split_address(control_address, lowest_port=1)
-        called_from = ipaddress.ip_address(rest.rpartition(":")[0].strip("[]").partition("%")[0])
+        host_part = urllib.parse.unquote(rest.rpartition(":")[0])
+        called_from = ipaddress.ip_address(host_part.strip("[]").partition("%")[0])  # (a zone: fe80::1%eth0)
     except (ConfigurationError, ValueError):
         return control_address  # said nothing usable: a lookup dialling it fails and says so
     if isinstance(called_from, ipaddress.IPv6Address) and called_from.ipv4_mapped is not None:

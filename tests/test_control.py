@@ -460,6 +460,8 @@ def test_a_clients_control_address_is_dialled_where_it_called_from() -> None:
     # a wildcard names no machine: the host the handshake came from, at the port given
     assert _dialable("0.0.0.0:7001", "ipv4:10.0.0.7:50123") == "10.0.0.7:7001"
     assert _dialable("[::]:7001", "ipv6:[fd00::7]:50123") == "[fd00::7]:7001"
+    assert _dialable("[::]:7001", "ipv6:%5Bfd00::7%5D:50123") == "[fd00::7]:7001"  # as grpc writes it
+    assert _dialable("[::]:7001", "ipv6:%5Bfe80::7%25eth0%5D:50123") == "[fe80::7]:7001"
     assert _dialable("[::]:7001", "ipv6:[::ffff:10.0.0.7]:50123") == "10.0.0.7:7001"
     # loopback names this machine when the call came from elsewhere
     assert _dialable("127.0.0.1:7001", "ipv4:10.0.0.7:50123") == "10.0.0.7:7001"
@@ -483,6 +485,16 @@ async def test_a_client_serving_on_every_interface_is_looked_up_where_it_called_
         await client.connect(server.address)
         q = await server.accept()
         assert q._control_address == f"127.0.0.1:{client.address.rpartition(':')[2]}"
+        assert np.array_equal(await q.read(await q.lookup("w")), np.arange(6))
+    # over IPv6 (gRPC names such a caller ipv6:%5B::1%5D:<port>)
+    async with (
+        tensorwire.start("[::]:0", transports=("tcp",)) as client,
+        tensorwire.start("[::1]:0", transports=("tcp",)) as server,
+    ):
+        client.expose(np.arange(6, dtype=np.int64), name="w")
+        await client.connect(server.address)
+        q = await server.accept()
+        assert q._control_address == f"[::1]:{client.address.rpartition(':')[2]}"
         assert np.array_equal(await q.read(await q.lookup("w")), np.arange(6))
 
 

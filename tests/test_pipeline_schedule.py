@@ -198,8 +198,8 @@ def test_blank_lines_are_ignored() -> None:
         (lambda: Schedule.parse("F0 B0").peak_activations(5), ScheduleError, "stage 5 is not in 0..0"),
         (lambda: Schedule.parse("F0 B0").validate(max_unexpected="4"), ScheduleError, "max_unexpected must be"),
         (lambda: split(np.float32(1.0), 1), ShapeMismatchError, "a 0-d tensor (float32) has no first dimension"),
-        (lambda: split(None, 1), UnsupportedTensorError, "a batch is one tensor, split along its first dimension"),
-        (lambda: split({"ids": np.zeros((4, 2))}, 2), UnsupportedTensorError, "dict is not a tensor"),
+        (lambda: split(None, 1), UnsupportedTensorError, "a batch is a tensor (or a list of samples)"),
+        (lambda: split({"ids": np.zeros((4, 2))}, 2), UnsupportedTensorError, "not dict"),
         (lambda: split(np.zeros(4), 2.0), ConfigurationError, "microbatches must be a positive int, not 2.0"),
     ],
     ids=[

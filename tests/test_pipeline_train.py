@@ -152,6 +152,20 @@ async def test_numpy_layers_with_explicit_backward(schedule: str) -> None:
         np.testing.assert_allclose(state["b"], layer.b, rtol=RTOL, atol=1e-6, err_msg=f"stage {s}")
 
 
+@pytest.mark.timeout(60)
+async def test_targets_given_as_lists_of_rows_train_as_arrays_do() -> None:
+    """A batch may be a list of samples (label rows from a dataset, say): split slices it and
+    each microbatch travels as a pytree, which the loss takes as it would take an array."""
+    layers, reference = numpy_layers(), numpy_layers()
+    parts = [pipeline.FunctionPart(layer, loss=mse if i == 3 else None) for i, layer in enumerate(layers)]
+    rng = np.random.default_rng(5)
+    async with stages_and_driver(parts, "tcp", offload=False) as pipe:
+        x = rng.standard_normal((12, 12)).astype(np.float32)
+        y = rng.standard_normal((12, 2)).astype(np.float32)
+        result = await pipe.step(x, y.tolist(), microbatches=4)
+        assert result.loss == pytest.approx(one_process_step(reference, x, y), rel=RTOL)
+
+
 # -- failures inside one process ------------------------------------------------------------------
 class Exploding(nn.Module):  # type: ignore[misc]
     def __init__(self) -> None:

@@ -399,8 +399,12 @@ def test_out_must_have_the_messages_structure_not_just_its_tensors() -> None:
     tree1, specs1 = decode_header(prepare([k]).header, max_message_bytes=1 << 30)
     with pytest.raises(tensorwire.ShapeMismatchError, match="a tensor where the message has a list"):
         match_out(np.empty(4), specs1, tree=tree1)
-    with pytest.raises(tensorwire.ShapeMismatchError, match="a list of 2 where the message has one of 1"):
+    with pytest.raises(tensorwire.ShapeMismatchError, match="out= holds 2 items where the message's list has 1"):
         match_out([np.empty(4), np.empty(4)], specs1, tree=tree1)
+    # a list may stand for a tuple, and the other way round (a method returning (a, b), _out=[x, y])
+    tree3, specs3 = decode_header(prepare((k, v)).header, max_message_bytes=1 << 30)
+    landed = match_out([bk, bv], specs3, tree=tree3)
+    assert landed[0] is bk and landed[1] is bv
     # a scalar of the message faces any scalar of out=; a tensor never faces a scalar
     tree2, specs2 = decode_header(prepare({"x": k, "step": 12}).header, max_message_bytes=1 << 30)
     match_out({"x": bk, "step": None}, specs2, tree=tree2)
@@ -443,8 +447,10 @@ async def test_an_out_that_raises_fails_its_recv_and_not_the_channel(transport: 
     from tensorwire.testing import connected_pair
 
     class Broken(dict):  # type: ignore[type-arg]
-        def items(self):  # type: ignore[no-untyped-def]
+        def __iter__(self):  # type: ignore[no-untyped-def]
             raise RuntimeError("no items today")
+
+        items = values = keys = __iter__
 
     async with connected_pair(transport) as (a, b):
         posted = asyncio.ensure_future(b.recv(tag=1, out=Broken(x=np.empty(3))))

@@ -38,7 +38,7 @@ from ..errors import (
     TensorWireError,
     UnsupportedTensorError,
 )
-from ..tensors import as_view, is_tensor
+from ..tensors import as_view, is_tensor, prepare
 from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, make_schedule
 from ._stage import ticket_key
 
@@ -55,9 +55,9 @@ def split(batch: Any, microbatches: int) -> list[Any]:
     if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
         raise ConfigurationError(f"microbatches must be a positive int, not {microbatches!r}")
     microbatches = int(microbatches)
-    if not is_tensor(batch):  # a stage's input and output are one tensor each
+    if isinstance(batch, (str, bytes, dict)) or not hasattr(batch, "__getitem__"):
         raise UnsupportedTensorError(
-            f"a batch is one tensor, split along its first dimension; {type(batch).__name__} is not a tensor"
+            f"a batch is a tensor (or a list of samples), split along its first dimension; not {type(batch).__name__}"
         )
     try:
         n = len(batch)
@@ -313,7 +313,9 @@ class Pipeline:
         for s, what, batch in parts:
             for i, x in enumerate(batch):
                 try:
-                    nbytes[s] = nbytes.get(s, 0) + as_view(x).nbytes
+                    # a tensor (its view: no copy, no device work), or a pytree (a list of labels)
+                    size = as_view(x).nbytes if is_tensor(x) else prepare(x).nbytes
+                    nbytes[s] = nbytes.get(s, 0) + size
                 except TensorError as exc:
                     raise type(exc)(f"the {what} of microbatch {i} cannot be sent to stage {s}: {exc}") from exc
         for s, n in nbytes.items():

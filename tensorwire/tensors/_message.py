@@ -365,9 +365,13 @@ def match_out(
         if out.dtype == DTYPES.get(s.dtype) and out.shape == s.shape and out.flags.c_contiguous and out.flags.writeable:
             return [out]
     views: list[TensorView] = []
-    node = _flatten(out, views, 0)
-    if tree is not None:
-        _same_structure(node, tree, "out=")
+    if tree is None:
+        _flatten(out, views, 0)
+    else:
+        try:
+            _views_along(out, tree, views)
+        except _Misfit as misfit:
+            raise ShapeMismatchError(f"out={''.join(reversed(misfit.path))} {misfit.text}") from None
     if len(views) != len(specs):
         raise ShapeMismatchError(f"out= holds {len(views)} tensors but the message has {len(specs)}")
     for i, (v, s) in enumerate(zip(views, specs, strict=True)):
@@ -382,46 +386,90 @@ def match_out(
     return [v.dev.target(streams) if v.dev is not None else v.array for v in views]
 
 
-_CONTAINERS = ("list", "tuple", "dict")
+_SCALARS = (bool, int, float, str, bytes)
+_NOT_TENSORS = (dict, list, tuple, bool, int, float, str, bytes, type(None))
 
 
-def _same_structure(mine: wire_pb2.TreeNode, theirs: wire_pb2.TreeNode, where: str) -> None:
-    """ShapeMismatchError unless out= (``mine``) has the message's containers, dict keys (in
-    its order) and tensors where the message has them: tensors matched by their place alone
-    would let ``{"k": K, "v": V}`` land in ``out={"v": ..., "k": ...}`` crosswise. A scalar of
-    the message may face any scalar of out= (the recv returns the message's)."""
-    a, b = mine.WhichOneof("kind"), theirs.WhichOneof("kind")
-    if (a == "tensor") != (b == "tensor") or ((a in _CONTAINERS or b in _CONTAINERS) and a != b):
-        raise ShapeMismatchError(f"{where} is {_kind_name(a)} where the message has {_kind_name(b)}")
-    if b == "dict":
-        if list(mine.dict.keys) != list(theirs.dict.keys):
-            ours = [_unflatten(k, []) for k in mine.dict.keys]
-            keys = [_unflatten(k, []) for k in theirs.dict.keys]
-            raise ShapeMismatchError(f"{where} has the keys {ours!r} where the message has {keys!r} (in that order)")
-        for k, m, t in zip(mine.dict.keys, mine.dict.values, theirs.dict.values, strict=True):
-            _same_structure(m, t, f"{where}[{_unflatten(k, [])!r}]")
-    elif b in ("list", "tuple"):
-        ms, ts = getattr(mine, b).items, getattr(theirs, b).items
-        if len(ms) != len(ts):
-            raise ShapeMismatchError(f"{where} is a {b} of {len(ms)} where the message has one of {len(ts)}")
-        for i, (m, t) in enumerate(zip(ms, ts, strict=True)):
-            _same_structure(m, t, f"{where}[{i}]")
+class _Misfit(Exception):
+    """Where out= departs from the message's tree (turned into a ShapeMismatchError by
+    ``match_out``; the path is put together only then, on the way up)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.path: list[str] = []
 
 
-def _kind_name(kind: str | None) -> str:
-    return {"tensor": "a tensor", "list": "a list", "tuple": "a tuple", "dict": "a dict"}.get(kind or "", "a scalar")
+def _views_along(obj: object, node: wire_pb2.TreeNode, views: list[TensorView]) -> None:
+    """out= walked along the message's tree: its tensors (as views, in wire order) where the
+    message has tensors, else _Misfit. Tensors matched by their place alone would let
+    ``{"k": K, "v": V}`` land in ``out={"v": ..., "k": ...}`` crosswise, so dicts must have the
+    message's keys in its order; a list may stand for a tuple and the other way round; a
+    scalar of the message may face any scalar (the recv returns the message's)."""
+    kind = node.WhichOneof("kind")
+    if kind == "tensor":
+        if isinstance(obj, _NOT_TENSORS) and not isinstance(obj, np.generic):
+            raise _Misfit(f"is {_what(obj)} where the message has a tensor")
+        views.append(as_view(obj))  # (anything else that is no tensor: UnsupportedTensorError)
+        return
+    if kind == "list" or kind == "tuple":
+        items = node.list.items if kind == "list" else node.tuple.items
+        if not isinstance(obj, (list, tuple)):
+            raise _Misfit(f"is {_what(obj)} where the message has a {kind}")
+        if len(obj) != len(items):
+            raise _Misfit(f"holds {len(obj)} items where the message's {kind} has {len(items)}")
+        pairs: Any = zip(obj, items, strict=True)
+    elif kind == "dict":
+        if not isinstance(obj, dict):
+            raise _Misfit(f"is {_what(obj)} where the message has a dict")
+        keys = [_unflatten(k, []) for k in node.dict.keys]
+        if list(obj) != keys:
+            raise _Misfit(f"has the keys {list(obj)!r} where the message has {keys!r} (in that order)")
+        pairs = zip(obj.values(), node.dict.values, strict=True)
+    else:
+        if isinstance(obj, (dict, list, tuple)) or (
+            obj is not None and not isinstance(obj, _SCALARS) and is_tensor(obj)
+        ):
+            raise _Misfit(f"is {_what(obj)} where the message has a scalar")
+        return
+    for i, (o, n) in enumerate(pairs):
+        try:
+            _views_along(o, n, views)
+        except _Misfit as misfit:
+            misfit.path.append(f"[{list(obj)[i]!r}]" if kind == "dict" else f"[{i}]")
+            raise
+
+
+def _what(obj: object) -> str:
+    if isinstance(obj, dict):
+        return "a dict"
+    if isinstance(obj, (list, tuple)):
+        return f"a {type(obj).__name__}"
+    if obj is None or isinstance(obj, _SCALARS):
+        return "a scalar"
+    return "a tensor" if is_tensor(obj) else f"a {type(obj).__name__}"
 
 
 def with_scalars(out: object, tree: wire_pb2.TreeNode) -> object:
     """What a recv into ``out`` returns: ``out`` itself, or where the message's scalars differ
-    from those ``out`` holds, the message's structure with ``out``'s tensors in it (checked by
-    ``match_out`` to have that structure)."""
-    if type(out) is np.ndarray or (tree.HasField("tensor") and is_tensor(out)):
-        return out
-    views: list[TensorView] = []
-    if _flatten(out, views, 0) == tree:
+    from those ``out`` holds, the message's structure with ``out``'s tensors in it (``out`` was
+    checked by ``match_out`` to have that structure)."""
+    if tree.HasField("tensor") or _scalars_equal(out, tree):
         return out
     return _with_scalars(out, tree)
+
+
+def _scalars_equal(obj: Any, node: wire_pb2.TreeNode) -> bool:
+    kind = node.WhichOneof("kind")
+    if kind == "tensor":
+        return True
+    if kind == "list" or kind == "tuple" or kind == "dict":
+        items = node.list.items if kind == "list" else node.tuple.items if kind == "tuple" else node.dict.values
+        for o, n in zip(obj.values() if kind == "dict" else obj, items, strict=True):
+            if not n.HasField("tensor") and not _scalars_equal(o, n):  # (tensors: no call)
+                return False
+        return True
+    value = _unflatten(node, [])
+    return type(obj) is type(value) and bool(obj == value)
 
 
 def _with_scalars(obj: Any, node: wire_pb2.TreeNode) -> Any:
@@ -451,8 +499,9 @@ def _span(v: TensorView) -> tuple[int, int]:
     """The addresses ``[start, end)`` a checked out= leaf's bytes may lie in (host and device
     pointers share one address space under CUDA's unified addressing); empty for no bytes."""
     if v.dev is None:
-        start = int(v.array.ctypes.data)
-        return start, start + int(v.array.nbytes)  # C-contiguous: exactly its bytes
+        arr = v.array
+        start: int = arr.__array_interface__["data"][0]  # (ndarray.ctypes costs several times more)
+        return start, start + arr.nbytes  # C-contiguous: exactly its bytes
     d: DeviceSource = v.dev
     if d.nbytes == 0:
         return d.ptr, d.ptr
@@ -466,6 +515,8 @@ def _refuse_overlap(views: list[TensorView]) -> None:
     overwrite the earlier one's (``recv(out=[buf, buf])``). Sorted by start address, each leaf
     is compared with the furthest end before it: O(n log n) for many leaves. A strided device
     leaf counts from its lowest to its highest byte, so interleaved ones are refused too."""
+    if all(v.dev is None and v.array.flags.owndata for v in views) and len({id(v.array) for v in views}) == len(views):
+        return  # arrays that own their memory, each another: none shares it (the common case)
     spans = sorted((*_span(v), i) for i, v in enumerate(views))
     reach, last = -1, -1
     for start, end, i in spans:
