@@ -35,9 +35,22 @@ def _options(variant: str) -> contextlib.AbstractContextManager[None]:
     return ucx_config(**options)
 
 
+# (check, variant) pairs that fail now and then on a transport bug not fixed yet: the reason
+# names the bug; the pair runs, and passes once the fix lands (then drop it here)
+KNOWN_BUGS = {
+    ("receiver_closing_during_a_send_fails_it", "ucx-tls=tcp"): (
+        "ucx: a channel shut while a UCX receive lands in a recv's out= cancels that request and "
+        "fails the recv at once; UCX may still write into out= after the recv returned"
+    ),
+}
+
+
 @pytest.mark.parametrize("variant", TRANSPORTS)
 @pytest.mark.parametrize("name", list(CHECKS))
-async def test_conformance(variant: str, name: str) -> None:
+async def test_conformance(variant: str, name: str, request: pytest.FixtureRequest) -> None:
+    bug = KNOWN_BUGS.get((name, variant))
+    if bug is not None:
+        request.applymarker(pytest.mark.xfail(reason=bug, strict=False))
     with _options(variant):
         async with connected_pair(VARIANTS[variant][0], check=name) as (a, b):
             await CHECKS[name](a, b)
@@ -87,3 +100,60 @@ async def test_the_cancel_checks_size_their_message_by_how_long_its_landing_last
         assert await _landing_size(a, b, 32 * MiB, turns=4, out=True) == 16 * MiB
         assert await _landing_size(a, b, 24 * MiB, turns=100) == 24 * MiB, "none lasts: the cap"
         assert await _landing_size(a, b, 32 * MiB, turns=0, seconds=30.0) == 32 * MiB, "none lasts 30 s"
+
+
+@pytest.mark.parametrize("variant", TRANSPORTS)
+async def test_closed_channels_are_let_go(variant: str) -> None:
+    """A transport holds a channel only until it closes: closed peers, their channels and the
+    messages they never delivered are freed while the nodes live on (inproc kept every
+    channel, and 4 MiB unreceived in each, until its transport closed)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    import tensorwire
+
+    transport = VARIANTS[variant][0]
+    with _options(variant):
+        async with (
+            tensorwire.start("127.0.0.1:0", transports=(transport,)) as na,
+            tensorwire.start("127.0.0.1:0", transports=(transport,)) as nb,
+        ):
+            channels = []
+            for _ in range(3):
+                p = await na.connect(nb.address)
+                q = await nb.accept()
+                await p.send(np.ones(4 << 20, np.uint8), tag=1)  # buffered at q, never received
+                await asyncio.sleep(0.01)
+                channels += [weakref.ref(p.channel), weakref.ref(q.channel)]
+                await p.aclose()
+                await q.aclose()
+                del p, q
+            async with asyncio.timeout(5):
+                while any(ref() is not None for ref in channels):
+                    gc.collect()
+                    await asyncio.sleep(0.01)  # a transport's closing tasks may hold one a moment
+
+
+# inproc and tcp tell the peer when a channel fails, as a shut connection does; ucx fails only
+# its own side (no BYE goes out), and the peer learns it from the lease
+@pytest.mark.parametrize("variant", [p for p in TRANSPORTS if p.id in ("inproc", "tcp")])
+async def test_failed_channel_fails_the_peers_work_promptly(variant: str) -> None:
+    """``Channel.fail`` (a lost lease or session) fails the peer's pending recvs and sends at
+    once with PeerDisconnected, well before its own lease of the failed node would run out."""
+    import numpy as np
+
+    import tensorwire
+
+    with _options(variant):
+        async with connected_pair(VARIANTS[variant][0], limits=tensorwire.Limits(recv_buffer_bytes=0)) as (a, b):
+            recv = asyncio.ensure_future(b.recv(tag="r"))
+            send = asyncio.ensure_future(b.send(np.ones(1 << 20, np.uint8), tag="s"))  # rendezvous, never received
+            await asyncio.sleep(0.05)
+            assert not recv.done() and not send.done()
+            a.channel.fail(tensorwire.PeerDisconnected("lease ran out"))
+            for fut in (recv, send):
+                with pytest.raises(tensorwire.PeerDisconnected):
+                    async with asyncio.timeout(1):  # a lease is 3 s
+                        await fut

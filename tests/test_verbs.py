@@ -5,16 +5,26 @@ the Soft-RoCE guest (tests/verbs, run by tests/test_verbs_vm.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import os
+import random
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 import tensorwire
-from tensorwire.errors import ProtocolError
-from tensorwire.transports import probe_all
-from tensorwire.transports.verbs import VerbsTransport, choose_gid, choose_port
-from tensorwire.transports.verbs._wire import Offer, QpInfo
+from tensorwire.errors import BrokenResourceError, ProtocolError
+from tensorwire.tensors import prepare
+from tensorwire.transports import ChannelState, Limits, probe_all
+from tensorwire.transports._frames import PeerLimits
+from tensorwire.transports.verbs import RemoteKey, VerbsChannel, VerbsTransport, _channel, choose_gid, choose_port
+from tensorwire.transports.verbs._wire import Kind, Offer, QpInfo
 
 pytestmark = pytest.mark.timeout(30)
 MAPPED = "0000:0000:0000:0000:0000:ffff"
@@ -126,3 +136,359 @@ def test_offer_and_qp_info_round_trip_and_reject_garbage() -> None:
         QpInfo.unpack(QpInfo(0, 1, 1, 0, 3, 1, 64, 16384, gid).pack())  # qpn 0
     with pytest.raises(ProtocolError):
         QpInfo.unpack(QpInfo(5, 1, 1, 0, 3, 1, 1, 16384, gid).pack())  # a ring of one slot
+
+
+# -- the channel's protocol over a queue pair in memory -------------------------------------------
+# VerbsChannel as it is, over a stand-in for QueuePair: a SEND lands, in order and after a delay
+# of the test's choosing, in the next receive slot the peer posted (a SEND with no slot posted
+# is counted as an RNR, which the ring credit promises never happens); RDMA READ and WRITE copy
+# the bytes. What needs real verbs (registration, completion events, rxe) is tested in the guest.
+
+
+class _WC:
+    __slots__ = ("byte_len", "status", "wr_id")
+
+    def __init__(self, wr_id: int, byte_len: int = 0, status: int = 0) -> None:
+        self.wr_id, self.byte_len, self.status = wr_id, byte_len, status
+
+
+class _FakeQP:
+    def __init__(self, slots: int, slot_bytes: int = 16 * 1024, send_slots: int = 32) -> None:
+        self.slots, self.slot_bytes, self.send_slots = slots, slot_bytes, send_slots
+        self.port = SimpleNamespace(device="fake0", port=1)
+        self.send_view = np.zeros(send_slots * slot_bytes, np.uint8)
+        self.recv_view = np.zeros(slots * slot_bytes, np.uint8)
+        self.posted: deque[int] = deque(range(slots))  # receive slots posted, in order
+        self.peer: _FakeQP
+        self.channel: VerbsChannel
+        self.delay: Callable[[], float] = lambda: 0.0  # how long a SEND is on the wire
+        self.hold = False  # keep SENDs and RDMA completions back until released
+        self.closed = False
+        self.rnr = 0
+        self.rdma_posted = 0
+        self._wire: deque[tuple[int, np.ndarray]] = deque()  # SENDs on their way to the peer, in order
+        self._held: list[Callable[[], None]] = []
+
+    def start(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _check(self) -> None:
+        if self.closed:
+            raise BrokenResourceError("verbs queue pair is closed")
+
+    def slot_view(self, slot: int, nbytes: int) -> np.ndarray:
+        off = slot * self.slot_bytes
+        return self.recv_view[off : off + nbytes]
+
+    def post_recv(self, slot: int) -> None:
+        self._check()
+        self.posted.append(slot)
+
+    def post_send(self, wr_id: int, slot: int, nbytes: int) -> None:
+        self._check()
+        off = slot * self.slot_bytes
+        self._wire.append((wr_id, self.send_view[off : off + nbytes].copy()))
+        self._later(self._land)
+
+    def post_rdma(self, wr_id: int, read: bool, laddr: int, lkey: int, n: int, raddr: int, rkey: int) -> None:
+        self._check()
+        self.rdma_posted += 1
+
+        def done() -> None:
+            if not self.closed:
+                ctypes.memmove(laddr, raddr, n) if read else ctypes.memmove(raddr, laddr, n)
+                self.channel._completions([_WC(wr_id)])
+
+        self._later(done)
+
+    def _later(self, fn: Callable[[], None]) -> None:
+        if self.hold:
+            self._held.append(fn)
+        else:
+            asyncio.get_running_loop().call_later(self.delay(), fn)
+
+    def release(self) -> None:
+        self.hold = False
+        held, self._held = self._held, []
+        for fn in held:
+            self._later(fn)
+
+    def _land(self) -> None:
+        """The SEND at the head of the wire (each call lands one: the order is kept)."""
+        if self.closed or self.peer.closed:
+            return
+        wr_id, data = self._wire.popleft()
+        peer = self.peer
+        if not peer.posted:
+            self.rnr += 1  # the hardware would retry: so do we
+            self._wire.appendleft((wr_id, data))
+            asyncio.get_running_loop().call_later(0.001, self._land)
+            return
+        slot = peer.posted.popleft()
+        peer.recv_view[slot * peer.slot_bytes : slot * peer.slot_bytes + len(data)] = data
+        peer.channel._completions([_WC(slot, len(data))])
+        self.channel._completions([_WC(wr_id)])
+
+
+class _FakeMemory:
+    def acquire(self, arr: np.ndarray, access: int) -> Any:
+        return SimpleNamespace(lkey=1, rkey=2)
+
+    def release(self, region: Any) -> None:
+        pass
+
+
+_PV = SimpleNamespace(
+    enums=SimpleNamespace(IBV_ACCESS_REMOTE_READ=4, IBV_ACCESS_LOCAL_WRITE=1),
+    pyverbs_error=SimpleNamespace(PyverbsError=type("PyverbsError", (Exception,), {})),
+)
+
+
+def _channels(
+    monkeypatch: pytest.MonkeyPatch, limits: tuple[Limits, Limits] = (Limits(), Limits()), slots: int = 64
+) -> tuple[VerbsChannel, VerbsChannel]:
+    """Two VerbsChannels joined by _FakeQPs (call it with the loop running)."""
+    monkeypatch.setattr(_channel, "pv", lambda: _PV)
+    qps = (_FakeQP(slots), _FakeQP(slots))
+    qps[0].peer, qps[1].peer = qps[1], qps[0]
+    out = []
+    for i, (qp, mine, theirs) in enumerate(zip(qps, limits, reversed(limits), strict=True)):
+        remote = PeerLimits(
+            theirs.recv_buffer_bytes, theirs.max_unexpected, theirs.max_message_bytes, theirs.max_header_bytes
+        )
+        ch = VerbsChannel(
+            qp,  # type: ignore[arg-type]
+            _FakeMemory(),  # type: ignore[arg-type]
+            limits=mine,
+            remote=remote,
+            remote_slots=slots,
+            remote_slot_bytes=qp.slot_bytes,
+            max_rdma=32,
+            max_msg=1 << 30,
+            name="ab"[i],
+            on_shutdown=lambda: None,
+        )
+        qp.channel = ch
+        out.append(ch)
+    return out[0], out[1]
+
+
+def _qp(ch: VerbsChannel) -> _FakeQP:
+    qp = ch._qp
+    assert isinstance(qp, _FakeQP)
+    return qp
+
+
+async def _recv(ch: VerbsChannel, tag: int) -> Any:
+    got, _ = await ch.recv(tag, None)
+    return got
+
+
+async def _quiet(*chs: VerbsChannel) -> None:
+    """Wait until no frame has gone out for a while (reports owed are sent within 1 ms), then
+    check it stays so: no side answers CREDIT frames with CREDIT frames for ever."""
+    counts = None
+    while counts != (now := [c.stats["frames_out"] for c in chs]):
+        counts = now
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    assert [c.stats["frames_out"] for c in chs] == counts, "CREDIT frames keep going back and forth"
+
+
+async def test_credit_frames_are_reported_too_so_a_slow_consumer_can_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """b sends a burst, then waits for a's answer; a takes the messages some ms apart, each
+    recv's credit going back in a CREDIT frame of its own. Those frames take slots of b's ring:
+    b reports them (lazily), so a's answer finds room."""
+    a, b = _channels(monkeypatch)
+    n = 90
+    for i in range(n):
+        await b.send(1, prepare(np.arange(4) + i))
+    for i in range(n):
+        assert (await _recv(a, 1))[0] == i
+        await asyncio.sleep(0.002)
+    assert a.stats["credit_frames"] >= n // 2  # the traffic this is about
+    async with asyncio.timeout(5):
+        await a.send(2, prepare(np.arange(3)))
+        assert list(await _recv(b, 2)) == [0, 1, 2]
+    await _quiet(a, b)
+    # at most one CREDIT frame of b's per (slots - RESERVE) // 2 of a's
+    assert b.stats["credit_frames"] <= a.stats["credit_frames"] // ((64 - _channel.RESERVE) // 2) + 3, b.stats
+    assert a._ring_free() > 64 - (64 - _channel.RESERVE) // 2, "b left a's view of its ring short"
+    assert _qp(a).rnr == _qp(b).rnr == 0
+
+
+@pytest.mark.parametrize("slots", [8, 64])
+@pytest.mark.parametrize("seed", range(3))
+async def test_ring_credit_neither_deadlocks_nor_ping_pongs(
+    monkeypatch: pytest.MonkeyPatch, slots: int, seed: int
+) -> None:
+    """Both sides send bursts of small messages to each other and consume them with random
+    pauses, over a wire with random delays: every message arrives in order, no SEND ever finds
+    the peer's ring empty, and once the traffic stops so do the frames."""
+    rng = random.Random(seed)
+    a, b = _channels(monkeypatch, slots=slots)
+    for ch in (a, b):
+        _qp(ch).delay = lambda: rng.choice((0.0, 0.0, 0.0002, 0.001, 0.003))
+    n = 150
+
+    async def sender(ch: VerbsChannel) -> None:
+        i = 0
+        while i < n:
+            for _ in range(rng.randint(1, 40)):
+                if i < n:
+                    await ch.send(7, prepare(np.array([i, i * i])))
+                    i += 1
+            await asyncio.sleep(rng.choice((0, 0.001, 0.004)))
+
+    async def receiver(ch: VerbsChannel) -> None:
+        for i in range(n):
+            assert list(await _recv(ch, 7)) == [i, i * i]
+            if rng.random() < 0.3:
+                await asyncio.sleep(rng.choice((0, 0.001, 0.003)))
+
+    async with asyncio.timeout(20):
+        await asyncio.gather(sender(a), sender(b), receiver(a), receiver(b))
+    await _quiet(a, b)
+    assert _qp(a).rnr == _qp(b).rnr == 0
+    for ch in (a, b):  # and what they said of each other's rings is all true again
+        assert ch._ring_free() > slots - max(1, (slots - _channel.RESERVE) // 2), (ch.name, ch._ring_free())
+
+
+async def test_nodes_with_different_inline_bytes_understand_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Limits.inline_bytes is each sender's own choice, never traded: a channel that inlines up
+    to 64 KiB and one that inlines 1 KiB take each other's messages of every size (inline, in
+    FRAG frames past one slot, or read by RDMA)."""
+    a, b = _channels(monkeypatch, (Limits(), Limits(inline_bytes=1024)))
+    sizes = [0, 1, 1024, 1025, 8192, 16 * 1024, 40_000, 4 * a._frame_max, 4 * a._frame_max + 1, 200_000]
+    for n in sizes:
+        x = np.arange(n, dtype=np.uint8)
+        for src, dst, inline in ((a, b, 64 * 1024), (b, a, 1024)):
+            async with asyncio.timeout(5):
+                receipt = await src.send(n, prepare(x))
+                got, _ = await dst.recv(n, None)
+            assert np.array_equal(got, x), (src.name, n)
+            assert (receipt.protocol == "inline") == (n <= min(inline, 4 * a._frame_max)), (
+                src.name,
+                n,
+                receipt.protocol,
+            )
+    assert a.state is b.state is ChannelState.OPEN
+
+
+async def test_frag_frames_of_one_message_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Concurrent sends whose bodies span several frames (inline payloads past one slot, and
+    thousands of segment descriptors) go out one message after the other, each one's FRAG frames
+    and MSG back to back: the receiver, which holds one partial message at most, takes them all."""
+    a, b = _channels(monkeypatch)
+    _qp(a).delay = _qp(b).delay = lambda: 0.0005
+    big = [np.full(40_000, i, np.uint8) for i in range(6)]
+    many = [
+        {"parts": [np.full(64, i, np.uint8) for _ in range(2000)]} for i in range(3)
+    ]  # 128 KB, 48 KB of descriptors
+    async with asyncio.timeout(10):
+        sends = [a.send(1, prepare(x)) for x in big] + [a.send(2, prepare(m)) for m in many]
+        receipts = await asyncio.gather(*sends, *[_recv(b, 1) for _ in big], *[_recv(b, 2) for _ in many])
+    assert {r.protocol for r in receipts[:6]} == {"inline"} and {r.protocol for r in receipts[6:9]} == {"eager"}
+    assert sorted(int(g[0]) for g in receipts[9:15]) == list(range(6))
+    assert sorted(int(m["parts"][0][0]) for m in receipts[15:]) == list(range(3))
+    assert a.state is b.state is ChannelState.OPEN
+
+
+@pytest.mark.parametrize("second", ["FRAG", "MSG"])
+async def test_a_new_message_amid_frag_frames_breaks_the_channel(monkeypatch: pytest.MonkeyPatch, second: str) -> None:
+    """A peer that starts message after message in FRAG frames (and never ends one) would make
+    the receiver hold a partial body per message until the channel closed: the first frame of
+    another message before the pending one's MSG is a protocol error."""
+    a, b = _channels(monkeypatch)
+    body = bytes(b._frame_max)
+    b._enqueue(_channel._Out(Kind.FRAG, body, msg_id=1 << 40))
+    b._enqueue(_channel._Out(Kind.FRAG, body, msg_id=1 << 40))  # the same message: fine
+    await asyncio.sleep(0.01)
+    assert a.state is ChannelState.OPEN and len(a._frags) == 1
+    if second == "FRAG":
+        b._enqueue(_channel._Out(Kind.FRAG, body, msg_id=(1 << 40) + 1))
+    else:
+        await b.send(3, prepare(np.arange(3)))  # a well-formed message of its own
+    await asyncio.sleep(0.01)
+    assert a.state is ChannelState.BROKEN and not a._frags
+    assert isinstance(a.mailbox.failure, ProtocolError), a.mailbox.failure
+
+
+async def test_a_get_cancelled_while_the_channel_closes_waits_for_its_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An RDMA READ cannot be recalled: a get cancelled while aclose() waits for its BYE to go
+    returns only once the queue pair is gone (no READ can land in its buffer after), and none of
+    its READs still queued is posted once the channel is closing."""
+    _, b = _channels(monkeypatch)
+    src = np.full(1 << 20, 7, np.uint8)
+    out = np.zeros_like(src)
+    piece = 16 * 1024  # 64 READs: 32 posted at once, 32 queued
+    items = [
+        (out.ctypes.data + off, piece, src.ctypes.data + off, RemoteKey(2), out) for off in range(0, out.nbytes, piece)
+    ]
+    qp = _qp(b)
+    qp.hold = True  # nothing completes meanwhile, the BYE's SEND included
+    get = asyncio.ensure_future(b.rma_many("get", items))
+    await asyncio.sleep(0)
+    assert qp.rdma_posted == 32
+    closing = asyncio.ensure_future(b.aclose())
+    await asyncio.sleep(0)
+    assert b.state is ChannelState.CLOSING
+    get.cancel()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not get.done(), "a cancelled get returned while its RDMA READs were in flight"
+    qp.release()  # the posted READs complete, then the BYE goes and the channel shuts down
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(get, 5)
+    assert qp.closed and b.state is ChannelState.CLOSED
+    assert qp.rdma_posted == 32, "RDMA READs posted after the channel began to close"
+    await closing
+
+
+def test_a_queue_pair_that_cannot_be_created_is_a_connect_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyverbs failing to create the CQ or QP (the device's limits, memory for the queues) is a
+    ConnectError naming the device, never a PyverbsError, and what was created is closed."""
+    from tensorwire.errors import ConnectError
+    from tensorwire.transports.verbs import _queue
+
+    error = _PV.pyverbs_error.PyverbsError
+    r, w = os.pipe()
+    closed: list[str] = []
+
+    class Channel:
+        fd = r
+
+        def close(self) -> None:
+            closed.append("channel")
+
+    def cq(*args: Any) -> None:
+        raise error("Failed to create CQ. Errno: 12, Cannot allocate memory")
+
+    fake = SimpleNamespace(**vars(_PV), cq=SimpleNamespace(CompChannel=lambda ctx: Channel(), CQ=cq))
+    monkeypatch.setattr(_queue, "pv", lambda: fake)
+    port = SimpleNamespace(device="fake0", port=1)
+    try:
+        with pytest.raises(ConnectError, match="verbs: cannot set up a queue pair on fake0:1: Failed to create CQ"):
+            _queue.QueuePair(
+                None,
+                None,
+                port,  # type: ignore[arg-type]
+                lid=0,
+                mtu=3,
+                slots=8,
+                slot_bytes=4096,
+                send_slots=4,
+                max_rdma=4,
+                rd_atomic=1,
+                on_completions=lambda wcs: None,
+            )
+        assert closed == ["channel"]
+    finally:
+        os.close(r)
+        os.close(w)

@@ -312,6 +312,7 @@ async def check_out_receive(a: Peer, b: Peer) -> None:
     await asyncio.sleep(0.01)
     got, receipt = await b.recv_with_receipt(tag="o", out=out)
     assert np.array_equal(out, x * 2)
+    assert receipt.staged and not receipt.direct, receipt
     tree_out = {"a": np.empty(3, np.int8), "b": [np.empty((2, 2), np.float64)]}
     await a.send({"a": np.arange(3, dtype=np.int8), "b": [np.eye(2)]}, tag="t")
     got = await b.recv(tag="t", out=tree_out)
@@ -368,6 +369,44 @@ async def check_tag_ordering(a: Peer, b: Peer) -> None:
     even = [int((await b.recv(tag="even"))[0]) for _ in range(25)]
     assert odd == list(range(1, 50, 2))
     assert even == list(range(0, 50, 2))
+
+
+@_check(Limits(recv_buffer_bytes=1 * MiB))
+async def check_sends_started_in_order_arrive_in_order(a: Peer, b: Peer) -> None:
+    """Sends started one after another on a tag, none awaited before the next starts, arrive in
+    the order they were started, whatever their sizes (eager, rendezvous past the 1 MiB credit,
+    empty); a send cancelled while those before it are still under way passes its place on:
+    the later ones still arrive, in order, and it arrives whole or not at all."""
+    sizes = [MiB, 16, 1 << 17, 8, 2 * MiB, 0, 100]
+
+    def message(i: int) -> dict[str, Any]:
+        return {"i": i, "x": np.full(sizes[i % len(sizes)], i % 251, np.uint8)}
+
+    def start_all(first: int) -> list[asyncio.Future[Receipt]]:
+        return [asyncio.ensure_future(a.send(message(first + k), tag="fifo")) for k in range(len(sizes))]
+
+    async def receive(until: int) -> list[int]:
+        got: list[int] = []
+        while not got or got[-1] != until:
+            m = await asyncio.wait_for(b.recv(tag="fifo"), 10)
+            assert _same(m, message(m["i"])), f"message {m['i']} changed on its way"
+            got.append(m["i"])
+        return got
+
+    sends = start_all(0)
+    assert await receive(len(sizes) - 1) == list(range(len(sizes)))
+    await asyncio.wait_for(asyncio.gather(*sends), 10)
+    sends = start_all(len(sizes))
+    await asyncio.sleep(0)  # every send has begun: the third waits behind those before it (or has gone)
+    cancelled = len(sizes) + 2
+    sends[2].cancel()
+    got = await receive(2 * len(sizes) - 1)
+    await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 10)
+    want = list(range(len(sizes), 2 * len(sizes)))
+    if cancelled not in got:  # (it may have gone before the cancel came)
+        assert sends[2].cancelled(), "a send that completed was not received"
+        want.remove(cancelled)
+    assert got == want, f"sends started in order {want} arrived as {got}"
 
 
 @_check()
@@ -449,6 +488,47 @@ async def check_send_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None:
     edge = np.arange(MiB, dtype=np.uint8)  # exactly at the limit: accepted
     await asyncio.wait_for(a.send(edge, tag="lim"), 5)
     assert _same(await asyncio.wait_for(recv, 5), edge)
+
+
+@_check()
+async def check_a_slow_consumer_of_a_burst_can_still_answer(a: Peer, b: Peer) -> None:
+    """``b`` sends a burst of small messages, then waits for ``a``'s answer; ``a`` takes them one
+    at a time a few milliseconds apart, so each recv gives its credit back on its own (frames
+    that carry nothing else). Those returns never use up what ``a`` needs to answer: the answer
+    arrives, and both directions go on working."""
+    n = 90
+    for i in range(n):
+        await asyncio.wait_for(b.send(np.arange(4, dtype=np.int64) + i, tag="burst"), 10)
+    answer = asyncio.ensure_future(b.recv(tag="answer"))
+    for i in range(n):
+        got = await asyncio.wait_for(a.recv(tag="burst"), 10)
+        assert got[0] == i, f"burst message {i} arrived as {got}"
+        await asyncio.sleep(0.004)
+    await asyncio.wait_for(a.send(np.arange(3), tag="answer"), 10)
+    assert list(await asyncio.wait_for(answer, 10)) == [0, 1, 2], "the answer after a slowly consumed burst"
+    for x, y in ((a, b), (b, a)):
+        await asyncio.wait_for(x.send(np.arange(5), tag="after"), 10)
+        assert list(await asyncio.wait_for(y.recv(tag="after"), 10)) == list(range(5))
+
+
+@_check()
+async def check_nodes_with_different_inline_limits_exchange_every_size(a: Peer, b: Peer) -> None:
+    """``Limits.inline_bytes`` (how much payload a transport may carry with a message's header)
+    is each sender's own choice: nodes that differ in it (64 KiB here, 1 KiB or 0 there) exchange
+    messages of every size around those bounds, both ways, and their channels stay open."""
+    sizes = [0, 1, 1024, 1025, 8192, 8193, 60_000, 64 * 1024, 64 * 1024 + 1, 200_000]
+    for inline in (1024, 0):
+        async with start("127.0.0.1:0", config=a.node.config, limits=Limits(inline_bytes=inline), node_id=None) as node:
+            ours = await a.node.connect(node.address)  # a.node keeps the default, 64 KiB
+            theirs = await node.accept()
+            for n in sizes:
+                x = np.arange(n, dtype=np.uint8)
+                for src, dst in ((ours, theirs), (theirs, ours)):
+                    await asyncio.wait_for(src.send(x, tag=n), 10)
+                    got = await asyncio.wait_for(dst.recv(tag=n), 10)
+                    assert _same(got, x), f"{n} bytes, inline_bytes {inline} on one side: changed on the way"
+            assert not ours.closed and not theirs.closed, f"a channel broke (inline_bytes {inline} on one side)"
+            await ours.aclose()
 
 
 @_check()
@@ -673,6 +753,80 @@ async def check_closing_side_pending_send_says_closed(a: Peer, b: Peer) -> None:
     await a.aclose()
     with _refused(ClosedResourceError, "the closing side's own pending send did not say it was closed"):
         await asyncio.wait_for(send, 10)
+
+
+async def _outcome(fut: asyncio.Future[Any]) -> Any:
+    """What ``fut`` comes to: its result, or the error it raised."""
+    try:
+        return await fut
+    except Exception as exc:
+        return exc
+
+
+async def _close_during_a_send(a: Peer, b: Peer, closer: Peer) -> None:
+    """``closer`` (``a``, the sender, or ``b``) closes while an eager send of ``a``'s lands in
+    ``b``'s posted recv(out=): the recv fails (or had the whole message), nothing is written
+    into its out= once it failed, and a send still under way whose message did not land whole
+    fails too (ClosedResourceError where the sender closed, PeerDisconnected where the receiver
+    did), never reporting a message as sent that its receiver never got."""
+    src = np.full(32 * MiB, 7, np.uint8)  # eager (within the 64 MiB of credit), many chunks
+    out = np.zeros_like(src)
+    recv = asyncio.ensure_future(b.recv(tag="cs", out=out))
+    await asyncio.sleep(0.01)  # posted: the bytes land straight in out= as they come
+    send = asyncio.ensure_future(a.send(src, tag="cs"))
+    async with asyncio.timeout(10):
+        while not send.done() and not recv.done():
+            if out[0]:
+                break  # the first bytes landed: close mid-payload
+            await asyncio.sleep(0)
+    under_way = not send.done()
+    await closer.aclose()
+    async with asyncio.timeout(10):
+        received = await _outcome(recv)
+        landed = out.copy()
+        sent = await _outcome(send)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    if not isinstance(received, BaseException):  # the message was all there before the close
+        assert received is out and np.array_equal(out, src), "a recv that succeeded did not get the whole message"
+        assert isinstance(sent, (Receipt, TensorWireError)), sent
+        return
+    assert isinstance(received, TensorWireError), f"the recv failed with {received!r}"
+    assert np.array_equal(out, landed), "out= was written after its recv had failed"
+    if under_way and not np.array_equal(landed, src):
+        ours = ClosedResourceError if closer is a else PeerDisconnected
+        assert isinstance(sent, ours), f"a send under way at the close of a message never received gave {sent!r}"
+
+
+@_check()
+async def check_sender_closing_during_a_send_fails_it(a: Peer, b: Peer) -> None:
+    await _close_during_a_send(a, b, a)
+
+
+@_check()
+async def check_receiver_closing_during_a_send_fails_it(a: Peer, b: Peer) -> None:
+    await _close_during_a_send(a, b, b)
+
+
+@_check(Limits(recv_buffer_bytes=0))  # every message rendezvous: a send waits for its recv
+async def check_failed_channel_fails_its_pending_work_at_once(a: Peer, b: Peer) -> None:
+    """``Channel.fail(exc)`` (what a lost lease or session calls) fails that side's pending
+    sends and recvs with ``exc`` at once, and the channel stays failed: later calls raise it too."""
+    send = asyncio.ensure_future(a.send(np.ones(MiB, np.uint8), tag="f"))  # its recv never comes
+    recv = asyncio.ensure_future(a.recv(tag="g"))
+    await asyncio.sleep(0.05)
+    assert not send.done() and not recv.done()
+    why = PeerDisconnected("lease ran out")
+    a.channel.fail(why)
+    for what, fut in (("send", send), ("recv", recv)):
+        async with asyncio.timeout(1):  # well under a lease, at whose end the peer's side would fail it too
+            got = await _outcome(fut)
+        assert got is why, f"a pending {what} on a failed channel gave {got!r}, not the failure"
+    with _refused(PeerDisconnected, "a send on a failed channel did not fail"):
+        await asyncio.wait_for(a.send(np.arange(3), tag="f"), 1)
+    with _refused(PeerDisconnected, "a recv on a failed channel did not fail"):
+        await asyncio.wait_for(a.recv(tag="g"), 1)
 
 
 @_check()

@@ -257,8 +257,12 @@ class Channel(ABC):
     async def _finish_posted(self, futs: Collection[asyncio.Future[None]]) -> None:
         """Wait until every one of ``futs`` (operations the hardware cannot take back: UCX
         requests, RDMA work requests) has completed, then raise the first failure. A
-        cancellation waits too and is raised after, unless the channel is closing (its shutdown
-        fails what is pending)."""
+        cancellation waits too and is raised after, in place of any failure, unless the channel
+        is closed or broken already (its shutdown failed what was pending).
+
+        A channel that is CLOSING is waited for: its ``aclose`` is still trading goodbyes (for a
+        second at most) and its operations may still be writing into the caller's memory; its
+        shutdown fails them once they no longer can (verbs destroys the queue pair first)."""
         cancelled = False
         pending = set(futs)
         while pending:
@@ -266,13 +270,16 @@ class Channel(ABC):
                 _, pending = await asyncio.wait(pending)
             except asyncio.CancelledError:
                 cancelled = True
-                if self.state is not ChannelState.OPEN:
+                if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
                     raise
                 pending = {f for f in pending if not f.done()}
+        if cancelled:
+            for fut in futs:  # the failure (a shutdown's, mostly) is not what the caller asked about
+                if not fut.cancelled():
+                    fut.exception()
+            raise asyncio.CancelledError
         for fut in futs:
             fut.result()
-        if cancelled:
-            raise asyncio.CancelledError
 
     def check_open(self) -> None:
         if self.state is ChannelState.CLOSING:  # our own aclose is under way

@@ -3,7 +3,9 @@
 The header is never encoded: the receiver gets the sender's tree and specs as objects. The
 payload is copied once (the sender may reuse its tensor as soon as send returns), in chunks
 that yield to the event loop so that a large copy never stalls it. Credit and rendezvous work
-as on every other transport, so the conformance suite holds here too.
+as on every other transport, so the conformance suite holds here too: sends hand their messages
+over in the order they were entered, and a channel closing or failing ends both sides at once,
+as a shut connection would.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ class _Source:
 
 
 async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None = None) -> None:
-    """Copy the sender's bytes into the arrival's current destination, yielding between chunks."""
+    """Copy the sender's bytes into the arrival's current destination, yielding between chunks.
+    Stops once the arrival is done before its copy is: it failed (a channel closed or failed
+    under it; the recv has returned, and its out= is the caller's again) or its sender gave up."""
     pos = 0
     for seg in segs:
         off = 0
         while off < len(seg):
-            if source is not None and source.aborted:
+            if arrival.done.done() or (source is not None and source.aborted):
                 return
             dst = arrival.view(pos + off, _CHUNK)
             dst[:] = seg[off : off + len(dst)]
@@ -55,6 +59,21 @@ async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None
             if arrival.written < arrival.nbytes:
                 await asyncio.sleep(0)
         pos += len(seg)
+
+
+def _failure(fut: asyncio.Future[None]) -> BaseException | None:
+    """What ``fut`` failed with; None while it is pending or if it succeeded."""
+    return fut.exception() if fut.done() else None
+
+
+def _pass_turn(turn: asyncio.Future[None], ahead: asyncio.Future[None] | None) -> None:
+    """A send is done with its turn (it handed its message over, failed or was cancelled): the
+    next send goes once the one entered before this one has gone too, never ahead of it."""
+    if ahead is None or ahead.done():
+        if not turn.done():
+            turn.set_result(None)
+    else:
+        ahead.add_done_callback(lambda _: _pass_turn(turn, None))
 
 
 class InprocChannel(Channel):
@@ -73,6 +92,9 @@ class InprocChannel(Channel):
         self._next_id = 1
         self._sending = 0
         self._pulls: set[asyncio.Task[None]] = set()
+        # the turn of the send entered last: done once it handed its message to the peer
+        self._last_turn: asyncio.Future[None] | None = None
+        self._turn_waiters: set[asyncio.Future[None]] = set()
 
     def __repr__(self) -> str:
         return f"<InprocChannel {self.state.value} in_flight={self.in_flight}>"
@@ -96,45 +118,63 @@ class InprocChannel(Channel):
 
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         t0 = time.perf_counter()
-        peer = self._other()
+        self._other()
         self._remote.check_send(msg.nbytes, 0)  # no header limit: headers are never encoded here
-        await self.stage_device(msg)  # no device lanes here: through host memory
+        # Sends hand their messages to the peer's mailbox in the order they were entered, as
+        # frames go out on a stream (FIFO per tag): each waits for the send entered before it
+        # to hand its message over, however long that one's staging, yields or slot wait last.
+        ahead, turn = self._last_turn, asyncio.get_running_loop().create_future()
+        self._last_turn = turn
         self._sending += 1
         try:
-            if msg.nbytes >= _REPOST_AFTER:
-                for _ in range(3):  # let a receiver that just got our last message post its next recv
-                    await asyncio.sleep(0)
+            try:
+                await self.stage_device(msg)  # no device lanes here: through host memory
+                if ahead is not None and not ahead.done():
+                    await self._wait_turn(ahead)
+                if msg.nbytes >= _REPOST_AFTER:
+                    # let a receiver that just got our last message post its next recv, so that
+                    # back-to-back large messages land in its out= (not in a buffer of ours, then
+                    # copied); inside our turn, so no send entered after ours goes first meanwhile
+                    for _ in range(3):
+                        await asyncio.sleep(0)
+                while self._send_slots <= 0:
+                    fut = asyncio.get_running_loop().create_future()
+                    self._slot_waiters.append(fut)
+                    await fut
                 peer = self._other()
-            while self._send_slots <= 0:
-                fut = asyncio.get_running_loop().create_future()
-                self._slot_waiters.append(fut)
-                await fut
-                peer = self._other()
-            self._send_slots -= 1
-            eager = msg.nbytes <= self._send_credit
-            if eager:
-                self._send_credit -= msg.nbytes
-            msg_id = self._next_id
-            self._next_id += 1
-            arrival = Arrival(
-                peer,
-                tag,
-                msg.tree,
-                msg.specs,
-                msg_id=msg_id,
-                rendezvous=not eager,
-                protocol="eager" if eager else "rendezvous",
-            )
-            segs = msg.segments()
-            source = None if eager else _Source(segs)
-            if source is not None:
-                peer._sources[msg_id] = source
-            peer.mailbox.arrive(arrival)
+                self._send_slots -= 1
+                eager = msg.nbytes <= self._send_credit
+                if eager:
+                    self._send_credit -= msg.nbytes
+                msg_id = self._next_id
+                self._next_id += 1
+                arrival = Arrival(
+                    peer,
+                    tag,
+                    msg.tree,
+                    msg.specs,
+                    msg_id=msg_id,
+                    rendezvous=not eager,
+                    protocol="eager" if eager else "rendezvous",
+                )
+                segs = msg.segments()
+                source = None if eager else _Source(segs)
+                if source is not None:
+                    peer._sources[msg_id] = source
+                peer.mailbox.arrive(arrival)
+            finally:
+                _pass_turn(turn, ahead)
             try:
                 if eager:
                     if arrival.dest is None:
                         arrival.allocate()
                     await _copy(segs, arrival)
+                    failure = _failure(arrival.done)
+                    if failure is not None:
+                        # a channel closed or failed under the copy, which stopped: the message
+                        # was not delivered (the recv has failed), so neither is the send
+                        self.check_open()  # our own side closed or broke: that
+                        raise PeerDisconnected("in-process peer closed its channel") from failure
                     arrival.complete()
                 else:
                     assert source is not None
@@ -151,8 +191,27 @@ class InprocChannel(Channel):
             self._sending -= 1
         return self._send_receipt(msg, arrival.protocol, t0)
 
+    async def _wait_turn(self, ahead: asyncio.Future[None]) -> None:
+        """Wait until the send entered before ours has handed its message over (``ahead``), or
+        the channel closes: a turn may be held by a send staging device memory, which a close
+        does not stop. Our cancel never touches ``ahead``: it is that send's to end."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake(_: object) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        ahead.add_done_callback(wake)
+        self._turn_waiters.add(fut)
+        try:
+            await fut
+        finally:
+            self._turn_waiters.discard(fut)
+
     async def pull(self, arrival: Arrival) -> None:
-        source = self._sources.pop(arrival.msg_id, None)
+        # the source stays in our sources until its copy has ended, so that a channel closing
+        # first, even before the copy's task has run, fails its send there (it waited for good)
+        source = self._sources.get(arrival.msg_id)
         if source is None or source.aborted:  # the sender gave up first: the recv waits for the next
             raise SenderAborted("sender cancelled the message before it was pulled")
         # The copy runs as a task of its own, like a transfer on a wire: a recv cancelled part way
@@ -172,6 +231,8 @@ class InprocChannel(Channel):
             arrival.fail(why)
             _settle(source.done, PeerDisconnected("in-process peer closed its channel"))
             raise
+        finally:
+            self._sources.pop(arrival.msg_id, None)
         if source.aborted:
             arrival.fail(SenderAborted("sender cancelled the message while it was being pulled"))
             return
@@ -193,38 +254,45 @@ class InprocChannel(Channel):
 
     def _fail(self, state: ChannelState, exc: BaseException) -> None:
         self._closed(state, exc)
-        for f in self._slot_waiters:
-            if not f.done():
-                f.set_exception(exc)
-                f.exception()
+        for f in [*self._slot_waiters, *self._turn_waiters]:
+            _settle(f, exc)
         self._slot_waiters.clear()
+        self._turn_waiters.clear()
         for src in self._sources.values():
-            if not src.done.done():
-                src.done.set_exception(PeerDisconnected("in-process peer closed its channel"))
-                src.done.exception()
+            _settle(src.done, PeerDisconnected("in-process peer closed its channel"))
         self._sources.clear()
         for task in self._pulls:
             task.cancel()
+
+    def _shut(self, state: ChannelState, exc: BaseException, told: PeerDisconnected) -> None:
+        """Close or break our side with ``exc``, then the peer's as a wire would: our own
+        rendezvous sends waiting in the peer's sources fail with ``exc`` too (first, so that
+        they say what happened here), and the peer's pending work fails with ``told``."""
+        if self.state is not ChannelState.OPEN:
+            return
+        self._fail(state, exc)
+        peer = self.peer
+        if peer is None:
+            return
+        for src in peer._sources.values():
+            _settle(src.done, exc)
+        if peer.state is ChannelState.OPEN:
+            peer._fail(ChannelState.BROKEN, told)
 
     async def aclose(self) -> None:
         self.abort()
 
     def fail(self, exc: BaseException) -> None:
-        if self.state is ChannelState.OPEN:
-            self._fail(ChannelState.BROKEN, exc)
+        # a lost lease or session: both ends fail now, as a shut socket fails both on tcp,
+        # rather than the peer's work hanging until its own lease of us runs out
+        self._shut(ChannelState.BROKEN, exc, PeerDisconnected(f"in-process peer's channel failed: {exc}"))
 
     def abort(self) -> None:
-        if self.state is not ChannelState.OPEN:
-            return
-        closed = ClosedResourceError("channel closed")
-        self._fail(ChannelState.CLOSED, closed)
-        if self.peer is not None:  # our own rendezvous sends wait in the peer's sources: we closed
-            for src in self.peer._sources.values():
-                if not src.done.done():
-                    src.done.set_exception(closed)
-                    src.done.exception()
-        if self.peer is not None and self.peer.state is ChannelState.OPEN:
-            self.peer._fail(ChannelState.BROKEN, PeerDisconnected("in-process peer closed its channel"))
+        self._shut(
+            ChannelState.CLOSED,
+            ClosedResourceError("channel closed"),
+            PeerDisconnected("in-process peer closed its channel"),
+        )
 
 
 class InprocTransport(Transport):
@@ -262,10 +330,16 @@ class InprocTransport(Transport):
         mine, theirs = InprocChannel(self), InprocChannel(server)
         mine._link(theirs)
         theirs._link(mine)
-        self._channels.add(mine)
-        server._channels.add(theirs)
+        self._track(mine)
+        server._track(theirs)
         fut.set_result(theirs)
         return mine
+
+    def _track(self, channel: InprocChannel) -> None:
+        """Hold ``channel`` until it closes (or this transport does), no longer: a closed
+        channel and the messages it never delivered are let go with its peer."""
+        self._channels.add(channel)
+        channel.add_close_callback(lambda _exc: self._channels.discard(channel))
 
     async def aclose(self) -> None:
         _LISTENERS.pop(self._token, None)

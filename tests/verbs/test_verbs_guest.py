@@ -21,10 +21,13 @@ import numpy as np
 import pytest
 
 import tensorwire
-from tensorwire.errors import PeerDisconnected, RegistrationError, TensorWireError, TransferError
+from tensorwire.errors import PeerDisconnected, ProtocolError, RegistrationError, TensorWireError, TransferError
 from tensorwire.testing import connected_pair
+from tensorwire.transports import ChannelState
 from tensorwire.transports._remote import unpack_remote_key
-from tensorwire.transports.verbs import RemoteKey, VerbsTransport, choose_port, dmabuf_status
+from tensorwire.transports.verbs import RemoteKey, VerbsChannel, VerbsTransport, choose_port, dmabuf_status
+from tensorwire.transports.verbs._channel import RESERVE, _Out
+from tensorwire.transports.verbs._wire import Kind
 
 MiB = 1 << 20
 EMULATED = {"lease_seconds": 30.0, "connect_timeout": 60.0}
@@ -219,6 +222,101 @@ async def test_remote_access_error_is_a_transfer_error_and_breaks_the_channel() 
         assert b.closed
         with pytest.raises(TensorWireError):
             await b.send(np.arange(3))
+
+
+async def test_credit_frames_are_reported_so_the_ring_never_looks_full() -> None:
+    """CREDIT frames take ring slots too: b sends a burst, a consumes it slowly, each recv
+    returning its credit in a CREDIT frame of its own; b reports those frames (lazily), so a's
+    view of b's ring stays nearly whole and its answer goes at once (the conformance check
+    a_slow_consumer_of_a_burst_can_still_answer is the user's side of this)."""
+    async with _pair() as (a, b):
+        n = 90
+        for i in range(n):
+            await b.send(np.arange(4, dtype=np.int64) + i, tag="m")
+        for i in range(n):
+            assert (await a.recv(tag="m"))[0] == i
+            await asyncio.sleep(0.004)
+        ca, cb = a.channel, b.channel
+        assert isinstance(ca, VerbsChannel) and isinstance(cb, VerbsChannel)
+        assert ca.stats["credit_frames"] >= n // 2, ca.stats  # the traffic this is about
+        lazily = (ca._qp.slots - RESERVE) // 2
+        assert ca._ring_free() > ca._peer_ring - lazily, (ca._ring_free(), ca.stats, cb.stats)
+        async with asyncio.timeout(20):
+            await a.send(np.arange(3), tag="answer")
+            assert list(await b.recv(tag="answer")) == [0, 1, 2]
+        # one CREDIT frame of b's per `lazily` of a's, and a few for the answer: no ping-pong
+        await asyncio.sleep(0.5)
+        assert cb.stats["credit_frames"] <= ca.stats["credit_frames"] // lazily + 4, (ca.stats, cb.stats)
+
+
+async def test_frag_frames_of_ever_new_messages_break_the_channel() -> None:
+    """A hostile peer sends FRAG frames, each under the size limit, each of a new message: the
+    receiver holds one partial message at most, so the second one is a protocol error."""
+    async with _pair() as (a, b):
+        ca, cb = a.channel, b.channel
+        assert isinstance(ca, VerbsChannel) and isinstance(cb, VerbsChannel)
+        broken = asyncio.Event()
+        ca.add_close_callback(lambda exc: broken.set())
+        before = ca.stats["frames_in"]
+        body = bytes(cb._frame_max)
+        for i in range(8):
+            cb._enqueue(_Out(Kind.FRAG, body, msg_id=(1 << 40) + i))
+        async with asyncio.timeout(30):
+            await broken.wait()
+        assert ca.state is ChannelState.BROKEN and a.closed
+        assert isinstance(ca.mailbox.failure, ProtocolError) and "FRAG" in str(ca.mailbox.failure)
+        assert ca.stats["frames_in"] - before <= 3, ca.stats  # broken at the second message's first frame
+
+
+async def test_a_get_cancelled_while_the_channel_closes_waits_for_its_reads() -> None:
+    """A get cancelled while aclose() waits for its BYE to go returns only once no RDMA READ
+    can write into its buffer (the queue pair is destroyed), and none of its queued READs is
+    posted once the channel is closing."""
+    async with _pair() as (a, b):
+        src = np.full(16 * MiB, 7, np.uint8)
+        a.node.expose(src, name="src")
+        blob = unpack_remote_key((await b.lookup("src")).remote_key)
+        ch = b.channel
+        assert isinstance(ch, VerbsChannel)
+        qp = ch._qp
+        rkey = ch.remote_key(blob.key)
+        out = np.zeros(src.nbytes, np.uint8)
+        piece = 64 << 10  # 256 READs: 32 posted at once, the rest queued
+        items = [(out.ctypes.data + off, piece, blob.address + off, rkey, out) for off in range(0, out.nbytes, piece)]
+        at_return: list[tuple[ChannelState, bool]] = []
+
+        async def get() -> None:
+            try:
+                await ch.rma_many("get", items)
+            finally:  # what holds as the get returns
+                at_return.append((ch.state, qp._closed))
+
+        task = asyncio.ensure_future(get())
+        await asyncio.sleep(0)
+        closing = asyncio.ensure_future(ch.aclose())
+        await asyncio.sleep(0)
+        assert ch.state is ChannelState.CLOSING and not task.done()
+        posted = ch._rdma_ids
+        # under TCG rxe completes READs inside post_send, and one drain takes them all: hold
+        # the CQ's reader back while the cancel is delivered, the interleaving where no
+        # completion has come in yet (on hardware they come when they come). The peer may
+        # take the BYE meanwhile and end the bootstrap connection: that closes the channel
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(qp.fd)
+        task.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        if not qp._closed:
+            loop.add_reader(qp.fd, qp._readable)
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(20):
+                await asyncio.shield(task)
+        assert at_return == [(ChannelState.CLOSED, True)], f"the cancelled get returned with the channel {at_return}"
+        snapshot = out.copy()
+        await closing
+        assert ch._rdma_ids == posted, f"{ch._rdma_ids - posted} RDMA READs posted after the channel began to close"
+        await asyncio.sleep(0.5)
+        assert np.array_equal(out, snapshot), "out= written after the cancelled get returned"
 
 
 _CHILD = """

@@ -543,7 +543,10 @@ class UcxChannel(Channel):
             self._window.grant(credit, slots)
         if t is FrameType.MSG:
             limits = self._limits
-            if meta_len > limits.max_header_bytes or payload_len > self._inline:
+            # how much payload rides inline is the sender's choice (its Limits.inline_bytes,
+            # never told to us); it keeps the frame within our control buffer (remote_ctrl),
+            # and that buffer is all a frame must fit here
+            if meta_len > limits.max_header_bytes or HEADER.size + meta_len + payload_len > self._ctrl_buf.nbytes:
                 raise ProtocolError(f"MSG frame of {meta_len}+{payload_len} bytes exceeds the limits")
             end = HEADER.size + meta_len
             tree, specs, nbytes = decode_header_sized(

@@ -14,6 +14,8 @@ message slots per peer, as on every transport. The ring's: a frame may only be s
 slot the peer has posted again, which the peer reports as its count of frames processed,
 carried on every frame; a few slots are kept for CREDIT frames alone, so reports always get
 through and nothing ever meets RNR (``rnr_retry`` is infinite as a backstop, not a mechanism).
+CREDIT frames are reported too, lazily, so that neither side starves nor do they trade them
+for ever (``_on_frame``, docs/verbs.md).
 
 Cancellation: a recv cancelled while RDMA READs write into its ``out=`` lets them finish first
 (then the message is requeued whole); a send cancelled before its MSG frame left is withdrawn;
@@ -157,7 +159,11 @@ class VerbsChannel(Channel):
         self._remote = remote
         self._peer_ring = remote_slots
         self._frame_max = min(qp.slot_bytes, remote_slot_bytes) - FRAME.size
-        self._inline = min(limits.inline_bytes, 4 * self._frame_max)
+        # how much payload rides inline is each sender's own choice (its Limits.inline_bytes,
+        # which the peer is never told); what a receiver accepts is the bound both sides derive
+        # alike from the ring geometry they traded, so nodes with different inline_bytes agree
+        self._inline_max = 4 * self._frame_max
+        self._inline = min(limits.inline_bytes, self._inline_max)
         self._max_rdma = max_rdma
         self._chunk = max(4096, min(max_msg, 4 << 20))
         self.name = name
@@ -172,6 +178,7 @@ class VerbsChannel(Channel):
         self._peer_processed = 0  # frames the peer took from its ring (so re-posted)
         self._processed = 0  # frames taken from our ring
         self._unreported = 0  # non-CREDIT frames processed since our count last went out
+        self._unreported_credit = 0  # CREDIT frames processed since then (reported lazily: _on_frame)
         self._report_timer: asyncio.TimerHandle | None = None
         self._credit_wanted = False
         self._outq: deque[_Out] = deque()
@@ -283,7 +290,7 @@ class VerbsChannel(Channel):
     def _post(self, out: _Out, done: Callable[[BaseException | None], None] | None = None) -> None:
         credit, slots = self._budget.take_returns()
         self._credit_wanted = False
-        self._unreported = 0
+        self._unreported = self._unreported_credit = 0
         if self._report_timer is not None:
             self._report_timer.cancel()
             self._report_timer = None
@@ -484,15 +491,35 @@ class VerbsChannel(Channel):
             raise ProtocolError("peer reported more frames processed than were sent")
         self._peer_processed += delta
         self._window.grant(credit, slots)
-        if kind is not Kind.CREDIT:
+        if kind is Kind.CREDIT:
+            # a CREDIT frame took a slot of our ring too, and the peer counts that slot as
+            # taken until we report it: a peer that only returns credit (its recvs consume a
+            # burst of ours while we wait for its answer) would see our ring fill up and could
+            # not send the answer (a data frame needs more than RESERVE free slots). Reported
+            # at once, each CREDIT frame would answer one: the two sides would trade them
+            # forever. So they are reported once half the unreserved ring is theirs: a peer
+            # blocked for data has at least slots - RESERVE frames unreported here, so either
+            # one of them is a data frame (reported within FLUSH_DELAY) or enough of them are
+            # CREDIT frames; and a CREDIT frame sent for this reason takes (slots - RESERVE) // 2
+            # (at least 2) of the peer's, so CREDIT frames alone die out (docs/verbs.md)
+            self._unreported_credit += 1
+            if self._unreported_credit >= (self._qp.slots - RESERVE) // 2:
+                self._want_credit()
+        else:
             self._unreported += 1
             self._schedule_report()
         if kind is Kind.MSG:
             self._on_msg(flags, nseg, meta_len, msg_id, arg, payload_len, body)
         elif kind is Kind.FRAG:
+            # an honest sender queues a message's FRAG frames and its MSG back to back (one
+            # FIFO, _send_body; only CREDIT and BYE frames go around it), so there is one
+            # partial message at a time: FRAGs under ever new ids would make us hold a partial
+            # body per id until the channel closes
+            if self._frags and msg_id not in self._frags:
+                raise ProtocolError("verbs FRAG frame of a new message before the last one's MSG")
             parts = self._frags.setdefault(msg_id, [])
             parts.append(body)
-            limit = self._limits.max_header_bytes + self._inline + _MAX_SEGS * SEG.size
+            limit = self._limits.max_header_bytes + self._inline_max + _MAX_SEGS * SEG.size
             if sum(len(p) for p in parts) > limit:
                 raise ProtocolError("fragmented verbs message body exceeds the limits")
         elif kind is Kind.FIN:
@@ -514,6 +541,8 @@ class VerbsChannel(Channel):
     ) -> None:
         limits = self._limits
         parts = self._frags.pop(msg_id, None)
+        if self._frags:
+            raise ProtocolError("verbs MSG frame amid another message's FRAG frames")
         if parts:
             body = b"".join([*parts, body])
         inline = bool(flags & Flag.INLINE)
@@ -521,7 +550,7 @@ class VerbsChannel(Channel):
         if meta_len > limits.max_header_bytes:
             raise ProtocolError(f"message header of {meta_len} bytes exceeds the limit")
         expect = meta_len + (payload_len if inline else nseg * SEG.size)
-        if len(body) != expect or (inline and (nseg or rndv or payload_len > self._inline)):
+        if len(body) != expect or (inline and (nseg or rndv or payload_len > self._inline_max)):
             raise ProtocolError("malformed verbs MSG frame")
         if msg_id in self._waiting or msg_id in self._incoming:
             raise ProtocolError(f"duplicate message id {msg_id}")
@@ -696,7 +725,10 @@ class VerbsChannel(Channel):
         self._rdma_q.append((read, laddr, lkey, n, raddr, rkey, done))
 
     def _pump_rdma(self) -> None:
-        if self.state not in (ChannelState.OPEN, ChannelState.CLOSING):
+        # nothing new once closing: what is queued fails at _shutdown, after the queue pair is
+        # gone, so a caller waiting for its operations (a cancelled get) returns only once no
+        # RDMA READ can write into its buffer any more
+        if self.state is not ChannelState.OPEN:
             return
         qp = self._qp
         while self._rdma_q and len(self._rdma_cbs) < self._max_rdma:

@@ -9,6 +9,7 @@ completion that lands meanwhile is missed. Nothing polls while nothing happens.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import numpy as np
 
 from ...errors import BrokenResourceError, ConnectError
 from ._memory import ring_buffer
-from ._verbs import Port, comp_channel_fd, gid_text, pv, unclaim
+from ._verbs import Port, comp_channel_fd, errno_of, gid_text, memlock_text, pv, unclaim
 from ._wire import QpInfo
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,13 @@ class QueuePair:
             for i in range(slots):
                 self.post_recv(i)
             self.cq.req_notify()
+        except v.pyverbs_error.PyverbsError as exc:
+            # creating the CQ or the QP, or posting the ring, can fail (the device's limits,
+            # pinned memory for the queues): the connection cannot be opened, and no
+            # PyverbsError reaches a user (the ring's registration raises RegistrationError)
+            self.close()
+            hint = f" (pinned memory: RLIMIT_MEMLOCK {memlock_text()})" if errno_of(exc) == errno.ENOMEM else ""
+            raise ConnectError(f"verbs: cannot set up a queue pair on {port.device}:{port.port}: {exc}{hint}") from exc
         except BaseException:
             self.close()
             raise

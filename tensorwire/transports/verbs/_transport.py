@@ -23,7 +23,14 @@ import struct
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
+from ...errors import (
+    ConfigurationError,
+    ConnectError,
+    PeerDisconnected,
+    ProtocolError,
+    TransportError,
+    TransportUnavailable,
+)
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
@@ -237,7 +244,9 @@ class VerbsTransport(Transport):
                     writer.write(welcome + _digest(session.secret, nonce, welcome, sid, b"verbs-server"))
                     if await reader.readexactly(len(_READY)) != _READY:
                         raise ProtocolError("expected READY")
-            except (ProtocolError, ConnectError, TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            except (TransportError, TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+                # (TransportError: a bad or unproven peer, or a queue pair this side could not
+                # set up, RegistrationError included: the peer's connect fails as the socket ends)
                 self._drops.warn("dropped verbs bootstrap from %s: %s", who, str(exc) or type(exc).__name__)
                 if qp is not None:
                     qp.close()

@@ -1,0 +1,123 @@
+"""The in-process transport's own behaviour beyond the conformance suite: where a payload is
+copied by the sender's task, what a failure does to a copy under way, and whose turn it is to
+hand a message over while a send before it still stages device memory."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire.errors import PeerDisconnected
+from tensorwire.memory import HostEngine
+from tensorwire.tensors import EngineArray
+from tensorwire.testing import busy_stream, connected_pair
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+async def test_fail_during_an_eager_copy_stops_it(side: str) -> None:
+    """``Channel.fail`` (a lost lease or session) on either side while an eager payload is being
+    copied into a posted recv's out= stops the copy: the failed side's operation fails with the
+    failure, the other side's with PeerDisconnected, and out= is not written after."""
+    async with connected_pair("inproc") as (a, b):
+        src = np.full(32 * MiB, 7, np.uint8)  # eager (64 MiB of credit), copied in 4 MiB chunks
+        out = np.zeros_like(src)
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        await asyncio.sleep(0.01)  # posted: the copy goes straight into out=
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        for _ in range(100):
+            if out[0]:
+                break  # the copy is under way
+            await asyncio.sleep(0)
+        assert out[0] and not send.done(), "the copy was not caught under way"
+        why = PeerDisconnected("lease ran out")
+        (a if side == "sender" else b).channel.fail(why)
+        async with asyncio.timeout(1):
+            (received,) = await asyncio.gather(recv, return_exceptions=True)
+            landed = out.copy()
+            (sent,) = await asyncio.gather(send, return_exceptions=True)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert np.array_equal(out, landed), "out= was written after its recv had failed"
+        assert not np.array_equal(landed, src), "the copy was not stopped part way"
+        mine, other = (sent, received) if side == "sender" else (received, sent)
+        assert mine is why, f"the failed side's operation gave {mine!r}"
+        assert isinstance(other, PeerDisconnected), f"the other side's operation gave {other!r}"
+
+
+async def test_a_send_goes_after_a_device_send_started_before_it() -> None:
+    """A send started while an earlier one on the tag still stages device memory through host
+    memory (its producer stream is busy) waits for that one to hand its message over: the
+    turn is taken when send is entered, not once the bytes are ready."""
+    async with connected_pair("inproc") as (a, b):
+        engine = HostEngine()
+        try:
+            with busy_stream(engine) as (stream, gate):
+                dev = EngineArray(engine, np.full(1000, 1, np.uint8), stream=stream)
+                first = asyncio.ensure_future(a.send({"i": 0, "x": dev}, tag="d"))
+                await asyncio.sleep(0)
+                second = asyncio.ensure_future(a.send({"i": 1, "x": np.full(10, 2, np.uint8)}, tag="d"))
+                await asyncio.sleep(0.02)
+                assert not first.done(), "a device send went before its producer stream's work"
+                assert not second.done(), "a send went ahead of one started before it"
+                gate.set()
+            got = [(await asyncio.wait_for(b.recv(tag="d"), 5))["i"] for _ in range(2)]
+            await asyncio.wait_for(asyncio.gather(first, second), 5)
+            assert got == [0, 1]
+        finally:
+            engine.close()
+
+
+async def test_a_send_waiting_for_its_turn_fails_when_the_channel_closes() -> None:
+    """A send waiting behind one that stages device memory (its stream busy) fails as soon as
+    the peer closes, rather than when the staging ends."""
+    async with connected_pair("inproc") as (a, b):
+        engine = HostEngine()
+        try:
+            with busy_stream(engine) as (stream, gate):
+                dev = EngineArray(engine, np.full(1000, 1, np.uint8), stream=stream)
+                first = asyncio.ensure_future(a.send(dev, tag="d"))
+                await asyncio.sleep(0)
+                second = asyncio.ensure_future(a.send(np.full(10, 2, np.uint8), tag="d"))
+                await asyncio.sleep(0.02)
+                await b.aclose()
+                with pytest.raises(PeerDisconnected):
+                    await asyncio.wait_for(second, 1)
+                gate.set()
+            with pytest.raises(PeerDisconnected):
+                await asyncio.wait_for(first, 5)
+        finally:
+            engine.close()
+
+
+@pytest.mark.parametrize("closer", ["sender", "receiver"])
+async def test_a_close_at_any_turn_of_a_rendezvous_send_ends_both_sides(closer: str) -> None:
+    """Either side closing at any loop turn of a rendezvous send into a posted recv(out=) ends
+    the send and the recv at once, both delivered or both failed (the closing side's as closed),
+    and out= is not written after its recv failed. A close after the recv had taken the
+    message but before its copy had begun left the send waiting for good."""
+    src = np.full(8 * MiB, 7, np.uint8)  # rendezvous (no credit), copied in two chunks
+    for spins in range(12):
+        async with connected_pair("inproc", limits=tensorwire.Limits(recv_buffer_bytes=0)) as (a, b):
+            out = np.zeros_like(src)
+            recv = asyncio.ensure_future(b.recv(tag="r", out=out))
+            await asyncio.sleep(0)  # posted
+            send = asyncio.ensure_future(a.send(src, tag="r"))
+            for _ in range(spins):
+                await asyncio.sleep(0)
+            await (a if closer == "sender" else b).aclose()
+            async with asyncio.timeout(1):
+                (received,) = await asyncio.gather(recv, return_exceptions=True)
+                landed = out.copy()
+                (sent,) = await asyncio.gather(send, return_exceptions=True)
+            for _ in range(10):
+                await asyncio.sleep(0)
+            if isinstance(received, np.ndarray):
+                assert isinstance(sent, tensorwire.Receipt) and np.array_equal(out, src), spins
+                continue
+            ours, theirs = (sent, received) if closer == "sender" else (received, sent)
+            assert isinstance(ours, tensorwire.ClosedResourceError), (spins, ours)
+            assert isinstance(theirs, PeerDisconnected), (spins, theirs)
+            assert np.array_equal(out, landed), f"out= written after its recv failed ({spins} turns)"
