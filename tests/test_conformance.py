@@ -35,22 +35,9 @@ def _options(variant: str) -> contextlib.AbstractContextManager[None]:
     return ucx_config(**options)
 
 
-# (check, variant) pairs that fail now and then on a transport bug not fixed yet: the reason
-# names the bug; the pair runs, and passes once the fix lands (then drop it here)
-KNOWN_BUGS = {
-    ("receiver_closing_during_a_send_fails_it", "ucx-tls=tcp"): (
-        "ucx: a channel shut while a UCX receive lands in a recv's out= cancels that request and "
-        "fails the recv at once; UCX may still write into out= after the recv returned"
-    ),
-}
-
-
 @pytest.mark.parametrize("variant", TRANSPORTS)
 @pytest.mark.parametrize("name", list(CHECKS))
-async def test_conformance(variant: str, name: str, request: pytest.FixtureRequest) -> None:
-    bug = KNOWN_BUGS.get((name, variant))
-    if bug is not None:
-        request.applymarker(pytest.mark.xfail(reason=bug, strict=False))
+async def test_conformance(variant: str, name: str) -> None:
     with _options(variant):
         async with connected_pair(VARIANTS[variant][0], check=name) as (a, b):
             await CHECKS[name](a, b)
@@ -136,12 +123,12 @@ async def test_closed_channels_are_let_go(variant: str) -> None:
                     await asyncio.sleep(0.01)  # a transport's closing tasks may hold one a moment
 
 
-# inproc and tcp tell the peer when a channel fails, as a shut connection does; ucx fails only
-# its own side (no BYE goes out), and the peer learns it from the lease
-@pytest.mark.parametrize("variant", [p for p in TRANSPORTS if p.id in ("inproc", "tcp")])
+@pytest.mark.parametrize("variant", TRANSPORTS)
 async def test_failed_channel_fails_the_peers_work_promptly(variant: str) -> None:
     """``Channel.fail`` (a lost lease or session) fails the peer's pending recvs and sends at
-    once with PeerDisconnected, well before its own lease of the failed node would run out."""
+    once with PeerDisconnected, well before its own lease of the failed node would run out:
+    inproc tells the peer, tcp shuts the connection, ucx posts a BYE on its way out (it sent
+    nothing, and its peer learned it only from the lease)."""
     import numpy as np
 
     import tensorwire

@@ -605,3 +605,65 @@ async def test_a_server_answering_with_a_bad_ucx_address_gets_a_clean_error() ->
                 await client.connect(f"127.0.0.1:{port}", connect_timeout=5)
         finally:
             await server.stop(0)
+
+
+@pytest.mark.parametrize("how", ["close", "abort", "fail"])
+async def test_a_recv_shut_while_ucx_lands_its_payload_returns_only_after_the_writes(how: str) -> None:
+    """The receiver's channel shut (closed, aborted, failed) while UCX lands a large rendezvous
+    payload straight into a recv's out= (UCX over tcp moves it fragment by fragment): the recv
+    fails, and nothing is written into out= after it returned. UCX cannot take back a receive
+    that has matched, so the recv waits for it to end (it used to return at once, and UCX went
+    on writing for tens of milliseconds)."""
+    src = np.full(128 * MiB, 7, np.uint8)
+    with _ucx_config(TLS="tcp"):
+        async with connected_pair("ucx", limits=tensorwire.Limits(recv_buffer_bytes=0)) as (a, b):
+            out = np.zeros_like(src)
+            recv = asyncio.ensure_future(b.recv(tag="big", out=out))
+            await asyncio.sleep(0.01)
+            send = asyncio.ensure_future(a.send(src, tag="big"))
+            async with asyncio.timeout(10):
+                while not out[-1] and not out[0] and not recv.done():  # noqa: ASYNC110 - the landing is the point
+                    await asyncio.sleep(0)
+            assert not recv.done(), "the message landed before the shut"
+            if how == "close":
+                await b.aclose()
+            elif how == "abort":
+                b.abort()
+            else:
+                b.channel.fail(tensorwire.PeerDisconnected("lease ran out"))
+            async with asyncio.timeout(5):
+                (received,) = await asyncio.gather(recv, return_exceptions=True)
+            landed = out.copy()
+            await asyncio.sleep(0.3)
+            want = tensorwire.PeerDisconnected if how == "fail" else tensorwire.ClosedResourceError
+            assert isinstance(received, want), received
+            assert "may still be written" not in str(received), "UCX's receive did not end when cancelled"
+            assert np.array_equal(out, landed), "out= was written after its recv had failed"
+            send.cancel()
+            await asyncio.gather(send, return_exceptions=True)
+
+
+async def test_a_sender_closing_mid_send_over_tcp_says_disconnected_not_garbage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The sender closes while its payload still fills UCX's tcp lane: its BYE waits in UCX's
+    queue, and UCX copies the frame's bytes only when the lane frees up. The receiver gets a
+    BYE (its recv fails with PeerDisconnected, or had the whole message), never garbage: the
+    frame was a temporary freed before UCX sent it, and the receiver closed the channel on
+    "bad frame magic" (ProtocolError), in most runs."""
+    src = np.full(32 * MiB, 7, np.uint8)
+    with _ucx_config(TLS="tcp"):
+        for _ in range(5):
+            async with connected_pair("ucx") as (a, b):
+                out = np.zeros_like(src)
+                recv = asyncio.ensure_future(b.recv(tag="cs", out=out))
+                await asyncio.sleep(0.01)
+                send = asyncio.ensure_future(a.send(src, tag="cs"))
+                async with asyncio.timeout(10):
+                    while not send.done() and not recv.done() and not out[0]:  # noqa: ASYNC110 - the landing is the point
+                        await asyncio.sleep(0)
+                await a.aclose()
+                async with asyncio.timeout(5):
+                    received, _ = await asyncio.gather(recv, send, return_exceptions=True)
+                assert received is out or isinstance(received, tensorwire.PeerDisconnected), repr(received)
+                assert "frame magic" not in caplog.text, "the BYE reached the receiver as garbage"

@@ -404,7 +404,8 @@ async def _until(pred: Callable[[], bool], seconds: float) -> None:
 async def test_a_closed_channel_destroys_its_remote_keys_only_after_their_operations() -> None:
     """UCX forbids destroying a remote key while operations that use it are outstanding (a
     cuda_ipc get runs in fragments UCX posts as it progresses). A channel closed while its gets
-    are in flight fails them at once, and destroys their keys once UCX has finished them."""
+    are in flight destroys their keys once UCX has finished them; the gets fail then (not
+    before: UCX may write into their memory until it has)."""
     async with _pair("tcp") as (a, b):
         kv = np.ones(64 * MiB, np.uint8)
         a.node.expose(kv, name="kv")
@@ -416,11 +417,12 @@ async def test_a_closed_channel_destroys_its_remote_keys_only_after_their_operat
         inflight = set(ch._w._raw)
         assert keys and all(k.handle is not None for k in keys)
         ch.abort()
-        with pytest.raises(tensorwire.TensorWireError):
-            await read
         worker = ch._w
         assert inflight & set(worker._raw), "the get finished before the close: nothing to check (a larger one?)"
         assert all(k.handle is not None for k in keys), "a remote key was destroyed under an outstanding get"
+        with pytest.raises(tensorwire.ClosedResourceError):
+            await asyncio.wait_for(read, 5)
+        assert not inflight & set(worker._raw), "the read returned while UCX still held its get"
         await _until(lambda: not inflight & set(worker._raw), 10)
         assert all(k.handle is None for k in keys), "a closed channel's remote keys were never destroyed"
 
@@ -504,3 +506,36 @@ async def test_a_name_exposed_again_and_again_keeps_one_state_on_the_reader() ->
         for h in (old[0], old[-1]):
             with pytest.raises(tensorwire.HandleNotFound, match="revoked"):
                 await b.read(h)
+
+
+@pytest.mark.parametrize("how", ["fail", "abort", "cancel-after-fail"])
+async def test_a_read_whose_channel_shuts_returns_only_once_ucx_is_done_with_out(how: str) -> None:
+    """The reader's channel shut (failed, aborted) while a large get is landing in out= (over
+    UCX's tcp lanes the owner's worker serves it piece by piece): the read fails, and nothing is
+    written into out= after it returned, also where the read is cancelled after the shut. UCX
+    cannot take back a get: the read waits for it (it used to fail at once while UCX went on
+    writing, and a cancel after the shut returned at once as well)."""
+    async with _pair("tcp") as (a, b):
+        pool = np.full(128 * MiB, 5, np.uint8)
+        a.node.expose(pool, name="pool")
+        h = await b.lookup("pool")
+        out = np.zeros_like(pool)
+        read = asyncio.ensure_future(b.read(h, out=out))
+        async with asyncio.timeout(10):
+            while not out[0] and not out[-1] and not read.done():  # noqa: ASYNC110 - the landing is the point
+                await asyncio.sleep(0)
+        assert not read.done(), "the read ended before the shut"
+        if how == "abort":
+            b.abort()
+        else:
+            b.channel.fail(tensorwire.PeerDisconnected("lease ran out"))
+        if how == "cancel-after-fail":
+            read.cancel()
+        async with asyncio.timeout(5):
+            (got,) = await asyncio.gather(read, return_exceptions=True)
+        landed = out.copy()
+        await asyncio.sleep(0.3)
+        want = {"fail": tensorwire.PeerDisconnected, "abort": tensorwire.ClosedResourceError}
+        assert isinstance(got, want.get(how, asyncio.CancelledError)), got
+        assert "may still be written" not in str(got), "UCX's get did not end"
+        assert np.array_equal(out, landed), "out= was written after its read returned"

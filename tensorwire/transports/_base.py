@@ -257,12 +257,14 @@ class Channel(ABC):
     async def _finish_posted(self, futs: Collection[asyncio.Future[None]]) -> None:
         """Wait until every one of ``futs`` (operations the hardware cannot take back: UCX
         requests, RDMA work requests) has completed, then raise the first failure. A
-        cancellation waits too and is raised after, in place of any failure, unless the channel
-        is closed or broken already (its shutdown failed what was pending).
+        cancellation waits too and is raised after, in place of any failure.
 
-        A channel that is CLOSING is waited for: its ``aclose`` is still trading goodbyes (for a
-        second at most) and its operations may still be writing into the caller's memory; its
-        shutdown fails them once they no longer can (verbs destroys the queue pair first)."""
+        Whatever the channel's state: while CLOSING its ``aclose`` is still trading goodbyes
+        (for a second at most) and its operations may still be writing into the caller's
+        memory; a shutdown resolves each once it no longer can (verbs destroys the queue pair
+        first and fails them; ucx lets UCX complete them, bounded by a grace after which the
+        failure says the memory may still be written). Raising a cancel at once after the
+        shutdown would return while the operation may still write."""
         cancelled = False
         pending = set(futs)
         while pending:
@@ -270,8 +272,6 @@ class Channel(ABC):
                 _, pending = await asyncio.wait(pending)
             except asyncio.CancelledError:
                 cancelled = True
-                if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
-                    raise
                 pending = {f for f in pending if not f.done()}
         if cancelled:
             for fut in futs:  # the failure (a shutdown's, mostly) is not what the caller asked about

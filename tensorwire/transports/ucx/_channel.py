@@ -75,6 +75,10 @@ _INLINE_STREAK = 16  # one-sided operations finished inline in a row before yiel
 _ANSWER_WINDOW = 200e-6  # a recv this soon after our last frame may wait inline for the answer
 _WAIT_INLINE = 50e-6  # for at most this long
 _WAIT_BACKOFF = 1024  # recvs without an inline wait after repeated failures, at most
+# how long a failed message waits for the UCX receives still landing its payload (cancelled, but
+# one that has matched runs on until its transfer ends) before its recv is told anyway, with a
+# warning that its buffer may still be written (a transfer from a peer that stopped mid-way)
+_LANDING_GRACE = 2.0
 
 
 def _wire_bytes(part: np.ndarray | memoryview) -> np.ndarray | memoryview:
@@ -158,6 +162,16 @@ async def _targets_ready(arrival: Arrival) -> None:
     raise TransferError("message ended before its device destination was ready")
 
 
+def _late(exc: BaseException, text: str) -> BaseException:
+    """``exc`` (a channel's failure) told with ``text``, of the same type where it can be."""
+    try:
+        late = type(exc)(text)
+    except Exception:
+        late = TransferError(text)
+    late.__cause__ = exc
+    return late
+
+
 def _on_device(arrival: Arrival) -> bool:
     return arrival.dest is not None and any(isinstance(d, DeviceTensor) for d in arrival.dest)
 
@@ -165,12 +179,33 @@ def _on_device(arrival: Arrival) -> bool:
 class _Transfer:
     """Payload receives posted for one message; completes its arrival when all have landed."""
 
-    __slots__ = ("arrival", "pending", "reqs")
+    __slots__ = ("arrival", "failure", "pending", "reqs")
 
     def __init__(self, arrival: Arrival) -> None:
         self.arrival = arrival
+        self.failure: BaseException | None = None  # its arrival failed: told once UCX is done
         self.pending = 0
         self.reqs: list[Any] = []
+
+
+class _Arrival(Arrival):
+    """A message of this channel's. Its failure (the channel shut or broke, the sender aborted,
+    a receive failed) reaches its recv only once the UCX receives landing its payload in
+    ``dest`` (perhaps the recv's out=) have ended: UCX cannot take back a receive that has
+    matched, and a recv must not return while its buffer may still be written."""
+
+    __slots__ = ("transfer",)
+
+    def __init__(self, channel: UcxChannel, *args: Any, **kwargs: Any) -> None:
+        super().__init__(channel, *args, **kwargs)
+        self.transfer: _Transfer | None = None  # its payload receives, once posted
+
+    def fail(self, exc: BaseException) -> None:
+        t = self.transfer
+        if t is None or self.done.done() or all(r.completed for r in t.reqs):
+            super().fail(exc)
+        else:
+            self.channel._fail_when_landed(t, exc)  # type: ignore[attr-defined]
 
 
 class UcxChannel(Channel):
@@ -229,6 +264,8 @@ class UcxChannel(Channel):
         self._incoming: dict[int, _Transfer] = {}
         self._eager: set[Arrival] = set()  # arrivals that spent buffer credit
         self._futs: set[asyncio.Future[Any]] = set()
+        self._rma_futs: set[asyncio.Future[None]] = set()  # one-sided requests waited for
+        self._rma_shut: set[asyncio.Future[None]] = set()  # those the channel's shutdown caught
         self._rkeys: set[RemoteKey] = set()
         self._closed_ev = asyncio.Event()
         self.lanes = self._query_lanes()
@@ -563,7 +600,7 @@ class UcxChannel(Channel):
                 self._budget.release(nbytes, True, schedule=True)  # consumed: straight into out=
                 return
             protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
-            arrival = Arrival(
+            arrival = _Arrival(
                 self, arg, tree, specs, msg_id=msg_id, rendezvous=not inline, protocol=protocol, nbytes=nbytes
             )
             if not rndv:
@@ -652,6 +689,8 @@ class UcxChannel(Channel):
     def _post_payload(self, arrival: Arrival) -> _Transfer:
         assert arrival.dest is not None
         transfer = _Transfer(arrival)
+        if isinstance(arrival, _Arrival):
+            arrival.transfer = transfer
         tag = self._lib.UCXXTag(make_tag(self._rx_key, DATA, arrival.msg_id))
         recv = self._w.worker.tag_recv
         self._incoming[arrival.msg_id] = transfer
@@ -679,9 +718,34 @@ class UcxChannel(Channel):
         if transfer.pending == 0:
             if self._incoming.get(arrival.msg_id) is transfer:
                 del self._incoming[arrival.msg_id]
-            if not arrival.done.done():
+            if not arrival.done.done() and transfer.failure is None:  # (a failure is told by now)
                 arrival.written = arrival.nbytes
                 arrival.complete()
+
+    def _fail_when_landed(self, transfer: _Transfer, exc: BaseException) -> None:
+        """Fail ``transfer``'s message with ``exc`` once none of its UCX receives can write into
+        its buffers any more (each finished or cancelled; a shutdown cancels them), or after
+        ``_LANDING_GRACE`` with an error that says the buffer may still be written."""
+        if transfer.failure is not None:
+            return  # told once its receives end
+        transfer.failure = exc
+        arrival = transfer.arrival
+
+        def landed() -> None:
+            timer.cancel()
+            Arrival.fail(arrival, exc)
+
+        def late() -> None:
+            self._w.forget_wait(token)
+            text = (
+                f"{exc} (UCX had not finished receiving the message {_LANDING_GRACE:.0f} s later: "
+                "the recv's buffer may still be written)"
+            )
+            log.warning("ucx channel %s: %s", self.name, text)
+            Arrival.fail(arrival, _late(exc, text))
+
+        timer = self._loop.call_later(_LANDING_GRACE, late)
+        token = self._w.when_done([r for r in transfer.reqs if not r.completed], landed)
 
     async def pull(self, arrival: Arrival) -> None:
         self.check_open()
@@ -807,11 +871,14 @@ class UcxChannel(Channel):
         get), and is raised after, unless the channel is closing."""
         ucp = self._require_ucp()
         futs = [self._w.watch_raw(ucp, req, keep) for req, keep in requests]
-        self._futs.update(futs)
+        self._rma_futs.update(futs)
         try:
             await self._finish_posted(futs)
+            if self._rma_shut.intersection(futs):  # they ended, but the channel shut meanwhile
+                self.check_open()
         finally:
-            self._futs.difference_update(futs)
+            self._rma_futs.difference_update(futs)
+            self._rma_shut.difference_update(futs)
 
     async def put(self, src: Any, remote_addr: int, rkey: RemoteKey) -> None:
         """Write ``src`` (bytes-like) to the peer's registered memory at ``remote_addr``.
@@ -839,6 +906,12 @@ class UcxChannel(Channel):
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()
+        if self._rma_futs:
+            # a get or put in flight cannot be taken back, and a get may still write into the
+            # caller's memory: each ends when UCX completes it (the worker resolves it then),
+            # or fails after a grace, saying so (an owner that stopped serving an emulated get)
+            self._rma_shut.update(self._rma_futs)
+            self._loop.call_later(_LANDING_GRACE, self._fail_one_sided, list(self._rma_futs), exc)
         for a, _ in self._waiting.values():
             a.fail(exc)
         for t in self._incoming.values():
@@ -854,14 +927,33 @@ class UcxChannel(Channel):
         task = self._loop.create_task(self._w.close_endpoint(self._ep))
         self._w.track(task)
 
+    def _fail_one_sided(self, futs: list[asyncio.Future[None]], exc: BaseException) -> None:
+        """One-sided requests that UCX had not completed ``_LANDING_GRACE`` after the channel
+        shut: their waits fail, saying that the memory may still be written."""
+        late = [f for f in futs if not f.done()]
+        if not late:
+            return
+        text = (
+            f"{exc} (UCX had not finished a one-sided operation {_LANDING_GRACE:.0f} s later: "
+            "its buffer may still be written)"
+        )
+        log.warning("ucx channel %s: %s", self.name, text)
+        for fut in late:
+            fut.set_exception(_late(exc, text))
+            fut.exception()
+
     async def aclose(self) -> None:
         if self.state is ChannelState.OPEN:
             self.state = ChannelState.CLOSING
             try:
-                req = self._ep.tag_send(self._lib_array(pack(FrameType.BYE)), self._ctrl_tag)
+                # the frame stays referenced until UCX is done with it: over a busy tcp lane
+                # UCX queues the send and copies the bytes only when the lane frees up (a
+                # temporary freed before that reached the peer as garbage: "bad frame magic")
+                bye = pack(FrameType.BYE)
+                req = self._ep.tag_send(self._lib_array(bye), self._ctrl_tag)
                 async with asyncio.timeout(1.0):
                     if not req.completed:
-                        await self._w.future(req, owner=self)
+                        await self._w.future(req, keep=bye, owner=self)
             except Exception:  # the peer may already be gone; closing goes on
                 pass
             finally:
@@ -871,4 +963,20 @@ class UcxChannel(Channel):
         self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
 
     def fail(self, exc: BaseException) -> None:
+        if self.state is ChannelState.OPEN:
+            self._goodbye()
         self._shutdown(ChannelState.BROKEN, exc)
+
+    def _goodbye(self) -> None:
+        """Post a BYE and wait for nothing: a failed channel (a lost lease or session) tells its
+        peer, whose pending work then fails at once (PeerDisconnected) instead of when its own
+        lease of this node runs out, as a shut socket tells a tcp peer. Best effort: a peer
+        that is gone never gets it. The endpoint's close flushes it out; the frame is kept (the
+        worker's graveyard, once the shutdown abandons the request) until UCX is done with it."""
+        try:
+            bye = pack(FrameType.BYE)
+            req = self._ep.tag_send(self._lib_array(bye), self._ctrl_tag)
+            if not req.completed:
+                self._w.watch(req, lambda _r: None, keep=bye, owner=self)
+        except Exception as exc:  # the peer may be gone already; failing goes on
+            log.debug("ucx channel %s: goodbye not sent: %s", self.name, exc)

@@ -239,6 +239,8 @@ class Worker:
         self._raw: dict[int, tuple[asyncio.Future[None], object]] = {}  # ucp request pointer -> waiter
         self._ucp: Any = None
         self._graveyard: list[tuple[Any, object]] = []  # cancelled requests UCX may still hold
+        # callbacks due once every one of their requests has completed (see when_done)
+        self._awaited: list[tuple[list[Any], Callable[[], None]]] = []
         # remote keys of closed channels, each destroyed once the raw requests that may use it
         # (those in flight when its channel closed) have completed: UCX forbids destroying an
         # rkey that outstanding operations use
@@ -354,6 +356,21 @@ class Worker:
                 self._graveyard.append((r, w.keep))
         self.kick()
 
+    def when_done(self, reqs: list[Any], callback: Callable[[], None]) -> object:
+        """Call ``callback()`` from the loop once every one of ``reqs`` has completed (finished,
+        failed or cancelled), whether watched or abandoned: from then on UCX writes no more into
+        their buffers. A token for ``forget_wait``. The worker polls while any such wait is
+        registered (a cancelled receive that had matched ends when its transfer does)."""
+        entry = (list(reqs), callback)
+        self._awaited.append(entry)
+        self._fresh = True
+        self.kick()
+        return entry
+
+    def forget_wait(self, token: object) -> None:
+        """Drop a ``when_done`` wait (its caller gave up on it); its callback is not called."""
+        self._awaited = [e for e in self._awaited if e is not token]
+
     def retire(self, keys: list[Any]) -> None:
         """Close ``keys`` (objects with ``close()``: remote keys) once none of the raw requests
         in flight now (those that may use them, and others') is any more; at once if none is."""
@@ -419,6 +436,17 @@ class Worker:
                         fut.exception()
             if self._retired:
                 self._close_retired()
+        if self._awaited:
+            awaited, self._awaited = self._awaited, []
+            for entry in awaited:
+                if not all(r.completed for r in entry[0]):
+                    self._awaited.append(entry)
+                    continue
+                n += 1
+                try:
+                    entry[1]()
+                except Exception:
+                    log.exception("ucx completion callback failed")
         return n
 
     def _progress(self) -> None:
@@ -433,7 +461,7 @@ class Worker:
         for _ in range(_ROUNDS):
             moved = worker.progress_once()
             # a request completes inside progress, or when it is posted (then it is fresh)
-            completed = self._dispatch() if moved or self._fresh or self._graveyard else 0
+            completed = self._dispatch() if moved or self._fresh or self._graveyard or self._awaited else 0
             if moved or completed:
                 self._last = time.monotonic()  # UCX moved something: keep going while it does
                 if self.stalled:
@@ -462,7 +490,7 @@ class Worker:
                 self._stall(now)
                 self._fallback = self.loop.call_later(_FALLBACK, self._progress)
             return
-        if self._raw or any(not w.passive for w in self._watch.values()):
+        if self._raw or self._awaited or any(not w.passive for w in self._watch.values()):
             self._fallback = self.loop.call_later(_FALLBACK, self.kick)
 
     def _stall(self, now: float) -> None:
@@ -524,6 +552,12 @@ class Worker:
         # worker is gone: the progress above may still have touched them, and a cuda transport's
         # copies may still be running until the worker is destroyed
         held = [*self._raw.values(), *self._watch.values(), *self._graveyard]
+        awaited, self._awaited = self._awaited, []
+        for _, callback in awaited:  # UCX is done with their buffers: its requests are cancelled
+            try:
+                callback()
+            except Exception:
+                log.exception("ucx completion callback failed")
         self._raw.clear()
         self._watch.clear()
         self._graveyard.clear()
