@@ -474,27 +474,23 @@ def test_a_clients_control_address_is_dialled_where_it_called_from() -> None:
     assert _dialable("nonsense", "ipv4:10.0.0.7:50123") == "nonsense"
 
 
-async def test_a_client_serving_on_every_interface_is_looked_up_where_it_called_from() -> None:
-    """Its handshake says it serves at 0.0.0.0:<port>; the accepting side's lookups dial the
-    host the handshake came from (here 127.0.0.1), not the wildcard."""
+@pytest.mark.parametrize(
+    ("serving", "server_at", "called_from"),
+    [("0.0.0.0", "127.0.0.1", "127.0.0.1"), ("[::]", "[::1]", "[::1]")],  # gRPC: ipv6:%5B::1%5D:<port>
+)
+async def test_a_client_serving_on_every_interface_is_looked_up_where_it_called_from(
+    serving: str, server_at: str, called_from: str
+) -> None:
+    """Its handshake says it serves at a wildcard (0.0.0.0:<port>); the accepting side's
+    lookups dial the host the handshake came from, not the wildcard."""
     async with (
-        tensorwire.start("0.0.0.0:0", transports=("tcp",)) as client,
-        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start(f"{serving}:0", transports=("tcp",)) as client,
+        tensorwire.start(f"{server_at}:0", transports=("tcp",)) as server,
     ):
         client.expose(np.arange(6, dtype=np.int64), name="w")
         await client.connect(server.address)
         q = await server.accept()
-        assert q._control_address == f"127.0.0.1:{client.address.rpartition(':')[2]}"
-        assert np.array_equal(await q.read(await q.lookup("w")), np.arange(6))
-    # over IPv6 (gRPC names such a caller ipv6:%5B::1%5D:<port>)
-    async with (
-        tensorwire.start("[::]:0", transports=("tcp",)) as client,
-        tensorwire.start("[::1]:0", transports=("tcp",)) as server,
-    ):
-        client.expose(np.arange(6, dtype=np.int64), name="w")
-        await client.connect(server.address)
-        q = await server.accept()
-        assert q._control_address == f"[::1]:{client.address.rpartition(':')[2]}"
+        assert q._control_address == f"{called_from}:{client.address.rpartition(':')[2]}"
         assert np.array_equal(await q.read(await q.lookup("w")), np.arange(6))
 
 
