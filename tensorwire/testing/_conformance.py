@@ -410,6 +410,33 @@ async def check_sends_started_in_order_arrive_in_order(a: Peer, b: Peer) -> None
 
 
 @_check()
+async def check_device_send_on_a_busy_stream_keeps_its_place(a: Peer, b: Peer) -> None:
+    """A device send waits for its producer stream's event before its bytes move (where the
+    channel stages device memory through host memory, before its header goes too); host sends
+    started after it on the same tag, small (inline) and larger (eager), still arrive after it."""
+    engine = HostEngine()
+    try:
+        for n in (100, 300_000):
+            tag = f"busy-fifo-{n}"
+            x = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            later = [np.full(8, 1, np.uint8), np.full(200_000, 2, np.uint8), np.full(16, 3, np.uint8)]
+            with busy_stream(engine) as (stream, gate):
+                sends = [asyncio.ensure_future(a.send({"i": 0, "x": EngineArray(engine, x, stream=stream)}, tag=tag))]
+                sends += [asyncio.ensure_future(a.send({"i": i, "x": h}, tag=tag)) for i, h in enumerate(later, 1)]
+                await asyncio.sleep(0.05)  # the host sends had every chance to overtake
+                assert not sends[0].done(), "a send moved device memory before its producer stream's work"
+                gate.set()
+                got = [await asyncio.wait_for(b.recv(tag=tag), 10) for _ in range(len(sends))]
+            await asyncio.wait_for(asyncio.gather(*sends), 10)
+            order = [int(m["i"]) for m in got]
+            assert order == [0, 1, 2, 3], f"sends started in order [0, 1, 2, 3] arrived as {order} ({n=})"
+            assert np.array_equal(got[0]["x"], x)
+            assert all(np.array_equal(g["x"], h) for g, h in zip(got[1:], later, strict=True))
+    finally:
+        engine.close()
+
+
+@_check()
 async def check_many_concurrent_tags(a: Peer, b: Peer) -> None:
     ntags, per_tag = 24, 6
 

@@ -58,6 +58,7 @@ from .._base import Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
 from .._mailbox import Arrival
+from .._order import SendOrder, Turn
 from . import _ucp
 from ._lanes import one_sided_direct
 from ._ucp import RemoteKey, Ucp
@@ -258,6 +259,7 @@ class UcxChannel(Channel):
         self._window = SendWindow(remote)  # what we may still send: the receiver's grants
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
+        self._order = SendOrder(self._loop)  # FIFO per tag, however long a send waits to post
         self._sending = 0
         self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._waiting: dict[int, tuple[Arrival, bool]] = {}  # msg id -> (arrival, needs CTS)
@@ -385,7 +387,13 @@ class UcxChannel(Channel):
 
     # -- sending ------------------------------------------------------------------------------
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
-        if self.state is ChannelState.OPEN and not msg.on_device and msg.nbytes <= self._inline:
+        # (not while an earlier send on the tag has yet to post its MSG frame: it goes first)
+        if (
+            self.state is ChannelState.OPEN
+            and not msg.on_device
+            and msg.nbytes <= self._inline
+            and not self._order.busy(tag)
+        ):
             receipt = self._send_inline(tag, msg)
             if receipt is not None:
                 return receipt
@@ -423,6 +431,14 @@ class UcxChannel(Channel):
         self._send_frame(b"".join([frame, header, *map(_wire_bytes, parts)]))  # type: ignore[list-item, unused-ignore]  # numpy < 2.5
 
     async def _send(self, tag: int, msg: Outgoing) -> Receipt:
+        # its turn now, before any await (staging device memory, a slot): FIFO per tag
+        turn = self._order.enter(tag)
+        try:
+            return await self._send_in_turn(tag, msg, turn)
+        finally:
+            turn.passed()  # (a no-op once passed)
+
+    async def _send_in_turn(self, tag: int, msg: Outgoing, turn: Turn) -> Receipt:
         self.check_open()
         header = msg.header
         self._remote.check_send(msg.nbytes, len(header), self._remote_ctrl - HEADER.size)  # and its ctrl buffer
@@ -430,6 +446,7 @@ class UcxChannel(Channel):
         await self.stage_device(msg)  # no cuda transports in this UCX: through host memory
         self._sending += 1
         try:
+            await turn.wait(self._futs)
             await self._window.take_slot(self.check_open)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
@@ -444,9 +461,11 @@ class UcxChannel(Channel):
             )
             if inline:
                 self._send_inline_frame(tag, msg_id, header, segs, nbytes)  # type: ignore[arg-type]
+                turn.passed()
                 protocol = "inline"
             elif eager:
                 self._send_frame(self._frame(FrameType.MSG, meta_len=len(header), msg_id=msg_id, arg=tag) + header)
+                turn.passed()
                 await self._send_payload(msg_id, segs)
                 protocol = "eager"
             else:
@@ -457,6 +476,7 @@ class UcxChannel(Channel):
                         self._frame(FrameType.MSG, flags=RENDEZVOUS, meta_len=len(header), msg_id=msg_id, arg=tag)
                         + header
                     )
+                    turn.passed()
                     await cts
                 except asyncio.CancelledError:
                     if self.state is ChannelState.OPEN:

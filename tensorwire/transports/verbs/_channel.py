@@ -53,6 +53,7 @@ from .._base import Channel, ChannelState, Limits, Receipt
 from .._credit import FLUSH_DELAY, ReceiveBudget, SendWindow
 from .._frames import PeerLimits
 from .._mailbox import Arrival
+from .._order import SendOrder, Turn
 from ._memory import MemoryCache, Region
 from ._queue import WC_FLUSH, WC_RETRY_EXC, WC_RNR_RETRY_EXC, QueuePair, wc_status_name
 from ._verbs import pv
@@ -198,6 +199,7 @@ class VerbsChannel(Channel):
         self._incoming: dict[int, _Incoming] = {}
         self._eager: set[Arrival] = set()
         self._futs: set[asyncio.Future[Any]] = set()
+        self._order = SendOrder(self._loop)  # FIFO per tag, however long a send waits to post
         self._sending = 0
         self.stats = {"frames_out": 0, "frames_in": 0, "reads": 0, "writes": 0, "credit_frames": 0}
 
@@ -383,9 +385,18 @@ class VerbsChannel(Channel):
         header = msg.header
         self._remote.check_send(msg.nbytes, len(header))
         t0 = time.perf_counter()
+        # its turn now, before any await (staging device memory, a slot): FIFO per tag
+        turn = self._order.enter(tag)
+        try:
+            return await self._send_in_turn(tag, msg, header, t0, turn)
+        finally:
+            turn.passed()  # (a no-op once passed)
+
+    async def _send_in_turn(self, tag: int, msg: Outgoing, header: bytes, t0: float, turn: Turn) -> Receipt:
         await self.stage_device(msg)  # no device lanes here: through host memory
         self._sending += 1
         try:
+            await turn.wait(self._futs)
             await self._window.take_slot(self.check_open)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
@@ -403,16 +414,20 @@ class VerbsChannel(Channel):
                     tag=tag,
                     nbytes=nbytes,
                 )
+                turn.passed()
                 protocol = "inline"
             else:
-                await self._send_described(msg, header, msg_id, tag, eager)
+                await self._send_described(msg, header, msg_id, tag, eager, turn)
                 protocol = "eager" if eager else "rendezvous"
         finally:
             self._sending -= 1
         return self._send_receipt(msg, protocol, t0)
 
-    async def _send_described(self, msg: Outgoing, header: bytes, msg_id: int, tag: int, eager: bool) -> None:
-        """Register the payload, send its descriptors, wait for the receiver's FIN."""
+    async def _send_described(
+        self, msg: Outgoing, header: bytes, msg_id: int, tag: int, eager: bool, turn: Turn
+    ) -> None:
+        """Register the payload, send its descriptors (then the next send on the tag may go:
+        ``turn``), wait for the receiver's FIN."""
         arrays = [_host(a) for a in msg.arrays if a.nbytes]
         if len(arrays) > _MAX_SEGS:
             self._window.unspend(msg.nbytes, eager)
@@ -442,6 +457,7 @@ class VerbsChannel(Channel):
             tag=tag,
             nbytes=msg.nbytes,
         )
+        turn.passed()
         try:
             try:
                 flags = await asyncio.shield(fin)  # a cancellation must not cancel fin itself
