@@ -33,6 +33,7 @@ from ..errors import (
     TensorWireError,
 )
 from ..tensors import Outgoing, is_tensor, prepare
+from ..tensors._message import MAX_DEPTH
 from ..transports import Channel, ChannelState, Receipt
 from ._codec import encode
 from ._deadline import effective_deadline
@@ -62,7 +63,6 @@ __all__ = ["call", "stream"]
 
 _ids = itertools.count(1)
 _MAX_OUTSTANDING = 256  # calls per peer, whatever its limits
-_MAX_OUT_DEPTH = 32  # as deep as a message's pytree may be
 
 
 class _Budget(FifoAdmission):
@@ -352,8 +352,8 @@ def _out_tensors(obj: Any, depth: int) -> int:
             f"_out= holds {type(obj).__name__} (not a tensor): it takes the result's tensors only (in dicts, lists and "
             "tuples) and the call returns it as it is; call without _out= for a result with scalars"
         )
-    if depth > _MAX_OUT_DEPTH:
-        raise ConfigurationError(f"_out= is nested deeper than {_MAX_OUT_DEPTH} levels")
+    if depth > MAX_DEPTH:
+        raise ConfigurationError(f"_out= is nested deeper than {MAX_DEPTH} levels")
     return sum(_out_tensors(x, depth + 1) for x in items)
 
 

@@ -24,7 +24,7 @@ class Turn:
 
     def __init__(self, order: SendOrder, tag: int, ahead: asyncio.Future[None] | None) -> None:
         self._order, self._tag, self._ahead = order, tag, ahead
-        self._mine: asyncio.Future[None] = order.loop.create_future()
+        self._mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def wait(self, futs: set[asyncio.Future[Any]]) -> None:
         """Until the send ahead has posted its MSG frame. The wait is put in ``futs``, which the
@@ -33,7 +33,7 @@ class Turn:
         ahead = self._ahead
         if ahead is None or ahead.done():
             return
-        fut: asyncio.Future[Any] = self._order.loop.create_future()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         def wake(_: object) -> None:
             if not fut.done():
@@ -62,12 +62,12 @@ class Turn:
 
 
 class SendOrder:
-    """The turns of a channel's sends, per tag (an entry only while a send on it has not posted)."""
+    """The turns of a channel's sends, per tag (an entry only while a send on it has not posted).
+    A transport that hands over every message in one line (inproc) uses one key for all tags."""
 
-    __slots__ = ("loop", "turns")
+    __slots__ = ("turns",)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self) -> None:
         self.turns: dict[int, asyncio.Future[None]] = {}
 
     def busy(self, tag: int) -> bool:

@@ -23,6 +23,7 @@ from ..tensors import Outgoing
 from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
 from ._frames import PeerLimits
 from ._mailbox import Arrival, SenderAborted, _settle
+from ._order import SendOrder
 
 __all__ = ["InprocChannel", "InprocTransport"]
 
@@ -66,14 +67,7 @@ def _failure(fut: asyncio.Future[None]) -> BaseException | None:
     return fut.exception() if fut.done() else None
 
 
-def _pass_turn(turn: asyncio.Future[None], ahead: asyncio.Future[None] | None) -> None:
-    """A send is done with its turn (it handed its message over, failed or was cancelled): the
-    next send goes once the one entered before this one has gone too, never ahead of it."""
-    if ahead is None or ahead.done():
-        if not turn.done():
-            turn.set_result(None)
-    else:
-        ahead.add_done_callback(lambda _: _pass_turn(turn, None))
+_ONE_LINE = 0  # the one key of an inproc channel's SendOrder: its sends are ordered across tags
 
 
 class InprocChannel(Channel):
@@ -92,8 +86,8 @@ class InprocChannel(Channel):
         self._next_id = 1
         self._sending = 0
         self._pulls: set[asyncio.Task[None]] = set()
-        # the turn of the send entered last: done once it handed its message to the peer
-        self._last_turn: asyncio.Future[None] | None = None
+        # sends hand their messages over in the order they were entered, all tags in one line
+        self._order = SendOrder()
         self._turn_waiters: set[asyncio.Future[None]] = set()
 
     def __repr__(self) -> str:
@@ -123,14 +117,12 @@ class InprocChannel(Channel):
         # Sends hand their messages to the peer's mailbox in the order they were entered, as
         # frames go out on a stream (FIFO per tag): each waits for the send entered before it
         # to hand its message over, however long that one's staging, yields or slot wait last.
-        ahead, turn = self._last_turn, asyncio.get_running_loop().create_future()
-        self._last_turn = turn
+        turn = self._order.enter(_ONE_LINE)
         self._sending += 1
         try:
             try:
                 await self.stage_device(msg)  # no device lanes here: through host memory
-                if ahead is not None and not ahead.done():
-                    await self._wait_turn(ahead)
+                await turn.wait(self._turn_waiters)
                 if msg.nbytes >= _REPOST_AFTER:
                     # let a receiver that just got our last message post its next recv, so that
                     # back-to-back large messages land in its out= (not in a buffer of ours, then
@@ -163,7 +155,7 @@ class InprocChannel(Channel):
                     peer._sources[msg_id] = source
                 peer.mailbox.arrive(arrival)
             finally:
-                _pass_turn(turn, ahead)
+                turn.passed()
             try:
                 if eager:
                     if arrival.dest is None:
@@ -190,23 +182,6 @@ class InprocChannel(Channel):
         finally:
             self._sending -= 1
         return self._send_receipt(msg, arrival.protocol, t0)
-
-    async def _wait_turn(self, ahead: asyncio.Future[None]) -> None:
-        """Wait until the send entered before ours has handed its message over (``ahead``), or
-        the channel closes: a turn may be held by a send staging device memory, which a close
-        does not stop. Our cancel never touches ``ahead``: it is that send's to end."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def wake(_: object) -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        ahead.add_done_callback(wake)
-        self._turn_waiters.add(fut)
-        try:
-            await fut
-        finally:
-            self._turn_waiters.discard(fut)
 
     async def pull(self, arrival: Arrival) -> None:
         # the source stays in our sources until its copy has ended, so that a channel closing

@@ -57,7 +57,7 @@ from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
 from .._base import Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
-from .._mailbox import Arrival
+from .._mailbox import Arrival, _settle
 from .._order import SendOrder, Turn
 from . import _ucp
 from ._lanes import one_sided_direct
@@ -259,7 +259,7 @@ class UcxChannel(Channel):
         self._window = SendWindow(remote)  # what we may still send: the receiver's grants
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
-        self._order = SendOrder(self._loop)  # FIFO per tag, however long a send waits to post
+        self._order = SendOrder()  # FIFO per tag, however long a send waits to post
         self._sending = 0
         self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._waiting: dict[int, tuple[Arrival, bool]] = {}  # msg id -> (arrival, needs CTS)
@@ -959,8 +959,7 @@ class UcxChannel(Channel):
         )
         log.warning("ucx channel %s: %s", self.name, text)
         for fut in late:
-            fut.set_exception(_late(exc, text))
-            fut.exception()
+            _settle(fut, _late(exc, text))
 
     async def aclose(self) -> None:
         if self.state is ChannelState.OPEN:

@@ -199,7 +199,7 @@ class VerbsChannel(Channel):
         self._incoming: dict[int, _Incoming] = {}
         self._eager: set[Arrival] = set()
         self._futs: set[asyncio.Future[Any]] = set()
-        self._order = SendOrder(self._loop)  # FIFO per tag, however long a send waits to post
+        self._order = SendOrder()  # FIFO per tag, however long a send waits to post
         self._sending = 0
         self.stats = {"frames_out": 0, "frames_in": 0, "reads": 0, "writes": 0, "credit_frames": 0}
 
