@@ -64,6 +64,7 @@ from .errors import (
     ShapeMismatchError,
     TensorWireError,
     TransferError,
+    UnsupportedTensorError,
 )
 from .memory import CopyEngine, DeviceBuffer, Event, HostChunk, Move, Piece, scatter, wait_event
 from .tensors import Outgoing, as_view, dtype_from_name, prepare
@@ -256,6 +257,12 @@ class ExposureTable:
         if name in self._by_name:
             raise ConfigurationError(f"{name!r} is already exposed; unexpose it first")
         view = as_view(tensor)
+        if view.copied:  # peers would read and write a copy, never the caller's tensor
+            raise UnsupportedTensorError(
+                f"{name!r} cannot be exposed: it is {view.copied}, whose values no memory holds, so "
+                "peers would reach a copy and never the tensor; expose x.resolve_conj() (or "
+                "x.resolve_neg()) and keep that tensor"
+            )
         dev = view.dev
         if dev is None:
             arr: np.ndarray | None = view.array

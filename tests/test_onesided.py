@@ -96,6 +96,25 @@ async def test_bad_input_gets_clear_errors() -> None:
         assert np.array_equal(ro, np.arange(4))
 
 
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+async def test_a_torch_view_with_the_conj_or_neg_bit_is_not_exposed(bit: str) -> None:
+    """Its values live in no memory: exposing one exposed a resolved copy that peers read as a
+    stale snapshot (writes to the tensor never showed). Refused; a numpy scalar, immutable, may
+    still be exposed (read-only)."""
+    torch = pytest.importorskip("torch")
+    base = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    view = base.conj() if bit == "conj" else base.conj().imag
+    async with connected_pair("tcp") as (a, b):
+        with pytest.raises(tensorwire.UnsupportedTensorError, match=f"cannot be exposed: .*{bit} bit"):
+            a.node.expose(view, name="v")
+        with pytest.raises(tensorwire.HandleNotFound):
+            await b.lookup("v")  # nothing was published
+        a.node.expose(view.resolve_conj().resolve_neg(), name="v")  # the advice works
+        a.node.expose(np.float32(2.5), name="s")
+        h = await b.lookup("s")
+        assert not h.writable and await b.read(h) == np.float32(2.5)
+
+
 async def test_row_requests_the_handle_could_not_make_get_an_error_answer() -> None:
     """The owner checks every region a request names (a peer may send anything): outside the
     tensor, misaligned, malformed -> an error answer naming it, nothing read or written."""

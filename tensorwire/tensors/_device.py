@@ -284,6 +284,8 @@ class DeviceSource:
     # the stream came with the object itself (a __cuda_array_interface__ v3 ``stream``), not from
     # its framework's current one: the streams a recv took at its call never replace it
     own_stream: bool = False
+    # what ``value`` is a copy of, when it is not the caller's memory (a torch conj/neg view)
+    copied: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -460,18 +462,26 @@ def _dlpack_source(obj: Any) -> DeviceSource:
     return src
 
 
-def _torch_source(t: Any) -> DeviceSource:
+def resolve_torch_bits(t: Any) -> tuple[Any, str, str]:
+    """``t`` detached, with torch's lazy conj/neg bits resolved into a copy (on the current
+    stream for a CUDA tensor), and the reasons ``(readonly, copied)`` that go with it: a copy
+    can be sent but never received into or exposed (the caller's tensor would not see the
+    bytes). Both are empty for a plain tensor, which is returned as it is."""
     t = t.detach()
-    # a conjugate or negative view (torch's lazy conj/neg bits) is resolved into a copy (on the
-    # current stream), which can be sent but never received into: the caller's tensor would
-    # not see the bytes
-    readonly = ""
+    readonly = copied = ""
     if t.is_conj():
         t = t.resolve_conj()
-        readonly = "a conjugate view (torch's conj bit); receive into a tensor without it, then .conj() that"
+        copied = "a conjugate view (torch's conj bit)"
+        readonly = f"{copied}; receive into a tensor without it, then .conj() that"
     if t.is_neg():
         t = t.resolve_neg()
-        readonly = readonly or "a negative view (torch's neg bit, as x.conj().imag has); receive into a plain tensor"
+        copied = copied or "a negative view (torch's neg bit, as x.conj().imag has)"
+        readonly = readonly or f"{copied}; receive into a plain tensor"
+    return t, readonly, copied
+
+
+def _torch_source(t: Any) -> DeviceSource:
+    t, readonly, copied = resolve_torch_bits(t)
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise UnsupportedTensorError(f"torch dtype {t.dtype} is not supported; supported: {', '.join(DTYPES)}")
@@ -488,6 +498,7 @@ def _torch_source(t: Any) -> DeviceSource:
         bool(t.is_contiguous()),
         _stream("torch", device),
         readonly,
+        copied=copied,
     )
 
 

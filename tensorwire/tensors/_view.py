@@ -26,6 +26,7 @@ from ._device import (
     device_source,
     dlpack_device_kind,
     offers,
+    resolve_torch_bits,
 )
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
 
@@ -50,6 +51,9 @@ class TensorView:
     # why a recv may not write into it although its array is ours to write (a numpy scalar, a
     # torch view whose bytes had to be copied): empty when it may; ``host`` is then read-only too
     readonly: str = ""
+    # what the view's memory is a copy of, when the caller's tensor has no memory holding its
+    # values (a torch conj/neg view, resolved): empty otherwise; expose() refuses such a copy
+    copied: str = ""
 
     @property
     def array(self) -> np.ndarray:
@@ -131,18 +135,8 @@ def _from_torch(t: Any) -> TensorView:
     if t.device.type != "cpu":
         dev = device_source(t)
         assert dev is not None
-        return TensorView(None, "torch", dev.device, dev)
-    t = t.detach()
-    # a conjugate or negative view (torch's lazy conj/neg bits) has no buffer holding its values:
-    # they are resolved into a copy, which can be sent but not received into (the caller's
-    # tensor would never see the bytes)
-    readonly = ""
-    if t.is_conj():
-        t = t.resolve_conj()
-        readonly = "a conjugate view (torch's conj bit); receive into a tensor without it, then .conj() that"
-    if t.is_neg():
-        t = t.resolve_neg()
-        readonly = readonly or "a negative view (torch's neg bit, as x.conj().imag has); receive into a plain tensor"
+        return TensorView(None, "torch", dev.device, dev, copied=dev.copied)
+    t, readonly, copied = resolve_torch_bits(t)  # a conj/neg view: a copy, never written into
     name = str(t.dtype).removeprefix("torch.")
     try:
         if name in _TORCH_REVIEW:
@@ -157,7 +151,7 @@ def _from_torch(t: Any) -> TensorView:
     dtype_name(arr.dtype)  # validates
     if readonly:
         arr.flags.writeable = False  # the copy's numpy view only; paths that check this refuse it too
-    return TensorView(arr, "torch", readonly=readonly)
+    return TensorView(arr, "torch", readonly=readonly, copied=copied)
 
 
 def as_view(obj: object) -> TensorView:
@@ -192,7 +186,7 @@ def as_view(obj: object) -> TensorView:
                 raise UnsupportedTensorError(
                     f"{type(obj).__name__} of {len(dev.shape)} dimensions: at most {MAX_NDIM} can be moved"
                 )
-            return TensorView(None, dev.framework, dev.device, dev)
+            return TensorView(None, dev.framework, dev.device, dev, copied=dev.copied)
         if kind == _DLPACK_PINNED:
             raise UnsupportedTensorError(
                 f"{type(obj).__name__} is page-locked host memory offered only through DLPack, which "
