@@ -12,6 +12,7 @@ import re
 import time
 import urllib.parse
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -33,7 +34,17 @@ from .errors import (
 )
 from .rpc._registry import MethodRegistry, methods_of
 from .rpc._server import attach as _serve_rpc
-from .transports import DEFAULT_PREFERENCE, KNOWN, Channel, Limits, Session, Transport, TransportContext, probe_all
+from .transports import (
+    DEFAULT_PREFERENCE,
+    KNOWN,
+    Channel,
+    ChannelState,
+    Limits,
+    Session,
+    Transport,
+    TransportContext,
+    probe_all,
+)
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +207,8 @@ class Node:
         self.offers: dict[str, Offer] = {}
         self.unusable: dict[str, str] = {}
         self._server: ControlServer | None = None
-        self._incoming: asyncio.Queue[Peer | None] = asyncio.Queue()  # None: the node closed
+        self._incoming: deque[Peer] = deque()  # accepted peers that accept() has not handed out
+        self._incoming_ready = asyncio.Event()  # set when a peer joins _incoming, or the node closes
         self._waiting: set[asyncio.Task[None]] = set()
         self.peers: list[Peer] = []
         self._leases: dict[str, tuple[float, Peer]] = {}
@@ -254,6 +266,7 @@ class Node:
 
     # -- negotiation helpers used by the control server ---------------------------------------
     def reachable(self, name: str, address: bytes) -> str | None:
+        """Why this node's transport ``name`` cannot reach the peer at ``address`` (None: it can)."""
         return self.transports[name].accepts(address)
 
     def _path(self, choice: Choice, channel: Channel) -> Path:
@@ -268,11 +281,19 @@ class Node:
         peer.channel.add_close_callback(lambda _exc: self._gone(peer))
         peer._spawn(serve_ops(peer, self.exposures))
         _serve_rpc(peer, methods_of(self))
+        if peer.channel.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+            # the other side left before we got here (inproc: a close right after connect): the
+            # callback will never fire, and the peer would stay in ``peers`` and its session here
+            self._gone(peer)
 
     def _gone(self, peer: Peer) -> None:
         """A peer's channel closed (either side, or its lease ran out): it leaves ``peers`` and
         its session, and lets go of its control connection; messages that had fully arrived
-        stay deliverable to whoever holds the Peer, until it is closed."""
+        stay deliverable to whoever holds the Peer, until it is closed. One that accept() never
+        handed out and that left nothing to receive leaves the accept queue too (a node that
+        only serves methods or exposures never accepts: each such peer was kept forever)."""
+        if peer in self._incoming and not peer.channel.mailbox.holds_messages:
+            self._incoming.remove(peer)
         if peer.session is not None:
             self._sessions.pop(peer.session.id, None)
             self._leases.pop(peer.session.id, None)
@@ -365,11 +386,12 @@ class Node:
                 session=session,
                 control_address=_dialable(control_address, remote_addr),
             )
-            self._adopt(peer)
             peer._lease = self.config.lease_seconds
             self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)  # _gone drops it
+            self._incoming.append(peer)
+            self._incoming_ready.set()
+            self._adopt(peer)  # after the above, which _gone undoes for a peer that already left
             log.info("accepted %s (node %s): %s", remote_addr, remote_node[:12], peer.path)
-            self._incoming.put_nowait(peer)
 
         task = asyncio.get_running_loop().create_task(wait())
         self._waiting.add(task)
@@ -499,13 +521,14 @@ class Node:
         raise NegotiationError(f"require={require!r} cannot be met by this node ({'; '.join(reasons)})")
 
     async def accept(self) -> Peer:
-        """Wait for the next peer that connects to this node."""
-        self._check_open()
-        peer = await self._incoming.get()
-        if peer is None:
-            self._incoming.put_nowait(None)  # wake the next waiter too
-            raise ClosedResourceError("node is closed")
-        return peer
+        """Wait for the next peer that connects to this node. One that left before it was
+        handed out is skipped, unless it left messages to receive."""
+        while True:
+            self._check_open()
+            if self._incoming:
+                return self._incoming.popleft()
+            self._incoming_ready.clear()
+            await self._incoming_ready.wait()
 
     async def __aiter__(self) -> AsyncIterator[Peer]:
         """Peers as they connect, until the node closes."""
@@ -535,7 +558,7 @@ class Node:
     async def _close(self) -> None:
         for task in list(self._waiting):
             task.cancel()
-        self._incoming.put_nowait(None)
+        self._incoming_ready.set()  # wake every accept(): the node is closed
         if self._watchdog is not None:
             self._watchdog.cancel()
         await asyncio.gather(*[p.aclose() for p in list(self.peers)], return_exceptions=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _polling import eventually
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -515,3 +516,68 @@ async def test_an_aborted_node_drops_its_peers_and_takes_no_new_ones() -> None:
                 await p.recv(tag="x")
         await server.aclose()
         await server.aclose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_peers_that_left_before_anyone_accepted_them_are_not_kept(transport: str) -> None:
+    """A node that only serves methods never calls accept(): every peer that called it and
+    left stayed in the accept queue for good (266 KiB each over tcp). One that left a
+    message to receive is still handed out."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as server,
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as client,
+    ):
+
+        @server.method("ping")
+        async def ping(x: int) -> int:
+            return x
+
+        for i in range(20):
+            async with await client.connect(server.address) as p:
+                assert await p.call("ping", i) == i
+        late = await client.connect(server.address)
+        assert await late.call("ping", -1) == -1  # (the server has adopted it)
+        await late.send(np.arange(4), tag="left-behind")
+        await late.aclose()
+        await eventually(lambda: not server.peers)
+        q = await asyncio.wait_for(server.accept(), 5)  # the first peer with something to receive
+        assert np.array_equal(await asyncio.wait_for(q.recv(tag="left-behind"), 5), np.arange(4))
+        await q.aclose()
+        assert not server._incoming
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_peer_that_left_before_it_was_adopted_leaves_the_node(transport: str) -> None:
+    """An inproc client that closed right after connect() returned was adopted by the server
+    with its channel closed already: the close callback never fired, and the broken peer
+    stayed in ``server.peers`` (and in its sessions) for good."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as server,
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as client,
+    ):
+        for _ in range(5):
+            p = await client.connect(server.address)
+            await p.aclose()
+        await asyncio.sleep(0.05)
+        await eventually(lambda: not server.peers and not server._sessions)
+
+
+@pytest.mark.timeout(60)
+async def test_a_closing_node_refuses_handshakes() -> None:
+    """A node closes its peers before its control plane stops; a handshake served meanwhile
+    opened a session that the node dropped as its data connection arrived, so connect()
+    returned a peer broken at once (or, when the listener closed under the dial, hung until
+    connect_timeout). The node's state is set as aclose() sets it first, to hold that window."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+        server = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+        server._closed = True  # aclose() under way, its peers still closing
+        try:
+            with pytest.raises(tensorwire.ControlPlaneError, match="closing"):
+                await client.connect(server.address, connect_timeout=5)
+            assert not server._opening and not server.peers
+        finally:
+            server._closed = False
+            await server.aclose()
+        assert client.peers == []

@@ -40,6 +40,8 @@ class _Servicer(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.HandshakeResponse:
         node = self.node
         peer = context.peer()
+        if node._closed:  # (its server stops after its peers have closed) a session now would only be dropped
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is closing")
         if request.protocol_version != PROTOCOL_VERSION:
             log.warning("handshake from %s refused: protocol version %d", peer, request.protocol_version)
             await context.abort(

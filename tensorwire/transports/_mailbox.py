@@ -341,6 +341,11 @@ class Mailbox:
             return None
         return [out]
 
+    @property
+    def holds_messages(self) -> bool:
+        """Does a message that arrived (whole, once the channel is gone) wait for a recv?"""
+        return any(self._arrived.values())
+
     def has_posted(self, tag: int) -> bool:
         """Is any recv (perhaps one cancelled a moment ago) posted on ``tag``?"""
         return tag in self._posted
