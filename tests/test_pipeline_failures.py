@@ -473,6 +473,21 @@ async def test_a_failed_step_updates_no_stage() -> None:
     assert notes.count("finished, update not applied") == 3, notes
 
 
+@pytest.mark.timeout(60)
+async def test_a_closed_pipeline_says_so() -> None:
+    """step and state after aclose raise ClosedResourceError naming the pipeline (step raised
+    ConfigurationError, state the 'channel closed' of one of its peers)."""
+    x, y = batch()
+    async with stages(parts(layers(2))) as (addresses, driver):
+        pipe = await pipeline.Pipeline.connect(driver, addresses)
+        assert (await pipe.step(x, y, microbatches=2)).loss > 0
+        await pipe.aclose()
+        with pytest.raises(tensorwire.ClosedResourceError, match="this pipeline is closed"):
+            await pipe.step(x, y, microbatches=2)
+        with pytest.raises(tensorwire.ClosedResourceError, match="this pipeline is closed"):
+            await pipe.state()
+
+
 # -- the message limit ---------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 async def test_a_schedule_the_message_limit_would_deadlock_is_refused_before_it_runs() -> None:

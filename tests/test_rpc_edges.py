@@ -13,12 +13,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from _polling import eventually
 
 import tensorwire
-from tensorwire.rpc import CallLimits, _server, deadline
+from tensorwire.control._pb import control_pb2, control_pb2_grpc
+from tensorwire.rpc import CallLimits, _codec, _server, current_deadline, deadline
 from tensorwire.rpc._protocol import REQUEST_TAG, Kind, Reply, meta, reply_tag
 from tensorwire.rpc._server import server_of
 from tensorwire.testing import connected_pair
@@ -526,3 +528,91 @@ async def test_arguments_that_never_come_fail_the_call_with_a_clear_error(
         server = server_of(b)
         assert server is not None
         await _eventually(lambda: not server.calls and b.node.methods.slots.used == 0)
+
+
+# -- what travels with a call ---------------------------------------------------------------------
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_the_deadline_that_travels_is_what_is_left_after_the_wait_for_room(transport: str) -> None:
+    """With 4 message slots a side one call at a time goes out; a call that waited 0.5 s for
+    room with a 2 s deadline has 1.5 s left at most, and so does its method (the old code sent
+    the 2 s it had before the wait: the server, and the calls it makes in turn, got 2 s)."""
+    lim = Limits(max_unexpected=4)
+    async with _nodes(transport, caller=lim, server=lim) as (a, b):
+        gate = asyncio.Event()
+
+        @b.node.method()
+        async def hold() -> None:
+            await gate.wait()
+
+        @b.node.method()
+        async def left() -> float | None:
+            return current_deadline()
+
+        held = asyncio.ensure_future(a.call("hold"))
+        await asyncio.sleep(0.05)
+        late = asyncio.ensure_future(a.call("left", _deadline=2.0))
+        await asyncio.sleep(0.5)  # the second call waits for the first's room all along
+        assert not late.done()
+        gate.set()
+        await _within(5, "the call that held the room", held)
+        got = await _within(5, "the call that waited", late)
+        assert got is not None and got <= 1.5, got
+        # and a stream waits the same way
+        gate.clear()
+        held = asyncio.ensure_future(a.call("hold"))
+        await asyncio.sleep(0.05)
+
+        async def stream_left() -> list[Any]:
+            return [x async for x in a.stream("lefts", _deadline=2.0)]
+
+        @b.node.method()
+        async def lefts() -> AsyncIterator[float | None]:
+            yield current_deadline()
+
+        late = asyncio.ensure_future(stream_left())
+        await asyncio.sleep(0.5)
+        gate.set()
+        await _within(5, "the call that held the room", held)
+        (got,) = await _within(5, "the stream that waited", late)
+        assert got is not None and got <= 1.5, got
+        await _settled(a, b)
+
+
+async def test_a_method_name_that_cannot_travel_is_refused_and_listing_never_breaks() -> None:
+    """A name with a lone surrogate could never be called (it does not encode) and broke
+    ListMethods for every client (UNKNOWN, a UnicodeEncodeError); so did such a docstring."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+
+        async def fn() -> int:
+            """Doc \ud800 text."""
+            return 1
+
+        with pytest.raises(tensorwire.ConfigurationError, match="encode as UTF-8"):
+            node.methods.register(fn, "bad\ud800name")
+        assert "bad\ud800name" not in node.methods
+        node.methods.register(fn, "odd name.\x00é∂")
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            stub = control_pb2_grpc.ControlStub(channel)
+            listed = await stub.ListMethods(control_pb2.ListMethodsRequest(), timeout=5)
+        assert [(m.name, m.doc) for m in listed.methods] == [("odd name.\x00é∂", "Doc \\ud800 text.")]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_long_distinct_text_is_not_kept_after_its_calls(transport: str) -> None:
+    """RPC messages are encoded through a cache keyed by their scalars; one distinct 200 KB
+    prompt per call was kept (key and header) for up to 512 calls: 500 calls of 900 KB text left
+    1.1 GB behind. Headers past 64 KiB are not cached, and the cache keeps 8 MiB at most."""
+    async with connected_pair(transport) as (a, b):
+
+        @b.node.method()
+        async def size(text: str) -> int:
+            return len(text)
+
+        for i in range(60):
+            text = f"{i:04d}" + "x" * 200_000
+            assert await a.call("size", text) == len(text)
+        for i in range(300):  # many distinct headers under the per-entry bound
+            assert await a.call("size", f"{i:04d}" + "y" * 60_000) == 60_004
+        held = sum(len(entry[2]) for entry in _codec._cache.values())
+        assert held <= 8 << 20, held
+        assert await a.call("size", "short") == 5  # and the cache still serves

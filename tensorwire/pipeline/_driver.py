@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import (
     BrokenResourceError,
     BusyResourceError,
+    ClosedResourceError,
     ConfigurationError,
     DeadlineExceeded,
     MessageRefused,
@@ -208,8 +209,7 @@ class Pipeline:
         A step is all or nothing: each stage applies its optimizer update only once every stage
         has finished the step, so a step that fails, or that the caller cancels, changes no
         stage's parameters. Steps run one at a time (BusyResourceError otherwise)."""
-        if self._closed:
-            raise ConfigurationError("this pipeline is closed")
+        self._check_open()
         if self._stepping:
             raise BusyResourceError("this pipeline is already running a step; steps run one at a time")
         self._stepping = True
@@ -370,7 +370,12 @@ class Pipeline:
 
     async def state(self) -> list[dict[str, Any]]:
         """Every stage's parameters, by name, in stage order."""
+        self._check_open()
         return list(await asyncio.gather(*[peer.call("tw.pipeline.state") for peer in self.peers]))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("this pipeline is closed (Pipeline.connect again to use its stages)")
 
     async def aclose(self) -> None:
         """Tell the stages this driver is done (they drop their links), then disconnect; idempotent."""

@@ -171,19 +171,28 @@ class _Progress:
         self.whole = False  # the request's send returned: it did reach the server
 
 
+def _arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outgoing:
+    """The arguments as they would travel apart: an argument tensorwire cannot move fails here,
+    locally, before the call waits for anything."""
+    if not isinstance(name, str):
+        raise ConfigurationError(f"a method name is a string, not {type(name).__name__}")
+    return encode((args, kwargs))
+
+
 def _request(
     call_id: int,
     name: str,
     kind: Kind,
-    left: float | None,
+    deadline_at: float | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    payload: Outgoing,
     window: int = 0,
 ) -> tuple[Outgoing, Outgoing | None]:
-    """The request, with the arguments inline when they are small; else the arguments apart."""
-    if not isinstance(name, str):
-        raise ConfigurationError(f"a method name is a string, not {type(name).__name__}")
-    payload = encode((args, kwargs))  # an argument tensorwire cannot move fails here, locally
+    """The request, with the arguments inline when they are small; else the arguments apart.
+    Made once the call has its room: the deadline it carries is what is left of
+    ``deadline_at`` (loop time) now, after any wait for that room."""
+    left = None if deadline_at is None else deadline_at - asyncio.get_running_loop().time()
     if payload.nbytes <= INLINE_BYTES:
         return encode((meta(call_id, left, kind, -1, window), name, args, kwargs)), None
     return encode((meta(call_id, left, kind, payload.nbytes, window), name)), payload
@@ -303,7 +312,7 @@ async def call(
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
     call_id = next(_ids)
-    request, payload = _request(call_id, name, Kind.UNARY, left, args, kwargs)
+    arguments = _arguments(name, args, kwargs)
     channel = peer.channel
     where = peer.remote_address
     progress = _Progress()
@@ -313,6 +322,7 @@ async def call(
         async with tm:
             await budget.acquire(1)  # one reply at a time may wait here unread
             try:
+                request, payload = _request(call_id, name, Kind.UNARY, tm.when(), args, kwargs, arguments)
                 sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
                 if out is not None:
                     value, came = await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
@@ -390,6 +400,7 @@ async def stream(
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
     call_id = next(_ids)
+    arguments = _arguments(name, args, kwargs)
     channel = peer.channel
     where = peer.remote_address
     tag = reply_tag(call_id)
@@ -404,7 +415,7 @@ async def stream(
         try:
             extra = budget.take_extra(STREAM_WINDOW - 1)
             window = 1 + extra
-            request, payload = _request(call_id, name, Kind.STREAM, left, args, kwargs, window)
+            request, payload = _request(call_id, name, Kind.STREAM, deadline_at, args, kwargs, arguments, window)
             tm = asyncio.timeout_at(deadline_at)
             async with tm:
                 await _send_request(channel, call_id, request, payload, progress, name, where)

@@ -23,9 +23,15 @@ __all__ = ["encode"]
 
 _MAX_DEPTH = 16
 _MAX_ENTRIES = 512
+# a key holds the message's scalars and an entry its header, whose size they make: a header past
+# _MAX_HEADER (long text, a distinct prompt per call) is not cached, and the cache is cleared
+# before its headers pass _MAX_BYTES, so that what calls sent long ago is let go
+_MAX_HEADER = 64 * 1024
+_MAX_BYTES = 8 * 1024 * 1024
 _NO = object()  # the walk found something only ``prepare`` knows how to handle
 
 _cache: dict[Hashable, tuple[wire_pb2.TreeNode, list[Spec], bytes, int]] = {}
+_held = 0  # header bytes in _cache
 
 
 def _walk(obj: Any, arrays: list[np.ndarray], depth: int) -> Any:
@@ -82,9 +88,13 @@ def encode(obj: Any) -> Outgoing:
     if hit is not None:
         tree, specs, header, nbytes = hit
         return Outgoing(tree, specs, arrays, False, nbytes, header)
+    global _held
     msg = prepare(obj)
-    if not msg.packed and len(msg.arrays) == len(arrays):
-        if len(_cache) >= _MAX_ENTRIES:
+    size = len(msg.header)
+    if not msg.packed and len(msg.arrays) == len(arrays) and size <= _MAX_HEADER:
+        if len(_cache) >= _MAX_ENTRIES or _held + size > _MAX_BYTES:
             _cache.clear()
+            _held = 0
         _cache[key] = (msg.tree, msg.specs, msg.header, msg.nbytes)
+        _held += size
     return msg

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._checks import check_int
 from ..errors import ConfigurationError
+from ._protocol import safe_text
 
 if TYPE_CHECKING:
     from .._node import Node
@@ -260,6 +261,10 @@ class MethodRegistry(Mapping[str, Method]):
         name = name if name is not None else getattr(fn, "__name__", None)
         if not isinstance(name, str) or not name or len(name) > 256:
             raise ConfigurationError("a method name is a non-empty string of at most 256 characters")
+        try:
+            name.encode()
+        except UnicodeEncodeError:  # no call could name it, and ListMethods could not list it
+            raise ConfigurationError(f"a method name must encode as UTF-8, not {safe_text(name)!r}") from None
         if name in self._methods:
             raise ConfigurationError(f"a method named {name!r} is already registered")
         if max_arg_bytes is not None:
@@ -275,7 +280,8 @@ class MethodRegistry(Mapping[str, Method]):
             )
         text = "(...)" if sig is None else str(sig.replace(return_annotation=inspect.Signature.empty))
         doc = inspect.getdoc(fn) or ""
-        method = Method(name, fn, streaming, text, doc.split("\n\n", 1)[0], max_arg_bytes)
+        # both travel in ListMethods' strings, which must encode: lone surrogates escaped
+        method = Method(name, fn, streaming, safe_text(text), safe_text(doc.split("\n\n", 1)[0]), max_arg_bytes)
         self._methods[name] = method
         return method
 
