@@ -139,11 +139,10 @@ class CudaLane(Lane):
             except Exception as exc:  # a dead context: nothing left to free
                 log.debug("CUDA stream destroy failed: %s", exc)
 
-    def wait(self, event: Event) -> None:
-        if isinstance(event, CudaEvent):
-            self._rt.streamWaitEvent(self._live(), event.ptr, 0)
-        elif not event.query():
+    def _wait(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
             raise UnsupportedTensorError("a CUDA stream cannot wait for an event of another engine")
+        self._rt.streamWaitEvent(self._live(), event.ptr, 0)
 
 
 class CudaEngine(CopyEngine):

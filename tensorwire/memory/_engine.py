@@ -25,7 +25,6 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +101,9 @@ class Lane(ABC):
     """An ordered queue of asynchronous copies on one device (a CUDA stream)."""
 
     engine: CopyEngine
+    # the events of other queues this lane waits for that had not completed when it was made to
+    # (``wait``): the engine hands it to another transfer only once they have (``lane``)
+    waits: tuple[Event, ...] = ()
 
     @abstractmethod
     def to_host(self, dst: HostChunk, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
@@ -119,9 +121,16 @@ class Lane(ABC):
     def record(self) -> Event:
         """An event that completes once everything enqueued so far has run."""
 
-    @abstractmethod
     def wait(self, event: Event) -> None:
         """Make later work on this lane wait for ``event`` (which may belong to another queue)."""
+        if event.query():
+            return
+        self._wait(event)
+        self.waits = (*(e for e in self.waits if not e.query()), event)
+
+    @abstractmethod
+    def _wait(self, event: Event) -> None:
+        """Enqueue a wait for ``event``, not yet completed."""
 
     @abstractmethod
     def close(self) -> None:
@@ -137,7 +146,7 @@ class CopyEngine(ABC):
     def __init__(self) -> None:
         self._lanes: list[Lane] = []
         self._pools: dict[str, Any] = {}
-        self._waiter: ThreadPoolExecutor | None = None
+        self._poller = _Poller(f"tensorwire-{self.kind}-wait")
         self._lock = threading.Lock()
 
     @property
@@ -149,10 +158,18 @@ class CopyEngine(ABC):
     def _new_lane(self) -> Lane: ...
 
     def lane(self) -> Lane:
-        """A lane of this engine's, from a free list; give it back with :meth:`give_back`."""
+        """A lane of this engine's, from a free list; give it back with :meth:`give_back`.
+
+        A lane given back while it still waits for another queue (a producer's or consumer's
+        stream that is busy, or stuck: a transfer cancelled meanwhile) is handed out again only
+        once that wait is over, so that no transfer queues behind another one's streams."""
         with self._lock:
-            if self._lanes:
-                return self._lanes.pop()
+            for i in range(len(self._lanes) - 1, -1, -1):
+                lane = self._lanes[i]
+                if all(e.query() for e in lane.waits):
+                    del self._lanes[i]
+                    lane.waits = ()
+                    return lane
         return self._new_lane()
 
     def give_back(self, lane: Lane) -> None:
@@ -200,15 +217,6 @@ class CopyEngine(ABC):
         Returns False if this engine has no such streams, and the caller must wait on the host.
         """
 
-    # -- waiting from asyncio ---------------------------------------------------------------
-    def run_blocking(self, fn: Callable[[], None]) -> asyncio.Future[None]:
-        """Run ``fn`` in this engine's waiter thread (never on the event loop)."""
-        if self._waiter is None:
-            with self._lock:
-                if self._waiter is None:
-                    self._waiter = ThreadPoolExecutor(2, thread_name_prefix=f"tensorwire-{self.kind}-wait")
-        return asyncio.get_running_loop().run_in_executor(self._waiter, fn)
-
 
 _SPIN_SECONDS = 200e-6
 
@@ -217,10 +225,11 @@ async def wait_event(engine: CopyEngine, event: Event) -> None:
     """Wait for ``event`` without blocking the event loop.
 
     Asks once; then lets the loop run a few times (a chunk copy usually finishes within tens of
-    microseconds of being asked for); then waits in the engine's waiter thread, which polls with
-    short sleeps so that it never holds the interpreter while the copy runs. A wait that is
-    cancelled stops polling too, so an event that never completes (a stuck stream) does not keep
-    one of the engine's few waiter threads busy.
+    microseconds of being asked for); then leaves it to the engine's poller thread, which polls
+    every event waited for with short sleeps, so that it never holds the interpreter while the
+    copy runs. Each wait is one entry of the poller's, not a thread: an event that takes long or
+    never completes (a busy or stuck producer stream) holds up no other wait, and a wait that
+    is cancelled is dropped.
     """
     if event.query():
         return
@@ -229,18 +238,85 @@ async def wait_event(engine: CopyEngine, event: Event) -> None:
         await asyncio.sleep(0)
         if event.query():
             return
-    gone = threading.Event()
-
-    def poll() -> None:
-        delay = 10e-6
-        while not event.query() and not gone.is_set():
-            time.sleep(delay)
-            delay = min(delay * 2, 500e-6)
-
+    poller = engine._poller
+    fut = poller.watch(event)
     try:
-        await engine.run_blocking(poll)
+        await fut
     finally:
-        gone.set()
+        poller.forget(fut)
+
+
+class _Poller:
+    """An engine's thread that polls the events its ``wait_event`` calls are waiting for, and
+    completes each wait's future in that wait's loop once its event has. It sleeps between
+    rounds (10 us, doubling to 500 us while nothing completes) and is woken by a new wait; it
+    ends after a second with nothing to wait for and starts again with the next wait."""
+
+    IDLE_SECONDS = 1.0
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cv = threading.Condition()
+        self._waits: dict[asyncio.Future[None], Event] = {}
+        self._running = False
+        self._fresh = False  # a wait came since the last round
+
+    def watch(self, event: Event) -> asyncio.Future[None]:
+        """A future of the running loop's, done once ``event`` has completed."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._cv:
+            self._waits[fut] = event
+            self._fresh = True
+            if not self._running:
+                threading.Thread(target=self._run, name=self._name, daemon=True).start()
+                self._running = True
+            self._cv.notify()
+        return fut
+
+    def forget(self, fut: asyncio.Future[None]) -> None:
+        """Stop polling for ``fut`` (done, or its wait cancelled)."""
+        with self._cv:
+            self._waits.pop(fut, None)
+
+    def _run(self) -> None:
+        delay = 10e-6
+        while True:
+            with self._cv:
+                if not self._waits and not self._cv.wait(self.IDLE_SECONDS) and not self._waits:
+                    self._running = False
+                    return
+                self._fresh = False
+                waits = list(self._waits.items())
+            for fut, event in waits:
+                try:
+                    if not event.query():
+                        continue
+                    exc: BaseException | None = None
+                except BaseException as e:  # a device error (TransferError): the wait raises it
+                    exc = e
+                with self._cv:
+                    if self._waits.pop(fut, None) is None:
+                        continue  # cancelled meanwhile
+                delay = 10e-6
+                with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits any more
+                    fut.get_loop().call_soon_threadsafe(_complete, fut, exc)
+            with self._cv:
+                if self._waits and not self._fresh:
+                    self._cv.wait(delay)
+                if self._fresh:  # a new wait: polled at once, then soon
+                    self._fresh = False
+                    delay = 10e-6
+                else:
+                    delay = min(delay * 2, 500e-6)
+
+
+def _complete(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
 
 
 # --------------------------------------------------------------------------- the host engine
@@ -326,9 +402,8 @@ class _HostLane(Lane):
         self._put(ev.set)
         return ev
 
-    def wait(self, event: Event) -> None:
-        if not event.query():
-            self._put(event.synchronize)
+    def _wait(self, event: Event) -> None:
+        self._put(event.synchronize)
 
 
 def _STOP() -> None:  # noqa: N802 - a sentinel

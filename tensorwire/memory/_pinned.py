@@ -105,9 +105,12 @@ class PinnedPool:
             self._waiters.append(fut)
             try:
                 await fut
-            finally:
+            except BaseException:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
+                elif fut.done() and not fut.cancelled():
+                    self._wake()  # woken for a chunk, then cancelled before taking it: pass it on
+                raise
 
     async def try_acquire(self) -> HostChunk | None:
         """A chunk if one is free now (its last copy perhaps still to finish), else None."""

@@ -122,8 +122,15 @@ async def stage_out(
                 if chunk is None:
                     break
                 n = min(chunk.size, end - pos)
-                lane.to_host(chunk, 0, src, pos, n)
-                pending.append((chunk, pos, n, lane.record()))
+                queued = False
+                try:
+                    lane.to_host(chunk, 0, src, pos, n)
+                    queued = True
+                    event = lane.record()
+                except BaseException:
+                    _hand_back(pool, chunk, None, touched=queued)  # a queued copy may still write it
+                    raise
+                pending.append((chunk, pos, n, event))
                 pos += n
             chunk, off, n, event = pending[0]
             await wait_event(engine, event)
@@ -282,9 +289,15 @@ class StageIn:
             except BaseException:
                 self.pool.release(chunk)
                 raise
-            lane = self.lane
-            lane.to_device(dst(), dst_off + pos, chunk, 0, k)
-            self._last = lane.record()
+            queued = False
+            try:
+                lane = self.lane
+                lane.to_device(dst(), dst_off + pos, chunk, 0, k)
+                queued = True
+                self._last = lane.record()
+            except BaseException:
+                _hand_back(self.pool, chunk, None, touched=queued)  # a queued copy may still read it
+                raise
             self.pool.release(chunk, after=self._last)
             pos += k
 
