@@ -80,6 +80,7 @@ from .tensors._device import (
     cuda_usable,
     wanted_device,
 )
+from .tensors._message import refuse_shared
 from .transports import ChannelState, Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
 
@@ -868,6 +869,28 @@ def _destinations(
     return dests, streams, on_device
 
 
+def _refuse_overlapping_writes(handles: list[RemoteHandle]) -> None:
+    """ShapeMismatchError if two handles of a write batch name the same bytes of a tensor: which
+    of them lands last is not defined (the owner refused such a request, and the error said the
+    tensor was not found). Checked before anything moves."""
+    ranges: dict[tuple[str, str, int], list[tuple[int, int, int]]] = {}
+    for i, h in enumerate(handles):
+        if h.nbytes:
+            ranges.setdefault((h.owner, h.name, h.generation), []).append((h.offset, h.offset + h.nbytes, i))
+    for (_, name, _), spans in ranges.items():
+        spans.sort()
+        reach, last = -1, -1
+        for start, end, i in spans:
+            if start < reach:
+                first, second = sorted((last, i))
+                raise ShapeMismatchError(
+                    f"handles {first} and {second} of the write batch name the same bytes of {name!r}: "
+                    "each byte is written once per batch"
+                )
+            if end > reach:
+                reach, last = end, i
+
+
 async def read_many(
     peer: Peer, handles: list[RemoteHandle], outs: list[Any] | None, *, device: Any = None, want_receipt: bool = True
 ) -> tuple[list[Any], Receipt | None]:
@@ -881,6 +904,10 @@ async def read_many(
         raise ConfigurationError(f"{len(handles)} handles but {len(outs)} out= buffers")
     _check_handles(handles)
     dests, streams, on_device = _destinations(handles, outs, device)
+    refuse_shared(
+        [d.target if d.target is not None else d.dev for d in dests],  # (None: allocated, shares nothing)
+        "out= buffers {first} and {second} share memory: each handle of a batch needs its own buffer",
+    )
     direct, assisted = _split(peer, handles)
     moved = None
     memory, staged = "host", False
@@ -889,15 +916,25 @@ async def read_many(
             memory, staged = await _get_device(peer, handles, dests, direct, streams)
         else:
             await _move(peer, "get", [(state, dests[i].host(), handles[i].offset) for i, state in direct])
-    for k in range(0, len(assisted), _MAX_REGIONS):
-        part = assisted[k : k + _MAX_REGIONS]
-        # device memory: the recv lands it (staged or by pointer) and orders the consumer's stream
-        moved = await _assisted_read(
-            peer,
-            [handles[i] for i in part],
-            [dests[i].value if dests[i].dest is None else dests[i].dest for i in part],
-            streams,
-        )
+    done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
+    try:
+        for k in range(0, len(assisted), _MAX_REGIONS):
+            part = assisted[k : k + _MAX_REGIONS]
+            # device memory: the recv lands it (staged or by pointer) and orders the consumer's stream
+            moved = await _assisted_read(
+                peer,
+                [handles[i] for i in part],
+                [dests[i].value if dests[i].dest is None else dests[i].dest for i in part],
+                streams,
+                _before("read", done, len(handles)),
+            )
+            done += part
+    except TensorWireError:
+        for i in done:  # the error says these are in their outs: strided ones too
+            d = dests[i]
+            if d.target is not None and d.dest is not d.target:
+                d.target[...] = d.dest
+        raise
     packed = False
     for d in dests:
         if d.target is not None and d.dest is not d.target:
@@ -997,10 +1034,13 @@ def _closing(peer: Peer) -> Callable[[], bool]:
     return lambda: peer.channel.state is not ChannelState.OPEN
 
 
-async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[Any], streams: Streams | None) -> Receipt:
+async def _assisted_read(
+    peer: Peer, handles: list[RemoteHandle], dests: list[Any], streams: Streams | None, before: str = ""
+) -> Receipt:
     """Ask the owner for the rows and receive them into ``dests``; device ones ordered on the
     consumer's ``streams`` taken at the read's call (another task may have made other streams
-    current while the request was on its way)."""
+    current while the request was on its way). ``before``: what the batch moved before this
+    part, for the owner's refusal to say (``_before``)."""
     reply, _ = _tags()
     await _request(
         peer,
@@ -1013,7 +1053,7 @@ async def _assisted_read(peer: Peer, handles: list[RemoteHandle], dests: list[An
         except ShapeMismatchError:
             answer = await peer.recv(tag=reply)  # not the tensors: the owner's error
             if isinstance(answer, dict) and answer.get("error"):
-                raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}") from None
+                raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}{before}") from None
             raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
     except asyncio.CancelledError:
         _drain_later(peer, reply)
@@ -1049,6 +1089,28 @@ def _owner_error(answer: Any) -> type[TensorWireError]:
     return TransferError if isinstance(answer, dict) and answer.get("failed") else HandleNotFound
 
 
+def _before(op: str, done: list[int], total: int) -> str:
+    """What a batch moved before the part the owner refuses (a batch of more than
+    ``_MAX_REGIONS`` owner-served regions goes as several requests, each checked as it comes,
+    after the one-sided part): the caller learns which handles are in place, by their places in
+    the batch. Empty when nothing moved."""
+    if not done:
+        return ""
+    spans: list[str] = []
+    first = last = -2
+    for i in [*sorted(done), -2]:
+        if i != last + 1:
+            if last >= 0:
+                spans.append(str(first) if first == last else f"{first}-{last}")
+            first = i
+        last = i
+    verb = "read into their outs" if op == "read" else "written"
+    return (
+        f" (of this batch of {total} handles, {', '.join(spans)} were {verb} before this part was refused;"
+        " the rest were not)"
+    )
+
+
 def _names(handles: list[RemoteHandle]) -> str:
     names = sorted({h.name for h in handles})
     return repr(names[0]) if len(names) == 1 else f"{len(names)} tensors ({names[0]!r}, ...)"
@@ -1071,6 +1133,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
             arr = view.array if view.dev is None else view.dev
         _check_against(h, arr, "the source")
         arrays.append(arr)
+    _refuse_overlapping_writes(handles)
     direct, assisted = _split(peer, handles)
     # the owner-served parts' messages now, at the call: device sources record their producer
     # stream's event here, not after the awaits below (by then another stream may be current)
@@ -1108,8 +1171,10 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         for jobs in down.values():
             await _scatter(peer, jobs)
         staged = bool(down)
+    done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
     for part, msg in zip(parts, outgoing, strict=True):
-        moved = await _assisted_write(peer, [handles[i] for i in part], msg)
+        moved = await _assisted_write(peer, [handles[i] for i in part], msg, _before("write", done, len(handles)))
+        done += part
     nbytes = sum(a.nbytes for a in arrays)
     return _receipt(peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
 
@@ -1122,9 +1187,9 @@ async def _scatter(peer: Peer, jobs: list[tuple[_Direct, DeviceTensor, int]]) ->
     await scatter([t.buf for _, t, _ in jobs], _chunk_moves(peer, "put", jobs), after=events, spoiled=_closing(peer))
 
 
-async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing) -> Receipt:
+async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing, before: str = "") -> Receipt:
     """Send the owner a write request and then the sources, ``msg`` (prepared at the write's
-    call); returns once the owner has the bytes in place."""
+    call); returns once the owner has the bytes in place. ``before``: as ``_assisted_read``."""
     reply, data = _tags()
     await _request(
         peer,
@@ -1143,7 +1208,7 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
         raise
     if not isinstance(answer, dict) or answer.get("error"):
         error = answer.get("error") if isinstance(answer, dict) else "unexpected answer"
-        raise _owner_error(answer)(f"write of {_names(handles)}: {error}")
+        raise _owner_error(answer)(f"write of {_names(handles)}: {error}{before}")
     return receipt
 
 

@@ -370,3 +370,61 @@ async def test_a_batch_of_one_handle_or_of_nothing_is_refused_clearly(transport:
         assert np.array_equal(np.stack(await b.read_many(tuple(h[i] for i in range(8)))), x)
         await b.write_many((h[0], h[1]), (np.int32(5) * np.ones((), np.int32), np.full((), 6, np.int32)))
         assert x[:2].tolist() == [5, 6] and a.node.exposures.served
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_batch_the_owner_refuses_part_way_says_which_handles_moved(transport: str) -> None:
+    """Through the owner, a batch of more than 256 regions goes as several requests, each checked
+    by the owner as it comes. One naming a tensor unexposed before the batch began is refused
+    after the first 256 rows moved. Before, the error named only the refused tensor: the caller
+    could not tell that rows 0-255 were written (or read), and strided outs of the rows read
+    before were left unfilled though their bytes had come."""
+    async with connected_pair(transport) as (a, b):
+        rows = np.zeros((300, 4), np.float32)
+        gone = np.zeros(4, np.float32)
+        a.node.expose(rows, name="rows")
+        a.node.expose(gone, name="gone")
+        h, g = await b.lookup("rows"), await b.lookup("gone")
+        await a.node.unexpose("gone")
+        handles = [h[i] for i in range(299)] + [g]
+        with pytest.raises(tensorwire.HandleNotFound, match=r"of this batch of 300 handles, 0-255 were written") as e:
+            await asyncio.wait_for(b.write_many(handles, [np.full(4, 7, np.float32)] * 300), 10)
+        assert "'gone' is not exposed" in str(e.value) and "the rest were not" in str(e.value)
+        assert (rows[:256] == 7).all() and not rows[256:].any()
+        strided = np.zeros((300, 8), np.float32)
+        outs = [strided[i, ::2] for i in range(300)]
+        with pytest.raises(tensorwire.HandleNotFound, match=r"0-255 were read into their outs"):
+            await asyncio.wait_for(b.read_many(handles, outs=outs), 10)
+        assert (strided[:256, ::2] == 7).all() and not strided[256:].any()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_batch_whose_buffers_or_rows_overlap_is_refused_before_anything_moves(transport: str) -> None:
+    """``read_many`` into out= buffers that share memory, and ``write_many`` naming the same rows
+    twice, are ShapeMismatchErrors before any request goes. Before, the read's request went, the
+    owner's answer came and the recv refused the buffers, and the read failed with 'unexpected
+    answer from the owner' (a TransferError); the write went to the owner, which refused it, and
+    the writer was told the tensor was not exposed (HandleNotFound)."""
+    async with connected_pair(transport) as (a, b):
+        x = np.arange(40, dtype=np.float32).reshape(10, 4)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        buf, wide = np.zeros(4, np.float32), np.zeros(8, np.float32)
+        for outs in ([buf, buf], [wide[:4], wide[2:6]], [None, wide[:4], wide[3:7]]):
+            handles = [h[i] for i in range(len(outs))]
+            with pytest.raises(tensorwire.ShapeMismatchError, match="share memory"):
+                await asyncio.wait_for(b.read_many(handles, outs=outs), 5)
+        for handles in ([h[0], h[0]], [h[1:4], h[3]], [h[5], h[:], h[9]]):
+            srcs = [np.ones(hh.shape, np.float32) for hh in handles]
+            with pytest.raises(tensorwire.ShapeMismatchError, match="name the same bytes of 'x'"):
+                await asyncio.wait_for(b.write_many(handles, srcs), 5)
+        assert a.node.exposures.served == 0, "a refused batch reached the owner"
+        assert np.array_equal(x, np.arange(40, dtype=np.float32).reshape(10, 4))
+        # what shares no memory is still fine: interleaved strided outs, adjacent rows, one row twice read
+        both = np.zeros((4, 2), np.float32)
+        got = await asyncio.wait_for(b.read_many([h[2], h[3], h[2]], outs=[both[:, 0], both[:, 1], None]), 5)
+        assert np.array_equal(both, x[2:4].T) and np.array_equal(got[2], x[2])
+        await asyncio.wait_for(b.write_many([h[0:2], h[2]], [np.ones((2, 4), np.float32), np.ones(4, np.float32)]), 5)
+        assert (x[:3] == 1).all() and x[3, 0] == 12

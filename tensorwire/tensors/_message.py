@@ -162,7 +162,11 @@ def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeN
         node.bytes_value = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, bytes)) and k is not None:
+            # a numpy number is a tensor, never a key (np.float64 is a float too: it left a tensor key
+            # that the receiver refused, breaking the channel)
+            if k is not None and (
+                not isinstance(k, _SCALARS) or (isinstance(k, np.generic) and not isinstance(k, (str, bytes)))
+            ):
                 raise UnsupportedTensorError(f"dict key of type {type(k).__name__} is not supported")
             node.dict.keys.append(_flatten(k, views, depth + 1))
             node.dict.values.append(_flatten(v, views, depth + 1))
@@ -495,37 +499,70 @@ def _writable(v: TensorView) -> np.ndarray:
     return v.array
 
 
-def _span(v: TensorView) -> tuple[int, int]:
-    """The addresses ``[start, end)`` a checked out= leaf's bytes may lie in (host and device
-    pointers share one address space under CUDA's unified addressing); empty for no bytes."""
-    if v.dev is None:
-        arr = v.array
-        start: int = arr.__array_interface__["data"][0]  # (ndarray.ctypes costs several times more)
-        return start, start + arr.nbytes  # C-contiguous: exactly its bytes
-    d: DeviceSource = v.dev
-    if d.nbytes == 0:
-        return d.ptr, d.ptr
-    low = d.ptr + sum((n - 1) * s for n, s in zip(d.shape, d.strides, strict=True) if s < 0)
-    high = d.ptr + sum((n - 1) * s for n, s in zip(d.shape, d.strides, strict=True) if s > 0)
-    return low, high + DTYPES[d.dtype].itemsize
+def bounds(ptr: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """The addresses ``[low, high)`` an array's bytes lie within (any strides, negative ones
+    reaching below ``ptr``); empty for no bytes."""
+    if any(n == 0 for n in shape):
+        return ptr, ptr
+    low = ptr + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st < 0)
+    high = ptr + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st > 0)
+    return low, high + itemsize
+
+
+def refuse_shared(leaves: Sequence[np.ndarray | DeviceSource | None], text: str) -> None:
+    """ShapeMismatchError (``text``, formatted with the places ``first`` and ``second``) if two
+    destinations may share memory: the later one's bytes would land over the earlier one's
+    (``recv(out=[buf, buf])``). Swept by start address (host and device pointers share one
+    address space under CUDA's unified addressing): host arrays whose bounds overlap are
+    compared exactly (interleaved strided views share nothing), device ones by their bounds.
+    A None (a destination yet to be allocated) shares nothing but keeps its place."""
+    if all(isinstance(a, np.ndarray) and a.flags.owndata for a in leaves) and len({id(a) for a in leaves}) == len(
+        leaves
+    ):
+        return  # arrays that own their memory, each another: none shares it (the common case)
+    spans: list[tuple[int, int, int, np.ndarray | None]] = []
+    for i, a in enumerate(leaves):
+        if a is None:
+            continue
+        if isinstance(a, np.ndarray):
+            ptr: int = a.__array_interface__["data"][0]  # (ndarray.ctypes costs several times more)
+            if a.flags.c_contiguous:
+                low, high = ptr, ptr + a.nbytes
+            else:
+                low, high = bounds(ptr, a.shape, a.strides, a.itemsize)
+            host: np.ndarray | None = a
+        else:
+            low, high = bounds(a.ptr, a.shape, a.strides, DTYPES[a.dtype].itemsize)
+            host = None
+        if low != high:
+            spans.append((low, high, i, host))
+    spans.sort()  # (by start, end, place: places differ, so arrays are never compared)
+    active: list[tuple[int, int, int, np.ndarray | None]] = []  # the spans reaching past this start
+    reach = -1
+    for span in spans:
+        start, end, i, mine = span
+        if start >= reach:  # none before reaches here (disjoint leaves: always)
+            active = [span]
+            reach = end
+            continue
+        active = [other for other in active if other[1] > start]
+        for _, _, j, other in active:
+            shared = True
+            if mine is not None and other is not None and not (mine.flags.c_contiguous and other.flags.c_contiguous):
+                try:  # (numpy's stubs allow only the two special max_work values; any bound works)
+                    shared = bool(np.shares_memory(mine, other, max_work=1 << 16))  # type: ignore[arg-type]
+                except np.exceptions.TooHardError:
+                    pass  # (pathological strides: their bounds overlap, which is all we can tell)
+            if shared:
+                first, second = sorted((i, j))
+                raise ShapeMismatchError(text.format(first=first, second=second))
+        active.append(span)
+        reach = max(reach, end)
 
 
 def _refuse_overlap(views: list[TensorView]) -> None:
-    """ShapeMismatchError if two out= leaves may share memory: the later tensor's bytes would
-    overwrite the earlier one's (``recv(out=[buf, buf])``). Sorted by start address, each leaf
-    is compared with the furthest end before it: O(n log n) for many leaves. A strided device
-    leaf counts from its lowest to its highest byte, so interleaved ones are refused too."""
-    if all(v.dev is None and v.array.flags.owndata for v in views) and len({id(v.array) for v in views}) == len(views):
-        return  # arrays that own their memory, each another: none shares it (the common case)
-    spans = sorted((*_span(v), i) for i, v in enumerate(views))
-    reach, last = -1, -1
-    for start, end, i in spans:
-        if start == end:
-            continue
-        if start < reach:
-            first, second = sorted((last, i))
-            raise ShapeMismatchError(
-                f"out= tensors {first} and {second} share memory: each tensor of the message needs its own buffer"
-            )
-        if end > reach:
-            reach, last = end, i
+    """``refuse_shared`` for a recv's out= leaves."""
+    refuse_shared(
+        [v.array if v.dev is None else v.dev for v in views],
+        "out= tensors {first} and {second} share memory: each tensor of the message needs its own buffer",
+    )

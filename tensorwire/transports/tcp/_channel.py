@@ -50,6 +50,7 @@ from .._frames import (
     unpack_fields,
 )
 from .._mailbox import Arrival
+from .._order import SendOrder, Turn
 from ._sockio import Buffer, SockIO
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ class TcpChannel(Channel):
         self._window = SendWindow(remote)  # what we may still send: the receiver's grants
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
+        self._order = SendOrder()  # FIFO per tag, however long a send waits for a slot
+        self._turn_waits: set[asyncio.Future[Any]] = set()  # sends waiting for the one ahead on their tag
         self._sending = 0
         self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._aux: set[asyncio.Task[None]] = set()
@@ -232,6 +235,7 @@ class TcpChannel(Channel):
         window = self._window
         if (
             not self._turn.busy
+            and not self._order.busy(tag)  # an earlier send on the tag waits for a slot: it goes first
             and window.slots > 0
             and nbytes <= window.credit
             and nbytes <= self._limits.chunk_bytes
@@ -264,7 +268,12 @@ class TcpChannel(Channel):
                 msg.packed,
                 msg.memory,
             )
-        return await self._send(tag, msg, t0)
+        # its turn now, before any await (a slot): FIFO per tag
+        turn = self._order.enter(tag)
+        try:
+            return await self._send(tag, msg, t0, turn)
+        finally:
+            turn.passed()  # (a no-op once passed)
 
     async def _finish_frame(self, rest: list[Buffer], msg_id: int) -> None:
         """The socket took part of a message's one frame: write the rest before any other frame
@@ -289,9 +298,10 @@ class TcpChannel(Channel):
         finally:
             self._sending -= 1
 
-    async def _send(self, tag: int, msg: Outgoing, t0: float) -> Receipt:
+    async def _send(self, tag: int, msg: Outgoing, t0: float, turn: Turn) -> Receipt:
         self._sending += 1
         try:
+            await turn.wait(self._turn_waits)
             await self._window.take_slot(self.check_open)
             eager = self._window.reserve(msg.nbytes)
             msg_id = self._next_id
@@ -310,6 +320,7 @@ class TcpChannel(Channel):
                         arg=tag,
                         sent=announced,
                     )
+                    turn.passed()
                     await self._send_data(msg_id, segs, inline, msg.nbytes)
                 else:
                     cts = self._loop.create_future()
@@ -318,6 +329,7 @@ class TcpChannel(Channel):
                         await self._write(
                             FrameType.MSG, flags=RENDEZVOUS, meta=header, msg_id=msg_id, arg=tag, sent=announced
                         )
+                        turn.passed()
                         await cts
                     finally:
                         self._cts.pop(msg_id, None)
@@ -679,7 +691,7 @@ class TcpChannel(Channel):
         self._closed(state, exc)
         self._budget.close()
         self._window.fail(exc)
-        for fut in self._cts.values():
+        for fut in [*self._cts.values(), *self._turn_waits]:
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()
