@@ -277,7 +277,8 @@ async def parent(args: argparse.Namespace) -> int:
             tw, raw = n * size / t_tw / 1e9, n * size / t_raw / 1e9
             rows.append((size, tw, raw, g, gu))
             print(
-                f"  measured {fmt_size(size)}: tensorwire {tw:.2f}, raw {raw:.2f}, grpc stream {g}, unary {gu} GB/s",
+                f"  measured {fmt_size(size)}: tensorwire {tw:.2f}, raw {raw:.2f}, "
+                f"grpc stream {'-' if g is None else f'{g:.2f}'}, unary {'-' if gu is None else f'{gu:.2f}'} GB/s",
                 flush=True,
             )
         lat = await latency(peer, addrs["raw"], channel, args.pings)

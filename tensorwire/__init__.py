@@ -21,11 +21,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # tensorwire.pipeline loads on first use (``import tensorwire.pipeline`` works too)
-    if name == "pipeline":
+    # these load on first use (``import tensorwire.pipeline`` works too); none imports torch or CuPy
+    if name in ("native", "pipeline", "testing"):
         import importlib
 
-        return importlib.import_module(".pipeline", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tensorwire' has no attribute {name!r}")
 
 

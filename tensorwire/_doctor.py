@@ -207,6 +207,9 @@ def _pick(
             machine = {"transport": "tcp", "passed_over": [f"ucx: across machines {_TCP_ONLY} ({', '.join(across)})"]}
         elif across:
             machine = {"transport": "ucx", "lanes": across}
+        else:  # UCX cannot make an endpoint to another machine: the handshake passes ucx over
+            reason = f"ucx: across machines no lane ({', '.join(caps.lanes) or 'none'} reach only this machine)"
+            machine = {"transport": "tcp", "passed_over": [reason]}
     return pick, passed, machine
 
 
@@ -283,7 +286,7 @@ def render(rep: dict[str, Any]) -> str:
         lines.append(f"a connect to another machine would use: {machine['transport']}{lanes}")
         lines += [f"  not {line}" for line in machine.get("passed_over", [])]
     if not rep["rdma_devices"]:
-        lines.append("RDMA devices: none (no /sys/class/infiniband)")
+        lines.append(f"RDMA devices: none (nothing in {SYS / 'class' / 'infiniband'})")
     else:
         lines.append("RDMA devices:")
         for d in rep["rdma_devices"]:

@@ -105,6 +105,8 @@ class Peer:
 
     @property
     def closed(self) -> bool:
+        """True once the channel to this peer is no longer open (closed by either side, broken,
+        or the lease ran out)."""
         return self.channel.state is not ChannelState.OPEN
 
     async def send(self, obj: Any, *, tag: int | str = 0) -> Receipt:

@@ -39,7 +39,10 @@ def _demo_payload(size_mib: int) -> dict[str, Any]:
     import ml_dtypes
 
     n = size_mib * MiB // 4
-    big = (np.arange(n, dtype=np.uint32) * np.uint32(2654435761)).view(np.float32)
+    try:
+        big = (np.arange(n, dtype=np.uint32) * np.uint32(2654435761)).view(np.float32)
+    except ValueError as exc:  # numpy cannot even size it ("Maximum allowed size exceeded")
+        raise MemoryError(str(exc)) from exc
     grid = np.arange(1536 * 1024, dtype=np.float64).reshape(1536, 1024)
     return {
         "activations": big,
@@ -406,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_until_signal(_demo_child(args.address, args.size_mib))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout closed early (`tensorwire demo | head -1`): end as a SIGPIPE would
+        with contextlib.suppress(OSError):  # and let nothing at exit try to flush into the pipe again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except TensorWireError as exc:
         print(f"tensorwire: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

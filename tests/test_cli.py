@@ -271,3 +271,70 @@ def test_a_demo_too_big_for_memory_says_so_without_a_traceback() -> None:
     out = subprocess.run([*CLI, "demo", "--size-mib", "100000000"], capture_output=True, text=True, timeout=90)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "out of memory (--size-mib 100000000)" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("size", ["99999999999999", str(10**24)])
+def test_a_demo_numpy_cannot_even_size_says_out_of_memory(size: str) -> None:
+    # past numpy's largest array the demo's payload raised ValueError: a traceback, not a message
+    out = subprocess.run([*CLI, "demo", "--size-mib", size], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"out of memory (--size-mib {size})" in out.stderr and "Traceback" not in out.stderr
+
+
+async def test_a_node_cancelled_while_it_starts_raises_only_cancelled_error() -> None:
+    """Ctrl-C or SIGTERM while `tensorwire demo` or `serve` starts its node cancels start(); a
+    cancel that reached gRPC's server start half-way left a server whose stop raised
+    asyncio.InvalidStateError (a traceback, exit 1). The cancel lands at each turn of the loop."""
+    import asyncio
+
+    import tensorwire
+
+    for turns in range(12):
+        starting = asyncio.ensure_future(tensorwire.start("127.0.0.1:0", transports=("tcp",)).__aenter__())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        starting.cancel()
+        try:
+            node = await starting
+        except asyncio.CancelledError:
+            continue
+        await node.aclose()  # it had started before the cancel came
+
+
+def test_stage_part_with_a_relative_module_name_is_a_configuration_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorwire.errors import ConfigurationError
+    from tensorwire.pipeline._serve import load_factory
+
+    (tmp_path / "mypart.py").write_text("def build(rank, num_stages):\n    return rank\n")
+    monkeypatch.chdir(tmp_path)
+    # a file named without its .py: importlib raised TypeError (a traceback from `tensorwire stage`)
+    for spec in ("./mypart:build", ".mypart:build"):
+        with pytest.raises(ConfigurationError, match=r"is not MODULE:FUNCTION or FILE\.py:FUNCTION"):
+            load_factory(spec)
+    assert load_factory("./mypart.py:build")(3, 4) == 3
+    out = subprocess.run([*CLI, "stage", "--part", "./mypart:build"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "ConfigurationError: --part './mypart:build' is not MODULE:FUNCTION" in out.stderr
+
+
+def test_a_demo_whose_stdout_closes_ends_quietly_and_stops_its_second_process() -> None:
+    # `tensorwire demo | head -1`: the next print raised BrokenPipeError, a traceback on stderr
+    demo = subprocess.Popen([*CLI, "demo", "--size-mib", "1", "--repeat", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert demo.stdout is not None and demo.stderr is not None
+    child = 0
+    try:
+        child = _demo_peer_of(demo.pid)
+        assert demo.stdout.readline().startswith("node A ")
+        demo.stdout.close()  # as head does once it has its line
+        demo.wait(60)
+        err = demo.stderr.read()
+    finally:
+        _kill(demo.pid, child)
+        demo.wait()
+        demo.stderr.close()
+    assert demo.returncode == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert _gone_within(child, 15), "the demo left its second process running"

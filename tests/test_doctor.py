@@ -3,7 +3,9 @@ and a real handshake against a given address."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -181,3 +183,28 @@ def test_passed_over_names_only_transports_ranked_above_the_pick(monkeypatch: py
     monkeypatch.setattr(_doctor, "probe_all", lambda names: probe_all(names, ucx=False))
     pick = _doctor.report()["connect_to_another_process"]
     assert pick == {"transport": "tcp", "passed_over": ["ucx: no libucx", f"verbs: {verbs_why}"]}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+def test_ucx_with_only_shared_memory_lanes_reaches_another_machine_over_tcp() -> None:
+    # UCX limited to shared memory cannot make an endpoint to another machine, so the handshake
+    # passes ucx over for tcp; the doctor said nothing at all about another machine
+    env = {**os.environ, "UCX_TLS": "sm,self"}
+    args = [sys.executable, "-m", "tensorwire.cli", "doctor"]
+    out = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["connect_to_another_process"]["transport"] == "ucx"
+    machine = rep["connect_to_another_machine"]
+    assert machine is not None and machine["transport"] == "tcp", machine
+    (why,) = machine["passed_over"]
+    assert why.startswith("ucx: across machines no lane") and "reach only this machine" in why
+    table = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env).stdout
+    assert "a connect to another machine would use: tcp\n  not ucx: across machines no lane" in table
+
+
+def test_no_rdma_devices_names_the_tree_it_looked_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # TENSORWIRE_SYSFS points the doctor at a recorded tree: it said "no /sys/class/infiniband"
+    monkeypatch.setattr(_doctor, "SYS", tmp_path)
+    text = _doctor.render(_doctor.report())
+    assert f"RDMA devices: none (nothing in {tmp_path / 'class' / 'infiniband'})" in text

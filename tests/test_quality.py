@@ -27,3 +27,29 @@ def test_ruff() -> None:
 def test_mypy_strict() -> None:
     proc = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_public_name_of_the_top_level_api_has_a_docstring() -> None:
+    """What `tensorwire.__all__` exports, and the public methods and properties its classes
+    define (or inherit a docstring for), says what it is (help() showed nothing for some)."""
+    import enum
+    import inspect
+
+    import tensorwire
+
+    missing = []
+    for name in tensorwire.__all__:
+        obj = getattr(tensorwire, name)
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        if not inspect.getdoc(obj):
+            missing.append(name)
+        if not inspect.isclass(obj) or issubclass(obj, (enum.Enum, BaseException)):
+            continue
+        for attr, value in vars(obj).items():
+            if attr.startswith("_") or not (isinstance(value, property) or callable(value)):
+                continue
+            docs = [inspect.getdoc(vars(c)[attr]) for c in obj.__mro__ if attr in vars(c)]
+            if not any(docs):
+                missing.append(f"{name}.{attr}")
+    assert not missing, f"public names without a docstring: {missing}"

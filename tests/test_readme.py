@@ -896,3 +896,31 @@ def test_helpers_find_what_they_should() -> None:
     fake = Block(README, 1, "python", "h", "print(a)  # one\n          # two\nb = 1  # not this\n")
     assert comment_of(fake, "print(a)") == "one two"
     assert _flags("[--size-mib 256] [--parent PID] --x") == {"--size-mib", "--parent", "--x"}
+
+
+def test_the_public_names_the_pages_mention_work_after_a_bare_import() -> None:
+    """`tensorwire.transports.ucx.ucx_config(TLS="tcp")` (README, docs/ucx.md) and
+    `tensorwire.testing.idle_cpu_percent` raised AttributeError after `import tensorwire` in a
+    fresh process: those packages loaded only when something else had imported them."""
+    named = sorted(
+        {
+            name
+            for page in PAGES
+            for name in re.findall(r"(?<![\w/.-])tensorwire(?:\.[A-Za-z_]\w*)+", page.read_text())
+            if not name.startswith("tensorwire.v1.") and not any(p.startswith("_") for p in name.split("."))
+        }
+    )
+    assert {"tensorwire.transports.ucx.ucx_config", "tensorwire.testing.idle_cpu_percent"} <= set(named)
+    code = (
+        "import functools, sys, tensorwire\n"
+        "bad = []\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        functools.reduce(getattr, name.split('.')[1:], tensorwire)\n"
+        "    except AttributeError as exc:\n"
+        "        bad.append(f'{name}: {exc}')\n"
+        "print('\\n'.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *named], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", "after `import tensorwire` these do not resolve:\n" + out.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -200,7 +202,16 @@ class ControlServer:
                 self.port = self._server.add_secure_port(target, tls.server_credentials())
         except RuntimeError as exc:
             raise ConfigurationError(f"cannot bind the control plane to {target}: {exc}") from exc
-        await self._server.start()
+        # grpc's start, cancelled half-way, leaves a server that can never stop (its serving task
+        # dies with InvalidStateError, which stop() then raises): let it finish, then cancel
+        starting = asyncio.ensure_future(self._server.start())
+        try:
+            await asyncio.shield(starting)
+        except BaseException:
+            while not starting.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({starting})
+            raise
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         return self.port

@@ -81,6 +81,8 @@ class TLSConfig:
             raise ConfigurationError(f"TLSConfig.server_name is a host name, not {self.server_name!r}")
 
     def server_credentials(self) -> grpc.ServerCredentials:
+        """The credentials a node serves its control plane with (ConfigurationError where the
+        files are missing or do not fit together)."""
         cert, key = _read(self.cert_file, "certificate"), _read(self.key_file, "private key")
         if cert is None or key is None:
             raise ConfigurationError("a TLS node needs cert_file and key_file to serve")
@@ -93,6 +95,7 @@ class TLSConfig:
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
+        """The credentials a node connects to other nodes' control planes with."""
         creds = grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca_file, "CA bundle"),
             private_key=_read(self.key_file, "private key"),
@@ -102,4 +105,5 @@ class TLSConfig:
         return creds
 
     def channel_options(self) -> list[tuple[str, str]]:
+        """gRPC channel options: the host name to check the server's certificate against, if set."""
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []

@@ -27,7 +27,8 @@ __all__ = ["load_factory", "serve_stage"]
 def load_factory(spec: str) -> Callable[[int, int], Any]:
     """``"package.module:build"`` or ``"path/to/file.py:build"`` -> the function."""
     where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
+    relative = where.startswith(".") and not where.endswith(".py")  # ".mod", or "./file" without .py
+    if not sep or not where or not name or relative:
         raise ConfigurationError(f"--part {spec!r} is not MODULE:FUNCTION or FILE.py:FUNCTION")
     try:
         if where.endswith(".py"):

@@ -152,6 +152,7 @@ class Receipt:
 
     @property
     def gbps(self) -> float:
+        """The transfer's rate in GB/s (1e9 bytes per second); inf where it took no measurable time."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
