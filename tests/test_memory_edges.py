@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from _polling import eventually
 
-from tensorwire.memory import HostEngine, PinnedPool, StageIn, download
+from tensorwire.memory import HostEngine, PinnedPool, StageIn, download, scatter
 from tensorwire.testing import busy_stream
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,6 +88,38 @@ async def test_a_staging_copy_that_cannot_be_queued_loses_no_chunk(way: str, ste
                     await move()
         assert pool.free == DEPTH
         assert pool.retired == (DEPTH + 1 if step == "record" else 0)
+    finally:
+        engine.close()
+
+
+async def test_a_scatter_chunk_whose_second_copy_cannot_be_queued_is_retired() -> None:
+    """Two pieces share one chunk; the first piece's copy is queued, the second's refused: the
+    first may still write into the chunk, so it is retired, never handed to the next transfer
+    (it went back to the pool, where a download could take it while that copy ran)."""
+    engine = HostEngine()
+    try:
+        pool = engine.pool("out")
+        pool.configure(CHUNK, DEPTH)
+        lane = engine.lane()
+        queued = lane.to_host
+
+        def second_refused(*args: Any) -> None:
+            lane.to_host = refuse  # type: ignore[method-assign]
+            queued(*args)
+
+        def refuse(*_: object) -> None:
+            raise RuntimeError("refused")
+
+        lane.to_host = second_refused  # type: ignore[method-assign]
+        engine.give_back(lane)  # the lane scatter takes
+
+        async def push(chunk: Any, pieces: Any) -> None:
+            raise AssertionError("nothing is pushed")
+
+        srcs = [engine.buffer(np.arange(1024, dtype=np.uint8)), engine.buffer(np.arange(2048, dtype=np.uint8))]
+        with pytest.raises(RuntimeError, match="refused"):
+            await scatter(srcs, push, spoiled=lambda: False)
+        assert pool.retired == 1  # (before: released, pool.retired == 0)
     finally:
         engine.close()
 

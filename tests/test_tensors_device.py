@@ -195,6 +195,73 @@ class _FakeCudaRuntime:
         return None
 
 
+class _FailingCudaRuntime(_FakeCudaRuntime):
+    """A runtime whose every call to queue work fails as CUDA's do after a device fault (the
+    error is sticky: cudaErrorIllegalAddress, 700)."""
+
+    streamNonBlocking = 1  # noqa: N815 - CuPy's names
+    memcpyDeviceToHost, memcpyHostToDevice, memcpyDeviceToDevice = 2, 1, 3  # noqa: N815
+
+    def __init__(self, fail: str) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def _maybe_fail(self, call: str) -> None:
+        if call == self.fail:
+            raise self.CUDARuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+    def streamCreateWithFlags(self, flags: int) -> int:  # noqa: N802
+        self._maybe_fail("streamCreate")
+        return 0x77
+
+    def eventCreateWithFlags(self, flags: int) -> int:  # noqa: N802
+        self._maybe_fail("eventCreate")
+        return super().eventCreateWithFlags(flags)
+
+    def eventRecord(self, event: int, stream: int) -> None:  # noqa: N802
+        self._maybe_fail("eventRecord")
+        super().eventRecord(event, stream)
+
+    def streamWaitEvent(self, stream: int, event: int, flags: int) -> None:  # noqa: N802
+        self._maybe_fail("streamWaitEvent")
+        super().streamWaitEvent(stream, event, flags)
+
+    def memcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:  # noqa: N802
+        self._maybe_fail("memcpyAsync")
+
+    def eventQuery(self, event: int) -> int:  # noqa: N802
+        return 600  # cudaErrorNotReady: the stream it was recorded on is busy
+
+    def check_status(self, status: int) -> None:
+        raise self.CUDARuntimeError(f"status {status}")
+
+
+@pytest.mark.parametrize("fail", ["streamCreate", "eventCreate", "eventRecord", "streamWaitEvent", "memcpyAsync"])
+def test_cuda_refusing_to_queue_work_is_a_transfer_error(monkeypatch: pytest.MonkeyPatch, fail: str) -> None:
+    """A sticky device error surfaces at the next call that queues work: the staging pipeline
+    sees a TransferError (it returns or retires the chunk involved), not CuPy's own error."""
+    import types
+
+    from tensorwire.memory import _cuda
+    from tensorwire.memory._engine import DeviceBuffer, HostChunk
+
+    rt = _FailingCudaRuntime(fail)
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt, Device=lambda n: contextlib.nullcontext()))
+    monkeypatch.setattr(_cuda, "cupy_module", lambda: cp)
+    engine = _cuda.CudaEngine(0)
+    chunk = HostChunk(memoryview(bytearray(16)), 0x2000, 16, None)
+    buf = DeviceBuffer(engine, 0x3000, 16, 0, None)
+
+    def work() -> None:
+        lane = engine.lane()
+        lane.to_host(chunk, 0, buf, 0, 16)
+        lane.wait(engine.record_on(5))
+        engine.stream_wait(5, lane.record())
+
+    with pytest.raises(TransferError, match=r"CUDA could not .* on device 0: cudaErrorIllegalAddress"):
+        work()
+
+
 def test_cuda_events_are_recorded_and_waited_for_with_their_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor on cuda:1 while cuda:0 is current, on its device's default stream (handle 0, as
     torch.cuda.current_stream(1).cuda_stream gives it): the event must be recorded, and the

@@ -23,6 +23,19 @@ __all__ = ["CudaEngine", "CudaEvent", "allocating_on", "cuda_device_count", "cup
 log = logging.getLogger(__name__)
 
 _NOT_READY = 600  # cudaErrorNotReady
+
+
+@contextlib.contextmanager
+def _queueing(rt: Any, what: str, device: int) -> Iterator[None]:
+    """CUDA refusing to queue work (an asynchronous error of an earlier copy or kernel surfaces
+    here, sticky; an invalid handle) as the TransferError it is for the transfer, not CuPy's
+    CUDARuntimeError."""
+    try:
+        yield
+    except rt.CUDARuntimeError as exc:
+        raise TransferError(f"CUDA could not {what} on device {device}: {exc}") from exc
+
+
 _engines: dict[int, CudaEngine] = {}
 _engines_lock = threading.Lock()
 
@@ -59,14 +72,15 @@ class CudaEvent(Event):
         self._cp = cp
         self._rt = rt
         self.device = device
-        with cp.cuda.Device(device):
+        self.ptr = 0
+        with cp.cuda.Device(device), _queueing(rt, "create an event", device):
             self.ptr = int(rt.eventCreateWithFlags(rt.eventDisableTiming))
 
     def record(self, stream: int) -> CudaEvent:
         # with this event's device current: the default streams' handles (0, and 2 for the
         # per-thread one) name the current device's stream, and CUDA refuses to record an event
         # on a stream of another device
-        with self._cp.cuda.Device(self.device):
+        with self._cp.cuda.Device(self.device), _queueing(self._rt, "record an event", self.device):
             self._rt.eventRecord(self.ptr, stream)
         return self
 
@@ -92,6 +106,8 @@ class CudaEvent(Event):
             raise TransferError(f"CUDA reported an error on device {self.device} during a copy: {exc}") from exc
 
     def __del__(self) -> None:
+        if not self.ptr:
+            return  # never created
         try:
             self._rt.eventDestroy(self.ptr)
         except Exception:  # interpreter shutdown or a dead context: nothing left to free
@@ -107,12 +123,14 @@ class CudaLane(Lane):
         self.engine = engine
         cp = engine.cp
         self._rt = cp.cuda.runtime
-        with cp.cuda.Device(engine.device):
+        self.stream = 0
+        with cp.cuda.Device(engine.device), _queueing(self._rt, "create a stream", engine.device):
             self.stream = int(self._rt.streamCreateWithFlags(self._rt.streamNonBlocking))
 
     def _memcpy(self, dst: int, src: int, n: int, kind: int) -> None:
         if n:
-            self._rt.memcpyAsync(dst, src, n, kind, self._live())
+            with _queueing(self._rt, f"queue a copy of {n} bytes", self.engine.device):
+                self._rt.memcpyAsync(dst, src, n, kind, self._live())
 
     def to_host(self, dst: HostChunk, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
         self._memcpy(dst.ptr + dst_off, src.ptr + src_off, n, self._rt.memcpyDeviceToHost)
@@ -142,7 +160,8 @@ class CudaLane(Lane):
     def _wait(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
             raise UnsupportedTensorError("a CUDA stream cannot wait for an event of another engine")
-        self._rt.streamWaitEvent(self._live(), event.ptr, 0)
+        with _queueing(self._rt, "make a stream wait for an event", self.engine.device):
+            self._rt.streamWaitEvent(self._live(), event.ptr, 0)
 
 
 class CudaEngine(CopyEngine):
@@ -197,8 +216,10 @@ class CudaEngine(CopyEngine):
         if stream is None:
             return False
         if isinstance(event, CudaEvent):
-            with self.cp.cuda.Device(self.device):  # a default stream's handle names the current device's
-                self.cp.cuda.runtime.streamWaitEvent(stream, event.ptr, 0)
+            rt = self.cp.cuda.runtime
+            # with the device current: a default stream's handle names the current device's
+            with self.cp.cuda.Device(self.device), _queueing(rt, "make a stream wait for an event", self.device):
+                rt.streamWaitEvent(stream, event.ptr, 0)
         return True
 
 

@@ -179,7 +179,8 @@ async def _window(
                 try:
                     event, move = start(chunk, pieces)
                 except BaseException:
-                    pool.release(chunk)  # nothing was queued on it
+                    # a copy of an earlier piece may have been queued, and may still touch it
+                    _hand_back(pool, chunk, None, touched=True)
                     raise
                 if not todo and not inflight:
                     await _alone(pool, chunk, event, move, spoiled)
