@@ -164,7 +164,8 @@ async def _window(
 ) -> None:
     """``bufs`` laid end to end across chunks of ``pool``, up to its depth of them being moved at
     once: ``start(chunk, pieces)`` begins a chunk's move (the event of copies the chunk must
-    outlive, and the move), ``done(chunk, pieces)`` takes each chunk back in order once moved.
+    outlive, and the move; should it fail, it gives the chunk back itself, or retires it if it
+    queued a copy touching it), ``done(chunk, pieces)`` takes each chunk back in order once moved.
     The one chunk left when nothing else is under way is moved in place (no task, no hop through
     the loop: a small tensor's whole move). Leaving early: ``_settle``."""
     todo = deque((i, 0, b.nbytes) for i, b in enumerate(bufs) if b.nbytes)
@@ -176,12 +177,7 @@ async def _window(
                 if chunk is None:
                     break
                 pieces = _pieces(todo, chunk.size)
-                try:
-                    event, move = start(chunk, pieces)
-                except BaseException:
-                    # a copy of an earlier piece may have been queued, and may still touch it
-                    _hand_back(pool, chunk, None, touched=True)
-                    raise
+                event, move = start(chunk, pieces)  # (raising, it has handed the chunk back)
                 if not todo and not inflight:
                     await _alone(pool, chunk, event, move, spoiled)
                     _done(pool, done, chunk, pieces)
@@ -227,9 +223,15 @@ async def scatter(
         lane.wait(event)
 
     def start(chunk: HostChunk, pieces: list[Piece]) -> tuple[Event | None, Awaitable[None]]:
-        for i, pos, off, k in pieces:
-            lane.to_host(chunk, off, srcs[i], pos, k)
-        event = lane.record()
+        queued = False
+        try:
+            for i, pos, off, k in pieces:
+                lane.to_host(chunk, off, srcs[i], pos, k)
+                queued = True
+            event = lane.record()
+        except BaseException:
+            _hand_back(pool, chunk, None, touched=queued)  # a queued copy may still write it
+            raise
         return event, copied_then(event, chunk, pieces)
 
     async def copied_then(event: Event, chunk: HostChunk, pieces: list[Piece]) -> None:
@@ -309,13 +311,15 @@ class StageIn:
         (``finish`` for the event after them). Failed or cancelled, the fetches still going are
         stopped and waited for; ``spoiled()`` (asked then) says whether one that failed may
         still write into its chunk, which is then never reused."""
-        await _window(
-            self.pool,
-            dsts,
-            lambda chunk, pieces: (None, fetch(chunk, pieces)),
-            lambda chunk, pieces: self._up(dsts, chunk, pieces),
-            spoiled,
-        )
+
+        def start(chunk: HostChunk, pieces: list[Piece]) -> tuple[Event | None, Awaitable[None]]:
+            try:
+                return None, fetch(chunk, pieces)
+            except BaseException:
+                self.pool.release(chunk)  # nothing was queued on it
+                raise
+
+        await _window(self.pool, dsts, start, lambda chunk, pieces: self._up(dsts, chunk, pieces), spoiled)
 
     def _up(self, dsts: Sequence[DeviceBuffer], chunk: HostChunk, pieces: list[Piece]) -> None:
         """Queue the copies of a landed chunk's pieces to the device; the chunk goes back after them."""
