@@ -29,17 +29,18 @@ def test_mypy_strict() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_every_public_name_of_the_top_level_api_has_a_docstring() -> None:
-    """What `tensorwire.__all__` exports, and the public methods and properties its classes
+@pytest.mark.parametrize("module", ["tensorwire", "tensorwire.pipeline", "tensorwire.rpc", "tensorwire.tensors"])
+def test_every_public_name_of_the_api_has_a_docstring(module: str) -> None:
+    """What the package's ``__all__`` exports, and the public methods and properties its classes
     define (or inherit a docstring for), says what it is (help() showed nothing for some)."""
     import enum
+    import importlib
     import inspect
 
-    import tensorwire
-
+    package = importlib.import_module(module)
     missing = []
-    for name in tensorwire.__all__:
-        obj = getattr(tensorwire, name)
+    for name in package.__all__:
+        obj = getattr(package, name)
         if not (inspect.isclass(obj) or inspect.isfunction(obj)):
             continue
         if not inspect.getdoc(obj):

@@ -120,6 +120,7 @@ class Pipeline:
 
     @property
     def num_stages(self) -> int:
+        """How many stages the pipeline has (one peer each)."""
         return len(self.peers)
 
     @property

@@ -67,9 +67,14 @@ class Layer(Protocol):
     forward(x) -> (y, ctx);  backward(ctx, grad_y) -> grad_x, adding to its own gradients;
     optionally step() (apply and clear the gradients), zero_grad() and state()."""
 
-    def forward(self, x: Any) -> tuple[Any, Any]: ...
+    def forward(self, x: Any) -> tuple[Any, Any]:
+        """The layer's output for ``x``, and what its backward needs (``ctx``)."""
+        ...
 
-    def backward(self, ctx: Any, grad: Any) -> Any: ...
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        """The gradient for the input, given ``ctx`` and the output's gradient; adds to the
+        layer's own parameter gradients."""
+        ...
 
 
 class _LossContext:

@@ -149,6 +149,7 @@ class Schedule:
 
     @property
     def num_stages(self) -> int:
+        """How many stages the schedule drives (one row of actions each)."""
         return len(self.stages)
 
     def __str__(self) -> str:
@@ -288,6 +289,7 @@ class Schedule:
 
     @property
     def valid(self) -> bool:
+        """Whether ``validate()`` accepts the schedule (it says why not)."""
         try:
             self.validate()
         except ScheduleError:

@@ -180,6 +180,7 @@ class Stage:
 
     @property
     def links(self) -> list[_Link]:
+        """The links to the neighbouring stages this stage has (none, one or two)."""
         return [link for link in (self.prev, self.next) if link is not None]
 
     # -- configure ------------------------------------------------------------------------------

@@ -230,6 +230,8 @@ class MethodRegistry(Mapping[str, Method]):
 
     @property
     def limits(self) -> CallLimits:
+        """The node's CallLimits: how many calls run at once and how many argument bytes they
+        may hold (settable: new limits apply at once)."""
         return self._limits
 
     @limits.setter

@@ -248,14 +248,17 @@ class DeviceTensor:
 
     @property
     def nbytes(self) -> int:
+        """Its size in bytes."""
         return self.buf.nbytes
 
     @property
     def engine(self) -> CopyEngine:
+        """The copy engine of the device its memory is on."""
         return self.buf.engine
 
     @property
     def device(self) -> str:
+        """Where its memory is: ``"cuda:N"``."""
         return f"{self.buf.engine.kind}:{self.buf.device}"
 
     async def to_host(self) -> np.ndarray:

@@ -48,6 +48,7 @@ def dtype_name(dtype: np.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> np.dtype:
+    """The numpy dtype of a wire dtype name (``"bfloat16"``, ``"float32"``, ...)."""
     try:
         return DTYPES[name]
     except KeyError:

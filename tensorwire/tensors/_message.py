@@ -54,6 +54,7 @@ class Spec:
     device: str = "cpu"
 
     def allocate(self) -> np.ndarray:
+        """A new host array for the tensor this spec describes."""
         return empty(self.dtype, self.shape)
 
 
@@ -78,6 +79,7 @@ class Outgoing:
 
     @property
     def header(self) -> bytes:
+        """The message's wire header (its tree and tensor specs), encoded once."""
         if self._header is None:
             msg = wire_pb2.MessageHeader(tree=self.tree)
             for s, a in zip(self.specs, self.arrays, strict=True):

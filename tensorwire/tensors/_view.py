@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedTensorError
+from ..errors import TransferError, UnsupportedTensorError
 from ._device import (
     _DLPACK_CUDA,
     _DLPACK_PINNED,
@@ -66,24 +66,28 @@ class TensorView:
 
     @property
     def dtype(self) -> str:
+        """The wire dtype name."""
         if self.dev is not None:
             return self.dev.dtype
         return dtype_name(self.array.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
         if self.dev is not None:
             return self.dev.shape
         return tuple(self.array.shape)
 
     @property
     def nbytes(self) -> int:
+        """Its size in bytes."""
         if self.dev is not None:
             return self.dev.nbytes
         return int(self.array.nbytes)
 
     @property
     def contiguous(self) -> bool:
+        """Whether its elements lie in C order with no gaps."""
         if self.dev is not None:
             return self.dev.contiguous
         return bool(self.array.flags.c_contiguous)
@@ -241,4 +245,13 @@ def byte_view(arr: np.ndarray) -> memoryview:
 
 
 def empty(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    return np.empty(shape, dtype=dtype_from_name(dtype))
+    """A new host array for bytes that are to arrive. A process that cannot have the memory
+    gets a TransferError (nothing moved yet), never numpy's MemoryError."""
+    try:
+        return np.empty(shape, dtype=dtype_from_name(dtype))
+    except MemoryError as exc:
+        nbytes = int(np.prod(shape, dtype=object)) * dtype_from_name(dtype).itemsize
+        raise TransferError(
+            f"out of memory: could not allocate {nbytes} bytes here for a {dtype} tensor of shape "
+            f"{tuple(shape)}; receive into a buffer of your own (out=) or free memory"
+        ) from exc
