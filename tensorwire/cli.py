@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import __version__, start
-from .errors import ConfigurationError, TensorWireError
+from .errors import ConfigurationError, PeerDisconnected, ResourceError, TensorWireError
 
 MiB = 1 << 20
 _T = TypeVar("_T")
@@ -288,8 +288,18 @@ async def _serve(address: str, echo: list[str], token: str | None, transports: l
             try:
                 while True:
                     await peer.send(await peer.recv(tag=wire_tag), tag=wire_tag)
-            except TensorWireError:
-                return
+            except (PeerDisconnected, ResourceError):
+                return  # the peer went, or the node closes
+            except TensorWireError as exc:
+                # the peer would wait for this echo for ever (a message its own limits refuse
+                # back): say so, and close the peer, so that its recv fails instead
+                print(
+                    f"tensorwire serve: echo on tag {tag!r} to {peer.remote_address} failed "
+                    f"({type(exc).__name__}: {exc}); closing that peer",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                await peer.aclose()
 
         async with asyncio.TaskGroup() as tg:
             async for peer in node:
@@ -392,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             help="exit (as on SIGTERM) when process PID, the one that started this one, exits, even by SIGKILL",
         )  # fmt: skip
     args = parser.parse_args(argv)
+    if getattr(args, "token", None) == "":  # refused, never taken for "no token"
+        parser.error("the token (--token, or TENSORWIRE_TOKEN) is empty: give one, or unset TENSORWIRE_TOKEN")
     # the command line is an application: it may configure logging (the library never does)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = [
@@ -257,6 +258,50 @@ def test_pipeline_example_stops_its_stage_processes_when_signalled(signum: signa
 def _ppid(pid: int) -> int | None:
     st = _stat(pid)
     return None if st is None else st[1]
+
+
+def test_an_echo_the_client_refuses_closes_that_client_instead_of_leaving_it_waiting() -> None:
+    """A client whose own limits refuse the echo of what it sent (MessageRefused at the server):
+    the echo loop used to end silently, and the client's recv waited for ever. The server now
+    says why on stderr and closes that peer: the recv fails at once. Other clients go on."""
+    import asyncio
+
+    import tensorwire
+
+    async def clients(address: str) -> None:
+        small = tensorwire.transports.Limits(max_message_bytes=1 << 20)
+        async with (
+            tensorwire.start("127.0.0.1:0", transports=("tcp",), limits=small) as a,
+            tensorwire.start("127.0.0.1:0", transports=("tcp",)) as b,
+        ):
+            pa, pb = await a.connect(address), await b.connect(address)
+            await pa.send(np.zeros(2 << 20, np.uint8), tag=0)  # the server takes it; its echo is too big for a
+            with pytest.raises(tensorwire.PeerDisconnected):
+                async with asyncio.timeout(20):
+                    await pa.recv(tag=0)
+            await pb.send(np.arange(10), tag=0)
+            async with asyncio.timeout(20):
+                assert np.array_equal(await pb.recv(tag=0), np.arange(10))
+
+    server = subprocess.Popen([*CLI, "serve", "--transports", "tcp", "--echo", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        asyncio.run(clients(_read_until(server, "tensorwire node", "serve")[-1].split()[-1]))
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+    finally:
+        _kill(server.pid)
+        server.communicate()
+    assert "echo on tag '0'" in err and "MessageRefused" in err and "closing that peer" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["serve", "stage --part m:f", "doctor 127.0.0.1:1"])
+def test_an_empty_token_from_the_environment_is_named(command: str) -> None:
+    env = {**os.environ, "TENSORWIRE_TOKEN": ""}
+    out = subprocess.run([*CLI, *command.split()], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and "TENSORWIRE_TOKEN) is empty" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_serve_reads_a_tag_of_digits_as_an_int_and_anything_else_as_a_string() -> None:
