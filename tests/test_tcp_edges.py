@@ -1,16 +1,22 @@
 """The staged-TCP channel under concurrency: many sends and recvs on many tags, cancelled at
-random, with the peer's message slots scarce, so that sends wait for slots and overtake nothing."""
+random, with the peer's message slots scarce, so that sends wait for slots and overtake nothing;
+and the listener closed while it accepts."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import socket
 
 import numpy as np
 import pytest
 
 import tensorwire
 from tensorwire.testing import connected_pair
+from tensorwire.transports import Limits, TransportContext
+from tensorwire.transports.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,3 +104,46 @@ async def test_random_sends_and_recvs_cancelled_on_many_tags_lose_duplicate_and_
     for t in range(ntags):
         assert got[t] == sorted(set(got[t])), f"tag {t}: reordered or duplicated: {got[t]}"
         assert completed[t] <= set(got[t]), f"tag {t}: completed sends lost: {sorted(completed[t] - set(got[t]))}"
+
+
+def _open_sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            pass
+    return n
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts sockets through /proc/self/fd")
+@pytest.mark.parametrize("turns", [0, 1, 2, 3])
+async def test_a_connection_accepted_as_the_transport_closes_is_closed_not_left_waiting(turns: int) -> None:
+    """A client connects, and the transport closes ``turns`` loop turns later: at 1 or 2 turns the
+    close met the accept half done. Before, the close cancelled the task awaiting
+    ``loop.sock_accept`` after the socket was accepted: the socket stayed open, held only by the
+    accept's result, and the client waited for a CHALLENGE until its ``connect_timeout``."""
+    loop = asyncio.get_running_loop()
+    before = _open_sockets()
+    ctx = TransportContext(node_id="n", host="127.0.0.1", limits=Limits())
+    caps = TcpTransport.probe()
+    assert caps is not None
+    transport = TcpTransport(ctx, caps)
+    host, _, port = (await transport.listen()).decode().rpartition(":")
+    await asyncio.sleep(0)  # the listener is being watched
+    client = socket.create_connection((host, int(port)))  # loopback: done, waiting in the backlog
+    try:
+        client.setblocking(False)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await transport.aclose()
+        try:
+            async with asyncio.timeout(10):
+                with contextlib.suppress(ConnectionResetError):
+                    while await loop.sock_recv(client, 4096):  # perhaps a CHALLENGE, then the close
+                        pass
+        except TimeoutError:
+            pytest.fail("the accepted connection was left open: its client waits for a CHALLENGE that never comes")
+    finally:
+        client.close()
+    assert _open_sockets() == before

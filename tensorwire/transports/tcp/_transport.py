@@ -21,6 +21,7 @@ __all__ = ["TcpTransport"]
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
+_ACCEPT_BATCH = 64  # connections accepted per readable event before the loop runs other work
 
 
 def _split(address: bytes) -> tuple[str, int]:
@@ -75,8 +76,9 @@ class TcpTransport(Transport):
     def __init__(self, ctx: TransportContext, capabilities: Capabilities) -> None:
         super().__init__(ctx, capabilities)
         self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
+        self._paused: asyncio.TimerHandle | None = None  # accepting again after a failed accept
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._unstarted: set[socket.socket] = set()  # accepted, their handshake not yet begun
         self._channels: set[TcpChannel] = set()
         self._closed = False
         self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
@@ -96,24 +98,40 @@ class TcpTransport(Transport):
             raise ConfigurationError(f"cannot bind the tcp transport to {host!r}: {exc}") from exc
         sock.setblocking(False)
         self._listener = sock
-        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop(), name="tensorwire-tcp-accept")
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
         return _join(host, sock.getsockname()[1])
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _accept(self) -> None:
+        """The listener is readable: accept what waits, each socket straight into its handshake.
+
+        Accepting here, not in a task awaiting ``loop.sock_accept``, leaves no moment in which a
+        close can cancel the wait after the accept and lose the socket (it stayed open, and its
+        client waited out ``connect_timeout`` for a CHALLENGE)."""
         assert self._listener is not None
-        while True:
+        loop = asyncio.get_running_loop()
+        for _ in range(_ACCEPT_BATCH):
             try:
-                conn, addr = await loop.sock_accept(self._listener)
+                conn, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as exc:  # e.g. EMFILE: keep serving after a pause
                 log.warning("tcp accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
+                loop.remove_reader(self._listener.fileno())
+                self._paused = loop.call_later(0.1, self._resume)
+                return
+            # aclose closes it if the task is cancelled before its first step
+            self._unstarted.add(conn)
             task = loop.create_task(self._handshake_server(conn, addr))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
 
+    def _resume(self) -> None:
+        self._paused = None
+        if not self._closed and self._listener is not None:
+            asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
+
     async def _handshake_server(self, conn: socket.socket, addr: object) -> None:
+        self._unstarted.discard(conn)
         _tune(conn)
         io = SockIO(conn)
         who = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
@@ -216,13 +234,19 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        if self._accepting is not None:
-            self._accepting.cancel()
+        if self._listener is not None:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+        if self._paused is not None:
+            self._paused.cancel()
         for t in list(self._handshakes):
             t.cancel()
         self.sessions.cancel_all()
-        await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
-        tasks = [t for t in (self._accepting, *self._handshakes) if t is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
+        try:
+            await asyncio.gather(*[c.aclose() for c in list(self._channels)], return_exceptions=True)
+            await asyncio.gather(*self._handshakes, return_exceptions=True)
+        finally:
+            for conn in self._unstarted:
+                conn.close()
+            self._unstarted.clear()
+            if self._listener is not None:
+                self._listener.close()
