@@ -340,7 +340,10 @@ class Node:
         operations fail once the notice has reached them, and the memory stays registered and
         referenced until each has acknowledged (or gone), and until the owner-assisted reads
         and writes already moving its bytes (tcp, inproc) have ended. ``await
-        node.unexpose(name)`` to wait for that: afterwards no peer's operation reaches the tensor."""
+        node.unexpose(name)`` to wait for that: afterwards no peer's operation reaches the tensor.
+        On a closed (or closing) node, ClosedResourceError, as for ``expose``: closing the node
+        unexposed everything."""
+        self._check_open()
         entry = self.exposures.unexpose(name)
         if not entry.given and not entry.busy:
             entry.release()

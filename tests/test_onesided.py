@@ -428,3 +428,18 @@ async def test_a_batch_whose_buffers_or_rows_overlap_is_refused_before_anything_
         assert np.array_equal(both, x[2:4].T) and np.array_equal(got[2], x[2])
         await asyncio.wait_for(b.write_many([h[0:2], h[2]], [np.ones((2, 4), np.float32), np.ones(4, np.float32)]), 5)
         assert (x[:3] == 1).all() and x[3, 0] == 12
+
+
+@pytest.mark.timeout(30)
+async def test_expose_and_unexpose_on_a_closed_node_say_it_is_closed() -> None:
+    """Before, ``unexpose`` on a closed node raised HandleNotFound (closing had emptied the table)
+    while ``expose`` raised ClosedResourceError."""
+    node = await tensorwire.start("127.0.0.1:0", transports=["tcp"])
+    x = np.zeros(4, np.float32)
+    node.expose(x, name="x")
+    await node.aclose()
+    with pytest.raises(tensorwire.ClosedResourceError):
+        node.expose(x, name="y")
+    for name in ("x", "never"):
+        with pytest.raises(tensorwire.ClosedResourceError):
+            node.unexpose(name)
