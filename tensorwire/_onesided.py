@@ -81,6 +81,7 @@ from .tensors._device import (
     wanted_device,
 )
 from .tensors._message import refuse_shared
+from .tensors._view import empty
 from .transports import ChannelState, Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
 
@@ -769,7 +770,7 @@ async def read(
     ):
         t0 = time.perf_counter()
         if out is None:
-            out = np.empty(handle.shape, dtype_from_name(handle.dtype))
+            out = empty(handle.dtype, handle.shape)  # a TransferError if memory is short: nothing moved
         _check_against(handle, out, "out=")
         state = _direct_state(peer, handle)
         if state is not None:
@@ -847,7 +848,7 @@ def _destinations(
         if out is None:
             where = _where(h, want, streams)
             if where is None:
-                arr = np.empty(h.shape, dtype_from_name(h.dtype))
+                arr = empty(h.dtype, h.shape)  # before anything moves (TransferError if memory is short)
                 dests.append(_Dest(arr, arr))
                 continue
             t = allocate_device(h.dtype, h.shape, "torch", where, streams)

@@ -578,6 +578,43 @@ async def test_the_deadline_that_travels_is_what_is_left_after_the_wait_for_room
         await _settled(a, b)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_request_that_waited_unread_for_a_slot_has_spent_that_wait_of_its_deadline(transport: str) -> None:
+    """max_concurrent=1 and a call holding the slot for 1.5 s; three calls with a 4 s deadline
+    queue behind it: the first is read and waits for the slot, the other two wait unread. Each
+    method must see no later deadline than its caller's (one clock here: the server's absolute
+    deadline is at most the caller's, plus a margin for the request's trip, far below the wait).
+    Before, a deadline started when its request was read: the two unread requests' methods saw
+    4 s while their callers had 2.5 s left, and calls they made in turn inherited that."""
+    async with connected_pair(transport) as (a, b):
+        b.node.methods.limits = CallLimits(max_concurrent=1)
+        loop = asyncio.get_running_loop()
+        gate = asyncio.Event()
+
+        @b.node.method()
+        async def hold() -> None:
+            await gate.wait()
+
+        @b.node.method()
+        async def until() -> float:
+            left = current_deadline()
+            assert left is not None
+            return loop.time() + left  # the method's deadline, as a time of this process's loop
+
+        held = asyncio.ensure_future(a.call("hold"))
+        await asyncio.sleep(0.05)
+        callers_until = loop.time() + 4.0  # no caller's deadline is earlier
+        queued = [asyncio.ensure_future(a.call("until", _deadline=4.0)) for _ in range(3)]
+        await asyncio.sleep(1.5)  # all three wait at the server
+        assert not any(q.done() for q in queued)
+        gate.set()
+        await _within(5, "the call that held the slot", held)
+        got = [await _within(5, "a call that waited for the slot", q) for q in queued]
+        late = [round(g - callers_until, 3) for g in got]
+        assert all(d < 0.5 for d in late), f"methods' deadlines later than their callers' by {late} s"
+        await _settled(a, b)
+
+
 async def test_a_method_name_that_cannot_travel_is_refused_and_listing_never_breaks() -> None:
     """A name with a lone surrogate could never be called (it does not encode) and broke
     ListMethods for every client (UNKNOWN, a UnicodeEncodeError); so did such a docstring."""

@@ -21,6 +21,7 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
+from ..errors import TensorWireError
 from ._engine import Event, HostChunk, wait_event
 
 if TYPE_CHECKING:
@@ -76,6 +77,13 @@ class PinnedPool:
             self._allocated += 1
             try:
                 return self.engine.host_chunk(self.chunk_bytes), None
+            except (TensorWireError, MemoryError):
+                self._allocated -= 1
+                if not self._allocated:
+                    raise
+                # no memory to grow: make do with the chunks there are (they come back)
+                if self._free:
+                    return self._free.popleft()
             except BaseException:
                 self._allocated -= 1
                 raise

@@ -8,6 +8,7 @@ the transport's own credit: backpressure all the way back, never an unbounded qu
 hands the reading on to a fresh task and serves its request itself, so each call runs in its
 own task (a slow call never holds up another) and starts in the loop iteration its request
 arrived in. Argument bytes count against ``CallLimits.max_inflight_bytes`` before they move.
+A call's deadline counts from when its request arrived, however long it then waited unread.
 A request its caller cancelled before it was admitted is answered at once, without a slot.
 
 Every request ends with a terminal reply, whatever the method did: an error whose text cannot
@@ -175,7 +176,12 @@ class PeerServer:
         """Read one request, hand the reading on to a fresh task, then serve the request in this
         one: the call starts in the same loop iteration its request arrived in."""
         channel = self.peer.channel
+        loop = asyncio.get_running_loop()
         while True:
+            # a request that waited unread (the node was saturated) has spent part of its deadline
+            # here already: the deadline counts from its arrival, not from its reading
+            waited = channel.mailbox.waited(REQUEST_TAG)
+            arrived = loop.time() - waited if waited else None
             try:
                 env, receipt = await channel.recv(REQUEST_TAG, None)
             except TensorWireError:
@@ -191,7 +197,7 @@ class PeerServer:
         inline = receipt.nbytes - _META_BYTES if req.nbytes < 0 else 0
         task = asyncio.current_task()
         assert task is not None  # peer._spawn runs this loop as a task
-        call = _Call(req, asyncio.get_running_loop().time(), inline, task)
+        call = _Call(req, loop.time() if arrived is None else arrived, inline, task)
         if self._early.pop(req.call_id, None) is not None:
             call.cancel_requested = True
         self.calls[req.call_id] = call  # a cancel for it now interrupts the wait for a slot

@@ -26,7 +26,7 @@ from ..errors import (
 )
 from ..memory import HostEngine, wait_event
 from ..memory._engine import _HostEvent
-from ..tensors import DTYPES, EngineArray
+from ..tensors import DTYPES, EngineArray, prepare
 from ..transports import Limits, Receipt
 from ..transports._remote import OneSidedTransport
 
@@ -515,6 +515,39 @@ async def check_send_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None:
     edge = np.arange(MiB, dtype=np.uint8)  # exactly at the limit: accepted
     await asyncio.wait_for(a.send(edge, tag="lim"), 5)
     assert _same(await asyncio.wait_for(recv, 5), edge)
+
+
+def _header_of(n: int, pad: int) -> dict[str, Any]:
+    """A message of ``n`` one-byte tensors and a ``pad``-character string: its header grows with both."""
+    msg: dict[str, Any] = {f"key-{i}": np.full(1, i, np.int8) for i in range(n)}
+    msg["pad"] = "x" * pad
+    return msg
+
+
+@_check(Limits(max_header_bytes=1024))
+async def check_header_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None:
+    """A message whose header (its tree and tensor specs, as a wire carries them) is larger than
+    the peer accepts fails at the sender with MessageRefused naming the limit, before any of it
+    leaves, on every transport (inproc, which passes the header as objects, delivered a
+    1.09 MB header that tcp refused): the receiver sees nothing of it, and the tag goes on.
+    A header of exactly the limit is accepted."""
+    limit = 1024
+    # 8 tensors: a header near the limit by any estimate short of encoding it
+    edge = next(_header_of(8, pad) for pad in range(limit) if len(prepare(_header_of(8, pad)).header) == limit)
+    recv = asyncio.ensure_future(b.recv(tag="h"))
+    for wide in (_header_of(100, 0), {**edge, "pad": edge["pad"] + "x"}):
+        refused: MessageRefused | None = None
+        try:
+            await asyncio.wait_for(a.send(wide, tag="h"), 5)
+        except MessageRefused as exc:
+            refused = exc
+        assert refused is not None, f"a message with a {len(prepare(wide).header)}-byte header was sent"
+        assert f"exceeds the peer's {limit}-byte limit (its Limits.max_header_bytes)" in str(refused), refused
+    await asyncio.wait_for(a.send(edge, tag="h"), 5)
+    assert _same(await asyncio.wait_for(recv, 5), edge), "the message at the header limit changed on the way"
+    narrow = _header_of(3, 0)
+    await asyncio.wait_for(a.send(narrow, tag="h"), 5)
+    assert _same(await asyncio.wait_for(b.recv(tag="h"), 5), narrow)
 
 
 @_check()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from bisect import bisect_right
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Arrival", "Mailbox", "SenderAborted"]
 
+_SCRATCH_BYTES = 1 << 20  # where the bytes of a message that cannot be kept land, piece by piece
+
 
 class SenderAborted(TransferError):
     """The sender cancelled this message part way; a recv waiting for it waits for the next."""
@@ -66,12 +69,15 @@ class Arrival:
 
     __slots__ = (
         "_flat",
+        "_starts",
+        "arrived",
         "channel",
         "consumed",
         "dest",
         "direct",
         "done",
         "landing",
+        "lost",
         "msg_id",
         "nbytes",
         "pinned",
@@ -98,6 +104,7 @@ class Arrival:
         protocol: str = "eager",
         nbytes: int | None = None,
     ) -> None:
+        self.arrived = time.monotonic()  # when its header came (a wait in the queue counts: rpc deadlines)
         self.channel = channel
         self.tag = tag
         self.tree = tree
@@ -118,15 +125,43 @@ class Arrival:
         self.settled = False  # its slot and credit went back to the sender already
         self.written = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._flat: list[tuple[int, int, memoryview | None]] | None = None
+        self._flat: list[tuple[int, int, int, memoryview | None]] | None = None
+        self._starts: list[int] = []  # the first byte of each _flat entry
         self.landing: Landing | None = None  # device copies queued for this message
         self.staged = False  # device bytes went through host staging chunks
+        # why the payload lands in scratch memory and is dropped (no memory for it here): the
+        # message fails as it completes (``complete``), and its recv raises this
+        self.lost: TransferError | None = None
         if self.nbytes == 0 and not rendezvous:
             self.done.set_result(None)
 
     def allocate(self) -> None:
         """Give the payload a buffer of tensorwire's own."""
         self.dest = [s.allocate() for s in self.specs]
+        self.direct = False
+        self._flat = None
+
+    def buffer(self) -> None:
+        """``allocate`` for a payload that is on its way and must be taken now (eager): if the
+        memory cannot be had, its bytes are read into scratch and dropped (``drop``), and the
+        channel and every other message live on."""
+        try:
+            self.allocate()
+        except TransferError as exc:
+            self.drop(exc)
+
+    def drop(self, exc: TransferError) -> None:
+        """Land the rest of the payload in a small scratch buffer, reused for every piece, and
+        fail the message when it completes: the recv that takes it raises why."""
+        self.lost = TransferError(
+            f"a {self.nbytes}-byte message on this tag came before its recv and could not be kept here (out of "
+            "memory); it was dropped: post a recv with out= before such messages come, or lower "
+            "Limits.recv_buffer_bytes"
+        )
+        self.lost.__cause__ = exc
+        step = min(self.nbytes, _SCRATCH_BYTES) or 1
+        scratch = np.empty(step, np.uint8)
+        self.dest = [scratch[: min(step, self.nbytes - pos)] for pos in range(0, self.nbytes, step)]
         self.direct = False
         self._flat = None
 
@@ -148,7 +183,13 @@ class Arrival:
                     landing.hand_back(d)
                 new.append(mine)
             else:
-                own = spec.allocate()
+                try:
+                    own = spec.allocate()
+                except TransferError as exc:
+                    # no memory to keep what landed: the rest goes to scratch, never into
+                    # the caller's buffer, and the message is dropped (its next recv says so)
+                    self.drop(exc)
+                    return
                 # a transport may be part way through a chunk, so ``written`` can lag: copy it all
                 np.copyto(own, d)
                 new.append(own)
@@ -156,34 +197,41 @@ class Arrival:
         self.direct = False
         self._flat = None
 
-    def _layout(self) -> list[tuple[int, int, memoryview | None]]:
+    def _layout(self) -> list[tuple[int, int, int, memoryview | None]]:
+        """Each non-empty tensor of ``dest`` as (first byte, end, index, host byte view or None);
+        ``_starts`` holds the first bytes, for the bisect that finds an offset's tensor (a scan
+        of every tensor per offset made landing a message of many tensors quadratic)."""
         if self._flat is None:
             assert self.dest is not None
             flat = []
+            starts = []
             pos = 0
             for i, a in enumerate(self.dest):
                 if a.nbytes:
-                    flat.append((pos, i, None if isinstance(a, DeviceTensor) else byte_view(a)))
+                    flat.append((pos, pos + a.nbytes, i, None if isinstance(a, DeviceTensor) else byte_view(a)))
+                    starts.append(pos)
                     pos += a.nbytes
             self._flat = flat
+            self._starts = starts
         return self._flat
 
     def locate(self, offset: int) -> tuple[int, int, int]:
         """Which tensor of ``dest`` holds payload byte ``offset``: (index, offset in it, bytes left in it)."""
-        assert self.dest is not None
-        for start, i, _ in self._layout():
-            n = self.dest[i].nbytes
-            if start <= offset < start + n:
-                return i, offset - start, start + n - offset
+        flat = self._layout()
+        k = bisect_right(self._starts, offset) - 1
+        if k >= 0:
+            start, end, i, _ = flat[k]
+            if offset < end:
+                return i, offset - start, end - offset
         raise IndexError(f"offset {offset} outside a {self.nbytes}-byte payload")
 
     def view(self, offset: int, n: int) -> memoryview:
         """A writable byte view of the (host) payload at ``offset``, at most ``n`` bytes long."""
-        for start, _, mv in self._layout():
-            if mv is None:
-                continue
-            end = start + len(mv)
-            if start <= offset < end:
+        flat = self._layout()
+        k = bisect_right(self._starts, offset) - 1
+        if k >= 0:
+            start, end, _, mv = flat[k]
+            if offset < end and mv is not None:
                 return mv[offset - start : min(end, offset + n) - start]
         raise IndexError(f"offset {offset} outside the host part of a {self.nbytes}-byte payload")
 
@@ -209,8 +257,16 @@ class Arrival:
         return self.landing
 
     def complete(self) -> None:
-        if not self.done.done():
-            self.done.set_result(None)
+        if self.done.done():
+            return
+        if self.lost is not None:  # its bytes went to scratch: its slot and credit go back now
+            self.dest = None
+            if not self.settled:
+                self.settled = True
+                self.channel.release(self)
+            self.fail(self.lost)
+            return
+        self.done.set_result(None)
 
     def fail(self, exc: BaseException) -> None:
         _settle(self.done, exc)
@@ -331,7 +387,10 @@ class Mailbox:
         if out is None:
             if p.device is not None or any(s.device == "cuda" for s in specs):
                 return None
-            return [s.allocate() for s in specs]
+            try:
+                return [s.allocate() for s in specs]
+            except TransferError:
+                return None  # no memory for it: the general way drops it and tells that recv
         if type(out) is not np.ndarray or len(specs) != 1 or not tree.HasField("tensor"):
             return None  # (a one-tensor list or dict does not fit an array: the general way says so)
         s = specs[0]
@@ -345,6 +404,11 @@ class Mailbox:
     def holds_messages(self) -> bool:
         """Does a message that arrived (whole, once the channel is gone) wait for a recv?"""
         return any(self._arrived.values())
+
+    def waited(self, tag: int) -> float:
+        """How long the oldest message queued on ``tag`` for a recv has waited (0.0: none waits)."""
+        q = self._arrived.get(tag)
+        return time.monotonic() - q[0].arrived if q else 0.0
 
     def has_posted(self, tag: int) -> bool:
         """Is any recv (perhaps one cancelled a moment ago) posted on ``tag``?"""

@@ -1,11 +1,12 @@
 """In-process transport: peers in the same process, no serialization, one copy per tensor.
 
-The header is never encoded: the receiver gets the sender's tree and specs as objects. The
-payload is copied once (the sender may reuse its tensor as soon as send returns), in chunks
-that yield to the event loop so that a large copy never stalls it. Credit and rendezvous work
-as on every other transport, so the conformance suite holds here too: sends hand their messages
-over in the order they were entered, and a channel closing or failing ends both sides at once,
-as a shut connection would.
+The header is not encoded: the receiver gets the sender's tree and specs as objects (only a
+message whose header may be past the peer's ``max_header_bytes`` has it encoded, to measure it
+and refuse it as every transport does). The payload is copied once (the sender may reuse its
+tensor as soon as send returns), in chunks that yield to the event loop so that a large copy
+never stalls it. Credit and rendezvous work as on every other transport, so the conformance
+suite holds here too: sends hand their messages over in the order they were entered, and a
+channel closing or failing ends both sides at once, as a shut connection would.
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def _failure(fut: asyncio.Future[None]) -> BaseException | None:
 
 _ONE_LINE = 0  # the one key of an inproc channel's SendOrder: its sends are ordered across tags
 
+# At most the bytes a tensor's spec takes in an encoded header beyond its strings and dims (tags
+# and length varints of the spec and its six fields, nbytes), and each dim (shape and strides).
+_SPEC_BYTES = 7 * 11
+_DIM_BYTES = 2 * 10
+
+
+def _header_len(msg: Outgoing, limit: int) -> int:
+    """The length of ``msg``'s header as a wire would carry it, or 0 when it surely fits in
+    ``limit`` bytes: a bound taken from its tree and specs spares encoding the header of any
+    message that is not near the limit."""
+    bound = 11 + msg.tree.ByteSize()
+    for s in msg.specs:
+        if bound > limit:
+            break
+        bound += _SPEC_BYTES + len(s.dtype) + len(s.device) + len(s.framework) + _DIM_BYTES * len(s.shape)
+    return len(msg.header) if bound > limit else 0
+
 
 class InprocChannel(Channel):
     transport = "inproc"
@@ -113,7 +131,7 @@ class InprocChannel(Channel):
     async def send(self, tag: int, msg: Outgoing) -> Receipt:
         t0 = time.perf_counter()
         self._other()
-        self._remote.check_send(msg.nbytes, 0)  # no header limit: headers are never encoded here
+        self._remote.check_send(msg.nbytes, _header_len(msg, self._remote.max_header_bytes))
         # Sends hand their messages to the peer's mailbox in the order they were entered, as
         # frames go out on a stream (FIFO per tag): each waits for the send entered before it
         # to hand its message over, however long that one's staging, yields or slot wait last.
@@ -159,7 +177,16 @@ class InprocChannel(Channel):
             try:
                 if eager:
                     if arrival.dest is None:
-                        arrival.allocate()
+                        try:
+                            arrival.allocate()
+                        except TransferError as exc:
+                            # the receiver has no memory to keep it: not delivered, and this
+                            # sender, which still holds the message, is told so
+                            peer.mailbox.abort(arrival)
+                            peer.release(arrival)
+                            raise TransferError(
+                                f"the in-process receiver could not keep the message, nothing was delivered: {exc}"
+                            ) from exc
                     await _copy(segs, arrival)
                     failure = _failure(arrival.done)
                     if failure is not None:

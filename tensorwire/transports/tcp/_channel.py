@@ -460,7 +460,7 @@ class TcpChannel(Channel):
                     self.mailbox.arrive(arrival)
                     self._incoming[hdr.msg_id] = arrival  # so a failure below fails its recv too
                     if arrival.dest is None:
-                        arrival.allocate()  # size checked against credit above
+                        arrival.buffer()  # size checked against credit above (dropped if memory is short)
                     if _on_device(arrival):
                         crc = await self._land(arrival, 0, hdr.payload_len, crc)
                         await self._check_trailer(crc, arrival)
@@ -584,7 +584,7 @@ class TcpChannel(Channel):
                         self._budget.release(nbytes, True)  # consumed: its slot and credit go back
                     else:  # nobody waits: kept here (within the credit) for the next recv
                         arrival = Arrival(self, arg, tree, specs, msg_id=msg_id, nbytes=nbytes)
-                        arrival.allocate()
+                        arrival.buffer()
                         if nbytes:
                             arrival.fill(data)
                         arrival.complete()

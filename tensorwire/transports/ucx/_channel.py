@@ -173,6 +173,14 @@ def _late(exc: BaseException, text: str) -> BaseException:
     return late
 
 
+def _landed(arrival: Arrival) -> None:
+    """``arrival``'s payload is whole in its ``dest``: nothing is left for a recv to pull. (A recv
+    cancelled after the message was received into its out= gives the message back in a buffer
+    of ours; the next recv must copy from there, not take its own out= for the destination.)"""
+    arrival.rendezvous = False
+    arrival.complete()
+
+
 def _on_device(arrival: Arrival) -> bool:
     return arrival.dest is not None and any(isinstance(d, DeviceTensor) for d in arrival.dest)
 
@@ -630,8 +638,8 @@ class UcxChannel(Channel):
                 if arrival.dest is None or _on_device(arrival):
                     # the bytes came in the control frame, in host memory: into buffers of
                     # ours, and a device out= gets them by the recv's own copy (staged), as
-                    # when the message comes before its recv
-                    arrival.allocate()
+                    # when the message comes before its recv (dropped if memory is short)
+                    arrival.buffer()
                 if nbytes:
                     arrival.fill(mv[end : end + nbytes])
                 arrival.complete()
@@ -688,9 +696,15 @@ class UcxChannel(Channel):
     def _adopt(self, arrival: Arrival) -> None:
         """Receive an eager payload into a buffer of our own now (or into the device tensors a
         recv allocated for it); a later recv copies it."""
-        arrival.rendezvous = False
         if arrival.dest is None or arrival.direct:
-            arrival.allocate()
+            try:
+                arrival.allocate()
+            except TransferError:
+                # no memory for it here now: it waits unposted, as a rendezvous message does,
+                # for a recv to pull it (into out=, or into memory found then); UCX holds it
+                self._waiting[arrival.msg_id] = (arrival, False)
+                return
+        arrival.rendezvous = False
         if _on_device(arrival):
             task = self._loop.create_task(self._post_when_ready(arrival))
             self._w.track(task)
@@ -723,7 +737,7 @@ class UcxChannel(Channel):
             self._w.watch(req, functools.partial(self._payload_done, transfer), keep=a, owner=self)
         if not transfer.pending:
             self._incoming.pop(arrival.msg_id, None)
-            arrival.complete()
+            _landed(arrival)
         return transfer
 
     def _payload_done(self, transfer: _Transfer, req: Any) -> None:
@@ -740,7 +754,7 @@ class UcxChannel(Channel):
                 del self._incoming[arrival.msg_id]
             if not arrival.done.done() and transfer.failure is None:  # (a failure is told by now)
                 arrival.written = arrival.nbytes
-                arrival.complete()
+                _landed(arrival)
 
     def _fail_when_landed(self, transfer: _Transfer, exc: BaseException) -> None:
         """Fail ``transfer``'s message with ``exc`` once none of its UCX receives can write into

@@ -1,0 +1,337 @@
+"""Out of memory on the receiving side: every allocation tensorwire makes on the caller's behalf
+(a recv, a read or a call's result without out=, a message buffered before its recv, a staging
+chunk) fails with an error of the tree, and what can be kept is kept.
+
+The receiving side runs in a child process whose address space is capped (RLIMIT_AS) a little
+above what it uses once connected, so a large allocation there really fails with MemoryError
+while everything else goes on; the sending side is this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorwire
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+_UCX = pytest.param(
+    "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+)
+
+BIG = 256 << 20  # past the default recv_buffer_bytes (64 MiB): rendezvous
+EAGER = 48 << 20  # within it: buffered on arrival when no recv waits
+
+# helpers of every child: cap the address space, report steps as JSON lines
+_PRELUDE = """
+import asyncio, json, resource, sys
+import numpy as np
+import tensorwire
+
+def cap(headroom):
+    size = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + headroom, resource.RLIM_INFINITY))
+    try:
+        np.empty(headroom * 2, np.uint8)
+    except MemoryError:
+        return
+    raise SystemExit("RLIMIT_AS did not cap allocations")
+
+def report(step, **kw):
+    print(json.dumps({"step": step, **kw}), flush=True)
+
+def digest(v):
+    return int(np.asarray(v).sum(dtype=np.uint64))
+
+async def attempt(step, coro, check=digest):
+    try:
+        v = await asyncio.wait_for(coro, 30)
+    except Exception as exc:
+        report(step, error=type(exc).__name__, tree=isinstance(exc, tensorwire.TensorWireError), text=str(exc))
+    else:
+        report(step, value=check(v))
+"""
+
+
+def _pattern(n: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.uint32) % 251).astype(np.uint8)
+
+
+async def _child(script: str, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _PRELUDE + textwrap.dedent(script), *args, stdout=asyncio.subprocess.PIPE
+    )
+
+
+async def _steps(
+    proc: asyncio.subprocess.Process, on_step: Callable[[str], None] | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    assert proc.stdout is not None
+    while True:
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        if not line:
+            return
+        step = json.loads(line)
+        if on_step is not None:
+            on_step(step["step"])
+        yield step
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.kill()
+    await proc.wait()
+
+
+_RECEIVER = """
+addr, transport, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+async def main():
+    out = np.zeros(nbytes, np.uint8)
+    out2 = np.zeros(nbytes, np.uint8)
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        peer = await node.connect(addr)
+        h, h2 = await peer.lookup("big"), await peer.lookup("big2")
+        await peer.call("big", _out=out)  # every path warmed up before the cap
+        await peer.read_many([h, h2], outs=[out, out2])
+        cap(nbytes // 2)
+        report("capped")
+        await attempt("recv", peer.recv(tag="big"))
+        await attempt("recv_out", peer.recv(tag="big", out=out))
+        await attempt("recv_small", peer.recv(tag="small"))
+        await attempt("read", peer.read(h))
+        await attempt("read_out", peer.read(h, out=out))
+        await attempt("read_many", peer.read_many([h, h2]))
+        await attempt("read_many_out", peer.read_many([h, h2], outs=[out, out2]), lambda v: digest(v[1]))
+        await attempt("call", peer.call("big"))
+        await attempt("call_out", peer.call("big", _out=out))
+        await attempt("send", peer.send(np.arange(5), tag="back"), lambda r: 0)
+        report("done")
+        await asyncio.sleep(30)  # until the parent is done with us
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+async def test_no_memory_for_a_result_is_a_transfer_error_and_loses_nothing(transport: str) -> None:
+    """recv, read, read_many and call without out= of more than the process can allocate raise
+    TransferError (numpy's MemoryError before), and the message stays for a recv(out=)."""
+    src = _pattern(BIG)
+    want = int(src.sum(dtype=np.uint64))
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        node.expose(src, name="big")
+        node.expose(src, name="big2")
+
+        @node.method("big")
+        async def big() -> np.ndarray:
+            return src
+
+        proc = await _child(_RECEIVER, node.address, transport, str(BIG))
+        sends: list[asyncio.Task[Any]] = []
+        try:
+            peer = await asyncio.wait_for(node.accept(), 30)
+
+            def on_step(step: str) -> None:
+                if step == "capped":
+                    sends.append(asyncio.ensure_future(peer.send(src, tag="big")))
+                    sends.append(asyncio.ensure_future(peer.send(np.arange(7), tag="small")))
+
+            got = {}
+            async for step in _steps(proc, on_step):
+                got[step["step"]] = step
+                if step["step"] == "done":
+                    break
+            assert np.array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), np.arange(5))
+            await asyncio.wait_for(asyncio.gather(*sends), 10)
+        finally:
+            await _kill(proc)
+            for task in sends:
+                task.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
+    for step in ("recv", "read", "read_many", "call"):
+        assert got[step].get("error") == "TransferError", got[step]
+        assert "out of memory" in got[step]["text"], got[step]
+    for step in ("recv_out", "read_out", "read_many_out", "call_out"):
+        assert got[step].get("value") == want, got[step]
+    assert got["recv_small"].get("value") == 21, got["recv_small"]
+    assert got["send"].get("value") == 0, got["send"]
+
+
+_EAGER_RECEIVER = """
+addr, transport, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+async def main():
+    out = np.zeros(nbytes, np.uint8)
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        peer = await node.connect(addr)
+        await peer.send(np.arange(3), tag="hello")
+        await peer.recv(tag="hello")
+        cap(nbytes // 3)
+        report("capped")
+        await asyncio.sleep(1.0)  # the big message comes (eager) before any recv waits for it
+        report("state", open=not peer.closed and peer.channel.state.name == "OPEN")
+        await attempt("recv_out", peer.recv(tag="big", out=out))
+        await attempt("recv_small", peer.recv(tag="small"))
+        await attempt("send", peer.send(np.arange(5), tag="back"), lambda r: 0)
+        report("done")
+        await asyncio.sleep(30)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+async def test_an_eager_message_without_memory_for_it_leaves_the_channel_open(transport: str) -> None:
+    """A 48 MiB message that arrives (eager) before its recv, when the receiver cannot allocate
+    48 MiB: the tcp reader broke the channel with BrokenResourceError('tcp reader failed:
+    MemoryError'), and the ucx control handler likewise, losing every message after it. Now tcp,
+    which must take the bytes off the stream, drops that message alone (its recv raises a
+    TransferError that says so), and ucx keeps it unposted until a recv(out=) pulls it."""
+    src = _pattern(EAGER)
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        proc = await _child(_EAGER_RECEIVER, node.address, transport, str(EAGER))
+        sends: list[asyncio.Task[Any]] = []
+        try:
+            peer = await asyncio.wait_for(node.accept(), 30)
+            await peer.recv(tag="hello")
+            await peer.send(np.arange(3), tag="hello")
+
+            def on_step(step: str) -> None:
+                if step == "capped":
+                    sends.append(asyncio.ensure_future(peer.send(src, tag="big")))
+                    sends.append(asyncio.ensure_future(peer.send(np.arange(7), tag="small")))
+
+            got = {}
+            async for step in _steps(proc, on_step):
+                got[step["step"]] = step
+                if step["step"] == "done":
+                    break
+            assert np.array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), np.arange(5))
+            await asyncio.wait_for(asyncio.gather(*sends), 10)
+        finally:
+            await _kill(proc)
+            for task in sends:
+                task.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
+    assert got["state"]["open"], got
+    if transport == "tcp":
+        assert got["recv_out"].get("error") == "TransferError", got["recv_out"]
+        assert "dropped" in got["recv_out"]["text"], got["recv_out"]
+    else:
+        assert got["recv_out"].get("value") == int(src.sum(dtype=np.uint64)), got["recv_out"]
+    assert got["recv_small"].get("value") == 21, got["recv_small"]
+    assert got["send"].get("value") == 0, got["send"]
+
+
+_INPROC = """
+nbytes = int(sys.argv[1])
+
+async def main():
+    src = (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+    small = np.ones(48 << 20, np.uint8)
+    out = np.zeros(nbytes, np.uint8)
+    async with tensorwire.start("127.0.0.1:0", transports=("inproc",)) as a, \\
+            tensorwire.start("127.0.0.1:0", transports=("inproc",)) as b:
+        p = await a.connect(b.address)
+        q = await b.accept()
+        cap(nbytes // 8)
+        # eager (within the receiver's credit): the receiver cannot buffer it
+        await attempt("send_eager", p.send(small, tag="e"), lambda r: r.protocol)
+        await attempt("send_small", p.send(np.arange(7), tag="e"), lambda r: 0)
+        await attempt("recv_small", q.recv(tag="e"))
+        # rendezvous: recv without out= cannot allocate, the message waits for recv(out=)
+        send = asyncio.ensure_future(p.send(src, tag="r"))
+        await attempt("recv", q.recv(tag="r"))
+        await attempt("recv_out", q.recv(tag="r", out=out))
+        await attempt("send_big", send, lambda r: r.protocol)
+        report("done")
+
+asyncio.run(main())
+"""
+
+
+async def test_inproc_without_memory_for_a_message() -> None:
+    """inproc buffers an eager message in the sender's send: its MemoryError came out of the
+    sender's send while the message stayed announced to the receiver, so a recv of that tag
+    hung for good. Now the send raises TransferError, nothing is delivered, and the tag goes on."""
+    n = 256 << 20
+    proc = await _child(_INPROC, str(n))
+    try:
+        got = {step["step"]: step async for step in _steps(proc)}
+    finally:
+        await _kill(proc)
+    assert got["send_eager"].get("error") == "TransferError" and got["send_eager"]["tree"], got["send_eager"]
+    assert got["send_small"].get("value") == 0, got["send_small"]
+    assert got["recv_small"].get("value") == 21, got["recv_small"]
+    assert got["recv"].get("error") == "TransferError", got["recv"]
+    assert got["recv_out"].get("value") == int(_pattern(n).sum(dtype=np.uint64)), got["recv_out"]
+    assert got["send_big"].get("value") == "rendezvous", got["send_big"]
+    assert "done" in got
+
+
+_POOL = """
+from tensorwire.memory._engine import HostEngine
+from tensorwire.memory._pinned import PinnedPool
+
+async def main():
+    chunk = 64 << 20
+    engine = HostEngine(poison=False)
+    pool = PinnedPool(engine, chunk_bytes=chunk, depth=4)
+    cap(chunk + chunk // 2)
+    first = await pool.acquire()  # fits
+    report("first", value=first.size)
+    await attempt("grow", pool.try_acquire(), lambda c: None if c is None else c.size)
+    waiter = asyncio.ensure_future(pool.acquire())
+    await asyncio.sleep(0.05)
+    report("waiting", value=not waiter.done())
+    pool.release(first)
+    await attempt("again", waiter, lambda c: c is first)
+    engine.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_staging_pool_that_cannot_grow_makes_do_with_its_chunks() -> None:
+    """A pipeline that holds a staging chunk asks for one more (try_acquire) when there is no
+    memory for it: numpy's MemoryError (cudaHostAlloc's RegistrationError on a GPU) failed the
+    transfer; now it goes on with the chunks it has, and a taker holding none waits for one."""
+    proc = await _child(_POOL)
+    try:
+        got = {step["step"]: step async for step in _steps(proc)}
+    finally:
+        await _kill(proc)
+    assert got["first"]["value"] == 64 << 20
+    assert got["grow"] == {"step": "grow", "value": None}, got["grow"]
+    assert got["waiting"]["value"] is True
+    assert got["again"] == {"step": "again", "value": True}, got["again"]
+
+
+async def test_default_limits_bound_what_a_peer_makes_us_buffer() -> None:
+    """What a peer can make us allocate before any recv asks: the eager credit
+    (recv_buffer_bytes, 64 MiB) in all; anything larger waits in the sender's memory until a
+    recv takes it, and a message over max_message_bytes is refused at the sender with the
+    channel still usable."""
+    limits = tensorwire.Limits()
+    assert limits.recv_buffer_bytes == 64 << 20
+    small = tensorwire.Limits(max_message_bytes=1 << 20)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as a,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), limits=small) as b,
+    ):
+        p = await a.connect(b.address)
+        q = await b.accept()
+        with pytest.raises(tensorwire.MessageRefused):
+            await p.send(np.zeros((1 << 20) + 1, np.uint8))
+        await p.send(np.arange(3))
+        assert np.array_equal(await asyncio.wait_for(q.recv(), 10), np.arange(3))
