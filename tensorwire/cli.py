@@ -1,7 +1,8 @@
-"""tensorwire's command line: demo, serve, doctor, stage.
+"""tensorwire's command line: demo, serve, bench, doctor, stage.
 
 tensorwire demo                 two processes on loopback, a verified 256 MiB pytree
 tensorwire serve --echo 0       a node that echoes what it receives on tag 0
+tensorwire bench [ADDR]         tensorwire's throughput to a node against plain TCP, same run
 tensorwire doctor [ADDR] [--json]  what this machine offers and which path a connect takes
 tensorwire stage --part MOD:FN  a pipeline stage server (see tensorwire.pipeline)
 """
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import statistics
 import sys
@@ -97,8 +99,9 @@ _DEMO_STEP_S = 120.0  # no step of the demo (starting B, one transfer) may take 
 _GRACE_S = 3.0  # how long B gets to exit after SIGTERM before it is killed
 
 
-class _DemoFailed(Exception):
-    """The demo could not run to its end; the message says why (printed without a traceback)."""
+class _ChildFailed(Exception):
+    """The demo or bench could not run to its end because of the process it started; the
+    message says why (printed without a traceback)."""
 
 
 def _exit_text(code: int | None) -> str:
@@ -126,7 +129,9 @@ async def _stop_child(child: asyncio.subprocess.Process) -> None:
         await child.wait()
 
 
-async def _unless_child_exits(child: asyncio.subprocess.Process, work: Coroutine[Any, Any, _T]) -> _T:
+async def _unless_child_exits(
+    child: asyncio.subprocess.Process, work: Coroutine[Any, Any, _T], who: str = "node B", what: str = "the demo"
+) -> _T:
     """Run ``work``, but fail at once, naming B's exit, when B exits before ``work`` is done."""
     task = asyncio.ensure_future(work)
     exited = asyncio.ensure_future(child.wait())
@@ -135,13 +140,13 @@ async def _unless_child_exits(child: asyncio.subprocess.Process, work: Coroutine
         if not task.done() and child.returncode == 0:  # B exits 0 only once told "done": let A finish too
             await asyncio.wait({task}, timeout=_GRACE_S)
         if not task.done():
-            raise _DemoFailed(f"node B (pid {child.pid}) {_exit_text(child.returncode)} before the demo finished")
+            raise _ChildFailed(f"{who} (pid {child.pid}) {_exit_text(child.returncode)} before {what} finished")
         try:
             return task.result()
         except TensorWireError as exc:  # the peer went away: say so when it is because B died
             await asyncio.wait({exited}, timeout=_GRACE_S)
             if child.returncode:
-                raise _DemoFailed(f"node B (pid {child.pid}) {_exit_text(child.returncode)}: {exc}") from exc
+                raise _ChildFailed(f"{who} (pid {child.pid}) {_exit_text(child.returncode)}: {exc}") from exc
             raise
     finally:
         task.cancel()
@@ -183,7 +188,7 @@ async def _demo_exchange(node: Any, child: asyncio.subprocess.Process, want: dic
             back_ok = _verify(back, big) == []
             await peer.send("done", tag="ctl")
     except TimeoutError as exc:
-        raise _DemoFailed(f"a step of the demo took longer than {_DEMO_STEP_S:g} s") from exc
+        raise _ChildFailed(f"a step of the demo took longer than {_DEMO_STEP_S:g} s") from exc
     best, med = min(times), statistics.median(times)
     print(
         f"bandwidth A->B, {big.nbytes / MiB:.0f} MiB tensor x{repeat}: "
@@ -276,7 +281,11 @@ def _wire_tag(text: str) -> int | str:
     return int(text) if re.fullmatch(r"-?[0-9]+", text) else text
 
 
-async def _serve(address: str, echo: list[str], token: str | None, transports: list[str] | None) -> int:
+async def _serve(
+    address: str, echo: list[str], token: str | None, transports: list[str] | None, bench: bool = False
+) -> int:
+    from ._bench import serve_bench
+
     options: dict[str, Any] = {"auth_token": token}
     if transports:
         options["transports"] = tuple(transports)
@@ -305,7 +314,90 @@ async def _serve(address: str, echo: list[str], token: str | None, transports: l
             async for peer in node:
                 for tag in echo:
                     tg.create_task(echo_loop(peer, tag))
+                tg.create_task(serve_bench(peer, enabled=bench))  # without --bench: refuses, so a client is told
     return 0
+
+
+# -- bench ----------------------------------------------------------------------------------
+async def _bench(args: argparse.Namespace, json_out: list[dict[str, Any]]) -> int:
+    """``tensorwire bench``: against ``args.address``, or a ``serve --bench`` started here."""
+    from ._bench import Report, Row, bench_device, run_bench
+
+    device = bench_device(args.device)  # no CUDA here: said before anything starts
+    token = args.token
+    if args.address is None and token is None:
+        token = secrets.token_hex(16)  # the node started here serves this run and nothing else
+    options: dict[str, Any] = {"auth_token": token}
+    if args.transports:
+        options["transports"] = tuple(args.transports)
+
+    def progress(report: Report, row: Row | None) -> None:
+        if args.json:
+            return
+        if row is None:
+            print(report.head_text(), "", report.table_head(), sep="\n", flush=True)
+        else:
+            print(report.row_text(row), flush=True)
+
+    async def measure(node: Any, address: str, local_peer: int | None) -> Report:
+        peer = await node.connect(address, require=args.require)
+        try:
+            return await run_bench(
+                peer, args.sizes, seconds=args.seconds, device=device, local_peer=local_peer, on_progress=progress
+            )
+        finally:
+            await peer.aclose()
+
+    starting = start("127.0.0.1:0", **options)  # a bad option is refused here, before a child starts
+    if args.address is not None:
+        async with starting as node:
+            report = await measure(node, args.address, None)
+    else:  # the child starts (imports, binds) while this node does
+        child = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "tensorwire.cli", "serve", "--bench", "--address", "127.0.0.1:0"),
+            *(("--transports", *args.transports) if args.transports else ()),
+            *("--parent", str(os.getpid())),  # it goes even if this process is SIGKILLed
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "TENSORWIRE_TOKEN": token},  # not on its command line
+        )
+        try:
+            async with starting as node:
+                report = await _unless_child_exits(
+                    child, _bench_local(child, lambda address: measure(node, address, child.pid)),
+                    who="the node this bench started", what="the bench",
+                )  # fmt: skip
+        finally:  # done, failed, Ctrl-C or SIGTERM: the node started here goes
+            await _stop_child(child)
+    if args.json:
+        json_out.append(report.to_json())
+    else:
+        print("", report.foot_text(), sep="\n")
+    return 0
+
+
+async def _bench_local(child: asyncio.subprocess.Process, measure: Callable[[str], Coroutine[Any, Any, _T]]) -> _T:
+    """Wait for the ``serve --bench`` child to say where it serves, then ``measure(address)``;
+    what it prints after that goes to stderr (stdout may have to hold JSON alone)."""
+    assert child.stdout is not None
+    try:
+        async with asyncio.timeout(_DEMO_STEP_S):
+            first = (await child.stdout.readline()).decode(errors="replace")
+    except TimeoutError as exc:
+        raise _ChildFailed(f"the node this bench started did not serve within {_DEMO_STEP_S:g} s") from exc
+    address = first.rsplit(" ", 1)[-1].strip()
+    if not first.startswith("tensorwire node ") or not address:
+        raise _ChildFailed(f"the node this bench started (pid {child.pid}) {_exit_text(await child.wait())}")
+
+    async def forward(stream: asyncio.StreamReader) -> None:
+        while line := await stream.readline():
+            sys.stderr.write(line.decode(errors="replace"))
+
+    rest = asyncio.ensure_future(forward(child.stdout))
+    try:
+        return await measure(address)
+    finally:
+        rest.cancel()
+        await asyncio.gather(rest, return_exceptions=True)
 
 
 # -- stage ----------------------------------------------------------------------------------
@@ -371,6 +463,38 @@ def _at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _sizes(text: str) -> list[int]:
+    """An argparse type: ``--sizes 4K,1M,64M``."""
+    from ._bench import parse_sizes
+
+    try:
+        return parse_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0, at most an hour."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 3600:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 3600, not {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (whether it exists is checked later)."""
+    from .tensors._device import parse_device
+
+    try:
+        parse_device(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorwire", description="Move tensors between processes, honestly.")
     parser.add_argument("--version", action="version", version=f"tensorwire {__version__}")
@@ -383,6 +507,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--echo", action="append", default=[], metavar="TAG", help="echo messages received on TAG")
     p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="require this auth token")
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
+    p.add_argument("--bench", action="store_true", help="answer `tensorwire bench` requests (else they are refused)")
+    p = sub.add_parser("bench", help="tensorwire's throughput to a node, against plain TCP in the same run")
+    p.add_argument(
+        "address", nargs="?",
+        help="a node started with `tensorwire serve --bench` (default: start one here, measure over loopback)",
+    )  # fmt: skip
+    p.add_argument("--sizes", type=_sizes, default="4K,1M,64M", help="message sizes (default 4K,1M,64M)")
+    p.add_argument(
+        "--seconds", type=_seconds, default=1.0, metavar="S",
+        help="seconds per size, tensorwire and raw TCP (default 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", type=_device, default="cpu", help="cpu, cuda or cuda:N: where tensors live (default cpu)"
+    )
+    p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
+    p.add_argument("--require", choices=("any", "rdma", "gpudirect"), default="any", help="fail below this path")
+    p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="auth token for ADDRESS")
+    p.add_argument("--json", action="store_true", help="print only a JSON report on stdout")
     p = sub.add_parser("doctor", help="what this machine offers and which path a connect would take")
     p.add_argument("--json", action="store_true")
     p.add_argument("address", nargs="?", help="also connect to the node at ADDRESS and show the path it negotiates")
@@ -412,7 +554,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             return _run_until_signal(_demo(args.size_mib, args.repeat))
         if args.cmd == "serve":
-            return _run_until_signal(_serve(args.address, args.echo, args.token, args.transports))
+            return _run_until_signal(_serve(args.address, args.echo, args.token, args.transports, args.bench))
+        if args.cmd == "bench":
+            report: list[dict[str, Any]] = []
+            with _stdout_to_stderr() if args.json else contextlib.nullcontext():  # UCX writes to fd 1
+                code = _run_until_signal(_bench(args, report))
+            if report:
+                print(json.dumps(report[0], indent=2))
+            return code
         if args.cmd == "doctor":
             return _doctor(args.json, args.address, args.token)
         if args.cmd == "stage":
@@ -428,11 +577,17 @@ def main(argv: list[str] | None = None) -> int:
     except TensorWireError as exc:
         print(f"tensorwire: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    except _DemoFailed as exc:
-        print(f"tensorwire demo: {exc}", file=sys.stderr)
+    except _ChildFailed as exc:
+        print(f"tensorwire {args.cmd}: {exc}", file=sys.stderr)
         return 1
-    except MemoryError:  # the demo's tensors (--size-mib) do not fit in this machine's memory
-        print(f"tensorwire {args.cmd}: out of memory (--size-mib {getattr(args, 'size_mib', '?')})", file=sys.stderr)
+    except MemoryError:  # the demo's or bench's tensors do not fit in this machine's memory
+        if args.cmd == "bench":
+            from ._bench import fmt_size
+
+            flag = "--sizes " + ",".join(fmt_size(n).replace(" ", "") for n in args.sizes)
+        else:
+            flag = f"--size-mib {getattr(args, 'size_mib', '?')}"
+        print(f"tensorwire {args.cmd}: out of memory ({flag})", file=sys.stderr)
         return 1
     return 2
 

@@ -1,0 +1,254 @@
+"""The serving end of a bench: one peer's requests, and the plain TCP listener of its baseline."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+import numpy as np
+
+from ..errors import PeerDisconnected, ProtocolError, ResourceError, TensorWireError
+from ..tensors._device import Device
+from ._wire import (
+    ANSWER_TAG,
+    DATA_TAG,
+    MAX_COUNT,
+    MAX_SIZE,
+    PING_BYTES,
+    PING_TAG,
+    PONG_TAG,
+    RAW_CRC,
+    RAW_HEAD,
+    RAW_PING,
+    RAW_SINK,
+    REQUEST_TAG,
+    SECRET_BYTES,
+    STALL_S,
+    allocate,
+    bench_device,
+    crc_of,
+    recv_exact,
+)
+
+if TYPE_CHECKING:
+    from .._peer import Peer
+
+__all__ = ["serve_bench"]
+
+log = logging.getLogger(__name__)
+
+_ACCEPT_S = 30.0  # how long an opened baseline listener waits for its one client
+_REFUSAL = "it was started without --bench (start one with `tensorwire serve --bench`)"
+
+
+async def _receive(peer: Peer, out: Any, count: int) -> None:
+    """The node's side of a sink: ``count`` messages into ``out``."""
+    for _ in range(count):
+        await peer.recv(tag=DATA_TAG, out=out)
+
+
+def _raw_receive(conn: socket.socket, out: memoryview, count: int) -> bool:
+    """The baseline's side of a sink: ``count`` messages into ``out``; False if the client left."""
+    return all(recv_exact(conn, out) for _ in range(count))
+
+
+class _RawServer:
+    """The baseline's far end: a listener on the node's host that takes one connection (which
+    must present ``secret`` first), then serves its sink and ping operations in a thread."""
+
+    def __init__(self, host: str, max_bytes: int) -> None:
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        self._listener = socket.create_server((host, 0), family=family)
+        self.port: int = self._listener.getsockname()[1]
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._conn: socket.socket | None = None
+        self._closed = False
+        threading.Thread(target=self._run, name="tensorwire-bench-raw", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop at once: a thread blocked in accept or recv wakes up and ends."""
+        with self._lock:
+            self._closed = True
+            socks = [s for s in (self._listener, self._conn) if s is not None]
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _run(self) -> None:
+        try:
+            conn = self._accept()
+            if conn is not None:
+                with conn:
+                    self._serve(conn)
+        except (OSError, MemoryError, ValueError) as exc:  # the client went, or asked for too much
+            log.debug("bench baseline connection ended: %s", exc)
+        finally:
+            self.close()
+
+    def _accept(self) -> socket.socket | None:
+        end = time.monotonic() + _ACCEPT_S
+        while (left := end - time.monotonic()) > 0:
+            self._listener.settimeout(left)
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                return None
+            conn.settimeout(STALL_S)
+            secret = bytearray(SECRET_BYTES)
+            try:
+                ok = recv_exact(conn, memoryview(secret)) and hmac.compare_digest(bytes(secret), self.secret)
+            except OSError:
+                ok = False
+            if not ok:  # not our client: drop it, keep waiting for the one that is
+                conn.close()
+                continue
+            conn.settimeout(None)  # the client measures tensorwire between operations, for as long as it likes
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return None
+                self._conn = conn
+            with contextlib.suppress(OSError):
+                self._listener.close()
+            return conn
+        return None
+
+    def _serve(self, conn: socket.socket) -> None:
+        head = bytearray(RAW_HEAD.size)
+        buf: np.ndarray | None = None
+        while recv_exact(conn, memoryview(head)):
+            op, size, count = RAW_HEAD.unpack(head)
+            if op == RAW_SINK and 1 <= size <= self._max_bytes and 1 <= count <= MAX_COUNT:
+                if buf is None or buf.nbytes != size:
+                    buf = None
+                    buf = np.empty(size, np.uint8)
+                view = buf.data
+                if not _raw_receive(conn, view, count):
+                    return
+                conn.sendall(RAW_CRC.pack(crc32c.crc32c(view)))
+            elif op == RAW_PING and 1 <= count <= MAX_COUNT:
+                ping = memoryview(bytearray(PING_BYTES))
+                for _ in range(count):
+                    if not recv_exact(conn, ping):
+                        return
+                    conn.sendall(ping)
+            else:
+                return  # not the protocol: end the connection
+
+
+def _error(exc: BaseException | str, kind: str = "") -> dict[str, Any]:
+    if isinstance(exc, str):
+        return {"error": kind or "ConfigurationError", "message": exc}
+    return {"error": kind or type(exc).__name__, "message": str(exc) or repr(exc)}
+
+
+async def serve_bench(peer: Peer, *, enabled: bool) -> None:
+    """Answer ``peer``'s bench requests until it goes (or, unless ``enabled``, refuse each)."""
+    service = _Service(peer)
+    try:
+        while True:
+            try:
+                req = await peer.recv(tag=REQUEST_TAG)
+            except (PeerDisconnected, ResourceError):
+                return  # the peer went, or the node closes
+            except TensorWireError as exc:  # a request that could not be taken (too big, not ours)
+                await service.answer(_error(exc))
+                continue
+            if not enabled:
+                await service.answer({**_error(_REFUSAL), "refused": True})
+                continue
+            try:
+                await service.handle(req)
+            except (PeerDisconnected, ResourceError):
+                return
+            except MemoryError:
+                await service.answer(_error("this node cannot allocate a buffer that large", "MemoryError"))
+            except Exception as exc:  # said to the client, which stops; this node serves on
+                await service.answer(_error(exc))
+    except _Gone:
+        return
+    finally:
+        service.close()
+
+
+class _Gone(Exception):
+    """The peer cannot be answered any more."""
+
+
+class _Service:
+    """One peer's bench state: the baseline's listener, the receive buffers."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.raw: _RawServer | None = None
+        self.buffers: dict[Device, Any] = {}
+        self.max_bytes = min(peer.node.config.limits.max_message_bytes, MAX_SIZE)
+
+    async def answer(self, answer: Any) -> None:
+        try:
+            await self.peer.send(answer, tag=ANSWER_TAG)
+        except TensorWireError as exc:
+            log.info("bench: cannot answer %s (%s: %s)", self.peer.remote_address, type(exc).__name__, exc)
+            raise _Gone from exc
+
+    async def handle(self, req: object) -> None:
+        """Serve one request. A sink or ping is checked (and its buffer allocated) before the
+        node says ``"ready"``: the client sends nothing that could wait on a recv never posted."""
+        peer = self.peer
+        op = req.get("op") if isinstance(req, dict) else None
+        if op == "open":
+            if self.raw is not None:
+                self.raw.close()
+            host = peer.node.address.rpartition(":")[0].strip("[]")
+            self.raw = _RawServer(host, self.max_bytes)
+            await self.answer({"port": self.raw.port, "secret": self.raw.secret.hex()})
+        elif op == "sink":
+            assert isinstance(req, dict)
+            size, count, device = _sink_request(req, self.max_bytes)
+            out = self.buffers.get(device)
+            if out is None or out.nbytes != size:
+                self.buffers.pop(device, None)  # the old buffer goes before the new one comes
+                out = self.buffers[device] = allocate(size, device)
+            await self.answer("ready")
+            await _receive(peer, out, count)
+            await self.answer(await crc_of(out, device))
+        elif op == "ping":
+            assert isinstance(req, dict)
+            count = _count(req.get("count"))
+            pong = np.empty(PING_BYTES, np.uint8)
+            await self.answer("ready")
+            for _ in range(count):
+                await peer.recv(tag=PING_TAG, out=pong)
+                await peer.send(pong, tag=PONG_TAG)
+        else:
+            await self.answer(_error(f"unknown bench request {req!r}", "ProtocolError"))
+
+    def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
+        self.buffers.clear()
+
+
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise ProtocolError(f"a count is an int from 1 to {MAX_COUNT}, not {value!r}")
+    return value
+
+
+def _sink_request(req: dict[str, Any], max_bytes: int) -> tuple[int, int, Device]:
+    size = req.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= max_bytes:
+        raise ProtocolError(f"a size is an int from 1 to {max_bytes} (this node's limit), not {size!r}")
+    return size, _count(req.get("count")), bench_device(str(req.get("device", "cpu")))

@@ -1,0 +1,351 @@
+"""`tensorwire bench` as a user runs it: a local run (the node it measures is a `serve --bench`
+child it starts), a run against a `serve --bench` started elsewhere, a `serve` without --bench
+refusing, bad arguments, --json purity, Ctrl-C. The crc32c check is shown to catch a message
+that did not land whole, on both contenders, in process. Speed is never asserted: the sizes are
+tiny and --seconds short, so that the whole file runs in seconds on two busy cores."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire import _bench
+from tensorwire._bench import _client, _server, _wire
+from tensorwire.cli import main as cli_main
+from tensorwire.memory._cuda import cuda_device_count
+from tensorwire.tensors._device import CPU
+
+pytestmark = pytest.mark.timeout(60)
+
+CLI = [sys.executable, "-m", "tensorwire.cli"]
+QUICK = ["--sizes", "4K,64K", "--seconds", "0.1", "--transports", "tcp"]
+
+
+def _bench_cli(*argv: str, timeout: float = 45) -> subprocess.CompletedProcess[str]:
+    """`tensorwire bench ARGV` in a process of its own."""
+    return subprocess.run([*CLI, "bench", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def _bench_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """`tensorwire bench ARGV` in this process (no interpreter to start): exit code, stdout, stderr."""
+    code = cli_main(["bench", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@contextlib.contextmanager
+def _serve(*flags: str) -> Iterator[str]:
+    """`tensorwire serve FLAGS --address 127.0.0.1:0` in a process; the address it prints."""
+    server = subprocess.Popen([*CLI, "serve", "--address", "127.0.0.1:0", "--transports", "tcp", *flags],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        first = server.stdout.readline()
+        assert "serving at" in first, first + server.communicate(timeout=10)[1]
+        yield first.split()[-1]
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=20)
+        assert server.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    finally:
+        if server.returncode is None:
+            server.kill()
+            server.communicate()
+
+
+def _check_report(report: dict[str, Any], sizes: list[int], transport: str = "tcp") -> None:
+    assert [row["size"] for row in report["rows"]] == sizes
+    for row in report["rows"]:
+        assert row["gbps"] > 0 and row["raw_tcp_gbps"] > 0, row
+        assert row["ratio"] == pytest.approx(row["gbps"] / row["raw_tcp_gbps"])
+        assert row["count"] >= 2 and row["raw_tcp_count"] >= 2, row
+        assert row["protocol"] in ("eager", "rendezvous", "inline"), row
+        assert re.fullmatch(r"0x[0-9a-f]{8}", row["crc32c"]), row
+    assert report["verified"] is True
+    assert report["path"]["transport"] == transport
+    assert report["path"]["text"].startswith(f"{transport} [")
+    assert report["latency_us"]["tensorwire"] > 0 and report["latency_us"]["raw_tcp"] > 0
+
+
+@pytest.mark.timeout(90)
+def test_local_bench_prints_the_path_and_a_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
+    code, stdout, stderr = _bench_here(capsys, *QUICK)
+    assert code == 0, stdout + stderr
+    lines = stdout.splitlines()
+    assert re.fullmatch(r"tensorwire bench to 127\.0\.0\.1:\d+ \(a node this run started, pid \d+\), .*", lines[0])
+    assert re.fullmatch(r"path: tcp \[tcp x\d+ stream 127\.0\.0\.1:\d+\] \(kernel TCP\).*", lines[1]), lines[1]
+    assert lines[2].startswith("baseline: one plain TCP socket between the same two processes")
+    assert re.fullmatch(r"8-byte round trip, median of \d+: tensorwire [\d.]+ us, raw TCP [\d.]+ us", lines[3])
+    head = lines.index(_client.Report.table_head())
+    rows = [line.split() for line in lines[head + 1 : head + 3]]
+    assert [r[:2] for r in rows] == [["4", "KiB"], ["64", "KiB"]], stdout
+    for r in rows:
+        assert float(r[2]) > 0 and float(r[3]) > 0 and r[4].endswith("x") and float(r[4][:-1]) > 0, r
+        assert r[5] in ("eager", "rendezvous", "inline"), r
+    assert "every batch verified: the node's crc32c of its last message matched the sender's" in stdout
+
+
+@pytest.mark.timeout(90)
+def test_local_bench_json_is_all_that_stdout_holds() -> None:
+    out = _bench_cli(*QUICK, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)  # nothing else on stdout
+    _check_report(report, [4096, 65536])
+    assert report["local_peer_pid"] > 0
+    assert report["address"].startswith("127.0.0.1:")
+
+
+@pytest.mark.timeout(90)
+def test_bench_against_serve_bench_started_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    with _serve("--bench", "--token", "s3cret") as address:
+        code, stdout, stderr = _bench_here(capsys, address, "--sizes", "1K", "--seconds", "0.1", "--token", "s3cret",
+                                           "--json", "--transports", "tcp")  # fmt: skip
+        assert code == 0, stdout + stderr
+        report = json.loads(stdout)
+        _check_report(report, [1024])
+        assert report["address"] == address and report["local_peer_pid"] is None
+
+
+@pytest.mark.timeout(90)
+def test_serve_without_bench_refuses_and_the_client_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with _serve() as address:
+        code, stdout, stderr = _bench_here(capsys, address, "--sizes", "1K", "--seconds", "0.1", "--transports", "tcp")
+    assert code == 1, stdout + stderr
+    assert stderr.strip() == (
+        f"tensorwire: RemoteError: the node at {address} refused the bench: ConfigurationError: "
+        "it was started without --bench (start one with `tensorwire serve --bench`)"
+    ), stderr
+    assert stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (["--sizes", "0"], "argument --sizes: '0': a size is a whole number of bytes from 1 to 1T"),
+        (["--sizes", "4Q"], "argument --sizes: '4Q' is not a size such as 4K, 1M, 64M or 4096"),
+        (["--sizes", "4K,,1M"], "argument --sizes: '' is not a size"),
+        (["--sizes", "2T"], "argument --sizes: '2T': a size is a whole number of bytes from 1 to 1T"),
+        (["--sizes", "0.3K"], "a size is a whole number of bytes"),
+        (["--seconds", "0"], "argument --seconds: must be above 0 and at most 3600, not 0"),
+        (["--seconds", "nan"], "argument --seconds: must be above 0 and at most 3600, not nan"),
+        (["--seconds", "soon"], "argument --seconds: not a number: 'soon'"),
+        (["--device", "gpu"], "argument --device: unknown device 'gpu'"),
+        (["--require", "fast"], "argument --require: invalid choice: 'fast'"),
+    ],
+)
+def test_bench_rejects_bad_arguments_with_a_usage_error(
+    args: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli_main(["bench", *args])
+    assert done.value.code == 2
+    out, err = capsys.readouterr()
+    assert complaint in err and out == "", err
+
+
+def test_an_empty_token_from_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TENSORWIRE_TOKEN", "")
+    with pytest.raises(SystemExit) as done:
+        cli_main(["bench"])
+    assert done.value.code == 2 and "TENSORWIRE_TOKEN) is empty" in capsys.readouterr().err
+
+
+def test_sizes_parse_as_binary_units() -> None:
+    assert _bench.parse_sizes("4K, 1M,64MiB,1g,512,0.5K,1kb") == [4096, 1 << 20, 64 << 20, 1 << 30, 512, 512, 1024]
+    assert [_bench.fmt_size(n) for n in (4096, 1 << 20, 1000, 3 << 30)] == ["4 KiB", "1 MiB", "1000 B", "3 GiB"]
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="a CUDA device is present here")
+def test_bench_on_cuda_without_a_device_says_why_before_it_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    code, stdout, stderr = _bench_here(capsys, "--device", "cuda:1", "--sizes", "1K")
+    assert code == 1 and stdout == "", stdout + stderr
+    assert re.fullmatch(
+        r"tensorwire: (UnsupportedTensorError: device 'cuda:1' asked for, but CuPy finds no CUDA device here"
+        r"|CudaUnavailableError: moving CUDA tensors needs CuPy.*)\n",
+        stderr,
+    ), stderr
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+def test_ctrl_c_ends_a_local_bench_with_130_and_stops_its_node() -> None:
+    bench = subprocess.Popen([*CLI, "bench", "--sizes", "1M", "--seconds", "60", "--transports", "tcp"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert bench.stdout is not None
+    kids: list[int] = []
+    try:
+        for line in bench.stdout:  # the table's head: the sizes are being measured
+            if line.strip().startswith("size"):
+                break
+        kids = _children(bench.pid)
+        assert kids, "no child node"
+        time.sleep(0.3)
+        bench.send_signal(signal.SIGINT)
+        _, err = bench.communicate(timeout=20)
+    finally:
+        for pid in [bench.pid, *kids]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        bench.communicate()
+    assert bench.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    end = time.monotonic() + 10
+    while any(map(_alive, kids)) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not any(map(_alive, kids)), "the bench left its node running"
+
+
+# -- in process: the crc check is real, the node's refusals, the baseline's secret ---------------------
+@contextlib.asynccontextmanager
+async def _pair(enabled: bool = True, **options: Any) -> Any:
+    """A client peer connected to a node (``options``) whose peers are served by ``serve_bench``."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), **options) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(server.address)
+        served = await server.accept()
+        task = asyncio.ensure_future(_server.serve_bench(served, enabled=enabled))
+        try:
+            yield peer
+        finally:
+            await peer.aclose()
+            async with asyncio.timeout(10):
+                await task  # it ends when its peer goes
+
+
+async def test_a_message_that_did_not_land_whole_is_caught_by_the_crc(monkeypatch: pytest.MonkeyPatch) -> None:
+    receive = _server._receive
+
+    async def last_byte_lost(peer: Any, out: Any, count: int) -> None:
+        await receive(peer, out, count)
+        out[-1] ^= 0xFF  # as if the last message's tail never arrived
+
+    async with _pair() as peer:
+        report = await _bench.run_bench(peer, [1000], seconds=0.05)
+        assert report.rows[0].size == 1000  # honest: passes
+        monkeypatch.setattr(_server, "_receive", last_byte_lost)
+        with pytest.raises(tensorwire.IntegrityError, match=r"^tensorwire, 1000 B x1: the node's crc32c"):
+            await _bench.run_bench(peer, [1000], seconds=0.05)
+
+
+async def test_a_stale_buffer_is_caught_by_the_stamp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every message of a batch carries the same bytes but the last, which is stamped: a node
+    whose buffer still held the one before (its last recv lost) answers a crc that differs."""
+    receive = _server._receive
+
+    async def last_lost(peer: Any, out: Any, count: int) -> None:
+        if count == 1:  # the first batch of a size lands whole: out holds a stamped message
+            return await receive(peer, out, count)
+        await receive(peer, out, count - 1)
+        await peer.recv(tag=_wire.DATA_TAG)  # taken, but not into out
+
+    async with _pair() as peer:
+        monkeypatch.setattr(_server, "_receive", last_lost)
+        with pytest.raises(tensorwire.IntegrityError, match=r"^tensorwire, 4 KiB x\d+: .* did not land whole"):
+            await _bench.run_bench(peer, [4096], seconds=0.05)
+
+
+async def test_the_baseline_is_checked_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw_receive = _server._raw_receive
+
+    def first_byte_flipped(conn: socket.socket, out: memoryview, count: int) -> bool:
+        ok = raw_receive(conn, out, count)
+        out[0] ^= 0xFF
+        return ok
+
+    monkeypatch.setattr(_server, "_raw_receive", first_byte_flipped)
+    async with _pair() as peer:
+        with pytest.raises(tensorwire.IntegrityError, match=r"^raw TCP, 2 KiB x1: the node's crc32c"):
+            await _bench.run_bench(peer, [2048], seconds=0.05)
+
+
+async def test_a_node_that_does_not_serve_bench_requests_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with _pair(enabled=False) as peer:
+        with pytest.raises(tensorwire.RemoteError, match=r"refused the bench: .*tensorwire serve --bench"):
+            await _bench.run_bench(peer, [1024], seconds=0.05)
+    # a node that runs no bench service at all (a program of its own, a stage) never answers
+    monkeypatch.setattr(_client, "_FIRST_ANSWER_S", 0.2)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as other,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(other.address)
+        with pytest.raises(tensorwire.DeadlineExceeded, match=r"within 0\.2 s: is it `tensorwire serve --bench`\?"):
+            await _bench.run_bench(peer, [1024], seconds=0.05)
+
+
+async def test_a_size_past_the_nodes_limit_is_refused_before_any_byte_moves() -> None:
+    # said by the node, before the client sends a byte of that size
+    async with _pair(limits=tensorwire.Limits(max_message_bytes=1 << 20)) as peer:
+        with pytest.raises(tensorwire.RemoteError, match=r"a size is an int from 1 to 1048576 \(this node's limit\)"):
+            async with asyncio.timeout(20):
+                await _bench.run_bench(peer, [64 << 10, 4 << 20], seconds=0.05)
+
+
+async def test_the_node_refuses_requests_out_of_bounds() -> None:
+    async with _pair() as peer:
+        for request, complaint in [
+            ({"op": "sink", "size": 0, "count": 1}, "a size is an int from 1 to"),
+            ({"op": "sink", "size": 8, "count": 0}, "a count is an int from 1 to"),
+            ({"op": "sink", "size": 8, "count": 1, "device": "tpu"}, "unknown device 'tpu'"),
+            ({"op": "launch"}, "unknown bench request"),
+            ("open", "unknown bench request"),
+        ]:
+            await peer.send(request, tag=_wire.REQUEST_TAG)
+            with pytest.raises(tensorwire.RemoteError, match=complaint):
+                await _client._answer(peer)
+
+
+async def test_the_baseline_listener_takes_only_the_client_with_the_secret() -> None:
+    raw = _server._RawServer("127.0.0.1", 1 << 20)
+    try:
+        stranger = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", raw.port), 5)
+        with stranger:
+            stranger.sendall(b"x" * _wire.SECRET_BYTES)
+            stranger.settimeout(5)
+            assert await asyncio.to_thread(stranger.recv, 1) == b""  # dropped
+        client = await _client._RawClient.connect("127.0.0.1", raw.port, raw.secret)
+        try:
+            data = np.arange(300, dtype=np.uint8)
+            seconds, crc = await client.sink(data, 3, b"\1" * 8)
+            assert seconds > 0 and crc == await _wire.crc_of(data, CPU)
+            assert len(await client.ping(5)) == 5
+        finally:
+            client.close()
+    finally:
+        raw.close()
