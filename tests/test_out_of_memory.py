@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 
 import tensorwire
+from tensorwire.rpc import CallLimits
+from tensorwire.rpc._server import server_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -125,12 +127,18 @@ asyncio.run(main())
 @pytest.mark.parametrize("transport", ["tcp", _UCX])
 async def test_no_memory_for_a_result_is_a_transfer_error_and_loses_nothing(transport: str) -> None:
     """recv, read, read_many and call without out= of more than the process can allocate raise
-    TransferError (numpy's MemoryError before), and the message stays for a recv(out=)."""
+    TransferError (numpy's MemoryError before), and the message stays for a recv(out=).
+
+    The failed call's result is taken back by the server (WITHDRAW) and the call ends at once.
+    Before, the result stayed queued at the caller and its send waited for good for a go-ahead
+    that never came, holding the call's slot (max_concurrent=1 here: call_out waited for it)
+    and its 256 MiB at the server."""
     src = _pattern(BIG)
     want = int(src.sum(dtype=np.uint64))
     async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
         node.expose(src, name="big")
         node.expose(src, name="big2")
+        node.methods.limits = CallLimits(max_concurrent=1)
 
         @node.method("big")
         async def big() -> np.ndarray:
@@ -153,6 +161,10 @@ async def test_no_memory_for_a_result_is_a_transfer_error_and_loses_nothing(tran
                     break
             assert np.array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), np.arange(5))
             await asyncio.wait_for(asyncio.gather(*sends), 10)
+            server = server_of(peer)
+            assert server is not None
+            assert not server.calls, server.calls
+            assert node.methods.slots.used == 0
         finally:
             await _kill(proc)
             for task in sends:
@@ -168,11 +180,11 @@ async def test_no_memory_for_a_result_is_a_transfer_error_and_loses_nothing(tran
 
 
 _EAGER_RECEIVER = """
-addr, transport, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+addr, transport, nbytes, options = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 
 async def main():
     out = np.zeros(nbytes, np.uint8)
-    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,), **options) as node:
         peer = await node.connect(addr)
         await peer.send(np.arange(3), tag="hello")
         await peer.recv(tag="hello")
@@ -190,19 +202,15 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("transport", ["tcp", _UCX])
-async def test_an_eager_message_without_memory_for_it_leaves_the_channel_open(transport: str) -> None:
-    """A 48 MiB message that arrives (eager) before its recv, when the receiver cannot allocate
-    48 MiB: the tcp reader broke the channel with BrokenResourceError('tcp reader failed:
-    MemoryError'), and the ucx control handler likewise, losing every message after it. Now tcp,
-    which must take the bytes off the stream, drops that message alone (its recv raises a
-    TransferError that says so), and ucx keeps it unposted until a recv(out=) pulls it."""
+async def eager_without_memory(transport: str, **options: Any) -> dict[str, Any]:
+    """Send a 48 MiB message (eager) to a receiver that cannot allocate 48 MiB before any recv
+    waits for it, then a small one; the receiver's steps, by name (the verbs guest runs this too)."""
     src = _pattern(EAGER)
-    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
-        proc = await _child(_EAGER_RECEIVER, node.address, transport, str(EAGER))
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,), **options) as node:
+        proc = await _child(_EAGER_RECEIVER, node.address, transport, str(EAGER), json.dumps(options))
         sends: list[asyncio.Task[Any]] = []
         try:
-            peer = await asyncio.wait_for(node.accept(), 30)
+            peer = await asyncio.wait_for(node.accept(), 60)
             await peer.recv(tag="hello")
             await peer.send(np.arange(3), tag="hello")
 
@@ -223,14 +231,32 @@ async def test_an_eager_message_without_memory_for_it_leaves_the_channel_open(tr
             for task in sends:
                 task.cancel()
             await asyncio.gather(*sends, return_exceptions=True)
+    got["want"] = int(src.sum(dtype=np.uint64))
+    return got
+
+
+def check_eager_without_memory(got: dict[str, Any], *, kept: bool) -> None:
+    """The channel stayed open; the big message was dropped and its recv told (``kept`` False),
+    or waited unread for the recv(out=) that got it whole; the small one and a send went on."""
     assert got["state"]["open"], got
-    if transport == "tcp":
+    if kept:
+        assert got["recv_out"].get("value") == got["want"], got["recv_out"]
+    else:
         assert got["recv_out"].get("error") == "TransferError", got["recv_out"]
         assert "dropped" in got["recv_out"]["text"], got["recv_out"]
-    else:
-        assert got["recv_out"].get("value") == int(src.sum(dtype=np.uint64)), got["recv_out"]
     assert got["recv_small"].get("value") == 21, got["recv_small"]
     assert got["send"].get("value") == 0, got["send"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+async def test_an_eager_message_without_memory_for_it_leaves_the_channel_open(transport: str) -> None:
+    """A 48 MiB message that arrives (eager) before its recv, when the receiver cannot allocate
+    48 MiB: the tcp reader broke the channel with BrokenResourceError('tcp reader failed:
+    MemoryError'), and the ucx control handler likewise, losing every message after it. Now tcp,
+    which must take the bytes off the stream, drops that message alone (its recv raises a
+    TransferError that says so), and ucx keeps it unposted until a recv(out=) pulls it (verbs
+    too: tests/verbs/test_verbs_guest.py)."""
+    check_eager_without_memory(await eager_without_memory(transport), kept=transport != "tcp")
 
 
 _INPROC = """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import math
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,9 @@ from tensorwire.testing import connected_pair
 from tensorwire.transports import Limits
 
 TRANSPORTS = ["tcp", "inproc"]
+_UCX = pytest.param(
+    "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+)
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -653,3 +657,54 @@ async def test_long_distinct_text_is_not_kept_after_its_calls(transport: str) ->
         held = sum(len(entry[2]) for entry in _codec._cache.values())
         assert held <= 8 << 20, held
         assert await a.call("size", "short") == 5  # and the cache still serves
+
+
+# -- a large reply its caller will not take ------------------------------------------------------
+@pytest.mark.parametrize("transport", [*TRANSPORTS, _UCX])
+@pytest.mark.parametrize("kind", ["call", "stream"])
+async def test_a_large_reply_the_caller_gave_up_on_before_it_came_is_taken_back_unmoved(
+    transport: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller gives up just as the method returns (or yields): the large reply (rendezvous:
+    past the caller's 1 MiB recv_buffer_bytes) comes when no recv waits for it. The drain that
+    cleans up after the caller pulled all 8 MiB of it just to drop it (the server ignores the
+    CANCEL of a call that is replying; a stream's item went before the CANCEL reached the server).
+    Now the drain leaves it unpulled and has the server take it back (WITHDRAW): not a byte of it
+    moves, the call ends CANCELLED, and its slot comes back."""
+    big = np.ones(8 << 20, np.uint8)
+    async with _nodes(transport, caller=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        _register(b.node)
+        b.node.methods.limits = CallLimits(max_concurrent=1)
+        caller: list[asyncio.Future[Any]] = []
+
+        @b.node.method()
+        async def result() -> np.ndarray:
+            caller[0].cancel()  # the caller's recv is gone before the reply comes
+            return big
+
+        @b.node.method()
+        async def items() -> AsyncIterator[np.ndarray]:
+            yield np.zeros(3)
+            caller[0].cancel()
+            yield big
+
+        pulled: list[int] = []
+        pull = a.channel.pull
+
+        async def counted(arrival: Any) -> None:
+            pulled.append(arrival.nbytes)
+            await pull(arrival)
+
+        monkeypatch.setattr(a.channel, "pull", counted)
+
+        async def consume() -> None:
+            async for _ in a.stream("items"):
+                pass
+
+        caller.append(asyncio.ensure_future(a.call("result") if kind == "call" else consume()))
+        with pytest.raises(asyncio.CancelledError):
+            await _within(10, "the cancelled caller", caller[0])
+        await _settled(a, b)  # the server's call is over: its slot and the 8 MiB are free
+        assert big.nbytes not in pulled, pulled
+        assert await _within(5, "a call after it (max_concurrent=1)", a.call("add", 1, 2)) == 3
+        await _settled(a, b)

@@ -4,9 +4,11 @@ A call sends one request (arguments inline up to INLINE_BYTES; larger ones after
 GO, so they never move before the server has room for them) and waits on a reply tag of its
 own. A caller that gives up (cancelled, its deadline ran out, a stream closed early) tells the
 server to cancel, and a background task drains the call's remaining replies, so nothing is
-left behind in the mailbox. What calls may have outstanding on one peer stays within both
-sides' message slots (``_Budget``), so that no mix of calls and unread streams can stop the
-replies, cancellations or credit of the others; the deadline covers the wait for that room.
+left behind in the mailbox; a reply that waits there for its go-ahead (rendezvous) is not
+pulled just to be dropped: the server is told to take it back (WITHDRAW). What calls may have
+outstanding on one peer stays within both sides' message slots (``_Budget``), so that no mix
+of calls and unread streams can stop the replies, cancellations or credit of the others; the
+deadline covers the wait for that room.
 The channel's receipt of every message a call sends or takes is passed along; only
 ``peer.call_with_receipt`` (``want_receipt``) has them made into a ``CallReceipt``.
 """
@@ -271,7 +273,19 @@ def _nothing() -> None:
     pass
 
 
+# an out= that no RPC reply (always a tuple) fits: a recv with it takes nothing, it raises
+# ShapeMismatchError once a message waits on its tag (leaving it there)
+_NO_REPLY = np.empty(0, np.uint8)
+
+
 async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState, release: Callable[[], None]) -> None:
+    """Tell the server to cancel, then take and drop what the call still gets, up to its terminal
+    reply. A reply that waits for our go-ahead (rendezvous) is never given it: the server is told
+    to take it back (WITHDRAW) and ends the call with CANCELLED instead, so none of its bytes
+    move, and a reply we have no memory for does not hold its send, its slot and its tensors at
+    the server for good."""
+    tag = reply_tag(call_id)
+    withdrawn = False
     try:
         async with asyncio.timeout(DRAIN_SECONDS):
             await channel.send(CONTROL_TAG, prepare((int(Control.CANCEL), call_id, int(args))))
@@ -279,13 +293,38 @@ async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState, rel
                 # the cut-short arguments may or may not have arrived: a tombstone tells the server
                 await channel.send(args_tag(call_id), prepare(None))
             while True:
-                msg, _ = await channel.recv(reply_tag(call_id), None)
+                waiting = _unpulled(channel, tag)
+                if waiting is not None:
+                    if not withdrawn:
+                        withdrawn = True
+                        await channel.send(CONTROL_TAG, prepare((int(Control.WITHDRAW), call_id, 0)))
+                    await asyncio.wait((waiting,))  # taken back (or the channel failed)
+                    continue
+                try:
+                    await channel.recv(tag, _NO_REPLY)  # until a message waits here, unpulled
+                    continue  # (not a reply: it fit, and is gone)
+                except ShapeMismatchError:
+                    pass
+                if _unpulled(channel, tag) is not None:
+                    continue
+                msg, _ = await channel.recv(tag, None)  # whole, or on its way: it needs no go-ahead
                 if isinstance(msg, tuple) and msg and msg[0] in TERMINAL:
                     return
     except (TensorWireError, TimeoutError):
         pass
     finally:
         release()
+
+
+def _unpulled(channel: Channel, tag: int) -> asyncio.Future[None] | None:
+    """If the oldest message waiting on ``tag`` is a rendezvous one nobody has asked for yet
+    (its sender holds it until our go-ahead), the future that ends when it is gone; else None."""
+    arrival = channel.mailbox.oldest(tag)
+    if arrival is None:
+        return None
+    if arrival.protocol != "rendezvous" or not arrival.rendezvous or arrival.pulling or arrival.done.done():
+        return None
+    return arrival.done
 
 
 def _expired(name: str, left: float) -> DeadlineExceeded:

@@ -10,7 +10,9 @@ caller -> server
                         deadline_ns -1: none; nbytes -1: inline; window: a stream's first credit
     args_tag(id)    (args, kwargs)                    only after GO
     args_tag(id)    None                              tombstone: the caller gave up part way
-    CONTROL_TAG     (CANCEL, id, ArgsState) | (CREDIT, id, n)
+    CONTROL_TAG     (CANCEL, id, ArgsState) | (CREDIT, id, n) | (WITHDRAW, id, 0)
+                    WITHDRAW (after CANCEL): the terminal reply that waits for the caller's
+                    go-ahead (rendezvous) will never get it: take it back, answer CANCELLED
 server -> caller, all on reply_tag(id)
     (GO,)                       admitted: send the arguments now
     (ITEM, value)               one item of a streaming method (no more than the caller's credit:
@@ -20,10 +22,14 @@ server -> caller, all on reply_tag(id)
     (CANCELLED,)                terminal: the call was cancelled as its caller asked
 
 Every call the server sees ends with exactly one terminal message, so a caller that gives up
-can drain its reply tag and leave nothing behind. ``deadline_ns`` is the time that was left
-when the caller sent the request; clocks are never compared. The call id and deadline travel in
-the ``meta`` tensor rather than in the pytree so that the header of a request repeats exactly
-from call to call, and both ends' header caches hit.
+can drain its reply tag and leave nothing behind. A large reply it has not asked for yet it
+leaves unpulled and has taken back (WITHDRAW): its bytes never move just to be dropped, and a
+caller without the memory for it does not hold up the server's call for good. The server
+cancels a reply's send for that alone, when none of it can have moved: a send cancelled as it
+completes may still arrive whole, and a CANCELLED after it would be left unread.
+``deadline_ns`` is the time that was left when the caller sent the request; clocks are never
+compared. The call id and deadline travel in the ``meta`` tensor rather than in the pytree so
+that the header of a request repeats exactly from call to call, and both ends' header caches hit.
 
 Replies and requests use message slots of the receiving side's channel (``Limits.max_unexpected``)
 until they are received, like any message; the caller keeps what it has outstanding within its
@@ -104,6 +110,7 @@ TERMINAL = frozenset((Reply.RESULT, Reply.ERROR, Reply.CANCELLED))
 class Control(enum.IntEnum):
     CANCEL = 0
     CREDIT = 1
+    WITHDRAW = 2
 
 
 class ArgsState(enum.IntEnum):

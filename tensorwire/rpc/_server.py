@@ -13,7 +13,9 @@ A request its caller cancelled before it was admitted is answered at once, witho
 
 Every request ends with a terminal reply, whatever the method did: an error whose text cannot
 be encoded is escaped, and a reply that does not fit the caller's limits becomes a brief error
-that does (``Limits`` keeps ``max_header_bytes`` well above its size).
+that does (``Limits`` keeps ``max_header_bytes`` well above its size); one its caller will
+never take (WITHDRAW: it waits, unmoved, for a go-ahead that will not come) is taken back and
+becomes CANCELLED, so that the call's slot and result do not wait for good.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class _Call:
         "task",
         "tombstone_seen",
         "wake",
+        "withdrawn",
     )
 
     def __init__(self, req: Request, received_at: float, inline_bytes: int, task: asyncio.Task[Any]) -> None:
@@ -127,6 +130,7 @@ class _Call:
         self.cancel_requested = False
         self.cancel_state: ArgsState | None = None  # what the caller said of its arguments
         self.responding = False  # the terminal reply is on its way: too late to cancel
+        self.withdrawn = False  # the caller will not take that reply (WITHDRAW): its send is cancelled
         self.go_sent = False
         self.receiving_args = False
         self.args_done = False  # the arguments (or the caller's tombstone) were received
@@ -145,6 +149,14 @@ class _Call:
         if self.receiving_args and state is not ArgsState.NONE:
             return  # the arguments or a tombstone are coming: the receive ends by itself
         self.task.cancel()
+
+    def withdraw(self) -> None:
+        """The caller will never give the go-ahead for the terminal reply that waits for it
+        (rendezvous; it cannot take it, or it gave up before it came): take it back. Nothing of
+        it has moved, so cancelling its send withdraws it whole, and CANCELLED ends the call."""
+        if self.responding and not self.withdrawn:
+            self.withdrawn = True
+            self.task.cancel()
 
     def grant(self, n: int) -> None:
         self.credit = min(self.credit + n, STREAM_WINDOW)
@@ -246,6 +258,9 @@ class PeerServer:
             elif op == Control.CREDIT:
                 if call is not None:
                     call.grant(arg)
+            elif op == Control.WITHDRAW:
+                if call is not None:
+                    call.withdraw()  # (a call not replying yet: the CANCEL before it stops its sends)
             else:
                 self._warn("unknown RPC control message")
 
@@ -279,7 +294,13 @@ class PeerServer:
                 # still gets its answer, and the call its slot back
                 reply = error_reply(exc)
             call.responding = True
-            await self._send_reply(reply_tag(req.call_id), reply, req.method)
+            try:
+                await self._send_reply(reply_tag(req.call_id), reply, req.method)
+            except asyncio.CancelledError:
+                if not call.withdrawn or call.task.cancelling() > 1 or self._closing():
+                    raise  # the peer or node is closing
+                call.task.uncancel()
+                await self._send(reply_tag(req.call_id), (Reply.CANCELLED,))
         except TensorWireError:
             pass  # the channel went away; the caller sees that itself
         finally:

@@ -405,6 +405,12 @@ class Mailbox:
         """Does a message that arrived (whole, once the channel is gone) wait for a recv?"""
         return any(self._arrived.values())
 
+    def oldest(self, tag: int) -> Arrival | None:
+        """The oldest message queued on ``tag`` for a recv (whole, arriving, or waiting for its
+        go-ahead), or None."""
+        q = self._arrived.get(tag)
+        return q[0] if q else None
+
     def waited(self, tag: int) -> float:
         """How long the oldest message queued on ``tag`` for a recv has waited (0.0: none waits)."""
         q = self._arrived.get(tag)
