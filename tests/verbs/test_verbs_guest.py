@@ -331,6 +331,15 @@ asyncio.run(main())
 """
 
 
+async def test_an_eager_message_without_memory_for_it_waits_unread_for_a_recv_with_out() -> None:
+    """The receiver cannot allocate an eager message that came before its recv: it waits unread
+    in the sender's memory, as a rendezvous message does, until a recv(out=) reads it whole (the
+    channel broke on the MemoryError before). The host runs the same for tcp and ucx."""
+    from test_out_of_memory import check_eager_without_memory, eager_without_memory
+
+    check_eager_without_memory(await eager_without_memory("verbs", **EMULATED), kept=True)
+
+
 async def test_dead_peer_fails_pending_work_promptly() -> None:
     # the lease is long: what fails the pending recv is the data plane noticing, not the lease
     async with tensorwire.start("127.0.0.1:0", transports=("verbs",), lease_seconds=600, connect_timeout=60) as node:

@@ -590,7 +590,7 @@ class VerbsChannel(Channel):
         self.mailbox.arrive(arrival)
         if inline:
             if arrival.dest is None:
-                arrival.allocate()
+                arrival.buffer()  # (dropped, and its recv told, if memory is short)
             pos = meta_len
             while pos - meta_len < nbytes:
                 view = arrival.view(pos - meta_len, nbytes)
@@ -622,9 +622,14 @@ class VerbsChannel(Channel):
 
     def _adopt(self, entry: _Incoming) -> None:
         arrival = entry.arrival
-        arrival.rendezvous = False
         if arrival.dest is None or arrival.direct:
-            arrival.allocate()
+            try:
+                arrival.allocate()
+            except TransferError:
+                # no memory for it here now: it waits unread in the sender's memory, as a
+                # rendezvous message does, for a recv to pull it (into out=, or memory found then)
+                return
+        arrival.rendezvous = False
         self._read(entry)
 
     def _read(self, entry: _Incoming) -> None:
