@@ -739,6 +739,35 @@ async def check_send_cancelled_at_every_step_with_its_recv_posted(a: Peer, b: Pe
         assert _same(first, y), f"a cancelled send left a partial or corrupt message ({spins} iterations)"
 
 
+@_check(Limits(recv_buffer_bytes=1 * MiB))
+async def check_recvs_posted_in_order_take_messages_in_order_when_a_send_is_withdrawn(a: Peer, b: Peer) -> None:
+    """Two recvs posted on one tag, then a rendezvous send cancelled after 0..24 loop iterations
+    (withdrawn after the first recv matched it, or arrived whole), then two more messages: the
+    first recv takes the earlier message. A recv whose message was withdrawn went to the back of
+    the posted recvs, so the second recv took the next message and the first the one after it
+    (and a caller awaiting them in order waited for a message never sent)."""
+    x = np.full(2 * MiB, 7, np.uint8)  # past recv_buffer_bytes: rendezvous
+    for spins in range(25):
+        ys = [np.full(1000, 100 + spins, np.uint8), np.full(1000, 200 + spins, np.uint8)]
+        first = asyncio.ensure_future(b.recv(tag="wo"))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(b.recv(tag="wo"))
+        await asyncio.sleep(0)  # both posted, in this order
+        send = asyncio.ensure_future(a.send(x, tag="wo"))
+        await _cancel_after(spins, send)
+        for y in ys:
+            await asyncio.wait_for(a.send(y, tag="wo"), 10)
+        order = [x, *ys]
+        got = [await asyncio.wait_for(first, 10), await asyncio.wait_for(second, 10)]
+        places = [next((i for i, m in enumerate(order) if _same(g, m)), None) for g in got]
+        assert None not in places and places[0] < places[1], (
+            f"recvs posted in order took messages {places} of [x, y1, y2] (cancel after {spins} iterations)"
+        )
+        while places[-1] < 2:  # what is left of y1, y2
+            places.append(places[-1] + 1)
+            assert _same(await asyncio.wait_for(b.recv(tag="wo"), 10), order[places[-1]])
+
+
 @_check()
 async def check_random_send_cancellations_lose_nothing(a: Peer, b: Peer) -> None:
     """Sends cancelled at random moments arrive whole or not at all, and never stall the tag."""

@@ -500,6 +500,7 @@ class Mailbox:
         if streams is None:
             streams = capture_streams(want)
         self.in_flight += 1
+        first = False  # a recv whose message its sender withdrew keeps its place: first in line
         try:
             while True:
                 q = self._arrived.get(tag)
@@ -516,7 +517,11 @@ class Mailbox:
                         raise self.failure
                     self.channel.check_open()
                     p = _Posted(out, want, streams)
-                    self._posted.setdefault(tag, deque()).append(p)
+                    line = self._posted.setdefault(tag, deque())
+                    if first:
+                        line.appendleft(p)  # it was posted before every recv still waiting here
+                    else:
+                        line.append(p)
                     self.channel.wait_briefly(p.future)
                     try:
                         got = await p.future
@@ -549,6 +554,7 @@ class Mailbox:
                 try:
                     return await self._complete(arrival, out, targets, t0, want, streams)
                 except SenderAborted:
+                    first = True
                     continue
                 except BaseException:
                     failed = arrival.done.done() and arrival.done.exception() is not None
