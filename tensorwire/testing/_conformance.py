@@ -759,8 +759,8 @@ async def check_recvs_posted_in_order_take_messages_in_order_when_a_send_is_with
             await asyncio.wait_for(a.send(y, tag="wo"), 10)
         order = [x, *ys]
         got = [await asyncio.wait_for(first, 10), await asyncio.wait_for(second, 10)]
-        places = [next((i for i, m in enumerate(order) if _same(g, m)), None) for g in got]
-        assert None not in places and places[0] < places[1], (
+        places = [next((i for i, m in enumerate(order) if _same(g, m)), -1) for g in got]
+        assert 0 <= places[0] < places[1], (
             f"recvs posted in order took messages {places} of [x, y1, y2] (cancel after {spins} iterations)"
         )
         while places[-1] < 2:  # what is left of y1, y2
