@@ -769,6 +769,35 @@ async def check_recvs_posted_in_order_take_messages_in_order_when_a_send_is_with
 
 
 @_check()
+async def check_recv_cancelled_just_as_its_message_matched_gives_it_back_whole(a: Peer, b: Peer) -> None:
+    """An eager message (past any inline size) matches a waiting recv(out=), and the transport
+    may land its payload straight into that out=; the recv is cancelled before its task ran. The
+    message goes back to the queue whole, and the next recv(out=) gets its bytes (over ucx it
+    got its own out= untouched: the message still looked as if it had to be pulled)."""
+    from .._peer import tag_id
+
+    src = (np.arange(64 * 1024) % 251 + 1).astype(np.uint8)
+    tag = tag_id("cm")
+    mailbox = b.channel.mailbox
+    for _ in range(5):
+        recv = asyncio.ensure_future(b.recv(tag="cm", out=np.zeros_like(src)))
+        while not mailbox.has_posted(tag):  # noqa: ASYNC110 - the recv is posted
+            await asyncio.sleep(0)
+        send = asyncio.ensure_future(a.send(src, tag="cm"))
+        while mailbox.has_posted(tag):  # noqa: ASYNC110 - matched: its task has yet to run
+            await asyncio.sleep(0)
+        recv.cancel()
+        (first,) = await asyncio.gather(recv, return_exceptions=True)
+        await asyncio.wait_for(send, 10)
+        out = np.zeros_like(src)
+        if not isinstance(first, asyncio.CancelledError):  # it ran before its cancel: it has it
+            assert _same(first, src), "a recv that completed got other bytes"
+            continue
+        got = await asyncio.wait_for(b.recv(tag="cm", out=out), 10)
+        assert got is out and np.array_equal(out, src), "the message of a recv cancelled as it matched was lost"
+
+
+@_check()
 async def check_random_send_cancellations_lose_nothing(a: Peer, b: Peer) -> None:
     """Sends cancelled at random moments arrive whole or not at all, and never stall the tag."""
     import random
