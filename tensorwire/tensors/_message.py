@@ -522,7 +522,7 @@ def refuse_shared(leaves: Sequence[np.ndarray | DeviceSource | None], text: str)
         leaves
     ):
         return  # arrays that own their memory, each another: none shares it (the common case)
-    spans: list[tuple[int, int, int, np.ndarray | None]] = []
+    spans: list[_Span] = []
     for i, a in enumerate(leaves):
         if a is None:
             continue
@@ -539,14 +539,46 @@ def refuse_shared(leaves: Sequence[np.ndarray | DeviceSource | None], text: str)
         if low != high:
             spans.append((low, high, i, host))
     spans.sort()  # (by start, end, place: places differ, so arrays are never compared)
-    active: list[tuple[int, int, int, np.ndarray | None]] = []  # the spans reaching past this start
+    cluster: list[_Span] = []  # spans whose bounds chain into each other's
     reach = -1
     for span in spans:
-        start, end, i, mine = span
-        if start >= reach:  # none before reaches here (disjoint leaves: always)
-            active = [span]
-            reach = end
-            continue
+        if span[0] >= reach:  # none before reaches here (disjoint leaves: always)
+            _refuse_in(cluster, text)
+            cluster = []
+        cluster.append(span)
+        reach = max(reach, span[1])
+    _refuse_in(cluster, text)
+
+
+_Span = tuple[int, int, int, "np.ndarray | None"]  # [low, high), place, host array (None: device)
+_OCCUPANCY_BYTES = 64 << 20  # host leaves spread over at most this: checked by marking their bytes
+
+
+def _refuse_in(cluster: list[_Span], text: str) -> None:
+    """``refuse_shared`` within spans whose bounds overlap, sorted by start. Pair by pair, each
+    with those still reaching it; many strided host leaves over one range (the columns of a
+    matrix) instead by marking the bytes each covers, once: comparing every pair of a thousand
+    took a second."""
+    if len(cluster) < 2:
+        return
+    low, high = cluster[0][0], max(span[1] for span in cluster)
+    if len(cluster) > 8 and high - low <= _OCCUPANCY_BYTES and all(span[3] is not None for span in cluster):
+        marks = np.zeros(high - low, np.uint8)
+        for k, (_, _, i, a) in enumerate(cluster):
+            assert a is not None
+            ptr = a.__array_interface__["data"][0]
+            bytes_of = np.lib.stride_tricks.as_strided(
+                marks[ptr - low :], shape=(*a.shape, a.itemsize), strides=(*a.strides, 1), writeable=True
+            )
+            if bytes_of.any():  # a byte an earlier leaf covers: which one, pair by pair (an error)
+                j = next(j for _, _, j, b in cluster[:k] if np.shares_memory(a, b))
+                first, second = sorted((i, j))
+                raise ShapeMismatchError(text.format(first=first, second=second))
+            bytes_of[...] = 1
+        return
+    active: list[_Span] = []  # the spans reaching past this start
+    for span in cluster:
+        start, _, i, mine = span
         active = [other for other in active if other[1] > start]
         for _, _, j, other in active:
             shared = True
@@ -559,7 +591,6 @@ def refuse_shared(leaves: Sequence[np.ndarray | DeviceSource | None], text: str)
                 first, second = sorted((i, j))
                 raise ShapeMismatchError(text.format(first=first, second=second))
         active.append(span)
-        reach = max(reach, end)
 
 
 def _refuse_overlap(views: list[TensorView]) -> None:
