@@ -787,11 +787,11 @@ async def check_recv_cancelled_just_as_its_message_matched_gives_it_back_whole(a
         while mailbox.has_posted(tag):  # noqa: ASYNC110 - matched: its task has yet to run
             await asyncio.sleep(0)
         recv.cancel()
-        (first,) = await asyncio.gather(recv, return_exceptions=True)
+        outcome: tuple[Any, ...] = await asyncio.gather(recv, return_exceptions=True)
         await asyncio.wait_for(send, 10)
         out = np.zeros_like(src)
-        if not isinstance(first, asyncio.CancelledError):  # it ran before its cancel: it has it
-            assert _same(first, src), "a recv that completed got other bytes"
+        if not isinstance(outcome[0], asyncio.CancelledError):  # it ran before its cancel: it has it
+            assert _same(outcome[0], src), "a recv that completed got other bytes"
             continue
         got = await asyncio.wait_for(b.recv(tag="cm", out=out), 10)
         assert got is out and np.array_equal(out, src), "the message of a recv cancelled as it matched was lost"
