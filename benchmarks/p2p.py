@@ -35,6 +35,7 @@ import numpy as np
 from _sizes import MiB, fmt_size, parse_size
 
 import tensorwire
+from tensorwire._bench._wire import recv_exact as _recv_exact
 
 CHUNK = 4 * MiB
 
@@ -49,16 +50,6 @@ def _raw_server(lsock: socket.socket) -> None:
         conn, _ = lsock.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=_raw_conn, args=(conn,), daemon=True).start()
-
-
-def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
 
 
 def _raw_conn(conn: socket.socket) -> None:
