@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from ._checks import check_bool, check_seconds
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
-from ._peer import Peer
+from ._peer import RESERVED_TAGS, Peer
 from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, TLSConfig, check_require
 from .control._convert import offer_from_pb, offer_to_pb
 from .control._pb import control_pb2
@@ -292,7 +292,9 @@ class Node:
         stay deliverable to whoever holds the Peer, until it is closed. One that accept() never
         handed out and that left nothing to receive leaves the accept queue too (a node that
         only serves methods or exposures never accepts: each such peer was kept forever)."""
-        if peer in self._incoming and not peer.channel.mailbox.holds_messages:
+        # (requests and replies of tensorwire's own services, rpc among them, count for nothing:
+        # nobody serves them once the peer has gone)
+        if peer in self._incoming and not peer.channel.mailbox.holds_messages(ignore=RESERVED_TAGS):
             self._incoming.remove(peer)
         if peer.session is not None:
             self._sessions.pop(peer.session.id, None)

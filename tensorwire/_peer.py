@@ -50,6 +50,10 @@ def _listed(what: str, items: object) -> list[Any]:
     return list(items)
 
 
+# tensorwire's own tags (rpc, one-sided requests and replies, bench) all lie in this range
+RESERVED_TAGS = range(-0x7478_0000_0000_0000 + 1, -0x7477_0000_0000_0000 + 1)
+
+
 def tag_id(tag: int | str) -> int:
     """The 64-bit wire tag for ``tag``; strings hash the same in every process."""
     if isinstance(tag, bool) or not isinstance(tag, (int, str)):

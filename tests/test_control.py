@@ -549,6 +549,50 @@ async def test_peers_that_left_before_anyone_accepted_them_are_not_kept(transpor
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_peers_that_left_requests_at_a_saturated_server_are_not_kept(transport: str) -> None:
+    """A saturated method server (max_concurrent=1) holds later requests unread; a client that
+    gives up and leaves left them queued, and the accept queue kept such a peer for good as if
+    it had left a message to receive (each with up to its buffer credit of requests). Messages
+    on tensorwire's own tags (rpc, one-sided, bench: RESERVED_TAGS) do not count."""
+    from tensorwire._bench import _wire as bench_wire
+    from tensorwire._onesided import _OPS_TAG, _REPLY_BASE
+    from tensorwire._peer import RESERVED_TAGS
+    from tensorwire.rpc import CallLimits
+    from tensorwire.rpc._protocol import CONTROL_TAG, REQUEST_TAG, args_tag, reply_tag
+
+    for tag in (
+        REQUEST_TAG,
+        CONTROL_TAG,
+        reply_tag(1 << 40),
+        args_tag(1),
+        _OPS_TAG,
+        _REPLY_BASE,
+        bench_wire.REQUEST_TAG,
+    ):
+        assert tag in RESERVED_TAGS, hex(tag)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as server,
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as client,
+    ):
+        server.methods.limits = CallLimits(max_concurrent=1)
+        gate = asyncio.Event()
+
+        @server.method("hold")
+        async def hold() -> None:
+            await gate.wait()
+
+        p = await client.connect(server.address)
+        calls = [asyncio.ensure_future(p.call("hold")) for _ in range(4)]
+        await eventually(lambda: len(server.peers) == 1 and server.peers[0].channel.mailbox.waited(REQUEST_TAG) > 0)
+        await p.aclose()
+        await asyncio.gather(*calls, return_exceptions=True)
+        gate.set()
+        await eventually(lambda: not server.peers)
+        await eventually(lambda: not server._incoming)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
 async def test_a_peer_that_left_before_it_was_adopted_leaves_the_node(transport: str) -> None:
     """An inproc client that closed right after connect() returned was adopted by the server
     with its channel closed already: the close callback never fired, and the broken peer

@@ -400,10 +400,10 @@ class Mailbox:
             return None
         return [out]
 
-    @property
-    def holds_messages(self) -> bool:
-        """Does a message that arrived (whole, once the channel is gone) wait for a recv?"""
-        return any(self._arrived.values())
+    def holds_messages(self, ignore: range = range(0)) -> bool:
+        """Does a message that arrived (whole, once the channel is gone) wait for a recv on a
+        tag outside ``ignore``?"""
+        return any(q for tag, q in self._arrived.items() if tag not in ignore)
 
     def oldest(self, tag: int) -> Arrival | None:
         """The oldest message queued on ``tag`` for a recv (whole, arriving, or waiting for its
