@@ -94,6 +94,32 @@ async def _kill(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
+async def _feed_when_capped(proc: asyncio.subprocess.Process, peer: Any, src: np.ndarray) -> dict[str, Any]:
+    """Once the child says it capped its memory, send it ``src`` on "big" and a small message
+    on "small"; its steps by name, up to "done"; then take its message on "back" and wait for
+    both sends. Sends still going when this fails are cancelled (the caller kills the child)."""
+    sends: list[asyncio.Task[Any]] = []
+
+    def on_step(step: str) -> None:
+        if step == "capped":
+            sends.append(asyncio.ensure_future(peer.send(src, tag="big")))
+            sends.append(asyncio.ensure_future(peer.send(np.arange(7), tag="small")))
+
+    try:
+        got = {}
+        async for step in _steps(proc, on_step):
+            got[step["step"]] = step
+            if step["step"] == "done":
+                break
+        assert np.array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), np.arange(5))
+        await asyncio.wait_for(asyncio.gather(*sends), 10)
+        return got
+    finally:
+        for task in sends:
+            task.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+
+
 _RECEIVER = """
 addr, transport, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -145,31 +171,15 @@ async def test_no_memory_for_a_result_is_a_transfer_error_and_loses_nothing(tran
             return src
 
         proc = await _child(_RECEIVER, node.address, transport, str(BIG))
-        sends: list[asyncio.Task[Any]] = []
         try:
             peer = await asyncio.wait_for(node.accept(), 30)
-
-            def on_step(step: str) -> None:
-                if step == "capped":
-                    sends.append(asyncio.ensure_future(peer.send(src, tag="big")))
-                    sends.append(asyncio.ensure_future(peer.send(np.arange(7), tag="small")))
-
-            got = {}
-            async for step in _steps(proc, on_step):
-                got[step["step"]] = step
-                if step["step"] == "done":
-                    break
-            assert np.array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), np.arange(5))
-            await asyncio.wait_for(asyncio.gather(*sends), 10)
+            got = await _feed_when_capped(proc, peer, src)
             server = server_of(peer)
             assert server is not None
             assert not server.calls, server.calls
             assert node.methods.slots.used == 0
         finally:
             await _kill(proc)
-            for task in sends:
-                task.cancel()
-            await asyncio.gather(*sends, return_exceptions=True)
     for step in ("recv", "read", "read_many", "call"):
         assert got[step].get("error") == "TransferError", got[step]
         assert "out of memory" in got[step]["text"], got[step]
@@ -208,29 +218,13 @@ async def eager_without_memory(transport: str, **options: Any) -> dict[str, Any]
     src = _pattern(EAGER)
     async with tensorwire.start("127.0.0.1:0", transports=(transport,), **options) as node:
         proc = await _child(_EAGER_RECEIVER, node.address, transport, str(EAGER), json.dumps(options))
-        sends: list[asyncio.Task[Any]] = []
         try:
             peer = await asyncio.wait_for(node.accept(), 60)
             await peer.recv(tag="hello")
             await peer.send(np.arange(3), tag="hello")
-
-            def on_step(step: str) -> None:
-                if step == "capped":
-                    sends.append(asyncio.ensure_future(peer.send(src, tag="big")))
-                    sends.append(asyncio.ensure_future(peer.send(np.arange(7), tag="small")))
-
-            got = {}
-            async for step in _steps(proc, on_step):
-                got[step["step"]] = step
-                if step["step"] == "done":
-                    break
-            assert np.array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), np.arange(5))
-            await asyncio.wait_for(asyncio.gather(*sends), 10)
+            got = await _feed_when_capped(proc, peer, src)
         finally:
             await _kill(proc)
-            for task in sends:
-                task.cancel()
-            await asyncio.gather(*sends, return_exceptions=True)
     got["want"] = int(src.sum(dtype=np.uint64))
     return got
 

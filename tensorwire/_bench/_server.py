@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -212,7 +213,8 @@ class _Service:
             if self.raw is not None:
                 self.raw.close()
             host = peer.node.address.rpartition(":")[0].strip("[]")
-            self.raw = _RawServer(host, self.max_bytes)
+            # (its getaddrinfo may ask a resolver: not on the event loop)
+            self.raw = await asyncio.to_thread(_RawServer, host, self.max_bytes)
             await self.answer({"port": self.raw.port, "secret": self.raw.secret.hex()})
         elif op == "sink":
             assert isinstance(req, dict)

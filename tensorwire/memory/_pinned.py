@@ -74,19 +74,15 @@ class PinnedPool:
         if self._free and self._allocated >= self.depth:
             return self._free.popleft()
         if self._allocated < self.depth:
-            self._allocated += 1
             try:
-                return self.engine.host_chunk(self.chunk_bytes), None
+                chunk = self.engine.host_chunk(self.chunk_bytes)
             except (TensorWireError, MemoryError):
-                self._allocated -= 1
                 if not self._allocated:
                     raise
                 # no memory to grow: make do with the chunks there are (they come back)
-                if self._free:
-                    return self._free.popleft()
-            except BaseException:
-                self._allocated -= 1
-                raise
+                return self._free.popleft() if self._free else None
+            self._allocated += 1
+            return chunk, None
         return None
 
     async def _ready(self, entry: tuple[HostChunk, Event | None]) -> HostChunk:

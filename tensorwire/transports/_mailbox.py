@@ -141,6 +141,21 @@ class Arrival:
         self.direct = False
         self._flat = None
 
+    def adopt(self) -> bool:
+        """Take an eager payload that no recv has pulled into memory of our own now (or into the
+        device tensors a recv placed for it): allocate a buffer if it has none, or only the
+        caller's out= (a recv may be cancelled and give it back), and mark it as no longer
+        waiting to be pulled. False, and nothing changed, if the memory cannot be had: it stays
+        with its sender, as a rendezvous message does, for a recv to pull it (into out=, or
+        into memory found then)."""
+        if self.dest is None or self.direct:
+            try:
+                self.allocate()
+            except TransferError:
+                return False
+        self.rendezvous = False
+        return True
+
     def buffer(self) -> None:
         """``allocate`` for a payload that is on its way and must be taken now (eager): if the
         memory cannot be had, its bytes are read into scratch and dropped (``drop``), and the
@@ -413,8 +428,8 @@ class Mailbox:
 
     def waited(self, tag: int) -> float:
         """How long the oldest message queued on ``tag`` for a recv has waited (0.0: none waits)."""
-        q = self._arrived.get(tag)
-        return time.monotonic() - q[0].arrived if q else 0.0
+        oldest = self.oldest(tag)
+        return 0.0 if oldest is None else time.monotonic() - oldest.arrived
 
     def has_posted(self, tag: int) -> bool:
         """Is any recv (perhaps one cancelled a moment ago) posted on ``tag``?"""

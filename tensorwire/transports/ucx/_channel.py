@@ -696,15 +696,9 @@ class UcxChannel(Channel):
     def _adopt(self, arrival: Arrival) -> None:
         """Receive an eager payload into a buffer of our own now (or into the device tensors a
         recv allocated for it); a later recv copies it."""
-        if arrival.dest is None or arrival.direct:
-            try:
-                arrival.allocate()
-            except TransferError:
-                # no memory for it here now: it waits unposted, as a rendezvous message does,
-                # for a recv to pull it (into out=, or into memory found then); UCX holds it
-                self._waiting[arrival.msg_id] = (arrival, False)
-                return
-        arrival.rendezvous = False
+        if not arrival.adopt():  # no memory for it here now: it waits unposted (UCX holds it)
+            self._waiting[arrival.msg_id] = (arrival, False)
+            return
         if _on_device(arrival):
             task = self._loop.create_task(self._post_when_ready(arrival))
             self._w.track(task)

@@ -621,16 +621,8 @@ class VerbsChannel(Channel):
             self._adopt(entry)
 
     def _adopt(self, entry: _Incoming) -> None:
-        arrival = entry.arrival
-        if arrival.dest is None or arrival.direct:
-            try:
-                arrival.allocate()
-            except TransferError:
-                # no memory for it here now: it waits unread in the sender's memory, as a
-                # rendezvous message does, for a recv to pull it (into out=, or memory found then)
-                return
-        arrival.rendezvous = False
-        self._read(entry)
+        if entry.arrival.adopt():  # (no memory for it now: it waits unread in the sender's memory)
+            self._read(entry)
 
     def _read(self, entry: _Incoming) -> None:
         """RDMA READ the sender's segments into ``arrival.dest``; FIN when all have landed."""
