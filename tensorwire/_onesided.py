@@ -806,6 +806,14 @@ class _Dest:
         self.dev = dev
         self.tensor: DeviceTensor | None = None
 
+    def unstage(self) -> bool:
+        """Copy the bytes landed in a buffer of ours into the caller's strided host out=; whether
+        there was such a copy to make."""
+        if self.target is None or self.dest is self.target:
+            return False
+        self.target[...] = self.dest
+        return True
+
     def host(self) -> np.ndarray:
         """The host array the bytes land in (a host destination)."""
         assert self.dest is not None
@@ -932,14 +940,11 @@ async def read_many(
             done += part
     except TensorWireError:
         for i in done:  # the error says these are in their outs: strided ones too
-            d = dests[i]
-            if d.target is not None and d.dest is not d.target:
-                d.target[...] = d.dest
+            dests[i].unstage()
         raise
     packed = False
     for d in dests:
-        if d.target is not None and d.dest is not d.target:
-            d.target[...] = d.dest
+        if d.unstage():
             packed = True
         elif d.tensor is not None and d.tensor.unpack_to is not None:
             packed = True  # unpacked on a lane by _get_device
