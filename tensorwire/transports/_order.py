@@ -26,10 +26,13 @@ class Turn:
         self._order, self._tag, self._ahead = order, tag, ahead
         self._mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    async def wait(self, futs: set[asyncio.Future[Any]]) -> None:
-        """Until the send ahead has posted its MSG frame. The wait is put in ``futs``, which the
-        channel's shutdown fails: the send ahead may be held by a producer stream that no
+    async def wait(self) -> None:
+        """Until the send ahead has posted its MSG frame, or the channel's shutdown fails the
+        order (``SendOrder.fail``): the send ahead may be held by a producer stream that no
         shutdown stops. Our cancel never touches the send ahead."""
+        order = self._order
+        if order.failure is not None:
+            raise order.failure
         ahead = self._ahead
         if ahead is None or ahead.done():
             return
@@ -40,11 +43,11 @@ class Turn:
                 fut.set_result(None)
 
         ahead.add_done_callback(wake)
-        futs.add(fut)
+        order.waiting.add(fut)
         try:
             await fut
         finally:
-            futs.discard(fut)
+            order.waiting.discard(fut)
             ahead.remove_done_callback(wake)
 
     def passed(self) -> None:
@@ -65,10 +68,23 @@ class SendOrder:
     """The turns of a channel's sends, per tag (an entry only while a send on it has not posted).
     A transport that hands over every message in one line (inproc) uses one key for all tags."""
 
-    __slots__ = ("turns",)
+    __slots__ = ("failure", "turns", "waiting")
 
     def __init__(self) -> None:
         self.turns: dict[int, asyncio.Future[None]] = {}
+        self.waiting: set[asyncio.Future[Any]] = set()  # sends waiting for the one ahead of them
+        self.failure: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        """The channel is gone: every send waiting for its turn, and any that comes to wait
+        later, raises ``exc`` (idempotent: the first failure stays)."""
+        if self.failure is None:
+            self.failure = exc
+        for fut in self.waiting:
+            if not fut.done():
+                fut.set_exception(self.failure)
+                fut.exception()
+        self.waiting.clear()
 
     def busy(self, tag: int) -> bool:
         """Has a send on ``tag`` yet to post its MSG frame? (A send that would go at once must not.)"""

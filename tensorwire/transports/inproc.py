@@ -106,7 +106,6 @@ class InprocChannel(Channel):
         self._pulls: set[asyncio.Task[None]] = set()
         # sends hand their messages over in the order they were entered, all tags in one line
         self._order = SendOrder()
-        self._turn_waiters: set[asyncio.Future[None]] = set()
 
     def __repr__(self) -> str:
         return f"<InprocChannel {self.state.value} in_flight={self.in_flight}>"
@@ -140,7 +139,7 @@ class InprocChannel(Channel):
         try:
             try:
                 await self.stage_device(msg)  # no device lanes here: through host memory
-                await turn.wait(self._turn_waiters)
+                await turn.wait()
                 if msg.nbytes >= _REPOST_AFTER:
                     # let a receiver that just got our last message post its next recv, so that
                     # back-to-back large messages land in its out= (not in a buffer of ours, then
@@ -256,10 +255,10 @@ class InprocChannel(Channel):
 
     def _fail(self, state: ChannelState, exc: BaseException) -> None:
         self._closed(state, exc)
-        for f in [*self._slot_waiters, *self._turn_waiters]:
+        self._order.fail(exc)
+        for f in self._slot_waiters:
             _settle(f, exc)
         self._slot_waiters.clear()
-        self._turn_waiters.clear()
         for src in self._sources.values():
             _settle(src.done, PeerDisconnected("in-process peer closed its channel"))
         self._sources.clear()

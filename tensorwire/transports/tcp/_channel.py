@@ -144,7 +144,6 @@ class TcpChannel(Channel):
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
         self._order = SendOrder()  # FIFO per tag, however long a send waits for a slot
-        self._turn_waits: set[asyncio.Future[Any]] = set()  # sends waiting for the one ahead on their tag
         self._sending = 0
         self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._aux: set[asyncio.Task[None]] = set()
@@ -301,7 +300,7 @@ class TcpChannel(Channel):
     async def _send(self, tag: int, msg: Outgoing, t0: float, turn: Turn) -> Receipt:
         self._sending += 1
         try:
-            await turn.wait(self._turn_waits)
+            await turn.wait()
             await self._window.take_slot(self.check_open)
             eager = self._window.reserve(msg.nbytes)
             msg_id = self._next_id
@@ -691,7 +690,8 @@ class TcpChannel(Channel):
         self._closed(state, exc)
         self._budget.close()
         self._window.fail(exc)
-        for fut in [*self._cts.values(), *self._turn_waits]:
+        self._order.fail(exc)
+        for fut in self._cts.values():
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()

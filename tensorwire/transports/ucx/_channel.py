@@ -454,7 +454,7 @@ class UcxChannel(Channel):
         await self.stage_device(msg)  # no cuda transports in this UCX: through host memory
         self._sending += 1
         try:
-            await turn.wait(self._futs)
+            await turn.wait()
             await self._window.take_slot(self.check_open)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
@@ -930,6 +930,7 @@ class UcxChannel(Channel):
         self._closed(state, exc)
         self._budget.close()
         self._window.fail(exc)
+        self._order.fail(exc)
         for fut in [*self._cts.values(), *self._futs]:
             if not fut.done():
                 fut.set_exception(exc)

@@ -396,7 +396,7 @@ class VerbsChannel(Channel):
         await self.stage_device(msg)  # no device lanes here: through host memory
         self._sending += 1
         try:
-            await turn.wait(self._futs)
+            await turn.wait()
             await self._window.take_slot(self.check_open)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
@@ -859,6 +859,7 @@ class VerbsChannel(Channel):
         if self._report_timer is not None:
             self._report_timer.cancel()
             self._report_timer = None
+        self._order.fail(exc)
         for fut in [*self._fins.values(), *self._futs]:
             if not fut.done():
                 fut.set_exception(exc)
