@@ -320,6 +320,31 @@ async def check_out_receive(a: Peer, b: Peer) -> None:
     assert np.array_equal(tree_out["b"][0], np.eye(2))
 
 
+@_check(Limits(recv_buffer_bytes=MiB))
+async def check_both_ends_name_the_same_protocol(a: Peer, b: Peer) -> None:
+    """The send's receipt and the recv's receipt of one message name the same protocol and
+    size, whichever came first, with or without out=: a message with no payload, a small
+    one (carried with its header where the transport does that), one past the inline limit,
+    and one past the receiver's credit (rendezvous). tcp's express delivery said "inline"
+    where its sender said "eager"; ucx's sender called a message of no bytes "inline"."""
+    sizes = (None, 0, 8, 4096, 128 * 1024, 2 * MiB)  # None: a message of no tensors at all
+    seen = set()
+    for n in sizes:
+        for order in ("recv-first", "send-first"):
+            for with_out in (False, True):
+                if n is None and with_out:
+                    continue
+                src: Any = {"k": 1} if n is None else np.full(n, 7, np.uint8)
+                out = None if n is None or not with_out else np.empty(n, np.uint8)
+                got, sent, received = await exchange(a, b, src, out, order)
+                where = f"{n} bytes, {order}, out={with_out}"
+                assert _same(got, src), where
+                assert sent.protocol == received.protocol, f"{where}: sent {sent}, received {received}"
+                assert sent.nbytes == received.nbytes == (n or 0), f"{where}: sent {sent}, received {received}"
+                seen.add(sent.protocol)
+    assert "rendezvous" in seen, f"a message past the receiver's credit went {seen}"
+
+
 @_check()
 async def check_back_to_back_messages_land_in_place(a: Peer, b: Peer) -> None:
     """A receiver that re-posts its recv right after each message gets every one in place."""

@@ -302,12 +302,13 @@ class _Delivered:
     """What an express delivery (``Mailbox.deliver``) hands the waiting recv: the message's
     tensors, already filled (the recv's out= array, or new host arrays)."""
 
-    __slots__ = ("dest", "specs", "tree")
+    __slots__ = ("dest", "protocol", "specs", "tree")
 
-    def __init__(self, tree: wire_pb2.TreeNode, specs: list[Spec], dest: list[np.ndarray]) -> None:
+    def __init__(self, tree: wire_pb2.TreeNode, specs: list[Spec], dest: list[np.ndarray], protocol: str) -> None:
         self.tree = tree
         self.specs = specs
         self.dest = dest
+        self.protocol = protocol  # as the transport's sender names it in its receipt
 
     def finish(self, channel: Channel, out: object | None, t0: float) -> tuple[Any, Receipt]:
         """The recv's value and receipt."""
@@ -317,15 +318,13 @@ class _Delivered:
         else:
             nbytes = sum(a.nbytes for a in self.dest)
             value = _rebuild(self.tree, self.specs, self.dest)  # type: ignore[arg-type]
-        protocol = "inline" if nbytes else "eager"  # as the general path names them
         seconds = time.perf_counter() - t0
-        return value, Receipt(channel.transport, channel.lanes, nbytes, seconds, protocol, True, False, False)
+        return value, Receipt(channel.transport, channel.lanes, nbytes, seconds, self.protocol, True, False, False)
 
     def give_back(self, channel: Channel, tag: int, out: object | None) -> Arrival:
         """The message as a complete arrival in buffers of ours (its recv was cancelled after
         the bytes landed); its slot and credit went back when it was delivered."""
-        nbytes = sum(a.nbytes for a in self.dest)
-        arrival = Arrival(channel, tag, self.tree, self.specs, protocol="inline" if nbytes else "eager")
+        arrival = Arrival(channel, tag, self.tree, self.specs, protocol=self.protocol)
         # the caller's out= stays the caller's: copy it; arrays deliver() allocated are ours
         arrival.dest = [a.copy() for a in self.dest] if out is not None else list(self.dest)
         arrival.written = arrival.nbytes
@@ -366,6 +365,8 @@ class Mailbox:
         specs: list[Spec],
         data: memoryview,
         dest: list[np.ndarray] | None = None,
+        *,
+        protocol: str,
     ) -> bool:
         """The express path for a small message whose bytes came with its header (``data``,
         the tensors' bytes in order): if the oldest recv posted on ``tag`` waits with an
@@ -375,7 +376,8 @@ class Mailbox:
         consumed: the transport gives its slot and credit back at once. Anything else (no recv,
         another out=, device memory) is False, and the transport goes the general way
         (``arrive``). ``dest``: what ``express_dest`` just returned for this message, if the
-        caller asked first."""
+        caller asked first. ``protocol``: what the sender's receipt names (tcp sends a small
+        payload in its first frame and calls that "eager"; ucx and verbs call it "inline")."""
         if dest is None:
             dest = self.express_dest(tag, tree, specs)
             if dest is None:
@@ -385,7 +387,7 @@ class Mailbox:
         p = posted.popleft()
         if not posted:
             del self._posted[tag]
-        p.future.set_result(_Delivered(tree, specs, dest))
+        p.future.set_result(_Delivered(tree, specs, dest, protocol))
         return True
 
     def express_dest(self, tag: int, tree: wire_pb2.TreeNode, specs: list[Spec]) -> list[np.ndarray] | None:

@@ -579,7 +579,7 @@ class TcpChannel(Channel):
                     self._budget.admit(nbytes, eager=True)
                     data = memoryview(buf)[meta_end : meta_end + nbytes]
                     if dest is not None:
-                        mailbox.deliver(arg, tree, specs, data, dest)
+                        mailbox.deliver(arg, tree, specs, data, dest, protocol="eager")
                         self._budget.release(nbytes, True)  # consumed: its slot and credit go back
                     else:  # nobody waits: kept here (within the credit) for the next recv
                         arrival = Arrival(self, arg, tree, specs, msg_id=msg_id, nbytes=nbytes)

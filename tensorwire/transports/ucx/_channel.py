@@ -427,7 +427,7 @@ class UcxChannel(Channel):
         msg_id = self._next_id
         self._next_id += 1
         self._send_inline_frame(tag, msg_id, header, msg.arrays, nbytes)  # type: ignore[arg-type]  # host
-        return self._send_receipt(msg, "inline", t0)
+        return self._send_receipt(msg, "inline" if nbytes else "eager", t0)  # as the receiver names it
 
     def _send_inline_frame(
         self, tag: int, msg_id: int, header: bytes, parts: list[np.ndarray] | list[memoryview], nbytes: int
@@ -470,7 +470,7 @@ class UcxChannel(Channel):
             if inline:
                 self._send_inline_frame(tag, msg_id, header, segs, nbytes)  # type: ignore[arg-type]
                 turn.passed()
-                protocol = "inline"
+                protocol = "inline" if nbytes else "eager"  # as the receiver names it
             elif eager:
                 self._send_frame(self._frame(FrameType.MSG, meta_len=len(header), msg_id=msg_id, arg=tag) + header)
                 turn.passed()
@@ -624,10 +624,10 @@ class UcxChannel(Channel):
             if msg_id in self._waiting or msg_id in self._incoming:
                 raise ProtocolError(f"duplicate message id {msg_id}")
             self._budget.admit(nbytes, eager=not rndv)
-            if inline and self.mailbox.deliver(arg, tree, specs, mv[end : end + nbytes]):
+            protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
+            if inline and self.mailbox.deliver(arg, tree, specs, mv[end : end + nbytes], protocol=protocol):
                 self._budget.release(nbytes, True, schedule=True)  # consumed: straight into out=
                 return
-            protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
             arrival = _Arrival(
                 self, arg, tree, specs, msg_id=msg_id, rendezvous=not inline, protocol=protocol, nbytes=nbytes
             )

@@ -415,7 +415,7 @@ class VerbsChannel(Channel):
                     nbytes=nbytes,
                 )
                 turn.passed()
-                protocol = "inline"
+                protocol = "inline" if nbytes else "eager"  # as the receiver names it
             else:
                 await self._send_described(msg, header, msg_id, tag, eager, turn)
                 protocol = "eager" if eager else "rendezvous"
