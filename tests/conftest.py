@@ -1,6 +1,9 @@
+import compileall
+import contextlib
 import logging
 import os
 import signal
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -19,6 +22,20 @@ def pytest_configure(config: pytest.Config) -> None:
     demo or a pipeline with SIGINT would see it ignored; give SIGINT back its usual meaning."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    _compile_the_checkout()
+
+
+def _compile_the_checkout() -> None:
+    """Write the bytecode of this checkout's ``tensorwire`` and ``tests`` once (about 0.5 s).
+    Where PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines) no process writes
+    it, so every Python process the tests start (nodes, stages, demos, doctor: dozens) compiled
+    the package from source again: 0.4-0.9 s each, about a quarter of the CPU time of the files
+    that start processes. Reading bytecode is still allowed; a stale file is recompiled in
+    memory as usual. A checkout that cannot be written is left as it is."""
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("tensorwire", "tests"):
+        with contextlib.suppress(OSError):
+            compileall.compile_dir(root / folder, quiet=2)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -73,3 +73,23 @@ def test_no_start_when_only_collecting_or_in_an_xdist_worker(tmp_path: Path, arg
     env = {} if args else {"PYTEST_XDIST_WORKER": "gw0"}
     events = _run(tmp_path, *args, **env)
     assert "start" not in events and "stop" not in events, events
+
+
+def test_the_checkout_is_compiled_for_the_processes_the_tests_start() -> None:
+    """conftest.py writes the package's bytecode at the start of the session, whatever
+    PYTHONDONTWRITEBYTECODE says, so that the processes the tests start do not each compile
+    tensorwire from source; a child that cannot write bytecode then imports it from there."""
+    import importlib.util
+
+    import tensorwire.pipeline._stage as module
+
+    source = Path(module.__file__)
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    assert cached.exists(), f"no bytecode for {source}"
+    assert cached.stat().st_mtime >= source.stat().st_mtime - 1, "the bytecode is older than its source"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    code = "import sys, tensorwire.pipeline._stage as m; print(m.__spec__.cached, m.__spec__.loader.path)"
+    out = subprocess.run([sys.executable, "-v", "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # python -v names the bytecode it read ("code object from '...pyc'") for every module it took from one
+    assert f"code object from '{cached}'" in out.stderr, out.stderr[-2000:]
