@@ -364,6 +364,33 @@ def test_stage_part_with_a_relative_module_name_is_a_configuration_error(
     assert "ConfigurationError: --part './mypart:build' is not MODULE:FUNCTION" in out.stderr
 
 
+def test_a_part_that_fails_while_it_loads_is_a_configuration_error_naming_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part file with a syntax error, or one raising at import, printed the import machinery's
+    traceback from `tensorwire stage`; now it is a ConfigurationError naming the error and the
+    line of the user's file, and a fixed file loads on the next try."""
+    from tensorwire.errors import ConfigurationError
+    from tensorwire.pipeline._serve import load_factory
+
+    monkeypatch.chdir(tmp_path)
+    part = tmp_path / "broken.py"
+    part.write_text("def build(rank, num_stages)\n    return rank\n")
+    with pytest.raises(ConfigurationError, match=r"loading \./broken\.py raised SyntaxError: .*line 1"):
+        load_factory("./broken.py:build")
+    part.write_text("import math\n\nWIDTH = math.sqrt(-1)\n")
+    with pytest.raises(ConfigurationError, match=r"raised ValueError: math domain error \(.*broken\.py, line 3\)"):
+        load_factory("./broken.py:build")
+    part.write_text("def build(rank, num_stages):\n    return rank + 1\n")
+    assert load_factory("./broken.py:build")(1, 2) == 2
+    out = subprocess.run([*CLI, "stage", "--part", "./broken.py:nope"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    part.write_text("raise RuntimeError('no GPU for this part')\n")
+    out = subprocess.run([*CLI, "stage", "--part", "./broken.py:build"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "raised RuntimeError: no GPU for this part" in out.stderr, out.stderr
+
+
 def test_a_demo_whose_stdout_closes_ends_quietly_and_stops_its_second_process() -> None:
     # `tensorwire demo | head -1`: the next print raised BrokenPipeError, a traceback on stderr
     demo = subprocess.Popen([*CLI, "demo", "--size-mib", "1", "--repeat", "1"], stdout=subprocess.PIPE,

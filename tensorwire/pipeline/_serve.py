@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ def load_factory(spec: str) -> Callable[[int, int], Any]:
     relative = where.startswith(".") and not where.endswith(".py")  # ".mod", or "./file" without .py
     if not sep or not where or not name or relative:
         raise ConfigurationError(f"--part {spec!r} is not MODULE:FUNCTION or FILE.py:FUNCTION")
+    loading = None
     try:
         if where.endswith(".py"):
             path = Path(where).resolve()
@@ -37,16 +39,40 @@ def load_factory(spec: str) -> Callable[[int, int], Any]:
             if module_spec is None or module_spec.loader is None:
                 raise ConfigurationError(f"cannot load {path}")
             module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_spec.name] = module
+            loading = module_spec.name
+            sys.modules[loading] = module
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
     except (ImportError, OSError) as exc:
+        _forget(loading)
         raise ConfigurationError(f"--part {spec!r}: cannot import {where}: {exc}") from exc
+    except Exception as exc:  # the user's module failed while it loaded: say where, not a traceback
+        _forget(loading)
+        raise ConfigurationError(f"--part {spec!r}: loading {where} raised {_where_it_raised(exc)}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigurationError(f"--part {spec!r}: {where} has no function {name!r}")
     return fn  # type: ignore[no-any-return]
+
+
+def _forget(name: str | None) -> None:
+    """Drop a part module that failed to load from ``sys.modules`` (a retry loads it anew)."""
+    if name is not None:
+        sys.modules.pop(name, None)
+
+
+def _where_it_raised(exc: Exception) -> str:
+    """``SyntaxError: invalid syntax (parts.py, line 3)``, or ``ValueError: bad (parts.py,
+    line 7)``: the error and the last line of the user's code it came from."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError):
+        return text  # its text names the file and line
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if "importlib" not in f.filename and not f.filename.startswith("<frozen")]
+    if own:
+        text += f" ({own[-1].filename}, line {own[-1].lineno})"
+    return text
 
 
 async def serve_stage(
