@@ -665,12 +665,16 @@ def _receipt(
     """A one-sided operation's receipt; ``moved``: the channel's own, for an owner-assisted one."""
     ch = peer.channel
     if moved is not None:
+        packed, staged = packed or moved.packed, staged or moved.staged
         return replace(
             moved,
             protocol=protocol,
             nbytes=nbytes,
-            packed=packed or moved.packed,
-            staged=staged or moved.staged,
+            # the reply may have landed in place, but in a buffer of ours that was then copied
+            # into a strided out= (packed): not direct
+            direct=moved.direct and not packed and not staged,
+            packed=packed,
+            staged=staged,
             memory=memory if memory != "host" else moved.memory,
             seconds=time.perf_counter() - t0,
         )
@@ -684,6 +688,20 @@ def _receipt(
         staged=staged,
         packed=packed,
         memory=memory,
+    )
+
+
+def _and_then(earlier: Receipt | None, later: Receipt) -> Receipt:
+    """The channel's receipts of two owner-served parts of one batch as one: direct only if
+    both were, staged or packed if either was (the last part's alone described the batch)."""
+    if earlier is None:
+        return later
+    return replace(
+        later,
+        direct=earlier.direct and later.direct,
+        staged=earlier.staged or later.staged,
+        packed=earlier.packed or later.packed,
+        memory=later.memory if later.memory != "host" else earlier.memory,
     )
 
 
@@ -930,13 +948,14 @@ async def read_many(
         for k in range(0, len(assisted), _MAX_REGIONS):
             part = assisted[k : k + _MAX_REGIONS]
             # device memory: the recv lands it (staged or by pointer) and orders the consumer's stream
-            moved = await _assisted_read(
+            got = await _assisted_read(
                 peer,
                 [handles[i] for i in part],
                 [dests[i].value if dests[i].dest is None else dests[i].dest for i in part],
                 streams,
                 _before("read", done, len(handles)),
             )
+            moved = _and_then(moved, got)
             done += part
     except TensorWireError:
         for i in done:  # the error says these are in their outs: strided ones too
@@ -1179,7 +1198,8 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         staged = bool(down)
     done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
     for part, msg in zip(parts, outgoing, strict=True):
-        moved = await _assisted_write(peer, [handles[i] for i in part], msg, _before("write", done, len(handles)))
+        sent = await _assisted_write(peer, [handles[i] for i in part], msg, _before("write", done, len(handles)))
+        moved = _and_then(moved, sent)
         done += part
     nbytes = sum(a.nbytes for a in arrays)
     return _receipt(peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)

@@ -399,6 +399,28 @@ async def test_a_batch_the_owner_refuses_part_way_says_which_handles_moved(trans
         assert (strided[:256, ::2] == 7).all() and not strided[256:].any()
 
 
+async def test_the_receipt_of_a_batch_in_several_requests_says_how_every_part_moved() -> None:
+    """Through the owner, a batch of more than 256 regions goes as several requests; its receipt
+    must say how all of them moved. It said how the last one did: over inproc the reply to 256
+    small rows (4 KiB) comes before its recv is posted and is copied in (staged), and the batch
+    was reported direct and not staged when two large rows (512 KiB) came after them, staged
+    when they came first."""
+    async with connected_pair("inproc") as (a, b):
+        small = np.arange(256 * 4, dtype=np.int32).reshape(256, 4)
+        big = np.arange(2 * 65536, dtype=np.int32).reshape(2, 65536)
+        a.node.expose(small, name="small")
+        a.node.expose(big, name="big")
+        hs, hb = await b.lookup("small"), await b.lookup("big")
+        rows, bigs = [hs[i] for i in range(256)], [hb[0], hb[1]]
+        said = []
+        for handles in (rows + bigs, bigs + rows):
+            got, receipt = await b.read_many_with_receipt(handles)
+            assert np.array_equal(np.stack(got[:256] if handles[0] is rows[0] else got[2:]), small)
+            assert receipt.protocol == "owner-assisted" and receipt.nbytes == small.nbytes + big.nbytes, receipt
+            said.append((receipt.direct, receipt.staged))
+        assert said == [(False, True), (False, True)], f"small rows first, then last: (direct, staged) {said}"
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
 async def test_a_batch_whose_buffers_or_rows_overlap_is_refused_before_anything_moves(transport: str) -> None:

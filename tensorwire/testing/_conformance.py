@@ -298,7 +298,7 @@ async def check_non_contiguous(a: Peer, b: Peer) -> None:
 
 @_check()
 async def check_out_receive(a: Peer, b: Peer) -> None:
-    x = np.arange(10_000, dtype=np.float32)
+    x = np.arange(25_000, dtype=np.float32)  # 100 kB: past every transport's inline size (verbs: 64 KiB)
     out = np.zeros_like(x)
     task = asyncio.ensure_future(b.recv_with_receipt(tag="o", out=out))
     await asyncio.sleep(0.01)  # posted before the message arrives: lands in out directly
@@ -321,27 +321,44 @@ async def check_out_receive(a: Peer, b: Peer) -> None:
 
 
 @_check(Limits(recv_buffer_bytes=MiB))
-async def check_both_ends_name_the_same_protocol(a: Peer, b: Peer) -> None:
-    """The send's receipt and the recv's receipt of one message name the same protocol and
-    size, whichever came first, with or without out=: a message with no payload, a small
-    one (carried with its header where the transport does that), one past the inline limit,
-    and one past the receiver's credit (rendezvous). tcp's express delivery said "inline"
-    where its sender said "eager"; ucx's sender called a message of no bytes "inline"."""
-    sizes = (None, 0, 8, 4096, 128 * 1024, 2 * MiB)  # None: a message of no tensors at all
+async def check_receipts_of_both_ends_agree_and_say_whether_bytes_were_copied(a: Peer, b: Peer) -> None:
+    """The send's and the recv's receipt of one message name the same protocol and size (tcp's
+    express delivery said "inline" where its sender said "eager"; ucx's sender called a message
+    of no bytes "inline"), and neither says ``direct`` where tensorwire copied the bytes: bytes
+    that came with the header were copied into the frame and out of it again (the receiver
+    said direct, its sender not); a message buffered before its recv with out= is ``staged``;
+    an empty tensor passes through no buffer (the receiver said a message of no bytes was
+    staged); a packed source is not direct. Contiguous, strided and pytree sources with empty
+    tensors, a message of no tensors, every size from none to past the 1 MiB credit."""
+
+    def sources(n: int) -> list[tuple[str, Any, Any]]:
+        x = (np.arange(n) % 251).astype(np.uint8)
+        strided = np.repeat(x, 2)[::2]
+        tree = {"e": np.zeros((0, 3), np.float32), "x": x, "f": np.zeros(0, np.int64)}
+        tree_out = {"e": np.zeros((0, 3), np.float32), "x": np.empty_like(x), "f": np.zeros(0, np.int64)}
+        return [("array", x, np.empty_like(x)), ("strided", strided, np.empty_like(x)), ("tree", tree, tree_out)]
+
     seen = set()
-    for n in sizes:
-        for order in ("recv-first", "send-first"):
-            for with_out in (False, True):
-                if n is None and with_out:
-                    continue
-                src: Any = {"k": 1} if n is None else np.full(n, 7, np.uint8)
-                out = None if n is None or not with_out else np.empty(n, np.uint8)
-                got, sent, received = await exchange(a, b, src, out, order)
-                where = f"{n} bytes, {order}, out={with_out}"
-                assert _same(got, src), where
-                assert sent.protocol == received.protocol, f"{where}: sent {sent}, received {received}"
-                assert sent.nbytes == received.nbytes == (n or 0), f"{where}: sent {sent}, received {received}"
-                seen.add(sent.protocol)
+    for n in (0, 8, 4096, 128 * 1024, 2 * MiB):
+        for name, src, out_ in sources(n) + ([("no tensors", {"k": 1}, None)] if n == 0 else []):
+            for order in ("recv-first", "send-first"):
+                for out in {id(o): o for o in (None, out_)}.values():
+                    got, sent, received = await exchange(a, b, src, out, order)
+                    where = f"{name} of {n} bytes, {order}, out={out is not None}: sent {sent}, received {received}"
+                    assert _same(got, src), where
+                    assert sent.protocol == received.protocol and sent.nbytes == received.nbytes == n, where
+                    seen.add(sent.protocol)
+                    for r in (sent, received):
+                        assert not (r.direct and (r.staged or r.packed)), where
+                        assert not (r.direct and r.protocol == "inline"), where
+                    assert sent.packed == (name == "strided" and n > 1), where
+                    assert not received.packed, where
+                    if n == 0:
+                        assert not received.staged, where
+                    elif order == "send-first" and out is not None and received.protocol != "rendezvous":
+                        assert received.staged and not received.direct, where  # buffered, then copied in
+                    elif received.protocol == "rendezvous":
+                        assert received.direct and not received.staged, where  # straight into place
     assert "rendezvous" in seen, f"a message past the receiver's credit went {seen}"
 
 
@@ -1019,8 +1036,10 @@ async def check_one_sided_rows(a: Peer, b: Peer) -> None:
     out = np.full((4, 32, 8), -1, np.int32)
     assert await b.read(h[17:21], out=out) is out and np.array_equal(out, kv[17:21])
     strided = np.full((32, 4, 8), -1, np.int32).transpose(1, 0, 2)  # a non-contiguous out=
-    await b.read(h[40:44], out=strided)
+    _, receipt = await b.read_with_receipt(h[40:44], out=strided)
     assert np.array_equal(strided, kv[40:44])
+    # the bytes landed in a buffer of ours and were copied in (owner-assisted reads said direct)
+    assert receipt.packed and not receipt.direct and receipt.nbytes == strided.nbytes, receipt
     # writes land in just those rows
     receipt = await b.write(h[10:12], np.full((2, 32, 8), 7, np.int32))
     assert receipt.protocol == protocol and receipt.nbytes == 2 * 32 * 8 * 4, receipt
@@ -1065,7 +1084,7 @@ async def check_one_sided_batches(a: Peer, b: Peer) -> None:
     assert len(got) == len(wants) and got[1] is strided and got[3] is outs[3]
     for g, want in zip(got, wants, strict=True):
         assert np.array_equal(g, want), (g, want)
-    assert receipt.protocol == protocol and receipt.packed, receipt
+    assert receipt.protocol == protocol and receipt.packed and not receipt.direct, receipt
     assert receipt.nbytes == sum(x.nbytes for x in wants), receipt
     # more rows than one owner-assisted request carries, in a random order
     rows = np.random.default_rng(0).permutation(512)[:300]

@@ -319,7 +319,9 @@ class _Delivered:
             nbytes = sum(a.nbytes for a in self.dest)
             value = _rebuild(self.tree, self.specs, self.dest)  # type: ignore[arg-type]
         seconds = time.perf_counter() - t0
-        return value, Receipt(channel.transport, channel.lanes, nbytes, seconds, self.protocol, True, False, False)
+        # the bytes came with the header and deliver() copied them out of the transport's frame
+        # (ucx, verbs: "inline") or read buffer (tcp): never direct
+        return value, Receipt(channel.transport, channel.lanes, nbytes, seconds, self.protocol, False, False, False)
 
     def give_back(self, channel: Channel, tag: int, out: object | None) -> Arrival:
         """The message as a complete arrival in buffers of ours (its recv was cancelled after
@@ -638,7 +640,7 @@ class Mailbox:
                 for src, dst in zip(dest, final, strict=True):
                     if src is not dst:
                         np.copyto(dst, src)  # type: ignore[arg-type]
-                        staged = True
+                        staged = staged or src.nbytes > 0  # an empty tensor passed through nothing
             value = _rebuild(arrival.tree, arrival.specs, final) if out is None else with_scalars(out, arrival.tree)
         except TensorWireError:
             raise
@@ -651,7 +653,8 @@ class Mailbox:
             nbytes=arrival.nbytes,
             seconds=time.perf_counter() - t0,
             protocol=arrival.protocol,
-            direct=not staged,
+            # "inline": the bytes rode in the header's frame and were copied out of it here
+            direct=not staged and arrival.protocol != "inline",
             staged=staged,
             packed=False,
             memory=memory,
