@@ -253,3 +253,22 @@ async def test_stock_grpc_client_needs_the_token(stubs: Path) -> None:
         allowed = await _stock_client(stubs, node.address, "s3cret")
     assert denied["methods"] == "UNAUTHENTICATED" and denied["add"]["code"] == "UNAUTHENTICATED"
     assert allowed["add"] == {"result": 5} and "add" in allowed["methods"]
+
+
+@pytest.mark.parametrize("depth", [48, 49, 60])
+def test_values_nest_only_as_deep_as_protobuf_decodes(depth: int) -> None:
+    """value_to_pb claimed 64 levels, but protobuf's decoder stops at 100 message levels (two a
+    level): a 60-deep result escaped as protobuf's DecodeError (an UNKNOWN status), not as the
+    ValueError that makes Invoke answer FAILED_PRECONDITION with the reason."""
+    from tensorwire.control._pb import control_pb2
+    from tensorwire.rpc._grpc import value_from_pb, value_to_pb
+
+    nested: Any = 1
+    for _ in range(depth):
+        nested = [nested]
+    if depth > 48:
+        with pytest.raises(ValueError, match="nested deeper than 48 levels"):
+            value_to_pb(nested)
+        return
+    wire = control_pb2.InvokeResponse(result=value_to_pb(nested)).SerializeToString()
+    assert value_from_pb(control_pb2.InvokeResponse.FromString(wire).result) == nested

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
 
 import tensorwire
-from tensorwire.tensors import decode_header, prepare
+from tensorwire.tensors import decode_header, prepare, rebuild
 from tensorwire.testing import connected_pair
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,3 +62,94 @@ def test_many_strided_leaves_over_one_range_are_checked_without_comparing_every_
     refuse_shared([interleaved[i::16] for i in range(16)], "{first} {second}")  # share nothing
     with pytest.raises(ShapeMismatchError, match=r"^0 16$"):
         refuse_shared([*(interleaved[i::16] for i in range(16)), interleaved[::32]], "{first} {second}")
+
+
+@pytest.mark.parametrize("make", ["numpy", "torch"])
+def test_an_empty_tensor_whose_shape_a_receiver_refuses_is_refused_at_the_sender(make: str) -> None:
+    """np.empty((0, 2**62), np.int8) holds no bytes, but its header claims a shape every
+    receiver refuses as impossible (a ProtocolError that closed tcp and ucx channels)."""
+    shape = (0, 2**62)
+    if make == "torch":
+        torch = pytest.importorskip("torch")
+        t: object = torch.empty(shape, dtype=torch.int8)
+    else:
+        t = np.empty(shape, np.int8)
+    with pytest.raises(tensorwire.UnsupportedTensorError, match="2\\*\\*62 bytes"):
+        prepare({"x": t})
+    fits = np.empty((0, 2**61), np.int8)  # the largest that still passes
+    _, specs = decode_header(prepare(fits).header, max_message_bytes=1)
+    assert specs[0].shape == fits.shape
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_an_impossible_empty_shape_fails_the_send_alone(transport: str) -> None:
+    async with connected_pair(transport) as (a, b), asyncio.timeout(20):
+        with pytest.raises(tensorwire.UnsupportedTensorError):
+            await a.send(np.empty((0, 2**62), np.int8), tag="z")
+        await a.send(np.empty((0, 2**61), np.int8), tag="z")
+        got = await b.recv(tag="z")
+        assert got.shape == (0, 2**61) and got.dtype == np.int8
+
+
+def test_integers_of_up_to_1000_digits_travel_as_their_digits() -> None:
+    """Ints of 995-1000 digits were refused as 'beyond 1000 digits'; an int subclass beyond
+    64 bits travelled as its str() ("E.BIG" for an (int, Enum) member), a header the receiver
+    refuses (a ProtocolError that closed the channel)."""
+    import enum
+
+    class E(int, enum.Enum):
+        BIG = 2**70
+
+    values = [10**999, -(10**999) + 1, 10**1000 - 1, E.BIG]
+    tree, _ = decode_header(prepare(values).header, max_message_bytes=1 << 20)
+    assert rebuild(tree, [], []) == [10**999, -(10**999) + 1, 10**1000 - 1, 2**70]
+    with pytest.raises(tensorwire.UnsupportedTensorError, match="1000 digits"):
+        prepare(10**1000)
+
+
+@pytest.mark.parametrize("make", ["numpy", "torch"])
+async def test_a_broadcast_view_too_large_to_pack_fails_the_send_with_a_transfer_error(make: str) -> None:
+    """A stride-0 view (np.broadcast_to, torch's expand) is packed into C order before it is sent;
+    one larger than memory raised numpy's MemoryError (1 PiB here: past any address space)."""
+    if make == "torch":
+        torch = pytest.importorskip("torch")
+        big: object = torch.zeros(1, dtype=torch.int8).expand(2**50)
+    else:
+        big = np.broadcast_to(np.zeros(1, np.int8), (2**50,))
+    async with connected_pair("tcp") as (a, b), asyncio.timeout(20):
+        with pytest.raises(tensorwire.TransferError, match="out of memory"):
+            await a.send(big, tag="b")
+        await a.send(np.arange(3), tag="b")
+        assert np.array_equal(await b.recv(tag="b"), np.arange(3))
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+@pytest.mark.parametrize(
+    "make_out",
+    [
+        lambda: _read_only(np.zeros(3)),
+        lambda: np.zeros(6)[::2],
+        lambda: (lambda z: [z, z])(np.zeros(3)),
+        lambda: np.zeros(3, ">f8"),
+    ],
+    ids=["read-only", "strided", "shared", "big-endian"],
+)
+async def test_an_rpc_out_no_result_could_land_in_is_refused_before_the_method_runs(make_out: Any) -> None:
+    """call(..., _out=) with a read-only, strided or shared buffer sent the call, ran the method
+    and then dropped its result as not fitting: a method with effects had them for nothing."""
+    async with connected_pair("tcp") as (a, b), asyncio.timeout(20):
+        runs = []
+
+        @b.node.method("take")
+        async def take() -> Any:
+            runs.append(1)
+            return np.arange(3.0)
+
+        with pytest.raises((tensorwire.ShapeMismatchError, tensorwire.UnsupportedTensorError)):
+            await a.call("take", _out=make_out())
+        assert runs == []
+        assert np.array_equal(await a.call("take", _out=np.zeros(3)), np.arange(3.0))

@@ -35,7 +35,7 @@ from ..errors import (
     TensorWireError,
 )
 from ..tensors import Outgoing, is_tensor, prepare
-from ..tensors._message import MAX_DEPTH
+from ..tensors._message import MAX_DEPTH, check_out
 from ..transports import Channel, ChannelState, Receipt
 from ._codec import encode
 from ._deadline import effective_deadline
@@ -345,8 +345,10 @@ async def call(
     the call's messages moved (None unless ``want_receipt``: the channel's receipts are passed
     along either way, and only this one is built on request)."""
     t0 = time.perf_counter() if want_receipt else 0.0
-    if out is not None and type(out) is not np.ndarray:
-        _check_out(out)
+    if out is not None:
+        if type(out) is not np.ndarray:
+            _check_out(out)
+        check_out(out)  # tensors the result could never land in: refused before the method runs
     left = effective_deadline(deadline)
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")

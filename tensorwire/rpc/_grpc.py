@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 __all__ = ["invoke", "list_methods", "value_from_pb", "value_to_pb"]
 
-_MAX_DEPTH = 64
+# Each level of a Value is two protobuf levels (Value, then ListValue or MapValue), and
+# protobuf's decoder stops at 100: deeper failed in protobuf itself (a DecodeError out of
+# value_to_pb, an UNKNOWN status) where it should be this module's ValueError.
+_MAX_DEPTH = 48
 _INT64 = 1 << 63
 
 # how a method's own exception maps to a status (anything else: UNKNOWN)

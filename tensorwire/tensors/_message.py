@@ -19,12 +19,13 @@ import numpy as np
 from ..control._pb import wire_pb2
 from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
 from ._device import DeviceSource, DeviceTensor, Streams
-from ._dtypes import DTYPES
+from ._dtypes import DTYPES, dtype_name
 from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
 __all__ = [
     "Outgoing",
     "Spec",
+    "check_out",
     "decode_header",
     "decode_header_sized",
     "match_out",
@@ -38,6 +39,10 @@ __all__ = [
 MAX_DEPTH = 32
 MAX_BIG_INT_DIGITS = 1000
 _BIG_INT = re.compile(rf"-?[0-9]{{1,{MAX_BIG_INT_DIGITS}}}")
+_BIG_INT_BITS = math.ceil(MAX_BIG_INT_DIGITS * math.log2(10))  # every int of that many digits has no more bits
+# the largest payload a header may describe, counting empty dimensions as 1: a receiver refuses
+# more (nothing it could allocate), so a sender must not send it
+_MAX_SHAPE_BYTES = 1 << 62
 _SCALAR_KINDS = frozenset({"none", "bool_value", "int_value", "float_value", "str_value", "bytes_value", "big_int"})
 _INT64 = 2**63
 _CUDA_DEVICE = re.compile(r"cuda(:[0-9]{1,6})?")
@@ -146,7 +151,9 @@ def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeN
         if -_INT64 <= obj < _INT64:
             node.int_value = obj
         else:
-            text = str(obj) if obj.bit_length() < 3300 else ""
+            # int's own digits: a subclass's str() may be anything ("E.BIG" for an (int, Enum)
+            # member), which the receiver refuses as a malformed header
+            text = int.__repr__(obj) if obj.bit_length() <= _BIG_INT_BITS else ""
             if not text or len(text.lstrip("-")) > MAX_BIG_INT_DIGITS:
                 raise UnsupportedTensorError(f"integers beyond {MAX_BIG_INT_DIGITS} digits are not supported")
             node.big_int = text
@@ -234,8 +241,14 @@ def _prepare_tree(obj: object) -> Outgoing:
             device = "cuda" if arr.engine.kind == "cuda" else "cpu"
         else:
             device = "cpu"
-        specs.append(Spec(v.dtype, v.shape, int(arr.nbytes), v.framework, device))
-        total += int(arr.nbytes)
+        nbytes = int(arr.nbytes)
+        if not nbytes and _impossible(v.shape, DTYPES[v.dtype].itemsize):  # (empty: no bytes bound its shape)
+            raise UnsupportedTensorError(
+                f"a {v.dtype} tensor of shape {list(v.shape)[:8]} cannot be sent: its dimensions (empty ones "
+                "counted as 1) describe 2**62 bytes or more, which no receiver accepts"
+            )
+        specs.append(Spec(v.dtype, v.shape, nbytes, v.framework, device))
+        total += nbytes
     memory = next((a.engine.kind for a in arrays if isinstance(a, DeviceTensor)), "host")
     return Outgoing(tree, specs, arrays, packed, total, on_device=on_device, memory=memory)
 
@@ -289,7 +302,7 @@ def _decode_header(
         shape = tuple(int(d) for d in t.shape)
         if any(d < 0 for d in shape):
             raise ProtocolError(f"header claims a negative dimension in shape {shape}")
-        if math.prod(max(d, 1) for d in shape) * dt.itemsize >= 1 << 62:
+        if _impossible(shape, dt.itemsize):
             raise ProtocolError(f"header claims an impossible shape {list(shape)[:8]}")
         n = math.prod(shape) * dt.itemsize
         if n != t.nbytes:
@@ -306,6 +319,11 @@ def _decode_header(
         specs.append(Spec(t.dtype, shape, n, t.framework or "numpy", device))
     _check_tree(msg.tree, len(specs), 0)
     return msg.tree, specs
+
+
+def _impossible(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether a shape (empty dimensions counted as 1) describes more bytes than a header may."""
+    return math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_SHAPE_BYTES
 
 
 def _check_tree(node: wire_pb2.TreeNode, ntensors: int, depth: int) -> None:
@@ -390,6 +408,23 @@ def match_out(
     if len(views) > 1:
         _refuse_overlap(views)
     return [v.dev.target(streams) if v.dev is not None else v.array for v in views]
+
+
+def check_out(out: object) -> None:
+    """Refuse an out= whose host tensors no message could land in (read-only, not C-contiguous,
+    two sharing memory, or no tensor tensorwire can receive into), as ``match_out`` would, for
+    a caller that must know before it sends anything (an RPC's ``_out=``: the method would run
+    and its result be dropped)."""
+    if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable and out.dtype.isnative:
+        dtype_name(out.dtype)  # (an object array, ...: UnsupportedTensorError)
+        return
+    views: list[TensorView] = []
+    _flatten(out, views, 0)
+    for v in views:
+        if v.dev is None:
+            _writable(v)
+    if len(views) > 1:
+        _refuse_overlap(views)
 
 
 _SCALARS = (bool, int, float, str, bytes)

@@ -98,7 +98,13 @@ class TensorView:
             return self.dev.wire()
         if self.array.flags.c_contiguous:
             return self.array, False
-        return np.ascontiguousarray(self.array), True
+        try:
+            return np.ascontiguousarray(self.array), True
+        except MemoryError as exc:  # a broadcast view (stride 0) packs to its full size
+            raise TransferError(
+                f"out of memory: could not pack a {self.dtype} tensor of shape {self.shape} ({self.nbytes} "
+                "bytes) into C order to send it; nothing was sent (send a contiguous tensor, or a smaller one)"
+            ) from exc
 
 
 def _torch() -> Any:
