@@ -44,8 +44,9 @@ class Part(ABC):
     @abstractmethod
     def backward(self, ctx: Any, grad: Any) -> Any:
         """Backward of one microbatch from the gradient of its output (None after
-        ``forward_loss``): add to the parameters' gradients, return the input's gradient
-        (None when ``needs_input_grad`` was False)."""
+        ``forward_loss``, or when no gradient reaches the output): add to the parameters'
+        gradients, return the input's gradient (None when ``needs_input_grad`` was False or no
+        gradient reaches the input)."""
 
     @abstractmethod
     def zero_grad(self) -> None:
@@ -203,7 +204,7 @@ class TorchPart(Part):
         x_in = self._input(x, needs_input_grad)
         with self._torch.enable_grad():
             y = self.module(x_in)
-        return y.detach(), (x_in, y)
+        return y.detach(), (x_in, y, False)
 
     def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
         if self.loss is None:
@@ -217,21 +218,25 @@ class TorchPart(Part):
         with torch.enable_grad():
             loss = self.loss(self.module(x_in), target)
             scaled = loss * weight
-        return float(loss.detach()), (x_in, scaled)
+        return float(loss.detach()), (x_in, scaled, True)
 
     def backward(self, ctx: Any, grad: Any) -> Any:
         self._enter()
         torch = self._torch
-        x_in, out = ctx
+        x_in, out, is_loss = ctx
+        if grad is None and not is_loss:
+            # no gradient reaches this stage's output (the next stage's result does not depend
+            # on it): as in one process, none reaches its parameters or its input either
+            return None
         if grad is not None and not isinstance(grad, torch.Tensor):
             grad = torch.as_tensor(np.asarray(grad))
         if grad is not None and grad.device != out.device:
             grad = grad.to(out.device)
         if out.requires_grad:
             torch.autograd.backward(out, grad)
-        if not x_in.requires_grad:
-            return None
-        return x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+        # None, not zeros, when no gradient reaches the input: the previous stages' parameters
+        # then get none, as in one process (zeros would still move them by weight decay or momentum)
+        return x_in.grad if x_in.requires_grad else None
 
     def zero_grad(self) -> None:
         for p in self.params:

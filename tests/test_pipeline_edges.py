@@ -1,0 +1,139 @@
+"""Pipeline steps at the edges a torch.distributed.pipelining user runs into: a stage through
+which no gradient flows back (checked against the same modules trained in one process), a stage
+whose code raises on one microbatch (the error names it), and a batch past a stage's CallLimits."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+from _pipeline_fixtures import NumpyLinear, nodes, stages
+from _pipeline_reference import mse
+
+import tensorwire
+from tensorwire import pipeline
+from tensorwire.rpc import CallLimits
+
+
+class RaisesOnce(NumpyLinear):
+    """A layer whose forward or backward of one microbatch (by its input's first value) raises."""
+
+    def __init__(self, rng: np.random.Generator, kind: str, marker: float) -> None:
+        super().__init__(rng, 4, 4, tanh=True)
+        self.kind, self.marker = kind, marker
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        if self.kind == "F" and x[0, 0] == self.marker:
+            raise FloatingPointError("overflow in this microbatch")
+        y, ctx = super().forward(x)
+        return y, (ctx, x[0, 0] == self.marker)
+
+    def backward(self, ctx: Any, grad: np.ndarray) -> np.ndarray:
+        inner, marked = ctx
+        if self.kind == "B" and marked:
+            raise FloatingPointError("overflow in this microbatch")
+        return super().backward(inner, grad)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("kind", "schedule", "what"), [("F", "gpipe", "forward"), ("B", "1f1b", "backward")])
+async def test_an_error_in_one_microbatch_names_the_stage_and_the_microbatch(
+    kind: str, schedule: str, what: str
+) -> None:
+    # the old stage said "stage 1 raised FloatingPointError in step 0" and no more: with 4
+    # microbatches, which one (and forward or backward) was left to guess
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    x[4, 0] = 7.0  # the first row of microbatch 2 (of 4)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=False, bias=False)),
+        pipeline.FunctionPart(RaisesOnce(rng, kind, 7.0)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    parts[0].layer.w = np.eye(4, dtype=np.float32)  # type: ignore[attr-defined]  # stage 1 sees x
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(10):
+                    await pipe.step(x, np.zeros((8, 2), np.float32), microbatches=4, schedule=schedule)
+    where = f"step 0, at {kind}2: the {what} of microbatch 2"
+    assert err.value.remote_type == "FloatingPointError"
+    assert f"pipeline stage 1 raised this in {where}" in err.value.remote_traceback
+    notes = "\n".join(err.value.__notes__)
+    assert notes.count(f"aborted because stage 1 raised FloatingPointError in {where}: overflow") == 2, notes
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+async def test_no_gradient_through_a_stage_leaves_the_earlier_ones_untouched(schedule: str) -> None:
+    # In one process stage 0's parameters get no gradient (None), so SGD with weight decay and
+    # momentum leaves them alone; the old TorchPart sent zeros back instead, and weight decay
+    # moved stage 0 (and through it every later loss) away from the one-process model.
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Detach(nn.Module):  # type: ignore[misc]
+        def forward(self, x: Any) -> Any:
+            return x.detach() * 2
+
+    torch.manual_seed(0)
+    d = 6
+    parts = [nn.Linear(d, d), Detach(), nn.Linear(d, 2)]
+    reference = nn.Sequential(*copy.deepcopy(parts))
+    first = {k: v.clone() for k, v in parts[0].state_dict().items()}
+
+    def optimizer(ps: Any) -> Any:
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    ref_opt = optimizer(reference.parameters())
+    loss_fn = nn.functional.mse_loss
+    stage_parts = [
+        pipeline.TorchPart(parts[0], optimizer=optimizer),
+        pipeline.TorchPart(parts[1]),
+        pipeline.TorchPart(parts[2], optimizer=optimizer, loss=loss_fn),
+    ]
+    x, y = torch.randn(7, d), torch.randn(7, 2)
+    async with stages(stage_parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            for _ in range(2):
+                result = await pipe.step(x, y, microbatches=3, schedule=schedule)
+                ref_opt.zero_grad()
+                want = loss_fn(reference(x), y)
+                want.backward()
+                ref_opt.step()
+                assert result.loss == pytest.approx(want.item(), rel=1e-5)
+    assert reference[0].weight.grad is None  # what the pipeline must reproduce
+    for name, value in parts[0].state_dict().items():
+        assert torch.equal(value, first[name]), f"stage 0 {name} moved without a gradient"
+    for name, value in parts[2].state_dict().items():
+        torch.testing.assert_close(value, reference[2].state_dict()[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+async def test_a_batch_past_a_stages_call_limits_fails_at_once_and_breaks_nothing() -> None:
+    # stage 0's node serves calls of at most 4096 argument bytes (CallLimits). The old driver
+    # checked only Limits.max_message_bytes and sent the step; the node refused stage 0's call
+    # before the stage ran it, so no stage aborted the others, which waited abort_grace (6 s
+    # here) for it, and the driver's cancel then broke every stage until the next connect
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 64, 64, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 64, 2, tanh=False), loss=mse),
+    ]
+    x = rng.standard_normal((32, 64)).astype(np.float32)  # 8192 bytes
+    y = np.zeros((32, 2), np.float32)
+    async with nodes(3) as ns, pipeline.Stage(ns[0], parts[0]), pipeline.Stage(ns[1], parts[1]):
+        ns[0].methods.limits = CallLimits(max_inflight_bytes=4096)
+        async with await pipeline.Pipeline.connect(ns[2], [ns[0].address, ns[1].address]) as pipe:
+            with pytest.raises(tensorwire.MessageRefused, match="8192 bytes of microbatches, past the 4096-byte"):
+                await pipe.step(x, y, microbatches=2)
+            await pipe.step(x[:8], y[:8], microbatches=2)  # refused before it began: nothing broke
+            # limits lowered after connect: the node refuses the call, and the driver cuts the
+            # other stages short at once instead of waiting abort_grace for them
+            ns[0].methods.limits = CallLimits(max_inflight_bytes=1024)
+            with pytest.raises(tensorwire.InvalidArguments, match="carry 2048 tensor bytes; the limit here is 1024"):
+                async with asyncio.timeout(3):
+                    await pipe.step(x[:8], y[:8], microbatches=2)
