@@ -91,6 +91,7 @@ class Peer:
         self.path = path
         self._control = control
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self.session = session
         self._control_address = control_address  # the remote's control plane, for lookups
@@ -375,14 +376,20 @@ class Peer:
         task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
-        """Close the data channel and the control connection; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-        for task in list(self._tasks):
-            task.cancel()
+        """Close the data channel and the control connection; idempotent. The closing runs to
+        its end even if the caller is cancelled meanwhile, and every call waits for it."""
+        if self._closing is None:
+            self._closed = True
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            self._closing = asyncio.get_running_loop().create_task(
+                self._close(), name=f"tensorwire-peer-close {self.remote_address}"
+            )
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         try:
             await self.channel.aclose()
         finally:

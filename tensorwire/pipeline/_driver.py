@@ -31,7 +31,9 @@ from ..errors import (
     ClosedResourceError,
     ConfigurationError,
     DeadlineExceeded,
+    InvalidArguments,
     MessageRefused,
+    MethodNotFound,
     PeerDisconnected,
     RemoteError,
     ShapeMismatchError,
@@ -109,9 +111,12 @@ class Pipeline:
         self._generation = generation  # what the stages know this driver's configuration by
         #: per stage, how many unreceived messages it holds from a neighbour (its node's limits)
         self.max_unexpected = [int(info.get("max_unexpected", DEFAULT_MAX_UNEXPECTED)) for info in links]
+        # per stage, the most tensor bytes its node's CallLimits let one step call carry
+        self._max_arg_bytes = [info.get("max_arg_bytes") for info in links]
         self._steps = itertools.count()
         self._stepping = False
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
         #: how long to wait, after one stage failed a step, for the others to report their error
         self.abort_grace = max(5.0, 2 * node.config.lease_seconds)
 
@@ -209,13 +214,18 @@ class Pipeline:
 
         A step is all or nothing: each stage applies its optimizer update only once every stage
         has finished the step, so a step that fails, or that the caller cancels, changes no
-        stage's parameters. Steps run one at a time (BusyResourceError otherwise)."""
+        stage's parameters. Steps run one at a time (BusyResourceError otherwise); one under way
+        when the pipeline closes raises ClosedResourceError."""
         self._check_open()
         if self._stepping:
             raise BusyResourceError("this pipeline is already running a step; steps run one at a time")
         self._stepping = True
         try:
             return await self._step(inputs, targets, microbatches, schedule)
+        except TensorWireError as exc:
+            if self._closed:  # aclose() released the stages, which cut the step short
+                raise ClosedResourceError("this pipeline was closed while its step ran") from exc
+            raise
         finally:
             self._stepping = False
 
@@ -252,10 +262,11 @@ class Pipeline:
         try:
             _, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
             first = next((calls.index(t) for t in ended if _error(t) is not None), None)
-            if first is not None and not isinstance(_error(calls[first]), (RemoteError, PeerDisconnected)):
-                # the call failed here, at the driver, most likely before it reached its stage:
-                # then no neighbour of that stage aborts the others, which wait for it, and
-                # waiting abort_grace for them is no use
+            if first is not None and _never_ran(_error(calls[first])):
+                # the call failed here, at the driver, most likely before it reached its stage,
+                # or its stage's node refused it before the stage ran it: then no neighbour of
+                # that stage aborts the others, which wait for it, and waiting abort_grace for
+                # them is no use
                 local = first
             elif pending:  # one failed: the others fail soon (their neighbours abort them)
                 _, pending = await asyncio.wait(pending, timeout=self.abort_grace)
@@ -270,7 +281,7 @@ class Pipeline:
                 cut.add(s)
                 if local is not None:
                     outcomes.append(
-                        BrokenResourceError(f"cancelled at once: the call to stage {local} failed at the driver")
+                        BrokenResourceError(f"cancelled at once: the call to stage {local} failed before it ran there")
                     )
                 else:
                     outcomes.append(DeadlineExceeded(f"no answer within {self.abort_grace} s of the first failure"))
@@ -321,12 +332,15 @@ class Pipeline:
                     raise type(exc)(f"the {what} of microbatch {i} cannot be sent to stage {s}: {exc}") from exc
         for s, n in nbytes.items():
             peer = self.peers[s]
-            limit = peer.channel.remote_limits.max_message_bytes
+            limit, name = peer.channel.remote_limits.max_message_bytes, "Limits.max_message_bytes"
+            args = self._max_arg_bytes[s]
+            if args is not None and int(args) < limit:  # that node serves calls with less
+                limit, name = int(args), "CallLimits.max_inflight_bytes or max_arg_bytes"
             if n > limit:
                 raise MessageRefused(
                     f"this step's call to stage {s} ({peer.remote_address}) carries {n} bytes of "
                     f"microbatches, past the {limit}-byte limit of that stage's node (its "
-                    "Limits.max_message_bytes): take smaller batches"
+                    f"{name}): take smaller batches"
                 )
 
     def _failure(
@@ -379,29 +393,45 @@ class Pipeline:
             raise ClosedResourceError("this pipeline is closed (Pipeline.connect again to use its stages)")
 
     async def aclose(self) -> None:
-        """Tell the stages this driver is done (they drop their links), then disconnect; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(TensorWireError, TimeoutError):
-            async with asyncio.timeout(5):
-                for close in (False, True):  # first every stage stops watching, then they unlink
-                    await asyncio.gather(
-                        *[
-                            peer.call("tw.pipeline.release", self._generation, close)
-                            for peer in self.peers
-                            if not peer.closed
-                        ],
-                        return_exceptions=True,
-                    )
-        for peer in self.peers:
-            await peer.aclose()
+        """Tell the stages this driver is done (they drop their links), then disconnect;
+        idempotent. The closing runs to its end even if the caller is cancelled meanwhile (the
+        peers are closed all the same), and every call waits for it."""
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-pipeline-close")
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        try:
+            with contextlib.suppress(TensorWireError, TimeoutError):
+                async with asyncio.timeout(5):
+                    for close in (False, True):  # first every stage stops watching, then they unlink
+                        await asyncio.gather(
+                            *[
+                                peer.call("tw.pipeline.release", self._generation, close)
+                                for peer in self.peers
+                                if not peer.closed
+                            ],
+                            return_exceptions=True,
+                        )
+        finally:
+            await asyncio.gather(*[peer.aclose() for peer in self.peers], return_exceptions=True)
 
     async def __aenter__(self) -> Pipeline:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _never_ran(error: BaseException | None) -> bool:
+    """Whether a failed step call never ran on its stage: it failed at the driver, or the
+    stage's node refused it before running it (its arguments past that node's CallLimits, say)."""
+    if error is None:
+        return False
+    if isinstance(error, (InvalidArguments, MethodNotFound)):
+        return True  # the server's refusal; an error the stage itself raised is a plain RemoteError
+    return not isinstance(error, (RemoteError, PeerDisconnected))
 
 
 def _error(task: asyncio.Task[Any]) -> BaseException | None:

@@ -147,6 +147,7 @@ class Stage:
         self._sends: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
         self._cpu = 0.0
         # which driver's configure the stage is in: a stale driver's calls are refused
         self._ticket: _Ticket = (0, "")
@@ -154,6 +155,7 @@ class Stage:
         self._configuring: asyncio.Task[dict[str, Any]] | None = None
         self._config_lock = asyncio.Lock()
         self._running: int | None = None  # the step that self._task runs
+        self._failed_at: Action | None = None  # the action whose part code raised in this step
         self._settled = asyncio.Event()  # no finished step waits for its commit (see _pending)
         self._pending = None  # a finished step whose update waits for the driver's commit
         # a finished step of an earlier driver that never committed it here, as (its key, step):
@@ -335,12 +337,15 @@ class Stage:
         for link in self.links:
             link.watcher = asyncio.get_running_loop().create_task(self._watch(link), name=f"tw.pipeline watch {link}")
         log.info("stage %d/%d at %s: prev %s, next %s", rank, num_stages, self.node.address, self.prev, self.next)
+        step = self.node.methods.get("tw.pipeline.step")
         return {
             "rank": rank,
             "generation": ticket[0],
             "prev_path": str(self.prev.peer.path) if self.prev else None,
             "next_path": str(self.next.peer.path) if self.next else None,
             "max_unexpected": self.node.config.limits.max_unexpected,
+            # the most tensor bytes one step call may carry here (the node's CallLimits)
+            "max_arg_bytes": None if step is None else self.node.methods.arg_limit(step),
             # for the driver to settle a step an earlier driver committed on some stages only
             "orphan": list(self._orphan) if self._orphan is not None else None,
             "committed": list(self._last_commit) if self._last_commit is not None else None,
@@ -451,6 +456,7 @@ class Stage:
         if self._broken is not None:
             raise BrokenResourceError(f"stage {self.rank} is broken by an earlier failure: {self._broken}")
         plan = [Action.parse(tok) for tok in actions.split()]
+        self._failed_at = None
         task = asyncio.get_running_loop().create_task(self._run(step, plan, inputs, targets, weights))
         self._task, self._running = task, step
         try:
@@ -464,16 +470,36 @@ class Stage:
             self._fail(error, self.rank, str(error))
             raise
         except TensorWireError as exc:
+            self._name_the_microbatch(exc, step)
             self._fail(exc, self.rank, str(exc))
             raise
         except Exception as exc:
-            reason = f"stage {self.rank} raised {type(exc).__name__} in step {step}: {exc}"
+            reason = f"stage {self.rank} raised {type(exc).__name__} in {self._name_the_microbatch(exc, step)}: {exc}"
             self._fail(BrokenResourceError(reason), self.rank, reason)
             raise
         finally:
             self._task = self._running = None
             for t in list(self._sends):
                 t.cancel()
+
+    def _name_the_microbatch(self, exc: Exception, step: int) -> str:
+        """Where in ``step`` the part's code raised ``exc`` ("step 3, at F2: the forward of
+        microbatch 2"); said in a note too, which travels with the error's traceback."""
+        at = self._failed_at
+        if at is None:  # not the part's code for one microbatch
+            return f"step {step}"
+        what = "forward" if at.kind is Kind.FORWARD else "backward"
+        where = f"step {step}, at {at}: the {what} of microbatch {at.microbatch}"
+        exc.add_note(f"pipeline stage {self.rank} raised this in {where}")
+        return where
+
+    async def _part_code(self, action: Action, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """The part's code for ``action`` (``_compute``); an error it raises names the action."""
+        try:
+            return await self._compute(fn, *args)
+        except Exception:
+            self._failed_at = action
+            raise
 
     async def _compute(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         """Run ``fn`` (in a worker thread when offloading); (its result, wall seconds). The CPU
@@ -557,11 +583,11 @@ class Stage:
                     wait += time.perf_counter() - t0
                 if last:
                     assert targets is not None and weights is not None
-                    (losses[i], ctxs[i]), dt = await self._compute(
-                        part.forward_loss, x, targets[i], float(weights[i]), not first
+                    (losses[i], ctxs[i]), dt = await self._part_code(
+                        action, part.forward_loss, x, targets[i], float(weights[i]), not first
                     )
                 else:
-                    (y, ctxs[i]), dt = await self._compute(part.forward, x, not first)
+                    (y, ctxs[i]), dt = await self._part_code(action, part.forward, x, not first)
                     self._send_later(self.next, y, message_tag(step, "f", i), f"its activation of microbatch {i}")
             else:
                 grad = None
@@ -569,7 +595,7 @@ class Stage:
                     t0 = time.perf_counter()
                     grad = await self._recv(self.next, message_tag(step, "b", i))
                     wait += time.perf_counter() - t0
-                gx, dt = await self._compute(part.backward, ctxs.pop(i), grad)
+                gx, dt = await self._part_code(action, part.backward, ctxs.pop(i), grad)
                 if not first:
                     self._send_later(self.prev, gx, message_tag(step, "b", i), f"its gradient of microbatch {i}")
             busy += dt
@@ -664,22 +690,29 @@ class Stage:
             raise ClosedResourceError("stage is closed")
 
     async def aclose(self) -> None:
-        """Stop serving: cancel a running step, close the links; idempotent. The node stays open."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-        if self._configuring is not None:
-            self._configuring.cancel()
-        for task in list(self._background):
-            task.cancel()
-        await self._drop_links()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        registry = self.node.methods
-        for name in METHODS:
-            with contextlib.suppress(Exception):
-                registry.unregister(name)
+        """Stop serving: cancel a running step, close the links; idempotent. The node stays open.
+        The closing runs to its end even if the caller is cancelled meanwhile, and every call
+        waits for it."""
+        if self._closing is None:
+            self._closed = True
+            if self._task is not None:
+                self._task.cancel()
+            if self._configuring is not None:
+                self._configuring.cancel()
+            for task in list(self._background):
+                task.cancel()
+            self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-stage-close")
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        try:
+            await self._drop_links()
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            registry = self.node.methods
+            for name in METHODS:
+                with contextlib.suppress(Exception):
+                    registry.unregister(name)
 
     async def __aenter__(self) -> Stage:
         return self

@@ -1,0 +1,159 @@
+"""Closing well: ``aclose()`` on pipelines and stages that is cancelled part way, called from two
+tasks at once, or called while a step runs, on real nodes over tcp on loopback. Every
+``aclose`` call returns only once the object is closed, a cancelled one still frees what it
+holds, and an operation under way fails with ClosedResourceError."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from _pipeline_fixtures import NumpyLinear, nodes, stages
+from _pipeline_reference import mse
+from _polling import eventually
+
+import tensorwire
+from tensorwire import pipeline
+from tensorwire.pipeline._stage import METHODS
+from tensorwire.transports import ChannelState
+
+
+def parts(p: int = 2, layer: type[NumpyLinear] = NumpyLinear) -> list[pipeline.FunctionPart]:
+    rng = np.random.default_rng(5)
+    return [
+        pipeline.FunctionPart(layer(rng, 8, 8 if s < p - 1 else 2, s < p - 1), loss=mse if s == p - 1 else None)
+        for s in range(p)
+    ]
+
+
+def batch() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((8, 8)).astype(np.float32), rng.standard_normal((8, 2)).astype(np.float32)
+
+
+@pytest.mark.timeout(60)
+async def test_a_pipeline_aclose_cancelled_part_way_still_closes_its_peers() -> None:
+    """A cancelled aclose (here at its first wait, inside the release calls) left every peer open,
+    its heartbeat running, and a later aclose did nothing; a second aclose while the first ran
+    returned before the peers were closed."""
+    x, y = batch()
+    async with stages(parts()) as (addresses, driver):
+        pipe = await pipeline.Pipeline.connect(driver, addresses)
+        assert (await pipe.step(x, y, microbatches=2)).loss > 0
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0):
+                await pipe.aclose()
+        await pipe.aclose()
+        assert [p.closed for p in pipe.peers] == [True, True]
+        assert driver.peers == []
+
+        pipe = await pipeline.Pipeline.connect(driver, addresses)  # the stages serve the next driver
+        assert (await pipe.step(x, y, microbatches=2)).loss > 0
+        first = asyncio.ensure_future(pipe.aclose())
+        await asyncio.sleep(0)  # the first one is under way
+        await pipe.aclose()
+        assert [p.closed for p in pipe.peers] == [True, True]
+        assert driver.peers == []
+        await first
+
+
+class _Slow(NumpyLinear):
+    """A layer whose forward says it began and then takes a while (in the stage's thread)."""
+
+    started = threading.Event()
+    delay = 0.0
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        _Slow.started.set()
+        time.sleep(_Slow.delay)
+        return super().forward(x)
+
+
+@pytest.mark.timeout(60)
+async def test_a_step_under_way_when_its_pipeline_closes_raises_closed_resource_error() -> None:
+    """It raised RemoteError ('tw.pipeline.step ... raised CancelledError'), which says nothing
+    of the close that cut it short."""
+    x, y = batch()
+    _Slow.started.clear()
+    _Slow.delay = 0.5  # the step takes 2 s at least: it is still running when the pipeline closes
+    async with stages(parts(layer=_Slow), offload=True) as (addresses, driver):
+        pipe = await pipeline.Pipeline.connect(driver, addresses)
+        step = asyncio.ensure_future(pipe.step(x, y, microbatches=2))
+        await eventually(_Slow.started.is_set)
+        await pipe.aclose()
+        with pytest.raises(tensorwire.ClosedResourceError, match="closed while its step ran"):
+            async with asyncio.timeout(20):
+                await step
+        _Slow.delay = 0.0
+        async with await pipeline.Pipeline.connect(driver, addresses) as again:  # the stages serve on
+            assert (await again.step(x, y, microbatches=2)).loss > 0
+
+
+def _stage_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("tw-stage")]
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_aclose_cancelled_part_way_still_lets_go_of_the_node() -> None:
+    """A cancelled aclose (at its first wait, closing a link) left the stage's methods on the node,
+    so no stage could serve there again (BusyResourceError), and its worker thread running; a
+    later aclose did nothing."""
+    x, y = batch()
+    threads = set(_stage_threads())
+    async with nodes(3) as (n0, n1, driver):
+        s0, s1 = (pipeline.Stage(n, part) for n, part in zip((n0, n1), parts(), strict=True))
+        async with await pipeline.Pipeline.connect(driver, [n0.address, n1.address]) as pipe:
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0
+            link = s0.links[0].peer
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0):
+                    await s0.aclose()
+            await s0.aclose()
+            assert link.closed and link not in n0.peers
+            assert not [name for name in METHODS if name in n0.methods]
+            again = pipeline.Stage(n0, parts()[0])  # refused before: the node still served the old stage
+            await again.aclose()
+            await s1.aclose()
+        await eventually(lambda: set(_stage_threads()) <= threads)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+async def test_a_second_peer_aclose_waits_for_the_first() -> None:
+    """A second aclose, while the first waited (up to a second) to say goodbye over a socket the
+    frozen peer no longer drained, returned at once: the peer still open, still in node.peers."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tensorwire.cli", "serve", "--transports", "tcp", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        address = line.decode().split("serving at")[1].strip()
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+            peer = await node.connect(address)
+            os.kill(proc.pid, signal.SIGSTOP)  # its sockets stay open, and fill
+            send = asyncio.ensure_future(peer.send(np.ones(56 << 20, np.uint8), tag="x"))  # eager, > socket buffers
+            await asyncio.sleep(0.2)
+            assert not send.done()  # stuck on the full socket
+            first = asyncio.ensure_future(peer.aclose())
+            await asyncio.sleep(0)
+            await peer.aclose()
+            assert peer.channel.state is ChannelState.CLOSED
+            assert peer not in node.peers
+            assert first.done()
+            await first
+            with pytest.raises(tensorwire.ClosedResourceError):
+                await send
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        await proc.wait()
