@@ -147,3 +147,18 @@ async def test_a_connection_accepted_as_the_transport_closes_is_closed_not_left_
     finally:
         client.close()
     assert _open_sockets() == before
+
+
+async def test_a_small_payload_read_through_the_read_ahead_buffer_is_not_reported_direct() -> None:
+    """A payload under 64 KiB is read through SockIO's read-ahead buffer and copied into its
+    recv's out=, even when that recv was posted first (a pytree goes the general way, not the
+    express one): its receipt said ``direct``. A large one lands mostly straight in place."""
+    from tensorwire.testing import exchange
+
+    async with connected_pair("tcp") as (a, b):
+        for n, direct in ((32 * 1024, False), (4 << 20, True)):
+            src = {"x": np.full(n, 3, np.uint8), "y": np.arange(4.0)}
+            out = {"x": np.empty(n, np.uint8), "y": np.empty(4)}
+            got, _, received = await exchange(a, b, src, out, "recv-first")
+            assert got is out and (out["x"] == 3).all()
+            assert received.direct is direct and not received.staged, (n, received)

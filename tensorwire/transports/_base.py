@@ -131,7 +131,8 @@ class Receipt:
     protocol: "eager" (sent without waiting for the recv), "rendezvous" (payload moved once the
         recv was posted, straight into its buffer) or "inline".
     direct: bytes went between the caller's buffer and the wire with no copy by tensorwire
-        (never "inline": those bytes are copied into the header's frame, and out of it).
+        (never "inline": those bytes are copied into the header's frame, and out of it; nor a
+        tcp payload under 64 KiB at the receiver, read through the channel's read-ahead buffer).
     staged: bytes passed through a tensorwire buffer (received before the recv was posted).
     packed: a non-contiguous tensor was packed into C order first.
     memory: "cuda" if the tensors were (sending) or are now (receiving) in CUDA memory, else

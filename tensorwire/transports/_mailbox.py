@@ -73,6 +73,7 @@ class Arrival:
         "arrived",
         "channel",
         "consumed",
+        "copied",
         "dest",
         "direct",
         "done",
@@ -129,6 +130,9 @@ class Arrival:
         self._starts: list[int] = []  # the first byte of each _flat entry
         self.landing: Landing | None = None  # device copies queued for this message
         self.staged = False  # device bytes went through host staging chunks
+        # the transport copied the payload out of a buffer of its own on its way to ``dest``:
+        # bytes that rode with the header ("inline"), a small tcp payload read ahead with it
+        self.copied = protocol == "inline"
         # why the payload lands in scratch memory and is dropped (no memory for it here): the
         # message fails as it completes (``complete``), and its recv raises this
         self.lost: TransferError | None = None
@@ -653,8 +657,7 @@ class Mailbox:
             nbytes=arrival.nbytes,
             seconds=time.perf_counter() - t0,
             protocol=arrival.protocol,
-            # "inline": the bytes rode in the header's frame and were copied out of it here
-            direct=not staged and arrival.protocol != "inline",
+            direct=not staged and not arrival.copied,
             staged=staged,
             packed=False,
             memory=memory,

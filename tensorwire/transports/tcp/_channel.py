@@ -51,7 +51,7 @@ from .._frames import (
 )
 from .._mailbox import Arrival
 from .._order import SendOrder, Turn
-from ._sockio import Buffer, SockIO
+from ._sockio import SMALL_READ, Buffer, SockIO
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +439,9 @@ class TcpChannel(Channel):
                         rendezvous=rndv,
                         protocol="rendezvous" if rndv else "eager",
                     )
+                    # a payload this small is read through SockIO's read-ahead buffer and copied
+                    # out of it (a larger one mostly straight into place): not direct
+                    arrival.copied = 0 < arrival.nbytes < SMALL_READ
                     if hdr.payload_len > arrival.nbytes or (rndv and hdr.payload_len):
                         raise ProtocolError(
                             f"MSG frame carries {hdr.payload_len} payload bytes for a {arrival.nbytes}-byte message"

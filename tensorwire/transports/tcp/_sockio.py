@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from ...errors import PeerDisconnected
 from .._frames import HEADER, FrameHeader, unpack
 
-__all__ = ["SockIO", "finish_uncancelled"]
+__all__ = ["SMALL_READ", "SockIO", "finish_uncancelled"]
 
 IOV_MAX = 512
 _BUFSIZE = 256 * 1024
 _SMALL = 64 * 1024
+SMALL_READ = _SMALL  # a read of fewer bytes goes through the read-ahead buffer (a copy), not recv_into
 _HEADER_FILL = 16 * 1024
 # A receiver that never finds its socket empty would otherwise never give the loop back (and
 # miss its lease renewals): yield after this many bytes read without waiting.
