@@ -137,3 +137,36 @@ async def test_a_batch_past_a_stages_call_limits_fails_at_once_and_breaks_nothin
             with pytest.raises(tensorwire.InvalidArguments, match="carry 2048 tensor bytes; the limit here is 1024"):
                 async with asyncio.timeout(3):
                     await pipe.step(x[:8], y[:8], microbatches=2)
+
+
+@pytest.mark.timeout(60)
+async def test_a_torch_module_that_returns_no_single_tensor_or_a_loss_that_is_no_scalar_is_named() -> None:
+    # a module returning a tuple failed with "AttributeError: 'tuple' object has no attribute
+    # 'detach'", a loss without reduction with torch's "a Tensor with 14 elements cannot be
+    # converted to Scalar": neither said what a TorchPart stage takes and returns
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Pair(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: Any) -> Any:
+            y = self.lin(x)
+            return y, y.sum()
+
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    cases = [
+        ([Pair(), nn.Linear(4, 2)], nn.functional.mse_loss, "UnsupportedTensorError", "returned tuple, not one tensor"),
+        ([nn.Linear(4, 4), nn.Linear(4, 2)], nn.MSELoss(reduction="none"), "ConfigurationError", "not a scalar tensor"),
+    ]
+    for modules, loss, kind, text in cases:
+        parts = [pipeline.TorchPart(modules[0]), pipeline.TorchPart(modules[1], loss=loss)]
+        async with stages(parts) as (addresses, driver):
+            async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+                with pytest.raises(tensorwire.RemoteError) as err:
+                    async with asyncio.timeout(10):
+                        await pipe.step(x, y, microbatches=2)
+        assert err.value.remote_type == kind, err.value
+        assert text in str(err.value) + err.value.remote_traceback, err.value

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UnsupportedTensorError
 
 __all__ = ["FunctionPart", "Layer", "Part", "TorchPart", "as_part"]
 
@@ -204,6 +204,11 @@ class TorchPart(Part):
         x_in = self._input(x, needs_input_grad)
         with self._torch.enable_grad():
             y = self.module(x_in)
+        if not isinstance(y, self._torch.Tensor):
+            raise UnsupportedTensorError(
+                f"TorchPart's module returned {type(y).__name__}, not one tensor: a TorchPart stage "
+                "takes one tensor and returns one (return a tensor, or write a Part of your own)"
+            )
         return y.detach(), (x_in, y, False)
 
     def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
@@ -217,6 +222,10 @@ class TorchPart(Part):
             target = target.to(self.device)
         with torch.enable_grad():
             loss = self.loss(self.module(x_in), target)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                tensor = isinstance(loss, torch.Tensor)
+                what = f"a tensor of shape {tuple(loss.shape)}" if tensor else type(loss).__name__
+                raise ConfigurationError(f"the loss returned {what}, not a scalar tensor (reduce it, e.g. with a mean)")
             scaled = loss * weight
         return float(loss.detach()), (x_in, scaled, True)
 
