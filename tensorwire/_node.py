@@ -80,7 +80,7 @@ class NodeConfig:
     MAX_LEASE_SECONDS: ClassVar[float] = float((1 << 32) - 1) // 1000  # lease_ms is a uint32
 
     transports: tuple[str, ...] = DEFAULT_PREFERENCE
-    auth_token: str | None = None
+    auth_token: str | None = field(default=None, repr=False)  # a secret: never printed
     limits: Limits = field(default_factory=Limits)
     connect_timeout: float = 10.0
     lease_seconds: float = 3.0
@@ -144,7 +144,10 @@ def _check_name(what: str, value: object) -> None:
         except UnicodeEncodeError:
             ok = False
     if not ok:
-        raise ConfigurationError(f"{what} must be a non-empty string or None, not {value!r}")
+        # a token is a secret even when it is a wrong one (bytes, a surrogate from the
+        # environment): say what kind of value it was, never the value
+        shown = f"this {type(value).__name__} (not shown: a secret)" if what == "auth_token" else repr(value)
+        raise ConfigurationError(f"{what} must be a non-empty string (UTF-8) or None, not {shown}")
 
 
 _PORT = re.compile(r"[0-9]{1,5}")

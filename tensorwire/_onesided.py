@@ -256,6 +256,10 @@ class ExposureTable:
         registers its kind of memory (``region_kinds``: host, and CUDA where UCX has cuda lanes)."""
         if not isinstance(name, str) or not name or len(name) > 256:
             raise ConfigurationError("a handle name is a non-empty string of at most 256 characters")
+        try:
+            name.encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate: no peer could ever look it up
+            raise ConfigurationError(f"a handle name must encode as UTF-8, not {name!r} ({exc.reason})") from None
         if name in self._by_name:
             raise ConfigurationError(f"{name!r} is already exposed; unexpose it first")
         view = as_view(tensor)

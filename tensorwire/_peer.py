@@ -283,6 +283,10 @@ class Peer:
         """
         if not isinstance(name, str):
             raise ConfigurationError(f"lookup takes the name a tensor was exposed under, not {type(name).__name__}")
+        try:
+            name.encode()
+        except UnicodeEncodeError as exc:  # (expose refuses such a name too)
+            raise ConfigurationError(f"a handle name must encode as UTF-8, not {name!r} ({exc.reason})") from None
         if self.session is None:
             raise ConfigurationError("this peer has no session to authenticate a lookup")
         if self._closed:  # (and a control connection opened now would never be closed)

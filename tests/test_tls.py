@@ -160,6 +160,17 @@ async def test_a_server_certificate_for_another_name_is_an_authentication_error(
                 await client.connect(server.address, connect_timeout=5)
 
 
+async def test_a_tls_client_at_a_plaintext_node_is_told_that_node_serves_no_tls(pki) -> None:
+    """The other way round has its hint (a plaintext client at a TLS node); this way said only
+    OpenSSL's WRONG_VERSION_NUMBER."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as plaintext,
+        tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client"), transports=("tcp",)) as client,
+    ):
+        with pytest.raises(tensorwire.AuthenticationError, match="does not seem to serve TLS"):
+            await client.connect(plaintext.address, connect_timeout=5)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -48,7 +48,10 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) 
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN) and tls:
         low = detail.lower()
         if any(w in low for w in _TLS_FAILURE):
-            return AuthenticationError(f"TLS handshake with {target} failed: {detail}")
+            hint = ""
+            if "wrong_version_number" in low:  # what a plaintext server answers a TLS hello with
+                hint = " (that node does not seem to serve TLS: start it with tls= too)"
+            return AuthenticationError(f"TLS handshake with {target} failed: {detail}{hint}")
         if "socket closed" in low:
             return AuthenticationError(
                 f"{target} closed the connection during TLS setup (certificate rejected?): {detail}"

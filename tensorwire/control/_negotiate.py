@@ -35,11 +35,12 @@ def check_require(require: str) -> str:
     return require
 
 
-def _meets(require: str, caps: Capabilities) -> str | None:
+def _meets(require: str, caps: Capabilities, side: str) -> str | None:
+    """Why ``caps`` (those of ``side``) fall short of ``require`` (None: they do not)."""
     if require == "rdma" and not caps.rdma:
-        return "moves bytes through the kernel's TCP stack, not RDMA"
+        return f"has no RDMA lane on {side} ({', '.join(caps.lanes) or 'no lanes listed'})"
     if require == "gpudirect" and not caps.gpudirect:
-        return "cannot move GPU memory directly to the NIC (no GPUDirect)"
+        return f"cannot move GPU memory directly to the NIC on {side} (no GPUDirect)"
     return None
 
 
@@ -125,7 +126,7 @@ def choose(
             )
             passed.append((name, reason))
             continue
-        why = _meets(require, mine.capabilities) or _meets(require, theirs.capabilities)
+        why = _meets(require, mine.capabilities, local_name) or _meets(require, theirs.capabilities, remote_name)
         if why is None and require != "any" and used and not rdma_lane(used):
             # both sides list RDMA, but the endpoint between them has none (one machine: shared
             # memory), and the path would say rdma=False: not what was required

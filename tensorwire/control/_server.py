@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import logging
 import os
+import socket
 import uuid
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,13 @@ __all__ = ["PROTOCOL_VERSION", "ControlServer"]
 
 PROTOCOL_VERSION = 3  # 2: RPC requests carry a stream's first window; 3: checksummed tcp frames carry a header check
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+MAX_NAME_CHARS = 64  # a transport name or require= in a handshake (they are short words)
+MAX_REASON_CHARS = 300  # a client's reason for a transport it cannot use, as this node repeats it
 _NO_SESSION = "no such session (closed, expired or never opened: a node restarted at this address)"
+
+
+def _clip(reason: str) -> str:
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
 
 
 class _Servicer(control_pb2_grpc.ControlServicer):
@@ -64,8 +71,18 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 f"a handshake names at most {MAX_TRANSPORTS} transports in each of its preference order, "
                 f"offers and reasons (got {sizes[0]}, {sizes[1]}, {sizes[2]})",
             )
+        names = [*request.preference, *(o.name for o in request.offers), *(u.name for u in request.unavailable)]
+        longest = max(map(len, [*names, request.require]), default=0)
+        if longest > MAX_NAME_CHARS:
+            # they come back in reasons, refusals and this node's log: 32 names of 100 KB made a
+            # 3 MB log line per handshake and a refusal too big for gRPC's trailers to carry
+            log.warning("handshake from %s refused: a transport or require name of %d characters", peer, longest)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"transport names and require= are at most {MAX_NAME_CHARS} characters (got one of {longest})",
+            )
         remote = {o.name: offer_from_pb(o) for o in request.offers}
-        remote_unusable = {u.name: u.reason for u in request.unavailable}
+        remote_unusable = {u.name: _clip(u.reason) for u in request.unavailable}
         preference = list(request.preference) or list(node.config.transports)
         try:
             choice = choose(
@@ -177,6 +194,19 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         return await _grpc.invoke(self.node, request, context)
 
 
+def _why_unbindable(host: str, port: int) -> str | None:
+    """What the OS says to a listener at (host, port), as gRPC binds it (SO_REUSEADDR): "Address
+    already in use" where another process serves that port. None: it would bind after all."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 class ControlServer:
     """A grpc.aio server with the Control service, health checking and reflection."""
 
@@ -201,7 +231,9 @@ class ControlServer:
             else:
                 self.port = self._server.add_secure_port(target, tls.server_credentials())
         except RuntimeError as exc:
-            raise ConfigurationError(f"cannot bind the control plane to {target}: {exc}") from exc
+            # grpc says only "Failed to bind" (and where to read more): ask the OS why
+            why = await asyncio.to_thread(_why_unbindable, host, port)
+            raise ConfigurationError(f"cannot bind the control plane to {target}: {why or exc}") from exc
         # grpc's start, cancelled half-way, leaves a server that can never stop (its serving task
         # dies with InvalidStateError, which stop() then raises): let it finish, then cancel
         starting = asyncio.ensure_future(self._server.start())

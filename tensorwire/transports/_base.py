@@ -13,7 +13,7 @@ import enum
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._checks import check_int, check_seconds
@@ -108,7 +108,7 @@ class Session:
     """What the control plane agreed for one peer: identity, secret and limits."""
 
     id: str
-    secret: bytes
+    secret: bytes = field(repr=False)  # never printed
     local_node: str
     remote_node: str
     limits: Limits

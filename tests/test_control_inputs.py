@@ -1,0 +1,109 @@
+"""Odd input at the control plane's edges: secrets that must never be printed, handle names that
+cannot travel, refusals that must say which side falls short, a control port already taken."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire import ConfigurationError, Limits, NodeConfig
+from tensorwire.control import PROTOCOL_VERSION, Offer, choose
+from tensorwire.control._pb import control_pb2, control_pb2_grpc
+from tensorwire.transports import Capabilities, Session
+
+SECRET = "hunter2-do-not-print"
+
+
+def test_secrets_appear_in_no_repr_and_no_error() -> None:
+    """A config's repr showed its auth_token, a Session's its secret, and a token refused for its
+    type or encoding was quoted in the error: ``TENSORWIRE_TOKEN`` holding a byte that is not
+    UTF-8 made ``tensorwire serve`` and ``doctor`` print the token."""
+    assert SECRET not in repr(NodeConfig(auth_token=SECRET))
+    for bad in (SECRET.encode(), SECRET + "\udcff"):
+        with pytest.raises(ConfigurationError, match="auth_token") as info:
+            NodeConfig(auth_token=bad)
+        assert SECRET not in str(info.value)
+    secret = b"\x01s3cret-session-bytes"
+    session = Session("sid", secret, "a", "b", Limits())
+    assert repr(secret) not in repr(session) and "s3cret" not in repr(session)
+    assert session.secret == secret
+
+
+async def test_a_name_utf8_cannot_carry_is_refused_by_expose_and_lookup() -> None:
+    """expose() took a name with a lone surrogate, which no peer could ever look up, and
+    lookup() of one raised the codec's UnicodeEncodeError."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as owner,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as reader,
+    ):
+        with pytest.raises(ConfigurationError, match="UTF-8"):
+            owner.expose(np.zeros(4), name="w\ud800")
+        assert "w\ud800" not in owner.exposures._by_name
+        peer = await reader.connect(owner.address)
+        with pytest.raises(ConfigurationError, match="UTF-8"):
+            await peer.lookup("w\ud800")
+        owner.expose(np.arange(4.0), name="w\u00e9\U0001f600")  # any name UTF-8 carries is fine
+        handle = await peer.lookup("w\u00e9\U0001f600")
+        assert np.array_equal(await peer.read(handle), np.arange(4.0))
+
+
+def test_require_refusals_say_which_side_falls_short() -> None:
+    """A client whose ucx has an RDMA lane asked a server whose ucx has shared memory only for
+    require="rdma": the refusal said ucx "moves bytes through the kernel's TCP stack", which
+    neither side's ucx does, and did not say which side lacked RDMA."""
+    shm = Capabilities(lanes=("sysv/memory", "cma/memory"))
+    nic = Capabilities(rdma=True, gpudirect=True, lanes=("rc_mlx5/mlx5_0:1", "cma/memory"))
+    server = {"ucx": Offer("ucx", 1, b"s", shm)}
+    client = {"ucx": Offer("ucx", 1, b"c", nic)}
+    ok = lambda name, addr: None
+    with pytest.raises(tensorwire.NegotiationError) as info:
+        choose(["ucx"], server, client, {}, {}, "rdma", ok, local_name="server s1", remote_name="client c1")
+    assert "no RDMA lane on server s1 (sysv/memory, cma/memory)" in str(info.value)
+    assert "TCP stack" not in str(info.value)
+    with pytest.raises(tensorwire.NegotiationError, match=r"on client c1 \(no GPUDirect\)"):
+        choose(["ucx"], client, server, {}, {}, "gpudirect", ok, local_name="s", remote_name="client c1")
+
+
+async def test_a_control_port_in_use_is_named() -> None:
+    """Starting a node on a port another node serves said only gRPC's "Failed to bind ... set
+    GRPC_VERBOSITY=debug to see detailed error message"."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as first:
+        with pytest.raises(ConfigurationError, match="in use") as info:
+            async with tensorwire.start(first.address, transports=("tcp",)):
+                pass
+        assert first.address in str(info.value)
+        assert "GRPC_VERBOSITY" not in str(info.value)
+
+
+async def test_a_handshake_cannot_make_the_node_repeat_megabytes(caplog: pytest.LogCaptureFixture) -> None:
+    """Transport names and reasons in a handshake come back in refusals, in ``peer.path`` and in
+    the node's log: 32 names of 100 KB made a 3 MB log line per handshake and a refusal too big
+    for gRPC's trailers (the client got RESOURCE_EXHAUSTED: "Stream removed")."""
+    async with tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            huge = control_pb2.HandshakeRequest(
+                protocol_version=PROTOCOL_VERSION, node_id="x", preference=[f"{i}" + "x" * 100_000 for i in range(32)]
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(huge, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "at most 64 characters" in (info.value.details() or "")
+            long_require = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, require="r" * 10_000)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(long_require, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # a long reason is repeated clipped (this session's data connection never opens:
+            # the node gives up on it when it closes)
+            req = control_pb2.HandshakeRequest(
+                protocol_version=PROTOCOL_VERSION, node_id="x", preference=["inproc", "tcp"]
+            )
+            req.offers.add(name="tcp", version=node.offers["tcp"].version, address=node.offers["tcp"].address)
+            req.unavailable.add(name="inproc", reason="r" * 1_000_000)
+            resp = await stub.Handshake(req, timeout=5)
+            assert resp.chosen.name == "tcp"
+            ((name, reason),) = [(p.name, p.reason) for p in resp.passed_over]
+            assert name == "inproc" and reason.endswith("rrr...") and len(reason) < 400
+    assert max(len(r.getMessage()) for r in caplog.records) < 2000
