@@ -407,6 +407,13 @@ class Node:
         task.add_done_callback(self._waiting.discard)
         task.add_done_callback(lambda _t: self._opening.pop(session_id, None))
 
+    def _lease_secret(self, session_id: str) -> bytes | None:
+        """The secret of a session whose lease this node keeps (None: no such session)."""
+        entry = self._leases.get(session_id)
+        if entry is None or entry[1].session is None:
+            return None
+        return entry[1].session.secret
+
     def _renew(self, session_id: str) -> bool:
         entry = self._leases.get(session_id)
         if entry is None:

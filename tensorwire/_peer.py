@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _onesided
 from ._onesided import RemoteHandle
-from .control._auth import lookup_proof
+from .control._auth import heartbeat_proof, lookup_proof
 from .control._client import ControlClient, SessionLost
 from .errors import ClosedResourceError, ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
 from .rpc import CallReceipt
@@ -211,9 +211,11 @@ class Peer:
         """One lease renewal (we connected); a renewal the server answered proves the session
         alive as of when it was sent. SessionLost fails the channel and raises PeerDisconnected."""
         assert self._control is not None
+        assert self.session is not None  # (a peer we connected has its session)
+        proof = heartbeat_proof(self.session.secret, session_id)
         sent = time.monotonic()
         try:
-            await self._control.heartbeat(session_id, deadline=deadline)
+            await self._control.heartbeat(session_id, proof, deadline=deadline)
         except SessionLost as exc:
             raise self._session_lost(exc) from exc
         self._confirmed = max(self._confirmed, sent)

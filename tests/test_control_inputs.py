@@ -107,3 +107,28 @@ async def test_a_handshake_cannot_make_the_node_repeat_megabytes(caplog: pytest.
             ((name, reason),) = [(p.name, p.reason) for p in resp.passed_over]
             assert name == "inproc" and reason.endswith("rrr...") and len(reason) < 400
     assert max(len(r.getMessage()) for r in caplog.records) < 2000
+
+
+async def test_only_the_sessions_peer_can_renew_its_lease() -> None:
+    """A heartbeat named only the session id, which travels in the clear in the data plane's
+    hello (TLS or not): anyone who saw it could keep a frozen or dead peer alive for good. A
+    renewal now proves the session secret; one without the proof is refused and renews nothing."""
+    from tensorwire.control._auth import heartbeat_proof
+
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(server.address)
+        await server.accept()
+        assert peer.session is not None
+        sid = peer.session.id
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            for proof in (b"", heartbeat_proof(b"a guess", sid), heartbeat_proof(peer.session.secret, sid + "x")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=sid, proof=proof), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+            good = heartbeat_proof(peer.session.secret, sid)
+            resp = await stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=sid, proof=good), timeout=5)
+            assert resp.lease_ms == int(server.config.lease_seconds * 1000)

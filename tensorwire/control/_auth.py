@@ -5,9 +5,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-__all__ = ["lookup_proof"]
+__all__ = ["heartbeat_proof", "lookup_proof"]
 
 
 def lookup_proof(secret: bytes, name: str) -> bytes:
     """HMAC-SHA256(secret, "lookup|" + name): the caller holds the session without sending it."""
     return hmac.new(secret, b"lookup|" + name.encode(), hashlib.sha256).digest()
+
+
+def heartbeat_proof(secret: bytes, session_id: str) -> bytes:
+    """HMAC-SHA256(secret, "heartbeat|" + session_id): a lease is renewed only by the session's
+    peer, not by anyone who saw its id (it travels in the clear in the data plane's hello)."""
+    return hmac.new(secret, b"heartbeat|" + session_id.encode(), hashlib.sha256).digest()

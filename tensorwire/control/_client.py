@@ -119,11 +119,11 @@ class ControlClient:
     async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
         return await self._unary(self._stub.GetNodeInfo, control_pb2.NodeInfoRequest(), deadline)
 
-    async def heartbeat(self, session_id: str, deadline: float) -> None:
+    async def heartbeat(self, session_id: str, proof: bytes, deadline: float) -> None:
         """Renew a lease. SessionLost means the server no longer knows the session."""
         await self._unary(
             self._stub.Heartbeat,
-            control_pb2.HeartbeatRequest(session_id=session_id),
+            control_pb2.HeartbeatRequest(session_id=session_id, proof=proof),
             deadline,
             {grpc.StatusCode.NOT_FOUND: self._session_lost},
         )

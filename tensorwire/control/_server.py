@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..errors import ConfigurationError, NegotiationError
-from ._auth import lookup_proof
+from ._auth import heartbeat_proof, lookup_proof
 from ._client import SESSION_LOST_METADATA
 from ._convert import offer_from_pb, offer_to_pb
 from ._negotiate import MAX_TRANSPORTS, choose
@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PROTOCOL_VERSION", "ControlServer"]
 
-PROTOCOL_VERSION = 3  # 2: RPC requests carry a stream's first window; 3: checksummed tcp frames carry a header check
+# 2: RPC requests carry a stream's first window; 3: checksummed tcp frames carry a header check;
+# 4: a heartbeat proves the session secret
+PROTOCOL_VERSION = 4
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 MAX_NAME_CHARS = 64  # a transport name or require= in a handshake (they are short words)
 MAX_REASON_CHARS = 300  # a client's reason for a transport it cannot use, as this node repeats it
@@ -120,8 +122,15 @@ class _Servicer(control_pb2_grpc.ControlServicer):
     async def Heartbeat(  # noqa: N802 - gRPC method name
         self, request: control_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.HeartbeatResponse:
-        if not self.node._renew(request.session_id):
+        secret = self.node._lease_secret(request.session_id)
+        if secret is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, _NO_SESSION)
+            raise AssertionError("unreachable: abort raises")
+        if not hmac.compare_digest(request.proof, heartbeat_proof(secret, request.session_id)):
+            # knowing a session's id (it travels in the clear) must not keep a dead peer alive
+            log.warning("heartbeat from %s refused: bad proof", context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lease renewals need the session's proof")
+        self.node._renew(request.session_id)
         return control_pb2.HeartbeatResponse(lease_ms=int(self.node.config.lease_seconds * 1000))
 
     async def Lookup(  # noqa: N802 - gRPC method name

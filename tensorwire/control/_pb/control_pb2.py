@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorwire/v1/control.proto\x12\rtensorwire.v1\"y\n\x0c\x43\x61pabilities\x12\x14\n\x0cmemory_kinds\x18\x01 \x03(\t\x12\x11\n\tone_sided\x18\x02 \x01(\x08\x12\x0c\n\x04rdma\x18\x03 \x01(\x08\x12\x11\n\tgpudirect\x18\x04 \x01(\x08\x12\r\n\x05lanes\x18\x05 \x03(\t\x12\x10\n\x08tcp_only\x18\x06 \x01(\x08\"s\n\x0eTransportOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x0c\x12\x31\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x1b.tensorwire.v1.Capabilities\"+\n\x0bUnavailable\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xef\x01\n\x10HandshakeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12-\n\x06offers\x18\x04 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x05 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x06 \x03(\t\x12\x0f\n\x07require\x18\x07 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x08 \x01(\t\"\xe3\x01\n\x11HandshakeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\x0c\x12\x16\n\x0eserver_node_id\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12-\n\x06\x63hosen\x18\x05 \x01(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bpassed_over\x18\x06 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\"@\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\"\xa9\x01\n\x0eLookupResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nremote_key\x18\x07 \x01(\x0c\x12\x10\n\x08writable\x18\x08 \x01(\x08\x12\x0e\n\x06memory\x18\t \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"\x11\n\x0fNodeInfoRequest\"\xc0\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12-\n\x06offers\x18\x03 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x04 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x05 \x03(\t\x12\x15\n\rauth_required\x18\x06 \x01(\x08\"\x14\n\x12ListMethodsRequest\"d\n\nMethodInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x11\n\tstreaming\x18\x03 \x01(\x08\x12\x0b\n\x03\x64oc\x18\x04 \x01(\t\x12\x15\n\rmax_arg_bytes\x18\x05 \x01(\x04\"A\n\x13ListMethodsResponse\x12*\n\x07methods\x18\x01 \x03(\x0b\x32\x19.tensorwire.v1.MethodInfo\"\xdb\x01\n\x05Value\x12\x14\n\nbool_value\x18\x01 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x02 \x01(\x12H\x00\x12\x15\n\x0b\x66loat_value\x18\x03 \x01(\x01H\x00\x12\x13\n\tstr_value\x18\x04 \x01(\tH\x00\x12\x15\n\x0b\x62ytes_value\x18\x05 \x01(\x0cH\x00\x12.\n\nlist_value\x18\x06 \x01(\x0b\x32\x18.tensorwire.v1.ValueListH\x00\x12,\n\tmap_value\x18\x07 \x01(\x0b\x32\x17.tensorwire.v1.ValueMapH\x00\x42\x06\n\x04kind\"0\n\tValueList\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.tensorwire.v1.Value\"\x87\x01\n\x08ValueMap\x12\x35\n\x07\x65ntries\x18\x01 \x03(\x0b\x32$.tensorwire.v1.ValueMap.EntriesEntry\x1a\x44\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tensorwire.v1.Value:\x02\x38\x01\"\xc2\x01\n\rInvokeRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\"\n\x04\x61rgs\x18\x02 \x03(\x0b\x32\x14.tensorwire.v1.Value\x12\x38\n\x06kwargs\x18\x03 \x03(\x0b\x32(.tensorwire.v1.InvokeRequest.KwargsEntry\x1a\x43\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tensorwire.v1.Value:\x02\x38\x01\"6\n\x0eInvokeResponse\x12$\n\x06result\x18\x01 \x01(\x0b\x32\x14.tensorwire.v1.Value2\xd5\x03\n\x07\x43ontrol\x12N\n\tHandshake\x12\x1f.tensorwire.v1.HandshakeRequest\x1a .tensorwire.v1.HandshakeResponse\x12\x46\n\x0bGetNodeInfo\x12\x1e.tensorwire.v1.NodeInfoRequest\x1a\x17.tensorwire.v1.NodeInfo\x12N\n\tHeartbeat\x12\x1f.tensorwire.v1.HeartbeatRequest\x1a .tensorwire.v1.HeartbeatResponse\x12\x45\n\x06Lookup\x12\x1c.tensorwire.v1.LookupRequest\x1a\x1d.tensorwire.v1.LookupResponse\x12T\n\x0bListMethods\x12!.tensorwire.v1.ListMethodsRequest\x1a\".tensorwire.v1.ListMethodsResponse\x12\x45\n\x06Invoke\x12\x1c.tensorwire.v1.InvokeRequest\x1a\x1d.tensorwire.v1.InvokeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorwire/v1/control.proto\x12\rtensorwire.v1\"y\n\x0c\x43\x61pabilities\x12\x14\n\x0cmemory_kinds\x18\x01 \x03(\t\x12\x11\n\tone_sided\x18\x02 \x01(\x08\x12\x0c\n\x04rdma\x18\x03 \x01(\x08\x12\x11\n\tgpudirect\x18\x04 \x01(\x08\x12\r\n\x05lanes\x18\x05 \x03(\t\x12\x10\n\x08tcp_only\x18\x06 \x01(\x08\"s\n\x0eTransportOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x0c\x12\x31\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x1b.tensorwire.v1.Capabilities\"+\n\x0bUnavailable\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xef\x01\n\x10HandshakeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12-\n\x06offers\x18\x04 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x05 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x06 \x03(\t\x12\x0f\n\x07require\x18\x07 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x08 \x01(\t\"\xe3\x01\n\x11HandshakeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\x0c\x12\x16\n\x0eserver_node_id\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12-\n\x06\x63hosen\x18\x05 \x01(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bpassed_over\x18\x06 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\"@\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\"\xa9\x01\n\x0eLookupResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nremote_key\x18\x07 \x01(\x0c\x12\x10\n\x08writable\x18\x08 \x01(\x08\x12\x0e\n\x06memory\x18\t \x01(\t\"5\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"\x11\n\x0fNodeInfoRequest\"\xc0\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12-\n\x06offers\x18\x03 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x04 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x05 \x03(\t\x12\x15\n\rauth_required\x18\x06 \x01(\x08\"\x14\n\x12ListMethodsRequest\"d\n\nMethodInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x11\n\tstreaming\x18\x03 \x01(\x08\x12\x0b\n\x03\x64oc\x18\x04 \x01(\t\x12\x15\n\rmax_arg_bytes\x18\x05 \x01(\x04\"A\n\x13ListMethodsResponse\x12*\n\x07methods\x18\x01 \x03(\x0b\x32\x19.tensorwire.v1.MethodInfo\"\xdb\x01\n\x05Value\x12\x14\n\nbool_value\x18\x01 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x02 \x01(\x12H\x00\x12\x15\n\x0b\x66loat_value\x18\x03 \x01(\x01H\x00\x12\x13\n\tstr_value\x18\x04 \x01(\tH\x00\x12\x15\n\x0b\x62ytes_value\x18\x05 \x01(\x0cH\x00\x12.\n\nlist_value\x18\x06 \x01(\x0b\x32\x18.tensorwire.v1.ValueListH\x00\x12,\n\tmap_value\x18\x07 \x01(\x0b\x32\x17.tensorwire.v1.ValueMapH\x00\x42\x06\n\x04kind\"0\n\tValueList\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.tensorwire.v1.Value\"\x87\x01\n\x08ValueMap\x12\x35\n\x07\x65ntries\x18\x01 \x03(\x0b\x32$.tensorwire.v1.ValueMap.EntriesEntry\x1a\x44\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tensorwire.v1.Value:\x02\x38\x01\"\xc2\x01\n\rInvokeRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\"\n\x04\x61rgs\x18\x02 \x03(\x0b\x32\x14.tensorwire.v1.Value\x12\x38\n\x06kwargs\x18\x03 \x03(\x0b\x32(.tensorwire.v1.InvokeRequest.KwargsEntry\x1a\x43\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tensorwire.v1.Value:\x02\x38\x01\"6\n\x0eInvokeResponse\x12$\n\x06result\x18\x01 \x01(\x0b\x32\x14.tensorwire.v1.Value2\xd5\x03\n\x07\x43ontrol\x12N\n\tHandshake\x12\x1f.tensorwire.v1.HandshakeRequest\x1a .tensorwire.v1.HandshakeResponse\x12\x46\n\x0bGetNodeInfo\x12\x1e.tensorwire.v1.NodeInfoRequest\x1a\x17.tensorwire.v1.NodeInfo\x12N\n\tHeartbeat\x12\x1f.tensorwire.v1.HeartbeatRequest\x1a .tensorwire.v1.HeartbeatResponse\x12\x45\n\x06Lookup\x12\x1c.tensorwire.v1.LookupRequest\x1a\x1d.tensorwire.v1.LookupResponse\x12T\n\x0bListMethods\x12!.tensorwire.v1.ListMethodsRequest\x1a\".tensorwire.v1.ListMethodsResponse\x12\x45\n\x06Invoke\x12\x1c.tensorwire.v1.InvokeRequest\x1a\x1d.tensorwire.v1.InvokeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,33 +51,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_start=870
   _globals['_LOOKUPRESPONSE']._serialized_end=1039
   _globals['_HEARTBEATREQUEST']._serialized_start=1041
-  _globals['_HEARTBEATREQUEST']._serialized_end=1079
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1081
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1118
-  _globals['_NODEINFOREQUEST']._serialized_start=1120
-  _globals['_NODEINFOREQUEST']._serialized_end=1137
-  _globals['_NODEINFO']._serialized_start=1140
-  _globals['_NODEINFO']._serialized_end=1332
-  _globals['_LISTMETHODSREQUEST']._serialized_start=1334
-  _globals['_LISTMETHODSREQUEST']._serialized_end=1354
-  _globals['_METHODINFO']._serialized_start=1356
-  _globals['_METHODINFO']._serialized_end=1456
-  _globals['_LISTMETHODSRESPONSE']._serialized_start=1458
-  _globals['_LISTMETHODSRESPONSE']._serialized_end=1523
-  _globals['_VALUE']._serialized_start=1526
-  _globals['_VALUE']._serialized_end=1745
-  _globals['_VALUELIST']._serialized_start=1747
-  _globals['_VALUELIST']._serialized_end=1795
-  _globals['_VALUEMAP']._serialized_start=1798
-  _globals['_VALUEMAP']._serialized_end=1933
-  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_start=1865
-  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_end=1933
-  _globals['_INVOKEREQUEST']._serialized_start=1936
-  _globals['_INVOKEREQUEST']._serialized_end=2130
-  _globals['_INVOKEREQUEST_KWARGSENTRY']._serialized_start=2063
-  _globals['_INVOKEREQUEST_KWARGSENTRY']._serialized_end=2130
-  _globals['_INVOKERESPONSE']._serialized_start=2132
-  _globals['_INVOKERESPONSE']._serialized_end=2186
-  _globals['_CONTROL']._serialized_start=2189
-  _globals['_CONTROL']._serialized_end=2658
+  _globals['_HEARTBEATREQUEST']._serialized_end=1094
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1096
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1133
+  _globals['_NODEINFOREQUEST']._serialized_start=1135
+  _globals['_NODEINFOREQUEST']._serialized_end=1152
+  _globals['_NODEINFO']._serialized_start=1155
+  _globals['_NODEINFO']._serialized_end=1347
+  _globals['_LISTMETHODSREQUEST']._serialized_start=1349
+  _globals['_LISTMETHODSREQUEST']._serialized_end=1369
+  _globals['_METHODINFO']._serialized_start=1371
+  _globals['_METHODINFO']._serialized_end=1471
+  _globals['_LISTMETHODSRESPONSE']._serialized_start=1473
+  _globals['_LISTMETHODSRESPONSE']._serialized_end=1538
+  _globals['_VALUE']._serialized_start=1541
+  _globals['_VALUE']._serialized_end=1760
+  _globals['_VALUELIST']._serialized_start=1762
+  _globals['_VALUELIST']._serialized_end=1810
+  _globals['_VALUEMAP']._serialized_start=1813
+  _globals['_VALUEMAP']._serialized_end=1948
+  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_start=1880
+  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_end=1948
+  _globals['_INVOKEREQUEST']._serialized_start=1951
+  _globals['_INVOKEREQUEST']._serialized_end=2145
+  _globals['_INVOKEREQUEST_KWARGSENTRY']._serialized_start=2078
+  _globals['_INVOKEREQUEST_KWARGSENTRY']._serialized_end=2145
+  _globals['_INVOKERESPONSE']._serialized_start=2147
+  _globals['_INVOKERESPONSE']._serialized_end=2201
+  _globals['_CONTROL']._serialized_start=2204
+  _globals['_CONTROL']._serialized_end=2673
 # @@protoc_insertion_point(module_scope)

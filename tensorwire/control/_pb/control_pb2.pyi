@@ -114,10 +114,12 @@ class LookupResponse(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., transport: _Optional[str] = ..., remote_key: _Optional[bytes] = ..., writable: _Optional[bool] = ..., memory: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "proof")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, session_id: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ms",)
