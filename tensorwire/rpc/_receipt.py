@@ -20,7 +20,9 @@ class CallReceipt:
     args: the arguments' own message, sent after the server admitted the call, when they were
         too large to ride in the request; None when they rode inline.
     result: how the reply came: its protocol, ``direct`` (landed in ``_out=`` with no copy of
-        tensorwire's) or ``staged`` (through a buffer of tensorwire's), its memory.
+        tensorwire's), ``staged`` (through a buffer of tensorwire's, having come before its
+        recv) or neither (the transport copied it on its way: "inline", a small tcp reply),
+        its memory.
     seconds: the whole call, wall time, from the call to its return (any wait for room among
         the calls outstanding to that peer, and the method's own time, included).
     """

@@ -132,7 +132,9 @@ class Receipt:
         recv was posted, straight into its buffer) or "inline".
     direct: bytes went between the caller's buffer and the wire with no copy by tensorwire
         (never "inline": those bytes are copied into the header's frame, and out of it; nor a
-        tcp payload under 64 KiB at the receiver, read through the channel's read-ahead buffer).
+        tcp payload under 64 KiB at the receiver, read through the channel's read-ahead buffer;
+        a larger one lands mostly in place, apart from what that buffer already held: 17% of
+        96 KiB, 6% of 256 KiB, 1.5% of 1 MiB measured).
     staged: bytes passed through a tensorwire buffer (received before the recv was posted).
     packed: a non-contiguous tensor was packed into C order first.
     memory: "cuda" if the tensors were (sending) or are now (receiving) in CUDA memory, else

@@ -324,13 +324,15 @@ class _Delivered:
             value = _rebuild(self.tree, self.specs, self.dest)  # type: ignore[arg-type]
         seconds = time.perf_counter() - t0
         # the bytes came with the header and deliver() copied them out of the transport's frame
-        # (ucx, verbs: "inline") or read buffer (tcp): never direct
-        return value, Receipt(channel.transport, channel.lanes, nbytes, seconds, self.protocol, False, False, False)
+        # (ucx, verbs: "inline") or read buffer (tcp): never direct, unless there were none
+        direct = not nbytes
+        return value, Receipt(channel.transport, channel.lanes, nbytes, seconds, self.protocol, direct, False, False)
 
     def give_back(self, channel: Channel, tag: int, out: object | None) -> Arrival:
         """The message as a complete arrival in buffers of ours (its recv was cancelled after
         the bytes landed); its slot and credit went back when it was delivered."""
         arrival = Arrival(channel, tag, self.tree, self.specs, protocol=self.protocol)
+        arrival.copied = arrival.nbytes > 0  # deliver() copied them out of the transport's buffer
         # the caller's out= stays the caller's: copy it; arrays deliver() allocated are ours
         arrival.dest = [a.copy() for a in self.dest] if out is not None else list(self.dest)
         arrival.written = arrival.nbytes

@@ -586,6 +586,7 @@ class TcpChannel(Channel):
                         self._budget.release(nbytes, True)  # consumed: its slot and credit go back
                     else:  # nobody waits: kept here (within the credit) for the next recv
                         arrival = Arrival(self, arg, tree, specs, msg_id=msg_id, nbytes=nbytes)
+                        arrival.copied = bool(nbytes)  # out of the read-ahead buffer: not direct
                         arrival.buffer()
                         if nbytes:
                             arrival.fill(data)
