@@ -170,3 +170,40 @@ async def test_a_torch_module_that_returns_no_single_tensor_or_a_loss_that_is_no
                         await pipe.step(x, y, microbatches=2)
         assert err.value.remote_type == kind, err.value
         assert text in str(err.value) + err.value.remote_traceback, err.value
+
+
+@pytest.mark.timeout(60)
+async def test_a_numpy_stage_before_a_stage_that_passes_no_gradient_back_is_left_alone() -> None:
+    # once TorchPart passed None (not zeros) for "no gradient", FunctionPart handed that None to
+    # its layer's backward: a numpy stage before a detaching torch stage failed every step with
+    # "unsupported operand type(s) for *: 'NoneType' and 'float'" (or took nan from np.asarray)
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Detach(nn.Module):  # type: ignore[misc]
+        def forward(self, x: Any) -> Any:
+            return x.detach() * 2
+
+    class Counted(NumpyLinear):
+        backwards = 0
+
+        def backward(self, ctx: Any, grad: np.ndarray) -> np.ndarray:
+            Counted.backwards += 1
+            return super().backward(ctx, grad)
+
+    rng = np.random.default_rng(0)
+    first = Counted(rng, 4, 4, tanh=True)
+    w0 = first.w.copy()
+    parts = [
+        pipeline.FunctionPart(first),
+        pipeline.TorchPart(Detach()),
+        pipeline.TorchPart(
+            nn.Linear(4, 2), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss=nn.functional.mse_loss
+        ),
+    ]
+    x, y = rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal((6, 2)).astype(np.float32)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            losses = [(await pipe.step(x, y, microbatches=3)).loss for _ in range(2)]
+    assert losses[1] < losses[0], losses  # the last stage trains
+    assert Counted.backwards == 0 and np.array_equal(first.w, w0), "no gradient reached stage 0"

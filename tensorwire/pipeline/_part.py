@@ -66,7 +66,9 @@ class Layer(Protocol):
     """Anything with an explicit backward, for ``FunctionPart``:
 
     forward(x) -> (y, ctx);  backward(ctx, grad_y) -> grad_x, adding to its own gradients;
-    optionally step() (apply and clear the gradients), zero_grad() and state()."""
+    optionally step() (apply and clear the gradients), zero_grad() and state(). Where no
+    gradient reaches the layer's output (a later stage detached it), its backward is not called
+    for that microbatch, and the stage passes no gradient on."""
 
     def forward(self, x: Any) -> tuple[Any, Any]:
         """The layer's output for ``x``, and what its backward needs (``ctx``)."""
@@ -118,6 +120,11 @@ class FunctionPart(Part):
     def backward(self, ctx: Any, grad: Any) -> Any:
         if isinstance(ctx, _LossContext):  # after forward_loss: the loss gave the output's gradient
             ctx, grad = ctx.ctx, ctx.grad
+        elif grad is None:
+            # no gradient reaches this stage's output (a later stage's result does not depend on
+            # it, as TorchPart says): none reaches its parameters or its input, and the layer's
+            # backward is not called with None
+            return None
         return self.layer.backward(ctx, grad)
 
     def zero_grad(self) -> None:
