@@ -312,6 +312,31 @@ def test_serve_reads_a_tag_of_digits_as_an_int_and_anything_else_as_a_string() -
     assert _wire_tag("grads") == "grads" and _wire_tag("-") == "-"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("tag", "complaint"),
+    [
+        (str(1 << 64), "does not fit in 64 bits"),
+        (str(-0x7477_424E_0000_0001), "is one of tensorwire's own"),  # the bench's request tag
+    ],
+)
+def test_serve_refuses_an_echo_tag_no_peer_could_use_before_it_serves(tag: str, complaint: str) -> None:
+    # it served, then cut off every peer that connected (a tag past 64 bits), or its echo took
+    # the bench's requests so that `tensorwire bench` waited 10 s and blamed the node
+    out = subprocess.run([*CLI, "serve", "--bench", f"--echo={tag}"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert f"error: argument --echo: tag {tag} {complaint}" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_doctor_json_with_stdout_closed_ends_without_a_traceback() -> None:
+    # `tensorwire doctor --json >&-`: Python sets sys.stdout to None; moving descriptor 1 aside
+    # for the probe raised AttributeError (a traceback, exit 1)
+    out = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *CLI, "doctor", "--json"],
+                         stderr=subprocess.PIPE, text=True, timeout=45)  # fmt: skip
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+
+
 def test_a_demo_too_big_for_memory_says_so_without_a_traceback() -> None:
     out = subprocess.run([*CLI, "demo", "--size-mib", "100000000"], capture_output=True, text=True, timeout=90)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -380,6 +405,9 @@ def test_a_part_that_fails_while_it_loads_is_a_configuration_error_naming_where(
         load_factory("./broken.py:build")
     part.write_text("import math\n\nWIDTH = math.sqrt(-1)\n")
     with pytest.raises(ConfigurationError, match=r"raised ValueError: math domain error \(.*broken\.py, line 3\)"):
+        load_factory("./broken.py:build")
+    part.write_text('import json\n\nCONFIG = json.loads("{bad")\n')  # raised inside json: name the part's line
+    with pytest.raises(ConfigurationError, match=r"raised JSONDecodeError: .*\(.*broken\.py, line 3\)"):
         load_factory("./broken.py:build")
     part.write_text("def build(rank, num_stages):\n    return rank + 1\n")
     assert load_factory("./broken.py:build")(1, 2) == 2

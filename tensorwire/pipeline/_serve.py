@@ -49,7 +49,7 @@ def load_factory(spec: str) -> Callable[[int, int], Any]:
         raise ConfigurationError(f"--part {spec!r}: cannot import {where}: {exc}") from exc
     except Exception as exc:  # the user's module failed while it loaded: say where, not a traceback
         _forget(loading)
-        raise ConfigurationError(f"--part {spec!r}: loading {where} raised {_where_it_raised(exc)}") from exc
+        raise ConfigurationError(f"--part {spec!r}: loading {where} raised {_where_it_raised(exc, where)}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigurationError(f"--part {spec!r}: {where} has no function {name!r}")
@@ -62,14 +62,18 @@ def _forget(name: str | None) -> None:
         sys.modules.pop(name, None)
 
 
-def _where_it_raised(exc: Exception) -> str:
+def _where_it_raised(exc: Exception, where: str) -> str:
     """``SyntaxError: invalid syntax (parts.py, line 3)``, or ``ValueError: bad (parts.py,
-    line 7)``: the error and the last line of the user's code it came from."""
+    line 7)``: the error and the last line of the part's own file it came from (else the
+    deepest line outside the import machinery: a module the part imports, say)."""
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, SyntaxError):
         return text  # its text names the file and line
     frames = traceback.extract_tb(exc.__traceback__)
     own = [f for f in frames if "importlib" not in f.filename and not f.filename.startswith("<frozen")]
+    if where.endswith(".py"):
+        path = str(Path(where).resolve())
+        own = [f for f in own if f.filename == path] or own
     if own:
         text += f" ({own[-1].filename}, line {own[-1].lineno})"
     return text
