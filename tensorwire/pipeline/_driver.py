@@ -224,7 +224,7 @@ class Pipeline:
             return await self._step(inputs, targets, microbatches, schedule)
         except TensorWireError as exc:
             if self._closed:  # aclose() released the stages, which cut the step short
-                raise ClosedResourceError("this pipeline was closed while its step ran") from exc
+                raise ClosedResourceError(f"this pipeline was closed while its step ran ({exc})") from exc
             raise
         finally:
             self._stepping = False

@@ -34,8 +34,9 @@ from ..errors import (
     ShapeMismatchError,
     TensorWireError,
 )
-from ..tensors import Outgoing, is_tensor, prepare
+from ..tensors import Outgoing, as_view, is_tensor, prepare
 from ..tensors._message import MAX_DEPTH, check_out
+from ..tensors._view import TensorView
 from ..transports import Channel, ChannelState, Receipt
 from ._codec import encode
 from ._deadline import effective_deadline
@@ -346,9 +347,8 @@ async def call(
     along either way, and only this one is built on request)."""
     t0 = time.perf_counter() if want_receipt else 0.0
     if out is not None:
-        if type(out) is not np.ndarray:
-            _check_out(out)
-        check_out(out)  # tensors the result could never land in: refused before the method runs
+        # tensors the result could never land in: refused before the method runs
+        check_out(out, None if type(out) is np.ndarray else _check_out(out))
     left = effective_deadline(deadline)
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
@@ -381,23 +381,27 @@ async def call(
         raise
 
 
-def _check_out(out: Any) -> None:
-    """Refuse an ``_out=`` that is not tensors alone (in dicts, lists and tuples), at least one.
-    The result's tensors land in ``_out`` and the call returns ``_out`` itself: the receive
-    matches tensors only, so an ``_out`` without any would take an error reply (which carries
-    none) for a result and swallow it, and a scalar in it would come back as it was, not as the
-    method returned it."""
-    if not _out_tensors(out, 0):
+def _check_out(out: Any) -> list[TensorView]:
+    """Refuse an ``_out=`` that is not tensors alone (in dicts, lists and tuples), at least one;
+    its tensors, as views. The result's tensors land in ``_out`` and the call returns ``_out``
+    itself: the receive matches tensors only, so an ``_out`` without any would take an error
+    reply (which carries none) for a result and swallow it, and a scalar in it would come back
+    as it was, not as the method returned it."""
+    views: list[TensorView] = []
+    _out_tensors(out, 0, views)
+    if not views:
         raise ConfigurationError("_out= holds no tensor: give the tensors the result lands in, or no _out")
+    return views
 
 
-def _out_tensors(obj: Any, depth: int) -> int:
+def _out_tensors(obj: Any, depth: int, views: list[TensorView]) -> None:
     if isinstance(obj, dict):
         items: Any = obj.values()
     elif isinstance(obj, (list, tuple)):
         items = obj
     elif is_tensor(obj):
-        return 1
+        views.append(as_view(obj))
+        return
     else:
         raise ConfigurationError(
             f"_out= holds {type(obj).__name__} (not a tensor): it takes the result's tensors only (in dicts, lists and "
@@ -405,7 +409,8 @@ def _out_tensors(obj: Any, depth: int) -> int:
         )
     if depth > MAX_DEPTH:
         raise ConfigurationError(f"_out= is nested deeper than {MAX_DEPTH} levels")
-    return sum(_out_tensors(x, depth + 1) for x in items)
+    for x in items:
+        _out_tensors(x, depth + 1, views)
 
 
 async def _reply_into(

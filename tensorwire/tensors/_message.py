@@ -403,23 +403,30 @@ def match_out(
             raise ShapeMismatchError(
                 f"out= tensor {i} is {v.dtype}{list(v.shape)} but the message carries {s.dtype}{list(s.shape)}"
             )
-        if v.dev is None:
-            _writable(v)
-    if len(views) > 1:
-        _refuse_overlap(views)
+    _check_leaves(views)
     return [v.dev.target(streams) if v.dev is not None else v.array for v in views]
 
 
-def check_out(out: object) -> None:
+def check_out(out: object, views: list[TensorView] | None = None) -> None:
     """Refuse an out= whose host tensors no message could land in (read-only, not C-contiguous,
     two sharing memory, or no tensor tensorwire can receive into), as ``match_out`` would, for
     a caller that must know before it sends anything (an RPC's ``_out=``: the method would run
-    and its result be dropped)."""
+    and its result be dropped). ``views``: its leaves, ``as_view`` of each, where the caller
+    walked it already."""
     if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable and out.dtype.isnative:
         dtype_name(out.dtype)  # (an object array, ...: UnsupportedTensorError)
         return
-    views: list[TensorView] = []
-    _flatten(out, views, 0)
+    if views is None:
+        views = []
+        _flatten(out, views, 0)
+    for v in views:
+        if v.dev is None:
+            dtype_name(v.array.dtype)  # a dtype no message carries (big-endian, object)
+    _check_leaves(views)
+
+
+def _check_leaves(views: list[TensorView]) -> None:
+    """out= leaves bytes can land in: host ones writable and C-contiguous, none sharing memory."""
     for v in views:
         if v.dev is None:
             _writable(v)
