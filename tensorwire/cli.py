@@ -281,6 +281,21 @@ def _wire_tag(text: str) -> int | str:
     return int(text) if re.fullmatch(r"-?[0-9]+", text) else text
 
 
+def _echo_tag(text: str) -> str:
+    """An argparse type: ``--echo TAG``, refused at once when no peer could ever use it (an int
+    past 64 bits, a string with no UTF-8 form) or when it is one of tensorwire's own tags (an
+    echo there would take the bench's or rpc's messages); else every peer was cut off."""
+    from ._peer import RESERVED_TAGS, tag_id
+
+    try:
+        tag = tag_id(_wire_tag(text))
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if tag in RESERVED_TAGS:
+        raise argparse.ArgumentTypeError(f"tag {text} is one of tensorwire's own (tensorwire._peer.RESERVED_TAGS)")
+    return text
+
+
 async def _serve(
     address: str, echo: list[str], token: str | None, transports: list[str] | None, bench: bool = False
 ) -> int:
@@ -377,16 +392,24 @@ async def _bench(args: argparse.Namespace, json_out: list[dict[str, Any]]) -> in
 
 async def _bench_local(child: asyncio.subprocess.Process, measure: Callable[[str], Coroutine[Any, Any, _T]]) -> _T:
     """Wait for the ``serve --bench`` child to say where it serves, then ``measure(address)``;
-    what it prints after that goes to stderr (stdout may have to hold JSON alone)."""
+    what it prints before and after that goes to stderr (stdout may have to hold JSON alone).
+    Native libraries print on its stdout too (UCX's log: ``UCX_LOG_LEVEL=info``, warnings about
+    ``UCX_TLS``), before that line or, unflushed, in front of it on the same line."""
     assert child.stdout is not None
     try:
         async with asyncio.timeout(_DEMO_STEP_S):
-            first = (await child.stdout.readline()).decode(errors="replace")
+            while True:
+                line = (await child.stdout.readline()).decode(errors="replace")
+                if not line:  # it closed its stdout: it is exiting
+                    raise _ChildFailed(
+                        f"the node this bench started (pid {child.pid}) {_exit_text(await child.wait())}"
+                    )
+                if found := re.search(r"tensorwire node \S+ serving at (\S+)$", line.rstrip("\n")):
+                    address = found[1]
+                    break
+                sys.stderr.write(line)
     except TimeoutError as exc:
         raise _ChildFailed(f"the node this bench started did not serve within {_DEMO_STEP_S:g} s") from exc
-    address = first.rsplit(" ", 1)[-1].strip()
-    if not first.startswith("tensorwire node ") or not address:
-        raise _ChildFailed(f"the node this bench started (pid {child.pid}) {_exit_text(await child.wait())}")
 
     async def forward(stream: asyncio.StreamReader) -> None:
         while line := await stream.readline():
@@ -423,8 +446,13 @@ def _stdout_to_stderr() -> Iterator[None]:
     """Send what is written to file descriptor 1 to descriptor 2 for a while.
 
     Native libraries (UCX's warnings) write to descriptor 1 directly, past ``sys.stdout``; while the
-    doctor probes them, that goes to stderr so that stdout holds nothing but the report.
+    doctor probes them, that goes to stderr so that stdout holds nothing but the report. Without
+    a stdout (``>&-``: Python sets ``sys.stdout`` to None) nothing is redirected: descriptor 1 may
+    since belong to a file or socket this process opened.
     """
+    if sys.stdout is None:
+        yield
+        return
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -504,7 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=_at_least(1), default=3, help="bandwidth repetitions (default 3)")
     p = sub.add_parser("serve", help="run a node")
     p.add_argument("--address", default="127.0.0.1:0")
-    p.add_argument("--echo", action="append", default=[], metavar="TAG", help="echo messages received on TAG")
+    p.add_argument(
+        "--echo", action="append", type=_echo_tag, default=[], metavar="TAG", help="echo messages received on TAG"
+    )
     p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="require this auth token")
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
     p.add_argument("--bench", action="store_true", help="answer `tensorwire bench` requests (else they are refused)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -107,6 +108,20 @@ def test_local_bench_json_is_all_that_stdout_holds() -> None:
     _check_report(report, [4096, 65536])
     assert report["local_peer_pid"] > 0
     assert report["address"].startswith("127.0.0.1:")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="UCX's log comes from the ucx transport")
+def test_a_local_bench_whose_node_prints_before_it_serves_still_runs() -> None:
+    # UCX logs on file descriptor 1 (UCX_LOG_LEVEL=info here; a UCX_TLS it lacks warns too), so
+    # the node it started printed that before its "serving at" line: the bench took the first
+    # line for a failure and waited, for ever, for a node that served on to exit
+    env = {**os.environ, "UCX_LOG_LEVEL": "info"}
+    out = subprocess.run([*CLI, "bench", "--sizes", "4K", "--seconds", "0.1", "--json"],
+                         capture_output=True, text=True, timeout=45, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    _check_report(report, [4096], transport=report["path"]["transport"])
 
 
 @pytest.mark.timeout(90)
@@ -329,6 +344,38 @@ async def test_the_node_refuses_requests_out_of_bounds() -> None:
             await peer.send(request, tag=_wire.REQUEST_TAG)
             with pytest.raises(tensorwire.RemoteError, match=complaint):
                 await _client._answer(peer)
+
+
+def _dual_stack() -> bool:
+    """Whether an IPv6 socket on '::' here can take IPv4 clients too."""
+    if not socket.has_dualstack_ipv6():
+        return False
+    try:
+        with socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _dual_stack(), reason="no dual-stack IPv6 socket on this machine")
+async def test_a_node_on_every_ipv6_interface_benches_an_ipv4_client() -> None:
+    """`serve --bench --address [::]:5555` takes IPv4 clients on its control and data planes, but
+    its baseline listener was IPv6-only (socket.create_server's default): a bench from an IPv4
+    address failed with 'the raw TCP baseline could not connect ... is that port blocked?'."""
+    async with (
+        tensorwire.start("[::]:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(f"127.0.0.1:{server.address.rpartition(':')[2]}")
+        task = asyncio.ensure_future(_server.serve_bench(await server.accept(), enabled=True))
+        try:
+            report = await _bench.run_bench(peer, [1024], seconds=0.05)
+            assert report.baseline.startswith("one plain TCP socket between the same two processes, to 127.0.0.1:")
+            assert report.rows[0].raw_count >= 2
+        finally:
+            await peer.aclose()
+            async with asyncio.timeout(10):
+                await task
 
 
 async def test_the_baseline_listener_takes_only_the_client_with_the_secret() -> None:

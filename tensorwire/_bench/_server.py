@@ -66,7 +66,10 @@ class _RawServer:
 
     def __init__(self, host: str, max_bytes: int) -> None:
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-        self._listener = socket.create_server((host, 0), family=family)
+        # IPv4 clients too, as the node's own listeners take them ('[::]:5555': all interfaces;
+        # create_server would make an IPv6 socket IPv6-only)
+        dual = family == socket.AF_INET6 and socket.has_dualstack_ipv6()
+        self._listener = socket.create_server((host, 0), family=family, dualstack_ipv6=dual)
         self.port: int = self._listener.getsockname()[1]
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self._max_bytes = max_bytes
