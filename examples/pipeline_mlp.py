@@ -77,9 +77,11 @@ async def spawn_stages(
         for proc in procs:
             assert proc.stdout is not None
             async with asyncio.timeout(60):
-                line = (await proc.stdout.readline()).decode()
-            if not line.startswith("tensorwire stage serving at "):
-                raise RuntimeError(f"a stage process did not start (exit {await proc.wait()})")
+                # native libraries may print first (UCX's log on its stdout): skip to our line
+                while "tensorwire stage serving at " not in (line := (await proc.stdout.readline()).decode()):
+                    if not line:  # it closed its stdout: it is exiting
+                        raise RuntimeError(f"a stage process did not start (exit {await proc.wait()})")
+                    sys.stderr.write(line)
             addresses.append(line.rsplit(" ", 1)[1].strip())
     except BaseException:
         await stop(procs)
