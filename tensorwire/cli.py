@@ -95,6 +95,7 @@ async def _demo_child(address: str, size_mib: int) -> int:
     return 0
 
 
+_DEMO_PEER = "_demo-peer"  # the command line of the demo's second process (hidden from --help)
 _DEMO_STEP_S = 120.0  # no step of the demo (starting B, one transfer) may take longer
 _GRACE_S = 3.0  # how long B gets to exit after SIGTERM before it is killed
 
@@ -203,7 +204,7 @@ async def _demo(size_mib: int, repeat: int) -> int:
     want = _demo_payload(size_mib)
     async with start("127.0.0.1:0") as node:
         child = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "tensorwire.cli", "_demo-peer", node.address, str(size_mib)),
+            *(sys.executable, "-m", "tensorwire.cli", _DEMO_PEER, node.address, str(size_mib)),
             *("--parent", str(os.getpid())),  # B goes even if this process is SIGKILLed
         )
         try:
@@ -339,9 +340,9 @@ async def _bench(args: argparse.Namespace, json_out: list[dict[str, Any]]) -> in
     from ._bench import Report, Row, bench_device, run_bench
 
     device = bench_device(args.device)  # no CUDA here: said before anything starts
-    token = args.token
-    if args.address is None and token is None:
-        token = secrets.token_hex(16)  # the node started here serves this run and nothing else
+    # the node started here serves this run and nothing else: a token of its own, never the
+    # user's (--token and TENSORWIRE_TOKEN are for ADDRESS)
+    token = args.token if args.address is not None else secrets.token_hex(16)
     options: dict[str, Any] = {"auth_token": token}
     if args.transports:
         options["transports"] = tuple(args.transports)
@@ -466,14 +467,36 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived while the doctor ran (it has no event loop of its own to take it in, as
+    the other commands do): main ends with 143, as they do."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def _doctor(as_json: bool, address: str | None = None, token: str | None = None) -> int:
     from ._doctor import render
 
-    with _stdout_to_stderr() if as_json else contextlib.nullcontext():
-        rep = _doctor_report(address, token)
-    print(json.dumps(rep, indent=2) if as_json else render(rep))
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with _stdout_to_stderr() if as_json else contextlib.nullcontext():
+            rep = _doctor_report(address, token)
+        print(json.dumps(rep, indent=2) if as_json else render(rep))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     conn = rep.get("connect")
     return 1 if conn is not None and "error" in conn else 0
+
+
+def _address(text: str) -> str:
+    """An argparse type: a node's address. An IPv6 host in brackets with nothing after them
+    (``[::1]``) is refused here, naming the port it lacks (the library, reading what follows
+    the last colon as the port, would ask for the brackets that are there)."""
+    if re.fullmatch(r"\[[^\[\]]*\]", text):
+        raise argparse.ArgumentTypeError(f"{text!r} has no port: write HOST:PORT, as in '{text}:5000'")
+    return text
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -531,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mib", type=_at_least(1), default=256, help="size of the large tensor (default 256)")
     p.add_argument("--repeat", type=_at_least(1), default=3, help="bandwidth repetitions (default 3)")
     p = sub.add_parser("serve", help="run a node")
-    p.add_argument("--address", default="127.0.0.1:0")
+    p.add_argument("--address", type=_address, default="127.0.0.1:0")
     p.add_argument(
         "--echo", action="append", type=_echo_tag, default=[], metavar="TAG", help="echo messages received on TAG"
     )
@@ -540,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench", action="store_true", help="answer `tensorwire bench` requests (else they are refused)")
     p = sub.add_parser("bench", help="tensorwire's throughput to a node, against plain TCP in the same run")
     p.add_argument(
-        "address", nargs="?",
+        "address", nargs="?", type=_address,
         help="a node started with `tensorwire serve --bench` (default: start one here, measure over loopback)",
     )  # fmt: skip
     p.add_argument("--sizes", type=_sizes, default="4K,1M,64M", help="message sizes (default 4K,1M,64M)")
@@ -557,23 +580,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print only a JSON report on stdout")
     p = sub.add_parser("doctor", help="what this machine offers and which path a connect would take")
     p.add_argument("--json", action="store_true")
-    p.add_argument("address", nargs="?", help="also connect to the node at ADDRESS and show the path it negotiates")
+    p.add_argument(
+        "address", nargs="?", type=_address, help="also connect to the node at ADDRESS and show the path it negotiates"
+    )
     p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="auth token for ADDRESS")
     p = sub.add_parser("stage", help="serve a pipeline stage; a driver links the stages and runs steps")
     p.add_argument("--part", required=True, help="MODULE:FUNCTION or FILE.py:FUNCTION; FUNCTION(rank, num_stages)")
-    p.add_argument("--address", default="127.0.0.1:0")
+    p.add_argument("--address", type=_address, default="127.0.0.1:0")
     p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="require this auth token")
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
     p.add_argument("--no-offload", action="store_true", help="compute on the event loop instead of a thread")
-    p = sub.add_parser("_demo-peer")
-    p.add_argument("address")
-    p.add_argument("size_mib", type=int)
-    for name in ("serve", "stage", "_demo-peer"):
-        sub.choices[name].add_argument(
+    # the demo's second process: no command anyone types, so not one of the parser's (its
+    # --help and its "invalid choice" message would list it)
+    hidden = argparse.ArgumentParser(prog=f"tensorwire {_DEMO_PEER}")
+    hidden.set_defaults(cmd=_DEMO_PEER)
+    hidden.add_argument("address")
+    hidden.add_argument("size_mib", type=int)
+    for p in (sub.choices["serve"], sub.choices["stage"], hidden):
+        p.add_argument(
             "--parent", type=_at_least(1), default=None, metavar="PID",
             help="exit (as on SIGTERM) when process PID, the one that started this one, exits, even by SIGKILL",
         )  # fmt: skip
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = hidden.parse_args(argv[1:]) if argv[:1] == [_DEMO_PEER] else parser.parse_args(argv)
     if getattr(args, "token", None) == "":  # refused, never taken for "no token"
         parser.error("the token (--token, or TENSORWIRE_TOKEN) is empty: give one, or unset TENSORWIRE_TOKEN")
     # the command line is an application: it may configure logging (the library never does)
@@ -591,25 +620,26 @@ def main(argv: list[str] | None = None) -> int:
                 code = _run_until_signal(_bench(args, report))
             if report:
                 print(json.dumps(report[0], indent=2))
+            elif code == 128 + signal.SIGTERM:
+                return _failed(args, "terminated (SIGTERM)", code=code)
             return code
         if args.cmd == "doctor":
             return _doctor(args.json, args.address, args.token)
         if args.cmd == "stage":
             return _run_until_signal(_stage(args.address, args.part, args.token, args.transports, not args.no_offload))
-        if args.cmd == "_demo-peer":
+        if args.cmd == _DEMO_PEER:
             return _run_until_signal(_demo_child(args.address, args.size_mib))
     except KeyboardInterrupt:
-        return 130
+        return _failed(args, "interrupted (SIGINT)", code=130)
+    except _Terminated:
+        return 128 + signal.SIGTERM
     except BrokenPipeError:  # stdout closed early (`tensorwire demo | head -1`): end as a SIGPIPE would
-        with contextlib.suppress(OSError):  # and let nothing at exit try to flush into the pipe again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         return 128 + signal.SIGPIPE
     except TensorWireError as exc:
-        print(f"tensorwire: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, f"{type(exc).__name__}: {exc}", say="tensorwire")
     except _ChildFailed as exc:
-        print(f"tensorwire {args.cmd}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, str(exc), say=f"tensorwire {args.cmd}")
     except MemoryError:  # the demo's or bench's tensors do not fit in this machine's memory
         if args.cmd == "bench":
             from ._bench import fmt_size
@@ -617,9 +647,28 @@ def main(argv: list[str] | None = None) -> int:
             flag = "--sizes " + ",".join(fmt_size(n).replace(" ", "") for n in args.sizes)
         else:
             flag = f"--size-mib {getattr(args, 'size_mib', '?')}"
-        print(f"tensorwire {args.cmd}: out of memory ({flag})", file=sys.stderr)
-        return 1
+        return _failed(args, f"out of memory ({flag})", say=f"tensorwire {args.cmd}")
     return 2
+
+
+def _failed(args: argparse.Namespace, why: str, *, say: str | None = None, code: int = 1) -> int:
+    """End a command that failed with ``code``: ``why`` goes to stderr after ``say`` (where
+    given), and ``bench --json`` also puts it on stdout, as ``{"address": ..., "error": why}``:
+    a script that parses stdout gets JSON either way (doctor's failed connect is its "error")."""
+    if say is not None:
+        print(f"{say}: {why}", file=sys.stderr)
+    if args.cmd == "bench" and args.json:
+        try:
+            print(json.dumps({"address": args.address, "error": why}, indent=2), flush=True)
+        except BrokenPipeError:
+            _drop_stdout()
+    return code
+
+
+def _drop_stdout() -> None:
+    """Stdout's reader is gone: let nothing at exit try to flush into the pipe again."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

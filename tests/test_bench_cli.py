@@ -172,6 +172,43 @@ def test_bench_rejects_bad_arguments_with_a_usage_error(
     assert complaint in err and out == "", err
 
 
+def test_a_failed_bench_json_says_why_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    # it printed nothing on stdout (only the stderr line), where doctor --json prints its
+    # failed connect as JSON: a script that always parses stdout broke
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+    code, stdout, stderr = _bench_here(capsys, address, "--sizes", "1K", "--json", "--transports", "tcp")
+    assert code == 1, stdout + stderr
+    said = json.loads(stdout)
+    assert said["address"] == address and said["error"].startswith(
+        f"ControlPlaneError: cannot reach a tensorwire node at {address}"
+    )
+    assert stderr == f"tensorwire: {said['error']}\n"
+
+
+def test_a_local_bench_gives_its_node_a_token_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the node it starts serves that run alone: the user's TENSORWIRE_TOKEN (or --token, which
+    # is for ADDRESS) was handed to it instead of a random token
+    real = asyncio.create_subprocess_exec
+    given: list[dict[str, str]] = []
+
+    async def record(*argv: str, **options: Any) -> asyncio.subprocess.Process:
+        given.append(options["env"])  # and a child that exits at once: nothing to measure
+        return await real(sys.executable, "-c", "pass", stdout=options["stdout"])
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", record)
+    monkeypatch.setenv("TENSORWIRE_TOKEN", "the-users-token")
+    for flags in ([], ["--token", "another"]):
+        code, _, stderr = _bench_here(capsys, "--sizes", "1K", *flags)
+        assert code == 1 and "the node this bench started (pid" in stderr, stderr
+    tokens = [env["TENSORWIRE_TOKEN"] for env in given]
+    assert len(tokens) == 2 and all(re.fullmatch(r"[0-9a-f]{32}", t) for t in tokens), tokens
+    assert tokens[0] != tokens[1]
+
+
 def test_an_empty_token_from_the_environment_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -396,3 +433,34 @@ async def test_the_baseline_listener_takes_only_the_client_with_the_secret() -> 
             client.close()
     finally:
         raw.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_a_node_on_localhost_benches_a_client_over_either_loopback() -> None:
+    """`serve --bench --address localhost:0` listens on 127.0.0.1 and ::1 (gRPC binds both),
+    but its baseline listener bound what the name resolves to (127.0.0.1 here): a bench to
+    [::1]:PORT failed with 'the raw TCP baseline could not connect ... is that port blocked?'."""
+    async with (
+        tensorwire.start("localhost:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        port = server.address.rpartition(":")[2]
+        for host in ("[::1]", "127.0.0.1"):
+            peer = await client.connect(f"{host}:{port}")
+            task = asyncio.ensure_future(_server.serve_bench(await server.accept(), enabled=True))
+            try:
+                report = await _bench.run_bench(peer, [1024], seconds=0.05)
+                assert report.baseline.startswith(f"one plain TCP socket between the same two processes, to {host}:")
+                assert report.rows[0].raw_count >= 2
+            finally:
+                await peer.aclose()
+                async with asyncio.timeout(10):
+                    await task

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -438,3 +439,56 @@ def test_a_demo_whose_stdout_closes_ends_quietly_and_stops_its_second_process() 
     assert demo.returncode == 128 + signal.SIGPIPE, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert _gone_within(child, 15), "the demo left its second process running"
+
+
+@pytest.mark.parametrize(
+    "argv", [["serve", "--address", "[::1]"], ["stage", "--part", "m:f", "--address", "[::1]"], ["bench", "[::1]"],
+             ["doctor", "[fe80::1%eth0]"]],
+)  # fmt: skip
+def test_an_ipv6_address_without_a_port_is_said_to_lack_the_port(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # it said "write an IPv6 host in brackets, as in '[::1]:5000'" of a host in brackets
+    from tensorwire.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    host = argv[-1]
+    assert done.value.code == 2
+    assert f"{host!r} has no port: write HOST:PORT, as in '{host}:5000'" in capsys.readouterr().err
+
+
+def test_the_demos_second_process_is_no_command_of_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorwire.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "{demo,serve,bench,doctor,stage}" in out and "_demo-peer" not in out, out
+    with pytest.raises(SystemExit) as done:
+        main(["demo-peer"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "invalid choice: 'demo-peer'" in err and "_demo-peer" not in err, err
+    with pytest.raises(SystemExit) as done:  # still there for the demo, which starts it
+        main(["_demo-peer", "--help"])
+    assert done.value.code == 0
+    assert "usage: tensorwire _demo-peer [-h] [--parent PID] address size_mib" in capsys.readouterr().out
+
+
+def test_doctor_ends_with_143_on_sigterm() -> None:
+    # the doctor died of the signal (-15 to its parent), where every other command ends with 143
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes the connection, never answers
+        silent.settimeout(60)
+        doctor = subprocess.Popen([*CLI, "doctor", f"127.0.0.1:{silent.getsockname()[1]}"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            conn, _ = silent.accept()  # the doctor is connecting (for up to 10 s): its handler is set
+            with conn:
+                doctor.send_signal(signal.SIGTERM)
+                _, err = doctor.communicate(timeout=30)
+        finally:
+            _kill(doctor.pid)
+            doctor.communicate()
+    assert doctor.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err

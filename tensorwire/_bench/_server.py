@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
+import ipaddress
 import logging
 import secrets
+import select
 import socket
 import threading
 import time
@@ -46,6 +49,8 @@ __all__ = ["serve_bench"]
 log = logging.getLogger(__name__)
 
 _ACCEPT_S = 30.0  # how long an opened baseline listener waits for its one client
+_POLL_S = 0.5  # how soon a listener's thread sees a close (shutdown wakes it at once on Linux)
+_BIND_TRIES = 8  # ports tried for listeners on several addresses, one of which another process took
 _REFUSAL = "it was started without --bench (start one with `tensorwire serve --bench`)"
 
 
@@ -60,17 +65,61 @@ def _raw_receive(conn: socket.socket, out: memoryview, count: int) -> bool:
     return all(recv_exact(conn, out) for _ in range(count))
 
 
+def _bind_addresses(host: str) -> list[tuple[socket.AddressFamily, str]]:
+    """The addresses the node's control plane listens on for ``host``, as gRPC binds them:
+    every address the name resolves to, and for ``localhost`` both loopbacks (gRPC's resolver
+    gives ::1 and 127.0.0.1 whatever /etc/hosts says). A client reaches the baseline wherever
+    it reached the node: ``[::1]:P`` of a node at ``localhost:P`` too."""
+    if host.lower() == "localhost":
+        return [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
+    found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return list(dict.fromkeys((family, str(addr[0])) for family, _, _, _, addr in found))
+
+
+def _listen(host: str) -> list[socket.socket]:
+    """Listeners on one port at every address of ``host`` (see _bind_addresses) that this
+    machine has (one without an IPv6 loopback serves localhost on 127.0.0.1 alone)."""
+    addresses = _bind_addresses(host)
+    for _ in range(_BIND_TRIES):
+        listeners: list[socket.socket] = []
+        missing: OSError | None = None
+        try:
+            for family, addr in addresses:
+                port = listeners[0].getsockname()[1] if listeners else 0
+                # IPv4 clients too on '::', as the node's own listeners take them ('[::]:5555':
+                # all interfaces; create_server would make an IPv6 socket IPv6-only)
+                dual = family == socket.AF_INET6 and ipaddress.ip_address(addr).is_unspecified
+                try:
+                    sock = socket.create_server(
+                        (addr, port), family=family, dualstack_ipv6=dual and socket.has_dualstack_ipv6()
+                    )
+                except OSError as exc:
+                    if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                        raise
+                    missing = exc  # not an address of this machine: the others serve
+                    continue
+                listeners.append(sock)
+        except OSError as exc:
+            for sock in listeners:
+                sock.close()
+            if exc.errno == errno.EADDRINUSE and listeners:  # another process has this port there: next port
+                continue
+            raise
+        if not listeners:
+            assert missing is not None
+            raise missing
+        return listeners
+    raise OSError(errno.EADDRINUSE, f"no port is free on every address of {host!r} ({_BIND_TRIES} tried)")
+
+
 class _RawServer:
-    """The baseline's far end: a listener on the node's host that takes one connection (which
-    must present ``secret`` first), then serves its sink and ping operations in a thread."""
+    """The baseline's far end: listeners on the node's host (on each of its addresses) that take
+    one connection (which must present ``secret`` first), then serve its sink and ping
+    operations in a thread."""
 
     def __init__(self, host: str, max_bytes: int) -> None:
-        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-        # IPv4 clients too, as the node's own listeners take them ('[::]:5555': all interfaces;
-        # create_server would make an IPv6 socket IPv6-only)
-        dual = family == socket.AF_INET6 and socket.has_dualstack_ipv6()
-        self._listener = socket.create_server((host, 0), family=family, dualstack_ipv6=dual)
-        self.port: int = self._listener.getsockname()[1]
+        self._listeners = _listen(host)
+        self.port: int = self._listeners[0].getsockname()[1]
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -82,7 +131,7 @@ class _RawServer:
         """Stop at once: a thread blocked in accept or recv wakes up and ends."""
         with self._lock:
             self._closed = True
-            socks = [s for s in (self._listener, self._conn) if s is not None]
+            socks = [*self._listeners, *([self._conn] if self._conn is not None else [])]
         for s in socks:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
@@ -102,32 +151,42 @@ class _RawServer:
 
     def _accept(self) -> socket.socket | None:
         end = time.monotonic() + _ACCEPT_S
-        while (left := end - time.monotonic()) > 0:
-            self._listener.settimeout(left)
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                return None
-            conn.settimeout(STALL_S)
-            secret = bytearray(SECRET_BYTES)
-            try:
-                ok = recv_exact(conn, memoryview(secret)) and hmac.compare_digest(bytes(secret), self.secret)
-            except OSError:
-                ok = False
-            if not ok:  # not our client: drop it, keep waiting for the one that is
-                conn.close()
-                continue
+        for listener in self._listeners:
+            listener.setblocking(False)  # select says which has a client; one that left meanwhile: none
+        while (left := end - time.monotonic()) > 0 and not self._closed:
+            # in slices: a close from another thread is seen within one
+            ready, _, _ = select.select(self._listeners, [], [], min(left, _POLL_S))
+            for listener in ready:
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if not self._admit(conn):  # not our client: drop it, keep waiting for the one that is
+                    conn.close()
+                    continue
+                with self._lock:
+                    if self._closed:
+                        conn.close()
+                        return None
+                    self._conn = conn
+                for other in self._listeners:
+                    with contextlib.suppress(OSError):
+                        other.close()
+                return conn
+        return None
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Whether ``conn`` presents the secret (then it is set up for the baseline)."""
+        conn.settimeout(STALL_S)
+        secret = bytearray(SECRET_BYTES)
+        try:
+            ok = recv_exact(conn, memoryview(secret)) and hmac.compare_digest(bytes(secret), self.secret)
+        except OSError:
+            return False
+        if ok:
             conn.settimeout(None)  # the client measures tensorwire between operations, for as long as it likes
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return None
-                self._conn = conn
-            with contextlib.suppress(OSError):
-                self._listener.close()
-            return conn
-        return None
+        return ok
 
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(RAW_HEAD.size)
