@@ -580,6 +580,15 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
             f"{handle.name!r} was looked up on another session with node {handle.owner[:12]} (a peer "
             "since closed, a node since restarted, or another Peer object); look it up on this peer"
         )
+    # what moves is a buffer of the handle's dtype and shape, not ``nbytes``: a handle whose
+    # fields disagree (one changed with dataclasses.replace) would get or put past its range,
+    # into the owner's memory around the exposed tensor, where no check below looks
+    span = dtype_from_name(handle.dtype).itemsize * math.prod(handle.shape)
+    if span != handle.nbytes:
+        raise ShapeMismatchError(
+            f"{handle.name!r}: the handle's {handle.dtype}{list(handle.shape)} is {span} bytes but it names "
+            f"{handle.nbytes} (changed by hand?); index the handle for rows: handle[a:b]"
+        )
     if not handle.direct:
         return None
     state = _states(peer).get((handle.name, handle.generation))

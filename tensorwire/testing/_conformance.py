@@ -7,6 +7,7 @@ import contextlib
 import tracemalloc
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from ..errors import (
 )
 from ..memory import HostEngine, wait_event
 from ..memory._engine import _HostEvent
-from ..tensors import DTYPES, EngineArray, prepare
+from ..tensors import DTYPES, EngineArray, dtype_from_name, prepare
 from ..transports import Limits, Receipt
 from ..transports._remote import OneSidedTransport
 
@@ -1070,6 +1071,33 @@ async def check_one_sided_rows(a: Peer, b: Peer) -> None:
     await a.node.unexpose("kv")
     with _refused(HandleNotFound, "a row of a revoked handle was read"):
         await b.read(h[3])
+
+
+@_check()
+async def check_a_handle_changed_by_hand_moves_nothing_past_its_bytes(a: Peer, b: Peer) -> None:
+    """A handle whose dtype or shape was changed (``dataclasses.replace``) so that it spans more
+    bytes than it names is refused before anything moves, on every path: one-sided, the bytes
+    moved are the buffer's, and they went past the exposed tensor into the owner's memory
+    around it (a write overwrote it, a read returned it) while the range check saw ``nbytes``."""
+    around = np.full(64, 7, np.int32)
+    kv = around[16:32].reshape(4, 4)  # exposed: the middle of a larger allocation
+    kv[...] = 1
+    a.node.expose(kv, name="kv")
+    h = await b.lookup("kv")
+    for bad in (replace(h, shape=(8, 4)), replace(h, dtype="int64"), replace(h[3], shape=(2, 4))):
+        what = f"{bad.dtype}{list(bad.shape)} naming {bad.nbytes} bytes"
+        with _refused(ShapeMismatchError, f"a handle of {what} was read"):
+            await b.read(bad)
+        with _refused(ShapeMismatchError, "a handle changed by hand was read in a batch"):
+            await b.read_many([h[0], bad])
+        src = np.full(bad.shape, -5, dtype_from_name(bad.dtype))
+        with _refused(ShapeMismatchError, "a handle changed by hand was written"):
+            await b.write(bad, src)
+        with _refused(ShapeMismatchError, "a handle changed by hand was written in a batch"):
+            await b.write_many([h[0], bad], [np.zeros(4, np.int32), src])
+    assert (around[:16] == 7).all() and (around[32:] == 7).all(), "a write reached past the exposed tensor"
+    assert (kv == 1).all(), "a refused handle moved bytes"
+    assert np.array_equal(await b.read(h), kv)  # the peer is still fine
 
 
 @_check()
