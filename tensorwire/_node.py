@@ -158,6 +158,8 @@ def _split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
     port from ``lowest_port`` to 65535; ConfigurationError otherwise."""
     if not isinstance(address, str):
         raise ConfigurationError(f"an address is a 'host:port' string, not {address!r}")
+    if address.startswith("[") and address.endswith("]"):  # '[::1]': rpartition would split the host
+        raise ConfigurationError(f"address {address!r} has no port: write HOST:PORT, as in '{address}:5000'")
     host, sep, port = address.rpartition(":")
     if not sep or not host:
         raise ConfigurationError(f"address {address!r} is not host:port")

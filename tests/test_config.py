@@ -325,3 +325,13 @@ async def test_call_limits_at_their_bounds_work() -> None:
         b.node.methods.limits = CallLimits(max_concurrent=np.int64(2), max_inflight_bytes=U64 - 1)  # type: ignore[arg-type]
         assert type(b.node.methods.limits.max_concurrent) is int
         assert await a.call("add", 1, 1) == 2
+
+
+@pytest.mark.parametrize("address", ["[::1]", "[fe80::1]"])
+async def test_an_ipv6_address_without_a_port_is_said_to_lack_it(address: str) -> None:
+    # it said "write an IPv6 host in brackets", of a host already in brackets
+    with pytest.raises(ConfigurationError, match=r"has no port: write HOST:PORT"):
+        tensorwire.start(address)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        with pytest.raises(ConfigurationError, match=r"has no port"):
+            await node.connect(address)
