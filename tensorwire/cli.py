@@ -467,13 +467,14 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived while the doctor ran (it has no event loop of its own to take it in, as
-    the other commands do): main ends with 143, as they do."""
-
-
 def _terminated(signum: int, frame: object) -> None:
-    raise _Terminated
+    """SIGTERM while the doctor runs: end at once with 143. Unwinding instead (an exception
+    from here, or its connect probe's tasks cancelled) left gRPC's and UCX's threads running
+    as the interpreter finalized, and the process died of SIGSEGV; the doctor holds nothing
+    that needs closing (its probe node and sockets go with the process), and starts no child."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os._exit(128 + signal.SIGTERM)
 
 
 def _doctor(as_json: bool, address: str | None = None, token: str | None = None) -> int:
@@ -547,6 +548,13 @@ def _device(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:  # started with stdout closed (>&-): hold descriptor 1, so that no
+        # socket or epoll descriptor of ours takes it and gets what native libraries print there
+        with contextlib.suppress(OSError):
+            fd = os.open(os.devnull, os.O_WRONLY)
+            if fd != 1:
+                os.dup2(fd, 1)
+                os.close(fd)
     parser = argparse.ArgumentParser(prog="tensorwire", description="Move tensors between processes, honestly.")
     parser.add_argument("--version", action="version", version=f"tensorwire {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -631,8 +639,6 @@ def main(argv: list[str] | None = None) -> int:
             return _run_until_signal(_demo_child(args.address, args.size_mib))
     except KeyboardInterrupt:
         return _failed(args, "interrupted (SIGINT)", code=130)
-    except _Terminated:
-        return 128 + signal.SIGTERM
     except BrokenPipeError:  # stdout closed early (`tensorwire demo | head -1`): end as a SIGPIPE would
         _drop_stdout()
         return 128 + signal.SIGPIPE

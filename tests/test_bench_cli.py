@@ -435,6 +435,40 @@ async def test_the_baseline_listener_takes_only_the_client_with_the_secret() -> 
         raw.close()
 
 
+async def test_the_baseline_listener_works_past_1024_open_files_and_a_silent_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The accept loop waited with select(), which refuses a descriptor numbered 1024 or more: a
+    node with that many files open (a long-lived server, UCX's leaked sockets) refused every
+    baseline ("is that port blocked?"). And a connection that never sends the secret held the
+    one accept thread for STALL_S (60 s), and a real client behind it."""
+    import resource
+
+    monkeypatch.setattr(_server, "_SECRET_S", 0.5)  # (5 s in use) how long the silent one holds the thread
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files is {hard}: cannot open 1100 more")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if hard == resource.RLIM_INFINITY else hard, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        raw = _server._RawServer("127.0.0.1", 1 << 20)
+        try:
+            assert all(s.fileno() >= 1024 for s in raw._listeners), "the listener should sit past 1024"
+            silent = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", raw.port), 5)
+            with silent:
+                client = await _client._RawClient.connect("127.0.0.1", raw.port, raw.secret)
+                try:
+                    assert len(await client.ping(2)) == 2
+                finally:
+                    client.close()
+        finally:
+            raw.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.create_server(("::1", 0), family=socket.AF_INET6):

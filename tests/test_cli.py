@@ -492,3 +492,23 @@ def test_doctor_ends_with_143_on_sigterm() -> None:
             doctor.communicate()
     assert doctor.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_command_started_with_stdout_closed_holds_descriptor_1_on_dev_null() -> None:
+    # with descriptor 1 free, the next file the process opened took it (an epoll or a socket of
+    # the node), and whatever a native library printed "to stdout" went into that
+    proc = subprocess.Popen(["sh", "-c", 'exec "$@" >&-', "sh", *CLI, "serve", "--transports", "tcp"],
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        seen = ""
+        for _ in range(200):
+            with contextlib.suppress(OSError):
+                seen = os.readlink(f"/proc/{proc.pid}/fd/1")
+                if seen == "/dev/null" or len(list(Path(f"/proc/{proc.pid}/fd").iterdir())) > 8:
+                    break  # (it holds descriptor 1 from the start, or the node has opened files by now)
+            time.sleep(0.05)
+        assert seen == "/dev/null", seen
+    finally:
+        proc.kill()
+        proc.wait()

@@ -64,6 +64,11 @@ def test_require_refusals_say_which_side_falls_short() -> None:
     assert "TCP stack" not in str(info.value)
     with pytest.raises(tensorwire.NegotiationError, match=r"on client c1 \(no GPUDirect\)"):
         choose(["ucx"], client, server, {}, {}, "gpudirect", ok, local_name="s", remote_name="client c1")
+    # a client's lanes come from its handshake: 32 of 100 KB made a 3 MB refusal (and log line)
+    huge = {"ucx": Offer("ucx", 1, b"c", Capabilities(lanes=tuple(f"{i}" + "x" * 100_000 for i in range(32))))}
+    with pytest.raises(tensorwire.NegotiationError) as info:
+        choose(["ucx"], {"ucx": Offer("ucx", 1, b"s", nic)}, huge, {}, {}, "rdma", ok, remote_name="client c1")
+    assert len(str(info.value)) < 1000 and "and 24 more" in str(info.value), str(info.value)[:300]
 
 
 async def test_a_control_port_in_use_is_named() -> None:

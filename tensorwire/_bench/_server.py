@@ -9,7 +9,7 @@ import hmac
 import ipaddress
 import logging
 import secrets
-import select
+import selectors
 import socket
 import threading
 import time
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _ACCEPT_S = 30.0  # how long an opened baseline listener waits for its one client
 _POLL_S = 0.5  # how soon a listener's thread sees a close (shutdown wakes it at once on Linux)
+_SECRET_S = 5.0  # how long a new baseline connection may take to present the secret
 _BIND_TRIES = 8  # ports tried for listeners on several addresses, one of which another process took
 _REFUSAL = "it was started without --bench (start one with `tensorwire serve --bench`)"
 
@@ -151,16 +152,28 @@ class _RawServer:
 
     def _accept(self) -> socket.socket | None:
         end = time.monotonic() + _ACCEPT_S
-        for listener in self._listeners:
-            listener.setblocking(False)  # select says which has a client; one that left meanwhile: none
+        # a selector (epoll), not select(): a node with more than 1024 fds open has listeners
+        # that select() refuses ("filedescriptor out of range")
+        with selectors.DefaultSelector() as selector:
+            for listener in self._listeners:
+                listener.setblocking(False)  # the selector says which has a client; one that left meanwhile: none
+                selector.register(listener, selectors.EVENT_READ)
+            return self._accept_from(selector, end)
+
+    def _accept_from(self, selector: selectors.BaseSelector, end: float) -> socket.socket | None:
         while (left := end - time.monotonic()) > 0 and not self._closed:
             # in slices: a close from another thread is seen within one
-            ready, _, _ = select.select(self._listeners, [], [], min(left, _POLL_S))
-            for listener in ready:
+            for key, _ in selector.select(min(left, _POLL_S)):
+                listener = key.fileobj
+                assert isinstance(listener, socket.socket)
                 try:
                     conn, _ = listener.accept()
                 except (BlockingIOError, InterruptedError):
                     continue
+                except OSError:
+                    if self._closed:  # close() took the listener from under us
+                        return None
+                    raise
                 if not self._admit(conn):  # not our client: drop it, keep waiting for the one that is
                     conn.close()
                     continue
@@ -176,8 +189,10 @@ class _RawServer:
         return None
 
     def _admit(self, conn: socket.socket) -> bool:
-        """Whether ``conn`` presents the secret (then it is set up for the baseline)."""
-        conn.settimeout(STALL_S)
+        """Whether ``conn`` presents the secret (then it is set up for the baseline). The client
+        sends it as soon as it connects: a connection silent for longer is not ours, and must
+        not hold the one accept thread (and a close) for STALL_S."""
+        conn.settimeout(min(STALL_S, _SECRET_S))
         secret = bytearray(SECRET_BYTES)
         try:
             ok = recv_exact(conn, memoryview(secret)) and hmac.compare_digest(bytes(secret), self.secret)

@@ -38,10 +38,20 @@ def check_require(require: str) -> str:
 def _meets(require: str, caps: Capabilities, side: str) -> str | None:
     """Why ``caps`` (those of ``side``) fall short of ``require`` (None: they do not)."""
     if require == "rdma" and not caps.rdma:
-        return f"has no RDMA lane on {side} ({', '.join(caps.lanes) or 'no lanes listed'})"
+        return f"has no RDMA lane on {side} ({_lanes_text(caps.lanes)})"
     if require == "gpudirect" and not caps.gpudirect:
         return f"cannot move GPU memory directly to the NIC on {side} (no GPUDirect)"
     return None
+
+
+def _lanes_text(lanes: tuple[str, ...], most: int = 8, chars: int = 40) -> str:
+    """Lanes as a refusal names them: a client's come from its handshake, of any number and
+    length (32 lanes of 100 KB made a 3 MB refusal, logged whole and too big for gRPC)."""
+    if not lanes:
+        return "no lanes listed"
+    shown = [lane if len(lane) <= chars else lane[: chars - 3] + "..." for lane in lanes[:most]]
+    more = f", and {len(lanes) - most} more" if len(lanes) > most else ""
+    return ", ".join(shown) + more
 
 
 def tcp_lanes_only(lanes: tuple[str, ...]) -> bool:
