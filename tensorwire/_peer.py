@@ -168,7 +168,8 @@ class Peer:
 
     def stream(self, name: str, /, *args: Any, _deadline: float | None = None, **kwargs: Any) -> AsyncIterator[Any]:
         """``async for item in peer.stream("name", ...)``: the items a streaming method yields.
-        ``_deadline`` covers the whole stream; leaving the loop early cancels the method."""
+        ``_deadline`` covers the whole stream (no item is handed out past it); leaving the loop
+        early cancels the method. There is no ``_out=`` (ConfigurationError)."""
         return _rpc.stream(self, name, args, kwargs, _deadline)
 
     def stream_with_receipts(

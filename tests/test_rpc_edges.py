@@ -286,6 +286,91 @@ async def test_minus_infinite_deadline_has_passed(transport: str) -> None:
         await _settled(a, b)
 
 
+@pytest.mark.parametrize("transport", [*TRANSPORTS, _UCX])
+async def test_a_stream_hands_out_no_item_past_its_deadline(transport: str) -> None:
+    """``_deadline`` covers the whole stream. The server sends a window of items (16) at once,
+    and a consumer that works 0.1 s on each took them from its mailbox without waiting, the
+    deadline long past: with ``_deadline=0.3`` the loop ran 1.6 s and got 16 items before the
+    server's DeadlineExceeded came. Now the first item asked for past the deadline raises it."""
+    async with connected_pair(transport) as (a, b):
+        _register(b.node)
+        got: list[int] = []
+
+        async def consume() -> None:
+            async for i in a.stream("count", 1000, _deadline=0.3):
+                got.append(i)
+                await asyncio.sleep(0.1)
+
+        t0 = time.monotonic()
+        with pytest.raises(tensorwire.DeadlineExceeded, match="count"):
+            await _within(5, "a stream with _deadline=0.3", consume())
+        elapsed = time.monotonic() - t0
+        assert elapsed < 0.8 and len(got) <= 5, (elapsed, got)
+        assert got == list(range(len(got)))
+        await _settled(a, b)
+        assert await _within(5, "a stream afterwards", _collect(a.stream("count", 3, _deadline=5))) == [0, 1, 2]
+
+
+async def test_stream_takes_no_out() -> None:
+    """``_out`` is call's own keyword (no method may take it), but ``peer.stream`` sent it to the
+    method as an argument: one taking ``**kwargs`` got the caller's buffer. Now it is refused
+    before anything is sent."""
+    async with connected_pair("inproc") as (a, b):
+        seen: list[list[str]] = []
+
+        @b.node.method()
+        async def gen(**kwargs: Any) -> AsyncIterator[int]:
+            seen.append(sorted(kwargs))
+            yield 1
+
+        with pytest.raises(tensorwire.ConfigurationError, match="_out"):
+            await _within(5, "a stream with _out=", _collect(a.stream("gen", _out=np.empty(3))))
+        with pytest.raises(tensorwire.ConfigurationError, match="_out"):
+            await _within(5, "stream_with_receipts with _out=", _collect(a.stream_with_receipts("gen", _out=None)))
+        assert seen == []
+        assert await _within(5, "a stream without", _collect(a.stream("gen", x=1))) == [1]
+        assert seen == [["x"]]
+        await _settled(a, b)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_generator_that_swallows_its_cancellation_is_closed_all_the_same(transport: str) -> None:
+    """A stream's caller leaves the loop, and the cancellation lands in an await of the generator
+    that swallows it (caught, or lost by the library it awaits). The generator yielded on and the
+    server sent those items until the window ran out, then waited for credit that never comes:
+    the generator never closed and the call held its slot until the peer went away. Now no item
+    goes after a CANCEL: the generator is closed and the slot comes back."""
+    async with connected_pair(transport) as (a, b):
+        _register(b.node)
+        b.node.methods.limits = CallLimits(max_concurrent=1)
+        closed = asyncio.Event()
+        swallowed: list[int] = []
+
+        @b.node.method()
+        async def stubborn() -> AsyncIterator[int]:
+            i = 0
+            try:
+                while True:
+                    try:
+                        await asyncio.sleep(0.01)
+                    except asyncio.CancelledError:
+                        swallowed.append(i)
+                    yield i
+                    i += 1
+            finally:
+                closed.set()
+
+        agen = a.stream("stubborn")
+        async with contextlib.aclosing(agen):  # type: ignore[type-var]
+            async for i in agen:
+                if i == 20:
+                    break
+        await _within(3, "the generator's finally", closed.wait())
+        assert swallowed, "the cancellation did not land in the generator's sleep"
+        assert await _within(5, "a call after it (max_concurrent=1)", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
+
+
 # -- replies past the caller's limits -------------------------------------------------------------
 def test_limits_keep_room_for_an_error_reply() -> None:
     with pytest.raises(tensorwire.ConfigurationError, match="max_header_bytes"):

@@ -328,8 +328,8 @@ def _unpulled(channel: Channel, tag: int) -> asyncio.Future[None] | None:
     return arrival.done
 
 
-def _expired(name: str, left: float) -> DeadlineExceeded:
-    return DeadlineExceeded(f"{name}: its {left:.3g} s deadline ran out before the reply came")
+def _expired(name: str, left: float, what: str = "the reply came") -> DeadlineExceeded:
+    return DeadlineExceeded(f"{name}: its {left:.3g} s deadline ran out before {what}")
 
 
 async def call(
@@ -441,7 +441,10 @@ async def stream(
 ) -> AsyncIterator[Any]:
     """``peer.stream``: the items a streaming method yields, as they come (with ``receipts``,
     each as ``(item, Receipt)``: how the message that carried it came). Leaving the loop early
-    (break, an exception, aclose) cancels the method on the server."""
+    (break, an exception, aclose) cancels the method on the server. ``_deadline`` covers the
+    whole stream: no item is handed out once it has passed, even one that came in time."""
+    if "_out" in kwargs:  # call's own keyword, which no method may take: never an argument
+        raise ConfigurationError(f"{name}: peer.stream takes no _out= (it is peer.call's); items come as they are")
     left = effective_deadline(deadline)
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
@@ -466,7 +469,12 @@ async def stream(
             async with tm:
                 await _send_request(channel, call_id, request, payload, progress, name, where)
             taken = 0
+            loop = asyncio.get_running_loop()
             while True:
+                if deadline_at is not None and loop.time() >= deadline_at:
+                    # items already here would come at once, past the deadline, a window of them
+                    assert left is not None
+                    raise _expired(name, left, "the stream ended")
                 tm = asyncio.timeout_at(deadline_at)
                 async with tm:
                     msg, came = await _next_reply(channel, tag)
@@ -487,5 +495,5 @@ async def stream(
             _finish(peer, call_id, progress, lambda: budget.release(2, extra))
     except TimeoutError as exc:
         if left is not None and tm.expired():
-            raise _expired(name, left) from exc
+            raise _expired(name, left, "the stream ended") from exc
         raise

@@ -440,6 +440,10 @@ class PeerServer:
         loop = asyncio.get_running_loop()
         async with contextlib.aclosing(agen):
             async for item in agen:
+                # a generator that swallowed its cancellation (caught it, or an await inside that
+                # lost it) yields on: no item goes to a caller that gave up, which grants no credit
+                if call.cancel_requested:
+                    raise asyncio.CancelledError
                 while call.credit <= 0:  # the caller has not taken the last window yet
                     call.wake = loop.create_future()
                     await call.wake
