@@ -137,3 +137,26 @@ async def test_only_the_sessions_peer_can_renew_its_lease() -> None:
             good = heartbeat_proof(peer.session.secret, sid)
             resp = await stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=sid, proof=good), timeout=5)
             assert resp.lease_ms == int(server.config.lease_seconds * 1000)
+
+
+async def test_a_client_that_keeps_sending_bad_proofs_cannot_fill_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Every refused heartbeat, lookup or handshake was a warning of its own: a client without
+    the session secret could write a line per request for ever. The control plane now logs the
+    first 20 in 10 s and counts the rest."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(server.address)
+        await server.accept()
+        assert peer.session is not None
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            bad = control_pb2.HeartbeatRequest(session_id=peer.session.id, proof=b"guess")
+            for _ in range(60):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.Heartbeat(bad, timeout=5)
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.Lookup(control_pb2.LookupRequest(session_id=peer.session.id, name="x"), timeout=5)
+    refusals = [r for r in caplog.records if "bad proof" in r.getMessage()]
+    assert 1 <= len(refusals) <= 20, len(refusals)

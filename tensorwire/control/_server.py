@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .._ratelog import RateLimitedLog
 from ..errors import ConfigurationError, NegotiationError
 from ._auth import heartbeat_proof, lookup_proof
 from ._client import SESSION_LOST_METADATA
@@ -45,6 +46,8 @@ def _clip(reason: str) -> str:
 class _Servicer(control_pb2_grpc.ControlServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
+        # refusals are logged, but a client that keeps sending bad ones cannot fill the log
+        self._refusals = RateLimitedLog(log, per_window=20, window=10.0, what="refused control-plane requests")
 
     async def Handshake(  # noqa: N802 - gRPC method name
         self, request: control_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
@@ -54,20 +57,20 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         if node._closed:  # (its server stops after its peers have closed) a session now would only be dropped
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is closing")
         if request.protocol_version != PROTOCOL_VERSION:
-            log.warning("handshake from %s refused: protocol version %d", peer, request.protocol_version)
+            self._refusals.warn("handshake from %s refused: protocol version %d", peer, request.protocol_version)
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {request.protocol_version} is not supported (this node speaks {PROTOCOL_VERSION})",
             )
         token = node.config.auth_token
         if token is not None and not hmac.compare_digest(request.auth_token.encode(), token.encode()):
-            log.warning(
+            self._refusals.warn(
                 "handshake from %s refused: %s auth token", peer, "missing" if not request.auth_token else "wrong"
             )
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
         sizes = (len(request.preference), len(request.offers), len(request.unavailable))
         if max(sizes) > MAX_TRANSPORTS:
-            log.warning("handshake from %s refused: %d preferences, %d offers, %d reasons", peer, *sizes)
+            self._refusals.warn("handshake from %s refused: %d preferences, %d offers, %d reasons", peer, *sizes)
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a handshake names at most {MAX_TRANSPORTS} transports in each of its preference order, "
@@ -78,7 +81,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         if longest > MAX_NAME_CHARS:
             # they come back in reasons, refusals and this node's log: 32 names of 100 KB made a
             # 3 MB log line per handshake and a refusal too big for gRPC's trailers to carry
-            log.warning("handshake from %s refused: a transport or require name of %d characters", peer, longest)
+            self._refusals.warn("handshake from %s refused: a transport or require name of %d chars", peer, longest)
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"transport names and require= are at most {MAX_NAME_CHARS} characters (got one of {longest})",
@@ -128,7 +131,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             raise AssertionError("unreachable: abort raises")
         if not hmac.compare_digest(request.proof, heartbeat_proof(secret, request.session_id)):
             # knowing a session's id (it travels in the clear) must not keep a dead peer alive
-            log.warning("heartbeat from %s refused: bad proof", context.peer())
+            self._refusals.warn("heartbeat from %s refused: bad proof", context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lease renewals need the session's proof")
         self.node._renew(request.session_id)
         return control_pb2.HeartbeatResponse(lease_ms=int(self.node.config.lease_seconds * 1000))
@@ -146,7 +149,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_SESSION, SESSION_LOST_METADATA)
             raise AssertionError("unreachable: abort raises")
         if not hmac.compare_digest(request.proof, lookup_proof(peer.session.secret, request.name)):
-            log.warning("lookup of %r from %s refused: bad proof", request.name[:64], context.peer())
+            self._refusals.warn("lookup of %r from %s refused: bad proof", request.name[:64], context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lookups need an open session and its proof")
             raise AssertionError("unreachable: abort raises")
         entry = node.exposures.get(request.name)

@@ -7,8 +7,8 @@ import hmac
 import logging
 import os
 import socket
-import time
 
+from ..._ratelog import RateLimitedLog
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, FrameType, PeerLimits, pack, proof
@@ -44,28 +44,6 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class _RateLimitedLog:
-    """Warn about the first ``per_window`` events in each window, then count the rest, so that a
-    flood of hostile connections cannot flood the log too."""
-
-    def __init__(self, logger: logging.Logger, per_window: int, window: float) -> None:
-        self._log, self._per, self._window = logger, per_window, window
-        self._start = 0.0
-        self._count = 0
-
-    def warn(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._start > self._window:
-            if self._count > self._per:
-                self._log.warning(
-                    "... and %d more dropped connections in %.0f s", self._count - self._per, self._window
-                )
-            self._start, self._count = now, 0
-        self._count += 1
-        if self._count <= self._per:
-            self._log.warning(msg, *args)
-
-
 class TcpTransport(Transport):
     name = "tcp"
 
@@ -81,7 +59,7 @@ class TcpTransport(Transport):
         self._unstarted: set[socket.socket] = set()  # accepted, their handshake not yet begun
         self._channels: set[TcpChannel] = set()
         self._closed = False
-        self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
+        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections")
 
     async def listen(self) -> bytes:
         host = self.ctx.host

@@ -30,12 +30,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..._ratelog import RateLimitedLog
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
 from ...memory._gpudirect import gpudirect_status
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import LIMITS, MAX_SESSION_ID, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
-from ..tcp._transport import _RateLimitedLog
 from ._channel import HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
 from ._lanes import CUDA_TLS, RDMA_TLS
 from ._ucp import MemoryRegion, Ucp
@@ -146,7 +146,7 @@ class UcxTransport(Transport):
         self._hello_buf = np.empty(_HELLO_MAX, np.uint8)
         self._hello_req: Any = None
         self._closed = False
-        self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
+        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections")
         self.registrations = RegistrationCache(self.name, self._map)
         # memory register_region takes: host, and CUDA where this UCX moves it by pointer
         # (UCX finds a region's memory type itself when it maps it)

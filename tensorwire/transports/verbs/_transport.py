@@ -23,6 +23,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from ..._ratelog import RateLimitedLog
 from ...errors import (
     ConfigurationError,
     ConnectError,
@@ -34,7 +35,7 @@ from ...errors import (
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
 from .._remote import Hold, RegistrationCache
-from ..tcp._transport import _WILDCARDS, _RateLimitedLog
+from ..tcp._transport import _WILDCARDS
 from ._channel import VerbsChannel
 from ._memory import MemoryCache
 from ._queue import QueuePair
@@ -123,7 +124,7 @@ class VerbsTransport(Transport):
         self._channels: set[VerbsChannel] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._drops = _RateLimitedLog(log, per_window=20, window=10.0)
+        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections")
 
     def __repr__(self) -> str:
         where = self.port.describe() if self.port else "not listening"

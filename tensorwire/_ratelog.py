@@ -1,0 +1,30 @@
+"""A warning log that a flood cannot flood: the first few events of each window are logged,
+the rest counted and summed up in one line when the next window opens."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+__all__ = ["RateLimitedLog"]
+
+
+class RateLimitedLog:
+    """Warn about the first ``per_window`` events in each ``window`` seconds, then count the
+    rest: hostile connections or requests cannot fill the log. ``what`` names the events in the
+    line that says how many were not logged."""
+
+    def __init__(self, logger: logging.Logger, per_window: int, window: float, what: str) -> None:
+        self._log, self._per, self._window, self._what = logger, per_window, window, what
+        self._start = 0.0
+        self._count = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._start > self._window:
+            if self._count > self._per:
+                self._log.warning("... and %d more %s in %.0f s", self._count - self._per, self._what, self._window)
+            self._start, self._count = now, 0
+        self._count += 1
+        if self._count <= self._per:
+            self._log.warning(msg, *args)
