@@ -153,13 +153,22 @@ def _check_name(what: str, value: object) -> None:
 _PORT = re.compile(r"[0-9]{1,5}")
 
 
+def portless(address: str) -> str | None:
+    """Why ``address`` is an IPv6 host in brackets with no port (``[::1]``), else None: read as
+    host:port, what follows its last colon would be taken for the port, and the error would ask
+    for the brackets that are there."""
+    if address.startswith("[") and address.endswith("]"):
+        return f"has no port: write HOST:PORT, as in '{address}:5000'"
+    return None
+
+
 def _split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
     """``"host:port"`` (an IPv6 host in brackets: ``"[::1]:5000"``) as (host, port), with the
     port from ``lowest_port`` to 65535; ConfigurationError otherwise."""
     if not isinstance(address, str):
         raise ConfigurationError(f"an address is a 'host:port' string, not {address!r}")
-    if address.startswith("[") and address.endswith("]"):  # '[::1]': rpartition would split the host
-        raise ConfigurationError(f"address {address!r} has no port: write HOST:PORT, as in '{address}:5000'")
+    if (no_port := portless(address)) is not None:
+        raise ConfigurationError(f"address {address!r} {no_port}")
     host, sep, port = address.rpartition(":")
     if not sep or not host:
         raise ConfigurationError(f"address {address!r} is not host:port")

@@ -243,6 +243,15 @@ class _Exposed:
                 log.warning("unregistering %r failed: %s", self.handle.name, exc)
 
 
+def check_utf8_name(name: str) -> None:
+    """A handle name must travel: one with a lone surrogate has no UTF-8 form, so no peer could
+    ever look it up (``expose`` and ``lookup`` both refuse it)."""
+    try:
+        name.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigurationError(f"a handle name must encode as UTF-8, not {name!r} ({exc.reason})") from None
+
+
 class ExposureTable:
     """The tensors one node exposes, by name."""
 
@@ -256,10 +265,7 @@ class ExposureTable:
         registers its kind of memory (``region_kinds``: host, and CUDA where UCX has cuda lanes)."""
         if not isinstance(name, str) or not name or len(name) > 256:
             raise ConfigurationError("a handle name is a non-empty string of at most 256 characters")
-        try:
-            name.encode()
-        except UnicodeEncodeError as exc:  # a lone surrogate: no peer could ever look it up
-            raise ConfigurationError(f"a handle name must encode as UTF-8, not {name!r} ({exc.reason})") from None
+        check_utf8_name(name)
         if name in self._by_name:
             raise ConfigurationError(f"{name!r} is already exposed; unexpose it first")
         view = as_view(tensor)

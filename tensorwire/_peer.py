@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _onesided
-from ._onesided import RemoteHandle
+from ._onesided import RemoteHandle, check_utf8_name
 from .control._auth import heartbeat_proof, lookup_proof
 from .control._client import ControlClient, SessionLost
 from .errors import ClosedResourceError, ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
@@ -286,10 +286,7 @@ class Peer:
         """
         if not isinstance(name, str):
             raise ConfigurationError(f"lookup takes the name a tensor was exposed under, not {type(name).__name__}")
-        try:
-            name.encode()
-        except UnicodeEncodeError as exc:  # (expose refuses such a name too)
-            raise ConfigurationError(f"a handle name must encode as UTF-8, not {name!r} ({exc.reason})") from None
+        check_utf8_name(name)
         if self.session is None:
             raise ConfigurationError("this peer has no session to authenticate a lookup")
         if self._closed:  # (and a control connection opened now would never be closed)

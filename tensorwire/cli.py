@@ -493,10 +493,11 @@ def _doctor(as_json: bool, address: str | None = None, token: str | None = None)
 
 def _address(text: str) -> str:
     """An argparse type: a node's address. An IPv6 host in brackets with nothing after them
-    (``[::1]``) is refused here, naming the port it lacks (the library, reading what follows
-    the last colon as the port, would ask for the brackets that are there)."""
-    if re.fullmatch(r"\[[^\[\]]*\]", text):
-        raise argparse.ArgumentTypeError(f"{text!r} has no port: write HOST:PORT, as in '{text}:5000'")
+    (``[::1]``) is a usage error here, by the library's rule (``portless``)."""
+    from ._node import portless
+
+    if (no_port := portless(text)) is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {no_port}")
     return text
 
 

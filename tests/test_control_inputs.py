@@ -3,6 +3,10 @@ cannot travel, refusals that must say which side falls short, a control port alr
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
 import grpc
 import numpy as np
 import pytest
@@ -114,49 +118,49 @@ async def test_a_handshake_cannot_make_the_node_repeat_megabytes(caplog: pytest.
     assert max(len(r.getMessage()) for r in caplog.records) < 2000
 
 
+@contextlib.asynccontextmanager
+async def _session_and_stub() -> AsyncIterator[tuple[tensorwire.Node, tensorwire.Peer, Any]]:
+    """A server node, a client's peer with a session there, and a raw Control stub to the
+    server: what a client without the session secret could send, beside one that has it."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(server.address)
+        await server.accept()
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            yield server, peer, control_pb2_grpc.ControlStub(ch)
+
+
 async def test_only_the_sessions_peer_can_renew_its_lease() -> None:
     """A heartbeat named only the session id, which travels in the clear in the data plane's
     hello (TLS or not): anyone who saw it could keep a frozen or dead peer alive for good. A
     renewal now proves the session secret; one without the proof is refused and renews nothing."""
     from tensorwire.control._auth import heartbeat_proof
 
-    async with (
-        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
-        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
-    ):
-        peer = await client.connect(server.address)
-        await server.accept()
+    async with _session_and_stub() as (server, peer, stub):
         assert peer.session is not None
         sid = peer.session.id
-        async with grpc.aio.insecure_channel(server.address) as ch:
-            stub = control_pb2_grpc.ControlStub(ch)
-            for proof in (b"", heartbeat_proof(b"a guess", sid), heartbeat_proof(peer.session.secret, sid + "x")):
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=sid, proof=proof), timeout=5)
-                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
-            good = heartbeat_proof(peer.session.secret, sid)
-            resp = await stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=sid, proof=good), timeout=5)
-            assert resp.lease_ms == int(server.config.lease_seconds * 1000)
+        for proof in (b"", heartbeat_proof(b"a guess", sid), heartbeat_proof(peer.session.secret, sid + "x")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=sid, proof=proof), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+        good = heartbeat_proof(peer.session.secret, sid)
+        resp = await stub.Heartbeat(control_pb2.HeartbeatRequest(session_id=sid, proof=good), timeout=5)
+        assert resp.lease_ms == int(server.config.lease_seconds * 1000)
 
 
 async def test_a_client_that_keeps_sending_bad_proofs_cannot_fill_the_log(caplog: pytest.LogCaptureFixture) -> None:
     """Every refused heartbeat, lookup or handshake was a warning of its own: a client without
     the session secret could write a line per request for ever. The control plane now logs the
     first 20 in 10 s and counts the rest."""
-    async with (
-        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
-        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
-    ):
-        peer = await client.connect(server.address)
-        await server.accept()
+    async with _session_and_stub() as (_, peer, stub):
         assert peer.session is not None
-        async with grpc.aio.insecure_channel(server.address) as ch:
-            stub = control_pb2_grpc.ControlStub(ch)
-            bad = control_pb2.HeartbeatRequest(session_id=peer.session.id, proof=b"guess")
-            for _ in range(60):
-                with pytest.raises(grpc.aio.AioRpcError):
-                    await stub.Heartbeat(bad, timeout=5)
-                with pytest.raises(grpc.aio.AioRpcError):
-                    await stub.Lookup(control_pb2.LookupRequest(session_id=peer.session.id, name="x"), timeout=5)
+        bad = control_pb2.HeartbeatRequest(session_id=peer.session.id, proof=b"guess")
+        for _ in range(60):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Heartbeat(bad, timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Lookup(control_pb2.LookupRequest(session_id=peer.session.id, name="x"), timeout=5)
     refusals = [r for r in caplog.records if "bad proof" in r.getMessage()]
     assert 1 <= len(refusals) <= 20, len(refusals)
