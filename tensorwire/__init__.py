@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     # these load on first use (``import tensorwire.pipeline`` works too); none imports torch or CuPy
-    if name in ("native", "pipeline", "testing"):
+    if name in ("metrics", "native", "pipeline", "testing"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mappin
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from . import _metrics
 from ._checks import check_bool, check_seconds
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
@@ -249,6 +250,7 @@ class Node:
         return ucx_config(**self.config.ucx_options)
 
     async def _start(self) -> Node:
+        _metrics.node_started(self)
         with self._transport_options():  # probe and construct under this node's UCX options
             usable, self.unusable = probe_all(self.config.transports)
             if self.config.ucx_options and "ucx" in self.unusable:
@@ -287,9 +289,11 @@ class Node:
         caps = self.offers[choice.name].capabilities
         return Path(choice.name, channel.lanes, caps.rdma, caps.gpudirect, caps.memory_kinds, choice.passed_over)
 
-    def _adopt(self, peer: Peer) -> None:
-        """A new peer, either side: track it and serve its one-sided requests."""
+    def _adopt(self, peer: Peer, side: str) -> None:
+        """A new peer, ``side`` "connect" or "accept": track it, count it and serve its
+        one-sided requests."""
         self.peers.append(peer)
+        _metrics.peer_opened(side, peer.path)
         assert peer.session is not None
         self._sessions[peer.session.id] = peer
         peer.channel.add_close_callback(lambda _exc: self._gone(peer))
@@ -409,7 +413,7 @@ class Node:
             self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)  # _gone drops it
             self._incoming.append(peer)
             self._incoming_ready.set()
-            self._adopt(peer)  # after the above, which _gone undoes for a peer that already left
+            self._adopt(peer, "accept")  # after the above, which _gone undoes for a peer that already left
             log.info("accepted %s (node %s): %s", remote_addr, remote_node[:12], peer.path)
 
         task = asyncio.get_running_loop().create_task(wait())
@@ -472,6 +476,21 @@ class Node:
         ``require`` ("any", "rdma", "gpudirect") fails with NegotiationError instead of falling
         back below it; ``transports`` overrides the preference order for this connection.
         """
+        try:
+            return await self._connect(address, require, transports, connect_timeout)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            _metrics.connect_failed(exc)
+            raise
+
+    async def _connect(
+        self,
+        address: str,
+        require: str,
+        transports: tuple[str, ...] | list[str] | None,
+        connect_timeout: float | None,
+    ) -> Peer:
         self._check_open()
         host, _ = _split_address(address, lowest_port=1)
         if connect_timeout is not None:
@@ -527,7 +546,7 @@ class Node:
             control=client,
             session=session,
         )
-        self._adopt(peer)
+        self._adopt(peer, "connect")
         peer._start_heartbeat(resp.session_id, (resp.lease_ms or 3000) / 1000, since)
         log.info("connected to %s: %s", address, peer.path)
         return peer

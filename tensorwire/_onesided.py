@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _metrics
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -672,6 +673,7 @@ def _revoked_midway(state: _Direct, op: str) -> str:
 
 
 def _receipt(
+    op: str,
     peer: Peer,
     protocol: str,
     nbytes: int,
@@ -681,7 +683,16 @@ def _receipt(
     memory: str = "host",
     staged: bool = False,
 ) -> Receipt:
-    """A one-sided operation's receipt; ``moved``: the channel's own, for an owner-assisted one."""
+    """A one-sided operation's receipt (and its count in the metrics); ``moved``: the channel's
+    own, for an owner-assisted one."""
+    receipt = _described(peer, protocol, nbytes, t0, packed, moved, memory, staged)
+    _metrics.transferred(op, receipt)
+    return receipt
+
+
+def _described(
+    peer: Peer, protocol: str, nbytes: int, t0: float, packed: bool, moved: Receipt | None, memory: str, staged: bool
+) -> Receipt:
     ch = peer.channel
     if moved is not None:
         packed, staged = packed or moved.packed, staged or moved.staged
@@ -812,7 +823,13 @@ async def read(
         state = _direct_state(peer, handle)
         if state is not None:
             await _move(peer, "get", [(state, out, handle.offset)])
-            return out, _receipt(peer, _one_sided(peer), out.nbytes, t0, False, None) if want_receipt else None
+            if not want_receipt:  # counted all the same, without building a receipt
+                ch = peer.channel
+                _metrics.moved(
+                    "read", ch.transport, _one_sided(peer), True, False, "host", out.nbytes, time.perf_counter() - t0
+                )
+                return out, None
+            return out, _receipt("read", peer, _one_sided(peer), out.nbytes, t0, False, None)
     results, receipt = await read_many(peer, [handle], [out], device=device, want_receipt=want_receipt)
     return results[0], receipt
 
@@ -826,7 +843,7 @@ async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
         state = _direct_state(peer, handle)
         if state is not None:
             await _move(peer, "put", [(state, src, handle.offset)])
-            return _receipt(peer, _one_sided(peer), src.nbytes, t0, False, None)
+            return _receipt("write", peer, _one_sided(peer), src.nbytes, t0, False, None)
     return await write_many(peer, [handle], [src])
 
 
@@ -986,13 +1003,11 @@ async def read_many(
             packed = True
         elif d.tensor is not None and d.tensor.unpack_to is not None:
             packed = True  # unpacked on a lane by _get_device
-    if not want_receipt:
-        return [d.value for d in dests], None
     nbytes = sum(d.nbytes for d in dests)
     if memory == "host" and on_device:
         memory = next((_kind(d) for d in dests if d.target is None), "host")
-    receipt = _receipt(peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
-    return [d.value for d in dests], receipt
+    receipt = _receipt("read", peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
+    return [d.value for d in dests], receipt if want_receipt else None
 
 
 def _by_pointer(peer: Peer, t: DeviceTensor) -> bool:
@@ -1221,7 +1236,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         moved = _and_then(moved, sent)
         done += part
     nbytes = sum(a.nbytes for a in arrays)
-    return _receipt(peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
+    return _receipt("write", peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
 
 
 async def _scatter(peer: Peer, jobs: list[tuple[_Direct, DeviceTensor, int]]) -> None:

@@ -23,7 +23,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -297,15 +297,34 @@ def _echo_tag(text: str) -> str:
     return text
 
 
+@contextlib.asynccontextmanager
+async def _metrics_served(address: str | None) -> AsyncIterator[None]:
+    """``--metrics ADDR``: serve the process's metrics at http://ADDR/metrics meanwhile, and say
+    where on stdout (before the serving line)."""
+    if address is None:
+        yield
+        return
+    from . import metrics
+
+    async with metrics.serve(address) as server:
+        print(f"tensorwire metrics at http://{server.address}/metrics", flush=True)
+        yield
+
+
 async def _serve(
-    address: str, echo: list[str], token: str | None, transports: list[str] | None, bench: bool = False
+    address: str,
+    echo: list[str],
+    token: str | None,
+    transports: list[str] | None,
+    bench: bool = False,
+    metrics: str | None = None,
 ) -> int:
     from ._bench import serve_bench
 
     options: dict[str, Any] = {"auth_token": token}
     if transports:
         options["transports"] = tuple(transports)
-    async with start(address, **options) as node:
+    async with _metrics_served(metrics), start(address, **options) as node:
         print(f"tensorwire node {node.node_id} serving at {node.address}", flush=True)
 
         async def echo_loop(peer: Any, tag: str) -> None:
@@ -425,13 +444,16 @@ async def _bench_local(child: asyncio.subprocess.Process, measure: Callable[[str
 
 
 # -- stage ----------------------------------------------------------------------------------
-async def _stage(address: str, part: str, token: str | None, transports: list[str] | None, offload: bool) -> int:
+async def _stage(
+    address: str, part: str, token: str | None, transports: list[str] | None, offload: bool, metrics: str | None
+) -> int:
     from .pipeline._serve import serve_stage
 
     def ready(bound: str) -> None:
         print(f"tensorwire stage serving at {bound}", flush=True)
 
-    await serve_stage(address, part, ready=ready, offload=offload, transports=transports, auth_token=token)
+    async with _metrics_served(metrics):
+        await serve_stage(address, part, ready=ready, offload=offload, transports=transports, auth_token=token)
     return 0
 
 
@@ -489,6 +511,9 @@ def _doctor(as_json: bool, address: str | None = None, token: str | None = None)
         signal.signal(signal.SIGTERM, previous)
     conn = rep.get("connect")
     return 1 if conn is not None and "error" in conn else 0
+
+
+_METRICS_HELP = "serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus-client; port 0 picks one)"
 
 
 def _address(text: str) -> str:
@@ -570,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="require this auth token")
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
     p.add_argument("--bench", action="store_true", help="answer `tensorwire bench` requests (else they are refused)")
+    p.add_argument("--metrics", type=_address, default=None, metavar="HOST:PORT", help=_METRICS_HELP)
     p = sub.add_parser("bench", help="tensorwire's throughput to a node, against plain TCP in the same run")
     p.add_argument(
         "address", nargs="?", type=_address,
@@ -599,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="require this auth token")
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
     p.add_argument("--no-offload", action="store_true", help="compute on the event loop instead of a thread")
+    p.add_argument("--metrics", type=_address, default=None, metavar="HOST:PORT", help=_METRICS_HELP)
     # the demo's second process: no command anyone types, so not one of the parser's (its
     # --help and its "invalid choice" message would list it)
     hidden = argparse.ArgumentParser(prog=f"tensorwire {_DEMO_PEER}")
@@ -622,7 +649,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "demo":
             return _run_until_signal(_demo(args.size_mib, args.repeat))
         if args.cmd == "serve":
-            return _run_until_signal(_serve(args.address, args.echo, args.token, args.transports, args.bench))
+            return _run_until_signal(
+                _serve(args.address, args.echo, args.token, args.transports, args.bench, args.metrics)
+            )
         if args.cmd == "bench":
             report: list[dict[str, Any]] = []
             with _stdout_to_stderr() if args.json else contextlib.nullcontext():  # UCX writes to fd 1
@@ -635,7 +664,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "doctor":
             return _doctor(args.json, args.address, args.token)
         if args.cmd == "stage":
-            return _run_until_signal(_stage(args.address, args.part, args.token, args.transports, not args.no_offload))
+            return _run_until_signal(
+                _stage(args.address, args.part, args.token, args.transports, not args.no_offload, args.metrics)
+            )
         if args.cmd == _DEMO_PEER:
             return _run_until_signal(_demo_child(args.address, args.size_mib))
     except KeyboardInterrupt:

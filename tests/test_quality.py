@@ -29,7 +29,9 @@ def test_mypy_strict() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("module", ["tensorwire", "tensorwire.pipeline", "tensorwire.rpc", "tensorwire.tensors"])
+@pytest.mark.parametrize(
+    "module", ["tensorwire", "tensorwire.metrics", "tensorwire.pipeline", "tensorwire.rpc", "tensorwire.tensors"]
+)
 def test_every_public_name_of_the_api_has_a_docstring(module: str) -> None:
     """What the package's ``__all__`` exports, and the public methods and properties its classes
     define (or inherit a docstring for), says what it is (help() showed nothing for some)."""

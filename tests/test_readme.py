@@ -29,6 +29,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -370,6 +371,33 @@ async def test_rpc_snippet_calls_streams_and_receives_in_place() -> None:
         setting = next(s for s in spans(README) if s.startswith("node.methods.limits = tensorwire.rpc.CallLimits("))
         exec(setting, {"node": node, "tensorwire": tensorwire})
         assert node.methods.limits == tensorwire.rpc.CallLimits(), setting
+
+
+async def test_metrics_snippet_serves_and_counts() -> None:
+    """The README's Metrics snippet, on a free port: the endpoint serves tensorwire's metrics
+    while it runs, and ``sent`` is the bytes sent over tcp so far (a message sent first)."""
+    pytest.importorskip("prometheus_client")
+    snippet = block(README, "Metrics", "import tensorwire.metrics")
+    edit = _Edit(snippet)
+    edit.constants["127.0.0.1:9464"] = ast.Constant("127.0.0.1:0")
+    tree = edit.visit(ast.parse(snippet.text))
+    edit.check(**{"'127.0.0.1:9464'": 1})
+    closing = [s for s in tree.body if ast.unparse(s) == "await server.aclose()"]
+    assert len(closing) == 1, f"{snippet}: the snippet no longer ends by closing its server"
+    tree.body.remove(closing[0])  # this test closes it, after reading the endpoint
+    async with pair("tcp") as (node, peer):
+        await peer.send(np.zeros(1000, np.uint8), tag=1)
+        await (node.peers[0]).recv(tag=1)
+        ns: dict[str, Any] = {}
+        await run_snippet(_compile(snippet, tree), ns)
+    server = ns["server"]
+    try:
+        url = f"http://{server.address}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+        assert 'tensorwire_transfer_bytes_total{direct="true",memory="host",op="send"' in body, body
+    finally:
+        await server.aclose()
+    assert ns["sent"] >= 1000 and ns["sent"] == tensorwire.metrics.snapshot().bytes("send", "tcp")
 
 
 # -- README: stock gRPC clients -------------------------------------------------------------------

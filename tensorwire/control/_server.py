@@ -47,7 +47,9 @@ class _Servicer(control_pb2_grpc.ControlServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
         # refusals are logged, but a client that keeps sending bad ones cannot fill the log
-        self._refusals = RateLimitedLog(log, per_window=20, window=10.0, what="refused control-plane requests")
+        self._refusals = RateLimitedLog(
+            log, per_window=20, window=10.0, what="refused control-plane requests", kind="control"
+        )
 
     async def Handshake(  # noqa: N802 - gRPC method name
         self, request: control_pb2.HandshakeRequest, context: grpc.aio.ServicerContext

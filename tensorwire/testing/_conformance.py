@@ -27,6 +27,7 @@ from ..errors import (
 )
 from ..memory import HostEngine, wait_event
 from ..memory._engine import _HostEvent
+from ..metrics import Snapshot, snapshot
 from ..tensors import DTYPES, EngineArray, dtype_from_name, prepare
 from ..transports import Limits, Receipt
 from ..transports._remote import OneSidedTransport
@@ -367,6 +368,51 @@ async def check_receipts_of_both_ends_agree_and_say_whether_bytes_were_copied(a:
             # direct for a small one read ahead and copied, when it came before its recv)
             assert len(set(direct_without_out.values())) == 1, f"{name} of {n} bytes: {direct_without_out}"
     assert "rendezvous" in seen, f"a message past the receiver's credit went {seen}"
+
+
+def _counted(before: Snapshot, after: Snapshot, op: str) -> dict[tuple[Any, ...], tuple[int, int]]:
+    """What the metrics counted for ``op`` between two snapshots: label set -> (transfers, bytes)."""
+    moved = {}
+    for key, (n, nbytes) in after.transfers.items():
+        n0, b0 = before.transfers.get(key, (0, 0))
+        if key[0] == op and (n, nbytes) != (n0, b0):
+            moved[key[1:]] = (n - n0, nbytes - b0)
+    return moved
+
+
+def _labels(r: Receipt) -> tuple[Any, ...]:
+    return (r.transport, r.protocol, r.direct, r.staged, r.memory)
+
+
+@_check(Limits(recv_buffer_bytes=MiB))
+async def check_metrics_count_every_transfer_as_its_receipt_says(a: Peer, b: Peer) -> None:
+    """Every message is counted once at each end (``tensorwire.metrics``), with its bytes, under
+    the protocol, direct, staged and memory its receipt names; every one-sided read and write
+    too, whether or not its caller asked for a receipt. Sizes from none to past the credit."""
+    for n in (0, 8, 128 * 1024, 2 * MiB):
+        src = (np.arange(n) % 251).astype(np.uint8)
+        for order in ("recv-first", "send-first"):
+            before = snapshot()
+            _, sent, received = await exchange(a, b, src, None, order)
+            after = snapshot()
+            where = f"{n} bytes, {order}: sent {sent}, received {received}"
+            assert _counted(before, after, "send") == {_labels(sent): (1, n)}, where
+            assert _counted(before, after, "recv") == {_labels(received): (1, n)}, where
+    kv = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    a.node.expose(kv, name="metered")
+    h = await b.lookup("metered")
+    row = h[3]
+    before = snapshot()
+    _, with_receipt = await b.read_with_receipt(row)
+    middle = snapshot()
+    await b.read(row)  # no receipt asked for: counted the same
+    after = snapshot()
+    assert _counted(before, middle, "read") == {_labels(with_receipt): (1, row.nbytes)}, with_receipt
+    assert _counted(middle, after, "read") == {_labels(with_receipt): (1, row.nbytes)}, with_receipt
+    before = snapshot()
+    written = await b.write(row, np.ones(64, np.float32))
+    assert _counted(before, snapshot(), "write") == {_labels(written): (1, row.nbytes)}, written
+    assert np.array_equal(kv[3], np.ones(64, np.float32))
 
 
 @_check()

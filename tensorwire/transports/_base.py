@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .. import _metrics
 from .._checks import check_int, check_seconds
 from ..errors import ClosedResourceError, ProtocolError
 
@@ -213,7 +214,9 @@ class Channel(ABC):
         """``streams``: the consumer's streams, taken by a caller inside the library at its own
         call (one that awaited since, when another task may have made other streams current);
         by default taken now."""
-        return await self.mailbox.recv(tag, out, device, streams=streams)
+        value, receipt = await self.mailbox.recv(tag, out, device, streams=streams)
+        _metrics.transferred("recv", receipt)
+        return value, receipt
 
     def wait_briefly(self, fut: Any) -> None:
         """A recv just posted ``fut``: a transport that can progress inline (without the loop)
@@ -246,8 +249,9 @@ class Channel(ABC):
         return self.mailbox.in_flight
 
     def _send_receipt(self, msg: Any, protocol: str, t0: float) -> Receipt:
-        """The receipt of a send of ``msg`` (tensors.Outgoing) that began at ``t0``."""
-        return Receipt(
+        """The receipt of a send of ``msg`` (tensors.Outgoing) that began at ``t0``, counted in
+        the metrics (a transport that builds its own calls ``_metrics.transferred``)."""
+        receipt = Receipt(
             transport=self.transport,
             lanes=self.lanes,
             nbytes=msg.nbytes,
@@ -258,6 +262,8 @@ class Channel(ABC):
             packed=msg.packed,
             memory=msg.memory,
         )
+        _metrics.transferred("send", receipt)
+        return receipt
 
     async def _finish_posted(self, futs: Collection[asyncio.Future[None]]) -> None:
         """Wait until every one of ``futs`` (operations the hardware cannot take back: UCX

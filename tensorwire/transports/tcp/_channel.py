@@ -26,6 +26,7 @@ from typing import Any
 
 import crc32c
 
+from ... import _metrics
 from ...errors import (
     BrokenResourceError,
     ClosedResourceError,
@@ -256,7 +257,7 @@ class TcpChannel(Channel):
                 raise failure from exc
             if rest:
                 await self._finish_frame(rest, msg_id)
-            return Receipt(
+            receipt = Receipt(
                 self.transport,
                 self.lanes,
                 nbytes,
@@ -267,6 +268,8 @@ class TcpChannel(Channel):
                 msg.packed,
                 msg.memory,
             )
+            _metrics.transferred("send", receipt)
+            return receipt
         # its turn now, before any await (a slot): FIFO per tag
         turn = self._order.enter(tag)
         try:
@@ -343,7 +346,7 @@ class TcpChannel(Channel):
                 raise
         finally:
             self._sending -= 1
-        return Receipt(
+        receipt = Receipt(
             transport=self.transport,
             lanes=self.lanes,
             nbytes=msg.nbytes,
@@ -354,6 +357,8 @@ class TcpChannel(Channel):
             packed=msg.packed,
             memory=msg.memory,
         )
+        _metrics.transferred("send", receipt)
+        return receipt
 
     async def _send_data(self, msg_id: int, segs: list[memoryview | DeviceTensor], start: int, end: int) -> None:
         if any(isinstance(s, DeviceTensor) for s in segs):

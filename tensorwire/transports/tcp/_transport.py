@@ -59,7 +59,7 @@ class TcpTransport(Transport):
         self._unstarted: set[socket.socket] = set()  # accepted, their handshake not yet begun
         self._channels: set[TcpChannel] = set()
         self._closed = False
-        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections")
+        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections", kind="tcp")
 
     async def listen(self) -> bytes:
         host = self.ctx.host

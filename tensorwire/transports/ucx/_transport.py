@@ -146,7 +146,7 @@ class UcxTransport(Transport):
         self._hello_buf = np.empty(_HELLO_MAX, np.uint8)
         self._hello_req: Any = None
         self._closed = False
-        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections")
+        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections", kind="ucx")
         self.registrations = RegistrationCache(self.name, self._map)
         # memory register_region takes: host, and CUDA where this UCX moves it by pointer
         # (UCX finds a region's memory type itself when it maps it)

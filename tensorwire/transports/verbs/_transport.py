@@ -124,7 +124,7 @@ class VerbsTransport(Transport):
         self._channels: set[VerbsChannel] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
-        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections")
+        self._drops = RateLimitedLog(log, per_window=20, window=10.0, what="dropped connections", kind="verbs")
 
     def __repr__(self) -> str:
         where = self.port.describe() if self.port else "not listening"

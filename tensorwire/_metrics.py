@@ -1,0 +1,106 @@
+"""What moved and how, counted as it moves.
+
+The data plane counts every transfer here in plain Python numbers (a dict lookup and a few
+additions under a lock, about a microsecond), whether or not anyone asked for a Receipt; the
+control plane counts the peers it opened, the connects that failed and the requests it refused.
+Nothing here imports prometheus_client: ``tensorwire.metrics`` turns these numbers into
+Prometheus metrics when something collects them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._node import Node
+    from ._path import Path
+    from .transports import Receipt
+
+#: upper bounds (seconds) of the transfer-time histogram's buckets
+BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+_lock = threading.Lock()  # nodes may run on event loops in several threads
+# (op, transport, protocol, direct, staged, memory) -> [transfers, bytes, sum of seconds, then the
+# count of each BUCKETS' bucket and of the one above them (not cumulative)]
+_transfers: dict[tuple[str, str, str, bool, bool, str], list[Any]] = {}
+# (transport, side, passed_over) -> peers opened
+_peers: dict[tuple[str, str, str], int] = {}
+# error class name -> failed connects
+_connect_failures: dict[str, int] = {}
+# what was refused or dropped ("control", "tcp", ...) -> how many
+_refusals: dict[str, int] = {}
+_nodes: weakref.WeakSet[Node] = weakref.WeakSet()
+_EMPTY = [0, 0, 0.0] + [0] * (len(BUCKETS) + 1)
+
+
+def moved(
+    op: str, transport: str, protocol: str, direct: bool, staged: bool, memory: str, nbytes: int, seconds: float
+) -> None:
+    """One transfer: ``op`` is "send" or "recv" (a message), "read" or "write" (one-sided)."""
+    key = (op, transport, protocol, direct, staged, memory)
+    slot = 3 + bisect.bisect_left(BUCKETS, seconds)
+    with _lock:
+        tally = _transfers.get(key)
+        if tally is None:
+            tally = _transfers[key] = _EMPTY.copy()
+        tally[0] += 1
+        tally[1] += nbytes
+        tally[2] += seconds
+        tally[slot] += 1
+
+
+def transferred(op: str, r: Receipt) -> None:
+    """One transfer, as its receipt tells it."""
+    moved(op, r.transport, r.protocol, r.direct, r.staged, r.memory, r.nbytes, r.seconds)
+
+
+def node_started(node: Node) -> None:
+    _nodes.add(node)
+
+
+def peer_opened(side: str, path: Path) -> None:
+    """A peer's data path opened; ``side`` is "connect" or "accept". The transports preferred
+    over the one taken are part of the count: a fallback is visible at a glance."""
+    key = (path.transport, side, ",".join(name for name, _ in path.passed_over))
+    with _lock:
+        _peers[key] = _peers.get(key, 0) + 1
+
+
+def connect_failed(exc: BaseException) -> None:
+    name = type(exc).__name__
+    with _lock:
+        _connect_failures[name] = _connect_failures.get(name, 0) + 1
+
+
+def refused(kind: str) -> None:
+    with _lock:
+        _refusals[kind] = _refusals.get(kind, 0) + 1
+
+
+def snapshot() -> dict[str, Any]:
+    """A consistent copy of every count (see ``tensorwire.metrics.snapshot``)."""
+    open_peers: dict[str, int] = {}
+    for node in list(_nodes):
+        for peer in list(node.peers):
+            if not peer.closed:
+                open_peers[peer.path.transport] = open_peers.get(peer.path.transport, 0) + 1
+    with _lock:
+        transfers = {k: list(v) for k, v in _transfers.items()}
+        peers, failures, refusals = dict(_peers), dict(_connect_failures), dict(_refusals)
+    seconds: dict[tuple[str, str], list[Any]] = {}  # (op, transport) -> [buckets..., above, sum]
+    for key, tally in transfers.items():
+        hist = seconds.setdefault(key[:2], [0] * (len(BUCKETS) + 1) + [0.0])
+        for i, n in enumerate(tally[3:]):
+            hist[i] += n
+        hist[-1] += tally[2]
+    return {
+        "transfers": {k: (v[0], v[1]) for k, v in transfers.items()},
+        "seconds": seconds,
+        "peers_opened": peers,
+        "peers_open": open_peers,
+        "connect_failures": failures,
+        "refusals": refusals,
+    }

@@ -1,0 +1,286 @@
+"""tensorwire.metrics: what moved and how, counted in every process and served to Prometheus.
+
+The conformance suite checks, over every transport, that each message and one-sided operation
+is counted as its receipt says (check_metrics_count_every_transfer_as_its_receipt_says); these
+tests check the rest: the peers, failures and refusals, the Prometheus text and its HTTP
+endpoint, and the command line's ``--metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+import tensorwire
+import tensorwire.metrics as metrics
+from tensorwire import _metrics
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(v for (n, ls), v in _samples(text).items() if n == name and labels.items() <= dict(ls).items())
+
+
+async def test_prometheus_text_counts_bytes_and_times_of_a_tcp_exchange() -> None:
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as na,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as nb,
+    ):
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        before = metrics.text()
+        x = np.arange(300_000, dtype=np.float32)
+        sent = await a.send(x, tag=1)
+        _, received = await b.recv_with_receipt(tag=1)
+        after = metrics.text()
+    labels = {"transport": "tcp", "protocol": sent.protocol, "direct": "true" if sent.direct else "false"}
+    for name, want in (("tensorwire_transfer_bytes_total", x.nbytes), ("tensorwire_transfers_total", 1)):
+        got = _value(after, name, op="send", **labels) - _value(before, name, op="send", **labels)
+        assert got == want, (name, sent)
+    recv = {"transport": "tcp", "protocol": received.protocol, "staged": "false"}
+    assert (
+        _value(after, "tensorwire_transfer_bytes_total", op="recv", **recv)
+        - _value(before, "tensorwire_transfer_bytes_total", op="recv", **recv)
+        == x.nbytes
+    )
+    # the histogram: one more observation, its sum grown by the receipt's seconds, its buckets
+    # cumulative up to +Inf (which equals the count)
+    hist = {"op": "send", "transport": "tcp"}
+    count = _value(after, "tensorwire_transfer_seconds_count", **hist) - _value(
+        before, "tensorwire_transfer_seconds_count", **hist
+    )
+    assert count == 1
+    grown = _value(after, "tensorwire_transfer_seconds_sum", **hist) - _value(
+        before, "tensorwire_transfer_seconds_sum", **hist
+    )
+    assert grown == pytest.approx(sent.seconds)
+    buckets = sorted(
+        (float(dict(ls)["le"]), v)
+        for (n, ls), v in _samples(after).items()
+        if n == "tensorwire_transfer_seconds_bucket" and dict(ls)["op"] == "send" and dict(ls)["transport"] == "tcp"
+    )
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets), buckets
+    assert buckets[-1] == (float("inf"), _value(after, "tensorwire_transfer_seconds_count", **hist))
+    first = next(v for le, v in buckets if le >= sent.seconds)
+    last_below = max((v for le, v in buckets if le < sent.seconds), default=0.0)
+    assert first > last_below or first == buckets[-1][1]
+
+
+async def test_peers_opened_name_the_transports_passed_over_and_the_open_gauge_follows() -> None:
+    """A fallback shows in the count: verbs is preferred and has no device here, so tcp is taken
+    and ``passed_over`` says "verbs"; the open gauge goes up while the peers are open and back
+    down once they close."""
+    prefer = ("verbs", "tcp")
+    start = metrics.snapshot()
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=prefer) as na,
+        tensorwire.start("127.0.0.1:0", transports=prefer) as nb,
+    ):
+        if "verbs" in na.offers:
+            pytest.skip("this machine has an RDMA device: verbs is not passed over")
+        a = await na.connect(nb.address)
+        await nb.accept()
+        assert [name for name, _ in a.path.passed_over] == ["verbs"], a.path
+        during = metrics.snapshot()
+        await a.aclose()
+    end = metrics.snapshot()
+    for side in ("connect", "accept"):
+        key = ("tcp", side, "verbs")
+        assert during.peers_opened.get(key, 0) - start.peers_opened.get(key, 0) == 1, during.peers_opened
+    assert during.peers_open.get("tcp", 0) - start.peers_open.get("tcp", 0) == 2
+    assert end.peers_open.get("tcp", 0) == start.peers_open.get("tcp", 0)
+
+
+async def test_failed_connects_and_refused_handshakes_are_counted() -> None:
+    with socket.socket() as s:  # a port with nothing behind it
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    before = metrics.snapshot()
+    async with (
+        tensorwire.start("127.0.0.1:0", auth_token="right", transports=("tcp",)) as guarded,
+        tensorwire.start("127.0.0.1:0", auth_token="wrong", transports=("tcp",)) as intruder,
+    ):
+        with pytest.raises(tensorwire.AuthenticationError):
+            await intruder.connect(guarded.address)
+        with pytest.raises(tensorwire.TensorWireError, match="cannot reach") as failed:
+            await intruder.connect(dead, connect_timeout=5)
+    after = metrics.snapshot()
+    for name in ("AuthenticationError", type(failed.value).__name__):
+        assert after.connect_failures.get(name, 0) - before.connect_failures.get(name, 0) == 1, after
+    assert after.refusals.get("control", 0) - before.refusals.get("control", 0) == 1, after.refusals
+
+
+async def test_a_cancelled_connect_is_not_a_failure() -> None:
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        with socket.socket() as s:  # accepts TCP and never answers: the handshake hangs
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            before = metrics.snapshot()
+            task = asyncio.ensure_future(node.connect(f"127.0.0.1:{s.getsockname()[1]}", connect_timeout=30))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert metrics.snapshot().connect_failures == before.connect_failures
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
+async def test_metrics_served_over_http_and_closed_once() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    async with metrics.serve("127.0.0.1:0", registry=registry) as server:
+        metrics.register(registry)
+        metrics.register(registry)  # a second time does nothing (the registry would refuse it)
+        host, port = server.address.rsplit(":", 1)
+        body = await asyncio.to_thread(_get, f"http://{server.address}/metrics")
+        assert "# TYPE tensorwire_transfers_total counter" in body
+        assert "# TYPE tensorwire_peers_open gauge" in body
+        # the port is taken while it serves
+        with socket.socket() as s, pytest.raises(OSError, match="in use"):
+            s.bind((host, int(port)))
+        with pytest.raises(tensorwire.ConfigurationError, match="cannot serve metrics"):
+            metrics.serve(server.address, registry=registry)
+    await server.aclose()  # idempotent
+    assert "closed" in repr(server)
+    with socket.socket() as s:  # and free once it closed
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, int(port)))
+
+
+@pytest.mark.parametrize("address", ["nohost", "127.0.0.1:99999", "[::1]", 5])
+def test_a_bad_metrics_address_is_a_configuration_error(address: object) -> None:
+    with pytest.raises(tensorwire.ConfigurationError):
+        metrics.serve(address)  # type: ignore[arg-type]
+
+
+def test_without_prometheus_client_snapshot_works_and_the_rest_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails as if not installed
+    assert isinstance(metrics.snapshot(), metrics.Snapshot)
+    for call in (metrics.text, metrics.register, metrics.collector, lambda: metrics.serve("127.0.0.1:0")):
+        with pytest.raises(tensorwire.ConfigurationError, match=r"tensorwire\[metrics\]"):
+            call()
+
+
+def test_counts_from_many_threads_are_not_lost() -> None:
+    """Nodes may run on event loops in several threads: their counts add up exactly."""
+    key = ("send", "thread-test", "eager", True, False, "host")
+    before = metrics.snapshot().transfers.get(key, (0, 0))
+
+    def count() -> None:
+        for _ in range(20_000):
+            _metrics.moved(*key, 3, 1e-4)
+
+    threads = [threading.Thread(target=count) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = metrics.snapshot().transfers[key]
+    assert (after[0] - before[0], after[1] - before[1]) == (80_000, 240_000)
+
+
+_PART = """
+from tensorwire.pipeline import FunctionPart
+
+
+class Same:
+    def forward(self, x):
+        return x, None
+
+    def backward(self, ctx, grad):
+        return grad
+
+
+def build(rank, num_stages):
+    return FunctionPart(Same())
+"""
+
+
+@contextlib.contextmanager
+def _started(argv: list[str]) -> Iterator[tuple[str, str]]:
+    """A ``tensorwire`` command with ``--metrics 127.0.0.1:0``: (metrics URL, address it serves at)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "tensorwire.cli", *argv, "--metrics", "127.0.0.1:0", "--parent", str(os.getpid())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            first, second = proc.stdout.readline(), proc.stdout.readline()
+            # where the metrics are comes first, then the serving line scripts look for
+            assert first.startswith("tensorwire metrics at http://127.0.0.1:"), (first, second)
+            assert " serving at " in second, (first, second)
+            yield first.split()[-1], second.split()[-1]
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=30)
+    assert proc.returncode in (0, 143, -15), err
+
+
+def test_serve_metrics_flag_serves_them_beside_the_node() -> None:
+    """``tensorwire serve --metrics 127.0.0.1:0``: the endpoint counts what an echo through the
+    node moved."""
+    with _started(["serve", "--echo", "0", "--transports", "tcp"]) as (url, node_address):
+
+        async def echo() -> None:
+            async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+                peer = await node.connect(node_address)
+                await peer.send(np.ones(1000, np.float64), tag=0)
+                await peer.recv(tag=0)
+
+        asyncio.run(echo())
+        body = _get(url)
+    assert _value(body, "tensorwire_transfer_bytes_total", op="recv", transport="tcp") == 8000, body
+    assert _value(body, "tensorwire_transfer_bytes_total", op="send", transport="tcp") == 8000, body
+    assert _value(body, "tensorwire_peers_opened_total", side="accept") == 1, body
+
+
+def test_stage_metrics_flag_serves_them_beside_the_stage(tmp_path: Path) -> None:
+    (tmp_path / "part.py").write_text(_PART)
+    with _started(["stage", "--part", f"{tmp_path / 'part.py'}:build", "--transports", "tcp"]) as (url, _):
+        body = _get(url)
+    assert "# TYPE tensorwire_transfers_total counter" in body, body
+    assert "# TYPE process_resident_memory_bytes gauge" in body, "the default registry's own metrics"
+
+
+def test_the_cost_benchmark_runs_and_prints_its_table() -> None:
+    """benchmarks/metrics_cost.py, briefly: it measures counted and uncounted round trips in one
+    run and restores the counting it swapped out."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(
+        [sys.executable, "benchmarks/metrics_cost.py", "--transports", "inproc", "tcp",
+         "--trips", "50", "--rounds", "2"],
+        cwd=root, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["inproc"], ["tcp"])]
+    assert [r[0] for r in rows] == ["inproc", "tcp"], out.stdout
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x") for r in rows), out.stdout
