@@ -58,7 +58,8 @@ def transferred(op: str, r: Receipt) -> None:
 
 
 def node_started(node: Node) -> None:
-    _nodes.add(node)
+    with _lock:  # a scrape may be reading the set from another thread
+        _nodes.add(node)
 
 
 def peer_opened(side: str, path: Path) -> None:
@@ -83,7 +84,9 @@ def refused(kind: str) -> None:
 def snapshot() -> dict[str, Any]:
     """A consistent copy of every count (see ``tensorwire.metrics.snapshot``)."""
     open_peers: dict[str, int] = {}
-    for node in list(_nodes):
+    with _lock:
+        nodes = list(_nodes)
+    for node in nodes:
         for peer in list(node.peers):
             if not peer.closed:
                 open_peers[peer.path.transport] = open_peers.get(peer.path.transport, 0) + 1
