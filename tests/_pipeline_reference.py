@@ -26,3 +26,19 @@ def one_process_step(layers: list[Any], x: np.ndarray, y: np.ndarray) -> float:
     for layer in layers:
         layer.step()
     return loss
+
+
+def call_chain(modules: list[Any], x: Any) -> Any:
+    """The modules run one after the other in one process, each called as a pipeline stage is:
+    a tuple unpacked as positional arguments, a dict as keyword arguments, anything else as is
+    (``torch.distributed.pipelining``'s convention, and TorchPart's)."""
+    for module in modules:
+        if isinstance(x, tuple):
+            x = module(*x)
+        elif isinstance(x, dict):
+            x = module(**x)
+        else:
+            x = module(x)
+        if type(x) is list:
+            x = tuple(x)
+    return x

@@ -198,8 +198,12 @@ def test_blank_lines_are_ignored() -> None:
         (lambda: Schedule.parse("F0 B0").peak_activations(5), ScheduleError, "stage 5 is not in 0..0"),
         (lambda: Schedule.parse("F0 B0").validate(max_unexpected="4"), ScheduleError, "max_unexpected must be"),
         (lambda: split(np.float32(1.0), 1), ShapeMismatchError, "a 0-d tensor (float32) has no first dimension"),
-        (lambda: split(None, 1), UnsupportedTensorError, "a batch is a tensor (or a list of samples)"),
-        (lambda: split({"ids": np.zeros((4, 2))}, 2), UnsupportedTensorError, "not dict"),
+        (lambda: split(None, 1), UnsupportedTensorError, "a batch is a tensor, a list of samples, or a tuple"),
+        (
+            lambda: split({"ids": np.zeros((4, 2)), "mask": np.zeros(3)}, 2),
+            ShapeMismatchError,
+            "element 'mask' of the batch has 3 samples but element 'ids' has 4",
+        ),
         (lambda: split(np.zeros(4), 2.0), ConfigurationError, "microbatches must be a positive int, not 2.0"),
     ],
     ids=[
@@ -217,7 +221,7 @@ def test_blank_lines_are_ignored() -> None:
         "limit-str",
         "split-scalar",
         "split-None",
-        "split-dict",
+        "split-dict-lengths",
         "split-float-m",
     ],
 )

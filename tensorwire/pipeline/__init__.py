@@ -9,13 +9,15 @@ through tensorwire peers, microbatch after microbatch, as a schedule says.
     async with tensorwire.start() as node:
         pipe = await pipeline.Pipeline.connect(node, stage_addresses)
         result = await pipe.step(x, y, microbatches=8, schedule="1f1b")
+        outputs = await pipe.forward(x, microbatches=8)      # forward only: the last stage's outputs
 
 Schedules are data (``get_schedule("1f1b")(num_stages, num_microbatches)``): per stage a list
 of actions (``F0``, ``B3``) that is validated before it runs and drawn as a step-by-stage grid.
 torch is needed only by stages that wrap a torch module; ``import tensorwire`` never imports it.
 """
 
-from ._driver import Pipeline, StepResult, split
+from ._batch import join, split
+from ._driver import Pipeline, StepResult
 from ._part import FunctionPart, Layer, Part, TorchPart, as_part
 from ._schedule import SCHEDULES, Action, Kind, Schedule, get_schedule, gpipe, make_schedule, one_f_one_b
 from ._stage import Stage
@@ -34,6 +36,7 @@ __all__ = [
     "TorchPart",
     "as_part",
     "get_schedule",
+    "join",
     "gpipe",
     "make_schedule",
     "one_f_one_b",

@@ -11,6 +11,8 @@ over the data plane) with it, which links the stages into a chain; each step is 
 ``tw.pipeline.step`` call per stage, all at once, carrying that stage's actions from the schedule
 (and the microbatches to stage 0, the targets to the last stage), then, once every stage has
 finished, one ``tw.pipeline.commit`` call per stage, which applies its optimizer update.
+``forward`` is the same call with a forward-only schedule and no targets: no commit follows, and
+the last stage's answer carries its outputs, which the driver joins back into one batch.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import asyncio
 import collections
 import contextlib
 import itertools
-import numbers
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +40,9 @@ from ..errors import (
     ShapeMismatchError,
     TensorError,
     TensorWireError,
-    UnsupportedTensorError,
 )
 from ..tensors import as_view, is_tensor, prepare
+from ._batch import join, num_samples, split
 from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, make_schedule
 from ._stage import ticket_key
 
@@ -49,30 +50,7 @@ if TYPE_CHECKING:
     from .._node import Node
     from .._peer import Peer
 
-__all__ = ["Pipeline", "StepResult", "split"]
-
-
-def split(batch: Any, microbatches: int) -> list[Any]:
-    """Split a tensor (numpy or torch) along its first dimension into ``microbatches`` parts whose
-    sizes differ by at most one."""
-    if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
-        raise ConfigurationError(f"microbatches must be a positive int, not {microbatches!r}")
-    microbatches = int(microbatches)
-    if isinstance(batch, (str, bytes, dict)) or not hasattr(batch, "__getitem__"):
-        raise UnsupportedTensorError(
-            f"a batch is a tensor (or a list of samples), split along its first dimension; not {type(batch).__name__}"
-        )
-    try:
-        n = len(batch)
-    except TypeError:
-        raise ShapeMismatchError(
-            f"a 0-d tensor ({type(batch).__name__}) has no first dimension to split into microbatches"
-        ) from None
-    if n < microbatches:
-        raise ShapeMismatchError(f"a batch of {n} cannot be split into {microbatches} microbatches")
-    base, extra = divmod(n, microbatches)
-    bounds = list(itertools.accumulate([base + (i < extra) for i in range(microbatches)], initial=0))
-    return [batch[a:b] for a, b in itertools.pairwise(bounds)]
+__all__ = ["Pipeline", "StepResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +183,7 @@ class Pipeline:
         targets: Any,
         *,
         microbatches: int,
-        schedule: str | Schedule = "1f1b",
+        schedule: str | Schedule | Sequence[Sequence[str]] = "1f1b",
     ) -> StepResult:
         """One training step: split ``inputs`` and ``targets`` into microbatches, run them through
         the stages as ``schedule`` says, and have every stage step its optimizer. Shapes may change
@@ -216,12 +194,37 @@ class Pipeline:
         has finished the step, so a step that fails, or that the caller cancels, changes no
         stage's parameters. Steps run one at a time (BusyResourceError otherwise); one under way
         when the pipeline closes raises ClosedResourceError."""
-        self._check_open()
-        if self._stepping:
-            raise BusyResourceError("this pipeline is already running a step; steps run one at a time")
+        result: StepResult = await self._one_at_a_time(self._step(inputs, targets, microbatches, schedule))
+        return result
+
+    async def forward(
+        self, inputs: Any, *, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]] = "gpipe"
+    ) -> Any:
+        """Forward only (inference, evaluation): split ``inputs`` into microbatches, run them
+        through the stages' forwards and return the last stage's outputs for the whole batch,
+        the microbatches' outputs joined along the first dimension (tensors concatenated, tuples
+        and dicts element by element; see ``join``). No stage keeps anything for a backward,
+        computes a loss, or touches its gradients or optimizer (a ``TorchPart`` runs its module
+        under ``torch.no_grad()`` in eval mode).
+
+        ``schedule`` runs its forwards only: a name (every named schedule runs the same
+        forwards, microbatch after microbatch), a Schedule, or one list of actions per stage.
+        A stage that fails fails the call on every stage, as a ``step`` does (this raises the
+        first stage's error with every stage's account as a note), and the stages stay broken
+        until the next ``Pipeline.connect``. Runs one at a time with ``step``."""
+        return await self._one_at_a_time(self._forward(inputs, microbatches, schedule))
+
+    async def _one_at_a_time(self, run: Coroutine[Any, Any, Any]) -> Any:
+        try:
+            self._check_open()
+            if self._stepping:
+                raise BusyResourceError("this pipeline is already running a step; steps run one at a time")
+        except BaseException:
+            run.close()
+            raise
         self._stepping = True
         try:
-            return await self._step(inputs, targets, microbatches, schedule)
+            return await run
         except TensorWireError as exc:
             if self._closed:  # aclose() released the stages, which cut the step short
                 raise ClosedResourceError(f"this pipeline was closed while its step ran ({exc})") from exc
@@ -229,18 +232,67 @@ class Pipeline:
         finally:
             self._stepping = False
 
-    async def _step(self, inputs: Any, targets: Any, microbatches: int, schedule: str | Schedule) -> StepResult:
+    async def _step(
+        self, inputs: Any, targets: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]
+    ) -> StepResult:
         sched = make_schedule(schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected)
         xs, ys = split(inputs, microbatches), split(targets, microbatches)
-        if [len(x) for x in xs] != [len(y) for y in ys]:
-            raise ShapeMismatchError(f"inputs have {len(inputs)} samples but targets {len(targets)}")
-        total = sum(len(x) for x in xs)
-        weights = [len(x) / total for x in xs]
+        sizes = [num_samples(x) or 0 for x in xs]
+        if sizes != [num_samples(y) or 0 for y in ys]:
+            raise ShapeMismatchError(f"inputs have {num_samples(inputs)} samples but targets {num_samples(targets)}")
+        total = sum(sizes)
+        weights = [n / total for n in sizes]
         p = self.num_stages
         self._check_sendable([(0, "input", xs), (p - 1, "target", ys)])
         step = next(self._steps)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        stats = await self._run(step, sched, xs, ys, weights, ok="finished, update not applied")
+        # every stage finished: now every one applies its update, even if our caller gives up
+        # meanwhile (the commits are on their way; half of them would be a half-updated model)
+        commits = [loop.create_task(peer.call("tw.pipeline.commit", self._generation, step)) for peer in self.peers]
+        applied = await asyncio.shield(asyncio.gather(*commits, return_exceptions=True))
+        seconds = loop.time() - t0
+        if any(isinstance(o, BaseException) for o in applied):
+            error = self._failure(step, list(applied), ok="applied its update")
+            error.add_note("the model is no longer consistent: reconfigure, and restore the parameters")
+            raise error
+        for stat, commit in zip(stats, applied, strict=True):
+            assert isinstance(commit, dict)
+            stat["commit_s"] = commit["compute_s"]
+            stat["compute_s"] += commit["compute_s"]
+            stat["cpu_s"] += commit["cpu_s"]
+        losses = [float(v) for v in stats[-1]["losses"]]
+        loss = float(sum(w * v for w, v in zip(weights, losses, strict=True)))
+        return StepResult(loss, losses, seconds, sched, stats)
+
+    async def _forward(self, inputs: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]) -> Any:
+        sched = make_schedule(
+            schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected, forward_only=True
+        )
+        xs = split(inputs, microbatches)
+        self._check_sendable([(0, "input", xs)])
+        stats = await self._run(next(self._steps), sched, xs, None, None, ok="finished")
+        outputs = stats[-1].get("outputs")
+        if not isinstance(outputs, list) or len(outputs) != microbatches:
+            raise BrokenResourceError(f"the last stage answered a forward-only step without its {microbatches} outputs")
+        return join(outputs)
+
+    async def _run(
+        self,
+        step: int,
+        sched: Schedule,
+        xs: list[Any],
+        ys: list[Any] | None,
+        weights: list[float] | None,
+        *,
+        ok: str,
+    ) -> list[dict[str, Any]]:
+        """One ``tw.pipeline.step`` call per stage, all at once; every stage's answer, or the
+        error that started a failure with every stage's account (``ok``: what a stage that
+        finished says in it)."""
+        p = self.num_stages
+        loop = asyncio.get_running_loop()
         calls = [
             loop.create_task(
                 peer.call(
@@ -289,31 +341,14 @@ class Pipeline:
                 exc = task.exception()
                 outcomes.append(exc if exc is not None else task.result())
         if any(isinstance(o, BaseException) for o in outcomes):
-            error = self._failure(step, outcomes, order=[calls.index(t) for t in ended], cut=cut)
+            error = self._failure(step, outcomes, ok, order=[calls.index(t) for t in ended], cut=cut)
             if local is not None and cut:
                 error.add_note(
                     "the driver cancelled the other stages' calls at once, which breaks those stages: "
                     "Pipeline.connect again before the next step"
                 )
             raise error  # no stage applies anything
-        stats = [o for o in outcomes if isinstance(o, dict)]
-        # every stage finished: now every one applies its update, even if our caller gives up
-        # meanwhile (the commits are on their way; half of them would be a half-updated model)
-        commits = [loop.create_task(peer.call("tw.pipeline.commit", self._generation, step)) for peer in self.peers]
-        applied = await asyncio.shield(asyncio.gather(*commits, return_exceptions=True))
-        seconds = loop.time() - t0
-        if any(isinstance(o, BaseException) for o in applied):
-            error = self._failure(step, list(applied), ok="applied its update")
-            error.add_note("the model is no longer consistent: reconfigure, and restore the parameters")
-            raise error
-        for stat, commit in zip(stats, applied, strict=True):
-            assert isinstance(commit, dict)
-            stat["commit_s"] = commit["compute_s"]
-            stat["compute_s"] += commit["compute_s"]
-            stat["cpu_s"] += commit["cpu_s"]
-        losses = [float(v) for v in stats[-1]["losses"]]
-        loss = float(sum(w * v for w, v in zip(weights, losses, strict=True)))
-        return StepResult(loss, losses, seconds, sched, stats)
+        return [o for o in outcomes if isinstance(o, dict)]
 
     def _check_sendable(self, parts: list[tuple[int, str, list[Any]]]) -> None:
         """Refuse here, before any stage starts the step, microbatches that the call to their
@@ -325,9 +360,7 @@ class Pipeline:
         for s, what, batch in parts:
             for i, x in enumerate(batch):
                 try:
-                    # a tensor (its view: no copy, no device work), or a pytree (a list of labels)
-                    size = as_view(x).nbytes if is_tensor(x) else prepare(x).nbytes
-                    nbytes[s] = nbytes.get(s, 0) + size
+                    nbytes[s] = nbytes.get(s, 0) + _nbytes(x)
                 except TensorError as exc:
                     raise type(exc)(f"the {what} of microbatch {i} cannot be sent to stage {s}: {exc}") from exc
         for s, n in nbytes.items():
@@ -422,6 +455,20 @@ class Pipeline:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _nbytes(obj: Any) -> int:
+    """The tensor bytes a microbatch puts on the wire, every leaf of a tuple or dict counted: a
+    tensor by its view (no copy, no device work), anything else (a list of labels) as the wire
+    would carry it."""
+    if is_tensor(obj):
+        return as_view(obj).nbytes
+    if isinstance(obj, tuple):
+        return sum(_nbytes(v) for v in obj)
+    if isinstance(obj, dict):
+        prepare(list(obj))  # the keys must be ones the wire carries
+        return sum(_nbytes(v) for v in obj.values())
+    return prepare(obj).nbytes
 
 
 def _never_ran(error: BaseException | None) -> bool:

@@ -21,7 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigurationError, UnsupportedTensorError
+from ..errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
+from ._batch import no_gradient, tree_leaves, tree_map
 
 __all__ = ["FunctionPart", "Layer", "Part", "TorchPart", "as_part"]
 
@@ -35,6 +36,11 @@ class Part(ABC):
     @abstractmethod
     def forward(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
         """Run the forward of one microbatch: (output, context for its backward)."""
+
+    def infer(self, x: Any) -> Any:
+        """Forward only (``Pipeline.forward``): the output for ``x``, with nothing kept for a
+        backward and no gradient touched. By default ``forward`` with its context dropped."""
+        return self.forward(x, False)[0]
 
     @abstractmethod
     def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
@@ -68,7 +74,12 @@ class Layer(Protocol):
     forward(x) -> (y, ctx);  backward(ctx, grad_y) -> grad_x, adding to its own gradients;
     optionally step() (apply and clear the gradients), zero_grad() and state(). Where no
     gradient reaches the layer's output (a later stage detached it), its backward is not called
-    for that microbatch, and the stage passes no gradient on."""
+    for that microbatch, and the stage passes no gradient on.
+
+    ``x`` and ``y`` may be any pytree the wire carries (a tensor, or a tuple, list or dict of
+    tensors and plain scalars): a layer gets what the previous stage's layer returned, as it
+    was. ``grad_y`` then has ``y``'s structure, with None for a leaf no gradient reaches, and
+    ``grad_x`` is what the previous stage's backward gets."""
 
     def forward(self, x: Any) -> tuple[Any, Any]:
         """The layer's output for ``x``, and what its backward needs (``ctx``)."""
@@ -115,12 +126,12 @@ class FunctionPart(Part):
             raise ConfigurationError("this stage has no loss, so it cannot be the last stage")
         y, ctx = self.layer.forward(x)
         value, grad = self.loss(y, target)
-        return float(value), _LossContext(ctx, grad * weight)
+        return float(value), _LossContext(ctx, tree_map(lambda g: None if g is None else g * weight, grad))
 
     def backward(self, ctx: Any, grad: Any) -> Any:
         if isinstance(ctx, _LossContext):  # after forward_loss: the loss gave the output's gradient
             ctx, grad = ctx.ctx, ctx.grad
-        elif grad is None:
+        elif no_gradient(grad):
             # no gradient reaches this stage's output (a later stage's result does not depend on
             # it, as TorchPart says): none reaches its parameters or its input, and the layer's
             # backward is not called with None
@@ -158,8 +169,13 @@ class TorchPart(Part):
         microbatch (as ``F.mse_loss`` or ``F.cross_entropy``); the pipeline scales it by the
         microbatch's share of the batch, so gradients equal those of the whole batch's mean.
 
-    The input of a stage is one tensor and so is its output (activations keep their shape,
-    dtype and device kind across the wire; shapes may change from step to step).
+    Activations keep their shape, dtype and device kind across the wire; shapes may change from
+    step to step. A module may return a tensor, or a tuple (a list is taken as one), or a dict
+    of tensors and plain scalars, as ``torch.distributed.pipelining`` stages do: the next
+    stage's module is called with a tuple unpacked as positional arguments (a dict as keyword
+    arguments), and the last stage's loss gets its module's output as it is. Floating-point
+    tensors of the input get gradients; integer and bool ones (masks, position ids) pass
+    forward and get None, as does any leaf no gradient reaches (None, not zeros).
     """
 
     def __init__(
@@ -196,39 +212,92 @@ class TorchPart(Part):
                 self._torch.cuda.set_device(self.device)
                 self._threads.add(ident)
 
-    def _input(self, x: Any, needs_input_grad: bool) -> Any:
-        self._enter()
+    def _leaf(self, v: Any, needs_input_grad: bool) -> Any:
+        """One input leaf for the module: a tensor (an array becomes one) detached from the wire
+        buffer's history, on the module's device, taking a gradient where it is floating point."""
         torch = self._torch
-        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-        t = t.detach()
+        if isinstance(v, np.ndarray):
+            v = torch.as_tensor(v)
+        if not isinstance(v, torch.Tensor):
+            return v  # a plain scalar (None, a flag) goes to the module as it is
+        t = v.detach()
         if self.device is not None and t.device != self.device:
             t = t.to(self.device)
         if needs_input_grad and t.is_floating_point():
             t.requires_grad_(True)
         return t
 
+    def _input(self, x: Any, needs_input_grad: bool) -> Any:
+        """The module's input: one tensor (a list of samples becomes one), or a tuple or dict
+        of leaves (positional or keyword arguments)."""
+        self._enter()
+        if isinstance(x, (tuple, dict)):
+            return tree_map(lambda v: self._leaf(v, needs_input_grad), x)
+        torch = self._torch
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+        return self._leaf(t, needs_input_grad)
+
+    def _call(self, x_in: Any) -> Any:
+        if isinstance(x_in, tuple):
+            return self.module(*x_in)
+        if isinstance(x_in, dict):
+            return self.module(**x_in)
+        return self.module(x_in)
+
+    def _output(self, y: Any) -> Any:
+        """The module's output as the next stage gets it: a tensor, or a tuple (a list becomes
+        one, as in torch.distributed.pipelining) or dict of tensors and plain scalars."""
+        torch = self._torch
+        if type(y) is list:
+            y = tuple(y)
+        for leaf in tree_leaves(y):
+            if not isinstance(leaf, (torch.Tensor, type(None), bool, int, float, str)):
+                raise UnsupportedTensorError(
+                    f"TorchPart's module returned a {type(y).__name__} with a leaf of type {type(leaf).__name__}: a "
+                    "TorchPart stage passes on a tensor, or a tuple or dict of tensors and plain scalars "
+                    "(return those, or write a Part of your own)"
+                )
+        return y
+
     def forward(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
         x_in = self._input(x, needs_input_grad)
         with self._torch.enable_grad():
-            y = self.module(x_in)
-        if not isinstance(y, self._torch.Tensor):
-            raise UnsupportedTensorError(
-                f"TorchPart's module returned {type(y).__name__}, not one tensor: a TorchPart stage "
-                "takes one tensor and returns one (return a tensor, or write a Part of your own)"
-            )
-        return y.detach(), (x_in, y, False)
+            y = self._output(self._call(x_in))
+        return tree_map(self._detached, y), (x_in, y, False)
+
+    def _detached(self, v: Any) -> Any:
+        return v.detach() if isinstance(v, self._torch.Tensor) else v
+
+    def infer(self, x: Any) -> Any:
+        """Forward only: under ``torch.no_grad()``, the module (and each submodule) in eval mode
+        for the call (dropout off, batch norm on its running statistics), then back in the mode
+        it was in."""
+        x_in = self._input(x, False)
+        modules = list(self.module.modules()) if hasattr(self.module, "modules") else []
+        modes = [(m, m.training) for m in modules if isinstance(getattr(m, "training", None), bool)]
+        try:
+            for m, _ in modes:
+                m.training = False
+            with self._torch.no_grad():
+                return tree_map(self._detached, self._output(self._call(x_in)))
+        finally:
+            for m, mode in modes:
+                m.training = mode
 
     def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
         if self.loss is None:
             raise ConfigurationError("this stage has no loss, so it cannot be the last stage")
         torch = self._torch
         x_in = self._input(x, needs_input_grad)
-        if not isinstance(target, torch.Tensor):
-            target = torch.as_tensor(np.asarray(target))
-        if self.device is not None and target.device != self.device:
-            target = target.to(self.device)
+        if isinstance(target, (tuple, dict)):
+            target = tree_map(lambda v: self._leaf(v, False), target)
+        else:
+            if not isinstance(target, torch.Tensor):
+                target = torch.as_tensor(np.asarray(target))
+            if self.device is not None and target.device != self.device:
+                target = target.to(self.device)
         with torch.enable_grad():
-            loss = self.loss(self.module(x_in), target)
+            loss = self.loss(self._call(x_in), target)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 tensor = isinstance(loss, torch.Tensor)
                 what = f"a tensor of shape {tuple(loss.shape)}" if tensor else type(loss).__name__
@@ -240,19 +309,36 @@ class TorchPart(Part):
         self._enter()
         torch = self._torch
         x_in, out, is_loss = ctx
-        if grad is None and not is_loss:
+        if is_loss:
+            outs, grads = [out], [None]
+        elif no_gradient(grad):
             # no gradient reaches this stage's output (the next stage's result does not depend
             # on it): as in one process, none reaches its parameters or its input either
             return None
-        if grad is not None and not isinstance(grad, torch.Tensor):
-            grad = torch.as_tensor(np.asarray(grad))
-        if grad is not None and grad.device != out.device:
-            grad = grad.to(out.device)
-        if out.requires_grad:
-            torch.autograd.backward(out, grad)
-        # None, not zeros, when no gradient reaches the input: the previous stages' parameters
-        # then get none, as in one process (zeros would still move them by weight decay or momentum)
-        return x_in.grad if x_in.requires_grad else None
+        else:
+            outs, grads = tree_leaves(out), tree_leaves(grad)
+            if len(grads) != len(outs):
+                raise ShapeMismatchError(
+                    f"the gradient that came back has {len(grads)} leaves, the output it is for {len(outs)}: "
+                    "the next stage's backward must return one gradient (or None) per leaf of its input"
+                )
+        pairs = []
+        for o, g in zip(outs, grads, strict=True):
+            if not isinstance(o, torch.Tensor) or not o.requires_grad:
+                continue  # an integer output, or one that depends on no parameter or input
+            if g is None and not is_loss:
+                continue  # no gradient reaches this leaf
+            if g is not None:
+                g = g if isinstance(g, torch.Tensor) else torch.as_tensor(np.asarray(g))
+                if g.device != o.device:
+                    g = g.to(o.device)
+            pairs.append((o, g))
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        # None, not zeros, for each input leaf no gradient reaches: the previous stages'
+        # parameters then get none, as in one process (zeros would still move them by weight
+        # decay or momentum)
+        return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None, x_in)
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -119,11 +119,15 @@ class Schedule:
     ``str(schedule)`` is one line per stage (``stage 0: F0 F1 B0 B1``) and ``Schedule.parse``
     reads it back. ``validate()`` raises ScheduleError with the grid when the schedule cannot
     run; ``grid()`` draws the timeline; ``bubble`` is the idle fraction of that timeline.
+
+    ``forward_only``: a schedule of forwards alone (``F0 F1 ...``), for a step that computes no
+    gradients (``Pipeline.forward``); ``forwards()`` makes one from any schedule.
     """
 
     name: str
     num_microbatches: int
     stages: tuple[tuple[Action, ...], ...]
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         # the types only (validate() judges the values), so that checking never fails with a
@@ -146,6 +150,16 @@ class Schedule:
                 )
             stages.append(row)
         object.__setattr__(self, "stages", tuple(stages))
+        if not isinstance(self.forward_only, bool):
+            raise ScheduleError(f"forward_only must be a bool, not {self.forward_only!r}")
+
+    def forwards(self) -> Schedule:
+        """This schedule's forwards alone, in the order each stage runs them: the forward-only
+        schedule of the same name (itself, if it is one)."""
+        if self.forward_only:
+            return self
+        stages = tuple(tuple(a for a in acts if a.kind is Kind.FORWARD) for acts in self.stages)
+        return Schedule(self.name, self.num_microbatches, stages, forward_only=True)
 
     @property
     def num_stages(self) -> int:
@@ -156,7 +170,9 @@ class Schedule:
         return "\n".join(f"stage {s}: {' '.join(map(str, acts))}" for s, acts in enumerate(self.stages))
 
     @classmethod
-    def parse(cls, text: str, *, num_microbatches: int | None = None, name: str = "custom") -> Schedule:
+    def parse(
+        cls, text: str, *, num_microbatches: int | None = None, name: str = "custom", forward_only: bool = False
+    ) -> Schedule:
         """Read ``stage 0: F0 F1 B0 B1`` lines (the ``stage N:`` prefix is optional, stages in
         order; blank lines are ignored). ``num_microbatches`` defaults to the largest microbatch named plus one."""
         if not isinstance(text, str):
@@ -177,7 +193,7 @@ class Schedule:
             raise ScheduleError("a schedule needs at least one stage")
         if num_microbatches is None:
             num_microbatches = 1 + max((a.microbatch for acts in stages for a in acts), default=0)
-        return cls(name, num_microbatches, tuple(stages))
+        return cls(name, num_microbatches, tuple(stages), forward_only=forward_only)
 
     @classmethod
     def from_actions(
@@ -230,9 +246,10 @@ class Schedule:
                     _travel(links, s, ran, p)
             rows.append(row)
         missing = {}
+        kinds = (Kind.FORWARD,) if self.forward_only else tuple(Kind)
         if not stuck:
             for s in range(p):
-                lack = [a for k in Kind for i in range(m) if (s, k, i) not in done for a in [Action(k, i)]]
+                lack = [a for k in kinds for i in range(m) if (s, k, i) not in done for a in [Action(k, i)]]
                 if lack:
                     missing[s] = lack
         return _Play(rows, stuck, missing)
@@ -244,6 +261,8 @@ class Schedule:
             return f"{a} names microbatch {i}, but the schedule has {m} (0..{m - 1})"
         if (s, a.kind, i) in done:
             return f"{a} runs a second time on stage {s} (first at step {done[(s, a.kind, i)]})"
+        if a.kind is Kind.BACKWARD and self.forward_only:
+            return f"{a} is a backward, and this schedule is forward-only"
         if a.kind is Kind.BACKWARD and (s, Kind.FORWARD, i) not in done:
             later = F(i) in self.stages[s][pos[s] :]
             return f"{a} comes before F{i} on stage {s}" if later else f"{a} but stage {s} never runs F{i}"
@@ -272,7 +291,8 @@ class Schedule:
     def validate(self, *, max_unexpected: int | Sequence[int] | None = None) -> Schedule:
         """Raise ScheduleError, with the grid pointing at the problem, unless this schedule
         runs to the end: every microbatch forward then backward once on every stage, forwards
-        in stage order, backwards in reverse, no stage waiting forever on a neighbour.
+        in stage order, backwards in reverse, no stage waiting forever on a neighbour (a
+        ``forward_only`` schedule: every microbatch forward once on every stage, and nothing else).
 
         ``max_unexpected`` is how many unreceived messages a stage holds from one neighbour
         (its node's ``Limits.max_unexpected``; one number for every stage or one per stage;
@@ -311,10 +331,13 @@ class Schedule:
 
     def peak_activations(self, stage: int) -> int:
         """Most microbatches whose forward ran and backward did not, on ``stage``: how many
-        sets of activations that stage holds at once (m for GPipe, at most p-stage for 1F1B)."""
+        sets of activations that stage holds at once (m for GPipe, at most p-stage for 1F1B; 0
+        for a forward-only schedule, which keeps none)."""
         s = _count(stage)
         if s is None or not 0 <= s < self.num_stages:
             raise ScheduleError(f"stage {stage!r} is not in 0..{self.num_stages - 1}")
+        if self.forward_only:
+            return 0
         stage = s
         live = peak = 0
         for a in self.stages[stage]:
@@ -452,15 +475,25 @@ def make_schedule(
     num_microbatches: int,
     *,
     max_unexpected: int | Sequence[int] | None = None,
+    forward_only: bool = False,
 ) -> Schedule:
     """A validated schedule for ``num_stages`` and ``num_microbatches`` from a name, a Schedule or
-    one list of actions per stage (``max_unexpected``: as in ``Schedule.validate``)."""
+    one list of actions per stage (``max_unexpected``: as in ``Schedule.validate``).
+    ``forward_only``: for a step without backwards, which runs the schedule's forwards alone;
+    otherwise a forward-only schedule is refused (a training step needs its backwards)."""
     if isinstance(schedule, str):
         sched = get_schedule(schedule)(num_stages, num_microbatches)
     elif isinstance(schedule, Schedule):
         sched = schedule
     else:
         sched = Schedule.from_actions(schedule, num_microbatches)
+    if forward_only:
+        sched = sched.forwards()
+    elif sched.forward_only:
+        raise ScheduleError(
+            f"schedule {sched.name!r} is forward-only: a training step runs each microbatch's forward and "
+            "backward on every stage (Pipeline.forward runs forward-only schedules)"
+        )
     if sched.num_stages != num_stages or sched.num_microbatches != num_microbatches:
         raise ScheduleError(
             f"schedule {sched.name!r} is for p={sched.num_stages}, m={sched.num_microbatches}; "

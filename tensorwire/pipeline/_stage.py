@@ -18,6 +18,10 @@ a shape exchange. A stage that has run its backwards keeps its gradients and ans
 every stage has answered does the driver call ``commit`` on each, which steps the optimizer. A
 step that fails or is cancelled on any stage therefore updates no stage.
 
+A plan with no backward is a forward-only step (the driver's ``forward``): each microbatch goes
+through ``Part.infer``, nothing is kept for a backward, the gradients and the pending update are
+left alone, no commit follows, and the last stage answers with its outputs.
+
 A driver that dies while its commits are on their way leaves some stages updated and others
 holding the finished step. The next driver settles that: each configure reports the finished
 step the stage still held from the driver before (its *orphan*, kept with its gradients where
@@ -561,6 +565,9 @@ class Stage:
         if first and (inputs is None or len(inputs) != m):
             got = 0 if inputs is None else len(inputs)
             raise ConfigurationError(f"stage 0 needs {m} input microbatches, got {got}")
+        if not any(a.kind is Kind.BACKWARD for a in plan):
+            # a forward-only schedule (the driver's forward): no loss, no gradients, no update
+            return await self._run_forwards(step, plan, inputs)
         if last and (targets is None or weights is None or len(targets) != m or len(weights) != m):
             raise ConfigurationError(f"the last stage needs {m} targets and weights")
         self._pending = None  # an earlier step the driver never committed: its gradients go
@@ -613,6 +620,47 @@ class Stage:
             "cpu_s": self._cpu,
             "recv_wait_s": wait,
             "send_wait_s": send_wait,
+            "wall_s": time.perf_counter() - t_start,
+        }
+
+    async def _run_forwards(self, step: int, plan: list[Action], inputs: list[Any] | None) -> dict[str, Any]:
+        """A forward-only step: each microbatch through ``part.infer``, which keeps nothing for
+        a backward; the last stage answers with the outputs. The part's gradients, the pending
+        update and the optimizer are left as they are."""
+        part = self.part
+        assert part is not None
+        first, last = self.rank == 0, self.rank == self.num_stages - 1
+        t_start = time.perf_counter()
+        busy = wait = self._cpu = 0.0
+        outputs: dict[int, Any] = {}
+        for action in plan:
+            i = action.microbatch
+            if first:
+                assert inputs is not None
+                x = inputs[i]
+            else:
+                t0 = time.perf_counter()
+                x = await self._recv(self.prev, message_tag(step, "f", i))
+                wait += time.perf_counter() - t0
+            y, dt = await self._part_code(action, part.infer, x)
+            del x
+            busy += dt
+            if last:
+                outputs[i] = y
+            else:
+                self._send_later(self.next, y, message_tag(step, "f", i), f"its activation of microbatch {i}")
+        t0 = time.perf_counter()
+        while self._sends:
+            await asyncio.gather(*list(self._sends))
+        if self._broken is not None:
+            raise self._broken
+        return {
+            "rank": self.rank,
+            "outputs": [outputs[i] for i in sorted(outputs)] if last else None,
+            "compute_s": busy,
+            "cpu_s": self._cpu,
+            "recv_wait_s": wait,
+            "send_wait_s": time.perf_counter() - t0,
             "wall_s": time.perf_counter() - t_start,
         }
 

@@ -1,0 +1,188 @@
+"""Batches and the pytrees stages pass: cutting a batch into microbatches and joining the last
+stage's microbatch outputs back into one batch, and the few tree walks the parts need.
+
+A batch is a tensor (numpy, torch, ...), a list of samples (label rows, say), or a tuple or dict
+of those (several inputs: ids and an attention mask), cut element by element along the first
+dimension; plain scalars (None, bool, int, float, str) in a tuple or dict go to every
+microbatch as they are. ``join`` undoes ``split``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
+
+__all__ = ["join", "num_samples", "split", "tree_leaves", "tree_map", "no_gradient"]
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every leaf of its tuples, lists and dicts (lists and dicts
+    stay lists and dicts; a tuple subclass becomes a tuple, as on the wire)."""
+    if isinstance(obj, tuple):
+        return tuple(tree_map(fn, v) for v in obj)
+    if isinstance(obj, list):
+        return [tree_map(fn, v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: tree_map(fn, v) for k, v in obj.items()}
+    return fn(obj)
+
+
+def tree_leaves(obj: Any) -> list[Any]:
+    """The leaves of ``obj`` in the order the wire carries them (dicts in insertion order)."""
+    if isinstance(obj, (tuple, list)):
+        return [leaf for v in obj for leaf in tree_leaves(v)]
+    if isinstance(obj, dict):
+        return [leaf for v in obj.values() for leaf in tree_leaves(v)]
+    return [obj]
+
+
+def no_gradient(grad: Any) -> bool:
+    """Whether ``grad`` says that no gradient reaches an output at all: None, or a tuple, list
+    or dict whose every leaf is None."""
+    return all(leaf is None for leaf in tree_leaves(grad))
+
+
+def _structured(batch: Any) -> bool:
+    return isinstance(batch, (tuple, dict))
+
+
+def _scalar(obj: Any) -> bool:
+    return isinstance(obj, _SCALARS) and not isinstance(obj, np.generic)
+
+
+def num_samples(batch: Any) -> int | None:
+    """How many samples ``batch`` (or one microbatch of it) holds: its first dimension, or that
+    of the first element of a tuple or dict that has one (None: no element has one)."""
+    if _structured(batch):
+        for v in batch.values() if isinstance(batch, dict) else batch:
+            n = num_samples(v)
+            if n is not None:
+                return n
+        return None
+    if _scalar(batch):
+        return None
+    try:
+        return len(batch)
+    except TypeError:
+        return None
+
+
+def split(batch: Any, microbatches: int) -> list[Any]:
+    """Split a batch along its first dimension into ``microbatches`` parts whose sizes differ by
+    at most one: a tensor (numpy or torch) or a list of samples is sliced; a tuple or dict is
+    split element by element (every element the same number of samples; plain scalars in it go
+    to every part), each part a tuple or dict of the same keys."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
+        raise ConfigurationError(f"microbatches must be a positive int, not {microbatches!r}")
+    microbatches = int(microbatches)
+    if _structured(batch):
+        return _split_structured(batch, microbatches)
+    if isinstance(batch, (str, bytes)) or not hasattr(batch, "__getitem__"):
+        raise UnsupportedTensorError(
+            "a batch is a tensor, a list of samples, or a tuple or dict of those, split along the first "
+            f"dimension; not {type(batch).__name__}"
+        )
+    try:
+        n = len(batch)
+    except TypeError:
+        raise ShapeMismatchError(
+            f"a 0-d tensor ({type(batch).__name__}) has no first dimension to split into microbatches"
+        ) from None
+    if n < microbatches:
+        raise ShapeMismatchError(f"a batch of {n} cannot be split into {microbatches} microbatches")
+    base, extra = divmod(n, microbatches)
+    bounds = list(itertools.accumulate([base + (i < extra) for i in range(microbatches)], initial=0))
+    return [batch[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _split_structured(batch: tuple[Any, ...] | dict[Any, Any], microbatches: int) -> list[Any]:
+    items = list(batch.items()) if isinstance(batch, dict) else list(enumerate(batch))
+    if not items:
+        raise UnsupportedTensorError(f"an empty {type(batch).__name__} has nothing to split into microbatches")
+    columns: list[list[Any]] = []
+    first: tuple[Any, int] | None = None  # (key, samples) of the first element split
+    for key, value in items:
+        if _scalar(value):
+            columns.append([value] * microbatches)
+            continue
+        n = num_samples(value)
+        if n is not None and first is not None and n != first[1]:
+            raise ShapeMismatchError(
+                f"element {key!r} of the batch has {n} samples but element {first[0]!r} has {first[1]}: "
+                "every element of a tuple or dict batch is split along the same first dimension"
+            )
+        try:
+            columns.append(split(value, microbatches))
+        except (ShapeMismatchError, UnsupportedTensorError) as exc:
+            raise type(exc)(f"element {key!r} of the batch: {exc}") from exc
+        if n is not None and first is None:
+            first = (key, n)
+    if first is None:
+        raise UnsupportedTensorError("a tuple or dict batch needs at least one element to split (not only scalars)")
+    if isinstance(batch, dict):
+        keys = [k for k, _ in items]
+        return [dict(zip(keys, parts, strict=True)) for parts in zip(*columns, strict=True)]
+    return [tuple(parts) for parts in zip(*columns, strict=True)]
+
+
+def join(parts: list[Any]) -> Any:
+    """The microbatch outputs ``parts`` as one batch, the inverse of ``split``: tensors are
+    concatenated along their first dimension (numpy with numpy, torch with torch), lists of
+    samples one after the other, tuples and dicts element by element; a leaf with no first
+    dimension (a 0-d tensor, a plain scalar, None) becomes the list of its microbatch values."""
+    if not parts:
+        raise ShapeMismatchError("there are no microbatch outputs to join")
+    return _join(parts, "the output")
+
+
+def _join(parts: list[Any], where: str) -> Any:
+    head = parts[0]
+    for i, part in enumerate(parts):
+        if type(part) is not type(head) and not (isinstance(part, tuple) and isinstance(head, tuple)):
+            raise ShapeMismatchError(
+                f"{where} of microbatch {i} is a {type(part).__name__}, of microbatch 0 a {type(head).__name__}: "
+                "microbatch outputs are joined only when they have one structure"
+            )
+    if isinstance(head, tuple):
+        if any(len(p) != len(head) for p in parts):
+            raise ShapeMismatchError(f"{where} is a tuple of different lengths in different microbatches")
+        return tuple(_join([p[k] for p in parts], f"{where}[{k}]") for k in range(len(head)))
+    if isinstance(head, dict):
+        if any(list(p) != list(head) for p in parts):
+            raise ShapeMismatchError(f"{where} is a dict with different keys in different microbatches")
+        return {k: _join([p[k] for p in parts], f"{where}[{k!r}]") for k in head}
+    if isinstance(head, list):  # a list of samples, as split cuts one
+        return [sample for p in parts for sample in p]
+    if _scalar(head) or getattr(head, "ndim", 0) == 0:
+        return list(parts)
+    return _concatenate(parts, where)
+
+
+def _concatenate(parts: list[Any], where: str) -> Any:
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts)
+        if isinstance(parts[0], np.ndarray):
+            return np.concatenate(parts)
+        module = sys.modules.get(type(parts[0]).__module__.partition(".")[0])
+        concatenate = getattr(module, "concatenate", None)
+        if concatenate is None:
+            raise UnsupportedTensorError(
+                f"{where} is a {type(parts[0]).__name__}, which tensorwire cannot join along its first dimension"
+            )
+        return concatenate(parts)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        shapes = [tuple(getattr(p, "shape", ())) for p in parts]
+        raise ShapeMismatchError(
+            f"{where} cannot be joined along the first dimension: the microbatches' shapes are {shapes[:8]} ({exc})"
+        ) from exc

@@ -1,0 +1,292 @@
+"""Several tensors between stages: a stage's output (and so the next stage's input, and the
+gradients flowing back) may be a tuple or dict of tensors, integer ones among them, as
+``torch.distributed.pipelining`` users write stages. Trained over real nodes and checked against
+the same modules trained in one process; and the wire limits count every leaf."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib.util
+from typing import Any
+
+import numpy as np
+import pytest
+from _pipeline_fixtures import NumpyLinear, nodes, stages
+from _pipeline_reference import call_chain
+
+import tensorwire
+from tensorwire import pipeline
+from tensorwire.rpc import CallLimits
+from tensorwire.transports import Limits
+
+_NO_UCX = importlib.util.find_spec("ucxx") is None
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCX, reason="ucxx is not installed"))]
+RTOL = 1e-5
+
+
+def tuple_modules(seed: int = 0) -> list[Any]:
+    """Four stages passing tuples and a dict: an int tensor (ids) travels along and feeds an
+    embedding, a float leaf (aux) that no later stage uses gets no gradient, and a skip
+    connection carries a gradient back along two paths."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+    torch.manual_seed(seed)
+    d = 8
+
+    class First(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.aux = nn.Linear(d, d), nn.Linear(d, 3)
+
+        def forward(self, x: Any, ids: Any) -> Any:
+            return torch.tanh(self.lin(x)), ids, self.aux(x)
+
+    class Second(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.emb = nn.Linear(d, d), nn.Embedding(4, d)
+
+        def forward(self, h: Any, ids: Any, aux: Any) -> Any:  # aux is ignored: no gradient reaches it
+            return {"g": torch.tanh(self.lin(h)) + self.emb(ids), "skip": h, "ids": ids}
+
+    class Third(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(d, d)
+
+        def forward(self, g: Any, skip: Any, ids: Any) -> Any:
+            return [torch.tanh(self.lin(g)) + skip, ids]  # a list travels as a tuple, as in torch
+
+    class Last(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(d, 2)
+
+        def forward(self, h: Any, ids: Any) -> Any:
+            return self.lin(h) * (1 + ids.unsqueeze(1))
+
+    return [First(), Second(), Third(), Last()]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+async def test_tuple_and_dict_activations_train_as_in_one_process(schedule: str, transport: str) -> None:
+    await train_tuple_modules(schedule, transport, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+async def test_tuple_activations_on_cuda_stages_train_as_in_one_process() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    await train_tuple_modules("1f1b", "tcp", "cuda")
+
+
+async def train_tuple_modules(schedule: str, transport: str, device: str) -> None:
+    torch = pytest.importorskip("torch")
+    modules = [m.to(device) for m in tuple_modules()]
+    reference = copy.deepcopy(modules)
+    aux_before = {k: v.clone() for k, v in modules[0].aux.state_dict().items()}
+
+    def optimizer(ps: Any) -> Any:  # weight decay moves a parameter that gets zeros instead of None
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    ref_opt = optimizer([p for m in reference for p in m.parameters()])
+    loss_fn = torch.nn.functional.mse_loss
+    parts = [
+        pipeline.TorchPart(m, optimizer=optimizer, loss=loss_fn if i == 3 else None) for i, m in enumerate(modules)
+    ]
+    g = torch.Generator().manual_seed(1)
+    async with stages(parts, transport, offload=True) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            for n in (12, 9, 16):
+                x = torch.randn(n, 8, generator=g).to(device)
+                ids = torch.randint(0, 4, (n,), generator=g).to(device)
+                y = torch.randn(n, 2, generator=g).to(device)
+                # the batch is a tuple too: split element by element, stage 0 called as First(x, ids)
+                result = await pipe.step((x, ids), y, microbatches=4, schedule=schedule)
+                ref_opt.zero_grad()
+                want = loss_fn(call_chain(reference, (x, ids)), y)
+                want.backward()
+                ref_opt.step()
+                assert result.loss == pytest.approx(want.item(), rel=RTOL)
+            states = await pipe.state()
+            probe = torch.randn(10, 8, generator=g).to(device), torch.randint(0, 4, (10,), generator=g).to(device)
+            got = await pipe.forward(probe, microbatches=3)  # forward only, tuples all the way
+            with torch.no_grad():
+                torch.testing.assert_close(got.to(device), call_chain(reference, probe), rtol=RTOL, atol=1e-6)
+    assert reference[0].aux.weight.grad is None  # what the pipeline must reproduce
+    for name, value in modules[0].aux.state_dict().items():
+        assert torch.equal(value, aux_before[name]), f"stage 0 aux.{name} moved without a gradient"
+    for s, (state, module) in enumerate(zip(states, reference, strict=True)):
+        want_state = module.state_dict()
+        assert state.keys() == want_state.keys()
+        for name, value in state.items():
+            torch.testing.assert_close(
+                value.to(device), want_state[name], rtol=RTOL, atol=1e-6, msg=f"stage {s} {name}"
+            )
+
+
+# -- numpy: a layer gets and returns whatever structure, the loss too ---------------------------
+class Fork:
+    """x -> (x @ w, x @ v): two branches, whose gradients meet again in the backward."""
+
+    def __init__(self, rng: np.random.Generator, d: int) -> None:
+        self.lin_w, self.lin_v = NumpyLinear(rng, d, d, tanh=True), NumpyLinear(rng, d, d, tanh=False)
+
+    def forward(self, x: np.ndarray) -> tuple[Any, Any]:
+        a, ca = self.lin_w.forward(x)
+        b, cb = self.lin_v.forward(x)
+        return (a, b), (ca, cb)
+
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        ga, gb = grad
+        out = self.lin_w.backward(ctx[0], ga)
+        return out + self.lin_v.backward(ctx[1], gb) if gb is not None else out
+
+    def zero_grad(self) -> None:
+        self.lin_w.zero_grad()
+        self.lin_v.zero_grad()
+
+    def step(self) -> None:
+        self.lin_w.step()
+        self.lin_v.step()
+
+    def state(self) -> dict[str, Any]:
+        return {f"w.{k}": v for k, v in self.lin_w.state().items()} | {
+            f"v.{k}": v for k, v in self.lin_v.state().items()
+        }
+
+
+class Join:
+    """(a, b) -> (a * b, a): the first output goes to the loss, the second gets no gradient."""
+
+    def __init__(self, rng: np.random.Generator, d: int) -> None:
+        self.lin = NumpyLinear(rng, d, 2, tanh=False)
+
+    def forward(self, x: Any) -> tuple[Any, Any]:
+        a, b = x
+        y, cy = self.lin.forward(a * b)
+        return (y, a), (a, b, cy)
+
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        a, b, cy = ctx
+        gy, ga_direct = grad
+        assert ga_direct is None  # the loss gave no gradient for that leaf
+        gab = self.lin.backward(cy, gy)
+        return (gab * b, gab * a)
+
+    def zero_grad(self) -> None:
+        self.lin.zero_grad()
+
+    def step(self) -> None:
+        self.lin.step()
+
+    def state(self) -> dict[str, Any]:
+        return self.lin.state()
+
+
+def tuple_mse(y: Any, target: np.ndarray) -> tuple[float, Any]:
+    out, _ = y
+    diff = out - target
+    return float(np.mean(diff * diff)), ((2 * diff / diff.size).astype(np.float32), None)
+
+
+def numpy_tuple_layers(seed: int = 3) -> list[Any]:
+    rng = np.random.default_rng(seed)
+    return [NumpyLinear(rng, 6, 6, tanh=True), Fork(rng, 6), Join(rng, 6)]
+
+
+def one_process(layers: list[Any], x: np.ndarray, y: np.ndarray) -> float:
+    h, ctxs = x, []
+    for layer in layers:
+        layer.zero_grad()
+        h, ctx = layer.forward(h)
+        ctxs.append(ctx)
+    loss, grad = tuple_mse(h, y)
+    for layer, ctx in zip(reversed(layers), reversed(ctxs), strict=True):
+        grad = layer.backward(ctx, grad)
+    for layer in layers:
+        layer.step()
+    return loss
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+async def test_numpy_layers_pass_tuples_and_get_tuples_of_gradients_with_none_leaves(schedule: str) -> None:
+    layers, reference = numpy_tuple_layers(), numpy_tuple_layers()
+    parts = [pipeline.FunctionPart(layer, loss=tuple_mse if i == 2 else None) for i, layer in enumerate(layers)]
+    rng = np.random.default_rng(4)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            for n in (16, 10):
+                x = rng.standard_normal((n, 6)).astype(np.float32)
+                y = rng.standard_normal((n, 2)).astype(np.float32)
+                result = await pipe.step(x, y, microbatches=4, schedule=schedule)
+                assert result.loss == pytest.approx(one_process(reference, x, y), rel=RTOL)
+            states = await pipe.state()
+    for s, (state, layer) in enumerate(zip(states, reference, strict=True)):
+        want = layer.state()
+        assert state.keys() == want.keys()
+        for name, value in state.items():
+            np.testing.assert_allclose(value, want[name], rtol=RTOL, atol=1e-6, err_msg=f"stage {s} {name}")
+
+
+# -- the wire limits count every leaf ------------------------------------------------------------
+@pytest.mark.timeout(60)
+async def test_a_tuple_activation_past_the_next_nodes_limit_is_refused_naming_the_stage() -> None:
+    # each leaf (2048 bytes) fits stage 1's 3000-byte message limit; the tuple (4096) does not
+    rng = np.random.default_rng(0)
+
+    class Twice(NumpyLinear):
+        def forward(self, x: np.ndarray) -> tuple[Any, Any]:
+            y, ctx = super().forward(x)
+            return (y, y.copy()), ctx
+
+    parts = [
+        pipeline.FunctionPart(Twice(rng, 64, 64, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 64, 2, tanh=False), loss=lambda y, t: (0.0, y)),
+    ]
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    async with stages(parts, only={1: {"limits": Limits(max_message_bytes=3000)}}) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(10):
+                    await pipe.step(x, np.zeros((16, 2), np.float32), microbatches=2)
+    assert err.value.remote_type == "MessageRefused", err.value
+    assert "stage 0 cannot send its activation of microbatch 0 to stage 1" in str(err.value)
+
+
+@pytest.mark.timeout(60)
+async def test_a_tuple_batch_past_a_stages_call_limits_counts_every_element() -> None:
+    # stage 0's node takes 3000 argument bytes a call: each element of the (x, x2) batch (2048
+    # bytes a step) fits, both together do not; refused at the driver before any stage starts
+    rng = np.random.default_rng(0)
+
+    class Pair(NumpyLinear):
+        def forward(self, x: Any) -> tuple[Any, Any]:
+            return super().forward(x[0] + x[1])
+
+        def backward(self, ctx: Any, grad: Any) -> Any:
+            g = super().backward(ctx, grad)
+            return (g, g)
+
+    parts = [
+        pipeline.FunctionPart(Pair(rng, 16, 16, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 16, 2, tanh=False), loss=lambda y, t: (0.0, np.zeros_like(y))),
+    ]
+    x = rng.standard_normal((32, 16)).astype(np.float32)
+    y = np.zeros((32, 2), np.float32)
+    async with nodes(3) as ns, pipeline.Stage(ns[0], parts[0]), pipeline.Stage(ns[1], parts[1]):
+        ns[0].methods.limits = CallLimits(max_inflight_bytes=3000)
+        async with await pipeline.Pipeline.connect(ns[2], [ns[0].address, ns[1].address]) as pipe:
+            with pytest.raises(tensorwire.MessageRefused, match="4096 bytes of microbatches, past the 3000-byte"):
+                await pipe.step((x, x), y, microbatches=2)
+            with pytest.raises(tensorwire.MessageRefused, match="4096 bytes of microbatches, past the 3000-byte"):
+                await pipe.forward({"a": x, "b": x}, microbatches=2)
+            await pipe.step((x[:8], x[:8]), y[:8], microbatches=2)  # refused before it began: nothing broke
+            out = await pipe.forward((x[:8], x[:8]), microbatches=2)
+            assert out.shape == (8, 2)
