@@ -157,3 +157,65 @@ async def test_a_second_peer_aclose_waits_for_the_first() -> None:
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
         await proc.wait()
+
+
+@pytest.mark.timeout(60)
+async def test_a_pipeline_abort_fails_the_step_at_once_and_the_stages_serve_the_next_driver() -> None:
+    """``Pipeline.abort()`` (DESIGN: every resource has a forceful abort) drops the stages'
+    connections without the release calls; a step under way raises ClosedResourceError, the
+    stages apply nothing of it and serve the next driver."""
+    x, y = batch()
+    _Slow.started.clear()
+    _Slow.delay = 0.5
+    async with stages(parts(layer=_Slow), offload=True) as (addresses, driver):
+        pipe = await pipeline.Pipeline.connect(driver, addresses)
+        before = await pipe.state()
+        step = asyncio.ensure_future(pipe.step(x, y, microbatches=2))
+        await eventually(_Slow.started.is_set)
+        pipe.abort()
+        assert [p.closed for p in pipe.peers] == [True, True]  # at once, before any await
+        with pytest.raises(tensorwire.ClosedResourceError, match="closed while its step ran"):
+            async with asyncio.timeout(20):
+                await step
+        await pipe.aclose()  # waits for the closing abort began; then does nothing
+        await pipe.aclose()
+        pipe.abort()
+        assert driver.peers == []
+        with pytest.raises(tensorwire.ClosedResourceError, match="this pipeline is closed"):
+            await pipe.step(x, y, microbatches=2)
+        _Slow.delay = 0.0
+        async with await pipeline.Pipeline.connect(driver, addresses) as again:
+            assert [s["w"].tolist() for s in await again.state()] == [s["w"].tolist() for s in before]
+            assert (await again.step(x, y, microbatches=2)).loss > 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_abort_fails_the_step_naming_it_and_lets_go_of_the_node() -> None:
+    x, y = batch()
+    _Slow.started.clear()
+    _Slow.delay = 0.5
+    async with nodes(3) as (n0, n1, driver):
+        s0, s1 = (pipeline.Stage(n, part, offload=True) for n, part in zip((n0, n1), parts(layer=_Slow), strict=True))
+        pipe = await pipeline.Pipeline.connect(driver, [n0.address, n1.address])
+        step = asyncio.ensure_future(pipe.step(x, y, microbatches=2))
+        await eventually(_Slow.started.is_set)
+        link = s1.links[0].peer
+        s1.abort()
+        assert link.closed  # at once
+        with pytest.raises(tensorwire.TensorWireError) as failed:
+            async with asyncio.timeout(20):
+                await step
+        # the stage's own account says it was closed (it said "raised CancelledError")
+        assert isinstance(failed.value, tensorwire.RemoteError), failed.value
+        assert failed.value.remote_type == "ClosedResourceError", failed.value
+        assert "stage 1 was closed (Stage.aclose or abort) while step 0 ran" in str(failed.value), failed.value
+        await s1.aclose()
+        assert not [name for name in METHODS if name in n1.methods]
+        s1.abort()  # closed: nothing more
+        await pipe.aclose()
+        _Slow.delay = 0.0
+        again = pipeline.Stage(n1, parts()[1])  # the node is free for a new stage
+        async with await pipeline.Pipeline.connect(driver, [n0.address, n1.address]) as pipe2:
+            assert (await pipe2.step(x, y, microbatches=2)).loss > 0
+        await again.aclose()
+        await s0.aclose()

@@ -434,6 +434,21 @@ class Pipeline:
             self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-pipeline-close")
         await asyncio.shield(self._closing)
 
+    def abort(self) -> None:
+        """Forceful close: every stage's connection drops at once, without a word to the stages
+        (each sees its driver gone, cuts a step under way short and applies nothing of it), and
+        the pipeline closes in the background. A step under way raises ClosedResourceError.
+        ``aclose()`` waits for the closing to finish; the stages serve the next driver."""
+        for peer in self.peers:
+            peer.abort()
+        if self._closing is None:
+            self._closed = True
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop to close on: refused from now on, aclose() ends it
+                return
+            self._closing = loop.create_task(self._close(), name="tensorwire-pipeline-close")
+
     async def _close(self) -> None:
         try:
             with contextlib.suppress(TensorWireError, TimeoutError):

@@ -742,15 +742,38 @@ class Stage:
         The closing runs to its end even if the caller is cancelled meanwhile, and every call
         waits for it."""
         if self._closing is None:
-            self._closed = True
-            if self._task is not None:
-                self._task.cancel()
-            if self._configuring is not None:
-                self._configuring.cancel()
-            for task in list(self._background):
-                task.cancel()
-            self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-stage-close")
+            self._begin_close(asyncio.get_running_loop())
+        assert self._closing is not None
         await asyncio.shield(self._closing)
+
+    def abort(self) -> None:
+        """Forceful stop: the links to the neighbours drop at once (they see this stage gone and
+        fail a step under way, naming it), a running step is cancelled, and the stage closes in
+        the background (its methods leave the node). ``aclose()`` waits for that to finish."""
+        for link in self.links:
+            link.peer.abort()
+        if self._closing is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop to close on: aclose() ends it
+                self._closed = True
+                return
+            self._begin_close(loop)
+
+    def _begin_close(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._closed = True
+        if self._task is not None:
+            if not self._task.done() and self._broken is None:
+                # what the step's caller is told (it said "raised CancelledError")
+                self._broken = ClosedResourceError(
+                    f"stage {self.rank} was closed (Stage.aclose or abort) while step {self._running} ran"
+                )
+            self._task.cancel()
+        if self._configuring is not None:
+            self._configuring.cancel()
+        for task in list(self._background):
+            task.cancel()
+        self._closing = loop.create_task(self._close(), name="tensorwire-stage-close")
 
     async def _close(self) -> None:
         try:
