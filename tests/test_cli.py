@@ -512,3 +512,39 @@ def test_a_command_started_with_stdout_closed_holds_descriptor_1_on_dev_null() -
     finally:
         proc.kill()
         proc.wait()
+
+
+_INTERRUPTED_IMPORT = """
+import builtins, sys
+real = builtins.__import__
+
+def interrupting(name, *args, **kwargs):  # Ctrl-C while the command line loads numpy
+    if name == "numpy":
+        raise KeyboardInterrupt
+    return real(name, *args, **kwargs)
+
+builtins.__import__ = interrupting
+from tensorwire._entry import main  # what the `tensorwire` script runs (pyproject.toml)
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_the_command_line_loads_ends_quietly_with_130() -> None:
+    """A Ctrl-C in the first half second of `tensorwire ...` (while tensorwire and numpy load)
+    printed the import machinery's KeyboardInterrupt traceback: ``import tensorwire`` loaded
+    the whole API, before any code of ours could catch it."""
+    out = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 130, out.stderr
+    assert out.stderr == "tensorwire: interrupted (SIGINT)\n", out.stderr
+
+
+def test_import_tensorwire_loads_the_api_on_first_use() -> None:
+    code = (
+        "import sys, tensorwire\n"
+        "print(sorted(m for m in ('numpy', 'grpc', 'tensorwire._node') if m in sys.modules))\n"
+        "from tensorwire import start, Peer\n"
+        "print(tensorwire.Node.__module__, start is tensorwire.start, 'Receipt' in dir(tensorwire))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "tensorwire._node True True"], out.stdout

@@ -795,7 +795,7 @@ def test_benchmark_flags_the_pages_use_exist() -> None:
 def test_the_two_commands_are_what_ci_and_the_package_run() -> None:
     first, second = (b.text.strip() for b in blocks(README) if b.heading == "Two commands" and b.lang == "bash")
     assert first.endswith(".venv/bin/tensorwire demo")
-    assert 'tensorwire = "tensorwire.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'tensorwire = "tensorwire._entry:main"' in (ROOT / "pyproject.toml").read_text()
     assert second in (ROOT / ".ci" / "run").read_text(), "CI no longer runs the README's test command verbatim"
 
 
