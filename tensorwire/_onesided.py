@@ -1216,7 +1216,9 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         for i, state in direct:
             t = wired.get(i)
             if t is None:
-                moves.append((state, np.ascontiguousarray(arrays[i]), handles[i].offset))
+                host = arrays[i]
+                assert isinstance(host, np.ndarray)  # (every device source was wired above)
+                moves.append((state, _packed(host, handles[i]), handles[i].offset))
                 continue
             memory = t.engine.kind
             if _by_pointer(peer, t):
@@ -1237,6 +1239,19 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         done += part
     nbytes = sum(a.nbytes for a in arrays)
     return _receipt("write", peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
+
+
+def _packed(src: np.ndarray, handle: RemoteHandle) -> np.ndarray:
+    """A host source in C order, to put from: as it is, or packed into a copy (a broadcast view
+    packs to its full size); TransferError, as a send's packing, when that copy cannot be had."""
+    try:
+        return np.ascontiguousarray(src)
+    except MemoryError as exc:
+        raise TransferError(
+            f"out of memory: could not pack a {src.dtype} source of shape {src.shape} ({src.nbytes} bytes) into C "
+            f"order to write it to {handle.name!r}; nothing was written (write from a contiguous tensor, or fewer "
+            "rows at a time)"
+        ) from exc
 
 
 async def _scatter(peer: Peer, jobs: list[tuple[_Direct, DeviceTensor, int]]) -> None:

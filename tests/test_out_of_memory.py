@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire.rpc import CallLimits
@@ -355,3 +356,145 @@ async def test_default_limits_bound_what_a_peer_makes_us_buffer() -> None:
             await p.send(np.zeros((1 << 20) + 1, np.uint8))
         await p.send(np.arange(3))
         assert np.array_equal(await asyncio.wait_for(q.recv(), 10), np.arange(3))
+
+
+_EAGER_REPLY_CALLER = """
+addr, transport, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+async def attempt(step, coro, check=digest):  # shorter than the prelude's: a held slot fails, not hangs
+    try:
+        v = await asyncio.wait_for(coro, 8)
+    except Exception as exc:
+        report(step, error=type(exc).__name__, tree=isinstance(exc, tensorwire.TensorWireError), text=str(exc))
+    else:
+        report(step, value=check(v))
+
+async def main():
+    out = np.zeros(nbytes, np.uint8)
+    short = np.zeros(nbytes // 2, np.uint8)
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        peer = await node.connect(addr)
+        await peer.call("eager", _out=out)  # every path warmed up before the cap
+        cap(nbytes // 3)
+        report("capped")
+        await attempt("call", peer.call("eager"))
+        await attempt("call_short", peer.call("eager", _out=short))
+        # gives up before the reply comes: the reply finds no recv and no memory
+        await attempt("call_gone", peer.call("slow", _deadline=0.2))
+        await asyncio.sleep(0.5)
+        await attempt("call_out", peer.call("eager", _out=out))
+        await attempt("ping", peer.call("ping"), lambda v: v)
+        budget = _budgets[peer]
+        for _ in range(250):  # what this side holds for its calls to the peer goes back too
+            if not budget.calls:
+                break
+            await asyncio.sleep(0.02)
+        report("outstanding", value=budget.calls)
+        report("done")
+        await asyncio.sleep(30)  # until the parent is done with us
+
+from tensorwire.rpc._client import _budgets
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+async def test_an_eager_reply_without_memory_for_it_frees_the_servers_call(transport: str) -> None:
+    """A result within the caller's eager credit (48 MiB) that the caller cannot take: no memory
+    for it (no _out=), an _out= it does not fit, or a caller that gave up before it came. Each
+    call fails with an error of the tree (ShapeMismatchError for the _out= that does not fit), and
+    the server's call ends at once: max_concurrent=1 here, so the next call (call_out) and the
+    ping after it get the slot. Over ucx the payload of such a reply, handed to UCX, waited at the
+    caller unposted for a memory that never came, holding the server's call and its slot until
+    the channel closed; now the caller drops it unread (UCX truncates its receive). Over tcp,
+    which drops such a reply as it comes, the caller waited 60 s for another reply that would
+    never come, holding its room for the call (outstanding), and the _out= that did not fit
+    was told as a TransferError."""
+    src = _pattern(EAGER)
+    want = int(src.sum(dtype=np.uint64))
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        node.methods.limits = CallLimits(max_concurrent=1)
+
+        @node.method("eager")
+        async def eager() -> np.ndarray:
+            return src
+
+        @node.method("slow")
+        async def slow() -> np.ndarray:
+            await asyncio.sleep(0.4)
+            return src
+
+        @node.method("ping")
+        async def ping() -> int:
+            return 1
+
+        proc = await _child(_EAGER_REPLY_CALLER, node.address, transport, str(EAGER))
+        try:
+            peer = await asyncio.wait_for(node.accept(), 30)
+            got = {}
+            async for step in _steps(proc):
+                got[step["step"]] = step
+                if step["step"] == "done":
+                    break
+            server = server_of(peer)
+            assert server is not None
+            await eventually(lambda: not server.calls and not node.methods.slots.used, 10)
+        finally:
+            await _kill(proc)
+    for step in ("call", "call_gone"):
+        assert got[step].get("tree"), got[step]
+    assert "out of memory" in got["call"]["text"], got["call"]
+    assert got["call_gone"].get("error") == "DeadlineExceeded", got["call_gone"]
+    assert got["call_short"].get("error") == "ShapeMismatchError", got["call_short"]
+    assert got["call_out"].get("value") == want, got["call_out"]
+    assert got["ping"].get("value") == 1, got["ping"]
+    assert got["outstanding"].get("value") == 0, got["outstanding"]
+
+
+_BROADCAST_WRITER = """
+addr, transport, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+async def main():
+    src = np.ones(nbytes, np.uint8)
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        peer = await node.connect(addr)
+        h = await peer.lookup("dst")
+        await peer.write_many([h], [src])  # every path warmed up before the cap
+        wide = np.broadcast_to(np.full(1, 7, np.uint8), (nbytes,))  # stride 0: packs to nbytes
+        cap(nbytes // 4)
+        report("capped")
+        await attempt("write_many", peer.write_many([h], [wide]), lambda r: r.nbytes)
+        await attempt("write", peer.write(h, wide), lambda r: r.nbytes)
+        await attempt("write_src", peer.write(h, src), lambda r: r.nbytes)
+        report("done")
+        await asyncio.sleep(30)  # until the parent is done with us
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+async def test_a_write_of_a_view_too_large_to_pack_is_a_transfer_error(transport: str) -> None:
+    """write_many (and write) of a broadcast view whose C-order copy the process cannot allocate:
+    a one-sided write (ucx) packed it with np.ascontiguousarray, and numpy's MemoryError came
+    out of write_many; now it is the TransferError an owner-assisted write (tcp) and a send
+    raise for it, nothing was written, and the next write goes on."""
+    n = EAGER
+    dst = np.zeros(n, np.uint8)
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        node.expose(dst, name="dst")
+        proc = await _child(_BROADCAST_WRITER, node.address, transport, str(n))
+        try:
+            await asyncio.wait_for(node.accept(), 30)
+            got = {}
+            async for step in _steps(proc):
+                got[step["step"]] = step
+                if step["step"] == "done":
+                    break
+            assert np.all(dst == 1)  # the writes that failed wrote nothing
+        finally:
+            await _kill(proc)
+    for step in ("write_many", "write"):
+        assert got[step].get("error") == "TransferError", got[step]
+        assert "out of memory" in got[step]["text"], got[step]
+    assert got["write_src"].get("value") == n, got["write_src"]

@@ -21,9 +21,10 @@ from _polling import eventually
 
 import tensorwire
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
-from tensorwire.rpc import CallLimits, _codec, _server, current_deadline, deadline
+from tensorwire.rpc import CallLimits, _client, _codec, _server, current_deadline, deadline
 from tensorwire.rpc._protocol import REQUEST_TAG, Kind, Reply, meta, reply_tag
 from tensorwire.rpc._server import server_of
+from tensorwire.tensors import prepare
 from tensorwire.testing import connected_pair
 from tensorwire.transports import Limits
 
@@ -793,3 +794,55 @@ async def test_a_large_reply_the_caller_gave_up_on_before_it_came_is_taken_back_
         assert big.nbytes not in pulled, pulled
         assert await _within(5, "a call after it (max_concurrent=1)", a.call("add", 1, 2)) == 3
         await _settled(a, b)
+
+
+class _CountedDict(dict[str, Any]):
+    """A dict argument that counts how often it is walked (``items``, as flattening does)."""
+
+    walks = 0
+
+    def items(self) -> Any:
+        type(self).walks += 1
+        return super().items()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size", [16, 1 << 17], ids=["inline", "apart"])
+async def test_a_call_flattens_its_arguments_once(transport: str, size: int) -> None:
+    """A call's arguments are flattened (walked, and packed where they are not contiguous) once:
+    small ones went through it twice, once to measure them and again inside the request that
+    carries them inline."""
+    async with connected_pair(transport) as (a, b):
+
+        @b.node.method()
+        async def total(d: dict[str, Any], *, also: np.ndarray) -> float:
+            return float(d["x"].sum() + also.sum())
+
+        x = np.arange(2 * size, dtype=np.float64)[::2]  # not contiguous: packed to travel
+        _CountedDict.walks = 0
+        got = await asyncio.wait_for(a.call("total", _CountedDict(x=x, n=3), also=np.ones(4)), 10)
+        assert got == x.sum() + 4
+        assert _CountedDict.walks == 1
+
+
+async def test_a_request_is_the_message_it_always_was() -> None:
+    """Flattened once, a request still travels as before: inline, ``(meta, name, args, kwargs)``;
+    apart, ``(meta, name)`` and then ``(args, kwargs)``, headers and bytes alike."""
+    for n, inline in ((8, True), (1 << 16, False)):
+        big = np.arange(2 * n, dtype=np.float32)[::2]  # packed
+        args = (np.ones((2, 3)), [big, {"k": np.arange(5)}], "s", None)
+        kwargs = {"w": np.int8(3), "v": {"deep": big}}
+        whole = _client._arguments("m", args, kwargs)
+        request, payload = _client._request(7, "m", Kind.UNARY, None, whole, 0)
+        if inline:
+            assert payload is None
+            got, want = request, prepare((meta(7, None, Kind.UNARY, -1), "m", args, kwargs))
+        else:
+            assert payload is not None
+            head = prepare((meta(7, None, Kind.UNARY, payload.nbytes), "m"))
+            assert request.header == head.header
+            assert [bytes(s) for s in request.segments()] == [bytes(s) for s in head.segments()]
+            got, want = payload, prepare((args, kwargs))
+        assert got.header == want.header
+        assert got.nbytes == want.nbytes
+        assert [bytes(s) for s in got.segments()] == [bytes(s) for s in want.segments()]

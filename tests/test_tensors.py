@@ -2,6 +2,7 @@
 
 import array
 import asyncio
+import importlib.util
 import warnings
 
 import ml_dtypes
@@ -440,6 +441,58 @@ async def test_a_recv_into_out_returns_out_or_the_messages_scalars_around_outs_t
         with pytest.raises(tensorwire.ShapeMismatchError, match="a tensor where the message has a list"):
             await single
         assert np.array_equal((await b.recv(tag=3, out=[bk]))[0], np.arange(4.0))
+
+
+_UCX = pytest.param(
+    "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+)
+
+
+class _KeyWithoutEquality:
+    """A dict key whose ``==`` answers with an array (its truth raises), as numpy's arrays do."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        return np.array([True, False])  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return "K()"
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp", _UCX])
+async def test_out_keys_match_the_messages_by_type_and_value_and_nan_by_nan(transport: str) -> None:
+    """A dict out= keyed by NaN, or by keys of another type than the message's: out={nan: buf}
+    was refused for a message keyed by NaN ("has the keys [nan] where the message has [nan]":
+    NaN is unequal to itself), while out={1: buf} took a message keyed by 1.0 (and {True: buf} one
+    keyed by 1) and the recv returned out='s keys, not the message's; a key whose == answers with
+    an array failed as an UnsupportedTensorError. Now keys match by their wire type and value
+    (NaN by NaN); any other key is a ShapeMismatchError and the message stays for the next recv."""
+    from tensorwire.testing import connected_pair
+
+    nan = float("nan")
+    async with connected_pair(transport) as (a, b):
+        buf = np.zeros(3)
+        await a.send({nan: np.arange(3.0)}, tag=1)
+        got = await asyncio.wait_for(b.recv(tag=1, out={float("nan"): buf}), 10)
+        assert next(iter(got.values())) is buf and np.array_equal(buf, np.arange(3.0))
+        for sent, out in (
+            ({1.0: np.arange(3.0)}, {1: buf}),
+            ({1: np.arange(3.0)}, {True: buf}),
+            ({"a": np.arange(3.0)}, {b"a": buf}),
+            ({"a": np.arange(3.0)}, {nan: buf}),
+            ({nan: np.arange(3.0)}, {"a": buf}),
+            ({"a": np.arange(3.0)}, {_KeyWithoutEquality(): buf}),
+        ):
+            buf[:] = -1
+            await a.send(sent, tag=2)
+            with pytest.raises(tensorwire.ShapeMismatchError, match="keys"):
+                await asyncio.wait_for(b.recv(tag=2, out=out), 10)
+            assert np.array_equal(buf, [-1, -1, -1])  # nothing landed in out=
+            kept = await asyncio.wait_for(b.recv(tag=2), 10)  # the message stayed
+            assert [type(k) for k in kept] == [type(k) for k in sent]
+            assert np.array_equal(next(iter(kept.values())), np.arange(3.0))
 
 
 @pytest.mark.parametrize("transport", ["inproc", "tcp"])

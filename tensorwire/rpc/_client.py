@@ -5,7 +5,10 @@ GO, so they never move before the server has room for them) and waits on a reply
 own. A caller that gives up (cancelled, its deadline ran out, a stream closed early) tells the
 server to cancel, and a background task drains the call's remaining replies, so nothing is
 left behind in the mailbox; a reply that waits there for its go-ahead (rendezvous) is not
-pulled just to be dropped: the server is told to take it back (WITHDRAW). What calls may have
+pulled just to be dropped: the server is told to take it back (WITHDRAW), and one that came
+eager but waits unread for want of memory here is dropped unread (``Channel.discard``), which
+completes the server's send. The arguments are flattened once per call (``_arguments``),
+whether they then ride in the request or go apart. What calls may have
 outstanding on one peer stays within both sides' message slots (``_Budget``), so that no mix
 of calls and unread streams can stop the replies, cancellations or credit of the others; the
 deadline covers the wait for that room.
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..control._pb import wire_pb2
 from ..errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -33,11 +37,13 @@ from ..errors import (
     RemoteError,
     ShapeMismatchError,
     TensorWireError,
+    TransferError,
 )
 from ..tensors import Outgoing, as_view, is_tensor, prepare
 from ..tensors._message import MAX_DEPTH, check_out
 from ..tensors._view import TensorView
 from ..transports import Channel, ChannelState, Receipt
+from ..transports._mailbox import Arrival
 from ._codec import encode
 from ._deadline import effective_deadline
 from ._protocol import (
@@ -174,31 +180,65 @@ class _Progress:
         self.whole = False  # the request's send returned: it did reach the server
 
 
+_META_LEN = 5  # the request's int64 envelope (``meta``)
+
+
 def _arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outgoing:
-    """The arguments as they would travel apart: an argument tensorwire cannot move fails here,
+    """The call's message as it travels with the arguments inline, ``(meta, name, args, kwargs)``,
+    its meta tensor not yet filled in (``_request`` does): the arguments are flattened (and any
+    packed) once per call, whichever way they go. An argument tensorwire cannot move fails here,
     locally, before the call waits for anything."""
     if not isinstance(name, str):
         raise ConfigurationError(f"a method name is a string, not {type(name).__name__}")
-    return encode((args, kwargs))
+    return encode((np.empty(_META_LEN, np.int64), name, args, kwargs))
 
 
 def _request(
-    call_id: int,
-    name: str,
-    kind: Kind,
-    deadline_at: float | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    payload: Outgoing,
-    window: int = 0,
+    call_id: int, name: str, kind: Kind, deadline_at: float | None, whole: Outgoing, window: int = 0
 ) -> tuple[Outgoing, Outgoing | None]:
-    """The request, with the arguments inline when they are small; else the arguments apart.
-    Made once the call has its room: the deadline it carries is what is left of
-    ``deadline_at`` (loop time) now, after any wait for that room."""
+    """The request, with the arguments inline when they are small (``whole``, its meta filled in
+    now); else the request alone and the arguments apart. Made once the call has its room: the
+    deadline it carries is what is left of ``deadline_at`` (loop time) now, after any wait for
+    that room."""
     left = None if deadline_at is None else deadline_at - asyncio.get_running_loop().time()
-    if payload.nbytes <= INLINE_BYTES:
-        return encode((meta(call_id, left, kind, -1, window), name, args, kwargs)), None
-    return encode((meta(call_id, left, kind, payload.nbytes, window), name)), payload
+    head = whole.arrays[0]
+    assert isinstance(head, np.ndarray)  # the meta tensor _arguments put first
+    nbytes = whole.nbytes - head.nbytes
+    if nbytes <= INLINE_BYTES:
+        head[:] = meta(call_id, left, kind, -1, window)
+        return whole, None
+    return encode((meta(call_id, left, kind, nbytes, window), name)), _apart(whole, nbytes)
+
+
+def _apart(whole: Outgoing, nbytes: int) -> Outgoing:
+    """The arguments alone, ``(args, kwargs)``, taken out of ``whole`` (``(meta, name, args,
+    kwargs)``) as they are: its tree's last two items, their tensors numbered from 0 (the meta
+    tensor, the first, left behind), its specs and arrays but the first. The same message as
+    flattening ``(args, kwargs)`` again would make."""
+    tree = wire_pb2.TreeNode()
+    items = tree.tuple.items
+    for node in whole.tree.tuple.items[2:]:
+        _renumbered(items.add(), node)
+    return Outgoing(
+        tree, whole.specs[1:], whole.arrays[1:], whole.packed, nbytes, on_device=whole.on_device, memory=whole.memory
+    )
+
+
+def _renumbered(dst: wire_pb2.TreeNode, src: wire_pb2.TreeNode) -> None:
+    """``dst`` made a copy of ``src`` whose tensor leaves point one tensor lower."""
+    dst.CopyFrom(src)
+    stack = [dst]
+    while stack:
+        node = stack.pop()
+        kind = node.WhichOneof("kind")
+        if kind == "tensor":
+            node.tensor -= 1
+        elif kind == "tuple":
+            stack.extend(node.tuple.items)
+        elif kind == "list":
+            stack.extend(node.list.items)
+        elif kind == "dict":
+            stack.extend(node.dict.values)  # (keys are scalars)
 
 
 async def _next_reply(channel: Channel, tag: int) -> tuple[tuple[Any, ...], Receipt]:
@@ -284,7 +324,8 @@ async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState, rel
     reply. A reply that waits for our go-ahead (rendezvous) is never given it: the server is told
     to take it back (WITHDRAW) and ends the call with CANCELLED instead, so none of its bytes
     move, and a reply we have no memory for does not hold its send, its slot and its tensors at
-    the server for good."""
+    the server for good; one that came eager and waits unread for want of memory is dropped
+    here unread (``Channel.discard``), which completes the server's send."""
     tag = reply_tag(call_id)
     withdrawn = False
     try:
@@ -295,37 +336,54 @@ async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState, rel
                 await channel.send(args_tag(call_id), prepare(None))
             while True:
                 waiting = _unpulled(channel, tag)
-                if waiting is not None:
-                    if not withdrawn:
-                        withdrawn = True
-                        await channel.send(CONTROL_TAG, prepare((int(Control.WITHDRAW), call_id, 0)))
-                    await asyncio.wait((waiting,))  # taken back (or the channel failed)
+                if waiting is None:
+                    try:
+                        await channel.recv(tag, _NO_REPLY)  # until a message waits here, unpulled
+                        continue  # (not a reply: it fit, and is gone)
+                    except ShapeMismatchError:
+                        pass
+                    waiting = _unpulled(channel, tag)
+                if waiting is None:
+                    msg, _ = await channel.recv(tag, None)  # whole, or on its way: it needs no go-ahead
+                    if isinstance(msg, tuple) and msg and msg[0] in TERMINAL:
+                        return
                     continue
-                try:
-                    await channel.recv(tag, _NO_REPLY)  # until a message waits here, unpulled
-                    continue  # (not a reply: it fit, and is gone)
-                except ShapeMismatchError:
-                    pass
-                if _unpulled(channel, tag) is not None:
+                if waiting.protocol != "rendezvous":  # dropped unread (_unpulled)
+                    if _reply_kind(waiting) in TERMINAL:
+                        return
                     continue
-                msg, _ = await channel.recv(tag, None)  # whole, or on its way: it needs no go-ahead
-                if isinstance(msg, tuple) and msg and msg[0] in TERMINAL:
-                    return
+                if not withdrawn:
+                    withdrawn = True
+                    await channel.send(CONTROL_TAG, prepare((int(Control.WITHDRAW), call_id, 0)))
+                await asyncio.wait((waiting.done,))  # taken back (or the channel failed)
     except (TensorWireError, TimeoutError):
         pass
     finally:
         release()
 
 
-def _unpulled(channel: Channel, tag: int) -> asyncio.Future[None] | None:
-    """If the oldest message waiting on ``tag`` is a rendezvous one nobody has asked for yet
-    (its sender holds it until our go-ahead), the future that ends when it is gone; else None."""
+def _unpulled(channel: Channel, tag: int) -> Arrival | None:
+    """The oldest message waiting on ``tag``, if nobody has asked for it yet and it waits for
+    that: a rendezvous one (its sender holds it until our go-ahead; WITHDRAW takes it back), or
+    an eager one its payload already handed over, that the transport keeps unread for want of
+    memory here (it holds its sender's send): that one is dropped unread now, if the transport
+    can (``Channel.discard``), and returned gone; else None."""
     arrival = channel.mailbox.oldest(tag)
-    if arrival is None:
+    if arrival is None or not arrival.rendezvous or arrival.pulling or arrival.done.done():
         return None
-    if arrival.protocol != "rendezvous" or not arrival.rendezvous or arrival.pulling or arrival.done.done():
+    if arrival.protocol != "rendezvous" and not channel.discard(arrival):
+        return None  # (its recv fails for want of memory, as any recv of it would)
+    return arrival
+
+
+def _reply_kind(arrival: Arrival) -> int | None:
+    """The kind of the reply ``arrival`` carries, read off its header (a reply is a tuple whose
+    first item is its kind); None if it is not a reply."""
+    node = arrival.tree
+    if node.WhichOneof("kind") != "tuple" or not node.tuple.items:
         return None
-    return arrival.done
+    first = node.tuple.items[0]
+    return first.int_value if first.WhichOneof("kind") == "int_value" else None
 
 
 def _expired(name: str, left: float, what: str = "the reply came") -> DeadlineExceeded:
@@ -363,12 +421,16 @@ async def call(
         async with tm:
             await budget.acquire(1)  # one reply at a time may wait here unread
             try:
-                request, payload = _request(call_id, name, Kind.UNARY, tm.when(), args, kwargs, arguments)
+                request, payload = _request(call_id, name, Kind.UNARY, tm.when(), arguments)
                 sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
                 if out is not None:
                     value, came = await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
                 else:
-                    msg, came = await _next_reply(channel, reply_tag(call_id))
+                    try:
+                        msg, came = await _next_reply(channel, reply_tag(call_id))
+                    except TransferError:
+                        _gone(channel, reply_tag(call_id), progress)
+                        raise
                     value = _terminal(msg, progress, name, where)
                 if not want_receipt:
                     return value, None
@@ -423,11 +485,31 @@ async def _reply_into(
         _, came = await channel.recv(tag, (int(Reply.RESULT), out))
     except ShapeMismatchError as exc:
         # not a result of that shape: an error (raised here), or a result that does not fit
-        msg, _ = await _next_reply(channel, tag)
+        try:
+            msg, _ = await _next_reply(channel, tag)
+        except TransferError as lost:
+            # no memory here to take it whole: a result (an error carries no tensors) that does
+            # not fit, which the drain drops unread if it still waits (``_finish``)
+            if channel.state is not ChannelState.OPEN:
+                raise
+            _gone(channel, tag, progress)
+            raise ShapeMismatchError(
+                f"{name}'s result does not fit _out= (it was dropped: there was no memory here to take it "
+                f"without _out= either): {exc}"
+            ) from lost
         _terminal(msg, progress, name, where)
         raise ShapeMismatchError(f"{name}'s result does not fit _out= (it was dropped): {exc}") from None
     progress.finished = True
     return out, came
+
+
+def _gone(channel: Channel, tag: int, progress: _Progress) -> None:
+    """A unary call's reply could not be received (TransferError: no memory for it here). If
+    nothing waits on its tag any more, it came and was dropped on arrival (a transport that must
+    take the bytes off the wire): it was the terminal reply (the only message a unary call
+    gets after its request), so the server owes the call nothing more and nothing is drained."""
+    if channel.state is ChannelState.OPEN and channel.mailbox.oldest(tag) is None:
+        progress.finished = True
 
 
 async def stream(
@@ -464,7 +546,7 @@ async def stream(
         try:
             extra = budget.take_extra(STREAM_WINDOW - 1)
             window = 1 + extra
-            request, payload = _request(call_id, name, Kind.STREAM, deadline_at, args, kwargs, arguments, window)
+            request, payload = _request(call_id, name, Kind.STREAM, deadline_at, arguments, window)
             tm = asyncio.timeout_at(deadline_at)
             async with tm:
                 await _send_request(channel, call_id, request, payload, progress, name, where)

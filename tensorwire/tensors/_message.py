@@ -467,8 +467,9 @@ def _views_along(obj: object, node: wire_pb2.TreeNode, views: list[TensorView]) 
         if not isinstance(obj, dict):
             raise _Misfit(f"is {_what(obj)} where the message has a dict")
         keys = [_unflatten(k, []) for k in node.dict.keys]
-        if list(obj) != keys:
-            raise _Misfit(f"has the keys {list(obj)!r} where the message has {keys!r} (in that order)")
+        mine = list(obj)
+        if len(mine) != len(keys) or not all(_same_key(a, b) for a, b in zip(mine, keys, strict=True)):
+            raise _Misfit(f"has the keys {mine!r} where the message has {keys!r} (in that order, of the same types)")
         pairs = zip(obj.values(), node.dict.values, strict=True)
     else:
         if isinstance(obj, (dict, list, tuple)) or (
@@ -482,6 +483,31 @@ def _views_along(obj: object, node: wire_pb2.TreeNode, views: list[TensorView]) 
         except _Misfit as misfit:
             misfit.path.append(f"[{list(obj)[i]!r}]" if kind == "dict" else f"[{i}]")
             raise
+
+
+def _same_key(mine: object, theirs: object) -> bool:
+    """Is the out= key ``mine`` the message's key ``theirs`` (a scalar as the wire carries it)? Of
+    the same wire kind (an int is no float, nor a bool an int: the recv returns out='s keys) and
+    value; a NaN is the NaN key it was sent as. Never runs ``mine``'s own ``__eq__`` for
+    anything but a scalar (it may raise, or answer with an array)."""
+    kind = _key_kind(mine)
+    if kind is None or kind is not _key_kind(theirs):
+        return False
+    if kind is float and math.isnan(mine) and math.isnan(theirs):  # type: ignore[arg-type]
+        return True
+    return bool(mine == theirs)
+
+
+def _key_kind(key: object) -> type | None:
+    """The scalar a dict key travels as (``_flatten``'s rule), or None for a key no message has."""
+    if key is None:
+        return type(None)
+    if isinstance(key, np.generic) and not isinstance(key, (str, bytes)):
+        return None
+    for kind in (bool, int, float, str, bytes):  # (bool before int: True is an int too)
+        if isinstance(key, kind):
+            return kind
+    return None
 
 
 def _what(obj: object) -> str:

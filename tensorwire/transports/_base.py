@@ -228,6 +228,16 @@ class Channel(ABC):
     async def pull(self, arrival: Any) -> None:
         """Move a rendezvous arrival's payload into ``arrival.dest`` (the recv is posted)."""
 
+    def discard(self, arrival: Any) -> bool:
+        """Drop a message its receiver will never take, one that waits unread because there was
+        no memory for it here (``Arrival.adopt`` failed) though its sender has already handed its
+        payload over and cannot take it back (eager): its payload lands nowhere, its sender's send
+        completes, and it leaves its tag's queue, failed (TransferError). False, and nothing
+        changed, where only its sender can take it back (rendezvous: ``pull`` or the sender's
+        abort) or the transport never keeps such a message (it drops it as it arrives). Default:
+        False."""
+        return False
+
     @abstractmethod
     def release(self, arrival: Any) -> None:
         """The recv consumed ``arrival``: give its buffer credit and slot back to the sender."""

@@ -472,12 +472,16 @@ class Mailbox:
 
     def abort(self, arrival: Arrival) -> None:
         """The sender gave up on ``arrival``: drop it, and let a recv waiting on it re-post."""
+        self.remove(arrival, SenderAborted("sender cancelled the message"))
+
+    def remove(self, arrival: Arrival, exc: BaseException) -> None:
+        """Take ``arrival`` out of its tag's queue, if it waits there, and fail it with ``exc``."""
         q = self._arrived.get(arrival.tag)
         if q is not None and arrival in q:
             q.remove(arrival)
             if not q:
                 del self._arrived[arrival.tag]
-        arrival.fail(SenderAborted("sender cancelled the message"))
+        arrival.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
         """The channel is gone: fail every posted recv and every incomplete message."""

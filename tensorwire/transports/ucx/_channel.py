@@ -705,6 +705,39 @@ class UcxChannel(Channel):
             return
         self._post_payload(arrival)
 
+    def discard(self, arrival: Arrival) -> bool:
+        """Drop an eager message kept unposted for want of memory (``_adopt``): its sender's UCX
+        sends wait for our receives, and would hold its send (an RPC server's call, its slot)
+        until the channel closes. Each tensor's receive is posted into one byte of scratch: UCX
+        truncates it (a rendezvous one moves none of its bytes) and completes the send."""
+        entry = self._waiting.get(arrival.msg_id)
+        if entry is None or entry[0] is not arrival or entry[1] or arrival.pulling:
+            return False  # (not kept unposted here, or a rendezvous one: its sender can abort it)
+        if self.state is not ChannelState.OPEN:
+            return False
+        del self._waiting[arrival.msg_id]
+        tag = self._lib.UCXXTag(make_tag(self._rx_key, DATA, arrival.msg_id))
+        for spec in arrival.specs:
+            if spec.nbytes:
+                scratch = np.empty(1, np.uint8)
+                req = self._w.worker.tag_recv(self._lib_array(scratch), tag)
+                self._w.watch(req, self._discarded, keep=scratch, owner=self)
+        gone = TransferError(f"a {arrival.nbytes}-byte message on this tag was dropped unread: its receiver gave it up")
+        self.mailbox.remove(arrival, gone)
+        if not arrival.settled:
+            arrival.settled = True
+            self.release(arrival)
+        return True
+
+    def _discarded(self, req: Any) -> None:
+        """A receive of a discarded message ended: truncated, as it was meant to be (or whole,
+        for a tensor of one byte); anything else is the channel's failure, told elsewhere."""
+        try:
+            req.check_error()
+        except Exception as exc:
+            if "truncat" not in str(exc).lower():
+                log.debug("ucx channel %s: receive of a discarded message: %s", self.name, exc)
+
     async def _post_when_ready(self, arrival: Arrival) -> None:
         try:
             await _targets_ready(arrival)
