@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 _lock = threading.Lock()  # nodes may run on event loops in several threads
-# (op, transport, protocol, direct, staged, memory) -> [transfers, bytes, sum of seconds, then the
-# count of each BUCKETS' bucket and of the one above them (not cumulative)]
-_transfers: dict[tuple[str, str, str, bool, bool, str], list[Any]] = {}
+# (op, traffic, transport, protocol, direct, staged, memory) -> [transfers, bytes, sum of seconds,
+# then the count of each BUCKETS' bucket and of the one above them (not cumulative)]
+_transfers: dict[tuple[str, str, str, str, bool, bool, str], list[Any]] = {}
 # (transport, side, passed_over) -> peers opened
 _peers: dict[tuple[str, str, str], int] = {}
 # error class name -> failed connects
@@ -34,13 +34,45 @@ _connect_failures: dict[str, int] = {}
 _refusals: dict[str, int] = {}
 _nodes: weakref.WeakSet[Node] = weakref.WeakSet()
 _EMPTY = [0, 0, 0.0] + [0] * (len(BUCKETS) + 1)
+# tensorwire's own tag ranges and what travels on them, narrowest first ("messages": the rest)
+_traffic: list[tuple[range, str]] = []
+_reserved = range(0)  # from the lowest to the highest of them: anything outside is "messages"
+
+
+def traffic_tags(tags: range, name: str) -> None:
+    """Say that messages on ``tags`` are ``name``'s traffic (called by the layers that own
+    reserved tags as they load: "rpc", "one-sided", "bench")."""
+    global _reserved
+    _traffic.append((tags, name))
+    _traffic.sort(key=lambda entry: len(entry[0]))
+    _reserved = range(min(r.start for r, _ in _traffic), max(r.stop for r, _ in _traffic))
+
+
+def traffic_of(tag: int) -> str:
+    """What a message on ``tag`` is for: "messages" (the user's own tags, pipeline activations
+    among them), "rpc", "one-sided" (owner-assisted requests and replies) or "bench"."""
+    if tag in _reserved:
+        for tags, name in _traffic:
+            if tag in tags:
+                return name
+    return "messages"
 
 
 def moved(
-    op: str, transport: str, protocol: str, direct: bool, staged: bool, memory: str, nbytes: int, seconds: float
+    op: str,
+    traffic: str,
+    transport: str,
+    protocol: str,
+    direct: bool,
+    staged: bool,
+    memory: str,
+    nbytes: int,
+    seconds: float,
 ) -> None:
-    """One transfer: ``op`` is "send" or "recv" (a message), "read" or "write" (one-sided)."""
-    key = (op, transport, protocol, direct, staged, memory)
+    """One transfer: ``op`` is "send" or "recv" (a message), "read" or "write" (one-sided).
+    A recv is not timed: its time runs from its call, mostly a wait for the sender (tensorwire's
+    own listening loops wait for as long as they serve)."""
+    key = (op, traffic, transport, protocol, direct, staged, memory)
     slot = 3 + bisect.bisect_left(BUCKETS, seconds)
     with _lock:
         tally = _transfers.get(key)
@@ -48,13 +80,15 @@ def moved(
             tally = _transfers[key] = _EMPTY.copy()
         tally[0] += 1
         tally[1] += nbytes
-        tally[2] += seconds
-        tally[slot] += 1
+        if op != "recv":
+            tally[2] += seconds
+            tally[slot] += 1
 
 
-def transferred(op: str, r: Receipt) -> None:
-    """One transfer, as its receipt tells it."""
-    moved(op, r.transport, r.protocol, r.direct, r.staged, r.memory, r.nbytes, r.seconds)
+def transferred(op: str, r: Receipt, tag: int | None = None) -> None:
+    """One transfer, as its receipt tells it: a message on ``tag``, or a one-sided operation."""
+    traffic = "one-sided" if tag is None else traffic_of(tag)
+    moved(op, traffic, r.transport, r.protocol, r.direct, r.staged, r.memory, r.nbytes, r.seconds)
 
 
 def node_started(node: Node) -> None:
@@ -83,9 +117,10 @@ def refused(kind: str) -> None:
 
 def snapshot() -> dict[str, Any]:
     """A consistent copy of every count (see ``tensorwire.metrics.snapshot``)."""
-    open_peers: dict[str, int] = {}
     with _lock:
         nodes = list(_nodes)
+        # a transport's gauge says 0 once its last peer closed, rather than vanishing
+        open_peers = {transport: 0 for transport, _, _ in _peers}
     for node in nodes:
         for peer in list(node.peers):
             if not peer.closed:
@@ -95,7 +130,9 @@ def snapshot() -> dict[str, Any]:
         peers, failures, refusals = dict(_peers), dict(_connect_failures), dict(_refusals)
     seconds: dict[tuple[str, str], list[Any]] = {}  # (op, transport) -> [buckets..., above, sum]
     for key, tally in transfers.items():
-        hist = seconds.setdefault(key[:2], [0] * (len(BUCKETS) + 1) + [0.0])
+        if key[0] == "recv":
+            continue
+        hist = seconds.setdefault((key[0], key[2]), [0] * (len(BUCKETS) + 1) + [0.0])
         for i, n in enumerate(tally[3:]):
             hist[i] += n
         hist[-1] += tally[2]

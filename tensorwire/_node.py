@@ -478,9 +478,7 @@ class Node:
         """
         try:
             return await self._connect(address, require, transports, connect_timeout)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
+        except Exception as exc:  # (a cancelled connect, or Ctrl-C, is not a failure to connect)
             _metrics.connect_failed(exc)
             raise
 

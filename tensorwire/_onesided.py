@@ -107,6 +107,7 @@ __all__ = [
 
 _OPS_TAG = -0x7477_6F70_7300_0001  # reserved: owner-assisted one-sided requests
 _REPLY_BASE = -0x7477_7270_0000_0000  # reserved range for per-operation replies and payloads
+_metrics.traffic_tags(range(_REPLY_BASE, _OPS_TAG + 1), "one-sided")
 _DRAIN_SECONDS = 60.0
 _MAX_REGIONS = 256  # regions in one owner-assisted request (its header stays far below the limit)
 
@@ -682,11 +683,15 @@ def _receipt(
     moved: Receipt | None,
     memory: str = "host",
     staged: bool = False,
+    *,
+    counted: bool = True,
 ) -> Receipt:
-    """A one-sided operation's receipt (and its count in the metrics); ``moved``: the channel's
-    own, for an owner-assisted one."""
+    """A one-sided operation's receipt, and its count in the metrics unless it moved nothing
+    (``counted=False``: a batch of no handles); ``moved``: the channel's own, for an
+    owner-assisted one."""
     receipt = _described(peer, protocol, nbytes, t0, packed, moved, memory, staged)
-    _metrics.transferred(op, receipt)
+    if counted:
+        _metrics.transferred(op, receipt)
     return receipt
 
 
@@ -826,7 +831,15 @@ async def read(
             if not want_receipt:  # counted all the same, without building a receipt
                 ch = peer.channel
                 _metrics.moved(
-                    "read", ch.transport, _one_sided(peer), True, False, "host", out.nbytes, time.perf_counter() - t0
+                    "read",
+                    "one-sided",
+                    ch.transport,
+                    _one_sided(peer),
+                    True,
+                    False,
+                    "host",
+                    out.nbytes,
+                    time.perf_counter() - t0,
                 )
                 return out, None
             return out, _receipt("read", peer, _one_sided(peer), out.nbytes, t0, False, None)
@@ -1006,7 +1019,8 @@ async def read_many(
     nbytes = sum(d.nbytes for d in dests)
     if memory == "host" and on_device:
         memory = next((_kind(d) for d in dests if d.target is None), "host")
-    receipt = _receipt("read", peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
+    protocol = _protocol(peer, direct, assisted)
+    receipt = _receipt("read", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles))
     return [d.value for d in dests], receipt if want_receipt else None
 
 
@@ -1238,7 +1252,8 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         moved = _and_then(moved, sent)
         done += part
     nbytes = sum(a.nbytes for a in arrays)
-    return _receipt("write", peer, _protocol(peer, direct, assisted), nbytes, t0, packed, moved, memory, staged)
+    protocol = _protocol(peer, direct, assisted)
+    return _receipt("write", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles))
 
 
 def _packed(src: np.ndarray, handle: RemoteHandle) -> np.ndarray:

@@ -14,13 +14,20 @@ the transports passed over on the way: a fallback shows), failed connects and re
 
 The metrics (counters end in ``_total``):
 
-- ``tensorwire_transfers_total`` and ``tensorwire_transfer_bytes_total`` {op, transport,
-  protocol, direct, staged, memory}: op "send"/"recv" for messages (rpc calls and pipeline
-  activations are messages too), "read"/"write" for one-sided operations as their caller sees
-  them. An owner-assisted one-sided operation's bytes travel as messages and are also counted
-  there, on reserved tags (its owner's send, its reader's recv).
-- ``tensorwire_transfer_seconds`` {op, transport}: a histogram of how long each took, as its
-  receipt says (a recv's time runs from the call, so it includes waiting for the sender).
+- ``tensorwire_transfers_total`` and ``tensorwire_transfer_bytes_total`` {op, traffic,
+  transport, protocol, direct, staged, memory}: op "send"/"recv" for messages, "read"/"write"
+  for one-sided operations as their caller sees them. traffic says what a message was for:
+  "messages" (on the user's own tags; pipeline activations are messages too), "rpc" (calls'
+  requests, arguments, replies and stream items), "one-sided" (the requests and replies of an
+  owner-assisted operation: its bytes are counted there too, as the owner's send and the
+  reader's recv, besides the read or write itself, whose traffic is "one-sided" as well) or
+  "bench" (``tensorwire bench``). So ``traffic="messages"`` is exactly what ``send``/``recv``
+  moved for the user. A send is counted once it completed: one cancelled after the transport
+  took its bytes (ucx hands a large one over and cannot take it back) may still arrive, and is
+  then counted by its receiver only.
+- ``tensorwire_transfer_seconds`` {op, transport}: a histogram of how long each send, read and
+  write took, as its receipt says. Recvs are not timed: a recv's time runs from its call, so it
+  is mostly its wait for the sender (tensorwire's own listening loops wait as long as they serve).
 - ``tensorwire_peers_opened_total`` {transport, side, passed_over}: side "connect" or "accept";
   passed_over names the transports preferred over the one taken ("" when none was).
 - ``tensorwire_peers_open`` {transport}: peers open now, over the nodes of this process.
@@ -48,30 +55,38 @@ __all__ = ["MetricsServer", "Snapshot", "collector", "register", "serve", "snaps
 class Snapshot:
     """Every count at one moment, as plain numbers (no prometheus_client needed).
 
-    transfers: (op, transport, protocol, direct, staged, memory) -> (transfers, bytes)
+    transfers: (op, traffic, transport, protocol, direct, staged, memory) -> (transfers, bytes)
+    seconds: (op, transport) -> (transfers timed, their seconds in all); recvs are not timed
     peers_opened: (transport, side, passed_over) -> count; peers_open: transport -> count now
     connect_failures: error class name -> count; refusals: kind -> count
     """
 
-    transfers: dict[tuple[str, str, str, bool, bool, str], tuple[int, int]] = field(default_factory=dict)
+    transfers: dict[tuple[str, str, str, str, bool, bool, str], tuple[int, int]] = field(default_factory=dict)
+    seconds: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
     peers_opened: dict[tuple[str, str, str], int] = field(default_factory=dict)
     peers_open: dict[str, int] = field(default_factory=dict)
     connect_failures: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)
 
-    def bytes(self, op: str, transport: str | None = None) -> int:
-        """Bytes of ``op`` ("send", "recv", "read", "write"), over one transport or all."""
-        return sum(n for k, (_, n) in self.transfers.items() if k[0] == op and transport in (None, k[1]))
+    def bytes(self, op: str, transport: str | None = None, traffic: str | None = None) -> int:
+        """Bytes of ``op`` ("send", "recv", "read", "write"), over one transport or all, of one
+        kind of traffic ("messages", "rpc", "one-sided", "bench") or all."""
+        return sum(n for k, (_, n) in self.transfers.items() if _matches(k, op, transport, traffic))
 
-    def count(self, op: str, transport: str | None = None) -> int:
-        """Transfers of ``op``, over one transport or all."""
-        return sum(c for k, (c, _) in self.transfers.items() if k[0] == op and transport in (None, k[1]))
+    def count(self, op: str, transport: str | None = None, traffic: str | None = None) -> int:
+        """Transfers of ``op``, over one transport or all, of one kind of traffic or all."""
+        return sum(c for k, (c, _) in self.transfers.items() if _matches(k, op, transport, traffic))
+
+
+def _matches(key: tuple[Any, ...], op: str, transport: str | None, traffic: str | None) -> bool:
+    return key[0] == op and transport in (None, key[2]) and traffic in (None, key[1])
 
 
 def snapshot() -> Snapshot:
     """The counts so far in this process."""
     s = _metrics.snapshot()
-    return Snapshot(s["transfers"], s["peers_opened"], s["peers_open"], s["connect_failures"], s["refusals"])
+    seconds = {k: (int(sum(v[:-1])), float(v[-1])) for k, v in s["seconds"].items()}
+    return Snapshot(s["transfers"], seconds, s["peers_opened"], s["peers_open"], s["connect_failures"], s["refusals"])
 
 
 def _prometheus() -> Any:
@@ -88,64 +103,67 @@ def _flag(b: bool) -> str:
     return "true" if b else "false"
 
 
+_LABELS = ["op", "traffic", "transport", "protocol", "direct", "staged", "memory"]
+
+
 class _Collector:
     """Builds the metric families from the counts at each scrape."""
 
     def describe(self) -> list[Any]:
-        return []  # names are fixed; nothing to collect at registration
+        """The families, empty: their names, for the registry's checks and filtered scrapes."""
+        return list(self._families())
 
-    def collect(self) -> Iterator[Any]:
+    def _families(self) -> tuple[Any, ...]:
         _prometheus()
         from prometheus_client import core
-        s = _metrics.snapshot()
-        labels = ["op", "transport", "protocol", "direct", "staged", "memory"]
-        count = core.CounterMetricFamily("tensorwire_transfers", "Transfers, by how they went.", labels=labels)
-        size = core.CounterMetricFamily(
-            "tensorwire_transfer_bytes", "Bytes transferred, by how they went.", labels=labels
+
+        return (
+            core.CounterMetricFamily("tensorwire_transfers", "Transfers, by how they went.", labels=_LABELS),
+            core.CounterMetricFamily(
+                "tensorwire_transfer_bytes", "Bytes transferred, by how they went.", labels=_LABELS
+            ),
+            core.HistogramMetricFamily(
+                "tensorwire_transfer_seconds",
+                "How long sends and one-sided reads and writes took, as their receipts say.",
+                labels=["op", "transport"],
+            ),
+            core.CounterMetricFamily(
+                "tensorwire_peers_opened", "Peers whose data path opened.", labels=["transport", "side", "passed_over"]
+            ),
+            core.GaugeMetricFamily("tensorwire_peers_open", "Peers open now.", labels=["transport"]),
+            core.CounterMetricFamily(
+                "tensorwire_connect_failures", "Node.connect calls that raised.", labels=["error"]
+            ),
+            core.CounterMetricFamily(
+                "tensorwire_refusals", "Requests refused and connections dropped.", labels=["kind"]
+            ),
         )
-        for (op, transport, protocol, direct, staged, memory), (n, nbytes) in sorted(s["transfers"].items()):
-            values = [op, transport, protocol, _flag(direct), _flag(staged), memory]
+
+    def collect(self) -> Iterator[Any]:
+        count, size, hist, opened, open_now, failed, refused = self._families()
+        s = _metrics.snapshot()
+        for (op, traffic, transport, protocol, direct, staged, memory), (n, nbytes) in sorted(s["transfers"].items()):
+            values = [op, traffic, transport, protocol, _flag(direct), _flag(staged), memory]
             count.add_metric(values, n)
             size.add_metric(values, nbytes)
-        yield count
-        yield size
-        hist = core.HistogramMetricFamily(
-            "tensorwire_transfer_seconds", "How long transfers took, as their receipts say.", labels=["op", "transport"]
-        )
         for key, counts in sorted(s["seconds"].items()):
             buckets, running = [], 0.0
             for bound, n in zip([*_metrics.BUCKETS, float("inf")], counts[:-1], strict=True):
                 running += n
                 buckets.append((repr(bound) if bound != float("inf") else "+Inf", running))
             hist.add_metric(list(key), buckets, counts[-1])
-        yield hist
-        opened = core.CounterMetricFamily(
-            "tensorwire_peers_opened", "Peers whose data path opened.", labels=["transport", "side", "passed_over"]
-        )
         for key, n in sorted(s["peers_opened"].items()):
             opened.add_metric(list(key), n)
-        yield opened
-        open_now = core.GaugeMetricFamily("tensorwire_peers_open", "Peers open now.", labels=["transport"])
         for transport, n in sorted(s["peers_open"].items()):
             open_now.add_metric([transport], n)
-        yield open_now
-        failed = core.CounterMetricFamily(
-            "tensorwire_connect_failures", "Node.connect calls that raised.", labels=["error"]
-        )
         for name, n in sorted(s["connect_failures"].items()):
             failed.add_metric([name], n)
-        yield failed
-        refused = core.CounterMetricFamily(
-            "tensorwire_refusals", "Requests refused and connections dropped.", labels=["kind"]
-        )
         for kind, n in sorted(s["refusals"].items()):
             refused.add_metric([kind], n)
-        yield refused
+        yield from (count, size, hist, opened, open_now, failed, refused)
 
 
 _COLLECTOR = _Collector()
-_registered: set[int] = set()
-_register_lock = threading.Lock()
 
 
 def collector() -> Any:
@@ -155,14 +173,17 @@ def collector() -> Any:
 
 
 def register(registry: Any = None) -> None:
-    """Add tensorwire's metrics to ``registry`` (prometheus_client's default one when None);
-    a second call for the same registry does nothing."""
+    """Add tensorwire's metrics to ``registry`` (prometheus_client's default one when None); a
+    second call for a registry that has them does nothing. ConfigurationError if the registry
+    holds other metrics of the same names."""
     prometheus = _prometheus()
     registry = prometheus.REGISTRY if registry is None else registry
-    with _register_lock:
-        if id(registry) not in _registered:
-            registry.register(_COLLECTOR)
-            _registered.add(id(registry))
+    try:
+        registry.register(_COLLECTOR)
+    except ValueError as exc:
+        if _COLLECTOR in getattr(registry, "_collector_to_names", {}):
+            return  # registered already
+        raise ConfigurationError(f"cannot register tensorwire's metrics: {exc}") from exc
 
 
 def text() -> str:
@@ -182,18 +203,20 @@ class MetricsServer:
         #: where it serves, "host:port" (the port picked where 0 was asked for)
         self.address = address
         self._closed = False
+        self._closing = threading.Lock()  # a second close waits for the first
 
     def __repr__(self) -> str:
         return f"<MetricsServer http://{self.address}/metrics{' closed' if self._closed else ''}>"
 
     def close(self) -> None:
         """Stop serving; idempotent. Blocks until the server's thread is done (well under a second)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join()
+        with self._closing:
+            if self._closed:
+                return
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._thread.join()
+            self._closed = True
 
     async def aclose(self) -> None:
         """Stop serving; idempotent, and never blocks the event loop."""

@@ -89,6 +89,49 @@ async def test_prometheus_text_counts_bytes_and_times_of_a_tcp_exchange() -> Non
     assert first > last_below or first == buckets[-1][1]
 
 
+async def test_traffic_tells_the_users_messages_from_rpc_and_one_sided_and_recvs_are_not_timed() -> None:
+    """``traffic`` separates what send/recv moved for the user from what tensorwire's own layers
+    moved as messages (an rpc call's request and reply, an owner-assisted read's request and
+    reply); and a recv is not in the time histogram: the rpc server's request loop had waited
+    for its request for as long as the node was idle, and that wait was observed as a recv's
+    time (a 1 ms call after 3 s idle added 3 s)."""
+
+    async def echo(x: np.ndarray) -> np.ndarray:
+        return x
+
+    x = np.arange(1000, dtype=np.float64)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as na,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as nb,
+    ):
+        nb.methods.register(echo)
+        nb.expose(x, name="x")
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        await asyncio.sleep(0.5)  # idle: the request loop waits
+        before = metrics.snapshot()
+        await a.send(x, tag=1)
+        await b.recv(tag=1)
+        await a.call("echo", x)
+        h = await a.lookup("x")
+        assert not h.direct  # tcp: owner-assisted
+        await a.read(h)
+        empty = await a.read_many_with_receipt([])  # nothing moves: nothing counted
+        await asyncio.sleep(0.1)  # the owner's reply send completes
+        after = metrics.snapshot()
+    assert empty[1].nbytes == 0
+    for op in ("send", "recv"):
+        assert after.bytes(op, "tcp", "messages") - before.bytes(op, "tcp", "messages") == x.nbytes, op
+        assert after.bytes(op, "tcp", "rpc") - before.bytes(op, "tcp", "rpc") >= 2 * x.nbytes, op
+        assert after.bytes(op, "tcp", "one-sided") - before.bytes(op, "tcp", "one-sided") >= x.nbytes, op
+    assert after.count("read") - before.count("read") == 1
+    assert after.bytes("read", traffic="one-sided") - before.bytes("read", traffic="one-sided") == x.nbytes
+    assert not [k for k in after.seconds if k[0] == "recv"], after.seconds
+    sends, seconds = after.seconds[("send", "tcp")]
+    assert sends - before.seconds[("send", "tcp")][0] == after.count("send", "tcp") - before.count("send", "tcp")
+    assert seconds - before.seconds[("send", "tcp")][1] < 0.5, "a send's time holds no idle wait"
+
+
 async def test_peers_opened_name_the_transports_passed_over_and_the_open_gauge_follows() -> None:
     """A fallback shows in the count: verbs is preferred and has no device here, so tcp is taken
     and ``passed_over`` says "verbs"; the open gauge goes up while the peers are open and back
@@ -112,6 +155,9 @@ async def test_peers_opened_name_the_transports_passed_over_and_the_open_gauge_f
         assert during.peers_opened.get(key, 0) - start.peers_opened.get(key, 0) == 1, during.peers_opened
     assert during.peers_open.get("tcp", 0) - start.peers_open.get("tcp", 0) == 2
     assert end.peers_open.get("tcp", 0) == start.peers_open.get("tcp", 0)
+    # the gauge says 0 once the last peer closed (it vanished, so an alert on == 0 never fired)
+    assert end.peers_open["tcp"] == 0
+    assert 'tensorwire_peers_open{transport="tcp"} 0.0' in metrics.text()
 
 
 async def test_failed_connects_and_refused_handshakes_are_counted() -> None:
@@ -152,8 +198,28 @@ def _get(url: str) -> str:
         return str(response.read().decode())
 
 
+def test_register_goes_by_the_registry_itself() -> None:
+    """A second register does nothing; one after an unregister registers again (registrations
+    were remembered by id(), so a new registry at a dead one's address got nothing, and one
+    unregistered by hand stayed without); a registry with a metric of the same name refuses."""
+    from prometheus_client import Counter, generate_latest
+
+    registry = CollectorRegistry()
+    metrics.register(registry)
+    metrics.register(registry)
+    assert b"# TYPE tensorwire_transfers_total counter" in generate_latest(registry)
+    registry.unregister(metrics.collector())
+    assert b"tensorwire_" not in generate_latest(registry)
+    metrics.register(registry)
+    assert b"# TYPE tensorwire_transfers_total counter" in generate_latest(registry)
+    clash = CollectorRegistry()
+    Counter("tensorwire_transfers", "someone else's", registry=clash)
+    with pytest.raises(tensorwire.ConfigurationError, match="cannot register tensorwire's metrics"):
+        metrics.register(clash)
+
+
 async def test_metrics_served_over_http_and_closed_once() -> None:
-    registry = CollectorRegistry(auto_describe=False)
+    registry = CollectorRegistry()
     async with metrics.serve("127.0.0.1:0", registry=registry) as server:
         metrics.register(registry)
         metrics.register(registry)  # a second time does nothing (the registry would refuse it)
@@ -161,12 +227,15 @@ async def test_metrics_served_over_http_and_closed_once() -> None:
         body = await asyncio.to_thread(_get, f"http://{server.address}/metrics")
         assert "# TYPE tensorwire_transfers_total counter" in body
         assert "# TYPE tensorwire_peers_open gauge" in body
+        # a filtered scrape finds tensorwire's families by name (describe() named none)
+        only = await asyncio.to_thread(_get, f"http://{server.address}/metrics?name[]=tensorwire_peers_open")
+        assert "# TYPE tensorwire_peers_open gauge" in only and "tensorwire_transfers_total" not in only, only
         # the port is taken while it serves
         with socket.socket() as s, pytest.raises(OSError, match="in use"):
             s.bind((host, int(port)))
         with pytest.raises(tensorwire.ConfigurationError, match="cannot serve metrics"):
             metrics.serve(server.address, registry=registry)
-    await server.aclose()  # idempotent
+    await asyncio.gather(server.aclose(), server.aclose())  # idempotent; the second waits for the first
     assert "closed" in repr(server)
     with socket.socket() as s:  # and free once it closed
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -191,7 +260,7 @@ def test_without_prometheus_client_snapshot_works_and_the_rest_says_what_to_inst
 
 def test_counts_from_many_threads_are_not_lost() -> None:
     """Nodes may run on event loops in several threads: their counts add up exactly."""
-    key = ("send", "thread-test", "eager", True, False, "host")
+    key = ("send", "messages", "thread-test", "eager", True, False, "host")
     before = metrics.snapshot().transfers.get(key, (0, 0))
 
     def count() -> None:

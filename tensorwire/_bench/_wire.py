@@ -13,6 +13,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from .. import _metrics
 from ..tensors._device import Device, check_cuda, parse_device
 
 _BASE = -0x7477_424E_0000_0000  # "twBN": far from the RPC and one-sided ranges and hashed string tags
@@ -21,6 +22,7 @@ ANSWER_TAG = _BASE - 2
 DATA_TAG = _BASE - 3
 PING_TAG = _BASE - 4
 PONG_TAG = _BASE - 5
+_metrics.traffic_tags(range(PONG_TAG, _BASE), "bench")
 
 RAW_HEAD = struct.Struct("<IQQ")  # op, size, count
 RAW_CRC = struct.Struct("<I")

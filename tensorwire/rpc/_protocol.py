@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _metrics
 from .._checks import MAX_SECONDS
 from ..errors import DeadlineExceeded, InvalidArguments, MethodNotFound, RemoteError
 
@@ -75,6 +76,9 @@ __all__ = [
 _BASE = -0x7477_5250_0000_0000  # "twRP": below the one-sided range, far from hashed string tags
 REQUEST_TAG = _BASE - 1
 CONTROL_TAG = _BASE - 2
+# requests, control messages, replies and arguments apart, up to the top of tensorwire's reserved
+# tags (_peer.RESERVED_TAGS): the metrics call their messages "rpc"
+_metrics.traffic_tags(range(CONTROL_TAG, -0x7477_0000_0000_0000 + 1), "rpc")
 INLINE_BYTES = 64 * 1024  # arguments up to this size ride in the request itself
 STREAM_WINDOW = 16  # stream items in flight before the caller must acknowledge
 _MAX_TEXT = 16 * 1024

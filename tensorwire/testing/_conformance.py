@@ -380,8 +380,8 @@ def _counted(before: Snapshot, after: Snapshot, op: str) -> dict[tuple[Any, ...]
     return moved
 
 
-def _labels(r: Receipt) -> tuple[Any, ...]:
-    return (r.transport, r.protocol, r.direct, r.staged, r.memory)
+def _labels(r: Receipt, traffic: str) -> tuple[Any, ...]:
+    return (traffic, r.transport, r.protocol, r.direct, r.staged, r.memory)
 
 
 @_check(Limits(recv_buffer_bytes=MiB))
@@ -396,8 +396,8 @@ async def check_metrics_count_every_transfer_as_its_receipt_says(a: Peer, b: Pee
             _, sent, received = await exchange(a, b, src, None, order)
             after = snapshot()
             where = f"{n} bytes, {order}: sent {sent}, received {received}"
-            assert _counted(before, after, "send") == {_labels(sent): (1, n)}, where
-            assert _counted(before, after, "recv") == {_labels(received): (1, n)}, where
+            assert _counted(before, after, "send") == {_labels(sent, "messages"): (1, n)}, where
+            assert _counted(before, after, "recv") == {_labels(received, "messages"): (1, n)}, where
     kv = np.arange(4096, dtype=np.float32).reshape(64, 64)
     a.node.expose(kv, name="metered")
     h = await b.lookup("metered")
@@ -407,11 +407,24 @@ async def check_metrics_count_every_transfer_as_its_receipt_says(a: Peer, b: Pee
     middle = snapshot()
     await b.read(row)  # no receipt asked for: counted the same
     after = snapshot()
-    assert _counted(before, middle, "read") == {_labels(with_receipt): (1, row.nbytes)}, with_receipt
-    assert _counted(middle, after, "read") == {_labels(with_receipt): (1, row.nbytes)}, with_receipt
+    assert _counted(before, middle, "read") == {_labels(with_receipt, "one-sided"): (1, row.nbytes)}, with_receipt
+    assert _counted(middle, after, "read") == {_labels(with_receipt, "one-sided"): (1, row.nbytes)}, with_receipt
     before = snapshot()
     written = await b.write(row, np.ones(64, np.float32))
-    assert _counted(before, snapshot(), "write") == {_labels(written): (1, row.nbytes)}, written
+    assert _counted(before, snapshot(), "write") == {_labels(written, "one-sided"): (1, row.nbytes)}, written
+    # a call's messages are rpc traffic, at both ends; never the user's messages
+
+    async def metered(x: Any) -> Any:
+        return x
+
+    a.node.methods.register(metered)
+    before = snapshot()
+    assert np.array_equal(await b.call("metered", kv), kv)
+    after = snapshot()
+    for op in ("send", "recv"):
+        counted = _counted(before, after, op)
+        assert counted and {key[0] for key in counted} == {"rpc"}, (op, counted)
+    assert after.bytes("recv", traffic="rpc") - before.bytes("recv", traffic="rpc") >= 2 * kv.nbytes
     assert np.array_equal(kv[3], np.ones(64, np.float32))
 
 

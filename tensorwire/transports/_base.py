@@ -215,7 +215,7 @@ class Channel(ABC):
         call (one that awaited since, when another task may have made other streams current);
         by default taken now."""
         value, receipt = await self.mailbox.recv(tag, out, device, streams=streams)
-        _metrics.transferred("recv", receipt)
+        _metrics.transferred("recv", receipt, tag)
         return value, receipt
 
     def wait_briefly(self, fut: Any) -> None:
@@ -258,9 +258,9 @@ class Channel(ABC):
     def in_flight(self) -> int:
         return self.mailbox.in_flight
 
-    def _send_receipt(self, msg: Any, protocol: str, t0: float) -> Receipt:
-        """The receipt of a send of ``msg`` (tensors.Outgoing) that began at ``t0``, counted in
-        the metrics (a transport that builds its own calls ``_metrics.transferred``)."""
+    def _send_receipt(self, msg: Any, protocol: str, t0: float, tag: int) -> Receipt:
+        """The receipt of a send of ``msg`` (tensors.Outgoing) on ``tag`` that began at ``t0``,
+        counted in the metrics (a transport that builds its own calls ``_metrics.transferred``)."""
         receipt = Receipt(
             transport=self.transport,
             lanes=self.lanes,
@@ -272,7 +272,7 @@ class Channel(ABC):
             packed=msg.packed,
             memory=msg.memory,
         )
-        _metrics.transferred("send", receipt)
+        _metrics.transferred("send", receipt, tag)
         return receipt
 
     async def _finish_posted(self, futs: Collection[asyncio.Future[None]]) -> None:

@@ -207,7 +207,7 @@ class InprocChannel(Channel):
                 raise
         finally:
             self._sending -= 1
-        return self._send_receipt(msg, arrival.protocol, t0)
+        return self._send_receipt(msg, arrival.protocol, t0, tag)
 
     async def pull(self, arrival: Arrival) -> None:
         # the source stays in our sources until its copy has ended, so that a channel closing

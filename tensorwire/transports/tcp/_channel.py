@@ -268,7 +268,7 @@ class TcpChannel(Channel):
                 msg.packed,
                 msg.memory,
             )
-            _metrics.transferred("send", receipt)
+            _metrics.transferred("send", receipt, tag)
             return receipt
         # its turn now, before any await (a slot): FIFO per tag
         turn = self._order.enter(tag)
@@ -357,7 +357,7 @@ class TcpChannel(Channel):
             packed=msg.packed,
             memory=msg.memory,
         )
-        _metrics.transferred("send", receipt)
+        _metrics.transferred("send", receipt, tag)
         return receipt
 
     async def _send_data(self, msg_id: int, segs: list[memoryview | DeviceTensor], start: int, end: int) -> None:

@@ -427,7 +427,7 @@ class UcxChannel(Channel):
         msg_id = self._next_id
         self._next_id += 1
         self._send_inline_frame(tag, msg_id, header, msg.arrays, nbytes)  # type: ignore[arg-type]  # host
-        return self._send_receipt(msg, "inline" if nbytes else "eager", t0)  # as the receiver names it
+        return self._send_receipt(msg, "inline" if nbytes else "eager", t0, tag)  # as the receiver names it
 
     def _send_inline_frame(
         self, tag: int, msg_id: int, header: bytes, parts: list[np.ndarray] | list[memoryview], nbytes: int
@@ -496,7 +496,7 @@ class UcxChannel(Channel):
                 protocol = "rendezvous"
         finally:
             self._sending -= 1
-        return self._send_receipt(msg, protocol, t0)
+        return self._send_receipt(msg, protocol, t0, tag)
 
     async def _send_payload(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> None:
         """Hand every segment to UCX, then wait for all of them. UCX cannot recall a send, so a

@@ -421,7 +421,7 @@ class VerbsChannel(Channel):
                 protocol = "eager" if eager else "rendezvous"
         finally:
             self._sending -= 1
-        return self._send_receipt(msg, protocol, t0)
+        return self._send_receipt(msg, protocol, t0, tag)
 
     async def _send_described(
         self, msg: Outgoing, header: bytes, msg_id: int, tag: int, eager: bool, turn: Turn
