@@ -353,3 +353,22 @@ def test_the_cost_benchmark_runs_and_prints_its_table() -> None:
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["inproc"], ["tcp"])]
     assert [r[0] for r in rows] == ["inproc", "tcp"], out.stdout
     assert all(float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x") for r in rows), out.stdout
+
+
+def test_each_layers_tags_are_its_traffic_and_lie_in_the_reserved_range() -> None:
+    from tensorwire._bench import _wire
+    from tensorwire._onesided import _OPS_TAG, _tags
+    from tensorwire._peer import RESERVED_TAGS, tag_id
+    from tensorwire.rpc._protocol import CONTROL_TAG, REQUEST_TAG, args_tag, reply_tag
+
+    reply, payload = _tags()
+    cases = [
+        (REQUEST_TAG, "rpc"), (CONTROL_TAG, "rpc"), (reply_tag(1), "rpc"), (args_tag(10**9), "rpc"),
+        (_OPS_TAG, "one-sided"), (reply, "one-sided"), (payload, "one-sided"),
+        (_wire.REQUEST_TAG, "bench"), (_wire.DATA_TAG, "bench"), (_wire.PONG_TAG, "bench"),
+        (0, "messages"), (tag_id("act"), "messages"), (tag_id("tw.pipeline/abort"), "messages"),
+        (RESERVED_TAGS.start - 1, "messages"), (2**63 - 1, "messages"), (-(2**63), "messages"),
+    ]  # fmt: skip
+    assert [(tag, _metrics.traffic_of(tag)) for tag, _ in cases] == cases
+    for tags, name in _metrics._traffic:
+        assert RESERVED_TAGS.start <= tags.start and tags.stop <= RESERVED_TAGS.stop, (name, tags)
