@@ -360,10 +360,11 @@ async def test_default_limits_bound_what_a_peer_makes_us_buffer() -> None:
 
 _EAGER_REPLY_CALLER = """
 addr, transport, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+options, patience = json.loads(sys.argv[4]), float(sys.argv[5])
 
 async def attempt(step, coro, check=digest):  # shorter than the prelude's: a held slot fails, not hangs
     try:
-        v = await asyncio.wait_for(coro, 8)
+        v = await asyncio.wait_for(coro, patience)
     except Exception as exc:
         report(step, error=type(exc).__name__, tree=isinstance(exc, tensorwire.TensorWireError), text=str(exc))
     else:
@@ -372,7 +373,7 @@ async def attempt(step, coro, check=digest):  # shorter than the prelude's: a he
 async def main():
     out = np.zeros(nbytes, np.uint8)
     short = np.zeros(nbytes // 2, np.uint8)
-    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,), **options) as node:
         peer = await node.connect(addr)
         await peer.call("eager", _out=out)  # every path warmed up before the cap
         cap(nbytes // 3)
@@ -398,21 +399,13 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("transport", ["tcp", _UCX])
-async def test_an_eager_reply_without_memory_for_it_frees_the_servers_call(transport: str) -> None:
-    """A result within the caller's eager credit (48 MiB) that the caller cannot take: no memory
-    for it (no _out=), an _out= it does not fit, or a caller that gave up before it came. Each
-    call fails with an error of the tree (ShapeMismatchError for the _out= that does not fit), and
-    the server's call ends at once: max_concurrent=1 here, so the next call (call_out) and the
-    ping after it get the slot. Over ucx the payload of such a reply, handed to UCX, waited at the
-    caller unposted for a memory that never came, holding the server's call and its slot until
-    the channel closed; now the caller drops it unread (UCX truncates its receive). Over tcp,
-    which drops such a reply as it comes, the caller waited 60 s for another reply that would
-    never come, holding its room for the call (outstanding), and the _out= that did not fit
-    was told as a TransferError."""
+async def eager_reply_without_memory(transport: str, patience: float = 8.0, **options: Any) -> dict[str, Any]:
+    """Calls whose 48 MiB (eager) result the caller, capped, cannot take, to a node that serves
+    one call at a time; the caller's steps by name, and "want" (the verbs guest runs this too,
+    with ``patience``: the seconds a call may take there)."""
     src = _pattern(EAGER)
     want = int(src.sum(dtype=np.uint64))
-    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,), **options) as node:
         node.methods.limits = CallLimits(max_concurrent=1)
 
         @node.method("eager")
@@ -428,10 +421,12 @@ async def test_an_eager_reply_without_memory_for_it_frees_the_servers_call(trans
         async def ping() -> int:
             return 1
 
-        proc = await _child(_EAGER_REPLY_CALLER, node.address, transport, str(EAGER))
+        proc = await _child(
+            _EAGER_REPLY_CALLER, node.address, transport, str(EAGER), json.dumps(options), str(patience)
+        )
         try:
-            peer = await asyncio.wait_for(node.accept(), 30)
-            got = {}
+            peer = await asyncio.wait_for(node.accept(), 60)
+            got: dict[str, Any] = {}
             async for step in _steps(proc):
                 got[step["step"]] = step
                 if step["step"] == "done":
@@ -441,14 +436,35 @@ async def test_an_eager_reply_without_memory_for_it_frees_the_servers_call(trans
             await eventually(lambda: not server.calls and not node.methods.slots.used, 10)
         finally:
             await _kill(proc)
+    got["want"] = want
+    return got
+
+
+def check_eager_reply_without_memory(got: dict[str, Any]) -> None:
     for step in ("call", "call_gone"):
         assert got[step].get("tree"), got[step]
     assert "out of memory" in got["call"]["text"], got["call"]
     assert got["call_gone"].get("error") == "DeadlineExceeded", got["call_gone"]
     assert got["call_short"].get("error") == "ShapeMismatchError", got["call_short"]
-    assert got["call_out"].get("value") == want, got["call_out"]
+    assert got["call_out"].get("value") == got["want"], got["call_out"]
     assert got["ping"].get("value") == 1, got["ping"]
     assert got["outstanding"].get("value") == 0, got["outstanding"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+async def test_an_eager_reply_without_memory_for_it_frees_the_servers_call(transport: str) -> None:
+    """A result within the caller's eager credit (48 MiB) that the caller cannot take: no memory
+    for it (no _out=), an _out= it does not fit, or a caller that gave up before it came. Each
+    call fails with an error of the tree (ShapeMismatchError for the _out= that does not fit), and
+    the server's call ends at once: max_concurrent=1 here, so the next call (call_out) and the
+    ping after it get the slot. Over ucx the payload of such a reply, handed to UCX, waited at the
+    caller unposted for a memory that never came, holding the server's call and its slot until
+    the channel closed; now the caller drops it unread (UCX truncates its receive). Over tcp,
+    which drops such a reply as it comes, the caller waited 60 s for another reply that would
+    never come, holding its room for the call (outstanding), and the _out= that did not fit
+    was told as a TransferError. Verbs kept it unread too (the FIN its sender waits for never
+    came): now it answers as to an ABORT (tests/verbs/test_verbs_guest.py)."""
+    check_eager_reply_without_memory(await eager_reply_without_memory(transport))
 
 
 _BROADCAST_WRITER = """

@@ -340,6 +340,16 @@ async def test_an_eager_message_without_memory_for_it_waits_unread_for_a_recv_wi
     check_eager_without_memory(await eager_without_memory("verbs", **EMULATED), kept=True)
 
 
+async def test_an_eager_reply_without_memory_for_it_frees_the_servers_call() -> None:
+    """A 48 MiB result the capped caller cannot take waited unread in the server's memory, and
+    the server's send for the FIN, holding its call and slot until the channel closed: now
+    the caller drops it (FIN, dropped) and the next calls get the slot. The host runs the same
+    for tcp and ucx."""
+    from test_out_of_memory import check_eager_reply_without_memory, eager_reply_without_memory
+
+    check_eager_reply_without_memory(await eager_reply_without_memory("verbs", patience=30.0, **EMULATED))
+
+
 async def test_dead_peer_fails_pending_work_promptly() -> None:
     # the lease is long: what fails the pending recv is the data plane noticing, not the lease
     async with tensorwire.start("127.0.0.1:0", transports=("verbs",), lease_seconds=600, connect_timeout=60) as node:

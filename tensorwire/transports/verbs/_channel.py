@@ -719,6 +719,25 @@ class VerbsChannel(Channel):
             raise asyncio.CancelledError
         arrival.done.result()
 
+    def discard(self, arrival: Arrival) -> bool:
+        """Drop an eager message kept unread for want of memory here (``_adopt``): its payload
+        waits in the sender's memory and its sender's send for our FIN, which would hold it (an
+        RPC server's call, its slot) until the channel closes. It is answered as an ABORT is:
+        FIN dropped, nothing read; the send completes and the message fails here."""
+        entry = self._waiting.get(arrival.msg_id)
+        if entry is None or entry.arrival is not arrival or entry.rendezvous or entry.pulled or arrival.pulling:
+            return False  # (not kept unread here, or a rendezvous one: its sender can abort it)
+        if self.state is not ChannelState.OPEN:
+            return False
+        del self._waiting[arrival.msg_id]
+        gone = TransferError(f"a {arrival.nbytes}-byte message on this tag was dropped unread: its receiver gave it up")
+        self.mailbox.remove(arrival, gone)
+        if not arrival.settled:
+            arrival.settled = True
+            self.release(arrival)
+        self._enqueue(_Out(Kind.FIN, flags=Flag.DROPPED, msg_id=arrival.msg_id))
+        return True
+
     def release(self, arrival: Arrival) -> None:
         eager = arrival in self._eager
         self._eager.discard(arrival)
