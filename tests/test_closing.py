@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import signal
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _pipeline_fixtures import NumpyLinear, nodes, stages
-from _pipeline_reference import mse
+from _pipeline_reference import mse, one_process_step
 from _polling import eventually
 
 import tensorwire
@@ -219,3 +220,144 @@ async def test_a_stage_abort_fails_the_step_naming_it_and_lets_go_of_the_node() 
             assert (await pipe2.step(x, y, microbatches=2)).loss > 0
         await again.aclose()
         await s0.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_aborted_while_a_driver_configures_it_says_it_was_closed() -> None:
+    """The driver's connect said 'a newer driver configured it while this one was linking it',
+    though no other driver existed: the stage had been closed."""
+    building = threading.Event()
+
+    def slow_build(rank: int, num_stages: int) -> Any:
+        building.set()
+        time.sleep(0.5)
+        return parts(3)[rank]
+
+    async with nodes(4) as ns:
+        ss = [pipeline.Stage(n, build=slow_build, offload=True) for n in ns[:3]]
+        connecting = asyncio.ensure_future(pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]))
+        await eventually(building.is_set)
+        ss[1].abort()
+        with pytest.raises(tensorwire.RemoteError) as failed:
+            async with asyncio.timeout(30):
+                await connecting
+        assert failed.value.remote_type == "ClosedResourceError", failed.value
+        message = str(failed.value)
+        assert "stage 1 at" in message, message
+        assert "was closed (Stage.aclose or abort) while a driver configured it" in message, message
+        for stage in ss:
+            await stage.aclose()
+
+
+def _stage_peers(ns: list[tensorwire.Node]) -> list[int]:
+    return [len(n.peers) for n in ns]
+
+
+@pytest.mark.timeout(60)
+async def test_an_aborted_pipeline_leaves_no_links_between_the_stages() -> None:
+    """After an idle abort() the stages kept their links to each other (and their watchers) until
+    the next driver came; a plain aclose leaves none. The stages see their driver's connection
+    drop and let go of their links, and still serve the next driver."""
+    x, y = batch()
+    async with nodes(4) as ns:
+        ss = [pipeline.Stage(n, part) for n, part in zip(ns, parts(3), strict=False)]
+        pipe = await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]])
+        assert (await pipe.step(x, y, microbatches=2)).loss > 0
+        assert all(stage.links for stage in ss)
+        pipe.abort()
+        await pipe.aclose()
+        await eventually(lambda: not any(stage.links for stage in ss) and _stage_peers(ns[:3]) == [0, 0, 0])
+        assert [stage.rank for stage in ss] == [-1, -1, -1]
+        async with await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]) as again:
+            assert (await again.step(x, y, microbatches=2)).loss > 0
+        for stage in ss:
+            await stage.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_pipeline_and_stage_abort_from_another_thread() -> None:
+    """``abort()`` called where no loop runs (another thread) raised RuntimeError('no running
+    event loop') from inside the transport's close path, and left the connections open. It now
+    hands itself to the loop the pipeline (or stage) serves on."""
+    x, y = batch()
+    errors: list[BaseException] = []
+
+    def from_a_thread(fn: Any) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+
+    async with nodes(3) as (n0, n1, driver):
+        s0, s1 = (pipeline.Stage(n, part) for n, part in zip((n0, n1), parts(), strict=True))
+        pipe = await pipeline.Pipeline.connect(driver, [n0.address, n1.address])
+        assert (await pipe.step(x, y, microbatches=2)).loss > 0
+        from_a_thread(pipe.abort)
+        assert errors == []
+        with pytest.raises(tensorwire.ClosedResourceError, match="this pipeline is closed"):
+            await pipe.step(x, y, microbatches=2)  # refused at once
+        await eventually(lambda: all(p.closed for p in pipe.peers))
+        await pipe.aclose()
+        assert driver.peers == []
+
+        pipe = await pipeline.Pipeline.connect(driver, [n0.address, n1.address])
+        link = s1.links[0].peer
+        from_a_thread(s1.abort)
+        assert errors == []
+        await eventually(lambda: link.closed)
+        await s1.aclose()
+        assert not [name for name in METHODS if name in n1.methods]
+        await pipe.aclose()
+        await s0.aclose()
+
+
+class _SlowStep(NumpyLinear):
+    """A layer whose optimizer step takes a while (in the stage's thread)."""
+
+    delay = 0.0
+
+    def step(self) -> None:
+        time.sleep(_SlowStep.delay)
+        super().step()
+
+
+@pytest.mark.timeout(60)
+async def test_an_abort_while_the_commits_are_on_their_way_says_what_was_applied() -> None:
+    """Pipeline.abort's docstring said the stages apply nothing of a step under way, while the
+    stages its commits had reached applied it; and the ClosedResourceError the step raised kept
+    none of the notes (every stage's account, what was applied). The step is applied on every
+    stage: at once where the commit arrived, by the next connect elsewhere."""
+    x, y = batch()
+    rng = np.random.default_rng(5)
+    layers = [NumpyLinear(rng, 8, 8, True), _SlowStep(rng, 8, 8, True), NumpyLinear(rng, 8, 2, False)]
+    reference = copy.deepcopy(layers)
+    one_process_step(reference, x, y)
+    _SlowStep.delay = 0.5
+    async with nodes(4) as ns:
+        ss = [
+            pipeline.Stage(n, pipeline.FunctionPart(layer, loss=mse if s == 2 else None), offload=True)
+            for s, (n, layer) in enumerate(zip(ns, layers, strict=False))
+        ]
+        pipe = await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]])
+        step = asyncio.ensure_future(pipe.step(x, y, microbatches=2))
+        await eventually(lambda: ss[0]._last_commit is not None and ss[2]._last_commit is not None)
+        pipe.abort()  # stage 1 is still applying its commit
+        with pytest.raises(tensorwire.ClosedResourceError) as failed:
+            async with asyncio.timeout(20):
+                await step
+        notes = "\n".join(getattr(failed.value, "__notes__", []))
+        assert "stage 0 (" in notes and "applied its update" in notes, notes
+        assert "the pipeline was closed while its commits were on their way" in notes, notes
+        await pipe.aclose()
+        _SlowStep.delay = 0.0
+        async with await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]) as again:
+            after = [state["w"] for state in await again.state()]
+        for s in range(3):
+            np.testing.assert_allclose(after[s], reference[s].state()["w"], rtol=1e-5, err_msg=f"stage {s}")
+        for stage in ss:
+            await stage.aclose()

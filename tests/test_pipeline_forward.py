@@ -224,3 +224,88 @@ def test_forward_only_schedules_are_data() -> None:
     assert make_schedule([["F0", "B0", "F1", "B1"]], 1, 2, forward_only=True).stages == (
         (pipeline.Action.parse("F0"), pipeline.Action.parse("F1")),
     )
+
+
+# -- an inference-only pipeline: no loss on the last stage ----------------------------------------
+class _Counts(NumpyLinear):
+    """A numpy layer that counts its forwards."""
+
+    forwards = 0
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        _Counts.forwards += 1
+        return super().forward(x)
+
+
+@pytest.mark.timeout(60)
+async def test_a_pipeline_without_a_loss_serves_forward_and_refuses_a_step_before_any_stage_runs() -> None:
+    """Configure refused a last stage without a loss ('stage 1 is the last stage but its part
+    has no loss'), so a model served for inference alone could not be connected at all."""
+    rng = np.random.default_rng(0)
+    layers = [_Counts(rng, 6, 6, tanh=True), _Counts(rng, 6, 2, tanh=False)]
+    reference = copy.deepcopy(layers)
+    x = rng.standard_normal((8, 6)).astype(np.float32)
+    want = reference[1].forward(reference[0].forward(x)[0])[0]
+    async with stages([pipeline.FunctionPart(layer) for layer in layers]) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            np.testing.assert_allclose(await pipe.forward(x, microbatches=2), want, rtol=RTOL, atol=1e-6)
+            _Counts.forwards = 0
+            with pytest.raises(
+                tensorwire.ConfigurationError, match=r"stage 1 \(.*\) is the last stage and its part has no loss"
+            ):
+                await pipe.step(x, np.zeros((8, 2), np.float32), microbatches=2)
+            assert _Counts.forwards == 0  # refused at the driver: no stage ran, none is broken
+            np.testing.assert_allclose(await pipe.forward(x, microbatches=4), want, rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+async def test_forward_puts_a_torch_module_in_eval_mode_through_its_own_train_method() -> None:
+    """infer set ``.training`` by hand, so a module that overrides ``train()`` (to freeze a part
+    of itself, say) was never told; its submodules are still each back in their own mode."""
+    torch = pytest.importorskip("torch")
+    calls: list[bool] = []
+
+    class Told(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.frozen = torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)
+
+        def train(self, mode: bool = True) -> Any:
+            calls.append(mode)
+            return super().train(mode)
+
+        def forward(self, x: Any) -> Any:
+            return self.frozen(self.lin(x))
+
+    module = Told()
+    module.frozen.eval()  # a submodule kept in eval mode while the module trains
+    calls.clear()
+    async with stages([pipeline.TorchPart(module)]) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(await pipe.forward(x, microbatches=2), module.lin(x).detach())
+    assert calls == [False, True] * 2  # once per microbatch
+    assert module.training and module.lin.training and not module.frozen.training
+
+
+def test_join_refuses_what_it_cannot_join_the_same_way_whatever_the_order() -> None:
+    """join(tensor) raised a raw RuntimeError; [0-d, 1-d] gave a list while [1-d, 0-d] raised;
+    dicts with the same keys in another order were refused; float and int64 were promoted."""
+    torch = pytest.importorskip("torch")
+    join = pipeline.join
+    with pytest.raises(tensorwire.ConfigurationError, match="list of microbatch outputs"):
+        join(torch.zeros(3))
+    with pytest.raises(tensorwire.ConfigurationError, match="list of microbatch outputs"):
+        join(None)  # type: ignore[arg-type]
+    for parts in ([torch.tensor(1.0), torch.zeros(2)], [torch.zeros(2), torch.tensor(1.0)]):
+        with pytest.raises(tensorwire.ShapeMismatchError, match="dimensions in microbatch 0"):
+            join(parts)
+    got = join([{"a": torch.zeros(1), "b": torch.ones(2)}, {"b": torch.ones(1), "a": torch.zeros(3)}])
+    assert list(got) == ["a", "b"] and got["a"].shape == (4,) and got["b"].shape == (3,)
+    with pytest.raises(tensorwire.ShapeMismatchError, match="different keys"):
+        join([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}])
+    with pytest.raises(tensorwire.ShapeMismatchError, match=r"torch\.float32 in microbatch 0 and torch\.int64"):
+        join([torch.zeros(2), torch.zeros(2, dtype=torch.int64)])
+    with pytest.raises(tensorwire.ShapeMismatchError, match=r"\[1\] is float32 in microbatch 0 and int64"):
+        join([(np.zeros(1), np.zeros(1, np.float32)), (np.zeros(1), np.zeros(1, np.int64))])
+    assert join([torch.tensor(1.0), torch.tensor(2.0)]) == [torch.tensor(1.0), torch.tensor(2.0)]

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import re
 from typing import Any
 
 import numpy as np
 import pytest
 from _pipeline_fixtures import NumpyLinear, nodes, stages
-from _pipeline_reference import call_chain
+from _pipeline_reference import call_chain, mse
 
 import tensorwire
 from tensorwire import pipeline
@@ -290,3 +291,157 @@ async def test_a_tuple_batch_past_a_stages_call_limits_counts_every_element() ->
             await pipe.step((x[:8], x[:8]), y[:8], microbatches=2)  # refused before it began: nothing broke
             out = await pipe.forward((x[:8], x[:8]), microbatches=2)
             assert out.shape == (8, 2)
+
+
+# -- what a TorchPart takes and gives -------------------------------------------------------------
+@pytest.mark.timeout(60)
+async def test_a_dict_key_a_torch_stage_cannot_take_as_a_keyword_is_named() -> None:
+    """A key that is no str reached ``module(**d)``: a raw TypeError ('keywords must be strings')
+    from the stage, which broke every stage; now the driver refuses such a batch before any
+    stage runs, and a stage whose module returns one says which key."""
+    torch = pytest.importorskip("torch")
+
+    class IntKeys(torch.nn.Module):  # type: ignore[misc]
+        def forward(self, x: Any) -> Any:
+            return {0: x, "y": x}
+
+    class Takes(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return self.lin(next(iter(kwargs.values())) if kwargs else args[0])
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    loss = torch.nn.functional.mse_loss
+    async with stages([pipeline.TorchPart(Takes(), loss=loss)]) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            for batch in ({0: x}, {"x": x, (1, 2): x}):
+                key = next(k for k in batch if not isinstance(k, str))
+                with pytest.raises(tensorwire.UnsupportedTensorError, match=rf"the key {re.escape(repr(key))} "):
+                    await pipe.step(batch, y, microbatches=2)
+                with pytest.raises(tensorwire.UnsupportedTensorError, match=rf"the key {re.escape(repr(key))} "):
+                    await pipe.forward(batch, microbatches=2)
+            assert (await pipe.step({"x": x}, y, microbatches=2)).loss > 0  # refused at the driver: nothing broke
+    async with stages([pipeline.TorchPart(IntKeys()), pipeline.TorchPart(Takes(), loss=loss)]) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            with pytest.raises(tensorwire.RemoteError) as failed:
+                await pipe.step(x, y, microbatches=2)
+            assert failed.value.remote_type == "UnsupportedTensorError", failed.value
+            assert "the output of the stage's module is a dict with the key 0 (int)" in str(failed.value)
+
+
+class _IntKeyLayer(NumpyLinear):
+    """A numpy layer that takes and returns a dict with int keys (a FunctionPart keeps them)."""
+
+    def forward(self, x: Any) -> tuple[Any, Any]:
+        y, ctx = super().forward(x[0] if isinstance(x, dict) else x)
+        return {0: y, 1: 3}, ctx
+
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        g = super().backward(ctx, grad[0])
+        return {0: g, 1: None}
+
+
+@pytest.mark.timeout(60)
+async def test_numpy_stages_keep_dicts_with_int_keys() -> None:
+    """FunctionPart passes a dict as it is: int keys, which the wire carries, are allowed there."""
+    rng = np.random.default_rng(3)
+
+    class Last(NumpyLinear):
+        def forward(self, x: Any) -> tuple[Any, Any]:
+            return super().forward(x[0])
+
+        def backward(self, ctx: Any, grad: Any) -> Any:
+            return {0: super().backward(ctx, grad), 1: None}
+
+    last = Last(rng, 4, 2, tanh=False)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    y = rng.standard_normal((6, 2)).astype(np.float32)
+    parts = [pipeline.FunctionPart(_IntKeyLayer(rng, 4, 4, tanh=True)), pipeline.FunctionPart(last, loss=mse)]
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            assert (await pipe.step({0: x}, y, microbatches=2)).loss > 0
+            assert (await pipe.forward({0: x}, microbatches=3)).shape == (6, 2)
+
+
+@pytest.mark.timeout(60)
+async def test_complex_activations_get_gradients_as_in_one_process() -> None:
+    """Only floating-point input leaves took a gradient: a complex activation got none, and the
+    first stage's parameters never moved."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+
+    class ToComplex(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: Any) -> Any:
+            return torch.fft.fft(self.lin(x))
+
+    class FromComplex(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, z: Any) -> Any:
+            return self.lin(z.real + 2 * z.imag)
+
+    await _train_against_one_process([ToComplex(), FromComplex()], torch.randn(6, 4), torch.randn(6, 2))
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_may_change_its_input_in_place() -> None:
+    """The module got the leaf that takes the input's gradient, which torch refuses to change in
+    place: ``nn.ReLU(inplace=True)`` first failed every training step ('a leaf Variable that
+    requires grad is being used in an in-place operation')."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    nn = torch.nn
+    first = nn.Linear(4, 4)
+    second = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4))
+
+    class Pair(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, h: Any) -> Any:
+            return self.lin(h), h * 2
+
+    class InPlacePair(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, a: Any, b: Any) -> Any:
+            b.mul_(3)
+            return self.lin(torch.relu_(a)) + b
+
+    await _train_against_one_process([first, second, Pair(), InPlacePair()], torch.randn(6, 4), torch.randn(6, 4))
+
+
+async def _train_against_one_process(modules: list[Any], x: Any, y: Any) -> None:
+    """Two SGD steps through stages over tcp (1f1b) and in one process: equal parameters."""
+    torch = pytest.importorskip("torch")
+    reference = copy.deepcopy(modules)
+    ref_opt = torch.optim.SGD([p for m in reference for p in m.parameters()], lr=0.1)
+    loss = torch.nn.functional.mse_loss
+    parts = [
+        pipeline.TorchPart(
+            m, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss=loss if i == len(modules) - 1 else None
+        )
+        for i, m in enumerate(modules)
+    ]
+    async with stages(parts, offload=True) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            for _ in range(2):
+                await pipe.step(x, y, microbatches=2, schedule="1f1b")
+                ref_opt.zero_grad()
+                loss(call_chain(reference, x), y).backward()
+                ref_opt.step()
+    for s, (want, got) in enumerate(zip(reference, modules, strict=True)):
+        for (name, p), q in zip(want.named_parameters(), got.parameters(), strict=True):
+            torch.testing.assert_close(q.detach(), p.detach(), rtol=RTOL, atol=1e-6, msg=f"stage {s} {name}")

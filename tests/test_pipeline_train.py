@@ -215,8 +215,13 @@ async def test_an_error_in_one_stage_fails_the_step_on_every_stage() -> None:
 async def test_bad_configuration_is_reported() -> None:
     async with tensorwire.start("127.0.0.1:0") as a, tensorwire.start("127.0.0.1:0") as driver:
         async with pipeline.Stage(a, nn.Linear(2, 2)):
-            with pytest.raises(tensorwire.RemoteError, match="last stage but its part has no loss"):
-                await pipeline.Pipeline.connect(driver, [a.address])
+            # a last stage without a loss serves forward, and a training step says why it cannot
+            async with await pipeline.Pipeline.connect(driver, [a.address]) as pipe:
+                with pytest.raises(
+                    tensorwire.ConfigurationError, match=r"stage 0 .* last stage and its part has no loss"
+                ):
+                    await pipe.step(torch.zeros(2, 2), torch.zeros(2, 2), microbatches=1)
+                assert tuple((await pipe.forward(torch.zeros(2, 2), microbatches=1)).shape) == (2, 2)
             with pytest.raises(tensorwire.BusyResourceError):
                 pipeline.Stage(a, nn.Linear(2, 2))
     with pytest.raises(tensorwire.ConfigurationError, match="is not a stage part"):

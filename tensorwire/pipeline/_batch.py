@@ -135,10 +135,18 @@ def _split_structured(batch: tuple[Any, ...] | dict[Any, Any], microbatches: int
 
 
 def join(parts: list[Any]) -> Any:
-    """The microbatch outputs ``parts`` as one batch, the inverse of ``split``: tensors are
-    concatenated along their first dimension (numpy with numpy, torch with torch), lists of
-    samples one after the other, tuples and dicts element by element; a leaf with no first
-    dimension (a 0-d tensor, a plain scalar, None) becomes the list of its microbatch values."""
+    """The microbatch outputs ``parts`` (a list, one output per microbatch) as one batch, the
+    inverse of ``split``: tensors are concatenated along their first dimension (numpy with
+    numpy, torch with torch, of one dtype), lists of samples one after the other, tuples and
+    dicts element by element (a dict's keys in any order; the first microbatch's order kept);
+    a leaf with no first dimension (a 0-d tensor, a plain scalar, None) in every microbatch
+    becomes the list of its microbatch values. Anything else is a ShapeMismatchError that
+    names the element."""
+    if not isinstance(parts, list):
+        raise ConfigurationError(
+            f"join takes a list of microbatch outputs (one per microbatch, as split gives them), not a "
+            f"{type(parts).__name__}"
+        )
     if not parts:
         raise ShapeMismatchError("there are no microbatch outputs to join")
     return _join(parts, "the output")
@@ -157,13 +165,28 @@ def _join(parts: list[Any], where: str) -> Any:
             raise ShapeMismatchError(f"{where} is a tuple of different lengths in different microbatches")
         return tuple(_join([p[k] for p in parts], f"{where}[{k}]") for k in range(len(head)))
     if isinstance(head, dict):
-        if any(list(p) != list(head) for p in parts):
+        if any(p.keys() != head.keys() for p in parts):
             raise ShapeMismatchError(f"{where} is a dict with different keys in different microbatches")
         return {k: _join([p[k] for p in parts], f"{where}[{k!r}]") for k in head}
     if isinstance(head, list):  # a list of samples, as split cuts one
         return [sample for p in parts for sample in p]
-    if _scalar(head) or getattr(head, "ndim", 0) == 0:
+    flat = [_scalar(p) or getattr(p, "ndim", 0) == 0 for p in parts]
+    if all(flat):
         return list(parts)
+    if any(flat):
+        i = flat.index(not flat[0])
+        dims = [getattr(p, "ndim", 0) for p in (parts[0], parts[i])]
+        raise ShapeMismatchError(
+            f"{where} has {dims[0]} dimensions in microbatch 0 and {dims[1]} in microbatch {i}: a leaf with no "
+            "first dimension becomes the list of its values only when it has none in every microbatch"
+        )
+    dtypes = [getattr(p, "dtype", None) for p in parts]
+    odd = next((i for i, d in enumerate(dtypes) if d != dtypes[0]), None)
+    if odd is not None:
+        raise ShapeMismatchError(
+            f"{where} is {dtypes[0]} in microbatch 0 and {dtypes[odd]} in microbatch {odd}: microbatch outputs "
+            "are joined only when they have one dtype (nothing is converted)"
+        )
     return _concatenate(parts, where)
 
 

@@ -40,6 +40,7 @@ from ..errors import (
     ShapeMismatchError,
     TensorError,
     TensorWireError,
+    UnsupportedTensorError,
 )
 from ..tensors import as_view, is_tensor, prepare
 from ._batch import join, num_samples, split
@@ -95,6 +96,7 @@ class Pipeline:
         self._stepping = False
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()  # where the peers live (abort from another thread)
         #: how long to wait, after one stage failed a step, for the others to report their error
         self.abort_grace = max(5.0, 2 * node.config.lease_seconds)
 
@@ -164,6 +166,8 @@ class Pipeline:
                         addresses[s - 1] if s > 0 else None,
                         generation=generation,
                         token=token,
+                        # the stage drops its links when this connection drops (abort, a dead driver)
+                        driver_session=peer.session.id if peer.session is not None else None,
                         _deadline=wait + 5,
                     )
                 )
@@ -193,7 +197,8 @@ class Pipeline:
         A step is all or nothing: each stage applies its optimizer update only once every stage
         has finished the step, so a step that fails, or that the caller cancels, changes no
         stage's parameters. Steps run one at a time (BusyResourceError otherwise); one under way
-        when the pipeline closes raises ClosedResourceError."""
+        when the pipeline closes raises ClosedResourceError. A pipeline whose last stage has no
+        loss serves ``forward`` only: ``step`` raises ConfigurationError before any stage runs."""
         result: StepResult = await self._one_at_a_time(self._step(inputs, targets, microbatches, schedule))
         return result
 
@@ -227,7 +232,10 @@ class Pipeline:
             return await run
         except TensorWireError as exc:
             if self._closed:  # aclose() released the stages, which cut the step short
-                raise ClosedResourceError(f"this pipeline was closed while its step ran ({exc})") from exc
+                closed = ClosedResourceError(f"this pipeline was closed while its step ran ({exc})")
+                for note in getattr(exc, "__notes__", ()):  # every stage's account, what was applied
+                    closed.add_note(note)
+                raise closed from exc
             raise
         finally:
             self._stepping = False
@@ -235,7 +243,14 @@ class Pipeline:
     async def _step(
         self, inputs: Any, targets: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]
     ) -> StepResult:
+        last = self.num_stages - 1
+        if not self._links[last].get("has_loss", True):
+            raise ConfigurationError(
+                f"stage {last} ({self.peers[last].remote_address}) is the last stage and its part has no loss: "
+                "this pipeline serves Pipeline.forward, not training steps (give that part a loss=)"
+            )
         sched = make_schedule(schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected)
+        self._check_keywords(inputs)
         xs, ys = split(inputs, microbatches), split(targets, microbatches)
         sizes = [num_samples(x) or 0 for x in xs]
         if sizes != [num_samples(y) or 0 for y in ys]:
@@ -255,7 +270,14 @@ class Pipeline:
         seconds = loop.time() - t0
         if any(isinstance(o, BaseException) for o in applied):
             error = self._failure(step, list(applied), ok="applied its update")
-            error.add_note("the model is no longer consistent: reconfigure, and restore the parameters")
+            if self._closed:  # aborted while the commits were on their way
+                error.add_note(
+                    "the pipeline was closed while its commits were on their way: the stages they reached "
+                    "applied this step; the next Pipeline.connect applies it on the others too (or drops it "
+                    "everywhere if no stage applied it)"
+                )
+            else:
+                error.add_note("the model is no longer consistent: reconfigure, and restore the parameters")
             raise error
         for stat, commit in zip(stats, applied, strict=True):
             assert isinstance(commit, dict)
@@ -270,6 +292,7 @@ class Pipeline:
         sched = make_schedule(
             schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected, forward_only=True
         )
+        self._check_keywords(inputs)
         xs = split(inputs, microbatches)
         self._check_sendable([(0, "input", xs)])
         stats = await self._run(next(self._steps), sched, xs, None, None, ok="finished")
@@ -349,6 +372,18 @@ class Pipeline:
                 )
             raise error  # no stage applies anything
         return [o for o in outcomes if isinstance(o, dict)]
+
+    def _check_keywords(self, inputs: Any) -> None:
+        """Refuse here, before any stage runs, a dict batch whose keys stage 0's part cannot take:
+        a TorchPart calls its module with it as keyword arguments, whose names are str."""
+        if isinstance(inputs, dict) and self._links[0].get("keyword_dicts"):
+            for key in inputs:
+                if not isinstance(key, str):
+                    raise UnsupportedTensorError(
+                        f"the batch is a dict with the key {key!r} ({type(key).__name__}): stage 0 "
+                        f"({self.peers[0].remote_address}) calls its module with a dict as keyword arguments, "
+                        "whose names are str"
+                    )
 
     def _check_sendable(self, parts: list[tuple[int, str, list[Any]]]) -> None:
         """Refuse here, before any stage starts the step, microbatches that the call to their
@@ -435,19 +470,32 @@ class Pipeline:
         await asyncio.shield(self._closing)
 
     def abort(self) -> None:
-        """Forceful close: every stage's connection drops at once, without a word to the stages
-        (each sees its driver gone, cuts a step under way short and applies nothing of it), and
-        the pipeline closes in the background. A step under way raises ClosedResourceError.
-        ``aclose()`` waits for the closing to finish; the stages serve the next driver."""
+        """Forceful close: every stage's connection drops at once, without a word to the stages,
+        and the pipeline closes in the background; ``aclose()`` waits for that to finish. A step
+        under way raises ClosedResourceError. Each stage sees its driver gone: it cuts a step
+        under way short, applying nothing of it, drops its links to its neighbours and serves
+        the next driver. A step whose commits were already on their way (every stage had
+        finished it) is applied on the stages they reached, and the next ``Pipeline.connect``
+        applies it on the others (the error's note says so), as for a driver that died there.
+
+        Safe from any thread: called where the pipeline's loop is not running (another thread),
+        it refuses the pipeline at once and hands the rest to that loop, where the connections
+        drop on its next turn."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
+            self._closed = True
+            if not self._loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing left to drop
+                    self._loop.call_soon_threadsafe(self.abort)
+            return
         for peer in self.peers:
             peer.abort()
         if self._closing is None:
             self._closed = True
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop to close on: refused from now on, aclose() ends it
-                return
-            self._closing = loop.create_task(self._close(), name="tensorwire-pipeline-close")
+            self._closing = self._loop.create_task(self._close(), name="tensorwire-pipeline-close")
 
     async def _close(self) -> None:
         try:

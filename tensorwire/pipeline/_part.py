@@ -30,8 +30,12 @@ __all__ = ["FunctionPart", "Layer", "Part", "TorchPart", "as_part"]
 class Part(ABC):
     """One stage's share of the model. Subclass it for another framework."""
 
-    #: the loss the last stage computes, or None on the other stages
+    #: whether this part computes a loss: a training step needs one on the last stage (a
+    #: pipeline that only runs ``Pipeline.forward`` does not)
     has_loss: bool = False
+    #: whether a dict input reaches the part's code as keyword arguments (``TorchPart``), so that
+    #: its keys must be str; the driver then refuses another key before any stage runs
+    keyword_dicts: bool = False
 
     @abstractmethod
     def forward(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
@@ -173,10 +177,15 @@ class TorchPart(Part):
     step to step. A module may return a tensor, or a tuple (a list is taken as one), or a dict
     of tensors and plain scalars, as ``torch.distributed.pipelining`` stages do: the next
     stage's module is called with a tuple unpacked as positional arguments (a dict as keyword
-    arguments), and the last stage's loss gets its module's output as it is. Floating-point
-    tensors of the input get gradients; integer and bool ones (masks, position ids) pass
-    forward and get None, as does any leaf no gradient reaches (None, not zeros).
+    arguments, so its keys must be str: another key is refused with UnsupportedTensorError), and
+    the last stage's loss gets its module's output as it is. Floating-point and complex tensors of
+    the input get gradients; integer and bool ones (masks, position ids) pass forward and get
+    None, as does any leaf no gradient reaches (None, not zeros). The module may change its
+    input in place (``nn.ReLU(inplace=True)`` first): it gets each input tensor through an
+    identity step of autograd, not the leaf whose gradient goes back.
     """
+
+    keyword_dicts = True
 
     def __init__(
         self,
@@ -213,8 +222,9 @@ class TorchPart(Part):
                 self._threads.add(ident)
 
     def _leaf(self, v: Any, needs_input_grad: bool) -> Any:
-        """One input leaf for the module: a tensor (an array becomes one) detached from the wire
-        buffer's history, on the module's device, taking a gradient where it is floating point."""
+        """One input leaf: a tensor (an array becomes one) detached from the wire buffer's
+        history, on the module's device, taking a gradient where it is floating point or
+        complex."""
         torch = self._torch
         if isinstance(v, np.ndarray):
             v = torch.as_tensor(v)
@@ -223,19 +233,30 @@ class TorchPart(Part):
         t = v.detach()
         if self.device is not None and t.device != self.device:
             t = t.to(self.device)
-        if needs_input_grad and t.is_floating_point():
+        if needs_input_grad and (t.is_floating_point() or t.is_complex()):
             t.requires_grad_(True)
         return t
 
-    def _input(self, x: Any, needs_input_grad: bool) -> Any:
-        """The module's input: one tensor (a list of samples becomes one), or a tuple or dict
-        of leaves (positional or keyword arguments)."""
+    def _input(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
+        """(the leaves whose gradients go back, what the module gets): one tensor (a list of
+        samples becomes one), or a tuple or dict of leaves (positional or keyword arguments).
+        The module gets each leaf that takes a gradient through an identity step of autograd
+        (no copy): a leaf itself cannot be changed in place, its output can, and the leaf's
+        gradient is the same."""
         self._enter()
+        if isinstance(x, dict):
+            _check_keywords(x, "the stage's input")
         if isinstance(x, (tuple, dict)):
-            return tree_map(lambda v: self._leaf(v, needs_input_grad), x)
-        torch = self._torch
-        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-        return self._leaf(t, needs_input_grad)
+            leaves = tree_map(lambda v: self._leaf(v, needs_input_grad), x)
+        else:
+            torch = self._torch
+            leaves = self._leaf(x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x)), needs_input_grad)
+        if not needs_input_grad:
+            return leaves, leaves
+        identity = _identity(self._torch)
+        return leaves, tree_map(
+            lambda t: identity.apply(t) if isinstance(t, self._torch.Tensor) and t.requires_grad else t, leaves
+        )
 
     def _call(self, x_in: Any) -> Any:
         if isinstance(x_in, tuple):
@@ -250,8 +271,10 @@ class TorchPart(Part):
         torch = self._torch
         if type(y) is list:
             y = tuple(y)
+        if isinstance(y, dict):
+            _check_keywords(y, "the output of the stage's module")
         for leaf in tree_leaves(y):
-            if not isinstance(leaf, (torch.Tensor, type(None), bool, int, float, str)):
+            if not isinstance(leaf, (torch.Tensor, type(None), bool, int, float, str, bytes)):
                 raise UnsupportedTensorError(
                     f"TorchPart's module returned a {type(y).__name__} with a leaf of type {type(leaf).__name__}: a "
                     "TorchPart stage passes on a tensor, or a tuple or dict of tensors and plain scalars "
@@ -260,27 +283,34 @@ class TorchPart(Part):
         return y
 
     def forward(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
-        x_in = self._input(x, needs_input_grad)
+        leaves, x_in = self._input(x, needs_input_grad)
         with self._torch.enable_grad():
             y = self._output(self._call(x_in))
-        return tree_map(self._detached, y), (x_in, y, False)
+        return tree_map(self._detached, y), (leaves, y, False)
 
     def _detached(self, v: Any) -> Any:
         return v.detach() if isinstance(v, self._torch.Tensor) else v
 
     def infer(self, x: Any) -> Any:
         """Forward only: under ``torch.no_grad()``, the module (and each submodule) in eval mode
-        for the call (dropout off, batch norm on its running statistics), then back in the mode
-        it was in."""
-        x_in = self._input(x, False)
-        modules = list(self.module.modules()) if hasattr(self.module, "modules") else []
+        for the call (dropout off, batch norm on its running statistics; ``.eval()``, so a module
+        that overrides ``train()`` is told), then back in the mode it was in (each submodule in
+        its own)."""
+        _, x_in = self._input(x, False)
+        module = self.module
+        modules = list(module.modules()) if hasattr(module, "modules") else []
         modes = [(m, m.training) for m in modules if isinstance(getattr(m, "training", None), bool)]
+        switch = bool(modes) and callable(getattr(module, "train", None))
         try:
-            for m, _ in modes:
+            if switch:
+                module.eval()  # eval() is train(False), which a module may override
+            for m, _ in modes:  # and every submodule off, whatever an override did
                 m.training = False
             with self._torch.no_grad():
                 return tree_map(self._detached, self._output(self._call(x_in)))
         finally:
+            if switch:
+                module.train(modes[0][1])
             for m, mode in modes:
                 m.training = mode
 
@@ -288,7 +318,7 @@ class TorchPart(Part):
         if self.loss is None:
             raise ConfigurationError("this stage has no loss, so it cannot be the last stage")
         torch = self._torch
-        x_in = self._input(x, needs_input_grad)
+        leaves, x_in = self._input(x, needs_input_grad)
         if isinstance(target, (tuple, dict)):
             target = tree_map(lambda v: self._leaf(v, False), target)
         else:
@@ -303,12 +333,12 @@ class TorchPart(Part):
                 what = f"a tensor of shape {tuple(loss.shape)}" if tensor else type(loss).__name__
                 raise ConfigurationError(f"the loss returned {what}, not a scalar tensor (reduce it, e.g. with a mean)")
             scaled = loss * weight
-        return float(loss.detach()), (x_in, scaled, True)
+        return float(loss.detach()), (leaves, scaled, True)
 
     def backward(self, ctx: Any, grad: Any) -> Any:
         self._enter()
         torch = self._torch
-        x_in, out, is_loss = ctx
+        leaves, out, is_loss = ctx
         if is_loss:
             outs, grads = [out], [None]
         elif no_gradient(grad):
@@ -338,7 +368,7 @@ class TorchPart(Part):
         # None, not zeros, for each input leaf no gradient reaches: the previous stages'
         # parameters then get none, as in one process (zeros would still move them by weight
         # decay or momentum)
-        return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None, x_in)
+        return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None, leaves)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -353,6 +383,40 @@ class TorchPart(Part):
         if hasattr(self.module, "state_dict"):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         return {}
+
+
+def _check_keywords(d: dict[Any, Any], what: str) -> None:
+    """A TorchPart calls the next module with a dict as keyword arguments: its keys are str."""
+    for key in d:
+        if not isinstance(key, str):
+            raise UnsupportedTensorError(
+                f"{what} is a dict with the key {key!r} ({type(key).__name__}): a TorchPart stage calls its "
+                "module with a dict as keyword arguments, whose names are str (use str keys, a tuple, or a "
+                "FunctionPart, which takes the dict as it is)"
+            )
+
+
+_IDENTITY: Any = None
+
+
+def _identity(torch: Any) -> Any:
+    """An autograd Function that passes its input on unchanged (no copy) and the gradient back
+    unchanged: what a stage's module gets in place of an input leaf, so that it may change it
+    in place (``nn.ReLU(inplace=True)``), which torch refuses on a leaf that takes a gradient."""
+    global _IDENTITY
+    if _IDENTITY is None:
+
+        class _Identity(torch.autograd.Function):  # type: ignore[misc]
+            @staticmethod
+            def forward(ctx: Any, t: Any) -> Any:
+                return t.detach()  # the same memory, not a view of the leaf for autograd
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                return grad
+
+        _IDENTITY = _Identity
+    return _IDENTITY
 
 
 def as_part(obj: Any, *, optimizer: Any = None, loss: Callable[..., Any] | None = None) -> Part:

@@ -28,7 +28,12 @@ step the stage still held from the driver before (its *orphan*, kept with its gr
 the part outlives configurations, ``part=``) and the last step it committed; a step that any
 stage committed is then applied on every stage that holds it as an orphan (``settle``), and one
 that no stage committed is dropped. Configure takes the stage from the old driver before it
-reports, so no commit of the old driver can land after the report.
+reports, so no commit of the old driver can land after the report. A commit that reached a
+stage lands even if its call is cut short (the driver's connection dropped), and is recorded.
+
+A stage watches the connection of the driver that configured it (the driver names its session
+in ``configure``): when it drops (``Pipeline.abort``, a driver that died) the stage drops its
+links, as ``release`` would, keeps a finished step for the next driver to settle, and waits.
 
 Failure: a stage whose link breaks (its neighbour died: PeerDisconnected from the transport or
 the lease), whose own code raises, whose output cannot be sent, or whose step is cancelled sends
@@ -81,6 +86,7 @@ METHODS = (
     "tw.pipeline.release",
     "tw.pipeline.settle",
 )
+_DRIVER_TAG = "tw.pipeline/driver"  # a tag nobody sends on: a receive on it ends with the connection
 _ABORT_SEND_SECONDS = 2.0
 _COMMIT_GRACE = 2.0  # how long a new configure waits for the old driver's commit of a finished step
 
@@ -157,6 +163,11 @@ class Stage:
         self._ticket: _Ticket = (0, "")
         self._newest: _Ticket = (0, "")  # the newest configure seen; older ones are refused
         self._configuring: asyncio.Task[dict[str, Any]] | None = None
+        self._driver_watch: asyncio.Task[None] | None = None  # ends when the driver's connection does
+        try:  # the loop the stage serves on (Stage.abort from another thread hands itself to it)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._config_lock = asyncio.Lock()
         self._running: int | None = None  # the step that self._task runs
         self._failed_at: Action | None = None  # the action whose part code raised in this step
@@ -207,8 +218,10 @@ class Stage:
         *,
         generation: int,
         token: str,
+        driver_session: str | None = None,
     ) -> dict[str, Any]:
         self._check_open()
+        self._loop = asyncio.get_running_loop()
         if not 0 <= rank < num_stages:
             raise ConfigurationError(f"rank {rank} is not in 0..{num_stages - 1}")
         if prev_node is not None and prev_node == self.node.node_id:
@@ -243,7 +256,17 @@ class Stage:
                 self._orphan = None
             self._ticket = ticket
             task = asyncio.get_running_loop().create_task(
-                self._link(ticket, rank, num_stages, prev_node, next_address, transports, connect_seconds, prev_address)
+                self._link(
+                    ticket,
+                    rank,
+                    num_stages,
+                    prev_node,
+                    next_address,
+                    transports,
+                    connect_seconds,
+                    prev_address,
+                    driver_session,
+                )
             )
             self._configuring = task
             try:
@@ -253,6 +276,11 @@ class Stage:
                 self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure was interrupted")
                 if me is not None and me.cancelling():
                     raise  # our caller gave up
+                if self._closed:
+                    raise ClosedResourceError(
+                        f"stage {rank} at {self.node.address} was closed (Stage.aclose or abort) while a driver "
+                        "configured it"
+                    ) from None
                 raise BrokenResourceError(
                     f"stage at {self.node.address}: a newer driver configured it while this one was linking it"
                 ) from None
@@ -305,8 +333,11 @@ class Stage:
         transports: list[str] | None,
         connect_seconds: float,
         prev_address: str | None,
+        driver_session: str | None = None,
     ) -> dict[str, Any]:
         """Take the new rank, build the part, link to both neighbours for this generation."""
+        if self._driver_watch is not None:
+            self._driver_watch.cancel()
         await self._drop_links()
         self.rank, self.num_stages, self._broken, self._pending = rank, num_stages, None, None
         key = ticket_key(*ticket)
@@ -314,8 +345,6 @@ class Stage:
             built, _ = await self._compute(self._build, rank, num_stages)
             self.part = as_part(built, **self._options)
         assert self.part is not None
-        if rank == num_stages - 1 and not self.part.has_loss:
-            raise ConfigurationError(f"stage {rank} is the last stage but its part has no loss")
         try:
             async with asyncio.timeout(connect_seconds):
                 if next_address is not None:
@@ -340,6 +369,11 @@ class Stage:
             raise ConnectTimeout(f"stage {rank}: linking took longer than {connect_seconds} s, {waiting}") from None
         for link in self.links:
             link.watcher = asyncio.get_running_loop().create_task(self._watch(link), name=f"tw.pipeline watch {link}")
+        driver = self.node._session_peer(driver_session) if driver_session is not None else None
+        if driver is not None:
+            self._driver_watch = asyncio.get_running_loop().create_task(
+                self._watch_driver(driver, ticket), name=f"tw.pipeline watch driver {driver.remote_address}"
+            )
         log.info("stage %d/%d at %s: prev %s, next %s", rank, num_stages, self.node.address, self.prev, self.next)
         step = self.node.methods.get("tw.pipeline.step")
         return {
@@ -348,6 +382,10 @@ class Stage:
             "prev_path": str(self.prev.peer.path) if self.prev else None,
             "next_path": str(self.next.peer.path) if self.next else None,
             "max_unexpected": self.node.config.limits.max_unexpected,
+            # a last stage without a loss serves Pipeline.forward only; the driver's step says so
+            "has_loss": self.part.has_loss,
+            # stage 0's part takes a dict batch as keyword arguments: the driver checks its keys
+            "keyword_dicts": self.part.keyword_dicts,
             # the most tensor bytes one step call may carry here (the node's CallLimits)
             "max_arg_bytes": None if step is None else self.node.methods.arg_limit(step),
             # for the driver to settle a step an earlier driver committed on some stages only
@@ -374,6 +412,26 @@ class Stage:
             for task in hellos.values():
                 task.cancel()
             await asyncio.gather(*hellos.values(), return_exceptions=True)
+
+    async def _watch_driver(self, driver: Peer, ticket: _Ticket) -> None:
+        """Until the connection of the driver that configured this stage drops (an aborted
+        pipeline, or a driver that died): then drop the links, as its release would have, and
+        wait for the next driver. A step of that driver still holding its commit keeps it (the
+        next driver settles it); a step under way is cut short first (the connection's calls
+        are cancelled with it)."""
+        with contextlib.suppress(TensorWireError):
+            while True:  # the driver never sends on this tag: the receive ends with its connection
+                await driver.recv(tag=_DRIVER_TAG)
+        if self._ticket != ticket or self._closed:
+            return
+        if self._task is not None:
+            await asyncio.wait([self._task])
+        if self._ticket != ticket or self._closed or self._configuring is not None:
+            return  # a newer driver is configuring the stage: its configure drops the links
+        log.info("stage %d: its driver's connection dropped; the stage waits for the next driver", self.rank)
+        self.rank = -1
+        self._driver_watch = None
+        await self._drop_links()
 
     async def _drop_links(self) -> None:
         links, self.prev, self.next = self.links, None, None
@@ -568,6 +626,11 @@ class Stage:
         if not any(a.kind is Kind.BACKWARD for a in plan):
             # a forward-only schedule (the driver's forward): no loss, no gradients, no update
             return await self._run_forwards(step, plan, inputs)
+        if last and not part.has_loss:
+            raise ConfigurationError(
+                f"stage {self.rank} is the last stage and its part has no loss: it serves Pipeline.forward, "
+                "not training steps (give its part a loss=)"
+            )
         if last and (targets is None or weights is None or len(targets) != m or len(weights) != m):
             raise ConfigurationError(f"the last stage needs {m} targets and weights")
         self._pending = None  # an earlier step the driver never committed: its gradients go
@@ -672,7 +735,11 @@ class Stage:
             why = f": {self._broken}" if self._broken is not None else ""
             raise BrokenResourceError(f"stage {self.rank} has no finished step {step} to apply{why}")
         self._pending = None
-        return await self._apply(ticket_key(*self._ticket), step)
+        # the driver sent this commit once every stage had finished: it lands even if the call
+        # is cut short meanwhile (the driver's connection dropped), and is recorded as applied
+        applying = asyncio.get_running_loop().create_task(self._apply(ticket_key(*self._ticket), step))
+        applying.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(applying)
 
     async def _apply(self, key: str, step: int) -> dict[str, float]:
         """The optimizer step for the gradients of ``step`` of the driver ``key``."""
@@ -731,6 +798,9 @@ class Stage:
             if link.watcher is not None:
                 link.watcher.cancel()
         if close:
+            if self._driver_watch is not None:
+                self._driver_watch.cancel()
+                self._driver_watch = None
             await self._drop_links()
 
     def _check_open(self) -> None:
@@ -749,15 +819,24 @@ class Stage:
     def abort(self) -> None:
         """Forceful stop: the links to the neighbours drop at once (they see this stage gone and
         fail a step under way, naming it), a running step is cancelled, and the stage closes in
-        the background (its methods leave the node). ``aclose()`` waits for that to finish."""
+        the background (its methods leave the node). ``aclose()`` waits for that to finish.
+
+        Safe from any thread: called where the stage's loop is not running (another thread), it
+        hands itself to that loop, and the links drop on the loop's next turn."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or (self._loop is not None and loop is not self._loop):
+            if self._loop is not None and not self._loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing left to drop
+                    self._loop.call_soon_threadsafe(self.abort)
+                    return
+            self._closed = True  # no loop serves it: refused from now on, aclose() ends it
+            return
         for link in self.links:
             link.peer.abort()
         if self._closing is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop to close on: aclose() ends it
-                self._closed = True
-                return
             self._begin_close(loop)
 
     def _begin_close(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -771,6 +850,8 @@ class Stage:
             self._task.cancel()
         if self._configuring is not None:
             self._configuring.cancel()
+        if self._driver_watch is not None:
+            self._driver_watch.cancel()
         for task in list(self._background):
             task.cancel()
         self._closing = loop.create_task(self._close(), name="tensorwire-stage-close")
