@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from . import _metrics
 from ._checks import check_bool, check_seconds
+from ._loops import elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
 from ._peer import RESERVED_TAGS, Peer
@@ -234,6 +235,7 @@ class Node:
         self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set when it starts
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "serving"
@@ -250,6 +252,7 @@ class Node:
         return ucx_config(**self.config.ucx_options)
 
     async def _start(self) -> Node:
+        self._loop = asyncio.get_running_loop()  # where it lives (abort() from another thread)
         _metrics.node_started(self)
         with self._transport_options():  # probe and construct under this node's UCX options
             usable, self.unusable = probe_all(self.config.transports)
@@ -615,7 +618,11 @@ class Node:
     def abort(self) -> None:
         """Forceful close: every peer's connection drops at once (its pending operations fail),
         and the node closes (no new peers; listeners and control plane stop) in the background.
-        ``aclose()`` waits for that to finish."""
+        ``aclose()`` waits for that to finish. Safe from any thread: called where the node's
+        loop is not running, it refuses the node at once and hands the rest to that loop."""
+        if elsewhere(self._loop, self.abort):
+            self._closed = True
+            return
         for p in list(self.peers):
             p.abort()
         if self._closing is None:

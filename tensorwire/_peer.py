@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _onesided
+from ._loops import elsewhere
 from ._onesided import RemoteHandle, check_utf8_name
 from .control._auth import heartbeat_proof, lookup_proof
 from .control._client import ControlClient, SessionLost
@@ -411,7 +412,10 @@ class Peer:
         return asyncio.get_running_loop().create_task(self._control.aclose())
 
     def abort(self) -> None:
-        """Drop the connection at once; pending operations fail."""
+        """Drop the connection at once; pending operations fail. Safe from any thread: called
+        where the peer's loop is not running, it drops the connection on that loop's next turn."""
+        if elsewhere(self.node._loop, self.abort):
+            return
         self.channel.abort()
 
     async def __aenter__(self) -> Peer:

@@ -361,3 +361,33 @@ async def test_an_abort_while_the_commits_are_on_their_way_says_what_was_applied
             np.testing.assert_allclose(after[s], reference[s].state()["w"], rtol=1e-5, err_msg=f"stage {s}")
         for stage in ss:
             await stage.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_node_and_peer_abort_from_another_thread() -> None:
+    """``Node.abort()`` and ``Peer.abort()`` called from a thread where the node's loop does not
+    run (a signal handler's thread, a watchdog) drop the connections on the loop's next turn:
+    the pending recv fails at once. Node.abort raised RuntimeError('no running event loop')
+    from inside a peer's wind-down, with one peer aborted and the node not even refused."""
+    async with nodes(2) as (a, b), nodes(2) as (c, d):
+        peer = await a.connect(b.address)
+        pending = asyncio.ensure_future(peer.recv(tag="never"))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(a.abort)
+        with pytest.raises(tensorwire.TensorWireError):
+            async with asyncio.timeout(10):
+                await pending
+        with pytest.raises(tensorwire.ClosedResourceError):
+            await a.connect(b.address)
+        await a.aclose()
+        assert peer.closed and a.peers == []
+
+        other = await c.connect(d.address)
+        pending = asyncio.ensure_future(other.recv(tag="never"))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(other.abort)
+        with pytest.raises(tensorwire.TensorWireError):
+            async with asyncio.timeout(10):
+                await pending
+        assert other.closed
+        await (await c.connect(d.address)).aclose()  # the node itself serves on

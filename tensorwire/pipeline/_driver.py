@@ -26,6 +26,7 @@ from collections.abc import Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._loops import elsewhere
 from ..errors import (
     BrokenResourceError,
     BusyResourceError,
@@ -481,15 +482,8 @@ class Pipeline:
         Safe from any thread: called where the pipeline's loop is not running (another thread),
         it refuses the pipeline at once and hands the rest to that loop, where the connections
         drop on its next turn."""
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not self._loop:
+        if elsewhere(self._loop, self.abort):
             self._closed = True
-            if not self._loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing left to drop
-                    self._loop.call_soon_threadsafe(self.abort)
             return
         for peer in self.peers:
             peer.abort()

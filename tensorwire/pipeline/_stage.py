@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._loops import elsewhere
 from ..errors import (
     BrokenResourceError,
     BusyResourceError,
@@ -823,16 +824,13 @@ class Stage:
 
         Safe from any thread: called where the stage's loop is not running (another thread), it
         hands itself to that loop, and the links drop on the loop's next turn."""
+        if elsewhere(self._loop, self.abort):
+            self._closed = True  # refused from now on; its loop drops the rest
+            return
         try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is None or (self._loop is not None and loop is not self._loop):
-            if self._loop is not None and not self._loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing left to drop
-                    self._loop.call_soon_threadsafe(self.abort)
-                    return
-            self._closed = True  # no loop serves it: refused from now on, aclose() ends it
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop known or running: refused from now on, aclose() ends it
+            self._closed = True
             return
         for link in self.links:
             link.peer.abort()
