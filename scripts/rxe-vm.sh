@@ -17,7 +17,8 @@
 # RXE_ROLE=a|b (run2), /proj = DIR, /share = a per-run scratch directory shared with the host.
 #
 # Environment: TW_RXE_DIR (cache, default ~/.cache/tensorwire-rxe-vm), ACCEL (tcg|kvm, default tcg),
-# SMP (default 2), MEM (default 2G), PYDEPS (pip requirements for the guest),
+# SMP (default 2), SMP_A (run2's first guest, default 1; the second has 1), MEM (default 2G),
+# PYDEPS (pip requirements for the guest),
 # RUN_TIMEOUT (seconds one run may take, default 1500), REBUILD=1 (rebuild the image),
 # EXTRA_MOUNT=HOST_DIR:GUEST_DIR (a host directory the guests see read-only at GUEST_DIR, mounted
 # before the command runs; scripts/pyverbs-pypi.sh brings rdma-core 59 and PyPI's pyverbs this way),
@@ -246,7 +247,7 @@ run2() {  # run2 DIR -- CMD_A -- CMD_B
   proj=$(cd "$dir" && pwd); sa=$(guest_share "$a" "$proj"); sb=$(guest_share "$b" "$proj"); port=$(free_port)
   # an L2 link between the guests: qemu's socket netdev (A listens, B connects)
   # shellcheck disable=SC2046
-  SMP=1 timeout "$RUN_TIMEOUT" $(SMP=1 qemu_cmd "$sa" "$proj" \
+  SMP=${SMP_A:-1} timeout "$RUN_TIMEOUT" $(SMP=${SMP_A:-1} qemu_cmd "$sa" "$proj" \
     "-netdev socket,id=n0,listen=127.0.0.1:$port -device virtio-net-pci,netdev=n0,mac=52:54:00:7e:00:01") \
     "$KARGS tw_ip=10.77.0.1 tw_peer=10.77.0.2 tw_role=a" > "$sa/console.log" 2>&1 &
   pa=$!

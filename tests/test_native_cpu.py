@@ -243,7 +243,9 @@ def _build(launches: list[_Launch], where: str) -> ctypes.CDLL:
     cpp, so = Path(where) / "kernels.cpp", Path(where) / "kernels.so"
     cpp.write_text(SHIM + "".join(_wrapper(k, launch) for k, launch in enumerate(launches)))
     assert CXX is not None
-    cmd = [CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", str(so), str(cpp)]
+    # -Og: the launches run as fast as at -O1 (about 2 s for all of them), and the build takes 4 s of
+    # CPU instead of 6.5 s
+    cmd = [CXX, "-std=c++17", "-Og", "-shared", "-fPIC", "-w", "-o", str(so), str(cpp)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return ctypes.CDLL(str(so))

@@ -1,9 +1,10 @@
 """The verbs transport on a real verbs stack: Soft-RoCE (rdma_rxe) guests under qemu.
 
 This host's kernel has no RDMA, so ``scripts/rxe-vm.sh`` boots a Debian guest whose kernel does
-(Debian's pyverbs, rdma-core 44); the repository is mounted into it. One guest runs
-``tests/verbs`` (the conformance suite over verbs and the verbs unit tests) once per session;
-two guests on one L2 link run ``tests/verbs/two_node.py`` against each other. The guest image
+(Debian's pyverbs, rdma-core 44); the repository is mounted into it. Two guests on one L2 link
+run ``tests/verbs/two_node.py`` against each other; then the first of them runs ``tests/verbs``
+(the conformance suite over verbs and the verbs unit tests) once per session, while the second
+has powered off (one boot less than a guest of its own for the suite). The guest image
 is built on first use (about 2-3 minutes, root and network to the Debian mirror and PyPI
 needed) and cached in ``~/.cache/tensorwire-rxe-vm``; where it cannot be built these tests skip
 and say why.
@@ -46,6 +47,8 @@ PYPI_CMD = (
     f"{GUEST_TESTS}/test_verbs_guest.py::test_the_verbs_stack_in_use"
 )
 _SPLIT = "== tensorwire: Debian pyverbs run exited with"
+_PAIR_SPLIT = "== tensorwire: two-node run exited with"
+PAIR_CMD = "timeout 600 python3 -m tests.verbs.two_node"
 # what the guest needs to import tensorwire and run its tests, at the versions this host runs
 GUEST_DEPS = (
     "grpcio",
@@ -84,7 +87,8 @@ class _Skip(Exception):
 
 class GuestRuns:
     """The guests' work, in one thread of its own: the image (built if missing), PyPI's
-    pyverbs (where built), one guest running ``tests/verbs``, then two guests talking RDMA.
+    pyverbs (where built), then two guests talking RDMA, the first of which runs ``tests/verbs``
+    afterwards (``single`` and ``pair`` are the two parts of that one run).
 
     The emulated guests take about 5 minutes of the suite, so ``tests/conftest.py`` starts
     this as soon as collection says these tests will run (``start``), and the tests, last in
@@ -94,14 +98,14 @@ class GuestRuns:
     tests leave. Each run is a session of its own, all of it killed when it outlives its limit
     or the pytest session ends first (``stop``)."""
 
-    STEPS = ("image", "pypi", "single", "pair")
+    STEPS = ("image", "pypi", "guests")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._procs: set[subprocess.Popen[str]] = set()
-        self._futures: dict[str, Future[Any]] = {step: Future() for step in self.STEPS}
+        self._futures: dict[str, Future[Any]] = {step: Future() for step in (*self.STEPS, "single", "pair")}
 
     def start(self) -> None:
         with self._lock:
@@ -131,6 +135,12 @@ class GuestRuns:
                 self._futures[name].set_result(getattr(self, f"_{name}")())
             except BaseException as exc:  # handed to the test that asks for this step
                 self._futures[name].set_exception(exc)
+        guests = self._futures["guests"]
+        for part in ("single", "pair"):  # the two results of the one run
+            if guests.exception() is not None:
+                self._futures[part].set_exception(guests.exception())
+            else:
+                self._futures[part].set_result(guests.result()[part])
 
     def _run(self, args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str]:
         """Run ``args`` (at nice 19, in a session of its own): (exit code, stdout, stderr)."""
@@ -193,45 +203,48 @@ class GuestRuns:
             return f"PyPI pyverbs could not be built:\n{_tail(out + err)}"
         return ""
 
-    def _single(self) -> dict[str, tuple[int, str]]:
-        """Boot one guest once: tests/verbs on Debian's pyverbs 44, then, where PyPI's pyverbs is
+    def _guests(self) -> dict[str, Any]:
+        """Boot two guests on one L2 link once: both run tests/verbs/two_node.py against each
+        other; then the first runs tests/verbs on Debian's pyverbs 44 and, where PyPI's pyverbs is
         built, the conformance suite and the stack report on it in a process of its own (one boot
-        for both saves half a minute of the emulated guest). Stack -> (exit code, output)."""
+        for all of it saves half a minute of emulated guest each time). The second powers off
+        once its side of the exchange is done. {"single": stack -> (exit code, output), "pair":
+        (exit code, output)}."""
         vm = self._futures["image"].result()
         pypi_build = self._futures["pypi"].result()
-        cmd, env = DEBIAN_CMD, dict(_env(), RUN_TIMEOUT="2400")
+        # the first guest, which goes on to run the suite, gets the two CPUs the suite's own guest had
+        suite_cmd, env = DEBIAN_CMD, dict(_env(), RUN_TIMEOUT="2400", SMP_A="2")
         if not pypi_build:
             _, mount, _ = self._run(["bash", str(PYPI_SCRIPT), "mount"], 60)
             _, guest_env, _ = self._run(["bash", str(PYPI_SCRIPT), "env"], 60)
             env["EXTRA_MOUNT"] = mount.strip()
-            cmd = f'{DEBIAN_CMD}; echo "{_SPLIT} $?"; ({guest_env.strip()}; {PYPI_CMD})'
-        rc, out, err = self._run(["bash", str(vm), "run", str(ROOT), "--", cmd], 2500, env)
-        output = out + err
-        if pypi_build:
+            suite_cmd = f'{DEBIAN_CMD}; echo "{_SPLIT} $?"; ({guest_env.strip()}; {PYPI_CMD})'
+        first = f'{PAIR_CMD} a; echo "{_PAIR_SPLIT} $?"; {suite_cmd}'
+        args = ["bash", str(vm), "run2", str(ROOT), "--", first, "--", f"{PAIR_CMD} b"]
+        rc, out, err = self._run(args, 2500, env)
+        lines = (out + err).splitlines()
+        # run2 prints the first guest's output ("[a] ..."), then the second's ("[b] ..."); the first
+        # guest's lines up to the split are its side of the exchange, the rest the suite's
+        at = next((i for i, line in enumerate(lines) if line.startswith(f"[a] {_PAIR_SPLIT} ")), None)
+        if at is None:  # the first guest did not get past the exchange: nothing ran after it
+            return {"single": self._stacks(rc or 99, out + err, bool(pypi_build)), "pair": (rc or 99, out + err)}
+        b_rc = next((line.rsplit(" ", 1)[1] for line in lines if re.fullmatch(r"\[b\] exit code \d+", line)), "99")
+        pair_rc = int(lines[at].rsplit(" ", 1)[1]) or int(b_rc)
+        pair = "\n".join(line for i, line in enumerate(lines) if i <= at or not line.startswith("[a] "))
+        # as "[guest] ..." lines, as a guest of its own for the suite printed them
+        suite = [f"[guest] {line[4:]}" for line in lines[at + 1 :] if line.startswith("[a] ")]
+        suite_rc = next((int(line.rsplit(" ", 1)[1]) for line in suite if line.startswith("[guest] exit code ")), 99)
+        return {"single": self._stacks(suite_rc, "\n".join(suite), bool(pypi_build)), "pair": (pair_rc, pair)}
+
+    @staticmethod
+    def _stacks(rc: int, output: str, debian_only: bool) -> dict[str, tuple[int, str]]:
+        """The suite's output per verbs stack: stack -> (exit code, output)."""
+        if debian_only:
             return {"debian": (rc, output)}
         split = re.search(rf"^\[guest\] {_SPLIT} (\d+)$", output, re.M)
         if split is None:  # the guest did not get that far: both runs failed
             return {"debian": (rc or 99, output), "pypi": (rc or 99, output)}
         return {"debian": (int(split.group(1)), output[: split.start()]), "pypi": (rc, output[split.end() :])}
-
-    def _pair(self) -> tuple[int, str]:
-        """Two guests on one L2 link run tests/verbs/two_node.py against each other."""
-        vm = self._futures["image"].result()
-        rc, out, err = self._run(
-            [
-                "bash",
-                str(vm),
-                "run2",
-                str(ROOT),
-                "--",
-                "timeout 600 python3 -m tests.verbs.two_node a",
-                "--",
-                "timeout 600 python3 -m tests.verbs.two_node b",
-            ],
-            1500,
-            _env(),
-        )
-        return rc, out + err
 
 
 def _kill_session(proc: subprocess.Popen[str]) -> None:
