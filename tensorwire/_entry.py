@@ -4,6 +4,7 @@ took about half a second and printed the import machinery's KeyboardInterrupt tr
 
 from __future__ import annotations
 
+import gc
 import sys
 
 
@@ -13,4 +14,8 @@ def main() -> int:
     except KeyboardInterrupt:
         print("tensorwire: interrupted (SIGINT)", file=sys.stderr)
         return 130
-    return run()
+    code = run()
+    # the interpreter's last collection walks every object a command made (torch's: 0.8-2 s for
+    # a stage); they all die with the process anyway, so none is left for it to walk
+    gc.freeze()
+    return code
