@@ -10,6 +10,7 @@ through tensorwire peers, microbatch after microbatch, as a schedule says.
         pipe = await pipeline.Pipeline.connect(node, stage_addresses)
         result = await pipe.step(x, y, microbatches=8, schedule="1f1b")
         outputs = await pipe.forward(x, microbatches=8)      # forward only: the last stage's outputs
+        val = await pipe.evaluate(x, y, microbatches=8)       # the loss, no gradient, no update
 
 Schedules are data (``get_schedule("1f1b")(num_stages, num_microbatches)``): per stage a list
 of actions (``F0``, ``B3``) that is validated before it runs and drawn as a step-by-stage grid.
@@ -17,7 +18,7 @@ torch is needed only by stages that wrap a torch module; ``import tensorwire`` n
 """
 
 from ._batch import join, split
-from ._driver import Pipeline, StepResult
+from ._driver import EvalResult, Pipeline, StepResult
 from ._part import FunctionPart, Layer, Part, TorchPart, as_part
 from ._schedule import SCHEDULES, Action, Kind, Schedule, get_schedule, gpipe, make_schedule, one_f_one_b
 from ._stage import Stage
@@ -25,6 +26,7 @@ from ._stage import Stage
 __all__ = [
     "SCHEDULES",
     "Action",
+    "EvalResult",
     "FunctionPart",
     "Kind",
     "Layer",

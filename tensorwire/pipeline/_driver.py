@@ -4,6 +4,7 @@
         pipe = await Pipeline.connect(node, ["10.0.0.1:5000", "10.0.0.2:5000", ...])
         result = await pipe.step(x, y, microbatches=8, schedule="1f1b")
         print(result.loss, result.bubble)
+        print((await pipe.evaluate(x_val, y_val, microbatches=8)).loss)    # no gradient, no update
 
 The driver is any node that knows the stages' addresses in pipeline order. It takes a generation
 newer than any the stages have seen and calls each stage's ``tw.pipeline.configure`` (tensor RPC
@@ -13,6 +14,8 @@ over the data plane) with it, which links the stages into a chain; each step is 
 finished, one ``tw.pipeline.commit`` call per stage, which applies its optimizer update.
 ``forward`` is the same call with a forward-only schedule and no targets: no commit follows, and
 the last stage's answer carries its outputs, which the driver joins back into one batch.
+``evaluate`` is a forward-only call with targets: the last stage answers with each microbatch's
+loss instead, and the driver weights them as a step's.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ if TYPE_CHECKING:
     from .._node import Node
     from .._peer import Peer
 
-__all__ = ["Pipeline", "StepResult"]
+__all__ = ["EvalResult", "Pipeline", "StepResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +80,36 @@ class StepResult:
     @property
     def bubble(self) -> float:
         """Measured idle fraction: 1 - (compute summed over stages) / (stages x step time)."""
-        busy = sum(s["compute_s"] for s in self.stages)
-        return max(0.0, 1 - busy / (len(self.stages) * self.seconds)) if self.seconds > 0 else 0.0
+        return _bubble(self.stages, self.seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    """What one evaluation (``Pipeline.evaluate``) gave: no gradient, no update.
+
+    loss: the batch's loss, the microbatch losses weighted by their share of the batch exactly
+        as a step's are (the batch mean when the loss is a mean over its microbatch).
+    losses: each microbatch's own loss.
+    seconds: the evaluation's wall time at the driver.
+    stages: per stage (seconds): ``compute_s``, ``cpu_s``, ``recv_wait_s``, ``send_wait_s`` and
+        ``wall_s``, as in ``StepResult`` (there is no commit).
+    """
+
+    loss: float
+    losses: list[float]
+    seconds: float
+    schedule: Schedule
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle fraction: 1 - (compute summed over stages) / (stages x wall time)."""
+        return _bubble(self.stages, self.seconds)
+
+
+def _bubble(stages: list[dict[str, Any]], seconds: float) -> float:
+    busy = sum(s["compute_s"] for s in stages)
+    return max(0.0, 1 - busy / (len(stages) * seconds)) if seconds > 0 and stages else 0.0
 
 
 class Pipeline:
@@ -199,7 +230,8 @@ class Pipeline:
         has finished the step, so a step that fails, or that the caller cancels, changes no
         stage's parameters. Steps run one at a time (BusyResourceError otherwise); one under way
         when the pipeline closes raises ClosedResourceError. A pipeline whose last stage has no
-        loss serves ``forward`` only: ``step`` raises ConfigurationError before any stage runs."""
+        loss serves ``forward`` only: ``step`` (and ``evaluate``) raise ConfigurationError before
+        any stage runs."""
         result: StepResult = await self._one_at_a_time(self._step(inputs, targets, microbatches, schedule))
         return result
 
@@ -219,6 +251,31 @@ class Pipeline:
         first stage's error with every stage's account as a note), and the stages stay broken
         until the next ``Pipeline.connect``. Runs one at a time with ``step``."""
         return await self._one_at_a_time(self._forward(inputs, microbatches, schedule))
+
+    async def evaluate(
+        self,
+        inputs: Any,
+        targets: Any,
+        *,
+        microbatches: int,
+        schedule: str | Schedule | Sequence[Sequence[str]] = "gpipe",
+    ) -> EvalResult:
+        """The loss of a batch without training on it (validation): split ``inputs`` and
+        ``targets`` into microbatches as ``step`` does, run the forwards alone, and have the last
+        stage compute each microbatch's loss (``Part.infer_loss``: a ``TorchPart`` under
+        ``torch.no_grad()`` in eval mode, as ``forward``). ``loss`` weights the microbatch
+        losses by their share of the batch, exactly as ``step``'s does. No stage keeps
+        anything for a backward or touches its gradients, its pending update or its optimizer;
+        no commit follows.
+
+        ``schedule`` runs its forwards only, as in ``forward``. The batch is checked as a step's
+        is (the same number of samples in ``inputs`` and ``targets``; both counted against the
+        stages' message and call limits) before any stage runs, and a pipeline whose last stage
+        has no loss raises ConfigurationError then. A stage that fails fails the call on every
+        stage, as a ``step`` does, and the stages stay broken until the next
+        ``Pipeline.connect``. Runs one at a time with ``step`` and ``forward``."""
+        result: EvalResult = await self._one_at_a_time(self._evaluate(inputs, targets, microbatches, schedule))
+        return result
 
     async def _one_at_a_time(self, run: Coroutine[Any, Any, Any]) -> Any:
         try:
@@ -244,22 +301,9 @@ class Pipeline:
     async def _step(
         self, inputs: Any, targets: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]
     ) -> StepResult:
-        last = self.num_stages - 1
-        if not self._links[last].get("has_loss", True):
-            raise ConfigurationError(
-                f"stage {last} ({self.peers[last].remote_address}) is the last stage and its part has no loss: "
-                "this pipeline serves Pipeline.forward, not training steps (give that part a loss=)"
-            )
+        self._check_loss("training steps")
         sched = make_schedule(schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected)
-        self._check_keywords(inputs)
-        xs, ys = split(inputs, microbatches), split(targets, microbatches)
-        sizes = [num_samples(x) or 0 for x in xs]
-        if sizes != [num_samples(y) or 0 for y in ys]:
-            raise ShapeMismatchError(f"inputs have {num_samples(inputs)} samples but targets {num_samples(targets)}")
-        total = sum(sizes)
-        weights = [n / total for n in sizes]
-        p = self.num_stages
-        self._check_sendable([(0, "input", xs), (p - 1, "target", ys)])
+        xs, ys, weights = self._batch(inputs, targets, microbatches)
         step = next(self._steps)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -288,6 +332,46 @@ class Pipeline:
         losses = [float(v) for v in stats[-1]["losses"]]
         loss = float(sum(w * v for w, v in zip(weights, losses, strict=True)))
         return StepResult(loss, losses, seconds, sched, stats)
+
+    def _check_loss(self, what: str) -> None:
+        """Refuse here, before any stage runs, a call that needs a loss on the last stage."""
+        last = self.num_stages - 1
+        if not self._links[last].get("has_loss", True):
+            raise ConfigurationError(
+                f"stage {last} ({self.peers[last].remote_address}) is the last stage and its part has no loss: "
+                f"this pipeline serves Pipeline.forward, not {what} (give that part a loss=)"
+            )
+
+    def _batch(self, inputs: Any, targets: Any, microbatches: int) -> tuple[list[Any], list[Any], list[float]]:
+        """(input microbatches, target microbatches, each one's share of the batch), checked as
+        far as the driver can before any stage runs (``_check_keywords``, ``_check_sendable``)."""
+        self._check_keywords(inputs)
+        xs, ys = split(inputs, microbatches), split(targets, microbatches)
+        sizes = [num_samples(x) or 0 for x in xs]
+        if sizes != [num_samples(y) or 0 for y in ys]:
+            raise ShapeMismatchError(f"inputs have {num_samples(inputs)} samples but targets {num_samples(targets)}")
+        total = sum(sizes)
+        self._check_sendable([(0, "input", xs), (self.num_stages - 1, "target", ys)])
+        return xs, ys, [n / total for n in sizes]
+
+    async def _evaluate(
+        self, inputs: Any, targets: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]
+    ) -> EvalResult:
+        self._check_loss("Pipeline.evaluate")
+        sched = make_schedule(
+            schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected, forward_only=True
+        )
+        xs, ys, weights = self._batch(inputs, targets, microbatches)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        stats = await self._run(next(self._steps), sched, xs, ys, None, ok="finished")
+        seconds = loop.time() - t0
+        losses = stats[-1].get("losses")
+        if not isinstance(losses, list) or len(losses) != microbatches:
+            raise BrokenResourceError(f"the last stage answered an evaluation without its {microbatches} losses")
+        values = [float(v) for v in losses]
+        loss = float(sum(w * v for w, v in zip(weights, values, strict=True)))
+        return EvalResult(loss, values, seconds, sched, stats)
 
     async def _forward(self, inputs: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]) -> Any:
         sched = make_schedule(

@@ -3,7 +3,9 @@
 A ``Part`` runs the forward of one microbatch and keeps what its backward needs in a context;
 runs the backward from the gradient of its output and returns the gradient of its input; sums
 its parameters' gradients over the microbatches of a step; and steps its own optimizer. The last
-stage's part also computes the loss.
+stage's part also computes the loss. For a step without backwards (``Pipeline.forward`` and
+``Pipeline.evaluate``) ``infer`` and ``infer_loss`` compute the output or the loss alone, keeping
+nothing for a backward.
 
 Two kinds come with tensorwire: ``TorchPart`` wraps an ``nn.Module`` (autograd does the
 backward) and ``FunctionPart`` wraps any object with an explicit ``forward``/``backward`` (a numpy
@@ -13,10 +15,11 @@ TorchPart is made, never by ``import tensorwire``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -30,8 +33,8 @@ __all__ = ["FunctionPart", "Layer", "Part", "TorchPart", "as_part"]
 class Part(ABC):
     """One stage's share of the model. Subclass it for another framework."""
 
-    #: whether this part computes a loss: a training step needs one on the last stage (a
-    #: pipeline that only runs ``Pipeline.forward`` does not)
+    #: whether this part computes a loss: a training step and ``Pipeline.evaluate`` need one on
+    #: the last stage (a pipeline that only runs ``Pipeline.forward`` does not)
     has_loss: bool = False
     #: whether a dict input reaches the part's code as keyword arguments (``TorchPart``), so that
     #: its keys must be str; the driver then refuses another key before any stage runs
@@ -50,6 +53,12 @@ class Part(ABC):
     def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
         """Last stage: forward and loss of one microbatch, the loss scaled by ``weight`` (its share
         of the batch). Returns (unscaled loss, context)."""
+
+    def infer_loss(self, x: Any, target: Any) -> float:
+        """Last stage, evaluation (``Pipeline.evaluate``): the loss of one microbatch, unscaled,
+        with nothing kept for a backward and no gradient touched. By default ``forward_loss``
+        with its context dropped."""
+        return self.forward_loss(x, target, 1.0, False)[0]
 
     @abstractmethod
     def backward(self, ctx: Any, grad: Any) -> Any:
@@ -131,6 +140,15 @@ class FunctionPart(Part):
         y, ctx = self.layer.forward(x)
         value, grad = self.loss(y, target)
         return float(value), _LossContext(ctx, tree_map(lambda g: None if g is None else g * weight, grad))
+
+    def infer_loss(self, x: Any, target: Any) -> float:
+        """The layer's forward and the loss; the loss's gradient and the layer's context are
+        dropped (nothing reaches the layer's backward or its gradients)."""
+        if self.loss is None:
+            raise ConfigurationError("this stage has no loss, so it cannot evaluate one")
+        y, _ = self.layer.forward(x)
+        value, _ = self.loss(y, target)
+        return float(value)
 
     def backward(self, ctx: Any, grad: Any) -> Any:
         if isinstance(ctx, _LossContext):  # after forward_loss: the loss gave the output's gradient
@@ -291,12 +309,11 @@ class TorchPart(Part):
     def _detached(self, v: Any) -> Any:
         return v.detach() if isinstance(v, self._torch.Tensor) else v
 
-    def infer(self, x: Any) -> Any:
-        """Forward only: under ``torch.no_grad()``, the module (and each submodule) in eval mode
-        for the call (dropout off, batch norm on its running statistics; ``.eval()``, so a module
-        that overrides ``train()`` is told), then back in the mode it was in (each submodule in
-        its own)."""
-        _, x_in = self._input(x, False)
+    @contextlib.contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """Under ``torch.no_grad()``, the module (and each submodule) in eval mode (dropout off,
+        batch norm on its running statistics; ``.eval()``, so a module that overrides
+        ``train()`` is told), then back in the mode it was in (each submodule in its own)."""
         module = self.module
         modules = list(module.modules()) if hasattr(module, "modules") else []
         modes = [(m, m.training) for m in modules if isinstance(getattr(m, "training", None), bool)]
@@ -307,33 +324,52 @@ class TorchPart(Part):
             for m, _ in modes:  # and every submodule off, whatever an override did
                 m.training = False
             with self._torch.no_grad():
-                return tree_map(self._detached, self._output(self._call(x_in)))
+                yield
         finally:
             if switch:
                 module.train(modes[0][1])
             for m, mode in modes:
                 m.training = mode
 
+    def infer(self, x: Any) -> Any:
+        """Forward only: the module's output for ``x``, computed in eval mode under
+        ``torch.no_grad()`` (``_evaluating``)."""
+        _, x_in = self._input(x, False)
+        with self._evaluating():
+            return tree_map(self._detached, self._output(self._call(x_in)))
+
+    def infer_loss(self, x: Any, target: Any) -> float:
+        """Evaluation: the loss of ``x`` against ``target``, computed as ``infer`` computes its
+        output (eval mode, ``torch.no_grad()``), so nothing is kept and no gradient touched."""
+        if self.loss is None:
+            raise ConfigurationError("this stage has no loss, so it cannot evaluate one")
+        _, x_in = self._input(x, False)
+        target = self._target(target)
+        with self._evaluating():
+            return _scalar(self._torch, self.loss(self._call(x_in), target))
+
+    def _target(self, target: Any) -> Any:
+        """A microbatch's target as the loss gets it: a tensor (an array becomes one), or a tuple
+        or dict of them, on the module's device."""
+        torch = self._torch
+        if isinstance(target, (tuple, dict)):
+            return tree_map(lambda v: self._leaf(v, False), target)
+        if not isinstance(target, torch.Tensor):
+            target = torch.as_tensor(np.asarray(target))
+        if self.device is not None and target.device != self.device:
+            target = target.to(self.device)
+        return target
+
     def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
         if self.loss is None:
             raise ConfigurationError("this stage has no loss, so it cannot be the last stage")
-        torch = self._torch
         leaves, x_in = self._input(x, needs_input_grad)
-        if isinstance(target, (tuple, dict)):
-            target = tree_map(lambda v: self._leaf(v, False), target)
-        else:
-            if not isinstance(target, torch.Tensor):
-                target = torch.as_tensor(np.asarray(target))
-            if self.device is not None and target.device != self.device:
-                target = target.to(self.device)
-        with torch.enable_grad():
+        target = self._target(target)
+        with self._torch.enable_grad():
             loss = self.loss(self._call(x_in), target)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                tensor = isinstance(loss, torch.Tensor)
-                what = f"a tensor of shape {tuple(loss.shape)}" if tensor else type(loss).__name__
-                raise ConfigurationError(f"the loss returned {what}, not a scalar tensor (reduce it, e.g. with a mean)")
+            value = _scalar(self._torch, loss)
             scaled = loss * weight
-        return float(loss.detach()), (leaves, scaled, True)
+        return value, (leaves, scaled, True)
 
     def backward(self, ctx: Any, grad: Any) -> Any:
         self._enter()
@@ -383,6 +419,15 @@ class TorchPart(Part):
         if hasattr(self.module, "state_dict"):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         return {}
+
+
+def _scalar(torch: Any, loss: Any) -> float:
+    """The value of what a TorchPart's loss returned, which must be a scalar tensor."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        tensor = isinstance(loss, torch.Tensor)
+        what = f"a tensor of shape {tuple(loss.shape)}" if tensor else type(loss).__name__
+        raise ConfigurationError(f"the loss returned {what}, not a scalar tensor (reduce it, e.g. with a mean)")
+    return float(loss.detach())
 
 
 def _check_keywords(d: dict[Any, Any], what: str) -> None:

@@ -20,7 +20,9 @@ step that fails or is cancelled on any stage therefore updates no stage.
 
 A plan with no backward is a forward-only step (the driver's ``forward``): each microbatch goes
 through ``Part.infer``, nothing is kept for a backward, the gradients and the pending update are
-left alone, no commit follows, and the last stage answers with its outputs.
+left alone, no commit follows, and the last stage answers with its outputs. Given targets too
+(the driver's ``evaluate``), the last stage puts each microbatch through ``Part.infer_loss``
+instead and answers with the losses.
 
 A driver that dies while its commits are on their way leaves some stages updated and others
 holding the finished step. The next driver settles that: each configure reports the finished
@@ -102,6 +104,11 @@ def message_tag(step: int, direction: str, microbatch: int) -> str:
 def ticket_key(generation: int, token: str) -> str:
     """How a driver names its configuration in ``step``, ``commit`` and ``release`` calls."""
     return f"{generation}/{token}"
+
+
+def _loss_of(part: Part, x: Any, target: Any) -> float:
+    """``part.infer_loss`` as a float (a Part of one's own may return a numpy or torch scalar)."""
+    return float(part.infer_loss(x, target))
 
 
 def _hello_tag(key: str) -> str:
@@ -625,8 +632,9 @@ class Stage:
             got = 0 if inputs is None else len(inputs)
             raise ConfigurationError(f"stage 0 needs {m} input microbatches, got {got}")
         if not any(a.kind is Kind.BACKWARD for a in plan):
-            # a forward-only schedule (the driver's forward): no loss, no gradients, no update
-            return await self._run_forwards(step, plan, inputs)
+            # a forward-only schedule (the driver's forward, or evaluate with targets): no
+            # gradients, no update
+            return await self._run_forwards(step, plan, inputs, targets if last else None)
         if last and not part.has_loss:
             raise ConfigurationError(
                 f"stage {self.rank} is the last stage and its part has no loss: it serves Pipeline.forward, "
@@ -687,16 +695,30 @@ class Stage:
             "wall_s": time.perf_counter() - t_start,
         }
 
-    async def _run_forwards(self, step: int, plan: list[Action], inputs: list[Any] | None) -> dict[str, Any]:
+    async def _run_forwards(
+        self, step: int, plan: list[Action], inputs: list[Any] | None, targets: list[Any] | None
+    ) -> dict[str, Any]:
         """A forward-only step: each microbatch through ``part.infer``, which keeps nothing for
-        a backward; the last stage answers with the outputs. The part's gradients, the pending
-        update and the optimizer are left as they are."""
+        a backward; the last stage answers with the outputs, or, given ``targets`` (an
+        evaluation), with each microbatch's loss from ``part.infer_loss``. The part's
+        gradients, the pending update and the optimizer are left as they are."""
         part = self.part
         assert part is not None
         first, last = self.rank == 0, self.rank == self.num_stages - 1
+        evaluating = last and targets is not None
+        if evaluating:
+            assert targets is not None
+            if not part.has_loss:
+                raise ConfigurationError(
+                    f"stage {self.rank} is the last stage and its part has no loss: it serves Pipeline.forward, "
+                    "not Pipeline.evaluate (give its part a loss=)"
+                )
+            if len(targets) != len(plan):
+                raise ConfigurationError(f"the last stage needs {len(plan)} targets, got {len(targets)}")
         t_start = time.perf_counter()
         busy = wait = self._cpu = 0.0
         outputs: dict[int, Any] = {}
+        losses: dict[int, float] = {}
         for action in plan:
             i = action.microbatch
             if first:
@@ -706,6 +728,11 @@ class Stage:
                 t0 = time.perf_counter()
                 x = await self._recv(self.prev, message_tag(step, "f", i))
                 wait += time.perf_counter() - t0
+            if evaluating:
+                assert targets is not None
+                losses[i], dt = await self._part_code(action, _loss_of, part, x, targets[i])
+                busy += dt
+                continue
             y, dt = await self._part_code(action, part.infer, x)
             del x
             busy += dt
@@ -720,7 +747,8 @@ class Stage:
             raise self._broken
         return {
             "rank": self.rank,
-            "outputs": [outputs[i] for i in sorted(outputs)] if last else None,
+            "outputs": [outputs[i] for i in sorted(outputs)] if last and not evaluating else None,
+            "losses": [losses[i] for i in sorted(losses)] if evaluating else None,
             "compute_s": busy,
             "cpu_s": self._cpu,
             "recv_wait_s": wait,
