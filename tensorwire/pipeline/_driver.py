@@ -59,7 +59,21 @@ __all__ = ["EvalResult", "Pipeline", "StepResult"]
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
+class _Result:
+    loss: float
+    losses: list[float]
+    seconds: float
+    schedule: Schedule
+    stages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle fraction: 1 - (compute summed over stages) / (stages x wall time)."""
+        return _bubble(self.stages, self.seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult(_Result):
     """What one training step gave.
 
     loss: the batch's loss (the microbatch losses weighted by their share of the batch).
@@ -71,20 +85,9 @@ class StepResult:
         until the stage answered), ``commit_s`` (its optimizer step, after every stage answered).
     """
 
-    loss: float
-    losses: list[float]
-    seconds: float
-    schedule: Schedule
-    stages: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def bubble(self) -> float:
-        """Measured idle fraction: 1 - (compute summed over stages) / (stages x step time)."""
-        return _bubble(self.stages, self.seconds)
-
 
 @dataclass(frozen=True, slots=True)
-class EvalResult:
+class EvalResult(_Result):
     """What one evaluation (``Pipeline.evaluate``) gave: no gradient, no update.
 
     loss: the batch's loss, the microbatch losses weighted by their share of the batch exactly
@@ -94,17 +97,6 @@ class EvalResult:
     stages: per stage (seconds): ``compute_s``, ``cpu_s``, ``recv_wait_s``, ``send_wait_s`` and
         ``wall_s``, as in ``StepResult`` (there is no commit).
     """
-
-    loss: float
-    losses: list[float]
-    seconds: float
-    schedule: Schedule
-    stages: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def bubble(self) -> float:
-        """Measured idle fraction: 1 - (compute summed over stages) / (stages x wall time)."""
-        return _bubble(self.stages, self.seconds)
 
 
 def _bubble(stages: list[dict[str, Any]], seconds: float) -> float:

@@ -653,13 +653,8 @@ class Stage:
         for action in plan:
             i = action.microbatch
             if action.kind is Kind.FORWARD:
-                if first:
-                    assert inputs is not None
-                    x = inputs[i]
-                else:
-                    t0 = time.perf_counter()
-                    x = await self._recv(self.prev, message_tag(step, "f", i))
-                    wait += time.perf_counter() - t0
+                x, waited = await self._input(step, i, inputs)
+                wait += waited
                 if last:
                     assert targets is not None and weights is not None
                     (losses[i], ctxs[i]), dt = await self._part_code(
@@ -695,6 +690,16 @@ class Stage:
             "wall_s": time.perf_counter() - t_start,
         }
 
+    async def _input(self, step: int, i: int, inputs: list[Any] | None) -> tuple[Any, float]:
+        """Microbatch ``i``'s input: the driver's (first stage), else the previous stage's
+        activation; and the seconds spent waiting for it."""
+        if self.rank == 0:
+            assert inputs is not None
+            return inputs[i], 0.0
+        t0 = time.perf_counter()
+        x = await self._recv(self.prev, message_tag(step, "f", i))
+        return x, time.perf_counter() - t0
+
     async def _run_forwards(
         self, step: int, plan: list[Action], inputs: list[Any] | None, targets: list[Any] | None
     ) -> dict[str, Any]:
@@ -704,7 +709,7 @@ class Stage:
         gradients, the pending update and the optimizer are left as they are."""
         part = self.part
         assert part is not None
-        first, last = self.rank == 0, self.rank == self.num_stages - 1
+        last = self.rank == self.num_stages - 1
         evaluating = last and targets is not None
         if evaluating:
             assert targets is not None
@@ -721,13 +726,8 @@ class Stage:
         losses: dict[int, float] = {}
         for action in plan:
             i = action.microbatch
-            if first:
-                assert inputs is not None
-                x = inputs[i]
-            else:
-                t0 = time.perf_counter()
-                x = await self._recv(self.prev, message_tag(step, "f", i))
-                wait += time.perf_counter() - t0
+            x, waited = await self._input(step, i, inputs)
+            wait += waited
             if evaluating:
                 assert targets is not None
                 losses[i], dt = await self._part_code(action, _loss_of, part, x, targets[i])
