@@ -710,4 +710,6 @@ def _drop_stdout() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ._entry import exiting
+
+    sys.exit(exiting(main()))

@@ -12,15 +12,16 @@ def mse(y: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
     return float(np.mean(diff * diff)), (2 * diff / diff.size).astype(np.float32)
 
 
-def one_process_step(layers: list[Any], x: np.ndarray, y: np.ndarray) -> float:
+def one_process_step(layers: list[Any], x: np.ndarray, y: np.ndarray, loss_fn: Any = mse) -> float:
     """Forward the whole batch through ``layers`` (zero_grad/forward/backward/step objects),
-    mean squared error, backward, one optimizer step each; returns the loss."""
+    ``loss_fn`` (mean squared error) and its gradient, backward, one optimizer step each;
+    returns the loss."""
     h, ctxs = x, []
     for layer in layers:
         layer.zero_grad()
         h, ctx = layer.forward(h)
         ctxs.append(ctx)
-    loss, grad = mse(h, y)
+    loss, grad = loss_fn(h, y)
     for layer, ctx in zip(reversed(layers), reversed(ctxs), strict=True):
         grad = layer.backward(ctx, grad)
     for layer in layers:

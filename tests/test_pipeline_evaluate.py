@@ -345,6 +345,8 @@ async def test_a_torch_loss_that_is_no_scalar_fails_the_evaluation_naming_the_st
 
 @pytest.mark.timeout(60)
 async def test_evaluate_runs_one_at_a_time_with_step_and_forward() -> None:
+    """evaluate, forward and step run one at a time (BusyResourceError), and none runs on a
+    closed pipeline."""
     rng = np.random.default_rng(0)
     parts = [
         pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
@@ -357,7 +359,10 @@ async def test_evaluate_runs_one_at_a_time_with_step_and_forward() -> None:
             await asyncio.sleep(0)
             with pytest.raises(tensorwire.BusyResourceError):
                 await pipe.evaluate(x, y, microbatches=2)
+            with pytest.raises(tensorwire.BusyResourceError):
+                await pipe.forward(x, microbatches=2)
             await running
+            assert (await pipe.forward(x, microbatches=2)).shape == (64, 2)  # free again
             evaluating = asyncio.ensure_future(pipe.evaluate(x, y, microbatches=32))
             await asyncio.sleep(0)
             with pytest.raises(tensorwire.BusyResourceError):
@@ -372,3 +377,5 @@ async def test_evaluate_runs_one_at_a_time_with_step_and_forward() -> None:
                 await pipe.evaluate(x, y, microbatches=3, schedule=result.schedule)
         with pytest.raises(tensorwire.ClosedResourceError):
             await pipe.evaluate(x, y, microbatches=2)
+        with pytest.raises(tensorwire.ClosedResourceError):
+            await pipe.forward(x, microbatches=2)

@@ -183,26 +183,6 @@ async def test_a_stage_failing_a_forward_names_the_action_and_microbatch_and_bre
             assert (await pipe.step(x, np.zeros((8, 2), np.float32), microbatches=2)).loss > 0
 
 
-@pytest.mark.timeout(60)
-async def test_forward_and_step_run_one_at_a_time() -> None:
-    rng = np.random.default_rng(0)
-    parts = [
-        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
-        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
-    ]
-    x, y = rng.standard_normal((64, 4)).astype(np.float32), np.zeros((64, 2), np.float32)
-    async with stages(parts) as (addresses, driver):
-        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
-            running = asyncio.ensure_future(pipe.step(x, y, microbatches=32))
-            await asyncio.sleep(0)
-            with pytest.raises(tensorwire.BusyResourceError):
-                await pipe.forward(x, microbatches=2)
-            await running
-            await pipe.forward(x, microbatches=2)
-        with pytest.raises(tensorwire.ClosedResourceError):
-            await pipe.forward(x, microbatches=2)
-
-
 # -- forward-only schedules are schedules ---------------------------------------------------------
 def test_forward_only_schedules_are_data() -> None:
     sched = get_schedule("1f1b")(3, 4).forwards()

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _pipeline_fixtures import NumpyLinear, nodes, stages
-from _pipeline_reference import call_chain, mse
+from _pipeline_reference import call_chain, mse, one_process_step
 
 import tensorwire
 from tensorwire import pipeline
@@ -201,20 +201,6 @@ def numpy_tuple_layers(seed: int = 3) -> list[Any]:
     return [NumpyLinear(rng, 6, 6, tanh=True), Fork(rng, 6), Join(rng, 6)]
 
 
-def one_process(layers: list[Any], x: np.ndarray, y: np.ndarray) -> float:
-    h, ctxs = x, []
-    for layer in layers:
-        layer.zero_grad()
-        h, ctx = layer.forward(h)
-        ctxs.append(ctx)
-    loss, grad = tuple_mse(h, y)
-    for layer, ctx in zip(reversed(layers), reversed(ctxs), strict=True):
-        grad = layer.backward(ctx, grad)
-    for layer in layers:
-        layer.step()
-    return loss
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 async def test_numpy_layers_pass_tuples_and_get_tuples_of_gradients_with_none_leaves(schedule: str) -> None:
@@ -227,7 +213,7 @@ async def test_numpy_layers_pass_tuples_and_get_tuples_of_gradients_with_none_le
                 x = rng.standard_normal((n, 6)).astype(np.float32)
                 y = rng.standard_normal((n, 2)).astype(np.float32)
                 result = await pipe.step(x, y, microbatches=4, schedule=schedule)
-                assert result.loss == pytest.approx(one_process(reference, x, y), rel=RTOL)
+                assert result.loss == pytest.approx(one_process_step(reference, x, y, tuple_mse), rel=RTOL)
             states = await pipe.state()
     for s, (state, layer) in enumerate(zip(states, reference, strict=True)):
         want = layer.state()

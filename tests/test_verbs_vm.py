@@ -233,6 +233,8 @@ class GuestRuns:
         pair = "\n".join(line for i, line in enumerate(lines) if i <= at or not line.startswith("[a] "))
         # as "[guest] ..." lines, as a guest of its own for the suite printed them
         suite = [f"[guest] {line[4:]}" for line in lines[at + 1 :] if line.startswith("[a] ")]
+        # what the host adds after the guests' lines (a "(killed after N s)" note) is both runs'
+        suite += [line for line in lines[at + 1 :] if not line.startswith(("[a] ", "[b] "))]
         suite_rc = next((int(line.rsplit(" ", 1)[1]) for line in suite if line.startswith("[guest] exit code ")), 99)
         return {"single": self._stacks(suite_rc, "\n".join(suite), bool(pypi_build)), "pair": (pair_rc, pair)}
 
