@@ -710,6 +710,4 @@ def _drop_stdout() -> None:
 
 
 if __name__ == "__main__":
-    from ._entry import exiting
-
-    sys.exit(exiting(main()))
+    sys.exit(main())

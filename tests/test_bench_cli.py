@@ -498,3 +498,17 @@ async def test_a_node_on_localhost_benches_a_client_over_either_loopback() -> No
                 await peer.aclose()
                 async with asyncio.timeout(10):
                     await task
+
+
+@pytest.mark.timeout(90)
+def test_the_installed_command_runs_a_bench_and_exits_cleanly() -> None:
+    """What the ``tensorwire`` script runs (``tensorwire._entry:main``, pyproject.toml), not
+    ``python -m tensorwire.cli`` as the other tests, with UCX logging (which it does as its
+    objects go): a ``gc.freeze()`` on the way out (to skip the last collection) left them to
+    the interpreter's teardown, and the bench died of SIGSEGV at exit, after its report."""
+    entry = [sys.executable, "-c", "import sys; from tensorwire._entry import main; sys.exit(main())"]
+    env = {**os.environ, "UCX_LOG_LEVEL": "info"}
+    out = subprocess.run([*entry, "bench", "--sizes", "4K", "--seconds", "0.1", "--json"],
+                         capture_output=True, text=True, timeout=45, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    _check_report(json.loads(out.stdout), [4096], transport=json.loads(out.stdout)["path"]["transport"])
