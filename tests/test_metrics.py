@@ -372,3 +372,24 @@ def test_each_layers_tags_are_its_traffic_and_lie_in_the_reserved_range() -> Non
     assert [(tag, _metrics.traffic_of(tag)) for tag, _ in cases] == cases
     for tags, name in _metrics._traffic:
         assert RESERVED_TAGS.start <= tags.start and tags.stop <= RESERVED_TAGS.stop, (name, tags)
+
+
+async def test_counting_transfers_can_be_switched_off_and_on() -> None:
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as na,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as nb,
+    ):
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        try:
+            metrics.count_transfers(False)
+            before = metrics.snapshot()
+            await a.send(np.ones(10), tag=1)
+            await b.recv(tag=1)
+            assert metrics.snapshot().transfers == before.transfers
+        finally:
+            metrics.count_transfers(True)
+        await a.send(np.ones(10), tag=1)
+        await b.recv(tag=1)
+        after = metrics.snapshot()
+    assert after.bytes("send", "tcp", "messages") - before.bytes("send", "tcp", "messages") == 80
