@@ -51,6 +51,16 @@ class NumpyLinear:
         return {"w": self.w.copy(), "b": self.b.copy()}
 
 
+class CountingLinear(NumpyLinear):
+    """A NumpyLinear that counts the forwards of every instance (reset ``forwards`` to 0 first)."""
+
+    forwards = 0
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        CountingLinear.forwards += 1
+        return super().forward(x)
+
+
 @contextlib.asynccontextmanager
 async def nodes(
     n: int, transport: str = "tcp", *, only: dict[int, dict[str, Any]] | None = None, **options: Any

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _pipeline_fixtures import NumpyLinear, nodes, stages
+from _pipeline_fixtures import CountingLinear, NumpyLinear, nodes, stages
 from _pipeline_reference import mse
 
 import tensorwire
@@ -238,43 +238,35 @@ async def test_a_part_without_infer_loss_evaluates_through_forward_loss_unweight
 
 
 # -- errors ---------------------------------------------------------------------------------------
-class _Counts(NumpyLinear):
-    forwards = 0
-
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        _Counts.forwards += 1
-        return super().forward(x)
-
-
 @pytest.mark.timeout(60)
 async def test_a_pipeline_without_a_loss_refuses_evaluate_before_any_stage_runs() -> None:
     rng = np.random.default_rng(0)
-    layers = [_Counts(rng, 6, 6, tanh=True), _Counts(rng, 6, 2, tanh=False)]
+    layers = [CountingLinear(rng, 6, 6, tanh=True), CountingLinear(rng, 6, 2, tanh=False)]
     x, y = rng.standard_normal((8, 6)).astype(np.float32), np.zeros((8, 2), np.float32)
     async with stages([pipeline.FunctionPart(layer) for layer in layers]) as (addresses, driver):
         async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
-            _Counts.forwards = 0
+            CountingLinear.forwards = 0
             with pytest.raises(
                 tensorwire.ConfigurationError,
                 match=r"stage 1 \(.*\) is the last stage and its part has no loss: this pipeline serves "
                 r"Pipeline.forward, not Pipeline.evaluate",
             ):
                 await pipe.evaluate(x, y, microbatches=2)
-            assert _Counts.forwards == 0  # refused at the driver: no stage ran, none is broken
+            assert CountingLinear.forwards == 0  # refused at the driver: no stage ran, none is broken
             assert (await pipe.forward(x, microbatches=2)).shape == (8, 2)
 
 
 @pytest.mark.timeout(60)
 async def test_a_batch_evaluate_cannot_send_is_refused_before_any_stage_runs() -> None:
     rng = np.random.default_rng(0)
-    layers = [_Counts(rng, 64, 64, tanh=True), _Counts(rng, 64, 64, tanh=False)]
+    layers = [CountingLinear(rng, 64, 64, tanh=True), CountingLinear(rng, 64, 64, tanh=False)]
     parts = [pipeline.FunctionPart(layers[0]), pipeline.FunctionPart(layers[1], loss=mse)]
     x = rng.standard_normal((32, 64)).astype(np.float32)  # 8192 bytes
     y = np.zeros((32, 64), np.float32)  # 8192 bytes, for the last stage
     async with nodes(3) as ns, pipeline.Stage(ns[0], parts[0]), pipeline.Stage(ns[1], parts[1]):
         ns[1].methods.limits = CallLimits(max_inflight_bytes=4096)  # the last stage's node: targets count
         async with await pipeline.Pipeline.connect(ns[2], [ns[0].address, ns[1].address]) as pipe:
-            _Counts.forwards = 0
+            CountingLinear.forwards = 0
             with pytest.raises(
                 tensorwire.MessageRefused, match=r"to stage 1 .* 8192 bytes of microbatches, past the 4096"
             ):
@@ -283,7 +275,7 @@ async def test_a_batch_evaluate_cannot_send_is_refused_before_any_stage_runs() -
                 await pipe.evaluate(x, y[:31], microbatches=2)
             with pytest.raises(tensorwire.UnsupportedTensorError, match="the target of microbatch 0 cannot be sent"):
                 await pipe.evaluate(x, [object()] * 32, microbatches=2)
-            assert _Counts.forwards == 0
+            assert CountingLinear.forwards == 0
             # nothing broke: a batch within the limits evaluates
             assert (await pipe.evaluate(x[:8], y[:8], microbatches=2)).loss > 0
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _pipeline_fixtures import NumpyLinear, stages
+from _pipeline_fixtures import CountingLinear, NumpyLinear, stages
 from _pipeline_reference import mse
 
 import tensorwire
@@ -207,34 +207,24 @@ def test_forward_only_schedules_are_data() -> None:
 
 
 # -- an inference-only pipeline: no loss on the last stage ----------------------------------------
-class _Counts(NumpyLinear):
-    """A numpy layer that counts its forwards."""
-
-    forwards = 0
-
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        _Counts.forwards += 1
-        return super().forward(x)
-
-
 @pytest.mark.timeout(60)
 async def test_a_pipeline_without_a_loss_serves_forward_and_refuses_a_step_before_any_stage_runs() -> None:
     """Configure refused a last stage without a loss ('stage 1 is the last stage but its part
     has no loss'), so a model served for inference alone could not be connected at all."""
     rng = np.random.default_rng(0)
-    layers = [_Counts(rng, 6, 6, tanh=True), _Counts(rng, 6, 2, tanh=False)]
+    layers = [CountingLinear(rng, 6, 6, tanh=True), CountingLinear(rng, 6, 2, tanh=False)]
     reference = copy.deepcopy(layers)
     x = rng.standard_normal((8, 6)).astype(np.float32)
     want = reference[1].forward(reference[0].forward(x)[0])[0]
     async with stages([pipeline.FunctionPart(layer) for layer in layers]) as (addresses, driver):
         async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
             np.testing.assert_allclose(await pipe.forward(x, microbatches=2), want, rtol=RTOL, atol=1e-6)
-            _Counts.forwards = 0
+            CountingLinear.forwards = 0
             with pytest.raises(
                 tensorwire.ConfigurationError, match=r"stage 1 \(.*\) is the last stage and its part has no loss"
             ):
                 await pipe.step(x, np.zeros((8, 2), np.float32), microbatches=2)
-            assert _Counts.forwards == 0  # refused at the driver: no stage ran, none is broken
+            assert CountingLinear.forwards == 0  # refused at the driver: no stage ran, none is broken
             np.testing.assert_allclose(await pipe.forward(x, microbatches=4), want, rtol=RTOL, atol=1e-6)
 
 
