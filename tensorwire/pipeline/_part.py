@@ -255,6 +255,14 @@ class TorchPart(Part):
             t.requires_grad_(True)
         return t
 
+    def _leaves(self, x: Any, needs_input_grad: bool) -> Any:
+        """``x`` as the module (or the loss) gets it: a tuple or dict leaf by leaf (``_leaf``),
+        anything else one tensor (a list of samples becomes one)."""
+        if isinstance(x, (tuple, dict)):
+            return tree_map(lambda v: self._leaf(v, needs_input_grad), x)
+        torch = self._torch
+        return self._leaf(x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x)), needs_input_grad)
+
     def _input(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
         """(the leaves whose gradients go back, what the module gets): one tensor (a list of
         samples becomes one), or a tuple or dict of leaves (positional or keyword arguments).
@@ -264,11 +272,7 @@ class TorchPart(Part):
         self._enter()
         if isinstance(x, dict):
             _check_keywords(x, "the stage's input")
-        if isinstance(x, (tuple, dict)):
-            leaves = tree_map(lambda v: self._leaf(v, needs_input_grad), x)
-        else:
-            torch = self._torch
-            leaves = self._leaf(x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x)), needs_input_grad)
+        leaves = self._leaves(x, needs_input_grad)
         if not needs_input_grad:
             return leaves, leaves
         identity = _identity(self._torch)
@@ -351,14 +355,7 @@ class TorchPart(Part):
     def _target(self, target: Any) -> Any:
         """A microbatch's target as the loss gets it: a tensor (an array becomes one), or a tuple
         or dict of them, on the module's device."""
-        torch = self._torch
-        if isinstance(target, (tuple, dict)):
-            return tree_map(lambda v: self._leaf(v, False), target)
-        if not isinstance(target, torch.Tensor):
-            target = torch.as_tensor(np.asarray(target))
-        if self.device is not None and target.device != self.device:
-            target = target.to(self.device)
-        return target
+        return self._leaves(target, False)
 
     def forward_loss(self, x: Any, target: Any, weight: float, needs_input_grad: bool) -> tuple[float, Any]:
         if self.loss is None:

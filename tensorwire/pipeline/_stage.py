@@ -89,7 +89,6 @@ METHODS = (
     "tw.pipeline.release",
     "tw.pipeline.settle",
 )
-_DRIVER_TAG = "tw.pipeline/driver"  # a tag nobody sends on: a receive on it ends with the connection
 _ABORT_SEND_SECONDS = 2.0
 _COMMIT_GRACE = 2.0  # how long a new configure waits for the old driver's commit of a finished step
 
@@ -427,9 +426,16 @@ class Stage:
         wait for the next driver. A step of that driver still holding its commit keeps it (the
         next driver settles it); a step under way is cut short first (the connection's calls
         are cancelled with it)."""
-        with contextlib.suppress(TensorWireError):
-            while True:  # the driver never sends on this tag: the receive ends with its connection
-                await driver.recv(tag=_DRIVER_TAG)
+        gone = asyncio.get_running_loop().create_future()
+
+        def ended(_exc: BaseException | None) -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        driver.channel.add_close_callback(ended)
+        if driver.closed:
+            ended(None)
+        await gone
         if self._ticket != ticket or self._closed:
             return
         if self._task is not None:
@@ -636,10 +642,7 @@ class Stage:
             # gradients, no update
             return await self._run_forwards(step, plan, inputs, targets if last else None)
         if last and not part.has_loss:
-            raise ConfigurationError(
-                f"stage {self.rank} is the last stage and its part has no loss: it serves Pipeline.forward, "
-                "not training steps (give its part a loss=)"
-            )
+            raise self._no_loss("training steps")
         if last and (targets is None or weights is None or len(targets) != m or len(weights) != m):
             raise ConfigurationError(f"the last stage needs {m} targets and weights")
         self._pending = None  # an earlier step the driver never committed: its gradients go
@@ -690,6 +693,12 @@ class Stage:
             "wall_s": time.perf_counter() - t_start,
         }
 
+    def _no_loss(self, what: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"stage {self.rank} is the last stage and its part has no loss: it serves Pipeline.forward, "
+            f"not {what} (give its part a loss=)"
+        )
+
     async def _input(self, step: int, i: int, inputs: list[Any] | None) -> tuple[Any, float]:
         """Microbatch ``i``'s input: the driver's (first stage), else the previous stage's
         activation; and the seconds spent waiting for it."""
@@ -714,10 +723,7 @@ class Stage:
         if evaluating:
             assert targets is not None
             if not part.has_loss:
-                raise ConfigurationError(
-                    f"stage {self.rank} is the last stage and its part has no loss: it serves Pipeline.forward, "
-                    "not Pipeline.evaluate (give its part a loss=)"
-                )
+                raise self._no_loss("Pipeline.evaluate")
             if len(targets) != len(plan):
                 raise ConfigurationError(f"the last stage needs {len(plan)} targets, got {len(targets)}")
         t_start = time.perf_counter()

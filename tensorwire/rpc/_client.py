@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..control._pb import wire_pb2
 from ..errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -207,38 +206,8 @@ def _request(
     if nbytes <= INLINE_BYTES:
         head[:] = meta(call_id, left, kind, -1, window)
         return whole, None
-    return encode((meta(call_id, left, kind, nbytes, window), name)), _apart(whole, nbytes)
-
-
-def _apart(whole: Outgoing, nbytes: int) -> Outgoing:
-    """The arguments alone, ``(args, kwargs)``, taken out of ``whole`` (``(meta, name, args,
-    kwargs)``) as they are: its tree's last two items, their tensors numbered from 0 (the meta
-    tensor, the first, left behind), its specs and arrays but the first. The same message as
-    flattening ``(args, kwargs)`` again would make."""
-    tree = wire_pb2.TreeNode()
-    items = tree.tuple.items
-    for node in whole.tree.tuple.items[2:]:
-        _renumbered(items.add(), node)
-    return Outgoing(
-        tree, whole.specs[1:], whole.arrays[1:], whole.packed, nbytes, on_device=whole.on_device, memory=whole.memory
-    )
-
-
-def _renumbered(dst: wire_pb2.TreeNode, src: wire_pb2.TreeNode) -> None:
-    """``dst`` made a copy of ``src`` whose tensor leaves point one tensor lower."""
-    dst.CopyFrom(src)
-    stack = [dst]
-    while stack:
-        node = stack.pop()
-        kind = node.WhichOneof("kind")
-        if kind == "tensor":
-            node.tensor -= 1
-        elif kind == "tuple":
-            stack.extend(node.tuple.items)
-        elif kind == "list":
-            stack.extend(node.list.items)
-        elif kind == "dict":
-            stack.extend(node.dict.values)  # (keys are scalars)
+    # the arguments alone, (args, kwargs): the same message as flattening them again would make
+    return encode((meta(call_id, left, kind, nbytes, window), name)), whole.items_from(2)
 
 
 async def _next_reply(channel: Channel, tag: int) -> tuple[tuple[Any, ...], Receipt]:

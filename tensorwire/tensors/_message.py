@@ -116,6 +116,26 @@ class Outgoing:
         """The payload in order: host byte views and device tensors (empty tensors omitted)."""
         return [a if isinstance(a, DeviceTensor) else byte_view(a) for a in self.arrays if a.nbytes]
 
+    def items_from(self, start: int) -> Outgoing:
+        """A message of a tuple message's items from ``start`` on, as flattening that shorter
+        tuple would make it, without flattening (or packing) anything again: the same arrays,
+        the tensors numbered from the first of those items."""
+        items = self.tree.tuple.items
+        skipped = sum(_tensor_count(node) for node in items[:start])
+        tree = wire_pb2.TreeNode()
+        for node in items[start:]:
+            _renumber(tree.tuple.items.add(), node, skipped)
+        arrays = self.arrays[skipped:]
+        return Outgoing(
+            tree,
+            self.specs[skipped:],
+            arrays,
+            self.packed,
+            sum(a.nbytes for a in arrays),
+            on_device=self.on_device,
+            memory=self.memory,
+        )
+
     async def to_host(self) -> None:
         """Copy every device tensor's bytes into host memory of our own (for transports that
         cannot read device memory); waits for each producer's event on a copy lane."""
@@ -128,6 +148,34 @@ class Outgoing:
         self.arrays = arrays
         self.on_device = False
         self.staged = True
+
+
+def _tensor_nodes(root: wire_pb2.TreeNode) -> list[wire_pb2.TreeNode]:
+    """Every tensor leaf of a tree (dict keys are scalars, never tensors)."""
+    found, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        kind = node.WhichOneof("kind")
+        if kind == "tensor":
+            found.append(node)
+        elif kind == "tuple":
+            stack.extend(node.tuple.items)
+        elif kind == "list":
+            stack.extend(node.list.items)
+        elif kind == "dict":
+            stack.extend(node.dict.values)
+    return found
+
+
+def _tensor_count(node: wire_pb2.TreeNode) -> int:
+    return len(_tensor_nodes(node))
+
+
+def _renumber(dst: wire_pb2.TreeNode, src: wire_pb2.TreeNode, lower: int) -> None:
+    """``dst`` made a copy of ``src`` whose tensor leaves point ``lower`` tensors lower."""
+    dst.CopyFrom(src)
+    for node in _tensor_nodes(dst):
+        node.tensor -= lower
 
 
 def _c_strides(shape: tuple[int, ...]) -> list[int]:
