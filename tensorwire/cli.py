@@ -306,7 +306,8 @@ async def _metrics_served(address: str | None) -> AsyncIterator[None]:
         return
     from . import metrics
 
-    async with metrics.serve(address) as server:
+    # (serve resolves the host and binds: in a thread, not on the loop)
+    async with await asyncio.to_thread(metrics.serve, address) as server:
         print(f"tensorwire metrics at http://{server.address}/metrics", flush=True)
         yield
 

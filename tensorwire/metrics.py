@@ -243,7 +243,9 @@ class MetricsServer:
 def serve(address: str = "127.0.0.1:0", *, registry: Any = None) -> MetricsServer:
     """Serve ``registry`` (prometheus_client's default one, with tensorwire's metrics
     registered in it, when None) at ``http://address/metrics``. Port 0 picks a free port: read
-    ``server.address``. ConfigurationError for a bad address or one that cannot be bound."""
+    ``server.address``. ConfigurationError for a bad address or one that cannot be bound. It
+    resolves the host and binds before it returns: from async code, ``await
+    asyncio.to_thread(serve, address)`` keeps a name lookup off the event loop."""
     host, port = _split_address(address)
     prometheus = _prometheus()
     if registry is None:
