@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from _pipeline_fixtures import NumpyLinear, nodes, stages
 from _pipeline_reference import mse, one_process_step
+from _polling import eventually
 
 import tensorwire
 from tensorwire import pipeline
@@ -266,6 +267,40 @@ async def test_two_drivers_connecting_at_once_one_wins() -> None:
                 await first.step(x, y, microbatches=4)
             await first.aclose()  # refused too: the new driver's links stay
             assert (await second.step(x, y, microbatches=4)).loss > 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_connect_its_caller_cancels_leaves_no_stage_linked() -> None:
+    # stage 0 builds its part slowly, so stage 1 has linked to stage 2 and waits for stage 0's
+    # hello when the driver's caller gives up. The old stage 1 kept its link to stage 2 (and
+    # the connection under it) until the next driver configured it
+    ls = layers(3)
+
+    def slow_build(rank: int, num_stages: int) -> pipeline.FunctionPart:
+        time.sleep(1.0)
+        return parts(ls)[rank]
+
+    async with nodes(4) as ns:
+        first = pipeline.Stage(ns[0], build=slow_build, offload=True)
+        others = [pipeline.Stage(n, part) for n, part in zip(ns[1:3], parts(ls)[1:], strict=True)]
+        async with first, others[0], others[1]:
+            addresses = [n.address for n in ns[:3]]
+            stage_peers = [n.node_id for n in ns[:3]]
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.6):
+                    await pipeline.Pipeline.connect(ns[3], addresses)
+
+            def unlinked() -> bool:
+                linked = [s for s in (first, *others) if s.prev is not None or s.next is not None]
+                between = [p for n in ns[:3] for p in n.peers if not p.closed and p.remote_node in stage_peers]
+                return not linked and not between
+
+            await eventually(unlinked, seconds=5)
+            await asyncio.sleep(1.0)  # stage 0's build ends meanwhile; nothing links afterwards
+            assert unlinked()
+            async with await pipeline.Pipeline.connect(ns[3], addresses) as pipe:
+                x, y = batch()
+                assert (await pipe.step(x, y, microbatches=2)).loss > 0
 
 
 @pytest.mark.timeout(60)

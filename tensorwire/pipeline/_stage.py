@@ -367,13 +367,18 @@ class Stage:
                 if prev_node is not None:
                     peer = await self._wait_for(prev_node, _hello_tag(key))
                     self.prev = _Link(rank - 1, peer, prev_address or peer.remote_address)
-        except TimeoutError:
+        except BaseException as exc:
             waiting = (
                 f"connecting to the next stage at {next_address}"
                 if self.next is None and next_address is not None
                 else "waiting for the previous stage to connect"
             )
-            raise ConnectTimeout(f"stage {rank}: linking took longer than {connect_seconds} s, {waiting}") from None
+            # cut short (a timeout, the driver's caller gave up, a newer driver came): a link
+            # made so far would hold its connection until the next configure
+            await asyncio.shield(self._drop_links())
+            if isinstance(exc, TimeoutError):
+                raise ConnectTimeout(f"stage {rank}: linking took longer than {connect_seconds} s, {waiting}") from None
+            raise
         for link in self.links:
             link.watcher = asyncio.get_running_loop().create_task(self._watch(link), name=f"tw.pipeline watch {link}")
         driver = self.node._session_peer(driver_session) if driver_session is not None else None
