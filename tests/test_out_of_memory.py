@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
@@ -70,8 +71,17 @@ def _pattern(n: int) -> np.ndarray:
 
 
 async def _child(script: str, *args: str) -> asyncio.subprocess.Process:
+    # one malloc arena: glibc reserves 64 MiB of address space for each thread's own arena when
+    # that thread first allocates, and a native thread (OpenBLAS's, started by numpy's import)
+    # that got round to it only after cap() measured took 64 MiB of the headroom (1 run in ~20
+    # on a busy machine, with the staging pool's 64 MiB chunk refused)
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _PRELUDE + textwrap.dedent(script), *args, stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        "-c",
+        _PRELUDE + textwrap.dedent(script),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "MALLOC_ARENA_MAX": "1"},
     )
 
 
