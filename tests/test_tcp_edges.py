@@ -12,6 +12,7 @@ import socket
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire.testing import connected_pair
@@ -162,3 +163,43 @@ async def test_a_small_payload_read_through_the_read_ahead_buffer_is_not_reporte
             got, _, received = await exchange(a, b, src, out, "recv-first")
             assert got is out and (out["x"] == 3).all()
             assert received.direct is direct and not received.staged, (n, received)
+
+
+async def test_a_device_message_its_sender_withdrew_writes_nothing_into_out_after_the_recv_is_cancelled() -> None:
+    """A recv into a "device" out= (the host engine, copies slower than the network) whose sender
+    cancels part way waits for the next message; the user then cancels it. The copies of the
+    withdrawn message's chunks queued into out= must not run after that cancellation returns.
+    Before, the landing of the withdrawn message was dropped as it was: its copies kept writing
+    into out= (7 chunks here) after the cancel returned, and its lane was never given back."""
+    from tensorwire._peer import tag_id
+    from tensorwire.memory import HostEngine
+    from tensorwire.tensors import EngineArray
+
+    src_engine, dst_engine = HostEngine(), HostEngine(copy_delay=0.01)
+    src_engine.pool("out").configure(64 << 10, 8)
+    dst_engine.pool("in").configure(64 << 10, 8)
+    n = 64 << 20
+    try:
+        async with connected_pair("tcp", limits=tensorwire.Limits(recv_buffer_bytes=0)) as (a, b):
+            out = EngineArray(dst_engine, np.zeros(n, np.uint8))
+            recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+            await asyncio.sleep(0.05)
+            send = asyncio.ensure_future(a.send(EngineArray(src_engine, np.ones(n, np.uint8)), tag="t"))
+            await asyncio.sleep(0.15)  # part way: the receiver's copies lag behind the socket
+            send.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await send
+            # the ABORT came: the recv waits for the next message (its copies into out= still queued)
+            await eventually(lambda: b.channel.mailbox.has_posted(tag_id("t")), 20, 0.0005)
+            assert not recv.done()
+            recv.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await recv
+            landed = out.array.copy()
+            assert 0 < landed.sum() < n
+            await asyncio.sleep(0.3)  # longer than a pool's worth of queued copies
+            assert np.array_equal(out.array, landed), "out= was written after the recv's cancel returned"
+            assert dst_engine._lanes, "the withdrawn message's lane was never given back"
+    finally:
+        src_engine.close()
+        dst_engine.close()

@@ -290,6 +290,19 @@ class Arrival:
     def fail(self, exc: BaseException) -> None:
         _settle(self.done, exc)
 
+    def let_go(self) -> None:
+        """The message failed part way (its sender withdrew it, or the channel broke): the device
+        copies already queued into its destination (the caller's out=, or device buffers of ours
+        now dropped) come before their streams' next work (engines without streams wait here, as
+        in ``detach``), and the landing's lanes go back."""
+        landing, self.landing = self.landing, None
+        if landing is None:
+            return
+        for d in self.dest or ():
+            if isinstance(d, DeviceTensor):
+                landing.hand_back(d)
+        landing.finish_now([])
+
 
 def _match(out: object, arrival: Arrival, streams: Streams | None) -> list[np.ndarray | DeviceTensor]:
     """``match_out`` for ``arrival``, whatever the caller's out= object raises (a dict whose
@@ -583,11 +596,14 @@ class Mailbox:
                 try:
                     return await self._complete(arrival, out, targets, t0, want, streams)
                 except SenderAborted:
+                    arrival.let_go()
                     first = True
                     continue
                 except BaseException:
                     failed = arrival.done.done() and arrival.done.exception() is not None
-                    if not failed and not arrival.consumed:
+                    if failed:
+                        arrival.let_go()
+                    elif not arrival.consumed:
                         self._requeue(arrival)
                     raise
                 finally:
