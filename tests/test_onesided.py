@@ -161,6 +161,37 @@ async def test_read_only_and_strided_out_buffers() -> None:
         assert np.array_equal(await b.read(h), kv)  # nothing of the refused read lingers
 
 
+async def test_read_only_host_engine_memory_is_neither_written_nor_received_into() -> None:
+    """A read-only array posing as device memory (``EngineArray``) is exposed read-only, and
+    refused as a read's or a recv's out=, as a read-only host array is. Before, it counted as
+    writable: the owner's host-engine lane thread died on the copy into it, and the write (and
+    the owner's ``unexpose``, waiting for that write) hung for good."""
+    from tensorwire.memory import HostEngine
+    from tensorwire.tensors import EngineArray
+
+    engine = HostEngine()
+    try:
+        async with connected_pair("tcp") as (a, b):
+            frozen = np.zeros(100_000, np.uint8)
+            frozen.flags.writeable = False
+            a.node.expose(EngineArray(engine, frozen), name="ro")
+            h = await b.lookup("ro")
+            assert not h.writable
+            async with asyncio.timeout(10):
+                with pytest.raises(tensorwire.HandleNotFound, match="read-only"):
+                    await b.write(h, np.ones(100_000, np.uint8))
+                with pytest.raises(tensorwire.TensorWireError, match="read-only"):
+                    await b.read(h, out=EngineArray(engine, frozen))
+                await a.node.unexpose("ro")  # no write of it is left under way
+                await a.send(np.ones(100_000, np.uint8), tag="t")
+                with pytest.raises(tensorwire.TensorWireError, match="read-only"):
+                    await b.recv(tag="t", out=EngineArray(engine, frozen))
+                assert (await b.recv(tag="t") == 1).all()  # the refused message stayed for the next recv
+            assert not frozen.any()
+    finally:
+        engine.close()
+
+
 async def test_cancelled_read_never_writes_out_after_cancel() -> None:
     async with connected_pair("tcp") as (a, b):
         src = np.full(64 << 20, 3, np.uint8)

@@ -405,6 +405,7 @@ def device_source(obj: object) -> DeviceSource | None:
             tuple(a.strides),
             True,
             obj.stream,
+            "" if a.flags.writeable else "its array is read-only",
         )
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
