@@ -441,6 +441,48 @@ async def test_raising_max_concurrent_lets_a_waiting_request_in(transport: str) 
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("shrink", ["max_inflight_bytes", "max_arg_bytes"])
+async def test_limits_lowered_below_a_call_waiting_for_bytes_refuse_it_as_invalid(transport: str, shrink: str) -> None:
+    """A call waiting for argument bytes when the limits drop below its arguments is refused as
+    a new call would be (InvalidArguments), not a RemoteError of the server's ConfigurationError,
+    nor run with arguments past the new max_arg_bytes once it gets the bytes."""
+    async with connected_pair(transport) as (a, b):
+        b.node.methods.limits = CallLimits(max_inflight_bytes=3 << 20)
+        gate = asyncio.Event()
+        ran: list[int] = []
+
+        @b.node.method()
+        async def hold(x: np.ndarray) -> int:
+            ran.append(x.nbytes)
+            await gate.wait()
+            return int(x.nbytes)
+
+        x = np.ones(2 << 20, np.uint8)  # over INLINE_BYTES: counted before it moves
+        first = asyncio.ensure_future(a.call("hold", x))
+        await _eventually(lambda: len(ran) == 1)
+        second = asyncio.ensure_future(a.call("hold", x))
+        budget = b.node.methods.budget
+        await _eventually(lambda: len(budget._waiters) == 1)
+        if shrink == "max_inflight_bytes":
+            b.node.methods.limits = CallLimits(max_inflight_bytes=1 << 20)
+        else:
+            b.node.methods.limits = CallLimits(max_inflight_bytes=3 << 20, max_arg_bytes=1 << 20)
+            gate.set()  # the first ends; the second gets its bytes under the new limit
+        try:
+            with pytest.raises(tensorwire.InvalidArguments, match="limit"):
+                await _within(5, "the waiting call", second)
+            gate.set()
+            assert await _within(5, "the running call", first) == x.nbytes
+        finally:
+            gate.set()
+            first.cancel()
+            second.cancel()
+        assert ran == [x.nbytes]
+        await _settled(a, b)
+        assert budget.free == budget.total and b.node.methods.slots.used == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_queued_request_its_caller_gave_up_on_is_answered_at_once(transport: str) -> None:
     """max_concurrent=1 and a call holding it: a queued call whose deadline runs out is answered
     without waiting for a slot, so its room at the caller comes back while the first still runs."""
@@ -459,6 +501,45 @@ async def test_a_queued_request_its_caller_gave_up_on_is_answered_at_once(transp
         slow.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await slow
+        await _settled(a, b)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_reply_that_comes_after_the_drain_gave_up_is_still_taken(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call given up on while its request waits unread behind another queued one (the node
+    saturated for longer than DRAIN_SECONDS) is answered once the node reads it: that answer is
+    still taken at the caller, not left unread for good, holding one of its message slots."""
+    monkeypatch.setattr(_client, "DRAIN_SECONDS", 0.3)
+    async with connected_pair(transport) as (a, b):
+        _register(b.node)
+        b.node.methods.limits = CallLimits(max_concurrent=1)
+        gate = asyncio.Event()
+
+        @b.node.method()
+        async def hold() -> str:
+            await gate.wait()
+            return "held"
+
+        server = server_of(b)
+        assert server is not None
+        first = asyncio.ensure_future(a.call("hold"))
+        await _eventually(lambda: b.node.methods.slots.used == 1)
+        queued = asyncio.ensure_future(a.call("add", 1, 2))  # read: its reader waits for the slot
+        await _eventually(lambda: len(server.calls) == 2)
+        try:
+            with pytest.raises(tensorwire.DeadlineExceeded):  # unread behind the queued one
+                await _within(5, "a call behind a queued one", a.call("add", 3, 4, _deadline=0.05))
+            await asyncio.sleep(0.6)  # past the caller's drain
+        finally:
+            gate.set()
+        assert await _within(5, "the first call", first) == "held"
+        assert await _within(5, "the queued call", queued) == 3
+        # the node has read and answered the call given up on; a round trip makes sure that
+        # answer has reached the caller, where it must have been taken, not left unread
+        await _eventually(lambda: not server.calls and not b.channel.mailbox._arrived)
+        assert await _within(5, "a call afterwards", a.call("add", 5, 6)) == 11
         await _settled(a, b)
 
 

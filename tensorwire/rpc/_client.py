@@ -276,7 +276,7 @@ def _finish(peer: Peer, call_id: int, progress: _Progress, release: Callable[[],
         # room back now; the drain receives whatever does come, so nothing piles up unread.
         release()
         release = _nothing
-    peer._spawn(_cancel_and_drain(peer.channel, call_id, progress.args, release))
+    peer._spawn(_cancel_and_drain(peer.channel, call_id, progress.args, release, owed=progress.whole))
 
 
 def _nothing() -> None:
@@ -288,17 +288,33 @@ def _nothing() -> None:
 _NO_REPLY = np.empty(0, np.uint8)
 
 
-async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState, release: Callable[[], None]) -> None:
+async def _cancel_and_drain(
+    channel: Channel, call_id: int, args: ArgsState, release: Callable[[], None], *, owed: bool
+) -> None:
     """Tell the server to cancel, then take and drop what the call still gets, up to its terminal
     reply. A reply that waits for our go-ahead (rendezvous) is never given it: the server is told
     to take it back (WITHDRAW) and ends the call with CANCELLED instead, so none of its bytes
     move, and a reply we have no memory for does not hold its send, its slot and its tensors at
     the server for good; one that came eager and waits unread for want of memory is dropped
-    here unread (``Channel.discard``), which completes the server's send."""
+    here unread (``Channel.discard``), which completes the server's send.
+    The call's room comes back once that terminal reply is in, DRAIN_SECONDS at the latest. When
+    the request reached the server (``owed``) the drain goes on past that until the terminal
+    reply comes or the channel fails: the server answers every request it reads, however late
+    (saturated for longer than that, the request waited unread), and that answer must not stay
+    unread here for good, holding a message slot (and, eager, its memory)."""
     tag = reply_tag(call_id)
     withdrawn = False
+    released = False
+
+    def give_back() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            release()
+
+    late = asyncio.get_running_loop().call_later(DRAIN_SECONDS, give_back)
     try:
-        async with asyncio.timeout(DRAIN_SECONDS):
+        async with asyncio.timeout(None if owed else DRAIN_SECONDS):
             await channel.send(CONTROL_TAG, prepare((int(Control.CANCEL), call_id, int(args))))
             if args is ArgsState.INTERRUPTED:
                 # the cut-short arguments may or may not have arrived: a tombstone tells the server
@@ -328,7 +344,8 @@ async def _cancel_and_drain(channel: Channel, call_id: int, args: ArgsState, rel
     except (TensorWireError, TimeoutError):
         pass
     finally:
-        release()
+        late.cancel()
+        give_back()
 
 
 def _unpulled(channel: Channel, tag: int) -> Arrival | None:

@@ -30,6 +30,7 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import (
+    ConfigurationError,
     DeadlineExceeded,
     InvalidArguments,
     MessageRefused,
@@ -89,6 +90,15 @@ def not_found(registry: MethodRegistry, name: str) -> MethodNotFound:
     names = sorted(registry)
     offered = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
     return MethodNotFound(f"no method named {name[:256]!r}; this node offers: {offered or 'none'}")
+
+
+def _check_arg_bytes(registry: MethodRegistry, method: Method, nbytes: int) -> None:
+    """InvalidArguments if ``nbytes`` of arguments break the limits that hold now."""
+    limit = registry.arg_limit(method)
+    if nbytes > limit:
+        raise InvalidArguments(
+            f"the arguments of {method.name!r} carry {nbytes} tensor bytes; the limit here is {limit}"
+        )
 
 
 def _code(exc: BaseException) -> Code:
@@ -337,11 +347,7 @@ class PeerServer:
         if req.error is not None:
             raise req.error
         nbytes = req.nbytes if req.nbytes >= 0 else call.inline_bytes
-        limit = reg.arg_limit(method)
-        if nbytes > limit:
-            raise InvalidArguments(
-                f"the arguments of {method.name!r} carry {nbytes} tensor bytes; the limit here is {limit}"
-            )
+        _check_arg_bytes(reg, method, nbytes)
         deadline_at = None if req.deadline is None else call.received_at + req.deadline
         budget = reg.budget
         held = 0
@@ -349,8 +355,14 @@ class PeerServer:
         try:
             if nbytes:
                 async with tm:
-                    await budget.acquire(nbytes)
+                    try:
+                        await budget.acquire(nbytes)
+                    except ConfigurationError:  # the limits dropped below it while it waited
+                        _check_arg_bytes(reg, method, nbytes)
+                        raise
                 held = nbytes
+                # new limits apply to calls waiting too: as a new call would be, it is refused
+                _check_arg_bytes(reg, method, nbytes)
             if req.nbytes >= 0:
                 # outside the deadline: once GO is out, what the caller sends must be received
                 args, kwargs = await self._receive_args(call)
