@@ -187,22 +187,29 @@ class Peer:
         )
 
     async def _renew_lease(self, session_id: str, lease: float) -> None:
-        """Renew our lease on the server; declare the server dead when renewals keep failing."""
+        """Renew our lease on the server every third of it, counted from the last renewal sent
+        (one held up by a stall of our own loop goes out at once, not a third of a lease later);
+        declare the server dead when renewals keep failing for a lease. Time our own loop was
+        stalled is not the server's silence: in a sleep, or past a failed renewal's deadline
+        (its failure could not be read sooner; both ends in one process stall together)."""
         assert self._control is not None
         interval = lease / 3
-        last_ok = time.monotonic()
+        last_ok = sent = time.monotonic()
         while not self.closed:
+            wait = max(0.0, sent + interval - time.monotonic())
             before = time.monotonic()
-            await asyncio.sleep(interval)
-            lag = time.monotonic() - before - interval
+            await asyncio.sleep(wait)
+            lag = time.monotonic() - before - wait
             if lag > interval:
                 last_ok += lag  # our own loop stalled: that time is not the peer's silence
+            sent = time.monotonic()
             try:
                 await self._renew_once(session_id, interval)
                 last_ok = time.monotonic()
             except PeerDisconnected:  # the server no longer knows the session: the channel failed
                 return
             except TensorWireError as exc:
+                last_ok += max(0.0, time.monotonic() - sent - interval)  # read late: our stall
                 if time.monotonic() - last_ok > lease:
                     self.channel.fail(
                         PeerDisconnected(f"{self.remote_address} did not answer lease renewals for {lease} s ({exc})")

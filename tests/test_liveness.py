@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 
@@ -79,6 +80,41 @@ async def test_frozen_client_is_declared_dead_by_server() -> None:
             assert node._leases == {}
         finally:
             await _stop(proc)
+
+
+def _renewing(peer: tensorwire.Peer) -> bool:
+    """The peer's lease renewal is a control call in flight (its coroutine waits in _unary)."""
+    assert peer._heartbeat is not None
+    coro: object = peer._heartbeat.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None)
+        if frame is not None and frame.f_code.co_name == "_unary":
+            return True
+        coro = getattr(coro, "cr_await", None)
+    return False
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_stall_of_the_loop_both_ends_share_kills_no_session(transport: str) -> None:
+    """Stalls of a node's own loop are not counted against its peers: two nodes in one process
+    whose loop blocks for most of a lease (shorter than one) while a renewal is in flight stay
+    connected. (The renewal's deadline passed during the stall, the server, on the same loop,
+    could not answer, and the connecting side declared it dead.)"""
+    lease = 1.0
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,), lease_seconds=lease) as a,
+        tensorwire.start("127.0.0.1:0", transports=(transport,), lease_seconds=lease) as b,
+    ):
+        peer = await a.connect(b.address)
+        accepted = await b.accept()
+        for _ in range(2):
+            await eventually(lambda: _renewing(peer), seconds=10, pause=0)
+            time.sleep(0.8 * lease)  # noqa: ASYNC251 - the stall under test: blocks the loop both nodes live on
+            await asyncio.sleep(lease)
+            assert not peer.closed, peer.channel.mailbox.failure
+            assert not accepted.closed, accepted.channel.mailbox.failure
+        await peer.send(np.arange(3), tag="after")
+        assert np.array_equal(await accepted.recv(tag="after"), np.arange(3))
 
 
 async def _serve_child() -> tuple[asyncio.subprocess.Process, str]:
