@@ -230,6 +230,7 @@ class Node:
         self._leases: dict[str, tuple[float, Peer]] = {}
         self._sessions: dict[str, Peer] = {}
         self._opening: dict[str, asyncio.Task[None]] = {}  # handshaken sessions whose data path is opening
+        self._connecting: set[asyncio.Task[Peer]] = set()  # connects under way: closing the node ends them
         self.exposures = ExposureTable()
         self._retiring: set[asyncio.Task[None]] = set()  # unexposed tensors waiting for peers' acks
         self._watchdog: asyncio.Task[None] | None = None
@@ -478,9 +479,24 @@ class Node:
 
         ``require`` ("any", "rdma", "gpudirect") fails with NegotiationError instead of falling
         back below it; ``transports`` overrides the preference order for this connection.
+        Closing the node ends a connect under way with ClosedResourceError.
         """
         try:
-            return await self._connect(address, require, transports, connect_timeout)
+            self._check_open()
+            attempt = asyncio.get_running_loop().create_task(
+                self._connect(address, require, transports, connect_timeout), name=f"tensorwire-connect {address}"
+            )
+            self._connecting.add(attempt)
+            attempt.add_done_callback(self._connecting.discard)
+            try:
+                return await attempt
+            except asyncio.CancelledError:
+                if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+                    attempt.result().abort()  # it connected as our caller gave up: nobody holds it
+                task = asyncio.current_task()
+                if self._closed and attempt.cancelled() and task is not None and not task.cancelling():
+                    raise ClosedResourceError(f"node closed while connecting to {address}") from None
+                raise
         except Exception as exc:  # (a cancelled connect, or Ctrl-C, is not a failure to connect)
             _metrics.connect_failed(exc)
             raise
@@ -604,6 +620,12 @@ class Node:
     async def _close(self) -> None:
         for task in list(self._waiting):
             task.cancel()
+        connecting = list(self._connecting)
+        for attempt in connecting:
+            attempt.cancel()
+        # they clean up (their control channel, a half-open data connection) while the
+        # transports they use are still open
+        await asyncio.gather(*connecting, return_exceptions=True)
         self._incoming_ready.set()  # wake every accept(): the node is closed
         if self._watchdog is not None:
             self._watchdog.cancel()

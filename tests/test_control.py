@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -625,3 +626,25 @@ async def test_a_closing_node_refuses_handshakes() -> None:
             server._closed = False
             await server.aclose()
         assert client.peers == []
+
+
+@pytest.mark.parametrize("how", ["aclose", "abort"])
+async def test_closing_a_node_ends_its_connects_under_way(how: str) -> None:
+    """A connect under way when its node closed went on after aclose() returned, until its
+    connect_timeout; over ucx it then waited for a data connection on the closed transport
+    (ConnectTimeout) or built its channel on the closed worker (AttributeError). It ends with
+    the node now, with ClosedResourceError."""
+    with socket.socket() as silent:  # accepts TCP, never answers: the handshake waits
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        node = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+        connecting = asyncio.ensure_future(node.connect(f"127.0.0.1:{silent.getsockname()[1]}", connect_timeout=60))
+        await asyncio.sleep(0.2)  # the handshake goes out and waits
+        assert not connecting.done()
+        if how == "abort":
+            node.abort()
+        await asyncio.wait_for(node.aclose(), 30)
+        assert connecting.done(), "the connect outlived its node"
+        with pytest.raises(tensorwire.ClosedResourceError):
+            connecting.result()
+        assert node.peers == []
