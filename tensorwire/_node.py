@@ -171,6 +171,8 @@ def _split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
         raise ConfigurationError(f"an address is a 'host:port' string, not {address!r}")
     if (no_port := portless(address)) is not None:
         raise ConfigurationError(f"address {address!r} {no_port}")
+    if any(c <= " " or c == "\x7f" for c in address):  # gRPC cut a host at a NUL and dialled the rest
+        raise ConfigurationError(f"address {address!r} holds a control character or a space")
     host, sep, port = address.rpartition(":")
     if not sep or not host:
         raise ConfigurationError(f"address {address!r} is not host:port")

@@ -335,3 +335,13 @@ async def test_an_ipv6_address_without_a_port_is_said_to_lack_it(address: str) -
     async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
         with pytest.raises(ConfigurationError, match=r"has no port"):
             await node.connect(address)
+
+
+@pytest.mark.parametrize("address", ["a\x00b:5000", "127.0.0.1\x00evil:5000", "host name:5000", "a\tb:5000", "x\x7f:1"])
+async def test_an_address_with_a_control_character_or_a_space_is_refused(address: str) -> None:
+    # gRPC cut a host at its NUL byte: connect("a\x00b:5000") dialled host "a"
+    with pytest.raises(ConfigurationError, match="control character or a space"):
+        tensorwire.start(address)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        with pytest.raises(ConfigurationError, match="control character or a space"):
+            await node.connect(address)
