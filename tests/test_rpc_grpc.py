@@ -272,3 +272,20 @@ def test_values_nest_only_as_deep_as_protobuf_decodes(depth: int) -> None:
         return
     wire = control_pb2.InvokeResponse(result=value_to_pb(nested)).SerializeToString()
     assert value_from_pb(control_pb2.InvokeResponse.FromString(wire).result) == nested
+
+
+def test_numpy_scalars_travel_to_grpc_clients_as_their_values() -> None:
+    # a method returning x.sum() (np.float32, np.int64) answered FAILED_PRECONDITION: "int64
+    # cannot travel over the control plane"
+    from tensorwire.rpc._grpc import value_from_pb, value_to_pb
+
+    result = {"sum": np.float32(1.5), "n": np.int64(-7), "ok": np.bool_(True), "rows": [np.uint8(3), np.float16(0.5)]}
+    back = value_from_pb(value_to_pb(result))
+    assert back == {"sum": 1.5, "n": -7, "ok": True, "rows": [3, 0.5]}
+    assert [type(back[k]) for k in ("sum", "n", "ok")] == [float, int, bool]
+    with pytest.raises(ValueError, match="does not fit in 64 bits"):
+        value_to_pb(np.uint64(2**63))
+    with pytest.raises(ValueError, match="complex64 cannot travel"):
+        value_to_pb(np.complex64(1j))
+    with pytest.raises(ValueError, match="ndarray cannot travel"):
+        value_to_pb(np.array(1.0, np.float32))  # a 0-d array is a tensor, not a scalar

@@ -12,6 +12,7 @@ import hmac
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
+import numpy as np
 
 from ..control._pb import control_pb2
 from ..errors import DeadlineExceeded, InvalidArguments, MethodNotFound, RemoteError
@@ -47,6 +48,8 @@ def value_to_pb(obj: Any, depth: int = 0) -> control_pb2.Value:
     if depth > _MAX_DEPTH:
         raise ValueError(f"nested deeper than {_MAX_DEPTH} levels")
     v = control_pb2.Value()
+    if isinstance(obj, (np.bool_, np.integer, np.floating)):
+        obj = obj.item()  # a numpy scalar (what x.sum() returns) travels as its Python value
     if obj is None:
         pass
     elif isinstance(obj, bool):
