@@ -37,6 +37,7 @@ staged through host memory first (``Outgoing.to_host``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -1006,13 +1007,23 @@ class UcxChannel(Channel):
     async def aclose(self) -> None:
         if self.state is ChannelState.OPEN:
             self.state = ChannelState.CLOSING
+            deadline = self._loop.time() + 1.0
             try:
+                # payloads UCX has taken are on their way (it cannot take them back): their
+                # sends finish first, so that each says what became of its message (failed by
+                # the shutdown, they said "channel closed" while the message arrived whole).
+                # Each send waits for its requests one by one; its next wait starts before this
+                # loop looks again (its wake-up was queued first).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(deadline):
+                        while self._futs:
+                            await asyncio.wait(list(self._futs))
                 # the frame stays referenced until UCX is done with it: over a busy tcp lane
                 # UCX queues the send and copies the bytes only when the lane frees up (a
                 # temporary freed before that reached the peer as garbage: "bad frame magic")
                 bye = pack(FrameType.BYE)
                 req = self._ep.tag_send(self._lib_array(bye), self._ctrl_tag)
-                async with asyncio.timeout(1.0):
+                async with asyncio.timeout_at(max(deadline, self._loop.time() + 0.1)):
                     if not req.completed:
                         await self._w.future(req, keep=bye, owner=self)
             except Exception:  # the peer may already be gone; closing goes on
