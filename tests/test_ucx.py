@@ -667,3 +667,37 @@ async def test_a_sender_closing_mid_send_over_tcp_says_disconnected_not_garbage(
                     received, _ = await asyncio.gather(recv, send, return_exceptions=True)
                 assert received is out or isinstance(received, tensorwire.PeerDisconnected), repr(received)
                 assert "frame magic" not in caplog.text, "the BYE reached the receiver as garbage"
+
+
+async def test_a_cancelled_ucx_connect_leaves_the_node_open_to_ucx_peers() -> None:
+    """A connect cancelled in its ucx handshake (a caller's deadline) gives up its own UCX
+    requests only. It used to give up every request the transport owned, the node's hello
+    receive among them: from then on no peer could open a ucx channel to that node (each
+    connect ran into ConnectError after handshake_seconds)."""
+    limits = tensorwire.Limits(handshake_seconds=2.0)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("ucx",), limits=limits) as na,
+        tensorwire.start("127.0.0.1:0", transports=("ucx",), limits=limits) as nb,
+        tensorwire.start("127.0.0.1:0", transports=("ucx",), limits=limits) as nc,
+    ):
+        transport: Any = na.transports["ucx"]
+        started = asyncio.Event()
+        connect = transport.connect
+
+        async def connect_and_say(*args: Any) -> Any:
+            started.set()
+            return await connect(*args)
+
+        transport.connect = connect_and_say
+        task = asyncio.ensure_future(na.connect(nb.address))
+        await started.wait()  # A's HELLO is out and it waits for B's WELCOME
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        transport.connect = connect
+        async with asyncio.timeout(10):
+            peer = await nc.connect(na.address)  # a peer connecting to A
+            other = await na.accept()
+            await peer.send(np.arange(3), tag=1)
+            assert np.array_equal(await other.recv(tag=1), np.arange(3))
+            assert peer.path.transport == "ucx", peer.path

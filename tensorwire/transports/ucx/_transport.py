@@ -328,6 +328,10 @@ class UcxTransport(Transport):
         my_key = self._new_key()
         sid = session.id.encode()
         welcome = np.zeros(_WELCOME_BYTES + 64, np.uint8)
+        # this handshake's requests, given up together if it fails (owned by the transport, a
+        # failed or cancelled connect also gave up the hello receive and other connects' requests:
+        # the node then took no more ucx peers)
+        mine = object()
         wreq = w.worker.tag_recv(Array(welcome), w.lib.UCXXTag(make_tag(my_key, WELCOME)))
         try:
             async with asyncio.timeout(self.ctx.limits.handshake_seconds):
@@ -338,10 +342,10 @@ class UcxTransport(Transport):
                 hello = body + _digest(session.secret, body, sid, b"ucx-client")
                 hreq = ep.tag_send(Array(hello), w.lib.UCXXTag(make_tag(0, HELLO)))
                 if not hreq.completed:
-                    await w.future(hreq, keep=hello, owner=self)
+                    await w.future(hreq, keep=hello, owner=mine)
                 hreq.check_error()
                 if not wreq.completed:
-                    await w.future(wreq, keep=welcome, owner=self)
+                    await w.future(wreq, keep=welcome, owner=mine)
                 wreq.check_error()
             reply = welcome.tobytes()
             magic, version, _f, _s, _a, server_key, remote_ctrl = _HEAD.unpack_from(reply, 0)
@@ -355,7 +359,7 @@ class UcxTransport(Transport):
             remote = PeerLimits.unpack(head[_HEAD.size :])
         except BaseException as exc:
             w.cancel(wreq)
-            w.abandon(self)
+            w.abandon(mine)
             self._keys.discard(my_key)
             w.track(asyncio.get_running_loop().create_task(w.close_endpoint(ep)))
             if isinstance(exc, (ProtocolError, PeerDisconnected, TimeoutError)) or (
