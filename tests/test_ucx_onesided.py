@@ -70,14 +70,15 @@ async def test_read_and_write_are_one_sided(tls: str) -> None:
         assert b.node.exposures.served == 0
 
 
-async def _spawn_owner(array: str, then: str) -> tuple[asyncio.subprocess.Process, str]:
-    """A child process whose node (shared memory lanes only) exposes ``x = <array>`` as "x",
-    prints its address, accepts one peer ``p`` and runs ``then``; returns it and the address."""
+async def _spawn_owner(array: str, then: str, tls: str = "sm,self") -> tuple[asyncio.subprocess.Process, str]:
+    """A child process whose node (UCX lanes ``tls``: shared memory only by default) exposes
+    ``x = <array>`` as "x", prints its address, accepts one peer ``p`` and runs ``then``;
+    returns it and the address."""
     body = textwrap.indent(textwrap.dedent(then).strip(), " " * 8)
     code = (
         "import asyncio, numpy as np, tensorwire\n"
         "async def main():\n"
-        '    async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as n:\n'
+        f'    async with tensorwire.start(transports=("ucx",), ucx_options={{"TLS": "{tls}"}}) as n:\n'
         f"        x = {array}\n"
         '        n.expose(x, name="x")\n'
         "        print(n.address, flush=True)\n"
@@ -134,6 +135,36 @@ async def test_read_and_write_while_the_owner_process_is_stopped() -> None:
         if child.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signal.SIGCONT)
+        async with asyncio.timeout(10):
+            await child.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(30)
+async def test_a_read_stuck_on_a_stopped_owner_fails_with_a_tensorwire_error_when_the_reader_closes() -> None:
+    """Over UCX's tcp lanes a get needs the owner's worker: with the owner frozen (SIGSTOP) the
+    read waits. The reader's node closing then ends it with ClosedResourceError; it used to raise
+    CancelledError in a read nobody had cancelled (the worker cancelled its future)."""
+    child, address = await _spawn_owner("np.ones(16 << 20, np.uint8)", "await asyncio.sleep(30)", tls="tcp")
+    try:
+        node = await tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"})
+        try:
+            peer = await node.connect(address)
+            h = await peer.lookup("x")
+            os.kill(child.pid, signal.SIGSTOP)
+            read = asyncio.ensure_future(peer.read(h))
+            await asyncio.sleep(0.2)
+            assert not read.done(), "the read did not wait for the stopped owner"
+        finally:
+            async with asyncio.timeout(10):
+                await node.aclose()
+        async with asyncio.timeout(5):
+            (got,) = await asyncio.gather(read, return_exceptions=True)
+        assert isinstance(got, tensorwire.ClosedResourceError), repr(got)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
         async with asyncio.timeout(10):
             await child.wait()
 

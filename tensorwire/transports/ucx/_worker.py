@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigurationError, TransportUnavailable
+from ...errors import ClosedResourceError, ConfigurationError, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -541,8 +541,12 @@ class Worker:
             self._fallback.cancel()
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self._fd)
+        # one-sided operations still in flight fail (a cancel would raise CancelledError in a
+        # caller nobody cancelled: a get from an owner that stopped serving it, say)
         for fut, _ in self._raw.values():
-            fut.cancel()
+            if not fut.done():
+                fut.set_exception(ClosedResourceError("ucx transport closed while a one-sided operation was in flight"))
+                fut.exception()
         try:
             self.worker.progress()
             self.worker.cancel_inflight_requests()
