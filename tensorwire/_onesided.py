@@ -775,12 +775,17 @@ def _check_against(handle: RemoteHandle, x: np.ndarray | DeviceSource, what: str
         )
 
 
-def _drain_later(peer: Peer, tag: int) -> None:
-    """A cancelled operation's answer still arrives: receive and drop it so nothing lingers."""
+def _drain_later(peer: Peer, tag: int, *, owed: bool = False) -> None:
+    """A cancelled operation's answer still arrives: receive and drop it so nothing lingers.
+    ``owed``: the owner read the request and answers it, however late (its loop busy, or its
+    answer waiting for one of our message slots): taken whenever it comes, or until the channel
+    closes. A read's answer left unread waited for our go-ahead (rendezvous) for good, and the
+    owner's ``unexpose`` with it; an eager one held a message slot of ours for good. Else (a
+    message that may never come) given up after _DRAIN_SECONDS."""
 
     async def drain() -> None:
         try:
-            async with asyncio.timeout(_DRAIN_SECONDS):
+            async with asyncio.timeout(None if owed else _DRAIN_SECONDS):
                 await peer.recv(tag=tag)
         except (TensorWireError, TimeoutError):
             pass
@@ -1118,7 +1123,7 @@ async def _assisted_read(
     await _request(
         peer,
         {"op": "read", "regions": [_naming(h) for h in handles], "reply": reply},
-        lambda: _drain_later(peer, reply),
+        lambda: _drain_later(peer, reply, owed=True),
     )
     try:
         try:
@@ -1129,7 +1134,7 @@ async def _assisted_read(
                 raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}{before}") from None
             raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
     except asyncio.CancelledError:
-        _drain_later(peer, reply)
+        _drain_later(peer, reply, owed=True)
         raise
     return receipt
 
@@ -1288,13 +1293,16 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     )
     try:
         receipt = await peer.channel.send(data, msg)
-    except asyncio.CancelledError:
+    except BaseException:
+        # cancelled, or failed before the payload went out (refused: past the owner's
+        # max_message_bytes): the owner read the request and waits for the payload, holding the
+        # tensor busy (its unexpose waited for good); tell it none comes
         peer._spawn(_cancel_write(peer, data, reply))
         raise
     try:
         answer = await peer.recv(tag=reply)
     except asyncio.CancelledError:
-        _drain_later(peer, reply)
+        _drain_later(peer, reply, owed=True)
         raise
     if not isinstance(answer, dict) or answer.get("error"):
         error = answer.get("error") if isinstance(answer, dict) else "unexpected answer"
@@ -1305,11 +1313,11 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
 async def _cancel_write(peer: Peer, data: int, reply: int) -> None:
     """Tell the owner the payload will not come (a tensorless message it cannot take as one).
     A send cancelled late may have delivered the payload whole all the same: the owner then
-    answers ``ok`` and our note is left over on its data tag, so we ask it to drop the note."""
+    answers ``ok`` and our note is left over on its data tag, so we ask it to drop the note.
+    The owner answers every write request, however late (``_drain_later``'s ``owed``)."""
     try:
         await peer.send(None, tag=data)
-        async with asyncio.timeout(_DRAIN_SECONDS):
-            answer = await peer.recv(tag=reply)
+        answer = await peer.recv(tag=reply)
         if isinstance(answer, dict) and answer.get("ok"):
             await peer.send({"op": "drop", "data": data, "reply": reply}, tag=_OPS_TAG)
     except (TensorWireError, TimeoutError, ClosedResourceError):

@@ -1,0 +1,77 @@
+"""One-sided reads and writes at awkward moments: cancellations, late answers, revocations."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire import _onesided
+from tensorwire.testing import connected_pair
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_an_answer_that_comes_after_the_drain_gave_up_is_still_taken(
+    transport: str, op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An owner-assisted read or write cancelled while the owner's answer waits for one of the
+    requester's message slots (the requester has left messages unread) is answered once a slot
+    frees, however late. The requester's drain gave up after _DRAIN_SECONDS and left that
+    answer unread for good: a read's (rendezvous) waited for a go-ahead that never came, and
+    the owner's ``unexpose`` waited for it; a write's held a message slot for good."""
+    monkeypatch.setattr(_onesided, "_DRAIN_SECONDS", 0.2)
+    slots = 4
+    limits = tensorwire.Limits(max_unexpected=slots, recv_buffer_bytes=4096)
+    async with connected_pair(transport, limits=limits) as (a, b):
+        n = 1 << 16  # past the credit: a read's answer waits for the reader's go-ahead
+        dst = np.zeros(n, np.uint8)
+        a.node.expose(dst, name="x")
+        h = await b.lookup("x")
+        for _ in range(slots):  # every slot of b's taken by a message b leaves unread for now
+            await a.send(np.zeros(1, np.uint8), tag=5)
+        task = asyncio.ensure_future(b.read(h) if op == "read" else b.write(h, np.ones(n, np.uint8)))
+        async with asyncio.timeout(10):
+            while a.node.exposures.served < 1 or (op == "write" and not dst.all()):  # noqa: ASYNC110 - no event to wait on
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the owner's answer now waits for a slot of b's
+        assert not task.done(), "the operation ended without its answer (the test's premise)"
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)  # past the drain
+        for _ in range(slots):  # the slots free: the owner's answer goes out
+            await b.recv(tag=5)
+        async with asyncio.timeout(10):
+            await a.node.unexpose("x")  # a read's answer, never pulled, held it up for good
+        async with asyncio.timeout(10):
+            while b.channel.mailbox._arrived or a.channel.mailbox._arrived:  # noqa: ASYNC110 - no event to wait on
+                await asyncio.sleep(0.01)
+        a.node.expose(dst, name="y")
+        assert np.array_equal(await b.read(await b.lookup("y")), dst)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_write_whose_payload_is_refused_leaves_the_owner_waiting_for_nothing(transport: str) -> None:
+    """An owner-assisted write whose payload its channel refuses after the request went out
+    (past the owner's max_message_bytes: MessageRefused at the writer) left the owner waiting
+    for that payload for good, the tensor busy: ``await node.unexpose()`` never returned."""
+    limit = 1 << 20
+    async with connected_pair(transport, limits=tensorwire.Limits(max_message_bytes=limit)) as (a, b):
+        dst = np.zeros(4 * limit, np.uint8)
+        a.node.expose(dst, name="x")
+        h = await b.lookup("x")
+        with pytest.raises(tensorwire.MessageRefused):
+            await b.write(h, np.ones(4 * limit, np.uint8))
+        with pytest.raises(tensorwire.MessageRefused):
+            await b.write_many([h[:limit], h[limit:]], [np.ones(limit, np.uint8), np.ones(3 * limit, np.uint8)])
+        await b.write(h[:limit], np.full(limit, 2, np.uint8))  # what fits still goes
+        assert (dst[:limit] == 2).all() and not dst[limit:].any()
+        async with asyncio.timeout(10):
+            await a.node.unexpose("x")
+        async with asyncio.timeout(10):
+            while b.channel.mailbox._arrived or a.channel.mailbox._arrived:  # noqa: ASYNC110 - no event to wait on
+                await asyncio.sleep(0.01)
