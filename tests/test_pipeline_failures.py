@@ -390,6 +390,50 @@ async def test_a_step_of_a_driver_that_died_while_committing_is_settled_by_the_n
             np.testing.assert_array_equal(after[s], before[s], err_msg=f"stage {s}")
 
 
+class SlowStep(Wrapped):
+    """A Wrapped layer whose optimizer step takes ``slow`` seconds (a large model's would)."""
+
+    slow = 0.0
+    stepping = False  # its step has begun
+
+    def step(self) -> None:
+        self.stepping = True
+        time.sleep(self.slow)
+        self.inner.step()
+
+
+@pytest.mark.timeout(60)
+async def test_a_commit_still_applying_when_the_next_driver_configures_counts_as_applied() -> None:
+    """The driver died once its commit reached stage 0, whose optimizer step (in the stage's
+    compute thread) was still running when the next driver's configure came: the old code
+    reported only the step applied before it, so the next driver dropped the step on stages 1
+    and 2 while stage 0 applied it."""
+    rng = np.random.default_rng(3)
+    ls = [SlowStep(NumpyLinear(rng, 8, 8 if s < 2 else 2, s < 2, bias=False)) for s in range(3)]
+    ref = layers(3)
+    x, y = batch()
+    async with stages(parts(ls), offload=True) as (addresses, d1), nodes(1) as (d2,):
+        first = await pipeline.Pipeline.connect(d1, addresses)
+        dead = asyncio.Event()
+        _die_while_committing(first, dead, 1)
+        ls[0].slow = 1.0
+        async with asyncio.timeout(30):
+            stepping = asyncio.ensure_future(first.step(x, y, microbatches=4))
+            while not ls[0].stepping:  # noqa: ASYNC110 - no event to wait on
+                await asyncio.sleep(0.005)  # every stage answered; stage 0's commit is applying
+            for peer in first.peers:
+                peer.abort()  # the driver is gone: no more commits, no release
+            dead.set()
+            with pytest.raises(tensorwire.TensorWireError):
+                await stepping
+            second = await pipeline.Pipeline.connect(d2, addresses)
+        async with second:
+            after = [state["w"] for state in await second.state()]
+    one_process_step(ref, x, y)
+    for s in range(3):
+        np.testing.assert_allclose(after[s], ref[s].state()["w"], rtol=1e-5, err_msg=f"stage {s}")
+
+
 @pytest.mark.timeout(60)
 async def test_an_older_drivers_step_during_a_newer_configure_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """While a newer driver's configure was dropping the old links, the older driver's step was

@@ -179,6 +179,7 @@ class Stage:
         self._running: int | None = None  # the step that self._task runs
         self._failed_at: Action | None = None  # the action whose part code raised in this step
         self._settled = asyncio.Event()  # no finished step waits for its commit (see _pending)
+        self._applying: asyncio.Task[dict[str, float]] | None = None  # a commit's optimizer step under way
         self._pending = None  # a finished step whose update waits for the driver's commit
         # a finished step of an earlier driver that never committed it here, as (its key, step):
         # its gradients are still in the part until the next step; the new driver settles it
@@ -254,6 +255,17 @@ class Stage:
                 self._refuse_older(ticket, waited=True)
                 if self._task is not None:
                     raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
+            if self._applying is not None and not self._applying.done():
+                # a commit that landed is recorded as applied only once its optimizer step ends:
+                # report it as applied, or the new driver drops that step on the other stages
+                await asyncio.wait([self._applying])
+                self._check_open()
+                self._refuse_older(ticket, waited=True)
+                if self._task is not None or self._pending is not None:
+                    raise BusyResourceError(
+                        f"stage {self.rank} is running a step or waits for its commit; "
+                        "a driver cannot reconfigure it now"
+                    )
             # from here the old driver's calls are refused (nothing awaits before this)
             if self._pending is not None:
                 # never committed here; perhaps on other stages, before that driver went away.
@@ -779,6 +791,7 @@ class Stage:
         # is cut short meanwhile (the driver's connection dropped), and is recorded as applied
         applying = asyncio.get_running_loop().create_task(self._apply(ticket_key(*self._ticket), step))
         applying.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._applying = applying
         return await asyncio.shield(applying)
 
     async def _apply(self, key: str, step: int) -> dict[str, float]:
