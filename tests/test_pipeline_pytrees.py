@@ -431,3 +431,48 @@ async def _train_against_one_process(modules: list[Any], x: Any, y: Any) -> None
     for s, (want, got) in enumerate(zip(reference, modules, strict=True)):
         for (name, p), q in zip(want.named_parameters(), got.parameters(), strict=True):
             torch.testing.assert_close(q.detach(), p.detach(), rtol=RTOL, atol=1e-6, msg=f"stage {s} {name}")
+
+
+@pytest.mark.timeout(60)
+async def test_a_dict_gradient_in_another_key_order_reaches_the_right_leaves() -> None:
+    """A numpy stage after a torch stage that returns a dict built its gradient dict in another
+    key order: the torch stage paired gradients with its outputs by position, so each went to
+    the other output's layer (silently: both have one shape), and the parameters differed from
+    one process by up to 0.2."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+
+    class Two(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+        def forward(self, x: Any) -> Any:
+            return {"a": self.a(x), "b": self.b(x)}
+
+    class Mix:  # y = 2a + 3b, its gradient dict built "b" first
+        def forward(self, d: dict[str, Any]) -> tuple[np.ndarray, None]:
+            return np.asarray(d["a"]) * 2 + np.asarray(d["b"]) * 3, None
+
+        def backward(self, ctx: Any, grad: np.ndarray) -> dict[str, np.ndarray]:
+            return {"b": grad * 3, "a": grad * 2}
+
+    module = Two()
+    reference = copy.deepcopy(module)
+    x = torch.randn(8, 4)
+    y = np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
+    parts = [
+        pipeline.TorchPart(module, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        pipeline.FunctionPart(Mix(), loss=mse),
+    ]
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe, asyncio.timeout(30):
+            got = await pipe.step(x, y, microbatches=3)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    out = reference(x)
+    want = torch.nn.functional.mse_loss(out["a"] * 2 + out["b"] * 3, torch.as_tensor(y))
+    want.backward()
+    ref_opt.step()
+    assert got.loss == pytest.approx(float(want.detach()), rel=RTOL)
+    for (name, p), q in zip(reference.named_parameters(), module.parameters(), strict=True):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=RTOL, atol=1e-6, msg=name)

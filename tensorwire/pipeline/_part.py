@@ -379,12 +379,7 @@ class TorchPart(Part):
             # on it): as in one process, none reaches its parameters or its input either
             return None
         else:
-            outs, grads = tree_leaves(out), tree_leaves(grad)
-            if len(grads) != len(outs):
-                raise ShapeMismatchError(
-                    f"the gradient that came back has {len(grads)} leaves, the output it is for {len(outs)}: "
-                    "the next stage's backward must return one gradient (or None) per leaf of its input"
-                )
+            outs, grads = _matched(out, grad)
         pairs = []
         for o, g in zip(outs, grads, strict=True):
             if not isinstance(o, torch.Tensor) or not o.requires_grad:
@@ -416,6 +411,37 @@ class TorchPart(Part):
         if hasattr(self.module, "state_dict"):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         return {}
+
+
+def _matched(out: Any, grad: Any) -> tuple[list[Any], list[Any]]:
+    """(output leaves, their gradients) in one order: a dict's gradient by key (a next stage's
+    backward may build its dict in another order than the output's), a tuple's or list's
+    element by element, anything else leaf by leaf in order."""
+    keys: list[Any] | None = None
+    if isinstance(out, dict) and isinstance(grad, dict):
+        if grad.keys() != out.keys():
+            raise ShapeMismatchError(
+                f"the gradient that came back is a dict with the keys {sorted(map(repr, grad))}, the output it is "
+                f"for has {sorted(map(repr, out))}: the next stage's backward must return one gradient (or None) "
+                "per leaf of its input"
+            )
+        keys = list(out)
+    elif isinstance(out, (tuple, list)) and isinstance(grad, (tuple, list)) and len(out) == len(grad):
+        keys = list(range(len(out)))
+    if keys is not None:
+        outs, grads = [], []
+        for key in keys:
+            o, g = _matched(out[key], grad[key])
+            outs += o
+            grads += g
+        return outs, grads
+    outs, grads = tree_leaves(out), tree_leaves(grad)
+    if len(grads) != len(outs):
+        raise ShapeMismatchError(
+            f"the gradient that came back has {len(grads)} leaves, the output it is for {len(outs)}: "
+            "the next stage's backward must return one gradient (or None) per leaf of its input"
+        )
+    return outs, grads
 
 
 def _scalar(torch: Any, loss: Any) -> float:
