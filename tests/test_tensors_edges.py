@@ -153,3 +153,17 @@ async def test_an_rpc_out_no_result_could_land_in_is_refused_before_the_method_r
             await a.call("take", _out=make_out())
         assert runs == []
         assert np.array_equal(await a.call("take", _out=np.zeros(3)), np.arange(3.0))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_recv_into_out_returns_the_messages_signed_zero(transport: str) -> None:
+    """-0.0 == 0.0, so a recv whose out= held 0.0 where the message carried -0.0 returned out=
+    as it was: the sign the sender sent was lost."""
+    async with connected_pair(transport) as (a, b), asyncio.timeout(20):
+        await a.send({"loss": -0.0, "x": np.ones(2)}, tag="z")
+        out = {"loss": 0.0, "x": np.zeros(2)}
+        got = await b.recv(tag="z", out=out)
+        assert str(got["loss"]) == "-0.0" and got["x"] is out["x"] and np.array_equal(out["x"], np.ones(2))
+        await a.send([np.ones(2), float("nan")], tag="z")
+        out2 = [np.zeros(2), float("nan")]
+        assert await b.recv(tag="z", out=out2) is out2  # (a NaN is the NaN it was sent as)

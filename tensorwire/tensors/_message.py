@@ -588,6 +588,8 @@ def _scalars_equal(obj: Any, node: wire_pb2.TreeNode) -> bool:
                 return False
         return True
     value = _unflatten(node, [])
+    if type(value) is float:  # by bits: -0.0 == 0.0, and out='s 0.0 would stand for the message's -0.0
+        return type(obj) is float and obj.hex() == value.hex()
     return type(obj) is type(value) and bool(obj == value)
 
 
