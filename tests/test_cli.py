@@ -390,6 +390,31 @@ def test_stage_part_with_a_relative_module_name_is_a_configuration_error(
     assert "ConfigurationError: --part './mypart:build' is not MODULE:FUNCTION" in out.stderr
 
 
+def test_stage_part_is_found_as_python_finds_a_module_or_a_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `tensorwire` script's sys.path starts with its own bin directory, not the current
+    one: `tensorwire stage --part mymodel:build` (mymodel.py here) failed with "No module named
+    'mymodel'" while `python -m tensorwire.cli` found it, and a FILE.py part could not import
+    the module beside it. Now MODULE is looked up in the current directory (as `python -m`
+    does) and FILE.py's directory is searched (as `python FILE.py` does)."""
+    from tensorwire.pipeline._serve import load_factory
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", os.getcwd(), str(tmp_path))])
+    for name in ("tw_cwd_part", "tw_sibling_helper"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    (tmp_path / "tw_cwd_part.py").write_text("def build(rank, num_stages):\n    return rank * 10\n")
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "tw_sibling_helper.py").write_text("WIDTH = 7\n")
+    (tmp_path / "parts" / "model.py").write_text(
+        "import tw_sibling_helper\n\ndef build(rank, num_stages):\n    return tw_sibling_helper.WIDTH\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert load_factory("tw_cwd_part:build")(2, 4) == 20
+    monkeypatch.delitem(sys.modules, "tw_cwd_part")
+    assert load_factory(str(tmp_path / "parts" / "model.py") + ":build")(0, 2) == 7
+
+
 def test_a_part_that_fails_while_it_loads_is_a_configuration_error_naming_where(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,7 +27,10 @@ __all__ = ["load_factory", "serve_stage"]
 
 
 def load_factory(spec: str) -> Callable[[int, int], Any]:
-    """``"package.module:build"`` or ``"path/to/file.py:build"`` -> the function."""
+    """``"package.module:build"`` or ``"path/to/file.py:build"`` -> the function. Modules are
+    found as ``python -m`` and ``python FILE.py`` find them: a MODULE in the current directory,
+    and what a FILE.py imports beside it (the ``tensorwire`` script's own ``sys.path`` has
+    neither: it starts with the script's directory)."""
     where, sep, name = spec.rpartition(":")
     relative = where.startswith(".") and not where.endswith(".py")  # ".mod", or "./file" without .py
     if not sep or not where or not name or relative:
@@ -35,6 +39,7 @@ def load_factory(spec: str) -> Callable[[int, int], Any]:
     try:
         if where.endswith(".py"):
             path = Path(where).resolve()
+            _search_first(str(path.parent))
             module_spec = importlib.util.spec_from_file_location(f"_tensorwire_part_{path.stem}", path)
             if module_spec is None or module_spec.loader is None:
                 raise ConfigurationError(f"cannot load {path}")
@@ -43,6 +48,7 @@ def load_factory(spec: str) -> Callable[[int, int], Any]:
             sys.modules[loading] = module
             module_spec.loader.exec_module(module)
         else:
+            _search_first(os.getcwd())
             module = importlib.import_module(where)
     except (ImportError, OSError) as exc:
         _forget(loading)
@@ -54,6 +60,14 @@ def load_factory(spec: str) -> Callable[[int, int], Any]:
     if not callable(fn):
         raise ConfigurationError(f"--part {spec!r}: {where} has no function {name!r}")
     return fn  # type: ignore[no-any-return]
+
+
+def _search_first(directory: str) -> None:
+    """Put ``directory`` at the front of ``sys.path`` (kept: a part may import later, when the
+    driver names its rank); importlib's caches are dropped, so files written since are seen."""
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    importlib.invalidate_caches()
 
 
 def _forget(name: str | None) -> None:
