@@ -176,6 +176,11 @@ async def probe_address(address: str, token: str | None, wait_s: float) -> dict[
         return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
 
 
+# UCX transports that move bytes by get/put only: with no lane that carries active messages
+# UCX cannot create an endpoint (UCX_TLS=cma: "no active messages transport"), so the
+# handshake passes ucx over
+_NO_MESSAGES_TLS = ("cma", "knem", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm_copy", "rocm_ipc")
+_NO_MESSAGES = "no lane carries messages, so UCX cannot create an endpoint (add sm or tcp to UCX_TLS)"
 _ONE_MACHINE_TLS = ("self", "sysv", "posix", "cma", "knem", "xpmem", "cuda_copy", "cuda_ipc", "gdr_copy")
 
 
@@ -196,6 +201,9 @@ def _pick(
         caps = usable[name][1]
         if name != "tcp" and "tcp" in remote[i + 1 :] and "tcp" in usable and _tcp_only(caps):
             passed.append(f"{name}: {_TCP_ONLY} ({', '.join(caps.lanes)})")
+            continue
+        if name == "ucx" and caps.lanes and all(lane.split("/")[0] in _NO_MESSAGES_TLS for lane in caps.lanes):
+            passed.append(f"ucx: {_NO_MESSAGES} ({', '.join(caps.lanes)})")
             continue
         pick = name
         break

@@ -203,6 +203,29 @@ def test_ucx_with_only_shared_memory_lanes_reaches_another_machine_over_tcp() ->
     assert "a connect to another machine would use: tcp\n  not ucx: across machines no lane" in table
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+def test_ucx_with_no_lane_for_messages_is_passed_over_as_the_handshake_does() -> None:
+    """UCX_TLS=cma: UCX lists a lane, but one that only moves get/put, so it cannot create an
+    endpoint and a real connect passes ucx over for tcp; the doctor said ucx."""
+    import asyncio
+
+    import tensorwire
+    from tensorwire.transports.ucx import ucx_config
+
+    async def real() -> str:
+        options = {"transports": ("ucx", "tcp")}  # two nodes here, as two processes would be
+        async with tensorwire.start("127.0.0.1:0", **options) as a, tensorwire.start("127.0.0.1:0", **options) as b:
+            peer = await a.connect(b.address)
+            await peer.aclose()
+            return peer.path.transport
+
+    with ucx_config(TLS="cma"):
+        pick = _doctor.report()["connect_to_another_process"]
+        assert asyncio.run(real()) == "tcp"
+    assert pick["transport"] == "tcp", pick
+    assert any(why.startswith("ucx: no lane carries messages") for why in pick["passed_over"]), pick
+
+
 def test_no_rdma_devices_names_the_tree_it_looked_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # TENSORWIRE_SYSFS points the doctor at a recorded tree: it said "no /sys/class/infiniband"
     monkeypatch.setattr(_doctor, "SYS", tmp_path)
