@@ -415,6 +415,22 @@ async def test_a_node_on_every_ipv6_interface_benches_an_ipv4_client() -> None:
                 await task
 
 
+@pytest.mark.skipif(not _dual_stack(), reason="no dual-stack IPv6 socket on this machine")
+async def test_a_node_on_every_ipv4_interface_takes_an_ipv6_baseline_client() -> None:
+    """gRPC serves a node at 0.0.0.0:P on both families ('*:P'), so `bench [::1]:P` reached
+    it, but the baseline listened on 0.0.0.0 alone: 'could not connect to [::1]:Q ... is that
+    port blocked between the machines?', exit 1."""
+    raw = _server._RawServer("0.0.0.0", 1 << 20)
+    try:
+        client = await _client._RawClient.connect("::1", raw.port, raw.secret)
+        try:
+            assert len(await client.ping(2)) == 2
+        finally:
+            client.close()
+    finally:
+        raw.close()
+
+
 async def test_the_baseline_listener_takes_only_the_client_with_the_secret() -> None:
     raw = _server._RawServer("127.0.0.1", 1 << 20)
     try:

@@ -73,6 +73,9 @@ def _bind_addresses(host: str) -> list[tuple[socket.AddressFamily, str]]:
     it reached the node: ``[::1]:P`` of a node at ``localhost:P`` too."""
     if host.lower() == "localhost":
         return [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).is_unspecified and socket.has_dualstack_ipv6():
+            return [(socket.AF_INET6, "::")]  # gRPC takes both families on 0.0.0.0 too ('*:P')
     found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     return list(dict.fromkeys((family, str(addr[0])) for family, _, _, _, addr in found))
 
