@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import random
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,7 @@ pytestmark = [
 ]
 
 KiB = 1 << 10
+MiB = 1 << 20
 
 
 @pytest.mark.parametrize("tls", ["sm,self", "tcp"])
@@ -166,3 +169,62 @@ async def test_closing_while_a_send_moves_its_payload_tells_the_send_what_happen
             if not arrived:
                 assert isinstance(got, tensorwire.errors.TensorWireError), got
             assert isinstance(sent, tensorwire.Receipt) == arrived, f"send said {sent!r}, recv got {got!r}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+async def test_a_bye_that_overtakes_the_payload_loses_neither_the_message_nor_the_send() -> None:
+    """Two processes over UCX's tcp lanes, one 16 MiB message per channel, each side closing as
+    soon as it is done with it. UCX carries the payload on other lanes than the control frames,
+    so a BYE can overtake the end of a transfer that had finished at its sender's end. The
+    message must still be delivered, and the send must still succeed. They used to fail with
+    "peer closed the channel": the send in about 1 of 5 channels here (its receiver had the
+    message and closed), the recv in about 1 of 40 (its sender's send had returned)."""
+    cycles, size = 30, 16 * MiB
+    opts = {"TLS": "tcp"}
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=opts) as node:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import asyncio, numpy as np, tensorwire
+                async def main():
+                    src = (np.arange({size}) % 251).astype(np.uint8)
+                    failed = []
+                    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options={opts!r}) as n:
+                        for i in range({cycles}):
+                            p = await n.connect({node.address!r})
+                            await asyncio.sleep(0.01)
+                            try:
+                                await p.send(src, tag=1)
+                            except Exception as exc:
+                                failed.append(f"send {{i}}: {{exc!r}}")
+                            await p.aclose()
+                    print(failed)
+                asyncio.run(main())
+                """
+            ),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        want = (np.arange(size) % 251).astype(np.uint8)
+        lost = []
+        try:
+            async with asyncio.timeout(80):
+                for i in range(cycles):
+                    peer = await node.accept()
+                    await asyncio.sleep(0.02)  # the message comes before its recv
+                    try:
+                        got = await peer.recv(tag=1)
+                        assert np.array_equal(got, want), f"message {i} corrupt"
+                    except tensorwire.TensorWireError as exc:
+                        lost.append(f"recv {i}: {exc!r}")
+                    await peer.aclose()
+                out, _ = await child.communicate()
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+        assert child.returncode == 0
+        failed = out.decode().strip()
+        assert not lost and failed == "[]", f"lost: {lost}; sends failed: {failed}"

@@ -81,6 +81,8 @@ _WAIT_BACKOFF = 1024  # recvs without an inline wait after repeated failures, at
 # one that has matched runs on until its transfer ends) before its recv is told anyway, with a
 # warning that its buffer may still be written (a transfer from a peer that stopped mid-way)
 _LANDING_GRACE = 2.0
+# how long a BYE waits for the payload transfers in flight (see UcxChannel._peer_closed)
+_BYE_GRACE = 1.0
 
 
 def _wire_bytes(part: np.ndarray | memoryview) -> np.ndarray | memoryview:
@@ -676,9 +678,39 @@ class UcxChannel(Channel):
         elif t is FrameType.CREDIT:
             pass
         elif t is FrameType.BYE:
-            self._shutdown(ChannelState.CLOSED, PeerDisconnected("peer closed the channel"))
+            self._peer_closed()
         else:
             raise ProtocolError(f"unexpected {t.name} frame on an open channel")
+
+    def _peer_closed(self) -> None:
+        """The peer said BYE. UCX may carry a payload on another lane than the control frames,
+        and the BYE can overtake the end of a transfer that had finished at the peer's end
+        (over tcp, 8-64 MiB: a message failed here with "peer closed the channel" after its
+        sender's send had returned; a send failed so after its receiver had got the message
+        and closed). Payload receives and sends in flight therefore end first (receives land
+        their messages, which stay deliverable), then the channel shuts; within
+        ``_BYE_GRACE``."""
+        exc = PeerDisconnected("peer closed the channel")
+        reqs = [r for t in self._incoming.values() for r in t.reqs]
+        if not reqs and not self._futs:
+            self._shutdown(ChannelState.CLOSED, exc)
+            return
+        self._w.track(self._loop.create_task(self._shut_when_landed(reqs, exc)))
+
+    async def _shut_when_landed(self, reqs: list[Any], exc: BaseException) -> None:
+        landed: asyncio.Future[None] = self._loop.create_future()
+        token = self._w.when_done(reqs, lambda: None if landed.done() else landed.set_result(None))
+        try:
+            async with asyncio.timeout(_BYE_GRACE):
+                await landed  # (completions are dispatched before this wait's callback)
+                # a send waits for its segments one by one: its next wait starts before this looks again
+                while sends := [f for f in self._futs if not f.done()]:
+                    await asyncio.wait(sends)
+        except TimeoutError:
+            pass
+        finally:
+            self._w.forget_wait(token)
+            self._shutdown(ChannelState.CLOSED, exc)
 
     def _check_pulled(self, arrival: Arrival) -> None:
         """An eager message matched a recv with out=, whose task should have pulled it by now.
