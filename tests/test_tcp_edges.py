@@ -203,32 +203,3 @@ async def test_a_device_message_its_sender_withdrew_writes_nothing_into_out_afte
     finally:
         src_engine.close()
         dst_engine.close()
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return socket.has_dualstack_ipv6()
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback with dual-stack sockets")
-async def test_a_node_on_every_ipv4_interface_takes_tcp_peers_over_ipv6_too() -> None:
-    # at 0.0.0.0 the control plane takes IPv6 clients too (gRPC listens on '*'), but the tcp
-    # data listener took IPv4 only: a connect to [::1]:P failed with "tcp data connection to
-    # ::1:Q failed"
-    async with (
-        tensorwire.start("0.0.0.0:0", transports=("tcp",)) as server,
-        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
-    ):
-        port = server.address.rsplit(":", 1)[1]
-        for address in (f"[::1]:{port}", f"127.0.0.1:{port}"):
-            async with asyncio.timeout(20):
-                peer = await client.connect(address)
-                there = await server.accept()
-                assert peer.path.transport == "tcp", peer.path
-                await peer.send(np.arange(5.0), tag=1)
-                assert np.array_equal(await there.recv(tag=1), np.arange(5.0))
-                await peer.aclose()

@@ -64,19 +64,11 @@ class TcpTransport(Transport):
     async def listen(self) -> bytes:
         host = self.ctx.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        bind_host = host
-        # on every IPv4 interface the control plane takes IPv6 clients too (gRPC listens on
-        # '*'), so the data listener does as well: a peer that reached us over IPv6 dials us so
-        dual = host == "0.0.0.0" and socket.has_dualstack_ipv6()
-        if dual:
-            family, bind_host = socket.AF_INET6, "::"
         sock: socket.socket | None = None
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if dual:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind((bind_host, 0))
+            sock.bind((host, 0))
             sock.listen(128)
         except OSError as exc:  # socket.gaierror too: a host that does not resolve, or is not ours
             if sock is not None:
