@@ -484,7 +484,6 @@ class Node:
         Closing the node ends a connect under way with ClosedResourceError.
         """
         try:
-            self._check_open()
             attempt = asyncio.get_running_loop().create_task(
                 self._connect(address, require, transports, connect_timeout), name=f"tensorwire-connect {address}"
             )

@@ -697,15 +697,19 @@ class UcxChannel(Channel):
             return
         self._w.track(self._loop.create_task(self._shut_when_landed(reqs, exc)))
 
+    async def _sends_done(self) -> None:
+        """Until no payload send is in flight. A send waits for its segments one by one: its
+        next wait starts before this looks again (its wake-up was queued first)."""
+        while sends := [f for f in self._futs if not f.done()]:
+            await asyncio.wait(sends)
+
     async def _shut_when_landed(self, reqs: list[Any], exc: BaseException) -> None:
         landed: asyncio.Future[None] = self._loop.create_future()
         token = self._w.when_done(reqs, lambda: None if landed.done() else landed.set_result(None))
         try:
             async with asyncio.timeout(_BYE_GRACE):
                 await landed  # (completions are dispatched before this wait's callback)
-                # a send waits for its segments one by one: its next wait starts before this looks again
-                while sends := [f for f in self._futs if not f.done()]:
-                    await asyncio.wait(sends)
+                await self._sends_done()
         except TimeoutError:
             pass
         finally:
@@ -1043,13 +1047,10 @@ class UcxChannel(Channel):
             try:
                 # payloads UCX has taken are on their way (it cannot take them back): their
                 # sends finish first, so that each says what became of its message (failed by
-                # the shutdown, they said "channel closed" while the message arrived whole).
-                # Each send waits for its requests one by one; its next wait starts before this
-                # loop looks again (its wake-up was queued first).
+                # the shutdown, they said "channel closed" while the message arrived whole)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout_at(deadline):
-                        while self._futs:
-                            await asyncio.wait(list(self._futs))
+                        await self._sends_done()
                 # the frame stays referenced until UCX is done with it: over a busy tcp lane
                 # UCX queues the send and copies the bytes only when the lane frees up (a
                 # temporary freed before that reached the peer as garbage: "bad frame magic")
