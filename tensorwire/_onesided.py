@@ -45,6 +45,7 @@ writes its tensor when its work on it is done.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
@@ -68,7 +69,7 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .memory import CopyEngine, DeviceBuffer, Event, HostChunk, Move, Piece, scatter, wait_event
-from .tensors import Outgoing, as_view, dtype_from_name, prepare
+from .tensors import Outgoing, as_view, dtype_from_name, prepare_off_loop
 from .tensors._device import (
     Device,
     DeviceSource,
@@ -82,6 +83,7 @@ from .tensors._device import (
     wanted_device,
 )
 from .tensors._message import refuse_shared
+from .tensors._offload import copy_host, off_loop, worth_a_thread
 from .tensors._view import empty
 from .transports import ChannelState, Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
@@ -878,13 +880,13 @@ class _Dest:
         self.dev = dev
         self.tensor: DeviceTensor | None = None
 
-    def unstage(self) -> bool:
-        """Copy the bytes landed in a buffer of ours into the caller's strided host out=; whether
-        there was such a copy to make."""
+    def staged(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The copy (to, from) that moves the bytes landed in a buffer of ours into the caller's
+        strided host out=, or None where they landed in place."""
         if self.target is None or self.dest is self.target:
-            return False
-        self.target[...] = self.dest
-        return True
+            return None
+        assert self.dest is not None
+        return self.target, self.dest
 
     def host(self) -> np.ndarray:
         """The host array the bytes land in (a host destination)."""
@@ -1012,15 +1014,13 @@ async def read_many(
             moved = _and_then(moved, got)
             done += part
     except TensorWireError:
-        for i in done:  # the error says these are in their outs: strided ones too
-            dests[i].unstage()
+        # the error says these are in their outs: strided ones too
+        await copy_host([c for c in (dests[i].staged() for i in done) if c is not None])
         raise
-    packed = False
-    for d in dests:
-        if d.unstage():
-            packed = True
-        elif d.tensor is not None and d.tensor.unpack_to is not None:
-            packed = True  # unpacked on a lane by _get_device
+    copies = [c for c in (d.staged() for d in dests) if c is not None]
+    await copy_host(copies)  # (large ones in a copy thread)
+    # strided outs are packed: on the host by the copies above, on a device on a lane by _get_device
+    packed = bool(copies) or any(d.tensor is not None and d.tensor.unpack_to is not None for d in dests)
     nbytes = sum(d.nbytes for d in dests)
     if memory == "host" and on_device:
         memory = next((_kind(d) for d in dests if d.target is None), "host")
@@ -1216,11 +1216,12 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
     # the owner-served parts' messages now, at the call: device sources record their producer
     # stream's event here, not after the awaits below (by then another stream may be current)
     parts = [assisted[k : k + _MAX_REGIONS] for k in range(0, len(assisted), _MAX_REGIONS)]
-    outgoing = [prepare([srcs[i] for i in part]) for part in parts]
+    preparing = [prepare_off_loop([srcs[i] for i in part]) for part in parts]
     for i, _ in direct:
         if not handles[i].writable:
             raise HandleNotFound(f"write of {handles[i].name!r}: {handles[i].name!r} is exposed read-only")
     packed = any(not a.flags.c_contiguous if isinstance(a, np.ndarray) else not a.contiguous for a in arrays)
+    outgoing = [await p for p in preparing]  # (large strided host sources packed in a copy thread)
     moved = None
     memory, staged = "host", False
     if direct:
@@ -1237,7 +1238,10 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
             if t is None:
                 host = arrays[i]
                 assert isinstance(host, np.ndarray)  # (every device source was wired above)
-                moves.append((state, _packed(host, handles[i]), handles[i].offset))
+                h = handles[i]
+                big = not host.flags.c_contiguous and worth_a_thread(host.nbytes)
+                wire = await off_loop(functools.partial(_packed, host, h)) if big else _packed(host, h)
+                moves.append((state, wire, h.offset))
                 continue
             memory = t.engine.kind
             if _by_pointer(peer, t):

@@ -17,7 +17,7 @@ from .control._client import ControlClient, SessionLost
 from .errors import ClosedResourceError, ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
 from .rpc import CallReceipt
 from .rpc import _client as _rpc
-from .tensors import prepare
+from .tensors import prepare_off_loop
 from .transports import Channel, ChannelState, Receipt, Session
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class Peer:
         (backpressure) when the peer holds more unreceived messages than its limits allow.
         """
         wire_tag = tag_id(tag)
-        msg = prepare(obj)
+        msg = await prepare_off_loop(obj)
         return await self.channel.send(wire_tag, msg)
 
     async def recv(self, *, tag: int | str = 0, out: Any = None, device: Any = None) -> Any:

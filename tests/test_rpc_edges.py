@@ -909,11 +909,11 @@ async def test_a_call_flattens_its_arguments_once(transport: str, size: int) -> 
 async def test_a_request_is_the_message_it_always_was() -> None:
     """Flattened once, a request still travels as before: inline, ``(meta, name, args, kwargs)``;
     apart, ``(meta, name)`` and then ``(args, kwargs)``, headers and bytes alike."""
-    for n, inline in ((8, True), (1 << 16, False)):
-        big = np.arange(2 * n, dtype=np.float32)[::2]  # packed
+    for n, inline in ((8, True), (1 << 16, False), (1 << 19, False)):
+        big = np.arange(2 * n, dtype=np.float32)[::2]  # packed (2 MiB of it in a copy thread)
         args = (np.ones((2, 3)), [big, {"k": np.arange(5)}], "s", None)
         kwargs = {"w": np.int8(3), "v": {"deep": big}}
-        whole = _client._arguments("m", args, kwargs)
+        whole = await _client._arguments("m", args, kwargs)
         request, payload = _client._request(7, "m", Kind.UNARY, None, whole, 0)
         if inline:
             assert payload is None

@@ -43,7 +43,7 @@ from ..tensors._message import MAX_DEPTH, check_out
 from ..tensors._view import TensorView
 from ..transports import Channel, ChannelState, Receipt
 from ..transports._mailbox import Arrival
-from ._codec import encode
+from ._codec import encode, encode_off_loop
 from ._deadline import effective_deadline
 from ._protocol import (
     CONTROL_TAG,
@@ -182,14 +182,14 @@ class _Progress:
 _META_LEN = 5  # the request's int64 envelope (``meta``)
 
 
-def _arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outgoing:
+async def _arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outgoing:
     """The call's message as it travels with the arguments inline, ``(meta, name, args, kwargs)``,
     its meta tensor not yet filled in (``_request`` does): the arguments are flattened (and any
     packed) once per call, whichever way they go. An argument tensorwire cannot move fails here,
     locally, before the call waits for anything."""
     if not isinstance(name, str):
         raise ConfigurationError(f"a method name is a string, not {type(name).__name__}")
-    return encode((np.empty(_META_LEN, np.int64), name, args, kwargs))
+    return await encode_off_loop((np.empty(_META_LEN, np.int64), name, args, kwargs))
 
 
 def _request(
@@ -397,7 +397,7 @@ async def call(
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
     call_id = next(_ids)
-    arguments = _arguments(name, args, kwargs)
+    arguments = await _arguments(name, args, kwargs)
     channel = peer.channel
     where = peer.remote_address
     progress = _Progress()
@@ -517,7 +517,7 @@ async def stream(
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
     call_id = next(_ids)
-    arguments = _arguments(name, args, kwargs)
+    arguments = await _arguments(name, args, kwargs)
     channel = peer.channel
     where = peer.remote_address
     tag = reply_tag(call_id)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..control._pb import wire_pb2
-from ..tensors import Outgoing, Spec, prepare
+from ..tensors import Outgoing, Spec, prepare, prepare_off_loop
 
 __all__ = ["encode"]
 
@@ -84,6 +84,20 @@ def encode(obj: Any) -> Outgoing:
     key = _walk(obj, arrays, 0)
     if key is _NO:
         return prepare(obj)
+    return _cached(obj, key, arrays)
+
+
+async def encode_off_loop(obj: Any) -> Outgoing:
+    """``encode``, with large strided tensors packed in a copy thread (``prepare_off_loop``);
+    what the cache takes (contiguous tensors only) needs no packing."""
+    arrays: list[np.ndarray] = []
+    key = _walk(obj, arrays, 0)
+    if key is _NO:
+        return await prepare_off_loop(obj)
+    return _cached(obj, key, arrays)
+
+
+def _cached(obj: Any, key: Any, arrays: list[np.ndarray]) -> Outgoing:
     hit = _cache.get(key)
     if hit is not None:
         tree, specs, header, nbytes = hit

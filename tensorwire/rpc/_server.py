@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..tensors import prepare
 from ..transports import ChannelState
-from ._codec import encode
+from ._codec import encode_off_loop
 from ._deadline import set_deadline
 from ._protocol import (
     CONTROL_TAG,
@@ -463,7 +463,7 @@ class PeerServer:
                 await self._send(tag, (Reply.ITEM, item))
 
     async def _send(self, tag: int, msg: tuple[Any, ...]) -> None:
-        await self.peer.channel.send(tag, encode(msg))
+        await self.peer.channel.send(tag, await encode_off_loop(msg))
 
     async def _send_reply(self, tag: int, reply: tuple[Any, ...], method: str) -> None:
         """Send a call's terminal reply, or, when it cannot go (it does not encode, or it is past
@@ -485,7 +485,7 @@ class PeerServer:
         not fit the caller's limits. Other failures (the channel went away) raise."""
         try:
             # results repeat their structure (cached encoding); errors carry fresh text
-            msg = encode(reply) if reply[0] == Reply.RESULT else prepare(reply)
+            msg = await encode_off_loop(reply) if reply[0] == Reply.RESULT else prepare(reply)
         except Exception as exc:  # UnsupportedTensorError, or whatever a strange object raised
             return exc
         try:

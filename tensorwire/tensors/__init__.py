@@ -9,6 +9,7 @@ from ._message import (
     decode_header_sized,
     match_out,
     prepare,
+    prepare_off_loop,
     rebuild,
     with_scalars,
 )
@@ -33,5 +34,6 @@ __all__ = [
     "with_scalars",
     "parse_device",
     "prepare",
+    "prepare_off_loop",
     "rebuild",
 ]

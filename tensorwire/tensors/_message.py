@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from ..control._pb import wire_pb2
 from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
 from ._device import DeviceSource, DeviceTensor, Streams
 from ._dtypes import DTYPES, dtype_name
+from ._offload import off_loop, worth_a_thread
 from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "decode_header_sized",
     "match_out",
     "prepare",
+    "prepare_off_loop",
     "rebuild",
     "with_scalars",
 ]
@@ -272,16 +274,83 @@ def prepare(obj: object) -> Outgoing:
     return _prepare_tree(obj)
 
 
+def prepare_off_loop(obj: object) -> Awaitable[Outgoing]:
+    """``prepare``, with the packing copies of large strided host tensors (``OFF_LOOP_BYTES`` or
+    more, ``_offload.worth_a_thread``) made in a copy thread while the event loop goes on.
+
+    The message is flattened, and its device tensors wired (their producers' events recorded),
+    now, at the call; awaiting the result makes the large copies and gives the message."""
+    if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype.isnative:
+        return _Ready(_prepare_array(obj))
+    views: list[TensorView] = []
+    tree = _flatten(obj, views, 0)
+    heavy = {i for i, v in enumerate(views) if _packs_on_host(v)}
+    wired = [None if i in heavy else v.wire_array() for i, v in enumerate(views)]
+    if not heavy:
+        return _Ready(_assemble(tree, views, wired))  # type: ignore[arg-type]  # (no None in it)
+    return _Packing(tree, views, wired, sorted(heavy))
+
+
+class _Ready:
+    """A message prepared at once, awaitable as one still packing is."""
+
+    __slots__ = ("msg",)
+
+    def __init__(self, msg: Outgoing) -> None:
+        self.msg = msg
+
+    def __await__(self) -> Generator[Any, None, Outgoing]:
+        return self.msg
+        yield  # (a generator that returns at once)
+
+
+class _Packing:
+    """A message whose large strided host tensors are packed in a copy thread when awaited."""
+
+    __slots__ = ("heavy", "tree", "views", "wired")
+
+    def __init__(
+        self,
+        tree: wire_pb2.TreeNode,
+        views: list[TensorView],
+        wired: list[tuple[np.ndarray | DeviceTensor, bool] | None],
+        heavy: list[int],
+    ) -> None:
+        self.tree, self.views, self.wired, self.heavy = tree, views, wired, heavy
+
+    def __await__(self) -> Generator[Any, None, Outgoing]:
+        return self._finish().__await__()
+
+    async def _finish(self) -> Outgoing:
+        views = self.views
+        done = await off_loop(lambda: [views[i].wire_array() for i in self.heavy])
+        wired = list(self.wired)
+        for i, w in zip(self.heavy, done, strict=True):
+            wired[i] = w
+        return _assemble(self.tree, views, wired)  # type: ignore[arg-type]  # (no None left)
+
+
+def _packs_on_host(v: TensorView) -> bool:
+    """Whether ``v`` is a host tensor that needs a packing copy large enough for a thread."""
+    return v.dev is None and not v.contiguous and worth_a_thread(v.nbytes)
+
+
 def _prepare_tree(obj: object) -> Outgoing:
     views: list[TensorView] = []
     tree = _flatten(obj, views, 0)
+    return _assemble(tree, views, [v.wire_array() for v in views])
+
+
+def _assemble(
+    tree: wire_pb2.TreeNode, views: list[TensorView], wired: list[tuple[np.ndarray | DeviceTensor, bool]]
+) -> Outgoing:
+    """The message of ``views`` whose wire arrays (and whether each was packed) are ``wired``."""
     arrays: list[np.ndarray | DeviceTensor] = []
     specs: list[Spec] = []
     packed = False
     on_device = False
     total = 0
-    for v in views:
-        arr, was_packed = v.wire_array()
+    for v, (arr, was_packed) in zip(views, wired, strict=True):
         packed |= was_packed
         arrays.append(arr)
         if isinstance(arr, DeviceTensor):

@@ -42,6 +42,7 @@ from ..tensors._device import (
     cuda_usable,
     wanted_device,
 )
+from ..tensors._offload import copy_host
 from ._base import Receipt
 
 if TYPE_CHECKING:
@@ -663,10 +664,15 @@ class Mailbox:
                     raise
                 memory = next((d.engine.kind for d in final if isinstance(d, DeviceTensor)), "host")
             else:
-                for src, dst in zip(dest, final, strict=True):
-                    if src is not dst:
-                        np.copyto(dst, src)  # type: ignore[arg-type]
-                        staged = staged or src.nbytes > 0  # an empty tensor passed through nothing
+                copies = [(dst, src) for src, dst in zip(dest, final, strict=True) if src is not dst]
+                try:
+                    await copy_host(copies)  # type: ignore[arg-type]  # (host arrays, all of them)
+                except asyncio.CancelledError:
+                    # the copies ended before this propagates: the bytes are whole in ``dest``,
+                    # and the message goes back to the queue for the next recv
+                    arrival.consumed = False
+                    raise
+                staged = staged or any(src.nbytes for _, src in copies)  # an empty tensor passed through nothing
             value = _rebuild(arrival.tree, arrival.specs, final) if out is None else with_scalars(out, arrival.tree)
         except TensorWireError:
             raise
@@ -761,7 +767,7 @@ async def _settle_device(
         elif isinstance(src, DeviceTensor):
             await download(src.buf, byte_view(dst), landing.flush(src))
         else:
-            np.copyto(dst, src)
+            await copy_host([(dst, src)])
     await landing.finish(final)
     for src, dst in zip(dest, final, strict=True):
         if src is not dst and isinstance(src, DeviceTensor) and src.nbytes and src.stream is not None:

@@ -1,0 +1,83 @@
+"""Large host copies off the event loop.
+
+Packing a strided tensor into C order, or copying a received message into a caller's ``out=``,
+moves every byte through the CPU: a 256 MiB transposed float64 array takes about a second. On
+the event loop that second stalls every other channel, renewal and call of the process, so
+copies of ``OFF_LOOP_BYTES`` or more run in a worker thread (numpy lets go of the GIL while it
+copies) and the loop goes on. Smaller ones stay on the loop, where they cost less than the hop.
+
+A copy handed to a thread is always waited for, even when the waiting task is cancelled: once
+the awaiting call returns or raises, no thread reads or writes the caller's tensors any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+
+__all__ = ["OFF_LOOP_BYTES", "copy_host", "off_loop", "worth_a_thread"]
+
+OFF_LOOP_BYTES = 1 << 20  # a host copy this large or larger runs in a worker thread
+_WORKERS = 4  # copies are bound by memory bandwidth: a few threads use it all
+
+T = TypeVar("T")
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    """This process's copy threads, made on first use (and made afresh in a forked child, where
+    the parent's threads do not exist)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="tensorwire-copy")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+async def off_loop(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a copy thread and return what it returns (or raise what it raises).
+
+    A cancellation of the caller waits for ``fn`` to end before it propagates, so ``fn`` never
+    runs on past the call that asked for it."""
+    fut = asyncio.wrap_future(_executor().submit(fn))
+    interrupted = False
+    while not fut.done():
+        try:
+            await asyncio.wait((fut,))  # (never cancels fut, nor raises what fn raised)
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError
+    return fut.result()
+
+
+def worth_a_thread(nbytes: int) -> bool:
+    """Whether a host copy of ``nbytes`` goes to a copy thread (read at each call, so a benchmark
+    can set ``OFF_LOOP_BYTES`` to compare with copies on the loop)."""
+    return nbytes >= OFF_LOOP_BYTES
+
+
+def _copies(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)
+
+
+async def copy_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dst, src)`` for each pair: small ones here, and the large ones together in a
+    copy thread. Returns or raises only once every copy has ended."""
+    big = [(d, s) for d, s in pairs if worth_a_thread(d.nbytes)]
+    for dst, src in pairs:
+        if not worth_a_thread(dst.nbytes):
+            np.copyto(dst, src)
+    if big:
+        await off_loop(lambda: _copies(big))

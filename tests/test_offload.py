@@ -1,0 +1,164 @@
+"""Large host copies run in a copy thread, and the event loop goes on meanwhile.
+
+Packing a strided tensor for a send or a write, and copying a message into a strided ``out=``
+for a recv or a read, move every byte through the CPU (about a second for 256 MiB transposed).
+These check that such copies leave the loop (a task awaiting one yields at least once, where
+the old synchronous copy gave the loop no turn at all), that a cancelled caller returns only
+once its copy has ended, and that the bytes are right whichever way they went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tensorwire.tensors import prepare, prepare_off_loop
+from tensorwire.tensors._offload import OFF_LOOP_BYTES, copy_host, off_loop
+from tensorwire.testing import connected_pair
+
+
+async def _turns_while(work: Awaitable[Any]) -> tuple[Any, int]:
+    """Await ``work`` in a task and count the loop turns another task got before it ended: 1
+    when ``work`` never gave the loop up (it ran to its end in its first step)."""
+    task = asyncio.ensure_future(work)
+    turns = 0
+    while not task.done():
+        turns += 1
+        await asyncio.sleep(0)
+    return task.result(), turns
+
+
+def _strided(nbytes: int) -> np.ndarray:
+    """A transposed float64 array of ``nbytes`` bytes, with distinct values."""
+    n = nbytes // 8
+    rows = 256
+    return np.arange(n, dtype=np.float64).reshape(rows, n // rows).T
+
+
+async def test_off_loop_runs_in_a_copy_thread_and_gives_back_what_it_returns_or_raises() -> None:
+    value, turns = await _turns_while(off_loop(lambda: threading.current_thread().name))
+    assert value.startswith("tensorwire-copy")
+    assert turns >= 2
+
+    def fails() -> None:
+        raise ValueError("from the thread")
+
+    with pytest.raises(ValueError, match="from the thread"):
+        await off_loop(fails)
+
+
+async def test_a_cancelled_caller_returns_only_once_its_copy_has_ended() -> None:
+    """Once the awaiting call raises, no thread touches the caller's tensors any more."""
+    go, ended = threading.Event(), threading.Event()
+
+    def copy() -> None:
+        go.wait(10)
+        ended.set()
+
+    task = asyncio.ensure_future(off_loop(copy))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.1)
+    assert not task.done(), "the cancelled call returned while its copy still ran"
+    task.cancel()  # a second cancellation changes nothing
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended.is_set()
+
+
+async def test_a_large_strided_message_is_packed_off_the_loop_into_the_same_bytes() -> None:
+    big = _strided(16 << 20)
+    small = _strided(OFF_LOOP_BYTES // 2)
+    obj = {"big": big, "small": small, "flat": np.ones(3), "s": 1.5}
+    msg, turns = await _turns_while(_awaited(prepare_off_loop(obj)))
+    assert turns >= 2, "the 16 MiB packing copy ran on the event loop"
+    want = prepare(obj)
+    assert msg.header == want.header and msg.packed and msg.nbytes == want.nbytes
+    assert [bytes(s) for s in msg.segments()] == [bytes(s) for s in want.segments()]
+    # below OFF_LOOP_BYTES the copy is cheaper than the hop: it is made at once
+    _, turns = await _turns_while(_awaited(prepare_off_loop({"small": small})))
+    assert turns == 1
+
+
+async def test_copies_into_large_strided_buffers_run_off_the_loop() -> None:
+    src = np.arange(4 << 20, dtype=np.float32).reshape(1024, -1)
+    dst = np.zeros((src.shape[1], src.shape[0]), np.float32).T  # strided, src's shape
+    tiny = np.zeros(4, np.float32)
+    _, turns = await _turns_while(copy_host([(dst, src), (tiny, np.arange(4, dtype=np.float32))]))
+    assert turns >= 2
+    assert np.array_equal(dst, src) and np.array_equal(tiny, np.arange(4))
+
+
+async def _arrived(peer: Any, tag: int) -> None:
+    """Wait until a message on ``tag`` waits whole at ``peer``, unreceived."""
+    async with asyncio.timeout(10):
+        while not any(a.done.done() for a in peer.channel.mailbox._arrived.get(tag, ())):  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+async def _awaited(x: Awaitable[Any]) -> Any:
+    return await x
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_strided_tensors_past_the_threshold_travel_whole_every_way(transport: str) -> None:
+    """send of a strided tensor, recv into out= of a message that arrived first, rpc arguments
+    and results, one-sided write from a strided source and read into a strided out=: all past
+    OFF_LOOP_BYTES."""
+    src = _strided(8 << 20)
+    async with connected_pair(transport) as (a, b):
+        await a.send(src, tag=1)
+        await _arrived(b, 1)
+        out = np.zeros(src.shape)
+        got = await b.recv(tag=1, out=out)
+        assert got is out and np.array_equal(out, src)
+
+        @b.node.method("flip")
+        async def flip(x: np.ndarray) -> np.ndarray:
+            return x.T  # strided: the result is packed for its reply
+
+        assert np.array_equal(await a.call("flip", src), src.T)
+
+        owned = np.zeros(src.shape)
+        b.node.expose(owned, name="w")
+        h = await a.lookup("w")
+        await a.write(h, src)
+        assert np.array_equal(owned, src)
+        back = np.zeros((src.shape[1], src.shape[0])).T
+        await a.read(h, out=back)
+        assert np.array_equal(back, src)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_recv_cancelled_at_any_point_of_its_copy_loses_nothing(transport: str) -> None:
+    """A recv into out= cancelled while the copy of a message that arrived first runs in a
+    thread puts the message back: the next recv gets it whole, and no message is lost or taken
+    twice."""
+    src = _strided(8 << 20)
+    out = np.zeros(src.shape)
+    async with connected_pair(transport) as (a, b):
+        for k in range(12):
+            await a.send(src + k, tag=2)
+            await _arrived(b, 2)
+            task = asyncio.ensure_future(b.recv(tag=2, out=out))
+            await asyncio.sleep(0.004 * k)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if task.cancelled():
+                out[...] = 0
+                await b.recv(tag=2, out=out)  # the message went back to the queue
+            assert np.array_equal(out, src + k), f"message {k} damaged or lost"
+        async with asyncio.timeout(1):
+            await a.send(np.zeros(1), tag=3)
+            assert (await b.recv(tag=3)).shape == (1,)  # and none is left over on tag 2
+        assert not b.channel.mailbox._arrived.get(2)
