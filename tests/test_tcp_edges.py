@@ -203,3 +203,60 @@ async def test_a_device_message_its_sender_withdrew_writes_nothing_into_out_afte
     finally:
         src_engine.close()
         dst_engine.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+_NO_IPV6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+
+
+@_NO_IPV6
+async def test_a_node_on_every_ipv4_interface_takes_tcp_peers_over_ipv6_too() -> None:
+    """At 0.0.0.0 the control plane takes IPv6 clients too (gRPC listens on '*'), but the tcp
+    data listener took IPv4 only: a connect to [::1]:P failed with "tcp data connection to
+    ::1:Q failed". Both families now reach it, each at its own address."""
+    async with (
+        tensorwire.start("0.0.0.0:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        port = server.address.rsplit(":", 1)[1]
+        for address, host in ((f"[::1]:{port}", "::1"), (f"127.0.0.1:{port}", "127.0.0.1")):
+            async with asyncio.timeout(20):
+                peer = await client.connect(address)
+                there = await server.accept()
+                assert peer.path.transport == "tcp", peer.path
+                assert there.path.lanes[0].startswith(f"tcp x1 stream {host}:"), there.path
+                await peer.send(np.arange(5.0), tag=1)
+                assert np.array_equal(await there.recv(tag=1), np.arange(5.0))
+                await peer.aclose()
+
+
+@pytest.mark.parametrize("serving", ["0.0.0.0", pytest.param("[::]", marks=_NO_IPV6)])
+async def test_an_ipv4_peer_of_a_node_on_every_interface_is_seen_at_its_plain_ipv4_address(serving: str) -> None:
+    """A wildcard listener that took IPv4 peers on an IPv6 socket (Linux's '::' does, and so did
+    the dual-stack 0.0.0.0 listener of c204c99) saw them as '::ffff:127.0.0.1', which the
+    accepting side's peer path then showed. What the tcp transport reports names IPv4 peers in
+    the IPv4 form, on both sides."""
+    async with (
+        tensorwire.start(f"{serving}:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        port = server.address.rsplit(":", 1)[1]
+        async with asyncio.timeout(20):
+            peer = await client.connect(f"127.0.0.1:{port}")
+            there = await server.accept()
+            await peer.send(np.arange(3), tag="t")
+            assert np.array_equal(await there.recv(tag="t"), np.arange(3))
+        assert peer.path.lanes[0].startswith("tcp x1 stream 127.0.0.1:"), peer.path
+        assert there.path.lanes[0].startswith("tcp x1 stream 127.0.0.1:"), there.path
+        for seen in (peer.path, peer.remote_address, repr(peer), there.path, there.remote_address, repr(there)):
+            assert "ffff" not in str(seen), seen
+        sock = there.channel._io.sock  # type: ignore[attr-defined]
+        assert (sock.getpeername()[0], sock.getsockname()[0]) == ("127.0.0.1", "127.0.0.1")

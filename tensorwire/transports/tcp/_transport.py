@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
+import ipaddress
 import logging
 import os
 import socket
@@ -22,6 +24,7 @@ __all__ = ["TcpTransport"]
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 _ACCEPT_BATCH = 64  # connections accepted per readable event before the loop runs other work
+_BIND_TRIES = 8  # ports tried for a wildcard's second family before it serves on one
 
 
 def _split(address: bytes) -> tuple[str, int]:
@@ -40,6 +43,54 @@ def _join(host: str, port: int) -> bytes:
     return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
 
 
+def _plain(host: str) -> str:
+    """An IPv4-mapped IPv6 host (``::ffff:10.0.0.7``) as the IPv4 host it is; others as given."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return host if mapped is None else str(mapped)
+
+
+def _bind(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
+    """A listening socket; on ``::`` it takes IPv6 alone (IPv4 gets a socket of its own, so an
+    IPv4 peer is seen at its IPv4 address, never as ``::ffff:a.b.c.d``)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _listeners(host: str) -> list[socket.socket]:
+    """The listeners for ``host``, all on one port. A wildcard gets one per family, as the control
+    plane (gRPC on ``*``) takes both: a peer dials the host it reached that at, ``[::1]`` too.
+    A machine without the second family (no IPv6, say) serves on the first alone."""
+    if host not in _WILDCARDS:
+        return [_bind(socket.AF_INET6 if ":" in host else socket.AF_INET, host, 0)]
+    v4, v6 = (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")
+    (family, wildcard), (other, other_wildcard) = (v6, v4) if host == "::" else (v4, v6)
+    first = _bind(family, wildcard, 0)
+    for _ in range(_BIND_TRIES):
+        try:
+            return [first, _bind(other, other_wildcard, first.getsockname()[1])]
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:  # no such family here
+                log.debug("tcp data listener on %s alone: %s", wildcard, exc)
+                return [first]
+        first.close()  # that port is taken in the other family: another one
+        first = _bind(family, wildcard, 0)
+    log.warning("tcp data listener on %s alone: %d ports were taken on %s", wildcard, _BIND_TRIES, other_wildcard)
+    return [first]
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -53,7 +104,7 @@ class TcpTransport(Transport):
 
     def __init__(self, ctx: TransportContext, capabilities: Capabilities) -> None:
         super().__init__(ctx, capabilities)
-        self._listener: socket.socket | None = None
+        self._listeners: list[socket.socket] = []
         self._paused: asyncio.TimerHandle | None = None  # accepting again after a failed accept
         self._handshakes: set[asyncio.Task[None]] = set()
         self._unstarted: set[socket.socket] = set()  # accepted, their handshake not yet begun
@@ -63,39 +114,33 @@ class TcpTransport(Transport):
 
     async def listen(self) -> bytes:
         host = self.ctx.host
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock: socket.socket | None = None
         try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, 0))
-            sock.listen(128)
+            self._listeners = _listeners(host)
         except OSError as exc:  # socket.gaierror too: a host that does not resolve, or is not ours
-            if sock is not None:
-                sock.close()
             raise ConfigurationError(f"cannot bind the tcp transport to {host!r}: {exc}") from exc
-        sock.setblocking(False)
-        self._listener = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
-        return _join(host, sock.getsockname()[1])
+        for sock in self._listeners:
+            sock.setblocking(False)
+        self._resume()
+        return _join(host, self._listeners[0].getsockname()[1])
 
-    def _accept(self) -> None:
-        """The listener is readable: accept what waits, each socket straight into its handshake.
+    def _accept(self, listener: socket.socket) -> None:
+        """A listener is readable: accept what waits, each socket straight into its handshake.
 
         Accepting here, not in a task awaiting ``loop.sock_accept``, leaves no moment in which a
         close can cancel the wait after the accept and lose the socket (it stayed open, and its
         client waited out ``connect_timeout`` for a CHALLENGE)."""
-        assert self._listener is not None
         loop = asyncio.get_running_loop()
         for _ in range(_ACCEPT_BATCH):
             try:
-                conn, addr = self._listener.accept()
+                conn, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # e.g. EMFILE: keep serving after a pause
                 log.warning("tcp accept failed: %s", exc)
-                loop.remove_reader(self._listener.fileno())
-                self._paused = loop.call_later(0.1, self._resume)
+                for sock in self._listeners:
+                    loop.remove_reader(sock.fileno())
+                if self._paused is None:
+                    self._paused = loop.call_later(0.1, self._resume)
                 return
             # aclose closes it if the task is cancelled before its first step
             self._unstarted.add(conn)
@@ -105,14 +150,15 @@ class TcpTransport(Transport):
 
     def _resume(self) -> None:
         self._paused = None
-        if not self._closed and self._listener is not None:
-            asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
+        if not self._closed:
+            for sock in self._listeners:
+                asyncio.get_running_loop().add_reader(sock.fileno(), self._accept, sock)
 
     async def _handshake_server(self, conn: socket.socket, addr: object) -> None:
         self._unstarted.discard(conn)
         _tune(conn)
         io = SockIO(conn)
-        who = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        who = f"{_plain(addr[0])}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
         try:
             async with asyncio.timeout(self.ctx.limits.handshake_seconds):
                 nonce = os.urandom(NONCE_BYTES)
@@ -212,8 +258,8 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        if self._listener is not None:
-            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+        for sock in self._listeners:
+            asyncio.get_running_loop().remove_reader(sock.fileno())
         if self._paused is not None:
             self._paused.cancel()
         for t in list(self._handshakes):
@@ -226,5 +272,5 @@ class TcpTransport(Transport):
             for conn in self._unstarted:
                 conn.close()
             self._unstarted.clear()
-            if self._listener is not None:
-                self._listener.close()
+            for sock in self._listeners:
+                sock.close()
