@@ -161,6 +161,30 @@ async def test_hello_without_the_secret_is_dropped(caplog: pytest.LogCaptureFixt
         assert np.array_equal(await other.recv(tag=1), np.arange(3))
 
 
+async def test_a_hello_the_server_cannot_answer_fails_the_connect_saying_why(caplog: pytest.LogCaptureFixture) -> None:
+    """A server that cannot create the endpoint back to the worker address a HELLO gives (a buggy
+    client's, here; or UCX failing there) drops the HELLO, and nothing reaches the client without
+    that endpoint: the client learns of it only by waiting handshake_seconds. Its error then says
+    what most likely happened and where to look: the server's 'dropped ucx hello' warning, which
+    names the same client node. It used to say only 'ucx data connection failed: TimeoutError'."""
+    caplog.set_level(logging.WARNING, logger="tensorwire")
+    limits = tensorwire.Limits(handshake_seconds=1)
+    async with (
+        tensorwire.start(transports=("ucx",), limits=limits) as server,
+        tensorwire.start(transports=("ucx",), limits=limits) as client,
+    ):
+        # its offer (made at start) is right; the address its HELLO gives is not one UCX can read
+        client.transports["ucx"].worker.address = b"\x0f" + bytes(63)  # type: ignore[attr-defined]
+        with pytest.raises(tensorwire.ConnectError) as info:
+            await client.connect(server.address)
+    message = str(info.value)
+    assert "did not answer this node's HELLO within 1 s" in message, message
+    assert "endpoint back" in message and "'dropped ucx hello'" in message, message
+    assert f"client node {client.node_id[:8]}" in message, message
+    dropped = [r.getMessage() for r in caplog.records if "dropped ucx hello" in r.getMessage()]
+    assert any(f"client node {client.node_id[:8]}" in m and "format version 15" in m for m in dropped), dropped
+
+
 async def test_inline_answer_wait_backs_off_when_answers_come_late() -> None:
     """A recv right after a send waits inline (holding the loop) for at most 50 us; when the
     answer keeps coming later (here it can only come from this very loop: both nodes share it),

@@ -88,6 +88,23 @@ def _digest(secret: bytes, body: bytes, sid: bytes, role: bytes) -> bytes:
     return proof(secret, hashlib.sha256(body).digest(), sid, role)
 
 
+def _no_welcome(hello_sent: bool, seconds: float, session: Session) -> str:
+    """Why a connect that got no WELCOME failed, as far as the client can tell. A server answers
+    a HELLO as soon as it takes it, or drops it (its log says why, naming the client node where
+    the HELLO proved its session); nothing reaches the client without the endpoint back."""
+    if not hello_sent:
+        return (
+            f"ucx data connection failed: the HELLO to the server did not go out within {seconds:g} s "
+            "(Limits.handshake_seconds): UCX could not reach the server's worker"
+        )
+    return (
+        f"ucx data connection failed: the server did not answer this node's HELLO within {seconds:g} s "
+        "(Limits.handshake_seconds). A server answers at once unless it dropped the HELLO: most likely it could "
+        "not create a UCX endpoint back to the worker address the HELLO gave, or UCX failed there. Its log "
+        f"says why: a 'dropped ucx hello' warning naming client node {session.local_node[:8]}"
+    )
+
+
 CONTEXT_REFUSED = "UCX could not create a context"  # how probe() says UCX refused its configuration
 
 
@@ -277,7 +294,12 @@ class UcxTransport(Transport):
         try:
             ep = self._endpoint(worker_address)
         except Exception as exc:
-            raise ProtocolError(f"cannot create an endpoint to the client: {exc}") from exc
+            # nothing can reach the client without that endpoint: it learns only by waiting
+            # (handshake_seconds), and its error points here, by its node id
+            raise ProtocolError(
+                f"cannot create an endpoint back to client node {session.remote_node[:8]} at the worker "
+                f"address its HELLO gave: {exc}"
+            ) from exc
         my_key = self._new_key()
         channel = UcxChannel(
             w,
@@ -333,6 +355,7 @@ class UcxTransport(Transport):
         # the node then took no more ucx peers)
         mine = object()
         wreq = w.worker.tag_recv(Array(welcome), w.lib.UCXXTag(make_tag(my_key, WELCOME)))
+        hello_sent = False
         try:
             async with asyncio.timeout(self.ctx.limits.handshake_seconds):
                 head = _HEAD.pack(
@@ -344,6 +367,7 @@ class UcxTransport(Transport):
                 if not hreq.completed:
                     await w.future(hreq, keep=hello, owner=mine)
                 hreq.check_error()
+                hello_sent = True
                 if not wreq.completed:
                     await w.future(wreq, keep=welcome, owner=mine)
                 wreq.check_error()
@@ -362,7 +386,9 @@ class UcxTransport(Transport):
             w.abandon(mine)
             self._keys.discard(my_key)
             w.track(asyncio.get_running_loop().create_task(w.close_endpoint(ep)))
-            if isinstance(exc, (ProtocolError, PeerDisconnected, TimeoutError)) or (
+            if isinstance(exc, TimeoutError):
+                raise ConnectError(_no_welcome(hello_sent, self.ctx.limits.handshake_seconds, session)) from exc
+            if isinstance(exc, (ProtocolError, PeerDisconnected)) or (
                 isinstance(exc, Exception) and type(exc).__module__.startswith("ucxx")
             ):
                 raise ConnectError(f"ucx data connection failed: {str(exc) or type(exc).__name__}") from exc
