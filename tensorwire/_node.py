@@ -532,6 +532,7 @@ class Node:
             request.unavailable.add(name=name, reason=reason)
         client = ControlClient(address, self.config.tls)
         since = time.monotonic()  # the server's lease on this session begins after this
+        opening = ""  # once the handshake is done: the data connection under way, for the error
         try:
             async with asyncio.timeout(timeout):
                 resp = await client.handshake(request, timeout)
@@ -543,10 +544,16 @@ class Node:
                     resp.session_id, resp.session_secret, self.node_id, resp.server_node_id, self.config.limits
                 )
                 dial = transport.dial_address(chosen.address, host)
+                opening = f"{chosen.name} data connection"
                 channel = await transport.connect(dial, session)
         except TimeoutError as exc:
             await client.aclose()
-            raise ConnectTimeout(f"connecting to {address} took longer than {timeout} s") from exc
+            where = (
+                f": the control-plane handshake was done, the {opening} did not open (the server's log may say why)"
+                if opening
+                else ""
+            )
+            raise ConnectTimeout(f"connecting to {address} took longer than {timeout} s{where}") from exc
         except BaseException:
             await client.aclose()
             raise

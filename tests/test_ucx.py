@@ -185,6 +185,24 @@ async def test_a_hello_the_server_cannot_answer_fails_the_connect_saying_why(cap
     assert any(f"client node {client.node_id[:8]}" in m and "format version 15" in m for m in dropped), dropped
 
 
+async def test_a_connect_timeout_during_the_data_connection_says_the_handshake_was_done() -> None:
+    """With connect_timeout shorter than handshake_seconds (by default they are equal, and the
+    connect's own timeout starts first), the connect's timeout fires while the data connection
+    is under way. It said only 'took longer than N s'; it now says the control-plane handshake
+    was done and which transport's data connection did not open."""
+    limits = tensorwire.Limits(handshake_seconds=5)
+    async with (
+        tensorwire.start(transports=("ucx",), limits=limits) as server,
+        tensorwire.start(transports=("ucx",), limits=limits, connect_timeout=1) as client,
+    ):
+        client.transports["ucx"].worker.address = b"\x0f" + bytes(63)  # type: ignore[attr-defined]
+        with pytest.raises(tensorwire.ConnectTimeout) as info:
+            await client.connect(server.address)
+    message = str(info.value)
+    assert "took longer than 1.0 s" in message, message
+    assert "the control-plane handshake was done, the ucx data connection did not open" in message, message
+
+
 async def test_inline_answer_wait_backs_off_when_answers_come_late() -> None:
     """A recv right after a send waits inline (holding the loop) for at most 50 us; when the
     answer keeps coming later (here it can only come from this very loop: both nodes share it),
