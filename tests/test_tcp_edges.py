@@ -18,6 +18,7 @@ import tensorwire
 from tensorwire.testing import connected_pair
 from tensorwire.transports import Limits, TransportContext
 from tensorwire.transports.tcp import TcpTransport
+from tensorwire.transports.tcp._transport import _open_any
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -260,3 +261,123 @@ async def test_an_ipv4_peer_of_a_node_on_every_interface_is_seen_at_its_plain_ip
             assert "ffff" not in str(seen), seen
         sock = there.channel._io.sock  # type: ignore[attr-defined]
         assert (sock.getpeername()[0], sock.getsockname()[0]) == ("127.0.0.1", "127.0.0.1")
+
+
+def _ipv6_only_name() -> str | None:
+    """A name this machine resolves to ::1 and to no IPv4 address (Debian's /etc/hosts has
+    ``ip6-localhost``), or None."""
+    for name in ("ip6-localhost", "ip6-loopback", "localhost6", "localhost"):
+        try:
+            infos = socket.getaddrinfo(name, 1, type=socket.SOCK_STREAM)
+        except OSError:
+            continue
+        found = {(family, addr[0]) for family, _, _, _, addr in infos}
+        if (socket.AF_INET6, "::1") in found and all(family == socket.AF_INET6 for family, _ in found):
+            return name
+    return None
+
+
+_IPV6_NAME = _ipv6_only_name() if _ipv6_loopback() else None
+
+
+@pytest.mark.skipif(
+    _IPV6_NAME is None,
+    reason="no name resolves to ::1 alone here (no 'ip6-localhost' in /etc/hosts) or no IPv6 loopback",
+)
+async def test_a_node_on_every_interface_reached_by_an_ipv6_only_name_gets_a_tcp_data_path() -> None:
+    """The control plane reached a '[::]' node at an IPv6-only name and the data connection dials
+    that name too (the wildcard names no host), but the tcp transport looked a host without a
+    colon up as IPv4 only. A name of ::1 then went to 127.0.0.1 (glibc's files backend maps
+    ::1 to it for IPv4 lookups) or failed (musl); a name of any other IPv6 address failed with
+    "Name or service not known". The name is now resolved in both families and its addresses
+    tried in turn: the data connection arrives from ::1, the address the name stands for."""
+    assert _IPV6_NAME is not None
+    async with (
+        tensorwire.start("[::]:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        port = server.address.rsplit(":", 1)[1]
+        async with asyncio.timeout(20):
+            peer = await client.connect(f"{_IPV6_NAME}:{port}")
+            there = await server.accept()
+            assert peer.path.transport == "tcp", peer.path
+            assert there.path.lanes[0].startswith("tcp x1 stream ::1:"), there.path
+            await peer.send(np.arange(4.0), tag=1)
+            assert np.array_equal(await there.recv(tag=1), np.arange(4.0))
+            await there.send(np.arange(3), tag=2)
+            assert np.array_equal(await peer.recv(tag=2), np.arange(3))
+
+
+@pytest.mark.parametrize("serving", ["127.0.0.1", "0.0.0.0"])
+async def test_a_node_reached_as_localhost_gets_a_tcp_data_path(serving: str) -> None:
+    """'localhost' goes through the resolver: on 0.0.0.0 the data connection dials that name (the
+    wildcard names no host), on 127.0.0.1 the address the node offers; both carry tensors."""
+    async with (
+        tensorwire.start(f"{serving}:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        port = server.address.rsplit(":", 1)[1]
+        async with asyncio.timeout(20):
+            peer = await client.connect(f"localhost:{port}")
+            there = await server.accept()
+            assert peer.path.transport == "tcp", peer.path
+            await peer.send(np.arange(6.0), tag="x")
+            assert np.array_equal(await there.recv(tag="x"), np.arange(6.0))
+            await there.send(np.arange(2), tag="y")
+            assert np.array_equal(await peer.recv(tag="y"), np.arange(2))
+
+
+def _refusing() -> socket.socket:
+    """A bound socket that does not listen: a connect to its port is refused."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+async def test_a_name_whose_first_address_refuses_is_reached_at_the_next() -> None:
+    """Each address of a name is tried in turn; the error of a name none of whose addresses takes
+    the connection names each address and why it failed."""
+    with _refusing() as refusing, socket.create_server(("127.0.0.1", 0)) as listening:
+        bad = ("127.0.0.1", refusing.getsockname()[1])
+        good = ("127.0.0.1", listening.getsockname()[1])
+        tried: list[str] = []
+        async with asyncio.timeout(10):
+            sock = await _open_any("h", [(socket.AF_INET, bad), (socket.AF_INET, good)], tried)
+        with sock:
+            assert sock.getpeername() == good
+        assert tried == [f"127.0.0.1:{bad[1]}", f"127.0.0.1:{good[1]}"]
+        with pytest.raises(OSError, match=rf"no address of h took it: 127\.0\.0\.1:{bad[1]}: Connection refused; "):
+            await _open_any("h", [(socket.AF_INET, bad), (socket.AF_INET, bad)], [])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts sockets through /proc/self/fd")
+async def test_an_address_that_does_not_answer_holds_up_the_next_by_a_moment_not_the_deadline() -> None:
+    """An address whose SYNs are dropped (here: a listener whose backlog is full) would hold a
+    one-at-a-time connect until the caller's deadline; the next address is tried alongside it
+    after a moment, the first to answer wins, and the silent attempt's socket is closed."""
+    loop = asyncio.get_running_loop()
+    with contextlib.ExitStack() as stack:
+        full = stack.enter_context(socket.socket())
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        listening = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        for _ in range(8):  # fill the backlog until a connect is left waiting
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)
+            try:
+                async with asyncio.timeout(0.5):
+                    await loop.sock_connect(filler, full.getsockname())
+            except TimeoutError:
+                break
+        else:
+            pytest.skip("this kernel took every connection to a listener with a full backlog")
+        before = _open_sockets()
+        tried: list[str] = []
+        async with asyncio.timeout(10):  # the silent address alone would wait out SYN retries
+            sock = await _open_any(
+                "h", [(socket.AF_INET, full.getsockname()), (socket.AF_INET, listening.getsockname())], tried
+            )
+        with sock:
+            assert sock.getpeername() == listening.getsockname()
+        assert len(tried) == 2
+        assert _open_sockets() == before

@@ -6,9 +6,11 @@ import asyncio
 import errno
 import hmac
 import ipaddress
+import itertools
 import logging
 import os
 import socket
+from typing import Any
 
 from ..._ratelog import RateLimitedLog
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError
@@ -25,6 +27,7 @@ __all__ = ["TcpTransport"]
 _WILDCARDS = ("0.0.0.0", "::", "")
 _ACCEPT_BATCH = 64  # connections accepted per readable event before the loop runs other work
 _BIND_TRIES = 8  # ports tried for a wildcard's second family before it serves on one
+_STAGGER_S = 0.25  # a slow address has this long before the next is tried alongside it (RFC 8305)
 
 
 def _split(address: bytes) -> tuple[str, int]:
@@ -93,6 +96,101 @@ def _listeners(host: str) -> list[socket.socket]:
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+_SockAddr = tuple[socket.AddressFamily, tuple[Any, ...]]  # a family, and a sockaddr of it
+
+
+def _show(sockaddr: tuple[Any, ...]) -> str:
+    return _join(sockaddr[0], sockaddr[1]).decode()
+
+
+def _literal(host: str) -> socket.AddressFamily | None:
+    """The family of an IP address written out (``10.0.0.7``, ``::1``, ``fe80::1%eth0``); None for a name."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+
+
+async def _resolve(host: str, port: int) -> list[_SockAddr]:
+    """The addresses of the name ``host``, resolved off the event loop (getaddrinfo blocks), in
+    the resolver's order with the families taking turns (RFC 8305), so that a family that does
+    not answer here costs one address's wait, not all of them."""
+    try:
+        found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:  # gaierror; a name the idna codec refuses
+        raise OSError(f"cannot resolve {host!r}: {exc}") from exc
+    addrs = list(dict.fromkeys((family, tuple(addr)) for family, _, _, _, addr in found))
+    if not addrs:
+        raise OSError(f"cannot resolve {host!r}: no address")
+    first = [a for a in addrs if a[0] == addrs[0][0]]
+    rest = [a for a in addrs if a[0] != addrs[0][0]]
+    return [a for pair in itertools.zip_longest(first, rest) for a in pair if a is not None]
+
+
+async def _open(family: socket.AddressFamily, sockaddr: tuple[Any, ...]) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, sockaddr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _open_any(host: str, addrs: list[_SockAddr], tried: list[str]) -> socket.socket:
+    """A socket connected to the first of ``addrs`` that takes it: each in turn, the next one
+    started alongside once the one before has failed or had ``_STAGGER_S`` (happy eyeballs,
+    lite); the other attempts are closed. ``tried`` gets each address as its attempt starts."""
+    loop = asyncio.get_running_loop()
+    todo = list(addrs)
+    attempts: dict[asyncio.Task[socket.socket], str] = {}
+    failures: list[str] = []
+    first_failure: BaseException | None = None
+    won: socket.socket | None = None
+    try:
+        while todo or attempts:
+            if todo:
+                family, sockaddr = todo.pop(0)
+                tried.append(_show(sockaddr))
+                attempts[loop.create_task(_open(family, sockaddr))] = tried[-1]
+            done, _ = await asyncio.wait(
+                attempts, timeout=_STAGGER_S if todo else None, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                where = attempts.pop(task)
+                exc = task.exception()
+                if exc is None:
+                    if won is None:
+                        won = task.result()
+                    else:  # two at once: keep one
+                        task.result().close()
+                    continue
+                first_failure = first_failure or exc
+                why = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else str(exc)
+                failures.append(f"{where}: {why or type(exc).__name__}")
+            if won is not None:
+                return won
+    finally:
+        for task in attempts:  # each closes its socket as it ends; one that connected is closed here
+            task.cancel()
+            task.add_done_callback(_discard)
+        if attempts:
+            try:
+                await asyncio.wait(attempts)
+            except BaseException:
+                if won is not None:
+                    won.close()
+                raise
+    raise OSError(f"no address of {host} took it: {'; '.join(failures)}") from first_failure
+
+
+def _discard(task: asyncio.Task[socket.socket]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
 
 
 class TcpTransport(Transport):
@@ -204,15 +302,19 @@ class TcpTransport(Transport):
         return _join(dialled_host.strip("[]"), port)
 
     async def connect(self, address: bytes, session: Session) -> Channel:
+        """Connect to ``address``: an IP address as it is written, a name at each of its addresses
+        in turn (``_open_any``), all within ``handshake_seconds``, the session's proof included."""
         host, port = _split(address)
-        loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
+        family = _literal(host)
+        tried: list[str] = []  # a name's addresses, as their attempts start
+        sock: socket.socket | None = None
         io: SockIO | None = None
         try:
             async with asyncio.timeout(self.ctx.limits.handshake_seconds):
-                await loop.sock_connect(sock, (host, port))
+                if family is not None:
+                    sock = await _open(family, (host, port))
+                else:
+                    sock = await _open_any(host, await _resolve(host, port), tried)
                 _tune(sock)
                 io = SockIO(sock)
                 hdr = await io.read_header()
@@ -239,15 +341,21 @@ class TcpTransport(Transport):
         ) as exc:
             if io is not None:
                 io.close()
-            else:
+            elif sock is not None:
                 sock.close()
-            raise ConnectError(
-                f"tcp data connection to {host}:{port} failed: {str(exc) or type(exc).__name__}"
-            ) from exc
+            why = str(exc) or type(exc).__name__
+            if isinstance(exc, TimeoutError) and family is None and sock is None:
+                seconds = self.ctx.limits.handshake_seconds
+                why = (
+                    f"no address of {host} took it within {seconds} s (tried {', '.join(tried)})"
+                    if tried
+                    else f"{host} did not resolve within {seconds} s"
+                )
+            raise ConnectError(f"tcp data connection to {host}:{port} failed: {why}") from exc
         except BaseException:
             if io is not None:
                 io.close()
-            else:
+            elif sock is not None:
                 sock.close()
             raise
         channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=f"{host}:{port}")
