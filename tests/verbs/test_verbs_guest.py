@@ -319,6 +319,59 @@ async def test_a_get_cancelled_while_the_channel_closes_waits_for_its_reads() ->
         assert np.array_equal(out, snapshot), "out= written after the cancelled get returned"
 
 
+async def test_a_close_right_after_a_burst_sends_what_it_queued_before_its_bye() -> None:
+    """b receives a's message into out= (its recv queues the FIN as it returns), sends a burst
+    of 40 inline messages, each send returning once its frame is queued, and closes. The burst
+    outruns b's 32 send slots, so frames and the FIN wait in the queue at the close; aclose
+    sends them before its BYE: a's send returns and a gets all 40. The close used to skip the
+    queue (with no send slot free it sent no BYE at all) and drop it: a's send failed with
+    PeerDisconnected after its message had been delivered, and 8 messages whose sends had
+    returned never arrived."""
+    src = (np.arange(MiB) % 251).astype(np.uint8)
+    async with _pair() as (a, b):
+        cb = b.channel
+        assert isinstance(cb, VerbsChannel)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        out = np.zeros_like(src)
+        async with asyncio.timeout(30):
+            await b.recv(tag="t", out=out)  # returns without yielding after its READs: FIN not queued yet
+        assert np.array_equal(out, src)
+        n = 40
+        for i in range(n):
+            await b.send(np.arange(4, dtype=np.int64) + i, tag="m")
+        assert cb._outq, "the burst did not outrun the send slots: nothing waits in the queue"
+        await b.aclose()
+        (sent,) = await asyncio.gather(asyncio.wait_for(send, 30), return_exceptions=True)
+        got: list[int] = []
+        failure: TensorWireError | None = None
+        try:
+            async with asyncio.timeout(30):
+                for _ in range(n):
+                    got.append(int((await a.recv(tag="m"))[0]))
+        except TensorWireError as exc:
+            failure = exc
+        assert isinstance(sent, tensorwire.Receipt), f"a's send said {sent!r} though b got its message"
+        assert got == list(range(n)), f"messages whose sends returned were lost: got {got}, then {failure!r}"
+
+
+async def test_closing_while_the_peer_reads_a_send_lets_the_send_finish() -> None:
+    """a closes while b RDMA-reads its 4 MiB eager message out of a's memory: aclose waits for
+    b's FIN (1 s at most) before its BYE, so the send returns and b has the message. The BYE
+    used to go at once: the send failed with 'channel closed' and b's READs were cut off (a
+    100 KiB message was read before the BYE came, and its send returned, in the one run tried)."""
+    src = (np.arange(4 * MiB) % 251).astype(np.uint8)
+    async with _pair() as (a, b):
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        await asyncio.sleep(0)  # its MSG frame is out: b reads the payload
+        assert not send.done()
+        close = asyncio.ensure_future(a.aclose())
+        sent, got, _ = await asyncio.gather(
+            asyncio.wait_for(send, 30), asyncio.wait_for(b.recv(tag="t"), 30), close, return_exceptions=True
+        )
+        arrived = isinstance(got, np.ndarray) and np.array_equal(got, src)
+        assert isinstance(sent, tensorwire.Receipt) and arrived, f"send said {sent!r}, recv got {got!r}"
+
+
 _CHILD = """
 import asyncio, sys, numpy as np, tensorwire
 async def main():

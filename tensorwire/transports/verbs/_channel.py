@@ -30,6 +30,7 @@ its end breaks the channel at once, failing every pending operation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -68,6 +69,8 @@ _SEND_BIT = 1 << 62
 _RDMA_BIT = 1 << 61
 _U32 = (1 << 32) - 1
 _MAX_SEGS = 65535
+# how long aclose waits for what it owes the peer before its BYE (see VerbsChannel.aclose)
+_BYE_GRACE = 1.0
 
 
 def _host(a: object) -> np.ndarray:
@@ -201,6 +204,7 @@ class VerbsChannel(Channel):
         self._futs: set[asyncio.Future[Any]] = set()
         self._order = SendOrder()  # FIFO per tag, however long a send waits to post
         self._sending = 0
+        self._progress: asyncio.Future[None] | None = None  # aclose waits for a completion batch
         self.stats = {"frames_out": 0, "frames_in": 0, "reads": 0, "writes": 0, "credit_frames": 0}
 
     def __repr__(self) -> str:
@@ -259,6 +263,11 @@ class VerbsChannel(Channel):
                 return
         self._pump()
         self._pump_rdma()
+        self._wake_closer()
+
+    def _wake_closer(self) -> None:
+        if self._progress is not None and not self._progress.done():
+            self._progress.set_result(None)
 
     def _wc_error(self, status: int, wr_id: int) -> BaseException:
         what = "send" if wr_id & _SEND_BIT else "RDMA operation" if wr_id & _RDMA_BIT else "receive"
@@ -335,8 +344,9 @@ class VerbsChannel(Channel):
             self.stats["credit_frames"] += 1
 
     def _want_credit(self) -> None:
-        """Something is owed to the peer (ring slots or mailbox credit): send a CREDIT frame."""
-        if self.state is not ChannelState.OPEN:
+        """Something is owed to the peer (ring slots or mailbox credit): send a CREDIT frame
+        (also while closing: a peer whose FIN waits for ring slots must hear of them)."""
+        if self.state not in (ChannelState.OPEN, ChannelState.CLOSING):
             return
         self._credit_wanted = True
         self._pump()
@@ -468,7 +478,7 @@ class VerbsChannel(Channel):
                             self._outq.remove(o)
                     self._window.unspend(msg.nbytes, eager)
                     raise
-                if self.state is ChannelState.OPEN:
+                if self.state in (ChannelState.OPEN, ChannelState.CLOSING):
                     self._enqueue(_Out(Kind.ABORT, msg_id=msg_id))
                 # the peer may be reading our memory: it answers with FIN (read whole, or dropped)
                 while not fin.done():
@@ -685,7 +695,9 @@ class VerbsChannel(Channel):
             self._fin(arrival.msg_id)
 
     def _fin(self, msg_id: int) -> None:
-        if self.state is ChannelState.OPEN:
+        # also while closing: the message is read whole (a recv may have returned it), and its
+        # sender's send must say so (aclose sends this before its BYE)
+        if self.state in (ChannelState.OPEN, ChannelState.CLOSING):
             self._enqueue(_Out(Kind.FIN, msg_id=msg_id))
 
     async def pull(self, arrival: Arrival) -> None:
@@ -899,27 +911,56 @@ class VerbsChannel(Channel):
         self._incoming.clear()
         self._outq.clear()
         self._frags.clear()
+        self._wake_closer()
         self._on_shutdown()
 
     async def aclose(self) -> None:
+        """Send what is owed to the peer, then BYE (``_BYE_GRACE`` in all), then shut down.
+
+        Owed: every frame queued (an inline message whose send has returned, a FIN for a
+        message read whole), and the peer's FINs for our sends whose payload it may be reading
+        (RDMA READs cannot be recalled). The BYE used to go at once, around the queue (frames
+        waiting for ring or send slots were dropped: sends that had returned lost their
+        messages, a send whose message was delivered failed), and a send in flight failed with
+        "channel closed" while its receiver may have been reading it."""
         if self.state is not ChannelState.OPEN:
             return
         self.state = ChannelState.CLOSING
+        deadline = self._loop.time() + _BYE_GRACE
         try:
-            sent: asyncio.Future[None] = self._loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self._owed_sent()
+            if self.state is ChannelState.CLOSING and self._send_free and self._ring_free() > 0:
+                sent: asyncio.Future[None] = self._loop.create_future()
 
-            def done(err: BaseException | None) -> None:
-                if not sent.done():
-                    sent.set_result(None)
+                def done(err: BaseException | None) -> None:
+                    if not sent.done():
+                        sent.set_result(None)
 
-            if self._send_free and self._ring_free() > 0:
                 self._post(_Out(Kind.BYE, ctrl=True), done)
-                async with asyncio.timeout(1.0):
+                async with asyncio.timeout_at(max(deadline, self._loop.time() + 0.1)):
                     await sent  # the peer's ring took it
         except Exception:  # the peer may be gone already; closing goes on
             pass
         finally:
             self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
+
+    async def _owed_sent(self) -> None:
+        """Until the queue is empty, no send waits for its FIN, and BYE has a send slot and a
+        ring slot (or the channel shut meanwhile)."""
+        # a recv that returned before this close schedules its message's FIN (pull, call_soon):
+        # let it be queued first
+        await asyncio.sleep(0)
+        while self.state is ChannelState.CLOSING:
+            fins = [f for f in self._fins.values() if not f.done()]
+            if fins:
+                await asyncio.wait(fins)
+            elif self._outq or not self._send_free or self._ring_free() <= 0:
+                self._progress = self._loop.create_future()
+                await self._progress  # the next completion batch (or the shutdown)
+            else:
+                return
 
     def abort(self) -> None:
         self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
