@@ -1221,16 +1221,14 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         if not handles[i].writable:
             raise HandleNotFound(f"write of {handles[i].name!r}: {handles[i].name!r} is exposed read-only")
     packed = any(not a.flags.c_contiguous if isinstance(a, np.ndarray) else not a.contiguous for a in arrays)
+    # device sources: their bytes in C order, after an event on the producer's stream, now, at
+    # the call (before the awaits below: the work the caller queues on that stream meanwhile is
+    # not this write's to wait for)
+    wired = {i: a.wire()[0] for i, _ in direct if isinstance(a := arrays[i], DeviceSource)}
     outgoing = [await p for p in preparing]  # (large strided host sources packed in a copy thread)
     moved = None
     memory, staged = "host", False
     if direct:
-        # device sources: their bytes in C order, after an event on the producer's stream, now
-        wired: dict[int, DeviceTensor] = {}
-        for i, _ in direct:
-            a = arrays[i]
-            if isinstance(a, DeviceSource):
-                wired[i] = a.wire()[0]
         moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
         down: dict[CopyEngine, list[tuple[_Direct, DeviceTensor, int]]] = {}
         for i, state in direct:

@@ -18,6 +18,7 @@ from .errors import ClosedResourceError, ConfigurationError, ControlPlaneError, 
 from .rpc import CallReceipt
 from .rpc import _client as _rpc
 from .tensors import prepare_off_loop
+from .tensors._message import Preparing
 from .transports import Channel, ChannelState, Receipt, Session
 
 if TYPE_CHECKING:
@@ -102,6 +103,9 @@ class Peer:
         self._lease: float | None = None
         self._confirmed = time.monotonic()
         self._renewed = asyncio.Event()
+        # per tag, the last send still packing (or behind one that is): a later send on the tag
+        # waits until it has entered the channel (``_send_in_order``)
+        self._packing: dict[int, asyncio.Future[None]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -122,8 +126,41 @@ class Peer:
         (backpressure) when the peer holds more unreceived messages than its limits allow.
         """
         wire_tag = tag_id(tag)
-        msg = await prepare_off_loop(obj)
-        return await self.channel.send(wire_tag, msg)
+        preparing = prepare_off_loop(obj)
+        msg = preparing.ready
+        if msg is not None and wire_tag not in self._packing:
+            return await self.channel.send(wire_tag, msg)
+        return await self._send_in_order(wire_tag, preparing)
+
+    async def _send_in_order(self, tag: int, preparing: Preparing) -> Receipt:
+        """Send a message whose packing runs in a copy thread, or one called after such a send
+        on its tag, in the order the sends were called (FIFO per tag, whichever packing ends
+        first): each enters the channel, which keeps that order from there on, once every
+        earlier send on the tag has entered it or given up."""
+        ahead = self._packing.get(tag)
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._packing[tag] = mine
+        try:
+            msg = await preparing
+            if ahead is not None:
+                await asyncio.shield(ahead)
+        except BaseException:
+            # nothing of ours goes: those behind follow the sends ahead, never overtake them
+            if ahead is None or ahead.done():
+                self._entered(tag, mine)
+            else:
+                ahead.add_done_callback(lambda _: self._entered(tag, mine))
+            raise
+        # those behind wake in a later turn of the loop, after the channel has taken our place
+        # on the tag (a channel's send does so before it first awaits)
+        self._entered(tag, mine)
+        return await self.channel.send(tag, msg)
+
+    def _entered(self, tag: int, mine: asyncio.Future[None]) -> None:
+        if not mine.done():
+            mine.set_result(None)
+        if self._packing.get(tag) is mine:
+            del self._packing[tag]  # nothing behind it: sends on the tag go straight in again
 
     async def recv(self, *, tag: int | str = 0, out: Any = None, device: Any = None) -> Any:
         """Receive the next message on ``tag``. With ``out=``, bytes land in the caller's

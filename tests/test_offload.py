@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import threading
 from collections.abc import Awaitable
 from typing import Any
@@ -18,9 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tensorwire.tensors import prepare, prepare_off_loop
+from tensorwire.memory import HostEngine
+from tensorwire.tensors import EngineArray, prepare, prepare_off_loop
 from tensorwire.tensors._offload import OFF_LOOP_BYTES, copy_host, off_loop
-from tensorwire.testing import connected_pair
+from tensorwire.testing import busy_stream, connected_pair
+
+_UCX = pytest.param(
+    "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+)
 
 
 async def _turns_while(work: Awaitable[Any]) -> tuple[Any, int]:
@@ -109,7 +115,7 @@ async def _awaited(x: Awaitable[Any]) -> Any:
     return await x
 
 
-@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("transport", ["tcp", "inproc", _UCX])
 async def test_strided_tensors_past_the_threshold_travel_whole_every_way(transport: str) -> None:
     """send of a strided tensor, recv into out= of a message that arrived first, rpc arguments
     and results, one-sided write from a strided source and read into a strided out=: all past
@@ -138,7 +144,7 @@ async def test_strided_tensors_past_the_threshold_travel_whole_every_way(transpo
         assert np.array_equal(back, src)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("transport", ["tcp", "inproc", _UCX])
 async def test_a_recv_cancelled_at_any_point_of_its_copy_loses_nothing(transport: str) -> None:
     """A recv into out= cancelled while the copy of a message that arrived first runs in a
     thread puts the message back: the next recv gets it whole, and no message is lost or taken
@@ -162,3 +168,78 @@ async def test_a_recv_cancelled_at_any_point_of_its_copy_loses_nothing(transport
             await a.send(np.zeros(1), tag=3)
             assert (await b.recv(tag=3)).shape == (1,)  # and none is left over on tag 2
         assert not b.channel.mailbox._arrived.get(2)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc", _UCX])
+async def test_sends_on_a_tag_arrive_in_the_order_they_were_called_whichever_packing_ends_first(
+    transport: str,
+) -> None:
+    """Messages match per tag in FIFO order, also when the large strided ones are packed in copy
+    threads: a small send called after a packing one went first (it entered the channel while
+    the other packed), and of several packing at once the first packed went first. A send
+    cancelled while it packs sends nothing and lets those behind it go, still in order."""
+    msgs = [
+        _strided(8 << 20) + 1,
+        np.full(3, 2.0),
+        _strided(4 << 20) + 3,  # cancelled while it packs
+        _strided(OFF_LOOP_BYTES // 2) + 4,  # packed at once, on the loop
+        _strided(16 << 20) + 5,
+        np.full(2, 6.0),
+    ]
+    async with connected_pair(transport) as (a, b):
+        sends = [asyncio.ensure_future(a.send(m, tag=7)) for m in msgs]
+        await asyncio.sleep(0)  # every send called, the large strided ones packing
+        sends[2].cancel()
+        went = [m for k, m in enumerate(msgs) if k != 2]
+        try:
+            async with asyncio.timeout(30):
+                for k, m in enumerate(went):
+                    got = await b.recv(tag=7)
+                    assert got.shape == m.shape and np.array_equal(got, m), f"message {k} out of order"
+        finally:
+            await asyncio.gather(*sends, return_exceptions=True)
+        assert sends[2].cancelled() and all(s.exception() is None for s in sends if s is not sends[2])
+        assert not a._packing  # and nothing is kept for the tag once its sends have gone
+        await a.send(np.zeros(1), tag=8)
+        await b.recv(tag=8)
+        assert not b.channel.mailbox._arrived.get(7)  # nothing more came on the tag
+
+
+@pytest.mark.parametrize("op", ["send", "write"])
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+async def test_device_sources_are_read_after_the_work_queued_before_the_call_not_after_the_packing(
+    transport: str, op: str
+) -> None:
+    """A device source (host-engine memory on its producer's stream) goes with a large strided
+    host source: its event is recorded at the call, so work the producer queues on that stream
+    while the host source packs in a copy thread is not waited for. Over ucx a write_many sends
+    the device source one-sided (into a host tensor) and the strided one through its owner (into
+    a device tensor, which ucx does not register here); the one-sided source's event was
+    recorded after the packing, behind the work queued meanwhile, and the write waited for it."""
+    engine = HostEngine()
+    try:
+        async with connected_pair(transport) as (a, b):
+            big = _strided(4 << 20)
+            stream = engine.stream()
+            src = EngineArray(engine, np.arange(1024, dtype=np.float32), stream=stream)
+            into = np.zeros(1024, np.float32)
+            dev = EngineArray(engine, np.zeros(big.shape))
+            if op == "write":
+                b.node.expose(into, name="h")
+                b.node.expose(dev, name="d")
+                hh, hd = await a.lookup("h"), await a.lookup("d")
+                assert hh.direct == (transport == "ucx") and not hd.direct
+                task = asyncio.ensure_future(a.write_many([hh, hd], [src, big]))
+            else:
+                task = asyncio.ensure_future(a.send({"d": src, "h": big}, tag=9))
+                got = asyncio.ensure_future(b.recv(tag=9, out={"d": into, "h": dev.array}))
+            await asyncio.sleep(0)  # the call
+            with busy_stream(engine, stream):  # the producer's work queued after the call
+                done, _ = await asyncio.wait([task], timeout=5)
+            await task
+            assert done, f"the {op} waited for work queued on its source's stream after the call"
+            if op == "send":
+                await got
+            assert np.array_equal(into, src.array) and np.array_equal(dev.array, big)
+    finally:
+        engine.close()

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import importlib.util
 import math
+import struct
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -824,6 +825,24 @@ async def test_long_distinct_text_is_not_kept_after_its_calls(transport: str) ->
         held = sum(len(entry[2]) for entry in _codec._cache.values())
         assert held <= 8 << 20, held
         assert await a.call("size", "short") == 5  # and the cache still serves
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_float_scalars_keep_their_bits_through_the_encoding_cache(transport: str) -> None:
+    """The encoding cache keyed a float by ``float.hex()``, which reads "nan" for every NaN: after
+    a call with a plain nan, one with -nan (or a nan with a payload) reused its header, and the
+    method got the plain nan (its result too came back as the first one's)."""
+    f64 = struct.Struct("<d")
+    floats = [math.nan, -math.nan, f64.unpack(struct.pack("<Q", 0x7FF8_0000_0000_0001))[0], 0.0, -0.0]
+    async with connected_pair(transport) as (a, b):
+
+        @b.node.method()
+        async def echo(x: float) -> tuple[bytes, float]:
+            return f64.pack(x), x
+
+        for x in floats * 2:
+            seen, back = await a.call("echo", x)
+            assert (seen, f64.pack(back)) == (f64.pack(x), f64.pack(x))
 
 
 # -- a large reply its caller will not take ------------------------------------------------------

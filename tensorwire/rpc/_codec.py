@@ -11,6 +11,7 @@ through ``prepare`` unchanged.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Hashable
 from typing import Any
 
@@ -29,6 +30,7 @@ _MAX_ENTRIES = 512
 _MAX_HEADER = 64 * 1024
 _MAX_BYTES = 8 * 1024 * 1024
 _NO = object()  # the walk found something only ``prepare`` knows how to handle
+_F64 = struct.Struct("<d")
 
 _cache: dict[Hashable, tuple[wire_pb2.TreeNode, list[Spec], bytes, int]] = {}
 _held = 0  # header bytes in _cache
@@ -70,7 +72,7 @@ def _scalar(obj: Any) -> Any:
     if obj is None:
         return None
     if t is float:
-        return (float, obj.hex())  # -0.0 and nan keep their bits
+        return (float, _F64.pack(obj))  # by its bits: -0.0, and a nan's sign and payload, travel as they are
     if t is bool or t is str or t is bytes:
         return (t, obj)
     if isinstance(obj, int) and not isinstance(obj, np.integer):  # int and IntEnum encode alike

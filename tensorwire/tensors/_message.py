@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, t
 
 __all__ = [
     "Outgoing",
+    "Preparing",
     "Spec",
     "check_out",
     "decode_header",
@@ -274,7 +275,18 @@ def prepare(obj: object) -> Outgoing:
     return _prepare_tree(obj)
 
 
-def prepare_off_loop(obj: object) -> Awaitable[Outgoing]:
+class Preparing(Protocol):
+    """What ``prepare_off_loop`` gives: awaitable for the message. ``ready`` is the message
+    itself where no copy is left to make in a thread (awaiting it then yields nothing to the
+    loop), else None."""
+
+    @property
+    def ready(self) -> Outgoing | None: ...
+
+    def __await__(self) -> Generator[Any, None, Outgoing]: ...
+
+
+def prepare_off_loop(obj: object) -> Preparing:
     """``prepare``, with the packing copies of large strided host tensors (``OFF_LOOP_BYTES`` or
     more, ``_offload.worth_a_thread``) made in a copy thread while the event loop goes on.
 
@@ -299,6 +311,10 @@ class _Ready:
     def __init__(self, msg: Outgoing) -> None:
         self.msg = msg
 
+    @property
+    def ready(self) -> Outgoing:
+        return self.msg
+
     def __await__(self) -> Generator[Any, None, Outgoing]:
         return self.msg
         yield  # (a generator that returns at once)
@@ -308,6 +324,7 @@ class _Packing:
     """A message whose large strided host tensors are packed in a copy thread when awaited."""
 
     __slots__ = ("heavy", "tree", "views", "wired")
+    ready = None  # (packed when awaited)
 
     def __init__(
         self,
