@@ -69,14 +69,14 @@ async def test_a_cancelled_caller_returns_only_once_its_copy_has_ended() -> None
 
     task = asyncio.ensure_future(off_loop(copy))
     await asyncio.sleep(0.05)
-    task.cancel()
+    task.cancel("the caller's reason")
     await asyncio.sleep(0.1)
     assert not task.done(), "the cancelled call returned while its copy still ran"
     task.cancel()  # a second cancellation changes nothing
     await asyncio.sleep(0.05)
     assert not task.done()
     go.set()
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(asyncio.CancelledError, match="the caller's reason"):
         await task
     assert ended.is_set()
 

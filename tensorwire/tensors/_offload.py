@@ -50,14 +50,14 @@ async def off_loop(fn: Callable[[], T]) -> T:
     A cancellation of the caller waits for ``fn`` to end before it propagates, so ``fn`` never
     runs on past the call that asked for it."""
     fut = asyncio.wrap_future(_executor().submit(fn))
-    interrupted = False
+    interrupted: asyncio.CancelledError | None = None
     while not fut.done():
         try:
             await asyncio.wait((fut,))  # (never cancels fut, nor raises what fn raised)
-        except asyncio.CancelledError:
-            interrupted = True
-    if interrupted:
-        raise asyncio.CancelledError
+        except asyncio.CancelledError as exc:
+            interrupted = interrupted or exc  # the first, with its message
+    if interrupted is not None:
+        raise interrupted
     return fut.result()
 
 
