@@ -172,6 +172,36 @@ async def test_send_waits_for_the_producer_stream() -> None:
         assert int(y.min()) == 7 and int(y.max()) == 7
 
 
+@pytest.mark.parametrize(
+    "transport",
+    ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed here"))],
+)
+async def test_a_message_of_cuda_and_large_strided_host_tensors_keeps_both_promises(transport: str) -> None:
+    """A CUDA tensor whose producer stream is still busy, beside a host tensor large and strided
+    enough to be packed in a copy thread (tensors/_offload.py): the send's event on the producer
+    stream is taken at the call, while that stream is current, not after the host packing; the
+    host bytes arrive as they were; and a later send on the tag does not overtake it."""
+    torch = _torch()
+    x = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")
+    host = np.arange(4 * MiB, dtype=np.float32).reshape(1024, -1).T  # 16 MiB, transposed
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    async with connected_pair(transport) as (a, b):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SPIN)  # the side stream stays busy
+            x.fill_(7)
+            sending = asyncio.ensure_future(a.send({"dev": x, "host": host}, tag="m"))
+            await asyncio.sleep(0)  # the send's events are taken while the side stream is current
+        after = asyncio.ensure_future(a.send(np.ones(3), tag="m"))
+        assert not side.query()  # the side stream is really still busy
+        await sending
+        await after
+        got = await b.recv(tag="m")  # each where the sender's was
+        assert got["dev"].is_cuda and int(got["dev"].min()) == 7 and int(got["dev"].max()) == 7
+        assert isinstance(got["host"], np.ndarray) and np.array_equal(got["host"], host)
+        assert np.array_equal(await b.recv(tag="m"), np.ones(3))
+
+
 class _Foreign:
     """A CUDA array of another library (numba, ...): only its ``__cuda_array_interface__`` (v3),
     naming the stream that is still writing it."""
