@@ -19,7 +19,7 @@ import numpy as np
 from . import __version__
 from ._sysfs import PROC, SYS
 from ._sysfs import read_text as _read
-from .control._negotiate import _tcp_only
+from .control._negotiate import _tcp_only, tcp_lanes_only
 from .errors import TensorWireError
 from .memory._gpudirect import gpudirect_status
 from .transports import DEFAULT_PREFERENCE, probe_all
@@ -188,36 +188,44 @@ def _pick(
     usable: dict[str, tuple[Any, Any]], unusable: dict[str, str]
 ) -> tuple[str | None, list[str], dict[str, Any] | None]:
     """What a connect to another tensorwire process with this machine's setup would choose,
-    by the handshake's rules (a transport whose lanes are all tcp gives way to tcp), what ranks
-    above it and why not; and, where that pick is ucx, what a peer on another machine would
-    get: UCX's shared-memory lanes reach only this machine."""
+    by the handshake's rules (a transport whose lanes are all tcp gives way to tcp), and what
+    ranks above it and why not; then the same for a peer on another machine set up the same,
+    by the same rules, with only the UCX lanes that leave this machine (shared memory does not):
+    None where nothing is usable."""
     remote = [n for n in DEFAULT_PREFERENCE if n != "inproc"]
-    passed: list[str] = []
-    pick = None
-    for i, name in enumerate(remote):
-        if name not in usable:
-            passed.append(f"{name}: {unusable[name]}")
-            continue
-        caps = usable[name][1]
-        if name != "tcp" and "tcp" in remote[i + 1 :] and "tcp" in usable and _tcp_only(caps):
-            passed.append(f"{name}: {_TCP_ONLY} ({', '.join(caps.lanes)})")
-            continue
-        if name == "ucx" and caps.lanes and all(lane.split("/")[0] in _NO_MESSAGES_TLS for lane in caps.lanes):
-            passed.append(f"ucx: {_NO_MESSAGES} ({', '.join(caps.lanes)})")
-            continue
-        pick = name
-        break
-    machine = None
-    if pick == "ucx" and "tcp" in usable:
-        caps = usable["ucx"][1]
-        across = [lane for lane in caps.lanes if not lane.split("/")[0].startswith(_ONE_MACHINE_TLS)]
-        if across and all(lane.split("/")[0] == "tcp" for lane in across):
-            machine = {"transport": "tcp", "passed_over": [f"ucx: across machines {_TCP_ONLY} ({', '.join(across)})"]}
-        elif across:
-            machine = {"transport": "ucx", "lanes": across}
-        else:  # UCX cannot make an endpoint to another machine: the handshake passes ucx over
-            reason = f"ucx: across machines no lane ({', '.join(caps.lanes) or 'none'} reach only this machine)"
-            machine = {"transport": "tcp", "passed_over": [reason]}
+
+    def choose(across: bool) -> tuple[str | None, list[str], tuple[str, ...]]:
+        passed: list[str] = []
+        for i, name in enumerate(remote):
+            if name not in usable:
+                passed.append(f"{name}: {unusable[name]}")
+                continue
+            caps = usable[name][1]
+            lanes, tcp_only, where = caps.lanes, _tcp_only(caps), ""
+            if across and name == "ucx":
+                lanes = tuple(lane for lane in caps.lanes if not lane.split("/")[0].startswith(_ONE_MACHINE_TLS))
+                if lanes != caps.lanes:  # (else all is as for a process here)
+                    tcp_only, where = bool(lanes) and tcp_lanes_only(lanes), "across machines "
+                if not lanes:  # UCX cannot make an endpoint to another machine
+                    shown = ", ".join(caps.lanes) or "none"
+                    passed.append(f"ucx: across machines no lane ({shown} reach only this machine)")
+                    continue
+            if name != "tcp" and "tcp" in remote[i + 1 :] and "tcp" in usable and tcp_only:
+                passed.append(f"{name}: {where}{_TCP_ONLY} ({', '.join(lanes)})")
+                continue
+            if name == "ucx" and lanes and all(lane.split("/")[0] in _NO_MESSAGES_TLS for lane in lanes):
+                passed.append(f"ucx: {_NO_MESSAGES} ({', '.join(lanes)})")
+                continue
+            return name, passed, lanes
+        return None, passed, ()
+
+    pick, passed, _ = choose(across=False)
+    far, far_passed, far_lanes = choose(across=True)
+    machine: dict[str, Any] | None = None
+    if far is not None:
+        machine = {"transport": far, "passed_over": far_passed}
+        if far == "ucx":
+            machine["lanes"] = list(far_lanes)
     return pick, passed, machine
 
 
@@ -291,8 +299,11 @@ def render(rep: dict[str, Any]) -> str:
     machine = rep.get("connect_to_another_machine")
     if machine is not None:
         lanes = f" [{', '.join(machine['lanes'])}]" if machine.get("lanes") else ""
+        same = machine["transport"] == pick["transport"] and machine.get("passed_over") == pick["passed_over"]
+        if same:  # its reasons are the lines above
+            lanes += " (as to another process here)"
         lines.append(f"a connect to another machine would use: {machine['transport']}{lanes}")
-        lines += [f"  not {line}" for line in machine.get("passed_over", [])]
+        lines += [] if same else [f"  not {line}" for line in machine.get("passed_over", [])]
     if not rep["rdma_devices"]:
         lines.append(f"RDMA devices: none (nothing in {SYS / 'class' / 'infiniband'})")
     else:

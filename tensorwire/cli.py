@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import __version__, start
+from ._entry import hold_interrupts, release_interrupts
 from .errors import ConfigurationError, PeerDisconnected, ResourceError, TensorWireError
 
 MiB = 1 << 20
@@ -574,14 +575,20 @@ def _device(text: str) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    if sys.stdout is None:  # started with stdout closed (>&-): hold descriptor 1, so that no
-        # socket or epoll descriptor of ours takes it and gets what native libraries print there
-        with contextlib.suppress(OSError):
-            fd = os.open(os.devnull, os.O_WRONLY)
-            if fd != 1:
-                os.dup2(fd, 1)
-                os.close(fd)
+def _token(text: str) -> str:
+    """An argparse type: ``--token T``; an empty one is refused, never taken for "no token"."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty: give a token, or leave --token out")
+    return text
+
+
+def _uses_token(args: argparse.Namespace) -> bool:
+    """Whether the command takes a token: serve and stage, and bench and doctor with ADDRESS
+    (a local bench gives the node it starts a token of its own)."""
+    return args.cmd in ("serve", "stage") or (args.cmd in ("bench", "doctor") and args.address is not None)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tensorwire", description="Move tensors between processes, honestly.")
     parser.add_argument("--version", action="version", version=f"tensorwire {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -593,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--echo", action="append", type=_echo_tag, default=[], metavar="TAG", help="echo messages received on TAG"
     )
-    p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="require this auth token")
+    p.add_argument("--token", type=_token, help="require this auth token (default: $TENSORWIRE_TOKEN)")
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
     p.add_argument("--bench", action="store_true", help="answer `tensorwire bench` requests (else they are refused)")
     p.add_argument("--metrics", type=_address, default=None, metavar="HOST:PORT", help=_METRICS_HELP)
@@ -612,18 +619,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
     p.add_argument("--require", choices=("any", "rdma", "gpudirect"), default="any", help="fail below this path")
-    p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="auth token for ADDRESS")
+    p.add_argument("--token", type=_token, help="auth token for ADDRESS (default: $TENSORWIRE_TOKEN)")
     p.add_argument("--json", action="store_true", help="print only a JSON report on stdout")
     p = sub.add_parser("doctor", help="what this machine offers and which path a connect would take")
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "address", nargs="?", type=_address, help="also connect to the node at ADDRESS and show the path it negotiates"
     )
-    p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="auth token for ADDRESS")
+    p.add_argument("--token", type=_token, help="auth token for ADDRESS (default: $TENSORWIRE_TOKEN)")
     p = sub.add_parser("stage", help="serve a pipeline stage; a driver links the stages and runs steps")
     p.add_argument("--part", required=True, help="MODULE:FUNCTION or FILE.py:FUNCTION; FUNCTION(rank, num_stages)")
     p.add_argument("--address", type=_address, default="127.0.0.1:0")
-    p.add_argument("--token", default=os.environ.get("TENSORWIRE_TOKEN"), help="require this auth token")
+    p.add_argument("--token", type=_token, help="require this auth token (default: $TENSORWIRE_TOKEN)")
     p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
     p.add_argument("--no-offload", action="store_true", help="compute on the event loop instead of a thread")
     p.add_argument("--metrics", type=_address, default=None, metavar="HOST:PORT", help=_METRICS_HELP)
@@ -640,11 +647,38 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     argv = sys.argv[1:] if argv is None else argv
     args = hidden.parse_args(argv[1:]) if argv[:1] == [_DEMO_PEER] else parser.parse_args(argv)
-    if getattr(args, "token", None) == "":  # refused, never taken for "no token"
-        parser.error("the token (--token, or TENSORWIRE_TOKEN) is empty: give one, or unset TENSORWIRE_TOKEN")
-    # the command line is an application: it may configure logging (the library never does)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # TENSORWIRE_TOKEN is read by the commands that take a token, and only by them
+    if _uses_token(args) and args.token is None:
+        args.token = os.environ.get("TENSORWIRE_TOKEN")
+        if args.token == "":  # refused, never taken for "no token"
+            parser.error("TENSORWIRE_TOKEN is empty: set a token in it, or unset it")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:  # started with stdout closed (>&-): hold descriptor 1, so that no
+        # socket or epoll descriptor of ours takes it and gets what native libraries print there
+        with contextlib.suppress(OSError):
+            fd = os.open(os.devnull, os.O_WRONLY)
+            if fd != 1:
+                os.dup2(fd, 1)
+                os.close(fd)
+    # a Ctrl-C while the arguments are read (their types load _bench, _node and gRPC) is taken
+    # once they say what runs, and ends the command as a later one would
+    hold_interrupts()
     try:
+        args = _parse_args(argv)
+    except KeyboardInterrupt:  # a second Ctrl-C meanwhile: at once
+        release_interrupts(raise_held=False)
+        print("tensorwire: interrupted (SIGINT)", file=sys.stderr)
+        return 130
+    except BaseException:  # a usage error, --help or --version
+        release_interrupts(raise_held=False)
+        raise
+    try:
+        release_interrupts()
+        # the command line is an application: it may configure logging (the library never does)
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if getattr(args, "parent", None) is not None:
             _exit_with_parent(args.parent)
         if args.cmd == "demo":

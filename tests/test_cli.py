@@ -268,9 +268,10 @@ def test_an_echo_the_client_refuses_closes_that_client_instead_of_leaving_it_wai
     import asyncio
 
     import tensorwire
+    from tensorwire.transports import Limits  # (tensorwire.transports is there once imported)
 
     async def clients(address: str) -> None:
-        small = tensorwire.transports.Limits(max_message_bytes=1 << 20)
+        small = Limits(max_message_bytes=1 << 20)
         async with (
             tensorwire.start("127.0.0.1:0", transports=("tcp",), limits=small) as a,
             tensorwire.start("127.0.0.1:0", transports=("tcp",)) as b,
@@ -297,12 +298,78 @@ def test_an_echo_the_client_refuses_closes_that_client_instead_of_leaving_it_wai
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", ["serve", "stage --part m:f", "doctor 127.0.0.1:1"])
+@pytest.mark.parametrize("command", ["serve", "stage --part m:f", "doctor 127.0.0.1:1", "bench 127.0.0.1:1"])
 def test_an_empty_token_from_the_environment_is_named(command: str) -> None:
     env = {**os.environ, "TENSORWIRE_TOKEN": ""}
     out = subprocess.run([*CLI, *command.split()], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 2 and "TENSORWIRE_TOKEN) is empty" in out.stderr, out.stderr
+    assert out.returncode == 2 and "TENSORWIRE_TOKEN is empty" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "command", ["doctor --json", "bench --json --sizes 4K --seconds 0.1 --transports tcp", "--version"]
+)
+def test_an_empty_token_in_the_environment_does_not_stop_a_command_that_takes_none(command: str) -> None:
+    """doctor without ADDRESS connects nowhere, a local bench gives its node a token of its
+    own, --version runs nothing: TENSORWIRE_TOKEN="" made the first two usage errors."""
+    env = {**os.environ, "TENSORWIRE_TOKEN": ""}
+    out = subprocess.run([*CLI, *command.split()], capture_output=True, text=True, timeout=90, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "TENSORWIRE_TOKEN" not in out.stderr
+    if "--json" in command:
+        assert "error" not in json.loads(out.stdout), out.stdout
+
+
+@pytest.mark.parametrize("command", ["doctor", "serve", "bench 127.0.0.1:1"])
+def test_an_empty_token_given_on_the_command_line_is_a_usage_error(command: str) -> None:
+    out = subprocess.run([*CLI, *command.split(), "--token", ""], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "argument --token: empty: give a token, or leave --token out" in out.stderr
+    assert out.stdout == ""
+
+
+def _busy_port() -> socket.socket:
+    """A socket listening on a port of 127.0.0.1, as another server would."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_busy_port_is_refused_with_our_error_alone(tmp_path: Path) -> None:
+    """gRPC logged its own line ("... add_port.cc:83] Failed to add port to server: ...
+    Address already in use") before the ConfigurationError: now the port is refused before gRPC
+    tries it, and the error is all stderr holds."""
+    (tmp_path / "part.py").write_text("def build(rank, num_stages):\n    return rank\n")
+    with _busy_port() as busy:
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        want = f"tensorwire: ConfigurationError: cannot bind the control plane to {address}: Address already in use\n"
+        for command in (["serve"], ["stage", "--part", f"{tmp_path / 'part.py'}:build"]):
+            out = subprocess.run([*CLI, *command, "--address", address, "--transports", "tcp"],
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert out.returncode == 1, out.stdout + out.stderr
+            assert out.stderr == want, (command, out.stderr)
+
+
+def test_localhost_serves_on_the_loopback_that_is_free() -> None:
+    """gRPC binds "localhost" on both loopbacks and needs one: the check before it must not
+    refuse a port that is busy on 127.0.0.1 only."""
+    try:
+        with socket.socket(socket.AF_INET6) as six:
+            six.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        server = subprocess.Popen([*CLI, "serve", "--address", f"localhost:{port}", "--transports", "tcp"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            first = _read_until(server, "tensorwire node", "serve")[-1]
+            assert first.rstrip().endswith(f"serving at localhost:{port}"), first
+            server.send_signal(signal.SIGTERM)
+            server.communicate(timeout=30)
+        finally:
+            _kill(server.pid)
+            server.communicate()
 
 
 def test_serve_reads_a_tag_of_digits_as_an_int_and_anything_else_as_a_string() -> None:
@@ -561,6 +628,47 @@ def test_ctrl_c_while_the_command_line_loads_ends_quietly_with_130() -> None:
     out = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=60)
     assert out.returncode == 130, out.stderr
     assert out.stderr == "tensorwire: interrupted (SIGINT)\n", out.stderr
+
+
+_SIGNALLED_IMPORT = """
+import builtins, os, signal, sys
+real, target, times = builtins.__import__, sys.argv[1], int(sys.argv[2])
+
+def interrupting(name, *args, **kwargs):  # a real Ctrl-C (or two) as the command line loads TARGET
+    global times
+    if name == target and times:
+        for _ in range(times):
+            os.kill(os.getpid(), signal.SIGINT)
+        times = 0
+    return real(name, *args, **kwargs)
+
+builtins.__import__ = interrupting
+sys.argv[1:] = sys.argv[3:]
+from tensorwire._entry import main  # what the `tensorwire` script runs (pyproject.toml)
+sys.exit(main())
+"""
+
+
+# numpy loads with the command line, crc32c as --sizes is read
+@pytest.mark.parametrize("target", ["numpy", "crc32c"])
+def test_ctrl_c_while_bench_json_loads_still_prints_the_json_report(target: str) -> None:
+    """`tensorwire bench --json` interrupted while it loads said "tensorwire: interrupted" (or
+    printed a traceback, or an ImportError) and nothing on stdout; interrupted later it prints
+    {"address": ..., "error": "interrupted (SIGINT)"}. Now a Ctrl-C while it loads is held, then
+    taken as a later one is."""
+    bench = ["bench", "--json", "--sizes", "4K", "--seconds", "0.1", "--transports", "tcp"]
+    out = subprocess.run([sys.executable, "-c", _SIGNALLED_IMPORT, target, "1", *bench],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 130, out.stdout + out.stderr
+    assert json.loads(out.stdout) == {"address": None, "error": "interrupted (SIGINT)"}, out.stdout
+    assert "Traceback" not in out.stderr and "KeyboardInterrupt" not in out.stderr, out.stderr
+
+
+def test_a_second_ctrl_c_while_the_command_line_loads_ends_it_at_once() -> None:
+    out = subprocess.run([sys.executable, "-c", _SIGNALLED_IMPORT, "numpy", "2", "bench", "--json"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 130, out.stdout + out.stderr
+    assert out.stderr == "tensorwire: interrupted (SIGINT)\n" and out.stdout == "", out.stdout + out.stderr
 
 
 def test_import_tensorwire_loads_the_api_on_first_use() -> None:

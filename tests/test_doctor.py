@@ -179,7 +179,10 @@ def test_passed_over_names_only_transports_ranked_above_the_pick(monkeypatch: py
     rep = _doctor.report()
     # verbs ranks below ucx: it was never a candidate, so it was not passed over
     assert rep["connect_to_another_process"] == {"transport": "ucx", "passed_over": []}
-    assert "not verbs" not in _doctor.render(rep)
+    assert "not verbs" not in _doctor.render(rep).split("a connect to another machine")[0]
+    # across machines those shared-memory lanes give way to tcp, which verbs ranks above
+    assert rep["connect_to_another_machine"]["transport"] == "tcp"
+    assert rep["connect_to_another_machine"]["passed_over"][1:] == [f"verbs: {verbs_why}"]
     monkeypatch.setattr(_doctor, "probe_all", lambda names: probe_all(names, ucx=False))
     pick = _doctor.report()["connect_to_another_process"]
     assert pick == {"transport": "tcp", "passed_over": ["ucx: no libucx", f"verbs: {verbs_why}"]}
@@ -197,8 +200,10 @@ def test_ucx_with_only_shared_memory_lanes_reaches_another_machine_over_tcp() ->
     assert rep["connect_to_another_process"]["transport"] == "ucx"
     machine = rep["connect_to_another_machine"]
     assert machine is not None and machine["transport"] == "tcp", machine
-    (why,) = machine["passed_over"]
+    why, *below = machine["passed_over"]  # then verbs, where it is unusable (it ranks above tcp)
     assert why.startswith("ucx: across machines no lane") and "reach only this machine" in why
+    verbs = rep["transports"]["verbs"]
+    assert below == ([] if verbs["usable"] else [f"verbs: {verbs['reason']}"]), below
     table = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env).stdout
     assert "a connect to another machine would use: tcp\n  not ucx: across machines no lane" in table
 
@@ -231,3 +236,34 @@ def test_no_rdma_devices_names_the_tree_it_looked_in(tmp_path: Path, monkeypatch
     monkeypatch.setattr(_doctor, "SYS", tmp_path)
     text = _doctor.render(_doctor.report())
     assert f"RDMA devices: none (nothing in {tmp_path / 'class' / 'infiniband'})" in text
+
+
+def test_a_tcp_pick_also_says_what_another_machine_would_get() -> None:
+    """Where a connect here takes tcp (UCX with only tcp lanes, or no UCX at all), the doctor
+    left out the line for another machine, which it printed where the pick was ucx."""
+    env = {**os.environ, "UCX_TLS": "tcp"}
+    args = [sys.executable, "-m", "tensorwire.cli", "doctor"]
+    out = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    here = rep["connect_to_another_process"]
+    assert here["transport"] == "tcp", here
+    assert rep["connect_to_another_machine"] == here  # the same transport, for the same reasons
+    table = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env).stdout
+    assert "a connect to another machine would use: tcp (as to another process here)\n" in table, table
+
+
+def test_another_machine_gets_what_the_handshake_picks_after_ucx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX whose only lanes off this machine are tcp gives way across machines, to the next
+    transport the handshake would pick: verbs where it is usable (the doctor said tcp)."""
+    from tensorwire.transports import Capabilities
+
+    ucx = Capabilities(lanes=("sysv/memory", "cma/memory", "tcp/eth0"))
+    verbs = Capabilities(rdma=True, lanes=("rxe0:1",))
+    usable = {name: (None, Capabilities()) for name in ("inproc", "tcp")} | {"ucx": (None, ucx), "verbs": (None, verbs)}
+    monkeypatch.setattr(_doctor, "probe_all", lambda names: (usable, {}))
+    rep = _doctor.report()
+    assert rep["connect_to_another_process"] == {"transport": "ucx", "passed_over": []}
+    machine = rep["connect_to_another_machine"]
+    assert machine["transport"] == "verbs", machine
+    assert [why.split(":")[0] for why in machine["passed_over"]] == ["ucx"], machine

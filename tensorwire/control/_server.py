@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import os
 import socket
@@ -208,17 +209,50 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         return await _grpc.invoke(self.node, request, context)
 
 
-def _why_unbindable(host: str, port: int) -> str | None:
-    """What the OS says to a listener at (host, port), as gRPC binds it (SO_REUSEADDR): "Address
-    already in use" where another process serves that port. None: it would bind after all."""
+def _bind_targets(host: str) -> list[tuple[socket.AddressFamily, str]] | None:
+    """The addresses gRPC binds for a server on ``host``, where they are certain: an IP address
+    as written; both loopbacks for "localhost" (gRPC's resolver gives both, whatever
+    /etc/hosts says); a dual-stack socket or else an IPv4 one for every interface ("0.0.0.0",
+    "::"). None for any other name: gRPC resolves it its own way."""
+    if host == "localhost":
+        return [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.is_unspecified:
+        return [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    return [(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, host)]
+
+
+def _why_unbindable(host: str, port: int) -> str | None:
+    """What the OS says to a listener at (host, port), as gRPC binds it (SO_REUSEADDR, each
+    address in turn; it needs one): "Address already in use" where another process serves that
+    port. None: one of them would bind after all."""
+    targets = _bind_targets(host)
+    try:
+        if targets is None:
+            targets = [(f, str(a[0])) for f, _, _, _, a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
     except OSError as exc:
         return exc.strerror or str(exc)
-    return None
+    why = None
+    for family, addr in targets:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here: gRPC cannot use it either
+            continue
+        with sock:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # gRPC makes every IPv6 listener dual-stack
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind((addr, port))
+            except OSError as exc:
+                why = why or exc.strerror or str(exc)
+                continue
+        return None
+    return why
 
 
 class ControlServer:
@@ -239,6 +273,12 @@ class ControlServer:
     async def start(self, host: str, port: int) -> int:
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         tls = self._tls
+        # gRPC logs its own lines to stderr when it cannot bind ("Failed to add port ..."): a
+        # port that is plainly taken is refused before gRPC sees it, so that the error below is
+        # all a user reads; one taken in between still ends in that error, after gRPC's line
+        certain = port != 0 and _bind_targets(host) is not None
+        if certain and (why := await asyncio.to_thread(_why_unbindable, host, port)) is not None:
+            raise ConfigurationError(f"cannot bind the control plane to {target}: {why}")
         try:
             if tls is None:
                 self.port = self._server.add_insecure_port(target)
