@@ -1,7 +1,7 @@
 """Soak: many peers, random sizes, random cancellations and peer restarts; nothing lost or corrupted.
 
     python benchmarks/soak.py [--duration 60] [--peers 4] [--max-mib 256] [--seed 0] [--transport tcp]
-                               [--checksum] [--engine]
+                               [--checksum] [--engine | --strided]
 
 A hub node in this process talks to worker processes. Each message carries an id, a crc32c of its
 payload and the payload itself (0 B to --max-mib, log-uniform). A worker verifies the crc of every
@@ -12,7 +12,9 @@ random moments, and the hub SIGKILLs and restarts a random worker from time to t
 ``--engine`` sends each payload as "device" memory of a HostEngine (tensorwire.tensors.EngineArray):
 it then takes the path a CUDA tensor takes (tcp: staged through pinned chunks on copy lanes; ucx:
 posted by pointer after its producer event), with chunks poisoned on reuse, so a chunk handed
-back too early shows up as a crc mismatch.
+back too early shows up as a crc mismatch. ``--strided`` sends each payload as a strided view
+(every other byte of a buffer twice its size): packed into C order on the way out, in a copy
+thread from 1 MiB, with sends cancelled while they pack.
 
 Accounting, per message the hub tried to send:
   verified   the worker acknowledged it with a matching crc
@@ -149,6 +151,10 @@ async def run(args: argparse.Namespace) -> int:
             data = pool[start : start + size]
             crc = crc32c.crc32c(memoryview(data))
             payload = EngineArray(engine, data) if engine is not None and size else data
+            if args.strided and size:  # every other byte of a buffer twice the size: packed to send
+                wide = np.empty((size, 2), np.uint8)
+                wide[:, 0] = data
+                payload = wide[:, 0]
             msg = {"id": next_id, "crc": crc, "data": payload}
             next_id += 1
             stats["attempted"] += 1
@@ -186,6 +192,7 @@ async def run(args: argparse.Namespace) -> int:
     if engine is not None:
         engine.close()
     summed = (" with frame checksums" if args.checksum else "") + (", payloads in HostEngine memory" if engine else "")
+    summed += ", strided payloads" if args.strided else ""
     print(
         f"soak over {args.transport}{summed}: {elapsed:.1f} s, {args.peers} worker processes, "
         f"sizes 0 B..{args.max_mib} MiB"
@@ -219,6 +226,9 @@ def main() -> int:
     p.add_argument("--transport", default="tcp")
     p.add_argument("--checksum", action="store_true", help="crc32c on every staged-TCP payload frame (both ways)")
     p.add_argument("--engine", action="store_true", help="send payloads as HostEngine 'device' memory (staged path)")
+    p.add_argument(
+        "--strided", action="store_true", help="send payloads as strided views (packed; 1 MiB and up in a copy thread)"
+    )
     return asyncio.run(run(p.parse_args()))
 
 
