@@ -427,9 +427,10 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
             data_tag = req.get("data")
             if not isinstance(data_tag, int):
                 return
+            landed: Receipt | None = None
             if error is None:
                 try:
-                    await peer.recv(tag=data_tag, out=regions)
+                    _, landed = await peer.recv_with_receipt(tag=data_tag, out=regions)
                     await _landed(regions)
                 except ShapeMismatchError as exc:  # refused before the message was taken
                     error = str(exc)
@@ -442,12 +443,20 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     _drain_later(peer, data_tag)  # if it is still queued
             else:
                 await peer.recv(tag=data_tag)  # drain what the writer sent, so nothing lingers
-            await peer.send({"error": error, "failed": failed} if error else {"ok": True}, tag=reply)
+            await peer.send({"error": error, "failed": failed} if error else _written(landed), tag=reply)
     except TensorWireError:
         return  # the channel went away: the requester sees that itself
     finally:
         for entry in entries:
             entry.leave()
+
+
+def _written(landed: Receipt | None) -> dict[str, Any]:
+    """A write's answer: done, and how its bytes came into the exposed memory here (its writer's
+    receipt says so: read through a buffer of ours, or staged, is this side's to tell)."""
+    if landed is None:
+        return {"ok": True}
+    return {"ok": True, "direct": landed.direct, "staged": landed.staged}
 
 
 async def _landed(regions: list[Any]) -> None:
@@ -1024,6 +1033,10 @@ async def read_many(
     nbytes = sum(d.nbytes for d in dests)
     if memory == "host" and on_device:
         memory = next((_kind(d) for d in dests if d.target is None), "host")
+    # device memory its owner serves left it through host staging buffers of the owner's (a
+    # transport that moves such memory by pointer registers it, and the handle is direct): the
+    # reply's receipt here tells only this side
+    staged = staged or any(handles[i].memory != "host" and handles[i].nbytes for i in assisted)
     protocol = _protocol(peer, direct, assisted)
     receipt = _receipt("read", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles))
     return [d.value for d in dests], receipt if want_receipt else None
@@ -1120,35 +1133,62 @@ async def _assisted_read(
     current while the request was on its way). ``before``: what the batch moved before this
     part, for the owner's refusal to say (``_before``)."""
     reply, _ = _tags()
-    await _request(
-        peer,
-        {"op": "read", "regions": [_naming(h) for h in handles], "reply": reply},
-        lambda: _drain_later(peer, reply, owed=True),
-    )
+    sending = _sending(peer, {"op": "read", "regions": [_naming(h) for h in handles], "reply": reply})
+    # the receive is posted as the request goes (its task's first step right after the send's
+    # first), before the owner can answer: the reply lands straight in ``dests`` however soon it
+    # comes. Posted once the send had returned, a reply that came first (inproc's, under 64 KiB)
+    # waited in a buffer of ours and was copied in
+    receiving = asyncio.ensure_future(peer.channel.recv(reply, dests, streams=streams))
+    try:
+        await _request(sending, lambda: _drain_later(peer, reply, owed=True))
+    except BaseException:
+        await _call_off(receiving)  # a reply it had taken goes back to its tag, for the drain
+        raise
     try:
         try:
-            _, receipt = await peer.channel.recv(reply, dests, streams=streams)
+            _, receipt = await receiving
         except ShapeMismatchError:
             answer = await peer.recv(tag=reply)  # not the tensors: the owner's error
             if isinstance(answer, dict) and answer.get("error"):
                 raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}{before}") from None
             raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
     except asyncio.CancelledError:
-        _drain_later(peer, reply, owed=True)
+        if not (receiving.done() and not receiving.cancelled() and receiving.exception() is None):
+            _drain_later(peer, reply, owed=True)  # (else the reply came whole before the cancel)
         raise
     return receipt
 
 
-async def _request(peer: Peer, req: dict[str, Any], undo: Callable[[], None]) -> None:
-    """Send an owner-assisted request. The send is left to finish by itself: a caller cancelled
-    meanwhile returns at once, and if the request then goes out whole (the owner answers it)
-    ``undo()`` runs: it takes the answer (and for a write says the payload will not come). One
-    that never went out has nothing to undo; a note for it would wait at the owner for good.
-    (Cancelled part way, a send may still deliver the request: tcp finishes a frame it started,
-    and the abort after it is ignored for a message already whole. Each answer nobody took held
-    one of the owner's message slots, until the owner could send this peer nothing at all; the
-    owner's service of a write waited for its payload for good.)"""
-    sending = asyncio.get_running_loop().create_task(peer.send(req, tag=_OPS_TAG))
+async def _call_off(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended (it may write into the caller's buffers until
+    then), a cancellation of ours meanwhile raised once it has; its outcome is dropped."""
+    task.cancel()
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if not task.cancelled():
+        task.exception()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+def _sending(peer: Peer, req: dict[str, Any]) -> asyncio.Task[Receipt]:
+    """The send of an owner-assisted request, started (``_request`` waits for it)."""
+    return asyncio.get_running_loop().create_task(peer.send(req, tag=_OPS_TAG))
+
+
+async def _request(sending: asyncio.Task[Receipt], undo: Callable[[], None]) -> None:
+    """Wait for an owner-assisted request to be sent (``_sending``). The send is left to finish
+    by itself: a caller cancelled meanwhile returns at once, and if the request then goes out
+    whole (the owner answers it) ``undo()`` runs: it takes the answer (and for a write says the
+    payload will not come). One that never went out has nothing to undo; a note for it would
+    wait at the owner for good. (Cancelled part way, a send may still deliver the request: tcp
+    finishes a frame it started, and the abort after it is ignored for a message already whole.
+    Each answer nobody took held one of the owner's message slots, until the owner could send
+    this peer nothing at all; the owner's service of a write waited for its payload for good.)"""
     try:
         await asyncio.shield(sending)
     except asyncio.CancelledError:
@@ -1289,8 +1329,7 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     call); returns once the owner has the bytes in place. ``before``: as ``_assisted_read``."""
     reply, data = _tags()
     await _request(
-        peer,
-        {"op": "write", "regions": [_naming(h) for h in handles], "reply": reply, "data": data},
+        _sending(peer, {"op": "write", "regions": [_naming(h) for h in handles], "reply": reply, "data": data}),
         lambda: peer._spawn(_cancel_write(peer, data, reply)),
     )
     try:
@@ -1309,7 +1348,14 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     if not isinstance(answer, dict) or answer.get("error"):
         error = answer.get("error") if isinstance(answer, dict) else "unexpected answer"
         raise _owner_error(answer)(f"write of {_names(handles)}: {error}{before}")
-    return receipt
+    # the owner's side of the payload, as it says (an owner of an earlier release says nothing):
+    # read through its channel's read-ahead (a small tcp payload), copied in from a buffer of its
+    # own (come before its recv was posted), staged into device memory
+    return replace(
+        receipt,
+        direct=receipt.direct and answer.get("direct") is not False,
+        staged=receipt.staged or answer.get("staged") is True,
+    )
 
 
 async def _cancel_write(peer: Peer, data: int, reply: int) -> None:

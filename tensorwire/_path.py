@@ -14,8 +14,10 @@ class Path:
     transport: the transport that carries the bytes ("tcp", "inproc", "ucx", ...).
     lanes: what carries them inside that transport ("tcp x1 stream 127.0.0.1:4242"; for ucx the
         lanes of the endpoint to this peer, "cma/memory", "tcp/lo").
-    rdma / gpudirect: whether bytes move by RDMA, and GPU memory without staging (for ucx:
-        only where the endpoint has an RDMA lane, not merely where this node lists one).
+    rdma / gpudirect: whether bytes move by RDMA, and GPU memory by RDMA to and from the NIC
+        with no host staging (GPUDirect RDMA; for ucx: only where the endpoint has an RDMA lane,
+        not merely where this node lists one). GPU memory moved by CUDA IPC on one machine is
+        not gpudirect: the lanes say "cuda_ipc".
     passed_over: (transport, reason) for each transport preferred over this one and not used.
     """
 

@@ -12,6 +12,8 @@ import pytest
 import tensorwire
 from tensorwire._onesided import _OPS_TAG, _tags
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
+from tensorwire.memory import HostEngine
+from tensorwire.tensors._device import EngineArray
 from tensorwire.testing import connected_pair
 
 
@@ -236,7 +238,7 @@ async def test_an_owner_that_fails_to_move_the_bytes_answers_with_a_transfer_err
         kv = np.arange(1024, dtype=np.int64)
         a.node.expose(kv, name="kv")
         h = await b.lookup("kv")
-        real_send, real_recv = a.send, a.recv
+        real_send, real_recv = a.send, a.recv_with_receipt
         injected = []
 
         async def failing_send(obj, *, tag):  # type: ignore[no-untyped-def]
@@ -251,7 +253,8 @@ async def test_an_owner_that_fails_to_move_the_bytes_answers_with_a_transfer_err
                 raise tensorwire.TransferError("injected: the device copy failed")
             return await real_recv(tag=tag, out=out, **kw)
 
-        a.send, a.recv = failing_send, failing_recv  # type: ignore[method-assign]
+        # the owner takes a write's bytes with a receipt (its answer says how they came)
+        a.send, a.recv_with_receipt = failing_send, failing_recv  # type: ignore[method-assign]
         call = b.read(h[3:9]) if op == "read" else b.write(h[3:9], np.zeros(6, np.int64))
         with pytest.raises(tensorwire.TransferError, match="injected: the device copy failed"):
             await asyncio.wait_for(call, 10)
@@ -432,24 +435,34 @@ async def test_a_batch_the_owner_refuses_part_way_says_which_handles_moved(trans
 
 async def test_the_receipt_of_a_batch_in_several_requests_says_how_every_part_moved() -> None:
     """Through the owner, a batch of more than 256 regions goes as several requests; its receipt
-    must say how all of them moved. It said how the last one did: over inproc the reply to 256
-    small rows (4 KiB) comes before its recv is posted and is copied in (staged), and the batch
-    was reported direct and not staged when two large rows (512 KiB) came after them, staged
-    when they came first."""
-    async with connected_pair("inproc") as (a, b):
-        small = np.arange(256 * 4, dtype=np.int32).reshape(256, 4)
-        big = np.arange(2 * 65536, dtype=np.int32).reshape(2, 65536)
-        a.node.expose(small, name="small")
-        a.node.expose(big, name="big")
-        hs, hb = await b.lookup("small"), await b.lookup("big")
-        rows, bigs = [hs[i] for i in range(256)], [hb[0], hb[1]]
-        said = []
-        for handles in (rows + bigs, bigs + rows):
-            got, receipt = await b.read_many_with_receipt(handles)
-            assert np.array_equal(np.stack(got[:256] if handles[0] is rows[0] else got[2:]), small)
-            assert receipt.protocol == "owner-assisted" and receipt.nbytes == small.nbytes + big.nbytes, receipt
-            said.append((receipt.direct, receipt.staged))
-        assert said == [(False, True), (False, True)], f"small rows first, then last: (direct, staged) {said}"
+    must say how all of them moved. It said how the last one did: 256 small rows read into
+    device memory (a host engine's, which inproc stages through host memory) and two large rows
+    (512 KiB) into host memory, and the batch was reported direct and not staged when the large
+    rows came after the small ones, staged when they came first."""
+    engine = HostEngine()
+    try:
+        async with connected_pair("inproc") as (a, b):
+            small = np.arange(256 * 4, dtype=np.int32).reshape(256, 4)
+            big = np.arange(2 * 65536, dtype=np.int32).reshape(2, 65536)
+            a.node.expose(small, name="small")
+            a.node.expose(big, name="big")
+            hs, hb = await b.lookup("small"), await b.lookup("big")
+            rows, bigs = [hs[i] for i in range(256)], [hb[0], hb[1]]
+            said = []
+            for small_first in (True, False):
+                douts = [EngineArray(engine, np.zeros(4, np.int32)) for _ in rows]
+                if small_first:
+                    handles, outs = rows + bigs, [*douts, None, None]
+                else:
+                    handles, outs = bigs + rows, [None, None, *douts]
+                got, receipt = await b.read_many_with_receipt(handles, outs=outs)
+                assert np.array_equal(np.stack([d.array for d in douts]), small)
+                assert np.array_equal(np.stack(got[256:] if small_first else got[:2]), big)
+                assert receipt.protocol == "owner-assisted" and receipt.nbytes == small.nbytes + big.nbytes, receipt
+                said.append((receipt.direct, receipt.staged))
+            assert said == [(False, True), (False, True)], f"small rows first, then last: (direct, staged) {said}"
+    finally:
+        engine.close()
 
 
 @pytest.mark.timeout(30)

@@ -1,0 +1,110 @@
+"""What a one-sided operation's receipt says about the owner's side of it, checked against what
+the owner did: real nodes on loopback, device memory played by a host engine (it goes every way
+CUDA memory does), and the owner's own counts in ``tensorwire.metrics``."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tensorwire.memory import HostEngine
+from tensorwire.metrics import Snapshot, snapshot
+from tensorwire.tensors._device import EngineArray
+from tensorwire.testing import connected_pair
+
+pytestmark = pytest.mark.timeout(60)
+TRANSPORTS = ["tcp", "inproc"] + (["ucx"] if importlib.util.find_spec("ucxx") is not None else [])
+
+
+def _counted(before: Snapshot, after: Snapshot, op: str) -> dict[tuple[Any, ...], tuple[int, int]]:
+    """What the metrics counted for ``op`` between two snapshots: (traffic, transport, protocol,
+    direct, staged, memory) -> (transfers, bytes)."""
+    moved = {}
+    for key, (n, nbytes) in after.transfers.items():
+        n0, b0 = before.transfers.get(key, (0, 0))
+        if key[0] == op and (n, nbytes) != (n0, b0):
+            moved[key[1:]] = (n - n0, nbytes - b0)
+    return moved
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_owner_served_device_exposure_says_staged(transport: str) -> None:
+    """Device memory that its owner serves (no transport here registers host-engine memory, as
+    none registers CUDA memory without cuda lanes) leaves or enters it through host staging
+    buffers of the owner's, as the README says ("staged=True"). A read of it into host memory,
+    and a write into it from host memory, said direct and not staged: the receipt told only the
+    requester's side. A host exposure, the same way, stays direct."""
+    engine = HostEngine()
+    try:
+        async with connected_pair(transport) as (a, b):
+            kv = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+            a.node.expose(EngineArray(engine, kv), name="dkv")
+            a.node.expose(kv.copy(), name="hkv")
+            hd, hh = await b.lookup("dkv"), await b.lookup("hkv")
+            assert hd.memory == "host-engine" and not hd.direct, hd
+            said = {}
+            _, said["read into out="] = await b.read_with_receipt(hd, out=np.empty_like(kv))
+            got, said["read"] = await b.read_with_receipt(hd[8:40])
+            assert np.array_equal(got, kv[8:40])
+            _, said["batch"] = await b.read_many_with_receipt([hh[0:32], hd[40:64]])
+            before = snapshot()
+            said["write"] = await b.write(hd[0:32], np.full((32, 256), 5, np.float32))
+            owner = _counted(before, snapshot(), "recv")
+            assert (kv[:32] == 5).all() and (kv[32:] != 5).all()
+            for what, r in said.items():
+                assert r.protocol == "owner-assisted" and r.staged and not r.direct and r.memory == "host", (what, r)
+            # the owner counted its own recv of the write's bytes as staged too
+            assert any(staged and n == 32 * 256 * 4 for (_, _, _, _, staged, _), (_, n) in owner.items()), owner
+            _, host = await b.read_with_receipt(hh, out=np.empty_like(kv))
+            wrote = await b.write(hh, kv)
+            for r in (host, wrote):
+                assert not r.staged and (r.direct or r.protocol != "owner-assisted"), r
+    finally:
+        engine.close()
+
+
+async def test_a_small_owner_served_write_over_tcp_says_what_the_owner_did() -> None:
+    """The owner takes a tcp payload under 64 KiB through its channel's read-ahead buffer (a
+    copy of tensorwire's: not direct, as the README says of such a payload at the receiver);
+    the write's receipt said direct, which only its sender's side was, while the owner counted
+    its recv of the same bytes as not direct. A large one lands in place: direct both ways."""
+    async with connected_pair("tcp") as (a, b):
+        kv = np.zeros((64, 1024), np.float32)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        for rows, direct in ((h[3], False), (h, True)):
+            src = np.full(rows.shape, 7, np.float32)
+            before = snapshot()
+            receipt = await b.write(rows, src)
+            after = snapshot()
+            owner = {k: v for k, v in _counted(before, after, "recv").items() if v[1] == src.nbytes}
+            assert receipt.protocol == "owner-assisted" and receipt.direct is direct, receipt
+            assert [k[3] for k in owner] == [direct], owner  # the owner's count says the same
+            assert _counted(before, after, "write") == {
+                ("one-sided", "tcp", "owner-assisted", direct, False, "host"): (1, src.nbytes)
+            }
+        assert (kv == 7).all()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_an_owner_served_read_lands_straight_in_its_buffer(transport: str) -> None:
+    """The README: through the owner "the payload still moves straight between the exposed
+    memory and your buffer". The reader posted its receive only once its request had gone, so
+    over inproc the owner's reply to a small read (under 64 KiB) came first, waited in a buffer
+    of tensorwire's and was copied into out= (the receipt said staged). Posted before the request
+    goes, it lands in out= whatever the size."""
+    async with connected_pair(transport) as (a, b):
+        kv = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        for rows, want in ((h[3], kv[3]), (h[4:8], kv[4:8]), (h[0:32], kv[0:32])):
+            out = np.empty(rows.shape, np.float32)
+            for _ in range(3):
+                got, receipt = await b.read_with_receipt(rows, out=out)
+                assert got is out and np.array_equal(out, want)
+                assert not receipt.staged, receipt
+                # tcp reads a payload under 64 KiB through its read-ahead buffer (not direct)
+                assert receipt.direct is (transport == "inproc" or out.nbytes >= 64 << 10), receipt
