@@ -323,6 +323,7 @@ class Node:
         if peer.session is not None:
             self._sessions.pop(peer.session.id, None)
             self._leases.pop(peer.session.id, None)
+            self.exposures.forget(peer.session.id)
         self._forget(peer)
         task = peer._wind_down()
         if task is not None:

@@ -318,6 +318,12 @@ class ExposureTable:
     def get(self, name: str) -> _Exposed | None:
         return self._by_name.get(name)
 
+    def forget(self, session_id: str) -> None:
+        """A session ended: no exposure waits for its acknowledgement any more (each one-sided
+        lookup added it to ``given``, and peers that reconnect for days would have grown it)."""
+        for entry in self._by_name.values():
+            entry.given.discard(session_id)
+
     def clear(self) -> None:
         entries = list(self._by_name.values())
         self._by_name.clear()
