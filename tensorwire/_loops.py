@@ -1,10 +1,12 @@
-"""Forceful ``abort()`` from any thread: what an object's own event loop must do, it does there."""
+"""Forceful ``abort()`` from any thread: what an object's own event loop must do, it does there;
+and waiting out work that must end before its caller may return."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 
 def elsewhere(home: asyncio.AbstractEventLoop | None, again: Callable[[], None]) -> bool:
@@ -22,3 +24,18 @@ def elsewhere(home: asyncio.AbstractEventLoop | None, again: Callable[[], None])
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             home.call_soon_threadsafe(again)
     return True
+
+
+async def wait_out(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` is done, whatever cancellations of the caller come meanwhile (``fut``
+    itself is never cancelled by this), then raise the first of them, with its message; else
+    return, leaving ``fut``'s outcome to the caller. For work that may still write into the
+    caller's buffers (a copy thread, a receive under way): it must end before the caller goes."""
+    interrupted: asyncio.CancelledError | None = None
+    while not fut.done():
+        try:
+            await asyncio.wait((fut,))
+        except asyncio.CancelledError as exc:
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _metrics
+from ._loops import wait_out
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -1169,16 +1170,11 @@ async def _call_off(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait until it has ended (it may write into the caller's buffers until
     then), a cancellation of ours meanwhile raised once it has; its outcome is dropped."""
     task.cancel()
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.wait((task,))
-        except asyncio.CancelledError:
-            cancelled = True
-    if not task.cancelled():
-        task.exception()
-    if cancelled:
-        raise asyncio.CancelledError
+    try:
+        await wait_out(task)
+    finally:
+        if not task.cancelled():
+            task.exception()
 
 
 def _sending(peer: Peer, req: dict[str, Any]) -> asyncio.Task[Receipt]:

@@ -21,6 +21,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from .._loops import wait_out
+
 __all__ = ["OFF_LOOP_BYTES", "copy_host", "off_loop", "worth_a_thread"]
 
 OFF_LOOP_BYTES = 1 << 20  # a host copy this large or larger runs in a worker thread
@@ -50,14 +52,7 @@ async def off_loop(fn: Callable[[], T]) -> T:
     A cancellation of the caller waits for ``fn`` to end before it propagates, so ``fn`` never
     runs on past the call that asked for it."""
     fut = asyncio.wrap_future(_executor().submit(fn))
-    interrupted: asyncio.CancelledError | None = None
-    while not fut.done():
-        try:
-            await asyncio.wait((fut,))  # (never cancels fut, nor raises what fn raised)
-        except asyncio.CancelledError as exc:
-            interrupted = interrupted or exc  # the first, with its message
-    if interrupted is not None:
-        raise interrupted
+    await wait_out(fut)
     return fut.result()
 
 

@@ -17,6 +17,7 @@ import asyncio
 import socket
 from collections.abc import Callable, Sequence
 
+from ..._loops import wait_out
 from ...errors import PeerDisconnected
 from .._frames import HEADER, FrameHeader, unpack
 
@@ -54,14 +55,7 @@ def _advance(bufs: list[Buffer], n: int) -> list[Buffer]:
 
 async def finish_uncancelled(task: asyncio.Task[None]) -> None:
     """Await ``task`` to the end even if we are cancelled meanwhile; then re-raise the cancel."""
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.wait((task,))
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+    await wait_out(task)
     if task.cancelled():  # not us: the connection was closed under the write
         raise PeerEOF("connection closed while a frame was being written")
     task.result()
