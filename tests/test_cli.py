@@ -187,7 +187,8 @@ def test_a_server_outlives_the_thread_that_started_it_but_not_its_parent() -> No
     """PR_SET_PDEATHSIG fires when the launching *thread* ends: the first --parent stopped the
     server 0 s after that thread ended although its parent process lived on."""
     with _server_of_a_parent("thread") as (parent, server):
-        assert not _gone_within(server, 2), "the server stopped when the thread that started it ended"
+        # (a server SIGTERMed is gone in 0.2-0.3 s here, both cores busy or not)
+        assert not _gone_within(server, 1), "the server stopped when the thread that started it ended"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
         assert _gone_within(server, 15), "the server outlived its parent"

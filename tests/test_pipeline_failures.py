@@ -335,6 +335,17 @@ async def test_a_newer_driver_waits_for_the_older_ones_commits() -> None:
             assert (await second.step(x, y, microbatches=4)).loss > 0
 
 
+@pytest.fixture
+def short_commit_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configure waits up to _COMMIT_GRACE (2 s) for the old driver's commit of a finished
+    step; where that driver has died and its commits never come, the tests using this spent
+    the whole grace waiting for nothing. A quarter of a second: what follows the grace is what
+    they check (test_a_newer_driver_waits_for_the_older_ones_commits keeps the full grace)."""
+    from tensorwire.pipeline import _stage
+
+    monkeypatch.setattr(_stage, "_COMMIT_GRACE", 0.25)
+
+
 def _die_while_committing(first: pipeline.Pipeline, dead: asyncio.Event, sent: int) -> None:
     """The driver's commits to the first ``sent`` stages go; the others wait until it has died."""
     for s, peer in enumerate(first.peers):
@@ -350,6 +361,7 @@ def _die_while_committing(first: pipeline.Pipeline, dead: asyncio.Event, sent: i
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("short_commit_grace")
 @pytest.mark.parametrize("commits", [1, 0], ids=["stage-0-committed", "none-committed"])
 async def test_a_step_of_a_driver_that_died_while_committing_is_settled_by_the_next(commits: int) -> None:
     """The driver died after its commit reached stage 0 only: the old code left stage 0 a step
@@ -403,6 +415,7 @@ class SlowStep(Wrapped):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("short_commit_grace")
 async def test_a_commit_still_applying_when_the_next_driver_configures_counts_as_applied() -> None:
     """The driver died once its commit reached stage 0, whose optimizer step (in the stage's
     compute thread) was still running when the next driver's configure came: the old code
