@@ -116,8 +116,9 @@ class Arrival:
         self.rendezvous = rendezvous
         self.protocol = protocol
         self.pulling = False
-        # handed to a recv whole (credit: ``settled``); not requeued, unless that recv is cancelled
-        # while copying its bytes into device memory, when the message goes back whole
+        # handed to a recv whole; not requeued, unless that recv is cancelled while it copies the
+        # bytes out of our buffers, when the message goes back whole (and still holds its slot
+        # and credit: they go back, ``settled``, once a recv has copied it out)
         self.consumed = False
         self.dest: list[np.ndarray | DeviceTensor] | None = None
         self.direct = False  # dest is the recv's out= buffer
@@ -637,9 +638,26 @@ class Mailbox:
         elif not arrival.done.done():
             await asyncio.shield(arrival.done)
         arrival.consumed = True
-        if not arrival.settled:
-            self.channel.release(arrival)
-            arrival.settled = True
+        try:
+            return await self._hand_over(arrival, out, targets, t0, want, streams)
+        finally:
+            # its slot and credit go back once its bytes have left our buffers, not before: a
+            # recv cancelled while it copies them gives the message back to the queue, still
+            # buffered here, and it must go on counting against what the sender was granted
+            if arrival.consumed and not arrival.settled:
+                arrival.settled = True
+                self.channel.release(arrival)
+
+    async def _hand_over(
+        self,
+        arrival: Arrival,
+        out: object | None,
+        targets: list[np.ndarray | DeviceTensor] | None,
+        t0: float,
+        want: Device | None,
+        streams: Streams | None,
+    ) -> tuple[Any, Receipt]:
+        """Move a whole message from where it landed to where its recv wants it, and rebuild it."""
         if arrival.dest is None:
             raise TransferError("message completed without a destination buffer")
         staged = arrival.staged
