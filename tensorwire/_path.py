@@ -18,7 +18,9 @@ class Path:
         with no host staging (GPUDirect RDMA; for ucx: only where the endpoint has an RDMA lane,
         not merely where this node lists one). GPU memory moved by CUDA IPC on one machine is
         not gpudirect: the lanes say "cuda_ipc".
-    passed_over: (transport, reason) for each transport preferred over this one and not used.
+    passed_over: (transport, reason) for each transport preferred over this one and not used:
+        by the connecting side's preference order, which decides, and on the accepting side by
+        that node's own order too (a transport it prefers that the other side did not ask for).
     """
 
     transport: str

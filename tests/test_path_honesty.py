@@ -205,3 +205,36 @@ async def test_both_sides_log_the_path_they_took(transport: str, caplog: pytest.
         accepted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("accepted ")]
         assert accepted == [f"accepted {other.remote_address} (node {a.node_id[:12]}): {other.path}"], accepted
         assert transport in accepted[0]
+
+
+@needs_ucx
+@pytest.mark.parametrize("how", ["client node", "connect", "connect ranking ucx second"])
+async def test_the_accepting_side_says_why_a_transport_it_prefers_was_not_used(how: str) -> None:
+    """A client that asks for tcp alone (a node of tcp only, or ``connect(transports=("tcp",))``)
+    reaching a server that prefers ucx, has it and could use it: the server's path read plain tcp,
+    its peers_opened metric passed_over="", with no word on ucx, since it listed only what the
+    client's order passed over. Now the server's path names ucx and why; the negotiation is
+    unchanged (tcp), as is the client's path (its own order passed nothing over)."""
+    from tensorwire import metrics
+
+    client_transports, ask, expected = {
+        "client node": (("tcp",), None, "not enabled"),
+        "connect": (("ucx", "tcp"), ("tcp",), "not in client"),
+        "connect ranking ucx second": (("ucx", "tcp"), ("tcp", "ucx"), "preference order puts tcp before it"),
+    }[how]
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("ucx", "tcp")) as server,
+        tensorwire.start("127.0.0.1:0", transports=client_transports) as client,
+    ):
+        before = metrics.snapshot().peers_opened
+        peer = await client.connect(server.address, transports=ask)
+        other = await asyncio.wait_for(server.accept(), 10)
+        after = metrics.snapshot().peers_opened
+    assert peer.path.transport == other.path.transport == "tcp", (peer.path, other.path)
+    assert peer.path.passed_over == (), peer.path
+    reasons = dict(other.path.passed_over)
+    assert list(reasons) == ["ucx"], other.path
+    assert expected in reasons["ucx"] and f"client {client.node_id[:8]}" in reasons["ucx"], reasons
+    assert "not ucx: " in str(other.path), other.path
+    key = ("tcp", "accept", "ucx")
+    assert after.get(key, 0) == before.get(key, 0) + 1, (before, after)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pathlib
 import random
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -325,6 +328,102 @@ async def test_a_node_reached_as_localhost_gets_a_tcp_data_path(serving: str) ->
             assert np.array_equal(await there.recv(tag="x"), np.arange(6.0))
             await there.send(np.arange(2), tag="y")
             assert np.array_equal(await peer.recv(tag="y"), np.arange(2))
+
+
+async def test_a_node_started_on_a_host_name_serves_its_tcp_data_path_there() -> None:
+    """A node started on a name ('localhost') binds its tcp listener at an address the name
+    resolves to and offers the name, which a peer dials; tensors go both ways."""
+    async with (
+        tensorwire.start("localhost:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        resolved = {addr[0] for *_, addr in socket.getaddrinfo("localhost", 1, type=socket.SOCK_STREAM)}
+        listeners = server.transports["tcp"]._listeners  # type: ignore[attr-defined]
+        assert listeners and {sock.getsockname()[0] for sock in listeners} <= resolved, listeners
+        assert server.offers["tcp"].address.decode().startswith("localhost:"), server.offers["tcp"]
+        async with asyncio.timeout(20):
+            peer = await client.connect(server.address)
+            there = await server.accept()
+            assert peer.path.transport == "tcp", peer.path
+            await peer.send(np.arange(5.0), tag="x")
+            assert np.array_equal(await there.recv(tag="x"), np.arange(5.0))
+            await there.send(np.arange(2), tag="y")
+            assert np.array_equal(await peer.recv(tag="y"), np.arange(2))
+
+
+# run in a private mount namespace whose /etc/hosts names ::1 alone and ::1 with 127.0.0.1
+# (this machine's /etc/hosts is not touched): the real resolver, real sockets
+_NAMED_HOSTS = "127.0.0.1 localhost\n::1 tw-v6-only\n::1 tw-both\n127.0.0.1 tw-both\n"
+_NAMED_SCRIPT = """
+import asyncio, socket, sys
+import numpy as np
+import tensorwire
+
+async def main(name, families):
+    async with (
+        tensorwire.start(f"{name}:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        bound = sorted(s.getsockname()[0] for s in server.transports["tcp"]._listeners)
+        assert bound == families, bound
+        assert len({s.getsockname()[1] for s in server.transports["tcp"]._listeners}) == 1
+        assert server.offers["tcp"].address.decode().startswith(name + ":"), server.offers["tcp"]
+        async with asyncio.timeout(20):
+            peer = await client.connect(server.address)
+            there = await server.accept()
+            assert peer.path.transport == "tcp", peer.path
+            await peer.send(np.arange(4.0), tag=1)
+            assert np.array_equal(await there.recv(tag=1), np.arange(4.0))
+            await there.send(np.arange(3), tag=2)
+            assert np.array_equal(await peer.recv(tag=2), np.arange(3))
+    print("ok", name, bound)
+
+asyncio.run(main(sys.argv[1], sys.argv[2:]))
+"""
+
+
+def _private_hosts_file_works() -> bool:
+    """Whether ``unshare -rm`` (a user and mount namespace) can bind-mount a hosts file here."""
+    try:
+        proc = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", "mount --bind /dev/null /etc/hosts"],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+@pytest.mark.skipif(
+    not (_ipv6_loopback() and _private_hosts_file_works()),
+    reason="no IPv6 loopback, or no 'unshare -rm' to give a test its own /etc/hosts (and none of this "
+    "machine's names resolves to ::1 alone)",
+)
+@pytest.mark.parametrize(("name", "families"), [("tw-v6-only", ["::1"]), ("tw-both", ["127.0.0.1", "::1"])])
+def test_a_node_started_on_a_name_binds_its_tcp_listener_at_the_names_addresses(
+    name: str, families: list[str], tmp_path: pathlib.Path
+) -> None:
+    """The tcp listener took a host name for IPv4 because it has no colon: a name of ::1 alone
+    was bound at 127.0.0.1 (glibc's files backend maps ::1 to it for an IPv4 lookup), not at the
+    address the name stands for, or failed to start the node (musl, or a name of another IPv6
+    address); a name of both families served IPv4 alone. The name is now resolved: the listener binds
+    where it resolves to, each family on one port, and a peer dialling the name gets through."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(_NAMED_HOSTS)
+    script = tmp_path / "named.py"
+    script.write_text(_NAMED_SCRIPT)
+    command = f'mount --bind "{hosts}" /etc/hosts && exec "$0" "$@"'
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", command, sys.executable, str(script), name, *families],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
 def _refusing() -> socket.socket:

@@ -3,13 +3,13 @@ and that satisfies the ``require=`` policy. Every transport passed over gets a r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigurationError, NegotiationError
 from ..transports import Capabilities, Transport
 
-__all__ = ["MAX_TRANSPORTS", "REQUIRE", "Choice", "Offer", "check_require", "choose"]
+__all__ = ["MAX_TRANSPORTS", "REQUIRE", "Choice", "Offer", "as_accepted", "check_require", "choose"]
 
 REQUIRE = ("any", "rdma", "gpudirect")
 MAX_TRANSPORTS = 32  # names in a preference order, offers or reasons in one handshake
@@ -147,3 +147,42 @@ def choose(
         return Choice(name, tuple(passed))
     detail = "; ".join(f"{n}: {r}" for n, r in passed) or "no transports offered"
     raise NegotiationError(f"no transport satisfies require={require!r} ({detail})")
+
+
+def as_accepted(
+    choice: Choice,
+    own: Sequence[str],
+    followed: Sequence[str],
+    local: Mapping[str, Offer],
+    remote: Mapping[str, Offer],
+    local_unusable: Mapping[str, str],
+    remote_unusable: Mapping[str, str],
+    *,
+    local_name: str = "server",
+    remote_name: str = "client",
+) -> Choice:
+    """``choice`` as the accepting node reports it. ``choose`` followed the connecting side's
+    preference order (``followed``) and named what that order put first; this node's own order
+    (``own``) may put others above the chosen transport too (ucx, when the client asked for tcp
+    alone). Each of those gets its reason, in ``choose``'s words where a side lacks it, so that
+    neither end's path is silent about a transport it prefers."""
+    named = {name for name, _ in choice.passed_over}
+    order = list(dict.fromkeys(own))
+    above = order[: order.index(choice.name)] if choice.name in order else order
+    asked = set(followed)
+    decides = "the connecting side's order decides"
+    more: list[tuple[str, str]] = []
+    for name in above:
+        if name in named:
+            continue
+        if name not in local:
+            reason = f"on {local_name}: {local_unusable.get(name, 'not enabled')}"
+        elif name not in remote:
+            reason = f"on {remote_name}: {remote_unusable.get(name, 'not enabled')}"
+        elif name not in asked:
+            reason = f"not in {remote_name}'s preference order ({decides})"
+        else:
+            # in that order, but after the chosen one (those before it are named already)
+            reason = f"{remote_name}'s preference order puts {choice.name} before it ({decides})"
+        more.append((name, reason))
+    return Choice(choice.name, (*choice.passed_over, *more))

@@ -21,7 +21,7 @@ from ..errors import ConfigurationError, NegotiationError
 from ._auth import heartbeat_proof, lookup_proof
 from ._client import SESSION_LOST_METADATA
 from ._convert import offer_from_pb, offer_to_pb
-from ._negotiate import MAX_TRANSPORTS, choose
+from ._negotiate import MAX_TRANSPORTS, as_accepted, choose
 from ._pb import control_pb2, control_pb2_grpc
 
 if TYPE_CHECKING:
@@ -92,6 +92,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         remote = {o.name: offer_from_pb(o) for o in request.offers}
         remote_unusable = {u.name: _clip(u.reason) for u in request.unavailable}
         preference = list(request.preference) or list(node.config.transports)
+        here_name, there_name = f"server {node.node_id[:8]}", f"client {request.node_id[:8] or '?'}"
         try:
             choice = choose(
                 preference,
@@ -101,8 +102,8 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 remote_unusable,
                 request.require or "any",
                 node.reachable,
-                local_name=f"server {node.node_id[:8]}",
-                remote_name=f"client {request.node_id[:8] or '?'}",
+                local_name=here_name,
+                remote_name=there_name,
                 transports=node.transports,
             )
         except (NegotiationError, ConfigurationError) as exc:
@@ -110,8 +111,21 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         session_id = uuid.uuid4().hex
         secret = os.urandom(32)
+        # the client's path names what its order passed over; this node's path names what its
+        # own order puts above the choice too (the response is unchanged)
+        here = as_accepted(
+            choice,
+            node.config.transports,
+            preference,
+            node.offers,
+            remote,
+            node.unusable,
+            remote_unusable,
+            local_name=here_name,
+            remote_name=there_name,
+        )
         node._expect_peer(
-            choice, session_id, secret, request.node_id, remote_addr=peer, control_address=request.control_address
+            here, session_id, secret, request.node_id, remote_addr=peer, control_address=request.control_address
         )
         resp = control_pb2.HandshakeResponse(
             session_id=session_id,

@@ -73,25 +73,51 @@ def _bind(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
 
 
 def _listeners(host: str) -> list[socket.socket]:
-    """The listeners for ``host``, all on one port. A wildcard gets one per family, as the control
-    plane (gRPC on ``*``) takes both: a peer dials the host it reached that at, ``[::1]`` too.
-    A machine without the second family (no IPv6, say) serves on the first alone."""
+    """The listeners for an IP address or a wildcard, all on one port. A wildcard gets one per
+    family, as the control plane (gRPC on ``*``) takes both: a peer dials the host it reached
+    that at, ``[::1]`` too. A machine without the second family (no IPv6, say) serves on the
+    first alone. (A name: ``_listeners_at``.)"""
     if host not in _WILDCARDS:
         return [_bind(socket.AF_INET6 if ":" in host else socket.AF_INET, host, 0)]
     v4, v6 = (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")
-    (family, wildcard), (other, other_wildcard) = (v6, v4) if host == "::" else (v4, v6)
-    first = _bind(family, wildcard, 0)
+    return _on_one_port(*((v6, v4) if host == "::" else (v4, v6)))
+
+
+def _on_one_port(
+    first: tuple[socket.AddressFamily, str], other: tuple[socket.AddressFamily, str] | None
+) -> list[socket.socket]:
+    """A listener on ``first``, and one on ``other`` (another family's address) at the same
+    port where that family has it; a port taken there is given up for another."""
+    sock = _bind(*first, 0)
+    if other is None:
+        return [sock]
     for _ in range(_BIND_TRIES):
         try:
-            return [first, _bind(other, other_wildcard, first.getsockname()[1])]
+            return [sock, _bind(*other, sock.getsockname()[1])]
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:  # no such family here
-                log.debug("tcp data listener on %s alone: %s", wildcard, exc)
-                return [first]
-        first.close()  # that port is taken in the other family: another one
-        first = _bind(family, wildcard, 0)
-    log.warning("tcp data listener on %s alone: %d ports were taken on %s", wildcard, _BIND_TRIES, other_wildcard)
-    return [first]
+            if exc.errno != errno.EADDRINUSE:  # no such family (or address) here
+                log.debug("tcp data listener on %s alone: %s", first[1], exc)
+                return [sock]
+        sock.close()  # that port is taken in the other family: another one
+        sock = _bind(*first, 0)
+    log.warning("tcp data listener on %s alone: %d ports were taken on %s", first[1], _BIND_TRIES, other[1])
+    return [sock]
+
+
+async def _listeners_at(name: str) -> list[socket.socket]:
+    """The listeners for a host name: resolved (not guessed from the name's spelling, which
+    took every name for IPv4), at the first of its addresses that binds, and, where the name
+    has the other family too, at that family's first address on the same port: a peer that
+    dials the name reaches this node whichever of its addresses it tries first."""
+    addrs = await _resolve(name, 0)
+    failed: list[str] = []
+    for i, (family, sockaddr) in enumerate(addrs):
+        other = next(((f, a[0]) for f, a in addrs[i + 1 :] if f != family), None)
+        try:
+            return _on_one_port((family, sockaddr[0]), other)
+        except OSError as exc:  # not an address of this machine, say: the next one
+            failed.append(f"{sockaddr[0]}: {exc.strerror or exc}")
+    raise OSError(f"{name!r} resolves to no address of this machine ({'; '.join(failed)})")
 
 
 def _tune(sock: socket.socket) -> None:
@@ -213,7 +239,8 @@ class TcpTransport(Transport):
     async def listen(self) -> bytes:
         host = self.ctx.host
         try:
-            self._listeners = _listeners(host)
+            named = host not in _WILDCARDS and _literal(host) is None
+            self._listeners = await _listeners_at(host) if named else _listeners(host)
         except OSError as exc:  # socket.gaierror too: a host that does not resolve, or is not ours
             raise ConfigurationError(f"cannot bind the tcp transport to {host!r}: {exc}") from exc
         for sock in self._listeners:
