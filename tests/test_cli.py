@@ -682,3 +682,35 @@ def test_import_tensorwire_loads_the_api_on_first_use() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["[]", "tensorwire._node True True"], out.stdout
+
+
+def test_a_stage_ended_by_sigterm_flushes_what_it_wrote_last_and_exits_143(tmp_path: Path) -> None:
+    """A stage stopped by SIGTERM ends at once after its cleanup (``os._exit``, past the
+    interpreter's slow shutdown): what is written as logging shuts down (a handler's close)
+    still comes out, into stdout (a pipe: block-buffered, PYTHONUNBUFFERED unset), through C
+    stdio (buffered too) and into stderr, and the code is 143."""
+    (tmp_path / "part.py").write_text(
+        "import ctypes, logging, sys\n"
+        "class Last(logging.Handler):\n"
+        "    def emit(self, record): pass\n"
+        "    def close(self):\n"
+        "        print('stdout at the end')\n"
+        "        ctypes.CDLL(None).printf(b'C stdio at the end\\n')\n"
+        "        sys.stderr.write('stderr at the end')\n"
+        "        super().close()\n"
+        "logging.getLogger().addHandler(Last())\n"
+        "def build(rank, num_stages):\n    return rank\n"
+    )
+    stage = subprocess.Popen([*CLI, "stage", "--part", f"{tmp_path / 'part.py'}:build", "--address", "127.0.0.1:0",
+                              "--transports", "tcp"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})  # fmt: skip
+    try:
+        _read_until(stage, "tensorwire stage serving at", "stage")
+        stage.send_signal(signal.SIGTERM)
+        out, err = stage.communicate(timeout=60)
+    finally:
+        _kill(stage.pid)
+        stage.communicate()
+    assert stage.returncode == 128 + signal.SIGTERM, (stage.returncode, out, err)
+    assert "stdout at the end" in out and "C stdio at the end" in out, out
+    assert err.endswith("stderr at the end"), err

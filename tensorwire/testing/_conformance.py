@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import tracemalloc
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -92,19 +93,39 @@ async def exchange(a: Peer, b: Peer, src: Any, out: Any, order: str, tag: Any = 
     """Send ``src`` from ``a`` to ``b``'s ``recv(out=out)``, with the recv posted first
     (``order="recv-first"``) or the send started first (``"send-first"``, eager messages then
     arrive before their recv); the recv's value, the send's receipt and the recv's receipt."""
+    from .._peer import tag_id
+
+    mailbox, tid = b.channel.mailbox, tag_id(tag)
     if order == "recv-first":
         recv = asyncio.ensure_future(b.recv_with_receipt(tag=tag, out=out))
-        await asyncio.sleep(0.01)
+        await _until(lambda: mailbox.has_posted(tid) or recv.done())  # posted
         sent = await a.send(src, tag=tag)
         got, receipt = await recv
     elif order == "send-first":
+        queued = len(mailbox._arrived.get(tid, ()))
         send = asyncio.ensure_future(a.send(src, tag=tag))
-        await asyncio.sleep(0.05)
+
+        def buffered() -> bool:  # whole, or (rendezvous) its header waits for the recv's go-ahead
+            q = mailbox._arrived.get(tid)
+            return q is not None and len(q) > queued and (q[-1].done.done() or q[-1].rendezvous)
+
+        await _until(lambda: buffered() or (send.done() and send.exception() is not None))
         got, receipt = await b.recv_with_receipt(tag=tag, out=out)
         sent = await send
     else:
         raise ConfigurationError(f"order must be 'recv-first' or 'send-first', not {order!r}")
     return got, sent, receipt
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Poll ``condition`` (every millisecond) until it holds: True, or False after ``seconds``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while not condition():
+        if loop.time() > end:
+            return False
+        await asyncio.sleep(0.001)
+    return True
 
 
 def _one_sided(peer: Peer) -> str:
@@ -1214,6 +1235,32 @@ async def check_one_sided_batches(a: Peer, b: Peer) -> None:
         assert np.array_equal(kv, before)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tensorwire/
+
+
+async def _settled(before: set[asyncio.Task[Any]], engine: HostEngine | None = None) -> None:
+    """After a cancelled transfer: wait until the work it left behind has ended (every task
+    started since ``before``: a request's send, the owner's service of it, the drain that takes
+    its late answer; and ``engine``'s queued copies), then a short while more for what no task
+    tracks (a transport's native operation); a write into the caller's buffer comes by then.
+    Only tensorwire's own tasks count: gRPC's server starts one that waits for its next call."""
+    loop_tasks = asyncio.all_tasks
+    me = asyncio.current_task()
+
+    def ours(task: asyncio.Task[Any]) -> bool:
+        code = getattr(task.get_coro(), "cr_code", None)
+        return code is not None and code.co_filename.startswith(_PACKAGE)
+
+    await _until(
+        lambda: (
+            not any(t is not me and not t.done() and ours(t) for t in loop_tasks() - before)
+            and (engine is None or not engine._queued)
+        ),
+        seconds=5.0,  # (then compared all the same: a task that lingers is not this check's to judge)
+    )
+    await asyncio.sleep(0.05)  # a native get on its way (ucx, verbs) lands by then: 16 MiB on loopback
+
+
 @_check()
 async def check_cancelled_batch_read_never_writes_after(a: Peer, b: Peer) -> None:
     """A cancelled ``read_many`` writes into none of its buffers once the cancel returned."""
@@ -1227,11 +1274,12 @@ async def check_cancelled_batch_read_never_writes_after(a: Peer, b: Peer) -> Non
     blocks = [h[i * block : (i + 1) * block] for i in range(32)]
     for spins in (0, 1, 3, 10, 20, 30, 50, 100, 300):
         outs = [np.zeros(block, np.uint8) for _ in blocks]
+        before = asyncio.all_tasks()
         task = asyncio.ensure_future(b.read_many(blocks, outs=outs))
         cancelled = await _cancel_after(spins, task)
         if cancelled:
             snapshot = [o.copy() for o in outs]
-            await asyncio.sleep(0.2)
+            await _settled(before)
             assert all(np.array_equal(o, s) for o, s in zip(outs, snapshot, strict=True)), "written after the cancel"
     got = await b.read_many(blocks[:2])
     assert all(np.array_equal(g, pool[:block]) for g in got)  # the channel is still fine
@@ -1240,10 +1288,11 @@ async def check_cancelled_batch_read_never_writes_after(a: Peer, b: Peer) -> Non
     try:
         for spins in (0, 3, 30, 100, 300, 1000):
             douts = [EngineArray(engine, np.zeros(block, np.uint8)) for _ in blocks[:8]]
+            before = asyncio.all_tasks()
             task = asyncio.ensure_future(b.read_many(blocks[:8], outs=douts))
             if await _cancel_after(spins, task):
                 snapshot = [o.array.copy() for o in douts]
-                await asyncio.sleep(0.1)
+                await _settled(before, engine)
                 assert all(np.array_equal(o.array, s) for o, s in zip(douts, snapshot, strict=True)), (
                     "device memory written after the cancel"
                 )
