@@ -12,6 +12,10 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _held = False  # a Ctrl-C came while SIGINT was held
 
@@ -44,15 +48,28 @@ def release_interrupts(*, raise_held: bool = True) -> None:
         raise KeyboardInterrupt
 
 
-def main() -> int:
+def while_held(load: Callable[[], T]) -> T | None:
+    """``load()`` with Ctrl-C held (``hold_interrupts``; the caller's ``release_interrupts``
+    later raises a Ctrl-C held meanwhile). None where a second Ctrl-C ended it at once (said on
+    stderr: the command exits 130); any other failure releases SIGINT and propagates."""
     hold_interrupts()
     try:
-        from .cli import main as run
+        return load()
     except KeyboardInterrupt:  # a second Ctrl-C while loading
         release_interrupts(raise_held=False)
         print("tensorwire: interrupted (SIGINT)", file=sys.stderr)
-        return 130
-    except BaseException:
+        return None
+    except BaseException:  # (for the command line: a usage error, --help or --version)
         release_interrupts(raise_held=False)
         raise
-    return run()
+
+
+def _load_cli() -> Callable[[], int]:
+    from .cli import main as run
+
+    return run
+
+
+def main() -> int:
+    run = while_held(_load_cli)
+    return 130 if run is None else run()

@@ -84,7 +84,7 @@ from .tensors._device import (
     wanted_device,
 )
 from .tensors._message import refuse_shared
-from .tensors._offload import copy_host, off_loop, worth_a_thread
+from .tensors._offload import copy_host, off_loop, packs_in_a_thread
 from .tensors._view import empty
 from .transports import ChannelState, Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
@@ -1279,8 +1279,8 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
                 host = arrays[i]
                 assert isinstance(host, np.ndarray)  # (every device source was wired above)
                 h = handles[i]
-                big = not host.flags.c_contiguous and worth_a_thread(host.nbytes)
-                wire = await off_loop(functools.partial(_packed, host, h)) if big else _packed(host, h)
+                packing = functools.partial(_packed, host, h)
+                wire = await off_loop(packing) if packs_in_a_thread(host) else packing()
                 moves.append((state, wire, h.offset))
                 continue
             memory = t.engine.kind

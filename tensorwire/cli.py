@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import __version__, start
-from ._entry import hold_interrupts, release_interrupts
+from ._entry import release_interrupts, while_held
 from .errors import ConfigurationError, PeerDisconnected, ResourceError, TensorWireError
 
 MiB = 1 << 20
@@ -665,16 +665,9 @@ def main(argv: list[str] | None = None) -> int:
                 os.close(fd)
     # a Ctrl-C while the arguments are read (their types load _bench, _node and gRPC) is taken
     # once they say what runs, and ends the command as a later one would
-    hold_interrupts()
-    try:
-        args = _parse_args(argv)
-    except KeyboardInterrupt:  # a second Ctrl-C meanwhile: at once
-        release_interrupts(raise_held=False)
-        print("tensorwire: interrupted (SIGINT)", file=sys.stderr)
+    args = while_held(lambda: _parse_args(argv))
+    if args is None:  # a second Ctrl-C meanwhile: at once
         return 130
-    except BaseException:  # a usage error, --help or --version
-        release_interrupts(raise_held=False)
-        raise
     try:
         release_interrupts()
         # the command line is an application: it may configure logging (the library never does)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 from tensorwire.memory import HostEngine
 from tensorwire.tensors import EngineArray, prepare, prepare_off_loop
@@ -106,9 +107,7 @@ async def test_copies_into_large_strided_buffers_run_off_the_loop() -> None:
 
 async def _arrived(peer: Any, tag: int) -> None:
     """Wait until a message on ``tag`` waits whole at ``peer``, unreceived."""
-    async with asyncio.timeout(10):
-        while not any(a.done.done() for a in peer.channel.mailbox._arrived.get(tag, ())):  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
+    await eventually(lambda: any(a.done.done() for a in peer.channel.mailbox._arrived.get(tag, ())), 10, 0.005)
 
 
 async def _awaited(x: Awaitable[Any]) -> Any:

@@ -5,29 +5,18 @@ CUDA memory does), and the owner's own counts in ``tensorwire.metrics``."""
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
 import numpy as np
 import pytest
 
 from tensorwire.memory import HostEngine
-from tensorwire.metrics import Snapshot, snapshot
+from tensorwire.metrics import snapshot
 from tensorwire.tensors._device import EngineArray
 from tensorwire.testing import connected_pair
+from tensorwire.testing._conformance import _counted
 
 pytestmark = pytest.mark.timeout(60)
 TRANSPORTS = ["tcp", "inproc"] + (["ucx"] if importlib.util.find_spec("ucxx") is not None else [])
-
-
-def _counted(before: Snapshot, after: Snapshot, op: str) -> dict[tuple[Any, ...], tuple[int, int]]:
-    """What the metrics counted for ``op`` between two snapshots: (traffic, transport, protocol,
-    direct, staged, memory) -> (transfers, bytes)."""
-    moved = {}
-    for key, (n, nbytes) in after.transfers.items():
-        n0, b0 = before.transfers.get(key, (0, 0))
-        if key[0] == op and (n, nbytes) != (n0, b0):
-            moved[key[1:]] = (n - n0, nbytes - b0)
-    return moved
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -20,7 +20,7 @@ from ..control._pb import wire_pb2
 from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
 from ._device import DeviceSource, DeviceTensor, Streams
 from ._dtypes import DTYPES, dtype_name
-from ._offload import off_loop, worth_a_thread
+from ._offload import off_loop, packs_in_a_thread
 from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, to_framework
 
 __all__ = [
@@ -349,7 +349,7 @@ class _Packing:
 
 def _packs_on_host(v: TensorView) -> bool:
     """Whether ``v`` is a host tensor that needs a packing copy large enough for a thread."""
-    return v.dev is None and not v.contiguous and worth_a_thread(v.nbytes)
+    return v.dev is None and packs_in_a_thread(v.array)
 
 
 def _prepare_tree(obj: object) -> Outgoing:

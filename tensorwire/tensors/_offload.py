@@ -23,7 +23,7 @@ import numpy as np
 
 from .._loops import wait_out
 
-__all__ = ["OFF_LOOP_BYTES", "copy_host", "off_loop", "worth_a_thread"]
+__all__ = ["OFF_LOOP_BYTES", "copy_host", "off_loop", "packs_in_a_thread", "worth_a_thread"]
 
 OFF_LOOP_BYTES = 1 << 20  # a host copy this large or larger runs in a worker thread
 _WORKERS = 4  # copies are bound by memory bandwidth: a few threads use it all
@@ -60,6 +60,11 @@ def worth_a_thread(nbytes: int) -> bool:
     """Whether a host copy of ``nbytes`` goes to a copy thread (read at each call, so a benchmark
     can set ``OFF_LOOP_BYTES`` to compare with copies on the loop)."""
     return nbytes >= OFF_LOOP_BYTES
+
+
+def packs_in_a_thread(arr: np.ndarray) -> bool:
+    """Whether packing the host array ``arr`` into C order is a copy for a copy thread."""
+    return not arr.flags.c_contiguous and worth_a_thread(arr.nbytes)
 
 
 def _copies(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Capabilities",
+    "BYE_GRACE",
     "Channel",
     "ChannelState",
     "Limits",
@@ -37,6 +38,10 @@ __all__ = [
 ]
 
 MiB = 1 << 20
+# a graceful close's goodbye (every transport's): what the channel owes its peer (payloads UCX
+# or the peer's RDMA READs are moving, frames queued) goes first, and a goodbye received lets
+# the transfers in flight end first, this long at most in all
+BYE_GRACE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +249,8 @@ class Channel(ABC):
 
     @abstractmethod
     async def aclose(self) -> None:
-        """Close gracefully; idempotent. Pending operations fail with ClosedResourceError."""
+        """Close gracefully; idempotent. What is owed to the peer goes first (``BYE_GRACE`` at
+        most); pending operations then fail with ClosedResourceError."""
 
     @abstractmethod
     def abort(self) -> None:

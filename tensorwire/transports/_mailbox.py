@@ -773,6 +773,7 @@ async def _settle_device(
     their consumers' streams. Returns True if a copy was needed."""
     landing = arrival.land()
     copied = False
+    on_host: list[tuple[np.ndarray, np.ndarray]] = []  # host to host: made together, below
     for src, dst in zip(dest, final, strict=True):
         if src is dst or not src.nbytes:
             continue
@@ -785,7 +786,8 @@ async def _settle_device(
         elif isinstance(src, DeviceTensor):
             await download(src.buf, byte_view(dst), landing.flush(src))
         else:
-            await copy_host([(dst, src)])
+            on_host.append((dst, src))
+    await copy_host(on_host)
     await landing.finish(final)
     for src, dst in zip(dest, final, strict=True):
         if src is not dst and isinstance(src, DeviceTensor) and src.nbytes and src.stream is not None:

@@ -37,7 +37,7 @@ from ...errors import (
 )
 from ...memory import stage_out
 from ...tensors import DeviceTensor, Outgoing, decode_header, decode_header_sized
-from .._base import Channel, ChannelState, Limits, Receipt
+from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import (
     CHECKSUM,
@@ -718,7 +718,7 @@ class TcpChannel(Channel):
         if self.state is ChannelState.OPEN:
             self.state = ChannelState.CLOSING
             try:
-                async with asyncio.timeout(1.0):
+                async with asyncio.timeout(BYE_GRACE):  # (the frames ahead of it on the stream first)
                     await self._turn.take()
                     try:
                         await self._io.send_last([pack(FrameType.BYE, checked=self.checksum)])

@@ -78,7 +78,9 @@ def _listeners(host: str) -> list[socket.socket]:
     that at, ``[::1]`` too. A machine without the second family (no IPv6, say) serves on the
     first alone. (A name: ``_listeners_at``.)"""
     if host not in _WILDCARDS:
-        return [_bind(socket.AF_INET6 if ":" in host else socket.AF_INET, host, 0)]
+        family = _literal(host)
+        assert family is not None  # (names go to _listeners_at)
+        return [_bind(family, host, 0)]
     v4, v6 = (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")
     return _on_one_port(*((v6, v4) if host == "::" else (v4, v6)))
 

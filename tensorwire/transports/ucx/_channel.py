@@ -55,7 +55,7 @@ from ...errors import (
 )
 from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
-from .._base import Channel, ChannelState, Limits, Receipt
+from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
 from .._mailbox import Arrival, _settle
@@ -81,8 +81,6 @@ _WAIT_BACKOFF = 1024  # recvs without an inline wait after repeated failures, at
 # one that has matched runs on until its transfer ends) before its recv is told anyway, with a
 # warning that its buffer may still be written (a transfer from a peer that stopped mid-way)
 _LANDING_GRACE = 2.0
-# how long a BYE waits for the payload transfers in flight (see UcxChannel._peer_closed)
-_BYE_GRACE = 1.0
 
 
 def _wire_bytes(part: np.ndarray | memoryview) -> np.ndarray | memoryview:
@@ -689,7 +687,7 @@ class UcxChannel(Channel):
         sender's send had returned; a send failed so after its receiver had got the message
         and closed). Payload receives and sends in flight therefore end first (receives land
         their messages, which stay deliverable), then the channel shuts; within
-        ``_BYE_GRACE``."""
+        ``BYE_GRACE``."""
         exc = PeerDisconnected("peer closed the channel")
         reqs = [r for t in self._incoming.values() for r in t.reqs]
         if not reqs and not self._futs:
@@ -707,7 +705,7 @@ class UcxChannel(Channel):
         landed: asyncio.Future[None] = self._loop.create_future()
         token = self._w.when_done(reqs, lambda: None if landed.done() else landed.set_result(None))
         try:
-            async with asyncio.timeout(_BYE_GRACE):
+            async with asyncio.timeout(BYE_GRACE):
                 await landed  # (completions are dispatched before this wait's callback)
                 await self._sends_done()
         except TimeoutError:
@@ -1043,7 +1041,7 @@ class UcxChannel(Channel):
     async def aclose(self) -> None:
         if self.state is ChannelState.OPEN:
             self.state = ChannelState.CLOSING
-            deadline = self._loop.time() + 1.0
+            deadline = self._loop.time() + BYE_GRACE
             try:
                 # payloads UCX has taken are on their way (it cannot take them back): their
                 # sends finish first, so that each says what became of its message (failed by

@@ -50,7 +50,7 @@ from ...errors import (
     TransferError,
 )
 from ...tensors import Outgoing, decode_header
-from .._base import Channel, ChannelState, Limits, Receipt
+from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt
 from .._credit import FLUSH_DELAY, ReceiveBudget, SendWindow
 from .._frames import PeerLimits
 from .._mailbox import Arrival
@@ -69,8 +69,6 @@ _SEND_BIT = 1 << 62
 _RDMA_BIT = 1 << 61
 _U32 = (1 << 32) - 1
 _MAX_SEGS = 65535
-# how long aclose waits for what it owes the peer before its BYE (see VerbsChannel.aclose)
-_BYE_GRACE = 1.0
 
 
 def _host(a: object) -> np.ndarray:
@@ -915,7 +913,7 @@ class VerbsChannel(Channel):
         self._on_shutdown()
 
     async def aclose(self) -> None:
-        """Send what is owed to the peer, then BYE (``_BYE_GRACE`` in all), then shut down.
+        """Send what is owed to the peer, then BYE (``BYE_GRACE`` in all), then shut down.
 
         Owed: every frame queued (an inline message whose send has returned, a FIN for a
         message read whole), and the peer's FINs for our sends whose payload it may be reading
@@ -926,7 +924,7 @@ class VerbsChannel(Channel):
         if self.state is not ChannelState.OPEN:
             return
         self.state = ChannelState.CLOSING
-        deadline = self._loop.time() + _BYE_GRACE
+        deadline = self._loop.time() + BYE_GRACE
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(deadline):
