@@ -787,6 +787,42 @@ async def test_a_request_that_waited_unread_for_a_slot_has_spent_that_wait_of_it
         await _settled(a, b)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_packing_the_arguments_spends_the_deadline(transport: str) -> None:
+    """A call's deadline covers packing its arguments: a large transposed array is packed (in a
+    copy thread) before the request goes, and that time is the caller's. The method's deadline,
+    as a time of this process's loop, is no later than the caller's. Before, the deadline's clock
+    started once the arguments were packed: the method had the whole 5 s after the packing (here
+    0.1 s or more) had already been spent, and calls it made in turn inherited that."""
+    x = np.arange(4096 * 4096, dtype=np.float64).reshape(4096, 4096).T  # 128 MiB, strided
+    loop = asyncio.get_running_loop()
+    t = time.perf_counter()
+    np.ascontiguousarray(x)
+    assert time.perf_counter() - t > 0.05, "packing took too little time here to show anything"
+    async with connected_pair(transport) as (a, b):
+
+        def deadline_at() -> float:
+            left = current_deadline()
+            assert left is not None
+            return loop.time() + left  # the method's deadline, as a time of this process's loop
+
+        @b.node.method()
+        async def until(arg: Any) -> float:
+            return deadline_at()
+
+        @b.node.method()
+        async def untils(arg: Any) -> AsyncIterator[float]:
+            yield deadline_at()
+
+        callers_until = loop.time() + 5.0  # the caller's deadline is no earlier
+        got = await _within(30, "a call with a large strided argument", a.call("until", x, _deadline=5.0))
+        assert got - callers_until < 0.02, f"the method's deadline is {got - callers_until:.3f} s past its caller's"
+        callers_until = loop.time() + 5.0
+        (got,) = await _within(30, "a stream", _collect(a.stream("untils", x, _deadline=5.0)))
+        assert got - callers_until < 0.02, f"the stream's deadline is {got - callers_until:.3f} s past its caller's"
+        await _settled(a, b)
+
+
 async def test_a_method_name_that_cannot_travel_is_refused_and_listing_never_breaks() -> None:
     """A name with a lone surrogate could never be called (it does not encode) and broke
     ListMethods for every client (UNKNOWN, a UnicodeEncodeError); so did such a docstring."""

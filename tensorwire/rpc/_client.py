@@ -397,7 +397,6 @@ async def call(
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
     call_id = next(_ids)
-    arguments = await _arguments(name, args, kwargs)
     channel = peer.channel
     where = peer.remote_address
     progress = _Progress()
@@ -405,6 +404,8 @@ async def call(
     tm = asyncio.timeout(left)
     try:
         async with tm:
+            # packing the arguments (a large strided tensor: in a copy thread) is part of the call
+            arguments = await _arguments(name, args, kwargs)
             await budget.acquire(1)  # one reply at a time may wait here unread
             try:
                 request, payload = _request(call_id, name, Kind.UNARY, tm.when(), arguments)
@@ -517,7 +518,6 @@ async def stream(
     if left is not None and left <= 0:
         raise DeadlineExceeded(f"{name}: the deadline had passed before the call was made")
     call_id = next(_ids)
-    arguments = await _arguments(name, args, kwargs)
     channel = peer.channel
     where = peer.remote_address
     tag = reply_tag(call_id)
@@ -528,6 +528,7 @@ async def stream(
     tm = asyncio.timeout_at(deadline_at)
     try:  # a timeout must never span a yield: each wait has one of its own
         async with tm:
+            arguments = await _arguments(name, args, kwargs)  # (its packing counts, as in call)
             await budget.acquire(2)  # one item, and the final reply
         try:
             extra = budget.take_extra(STREAM_WINDOW - 1)
