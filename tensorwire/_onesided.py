@@ -517,11 +517,14 @@ _op_ids = itertools.count(1)
 class _Direct:
     """A peer's registered tensor as this side reaches it: the key, unpacked once."""
 
-    __slots__ = ("blob", "idle", "inflight", "name", "revoked", "rkey")
+    __slots__ = ("blob", "idle", "inflight", "name", "revoked", "rkey", "writable")
 
-    def __init__(self, blob: RemoteKeyBlob | None, name: str = "") -> None:
+    def __init__(self, blob: RemoteKeyBlob | None, name: str = "", writable: bool = False) -> None:
         self.blob = blob
         self.name = name
+        # what the lookup said: a handle's own ``writable`` is the caller's to change
+        # (dataclasses.replace), and no owner code looks at a put to refuse it
+        self.writable = writable
         self.rkey: Any = None
         self.inflight = 0
         self.revoked = blob is None
@@ -566,7 +569,7 @@ def remember(peer: Peer, handle: RemoteHandle) -> None:
     blob = unpack_remote_key(handle.remote_key)
     if blob.transport != handle.transport or blob.length < handle.nbytes:
         raise TransferError(f"lookup of {handle.name!r} returned a key that does not cover the tensor")
-    states[key] = _Direct(blob, handle.name)
+    states[key] = _Direct(blob, handle.name, handle.writable)
 
 
 def _mark_revoked(peer: Peer, name: str, generation: int) -> None:
@@ -877,7 +880,7 @@ async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
         t0 = time.perf_counter()
         _check_against(handle, src, "the source")
         state = _direct_state(peer, handle)
-        if state is not None:
+        if state is not None and state.writable:  # (else write_many says it is read-only)
             await _move(peer, "put", [(state, src, handle.offset)])
             return _receipt("write", peer, _one_sided(peer), src.nbytes, t0, False, None)
     return await write_many(peer, [handle], [src])
@@ -962,6 +965,8 @@ def _destinations(
             continue
         target = out if view is None else view.array
         _check_against(h, target, "out=")
+        if view is not None and view.readonly:  # (its array is a copy: a torch conj or neg view)
+            raise ShapeMismatchError(f"out= {type(out).__name__} is read-only ({view.readonly})")
         if not target.flags.writeable:
             raise ShapeMismatchError("out= buffer is read-only")
         dests.append(_Dest(out, target))
@@ -1255,13 +1260,17 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         arrays.append(arr)
     _refuse_overlapping_writes(handles)
     direct, assisted = _split(peer, handles)
+    # every handle before anything moves: the owner refused a read-only one only when the
+    # request naming it came, after the parts of a batch of more than _MAX_REGIONS before it had
+    # landed; and a direct handle is read-only as its lookup said, whatever its field says now
+    said = {i: state.writable for i, state in direct}
+    for i, h in enumerate(handles):
+        if not (h.writable and said.get(i, True)):
+            raise HandleNotFound(f"write of {h.name!r}: {h.name!r} is exposed read-only; nothing was written")
     # the owner-served parts' messages now, at the call: device sources record their producer
     # stream's event here, not after the awaits below (by then another stream may be current)
     parts = [assisted[k : k + _MAX_REGIONS] for k in range(0, len(assisted), _MAX_REGIONS)]
     preparing = [prepare_off_loop([srcs[i] for i in part]) for part in parts]
-    for i, _ in direct:
-        if not handles[i].writable:
-            raise HandleNotFound(f"write of {handles[i].name!r}: {handles[i].name!r} is exposed read-only")
     packed = any(not a.flags.c_contiguous if isinstance(a, np.ndarray) else not a.contiguous for a in arrays)
     # device sources: their bytes in C order, after an event on the producer's stream, now, at
     # the call (before the awaits below: the work the caller queues on that stream meanwhile is

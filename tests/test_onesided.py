@@ -433,6 +433,40 @@ async def test_a_batch_the_owner_refuses_part_way_says_which_handles_moved(trans
         assert (strided[:256, ::2] == 7).all() and not strided[256:].any()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_write_batch_naming_a_read_only_handle_writes_nothing(transport: str) -> None:
+    """The lookup says a handle is read-only, so a write batch naming one is refused before
+    anything moves. Through the owner it was refused only when the request naming it came: a
+    batch of 300 rows and then a read-only tensor wrote rows 0-255 first."""
+    async with connected_pair(transport) as (a, b):
+        rows = np.zeros((300, 4), np.int32)
+        ro = np.zeros(4, np.int32)
+        ro.flags.writeable = False
+        a.node.expose(rows, name="rows")
+        a.node.expose(ro, name="ro")
+        h, r = await b.lookup("rows"), await b.lookup("ro")
+        assert not r.writable
+        with pytest.raises(tensorwire.HandleNotFound, match="'ro' is exposed read-only; nothing was written"):
+            await b.write_many([h[i] for i in range(300)] + [r], [np.ones(4, np.int32)] * 301)
+        assert not rows.any(), f"{int(rows[:, 0].sum())} rows were written"
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+async def test_a_torch_view_with_the_conj_or_neg_bit_as_out_is_refused_saying_why(bit: str) -> None:
+    """Its values live in no memory, so no read can land in it: the error says so and what to
+    do, as recv's does. It said "out= buffer is read-only" of a tensor that is not."""
+    torch = pytest.importorskip("torch")
+    async with connected_pair("tcp") as (a, b):
+        a.node.expose(np.zeros(2, np.complex64 if bit == "conj" else np.float32), name="x")
+        h = await b.lookup("x")
+        base = torch.zeros(2, dtype=torch.complex64)
+        out = base.conj() if bit == "conj" else base.conj().imag
+        for read in (lambda: b.read(h, out=out), lambda: b.read_many([h], outs=[out])):
+            with pytest.raises(tensorwire.ShapeMismatchError, match=f"out= Tensor is read-only .*{bit} bit"):
+                await read()
+
+
 async def test_the_receipt_of_a_batch_in_several_requests_says_how_every_part_moved() -> None:
     """Through the owner, a batch of more than 256 regions goes as several requests; its receipt
     must say how all of them moved. It said how the last one did: 256 small rows read into

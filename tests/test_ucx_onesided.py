@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -395,6 +396,23 @@ async def test_bad_input_gets_clear_errors() -> None:
         # a handle works on the peer that looked it up
         with pytest.raises(tensorwire.ConfigurationError, match="belongs to node"):
             await a.read(h)
+
+
+async def test_a_handle_changed_by_hand_to_writable_writes_nothing_into_a_read_only_exposure() -> None:
+    """No code of the owner's sees a put, so the reader keeps what the lookup said: a handle of
+    a read-only exposure made writable with dataclasses.replace wrote into the owner's tensor."""
+    async with _pair() as (a, b):
+        ro = np.zeros(4, np.int32)
+        ro.flags.writeable = False
+        a.node.expose(ro, name="ro")
+        h = await b.lookup("ro")
+        forged = dataclasses.replace(h, writable=True)
+        assert forged.direct
+        with pytest.raises(tensorwire.HandleNotFound, match="read-only; nothing was written"):
+            await b.write(forged, np.full(4, 7, np.int32))
+        with pytest.raises(tensorwire.HandleNotFound, match="read-only; nothing was written"):
+            await b.write_many([forged[1:3]], [np.full(2, 7, np.int32)])
+        assert not ro.any()
 
 
 async def test_cancelled_read_never_writes_out_after_cancel() -> None:
