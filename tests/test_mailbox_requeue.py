@@ -1,6 +1,7 @@
-"""A recv cancelled while it copies a buffered message into its out= gives the message back to
-its tag's queue; until a later recv takes it, the message still sits in this side's buffer and
-must still count against what the sender was granted (``Limits.recv_buffer_bytes``)."""
+"""A recv cancelled while it copies a buffered message into its out=, or after a small message
+was delivered straight into its out= but before its task resumed, gives the message back to its
+tag's queue; until a later recv takes it, the message still sits in this side's buffer and must
+still count against what the sender was granted (``Limits.recv_buffer_bytes``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import tensorwire
 from tensorwire._peer import tag_id
 from tensorwire.tensors._offload import OFF_LOOP_BYTES
 from tensorwire.testing import connected_pair
+from tensorwire.transports._mailbox import _Delivered
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -80,3 +82,71 @@ async def test_a_message_given_back_by_a_recv_cancelled_mid_copy_still_holds_its
             await asyncio.wait_for(a.recv(tag="ping"), 10)
             await asyncio.wait_for(ping, 10)
     assert mid_copy, "no recv was cancelled during its copy into out=: the test proved nothing"
+
+
+_SMALL = 256  # its bytes ride with its header: the express path (tcp's read-ahead, ucx's inline)
+
+
+@pytest.mark.parametrize("transport", _TRANSPORTS)
+async def test_a_message_delivered_to_a_recv_cancelled_before_it_resumed_still_holds_its_buffer_credit(
+    transport: str,
+) -> None:
+    """A recv (into out=) is posted, a small message comes, and the recv is cancelled once the
+    message landed in its out= and woke it (its posted entry gone) but before its task resumed:
+    it gives the message back to the queue. That message is still buffered here, and fills the
+    receiver's whole buffer credit, so the next message must come rendezvous, not eager; both
+    are then received once each, in order, and the credit all goes back. Before, tcp and ucx
+    gave an express delivery's slot and credit back as it landed (``Mailbox.deliver``), and
+    the given-back message held none: the next one came eager on top of it. (inproc delivers
+    no message express; there the same window is the general path's.)"""
+    limits = tensorwire.Limits(recv_buffer_bytes=_SMALL)
+    hits = express = 0
+    async with connected_pair(transport, limits=limits) as (a, b):
+        mailbox = b.channel.mailbox
+        tag = tag_id("t")
+
+        async def flush_credit() -> None:
+            # a frame from the receiver brings back all the credit its recvs have returned
+            ping = asyncio.ensure_future(b.send(np.zeros(1, np.uint8), tag="ping"))
+            await asyncio.wait_for(a.recv(tag="ping"), 10)
+            await asyncio.wait_for(ping, 10)
+
+        for i in range(24):
+            x = np.full(_SMALL, i + 1, np.uint8)
+            out = np.zeros(_SMALL, np.uint8)
+            recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+            await eventually(lambda: mailbox.has_posted(tag), 10, 0)
+            posted = mailbox._posted[tag][0]
+            send = asyncio.ensure_future(a.send(x, tag="t"))
+            # polled every loop turn: the recv's entry goes as the message is handed to it, and its task
+            # resumes a turn later at the earliest (what woke it runs after this task's turn)
+            await eventually(lambda: not mailbox.has_posted(tag), 10, 0)
+            recv.cancel()
+            sent = await asyncio.wait_for(send, 10)
+            assert sent.protocol != "rendezvous", f"turn {i}: the receiver kept credit it had been given back"
+            try:
+                await recv
+            except asyncio.CancelledError:
+                hits += 1
+                express += isinstance(posted.future.result(), _Delivered)
+                given = mailbox.oldest(tag)
+                assert given is not None and given.done.done(), "the cancelled recv lost its message"
+                await flush_credit()
+                follow = asyncio.ensure_future(a.send(np.full(_SMALL, 200, np.uint8), tag="t"))
+                await eventually(lambda: len(mailbox._arrived.get(tag, ())) == 2, 10)  # its header came
+                assert (await asyncio.wait_for(b.recv(tag="t"), 10) == x).all()
+                assert (await asyncio.wait_for(b.recv(tag="t"), 10) == 200).all()
+                assert (await asyncio.wait_for(follow, 10)).protocol == "rendezvous", (
+                    f"turn {i}: a second {_SMALL}-byte message went eager while the first, given back by its "
+                    "cancelled recv, still filled the receiver's buffer credit"
+                )
+            else:
+                assert np.array_equal(out, x)
+            await flush_credit()
+        assert mailbox.oldest(tag) is None
+        budget = getattr(b.channel, "_budget", None)  # (tcp, ucx; inproc counts at its sender)
+        if budget is not None:
+            assert (budget._used_slots, budget._used_credit) == (0, 0), "a message's slot or credit never went back"
+    assert hits, "no recv was cancelled between its message's delivery and its task's resumption"
+    if transport != "inproc":
+        assert express, "no cancelled recv had its message delivered express: the test proved nothing"

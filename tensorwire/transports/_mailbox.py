@@ -24,6 +24,7 @@ import contextlib
 import time
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -282,12 +283,16 @@ class Arrival:
             return
         if self.lost is not None:  # its bytes went to scratch: its slot and credit go back now
             self.dest = None
-            if not self.settled:
-                self.settled = True
-                self.channel.release(self)
+            self.settle()
             self.fail(self.lost)
             return
         self.done.set_result(None)
+
+    def settle(self) -> None:
+        """Give its slot and credit back to the sender, once (``settled``)."""
+        if not self.settled:
+            self.settled = True
+            self.channel.release(self)
 
     def fail(self, exc: BaseException) -> None:
         _settle(self.done, exc)
@@ -319,23 +324,36 @@ def _match(out: object, arrival: Arrival, streams: Streams | None) -> list[np.nd
 
 class _Delivered:
     """What an express delivery (``Mailbox.deliver``) hands the waiting recv: the message's
-    tensors, already filled (the recv's out= array, or new host arrays)."""
+    tensors, already filled (the recv's out= array, or new host arrays), and how to give its
+    slot and credit back once the recv takes it."""
 
-    __slots__ = ("dest", "protocol", "specs", "tree")
+    __slots__ = ("dest", "nbytes", "protocol", "release", "specs", "tree")
 
-    def __init__(self, tree: wire_pb2.TreeNode, specs: list[Spec], dest: list[np.ndarray], protocol: str) -> None:
+    def __init__(
+        self,
+        tree: wire_pb2.TreeNode,
+        specs: list[Spec],
+        dest: list[np.ndarray],
+        nbytes: int,
+        protocol: str,
+        release: Callable[[int], None],
+    ) -> None:
         self.tree = tree
         self.specs = specs
         self.dest = dest
+        self.nbytes = nbytes
         self.protocol = protocol  # as the transport's sender names it in its receipt
+        self.release = release
 
     def finish(self, channel: Channel, out: object | None, t0: float) -> tuple[Any, Receipt]:
-        """The recv's value and receipt."""
+        """The recv's value and receipt. The recv has taken the message: its slot and credit go
+        back now, not when it was delivered (its recv might have been cancelled in between,
+        and given it back to the queue: ``give_back``)."""
+        nbytes = self.nbytes
+        self.release(nbytes)
         if out is not None:  # out= is one array: deliver() checked
-            nbytes = self.dest[0].nbytes
             value = out
         else:
-            nbytes = sum(a.nbytes for a in self.dest)
             value = _rebuild(self.tree, self.specs, self.dest)  # type: ignore[arg-type]
         seconds = time.perf_counter() - t0
         # the bytes came with the header and deliver() copied them out of the transport's frame
@@ -345,16 +363,33 @@ class _Delivered:
 
     def give_back(self, channel: Channel, tag: int, out: object | None) -> Arrival:
         """The message as a complete arrival in buffers of ours (its recv was cancelled after
-        the bytes landed); its slot and credit went back when it was delivered."""
-        arrival = Arrival(channel, tag, self.tree, self.specs, protocol=self.protocol)
+        the bytes landed, before it took them). It still holds its slot and credit, until a
+        later recv takes it."""
+        arrival = _GivenBack(channel, tag, self.tree, self.specs, protocol=self.protocol, nbytes=self.nbytes)
+        arrival.release = self.release
         arrival.copied = arrival.nbytes > 0  # deliver() copied them out of the transport's buffer
         # the caller's out= stays the caller's: copy it; arrays deliver() allocated are ours
         arrival.dest = [a.copy() for a in self.dest] if out is not None else list(self.dest)
         arrival.written = arrival.nbytes
-        arrival.settled = True
         if not arrival.done.done():
             arrival.done.set_result(None)
         return arrival
+
+
+class _GivenBack(Arrival):
+    """An express delivery that its recv, cancelled before it took it, gave back to the queue.
+    Its slot and credit go back the way the transport's express path said (``deliver``'s
+    ``release``): the transport's own ``release(arrival)`` knows nothing of this message, and
+    would tell wrongly whether it came eager (ucx asks its set of eager arrivals)."""
+
+    __slots__ = ("release",)
+
+    release: Callable[[int], None]
+
+    def settle(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self.release(self.nbytes)
 
 
 class _Posted:
@@ -390,17 +425,20 @@ class Mailbox:
         dest: list[np.ndarray] | None = None,
         *,
         protocol: str,
+        release: Callable[[int], None],
     ) -> bool:
         """The express path for a small message whose bytes came with its header (``data``,
         the tensors' bytes in order): if the oldest recv posted on ``tag`` waits with an
         ``out=`` that is one contiguous, writable host array of the message's dtype and shape,
         or without ``out=`` and ``device=`` for a message of host tensors, copy ``data`` into
-        out= (or into new host arrays) and wake that recv; True if so. The message is then
-        consumed: the transport gives its slot and credit back at once. Anything else (no recv,
+        out= (or into new host arrays) and wake that recv; True if so. Anything else (no recv,
         another out=, device memory) is False, and the transport goes the general way
         (``arrive``). ``dest``: what ``express_dest`` just returned for this message, if the
         caller asked first. ``protocol``: what the sender's receipt names (tcp sends a small
-        payload in its first frame and calls that "eager"; ucx and verbs call it "inline")."""
+        payload in its first frame and calls that "eager"; ucx and verbs call it "inline").
+        ``release(nbytes)``: gives the message's slot and credit back to the sender (as an eager
+        message's), once its recv has taken it: a recv cancelled before its task resumed gives
+        the message back to the queue, and it goes on counting against the sender's grants."""
         if dest is None:
             dest = self.express_dest(tag, tree, specs)
             if dest is None:
@@ -410,7 +448,7 @@ class Mailbox:
         p = posted.popleft()
         if not posted:
             del self._posted[tag]
-        p.future.set_result(_Delivered(tree, specs, dest, protocol))
+        p.future.set_result(_Delivered(tree, specs, dest, data.nbytes, protocol, release))
         return True
 
     def express_dest(self, tag: int, tree: wire_pb2.TreeNode, specs: list[Spec]) -> list[np.ndarray] | None:
@@ -644,9 +682,8 @@ class Mailbox:
             # its slot and credit go back once its bytes have left our buffers, not before: a
             # recv cancelled while it copies them gives the message back to the queue, still
             # buffered here, and it must go on counting against what the sender was granted
-            if arrival.consumed and not arrival.settled:
-                arrival.settled = True
-                self.channel.release(arrival)
+            if arrival.consumed:
+                arrival.settle()
 
     async def _hand_over(
         self,

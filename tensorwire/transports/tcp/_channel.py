@@ -409,6 +409,10 @@ class TcpChannel(Channel):
     def release(self, arrival: Arrival) -> None:
         self._budget.release(arrival.nbytes, not arrival.rendezvous, schedule=self.state is ChannelState.OPEN)
 
+    def _release_express(self, nbytes: int) -> None:
+        """A recv took a message delivered express (``Mailbox.deliver``): it came eager."""
+        self._budget.release(nbytes, True, schedule=self.state is ChannelState.OPEN)
+
     def _flush_credit(self) -> None:
         if self.state is ChannelState.OPEN:
             task = self._loop.create_task(self._write(FrameType.CREDIT))
@@ -587,8 +591,8 @@ class TcpChannel(Channel):
                     self._budget.admit(nbytes, eager=True)
                     data = memoryview(buf)[meta_end : meta_end + nbytes]
                     if dest is not None:
-                        mailbox.deliver(arg, tree, specs, data, dest, protocol="eager")
-                        self._budget.release(nbytes, True)  # consumed: its slot and credit go back
+                        # its slot and credit go back once its recv has taken it
+                        mailbox.deliver(arg, tree, specs, data, dest, protocol="eager", release=self._release_express)
                     else:  # nobody waits: kept here (within the credit) for the next recv
                         arrival = Arrival(self, arg, tree, specs, msg_id=msg_id, nbytes=nbytes)
                         arrival.copied = bool(nbytes)  # out of the read-ahead buffer: not direct

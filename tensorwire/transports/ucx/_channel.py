@@ -626,8 +626,10 @@ class UcxChannel(Channel):
                 raise ProtocolError(f"duplicate message id {msg_id}")
             self._budget.admit(nbytes, eager=not rndv)
             protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
-            if inline and self.mailbox.deliver(arg, tree, specs, mv[end : end + nbytes], protocol=protocol):
-                self._budget.release(nbytes, True, schedule=True)  # consumed: straight into out=
+            # a posted recv waits for it: straight into place; its slot and credit go back once that recv has taken it
+            if inline and self.mailbox.deliver(
+                arg, tree, specs, mv[end : end + nbytes], protocol=protocol, release=self._release_express
+            ):
                 return
             arrival = _Arrival(
                 self, arg, tree, specs, msg_id=msg_id, rendezvous=not inline, protocol=protocol, nbytes=nbytes
@@ -887,6 +889,10 @@ class UcxChannel(Channel):
         eager = arrival in self._eager  # inline and eager arrivals spent buffer credit
         self._eager.discard(arrival)
         self._budget.release(arrival.nbytes, eager, schedule=self.state is ChannelState.OPEN)
+
+    def _release_express(self, nbytes: int) -> None:
+        """A recv took a message delivered express (``Mailbox.deliver``): it came inline, eager."""
+        self._budget.release(nbytes, True, schedule=self.state is ChannelState.OPEN)
 
     def _flush_credit(self) -> None:
         if self.state is ChannelState.OPEN:
