@@ -508,6 +508,21 @@ async def test_a_stage_named_twice_is_refused() -> None:
 
 
 @pytest.mark.timeout(60)
+async def test_stage_addresses_are_read_once_and_one_string_is_refused() -> None:
+    """The old code read one address string as one stage per character ('stage address 1 is
+    given twice'), and spent a generator on its checks, then raised ValueError from max()."""
+    async with stages(parts(layers(2))) as ([a, b], driver):
+        for wrong in (a, None):
+            with pytest.raises(tensorwire.ConfigurationError, match="a list of 'host:port' strings") as err:
+                await pipeline.Pipeline.connect(driver, wrong)  # type: ignore[arg-type]
+            assert repr(wrong) in str(err.value)
+        async with await pipeline.Pipeline.connect(driver, (address for address in [a, b])) as pipe:  # type: ignore[arg-type]
+            assert pipe.num_stages == 2
+            x, y = batch()
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0
+
+
+@pytest.mark.timeout(60)
 async def test_a_cancelled_step_breaks_the_stages_and_updates_none() -> None:
     ls, reference = layers(), layers()
     x, y = batch()
@@ -563,6 +578,32 @@ async def test_a_failed_step_updates_no_stage() -> None:
         np.testing.assert_array_equal(after[s]["w"], before[s]["w"], err_msg=f"stage {s}")
     notes = "\n".join(err.value.__notes__)
     assert notes.count("finished, update not applied") == 3, notes
+
+
+@pytest.mark.timeout(60)
+async def test_stages_that_finished_a_failed_step_drop_it_and_the_next_driver_does_not_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stage 0 fails in its last backward after stages 1-3 finished the step. The old code kept
+    that step on them as waiting for its commit: the next Pipeline.connect waited 2 s on each for
+    a commit the live driver would never send, warned that the old driver might have died while
+    committing, and had them report it as an orphan to settle (0.04 s with the abort's step)."""
+    ls = layers()
+    x, y = batch()
+    async with stages(parts(ls)) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            ls[0].raise_at_backward = 4
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(20):
+                    await pipe.step(x, y, microbatches=4, schedule="gpipe")
+            assert "\n".join(err.value.__notes__).count("finished, update not applied") == 3
+            ls[0].raise_at_backward = None
+            await eventually(lambda: all(f"stage {s}: aborted because" in caplog.text for s in (1, 2, 3)))
+            async with await pipeline.Pipeline.connect(driver, addresses) as again:
+                assert (await again.step(x, y, microbatches=4)).loss > 0
+    waited = [r.getMessage() for r in caplog.records if "never committed" in r.getMessage()]
+    settled = [r.getMessage() for r in caplog.records if "of an earlier driver" in r.getMessage()]
+    assert not waited and not settled, waited + settled
 
 
 @pytest.mark.timeout(60)

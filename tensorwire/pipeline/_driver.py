@@ -25,7 +25,7 @@ import collections
 import contextlib
 import itertools
 import uuid
-from collections.abc import Collection, Coroutine, Sequence
+from collections.abc import Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +154,11 @@ class Pipeline:
         is a ConfigurationError. The stages take this driver's configuration over any earlier
         one's (whose later calls they refuse); of two drivers that connect at once, one gets
         every stage and the other is refused (BrokenResourceError)."""
+        if isinstance(addresses, str) or not isinstance(addresses, Iterable):  # a str: a stage per character
+            raise ConfigurationError(
+                f"the stage addresses are a list of 'host:port' strings in pipeline order, not {addresses!r}"
+            )
+        addresses = list(addresses)  # read once: a generator would be spent by the checks below
         if not addresses:
             raise ConfigurationError("a pipeline needs at least one stage address")
         twice = [a for a, n in collections.Counter(addresses).items() if n > 1]

@@ -482,11 +482,22 @@ class Stage:
                 error = self._link_broke(link, exc)
                 self._fail(error, self.rank, str(error), skip=link)
             return
-        origin, reason = int(msg["origin"]), str(msg["reason"])
-        self._fail(BrokenResourceError(f"stage {self.rank}: aborted because {reason}"), origin, reason, skip=link)
+        origin, reason, step = int(msg["origin"]), str(msg["reason"]), msg.get("step")
+        aborted = BrokenResourceError(f"stage {self.rank}: aborted because {reason}")
+        self._fail(aborted, origin, reason, skip=link, step=step if isinstance(step, int) else None)
 
-    def _fail(self, error: TensorWireError, origin: int, reason: str, *, skip: _Link | None = None) -> None:
-        """Break this stage (once), cancel its step and pass ``reason`` to the other neighbours."""
+    def _fail(
+        self, error: TensorWireError, origin: int, reason: str, *, skip: _Link | None = None, step: int | None = None
+    ) -> None:
+        """Break this stage (once), cancel its step and pass ``reason`` to the other neighbours.
+        ``step``: the step whose call this failure fails on some stage (by default the one
+        running here, if any), which the driver therefore never commits; it goes with the abort,
+        and a stage that had finished that step drops it, so that the next driver's configure
+        does not wait for its commit."""
+        if step is None and self._task is not None and not self._task.done():
+            step = self._running
+        if step is not None and step == self._pending:
+            self._pending = None  # (even where this stage is broken already)
         if self._broken is not None:
             return
         self._broken = error
@@ -497,7 +508,7 @@ class Stage:
             task.cancel()
         for link in self.links:
             if link is not skip and not link.peer.closed:
-                self._spawn(self._send_abort(link, origin, reason))
+                self._spawn(self._send_abort(link, origin, reason, step))
 
     def _link_broke(self, link: _Link, exc: BaseException) -> PeerDisconnected:
         return PeerDisconnected(f"stage {self.rank}: its link to {link} broke: {type(exc).__name__}: {exc}")
@@ -515,10 +526,10 @@ class Stage:
         error.__cause__ = exc
         return error
 
-    async def _send_abort(self, link: _Link, origin: int, reason: str) -> None:
+    async def _send_abort(self, link: _Link, origin: int, reason: str, step: int | None) -> None:
         with contextlib.suppress(TensorWireError, TimeoutError):
             async with asyncio.timeout(_ABORT_SEND_SECONDS):
-                await link.peer.send({"origin": origin, "reason": reason}, tag=ABORT_TAG)
+                await link.peer.send({"origin": origin, "reason": reason, "step": step}, tag=ABORT_TAG)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -545,7 +556,7 @@ class Stage:
             # a driver runs one step at a time: a later one means it gave up on this one (its
             # cancellation is still on its way here)
             error = BrokenResourceError(f"stage {self.rank}: step {self._running} was cancelled by its caller")
-            self._fail(error, self.rank, str(error))
+            self._fail(error, self.rank, str(error), step=self._running)
         if self._broken is not None:
             raise BrokenResourceError(f"stage {self.rank} is broken by an earlier failure: {self._broken}")
         plan = [Action.parse(tok) for tok in actions.split()]
@@ -560,15 +571,15 @@ class Stage:
                 # an abort cancelled the step, not our caller
                 raise self._broken from self._broken.__cause__
             error = BrokenResourceError(f"stage {self.rank}: step {step} was cancelled by its caller")
-            self._fail(error, self.rank, str(error))
+            self._fail(error, self.rank, str(error), step=step)
             raise
         except TensorWireError as exc:
             self._name_the_microbatch(exc, step)
-            self._fail(exc, self.rank, str(exc))
+            self._fail(exc, self.rank, str(exc), step=step)
             raise
         except Exception as exc:
             reason = f"stage {self.rank} raised {type(exc).__name__} in {self._name_the_microbatch(exc, step)}: {exc}"
-            self._fail(BrokenResourceError(reason), self.rank, reason)
+            self._fail(BrokenResourceError(reason), self.rank, reason, step=step)
             raise
         finally:
             self._task = self._running = None
