@@ -52,7 +52,7 @@ import math
 import operator
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -64,13 +64,14 @@ from .errors import (
     ClosedResourceError,
     ConfigurationError,
     HandleNotFound,
+    MessageRefused,
     ShapeMismatchError,
     TensorWireError,
     TransferError,
     UnsupportedTensorError,
 )
 from .memory import CopyEngine, DeviceBuffer, Event, HostChunk, Move, Piece, scatter, wait_event
-from .tensors import Outgoing, as_view, dtype_from_name, prepare_off_loop
+from .tensors import Outgoing, as_view, dtype_from_name, prepare, prepare_off_loop
 from .tensors._device import (
     Device,
     DeviceSource,
@@ -85,6 +86,7 @@ from .tensors._device import (
 )
 from .tensors._message import refuse_shared
 from .tensors._offload import copy_host, off_loop, packs_in_a_thread
+from .tensors._sizes import HOLDER_GROWTH, WIDEST, item_bytes, tensor_item_bytes
 from .tensors._view import empty
 from .transports import ChannelState, Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
@@ -112,7 +114,7 @@ _OPS_TAG = -0x7477_6F70_7300_0001  # reserved: owner-assisted one-sided requests
 _REPLY_BASE = -0x7477_7270_0000_0000  # reserved range for per-operation replies and payloads
 _metrics.traffic_tags(range(_REPLY_BASE, _OPS_TAG + 1), "one-sided")
 _DRAIN_SECONDS = 60.0
-_MAX_REGIONS = 256  # regions in one owner-assisted request (its header stays far below the limit)
+_MAX_REGIONS = 256  # regions in one owner-assisted request (its header also within the limits: ``_parts``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -779,7 +781,101 @@ def _protocol(peer: Peer, direct: list[Any], assisted: list[int]) -> str:
 
 def _naming(handle: RemoteHandle) -> dict[str, Any]:
     """What an owner-assisted request says of the bytes it is about."""
-    return {"name": handle.name, "generation": handle.generation, "offset": handle.offset, "shape": list(handle.shape)}
+    return _named(handle.name, handle.generation, handle.offset, handle.shape)
+
+
+def _named(name: str, generation: int, offset: int, shape: tuple[int, ...]) -> dict[str, Any]:
+    return {"name": name, "generation": generation, "offset": offset, "shape": list(shape)}
+
+
+def _asking(op: str, handles: list[RemoteHandle], reply: int, data: int) -> dict[str, Any]:
+    """An owner-assisted request: a read's, or a write's (whose payload follows on ``data``)."""
+    req: dict[str, Any] = {"op": op, "regions": [_naming(h) for h in handles], "reply": reply}
+    if op == "write":
+        req["data"] = data
+    return req
+
+
+# the header of a request without its regions (a write's: the longer; its tags at their widest),
+# and what the four nodes that hold its list of regions grow by as it fills (tensors._sizes)
+_ASKING_BYTES = len(prepare(_asking("write", [], WIDEST, WIDEST)).header) + 4 * HOLDER_GROWTH
+# the header of a read's answer or a write's payload (a list of tensors) without its tensors
+_CARRYING_BYTES = len(prepare([]).header) + 2 * HOLDER_GROWTH
+
+
+@functools.lru_cache(maxsize=4096)
+def _region_bytes(name: str, generation: int, shape: tuple[int, ...]) -> int:
+    """At most the bytes one region of ``name`` takes in a request's header: its offset counted
+    at its widest, so that the rows of a tensor share one entry."""
+    return item_bytes(_named(name, generation, WIDEST, shape))
+
+
+def _parts(peer: Peer, handles: list[RemoteHandle], assisted: list[int], op: str) -> list[list[int]]:
+    """The owner-served handles of a batch (their places in it) as the requests they go in: each
+    request of at most ``_MAX_REGIONS`` regions, and each message of it within the header bytes
+    its receiver takes. Every region repeats its tensor's name in the request (256 rows of a
+    200-character name made a 69 KB header) and its spec in the tensors that follow a write or
+    answer a read. The request and a write's tensors go to the owner, within the
+    max_header_bytes it announced as the channel opened; a read's answer comes here, within
+    ours. Sized before anything moves: a region that fits in no request is a MessageRefused
+    then, and a later part is never refused for its header after earlier ones moved."""
+    if not assisted:
+        return []
+    theirs = peer.channel.remote_limits.max_header_bytes
+    assert peer.session is not None  # (``_direct_state`` checked every handle)
+    carried_limit = theirs if op == "write" else peer.session.limits.max_header_bytes
+    parts: list[list[int]] = []
+    part: list[int] = []
+    asked = carried = 0
+    for i in assisted:
+        h = handles[i]
+        ask, carry = _region_bytes(h.name, h.generation, h.shape), tensor_item_bytes(h.dtype, h.shape)
+        if _ASKING_BYTES + ask > theirs:
+            # the bound counts its ints at their widest: whether it fits alone is the exact size's to say
+            alone = len(prepare(_asking(op, [h], WIDEST, WIDEST)).header)
+            if alone > theirs:
+                raise MessageRefused(
+                    f"{op} of {h.name!r}: a request for a region of it has a {alone}-byte header (each region "
+                    f"names its tensor), past the owner's {theirs}-byte limit (its Limits.max_header_bytes); "
+                    f"nothing was {_done(op)}. Expose the tensor under a shorter name, or give the owner a "
+                    "larger Limits.max_header_bytes"
+                )
+            ask = theirs - _ASKING_BYTES  # in a request of its own
+        if _CARRYING_BYTES + carry > carried_limit:
+            who = "the owner" if op == "write" else "this node"
+            raise MessageRefused(
+                f"{op} of {h.name!r}: the tensor of a region of it ({h.dtype}{list(h.shape)}) takes up to "
+                f"{_CARRYING_BYTES + carry} bytes of message header, past {who}'s {carried_limit}-byte limit (its "
+                f"Limits.max_header_bytes), so nothing was {_done(op)}. Give {who} a larger Limits.max_header_bytes"
+            )
+        if part and (
+            len(part) == _MAX_REGIONS
+            or _ASKING_BYTES + asked + ask > theirs
+            or _CARRYING_BYTES + carried + carry > carried_limit
+        ):
+            parts.append(part)
+            part, asked, carried = [], 0, 0
+        part.append(i)
+        asked += ask
+        carried += carry
+    parts.append(part)
+    return parts
+
+
+def _done(op: str) -> str:
+    return "read" if op == "read" else "written"
+
+
+async def _part(moving: Awaitable[Receipt], before: str) -> Receipt:
+    """One owner-served part of a batch. Refused at this side (MessageRefused: its request or
+    payload past the owner's limits, so none of it went out), it says what the parts before it
+    moved, as the owner's own refusals do (``_before``)."""
+    try:
+        return await moving
+    except MessageRefused as exc:
+        if not before:
+            raise
+        raise MessageRefused(f"{exc}{before}") from exc
 
 
 def _tags() -> tuple[int, int]:
@@ -1013,6 +1109,7 @@ async def read_many(
         "out= buffers {first} and {second} share memory: each handle of a batch needs its own buffer",
     )
     direct, assisted = _split(peer, handles)
+    parts = _parts(peer, handles, assisted, "read")
     moved = None
     memory, staged = "host", False
     if direct:
@@ -1022,16 +1119,17 @@ async def read_many(
             await _move(peer, "get", [(state, dests[i].host(), handles[i].offset) for i, state in direct])
     done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
     try:
-        for k in range(0, len(assisted), _MAX_REGIONS):
-            part = assisted[k : k + _MAX_REGIONS]
+        for part in parts:
+            before = _before("read", done, len(handles))
             # device memory: the recv lands it (staged or by pointer) and orders the consumer's stream
-            got = await _assisted_read(
+            reading = _assisted_read(
                 peer,
                 [handles[i] for i in part],
                 [dests[i].value if dests[i].dest is None else dests[i].dest for i in part],
                 streams,
-                _before("read", done, len(handles)),
+                before,
             )
+            got = await _part(reading, before)
             moved = _and_then(moved, got)
             done += part
     except TensorWireError:
@@ -1145,7 +1243,7 @@ async def _assisted_read(
     current while the request was on its way). ``before``: what the batch moved before this
     part, for the owner's refusal to say (``_before``)."""
     reply, _ = _tags()
-    sending = _sending(peer, {"op": "read", "regions": [_naming(h) for h in handles], "reply": reply})
+    sending = _sending(peer, _asking("read", handles, reply, 0))
     # the receive is posted as the request goes (its task's first step right after the send's
     # first), before the owner can answer: the reply lands straight in ``dests`` however soon it
     # comes. Posted once the send had returned, a reply that came first (inproc's, under 64 KiB)
@@ -1215,10 +1313,10 @@ def _owner_error(answer: Any) -> type[TensorWireError]:
 
 
 def _before(op: str, done: list[int], total: int) -> str:
-    """What a batch moved before the part the owner refuses (a batch of more than
-    ``_MAX_REGIONS`` owner-served regions goes as several requests, each checked as it comes,
-    after the one-sided part): the caller learns which handles are in place, by their places in
-    the batch. Empty when nothing moved."""
+    """What a batch moved before the part that is refused (a batch too large for one request
+    goes as several, ``_parts``, each checked by the owner as it comes, after the one-sided
+    part): the caller learns which handles are in place, by their places in the batch. Empty
+    when nothing moved."""
     if not done:
         return ""
     spans: list[str] = []
@@ -1250,12 +1348,14 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         raise ConfigurationError(f"{len(handles)} handles but {len(srcs)} sources")
     _check_handles(handles)
     arrays: list[np.ndarray | DeviceSource] = []
+    copied = False  # a source is a copy of tensorwire's already (a torch conj or neg view, resolved)
     for h, src in zip(handles, srcs, strict=True):
         if type(src) is np.ndarray:
             arr: np.ndarray | DeviceSource = src
         else:
             view = as_view(src)
             arr = view.array if view.dev is None else view.dev
+            copied = copied or bool(view.copied)
         _check_against(h, arr, "the source")
         arrays.append(arr)
     _refuse_overlapping_writes(handles)
@@ -1269,9 +1369,9 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
             raise HandleNotFound(f"write of {h.name!r}: {h.name!r} is exposed read-only; nothing was written")
     # the owner-served parts' messages now, at the call: device sources record their producer
     # stream's event here, not after the awaits below (by then another stream may be current)
-    parts = [assisted[k : k + _MAX_REGIONS] for k in range(0, len(assisted), _MAX_REGIONS)]
+    parts = _parts(peer, handles, assisted, "write")
     preparing = [prepare_off_loop([srcs[i] for i in part]) for part in parts]
-    packed = any(not a.flags.c_contiguous if isinstance(a, np.ndarray) else not a.contiguous for a in arrays)
+    packed = copied or any(not a.flags.c_contiguous if isinstance(a, np.ndarray) else not a.contiguous for a in arrays)
     # device sources: their bytes in C order, after an event on the producer's stream, now, at
     # the call (before the awaits below: the work the caller queues on that stream meanwhile is
     # not this write's to wait for)
@@ -1306,7 +1406,8 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         staged = bool(down)
     done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
     for part, msg in zip(parts, outgoing, strict=True):
-        sent = await _assisted_write(peer, [handles[i] for i in part], msg, _before("write", done, len(handles)))
+        before = _before("write", done, len(handles))
+        sent = await _part(_assisted_write(peer, [handles[i] for i in part], msg, before), before)
         moved = _and_then(moved, sent)
         done += part
     nbytes = sum(a.nbytes for a in arrays)
@@ -1340,7 +1441,7 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     call); returns once the owner has the bytes in place. ``before``: as ``_assisted_read``."""
     reply, data = _tags()
     await _request(
-        _sending(peer, {"op": "write", "regions": [_naming(h) for h in handles], "reply": reply, "data": data}),
+        _sending(peer, _asking("write", handles, reply, data)),
         lambda: peer._spawn(_cancel_write(peer, data, reply)),
     )
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -543,3 +544,101 @@ async def test_expose_and_unexpose_on_a_closed_node_say_it_is_closed() -> None:
     for name in ("x", "never"):
         with pytest.raises(tensorwire.ClosedResourceError):
             node.unexpose(name)
+
+
+@contextlib.asynccontextmanager
+async def _limited(
+    transport: str, owner: tensorwire.Limits, reader: tensorwire.Limits
+) -> AsyncIterator[tuple[tensorwire.Peer, tensorwire.Peer]]:
+    """An owner's peer and a reader's, their nodes with limits of their own."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,), limits=owner) as na,
+        tensorwire.start("127.0.0.1:0", transports=(transport,), limits=reader) as nb,
+    ):
+        a = await na.connect(nb.address)
+        yield a, await nb.accept()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("small", ["owner", "reader"])
+async def test_a_batch_goes_in_requests_whose_headers_each_end_accepts(transport: str, small: str) -> None:
+    """Through the owner, a batch went as requests of 256 regions, however long their headers:
+    each region repeats its tensor's name, so to an owner with ``max_header_bytes=1024`` a
+    read_many of 10 rows of a 200-character name was a 2755-byte header, refused whole
+    (MessageRefused), and 256 rows a 69 KB one. The tensors that answer a read come to the
+    reader, within its own limit: 256 rows of a 4-d tensor made a 20 KB answer the owner could
+    not send (TransferError). Each request and answer now fits the end that takes it."""
+    small_limits = tensorwire.Limits(max_header_bytes=tensorwire.Limits.MIN_HEADER_BYTES)
+    limits = (small_limits, tensorwire.Limits()) if small == "owner" else (tensorwire.Limits(), small_limits)
+    async with _limited(transport, *limits) as (a, b):
+        name = "n" * 200
+        rows = np.zeros((300, 4), np.float32)
+        blocks = np.zeros((300, 2, 3, 4, 5), np.float32)
+        a.node.expose(rows, name=name)
+        a.node.expose(blocks, name="b")
+        h, hb = await b.lookup(name), await b.lookup("b")
+        for n in (10, 300):
+            served = a.node.exposures.served
+            await asyncio.wait_for(b.write_many([h[i] for i in range(n)], [np.full(4, n, np.float32)] * n), 10)
+            assert (rows[:n] == n).all() and not rows[n:].any()
+            got, receipt = await asyncio.wait_for(b.read_many_with_receipt([h[i] for i in range(n)]), 10)
+            assert np.array_equal(np.stack(got), rows[:n]) and receipt is not None
+            assert receipt.protocol == "owner-assisted" and receipt.nbytes == n * 16, receipt
+            if small == "owner":  # in several requests each way
+                assert a.node.exposures.served - served > 2, a.node.exposures.served - served
+        blocks[:] = np.arange(blocks.size, dtype=np.float32).reshape(blocks.shape)
+        got = await asyncio.wait_for(b.read_many([hb[i] for i in range(256)]), 10)
+        assert np.array_equal(np.stack(got), blocks[:256])
+        await asyncio.wait_for(b.write_many([hb[i] for i in range(256)], [np.ones((2, 3, 4, 5), np.float32)] * 256), 10)
+        assert (blocks[:256] == 1).all() and not (blocks[256:] == 1).any()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_region_whose_request_fits_no_header_the_owner_takes_is_refused_saying_what_to_do(
+    transport: str,
+) -> None:
+    """A 256-character name of 4-byte characters is a 1 KiB name: no request naming it fits an
+    owner's 1024-byte header limit. It is refused before anything moves, saying what to do."""
+    small = tensorwire.Limits(max_header_bytes=tensorwire.Limits.MIN_HEADER_BYTES)
+    async with _limited(transport, small, tensorwire.Limits()) as (a, b):
+        name = "\U0001d4c1" * 256
+        x = np.zeros((4, 4), np.float32)
+        a.node.expose(x, name=name)
+        a.node.expose(np.zeros(4, np.float32), name="ok")
+        h, ok = await b.lookup(name), await b.lookup("ok")
+        for call, verb in (
+            (lambda: b.read_many([ok, h[0]]), "read"),
+            (lambda: b.read(h), "read"),
+            (lambda: b.write_many([ok, h[1]], [np.ones(4, np.float32)] * 2), "written"),
+        ):
+            with pytest.raises(tensorwire.MessageRefused, match=r"past the owner's 1024-byte limit") as e:
+                await asyncio.wait_for(call(), 10)
+            said = str(e.value)
+            assert f"nothing was {verb}" in said and "shorter name" in said and "larger Limits.max_header_bytes" in said
+        assert a.node.exposures.served == 0 and not x.any()
+        assert np.array_equal(await b.read(ok), np.zeros(4, np.float32))  # the peer goes on
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_later_part_refused_at_the_writer_says_which_handles_moved(transport: str) -> None:
+    """A batch's part refused at this side (its payload past the owner's max_message_bytes) after
+    earlier parts were written said only that it was refused, as though nothing had moved."""
+    limit = 1 << 20
+    async with connected_pair(transport, limits=tensorwire.Limits(max_message_bytes=limit)) as (a, b):
+        rows = np.zeros((256, 4), np.float32)
+        big = np.zeros(2 * limit, np.uint8)
+        a.node.expose(rows, name="rows")
+        a.node.expose(big, name="big")
+        h, g = await b.lookup("rows"), await b.lookup("big")
+        with pytest.raises(tensorwire.MessageRefused, match=r"of this batch of 257 handles, 0-255 were written") as e:
+            await asyncio.wait_for(
+                b.write_many(
+                    [h[i] for i in range(256)] + [g], [np.ones(4, np.float32)] * 256 + [np.ones(2 * limit, np.uint8)]
+                ),
+                10,
+            )
+        assert "max_message_bytes" in str(e.value) and "the rest were not" in str(e.value)
+        assert (rows == 1).all() and not big.any()

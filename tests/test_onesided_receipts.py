@@ -5,6 +5,7 @@ CUDA memory does), and the owner's own counts in ``tensorwire.metrics``."""
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,3 +98,37 @@ async def test_an_owner_served_read_lands_straight_in_its_buffer(transport: str)
                 assert not receipt.staged, receipt
                 # tcp reads a payload under 64 KiB through its read-ahead buffer (not direct)
                 assert receipt.direct is (transport == "inproc" or out.nbytes >= 64 << 10), receipt
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+async def test_what_goes_from_a_torch_view_with_the_conj_or_neg_bit_says_packed(transport: str, bit: str) -> None:
+    """Such a view has no memory that holds its values: its bytes go from a copy tensorwire
+    resolved (torch's resolve_conj / resolve_neg), so every receipt of it says packed and not
+    direct: a send, a call's arguments (inline and apart), a write and a batch write, owner-served
+    or one-sided. They said packed=False and direct=True (a send over inproc, a write over ucx)."""
+    torch = pytest.importorskip("torch")
+    async with connected_pair(transport) as (a, b):
+
+        @a.node.method("echo")
+        async def echo(x: Any) -> Any:
+            return x
+
+        dtype = np.complex64 if bit == "conj" else np.float32
+        x = np.zeros((2, 1 << 15), dtype)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        for n in (4, 1 << 15):  # inline or eager, and apart or rendezvous
+            base = torch.arange(n, dtype=torch.float32) * (1 + 2j)
+            src = base.conj() if bit == "conj" else base.conj().imag
+            want = src.resolve_conj().resolve_neg().numpy()
+            said = {"send": await b.send(src, tag="t")}
+            assert np.array_equal(await a.recv(tag="t"), want)
+            got, call = await b.call_with_receipt("echo", src)
+            assert np.array_equal(got, want)
+            said["call"] = call.args if call.args is not None else call.request
+            said["write"] = await b.write(h[0][:n], src)
+            said["write_many"] = await b.write_many([h[1][:n]], [src])
+            assert np.array_equal(x[:, :n], np.stack([want, want]))
+            for what, r in said.items():
+                assert r.packed and not r.direct, (what, n, r)

@@ -234,6 +234,22 @@ def test_a_torch_out_with_the_conj_or_neg_bit_is_refused(bit: str) -> None:
     assert torch.equal(got, sent.resolve_conj().resolve_neg())
 
 
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_a_torch_view_with_the_conj_or_neg_bit_is_sent_from_a_copy_and_says_packed(bit: str) -> None:
+    """Its values are sent from a copy tensorwire resolved (``resolve_conj``/``resolve_neg``),
+    so a receipt says packed and not direct; it said neither, as if the caller's own memory
+    had gone on the wire. A plain torch tensor still goes from its own memory."""
+    torch = pytest.importorskip("torch")
+    base = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    view = base.conj() if bit == "conj" else base.conj().imag
+    arr, copied = as_view(view).wire_array()
+    assert copied and not np.shares_memory(arr, base.numpy())
+    assert prepare(view).packed and prepare({"x": [view]}).packed
+    plain = torch.ones(2)
+    arr, copied = as_view(plain).wire_array()
+    assert not copied and np.shares_memory(arr, plain.numpy()) and not prepare(plain).packed
+
+
 class _FailingProtocol:
     """An object whose DLPack or CUDA array interface property fails when looked at."""
 

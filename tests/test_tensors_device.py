@@ -981,6 +981,28 @@ def test_a_torch_device_out_with_the_conj_or_neg_bit_is_refused(bit: str, monkey
         engine.close()
 
 
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_a_torch_device_view_with_the_conj_or_neg_bit_is_wired_as_a_copy(
+    bit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its bytes on the wire are a copy torch resolved for tensorwire, so a send says packed (and
+    not direct); its wire tensor said it needed no copy (the host engine standing in for CUDA)."""
+    torch = pytest.importorskip("torch")
+    from tensorwire.tensors import _device
+
+    engine = HostEngine()
+    monkeypatch.setattr(_device, "_engine", lambda device: engine)
+    monkeypatch.setattr(_device, "_stream", lambda framework, device: None)
+    try:
+        base = torch.ones(4, dtype=torch.complex64)
+        t, copied = _device._torch_source(base.conj() if bit == "conj" else base.conj().imag).wire()
+        assert copied and t.buf.ptr != base.data_ptr()
+        t, copied = _device._torch_source(base).wire()
+        assert not copied and t.buf.ptr == base.data_ptr()
+    finally:
+        engine.close()
+
+
 def _torch_cuda() -> Any:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -15,8 +15,8 @@ class CallReceipt:
 
     request: the request as it was sent: the call's envelope (one int64 tensor of 40 bytes) and,
         when the arguments' tensors came to at most ``INLINE_BYTES`` (64 KiB), the arguments
-        with it (then ``args`` is None). Its ``packed`` says a non-contiguous inline argument
-        was packed into C order first.
+        with it (then ``args`` is None). Its ``packed`` says an inline argument went from a copy
+        tensorwire made (packed into C order, or a torch conj/neg view resolved).
     args: the arguments' own message, sent after the server admitted the call, when they were
         too large to ride in the request; None when they rode inline.
     result: how the reply came: its protocol, ``direct`` (landed in ``_out=`` with no copy of

@@ -303,13 +303,14 @@ class DeviceSource:
 
     def wire(self) -> tuple[DeviceTensor, bool]:
         """The bytes to send in C order (packed on the producer's stream if need be), and whether
-        packing was needed. The bytes are complete once the returned tensor's ``ready`` event is."""
+        they are a copy of tensorwire's: packed, or ``value`` is already one (``copied``). The
+        bytes are complete once the returned tensor's ``ready`` event is."""
         engine = self.engine
         if self.contiguous:
             buf = DeviceBuffer(engine, self.ptr, self.nbytes, engine.device, self.value)
             return DeviceTensor(
                 buf, self.dtype, self.shape, self.framework, self.stream, engine.record_on(self.stream)
-            ), False
+            ), bool(self.copied)
         from ..native import pack
 
         packed = engine.empty(self.nbytes, self.stream)  # written on the producer's stream

@@ -93,11 +93,13 @@ class TensorView:
         return bool(self.array.flags.c_contiguous)
 
     def wire_array(self) -> tuple[np.ndarray | DeviceTensor, bool]:
-        """The bytes to put on the wire in C order, and whether a packing copy was needed."""
+        """The bytes to put on the wire in C order, and whether they are a copy of tensorwire's
+        (a receipt's ``packed``): packed into C order, or the caller's tensor has no memory that
+        holds its values and ``host`` is already one (``copied``: a torch conj or neg view)."""
         if self.dev is not None:
             return self.dev.wire()
         if self.array.flags.c_contiguous:
-            return self.array, False
+            return self.array, bool(self.copied)
         try:
             return np.ascontiguousarray(self.array), True
         except MemoryError as exc:  # a broadcast view (stride 0) packs to its full size

@@ -142,7 +142,8 @@ class Receipt:
         a larger one lands mostly in place, apart from what that buffer already held: 17% of
         96 KiB, 6% of 256 KiB, 1.5% of 1 MiB measured).
     staged: bytes passed through a tensorwire buffer (received before the recv was posted).
-    packed: a non-contiguous tensor was packed into C order first.
+    packed: the bytes went from a copy tensorwire made: a non-contiguous tensor packed into C
+        order, or a torch view with the conj or neg bit resolved (never ``direct`` then).
     memory: "cuda" if the tensors were (sending) or are now (receiving) in CUDA memory, else
         "host"; with ``staged`` such bytes went through host staging buffers of tensorwire's.
 
