@@ -429,10 +429,15 @@ def test_idle_node_burns_no_cpu() -> None:
 
 
 @pytest.mark.multiprocess
-async def test_peer_killed_mid_transfer_fails_pending_ops() -> None:
-    """SIGKILL the sender while 256 MiB moves over shared memory: the recv fails promptly
-    (the control-plane lease; UCX peer error handling is off), nothing hangs, the node serves on."""
-    async with tensorwire.start(transports=("ucx",), lease_seconds=1.0) as node:
+@pytest.mark.parametrize("posted", [True, False], ids=["recv-first", "message-first"])
+async def test_the_loop_turns_while_a_large_payload_lands_over_cma(posted: bool) -> None:
+    """Over cma the receiving process copies the payload in UCX progress calls, 512 KiB a round
+    (UCX's CMA_SEG_SIZE). ucxx's ``progress()`` progresses until nothing moves, so a 256 MiB
+    payload landed inside one call, the loop blocked for it (0.05 s into warm pages, 1.2 s into
+    pages never touched: lease renewals went unanswered and a 2 GiB tensor lost its session).
+    Now the loop's other tasks run many times while it lands: counted in loop turns, not in
+    time."""
+    async with tensorwire.start(transports=("ucx",)) as node:
         child = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
@@ -440,9 +445,84 @@ async def test_peer_killed_mid_transfer_fails_pending_ops() -> None:
                 f"""
                     import asyncio, numpy as np, tensorwire
                     async def main():
-                        async with tensorwire.start(transports=("ucx",), lease_seconds=1.0) as n:
+                        x = np.full(256 << 20, 7, np.uint8)
+                        async with tensorwire.start(transports=("ucx",)) as n:
                             p = await n.connect({node.address!r})
-                            x = np.ones(256 << 20, np.uint8)
+                            await p.recv(tag="go")
+                            await p.send(x, tag=1)
+                            await p.recv(tag="bye")
+                    asyncio.run(main())
+                    """
+            ),
+        )
+        try:
+            async with asyncio.timeout(30):
+                peer = await node.accept()
+            if "cma" not in str(peer.path):
+                pytest.skip(f"UCX chose no cma lane here: {peer.path}")
+            out = np.empty(256 * MiB, np.uint8)  # pages never touched: the copy takes longest
+            gaps: list[float] = []
+
+            async def turn() -> None:
+                last = time.perf_counter()
+                while True:
+                    await asyncio.sleep(0)
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            if not posted:  # the message waits, its payload not pulled, until the recv
+                await peer.send(np.zeros(1), tag="go")
+                await asyncio.sleep(0.5)
+            turning = asyncio.ensure_future(turn())
+            await asyncio.sleep(0)
+            t0 = time.perf_counter()
+            try:
+                recv = asyncio.ensure_future(peer.recv(tag=1, out=out))
+                if posted:
+                    await peer.send(np.zeros(1), tag="go")
+                async with asyncio.timeout(60):
+                    await recv
+                took = time.perf_counter() - t0
+            finally:
+                turning.cancel()
+            assert out[0] == 7 and out[-1] == 7 and int(out.sum(dtype=np.uint64)) == 7 * 256 * MiB
+            # a ratio within this run, not a time: the old code held the loop for nearly all of it
+            longest = max(gaps)
+            assert longest < took / 2, f"the loop stood still {longest:.3f} s of the recv's {took:.3f} s"
+            await peer.send(np.zeros(1), tag="bye")
+            async with asyncio.timeout(30):
+                await child.wait()
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+
+
+@pytest.mark.multiprocess
+async def test_peer_killed_mid_transfer_fails_pending_ops() -> None:
+    """SIGKILL the sender while 256 MiB moves over shared memory: the recv fails promptly
+    (the control-plane lease; UCX peer error handling is off), nothing hangs, the node serves on.
+
+    Over cma this process copies each 256 MiB payload inside one UCX progress call, its loop
+    blocked meanwhile (0.1-0.4 s here; over 1 s into pages never touched), and the child
+    declares this node dead when its renewals go unanswered for a lease. That lease is this
+    node's, in both directions (a node's lease_seconds applies to the peers that connect to
+    it), so it is made long enough for those stalls and stays well under the 5 s bound, and
+    both buffers are touched before the session begins. (With a 1 s lease and untouched
+    buffers the first recv failed in 3 runs of 5, one node having given up on the other.)"""
+    async with tensorwire.start(transports=("ucx",), lease_seconds=2.0) as node:
+        out = np.ones(256 * MiB, np.uint8)
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                    import asyncio, numpy as np, tensorwire
+                    async def main():
+                        x = np.ones(256 << 20, np.uint8)
+                        async with tensorwire.start(transports=("ucx",)) as n:
+                            p = await n.connect({node.address!r})
                             while True:
                                 await p.send(x, tag=1)
                     asyncio.run(main())
@@ -452,7 +532,6 @@ async def test_peer_killed_mid_transfer_fails_pending_ops() -> None:
         try:
             async with asyncio.timeout(10):
                 peer = await node.accept()
-            out = np.empty(256 * MiB, np.uint8)
             await peer.recv(tag=1, out=out)
             failures = _ucp.peer_failures_survived
             recv = asyncio.ensure_future(peer.recv(tag=1, out=out))

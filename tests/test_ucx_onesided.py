@@ -179,9 +179,12 @@ async def test_owner_killed_during_reads_fails_them_and_the_reader_lives() -> No
     child, address = await _spawn_owner("np.ones(256 << 20, dtype=np.uint8)", 'await p.recv(tag="bye")')
     try:
         async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}, lease_seconds=1.0) as node:
+            # touched before the session begins: a cma read copies inside one UCX call, this
+            # loop blocked meanwhile, about 1 s into pages never touched (50 ms into touched
+            # ones), and the owner (3 s lease) declares us dead if our renewals stop for 2 s
+            out = np.ones(256 << 20, np.uint8)
             peer = await node.connect(address)
             h = await peer.lookup("x")
-            out = np.empty(256 << 20, np.uint8)
             await peer.read(h, out=out)
             failures = _ucp.peer_failures_survived
             killer = threading.Timer(0.02, os.kill, (child.pid, signal.SIGKILL))  # lands mid-read

@@ -54,6 +54,10 @@ _SPIN_ACTIVE = 0.002  # keep progressing this long after UCX last made progress
 _SPIN_IDLE = 250e-6  # and this long after an operation was posted or completed (latency)
 _FALLBACK = 0.001  # poll period while armed with work in flight (a missed wake-up costs at most this)
 _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
+# and at most this long: a round of a cma transfer copies 512 KiB (UCX's CMA_SEG_SIZE), 0.1 ms
+# into warm pages and up to 2.5 ms into pages never touched, so 64 rounds held the loop 0.1-0.15 s
+# here, and the loop's other callbacks come only after the next run or two (0.4 s gaps)
+_BURST = 0.002
 # UCX refuses to arm (work pending) yet has moved nothing for this long: stop spinning (poll every
 # _FALLBACK) and say so. A peer may be stalled; or one that died in the middle of a send over
 # shared memory has left a FIFO slot it claimed unwritten, which blocks this worker's shared-memory
@@ -329,7 +333,9 @@ class Worker:
         while not fut.done():
             if worker.progress_once() or self._fresh:
                 self._dispatch()
-            elif clock() >= deadline:
+            # (checked whether UCX moved or not: a cma transfer moves in every round, and ran to
+            # its end here when only an idle round looked at the clock)
+            if clock() >= deadline:
                 break
         self.kick()
         return fut.done()
@@ -458,6 +464,7 @@ class Worker:
             self._fallback.cancel()
             self._fallback = None
         worker = self.worker
+        until = time.monotonic() + _BURST
         for _ in range(_ROUNDS):
             moved = worker.progress_once()
             # a request completes inside progress, or when it is posted (then it is fresh)
@@ -470,12 +477,15 @@ class Worker:
             if completed:
                 self._last_event = self._last
                 break  # let the tasks those completions woke run before progressing more
-            if not moved:
+            if not moved or self._last >= until:
                 break
-        # ucxx's progress(): UCX progress until nothing moves (a cma transfer runs to its end
-        # here, see docs/ucx.md) and ucxx's own bookkeeping (scheduled cancellations); what it
-        # completed is dispatched now, or the wake-up for it would be gone
-        worker.progress()
+        # ucxx's own bookkeeping (the cancellations it scheduled), which its progress() also
+        # does; what that completed is dispatched now, or the wake-up for it would be gone. Not
+        # progress() itself: it progresses until nothing moves, and a cma transfer moves 512 KiB
+        # a round, so a 256 MiB payload ran to its end inside one call, the loop blocked 0.05 s
+        # (1.2 s into pages never touched: a node missed its lease renewals, and a 2 GiB tensor
+        # lost its session). The rounds above move at most _ROUNDS of them per loop turn.
+        worker.cancel_inflight_requests()
         if self._dispatch():
             self._last = self._last_event = time.monotonic()
         now = time.monotonic()
