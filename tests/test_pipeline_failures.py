@@ -6,8 +6,11 @@ only: no torch needed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 import warnings
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -303,6 +306,120 @@ async def test_a_connect_its_caller_cancels_leaves_no_stage_linked() -> None:
                 assert (await pipe.step(x, y, microbatches=2)).loss > 0
 
 
+# -- builds that take long, raise, or never end ---------------------------------------------------
+class Builds:
+    """``build=`` for stages over ``ls``: stage s sleeps ``delays[s]`` s, or waits for ``release``
+    if it is in ``blocked`` (``started`` is set then), or raises if it is in ``raises``."""
+
+    def __init__(self, ls: list[Wrapped]) -> None:
+        self.ls = ls
+        self.delays = [0.0] * len(ls)
+        self.blocked: set[int] = set()
+        self.raises: set[int] = set()
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, rank: int, num_stages: int) -> pipeline.FunctionPart:
+        if rank in self.blocked:
+            self.started.set()
+            self.release.wait(30)  # never past the test: released in its finally
+        time.sleep(self.delays[rank])
+        if rank in self.raises:
+            raise FileNotFoundError(f"no weights for stage {rank}")
+        return parts(self.ls)[rank]
+
+
+@contextlib.asynccontextmanager
+async def built_stages(builds: Builds) -> AsyncIterator[tuple[list[tensorwire.Node], list[pipeline.Stage]]]:
+    """Stages that build with ``builds`` (offloaded, as ``tensorwire stage`` runs them), and a
+    driver node last; the builds are released at the end."""
+    n = len(builds.ls)
+    async with nodes(n + 1) as ns, contextlib.AsyncExitStack() as stack:
+        try:
+            yield ns, [await stack.enter_async_context(pipeline.Stage(node, build=builds)) for node in ns[:n]]
+        finally:
+            builds.release.set()
+
+
+def unlinked(ss: list[pipeline.Stage]) -> bool:
+    return all(s.prev is None and s.next is None for s in ss)
+
+
+@pytest.mark.timeout(60)
+async def test_a_build_slower_than_the_link_deadline_connects_and_steps() -> None:
+    """connect_timeout bounds the linking, which begins once every stage has built its part.
+    The old driver gave each configure, the build included, connect_timeout + 5 s: builds of
+    6 s failed the connect after 5.5 s ("tw.pipeline.configure: its 5.5 s deadline ran out");
+    and a stage that built at once gave up after connect_timeout on a neighbour still building
+    ("stage 2: linking took longer than 0.5 s, waiting for the previous stage to connect")."""
+    builds = Builds(layers(3))
+    x, y = batch()
+    async with built_stages(builds) as (ns, _):
+        addresses = [n.address for n in ns[:3]]
+        for delays in ([6.0, 6.0, 6.0], [0.0, 2.0, 0.0]):
+            builds.delays = delays
+            async with asyncio.timeout(30):
+                async with await pipeline.Pipeline.connect(ns[3], addresses, connect_timeout=0.5) as pipe:
+                    assert (await pipe.step(x, y, microbatches=2)).loss > 0, delays
+
+
+@pytest.mark.timeout(60)
+async def test_a_build_that_raises_fails_the_connect_at_once() -> None:
+    """Builds have no deadline of their own, so one that raises must end the connect at once
+    with its error, not wait for the other stages' builds; and the stages serve the next one."""
+    builds = Builds(layers(3))
+    builds.blocked, builds.raises = {0}, {2}
+    async with built_stages(builds) as (ns, ss):
+        addresses = [n.address for n in ns[:3]]
+        with pytest.raises(tensorwire.RemoteError) as err:
+            async with asyncio.timeout(10):  # stage 0 builds until released, 30 s at most
+                await pipeline.Pipeline.connect(ns[3], addresses, connect_timeout=0.5)
+        assert err.value.remote_type == "FileNotFoundError", err.value
+        assert "no weights for stage 2" in err.value.remote_message, err.value
+        assert builds.started.is_set() and unlinked(ss)
+        builds.release.set()
+        builds.blocked, builds.raises = set(), set()
+        async with asyncio.timeout(30), await pipeline.Pipeline.connect(ns[3], addresses) as pipe:
+            x, y = batch()
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0
+
+
+@pytest.mark.timeout(60)
+async def test_build_timeout_bounds_the_builds_and_names_the_stage() -> None:
+    builds = Builds(layers(3))
+    builds.blocked = {1}
+    async with built_stages(builds) as (ns, ss):
+        addresses = [n.address for n in ns[:3]]
+        with pytest.raises(tensorwire.DeadlineExceeded, match=r"stage 1 \(.*\) .*build_timeout=1 s: building its part"):
+            async with asyncio.timeout(10):
+                await pipeline.Pipeline.connect(ns[3], addresses, connect_timeout=0.5, build_timeout=1)
+        with pytest.raises(tensorwire.ConfigurationError, match="build_timeout must be"):
+            await pipeline.Pipeline.connect(ns[3], addresses, build_timeout=0)
+        assert unlinked(ss)
+        builds.release.set()  # the cut-short build ends; nothing of it links
+        builds.blocked = set()
+        async with asyncio.timeout(30), await pipeline.Pipeline.connect(ns[3], addresses, build_timeout=20) as pipe:
+            x, y = batch()
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_that_dies_while_building_fails_the_connect() -> None:
+    """No deadline covers a build, so a stage that dies during its build must still end the
+    connect: the driver's connection to it drops."""
+    builds = Builds(layers(3))
+    builds.blocked = {1}
+    async with built_stages(builds) as (ns, ss):
+        addresses = [n.address for n in ns[:3]]
+        connecting = asyncio.ensure_future(pipeline.Pipeline.connect(ns[3], addresses, connect_timeout=0.5))
+        await eventually(builds.started.is_set, seconds=10)
+        ns[1].abort()
+        with pytest.raises(tensorwire.PeerDisconnected):
+            async with asyncio.timeout(10):
+                await connecting
+        await eventually(lambda: unlinked([ss[0], ss[2]]), seconds=5)
+
+
 @pytest.mark.timeout(60)
 async def test_a_newer_driver_waits_for_the_older_ones_commits() -> None:
     """A driver connecting between an older driver's step and its commits used to take over the
@@ -493,13 +610,16 @@ async def test_a_stage_named_twice_is_refused() -> None:
         peer = await driver.connect(a)
         try:
             own = peer.remote_node
-            for prev_node, next_address, needle in [(None, a, "its own next stage"), (own, None, "its own previous")]:
-                generation = await peer.call("tw.pipeline.generation") + 1
-                with pytest.raises(tensorwire.RemoteError, match=needle) as err:
-                    await peer.call(
-                        "tw.pipeline.configure", 1, 3, prev_node, next_address, generation=generation, token="t"
-                    )
-                assert err.value.remote_type == "ConfigurationError"
+            generation = await peer.call("tw.pipeline.generation") + 1
+            with pytest.raises(tensorwire.RemoteError, match="its own previous") as err:
+                await peer.call("tw.pipeline.configure", 1, 3, own, None, generation=generation, token="t")
+            assert err.value.remote_type == "ConfigurationError"
+            # the next stage is reached by the link, which follows the build
+            generation = await peer.call("tw.pipeline.generation") + 1
+            await peer.call("tw.pipeline.configure", 1, 3, None, a, generation=generation, token="t")
+            with pytest.raises(tensorwire.RemoteError, match="its own next stage") as err:
+                await peer.call("tw.pipeline.link", generation=generation, token="t")
+            assert err.value.remote_type == "ConfigurationError"
         finally:
             await peer.aclose()
         async with await pipeline.Pipeline.connect(driver, [a, b]) as pipe:  # and still serves

@@ -8,7 +8,8 @@
 
 The driver is any node that knows the stages' addresses in pipeline order. It takes a generation
 newer than any the stages have seen and calls each stage's ``tw.pipeline.configure`` (tensor RPC
-over the data plane) with it, which links the stages into a chain; each step is one
+over the data plane) with it, which builds each stage's part, then, once every stage has built,
+``tw.pipeline.link``, which links the stages into a chain; each step is one
 ``tw.pipeline.step`` call per stage, all at once, carrying that stage's actions from the schedule
 (and the microbatches to stage 0, the targets to the last stage), then, once every stage has
 finished, one ``tw.pipeline.commit`` call per stage, which applies its optimizer update.
@@ -29,6 +30,7 @@ from collections.abc import Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._checks import check_seconds
 from .._loops import elsewhere
 from ..errors import (
     BrokenResourceError,
@@ -46,6 +48,7 @@ from ..errors import (
     TensorWireError,
     UnsupportedTensorError,
 )
+from ..rpc import current_deadline
 from ..tensors import as_view, is_tensor, prepare
 from ._batch import join, num_samples, split
 from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, make_schedule
@@ -145,10 +148,17 @@ class Pipeline:
         *,
         transports: Sequence[str] | None = None,
         connect_timeout: float | None = None,
+        build_timeout: float | None = None,
     ) -> Pipeline:
         """Connect to the stages at ``addresses`` (in pipeline order) and link them into a chain.
         ``transports`` is the preference order for the links between stages; ``connect_timeout``
-        bounds each stage's linking (default: the node's).
+        bounds each stage's linking (default: the node's), which begins once every stage has
+        built its part. The builds (``Stage(build=...)``: loading a model's weights, say) take
+        as long as they take, unless ``build_timeout`` (seconds) bounds each stage's configure,
+        its build included: past it, DeadlineExceeded names the stage. A build that raises fails
+        the connect at once with its error, and a stage that dies meanwhile with
+        PeerDisconnected. A connect cut short (a deadline, the caller's ``asyncio.timeout``)
+        leaves no stage linked or half-built for this driver.
 
         Each stage is a node of its own: an address given twice, or two addresses of one node,
         is a ConfigurationError. The stages take this driver's configuration over any earlier
@@ -165,6 +175,8 @@ class Pipeline:
         if twice:
             raise ConfigurationError(f"stage address {twice[0]} is given twice: each stage is a node of its own")
         wait = connect_timeout if connect_timeout is not None else node.config.connect_timeout
+        if build_timeout is not None:
+            build_timeout = check_seconds("build_timeout", build_timeout)
         peers: list[Peer] = []
         try:
             for address in addresses:
@@ -182,27 +194,41 @@ class Pipeline:
             generation = 1 + max(await asyncio.gather(*[peer.call("tw.pipeline.generation") for peer in peers]))
             token = uuid.uuid4().hex
             p = len(peers)
-            calls = [
-                asyncio.get_running_loop().create_task(
-                    peer.call(
-                        "tw.pipeline.configure",
-                        s,
-                        p,
-                        peers[s - 1].remote_node if s > 0 else None,
-                        addresses[s + 1] if s + 1 < p else None,
-                        list(transports) if transports else None,
-                        wait,
-                        addresses[s - 1] if s > 0 else None,
-                        generation=generation,
-                        token=token,
-                        # the stage drops its links when this connection drops (abort, a dead driver)
-                        driver_session=peer.session.id if peer.session is not None else None,
-                        _deadline=wait + 5,
+            loop = asyncio.get_running_loop()
+            # first every stage builds its part, for as long as it takes (or build_timeout) ...
+            reports = await _all_or_none(
+                [
+                    loop.create_task(
+                        _configure(
+                            peer,
+                            s,
+                            build_timeout,
+                            p,
+                            peers[s - 1].remote_node if s > 0 else None,
+                            addresses[s + 1] if s + 1 < p else None,
+                            list(transports) if transports else None,
+                            wait,
+                            addresses[s - 1] if s > 0 else None,
+                            generation=generation,
+                            token=token,
+                            # the stage drops its links when this connection drops (abort, a dead driver)
+                            driver_session=peer.session.id if peer.session is not None else None,
+                        )
                     )
-                )
-                for s, peer in enumerate(peers)
-            ]
-            links = await _all_or_none(calls)
+                    for s, peer in enumerate(peers)
+                ]
+            )
+            # ... then they link, every one at once, so that none waits out its connect_timeout
+            # for a neighbour that is still building
+            paths = await _all_or_none(
+                [
+                    loop.create_task(
+                        peer.call("tw.pipeline.link", generation=generation, token=token, _deadline=wait + 5)
+                    )
+                    for peer in peers
+                ]
+            )
+            links = [{**report, **path} for report, path in zip(reports, paths, strict=True)]
             await _settle(peers, links, ticket_key(generation, token))
         except BaseException:
             for peer in peers:
@@ -622,6 +648,23 @@ def _never_ran(error: BaseException | None) -> bool:
 def _error(task: asyncio.Task[Any]) -> BaseException | None:
     """The error a finished call raised (None: it answered, or it was cancelled)."""
     return None if task.cancelled() else task.exception()
+
+
+async def _configure(peer: Peer, s: int, build_timeout: float | None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Stage ``s``'s ``tw.pipeline.configure`` (its build), within ``build_timeout`` if given."""
+    left = current_deadline()  # an enclosing tensorwire.rpc.deadline() is the caller's own
+    ours = build_timeout is not None and (left is None or build_timeout <= left)
+    try:
+        report: dict[str, Any] = await peer.call("tw.pipeline.configure", s, *args, _deadline=build_timeout, **kwargs)
+    except DeadlineExceeded as exc:
+        if not ours:
+            raise
+        raise DeadlineExceeded(
+            f"stage {s} ({peer.remote_address}) was not configured within build_timeout={build_timeout:g} s: "
+            "building its part (Stage build=) took longer; give Pipeline.connect a larger build_timeout, or "
+            "None to wait as long as the build takes"
+        ) from exc
+    return report
 
 
 async def _settle(peers: list[Peer], links: list[dict[str, Any]], key: str) -> None:

@@ -5,7 +5,9 @@
 
 ``--part`` names a function ``build_part(rank, num_stages) -> Part`` (a module path or a file
 path, then ``:`` and the function's name). It is called once a driver has said which rank this
-stage is, so one command line serves any position in the pipeline.
+stage is, so one command line serves any position in the pipeline, and may take as long as it
+needs (loading weights): the driver links the stages once every one has built, and its
+``connect_timeout`` bounds only that linking.
 """
 
 from __future__ import annotations

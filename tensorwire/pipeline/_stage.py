@@ -5,11 +5,16 @@ that serves the RPC methods in ``METHODS``. A driver that knows the stages' addr
 pipeline order, asks each for its generation, takes a newer one for itself (the highest it was
 told plus one, and a random token that breaks ties between drivers), and calls ``configure`` on
 each with its rank, the address of the next stage, the node id of the previous one and that
-generation. Stage s then connects to stage s+1 (one peer per link, negotiated like any other:
-ucx, tcp, ...), says hello on it with the generation, and waits for the hello of stage s-1 with
-the same generation. A stage configures for one driver at a time and refuses (or interrupts) a
-configure older than the newest it has seen, so of two drivers that connect at once the newer
-one gets every stage and the older one is refused, never a mixed chain.
+generation. Configure takes the stage for that driver and builds its part (``build=``), for as
+long as the build takes: loading a large model's weights may take minutes, and no deadline of
+the driver's own covers it. Once every stage has answered, the driver calls ``link`` on each,
+under its connect_timeout: stage s connects to stage s+1 (one peer per link, negotiated like
+any other: ucx, tcp, ...), says hello on it with the generation, and waits for the hello of
+stage s-1 with the same generation. So a stage that builds fast never waits out its
+connect_timeout for a neighbour that is still building. A stage configures for one driver at a
+time and refuses (or interrupts) a configure or link older than the newest configure it has
+seen, so of two drivers that connect at once the newer one gets every stage and the older one
+is refused, never a mixed chain.
 
 After that the driver calls ``step`` on every stage at once; stage 0 gets the microbatches, the
 last stage the targets, and activations and gradients flow between neighbours on tags of their
@@ -83,6 +88,7 @@ ABORT_TAG = "tw.pipeline/abort"
 METHODS = (
     "tw.pipeline.generation",
     "tw.pipeline.configure",
+    "tw.pipeline.link",
     "tw.pipeline.step",
     "tw.pipeline.commit",
     "tw.pipeline.state",
@@ -125,14 +131,28 @@ class _Link:
         return f"stage {self.rank} ({self.address})"
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a driver's configure told the stage to link to, kept for that driver's ``link``."""
+
+    ticket: _Ticket
+    prev_node: str | None
+    next_address: str | None
+    transports: list[str] | None
+    connect_seconds: float
+    prev_address: str | None
+
+
 class Stage:
     """Serve one pipeline stage on ``node``.
 
     ``part`` is what the stage computes: a torch ``nn.Module`` (with ``optimizer=`` and, on the
     last stage, ``loss=``), an object with ``forward``/``backward`` (``FunctionPart``), or a
     ``Part``. ``build(rank, num_stages) -> Part`` instead makes the part once the driver has said
-    which rank this stage is. ``offload`` runs compute in a worker thread, so the event loop keeps
-    moving other microbatches' bytes (and leases) while a layer computes.
+    which rank this stage is, on every configure; it may take as long as it needs (the driver's
+    ``connect_timeout`` bounds the linking that follows, not the build). ``offload`` runs compute
+    (the build included) in a worker thread, so the event loop keeps moving other microbatches'
+    bytes (and answering leases) while a layer computes.
 
     One stage per node. ``async with Stage(node, part):`` serves until the block ends; the stage
     never closes the node.
@@ -169,7 +189,8 @@ class Stage:
         # which driver's configure the stage is in: a stale driver's calls are refused
         self._ticket: _Ticket = (0, "")
         self._newest: _Ticket = (0, "")  # the newest configure seen; older ones are refused
-        self._configuring: asyncio.Task[dict[str, Any]] | None = None
+        self._configuring: asyncio.Task[dict[str, Any]] | None = None  # a configure's build, or a link
+        self._plan: _Plan | None = None  # a finished configure, waiting for its driver's link
         self._driver_watch: asyncio.Task[None] | None = None  # ends when the driver's connection does
         try:  # the loop the stage serves on (Stage.abort from another thread hands itself to it)
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -193,6 +214,7 @@ class Stage:
             raise BusyResourceError(f"node {node.address} already serves a pipeline stage")
         node.method("tw.pipeline.generation")(self._generation)
         node.method("tw.pipeline.configure")(self._configure)
+        node.method("tw.pipeline.link")(self._link_call)
         node.method("tw.pipeline.step")(self._step)
         node.method("tw.pipeline.commit")(self._commit)
         node.method("tw.pipeline.state")(self._state)
@@ -274,40 +296,55 @@ class Stage:
             elif self._build is not None:
                 self._orphan = None
             self._ticket = ticket
-            task = asyncio.get_running_loop().create_task(
-                self._link(
-                    ticket,
-                    rank,
-                    num_stages,
-                    prev_node,
-                    next_address,
-                    transports,
-                    connect_seconds,
-                    prev_address,
-                    driver_session,
-                )
-            )
-            self._configuring = task
-            try:
-                return await task
-            except asyncio.CancelledError:
-                me = asyncio.current_task()
-                self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure was interrupted")
-                if me is not None and me.cancelling():
-                    raise  # our caller gave up
-                if self._closed:
-                    raise ClosedResourceError(
-                        f"stage {rank} at {self.node.address} was closed (Stage.aclose or abort) while a driver "
-                        "configured it"
-                    ) from None
+            plan = _Plan(ticket, prev_node, next_address, transports, connect_seconds, prev_address)
+            task = asyncio.get_running_loop().create_task(self._prepare(plan, rank, num_stages, driver_session))
+            return await self._configure_by(task, rank)
+
+    async def _link_call(self, *, generation: int, token: str) -> dict[str, Any]:
+        """The second half of a driver's configure, once every stage has built its part: link
+        to the neighbours its configure named, within the connect_seconds it gave."""
+        self._check_open()
+        ticket = (generation, token)
+        self._refuse_older(ticket, waited=True)
+        async with self._config_lock:
+            self._check_open()
+            self._refuse_older(ticket, waited=True)
+            plan, self._plan = self._plan, None
+            if plan is None or plan.ticket != ticket or self._ticket != ticket:
+                why = f": {self._broken}" if self._broken is not None else ""
                 raise BrokenResourceError(
-                    f"stage at {self.node.address}: a newer driver configured it while this one was linking it"
+                    f"stage at {self.node.address} has no finished configure of this driver to link{why}"
+                )
+            task = asyncio.get_running_loop().create_task(self._link(plan))
+            return await self._configure_by(task, self.rank)
+
+    async def _configure_by(self, task: asyncio.Task[dict[str, Any]], rank: int) -> dict[str, Any]:
+        """Await ``task``, a configure's build or its link (held under the config lock), as the
+        configure under way that a newer driver or a close interrupts. Cut short or failed, it
+        leaves the stage broken until the next configure, and no plan to link."""
+        self._configuring = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            self._plan = None
+            me = asyncio.current_task()
+            self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure was interrupted")
+            if me is not None and me.cancelling():
+                raise  # our caller gave up
+            if self._closed:
+                raise ClosedResourceError(
+                    f"stage {rank} at {self.node.address} was closed (Stage.aclose or abort) while a driver "
+                    "configured it"
                 ) from None
-            except BaseException as exc:
-                self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure failed: {exc}")
-                raise
-            finally:
-                self._configuring = None
+            raise BrokenResourceError(
+                f"stage at {self.node.address}: a newer driver configured it while this one was configuring it"
+            ) from None
+        except BaseException as exc:
+            self._plan = None
+            self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure failed: {exc}")
+            raise
+        finally:
+            self._configuring = None
 
     @property
     def _pending(self) -> int | None:
@@ -342,28 +379,54 @@ class Stage:
                 f"(generation {self._newest[0]}; this driver's is {ticket[0]})"
             )
 
-    async def _link(
-        self,
-        ticket: _Ticket,
-        rank: int,
-        num_stages: int,
-        prev_node: str | None,
-        next_address: str | None,
-        transports: list[str] | None,
-        connect_seconds: float,
-        prev_address: str | None,
-        driver_session: str | None = None,
-    ) -> dict[str, Any]:
-        """Take the new rank, build the part, link to both neighbours for this generation."""
+    async def _prepare(self, plan: _Plan, rank: int, num_stages: int, driver_session: str | None) -> dict[str, Any]:
+        """Take the new rank and build the part, for as long as the build takes; what the
+        driver needs to know of this stage. The links come with the driver's ``link``, once
+        every stage has built."""
         if self._driver_watch is not None:
             self._driver_watch.cancel()
+            self._driver_watch = None
         await self._drop_links()
-        self.rank, self.num_stages, self._broken, self._pending = rank, num_stages, None, None
-        key = ticket_key(*ticket)
+        self._plan = None
+        self.rank, self.num_stages, self._pending = rank, num_stages, None
+        # what a step that came now would be told (a driver steps only once every stage linked)
+        self._broken = BrokenResourceError(
+            f"stage {rank} at {self.node.address} is not linked yet: its driver links it next"
+        )
         if self._build is not None:
             built, _ = await self._compute(self._build, rank, num_stages)
             self.part = as_part(built, **self._options)
         assert self.part is not None
+        # from here the stage waits for this driver's link: a driver that goes away meanwhile
+        # (or later) leaves it to wait for the next driver
+        driver = self.node._session_peer(driver_session) if driver_session is not None else None
+        if driver is not None:
+            self._driver_watch = asyncio.get_running_loop().create_task(
+                self._watch_driver(driver, plan.ticket), name=f"tw.pipeline watch driver {driver.remote_address}"
+            )
+        self._plan = plan
+        step = self.node.methods.get("tw.pipeline.step")
+        return {
+            "rank": rank,
+            "generation": plan.ticket[0],
+            "max_unexpected": self.node.config.limits.max_unexpected,
+            # a last stage without a loss serves Pipeline.forward only; the driver's step says so
+            "has_loss": self.part.has_loss,
+            # stage 0's part takes a dict batch as keyword arguments: the driver checks its keys
+            "keyword_dicts": self.part.keyword_dicts,
+            # the most tensor bytes one step call may carry here (the node's CallLimits)
+            "max_arg_bytes": None if step is None else self.node.methods.arg_limit(step),
+            # for the driver to settle a step an earlier driver committed on some stages only
+            "orphan": list(self._orphan) if self._orphan is not None else None,
+            "committed": list(self._last_commit) if self._last_commit is not None else None,
+        }
+
+    async def _link(self, plan: _Plan) -> dict[str, Any]:
+        """Link to both neighbours for this generation, within ``plan.connect_seconds``; the
+        links' paths."""
+        rank, next_address, prev_node = self.rank, plan.next_address, plan.prev_node
+        transports, connect_seconds, ticket = plan.transports, plan.connect_seconds, plan.ticket
+        key = ticket_key(*ticket)
         try:
             async with asyncio.timeout(connect_seconds):
                 if next_address is not None:
@@ -378,7 +441,7 @@ class Stage:
                     await peer.send({"generation": ticket[0]}, tag=_hello_tag(key))
                 if prev_node is not None:
                     peer = await self._wait_for(prev_node, _hello_tag(key))
-                    self.prev = _Link(rank - 1, peer, prev_address or peer.remote_address)
+                    self.prev = _Link(rank - 1, peer, plan.prev_address or peer.remote_address)
         except BaseException as exc:
             waiting = (
                 f"connecting to the next stage at {next_address}"
@@ -391,30 +454,13 @@ class Stage:
             if isinstance(exc, TimeoutError):
                 raise ConnectTimeout(f"stage {rank}: linking took longer than {connect_seconds} s, {waiting}") from None
             raise
+        self._broken = None
         for link in self.links:
             link.watcher = asyncio.get_running_loop().create_task(self._watch(link), name=f"tw.pipeline watch {link}")
-        driver = self.node._session_peer(driver_session) if driver_session is not None else None
-        if driver is not None:
-            self._driver_watch = asyncio.get_running_loop().create_task(
-                self._watch_driver(driver, ticket), name=f"tw.pipeline watch driver {driver.remote_address}"
-            )
-        log.info("stage %d/%d at %s: prev %s, next %s", rank, num_stages, self.node.address, self.prev, self.next)
-        step = self.node.methods.get("tw.pipeline.step")
+        log.info("stage %d/%d at %s: prev %s, next %s", rank, self.num_stages, self.node.address, self.prev, self.next)
         return {
-            "rank": rank,
-            "generation": ticket[0],
             "prev_path": str(self.prev.peer.path) if self.prev else None,
             "next_path": str(self.next.peer.path) if self.next else None,
-            "max_unexpected": self.node.config.limits.max_unexpected,
-            # a last stage without a loss serves Pipeline.forward only; the driver's step says so
-            "has_loss": self.part.has_loss,
-            # stage 0's part takes a dict batch as keyword arguments: the driver checks its keys
-            "keyword_dicts": self.part.keyword_dicts,
-            # the most tensor bytes one step call may carry here (the node's CallLimits)
-            "max_arg_bytes": None if step is None else self.node.methods.arg_limit(step),
-            # for the driver to settle a step an earlier driver committed on some stages only
-            "orphan": list(self._orphan) if self._orphan is not None else None,
-            "committed": list(self._last_commit) if self._last_commit is not None else None,
         }
 
     async def _wait_for(self, node_id: str, tag: str) -> Peer:
@@ -460,7 +506,7 @@ class Stage:
         if self._ticket != ticket or self._closed or self._configuring is not None:
             return  # a newer driver is configuring the stage: its configure drops the links
         log.info("stage %d: its driver's connection dropped; the stage waits for the next driver", self.rank)
-        self.rank = -1
+        self.rank, self._plan = -1, None
         self._driver_watch = None
         await self._drop_links()
 
@@ -857,7 +903,7 @@ class Stage:
         self._check_generation(generation)
         if self._task is not None:
             self._task.cancel()
-        self.rank, self._pending = -1, None
+        self.rank, self._pending, self._plan = -1, None, None
         for link in self.links:
             if link.watcher is not None:
                 link.watcher.cancel()
