@@ -56,8 +56,9 @@ _FALLBACK = 0.001  # poll period while armed with work in flight (a missed wake-
 _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
 # and at most this long: a round of a cma transfer copies 512 KiB (UCX's CMA_SEG_SIZE), 0.1 ms
 # into warm pages and up to 2.5 ms into pages never touched, so 64 rounds held the loop 0.1-0.15 s
-# here, and the loop's other callbacks come only after the next run or two (0.4 s gaps)
-_BURST = 0.002
+# here, and the loop's other callbacks come only after the next run or two (0.4 s gaps); a turn
+# of the loop between runs costs tens of microseconds, 1% of this
+_BURST = 0.005
 # UCX refuses to arm (work pending) yet has moved nothing for this long: stop spinning (poll every
 # _FALLBACK) and say so. A peer may be stalled; or one that died in the middle of a send over
 # shared memory has left a FIFO slot it claimed unwritten, which blocks this worker's shared-memory
