@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 from _polling import eventually
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorwire
@@ -648,3 +648,74 @@ async def test_closing_a_node_ends_its_connects_under_way(how: str) -> None:
         with pytest.raises(tensorwire.ClosedResourceError):
             connecting.result()
         assert node.peers == []
+
+
+async def test_a_server_that_is_not_a_tensorwire_node_is_named_so() -> None:
+    """A connect to the wrong port, where another gRPC service or an HTTP server answers, said
+    'control call ... failed: UNIMPLEMENTED: Method not found!' or 'cannot reach a tensorwire
+    node ... Failed parsing HTTP/2': neither says that something else listens there."""
+    other = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), other)
+    grpc_port = other.add_insecure_port("127.0.0.1:0")
+    await other.start()
+
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        writer.close()
+
+    web = await asyncio.start_server(http, "127.0.0.1", 0)
+    try:
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+            for port in (grpc_port, web.sockets[0].getsockname()[1]):
+                with pytest.raises(tensorwire.ControlPlaneError, match="is not a tensorwire node") as info:
+                    await node.connect(f"127.0.0.1:{port}", connect_timeout=10)
+                assert "check the address and port" in str(info.value)
+    finally:
+        web.close()
+        await other.stop(None)
+
+
+async def test_a_host_named_like_a_grpc_scheme_is_dialled_as_a_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC reads a target "unix:5000" as the unix socket "5000" in the working directory (and
+    "ipv4:5000" as an invalid IPv4 target): a connect to the host "unix" at port 5000 reached
+    whatever served that socket. Now the host is resolved as a host, and nothing else is dialled."""
+    monkeypatch.chdir(tmp_path)
+    reached: list[str] = []
+
+    class Record(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> None:
+            reached.append(details.method)
+            return None
+
+    other = grpc.aio.server()
+    other.add_generic_rpc_handlers((Record(),))
+    assert other.add_insecure_port("unix:5000")
+    await other.start()
+    try:
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+            for address in ("unix:5000", "ipv4:5000"):
+                with pytest.raises(tensorwire.ControlPlaneError, match="resolving"):
+                    await node.connect(address, connect_timeout=10)
+    finally:
+        await other.stop(None)
+    assert reached == [], reached
+
+
+async def test_a_transport_neither_side_has_is_named_for_both() -> None:
+    """A transport asked for that neither node has was passed over 'on server: ...' alone, on
+    both ends: a user who enabled it there learnt only at the next connect that the client
+    lacked it too. Both paths now name both sides."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(server.address, transports=("verbs", "tcp"))
+        other = await asyncio.wait_for(server.accept(), 10)
+        for path in (peer.path, other.path):
+            assert path.transport == "tcp", path
+            reason = dict(path.passed_over)["verbs"]
+            assert f"on server {server.node_id[:8]}: not enabled" in reason, reason
+            assert f"on client {client.node_id[:8]}: not enabled" in reason, reason

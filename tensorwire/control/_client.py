@@ -45,6 +45,13 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) 
         return NegotiationError(f"{target}: {detail}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectTimeout(f"{target} did not answer in time ({detail})")
+    if code == grpc.StatusCode.UNIMPLEMENTED or "failed parsing http/2" in detail.lower():
+        # another gRPC service ("Method not found!"), an HTTP/2 server or proxy ("status: 404"),
+        # or an HTTP/1 one: the address or port is most likely not that of a tensorwire node
+        return ControlPlaneError(
+            f"{target} is not a tensorwire node's control plane (something else answers there: "
+            f"{code.name}: {detail}); check the address and port"
+        )
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN) and tls:
         low = detail.lower()
         if any(w in low for w in _TLS_FAILURE):
@@ -74,11 +81,15 @@ class ControlClient:
         # against a dead node (an old peer's renewals or lookups), so a connect() to the node
         # restarted there failed fast with that stale 'Connection refused' for up to the backoff.
         options: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
+        # "host:port" with the scheme written out: gRPC reads a host named like one of its
+        # schemes as that scheme ("unix:5000" dialled the socket file "5000" in the working
+        # directory, "ipv4:5000" failed as an invalid target) rather than as a host to resolve
+        uri = f"dns:///{target}"
         if tls is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
+            self._channel = grpc.aio.insecure_channel(uri, options=options)
         else:
             options += tls.channel_options()
-            self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=options)
+            self._channel = grpc.aio.secure_channel(uri, tls.channel_credentials(), options=options)
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
 
     async def _unary(

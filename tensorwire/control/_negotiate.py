@@ -74,6 +74,24 @@ def _tcp_only(caps: Capabilities) -> bool:
     return caps.tcp_only or tcp_lanes_only(caps.lanes)
 
 
+def _missing(
+    name: str,
+    local: Mapping[str, Offer],
+    remote: Mapping[str, Offer],
+    local_unusable: Mapping[str, str],
+    remote_unusable: Mapping[str, str],
+    local_name: str,
+    remote_name: str,
+) -> str:
+    """Why ``name``, which ``local`` lacks, is not used: and why not on the other side too, where
+    that lacks it as well (named for one side only, a user who fixed it there learnt of the
+    other only at the next connect)."""
+    reason = f"on {local_name}: {local_unusable.get(name, 'not enabled')}"
+    if name not in remote:
+        reason += f"; on {remote_name}: {remote_unusable.get(name, 'not enabled')}"
+    return reason
+
+
 def _endpoint_lanes(transports: Mapping[str, Transport] | None, name: str, address: bytes) -> tuple[str, ...]:
     """The lanes ``transports[name]`` would use with the peer at ``address`` (``()``: unknown)."""
     transport = (transports or {}).get(name)
@@ -106,7 +124,8 @@ def choose(
     passed: list[tuple[str, str]] = []
     for i, name in enumerate(order):
         if name not in local:
-            passed.append((name, f"on {local_name}: {local_unusable.get(name, 'not enabled')}"))
+            lacking = _missing(name, local, remote, local_unusable, remote_unusable, local_name, remote_name)
+            passed.append((name, lacking))
             continue
         if name not in remote:
             passed.append((name, f"on {remote_name}: {remote_unusable.get(name, 'not enabled')}"))
@@ -176,7 +195,7 @@ def as_accepted(
         if name in named:
             continue
         if name not in local:
-            reason = f"on {local_name}: {local_unusable.get(name, 'not enabled')}"
+            reason = _missing(name, local, remote, local_unusable, remote_unusable, local_name, remote_name)
         elif name not in remote:
             reason = f"on {remote_name}: {remote_unusable.get(name, 'not enabled')}"
         elif name not in asked:
