@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -648,6 +649,52 @@ async def test_registration_errors() -> None:
         assert len(node.methods) == 0
         with pytest.raises(tensorwire.ConfigurationError):
             tensorwire.rpc.CallLimits(max_concurrent=0)
+
+
+async def test_partials_and_objects_with_an_async_call_serve(pair: tuple[tensorwire.Peer, tensorwire.Peer]) -> None:
+    """An object whose class declares ``async def __call__`` serves like a bound method (it was
+    refused as "not declared with 'async def'"), and a functools.partial lists its function's
+    doc (it listed functools.partial's own)."""
+    a, b = pair
+
+    class Scale:
+        """Scales x."""
+
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        async def __call__(self, x: int) -> int:
+            return self.k * x
+
+    class Count:
+        async def __call__(self, n: int) -> AsyncIterator[int]:
+            """Counts to n."""
+            for i in range(n):
+                yield i
+
+    async def add(x: int, y: int) -> int:
+        """Adds y to x."""
+        return x + y
+
+    node = b.node
+    node.method("scale")(Scale(3))
+    node.method("count")(Count())
+    node.method("add5")(functools.partial(add, y=5))
+    with pytest.raises(tensorwire.ConfigurationError, match="give the method a name"):
+        node.method()(Scale(2))
+    with pytest.raises(tensorwire.ConfigurationError, match="async def"):
+        node.method("cls")(Scale)  # the class: calling it makes an object, not a coroutine
+    methods = node.methods
+    got = {n: (methods[n].signature, methods[n].doc, methods[n].streaming) for n in ("scale", "count", "add5")}
+    assert got == {
+        "scale": ("(x: int)", "Scales x.", False),
+        "count": ("(n: int)", "Counts to n.", True),
+        "add5": ("(x: int, *, y: int = 5)", "Adds y to x.", False),
+    }
+    async with asyncio.timeout(10):
+        assert await a.call("scale", 7) == 21
+        assert [i async for i in a.stream("count", 3)] == [0, 1, 2]
+        assert await a.call("add5", 1) == 6
 
 
 async def test_peer_going_away_fails_pending_calls() -> None:

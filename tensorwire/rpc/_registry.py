@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import weakref
 from collections import deque
@@ -204,6 +205,18 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         return inspect.signature(fn)
 
 
+def _unpartial(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What a ``functools.partial`` (however nested) calls; anything else as it is."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def _callable_object(fn: Callable[..., Any]) -> bool:
+    """An instance called through its class's ``__call__`` (not a function, method or class)."""
+    return not (inspect.isroutine(fn) or inspect.isclass(fn)) and callable(fn)
+
+
 class MethodRegistry(Mapping[str, Method]):
     """The methods one node offers, by name, with the node's CallLimits.
 
@@ -254,13 +267,21 @@ class MethodRegistry(Mapping[str, Method]):
         return limit
 
     def register(self, fn: Callable[..., Any], name: str | None = None, *, max_arg_bytes: int | None = None) -> Method:
-        streaming = inspect.isasyncgenfunction(fn)
-        if not (streaming or inspect.iscoroutinefunction(fn)):
+        inner = _unpartial(fn)
+        runs = fn
+        if not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)) and _callable_object(inner):
+            # an object whose class declares ``async def __call__`` is as much an async function
+            # as a bound method is (calling it runs none of its body either)
+            runs = type(inner).__call__
+        streaming = inspect.isasyncgenfunction(runs)
+        if not (streaming or inspect.iscoroutinefunction(runs)):
             raise ConfigurationError(
                 f"{getattr(fn, '__name__', fn)!r} is not an async function or async generator; "
                 "RPC methods must be declared with 'async def'"
             )
         name = name if name is not None else getattr(fn, "__name__", None)
+        if name is None:  # a partial or a callable object has no name of its own
+            raise ConfigurationError(f"{fn!r} has no __name__: give the method a name, node.method('name')")
         if not isinstance(name, str) or not name or len(name) > 256:
             raise ConfigurationError("a method name is a non-empty string of at most 256 characters")
         try:
@@ -281,7 +302,8 @@ class MethodRegistry(Mapping[str, Method]):
                 f"(its keywords {', '.join(RESERVED_KWARGS)})"
             )
         text = "(...)" if sig is None else str(sig.replace(return_annotation=inspect.Signature.empty))
-        doc = inspect.getdoc(fn) or ""
+        # a partial's own __doc__ is functools.partial's; an object's, its class's (else __call__'s)
+        doc = inspect.getdoc(inner) or (inspect.getdoc(runs) if runs is not fn else None) or ""
         # both travel in ListMethods' strings, which must encode: lone surrogates escaped
         method = Method(name, fn, streaming, safe_text(text), safe_text(doc.split("\n\n", 1)[0]), max_arg_bytes)
         self._methods[name] = method
