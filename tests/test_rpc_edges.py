@@ -823,6 +823,48 @@ async def test_packing_the_arguments_spends_the_deadline(transport: str) -> None
         await _settled(a, b)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_deadline_ends_with_its_call_or_block_not_with_the_tasks_they_started(transport: str) -> None:
+    """A method that starts background work and returns: the work's calls are not bound by the
+    deadline of the call that started it, once that call has ended, as an asyncio.timeout does
+    not reach past its block. Before, the task kept the call's deadline in its context, and each
+    call it made after that deadline failed with "the deadline had passed before the call was
+    made". The same for a task started inside a deadline() block that outlives the block. A task
+    the block or call awaits still inherits what is left."""
+    async with _nodes(transport) as (a, b):
+        _register(b.node)
+        _register(a.node)
+        done: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def later(peer: tensorwire.Peer) -> None:
+            await asyncio.sleep(0.4)  # past the 0.2 s deadline of the call that started us
+            try:
+                await done.put((current_deadline(), await peer.call("add", 1, 2)))
+            except Exception as exc:
+                await done.put(exc)
+
+        @b.node.method()
+        async def start_work() -> float | None:
+            asyncio.get_running_loop().create_task(later(b))
+            return current_deadline()
+
+        @b.node.method()
+        async def inherited() -> float | None:
+            return await asyncio.gather(asyncio.sleep(0, current_deadline()))  # type: ignore[no-any-return]
+
+        left = await _within(5, "a call that starts work", a.call("start_work", _deadline=0.2))
+        assert left is not None and 0 < left <= 0.2
+        assert await _within(5, "the work's call", done.get()) == (None, 3)
+        (left,) = await _within(5, "a call whose method gathers", a.call("inherited", _deadline=5.0))
+        assert left is not None and 0 < left <= 5.0
+        async with deadline(0.2):
+            assert current_deadline() is not None
+            asyncio.get_running_loop().create_task(later(a))
+        assert current_deadline() is None
+        assert await _within(5, "a task the block started", done.get()) == (None, 3)
+        await _settled(a, b)
+
+
 async def test_a_method_name_that_cannot_travel_is_refused_and_listing_never_breaks() -> None:
     """A name with a lone surrogate could never be called (it does not encode) and broke
     ListMethods for every client (UNKNOWN, a UnicodeEncodeError); so did such a docstring."""

@@ -13,9 +13,10 @@ is no deadline; ``-math.inf``, like any deadline at or below zero, has already p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 from ..errors import ConfigurationError
@@ -23,8 +24,31 @@ from ._protocol import MAX_DEADLINE
 
 __all__ = ["current_deadline", "deadline", "effective_deadline"]
 
-# absolute loop.time() by which the current block (or the call being served) must finish
-_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("tensorwire_rpc_deadline", default=None)
+
+class _Scope:
+    """A ``deadline()`` block, or a call being served: the absolute ``loop.time()`` by which it
+    must finish, while it is ``open``. A task started inside copies the context, scope and all,
+    and may outlive it (a method's background work): once the block or call has ended its
+    deadline is no longer that task's, as an ``asyncio.timeout`` stops applying at the end of its
+    block, and the task is under the scope around it (``outer``), if that is still open."""
+
+    __slots__ = ("open", "outer", "when")
+
+    def __init__(self, when: float | None, outer: _Scope | None) -> None:
+        self.when = when
+        self.outer = outer
+        self.open = True
+
+
+_DEADLINE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("tensorwire_rpc_deadline", default=None)
+
+
+def _when() -> float | None:
+    """The deadline of the innermost scope still open here, or None."""
+    scope = _DEADLINE.get()
+    while scope is not None and not scope.open:
+        scope = scope.outer
+    return None if scope is None else scope.when
 
 
 def _check_seconds(seconds: object, what: str) -> float:
@@ -49,21 +73,23 @@ async def deadline(seconds: float) -> AsyncIterator[None]:
     seconds = _check_seconds(seconds, "deadline")
     loop = asyncio.get_running_loop()
     when: float | None = None if seconds > MAX_DEADLINE else loop.time() + seconds
-    outer = _DEADLINE.get()
+    outer = _when()
     if outer is not None:
         when = outer if when is None else min(when, outer)
-    token = _DEADLINE.set(when)
+    scope = _Scope(when, _DEADLINE.get())
+    token = _DEADLINE.set(scope)
     try:
         async with asyncio.timeout_at(when):
             yield
     finally:
+        scope.open = False
         _DEADLINE.reset(token)
 
 
 def current_deadline() -> float | None:
     """Seconds left before the enclosing ``deadline()`` block, or the call being served, must
     finish; None if there is none."""
-    when = _DEADLINE.get()
+    when = _when()
     if when is None:
         return None
     return when - asyncio.get_running_loop().time()
@@ -81,6 +107,15 @@ def effective_deadline(explicit: float | None) -> float | None:
     return explicit if left is None else min(explicit, left)
 
 
-def set_deadline(when: float | None) -> None:
-    """Run the rest of the current task under the absolute deadline ``when`` (server side)."""
-    _DEADLINE.set(when)
+@contextlib.contextmanager
+def served_under(when: float | None) -> Iterator[None]:
+    """Serve a call under its caller's absolute deadline ``when`` (None: none) for the block:
+    what the method calls inherits what is left of it, and tasks it starts that outlive the
+    call do not."""
+    scope = _Scope(when, None)  # the caller's deadline replaces whatever this task had
+    token = _DEADLINE.set(scope)
+    try:
+        yield
+    finally:
+        scope.open = False
+        _DEADLINE.reset(token)

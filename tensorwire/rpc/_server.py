@@ -42,7 +42,7 @@ from ..errors import (
 from ..tensors import prepare
 from ..transports import ChannelState
 from ._codec import encode_off_loop
-from ._deadline import set_deadline
+from ._deadline import served_under
 from ._protocol import (
     CONTROL_TAG,
     REQUEST_TAG,
@@ -374,13 +374,13 @@ class PeerServer:
             async with tm:
                 if deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at:
                     raise TimeoutError
-                set_deadline(deadline_at)
-                started = start_method(method, args, kwargs)
-                call.in_method = True
-                if method.streaming:
-                    await self._stream(call, cast(AsyncGenerator[Any, None], started))
-                    return (Reply.RESULT, None)
-                return (Reply.RESULT, await cast(Awaitable[Any], started))
+                with served_under(deadline_at):
+                    started = start_method(method, args, kwargs)
+                    call.in_method = True
+                    if method.streaming:
+                        await self._stream(call, cast(AsyncGenerator[Any, None], started))
+                        return (Reply.RESULT, None)
+                    return (Reply.RESULT, await cast(Awaitable[Any], started))
         except TimeoutError as exc:
             if tm.expired() or (deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at):
                 call.in_method = False  # the server's deadline ran out: not an error of the method's
@@ -550,10 +550,10 @@ async def run_local(
         async with tm:
             await slots.acquire()
             try:
-                set_deadline(deadline_at)
                 started = start_method(method, args, kwargs)
                 try:
-                    return await started
+                    with served_under(deadline_at):
+                        return await started
                 except (MethodNotFound, InvalidArguments) as exc:
                     # raised while the method ran (by a call it makes): its own error, which says
                     # nothing of this call's method or arguments
