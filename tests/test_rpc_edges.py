@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fractions
 import importlib.util
 import math
 import struct
@@ -285,6 +286,22 @@ async def test_minus_infinite_deadline_has_passed(transport: str) -> None:
                 await _within(2, "deadline(-inf)", a.call("sleep", 10.0))
         with pytest.raises(tensorwire.ConfigurationError):
             await a.call("add", 1, 2, _deadline=math.nan)
+        await _settled(a, b)
+
+
+async def test_a_deadline_is_any_real_number_of_seconds() -> None:
+    """numpy's floats and ints and a Fraction are seconds, as they are for the node's own
+    timeouts (connect_timeout, lease_seconds); they were a ConfigurationError here. A bool, a
+    string and NaN are not."""
+    async with connected_pair("inproc") as (a, b):
+        _register(b.node)
+        for seconds in (np.float32(5.0), np.float64(5.0), np.int64(5), fractions.Fraction(5, 1)):
+            assert await _within(5, f"_deadline={seconds!r}", a.call("add", 1, 2, _deadline=seconds)) == 3
+            async with deadline(seconds):  # type: ignore[arg-type]
+                assert await a.call("add", 1, 2) == 3
+        for wrong in (True, np.bool_(True), "5", np.float64("nan")):
+            with pytest.raises(tensorwire.ConfigurationError, match="must be a number of seconds"):
+                await a.call("add", 1, 2, _deadline=wrong)
         await _settled(a, b)
 
 

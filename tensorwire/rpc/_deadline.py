@@ -16,8 +16,11 @@ import asyncio
 import contextlib
 import contextvars
 import math
+import numbers
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+
+import numpy as np
 
 from ..errors import ConfigurationError
 from ._protocol import MAX_DEADLINE
@@ -52,7 +55,9 @@ def _when() -> float | None:
 
 
 def _check_seconds(seconds: object, what: str) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    """Any real number of seconds (numpy's and ``Fraction`` too, as the node's own timeouts
+    take), infinities included; not a bool, not NaN."""
+    if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, numbers.Real):
         raise ConfigurationError(f"{what} must be a number of seconds, not {seconds!r}")
     try:
         value = float(seconds)
