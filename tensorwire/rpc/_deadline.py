@@ -62,7 +62,7 @@ def _check_seconds(seconds: object, what: str) -> float:
     try:
         value = float(seconds)
     except OverflowError:  # an int past any float: as good as infinite
-        value = math.inf if int(seconds) > 0 else -math.inf
+        value = math.inf if seconds > 0 else -math.inf  # type: ignore[operator]  # (an int: only ints overflow)
     if math.isnan(value):
         raise ConfigurationError(f"{what} must be a number of seconds, not {seconds!r}")
     return value
