@@ -72,6 +72,17 @@ def _tail(text: str, n: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
+def _failures(output: str, limit: int = 400) -> str:
+    """The guest pytest's FAILURES and ERRORS sections (the tracebacks), at most ``limit`` lines:
+    the tail alone is the -rA summary, which names a failed test but not why it failed."""
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"\[guest\] =+ (FAILURES|ERRORS) =+$", line)), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start, len(lines)) if "short test summary info" in lines[i]), len(lines))
+    return "\n".join(lines[start : min(end, start + limit)]) + "\n"
+
+
 def _env() -> dict[str, str]:
     """PYDEPS pinned to this interpreter's versions (the image is rebuilt when they change)."""
     try:
@@ -323,7 +334,7 @@ def test_conformance_suite_passes_over_verbs_in_the_guest(guest_run: tuple[int, 
 
     assert len(results) == len(CHECKS), f"expected {len(CHECKS)} conformance results:\n{_tail(output, 60)}"
     failed = {k: v for k, v in results.items() if v != "PASSED"}
-    assert not failed, f"{failed}\n{_tail(output, 80)}"
+    assert not failed, f"{failed}\n{_failures(output)}{_tail(output, 80)}"
 
 
 def test_verbs_unit_tests_pass_in_the_guest(guest_run: tuple[int, str]) -> None:
@@ -331,8 +342,8 @@ def test_verbs_unit_tests_pass_in_the_guest(guest_run: tuple[int, str]) -> None:
     results = {k: v for k, v in _results(output).items() if "test_verbs_guest" in k}
     assert len(results) >= 7, _tail(output, 60)
     failed = {k: v for k, v in results.items() if v not in ("PASSED", "SKIPPED")}
-    assert not failed, f"{failed}\n{_tail(output, 80)}"
-    assert rc == 0, _tail(output, 60)
+    assert not failed, f"{failed}\n{_failures(output)}{_tail(output, 80)}"
+    assert rc == 0, _failures(output) + _tail(output, 60)
     # the only skip allowed in the guest is the GPU one (no GPU there)
     skips = re.findall(r"^\[guest\] SKIPPED .*$", output, re.M)
     assert all("dma-buf" in line for line in skips), skips
@@ -348,7 +359,7 @@ def test_the_guest_runs_debian_pyverbs_44(guest_run: tuple[int, str]) -> None:
 
 def test_two_guests_exchange_tensors_over_rdma() -> None:
     rc, output = GUESTS.result("pair")
-    assert rc == 0, _tail(output, 60)
+    assert rc == 0, _failures(output) + _tail(output, 60)
     assert "[a] TWO_NODE_OK" in output and "[b] TWO_NODE_OK" in output, _tail(output, 60)
     assert re.search(r"\[b\] round trip of 4194304 bytes: eager", output), _tail(output, 60)
 
@@ -371,5 +382,5 @@ def test_conformance_suite_passes_over_verbs_with_pypi_pyverbs(pypi_guest_run: t
 
     assert len(results) == len(CHECKS), f"expected {len(CHECKS)} conformance results:\n{_tail(output, 60)}"
     failed = {k: v for k, v in results.items() if v != "PASSED"}
-    assert not failed, f"{failed}\n{_tail(output, 80)}"
-    assert rc == 0, _tail(output, 60)
+    assert not failed, f"{failed}\n{_failures(output)}{_tail(output, 80)}"
+    assert rc == 0, _failures(output) + _tail(output, 60)
