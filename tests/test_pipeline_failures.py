@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -343,6 +345,32 @@ async def built_stages(builds: Builds) -> AsyncIterator[tuple[list[tensorwire.No
 
 def unlinked(ss: list[pipeline.Stage]) -> bool:
     return all(s.prev is None and s.next is None for s in ss)
+
+
+@pytest.mark.timeout(60)
+async def test_a_rebuild_lets_go_of_the_old_part_before_it_builds_the_new_one() -> None:
+    """A build= stage rebuilds its part on every configure. It kept the old part until the new
+    one was built, so a large model was in memory twice while it loaded again; now nothing of
+    the stage holds the old part once the new build starts."""
+    ls = layers(2)
+    made: list[weakref.ref[Any]] = []
+    alive_at_build: list[bool] = []
+
+    def build(rank: int, num_stages: int) -> pipeline.FunctionPart:
+        if rank == 0:
+            gc.collect()
+            alive_at_build.append(any(r() is not None for r in made))
+        part = parts(ls)[rank]
+        if rank == 0:
+            made.append(weakref.ref(part))
+        return part
+
+    x, y = batch()
+    async with nodes(3) as ns, pipeline.Stage(ns[0], build=build), pipeline.Stage(ns[1], build=build):
+        for _ in range(2):
+            async with await pipeline.Pipeline.connect(ns[2], [ns[0].address, ns[1].address]) as pipe:
+                assert (await pipe.step(x, y, microbatches=2)).loss > 0
+    assert alive_at_build == [False, False], alive_at_build
 
 
 @pytest.mark.timeout(60)

@@ -394,6 +394,9 @@ class Stage:
             f"stage {rank} at {self.node.address} is not linked yet: its driver links it next"
         )
         if self._build is not None:
+            # the old part goes before the new one is built: a rebuilt model's two copies (its
+            # weights, its optimizer state) would otherwise be in memory together
+            self.part = None
             built, _ = await self._compute(self._build, rank, num_stages)
             self.part = as_part(built, **self._options)
         assert self.part is not None
