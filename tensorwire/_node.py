@@ -67,7 +67,7 @@ class NodeConfig:
         frame raises IntegrityError and is never delivered.
     tls: certificates for the control plane (TLSConfig): TLS, or mutual TLS with
         require_client_cert. The session secret then never crosses the network in the clear.
-    node_id: this node's name; a random one by default.
+    node_id: this node's name, at most MAX_NODE_ID_CHARS (256) characters; a random one by default.
     ucx_options: UCX configuration for this node's ucx transport, names without the ``UCX_``
         prefix: ``{"TLS": "sm,self"}``, ``{"RNDV_THRESH": "64k"}``. Passed to the UCX context,
         never through the environment; they win over ``ucx_config()`` and ``UCX_*`` variables.
@@ -80,6 +80,8 @@ class NodeConfig:
 
     MIN_LEASE_SECONDS: ClassVar[float] = 0.05  # the watchdog wakes every lease / 4 (at most 0.5 s)
     MAX_LEASE_SECONDS: ClassVar[float] = float((1 << 32) - 1) // 1000  # lease_ms is a uint32
+    # a name, not a payload: it travels in every handshake (a huge one failed there, deep in gRPC)
+    MAX_NODE_ID_CHARS: ClassVar[int] = 256
 
     transports: tuple[str, ...] = DEFAULT_PREFERENCE
     auth_token: str | None = field(default=None, repr=False)  # a secret: never printed
@@ -111,6 +113,11 @@ class NodeConfig:
                 f"tls must be a tensorwire.TLSConfig(cert_file=..., key_file=..., ...) or None, not {self.tls!r}"
             )
         _check_name("node_id", self.node_id)
+        if self.node_id is not None and len(self.node_id) > self.MAX_NODE_ID_CHARS:
+            raise ConfigurationError(
+                f"node_id is {len(self.node_id)} characters long ({self.node_id[:40]!r}...); "
+                f"the limit is {self.MAX_NODE_ID_CHARS}: give the node a shorter name"
+            )
         opts = self.ucx_options
         if not isinstance(opts, Mapping):
             raise ConfigurationError(f"ucx_options must be a mapping like {{'TLS': 'sm,self'}}, not {opts!r}")

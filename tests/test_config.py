@@ -160,6 +160,20 @@ async def test_node_options_reject(field: str, options: dict[str, Any]) -> None:
         NodeConfig(**options)
 
 
+async def test_node_id_has_a_length_limit() -> None:
+    """A node's name travels in every handshake: one past 256 characters is refused where it is
+    given (a multi-MB one used to fail only at connect, deep in gRPC); one at the limit works."""
+    for n in (257, 10_000, 4 << 20):
+        with pytest.raises(ConfigurationError, match=rf"node_id is {n} characters long .*the limit is 256"):
+            NodeConfig(node_id="n" * n)
+        with pytest.raises(ConfigurationError, match="node_id"):
+            tensorwire.start("127.0.0.1:0", node_id="n" * n)
+    assert NodeConfig.MAX_NODE_ID_CHARS == 256
+    name = "\u00e9" * 256  # characters, not bytes: 512 bytes of UTF-8
+    async with connected_pair("tcp", node_id=name) as (a, b):
+        assert a.node.node_id == name and b.remote_node == name
+
+
 async def test_config_must_be_a_node_config() -> None:
     with pytest.raises(ConfigurationError, match="NodeConfig"):
         tensorwire.start("127.0.0.1:0", config={"lease_seconds": 1.0})  # type: ignore[arg-type]

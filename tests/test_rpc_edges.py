@@ -152,6 +152,49 @@ async def test_text_that_cannot_be_encoded_comes_back_as_an_error(transport: str
         await _settled(a, b)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_result_that_cannot_be_sent_is_not_reported_as_raised(transport: str) -> None:
+    """A method that returns (or yields) something tensorwire cannot send did not raise: the
+    caller's error says the value could not be sent, and keeps the type of what stopped it."""
+    async with _nodes(transport) as (a, b):
+        _register(b.node)
+        results: dict[str, Any] = {"set": {1, 2}, "object": object(), "dict of an object": {"x": 1, "y": object()}}
+
+        @b.node.method()
+        async def returns(key: str) -> Any:
+            return results[key]
+
+        @b.node.method()
+        async def items() -> AsyncIterator[Any]:
+            yield 1
+            yield {3}
+
+        for key in results:
+            with pytest.raises(tensorwire.RemoteError) as info:
+                await _within(5, key, a.call("returns", key))
+            err = info.value
+            assert type(err) is tensorwire.RemoteError and err.remote_type == "UnsupportedTensorError"
+            unsent = f"returns's result could not be sent (UnsupportedTensorError): cannot send {key.split()[-1]}:"
+            assert unsent in str(err), str(err)
+            assert "raised" not in str(err), str(err)
+            assert err.remote_traceback == ""  # the encoder's stack says nothing of the method
+
+        got: list[Any] = []
+
+        async def consume() -> None:
+            async for item in a.stream("items"):
+                got.append(item)
+
+        with pytest.raises(tensorwire.RemoteError) as info:
+            await _within(5, "a stream with an item that cannot be sent", consume())
+        assert got == [1]
+        assert info.value.remote_type == "UnsupportedTensorError"
+        assert "items's item 1 (counting from 0) could not be sent" in str(info.value), str(info.value)
+        assert "raised" not in str(info.value)
+        assert await _within(5, "a call afterwards", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
+
+
 # -- message slots shared by calls and unread streams ---------------------------------------------
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_unread_streams_never_starve_other_calls(transport: str) -> None:

@@ -19,6 +19,8 @@ server -> caller, all on reply_tag(id)
                                 the window it asked for, then what it grants; STREAM_WINDOW at most)
     (RESULT, value)             terminal
     (ERROR, code, type, message, traceback)                            terminal
+                                code UNSENT: the method returned or yielded a value that could
+                                not be sent (type: the error that stopped it; no traceback)
     (CANCELLED,)                terminal: the call was cancelled as its caller asked
 
 Every call the server sees ends with exactly one terminal message, so a caller that gives up
@@ -71,6 +73,7 @@ __all__ = [
     "reply_tag",
     "safe_text",
     "traceback_text",
+    "unsent_reply",
 ]
 
 _BASE = -0x7477_5250_0000_0000  # "twRP": below the one-sided range, far from hashed string tags
@@ -130,6 +133,7 @@ class Code(enum.IntEnum):
     NOT_FOUND = 1
     INVALID = 2
     DEADLINE = 3
+    UNSENT = 4  # the method returned (or yielded) a value that could not be sent back
 
 
 def meta(call_id: int, deadline: float | None, kind: Kind, nbytes: int, window: int = 0) -> np.ndarray:
@@ -244,6 +248,15 @@ def error_reply(exc: BaseException, code: Code = Code.RAISED) -> tuple[Any, ...]
     return (Reply.ERROR, int(code), _clip(name), _clip(message), _clip(tb))
 
 
+def unsent_reply(what: str, exc: BaseException) -> tuple[Any, ...]:
+    """The ERROR message for a value the method returned or yielded (``what``: "f's result")
+    that could not be sent: typed as the error that stopped it, so that code matching on the type
+    keeps working, and worded as what it is, not as something the method raised."""
+    name = type(exc).__name__
+    message = f"{what} could not be sent ({name}): {describe(exc)}"
+    return (Reply.ERROR, int(Code.UNSENT), _clip(name), _clip(message), "")
+
+
 def _ascii(text: object, limit: int) -> str:
     out = safe_text(text).encode("ascii", "backslashreplace").decode()
     return out if len(out) <= limit else out[: limit - 3] + "..."
@@ -271,4 +284,6 @@ def raise_error(msg: tuple[Any, ...], method: str, where: str) -> None:
         raise InvalidArguments(f"{method} on {where}: {message}", **kw)
     if code is Code.DEADLINE:
         raise DeadlineExceeded(f"{method} on {where}: {message}")
+    if code is Code.UNSENT:
+        raise RemoteError(f"{method} on {where}: {message}", **kw)
     raise RemoteError(f"{method} on {where} raised {name}: {message}", **kw)

@@ -60,6 +60,7 @@ from ._protocol import (
     parse_request,
     reply_tag,
     split_args,
+    unsent_reply,
 )
 from ._registry import Method, MethodRegistry, Slots
 
@@ -378,8 +379,8 @@ class PeerServer:
                     started = start_method(method, args, kwargs)
                     call.in_method = True
                     if method.streaming:
-                        await self._stream(call, cast(AsyncGenerator[Any, None], started))
-                        return (Reply.RESULT, None)
+                        unsent = await self._stream(call, cast(AsyncGenerator[Any, None], started))
+                        return unsent or (Reply.RESULT, None)
                     return (Reply.RESULT, await cast(Awaitable[Any], started))
         except TimeoutError as exc:
             if tm.expired() or (deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at):
@@ -447,10 +448,13 @@ class PeerServer:
             raise InvalidArguments("malformed call arguments: expected (args, kwargs)")
         return split_args(*payload)
 
-    async def _stream(self, call: _Call, agen: AsyncGenerator[Any, None]) -> None:
+    async def _stream(self, call: _Call, agen: AsyncGenerator[Any, None]) -> tuple[Any, ...] | None:
+        """Send the items ``agen`` yields; the call's error reply if one of them could not be
+        sent (it does not encode, or it is past the caller's limits), which ends the stream."""
         tag = reply_tag(call.req.call_id)
         loop = asyncio.get_running_loop()
         async with contextlib.aclosing(agen):
+            index = 0
             async for item in agen:
                 # a generator that swallowed its cancellation (caught it, or an await inside that
                 # lost it) yields on: no item goes to a caller that gave up, which grants no credit
@@ -460,7 +464,11 @@ class PeerServer:
                     call.wake = loop.create_future()
                     await call.wake
                 call.credit -= 1
-                await self._send(tag, (Reply.ITEM, item))
+                failure = await self._try_send(tag, (Reply.ITEM, item))
+                if failure is not None:
+                    return unsent_reply(f"{call.req.method}'s item {index} (counting from 0)", failure)
+                index += 1
+        return None
 
     async def _send(self, tag: int, msg: tuple[Any, ...]) -> None:
         await self.peer.channel.send(tag, await encode_off_loop(msg))
@@ -476,16 +484,17 @@ class PeerServer:
             note = f"the full error could not be sent: {describe(failure)}"
             await self.peer.channel.send(tag, prepare(brief_error(name, message, Code(code), note)))
             return
-        if await self._try_send(tag, error_reply(failure)) is not None:
-            what = f"the result of {method} could not be sent: {describe(failure)}"
-            await self.peer.channel.send(tag, prepare(brief_error(type(failure).__name__, what)))
+        unsent = unsent_reply(f"{method}'s result", failure)
+        if await self._try_send(tag, unsent) is not None:
+            _, code, name, message, _ = unsent
+            await self.peer.channel.send(tag, prepare(brief_error(name, message, Code(code))))
 
     async def _try_send(self, tag: int, reply: tuple[Any, ...]) -> Exception | None:
         """Send ``reply``; the error if none of it went out because it does not encode or does
         not fit the caller's limits. Other failures (the channel went away) raise."""
         try:
-            # results repeat their structure (cached encoding); errors carry fresh text
-            msg = await encode_off_loop(reply) if reply[0] == Reply.RESULT else prepare(reply)
+            # results and items repeat their structure (cached encoding); errors carry fresh text
+            msg = await encode_off_loop(reply) if reply[0] in (Reply.RESULT, Reply.ITEM) else prepare(reply)
         except Exception as exc:  # UnsupportedTensorError, or whatever a strange object raised
             return exc
         try:
