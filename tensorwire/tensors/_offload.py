@@ -23,7 +23,7 @@ import numpy as np
 
 from .._loops import wait_out
 
-__all__ = ["OFF_LOOP_BYTES", "copy_host", "off_loop", "packs_in_a_thread", "worth_a_thread"]
+__all__ = ["OFF_LOOP_BYTES", "copy_host", "copy_host_soon", "off_loop", "packs_in_a_thread", "worth_a_thread"]
 
 OFF_LOOP_BYTES = 1 << 20  # a host copy this large or larger runs in a worker thread
 _WORKERS = 4  # copies are bound by memory bandwidth: a few threads use it all
@@ -72,12 +72,24 @@ def _copies(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         np.copyto(dst, src)
 
 
-async def copy_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """``np.copyto(dst, src)`` for each pair: small ones here, and the large ones together in a
-    copy thread. Returns or raises only once every copy has ended."""
+def copy_host_soon(pairs: list[tuple[np.ndarray, np.ndarray]]) -> asyncio.Future[None] | None:
+    """Start ``copy_host``'s copies without waiting for them: the small ones here, now, and the
+    large ones together in a copy thread, whose future this returns (None if there were none).
+    The caller owns that wait: whoever lent the arrays waits it out (``wait_out``) before it
+    returns, and nothing reads the destinations before it ends."""
     big = [(d, s) for d, s in pairs if worth_a_thread(d.nbytes)]
     for dst, src in pairs:
         if not worth_a_thread(dst.nbytes):
             np.copyto(dst, src)
-    if big:
-        await off_loop(lambda: _copies(big))
+    if not big:
+        return None
+    return asyncio.wrap_future(_executor().submit(_copies, big))
+
+
+async def copy_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dst, src)`` for each pair: small ones here, and the large ones together in a
+    copy thread. Returns or raises only once every copy has ended."""
+    fut = copy_host_soon(pairs)
+    if fut is not None:
+        await wait_out(fut)
+        fut.result()

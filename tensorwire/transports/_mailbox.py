@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._loops import wait_out
 from ..errors import TensorWireError, TransferError, UnsupportedTensorError
 from ..memory import download
 from ..tensors import DTYPES, Spec, byte_view, match_out, rebuild, with_scalars
@@ -43,7 +44,7 @@ from ..tensors._device import (
     cuda_usable,
     wanted_device,
 )
-from ..tensors._offload import copy_host
+from ..tensors._offload import copy_host, copy_host_soon
 from ._base import Receipt
 
 if TYPE_CHECKING:
@@ -79,8 +80,10 @@ class Arrival:
         "dest",
         "direct",
         "done",
+        "landed",
         "landing",
         "lost",
+        "moving",
         "msg_id",
         "nbytes",
         "pinned",
@@ -128,6 +131,13 @@ class Arrival:
         self.pinned = False
         self.settled = False  # its slot and credit went back to the sender already
         self.written = 0
+        # how many payload bytes are in ``dest``, exact at every point the loop runs, kept by a
+        # transport that writes them in order (tcp, inproc: ``mark``); None where unknown
+        # (``written`` can lag by a frame, or a write under way elsewhere can still land)
+        self.landed: int | None = None
+        # the copy of what landed in a cancelled recv's out= into buffers of our own (``detach``),
+        # under way in a copy thread: nothing reads ``dest`` before it ends
+        self.moving: asyncio.Future[None] | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._flat: list[tuple[int, int, int, memoryview | None]] | None = None
         self._starts: list[int] = []  # the first byte of each _flat entry
@@ -187,10 +197,21 @@ class Arrival:
         self.direct = False
         self._flat = None
 
-    def detach(self) -> None:
-        """Stop writing into the caller's buffer: keep what landed, continue into our own."""
+    def mark(self, end: int) -> None:
+        """The payload has landed up to byte ``end`` (a transport that writes it in order calls
+        this after each write, so that ``landed`` is exact wherever the loop runs)."""
+        self.landed = end
+
+    def detach(self) -> asyncio.Future[None] | None:
+        """Stop writing into the caller's buffer: keep what landed, continue into our own.
+
+        Returns the copy thread's future when what landed is copied there (``moving``): the
+        cancelled recv waits it out before it returns, since it reads the caller's out=."""
         if self.dest is None or not self.direct:
-            return
+            return None
+        landed = self.nbytes if self.done.done() else self.landed
+        if landed is not None and all(isinstance(d, np.ndarray) for d in self.dest):
+            return self._move(landed)
         old = self.dest
         new: list[np.ndarray | DeviceTensor] = []
         for spec, d in zip(self.specs, old, strict=True):
@@ -211,13 +232,43 @@ class Arrival:
                     # no memory to keep what landed: the rest goes to scratch, never into
                     # the caller's buffer, and the message is dropped (its next recv says so)
                     self.drop(exc)
-                    return
+                    return None
                 # a transport may be part way through a chunk, so ``written`` can lag: copy it all
                 np.copyto(own, d)
                 new.append(own)
         self.dest = new
         self.direct = False
         self._flat = None
+        return None
+
+    def _move(self, landed: int) -> asyncio.Future[None] | None:
+        """``detach`` where exactly the first ``landed`` bytes are in the caller's host buffers:
+        the rest lands in ours from now on, and those bytes, which no longer change, are copied
+        over (a large copy in a copy thread, so that a cancel of a large recv does not stall the
+        loop for a whole copy; the bytes yet to come are not copied at all)."""
+        old = self._layout()
+        try:
+            new = [s.allocate() for s in self.specs]
+        except TransferError as exc:
+            self.drop(exc)  # as in detach: what landed is lost, and the message with it
+            return None
+        pairs = []
+        for start, end, i, mv in old:
+            if start >= landed:
+                break
+            n = min(end, landed) - start
+            dst = np.frombuffer(byte_view(new[i]), np.uint8, n)
+            pairs.append((dst, np.frombuffer(mv, np.uint8, n)))  # type: ignore[arg-type]  # host: mv is set
+        self.dest = new  # type: ignore[assignment]  # (list invariance)
+        self.direct = False
+        self._flat = None
+        self.moving = copy_host_soon(pairs)
+        return self.moving
+
+    async def moved(self) -> None:
+        """Wait for the copy ``detach`` left running, if any, before reading ``dest``."""
+        if self.moving is not None:
+            await asyncio.shield(self.moving)
 
     def _layout(self) -> list[tuple[int, int, int, memoryview | None]]:
         """Each non-empty tensor of ``dest`` as (first byte, end, index, host byte view or None);
@@ -570,9 +621,32 @@ class Mailbox:
         arrival.direct = False
 
     # -- user side ------------------------------------------------------------------------
-    def _requeue(self, arrival: Arrival) -> None:
-        arrival.detach()
-        self._arrived.setdefault(arrival.tag, deque()).appendleft(arrival)
+    async def _requeue(self, arrival: Arrival) -> None:
+        """Give a cancelled recv's message back, out of the recv's out=: to the oldest recv
+        posted on its tag meanwhile (it waited behind the one cancelled, and would otherwise
+        take the next message first, this one left queued), else to the head of its queue;
+        return once nothing reads or writes that out= any more."""
+        moving = arrival.detach()
+        posted = self._posted.get(arrival.tag)
+        while posted:
+            p = posted.popleft()
+            if not posted:
+                del self._posted[arrival.tag]
+            if p.future.done():  # cancelled recv
+                continue
+            if p.out is not None:
+                try:  # an out= it cannot take fails that recv, as ``arrive`` does (no redirect:
+                    _match(p.out, arrival, p.streams)  # what landed is in our buffers now)
+                except TensorWireError as exc:
+                    p.future.set_exception(exc)
+                    continue
+            self._held.add(arrival)
+            p.future.set_result(arrival)
+            break
+        else:
+            self._arrived.setdefault(arrival.tag, deque()).appendleft(arrival)
+        if moving is not None:
+            await wait_out(moving)  # the copy reads the caller's out=: it ends before the cancel does
 
     async def recv(
         self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None
@@ -618,11 +692,11 @@ class Mailbox:
                                 self._held.discard(got)  # given back (requeued) or failed
                             if isinstance(got, _Delivered):
                                 # delivered into out= before the cancel: give the message back
-                                self._requeue(got.give_back(self.channel, tag, out))
+                                await self._requeue(got.give_back(self.channel, tag, out))
                                 raise
                             if got.pinned and not await _finished(got):
                                 raise  # it failed: nothing to give back
-                            self._requeue(got)
+                            await self._requeue(got)
                         else:
                             pq = self._posted.get(tag)
                             if pq is not None and p in pq:
@@ -644,7 +718,7 @@ class Mailbox:
                     if failed:
                         arrival.let_go()
                     elif not arrival.consumed:
-                        self._requeue(arrival)
+                        await self._requeue(arrival)
                     raise
                 finally:
                     self._held.discard(arrival)
@@ -675,6 +749,7 @@ class Mailbox:
             await self.channel.pull(arrival)
         elif not arrival.done.done():
             await asyncio.shield(arrival.done)
+        await arrival.moved()  # given back by a cancelled recv: what landed in its out= is ours
         arrival.consumed = True
         try:
             return await self._hand_over(arrival, out, targets, t0, want, streams)

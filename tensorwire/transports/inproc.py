@@ -58,6 +58,7 @@ async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None
             dst[:] = seg[off : off + len(dst)]
             off += len(dst)
             arrival.written = pos + off
+            arrival.mark(pos + off)
             if arrival.written < arrival.nbytes:
                 await asyncio.sleep(0)
         pos += len(seg)
@@ -166,6 +167,7 @@ class InprocChannel(Channel):
                     rendezvous=not eager,
                     protocol="eager" if eager else "rendezvous",
                 )
+                arrival.landed = 0  # _copy lands the payload in order, and marks it as it goes
                 segs = msg.segments()
                 source = None if eager else _Source(segs)
                 if source is not None:

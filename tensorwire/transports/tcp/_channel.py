@@ -448,6 +448,7 @@ class TcpChannel(Channel):
                         rendezvous=rndv,
                         protocol="rendezvous" if rndv else "eager",
                     )
+                    arrival.landed = 0  # host payloads land in order, marked as they do (read_into)
                     # a payload this small is read through SockIO's read-ahead buffer and copied
                     # out of it (a larger one mostly straight into place): not direct
                     arrival.copied = 0 < arrival.nbytes < SMALL_READ
@@ -477,7 +478,7 @@ class TcpChannel(Channel):
                         await self._check_trailer(crc, arrival)
                     else:
                         if hdr.payload_len:
-                            await io.read_into(arrival.view, 0, hdr.payload_len)
+                            await io.read_into(arrival.view, 0, hdr.payload_len, arrival.mark)
                         await self._verify(crc, arrival, 0, hdr.payload_len)
                     arrival.written = hdr.payload_len
                     if arrival.written == arrival.nbytes:
@@ -627,6 +628,9 @@ class TcpChannel(Channel):
         """Check a frame's crc32c trailer against what landed; IntegrityError if it differs."""
         if not self.checksum:
             return
+        # a recv cancelled part way moved the message out of its out= (detach): the bytes of this
+        # frame that landed there are read from ours once copied over
+        await arrival.moved()
         end = start + n
         while start < end:
             view = arrival.view(start, end - start)
@@ -688,7 +692,7 @@ class TcpChannel(Channel):
             crc = await self._land(arrival, start, n, crc)
             await self._check_trailer(crc, arrival)
         else:
-            await self._io.read_into(arrival.view, start, n)
+            await self._io.read_into(arrival.view, start, n, arrival.mark)
             await self._verify(crc, arrival, start, n)
         arrival.written = start + n
         if arrival.written == arrival.nbytes:

@@ -222,8 +222,15 @@ class SockIO:
         await self.read_into(lambda off, k: memoryview(out)[off : off + k], 0, n)
         return bytes(out)
 
-    async def read_into(self, view: Callable[[int, int], memoryview], offset: int, n: int) -> None:
-        """Read ``n`` bytes into ``view(offset, k)``, asking for the view anew before each write."""
+    async def read_into(
+        self,
+        view: Callable[[int, int], memoryview],
+        offset: int,
+        n: int,
+        landed: Callable[[int], None] | None = None,
+    ) -> None:
+        """Read ``n`` bytes into ``view(offset, k)``, asking for the view anew before each write,
+        and telling ``landed`` the offset reached after each (before anything else runs)."""
         end = offset + n
         since_yield = 0
         while offset < end:
@@ -238,6 +245,8 @@ class SockIO:
                 dst[:] = memoryview(self._buf)[self._start : self._start + k]
                 self._start += k
                 offset += k
+                if landed is not None:
+                    landed(offset)
                 continue
             if remaining < _SMALL:
                 await self._fill()
@@ -254,6 +263,8 @@ class SockIO:
                 raise PeerEOF("peer closed the connection mid-message")
             offset += k
             since_yield += k
+            if landed is not None:
+                landed(offset)
 
     # -- writing ----------------------------------------------------------------------------
     def send_now(self, bufs: list[Buffer]) -> list[Buffer]:
