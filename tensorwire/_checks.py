@@ -34,18 +34,24 @@ def _bound(n: int) -> str:
     return f"2**{k} - 1" if k >= 16 and n + 1 == 1 << k else str(n)
 
 
+def as_real(value: object) -> float | None:
+    """``value`` as a float if it is a real number (numpy's and ``Fraction`` too; an int past any
+    float as an infinity of its sign), else None: a bool is not one."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int (or a Fraction) past any float
+        return math.inf if value > 0 else -math.inf  # type: ignore[operator]  # (Real has no __gt__ in typeshed)
+
+
 def check_seconds(what: str, value: object, lo: float = 0.0, hi: float = MAX_SECONDS) -> float:
     """``value`` as a finite number of seconds above ``lo`` (at least ``lo`` where it is not 0)
     and at most ``hi``."""
     top = int(hi) if float(hi).is_integer() else hi
     allowed = f"a number of seconds > 0 and at most {top}" if lo == 0 else f"a number of seconds from {lo} to {top}"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ConfigurationError(f"{what} must be {allowed}, not {value!r}")
-    try:
-        s = float(value)
-    except OverflowError:  # an int past any float
-        s = math.inf
-    if not (math.isfinite(s) and (s > 0 if lo == 0 else s >= lo) and s <= hi):
+    s = as_real(value)
+    if s is None or not (math.isfinite(s) and (s > 0 if lo == 0 else s >= lo) and s <= hi):
         raise ConfigurationError(f"{what} must be {allowed}, not {value!r}")
     return s
 

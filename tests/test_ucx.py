@@ -428,6 +428,21 @@ def test_idle_node_burns_no_cpu() -> None:
     assert pct < 5.0, f"idle cpu {pct:.2f}%"
 
 
+async def _ucx_client(address: str, before: str, then: str) -> asyncio.subprocess.Process:
+    """A child process that runs ``before`` (allocations, made before any session begins),
+    connects a ucx node to ``address`` as ``p``, and runs ``then`` (one line) in that session."""
+    code = (
+        "import asyncio, numpy as np, tensorwire\n"
+        "async def main():\n"
+        f"    {before}\n"
+        '    async with tensorwire.start(transports=("ucx",)) as n:\n'
+        f"        p = await n.connect({address!r})\n"
+        f"        {then}\n"
+        "asyncio.run(main())\n"
+    )
+    return await asyncio.create_subprocess_exec(sys.executable, "-c", code)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("posted", [True, False], ids=["recv-first", "message-first"])
 async def test_the_loop_turns_while_a_large_payload_lands_over_cma(posted: bool) -> None:
@@ -438,22 +453,10 @@ async def test_the_loop_turns_while_a_large_payload_lands_over_cma(posted: bool)
     Now the loop's other tasks run many times while it lands: counted in loop turns, not in
     time."""
     async with tensorwire.start(transports=("ucx",)) as node:
-        child = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                    import asyncio, numpy as np, tensorwire
-                    async def main():
-                        x = np.full(256 << 20, 7, np.uint8)
-                        async with tensorwire.start(transports=("ucx",)) as n:
-                            p = await n.connect({node.address!r})
-                            await p.recv(tag="go")
-                            await p.send(x, tag=1)
-                            await p.recv(tag="bye")
-                    asyncio.run(main())
-                    """
-            ),
+        child = await _ucx_client(
+            node.address,
+            "x = np.full(256 << 20, 7, np.uint8)",
+            'await p.recv(tag="go"); await p.send(x, tag=1); await p.recv(tag="bye")',
         )
         try:
             async with asyncio.timeout(30):
@@ -513,21 +516,8 @@ async def test_peer_killed_mid_transfer_fails_pending_ops() -> None:
     buffers the first recv failed in 3 runs of 5, one node having given up on the other.)"""
     async with tensorwire.start(transports=("ucx",), lease_seconds=2.0) as node:
         out = np.ones(256 * MiB, np.uint8)
-        child = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                    import asyncio, numpy as np, tensorwire
-                    async def main():
-                        x = np.ones(256 << 20, np.uint8)
-                        async with tensorwire.start(transports=("ucx",)) as n:
-                            p = await n.connect({node.address!r})
-                            while True:
-                                await p.send(x, tag=1)
-                    asyncio.run(main())
-                    """
-            ),
+        child = await _ucx_client(
+            node.address, "x = np.ones(256 << 20, np.uint8)", "while True: await p.send(x, tag=1)"
         )
         try:
             async with asyncio.timeout(10):

@@ -16,12 +16,10 @@ import asyncio
 import contextlib
 import contextvars
 import math
-import numbers
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
-import numpy as np
-
+from .._checks import as_real
 from ..errors import ConfigurationError
 from ._protocol import MAX_DEADLINE
 
@@ -57,15 +55,22 @@ def _when() -> float | None:
 def _check_seconds(seconds: object, what: str) -> float:
     """Any real number of seconds (numpy's and ``Fraction`` too, as the node's own timeouts
     take), infinities included; not a bool, not NaN."""
-    if isinstance(seconds, (bool, np.bool_)) or not isinstance(seconds, numbers.Real):
-        raise ConfigurationError(f"{what} must be a number of seconds, not {seconds!r}")
-    try:
-        value = float(seconds)
-    except OverflowError:  # an int past any float: as good as infinite
-        value = math.inf if seconds > 0 else -math.inf  # type: ignore[operator]  # (an int: only ints overflow)
-    if math.isnan(value):
+    value = as_real(seconds)
+    if value is None or math.isnan(value):
         raise ConfigurationError(f"{what} must be a number of seconds, not {seconds!r}")
     return value
+
+
+@contextlib.contextmanager
+def _scoped(when: float | None, outer: _Scope | None) -> Iterator[None]:
+    """Run the block under the deadline ``when``, a scope that closes as the block ends."""
+    scope = _Scope(when, outer)
+    token = _DEADLINE.set(scope)
+    try:
+        yield
+    finally:
+        scope.open = False
+        _DEADLINE.reset(token)
 
 
 @asynccontextmanager
@@ -81,14 +86,9 @@ async def deadline(seconds: float) -> AsyncIterator[None]:
     outer = _when()
     if outer is not None:
         when = outer if when is None else min(when, outer)
-    scope = _Scope(when, _DEADLINE.get())
-    token = _DEADLINE.set(scope)
-    try:
+    with _scoped(when, _DEADLINE.get()):
         async with asyncio.timeout_at(when):
             yield
-    finally:
-        scope.open = False
-        _DEADLINE.reset(token)
 
 
 def current_deadline() -> float | None:
@@ -112,15 +112,8 @@ def effective_deadline(explicit: float | None) -> float | None:
     return explicit if left is None else min(explicit, left)
 
 
-@contextlib.contextmanager
-def served_under(when: float | None) -> Iterator[None]:
+def served_under(when: float | None) -> contextlib.AbstractContextManager[None]:
     """Serve a call under its caller's absolute deadline ``when`` (None: none) for the block:
     what the method calls inherits what is left of it, and tasks it starts that outlive the
-    call do not."""
-    scope = _Scope(when, None)  # the caller's deadline replaces whatever this task had
-    token = _DEADLINE.set(scope)
-    try:
-        yield
-    finally:
-        scope.open = False
-        _DEADLINE.reset(token)
+    call do not. The caller's deadline replaces whatever this task had (no outer scope)."""
+    return _scoped(when, None)

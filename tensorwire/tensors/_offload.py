@@ -51,9 +51,14 @@ async def off_loop(fn: Callable[[], T]) -> T:
 
     A cancellation of the caller waits for ``fn`` to end before it propagates, so ``fn`` never
     runs on past the call that asked for it."""
-    fut = asyncio.wrap_future(_executor().submit(fn))
+    fut = _in_a_thread(fn)
     await wait_out(fut)
     return fut.result()
+
+
+def _in_a_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """Start ``fn`` in a copy thread; its outcome as a future of this loop (never waited here)."""
+    return asyncio.wrap_future(_executor().submit(fn))
 
 
 def worth_a_thread(nbytes: int) -> bool:
@@ -83,7 +88,7 @@ def copy_host_soon(pairs: list[tuple[np.ndarray, np.ndarray]]) -> asyncio.Future
             np.copyto(dst, src)
     if not big:
         return None
-    return asyncio.wrap_future(_executor().submit(_copies, big))
+    return _in_a_thread(lambda: _copies(big))
 
 
 async def copy_host(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:

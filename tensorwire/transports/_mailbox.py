@@ -551,6 +551,14 @@ class Mailbox:
 
     def arrive(self, arrival: Arrival) -> None:
         """A message header arrived. Match it to a posted recv or queue it."""
+        if not self._to_posted(arrival, place=True):
+            self._arrived.setdefault(arrival.tag, deque()).append(arrival)
+
+    def _to_posted(self, arrival: Arrival, *, place: bool) -> bool:
+        """Hand ``arrival`` to the oldest live recv posted on its tag; False if none takes it. A
+        recv whose out= cannot take it fails (not the channel) and the next is tried. ``place``:
+        a message yet to land lands where that recv wants it (its out=, or device tensors);
+        one given back keeps the buffers of ours that hold what landed."""
         posted = self._posted.get(arrival.tag)
         while posted:
             p = posted.popleft()
@@ -561,18 +569,18 @@ class Mailbox:
             try:
                 if p.out is not None:
                     targets = _match(p.out, arrival, p.streams)
-                    if self._lands(targets):
+                    if place and self._lands(targets):
                         arrival.dest = targets
                         arrival.direct = True
-                elif arrival.nbytes and self.channel.device_kinds:
+                elif place and arrival.nbytes and self.channel.device_kinds:
                     self._place(arrival, p.device, p.streams)
             except TensorWireError as exc:  # that recv fails, not the channel
                 p.future.set_exception(exc)
                 continue
             self._held.add(arrival)
             p.future.set_result(arrival)
-            return
-        self._arrived.setdefault(arrival.tag, deque()).append(arrival)
+            return True
+        return False
 
     def abort(self, arrival: Arrival) -> None:
         """The sender gave up on ``arrival``: drop it, and let a recv waiting on it re-post."""
@@ -627,23 +635,7 @@ class Mailbox:
         take the next message first, this one left queued), else to the head of its queue;
         return once nothing reads or writes that out= any more."""
         moving = arrival.detach()
-        posted = self._posted.get(arrival.tag)
-        while posted:
-            p = posted.popleft()
-            if not posted:
-                del self._posted[arrival.tag]
-            if p.future.done():  # cancelled recv
-                continue
-            if p.out is not None:
-                try:  # an out= it cannot take fails that recv, as ``arrive`` does (no redirect:
-                    _match(p.out, arrival, p.streams)  # what landed is in our buffers now)
-                except TensorWireError as exc:
-                    p.future.set_exception(exc)
-                    continue
-            self._held.add(arrival)
-            p.future.set_result(arrival)
-            break
-        else:
+        if not self._to_posted(arrival, place=False):
             self._arrived.setdefault(arrival.tag, deque()).appendleft(arrival)
         if moving is not None:
             await wait_out(moving)  # the copy reads the caller's out=: it ends before the cancel does
