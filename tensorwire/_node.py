@@ -58,7 +58,9 @@ class NodeConfig:
     """How a node behaves. Every field has a sensible default.
 
     transports: transport names in order of preference (fastest first).
-    auth_token: if set, peers must present it in the handshake.
+    auth_token: if set, peers must present it in the handshake, and stock gRPC clients in
+        ``authorization: Bearer <token>`` metadata; so it is printable ASCII (a space included),
+        at most MAX_AUTH_TOKEN_CHARS (4096) characters: ``secrets.token_urlsafe(32)`` is one.
     limits: memory and message bounds (see ``tensorwire.transports.Limits``).
     connect_timeout: seconds a connect (handshake plus data connection) may take.
     lease_seconds: a peer that neither renews its lease over the control plane nor answers
@@ -82,6 +84,10 @@ class NodeConfig:
     MAX_LEASE_SECONDS: ClassVar[float] = float((1 << 32) - 1) // 1000  # lease_ms is a uint32
     # a name, not a payload: it travels in every handshake (a huge one failed there, deep in gRPC)
     MAX_NODE_ID_CHARS: ClassVar[int] = 256
+    # the token is also a gRPC metadata value, which gRPC refuses past 8 KiB of metadata in all
+    # (at random from there to 16 KiB, always beyond): half of that leaves the client's other
+    # headers (about 0.5 KiB) and any metadata of its own room
+    MAX_AUTH_TOKEN_CHARS: ClassVar[int] = 4096
 
     transports: tuple[str, ...] = DEFAULT_PREFERENCE
     auth_token: str | None = field(default=None, repr=False)  # a secret: never printed
@@ -97,6 +103,7 @@ class NodeConfig:
         set_ = object.__setattr__  # frozen: store the checked values, normalized
         set_(self, "transports", _check_transports(self.transports))
         _check_name("auth_token", self.auth_token)
+        _check_token(self.auth_token, self.MAX_AUTH_TOKEN_CHARS)
         if not isinstance(self.limits, Limits):
             raise ConfigurationError(
                 f"limits must be a tensorwire.Limits (e.g. Limits(max_unexpected=64)), not {self.limits!r}"
@@ -157,6 +164,33 @@ def _check_name(what: str, value: object) -> None:
         # environment): say what kind of value it was, never the value
         shown = f"this {type(value).__name__} (not shown: a secret)" if what == "auth_token" else repr(value)
         raise ConfigurationError(f"{what} must be a non-empty string (UTF-8) or None, not {shown}")
+
+
+def _check_token(token: str | None, limit: int) -> None:
+    """A token a stock gRPC client can present as ``authorization: Bearer <token>`` metadata:
+    printable ASCII, the only characters gRPC lets a text metadata value hold (a client given
+    any other failed in gRPC with "Illegal header value"), and short enough for gRPC's 8 KiB of
+    metadata (a 20 KB one was refused with RESOURCE_EXHAUSTED on every call). The error never
+    shows the token, only its length or the kind and place of the character."""
+    if token is None:
+        return
+    if len(token) > limit:
+        raise ConfigurationError(
+            f"auth_token is {len(token)} characters long; the limit is {limit} (it travels as gRPC "
+            f"metadata): use a shorter token, e.g. secrets.token_urlsafe(32)"
+        )
+    for i, c in enumerate(token):
+        if not " " <= c <= "~":
+            if c in "\r\n":  # most likely: a token read from a file with its line end
+                kind = "a newline"
+            elif c < " " or c == "\x7f":
+                kind = "a control character"
+            else:
+                kind = "a non-ASCII character"
+            raise ConfigurationError(
+                f"auth_token has {kind} at position {i + 1} of {len(token)}; gRPC metadata carries printable "
+                f"ASCII only: use such a token, e.g. secrets.token_urlsafe(32)"
+            )
 
 
 _PORT = re.compile(r"[0-9]{1,5}")

@@ -35,6 +35,46 @@ def test_secrets_appear_in_no_repr_and_no_error() -> None:
     assert session.secret == secret
 
 
+async def test_an_auth_token_grpc_metadata_cannot_carry_is_refused_at_start() -> None:
+    """A stock gRPC client presents the token as ``authorization: Bearer <token>`` metadata, and
+    start() took any length and any character: a 20 KB or 1 MB token made a node no such client
+    could ever call (RESOURCE_EXHAUSTED, "received metadata size exceeds hard limit"), 9 KB one
+    that refused a random part of the calls (gRPC's 8 KiB soft limit), 5 MB one whose own peers'
+    handshakes failed with "Received message larger than max", and a newline, a tab or "é" one
+    that no client could send ("Illegal header value"). Each is refused at start, by length or
+    by character, and the error never shows the token."""
+    limit = NodeConfig.MAX_AUTH_TOKEN_CHARS
+    assert limit == 4096
+    for n in (limit + 1, 20_000, 1 << 20):
+        with pytest.raises(ConfigurationError, match=rf"auth_token is {n} characters long; the limit is {limit}"):
+            tensorwire.start("127.0.0.1:0", auth_token="s" * n)
+    for bad, kind in (
+        (SECRET + "\n", "a newline at position 21 of 21"),
+        ("\r" + SECRET, "a newline at position 1"),
+        (SECRET + "\t", "a control character"),
+        (SECRET + "\x00", "a control character"),
+        (SECRET + "\x7f", "a control character"),
+        (SECRET + "\u00e9", "a non-ASCII character"),
+    ):
+        with pytest.raises(ConfigurationError, match=f"auth_token has {kind}.*printable ASCII") as info:
+            tensorwire.start("127.0.0.1:0", auth_token=bad)
+        assert SECRET not in str(info.value)
+    # a token at the limit, spaces and punctuation included, works both ways it travels
+    token = ("a ~!Z9-_." * limit)[:limit]
+    async with (
+        tensorwire.start("127.0.0.1:0", auth_token=token, transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", auth_token=token, transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(server.address)
+        assert peer.remote_node == server.node_id
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            for _ in range(5):
+                await stub.ListMethods(
+                    control_pb2.ListMethodsRequest(), timeout=5, metadata=[("authorization", "Bearer " + token)]
+                )
+
+
 async def test_a_name_utf8_cannot_carry_is_refused_by_expose_and_lookup() -> None:
     """expose() took a name with a lone surrogate, which no peer could ever look up, and
     lookup() of one raised the codec's UnicodeEncodeError."""
@@ -84,6 +124,22 @@ async def test_a_control_port_in_use_is_named() -> None:
                 pass
         assert first.address in str(info.value)
         assert "GRPC_VERBOSITY" not in str(info.value)
+
+
+async def test_a_taken_port_of_localhost_in_capitals_is_refused_before_grpc_tries(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """gRPC binds both loopbacks for "LOCALHOST" as for "localhost", but the check that refuses
+    a taken port before gRPC sees it knew the name in lower case only: "LOCALHOST:P" with P
+    taken printed gRPC's own "Failed to add port to server" line on stderr beside the error."""
+    async with tensorwire.start("localhost:0", transports=("tcp",)) as first:
+        port = first.address.rpartition(":")[2]
+        capfd.readouterr()
+        for host in ("localhost", "LOCALHOST", "LocalHost"):
+            with pytest.raises(ConfigurationError, match=f"cannot bind the control plane to {host}:{port}: .*in use"):
+                async with tensorwire.start(f"{host}:{port}", transports=("tcp",)):
+                    pass
+        assert "Failed to add port" not in capfd.readouterr().err
 
 
 async def test_a_handshake_cannot_make_the_node_repeat_megabytes(caplog: pytest.LogCaptureFixture) -> None:

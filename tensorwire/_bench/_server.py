@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import crc32c
 import numpy as np
 
+from ..control._server import bind_targets
 from ..errors import PeerDisconnected, ProtocolError, ResourceError, TensorWireError
 from ..tensors._device import Device
 from ._wire import (
@@ -67,17 +68,18 @@ def _raw_receive(conn: socket.socket, out: memoryview, count: int) -> bool:
 
 
 def _bind_addresses(host: str) -> list[tuple[socket.AddressFamily, str]]:
-    """The addresses the node's control plane listens on for ``host``, as gRPC binds them:
-    every address the name resolves to, and for ``localhost`` both loopbacks (gRPC's resolver
-    gives ::1 and 127.0.0.1 whatever /etc/hosts says). A client reaches the baseline wherever
-    it reached the node: ``[::1]:P`` of a node at ``localhost:P`` too."""
-    if host.lower() == "localhost":
-        return [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(host).is_unspecified and socket.has_dualstack_ipv6():
-            return [(socket.AF_INET6, "::")]  # gRPC takes both families on 0.0.0.0 too ('*:P')
-    found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    return list(dict.fromkeys((family, str(addr[0])) for family, _, _, _, addr in found))
+    """The addresses the node's control plane listens on for ``host``, as gRPC binds them
+    (control's bind_targets: ``[::1]:P`` of a node at ``localhost:P`` too), and every address
+    any other name resolves to. A client reaches the baseline wherever it reached the node."""
+    targets = bind_targets(host)
+    if targets is None:
+        found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        return list(dict.fromkeys((family, str(addr[0])) for family, _, _, _, addr in found))
+    if targets[0] == (socket.AF_INET6, "::"):  # every interface: the targets are alternatives
+        if socket.has_dualstack_ipv6():
+            return targets[:1]  # gRPC takes both families on 0.0.0.0 too ('*:P')
+        return [(socket.AF_INET6, "::")] if ":" in host else [(socket.AF_INET, "0.0.0.0")]
+    return targets
 
 
 def _listen(host: str) -> list[socket.socket]:

@@ -223,12 +223,13 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         return await _grpc.invoke(self.node, request, context)
 
 
-def _bind_targets(host: str) -> list[tuple[socket.AddressFamily, str]] | None:
+def bind_targets(host: str) -> list[tuple[socket.AddressFamily, str]] | None:
     """The addresses gRPC binds for a server on ``host``, where they are certain: an IP address
-    as written; both loopbacks for "localhost" (gRPC's resolver gives both, whatever
-    /etc/hosts says); a dual-stack socket or else an IPv4 one for every interface ("0.0.0.0",
-    "::"). None for any other name: gRPC resolves it its own way."""
-    if host == "localhost":
+    as written; both loopbacks for "localhost", in any case (gRPC's resolver gives both, whatever
+    /etc/hosts says, for "LOCALHOST" too); a dual-stack socket or else an IPv4 one for every
+    interface ("0.0.0.0", "::"). None for any other name: gRPC resolves it its own way. The
+    bench's baseline listens where this says (tensorwire._bench._server)."""
+    if host.lower() == "localhost":
         return [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
     try:
         ip = ipaddress.ip_address(host)
@@ -243,7 +244,7 @@ def _why_unbindable(host: str, port: int) -> str | None:
     """What the OS says to a listener at (host, port), as gRPC binds it (SO_REUSEADDR, each
     address in turn; it needs one): "Address already in use" where another process serves that
     port. None: one of them would bind after all."""
-    targets = _bind_targets(host)
+    targets = bind_targets(host)
     try:
         if targets is None:
             targets = [(f, str(a[0])) for f, _, _, _, a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
@@ -290,7 +291,7 @@ class ControlServer:
         # gRPC logs its own lines to stderr when it cannot bind ("Failed to add port ..."): a
         # port that is plainly taken is refused before gRPC sees it, so that the error below is
         # all a user reads; one taken in between still ends in that error, after gRPC's line
-        certain = port != 0 and _bind_targets(host) is not None
+        certain = port != 0 and bind_targets(host) is not None
         if certain and (why := await asyncio.to_thread(_why_unbindable, host, port)) is not None:
             raise ConfigurationError(f"cannot bind the control plane to {target}: {why}")
         try:
