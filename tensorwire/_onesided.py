@@ -87,7 +87,7 @@ from .tensors._device import (
 from .tensors._message import refuse_shared
 from .tensors._offload import copy_host, off_loop, packs_in_a_thread
 from .tensors._sizes import HOLDER_GROWTH, WIDEST, item_bytes, tensor_item_bytes
-from .tensors._view import empty
+from .tensors._view import empty, mark_written, overlaps_itself
 from .transports import ChannelState, Receipt, Transport
 from .transports._remote import Hold, OneSidedChannel, OneSidedTransport, RemoteKeyBlob, unpack_remote_key
 
@@ -1065,7 +1065,14 @@ def _destinations(
             raise ShapeMismatchError(f"out= {type(out).__name__} is read-only ({view.readonly})")
         if not target.flags.writeable:
             raise ShapeMismatchError("out= buffer is read-only")
+        if overlaps_itself(target):  # (the copy into it would keep the last of each shared element)
+            raise ShapeMismatchError(
+                f"out= {type(out).__name__} has elements that share memory (a zero or overlapping stride, "
+                "as expand(), broadcast_to() or as_strided() make), so the values read would overwrite "
+                "each other; read into a tensor of distinct elements"
+            )
         dests.append(_Dest(out, target))
+    mark_written(v for v in views if v is not None)
     return dests, streams, on_device
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -167,3 +168,66 @@ async def test_a_recv_into_out_returns_the_messages_signed_zero(transport: str) 
         await a.send([np.ones(2), float("nan")], tag="z")
         out2 = [np.zeros(2), float("nan")]
         assert await b.recv(tag="z", out=out2) is out2  # (a NaN is the NaN it was sent as)
+
+
+_UCX = pytest.param(
+    "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc", _UCX])
+async def test_a_read_into_an_out_whose_elements_share_memory_is_refused(transport: str) -> None:
+    """A strided out= is read into through a copy, and one whose elements share bytes (torch's
+    expand, as_strided windows) kept the last row of each shared element: reading [[0, 1, 2],
+    [3, 4, 5]] into zeros(1, 3).expand(2, 3) returned out= holding [[3, 4, 5], [3, 4, 5]]."""
+    torch = pytest.importorskip("torch")
+    async with connected_pair(transport) as (a, b), asyncio.timeout(20):
+        src = np.arange(6, dtype=np.float32).reshape(2, 3)
+        b.node.expose(src, name="t")
+        h = await a.lookup("t")
+        windows = np.lib.stride_tricks.as_strided(np.zeros(4, np.float32), (2, 3), (4, 4), writeable=True)
+        for out in (torch.zeros(1, 3).expand(2, 3), windows):
+            with pytest.raises(tensorwire.ShapeMismatchError, match="share memory"):
+                await a.read(h, out=out)
+            assert not np.asarray(out).any()  # nothing landed
+        columns = np.zeros((3, 4), np.float32)[:, 1:3].T  # strided, each element its own: still read into
+        assert (await a.read(h, out=columns)) is columns and np.array_equal(columns, src)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc", _UCX])
+async def test_a_recv_or_read_into_a_torch_tensor_tells_autograd(transport: str) -> None:
+    """Bytes received into a torch tensor bypassed its version counter, so a backward pass that
+    had saved it used the new values in silence (x.grad came out [5, 5, 5] where w was 1 in the
+    forward pass); torch's own in-place writes, even under no_grad, make that backward raise."""
+    torch = pytest.importorskip("torch")
+    async with connected_pair(transport) as (a, b), asyncio.timeout(20):
+        b.node.expose(np.full(3, 7.0, np.float32), name="w")
+        h = await a.lookup("w")
+        for land in ("recv", "read"):
+            w = torch.ones(3, requires_grad=True)
+            x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+            y = (w * x).sum()  # saves w for x's gradient
+            if land == "recv":
+                await b.send(torch.full((3,), 5.0), tag="w")
+                await a.recv(tag="w", out=w)
+            else:
+                await a.read(h, out=w)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.backward()
+        with torch.inference_mode():  # no counter to tell: received into all the same
+            inf = torch.zeros(3)
+        await b.send(torch.full((3,), 5.0), tag="w")
+        assert (await a.recv(tag="w", out=inf)) is inf and inf.tolist() == [5.0, 5.0, 5.0]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_recv_into_out_returns_the_messages_nan_payload(transport: str) -> None:
+    """Every NaN has the same hex(): a recv whose out= held a NaN where the message carried a NaN
+    of another payload returned out='s NaN, not the bits the sender sent."""
+    import struct
+
+    sent = struct.unpack("<d", struct.pack("<Q", 0x7FF8DEADBEEF0001))[0]
+    async with connected_pair(transport) as (a, b), asyncio.timeout(20):
+        await a.send({"loss": sent, "x": np.ones(2)}, tag="n")
+        got = await b.recv(tag="n", out={"loss": float("nan"), "x": np.zeros(2)})
+        assert struct.pack("<d", got["loss"]) == struct.pack("<d", sent)

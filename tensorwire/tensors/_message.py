@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
 from ._device import DeviceSource, DeviceTensor, Streams
 from ._dtypes import DTYPES, dtype_name
 from ._offload import off_loop, packs_in_a_thread
-from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, to_framework
+from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, mark_written, to_framework
 
 __all__ = [
     "Outgoing",
@@ -538,7 +539,9 @@ def match_out(
                 f"out= tensor {i} is {v.dtype}{list(v.shape)} but the message carries {s.dtype}{list(s.shape)}"
             )
     _check_leaves(views)
-    return [v.dev.target(streams) if v.dev is not None else v.array for v in views]
+    targets = [v.dev.target(streams) if v.dev is not None else v.array for v in views]
+    mark_written(views)
+    return targets
 
 
 def check_out(out: object, views: list[TensorView] | None = None) -> None:
@@ -674,8 +677,8 @@ def _scalars_equal(obj: Any, node: wire_pb2.TreeNode) -> bool:
                 return False
         return True
     value = _unflatten(node, [])
-    if type(value) is float:  # by bits: -0.0 == 0.0, and out='s 0.0 would stand for the message's -0.0
-        return type(obj) is float and obj.hex() == value.hex()
+    if type(value) is float:  # by bits: -0.0 == 0.0, and every NaN has one hex() whatever its payload
+        return type(obj) is float and struct.pack("<d", obj) == struct.pack("<d", value)
     return type(obj) is type(value) and bool(obj == value)
 
 

@@ -11,6 +11,7 @@ tensorwire never imports either just to check a type.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,17 @@ from ._device import (
 )
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
 
-__all__ = ["MAX_NDIM", "TensorView", "as_view", "byte_view", "empty", "is_tensor", "to_framework"]
+__all__ = [
+    "MAX_NDIM",
+    "TensorView",
+    "as_view",
+    "byte_view",
+    "empty",
+    "is_tensor",
+    "mark_written",
+    "overlaps_itself",
+    "to_framework",
+]
 
 # numpy's own limit (NPY_MAXDIMS), and so the most dimensions a header may claim
 MAX_NDIM = 64
@@ -54,6 +65,9 @@ class TensorView:
     # what the view's memory is a copy of, when the caller's tensor has no memory holding its
     # values (a torch conj/neg view, resolved): empty otherwise; expose() refuses such a copy
     copied: str = ""
+    # the torch tensor ``host`` is the memory of (detached, so sharing the caller's version
+    # counter), for ``mark_written``; None for other frameworks and for device tensors
+    tensor: Any = None
 
     @property
     def array(self) -> np.ndarray:
@@ -163,7 +177,7 @@ def _from_torch(t: Any) -> TensorView:
     dtype_name(arr.dtype)  # validates
     if readonly:
         arr.flags.writeable = False  # the copy's numpy view only; paths that check this refuse it too
-    return TensorView(arr, "torch", readonly=readonly, copied=copied)
+    return TensorView(arr, "torch", readonly=readonly, copied=copied, tensor=t)
 
 
 def as_view(obj: object) -> TensorView:
@@ -227,6 +241,48 @@ def as_view(obj: object) -> TensorView:
         raise UnsupportedTensorError(f"big-endian dtype {arr.dtype} is not supported; convert to native order")
     dtype_name(arr.dtype)
     return TensorView(arr, framework, readonly=readonly)
+
+
+def mark_written(views: Iterable[TensorView]) -> None:
+    """Tell autograd that bytes are about to be received into these tensors' memory, as torch's
+    own in-place writes do (the version counter): a tensor saved for a backward pass and then
+    overwritten by a recv or read makes that backward raise, instead of computing its gradients
+    from the new values in silence. Only torch tensors keep a counter."""
+    for v in views:
+        if v.framework != "torch":
+            continue
+        t = v.tensor if v.dev is None else v.dev.value
+        if t is not None and not t.is_inference():  # (an inference tensor has no counter)
+            _torch().autograd.graph.increment_version(t)
+
+
+# an interleaved layout's elements are listed one by one to tell whether two share a byte; one of
+# more elements than this is taken to overlap (no real tensor is laid out so)
+_OVERLAP_ELEMENTS = 1 << 20
+
+
+def overlaps_itself(arr: np.ndarray) -> bool:
+    """Whether two elements of ``arr`` share a byte: a zero stride (``np.broadcast_to``, torch's
+    ``expand``) or windows cut by ``as_strided``. Bytes written into it would overwrite each
+    other. Dimensions sorted by stride clear any ordinary layout at once (each steps past all
+    that the smaller ones span); only an interleaved one has its offsets listed."""
+    if arr.flags.c_contiguous or arr.flags.f_contiguous or arr.size == 0:
+        return False
+    dims = sorted((abs(st), n) for n, st in zip(arr.shape, arr.strides, strict=True) if n > 1)
+    span = arr.itemsize
+    for st, n in dims:
+        if st < span:
+            break
+        span += (n - 1) * st
+    else:
+        return False
+    if arr.size > _OVERLAP_ELEMENTS:
+        return True
+    offsets = np.zeros(1, np.int64)
+    for st, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+    offsets.sort()
+    return bool((np.diff(offsets) < arr.itemsize).any())
 
 
 def to_framework(arr: np.ndarray | DeviceTensor, framework: str) -> Any:
