@@ -171,6 +171,50 @@ def test_a_recv_target_keeps_the_stream_its_object_names(own: bool, want: int) -
     assert src.target(Streams(device=1, torch=None, cupy=111)).stream == 5  # another device's: not taken
 
 
+@pytest.mark.parametrize(
+    ("shape", "strides"),
+    [((2, 3), (0, 4)), ((3, 4), (4, 4)), ((4, 4), (8, 4)), ((2, 2, 2), (4, 16, 4))],
+    ids=["expand", "windows", "rows-overlap", "interleaved"],
+)
+def test_a_device_out_whose_elements_share_memory_is_refused(shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
+    """A device out= laid out so that two elements share bytes (not only a zero stride, which
+    was all that was refused: as_strided windows went on to a scatter that kept the last of
+    each shared element) is refused before anything is written."""
+    from tensorwire.tensors._device import DeviceSource
+
+    engine = HostEngine()
+    data = np.zeros(64, np.float32)
+    src = DeviceSource(data, "cupy", engine, "float32", shape, int(data.ctypes.data), strides, False, 0)
+    with pytest.raises(UnsupportedTensorError, match="elements that share memory"):
+        src.target()
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides", "want"),
+    [
+        ((3, 4), (16, 4), False),
+        ((3, 4), (4, 12), False),
+        ((4, 3), (4, 16), False),  # gaps between rows
+        ((2, 3), (-12, 4), False),
+        ((5,), (0,), True),
+        ((1, 5), (0, 4), False),  # a zero stride over one element shares nothing
+        ((0, 5), (0, 0), False),
+        ((3, 4), (4, 4), True),
+        ((2, 2, 2), (4, 16, 4), True),  # interleaved: 0,4,16,20 / 4,8,20,24 collide
+        ((2, 2, 2), (4, 16, 8), False),  # interleaved and disjoint: 0,4,8,12,16,...
+    ],
+)
+def test_overlapping_layouts_agree_with_a_brute_force_count(
+    shape: tuple[int, ...], strides: tuple[int, ...], want: bool
+) -> None:
+    from tensorwire.tensors._device import overlapping
+
+    offsets = [sum(i * s for i, s in zip(idx, strides, strict=True)) for idx in np.ndindex(*shape)]
+    brute = any(abs(a - b) < 4 for k, a in enumerate(offsets) for b in offsets[k + 1 :])
+    assert brute == want
+    assert overlapping(shape, strides, 4) == want
+
+
 class _FakeCudaRuntime:
     """The few CuPy runtime calls the CUDA engine's events make, recording which device was
     current at each (CUDA's default streams, handle 0, are the current device's)."""

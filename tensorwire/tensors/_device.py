@@ -210,6 +210,36 @@ def _layout(shape: tuple[int, ...], dt: np.dtype, given: Any) -> tuple[tuple[int
     return strides, contiguous
 
 
+# an interleaved layout's elements are listed one by one to tell whether two share a byte; one of
+# more elements than this is taken to overlap (no real tensor is laid out so)
+_OVERLAP_ELEMENTS = 1 << 20
+
+
+def overlapping(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether two elements of a layout (byte ``strides``) share a byte: a zero stride
+    (``broadcast_to``, torch's ``expand``) or windows cut by ``as_strided``. Bytes written into
+    it would overwrite each other. Dimensions sorted by stride clear any ordinary layout at once
+    (each steps past all that the smaller ones span); only an interleaved one has its offsets
+    listed."""
+    if any(n == 0 for n in shape):
+        return False
+    dims = sorted((abs(st), n) for n, st in zip(shape, strides, strict=True) if n > 1)
+    span = itemsize
+    for st, n in dims:
+        if st < span:
+            break
+        span += (n - 1) * st
+    else:
+        return False
+    if math.prod(shape) > _OVERLAP_ELEMENTS:
+        return True
+    offsets = np.zeros(1, np.int64)
+    for st, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+    offsets.sort()
+    return bool((np.diff(offsets) < itemsize).any())
+
+
 def _cupy_view(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], name: str, device: int, owner: Any) -> Any:
     """A CuPy array over someone else's device memory (no copy, no synchronization)."""
     cp = _cp()
@@ -354,8 +384,12 @@ class DeviceSource:
         if self.contiguous:
             buf = DeviceBuffer(engine, self.ptr, self.nbytes, engine.device, self.value)
             return DeviceTensor(buf, self.dtype, self.shape, self.framework, stream, value=self.value)
-        if any(s == 0 and n > 1 for n, s in zip(self.shape, self.strides, strict=True)):
-            raise UnsupportedTensorError("out= tensor has overlapping elements (a zero stride); it cannot be written")
+        if overlapping(self.shape, self.strides, _carrier(self.dtype).itemsize):
+            raise UnsupportedTensorError(
+                "out= tensor has elements that share memory (a zero or overlapping stride, as expand(), "
+                "broadcast_to() or as_strided() make), so the values received would overwrite each other; "
+                "receive into a tensor of distinct elements"
+            )
         view = _cupy_view(self.ptr, self.shape, self.strides, self.dtype, engine.device, self.value)
         # the copies land here and the unpack reads it on a lane of ours; the consumer stream
         # waits for those before its next work, so its pool may hand the block on after that

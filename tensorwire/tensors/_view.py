@@ -27,6 +27,7 @@ from ._device import (
     device_source,
     dlpack_device_kind,
     offers,
+    overlapping,
     resolve_torch_bits,
 )
 from ._dtypes import DTYPES, dtype_from_name, dtype_name
@@ -256,33 +257,12 @@ def mark_written(views: Iterable[TensorView]) -> None:
             _torch().autograd.graph.increment_version(t)
 
 
-# an interleaved layout's elements are listed one by one to tell whether two share a byte; one of
-# more elements than this is taken to overlap (no real tensor is laid out so)
-_OVERLAP_ELEMENTS = 1 << 20
-
-
 def overlaps_itself(arr: np.ndarray) -> bool:
-    """Whether two elements of ``arr`` share a byte: a zero stride (``np.broadcast_to``, torch's
-    ``expand``) or windows cut by ``as_strided``. Bytes written into it would overwrite each
-    other. Dimensions sorted by stride clear any ordinary layout at once (each steps past all
-    that the smaller ones span); only an interleaved one has its offsets listed."""
-    if arr.flags.c_contiguous or arr.flags.f_contiguous or arr.size == 0:
+    """Whether two elements of ``arr`` share a byte (``_device.overlapping``): bytes written
+    into it would overwrite each other."""
+    if arr.flags.c_contiguous or arr.flags.f_contiguous:
         return False
-    dims = sorted((abs(st), n) for n, st in zip(arr.shape, arr.strides, strict=True) if n > 1)
-    span = arr.itemsize
-    for st, n in dims:
-        if st < span:
-            break
-        span += (n - 1) * st
-    else:
-        return False
-    if arr.size > _OVERLAP_ELEMENTS:
-        return True
-    offsets = np.zeros(1, np.int64)
-    for st, n in dims:
-        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
-    offsets.sort()
-    return bool((np.diff(offsets) < arr.itemsize).any())
+    return overlapping(arr.shape, arr.strides, arr.itemsize)
 
 
 def to_framework(arr: np.ndarray | DeviceTensor, framework: str) -> Any:
