@@ -13,7 +13,7 @@ import time
 import urllib.parse
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,6 +29,7 @@ from .control._pb import control_pb2
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
+    ConnectError,
     ConnectTimeout,
     NegotiationError,
     PeerDisconnected,
@@ -587,7 +588,10 @@ class Node:
                 )
                 dial = transport.dial_address(chosen.address, host)
                 opening = f"{chosen.name} data connection"
-                channel = await transport.connect(dial, session)
+                if transport.connect_sees_server_go:
+                    channel = await transport.connect(dial, session)
+                else:
+                    channel = await self._open_data(client, transport.connect(dial, session), opening, address)
         except TimeoutError as exc:
             await client.aclose()
             where = (
@@ -617,6 +621,41 @@ class Node:
         peer._start_heartbeat(resp.session_id, (resp.lease_ms or 3000) / 1000, since)
         log.info("connected to %s: %s", address, peer.path)
         return peer
+
+    async def _open_data(
+        self, client: ControlClient, opening: Coroutine[Any, Any, Channel], what: str, address: str
+    ) -> Channel:
+        """Open the data connection (``opening``) of a transport that does not see the server go
+        (``connect_sees_server_go``) while watching the control connection the handshake came
+        over: a server that closes or dies before it takes the data connection shuts that at
+        once. (Over ucx, whose endpoints carry no peer error handling, nothing else said so,
+        and the connect waited out handshake_seconds; over tcp the data listener refuses us as
+        fast.) A data connection made as the caller gave up is dropped, which tells the server."""
+        connect = asyncio.ensure_future(opening)
+        lost = asyncio.ensure_future(client.until_lost())
+        try:
+            await asyncio.wait([connect, lost], return_when=asyncio.FIRST_COMPLETED)
+            if not connect.done() and lost.exception() is None:
+                connect.cancel()
+                await asyncio.wait([connect])
+                if connect.cancelled() or connect.exception() is not None:
+                    cause = None if connect.cancelled() else connect.exception()
+                    raise ConnectError(
+                        f"{what} to {address} failed: the server went away during the connect (its control "
+                        "connection shut after the handshake, and a new one is refused: the node closed or "
+                        "died); connect again once it serves"
+                    ) from cause
+            return await connect  # (a watch that failed leaves the connect to its own timeout)
+        except BaseException:
+            connect.cancel()
+            connect.add_done_callback(_drop_channel)  # (also if the wait below is cancelled in turn)
+            if not connect.done():
+                await asyncio.wait([connect])  # it cleans up while the transport is surely open
+            raise
+        finally:
+            lost.cancel()
+            if lost.done() and not lost.cancelled() and lost.exception() is not None:
+                log.debug("watching the control connection to %s failed: %r", address, lost.exception())
 
     def _precheck(self, require: str, preference: tuple[str, ...]) -> None:
         """Fail fast, without a round trip, when this node alone cannot meet ``require``."""
@@ -710,6 +749,13 @@ class Node:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _drop_channel(connect: asyncio.Future[Channel]) -> None:
+    """A data connection that opened after its connect gave up: nobody will use it. Aborting
+    it tells the server, which would otherwise keep its peer until the lease ran out."""
+    if not connect.cancelled() and connect.exception() is None:
+        connect.result().abort()
 
 
 class _Starting:

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
+import os
 import random
+import signal
 import sys
 import textwrap
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire._peer import tag_id
@@ -228,3 +233,121 @@ async def test_a_bye_that_overtakes_the_payload_loses_neither_the_message_nor_th
         assert child.returncode == 0
         failed = out.decode().strip()
         assert not lost and failed == "[]", f"lost: {lost}; sends failed: {failed}"
+
+
+def _before_data_connect(node: tensorwire.Node, first: Callable[[], Awaitable[None]]) -> None:
+    """Make ``node``'s ucx connects run ``first()`` once the control-plane handshake is done,
+    before they send their HELLO."""
+    transport: Any = node.transports["ucx"]
+    connect = transport.connect
+
+    async def connect_after(*args: Any) -> Any:
+        await first()
+        return await connect(*args)
+
+    transport.connect = connect_after
+
+
+async def test_a_server_closing_before_it_takes_the_hello_fails_the_connect_at_once() -> None:
+    """The server answers the handshake, then closes before the client's HELLO reaches it. Over
+    tcp the data listener's refusal fails the connect at once; over ucx nothing answered (the
+    endpoint has no peer error handling), and the connect waited out handshake_seconds (10 s by
+    default, 30 s here: the test gives up long before). It now sees the control connection shut
+    and fails at once, saying so. The client node is unharmed: it connects elsewhere, closes."""
+    limits = tensorwire.Limits(handshake_seconds=30)
+    async with asyncio.timeout(10):
+        server = await tensorwire.start(transports=("ucx",), limits=limits)
+        async with tensorwire.start(transports=("ucx",), limits=limits, connect_timeout=30) as client:
+            _before_data_connect(client, server.aclose)
+            with pytest.raises(tensorwire.ConnectError, match="the server went away during the connect") as info:
+                await client.connect(server.address)
+            assert f"ucx data connection to {server.address} failed" in str(info.value), info.value
+            async with tensorwire.start(transports=("ucx",)) as other:
+                peer = await client.connect(other.address)  # (its server.aclose() does nothing more)
+                await peer.send(np.arange(3), tag=1)
+                assert np.array_equal(await (await other.accept()).recv(tag=1), np.arange(3))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+async def test_a_server_dying_before_it_takes_the_hello_fails_the_connect_at_once() -> None:
+    """As above, the server's process killed between its answer to the handshake and taking the
+    client's HELLO (stopped as the data connection begins, so that the endpoint to it is made
+    and the HELLO posted; killed then): the connect fails at once, not after handshake_seconds
+    (30 s here)."""
+    code = (
+        "import asyncio, tensorwire\n"
+        "async def main():\n"
+        '    async with tensorwire.start(transports=("ucx",)) as n:\n'
+        "        print(n.address, flush=True)\n"
+        "        await asyncio.Event().wait()\n"
+        "asyncio.run(main())\n"
+    )
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        address = (await asyncio.wait_for(child.stdout.readline(), 30)).decode().strip()
+        limits = tensorwire.Limits(handshake_seconds=30)
+        async with tensorwire.start(transports=("ucx",), limits=limits, connect_timeout=30) as client:
+            started = asyncio.Event()
+
+            async def stop() -> None:
+                os.kill(child.pid, signal.SIGSTOP)
+                started.set()
+
+            _before_data_connect(client, stop)
+            async with asyncio.timeout(10):
+                connect = asyncio.ensure_future(client.connect(address))
+                await started.wait()  # the connect ran on to its first wait: its HELLO is posted
+                child.kill()
+                await child.wait()
+                with pytest.raises(tensorwire.ConnectError, match="the server went away during the connect"):
+                    await connect
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
+
+
+async def test_a_connect_cancelled_after_its_hello_leaves_the_server_no_peer(caplog: pytest.LogCaptureFixture) -> None:
+    """A connect cancelled once its HELLO is out (the caller's deadline): the server takes the
+    HELLO and makes a peer of the client, which nobody holds. Over tcp the shut socket ends it
+    at once; over ucx the server kept it until its lease ran out (30 s here; the test gives up
+    after 10). The given-up connect now answers the WELCOME with a BYE, which ends it."""
+    caplog.set_level(logging.INFO, logger="tensorwire")
+    async with (
+        tensorwire.start(transports=("ucx",), lease_seconds=30) as server,
+        tensorwire.start(transports=("ucx",)) as client,
+    ):
+        started = asyncio.Event()
+
+        async def start() -> None:
+            started.set()
+
+        _before_data_connect(client, start)
+        connect = asyncio.ensure_future(client.connect(server.address))
+        await started.wait()  # the connect ran on to its first wait: its HELLO is posted
+        connect.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await connect
+        accepted = f"(node {client.node_id[:12]})"
+        await eventually(lambda: any(accepted in r.getMessage() for r in caplog.records), 10)
+        await eventually(lambda: not server.peers, 10)
+
+
+async def test_a_peer_aborted_over_ucx_leaves_its_remote_at_once() -> None:
+    """``abort()`` drops the connection at once; the remote side sees it end, as a tcp peer
+    sees the shut socket. Over ucx it saw nothing until the lease ran out (30 s here): a peer
+    that connected as its caller gave up is aborted so, and its server kept it meanwhile."""
+    async with (
+        tensorwire.start(transports=("ucx",), lease_seconds=30) as server,
+        tensorwire.start(transports=("ucx",), lease_seconds=30) as client,
+    ):
+        peer = await client.connect(server.address)
+        other = await server.accept()
+        recv = asyncio.ensure_future(other.recv(tag=1))
+        peer.abort()
+        async with asyncio.timeout(10):
+            with pytest.raises(tensorwire.PeerDisconnected):
+                await recv
+        await eventually(lambda: not server.peers, 10)

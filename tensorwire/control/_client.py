@@ -161,6 +161,21 @@ class ControlClient:
         lost = any(tuple(item) in SESSION_LOST_METADATA for item in trailing)
         return self._session_lost(exc) if lost else None
 
+    async def until_lost(self) -> None:
+        """Return once the connection to the server is lost and a new one cannot be made (the
+        server's node closed, or died): gRPC sees its connection shut at once. One that drops
+        and comes back (a server that lives on) does not count, nor does closing this client."""
+        channel = self._channel
+        state = channel.get_state(try_to_connect=False)
+        while state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            if state is grpc.ChannelConnectivity.SHUTDOWN:
+                await asyncio.Event().wait()  # closed by us: nothing more to watch
+            if state is grpc.ChannelConnectivity.IDLE:
+                # a connection that ended: only a new one says whether the server is still there
+                channel.get_state(try_to_connect=True)
+            await channel.wait_for_state_change(state)
+            state = channel.get_state(try_to_connect=False)
+
     async def aclose(self) -> None:
         """Close the channel; calls in flight and later ones fail with ClosedResourceError. Idempotent."""
         self._closed = True

@@ -255,7 +255,8 @@ class Channel(ABC):
 
     @abstractmethod
     def abort(self) -> None:
-        """Close at once without telling the peer."""
+        """Close at once, waiting for nothing (what is owed to the peer is dropped); the peer
+        sees the connection end, as it would a dropped one."""
 
     @abstractmethod
     def fail(self, exc: BaseException) -> None:
@@ -385,6 +386,10 @@ class Transport(ABC):
     name: ClassVar[str]
     version: ClassVar[int] = 1
     extra: ClassVar[str | None] = None  # the pip extra that installs what it needs
+    # whether connect() fails at once by itself when the server goes away before it takes the
+    # data connection (a socket refused or shut); where not, the node watches the control
+    # connection meanwhile, which the server's going shuts
+    connect_sees_server_go: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod

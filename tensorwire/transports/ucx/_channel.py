@@ -1069,6 +1069,10 @@ class UcxChannel(Channel):
                 self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
 
     def abort(self) -> None:
+        # the BYE waits for nothing: the peer learns at once, as a tcp peer does from the shut
+        # socket (it kept a peer aborted after its connect, one nobody held, until its lease ran out)
+        if self.state is ChannelState.OPEN:
+            self._goodbye()
         self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
 
     def fail(self, exc: BaseException) -> None:
@@ -1077,9 +1081,10 @@ class UcxChannel(Channel):
         self._shutdown(ChannelState.BROKEN, exc)
 
     def _goodbye(self) -> None:
-        """Post a BYE and wait for nothing: a failed channel (a lost lease or session) tells its
-        peer, whose pending work then fails at once (PeerDisconnected) instead of when its own
-        lease of this node runs out, as a shut socket tells a tcp peer. Best effort: a peer
+        """Post a BYE and wait for nothing: a failed or aborted channel (a lost lease or session,
+        a connect given up) tells its peer, whose pending work then fails at once
+        (PeerDisconnected) instead of when its own lease of this node runs out, as a shut socket
+        tells a tcp peer. Best effort: a peer
         that is gone never gets it. The endpoint's close flushes it out; the frame is kept (the
         worker's graveyard, once the shutdown abandons the request) until UCX is done with it."""
         try:

@@ -34,9 +34,9 @@ from ..._ratelog import RateLimitedLog
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError, TransportUnavailable
 from ...memory._gpudirect import gpudirect_status
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
-from .._frames import LIMITS, MAX_SESSION_ID, PeerLimits, proof
+from .._frames import LIMITS, MAX_SESSION_ID, FrameType, PeerLimits, pack, proof
 from .._remote import Hold, RegistrationCache
-from ._channel import HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
+from ._channel import CTRL, HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
 from ._lanes import CUDA_TLS, RDMA_TLS
 from ._ucp import MemoryRegion, Ucp
 from ._ucp import load as load_ucp
@@ -88,6 +88,20 @@ def _digest(secret: bytes, body: bytes, sid: bytes, role: bytes) -> bytes:
     return proof(secret, hashlib.sha256(body).digest(), sid, role)
 
 
+def _read_welcome(reply: bytes, session: Session, sid: bytes) -> tuple[int, int, PeerLimits]:
+    """The server's channel key, control buffer size and limits from a WELCOME that proves the
+    session secret; ProtocolError otherwise."""
+    magic, version, _f, _s, _a, server_key, remote_ctrl = _HEAD.unpack_from(reply, 0)
+    if magic != _WELCOME_MAGIC or version != _VERSION or server_key == 0:
+        raise ProtocolError("expected a tensorwire ucx WELCOME")
+    head = reply[: _HEAD.size + LIMITS.size]
+    if not hmac.compare_digest(
+        reply[len(head) : len(head) + _PROOF], _digest(session.secret, head, sid, b"ucx-server")
+    ):
+        raise ProtocolError("server did not prove the session secret")
+    return server_key, remote_ctrl, PeerLimits.unpack(head[_HEAD.size :])
+
+
 def _no_welcome(hello_sent: bool, seconds: float, session: Session) -> str:
     """Why a connect that got no WELCOME failed, as far as the client can tell. A server answers
     a HELLO as soon as it takes it, or drops it (its log says why, naming the client node where
@@ -112,6 +126,7 @@ class UcxTransport(Transport):
     name = "ucx"
     extra = "ucx"
     _why_not: ClassVar[str] = "ucx cannot run on this machine"
+    connect_sees_server_go = False  # an endpoint without peer error handling: a HELLO to nobody goes unanswered
 
     @classmethod
     def probe(cls) -> Capabilities | None:
@@ -160,6 +175,7 @@ class UcxTransport(Transport):
         self._channels: set[UcxChannel] = set()
         self._keys: set[int] = set()
         self._probed: OrderedDict[bytes, Any] = OrderedDict()  # worker address -> endpoint from accepts()
+        self._waving: set[asyncio.Task[None]] = set()  # given-up connects telling their servers (_wave_off)
         self._hello_buf = np.empty(_HELLO_MAX, np.uint8)
         self._hello_req: Any = None
         self._closed = False
@@ -355,7 +371,7 @@ class UcxTransport(Transport):
         # the node then took no more ucx peers)
         mine = object()
         wreq = w.worker.tag_recv(Array(welcome), w.lib.UCXXTag(make_tag(my_key, WELCOME)))
-        hello_sent = False
+        hello_posted = hello_sent = False
         try:
             async with asyncio.timeout(self.ctx.limits.handshake_seconds):
                 head = _HEAD.pack(
@@ -364,6 +380,7 @@ class UcxTransport(Transport):
                 body = head + PeerLimits.of(self.ctx).pack() + sid + w.address
                 hello = body + _digest(session.secret, body, sid, b"ucx-client")
                 hreq = ep.tag_send(Array(hello), w.lib.UCXXTag(make_tag(0, HELLO)))
+                hello_posted = True  # (UCX cannot take a send back: it goes out, cancelled or not)
                 if not hreq.completed:
                     await w.future(hreq, keep=hello, owner=mine)
                 hreq.check_error()
@@ -371,17 +388,12 @@ class UcxTransport(Transport):
                 if not wreq.completed:
                     await w.future(wreq, keep=welcome, owner=mine)
                 wreq.check_error()
-            reply = welcome.tobytes()
-            magic, version, _f, _s, _a, server_key, remote_ctrl = _HEAD.unpack_from(reply, 0)
-            if magic != _WELCOME_MAGIC or version != _VERSION or server_key == 0:
-                raise ProtocolError("expected a tensorwire ucx WELCOME")
-            head = reply[: _HEAD.size + LIMITS.size]
-            if not hmac.compare_digest(
-                reply[len(head) : len(head) + _PROOF], _digest(session.secret, head, sid, b"ucx-server")
-            ):
-                raise ProtocolError("server did not prove the session secret")
-            remote = PeerLimits.unpack(head[_HEAD.size :])
+            server_key, remote_ctrl, remote = _read_welcome(welcome.tobytes(), session, sid)
         except BaseException as exc:
+            if hello_posted and isinstance(exc, asyncio.CancelledError) and not self._closed:
+                # the server may have taken the HELLO and made a peer of us (the WELCOME on its way)
+                self._wave_off(ep, wreq, welcome, my_key, session, sid)
+                raise
             w.cancel(wreq)
             w.abandon(mine)
             self._keys.discard(my_key)
@@ -407,6 +419,46 @@ class UcxTransport(Transport):
         )
         self._track(channel, my_key)
         return channel
+
+    def _wave_off(self, ep: Any, wreq: Any, welcome: np.ndarray, key: int, session: Session, sid: bytes) -> None:
+        """A connect cancelled once its HELLO was out: the server may have taken it and made a
+        peer of this node, which it would keep until its lease ran out (no UCX error reaches it:
+        peer error handling is off, and no renewal is needed before a lease's end). The WELCOME
+        is waited for in the background, as the connect would have (handshake_seconds), and
+        answered with a BYE on the channel it names, which ends that peer at the server at once;
+        then the endpoint goes. Closing the transport ends the wait."""
+        from ucxx._lib.arr import Array
+
+        w = self._w()
+        mine = object()
+
+        async def wave_off() -> None:
+            try:
+                async with asyncio.timeout(self.ctx.limits.handshake_seconds):
+                    if not wreq.completed:
+                        await w.future(wreq, keep=welcome, owner=mine)
+                    wreq.check_error()
+                    server_key = _read_welcome(welcome.tobytes(), session, sid)[0]
+                    bye = pack(FrameType.BYE)
+                    req = ep.tag_send(Array(bye), w.lib.UCXXTag(make_tag(server_key, CTRL)))
+                    if not req.completed:
+                        await w.future(req, keep=bye, owner=mine)
+                    req.check_error()
+                log.debug("ucx connect to %s given up: its server was told", session.remote_node[:8])
+            except Exception as exc:  # no WELCOME: no peer there
+                log.debug("ucx connect to %s given up: the server was not told: %r", session.remote_node[:8], exc)
+
+        def done(_task: object) -> None:  # (also for a task cancelled before it began)
+            self._waving.discard(task)
+            w.cancel(wreq)
+            w.abandon(mine)
+            self._keys.discard(key)
+            w.track(asyncio.get_running_loop().create_task(w.close_endpoint(ep)))
+
+        task = asyncio.get_running_loop().create_task(wave_off(), name="tensorwire-ucx-wave-off")
+        self._waving.add(task)
+        task.add_done_callback(done)
+        w.track(task)  # after done(): the worker's close waits for the endpoint close it starts
 
     # -- one-sided ---------------------------------------------------------------------------
     def _map(self, address: int, length: int, writable: bool) -> tuple[bytes, Callable[[], None]]:
@@ -462,6 +514,8 @@ class UcxTransport(Transport):
             return
         if self._hello_req is not None:
             w.cancel(self._hello_req)
+        for task in self._waving:  # (a WELCOME that never comes would hold the close for handshake_seconds)
+            task.cancel()
         for ep in self._probed.values():
             w.track(asyncio.get_running_loop().create_task(w.close_endpoint(ep)))
         self._probed.clear()
