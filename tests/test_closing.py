@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import gc
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -270,6 +273,49 @@ async def test_an_aborted_pipeline_leaves_no_links_between_the_stages() -> None:
         assert [stage.rank for stage in ss] == [-1, -1, -1]
         async with await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]) as again:
             assert (await again.step(x, y, microbatches=2)).loss > 0
+        for stage in ss:
+            await stage.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_pipeline_dropped_unclosed_warns_and_lets_go_of_its_stages() -> None:
+    """A Pipeline dropped without aclose() said nothing and kept its connections to the stages
+    open until the driver's node closed, the stages linked to a driver nobody held. Collected,
+    it now says so (ResourceWarning, STYLE: a finalizer only catches leaks) and its connections
+    drop as abort() drops them, wherever the collection runs; the stages let go of their links
+    and serve the next driver. One whose connections are closed already leaked nothing."""
+    x, y = batch()
+    async with nodes(4) as ns:
+        ss = [pipeline.Stage(n, part) for n, part in zip(ns, parts(3), strict=False)]
+        driver, addresses = ns[3], [n.address for n in ns[:3]]
+
+        def let_go() -> bool:
+            return driver.peers == [] and not any(stage.links for stage in ss) and _stage_peers(ns[:3]) == [0, 0, 0]
+
+        pipe = await pipeline.Pipeline.connect(driver, addresses)
+        assert (await pipe.step(x, y, microbatches=2)).loss > 0
+        shown = re.escape(f"unclosed {pipe!r}: use 'async with' or aclose()")
+        with pytest.warns(ResourceWarning, match=shown):
+            del pipe  # nothing else refers to it: collected here
+        await eventually(let_go)
+        async with await pipeline.Pipeline.connect(driver, addresses) as again:
+            assert (await again.step(x, y, microbatches=2)).loss > 0
+
+        # collected in another thread: the connections drop on the pipeline's loop all the same
+        pipe = await pipeline.Pipeline.connect(driver, addresses)
+        with pytest.warns(ResourceWarning, match="unclosed <Pipeline 3 stages"):
+            await asyncio.to_thread(pipe._leak)  # what a collection in that thread runs
+        await eventually(let_go)
+        await pipe.aclose()
+
+        pipe = await pipeline.Pipeline.connect(driver, addresses)
+        await driver.aclose()  # closes the pipeline's connections (a node closes its peers)
+        await eventually(let_go)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            del pipe
+            gc.collect()
+        assert said == []
         for stage in ss:
             await stage.aclose()
 

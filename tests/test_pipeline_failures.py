@@ -474,6 +474,7 @@ async def test_a_newer_driver_waits_for_the_older_ones_commits() -> None:
                 await asyncio.sleep(0.005)
             second = await pipeline.Pipeline.connect(d2, addresses)
             assert (await stepping).loss > 0
+        await first.aclose()  # the stages refuse its release: they serve the newer driver
         changed = [not np.array_equal(b, layer.state()["w"]) for b, layer in zip(before, ls, strict=True)]
         assert changed == [True, True, True], f"the step was applied on some stages only: {changed}"
         async with second, asyncio.timeout(20):
@@ -533,6 +534,7 @@ async def test_a_step_of_a_driver_that_died_while_committing_is_settled_by_the_n
             dead.set()
             with pytest.raises(tensorwire.TensorWireError):
                 await stepping
+            await first.aclose()  # its connections are gone; this lets go of the rest
             second = await pipeline.Pipeline.connect(d2, addresses)
         async with second:
             after = [state["w"] for state in await second.state()]
@@ -584,6 +586,7 @@ async def test_a_commit_still_applying_when_the_next_driver_configures_counts_as
             dead.set()
             with pytest.raises(tensorwire.TensorWireError):
                 await stepping
+            await first.aclose()  # its connections are gone; this lets go of the rest
             second = await pipeline.Pipeline.connect(d2, addresses)
         async with second:
             after = [state["w"] for state in await second.state()]
@@ -620,6 +623,7 @@ async def test_an_older_drivers_step_during_a_newer_configure_is_refused(monkeyp
                 await first.step(x, y, microbatches=2)
             assert info.value.remote_type in ("BrokenResourceError", "BusyResourceError"), info.value
             second = await connecting
+            await first.aclose()
         monkeypatch.setattr(_stage.Stage, "_drop_links", drop)
         async with second, asyncio.timeout(20):
             assert (await second.step(x, y, microbatches=2)).loss > 0

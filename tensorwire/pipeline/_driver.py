@@ -26,6 +26,8 @@ import collections
 import contextlib
 import itertools
 import uuid
+import warnings
+import weakref
 from collections.abc import Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -108,7 +110,9 @@ def _bubble(stages: list[dict[str, Any]], seconds: float) -> float:
 
 
 class Pipeline:
-    """A driver's handle on a chain of configured stages. Make one with ``Pipeline.connect``."""
+    """A driver's handle on a chain of configured stages. Make one with ``Pipeline.connect``
+    and close it (``async with``, ``aclose``): one collected with its connections open says so
+    (ResourceWarning) and they drop as ``abort`` drops them."""
 
     def __init__(self, node: Node, peers: list[Peer], links: list[dict[str, Any]], generation: str) -> None:
         self.node = node
@@ -126,6 +130,11 @@ class Pipeline:
         self._loop = asyncio.get_running_loop()  # where the peers live (abort from another thread)
         #: how long to wait, after one stage failed a step, for the others to report their error
         self.abort_grace = max(5.0, 2 * node.config.lease_seconds)
+        # catches a leak, never the way to close: a pipeline dropped with its connections open
+        # says so, and they drop as abort() drops them. Nothing the finalizer holds refers back
+        # to the pipeline (that would keep it alive); the peers are let go on aclose or abort.
+        self._leak = weakref.finalize(self, _dropped_unclosed, repr(self), self._loop, tuple(peers))
+        self._leak.atexit = False  # at exit the loop is gone: nothing to drop, nobody to tell
 
     def __repr__(self) -> str:
         return f"<Pipeline {len(self.peers)} stages: {' -> '.join(p.remote_address for p in self.peers)}>"
@@ -572,6 +581,7 @@ class Pipeline:
         """Tell the stages this driver is done (they drop their links), then disconnect;
         idempotent. The closing runs to its end even if the caller is cancelled meanwhile (the
         peers are closed all the same), and every call waits for it."""
+        self._leak.detach()
         if self._closing is None:
             self._closed = True
             self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-pipeline-close")
@@ -589,6 +599,7 @@ class Pipeline:
         Safe from any thread: called where the pipeline's loop is not running (another thread),
         it refuses the pipeline at once and hands the rest to that loop, where the connections
         drop on its next turn."""
+        self._leak.detach()
         if elsewhere(self._loop, self.abort):
             self._closed = True
             return
@@ -619,6 +630,23 @@ class Pipeline:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _dropped_unclosed(shown: str, loop: asyncio.AbstractEventLoop, peers: tuple[Peer, ...]) -> None:
+    """A Pipeline collected unclosed. A finalizer runs wherever the collection happens (any
+    thread, in the middle of anything), so this only hands the peers' abort to the pipeline's
+    loop, and raises nothing of its own. Where every connection is closed already (the node
+    closed them, or the stages went) nothing leaked, and it says nothing; else the warning
+    comes last, so that a filter that turns it into an error (reported as unraisable) still
+    leaves the connections to drop."""
+    still_open = [peer for peer in peers if not peer.closed]
+    if not still_open:
+        return
+    if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            for peer in still_open:
+                loop.call_soon_threadsafe(peer.abort)
+    warnings.warn(f"unclosed {shown}: use 'async with' or aclose()", ResourceWarning, stacklevel=1)
 
 
 def _nbytes(obj: Any) -> int:
