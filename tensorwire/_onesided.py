@@ -443,7 +443,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     await _landed(regions)
                 except ShapeMismatchError as exc:  # refused before the message was taken
                     error = str(exc)
-                    await peer.recv(tag=data_tag)  # drain what the writer sent, so nothing lingers
+                    await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
                 except TensorWireError as exc:
                     if peer.channel.state is not ChannelState.OPEN:
                         return
@@ -451,7 +451,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     log.warning("one-sided write from %s failed at the owner: %s", peer.remote_address, exc)
                     _drain_later(peer, data_tag)  # if it is still queued
             else:
-                await peer.recv(tag=data_tag)  # drain what the writer sent, so nothing lingers
+                await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
             await peer.send({"error": error, "failed": failed} if error else _written(landed), tag=reply)
     except TensorWireError:
         return  # the channel went away: the requester sees that itself
@@ -813,51 +813,66 @@ def _region_bytes(name: str, generation: int, shape: tuple[int, ...]) -> int:
 def _parts(peer: Peer, handles: list[RemoteHandle], assisted: list[int], op: str) -> list[list[int]]:
     """The owner-served handles of a batch (their places in it) as the requests they go in: each
     request of at most ``_MAX_REGIONS`` regions, and each message of it within the header bytes
-    its receiver takes. Every region repeats its tensor's name in the request (256 rows of a
-    200-character name made a 69 KB header) and its spec in the tensors that follow a write or
-    answer a read. The request and a write's tensors go to the owner, within the
-    max_header_bytes it announced as the channel opened; a read's answer comes here, within
-    ours. Sized before anything moves: a region that fits in no request is a MessageRefused
-    then, and a later part is never refused for its header after earlier ones moved."""
+    and the payload bytes its receiver takes. Every region repeats its tensor's name in the
+    request (256 rows of a 200-character name made a 69 KB header) and its spec in the tensors
+    that follow a write or answer a read. The request and a write's tensors go to the owner,
+    within the max_header_bytes and max_message_bytes it announced as the channel opened; a
+    read's answer comes here, within ours. Sized before anything moves: a region that fits in no
+    request, or whose bytes alone are past the payload limit, is a MessageRefused then, and a
+    later part is never refused for its size after earlier ones moved."""
     if not assisted:
         return []
-    theirs = peer.channel.remote_limits.max_header_bytes
+    theirs = peer.channel.remote_limits
     assert peer.session is not None  # (``_direct_state`` checked every handle)
-    carried_limit = theirs if op == "write" else peer.session.limits.max_header_bytes
+    carrier = theirs if op == "write" else peer.session.limits  # who takes the tensors
+    header_limit, carried_limit, payload_limit = (
+        theirs.max_header_bytes,
+        carrier.max_header_bytes,
+        carrier.max_message_bytes,
+    )
+    who = "the owner" if op == "write" else "this node"
     parts: list[list[int]] = []
     part: list[int] = []
-    asked = carried = 0
+    asked = carried = payload = 0
     for i in assisted:
         h = handles[i]
         ask, carry = _region_bytes(h.name, h.generation, h.shape), tensor_item_bytes(h.dtype, h.shape)
-        if _ASKING_BYTES + ask > theirs:
+        if _ASKING_BYTES + ask > header_limit:
             # the bound counts its ints at their widest: whether it fits alone is the exact size's to say
             alone = len(prepare(_asking(op, [h], WIDEST, WIDEST)).header)
-            if alone > theirs:
+            if alone > header_limit:
                 raise MessageRefused(
                     f"{op} of {h.name!r}: a request for a region of it has a {alone}-byte header (each region "
-                    f"names its tensor), past the owner's {theirs}-byte limit (its Limits.max_header_bytes); "
+                    f"names its tensor), past the owner's {header_limit}-byte limit (its Limits.max_header_bytes); "
                     f"nothing was {_done(op)}. Expose the tensor under a shorter name, or give the owner a "
                     "larger Limits.max_header_bytes"
                 )
-            ask = theirs - _ASKING_BYTES  # in a request of its own
+            ask = header_limit - _ASKING_BYTES  # in a request of its own
         if _CARRYING_BYTES + carry > carried_limit:
-            who = "the owner" if op == "write" else "this node"
             raise MessageRefused(
                 f"{op} of {h.name!r}: the tensor of a region of it ({h.dtype}{list(h.shape)}) takes up to "
                 f"{_CARRYING_BYTES + carry} bytes of message header, past {who}'s {carried_limit}-byte limit (its "
                 f"Limits.max_header_bytes), so nothing was {_done(op)}. Give {who} a larger Limits.max_header_bytes"
             )
+        if h.nbytes > payload_limit:
+            raise MessageRefused(
+                f"{op} of {h.name!r}: a region of it ({h.dtype}{list(h.shape)}) is {h.nbytes} bytes, past {who}'s "
+                f"{payload_limit}-byte message limit (its Limits.max_message_bytes), so nothing was {_done(op)}. "
+                f"{'Read' if op == 'read' else 'Write'} fewer rows at a time (handle[a:b]), or give {who} a larger "
+                "Limits.max_message_bytes"
+            )
         if part and (
             len(part) == _MAX_REGIONS
-            or _ASKING_BYTES + asked + ask > theirs
+            or _ASKING_BYTES + asked + ask > header_limit
             or _CARRYING_BYTES + carried + carry > carried_limit
+            or payload + h.nbytes > payload_limit
         ):
             parts.append(part)
-            part, asked, carried = [], 0, 0
+            part, asked, carried, payload = [], 0, 0, 0
         part.append(i)
         asked += ask
         carried += carry
+        payload += h.nbytes
     parts.append(part)
     return parts
 
@@ -867,9 +882,10 @@ def _done(op: str) -> str:
 
 
 async def _part(moving: Awaitable[Receipt], before: str) -> Receipt:
-    """One owner-served part of a batch. Refused at this side (MessageRefused: its request or
-    payload past the owner's limits, so none of it went out), it says what the parts before it
-    moved, as the owner's own refusals do (``_before``)."""
+    """One owner-served part of a batch. Refused at this side all the same (MessageRefused: none
+    of it went out; ``_parts`` sized it to the limits both ends announced, but a transport may
+    hold headers to a tighter bound of its own), it says what the parts before it moved, as the
+    owner's own refusals do (``_before``)."""
     try:
         return await moving
     except MessageRefused as exc:
@@ -892,6 +908,18 @@ def _check_against(handle: RemoteHandle, x: np.ndarray | DeviceSource, what: str
         )
 
 
+async def _drain(peer: Peer, tag: int) -> None:
+    """Take the next message on ``tag`` and let its bytes go: where the transport lands a
+    payload in order (tcp, inproc), what is yet to land goes to a small scratch buffer, never to
+    a buffer of the message's size (the answer of a cancelled 256 MiB read took 256 MiB to drain)."""
+    try:
+        await peer.channel.recv(tag, None, keep=False)
+    except TransferError:
+        if peer.channel.state is not ChannelState.OPEN:
+            raise
+        # dropped as asked (or failed on its way: gone all the same)
+
+
 def _drain_later(peer: Peer, tag: int, *, owed: bool = False) -> None:
     """A cancelled operation's answer still arrives: receive and drop it so nothing lingers.
     ``owed``: the owner read the request and answers it, however late (its loop busy, or its
@@ -903,7 +931,7 @@ def _drain_later(peer: Peer, tag: int, *, owed: bool = False) -> None:
     async def drain() -> None:
         try:
             async with asyncio.timeout(None if owed else _DRAIN_SECONDS):
-                await peer.recv(tag=tag)
+                await _drain(peer, tag)
         except (TensorWireError, TimeoutError):
             pass
 
@@ -1254,8 +1282,9 @@ async def _assisted_read(
     # the receive is posted as the request goes (its task's first step right after the send's
     # first), before the owner can answer: the reply lands straight in ``dests`` however soon it
     # comes. Posted once the send had returned, a reply that came first (inproc's, under 64 KiB)
-    # waited in a buffer of ours and was copied in
-    receiving = asyncio.ensure_future(peer.channel.recv(reply, dests, streams=streams))
+    # waited in a buffer of ours and was copied in. Cancelled, the read wants none of it: the
+    # rest of a reply under way is let go, not moved to a buffer of ours for the drain (keep)
+    receiving = asyncio.ensure_future(peer.channel.recv(reply, dests, streams=streams, keep=False))
     try:
         await _request(sending, lambda: _drain_later(peer, reply, owed=True))
     except BaseException:
@@ -1389,14 +1418,19 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
     if direct:
         moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
         down: dict[CopyEngine, list[tuple[_Direct, DeviceTensor, int]]] = {}
+        hosts = {i: a for i, _ in direct if isinstance(a := arrays[i], np.ndarray)}
+        # the large packing copies all in one copy thread, as a send's are (one hop each, in
+        # turn, took a thread's round trip per source); the small ones here, where they cost less
+        heavy = [i for i, a in hosts.items() if packs_in_a_thread(a)]
+        wires: dict[int, np.ndarray] = {}
+        if heavy:
+            packing = await off_loop(lambda: [_packed(hosts[i], handles[i]) for i in heavy])
+            wires = dict(zip(heavy, packing, strict=True))
         for i, state in direct:
             t = wired.get(i)
             if t is None:
-                host = arrays[i]
-                assert isinstance(host, np.ndarray)  # (every device source was wired above)
                 h = handles[i]
-                packing = functools.partial(_packed, host, h)
-                wire = await off_loop(packing) if packs_in_a_thread(host) else packing()
+                wire = wires[i] if i in wires else _packed(hosts[i], h)
                 moves.append((state, wire, h.offset))
                 continue
             memory = t.engine.kind
@@ -1454,9 +1488,10 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     try:
         receipt = await peer.channel.send(data, msg)
     except BaseException:
-        # cancelled, or failed before the payload went out (refused: past the owner's
-        # max_message_bytes): the owner read the request and waits for the payload, holding the
-        # tensor busy (its unexpose waited for good); tell it none comes
+        # cancelled, or failed before the payload went out (refused: ``_parts`` sized it to the
+        # owner's limits, but a transport may hold headers to a tighter bound of its own): the
+        # owner read the request and waits for the payload, holding the tensor busy (its unexpose
+        # waited for good); tell it none comes
         peer._spawn(_cancel_write(peer, data, reply))
         raise
     try:

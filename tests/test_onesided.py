@@ -621,11 +621,39 @@ async def test_a_region_whose_request_fits_no_header_the_owner_takes_is_refused_
         assert np.array_equal(await b.read(ok), np.zeros(4, np.float32))  # the peer goes on
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("small", ["owner", "reader"])
+async def test_a_batch_goes_in_messages_whose_payloads_each_end_accepts(transport: str, small: str) -> None:
+    """Through the owner, a batch went as one request whatever its bytes: to a reader with
+    ``max_message_bytes`` of 1 MiB the owner could not send the 4 MiB answer of a read_many of 16
+    rows of 256 KiB (TransferError), and to such an owner that write_many's payload was refused at
+    the writer (MessageRefused), though every row fits. Each message now fits the end that takes
+    it: a write's payload the owner's limit, a read's answer the reader's."""
+    limit = 1 << 20
+    small_limits = tensorwire.Limits(max_message_bytes=limit)
+    limits = (small_limits, tensorwire.Limits()) if small == "owner" else (tensorwire.Limits(), small_limits)
+    async with _limited(transport, *limits) as (a, b):
+        x = np.zeros((16, limit // 4), np.uint8)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        rows = [h[i] for i in range(16)]
+        await asyncio.wait_for(b.write_many(rows, [np.full(limit // 4, i + 1, np.uint8) for i in range(16)]), 10)
+        assert all((x[i] == i + 1).all() for i in range(16))
+        wrote = a.node.exposures.served
+        got, receipt = await asyncio.wait_for(b.read_many_with_receipt(rows), 10)
+        assert np.array_equal(np.stack(got), x) and receipt is not None and receipt.nbytes == x.nbytes
+        read = a.node.exposures.served - wrote
+        assert (wrote, read) == ((4, 1) if small == "owner" else (1, 4)), (wrote, read)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
-async def test_a_later_part_refused_at_the_writer_says_which_handles_moved(transport: str) -> None:
-    """A batch's part refused at this side (its payload past the owner's max_message_bytes) after
-    earlier parts were written said only that it was refused, as though nothing had moved."""
+async def test_a_region_past_the_payload_limit_is_refused_before_anything_moves(transport: str) -> None:
+    """A region whose bytes alone pass the ``max_message_bytes`` of the end that takes them fits
+    in no message. A write_many went out in parts until that region's was refused at the writer,
+    the rows before it written; a read of it was refused by the owner (TransferError). Both are
+    now a MessageRefused before anything moves, saying what to do."""
     limit = 1 << 20
     async with connected_pair(transport, limits=tensorwire.Limits(max_message_bytes=limit)) as (a, b):
         rows = np.zeros((256, 4), np.float32)
@@ -633,12 +661,18 @@ async def test_a_later_part_refused_at_the_writer_says_which_handles_moved(trans
         a.node.expose(rows, name="rows")
         a.node.expose(big, name="big")
         h, g = await b.lookup("rows"), await b.lookup("big")
-        with pytest.raises(tensorwire.MessageRefused, match=r"of this batch of 257 handles, 0-255 were written") as e:
-            await asyncio.wait_for(
-                b.write_many(
-                    [h[i] for i in range(256)] + [g], [np.ones(4, np.float32)] * 256 + [np.ones(2 * limit, np.uint8)]
-                ),
-                10,
-            )
-        assert "max_message_bytes" in str(e.value) and "the rest were not" in str(e.value)
-        assert (rows == 1).all() and not big.any()
+        row_handles = [h[i] for i in range(256)]
+        srcs = [np.ones(4, np.float32)] * 256 + [np.ones(2 * limit, np.uint8)]
+        for call, verb, who in (
+            (lambda: b.write_many([*row_handles, g], srcs), "written", "the owner's"),
+            (lambda: b.read_many([*row_handles, g]), "read", "this node's"),
+            (lambda: b.read(g), "read", "this node's"),
+            (lambda: b.write(g, np.ones(2 * limit, np.uint8)), "written", "the owner's"),
+        ):
+            with pytest.raises(tensorwire.MessageRefused, match=rf"past {who} 1048576-byte message limit") as e:
+                await asyncio.wait_for(call(), 10)
+            said = str(e.value)
+            assert f"nothing was {verb}" in said and "handle[a:b]" in said and "Limits.max_message_bytes" in said, said
+        assert a.node.exposures.served == 0 and not rows.any() and not big.any()
+        await asyncio.wait_for(b.write(g[:limit], np.ones(limit, np.uint8)), 10)  # what fits still goes
+        assert big[:limit].all() and not big[limit:].any()

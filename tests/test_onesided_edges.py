@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tracemalloc
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire import _onesided
@@ -75,3 +77,67 @@ async def test_a_write_whose_payload_is_refused_leaves_the_owner_waiting_for_not
         async with asyncio.timeout(10):
             while b.channel.mailbox._arrived or a.channel.mailbox._arrived:  # noqa: ASYNC110 - no event to wait on
                 await asyncio.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("transport", "checksum"), [("tcp", False), ("tcp", True), ("inproc", False)])
+@pytest.mark.parametrize("when", ["asked", "landing"])
+async def test_a_cancelled_read_lets_its_answer_go_without_a_buffer_of_its_size(
+    transport: str, checksum: bool, when: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An owner-assisted read cancelled once it was asked for (``asked``), or part way through
+    its answer (``landing``), still receives the answer, to take it off the channel. It took it
+    into a buffer of its own of the answer's size: a 32 MiB read cancelled took 32 MiB more
+    (the part that had landed in out= copied over as well). Now the rest lands piece by piece
+    in a small scratch buffer and is dropped, with tcp's checksums not checked against it; out=
+    is not written after the cancel, and the channel goes on (the owner's unexpose returns, a
+    read works)."""
+    tags: list[int] = []
+    real_tags = _onesided._tags
+
+    def spied() -> tuple[int, int]:
+        tags.append(real_tags()[0])
+        return tags[-1], tags[-1] + 1
+
+    monkeypatch.setattr(_onesided, "_tags", spied)
+    n = 32 << 20
+    # (tcp's 4 MiB frames each span several pieces of the scratch buffer: a checksum of one read
+    # back from there failed, and broke the channel)
+    async with connected_pair(transport, checksum=checksum) as (a, b):
+        # no byte 0 (what landed is counted), none the same 1 MiB on (scratch pieces differ)
+        a.node.expose(np.random.default_rng(0).integers(1, 256, n, np.uint8), name="x")
+        h = await b.lookup("x")
+        out = np.zeros(n, np.uint8)
+        mailbox = b.channel.mailbox
+        tracemalloc.start()
+        try:
+            task = asyncio.ensure_future(b.read(h, out=out))
+            if when == "asked":
+                await asyncio.sleep(0)  # the request is on its way
+            else:
+                await eventually(lambda: bool(out[0]) or task.done(), 10, pause=0)
+            assert not task.done(), "the read ended before its cancel (the test's premise)"
+            before, _ = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            landed = np.count_nonzero(out)  # (the answer's bytes land in order)
+            assert landed < n, "the answer landed whole before the cancel (the test's premise)"
+            reply = tags[-1]
+            async with asyncio.timeout(10):
+                await a.node.unexpose("x")  # the owner has sent its answer whole
+
+            def drained() -> bool:  # by the task the cancel left (the answer's header came long before)
+                held = reply in mailbox._posted or reply in mailbox._arrived or mailbox._held
+                return not held and not getattr(b.channel, "_incoming", None)  # (tcp: a payload on its way)
+
+            await eventually(drained, 20)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak - before < n // 4, f"draining the answer took {(peak - before) >> 20} MiB"
+        assert np.count_nonzero(out) == landed, "out= was written after the cancel returned"
+        a.node.expose(np.full(n, 2, np.uint8), name="y")
+        got = await asyncio.wait_for(b.read(await b.lookup("y")), 10)
+        assert (got == 2).all()

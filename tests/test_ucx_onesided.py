@@ -591,3 +591,34 @@ async def test_a_read_whose_channel_shuts_returns_only_once_ucx_is_done_with_out
         assert isinstance(got, want.get(how, asyncio.CancelledError)), got
         assert "may still be written" not in str(got), "UCX's get did not end"
         assert np.array_equal(out, landed), "out= was written after its read returned"
+
+
+async def test_a_write_batch_packs_its_strided_sources_whatever_their_size() -> None:
+    """A write batch's strided host sources are packed before the puts: the large ones (1 MiB
+    and more) all together in one copy thread, the small ones on the loop; each lands in its
+    rows, and the receipt says it packed."""
+    async with _pair() as (a, b):
+        kv = np.zeros((6, 512, 512), np.float32)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        assert h.direct
+        base = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)
+        srcs = [
+            (base + 1).T,  # 1 MiB, transposed: packed in a copy thread
+            base + 2,  # contiguous: put as it is
+            (base + 3).T,
+            np.broadcast_to(np.float32(4), (512, 512)),  # a broadcast view packs to its full size
+            (base + 5)[:, ::-1],
+        ]
+        small = [(np.arange(64, dtype=np.float32).reshape(8, 8) + i).T for i in range(4)]
+        rows = [h[i] for i in range(5)]
+        receipt = await b.write_many(rows, srcs)
+        assert receipt.packed and receipt.protocol == "one-sided"
+        for i, src in enumerate(srcs):
+            assert np.array_equal(kv[i], src), i
+        assert not kv[5].any()
+        a.node.expose(np.zeros((4, 8, 8), np.float32), name="small")
+        s = await b.lookup("small")
+        await b.write_many([s[i] for i in range(4)], small)
+        got = await b.read(s)
+        assert all(np.array_equal(got[i], small[i]) for i in range(4))

@@ -215,12 +215,13 @@ class Channel(ABC):
             await msg.to_host()
 
     async def recv(
-        self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None
+        self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None, keep: bool = True
     ) -> tuple[Any, Receipt]:
         """``streams``: the consumer's streams, taken by a caller inside the library at its own
         call (one that awaited since, when another task may have made other streams current);
-        by default taken now."""
-        value, receipt = await self.mailbox.recv(tag, out, device, streams=streams)
+        by default taken now. ``keep=False``: the message's bytes are wanted nowhere but in
+        ``out=`` (``Mailbox.recv``)."""
+        value, receipt = await self.mailbox.recv(tag, out, device, streams=streams, keep=keep)
         _metrics.transferred("recv", receipt, tag)
         return value, receipt
 

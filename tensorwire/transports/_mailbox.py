@@ -9,7 +9,11 @@ until a recv pulls it.
 A cancelled recv never leaves its ``out=`` buffer to be written later: what already landed there
 is copied into a buffer of tensorwire's own, the rest of the payload follows it there, and the
 message goes back to the head of its tag's queue, so nothing is lost. (For a CUDA ``out=``, the
-copies already queued into it are ordered before the consumer stream's later work.)
+copies already queued into it are ordered before the consumer stream's later work.) A recv that
+says its message's bytes are wanted nowhere else (``keep=False``: a cancelled operation's answer,
+and the recv that drains it) lets them go instead: where the transport lands a payload in order
+(tcp, inproc), the rest of it lands piece by piece in a small scratch buffer, never in one of
+the message's size, and the message fails the recv that takes it.
 
 Device memory: a transport that can write device memory (``Channel.device_kinds``) lands a
 matched message straight in the recv's CUDA ``out=`` or in tensors allocated on the requested
@@ -180,17 +184,39 @@ class Arrival:
         try:
             self.allocate()
         except TransferError as exc:
-            self.drop(exc)
+            self.drop(self._no_memory(exc))
 
-    def drop(self, exc: TransferError) -> None:
-        """Land the rest of the payload in a small scratch buffer, reused for every piece, and
-        fail the message when it completes: the recv that takes it raises why."""
-        self.lost = TransferError(
+    def _no_memory(self, exc: TransferError) -> TransferError:
+        lost = TransferError(
             f"a {self.nbytes}-byte message on this tag came before its recv and could not be kept here (out of "
             "memory); it was dropped: post a recv with out= before such messages come, or lower "
             "Limits.recv_buffer_bytes"
         )
-        self.lost.__cause__ = exc
+        lost.__cause__ = exc
+        return lost
+
+    def droppable(self) -> bool:
+        """Whether the rest of the payload can go to scratch now (``drop``): it is yet to land
+        whole, and lands in host memory in order, exactly as far as ``landed`` says (tcp,
+        inproc), so that no write under way elsewhere still lands in its current ``dest``."""
+        return (
+            not self.done.done()
+            and self.lost is None
+            and self.landed is not None
+            and not self.pinned
+            and (self.dest is None or all(type(d) is np.ndarray for d in self.dest))
+        )
+
+    def let_rest_go(self) -> None:
+        """Nobody wants the payload's bytes (``Mailbox.recv``'s ``keep=False``): ``drop`` them,
+        where the transport allows it (``droppable``)."""
+        if self.droppable():
+            self.drop(TransferError(f"a {self.nbytes}-byte message on this tag was dropped: nobody wanted its bytes"))
+
+    def drop(self, lost: TransferError) -> None:
+        """Land the rest of the payload in a small scratch buffer, reused for every piece, and
+        fail the message with ``lost`` when it completes: the recv that takes it raises that."""
+        self.lost = lost
         step = min(self.nbytes, _SCRATCH_BYTES) or 1
         scratch = np.empty(step, np.uint8)
         self.dest = [scratch[: min(step, self.nbytes - pos)] for pos in range(0, self.nbytes, step)]
@@ -231,7 +257,7 @@ class Arrival:
                 except TransferError as exc:
                     # no memory to keep what landed: the rest goes to scratch, never into
                     # the caller's buffer, and the message is dropped (its next recv says so)
-                    self.drop(exc)
+                    self.drop(self._no_memory(exc))
                     return None
                 # a transport may be part way through a chunk, so ``written`` can lag: copy it all
                 np.copyto(own, d)
@@ -250,7 +276,7 @@ class Arrival:
         try:
             new = [s.allocate() for s in self.specs]
         except TransferError as exc:
-            self.drop(exc)  # as in detach: what landed is lost, and the message with it
+            self.drop(self._no_memory(exc))  # as in detach: what landed is lost, and the message with it
             return None
         pairs = []
         for start, end, i, mv in old:
@@ -444,12 +470,13 @@ class _GivenBack(Arrival):
 
 
 class _Posted:
-    __slots__ = ("device", "future", "out", "streams")
+    __slots__ = ("device", "future", "keep", "out", "streams")
 
-    def __init__(self, out: object | None, device: Device | None, streams: Streams | None) -> None:
+    def __init__(self, out: object | None, device: Device | None, streams: Streams | None, keep: bool) -> None:
         self.out = out
         self.device = device
         self.streams = streams
+        self.keep = keep
         self.future: asyncio.Future[Arrival | _Delivered] = asyncio.get_running_loop().create_future()
 
 
@@ -572,6 +599,8 @@ class Mailbox:
                     if place and self._lands(targets):
                         arrival.dest = targets
                         arrival.direct = True
+                elif not p.keep:
+                    arrival.let_rest_go()
                 elif place and arrival.nbytes and self.channel.device_kinds:
                     self._place(arrival, p.device, p.streams)
             except TensorWireError as exc:  # that recv fails, not the channel
@@ -629,11 +658,16 @@ class Mailbox:
         arrival.direct = False
 
     # -- user side ------------------------------------------------------------------------
-    async def _requeue(self, arrival: Arrival) -> None:
+    async def _requeue(self, arrival: Arrival, keep: bool = True) -> None:
         """Give a cancelled recv's message back, out of the recv's out=: to the oldest recv
         posted on its tag meanwhile (it waited behind the one cancelled, and would otherwise
         take the next message first, this one left queued), else to the head of its queue;
-        return once nothing reads or writes that out= any more."""
+        return once nothing reads or writes that out= any more. ``keep=False``: what is yet to
+        land goes to scratch where it can (``Arrival.let_rest_go``), not to a buffer of ours of
+        the message's size, and what landed in out= is not copied out: the message fails the
+        recv that drains it."""
+        if not keep:
+            arrival.let_rest_go()
         moving = arrival.detach()
         if not self._to_posted(arrival, place=False):
             self._arrived.setdefault(arrival.tag, deque()).appendleft(arrival)
@@ -641,8 +675,14 @@ class Mailbox:
             await wait_out(moving)  # the copy reads the caller's out=: it ends before the cancel does
 
     async def recv(
-        self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None
+        self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None, keep: bool = True
     ) -> tuple[Any, Receipt]:
+        """The next message on ``tag`` (``Channel.recv``). ``keep=False``: its bytes are wanted
+        nowhere but in ``out=``: with out=, a recv cancelled part way lets the rest go rather than
+        give the message back in buffers of ours; without, it takes the next message to drain it,
+        lets go of what is yet to land and raises (TransferError), or returns it if it came whole.
+        Where the transport cannot redirect a payload under way (``Arrival.droppable``), it is
+        kept as by any recv."""
         t0 = time.perf_counter()
         want = wanted_device(device, out is not None)
         if streams is None:
@@ -660,11 +700,13 @@ class Mailbox:
                     if not q:
                         del self._arrived[tag]  # tags may be unique per operation: keep no empties
                     self._held.add(arrival)
+                    if out is None and not keep:
+                        arrival.let_rest_go()
                 else:
                     if self.failure is not None:
                         raise self.failure
                     self.channel.check_open()
-                    p = _Posted(out, want, streams)
+                    p = _Posted(out, want, streams, keep)
                     line = self._posted.setdefault(tag, deque())
                     if first:
                         line.appendleft(p)  # it was posted before every recv still waiting here
@@ -688,7 +730,7 @@ class Mailbox:
                                 raise
                             if got.pinned and not await _finished(got):
                                 raise  # it failed: nothing to give back
-                            await self._requeue(got)
+                            await self._requeue(got, keep)
                         else:
                             pq = self._posted.get(tag)
                             if pq is not None and p in pq:
@@ -710,7 +752,7 @@ class Mailbox:
                     if failed:
                         arrival.let_go()
                     elif not arrival.consumed:
-                        await self._requeue(arrival)
+                        await self._requeue(arrival, keep)
                     raise
                 finally:
                     self._held.discard(arrival)

@@ -54,7 +54,8 @@ async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None
         while off < len(seg):
             if arrival.done.done() or (source is not None and source.aborted):
                 return
-            dst = arrival.view(pos + off, _CHUNK)
+            # (within the segment: a payload dropped to scratch lands in pieces that span segments)
+            dst = arrival.view(pos + off, min(_CHUNK, len(seg) - off))
             dst[:] = seg[off : off + len(dst)]
             off += len(dst)
             arrival.written = pos + off
