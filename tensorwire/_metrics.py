@@ -30,6 +30,10 @@ _lock = threading.Lock()  # for what is shared between threads (not the transfer
 _Tally = dict[tuple[str, str, str, str, bool, bool, str], list[Any]]
 _local = threading.local()
 _tallies: list[_Tally] = []
+# the tallies of threads that have ended, added up: a thread's tally leaves _tallies as it
+# ends (a program that runs each job on a new thread with a loop of its own kept a tally for
+# every thread it ever ran, and summed them all at each scrape)
+_retired: _Tally = {}
 # (transport, side, passed_over) -> peers opened
 _peers: dict[tuple[str, str, str], int] = {}
 # error class name -> failed connects
@@ -62,15 +66,36 @@ def traffic_of(tag: int) -> str:
     return "messages"
 
 
+class _Owner:
+    """Held in a thread's local storage beside its tally: dropped when the thread ends."""
+
+    __slots__ = ("__weakref__",)
+
+
 def _mine() -> _Tally:
     """This thread's tally (made, and listed for snapshots, at its first count)."""
     try:
         mine: _Tally = _local.tally
     except AttributeError:
         mine = _local.tally = {}
+        _local.owner = owner = _Owner()
         with _lock:
             _tallies.append(mine)
+        weakref.finalize(owner, _retire, mine).atexit = False  # (at exit nobody reads them)
     return mine
+
+
+def _retire(tally: _Tally) -> None:
+    """A thread has ended: add its tally, which nothing counts into any more, to ``_retired``."""
+    with _lock:
+        _tallies[:] = [t for t in _tallies if t is not tally]
+        for key, counts in tally.items():
+            total = _retired.get(key)
+            if total is None:
+                _retired[key] = list(counts)
+            else:
+                for i, n in enumerate(counts):
+                    total[i] += n
 
 
 def moved(
@@ -145,8 +170,14 @@ def node_started(node: Node) -> None:
 
 def peer_opened(side: str, path: Path) -> None:
     """A peer's data path opened; ``side`` is "connect" or "accept". The transports preferred
-    over the one taken are part of the count: a fallback is visible at a glance."""
-    key = (path.transport, side, ",".join(name for name, _ in path.passed_over))
+    over the one taken are part of the count: a fallback is visible at a glance. Names come
+    from the other side too (a client's preference order, a server's reply: up to 32 of any 64
+    characters), so a name tensorwire does not know counts as "other": a peer that made up a
+    new one at each connect made a new label value, kept for ever, each time."""
+    from .transports import KNOWN  # (imported here: the transports import this module)
+
+    passed = dict.fromkeys(name if name in KNOWN else "other" for name, _ in path.passed_over)
+    key = (path.transport, side, ",".join(passed))
     with _lock:
         _peers[key] = _peers.get(key, 0) + 1
 
@@ -173,7 +204,8 @@ def snapshot() -> dict[str, Any]:
             if not peer.closed:
                 open_peers[peer.path.transport] = open_peers.get(peer.path.transport, 0) + 1
     with _lock:
-        tallies = list(_tallies)
+        # the ended threads' counts with the list of the others: a tally is in one or the other
+        tallies = [{key: list(counts) for key, counts in _retired.items()}, *_tallies]
         peers, failures, refusals = dict(_peers), dict(_connect_failures), dict(_refusals)
     transfers: _Tally = {}
     for mine in tallies:

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import __version__, start
-from ._entry import release_interrupts, while_held
+from ._entry import Terminated, release_interrupts, while_held
 from .errors import ConfigurationError, PeerDisconnected, ResourceError, TensorWireError
 
 MiB = 1 << 20
@@ -115,6 +115,21 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+async def _spawn_child(*argv: str, **options: Any) -> asyncio.subprocess.Process:
+    """Start the demo's node B or the bench's node with SIGINT blocked. A Ctrl-C at a terminal
+    goes to every process of its foreground job, and a child still loading numpy and gRPC
+    printed the import machinery's KeyboardInterrupt traceback (2 of 8 Ctrl-Cs 0.7-1.4 s into
+    a demo). The child is this process's to stop (``_stop_child``; ``--parent`` if this one
+    dies): it starts with the signal mask of the thread that starts it, and keeps SIGINT
+    blocked. Here a Ctrl-C meanwhile is not lost: another thread takes it, or it waits until
+    the mask is back."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return await asyncio.create_subprocess_exec(*argv, **options)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 async def _stop_child(child: asyncio.subprocess.Process) -> None:
@@ -204,7 +219,7 @@ async def _demo(size_mib: int, repeat: int) -> int:
     t_start = time.perf_counter()
     want = _demo_payload(size_mib)
     async with start("127.0.0.1:0") as node:
-        child = await asyncio.create_subprocess_exec(
+        child = await _spawn_child(
             *(sys.executable, "-m", "tensorwire.cli", _DEMO_PEER, node.address, str(size_mib)),
             *("--parent", str(os.getpid())),  # B goes even if this process is SIGKILLed
         )
@@ -390,7 +405,7 @@ async def _bench(args: argparse.Namespace, json_out: list[dict[str, Any]]) -> in
         async with starting as node:
             report = await measure(node, args.address, None)
     else:  # the child starts (imports, binds) while this node does
-        child = await asyncio.create_subprocess_exec(
+        child = await _spawn_child(
             *(sys.executable, "-m", "tensorwire.cli", "serve", "--bench", "--address", "127.0.0.1:0"),
             *(("--transports", *args.transports) if args.transports else ()),
             *("--parent", str(os.getpid())),  # it goes even if this process is SIGKILLed
@@ -663,8 +678,8 @@ def main(argv: list[str] | None = None) -> int:
             if fd != 1:
                 os.dup2(fd, 1)
                 os.close(fd)
-    # a Ctrl-C while the arguments are read (their types load _bench, _node and gRPC) is taken
-    # once they say what runs, and ends the command as a later one would
+    # a Ctrl-C or SIGTERM while the arguments are read (their types load _bench, _node and
+    # gRPC) is taken once they say what runs, and ends the command as a later one would
     args = while_held(lambda: _parse_args(argv))
     if args is None:  # a second Ctrl-C meanwhile: at once
         return 130
@@ -703,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_until_signal(_demo_child(args.address, args.size_mib))
     except KeyboardInterrupt:
         return _failed(args, "interrupted (SIGINT)", code=130)
+    except Terminated:  # while the command line loaded: as a later SIGTERM ends the command
+        return _failed(args, "terminated (SIGTERM)", code=128 + signal.SIGTERM)
     except BrokenPipeError:  # stdout closed early (`tensorwire demo | head -1`): end as a SIGPIPE would
         _drop_stdout()
         return 128 + signal.SIGPIPE

@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,19 +44,20 @@ def _alive(pid: int) -> bool:
     return st is not None and st[0] != "Z"
 
 
-def _demo_peer_of(parent: int, timeout: float = 30.0) -> int:
-    """The pid of the `_demo-peer` process a demo started, as soon as it exists."""
+def _demo_peer_of(parent: int, timeout: float = 30.0, marker: bytes = b"_demo-peer") -> int:
+    """The pid of the `_demo-peer` process a demo started (or the child of ``parent`` whose command
+    line holds ``marker``), as soon as it exists."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None and st[1] == parent:
                 try:
-                    if b"_demo-peer" in (entry / "cmdline").read_bytes():
+                    if marker in (entry / "cmdline").read_bytes():
                         return int(entry.name)
                 except OSError:
                     pass
         time.sleep(0.01)
-    raise AssertionError(f"the demo (pid {parent}) started no _demo-peer within {timeout:g} s")
+    raise AssertionError(f"process {parent} started no {marker.decode()} within {timeout:g} s")
 
 
 def _kill(*pids: int) -> None:
@@ -127,6 +129,52 @@ def test_an_interrupted_demo_stops_its_second_process(signum: signal.Signals, co
     assert demo.returncode == code, err
     assert "Traceback" not in err
     assert not _alive(child), "the demo left its second process running"
+
+
+def _sigint_in(pid: int, field: str) -> bool:
+    """Whether SIGINT is in a signal set of process ``pid`` as /proc shows it: "SigCgt" (it has
+    a handler: Python sets its own as it starts), "ShdPnd" (sent to it, not yet taken: blocked,
+    or the process has not run since), "SigBlk" (its main thread blocks it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    found = re.search(rf"^{field}:\s*([0-9a-f]+)$", status, re.MULTILINE)
+    return found is not None and bool(int(found[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.parametrize(
+    ("command", "marker"),
+    [(["demo", "--size-mib", "4"], b"_demo-peer"), (["bench", "--sizes", "4K", "--transports", "tcp"], b"--bench")],
+)
+def test_ctrl_c_at_a_terminal_while_the_child_loads_prints_no_traceback(command: list[str], marker: bytes) -> None:
+    """A terminal sends Ctrl-C to every process of the foreground job, so to the demo's node B
+    or the bench's node too. One still loading (numpy, gRPC: half a second or more) printed the
+    import machinery's KeyboardInterrupt traceback (or "Fatal Python error" in site's import)
+    and died; the child now leaves SIGINT to its parent, which stops it."""
+    proc = subprocess.Popen([*CLI, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    child = 0
+    try:
+        child = _demo_peer_of(proc.pid, marker=marker)
+        end = time.monotonic() + 30
+        while not _sigint_in(child, "SigCgt") and _alive(child) and time.monotonic() < end:
+            time.sleep(0.005)  # the child's interpreter is up: it loads tensorwire now
+        # the Ctrl-C reaches the child first (the order among the job is not set): it must not
+        # end it; then the whole job gets it, as a terminal sends it
+        os.kill(child, signal.SIGINT)
+        while _alive(child) and time.monotonic() < end:  # until it ends, or holds the signal
+            if _sigint_in(child, "ShdPnd") and _sigint_in(child, "SigBlk"):
+                break
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _kill(proc.pid, child)
+        proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert _gone_within(child, 10), "the child was left running"
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
@@ -634,12 +682,13 @@ def test_ctrl_c_while_the_command_line_loads_ends_quietly_with_130() -> None:
 _SIGNALLED_IMPORT = """
 import builtins, os, signal, sys
 real, target, times = builtins.__import__, sys.argv[1], int(sys.argv[2])
+signum = signal.Signals[os.environ.get("SIGNAL", "SIGINT")]
 
 def interrupting(name, *args, **kwargs):  # a real Ctrl-C (or two) as the command line loads TARGET
     global times
     if name == target and times:
         for _ in range(times):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
         times = 0
     return real(name, *args, **kwargs)
 
@@ -670,6 +719,27 @@ def test_a_second_ctrl_c_while_the_command_line_loads_ends_it_at_once() -> None:
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 130, out.stdout + out.stderr
     assert out.stderr == "tensorwire: interrupted (SIGINT)\n" and out.stdout == "", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("target", ["numpy", "crc32c"])
+def test_sigterm_while_bench_json_loads_still_prints_the_json_report(target: str) -> None:
+    """A SIGTERM while `tensorwire bench --json` loaded (its first half second) killed it with
+    nothing on stdout; now it is held as a Ctrl-C is, and taken as a later one is: exit 143
+    and {"address": ..., "error": "terminated (SIGTERM)"}."""
+    bench = ["bench", "--json", "--sizes", "4K", "--seconds", "0.1", "--transports", "tcp"]
+    out = subprocess.run([sys.executable, "-c", _SIGNALLED_IMPORT, target, "1", *bench], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "SIGNAL": "SIGTERM"})  # fmt: skip
+    assert out.returncode == 128 + signal.SIGTERM, out.stdout + out.stderr
+    assert json.loads(out.stdout) == {"address": None, "error": "terminated (SIGTERM)"}, out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_second_sigterm_while_the_command_line_loads_ends_it_at_once() -> None:
+    """The first is held; the second ends the process at once, by the signal itself."""
+    env = {**os.environ, "SIGNAL": "SIGTERM"}
+    out = subprocess.run([sys.executable, "-c", _SIGNALLED_IMPORT, "numpy", "2", "bench", "--json"],
+                         capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert out.returncode == -signal.SIGTERM and out.stdout == "", out.stdout + out.stderr
 
 
 def test_import_tensorwire_loads_the_api_on_first_use() -> None:

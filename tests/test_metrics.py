@@ -160,6 +160,28 @@ async def test_peers_opened_name_the_transports_passed_over_and_the_open_gauge_f
     assert 'tensorwire_peers_open{transport="tcp"} 0.0' in metrics.text()
 
 
+async def test_transport_names_a_peer_makes_up_cannot_grow_the_label_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's preference order reaches the server whole, and the names it passes over come
+    back in the reply; each name a peer made up was a new ``passed_over`` value on both sides,
+    kept for ever (one per connect from a client that changes it, each up to 32 names of 64
+    characters). Names tensorwire does not know count as "other"."""
+    # a client of another build, or a hostile one: it sends names this one does not know
+    monkeypatch.setattr("tensorwire._node._check_transports", lambda names: tuple(names))
+    before = metrics.snapshot().peers_opened
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+    ):
+        for i in range(5):
+            peer = await client.connect(server.address, transports=(f'made-up "{i}"\\\n', "verbs", f"x{i}", "tcp"))
+            assert [name for name, _ in peer.path.passed_over] == [f'made-up "{i}"\\\n', "verbs", f"x{i}"]
+            await peer.aclose()
+    after = metrics.snapshot().peers_opened
+    grown = {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
+    assert grown == {("tcp", "connect", "other,verbs"): 5, ("tcp", "accept", "other,verbs"): 5}, grown
+    assert "made-up" not in metrics.text()
+
+
 async def test_failed_connects_and_refused_handshakes_are_counted() -> None:
     with socket.socket() as s:  # a port with nothing behind it
         s.bind(("127.0.0.1", 0))
@@ -274,6 +296,33 @@ def test_counts_from_many_threads_are_not_lost() -> None:
         t.join()
     after = metrics.snapshot().transfers[key]
     assert (after[0] - before[0], after[1] - before[1]) == (80_000, 240_000)
+
+
+def test_threads_that_ended_leave_their_counts_and_nothing_else() -> None:
+    """Each thread that counts has a tally of its own; one that ends leaves its counts to the
+    others' sum, not its tally in the list a scrape reads (that list grew by one for every
+    thread a program ever ran a loop in)."""
+
+    async def job() -> None:
+        async with (
+            tensorwire.start("127.0.0.1:0", transports=("inproc",)) as na,
+            tensorwire.start("127.0.0.1:0", transports=("inproc",)) as nb,
+        ):
+            a = await na.connect(nb.address)
+            b = await nb.accept()
+            await a.send(np.zeros(100, np.uint8), tag="job")
+            await b.recv(tag="job")
+
+    before, tallies = metrics.snapshot(), len(_metrics._tallies)
+    for _ in range(6):  # one job after another, each on a new thread with its own loop
+        thread = threading.Thread(target=asyncio.run, args=(job(),))
+        thread.start()
+        thread.join()
+    after = metrics.snapshot()
+    assert len(_metrics._tallies) == tallies  # (a thread's local storage goes before join() returns)
+    for op in ("send", "recv"):
+        assert after.count(op, "inproc", "messages") - before.count(op, "inproc", "messages") == 6
+        assert after.bytes(op, "inproc", "messages") - before.bytes(op, "inproc", "messages") == 600
 
 
 _PART = """
