@@ -12,8 +12,9 @@ import re
 import time
 import urllib.parse
 import uuid
+import warnings
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -281,6 +282,7 @@ class Node:
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set when it starts
+        self._loop_end: AsyncGenerator[None, None] | None = None  # see _until_loop_ends
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "serving"
@@ -314,6 +316,8 @@ class Node:
             ctx = TransportContext(self.node_id, self._host, self.config.limits, checksum=self.config.checksum)
             transports = [(name, cls, caps, cls(ctx, caps)) for name, (cls, caps) in usable.items()]
         try:
+            self._loop_end = self._until_loop_ends()
+            await anext(self._loop_end)
             for name, cls, caps, transport in transports:
                 self.transports[name] = transport
                 blob = await transport.listen()
@@ -706,6 +710,43 @@ class Node:
             self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-node-close")
         await asyncio.shield(self._closing)
 
+    async def _until_loop_ends(self) -> AsyncGenerator[None, None]:
+        """Closes the node if it is still open when its event loop shuts down. The node holds
+        this generator, started, until it closes. ``asyncio.run`` (and ``asyncio.Runner``)
+        shutting its loop down first cancels every task and waits for them, then closes the
+        async generators still open (``loop.shutdown_asyncgens``), the loop still running: so
+        the node closes here once its own tasks, and gRPC's, have ended, and before the loop
+        closes. (Left open, its ports stayed bound, and its gRPC server, which nobody stopped,
+        made a later ``gc.collect()`` wait forever for gRPC's poller thread, grpc/grpc#22365.)
+        A loop closed without shutdown_asyncgens never gets here: the node, which gRPC keeps
+        alive then, holds its ports until the process exits."""
+        try:
+            yield
+        finally:
+            self._loop_end = None  # (this generator: closing the node must not close it again)
+            if not self._closed:
+                # an async generator that owns the node (``async with start(...)`` around a
+                # ``yield``) is being closed now too: its first step closes the node, so let it
+                await asyncio.sleep(0)
+            closing = self._closing
+            # (a closing that began, by abort() or an aclose() in a task, and that the loop's
+            # shutdown cancelled part way, runs again: each of its steps may be run twice)
+            if closing is None or closing.cancelled():
+                leaked = not self._closed
+                self._closed = True
+                self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-node-close")
+                try:
+                    await self._closing
+                finally:
+                    if leaked:  # last: a filter that makes it an error still leaves the node closed
+                        warnings.warn(
+                            f"node {self.node_id[:12]} at {self.address} was not closed: use 'async with "
+                            "tensorwire.start(...)' or aclose(); it was closed as its event loop shut down",
+                            ResourceWarning,
+                            source=self,
+                            stacklevel=1,  # (from the loop's shutdown: no caller of the user's to point at)
+                        )
+
     async def _close(self) -> None:
         for task in list(self._waiting):
             task.cancel()
@@ -725,6 +766,9 @@ class Node:
         self.exposures.clear()  # no peer can reach them now: unregister, let the tensors go
         await asyncio.gather(*[t.aclose() for t in self.transports.values()], return_exceptions=True)
         await asyncio.gather(*self._waiting, return_exceptions=True)
+        loop_end, self._loop_end = self._loop_end, None
+        if loop_end is not None:
+            await loop_end.aclose()
 
     def abort(self) -> None:
         """Forceful close: every peer's connection drops at once (its pending operations fail),

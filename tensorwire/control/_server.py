@@ -319,4 +319,15 @@ class ControlServer:
 
     async def stop(self, grace: float | None) -> None:
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        try:
+            await self._server.stop(grace)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            # not us: gRPC's serving task was cancelled (asyncio.run cancels every task as its
+            # loop shuts down, and a node left open closes after that), and its stop, which
+            # awaits that task, raised its CancelledError half way; a second stop finishes
+            # (without it the core server was never destroyed, and gRPC's poller thread, which
+            # waits for it, hung the next gc.collect() that freed the server)
+            await self._server.stop(grace)
