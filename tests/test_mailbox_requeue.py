@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 
 import numpy as np
 import pytest
@@ -204,6 +205,51 @@ async def test_a_recv_cancelled_part_way_through_a_large_payload_lets_the_loop_r
         await asyncio.wait_for(send, 30)
         assert np.array_equal(got, x)
         assert (out == 0xEE).all()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+async def test_a_recv_cancelled_after_its_message_matched_but_before_it_pulled_gives_it_back_without_a_copy() -> None:
+    """Over ucx, a 128 MiB rendezvous message's header matches a recv into out=, and the recv is
+    cancelled before its task resumes to post the payload receive: nothing landed in out=, and
+    nothing will. The message goes back with no buffer, so the cancel holds the loop for no
+    copy; before, the mailbox (which cannot tell over ucx how far a payload has landed) copied
+    all of out= into a new buffer of ours on the loop: 3.7 s for 1 GiB between two processes,
+    long enough for a peer's lease on this node to run out. The longest the loop stood still
+    during the cancel is compared with that very copy, made here in the same run."""
+    n = 128 * MiB
+    x = np.resize(np.arange(1, 200, dtype=np.uint8), n)  # never 0xEE
+    out = np.full(n, 0xEE, np.uint8)
+    copy = float("inf")  # what the cancel did before: a new buffer, and out= copied into it
+    for _ in range(3):  # the quickest of three, on a machine that others share
+        began = time.perf_counter()
+        np.copyto(np.empty_like(out), out)
+        copy = min(copy, time.perf_counter() - began)
+    async with connected_pair("ucx", limits=tensorwire.Limits(recv_buffer_bytes=0)) as (a, b):
+        mailbox = b.channel.mailbox
+        tag = tag_id("t")
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        await eventually(lambda: mailbox.has_posted(tag), 10, 0)
+        send = asyncio.ensure_future(a.send(x, tag="t"))
+        # polled every turn: the header matched the recv (it is posted no more) a turn at most
+        # ago, and the recv's task, woken by it, has yet to run
+        await eventually(lambda: not mailbox.has_posted(tag) or recv.done(), 30, 0)
+        assert not recv.done()
+        recv.cancel()
+        stall, last = 0.0, time.perf_counter()
+        while not recv.done():
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            stall, last = max(stall, now - last), now
+        with pytest.raises(asyncio.CancelledError):
+            await recv
+        assert (out == 0xEE).all(), "the payload began to land before the cancel: the test missed its moment"
+        got = await asyncio.wait_for(b.recv(tag="t"), 30)
+        await asyncio.wait_for(send, 30)
+        assert np.array_equal(got, x)
+        assert (out == 0xEE).all()
+    assert stall < copy / 10, (
+        f"the cancel held the loop {stall * 1e3:.1f} ms; out= copied into a new buffer takes {copy * 1e3:.1f} ms here"
+    )
 
 
 @pytest.mark.timeout(60)
