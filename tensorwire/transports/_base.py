@@ -245,6 +245,14 @@ class Channel(ABC):
         False."""
         return False
 
+    def unread(self, arrival: Any) -> bool:
+        """Whether nothing of ``arrival``'s payload has been, or will be, written into its
+        ``dest`` until a recv pulls it: a rendezvous message matched but not pulled, an eager
+        one whose read waits for its recv's task. A recv cancelled then gives the message back
+        with no buffer (``Arrival.detach``), since nothing landed in its out=. Default: False
+        (the transport writes as the bytes come, and says how far in ``Arrival.landed``)."""
+        return False
+
     @abstractmethod
     def release(self, arrival: Any) -> None:
         """The recv consumed ``arrival``: give its buffer credit and slot back to the sender."""

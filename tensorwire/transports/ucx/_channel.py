@@ -217,19 +217,6 @@ class _Arrival(Arrival):
         else:
             self.channel._fail_when_landed(t, exc)  # type: ignore[attr-defined]
 
-    def detach(self) -> asyncio.Future[None] | None:
-        """``Arrival.detach``, where no payload receive was posted into the cancelled recv's
-        out= yet (a rendezvous message matched but not pulled, a device one waiting for its
-        streams): nothing landed there, and nothing will, so the message goes back as it came,
-        with no buffer, and the next recv places it. (The mailbox, which cannot tell how much
-        landed, copied the whole out= on the loop: 3.7 s for 1 GiB between two processes.)"""
-        if self.transfer is None and self.direct and not self.done.done():
-            self.dest = None
-            self.direct = False
-            self._flat = None
-            return None
-        return super().detach()
-
 
 class UcxChannel(Channel):
     transport = "ucx"
@@ -897,6 +884,11 @@ class UcxChannel(Channel):
         if cancelled:
             raise asyncio.CancelledError
         arrival.done.result()
+
+    def unread(self, arrival: Arrival) -> bool:
+        # no payload receive posted yet (a rendezvous message matched but not pulled, a device
+        # one waiting for its streams): UCX writes into dest only through those
+        return isinstance(arrival, _Arrival) and arrival.transfer is None
 
     def release(self, arrival: Arrival) -> None:
         eager = arrival in self._eager  # inline and eager arrivals spent buffer credit

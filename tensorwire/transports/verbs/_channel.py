@@ -748,6 +748,12 @@ class VerbsChannel(Channel):
         self._enqueue(_Out(Kind.FIN, flags=Flag.DROPPED, msg_id=arrival.msg_id))
         return True
 
+    def unread(self, arrival: Arrival) -> bool:
+        # still waiting for its RDMA READs (a rendezvous message matched but not pulled, an
+        # eager one whose recv's task is to read it): ``_read`` takes it from ``_waiting``
+        entry = self._waiting.get(arrival.msg_id)
+        return entry is not None and entry.arrival is arrival
+
     def release(self, arrival: Arrival) -> None:
         eager = arrival in self._eager
         self._eager.discard(arrival)
