@@ -520,8 +520,9 @@ with warnings.catch_warnings(record=True) as caught:
     faulthandler.dump_traceback_later(30, exit=True)
     asyncio.run(main())
     report["after"] = listening()
-    # tcp: every port the process listened on; ucx: the control ports (UCX's own listeners
-    # outlive even a node that was closed)
+    # tcp: every port the process listened on; ucx: the control ports (a UCX worker's own
+    # listeners stay while anything holds a ucxx request of it, as the pair's failed
+    # operations, kept here, do in their tracebacks)
     ports = report["during"] if transport == "tcp" else report["controls"]
     report["unbindable"] = []
     for port in ports:

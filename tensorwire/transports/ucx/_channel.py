@@ -305,7 +305,7 @@ class UcxChannel(Channel):
     @property
     def endpoint_handle(self) -> int:
         """The raw ``ucp_ep_h`` of this channel (for the one-sided bindings)."""
-        return int(self._ep.handle)
+        return self._ep_handle
 
     # -- UCX plumbing -------------------------------------------------------------------------
     def _error(self, exc: BaseException, what: str) -> BaseException:
@@ -1032,7 +1032,10 @@ class UcxChannel(Channel):
         self._rkeys.clear()
         self._w.abandon(self)  # cancel what UCX still holds of ours; keep its buffers alive
         self._closed_ev.set()
-        task = self._loop.create_task(self._w.close_endpoint(self._ep))
+        # the endpoint goes with the channel: a ucxx endpoint holds its worker, and a closed
+        # channel that its peer still referenced kept the node's closed UCX worker alive
+        ep, self._ep = self._ep, None
+        task = self._loop.create_task(self._w.close_endpoint(ep))
         self._w.track(task)
 
     def _fail_one_sided(self, futs: list[asyncio.Future[None]], exc: BaseException) -> None:

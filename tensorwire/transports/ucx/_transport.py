@@ -361,8 +361,16 @@ class UcxTransport(Transport):
 
         try:
             ep = self._endpoint(parsed)
+        except ProtocolError as exc:
+            raise ConnectError(f"ucx data connection failed: {exc}") from exc
         except Exception as exc:
-            raise ConnectError(f"UCX cannot create an endpoint to the peer: {exc}") from exc
+            # (a server that closed after the handshake freed its UCX worker: nothing is left at its
+            # worker address, and UCX says so here, before the control connection's end is seen)
+            raise ConnectError(
+                f"ucx data connection failed: UCX cannot create an endpoint to the server's worker ({exc}): the "
+                "server went away after the handshake (its node closed or died), or UCX cannot reach it from here "
+                "(UCX_TLS); connect again once it serves"
+            ) from exc
         my_key = self._new_key()
         sid = session.id.encode()
         welcome = np.zeros(_WELCOME_BYTES + 64, np.uint8)
@@ -519,5 +527,15 @@ class UcxTransport(Transport):
         for ep in self._probed.values():
             w.track(asyncio.get_running_loop().create_task(w.close_endpoint(ep)))
         self._probed.clear()
-        await w.drain()
-        w.close()
+        try:
+            await w.drain()
+        except BaseException:  # (cancelled: a second aclose() returns at once, so free it now)
+            self._hello_req = None
+            w.close()
+            raise
+        # every ucxx request and endpoint holds the UCX worker it came from, and the worker its
+        # context: the hello receive, kept here, kept this node's UCX worker (two listening tcp
+        # sockets, a dozen descriptors, its shared-memory segments) as long as anything still
+        # referenced the closed node
+        self._hello_req = None
+        await w.aclose()
