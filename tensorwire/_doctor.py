@@ -155,8 +155,9 @@ async def probe_address(address: str, token: str | None, wait_s: float) -> dict[
 
     try:
         async with start("127.0.0.1:0", config=NodeConfig(auth_token=token)) as node:
-            async with asyncio.timeout(wait_s):
-                peer = await node.connect(address)
+            # the connect's own timeout says why it had no answer; this one only backs it up
+            async with asyncio.timeout(wait_s + 5):
+                peer = await node.connect(address, connect_timeout=wait_s)
             try:
                 path = peer.path
                 return {
@@ -170,10 +171,10 @@ async def probe_address(address: str, token: str | None, wait_s: float) -> dict[
                 }
             finally:
                 await peer.aclose()
-    except TimeoutError:
-        return {"address": address, "error": f"no answer within {wait_s:g} s"}
-    except TensorWireError as exc:
+    except TensorWireError as exc:  # (first: a ConnectTimeout is a TimeoutError too)
         return {"address": address, "error": f"{type(exc).__name__}: {exc}"}
+    except TimeoutError:
+        return {"address": address, "error": f"no answer within {wait_s + 5:g} s"}
 
 
 # UCX transports that move bytes by get/put only: with no lane that carries active messages

@@ -598,10 +598,13 @@ class Node:
                     channel = await self._open_data(client, transport.connect(dial, session), opening, address)
         except TimeoutError as exc:
             await client.aclose()
+            # a handshake with no answer: what listens there is most likely no tensorwire node (a
+            # port nobody listens on is refused at once), or its packets are dropped on the way
             where = (
                 f": the control-plane handshake was done, the {opening} did not open (the server's log may say why)"
                 if opening
-                else ""
+                else f": nothing answered the handshake. {address} may not be a tensorwire node (check the address "
+                "and port), a firewall may drop the connection, or the node is too busy to answer in time"
             )
             raise ConnectTimeout(f"connecting to {address} took longer than {timeout} s{where}") from exc
         except BaseException:

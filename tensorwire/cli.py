@@ -534,12 +534,16 @@ _METRICS_HELP = "serve Prometheus metrics at http://HOST:PORT/metrics (needs pro
 
 
 def _address(text: str) -> str:
-    """An argparse type: a node's address. An IPv6 host in brackets with nothing after them
-    (``[::1]``) is a usage error here, by the library's rule (``portless``)."""
-    from ._node import portless
+    """An argparse type: HOST:PORT, checked by the library's own rule (``_split_address``), so
+    that a bad one is a usage error that names its flag (``argument --metrics: address
+    'foo:bar': ...``) before anything starts; the library's later error named no flag, and
+    serve has two addresses."""
+    from ._node import _split_address
 
-    if (no_port := portless(text)) is not None:
-        raise argparse.ArgumentTypeError(f"{text!r} {no_port}")
+    try:
+        _split_address(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -603,51 +607,90 @@ def _uses_token(args: argparse.Namespace) -> bool:
     return args.cmd in ("serve", "stage") or (args.cmd in ("bench", "doctor") and args.address is not None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a word that starts with '-' and a digit (or '-.' and a
+    digit) is always a value, never an option: no option of ours looks like that. argparse
+    takes only a plain negative number (``-5``, ``-.5``) for a value, so ``--sizes -1K`` and
+    ``--seconds -1e3`` were "expected one argument" instead of their own errors. (Later
+    versions of argparse use this rule; add_subparsers makes the commands' parsers of this class.)"""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-\.?[0-9]")
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tensorwire", description="Move tensors between processes, honestly.")
+    from .transports import DEFAULT_PREFERENCE
+
+    parser = _Parser(prog="tensorwire", description="Move tensors between processes, honestly.")
     parser.add_argument("--version", action="version", version=f"tensorwire {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("demo", help="two processes on loopback exchange a verified pytree")
-    p.add_argument("--size-mib", type=_at_least(1), default=256, help="size of the large tensor (default 256)")
-    p.add_argument("--repeat", type=_at_least(1), default=3, help="bandwidth repetitions (default 3)")
-    p = sub.add_parser("serve", help="run a node")
-    p.add_argument("--address", type=_address, default="127.0.0.1:0")
-    p.add_argument(
-        "--echo", action="append", type=_echo_tag, default=[], metavar="TAG", help="echo messages received on TAG"
+    sub = parser.add_subparsers(dest="cmd")  # none given: said below, naming the commands
+    transports_help = (
+        f"the transports to offer, most preferred first (default: {' '.join(DEFAULT_PREFERENCE)}, those usable here)"
     )
+    here = "where to listen (default 127.0.0.1:0: loopback, a free port)"
+
+    def command(name: str, what: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=what, description=what)
+
+    p = command("demo", "two processes on loopback exchange a verified pytree")
+    p.add_argument(
+        "--size-mib", type=_at_least(1), default=256, metavar="MIB", help="size of the large tensor (default 256)"
+    )
+    p.add_argument(
+        "--repeat", type=_at_least(1), default=3, metavar="N", help="timed sends of the large tensor (default 3)"
+    )
+    p = command("serve", "run a node")
+    p.add_argument("--address", type=_address, default="127.0.0.1:0", metavar="HOST:PORT", help=here)
+    p.add_argument(
+        "--echo", action="append", type=_echo_tag, default=[], metavar="TAG",
+        help="send every message received on TAG back to its sender, on TAG (a TAG written as an integer is an int); "
+        "give it again for more tags",
+    )  # fmt: skip
     p.add_argument("--token", type=_token, help="require this auth token (default: $TENSORWIRE_TOKEN)")
-    p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
+    p.add_argument("--transports", nargs="+", default=None, metavar="NAME", help=transports_help)
     p.add_argument("--bench", action="store_true", help="answer `tensorwire bench` requests (else they are refused)")
     p.add_argument("--metrics", type=_address, default=None, metavar="HOST:PORT", help=_METRICS_HELP)
-    p = sub.add_parser("bench", help="tensorwire's throughput to a node, against plain TCP in the same run")
+    p = command("bench", "tensorwire's throughput to a node, against plain TCP in the same run")
     p.add_argument(
-        "address", nargs="?", type=_address,
+        "address", nargs="?", type=_address, metavar="ADDRESS",
         help="a node started with `tensorwire serve --bench` (default: start one here, measure over loopback)",
     )  # fmt: skip
-    p.add_argument("--sizes", type=_sizes, default="4K,1M,64M", help="message sizes (default 4K,1M,64M)")
+    p.add_argument(
+        "--sizes", type=_sizes, default="4K,1M,64M", metavar="LIST",
+        help="message sizes, comma-separated; K, M, G are binary units (default 4K,1M,64M)",
+    )  # fmt: skip
     p.add_argument(
         "--seconds", type=_seconds, default=1.0, metavar="S",
         help="seconds per size, tensorwire and raw TCP (default 1)",
     )  # fmt: skip
     p.add_argument(
-        "--device", type=_device, default="cpu", help="cpu, cuda or cuda:N: where tensors live (default cpu)"
+        "--device", type=_device, default="cpu", help="where the tensors live: cpu, cuda or cuda:N (default cpu)"
     )
-    p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
-    p.add_argument("--require", choices=("any", "rdma", "gpudirect"), default="any", help="fail below this path")
+    p.add_argument("--transports", nargs="+", default=None, metavar="NAME", help=transports_help)
+    p.add_argument(
+        "--require", choices=("any", "rdma", "gpudirect"), default="any",
+        help="fail unless the path gives this: rdma, bytes moved by RDMA; gpudirect, GPU memory moved by RDMA "
+        "to and from the NIC (default any)",
+    )  # fmt: skip
     p.add_argument("--token", type=_token, help="auth token for ADDRESS (default: $TENSORWIRE_TOKEN)")
     p.add_argument("--json", action="store_true", help="print only a JSON report on stdout")
-    p = sub.add_parser("doctor", help="what this machine offers and which path a connect would take")
-    p.add_argument("--json", action="store_true")
+    p = command("doctor", "what this machine offers and which path a connect would take")
+    p.add_argument("--json", action="store_true", help="print only the report, as one JSON object, on stdout")
     p.add_argument(
-        "address", nargs="?", type=_address, help="also connect to the node at ADDRESS and show the path it negotiates"
-    )
+        "address", nargs="?", type=_address, metavar="ADDRESS",
+        help="also connect to the node at ADDRESS and show the path it negotiates",
+    )  # fmt: skip
     p.add_argument("--token", type=_token, help="auth token for ADDRESS (default: $TENSORWIRE_TOKEN)")
-    p = sub.add_parser("stage", help="serve a pipeline stage; a driver links the stages and runs steps")
-    p.add_argument("--part", required=True, help="MODULE:FUNCTION or FILE.py:FUNCTION; FUNCTION(rank, num_stages)")
-    p.add_argument("--address", type=_address, default="127.0.0.1:0")
+    p = command("stage", "serve a pipeline stage; a driver links the stages and runs steps")
+    p.add_argument(
+        "--part", required=True, metavar="MODULE:FN",
+        help="the stage's part: FN(rank, num_stages) from MODULE:FN or FILE.py:FN",
+    )  # fmt: skip
+    p.add_argument("--address", type=_address, default="127.0.0.1:0", metavar="HOST:PORT", help=here)
     p.add_argument("--token", type=_token, help="require this auth token (default: $TENSORWIRE_TOKEN)")
-    p.add_argument("--transports", nargs="+", default=None, help="transport names in preference order")
-    p.add_argument("--no-offload", action="store_true", help="compute on the event loop instead of a thread")
+    p.add_argument("--transports", nargs="+", default=None, metavar="NAME", help=transports_help)
+    p.add_argument("--no-offload", action="store_true", help="run the part on the event loop, not in a thread")
     p.add_argument("--metrics", type=_address, default=None, metavar="HOST:PORT", help=_METRICS_HELP)
     # the demo's second process: no command anyone types, so not one of the parser's (its
     # --help and its "invalid choice" message would list it)
@@ -662,6 +705,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         )  # fmt: skip
     argv = sys.argv[1:] if argv is None else argv
     args = hidden.parse_args(argv[1:]) if argv[:1] == [_DEMO_PEER] else parser.parse_args(argv)
+    if args.cmd is None:  # (argparse's own "required: cmd" named no command)
+        parser.error(f"choose a command: {', '.join(sub.choices)} (tensorwire --help says what each does)")
     # TENSORWIRE_TOKEN is read by the commands that take a token, and only by them
     if _uses_token(args) and args.token is None:
         args.token = os.environ.get("TENSORWIRE_TOKEN")

@@ -160,6 +160,12 @@ def test_serve_without_bench_refuses_and_the_client_says_so(capsys: pytest.Captu
         (["--seconds", "soon"], "argument --seconds: not a number: 'soon'"),
         (["--device", "gpu"], "argument --device: unknown device 'gpu'"),
         (["--require", "fast"], "argument --require: invalid choice: 'fast'"),
+        # a value that starts with '-' and a digit is a value, not an option (argparse took only a
+        # plain negative number for one: these were "expected one argument")
+        (["--sizes", "-1K"], "argument --sizes: '-1K' is not a size such as 4K, 1M, 64M or 4096"),
+        (["--sizes", "-4K,1M"], "argument --sizes: '-4K' is not a size"),
+        (["--seconds", "-1e3"], "argument --seconds: must be above 0 and at most 3600, not -1e3"),
+        (["--seconds", "-.5"], "argument --seconds: must be above 0 and at most 3600, not -.5"),
     ],
 )
 def test_bench_rejects_bad_arguments_with_a_usage_error(

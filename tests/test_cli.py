@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -615,6 +616,64 @@ def test_the_demos_second_process_is_no_command_of_the_help(capsys: pytest.Captu
         main(["_demo-peer", "--help"])
     assert done.value.code == 0
     assert "usage: tensorwire _demo-peer [-h] [--parent PID] address size_mib" in capsys.readouterr().out
+
+
+def test_no_command_names_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    # it said "the following arguments are required: cmd"
+    from tensorwire.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([])
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    said = "choose a command: demo, serve, bench, doctor, stage (tensorwire --help says what each does)"
+    assert err.endswith(f"tensorwire: error: {said}\n"), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["serve", "--metrics", "foo:bar"], "argument --metrics: address 'foo:bar': the port must be a number"),
+        (["stage", "--part", "m:f", "--metrics", "foo"], "argument --metrics: address 'foo' is not host:port"),
+        (["serve", "--address", "a b:1"], "argument --address: address 'a b:1' holds a control character or a space"),
+        (["bench", "::1:5000"], "argument ADDRESS: address '::1:5000': write an IPv6 host in brackets"),
+    ],
+)
+def test_a_bad_address_is_a_usage_error_that_names_its_flag(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a bad --metrics said "ConfigurationError: address 'foo:bar': ..." once the command ran,
+    # naming no flag (serve has two addresses)
+    from tensorwire.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == ""
+    assert complaint in err, err
+
+
+def _undocumented(help_text: str) -> list[str]:
+    """The options and arguments a --help lists with no text beside or below them. An entry
+    starts two spaces in; its text follows two or more spaces, or on lines indented further."""
+    missing = []
+    for line, after in itertools.pairwise([*help_text.splitlines(), ""]):
+        entry = re.fullmatch(r"  (\S.*?)(\s{2,}\S.*)?", line)
+        if entry is not None and entry[2] is None and not after.startswith("   "):
+            missing.append(entry[1])
+    return missing
+
+
+@pytest.mark.parametrize("command", ["demo", "serve", "bench", "doctor", "stage"])
+def test_every_option_has_help_text(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # doctor's --json and the --address of serve and stage had none
+    from tensorwire.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert done.value.code == 0
+    assert re.search(r"^options:$", text, re.M) and _undocumented(text) == [], text
 
 
 def test_doctor_ends_with_143_on_sigterm() -> None:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,21 @@ def test_doctor_address_that_does_not_answer_fails_clearly() -> None:
     assert out.returncode == 1
     conn = json.loads(out.stdout)["connect"]
     assert "error" in conn and conn["address"] == "127.0.0.1:9"
+
+
+async def test_doctor_address_that_accepts_but_never_answers_says_what_it_may_be() -> None:
+    # a listener that takes the connection and says nothing (no tensorwire node, or one too
+    # busy): the doctor said only "no answer within 10 s", and bench "took longer than 10.0 s"
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        conn = await _doctor.probe_address(address, None, 0.5)
+    assert conn["error"] == (
+        f"ConnectTimeout: connecting to {address} took longer than 0.5 s: nothing answered the handshake. "
+        f"{address} may not be a tensorwire node (check the address and port), a firewall may drop the "
+        "connection, or the node is too busy to answer in time"
+    ), conn
 
 
 def test_passed_over_names_only_transports_ranked_above_the_pick(monkeypatch: pytest.MonkeyPatch) -> None:

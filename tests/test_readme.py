@@ -835,7 +835,7 @@ def test_readme_command_line_block_is_the_parsers(capsys: pytest.CaptureFixture[
         for flag, default in re.findall(r"\[(--[\w-]+) (\d+)\]", entry):  # "[--size-mib 256]"
             assert re.search(rf"{flag} \S+\s+[^\n]*\(default {default}\)", text), f"{command} {flag} {default}"
         if "[ADDRESS]" in entry:
-            assert re.search(r"\[address\]", text), f"{command}: no optional ADDRESS"
+            assert re.search(r"\[ADDRESS\]", text), f"{command}: no optional ADDRESS"
 
 
 def test_command_lines_in_the_pages_use_real_flags(capsys: pytest.CaptureFixture[str]) -> None:
