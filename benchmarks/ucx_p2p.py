@@ -30,6 +30,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,13 @@ class _Raw:
     def recv(self, buf: Any, tag: int) -> Any:
         return self.worker.tag_recv(self.Array(buf), self.lib.UCXXTag(tag))
 
+    def close(self) -> None:
+        """Close the endpoint (a flush), progressing until it is done."""
+        req = self.ep.close()
+        if req is not None:
+            self.wait(req)
+        self.ep = None
+
     def wait_raw(self, ucp: Any, req: int | None) -> None:
         if req is None:
             return
@@ -127,6 +135,7 @@ def raw_server(tls: str, sizes: list[int]) -> dict[str, Any]:
             json.dumps(sizes),
             json.dumps(OS_ARG),
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -164,6 +173,14 @@ def raw_server(tls: str, sizes: list[int]) -> dict[str, Any]:
     done = np.zeros(8, np.uint8)
     r.wait(r.recv(done, 7))
     ucp.mem_unmap(r.ctx.handle, memh)
+    # the endpoints close in order: this side's first, while the child still runs, then the
+    # child's (told on its stdin). An endpoint dropped after its peer has exited is flushed
+    # then, and over tcp that flush fails: UCX and ucxx print "error during flush: Connection
+    # reset by remote peer" and "Error while closing endpoint" at ERROR (3 lines a turn)
+    r.close()
+    assert child.stdin is not None
+    child.stdin.write("closed\n")
+    child.stdin.close()
     # keep progressing until the child exits: its endpoint close (a flush) needs this side
     t_end = time.monotonic() + 60
     while child.poll() is None and time.monotonic() < t_end:
@@ -216,6 +233,12 @@ def raw_client(tls: str, address: str) -> None:
     ucp.rkey_destroy(rkey)
     r.wait(r.send(np.zeros(8, np.uint8), 7))
     print(json.dumps(res), flush=True)
+    # the server closes its endpoint first and then says so (see raw_server); meanwhile this
+    # side keeps progressing, as that close may need it
+    while not select.select([sys.stdin], [], [], 0.001)[0]:
+        r.worker.progress()
+    sys.stdin.readline()
+    r.close()
 
 
 # -- ucxx's own asyncio API: the round trip an asyncio program gets from ucxx itself ----------

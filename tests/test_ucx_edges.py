@@ -10,9 +10,11 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import sys
 import textwrap
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -423,3 +425,29 @@ async def test_a_ucx_close_cancelled_while_it_waits_for_endpoint_closes_still_fr
         slow.cancel()
         assert worker._closed
         assert not hasattr(worker, "worker"), "the UCX worker is still open"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_raw_ucxx_baseline_of_the_ucx_benchmark_closes_without_ucx_errors() -> None:
+    """benchmarks/ucx_p2p.py's raw ucxx turn over tcp, briefly. Its server dropped its endpoint only
+    after the client process had exited, and over tcp that endpoint's closing flush failed: every
+    turn printed "UCX ERROR ... error during flush: Connection reset by remote peer" twice and
+    "UCXX ERROR ... Error while closing endpoint" once (9 lines in a full run), which read as
+    tensorwire failing. The two endpoints now close in order, the server's first."""
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import sys\n"
+        "sys.path.insert(0, 'benchmarks')\n"
+        "import ucx_p2p\n"
+        "ucx_p2p.OS_ARG = [4096]\n"
+        "out = ucx_p2p.raw_server('tcp', [1])\n"
+        "print('TWB', sorted(out))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env.pop("UCX_TLS", None)
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=100, env=env)
+    output = run.stdout + run.stderr  # (UCX logs to stdout)
+    assert run.returncode == 0, output
+    assert "TWB ['bw', 'get', 'put', 'rtt_us']" in run.stdout, output
+    assert "ERROR" not in output, output
