@@ -452,33 +452,20 @@ async def test_node_and_peer_abort_from_another_thread() -> None:
 # after the loop has gone. Prints one JSON line: the warnings raised, the ports listened on at
 # the end of main and after the loop, the ones that could not be bound again, and whether a
 # gc.collect() and a second asyncio.run came back.
+_TESTS = os.path.dirname(os.path.abspath(__file__))  # (the child imports _procfs from there)
 _UNCLOSED = r"""
 import asyncio, faulthandler, gc, json, os, socket, sys, time, warnings
 import numpy as np
 import tensorwire
 
 transport, case = sys.argv[1], sys.argv[2]
+sys.path.insert(0, sys.argv[3])  # the tests folder
+from _procfs import listening_ports
 kept = []
 
 
 def listening():
-    # this process's listening TCP ports, whoever opened them (gRPC, the tcp transport, UCX)
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/self/net/{table}") as f:
-            for line in f.read().splitlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:
-                    ports.add(int(cols[1].rpartition(":")[2], 16))
-    return sorted(ports)
+    return sorted(set(listening_ports()))
 
 
 async def owner():
@@ -566,7 +553,7 @@ def test_a_node_left_open_closes_as_asyncio_run_ends(transport: str, case: str, 
     abort() not waited for was cancelled with every task, and the owning generator's close
     stopped at gRPC's stop, which raised the CancelledError of gRPC's cancelled serving task."""
     proc = subprocess.run(
-        [sys.executable, "-c", _UNCLOSED, transport, case], capture_output=True, text=True, timeout=75
+        [sys.executable, "-c", _UNCLOSED, transport, case, _TESTS], capture_output=True, text=True, timeout=75
     )
     assert proc.returncode == 0, f"the child failed or hung (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     report = json.loads(proc.stdout.splitlines()[-1])
@@ -594,7 +581,9 @@ def test_a_node_left_open_on_a_loop_closed_without_asyncio_run_never_hangs() -> 
         "    asyncio.run(main())\n",
         "    loop = asyncio.new_event_loop()\n    loop.run_until_complete(main())\n    loop.close()\n    del loop\n",
     )
-    proc = subprocess.run([sys.executable, "-c", child, "tcp", "alone"], capture_output=True, text=True, timeout=50)
+    proc = subprocess.run(
+        [sys.executable, "-c", child, "tcp", "alone", _TESTS], capture_output=True, text=True, timeout=50
+    )
     assert proc.returncode == 0, f"the child failed or hung (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["after"] == report["during"], report  # still bound

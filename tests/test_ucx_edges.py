@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _polling import eventually
+from _procfs import listening_ports
 
 import tensorwire
 from tensorwire._peer import tag_id
@@ -359,20 +360,7 @@ async def test_a_peer_aborted_over_ucx_leaves_its_remote_at_once() -> None:
 
 def _ucx_footprint() -> tuple[int, int, int]:
     """This process's listening tcp sockets, open descriptors and shared-memory mappings."""
-    sockets = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            sockets.add(link[8:-1])
-    listening = 0
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/self/net/{table}") as f:
-            for line in f.read().splitlines()[1:]:
-                cols = line.split()
-                listening += cols[3] == "0A" and cols[9] in sockets  # state LISTEN, inode
+    listening = len(listening_ports())
     with open("/proc/self/maps") as f:
         shm = sum("/dev/shm/" in line for line in f)
     return listening, len(os.listdir("/proc/self/fd")), shm
