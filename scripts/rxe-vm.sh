@@ -184,7 +184,10 @@ qemu_cmd() {  # qemu_cmd SHARE PROJ NETARGS KERNEL_ARGS
     -virtfs local,path=$2,mount_tag=proj,security_model=none,id=proj $(extra_virtfs) $3
     -append"
 }
-KARGS="root=/dev/vda rw console=ttyS0 init=/sbin/tw-init net.ifnames=0 panic=-1 quiet loglevel=3"
+# no_timer_check: an emulated guest booting on a loaded host can fail the kernel's check of its
+# timer interrupt, and then panics ("IO-APIC + timer doesn't work!", seen once in CI beside a
+# second guest); the timer works all the same, so the check is skipped
+KARGS="root=/dev/vda rw console=ttyS0 init=/sbin/tw-init net.ifnames=0 panic=-1 quiet loglevel=3 no_timer_check"
 
 guest_share() {  # guest_share CMD DIR: a scratch dir holding cmd.sh and DIR's compiled packages
   local s pkg; s=$(mktemp -d "$W/run.XXXXXX")
