@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import tensorwire
 import tensorwire.metrics as metrics
 from tensorwire import _metrics
+from tensorwire.testing import connected_pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -304,12 +305,7 @@ def test_threads_that_ended_leave_their_counts_and_nothing_else() -> None:
     thread a program ever ran a loop in)."""
 
     async def job() -> None:
-        async with (
-            tensorwire.start("127.0.0.1:0", transports=("inproc",)) as na,
-            tensorwire.start("127.0.0.1:0", transports=("inproc",)) as nb,
-        ):
-            a = await na.connect(nb.address)
-            b = await nb.accept()
+        async with connected_pair("inproc") as (a, b):
             await a.send(np.zeros(100, np.uint8), tag="job")
             await b.recv(tag="job")
 
