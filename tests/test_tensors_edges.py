@@ -231,3 +231,36 @@ async def test_a_recv_into_out_returns_the_messages_nan_payload(transport: str) 
         await a.send({"loss": sent, "x": np.ones(2)}, tag="n")
         got = await b.recv(tag="n", out={"loss": float("nan"), "x": np.zeros(2)})
         assert struct.pack("<d", got["loss"]) == struct.pack("<d", sent)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_values_arrive_as_their_plain_types_as_the_readme_says(transport: str) -> None:
+    """The README's list of conversions: a container subclass arrives as its base container with
+    its items (a dict's keys in order), a numpy scalar as a 0-d array of its dtype, a Parameter
+    as a plain tensor (np.matrix: the conformance suite)."""
+    import collections
+
+    pair = collections.namedtuple("pair", "a b")
+    sent: list[tuple[Any, type, Any]] = [
+        (pair(np.arange(2), 3), tuple, None),
+        (collections.OrderedDict([("z", 1), ("a", np.ones(1))]), dict, ["z", "a"]),
+        (np.float32(2.5), np.ndarray, np.dtype(np.float32)),
+        (np.int16(-3), np.ndarray, np.dtype(np.int16)),
+    ]
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        sent += [(torch.Size([2, 3]), tuple, None), (torch.nn.Parameter(torch.ones(2)), torch.Tensor, None)]
+    async with connected_pair(transport) as (a, b), asyncio.timeout(30):
+        for obj, kind, detail in sent:
+            await a.send(obj, tag="plain")
+            got = await b.recv(tag="plain")
+            assert type(got) is kind, (type(obj), type(got))
+            if kind is dict:
+                assert list(got) == detail
+            elif kind is np.ndarray:
+                assert got.dtype == detail and np.array_equal(got, np.asarray(obj))
+            elif kind is tuple:
+                assert all(np.array_equal(x, y) for x, y in zip(got, obj, strict=True))
+            else:
+                assert bool((got == obj).all())
