@@ -1,0 +1,52 @@
+"""benchmarks/soak.py --into, briefly, on tcp and ucx: worker processes receive into out= buffers
+and cancel some of those recvs part way, so that the soak reaches what its plain run never does
+(a cancelled recv giving its message back, and the out= it leaves). A few seconds of it must
+lose, corrupt and late-write nothing, and must really have cancelled recvs that had taken their
+message. The long runs are in docs/benchmarks.md."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_TRANSPORTS = [
+    "tcp",
+    pytest.param(
+        "ucx",
+        marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed"),
+    ),
+]
+
+
+def _count(report: str, label: str) -> int:
+    """The number on the report's row ``label`` (its first column, indented)."""
+    found = re.search(rf"^ +{re.escape(label)} +(\d+)$", report, re.M)
+    assert found is not None, f"no row {label!r} in:\n{report}"
+    return int(found.group(1))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("transport", _TRANSPORTS)
+def test_soak_into_out_loses_nothing_and_cancelled_recvs_leave_out_alone(transport: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run(
+        [sys.executable, "benchmarks/soak.py", "--into", "--transport", transport, "--duration", "5",
+         "--peers", "2", "--max-mib", "16", "--seed", "7"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    report = run.stdout
+    assert run.returncode == 0, report + run.stderr[-4000:]
+    assert f"soak over {transport}" in report and "received into out=" in report, report
+    assert re.search(r"^lost: 0, corrupted: 0, late writes: 0, workers crashed: 0 -> OK$", report, re.M), report
+    accounted = re.search(r"accounted for: (\d+) of (\d+); acknowledged twice: 0$", report, re.M)
+    assert accounted is not None and accounted.group(1) == accounted.group(2), report
+    assert _count(report, "their out= written after the cancel") == 0, report
+    assert _count(report, "recvs into out=") > 0, report
+    assert _count(report, "cancelled (random)") > 0, report  # the cancel paths were reached
+    assert _count(report, "after they took their message (given back)") > 0, report
