@@ -67,6 +67,12 @@ def tag_id(tag: int | str) -> int:
     return tag
 
 
+def _cancelling() -> bool:
+    """Whether the running task has been asked to cancel (and has not taken it back)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Peer:
     """A connected remote node. Either side may send and recv; messages match per tag, FIFO.
 
@@ -426,17 +432,31 @@ class Peer:
 
     async def aclose(self) -> None:
         """Close the data channel and the control connection; idempotent. The closing runs to
-        its end even if the caller is cancelled meanwhile, and every call waits for it."""
-        if self._closing is None:
-            self._closed = True
-            if self._heartbeat is not None:
-                self._heartbeat.cancel()
-            for task in list(self._tasks):
-                task.cancel()
-            self._closing = asyncio.get_running_loop().create_task(
-                self._close(), name=f"tensorwire-peer-close {self.remote_address}"
-            )
-        await asyncio.shield(self._closing)
+        its end even if the caller is cancelled meanwhile, and every call waits for it. A
+        closing that was itself cancelled part way runs again at the next call (each of its
+        steps may run twice): ``asyncio.run`` ending cancels every task, a peer's closing under
+        way too, and then the node's close calls this for the peers it still has (before, that
+        call, and every later one, raised the closing's CancelledError, and the peer was left to
+        its transport's close). Once that loop has closed, nothing can run there any more."""
+        while True:
+            if self._closing is None or (self._closing.cancelled() and not self._closing.get_loop().is_closed()):
+                self._closed = True
+                if self._heartbeat is not None:
+                    self._heartbeat.cancel()
+                for task in list(self._tasks):
+                    task.cancel()
+                self._closing = asyncio.get_running_loop().create_task(
+                    self._close(), name=f"tensorwire-peer-close {self.remote_address}"
+                )
+            closing = self._closing
+            if closing.cancelled():  # (its loop is closed)
+                return
+            try:
+                await asyncio.shield(closing)
+                return
+            except asyncio.CancelledError:
+                if not closing.cancelled() or _cancelling():
+                    raise  # the caller is cancelled
 
     async def _close(self) -> None:
         try:

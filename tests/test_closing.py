@@ -590,3 +590,95 @@ def test_a_node_left_open_on_a_loop_closed_without_asyncio_run_never_hangs() -> 
     assert report["second"] == [0, 1, 2, 3]
     assert report["warnings"] == [], report["warnings"]
     assert not [n for n in _STDERR_NOISE if n in proc.stderr], proc.stderr
+
+
+# A peer's aclose() under way in a task when asyncio.run ends, in a process of its own: its
+# closing is cancelled with every task (before it began, or part way while a 64 MiB send that
+# nobody receives is owed), then the node, left open, closes as the loop shuts down. Prints one
+# JSON line: whether the peer's closing ran to its end, what a later aclose() of it did, and the
+# warnings raised.
+_CUT_SHORT = r"""
+import asyncio, json, sys, warnings
+import numpy as np
+import tensorwire
+
+transport, address, case = sys.argv[1], sys.argv[2], sys.argv[3]
+kept = {}
+
+
+async def main():
+    node = await tensorwire.start("127.0.0.1:0", transports=(transport,))
+    peer = kept["peer"] = await node.connect(address)
+    await peer.send(np.arange(4), tag="hello")
+    if case == "owing":
+        big = asyncio.ensure_future(peer.send(np.ones(64 << 20, np.uint8), tag="big"))
+        big.add_done_callback(lambda f: f.cancelled() or f.exception())
+        await asyncio.sleep(0.05)
+    asyncio.ensure_future(peer.aclose())
+    if case == "owing":  # its closing has begun, and waits for what the peer is owed
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+
+async def again():
+    try:
+        await kept["peer"].aclose()
+        return "ok"
+    except BaseException as exc:
+        return repr(exc)
+
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    asyncio.run(main())
+    finished = not kept["peer"]._closing.cancelled()  # (by the node's close, where it had not begun)
+    report = {"finished": finished, "again": asyncio.run(again())}
+report["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("transport", "case"),
+    [
+        ("tcp", "unstarted"),
+        ("tcp", "owing"),
+        pytest.param("ucx", "unstarted", marks=_needs_ucx),
+        pytest.param("ucx", "owing", marks=_needs_ucx),
+    ],
+)
+async def test_a_peer_close_cut_short_by_asyncio_run_ending_is_finished(transport: str, case: str) -> None:
+    """``asyncio.run`` ending cancels every task, a peer's closing under way among them, before
+    the node left open closes. The node's close then skipped that peer (its aclose() raised the
+    closing's CancelledError; the transport's close shut the channel), and every later aclose()
+    raised that CancelledError too: a closing cut short before it began now runs at the node's
+    close, and a later aclose() returns. The other side sees the peer go."""
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as b:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _CUT_SHORT, transport, b.address, case,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(30):
+                other = await b.accept()
+                await other.recv(tag="hello")
+                with pytest.raises(tensorwire.PeerDisconnected) as gone:
+                    await other.recv(tag="never")
+                out, err = await child.communicate()
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+    stdout, stderr = out.decode(), err.decode()
+    assert child.returncode == 0, f"the child failed (rc {child.returncode}):\n{stdout}\n{stderr}"
+    report = json.loads(stdout.splitlines()[-1])
+    assert report["again"] == "ok", report
+    if case == "unstarted":
+        assert report["finished"], report
+    left_open = [w for w in report["warnings"] if "was not closed" in w]
+    assert len(left_open) == 1 == len(report["warnings"]), report["warnings"]  # the node, on purpose
+    assert not [n for n in _STDERR_NOISE if n in stderr], stderr
+    if transport == "tcp":  # (tcp sends its goodbye before it waits for anything)
+        assert "peer closed the channel" in str(gone.value)

@@ -10,7 +10,8 @@ import logging
 import os
 import socket
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -270,6 +271,28 @@ def _why_unbindable(host: str, port: int) -> str | None:
     return why
 
 
+async def _forever() -> None:
+    await asyncio.get_running_loop().create_future()
+
+
+class _SweepWatch(asyncio.Task[None]):
+    """A task that waits forever and calls ``on_cancel`` (once, synchronously) when something
+    cancels it: the sweep of ``asyncio.run``'s end (or code like it) cancels every task of the
+    loop before any of them runs again, so ``on_cancel`` runs while the others are still as they
+    were."""
+
+    def __init__(self, on_cancel: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        super().__init__(_forever(), loop=loop, name="tensorwire-control-sweep-watch")
+        self._on_cancel: Callable[[], None] | None = on_cancel
+
+    def cancel(self, msg: Any = None) -> bool:
+        on_cancel, self._on_cancel = self._on_cancel, None
+        if on_cancel is not None:
+            on_cancel()
+        return super().cancel(msg)
+
+
 class ControlServer:
     """A grpc.aio server with the Control service, health checking and reflection."""
 
@@ -284,6 +307,8 @@ class ControlServer:
         )
         self.port = 0
         self._tls = node.config.tls
+        self._stopping = False
+        self._sweep_watch: _SweepWatch | None = None
 
     async def start(self, host: str, port: int) -> int:
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -313,11 +338,36 @@ class ControlServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait({starting})
             raise
+        self._sweep_watch = _SweepWatch(self._begin_stop_now)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         return self.port
 
+    def _begin_stop_now(self) -> None:
+        """Begin gRPC's stop at once, without awaiting: ``asyncio.run`` ending is about to cancel
+        every task, gRPC's own among them (see _SweepWatch). gRPC's server lends the C core, for
+        each call it waits for, fields of an object that only the waiting task holds; cancelled,
+        that task frees them, and a stop after that had the core write into freed memory (a
+        NULL into whatever object lived there next: a crash, or a silent corruption). The stop's
+        first step, up to its first wait, tells the core to shut down, which fails those calls
+        while their fields are alive; the node's own close (at the loop's end, or any later
+        stop) finishes it."""
+        if self._stopping:
+            return
+        stop = self._server.stop(None)
+        try:
+            stop.send(None)  # runs up to its wait for gRPC's serving task
+        except StopIteration:
+            return
+        except Exception:  # (a stop that fails here is finished by the next one)
+            log.debug("beginning gRPC's stop failed", exc_info=True)
+            return
+        stop.close()  # (leaves gRPC's server stopping: the next stop waits for the core and destroys it)
+
     async def stop(self, grace: float | None) -> None:
+        self._stopping = True
+        if self._sweep_watch is not None:
+            self._sweep_watch.cancel()
         await self._health.enter_graceful_shutdown()
         try:
             await self._server.stop(grace)
