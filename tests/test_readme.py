@@ -667,19 +667,31 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _shell_defaults(script: Path) -> dict[str, str]:
+    """The defaults a shell script gives its variables: ``NAME=${NAME:-value}`` and
+    ``${NAME:-value}`` where it is used."""
+    return dict(re.findall(r"\$\{(\w+):-([^}]*)\}", script.read_text()))
+
+
 def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
     import tensorwire.transports.ucx._channel as ucx_channel
     import tensorwire.transports.ucx._worker as ucx_worker
     import tensorwire.transports.verbs._channel as verbs_channel
     import tensorwire.transports.verbs._memory as verbs_memory
+    import tensorwire.transports.verbs._queue as verbs_queue
     import tensorwire.transports.verbs._transport as verbs
     from tensorwire import _checks, _onesided
+    from tensorwire.memory import _engine, _pinned
     from tensorwire.pipeline import _stage
     from tensorwire.rpc import _client, _protocol
-    from tensorwire.transports import DEFAULT_PREFERENCE, _frames
+    from tensorwire.tensors import _offload
+    from tensorwire.transports import DEFAULT_PREFERENCE, _credit, _frames
+    from tensorwire.transports.tcp import _channel as tcp_channel
 
     config, limits, calls = tensorwire.NodeConfig(), tensorwire.Limits(), tensorwire.rpc.CallLimits()
     us = 1e6
+    check = _shell_defaults(ROOT / "scripts" / "gpu_check.sh")  # docs/gpu.md describes its defaults
+    unreserved = verbs.SLOTS - verbs_channel.RESERVE
     quoted: dict[Path, list[str]] = {
         README: [
             f"`transports` (preference order, `{', '.join(DEFAULT_PREFERENCE)}`)",
@@ -714,6 +726,26 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
             f"`Limits.max_unexpected` unreceived messages from one peer ({limits.max_unexpected} by default)",
             f"the lease (a silent peer, {config.lease_seconds:g} s by default)",
             f"Its configure waits up to {_stage._COMMIT_GRACE:g} s for a pending commit",
+            f"`connect_timeout` (default: the driver node's, {config.connect_timeout:g} s)",
+        ],
+        ROOT / "docs" / "gpu.md": [
+            f"a pool of {_pinned.DEPTH} page-locked host chunks of {_size(_pinned.CHUNK_BYTES)}",
+            f"up to {_pinned.DEPTH} device-to-host chunk copies are queued ahead",
+            f"host copies of {_size(_offload.OFF_LOOP_BYTES)} or more",
+            f"`BUDGET={check['BUDGET']}` seconds",
+            f"(`T_P2P={check['T_P2P']}`, `T_TESTS={check['T_TESTS']}`, `T_KV={check['T_KV']}`, "
+            f"`T_PACK={check['T_PACK']}` seconds)",
+            f"a step is not started with under {int(check['MIN_STEP']) + 15} s left",
+            f"a {check['T_TEST']} s limit per test (`T_TEST`",
+            f"in {check['XDIST']} processes sharing the GPU",
+            f"`{check['BENCH_ARGS']}` by default here",
+        ],
+        ROOT / "docs" / "benchmarks.md": [
+            f"an eager message of up to {_size(tcp_channel._FAST_FRAME)} with its payload",
+            f"a batch carries up to {_onesided._MAX_REGIONS} regions per request",
+            f"spins up to {_engine._SPIN_SECONDS * us:g} us on the copy's event",
+            f"(from {_size(_offload.OFF_LOOP_BYTES)} in a copy thread",
+            f"`lease_seconds=1` in the tests, default {config.lease_seconds:g} s",
         ],
         ROOT / "docs" / "ucx.md": [
             f"keeps progressing for {ucx_worker._SPIN_IDLE * us:g} us ({ucx_worker._SPIN_ACTIVE * 1e3:g} ms while",
@@ -724,6 +756,9 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
             f"ride in its MSG frame (up to {_size(ucx_channel._INLINE_MAX)})",
             f"are taken at once (up to {ucx_channel._CTRL_BURST})",
             f"moved nothing for {ucx_worker._STALL:g} s",
+            f"A run of progress takes at most {ucx_worker._ROUNDS} rounds and {ucx_worker._BURST * 1e3:g} ms",
+            f"({ucx_channel._LANDING_GRACE:g} s, `_LANDING_GRACE`)",
+            f"a {ucx_channel._SEQ.bit_length()}-bit sequence",
         ],
         ROOT / "docs" / "verbs.md": [
             f"a ring of {verbs.SLOTS} receive buffers of {_size(verbs.SLOT_BYTES)}",
@@ -731,6 +766,10 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
             f"at most {verbs.MAX_RDMA} RDMA operations in flight per queue pair",
             f"keeping {verbs_channel.RESERVE} slots for CREDIT and BYE frames",
             f"Bounded ({verbs_memory._MAX_ENTRIES} entries, {_size(verbs_memory._MAX_BYTES)} pinned)",
+            f"acknowledged in batches of {verbs_queue._ACK_BATCH}",
+            f"a CREDIT frame goes once {unreserved // 4} data frames (a quarter of the unreserved ring)",
+            f"or after {_credit.FLUSH_DELAY * 1e3:g} ms",
+            f"once {unreserved // 2} (half the unreserved ring) are",
         ],
     }
     absent = [
@@ -744,7 +783,7 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
 
 
 # -- files, commands and links the pages name ----------------------------------------------------
-_TOP = ("benchmarks", "scripts", "tests", "examples", "tensorwire", "proto", "docs", "transports")
+_TOP = ("benchmarks", "scripts", "tests", "examples", "tensorwire", "proto", "docs", "transports", "memory", "tensors")
 
 
 def test_every_file_and_anchor_the_pages_name_exists() -> None:
@@ -772,6 +811,131 @@ def test_every_file_and_anchor_the_pages_name_exists() -> None:
             if anchor not in slugs_there:
                 missing.append(f"{page.name}: #{anchor}")
     assert not missing, "named in the pages, not in the repository:\n" + "\n".join(missing)
+
+
+def test_the_scripts_subcommands_and_variables_the_pages_name_exist() -> None:
+    """`bash scripts/rxe-vm.sh run2 ...` and `gpu_check.sh --install-only` are what those scripts
+    take, and a command for the guest says what the guest will run; a TENSORWIRE_/TW_ variable a
+    page names is read somewhere in the repository; the variables docs/gpu.md sets for
+    scripts/gpu_check.sh are ones it reads."""
+    code = "".join(
+        f.read_text(errors="replace")
+        for top in ("tensorwire", "scripts", "tests", "benchmarks")
+        for f in (ROOT / top).rglob("*")
+        if f.suffix in (".py", ".sh") and f.resolve() != Path(__file__).resolve()
+    )
+    wrong, seen = [], 0
+    for page in PAGES:
+        for name in set(re.findall(r"\b(?:TENSORWIRE|TW)_[A-Z0-9_]+\b", page.read_text())):
+            if name not in code:
+                wrong.append(f"{page.name}: {name} (read nowhere)")
+        for command in spans(page) + [b.text for b in blocks(page)]:
+            for script, word in re.findall(r"\b([\w-]+\.sh)[ \t]+(--[a-z][\w-]*|[a-z][\w-]*)", command):
+                source = (ROOT / "scripts" / script).read_text()
+                seen += 1
+                if not (f'"{word}"' in source if word.startswith("-") else re.search(rf"^\s+{word}\)", source, re.M)):
+                    wrong.append(f"{page.name}: {script} {word}")
+            # a guest's command in double quotes is expanded by the host's shell first: its
+            # $PYTHONPATH would be the host's (the guest has /opt/pydeps and /proj on its own)
+            if re.search(r"\.sh run2? ", command):
+                wrong += [
+                    f"{page.name}: {q!r} ($ in double quotes)" for q in re.findall(r'"([^"]*)"', command) if "$" in q
+                ]
+    check = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    for span in spans(ROOT / "docs" / "gpu.md"):
+        for name in re.findall(r"(?<![\w$])([A-Z][A-Z0-9_]+)=", span):
+            if not name.startswith(("UCX_", "TENSORWIRE_")) and not re.search(rf"\$\{{?{name}\b", check):
+                wrong.append(f"gpu.md: {name} (gpu_check.sh does not read it)")
+    assert seen >= 6, "the script lookup found too little to mean anything"
+    assert not wrong, "script commands and variables of the pages that do not work: " + ", ".join(dict.fromkeys(wrong))
+
+
+# What a reader brings to a snippet: the objects the text around it names (a node, a peer, your
+# tensors and model parts) and what an earlier snippet of the page made. Any other name a snippet
+# reads must be assigned or imported in it: a result it never assigned (`receipt.memory` after an
+# `await peer.send(...)` whose receipt was dropped) is a NameError for whoever pastes it.
+GIVEN = {
+    *("node", "peer", "np", "torch", "asyncio", "tensorwire", "pipeline", "F"),  # the usual imports
+    *("x", "y", "s", "m", "buf", "kv", "src", "ids", "new_values", "new_rows", "row3", "row9", "prompt"),
+    *("gpu_row", "gpu_rows", "h", "module", "make_opt", "make_layers", "build_part", "batches"),
+    *("stage_addresses", "child_stdout", "used_protocols"),
+}
+
+
+def _free_names(tree: ast.Module) -> set[str]:
+    bound, used = set(dir(builtins)), set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            (used if isinstance(n.ctx, ast.Load) else bound).add(n.id)
+        elif isinstance(n, ast.Import | ast.ImportFrom):
+            bound |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(n.name)
+        elif isinstance(n, ast.arguments):
+            bound |= {a.arg for a in [*n.posonlyargs, *n.args, *n.kwonlyargs, n.vararg, n.kwarg] if a}
+    return used - bound
+
+
+_RECEIVERS: dict[str, Any] = {"node": tensorwire.Node, "peer": tensorwire.Peer, "pipe": pipeline.Pipeline}
+
+
+def _callee(func: ast.expr, imported: dict[str, str]) -> tuple[Any, bool] | None:
+    """What a snippet's call calls, where the page's names say (``peer.recv`` is ``Peer.recv``),
+    and whether it is a method taken from its class (its ``self`` not yet bound)."""
+    dotted = ast.unparse(func)
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", dotted):
+        return None
+    head, *rest = dotted.split(".")
+    if head in _RECEIVERS and rest:
+        obj: Any = _RECEIVERS[head]
+    elif head in imported:
+        obj = _resolve(imported[head])
+    elif head in ("tensorwire", "pipeline") and rest:
+        obj = tensorwire if head == "tensorwire" else pipeline
+    else:
+        return None
+    for name in rest:
+        obj = getattr(obj, name)
+    return obj, head in _RECEIVERS and inspect.isfunction(obj)
+
+
+def test_every_snippet_reads_only_names_it_makes_or_a_reader_has() -> None:
+    free = {
+        str(b): sorted(_free_names(ast.parse(b.text)) - GIVEN)
+        for b in python_blocks()
+        if not b.text.lstrip().startswith(">>>")
+    }
+    assert not {k: v for k, v in free.items() if v}, "snippets that read names nobody gave them"
+
+
+def test_every_call_in_the_snippets_fits_its_signature() -> None:
+    """The snippets that cannot run here (CUDA ones, a part file's build_part) still call the API
+    with arguments it takes: each call of a tensorwire function, class or method is bound to its
+    signature with stand-ins for the arguments."""
+    wrong, checked = [], 0
+    for b in python_blocks():
+        if b.text.lstrip().startswith(">>>"):
+            continue
+        tree = ast.parse(b.text)
+        imported = {
+            a.asname or a.name: f"{n.module}.{a.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("tensorwire")
+            for a in n.names
+        }
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            found = _callee(call.func, imported)
+            if found is None or any(isinstance(a, ast.Starred) for a in call.args):
+                continue
+            target, unbound = found
+            args = [None] * (len(call.args) + unbound)
+            try:
+                inspect.signature(target).bind(*args, **{k.arg: None for k in call.keywords if k.arg})
+            except TypeError as exc:
+                wrong.append(f"{b}: {ast.unparse(call)}: {exc}")
+            checked += 1
+    assert checked >= 40, f"only {checked} calls checked: the lookup finds too little to mean anything"
+    assert not wrong, "calls the API does not take:\n" + "\n".join(wrong)
 
 
 def test_benchmark_flags_the_pages_use_exist() -> None:
