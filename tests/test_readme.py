@@ -755,6 +755,8 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
             f"up to {ucx_channel._WAIT_BACKOFF} recvs after each miss",
             f"ride in its MSG frame (up to {_size(ucx_channel._INLINE_MAX)})",
             f"are taken at once (up to {ucx_channel._CTRL_BURST})",
+            f"(an eager message of up to {_size(ucx_channel._LAND_INLINE)})",
+            f"at least every {ucx_channel._INLINE_STREAK} recvs answered so",
             f"moved nothing for {ucx_worker._STALL:g} s",
             f"A run of progress takes at most {ucx_worker._ROUNDS} rounds and {ucx_worker._BURST * 1e3:g} ms",
             f"({ucx_channel._LANDING_GRACE:g} s, `_LANDING_GRACE`)",

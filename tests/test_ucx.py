@@ -224,6 +224,82 @@ async def test_inline_answer_wait_backs_off_when_answers_come_late() -> None:
         assert channel._wait_penalty >= 64, channel._wait_penalty  # type: ignore[attr-defined]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)  # the child imports ucxx and joins a node
+async def test_answers_taken_inline_schedule_nothing_and_the_loop_still_turns() -> None:
+    """A ping-pong with a peer in another process: a recv right after a send waits inline for
+    the answer, and the frame it takes there is handled without a loop callback (the control
+    receive was re-posted with ``call_soon``, a handle per frame on the round trip's path). Yet
+    the loop turns at least every 16 such recvs (it never did while every answer came in time:
+    lease renewals and other tasks waited). Counted in callbacks and loop turns, not time."""
+    from tensorwire.transports.ucx._channel import UcxChannel
+    from tensorwire.transports.ucx._worker import Worker
+
+    n = 600
+    async with tensorwire.start(transports=("ucx",)) as node:
+        child = await _ucx_client(
+            node.address,
+            "pass",
+            f"for _ in range({n}): await p.send(await p.recv(tag=1), tag=2)",
+        )
+        try:
+            async with asyncio.timeout(30):
+                peer = await node.accept()
+            loop = asyncio.get_running_loop()
+            state = {"inline": False, "frame": False, "frames": 0, "scheduled": 0, "turns": 0}
+            real_until, real_on_ctrl, real_call_soon = Worker.progress_until, UcxChannel._on_ctrl, loop.call_soon
+
+            def until(self: Worker, fut: Any, seconds: float) -> bool:
+                state["inline"] = True
+                try:
+                    return real_until(self, fut, seconds)
+                finally:
+                    state["inline"] = False
+
+            def on_ctrl(self: UcxChannel, req: Any) -> None:
+                state["frame"] = state["inline"]
+                state["frames"] += state["inline"]
+                try:
+                    real_on_ctrl(self, req)
+                finally:
+                    state["frame"] = False
+
+            def call_soon(*args: Any, **kwargs: Any) -> Any:
+                state["scheduled"] += state["frame"]
+                return real_call_soon(*args, **kwargs)
+
+            async def turns() -> None:
+                while True:
+                    state["turns"] += 1
+                    await asyncio.sleep(0)
+
+            counter = asyncio.ensure_future(turns())
+            await asyncio.sleep(0)
+            streak = longest = 0
+            seen = state["turns"]
+            x = np.zeros(1, np.float64)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(Worker, "progress_until", until)
+                mp.setattr(UcxChannel, "_on_ctrl", on_ctrl)
+                mp.setattr(loop, "call_soon", call_soon)
+                for i in range(n):
+                    x[0] = i
+                    await peer.send(x, tag=1)
+                    assert (await peer.recv(tag=2, out=x))[0] == i
+                    streak = streak + 1 if state["turns"] == seen else 0
+                    seen = state["turns"]
+                    longest = max(longest, streak)
+            counter.cancel()
+            if not state["frames"]:
+                pytest.skip("no answer came within an inline wait here (a loaded machine)")
+            assert state["scheduled"] == 0, f"{state['scheduled']} loop callbacks for {state['frames']} inline frames"
+            # (a recv that waited through the loop, then up to 16 answered inline)
+            assert longest <= 16, f"{longest} recvs in a row returned without a turn of the loop"
+        finally:
+            async with asyncio.timeout(30):
+                await child.wait()
+
+
 async def test_busy_ucx_that_moves_nothing_is_polled_not_spun_and_said(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

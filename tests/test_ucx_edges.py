@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import json
 import logging
 import os
 import random
@@ -279,7 +280,10 @@ async def test_a_server_dying_before_it_takes_the_hello_fails_the_connect_at_onc
     """As above, the server's process killed between its answer to the handshake and taking the
     client's HELLO (stopped as the data connection begins, so that the endpoint to it is made
     and the HELLO posted; killed then): the connect fails at once, not after handshake_seconds
-    (30 s here)."""
+    (30 s here). The error, which a program may keep (a retry loop's last one; pytest.raises
+    here), does not keep the client node's UCX worker once the node has closed: its traceback
+    held the connect's endpoint and requests, and with them the worker's 2 listening sockets and
+    2 shared-memory mappings."""
     code = (
         "import asyncio, tensorwire\n"
         "async def main():\n"
@@ -293,6 +297,7 @@ async def test_a_server_dying_before_it_takes_the_hello_fails_the_connect_at_onc
         assert child.stdout is not None
         address = (await asyncio.wait_for(child.stdout.readline(), 30)).decode().strip()
         limits = tensorwire.Limits(handshake_seconds=30)
+        before = _ucx_footprint()
         async with tensorwire.start(transports=("ucx",), limits=limits, connect_timeout=30) as client:
             started = asyncio.Event()
 
@@ -306,8 +311,12 @@ async def test_a_server_dying_before_it_takes_the_hello_fails_the_connect_at_onc
                 await started.wait()  # the connect ran on to its first wait: its HELLO is posted
                 child.kill()
                 await child.wait()
-                with pytest.raises(tensorwire.ConnectError, match="the server went away during the connect"):
+                with pytest.raises(tensorwire.ConnectError, match="the server went away during the connect") as failed:
                     await connect
+        gc.collect()
+        kept = _ucx_footprint()
+        assert failed.value is not None
+        assert (kept[0], kept[2]) == (before[0], before[2]), "(listening sockets, /dev/shm mappings) before and after"
     finally:
         if child.returncode is None:
             child.kill()
@@ -372,7 +381,8 @@ async def test_closed_ucx_nodes_leave_no_listeners_descriptors_or_shared_memory_
     request holds its worker: each closed node that was still referenced kept two listening
     tcp sockets, 11 descriptors and 2 shared-memory mappings (a connected pair: 4, 22, 6), so
     they piled up with every node a process started and closed. A closed channel let go of its
-    endpoint only with the channel itself, so a peer still held kept them too."""
+    endpoint only with the channel itself, so a peer still held kept them too; and the messages
+    nobody received kept the receives that had landed them (b's mailbox, here)."""
     held: list[object] = []
 
     async def pair_with_a_transfer() -> None:
@@ -382,6 +392,8 @@ async def test_closed_ucx_nodes_leave_no_listeners_descriptors_or_shared_memory_
         ):
             peer = await a.connect(b.address)
             other = await b.accept()
+            for _ in range(2):
+                await peer.send(np.ones(64 * KiB, np.uint8), tag="unread")  # (landed in buffers of b's)
             await asyncio.gather(peer.send(np.arange(MiB, dtype=np.uint8), tag="t"), other.recv(tag="t"))
         held.extend((a, b, peer, other))
 
@@ -439,3 +451,126 @@ def test_the_raw_ucxx_baseline_of_the_ucx_benchmark_closes_without_ucx_errors() 
     assert run.returncode == 0, output
     assert "TWB ['bw', 'get', 'put', 'rtt_us']" in run.stdout, output
     assert "ERROR" not in output, output
+
+
+# A hub whose peer is SIGKILLed with operations in flight to it, closing after the peer's lease
+# ran out, in a process of its own (UCX prints on that process's stdout). argv: the hub's UCX
+# options (JSON), the tests folder. Prints one JSON line: the hub's listening sockets and /dev/shm
+# mappings before the node and after it closed, and what became of each operation.
+_KILLED_PEER_HUB = r"""
+import asyncio, gc, json, os, signal, subprocess, sys
+import numpy as np
+import tensorwire
+
+sys.path.insert(0, sys.argv[2])
+from _procfs import listening_ports
+
+WORKER = '''
+import asyncio, json, sys, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=json.loads(sys.argv[2])) as n:
+        n.expose(np.zeros(8 << 20, np.uint8), name="mem")
+        p = await n.connect(sys.argv[1])
+        await p.send(np.arange(3), tag="ready")
+        await asyncio.Event().wait()
+asyncio.run(main())
+'''
+
+
+def footprint():
+    with open("/proc/self/maps") as f:
+        return [len(listening_ports()), sum("/dev/shm/" in line for line in f)]
+
+
+async def main():
+    before = footprint()
+    options = json.loads(sys.argv[1])
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options, lease_seconds=1.0) as hub:
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, hub.address, sys.argv[1]])
+        try:
+            peer = await hub.accept()
+            await peer.recv(tag="ready")
+            handle = await peer.lookup("mem")
+            await peer.read(handle, out=np.empty(8 << 20, np.uint8))  # (the lanes for it are up)
+            os.kill(worker.pid, signal.SIGSTOP)  # nothing it is sent is taken from here on
+            ops = [peer.send(np.ones(6000, np.uint8), tag="inline") for _ in range(3)]
+            ops += [peer.read(handle, out=np.empty(8 << 20, np.uint8)), peer.write(handle, np.ones(8 << 20, np.uint8))]
+            ops.append(peer.recv(tag="never"))  # fails once the lease has run out
+            ops = [asyncio.ensure_future(op) for op in ops]
+            await asyncio.sleep(0.2)
+        finally:
+            worker.kill()
+            worker.wait()
+        results = await asyncio.gather(*ops, return_exceptions=True)
+        del ops
+    gc.collect()
+    print(json.dumps({"before": before, "after": footprint(), "ops": [type(r).__name__ for r in results]}), flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("options", [{}, {"TLS": "tcp"}], ids=["default", "tcp-lanes"])
+def test_a_node_whose_peer_was_killed_mid_operation_closes_without_ucx_warnings(options: dict[str, str]) -> None:
+    """A hub's peer is stopped, sent messages, read and written, then SIGKILLed; its lease runs
+    out and the hub closes. Nothing of UCX's own may reach the output (tensorwire did what it
+    should, and said so: the lease warning, PeerDisconnected), and the hub's UCX worker is freed.
+
+    Default lanes: control frames carrying 6000 bytes went rendezvous, which never completes to
+    a dead peer. Their requests kept the BYE behind them from completing, and with it the
+    worker: 2 listening sockets and 3 /dev/shm mappings stayed after the close; where the worker
+    was freed, UCX printed three 'mpool.c WARN object ... tag_send ... rendezvous zero-copy read
+    from remote cma/memory ... was not returned to mpool ucp_requests' and three 'rcache.c WARN
+    ucp_rcache: destroying inuse region'. tcp lanes: the dead peer's endpoint closing printed
+    'flush.c ERROR ... error during flush: Connection reset by remote peer' twice, and (the
+    owner's worker having served a read before) an mpool warning for the read UCX emulates,
+    which its dead owner never answered: UCX cannot fail it without peer error handling."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_PEER_HUB, json.dumps(options), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    output = proc.stdout + proc.stderr  # (UCX logs to stdout)
+    assert proc.returncode == 0, output
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["ops"][-1] == "PeerDisconnected", report  # the lease ran out before the close
+    ucx_lines = [line for line in output.splitlines() if "UCX  WARN" in line or "UCX  ERROR" in line]
+    assert not ucx_lines, "\n".join(ucx_lines)
+    assert report["after"] == report["before"], f"(listening sockets, /dev/shm mappings): {report}"
+
+
+async def test_a_cancelled_send_the_program_keeps_does_not_keep_closed_nodes_ucx_workers() -> None:
+    """A send cancelled while UCX moves its payload finishes first, then raises CancelledError;
+    a program may keep that error (or a task's, a retry loop's last one). Its traceback held the
+    payload's requests, each of which holds the node's UCX worker: every closed pair kept the
+    sending node's 2 listening sockets, 11 descriptors and 3 shared-memory mappings."""
+    kept: list[BaseException] = []
+
+    async def pair_with_a_cancelled_send() -> None:
+        async with (
+            tensorwire.start("127.0.0.1:0", transports=("ucx",)) as a,
+            tensorwire.start("127.0.0.1:0", transports=("ucx",)) as b,
+        ):
+            peer = await a.connect(b.address)
+            await b.accept()  # (the message lands there, never received)
+            send = asyncio.ensure_future(peer.send(np.ones(64 * MiB, np.uint8), tag="x"))
+            channel: Any = peer.channel
+            await eventually(lambda: bool(channel._futs), pause=0)  # its payload is with UCX
+            send.cancel()
+            try:
+                await send
+            except asyncio.CancelledError as exc:
+                kept.append(exc)
+
+    await pair_with_a_cancelled_send()  # (the first also starts what stays for the process)
+    gc.collect()
+    first = _ucx_footprint()
+    for _ in range(2):
+        await pair_with_a_cancelled_send()
+    gc.collect()
+    assert len(kept) == 3, kept
+    assert _ucx_footprint() == first, "(listening sockets, descriptors, /dev/shm mappings) after 1 and 3 pairs"

@@ -66,7 +66,8 @@ class SendWindow:
         self.slots += slots
         if self.credit > self._max_credit or self.slots > self._max_slots:
             raise ProtocolError("peer returned more credit than it granted")
-        self._wake()
+        if self._waiters:
+            self._wake()
 
     def _wake(self) -> None:
         while self._waiters:
@@ -87,6 +88,9 @@ class ReceiveBudget:
 
     def __init__(self, limits: Limits, flush: Callable[[], None]) -> None:
         self._limits = limits
+        # owing this much back makes the flush urgent (no delay)
+        self._urgent_credit = limits.recv_buffer_bytes // 4
+        self._urgent_slots = limits.max_unexpected // 4
         self._flush = flush  # sends a CREDIT frame when something is still owed
         self._used_credit = 0
         self._used_slots = 0
@@ -118,8 +122,7 @@ class ReceiveBudget:
             self._ret_credit += nbytes
         if not schedule or self._flushing:  # the flush under way takes these returns too
             return
-        lim = self._limits
-        urgent = self._ret_credit >= lim.recv_buffer_bytes // 4 or self._ret_slots >= lim.max_unexpected // 4
+        urgent = self._ret_credit >= self._urgent_credit or self._ret_slots >= self._urgent_slots
         if self._timer is not None:
             if self._urgent or not urgent:
                 return  # the pending timer comes soon enough

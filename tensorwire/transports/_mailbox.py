@@ -524,13 +524,16 @@ class Mailbox:
         ``release(nbytes)``: gives the message's slot and credit back to the sender (as an eager
         message's), once its recv has taken it: a recv cancelled before its task resumed gives
         the message back to the queue, and it goes on counting against the sender's grants."""
+        posted = self._posted.get(tag)
+        if not posted:
+            return False
+        p = posted[0]
         if dest is None:
-            dest = self.express_dest(tag, tree, specs)
+            dest = _express_dest(p, tree, specs)
             if dest is None:
                 return False
         _copy_into(dest, data)
-        posted = self._posted[tag]
-        p = posted.popleft()
+        posted.popleft()
         if not posted:
             del self._posted[tag]
         p.future.set_result(_Delivered(tree, specs, dest, data.nbytes, protocol, release))
@@ -541,27 +544,7 @@ class Mailbox:
         recv's out=, or new host arrays), or None if it would not take it. No side effects but
         the allocation; valid until the loop runs again."""
         posted = self._posted.get(tag)
-        if not posted:
-            return None
-        p = posted[0]
-        if p.future.done():
-            return None
-        out = p.out
-        if out is None:
-            if p.device is not None or any(s.device == "cuda" for s in specs):
-                return None
-            try:
-                return [s.allocate() for s in specs]
-            except TransferError:
-                return None  # no memory for it: the general way drops it and tells that recv
-        if type(out) is not np.ndarray or len(specs) != 1 or not tree.HasField("tensor"):
-            return None  # (a one-tensor list or dict does not fit an array: the general way says so)
-        s = specs[0]
-        if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
-            return None
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            return None
-        return [out]
+        return _express_dest(posted[0], tree, specs) if posted else None
 
     def holds_messages(self, ignore: range = range(0)) -> bool:
         """Does a message that arrived (whole, once the channel is gone) wait for a recv on a
@@ -714,7 +697,9 @@ class Mailbox:
                         raise self.failure
                     self.channel.check_open()
                     p = _Posted(out, want, streams, keep)
-                    line = self._posted.setdefault(tag, deque())
+                    line = self._posted.get(tag)
+                    if line is None:
+                        line = self._posted[tag] = deque()
                     if first:
                         line.appendleft(p)  # it was posted before every recv still waiting here
                     else:
@@ -864,8 +849,40 @@ class Mailbox:
         return value, receipt
 
 
+def _express_dest(p: _Posted, tree: wire_pb2.TreeNode, specs: list[Spec]) -> list[np.ndarray] | None:
+    """``Mailbox.express_dest`` for the recv ``p``, the oldest posted on the message's tag."""
+    if p.future.done():
+        return None
+    out = p.out
+    if out is None:
+        if p.device is not None or any(s.device == "cuda" for s in specs):
+            return None
+        try:
+            return [s.allocate() for s in specs]
+        except TransferError:
+            return None  # no memory for it: the general way drops it and tells that recv
+    if type(out) is not np.ndarray or len(specs) != 1:
+        return None
+    s = specs[0]
+    if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
+        return None
+    flags = out.flags
+    if not (flags.c_contiguous and flags.writeable) or not tree.HasField("tensor"):
+        return None  # (a one-tensor list or dict does not fit an array: the general way says so)
+    return [out]
+
+
 def _copy_into(arrays: list[np.ndarray], data: memoryview) -> None:
     """Copy ``data`` (the tensors' bytes in order, empty tensors taking none) into host arrays."""
+    if len(arrays) == 1:  # (most messages: the bytes are all the one tensor's)
+        a = arrays[0]
+        if not a.nbytes:
+            return
+        if a.dtype.isbuiltin == 1:
+            memoryview(a).cast("B")[:] = data  # type: ignore[arg-type, unused-ignore]  # numpy < 2.5 stubs
+        else:
+            byte_view(a)[:] = data
+        return
     pos = 0
     for a in arrays:
         n = a.nbytes

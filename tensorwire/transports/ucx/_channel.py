@@ -72,11 +72,14 @@ __all__ = ["CTRL", "DATA", "HELLO", "WELCOME", "UcxChannel", "ctrl_bytes", "make
 HELLO, WELCOME, CTRL, DATA = 1, 2, 3, 4
 _SEQ = (1 << 28) - 1
 _INLINE_MAX = 8 * 1024
+_HEADER = HEADER.size  # (module constants: the per-message paths look them up once per frame)
+_MSG = FrameType.MSG
 _CTRL_BURST = 64  # control frames taken in one go when they are already waiting
-_INLINE_STREAK = 16  # one-sided operations finished inline in a row before yielding to the loop
+_INLINE_STREAK = 16  # operations finished inline in a row (one-sided ones, recvs) before the loop turns
 _ANSWER_WINDOW = 200e-6  # a recv this soon after our last frame may wait inline for the answer
 _WAIT_INLINE = 50e-6  # for at most this long
 _WAIT_BACKOFF = 1024  # recvs without an inline wait after repeated failures, at most
+_LAND_INLINE = 256 * 1024  # an answer's payload up to this size is also waited for inline (once)
 # how long a failed message waits for the UCX receives still landing its payload (cancelled, but
 # one that has matched runs on until its transfer ends) before its recv is told anyway, with a
 # warning that its buffer may still be written (a transfer from a peer that stopped mid-way)
@@ -250,6 +253,7 @@ class UcxChannel(Channel):
         self._limits = limits
         self._remote = remote
         self._remote_ctrl = remote_ctrl
+        self._remote_room = remote_ctrl - HEADER.size  # header and payload bytes a frame may carry
         self._inline = inline_limit(limits)
         self.name = name
         self._loop = asyncio.get_running_loop()
@@ -258,6 +262,7 @@ class UcxChannel(Channel):
         self._ep_handle = int(ep.handle)
         self._rx_ctrl_tag = self._lib.UCXXTag(make_tag(rx_key, CTRL))
         self._ctrl_buf = np.empty(ctrl_bytes(limits), np.uint8)
+        self._ctrl_room = self._ctrl_buf.nbytes - HEADER.size
         self._ctrl_mv = memoryview(self._ctrl_buf.data)
         self._ctrl_arr: Any = None
         self._ctrl_posted = False
@@ -330,14 +335,18 @@ class UcxChannel(Channel):
 
     async def _wait(self, req: Any, keep: object, what: str) -> None:
         """Wait for one request; the channel failing ends the wait with its error."""
-        if not req.completed:
-            fut = self._w.future(req, keep=keep, owner=self)
-            self._futs.add(fut)
-            try:
-                await fut
-            finally:
-                self._futs.discard(fut)
-        err = self._check(req, what)
+        fut: asyncio.Future[Any] | None = None
+        try:
+            if not req.completed:
+                fut = self._w.future(req, keep=keep, owner=self)
+                self._futs.add(fut)
+                try:
+                    await fut
+                finally:
+                    self._futs.discard(fut)
+            err = self._check(req, what)
+        finally:
+            req = fut = None  # (the future's result is the request; see _send_payload)
         if err is not None:
             raise err
 
@@ -415,11 +424,12 @@ class UcxChannel(Channel):
         nbytes = msg.nbytes
         window = self._window
         header = msg.header
+        n = len(header)
         if (
             window.slots <= 0
             or nbytes > window.credit
-            or len(header) > self._remote.max_header_bytes
-            or HEADER.size + len(header) + nbytes > self._remote_ctrl
+            or n > self._remote.max_header_bytes
+            or n + nbytes > self._remote_room
             or nbytes > self._remote.max_message_bytes
         ):
             return None
@@ -436,7 +446,7 @@ class UcxChannel(Channel):
         """One MSG frame carrying the header and the payload: host arrays or byte views, whose
         bytes are copied once, into the frame."""
         credit, slots = self._budget.take_returns()
-        frame = pack(FrameType.MSG, 0, len(header), nbytes, msg_id, tag, credit, slots)
+        frame = pack(_MSG, 0, len(header), nbytes, msg_id, tag, credit, slots)
         self._send_frame(b"".join([frame, header, *map(_wire_bytes, parts)]))  # type: ignore[list-item, unused-ignore]  # numpy < 2.5
 
     async def _send(self, tag: int, msg: Outgoing) -> Receipt:
@@ -517,15 +527,30 @@ class UcxChannel(Channel):
         tag = self._lib.UCXXTag(make_tag(self._tx_key, DATA, msg_id))
         reqs = [(self._ep.tag_send(self._lib_array(_payload(s)), tag), s) for s in segs]
         cancelled = False
-        for req, seg in reqs:
-            while True:
-                try:
-                    await self._wait(req, seg, "payload send")
-                    break
-                except asyncio.CancelledError:
-                    cancelled = True
-                    if self.state is not ChannelState.OPEN:
-                        raise
+        req: Any = None
+        try:
+            for req, seg in reqs:
+                while True:
+                    try:
+                        await self._wait(req, seg, "payload send")
+                        break
+                    except asyncio.CancelledError:
+                        cancelled = True
+                        if self.state is not ChannelState.OPEN:
+                            raise
+        except BaseException:
+            # the sends not waited for yet go on all the same: they and their segments stay
+            # with the worker until UCX is done with them (or the worker closes)
+            for r, s in reqs:
+                self._w.hold(r, s)
+            raise
+        finally:
+            # a failure's traceback keeps this frame, and a program may keep the failure (a
+            # task's exception, a retry loop's last error): not the requests, each of which
+            # holds the node's UCX worker, its listening sockets and shared memory, after the
+            # node has closed
+            reqs.clear()
+            req = None
         if cancelled:
             raise asyncio.CancelledError
 
@@ -540,10 +565,26 @@ class UcxChannel(Channel):
         if self._wait_skip:
             self._wait_skip -= 1
             return
+        w = self._w
+        if w.inline_streak >= _INLINE_STREAK:
+            # the loop has not turned since that many operations finished inline: this recv
+            # waits through it, so that its other tasks and timers (lease renewals) run
+            return
         try:
             self._post_ctrl_recv()
-            if self._w.progress_until(fut, _WAIT_INLINE):
+            if w.progress_until(fut, _WAIT_INLINE):
                 self._wait_penalty = 0
+                got = fut.result() if fut.exception() is None else None
+                if (
+                    isinstance(got, _Arrival)
+                    and got.transfer is not None
+                    and got.nbytes <= _LAND_INLINE
+                    and not got.done.done()
+                ):
+                    # its payload is on its way into the recv's out= (the handler posted the
+                    # receive): over shared memory this process copies it, in progress calls,
+                    # within microseconds, and the recv returns without a trip through the loop
+                    w.progress_until(got.done, _WAIT_INLINE)
             else:
                 self._wait_penalty = min(2 * self._wait_penalty or 1, _WAIT_BACKOFF)
                 self._wait_skip = self._wait_penalty
@@ -565,9 +606,12 @@ class UcxChannel(Channel):
             return
         # frames that are already here (a burst of sends) are taken now, so that the payload
         # receives of all of them are posted before UCX starts moving any payload (over cma
-        # this process does the copying, inside progress, one payload after the other)
+        # this process does the copying, inside progress, one payload after the other). Not
+        # when a recv's inline wait took this frame (a round trip's answer): that recv returns
+        # without waiting for the probe, and frames behind it are taken as the control receive,
+        # posted again, matches them
         worker = self._w.worker
-        for _ in range(_CTRL_BURST):
+        for _ in range(0 if self._w.inline else _CTRL_BURST):
             if self.state is not ChannelState.OPEN or not worker.tag_probe(self._rx_ctrl_tag).matched:
                 break
             req = worker.tag_recv(self._ctrl_arr, self._rx_ctrl_tag)
@@ -579,7 +623,7 @@ class UcxChannel(Channel):
                 return
         # after the task this frame woke has run (the round-trip path): a frame arriving
         # meanwhile waits in UCX's unexpected queue and matches this receive in order
-        self._loop.call_soon(self._post_ctrl_recv)
+        self._w.soon(self._post_ctrl_recv)
 
     def _take_ctrl(self, req: Any) -> bool:
         """Handle the control frame ``req`` received; False if the channel is (now) shut."""
@@ -607,16 +651,16 @@ class UcxChannel(Channel):
         t, flags, meta_len, payload_len, msg_id, arg, credit, slots = unpack_fields(mv)
         if credit or slots:
             self._window.grant(credit, slots)
-        if t is FrameType.MSG:
+        if t is _MSG:
             limits = self._limits
             # how much payload rides inline is the sender's choice (its Limits.inline_bytes,
             # never told to us); it keeps the frame within our control buffer (remote_ctrl),
             # and that buffer is all a frame must fit here
-            if meta_len > limits.max_header_bytes or HEADER.size + meta_len + payload_len > self._ctrl_buf.nbytes:
+            if meta_len > limits.max_header_bytes or meta_len + payload_len > self._ctrl_room:
                 raise ProtocolError(f"MSG frame of {meta_len}+{payload_len} bytes exceeds the limits")
-            end = HEADER.size + meta_len
+            end = _HEADER + meta_len
             tree, specs, nbytes = decode_header_sized(
-                bytes(mv[HEADER.size : end]), max_message_bytes=limits.max_message_bytes
+                bytes(mv[_HEADER:end]), max_message_bytes=limits.max_message_bytes
             )
             rndv = bool(flags & RENDEZVOUS)
             inline = payload_len == nbytes and not rndv
@@ -814,6 +858,10 @@ class UcxChannel(Channel):
                 self._shutdown(ChannelState.BROKEN, err)
             arrival.fail(err)
         if transfer.pending == 0:
+            # done with: a message that nobody received stays with its channel (the mailbox),
+            # which a program may hold long after the node closed, and each request holds the
+            # node's UCX worker
+            transfer.reqs = []
             if self._incoming.get(arrival.msg_id) is transfer:
                 del self._incoming[arrival.msg_id]
             if not arrival.done.done() and transfer.failure is None:  # (a failure is told by now)
@@ -831,6 +879,7 @@ class UcxChannel(Channel):
 
         def landed() -> None:
             timer.cancel()
+            transfer.reqs = []  # (see _payload_done)
             Arrival.fail(arrival, exc)
 
         def late() -> None:
@@ -1024,6 +1073,8 @@ class UcxChannel(Channel):
             a.fail(exc)
         for t in self._incoming.values():
             t.arrival.fail(exc)
+            if all(r.completed for r in t.reqs):
+                t.reqs = []  # (see _payload_done; ones still landing are dropped once landed)
         self._waiting.clear()
         self._incoming.clear()
         # one-sided requests may still be in flight (their waits were just failed): their keys
@@ -1074,6 +1125,7 @@ class UcxChannel(Channel):
             except Exception:  # the peer may already be gone; closing goes on
                 pass
             finally:
+                req = None  # (a cancelled close's traceback: see _send_payload)
                 self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
 
     def abort(self) -> None:

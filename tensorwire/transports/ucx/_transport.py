@@ -401,11 +401,17 @@ class UcxTransport(Transport):
             if hello_posted and isinstance(exc, asyncio.CancelledError) and not self._closed:
                 # the server may have taken the HELLO and made a peer of us (the WELCOME on its way)
                 self._wave_off(ep, wreq, welcome, my_key, session, sid)
+                ep = wreq = hreq = None  # (see below)
                 raise
             w.cancel(wreq)
+            w.hold(wreq, welcome)
             w.abandon(mine)
             self._keys.discard(my_key)
             w.track(asyncio.get_running_loop().create_task(w.close_endpoint(ep)))
+            # the error's traceback keeps this frame, and a program may keep the error (a retry
+            # loop's last one): not the endpoint and the requests, each of which holds this
+            # node's UCX worker, its listening sockets and shared memory, after the node closed
+            ep = wreq = hreq = None
             if isinstance(exc, TimeoutError):
                 raise ConnectError(_no_welcome(hello_sent, self.ctx.limits.handshake_seconds, session)) from exc
             if isinstance(exc, (ProtocolError, PeerDisconnected)) or (

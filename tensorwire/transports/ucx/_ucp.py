@@ -13,10 +13,13 @@ each progress round of the node's worker, then freed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from ctypes import (
     POINTER,
     Structure,
@@ -53,6 +56,7 @@ _PROT_LOCAL = (1 << 0) | (1 << 1)  # local read and write
 _PROT_REMOTE_READ = 1 << 8
 _PROT_REMOTE_WRITE = 1 << 9
 _EP_ATTR_TRANSPORTS = 1 << 3
+_FAST_CMPL = 1 << 17  # UCP_OP_ATTR_FLAG_FAST_CMPL
 # status codes that mean the peer or the link is gone
 
 
@@ -161,6 +165,14 @@ class Ucp:
         self._strerror = self._fn(ucs.ucs_status_string, c_char_p, c_int)
         self._param = _RequestParam()  # no callback: requests are polled, then freed
         self._param_ref = byref(self._param)
+        # control frames ask for fast completion: UCX then sends them eager up to 256 KiB
+        # (UCX_RNDV_SEND_NBR_THRESH), done once the frame is copied out. Without it a frame past
+        # UCX's eager limit for shared memory (5 KiB here; a message of up to 8 KiB rides inline)
+        # went rendezvous, which completes only once the receiver has read it: to a peer that
+        # died, never, and UCX warned as the node's worker was destroyed ("mpool.c ... was not
+        # returned to mpool ucp_requests", "rcache.c ... destroying inuse region"), per frame
+        self._frame_param = _RequestParam(op_attr_mask=_FAST_CMPL)
+        self._frame_param_ref = byref(self._frame_param)
         self._ucxx_cancel = _ucxx_cancel()
 
     @staticmethod
@@ -209,6 +221,11 @@ class Ucp:
         self._free(req)
         return status
 
+    def request_release(self, req: int) -> None:
+        """Give up a request whether or not it has completed: UCX returns it to its pool once
+        it does (a worker destroyed with it still in flight warns about it)."""
+        self._free(req)
+
     def cancel_request(self, req: Any) -> None:
         """Cancel a ucxx request (``ucxx::Request::cancel``, which calls ``ucp_request_cancel``).
 
@@ -233,7 +250,10 @@ class Ucp:
     def tag_send(self, ep: int, data: bytes, tag: int) -> int | None:
         """``ucp_tag_send_nbx`` of ``data`` (kept alive by the caller until it completes):
         None when done at once (a small eager message usually is), else the request to poll."""
-        return self._submit(self.tag_send_raw(ep, data, len(data), tag, self._param_ref), "ucp_tag_send_nbx")
+        ptr = self.tag_send_raw(ep, data, len(data), tag, self._frame_param_ref)
+        if ptr is None:  # UCS_OK, sent already (the usual case for a small frame)
+            return None
+        return self._submit(ptr, "ucp_tag_send_nbx")
 
     def mem_map(self, context: int, address: int, length: int, *, writable: bool = True) -> int:
         """Register memory. Without ``writable`` peers get read access only (where the lane
@@ -312,6 +332,7 @@ _PEER_FAILURE_SITES = frozenset({b"cma_ep.c", b"scopy_ep.c", b"knem_ep.c", b"xpm
 _LOG_FUNC = ctypes.CFUNCTYPE(c_int, c_char_p, c_uint, c_char_p, c_int, c_void_p, c_char_p, c_void_p)
 _log_handler: Any = None  # kept alive as long as UCX may call it
 peer_failures_survived = 0  # FATAL peer-failure lines swallowed (tests and doctor read it)
+_quiet = threading.local()  # see quiet()
 
 
 def _vformat(fmt: bytes, ap: int | None) -> str:
@@ -327,11 +348,35 @@ def _vformat(fmt: bytes, ap: int | None) -> str:
 
 def _on_ucx_log(file: bytes, line: int, function: bytes, level: int, comp: int, fmt: bytes, ap: int) -> int:
     global peer_failures_survived
-    if level != _LOG_FATAL or os.path.basename(file or b"") not in _PEER_FAILURE_SITES:
+    if level != _LOG_FATAL:
+        sites = getattr(_quiet, "sites", None)
+        if sites and os.path.basename(file or b"") in sites:
+            log.debug("ucx (%s): %s", _quiet.why, _vformat(fmt, ap))
+            return _LOG_STOP
+        return _LOG_CONTINUE
+    if os.path.basename(file or b"") not in _PEER_FAILURE_SITES:
         return _LOG_CONTINUE
     peer_failures_survived += 1
     log.warning("ucx: a transfer to a peer that is gone failed: %s", _vformat(fmt, ap))
     return _LOG_STOP
+
+
+@contextlib.contextmanager
+def quiet(sites: frozenset[bytes], why: str) -> Iterator[None]:
+    """UCX's warnings and errors from the source files ``sites`` (``b"flush.c"``) that this
+    thread's UCX calls print while inside go to tensorwire's log at debug level, ``why`` with
+    them, instead of to the process's output (UCX prints them on stdout).
+
+    For what UCX reports of tensorwire doing the right thing, where UCX offers no quieter way:
+    the closing flush of an endpoint whose peer is gone, the requests to such a peer that a
+    destroyed worker still held. Only this thread, only inside: other users of UCX in the process
+    (and tensorwire at any other moment) keep every line."""
+    before = getattr(_quiet, "sites", None), getattr(_quiet, "why", "")
+    _quiet.sites, _quiet.why = (before[0] or frozenset()) | sites, why
+    try:
+        yield
+    finally:
+        _quiet.sites, _quiet.why = before
 
 
 def peer_gone_since(count: int) -> bool:
