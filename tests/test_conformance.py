@@ -69,6 +69,20 @@ async def test_the_cancel_checks_size_their_message_by_how_long_its_landing_last
 
 
 @pytest.mark.parametrize("variant", TRANSPORTS)
+async def test_the_withdrawal_check_withdraws_messages_while_a_recv_waits_behind(variant: str) -> None:
+    """The check that a recv whose message was withdrawn keeps its place tests something only
+    where some of its withdrawals reach the receiver while the recv posted after it still waits
+    (it then sends the next message 0-2 loop turns after the cancel, so that its header and the
+    withdrawal come in the same pass): on every transport here, some do."""
+    from tensorwire.testing._conformance import _withdraw_in_front
+
+    name = "recvs_posted_in_order_take_messages_in_order_when_a_send_is_withdrawn"
+    with _options(variant):
+        async with connected_pair(VARIANTS[variant][0], check=name) as (a, b):
+            assert await _withdraw_in_front(a, b) > 0
+
+
+@pytest.mark.parametrize("variant", TRANSPORTS)
 async def test_closed_channels_are_let_go(variant: str) -> None:
     """A transport holds a channel only until it closes: closed peers, their channels and the
     messages they never delivered are freed while the nodes live on (inproc kept every

@@ -6,8 +6,11 @@ still count against what the sender was granted (``Limits.recv_buffer_bytes``)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import itertools
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -289,3 +292,122 @@ async def test_a_message_given_back_goes_to_the_recv_that_waited_behind_the_canc
             assert nxt.tolist() == [2, 2, 2]
             return
     pytest.fail("the 64 MiB message landed whole before its recv could be cancelled, 5 times")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", _TRANSPORTS)
+async def test_a_recv_whose_queued_message_is_withdrawn_takes_the_one_queued_behind_it(transport: str) -> None:
+    """A rendezvous message x and a small one y1 wait queued on a tag; recv A takes x, and x's
+    send is cancelled 0..5 loop turns later; recv B is posted 0..5 turns after the cancel.
+    Where the withdrawal reached the receiver while y1 still waited in the queue, A keeps its
+    place and takes y1, and B the next message (y2). Before, A took its place back only when its
+    task next ran, and B, posted meanwhile, took y1 from the queue first (tcp, inproc, ucx)."""
+    x = np.full(16 * MiB, 7, np.uint8)  # rendezvous, and its landing lasts several loop turns
+    owed = 0
+    async with connected_pair(transport, limits=tensorwire.Limits(recv_buffer_bytes=64 * 1024)) as (a, b):
+        mailbox = b.channel.mailbox
+        tag = tag_id("q")
+        seen: list[bool] = []  # per withdrawal as it reached b: whether y1 still waited unclaimed
+        abort = mailbox.abort
+
+        def watched(arrival: Any) -> None:
+            if arrival.tag == tag:
+                seen.append(mailbox.oldest(tag) is not None)
+            abort(arrival)
+
+        mailbox.abort = watched  # type: ignore[method-assign]
+        for gap in range(6):
+            for spins in range(6):
+                seen.clear()
+                y1, y2 = np.full(1000, 100 + spins, np.uint8), np.full(1000, 200 + spins, np.uint8)
+                send = asyncio.ensure_future(a.send(x, tag="q"))
+                await eventually(lambda: mailbox.oldest(tag) is not None, 10, 0)  # x waits for a recv
+                sent = await asyncio.wait_for(a.send(y1, tag="q"), 10)
+                assert sent.protocol != "rendezvous", sent
+                await eventually(lambda: len(mailbox._arrived.get(tag, ())) == 2, 10, 0)  # y1 behind x
+                first = asyncio.ensure_future(b.recv(tag="q"))
+                await eventually(lambda: len(mailbox._arrived.get(tag, ())) == 1, 10, 0)  # A took x
+                for _ in range(spins):
+                    await asyncio.sleep(0)
+                send.cancel()
+                for _ in range(gap):
+                    await asyncio.sleep(0)
+                second = asyncio.ensure_future(b.recv(tag="q"))
+                with contextlib.suppress(asyncio.CancelledError):
+                    await send
+                await asyncio.wait_for(a.send(y2, tag="q"), 10)
+                got = [await asyncio.wait_for(first, 10), await asyncio.wait_for(second, 10)]
+                order = [x, y1, y2]
+                places = [next((i for i, m in enumerate(order) if np.array_equal(g, m)), -1) for g in got]
+                if places[0] == 0:
+                    expected = [0, 1]  # the cancel came too late: x arrived whole
+                elif seen == [False]:
+                    expected = [2, 1]  # B took y1 before the withdrawal came
+                else:
+                    expected = [1, 2]
+                    owed += seen == [True]
+                assert places == expected, (
+                    f"recvs took messages {places} of [x, y1, y2], not {expected} (x withdrawn {spins} turns "
+                    f"after A took it, B posted {gap} turns after the cancel; y1 still queued then: {seen})"
+                )
+                for i in sorted({1, 2} - set(places)):
+                    assert np.array_equal(await asyncio.wait_for(b.recv(tag="q"), 10), order[i])
+        del mailbox.abort
+    assert owed, "no withdrawal reached the receiver while y1 waited: the test tested nothing"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", _TRANSPORTS)
+async def test_a_recv_cancelled_after_its_message_was_withdrawn_loses_nothing(transport: str) -> None:
+    """Recvs A and B are posted on a tag; a rendezvous message matches A, and its send is
+    cancelled 0..3 loop turns later; y1 and y2 are sent 0..2 turns after that, and A is cancelled
+    0..2 turns after them: A is cancelled while the place kept for it waits, or after that place
+    took y1. Whatever A took goes back: B and one more recv get y1 and y2 whole, A is cancelled
+    or has one of them, and no recv stays posted."""
+    x = np.full(256 * 1024, 7, np.uint8)  # past recv_buffer_bytes: rendezvous
+    async with connected_pair(transport, limits=tensorwire.Limits(recv_buffer_bytes=64 * 1024)) as (a, b):
+        mailbox = b.channel.mailbox
+        tag = tag_id("c")
+        for spins, gap, late in itertools.product(range(4), range(3), range(3)):
+            ys = [np.full(1000, 100 + k, np.uint8) for k in range(2)]
+            first = asyncio.ensure_future(b.recv(tag="c"))
+            await eventually(lambda: len(mailbox._posted.get(tag, ())) == 1, 10, 0)
+            second = asyncio.ensure_future(b.recv(tag="c"))
+            await eventually(lambda: len(mailbox._posted.get(tag, ())) == 2, 10, 0)
+            send = asyncio.ensure_future(a.send(x, tag="c"))
+            await eventually(lambda: len(mailbox._posted.get(tag, ())) == 1, 10, 0)  # x matched A
+            for _ in range(spins):
+                await asyncio.sleep(0)
+            send.cancel()
+            for _ in range(gap):
+                await asyncio.sleep(0)
+            after = [asyncio.ensure_future(a.send(y, tag="c")) for y in ys]
+            for _ in range(late):
+                await asyncio.sleep(0)
+            first.cancel()
+            try:
+                await send
+                sent = True
+            except asyncio.CancelledError:
+                sent = False  # withdrawn, or it came whole all the same (the cancel came too late)
+            for s in after:
+                await asyncio.wait_for(s, 10)
+            got = []
+            try:
+                got.append(await asyncio.wait_for(first, 10))
+            except asyncio.CancelledError:
+                pass
+            got.append(await asyncio.wait_for(second, 10))
+            while (
+                sum(g.shape != x.shape for g in got) < 2
+                or (sent and all(g.shape != x.shape for g in got))
+                or mailbox.oldest(tag) is not None
+            ):
+                got.append(await asyncio.wait_for(b.recv(tag="c"), 10))
+            where = f"({spins}, {gap}, {late} turns: {[int(g[0]) for g in got]})"
+            assert sorted(int(g[0]) for g in got if g.shape != x.shape) == [100, 101], f"y1, y2 not received {where}"
+            assert all(bool((g == g[0]).all()) for g in got), f"a message came corrupt {where}"
+            assert sum(g.shape == x.shape for g in got) <= 1, f"x came twice {where}"
+            assert not mailbox.has_posted(tag), "a recv (or a place kept for one) stayed posted"
+            assert mailbox.oldest(tag) is None, "a message stayed queued"
+            assert not mailbox._held, "a message stayed held"

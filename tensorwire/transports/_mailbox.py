@@ -13,7 +13,9 @@ copies already queued into it are ordered before the consumer stream's later wor
 says its message's bytes are wanted nowhere else (``keep=False``: a cancelled operation's answer,
 and the recv that drains it) lets them go instead: where the transport lands a payload in order
 (tcp, inproc), the rest of it lands piece by piece in a small scratch buffer, never in one of
-the message's size, and the message fails the recv that takes it.
+the message's size, and the message fails the recv that takes it. A recv whose message its
+sender withdraws (a cancelled send) keeps its place in its tag's line from the moment the
+withdrawal arrives (``Mailbox.abort``), so the next message is its own.
 
 Device memory: a transport that can write device memory (``Channel.device_kinds``) lands a
 matched message straight in the recv's CUDA ``out=`` or in tensors allocated on the requested
@@ -477,14 +479,21 @@ class _GivenBack(Arrival):
 
 
 class _Posted:
-    __slots__ = ("device", "future", "keep", "out", "streams")
+    """A recv waiting in its tag's line for a message (``future``), or holding one it took."""
 
-    def __init__(self, out: object | None, device: Device | None, streams: Streams | None, keep: bool) -> None:
+    __slots__ = ("again", "device", "future", "keep", "out", "seq", "streams")
+
+    def __init__(
+        self, out: object | None, device: Device | None, streams: Streams | None, keep: bool, seq: int
+    ) -> None:
         self.out = out
         self.device = device
         self.streams = streams
         self.keep = keep
+        self.seq = seq  # when its recv was called: the lines keep this order (``Mailbox._line_up``)
         self.future: asyncio.Future[Arrival | _Delivered] = asyncio.get_running_loop().create_future()
+        # where its recv waits again once the message it holds is withdrawn (``Mailbox.abort``)
+        self.again: _Posted | None = None
 
 
 class Mailbox:
@@ -494,9 +503,11 @@ class Mailbox:
         self.channel = channel
         self._arrived: dict[int, deque[Arrival]] = {}
         self._posted: dict[int, deque[_Posted]] = {}
-        # arrivals handed to a recv that waits for them to complete: failed with the channel
-        # too, so that no recv outlives its channel, whatever the transport still tracks
-        self._held: set[Arrival] = set()
+        # arrivals handed to a recv that waits for them to complete, and that recv: failed with
+        # the channel too, so that no recv outlives its channel, whatever the transport still
+        # tracks; and a recv whose message is withdrawn keeps its place (``abort``)
+        self._held: dict[Arrival, _Posted] = {}
+        self._seq = 0  # recvs called so far: each recv's place in its tag's line
         self.failure: BaseException | None = None
         self.in_flight = 0
 
@@ -596,14 +607,47 @@ class Mailbox:
             except TensorWireError as exc:  # that recv fails, not the channel
                 p.future.set_exception(exc)
                 continue
-            self._held.add(arrival)
+            self._held[arrival] = p
             p.future.set_result(arrival)
             return True
         return False
 
     def abort(self, arrival: Arrival) -> None:
-        """The sender gave up on ``arrival``: drop it, and let a recv waiting on it re-post."""
+        """The sender gave up on ``arrival``: drop it. A recv that took it keeps its place in
+        its tag's line from now, not from when its task next runs: a message handed over before
+        then (its header read in the same pass as the withdrawal, or sent by a task that ran
+        first) goes to that recv, not to one posted after it (``_keep_place``)."""
+        holder = self._held.get(arrival)
+        keep_place = holder is not None and not arrival.done.done() and self.failure is None
         self.remove(arrival, SenderAborted("sender cancelled the message"))
+        if holder is not None and keep_place:
+            self._keep_place(arrival.tag, holder)
+
+    def _keep_place(self, tag: int, holder: _Posted) -> None:
+        """Post ``holder``'s recv again, where it was in its tag's line (``holder.again``, which
+        its task awaits once it has seen the withdrawal). A message queued for no recv (the recv
+        took the withdrawn one from the queue, and the next came behind it) is its now."""
+        p = _Posted(holder.out, holder.device, holder.streams, holder.keep, holder.seq)
+        holder.again = p
+        self._line_up(tag, p)
+        q = self._arrived.get(tag)
+        if q:
+            head = q.popleft()
+            if not q:
+                del self._arrived[tag]
+            if not self._to_posted(head, place=False):  # (its out= cannot take it: it stays first)
+                self._arrived.setdefault(tag, deque()).appendleft(head)
+
+    def _line_up(self, tag: int, p: _Posted) -> None:
+        """Post ``p`` in its tag's line, behind the recvs called before its own and ahead of
+        those called after (a new recv: at the end)."""
+        line = self._posted.get(tag)
+        if line is None:
+            line = self._posted[tag] = deque()
+        i = len(line)
+        while i and line[i - 1].seq > p.seq:
+            i -= 1
+        line.insert(i, p)
 
     def remove(self, arrival: Arrival, exc: BaseException) -> None:
         """Take ``arrival`` out of its tag's queue, if it waits there, and fail it with ``exc``."""
@@ -678,10 +722,14 @@ class Mailbox:
         if streams is None:
             streams = capture_streams(want)
         self.in_flight += 1
-        first = False  # a recv whose message its sender withdrew keeps its place: first in line
+        seq = self._seq
+        self._seq += 1
+        # where this recv waits in its tag's line: posted now, or posted again in its old place
+        # when the message it took was withdrawn (``abort``); None: it looks at the queue first
+        p: _Posted | None = None
         try:
             while True:
-                q = self._arrived.get(tag)
+                q = self._arrived.get(tag) if p is None else None
                 if q:
                     arrival = q[0]
                     # a mismatched out= raises here and leaves the message queued
@@ -689,55 +737,39 @@ class Mailbox:
                     q.popleft()
                     if not q:
                         del self._arrived[tag]  # tags may be unique per operation: keep no empties
-                    self._held.add(arrival)
+                    holder = self._held[arrival] = _Posted(out, want, streams, keep, seq)
                     if out is None and not keep:
                         arrival.let_rest_go()
                 else:
-                    if self.failure is not None:
-                        raise self.failure
-                    self.channel.check_open()
-                    p = _Posted(out, want, streams, keep)
-                    line = self._posted.get(tag)
-                    if line is None:
-                        line = self._posted[tag] = deque()
-                    if first:
-                        line.appendleft(p)  # it was posted before every recv still waiting here
-                    else:
-                        line.append(p)
-                    self.channel.wait_briefly(p.future)
+                    if p is None:
+                        if self.failure is not None:
+                            raise self.failure
+                        self.channel.check_open()
+                        p = _Posted(out, want, streams, keep, seq)
+                        self._line_up(tag, p)  # (behind every recv called before this one)
+                    if not p.future.done():
+                        self.channel.wait_briefly(p.future)
                     try:
                         got = await p.future
                         if isinstance(got, _Delivered):  # express: the bytes are in place already
                             return got.finish(self.channel, out, t0)
                         arrival = got
                     except asyncio.CancelledError:
-                        f = p.future
-                        if f.done() and not f.cancelled() and f.exception() is None:
-                            got = f.result()
-                            if isinstance(got, Arrival):
-                                self._held.discard(got)  # given back (requeued) or failed
-                            if isinstance(got, _Delivered):
-                                # delivered into out= before the cancel: give the message back
-                                await self._requeue(got.give_back(self.channel, tag, out))
-                                raise
-                            if got.pinned and not await _finished(got):
-                                raise  # it failed: nothing to give back
-                            await self._requeue(got, keep)
-                        else:
-                            pq = self._posted.get(tag)
-                            if pq is not None and p in pq:
-                                pq.remove(p)
+                        await self._give_up(p, tag, out, keep)
                         raise
                     finally:
                         pq = self._posted.get(tag)
                         if pq is not None and not pq:
                             del self._posted[tag]
+                    holder, p = p, None
                     targets = None
                 try:
                     return await self._complete(arrival, out, targets, t0, want, streams)
                 except SenderAborted:
+                    # withdrawn: wait in the place kept for this recv since the withdrawal,
+                    # which may hold the next message already (none kept: post again in turn)
                     arrival.let_go()
-                    first = True
+                    p, holder.again = holder.again, None
                     continue
                 except BaseException:
                     failed = arrival.done.done() and arrival.done.exception() is not None
@@ -745,11 +777,44 @@ class Mailbox:
                         arrival.let_go()
                     elif not arrival.consumed:
                         await self._requeue(arrival, keep)
+                    if holder.again is not None:  # (withdrawn as this recv was cancelled)
+                        again, holder.again = holder.again, None
+                        await self._give_up(again, tag, out, keep)
                     raise
                 finally:
-                    self._held.discard(arrival)
+                    if self._held.get(arrival) is holder:
+                        del self._held[arrival]
         finally:
             self.in_flight -= 1
+
+    async def _give_up(self, p: _Posted, tag: int, out: object | None, keep: bool) -> None:
+        """The recv posted as ``p`` is cancelled: out of its tag's line, or, if a message was
+        handed to it, that message back (``_requeue``); if its sender has withdrawn it, the
+        place kept for the recv is given up instead, and what that place took goes back."""
+        f = p.future
+        if not f.done() or f.cancelled() or f.exception() is not None:
+            pq = self._posted.get(tag)
+            if pq is not None and p in pq:
+                pq.remove(p)
+                if not pq:
+                    del self._posted[tag]
+            return
+        got = f.result()
+        if isinstance(got, _Delivered):
+            # delivered into out= before the cancel: give the message back
+            await self._requeue(got.give_back(self.channel, tag, out))
+            return
+        if self._held.get(got) is p:
+            del self._held[got]  # given back (requeued) or failed
+        if got.done.done() and isinstance(got.done.exception(), SenderAborted):
+            got.let_go()
+            if p.again is not None:
+                again, p.again = p.again, None
+                await self._give_up(again, tag, out, keep)
+            return
+        if got.pinned and not await _finished(got):
+            return  # it failed: nothing to give back
+        await self._requeue(got, keep)
 
     async def _complete(
         self,
