@@ -654,7 +654,8 @@ async def test_a_peer_close_cut_short_by_asyncio_run_ending_is_finished(transpor
     the node left open closes. The node's close then skipped that peer (its aclose() raised the
     closing's CancelledError; the transport's close shut the channel), and every later aclose()
     raised that CancelledError too: a closing cut short before it began now runs at the node's
-    close, and a later aclose() returns. The other side sees the peer go."""
+    close, and a later aclose() returns. The other side sees the peer go, told so by the peer
+    (ucx: a closing cut short while it waited for the sends it owed still posts its goodbye)."""
     async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as b:
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _CUT_SHORT, transport, b.address, case,
@@ -680,5 +681,6 @@ async def test_a_peer_close_cut_short_by_asyncio_run_ending_is_finished(transpor
     left_open = [w for w in report["warnings"] if "was not closed" in w]
     assert len(left_open) == 1 == len(report["warnings"]), report["warnings"]  # the node, on purpose
     assert not [n for n in _STDERR_NOISE if n in stderr], stderr
-    if transport == "tcp":  # (tcp sends its goodbye before it waits for anything)
-        assert "peer closed the channel" in str(gone.value)
+    # (not when its lease of the child ran out: a ucx close cut short while it waited for its
+    # owed sends left without a goodbye, and b learnt 3.0-3.3 s later)
+    assert "peer closed the channel" in str(gone.value), gone.value

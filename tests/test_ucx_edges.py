@@ -543,6 +543,99 @@ def test_a_node_whose_peer_was_killed_mid_operation_closes_without_ucx_warnings(
     assert report["after"] == report["before"], f"(listening sockets, /dev/shm mappings): {report}"
 
 
+# A hub that sends 64 MiB to a peer which never takes it (stopped, then SIGKILLed) and closes
+# once the peer's lease ran out, in a process of its own (UCX prints on that process's stdout).
+# argv: the hub's UCX options (JSON), the tests folder. Prints one JSON line: the hub's listening
+# sockets, descriptors and /dev/shm mappings before the node and after it closed, whether the
+# payload was with UCX when the peer was killed, and what became of the send.
+_KILLED_RECEIVER_HUB = r"""
+import asyncio, gc, json, os, signal, subprocess, sys
+import numpy as np
+import tensorwire
+
+sys.path.insert(0, sys.argv[2])
+from _polling import eventually
+from _procfs import listening_ports
+
+WORKER = '''
+import asyncio, json, sys, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=json.loads(sys.argv[2])) as n:
+        p = await n.connect(sys.argv[1])
+        await p.recv(tag="warm")
+        await p.send(np.arange(3), tag="ready")
+        await asyncio.Event().wait()
+asyncio.run(main())
+'''
+
+
+def footprint():
+    with open("/proc/self/maps") as f:
+        shm = sum("/dev/shm/" in line for line in f)
+    return [len(listening_ports()), len(os.listdir("/proc/self/fd")), shm]
+
+
+async def main():
+    options = json.loads(sys.argv[1])
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options) as a,
+        tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options) as b,
+    ):
+        await a.connect(b.address)  # (what stays for the process: gRPC's threads and descriptors)
+    gc.collect()
+    before = footprint()
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options, lease_seconds=1.0) as hub:
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, hub.address, sys.argv[1]])
+        try:
+            peer = await hub.accept()
+            # a rendezvous each way first: UCX has set up the endpoint's lanes by then
+            await peer.send(np.ones(4 << 20, np.uint8), tag="warm")
+            await peer.recv(tag="ready")
+            os.kill(worker.pid, signal.SIGSTOP)  # nothing it is sent is taken from here on
+            send = asyncio.ensure_future(peer.send(np.ones(64 << 20, np.uint8), tag="big"))
+            channel = peer.channel
+            await eventually(lambda: bool(channel._futs) or send.done(), pause=0)  # its payload is with UCX
+            posted = not send.done()
+        finally:
+            worker.kill()
+            worker.wait()
+        results = await asyncio.gather(send, return_exceptions=True)
+        del send, channel, peer
+    gc.collect()
+    report = {"before": before, "after": footprint(), "posted": posted, "ops": [type(r).__name__ for r in results]}
+    print(json.dumps(report), flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("options", [{}, {"TLS": "tcp"}], ids=["default", "tcp-lanes"])
+def test_a_node_whose_peer_died_with_a_large_send_to_it_in_flight_frees_its_ucx_worker(options: dict[str, str]) -> None:
+    """A hub's 64 MiB send is with UCX (rendezvous: it completes once the receiver has read it)
+    when its receiver is SIGKILLed; the peer's lease runs out and the hub closes. Its UCX worker
+    must be freed, and nothing of UCX's own printed. The payload went through ucxx's tag_send,
+    whose request its endpoint keeps until it completes, and which keeps that endpoint (and so
+    the worker): to a dead peer, never. Every such node kept its 2 listening sockets, 16-20
+    descriptors and (shared memory) 3 /dev/shm mappings after its close."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_RECEIVER_HUB, json.dumps(options), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    output = proc.stdout + proc.stderr  # (UCX logs to stdout)
+    assert proc.returncode == 0, output
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["posted"], report
+    assert report["ops"] == ["PeerDisconnected"], report  # the lease ran out before the close
+    ucx_lines = [line for line in output.splitlines() if "UCX  WARN" in line or "UCX  ERROR" in line]
+    assert not ucx_lines, "\n".join(ucx_lines)
+    assert report["after"] == report["before"], f"(listening sockets, descriptors, /dev/shm mappings): {report}"
+
+
 async def test_a_cancelled_send_the_program_keeps_does_not_keep_closed_nodes_ucx_workers() -> None:
     """A send cancelled while UCX moves its payload finishes first, then raises CancelledError;
     a program may keep that error (or a task's, a retry loop's last one). Its traceback held the

@@ -267,6 +267,7 @@ class UcxChannel(Channel):
         self._ctrl_arr: Any = None
         self._ctrl_posted = False
         self._peer_failures = _ucp.peer_failures_survived  # failures seen before this channel
+        self._peer_said_bye = False  # (the channel shuts once the transfers in flight have ended)
         self._last_send = 0.0  # when this side last sent a frame (an answer may be due)
         self._wait_penalty = 0  # recvs to skip inline waits for after the next failed one
         self._wait_skip = 0  # recvs that still skip it
@@ -364,7 +365,7 @@ class UcxChannel(Channel):
                 self._shutdown(ChannelState.BROKEN, exc)
                 return
             if req is not None:
-                fut = self._w.watch_raw(self._ucp, req, data)
+                fut = self._w.watch_raw(self._ucp, req, data, owner=self, what="ucx control send")
                 fut.add_done_callback(self._ctrl_sent_raw)
             return
         req = self._ep.tag_send(self._lib_array(frame), self._ctrl_tag)
@@ -524,6 +525,55 @@ class UcxChannel(Channel):
                 self._send_frame(self._frame(FrameType.ABORT, msg_id=msg_id))
             raise
         self.check_open()
+        if self._ucp is None:
+            await self._send_payload_ucxx(msg_id, segs)
+            return
+        # straight to ucp_tag_send_nbx, as control frames go: the worker keeps each request and
+        # its segment until UCX completes it, or until the worker is destroyed. A ucxx request
+        # is kept by its endpoint and keeps the endpoint in turn: a send to a peer that died
+        # never completes, and that cycle kept the node's UCX worker (its listening sockets,
+        # descriptors and shared memory) after the node closed
+        ucp, w, ep = self._ucp, self._w, self._ep_handle
+        tag = make_tag(self._tx_key, DATA, msg_id)
+        array = _array()
+        reqs: list[int] = []  # those UCX did not complete at once, to wait for in order
+        cancelled = False
+        try:
+            for s in segs:
+                a = array(_payload(s))  # (its address, as ucxx would post it; host or device)
+                req = ucp.tag_send_at(ep, a.ptr, a.nbytes, tag)
+                if req is not None:
+                    w.keep_raw(ucp, req, s, self)
+                    reqs.append(req)
+            for i, req in enumerate(reqs):
+                if self.state is not ChannelState.OPEN:
+                    self.check_open()  # (it shut while this waited for the one before)
+                fut = w.wait_raw(req, "ucx payload send")
+                reqs[i] = 0  # (the worker's now, or freed)
+                if fut is None:
+                    continue
+                self._futs.add(fut)
+                try:
+                    while not fut.done():
+                        try:
+                            await asyncio.shield(fut)  # (the channel's shutdown fails it: raised)
+                        except asyncio.CancelledError:
+                            cancelled = True
+                            if self.state is not ChannelState.OPEN:
+                                raise
+                    fut.result()
+                finally:
+                    self._futs.discard(fut)
+        except BaseException:
+            # the sends not waited for go on all the same: the worker keeps them and their
+            # segments until UCX is done with them (or the worker closes)
+            w.drop_raw([r for r in reqs if r])
+            raise
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _send_payload_ucxx(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> None:
+        """``_send_payload``'s sends through ucxx, where the libucp bindings did not load."""
         tag = self._lib.UCXXTag(make_tag(self._tx_key, DATA, msg_id))
         reqs = [(self._ep.tag_send(self._lib_array(_payload(s)), tag), s) for s in segs]
         cancelled = False
@@ -735,6 +785,7 @@ class UcxChannel(Channel):
         their messages, which stay deliverable), then the channel shuts; within
         ``BYE_GRACE``."""
         exc = PeerDisconnected("peer closed the channel")
+        self._peer_said_bye = True
         reqs = [r for t in self._incoming.values() for r in t.reqs]
         if not reqs and not self._futs:
             self._shutdown(ChannelState.CLOSED, exc)
@@ -854,8 +905,16 @@ class UcxChannel(Channel):
         err = self._check(req, "payload receive")
         if err is not None and not arrival.done.done():
             if self.state is ChannelState.OPEN and "cancel" not in str(err).lower():
-                log.warning("ucx channel %s: %s", self.name, err)
-                self._shutdown(ChannelState.BROKEN, err)
+                if self._peer_said_bye:
+                    # a payload its sender gave up as it closed (a send cut short, its process
+                    # gone since): that message fails, and the channel shuts as the peer said
+                    log.debug("ucx channel %s: after the peer's goodbye: %s", self.name, err)
+                else:
+                    # such a peer's BYE came before its memory went, yet UCX may read it in a
+                    # later progress round than this failed copy: the next run takes the frames
+                    # that came, and the channel breaks only if none was a BYE
+                    self._w.kick()
+                    self._loop.call_soon(self._payload_failed, err)
             arrival.fail(err)
         if transfer.pending == 0:
             # done with: a message that nobody received stays with its channel (the mailbox),
@@ -867,6 +926,11 @@ class UcxChannel(Channel):
             if not arrival.done.done() and transfer.failure is None:  # (a failure is told by now)
                 arrival.written = arrival.nbytes
                 _landed(arrival)
+
+    def _payload_failed(self, err: BaseException) -> None:
+        if self.state is ChannelState.OPEN and not self._peer_said_bye:
+            log.warning("ucx channel %s: %s", self.name, err)
+            self._shutdown(ChannelState.BROKEN, err)
 
     def _fail_when_landed(self, transfer: _Transfer, exc: BaseException) -> None:
         """Fail ``transfer``'s message with ``exc`` once none of its UCX receives can write into
@@ -1107,6 +1171,7 @@ class UcxChannel(Channel):
         if self.state is ChannelState.OPEN:
             self.state = ChannelState.CLOSING
             deadline = self._loop.time() + BYE_GRACE
+            bye = None
             try:
                 # payloads UCX has taken are on their way (it cannot take them back): their
                 # sends finish first, so that each says what became of its message (failed by
@@ -1124,6 +1189,13 @@ class UcxChannel(Channel):
                         await self._w.future(req, keep=bye, owner=self)
             except Exception:  # the peer may already be gone; closing goes on
                 pass
+            except BaseException:
+                # cancelled before its goodbye went (asyncio.run's sweep while owed sends were
+                # awaited): post it without waiting, as abort() does; without it the peer learnt
+                # only when its lease of this node ran out
+                if bye is None:
+                    self._goodbye()
+                raise
             finally:
                 req = None  # (a cancelled close's traceback: see _send_payload)
                 self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))

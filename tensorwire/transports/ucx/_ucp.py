@@ -158,7 +158,10 @@ class Ucp:
         self._flush = self._fn(f.ucp_ep_flush_nbx, c_void_p, c_void_p, c_void_p)
         # control frames: a bytes object is passed by pointer (c_char_p), no copy
         self.tag_send_raw = self._fn(f.ucp_tag_send_nbx, c_void_p, c_void_p, c_char_p, c_size_t, c_uint64, c_void_p)
+        # payloads: any buffer by its address (f[...] is a function object of its own, with its own argtypes)
+        self._tag_send_at = self._fn(f["ucp_tag_send_nbx"], c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p)
         self._check = self._fn(f.ucp_request_check_status, c_int8, c_void_p)
+        self.request_status = self._check  # UCS_INPROGRESS until the request completes
         self._free = self._fn(f.ucp_request_free, None, c_void_p)
         self._ep_query = self._fn(f.ucp_ep_query, c_int8, c_void_p, POINTER(_EpAttr))
         self._version = self._fn(f.ucp_get_version, None, POINTER(c_uint), POINTER(c_uint), POINTER(c_uint))
@@ -252,6 +255,18 @@ class Ucp:
         None when done at once (a small eager message usually is), else the request to poll."""
         ptr = self.tag_send_raw(ep, data, len(data), tag, self._frame_param_ref)
         if ptr is None:  # UCS_OK, sent already (the usual case for a small frame)
+            return None
+        return self._submit(ptr, "ucp_tag_send_nbx")
+
+    def tag_send_at(self, ep: int, address: int, nbytes: int, tag: int) -> int | None:
+        """``ucp_tag_send_nbx`` of the ``nbytes`` at ``address``, host or device memory (the
+        caller keeps it alive until the request completes): None when done at once, else the
+        request to poll. Posted as ucxx posts its tag sends (a contiguous byte datatype, no
+        memory-type hint: UCX finds the memory's type itself, asking the driver for device
+        memory with the memory-type cache off) and without fast completion: a large payload
+        goes rendezvous and moves zero-copy."""
+        ptr = self._tag_send_at(ep, address, nbytes, tag, self._param_ref)
+        if ptr is None:  # UCS_OK: sent already (a small eager payload)
             return None
         return self._submit(ptr, "ucp_tag_send_nbx")
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ClosedResourceError, ConfigurationError, TransportUnavailable
-from ._ucp import quiet
+from ._ucp import UCS_INPROGRESS, quiet
 
 log = logging.getLogger(__name__)
 
@@ -246,9 +246,17 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self._fd = self.worker.epoll_file_descriptor
         self._watch: dict[Any, _Watch] = {}
-        self._raw: dict[int, tuple[asyncio.Future[None], object]] = {}  # ucp request pointer -> waiter
+        # ucp request pointer -> (waiter, the memory UCX reads or writes, owner, what it is)
+        self._raw: dict[int, tuple[asyncio.Future[None], object, object, str]] = {}
         self._ucp: Any = None
         self._graveyard: list[tuple[Any, object]] = []  # cancelled requests UCX may still hold
+        # raw requests of closed channels (sends UCX cannot take back), with their memory: freed
+        # once UCX completes them, or with the worker. Not polled for: to a peer that died, a
+        # rendezvous send never completes
+        self._raw_graveyard: dict[int, object] = {}
+        # raw requests taken in charge (keep_raw) that their caller will wait for one by one, with
+        # their memory and owner; not polled until then
+        self._raw_kept: dict[int, tuple[object, object]] = {}
         # callbacks due once every one of their requests has completed (see when_done)
         self._awaited: list[tuple[list[Any], Callable[[], None]]] = []
         # remote keys of closed channels, each destroyed once the raw requests that may use it
@@ -297,14 +305,52 @@ class Worker:
         self.watch(req, done, keep=keep, owner=owner)
         return fut
 
-    def watch_raw(self, ucp: Any, request: int, keep: object = None) -> asyncio.Future[None]:
-        """A future for a raw ``ucp_*_nbx`` request pointer (one-sided operations)."""
+    def watch_raw(
+        self, ucp: Any, request: int, keep: object = None, *, owner: object = None, what: str = "one-sided operation"
+    ) -> asyncio.Future[None]:
+        """A future for a raw ``ucp_*_nbx`` request pointer (one-sided operations, control frames,
+        payload sends), which fails with the request's error status, ``what`` naming it. ``keep``
+        (the memory UCX reads or writes) stays referenced until the request has completed, or the
+        worker is destroyed; ``abandon(owner)`` stops the wait but keeps the request and ``keep``
+        so. The request is freed by the worker, never by the caller."""
         self._ucp = ucp
         fut: asyncio.Future[None] = self.loop.create_future()
-        self._raw[request] = (fut, keep)
+        self._raw[request] = (fut, keep, owner, what)
         self._fresh = True
         self.kick()
         return fut
+
+    def keep_raw(self, ucp: Any, request: int, keep: object, owner: object) -> None:
+        """Take charge of a raw request whose caller waits for it later (``wait_raw``): it and
+        ``keep`` are kept until it completes or the worker is destroyed, as ``watch_raw`` keeps
+        them, but it is not polled meanwhile. For the payload sends of a message, waited for one
+        by one: polled from the start, each was looked at in every dispatch, and a message of
+        many tensors took work quadratic in their number."""
+        self._ucp = ucp
+        self._raw_kept[request] = (keep, owner)
+
+    def wait_raw(self, request: int, what: str) -> asyncio.Future[None] | None:
+        """For a request of ``keep_raw``: None if it has completed (it is freed, its failure
+        raised), else a future as of ``watch_raw``."""
+        entry = self._raw_kept.pop(request, None)
+        if entry is None:  # (given up: its owner was abandoned, or the worker closed)
+            raise ClosedResourceError(f"{what}: the ucx channel or transport closed")
+        ucp = self._ucp
+        status = ucp.request_status(request)
+        if status == UCS_INPROGRESS:
+            return self.watch_raw(ucp, request, entry[0], owner=entry[1], what=what)
+        ucp.request_release(request)
+        if status:
+            raise ucp.error(status, what)
+        return None
+
+    def drop_raw(self, requests: list[int]) -> None:
+        """Nobody will wait for these requests of ``keep_raw`` (their caller failed or was
+        cancelled): each is freed once it completes, or with the worker."""
+        for request in requests:
+            entry = self._raw_kept.pop(request, None)
+            if entry is not None:
+                self._raw_graveyard[request] = entry[0]
 
     def finish_inline(self, ucp: Any, request: int, rounds: int = _INLINE_ROUNDS) -> bool:
         """Progress right here, a few rounds, for a raw request that usually completes within
@@ -385,12 +431,18 @@ class Worker:
 
     def abandon(self, owner: object) -> None:
         """Cancel every request of ``owner`` and stop reporting them; their buffers stay
-        referenced until UCX is done with them (or the worker closes)."""
+        referenced until UCX is done with them (or the worker closes). Its raw requests (sends:
+        UCX cannot take one back) are left to finish, and their waits are not resolved."""
         for r in [r for r, w in self._watch.items() if w.owner is owner]:
             w = self._watch.pop(r)
             self.cancel(r)
             if not r.completed:
                 self._graveyard.append((r, w.keep))
+        if self._raw:
+            for ptr in [p for p, entry in self._raw.items() if entry[2] is owner]:
+                self._raw_graveyard[ptr] = self._raw.pop(ptr)[1]
+        if self._raw_kept:
+            self.drop_raw([p for p, entry in self._raw_kept.items() if entry[1] is owner])
         self.kick()
 
     def hold(self, req: Any, keep: object) -> None:
@@ -467,18 +519,24 @@ class Worker:
                     log.exception("ucx completion callback failed")
         if self._raw:
             ucp = self._ucp
-            for ptr in [p for p in self._raw if ucp.request_done(p)]:
-                fut, _ = self._raw.pop(ptr)
+            status_of = ucp.request_status  # (the C function itself: this scan runs per dispatch)
+            for ptr in [p for p in self._raw if status_of(p) != UCS_INPROGRESS]:
+                fut, _, _, what = self._raw.pop(ptr)
                 n += 1
                 status = ucp.request_finish(ptr)
                 if not fut.done():
                     if status == 0:
                         fut.set_result(None)
                     else:
-                        fut.set_exception(ucp.error(status, "one-sided operation"))
+                        fut.set_exception(ucp.error(status, what))
                         fut.exception()
             if self._retired:
                 self._close_retired()
+        if self._raw_graveyard:
+            ucp = self._ucp
+            for ptr in [p for p in self._raw_graveyard if ucp.request_status(p) != UCS_INPROGRESS]:
+                del self._raw_graveyard[ptr]
+                ucp.request_release(ptr)
         if self._awaited:
             awaited, self._awaited = self._awaited, []
             for entry in awaited:
@@ -505,6 +563,7 @@ class Worker:
         for _ in range(_ROUNDS):
             moved = worker.progress_once()
             # a request completes inside progress, or when it is posted (then it is fresh)
+            # (a request of _raw_graveyard completes only in a round in which UCX moved)
             completed = self._dispatch() if moved or self._fresh or self._graveyard or self._awaited else 0
             if moved or completed:
                 self._last = time.monotonic()  # UCX moved something: keep going while it does
@@ -624,9 +683,9 @@ class Worker:
             self.loop.remove_reader(self._fd)
         # one-sided operations still in flight fail (a cancel would raise CancelledError in a
         # caller nobody cancelled: a get from an owner that stopped serving it, say)
-        for fut, _ in self._raw.values():
+        for fut, _, _, what in self._raw.values():
             if not fut.done():
-                fut.set_exception(ClosedResourceError("ucx transport closed while a one-sided operation was in flight"))
+                fut.set_exception(ClosedResourceError(f"ucx transport closed while a {what} was in flight"))
                 fut.exception()
         try:
             self.worker.progress()
@@ -636,18 +695,20 @@ class Worker:
         # every raw request goes back to UCX: one that has completed (the progress above may have
         # finished some) to its pool now, one still in flight when it completes. Dropped unfreed,
         # each stayed UCX's, and UCX warned of it as the worker was destroyed
-        for ptr in self._raw:
+        for ptr in [*self._raw, *self._raw_kept, *self._raw_graveyard]:
             if not self._ucp.request_done(ptr):
                 self._stuck += 1
             self._ucp.request_release(ptr)
         if self._stuck:
-            # (a get or put UCX emulates over tcp lanes, whose owner died: without peer error
-            # handling UCX never fails it; its memory is let go with the worker, below)
+            # (a get or put UCX emulates over tcp lanes, whose owner died, or a rendezvous send
+            # to a peer that died: without peer error handling UCX never fails them; their
+            # memory is let go with the worker, below)
             log.debug("ucx: %d operations still in flight as the worker closed; freed with it", self._stuck)
         # the buffers of sends UCX never finished (to a peer that died) are let go only once the
         # worker is gone: the progress above may still have touched them, and a cuda transport's
         # copies may still be running until the worker is destroyed
-        held = [*self._raw.values(), *self._watch.values(), *self._graveyard]
+        held = [*self._raw.values(), *self._raw_kept.values(), *self._raw_graveyard.values()]
+        held += [*self._watch.values(), *self._graveyard]
         awaited, self._awaited = self._awaited, []
         for _, callback in awaited:  # UCX is done with their buffers: its requests are cancelled
             try:
@@ -655,6 +716,8 @@ class Worker:
             except Exception:
                 log.exception("ucx completion callback failed")
         self._raw.clear()
+        self._raw_kept.clear()
+        self._raw_graveyard.clear()
         self._watch.clear()
         self._graveyard.clear()
         self._soon.clear()
