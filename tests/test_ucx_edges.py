@@ -511,6 +511,23 @@ asyncio.run(main())
 """
 
 
+def _quiet_hub(script: str, options: dict[str, str]) -> dict[str, Any]:
+    """Run a hub child (``script``, with these UCX options) to its end: it must exit 0 and print
+    no line of UCX's own (UCX logs to stdout); its report, the last line it printed."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(options), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    ucx_lines = [line for line in output.splitlines() if "UCX  WARN" in line or "UCX  ERROR" in line]
+    assert not ucx_lines, "\n".join(ucx_lines)
+    report: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return report
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("options", [{}, {"TLS": "tcp"}], ids=["default", "tcp-lanes"])
@@ -528,18 +545,8 @@ def test_a_node_whose_peer_was_killed_mid_operation_closes_without_ucx_warnings(
     'flush.c ERROR ... error during flush: Connection reset by remote peer' twice, and (the
     owner's worker having served a read before) an mpool warning for the read UCX emulates,
     which its dead owner never answered: UCX cannot fail it without peer error handling."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED_PEER_HUB, json.dumps(options), str(Path(__file__).parent)],
-        capture_output=True,
-        text=True,
-        timeout=80,
-    )
-    output = proc.stdout + proc.stderr  # (UCX logs to stdout)
-    assert proc.returncode == 0, output
-    report = json.loads(proc.stdout.splitlines()[-1])
+    report = _quiet_hub(_KILLED_PEER_HUB, options)
     assert report["ops"][-1] == "PeerDisconnected", report  # the lease ran out before the close
-    ucx_lines = [line for line in output.splitlines() if "UCX  WARN" in line or "UCX  ERROR" in line]
-    assert not ucx_lines, "\n".join(ucx_lines)
     assert report["after"] == report["before"], f"(listening sockets, /dev/shm mappings): {report}"
 
 
@@ -620,19 +627,9 @@ def test_a_node_whose_peer_died_with_a_large_send_to_it_in_flight_frees_its_ucx_
     whose request its endpoint keeps until it completes, and which keeps that endpoint (and so
     the worker): to a dead peer, never. Every such node kept its 2 listening sockets, 16-20
     descriptors and (shared memory) 3 /dev/shm mappings after its close."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILLED_RECEIVER_HUB, json.dumps(options), str(Path(__file__).parent)],
-        capture_output=True,
-        text=True,
-        timeout=80,
-    )
-    output = proc.stdout + proc.stderr  # (UCX logs to stdout)
-    assert proc.returncode == 0, output
-    report = json.loads(proc.stdout.splitlines()[-1])
+    report = _quiet_hub(_KILLED_RECEIVER_HUB, options)
     assert report["posted"], report
     assert report["ops"] == ["PeerDisconnected"], report  # the lease ran out before the close
-    ucx_lines = [line for line in output.splitlines() if "UCX  WARN" in line or "UCX  ERROR" in line]
-    assert not ucx_lines, "\n".join(ucx_lines)
     assert report["after"] == report["before"], f"(listening sockets, descriptors, /dev/shm mappings): {report}"
 
 
