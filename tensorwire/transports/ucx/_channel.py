@@ -41,6 +41,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -134,6 +135,13 @@ class _CudaBytes:
             "strides": None,
             "stream": None,
         }
+
+
+async def _until_done(fut: asyncio.Future[None]) -> None:
+    """Wait for ``fut`` without cancelling it; a cancelled ``fut`` ends the wait (its result
+    says so)."""
+    if not fut.done():
+        await asyncio.shield(fut)
 
 
 def _payload(part: memoryview | DeviceTensor | np.ndarray) -> Any:
@@ -554,13 +562,8 @@ class UcxChannel(Channel):
                     continue
                 self._futs.add(fut)
                 try:
-                    while not fut.done():
-                        try:
-                            await asyncio.shield(fut)  # (the channel's shutdown fails it: raised)
-                        except asyncio.CancelledError:
-                            cancelled = True
-                            if self.state is not ChannelState.OPEN:
-                                raise
+                    # (the channel's shutdown fails it: raised)
+                    cancelled |= await self._despite_cancels(functools.partial(_until_done, fut))
                     fut.result()
                 finally:
                     self._futs.discard(fut)
@@ -580,14 +583,7 @@ class UcxChannel(Channel):
         req: Any = None
         try:
             for req, seg in reqs:
-                while True:
-                    try:
-                        await self._wait(req, seg, "payload send")
-                        break
-                    except asyncio.CancelledError:
-                        cancelled = True
-                        if self.state is not ChannelState.OPEN:
-                            raise
+                cancelled |= await self._despite_cancels(functools.partial(self._wait, req, seg, "payload send"))
         except BaseException:
             # the sends not waited for yet go on all the same: they and their segments stay
             # with the worker until UCX is done with them (or the worker closes)
@@ -603,6 +599,23 @@ class UcxChannel(Channel):
             req = None
         if cancelled:
             raise asyncio.CancelledError
+
+    async def _despite_cancels(self, wait: Callable[[], Awaitable[None]]) -> bool:
+        """Await ``wait()`` to its end, again after each cancel while the channel is open: a
+        payload UCX has taken goes on (it cannot take it back), and its send says what became
+        of its message before it raises the cancel. True if it was cancelled meanwhile."""
+        cancelled = False
+        try:
+            while True:
+                try:
+                    await wait()
+                    return cancelled
+                except asyncio.CancelledError:
+                    cancelled = True
+                    if self.state is not ChannelState.OPEN:
+                        raise
+        finally:
+            del wait  # (a failure's traceback keeps this frame: not the request ``wait`` holds)
 
     # -- receiving ----------------------------------------------------------------------------
     def wait_briefly(self, fut: Any) -> None:
