@@ -5,6 +5,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import warnings
 from collections.abc import Generator
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 _BACKGROUND = pytest.StashKey[list[ModuleType]]()
 _LEAKS = pytest.StashKey[list[warnings.WarningMessage]]()
 _PACKAGE = str(Path(__file__).resolve().parents[1] / "tensorwire") + os.sep
+_CHILD_LEAKS = pytest.StashKey["_ChildLeaks"]()
 
 
 @pytest.fixture(autouse=True)
@@ -72,21 +74,71 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object
     hold a peer past their body (fixtures that yield a pair), so only those pay it."""
     if _LEAKS in item.stash and _peers_open():
         gc.collect()
-    leaks = item.stash.get(_LEAKS, [])
+    leaks = [
+        f"{w.category.__name__}: {w.message} ({Path(w.filename).name}:{w.lineno})" for w in item.stash.get(_LEAKS, [])
+    ]
     try:
         result = yield
     except BaseException as exc:
+        leaks += _child_leaks(item)
         if leaks:
             exc.add_note(_said(item, leaks))
         raise
+    leaks += _child_leaks(item)
     if leaks:
         pytest.fail(_said(item, leaks), pytrace=False)
     return result
 
 
-def _said(item: pytest.Item, leaks: list[warnings.WarningMessage]) -> str:
-    shown = "\n".join(f"  {w.category.__name__}: {w.message} ({Path(w.filename).name}:{w.lineno})" for w in leaks)
+def _said(item: pytest.Item, leaks: list[str]) -> str:
+    shown = "\n".join(f"  {leak}" for leak in leaks)
     return f"{item.nodeid} left tensorwire resources open:\n{shown}"
+
+
+class _ChildLeaks:
+    """The file that the processes the tests start write their tensorwire ResourceWarnings to
+    (``tests/_child_site/sitecustomize.py``), and how far it has been read."""
+
+    def __init__(self) -> None:
+        fd, name = tempfile.mkstemp(prefix="tensorwire-child-leaks-", suffix=".log")
+        os.close(fd)
+        self.path = Path(name)
+        self.read = 0
+
+    def new(self) -> list[str]:
+        """The lines written since the last call (a stat, when there are none: every test pays it)."""
+        try:
+            if self.path.stat().st_size <= self.read:
+                return []
+            with self.path.open("rb") as log:
+                log.seek(self.read)
+                data = log.read()
+        except OSError:
+            return []
+        data = data[: data.rfind(b"\n") + 1]  # a line being written is read whole next time
+        self.read += len(data)
+        return data.decode("utf-8", "replace").splitlines()
+
+
+def _watch_children(config: pytest.Config) -> None:
+    """Make a leak in a process a test starts fail that test too: every Python process started
+    from here on (``sys.executable`` scripts, the CLI, stages; not one run with -E, -I or -S)
+    loads ``_child_site/sitecustomize.py``, which writes tensorwire's ResourceWarnings to a file
+    that ``pytest_runtest_teardown`` reads after each test. A child that outlives its test (a
+    module's fixture) is blamed on the test during which it wrote. Only this process's
+    environment changes, for its children; tensorwire itself reads none of it."""
+    leaks = config.stash[_CHILD_LEAKS] = _ChildLeaks()
+    os.environ["TENSORWIRE_TESTS_CHILD_LEAKS"] = str(leaks.path)
+    site = str(Path(__file__).resolve().parent / "_child_site")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+
+
+def _child_leaks(item: pytest.Item) -> list[str]:
+    """What the test's children (or a module's, see ``_watch_children``) wrote since the last
+    test; nothing for a test that leaks on purpose (a ResourceWarning filter mark)."""
+    watch = item.config.stash.get(_CHILD_LEAKS, None)
+    said = watch.new() if watch is not None else []
+    return said if _LEAKS in item.stash else []
 
 
 def _peers_open() -> bool:
@@ -105,6 +157,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _compile_the_checkout()
+    _watch_children(config)
 
 
 def _compile_the_checkout() -> None:
@@ -141,3 +194,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for module in session.config.stash.get(_BACKGROUND, []):
         module.stop_in_background()
+    watch = session.config.stash.get(_CHILD_LEAKS, None)
+    if watch is not None:
+        late = watch.new()  # from a child that outlived every test (none should)
+        watch.path.unlink(missing_ok=True)
+        if late:
+            said = "\n  ".join(late)
+            sys.stderr.write(f"processes the tests started left tensorwire resources open:\n  {said}\n")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -18,9 +18,10 @@ from _polling import eventually
 
 import tensorwire
 from tensorwire._peer import tag_id
+from tensorwire.tensors import prepare
 from tensorwire.tensors._offload import OFF_LOOP_BYTES
 from tensorwire.testing import connected_pair
-from tensorwire.transports._mailbox import _Delivered
+from tensorwire.transports._mailbox import Arrival, _Delivered
 
 MiB = 1 << 20
 
@@ -411,3 +412,125 @@ async def test_a_recv_cancelled_after_its_message_was_withdrawn_loses_nothing(tr
             assert not mailbox.has_posted(tag), "a recv (or a place kept for one) stayed posted"
             assert mailbox.oldest(tag) is None, "a message stayed queued"
             assert not mailbox._held, "a message stayed held"
+
+
+_W = 64 * 1024
+
+
+def _header(channel: Any, tag: int, x: np.ndarray, *, rendezvous: bool) -> Arrival:
+    """A message's header as a transport hands it to the mailbox (``Mailbox.arrive``); its payload
+    is then landed by hand (``_land``), so that this test decides what runs between which step."""
+    msg = prepare(x)
+    arrival = Arrival(channel, tag, msg.tree, msg.specs, rendezvous=rendezvous, protocol="eager")
+    arrival.landed = 0
+    return arrival
+
+
+def _land(arrival: Arrival, x: np.ndarray, end: int) -> None:
+    """Land ``x``'s bytes up to ``end`` where the mailbox now wants them, as inproc and tcp do:
+    in order, marked as they go, and the message complete once whole."""
+    if arrival.dest is None:
+        arrival.allocate()
+    start = arrival.landed or 0
+    data = memoryview(x).cast("B")
+    while start < end:
+        view = arrival.view(start, end - start)
+        view[:] = data[start : start + len(view)]
+        start += len(view)
+        arrival.mark(start)
+    if end == arrival.nbytes:
+        arrival.written = end
+        arrival.complete()
+
+
+def _come(mailbox: Any, tag: int, x: np.ndarray, end: int) -> Arrival:
+    """Message ``x`` comes on ``tag``: its header, then its payload up to ``end``."""
+    arrival = _header(mailbox.channel, tag, x, rendezvous=False)
+    mailbox.arrive(arrival)
+    _land(arrival, x, end)
+    return arrival
+
+
+@pytest.mark.timeout(60)
+async def test_a_recv_cancelled_before_its_task_ran_after_its_message_was_withdrawn_in_the_same_pass() -> None:
+    """Recv A (and, in some cases, recv B behind it) waits on a tag. In one pass of the loop, as a
+    transport reads frames, message x matches A and its sender withdraws it (x, then a second
+    withdrawn one, x2, in some cases), so A's kept place waits for the next message; message y
+    comes before A is cancelled, after, or after A's task has run and given up, whole or half
+    landed, and z with y or only later. A's task never runs between the withdrawal and its cancel.
+    Whatever A's kept place took goes on: y and z each reach exactly one later recv, whole, in the
+    order they came (the recv after A gets y, the next z), except where B took z while A's place
+    held y (README: a recv cancelled after its message matched hands it to the next recv posted);
+    A's out= is not written once its cancel has returned, and nothing stays posted, held or
+    queued. The interleavings are made here by hand, on an inproc channel's real mailbox."""
+    y = (np.arange(_W) % 251 + 1).astype(np.uint8)
+    z = y[::-1].copy()
+    cases = itertools.product(
+        ("before the cancel", "after the cancel", "after A gave up"),  # when y comes
+        (False, True),  # B waits behind A
+        (False, True),  # A receives into out=
+        (False, True),  # y is half landed as A's cancel returns
+        (False, True),  # z comes with y (else once the rest has settled)
+        (1, 2),  # messages withdrawn from A's place in that pass
+    )
+    async with connected_pair("inproc") as (_, b):
+        channel, mailbox, tag = b.channel, b.channel.mailbox, tag_id("w")
+        for when, behind, into, half, with_y, withdrawn in cases:
+            case = (
+                f"(y {when}, B behind: {behind}, out=: {into}, y half landed: {half}, z with y: {with_y}, "
+                f"{withdrawn} withdrawn)"
+            )
+            out = np.zeros(_W, np.uint8) if into else None
+            first = asyncio.ensure_future(b.recv(tag="w", out=out))
+            await eventually(lambda: len(mailbox._posted.get(tag, ())) == 1, 10, 0)
+            place = mailbox._posted[tag][0].seq  # A's place in the tag's line
+            recvs = []  # the recvs after A, in the order they were called
+            if behind:
+                recvs.append(asyncio.ensure_future(b.recv(tag="w")))
+                await eventually(lambda: len(mailbox._posted.get(tag, ())) == 2, 10, 0)
+            arrived: list[Arrival] = []  # y, z
+            y_end = _W // 2 if half else _W
+            # one pass: nothing below awaits until A's cancel, so A's task does not run in between
+            for _ in range(withdrawn):
+                x = _header(channel, tag, np.full(_W, 0xAA, np.uint8), rendezvous=True)
+                mailbox.arrive(x)
+                assert not x.done.done()
+                mailbox.abort(x)
+            if when == "before the cancel":
+                arrived.append(_come(mailbox, tag, y, y_end))
+                if with_y:
+                    arrived.append(_come(mailbox, tag, z, _W))
+            first.cancel()
+            if when == "after the cancel":
+                arrived.append(_come(mailbox, tag, y, y_end))
+                if with_y:
+                    arrived.append(_come(mailbox, tag, z, _W))
+            if when != "after A gave up":  # the case in point: A's kept place holds y as A's task first runs
+                holder = mailbox._held.get(arrived[0])
+                assert holder is not None and holder.seq == place, f"y did not go to A's kept place {case}"
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            if out is not None:
+                out[:] = 0xEE  # the caller's again: nothing may land in it from here on
+            if when == "after A gave up":
+                arrived.append(_come(mailbox, tag, y, y_end))
+                if with_y:
+                    arrived.append(_come(mailbox, tag, z, _W))
+            _land(arrived[0], y, _W)  # the rest of y, wherever the mailbox now wants it
+            if not with_y:
+                arrived.append(_come(mailbox, tag, z, _W))
+            got: list[np.ndarray] = []
+            try:
+                async with asyncio.timeout(5):
+                    got.extend([await r for r in recvs])
+                    while len(got) < 2:
+                        got.append(await b.recv(tag="w"))
+            except TimeoutError:
+                pytest.fail(f"a message was lost: the recvs after A got {len(got)} of y and z {case}")
+            names = ["y" if np.array_equal(g, y) else "z" if np.array_equal(g, z) else f"?{g[:4]}" for g in got]
+            expected = ["z", "y"] if behind and with_y and when != "after A gave up" else ["y", "z"]
+            assert names == expected, f"the recvs after A got {names}, not {expected} {case}"
+            assert out is None or (out == 0xEE).all(), f"a message landed in A's out= after its cancel {case}"
+            assert not mailbox.has_posted(tag), f"a recv, or a place kept for one, stayed posted {case}"
+            assert mailbox.oldest(tag) is None, f"a message stayed queued {case}"
+            assert not mailbox._held, f"a message stayed held {case}"
