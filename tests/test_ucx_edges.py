@@ -511,11 +511,12 @@ asyncio.run(main())
 """
 
 
-def _quiet_hub(script: str, options: dict[str, str]) -> dict[str, Any]:
-    """Run a hub child (``script``, with these UCX options) to its end: it must exit 0 and print
-    no line of UCX's own (UCX logs to stdout); its report, the last line it printed."""
+def _quiet_hub(script: str, options: dict[str, str], *args: str) -> dict[str, Any]:
+    """Run a hub child (``script``, with these UCX options and ``args`` after them) to its end: it
+    must exit 0 and print no line of UCX's own (UCX logs to stdout); its report, the last line it
+    printed."""
     proc = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(options), str(Path(__file__).parent)],
+        [sys.executable, "-c", script, json.dumps(options), str(Path(__file__).parent), *args],
         capture_output=True,
         text=True,
         timeout=80,
@@ -552,9 +553,10 @@ def test_a_node_whose_peer_was_killed_mid_operation_closes_without_ucx_warnings(
 
 # A hub that sends 64 MiB to a peer which never takes it (stopped, then SIGKILLed) and closes
 # once the peer's lease ran out, in a process of its own (UCX prints on that process's stdout).
-# argv: the hub's UCX options (JSON), the tests folder. Prints one JSON line: the hub's listening
-# sockets, descriptors and /dev/shm mappings before the node and after it closed, whether the
-# payload was with UCX when the peer was killed, and what became of the send.
+# argv: the hub's UCX options (JSON), the tests folder, "warm" (a rendezvous each way first) or
+# "first" (the 64 MiB is the first rendezvous to the peer). Prints one JSON line: the hub's
+# listening sockets, descriptors and /dev/shm mappings before the node and after it closed,
+# whether the payload was with UCX when the peer was killed, and what became of the send.
 _KILLED_RECEIVER_HUB = r"""
 import asyncio, gc, json, os, signal, subprocess, sys
 import numpy as np
@@ -569,7 +571,8 @@ import asyncio, json, sys, numpy as np, tensorwire
 async def main():
     async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=json.loads(sys.argv[2])) as n:
         p = await n.connect(sys.argv[1])
-        await p.recv(tag="warm")
+        if sys.argv[3] == "warm":
+            await p.recv(tag="warm")
         await p.send(np.arange(3), tag="ready")
         await asyncio.Event().wait()
 asyncio.run(main())
@@ -592,11 +595,11 @@ async def main():
     gc.collect()
     before = footprint()
     async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options, lease_seconds=1.0) as hub:
-        worker = subprocess.Popen([sys.executable, "-c", WORKER, hub.address, sys.argv[1]])
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, hub.address, sys.argv[1], sys.argv[3]])
         try:
             peer = await hub.accept()
-            # a rendezvous each way first: UCX has set up the endpoint's lanes by then
-            await peer.send(np.ones(4 << 20, np.uint8), tag="warm")
+            if sys.argv[3] == "warm":  # a rendezvous each way first: UCX has the peer's endpoint id
+                await peer.send(np.ones(4 << 20, np.uint8), tag="warm")
             await peer.recv(tag="ready")
             os.kill(worker.pid, signal.SIGSTOP)  # nothing it is sent is taken from here on
             send = asyncio.ensure_future(peer.send(np.ones(64 << 20, np.uint8), tag="big"))
@@ -620,14 +623,23 @@ asyncio.run(main())
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("options", [{}, {"TLS": "tcp"}], ids=["default", "tcp-lanes"])
-def test_a_node_whose_peer_died_with_a_large_send_to_it_in_flight_frees_its_ucx_worker(options: dict[str, str]) -> None:
+@pytest.mark.parametrize("rendezvous", ["warm", "first"])
+def test_a_node_whose_peer_died_with_a_large_send_to_it_in_flight_frees_its_ucx_worker(
+    options: dict[str, str], rendezvous: str
+) -> None:
     """A hub's 64 MiB send is with UCX (rendezvous: it completes once the receiver has read it)
     when its receiver is SIGKILLed; the peer's lease runs out and the hub closes. Its UCX worker
     must be freed, and nothing of UCX's own printed. The payload went through ucxx's tag_send,
     whose request its endpoint keeps until it completes, and which keeps that endpoint (and so
     the worker): to a dead peer, never. Every such node kept its 2 listening sockets, 16-20
-    descriptors and (shared memory) 3 /dev/shm mappings after its close."""
-    report = _quiet_hub(_KILLED_RECEIVER_HUB, options)
+    descriptors and (shared memory) 3 /dev/shm mappings after its close.
+
+    "first": the 64 MiB is the first rendezvous to that peer, so UCX has yet to learn the peer's
+    endpoint id, which only the dead peer's answer brings. The send, the BYE posted behind it
+    and the endpoint's closing flush all waited for that answer for good; ucxx's BYE request and
+    close request held the endpoint and it held them, and the worker with them: [2, 29, 3]
+    against [0, 13, 0] over shared memory (over tcp lanes the reset failed them all)."""
+    report = _quiet_hub(_KILLED_RECEIVER_HUB, options, rendezvous)
     assert report["posted"], report
     assert report["ops"] == ["PeerDisconnected"], report  # the lease ran out before the close
     assert report["after"] == report["before"], f"(listening sockets, descriptors, /dev/shm mappings): {report}"

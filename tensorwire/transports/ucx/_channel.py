@@ -1184,7 +1184,7 @@ class UcxChannel(Channel):
         if self.state is ChannelState.OPEN:
             self.state = ChannelState.CLOSING
             deadline = self._loop.time() + BYE_GRACE
-            bye = None
+            bye = sent = None
             try:
                 # payloads UCX has taken are on their way (it cannot take them back): their
                 # sends finish first, so that each says what became of its message (failed by
@@ -1196,10 +1196,10 @@ class UcxChannel(Channel):
                 # UCX queues the send and copies the bytes only when the lane frees up (a
                 # temporary freed before that reached the peer as garbage: "bad frame magic")
                 bye = pack(FrameType.BYE)
-                req = self._ep.tag_send(self._lib_array(bye), self._ctrl_tag)
-                async with asyncio.timeout_at(max(deadline, self._loop.time() + 0.1)):
-                    if not req.completed:
-                        await self._w.future(req, keep=bye, owner=self)
+                sent = self._post_bye(bye)
+                if sent is not None:
+                    async with asyncio.timeout_at(max(deadline, self._loop.time() + 0.1)):
+                        await sent
             except Exception:  # the peer may already be gone; closing goes on
                 pass
             except BaseException:
@@ -1210,7 +1210,7 @@ class UcxChannel(Channel):
                     self._goodbye()
                 raise
             finally:
-                req = None  # (a cancelled close's traceback: see _send_payload)
+                sent = None  # (a cancelled close's traceback: see _send_payload)
                 self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
 
     def abort(self) -> None:
@@ -1225,6 +1225,19 @@ class UcxChannel(Channel):
             self._goodbye()
         self._shutdown(ChannelState.BROKEN, exc)
 
+    def _post_bye(self, bye: bytes) -> asyncio.Future[Any] | None:
+        """Post ``bye``: None if UCX is done with it, else a future for when it is. Raw
+        (``ucp_tag_send_nbx``) as other control frames, not through ucxx: a ucxx send is held
+        by its endpoint until it completes, and a BYE to a peer that died before UCX had learnt
+        its endpoint id (a first rendezvous send to it was in flight) waits for that id for good,
+        so the request and the endpoint held each other, and the node's worker with them, after
+        the node closed (see ``Worker._close_stuck``)."""
+        if self._ucp is not None:
+            raw = self._ucp.tag_send(self._ep_handle, bye, self._ctrl_tag_value)
+            return None if raw is None else self._w.watch_raw(self._ucp, raw, bye, owner=self, what="ucx goodbye")
+        req = self._ep.tag_send(self._lib_array(bye), self._ctrl_tag)
+        return None if req.completed else self._w.future(req, keep=bye, owner=self)
+
     def _goodbye(self) -> None:
         """Post a BYE and wait for nothing: a failed or aborted channel (a lost lease or session,
         a connect given up) tells its peer, whose pending work then fails at once
@@ -1233,9 +1246,6 @@ class UcxChannel(Channel):
         that is gone never gets it. The endpoint's close flushes it out; the frame is kept (the
         worker's graveyard, once the shutdown abandons the request) until UCX is done with it."""
         try:
-            bye = pack(FrameType.BYE)
-            req = self._ep.tag_send(self._lib_array(bye), self._ctrl_tag)
-            if not req.completed:
-                self._w.watch(req, lambda _r: None, keep=bye, owner=self)
+            self._post_bye(pack(FrameType.BYE))
         except Exception as exc:  # the peer may be gone already; failing goes on
             log.debug("ucx channel %s: goodbye not sent: %s", self.name, exc)

@@ -156,6 +156,7 @@ class Ucp:
         self._put = self._fn(f.ucp_put_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, c_void_p)
         self._get = self._fn(f.ucp_get_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p, c_void_p)
         self._flush = self._fn(f.ucp_ep_flush_nbx, c_void_p, c_void_p, c_void_p)
+        self._ep_close = self._fn(f.ucp_ep_close_nbx, c_void_p, c_void_p, c_void_p)
         # control frames: a bytes object is passed by pointer (c_char_p), no copy
         self.tag_send_raw = self._fn(f.ucp_tag_send_nbx, c_void_p, c_void_p, c_char_p, c_size_t, c_uint64, c_void_p)
         # payloads: any buffer by its address (f[...] is a function object of its own, with its own argtypes)
@@ -249,6 +250,11 @@ class Ucp:
 
     def flush(self, ep: int) -> int | None:
         return self._submit(self._flush(ep, self._param_ref), "ucp_ep_flush_nbx")
+
+    def ep_close(self, ep: int) -> int | None:
+        """``ucp_ep_close_nbx`` in flush mode (the only one UCX allows without peer error
+        handling): None when closed at once, else the request to poll."""
+        return self._submit(self._ep_close(ep, self._param_ref), "ucp_ep_close_nbx")
 
     def tag_send(self, ep: int, data: bytes, tag: int) -> int | None:
         """``ucp_tag_send_nbx`` of ``data`` (kept alive by the caller until it completes):

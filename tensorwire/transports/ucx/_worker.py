@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ...errors import ClosedResourceError, ConfigurationError, TransportUnavailable
-from ._ucp import UCS_INPROGRESS, quiet
+from ...errors import ClosedResourceError, ConfigurationError, TensorWireError, TransportUnavailable
+from ._ucp import UCS_INPROGRESS, Ucp, load, quiet
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ _INLINE_ROUNDS = 4  # progress rounds a one-sided operation spends inline before
 # flush of an endpoint whose peer is gone, requests to such a peer left in a destroyed worker
 _CLOSING_FLUSH = frozenset({b"flush.c"})
 _DESTROY_LEAKS = frozenset({b"mpool.c", b"rcache.c"})
+_ALREADY_CLOSED = frozenset({b"ucp_ep.c"})
 
 _import_lock = threading.RLock()
 # What importing ucxx puts into os.environ where the variable is unset (ucxx/__init__.py, 0.4x-0.52;
@@ -423,8 +424,6 @@ class Worker:
         if req.completed:
             return
         try:
-            from ._ucp import load
-
             load().cancel_request(req)
         except Exception as exc:  # no binding: dropping the last reference cancels it too
             log.debug("ucx request cancel: %s", exc)
@@ -629,7 +628,13 @@ class Worker:
         lease. There is no flush-free close: UCX refuses ``UCP_EP_CLOSE_FLAG_FORCE`` for an
         endpoint without peer error handling (``ucp_ep_close_nbx``, v1.21), and ucxx asks for it
         only where that is on. Those lines, printed inside this call, go to tensorwire's debug
-        log instead."""
+        log instead.
+
+        The endpoint is flushed first, and a flush that has not ended within ``grace`` is taken
+        for one that never will (see ``_close_stuck``)."""
+        deadline = self.loop.time() + grace
+        if not await self._flushed(ep, deadline):
+            return
         try:
             with quiet(_CLOSING_FLUSH, "closing an endpoint whose peer is gone"):
                 req = ep.close()
@@ -640,11 +645,84 @@ class Worker:
             return
         fut = self.future(req)
         try:
-            async with asyncio.timeout(grace):
+            async with asyncio.timeout_at(max(deadline, self.loop.time() + 0.1)):
                 await fut
         except TimeoutError:
             log.debug("ucx endpoint close did not finish in %.1f s (peer gone?)", grace)
             self.forget_request(req)
+
+    async def _flushed(self, ep: Any, deadline: float) -> bool:
+        """Flush ``ep`` (raw ``ucp_ep_flush_nbx``) until ``deadline``. True: it ended, or could
+        not be tried or watched (the worker shut meanwhile), and ucxx's close follows. False: it
+        had not ended, and the endpoint has been closed here (``_close_stuck``)."""
+        if self._closed:  # (nothing would progress the flush)
+            return True
+        try:
+            ucp = load()
+            with quiet(_CLOSING_FLUSH, "flushing an endpoint whose peer is gone"):
+                req = ucp.flush(ep.handle)
+        except TensorWireError as exc:  # (a lane that failed: the close's flush fails at once too)
+            log.debug("ucx endpoint flush before its close: %s", exc)
+            return True
+        if req is None:
+            return True
+        fut = self.watch_raw(ucp, req, what="ucx endpoint flush")
+        try:
+            async with asyncio.timeout_at(deadline):
+                await fut
+            return True
+        except TimeoutError:
+            pass
+        except Exception as exc:  # (the worker shut, which gave the request back to UCX)
+            log.debug("ucx endpoint flush before its close: %s", exc)
+            return True
+        finally:
+            if req in self._raw:  # (still in flight: freed once UCX completes it, or with the worker)
+                self._raw_graveyard[req] = self._raw.pop(req)[1]
+        if self._closed or ucp.request_done(req):  # (it ended just now; or see above)
+            return True
+        self._close_stuck(ucp, ep)
+        return False
+
+    def _close_stuck(self, ucp: Ucp, ep: Any) -> None:
+        """Close ``ep``, whose flush does not end, so that nothing of it keeps this worker.
+
+        A first rendezvous send to a peer that died waits for UCX to learn the peer's endpoint
+        id, which only the peer's answer brings. Until it comes, the endpoint's lane is a wireup
+        endpoint that queues every send (a BYE too) and refuses every flush, the close's
+        included (``ucp_wireup_ep_flush``, v1.21), and UCX fails that wait neither in bounded
+        time (no timeout; keepalive only with peer error handling) nor on request
+        (``ucp_request_cancel`` takes back receives only, and a forced close is refused). ucxx's
+        close request and the endpoint then held each other, and the node's worker with them,
+        until the process exited (2 listening sockets, 16 descriptors and 3 /dev/shm mappings
+        per closed node, over shared memory).
+
+        So the endpoint is closed here, raw (``ucp_ep_close_nbx``; its request is freed once UCX
+        completes it, or with the worker, whose destruction destroys every endpoint it still
+        has), and ucxx's close after it finds the endpoint closed and fails at once ("has already
+        been closed", sent to the debug log), holding nothing. ucxx's close must still run: an
+        endpoint ucxx never closed is closed by its destructor, which progresses the worker until
+        that close ends, for ever here. The raw close comes first only because it does not end
+        at once (it waits behind the same flush, and nothing progressed in between): an endpoint
+        whose close ends at once may be freed right then. Even then UCX keeps this one, as it
+        keeps every endpoint that has asked its peer for its id or connected to it, until the
+        worker is destroyed (``ucp_ep_disconnected``)."""
+        try:
+            req = ucp.ep_close(ep.handle)
+        except TensorWireError as exc:
+            log.debug("ucx endpoint close failed: %s", exc)
+        else:
+            if req is not None:
+                self._raw_graveyard[req] = None
+            log.debug("ucx: an endpoint's flush had not ended (its peer gone?); closed it raw")
+        try:
+            with quiet(_ALREADY_CLOSED, "ucxx closing an endpoint closed raw"):
+                ucxx_req = ep.close()
+        except Exception as exc:
+            log.debug("ucx endpoint close failed: %s", exc)
+            return
+        if ucxx_req is not None and not ucxx_req.completed:  # (not expected)
+            self.hold(ucxx_req, None)
 
     def forget_request(self, req: Any) -> None:
         self._watch.pop(req, None)
