@@ -14,7 +14,14 @@ from ._loops import elsewhere
 from ._onesided import RemoteHandle, check_utf8_name
 from .control._auth import heartbeat_proof, lookup_proof
 from .control._client import ControlClient, SessionLost
-from .errors import ClosedResourceError, ConfigurationError, ControlPlaneError, PeerDisconnected, TensorWireError
+from .errors import (
+    ClosedResourceError,
+    ConfigurationError,
+    ControlPlaneError,
+    HandleNotFound,
+    PeerDisconnected,
+    TensorWireError,
+)
 from .rpc import CallReceipt
 from .rpc import _client as _rpc
 from .tensors import prepare_off_loop
@@ -352,6 +359,14 @@ class Peer:
             resp = await self._control.lookup(self.session.id, name, proof, deadline=self.node.config.connect_timeout)
         except SessionLost as exc:  # the node there restarted, or declared us dead: so is the peer
             raise self._session_lost(exc) from exc
+        except (ClosedResourceError, ControlPlaneError) as exc:
+            if isinstance(exc, HandleNotFound) or self._closed:
+                raise
+            # The channel ended under the call (the peer closed, or its lease ran out) and took
+            # the control connection with it, or the node there cancelled the call as it closed:
+            # the peer went away, as every pending operation says, not "closed by this side".
+            self.channel.check_open()
+            raise
         handle = RemoteHandle(
             resp.name,
             resp.dtype,

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorwire
 from tensorwire.control import PROTOCOL_VERSION, Offer, choose
-from tensorwire.control._client import ControlClient
+from tensorwire.control._client import ControlClient, map_rpc_error
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
 from tensorwire.testing import connected_pair
 from tensorwire.transports import Capabilities
@@ -301,6 +301,18 @@ async def test_closing_the_control_client_fails_calls_in_flight_as_closed_not_ca
             await call
     finally:
         await server.stop(0)
+
+
+def test_a_call_the_server_cancelled_says_the_node_is_closing() -> None:
+    """gRPC cancels the calls a server holds unanswered as it stops: of 12 connects to a node
+    closing 0-30 loop turns later, 1 in 6 (tcp) to 1 in 3 (ucx) failed with 'control call to
+    ...: CANCELLED: CANCELLED', which said neither what happened nor what to do. (Our own
+    cancellations reach the caller as CancelledError, never as this status.)"""
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), details="CANCELLED")
+    error = map_rpc_error(exc, "127.0.0.1:5000")
+    assert isinstance(error, tensorwire.ControlPlaneError)
+    assert "CANCELLED: CANCELLED" not in str(error)
+    assert "127.0.0.1:5000 cancelled the call" in str(error) and "closing" in str(error), error
 
 
 async def test_lookup_on_a_closed_peer_says_closed() -> None:

@@ -54,10 +54,16 @@ async def test_frozen_server_is_declared_dead_by_client() -> None:
             assert not pending.done()
             os.kill(proc.pid, signal.SIGSTOP)  # sockets stay open: only the lease can tell
             t0 = time.monotonic()
+            # a lookup the frozen node never answers is pending too: the lease's end closes the
+            # control connection under it, which is the peer going away (it said
+            # ClosedResourceError, 'closed by this side', while the recv said PeerDisconnected)
+            looking = asyncio.ensure_future(peer.lookup("x"))
             with pytest.raises(tensorwire.PeerDisconnected, match="lease"):
                 await asyncio.wait_for(pending, 10)
             detected = time.monotonic() - t0
             assert detected < 5.0, detected
+            with pytest.raises(tensorwire.PeerDisconnected, match="lease"):
+                await asyncio.wait_for(looking, 10)
             with pytest.raises(tensorwire.PeerDisconnected):
                 await peer.send(np.arange(3))
     finally:

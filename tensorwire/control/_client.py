@@ -68,6 +68,14 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) 
         if not tls and "socket closed" in detail.lower():  # what a TLS server does to plaintext
             hint = " (if that node serves TLS, this one needs tls= too)"
         return ControlPlaneError(f"cannot reach a tensorwire node at {target}: {detail}{hint}")
+    if code == grpc.StatusCode.CANCELLED:
+        # Our own cancellations and closes reach the caller as asyncio.CancelledError (see
+        # _unary), so this status is the server's: gRPC cancels the calls it holds unanswered as
+        # the node closes (its server stops, or its event loop shuts down)
+        return ControlPlaneError(
+            f"the tensorwire node at {target} cancelled the call before answering ({detail}): it is "
+            "most likely closing; connect again once it serves again"
+        )
     return ControlPlaneError(f"control call to {target} failed: {code.name}: {detail}")
 
 
