@@ -16,6 +16,7 @@ from _pipeline_reference import mse
 import tensorwire
 from tensorwire import pipeline
 from tensorwire.rpc import CallLimits
+from tensorwire.testing import peak_allocation
 
 
 class RaisesOnce(NumpyLinear):
@@ -64,6 +65,65 @@ async def test_an_error_in_one_microbatch_names_the_stage_and_the_microbatch(
     assert f"pipeline stage 1 raised this in {where}" in err.value.remote_traceback
     notes = "\n".join(err.value.__notes__)
     assert notes.count(f"aborted because stage 1 raised FloatingPointError in {where}: overflow") == 2, notes
+
+
+class _BadStr(FloatingPointError):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+class _RaisesBadStr(NumpyLinear):
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        raise _BadStr
+
+
+@pytest.mark.timeout(60)
+async def test_a_part_error_whose_str_raises_still_aborts_every_stage() -> None:
+    # the old stage put the part's error into its abort reason with an f-string: the str() that
+    # raised there replaced the part's error and no abort was sent, so the other stages waited
+    # for the driver to cancel them abort_grace later (their accounts said DeadlineExceeded) and
+    # the step reported the RuntimeError of the str() instead of the part's error
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(_RaisesBadStr(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(20):
+                    await pipe.step(x, np.zeros((8, 2), np.float32), microbatches=2)
+    assert err.value.remote_type == "_BadStr"
+    notes = "\n".join(err.value.__notes__)
+    assert notes.count("aborted because stage 1 raised _BadStr in step 0, at F0") == 2, notes
+    assert "DeadlineExceeded" not in notes, notes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("call", ["step", "evaluate", "forward"])
+async def test_a_microbatch_count_no_batch_fits_is_refused_before_a_schedule_is_made(call: str) -> None:
+    # the old driver made and validated the schedule before it split the batch: 10**4
+    # microbatches of a batch of 8 took 11 MiB and seconds of the event loop (10**6: 2.8 GiB and
+    # about 100 s) before "a batch of 8 cannot be split into 10000 microbatches"
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x, y = rng.standard_normal((8, 4)).astype(np.float32), np.zeros((8, 2), np.float32)
+    batch = (x,) if call == "forward" else (x, y)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            run = getattr(pipe, call)
+            with peak_allocation() as mem, pytest.raises(tensorwire.ShapeMismatchError, match="a batch of 8 cannot"):
+                await run(*batch, microbatches=10**4)
+            assert mem["peak"] < 1 << 20, mem
+            # a count that is no count is still the schedule's error, as it was
+            with pytest.raises(tensorwire.ScheduleError, match="num_microbatches must be a positive int, not 0"):
+                await run(*batch, microbatches=0)
+            await pipe.step(x, y, microbatches=2)  # refused before any stage ran: nothing broke
 
 
 @pytest.mark.timeout(60)

@@ -660,6 +660,17 @@ async def test_a_stage_named_twice_is_refused() -> None:
 
 
 @pytest.mark.timeout(60)
+async def test_a_node_that_is_no_stage_is_named_as_such() -> None:
+    # the old connect raised the bare MethodNotFound of its first call: "no method named
+    # 'tw.pipeline.generation'; this node offers: none", which says nothing of what to fix
+    async with stages(parts(layers(2))) as ([a, _], driver), tensorwire.start("127.0.0.1:0") as plain:
+        with pytest.raises(tensorwire.ConfigurationError) as err:
+            await pipeline.Pipeline.connect(driver, [a, plain.address], connect_timeout=5)
+        assert f"stage 1 ({plain.address}) is a tensorwire node but not a pipeline stage" in str(err.value)
+        assert isinstance(err.value.__cause__, tensorwire.MethodNotFound)
+
+
+@pytest.mark.timeout(60)
 async def test_stage_addresses_are_read_once_and_one_string_is_refused() -> None:
     """The old code read one address string as one stage per character ('stage address 1 is
     given twice'), and spent a generator on its checks, then raised ValueError from max()."""

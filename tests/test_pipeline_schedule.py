@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tensorwire import ConfigurationError, ScheduleError, ShapeMismatchError, UnsupportedTensorError
 from tensorwire.pipeline import Action, Kind, Schedule, get_schedule, gpipe, make_schedule, one_f_one_b, split
+from tensorwire.testing import peak_allocation
 
 sizes = st.tuples(st.integers(1, 8), st.integers(1, 24))
 
@@ -334,3 +335,12 @@ def test_importing_the_pipeline_needs_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'the pipeline imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_scalar_in_a_batch_is_not_repeated_before_the_split_is_known_to_fit() -> None:
+    # the old split made each plain scalar's column, a list of one entry per microbatch, before
+    # it split the tensors: 10**7 microbatches of a 4-sample batch allocated 80 MB first
+    with peak_allocation() as mem, pytest.raises(ShapeMismatchError, match="a batch of 4 cannot be split into"):
+        split((1.0, np.zeros(4)), 10**7)
+    assert mem["peak"] < 1 << 20, mem
+    assert split({"lr": 0.5, "x": np.arange(3)}, 2)[1]["lr"] == 0.5

@@ -152,6 +152,49 @@ async def test_text_that_cannot_be_encoded_comes_back_as_an_error(transport: str
         await _settled(a, b)
 
 
+class _CancelledStr(Exception):
+    def __str__(self) -> str:
+        raise asyncio.CancelledError
+
+
+class _ExitingStr(Exception):
+    def __str__(self) -> str:
+        raise GeneratorExit
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    ("error", "raised"), [(_CancelledStr, "CancelledError"), (_ExitingStr, "GeneratorExit")], ids=["cancelled", "exit"]
+)
+async def test_an_exception_whose_str_raises_a_base_exception_is_answered(
+    transport: str, error: type[Exception], raised: str
+) -> None:
+    # the old server described the error with str() guarded against Exception alone: the
+    # BaseException out of it ended the call's task, no reply was sent and the caller waited
+    # for good (its deadline, if it had one, was all that ended the call)
+    async with _nodes(transport) as (a, b):
+        _register(b.node)
+
+        @b.node.method()
+        async def bad_str() -> None:
+            raise error
+
+        with pytest.raises(tensorwire.RemoteError) as info:
+            await _within(5, "exception whose str() raises a BaseException", a.call("bad_str"))
+        assert info.value.remote_type == error.__name__
+        assert info.value.remote_message == f"<{error.__name__} whose str() raised {raised}>"
+        assert await _within(5, "a call afterwards", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
+        # Invoke through stock gRPC describes the error the same way (the old one ran into the
+        # client's deadline: DEADLINE_EXCEEDED)
+        async with grpc.aio.insecure_channel(b.node.address) as channel:
+            stub = control_pb2_grpc.ControlStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await stub.Invoke(control_pb2.InvokeRequest(method="bad_str"), timeout=5)
+        assert failed.value.code() == grpc.StatusCode.UNKNOWN
+        assert failed.value.details() == f"{error.__name__}: <{error.__name__} whose str() raised {raised}>"
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_result_that_cannot_be_sent_is_not_reported_as_raised(transport: str) -> None:
     """A method that returns (or yields) something tensorwire cannot send did not raise: the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -108,11 +108,13 @@ def _split_structured(batch: tuple[Any, ...] | dict[Any, Any], microbatches: int
     items = list(batch.items()) if isinstance(batch, dict) else list(enumerate(batch))
     if not items:
         raise UnsupportedTensorError(f"an empty {type(batch).__name__} has nothing to split into microbatches")
-    columns: list[list[Any]] = []
+    columns: list[Iterable[Any]] = []
     first: tuple[Any, int] | None = None  # (key, samples) of the first element split
     for key, value in items:
         if _scalar(value):
-            columns.append([value] * microbatches)
+            # repeated lazily: a count no element can be split into must fail as it does alone,
+            # not allocate a list of that many first
+            columns.append(itertools.repeat(value, microbatches))
             continue
         n = num_samples(value)
         if n is not None and first is not None and n != first[1]:

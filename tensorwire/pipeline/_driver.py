@@ -53,7 +53,7 @@ from ..errors import (
 from ..rpc import current_deadline
 from ..tensors import as_view, is_tensor, prepare
 from ._batch import join, num_samples, split
-from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, make_schedule
+from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, _check_sizes, make_schedule
 from ._stage import ticket_key
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class Pipeline:
                 seen[peer.remote_node] = address
             # newer than any configuration the stages have seen; the token orders drivers that
             # pick the same number at once (the stages refuse the older of the two)
-            generation = 1 + max(await asyncio.gather(*[peer.call("tw.pipeline.generation") for peer in peers]))
+            generation = 1 + max(await asyncio.gather(*[_generation(peer, s) for s, peer in enumerate(peers)]))
             token = uuid.uuid4().hex
             p = len(peers)
             loop = asyncio.get_running_loop()
@@ -334,8 +334,8 @@ class Pipeline:
         self, inputs: Any, targets: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]
     ) -> StepResult:
         self._check_loss("training steps")
-        sched = make_schedule(schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected)
         xs, ys, weights = self._batch(inputs, targets, microbatches)
+        sched = make_schedule(schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected)
         step = next(self._steps)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -377,6 +377,9 @@ class Pipeline:
     def _batch(self, inputs: Any, targets: Any, microbatches: int) -> tuple[list[Any], list[Any], list[float]]:
         """(input microbatches, target microbatches, each one's share of the batch), checked as
         far as the driver can before any stage runs (``_check_keywords``, ``_check_sendable``)."""
+        # the batch before the schedule: building and validating a schedule for a count no batch
+        # could be split into (10**6 for 64 samples, say) would hold the loop for minutes
+        _check_sizes(self.num_stages, microbatches)  # a count that is no count: ScheduleError, as ever
         self._check_keywords(inputs)
         xs, ys = split(inputs, microbatches), split(targets, microbatches)
         sizes = [num_samples(x) or 0 for x in xs]
@@ -390,10 +393,10 @@ class Pipeline:
         self, inputs: Any, targets: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]
     ) -> EvalResult:
         self._check_loss("Pipeline.evaluate")
+        xs, ys, weights = self._batch(inputs, targets, microbatches)
         sched = make_schedule(
             schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected, forward_only=True
         )
-        xs, ys, weights = self._batch(inputs, targets, microbatches)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         stats = await self._run(next(self._steps), sched, xs, ys, None, ok="finished")
@@ -406,12 +409,13 @@ class Pipeline:
         return EvalResult(loss, values, seconds, sched, stats)
 
     async def _forward(self, inputs: Any, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]]) -> Any:
-        sched = make_schedule(
-            schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected, forward_only=True
-        )
+        _check_sizes(self.num_stages, microbatches)  # the batch before the schedule, as in _batch
         self._check_keywords(inputs)
         xs = split(inputs, microbatches)
         self._check_sendable([(0, "input", xs)])
+        sched = make_schedule(
+            schedule, self.num_stages, microbatches, max_unexpected=self.max_unexpected, forward_only=True
+        )
         stats = await self._run(next(self._steps), sched, xs, None, None, ok="finished")
         outputs = stats[-1].get("outputs")
         if not isinstance(outputs, list) or len(outputs) != microbatches:
@@ -676,6 +680,19 @@ def _never_ran(error: BaseException | None) -> bool:
 def _error(task: asyncio.Task[Any]) -> BaseException | None:
     """The error a finished call raised (None: it answered, or it was cancelled)."""
     return None if task.cancelled() else task.exception()
+
+
+async def _generation(peer: Peer, s: int) -> int:
+    """The newest configuration stage ``s`` has seen; a node that serves no stage is named as
+    such (the bare MethodNotFound said only that 'tw.pipeline.generation' was not offered)."""
+    try:
+        generation: int = await peer.call("tw.pipeline.generation")
+    except MethodNotFound as exc:
+        raise ConfigurationError(
+            f"stage {s} ({peer.remote_address}) is a tensorwire node but not a pipeline stage: serve one there "
+            "with `tensorwire stage --part FILE.py:FUNCTION` or pipeline.Stage(node, ...), or check the address"
+        ) from exc
+    return generation
 
 
 async def _configure(peer: Peer, s: int, build_timeout: float | None, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..rpc._protocol import describe
 from ._stage import Stage
 
 __all__ = ["load_factory", "serve_stage"]
@@ -54,7 +55,7 @@ def load_factory(spec: str) -> Callable[[int, int], Any]:
             module = importlib.import_module(where)
     except (ImportError, OSError) as exc:
         _forget(loading)
-        raise ConfigurationError(f"--part {spec!r}: cannot import {where}: {exc}") from exc
+        raise ConfigurationError(f"--part {spec!r}: cannot import {where}: {describe(exc)}") from exc
     except Exception as exc:  # the user's module failed while it loaded: say where, not a traceback
         _forget(loading)
         raise ConfigurationError(f"--part {spec!r}: loading {where} raised {_where_it_raised(exc, where)}") from exc
@@ -82,7 +83,7 @@ def _where_it_raised(exc: Exception, where: str) -> str:
     """``SyntaxError: invalid syntax (parts.py, line 3)``, or ``ValueError: bad (parts.py,
     line 7)``: the error and the last line of the part's own file it came from (else the
     deepest line outside the import machinery: a module the part imports, say)."""
-    text = f"{type(exc).__name__}: {exc}"
+    text = f"{type(exc).__name__}: {describe(exc)}"  # the user's exception: its str() may raise
     if isinstance(exc, SyntaxError):
         return text  # its text names the file and line
     frames = traceback.extract_tb(exc.__traceback__)

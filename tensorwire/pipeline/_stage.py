@@ -73,6 +73,7 @@ from ..errors import (
     TensorWireError,
     UnsupportedTensorError,
 )
+from ..rpc._protocol import describe
 from ._part import Part, as_part
 from ._schedule import Action, Kind
 
@@ -341,7 +342,7 @@ class Stage:
             ) from None
         except BaseException as exc:
             self._plan = None
-            self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure failed: {exc}")
+            self._broken = BrokenResourceError(f"stage at {self.node.address}: its configure failed: {describe(exc)}")
             raise
         finally:
             self._configuring = None
@@ -566,7 +567,7 @@ class Stage:
         """This stage's own output cannot be sent (not a tensor, a layout the wire cannot carry,
         past the neighbour's message limits: MessageRefused): the link is fine, the message is at
         fault. Wrapped in the error tree, its type kept where it is one of ours, the original kept."""
-        message = f"stage {self.rank} cannot send {what}: {type(exc).__name__}: {exc}"
+        message = f"stage {self.rank} cannot send {what}: {type(exc).__name__}: {describe(exc)}"
         error: TensorWireError
         if isinstance(exc, TensorWireError) and not isinstance(exc, RemoteError):
             error = type(exc)(message)
@@ -627,7 +628,9 @@ class Stage:
             self._fail(exc, self.rank, str(exc), step=step)
             raise
         except Exception as exc:
-            reason = f"stage {self.rank} raised {type(exc).__name__} in {self._name_the_microbatch(exc, step)}: {exc}"
+            # the part's own exception: its str() may raise, which must not stop the abort below
+            where = self._name_the_microbatch(exc, step)
+            reason = f"stage {self.rank} raised {type(exc).__name__} in {where}: {describe(exc)}"
             self._fail(BrokenResourceError(reason), self.rank, reason, step=step)
             raise
         finally:
@@ -861,7 +864,7 @@ class Stage:
         try:
             _, dt = await self._compute(self.part.step)
         except Exception as exc:
-            reason = f"stage {self.rank} raised {type(exc).__name__} applying step {step}: {exc}"
+            reason = f"stage {self.rank} raised {type(exc).__name__} applying step {step}: {describe(exc)}"
             self._fail(BrokenResourceError(reason), self.rank, reason)
             raise
         self._last_commit = (key, step)

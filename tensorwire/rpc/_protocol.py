@@ -217,10 +217,15 @@ def safe_text(text: object) -> str:
 
 def describe(obj: object) -> str:
     """``str(obj)``, or what is known of it when its ``__str__`` raises (a ``__str__`` that
-    returns something other than a string makes ``str`` raise TypeError)."""
+    returns something other than a string makes ``str`` raise TypeError). Whatever it raises:
+    ``str`` never awaits, so a CancelledError or GeneratorExit out of it is the object's own, not
+    a cancellation of ours, and escaping here it would cost the reply (its caller would wait
+    for good). Only Ctrl-C and exit go on."""
     try:
         return str(obj)
-    except Exception as exc:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
         return f"<{safe_text(type(obj).__name__)} whose str() raised {safe_text(type(exc).__name__)}>"
 
 
@@ -233,7 +238,9 @@ def traceback_text(exc: BaseException) -> str:
     """The traceback of ``exc`` as text; empty if even that fails."""
     try:
         return "".join(traceback.format_exception(exc))
-    except Exception:  # a hostile exception (its notes, its cause) must not cost the reply
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # a hostile exception (its str(), notes, cause) must not cost the reply
         return ""
 
 
