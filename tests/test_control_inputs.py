@@ -174,6 +174,31 @@ async def test_a_handshake_cannot_make_the_node_repeat_megabytes(caplog: pytest.
     assert max(len(r.getMessage()) for r in caplog.records) < 2000
 
 
+async def test_a_handshake_cannot_make_the_node_hold_megabytes() -> None:
+    """A handshake's node id and control address were taken at any length, up to gRPC's 4 MB
+    message: the session waiting for its data connection keeps both, and the address is where
+    lookups dial back (and what their errors quote). 150 handshakes with 1.9 MB of each took
+    this node from 58 to 662 MiB. Refused now beyond what an honest client sends, and a client
+    with the longest node id it may have still connects."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), node_id="n" * NodeConfig.MAX_NODE_ID_CHARS) as client,
+    ):
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            for field in ("node_id", "control_address"):
+                req = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, **{field: "x" * 100_000})
+                req.offers.add(name="tcp", version=node.offers["tcp"].version, address=node.offers["tcp"].address)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Handshake(req, timeout=5)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+                assert "at most 256 characters" in (info.value.details() or "")
+        assert not node._opening, "a refused handshake left a session waiting"
+        peer = await client.connect(node.address)
+        assert (await node.accept()).remote_node == client.node_id
+        await peer.send(1, tag="t")
+
+
 @contextlib.asynccontextmanager
 async def _session_and_stub() -> AsyncIterator[tuple[tensorwire.Node, tensorwire.Peer, Any]]:
     """A server node, a client's peer with a session there, and a raw Control stub to the
