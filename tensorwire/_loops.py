@@ -1,5 +1,6 @@
 """Forceful ``abort()`` from any thread: what an object's own event loop must do, it does there;
-and waiting out work that must end before its caller may return."""
+every other call refused off that loop; and waiting out work that must end before its caller
+may return."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from typing import Any
+
+from .errors import ClosedResourceError, ConfigurationError
 
 
 def elsewhere(home: asyncio.AbstractEventLoop | None, again: Callable[[], None]) -> bool:
@@ -39,3 +42,30 @@ async def wait_out(fut: asyncio.Future[Any]) -> None:
             interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted
+
+
+# (C; None where no loop runs) hot paths test ``running_loop() is not home`` inline, before they
+# call check_home: a call of a Python function would double the cost of the comparison
+running_loop = asyncio._get_running_loop
+
+
+def check_home(home: asyncio.AbstractEventLoop | None, what: str, *, closing: bool = False) -> None:
+    """Refuse a call made outside ``home``, the loop a node and its peers were started on: their
+    futures, sockets and callbacks belong to that loop, and a call from another thread's loop
+    races them unseen (one peer used from two loops hung one loop's recvs for 40 s, then broke
+    the channel; a lone call "worked" by luck). ``abort()`` is the one method made for any thread (``elsewhere``).
+    Once ``home`` has closed nothing can run there: the object is refused as closed, but an
+    ``aclose()`` (``closing``) goes on, to find what the loop's end left of the closing."""
+    running = running_loop()
+    if running is home or home is None:
+        return
+    if home.is_closed():
+        if closing:
+            return
+        raise ClosedResourceError(f"{what}: the event loop this node was started on has closed, and with it the node")
+    where = "on an event loop that is not the node's" if running is not None else "where no event loop runs"
+    raise ConfigurationError(
+        f"{what} was called {where}: a node and its peers belong to the event loop the node was started "
+        "on. Call it there; from another thread, hand the coroutine to that loop with "
+        "asyncio.run_coroutine_threadsafe(coro, node_loop) (abort() alone may be called from any thread)"
+    )

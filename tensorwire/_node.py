@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from . import _metrics
 from ._checks import check_bool, check_seconds
-from ._loops import elsewhere
+from ._loops import check_home, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
 from ._peer import RESERVED_TAGS, Peer
@@ -393,7 +393,7 @@ class Node:
         The tensor stays alive and must stay valid until ``unexpose(name)``. Transports with
         one-sided support (ucx) register its memory now (once per region, however often it
         is exposed), so their peers read and write it without this node's code."""
-        self._check_open()
+        self._check_open("node.expose")
         return self.exposures.expose(tensor, name, self.transports)
 
     def method(self, name: str | Callable[..., Any] | None = None, *, max_arg_bytes: int | None = None) -> Any:
@@ -416,7 +416,7 @@ class Node:
         node.unexpose(name)`` to wait for that: afterwards no peer's operation reaches the tensor.
         On a closed (or closing) node, ClosedResourceError, as for ``expose``: closing the node
         unexposed everything."""
-        self._check_open()
+        self._check_open("node.unexpose")
         entry = self.exposures.unexpose(name)
         if not entry.given and not entry.busy:
             entry.release()
@@ -530,6 +530,7 @@ class Node:
         back below it; ``transports`` overrides the preference order for this connection.
         Closing the node ends a connect under way with ClosedResourceError.
         """
+        check_home(self._loop, "node.connect")  # before its task and its bookkeeping
         try:
             attempt = asyncio.get_running_loop().create_task(
                 self._connect(address, require, transports, connect_timeout), name=f"tensorwire-connect {address}"
@@ -556,7 +557,7 @@ class Node:
         transports: tuple[str, ...] | list[str] | None,
         connect_timeout: float | None,
     ) -> Peer:
-        self._check_open()
+        self._check_open("node.connect")
         host, _ = _split_address(address, lowest_port=1)
         if connect_timeout is not None:
             connect_timeout = check_seconds("connect_timeout", connect_timeout)
@@ -682,7 +683,7 @@ class Node:
         """Wait for the next peer that connects to this node. One that left before it was
         handed out is skipped, unless it left messages to receive."""
         while True:
-            self._check_open()
+            self._check_open("node.accept")
             if self._incoming:
                 return self._incoming.popleft()
             self._incoming_ready.clear()
@@ -700,14 +701,18 @@ class Node:
         if peer in self.peers:
             self.peers.remove(peer)
 
-    def _check_open(self) -> None:
+    def _check_open(self, what: str) -> None:
+        """Every public call but abort() and aclose() passes here (connect, accept, expose,
+        unexpose): refused on a closed node, and anywhere but the node's loop."""
         if self._closed:
             raise ClosedResourceError("node is closed")
+        check_home(self._loop, what)
 
     async def aclose(self) -> None:
         """Close peers, then listeners and the control plane; idempotent. The closing runs to
         its end even if the caller is cancelled meanwhile (say, an RPC method of this node that
         closes it: closing the peers cancels the method), and every call waits for it."""
+        check_home(self._loop, "node.aclose", closing=True)
         if self._closing is None:
             self._closed = True
             self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-node-close")

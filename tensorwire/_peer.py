@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _onesided
-from ._loops import elsewhere
+from ._loops import check_home, elsewhere, running_loop
 from ._onesided import RemoteHandle, check_utf8_name
 from .control._auth import heartbeat_proof, lookup_proof
 from .control._client import ControlClient, SessionLost
@@ -100,6 +100,7 @@ class Peer:
         control_address: str = "",
     ) -> None:
         self.node = node
+        self._home = node._loop  # every call but abort() must come from there (check_home)
         self.channel = channel
         self.remote_node = remote_node
         self.remote_address = remote_address
@@ -138,6 +139,8 @@ class Peer:
         Returns once the bytes have left the caller's buffers, which may then be reused. Waits
         (backpressure) when the peer holds more unreceived messages than its limits allow.
         """
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.send")
         wire_tag = tag_id(tag)
         preparing = prepare_off_loop(obj)
         msg = preparing.ready
@@ -183,6 +186,8 @@ class Peer:
         tensors are allocated; by default where the sender's were (CUDA where this process has
         it). CUDA tensors come back safe to use on the caller's current stream.
         """
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.recv")
         value, _ = await self.channel.recv(tag_id(tag), out, device)
         return value
 
@@ -190,6 +195,8 @@ class Peer:
         self, *, tag: int | str = 0, out: Any = None, device: Any = None
     ) -> tuple[Any, Receipt]:
         """Like ``recv``, and also say how the message came (protocol, direct or staged, memory, time)."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.recv_with_receipt")
         return await self.channel.recv(tag_id(tag), out, device)
 
     # -- tensor RPC ------------------------------------------------------------------------
@@ -203,6 +210,8 @@ class Peer:
         place and is returned. No method may take parameters of those names. Cancelling the
         caller cancels the method. The method's exception comes back as a RemoteError.
         """
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.call")
         value, _ = await _rpc.call(self, name, args, kwargs, _deadline, _out)
         return value
 
@@ -213,6 +222,8 @@ class Peer:
         Receipt of the request (arguments inline in it, or not), of the arguments sent apart
         when they were too large to ride inline, and of the result (direct into ``_out=`` or
         staged), and the call's wall time. A call that fails raises as ``call`` does."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.call_with_receipt")
         value, receipt = await _rpc.call(self, name, args, kwargs, _deadline, _out, want_receipt=True)
         assert receipt is not None
         return value, receipt
@@ -221,12 +232,16 @@ class Peer:
         """``async for item in peer.stream("name", ...)``: the items a streaming method yields.
         ``_deadline`` covers the whole stream (no item is handed out past it); leaving the loop
         early cancels the method. There is no ``_out=`` (ConfigurationError)."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.stream")
         return _rpc.stream(self, name, args, kwargs, _deadline)
 
     def stream_with_receipts(
         self, name: str, /, *args: Any, _deadline: float | None = None, **kwargs: Any
     ) -> AsyncIterator[tuple[Any, Receipt]]:
         """Like ``stream``, each item as ``(item, Receipt)``: how the message that carried it came."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.stream_with_receipts")
         return _rpc.stream(self, name, args, kwargs, _deadline, receipts=True)
 
     def _start_heartbeat(self, session_id: str, lease: float, since: float) -> None:
@@ -342,6 +357,8 @@ class Peer:
         on any other (another Peer object, or a peer of the same node_id restarted at that
         address) it is HandleNotFound, so it never reaches memory it was not looked up for.
         """
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.lookup")
         if not isinstance(name, str):
             raise ConfigurationError(f"lookup takes the name a tensor was exposed under, not {type(name).__name__}")
         check_utf8_name(name)
@@ -390,6 +407,8 @@ class Peer:
         ready for use on the stream current at the call. Without ``out`` it is allocated on
         ``device`` ("cpu", "cuda:N", as recv), by default where the owner's tensor lives
         (``handle.memory``) if this process can hold it there. HandleNotFound once revoked."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.read")
         value, _ = await _onesided.read(self, handle, out, device=device, want_receipt=False)
         return value
 
@@ -398,6 +417,8 @@ class Peer:
     ) -> tuple[Any, Receipt]:
         """Like ``read``, and also say how the bytes came ("one-sided", "one-sided-emulated" where
         the transport emulates get/put and the owner's progress serves it, or "owner-assisted")."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.read_with_receipt")
         value, receipt = await _onesided.read(self, handle, out, device=device)
         assert receipt is not None
         return value, receipt
@@ -407,6 +428,8 @@ class Peer:
         CUDA tensor of the handle's dtype and shape; a CUDA one is read after the work queued on
         its stream before the call). Returns once the bytes are in the owner's memory. A
         cancelled write may leave the target partly written."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.write")
         return await _onesided.write(self, handle, src)
 
     async def read_many(
@@ -416,6 +439,8 @@ class Peer:
         each into its ``outs`` entry (allocated where None). One-sided, the gets are posted at
         once and waited for together; through the owner, one request answers up to 256 of them.
         Everything is checked before anything moves. Returns the tensors in order."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.read_many")
         values, _ = await _onesided.read_many(
             self,
             _listed("handles", handles),
@@ -429,6 +454,8 @@ class Peer:
         self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None, device: Any = None
     ) -> tuple[list[Any], Receipt]:
         """Like ``read_many``; the receipt counts the bytes of all of them."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.read_many_with_receipt")
         values, receipt = await _onesided.read_many(
             self, _listed("handles", handles), None if outs is None else _listed("outs", outs), device=device
         )
@@ -438,6 +465,8 @@ class Peer:
     async def write_many(self, handles: Sequence[RemoteHandle], srcs: Sequence[Any]) -> Receipt:
         """Write ``srcs[i]`` into ``handles[i]`` for all of them as one batch (puts then one
         flush, one-sided); returns once every byte is in the owner's memory."""
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.write_many")
         return await _onesided.write_many(self, _listed("handles", handles), _listed("srcs", srcs))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -453,6 +482,7 @@ class Peer:
         way too, and then the node's close calls this for the peers it still has (before, that
         call, and every later one, raised the closing's CancelledError, and the peer was left to
         its transport's close). Once that loop has closed, nothing can run there any more."""
+        check_home(self._home, "peer.aclose", closing=True)
         while True:
             if self._closing is None or (self._closing.cancelled() and not self._closing.get_loop().is_closed()):
                 self._closed = True

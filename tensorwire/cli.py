@@ -336,12 +336,13 @@ async def _serve(
     bench: bool = False,
     metrics: str | None = None,
 ) -> int:
-    from ._bench import serve_bench
+    from ._bench import offer_bench, serve_bench
 
     options: dict[str, Any] = {"auth_token": token}
     if transports:
         options["transports"] = tuple(transports)
     async with _metrics_served(metrics), start(address, **options) as node:
+        offer_bench(node)  # before it says it serves: a client's first bench call finds it
         print(f"tensorwire node {node.node_id} serving at {node.address}", flush=True)
 
         async def echo_loop(peer: Any, tag: str) -> None:

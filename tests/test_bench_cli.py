@@ -50,9 +50,10 @@ def _bench_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, st
 
 
 @contextlib.contextmanager
-def _serve(*flags: str) -> Iterator[str]:
-    """`tensorwire serve FLAGS --address 127.0.0.1:0` in a process; the address it prints."""
-    server = subprocess.Popen([*CLI, "serve", "--address", "127.0.0.1:0", "--transports", "tcp", *flags],
+def _serve(*flags: str, command: tuple[str, ...] = ("serve",)) -> Iterator[str]:
+    """`tensorwire serve FLAGS --address 127.0.0.1:0` (or another ``command``) in a process;
+    the address it prints."""
+    server = subprocess.Popen([*CLI, *command, "--address", "127.0.0.1:0", "--transports", "tcp", *flags],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert server.stdout is not None
@@ -143,6 +144,22 @@ def test_serve_without_bench_refuses_and_the_client_says_so(capsys: pytest.Captu
     assert stderr.strip() == (
         f"tensorwire: RemoteError: the node at {address} refused the bench: ConfigurationError: "
         "it was started without --bench (start one with `tensorwire serve --bench`)"
+    ), stderr
+    assert stdout == ""
+
+
+@pytest.mark.timeout(90)
+def test_a_stage_node_is_named_at_once(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A `tensorwire stage` node runs no bench service and left the requests unread: bench
+    waited 10 s, then said DeadlineExceeded with a guess. It is now named as what it is, as a
+    `serve` without --bench is, from the RPC method such a serve offers and a stage lacks."""
+    (tmp_path / "part.py").write_text("def build(rank, num_stages):\n    return rank\n")
+    with _serve(command=("stage", "--part", f"{tmp_path / 'part.py'}:build")) as address:
+        code, stdout, stderr = _bench_here(capsys, address, "--sizes", "1K", "--seconds", "0.1", "--transports", "tcp")
+    assert code == 1, stdout + stderr
+    assert stderr.strip() == (
+        f"tensorwire: MethodNotFound: the node at {address} runs no bench service: it is not a `tensorwire serve` "
+        "(a `tensorwire stage`, or a program of its own?); start one with `tensorwire serve --bench`"
     ), stderr
     assert stdout == ""
 
@@ -356,13 +373,19 @@ async def test_a_node_that_does_not_serve_bench_requests_is_named(monkeypatch: p
     async with _pair(enabled=False) as peer:
         with pytest.raises(tensorwire.RemoteError, match=r"refused the bench: .*tensorwire serve --bench"):
             await _bench.run_bench(peer, [1024], seconds=0.05)
-    # a node that runs no bench service at all (a program of its own, a stage) never answers
+    # a node that runs no bench service at all (a program of its own, a stage) never reads the
+    # requests: it is named at once (it waited for the first answer's timeout), and a node that
+    # says it serves them but does not answer still runs into that timeout
     monkeypatch.setattr(_client, "_FIRST_ANSWER_S", 0.2)
     async with (
         tensorwire.start("127.0.0.1:0", transports=("tcp",)) as other,
         tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
     ):
         peer = await client.connect(other.address)
+        with pytest.raises(tensorwire.MethodNotFound, match=r"runs no bench service: it is not a `tensorwire serve`"):
+            await _bench.run_bench(peer, [1024], seconds=0.05)
+        _server.offer_bench(other)
+        _server.offer_bench(other)  # (once is enough: a second says nothing new)
         with pytest.raises(tensorwire.DeadlineExceeded, match=r"within 0\.2 s: is it `tensorwire serve --bench`\?"):
             await _bench.run_bench(peer, [1024], seconds=0.05)
 

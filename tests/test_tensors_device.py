@@ -76,7 +76,9 @@ def test_parse_torch_device() -> None:
         parse_device(torch.device("meta"))
 
 
-@pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:-1", "mps", "cuda:0:1", "", True, -1, 1.5, b"cuda"])
+@pytest.mark.parametrize(
+    "bad", ["gpu", "cuda:", "cuda:-1", "mps", "cuda:0:1", "", True, -1, 1.5, b"cuda", "cpu:1", " cpu:01 "]
+)
 def test_bad_devices_are_configuration_errors(bad: object) -> None:
     with pytest.raises(ConfigurationError):
         parse_device(bad)
@@ -88,6 +90,9 @@ async def test_recv_device_errors_come_from_the_call() -> None:
             await b.recv(tag="t", device="mps")
         with pytest.raises(ConfigurationError, match="not both"):
             await b.recv(tag="t", device="cpu", out=np.empty(3))
+        with pytest.raises(ConfigurationError, match="unknown device 'cpu:1'"):  # was taken for "cpu"
+            async with asyncio.timeout(5):  # (it waited for a message)
+                await b.recv(tag="t", device="cpu:1")
         if importlib.util.find_spec("cupy") is None:
             with pytest.raises(UnsupportedTensorError, match="CuPy"):
                 await b.recv(tag="t", device="cuda:0")

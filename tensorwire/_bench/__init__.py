@@ -3,7 +3,10 @@ between the same two processes, measured in the same run.
 
 Both sides are here: :func:`serve_bench` answers one peer's requests (``tensorwire serve``
 runs it for every peer; only with ``--bench`` does it do more than refuse), :func:`run_bench`
-measures against one. Everything rides reserved tags of the peer's data plane:
+measures against one. The client first calls the RPC method ``tw.bench``, which such a node
+offers (:func:`offer_bench`): a node without it (a ``tensorwire stage``, a program of its own)
+never reads the requests, and is named at once (MethodNotFound). The rest rides reserved tags
+of the peer's data plane:
 
 client -> server on REQUEST_TAG, answered on ANSWER_TAG
     {"op": "open"}                           {"port": P, "secret": HEX}: a plain TCP listener on
@@ -32,7 +35,7 @@ answers with matches the sender's only if that very message landed whole.
 """
 
 from ._client import Report, Row, run_bench
-from ._server import serve_bench
+from ._server import offer_bench, serve_bench
 from ._wire import bench_device, fmt_size, parse_sizes
 
-__all__ = ["Report", "Row", "bench_device", "fmt_size", "parse_sizes", "run_bench", "serve_bench"]
+__all__ = ["Report", "Row", "bench_device", "fmt_size", "parse_sizes", "offer_bench", "run_bench", "serve_bench"]

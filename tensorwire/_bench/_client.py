@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConnectError, DeadlineExceeded, IntegrityError, ProtocolError, RemoteError, TransferError
+from ..errors import (
+    ConnectError,
+    DeadlineExceeded,
+    IntegrityError,
+    MethodNotFound,
+    ProtocolError,
+    RemoteError,
+    TransferError,
+)
 from ..tensors._device import CPU, Device
 from ._wire import (
     ANSWER_TAG,
@@ -31,6 +39,7 @@ from ._wire import (
     RAW_PING,
     RAW_SINK,
     REQUEST_TAG,
+    SERVICE_METHOD,
     STALL_S,
     crc_of,
     cupy,
@@ -235,8 +244,8 @@ class _RawClient:
 
 async def _answer(peer: Peer, *, first: bool = False) -> Any:
     """The node's answer to the last request; a refusal or failure raised as RemoteError. A
-    node that serves bench requests answers the first at once: one that does not, soon, is not
-    one (a program of its own, or ``tensorwire stage``)."""
+    node that serves bench requests answers the first at once: one that does not, soon, only
+    says it does (a node without the service is named before, by ``run_bench``'s first call)."""
     try:
         async with asyncio.timeout(_FIRST_ANSWER_S if first else None):
             answer = await peer.recv(tag=ANSWER_TAG)
@@ -294,6 +303,16 @@ async def run_bench(
     the plain TCP baseline for about ``seconds / 2`` each. ``on_progress(report, None)`` is
     called once the path and latency are known, ``on_progress(report, row)`` after each size.
     Raises IntegrityError when a crc32c does not match, RemoteError when the node refuses."""
+    try:  # (a node without the service would leave the requests unread: the first answer timed out)
+        await peer.call(SERVICE_METHOD, _deadline=_FIRST_ANSWER_S)
+    except MethodNotFound as exc:
+        raise MethodNotFound(
+            f"the node at {peer.remote_address} runs no bench service: it is not a `tensorwire serve` (a "
+            "`tensorwire stage`, or a program of its own?); start one with `tensorwire serve --bench`",
+            remote_type=exc.remote_type,
+            remote_message=exc.remote_message,
+            method=SERVICE_METHOD,
+        ) from None
     await peer.send({"op": "open"}, tag=REQUEST_TAG)
     opened = await _answer(peer, first=True)
     if not isinstance(opened, dict) or not isinstance(opened.get("port"), int):

@@ -35,6 +35,7 @@ from ._wire import (
     RAW_SINK,
     REQUEST_TAG,
     SECRET_BYTES,
+    SERVICE_METHOD,
     STALL_S,
     allocate,
     bench_device,
@@ -43,9 +44,10 @@ from ._wire import (
 )
 
 if TYPE_CHECKING:
+    from .._node import Node
     from .._peer import Peer
 
-__all__ = ["serve_bench"]
+__all__ = ["offer_bench", "serve_bench"]
 
 log = logging.getLogger(__name__)
 
@@ -237,8 +239,23 @@ def _error(exc: BaseException | str, kind: str = "") -> dict[str, Any]:
     return {"error": kind or type(exc).__name__, "message": str(exc) or repr(exc)}
 
 
+def offer_bench(node: Node) -> None:
+    """Say that ``node`` runs ``serve_bench`` for its peers (``tensorwire serve``, with --bench or
+    not): a client checks first, and a node that does not (a ``tensorwire stage``, a program of
+    its own), which leaves bench requests unread, is named at once rather than after a timeout."""
+
+    async def serves() -> None:
+        """`tensorwire bench`: this node answers bench requests (or refuses them, without --bench)."""
+
+    if SERVICE_METHOD not in node.methods:
+        node.method(SERVICE_METHOD)(serves)
+
+
 async def serve_bench(peer: Peer, *, enabled: bool) -> None:
-    """Answer ``peer``'s bench requests until it goes (or, unless ``enabled``, refuse each)."""
+    """Answer ``peer``'s bench requests until it goes (or, unless ``enabled``, refuse each).
+    Its node offers ``tw.bench`` from now on (``offer_bench``; a server that may be called at
+    once offers it before it accepts anyone)."""
+    offer_bench(peer.node)
     service = _Service(peer)
     try:
         while True:

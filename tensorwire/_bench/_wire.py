@@ -22,6 +22,9 @@ ANSWER_TAG = _BASE - 2
 DATA_TAG = _BASE - 3
 PING_TAG = _BASE - 4
 PONG_TAG = _BASE - 5
+# an RPC method offered by a node that runs the bench service (``offer_bench``): the client calls
+# it first, and a node without one, which would never answer a request, says so (MethodNotFound)
+SERVICE_METHOD = "tw.bench"
 _metrics.traffic_tags(range(PONG_TAG, _BASE), "bench")
 
 RAW_HEAD = struct.Struct("<IQQ")  # op, size, count

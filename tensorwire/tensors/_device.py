@@ -92,6 +92,12 @@ def parse_device(device: object) -> Device | None:
     if m is None:
         raise ConfigurationError(f"unknown device {device!r}: tensorwire receives into 'cpu', 'cuda' or 'cuda:N'")
     if m.group(1) == "cpu":
+        if m.group(2) is not None and int(m.group(2)) != 0:
+            # torch ignores a cpu index; taken here it would name a device that does not exist
+            raise ConfigurationError(
+                f"unknown device {device!r}: host memory is one device, 'cpu' (or 'cpu:0'); "
+                "tensorwire receives into 'cpu', 'cuda' or 'cuda:N'"
+            )
         return CPU
     return Device("cuda", None if m.group(2) is None else int(m.group(2)))
 

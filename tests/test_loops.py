@@ -1,0 +1,124 @@
+"""A node and its peers belong to the event loop the node was started on: a call from another
+loop (another thread's) is refused at once, and abort() alone may come from anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire._peer import RESERVED_TAGS
+from tensorwire.testing import connected_pair
+
+
+def _on_another_loop(make: Callable[[], Awaitable[Any]]) -> BaseException | None:
+    """Run ``make()`` on a loop of its own (this runs in a worker thread): what it raised, if
+    anything. The timeout only keeps a hang of the old code from hanging the test."""
+
+    async def run() -> None:
+        async with asyncio.timeout(5):
+            await make()
+
+    try:
+        asyncio.run(run())
+    except BaseException as exc:
+        return exc
+    return None
+
+
+async def _drain(it: Any) -> None:
+    async for _ in it:
+        pass
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.timeout(60)
+async def test_a_node_and_its_peers_refuse_calls_from_another_loop(transport: str) -> None:
+    """A peer used from a second loop while its own loop used it too hung that loop's recvs
+    (40 s over tcp, 200 x 1 MiB each way), then the channel broke; a lone call from the other
+    loop went through by luck. Every method but abort() is now refused there at once, nothing
+    of it reaches the peer, and the node's own loop goes on using it."""
+    async with connected_pair(transport) as (a, b):
+        na, nb = a.node, b.node
+
+        @nb.method("echo")
+        async def echo(x: Any) -> Any:
+            return x
+
+        @nb.method("count")
+        async def count(n: int) -> Any:
+            for i in range(n):
+                yield i
+
+        x = np.arange(8, dtype=np.float32)
+        nb.expose(np.zeros(8, np.float32), name="h")
+        h = await a.lookup("h")
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "peer.send": lambda: a.send(x, tag="t"),
+            "peer.recv": lambda: a.recv(tag="t"),
+            "peer.recv_with_receipt": lambda: a.recv_with_receipt(tag="t"),
+            "peer.call": lambda: a.call("echo", x),
+            "peer.call_with_receipt": lambda: a.call_with_receipt("echo", x),
+            "peer.stream": lambda: _drain(a.stream("count", 2)),
+            "peer.stream_with_receipts": lambda: _drain(a.stream_with_receipts("count", 2)),
+            "peer.lookup": lambda: a.lookup("h"),
+            "peer.read": lambda: a.read(h),
+            "peer.read_with_receipt": lambda: a.read_with_receipt(h),
+            "peer.write": lambda: a.write(h, x),
+            "peer.read_many": lambda: a.read_many([h]),
+            "peer.read_many_with_receipt": lambda: a.read_many_with_receipt([h]),
+            "peer.write_many": lambda: a.write_many([h], [x]),
+            "peer.aclose": a.aclose,
+            "node.connect": lambda: na.connect(nb.address),
+            "node.accept": nb.accept,
+            "node.aclose": na.aclose,
+        }
+        for what, make in calls.items():
+            err = await asyncio.to_thread(_on_another_loop, make)
+            assert isinstance(err, tensorwire.ConfigurationError), (what, err)
+            assert f"{what} was called on an event loop that is not the node's" in str(err), err
+            assert "asyncio.run_coroutine_threadsafe(coro, node_loop)" in str(err), err
+        # where no loop runs at all (a worker thread): the synchronous methods
+        for what, fn in {
+            "node.expose": lambda: na.expose(x, name="g"),
+            "node.unexpose": lambda: nb.unexpose("h"),
+            "peer.stream": lambda: a.stream("count", 2),
+        }.items():
+            with pytest.raises(tensorwire.ConfigurationError, match=f"{what} was called where no event loop runs"):
+                await asyncio.to_thread(fn)
+
+        # nothing of the refused calls reached the other side, and both loops' objects serve on
+        assert not a.closed and not b.closed and na.peers == [a]
+        await a.send(x, tag="t")
+        np.testing.assert_array_equal(await b.recv(tag="t"), x)
+        assert not b.channel.mailbox.holds_messages(ignore=RESERVED_TAGS)
+        np.testing.assert_array_equal(await a.call("echo", x), x)
+        await a.write(h, x)
+        np.testing.assert_array_equal(await a.read(h), x)
+        with pytest.raises(tensorwire.HandleNotFound):
+            await b.lookup("g")
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_handed_to_the_nodes_loop_from_another_thread_works() -> None:
+    """What the refusal tells users to do: ``asyncio.run_coroutine_threadsafe`` onto the node's
+    loop, from a thread that runs a loop of its own or none."""
+    async with connected_pair("tcp") as (a, b):
+        home = asyncio.get_running_loop()
+        x = np.arange(4, dtype=np.int64)
+
+        def from_a_thread() -> Any:
+            return asyncio.run_coroutine_threadsafe(a.send(x, tag="t"), home).result(10)
+
+        async def from_another_loop() -> Any:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(a.send(x, tag="u"), home))
+
+        receipt = await asyncio.to_thread(from_a_thread)
+        assert receipt.nbytes == x.nbytes
+        assert await asyncio.to_thread(_on_another_loop, from_another_loop) is None
+        np.testing.assert_array_equal(await b.recv(tag="t"), x)
+        np.testing.assert_array_equal(await b.recv(tag="u"), x)
