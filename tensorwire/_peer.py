@@ -43,7 +43,10 @@ def _str_tag(tag: str) -> int:
         raw = tag.encode()
     except UnicodeEncodeError as exc:  # a lone surrogate: no bytes every process would agree on
         raise ConfigurationError(f"tag {tag!r} cannot be encoded as UTF-8: {exc.reason}") from None
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+    tag = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+    if tag in RESERVED_TAGS:  # (1 name in 65,536) moved out of tensorwire's own range, which
+        tag ^= _OUT_OF_RESERVED  # takes slots the user's messages may not (transports/_credit.py)
+    return tag
 
 
 def _listed(what: str, items: object) -> list[Any]:
@@ -61,6 +64,7 @@ def _listed(what: str, items: object) -> list[Any]:
 
 # tensorwire's own tags (rpc, one-sided requests and replies, bench) all lie in this range
 RESERVED_TAGS = range(-0x7478_0000_0000_0000 + 1, -0x7477_0000_0000_0000 + 1)
+_OUT_OF_RESERVED = 1 << 62  # (keeps the sign: the result is a 64-bit tag outside the range)
 
 
 def tag_id(tag: int | str) -> int:

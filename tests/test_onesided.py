@@ -16,6 +16,7 @@ from tensorwire.control._pb import control_pb2, control_pb2_grpc
 from tensorwire.memory import HostEngine
 from tensorwire.tensors._device import EngineArray
 from tensorwire.testing import connected_pair
+from tensorwire.transports._credit import own_slots
 
 
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
@@ -314,7 +315,7 @@ async def test_cancelled_writes_leave_nothing_at_the_owner() -> None:
         await b.write(h, np.full(size, 9, np.uint8))  # a whole write after them all
         assert (dst == 9).all()
         async with asyncio.timeout(10):
-            while a.channel.mailbox._arrived or b.channel._window.slots < 64:  # noqa: ASYNC110 - no event to wait on
+            while a.channel.mailbox._arrived or b.channel._window.slots < 64 + own_slots(64):  # noqa: ASYNC110 - no event to wait on
                 await asyncio.sleep(0.02)
 
 

@@ -13,6 +13,7 @@ from _polling import eventually
 import tensorwire
 from tensorwire import _onesided
 from tensorwire.testing import connected_pair
+from tensorwire.transports._credit import OWN_TAGS, own_slots
 
 
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
@@ -21,10 +22,11 @@ async def test_an_answer_that_comes_after_the_drain_gave_up_is_still_taken(
     transport: str, op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An owner-assisted read or write cancelled while the owner's answer waits for one of the
-    requester's message slots (the requester has left messages unread) is answered once a slot
-    frees, however late. The requester's drain gave up after _DRAIN_SECONDS and left that
-    answer unread for good: a read's (rendezvous) waited for a go-ahead that never came, and
-    the owner's ``unexpose`` waited for it; a write's held a message slot for good."""
+    requester's message slots (the requester has left messages unread, tensorwire's own among
+    them: the user's alone leave slots for the answer) is answered once a slot frees, however
+    late. The requester's drain gave up after _DRAIN_SECONDS and left that answer unread for
+    good: a read's (rendezvous) waited for a go-ahead that never came, and the owner's
+    ``unexpose`` waited for it; a write's held a message slot for good."""
     monkeypatch.setattr(_onesided, "_DRAIN_SECONDS", 0.2)
     slots = 4
     limits = tensorwire.Limits(max_unexpected=slots, recv_buffer_bytes=4096)
@@ -35,6 +37,8 @@ async def test_an_answer_that_comes_after_the_drain_gave_up_is_still_taken(
         h = await b.lookup("x")
         for _ in range(slots):  # every slot of b's taken by a message b leaves unread for now
             await a.send(np.zeros(1, np.uint8), tag=5)
+        for _ in range(own_slots(slots)):  # those kept for tensorwire's messages too (a tag none reads)
+            await a.send(np.zeros(1, np.uint8), tag=OWN_TAGS[0])
         task = asyncio.ensure_future(b.read(h) if op == "read" else b.write(h, np.ones(n, np.uint8)))
         async with asyncio.timeout(10):
             while a.node.exposures.served < 1 or (op == "write" and not dst.all()):  # noqa: ASYNC110 - no event to wait on
@@ -45,7 +49,9 @@ async def test_an_answer_that_comes_after_the_drain_gave_up_is_still_taken(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await asyncio.sleep(0.5)  # past the drain
-        for _ in range(slots):  # the slots free: the owner's answer goes out
+        for _ in range(own_slots(slots)):  # the slots free: the owner's answer goes out
+            await b.recv(tag=OWN_TAGS[0])
+        for _ in range(slots):
             await b.recv(tag=5)
         async with asyncio.timeout(10):
             await a.node.unexpose("x")  # a read's answer, never pulled, held it up for good

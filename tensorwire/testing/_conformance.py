@@ -628,6 +628,71 @@ async def check_backpressure(a: Peer, b: Peer) -> None:
     assert (await third).protocol == "rendezvous"
 
 
+@_check(Limits(max_unexpected=4))
+async def check_tensorwire_messages_pass_the_users_unreceived_ones(a: Peer, b: Peer) -> None:
+    """A peer that leaves the user's messages unreceived, as many as its ``max_unexpected``,
+    still takes tensorwire's own: its one-sided reads and writes through the owner, the owner's
+    unexpose (its revocation), calls either way, and many owner-assisted operations at once all
+    complete (they waited for good: their requests, replies and revocations needed one of the
+    slots the user's messages held). The user's share stays ``max_unexpected``, and every
+    message is received afterwards, whole and in order."""
+    engine = HostEngine()
+    blocked: asyncio.Future[Receipt] | None = None
+    try:
+        x = np.arange(64, dtype=np.int64)
+        a.node.expose(x, name="host")  # direct where the transport reaches it (ucx), else through the owner
+        a.node.expose(EngineArray(engine, x.copy()), name="dev")  # through the owner everywhere
+        hosted, dev = await b.lookup("host"), await b.lookup("dev")
+        assert not dev.direct, dev
+
+        async def echo(v: Any) -> Any:
+            return v
+
+        a.node.methods.register(echo)
+        b.node.methods.register(echo)
+        for i in range(4):  # the user's share of b's slots: b receives none of them yet
+            await asyncio.wait_for(a.send(np.full(3, i), tag="held"), 5)
+        blocked = asyncio.ensure_future(a.send(np.full(3, 4), tag="held"))
+        await asyncio.sleep(0.05)
+        assert not blocked.done(), "the user's fifth message went past max_unexpected=4"
+        stuck = "{} waited for good behind the user's unreceived messages"
+        try:
+            async with asyncio.timeout(10):
+                for h in (hosted, dev):
+                    assert np.array_equal(await b.read(h[0:8]), x[0:8]), h
+                    await b.write(h[8:16], np.full(8, -1, np.int64))
+                    assert (await b.read(h[8:16]) == -1).all(), h
+        except TimeoutError:
+            raise AssertionError(stuck.format("a one-sided read or write")) from None
+        try:
+            async with asyncio.timeout(10):  # more requests than b has slots for them, replies likewise
+                ops = [b.read(dev[i : i + 1]) for i in range(24)]
+                ops += [b.write(dev[i : i + 1], np.full(1, i, np.int64)) for i in range(24, 48)]
+                await asyncio.gather(*ops)
+        except TimeoutError:
+            raise AssertionError(stuck.format("one of 48 concurrent owner-assisted operations")) from None
+        for caller in (a, b):  # a's request to b, and b's request (whose reply goes from a to b)
+            try:
+                async with asyncio.timeout(10):
+                    assert np.array_equal(await caller.call("echo", x), x)
+            except TimeoutError:
+                raise AssertionError(stuck.format(f"a call from {caller.node.address}")) from None
+        try:
+            async with asyncio.timeout(10):
+                await a.node.unexpose("dev")
+                await a.node.unexpose("host")
+        except TimeoutError:
+            raise AssertionError(stuck.format("an unexpose (its revocation)")) from None
+        assert not blocked.done(), "the user's fifth message went past max_unexpected=4"
+        got = [int((await asyncio.wait_for(b.recv(tag="held"), 5))[0]) for _ in range(5)]
+        assert got == [0, 1, 2, 3, 4], got
+        await asyncio.wait_for(blocked, 5)
+    finally:
+        if blocked is not None and not blocked.done():
+            blocked.cancel()
+        engine.close()
+
+
 @_check(Limits(max_message_bytes=1 * MiB))
 async def check_send_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None:
     """A message larger than the peer accepts fails at the sender, with MessageRefused naming the

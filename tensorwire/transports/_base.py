@@ -67,7 +67,8 @@ class Limits:
 
     recv_buffer_bytes: bytes of messages that arrived before their recv that one peer may
         have buffered here; past it the sender waits for the recv (rendezvous), never the heap.
-    max_unexpected: messages (headers) one peer may have waiting here for a recv.
+    max_unexpected: messages (headers) one peer may have waiting here for a recv; tensorwire's
+        own messages (calls, one-sided requests) have as many again (``_credit.own_slots``).
     max_message_bytes: the largest message accepted from a peer.
     max_header_bytes: the largest message header accepted from a peer; at least
         MIN_HEADER_BYTES, so that a short error reply (an RPC's reply of last resort) always fits.

@@ -1,8 +1,12 @@
 """Credit-based flow control shared by the stream transports (tcp, ucx).
 
 A receiver grants each peer ``recv_buffer_bytes`` of buffer credit and ``max_unexpected``
-message slots. ``SendWindow`` is the sender's view of those grants: a message that fits the
-credit may go eager, every message needs a slot, and a sender without slots waits.
+message slots, and ``own_slots(max_unexpected)`` more slots that only tensorwire's own messages
+(``OWN_TAGS``: RPC, one-sided requests and answers, revocations, bench) may take. A message holds
+its slot until it is received, and the user may leave messages unreceived for good; without
+slots of their own, tensorwire's requests, replies and cancellations would wait behind them.
+``SendWindow`` is the sender's view of those grants: a message that fits the credit may go
+eager, every message needs a slot, and a sender without slots waits.
 ``ReceiveBudget`` is the receiver's view: it checks that the peer stays within what it was
 granted (a violation is a ProtocolError) and collects what consumed messages give back, to be
 piggybacked on the next frame or flushed in a CREDIT frame shortly after.
@@ -18,9 +22,30 @@ from ..errors import ProtocolError
 from ._base import Limits
 from ._frames import PeerLimits
 
-__all__ = ["FLUSH_DELAY", "ReceiveBudget", "SendWindow"]
+__all__ = ["FLUSH_DELAY", "OWN_TAGS", "ReceiveBudget", "SendWindow", "own_slots", "own_tag"]
 
 FLUSH_DELAY = 0.001  # seconds a credit return waits for a frame to ride on
+
+# tensorwire's own tags (rpc, one-sided requests and replies, bench): tensorwire._peer.RESERVED_TAGS
+OWN_TAGS = range(-0x7478_0000_0000_0000 + 1, -0x7477_0000_0000_0000 + 1)
+_OWN_FIRST, _OWN_LAST = OWN_TAGS[0], OWN_TAGS[-1]
+
+
+def own_slots(max_unexpected: int) -> int:
+    """The slots a receiver grants a peer's tensorwire messages on top of ``max_unexpected``.
+
+    As many again, and at least 4: RPC keeps what it may leave unread within a quarter of the
+    receiver's ``max_unexpected`` (requests) and a half (replies to the receiver's own calls),
+    at least 1 and 2, so even when the user's messages fill their share a quarter of these stays
+    free for cancellations, credit, one-sided requests and answers, and revocations, which are
+    received promptly.
+    """
+    return max(4, max_unexpected)
+
+
+def own_tag(tag: int) -> bool:
+    """Whether ``tag`` is one of tensorwire's own, whose messages may take the kept slots."""
+    return _OWN_FIRST <= tag <= _OWN_LAST
 
 
 class SendWindow:
@@ -28,14 +53,19 @@ class SendWindow:
 
     def __init__(self, remote: PeerLimits) -> None:
         self._max_credit = remote.recv_buffer_bytes
-        self._max_slots = remote.max_unexpected
+        self.kept = own_slots(remote.max_unexpected)  # the last free slots: tensorwire's own messages only
+        self._max_slots = remote.max_unexpected + self.kept
         self.credit = remote.recv_buffer_bytes
-        self.slots = remote.max_unexpected
+        self.slots = self._max_slots  # free at the receiver
         self._waiters: deque[asyncio.Future[None]] = deque()
 
-    async def take_slot(self, check_open: Callable[[], None]) -> None:
+    def has_slot(self, tag: int) -> bool:
+        """Whether a message on ``tag`` may take a slot now: the user's leave the kept ones."""
+        return self.slots > self.kept or (self.slots > 0 and _OWN_FIRST <= tag <= _OWN_LAST)
+
+    async def take_slot(self, tag: int, check_open: Callable[[], None]) -> None:
         """Wait for a message slot (backpressure); ``check_open`` raises once the channel is gone."""
-        while self.slots <= 0:
+        while not self.has_slot(tag):
             check_open()
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
@@ -91,6 +121,7 @@ class ReceiveBudget:
         # owing this much back makes the flush urgent (no delay)
         self._urgent_credit = limits.recv_buffer_bytes // 4
         self._urgent_slots = limits.max_unexpected // 4
+        self._max_slots = limits.max_unexpected + own_slots(limits.max_unexpected)
         self._flush = flush  # sends a CREDIT frame when something is still owed
         self._used_credit = 0
         self._used_slots = 0
@@ -103,8 +134,8 @@ class ReceiveBudget:
     def admit(self, nbytes: int, eager: bool) -> None:
         """A message header arrived: it takes a slot, and credit if it came eager."""
         self._used_slots += 1
-        if self._used_slots > self._limits.max_unexpected:
-            raise ProtocolError(f"peer sent more than {self._limits.max_unexpected} messages without credit")
+        if self._used_slots > self._max_slots:
+            raise ProtocolError(f"peer sent more than {self._max_slots} messages without credit")
         if eager:
             self._used_credit += nbytes
             if self._used_credit > self._limits.recv_buffer_bytes:

@@ -5,8 +5,10 @@ message whose header may be past the peer's ``max_header_bytes`` has it encoded,
 and refuse it as every transport does). The payload is copied once (the sender may reuse its
 tensor as soon as send returns), in chunks that yield to the event loop so that a large copy
 never stalls it. Credit and rendezvous work as on every other transport, so the conformance
-suite holds here too: sends hand their messages over in the order they were entered, and a
-channel closing or failing ends both sides at once, as a shut connection would.
+suite holds here too: sends hand their messages over in the order they were entered (the user's
+in one line, tensorwire's own in another, so that a user's send waiting for a slot holds up no
+request or reply of tensorwire's; see ``_credit``), and a channel closing or failing ends both
+sides at once, as a shut connection would.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import deque
 from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, ProtocolError, TransferError
 from ..tensors import Outgoing
 from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
+from ._credit import own_slots, own_tag
 from ._frames import PeerLimits
 from ._mailbox import Arrival, SenderAborted, _settle
 from ._order import SendOrder
@@ -70,7 +73,10 @@ def _failure(fut: asyncio.Future[None]) -> BaseException | None:
     return fut.exception() if fut.done() else None
 
 
-_ONE_LINE = 0  # the one key of an inproc channel's SendOrder: its sends are ordered across tags
+# the keys of an inproc channel's SendOrder: its sends are ordered across tags, the user's in one
+# line and tensorwire's own in the other (which may take the slots kept for them, see _credit)
+_USER_LINE = 0
+_OWN_LINE = 1
 
 # At most the bytes a tensor's spec takes in an encoded header beyond its strings and dims (tags
 # and length varints of the spec and its six fields, nbytes), and each dim (shape and strides).
@@ -100,7 +106,8 @@ class InprocChannel(Channel):
         self._remote = self._promise  # what its peer accepts (set by _link)
         self.peer: InprocChannel | None = None
         self._send_credit = 0
-        self._send_slots = 0
+        self._send_slots = 0  # free at the peer, counted here: the peer's release gives them back
+        self._kept_slots = 0  # the last free ones: tensorwire's own messages only
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._sources: dict[int, _Source] = {}
         self._next_id = 1
@@ -120,7 +127,8 @@ class InprocChannel(Channel):
         self.peer = other
         self._remote = other._promise
         self._send_credit = self._remote.recv_buffer_bytes
-        self._send_slots = self._remote.max_unexpected
+        self._kept_slots = own_slots(self._remote.max_unexpected)
+        self._send_slots = self._remote.max_unexpected + self._kept_slots
 
     def _other(self) -> InprocChannel:
         self.check_open()
@@ -136,7 +144,8 @@ class InprocChannel(Channel):
         # Sends hand their messages to the peer's mailbox in the order they were entered, as
         # frames go out on a stream (FIFO per tag): each waits for the send entered before it
         # to hand its message over, however long that one's staging, yields or slot wait last.
-        turn = self._order.enter(_ONE_LINE)
+        own = own_tag(tag)
+        turn = self._order.enter(_OWN_LINE if own else _USER_LINE)
         self._sending += 1
         try:
             try:
@@ -148,7 +157,7 @@ class InprocChannel(Channel):
                     # copied); inside our turn, so no send entered after ours goes first meanwhile
                     for _ in range(3):
                         await asyncio.sleep(0)
-                while self._send_slots <= 0:
+                while self._send_slots <= (0 if own else self._kept_slots):
                     fut = asyncio.get_running_loop().create_future()
                     self._slot_waiters.append(fut)
                     await fut

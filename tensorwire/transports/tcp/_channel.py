@@ -236,7 +236,7 @@ class TcpChannel(Channel):
         if (
             not self._turn.busy
             and not self._order.busy(tag)  # an earlier send on the tag waits for a slot: it goes first
-            and window.slots > 0
+            and window.has_slot(tag)
             and nbytes <= window.credit
             and nbytes <= self._limits.chunk_bytes
             and not msg.on_device
@@ -304,7 +304,7 @@ class TcpChannel(Channel):
         self._sending += 1
         try:
             await turn.wait()
-            await self._window.take_slot(self.check_open)
+            await self._window.take_slot(tag, self.check_open)
             eager = self._window.reserve(msg.nbytes)
             msg_id = self._next_id
             self._next_id += 1

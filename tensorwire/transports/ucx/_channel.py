@@ -435,7 +435,7 @@ class UcxChannel(Channel):
         header = msg.header
         n = len(header)
         if (
-            window.slots <= 0
+            not window.has_slot(tag)
             or nbytes > window.credit
             or n > self._remote.max_header_bytes
             or n + nbytes > self._remote_room
@@ -475,7 +475,7 @@ class UcxChannel(Channel):
         self._sending += 1
         try:
             await turn.wait()
-            await self._window.take_slot(self.check_open)
+            await self._window.take_slot(tag, self.check_open)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
             msg_id = self._next_id

@@ -405,7 +405,7 @@ class VerbsChannel(Channel):
         self._sending += 1
         try:
             await turn.wait()
-            await self._window.take_slot(self.check_open)
+            await self._window.take_slot(tag, self.check_open)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
             msg_id = self._next_id

@@ -1,0 +1,84 @@
+"""Message slots kept for tensorwire's own messages (transports/_credit): the user's sends leave
+them free, tensorwire's may take them. The conformance check
+``tensorwire_messages_pass_the_users_unreceived_ones`` shows it on real nodes of every transport."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tensorwire import _onesided
+from tensorwire._bench import _wire as bench_wire
+from tensorwire._peer import RESERVED_TAGS
+from tensorwire.rpc import _protocol
+from tensorwire.transports import Limits
+from tensorwire.transports._credit import OWN_TAGS, ReceiveBudget, SendWindow, own_slots, own_tag
+from tensorwire.transports._frames import PeerLimits
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_the_kept_slots_go_to_every_tag_tensorwire_sends_on() -> None:
+    assert OWN_TAGS == RESERVED_TAGS
+    mine = [
+        _protocol.REQUEST_TAG,
+        _protocol.CONTROL_TAG,
+        _protocol.reply_tag(1),
+        _protocol.args_tag(2**40),
+        _onesided._OPS_TAG,
+        _onesided._REPLY_BASE,
+        bench_wire.REQUEST_TAG,
+        bench_wire.PONG_TAG,
+    ]
+    assert all(own_tag(t) and t in OWN_TAGS for t in mine)
+    assert not any(own_tag(t) for t in (0, -1, 7, OWN_TAGS[0] - 1, OWN_TAGS[-1] + 1))
+
+
+@pytest.mark.parametrize(("users", "kept"), [(1, 4), (2, 4), (4, 4), (5, 5), (1024, 1024)])
+async def test_the_users_messages_take_max_unexpected_slots_and_leave_the_rest(users: int, kept: int) -> None:
+    assert own_slots(users) == kept
+    window = SendWindow(PeerLimits(1 << 20, users, 1 << 20, Limits.MIN_HEADER_BYTES, 0))
+    budget = ReceiveBudget(Limits(max_unexpected=users), flush=lambda: None)
+
+    def is_open() -> None:
+        pass
+
+    for _ in range(users):
+        await asyncio.wait_for(window.take_slot(7, is_open), 1)
+        budget.admit(0, False)
+    user = asyncio.ensure_future(window.take_slot(7, is_open))
+    await asyncio.sleep(0)
+    assert not user.done(), "a user's message took a slot kept for tensorwire's"
+    for _ in range(kept):
+        await asyncio.wait_for(window.take_slot(_onesided._OPS_TAG, is_open), 1)
+        budget.admit(0, False)  # the receiver accepts them all
+    own = asyncio.ensure_future(window.take_slot(_protocol.REQUEST_TAG, is_open))
+    await asyncio.sleep(0)
+    assert not own.done() and not user.done()
+    window.grant(0, 1)  # one slot back: tensorwire's message takes it, the user's still waits
+    await asyncio.wait_for(own, 1)
+    assert not user.done()
+    window.grant(0, kept + 1)  # the kept slots are all free again, and one more: the user's goes
+    await asyncio.wait_for(user, 1)
+    user.result()
+
+
+def test_no_string_tag_lands_in_tensorwire_s_own_range() -> None:
+    """A string tag hashes to 64 bits, and about 1 name in 65,536 hashed into tensorwire's own
+    range: its messages would have taken the slots kept for tensorwire's (and been counted as
+    rpc or one-sided traffic). Such a name is moved out of the range, the same in every process."""
+    import hashlib
+
+    from tensorwire._peer import tag_id
+
+    def raw(name: str) -> int:
+        return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+    landed = [name for name in (f"layer{i}" for i in range(400_000)) if raw(name) in RESERVED_TAGS][:3]
+    assert landed, "no name of 400,000 hashed into the range (about 6 expected)"
+    for name in landed:
+        tag = tag_id(name)
+        assert tag not in RESERVED_TAGS and -(2**63) <= tag < 2**63, (name, tag)
+        assert tag == tag_id(name)
+    assert tag_id("layer1") == raw("layer1")  # every other name hashes as it always did
