@@ -43,10 +43,10 @@ def _str_tag(tag: str) -> int:
         raw = tag.encode()
     except UnicodeEncodeError as exc:  # a lone surrogate: no bytes every process would agree on
         raise ConfigurationError(f"tag {tag!r} cannot be encoded as UTF-8: {exc.reason}") from None
-    tag = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
-    if tag in RESERVED_TAGS:  # (1 name in 65,536) moved out of tensorwire's own range, which
-        tag ^= _OUT_OF_RESERVED  # takes slots the user's messages may not (transports/_credit.py)
-    return tag
+    wire = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+    if wire in RESERVED_TAGS:  # (1 name in 65,536) moved out of tensorwire's own range, which
+        wire ^= _OUT_OF_RESERVED  # takes slots the user's messages may not (transports/_credit.py)
+    return wire
 
 
 def _listed(what: str, items: object) -> list[Any]:
