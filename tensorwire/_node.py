@@ -24,6 +24,7 @@ from ._loops import check_home, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
 from ._peer import RESERVED_TAGS, Peer
+from ._ratelog import RateLimitedLog
 from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, TLSConfig, check_require
 from .control._convert import offer_from_pb, offer_to_pb
 from .control._pb import control_pb2
@@ -275,6 +276,10 @@ class Node:
         self._leases: dict[str, tuple[float, Peer]] = {}
         self._sessions: dict[str, Peer] = {}
         self._opening: dict[str, asyncio.Task[None]] = {}  # handshaken sessions whose data path is opening
+        # (a client that only handshakes, in a loop, cannot fill the log with these)
+        self._unopened = RateLimitedLog(
+            log, per_window=20, window=10.0, what="handshakes whose data connection never opened", kind="control"
+        )
         self._connecting: set[asyncio.Task[Peer]] = set()  # connects under way: closing the node ends them
         self.exposures = ExposureTable()
         self._retiring: set[asyncio.Task[None]] = set()  # unexposed tensors waiting for peers' acks
@@ -444,7 +449,7 @@ class Node:
                 async with asyncio.timeout(self.config.connect_timeout):
                     channel = await pending
             except TimeoutError:
-                log.warning("peer %s completed the handshake but never opened its data connection", remote_addr)
+                self._unopened.warn("peer %s completed the handshake but never opened its data connection", remote_addr)
                 if isinstance(pending, asyncio.Future):
                     pending.cancel()
                 return
@@ -506,7 +511,7 @@ class Node:
                 if now > expiry:
                     del self._leases[sid]
                     log.warning(
-                        "peer %s at %s missed its lease (%.1f s): declaring it dead",
+                        "peer %s at %s missed its lease (%s s): declaring it dead",
                         peer.remote_node[:8],
                         peer.remote_address,
                         lease,

@@ -3,6 +3,7 @@ cannot travel, refusals that must say which side falls short, a control port alr
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,9 +11,10 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
-from tensorwire import ConfigurationError, Limits, NodeConfig
+from tensorwire import ConfigurationError, Limits, NodeConfig, metrics
 from tensorwire.control import PROTOCOL_VERSION, Offer, choose
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
 from tensorwire.transports import Capabilities, Session
@@ -245,3 +247,23 @@ async def test_a_client_that_keeps_sending_bad_proofs_cannot_fill_the_log(caplog
                 await stub.Lookup(control_pb2.LookupRequest(session_id=peer.session.id, name="x"), timeout=5)
     refusals = [r for r in caplog.records if "bad proof" in r.getMessage()]
     assert 1 <= len(refusals) <= 20, len(refusals)
+
+
+async def test_handshakes_that_never_open_a_data_connection_cannot_fill_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that handshakes and never opens the data connection made the node warn once per
+    handshake, unlimited: 2000 handshakes in a second gave 2000 lines. The first 20 in 10 s are
+    logged now, and every one is counted (tensorwire_refusals_total{kind="control"})."""
+    before = metrics.snapshot().refusals.get("control", 0)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), connect_timeout=0.2) as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            req = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, node_id="f", preference=["tcp"])
+            req.offers.add(name="tcp", version=node.offers["tcp"].version, address=node.offers["tcp"].address)
+            for _ in range(3):
+                await asyncio.gather(*[stub.Handshake(req, timeout=10) for _ in range(20)])
+        await eventually(lambda: not node._opening, seconds=20)
+    lines = [r for r in caplog.records if "never opened its data connection" in r.getMessage()]
+    assert 1 <= len(lines) <= 20, len(lines)
+    assert metrics.snapshot().refusals.get("control", 0) - before == 60

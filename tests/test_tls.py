@@ -171,6 +171,24 @@ async def test_a_tls_client_at_a_plaintext_node_is_told_that_node_serves_no_tls(
             await client.connect(plaintext.address, connect_timeout=5)
 
 
+@pytest.mark.parametrize("mutual", [False, True])
+async def test_a_plaintext_node_at_a_tls_node_is_told_that_node_serves_tls(pki, mutual: bool) -> None:
+    """It said 'Socket closed (if that node serves TLS, this one needs tls= too)', which a node
+    closing during the connect also got. The client now offers that address a TLS handshake,
+    sees it answered, and says so: an AuthenticationError that names tls=."""
+    async with (
+        tensorwire.start("127.0.0.1:0", tls=_tls(pki, "server", mutual=mutual), transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as plaintext,
+    ):
+        with pytest.raises(
+            tensorwire.AuthenticationError, match=r"serves TLS, and it closed this node's plaintext"
+        ) as info:
+            await plaintext.connect(server.address, connect_timeout=5)
+        assert "start this node with tls= too" in str(info.value), info.value
+        async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client")) as client:
+            await _exchange(client, server)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -738,6 +738,24 @@ async def test_ucx_options_ucx_refuses_are_a_configuration_error(options: dict[s
         assert "ucx" in node.offers
 
 
+async def test_ucx_options_that_leave_only_cma_say_so_in_the_path() -> None:
+    """With TLS="cma" ucx was offered, and every connect, either way, fell back to tcp with UCX's
+    bare 'Destination is unreachable': cma only copies, and carries no messages to connect over.
+    Such a node now offers no ucx, and both paths say why, naming the option."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("ucx", "tcp"), ucx_options={"TLS": "cma"}) as cma,
+        tensorwire.start("127.0.0.1:0", transports=("ucx", "tcp")) as other,
+    ):
+        assert "ucx" not in cma.offers
+        to_cma = await other.connect(cma.address)
+        from_cma = await cma.connect(other.address)
+        for peer in (to_cma, from_cma):
+            assert peer.path.transport == "tcp"
+            reason = dict(peer.path.passed_over)["ucx"]
+            assert "ucx_options TLS='cma'" in reason and "carries no messages" in reason, reason
+            assert "Destination is unreachable" not in reason, reason
+
+
 @pytest.mark.parametrize(
     "body",
     [b"\x44", b"\x2f" + bytes(30), b"\x0f" + bytes(200), b""],

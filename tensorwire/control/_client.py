@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import enum
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -19,7 +21,7 @@ from ..errors import (
 from ._pb import control_pb2, control_pb2_grpc
 from ._tls import TLSConfig
 
-__all__ = ["ControlClient", "SessionLost", "map_rpc_error"]
+__all__ = ["ControlClient", "SessionLost", "WhyClosed", "map_rpc_error"]
 
 _R = TypeVar("_R")
 
@@ -33,11 +35,91 @@ SESSION_LOST_METADATA = (("tensorwire-session", "lost"),)
 
 
 _TLS_FAILURE = ("ssl", "handshake", "certificate", "hostname verification")
+# a handshake unanswered this long (seconds) is watched: is anything still listening there?
+_HANDSHAKE_WATCH_AFTER = 1.0
 
 
-def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) -> Exception:
+class WhyClosed(enum.Enum):
+    """Why a server closed a plaintext control connection before answering: a TLS server does
+    that to plaintext, and so does a node that is closing. ``probe_closed`` tells them apart."""
+
+    SERVES_TLS = "serves TLS"  # it answered a TLS handshake
+    CLOSING = "closing"  # it speaks plaintext HTTP/2 (it answered before, or said GOAWAY) or no TLS
+    CLOSED = "closed"  # nothing listens there any more
+    UNKNOWN = "unknown"  # not probed, or the probe got no answer in time
+
+
+def _host_port(target: str) -> tuple[str, int]:
+    """``"host:port"`` (an IPv6 host in brackets) as (host, port); ValueError if it is not."""
+    host, _, port = target.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+async def nothing_listens(target: str, seconds: float) -> bool:
+    """Whether a new TCP connection to ``target`` is refused: no server listens there any more.
+    (An answer in time, or none, or any other failure, says nothing of the sort.)"""
+    try:
+        async with asyncio.timeout(seconds):
+            _, writer = await asyncio.open_connection(*_host_port(target))
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, TimeoutError):
+        return False
+    writer.transport.abort()
+    return False
+
+
+async def probe_closed(target: str, seconds: float) -> WhyClosed:
+    """Offer ``target`` a TLS handshake (nothing is verified: we only learn whether it speaks
+    TLS), to tell a TLS node refusing our plaintext from a node that closed under us. Costs one
+    connection, made only after a plaintext connect failed so."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        async with asyncio.timeout(seconds):
+            host, port = _host_port(target)
+            try:
+                _, writer = await asyncio.open_connection(host, port, ssl=context)
+            except ConnectionResetError:
+                # a connection the closing listener had queued is reset as it goes: ask again
+                _, writer = await asyncio.open_connection(host, port, ssl=context)
+        writer.transport.abort()  # (no TLS close_notify exchange to wait for)
+        return WhyClosed.SERVES_TLS
+    except ssl.SSLError as exc:  # a TLS alert (no client certificate, say) is a TLS answer too
+        return WhyClosed.SERVES_TLS if "ALERT" in (exc.reason or "") else WhyClosed.CLOSING
+    except ConnectionRefusedError:
+        return WhyClosed.CLOSED
+    except (OSError, ValueError, TimeoutError):  # (a second reset, an address we cannot parse, no answer)
+        return WhyClosed.UNKNOWN
+
+
+_CLOSED_HINTS = {
+    WhyClosed.CLOSING: " (the node closed the connection before answering: it is most likely closing; "
+    "connect again once it serves)",
+    WhyClosed.CLOSED: " (the node closed the connection before answering, and now refuses new ones: it "
+    "has closed; connect again once it serves)",
+    WhyClosed.UNKNOWN: " (the node closed the connection before answering: it may be closing, or it "
+    "serves TLS and this node needs tls= too)",
+}
+
+
+def _closed_plaintext(detail: str) -> bool:
+    """A plaintext connection the server closed before answering: what a TLS server does to
+    plaintext, and what a closing node may do. (One that said GOAWAY spoke plaintext HTTP/2.)"""
+    low = detail.lower()
+    return "socket closed" in low and "goaway" not in low
+
+
+def map_rpc_error(
+    exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False, closed: WhyClosed = WhyClosed.UNKNOWN
+) -> Exception:
     """A control-plane failure as an error from the tree. With TLS on, a server that closes the
-    connection during setup has most likely rejected our certificate, and we say so."""
+    connection during setup has most likely rejected our certificate, and we say so. Without
+    it, ``closed`` says why the server closed the connection before answering, when it did
+    (see ``probe_closed``)."""
     code, detail = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{target} refused the handshake: {detail}")
@@ -65,8 +147,14 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False) 
             )
     if code == grpc.StatusCode.UNAVAILABLE:
         hint = ""
-        if not tls and "socket closed" in detail.lower():  # what a TLS server does to plaintext
-            hint = " (if that node serves TLS, this one needs tls= too)"
+        if not tls and "socket closed" in detail.lower():
+            why = closed if _closed_plaintext(detail) else WhyClosed.CLOSING
+            if why is WhyClosed.SERVES_TLS:
+                return AuthenticationError(
+                    f"{target} serves TLS, and it closed this node's plaintext connection ({detail}): "
+                    "start this node with tls= too (a TLSConfig whose ca_file trusts that node's certificate)"
+                )
+            hint = _CLOSED_HINTS[why]
         return ControlPlaneError(f"cannot reach a tensorwire node at {target}: {detail}{hint}")
     if code == grpc.StatusCode.CANCELLED:
         # Our own cancellations and closes reach the caller as asyncio.CancelledError (see
@@ -84,6 +172,7 @@ class ControlClient:
         self.target = target
         self._tls = tls is not None
         self._closed = False
+        self._answered = False  # a call got the server's answer: it spoke plaintext (or TLS) to us
         # A subchannel (the connection) of our own: by default grpc shares one per target among
         # a process's channels, and with it the reconnect backoff of a channel that kept failing
         # against a dead node (an old peer's renewals or lookups), so a connect() to the node
@@ -114,13 +203,20 @@ class ControlClient:
         if self._closed:
             raise self._closed_error()
         try:
-            return await method(request, timeout=deadline)
+            response = await method(request, timeout=deadline)
+            self._answered = True
+            return response
         except grpc.aio.AioRpcError as exc:
             make = special.get(exc.code()) if special is not None else None
             error = make(exc) if make is not None else None
             if error is not None:
                 raise error from exc
-            raise map_rpc_error(exc, self.target, tls=self._tls) from exc
+            closed = WhyClosed.UNKNOWN
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and not self._tls and _closed_plaintext(exc.details() or ""):
+                # a TLS node closes plaintext at once, and so may a node that is closing: ask
+                # which, unless this server has answered us in plaintext already
+                closed = WhyClosed.CLOSING if self._answered else await probe_closed(self.target, min(deadline, 2.0))
+            raise map_rpc_error(exc, self.target, tls=self._tls, closed=closed) from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
@@ -133,7 +229,29 @@ class ControlClient:
         return ClosedResourceError(f"the control connection to {self.target} is closed")
 
     async def handshake(self, request: control_pb2.HandshakeRequest, deadline: float) -> control_pb2.HandshakeResponse:
-        return await self._unary(self._stub.Handshake, request, deadline)
+        """The handshake; one whose answer is late is watched: a node that closes as the
+        connection to it is made can leave that connection open and unserved (gRPC calls the
+        channel READY), and the handshake waited out connect_timeout for an answer that could
+        not come. Once nothing listens at the address any more, it fails at once."""
+        call: asyncio.Future[control_pb2.HandshakeResponse]
+        call = asyncio.ensure_future(self._unary(self._stub.Handshake, request, deadline))
+        try:
+            while True:
+                await asyncio.wait([call], timeout=_HANDSHAKE_WATCH_AFTER)
+                if call.done():
+                    return call.result()
+                if await nothing_listens(self.target, _HANDSHAKE_WATCH_AFTER):
+                    raise ControlPlaneError(
+                        f"cannot reach a tensorwire node at {self.target}: it stopped listening while this "
+                        "handshake waited for its answer (a new connection is refused): the node closed during "
+                        "the connect; connect again once it serves"
+                    )
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.wait([call])
+                if not call.cancelled():
+                    call.exception()  # (retrieved: an error it raised meanwhile is not ours to report)
 
     async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
         return await self._unary(self._stub.GetNodeInfo, control_pb2.NodeInfoRequest(), deadline)

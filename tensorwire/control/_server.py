@@ -69,10 +69,13 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             )
         token = node.config.auth_token
         if token is not None and not hmac.compare_digest(request.auth_token.encode(), token.encode()):
-            self._refusals.warn(
-                "handshake from %s refused: %s auth token", peer, "missing" if not request.auth_token else "wrong"
+            missing = not request.auth_token
+            self._refusals.warn("handshake from %s refused: %s auth token", peer, "missing" if missing else "wrong")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{'no auth token given' if missing else 'wrong auth token'} (both nodes need the same auth_token: "
+                "tensorwire.start(..., auth_token=...) on each, or --token or $TENSORWIRE_TOKEN for the command line)",
             )
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
         sizes = (len(request.preference), len(request.offers), len(request.unavailable))
         if max(sizes) > MAX_TRANSPORTS:
             self._refusals.warn("handshake from %s refused: %d preferences, %d offers, %d reasons", peer, *sizes)

@@ -64,6 +64,10 @@ _PROBED_MAX = 64
 # endpoint addresses of 255 bytes).
 _UCX_ADDRESS_VERSIONS = (0, 1)
 _ADDRESS_TAIL = bytes(64 << 10)
+# UCX transports that only copy (get/put) and carry none of UCX's messages: a context with no
+# other transport cannot create an endpoint to any peer (measured with TLS="cma": every connect,
+# either way, failed with "Destination is unreachable")
+_COPY_ONLY_TLS = ("cma",)
 
 
 def _lane_kinds(tls: list[str]) -> tuple[bool, bool]:
@@ -144,6 +148,16 @@ class UcxTransport(Transport):
         tls = [t for t, _ in resources if t != "self"]
         if not tls:
             cls._why_not = "UCX offers no transport here (check UCX_TLS)"
+            return None
+        if set(tls) <= set(_COPY_ONLY_TLS):
+            # offered, it failed at every connect with UCX's bare 'Destination is unreachable'
+            chosen = dict(options).get("TLS")
+            where = "check UCX_TLS" if chosen is None else f"ucx_options TLS={chosen!r}"
+            cls._why_not = (
+                f"UCX offers only {', '.join(dict.fromkeys(tls))} here ({where}), which copies the bytes of "
+                "transfers but carries no messages: UCX can connect to no peer over it. Add a transport that "
+                "does, e.g. TLS='sm' (cma with shared-memory FIFOs) or 'sm,tcp'"
+            )
             return None
         try:
             load_ucp()
