@@ -554,13 +554,23 @@ def test_a_node_whose_peer_was_killed_mid_operation_closes_without_ucx_warnings(
 # A hub that sends 64 MiB to a peer which never takes it (stopped, then SIGKILLed) and closes
 # once the peer's lease ran out, in a process of its own (UCX prints on that process's stdout).
 # argv: the hub's UCX options (JSON), the tests folder, "warm" (a rendezvous each way first) or
-# "first" (the 64 MiB is the first rendezvous to the peer). Prints one JSON line: the hub's
-# listening sockets, descriptors and /dev/shm mappings before the node and after it closed,
-# whether the payload was with UCX when the peer was killed, and what became of the send.
+# "first" (the 64 MiB is the first rendezvous to the peer), and how the hub's node ends (see
+# ENDINGS). Prints one JSON line: the hub's listening sockets, descriptors and /dev/shm mappings
+# before the node and after it closed, whether the payload was with UCX when the peer was
+# stopped, and what became of the send.
 _KILLED_RECEIVER_HUB = r"""
-import asyncio, gc, json, os, signal, subprocess, sys
+import asyncio, faulthandler, gc, json, os, signal, subprocess, sys
 import numpy as np
 import tensorwire
+
+faulthandler.dump_traceback_later(45, exit=True)  # (a close that hangs says where)
+# "lease": the peer is killed and the hub closes once its lease has run out; "killed": the hub
+# closes right after the kill; "stopped": the hub closes with the peer alive but stopped (killed
+# after the close); "cut": the peer is killed, the hub's close begins and, while an endpoint's
+# flush is waited for, the program returns: asyncio.run cancels the close with every other task,
+# and the node closes as its loop ends (the footprint after is taken after asyncio.run); "shut":
+# the peer is killed, and the hub's UCX worker is shut while an endpoint's flush is waited for
+ENDING = sys.argv[4]
 
 sys.path.insert(0, sys.argv[2])
 from _polling import eventually
@@ -585,38 +595,76 @@ def footprint():
     return [len(listening_ports()), len(os.listdir("/proc/self/fd")), shm]
 
 
-async def main():
-    options = json.loads(sys.argv[1])
+def flushing(hub):
+    # an endpoint's flush before its close is in flight (Worker._flushed)
+    worker = hub.transports["ucx"].worker
+    return any(entry[3] == "ucx endpoint flush" for entry in getattr(worker, "_raw", {}).values())
+
+
+async def pair(options):
     async with (
         tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options) as a,
         tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options) as b,
     ):
         await a.connect(b.address)  # (what stays for the process: gRPC's threads and descriptors)
     gc.collect()
-    before = footprint()
-    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options, lease_seconds=1.0) as hub:
-        worker = subprocess.Popen([sys.executable, "-c", WORKER, hub.address, sys.argv[1], sys.argv[3]])
-        try:
-            peer = await hub.accept()
-            if sys.argv[3] == "warm":  # a rendezvous each way first: UCX has the peer's endpoint id
-                await peer.send(np.ones(4 << 20, np.uint8), tag="warm")
-            await peer.recv(tag="ready")
-            os.kill(worker.pid, signal.SIGSTOP)  # nothing it is sent is taken from here on
-            send = asyncio.ensure_future(peer.send(np.ones(64 << 20, np.uint8), tag="big"))
-            channel = peer.channel
-            await eventually(lambda: bool(channel._futs) or send.done(), pause=0)  # its payload is with UCX
-            posted = not send.done()
-        finally:
+    report.setdefault("before", footprint())
+
+
+async def main():
+    options = json.loads(sys.argv[1])
+    await pair(options)
+    hub = await tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options, lease_seconds=1.0)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, hub.address, sys.argv[1], sys.argv[3]])
+    try:
+        peer = await hub.accept()
+        if sys.argv[3] == "warm":  # a rendezvous each way first: UCX has the peer's endpoint id
+            await peer.send(np.ones(4 << 20, np.uint8), tag="warm")
+        await peer.recv(tag="ready")
+        os.kill(worker.pid, signal.SIGSTOP)  # nothing it is sent is taken from here on
+        send = asyncio.ensure_future(peer.send(np.ones(64 << 20, np.uint8), tag="big"))
+        channel = peer.channel
+        await eventually(lambda: bool(channel._futs) or send.done(), pause=0)  # its payload is with UCX
+        report["posted"] = not send.done()
+        if ENDING != "stopped":
             worker.kill()
             worker.wait()
+        if ENDING == "lease":
+            await asyncio.gather(send, return_exceptions=True)
+        if ENDING == "shut":
+            closing = asyncio.ensure_future(hub.aclose())
+            await eventually(lambda: flushing(hub), pause=0.005)
+            hub.transports["ucx"].worker.close()  # (as a cancelled transport close does)
+            await closing
+        if ENDING == "cut":
+            send.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its end is not looked at)
+            closing = asyncio.ensure_future(hub.aclose())
+            give_up = asyncio.get_running_loop().time() + 3
+            while not flushing(hub) and asyncio.get_running_loop().time() < give_up:
+                await asyncio.sleep(0.005)
+            report["cut"] = "flush" if flushing(hub) else "late"
+            return  # (asyncio.run cancels the close, the send, and the rest)
+        await hub.aclose()
         results = await asyncio.gather(send, return_exceptions=True)
-        del send, channel, peer
+        report["ops"] = [type(r).__name__ for r in results]
+        del send, channel, peer, hub
+    finally:
+        worker.kill()
+        worker.wait()
     gc.collect()
-    report = {"before": before, "after": footprint(), "posted": posted, "ops": [type(r).__name__ for r in results]}
-    print(json.dumps(report), flush=True)
+    report["after"] = footprint()
 
 
+report = {}
+if ENDING == "cut":  # (the footprint after a loop has ended, to be compared with the one after)
+    asyncio.run(pair(json.loads(sys.argv[1])))
+    gc.collect()
+    report["before"] = footprint()
 asyncio.run(main())
+if ENDING == "cut":
+    gc.collect()
+    report["after"] = footprint()
+print(json.dumps(report), flush=True)
 """
 
 
@@ -639,10 +687,46 @@ def test_a_node_whose_peer_died_with_a_large_send_to_it_in_flight_frees_its_ucx_
     and the endpoint's closing flush all waited for that answer for good; ucxx's BYE request and
     close request held the endpoint and it held them, and the worker with them: [2, 29, 3]
     against [0, 13, 0] over shared memory (over tcp lanes the reset failed them all)."""
-    report = _quiet_hub(_KILLED_RECEIVER_HUB, options, rendezvous)
+    report = _quiet_hub(_KILLED_RECEIVER_HUB, options, rendezvous, "lease")
     assert report["posted"], report
     assert report["ops"] == ["PeerDisconnected"], report  # the lease ran out before the close
     assert report["after"] == report["before"], f"(listening sockets, descriptors, /dev/shm mappings): {report}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("options", "ending"),
+    [({}, "killed"), ({}, "stopped"), ({"TLS": "tcp"}, "stopped"), ({}, "cut"), ({}, "shut")],
+    ids=["default-killed", "default-stopped", "tcp-lanes-stopped", "default-cut", "default-shut"],
+)
+def test_a_node_closed_with_a_first_large_send_to_a_dead_or_stopped_peer_in_flight_frees_its_ucx_worker(
+    options: dict[str, str], ending: str
+) -> None:
+    """As the test above ("first"), the node closed other ways; each must free its UCX worker.
+
+    "killed": closed right after the peer was SIGKILLed, its lease still running; "stopped":
+    closed with the peer SIGSTOPped, alive but never answering. The BYE and ucxx's close waited
+    for the peer's endpoint id as after a lost lease: [2, 27, 3] listening sockets, descriptors
+    and /dev/shm mappings against [0, 11, 0] over shared memory, both; [2, 25, 0] over tcp lanes
+    to a stopped peer (nothing resets its connection), where a killed one's reset freed all.
+
+    "cut": the peer killed, the node's close was cancelled (asyncio.run ending the program, the
+    close under way) while it waited for an endpoint's flush. The cancelled close left ucxx's
+    endpoint to its destructor, which progresses the worker until its close ends: for ever, and
+    the process hung as asyncio.run shut its loop down. (Before the flush was, ucxx's close
+    request and its endpoint held each other and the worker: [2, 20, 3] against [0, 4, 0].)
+
+    "shut": the node's UCX worker shut while that flush was waited for (a transport close that
+    was cancelled shuts it so). The flush's wait failed, and ucxx's close followed, on a worker
+    nothing progressed any more: its request and the endpoint held each other, [2, 27, 3]."""
+    report = _quiet_hub(_KILLED_RECEIVER_HUB, options, "first", ending)
+    assert report["posted"], report
+    assert report["after"] == report["before"], f"(listening sockets, descriptors, /dev/shm mappings): {report}"
+    if ending == "cut":
+        assert report["cut"] == "flush", report  # (cut while the endpoint's flush was waited for)
+    else:
+        assert report["ops"] == ["ClosedResourceError"], report  # (closed before the lease ran out)
 
 
 async def test_a_cancelled_send_the_program_keeps_does_not_keep_closed_nodes_ucx_workers() -> None:

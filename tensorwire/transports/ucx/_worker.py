@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import ctypes
 import functools
 import logging
 import os
@@ -631,9 +632,19 @@ class Worker:
         log instead.
 
         The endpoint is flushed first, and a flush that has not ended within ``grace`` is taken
-        for one that never will (see ``_close_stuck``)."""
+        for one that never will (see ``_close_stuck``). A close cancelled meanwhile (the node's
+        close cut short as its loop ends), or one the worker's shutdown overtakes, closes the
+        endpoint at once the same way: ucxx's close left to its endpoint's destructor progressed
+        the worker until the flush ended (for ever, to a peer that died during a first
+        rendezvous send: the process hung as its loop shut down), and ucxx's close posted on a
+        shut worker held the endpoint and the worker (2 listening sockets, 3 mappings)."""
         deadline = self.loop.time() + grace
-        if not await self._flushed(ep, deadline):
+        try:
+            flushed = await self._flushed(ep, deadline)
+        except BaseException:  # (cancelled: nothing may wait now, and nothing may be left to ucxx)
+            self._close_stuck(ep)
+            raise
+        if not flushed:
             return
         try:
             with quiet(_CLOSING_FLUSH, "closing an endpoint whose peer is gone"):
@@ -652,11 +663,12 @@ class Worker:
             self.forget_request(req)
 
     async def _flushed(self, ep: Any, deadline: float) -> bool:
-        """Flush ``ep`` (raw ``ucp_ep_flush_nbx``) until ``deadline``. True: it ended, or could
-        not be tried or watched (the worker shut meanwhile), and ucxx's close follows. False: it
-        had not ended, and the endpoint has been closed here (``_close_stuck``)."""
-        if self._closed:  # (nothing would progress the flush)
-            return True
+        """Flush ``ep`` (raw ``ucp_ep_flush_nbx``) until ``deadline``. True: it ended, or failed,
+        and ucxx's close follows. False: it had not ended (or the worker shut meanwhile: nothing
+        would progress it), and the endpoint has been closed here (``_close_stuck``)."""
+        if self._closed:
+            self._close_stuck(ep)
+            return False
         try:
             ucp = load()
             with quiet(_CLOSING_FLUSH, "flushing an endpoint whose peer is gone"):
@@ -673,19 +685,19 @@ class Worker:
             return True
         except TimeoutError:
             pass
-        except Exception as exc:  # (the worker shut, which gave the request back to UCX)
-            log.debug("ucx endpoint flush before its close: %s", exc)
-            return True
+        except Exception as exc:  # (failed; or the worker shut, which gave the request back to UCX)
+            if not self._closed:
+                log.debug("ucx endpoint flush before its close: %s", exc)
+                return True
         finally:
             if req in self._raw:  # (still in flight: freed once UCX completes it, or with the worker)
                 self._raw_graveyard[req] = self._raw.pop(req)[1]
-        if self._closed or ucp.request_done(req):  # (it ended just now; or see above)
-            return True
-        self._close_stuck(ucp, ep)
+        self._close_stuck(ep)
         return False
 
-    def _close_stuck(self, ucp: Ucp, ep: Any) -> None:
-        """Close ``ep``, whose flush does not end, so that nothing of it keeps this worker.
+    def _close_stuck(self, ep: Any) -> None:
+        """Close ``ep``, whose flush has not ended, here and now, so that nothing of it keeps
+        this worker.
 
         A first rendezvous send to a peer that died waits for UCX to learn the peer's endpoint
         id, which only the peer's answer brings. Until it comes, the endpoint's lane is a wireup
@@ -702,27 +714,70 @@ class Worker:
         has), and ucxx's close after it finds the endpoint closed and fails at once ("has already
         been closed", sent to the debug log), holding nothing. ucxx's close must still run: an
         endpoint ucxx never closed is closed by its destructor, which progresses the worker until
-        that close ends, for ever here. The raw close comes first only because it does not end
-        at once (it waits behind the same flush, and nothing progressed in between): an endpoint
-        whose close ends at once may be freed right then. Even then UCX keeps this one, as it
-        keeps every endpoint that has asked its peer for its id or connected to it, until the
-        worker is destroyed (``ucp_ep_disconnected``)."""
+        that close ends, for ever here.
+
+        The raw close goes first only where it cannot end at once: a close whose flush ends at
+        once may destroy the endpoint then and there (``ucp_ep_close_nbx`` calls
+        ``ucp_ep_disconnected``, which keeps only an endpoint that has sent or answered a
+        wireup request), and ucxx's close after it would touch freed memory. A flush posted
+        now ends at once exactly where the close's would (both are ``ucp_ep_flush_internal``
+        with the same flags, and nothing progresses the worker in between), except that a
+        flush that has begun its remote-memory phase (``ucp_ep_flush_mem_start``: puts to
+        memory behind another device) takes that phase away from the next one. So two flushes
+        are posted: where either ends at once, ucxx closes the endpoint itself, and its close
+        ends at once too. Should the raw close end at once all the same (not seen, and not
+        possible by the source), ucxx's close is skipped and its endpoint object is kept for
+        good: its destructor would close the endpoint again. That keeps this worker (a leak, said
+        in a warning) rather than touch freed memory."""
         try:
-            req = ucp.ep_close(ep.handle)
-        except TensorWireError as exc:
-            log.debug("ucx endpoint close failed: %s", exc)
+            ucp = load()
+        except TensorWireError as exc:  # (no binding: ucxx's close alone)
+            log.debug("ucx endpoint close: %s", exc)
+            closed = False
         else:
-            if req is not None:
-                self._raw_graveyard[req] = None
+            closed = self._flush_pending(ucp, ep) and self._flush_pending(ucp, ep)
+        if closed:
+            try:
+                req = ucp.ep_close(ep.handle)
+            except TensorWireError as exc:
+                log.debug("ucx endpoint close failed: %s", exc)
+                req = None
+            if req is None:
+                _keep_for_good(ep)
+                return
+            self._raw_graveyard[req] = None
+            self._release_if_shut(ucp, req)
             log.debug("ucx: an endpoint's flush had not ended (its peer gone?); closed it raw")
         try:
-            with quiet(_ALREADY_CLOSED, "ucxx closing an endpoint closed raw"):
+            with quiet(_ALREADY_CLOSED if closed else _CLOSING_FLUSH, "ucxx closing an endpoint"):
                 ucxx_req = ep.close()
         except Exception as exc:
             log.debug("ucx endpoint close failed: %s", exc)
             return
         if ucxx_req is not None and not ucxx_req.completed:  # (not expected)
             self.hold(ucxx_req, None)
+
+    def _flush_pending(self, ucp: Ucp, ep: Any) -> bool:
+        """Post a flush of ``ep``: True if it has not ended (its request is freed once it does,
+        or with the worker), False if it ended or failed at once."""
+        try:
+            with quiet(_CLOSING_FLUSH, "flushing an endpoint whose peer is gone"):
+                req = ucp.flush(ep.handle)
+        except TensorWireError as exc:
+            log.debug("ucx endpoint flush before its close: %s", exc)
+            return False
+        if req is None:
+            return False
+        self._raw_graveyard[req] = None
+        self._release_if_shut(ucp, req)
+        return True
+
+    def _release_if_shut(self, ucp: Ucp, req: int) -> None:
+        """A raw request posted after the worker shut: ``_shut`` has freed the graveyard's, so
+        this one goes back to UCX now (to its pool once it completes, or with the worker)."""
+        if self._closed:
+            del self._raw_graveyard[req]
+            ucp.request_release(req)
 
     def forget_request(self, req: Any) -> None:
         self._watch.pop(req, None)
@@ -807,6 +862,17 @@ class Worker:
         del self.worker
         del self.context
         return native
+
+
+def _keep_for_good(ep: Any) -> None:
+    """Keep ucxx's endpoint object ``ep`` until the process exits, its destructor never run: UCX
+    may have freed the endpoint it names (see ``Worker._close_stuck``). A reference held in
+    Python would be dropped as the interpreter finalizes; this one never is."""
+    log.warning(
+        "ucx: an endpoint's close ended at once where it could not; its UCX worker is kept until the "
+        "process exits (a leak, rather than a use of freed memory; please report it)"
+    )
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(ep))
 
 
 def _release(native: list[Any], stuck: int = 0) -> None:
