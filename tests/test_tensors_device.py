@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import time
 import warnings
 from typing import Any
@@ -747,6 +748,53 @@ async def test_tcp_mixed_pytree_with_host_and_device_tensors(engine: HostEngine)
         await a.send(msg, tag=2)
         got = await b.recv(tag=2)
         assert np.array_equal(got["d"], dev) and np.array_equal(got["l"][0], dev2)
+
+
+@pytest.mark.parametrize("nbytes", [CHUNK * 5 + 7, 3 << 20], ids=["eager", "rendezvous"])
+async def test_a_recv_into_another_device_takes_what_a_cancelled_one_left(engine: HostEngine, nbytes: int) -> None:
+    """A recv into one device's memory cancelled while the bytes land leaves the message in a
+    buffer of ours on that device; the next recv, into another device's memory (two GPUs, two
+    engines), gets it through the host. The code before this failed that recv with
+    UnsupportedTensorError ("cannot copy between host-engine:0 and host-engine:1 directly") and
+    lost the message, 5 times of 5 over tcp."""
+    other = HostEngine(device=1, copy_delay=0.0002)
+    other.pool("out").configure(CHUNK, DEPTH)
+    other.pool("in").configure(CHUNK, DEPTH)
+    engines = itertools.cycle([engine, other])  # the cancelled recv's, then the next one's
+    data = _bytes(nbytes, 21)
+    try:
+        async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+            cancelled = await cancel_recv_at_every_step(
+                a,
+                b,
+                _arr(engine, data),
+                lambda: _arr(next(engines), np.zeros_like(data)),
+                lambda t: t.array.copy(),
+            )
+        assert cancelled >= 3, f"only {cancelled} of 10 recvs were cancelled before they completed"
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize(
+    "transport",
+    ["tcp", "inproc", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed"))],
+)
+async def test_empty_device_tensors_are_not_staged(engine: HostEngine, transport: str) -> None:
+    """An empty device tensor passes through no buffer of ours: its send's receipt says direct,
+    not staged, as its receiver's does (the code before this said staged on every transport),
+    and one beside a host tensor does not make that one's bytes staged."""
+    empty = np.zeros((0, 3), np.float32)
+    host = _bytes(1000, 5)
+    async with connected_pair(transport) as (a, b):
+        _, sent, receipt = await exchange(a, b, _arr(engine, empty), _arr(engine, np.zeros_like(empty)), "recv-first")
+        assert sent.memory == "host-engine"
+        assert (sent.staged, sent.direct) == (False, True), sent
+        assert (receipt.staged, receipt.direct) == (False, True), receipt
+        src = {"d": _arr(engine, empty), "h": host}
+        _, sent, _ = await exchange(a, b, src, None, "recv-first", tag="mixed")
+        assert not sent.staged, sent
+        assert sent.direct == (sent.protocol != "inline"), sent  # (inline bytes are copied into the frame)
 
 
 @pytest.mark.parametrize(

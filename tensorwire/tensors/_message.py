@@ -149,9 +149,10 @@ class Outgoing:
         for a in self.arrays:
             arrays.append(await a.to_host() if isinstance(a, DeviceTensor) else a)
         self.header  # noqa: B018 - encode while the device shapes are still at hand
+        # empty device tensors pass through no buffer of ours: not staged (as their receiver says)
+        self.staged = any(isinstance(a, DeviceTensor) and a.nbytes for a in self.arrays)
         self.arrays = arrays
         self.on_device = False
-        self.staged = True
 
 
 def _tensor_nodes(root: wire_pb2.TreeNode) -> list[wire_pb2.TreeNode]:

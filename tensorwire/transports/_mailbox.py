@@ -1014,8 +1014,13 @@ async def _settle_device(
             continue
         copied = True
         if isinstance(dst, DeviceTensor):
-            if isinstance(src, DeviceTensor):
+            if isinstance(src, DeviceTensor) and src.engine is dst.engine:
                 landing.copy(dst, src)
+            elif isinstance(src, DeviceTensor):
+                # another device's memory: a buffer of ours that a recv into that device left the
+                # message in (cancelled while its bytes landed). No copy engine reaches both, so
+                # the bytes go down to the host and up again (it failed, and the message was lost)
+                await landing.upload(dst, await _to_host(src, landing))
             else:
                 await landing.upload(dst, src)
         elif isinstance(src, DeviceTensor):
@@ -1028,3 +1033,11 @@ async def _settle_device(
         if src is not dst and isinstance(src, DeviceTensor) and src.nbytes and src.stream is not None:
             landing.hand_back(src)  # a buffer of ours, read by the copies above and dropped now
     return copied
+
+
+async def _to_host(src: DeviceTensor, landing: Landing) -> np.ndarray:
+    """A host copy of device tensor ``src``'s bytes (as uint8), after every copy ``landing`` has
+    queued into it. No memory for it: a TransferError, before anything is written anywhere."""
+    host = Spec("uint8", (src.nbytes,), src.nbytes).allocate()
+    await download(src.buf, byte_view(host), landing.flush(src))
+    return host

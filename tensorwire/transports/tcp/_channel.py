@@ -346,14 +346,16 @@ class TcpChannel(Channel):
                 raise
         finally:
             self._sending -= 1
+        # device tensors' bytes go through pinned chunks of ours; empty ones through nothing
+        staged = msg.staged or any(isinstance(a, DeviceTensor) and a.nbytes for a in msg.arrays)
         receipt = Receipt(
             transport=self.transport,
             lanes=self.lanes,
             nbytes=msg.nbytes,
             seconds=time.perf_counter() - t0,
             protocol="eager" if eager else "rendezvous",
-            direct=not msg.packed and msg.memory == "host",
-            staged=msg.memory != "host",
+            direct=not msg.packed and not staged,
+            staged=staged,
             packed=msg.packed,
             memory=msg.memory,
         )
