@@ -27,6 +27,7 @@ from .rpc import _client as _rpc
 from .tensors import prepare_off_loop
 from .tensors._message import Preparing
 from .transports import Channel, ChannelState, Receipt, Session
+from .transports._credit import OWN_TAGS
 
 if TYPE_CHECKING:
     from ._node import Node
@@ -62,8 +63,9 @@ def _listed(what: str, items: object) -> list[Any]:
     return list(items)
 
 
-# tensorwire's own tags (rpc, one-sided requests and replies, bench) all lie in this range
-RESERVED_TAGS = range(-0x7478_0000_0000_0000 + 1, -0x7477_0000_0000_0000 + 1)
+# tensorwire's own tags (rpc, one-sided requests and replies, bench) all lie in this range, whose
+# messages the transports give slots of their own
+RESERVED_TAGS = OWN_TAGS
 _OUT_OF_RESERVED = 1 << 62  # (keeps the sign: the result is a 64-bit tag outside the range)
 
 
