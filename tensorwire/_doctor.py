@@ -23,6 +23,7 @@ from .control._negotiate import _tcp_only, tcp_lanes_only
 from .errors import TensorWireError
 from .memory._gpudirect import gpudirect_status
 from .transports import DEFAULT_PREFERENCE, probe_all
+from .transports.ucx._lanes import NO_MESSAGES_TLS
 
 
 def _numa(device_dir: FsPath) -> int | None:
@@ -177,11 +178,6 @@ async def probe_address(address: str, token: str | None, wait_s: float) -> dict[
         return {"address": address, "error": f"no answer within {wait_s + 5:g} s"}
 
 
-# UCX transports that move bytes by get/put only: with no lane that carries active messages
-# UCX cannot create an endpoint (UCX_TLS=cma: "no active messages transport"), so the
-# handshake passes ucx over
-_NO_MESSAGES_TLS = ("cma", "knem", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm_copy", "rocm_ipc")
-_NO_MESSAGES = "no lane carries messages, so UCX cannot create an endpoint (add sm or tcp to UCX_TLS)"
 _ONE_MACHINE_TLS = ("self", "sysv", "posix", "cma", "knem", "xpmem", "cuda_copy", "cuda_ipc", "gdr_copy")
 
 
@@ -214,8 +210,11 @@ def _pick(
             if name != "tcp" and "tcp" in remote[i + 1 :] and "tcp" in usable and tcp_only:
                 passed.append(f"{name}: {where}{_TCP_ONLY} ({', '.join(lanes)})")
                 continue
-            if name == "ucx" and lanes and all(lane.split("/")[0] in _NO_MESSAGES_TLS for lane in lanes):
-                passed.append(f"ucx: {_NO_MESSAGES} ({', '.join(lanes)})")
+            if name == "ucx" and lanes and all(lane.split("/")[0] in NO_MESSAGES_TLS for lane in lanes):
+                # (here only across machines: a context with no other lane offers no ucx at all)
+                passed.append(
+                    f"ucx: {where}no lane carries messages, so UCX cannot create an endpoint ({', '.join(lanes)})"
+                )
                 continue
             return name, passed, lanes
         return None, passed, ()

@@ -23,6 +23,10 @@ RDMA_TLS = ("rc", "dc", "ud", "srd", "gga", "ib")
 CUDA_TLS = ("cuda", "gdr")
 # transports over which a get/put reaches registered host memory without the owner's CPU
 ONE_SIDED_TLS = ("cma", "knem", "xpmem", "rc", "dc", "gga")
+# transports that move bytes by get/put only and carry none of UCX's active messages: with no
+# other lane UCX cannot create an endpoint (TLS="cma": every connect, either way, failed with
+# UCX's bare "Destination is unreachable"), so the probe offers no ucx (and the doctor says why)
+NO_MESSAGES_TLS = ("cma", "knem", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm_copy", "rocm_ipc")
 _SHM_FIFO = ("sysv", "posix")
 _SINGLE_COPY = ("cma", "knem", "xpmem")
 

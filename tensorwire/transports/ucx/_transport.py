@@ -37,7 +37,7 @@ from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import LIMITS, MAX_SESSION_ID, FrameType, PeerLimits, pack, proof
 from .._remote import Hold, RegistrationCache
 from ._channel import CTRL, HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
-from ._lanes import CUDA_TLS, RDMA_TLS
+from ._lanes import CUDA_TLS, NO_MESSAGES_TLS, RDMA_TLS
 from ._ucp import MemoryRegion, Ucp
 from ._ucp import load as load_ucp
 from ._worker import Worker, context_cuda_support, context_resources, import_ucxx, ucx_options
@@ -64,10 +64,6 @@ _PROBED_MAX = 64
 # endpoint addresses of 255 bytes).
 _UCX_ADDRESS_VERSIONS = (0, 1)
 _ADDRESS_TAIL = bytes(64 << 10)
-# UCX transports that only copy (get/put) and carry none of UCX's messages: a context with no
-# other transport cannot create an endpoint to any peer (measured with TLS="cma": every connect,
-# either way, failed with "Destination is unreachable")
-_COPY_ONLY_TLS = ("cma",)
 
 
 def _lane_kinds(tls: list[str]) -> tuple[bool, bool]:
@@ -149,14 +145,14 @@ class UcxTransport(Transport):
         if not tls:
             cls._why_not = "UCX offers no transport here (check UCX_TLS)"
             return None
-        if set(tls) <= set(_COPY_ONLY_TLS):
+        if set(tls) <= set(NO_MESSAGES_TLS):
             # offered, it failed at every connect with UCX's bare 'Destination is unreachable'
             chosen = dict(options).get("TLS")
             where = "check UCX_TLS" if chosen is None else f"ucx_options TLS={chosen!r}"
             cls._why_not = (
-                f"UCX offers only {', '.join(dict.fromkeys(tls))} here ({where}), which copies the bytes of "
-                "transfers but carries no messages: UCX can connect to no peer over it. Add a transport that "
-                "does, e.g. TLS='sm' (cma with shared-memory FIFOs) or 'sm,tcp'"
+                f"no lane carries messages: UCX offers only {', '.join(dict.fromkeys(tls))} here ({where}), "
+                "which copies the bytes of transfers but carries no messages, so UCX can connect to no peer "
+                "over it. Add a transport that does, e.g. TLS='sm' (cma with shared-memory FIFOs) or 'sm,tcp'"
             )
             return None
         try:
