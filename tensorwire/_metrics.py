@@ -49,7 +49,7 @@ _reserved = range(0)  # from the lowest to the highest of them: anything outside
 
 def traffic_tags(tags: range, name: str) -> None:
     """Say that messages on ``tags`` are ``name``'s traffic (called by the layers that own
-    reserved tags as they load: "rpc", "one-sided", "bench")."""
+    reserved tags as they load: "rpc", "one-sided", "pipeline", "bench")."""
     global _reserved
     _traffic.append((tags, name))
     _traffic.sort(key=lambda entry: len(entry[0]))
@@ -58,7 +58,8 @@ def traffic_tags(tags: range, name: str) -> None:
 
 def traffic_of(tag: int) -> str:
     """What a message on ``tag`` is for: "messages" (the user's own tags, pipeline activations
-    among them), "rpc", "one-sided" (owner-assisted requests and replies) or "bench"."""
+    among them), "rpc", "one-sided" (owner-assisted requests and replies), "pipeline" (a
+    stage's hellos and aborts) or "bench"."""
     if tag in _reserved:
         for tags, name in _traffic:
             if tag in tags:

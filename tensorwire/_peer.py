@@ -63,8 +63,8 @@ def _listed(what: str, items: object) -> list[Any]:
     return list(items)
 
 
-# tensorwire's own tags (rpc, one-sided requests and replies, bench) all lie in this range, whose
-# messages the transports give slots of their own
+# tensorwire's own tags (rpc, one-sided requests and replies, bench, pipeline stages' hellos and
+# aborts) all lie in this range, whose messages the transports give slots of their own
 RESERVED_TAGS = OWN_TAGS
 _OUT_OF_RESERVED = 1 << 62  # (keeps the sign: the result is a 64-bit tag outside the range)
 

@@ -21,8 +21,9 @@ The metrics (counters end in ``_total``):
   "messages" (on the user's own tags; pipeline activations are messages too), "rpc" (calls'
   requests, arguments, replies and stream items), "one-sided" (the requests and replies of an
   owner-assisted operation: its bytes are counted there too, as the owner's send and the
-  reader's recv, besides the read or write itself, whose traffic is "one-sided" as well) or
-  "bench" (``tensorwire bench``). So ``traffic="messages"`` is exactly what ``send``/``recv``
+  reader's recv, besides the read or write itself, whose traffic is "one-sided" as well),
+  "pipeline" (a pipeline stage's hellos to its neighbours and its aborts) or "bench"
+  (``tensorwire bench``). So ``traffic="messages"`` is exactly what ``send``/``recv``
   moved for the user. A send is counted once it completed: one cancelled after the transport
   took its bytes (ucx hands a large one over and cannot take it back) may still arrive, and is
   then counted by its receiver only.
@@ -72,7 +73,7 @@ class Snapshot:
 
     def bytes(self, op: str, transport: str | None = None, traffic: str | None = None) -> int:
         """Bytes of ``op`` ("send", "recv", "read", "write"), over one transport or all, of one
-        kind of traffic ("messages", "rpc", "one-sided", "bench") or all."""
+        kind of traffic ("messages", "rpc", "one-sided", "pipeline", "bench") or all."""
         return sum(n for k, (_, n) in self.transfers.items() if _matches(k, op, transport, traffic))
 
     def count(self, op: str, transport: str | None = None, traffic: str | None = None) -> int:

@@ -404,6 +404,7 @@ def test_each_layers_tags_are_its_traffic_and_lie_in_the_reserved_range() -> Non
     from tensorwire._bench import _wire
     from tensorwire._onesided import _OPS_TAG, _tags
     from tensorwire._peer import RESERVED_TAGS, tag_id
+    from tensorwire.pipeline._stage import ABORT_TAG, HELLO_TAG, message_tag
     from tensorwire.rpc._protocol import CONTROL_TAG, REQUEST_TAG, args_tag, reply_tag
 
     reply, payload = _tags()
@@ -411,7 +412,8 @@ def test_each_layers_tags_are_its_traffic_and_lie_in_the_reserved_range() -> Non
         (REQUEST_TAG, "rpc"), (CONTROL_TAG, "rpc"), (reply_tag(1), "rpc"), (args_tag(10**9), "rpc"),
         (_OPS_TAG, "one-sided"), (reply, "one-sided"), (payload, "one-sided"),
         (_wire.REQUEST_TAG, "bench"), (_wire.DATA_TAG, "bench"), (_wire.PONG_TAG, "bench"),
-        (0, "messages"), (tag_id("act"), "messages"), (tag_id("tw.pipeline/abort"), "messages"),
+        (ABORT_TAG, "pipeline"), (HELLO_TAG, "pipeline"), (tag_id(message_tag(0, "f", 0)), "messages"),
+        (0, "messages"), (tag_id("act"), "messages"),
         (RESERVED_TAGS.start - 1, "messages"), (2**63 - 1, "messages"), (-(2**63), "messages"),
     ]  # fmt: skip
     assert [(tag, _metrics.traffic_of(tag)) for tag, _ in cases] == cases

@@ -23,7 +23,9 @@ from _polling import eventually
 
 import tensorwire
 from tensorwire import pipeline
+from tensorwire._peer import tag_id
 from tensorwire.pipeline import Schedule
+from tensorwire.pipeline._stage import message_tag
 
 
 class Wrapped:
@@ -809,6 +811,70 @@ async def test_a_schedule_the_message_limit_would_deadlock_is_refused_before_it_
             assert "stage 1 holds at most 4 unreceived messages" in str(err.value)
             # the stages never saw it: the pipeline is not broken, and GPipe's order is fine
             assert (await pipe.step(x, y, microbatches=m, schedule="gpipe")).loss > 0
+
+
+class Gated(NumpyLinear):
+    """A layer whose n-th forward of a step waits for ``gate`` (then raises, with ``raises``)."""
+
+    def __init__(self, rng: np.random.Generator, d_out: int, at: int | None = None, raises: bool = False) -> None:
+        super().__init__(rng, 8, d_out, tanh=d_out == 8, bias=False)
+        self.at, self.raises, self.forwards = at, raises, 0
+        self.gate = threading.Event()
+
+    def zero_grad(self) -> None:
+        self.forwards = 0
+        super().zero_grad()
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        self.forwards += 1
+        if self.forwards == self.at:
+            assert self.gate.wait(30), "never opened"
+            if self.raises:
+                raise FloatingPointError("blew up in its fourth forward")
+        return super().forward(x)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_an_abort_reaches_a_neighbour_whose_share_of_unreceived_messages_is_full(transport: str) -> None:
+    # stage 1 computes its F0 while stage 0's F1 and F2 wait for it unreceived: with
+    # max_unexpected=2 that is the neighbour's whole share for stage 0's messages, which the
+    # schedule model allows. Then stage 0's F3 raises. The old abort was one more message in
+    # that share: it waited behind F1 and F2 until stage 1 received one (after its layer, 1.5 s
+    # later when the layer took 1.5 s), and was given up after 2 s; stages 1 and 2 then failed
+    # only when the driver cut them short, abort_grace (6 s) later, with DeadlineExceeded
+    rng = np.random.default_rng(0)
+    layers = [Gated(rng, 8, at=4, raises=True), Gated(rng, 8, at=1), Gated(rng, 2)]
+    x, y = batch(8)
+    limits = tensorwire.Limits(max_unexpected=2)
+    async with nodes(4, transport, limits=limits) as ns, contextlib.AsyncExitStack() as stack:
+        st = [
+            await stack.enter_async_context(pipeline.Stage(n, layer, loss=mse if s == 2 else None, offload=True))
+            for s, (n, layer) in enumerate(zip(ns, layers, strict=False))
+        ]
+        stack.callback(layers[1].gate.set)  # (stage 1's thread, left waiting, ends before its stage closes)
+        async with await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]) as pipe:
+            assert pipe.max_unexpected == [2, 2, 2]
+            step = asyncio.create_task(pipe.step(x, y, microbatches=4, schedule="gpipe"))
+            try:
+                assert st[1].prev is not None
+                mailbox = st[1].prev.peer.channel.mailbox
+                await eventually(  # stage 1 holds F1 and F2 unreceived: its share from stage 0 is full
+                    lambda: all(mailbox.oldest(tag_id(message_tag(0, "f", i))) for i in (1, 2)), 20
+                )
+                assert layers[1].forwards == 1  # in its F0, which waits
+                layers[0].gate.set()  # stage 0's F3 raises now
+                with pytest.raises(tensorwire.RemoteError) as err:
+                    async with asyncio.timeout(30):
+                        await step
+            finally:
+                layers[1].gate.set()
+                step.cancel()
+    assert err.value.remote_type == "FloatingPointError", err.value
+    notes = "\n".join(err.value.__notes__)
+    for s in (1, 2):  # the abort reached stage 1 at once, and stage 1 passed it on
+        assert f"stage {s}: aborted because stage 0 raised FloatingPointError in step 0, at F3" in notes, notes
+    assert "DeadlineExceeded" not in notes, notes
 
 
 # -- a gradient that is None ---------------------------------------------------------------------

@@ -44,10 +44,18 @@ links, as ``release`` would, keeps a finished step for the next driver to settle
 
 Failure: a stage whose link breaks (its neighbour died: PeerDisconnected from the transport or
 the lease), whose own code raises, whose output cannot be sent, or whose step is cancelled sends
-an abort to its neighbours on ``tw.pipeline/abort``. Every stage listens on that tag and on its
-links' health while configured, cancels its step on an abort and passes it on, so every stage
-fails the step promptly with an error that names the stage where it started. A failed step
-breaks the stages (BrokenResourceError) until a driver configures them again.
+an abort to its neighbours on ``ABORT_TAG``. Every stage listens on that tag and on its links'
+health while configured, cancels its step on an abort and passes it on, so every stage fails the
+step promptly with an error that names the stage where it started. A failed step breaks the
+stages (BrokenResourceError) until a driver configures them again.
+
+The hellos and aborts are tensorwire's own messages, on tags in its reserved range (the metrics
+call them "pipeline"), which the transports give message slots of their own. A neighbour may
+hold ``Limits.max_unexpected`` unreceived activations from a stage, as the schedule model
+allows; an abort in the user's share would wait behind them until that neighbour received one
+(after the layer it computes, however long that takes), and a stage gives up sending an abort
+after ``_ABORT_SEND_SECONDS``. Activations and gradients stay on string tags, in the user's
+share, which ``Schedule.validate(max_unexpected=...)`` models.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import _metrics
 from .._loops import elsewhere
 from ..errors import (
     BrokenResourceError,
@@ -83,9 +92,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ABORT_TAG", "METHODS", "Stage", "message_tag"]
+__all__ = ["ABORT_TAG", "HELLO_TAG", "METHODS", "Stage", "message_tag"]
 
-ABORT_TAG = "tw.pipeline/abort"
+# the stages' own messages: tensorwire's reserved tags (_peer.RESERVED_TAGS), between the RPC
+# and the one-sided ranges, so that they take the slots kept for tensorwire's messages
+_BASE = -0x7477_5354_0000_0000  # "twST"
+ABORT_TAG = _BASE - 1  # {"origin", "reason", "step"}: a stage failed (module docstring)
+HELLO_TAG = _BASE - 2  # {"generation", "key"}: the first message on a link, from the previous stage
+_metrics.traffic_tags(range(HELLO_TAG, _BASE), "pipeline")
 METHODS = (
     "tw.pipeline.generation",
     "tw.pipeline.configure",
@@ -115,10 +129,6 @@ def ticket_key(generation: int, token: str) -> str:
 def _loss_of(part: Part, x: Any, target: Any) -> float:
     """``part.infer_loss`` as a float (a Part of one's own may return a numpy or torch scalar)."""
     return float(part.infer_loss(x, target))
-
-
-def _hello_tag(key: str) -> str:
-    return f"tw.pipeline/link/{key}"
 
 
 @dataclass(slots=True)
@@ -442,9 +452,9 @@ class Stage:
                             f"({next_address}): the driver named this node twice in a row"
                         )
                     self.next = _Link(rank + 1, peer, next_address)
-                    await peer.send({"generation": ticket[0]}, tag=_hello_tag(key))
+                    await peer.send({"generation": ticket[0], "key": key}, tag=HELLO_TAG)
                 if prev_node is not None:
-                    peer = await self._wait_for(prev_node, _hello_tag(key))
+                    peer = await self._wait_for(prev_node, key)
                     self.prev = _Link(rank - 1, peer, plan.prev_address or peer.remote_address)
         except BaseException as exc:
             waiting = (
@@ -467,20 +477,24 @@ class Stage:
             "next_path": str(self.next.peer.path) if self.next else None,
         }
 
-    async def _wait_for(self, node_id: str, tag: str) -> Peer:
-        """The peer on which the previous stage, configured by the same driver, said hello (it
-        connects; this side accepts). Other peers from that node (an older configure's link, a
-        driver on the same node) never say this hello."""
+    async def _wait_for(self, node_id: str, key: str) -> Peer:
+        """The peer on which the previous stage, configured by the same driver (``key``), said
+        hello (it connects; this side accepts). Other peers from that node never say this hello:
+        a driver on the same node says none, an older configure's link one with another key."""
         loop = asyncio.get_running_loop()
         hellos: dict[Peer, asyncio.Task[Any]] = {}
         try:
             while True:
                 for peer in self.node.peers:
                     if peer.remote_node == node_id and not peer.closed and peer not in hellos:
-                        hellos[peer] = loop.create_task(peer.recv(tag=tag))
-                for peer, task in hellos.items():
+                        hellos[peer] = loop.create_task(peer.recv(tag=HELLO_TAG))
+                for peer, task in list(hellos.items()):
                     if task.done() and not task.cancelled() and task.exception() is None:
-                        return peer
+                        hello = task.result()
+                        if isinstance(hello, dict) and hello.get("key") == key:
+                            return peer
+                        if not peer.closed:  # an older configure's hello, left unread: listen on
+                            hellos[peer] = loop.create_task(peer.recv(tag=HELLO_TAG))
                 await asyncio.sleep(0.005)
         finally:
             for task in hellos.values():
