@@ -4,6 +4,7 @@ a peer killed mid-rendezvous, resources after many cycles. Real UCX on loopback.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import importlib.util
 import json
@@ -25,7 +26,9 @@ from _procfs import listening_ports
 
 import tensorwire
 from tensorwire._peer import tag_id
+from tensorwire.errors import PeerDisconnected, TransferError
 from tensorwire.testing import connected_pair
+from tensorwire.transports.ucx import _ucp
 
 pytestmark = [
     pytest.mark.skipif(
@@ -727,6 +730,125 @@ def test_a_node_closed_with_a_first_large_send_to_a_dead_or_stopped_peer_in_flig
         assert report["cut"] == "flush", report  # (cut while the endpoint's flush was waited for)
     else:
         assert report["ops"] == ["ClosedResourceError"], report  # (closed before the lease ran out)
+
+
+# A hub whose receiver is SIGKILLed once it has posted a recv (its grant with the hub), then sent
+# 64 MiB, in a process of its own (UCX prints on that process's stdout). argv: the hub's UCX
+# options (JSON), the tests folder, "engine" (HostEngine device memory, staged) or "host".
+# Prints one JSON line: what became of the send, and the peer segments found missing.
+_DEAD_RECEIVER_HUB = r"""
+import asyncio, json, subprocess, sys
+import numpy as np
+import tensorwire
+from tensorwire.memory import HostEngine
+from tensorwire.tensors import EngineArray
+from tensorwire.transports.ucx import _ucp
+
+WORKER = '''
+import asyncio, json, sys, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=json.loads(sys.argv[2])) as n:
+        p = await n.connect(sys.argv[1])
+        recv = asyncio.ensure_future(p.recv(tag="big"))
+        await asyncio.sleep(0)  # (the recv is posted)
+        await p.send(np.arange(3), tag="ready")
+        await recv
+asyncio.run(main())
+'''
+
+
+async def main():
+    engine = HostEngine()
+    engine.pool("out").configure(1 << 20, 3)
+    report = {}
+    options = json.loads(sys.argv[1])
+    # (a lease far longer than the send may take: a PeerDisconnected is the send's own)
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options=options, lease_seconds=60) as hub:
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, hub.address, sys.argv[1]])
+        try:
+            peer = await hub.accept()
+            await peer.recv(tag="ready")
+        finally:
+            worker.kill()
+            worker.wait()
+        data = np.full(64 << 20, 3, np.uint8)
+        try:
+            async with asyncio.timeout(20):
+                await peer.send(EngineArray(engine, data) if sys.argv[3] == "engine" else data, tag="big")
+            report["send"] = ["done", ""]
+        except Exception as exc:
+            report["send"] = [type(exc).__name__, str(exc)]
+    engine.close()
+    report["missing_segments"] = _ucp.peer_segment_attach_failures
+    print(json.dumps(report), flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("options", "memory"),
+    [({}, "engine"), ({}, "host"), ({"TLS": "posix,self"}, "engine")],
+    ids=["default-engine", "default-host", "posix-engine"],
+)
+def test_a_send_to_a_receiver_that_was_killed_is_peer_disconnected_not_a_shared_memory_error(
+    options: dict[str, str], memory: str
+) -> None:
+    """A send to a receiver SIGKILLed after it posted its recv (the hub holds its grant) makes
+    UCX attach a segment of the receiver's, which went with its process. The send raised
+    TransferError 'ucp_tag_send_nbx failed: Shared memory error (-17)' (staged device memory;
+    host memory: 'ucx payload send failed: ...', the request's status), and UCX printed
+    'mm_sysv.c:61 UCX ERROR shmat(shmid=...) failed: Invalid argument' (posix lanes:
+    'mm_posix.c UCX ERROR open(file_name=/proc/<pid>/fd/<fd> flags=0x0) failed: No such file or
+    directory'). It is PeerDisconnected, and the line goes to tensorwire's log."""
+    report = _quiet_hub(_DEAD_RECEIVER_HUB, options, memory)
+    kind, message = report["send"]
+    assert kind == "PeerDisconnected", report
+    assert "shared memory is gone" in message, report
+    assert report["missing_segments"] == 1, report
+
+
+def test_only_a_peers_missing_segment_makes_a_shared_memory_error_a_disconnect(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """UCX returns UCS_ERR_SHMEM_SEGMENT both where attaching a peer's segment failed and where
+    creating one of its own did; only the line it logs tells them apart. Its lines from UCX
+    1.21's sites, dispatched to the log handlers as UCX dispatches them: the attach failures
+    are taken (each makes one such error a PeerDisconnected), the creation failure is UCX's."""
+    ucp = _ucp.load()
+    path = _ucp.loaded_library("libucs.so")
+    assert path is not None
+    dispatch = ctypes.CDLL(path, mode=os.RTLD_NOLOAD).ucs_log_dispatch
+    fields = [("log_level", ctypes.c_int), ("name", ctypes.c_char * 16), ("file_filter", ctypes.c_char_p)]
+    component = type("ucs_log_component_config_t", (ctypes.Structure,), {"_fields_": fields})(1, b"UCX", b"*")
+
+    def log_error(file: bytes, function: bytes, fmt: bytes, *args: object) -> None:
+        dispatch(b"/ucx/src/uct/sm/mm/" + file, 61, function, 1, ctypes.byref(component), fmt, *args)
+
+    def shm_error() -> Exception:
+        return ucp.error(-17, "ucp_tag_send_nbx")  # UCS_ERR_SHMEM_SEGMENT
+
+    shm_error()  # (takes any line an earlier test left)
+    opened = (b"%s(file_name=%s flags=0x%x) failed: %m", b"open")
+    log_error(b"posix/mm_posix.c", b"uct_posix_open_check_result", *opened, b"/dev/shm/ucx_shm_posix_1f", 0xC2)
+    assert type(shm_error()) is TransferError  # creating our own
+    log_error(b"sysv/mm_sysv.c", b"uct_sysv_mem_attach_common", b"shmat(shmid=%d) failed: %m", 4321)
+    error = shm_error()
+    assert type(error) is PeerDisconnected, error
+    assert "shared memory is gone" in str(error), error
+    assert type(shm_error()) is TransferError  # (that line was taken)
+    log_error(b"posix/mm_posix.c", b"uct_posix_open_check_result", *opened, b"/proc/4321/fd/15", 0)
+    assert type(shm_error()) is PeerDisconnected
+    printed = capfd.readouterr().out
+    assert "UCX  ERROR open(file_name=/dev/shm/ucx_shm_posix_1f flags=0xc2) failed" in printed, printed
+    assert "shmat" not in printed, printed
+    assert "/proc/4321" not in printed, printed
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("shmat(shmid=4321) failed" in m for m in warned), warned
+    assert any("open(file_name=/proc/4321/fd/15 flags=0x0) failed" in m for m in warned), warned
 
 
 async def test_a_cancelled_send_the_program_keeps_does_not_keep_closed_nodes_ucx_workers() -> None:

@@ -46,6 +46,7 @@ __all__ = ["MemoryRegion", "RemoteKey", "Ucp", "load", "loaded_library"]
 UCS_OK = 0
 UCS_INPROGRESS = 1
 _IO_ERROR = -3
+_SHMEM_SEGMENT = -17  # UCS_ERR_SHMEM_SEGMENT
 _ERR_LAST = -100
 _PTR_MAX = 1 << 64
 
@@ -178,6 +179,7 @@ class Ucp:
         self._frame_param = _RequestParam(op_attr_mask=_FAST_CMPL)
         self._frame_param_ref = byref(self._frame_param)
         self._ucxx_cancel = _ucxx_cancel()
+        self._segment_failures_taken = peer_segment_attach_failures  # see _peer_segment_missing
 
     @staticmethod
     def _fn(fn: Any, restype: Any, *argtypes: Any) -> Any:
@@ -194,7 +196,21 @@ class Ucp:
         text = f"{what} failed: {self.status_string(status)} ({status})"
         if status == _IO_ERROR and peer_gone_since(0):
             return PeerDisconnected(f"{text} (a peer process is gone)")
+        if status == _SHMEM_SEGMENT and self._peer_segment_missing():
+            return PeerDisconnected(f"{text}: the peer's shared memory is gone (its process has most likely ended)")
         return PeerDisconnected(text) if _disconnect(status) else TransferError(text)
+
+    def _peer_segment_missing(self) -> bool:
+        """Did UCX log a peer's segment missing (see ``_on_ucx_log``) that no earlier
+        shared-memory error was put down to?
+
+        UCX returns this status both when attaching a peer's segment fails and when creating one
+        of our own does; only its log line tells which. Each error takes the lines counted
+        before it, so a later failure of our own (whose line is not counted) stays a
+        TransferError. A failed attach is retried, and logged, at every call that needs the
+        segment: one line for each call that fails."""
+        seen, self._segment_failures_taken = self._segment_failures_taken, peer_segment_attach_failures
+        return peer_segment_attach_failures > seen
 
     def _check_status(self, status: int, what: str) -> None:
         if status != UCS_OK:
@@ -347,12 +363,26 @@ def _ucxx_cancel() -> Any:
 # transports' peer-failure sites (logged here at warning level instead), so the survivor sees
 # the error on the request (and the control-plane lease) instead of dying. Anything else
 # fatal still goes to UCX's own handler.
+#
+# Over shared memory a sender also attaches segments of the receiver's (its receive descriptors,
+# the memory of its rkeys) the first time it needs them. Those of a process that has ended are
+# gone (a System V segment is removed with its last attachment, a POSIX one's file with its
+# owner), and the attach fails at ERROR level, printed on the process's output, and the call
+# with UCS_ERR_SHMEM_SEGMENT: the status creating a segment of our own returns as well. So the
+# handler takes these lines too (logged at warning level, and counted: Ucp.error tells the two
+# apart by them). UCX 1.21: uct_sysv_mem_attach_common ("shmat(shmid=...) failed", attach
+# only) and uct_posix_open_check_result, whose opening of an existing segment (a peer's: for an
+# attach, or to see whether it can be reached) passes no flags, where creating one passes
+# O_CREAT|O_EXCL|O_RDWR ("flags=0xc2"). (Mapping a segment once opened fails at the same site
+# for both, and not because its owner ended: left to UCX.)
 _LOG_STOP, _LOG_CONTINUE = 0, 1
-_LOG_FATAL = 0
+_LOG_FATAL, _LOG_ERROR = 0, 1
 _PEER_FAILURE_SITES = frozenset({b"cma_ep.c", b"scopy_ep.c", b"knem_ep.c", b"xpmem_ep.c", b"tcp_ep.c", b"ucp_ep.c"})
+_SEGMENT_ATTACH_SITES = {b"mm_sysv.c": b"uct_sysv_mem_attach_common", b"mm_posix.c": b"uct_posix_open_check_result"}
 _LOG_FUNC = ctypes.CFUNCTYPE(c_int, c_char_p, c_uint, c_char_p, c_int, c_void_p, c_char_p, c_void_p)
 _log_handler: Any = None  # kept alive as long as UCX may call it
 peer_failures_survived = 0  # FATAL peer-failure lines swallowed (tests and doctor read it)
+peer_segment_attach_failures = 0  # peers' shared-memory segments found missing (lines taken)
 _quiet = threading.local()  # see quiet()
 
 
@@ -367,8 +397,24 @@ def _vformat(fmt: bytes, ap: int | None) -> str:
         return fmt.decode(errors="replace")
 
 
+def _peer_segment_attach_failure(file: bytes, function: bytes, fmt: bytes, ap: int) -> str | None:
+    """The message of an ERROR line that says a peer's segment could not be attached, else None."""
+    if _SEGMENT_ATTACH_SITES.get(os.path.basename(file or b"")) != function:
+        return None
+    text = _vformat(fmt, ap)  # (every handler gets a fresh va_list: UCX starts one per call)
+    if function == b"uct_posix_open_check_result" and " flags=0x0)" not in text:
+        return None  # creating a segment of our own
+    return text
+
+
 def _on_ucx_log(file: bytes, line: int, function: bytes, level: int, comp: int, fmt: bytes, ap: int) -> int:
-    global peer_failures_survived
+    global peer_failures_survived, peer_segment_attach_failures
+    if level == _LOG_ERROR:
+        text = _peer_segment_attach_failure(file, function, fmt, ap)
+        if text is not None:
+            peer_segment_attach_failures += 1
+            log.warning("ucx: a peer's shared memory is gone (its process has most likely ended): %s", text)
+            return _LOG_STOP
     if level != _LOG_FATAL:
         sites = getattr(_quiet, "sites", None)
         if sites and os.path.basename(file or b"") in sites:
