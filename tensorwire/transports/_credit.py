@@ -2,9 +2,10 @@
 
 A receiver grants each peer ``recv_buffer_bytes`` of buffer credit and ``max_unexpected``
 message slots, and ``own_slots(max_unexpected)`` more slots that only tensorwire's own messages
-(``OWN_TAGS``: RPC, one-sided requests and answers, revocations, bench) may take. A message holds
-its slot until it is received, and the user may leave messages unreceived for good; without
-slots of their own, tensorwire's requests, replies and cancellations would wait behind them.
+(``OWN_TAGS``: RPC, one-sided requests and answers, revocations, bench, pipeline aborts) may
+take. A message holds its slot until it is received, and the user may leave messages unreceived
+for good; without slots of their own, tensorwire's requests, replies and cancellations would
+wait behind them.
 ``SendWindow`` is the sender's view of those grants: a message that fits the credit may go
 eager, every message needs a slot, and a sender without slots waits.
 ``ReceiveBudget`` is the receiver's view: it checks that the peer stays within what it was
@@ -26,7 +27,8 @@ __all__ = ["FLUSH_DELAY", "OWN_TAGS", "ReceiveBudget", "SendWindow", "own_slots"
 
 FLUSH_DELAY = 0.001  # seconds a credit return waits for a frame to ride on
 
-# tensorwire's own tags (rpc, one-sided requests and replies, bench): tensorwire._peer.RESERVED_TAGS
+# tensorwire's own tags (rpc, one-sided requests and replies, bench, pipeline stages' hellos and
+# aborts); tensorwire._peer.RESERVED_TAGS is this range
 OWN_TAGS = range(-0x7478_0000_0000_0000 + 1, -0x7477_0000_0000_0000 + 1)
 _OWN_FIRST, _OWN_LAST = OWN_TAGS[0], OWN_TAGS[-1]
 
