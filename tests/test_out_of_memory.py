@@ -524,3 +524,76 @@ async def test_a_write_of_a_view_too_large_to_pack_is_a_transfer_error(transport
         assert got[step].get("error") == "TransferError", got[step]
         assert "out of memory" in got[step]["text"], got[step]
     assert got["write_src"].get("value") == n, got["write_src"]
+
+
+_DEVICE_BUFFERED = """
+from tensorwire._peer import tag_id
+from tensorwire.memory import HostEngine
+from tensorwire.tensors import EngineArray
+from tensorwire.tensors._device import DeviceTensor
+from tensorwire.testing import connected_pair
+from tensorwire.transports import Limits
+
+nbytes, steps = int(sys.argv[1]), sys.argv[2].split(",")
+
+def engine_of(device):
+    engine = HostEngine(device=device, copy_delay=0.0002)
+    engine.pool("out").configure(64 << 10, 3)
+    engine.pool("in").configure(64 << 10, 3)
+    return engine
+
+async def main():
+    engine, other = engine_of(0), engine_of(1)
+    src = EngineArray(engine, (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8))
+    out, out2, there = (EngineArray(e, np.zeros(nbytes, np.uint8)) for e in (engine, engine, other))
+    async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        for o in (out, there):  # every path warmed up before the cap (lanes, staging chunks)
+            await asyncio.gather(a.send(src, tag="warm"), b.recv(tag="warm", out=o))
+        mailbox, tid = b.channel.mailbox, tag_id("d")
+        recv = asyncio.ensure_future(b.recv(tag="d", out=out))
+        send = asyncio.ensure_future(a.send(src, tag="d"))
+        # cancelled while the bytes land: the rest lands in a buffer of ours on that device
+        while not any(m.tag == tid and max(m.landed or 0, m.written) > nbytes // 8 for m in mailbox._held):
+            await asyncio.sleep(0)
+        recv.cancel()
+        await asyncio.gather(recv, return_exceptions=True)
+        await send
+        left = mailbox.oldest(tid)
+        await asyncio.shield(left.done)
+        report("left", value=[type(d).__name__ for d in left.dest])
+        cap(nbytes // 3)
+        report("capped")
+        if "host" in steps:
+            await attempt("recv", b.recv(tag="d"))
+        if "other" in steps:
+            await attempt("recv_other", b.recv(tag="d", out=there))
+        await attempt("recv_out", b.recv(tag="d", out=out2), lambda v: digest(v.array))
+        await attempt("send", asyncio.gather(a.send(np.arange(7), tag="s"), b.recv(tag="s")), lambda v: digest(v[1]))
+    engine.close()
+    other.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("steps", ["host", "other", "host,other"])
+async def test_no_memory_for_a_message_left_in_device_memory_loses_nothing(steps: str) -> None:
+    """A recv into device memory cancelled while the bytes land leaves the message in a buffer of
+    ours on that device (a host engine stands in for CUDA). A recv without out= that cannot
+    allocate its host result ("host"), or one into another device's memory that cannot allocate
+    the host memory the bytes pass through ("other"), raises TransferError and the message stays
+    for a recv with out=. Before, either recv took the message with it: it was lost, and the
+    recv(out=) after it waited for good."""
+    n = EAGER
+    proc = await _child(_DEVICE_BUFFERED, str(n), steps)
+    try:
+        got = {step["step"]: step async for step in _steps(proc)}
+    finally:
+        await _kill(proc)
+    assert got["left"]["value"] == ["DeviceTensor"], got["left"]
+    for step in ("recv", "recv_other"):
+        if step in got:
+            assert got[step].get("error") == "TransferError", got[step]
+            assert "out of memory" in got[step]["text"], got[step]
+    assert got["recv_out"].get("value") == int(_pattern(n).sum(dtype=np.uint64)), got["recv_out"]
+    assert got["send"].get("value") == 21, got["send"]

@@ -764,7 +764,7 @@ class Mailbox:
                     holder, p = p, None
                     targets = None
                 try:
-                    return await self._complete(arrival, out, targets, t0, want, streams)
+                    return await self._complete(arrival, out, targets, t0, want, streams, keep)
                 except SenderAborted:
                     # withdrawn: wait in the place kept for this recv since the withdrawal,
                     # which may hold the next message already (none kept: post again in turn)
@@ -824,6 +824,7 @@ class Mailbox:
         t0: float,
         want: Device | None = None,
         streams: Streams | None = None,
+        keep: bool = True,
     ) -> tuple[Any, Receipt]:
         if arrival.done.done():
             # raises if it failed: its sender withdrew it, perhaps between the match and now
@@ -843,7 +844,7 @@ class Mailbox:
         await arrival.moved()  # given back by a cancelled recv: what landed in its out= is ours
         arrival.consumed = True
         try:
-            return await self._hand_over(arrival, out, targets, t0, want, streams)
+            return await self._hand_over(arrival, out, targets, t0, want, streams, keep)
         finally:
             # its slot and credit go back once its bytes have left our buffers, not before: a
             # recv cancelled while it copies them gives the message back to the queue, still
@@ -859,6 +860,7 @@ class Mailbox:
         t0: float,
         want: Device | None,
         streams: Streams | None,
+        keep: bool = True,
     ) -> tuple[Any, Receipt]:
         """Move a whole message from where it landed to where its recv wants it, and rebuild it."""
         if arrival.dest is None:
@@ -867,15 +869,24 @@ class Mailbox:
         memory = "host"
         try:
             dest = arrival.dest
-            if out is None:
-                final = [_final(s, d, want, streams) for s, d in zip(arrival.specs, dest, strict=True)]
-            elif arrival.direct:
-                final = dest
-            else:
-                final = targets if targets is not None else _match(out, arrival, streams)
+            try:
+                if out is None:
+                    final = [_final(s, d, want, streams) for s, d in zip(arrival.specs, dest, strict=True)]
+                elif arrival.direct:
+                    final = dest
+                else:
+                    final = targets if targets is not None else _match(out, arrival, streams)
+                bounce = _bounce(dest, final)
+            except TensorWireError:
+                # no memory for the result (a message left in device memory of ours by a
+                # cancelled recv, wanted on the host or on another device): nothing is written
+                # anywhere yet, and the message stays, whole, at the head of its tag's queue for
+                # the next recv (one with out=), unless its bytes are wanted nowhere (keep=False)
+                arrival.consumed = not keep
+                raise
             if any(isinstance(d, DeviceTensor) for d in (*dest, *final)):
                 try:
-                    staged |= await _settle_device(arrival, dest, final)
+                    staged |= await _settle_device(arrival, dest, final, bounce)
                 except asyncio.CancelledError:
                     # the bytes are whole in ``dest``: the copies queued into the caller's
                     # tensors finish first (or come before their streams' next work), and the
@@ -1001,15 +1012,35 @@ def _final(
     return allocate_device(spec.dtype, spec.shape, spec.framework, where, streams)
 
 
+def _bounce(dest: list[np.ndarray | DeviceTensor], final: list[np.ndarray | DeviceTensor]) -> list[np.ndarray | None]:
+    """Host memory (uint8) for each tensor whose bytes go from one device's memory to another's,
+    which no copy engine reaches both of (``_settle_device``), else None. Allocated before
+    anything is written anywhere: a recv that finds no memory for it leaves the message whole."""
+    return [
+        Spec("uint8", (src.nbytes,), src.nbytes).allocate()
+        if isinstance(src, DeviceTensor)
+        and isinstance(dst, DeviceTensor)
+        and src is not dst
+        and src.nbytes
+        and src.engine is not dst.engine
+        else None
+        for src, dst in zip(dest, final, strict=True)
+    ]
+
+
 async def _settle_device(
-    arrival: Arrival, dest: list[np.ndarray | DeviceTensor], final: list[np.ndarray | DeviceTensor]
+    arrival: Arrival,
+    dest: list[np.ndarray | DeviceTensor],
+    final: list[np.ndarray | DeviceTensor],
+    bounce: list[np.ndarray | None],
 ) -> bool:
-    """Move what landed in ``dest`` to ``final`` where they differ, then hand device tensors to
-    their consumers' streams. Returns True if a copy was needed."""
+    """Move what landed in ``dest`` to ``final`` where they differ (through ``bounce``, host
+    memory, between two devices' memory), then hand device tensors to their consumers' streams.
+    Returns True if a copy was needed."""
     landing = arrival.land()
     copied = False
     on_host: list[tuple[np.ndarray, np.ndarray]] = []  # host to host: made together, below
-    for src, dst in zip(dest, final, strict=True):
+    for src, dst, host in zip(dest, final, bounce, strict=True):
         if src is dst or not src.nbytes:
             continue
         copied = True
@@ -1020,7 +1051,8 @@ async def _settle_device(
                 # another device's memory: a buffer of ours that a recv into that device left the
                 # message in (cancelled while its bytes landed). No copy engine reaches both, so
                 # the bytes go down to the host and up again (it failed, and the message was lost)
-                await landing.upload(dst, await _to_host(src, landing))
+                assert host is not None  # (``_bounce`` gave it)
+                await landing.upload(dst, await _to_host(src, landing, host))
             else:
                 await landing.upload(dst, src)
         elif isinstance(src, DeviceTensor):
@@ -1035,9 +1067,8 @@ async def _settle_device(
     return copied
 
 
-async def _to_host(src: DeviceTensor, landing: Landing) -> np.ndarray:
-    """A host copy of device tensor ``src``'s bytes (as uint8), after every copy ``landing`` has
-    queued into it. No memory for it: a TransferError, before anything is written anywhere."""
-    host = Spec("uint8", (src.nbytes,), src.nbytes).allocate()
+async def _to_host(src: DeviceTensor, landing: Landing, host: np.ndarray) -> np.ndarray:
+    """``host`` (uint8, ``src.nbytes`` long) holding device tensor ``src``'s bytes, after every
+    copy ``landing`` has queued into it."""
     await download(src.buf, byte_view(host), landing.flush(src))
     return host
