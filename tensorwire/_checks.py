@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import re
 
 import numpy as np
 
 from .errors import ConfigurationError
 
-__all__ = ["MAX_SECONDS", "check_bool", "check_int", "check_seconds"]
+__all__ = ["MAX_SECONDS", "check_bool", "check_int", "check_seconds", "portless", "split_address"]
 
 MAX_SECONDS = 1e9  # ~31 years; a gRPC deadline overflows past ~9e9 s
 
@@ -61,3 +62,36 @@ def check_bool(what: str, value: object) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise ConfigurationError(f"{what} must be True or False, not {value!r}")
+
+
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def portless(address: str) -> str | None:
+    """Why ``address`` is an IPv6 host in brackets with no port (``[::1]``), else None: read as
+    host:port, what follows its last colon would be taken for the port, and the error would ask
+    for the brackets that are there."""
+    if address.startswith("[") and address.endswith("]"):
+        return f"has no port: write HOST:PORT, as in '{address}:5000'"
+    return None
+
+
+def split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
+    """``"host:port"`` (an IPv6 host in brackets: ``"[::1]:5000"``) as (host, port), with the
+    port from ``lowest_port`` to 65535; ConfigurationError otherwise."""
+    if not isinstance(address, str):
+        raise ConfigurationError(f"an address is a 'host:port' string, not {address!r}")
+    if (no_port := portless(address)) is not None:
+        raise ConfigurationError(f"address {address!r} {no_port}")
+    if any(c <= " " or c == "\x7f" for c in address):  # gRPC cut a host at a NUL and dialled the rest
+        raise ConfigurationError(f"address {address!r} holds a control character or a space")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ConfigurationError(f"address {address!r} is not host:port")
+    if host.startswith("[") and host.endswith("]") and len(host) > 2:
+        host = host[1:-1]
+    elif ":" in host or "[" in host or "]" in host:
+        raise ConfigurationError(f"address {address!r}: write an IPv6 host in brackets, as in '[::1]:5000'")
+    if not _PORT.fullmatch(port) or not lowest_port <= int(port) <= 65535:
+        raise ConfigurationError(f"address {address!r}: the port must be a number from {lowest_port} to 65535")
+    return host, int(port)

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
-import re
 import time
 import urllib.parse
 import uuid
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from . import _metrics
-from ._checks import check_bool, check_seconds
+from ._checks import check_bool, check_seconds, split_address
 from ._loops import check_home, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
@@ -196,39 +195,6 @@ def _check_token(token: str | None, limit: int) -> None:
             )
 
 
-_PORT = re.compile(r"[0-9]{1,5}")
-
-
-def portless(address: str) -> str | None:
-    """Why ``address`` is an IPv6 host in brackets with no port (``[::1]``), else None: read as
-    host:port, what follows its last colon would be taken for the port, and the error would ask
-    for the brackets that are there."""
-    if address.startswith("[") and address.endswith("]"):
-        return f"has no port: write HOST:PORT, as in '{address}:5000'"
-    return None
-
-
-def _split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
-    """``"host:port"`` (an IPv6 host in brackets: ``"[::1]:5000"``) as (host, port), with the
-    port from ``lowest_port`` to 65535; ConfigurationError otherwise."""
-    if not isinstance(address, str):
-        raise ConfigurationError(f"an address is a 'host:port' string, not {address!r}")
-    if (no_port := portless(address)) is not None:
-        raise ConfigurationError(f"address {address!r} {no_port}")
-    if any(c <= " " or c == "\x7f" for c in address):  # gRPC cut a host at a NUL and dialled the rest
-        raise ConfigurationError(f"address {address!r} holds a control character or a space")
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ConfigurationError(f"address {address!r} is not host:port")
-    if host.startswith("[") and host.endswith("]") and len(host) > 2:
-        host = host[1:-1]
-    elif ":" in host or "[" in host or "]" in host:
-        raise ConfigurationError(f"address {address!r}: write an IPv6 host in brackets, as in '[::1]:5000'")
-    if not _PORT.fullmatch(port) or not lowest_port <= int(port) <= 65535:
-        raise ConfigurationError(f"address {address!r}: the port must be a number from {lowest_port} to 65535")
-    return host, int(port)
-
-
 def _dialable(control_address: str, caller: str) -> str:
     """Where to reach the control plane of a client that says it serves at ``control_address``
     and called from ``caller`` (gRPC's ``ipv4:10.0.0.7:5123`` / ``ipv6:%5B::1%5D:5123``, its
@@ -241,7 +207,7 @@ def _dialable(control_address: str, caller: str) -> str:
     if kind not in ("ipv4", "ipv6"):
         return control_address
     try:
-        host, port = _split_address(control_address, lowest_port=1)
+        host, port = split_address(control_address, lowest_port=1)
         host_part = urllib.parse.unquote(rest.rpartition(":")[0])
         called_from = ipaddress.ip_address(host_part.strip("[]").partition("%")[0])  # (a zone: fe80::1%eth0)
     except (ConfigurationError, ValueError):
@@ -263,7 +229,7 @@ class Node:
     def __init__(self, address: str, config: NodeConfig) -> None:
         self.config = config
         self.node_id = config.node_id or uuid.uuid4().hex
-        self._host, self._port = _split_address(address)
+        self._host, self._port = split_address(address)
         self.address = ""
         self.transports: dict[str, Transport] = {}
         self.offers: dict[str, Offer] = {}
@@ -563,7 +529,7 @@ class Node:
         connect_timeout: float | None,
     ) -> Peer:
         self._check_open("node.connect")
-        host, _ = _split_address(address, lowest_port=1)
+        host, _ = split_address(address, lowest_port=1)
         if connect_timeout is not None:
             connect_timeout = check_seconds("connect_timeout", connect_timeout)
         check_require(require)

@@ -535,14 +535,14 @@ _METRICS_HELP = "serve Prometheus metrics at http://HOST:PORT/metrics (needs pro
 
 
 def _address(text: str) -> str:
-    """An argparse type: HOST:PORT, checked by the library's own rule (``_split_address``), so
+    """An argparse type: HOST:PORT, checked by the library's own rule (``split_address``), so
     that a bad one is a usage error that names its flag (``argument --metrics: address
     'foo:bar': ...``) before anything starts; the library's later error named no flag, and
     serve has two addresses."""
-    from ._node import _split_address
+    from ._checks import split_address
 
     try:
-        _split_address(text)
+        split_address(text)
     except ConfigurationError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

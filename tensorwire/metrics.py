@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _metrics
-from ._node import _split_address
+from ._checks import split_address
 from .errors import ConfigurationError
 
 __all__ = ["MetricsServer", "Snapshot", "collector", "count_transfers", "register", "serve", "snapshot", "text"]
@@ -248,7 +248,7 @@ def serve(address: str = "127.0.0.1:0", *, registry: Any = None) -> MetricsServe
     ``server.address``. ConfigurationError for a bad address or one that cannot be bound. It
     resolves the host and binds before it returns: from async code, ``await
     asyncio.to_thread(serve, address)`` keeps a name lookup off the event loop."""
-    host, port = _split_address(address)
+    host, port = split_address(address)
     prometheus = _prometheus()
     if registry is None:
         register()

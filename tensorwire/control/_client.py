@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from .._checks import split_address
 from ..errors import (
     AuthenticationError,
     ClosedResourceError,
@@ -49,20 +50,12 @@ class WhyClosed(enum.Enum):
     UNKNOWN = "unknown"  # not probed, or the probe got no answer in time
 
 
-def _host_port(target: str) -> tuple[str, int]:
-    """``"host:port"`` (an IPv6 host in brackets) as (host, port); ValueError if it is not."""
-    host, _, port = target.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
-
-
 async def nothing_listens(target: str, seconds: float) -> bool:
     """Whether a new TCP connection to ``target`` is refused: no server listens there any more.
     (An answer in time, or none, or any other failure, says nothing of the sort.)"""
     try:
         async with asyncio.timeout(seconds):
-            _, writer = await asyncio.open_connection(*_host_port(target))
+            _, writer = await asyncio.open_connection(*split_address(target))
     except ConnectionRefusedError:
         return True
     except (OSError, ValueError, TimeoutError):
@@ -80,7 +73,7 @@ async def probe_closed(target: str, seconds: float) -> WhyClosed:
     context.verify_mode = ssl.CERT_NONE
     try:
         async with asyncio.timeout(seconds):
-            host, port = _host_port(target)
+            host, port = split_address(target)
             try:
                 _, writer = await asyncio.open_connection(host, port, ssl=context)
             except ConnectionResetError:

@@ -87,6 +87,12 @@ class Outgoing:
     memory: str = "host"  # the device memory kind of the tensors ("cuda"), else "host"
 
     @property
+    def device_bytes(self) -> bool:
+        """Whether any device tensor of the message holds bytes: those pass through buffers of
+        ours on a staged path (empty ones pass through nothing: not staged, as their receiver says)."""
+        return any(isinstance(a, DeviceTensor) and a.nbytes for a in self.arrays)
+
+    @property
     def header(self) -> bytes:
         """The message's wire header (its tree and tensor specs), encoded once."""
         if self._header is None:
@@ -149,8 +155,7 @@ class Outgoing:
         for a in self.arrays:
             arrays.append(await a.to_host() if isinstance(a, DeviceTensor) else a)
         self.header  # noqa: B018 - encode while the device shapes are still at hand
-        # empty device tensors pass through no buffer of ours: not staged (as their receiver says)
-        self.staged = any(isinstance(a, DeviceTensor) and a.nbytes for a in self.arrays)
+        self.staged = self.device_bytes
         self.arrays = arrays
         self.on_device = False
 

@@ -346,8 +346,7 @@ class TcpChannel(Channel):
                 raise
         finally:
             self._sending -= 1
-        # device tensors' bytes go through pinned chunks of ours; empty ones through nothing
-        staged = msg.staged or any(isinstance(a, DeviceTensor) and a.nbytes for a in msg.arrays)
+        staged = msg.staged or msg.device_bytes  # (device bytes go through pinned chunks of ours)
         receipt = Receipt(
             transport=self.transport,
             lanes=self.lanes,
