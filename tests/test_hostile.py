@@ -34,6 +34,7 @@ from tensorwire.control._pb import control_pb2, control_pb2_grpc, wire_pb2
 from tensorwire.errors import ProtocolError, TensorWireError
 from tensorwire.testing import peak_allocation
 from tensorwire.transports import Capabilities, ChannelState, TransportContext
+from tensorwire.transports._credit import OWN_TAGS
 from tensorwire.transports.tcp import TcpTransport
 
 # -- the wire format, as documented in tensorwire/transports/_frames.py ---------------------------
@@ -700,6 +701,23 @@ def _const(data: bytes) -> Callable[[Session], bytes]:
     return lambda s: data
 
 
+_UNREAD_OWN_TAG = OWN_TAGS[0]  # one of tensorwire's own tags that nothing in the node receives on
+
+
+def _flood(user: int, own: int = 0) -> Callable[[Session], bytes]:
+    """``user`` valid 16-byte eager messages on tag 8, then ``own`` on one of tensorwire's
+    tags, all left unreceived: each holds one of the node's message slots."""
+
+    def build(s: Session) -> bytes:
+        tags = [8] * user + [_UNREAD_OWN_TAG] * own
+        return b"".join(
+            frame(MSG, meta_len=len(_SMALL), payload_len=16, msg_id=s.msg_id(), arg=tag) + _SMALL + bytes(16)
+            for tag in tags
+        )
+
+    return build
+
+
 _HUGE = claim_header("float32", [2**38])  # 1 TiB, past max_message_bytes
 _OVER_CREDIT = claim_header("uint8", [32 * MiB])  # within max_message_bytes, past the 8 MiB buffer
 _UNDECODABLE = b"\xff" * 40
@@ -750,6 +768,11 @@ VIOLATIONS: dict[str, tuple[Callable[[Session], bytes], str]] = {
     "control-frame-with-payload": (_const(frame(CTS, payload_len=2**40, msg_id=1)), "CTS frame with"),
     "control-frame-with-metadata": (_const(frame(ABORT, meta_len=2**32 - 1, msg_id=1)), "ABORT frame with"),
     "credit-never-granted": (_const(frame(CREDIT, credit=2**62, slots=2**31)), "more credit than it granted"),
+    # max_unexpected=64 for the user's messages, 64 more kept for tensorwire's: before, the
+    # node counted only the 128, and the user's messages could take the kept slots too;
+    # tensorwire's own may take all 128
+    "user-messages-past-max-unexpected": (_flood(65), "more than 64 user messages without credit"),
+    "messages-past-every-slot": (_flood(0, 129), "more than 128 messages without credit"),
     "checksum-not-negotiated": (_msg(_SMALL, flags=CHECKSUM), "checksum flag"),
     "undecodable-protobuf-header": (_msg(_UNDECODABLE), "undecodable message header"),
     "header-unknown-dtype": (_msg(claim_header("int32", [4]).replace(b"int32", b"evil!")), "unknown dtype"),
@@ -800,6 +823,20 @@ async def _violate(
             await asyncio.wait_for(victim.peer.send(np.zeros(4)), 5)
         await bystander.delivers()
         assert bystander.peer.channel.state is ChannelState.OPEN
+        await env.still_serving()
+
+
+async def test_a_peer_may_fill_the_users_share_and_every_kept_slot() -> None:
+    """The positive control for the two floods above: the node takes as many messages as an
+    honest sender sends (64 of the user's, then 64 of tensorwire's), and the user's, received,
+    free their slots for more."""
+    async with honest_pair(POST_LIMITS) as env, session(env) as s:
+        await s.raw.send(_flood(64, 64)(s))
+        for _ in range(64):
+            got = await asyncio.wait_for(s.peer.recv(tag=8), 5)
+            assert got.tobytes() == bytes(16)
+        await s.delivers()
+        assert s.peer.channel.state is ChannelState.OPEN
         await env.still_serving()
 
 

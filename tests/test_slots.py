@@ -11,6 +11,7 @@ import pytest
 from tensorwire import _onesided
 from tensorwire._bench import _wire as bench_wire
 from tensorwire._peer import RESERVED_TAGS
+from tensorwire.errors import ProtocolError
 from tensorwire.rpc import _protocol
 from tensorwire.transports import Limits
 from tensorwire.transports._credit import OWN_TAGS, ReceiveBudget, SendWindow, own_slots, own_tag
@@ -45,13 +46,13 @@ async def test_the_users_messages_take_max_unexpected_slots_and_leave_the_rest(u
 
     for _ in range(users):
         await asyncio.wait_for(window.take_slot(7, is_open), 1)
-        budget.admit(0, False)
+        budget.admit(0, False, 7)
     user = asyncio.ensure_future(window.take_slot(7, is_open))
     await asyncio.sleep(0)
     assert not user.done(), "a user's message took a slot kept for tensorwire's"
     for _ in range(kept):
         await asyncio.wait_for(window.take_slot(_onesided._OPS_TAG, is_open), 1)
-        budget.admit(0, False)  # the receiver accepts them all
+        budget.admit(0, False, _onesided._OPS_TAG)  # the receiver accepts them all
     own = asyncio.ensure_future(window.take_slot(_protocol.REQUEST_TAG, is_open))
     await asyncio.sleep(0)
     assert not own.done() and not user.done()
@@ -61,6 +62,72 @@ async def test_the_users_messages_take_max_unexpected_slots_and_leave_the_rest(u
     window.grant(0, kept + 1)  # the kept slots are all free again, and one more: the user's goes
     await asyncio.wait_for(user, 1)
     user.result()
+
+
+@pytest.mark.parametrize("users", [1, 4, 64])
+def test_the_receiver_refuses_a_users_message_past_its_share(users: int) -> None:
+    """A peer whose sender ignored the rule above (a hostile or broken one) parked twice the
+    user's share of messages: the receiver checked only the total, and the user's messages
+    could fill the slots kept for tensorwire's. Now the first past the share is a protocol
+    violation, while tensorwire's may still take every slot there is."""
+    kept = own_slots(users)
+    budget = ReceiveBudget(Limits(max_unexpected=users), flush=lambda: None)
+    for _ in range(users):
+        budget.admit(16, True, 7)
+    with pytest.raises(ProtocolError, match=f"more than {users} user messages without credit"):
+        budget.admit(16, True, 8)
+
+    budget = ReceiveBudget(Limits(max_unexpected=users), flush=lambda: None)
+    for _ in range(users):
+        budget.admit(16, True, 7)
+    for _ in range(kept):  # the user's share is full: tensorwire's take the rest
+        budget.admit(16, True, _protocol.REQUEST_TAG)
+    with pytest.raises(ProtocolError, match=f"more than {users + kept} messages without credit"):
+        budget.admit(16, True, _protocol.REQUEST_TAG)
+
+
+def test_a_released_users_message_frees_a_user_slot_and_tensorwire_s_do_not() -> None:
+    budget = ReceiveBudget(Limits(max_unexpected=2), flush=lambda: None)
+    budget.admit(0, False, 7)
+    budget.admit(0, False, _onesided._OPS_TAG)
+    budget.release(0, False, _onesided._OPS_TAG, schedule=False)  # tensorwire's gave back no user slot
+    budget.admit(0, False, 7)
+    with pytest.raises(ProtocolError, match="more than 2 user messages"):
+        budget.admit(0, False, 7)
+    budget = ReceiveBudget(Limits(max_unexpected=2), flush=lambda: None)
+    budget.admit(0, False, 7)
+    budget.admit(0, False, 7)
+    budget.release(0, False, 7, schedule=False)
+    budget.admit(0, False, 7)  # the user's slot came back
+    assert budget.take_returns() == (0, 1)
+
+
+async def test_the_receiver_takes_all_an_honest_sender_sends_even_out_of_slot_order() -> None:
+    """The receiver is never stricter than ``SendWindow``: with the user's share one short, a
+    user's message takes the last user slot and one of tensorwire's a kept one after it, and
+    their frames may reach the receiver the other way round (another lane, another writer);
+    the receiver counts the user's messages, not the slots taken before each."""
+    users = 4
+    window = SendWindow(PeerLimits(1 << 20, users, 1 << 20, Limits.MIN_HEADER_BYTES, 0))
+    budget = ReceiveBudget(Limits(max_unexpected=users), flush=lambda: None)
+
+    def is_open() -> None:
+        pass
+
+    sent: list[int] = []
+    for _ in range(users - 1):
+        await window.take_slot(7, is_open)
+        sent.append(7)
+    await window.take_slot(7, is_open)  # the last user slot
+    await window.take_slot(_protocol.REQUEST_TAG, is_open)  # a kept one
+    sent += [_protocol.REQUEST_TAG, 7]  # ... arriving first
+    while window.has_slot(_protocol.REQUEST_TAG):
+        await window.take_slot(_protocol.REQUEST_TAG, is_open)
+        sent.append(_protocol.REQUEST_TAG)
+    assert not window.has_slot(7)
+    for tag in sent:
+        budget.admit(0, False, tag)
+    assert len(sent) == users + own_slots(users)
 
 
 def test_no_string_tag_lands_in_tensorwire_s_own_range() -> None:

@@ -9,8 +9,9 @@ wait behind them.
 ``SendWindow`` is the sender's view of those grants: a message that fits the credit may go
 eager, every message needs a slot, and a sender without slots waits.
 ``ReceiveBudget`` is the receiver's view: it checks that the peer stays within what it was
-granted (a violation is a ProtocolError) and collects what consumed messages give back, to be
-piggybacked on the next frame or flushed in a CREDIT frame shortly after.
+granted, the user's messages within their share as well as all messages within the total (a
+violation is a ProtocolError), and collects what consumed messages give back, to be piggybacked
+on the next frame or flushed in a CREDIT frame shortly after.
 """
 
 from __future__ import annotations
@@ -127,28 +128,48 @@ class ReceiveBudget:
         self._flush = flush  # sends a CREDIT frame when something is still owed
         self._used_credit = 0
         self._used_slots = 0
+        self._used_user_slots = 0  # of _used_slots, those held by messages on the user's tags
         self._ret_credit = 0
         self._ret_slots = 0
         self._timer: asyncio.TimerHandle | None = None
         self._urgent = False  # the pending timer is the no-delay one
         self._flushing = False  # a flush was asked for and has not taken the returns yet
 
-    def admit(self, nbytes: int, eager: bool) -> None:
-        """A message header arrived: it takes a slot, and credit if it came eager."""
+    def admit(self, nbytes: int, eager: bool, tag: int) -> None:
+        """A message header arrived on ``tag``: it takes a slot, and credit if it came eager.
+
+        The user's messages may hold ``max_unexpected`` slots, tensorwire's all of them. This is
+        ``SendWindow.has_slot`` seen from here: an honest sender lets a user's message go only
+        while fewer than ``max_unexpected`` of its slots are taken, by messages of either kind,
+        and a slot comes back to it only after this side released it; so the user's messages
+        held here never exceed their share, whatever order the frames arrive in. A peer that
+        broke this would leave no slot for tensorwire's messages (RPC replies, one-sided
+        requests, revocations) behind the user's it parks here.
+        """
         self._used_slots += 1
         if self._used_slots > self._max_slots:
             raise ProtocolError(f"peer sent more than {self._max_slots} messages without credit")
+        if not _OWN_FIRST <= tag <= _OWN_LAST:
+            self._used_user_slots += 1
+            if self._used_user_slots > self._limits.max_unexpected:
+                raise ProtocolError(
+                    f"peer sent more than {self._limits.max_unexpected} user messages without credit "
+                    f"(the other {self._max_slots - self._limits.max_unexpected} slots are kept for tensorwire's own)"
+                )
         if eager:
             self._used_credit += nbytes
             if self._used_credit > self._limits.recv_buffer_bytes:
                 raise ProtocolError("peer sent an eager message beyond its buffer credit")
 
-    def release(self, nbytes: int, eager: bool, *, schedule: bool = True) -> None:
-        """A message was consumed (or aborted): owe its slot and credit back to the peer."""
-        if self._used_slots <= 0 or (eager and nbytes > self._used_credit):
+    def release(self, nbytes: int, eager: bool, tag: int, *, schedule: bool = True) -> None:
+        """A message on ``tag`` was consumed (or aborted): owe its slot and credit back to the peer."""
+        user = not _OWN_FIRST <= tag <= _OWN_LAST
+        if self._used_slots <= 0 or (user and self._used_user_slots <= 0) or (eager and nbytes > self._used_credit):
             # a message released twice would hand the sender credit this side never had
             raise RuntimeError(f"tensorwire bug: release of a {nbytes}-byte message that holds no slot or credit")
         self._used_slots -= 1
+        if user:
+            self._used_user_slots -= 1
         self._ret_slots += 1
         if eager:
             self._used_credit -= nbytes

@@ -18,6 +18,7 @@ tensor's frames are at most one staging chunk long (never mixed with other tenso
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -408,11 +409,13 @@ class TcpChannel(Channel):
         await asyncio.shield(arrival.done)
 
     def release(self, arrival: Arrival) -> None:
-        self._budget.release(arrival.nbytes, not arrival.rendezvous, schedule=self.state is ChannelState.OPEN)
+        self._budget.release(
+            arrival.nbytes, not arrival.rendezvous, arrival.tag, schedule=self.state is ChannelState.OPEN
+        )
 
-    def _release_express(self, nbytes: int) -> None:
-        """A recv took a message delivered express (``Mailbox.deliver``): it came eager."""
-        self._budget.release(nbytes, True, schedule=self.state is ChannelState.OPEN)
+    def _release_express(self, tag: int, nbytes: int) -> None:
+        """A recv took a message on ``tag`` delivered express (``Mailbox.deliver``): it came eager."""
+        self._budget.release(nbytes, True, tag, schedule=self.state is ChannelState.OPEN)
 
     def _flush_credit(self) -> None:
         if self.state is ChannelState.OPEN:
@@ -459,7 +462,7 @@ class TcpChannel(Channel):
                         )
                     if hdr.msg_id in self._incoming or hdr.msg_id in self._waiting:
                         raise ProtocolError(f"duplicate message id {hdr.msg_id}")
-                    self._budget.admit(arrival.nbytes, eager=not rndv)
+                    self._budget.admit(arrival.nbytes, eager=not rndv, tag=hdr.arg)
                     self._check_summed(hdr.flags)
                     crc = crc32c.crc32c(meta, crc32c.crc32c(io.last_header)) if self.checksum else 0
                     if rndv:
@@ -590,11 +593,12 @@ class TcpChannel(Channel):
                     # accepted: from here on, what the read loop does
                     if credit or slots:
                         self._window.grant(credit, slots)
-                    self._budget.admit(nbytes, eager=True)
+                    self._budget.admit(nbytes, eager=True, tag=arg)
                     data = memoryview(buf)[meta_end : meta_end + nbytes]
                     if dest is not None:
                         # its slot and credit go back once its recv has taken it
-                        mailbox.deliver(arg, tree, specs, data, dest, protocol="eager", release=self._release_express)
+                        release = functools.partial(self._release_express, arg)
+                        mailbox.deliver(arg, tree, specs, data, dest, protocol="eager", release=release)
                     else:  # nobody waits: kept here (within the credit) for the next recv
                         arrival = Arrival(self, arg, tree, specs, msg_id=msg_id, nbytes=nbytes)
                         arrival.copied = bool(nbytes)  # out of the read-ahead buffer: not direct

@@ -731,11 +731,16 @@ class UcxChannel(Channel):
                 raise ProtocolError(f"MSG frame carries {payload_len} inline bytes of a {nbytes}-byte message")
             if msg_id in self._waiting or msg_id in self._incoming:
                 raise ProtocolError(f"duplicate message id {msg_id}")
-            self._budget.admit(nbytes, eager=not rndv)
+            self._budget.admit(nbytes, eager=not rndv, tag=arg)
             protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
             # a posted recv waits for it: straight into place; its slot and credit go back once that recv has taken it
             if inline and self.mailbox.deliver(
-                arg, tree, specs, mv[end : end + nbytes], protocol=protocol, release=self._release_express
+                arg,
+                tree,
+                specs,
+                mv[end : end + nbytes],
+                protocol=protocol,
+                release=functools.partial(self._release_express, arg),
             ):
                 return
             arrival = _Arrival(
@@ -1019,11 +1024,11 @@ class UcxChannel(Channel):
     def release(self, arrival: Arrival) -> None:
         eager = arrival in self._eager  # inline and eager arrivals spent buffer credit
         self._eager.discard(arrival)
-        self._budget.release(arrival.nbytes, eager, schedule=self.state is ChannelState.OPEN)
+        self._budget.release(arrival.nbytes, eager, arrival.tag, schedule=self.state is ChannelState.OPEN)
 
-    def _release_express(self, nbytes: int) -> None:
-        """A recv took a message delivered express (``Mailbox.deliver``): it came inline, eager."""
-        self._budget.release(nbytes, True, schedule=self.state is ChannelState.OPEN)
+    def _release_express(self, tag: int, nbytes: int) -> None:
+        """A recv took a message on ``tag`` delivered express (``Mailbox.deliver``): it came inline, eager."""
+        self._budget.release(nbytes, True, tag, schedule=self.state is ChannelState.OPEN)
 
     def _flush_credit(self) -> None:
         if self.state is ChannelState.OPEN:

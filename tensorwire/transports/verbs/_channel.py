@@ -590,7 +590,7 @@ class VerbsChannel(Channel):
                 segs.append((addr, length, rkey))
             if sum(s[1] for s in segs) != nbytes or payload_len != nbytes or not nbytes:
                 raise ProtocolError("verbs segment descriptors do not match the message header")
-        self._budget.admit(nbytes, eager=not rndv)
+        self._budget.admit(nbytes, eager=not rndv, tag=tag)
         protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
         arrival = Arrival(self, tag, tree, specs, msg_id=msg_id, rendezvous=not inline, protocol=protocol)
         if not rndv:
@@ -757,7 +757,7 @@ class VerbsChannel(Channel):
     def release(self, arrival: Arrival) -> None:
         eager = arrival in self._eager
         self._eager.discard(arrival)
-        self._budget.release(arrival.nbytes, eager, schedule=self.state is ChannelState.OPEN)
+        self._budget.release(arrival.nbytes, eager, arrival.tag, schedule=self.state is ChannelState.OPEN)
 
     # -- RDMA operations ----------------------------------------------------------------------------
     def _rdma(
