@@ -22,6 +22,7 @@ import doctest
 import importlib
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -452,6 +454,55 @@ async def test_stock_grpc_snippets(readme_stubs: Path) -> None:
         assert json.loads(json_format.MessageToJson(reply)) == json.loads(comment_of(curl, "Control/Invoke"))
 
 
+async def test_the_status_each_error_gets_over_invoke_is_the_readmes() -> None:
+    """The README's "errors map to statuses (...)": each exception it names for a method gets its
+    status from Invoke, and one it does not name gets ``UNKNOWN`` ("other exceptions"). It used
+    to name ValueError alone, while a method's KeyError, TypeError, PermissionError, TimeoutError
+    and NotImplementedError got other statuses, and a tensor result ``FAILED_PRECONDITION``."""
+    import grpc
+
+    from tensorwire.control._pb import control_pb2, control_pb2_grpc
+
+    text = prose(README)
+    said = text[text.index("errors map to statuses (") : text.index("with details `")]
+    named: dict[type[BaseException], str] = {}  # exception -> status, as the README pairs them
+    pending: list[type[BaseException]] = []
+    for word in re.findall(r"`(\w+)`", said):
+        if word.isupper():
+            named.update(dict.fromkeys(pending, word))
+            pending = []
+        elif isinstance(getattr(builtins, word, None), type):
+            pending.append(getattr(builtins, word))
+    assert named and not pending, said
+
+    def expected(kind: type[BaseException]) -> str:
+        return next((named[k] for k in kind.__mro__ if k in named), "UNKNOWN")
+
+    kinds = {*named, KeyError, IndexError, TypeError, PermissionError, TimeoutError, NotImplementedError}
+    kinds |= {FileNotFoundError, OSError, RuntimeError, ZeroDivisionError, AttributeError}
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+
+        @node.method("fail")
+        async def fail(kind: str) -> None:
+            raise getattr(builtins, kind)("as asked")
+
+        @node.method("tensor")
+        async def tensor() -> Any:
+            return np.zeros(2)
+
+        got: dict[str, str] = {}
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            stub = control_pb2_grpc.ControlStub(channel)
+            for method, args in [("tensor", []), *(("fail", [k.__name__]) for k in kinds)]:
+                request = control_pb2.InvokeRequest(method=method, args=[control_pb2.Value(str_value=a) for a in args])
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await stub.Invoke(request, timeout=10)
+                got[args[0] if args else method] = failed.value.code().name
+    assert got.pop("tensor") == "FAILED_PRECONDITION"
+    assert got == {k.__name__: expected(k) for k in kinds}, "Invoke's statuses for a method's errors vs the README's"
+    assert "a result that holds a tensor `FAILED_PRECONDITION`" in said, said
+
+
 # -- README and docs/pipeline.md: pipelines -----------------------------------------------------
 def _numpy_part(rank: int, num_stages: int) -> pipeline.FunctionPart:
     from _pipeline_fixtures import NumpyLinear
@@ -560,6 +611,29 @@ def test_pipeline_page_doctest_and_schedule_errors() -> None:
         reverse.validate(max_unexpected=2)
     assert str(refused.value).splitlines()[0] == limit.text.strip()
     reverse.validate()  # "GPipe and 1F1B ... no limit binds them": the default 1024 does not bind this one
+
+
+# -- README: Development (the public conformance suite) -------------------------------------------
+async def test_the_conformance_suites_own_example_gives_each_check_its_limits() -> None:
+    """The README sends a new transport's author to ``tensorwire.testing``, whose docstring shows
+    the test to write. Run as written, it passes on tcp for checks that carry tight limits in
+    ``LIMITS``: the example once called ``connected_pair("tcp")`` without ``check=``, and five of
+    those checks then failed on transports that keep the contract."""
+    import tensorwire.testing as testing
+
+    assert "from tensorwire.testing import CHECKS, connected_pair" in prose(README)
+    lines = (testing.__doc__ or "").splitlines()[2:]  # the summary, a blank line, the example
+    example = textwrap.dedent("\n".join(itertools.takewhile(lambda s: not s or s.startswith("    "), lines)))
+    namespace: dict[str, Any] = {"pytest": pytest}
+    exec(compile(example, testing.__file__ or "tensorwire/testing", "exec"), namespace)
+    test = namespace["test_conformance"]
+    (mark,) = [m for m in getattr(test, "pytestmark", []) if m.name == "parametrize"]
+    values = list(mark.args[1])
+    ids = [str(i) for i in mark.kwargs.get("ids") or values]
+    assert sorted(ids) == sorted(testing.CHECKS), "the example no longer runs every check"
+    for name in ("send_past_the_peers_limit_is_refused", "header_past_the_peers_limit_is_refused", "backpressure"):
+        assert name in testing.LIMITS, name
+        await test(values[ids.index(name)])
 
 
 # -- names the pages use exist ------------------------------------------------------------------

@@ -2,14 +2,15 @@
 
     from tensorwire.testing import CHECKS, connected_pair
 
-    @pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())
-    async def test_conformance(check):
-        async with connected_pair("tcp") as (a, b):
-            await check(a, b)
+    @pytest.mark.parametrize("name", CHECKS)
+    async def test_conformance(name):
+        async with connected_pair("tcp", check=name) as (a, b):
+            await CHECKS[name](a, b)
 
 A check takes two connected peers (``a`` connected to ``b``) and raises AssertionError (or an
 error from the tree) when the transport breaks the contract. Some checks need tight limits; they
-carry them in ``LIMITS`` and ``connected_pair`` applies them. ``exchange`` sends one message
+carry them in ``LIMITS`` and ``connected_pair(..., check=name)`` applies them (without it,
+those checks fail on a transport that keeps the contract). ``exchange`` sends one message
 from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send started first;
 ``cancel_recv_at_every_step`` cancels such recvs at every step of a transfer and checks that
 nothing is lost and no cancelled ``out=`` is written afterwards. ``busy_stream(engine)`` holds a
