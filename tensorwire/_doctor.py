@@ -23,7 +23,7 @@ from .control._negotiate import _tcp_only, tcp_lanes_only
 from .errors import TensorWireError
 from .memory._gpudirect import gpudirect_status
 from .transports import DEFAULT_PREFERENCE, probe_all
-from .transports.ucx._lanes import NO_MESSAGES_TLS
+from .transports.ucx._lanes import NO_MESSAGES_TLS, one_sided_direct
 
 
 def _numa(device_dir: FsPath) -> int | None:
@@ -243,6 +243,16 @@ def report(address: str | None = None, token: str | None = None, timeout: float 
         n: {"usable": True, "rdma": c.rdma, "one_sided": c.one_sided, "memory": list(c.memory_kinds)}
         for n, (_, c) in usable.items()
     }
+    ucx_caps = usable["ucx"][1] if "ucx" in usable else None
+    if ucx_caps is not None and ucx_caps.one_sided and not one_sided_direct(ucx_caps.lanes):
+        # (UCX_TLS=posix, or a container without cma): rkeys still work, but UCX emulates each
+        # get/put over its message lanes and the owner's event loop serves it
+        transports["ucx"]["one_sided_emulated"] = True
+        transports["ucx"]["note"] = (
+            f"one-sided get/put emulated by UCX: none of its lanes here ({', '.join(ucx_caps.lanes)}) reaches a "
+            "peer's memory without the peer's CPU (cma, knem, xpmem or RDMA), so the owner's event loop serves "
+            "every read and write (receipts say one-sided-emulated)"
+        )
     transports.update({n: {"usable": False, "reason": r} for n, r in unusable.items()})
     remote_pick, passed, machine_pick = _pick(usable, unusable)
     rdma = rdma_devices()
@@ -286,13 +296,12 @@ def render(rep: dict[str, Any]) -> str:
     for name in rep["preference"]:
         t = rep["transports"][name]
         if t["usable"]:
-            lines.append(
-                f"  {name:7} usable   rdma={t['rdma']} one_sided={t['one_sided']} memory={','.join(t['memory'])}"
-            )
+            one_sided = "emulated" if t.get("one_sided_emulated") else t["one_sided"]
+            lines.append(f"  {name:7} usable   rdma={t['rdma']} one_sided={one_sided} memory={','.join(t['memory'])}")
         else:
             lines.append(f"  {name:7} unusable {t['reason']}")
-            if t.get("note"):
-                lines.append(f"          ({t['note']})")
+        if t.get("note"):
+            lines.append(f"          ({t['note']})")
     pick = rep["connect_to_another_process"]
     lines.append(f"a connect to another process on this machine would use: {pick['transport']}")
     lines += [f"  not {line}" for line in pick["passed_over"]]

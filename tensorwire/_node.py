@@ -68,7 +68,8 @@ class NodeConfig:
     lease_seconds: a peer that neither renews its lease over the control plane nor answers
         renewals for this long is declared dead (PeerDisconnected), even if its sockets stay up.
     checksum: crc32c on every staged-TCP payload frame (on when either side asks); a corrupted
-        frame raises IntegrityError and is never delivered.
+        frame raises IntegrityError and is never delivered. Other transports' payloads carry
+        none: the node warns once per such transport that a peer opens over.
     tls: certificates for the control plane (TLSConfig): TLS, or mutual TLS with
         require_client_cert. The session secret then never crosses the network in the clear.
     node_id: this node's name, at most MAX_NODE_ID_CHARS (256) characters; a random one by default.
@@ -247,6 +248,7 @@ class Node:
             log, per_window=20, window=10.0, what="handshakes whose data connection never opened", kind="control"
         )
         self._connecting: set[asyncio.Task[Peer]] = set()  # connects under way: closing the node ends them
+        self._unchecked: set[str] = set()  # transports whose lack of checksums this node has warned of
         self.exposures = ExposureTable()
         self._retiring: set[asyncio.Task[None]] = set()  # unexposed tensors waiting for peers' acks
         self._watchdog: asyncio.Task[None] | None = None
@@ -317,6 +319,18 @@ class Node:
         one-sided requests."""
         self.peers.append(peer)
         _metrics.peer_opened(side, peer.path)
+        transport = peer.path.transport
+        if self.config.checksum and transport not in ("tcp", "inproc") and transport not in self._unchecked:
+            # the user asked for checksums, and the path taken has none: say so (once per
+            # transport), rather than let checksum=True read as a promise it is not here
+            self._unchecked.add(transport)
+            log.warning(
+                "checksum=True, but %s does not checksum payloads (only tcp does): payloads to %s and to every "
+                "later %s peer of this node carry no crc32c; connect with transports=('tcp',) where they must",
+                transport,
+                peer.remote_address,
+                transport,
+            )
         assert peer.session is not None
         self._sessions[peer.session.id] = peer
         peer.channel.add_close_callback(lambda _exc: self._gone(peer))

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire import _bench
@@ -97,7 +98,7 @@ def test_local_bench_prints_the_path_and_a_row_per_size(capsys: pytest.CaptureFi
     assert [r[:2] for r in rows] == [["4", "KiB"], ["64", "KiB"]], stdout
     for r in rows:
         assert float(r[2]) > 0 and float(r[3]) > 0 and r[4].endswith("x") and float(r[4][:-1]) > 0, r
-        assert r[5] in ("eager", "rendezvous", "inline"), r
+        assert r[5] in ("eager;", "rendezvous;", "inline;") and r[6] == "node:", r  # and how its recvs landed
     assert "every batch verified: the node's crc32c of its last message matched the sender's" in stdout
 
 
@@ -326,9 +327,10 @@ async def _pair(enabled: bool = True, **options: Any) -> Any:
 async def test_a_message_that_did_not_land_whole_is_caught_by_the_crc(monkeypatch: pytest.MonkeyPatch) -> None:
     receive = _server._receive
 
-    async def last_byte_lost(peer: Any, out: Any, count: int) -> None:
-        await receive(peer, out, count)
+    async def last_byte_lost(peer: Any, out: Any, count: int) -> dict[str, int]:
+        landed = await receive(peer, out, count)
         out[-1] ^= 0xFF  # as if the last message's tail never arrived
+        return landed
 
     async with _pair() as peer:
         report = await _bench.run_bench(peer, [1000], seconds=0.05)
@@ -343,16 +345,56 @@ async def test_a_stale_buffer_is_caught_by_the_stamp(monkeypatch: pytest.MonkeyP
     whose buffer still held the one before (its last recv lost) answers a crc that differs."""
     receive = _server._receive
 
-    async def last_lost(peer: Any, out: Any, count: int) -> None:
+    async def last_lost(peer: Any, out: Any, count: int) -> dict[str, int]:
         if count == 1:  # the first batch of a size lands whole: out holds a stamped message
             return await receive(peer, out, count)
-        await receive(peer, out, count - 1)
+        landed = await receive(peer, out, count - 1)
         await peer.recv(tag=_wire.DATA_TAG)  # taken, but not into out
+        return {**landed, "copied": landed["copied"] + 1}
 
     async with _pair() as peer:
         monkeypatch.setattr(_server, "_receive", last_lost)
         with pytest.raises(tensorwire.IntegrityError, match=r"^tensorwire, 4 KiB x\d+: .* did not land whole"):
             await _bench.run_bench(peer, [4096], seconds=0.05)
+
+
+async def test_each_row_says_how_the_nodes_receives_landed() -> None:
+    """A row said "eager" (the sender's last receipt) and nothing of the node's side, where a
+    message that came before its recv was copied out of a buffer of tensorwire's into the
+    node's buffer (staged): `tensorwire bench` over ucx, 16 MiB, the node's own receipts said 97%
+    staged while the row said "eager". The node now counts its receipts and the row says so."""
+    async with _pair() as peer:
+        report = await _bench.run_bench(peer, [4096, 1 << 20], seconds=0.05)
+        for row in report.rows:
+            assert row.landed is not None and sum(row.landed.values()) == row.count, row
+            assert row.to_json()["node_recvs"] == row.landed
+            assert "; node: " in _client.Report.row_text(row), row
+    # the node's words are its receipts': deterministic cases over tcp
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as a,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as b,
+    ):
+        sender = await b.connect(a.address)
+        node = await a.accept()
+        small, large = np.zeros(4096, np.uint8), np.zeros(1 << 20, np.uint8)
+        for _ in range(3):  # they come before the recv: through a buffer of tensorwire's
+            await sender.send(small, tag=_wire.DATA_TAG)
+        await eventually(lambda: _queued(node, 3))
+        assert await _server._receive(node, np.empty_like(small), 3) == {"direct": 0, "staged": 3, "copied": 0}
+        for x, how in ((large, "direct"), (small, "copied")):  # tcp reads 4 KiB through its read-ahead
+            sink = asyncio.ensure_future(_server._receive(node, np.empty_like(x), 1))
+            await eventually(lambda: node.channel.mailbox.has_posted(_wire.DATA_TAG))
+            await sender.send(x, tag=_wire.DATA_TAG)
+            assert await sink == {"direct": 0, "staged": 0, "copied": 0, how: 1}
+    # a node from before says the crc alone: the row says nothing of it
+    assert _client._landed(7, 2) == (7, None)
+    with pytest.raises(tensorwire.ProtocolError):
+        _client._landed({"crc32c": 7, "landed": {"direct": 1, "staged": 0, "copied": 0}}, 2)
+
+
+def _queued(peer: tensorwire.Peer, n: int) -> bool:
+    q = peer.channel.mailbox._arrived.get(_wire.DATA_TAG, ())
+    return len(q) == n and all(arrival.done.done() for arrival in q)
 
 
 async def test_the_baseline_is_checked_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -115,6 +115,12 @@ def test_require_refusals_say_which_side_falls_short() -> None:
     with pytest.raises(tensorwire.NegotiationError) as info:
         choose(["ucx"], {"ucx": Offer("ucx", 1, b"s", nic)}, huge, {}, {}, "rdma", ok, remote_name="client c1")
     assert len(str(info.value)) < 1000 and "and 24 more" in str(info.value), str(info.value)[:300]
+    # and where the transport cannot reach it (each side's lanes are named, within the same bounds)
+    unreachable = lambda name, addr: "UCX cannot create an endpoint to the peer: Destination is unreachable"
+    with pytest.raises(tensorwire.NegotiationError) as info:
+        choose(["ucx"], {"ucx": Offer("ucx", 1, b"s", shm)}, huge, {}, {}, "any", unreachable, remote_name="client c1")
+    assert len(str(info.value)) < 1000 and "and 24 more" in str(info.value), str(info.value)[:300]
+    assert "(server lists sysv/memory, cma/memory; client c1 lists 0xxx" in str(info.value), str(info.value)[:300]
 
 
 async def test_a_control_port_in_use_is_named() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -12,6 +13,10 @@ import pytest
 
 import tensorwire
 from tensorwire.testing import CHECKS, connected_pair
+
+_needs_ucx = pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (pip install 'tensorwire[ucx]')"
+)
 
 
 @pytest.mark.parametrize(
@@ -123,3 +128,24 @@ async def test_either_side_can_ask() -> None:
         assert a.channel.checksum and b.channel.checksum
         await a.send(np.ones(10))
         assert np.array_equal(await b.recv(), np.ones(10))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc", pytest.param("ucx", marks=_needs_ucx)])
+async def test_a_path_without_checksums_says_so(transport: str, caplog: pytest.LogCaptureFixture) -> None:
+    """checksum=True on nodes that prefer ucx (the default order): their peers opened over ucx,
+    whose payloads carry no crc32c, and nothing said so. Each node now warns, once per such
+    transport; over tcp (checksummed) and inproc (no wire) nothing is said."""
+    caplog.set_level("WARNING", logger="tensorwire")
+    options = {"transports": (transport,), "checksum": True}
+    async with tensorwire.start("127.0.0.1:0", **options) as a, tensorwire.start("127.0.0.1:0", **options) as b:
+        for _ in range(2):
+            peer = await a.connect(b.address)
+            await asyncio.wait_for(b.accept(), 10)
+            assert peer.path.transport == transport
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checksum=True, but")]
+    if transport == "ucx":
+        assert len(said) == 2, said  # each node, once
+        assert all("ucx does not checksum payloads" in line and "carry no crc32c" in line for line in said), said
+    else:
+        assert said == [], said

@@ -238,3 +238,44 @@ async def test_the_accepting_side_says_why_a_transport_it_prefers_was_not_used(h
     assert "not ucx: " in str(other.path), other.path
     key = ("tcp", "accept", "ucx")
     assert after.get(key, 0) == before.get(key, 0) + 1, (before, after)
+
+
+@needs_ucx
+def test_a_ucx_that_cannot_reach_the_peer_says_what_each_side_offered() -> None:
+    """Nodes whose UCX shared-memory transports do not match (as two machines with shared
+    memory alone): the path said only UCX's "Destination is unreachable". Each side's lanes
+    now say why, on both sides."""
+    transport, mine, theirs = asyncio.run(_connect("posix", "sysv", ("ucx", "tcp")))
+    assert transport == "tcp", mine
+    for text in (mine, theirs):
+        assert "not ucx: UCX cannot create an endpoint" in text, text
+        assert "lists sysv/memory; client " in text and " lists posix/memory)" in text, text
+
+
+@needs_ucx
+@pytest.mark.parametrize(("tls", "protocol"), [("posix,self", "one-sided-emulated"), ("sm,self", "one-sided")])
+def test_the_doctor_says_one_sided_is_emulated_where_the_receipts_do(tls: str, protocol: str) -> None:
+    """UCX without a lane that reaches a peer's memory by itself (TLS=posix; a container that
+    does not allow cma): every read's receipt says one-sided-emulated (the owner's event loop
+    serves it), while the doctor said one_sided=True. It says emulated now, and why."""
+    from tensorwire.transports.ucx import ucx_config
+
+    async def read() -> str:
+        async with (
+            tensorwire.start(transports=("ucx",), ucx_options={"TLS": tls}) as a,
+            tensorwire.start(transports=("ucx",), ucx_options={"TLS": tls}) as b,
+        ):
+            a.expose(np.arange(4096, dtype=np.uint8), name="x")
+            peer = await b.connect(a.address)
+            _, receipt = await peer.read_with_receipt(await peer.lookup("x"))
+            return receipt.protocol
+
+    assert asyncio.run(read()) == protocol
+    with ucx_config(TLS=tls):
+        rep = _doctor.report()
+    emulated = protocol == "one-sided-emulated"
+    ucx = rep["transports"]["ucx"]
+    assert ucx["one_sided"] and ucx.get("one_sided_emulated", False) is emulated, ucx
+    row = next(line for line in _doctor.render(rep).splitlines() if line.startswith("  ucx "))
+    assert ("one_sided=emulated" in row) is emulated and ("one_sided=True" in row) is not emulated, row
+    assert ("owner's event loop serves" in ucx.get("note", "")) is emulated, ucx

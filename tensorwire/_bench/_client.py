@@ -69,6 +69,9 @@ class Row:
     protocol: str  # the last send's receipt: eager, rendezvous, inline
     staged: bool
     crc32c: int  # of the last message of tensorwire's batch, as the node answered and the sender computed
+    # how the node's receives of that batch landed, by their receipts (``_server._receive``):
+    # recvs "direct", "staged" and "copied"; None from a node that does not say
+    landed: dict[str, int] | None = None
 
     @property
     def gbps(self) -> float:
@@ -95,6 +98,7 @@ class Row:
             "protocol": self.protocol,
             "staged": self.staged,
             "crc32c": f"{self.crc32c:#010x}",
+            "node_recvs": self.landed,
         }
 
 
@@ -157,6 +161,11 @@ class Report:
     @staticmethod
     def row_text(row: Row) -> str:
         proto = row.protocol + (", staged" if row.staged else "")
+        if row.landed is not None:
+            # the sender's receipt says nothing of the node's copies: a message that came before
+            # its recv was copied out of a buffer of tensorwire's there (staged)
+            shares = [(n, how) for how, n in row.landed.items() if n]
+            proto += "; node: " + ", ".join(f"{_share(n, row.count)} {how}" for n, how in shares)
         return f"{fmt_size(row.size):>9}  {row.gbps:15.3f}  {row.raw_gbps:12.3f}  {row.ratio:5.2f}x  {proto}"
 
     @staticmethod
@@ -368,16 +377,17 @@ async def _one_size(
     data = host if device.kind == "cpu" else await asyncio.to_thread(_to_device, host, device)
     receipts: list[Any] = [None]
     crcs: list[int] = [0]
+    landed: list[dict[str, int] | None] = [None]
 
     async def tensorwire(count: int) -> float:
-        await _request(peer, {"op": "sink", "size": size, "count": count, "device": str(device)})
+        await _request(peer, {"op": "sink", "size": size, "count": count, "device": str(device), "landed": True})
         mark = nonce()
         t0 = time.perf_counter()
         for _ in range(count - 1):
             await peer.send(data, tag=DATA_TAG)
         stamp(data, mark)
         receipts[0] = await peer.send(data, tag=DATA_TAG)
-        got = await _answer(peer)
+        got, landed[0] = _landed(await _answer(peer), count)
         dt = time.perf_counter() - t0
         want = await crc_of(data, device)
         if got != want:
@@ -401,7 +411,29 @@ async def _one_size(
     count, dt = await _calibrated(tensorwire, budget)
     raw_count, raw_dt = await _calibrated(baseline, budget)
     receipt = receipts[0]
-    return Row(size, count, dt, raw_count, raw_dt, receipt.protocol, receipt.staged, crcs[0])
+    return Row(size, count, dt, raw_count, raw_dt, receipt.protocol, receipt.staged, crcs[0], landed[0])
+
+
+def _share(n: int, count: int) -> str:
+    """``n`` of ``count`` as a whole percentage, never rounded to 0% or 100% when it is not."""
+    pct = 100 * n / count
+    return "<1%" if 0 < pct < 1 else ">99%" if 99 < pct < 100 else f"{pct:.0f}%"
+
+
+def _landed(answer: object, count: int) -> tuple[object, dict[str, int] | None]:
+    """A sink's answer: the crc32c, and how the node's ``count`` receives landed (None from a
+    node that answers the crc alone)."""
+    if not isinstance(answer, dict):
+        return answer, None
+    landed = answer.get("landed")
+    if (
+        not isinstance(landed, dict)
+        or set(landed) != {"direct", "staged", "copied"}
+        or not all(type(n) is int and n >= 0 for n in landed.values())
+        or sum(landed.values()) != count
+    ):
+        raise ProtocolError(f"a node answered {answer!r} to a sink of {count} messages")
+    return answer.get("crc32c"), landed
 
 
 def _hex(value: object) -> str:

@@ -58,10 +58,16 @@ _BIND_TRIES = 8  # ports tried for listeners on several addresses, one of which 
 _REFUSAL = "it was started without --bench (start one with `tensorwire serve --bench`)"
 
 
-async def _receive(peer: Peer, out: Any, count: int) -> None:
-    """The node's side of a sink: ``count`` messages into ``out``."""
+async def _receive(peer: Peer, out: Any, count: int) -> dict[str, int]:
+    """The node's side of a sink: ``count`` messages into ``out``, and how they landed, by
+    their receipts: ``direct`` (into ``out`` with no copy of tensorwire's), ``staged`` (the
+    message came before its recv and was copied out of a buffer of tensorwire's) or ``copied``
+    (the transport copied it on its way: bytes inline with the header, tcp's read-ahead)."""
+    landed = {"direct": 0, "staged": 0, "copied": 0}
     for _ in range(count):
-        await peer.recv(tag=DATA_TAG, out=out)
+        _, receipt = await peer.recv_with_receipt(tag=DATA_TAG, out=out)
+        landed["direct" if receipt.direct else "staged" if receipt.staged else "copied"] += 1
+    return landed
 
 
 def _raw_receive(conn: socket.socket, out: memoryview, count: int) -> bool:
@@ -323,8 +329,11 @@ class _Service:
                 self.buffers.pop(device, None)  # the old buffer goes before the new one comes
                 out = self.buffers[device] = allocate(size, device)
             await self.answer("ready")
-            await _receive(peer, out, count)
-            await self.answer(await crc_of(out, device))
+            landed = await _receive(peer, out, count)
+            crc = await crc_of(out, device)
+            # a client that asks is told how the node's receives went (one that does not, from
+            # before this was told, takes the crc alone)
+            await self.answer({"crc32c": crc, "landed": landed} if req.get("landed") else crc)
         elif op == "ping":
             assert isinstance(req, dict)
             count = _count(req.get("count"))

@@ -144,6 +144,12 @@ def choose(
                 continue
         why = reachable(name, theirs.address)
         if why is not None:
+            if name == "ucx":
+                # UCX's own words are a bare "Destination is unreachable": the lanes each side
+                # offered say what had nothing in common (two machines with shared memory only,
+                # TLS="posix" against TLS="sysv"); the other side's within bounds (``_lanes_text``)
+                sides = ((local_name, mine), (remote_name, theirs))
+                why += " (" + "; ".join(f"{side} lists {_lanes_text(o.capabilities.lanes)}" for side, o in sides) + ")"
             passed.append((name, why))
             continue
         fallback = name != "tcp" and "tcp" in order[i + 1 :] and "tcp" in local and "tcp" in remote
