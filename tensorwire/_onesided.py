@@ -32,6 +32,10 @@ payload moving straight between the exposed memory and the requester's buffer (r
 for large tensors). Receipts say ``protocol="owner-assisted"`` so nobody mistakes it for RDMA.
 ``unexpose`` lets the requests being served from or into the tensor end before it lets the
 tensor go (``_Exposed.busy``): a write still being received lands until then, never after.
+A node keeps at most ``_MAX_ASKED`` such requests (and revocation notices) unanswered on one
+channel, and later ones wait their turn; an owner serves at most ``_MAX_SERVED`` of one peer's
+at once and reads no more of them until one ends, so a peer that never takes its answers
+costs the owner bounded memory (``serve_ops`` says why honest peers never wait on that).
 
 Device memory (CUDA; the host engine's in tests): an exposed device tensor is registered only
 with transports whose ``region_kinds`` name its kind (ucx with cuda lanes), else served by its
@@ -52,7 +56,7 @@ import math
 import operator
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +75,7 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .memory import CopyEngine, DeviceBuffer, Event, HostChunk, Move, Piece, scatter, wait_event
+from .rpc._registry import FifoAdmission
 from .tensors import Outgoing, as_view, dtype_from_name, prepare, prepare_off_loop
 from .tensors._device import (
     Device,
@@ -114,6 +119,10 @@ _OPS_TAG = -0x7477_6F70_7300_0001  # reserved: owner-assisted one-sided requests
 _REPLY_BASE = -0x7477_7270_0000_0000  # reserved range for per-operation replies and payloads
 _metrics.traffic_tags(range(_REPLY_BASE, _OPS_TAG + 1), "one-sided")
 _DRAIN_SECONDS = 60.0
+# owner-assisted requests and revocation notices one node has unanswered on one channel, and
+# the tasks an owner runs for one peer's at once: more than that, for ``serve_ops``'s argument
+_MAX_ASKED = 64
+_MAX_SERVED = 2 * _MAX_ASKED
 _MAX_REGIONS = 256  # regions in one owner-assisted request (its header also within the limits: ``_parts``)
 
 
@@ -367,18 +376,54 @@ async def retire(entry: _Exposed, session_peer: Callable[[str], Peer | None]) ->
 async def _revoke(peer: Peer, h: Handle) -> None:
     reply, _ = _tags()
     try:
+        room = await _room(peer)  # the peer serves a notice as it does a request (``serve_ops``)
+    except TensorWireError:
+        return
+    try:
         await peer.send({"op": "revoke", "name": h.name, "generation": h.generation, "reply": reply}, tag=_OPS_TAG)
         await peer.recv(tag=reply)  # until the peer acknowledges or its channel closes
     except TensorWireError:
         return
+    finally:
+        room.release()
 
 
 # -- the owner's side ---------------------------------------------------------------------------
 async def serve_ops(peer: Peer, table: ExposureTable) -> None:
-    """Answer a peer's owner-assisted reads and writes until the channel closes."""
+    """Answer a peer's owner-assisted reads and writes, and its revocation notices, until the
+    channel closes: each in a task of its own, at most ``_MAX_SERVED`` at once.
+
+    At the cap it reads no more of them: they wait in the mailbox, holding the peer's message
+    slots, and a peer that sends more waits for slots. (Uncapped, a peer that never took its
+    answers left a task per request here: 20 000 reads, 19 974 tasks, +182 MiB.) No honest peer
+    is stuck on it. A peer takes room (``_room``) for each request and notice before sending it
+    and gives it back only once it has the final answer (one that may never come: after
+    _DRAIN_SECONDS), so at most ``_MAX_ASKED`` of the tasks here can still need anything of the
+    peer's (a write's payload, a slot or go-ahead for an answer). At the cap the others, at least
+    ``_MAX_SERVED - _MAX_ASKED``, have sent their final answer and end by themselves (a note
+    left over drained within _DRAIN_SECONDS), and the reading goes on: no write's payload waits
+    for good for a slot that requests left unread hold. (A cap with no bound at the sender hung
+    honest concurrent writes that way.)
+    """
+    loop = asyncio.get_running_loop()
     running: set[asyncio.Task[None]] = set()
+    room = asyncio.Event()
+    room.set()
+
+    def ended(task: asyncio.Task[None]) -> None:
+        running.discard(task)
+        room.set()
+
+    def start(coro: Coroutine[Any, Any, None]) -> None:
+        task = loop.create_task(coro)
+        running.add(task)
+        task.add_done_callback(ended)
+        if len(running) >= _MAX_SERVED:
+            room.clear()
+
     try:
         while True:
+            await room.wait()
             try:
                 req = await peer.recv(tag=_OPS_TAG)
             except TensorWireError:
@@ -388,7 +433,7 @@ async def serve_ops(peer: Peer, table: ExposureTable) -> None:
                 continue
             if req.get("op") == "drop":  # a cancelled write's note, sent after the payload arrived
                 if isinstance(req.get("data"), int):
-                    _drain_later(peer, req["data"])
+                    start(_drain_within(peer, req["data"], _DRAIN_SECONDS))
                 continue
             if req.get("op") == "revoke":
                 # mark it now, before any task sees a later message from the owner
@@ -396,13 +441,9 @@ async def serve_ops(peer: Peer, table: ExposureTable) -> None:
                 if not isinstance(name, str) or not isinstance(gen, int):
                     continue
                 _mark_revoked(peer, name, gen)
-                task = asyncio.get_running_loop().create_task(_acknowledge(peer, name, gen, req["reply"]))
-                running.add(task)
-                task.add_done_callback(running.discard)
+                start(_acknowledge(peer, name, gen, req["reply"]))
                 continue
-            task = asyncio.get_running_loop().create_task(_serve_one(peer, table, req))
-            running.add(task)
-            task.add_done_callback(running.discard)
+            start(_serve_one(peer, table, req))
     finally:
         for t in running:
             t.cancel()
@@ -437,6 +478,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
             if not isinstance(data_tag, int):
                 return
             landed: Receipt | None = None
+            stray = False  # the writer's note that no payload comes may yet arrive (after its abort)
             if error is None:
                 try:
                     _, landed = await peer.recv_with_receipt(tag=data_tag, out=regions)
@@ -449,10 +491,12 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                         return
                     error, failed = f"the owner could not take the bytes: {exc}", True
                     log.warning("one-sided write from %s failed at the owner: %s", peer.remote_address, exc)
-                    _drain_later(peer, data_tag)  # if it is still queued
+                    stray = True
             else:
                 await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
             await peer.send({"error": error, "failed": failed} if error else _written(landed), tag=reply)
+            if stray:  # in this task, so that ``serve_ops`` counts it
+                await _drain_within(peer, data_tag, _DRAIN_SECONDS)
     except TensorWireError:
         return  # the channel went away: the requester sees that itself
     finally:
@@ -514,6 +558,84 @@ def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[A
 
 # -- the requester's side -----------------------------------------------------------------------
 _op_ids = itertools.count(1)
+
+
+class _Asking(FifoAdmission):
+    """This node's owner-assisted requests and revocation notices on one channel whose final
+    answer has not come: at most ``_MAX_ASKED``, in turn (FIFO), so that the peer's service of
+    them never stops for good at its cap (``serve_ops``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+        self.failure: BaseException | None = None  # the channel closed: nothing gets room
+
+    def _fits(self, n: int) -> bool:
+        return self.asked + n <= _MAX_ASKED
+
+    def _take(self, n: int) -> None:
+        self.asked += n
+
+    def _give(self, n: int) -> None:
+        self.asked -= n
+
+    def fail(self, exc: BaseException | None) -> None:
+        failure = self.failure = exc if exc is not None else ClosedResourceError("the channel closed")
+        self._fail_waiters(lambda _n: failure)
+
+    async def enter(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        await self._admit(1)
+
+    def leave(self) -> None:
+        self._release(1)
+
+
+class _Room:
+    """One request's place in its channel's ``_Asking``, given back once: by the operation, or
+    by what it hands the place to (``pass_on``: a drain of an answer still owed)."""
+
+    __slots__ = ("_asking",)
+
+    def __init__(self, asking: _Asking | None) -> None:
+        self._asking = asking
+
+    def pass_on(self) -> _Room:
+        asking, self._asking = self._asking, None
+        return _Room(asking)
+
+    def release(self) -> None:
+        asking, self._asking = self._asking, None
+        if asking is not None:
+            asking.leave()
+
+
+# the open peers' only: a failed one holds its error, whose traceback may hold the peer (and a
+# WeakKeyDictionary's value that refers to its key keeps the key alive for ever)
+_askings: weakref.WeakKeyDictionary[Peer, _Asking] = weakref.WeakKeyDictionary()
+
+
+async def _room(peer: Peer) -> _Room:
+    """Wait for room to send ``peer`` one more request or notice (``_Asking``)."""
+    asking = _askings.get(peer)
+    if asking is None:
+        asking = _Asking()
+        if peer.channel.state is not ChannelState.OPEN:
+            asking.fail(peer.channel.mailbox.failure)  # for this request alone: nothing keeps it
+        else:
+            _askings[peer] = asking
+            ref = weakref.ref(peer)
+
+            def closed(exc: BaseException | None) -> None:
+                asking.fail(exc)
+                gone = ref()
+                if gone is not None:
+                    _askings.pop(gone, None)
+
+            peer.channel.add_close_callback(closed)
+    await asking.enter()
+    return _Room(asking)
 
 
 class _Direct:
@@ -920,22 +1042,26 @@ async def _drain(peer: Peer, tag: int) -> None:
         # dropped as asked (or failed on its way: gone all the same)
 
 
-def _drain_later(peer: Peer, tag: int, *, owed: bool = False) -> None:
+def _drain_later(peer: Peer, tag: int, *, owed: bool = False, room: _Room | None = None) -> None:
     """A cancelled operation's answer still arrives: receive and drop it so nothing lingers.
     ``owed``: the owner read the request and answers it, however late (its loop busy, or its
     answer waiting for one of our message slots): taken whenever it comes, or until the channel
     closes. A read's answer left unread waited for our go-ahead (rendezvous) for good, and the
     owner's ``unexpose`` with it; an eager one held a message slot of ours for good. Else (a
-    message that may never come) given up after _DRAIN_SECONDS."""
+    message that may never come) given up after _DRAIN_SECONDS. ``room``: the operation's,
+    given back once the answer is in."""
+    peer._spawn(_drain_within(peer, tag, None if owed else _DRAIN_SECONDS, room))
 
-    async def drain() -> None:
-        try:
-            async with asyncio.timeout(None if owed else _DRAIN_SECONDS):
-                await _drain(peer, tag)
-        except (TensorWireError, TimeoutError):
-            pass
 
-    peer._spawn(drain())
+async def _drain_within(peer: Peer, tag: int, seconds: float | None, room: _Room | None = None) -> None:
+    try:
+        async with asyncio.timeout(seconds):
+            await _drain(peer, tag)
+    except (TensorWireError, TimeoutError):
+        pass
+    finally:
+        if room is not None:
+            room.release()
 
 
 def _split(peer: Peer, handles: list[RemoteHandle]) -> tuple[list[tuple[int, _Direct]], list[int]]:
@@ -1278,30 +1404,42 @@ async def _assisted_read(
     current while the request was on its way). ``before``: what the batch moved before this
     part, for the owner's refusal to say (``_before``)."""
     reply, _ = _tags()
-    sending = _sending(peer, _asking("read", handles, reply, 0))
-    # the receive is posted as the request goes (its task's first step right after the send's
-    # first), before the owner can answer: the reply lands straight in ``dests`` however soon it
-    # comes. Posted once the send had returned, a reply that came first (inproc's, under 64 KiB)
-    # waited in a buffer of ours and was copied in. Cancelled, the read wants none of it: the
-    # rest of a reply under way is let go, not moved to a buffer of ours for the drain (keep)
-    receiving = asyncio.ensure_future(peer.channel.recv(reply, dests, streams=streams, keep=False))
+    room = await _room(peer)
     try:
-        await _request(sending, lambda: _drain_later(peer, reply, owed=True))
-    except BaseException:
-        await _call_off(receiving)  # a reply it had taken goes back to its tag, for the drain
-        raise
-    try:
+        sending = _sending(peer, _asking("read", handles, reply, 0))
+        # the receive is posted as the request goes (its task's first step right after the send's
+        # first), before the owner can answer: the reply lands straight in ``dests`` however soon
+        # it comes. Posted once the send had returned, a reply that came first (inproc's, under
+        # 64 KiB) waited in a buffer of ours and was copied in. Cancelled, the read wants none of
+        # it: the rest of a reply under way is let go, not moved to a buffer of ours for the
+        # drain (keep)
+        receiving = asyncio.ensure_future(peer.channel.recv(reply, dests, streams=streams, keep=False))
         try:
-            _, receipt = await receiving
-        except ShapeMismatchError:
-            answer = await peer.recv(tag=reply)  # not the tensors: the owner's error
-            if isinstance(answer, dict) and answer.get("error"):
-                raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}{before}") from None
-            raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
-    except asyncio.CancelledError:
-        if not (receiving.done() and not receiving.cancelled() and receiving.exception() is None):
-            _drain_later(peer, reply, owed=True)  # (else the reply came whole before the cancel)
-        raise
+            await _request(sending, lambda held: _drain_later(peer, reply, owed=True, room=held), room)
+        except BaseException:
+            await _call_off(receiving)  # a reply it had taken goes back to its tag, for the drain
+            raise
+        try:
+            try:
+                _, receipt = await receiving
+            except ShapeMismatchError:
+                answer = await peer.recv(tag=reply)  # not the tensors: the owner's error
+                if isinstance(answer, dict) and answer.get("error"):
+                    raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}{before}") from None
+                raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
+            except TensorWireError:
+                if peer.channel.state is ChannelState.OPEN:
+                    # the reply broke off on its way: the owner's error answer may follow
+                    # (``_serve_one``), and an unread one held the owner's service here for good
+                    _drain_later(peer, reply, room=room.pass_on())
+                raise
+        except asyncio.CancelledError:
+            if not (receiving.done() and not receiving.cancelled() and receiving.exception() is None):
+                # (else the reply came whole before the cancel)
+                _drain_later(peer, reply, owed=True, room=room.pass_on())
+            raise
+    finally:
+        room.release()
     return receipt
 
 
@@ -1321,7 +1459,7 @@ def _sending(peer: Peer, req: dict[str, Any]) -> asyncio.Task[Receipt]:
     return asyncio.get_running_loop().create_task(peer.send(req, tag=_OPS_TAG))
 
 
-async def _request(sending: asyncio.Task[Receipt], undo: Callable[[], None]) -> None:
+async def _request(sending: asyncio.Task[Receipt], undo: Callable[[_Room], None], room: _Room) -> None:
     """Wait for an owner-assisted request to be sent (``_sending``). The send is left to finish
     by itself: a caller cancelled meanwhile returns at once, and if the request then goes out
     whole (the owner answers it) ``undo()`` runs: it takes the answer (and for a write says the
@@ -1329,14 +1467,19 @@ async def _request(sending: asyncio.Task[Receipt], undo: Callable[[], None]) -> 
     wait at the owner for good. (Cancelled part way, a send may still deliver the request: tcp
     finishes a frame it started, and the abort after it is ignored for a message already whole.
     Each answer nobody took held one of the owner's message slots, until the owner could send
-    this peer nothing at all; the owner's service of a write waited for its payload for good.)"""
+    this peer nothing at all; the owner's service of a write waited for its payload for good.)
+    The operation's ``room`` goes to ``undo`` then (given back once the answer is in), or is
+    given back as the send ends undelivered."""
     try:
         await asyncio.shield(sending)
     except asyncio.CancelledError:
+        held = room.pass_on()
 
         def sent(task: asyncio.Task[Receipt]) -> None:
             if not task.cancelled() and task.exception() is None:
-                undo()
+                undo(held)
+            else:
+                held.release()
 
         sending.add_done_callback(sent)
         raise
@@ -1481,24 +1624,29 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     """Send the owner a write request and then the sources, ``msg`` (prepared at the write's
     call); returns once the owner has the bytes in place. ``before``: as ``_assisted_read``."""
     reply, data = _tags()
-    await _request(
-        _sending(peer, _asking("write", handles, reply, data)),
-        lambda: peer._spawn(_cancel_write(peer, data, reply)),
-    )
+    room = await _room(peer)
     try:
-        receipt = await peer.channel.send(data, msg)
-    except BaseException:
-        # cancelled, or failed before the payload went out (refused: ``_parts`` sized it to the
-        # owner's limits, but a transport may hold headers to a tighter bound of its own): the
-        # owner read the request and waits for the payload, holding the tensor busy (its unexpose
-        # waited for good); tell it none comes
-        peer._spawn(_cancel_write(peer, data, reply))
-        raise
-    try:
-        answer = await peer.recv(tag=reply)
-    except asyncio.CancelledError:
-        _drain_later(peer, reply, owed=True)
-        raise
+        await _request(
+            _sending(peer, _asking("write", handles, reply, data)),
+            lambda held: peer._spawn(_cancel_write(peer, data, reply, held)),
+            room,
+        )
+        try:
+            receipt = await peer.channel.send(data, msg)
+        except BaseException:
+            # cancelled, or failed before the payload went out (refused: ``_parts`` sized it to
+            # the owner's limits, but a transport may hold headers to a tighter bound of its
+            # own): the owner read the request and waits for the payload, holding the tensor busy
+            # (its unexpose waited for good); tell it none comes
+            peer._spawn(_cancel_write(peer, data, reply, room.pass_on()))
+            raise
+        try:
+            answer = await peer.recv(tag=reply)
+        except asyncio.CancelledError:
+            _drain_later(peer, reply, owed=True, room=room.pass_on())
+            raise
+    finally:
+        room.release()
     if not isinstance(answer, dict) or answer.get("error"):
         error = answer.get("error") if isinstance(answer, dict) else "unexpected answer"
         raise _owner_error(answer)(f"write of {_names(handles)}: {error}{before}")
@@ -1512,11 +1660,12 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     )
 
 
-async def _cancel_write(peer: Peer, data: int, reply: int) -> None:
+async def _cancel_write(peer: Peer, data: int, reply: int, room: _Room) -> None:
     """Tell the owner the payload will not come (a tensorless message it cannot take as one).
     A send cancelled late may have delivered the payload whole all the same: the owner then
     answers ``ok`` and our note is left over on its data tag, so we ask it to drop the note.
-    The owner answers every write request, however late (``_drain_later``'s ``owed``)."""
+    The owner answers every write request, however late (``_drain_later``'s ``owed``). The
+    write's ``room`` is given back at the end: the owner's drain of the note needs nothing more."""
     try:
         await peer.send(None, tag=data)
         answer = await peer.recv(tag=reply)
@@ -1524,3 +1673,5 @@ async def _cancel_write(peer: Peer, data: int, reply: int) -> None:
             await peer.send({"op": "drop", "data": data, "reply": reply}, tag=_OPS_TAG)
     except (TensorWireError, TimeoutError, ClosedResourceError):
         pass
+    finally:
+        room.release()

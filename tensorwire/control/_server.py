@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 __all__ = ["PROTOCOL_VERSION", "ControlServer"]
 
 # 2: RPC requests carry a stream's first window; 3: checksummed tcp frames carry a header check;
-# 4: a heartbeat proves the session secret
-PROTOCOL_VERSION = 5  # 5: tensorwire's own messages have slots of their own (transports/_credit.own_slots)
+# 4: a heartbeat proves the session secret; 5: tensorwire's own messages have slots of their own
+# (transports/_credit.own_slots)
+PROTOCOL_VERSION = 6  # 6: an owner serves at most 128 of a peer's one-sided requests at once (_onesided.serve_ops)
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 MAX_NAME_CHARS = 64  # a transport name or require= in a handshake (they are short words)
 MAX_REASON_CHARS = 300  # a client's reason for a transport it cannot use, as this node repeats it
