@@ -380,8 +380,8 @@ async def _revoke(peer: Peer, h: Handle) -> None:
     except TensorWireError:
         return
     try:
-        await peer.send({"op": "revoke", "name": h.name, "generation": h.generation, "reply": reply}, tag=_OPS_TAG)
-        await peer.recv(tag=reply)  # until the peer acknowledges or its channel closes
+        await peer._send_own({"op": "revoke", "name": h.name, "generation": h.generation, "reply": reply}, tag=_OPS_TAG)
+        await peer._recv_own(tag=reply)  # until the peer acknowledges or its channel closes
     except TensorWireError:
         return
     finally:
@@ -425,7 +425,7 @@ async def serve_ops(peer: Peer, table: ExposureTable) -> None:
         while True:
             await room.wait()
             try:
-                req = await peer.recv(tag=_OPS_TAG)
+                req = await peer._recv_own(tag=_OPS_TAG)
             except TensorWireError:
                 return
             if not isinstance(req, dict) or not isinstance(req.get("reply"), int):
@@ -465,14 +465,14 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
         if op == "read":
             if error is None:
                 try:
-                    await peer.send(regions, tag=reply)
+                    await peer._send_own(regions, tag=reply)
                     return
                 except TensorWireError as exc:
                     if peer.channel.state is not ChannelState.OPEN:
                         return  # the channel went away: the requester sees that itself
                     error, failed = f"the owner could not send the regions: {exc}", True
                     log.warning("one-sided read from %s failed at the owner: %s", peer.remote_address, exc)
-            await peer.send({"error": error, "failed": failed}, tag=reply)
+            await peer._send_own({"error": error, "failed": failed}, tag=reply)
         elif op == "write":
             data_tag = req.get("data")
             if not isinstance(data_tag, int):
@@ -481,7 +481,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
             stray = False  # the writer's note that no payload comes may yet arrive (after its abort)
             if error is None:
                 try:
-                    _, landed = await peer.recv_with_receipt(tag=data_tag, out=regions)
+                    _, landed = await peer._recv_own_with_receipt(tag=data_tag, out=regions)
                     await _landed(regions)
                 except ShapeMismatchError as exc:  # refused before the message was taken
                     error = str(exc)
@@ -494,7 +494,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     stray = True
             else:
                 await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
-            await peer.send({"error": error, "failed": failed} if error else _written(landed), tag=reply)
+            await peer._send_own({"error": error, "failed": failed} if error else _written(landed), tag=reply)
             if stray:  # in this task, so that ``serve_ops`` counts it
                 await _drain_within(peer, data_tag, _DRAIN_SECONDS)
     except TensorWireError:
@@ -714,7 +714,7 @@ async def _acknowledge(peer: Peer, name: str, generation: int, reply: int) -> No
         state.close()
         _states(peer).pop((name, generation), None)
     try:
-        await peer.send({"ok": True}, tag=reply)
+        await peer._send_own({"ok": True}, tag=reply)
     except TensorWireError:
         return
 
@@ -1423,7 +1423,7 @@ async def _assisted_read(
             try:
                 _, receipt = await receiving
             except ShapeMismatchError:
-                answer = await peer.recv(tag=reply)  # not the tensors: the owner's error
+                answer = await peer._recv_own(tag=reply)  # not the tensors: the owner's error
                 if isinstance(answer, dict) and answer.get("error"):
                     raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}{before}") from None
                 raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
@@ -1456,7 +1456,7 @@ async def _call_off(task: asyncio.Future[Any]) -> None:
 
 def _sending(peer: Peer, req: dict[str, Any]) -> asyncio.Task[Receipt]:
     """The send of an owner-assisted request, started (``_request`` waits for it)."""
-    return asyncio.get_running_loop().create_task(peer.send(req, tag=_OPS_TAG))
+    return asyncio.get_running_loop().create_task(peer._send_own(req, tag=_OPS_TAG))
 
 
 async def _request(sending: asyncio.Task[Receipt], undo: Callable[[_Room], None], room: _Room) -> None:
@@ -1641,7 +1641,7 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
             peer._spawn(_cancel_write(peer, data, reply, room.pass_on()))
             raise
         try:
-            answer = await peer.recv(tag=reply)
+            answer = await peer._recv_own(tag=reply)
         except asyncio.CancelledError:
             _drain_later(peer, reply, owed=True, room=room.pass_on())
             raise
@@ -1667,10 +1667,10 @@ async def _cancel_write(peer: Peer, data: int, reply: int, room: _Room) -> None:
     The owner answers every write request, however late (``_drain_later``'s ``owed``). The
     write's ``room`` is given back at the end: the owner's drain of the note needs nothing more."""
     try:
-        await peer.send(None, tag=data)
-        answer = await peer.recv(tag=reply)
+        await peer._send_own(None, tag=data)
+        answer = await peer._recv_own(tag=reply)
         if isinstance(answer, dict) and answer.get("ok"):
-            await peer.send({"op": "drop", "data": data, "reply": reply}, tag=_OPS_TAG)
+            await peer._send_own({"op": "drop", "data": data, "reply": reply}, tag=_OPS_TAG)
     except (TensorWireError, TimeoutError, ClosedResourceError):
         pass
     finally:

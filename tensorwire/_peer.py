@@ -64,19 +64,33 @@ def _listed(what: str, items: object) -> list[Any]:
 
 
 # tensorwire's own tags (rpc, one-sided requests and replies, bench, pipeline stages' hellos and
-# aborts) all lie in this range, whose messages the transports give slots of their own
+# aborts) all lie in this range, whose messages the transports give slots of their own. The
+# public verbs refuse them (tag_id); tensorwire's layers send and receive on them through
+# Peer._send_own / _recv_own / _recv_own_with_receipt
 RESERVED_TAGS = OWN_TAGS
+_RESERVED_FIRST, _RESERVED_LAST = RESERVED_TAGS[0], RESERVED_TAGS[-1]
 _OUT_OF_RESERVED = 1 << 62  # (keeps the sign: the result is a 64-bit tag outside the range)
 
 
 def tag_id(tag: int | str) -> int:
-    """The 64-bit wire tag for ``tag``; strings hash the same in every process."""
+    """The 64-bit wire tag for a user's ``tag``; strings hash the same in every process.
+
+    An int in ``RESERVED_TAGS`` is refused: a user's message there would take the slots kept
+    for tensorwire's own messages, and a user's recv there would take one of them (an RPC
+    reply, a one-sided request) from the layer waiting for it, which then waits for good.
+    """
     if isinstance(tag, bool) or not isinstance(tag, (int, str)):
         raise ConfigurationError(f"tag must be an int or a str, not {type(tag).__name__}")
     if isinstance(tag, str):
         return _str_tag(tag)
-    if not -_I64 <= tag < _I64:
-        raise ConfigurationError(f"tag {tag} does not fit in 64 bits")
+    if not -_I64 <= tag < _I64 or _RESERVED_FIRST <= tag <= _RESERVED_LAST:  # (one branch on the hot path)
+        if not -_I64 <= tag < _I64:
+            raise ConfigurationError(f"tag {tag} does not fit in 64 bits")
+        raise ConfigurationError(
+            f"tag {tag} is one of tensorwire's own (the ints {_RESERVED_FIRST:#_x} to {_RESERVED_LAST:#_x}, "
+            "tensorwire._peer.RESERVED_TAGS, carry its rpc, one-sided, bench and pipeline messages); "
+            "use an int outside that range, or a string tag"
+        )
     return tag
 
 
@@ -145,14 +159,18 @@ class Peer:
         Returns once the bytes have left the caller's buffers, which may then be reused. Waits
         (backpressure) when the peer holds more unreceived messages than its limits allow.
         """
+        return await self._send_own(obj, tag=tag_id(tag))
+
+    async def _send_own(self, obj: Any, *, tag: int) -> Receipt:
+        """``send`` on a wire tag as it is: tensorwire's own messages, on the reserved tags the
+        public verbs refuse (RESERVED_TAGS)."""
         if running_loop() is not self._home:
             check_home(self._home, "peer.send")
-        wire_tag = tag_id(tag)
         preparing = prepare_off_loop(obj)
         msg = preparing.ready
-        if msg is not None and wire_tag not in self._packing:
-            return await self.channel.send(wire_tag, msg)
-        return await self._send_in_order(wire_tag, preparing)
+        if msg is not None and tag not in self._packing:
+            return await self.channel.send(tag, msg)
+        return await self._send_in_order(tag, preparing)
 
     async def _send_in_order(self, tag: int, preparing: Preparing) -> Receipt:
         """Send a message whose packing runs in a copy thread, or one called after such a send
@@ -192,18 +210,26 @@ class Peer:
         tensors are allocated; by default where the sender's were (CUDA where this process has
         it). CUDA tensors come back safe to use on the caller's current stream.
         """
+        return await self._recv_own(tag=tag_id(tag), out=out, device=device)
+
+    async def _recv_own(self, *, tag: int, out: Any = None, device: Any = None) -> Any:
+        """``recv`` on a wire tag as it is (tensorwire's own messages: see ``_send_own``)."""
         if running_loop() is not self._home:
             check_home(self._home, "peer.recv")
-        value, _ = await self.channel.recv(tag_id(tag), out, device)
+        value, _ = await self.channel.recv(tag, out, device)
         return value
 
     async def recv_with_receipt(
         self, *, tag: int | str = 0, out: Any = None, device: Any = None
     ) -> tuple[Any, Receipt]:
         """Like ``recv``, and also say how the message came (protocol, direct or staged, memory, time)."""
+        return await self._recv_own_with_receipt(tag=tag_id(tag), out=out, device=device)
+
+    async def _recv_own_with_receipt(self, *, tag: int, out: Any = None, device: Any = None) -> tuple[Any, Receipt]:
+        """``recv_with_receipt`` on a wire tag as it is (tensorwire's own: see ``_send_own``)."""
         if running_loop() is not self._home:
             check_home(self._home, "peer.recv_with_receipt")
-        return await self.channel.recv(tag_id(tag), out, device)
+        return await self.channel.recv(tag, out, device)
 
     # -- tensor RPC ------------------------------------------------------------------------
     async def call(

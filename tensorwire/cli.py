@@ -301,15 +301,14 @@ def _wire_tag(text: str) -> int | str:
 def _echo_tag(text: str) -> str:
     """An argparse type: ``--echo TAG``, refused at once when no peer could ever use it (an int
     past 64 bits, a string with no UTF-8 form) or when it is one of tensorwire's own tags (an
-    echo there would take the bench's or rpc's messages); else every peer was cut off."""
-    from ._peer import RESERVED_TAGS, tag_id
+    echo there would take the bench's or rpc's messages), as peer.recv would refuse it for
+    every peer that connected."""
+    from ._peer import tag_id
 
     try:
-        tag = tag_id(_wire_tag(text))
+        tag_id(_wire_tag(text))
     except ConfigurationError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if tag in RESERVED_TAGS:
-        raise argparse.ArgumentTypeError(f"tag {text} is one of tensorwire's own (tensorwire._peer.RESERVED_TAGS)")
     return text
 
 

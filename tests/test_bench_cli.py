@@ -349,7 +349,7 @@ async def test_a_stale_buffer_is_caught_by_the_stamp(monkeypatch: pytest.MonkeyP
         if count == 1:  # the first batch of a size lands whole: out holds a stamped message
             return await receive(peer, out, count)
         landed = await receive(peer, out, count - 1)
-        await peer.recv(tag=_wire.DATA_TAG)  # taken, but not into out
+        await peer._recv_own(tag=_wire.DATA_TAG)  # taken, but not into out
         return {**landed, "copied": landed["copied"] + 1}
 
     async with _pair() as peer:
@@ -378,13 +378,13 @@ async def test_each_row_says_how_the_nodes_receives_landed() -> None:
         node = await a.accept()
         small, large = np.zeros(4096, np.uint8), np.zeros(1 << 20, np.uint8)
         for _ in range(3):  # they come before the recv: through a buffer of tensorwire's
-            await sender.send(small, tag=_wire.DATA_TAG)
+            await sender._send_own(small, tag=_wire.DATA_TAG)
         await eventually(lambda: _queued(node, 3))
         assert await _server._receive(node, np.empty_like(small), 3) == {"direct": 0, "staged": 3, "copied": 0}
         for x, how in ((large, "direct"), (small, "copied")):  # tcp reads 4 KiB through its read-ahead
             sink = asyncio.ensure_future(_server._receive(node, np.empty_like(x), 1))
             await eventually(lambda: node.channel.mailbox.has_posted(_wire.DATA_TAG))
-            await sender.send(x, tag=_wire.DATA_TAG)
+            await sender._send_own(x, tag=_wire.DATA_TAG)
             assert await sink == {"direct": 0, "staged": 0, "copied": 0, how: 1}
     # a node from before says the crc alone: the row says nothing of it
     assert _client._landed(7, 2) == (7, None)
@@ -449,7 +449,7 @@ async def test_the_node_refuses_requests_out_of_bounds() -> None:
             ({"op": "launch"}, "unknown bench request"),
             ("open", "unknown bench request"),
         ]:
-            await peer.send(request, tag=_wire.REQUEST_TAG)
+            await peer._send_own(request, tag=_wire.REQUEST_TAG)
             with pytest.raises(tensorwire.RemoteError, match=complaint):
                 await _client._answer(peer)
 

@@ -133,16 +133,16 @@ async def test_row_requests_the_handle_could_not_make_get_an_error_answer() -> N
             for offset, shape in bad:
                 reply, data = _tags()
                 region = {"name": "kv", "generation": h.generation, "offset": offset, "shape": shape}
-                await b.send({"op": op, "regions": [good, region], "reply": reply, "data": data}, tag=_OPS_TAG)
+                await b._send_own({"op": op, "regions": [good, region], "reply": reply, "data": data}, tag=_OPS_TAG)
                 if op == "write":
-                    await b.send(np.full(4, -1, np.int32), tag=data)
-                answer = await asyncio.wait_for(b.recv(tag=reply), 5)
+                    await b._send_own(np.full(4, -1, np.int32), tag=data)
+                answer = await asyncio.wait_for(b._recv_own(tag=reply), 5)
                 assert isinstance(answer, dict) and answer["error"], (op, offset, shape, answer)
                 assert "not within" in answer["error"] or "malformed" in answer["error"], answer
         for regions in ("x", [], [good] * 257, [5], [{**good, "name": 5}], [{**good, "generation": 0}]):
             reply, _ = _tags()
-            await b.send({"op": "read", "regions": regions, "reply": reply}, tag=_OPS_TAG)
-            answer = await asyncio.wait_for(b.recv(tag=reply), 5)
+            await b._send_own({"op": "read", "regions": regions, "reply": reply}, tag=_OPS_TAG)
+            answer = await asyncio.wait_for(b._recv_own(tag=reply), 5)
             assert isinstance(answer, dict) and answer["error"], (regions, answer)
         assert np.array_equal(kv, np.arange(40).reshape(10, 4)), "a refused write reached the tensor"
         assert np.array_equal(await b.read(h[9]), kv[9])  # the service still answers
@@ -240,7 +240,7 @@ async def test_an_owner_that_fails_to_move_the_bytes_answers_with_a_transfer_err
         kv = np.arange(1024, dtype=np.int64)
         a.node.expose(kv, name="kv")
         h = await b.lookup("kv")
-        real_send, real_recv = a.send, a.recv_with_receipt
+        real_send, real_recv = a._send_own, a._recv_own_with_receipt
         injected = []
 
         async def failing_send(obj, *, tag):  # type: ignore[no-untyped-def]
@@ -256,7 +256,7 @@ async def test_an_owner_that_fails_to_move_the_bytes_answers_with_a_transfer_err
             return await real_recv(tag=tag, out=out, **kw)
 
         # the owner takes a write's bytes with a receipt (its answer says how they came)
-        a.send, a.recv_with_receipt = failing_send, failing_recv  # type: ignore[method-assign]
+        a._send_own, a._recv_own_with_receipt = failing_send, failing_recv  # type: ignore[method-assign]
         call = b.read(h[3:9]) if op == "read" else b.write(h[3:9], np.zeros(6, np.int64))
         with pytest.raises(tensorwire.TransferError, match="injected: the device copy failed"):
             await asyncio.wait_for(call, 10)

@@ -38,7 +38,7 @@ async def test_an_answer_that_comes_after_the_drain_gave_up_is_still_taken(
         for _ in range(slots):  # every slot of b's taken by a message b leaves unread for now
             await a.send(np.zeros(1, np.uint8), tag=5)
         for _ in range(own_slots(slots)):  # those kept for tensorwire's messages too (a tag none reads)
-            await a.send(np.zeros(1, np.uint8), tag=OWN_TAGS[0])
+            await a._send_own(np.zeros(1, np.uint8), tag=OWN_TAGS[0])
         task = asyncio.ensure_future(b.read(h) if op == "read" else b.write(h, np.ones(n, np.uint8)))
         async with asyncio.timeout(10):
             while a.node.exposures.served < 1 or (op == "write" and not dst.all()):  # noqa: ASYNC110 - no event to wait on
@@ -50,7 +50,7 @@ async def test_an_answer_that_comes_after_the_drain_gave_up_is_still_taken(
             await task
         await asyncio.sleep(0.5)  # past the drain
         for _ in range(own_slots(slots)):  # the slots free: the owner's answer goes out
-            await b.recv(tag=OWN_TAGS[0])
+            await b._recv_own(tag=OWN_TAGS[0])
         for _ in range(slots):
             await b.recv(tag=5)
         async with asyncio.timeout(10):

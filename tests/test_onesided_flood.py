@@ -58,7 +58,7 @@ async def test_a_peer_that_never_takes_its_answers_costs_the_owner_a_bounded_num
                 req = {"op": "revoke", "name": f"t{i}", "generation": 1, "reply": reply}
             else:
                 req = {"op": op, "regions": region, "reply": reply, "data": data}
-            await b.send(req, tag=_onesided._OPS_TAG)
+            await b._send_own(req, tag=_onesided._OPS_TAG)
 
         flood = [asyncio.ensure_future(ask(i)) for i in range(4 * _onesided._MAX_SERVED)]
 

@@ -281,8 +281,8 @@ async def test_deadline_enforced_by_the_server(pair: tuple[tensorwire.Peer, tens
     seen = _register_basics(b.node)
     request = (meta(987654, 0.2, Kind.UNARY, -1), "sleep", (30.0,), {"tag": "raw"})
     t0 = time.perf_counter()
-    await a.send(request, tag=REQUEST_TAG)
-    reply = await a.recv(tag=reply_tag(987654))
+    await a._send_own(request, tag=REQUEST_TAG)
+    reply = await a._recv_own(tag=reply_tag(987654))
     elapsed = time.perf_counter() - t0
     assert reply[0] == Reply.ERROR and "deadline" in reply[3], reply
     assert 0.15 < elapsed < 2.0
@@ -596,10 +596,10 @@ async def test_bad_calls_get_clear_errors_and_the_node_keeps_serving(
     with pytest.raises(tensorwire.ConfigurationError):
         await a.call(42)  # type: ignore[arg-type]
     # a hostile or broken peer's garbage on the reserved tags is dropped, with nothing lost
-    await a.send({"not": "a request"}, tag=REQUEST_TAG)
-    await a.send(("x",), tag=CONTROL_TAG)
-    await a.send((meta(5555, None, Kind.UNARY, -1), "echo", "not a tuple", {}), tag=REQUEST_TAG)
-    bad = await a.recv(tag=reply_tag(5555))
+    await a._send_own({"not": "a request"}, tag=REQUEST_TAG)
+    await a._send_own(("x",), tag=CONTROL_TAG)
+    await a._send_own((meta(5555, None, Kind.UNARY, -1), "echo", "not a tuple", {}), tag=REQUEST_TAG)
+    bad = await a._recv_own(tag=reply_tag(5555))
     assert bad[0] == Reply.ERROR and "malformed" in bad[3]
     assert await a.call("add", 20, 22) == 42
     assert [x async for x in a.stream("gen", 3)] == [0, 1, 2]

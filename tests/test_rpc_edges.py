@@ -795,9 +795,9 @@ async def test_arguments_that_never_come_fail_the_call_with_a_clear_error(
 
         call_id = 1 << 50  # far from the ids of the calls this process makes
         # a request whose 1 MiB of arguments are to follow once the server says GO; they never do
-        await a.send((meta(call_id, None, Kind.UNARY, 1 << 20), "take"), tag=REQUEST_TAG)
-        assert await _within(5, "GO", a.recv(tag=reply_tag(call_id))) == (Reply.GO,)
-        reply = await _within(5, "the error", a.recv(tag=reply_tag(call_id)))
+        await a._send_own((meta(call_id, None, Kind.UNARY, 1 << 20), "take"), tag=REQUEST_TAG)
+        assert await _within(5, "GO", a._recv_own(tag=reply_tag(call_id))) == (Reply.GO,)
+        reply = await _within(5, "the error", a._recv_own(tag=reply_tag(call_id)))
         assert reply[0] == Reply.ERROR and reply[2] == "TransferError", reply
         assert "'take' did not start to arrive within 0.05 s" in reply[3], reply
         server = server_of(b)

@@ -148,3 +148,62 @@ def test_no_string_tag_lands_in_tensorwire_s_own_range() -> None:
         assert tag not in RESERVED_TAGS and -(2**63) <= tag < 2**63, (name, tag)
         assert tag == tag_id(name)
     assert tag_id("layer1") == raw("layer1")  # every other name hashes as it always did
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_the_public_verbs_refuse_tensorwire_s_own_int_tags(
+    transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """send, recv and recv_with_receipt took an int tag in tensorwire's own range: on real nodes
+    a user's recv on the next RPC reply's tag took the reply (the call hung), one on the
+    one-sided requests' tag took a peer's read request (the read hung), and user messages left
+    unread on such a tag took the slots kept for tensorwire's (a call to that node hung). Each
+    verb now refuses the tag before anything is sent or posted (the range's ends included); the
+    ints just outside it are the user's, and tensorwire's own messages still go."""
+    import argparse
+    import functools
+    import re
+
+    import numpy as np
+
+    from tensorwire._peer import tag_id
+    from tensorwire.cli import _echo_tag
+    from tensorwire.errors import ConfigurationError
+    from tensorwire.pipeline._stage import HELLO_TAG
+    from tensorwire.testing import connected_pair
+
+    first, last = RESERVED_TAGS[0], RESERVED_TAGS[-1]
+    served = {_protocol.REQUEST_TAG, _protocol.CONTROL_TAG, _onesided._OPS_TAG}  # recvs always posted
+    reserved = [first, last, *served, _protocol.reply_tag(1), bench_wire.DATA_TAG, HELLO_TAG]
+    said = re.escape(f"(the ints {first:#_x} to {last:#_x}") + ".*or a string tag$"
+    async with connected_pair(transport) as (a, b):
+
+        @b.node.method()
+        async def add(x: int, y: int) -> int:
+            return x + y
+
+        b.node.expose(np.arange(8), name="x")
+        h = await a.lookup("x")
+        for tag in reserved:
+            for verb in (
+                functools.partial(a.send, np.zeros(1), tag=tag),
+                functools.partial(a.recv, tag=tag),
+                functools.partial(a.recv_with_receipt, tag=tag),
+            ):
+                with pytest.raises(ConfigurationError, match=rf"^tag {tag} is one of tensorwire's own {said}"):
+                    await verb()
+            with pytest.raises(argparse.ArgumentTypeError, match="is one of tensorwire's own"):
+                _echo_tag(str(tag))  # `tensorwire serve --echo TAG`
+        for tag in (first - 1, last + 1):  # the user's
+            assert tag_id(tag) == tag and _echo_tag(str(tag)) == str(tag)
+            await a.send(np.arange(3), tag=tag)
+            assert list(await b.recv(tag=tag)) == [0, 1, 2]
+            await b.send(np.arange(2), tag=tag)
+            got, receipt = await a.recv_with_receipt(tag=tag)
+            assert list(got) == [0, 1] and receipt.nbytes == 16
+        # nothing refused was sent or posted, and tensorwire's own messages still go
+        assert not a.channel.mailbox.holds_messages() and not b.channel.mailbox.holds_messages()
+        assert not any(a.channel.mailbox.has_posted(t) for t in reserved if t not in served)
+        assert await a.call("add", 2, 3) == 5
+        assert list(await a.read(h)) == list(range(8))
+    assert "malformed" not in caplog.text

@@ -257,7 +257,7 @@ async def _answer(peer: Peer, *, first: bool = False) -> Any:
     says it does (a node without the service is named before, by ``run_bench``'s first call)."""
     try:
         async with asyncio.timeout(_FIRST_ANSWER_S if first else None):
-            answer = await peer.recv(tag=ANSWER_TAG)
+            answer = await peer._recv_own(tag=ANSWER_TAG)
     except TimeoutError:
         raise DeadlineExceeded(
             f"the node at {peer.remote_address} did not answer a bench request within {_FIRST_ANSWER_S:g} s: "
@@ -276,7 +276,7 @@ async def _answer(peer: Peer, *, first: bool = False) -> Any:
 
 async def _request(peer: Peer, request: dict[str, Any]) -> None:
     """Ask for a sink or pings and wait until the node is ready for them (untimed)."""
-    await peer.send(request, tag=REQUEST_TAG)
+    await peer._send_own(request, tag=REQUEST_TAG)
     answer = await _answer(peer)
     if answer != "ready":
         raise ProtocolError(f"the node at {peer.remote_address} answered {answer!r} to {request['op']!r}")
@@ -322,7 +322,7 @@ async def run_bench(
             remote_message=exc.remote_message,
             method=SERVICE_METHOD,
         ) from None
-    await peer.send({"op": "open"}, tag=REQUEST_TAG)
+    await peer._send_own({"op": "open"}, tag=REQUEST_TAG)
     opened = await _answer(peer, first=True)
     if not isinstance(opened, dict) or not isinstance(opened.get("port"), int):
         raise ProtocolError(f"the node at {peer.remote_address} answered {opened!r} to a bench request")
@@ -359,8 +359,8 @@ async def _latency(peer: Peer, raw: _RawClient, seconds: float) -> tuple[int, di
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await peer.send(x, tag=PING_TAG)
-            await peer.recv(tag=PONG_TAG, out=back)
+            await peer._send_own(x, tag=PING_TAG)
+            await peer._recv_own(tag=PONG_TAG, out=back)
             times.append(time.perf_counter() - t0)
         return times
 
@@ -384,9 +384,9 @@ async def _one_size(
         mark = nonce()
         t0 = time.perf_counter()
         for _ in range(count - 1):
-            await peer.send(data, tag=DATA_TAG)
+            await peer._send_own(data, tag=DATA_TAG)
         stamp(data, mark)
-        receipts[0] = await peer.send(data, tag=DATA_TAG)
+        receipts[0] = await peer._send_own(data, tag=DATA_TAG)
         got, landed[0] = _landed(await _answer(peer), count)
         dt = time.perf_counter() - t0
         want = await crc_of(data, device)

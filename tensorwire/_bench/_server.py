@@ -65,7 +65,7 @@ async def _receive(peer: Peer, out: Any, count: int) -> dict[str, int]:
     (the transport copied it on its way: bytes inline with the header, tcp's read-ahead)."""
     landed = {"direct": 0, "staged": 0, "copied": 0}
     for _ in range(count):
-        _, receipt = await peer.recv_with_receipt(tag=DATA_TAG, out=out)
+        _, receipt = await peer._recv_own_with_receipt(tag=DATA_TAG, out=out)
         landed["direct" if receipt.direct else "staged" if receipt.staged else "copied"] += 1
     return landed
 
@@ -266,7 +266,7 @@ async def serve_bench(peer: Peer, *, enabled: bool) -> None:
     try:
         while True:
             try:
-                req = await peer.recv(tag=REQUEST_TAG)
+                req = await peer._recv_own(tag=REQUEST_TAG)
             except (PeerDisconnected, ResourceError):
                 return  # the peer went, or the node closes
             except TensorWireError as exc:  # a request that could not be taken (too big, not ours)
@@ -304,7 +304,7 @@ class _Service:
 
     async def answer(self, answer: Any) -> None:
         try:
-            await self.peer.send(answer, tag=ANSWER_TAG)
+            await self.peer._send_own(answer, tag=ANSWER_TAG)
         except TensorWireError as exc:
             log.info("bench: cannot answer %s (%s: %s)", self.peer.remote_address, type(exc).__name__, exc)
             raise _Gone from exc
@@ -340,8 +340,8 @@ class _Service:
             pong = np.empty(PING_BYTES, np.uint8)
             await self.answer("ready")
             for _ in range(count):
-                await peer.recv(tag=PING_TAG, out=pong)
-                await peer.send(pong, tag=PONG_TAG)
+                await peer._recv_own(tag=PING_TAG, out=pong)
+                await peer._send_own(pong, tag=PONG_TAG)
         else:
             await self.answer(_error(f"unknown bench request {req!r}", "ProtocolError"))
 

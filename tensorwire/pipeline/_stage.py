@@ -452,7 +452,7 @@ class Stage:
                             f"({next_address}): the driver named this node twice in a row"
                         )
                     self.next = _Link(rank + 1, peer, next_address)
-                    await peer.send({"generation": ticket[0], "key": key}, tag=HELLO_TAG)
+                    await peer._send_own({"generation": ticket[0], "key": key}, tag=HELLO_TAG)
                 if prev_node is not None:
                     peer = await self._wait_for(prev_node, key)
                     self.prev = _Link(rank - 1, peer, plan.prev_address or peer.remote_address)
@@ -487,14 +487,14 @@ class Stage:
             while True:
                 for peer in self.node.peers:
                     if peer.remote_node == node_id and not peer.closed and peer not in hellos:
-                        hellos[peer] = loop.create_task(peer.recv(tag=HELLO_TAG))
+                        hellos[peer] = loop.create_task(peer._recv_own(tag=HELLO_TAG))
                 for peer, task in list(hellos.items()):
                     if task.done() and not task.cancelled() and task.exception() is None:
                         hello = task.result()
                         if isinstance(hello, dict) and hello.get("key") == key:
                             return peer
                         if not peer.closed:  # an older configure's hello, left unread: listen on
-                            hellos[peer] = loop.create_task(peer.recv(tag=HELLO_TAG))
+                            hellos[peer] = loop.create_task(peer._recv_own(tag=HELLO_TAG))
                 await asyncio.sleep(0.005)
         finally:
             for task in hellos.values():
@@ -540,7 +540,7 @@ class Stage:
     async def _watch(self, link: _Link) -> None:
         """Wait for an abort from ``link`` or for the link to break; either fails this stage."""
         try:
-            msg = await link.peer.recv(tag=ABORT_TAG)
+            msg = await link.peer._recv_own(tag=ABORT_TAG)
         except TensorWireError as exc:
             if link in self.links and not self._closed:
                 error = self._link_broke(link, exc)
@@ -593,7 +593,7 @@ class Stage:
     async def _send_abort(self, link: _Link, origin: int, reason: str, step: int | None) -> None:
         with contextlib.suppress(TensorWireError, TimeoutError):
             async with asyncio.timeout(_ABORT_SEND_SECONDS):
-                await link.peer.send({"origin": origin, "reason": reason, "step": step}, tag=ABORT_TAG)
+                await link.peer._send_own({"origin": origin, "reason": reason, "step": step}, tag=ABORT_TAG)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
