@@ -31,7 +31,7 @@ from tensorwire.transports._frames import (
     pack,
     unpack,
 )
-from tensorwire.transports.tcp import TcpTransport
+from tensorwire.transports.tcp import TcpTransport, _sockio
 from tensorwire.transports.tcp._channel import TcpChannel
 from tensorwire.transports.tcp._sockio import SockIO
 
@@ -364,6 +364,52 @@ async def test_a_flood_of_small_frames_lets_the_loop_run(path: str) -> None:
         # before, only in the few turns until the reader started on the flood
         assert ch.state is ChannelState.BROKEN
         assert turns > 8, turns
+
+
+async def test_a_large_message_lets_the_loop_run_between_its_data_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large payload comes as many DATA frames, each read by its own ``read_into``. The
+    reader yields after ``_YIELD_EVERY`` bytes read without waiting, but counted them per call,
+    and a frame (``chunk_bytes``, 4 MiB) is smaller than the 8 MiB: a receiver slower than its
+    sender (a recv into fresh memory, whose page faults slow it) never found the socket empty
+    and held the loop for the whole message. Measured, 1 GiB over tcp between two processes:
+    the receiver's loop stopped 1.1-3.8 s, every small send, call and read waited for the whole
+    transfer, and at a 1-3 s lease the sender declared the receiver dead mid-message. Here the
+    limit is lowered so that a few MiB waiting in the socket, read as 64 KiB frames, cross it:
+    the loop must run while the message is part received, and a small message on another tag
+    behind its second frame must reach its recv before the large one is whole."""
+    monkeypatch.setattr(_sockio, "_YIELD_EVERY", 128 * 1024)
+    async with _channel() as (ch, peer):
+        n, piece = 2 * MiB, 64 * 1024
+        x = np.full(n, 255, np.uint8)
+        out = np.zeros(n, np.uint8)
+        big = asyncio.ensure_future(ch.recv(7, out))
+        small_out = np.zeros(2, np.float32)
+        whole_when_small_came: list[bool] = []
+
+        async def small() -> None:
+            await ch.recv(8, small_out)
+            whole_when_small_came.append(bool(out[-1]))
+
+        small_task = asyncio.ensure_future(small())
+        await asyncio.sleep(0.01)  # both recvs posted, the reader parked between frames
+        y = np.ones(2, np.float32)
+        data = _frame(FrameType.MSG, meta=prepare(x).header, payload=x[:piece].tobytes(), msg_id=1, arg=7)
+        for off in range(piece, n, piece):
+            data += _frame(FrameType.DATA, payload=x[off : off + piece].tobytes(), msg_id=1, arg=off)
+            if off == piece:
+                data += _frame(FrameType.MSG, meta=prepare(y).header, payload=y.tobytes(), msg_id=2, arg=8)
+        _fill(peer, data)  # all of it waits in the socket: the reader never finds it empty
+        part_received = 0
+        async with asyncio.timeout(10):
+            while not big.done():
+                part_received += bool(out[0]) and not out[-1]
+                await asyncio.sleep(0)
+            await big
+            await small_task
+        assert np.array_equal(out, x) and np.array_equal(small_out, y)
+        # before: 0 turns and the small message's recv returned after the large one was whole
+        assert part_received >= 4, part_received
+        assert whole_when_small_came == [False]
 
 
 async def test_a_send_cancelled_before_its_frame_went_out_hands_its_slot_to_a_waiting_send() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 from ..._loops import wait_out
@@ -29,8 +30,12 @@ _SMALL = 64 * 1024
 SMALL_READ = _SMALL  # a read of fewer bytes goes through the read-ahead buffer (a copy), not recv_into
 _HEADER_FILL = 16 * 1024
 # A receiver that never finds its socket empty would otherwise never give the loop back (and
-# miss its lease renewals): yield after this many bytes read without waiting.
+# miss its lease renewals): yield after this many payload bytes read without waiting, counted
+# across reads (a large message comes as DATA frames each smaller than this), or after this
+# long, whichever comes first (a recv into memory not yet touched pays a page fault per 4 KiB:
+# 8 MiB took 100-150 ms in a VM, where 1 GiB held the loop 1-4 s when counted per frame)
 _YIELD_EVERY = 8 << 20
+_YIELD_SECONDS = 0.005
 # ... and after this many bytes of frames taken on the header path: each costs Python work (a
 # peer sending empty CREDIT frames, or ABORTs of unknown messages, would hold the loop for good)
 _YIELD_FRAMES = 64 << 10
@@ -79,6 +84,8 @@ class SockIO:
         self._failure: PeerDisconnected | None = None  # what the readable callback's recv saw
         self._closed = False
         self._unyielded = 0  # bytes of frames the reader took since the loop last ran others
+        self._unyielded_payload = 0  # payload bytes read_into landed since the loop last ran others
+        self._ran_others = time.perf_counter()  # when the loop last ran others (as far as we know)
         self.last_header = b""  # raw bytes of the last frame header read (for checksums)
         self.checked = False  # frame headers carry a check (a channel with checksums)
         # called from the readable callback while the reader is parked between frames, with
@@ -108,6 +115,8 @@ class SockIO:
             if self._waiter is fut:
                 self._waiter = None
             self._unyielded = 0
+            self._unyielded_payload = 0
+            self._ran_others = time.perf_counter()
 
     def _on_readable(self) -> None:
         fut = self._waiter
@@ -232,11 +241,13 @@ class SockIO:
         """Read ``n`` bytes into ``view(offset, k)``, asking for the view anew before each write,
         and telling ``landed`` the offset reached after each (before anything else runs)."""
         end = offset + n
-        since_yield = 0
         while offset < end:
-            if since_yield >= _YIELD_EVERY:  # data keeps coming: let the rest of the loop run too
-                since_yield = 0
+            if self._unyielded_payload and (  # data keeps coming: let the rest of the loop run too
+                self._unyielded_payload >= _YIELD_EVERY or time.perf_counter() - self._ran_others >= _YIELD_SECONDS
+            ):
+                self._unyielded_payload = 0
                 await asyncio.sleep(0)
+                self._ran_others = time.perf_counter()
             remaining = end - offset
             if self._end > self._start:
                 k = min(remaining, self._end - self._start)
@@ -245,6 +256,7 @@ class SockIO:
                 dst[:] = memoryview(self._buf)[self._start : self._start + k]
                 self._start += k
                 offset += k
+                self._unyielded_payload += k
                 if landed is not None:
                     landed(offset)
                 continue
@@ -262,7 +274,7 @@ class SockIO:
             if k == 0:
                 raise PeerEOF("peer closed the connection mid-message")
             offset += k
-            since_yield += k
+            self._unyielded_payload += k
             if landed is not None:
                 landed(offset)
 
