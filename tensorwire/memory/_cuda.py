@@ -203,7 +203,7 @@ class CudaEngine(CopyEngine):
 
     def empty(self, nbytes: int, stream: int | None = None) -> DeviceBuffer:
         cp = self.cp
-        with allocating_on(cp, self.device, stream):
+        with self.allocating(nbytes, "a buffer of tensorwire's"), allocating_on(cp, self.device, stream):
             arr = cp.empty(nbytes, dtype=cp.uint8)
         return DeviceBuffer(self, int(arr.data.ptr), nbytes, self.device, arr)
 

@@ -24,11 +24,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from ..errors import ClosedResourceError, TransferError
 
 __all__ = [
     "CopyEngine",
@@ -37,6 +39,7 @@ __all__ = [
     "HostChunk",
     "HostEngine",
     "Lane",
+    "out_of_memory",
     "wait_event",
 ]
 
@@ -193,7 +196,25 @@ class CopyEngine(ABC):
         """A new device buffer of tensorwire's own (freed with the returned object), allocated for
         use on ``stream`` (the producer's or consumer's; None: the current one). A caching
         allocator hands a freed block to the next allocation on the same stream without waiting,
-        so the buffer must belong to the stream that orders every use of it."""
+        so the buffer must belong to the stream that orders every use of it. No memory for it:
+        TransferError (``allocating``)."""
+
+    @contextlib.contextmanager
+    def allocating(self, nbytes: int, what: str, advice: str = "free device memory") -> Iterator[None]:
+        """Device memory of this engine's allocated inside (by CuPy, torch or the engine itself):
+        no memory for it (``out_of_memory``) is a TransferError saying so, not the framework's
+        own error, so that a recv that needed it fails alone and leaves its message queued for
+        a recv with ``out=`` (the mailbox keeps a message on any error of the tree), and a send
+        fails before anything has moved. ``what``: what the memory was for; ``advice``: what
+        the caller can do, in words."""
+        try:
+            yield
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            raise TransferError(
+                f"out of memory on {self.name}: could not allocate {nbytes} bytes for {what} ({exc}); {advice}"
+            ) from exc
 
     def pool(self, direction: str) -> Any:
         """The process-wide staging pool of this engine for ``direction`` ("out" or "in")."""
@@ -218,10 +239,24 @@ class CopyEngine(ABC):
         """
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that found no memory: a MemoryError (numpy's, and CuPy's
+    ``cupy.cuda.memory.OutOfMemoryError``, which is one), torch's ``OutOfMemoryError`` (a
+    RuntimeError: ``torch.OutOfMemoryError``, also named ``torch.cuda.OutOfMemoryError``), or
+    CuPy's ``CUDARuntimeError`` for cudaErrorMemoryAllocation (2), which a CUDA call outside
+    CuPy's memory pool raises. Told by class name and module: nothing is imported for it."""
+    if isinstance(exc, MemoryError):
+        return True
+    cls = type(exc)
+    if any(c.__name__ == "OutOfMemoryError" and c.__module__.partition(".")[0] == "torch" for c in cls.__mro__):
+        return True
+    return cls.__name__ == "CUDARuntimeError" and getattr(exc, "status", None) == 2
+
+
 _SPIN_SECONDS = 200e-6
 
 
-async def wait_event(engine: CopyEngine, event: Event) -> None:
+async def wait_event(engine: CopyEngine, event: Event, until: asyncio.Future[Any] | None = None) -> None:
     """Wait for ``event`` without blocking the event loop.
 
     Asks once; then lets the loop run a few times (a chunk copy usually finishes within tens of
@@ -230,6 +265,11 @@ async def wait_event(engine: CopyEngine, event: Event) -> None:
     copy runs. Each wait is one entry of the poller's, not a thread: an event that takes long or
     never completes (a busy or stuck producer stream) holds up no other wait, and a wait that
     is cancelled is dropped.
+
+    ``until``: a future whose end cuts the wait short, raising its exception (a channel's
+    ``ended``: a send waiting for its producer stream must not outlive its channel, and a
+    stream may stay busy for as long as the caller's device work runs). The event may then
+    still be pending, and what was queued behind it stays queued.
     """
     if event.query():
         return
@@ -238,12 +278,28 @@ async def wait_event(engine: CopyEngine, event: Event) -> None:
         await asyncio.sleep(0)
         if event.query():
             return
+        if until is not None and until.done():
+            _cut_short(until)
     poller = engine._poller
     fut = poller.watch(event)
     try:
-        await fut
+        if until is None:
+            await fut
+            return
+        await asyncio.wait((fut, until), return_when=asyncio.FIRST_COMPLETED)
+        if not fut.done():
+            _cut_short(until)
+        fut.result()
     finally:
         poller.forget(fut)
+
+
+def _cut_short(until: asyncio.Future[Any]) -> None:
+    """Raise what ended ``until`` (a wait's ``until``, done)."""
+    exc = None if until.cancelled() else until.exception()
+    if exc is not None:
+        raise exc
+    raise ClosedResourceError("the wait for a device event was cut short: its channel closed")
 
 
 class _Poller:
@@ -467,7 +523,8 @@ class HostEngine(CopyEngine):
         return None
 
     def empty(self, nbytes: int, stream: int | None = None) -> DeviceBuffer:
-        arr = np.empty(nbytes, np.uint8)
+        with self.allocating(nbytes, "a buffer of tensorwire's"):
+            arr = np.empty(nbytes, np.uint8)
         return DeviceBuffer(self, int(arr.ctypes.data), nbytes, self.device, arr)
 
     def buffer(self, arr: np.ndarray) -> DeviceBuffer:

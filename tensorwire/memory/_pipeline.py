@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._engine import CopyEngine, DeviceBuffer, Event, HostChunk, Lane, wait_event
 
@@ -100,13 +100,18 @@ async def _settle(pool: PinnedPool, inflight: deque[_Flight], spoiled: Callable[
 
 
 async def stage_out(
-    src: DeviceBuffer, start: int, end: int, after: Event | None = None
+    src: DeviceBuffer,
+    start: int,
+    end: int,
+    after: Event | None = None,
+    until: asyncio.Future[Any] | None = None,
 ) -> AsyncGenerator[tuple[int, memoryview], None]:
     """Yield ``(offset, bytes)`` host chunks of ``src[start:end]`` in order.
 
     ``after`` (the producer's event) is waited for on the copy lane, not on the host. A chunk
     yielded is valid until the next one is asked for. Close the generator (``aclosing``) when
     leaving early: chunks whose copies are still queued go back to the pool with their events.
+    ``until`` cuts short the waits for those copies, which wait for ``after`` (``wait_event``).
     """
     engine = src.engine
     pool = engine.pool("out")
@@ -133,7 +138,7 @@ async def stage_out(
                 pending.append((chunk, pos, n, event))
                 pos += n
             chunk, off, n, event = pending[0]
-            await wait_event(engine, event)
+            await wait_event(engine, event, until)
             pending.popleft()
             try:
                 yield off, chunk.view[:n]
@@ -145,9 +150,12 @@ async def stage_out(
         engine.give_back(lane)
 
 
-async def download(src: DeviceBuffer, dst: memoryview, after: Event | None = None) -> None:
-    """Copy all of ``src`` into host memory ``dst`` (pageable is fine) through staging chunks."""
-    gen = stage_out(src, 0, src.nbytes, after)
+async def download(
+    src: DeviceBuffer, dst: memoryview, after: Event | None = None, until: asyncio.Future[Any] | None = None
+) -> None:
+    """Copy all of ``src`` into host memory ``dst`` (pageable is fine) through staging chunks
+    (``until``: as for ``stage_out``)."""
+    gen = stage_out(src, 0, src.nbytes, after, until)
     try:
         async for off, view in gen:
             dst[off : off + len(view)] = view

@@ -18,6 +18,7 @@ clear :class:`~tensorwire.errors.UnsupportedTensorError` says what to install.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import re
@@ -297,12 +298,13 @@ class DeviceTensor:
         """Where its memory is: ``"cuda:N"``."""
         return f"{self.buf.engine.kind}:{self.buf.device}"
 
-    async def to_host(self) -> np.ndarray:
+    async def to_host(self, until: asyncio.Future[Any] | None = None) -> np.ndarray:
         """Its bytes in a new host array (uint8), read once ``ready`` has completed, through the
-        staging chunks (for a transport that cannot read device memory)."""
+        staging chunks (for a transport that cannot read device memory). ``until`` (a channel's
+        ``ended``) cuts short the wait for ``ready``: the producer's stream may stay busy."""
         host = np.empty(self.nbytes, np.uint8)
         if self.nbytes:
-            await download(self.buf, host.data, self.ready)
+            await download(self.buf, host.data, self.ready, until)
         return host
 
 
@@ -673,14 +675,18 @@ def allocate_device(
 ) -> DeviceTensor:
     """A new tensor on CUDA device ``device`` for a received one: torch if the sender's was torch
     (and torch is loaded here), else CuPy. Allocated on the consumer's stream (the one current
-    when the recv was called, ``streams``, else the current one)."""
+    when the recv was called, ``streams``, else the current one). No memory for it on the device
+    (torch's or CuPy's out-of-memory error): TransferError, and the recv leaves its message queued."""
     torch = _torch()
     engine = _engine(device)
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    what = f"a received {dtype} tensor of shape {shape}"
+    advice = "receive into a tensor of your own (out=) or free device memory"
     if framework == "torch" and _torch_cuda(torch):  # else CuPy: a CPU-only torch cannot hold it
         stream = streams.of("torch", device) if streams is not None else None
         if stream is None:
             stream = _stream("torch", device)
-        with torch.cuda.stream(_torch_stream(torch, stream, device)):
+        with engine.allocating(nbytes, what, advice), torch.cuda.stream(_torch_stream(torch, stream, device)):
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
         buf = DeviceBuffer(engine, int(t.data_ptr()), int(t.numel() * t.element_size()), device, t)
         return DeviceTensor(buf, dtype, shape, "torch", stream, value=t)
@@ -690,7 +696,7 @@ def allocate_device(
     stream = streams.of("cupy", device) if streams is not None else None
     if stream is None:
         stream = _stream("cupy", device)
-    with allocating_on(cp, device, stream):
+    with engine.allocating(nbytes, what, advice), allocating_on(cp, device, stream):
         a = cp.empty(shape, dtype=_carrier(dtype))
     buf = DeviceBuffer(engine, int(a.data.ptr), int(a.nbytes), device, a)
     return DeviceTensor(buf, dtype, shape, "cupy", stream, value=a)

@@ -8,6 +8,7 @@ length and shape is checked against the limits before anything is allocated.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import struct
@@ -146,14 +147,15 @@ class Outgoing:
             memory=self.memory,
         )
 
-    async def to_host(self) -> None:
+    async def to_host(self, until: asyncio.Future[Any] | None = None) -> None:
         """Copy every device tensor's bytes into host memory of our own (for transports that
-        cannot read device memory); waits for each producer's event on a copy lane."""
+        cannot read device memory); waits for each producer's event on a copy lane, a wait that
+        ``until`` (the channel's ``ended``) cuts short."""
         if not self.on_device:
             return
         arrays: list[np.ndarray | DeviceTensor] = []
         for a in self.arrays:
-            arrays.append(await a.to_host() if isinstance(a, DeviceTensor) else a)
+            arrays.append(await a.to_host(until) if isinstance(a, DeviceTensor) else a)
         self.header  # noqa: B018 - encode while the device shapes are still at hand
         self.staged = self.device_bytes
         self.arrays = arrays

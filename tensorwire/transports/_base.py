@@ -191,6 +191,7 @@ class Channel(ABC):
     # what the peer promised to accept (its Limits), exchanged as the channel opened: every
     # transport sets it before it hands the channel out
     _remote: PeerLimits
+    _ended: asyncio.Future[None] | None = None  # ``ended``, made when first asked for
 
     @property
     def remote_limits(self) -> PeerLimits:
@@ -211,9 +212,26 @@ class Channel(ABC):
 
     async def stage_device(self, msg: Any) -> None:
         """Before a send: device tensors of a memory kind this channel does not move itself
-        (``device_kinds``) go to host memory of ours first (``Outgoing.to_host``)."""
+        (``device_kinds``) go to host memory of ours first (``Outgoing.to_host``), once their
+        producers' streams are done; a wait the channel's end cuts short (``ended``)."""
         if msg.on_device and msg.memory not in self.device_kinds:
-            await msg.to_host()
+            await msg.to_host(self.ended)
+
+    @property
+    def ended(self) -> asyncio.Future[None]:
+        """A future that fails with the channel's failure once it is closed or broken: what a
+        send's wait for its producer stream ends with (``wait_event(..., until=)``). That stream
+        stays busy for as long as the caller's device work runs, or for good; the send raises
+        what it would have raised had the channel been closed before it began (``check_open``:
+        ClosedResourceError for our own close, PeerDisconnected for the peer's), and its bytes
+        never go."""
+        fut = self._ended
+        if fut is None:
+            fut = self._ended = asyncio.get_running_loop().create_future()
+            if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+                why = self.mailbox.failure or ClosedResourceError(f"{self.transport} channel is {self.state.value}")
+                _end(fut, why)
+        return fut
 
     async def recv(
         self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None, keep: bool = True
@@ -338,6 +356,8 @@ class Channel(ABC):
             return
         self.state = state
         self.mailbox.fail(exc)
+        if self._ended is not None:
+            _end(self._ended, exc)
         for cb in self._on_close:
             cb(exc)
 
@@ -346,6 +366,13 @@ class Channel(ABC):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _end(fut: asyncio.Future[None], exc: BaseException) -> None:
+    """Fail a channel's ``ended`` with ``exc``, marked retrieved (no wait may be listening)."""
+    if not fut.done():
+        fut.set_exception(exc)
+        fut.exception()
 
 
 class PendingSessions:

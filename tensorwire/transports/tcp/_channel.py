@@ -382,7 +382,7 @@ class TcpChannel(Channel):
             lo, hi = max(start, pos), min(end, pos + n)
             if lo < hi:
                 if isinstance(part, DeviceTensor):
-                    gen = stage_out(part.buf, lo - pos, hi - pos, part.ready)
+                    gen = stage_out(part.buf, lo - pos, hi - pos, part.ready, self.ended)
                     try:
                         async for off, view in gen:
                             await self._write(FrameType.DATA, payload=[view], msg_id=msg_id, arg=pos + off)

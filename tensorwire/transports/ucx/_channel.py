@@ -523,11 +523,12 @@ class UcxChannel(Channel):
         cancellation waits for the payload to finish moving and then takes effect. Device
         segments are posted once their producers' events have completed. Cancelled (or failed)
         while it waits for those, it has posted nothing: its receiver, which has the header, is
-        told (ABORT) that no payload will come."""
+        told (ABORT) that no payload will come. The channel closing or breaking ends that wait
+        (``ended``): the send fails as it would have had the channel closed before it began."""
         try:
             for s in segs:
                 if isinstance(s, DeviceTensor) and s.ready is not None:
-                    await wait_event(s.engine, s.ready)
+                    await wait_event(s.engine, s.ready, self.ended)
         except BaseException:
             if self.state is ChannelState.OPEN:
                 self._send_frame(self._frame(FrameType.ABORT, msg_id=msg_id))
