@@ -227,6 +227,14 @@ def _dialable(control_address: str, caller: str) -> str:
 class Node:
     """One tensorwire endpoint. Create it with ``tensorwire.start``."""
 
+    # Peers that left messages to receive wait in the accept queue after they have gone; until
+    # accept() is first called, at most this many: the oldest beyond it is dropped with its
+    # messages. A node that never accepts (one that serves only methods or exposures) kept each
+    # such peer for good, with up to Limits.recv_buffer_bytes of its messages (about 170 KiB a
+    # peer for one small message). A node that accepts keeps them all: they are its backlog,
+    # and dropping one would lose messages its accept loop has yet to reach.
+    MAX_DEPARTED: ClassVar[int] = 64
+
     def __init__(self, address: str, config: NodeConfig) -> None:
         self.config = config
         self.node_id = config.node_id or uuid.uuid4().hex
@@ -237,6 +245,11 @@ class Node:
         self.unusable: dict[str, str] = {}
         self._server: ControlServer | None = None
         self._incoming: deque[Peer] = deque()  # accepted peers that accept() has not handed out
+        self._departed: dict[Peer, None] = {}  # those of them that have gone, oldest first
+        self._accepts = False  # accept() was called: nothing of the accept queue is dropped
+        self._dropping = RateLimitedLog(
+            log, per_window=20, window=10.0, what="gone peers dropped with their messages", kind="accept"
+        )
         self._incoming_ready = asyncio.Event()  # set when a peer joins _incoming, or the node closes
         self._waiting: set[asyncio.Task[None]] = set()
         self.peers: list[Peer] = []
@@ -349,8 +362,13 @@ class Node:
         only serves methods or exposures never accepts: each such peer was kept forever)."""
         # (requests and replies of tensorwire's own services, rpc among them, count for nothing:
         # nobody serves them once the peer has gone)
-        if peer in self._incoming and not peer.channel.mailbox.holds_messages(ignore=RESERVED_TAGS):
-            self._incoming.remove(peer)
+        if peer in self._incoming:
+            if not peer.channel.mailbox.holds_messages(ignore=RESERVED_TAGS):
+                self._incoming.remove(peer)
+            else:
+                self._departed[peer] = None
+                if len(self._departed) > self.MAX_DEPARTED and not self._accepts:
+                    self._drop_departed(next(iter(self._departed)))
         if peer.session is not None:
             self._sessions.pop(peer.session.id, None)
             self._leases.pop(peer.session.id, None)
@@ -360,6 +378,23 @@ class Node:
         if task is not None:
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
+
+    def _drop_departed(self, peer: Peer) -> None:
+        """Drop the oldest gone peer of the accept queue, which nobody has accepted to receive
+        what it left (``MAX_DEPARTED``), and close it: its messages are let go."""
+        del self._departed[peer]
+        self._incoming.remove(peer)
+        self._dropping.warn(
+            "dropped the unread messages of peer %s (node %s), which left before anyone accepted it: a node that "
+            "has never called accept() keeps at most %d such peers; accept() them (or 'async for peer in node') "
+            "to receive what they send",
+            peer.remote_address,
+            peer.remote_node[:12],
+            self.MAX_DEPARTED,
+        )
+        task = asyncio.get_running_loop().create_task(peer.aclose())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     def _session_peer(self, session_id: str) -> Peer | None:
         return self._sessions.get(session_id)
@@ -666,11 +701,16 @@ class Node:
 
     async def accept(self) -> Peer:
         """Wait for the next peer that connects to this node. One that left before it was
-        handed out is skipped, unless it left messages to receive."""
+        handed out is skipped, unless it left messages to receive. (Until accept() is first
+        called, the node keeps the latest ``MAX_DEPARTED`` (64) of those and drops older ones
+        with their messages, warning; from then on it keeps them all.)"""
+        self._accepts = True
         while True:
             self._check_open("node.accept")
             if self._incoming:
-                return self._incoming.popleft()
+                peer = self._incoming.popleft()
+                self._departed.pop(peer, None)
+                return peer
             self._incoming_ready.clear()
             await self._incoming_ready.wait()
 

@@ -2,9 +2,11 @@
 
 import asyncio
 import contextlib
+import gc
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import grpc
@@ -696,6 +698,60 @@ async def test_peers_that_left_requests_at_a_saturated_server_are_not_kept(trans
         gate.set()
         await eventually(lambda: not server.peers)
         await eventually(lambda: not server._incoming)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_node_that_never_accepts_keeps_a_bounded_number_of_gone_peers_with_messages(
+    transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hub that only serves methods never calls accept(): each client that sent it a message
+    and left stayed in the accept queue for good, with its messages (300 clients: 300 peers
+    kept, about 170 KiB each over tcp). The newest MAX_DEPARTED are kept, in order, for a
+    later accept(); older ones are closed and let go, with a warning. Once the node accepts,
+    none is dropped: every message of its backlog reaches its accept loop."""
+    cap, clients = tensorwire.Node.MAX_DEPARTED, 300
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as server,
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as client,
+    ):
+
+        @server.method("ping")
+        async def ping(x: int) -> int:
+            return x
+
+        first: weakref.ref[tensorwire.Peer] | None = None
+        for i in range(clients):
+            async with await client.connect(server.address) as p:
+                assert await p.call("ping", i) == i  # (the server has adopted it)
+                await p.send(np.array([i]), tag="left-behind")
+            if first is None:
+                await eventually(lambda: not server.peers)
+                first = weakref.ref(server._incoming[0])
+            assert len(server._incoming) <= cap + 1  # (the latest may not have gone yet)
+        await eventually(lambda: not server.peers)
+        assert len(server._incoming) == cap
+        await eventually(lambda: not server._retiring)
+        gc.collect()
+        assert first() is None  # closed and let go, with its message
+        q = await asyncio.wait_for(server.accept(), 5)  # the oldest kept one
+        got = await asyncio.wait_for(q.recv(tag="left-behind"), 5)
+        assert got.tolist() == [clients - cap]
+        await q.aclose()
+        assert len(server._incoming) == cap - 1 and not server._departed.keys() - set(server._incoming)
+        dropped = [r.getMessage() for r in caplog.records if "dropped the unread messages" in r.getMessage()]
+        assert dropped and f"at most {cap} such peers" in dropped[0]
+        # a node that accepts keeps its whole backlog: its accept loop has yet to reach them
+        for i in range(clients, clients + 8):
+            async with await client.connect(server.address) as p:
+                await p.send(np.array([i]), tag="left-behind")
+        await eventually(lambda: not server.peers)
+        assert len(server._incoming) == cap - 1 + 8
+        assert len([r for r in caplog.records if "dropped the unread messages" in r.getMessage()]) == len(dropped)
+        for want in range(clients - cap + 1, clients + 8):
+            q = await asyncio.wait_for(server.accept(), 5)
+            assert (await asyncio.wait_for(q.recv(tag="left-behind"), 5)).tolist() == [want]
+            await q.aclose()
 
 
 @pytest.mark.timeout(60)
