@@ -3,6 +3,7 @@ copied by the sender's task, what a failure does to a copy under way, and whose 
 hand a message over while a send before it still stages device memory."""
 
 import asyncio
+import types
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from tensorwire.errors import PeerDisconnected
 from tensorwire.memory import HostEngine
 from tensorwire.tensors import EngineArray
 from tensorwire.testing import busy_stream, connected_pair
+from tensorwire.transports import inproc
 
 MiB = 1 << 20
 
@@ -121,3 +123,35 @@ async def test_a_close_at_any_turn_of_a_rendezvous_send_ends_both_sides(closer: 
             assert isinstance(ours, tensorwire.ClosedResourceError), (spins, ours)
             assert isinstance(theirs, PeerDisconnected), (spins, theirs)
             assert np.array_equal(out, landed), f"out= written after its recv failed ({spins} turns)"
+
+
+@pytest.mark.parametrize("protocol", ["eager", "rendezvous"])
+async def test_a_copy_into_slow_memory_lets_the_loop_run_part_way(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy gives the loop a turn after ``_YIELD_SECONDS`` as well as after 4 MiB: a recv into
+    memory never touched pays a page fault per 4 KiB, and in a VM 4 MiB of those took 90-150
+    ms, so a 1 GiB recv() without out= held its loop that long at every 4 MiB chunk (its lease
+    renewals, calls and reads waited). Here inproc's clock moves 10 ms at each reading, as if
+    every piece landed in such memory: the loop must run while one 4 MiB message is part
+    copied, by the sender's task (eager) or the receiver's pull (rendezvous)."""
+    clock = iter(range(1 << 30))
+    monkeypatch.setattr(inproc, "time", types.SimpleNamespace(perf_counter=lambda: next(clock) * 0.01))
+    limits = tensorwire.Limits(recv_buffer_bytes=0 if protocol == "rendezvous" else 64 * MiB)
+    async with connected_pair("inproc", limits=limits) as (a, b):
+        src = np.full(4 * MiB, 7, np.uint8)
+        out = np.zeros_like(src)
+        recv = asyncio.ensure_future(b.recv_with_receipt(tag="t", out=out))
+        await asyncio.sleep(0)  # posted
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        part_copied = 0
+        async with asyncio.timeout(10):
+            while not recv.done():
+                part_copied += bool(out[0]) and not out[-1]
+                await asyncio.sleep(0)
+            _, receipt = await recv
+            await send
+        assert receipt.protocol == protocol
+        assert np.array_equal(out, src)
+        # before: 0 (the message was copied in one piece, the loop held throughout)
+        assert part_copied >= 4, part_copied
