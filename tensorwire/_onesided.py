@@ -1353,8 +1353,10 @@ async def _get_device(
             moves.append((state, t.buf, handles[i].offset))
         else:
             staged.setdefault(t.engine, []).append((state, t, handles[i].offset))
-    for engine, event in waits:  # UCX writes outside every stream: the consumer's work first
-        await wait_event(engine, event)
+    # UCX writes outside every stream: the consumer's work first, a wait that the channel's end
+    # cuts short (nothing is posted yet; the stream may stay busy for as long as its work runs)
+    for engine, event in waits:
+        await wait_event(engine, event, peer.channel.ended)
     if moves:
         await _move(peer, "get", moves)
     targets = [t for i, _ in direct if (t := dests[i].tensor) is not None]
@@ -1376,7 +1378,10 @@ async def _gather(peer: Peer, landing: Landing, jobs: list[tuple[_Direct, Device
     for _, t, _ in jobs:
         stage = landing.stage(t, fresh=True)
     assert stage is not None
-    await stage.gather([t.buf for _, t, _ in jobs], _chunk_moves(peer, "get", jobs), spoiled=_closing(peer))
+    bufs = [t.buf for _, t, _ in jobs]
+    # a chunk is reused only once its copies up, queued after the consumer's stream, have run:
+    # the channel's end cuts that wait short (the stream may stay busy for as long as its work runs)
+    await stage.gather(bufs, _chunk_moves(peer, "get", jobs), spoiled=_closing(peer), until=peer.channel.ended)
 
 
 def _chunk_moves(peer: Peer, op: str, jobs: list[tuple[_Direct, DeviceTensor, int]]) -> Move:
@@ -1578,8 +1583,8 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
                 continue
             memory = t.engine.kind
             if _by_pointer(peer, t):
-                if t.ready is not None:
-                    await wait_event(t.engine, t.ready)
+                if t.ready is not None:  # the producer's work first; the channel's end cuts it short
+                    await wait_event(t.engine, t.ready, peer.channel.ended)
                 moves.append((state, t.buf, handles[i].offset))
             else:
                 down.setdefault(t.engine, []).append((state, t, handles[i].offset))
@@ -1614,10 +1619,15 @@ def _packed(src: np.ndarray, handle: RemoteHandle) -> np.ndarray:
 
 async def _scatter(peer: Peer, jobs: list[tuple[_Direct, DeviceTensor, int]]) -> None:
     """Put each ``(state, tensor, offset)`` of one engine through its staging chunks: each
-    chunk is copied down (after the tensors' producer events) and put from the chunk itself
-    while the next chunks are being copied down."""
+    chunk is copied down and put from the chunk itself while the next chunks are being copied
+    down. The tensors' producer events are waited for first, on the host, in a wait that the
+    channel's end cuts short (``ended``), as a send's is: a producer stream may stay busy for as
+    long as its owner's work runs, and copies queued behind it cannot be taken back (the chunks
+    they copy into could not be reused, nor freed, until that work is done)."""
     events = list({id(e): e for _, t, _ in jobs if (e := t.ready) is not None}.values())
-    await scatter([t.buf for _, t, _ in jobs], _chunk_moves(peer, "put", jobs), after=events, spoiled=_closing(peer))
+    for event in events:
+        await wait_event(jobs[0][1].engine, event, peer.channel.ended)
+    await scatter([t.buf for _, t, _ in jobs], _chunk_moves(peer, "put", jobs), spoiled=_closing(peer))
 
 
 async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing, before: str = "") -> Receipt:

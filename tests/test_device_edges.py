@@ -101,6 +101,56 @@ async def test_a_send_waiting_for_its_producer_stream_ends_with_its_channel(
                     await posted
 
 
+# -- a one-sided read or write waiting for its stream ------------------------------------------
+_ONE_SIDED_CASES = [
+    # owner-assisted writes go as sends do (their wait ended with the channel already); reads
+    # there are recvs of the owner's answer, which a message whole before a close still reaches
+    *(pytest.param(t, False, "write", id=f"{t}-write") for t in ("tcp", "inproc")),
+    *(
+        pytest.param("ucx", by_pointer, op, id=f"ucx-{'pointer' if by_pointer else 'staged'}-{op}", marks=_UCX)
+        for by_pointer in (False, True)
+        for op in ("read", "write")
+    ),
+]
+
+
+@pytest.mark.parametrize(("transport", "by_pointer", "op"), _ONE_SIDED_CASES)
+@pytest.mark.parametrize("closer", ["peer", "peer-node", "own", "own-node"])
+async def test_a_one_sided_operation_waiting_for_its_stream_ends_with_its_channel(
+    engine: HostEngine, transport: str, by_pointer: bool, op: str, closer: str
+) -> None:
+    """A write from device memory whose producer stream stays busy, or a one-sided read into
+    device memory whose consumer stream does, when the owner, its node, the requester's own
+    peer or its node closes: the operation raises what one started after the close raises,
+    while the stream is still busy, and a write's bytes never reach the owner's tensor. Over
+    ucx it used to wait for the stream (for good, were it stuck): by pointer before posting,
+    staged before its copies down (a write) or before reusing a chunk whose copies up wait for
+    the consumer's stream (a read of more than the staging ring)."""
+    n = CHUNK * DEPTH * 2 + 5
+    with busy_stream(engine) as (stream, gate):
+        async with connected_pair(transport) as (a, b):
+            if by_pointer:
+                host_engine_by_pointer(b)
+            target = np.zeros(n, np.uint8)
+            a.node.expose(target, name="t")
+            h = await b.lookup("t")
+            assert h.direct == (transport == "ucx"), h
+            dev = EngineArray(engine, _data(n), stream=stream)
+            task = asyncio.ensure_future(b.read(h, out=dev) if op == "read" else b.write(h, dev))
+            await asyncio.sleep(0.05)
+            assert not task.done(), f"a {op} did not wait for its stream's earlier work"
+            await {"peer": a.aclose, "peer-node": a.node.aclose, "own": b.aclose, "own-node": b.node.aclose}[closer]()
+            want = PeerDisconnected if closer.startswith("peer") else ClosedResourceError
+            with pytest.raises(want):
+                async with asyncio.timeout(10):  # the stream stays busy all the while
+                    await task
+            gate.set()
+            await wait_event(engine, engine.record_on(stream))
+            await asyncio.sleep(0.05)
+            if op == "write":
+                assert not target.any(), "a write's bytes reached the owner after its channel closed"
+
+
 # -- a recv into a tensor of a busy consumer stream ---------------------------------------------
 @pytest.mark.parametrize(("transport", "by_pointer"), _PATHS)
 @pytest.mark.parametrize("order", ["recv-first", "send-first"])

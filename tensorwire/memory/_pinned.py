@@ -19,7 +19,7 @@ import asyncio
 import logging
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import TensorWireError
 from ._engine import Event, HostChunk, wait_event
@@ -85,11 +85,11 @@ class PinnedPool:
             return chunk, None
         return None
 
-    async def _ready(self, entry: tuple[HostChunk, Event | None]) -> HostChunk:
+    async def _ready(self, entry: tuple[HostChunk, Event | None], until: asyncio.Future[Any] | None) -> HostChunk:
         chunk, event = entry
         if event is not None:
             try:
-                await wait_event(self.engine, event)
+                await wait_event(self.engine, event, until)
             except BaseException:
                 self._free.appendleft(entry)  # still owned by its copy; the next taker waits
                 self._wake()
@@ -99,12 +99,14 @@ class PinnedPool:
             scrub(chunk)
         return chunk
 
-    async def acquire(self) -> HostChunk:
-        """A chunk, waiting for one to come back if all are in use. Call only holding none."""
+    async def acquire(self, until: asyncio.Future[Any] | None = None) -> HostChunk:
+        """A chunk, waiting for one to come back if all are in use. Call only holding none.
+        ``until`` cuts short the wait for a chunk's last copy (``wait_event``): one queued after
+        a stream that may stay busy."""
         while True:
             entry = self._take()
             if entry is not None:
-                return await self._ready(entry)
+                return await self._ready(entry, until)
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
@@ -116,12 +118,13 @@ class PinnedPool:
                     self._wake()  # woken for a chunk, then cancelled before taking it: pass it on
                 raise
 
-    async def try_acquire(self) -> HostChunk | None:
-        """A chunk if one is free now (its last copy perhaps still to finish), else None."""
+    async def try_acquire(self, until: asyncio.Future[Any] | None = None) -> HostChunk | None:
+        """A chunk if one is free now (its last copy perhaps still to finish), else None
+        (``until``: as for ``acquire``)."""
         entry = self._take()
         if entry is None:
             return None
-        return await self._ready(entry)
+        return await self._ready(entry, until)
 
     def release(self, chunk: HostChunk, after: Event | None = None) -> None:
         """Give ``chunk`` back; it is reused once ``after`` (its last copy) has completed."""

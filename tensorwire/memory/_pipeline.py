@@ -169,19 +169,21 @@ async def _window(
     start: Callable[[HostChunk, list[Piece]], tuple[Event | None, Awaitable[None]]],
     done: Callable[[HostChunk, list[Piece]], None],
     spoiled: Callable[[], bool],
+    until: asyncio.Future[Any] | None = None,
 ) -> None:
     """``bufs`` laid end to end across chunks of ``pool``, up to its depth of them being moved at
     once: ``start(chunk, pieces)`` begins a chunk's move (the event of copies the chunk must
     outlive, and the move; should it fail, it gives the chunk back itself, or retires it if it
     queued a copy touching it), ``done(chunk, pieces)`` takes each chunk back in order once moved.
     The one chunk left when nothing else is under way is moved in place (no task, no hop through
-    the loop: a small tensor's whole move). Leaving early: ``_settle``."""
+    the loop: a small tensor's whole move). ``until`` cuts short the waits for a chunk's last
+    copy (``PinnedPool.acquire``). Leaving early: ``_settle``."""
     todo = deque((i, 0, b.nbytes) for i, b in enumerate(bufs) if b.nbytes)
     inflight: deque[_Flight] = deque()
     try:
         while todo or inflight:
             while todo and len(inflight) < pool.depth:
-                chunk = await (pool.try_acquire() if inflight else pool.acquire())
+                chunk = await (pool.try_acquire(until) if inflight else pool.acquire(until))
                 if chunk is None:
                     break
                 pieces = _pieces(todo, chunk.size)
@@ -312,13 +314,22 @@ class StageIn:
             self.pool.release(chunk, after=self._last)
             pos += k
 
-    async def gather(self, dsts: Sequence[DeviceBuffer], fetch: Move, *, spoiled: Callable[[], bool]) -> None:
+    async def gather(
+        self,
+        dsts: Sequence[DeviceBuffer],
+        fetch: Move,
+        *,
+        spoiled: Callable[[], bool],
+        until: asyncio.Future[Any] | None = None,
+    ) -> None:
         """Fill ``dsts`` whole through host chunks: ``fetch(chunk, pieces)`` lands each chunk's
         pieces in it (several chunks at once, up to the pool's depth), and each chunk's copies
         to the device are queued in order as it lands. Returns once every copy is queued
         (``finish`` for the event after them). Failed or cancelled, the fetches still going are
         stopped and waited for; ``spoiled()`` (asked then) says whether one that failed may
-        still write into its chunk, which is then never reused."""
+        still write into its chunk, which is then never reused. A chunk is reused once its
+        copies have run, which wait for the consumer's stream (``consumer``): ``until`` (a
+        channel's ``ended``) cuts that wait short."""
 
         def start(chunk: HostChunk, pieces: list[Piece]) -> tuple[Event | None, Awaitable[None]]:
             try:
@@ -327,7 +338,7 @@ class StageIn:
                 self.pool.release(chunk)  # nothing was queued on it
                 raise
 
-        await _window(self.pool, dsts, start, lambda chunk, pieces: self._up(dsts, chunk, pieces), spoiled)
+        await _window(self.pool, dsts, start, lambda chunk, pieces: self._up(dsts, chunk, pieces), spoiled, until)
 
     def _up(self, dsts: Sequence[DeviceBuffer], chunk: HostChunk, pieces: list[Piece]) -> None:
         """Queue the copies of a landed chunk's pieces to the device; the chunk goes back after them."""
