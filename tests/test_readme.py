@@ -678,8 +678,8 @@ def test_every_tensorwire_name_the_pages_mention_exists() -> None:
             assert service in known, name
 
 
-# Errors of other libraries the pages name (asyncio's, grpc's)
-FOREIGN_ERRORS = {"CancelledError", "UsageError"}
+# Errors of other libraries the pages name (asyncio's, grpc's; CuPy's and torch's out of memory)
+FOREIGN_ERRORS = {"CancelledError", "UsageError", "OutOfMemoryError", "CUDARuntimeError"}
 
 
 # Where the pages name a class by itself, where to find it. A `Class.attribute` of one of these

@@ -9,7 +9,11 @@ until a recv pulls it.
 A cancelled recv never leaves its ``out=`` buffer to be written later: what already landed there
 is copied into a buffer of tensorwire's own, the rest of the payload follows it there, and the
 message goes back to the head of its tag's queue, so nothing is lost. (For a CUDA ``out=``, the
-copies already queued into it are ordered before the consumer stream's later work.) A recv that
+copies already queued into it are ordered before the consumer stream's later work.) A device with
+no memory left for that buffer gets one in host memory instead: the cancel returns once what
+landed in the device ``out=`` has been copied down. With no memory anywhere the message is
+dropped alone, and the recv that takes it says so; the cancelled recv raises CancelledError
+either way, as asked. A recv that
 says its message's bytes are wanted nowhere else (``keep=False``: a cancelled operation's answer,
 and the recv that drains it) lets them go instead: where the transport lands a payload in order
 (tcp, inproc), the rest of it lands piece by piece in a small scratch buffer, never in one of
@@ -37,7 +41,7 @@ import numpy as np
 
 from .._loops import wait_out
 from ..errors import TensorWireError, TransferError, UnsupportedTensorError
-from ..memory import download
+from ..memory import Event, download, stage_out, wait_event
 from ..tensors import DTYPES, Spec, byte_view, match_out, rebuild, with_scalars
 from ..tensors._device import (
     Device,
@@ -233,8 +237,9 @@ class Arrival:
     def detach(self) -> asyncio.Future[None] | None:
         """Stop writing into the caller's buffer: keep what landed, continue into our own.
 
-        Returns the copy thread's future when what landed is copied there (``moving``): the
-        cancelled recv waits it out before it returns, since it reads the caller's out=."""
+        Returns the future of the copy of what landed (``moving``: a copy thread's, or the task
+        that copies it down from device memory, ``_to_host``): the cancelled recv waits it out
+        before it returns, since it reads the caller's out=."""
         if self.dest is None or not self.direct:
             return None
         if not self.done.done() and self.channel.unread(self):
@@ -248,25 +253,36 @@ class Arrival:
         if landed is not None and all(isinstance(d, np.ndarray) for d in self.dest):
             return self._move(landed)
         old = self.dest
+        try:
+            mine = [
+                DeviceTensor(d.engine.empty(d.nbytes, d.stream), d.dtype, d.shape, spec.framework, d.stream)
+                if isinstance(d, DeviceTensor)
+                else None
+                for spec, d in zip(self.specs, old, strict=True)
+            ]
+        except TransferError:
+            # no device memory for buffers of ours (CopyEngine.allocating): host memory instead.
+            # (Where ``landed`` is unknown the transport writes no more: ucx waits for its receives.)
+            return self._to_host(self.nbytes if landed is None else landed)
         new: list[np.ndarray | DeviceTensor] = []
-        for spec, d in zip(self.specs, old, strict=True):
+        for spec, d, m in zip(self.specs, old, mine, strict=True):
             if isinstance(d, DeviceTensor):
                 # a device buffer of our own on the same device; the copy of what landed queues
                 # after the landing copies (or after the transport's own writes by pointer,
                 # finished by now), and the caller's stream waits for it
-                mine = DeviceTensor(d.engine.empty(d.nbytes, d.stream), d.dtype, d.shape, spec.framework, d.stream)
+                assert m is not None
                 if self.landing is not None or self.written:
                     landing = self.land()
-                    landing.copy(mine, d)
+                    landing.copy(m, d)
                     landing.hand_back(d)
-                new.append(mine)
+                new.append(m)
             else:
                 try:
                     own = spec.allocate()
                 except TransferError as exc:
                     # no memory to keep what landed: the rest goes to scratch, never into
                     # the caller's buffer, and the message is dropped (its next recv says so)
-                    self.drop(self._no_memory(exc))
+                    self._lose(self._cannot_keep(exc))
                     return None
                 # a transport may be part way through a chunk, so ``written`` can lag: copy it all
                 np.copyto(own, d)
@@ -275,6 +291,96 @@ class Arrival:
         self.direct = False
         self._flat = None
         return None
+
+    def _to_host(self, landed: int) -> asyncio.Future[None] | None:
+        """``detach`` where the device has no memory for buffers of ours: the message is kept in
+        host memory of ours. The first ``landed`` payload bytes are in the caller's tensors (in
+        their device tensors once the landing's copies so far have run) and are copied down, in
+        a task whose future this returns (``moving``); the rest lands on the host from now on
+        (tcp hands a chunk under way there: ``TcpChannel._land``). No host memory either: the
+        message is dropped (``_lose``), and the task only waits for the copies into out=."""
+        old = self.dest
+        assert old is not None
+        landing, self.landing = self.landing, None
+        new: list[np.ndarray] | None = None
+        lost: TransferError | None = None
+        try:
+            new = [s.allocate() for s in self.specs]
+        except TransferError as exc:
+            lost = self._cannot_keep(exc)
+        downs: list[tuple[DeviceTensor, memoryview, Event | None]] = []
+        pos = 0
+        for i, d in enumerate(old):
+            start, pos = pos, pos + d.nbytes
+            if isinstance(d, DeviceTensor):
+                # the copies queued into the caller's tensor so far come before its stream's next
+                # work, and the cancel waits for them (through the task: no block here)
+                after = None if landing is None else landing.flush(d)
+                if after is not None:
+                    d.engine.stream_wait(d.stream, after)
+                n = min(max(landed - start, 0), d.nbytes) if new is not None else 0
+                if n or after is not None:
+                    downs.append((d, byte_view(new[i])[:n] if new is not None else memoryview(b""), after))
+            elif new is not None:
+                np.copyto(new[i], d)  # as in detach: what landed in host tensors, all of it
+        if landing is not None:
+            landing.finish_now([])  # its lanes go back: nothing more is queued on them
+        if new is None:
+            assert lost is not None
+            self._lose(lost)
+        else:
+            self.dest = new  # type: ignore[assignment]  # (list invariance)
+            self.direct = False
+            self._flat = None
+        if downs:
+            self.moving = asyncio.ensure_future(self._download(downs))
+        return self.moving if downs else None
+
+    async def _download(self, downs: list[tuple[DeviceTensor, memoryview, Event | None]]) -> None:
+        """``_to_host``'s copies down, each after the copies into the caller's tensor that
+        ``after`` marks (an empty ``dst``: only those); should one fail (a device error), the
+        message is lost and its next recv says so. Never raises."""
+        try:
+            for d, dst, after in downs:
+                if not len(dst):
+                    if after is not None:
+                        await wait_event(d.engine, after)
+                    continue
+                async with contextlib.aclosing(stage_out(d.buf, 0, len(dst), after)) as chunks:
+                    async for off, view in chunks:
+                        dst[off : off + len(view)] = view
+        except Exception as exc:
+            lost = TransferError(
+                f"a {self.nbytes}-byte message on this tag was dropped: its recv was cancelled as its "
+                f"bytes landed in device memory, and they could not be copied out ({exc!r})"
+            )
+            lost.__cause__ = exc
+            self._lose(lost)
+
+    def _cannot_keep(self, exc: TransferError) -> TransferError:
+        lost = TransferError(
+            f"a {self.nbytes}-byte message on this tag was dropped: its recv was cancelled as its bytes "
+            "landed, and there was no memory here to keep them (out of memory); free memory, or let "
+            "recvs into out= run to their end"
+        )
+        lost.__cause__ = exc
+        return lost
+
+    def _lose(self, lost: TransferError) -> None:
+        """What landed cannot be kept: the message fails the next recv that takes it, with
+        ``lost``. Bytes yet to come land in scratch (``drop``); a message whole already fails now,
+        its slot and credit going back, as a dropped one's do once it completes."""
+        if not self.done.done():
+            self.drop(lost)
+            return
+        self.lost = lost
+        self.dest = None
+        self.direct = False
+        self._flat = None
+        self.settle()
+        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        _settle(failed, lost)
+        self.done = failed
 
     def _move(self, landed: int) -> asyncio.Future[None] | None:
         """``detach`` where exactly the first ``landed`` bytes are in the caller's host buffers:
@@ -285,7 +391,7 @@ class Arrival:
         try:
             new = [s.allocate() for s in self.specs]
         except TransferError as exc:
-            self.drop(self._no_memory(exc))  # as in detach: what landed is lost, and the message with it
+            self._lose(self._cannot_keep(exc))  # as in detach: what landed is lost, and the message with it
             return None
         pairs = []
         for start, end, i, mv in old:
@@ -842,6 +948,8 @@ class Mailbox:
         elif not arrival.done.done():
             await asyncio.shield(arrival.done)
         await arrival.moved()  # given back by a cancelled recv: what landed in its out= is ours
+        if arrival.done.done():
+            arrival.done.result()  # raises if what landed could not be kept (``Arrival._lose``)
         arrival.consumed = True
         try:
             return await self._hand_over(arrival, out, targets, t0, want, streams, keep)

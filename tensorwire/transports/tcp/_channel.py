@@ -129,6 +129,29 @@ def _on_device(arrival: Arrival) -> bool:
     return arrival.dest is not None and any(isinstance(d, DeviceTensor) for d in arrival.dest)
 
 
+class _Redirected(Exception):
+    """A staging chunk read for a device tensor went to host memory instead (``_redirect``)."""
+
+
+def _redirect(arrival: Arrival, pos: int, chunk: memoryview) -> bool:
+    """The payload bytes at ``pos`` (in staging ``chunk``, read for a device tensor that is no
+    longer ``arrival``'s destination) into its destination now, if that is in host memory: a
+    recv cancelled as they landed moved the message there (no device memory for it), or its
+    bytes go to scratch. True if so; False where a device tensor of ours took the caller's
+    place, which the chunk's copy finds by itself."""
+    i, _, _ = arrival.locate(pos)
+    assert arrival.dest is not None
+    if isinstance(arrival.dest[i], DeviceTensor):
+        return False
+    done = 0
+    while done < len(chunk):
+        view = arrival.view(pos + done, len(chunk) - done)
+        view[:] = chunk[done : done + len(view)]
+        done += len(view)
+    arrival.mark(pos + done)
+    return True
+
+
 class TcpChannel(Channel):
     transport = "tcp"
     device_kinds = frozenset({"cuda", "host-engine"})
@@ -662,37 +685,51 @@ class TcpChannel(Channel):
     async def _land(self, arrival: Arrival, start: int, n: int, crc: int) -> int:
         """Read ``n`` payload bytes at ``start`` into a destination that holds device tensors:
         host tensors straight from the socket, device ones through staging chunks whose copies
-        to the device overlap the next reads. Returns the running crc32c."""
+        to the device overlap the next reads. Returns the running crc32c. ``arrival.landed``
+        counts the bytes written or queued to the device, exact wherever the loop runs: a recv
+        cancelled meanwhile may move the message to host memory (``Arrival.detach``, with no
+        device memory for it), and a chunk read then goes there instead, as does the rest."""
         io, summed = self._io, self.checksum
         pos, end = start, start + n
+        arrival.mark(pos)
         while pos < end:
             i, off, left = arrival.locate(pos)
             k = min(end - pos, left)
-            assert arrival.dest is not None
-            d = arrival.dest[i]
+            dest = arrival.dest
+            assert dest is not None
+            d = dest[i]
             if isinstance(d, DeviceTensor):
                 arrival.staged = True
                 sums = [crc]
 
-                async def fill(view: memoryview, _pos: int, sums: list[int] = sums) -> None:
+                async def fill(
+                    view: memoryview, at: int, sums: list[int] = sums, base: int = pos, dest: list[Any] = dest
+                ) -> None:
                     await io.read_into(lambda o, m: view[o : o + m], 0, len(view))
                     if summed:
                         sums[0] = crc32c.crc32c(view, sums[0])
+                    if arrival.dest is not dest and _redirect(arrival, base + at, view):
+                        raise _Redirected
+                    arrival.mark(base + at + len(view))  # (queued before the loop runs again)
 
                 def target(i: int = i) -> Any:
                     assert arrival.dest is not None
                     return arrival.dest[i].buf  # type: ignore[union-attr]
 
-                await arrival.land().stage(d).write(target, off, k, fill)
+                try:
+                    await arrival.land().stage(d).write(target, off, k, fill)
+                except _Redirected:
+                    pass  # that chunk went to the host; the rest follows it there
                 crc = sums[0]
-            else:
-                await io.read_into(arrival.view, pos, k)
-                if summed:
-                    p = pos
-                    while p < pos + k:
-                        view = arrival.view(p, pos + k - p)
-                        crc = crc32c.crc32c(view, crc)
-                        p += len(view)
+                pos = arrival.landed  # type: ignore[assignment]  # (marked above)
+                continue
+            await io.read_into(arrival.view, pos, k, arrival.mark)
+            if summed:
+                p = pos
+                while p < pos + k:
+                    view = arrival.view(p, pos + k - p)
+                    crc = crc32c.crc32c(view, crc)
+                    p += len(view)
             pos += k
         return crc
 

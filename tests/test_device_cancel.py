@@ -1,0 +1,337 @@
+"""A recv into device memory cancelled while its message's bytes land, when the device has no
+memory left for a buffer of tensorwire's to keep them in (the host engine stands in for a GPU):
+the message is kept in host memory and goes whole to the next recv on its tag; with no host
+memory either, it is dropped alone and that next recv says so. Real nodes on loopback over tcp,
+inproc and ucx (its staged path, and its path by pointer, which lands in the out= itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from _polling import eventually
+
+from tensorwire import start
+from tensorwire.memory import HostEngine
+from tensorwire.memory._engine import DeviceBuffer
+from tensorwire.tensors import EngineArray
+from tensorwire.testing import cancel_recv_at_every_step, connected_pair, host_engine_by_pointer
+from tensorwire.transports import Limits
+
+pytestmark = pytest.mark.timeout(60)
+
+CHUNK = 64 * 1024
+DEPTH = 3
+_UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+# (transport, by pointer): tcp lands device bytes in out= through staging chunks, ucx by pointer
+# lets UCX write there; inproc and ucx's staged path land in host memory of ours, then copy up
+_PATHS = [
+    pytest.param("tcp", False, id="tcp"),
+    pytest.param("inproc", False, id="inproc"),
+    pytest.param("ucx", False, id="ucx-staged", marks=_UCX),
+    pytest.param("ucx", True, id="ucx-pointer", marks=_UCX),
+]
+
+
+class _Full(HostEngine):
+    """A host engine standing in for a GPU whose memory is all taken: every buffer of
+    tensorwire's (``empty``) fails as CuPy's allocator does, with a MemoryError."""
+
+    def __init__(self) -> None:
+        super().__init__(copy_delay=0.0002)  # copies slower than the wire: the landing takes turns
+        self.refused = 0
+
+    def empty(self, nbytes: int, stream: int | None = None) -> DeviceBuffer:
+        self.refused += 1
+        with self.allocating(nbytes, "a buffer of tensorwire's"):
+            raise MemoryError(f"Out of memory allocating {nbytes} bytes")
+
+
+@pytest.fixture
+def engine() -> Iterator[_Full]:
+    e = _Full()
+    e.pool("out").configure(CHUNK, DEPTH)
+    e.pool("in").configure(CHUNK, DEPTH)
+    yield e
+    e.close()
+
+
+def _data(n: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize(("transport", "by_pointer"), _PATHS)
+@pytest.mark.parametrize("nbytes", [CHUNK * 5 + 7, 3 << 20], ids=["eager", "rendezvous"])
+async def test_a_device_recv_cancelled_at_every_step_with_no_device_memory_loses_nothing(
+    engine: _Full, transport: str, by_pointer: bool, nbytes: int
+) -> None:
+    """A recv into device memory cancelled after 0..14 loop turns (before the header, as the
+    bytes land, once they have), the device having no memory for a buffer of ours: the cancel
+    raises CancelledError, its out= is never written after, and the next recv gets the whole
+    message. Before, over tcp and ucx by pointer, the cancel raised TransferError ("out of
+    memory on host-engine:0") and the message was lost: the next recv waited for good."""
+    data = _data(nbytes)
+    async with connected_pair(transport, limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        if by_pointer:
+            host_engine_by_pointer(a, b)
+        cancelled = await cancel_recv_at_every_step(
+            a,
+            b,
+            EngineArray(engine, data),
+            lambda: EngineArray(engine, np.zeros_like(data)),
+            lambda t: t.array.copy(),
+        )
+    assert cancelled >= 3, f"only {cancelled} of 10 recvs were cancelled before they completed"
+    if transport == "tcp" or by_pointer:  # (the others never kept it on the device)
+        assert engine.refused, "no recv was cancelled with bytes in its out="
+
+
+def _held(peer: Any, tag: str) -> Any:
+    """The message on ``tag`` that a recv of ``peer``'s holds, or None."""
+    from tensorwire._peer import tag_id
+
+    tid = tag_id(tag)
+    return next((m for m in peer.channel.mailbox._held if m.tag == tid), None)
+
+
+@pytest.mark.parametrize(("transport", "by_pointer"), [p for p in _PATHS if p.id in ("tcp", "ucx-pointer")])
+@pytest.mark.parametrize("then", ["device", "host", "none"])
+async def test_a_device_recv_cancelled_as_its_bytes_land_with_no_device_memory_keeps_them_on_the_host(
+    engine: _Full, transport: str, by_pointer: bool, then: str
+) -> None:
+    """A recv into device memory cancelled once part of the message has landed in its out=
+    (tcp: more frames to come; ucx: UCX writes the whole, and the cancel waits for it), with no
+    device memory for a buffer of ours: what landed is copied to host memory of ours before the
+    cancel returns, the rest lands there, and the next recv, into device memory, into host
+    memory or without out=, gets the message whole. A message on the same tag after it follows
+    it. Before, the cancel raised TransferError, and the message was lost."""
+    data = _data(3 << 20)
+    async with connected_pair(transport, limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        if by_pointer:
+            host_engine_by_pointer(a, b)
+        out = EngineArray(engine, np.zeros_like(data))
+        recv = asyncio.ensure_future(b.recv(tag="x", out=out))
+        send = asyncio.ensure_future(a.send(EngineArray(engine, data), tag="x"))
+
+        def landing() -> bool:  # tcp: its staging chunks began; ucx: its receive was posted
+            m = _held(b, "x")
+            return m is not None and (m.landing is not None or getattr(m, "transfer", None) is not None)
+
+        await eventually(landing, pause=0)
+        m = _held(b, "x")
+        whole = m.done.done()
+        recv.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await recv
+        assert not whole, "the message had landed whole before the cancel"
+        snapshot = out.array.copy()
+        assert engine.refused
+        async with asyncio.timeout(10):
+            await send
+            if then == "device":
+                second = EngineArray(engine, np.zeros_like(data))
+                assert await b.recv(tag="x", out=second) is second
+                got = second.array
+            elif then == "host":
+                host = np.zeros_like(data)
+                assert await b.recv(tag="x", out=host) is host
+                got = host
+            else:
+                got = await b.recv(tag="x")
+            assert isinstance(got, np.ndarray) and np.array_equal(got, data), "the message came back changed"
+            await asyncio.gather(a.send(np.arange(7), tag="x"), b.recv(tag="x"))
+        assert np.array_equal(out.array, snapshot), "out= was written after its recv was cancelled"
+
+
+# -- a chunk under way -----------------------------------------------------------------------------
+_SENDER = """
+import asyncio, sys
+import numpy as np
+import tensorwire
+
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        peer = await node.connect(sys.argv[1])
+        await peer.send(np.random.default_rng(7).integers(0, 256, int(sys.argv[2]), dtype=np.uint8), tag="x")
+        await peer.send(np.arange(7), tag="x")
+        await peer.recv(tag="bye")
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("then", ["device", "host"])
+async def test_a_tcp_recv_into_device_memory_cancelled_mid_chunk_with_no_device_memory_loses_nothing(
+    then: str,
+) -> None:
+    """Over tcp a device out= takes its bytes through staging chunks. The sender (a process of
+    its own) is stopped (SIGSTOP) while a chunk is part way read off the socket, the recv is
+    cancelled then with no device memory for a buffer of ours, and the sender goes on: the
+    chunk under way, and every byte after it, goes to the host memory of ours that took what
+    had landed, and the next recv gets the message whole. Before, the cancel raised
+    TransferError and the message was lost."""
+    nbytes = 64 << 20
+    engine = _Full()
+    engine.copy_delay = 0.0  # the chunks' copies keep up: the reader waits only for the socket
+    engine.pool("in").configure(CHUNK, DEPTH)
+    try:
+        async with start("127.0.0.1:0", transports=("tcp",)) as node:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", textwrap.dedent(_SENDER), node.address, str(nbytes)
+            )
+            try:
+                peer = await asyncio.wait_for(node.accept(), 30)
+                out = EngineArray(engine, np.zeros(nbytes, np.uint8))
+                recv = asyncio.ensure_future(peer.recv(tag="x", out=out))
+                await eventually(lambda: _held(peer, "x") is not None, seconds=30)
+                m = _held(peer, "x")
+                for _ in range(100):  # stopped part way through a frame: a staging chunk under way
+                    await eventually(lambda: (m.landed or 0) > m.written, seconds=30, pause=0)
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    landed = -1
+                    while landed != m.landed:  # until the socket is drained
+                        landed = m.landed
+                        await asyncio.sleep(0.02)
+                    if m.landed > m.written and not m.done.done():
+                        break
+                    os.kill(proc.pid, signal.SIGCONT)
+                else:
+                    pytest.fail("the sender never stopped part way through a frame")
+                recv.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await recv
+                snapshot = out.array.copy()
+                os.kill(proc.pid, signal.SIGCONT)
+                async with asyncio.timeout(30):
+                    if then == "device":
+                        second = EngineArray(engine, np.zeros(nbytes, np.uint8))
+                        await peer.recv(tag="x", out=second)
+                        got = second.array
+                    else:
+                        got = await peer.recv(tag="x", out=np.zeros(nbytes, np.uint8))
+                    assert np.array_equal(got, np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8))
+                    assert np.array_equal(await peer.recv(tag="x"), np.arange(7))
+                    await peer.send(np.arange(1), tag="bye")
+                    await proc.wait()
+                assert engine.refused
+                assert np.array_equal(out.array, snapshot), "out= was written after its recv was cancelled"
+            finally:
+                if proc.returncode is None:
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.kill()
+                await proc.wait()
+    finally:
+        engine.close()
+
+
+# -- no host memory either ------------------------------------------------------------------------
+_CAPPED = """
+import asyncio, json, resource, sys
+import numpy as np
+from tensorwire import start
+from tensorwire.memory import HostEngine
+from tensorwire.tensors import EngineArray
+from tensorwire.testing import connected_pair, host_engine_by_pointer
+from tensorwire.transports import Limits
+from tensorwire._peer import tag_id
+
+transport, by_pointer, nbytes = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+
+def report(step, **kw):
+    print(json.dumps({"step": step, **kw}), flush=True)
+
+def cap(headroom):
+    size = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + headroom, resource.RLIM_INFINITY))
+
+async def attempt(step, coro, check=lambda v: int(np.asarray(v).sum(dtype=np.uint64))):
+    try:
+        v = await asyncio.wait_for(coro, 30)
+    except BaseException as exc:
+        report(step, error=type(exc).__name__, text=str(exc))
+    else:
+        report(step, value=check(v))
+
+async def main():
+    engine = HostEngine(copy_delay=0.0002)
+    engine.pool("out").configure(64 << 10, 3)
+    engine.pool("in").configure(64 << 10, 3)
+    src = EngineArray(engine, (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8))
+    out = EngineArray(engine, np.zeros(nbytes, np.uint8))
+    host = np.zeros(nbytes, np.uint8)
+    async with connected_pair(transport, limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        if by_pointer:
+            host_engine_by_pointer(a, b)
+        for o in (out, host):  # every path warmed up before the cap (lanes, staging chunks)
+            await asyncio.gather(a.send(src, tag="warm"), b.recv(tag="warm", out=o))
+        mailbox, tid = b.channel.mailbox, tag_id("d")
+        recv = asyncio.ensure_future(b.recv(tag="d", out=out))
+        send = asyncio.ensure_future(a.send(src, tag="d"))
+        while not any(m.tag == tid and (m.landing is not None or m.written) for m in mailbox._held):
+            await asyncio.sleep(0)
+        cap(nbytes // 3)  # neither device memory (the host engine's is the host's) nor host memory
+        try:
+            np.empty(nbytes, np.uint8)
+        except MemoryError:
+            report("capped")
+        recv.cancel()
+        await attempt("cancelled", recv)
+        await attempt("sent", send, lambda receipt: 0)
+        await attempt("next", b.recv(tag="d", out=host))
+        after = asyncio.gather(a.send(np.arange(7), tag="d"), b.recv(tag="d"))
+        await attempt("after", after, lambda v: int(v[1].sum()))
+    engine.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("transport", "by_pointer"), [p for p in _PATHS if p.id in ("tcp", "ucx-pointer")])
+async def test_a_device_recv_cancelled_with_no_memory_anywhere_drops_its_message_alone(
+    transport: str, by_pointer: bool
+) -> None:
+    """As above, in a process whose address space is capped as the bytes land, so that neither
+    device memory (the host engine's is the host's) nor host memory can be had for the message:
+    the cancel still raises CancelledError; the message is dropped alone, and the next recv on
+    its tag raises TransferError saying so; the message after it arrives. Before, the cancel
+    raised TransferError and the next recv waited for good (30 s), the message after taking its
+    place."""
+    nbytes = 48 << 20
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        textwrap.dedent(_CAPPED),
+        transport,
+        "1" if by_pointer else "0",
+        str(nbytes),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "MALLOC_ARENA_MAX": "1"},  # (see test_out_of_memory._child)
+    )
+    got: dict[str, Any] = {}
+    try:
+        assert proc.stdout is not None
+        while line := await asyncio.wait_for(proc.stdout.readline(), 60):
+            step = json.loads(line)
+            got[step["step"]] = step
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+    assert "capped" in got, got
+    assert got["cancelled"].get("error") == "CancelledError", got["cancelled"]
+    assert "error" not in got["sent"], got["sent"]
+    assert got["next"].get("error") == "TransferError", got["next"]
+    assert "dropped" in got["next"]["text"] and "out of memory" in got["next"]["text"], got["next"]
+    assert got["after"].get("value") == 21, got["after"]
