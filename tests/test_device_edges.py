@@ -101,6 +101,68 @@ async def test_a_send_waiting_for_its_producer_stream_ends_with_its_channel(
                     await posted
 
 
+_STAGED = [p for p in _PATHS if not p.values[1]]  # the paths whose sends take staging chunks
+
+
+@pytest.mark.parametrize(("transport", "by_pointer"), _STAGED)
+async def test_a_send_cut_short_by_its_channel_leaves_no_chunk_to_the_busy_stream(
+    engine: HostEngine, transport: str, by_pointer: bool
+) -> None:
+    """A send ended by its channel's close while its producer stream stays busy leaves copies
+    queued behind that stream, into staging chunks of the process-wide pool: a send of ready
+    device memory on another channel, whose peer is up, goes on all the same. Before, those
+    chunks went back to the pool as any other, and the other send waited for the busy stream
+    (for good, were it stuck), even after its own channel closed."""
+    limits = Limits(recv_buffer_bytes=1 << 20)
+    with busy_stream(engine) as (stream, gate):
+        async with (
+            connected_pair(transport, limits=limits) as (a, b),
+            connected_pair(transport, limits=limits) as (c, d),
+        ):
+            send = asyncio.ensure_future(a.send(EngineArray(engine, _data(CHUNK * DEPTH + 5), stream=stream), tag="x"))
+            await eventually(lambda: engine.max_queued >= DEPTH)  # the whole ring behind the stream
+            await b.aclose()
+            with pytest.raises(PeerDisconnected):
+                async with asyncio.timeout(10):
+                    await send
+            small = _data(1000)
+            async with asyncio.timeout(10):  # the stream stays busy all the while
+                _, got = await asyncio.gather(c.send(EngineArray(engine, small), tag="y"), d.recv(tag="y"))
+            assert np.array_equal(got, small)
+            assert not gate.query()
+        gate.set()
+        await wait_event(engine, engine.record_on(stream))
+        assert engine.pool("out").free == DEPTH
+
+
+@pytest.mark.parametrize(("transport", "by_pointer"), _STAGED)
+async def test_a_send_waiting_for_a_staging_chunk_ends_with_its_channel(
+    engine: HostEngine, transport: str, by_pointer: bool
+) -> None:
+    """A send that waits for a staging chunk, all of them held by another channel's send whose
+    producer stream stays busy, ends when its own channel closes, as a send waiting for its own
+    producer stream does. Before, it waited for the other send's stream."""
+    limits = Limits(recv_buffer_bytes=1 << 20)
+    with busy_stream(engine) as (stream, gate):
+        async with (
+            connected_pair(transport, limits=limits) as (a, b),
+            connected_pair(transport, limits=limits) as (c, d),
+        ):
+            held = asyncio.ensure_future(a.send(EngineArray(engine, _data(CHUNK * DEPTH + 5), stream=stream), tag="x"))
+            await eventually(lambda: engine.max_queued >= DEPTH)
+            send = asyncio.ensure_future(c.send(EngineArray(engine, _data(1000)), tag="y"))
+            await asyncio.sleep(0.05)
+            assert not send.done(), "a send found a staging chunk while another send held them all"
+            await d.aclose()
+            with pytest.raises(PeerDisconnected):
+                async with asyncio.timeout(10):  # the stream stays busy all the while
+                    await send
+            assert not held.done() and not gate.query()
+            gate.set()
+            async with asyncio.timeout(10):
+                await asyncio.gather(held, b.recv(tag="x"))
+
+
 # -- a one-sided read or write waiting for its stream ------------------------------------------
 _ONE_SIDED_CASES = [
     # owner-assisted writes go as sends do (their wait ended with the channel already); reads

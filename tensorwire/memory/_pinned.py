@@ -10,7 +10,11 @@ event before writing into it, so a chunk is never overwritten while a copy still
 
 Deadlock rule: a pipeline only blocks for a chunk while it holds none (``acquire``); while it
 holds some it only takes what is free at once (``try_acquire``). So every pipeline that waits
-holds nothing, and every chunk in use belongs to a pipeline that can make progress.
+holds nothing, and every chunk in use belongs to a pipeline that can make progress. A chunk
+given back with a copy that waits for a stream that may stay busy for long (a producer's, whose
+send ended first) is ``park``-ed out of the depth until that copy has run: given back as any
+other, it held every transfer of the process that needed a chunk for as long as that stream
+was busy (once a closed channel's send left them all so, every device send on every channel).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TensorWireError
-from ._engine import Event, HostChunk, wait_event
+from ._engine import Event, HostChunk, _cut_short, wait_event
 
 if TYPE_CHECKING:
     from ._engine import CopyEngine
@@ -36,7 +40,8 @@ DEPTH = 8
 
 
 class PinnedPool:
-    """At most ``depth`` host chunks of ``chunk_bytes`` for ``engine``'s staging copies."""
+    """At most ``depth`` host chunks of ``chunk_bytes`` for ``engine``'s staging copies (more once
+    some were ``park``-ed)."""
 
     def __init__(self, engine: CopyEngine, chunk_bytes: int = CHUNK_BYTES, depth: int = DEPTH) -> None:
         self.engine = engine
@@ -45,6 +50,7 @@ class PinnedPool:
         self._free: deque[tuple[HostChunk, Event | None]] = deque()
         self._allocated = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._parked: list[tuple[HostChunk, Event]] = []  # out of the depth until their copies ran (``park``)
         self.retired = 0  # chunks given up on (``retire``)
 
     def __repr__(self) -> str:
@@ -67,6 +73,8 @@ class PinnedPool:
     def _take(self) -> tuple[HostChunk, Event | None] | None:
         """A chunk whose last copy has finished if there is one, else a new one while under the
         depth, else the one given back first (its copy finishes soonest)."""
+        if self._parked:
+            self._unpark()
         for i, (chunk, event) in enumerate(self._free):
             if event is None or event.query():
                 del self._free[i]
@@ -102,7 +110,8 @@ class PinnedPool:
     async def acquire(self, until: asyncio.Future[Any] | None = None) -> HostChunk:
         """A chunk, waiting for one to come back if all are in use. Call only holding none.
         ``until`` cuts short the wait for a chunk's last copy (``wait_event``): one queued after
-        a stream that may stay busy."""
+        a stream that may stay busy; and the wait for a chunk to come back, which may be held
+        by a transfer (of any channel) waiting for such a stream."""
         while True:
             entry = self._take()
             if entry is not None:
@@ -110,7 +119,12 @@ class PinnedPool:
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
-                await fut
+                if until is None:
+                    await fut
+                else:
+                    await asyncio.wait((fut, until), return_when=asyncio.FIRST_COMPLETED)
+                    if not fut.done():
+                        _cut_short(until)
             except BaseException:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
@@ -130,6 +144,27 @@ class PinnedPool:
         """Give ``chunk`` back; it is reused once ``after`` (its last copy) has completed."""
         self._free.append((chunk, after))
         self._wake()
+
+    def park(self, chunk: HostChunk, after: Event) -> None:
+        """Give ``chunk`` back, its last copy (``after``) queued behind a stream that may stay
+        busy for long: it no longer counts against the depth, so that other transfers get
+        chunks meanwhile, and it is kept (never freed while that copy may write it) until the
+        copy has run. Then it comes back to the pool, even past the depth (until ``configure``):
+        freeing page-locked memory may wait for the whole device, and the loop must not."""
+        self._allocated -= 1
+        self._parked.append((chunk, after))
+        self._wake()
+
+    def _unpark(self) -> None:
+        parked, self._parked = self._parked, []
+        for chunk, event in parked:
+            if not event.query():
+                self._parked.append((chunk, event))
+            elif chunk.size == self.chunk_bytes:
+                self._allocated += 1
+                self._free.append((chunk, None))
+            else:  # (a chunk of the size before ``configure``, which frees idle chunks too)
+                self.engine.free_chunk(chunk)
 
     def retire(self, chunk: HostChunk) -> None:
         """Never hand ``chunk`` out again: a transport may still write into it or read from it

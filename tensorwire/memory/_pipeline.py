@@ -111,7 +111,8 @@ async def stage_out(
     ``after`` (the producer's event) is waited for on the copy lane, not on the host. A chunk
     yielded is valid until the next one is asked for. Close the generator (``aclosing``) when
     leaving early: chunks whose copies are still queued go back to the pool with their events.
-    ``until`` cuts short the waits for those copies, which wait for ``after`` (``wait_event``).
+    ``until`` cuts short the waits for those copies, which wait for ``after`` (``wait_event``),
+    and for chunks, which other transfers' copies may hold as long (``PinnedPool.acquire``).
     """
     engine = src.engine
     pool = engine.pool("out")
@@ -123,7 +124,7 @@ async def stage_out(
     try:
         while pos < end or pending:
             while pos < end and len(pending) < pool.depth:
-                chunk = await (pool.try_acquire() if pending else pool.acquire())
+                chunk = await (pool.try_acquire(until) if pending else pool.acquire(until))
                 if chunk is None:
                     break
                 n = min(chunk.size, end - pos)
@@ -145,8 +146,15 @@ async def stage_out(
             finally:
                 pool.release(chunk)
     finally:
+        # left early: copies still queued wait for ``after`` if it has not completed (a wait
+        # that ``until`` cut short, or a send cancelled), for as long as the producer's stream
+        # is busy, and their chunks with them (``PinnedPool.park``)
+        stuck = bool(pending) and after is not None and not after.query()
         for chunk, _, _, event in pending:
-            pool.release(chunk, after=event)
+            if stuck:
+                pool.park(chunk, event)
+            else:
+                pool.release(chunk, after=event)
         engine.give_back(lane)
 
 
