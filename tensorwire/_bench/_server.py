@@ -60,8 +60,9 @@ _REFUSAL = "it was started without --bench (start one with `tensorwire serve --b
 
 async def _receive(peer: Peer, out: Any, count: int) -> dict[str, int]:
     """The node's side of a sink: ``count`` messages into ``out``, and how they landed, by
-    their receipts: ``direct`` (into ``out`` with no copy of tensorwire's), ``staged`` (the
-    message came before its recv and was copied out of a buffer of tensorwire's) or ``copied``
+    their receipts: ``direct`` (into ``out`` with no copy of tensorwire's), ``staged`` (through a
+    buffer of tensorwire's: the message came before its recv, or device memory went through host
+    staging) or ``copied``
     (the transport copied it on its way: bytes inline with the header, tcp's read-ahead)."""
     landed = {"direct": 0, "staged": 0, "copied": 0}
     for _ in range(count):
