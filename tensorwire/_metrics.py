@@ -200,10 +200,15 @@ def snapshot() -> dict[str, Any]:
         nodes = list(_nodes)
         # a transport's gauge says 0 once its last peer closed, rather than vanishing
         open_peers = {transport: 0 for transport, _, _ in _peers}
+    stranded: dict[str, tuple[int, int]] = {}
     for node in nodes:
         for peer in list(node.peers):
             if not peer.closed:
                 open_peers[peer.path.transport] = open_peers.get(peer.path.transport, 0) + 1
+        for name, transport in list(node.transports.items()):
+            sends, nbytes = transport.stranded()
+            had = stranded.get(name, (0, 0))
+            stranded[name] = (had[0] + sends, had[1] + nbytes)
     with _lock:
         # the ended threads' counts with the list of the others: a tally is in one or the other
         tallies = [{key: list(counts) for key, counts in _retired.items()}, *_tallies]
@@ -235,4 +240,5 @@ def snapshot() -> dict[str, Any]:
         "peers_open": open_peers,
         "connect_failures": failures,
         "refusals": refusals,
+        "stranded": stranded,
     }

@@ -37,6 +37,11 @@ The metrics (counters end in ``_total``):
 - ``tensorwire_connect_failures_total`` {error}: ``Node.connect`` calls that raised, by error.
 - ``tensorwire_refusals_total`` {kind}: requests this process refused or connections it
   dropped ("control" for the control plane, else the data transport's name).
+- ``tensorwire_stranded_requests`` and ``tensorwire_stranded_bytes`` {transport}: requests of
+  closed channels the transport could not finish, over the nodes of this process, and the bytes
+  of memory kept for them now (ucx: rendezvous sends to peers that died, which UCX without peer
+  error handling never completes; they go once the peer's process is known to have ended, see
+  docs/ucx.md). A number that keeps growing on a long-lived node is memory it will not get back.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class Snapshot:
     seconds: (op, transport) -> (transfers timed, their seconds in all); recvs are not timed
     peers_opened: (transport, side, passed_over) -> count; peers_open: transport -> count now
     connect_failures: error class name -> count; refusals: kind -> count
+    stranded: transport -> (requests it could not finish and keeps memory for, those bytes) now
     """
 
     transfers: dict[tuple[str, str, str, str, bool, bool, str], tuple[int, int]] = field(default_factory=dict)
@@ -70,6 +76,7 @@ class Snapshot:
     peers_open: dict[str, int] = field(default_factory=dict)
     connect_failures: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)
+    stranded: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def bytes(self, op: str, transport: str | None = None, traffic: str | None = None) -> int:
         """Bytes of ``op`` ("send", "recv", "read", "write"), over one transport or all, of one
@@ -89,7 +96,15 @@ def snapshot() -> Snapshot:
     """The counts so far in this process."""
     s = _metrics.snapshot()
     seconds = {k: (int(sum(v[:-1])), float(v[-1])) for k, v in s["seconds"].items()}
-    return Snapshot(s["transfers"], seconds, s["peers_opened"], s["peers_open"], s["connect_failures"], s["refusals"])
+    return Snapshot(
+        s["transfers"],
+        seconds,
+        s["peers_opened"],
+        s["peers_open"],
+        s["connect_failures"],
+        s["refusals"],
+        s["stranded"],
+    )
 
 
 def count_transfers(on: bool = True) -> None:
@@ -150,10 +165,18 @@ class _Collector:
             core.CounterMetricFamily(
                 "tensorwire_refusals", "Requests refused and connections dropped.", labels=["kind"]
             ),
+            core.GaugeMetricFamily(
+                "tensorwire_stranded_requests",
+                "Requests of closed channels the transport could not finish and keeps memory for.",
+                labels=["transport"],
+            ),
+            core.GaugeMetricFamily(
+                "tensorwire_stranded_bytes", "Bytes kept for stranded requests.", labels=["transport"]
+            ),
         )
 
     def collect(self) -> Iterator[Any]:
-        count, size, hist, opened, open_now, failed, refused = self._families()
+        count, size, hist, opened, open_now, failed, refused, stranded, stranded_bytes = self._families()
         s = _metrics.snapshot()
         for (op, traffic, transport, protocol, direct, staged, memory), (n, nbytes) in sorted(s["transfers"].items()):
             values = [op, traffic, transport, protocol, _flag(direct), _flag(staged), memory]
@@ -173,7 +196,10 @@ class _Collector:
             failed.add_metric([name], n)
         for kind, n in sorted(s["refusals"].items()):
             refused.add_metric([kind], n)
-        yield from (count, size, hist, opened, open_now, failed, refused)
+        for transport, (n, nbytes) in sorted(s["stranded"].items()):
+            stranded.add_metric([transport], n)
+            stranded_bytes.add_metric([transport], nbytes)
+        yield from (count, size, hist, opened, open_now, failed, refused, stranded, stranded_bytes)
 
 
 _COLLECTOR = _Collector()

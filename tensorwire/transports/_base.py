@@ -453,6 +453,12 @@ class Transport(ABC):
         only on one machine); ``()`` when the transport cannot tell or has one way only."""
         return ()
 
+    def stranded(self) -> tuple[int, int]:
+        """Requests of closed channels that this transport could not finish and still keeps
+        memory for (ucx: rendezvous sends to peers that died, which UCX never completes), and
+        those bytes: the metrics' ``tensorwire_stranded_requests`` and ``_bytes``."""
+        return 0, 0
+
     def dial_address(self, address: bytes, dialled_host: str) -> bytes:
         """Client side: where to connect for a peer that offered ``address``, whose control plane
         we reached at ``dialled_host`` (a transport whose address names a listening host

@@ -16,7 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["CUDA_TLS", "ONE_SIDED_TLS", "RDMA_TLS", "describe", "one_sided_direct", "rdma", "tcp_only"]
+__all__ = [
+    "CUDA_TLS",
+    "ONE_SIDED_TLS",
+    "RDMA_TLS",
+    "describe",
+    "one_sided_direct",
+    "rdma",
+    "single_copy",
+    "tcp_only",
+]
 
 # UCX transports that move bytes by RDMA, and those that move GPU memory
 RDMA_TLS = ("rc", "dc", "ud", "srd", "gga", "ib")
@@ -49,6 +58,13 @@ def rdma(lanes: Iterable[str]) -> bool:
 def one_sided_direct(lanes: Iterable[str]) -> bool:
     """Some lane lets a get/put reach host memory without the owner's CPU (see the module)."""
     return any(_tl(lane).startswith(ONE_SIDED_TLS) for lane in lanes)
+
+
+def single_copy(lanes: Iterable[str]) -> bool:
+    """Some lane lets one process of this machine copy another's memory itself (cma, knem,
+    xpmem): UCX moves a rendezvous of host memory over it by a copy the receiver makes, or by
+    one the sender makes through the kernel, and the sender's UCX never copies it by hand."""
+    return any(_tl(lane).startswith(_SINGLE_COPY) for lane in lanes)
 
 
 def describe(lanes: Iterable[str]) -> str:

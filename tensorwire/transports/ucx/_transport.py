@@ -6,14 +6,16 @@ liveness comes from the control-plane lease) and sends HELLO on the well-known h
 
 ::
 
-    HELLO   "TWUH" ver flags sid_len addr_len rx_key ctrl_bytes | limits | session id |
+    HELLO   "TWUH" ver flags sid_len addr_len rx_key ctrl_bytes | limits | process | session id |
             client worker address | HMAC-SHA256(secret, sha256(everything before), sid, "ucx-client")
-    WELCOME "TWUW" ver flags 0 0 rx_key ctrl_bytes | limits | HMAC(..., "ucx-server")
+    WELCOME "TWUW" ver flags 0 0 rx_key ctrl_bytes | limits | process | HMAC(..., "ucx-server")
 
 The server drops a HELLO that does not prove the pending session's secret (a warning, rate
 limited), and only then creates an endpoint back to the client. ``rx_key`` is the 32-bit tag
 key the sender of that message receives its channel on; ``ctrl_bytes`` the size of its control
-receive buffer (so the other side knows how much it may inline).
+receive buffer (so the other side knows how much it may inline); ``process`` the sender's pid,
+start time and host tag (``_process``: a node lets go of the payloads of sends UCX never
+completed once their peer's process is certainly gone).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from .._frames import LIMITS, MAX_SESSION_ID, FrameType, PeerLimits, pack, proof
 from .._remote import Hold, RegistrationCache
 from ._channel import CTRL, HELLO, WELCOME, UcxChannel, ctrl_bytes, make_tag
 from ._lanes import CUDA_TLS, NO_MESSAGES_TLS, RDMA_TLS
+from ._process import PROCESS, ProcessId
+from ._process import me as this_process
 from ._ucp import MemoryRegion, Ucp
 from ._ucp import load as load_ucp
 from ._worker import Worker, context_cuda_support, context_resources, import_ucxx, ucx_options
@@ -49,11 +53,12 @@ __all__ = ["ADDRESS_MAGIC", "UcxTransport"]
 ADDRESS_MAGIC = b"TWU1"
 _HELLO_MAGIC = b"TWUH"
 _WELCOME_MAGIC = b"TWUW"
-_VERSION = 1
+_VERSION = 2  # (2: the process block)
 _HEAD = struct.Struct("<4sBBHIII")  # magic, version, flags, sid_len, addr_len, rx_key, ctrl_bytes
 _PROOF = 32
 _HELLO_MAX = 64 * 1024
-_WELCOME_BYTES = _HEAD.size + LIMITS.size + _PROOF
+_FIXED = _HEAD.size + LIMITS.size + PROCESS.size  # what precedes a HELLO's session id
+_WELCOME_BYTES = _FIXED + _PROOF
 _PROBED_MAX = 64
 # UCX reads a worker address with no length to bound it and trusts what it reads: a format
 # version it does not know (the low 4 bits of the first byte: 0 for v1, 1 for v2) fails an
@@ -88,18 +93,19 @@ def _digest(secret: bytes, body: bytes, sid: bytes, role: bytes) -> bytes:
     return proof(secret, hashlib.sha256(body).digest(), sid, role)
 
 
-def _read_welcome(reply: bytes, session: Session, sid: bytes) -> tuple[int, int, PeerLimits]:
-    """The server's channel key, control buffer size and limits from a WELCOME that proves the
-    session secret; ProtocolError otherwise."""
+def _read_welcome(reply: bytes, session: Session, sid: bytes) -> tuple[int, int, PeerLimits, ProcessId]:
+    """The server's channel key, control buffer size, limits and process from a WELCOME that
+    proves the session secret; ProtocolError otherwise."""
     magic, version, _f, _s, _a, server_key, remote_ctrl = _HEAD.unpack_from(reply, 0)
     if magic != _WELCOME_MAGIC or version != _VERSION or server_key == 0:
         raise ProtocolError("expected a tensorwire ucx WELCOME")
-    head = reply[: _HEAD.size + LIMITS.size]
+    head = reply[:_FIXED]
     if not hmac.compare_digest(
         reply[len(head) : len(head) + _PROOF], _digest(session.secret, head, sid, b"ucx-server")
     ):
         raise ProtocolError("server did not prove the session secret")
-    return server_key, remote_ctrl, PeerLimits.unpack(head[_HEAD.size :])
+    limits = PeerLimits.unpack(head[_HEAD.size : _HEAD.size + LIMITS.size])
+    return server_key, remote_ctrl, limits, ProcessId.unpack(head[_HEAD.size + LIMITS.size :])
 
 
 def _no_welcome(hello_sent: bool, seconds: float, session: Session) -> str:
@@ -124,6 +130,7 @@ CONTEXT_REFUSED = "UCX could not create a context"  # how probe() says UCX refus
 
 class UcxTransport(Transport):
     name = "ucx"
+    version = _VERSION  # (nodes of another HELLO layout negotiate another transport)
     extra = "ucx"
     _why_not: ClassVar[str] = "ucx cannot run on this machine"
     connect_sees_server_go = False  # an endpoint without peer error handling: a HELLO to nobody goes unanswered
@@ -281,6 +288,9 @@ class UcxTransport(Transport):
             return ()
         return tuple(dict.fromkeys(f"{t}/{d}" for t, d in pairs))
 
+    def stranded(self) -> tuple[int, int]:
+        return (0, 0) if self.worker is None else self.worker.stranded()
+
     def _on_hello(self, req: Any) -> None:
         if self._closed:
             return
@@ -306,17 +316,18 @@ class UcxTransport(Transport):
             raise ProtocolError(f"not a tensorwire ucx v{_VERSION} hello")
         if not 0 < sid_len <= MAX_SESSION_ID or not 0 < addr_len <= _HELLO_MAX or rx_key == 0:
             raise ProtocolError("malformed hello")
-        body_len = _HEAD.size + LIMITS.size + sid_len + addr_len
+        body_len = _FIXED + sid_len + addr_len
         if body_len + _PROOF > _HELLO_MAX:
             raise ProtocolError("hello too long")
         body = buf[:body_len].tobytes()
-        sid = body[_HEAD.size + LIMITS.size : _HEAD.size + LIMITS.size + sid_len]
-        worker_address = body[_HEAD.size + LIMITS.size + sid_len :]
+        sid = body[_FIXED : _FIXED + sid_len]
+        worker_address = body[_FIXED + sid_len :]
         got = buf[body_len : body_len + _PROOF].tobytes()
         session, fut = self.sessions.admit(
             sid, lambda s: hmac.compare_digest(got, _digest(s.secret, body, sid, b"ucx-client"))
         )
         remote = PeerLimits.unpack(body[_HEAD.size : _HEAD.size + LIMITS.size])
+        process = ProcessId.unpack(body[_HEAD.size + LIMITS.size : _FIXED])
         try:
             ep = self._endpoint(worker_address)
         except Exception as exc:
@@ -338,11 +349,13 @@ class UcxTransport(Transport):
             remote_ctrl=remote_ctrl,
             cuda="cuda" in self.capabilities.memory_kinds,
             name=f"server {session.remote_node[:8]}",
+            peer_process=process,
         )
         self._track(channel, my_key)
         head = (
             _HEAD.pack(_WELCOME_MAGIC, _VERSION, 0, 0, 0, my_key, ctrl_bytes(self.ctx.limits))
             + PeerLimits.of(self.ctx).pack()
+            + this_process().pack()
         )
         welcome = head + _digest(session.secret, head, sid, b"ucx-server")
         from ucxx._lib.arr import Array
@@ -395,7 +408,7 @@ class UcxTransport(Transport):
                 head = _HEAD.pack(
                     _HELLO_MAGIC, _VERSION, 0, len(sid), len(w.address), my_key, ctrl_bytes(self.ctx.limits)
                 )
-                body = head + PeerLimits.of(self.ctx).pack() + sid + w.address
+                body = head + PeerLimits.of(self.ctx).pack() + this_process().pack() + sid + w.address
                 hello = body + _digest(session.secret, body, sid, b"ucx-client")
                 hreq = ep.tag_send(Array(hello), w.lib.UCXXTag(make_tag(0, HELLO)))
                 hello_posted = True  # (UCX cannot take a send back: it goes out, cancelled or not)
@@ -406,7 +419,7 @@ class UcxTransport(Transport):
                 if not wreq.completed:
                     await w.future(wreq, keep=welcome, owner=mine)
                 wreq.check_error()
-            server_key, remote_ctrl, remote = _read_welcome(welcome.tobytes(), session, sid)
+            server_key, remote_ctrl, remote, process = _read_welcome(welcome.tobytes(), session, sid)
         except BaseException as exc:
             if hello_posted and isinstance(exc, asyncio.CancelledError) and not self._closed:
                 # the server may have taken the HELLO and made a peer of us (the WELCOME on its way)
@@ -440,6 +453,7 @@ class UcxTransport(Transport):
             remote_ctrl=remote_ctrl,
             cuda="cuda" in self.capabilities.memory_kinds,
             name=f"client {session.remote_node[:8]}",
+            peer_process=process,
         )
         self._track(channel, my_key)
         return channel

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ClosedResourceError, ConfigurationError, TensorWireError, TransportUnavailable
+from ._process import ProcessId, gone
 from ._ucp import UCS_INPROGRESS, Ucp, load, quiet
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,13 @@ _BURST = 0.005
 # receive queue for good (see docs/ucx.md)
 _STALL = 5.0
 _INLINE_ROUNDS = 4  # progress rounds a one-sided operation spends inline before going async
+# While sends of closed channels wait in the graveyard for UCX: how often to look whether their
+# peers' processes have ended (a /proc read per such peer), and how often at most to warn of the
+# payloads held for sends UCX never completed (only when they have grown since)
+_SWEEP = 1.0
+_WARN_EVERY = 60.0
+# the raw requests (watch_raw's ``what``) that send from their ``keep``; keep_raw's are payload sends
+_SENDS = frozenset({"ucx payload send", "ucx control send", "ucx goodbye"})
 # What UCX reports of a close tensorwire made right (see close_endpoint, _release): the failed
 # flush of an endpoint whose peer is gone, requests to such a peer left in a destroyed worker
 _CLOSING_FLUSH = frozenset({b"flush.c"})
@@ -253,9 +261,20 @@ class Worker:
         self._ucp: Any = None
         self._graveyard: list[tuple[Any, object]] = []  # cancelled requests UCX may still hold
         # raw requests of closed channels (sends UCX cannot take back), with their memory: freed
-        # once UCX completes them, or with the worker. Not polled for: to a peer that died, a
+        # once UCX completes them, or with the worker; a send's memory also once its peer's
+        # process has certainly ended (see sweep). Not polled for: to a peer that died, a
         # rendezvous send never completes
         self._raw_graveyard: dict[int, object] = {}
+        # the sends among those whose memory (host memory) may go once this process has ended:
+        # their channel's peer (UcxChannel.payload_peer); and each such peer whose end was seen,
+        # with the count of progress runs then (see sweep)
+        self._payload_peers: dict[int, ProcessId] = {}
+        self._ended: dict[ProcessId, int] = {}
+        self._runs = 0  # progress runs so far
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._aged: set[int] = set()  # graveyard requests with memory at the last sweep
+        self._warned = (0, 0, 0.0)  # requests and bytes held at the last warning, and its time
+        self.released = (0, 0)  # sends let go with their peer's process, and their bytes
         # raw requests taken in charge (keep_raw) that their caller will wait for one by one, with
         # their memory and owner; not polled until then
         self._raw_kept: dict[int, tuple[object, object]] = {}
@@ -352,7 +371,18 @@ class Worker:
         for request in requests:
             entry = self._raw_kept.pop(request, None)
             if entry is not None:
-                self._raw_graveyard[request] = entry[0]
+                self._bury_send(request, entry[0], entry[1])
+
+    def _bury_send(self, request: int, keep: object, owner: object) -> None:
+        """Into the graveyard: a send whose wait has been given up (its channel closed, or its
+        caller went). Its payload stays there until UCX completes it, the worker closes, or
+        (host memory, a peer known by its process) that process has certainly ended (``sweep``)."""
+        self._raw_graveyard[request] = keep
+        peer = getattr(owner, "payload_peer", None)
+        if isinstance(peer, ProcessId) and isinstance(keep, (memoryview, bytes, bytearray)):
+            self._payload_peers[request] = peer
+        if self._sweeper is None and not self._closed:
+            self._sweeper = self.loop.call_later(_SWEEP, self.sweep)
 
     def finish_inline(self, ucp: Any, request: int, rounds: int = _INLINE_ROUNDS) -> bool:
         """Progress right here, a few rounds, for a raw request that usually completes within
@@ -440,7 +470,11 @@ class Worker:
                 self._graveyard.append((r, w.keep))
         if self._raw:
             for ptr in [p for p, entry in self._raw.items() if entry[2] is owner]:
-                self._raw_graveyard[ptr] = self._raw.pop(ptr)[1]
+                _, keep, _, what = self._raw.pop(ptr)
+                if what in _SENDS:
+                    self._bury_send(ptr, keep, owner)
+                else:  # (a get may still write into its memory: it goes only when UCX is done)
+                    self._raw_graveyard[ptr] = keep
         if self._raw_kept:
             self.drop_raw([p for p, entry in self._raw_kept.items() if entry[1] is owner])
         self.kick()
@@ -536,6 +570,7 @@ class Worker:
             ucp = self._ucp
             for ptr in [p for p in self._raw_graveyard if ucp.request_status(p) != UCS_INPROGRESS]:
                 del self._raw_graveyard[ptr]
+                self._payload_peers.pop(ptr, None)
                 ucp.request_release(ptr)
         if self._awaited:
             awaited, self._awaited = self._awaited, []
@@ -553,6 +588,7 @@ class Worker:
     def _progress(self) -> None:
         self._scheduled = False
         self.inline_streak = 0
+        self._runs += 1
         if self._closed:
             return
         if self._fallback is not None:
@@ -617,6 +653,91 @@ class Worker:
             "arrives over it until the node restarts (a UCX limitation; see docs/ucx.md)",
             now - self._last,
             _FALLBACK * 1000,
+        )
+
+    # -- sends UCX never completes ----------------------------------------------------------
+    def stranded(self) -> tuple[int, int]:
+        """Requests of closed channels (sends, mostly; or given up by their callers) that UCX
+        has not completed, and the bytes of the memory this node keeps for them (see ``sweep``)."""
+        n = size = 0
+        for keep in list(self._raw_graveyard.values()):  # (a metrics scrape may call from a thread)
+            if keep is not None:
+                n += 1
+                size += _nbytes(keep)
+        return n, size
+
+    def sweep(self) -> None:
+        """Let go of the sends in the graveyard whose peer's process has certainly ended, and
+        warn (rate limited) of those that stay longer than a sweep; again in ``_SWEEP`` seconds
+        while any send is there.
+
+        To a peer that died, a rendezvous send never completes, and UCX 1.21 gives no way to
+        end it on an endpoint without peer error handling: it refuses the forced close that
+        would purge it (``ucp_ep_close_nbx``: ``UCS_ERR_INVALID_PARAM``), takes back only
+        receives (``ucp_request_cancel``), and a failed lane purges only the requests listed
+        with their endpoint (``ucp_ep_reqs_purge``), which those with direct ids, as without
+        error handling, never are (``ucp_send_request_id_alloc``). Its payload stayed with the
+        node until the worker closed: never, for a hub whose peers come and go.
+
+        The payload goes once no lane can reach it any more, which is when the peer's process
+        has ended (``_process.gone``): nothing is left to read it or to ask this node's UCX for
+        it. A peer that is only stopped reads it when it runs again and delivers the message, so
+        its payload stays. The request goes back to UCX (``ucp_request_free``), which frees it
+        should it ever complete (an answer the peer sent before it died) and otherwise with the
+        worker. A progress run at least lies between seeing the end and letting go, so that
+        whatever the peer sent before it died has been taken first."""
+        self._sweeper = None
+        if self._closed:
+            return
+        if self._payload_peers:
+            for peer in set(self._payload_peers.values()).difference(self._ended):
+                if gone(peer):
+                    self._ended[peer] = self._runs
+                    self.kick()  # (a progress run before the next sweep)
+            ended = [p for p, peer in self._payload_peers.items() if self._ended.get(peer, self._runs) < self._runs]
+            size = 0
+            for ptr in ended:
+                del self._payload_peers[ptr]
+                size += _nbytes(self._raw_graveyard.pop(ptr, None))
+                self._ucp.request_release(ptr)
+                self._stuck += 1  # (UCX warns of it as the worker is destroyed: see _release)
+            if ended:
+                self.released = (self.released[0] + len(ended), self.released[1] + size)
+                log.info(
+                    "ucx: let go of %d sends UCX never completed (%s): their peer's process has ended",
+                    len(ended),
+                    _size(size),
+                )
+            left = set(self._payload_peers.values())
+            self._ended = {p: n for p, n in self._ended.items() if p in left}
+        held = {p for p, keep in self._raw_graveyard.items() if keep is not None}
+        aged = held & self._aged
+        self._aged = held
+        if aged:
+            self._warn_held(aged)
+        if held:
+            self._sweeper = self.loop.call_later(_SWEEP, self.sweep)
+
+    def _warn_held(self, aged: set[int]) -> None:
+        """Warn of the requests held over a whole sweep: once they have grown since the last
+        warning, at most every ``_WARN_EVERY`` seconds."""
+        n, size = self.stranded()
+        last_n, last_size, at = self._warned
+        now = time.monotonic()
+        if (n <= last_n and size <= last_size) or (at and now - at < _WARN_EVERY):
+            self._warned = (min(n, last_n), min(size, last_size), at)  # (what went lowers the mark)
+            return
+        self._warned = (n, size, now)
+        running = sum(1 for p in aged if p in self._payload_peers)
+        log.warning(
+            "ucx: %d sends (or one-sided operations) of closed channels were never completed by UCX, and "
+            "this node keeps their memory (%s) until UCX completes them or the node closes. %d of them go "
+            "once their peer's process ends (it still runs: stopped, or slow); the others' peers run on "
+            "another machine, in another pid namespace or without a cma lane, and are never known gone. "
+            "Without peer error handling UCX cannot fail them (docs/ucx.md, 'Sends to a peer that died')",
+            n,
+            _size(size),
+            running,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -812,6 +933,9 @@ class Worker:
         self._closed = True
         if self._fallback is not None:
             self._fallback.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self._fd)
         # one-sided operations still in flight fail (a cancel would raise CancelledError in a
@@ -851,6 +975,9 @@ class Worker:
         self._raw.clear()
         self._raw_kept.clear()
         self._raw_graveyard.clear()
+        self._payload_peers.clear()
+        self._ended.clear()
+        self._aged.clear()
         self._watch.clear()
         self._graveyard.clear()
         self._soon.clear()
@@ -862,6 +989,22 @@ class Worker:
         del self.worker
         del self.context
         return native
+
+
+def _nbytes(keep: object) -> int:
+    """The bytes of memory a request keeps (a payload's memoryview or DeviceTensor, a frame)."""
+    if keep is None:
+        return 0
+    if isinstance(keep, bytes):
+        return len(keep)
+    try:
+        return int(getattr(keep, "nbytes", 0) or 0)
+    except ValueError:  # (a memoryview released meanwhile)
+        return 0
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
 
 
 def _keep_for_good(ep: Any) -> None:
