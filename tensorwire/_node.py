@@ -522,18 +522,22 @@ class Node:
                 # our own loop was stalled (page faults, a long copy): renewals may be sitting
                 # unread, so that time does not count against the peers
                 self._leases = {sid: (exp + lag, p) for sid, (exp, p) in self._leases.items()}
-            for sid, (expiry, peer) in list(self._leases.items()):
-                if now > expiry:
-                    del self._leases[sid]
-                    log.warning(
-                        "peer %s at %s missed its lease (%s s): declaring it dead",
-                        peer.remote_node[:8],
-                        peer.remote_address,
-                        lease,
-                    )
-                    peer.channel.fail(
-                        PeerDisconnected(f"peer {peer.remote_address} stopped renewing its {lease} s lease")
-                    )
+            self._expire(now, lease)
+
+    def _expire(self, now: float, lease: float) -> None:
+        """Declare dead the peers whose lease ran out by ``now``. (A function of its own: the
+        loop's last peer, bound in ``_watch_leases`` while it sleeps, kept a dead peer's
+        channel, its failure's traceback and, through them, what its sends held.)"""
+        for sid, (expiry, peer) in list(self._leases.items()):
+            if now > expiry:
+                del self._leases[sid]
+                log.warning(
+                    "peer %s at %s missed its lease (%s s): declaring it dead",
+                    peer.remote_node[:8],
+                    peer.remote_address,
+                    lease,
+                )
+                peer.channel.fail(PeerDisconnected(f"peer {peer.remote_address} stopped renewing its {lease} s lease"))
 
     # -- public API -----------------------------------------------------------------------------
     async def connect(

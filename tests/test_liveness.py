@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -84,6 +86,27 @@ async def test_frozen_client_is_declared_dead_by_server() -> None:
                 await asyncio.wait_for(pending, 10)
             assert time.monotonic() - t0 < 5.0
             assert node._leases == {}
+        finally:
+            await _stop(proc)
+
+
+async def test_a_peer_declared_dead_is_let_go() -> None:
+    """The lease watch kept its loop's last peer bound while it slept: a peer declared dead was
+    kept, with its channel, its failure's traceback and what its sends held (a ucx hub's
+    payloads to a peer that died), until another peer's lease came to be looked at."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=1.0) as node:
+        proc = await _spawn("-c", CLIENT, node.address)
+        try:
+            peer = await asyncio.wait_for(node.accept(), 30)
+            gone = weakref.ref(peer)
+            os.kill(proc.pid, signal.SIGSTOP)
+            with pytest.raises(tensorwire.PeerDisconnected, match="lease"):
+                await asyncio.wait_for(peer.recv(tag="never"), 10)
+            del peer
+            await eventually(lambda: not node.peers and not node._leases)
+            await asyncio.sleep(0.6)  # the watch has slept again since
+            gc.collect()
+            assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
         finally:
             await _stop(proc)
 
