@@ -21,6 +21,7 @@ import pytest
 from _polling import eventually
 
 from tensorwire import start
+from tensorwire.errors import TransferError
 from tensorwire.memory import HostEngine
 from tensorwire.memory._engine import DeviceBuffer
 from tensorwire.tensors import EngineArray
@@ -335,3 +336,55 @@ async def test_a_device_recv_cancelled_with_no_memory_anywhere_drops_its_message
     assert got["next"].get("error") == "TransferError", got["next"]
     assert "dropped" in got["next"]["text"] and "out of memory" in got["next"]["text"], got["next"]
     assert got["after"].get("value") == 21, got["after"]
+
+
+# -- checksums -------------------------------------------------------------------------------------
+class _NoCopyDown(_Full):
+    """``_Full`` whose copies from device memory to the host fail (a device error), so that
+    what landed in a cancelled recv's device out= cannot be copied out and its message is lost."""
+
+    def _new_lane(self) -> Any:
+        from tensorwire.memory._engine import _HostLane
+
+        class Lane(_HostLane):
+            def to_host(self, *args: Any) -> None:
+                raise RuntimeError("device error: the copy to the host failed")
+
+        lane = Lane(self)
+        self._all_lanes.append(lane)
+        return lane
+
+
+async def test_a_checksummed_tcp_message_lost_as_its_host_part_lands_fails_alone() -> None:
+    """checksum=True over tcp: a message of a device tensor then a large host one, whose recv is
+    cancelled while the host part is read off the socket, with no device memory for buffers of
+    ours; the device part cannot be copied down, so the message is dropped and the rest of it
+    lands in scratch. The recv that takes it raises TransferError and the next message comes:
+    the channel lives. Before, the frame's crc32c was summed over the scratch buffer, each piece
+    over the last, after the read, and the channel closed with IntegrityError."""
+    dev, host = _data(CHUNK * 4), _data(64 << 20)
+    sender, engine = HostEngine(), _NoCopyDown()
+    engine.copy_delay = 0.0
+    engine.pool("in").configure(CHUNK, DEPTH)
+    engine.pool("out").configure(CHUNK, DEPTH)
+    try:
+        async with connected_pair("tcp", checksum=True) as (a, b):
+            out = [EngineArray(engine, np.zeros_like(dev)), np.zeros_like(host)]
+            recv = asyncio.ensure_future(b.recv(tag="x", out=out))
+            send = asyncio.ensure_future(a.send([EngineArray(sender, dev), host], tag="x"))
+            await eventually(lambda: _held(b, "x") is not None, pause=0)
+            m = _held(b, "x")
+            await eventually(lambda: (m.landed or 0) > dev.nbytes + CHUNK or m.done.done(), pause=0)
+            assert not m.done.done(), "the message landed whole before the cancel"
+            recv.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await recv
+            async with asyncio.timeout(20):
+                await send
+                with pytest.raises(TransferError, match="dropped"):
+                    await b.recv(tag="x")
+                await asyncio.gather(a.send(np.arange(7), tag="x"), b.recv(tag="x"))
+            assert b.channel.state.name == "OPEN"
+    finally:
+        sender.close()
+        engine.close()
