@@ -62,7 +62,7 @@ from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fi
 from .._mailbox import Arrival, _settle
 from .._order import SendOrder, Turn
 from . import _ucp
-from ._lanes import one_sided_direct, single_copy
+from ._lanes import kernel_copy, one_sided_direct
 from ._process import ProcessId, visible
 from ._ucp import RemoteKey, Ucp
 from ._worker import Worker
@@ -300,13 +300,15 @@ class UcxChannel(Channel):
         # UCX emulates it and the peer's worker serves it (the receipts say which)
         self.one_sided_direct = one_sided_direct(self.lanes)
         # the peer's process, whose certain end lets the worker free the payloads of this
-        # channel's sends that UCX never completes (Worker.sweep). Only over a single-copy lane:
-        # there a rendezvous payload is copied by the receiver, or by the kernel for this node
-        # (process_vm_writev, which fails cleanly on memory that has gone), never by this node's
-        # UCX code; over the others (tcp, shared-memory FIFOs alone) a request for the data that
-        # the peer sent before it died would make UCX copy from there by hand
-        # (and one this process can see: see _process.visible)
-        self.payload_peer = visible(peer_process) if single_copy(self.lanes) else None
+        # channel's sends that UCX never completes (Worker.sweep). Only over a lane that copies
+        # in the kernel (cma, knem): there a rendezvous payload is copied by the receiver, or by
+        # the kernel for this node (process_vm_writev, which fails cleanly on memory that has
+        # gone); over the others (xpmem, tcp, shared-memory FIFOs alone) a request for the data
+        # that the peer sent before it died would make UCX copy from there by hand. Such a
+        # request still queued here when the peer died is taken before the sweep lets go
+        # (a progress run that found nothing to do, after the end was seen), and nothing comes
+        # from the peer after that (and one this process can see: see _process.visible)
+        self.payload_peer = visible(peer_process) if kernel_copy(self.lanes) else None
         self._post_ctrl_recv()
 
     def __repr__(self) -> str:

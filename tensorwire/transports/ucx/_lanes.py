@@ -23,7 +23,7 @@ __all__ = [
     "describe",
     "one_sided_direct",
     "rdma",
-    "single_copy",
+    "kernel_copy",
     "tcp_only",
 ]
 
@@ -60,11 +60,11 @@ def one_sided_direct(lanes: Iterable[str]) -> bool:
     return any(_tl(lane).startswith(ONE_SIDED_TLS) for lane in lanes)
 
 
-def single_copy(lanes: Iterable[str]) -> bool:
-    """Some lane lets one process of this machine copy another's memory itself (cma, knem,
-    xpmem): UCX moves a rendezvous of host memory over it by a copy the receiver makes, or by
-    one the sender makes through the kernel, and the sender's UCX never copies it by hand."""
-    return any(_tl(lane).startswith(_SINGLE_COPY) for lane in lanes)
+def kernel_copy(lanes: Iterable[str]) -> bool:
+    """Some lane copies between two processes of this machine in the kernel (cma's
+    process_vm_readv/writev, knem): a copy it makes from memory this process has let go fails
+    there, cleanly. (xpmem maps the other's memory and copies in user space.)"""
+    return any(_tl(lane).startswith(("cma", "knem")) for lane in lanes)
 
 
 def describe(lanes: Iterable[str]) -> str:

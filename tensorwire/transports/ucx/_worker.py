@@ -270,7 +270,7 @@ class Worker:
         # with the count of progress runs then (see sweep)
         self._payload_peers: dict[int, ProcessId] = {}
         self._ended: dict[ProcessId, int] = {}
-        self._runs = 0  # progress runs so far
+        self._runs = 0  # progress runs so far that ended with UCX finding nothing more to do
         self._sweeper: asyncio.TimerHandle | None = None
         self._aged: set[int] = set()  # graveyard requests with memory at the last sweep
         self._warned = (0, 0, 0.0)  # requests and bytes held at the last warning, and its time
@@ -588,7 +588,6 @@ class Worker:
     def _progress(self) -> None:
         self._scheduled = False
         self.inline_streak = 0
-        self._runs += 1
         if self._closed:
             return
         if self._fallback is not None:
@@ -609,7 +608,10 @@ class Worker:
             if completed:
                 self._last_event = self._last
                 break  # let the tasks those completions woke run before progressing more
-            if not moved or self._last >= until:
+            if not moved:
+                self._runs += 1  # (drained: what peers had sent before now has been taken)
+                break
+            if self._last >= until:
                 break
         # ucxx's own bookkeeping (the cancellations it scheduled), which its progress() also
         # does; what that completed is dispatched now, or the wake-up for it would be gone. Not
@@ -684,8 +686,9 @@ class Worker:
         it. A peer that is only stopped reads it when it runs again and delivers the message, so
         its payload stays. The request goes back to UCX (``ucp_request_free``), which frees it
         should it ever complete (an answer the peer sent before it died) and otherwise with the
-        worker. A progress run at least lies between seeing the end and letting go, so that
-        whatever the peer sent before it died has been taken first."""
+        worker. A progress run that found nothing left to do lies between seeing the end and
+        letting go (``_runs``), so that whatever the peer sent before it died (a request for the
+        data, which over tcp would have UCX copy from the payload by hand) has been taken first."""
         self._sweeper = None
         if self._closed:
             return
