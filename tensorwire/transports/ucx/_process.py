@@ -74,7 +74,9 @@ def _host() -> int:
 @functools.cache
 def _mine(pid: int) -> ProcessId:
     try:
-        stat = _stat("self")
+        # /proc of another pid namespace (unshare --pid without --mount-proc) names this process
+        # by another pid: then no peer could find it there, nor tell its end
+        stat = _stat("self") if os.readlink("/proc/self") == str(pid) else None
     except (OSError, ValueError, IndexError):
         stat = None
     if stat is None:
