@@ -163,6 +163,62 @@ async def test_a_send_waiting_for_a_staging_chunk_ends_with_its_channel(
                 await asyncio.gather(held, b.recv(tag="x"))
 
 
+@pytest.mark.parametrize(("transport", "by_pointer"), _STAGED)
+@pytest.mark.parametrize("op", ["recv", "read"])
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
+async def test_a_recv_on_a_busy_stream_leaves_staging_chunks_to_other_channels(
+    engine: HostEngine, transport: str, by_pointer: bool, op: str, closed: bool
+) -> None:
+    """A recv (or a one-sided read: staged over ucx, a recv of the owner's answer elsewhere) into
+    device memory whose consumer stream stays busy queues its copies up behind that stream, from
+    staging chunks of the process-wide pool: a recv into ready device memory on another channel
+    goes on all the same, while the first recv waits for its stream and once its channel has
+    closed (``closed``). Before, those chunks went back to the pool with their copies still
+    queued, and the other recv waited for the busy stream (for good, were it stuck). The first
+    recv gets its message whole once the stream frees, unless the close ended it: over tcp
+    (still landing it) and a staged ucx read (still getting it); inproc and ucx's recv had it
+    whole in host memory of theirs."""
+    data = _data(CHUNK * DEPTH * 2 + 5)  # twice the staging ring
+    limits = Limits(recv_buffer_bytes=1 << 20)
+    with busy_stream(engine) as (stream, gate):
+        async with (
+            connected_pair(transport, limits=limits) as (a, b),
+            connected_pair(transport, limits=limits) as (c, d),
+        ):
+            out = EngineArray(engine, np.zeros_like(data), stream=stream)
+            if op == "read":
+                a.node.expose(data, name="t")
+                first = asyncio.ensure_future(b.read(await b.lookup("t"), out=out))
+            else:
+                first = asyncio.ensure_future(b.recv(tag="x", out=out))
+                await eventually(lambda: b.channel.mailbox.has_posted(_tid("x")))
+                await a.send(data, tag="x")
+            await eventually(lambda: engine.max_queued >= 1)  # its copies up queued behind the stream
+            await asyncio.sleep(0.05)  # (and as many more as it queues)
+            assert not first.done(), f"the {op} did not wait for its consumer stream"
+            ended = closed and (transport == "tcp" or (transport == "ucx" and op == "read"))
+            if closed:
+                await b.aclose()
+            if ended:
+                with pytest.raises(ClosedResourceError):
+                    async with asyncio.timeout(10):
+                        await first
+            small = _data(CHUNK + 5)
+            got = EngineArray(engine, np.zeros_like(small))
+            async with asyncio.timeout(10):  # the stream stays busy all the while
+                _, back = await asyncio.gather(c.send(small, tag="y"), d.recv(tag="y", out=got))
+            assert back is got and np.array_equal(got.array, small)
+            assert not gate.query()
+            gate.set()
+            await wait_event(engine, engine.record_on(stream))
+            if not ended:
+                async with asyncio.timeout(10):
+                    assert await first is out
+                await wait_event(engine, engine.record_on(stream))
+                assert np.array_equal(out.array, data)
+        assert engine.pool("in").free == DEPTH
+
+
 # -- a one-sided read or write waiting for its stream ------------------------------------------
 _ONE_SIDED_CASES = [
     # owner-assisted writes go as sends do (their wait ended with the channel already); reads

@@ -12,9 +12,11 @@ Deadlock rule: a pipeline only blocks for a chunk while it holds none (``acquire
 holds some it only takes what is free at once (``try_acquire``). So every pipeline that waits
 holds nothing, and every chunk in use belongs to a pipeline that can make progress. A chunk
 given back with a copy that waits for a stream that may stay busy for long (a producer's, whose
-send ended first) is ``park``-ed out of the depth until that copy has run: given back as any
-other, it held every transfer of the process that needed a chunk for as long as that stream
-was busy (once a closed channel's send left them all so, every device send on every channel).
+send ended first; a consumer's, still busy when a recv's copy up was queued) is ``park``-ed out
+of the depth until that copy has run: given back as any other, it held every transfer of the
+process that needed a chunk for as long as that stream was busy (once a closed channel's send
+left them all so, every device send on every channel; a recv on a busy stream, every device
+recv). A pipeline that parks bounds itself (``StageIn``: its own depth's worth at most).
 """
 
 from __future__ import annotations

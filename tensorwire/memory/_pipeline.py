@@ -7,7 +7,9 @@ is handed over once its copy's event completes and comes back to the pool once s
 In (:class:`StageIn`): a chunk is filled (from a socket, or from host memory), its copy to the
 device is queued, and the chunk goes back to the pool with that copy's event, so the next
 chunk is filled while the copy runs. The message's last event is what the consumer's stream
-waits for: the host never waits for the device on the receive path.
+waits for: the host never waits for the device on the receive path. The copies wait for the
+consumer's stream first: while it is busy, a chunk goes back parked (``PinnedPool.park``), and
+a message waits for its own oldest parked chunk rather than take more than the pool's depth.
 
 Pieces (``StageIn.gather`` and ``scatter``): for one-sided operations through host memory, a
 batch's tensors are laid end to end across chunks (small ones share a chunk, large ones span
@@ -177,21 +179,22 @@ async def _window(
     start: Callable[[HostChunk, list[Piece]], tuple[Event | None, Awaitable[None]]],
     done: Callable[[HostChunk, list[Piece]], None],
     spoiled: Callable[[], bool],
-    until: asyncio.Future[Any] | None = None,
+    take: Callable[[bool], Awaitable[HostChunk | None]],
 ) -> None:
     """``bufs`` laid end to end across chunks of ``pool``, up to its depth of them being moved at
-    once: ``start(chunk, pieces)`` begins a chunk's move (the event of copies the chunk must
-    outlive, and the move; should it fail, it gives the chunk back itself, or retires it if it
-    queued a copy touching it), ``done(chunk, pieces)`` takes each chunk back in order once moved.
-    The one chunk left when nothing else is under way is moved in place (no task, no hop through
-    the loop: a small tensor's whole move). ``until`` cuts short the waits for a chunk's last
-    copy (``PinnedPool.acquire``). Leaving early: ``_settle``."""
+    once: ``take(now)`` gets a chunk (``now``: only one free at once, else None, as
+    ``PinnedPool.try_acquire``), ``start(chunk, pieces)`` begins a chunk's move (the event of
+    copies the chunk must outlive, and the move; should it fail, it gives the chunk back itself,
+    or retires it if it queued a copy touching it), ``done(chunk, pieces)`` takes each chunk
+    back in order once moved. The one chunk left when nothing else is under way is moved in
+    place (no task, no hop through the loop: a small tensor's whole move). Leaving early:
+    ``_settle``."""
     todo = deque((i, 0, b.nbytes) for i, b in enumerate(bufs) if b.nbytes)
     inflight: deque[_Flight] = deque()
     try:
         while todo or inflight:
             while todo and len(inflight) < pool.depth:
-                chunk = await (pool.try_acquire(until) if inflight else pool.acquire(until))
+                chunk = await take(bool(inflight))
                 if chunk is None:
                     break
                 pieces = _pieces(todo, chunk.size)
@@ -222,6 +225,15 @@ def _done(
     except BaseException:
         pool.retire(chunk)
         raise
+
+
+def _taker(pool: PinnedPool) -> Callable[[bool], Awaitable[HostChunk | None]]:
+    """``_window``'s ``take`` for chunks of ``pool`` as it has them."""
+
+    async def take(now: bool) -> HostChunk | None:
+        return await (pool.try_acquire() if now else pool.acquire())
+
+    return take
 
 
 async def scatter(
@@ -258,7 +270,7 @@ async def scatter(
 
     try:
         # pushed: nothing reads the chunk any more
-        await _window(pool, srcs, start, lambda chunk, _: pool.release(chunk), spoiled)
+        await _window(pool, srcs, start, lambda chunk, _: pool.release(chunk), spoiled, _taker(pool))
     finally:
         engine.give_back(lane)
 
@@ -268,16 +280,24 @@ class StageIn:
 
     ``consumer`` is an event the lane waits for before its first write (the receiving stream's
     work on the destination so far).
+
+    The pool is the process's: a chunk whose copies up wait for a consumer's stream that is
+    still busy goes back parked, out of the pool's depth (``_give_back``). Given back as any
+    other, every transfer of the process that took it next waited for that stream, for as long
+    as its work ran (a recv on another channel, too, and after this message's channel closed).
+    The message itself waits for its own oldest parked chunk once it has parked the depth's
+    worth (``_acquire``), so that a busy stream costs at most that much more memory.
     """
 
-    __slots__ = ("_consumer", "_lane", "_last", "engine", "pool")
+    __slots__ = ("_behind", "_consumer", "_lane", "_last", "engine", "pool")
 
     def __init__(self, engine: CopyEngine, consumer: Event | None = None) -> None:
         self.engine = engine
-        self.pool = engine.pool("in")
+        self.pool: PinnedPool = engine.pool("in")
         self._consumer = consumer
         self._lane: Lane | None = None
         self._last: Event | None = None
+        self._behind: deque[Event] = deque()  # the last copy of each chunk parked, oldest first
 
     @property
     def lane(self) -> Lane:
@@ -301,7 +321,8 @@ class StageIn:
         a chunk is reused only after its copy has finished."""
         pos = 0
         while pos < n:
-            chunk = await self.pool.acquire()
+            chunk = await self._acquire()
+            assert chunk is not None  # (only ``now`` gets none)
             k = min(chunk.size, n - pos)
             try:
                 done = fill(chunk.view[:k], pos)
@@ -319,8 +340,33 @@ class StageIn:
             except BaseException:
                 _hand_back(self.pool, chunk, None, touched=queued)  # a queued copy may still read it
                 raise
-            self.pool.release(chunk, after=self._last)
+            self._give_back(chunk, self._last)
             pos += k
+
+    async def _acquire(self, until: asyncio.Future[Any] | None = None, now: bool = False) -> HostChunk | None:
+        """A chunk of the pool (``now``: only one free at once, else None, as
+        ``PinnedPool.try_acquire``; ``until``: as for ``PinnedPool.acquire``). While the depth's
+        worth of this message's chunks are parked, the oldest's copy is waited for first (a wait
+        for the consumer's stream, which ``until`` cuts short too); the pool hands it out again."""
+        behind = self._behind
+        while True:
+            while behind and behind[0].query():  # (one lane's events, completing in order)
+                behind.popleft()
+            if len(behind) < self.pool.depth:
+                return await (self.pool.try_acquire(until) if now else self.pool.acquire(until))
+            if now:
+                return None
+            await wait_event(self.engine, behind[0], until)
+
+    def _give_back(self, chunk: HostChunk, after: Event) -> None:
+        """``chunk``, whose last copy up is ``after``, back to the pool: parked while the lane
+        still waits for a consumer's stream (``Lane.waits``), which may stay busy for long."""
+        lane = self._lane
+        if lane is not None and not all(e.query() for e in lane.waits):
+            self.pool.park(chunk, after)
+            self._behind.append(after)
+        else:
+            self.pool.release(chunk, after=after)
 
     async def gather(
         self,
@@ -336,8 +382,9 @@ class StageIn:
         (``finish`` for the event after them). Failed or cancelled, the fetches still going are
         stopped and waited for; ``spoiled()`` (asked then) says whether one that failed may
         still write into its chunk, which is then never reused. A chunk is reused once its
-        copies have run, which wait for the consumer's stream (``consumer``): ``until`` (a
-        channel's ``ended``) cuts that wait short."""
+        copies have run, which wait for the consumer's stream (``consumer``; see the class's
+        docstring): ``until`` (a channel's ``ended``) cuts that wait short, and the wait for a
+        chunk of the pool."""
 
         def start(chunk: HostChunk, pieces: list[Piece]) -> tuple[Event | None, Awaitable[None]]:
             try:
@@ -346,7 +393,10 @@ class StageIn:
                 self.pool.release(chunk)  # nothing was queued on it
                 raise
 
-        await _window(self.pool, dsts, start, lambda chunk, pieces: self._up(dsts, chunk, pieces), spoiled, until)
+        def take(now: bool) -> Awaitable[HostChunk | None]:
+            return self._acquire(until, now)
+
+        await _window(self.pool, dsts, start, lambda chunk, pieces: self._up(dsts, chunk, pieces), spoiled, take)
 
     def _up(self, dsts: Sequence[DeviceBuffer], chunk: HostChunk, pieces: list[Piece]) -> None:
         """Queue the copies of a landed chunk's pieces to the device; the chunk goes back after them."""
@@ -354,7 +404,7 @@ class StageIn:
         for i, pos, off, k in pieces:
             lane.to_device(dsts[i], pos, chunk, off, k)
         self._last = lane.record()
-        self.pool.release(chunk, after=self._last)
+        self._give_back(chunk, self._last)
 
     def device_copy(self, dst: DeviceBuffer, dst_off: int, src: DeviceBuffer, src_off: int, n: int) -> None:
         """Queue a device-to-device copy after everything written so far."""
