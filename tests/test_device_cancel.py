@@ -25,7 +25,7 @@ from tensorwire.errors import TransferError
 from tensorwire.memory import HostEngine
 from tensorwire.memory._engine import DeviceBuffer
 from tensorwire.tensors import EngineArray
-from tensorwire.testing import cancel_recv_at_every_step, connected_pair, host_engine_by_pointer
+from tensorwire.testing import busy_stream, cancel_recv_at_every_step, connected_pair, host_engine_by_pointer
 from tensorwire.transports import Limits
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,6 +151,47 @@ async def test_a_device_recv_cancelled_as_its_bytes_land_with_no_device_memory_k
             assert isinstance(got, np.ndarray) and np.array_equal(got, data), "the message came back changed"
             await asyncio.gather(a.send(np.arange(7), tag="x"), b.recv(tag="x"))
         assert np.array_equal(out.array, snapshot), "out= was written after its recv was cancelled"
+
+
+async def test_a_device_recv_cancelled_on_a_busy_stream_leaves_staging_chunks_to_other_channels(
+    engine: _Full,
+) -> None:
+    """A recv into device memory on a consumer stream that stays busy, cancelled as its bytes
+    land with no device memory for a buffer of ours: the copy of what landed down to the host
+    comes after the copies into out=, which wait for that stream, and so does the cancel. A
+    send of ready device memory on another channel, which takes staging chunks of the same
+    process-wide pool, goes on meanwhile. Before, the copy down took those chunks at once, its
+    copies queued behind the busy stream, and the other send waited for that stream."""
+    data = _data(CHUNK * DEPTH * 4 + 5)  # more than the message parks before it waits for the stream
+    limits = Limits(recv_buffer_bytes=1 << 20)
+    with busy_stream(engine) as (stream, gate):
+        async with (
+            connected_pair("tcp", limits=limits) as (a, b),
+            connected_pair("tcp", limits=limits) as (c, d),
+        ):
+            out = EngineArray(engine, np.zeros_like(data), stream=stream)
+            recv = asyncio.ensure_future(b.recv(tag="x", out=out))
+            send = asyncio.ensure_future(a.send(data, tag="x"))
+            await eventually(lambda: engine.max_queued >= 1)  # its copies up queued behind the stream
+            recv.cancel()
+            await eventually(lambda: engine.refused > 0)  # the cancel is copying what landed down
+            await asyncio.sleep(0.05)
+            assert not recv.done(), "the cancel returned before the copies into out= had run"
+            small = _data(CHUNK + 5)
+            async with asyncio.timeout(10):  # the stream stays busy all the while
+                _, got = await asyncio.gather(c.send(EngineArray(engine, small), tag="y"), d.recv(tag="y"))
+            assert np.array_equal(got, small)
+            assert not gate.query() and not recv.done()
+            gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                async with asyncio.timeout(10):
+                    await recv
+            snapshot = out.array.copy()
+            async with asyncio.timeout(10):
+                await send
+                assert np.array_equal(await b.recv(tag="x"), data), "the message came back changed"
+        assert np.array_equal(out.array, snapshot), "out= was written after its recv was cancelled"
+    assert engine.pool("out").free == DEPTH
 
 
 # -- a chunk under way -----------------------------------------------------------------------------

@@ -342,11 +342,14 @@ class Arrival:
         message is lost and its next recv says so. Never raises."""
         try:
             for d, dst, after in downs:
+                if after is not None:
+                    # on the host, for as long as it takes (the cancel must not return while they
+                    # write out=): they wait for the consumer's stream, which may stay busy, and
+                    # copies down queued behind them would hold the process's staging chunks
+                    await wait_event(d.engine, after)
                 if not len(dst):
-                    if after is not None:
-                        await wait_event(d.engine, after)
                     continue
-                async with contextlib.aclosing(stage_out(d.buf, 0, len(dst), after)) as chunks:
+                async with contextlib.aclosing(stage_out(d.buf, 0, len(dst))) as chunks:
                     async for off, view in chunks:
                         dst[off : off + len(view)] = view
         except Exception as exc:
@@ -1164,7 +1167,7 @@ async def _settle_device(
             else:
                 await landing.upload(dst, src)
         elif isinstance(src, DeviceTensor):
-            await download(src.buf, byte_view(dst), landing.flush(src))
+            await _to_host(src, landing, dst)
         else:
             on_host.append((dst, src))
     await copy_host(on_host)
@@ -1176,7 +1179,13 @@ async def _settle_device(
 
 
 async def _to_host(src: DeviceTensor, landing: Landing, host: np.ndarray) -> np.ndarray:
-    """``host`` (uint8, ``src.nbytes`` long) holding device tensor ``src``'s bytes, after every
-    copy ``landing`` has queued into it."""
-    await download(src.buf, byte_view(host), landing.flush(src))
+    """``host`` (any dtype, ``src.nbytes`` long) holding device tensor ``src``'s bytes, after
+    every copy ``landing`` has queued into it. Those copies are waited for on the host first:
+    they may wait for a consumer's stream that stays busy (the cancelled recv's that left the
+    message in ``src``), and copies down queued behind them would hold the process's staging
+    chunks (every device send's) as long."""
+    after = landing.flush(src)
+    if after is not None:
+        await wait_event(src.engine, after)
+    await download(src.buf, byte_view(host))
     return host
