@@ -274,3 +274,37 @@ async def test_a_numpy_stage_before_a_stage_that_passes_no_gradient_back_is_left
             losses = [(await pipe.step(x, y, microbatches=3)).loss for _ in range(2)]
     assert losses[1] < losses[0], losses  # the last stage trains
     assert Counted.backwards == 0 and np.array_equal(first.w, w0), "no gradient reached stage 0"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize(("rank", "sender"), [(1, 0), (0, 1)])
+async def test_a_stage_receives_on_its_parts_device(transport: str, rank: int, sender: int) -> None:
+    # a stage received every activation and gradient where its event loop thread's current
+    # device was (cuda:0), whatever device its part computed on: a stage on cuda:1 held memory
+    # and a CUDA context on GPU 0, and copied each message across (tests/gpu/test_pipeline_gpu.py
+    # checks the placement on two GPUs). Here, without a GPU, a part that names cuda:0 shows that
+    # the stage asks for its part's device: its receive (the activation at rank 1, the gradient
+    # at rank 0) is refused, as this process has no CUDA device. The old stage took host memory
+    # and the step went through
+    from tensorwire.tensors._device import cuda_usable
+
+    if cuda_usable():
+        pytest.skip("a CUDA device is here: tests/gpu/test_pipeline_gpu.py checks the placement on one")
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    parts[rank].device = "cuda:0"
+    x, y = rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal((4, 2)).astype(np.float32)
+    async with stages(parts, transport) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(20):
+                    await pipe.step(x, y, microbatches=2, schedule="gpipe")
+    # CudaUnavailableError (an UnsupportedTensorError) where CuPy is not installed
+    assert err.value.remote_type in ("UnsupportedTensorError", "CudaUnavailableError"), err.value
+    text = str(err.value)
+    assert f"stage {rank} cannot receive from stage {sender}" in text, text
+    assert "cuda:0" in text, text

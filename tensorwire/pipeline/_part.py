@@ -39,6 +39,10 @@ class Part(ABC):
     #: whether a dict input reaches the part's code as keyword arguments (``TorchPart``), so that
     #: its keys must be str; the driver then refuses another key before any stage runs
     keyword_dicts: bool = False
+    #: where the part computes ("cuda:1", a torch.device, ...): a stage receives the part's
+    #: activations and gradients there (a CUDA device; anything else is received where the
+    #: sender's tensors were, host memory for host tensors). None: where the sender's were
+    device: Any = None
 
     @abstractmethod
     def forward(self, x: Any, needs_input_grad: bool) -> tuple[Any, Any]:
@@ -120,13 +124,17 @@ class FunctionPart(Part):
 
     ``loss(y, target) -> (loss, grad_y)`` makes it the last stage; the pipeline scales both by
     the microbatch's share of the batch, so the step's loss is the batch mean when ``loss`` is a
-    mean over its microbatch.
+    mean over its microbatch. ``device``: the CUDA device the layer computes on ("cuda:1"): the
+    stage receives its inputs and gradients there (``Part.device``); the layer makes it current.
     """
 
-    def __init__(self, layer: Layer, *, loss: Callable[[Any, Any], tuple[Any, Any]] | None = None) -> None:
+    def __init__(
+        self, layer: Layer, *, loss: Callable[[Any, Any], tuple[Any, Any]] | None = None, device: Any = None
+    ) -> None:
         if not (callable(getattr(layer, "forward", None)) and callable(getattr(layer, "backward", None))):
             raise ConfigurationError(f"{type(layer).__name__} needs forward(x) -> (y, ctx) and backward(ctx, grad)")
         self.layer = layer
+        self.device = device
         self.loss = loss
         self.has_loss = loss is not None
 

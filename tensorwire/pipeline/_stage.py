@@ -83,6 +83,7 @@ from ..errors import (
     UnsupportedTensorError,
 )
 from ..rpc._protocol import describe
+from ..tensors._device import Device, parse_device
 from ._part import Part, as_part
 from ._schedule import Action, Kind
 
@@ -129,6 +130,23 @@ def ticket_key(generation: int, token: str) -> str:
 def _loss_of(part: Part, x: Any, target: Any) -> float:
     """``part.infer_loss`` as a float (a Part of one's own may return a numpy or torch scalar)."""
     return float(part.infer_loss(x, target))
+
+
+def _receive_on(part: Part | None) -> Device | None:
+    """Where a stage receives its part's activations and gradients: on the part's CUDA device
+    (``Part.device``). Without ``device=`` a recv allocates on the event loop thread's current
+    device (cuda:0), not the one the part's compute thread computes on, so a stage on cuda:1
+    would hold memory and a CUDA context on GPU 0 and copy every message across. None (the
+    sender's memory kind) for a part on the host or on a device a recv cannot allocate on
+    (torch's mps, say): the part moves what arrives, as before."""
+    device = getattr(part, "device", None)
+    if device is None:
+        return None
+    try:
+        want = parse_device(device)
+    except ConfigurationError:
+        return None
+    return want if want is not None and want.kind == "cuda" else None
 
 
 @dataclass(slots=True)
@@ -687,9 +705,13 @@ class Stage:
         if link is None:
             raise BrokenResourceError(f"stage {self.rank}: its links were dropped (a driver is configuring it)")
         try:
-            return await link.peer.recv(tag=tag)
+            return await link.peer.recv(tag=tag, device=_receive_on(self.part))
         except TensorWireError as exc:
-            raise self._link_broke(link, exc) from exc
+            if link.peer.closed or isinstance(exc, (PeerDisconnected, RemoteError)):
+                raise self._link_broke(link, exc) from exc
+            # the link is fine, the message has no place here: no memory for it on the part's
+            # device, or a device this process cannot reach (its type kept, and the message queued)
+            raise type(exc)(f"stage {self.rank} cannot receive from {link}: {describe(exc)}") from exc
 
     def _send_later(self, link: _Link | None, obj: Any, tag: str, what: str) -> None:
         """Send without waiting, so the next microbatch computes while this one moves. A send
