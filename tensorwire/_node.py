@@ -285,6 +285,11 @@ class Node:
         return ucx_config(**self.config.ucx_options)
 
     async def _start(self) -> Node:
+        if "ucx" in self.config.transports:
+            from .transports.ucx import _load
+
+            if _load.wanted():  # the probe's import of ucxx would stop the loop ~0.4 s to load UCX
+                await asyncio.to_thread(_load.preload)
         self._loop = asyncio.get_running_loop()  # where it lives (abort() from another thread)
         _metrics.node_started(self)
         with self._transport_options():  # probe and construct under this node's UCX options

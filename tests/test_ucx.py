@@ -411,6 +411,51 @@ def test_using_ucx_leaves_the_environment_alone() -> None:
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.timeout(30)
+def test_a_node_loads_ucx_with_the_loop_turning() -> None:
+    """ucxx's import loads libucx's libraries through ctypes.CDLL, whose dlopen holds the GIL for
+    ~0.4 s while UCX's constructors run; a node's first start with ucx did that on the loop. It
+    now loads them in a thread first: when the probe imports ucxx, libucs is loaded and the loop
+    has turned since the start began (a task counts its turns). The second node finds it done."""
+    proc = _run(
+        """
+        import asyncio, json
+        import tensorwire
+        from tensorwire.transports.ucx import _transport, _ucp
+        turns = 0
+        seen = {}
+        real = _transport.import_ucxx
+        def import_ucxx():
+            if not seen:
+                seen.update(turns=turns, ucs=_ucp.loaded_library("libucs.so") is not None)
+            return real()
+        _transport.import_ucxx = import_ucxx
+        async def count():
+            global turns
+            while True:
+                await asyncio.sleep(0)
+                turns += 1
+        async def main():
+            assert _ucp.loaded_library("libucs.so") is None, "UCX was loaded before the node started"
+            counter = asyncio.create_task(count())
+            await asyncio.sleep(0)
+            before = turns
+            async with tensorwire.start(transports=("ucx", "tcp")) as a, tensorwire.start(transports=("ucx",)) as b:
+                offers = [list(a.offers), list(b.offers)]
+            counter.cancel()
+            print(json.dumps({"turns": seen["turns"] - before, "ucs": seen["ucs"], "offers": offers}))
+        asyncio.run(main())
+        """,
+        timeout=25,
+        env={k: v for k, v in os.environ.items() if k != "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["offers"] == [["ucx", "tcp"], ["ucx"]], got
+    assert got["ucs"], got  # loaded before ucxx's import, off the loop
+    assert got["turns"] > 0, got  # the loop ran while it loaded
+
+
 def _ucx_settings(*, ucxx_first: bool, check: bool) -> str:
     """A script that prints (JSON) the UCX settings of a node's real context, the UCX_* variables
     after an ``import ucxx`` done before tensorwire's (``ucxx_first``, as dask or RAPIDS would),
