@@ -338,7 +338,9 @@ class Node:
         self.peers.append(peer)
         _metrics.peer_opened(side, peer.path)
         transport = peer.path.transport
-        if self.config.checksum and transport not in ("tcp", "inproc") and transport not in self._unchecked:
+        carrier = self.transports.get(transport)
+        unchecked = carrier is not None and not carrier.checks_payloads
+        if self.config.checksum and unchecked and transport not in self._unchecked:
             # the user asked for checksums, and the path taken has none: say so (once per
             # transport), rather than let checksum=True read as a promise it is not here
             self._unchecked.add(transport)

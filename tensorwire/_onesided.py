@@ -75,7 +75,7 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .memory import CopyEngine, DeviceBuffer, Event, HostChunk, Move, Piece, scatter, wait_event
-from .rpc._registry import FifoAdmission
+from .rpc._registry import FifoAdmission, PerChannel
 from .tensors import Outgoing, as_view, dtype_from_name, prepare, prepare_off_loop
 from .tensors._device import (
     Device,
@@ -611,29 +611,12 @@ class _Room:
             asking.leave()
 
 
-# the open peers' only: a failed one holds its error, whose traceback may hold the peer (and a
-# WeakKeyDictionary's value that refers to its key keeps the key alive for ever)
-_askings: weakref.WeakKeyDictionary[Peer, _Asking] = weakref.WeakKeyDictionary()
+_askings: PerChannel[_Asking] = PerChannel(lambda _peer: _Asking())
 
 
 async def _room(peer: Peer) -> _Room:
     """Wait for room to send ``peer`` one more request or notice (``_Asking``)."""
-    asking = _askings.get(peer)
-    if asking is None:
-        asking = _Asking()
-        if peer.channel.state is not ChannelState.OPEN:
-            asking.fail(peer.channel.mailbox.failure)  # for this request alone: nothing keeps it
-        else:
-            _askings[peer] = asking
-            ref = weakref.ref(peer)
-
-            def closed(exc: BaseException | None) -> None:
-                asking.fail(exc)
-                gone = ref()
-                if gone is not None:
-                    _askings.pop(gone, None)
-
-            peer.channel.add_close_callback(closed)
+    asking = _askings(peer)
     await asking.enter()
     return _Room(asking)
 

@@ -7,7 +7,6 @@ inproc and ucx (its staged path, and its path by pointer, which lands in the out
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _device_paths import CHUNK, DEPTH, PATHS, small_rings
 from _polling import eventually
 
 from tensorwire import start
@@ -30,17 +30,7 @@ from tensorwire.transports import Limits
 
 pytestmark = pytest.mark.timeout(60)
 
-CHUNK = 64 * 1024
-DEPTH = 3
-_UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
-# (transport, by pointer): tcp lands device bytes in out= through staging chunks, ucx by pointer
-# lets UCX write there; inproc and ucx's staged path land in host memory of ours, then copy up
-_PATHS = [
-    pytest.param("tcp", False, id="tcp"),
-    pytest.param("inproc", False, id="inproc"),
-    pytest.param("ucx", False, id="ucx-staged", marks=_UCX),
-    pytest.param("ucx", True, id="ucx-pointer", marks=_UCX),
-]
+_PATHS = PATHS
 
 
 class _Full(HostEngine):
@@ -59,11 +49,7 @@ class _Full(HostEngine):
 
 @pytest.fixture
 def engine() -> Iterator[_Full]:
-    e = _Full()
-    e.pool("out").configure(CHUNK, DEPTH)
-    e.pool("in").configure(CHUNK, DEPTH)
-    yield e
-    e.close()
+    yield from small_rings(_Full())
 
 
 def _data(n: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _device_paths import CHUNK, DEPTH, PATHS, UCX, small_rings
 from _polling import eventually
 
 from tensorwire.errors import ClosedResourceError, PeerDisconnected, TransferError
@@ -25,25 +26,12 @@ from tensorwire.transports import Limits
 
 pytestmark = pytest.mark.timeout(60)
 
-CHUNK = 64 * 1024
-DEPTH = 3
-_UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
-# (transport, by pointer): ucx's staged path copies device memory to the host first, as inproc does
-_PATHS = [
-    pytest.param("tcp", False, id="tcp"),
-    pytest.param("inproc", False, id="inproc"),
-    pytest.param("ucx", False, id="ucx-staged", marks=_UCX),
-    pytest.param("ucx", True, id="ucx-pointer", marks=_UCX),
-]
+_PATHS, _UCX = PATHS, UCX
 
 
 @pytest.fixture
 def engine() -> Iterator[HostEngine]:
-    e = HostEngine()
-    e.pool("out").configure(CHUNK, DEPTH)
-    e.pool("in").configure(CHUNK, DEPTH)
-    yield e
-    e.close()
+    yield from small_rings(HostEngine())
 
 
 def _data(n: int) -> np.ndarray:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +60,7 @@ from ._protocol import (
     reply_tag,
 )
 from ._receipt import CallReceipt
-from ._registry import FifoAdmission
+from ._registry import FifoAdmission, PerChannel
 from ._server import DRAIN_SECONDS
 
 if TYPE_CHECKING:
@@ -141,32 +140,17 @@ class _Budget(FifoAdmission):
         self._release(units + extra)
 
 
-# the budgets of open peers only: a failed budget holds its error, whose traceback may hold the
-# peer, and a WeakKeyDictionary's value that refers to its key keeps that key alive for ever
-_budgets: weakref.WeakKeyDictionary[Peer, _Budget] = weakref.WeakKeyDictionary()
+def _new_budget(peer: Peer) -> _Budget:
+    ours = peer.node.config.limits.max_unexpected
+    theirs = peer.channel.remote_limits.max_unexpected  # announced in the data-plane handshake
+    return _Budget(max(1, min(_MAX_OUTSTANDING, theirs // 4)), max(2, ours // 2))
+
+
+_budgets: PerChannel[_Budget] = PerChannel(_new_budget)
 
 
 def _budget(peer: Peer) -> _Budget:
-    budget = _budgets.get(peer)
-    if budget is not None:
-        return budget
-    ours = peer.node.config.limits.max_unexpected
-    theirs = peer.channel.remote_limits.max_unexpected  # announced in the data-plane handshake
-    budget = _Budget(max(1, min(_MAX_OUTSTANDING, theirs // 4)), max(2, ours // 2))
-    if peer.channel.state is not ChannelState.OPEN:
-        budget.fail(peer.channel.mailbox.failure)  # for this call alone: nothing keeps it
-        return budget
-    _budgets[peer] = budget
-    ref = weakref.ref(peer)
-
-    def closed(exc: BaseException | None) -> None:
-        budget.fail(exc)
-        gone = ref()
-        if gone is not None:
-            _budgets.pop(gone, None)
-
-    peer.channel.add_close_callback(closed)
-    return budget
+    return _budgets(peer)
 
 
 class _Progress:

@@ -10,7 +10,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .._checks import check_int
 from ..errors import ConfigurationError
@@ -18,6 +18,7 @@ from ._protocol import safe_text
 
 if TYPE_CHECKING:
     from .._node import Node
+    from .._peer import Peer
 
 __all__ = [
     "RESERVED_KWARGS",
@@ -26,6 +27,7 @@ __all__ = [
     "FifoAdmission",
     "Method",
     "MethodRegistry",
+    "PerChannel",
     "Slots",
     "methods_of",
 ]
@@ -73,6 +75,52 @@ class Method:
     signature: str
     doc: str
     max_arg_bytes: int | None = None
+
+
+class _Failing(Protocol):
+    def fail(self, exc: BaseException | None) -> None: ...
+
+
+A = TypeVar("A", bound=_Failing)
+
+
+class PerChannel(Generic[A]):
+    """One admission (``make(peer)``) per open peer's channel, made on first use and failed
+    with the channel's error when it closes (``A.fail``), then forgotten. For a peer whose
+    channel is closed already, a failed one that nothing keeps. Only open peers' are kept: a
+    failed one holds its error, whose traceback may hold the peer, and a WeakKeyDictionary's
+    value that refers to its key keeps that key alive for ever."""
+
+    def __init__(self, make: Callable[[Peer], A]) -> None:
+        self._make = make
+        self._of: weakref.WeakKeyDictionary[Peer, A] = weakref.WeakKeyDictionary()
+
+    def __call__(self, peer: Peer) -> A:
+        from ..transports import ChannelState
+
+        admission = self._of.get(peer)
+        if admission is not None:
+            return admission
+        admission = self._make(peer)
+        if peer.channel.state is not ChannelState.OPEN:
+            admission.fail(peer.channel.mailbox.failure)  # for this use alone: nothing keeps it
+            return admission
+        self._of[peer] = admission
+        ref = weakref.ref(peer)
+        of = self._of
+
+        def closed(exc: BaseException | None) -> None:
+            admission.fail(exc)
+            gone = ref()
+            if gone is not None:
+                of.pop(gone, None)
+
+        peer.channel.add_close_callback(closed)
+        return admission
+
+    def __getitem__(self, peer: Peer) -> A:
+        """``peer``'s admission, made already (KeyError if none)."""
+        return self._of[peer]
 
 
 class FifoAdmission:

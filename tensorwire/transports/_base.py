@@ -427,6 +427,9 @@ class Transport(ABC):
     # data connection (a socket refused or shut); where not, the node watches the control
     # connection meanwhile, which the server's going shuts
     connect_sees_server_go: ClassVar[bool] = True
+    # whether checksum=True protects its payloads (a crc32c on each frame, or no wire to cross);
+    # where not, a node that asked for checksums warns as a peer opens over it
+    checks_payloads: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -77,6 +77,12 @@ def _settle(fut: asyncio.Future[Any], exc: BaseException) -> None:
         fut.exception()
 
 
+def _caused(lost: TransferError, cause: BaseException) -> TransferError:
+    """``lost`` (what a dropped message's next recv raises), with ``cause`` as its cause."""
+    lost.__cause__ = cause
+    return lost
+
+
 class Arrival:
     """One incoming message, from its header on. ``dest`` is where its payload lands."""
 
@@ -193,13 +199,14 @@ class Arrival:
             self.drop(self._no_memory(exc))
 
     def _no_memory(self, exc: TransferError) -> TransferError:
-        lost = TransferError(
-            f"a {self.nbytes}-byte message on this tag came before its recv and could not be kept here (out of "
-            "memory); it was dropped: post a recv with out= before such messages come, or lower "
-            "Limits.recv_buffer_bytes"
+        return _caused(
+            TransferError(
+                f"a {self.nbytes}-byte message on this tag came before its recv and could not be kept here (out "
+                "of memory); it was dropped: post a recv with out= before such messages come, or lower "
+                "Limits.recv_buffer_bytes"
+            ),
+            exc,
         )
-        lost.__cause__ = exc
-        return lost
 
     def droppable(self) -> bool:
         """Whether the rest of the payload can go to scratch now (``drop``): it is yet to land
@@ -353,21 +360,25 @@ class Arrival:
                     async for off, view in chunks:
                         dst[off : off + len(view)] = view
         except Exception as exc:
-            lost = TransferError(
-                f"a {self.nbytes}-byte message on this tag was dropped: its recv was cancelled as its "
-                f"bytes landed in device memory, and they could not be copied out ({exc!r})"
+            self._lose(
+                _caused(
+                    TransferError(
+                        f"a {self.nbytes}-byte message on this tag was dropped: its recv was cancelled as its "
+                        f"bytes landed in device memory, and they could not be copied out ({exc!r})"
+                    ),
+                    exc,
+                )
             )
-            lost.__cause__ = exc
-            self._lose(lost)
 
     def _cannot_keep(self, exc: TransferError) -> TransferError:
-        lost = TransferError(
-            f"a {self.nbytes}-byte message on this tag was dropped: its recv was cancelled as its bytes "
-            "landed, and there was no memory here to keep them (out of memory); free memory, or let "
-            "recvs into out= run to their end"
+        return _caused(
+            TransferError(
+                f"a {self.nbytes}-byte message on this tag was dropped: its recv was cancelled as its bytes "
+                "landed, and there was no memory here to keep them (out of memory); free memory, or let "
+                "recvs into out= run to their end"
+            ),
+            exc,
         )
-        lost.__cause__ = exc
-        return lost
 
     def _lose(self, lost: TransferError) -> None:
         """What landed cannot be kept: the message fails the next recv that takes it, with

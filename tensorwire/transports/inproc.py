@@ -325,6 +325,7 @@ class InprocChannel(Channel):
 
 class InprocTransport(Transport):
     name = "inproc"
+    checks_payloads = True  # nothing crosses a wire
 
     @classmethod
     def probe(cls) -> Capabilities | None:

@@ -223,6 +223,7 @@ def _discard(task: asyncio.Task[socket.socket]) -> None:
 
 class TcpTransport(Transport):
     name = "tcp"
+    checks_payloads = True  # checksum=True: a crc32c on every payload frame
 
     @classmethod
     def probe(cls) -> Capabilities | None:
