@@ -4,16 +4,32 @@ given, naming the setting, the value and what is allowed; a right one comes back
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 import numbers
 import operator
 import re
+from collections.abc import Callable, Collection, Coroutine, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 
-from .errors import ConfigurationError
+from .errors import ArgumentError, ConfigurationError
 
-__all__ = ["MAX_SECONDS", "check_bool", "check_int", "check_seconds", "portless", "split_address"]
+__all__ = [
+    "MAX_SECONDS",
+    "check_arguments",
+    "check_bool",
+    "check_int",
+    "check_options",
+    "check_seconds",
+    "portless",
+    "split_address",
+]
+
+C = TypeVar("C", bound=Callable[..., Any])
 
 MAX_SECONDS = 1e9  # ~31 years; a gRPC deadline overflows past ~9e9 s
 
@@ -95,3 +111,72 @@ def split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
     if not _PORT.fullmatch(port) or not lowest_port <= int(port) <= 65535:
         raise ConfigurationError(f"address {address!r}: the port must be a number from {lowest_port} to 65535")
     return host, int(port)
+
+
+def check_options(what: str, given: Iterable[str], allowed: Collection[str]) -> None:
+    """ArgumentError for the first name in ``given`` that is not ``allowed``, with the nearest
+    allowed name (a typo is the likely cause) and the whole list."""
+    for name in given:
+        if name not in allowed:
+            near = difflib.get_close_matches(name, allowed, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ArgumentError(f"{what} has no option {name!r}{hint}; its options are: {', '.join(allowed)}")
+
+
+def _misfit(what: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """ArgumentError where ``args`` and ``kwargs`` do not fit ``signature``; else nothing."""
+    params = signature.parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        check_options(what, kwargs, named)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        plain = signature.replace(
+            parameters=[p.replace(annotation=p.empty) for p in params], return_annotation=signature.empty
+        )
+        raise ArgumentError(f"{what}: {exc}; it takes {what.removesuffix('()')}{plain}") from None
+
+
+def check_arguments(target: C) -> C:
+    """Make a call of ``target`` (a class, a function, a coroutine function) with arguments it
+    does not take raise ArgumentError, which says what it takes, instead of Python's bare
+    TypeError (a dataclass's ``__init__`` named no valid field). A call that fits costs one
+    more frame: the arguments are looked at only once the call has raised a TypeError, which
+    is passed on as it is where they fit."""
+    cls = target if isinstance(target, type) else None
+    fn: Callable[..., Any] = getattr(target, "__init__") if cls is not None else target  # noqa: B009
+    what = f"{cls.__name__}()" if cls is not None else f"{fn.__qualname__}()"
+    signature = inspect.signature(fn)
+    bound = next(iter(signature.parameters), None) in ("self", "cls")
+    if bound:  # the caller does not give self (or cls): leave it out of what is checked and shown
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def refit(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        _misfit(what, signature, args[1:] if bound else args, kwargs)
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def call_async(*args: Any, **kwargs: Any) -> Any:
+            try:
+                coro: Coroutine[Any, Any, Any] = fn(*args, **kwargs)
+            except TypeError:
+                refit(args, kwargs)
+                raise
+            return await coro
+
+        return call_async  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            refit(args, kwargs)
+            raise
+
+    if cls is None:
+        return call  # type: ignore[return-value]
+    setattr(cls, "__init__", call)  # noqa: B010
+    return target

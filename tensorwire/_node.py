@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from . import _metrics
-from ._checks import check_bool, check_seconds, split_address
+from ._checks import check_arguments, check_bool, check_options, check_seconds, split_address
 from ._loops import check_home, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
@@ -49,12 +49,14 @@ from .transports import (
     TransportContext,
     probe_all,
 )
+from .transports import _registry as transport_registry
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Node", "NodeConfig", "start"]
 
 
+@check_arguments
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     """How a node behaves. Every field has a sensible default.
@@ -285,11 +287,7 @@ class Node:
         return ucx_config(**self.config.ucx_options)
 
     async def _start(self) -> Node:
-        if "ucx" in self.config.transports:
-            from .transports.ucx import _load
-
-            if _load.wanted():  # the probe's import of ucxx would stop the loop ~0.4 s to load UCX
-                await asyncio.to_thread(_load.preload)
+        await _load_transports(self.config.transports)
         self._loop = asyncio.get_running_loop()  # where it lives (abort() from another thread)
         _metrics.node_started(self)
         with self._transport_options():  # probe and construct under this node's UCX options
@@ -415,6 +413,7 @@ class Node:
             await asyncio.wait([opening], timeout=self.config.connect_timeout)
         return self._sessions.get(session_id)
 
+    @check_arguments
     def expose(self, tensor: Any, *, name: str) -> Handle:
         """Publish a C-contiguous tensor under ``name`` for session peers to read and write.
         The tensor stays alive and must stay valid until ``unexpose(name)``. Transports with
@@ -423,6 +422,7 @@ class Node:
         self._check_open("node.expose")
         return self.exposures.expose(tensor, name, self.transports)
 
+    @check_arguments
     def method(self, name: str | Callable[..., Any] | None = None, *, max_arg_bytes: int | None = None) -> Any:
         """Register an async function (or async generator, for ``peer.stream``) as an RPC method:
         ``@node.method("forward")``; the name defaults to the function's. ``max_arg_bytes``
@@ -547,6 +547,7 @@ class Node:
                 peer.channel.fail(PeerDisconnected(f"peer {peer.remote_address} stopped renewing its {lease} s lease"))
 
     # -- public API -----------------------------------------------------------------------------
+    @check_arguments
     async def connect(
         self,
         address: str,
@@ -839,6 +840,19 @@ class Node:
         await self.aclose()
 
 
+async def _load_transports(names: tuple[str, ...]) -> None:
+    """Import the transports' modules (ucx's: the UCX libraries and ucxx too) in a worker thread,
+    so that the loop goes on meanwhile; the probes that follow on the loop find them imported.
+    Nothing to do on a later start. Never raises: where no worker thread can be had (the loop's
+    default executor shut down), what is left imports in the probes, on the loop, as it did."""
+    if transport_registry.loaded(names):
+        return
+    try:
+        await asyncio.to_thread(transport_registry.load, names)
+    except RuntimeError as exc:  # ("cannot schedule new futures after shutdown")
+        log.debug("loading the transports on the loop: %r", exc)
+
+
 def _drop_channel(connect: asyncio.Future[Channel]) -> None:
     """A data connection that opened after its connect gave up: nobody will use it. Aborting
     it tells the server, which would otherwise keep its peer until the lease ran out."""
@@ -862,6 +876,7 @@ class _Starting:
         await self._node.aclose()
 
 
+@check_arguments
 def start(address: str = "127.0.0.1:0", *, config: NodeConfig | None = None, **options: Any) -> _Starting:
     """Start a node serving at ``address`` (port 0 picks a free port; read ``node.address``).
 
@@ -873,8 +888,6 @@ def start(address: str = "127.0.0.1:0", *, config: NodeConfig | None = None, **o
         raise ConfigurationError(f"config must be a tensorwire.NodeConfig, not {config!r}")
     cfg = config or NodeConfig()
     if options:
-        try:
-            cfg = dataclasses.replace(cfg, **options)
-        except TypeError as exc:
-            raise ConfigurationError(f"unknown node option: {exc}") from None
+        check_options("start()", options, [f.name for f in dataclasses.fields(NodeConfig)])
+        cfg = dataclasses.replace(cfg, **options)
     return _Starting(Node(address, cfg))

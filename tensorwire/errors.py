@@ -4,6 +4,8 @@
 
     TensorWireError
     ├── ConfigurationError             bad argument or setting (also ValueError)
+    │   ├── ArgumentError              arguments the call does not take: an unknown option, one
+    │   │                              too many positional ones (also TypeError)
     │   └── ScheduleError              a pipeline schedule that cannot run (shows the grid)
     ├── TensorError
     │   ├── UnsupportedTensorError     not a tensor tensorwire can move (also TypeError)
@@ -39,6 +41,7 @@ an ``asyncio.timeout`` around a data-plane call raises the built-in ``TimeoutErr
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentError",
     "AuthenticationError",
     "BrokenResourceError",
     "BusyResourceError",
@@ -76,6 +79,13 @@ class TensorWireError(Exception):
 
 class ConfigurationError(TensorWireError, ValueError):
     """An argument or setting is invalid."""
+
+
+class ArgumentError(ConfigurationError, TypeError):
+    """A call of tensorwire's API with arguments it does not take: an unknown option (the
+    message lists the valid ones and suggests the nearest), too many positional arguments, a
+    missing one. Also a TypeError, which Python raises for such a call of a plain function, so
+    code that catches that keeps working."""
 
 
 class ScheduleError(ConfigurationError):

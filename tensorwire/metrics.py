@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _metrics
-from ._checks import split_address
+from ._checks import check_arguments, split_address
 from .errors import ConfigurationError
 
 __all__ = ["MetricsServer", "Snapshot", "collector", "count_transfers", "register", "serve", "snapshot", "text"]
@@ -268,6 +268,7 @@ class MetricsServer:
         await self.aclose()
 
 
+@check_arguments
 def serve(address: str = "127.0.0.1:0", *, registry: Any = None) -> MetricsServer:
     """Serve ``registry`` (prometheus_client's default one, with tensorwire's metrics
     registered in it, when None) at ``http://address/metrics``. Port 0 picks a free port: read

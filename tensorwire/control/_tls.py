@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from .._checks import check_bool
+from .._checks import check_arguments, check_bool
 from ..errors import ConfigurationError
 
 __all__ = ["TLSConfig"]
@@ -48,6 +48,7 @@ def _check_pem(cert_file: str | None, key_file: str | None, ca_file: str | None)
             raise ConfigurationError(f"the TLS CA bundle {ca_file!r} does not load: {exc.reason or exc}") from exc
 
 
+@check_arguments
 @dataclass(frozen=True, slots=True)
 class TLSConfig:
     """Certificates for a node's control plane, used when it serves and when it connects.

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import check_arguments
 from ..errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
 
 __all__ = ["join", "num_samples", "split", "tree_leaves", "tree_map", "no_gradient"]
@@ -76,6 +77,7 @@ def num_samples(batch: Any) -> int | None:
         return None
 
 
+@check_arguments
 def split(batch: Any, microbatches: int) -> list[Any]:
     """Split a batch along its first dimension into ``microbatches`` parts whose sizes differ by
     at most one: a tensor (numpy or torch) or a list of samples is sliced; a tuple or dict is
@@ -136,6 +138,7 @@ def _split_structured(batch: tuple[Any, ...] | dict[Any, Any], microbatches: int
     return [tuple(parts) for parts in zip(*columns, strict=True)]
 
 
+@check_arguments
 def join(parts: list[Any]) -> Any:
     """The microbatch outputs ``parts`` (a list, one output per microbatch) as one batch, the
     inverse of ``split``: tensors are concatenated along their first dimension (numpy with

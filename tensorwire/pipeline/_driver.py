@@ -32,7 +32,7 @@ from collections.abc import Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._checks import check_seconds
+from .._checks import check_arguments, check_seconds
 from .._loops import elsewhere
 from ..errors import (
     BrokenResourceError,
@@ -150,6 +150,7 @@ class Pipeline:
         return [str(info["next_path"]) for info in self._links[:-1]]
 
     @classmethod
+    @check_arguments
     async def connect(
         cls,
         node: Node,
@@ -183,6 +184,10 @@ class Pipeline:
         twice = [a for a, n in collections.Counter(addresses).items() if n > 1]
         if twice:
             raise ConfigurationError(f"stage address {twice[0]} is given twice: each stage is a node of its own")
+        if isinstance(transports, str):  # (its letters were taken for transport names)
+            raise ConfigurationError(f"transports is a sequence of names, e.g. ('tcp',), not {transports!r}")
+        if connect_timeout is not None:  # (a wrong one failed on the stages, as a RemoteError)
+            connect_timeout = check_seconds("connect_timeout", connect_timeout)
         wait = connect_timeout if connect_timeout is not None else node.config.connect_timeout
         if build_timeout is not None:
             build_timeout = check_seconds("build_timeout", build_timeout)
@@ -245,6 +250,7 @@ class Pipeline:
             raise
         return cls(node, peers, links, ticket_key(generation, token))
 
+    @check_arguments
     async def step(
         self,
         inputs: Any,
@@ -267,6 +273,7 @@ class Pipeline:
         result: StepResult = await self._one_at_a_time(self._step(inputs, targets, microbatches, schedule))
         return result
 
+    @check_arguments
     async def forward(
         self, inputs: Any, *, microbatches: int, schedule: str | Schedule | Sequence[Sequence[str]] = "gpipe"
     ) -> Any:
@@ -284,6 +291,7 @@ class Pipeline:
         until the next ``Pipeline.connect``. Runs one at a time with ``step``."""
         return await self._one_at_a_time(self._forward(inputs, microbatches, schedule))
 
+    @check_arguments
     async def evaluate(
         self,
         inputs: Any,

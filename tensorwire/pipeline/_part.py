@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._checks import check_arguments
 from ..errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
 from ._batch import no_gradient, tree_leaves, tree_map
 
@@ -119,6 +120,7 @@ class _LossContext:
         self.ctx, self.grad = ctx, grad
 
 
+@check_arguments
 class FunctionPart(Part):
     """A stage made of a ``Layer``: numpy or anything else that does its own backward.
 
@@ -133,6 +135,7 @@ class FunctionPart(Part):
     ) -> None:
         if not (callable(getattr(layer, "forward", None)) and callable(getattr(layer, "backward", None))):
             raise ConfigurationError(f"{type(layer).__name__} needs forward(x) -> (y, ctx) and backward(ctx, grad)")
+        check_loss(loss)
         self.layer = layer
         self.device = device
         self.loss = loss
@@ -190,6 +193,7 @@ def _torch() -> Any:
         raise ConfigurationError("TorchPart needs torch: pip install 'tensorwire[torch]'") from exc
 
 
+@check_arguments
 class TorchPart(Part):
     """A stage made of an ``nn.Module`` (any callable whose parameters are torch tensors).
 
@@ -224,6 +228,7 @@ class TorchPart(Part):
         self._torch = torch
         if not callable(module):
             raise ConfigurationError(f"{type(module).__name__} is not callable")
+        check_loss(loss)
         self.module = module
         params = list(module.parameters()) if hasattr(module, "parameters") else []
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -493,6 +498,13 @@ def _identity(torch: Any) -> Any:
 
         _IDENTITY = _Identity
     return _IDENTITY
+
+
+def check_loss(loss: object) -> None:
+    """``loss=`` is a function or None: anything else failed only on the last stage's first
+    backward, as a TypeError from inside the step."""
+    if loss is not None and not callable(loss):
+        raise ConfigurationError(f"loss= is a function loss(output, target) or None, not {loss!r}")
 
 
 def as_part(obj: Any, *, optimizer: Any = None, loss: Callable[..., Any] | None = None) -> Part:

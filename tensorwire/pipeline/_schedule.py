@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from .._checks import check_arguments
 from ..errors import ScheduleError
 from ..transports import Limits
 
@@ -469,6 +470,7 @@ def get_schedule(name: str) -> Callable[[int, int], Schedule]:
         raise ScheduleError(f"no schedule named {name!r}; known: {', '.join(SCHEDULES)}") from None
 
 
+@check_arguments
 def make_schedule(
     schedule: str | Schedule | Sequence[Sequence[str]],
     num_stages: int,

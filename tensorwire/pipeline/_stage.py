@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _metrics
+from .._checks import check_arguments, check_bool
 from .._loops import elsewhere
 from ..errors import (
     BrokenResourceError,
@@ -84,7 +85,7 @@ from ..errors import (
 )
 from ..rpc._protocol import describe
 from ..tensors._device import Device, parse_device
-from ._part import Part, as_part
+from ._part import Part, as_part, check_loss
 from ._schedule import Action, Kind
 
 if TYPE_CHECKING:
@@ -172,6 +173,7 @@ class _Plan:
     prev_address: str | None
 
 
+@check_arguments
 class Stage:
     """Serve one pipeline stage on ``node``.
 
@@ -199,6 +201,10 @@ class Stage:
     ) -> None:
         if (part is None) == (build is None):
             raise ConfigurationError("give a Stage either part= or build=, not both or neither")
+        if build is not None and not callable(build):  # (it failed at the driver's connect, as a TypeError)
+            raise ConfigurationError(f"build= is a function build(rank, num_stages) -> part, not {build!r}")
+        check_loss(loss)
+        offload = check_bool("offload", offload)
         self.node = node
         self._build = build
         self._options = {"optimizer": optimizer, "loss": loss}

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from .._checks import check_int
+from .._checks import check_arguments, check_int
 from ..errors import ConfigurationError
 from ._protocol import safe_text
 
@@ -38,6 +38,7 @@ _U64 = (1 << 64) - 1  # byte limits are reported in uint64 fields (GetMethods' m
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+@check_arguments
 @dataclass(frozen=True, slots=True)
 class CallLimits:
     """Per-node bounds on the calls it serves (set with ``node.methods.limits = ...``).

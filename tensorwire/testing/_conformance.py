@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import check_arguments
 from .._node import start
 from .._onesided import _OPS_TAG
 from .._peer import Peer
@@ -72,6 +73,7 @@ def _refused(errors: type[BaseException] | tuple[type[BaseException], ...], mess
     raise AssertionError(message)
 
 
+@check_arguments
 @contextlib.asynccontextmanager
 async def connected_pair(
     transport: str, *, limits: Limits | None = None, check: str | None = None, **options: Any

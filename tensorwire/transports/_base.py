@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import _metrics
-from .._checks import check_int, check_seconds
+from .._checks import check_arguments, check_int, check_seconds
 from ..errors import ClosedResourceError, ProtocolError
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class Capabilities:
     tcp_only: bool = False
 
 
+@check_arguments
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Bounds that keep a node's memory and a peer's claims in check.

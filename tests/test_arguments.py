@@ -1,0 +1,178 @@
+"""A call of the API with arguments it does not take (an unknown option, a typo of one, a
+positional argument too many) raises ArgumentError, from the error tree: a ConfigurationError
+that names the valid options and the nearest one, and, as Python's own error for such a call
+is, a TypeError. The dataclasses' generated ``__init__`` raised a bare TypeError, as did
+``Node.connect``, ``Stage``, ``Pipeline.connect`` and the rest, while ``start(bogus=1)`` gave a
+ConfigurationError. Wrong kinds of values given to the pipeline's entry points are refused where
+they are given, not later on a stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire import ArgumentError, ConfigurationError, Limits, NodeConfig, TLSConfig, metrics, pipeline
+from tensorwire._checks import check_arguments
+from tensorwire.rpc import CallLimits
+from tensorwire.testing import connected_pair
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Layer:
+    def forward(self, x: Any) -> tuple[Any, None]:
+        return x, None
+
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        return grad
+
+
+# (what is called, how, the option misspelt in it, the valid option the error should suggest)
+UNKNOWN: list[tuple[str, Callable[[], object], str, str]] = [
+    ("NodeConfig", lambda: NodeConfig(lease_second=1.0), "lease_second", "lease_seconds"),
+    ("Limits", lambda: Limits(max_unexpcted=4), "max_unexpcted", "max_unexpected"),
+    ("TLSConfig", lambda: TLSConfig(cafile="ca.pem"), "cafile", "ca_file"),
+    ("CallLimits", lambda: CallLimits(max_concurent=2), "max_concurent", "max_concurrent"),
+    ("start", lambda: tensorwire.start(transport=("tcp",)), "transport", "transports"),
+    ("make_schedule", lambda: pipeline.make_schedule("gpipe", 2, 2, forwards_only=1), "forwards_only", "forward_only"),
+    ("FunctionPart", lambda: pipeline.FunctionPart(_Layer(), los=None), "los", "loss"),
+    ("split", lambda: pipeline.split(np.ones(4), microbatch=2), "microbatch", "microbatches"),
+    ("metrics.serve", lambda: metrics.serve(adress="127.0.0.1:0"), "adress", "address"),
+]
+
+
+@pytest.mark.parametrize(("what", "call", "given", "meant"), UNKNOWN, ids=[u[0] for u in UNKNOWN])
+def test_an_unknown_option_is_an_argument_error_that_lists_the_options(
+    what: str, call: Callable[[], object], given: str, meant: str
+) -> None:
+    with pytest.raises(ArgumentError) as info:
+        call()
+    err = info.value
+    assert isinstance(err, ConfigurationError) and isinstance(err, TypeError)  # `except TypeError` still works
+    text = str(err)
+    assert f"has no option {given!r} (did you mean {meant!r}?)" in text, text
+    assert meant in text.partition("its options are: ")[2], text
+
+
+def test_the_error_lists_every_valid_field() -> None:
+    with pytest.raises(ArgumentError, match="has no option 'bogus'; its options are: ") as info:
+        NodeConfig(bogus=1)  # type: ignore[call-arg]
+    listed = str(info.value).partition("its options are: ")[2].split(", ")
+    assert listed == [
+        "transports",
+        "auth_token",
+        "limits",
+        "connect_timeout",
+        "lease_seconds",
+        "checksum",
+        "tls",
+        "node_id",
+        "ucx_options",
+    ]
+    with pytest.raises(ArgumentError, match=r"'bogus'; its options are: cert_file, key_file, ca_file, require"):
+        TLSConfig(bogus=1)  # type: ignore[call-arg]
+    with pytest.raises(ArgumentError, match=r"start\(\) has no option 'bogus'; its options are: transports, "):
+        tensorwire.start(bogus=1)
+
+
+TOO_MANY: list[tuple[str, Callable[[], object]]] = [
+    ("NodeConfig", lambda: NodeConfig(*range(10))),  # type: ignore[arg-type]
+    ("Limits", lambda: Limits(*range(8))),  # type: ignore[arg-type]
+    ("TLSConfig", lambda: TLSConfig(None, None, None, False, None, None)),  # type: ignore[call-arg]
+    ("start", lambda: tensorwire.start("127.0.0.1:0", ("tcp",))),  # type: ignore[misc]
+    ("split", lambda: pipeline.split(np.ones(4), 2, 0)),  # type: ignore[call-arg]
+]
+
+
+@pytest.mark.parametrize(("what", "call"), TOO_MANY, ids=[t[0] for t in TOO_MANY])
+def test_a_positional_argument_too_many_is_an_argument_error_that_shows_the_signature(
+    what: str, call: Callable[[], object]
+) -> None:
+    with pytest.raises(ArgumentError, match=rf"^{what}\(\): too many positional arguments; it takes {what}\("):
+        call()
+
+
+async def test_the_node_and_pipeline_entry_points_say_what_they_take() -> None:
+    async with connected_pair("tcp") as (a, _b):
+        node = a.node
+        no_timeout = (
+            r"Node.connect\(\) has no option 'timeout' \(did you mean 'connect_timeout'\?\); its options are: add"
+        )
+        with pytest.raises(ArgumentError, match=no_timeout):
+            await node.connect(_b.node.address, timeout=1)  # type: ignore[call-arg]
+        with pytest.raises(ArgumentError, match=r"Node.connect\(\): too many positional .* Node.connect\(address, \*"):
+            await node.connect(_b.node.address, "tcp")  # type: ignore[misc]
+        with pytest.raises(ArgumentError, match=r"'max_args_bytes' \(did you mean 'max_arg_bytes'\?\)"):
+            node.method("m", max_args_bytes=1)  # type: ignore[call-arg]
+        with pytest.raises(ArgumentError, match=r"Node.expose\(\): too many positional arguments"):
+            node.expose(np.ones(3), "x")  # type: ignore[misc]
+        with pytest.raises(ArgumentError, match=r"Stage\(\) has no option 'bulid' \(did you mean 'build'\?\)"):
+            pipeline.Stage(node, bulid=lambda rank, n: _Layer())  # type: ignore[call-arg]
+        with pytest.raises(ArgumentError, match=r"Stage\(\): missing a required argument: 'node'"):
+            pipeline.Stage()  # type: ignore[call-arg]
+        with pytest.raises(ArgumentError, match=r"'connect_timout' \(did you mean 'connect_timeout'\?\)"):
+            await pipeline.Pipeline.connect(node, [_b.node.address], connect_timout=1)  # type: ignore[call-arg]
+        assert not node.methods  # nothing was registered by the refused Stage
+    with pytest.raises(ArgumentError, match=r"start\(\) has no option 'bogus'"):
+        async with connected_pair("tcp", bogus=1):
+            pass
+
+
+async def test_the_pipeline_refuses_values_of_the_wrong_kind_where_they_are_given() -> None:
+    """``build=5`` was taken and failed at the driver's connect as the stage's RemoteError
+    (TypeError: 'int' object is not callable), as did ``connect_timeout="x"``; ``offload="no"``
+    switched offloading on; ``loss=5`` failed on the last stage's first backward;
+    ``transports="tcp"`` asked for transports 't', 'c' and 'p'."""
+    async with connected_pair("tcp") as (a, b):
+        node = a.node
+        with pytest.raises(ConfigurationError, match="build= is a function build"):
+            pipeline.Stage(node, build=5)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="offload must be True or False, not 'no'"):
+            pipeline.Stage(node, _Layer(), offload="no")  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="loss= is a function"):
+            pipeline.Stage(node, _Layer(), loss=5)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="loss= is a function"):
+            pipeline.FunctionPart(_Layer(), loss="mse")  # type: ignore[arg-type]
+        assert not node.methods
+        async with pipeline.Stage(b.node, _Layer()):
+            with pytest.raises(ConfigurationError, match="connect_timeout must be a number of seconds"):
+                await pipeline.Pipeline.connect(node, [b.node.address], connect_timeout="x")  # type: ignore[arg-type]
+            with pytest.raises(ConfigurationError, match="transports is a sequence of names"):
+                await pipeline.Pipeline.connect(node, [b.node.address], transports="tcp")
+            async with await pipeline.Pipeline.connect(node, [b.node.address]) as pipe:
+                with pytest.raises(ArgumentError, match=r"'microbatch' \(did you mean 'microbatches'\?\)"):
+                    await pipe.forward(np.ones((4, 2)), microbatch=2)  # type: ignore[call-arg]
+                out = await pipe.forward(np.ones((4, 2)), microbatches=2)  # the pipeline is unharmed
+                assert np.array_equal(out, np.ones((4, 2)))
+
+
+def test_a_type_error_from_inside_a_call_that_fits_passes_unchanged() -> None:
+    """Only a call whose arguments do not fit becomes an ArgumentError: a TypeError the body
+    raises is the body's (a bug, or a deliberate one) and reaches the caller as it was."""
+
+    @check_arguments
+    def fails(x: int, *, y: int = 0) -> None:
+        raise TypeError("from the body")
+
+    with pytest.raises(TypeError, match=r"^from the body$") as info:
+        fails(1, y=2)
+    assert not isinstance(info.value, ArgumentError)
+    with pytest.raises(ArgumentError, match=r"fails\(\): missing a required argument: 'x'; it takes .*fails\(x, \*"):
+        fails()  # type: ignore[call-arg]
+
+
+def test_the_checked_api_keeps_its_signatures_and_kinds() -> None:
+    """help(), inspect and the README's signature check see the real parameters; a coroutine
+    function stays one."""
+    import inspect
+
+    assert str(inspect.signature(NodeConfig)).startswith("(transports: 'tuple[str, ...]' = ")
+    assert list(inspect.signature(tensorwire.Node.connect).parameters)[:2] == ["self", "address"]
+    assert inspect.iscoroutinefunction(tensorwire.Node.connect)
+    assert inspect.iscoroutinefunction(pipeline.Pipeline.connect)
+    assert inspect.iscoroutinefunction(pipeline.Pipeline.step)
+    assert NodeConfig(lease_seconds=2.0).lease_seconds == 2.0 and Limits(8192).recv_buffer_bytes == 8192
