@@ -29,7 +29,8 @@ complete against the exposed memory as it was.
 On transports without one-sided support (tcp, inproc) the same calls go through the owner's
 node: a small request on a reserved tag, answered by the owner's per-peer service, with the
 payload moving straight between the exposed memory and the requester's buffer (rendezvous
-for large tensors). Receipts say ``protocol="owner-assisted"`` so nobody mistakes it for RDMA.
+for large tensors). Receipts say ``protocol="owner-assisted"`` so nobody mistakes it for RDMA;
+a batch of handles of both kinds says ``"mixed"``, with a receipt per way (``Receipt.parts``).
 ``unexpose`` lets the requests being served from or into the tensor end before it lets the
 tensor go (``_Exposed.busy``): a write still being received lands until then, never after.
 A node keeps at most ``_MAX_ASKED`` such requests (and revocation notices) unanswered on one
@@ -813,18 +814,28 @@ def _receipt(
     staged: bool = False,
     *,
     counted: bool = True,
+    ways: tuple[Receipt, ...] = (),
 ) -> Receipt:
     """A one-sided operation's receipt, and its count in the metrics unless it moved nothing
     (``counted=False``: a batch of no handles); ``moved``: the channel's own, for an
-    owner-assisted one."""
-    receipt = _described(peer, protocol, nbytes, t0, packed, moved, memory, staged)
+    owner-assisted one. ``ways``: a batch that moved both ways (``_ways``), counted as them."""
+    receipt = _described(peer, protocol, nbytes, time.perf_counter() - t0, packed, moved, memory, staged, ways)
     if counted:
-        _metrics.transferred(op, receipt)
+        for r in ways or (receipt,):
+            _metrics.transferred(op, r)
     return receipt
 
 
 def _described(
-    peer: Peer, protocol: str, nbytes: int, t0: float, packed: bool, moved: Receipt | None, memory: str, staged: bool
+    peer: Peer,
+    protocol: str,
+    nbytes: int,
+    seconds: float,
+    packed: bool,
+    moved: Receipt | None,
+    memory: str,
+    staged: bool,
+    ways: tuple[Receipt, ...] = (),
 ) -> Receipt:
     ch = peer.channel
     if moved is not None:
@@ -839,18 +850,20 @@ def _described(
             packed=packed,
             staged=staged,
             memory=memory if memory != "host" else moved.memory,
-            seconds=time.perf_counter() - t0,
+            seconds=seconds,
+            parts=ways,
         )
     return Receipt(
         transport=ch.transport,
         lanes=ch.lanes,
         nbytes=nbytes,
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         protocol=protocol,
         direct=not packed and not staged,
         staged=staged,
         packed=packed,
         memory=memory,
+        parts=ways,
     )
 
 
@@ -876,12 +889,29 @@ def _one_sided(peer: Peer) -> str:
 
 
 def _protocol(peer: Peer, direct: list[Any], assisted: list[int]) -> str:
-    """What a receipt says: the owner took part in any of it, or in none."""
+    """What a receipt says: the owner took part in all of it, in none, or in some of it (a
+    batch of handles some of which move one-sided: "mixed", its ``parts`` saying how much went
+    each way, ``_ways``)."""
     if assisted:
-        return "owner-assisted"
+        return "mixed" if direct else "owner-assisted"
     if direct:
         return _one_sided(peer)
     return _one_sided(peer) if isinstance(peer.channel, OneSidedChannel) else "owner-assisted"  # an empty batch
+
+
+# what ``_described`` takes of one way of a batch: nbytes, seconds, packed, moved, memory, staged
+_Way = tuple[int, float, bool, Receipt | None, str, bool]
+
+
+def _ways(peer: Peer, one_sided: _Way, assisted: _Way) -> tuple[Receipt, Receipt]:
+    """A mixed batch's receipts, one for each way its handles moved: one-sided (the handles
+    whose lookup gave a key, ``h.direct``) and through the owner (the others), each with its
+    handles' bytes and its own time. (The batch's one receipt said "owner-assisted" alone, as
+    if the owner's CPU had served the one-sided part too.)"""
+    return (
+        _described(peer, _one_sided(peer), *one_sided),
+        _described(peer, "owner-assisted", *assisted),
+    )
 
 
 def _naming(handle: RemoteHandle) -> dict[str, Any]:
@@ -1261,6 +1291,7 @@ async def read_many(
             memory, staged = await _get_device(peer, handles, dests, direct, streams)
         else:
             await _move(peer, "get", [(state, dests[i].host(), handles[i].offset) for i, state in direct])
+    t1 = time.perf_counter()  # the one-sided part's end (a mixed batch's receipt times each part)
     done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
     try:
         for part in parts:
@@ -1282,18 +1313,39 @@ async def read_many(
         raise
     copies = [c for c in (d.staged() for d in dests) if c is not None]
     await copy_host(copies)  # (large ones in a copy thread)
+    t2 = time.perf_counter()
     # strided outs are packed: on the host by the copies above, on a device on a lane by _get_device
-    packed = bool(copies) or any(d.tensor is not None and d.tensor.unpack_to is not None for d in dests)
+    packed = bool(copies) or any(_unpacked(d) for d in dests)
     nbytes = sum(d.nbytes for d in dests)
     if memory == "host" and on_device:
         memory = next((_kind(d) for d in dests if d.target is None), "host")
     # device memory its owner serves left it through host staging buffers of the owner's (a
     # transport that moves such memory by pointer registers it, and the handle is direct): the
     # reply's receipt here tells only this side
-    staged = staged or any(handles[i].memory != "host" and handles[i].nbytes for i in assisted)
+    served_staged = any(handles[i].memory != "host" and handles[i].nbytes for i in assisted)
+    ways: tuple[Receipt, ...] = ()
+    if direct and assisted:
+
+        def way(places: list[int], seconds: float, moved: Receipt | None, staged: bool) -> _Way:
+            ds = [dests[i] for i in places]
+            memory = next((_kind(d) for d in ds if d.target is None), "host")
+            packed = any(d.staged() is not None or _unpacked(d) for d in ds)
+            return sum(d.nbytes for d in ds), seconds, packed, moved, memory, staged
+
+        gotten = [i for i, _ in direct]
+        ways = _ways(peer, way(gotten, t1 - t0, None, staged), way(assisted, t2 - t1, moved, served_staged))
     protocol = _protocol(peer, direct, assisted)
-    receipt = _receipt("read", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles))
+    staged = staged or served_staged
+    receipt = _receipt(
+        "read", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles), ways=ways
+    )
     return [d.value for d in dests], receipt if want_receipt else None
+
+
+def _unpacked(d: _Dest) -> bool:
+    """A device destination whose bytes landed in a buffer of ours and were unpacked into a
+    strided out= on a lane."""
+    return d.tensor is not None and d.tensor.unpack_to is not None
 
 
 def _by_pointer(peer: Peer, t: DeviceTensor) -> bool:
@@ -1409,7 +1461,7 @@ async def _assisted_read(
             raise
         try:
             try:
-                _, receipt = await receiving
+                _, receipt = await _reply(peer, receiving)
             except ShapeMismatchError:
                 answer = await peer._recv_own(tag=reply)  # not the tensors: the owner's error
                 if isinstance(answer, dict) and answer.get("error"):
@@ -1417,9 +1469,19 @@ async def _assisted_read(
                 raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
             except TensorWireError:
                 if peer.channel.state is ChannelState.OPEN:
-                    # the reply broke off on its way: the owner's error answer may follow
-                    # (``_serve_one``), and an unread one held the owner's service here for good
-                    _drain_later(peer, reply, room=room.pass_on())
+                    # The receive failed here with the channel up: the reply came whole and
+                    # could not be handed over (a device copy into dests that failed), or was
+                    # lost here. The owner answers with an error only when its send raised, and
+                    # a send that fails part way on an open channel is withdrawn, which this
+                    # receive waits through (taking that error answer itself, above): the owner
+                    # sent this reply whole, its service of the request is over, and nothing
+                    # more comes. So the place goes back now (the finally below); handed to the
+                    # drain it was lost for _DRAIN_SECONDS after every such failure, and 64 of
+                    # them in a minute stalled every owner-assisted operation on the channel.
+                    # The drain stays, without the place, for the one transport that tells an
+                    # owner its send failed after the receive took it (inproc: a copy into our
+                    # memory that failed part way): its error answer is taken, not left unread.
+                    _drain_later(peer, reply)
                 raise
         except asyncio.CancelledError:
             if not (receiving.done() and not receiving.cancelled() and receiving.exception() is None):
@@ -1429,6 +1491,41 @@ async def _assisted_read(
     finally:
         room.release()
     return receipt
+
+
+async def _reply(peer: Peer, receiving: asyncio.Future[tuple[Any, Receipt]]) -> tuple[Any, Receipt]:
+    """The receive of an owner-assisted read's reply, awaited until it ends or the channel does
+    (``Channel.ended``): then it is cancelled, waited for (it writes into the read's buffers
+    until it has ended), and the read raises what ended the channel, PeerDisconnected for the
+    owner's close, ClosedResourceError for our own, as a one-sided read does over ucx. A reply
+    that was whole before the close is still the read's (the cancel finds it done).
+
+    Without this, a reply landing in device memory whose consumer stream stayed busy outlived
+    its channel: inproc (and ucx, for device memory its owner serves) had it whole in host
+    memory of ours and handed it over once the stream freed, however long after the close (for
+    good, were the stream stuck), where a one-sided read over ucx raised at once. A recv keeps
+    such a message (messages that had fully arrived are still delivered), but a read is an
+    operation on the owner's memory, and ends with its channel on every transport. Copies
+    already queued behind the stream still run: out= may hold part of the bytes, as after any
+    read that failed part way. (Over tcp the reader, landing the reply, waits for the stream
+    before it can read the owner's close behind it: the channel ends at the lease then.)"""
+    ended = peer.channel.ended
+
+    def cut(_: asyncio.Future[None]) -> None:
+        receiving.cancel()
+
+    ended.add_done_callback(cut)
+    try:
+        return await receiving
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and not task.cancelling() and ended.done() and not ended.cancelled():
+            failure = ended.exception()
+            if failure is not None:  # (our own cancel, not the caller's)
+                raise failure from None
+        raise
+    finally:
+        ended.remove_done_callback(cut)
 
 
 async def _call_off(task: asyncio.Future[Any]) -> None:
@@ -1515,16 +1612,20 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         raise ConfigurationError(f"{len(handles)} handles but {len(srcs)} sources")
     _check_handles(handles)
     arrays: list[np.ndarray | DeviceSource] = []
-    copied = False  # a source is a copy of tensorwire's already (a torch conj or neg view, resolved)
+    # each source's bytes go from a copy: packed into C order, or a copy of tensorwire's already
+    # (a torch conj or neg view, resolved)
+    packs: list[bool] = []
     for h, src in zip(handles, srcs, strict=True):
+        copied = False
         if type(src) is np.ndarray:
             arr: np.ndarray | DeviceSource = src
         else:
             view = as_view(src)
             arr = view.array if view.dev is None else view.dev
-            copied = copied or bool(view.copied)
+            copied = bool(view.copied)
         _check_against(h, arr, "the source")
         arrays.append(arr)
+        packs.append(copied or not (arr.flags.c_contiguous if isinstance(arr, np.ndarray) else arr.contiguous))
     _refuse_overlapping_writes(handles)
     direct, assisted = _split(peer, handles)
     # every handle before anything moves: the owner refused a read-only one only when the
@@ -1538,7 +1639,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
     # stream's event here, not after the awaits below (by then another stream may be current)
     parts = _parts(peer, handles, assisted, "write")
     preparing = [prepare_off_loop([srcs[i] for i in part]) for part in parts]
-    packed = copied or any(not a.flags.c_contiguous if isinstance(a, np.ndarray) else not a.contiguous for a in arrays)
+    packed = any(packs)
     # device sources: their bytes in C order, after an event on the producer's stream, now, at
     # the call (before the awaits below: the work the caller queues on that stream meanwhile is
     # not this write's to wait for)
@@ -1576,6 +1677,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         for jobs in down.values():
             await _scatter(peer, jobs)
         staged = bool(down)
+    t1 = time.perf_counter()  # the one-sided part's end (a mixed batch's receipt times each part)
     done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
     for part, msg in zip(parts, outgoing, strict=True):
         before = _before("write", done, len(handles))
@@ -1583,8 +1685,20 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
         moved = _and_then(moved, sent)
         done += part
     nbytes = sum(a.nbytes for a in arrays)
+    ways: tuple[Receipt, ...] = ()
+    if direct and assisted:
+
+        def way(places: list[int], seconds: float, moved: Receipt | None, memory: str, staged: bool) -> _Way:
+            return sum(arrays[i].nbytes for i in places), seconds, any(packs[i] for i in places), moved, memory, staged
+
+        put = [i for i, _ in direct]
+        ways = _ways(
+            peer, way(put, t1 - t0, None, memory, staged), way(assisted, time.perf_counter() - t1, moved, "host", False)
+        )
     protocol = _protocol(peer, direct, assisted)
-    return _receipt("write", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles))
+    return _receipt(
+        "write", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles), ways=ways
+    )
 
 
 def _packed(src: np.ndarray, handle: RemoteHandle) -> np.ndarray:

@@ -164,8 +164,9 @@ async def test_a_recv_on_a_busy_stream_leaves_staging_chunks_to_other_channels(
     closed (``closed``). Before, those chunks went back to the pool with their copies still
     queued, and the other recv waited for the busy stream (for good, were it stuck). The first
     recv gets its message whole once the stream frees, unless the close ended it: over tcp
-    (still landing it) and a staged ucx read (still getting it); inproc and ucx's recv had it
-    whole in host memory of theirs."""
+    (still landing it), and a read on every path (a read ends with its channel, even one whose
+    answer inproc had whole in host memory of its own); inproc's and ucx's recv had it whole in
+    host memory of theirs."""
     data = _data(CHUNK * DEPTH * 2 + 5)  # twice the staging ring
     limits = Limits(recv_buffer_bytes=1 << 20)
     with busy_stream(engine) as (stream, gate):
@@ -184,7 +185,7 @@ async def test_a_recv_on_a_busy_stream_leaves_staging_chunks_to_other_channels(
             await eventually(lambda: engine.max_queued >= 1)  # its copies up queued behind the stream
             await asyncio.sleep(0.05)  # (and as many more as it queues)
             assert not first.done(), f"the {op} did not wait for its consumer stream"
-            ended = closed and (transport == "tcp" or (transport == "ucx" and op == "read"))
+            ended = closed and (transport == "tcp" or op == "read")
             if closed:
                 await b.aclose()
             if ended:
@@ -209,13 +210,14 @@ async def test_a_recv_on_a_busy_stream_leaves_staging_chunks_to_other_channels(
 
 # -- a one-sided read or write waiting for its stream ------------------------------------------
 _ONE_SIDED_CASES = [
-    # owner-assisted writes go as sends do (their wait ended with the channel already); reads
-    # there are recvs of the owner's answer, which a message whole before a close still reaches
-    *(pytest.param(t, False, "write", id=f"{t}-write") for t in ("tcp", "inproc")),
+    # owner-assisted over tcp and inproc, and over ucx for device memory its owner serves
+    # ("served-read": ucx registers no host-engine memory, as it registers no CUDA memory
+    # without cuda lanes): a write goes as a send does; a read receives the owner's answer
+    *(pytest.param(t, False, op, id=f"{t}-{op}") for t in ("tcp", "inproc") for op in ("read", "write")),
     *(
         pytest.param("ucx", by_pointer, op, id=f"ucx-{'pointer' if by_pointer else 'staged'}-{op}", marks=_UCX)
         for by_pointer in (False, True)
-        for op in ("read", "write")
+        for op in ("read", "write", "served-read")
     ),
 ]
 
@@ -231,18 +233,23 @@ async def test_a_one_sided_operation_waiting_for_its_stream_ends_with_its_channe
     while the stream is still busy, and a write's bytes never reach the owner's tensor. Over
     ucx it used to wait for the stream (for good, were it stuck): by pointer before posting,
     staged before its copies down (a write) or before reusing a chunk whose copies up wait for
-    the consumer's stream (a read of more than the staging ring)."""
+    the consumer's stream (a read of more than the staging ring). An owner-assisted read (its
+    answer more than the staging ring) waited for the stream over inproc and ucx whoever
+    closed, and then returned the answer whole; over tcp, our own close ended it. Over tcp the
+    owner's close is seen at the lease (3 s): the reader, landing the answer, waits for the
+    stream before it can read the close behind it."""
     n = CHUNK * DEPTH * 2 + 5
+    served = op == "served-read"
     with busy_stream(engine) as (stream, gate):
         async with connected_pair(transport) as (a, b):
             if by_pointer:
                 host_engine_by_pointer(b)
             target = np.zeros(n, np.uint8)
-            a.node.expose(target, name="t")
+            a.node.expose(EngineArray(engine, target) if served else target, name="t")
             h = await b.lookup("t")
-            assert h.direct == (transport == "ucx"), h
+            assert h.direct == (transport == "ucx" and not served), h
             dev = EngineArray(engine, _data(n), stream=stream)
-            task = asyncio.ensure_future(b.read(h, out=dev) if op == "read" else b.write(h, dev))
+            task = asyncio.ensure_future(b.write(h, dev) if op == "write" else b.read(h, out=dev))
             await asyncio.sleep(0.05)
             assert not task.done(), f"a {op} did not wait for its stream's earlier work"
             await {"peer": a.aclose, "peer-node": a.node.aclose, "own": b.aclose, "own-node": b.node.aclose}[closer]()

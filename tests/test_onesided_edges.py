@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import tracemalloc
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +14,10 @@ from _polling import eventually
 
 import tensorwire
 from tensorwire import _onesided
+from tensorwire.memory import HostEngine
+from tensorwire.tensors import EngineArray
 from tensorwire.testing import connected_pair
+from tensorwire.transports import ChannelState
 from tensorwire.transports._credit import OWN_TAGS, own_slots
 
 
@@ -60,6 +65,53 @@ async def test_an_answer_that_comes_after_the_drain_gave_up_is_still_taken(
                 await asyncio.sleep(0.01)
         a.node.expose(dst, name="y")
         assert np.array_equal(await b.read(await b.lookup("y")), dst)
+
+
+class _CopiesUpFail(HostEngine):
+    """A device whose copies to it fail as they are queued (on a GPU: a CUDA error)."""
+
+    def _new_lane(self) -> Any:
+        lane = super()._new_lane()
+
+        def refuse(*_: object) -> None:
+            raise RuntimeError("copy refused")
+
+        lane.to_device = refuse  # type: ignore[method-assign]
+        return lane
+
+
+_UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["inproc", pytest.param("ucx", marks=_UCX)])
+async def test_a_read_whose_answer_fails_here_gives_its_place_back_at_once(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An owner-assisted read whose answer came whole but could not be copied into its device
+    out= fails with the channel up. The owner sent all of it and answers nothing more, but the
+    read's place among the channel's unanswered requests (``_MAX_ASKED``, 1 here) went to a drain
+    of an error answer that never comes, for _DRAIN_SECONDS (60 s): the next read waited that
+    long. (Over tcp such a copy fails the channel's reader, and the channel with it.) Over ucx
+    the owner serves device memory (ucx registers no host-engine memory without cuda lanes)."""
+    monkeypatch.setattr(_onesided, "_MAX_ASKED", 1)
+    failing, owners = _CopiesUpFail(), HostEngine()
+    try:
+        async with connected_pair(transport) as (a, b):
+            src = np.arange(1 << 16, dtype=np.uint8)
+            a.node.expose(EngineArray(owners, src) if transport == "ucx" else src, name="x")
+            h = await b.lookup("x")
+            assert not h.direct, h
+            async with asyncio.timeout(10):
+                with pytest.raises(tensorwire.TransferError, match="copy refused"):
+                    await b.read(h, out=EngineArray(failing, np.zeros_like(src)))
+                assert b.channel.state is ChannelState.OPEN
+                assert np.array_equal(await b.read(h), src)  # its place was free
+            assert _onesided._askings(b).asked == 0
+            assert not b.channel.mailbox._arrived and not a.channel.mailbox._arrived
+    finally:
+        failing.close()
+        owners.close()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])

@@ -14,7 +14,7 @@ from tensorwire.memory import HostEngine
 from tensorwire.metrics import snapshot
 from tensorwire.tensors._device import EngineArray
 from tensorwire.testing import connected_pair
-from tensorwire.testing._conformance import _counted
+from tensorwire.testing._conformance import _counted, _labels
 
 pytestmark = pytest.mark.timeout(60)
 TRANSPORTS = ["tcp", "inproc"] + (["ucx"] if importlib.util.find_spec("ucxx") is not None else [])
@@ -45,6 +45,9 @@ async def test_an_owner_served_device_exposure_says_staged(transport: str) -> No
             owner = _counted(before, snapshot(), "recv")
             assert (kv[:32] == 5).all() and (kv[32:] != 5).all()
             for what, r in said.items():
+                if what == "batch" and hh.direct:  # a mixed batch over ucx: its served part (test below)
+                    assert r.protocol == "mixed", r
+                    r = r.parts[1]
                 assert r.protocol == "owner-assisted" and r.staged and not r.direct and r.memory == "host", (what, r)
             # the owner counted its own recv of the write's bytes as staged too
             assert any(staged and n == 32 * 256 * 4 for (_, _, _, _, staged, _), (_, n) in owner.items()), owner
@@ -52,6 +55,52 @@ async def test_an_owner_served_device_exposure_says_staged(transport: str) -> No
             wrote = await b.write(hh, kv)
             for r in (host, wrote):
                 assert not r.staged and (r.direct or r.protocol != "owner-assisted"), r
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif("ucx" not in TRANSPORTS, reason="ucxx is not installed")
+async def test_a_batch_that_moves_both_ways_says_how_much_went_each_way() -> None:
+    """Over ucx a host exposure moves one-sided and a device one is served by its owner (ucx
+    registers no host-engine memory, as it registers no CUDA memory without cuda lanes). A
+    batch of both, read or written, said "owner-assisted" for all of it, and the metrics counted
+    the one-sided bytes as the owner's CPU's. It says "mixed" now, its parts say how each way
+    went (the one-sided part first) and with how many bytes, and the metrics count each part
+    under its own protocol. A batch that moves one way has no parts."""
+    engine = HostEngine()
+    try:
+        async with connected_pair("ucx") as (a, b):
+            kv = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+            dkv = kv + 0.5
+            a.node.expose(EngineArray(engine, dkv), name="dkv")
+            a.node.expose(kv, name="hkv")
+            hd, hh = await b.lookup("dkv"), await b.lookup("hkv")
+            assert hh.direct and not hd.direct, (hh, hd)
+            one = "one-sided" if b.channel.one_sided_direct else "one-sided-emulated"
+            row = 256 * 4
+            before = snapshot()
+            got, r = await b.read_many_with_receipt([hh[0:32], hd[40:64], hh[32:40]])
+            counted = _counted(before, snapshot(), "read")
+            assert np.array_equal(np.concatenate([got[0], got[2]]), kv[:40]) and np.array_equal(got[1], dkv[40:64])
+            assert r.protocol == "mixed" and r.nbytes == 64 * row and r.staged and not r.direct, r
+            assert [(p.protocol, p.nbytes) for p in r.parts] == [(one, 40 * row), ("owner-assisted", 24 * row)], r
+            assert r.parts[0].direct and not r.parts[0].staged, r  # straight into the buffers allocated
+            assert r.parts[1].staged and not r.parts[1].direct, r  # through the owner's staging buffers
+            assert counted == {_labels(p, "one-sided"): (1, p.nbytes) for p in r.parts}, counted
+            before = snapshot()
+            w = await b.write_many([hh[0:8], hd[8:10]], [-kv[0:8], -dkv[8:10]])
+            counted = _counted(before, snapshot(), "write")
+            assert (kv[0:8] <= 0).all() and (dkv[8:10] < 0).all() and (kv[8:] > 0).all()
+            assert w.protocol == "mixed" and [(p.protocol, p.nbytes) for p in w.parts] == [
+                (one, 8 * row),
+                ("owner-assisted", 2 * row),
+            ], w
+            assert w.parts[0].direct and w.parts[1].staged, w
+            assert counted == {_labels(p, "one-sided"): (1, p.nbytes) for p in w.parts}, counted
+            _, same = await b.read_many_with_receipt([hh[0:2], hh[4:5]])
+            assert same.protocol == one and same.parts == (), same
+            _, same = await b.read_many_with_receipt([hd[0:2], hd[4:5]])
+            assert same.protocol == "owner-assisted" and same.parts == (), same
     finally:
         engine.close()
 

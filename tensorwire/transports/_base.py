@@ -148,6 +148,10 @@ class Receipt:
         order, or a torch view with the conj or neg bit resolved (never ``direct`` then).
     memory: "cuda" if the tensors were (sending) or are now (receiving) in CUDA memory, else
         "host"; with ``staged`` such bytes went through host staging buffers of tensorwire's.
+    parts: a one-sided batch (``read_many``, ``write_many``) whose handles moved in different
+        ways, some one-sided and some served by their owner (``protocol="mixed"``): one receipt
+        per way, the one-sided part first, each with its handles' bytes and flags (which handle
+        went which way is its ``direct``). Empty for every other transfer.
 
     Not frozen: one is built per message, and a frozen dataclass's ``__init__`` costs about
     four times as much (every field through ``object.__setattr__``). Treat it as read-only.
@@ -162,6 +166,7 @@ class Receipt:
     staged: bool
     packed: bool
     memory: str = "host"
+    parts: tuple[Receipt, ...] = ()
 
     @property
     def gbps(self) -> float:
