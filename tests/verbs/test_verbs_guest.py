@@ -7,7 +7,9 @@ The guest is emulated (qemu TCG), so control-plane wall-clock limits are scaled 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import ipaddress
+import mmap
 import os
 import shutil
 import signal
@@ -19,15 +21,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire.errors import PeerDisconnected, ProtocolError, RegistrationError, TensorWireError, TransferError
+from tensorwire.tensors import prepare
 from tensorwire.testing import connected_pair
-from tensorwire.transports import ChannelState
+from tensorwire.transports import ChannelState, Limits
+from tensorwire.transports._credit import OWN_TAGS
 from tensorwire.transports._remote import unpack_remote_key
 from tensorwire.transports.verbs import RemoteKey, VerbsChannel, VerbsTransport, choose_port, dmabuf_status
 from tensorwire.transports.verbs._channel import RESERVE, _Out
-from tensorwire.transports.verbs._wire import Kind
+from tensorwire.transports.verbs._wire import Flag, Kind
 
 MiB = 1 << 20
 EMULATED = {"lease_seconds": 30.0, "connect_timeout": 60.0}
@@ -268,6 +273,44 @@ async def test_frag_frames_of_ever_new_messages_break_the_channel() -> None:
         assert ca.stats["frames_in"] - before <= 3, ca.stats  # broken at the second message's first frame
 
 
+async def test_a_peer_parking_more_user_messages_than_max_unexpected_breaks_the_channel() -> None:
+    """A hostile peer whose MSG frames go around its send window: the user's messages may hold
+    max_unexpected of the receiver's slots, tensorwire's own the rest, and one user message past
+    that share is a ProtocolError while slots are still free (as over tcp and ucx:
+    tests/test_hostile.py)."""
+    m = 8
+    async with connected_pair("verbs", limits=Limits(max_unexpected=m), **EMULATED) as (a, b):
+        ca, cb = a.channel, b.channel
+        assert isinstance(ca, VerbsChannel) and isinstance(cb, VerbsChannel)
+        x = np.arange(4, dtype=np.int64)
+        header = prepare(x).header
+        body = header + x.tobytes()
+
+        def park(n: int, tag: int) -> None:
+            for _ in range(n):
+                cb._next_id += 1
+                cb._send_body(
+                    Kind.MSG,
+                    body,
+                    flags=Flag.INLINE,
+                    nseg=0,
+                    meta_len=len(header),
+                    msg_id=cb._next_id,
+                    tag=tag,
+                    nbytes=x.nbytes,
+                )
+
+        before = ca.stats["frames_in"]
+        park(m, tag=5)  # the user's whole share
+        park(m // 2, tag=OWN_TAGS[0])  # and some of the slots kept for tensorwire's own
+        await eventually(lambda: ca.stats["frames_in"] - before >= m + m // 2, seconds=30)
+        assert ca.state is ChannelState.OPEN
+        park(1, tag=5)
+        await eventually(lambda: ca.state is not ChannelState.OPEN, seconds=30)
+        assert isinstance(ca.mailbox.failure, ProtocolError), ca.mailbox.failure
+        assert f"more than {m} user messages" in str(ca.mailbox.failure)
+
+
 async def test_a_get_cancelled_while_the_channel_closes_waits_for_its_reads() -> None:
     """A get cancelled while aclose() waits for its BYE to go returns only once no RDMA READ
     can write into its buffer (the queue pair is destroyed), and none of its queued READs is
@@ -370,6 +413,71 @@ async def test_closing_while_the_peer_reads_a_send_lets_the_send_finish() -> Non
         )
         arrived = isinstance(got, np.ndarray) and np.array_equal(got, src)
         assert isinstance(sent, tensorwire.Receipt) and arrived, f"send said {sent!r}, recv got {got!r}"
+
+
+def _resident(address: int, length: int) -> float:
+    """The share of the pages of ``[address, address + length)`` in memory now (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    start = address & ~(page - 1)
+    pages = (address + length - start + page - 1) // page
+    vec = np.zeros(pages, np.uint8)
+    if libc.mincore(start, address + length - start, vec.ctypes.data) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return float(np.mean(vec & 1))
+
+
+async def test_memory_rdma_writes_into_is_faulted_in_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registering memory for RDMA to write into faults in every page of it never written, and
+    ibv_reg_mr does that holding the GIL: on the event loop, for the whole buffer at once. In
+    this guest a 64 MiB recv without out= held the receiver's loop 0.76 s of its 5.4 s (a new
+    buffer of the channel's own each time), and a fresh 256 MiB out= would hold it 3.5 s.
+    Such memory is now faulted in by a worker thread first: when it is registered its pages are
+    there (before: about none of them), for a recv without out=, a recv into a fresh out=, and a
+    one-sided read into a fresh out=; and the bytes arrive whole."""
+    n = 32 * MiB
+    x = (np.arange(n) % 251).astype(np.uint8)
+    async with _pair() as (a, b):
+        mem = _transport(b).memory
+        assert mem is not None
+        register = mem._register
+        seen: list[tuple[str, float]] = []  # (what, share of its pages in memory as it was registered)
+        what = ["?"]
+
+        def watched(address: int, length: int, access: int) -> object:
+            if length >= n:
+                seen.append((what[0], _resident(address, length)))
+            return register(address, length, access)
+
+        monkeypatch.setattr(mem, "_register", watched)
+        posted = b.channel.mailbox.has_posted
+        tid = 7
+
+        what[0] = "recv without out="
+        recv = asyncio.ensure_future(b.recv(tag=tid))
+        await eventually(lambda: posted(tid))
+        await a.send(x, tag=tid)
+        assert np.array_equal(await recv, x)
+
+        what[0] = "recv into a fresh out="
+        out = np.empty(n, np.uint8)
+        rr = asyncio.ensure_future(b.recv_with_receipt(tag=tid, out=out))
+        await eventually(lambda: posted(tid))
+        await a.send(x, tag=tid)
+        got, receipt = await rr
+        assert got is out and receipt.direct and np.array_equal(out, x), receipt
+
+        what[0] = "one-sided read into a fresh out="
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        fresh = np.empty(n, np.uint8)
+        await b.read(h, out=fresh)
+        assert np.array_equal(fresh, x)
+
+        kinds = ["recv without out=", "recv into a fresh out=", "one-sided read into a fresh out="]
+        assert [w for w, _ in seen] == kinds, seen
+        assert all(share > 0.99 for _, share in seen), f"registered with its pages yet to be faulted in: {seen}"
 
 
 _CHILD = """

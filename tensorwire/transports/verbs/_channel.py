@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._loops import wait_out
 from ...errors import (
     BrokenResourceError,
     ClosedResourceError,
@@ -55,7 +56,7 @@ from .._credit import FLUSH_DELAY, ReceiveBudget, SendWindow
 from .._frames import PeerLimits
 from .._mailbox import Arrival
 from .._order import SendOrder, Turn
-from ._memory import MemoryCache, Region
+from ._memory import FAULT_IN_BYTES, MemoryCache, Region, fault_in
 from ._queue import WC_FLUSH, WC_RETRY_EXC, WC_RNR_RETRY_EXC, QueuePair, wc_status_name
 from ._verbs import pv
 from ._wire import FRAME, SEG, Flag, Kind, check_flags, kind_of
@@ -633,18 +634,49 @@ class VerbsChannel(Channel):
             self._read(entry)
 
     def _read(self, entry: _Incoming) -> None:
-        """RDMA READ the sender's segments into ``arrival.dest``; FIN when all have landed."""
+        """RDMA READ the sender's segments into ``arrival.dest``; FIN when all have landed.
+
+        Memory not registered yet that the READs land in is faulted in by a worker thread first
+        (``_faulting_in``), and the message counts as being read meanwhile. Registering it on
+        the loop faulted it in there: a 64 MiB recv without ``out=`` held the loop 0.76 s of
+        its 5.4 s in the emulated guest, and the longer the larger the message."""
         arrival = entry.arrival
         self._waiting.pop(arrival.msg_id, None)
         assert arrival.dest is not None
         try:
             dests = [_host(a) for a in arrival.dest if a.nbytes]
+        except TensorWireError as exc:
+            self._read_failed(entry, exc)
+            return
+        self._incoming[arrival.msg_id] = entry
+        faulting = self._faulting_in(dests)
+        if faulting is None:
+            self._post_reads(entry, dests)
+        else:
+            faulting.add_done_callback(lambda _: self._post_reads(entry, dests))
+
+    def _faulting_in(self, arrays: list[np.ndarray]) -> asyncio.Future[None] | None:
+        """A worker thread faulting in ``arrays``, memory for RDMA to write into, where
+        registering them would fault it in on the loop (large, not registered yet): its future;
+        None where registering them now is cheap. It never fails."""
+        fresh = [a for a in arrays if a.nbytes >= FAULT_IN_BYTES and not self._mem.cached(a, self._write_access)]
+        if not fresh:
+            return None
+        try:
+            return self._loop.run_in_executor(None, fault_in, fresh)
+        except RuntimeError:  # (no worker threads any more: the interpreter is exiting)
+            return None
+
+    def _post_reads(self, entry: _Incoming, dests: list[np.ndarray]) -> None:
+        arrival = entry.arrival
+        if self._incoming.get(arrival.msg_id) is not entry or self.state is not ChannelState.OPEN:
+            return  # the channel shut while the memory was faulted in (and failed it), or is closing (it will)
+        try:
             for a in dests:
                 entry.regions.append(self._mem.acquire(a, self._write_access))
         except TensorWireError as exc:
             self._read_failed(entry, exc)
             return
-        self._incoming[arrival.msg_id] = entry
         pieces = []
         di, doff, si, soff = 0, 0, 0, 0
         while di < len(dests) and si < len(entry.segs):
@@ -829,6 +861,11 @@ class VerbsChannel(Channel):
                 work.append((ptr, n, remote_addr, rkey, keep))
         if not work:
             return
+        if read:  # (its local memory is written: fault it in off the loop, as _read does)
+            faulting = self._faulting_in(list({id(keep): keep for *_, keep in work}.values()))
+            if faulting is not None:
+                await wait_out(faulting)
+                self.check_open()
         regions = []
         fut: asyncio.Future[None] = self._loop.create_future()
         pending = [0]
