@@ -6,6 +6,7 @@
 #   BUDGET=390 bash scripts/gpu_check.sh                   # seconds for the whole check (default)
 #   STEPS="p2p tests kv pack" bash scripts/gpu_check.sh    # which steps, in this order (default)
 #   STEPS=tests LF=1 bash scripts/gpu_check.sh             # a warm rerun of the tests that failed
+#   STEPS=tests FF=1 bash scripts/gpu_check.sh             # ... of all of them, those that failed first
 #   XDIST=1 bash scripts/gpu_check.sh                      # the tests in one process (default 4)
 #   STEPS=tests TESTS=tests/gpu/test_cuda_ucx.py bash scripts/gpu_check.sh   # some tests only
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
@@ -92,7 +93,8 @@ EOF
 echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-(unset)}"
 
 deps() { "$PY" scripts/gpu_deps.py "$@"; }  # missing | wheels DIR...: what to install (see there)
-online() { "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; }
+# (the name lookup has no time limit of its own: a DNS server that drops queries took 10-30 s)
+online() { timeout 5 "$PY" -c 'import socket; socket.create_connection(("pypi.org", 443), timeout=3).close()' 2>/dev/null; }
 
 echo "== dependencies"
 "$PY" -c 'import pytest; print("pytest", pytest.__version__)'
@@ -202,16 +204,23 @@ step_p2p() { bench "$1" tensorwire-gpu-p2p.log gpu_p2p.py ${P2P_ARGS:-}; }
 # the warnings summary instead of failing every test that meets them on this one run;
 # STRICT_WARNINGS=1 keeps them errors, as pyproject.toml has it.
 # With pytest-xdist (the GPU image has it) the tests run in XDIST processes (default 4) that share
-# the GPU: its 16 cores sit idle otherwise, and no test asserts a time. The cache (last-failed)
-# lives in /tmp, so that LF=1 on a warm machine reruns only what failed.
+# the GPU: its 16 cores sit idle otherwise, and no test asserts a time (the two tests that take
+# most of the device's memory take turns: tests/gpu/_gpu_skip.py's lock). The cache (last-failed)
+# lives in /tmp, so that LF=1 on a warm machine reruns only what failed, and FF=1 all of them,
+# what failed first: after a step that ran out of time, --lf would skip every test the step never
+# reached or finished (pytest counts only the failed ones). torch's warning that a
+# thread had no current CUDA context (a fresh thread on cuda:0, its first cuBLAS call: torch sets
+# the context itself and says so once) is shown, not an error, as the deprecations are.
 step_tests() {
     # shellcheck disable=SC2206
     local args=(-m gpu ${TESTS:-tests/} -v -ra -o cache_dir=/tmp/tensorwire-pytest-cache --continue-on-collection-errors
         --durations=10)
     "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout="${T_TEST:-60}")
-    [ "${STRICT_WARNINGS:-0}" = 1 ] || args+=(-W default::DeprecationWarning -W default::FutureWarning)
+    [ "${STRICT_WARNINGS:-0}" = 1 ] || args+=(-W default::DeprecationWarning -W default::FutureWarning
+        -W "default:Attempting to run cuBLAS:UserWarning")
     [ "${XDIST:-4}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null && args+=(-n "${XDIST:-4}")
     [ "${LF:-0}" = 1 ] && args+=(--lf)
+    [ "${FF:-0}" = 1 ] && args+=(--ff)
     echo "== GPU tests: $PY -m pytest ${args[*]} (limit ${1}s)"
     timeout -s INT -k 10 "$1" "$PY" -m pytest "${args[@]}" 2>&1 | tee "$LOGS/tensorwire-gpu-tests.log" \
         | grep --line-buffered -v -E '(^| )PASSED( |$)|^[^ ]*::[^ ]+ $'
@@ -266,7 +275,7 @@ result() { # a step's outcome in words, with its time
     case "${RC[$1]}" in
         skipped) echo "not run: the budget ran out" ;;
         unknown) echo "no such step" ;;
-        124) echo "ran out of its ${SPENT[$1]} s (exit 124)" ;;
+        124 | 137) echo "ran out of its ${SPENT[$1]} s (exit ${RC[$1]})" ;;  # 137: killed 10 s after
         *) echo "exit ${RC[$1]}, ${SPENT[$1]} s" ;;
     esac
 }
@@ -282,7 +291,9 @@ if ran tests; then
     # the warnings let through above (by kind), and a crash or a test out of time
     sed -n '/warnings summary/,/-- Docs/p' "$LOGS/tensorwire-gpu-tests.log" | grep -E '[A-Za-z]+Warning' | sort | uniq -c | head -15
     grep -E -m5 '^(Fatal Python error|\+* Timeout \+*)' "$LOGS/tensorwire-gpu-tests.log"
-    [ "${RC[tests]}" -eq 124 ] && echo "tests ran out of time in: $(unfinished "$LOGS/tensorwire-gpu-tests.log")"
+    case "${RC[tests]}" in
+        124 | 137) echo "tests ran out of time in: $(unfinished "$LOGS/tensorwire-gpu-tests.log")" ;;
+    esac
 fi
 if ran kv; then
     echo "kv_rows:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-kv.log" || echo 'no device line') ($(result kv))"
@@ -308,8 +319,15 @@ if [ ${#failed[@]} -eq 0 ]; then
 fi
 echo "GPU CHECK: FAIL (steps not passed: ${failed[*]})"
 if [ ${#rerun[@]} -gt 0 ]; then
-    lf=""
-    [[ " ${rerun[*]} " == *" tests "* ]] && [ "${RC[tests]}" != skipped ] && lf=" LF=1"
+    lf=""  # the tests again: those that failed (LF=1), or all, failed first (FF=1), where the step ran
+    # out of time before it reached some (--lf would leave those out)
+    if [[ " ${rerun[*]} " == *" tests "* ]]; then
+        case "${RC[tests]}" in
+            skipped) ;;
+            124 | 137) lf=" FF=1" ;;
+            *) lf=" LF=1" ;;
+        esac
+    fi
     echo "rerun on this warm machine: STEPS=\"${rerun[*]}\"$lf bash scripts/gpu_check.sh"
 fi
 exit 1

@@ -110,7 +110,8 @@ def test_gpu_check_starts_no_step_the_budget_cannot_hold_and_says_how_to_rerun(t
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="p2p tests" bash scripts/gpu_check.sh'), out
 
 
-def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_the_failed(tmp_path: Path) -> None:
+@pytest.mark.timeout(240)  # two runs of the check, each with a step of 20 s and its 10 s of grace
+def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_them(tmp_path: Path) -> None:
     # with the stand-in the pack tests see a device and fail; a test of ours sleeps past the step
     hang = tmp_path / "test_hang.py"
     hang.write_text(
@@ -133,4 +134,11 @@ def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_the_fail
     running = re.search(r"^tests ran out of time in: (.*)$", out, re.M)
     assert running and running[1].endswith("::test_sleeps_past_the_step"), out
     assert "GPU CHECK: FAIL (steps not passed: tests)" in out
-    assert out.rstrip().endswith('rerun on this warm machine: STEPS="tests" LF=1 bash scripts/gpu_check.sh'), out
+    # the step ran out of time: the rerun takes every test, those that failed first (LF=1, pytest's
+    # --lf, left out each test the step had not finished, the sleeper here, for good)
+    assert out.rstrip().endswith('rerun on this warm machine: STEPS="tests" FF=1 bash scripts/gpu_check.sh'), out
+    again = _check(tmp_path, one_gpu=True, STEPS="tests", FF="1", TESTS=tests, XDIST="2", T_TESTS="20", MIN_STEP="20")
+    out = again.stdout
+    assert re.search(r"^== GPU tests: .* --ff .*\(limit 20s\)$", out, re.M), out
+    running = re.search(r"^tests ran out of time in: (.*)$", out, re.M)
+    assert running and running[1].endswith("::test_sleeps_past_the_step"), "the rerun left out the unfinished test"

@@ -340,6 +340,49 @@ def test_cuda_events_are_recorded_and_waited_for_with_their_device_current(monke
     assert rt.current == 0  # and the caller's device is current again
 
 
+async def test_the_cuda_engines_poller_thread_makes_its_device_current_before_it_queries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The thread that polls a waited-for event starts with device 0 current, as every new thread
+    does; its first cudaEventQuery would make GPU 0's context current there, giving a process that
+    uses only cuda:1 a context (half a GiB) on GPU 0. The engine's device is made current first."""
+    import threading
+    import types
+
+    from tensorwire.memory import _cuda
+
+    loop_thread = threading.get_ident()
+
+    class Runtime(_FakeCudaRuntime):
+        def __init__(self) -> None:
+            super().__init__()
+            self.devices: dict[int, int] = {}  # thread -> its current device (each starts at 0)
+            self.queries: list[tuple[bool, int]] = []  # (in the loop's thread?, its device current)
+            self.left = 50  # "not ready" this many times: the wait goes to the poller
+
+        def setDevice(self, device: int) -> None:  # noqa: N802
+            self.devices[threading.get_ident()] = device
+
+        def eventQuery(self, event: int) -> int:  # noqa: N802
+            me = threading.get_ident()
+            self.queries.append((me == loop_thread, self.devices.get(me, 0)))
+            self.left -= 1
+            return 600 if self.left > 0 else 0
+
+        def check_status(self, status: int) -> None:
+            raise self.CUDARuntimeError(f"status {status}")
+
+    rt = Runtime()
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt, Device=lambda n: contextlib.nullcontext()))
+    monkeypatch.setattr(_cuda, "cupy_module", lambda: cp)
+    engine = _cuda.CudaEngine(1)
+    async with asyncio.timeout(10):
+        await wait_event(engine, engine.record_on(0))
+    polled = [device for on_loop, device in rt.queries if not on_loop]
+    assert polled, "the wait never reached the poller thread"
+    assert set(polled) == {1}, f"the poller queried with device {polled[0]} current"
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype"),
     [((5, 3, 4), np.int32), ((7,), np.float64), ((), np.float16), ((1, 1, 9), np.uint8), ((2, 1, 3), np.complex128)],

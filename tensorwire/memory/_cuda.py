@@ -184,6 +184,11 @@ class CudaEngine(CopyEngine):
                     engine = _engines[device] = cls(device)
         return engine
 
+    def _poller_started(self) -> None:
+        # a new thread's current device is 0, and its first query of an event would give this
+        # process a context on GPU 0 (half a GiB there) even where it uses only this device
+        self.cp.cuda.runtime.setDevice(self.device)
+
     def _new_lane(self) -> Lane:
         return CudaLane(self)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -31,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClosedResourceError, TransferError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CopyEngine",
@@ -149,12 +152,17 @@ class CopyEngine(ABC):
     def __init__(self) -> None:
         self._lanes: list[Lane] = []
         self._pools: dict[str, Any] = {}
-        self._poller = _Poller(f"tensorwire-{self.kind}-wait")
+        self._poller = _Poller(f"tensorwire-{self.kind}-wait", self._poller_started)
         self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
         return f"{self.kind}:{self.device}"
+
+    def _poller_started(self) -> None:
+        """Run first in each new thread of the engine's poller, before it queries any event
+        (nothing for an engine whose events need no device current)."""
+        return None
 
     # -- lanes ------------------------------------------------------------------------------
     @abstractmethod
@@ -310,8 +318,9 @@ class _Poller:
 
     IDLE_SECONDS = 1.0
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, started: Callable[[], None] = lambda: None) -> None:
         self._name = name
+        self._started = started  # run first in each new thread (the engine's device made current)
         self._cv = threading.Condition()
         self._waits: dict[asyncio.Future[None], Event] = {}
         self._running = False
@@ -335,6 +344,10 @@ class _Poller:
             self._waits.pop(fut, None)
 
     def _run(self) -> None:
+        try:
+            self._started()
+        except Exception as err:  # the queries below then say what is wrong, for each wait
+            log.debug("%s: starting failed: %s", self._name, err)
         delay = 10e-6
         while True:
             with self._cv:

@@ -249,7 +249,12 @@ class TorchPart(Part):
         if self.device is not None and self.device.type == "cuda":
             ident = threading.get_ident()
             if ident not in self._threads:
-                self._torch.cuda.set_device(self.device)
+                cuda = self._torch.cuda
+                cuda.set_device(self.device)
+                # set_device does nothing where the thread's device already is this one (cuda:0
+                # in every fresh thread), which leaves the thread without a current context: the
+                # first cuBLAS call then binds one itself and warns. A runtime call binds it here.
+                cuda.current_stream(self.device).query()
                 self._threads.add(ident)
 
     def _leaf(self, v: Any, needs_input_grad: bool) -> Any:

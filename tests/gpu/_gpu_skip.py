@@ -1,8 +1,14 @@
-"""What every GPU test module does first: CuPy with a CUDA device, or the module skips with why."""
+"""What every GPU test module does first: CuPy with a CUDA device, or the module skips with why;
+and the lock that the tests taking most of the device's memory hold."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import tempfile
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,3 +25,18 @@ def cupy_with_a_device(what: str) -> Any:
     if cuda_device_count() == 0:
         pytest.skip("CuPy is installed but finds no CUDA device", allow_module_level=True)
     return cp
+
+
+@contextlib.contextmanager
+def most_of_the_device() -> Iterator[None]:
+    """Held while a test takes most of the GPU's memory (all but 2 GiB, or 40 GiB of it):
+    scripts/gpu_check.sh runs the tests in several processes on one GPU, and two such tests at
+    once would fail each other's allocations. A file lock, so that it holds across processes
+    whatever pytest-xdist's scheduling does (its --dist loadgroup groups nothing under pytest
+    9.2, whose node ids no longer take xdist's group suffix)."""
+    with (Path(tempfile.gettempdir()) / "tensorwire-gpu-tests-device-memory.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

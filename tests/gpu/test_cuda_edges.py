@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _gpu_skip import cupy_with_a_device
+from _gpu_skip import cupy_with_a_device, most_of_the_device
 from _polling import eventually
 
 cp = cupy_with_a_device("the CUDA edge tests")
@@ -384,18 +384,19 @@ async def test_a_recv_finding_the_device_full_keeps_the_message() -> None:
         send = asyncio.ensure_future(a.send(src, tag="big"))
         await eventually(lambda: _holds(b, "big"))
         causes = []
-        held = _fill_device(n // 2)
-        try:
-            allocator = cp.cuda.get_allocator()
-            causes.append(await _refused(b, n))
-            cp.cuda.set_allocator(None)  # cudaMalloc for every array: its own error
+        with most_of_the_device():  # (test_pack.py's 40 GiB meanwhile would find 2 GiB left)
+            held = _fill_device(n // 2)
             try:
+                allocator = cp.cuda.get_allocator()
                 causes.append(await _refused(b, n))
+                cp.cuda.set_allocator(None)  # cudaMalloc for every array: its own error
+                try:
+                    causes.append(await _refused(b, n))
+                finally:
+                    cp.cuda.set_allocator(allocator)
             finally:
-                cp.cuda.set_allocator(allocator)
-        finally:
-            for ptr in held:
-                rt.free(ptr)
+                for ptr in held:
+                    rt.free(ptr)
         pooled_cause, raw_cause = causes
         assert type(pooled_cause).__name__ == "OutOfMemoryError", repr(pooled_cause)
         # CuPy's Memory without its pool: runtime.malloc's CUDARuntimeError, cudaErrorMemoryAllocation

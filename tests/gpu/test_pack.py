@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _gpu_skip import cupy_with_a_device
+from _gpu_skip import cupy_with_a_device, most_of_the_device
 
 cp = cupy_with_a_device("the GPU pack/unpack tests")
 
@@ -180,22 +180,23 @@ def test_plan_choices_on_device_arrays() -> None:
 
 def test_more_than_2_to_32_words() -> None:
     """Past 2**32 words the kernels switch to 64-bit indices."""
-    need = 40 << 30
-    free, _ = cp.cuda.runtime.memGetInfo()
-    if free < need:
-        pytest.skip(f"needs {need >> 30} GiB of free GPU memory, {free >> 30} GiB free")
-    rows, cols = 65600, 65600  # 4.3e9 one-byte words through a step slice
-    base = cp.empty((rows, 2 * cols), cp.uint8)
-    flat = base.reshape(-1).view(cp.uint64)
-    pattern = cp.arange(flat.size, dtype=cp.uint64)
-    pattern *= cp.uint64(0x9E3779B97F4A7C15)
-    flat[...] = pattern
-    del pattern
-    x = base[:, 1::2]
-    packed = pack(x)
-    assert bool(cp.array_equal(packed.reshape(rows, cols), x))
-    del flat
-    base[...] = 0
-    unpack(packed, x)
-    assert bool(cp.array_equal(packed.reshape(rows, cols), x))
-    assert not bool(base[:, ::2].any())
+    with most_of_the_device():  # (test_cuda_edges.py fills the device to 2 GiB)
+        need = 40 << 30
+        free, _ = cp.cuda.runtime.memGetInfo()
+        if free < need:
+            pytest.skip(f"needs {need >> 30} GiB of free GPU memory, {free >> 30} GiB free")
+        rows, cols = 65600, 65600  # 4.3e9 one-byte words through a step slice
+        base = cp.empty((rows, 2 * cols), cp.uint8)
+        flat = base.reshape(-1).view(cp.uint64)
+        pattern = cp.arange(flat.size, dtype=cp.uint64)
+        pattern *= cp.uint64(0x9E3779B97F4A7C15)
+        flat[...] = pattern
+        del pattern
+        x = base[:, 1::2]
+        packed = pack(x)
+        assert bool(cp.array_equal(packed.reshape(rows, cols), x))
+        del flat
+        base[...] = 0
+        unpack(packed, x)
+        assert bool(cp.array_equal(packed.reshape(rows, cols), x))
+        assert not bool(base[:, ::2].any())
