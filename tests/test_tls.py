@@ -14,6 +14,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health, health_pb2_grpc
 
 import tensorwire
 from tensorwire import TLSConfig
@@ -169,6 +170,35 @@ async def test_a_tls_client_at_a_plaintext_node_is_told_that_node_serves_no_tls(
     ):
         with pytest.raises(tensorwire.AuthenticationError, match="does not seem to serve TLS"):
             await client.connect(plaintext.address, connect_timeout=5)
+
+
+async def test_a_tls_client_at_something_else_without_tls_is_told_it_is_no_node(pki) -> None:
+    """A TLS node dialling the wrong port, where an HTTP server or another plaintext gRPC service
+    answers, got an AuthenticationError telling it to start that "node" with tls=. It now asks
+    in plaintext what answers there, and names it as no tensorwire node, as a plaintext client
+    is told; a plaintext node is still told apart (the test above)."""
+
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    web = await asyncio.start_server(http, "127.0.0.1", 0)
+    other = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), other)
+    grpc_port = other.add_insecure_port("127.0.0.1:0")
+    await other.start()
+    try:
+        async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client"), transports=("tcp",)) as client:
+            for port in (web.sockets[0].getsockname()[1], grpc_port):
+                with pytest.raises(tensorwire.ControlPlaneError, match="is not a tensorwire node") as info:
+                    await client.connect(f"127.0.0.1:{port}", connect_timeout=5)
+                assert not isinstance(info.value, tensorwire.AuthenticationError), info.value
+                assert "speaks no TLS" in str(info.value) and "check the address and port" in str(info.value)
+    finally:
+        web.close()
+        await other.stop(None)
 
 
 @pytest.mark.parametrize("mutual", [False, True])

@@ -89,6 +89,30 @@ async def probe_closed(target: str, seconds: float) -> WhyClosed:
         return WhyClosed.UNKNOWN
 
 
+async def probe_plaintext(target: str, seconds: float) -> bool | None:
+    """Ask ``target`` in plaintext for its node info, after it failed a TLS handshake with the
+    answer a plaintext server gives (WRONG_VERSION_NUMBER): True if a tensorwire node answers
+    (one started without tls=), False if something else does (another gRPC service, an HTTP
+    server: its answer is no node's), None if neither said so in time. Nothing secret travels:
+    node info needs no token."""
+    channel = grpc.aio.insecure_channel(f"dns:///{target}", options=[("grpc.use_local_subchannel_pool", 1)])
+    try:
+        stub = control_pb2_grpc.ControlStub(channel)  # type: ignore[no-untyped-call]
+        await stub.GetNodeInfo(control_pb2.NodeInfoRequest(), timeout=seconds)
+        return True
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED or _not_http2(exc.details() or ""):
+            return False
+        return None
+    finally:
+        await channel.close()
+
+
+def _not_http2(detail: str) -> bool:
+    """What gRPC says of a server whose first bytes are not HTTP/2 (an HTTP/1 server, garbage)."""
+    return "failed parsing http/2" in detail.lower()
+
+
 _CLOSED_HINTS = {
     WhyClosed.CLOSING: " (the node closed the connection before answering: it is most likely closing; "
     "connect again once it serves)",
@@ -99,6 +123,11 @@ _CLOSED_HINTS = {
 }
 
 
+def _plaintext_answer(detail: str) -> bool:
+    """A TLS handshake that failed because the server answered in plaintext."""
+    return "wrong_version_number" in detail.lower()
+
+
 def _closed_plaintext(detail: str) -> bool:
     """A plaintext connection the server closed before answering: what a TLS server does to
     plaintext, and what a closing node may do. (One that said GOAWAY spoke plaintext HTTP/2.)"""
@@ -107,12 +136,19 @@ def _closed_plaintext(detail: str) -> bool:
 
 
 def map_rpc_error(
-    exc: grpc.aio.AioRpcError, target: str, *, tls: bool = False, closed: WhyClosed = WhyClosed.UNKNOWN
+    exc: grpc.aio.AioRpcError,
+    target: str,
+    *,
+    tls: bool = False,
+    closed: WhyClosed = WhyClosed.UNKNOWN,
+    plaintext: bool | None = None,
 ) -> Exception:
     """A control-plane failure as an error from the tree. With TLS on, a server that closes the
-    connection during setup has most likely rejected our certificate, and we say so. Without
-    it, ``closed`` says why the server closed the connection before answering, when it did
-    (see ``probe_closed``)."""
+    connection during setup has most likely rejected our certificate, and we say so; one that
+    answered our TLS hello as plaintext is a node started without tls= where ``plaintext`` (see
+    ``probe_plaintext``) found one, and not a tensorwire node at all where it found something
+    else. Without TLS, ``closed`` says why the server closed the connection before answering,
+    when it did (see ``probe_closed``)."""
     code, detail = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{target} refused the handshake: {detail}")
@@ -120,7 +156,7 @@ def map_rpc_error(
         return NegotiationError(f"{target}: {detail}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectTimeout(f"{target} did not answer in time ({detail})")
-    if code == grpc.StatusCode.UNIMPLEMENTED or "failed parsing http/2" in detail.lower():
+    if code == grpc.StatusCode.UNIMPLEMENTED or _not_http2(detail):
         # another gRPC service ("Method not found!"), an HTTP/2 server or proxy ("status: 404"),
         # or an HTTP/1 one: the address or port is most likely not that of a tensorwire node
         return ControlPlaneError(
@@ -131,8 +167,18 @@ def map_rpc_error(
         low = detail.lower()
         if any(w in low for w in _TLS_FAILURE):
             hint = ""
-            if "wrong_version_number" in low:  # what a plaintext server answers a TLS hello with
-                hint = " (that node does not seem to serve TLS: start it with tls= too)"
+            if _plaintext_answer(low):  # what a plaintext server answers a TLS hello with
+                if plaintext is False:
+                    return ControlPlaneError(
+                        f"{target} is not a tensorwire node's control plane (what answers there speaks no TLS, "
+                        f"and its plaintext answer is no node's either: {detail}); check the address and port"
+                    )
+                hint = (
+                    " (that node does not seem to serve TLS: start it with tls= too)"
+                    if plaintext
+                    else " (what answers there speaks no TLS: a node started without tls=, which needs it too, "
+                    "or not a tensorwire node at all; check the address and port)"
+                )
             return AuthenticationError(f"TLS handshake with {target} failed: {detail}{hint}")
         if "socket closed" in low:
             return AuthenticationError(
@@ -209,7 +255,11 @@ class ControlClient:
                 # a TLS node closes plaintext at once, and so may a node that is closing: ask
                 # which, unless this server has answered us in plaintext already
                 closed = WhyClosed.CLOSING if self._answered else await probe_closed(self.target, min(deadline, 2.0))
-            raise map_rpc_error(exc, self.target, tls=self._tls, closed=closed) from exc
+            plaintext = None
+            if self._tls and _plaintext_answer(exc.details() or ""):
+                # a node without tls=, or no node at all: ask in plaintext which
+                plaintext = await probe_plaintext(self.target, min(deadline, 2.0))
+            raise map_rpc_error(exc, self.target, tls=self._tls, closed=closed, plaintext=plaintext) from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():

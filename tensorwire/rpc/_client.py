@@ -11,7 +11,8 @@ completes the server's send. The arguments are flattened once per call (``_argum
 whether they then ride in the request or go apart. What calls may have
 outstanding on one peer stays within both sides' message slots (``_Budget``), so that no mix
 of calls and unread streams can stop the replies, cancellations or credit of the others; the
-deadline covers the wait for that room.
+deadline covers the wait for that room. A call made by a method this node serves lends that
+method's slot while it waits (``_registry.lending``).
 The channel's receipt of every message a call sends or takes is passed along; only
 ``peer.call_with_receipt`` (``want_receipt``) has them made into a ``CallReceipt``.
 """
@@ -60,7 +61,7 @@ from ._protocol import (
     reply_tag,
 )
 from ._receipt import CallReceipt
-from ._registry import FifoAdmission, PerChannel
+from ._registry import FifoAdmission, PerChannel, lending
 from ._server import DRAIN_SECONDS
 
 if TYPE_CHECKING:
@@ -387,27 +388,28 @@ async def call(
     budget = _budget(peer)
     tm = asyncio.timeout(left)
     try:
-        async with tm:
-            # packing the arguments (a large strided tensor: in a copy thread) is part of the call
-            arguments = await _arguments(name, args, kwargs)
-            await budget.acquire(1)  # one reply at a time may wait here unread
-            try:
-                request, payload = _request(call_id, name, Kind.UNARY, tm.when(), arguments)
-                sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
-                if out is not None:
-                    value, came = await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
-                else:
-                    try:
-                        msg, came = await _next_reply(channel, reply_tag(call_id))
-                    except TransferError:
-                        _gone(channel, reply_tag(call_id), progress)
-                        raise
-                    value = _terminal(msg, progress, name, where)
-                if not want_receipt:
-                    return value, None
-                return value, CallReceipt(sent, sent_args, came, time.perf_counter() - t0)
-            finally:
-                _finish(peer, call_id, progress, lambda: budget.release(1))
+        with lending():  # (outside the timeout: nothing in taking the slot back waits)
+            async with tm:
+                # packing the arguments (a large strided tensor: in a copy thread) is part of the call
+                arguments = await _arguments(name, args, kwargs)
+                await budget.acquire(1)  # one reply at a time may wait here unread
+                try:
+                    request, payload = _request(call_id, name, Kind.UNARY, tm.when(), arguments)
+                    sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
+                    if out is not None:
+                        value, came = await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
+                    else:
+                        try:
+                            msg, came = await _next_reply(channel, reply_tag(call_id))
+                        except TransferError:
+                            _gone(channel, reply_tag(call_id), progress)
+                            raise
+                        value = _terminal(msg, progress, name, where)
+                    if not want_receipt:
+                        return value, None
+                    return value, CallReceipt(sent, sent_args, came, time.perf_counter() - t0)
+                finally:
+                    _finish(peer, call_id, progress, lambda: budget.release(1))
     except TimeoutError as exc:
         if left is not None and tm.expired():
             raise _expired(name, left) from exc
@@ -510,17 +512,19 @@ async def stream(
     budget = _budget(peer)
     extra = 0  # units beyond the first item and the final reply: the window past 1
     tm = asyncio.timeout_at(deadline_at)
-    try:  # a timeout must never span a yield: each wait has one of its own
-        async with tm:
-            arguments = await _arguments(name, args, kwargs)  # (its packing counts, as in call)
-            await budget.acquire(2)  # one item, and the final reply
+    try:  # a timeout must never span a yield: each wait has one of its own (and so does a loan)
+        with lending():
+            async with tm:
+                arguments = await _arguments(name, args, kwargs)  # (its packing counts, as in call)
+                await budget.acquire(2)  # one item, and the final reply
         try:
             extra = budget.take_extra(STREAM_WINDOW - 1)
             window = 1 + extra
             request, payload = _request(call_id, name, Kind.STREAM, deadline_at, arguments, window)
             tm = asyncio.timeout_at(deadline_at)
-            async with tm:
-                await _send_request(channel, call_id, request, payload, progress, name, where)
+            with lending():
+                async with tm:
+                    await _send_request(channel, call_id, request, payload, progress, name, where)
             taken = 0
             loop = asyncio.get_running_loop()
             while True:
@@ -529,8 +533,9 @@ async def stream(
                     assert left is not None
                     raise _expired(name, left, "the stream ended")
                 tm = asyncio.timeout_at(deadline_at)
-                async with tm:
-                    msg, came = await _next_reply(channel, tag)
+                with lending():
+                    async with tm:
+                        msg, came = await _next_reply(channel, tag)
                 if msg[0] != Reply.ITEM or len(msg) != 2:
                     _terminal(msg, progress, name, where)
                     return
@@ -540,8 +545,9 @@ async def stream(
                     window += more
                     extra += more
                     tm = asyncio.timeout_at(deadline_at)
-                    async with tm:
-                        await channel.send(CONTROL_TAG, prepare((int(Control.CREDIT), call_id, taken + more)))
+                    with lending():
+                        async with tm:
+                            await channel.send(CONTROL_TAG, prepare((int(Control.CREDIT), call_id, taken + more)))
                     taken = 0
                 yield (msg[1], came) if receipts else msg[1]
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import weakref
@@ -28,8 +29,11 @@ __all__ = [
     "Method",
     "MethodRegistry",
     "PerChannel",
+    "SlotLoan",
     "Slots",
+    "lending",
     "methods_of",
+    "serving",
 ]
 
 RESERVED_KWARGS = ("_deadline", "_out")  # peer.call's own keywords: no method may take them
@@ -44,7 +48,8 @@ class CallLimits:
     """Per-node bounds on the calls it serves (set with ``node.methods.limits = ...``).
 
     max_concurrent: calls admitted at once, over every peer and the control plane. Past it the
-        node stops reading requests, so callers wait (backpressure) instead of piling up.
+        node stops reading requests, so callers wait (backpressure) instead of piling up. A
+        method waiting for a call it made lends its slot meanwhile (``SlotLoan``).
     max_inflight_bytes: tensor bytes of the arguments of admitted calls held at once; a call
         whose arguments do not fit waits for others to finish before its tensors move.
     max_arg_bytes: the largest argument payload one call may carry (None: max_inflight_bytes);
@@ -243,6 +248,69 @@ class Slots(FifoAdmission):
     def resize(self, total: int) -> None:
         self.total = total
         self._wake()
+
+    def take_back(self) -> None:
+        """A lent slot (``SlotLoan``) back at once, without waiting: ``used`` may pass ``total``
+        for a while, which only holds up the next admission."""
+        self.used += 1
+
+
+class SlotLoan:
+    """The slot of one call being served, lent while its method waits for calls it made.
+
+    Nodes whose methods call each other (A's method calls B, whose method calls A back) filled
+    every slot of both with calls waiting for calls the other could not admit, and nothing moved
+    until deadlines ran out: with 100 such calls each way and the default limits, all 200 failed,
+    or without deadlines hung for good. A method waiting for its own calls (``lending``) gives
+    its slot to the next request meanwhile, and takes it back the moment they end, without
+    waiting: ``max_concurrent`` bounds the calls a node runs, not those waiting on other nodes,
+    and a method never waits for a slot to go on (it may hold what the calls admitted meanwhile
+    wait for)."""
+
+    __slots__ = ("lent", "open", "slots")
+
+    def __init__(self, slots: Slots) -> None:
+        self.slots = slots
+        self.lent = 0  # calls of its own the method waits for; the slot is lent while any does
+        self.open = True
+
+    def end(self) -> bool:
+        """The call is over: whether its slot is held (to be released), rather than lent to a
+        call that outlives it (made by a task the method started), which then keeps it."""
+        self.open = False
+        return self.lent == 0
+
+
+_LOAN: contextvars.ContextVar[SlotLoan | None] = contextvars.ContextVar("tensorwire_rpc_loan", default=None)
+
+
+@contextlib.contextmanager
+def serving(loan: SlotLoan | None) -> Iterator[None]:
+    """Run a served method in the block: the calls it makes lend ``loan`` (None: nothing to lend)."""
+    token = _LOAN.set(loan)
+    try:
+        yield
+    finally:
+        _LOAN.reset(token)
+
+
+@contextlib.contextmanager
+def lending() -> Iterator[None]:
+    """Around a call made here: if a method being served made it, that method's slot is lent
+    until the call ends (``SlotLoan``). Anywhere else, nothing happens."""
+    loan = _LOAN.get()
+    if loan is None or not loan.open:
+        yield
+        return
+    if loan.lent == 0:
+        loan.slots.release()
+    loan.lent += 1
+    try:
+        yield
+    finally:
+        loan.lent -= 1
+        if loan.lent == 0 and loan.open:
+            loan.slots.take_back()
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:

@@ -10,6 +10,8 @@ own task (a slow call never holds up another) and starts in the loop iteration i
 arrived in. Argument bytes count against ``CallLimits.max_inflight_bytes`` before they move.
 A call's deadline counts from when its request arrived, however long it then waited unread.
 A request its caller cancelled before it was admitted is answered at once, without a slot.
+A method that waits for calls it made lends its slot meanwhile (``_registry.SlotLoan``), so
+that nodes whose methods call each other back cannot fill each other's slots with waiters.
 
 Every request ends with a terminal reply, whatever the method did: an error whose text cannot
 be encoded is escaped, and a reply that does not fit the caller's limits becomes a brief error
@@ -62,7 +64,7 @@ from ._protocol import (
     split_args,
     unsent_reply,
 )
-from ._registry import Method, MethodRegistry, Slots
+from ._registry import Method, MethodRegistry, SlotLoan, Slots, serving
 
 if TYPE_CHECKING:
     from .._peer import Peer
@@ -278,11 +280,12 @@ class PeerServer:
     # -- one call -----------------------------------------------------------------------------
     async def _run(self, call: _Call, slots: Slots | None) -> None:
         req = call.req
+        loan = None if slots is None else SlotLoan(slots)
         try:
             try:
                 if call.cancel_requested:
                     raise asyncio.CancelledError
-                reply = await self._execute(call)
+                reply = await self._execute(call, loan)
             except asyncio.CancelledError as exc:
                 if call.cancel_requested:
                     if call.task.cancelling():
@@ -315,8 +318,8 @@ class PeerServer:
         except TensorWireError:
             pass  # the channel went away; the caller sees that itself
         finally:
-            if slots is not None:
-                slots.release()
+            if loan is not None and loan.end():  # (a slot lent to a call that outlives this one stays lent)
+                loan.slots.release()
             self.calls.pop(req.call_id, None)
             self._clean_args(call)
 
@@ -336,7 +339,7 @@ class PeerServer:
         elif state is ArgsState.INTERRUPTED and not call.tombstone_seen:
             self.peer._spawn(self._drain(args_tag(call.req.call_id), until_tombstone=True))
 
-    async def _execute(self, call: _Call) -> tuple[Any, ...]:
+    async def _execute(self, call: _Call, loan: SlotLoan | None) -> tuple[Any, ...]:
         req, reg = call.req, self.registry
         method = reg.get(req.method)
         if method is None:
@@ -375,7 +378,7 @@ class PeerServer:
             async with tm:
                 if deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at:
                     raise TimeoutError
-                with served_under(deadline_at):
+                with served_under(deadline_at), serving(loan):
                     started = start_method(method, args, kwargs)
                     call.in_method = True
                     if method.streaming:
@@ -558,10 +561,11 @@ async def run_local(
     try:
         async with tm:
             await slots.acquire()
+            loan = SlotLoan(slots)
             try:
                 started = start_method(method, args, kwargs)
                 try:
-                    with served_under(deadline_at):
+                    with served_under(deadline_at), serving(loan):
                         return await started
                 except (MethodNotFound, InvalidArguments) as exc:
                     # raised while the method ran (by a call it makes): its own error, which says
@@ -574,7 +578,8 @@ async def run_local(
                     # a CancelledError nobody asked for (raised by the method): an error like any
                     raise _raised(name, exc) from exc
             finally:
-                slots.release()
+                if loan.end():
+                    slots.release()
     except TimeoutError as exc:
         if tm.expired():
             raise DeadlineExceeded(f"{name}: its {deadline:.3g} s deadline ran out on the server") from exc
