@@ -26,7 +26,9 @@ from ._peer import RESERVED_TAGS, Peer
 from ._ratelog import RateLimitedLog
 from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, TLSConfig, check_require
 from .control._convert import offer_from_pb, offer_to_pb
+from .control._negotiate import MAX_TRANSPORTS
 from .control._pb import control_pb2
+from .control._server import MAX_NAME_CHARS, SECRET_BYTES
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -50,6 +52,7 @@ from .transports import (
     probe_all,
 )
 from .transports import _registry as transport_registry
+from .transports._frames import MAX_SESSION_ID
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +227,84 @@ def _dialable(control_address: str, caller: str) -> str:
     if not (served.is_unspecified or (served.is_loopback and not called_from.is_loopback)):
         return control_address
     return f"[{called_from}]:{port}" if called_from.version == 6 else f"{called_from}:{port}"
+
+
+# A handshake answer's lease_ms of 0 is the field unset: the lease NodeConfig gives by default.
+_UNSET_LEASE_SECONDS = 3.0
+# One reason of an answer's passed_over as this node keeps it (in peer.path, and its log): an
+# honest one is a line (a UCX error, or the lanes both sides list, 8 of 40 characters at most each).
+_MAX_PASSED_OVER_CHARS = 1000
+
+
+def _clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A server's handshake answer, checked (``_checked_answer``)."""
+
+    chosen: Offer
+    lease: float  # seconds
+    passed_over: tuple[tuple[str, str], ...]
+
+
+def _checked_answer(
+    resp: control_pb2.HandshakeResponse, address: str, preference: tuple[str, ...], offers: Mapping[str, Offer]
+) -> _Answer:
+    """The handshake answer of the server at ``address``, checked as that server checks a
+    client's request: a broken or hostile server must not make this node misbehave. Each field
+    is one an honest server of this protocol sends; anything else is a NegotiationError naming
+    the field. (Taken as they came, a lease of 1 ms had this node renew every 0.3 ms and break
+    the peer within a second; a server node id of 3 MB was kept, and printed, for the peer's
+    life; another protocol version, or another version of the chosen transport, went unnoticed.)
+    The passed-over reasons only inform, and are clipped, never refused."""
+    said = f"{address} answered the handshake with"
+    broken = "no node of this protocol answers so: the server is broken or hostile (check what serves there)"
+    if resp.protocol_version != PROTOCOL_VERSION:
+        raise NegotiationError(
+            f"{address} speaks control protocol version {resp.protocol_version}, and this node version "
+            f"{PROTOCOL_VERSION}: nodes connect only at the same version (run tensorwire releases of the same "
+            "protocol version on both nodes)"
+        )
+    name = resp.chosen.name
+    if name not in offers or name not in preference:
+        why = "which this node does not offer" if name not in offers else f"not in this connect's order {preference}"
+        raise NegotiationError(f"{address} chose {_clipped(name, MAX_NAME_CHARS)!r}, {why}")
+    mine = offers[name].version
+    if resp.chosen.version != mine:
+        raise NegotiationError(
+            f"{address} chose {name} version {resp.chosen.version}, and this node's {name} is version {mine}: "
+            f"their data connections would not understand each other (negotiation passes over a transport whose "
+            f"versions differ); {broken}"
+        )
+    lo, hi = NodeConfig.MIN_LEASE_SECONDS, NodeConfig.MAX_LEASE_SECONDS
+    lease = resp.lease_ms / 1000 if resp.lease_ms else _UNSET_LEASE_SECONDS
+    if not lo <= lease <= hi:
+        raise NegotiationError(
+            f"{said} a lease of {resp.lease_ms} ms; a node's lease is {lo * 1000:g} ms to {hi * 1000:.0f} ms "
+            f"(NodeConfig.lease_seconds), and {broken}"
+        )
+    if len(resp.server_node_id) > NodeConfig.MAX_NODE_ID_CHARS:
+        raise NegotiationError(
+            f"{said} a node id of {len(resp.server_node_id)} characters; a node id is at most "
+            f"{NodeConfig.MAX_NODE_ID_CHARS} (NodeConfig.node_id), and {broken}"
+        )
+    sid = len(resp.session_id.encode())
+    if not 0 < sid <= MAX_SESSION_ID:
+        raise NegotiationError(
+            f"{said} a session id of {sid} bytes; one is 1 to {MAX_SESSION_ID} bytes (what a data "
+            f"connection's hello carries), and {broken}"
+        )
+    if len(resp.session_secret) != SECRET_BYTES:
+        raise NegotiationError(
+            f"{said} a session secret of {len(resp.session_secret)} bytes, not {SECRET_BYTES}: {broken}"
+        )
+    passed_over = tuple(
+        (_clipped(p.name, MAX_NAME_CHARS), _clipped(p.reason, _MAX_PASSED_OVER_CHARS))
+        for p in resp.passed_over[:MAX_TRANSPORTS]
+    )
+    return _Answer(offer_from_pb(resp.chosen), lease, passed_over)
 
 
 class Node:
@@ -616,10 +697,9 @@ class Node:
         try:
             async with asyncio.timeout(timeout):
                 resp = await client.handshake(request, timeout)
-                chosen = offer_from_pb(resp.chosen)
-                transport = self.transports.get(chosen.name)
-                if transport is None:
-                    raise NegotiationError(f"{address} chose {chosen.name!r}, which this node does not offer")
+                answer = _checked_answer(resp, address, preference, self.offers)
+                chosen = answer.chosen
+                transport = self.transports[chosen.name]
                 session = Session(
                     resp.session_id, resp.session_secret, self.node_id, resp.server_node_id, self.config.limits
                 )
@@ -647,7 +727,7 @@ class Node:
             channel.abort()
             await client.aclose()
             raise ClosedResourceError("node is closed")
-        choice = Choice(chosen.name, tuple((p.name, p.reason) for p in resp.passed_over))
+        choice = Choice(chosen.name, answer.passed_over)
         peer = Peer(
             self,
             channel,
@@ -658,7 +738,7 @@ class Node:
             session=session,
         )
         self._adopt(peer, "connect")
-        peer._start_heartbeat(resp.session_id, (resp.lease_ms or 3000) / 1000, since)
+        peer._start_heartbeat(resp.session_id, answer.lease, since)
         log.info("connected to %s: %s", address, peer.path)
         return peer
 

@@ -12,7 +12,8 @@
     │   └── ShapeMismatchError         out= or a declared shape does not fit (also ValueError)
     ├── ControlPlaneError              the gRPC control plane failed or refused
     │   ├── AuthenticationError        wrong or missing token / credentials
-    │   ├── NegotiationError           no shared transport satisfies require=
+    │   ├── NegotiationError           no shared transport satisfies require=, another
+    │   │                              protocol version, an answer no honest node gives
     │   └── HandleNotFound             no such exposed tensor (never exposed, revoked, re-exposed)
     ├── TransportError                 the data plane failed
     │   ├── TransportUnavailable       a transport cannot be used here (lists alternatives)
@@ -114,7 +115,10 @@ class AuthenticationError(ControlPlaneError):
 
 
 class NegotiationError(ControlPlaneError):
-    """No transport both nodes share satisfies the ``require=`` policy."""
+    """The nodes cannot agree on a data path: no transport both share satisfies the
+    ``require=`` policy, they speak other protocol versions (of the control plane or of the
+    chosen transport), or the server's handshake answer is one no honest node gives (a lease,
+    node id, session id or secret out of bounds)."""
 
 
 class HandleNotFound(ControlPlaneError):

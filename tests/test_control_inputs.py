@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -273,3 +273,133 @@ async def test_handshakes_that_never_open_a_data_connection_cannot_fill_the_log(
     lines = [r for r in caplog.records if "never opened its data connection" in r.getMessage()]
     assert 1 <= len(lines) <= 20, len(lines)
     assert metrics.snapshot().refusals.get("control", 0) - before == 60
+
+
+@contextlib.asynccontextmanager
+async def _answering(server: tensorwire.Node, change: Callable[[Any], None]) -> AsyncIterator[str]:
+    """The address of a control plane that passes every handshake (and lease renewal) on to
+    ``server`` and hands the server's answer through ``change`` on its way back: a broken or
+    hostile server whose sessions are real, so that a connect that takes its answer succeeds."""
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stub = control_pb2_grpc.ControlStub(ch)
+
+        class Changing(control_pb2_grpc.ControlServicer):
+            async def Handshake(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+                resp = await stub.Handshake(request, timeout=5)
+                change(resp)
+                return resp
+
+            async def Heartbeat(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+                return await stub.Heartbeat(request, timeout=5)
+
+        proxy = grpc.aio.server()
+        control_pb2_grpc.add_ControlServicer_to_server(Changing(), proxy)  # type: ignore[no-untyped-call]
+        port = proxy.add_insecure_port("127.0.0.1:0")
+        await proxy.start()
+        try:
+            yield f"127.0.0.1:{port}"
+        finally:
+            await proxy.stop(None)
+
+
+def _setting(**fields: Any) -> Callable[[Any], None]:
+    def change(resp: Any) -> None:
+        for name, value in fields.items():
+            setattr(resp, name, value)
+
+    return change
+
+
+def _choosing(name: str, version: int | None = None) -> Callable[[Any], None]:
+    def change(resp: Any) -> None:
+        resp.chosen.name = name
+        if version is not None:
+            resp.chosen.version = version
+
+    return change
+
+
+# what a server's handshake answer may not hold, and what the refusal says
+_UNANSWERABLE: dict[str, tuple[Callable[[Any], None], str]] = {
+    "lease-1ms": (_setting(lease_ms=1), "a lease of 1 ms; a node's lease is 50 ms to 4294967000 ms"),
+    "lease-49-days": (_setting(lease_ms=(1 << 32) - 1), "a lease of 4294967295 ms"),
+    "node-id-3MB": (_setting(server_node_id="n" * 3_000_000), "a node id of 3000000 characters; .* at most 256"),
+    "protocol-version": (_setting(protocol_version=PROTOCOL_VERSION + 1), rf"version {PROTOCOL_VERSION + 1}, .*"),
+    "tcp-version": (_choosing("tcp", 99), "chose tcp version 99, and this node's tcp is version 1"),
+    "not-in-the-order": (_choosing("inproc"), r"chose 'inproc', not in this connect's order \('tcp',\)"),
+    "session-id-empty": (_setting(session_id=""), "a session id of 0 bytes; one is 1 to 128 bytes"),
+    "session-id-129": (_setting(session_id="s" * 129), "a session id of 129 bytes"),
+    "secret-empty": (_setting(session_secret=b""), "a session secret of 0 bytes, not 32"),
+    "secret-1MB": (_setting(session_secret=bytes(1 << 20)), "a session secret of 1048576 bytes, not 32"),
+}
+
+
+@pytest.mark.parametrize("what", list(_UNANSWERABLE))
+async def test_a_handshake_answer_no_honest_server_gives_is_refused(what: str) -> None:
+    """The client took a server's handshake answer as it came, where the server checks every
+    client's request: a lease of 1 ms had it renew every 0.3 ms and break the peer within a
+    second; a server node id of 3 MB (the server refuses a client's past 256 characters), a
+    session id no data connection carries, an empty secret, another protocol version or another
+    version of the chosen transport, or a transport this connect did not ask for, were all taken.
+    Each is a NegotiationError now that names what was wrong, and the client connects through
+    the same server when it answers honestly."""
+    change, message = _UNANSWERABLE[what]
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as server,
+        tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as client,
+    ):
+        async with _answering(server, change) as address:
+            with pytest.raises(tensorwire.NegotiationError, match=message) as info:
+                await client.connect(address, transports=("tcp",))
+            assert len(str(info.value)) < 500
+            assert not client.peers
+        async with _answering(server, lambda resp: None) as address:
+            peer = await client.connect(address, transports=("tcp",))
+            await peer.send(1, tag="t")
+            assert await (await server.accept()).recv(tag="t") == 1
+
+
+async def test_a_handshake_answer_says_what_it_passed_over_within_bounds(caplog: pytest.LogCaptureFixture) -> None:
+    """What the server passed over is only reported (in ``peer.path``, and the log): it was kept
+    whole, 100 reasons of 30,000 characters in every path and log line. Now at most 32 reasons
+    (a handshake names at most 32 transports), each clipped to 1000 characters, and the connect
+    goes on."""
+
+    def pass_over(resp: Any) -> None:
+        for i in range(100):
+            resp.passed_over.add(name=f"t{i}" + "n" * 100, reason="r" * 30_000)
+
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+        _answering(server, pass_over) as address,
+    ):
+        peer = await client.connect(address)
+        assert len(peer.path.passed_over) == 32
+        assert all(len(n) <= 64 and len(r) <= 1000 for n, r in peer.path.passed_over)
+        assert peer.path.passed_over[0][1].endswith("rrr...")
+    assert max(len(r.getMessage()) for r in caplog.records) < 40_000
+
+
+async def test_a_protocol_version_mismatch_names_both_versions_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client of another protocol version is refused by the server, whose refusal said "this
+    node speaks 6": read by the client, "this node" was the client's own. Both directions now
+    name the server's version and the client's, each as whose it is."""
+    older = PROTOCOL_VERSION - 1
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        monkeypatch.setattr(tensorwire._node, "PROTOCOL_VERSION", older)  # the client speaks an older one
+        with pytest.raises(
+            tensorwire.NegotiationError,
+            match=rf"version {older} is refused: this server speaks version {PROTOCOL_VERSION}",
+        ):
+            await client.connect(server.address)
+        monkeypatch.undo()
+        async with _answering(server, _setting(protocol_version=older)) as address:  # the server, an older one
+            with pytest.raises(
+                tensorwire.NegotiationError,
+                match=rf"{address} speaks control protocol version {older}, and this node version {PROTOCOL_VERSION}",
+            ):
+                await client.connect(address)

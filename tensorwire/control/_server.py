@@ -40,6 +40,7 @@ SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 MAX_NAME_CHARS = 64  # a transport name or require= in a handshake (they are short words)
 MAX_REASON_CHARS = 300  # a client's reason for a transport it cannot use, as this node repeats it
 MAX_ADDRESS_CHARS = 512  # a client's control address: a DNS name (253 at most) or an IP, and a port
+SECRET_BYTES = 32  # a session secret (a client refuses a handshake answer with any other length)
 _NO_SESSION = "no such session (closed, expired or never opened: a node restarted at this address)"
 
 
@@ -64,9 +65,12 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is closing")
         if request.protocol_version != PROTOCOL_VERSION:
             self._refusals.warn("handshake from %s refused: protocol version %d", peer, request.protocol_version)
+            # (the client shows this after the server's address: "this node" read as the client's own)
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"protocol version {request.protocol_version} is not supported (this node speaks {PROTOCOL_VERSION})",
+                f"control protocol version {request.protocol_version} is refused: this server speaks version "
+                f"{PROTOCOL_VERSION}, and nodes connect only at the same version (run tensorwire releases of the "
+                "same protocol version on both nodes)",
             )
         token = node.config.auth_token
         if token is not None and not hmac.compare_digest(request.auth_token.encode(), token.encode()):
@@ -132,7 +136,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             log.info("handshake from %s: %s", peer, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         session_id = uuid.uuid4().hex
-        secret = os.urandom(32)
+        secret = os.urandom(SECRET_BYTES)
         # the client's path names what its order passed over; this node's path names what its
         # own order puts above the choice too (the response is unchanged)
         here = as_accepted(

@@ -31,7 +31,7 @@ from ..memory import HostEngine, wait_event
 from ..memory._engine import _HostEvent
 from ..metrics import Snapshot, snapshot
 from ..tensors import DTYPES, EngineArray, dtype_from_name, prepare
-from ..transports import Limits, Receipt
+from ..transports import ChannelState, Limits, Receipt
 from ..transports._remote import OneSidedTransport
 
 __all__ = [
@@ -1109,6 +1109,18 @@ async def check_close_fails_pending(a: Peer, b: Peer) -> None:
     with _refused(PeerDisconnected, "send to a closed peer did not say the peer had gone"):
         await a.send(np.arange(3))
     assert a.closed and b.closed
+
+
+@_check()
+async def check_a_clean_close_leaves_the_other_side_closed_not_broken(a: Peer, b: Peer) -> None:
+    """After one side's ``aclose()`` the other side's channel is closed, as its goodbye says, not
+    broken as after a failure (inproc's said "broken" where tcp's and ucx's said "closed")."""
+    await a.send(np.arange(3), tag="c")
+    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="c"), 5))
+    await b.aclose()
+    assert await _until(lambda: a.closed, 5), "the other side's channel stayed open after the close"
+    assert a.channel.state is ChannelState.CLOSED, f"after the other side's aclose(): {a!r}"
+    assert b.channel.state is ChannelState.CLOSED, f"after its own aclose(): {b!r}"
 
 
 @_check()

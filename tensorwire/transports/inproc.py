@@ -292,10 +292,11 @@ class InprocChannel(Channel):
         for task in self._pulls:
             task.cancel()
 
-    def _shut(self, state: ChannelState, exc: BaseException, told: PeerDisconnected) -> None:
+    def _shut(self, state: ChannelState, exc: BaseException, told: PeerDisconnected, theirs: ChannelState) -> None:
         """Close or break our side with ``exc``, then the peer's as a wire would: our own
         rendezvous sends waiting in the peer's sources fail with ``exc`` too (first, so that
-        they say what happened here), and the peer's pending work fails with ``told``."""
+        they say what happened here), and the peer's pending work fails with ``told``, its
+        channel left in state ``theirs``."""
         if self.state is not ChannelState.OPEN:
             return
         self._fail(state, exc)
@@ -305,21 +306,32 @@ class InprocChannel(Channel):
         for src in peer._sources.values():
             _settle(src.done, exc)
         if peer.state is ChannelState.OPEN:
-            peer._fail(ChannelState.BROKEN, told)
+            peer._fail(theirs, told)
 
     async def aclose(self) -> None:
-        self.abort()
-
-    def fail(self, exc: BaseException) -> None:
-        # a lost lease or session: both ends fail now, as a shut socket fails both on tcp,
-        # rather than the peer's work hanging until its own lease of us runs out
-        self._shut(ChannelState.BROKEN, exc, PeerDisconnected(f"in-process peer's channel failed: {exc}"))
-
-    def abort(self) -> None:
+        # the peer's channel is closed, not broken, as tcp's and ucx's are by their goodbye
+        # (it was broken, as if this side had died)
         self._shut(
             ChannelState.CLOSED,
             ClosedResourceError("channel closed"),
             PeerDisconnected("in-process peer closed its channel"),
+            ChannelState.CLOSED,
+        )
+
+    def fail(self, exc: BaseException) -> None:
+        # a lost lease or session: both ends fail now, as a shut socket fails both on tcp,
+        # rather than the peer's work hanging until its own lease of us runs out
+        told = PeerDisconnected(f"in-process peer's channel failed: {exc}")
+        self._shut(ChannelState.BROKEN, exc, told, ChannelState.BROKEN)
+
+    def abort(self) -> None:
+        # forceful, with no goodbye: the peer's channel breaks, as tcp's does when the
+        # connection drops
+        self._shut(
+            ChannelState.CLOSED,
+            ClosedResourceError("channel aborted"),
+            PeerDisconnected("in-process peer aborted its channel"),
+            ChannelState.BROKEN,
         )
 
 
