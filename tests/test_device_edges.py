@@ -38,6 +38,14 @@ def _data(n: int) -> np.ndarray:
     return (np.arange(n, dtype=np.uint32) % 251).astype(np.uint8)
 
 
+def _waiting(transport: str, limits: Limits) -> Limits:
+    """``limits`` for a recv into device memory that is to wait for its busy consumer stream past
+    the staging ring: over tcp with no room for overflow memory (``recv_buffer_bytes=0``, every
+    message rendezvous), which otherwise takes the rest of such a message, the recv returning with
+    its copies queued behind the stream (tests/test_tcp_device.py)."""
+    return Limits(recv_buffer_bytes=0) if transport == "tcp" else limits
+
+
 def _holds(peer: Any, tag: str) -> bool:
     """Whether ``peer``'s mailbox has a message on ``tag`` (its header at least)."""
     from tensorwire._peer import tag_id
@@ -168,7 +176,7 @@ async def test_a_recv_on_a_busy_stream_leaves_staging_chunks_to_other_channels(
     answer inproc had whole in host memory of its own); inproc's and ucx's recv had it whole in
     host memory of theirs."""
     data = _data(CHUNK * DEPTH * 2 + 5)  # twice the staging ring
-    limits = Limits(recv_buffer_bytes=1 << 20)
+    limits = _waiting(transport, Limits(recv_buffer_bytes=1 << 20))
     with busy_stream(engine) as (stream, gate):
         async with (
             connected_pair(transport, limits=limits) as (a, b),
@@ -235,13 +243,13 @@ async def test_a_one_sided_operation_waiting_for_its_stream_ends_with_its_channe
     staged before its copies down (a write) or before reusing a chunk whose copies up wait for
     the consumer's stream (a read of more than the staging ring). An owner-assisted read (its
     answer more than the staging ring) waited for the stream over inproc and ucx whoever
-    closed, and then returned the answer whole; over tcp, our own close ended it. Over tcp the
-    owner's close is seen at the lease (3 s): the reader, landing the answer, waits for the
-    stream before it can read the close behind it."""
+    closed, and then returned the answer whole; over tcp, our own close ended it. Over tcp with
+    no room for overflow memory the owner's close is seen at the lease (3 s): the reader,
+    landing the answer, waits for the stream before it can read the close behind it."""
     n = CHUNK * DEPTH * 2 + 5
     served = op == "served-read"
     with busy_stream(engine) as (stream, gate):
-        async with connected_pair(transport) as (a, b):
+        async with connected_pair(transport, limits=_waiting(transport, Limits())) as (a, b):
             if by_pointer:
                 host_engine_by_pointer(b)
             target = np.zeros(n, np.uint8)
@@ -277,8 +285,11 @@ async def test_a_message_whole_before_its_peer_closed_reaches_a_recv_on_a_busy_s
     (UCX writes outside every stream), so a message sent after the recv is not received
     before the close: its send and the recv both fail, and neither side thinks it went."""
     data = _data(CHUNK * DEPTH + 5)  # more than the staging ring: the landing waits for the stream
+    limits = Limits(recv_buffer_bytes=1 << 20)  # (sent first, the message waits for its recv here)
+    if order == "recv-first":
+        limits = _waiting(transport, limits)
     with busy_stream(engine) as (stream, gate):
-        async with connected_pair(transport, limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+        async with connected_pair(transport, limits=limits) as (a, b):
             if by_pointer:
                 host_engine_by_pointer(a, b)
             out = EngineArray(engine, np.zeros_like(data), stream=stream)

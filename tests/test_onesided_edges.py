@@ -84,7 +84,7 @@ _UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["inproc", pytest.param("ucx", marks=_UCX)])
+@pytest.mark.parametrize("transport", ["tcp", "inproc", pytest.param("ucx", marks=_UCX)])
 async def test_a_read_whose_answer_fails_here_gives_its_place_back_at_once(
     transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -92,8 +92,9 @@ async def test_a_read_whose_answer_fails_here_gives_its_place_back_at_once(
     out= fails with the channel up. The owner sent all of it and answers nothing more, but the
     read's place among the channel's unanswered requests (``_MAX_ASKED``, 1 here) went to a drain
     of an error answer that never comes, for _DRAIN_SECONDS (60 s): the next read waited that
-    long. (Over tcp such a copy fails the channel's reader, and the channel with it.) Over ucx
-    the owner serves device memory (ucx registers no host-engine memory without cuda lanes)."""
+    long. Over tcp such a copy failed the channel's reader, and the channel with it; it now
+    fails that answer alone. Over ucx the owner serves device memory (ucx registers no
+    host-engine memory without cuda lanes)."""
     monkeypatch.setattr(_onesided, "_MAX_ASKED", 1)
     failing, owners = _CopiesUpFail(), HostEngine()
     try:

@@ -13,6 +13,9 @@ event), and chunk k goes on the wire while the copies of chunks k+1.. run; on th
 DATA frame is read into a page-locked chunk whose copy to the device is queued at once, so the
 next frame is read while it runs, and the recv's stream waits for the last copy. A device
 tensor's frames are at most one staging chunk long (never mixed with other tensors' bytes).
+Behind a consumer stream that stays busy the reader goes on past the ring (``_Overflow``), and
+a copy the device refuses fails that message alone (``_device_failed``), not the channel; a
+send that fails part way withdraws its message (ABORT), as a cancelled one does.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from ...errors import (
     IntegrityError,
     PeerDisconnected,
     ProtocolError,
+    TensorWireError,
     TransferError,
 )
-from ...memory import stage_out
+from ...memory import CopyEngine, Event, StageIn, stage_out, wait_event
 from ...tensors import DeviceTensor, Outgoing, decode_header, decode_header_sized
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
@@ -152,6 +156,57 @@ def _redirect(arrival: Arrival, pos: int, chunk: memoryview) -> bool:
     return True
 
 
+def _behind_stream(stage: StageIn) -> bool:
+    """Whether ``stage``'s copies up still wait for a consumer's stream (``Lane.waits``): a
+    chunk it gives back now is parked until they have run (``StageIn._give_back``)."""
+    return not all(e.query() for e in stage.lane.waits)
+
+
+class _Overflow:
+    """A message landing in device memory whose consumer stream stays busy.
+
+    Its copies up wait for that stream, and their staging chunks with them (parked out of the
+    pool's depth, ``PinnedPool.park``); once a ring's depth of this message's chunks wait so
+    (``parked``), the staging pipeline waits for the oldest to free (``StageIn._acquire``), and
+    so did the reader, and every message behind this one on the stream with it: other tags, RPC
+    replies, one-sided answers, the peer's close. Measured with the host engine standing in for a
+    GPU (3 chunks of 64 KiB), a 7-byte message on another tag took 3.0 s behind a 768 KiB one
+    into a stream held busy for 3 s (inproc and ucx: 1-4 ms); were that stream's work to wait
+    for such a message, both would wait for good. So the rest of the message's bytes for that
+    device go on through more chunks of the pool, each parked as the ring's are, their copies
+    queued at once behind the same stream, and the reader goes on.
+
+    The cost: page-locked memory (a copy up from pageable memory would make CUDA wait for the
+    stream on the host, the loop), ``room`` of it at most: the rest of the message for that
+    device, taken only if it fits in what is left of ``Limits.recv_buffer_bytes`` for the
+    channel, the bound a receiver already sets on what one peer may have buffered here (tcp's
+    eager buffers); it comes back to that allowance once the copies have run. The pool keeps
+    the chunks for the transfers after, as it keeps every parked one (``PinnedPool.configure``
+    frees idle ones): a busy stream raises its high-water mark by that much at most, past the
+    ring (32 MiB by default). inproc and ucx's staged path hold every device message whole in
+    host memory of theirs. A message whose rest does not fit waits for its stream as before.
+    """
+
+    __slots__ = ("engine", "last", "parked", "refused", "room", "size")
+
+    def __init__(self) -> None:
+        self.parked = 0  # this message's staging chunks given back behind its consumer's stream
+        self.refused = False  # asked for the allowance once already
+        self.engine: CopyEngine | None = None  # the device its overflow is for
+        self.size = 0  # bytes of the channel's allowance it holds
+        self.room = 0  # of which not used yet
+        self.last: Event | None = None  # after its last copy up
+
+    def due(self, stage: StageIn) -> bool:
+        """Whether the message should go on through overflow chunks now: its next staging
+        chunk would wait for the consumer's stream."""
+        return not self.refused and self.parked >= stage.pool.depth and _behind_stream(stage)
+
+    def takes(self, d: DeviceTensor) -> bool:
+        """Whether more bytes for ``d`` go through overflow chunks."""
+        return self.room > 0 and d.engine is self.engine
+
+
 class TcpChannel(Channel):
     transport = "tcp"
     device_kinds = frozenset({"cuda", "host-engine"})
@@ -174,6 +229,8 @@ class TcpChannel(Channel):
         self._aux: set[asyncio.Task[None]] = set()
         self._incoming: dict[int, Arrival] = {}  # payload being received
         self._waiting: dict[int, Arrival] = {}  # rendezvous headers waiting for a recv
+        self._overflows: dict[int, _Overflow] = {}  # messages landing behind a busy consumer stream
+        self._overflowing = 0  # bytes of overflow chunks they hold (Limits.recv_buffer_bytes at most)
         self._reader = self._loop.create_task(self._read_loop(), name=f"tensorwire-tcp-reader {name}")
         io.on_frames = self._on_frames
         io.checked = self.checksum  # every frame from here carries a header check
@@ -360,13 +417,22 @@ class TcpChannel(Channel):
                     finally:
                         self._cts.pop(msg_id, None)
                     await self._send_data(msg_id, segs, 0, msg.nbytes)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, Exception) as exc:
+                # cancelled, or failed part way (a device error copying the tensor out): the
+                # receiver, which has the header and perhaps part of the payload, is told the
+                # message is withdrawn (ABORT), as for a cancelled send; without it its recv
+                # waited for the rest until the channel ended, and the message kept its slot
                 if announced:
                     if self.state is ChannelState.OPEN:
                         with suppress(Exception):
                             await asyncio.shield(self._write(FrameType.ABORT, msg_id=msg_id))
                 else:
                     self._window.unspend(msg.nbytes, eager)
+                if not isinstance(exc, (asyncio.CancelledError, TensorWireError)):
+                    raise TransferError(
+                        f"the send failed part way ({exc!r}); nothing of it was delivered (the receiver was "
+                        "told to drop what it had), and the channel goes on"
+                    ) from exc
                 raise
         finally:
             self._sending -= 1
@@ -510,6 +576,8 @@ class TcpChannel(Channel):
                     arrival.written = hdr.payload_len
                     if arrival.written == arrival.nbytes:
                         del self._incoming[hdr.msg_id]
+                        if self._overflows:
+                            self._end_overflow(hdr.msg_id)
                         arrival.complete()
                         await _let_recvs_repost(arrival)
                     continue
@@ -539,6 +607,8 @@ class TcpChannel(Channel):
                         fut.set_result(None)
                 elif t is FrameType.ABORT:
                     gone = self._incoming.pop(hdr.msg_id, None) or self._waiting.pop(hdr.msg_id, None)
+                    if self._overflows:
+                        self._end_overflow(hdr.msg_id)
                     if gone is not None:
                         self.mailbox.abort(gone)
                         self.release(gone)
@@ -692,10 +762,12 @@ class TcpChannel(Channel):
     async def _land(self, arrival: Arrival, start: int, n: int, crc: int) -> int:
         """Read ``n`` payload bytes at ``start`` into a destination that holds device tensors:
         host tensors straight from the socket, device ones through staging chunks whose copies
-        to the device overlap the next reads. Returns the running crc32c. ``arrival.landed``
-        counts the bytes written or queued to the device, exact wherever the loop runs: a recv
-        cancelled meanwhile may move the message to host memory (``Arrival.detach``, with no
-        device memory for it), and a chunk read then goes there instead, as does the rest."""
+        to the device overlap the next reads (behind a busy consumer stream, through more chunks
+        than the ring: ``_Overflow``). Returns the running crc32c. ``arrival.landed`` counts the bytes
+        written or queued to the device, exact wherever the loop runs: a recv cancelled
+        meanwhile may move the message to host memory (``Arrival.detach``, with no device
+        memory for it), and a chunk read then goes there instead, as does the rest. A copy to
+        the device that fails drops this message alone (``_device_failed``)."""
         io, summed = self._io, self.checksum
         pos, end = start, start + n
         arrival.mark(pos)
@@ -707,28 +779,20 @@ class TcpChannel(Channel):
             d = dest[i]
             if isinstance(d, DeviceTensor):
                 arrival.staged = True
-                sums = [crc]
-
-                async def fill(
-                    view: memoryview, at: int, sums: list[int] = sums, base: int = pos, dest: list[Any] = dest
-                ) -> None:
-                    await io.read_into(lambda o, m: view[o : o + m], 0, len(view))
-                    if summed:
-                        sums[0] = crc32c.crc32c(view, sums[0])
-                    if arrival.dest is not dest and _redirect(arrival, base + at, view):
-                        raise _Redirected
-                    arrival.mark(base + at + len(view))  # (queued before the loop runs again)
-
-                def target(i: int = i) -> Any:
-                    assert arrival.dest is not None
-                    return arrival.dest[i].buf  # type: ignore[union-attr]
-
                 try:
-                    await arrival.land().stage(d).write(target, off, k, fill)
-                except _Redirected:
-                    pass  # that chunk went to the host; the rest follows it there
-                crc = sums[0]
-                pos = arrival.landed  # type: ignore[assignment]  # (marked above)
+                    stage = arrival.land().stage(d)
+                    over = self._overflows.get(arrival.msg_id)
+                    if over is not None and over.due(stage):
+                        self._overflow(over, arrival, pos, d)
+                    if over is not None and over.takes(d):
+                        crc = await self._land_overflow(over, arrival, stage, i, off, pos, k, crc)
+                    else:
+                        crc = await self._land_staged(arrival, stage, i, off, pos, min(k, stage.pool.chunk_bytes), crc)
+                except PeerDisconnected:
+                    raise
+                except Exception as exc:
+                    self._device_failed(arrival, exc)
+                pos = arrival.landed  # type: ignore[assignment]  # (marked as they land)
                 continue
             await io.read_into(arrival.view, pos, k, arrival.mark)
             if summed:
@@ -739,6 +803,135 @@ class TcpChannel(Channel):
                     p += len(view)
             pos += k
         return crc
+
+    async def _land_staged(self, arrival: Arrival, stage: StageIn, i: int, off: int, pos: int, k: int, crc: int) -> int:
+        """``_land`` for one staging chunk's worth: ``k`` bytes at payload offset ``pos`` (at
+        ``off`` in device tensor ``i``) read into a chunk of the ring, whose copy up is queued."""
+        io, summed, dest = self._io, self.checksum, arrival.dest
+        sums = [crc]
+
+        async def fill(view: memoryview, at: int) -> None:
+            await io.read_into(lambda o, m: view[o : o + m], 0, len(view))
+            if summed:
+                sums[0] = crc32c.crc32c(view, sums[0])
+            if arrival.dest is not dest and _redirect(arrival, pos + at, view):
+                raise _Redirected
+            arrival.mark(pos + at + len(view))  # (queued before the loop runs again)
+
+        def target() -> Any:
+            assert arrival.dest is not None
+            return arrival.dest[i].buf  # type: ignore[union-attr]
+
+        try:
+            await stage.write(target, off, k, fill)
+        except _Redirected:
+            return sums[0]  # that chunk went to the host; the rest follows it there
+        over = self._overflows.get(arrival.msg_id)
+        if _behind_stream(stage):  # its chunk was parked behind the consumer's stream
+            if over is None:
+                over = self._overflows[arrival.msg_id] = _Overflow()
+            over.parked += 1
+        elif over is not None:
+            over.parked = 0
+        return sums[0]
+
+    async def _land_overflow(
+        self, over: _Overflow, arrival: Arrival, stage: StageIn, i: int, off: int, pos: int, k: int, crc: int
+    ) -> int:
+        """``_land`` for up to ``k`` bytes at payload offset ``pos`` (at ``off`` in device tensor
+        ``i``) through an overflow chunk: read into a chunk of the pool, its copy up queued at
+        once, and the chunk parked behind the consumer's stream (``_Overflow``)."""
+        pool = stage.pool
+        chunk = await pool.acquire()  # (holding none: each is parked as soon as its copy is queued)
+        n = min(k, chunk.size, over.room)
+        view = chunk.view[:n]
+        try:
+            await self._io.read_into(lambda o, m: view[o : o + m], 0, n)
+        except BaseException:
+            pool.release(chunk)
+            raise
+        over.room -= n
+        if self.checksum:
+            crc = crc32c.crc32c(view, crc)
+        if _redirect(arrival, pos, view):  # a cancelled recv moved the message to the host meanwhile
+            pool.release(chunk)
+            return crc
+        arrival.mark(pos + n)  # (read off the socket: should the copy fail, they are not read again)
+        assert arrival.dest is not None
+        d = arrival.dest[i]
+        assert isinstance(d, DeviceTensor)  # (the caller's, or one of ours that took its place)
+        stage = arrival.land().stage(d)
+        try:
+            stage.lane.to_device(d.buf, off, chunk, 0, n)
+        except BaseException:
+            pool.release(chunk)  # (nothing was queued on it)
+            raise
+        over.last = stage.mark()
+        assert over.last is not None
+        if _behind_stream(stage):
+            pool.park(chunk, over.last)
+        else:
+            pool.release(chunk, after=over.last)
+        return crc
+
+    def _overflow(self, over: _Overflow, arrival: Arrival, pos: int, d: DeviceTensor) -> None:
+        """Let the rest of ``arrival``'s bytes for ``d``'s device, from payload offset ``pos``,
+        go through overflow chunks (``_Overflow``) if the channel's allowance has room for all
+        of them; else the message goes on through its staging ring, waiting for its stream."""
+        over.refused = True  # asked once per message
+        assert arrival.dest is not None
+        size = 0
+        start = 0
+        for t in arrival.dest:
+            if isinstance(t, DeviceTensor) and t.engine is d.engine:
+                size += max(0, start + t.nbytes - max(start, pos))
+            start += t.nbytes
+        if size and self._overflowing + size <= self._limits.recv_buffer_bytes:
+            self._overflowing += size
+            over.engine, over.size, over.room = d.engine, size, size
+
+    def _end_overflow(self, msg_id: int) -> None:
+        """``msg_id`` has been read whole, withdrawn or failed: the allowance its overflow holds
+        comes back once the copies up from its chunks have run."""
+        over = self._overflows.pop(msg_id, None)
+        if over is None or not over.size:
+            return
+        if over.last is None or over.last.query():
+            self._overflowing -= over.size
+            return
+        task = self._loop.create_task(self._overflow_ran(over))
+        self._aux.add(task)
+        task.add_done_callback(self._aux_done)
+
+    async def _overflow_ran(self, over: _Overflow) -> None:
+        assert over.engine is not None and over.last is not None
+        try:
+            await wait_event(over.engine, over.last)
+        except Exception as exc:  # a device error: its copies will not run
+            log.warning("overflow copies on %s failed: %r", self.lanes[0], exc)
+        finally:
+            self._overflowing -= over.size
+
+    def _device_failed(self, arrival: Arrival, exc: Exception) -> None:
+        """Landing ``arrival`` in device memory failed (a copy the device refused, or no
+        page-locked memory for staging): that message is dropped, not the channel, as inproc
+        and ucx drop one whose copy up fails. The copies already queued into its device tensors
+        come before their streams' next work; the rest of its payload is read into scratch
+        (``Arrival.drop``), and the recv that takes it raises TransferError with the cause."""
+        log.warning("dropping message %d on %s: %r", arrival.msg_id, self.lanes[0], exc)
+        landing = arrival.landing
+        for d in arrival.dest or ():
+            if landing is not None and isinstance(d, DeviceTensor):
+                try:
+                    landing.hand_back(d)
+                except Exception as again:  # (the device is broken: nothing more to order)
+                    log.debug("ordering a failed landing before its stream: %r", again)
+        lost = TransferError(
+            f"a {arrival.nbytes}-byte message on this tag was dropped: its bytes could not be copied into device "
+            f"memory ({exc!r}); the channel and the messages after it go on"
+        )
+        lost.__cause__ = exc
+        arrival.drop(lost)
 
     async def _read_data(self, arrival: Arrival, n: int, crc: int) -> None:
         start = arrival.written
@@ -751,6 +944,8 @@ class TcpChannel(Channel):
         arrival.written = start + n
         if arrival.written == arrival.nbytes:
             del self._incoming[arrival.msg_id]
+            if self._overflows:
+                self._end_overflow(arrival.msg_id)
             arrival.complete()
             await _let_recvs_repost(arrival)
 
@@ -770,6 +965,7 @@ class TcpChannel(Channel):
             a.fail(exc)
         self._incoming.clear()
         self._waiting.clear()
+        self._overflows.clear()  # (their chunks come back to the pool once their copies have run)
         if asyncio.current_task() is not self._reader:
             self._reader.cancel()
         for t in list(self._aux):
