@@ -326,6 +326,10 @@ async def test_a_get_cancelled_while_the_channel_closes_waits_for_its_reads() ->
         out = np.zeros(src.nbytes, np.uint8)
         piece = 64 << 10  # 256 READs: 32 posted at once, the rest queued
         items = [(out.ctypes.data + off, piece, blob.address + off, rkey, out) for off in range(0, out.nbytes, piece)]
+        # a first get registers out= (cached): memory not registered yet is faulted in by a worker
+        # thread before any READ is posted (_faulting_in), and the cancel below would come then
+        await ch.rma_many("get", items)
+        out[:] = 0
         at_return: list[tuple[ChannelState, bool]] = []
 
         async def get() -> None:
