@@ -159,7 +159,15 @@ class Peer:
         Returns once the bytes have left the caller's buffers, which may then be reused. Waits
         (backpressure) when the peer holds more unreceived messages than its limits allow.
         """
-        return await self._send_own(obj, tag=tag_id(tag))
+        wire = tag_id(tag)
+        # (``_send_own`` written out: a coroutine less per message)
+        if running_loop() is not self._home:
+            check_home(self._home, "peer.send")
+        preparing = prepare_off_loop(obj)
+        msg = preparing.ready
+        if msg is not None and wire not in self._packing:
+            return await self.channel.send(wire, msg)
+        return await self._send_in_order(wire, preparing)
 
     async def _send_own(self, obj: Any, *, tag: int) -> Receipt:
         """``send`` on a wire tag as it is: tensorwire's own messages, on the reserved tags the
@@ -210,7 +218,11 @@ class Peer:
         tensors are allocated; by default where the sender's were (CUDA where this process has
         it). CUDA tensors come back safe to use on the caller's current stream.
         """
-        return await self._recv_own(tag=tag_id(tag), out=out, device=device)
+        wire = tag_id(tag)
+        if running_loop() is not self._home:  # (``_recv_own`` written out: a coroutine less per message)
+            check_home(self._home, "peer.recv")
+        value, _ = await self.channel.recv(wire, out, device)
+        return value
 
     async def _recv_own(self, *, tag: int, out: Any = None, device: Any = None) -> Any:
         """``recv`` on a wire tag as it is (tensorwire's own messages: see ``_send_own``)."""

@@ -951,3 +951,96 @@ async def test_a_cancelled_ucx_connect_leaves_the_node_open_to_ucx_peers() -> No
             await peer.send(np.arange(3), tag=1)
             assert np.array_equal(await other.recv(tag=1), np.arange(3))
             assert peer.path.transport == "ucx", peer.path
+
+
+def _post_raw_frame(sender: Any, frame: bytes) -> None:
+    """Post ``frame`` on the control tag of ``sender``'s channel, as its own frames go."""
+    channel = sender.channel
+    req = channel._ucp.tag_send(channel._ep_handle, frame, channel._ctrl_tag_value)
+    if req is not None:  # (kept until UCX is done with it)
+        channel._w.watch_raw(channel._ucp, req, frame, owner=channel, what="test frame")
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"magic": b"EVIL"}, "bad frame magic"),
+        ({"ftype": 200}, "unknown frame type 200"),
+        ({"flags": 0x80}, "reserved frame bits"),
+        ({"check": 1}, "reserved frame bits"),
+    ],
+    ids=["magic", "type", "flags", "check"],
+)
+async def test_a_control_frame_that_is_not_one_breaks_the_channel_saying_why(
+    fields: dict[str, Any], said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A control frame with a bad magic, an unknown type or reserved bits set breaks the
+    receiving channel with the ProtocolError that says which (the handler decodes a good
+    frame's header itself, and leaves a bad one to ``unpack_fields``); a recv waiting there
+    fails with it, and the next frame, a good one, is not taken."""
+    from tensorwire.transports._frames import HEADER, MAGIC, FrameType
+
+    values = {"magic": MAGIC, "ftype": int(FrameType.CREDIT), "flags": 0, "check": 0, **fields}
+    frame = HEADER.pack(values["magic"], values["ftype"], values["flags"], values["check"], 0, 0, 0, 0, 0, 0)
+    async with connected_pair("ucx") as (a, b):
+        await a.send(np.arange(3), tag="before")
+        assert np.array_equal(await b.recv(tag="before"), np.arange(3))
+        waiting = asyncio.ensure_future(b.recv(tag="x"))
+        await asyncio.sleep(0.01)
+        _post_raw_frame(a, frame)
+        await a.send(np.arange(4), tag="x")
+        async with asyncio.timeout(5):
+            (got,) = await asyncio.gather(waiting, return_exceptions=True)
+        assert isinstance(got, tensorwire.ProtocolError), repr(got)
+        assert said in str(got), got
+        assert b.channel.state is tensorwire.transports.ChannelState.BROKEN
+        assert f"closing ucx channel {b.channel.name}: {said}" in caplog.text
+
+
+async def test_a_control_frame_larger_than_the_receive_buffer_breaks_the_channel() -> None:
+    """A control frame larger than the receiver's control buffer (what its limits let a frame
+    carry) is truncated by UCX: the receive fails, and so does the channel, saying so; a recv
+    waiting there fails with that error."""
+    from tensorwire.transports._frames import FrameType, pack
+    from tensorwire.transports.ucx._channel import ctrl_bytes
+
+    async with connected_pair("ucx") as (a, b):
+        frame = pack(FrameType.CREDIT) + bytes(ctrl_bytes(b.channel._limits))  # one frame's bytes too many
+        waiting = asyncio.ensure_future(b.recv(tag="x"))
+        await asyncio.sleep(0.01)
+        _post_raw_frame(a, frame)
+        async with asyncio.timeout(5):
+            (got,) = await asyncio.gather(waiting, return_exceptions=True)
+        assert isinstance(got, tensorwire.TransferError), repr(got)
+        assert "ucx control receive failed" in str(got) and "truncated" in str(got).lower(), got
+        assert b.channel.state is tensorwire.transports.ChannelState.BROKEN
+
+
+async def test_control_frames_waiting_in_ucx_are_taken_in_one_go() -> None:
+    """Frames already waiting in UCX as a control frame is taken (a burst of small sends while
+    the receiver's loop was busy) are taken with it, up to ``_CTRL_BURST``, before the task the
+    first one woke runs: a burst's payload receives are all posted before UCX moves any payload.
+    Counted in messages taken, not time: without the burst, the recv that took the first found
+    none of the others taken yet. Over tcp lanes, where one progress round reads many frames
+    off the socket: the first matches the posted receive and UCX keeps the others (over shared
+    memory a round takes one FIFO entry, and frames wait so behind frames a recv's inline wait
+    took)."""
+    from tensorwire._peer import tag_id
+    from tensorwire.transports.ucx._channel import _CTRL_BURST
+
+    n = 48
+    assert n < _CTRL_BURST
+    with _ucx_config(TLS="tcp"):
+        async with connected_pair("ucx") as (a, b):
+            await a.send(np.zeros(1), tag="warm")
+            await b.recv(tag="warm")
+            x = np.arange(16, dtype=np.int64)
+            for i in range(n):  # inline sends: none yields to the loop, so b takes none meanwhile
+                x[0] = i
+                await a.send(x, tag="burst")
+            async with asyncio.timeout(5):
+                first = int((await b.recv(tag="burst"))[0])
+                taken = len(b.channel.mailbox._arrived.get(tag_id("burst"), ()))
+                rest = [int((await b.recv(tag="burst"))[0]) for _ in range(n - 1)]
+            assert [first, *rest] == list(range(n))
+            assert taken >= 8, f"{taken} of the {n - 1} frames behind the first were taken with it"

@@ -149,7 +149,7 @@ class ReceiveBudget:
         self._used_slots += 1
         if self._used_slots > self._max_slots:
             raise ProtocolError(f"peer sent more than {self._max_slots} messages without credit")
-        if not own_tag(tag):
+        if not _OWN_FIRST <= tag <= _OWN_LAST:  # (own_tag, written out: this runs per message)
             self._used_user_slots += 1
             if self._used_user_slots > self._limits.max_unexpected:
                 raise ProtocolError(
@@ -163,7 +163,7 @@ class ReceiveBudget:
 
     def release(self, nbytes: int, eager: bool, tag: int, *, schedule: bool = True) -> None:
         """A message on ``tag`` was consumed (or aborted): owe its slot and credit back to the peer."""
-        user = not own_tag(tag)
+        user = not _OWN_FIRST <= tag <= _OWN_LAST  # (own_tag, written out)
         if self._used_slots <= 0 or (user and self._used_user_slots <= 0) or (eager and nbytes > self._used_credit):
             # a message released twice would hand the sender credit this side never had
             raise RuntimeError(f"tensorwire bug: release of a {nbytes}-byte message that holds no slot or credit")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _metrics
 from .._loops import wait_out
 from ..errors import TensorWireError, TransferError, UnsupportedTensorError
 from ..memory import Event, download, stage_out, wait_event
@@ -763,7 +764,8 @@ class Mailbox:
         those called after (a new recv: at the end)."""
         line = self._posted.get(tag)
         if line is None:
-            line = self._posted[tag] = deque()
+            self._posted[tag] = deque((p,))
+            return
         i = len(line)
         while i and line[i - 1].seq > p.seq:
             i -= 1
@@ -831,14 +833,14 @@ class Mailbox:
     async def recv(
         self, tag: int, out: object | None, device: object = None, *, streams: Streams | None = None, keep: bool = True
     ) -> tuple[Any, Receipt]:
-        """The next message on ``tag`` (``Channel.recv``). ``keep=False``: its bytes are wanted
-        nowhere but in ``out=``: with out=, a recv cancelled part way lets the rest go rather than
-        give the message back in buffers of ours; without, it takes the next message to drain it,
-        lets go of what is yet to land and raises (TransferError), or returns it if it came whole.
-        Where the transport cannot redirect a payload under way (``Arrival.droppable``), it is
-        kept as by any recv."""
+        """The next message on ``tag`` (``Channel.recv``), counted in the metrics. ``keep=False``:
+        its bytes are wanted nowhere but in ``out=``: with out=, a recv cancelled part way lets
+        the rest go rather than give the message back in buffers of ours; without, it takes the
+        next message to drain it, lets go of what is yet to land and raises (TransferError), or
+        returns it if it came whole. Where the transport cannot redirect a payload under way
+        (``Arrival.droppable``), it is kept as by any recv."""
         t0 = time.perf_counter()
-        want = wanted_device(device, out is not None)
+        want = None if device is None else wanted_device(device, out is not None)
         if streams is None:
             streams = capture_streams(want)
         self.in_flight += 1
@@ -872,7 +874,9 @@ class Mailbox:
                     try:
                         got = await p.future
                         if isinstance(got, _Delivered):  # express: the bytes are in place already
-                            return got.finish(self.channel, out, t0)
+                            value, receipt = got.finish(self.channel, out, t0)
+                            _metrics.transferred("recv", receipt, tag)
+                            return value, receipt
                         arrival = got
                     except asyncio.CancelledError:
                         await self._give_up(p, tag, out, keep)
@@ -884,7 +888,9 @@ class Mailbox:
                     holder, p = p, None
                     targets = None
                 try:
-                    return await self._complete(arrival, out, targets, t0, want, streams, keep)
+                    value, receipt = await self._complete(arrival, out, targets, t0, want, streams, keep)
+                    _metrics.transferred("recv", receipt, tag)
+                    return value, receipt
                 except SenderAborted:
                     # withdrawn: wait in the place kept for this recv since the withdrawal,
                     # which may hold the next message already (none kept: post again in turn)
@@ -1062,7 +1068,10 @@ def _express_dest(p: _Posted, tree: wire_pb2.TreeNode, specs: list[Spec]) -> lis
     if type(out) is not np.ndarray or len(specs) != 1:
         return None
     s = specs[0]
-    if out.shape != s.shape or out.dtype != DTYPES.get(s.dtype):
+    if out.shape != s.shape:
+        return None
+    dtype = DTYPES.get(s.dtype)
+    if out.dtype is not dtype and out.dtype != dtype:  # (the same object, mostly: a cheaper test first)
         return None
     flags = out.flags
     if not (flags.c_contiguous and flags.writeable) or not tree.HasField("tensor"):

@@ -58,13 +58,13 @@ from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt
 from .._credit import ReceiveBudget, SendWindow
-from .._frames import HEADER, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
+from .._frames import CHECKSUM, HEADER, MAGIC, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
 from .._mailbox import Arrival, _settle
 from .._order import SendOrder, Turn
 from . import _ucp
 from ._lanes import kernel_copy, one_sided_direct
 from ._process import ProcessId, visible
-from ._ucp import RemoteKey, Ucp
+from ._ucp import UCS_INPROGRESS, RemoteKey, Ucp
 from ._worker import Worker
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ _SEQ = (1 << 28) - 1
 _INLINE_MAX = 8 * 1024
 _HEADER = HEADER.size  # (module constants: the per-message paths look them up once per frame)
 _MSG = FrameType.MSG
+_UNPACK = HEADER.unpack_from
+_TYPE_OF = {int(t): t for t in FrameType}
+_FLAGS = RENDEZVOUS | CHECKSUM  # the flag bits a frame may carry (``unpack_fields``)
 _CTRL_BURST = 64  # control frames taken in one go when they are already waiting
 _INLINE_STREAK = 16  # operations finished inline in a row (one-sided ones, recvs) before the loop turns
 _ANSWER_WINDOW = 200e-6  # a recv this soon after our last frame may wait inline for the answer
@@ -271,7 +274,9 @@ class UcxChannel(Channel):
         self._ctrl_tag_value = make_tag(tx_key, CTRL)
         self._ep_handle = int(ep.handle)
         self._rx_ctrl_tag = self._lib.UCXXTag(make_tag(rx_key, CTRL))
+        self._rx_ctrl_tag_value = make_tag(rx_key, CTRL)
         self._ctrl_buf = np.empty(ctrl_bytes(limits), np.uint8)
+        self._ctrl_ptr = self._ctrl_buf.ctypes.data
         self._ctrl_room = self._ctrl_buf.nbytes - HEADER.size
         self._ctrl_mv = memoryview(self._ctrl_buf.data)
         self._ctrl_arr: Any = None
@@ -309,7 +314,10 @@ class UcxChannel(Channel):
         # (a progress run that found nothing to do, after the end was seen), and nothing comes
         # from the peer after that (and one this process can see: see _process.visible)
         self.payload_peer = visible(peer_process) if kernel_copy(self.lanes) else None
-        self._post_ctrl_recv()
+        # posted from the loop, once the transport has taken the channel (its close callbacks): a
+        # frame already waiting completes the receive at once and is handled then (a BYE would
+        # shut a channel nobody had registered with yet)
+        self._loop.call_soon(self._post_ctrl_recv)
 
     def __repr__(self) -> str:
         return f"<UcxChannel {self.name} [{', '.join(self.lanes)}] {self.state.value} in_flight={self.in_flight}>"
@@ -458,7 +466,10 @@ class UcxChannel(Channel):
         window.credit -= nbytes
         msg_id = self._next_id
         self._next_id += 1
-        self._send_inline_frame(tag, msg_id, header, msg.arrays, nbytes)  # type: ignore[arg-type]  # host
+        # (``_send_inline_frame`` written out: a call less per message)
+        credit, slots = self._budget.take_returns()
+        frame = pack(_MSG, 0, n, nbytes, msg_id, tag, credit, slots)
+        self._send_frame(b"".join([frame, header, *map(_wire_bytes, msg.arrays)]))  # type: ignore[arg-type, list-item, unused-ignore]  # host arrays; numpy < 2.5
         return self._send_receipt(msg, "inline" if nbytes else "eager", t0, tag)  # as the receiver names it
 
     def _send_inline_frame(
@@ -668,22 +679,74 @@ class UcxChannel(Channel):
             log.exception("ucx inline wait failed")
 
     def _post_ctrl_recv(self) -> None:
+        """Post the control receive, unless it is posted. A frame that is already here (one
+        that came while none was posted: UCX kept it) completes it at once: taken now, and the
+        receive posted again, up to ``_CTRL_BURST`` frames in a row (a burst of sends), so that
+        the payload receives of all of them are posted before UCX starts moving any payload
+        (over cma this process does the copying, inside progress, one payload after the
+        other); after that many, the rest once the tasks they woke have run."""
         if self.state is not ChannelState.OPEN or self._ctrl_posted:
             return
+        ucp = self._ucp
+        if ucp is None:
+            self._post_ctrl_recv_ucxx()
+            return
+        # straight to ucp_tag_recv_nbx, as control frames are sent: no ucxx request, array
+        # wrapper and watch per frame
+        w = self._w
+        if w.closed:  # (a raw call on a destroyed worker would crash the process)
+            return
+        for _ in range(_CTRL_BURST):
+            try:
+                req = ucp.tag_recv(w.handle, self._ctrl_ptr, self._ctrl_buf.nbytes, self._rx_ctrl_tag_value)
+                status = 0 if req is None else ucp.request_status(req)  # (UCX completes at once without one)
+            except TensorWireError as exc:
+                self._shutdown(ChannelState.BROKEN, exc)
+                return
+            if status == UCS_INPROGRESS:
+                self._ctrl_posted = True
+                w.listen_raw(ucp, req, self._on_ctrl, keep=self._ctrl_buf, owner=self)  # type: ignore[arg-type]  # (a request)
+                return
+            if req is not None:
+                ucp.request_release(req)
+            if not self._take_ctrl(None if status == 0 else self._status_error(status, "control receive")):
+                return
+        w.soon(self._post_ctrl_recv)
+
+    def _on_ctrl(self, status: int) -> None:
+        """The posted control receive completed (``status``: UCS_OK or its error)."""
+        self._ctrl_posted = False
+        if not self._take_ctrl(None if status == 0 else self._status_error(status, "control receive")):
+            return
+        w = self._w
+        if not w.inline and w.worker.tag_probe(self._rx_ctrl_tag).matched:
+            self._post_ctrl_recv()  # frames already here (a burst of sends): taken now
+        else:
+            # posted again once the task this frame woke has run (the round trip's path),
+            # taking the frames that came meanwhile (UCX keeps them in order): by the next
+            # progress run, or the next recv's inline wait. Not even looked for after a frame a
+            # recv's inline wait took (a round trip's answer): that recv returns first
+            w.soon(self._post_ctrl_recv)
+
+    def _status_error(self, status: int, what: str) -> BaseException:
+        """A raw request's error status as a tensorwire error, as ``_error`` tells a ucxx one."""
+        assert self._ucp is not None
+        return self._error(TransferError(self._ucp.status_string(status)), what)
+
+    # (without the libucp bindings: the control receive through ucxx)
+    def _post_ctrl_recv_ucxx(self) -> None:
         self._ctrl_posted = True
         if self._ctrl_arr is None:
             self._ctrl_arr = self._lib_array(self._ctrl_buf)
         req = self._w.worker.tag_recv(self._ctrl_arr, self._rx_ctrl_tag)
-        self._w.watch(req, self._on_ctrl, keep=self._ctrl_buf, owner=self, passive=True)
+        self._w.watch(req, self._on_ctrl_ucxx, keep=self._ctrl_buf, owner=self, passive=True)
 
-    def _on_ctrl(self, req: Any) -> None:
+    def _on_ctrl_ucxx(self, req: Any) -> None:
         self._ctrl_posted = False
-        if not self._take_ctrl(req):
+        if not self._take_ctrl(self._check(req, "control receive")):
             return
-        # frames that are already here (a burst of sends) are taken now, so that the payload
-        # receives of all of them are posted before UCX starts moving any payload (over cma
-        # this process does the copying, inside progress, one payload after the other). Not
-        # when a recv's inline wait took this frame (a round trip's answer): that recv returns
+        # frames that are already here (a burst of sends) are taken now (see _post_ctrl_recv).
+        # Not when a recv's inline wait took this frame (a round trip's answer): that recv returns
         # without waiting for the probe, and frames behind it are taken as the control receive,
         # posted again, matches them
         worker = self._w.worker
@@ -693,19 +756,19 @@ class UcxChannel(Channel):
             req = worker.tag_recv(self._ctrl_arr, self._rx_ctrl_tag)
             if not req.completed:  # not expected: matched above; its completion calls back
                 self._ctrl_posted = True
-                self._w.watch(req, self._on_ctrl, keep=self._ctrl_buf, owner=self, passive=True)
+                self._w.watch(req, self._on_ctrl_ucxx, keep=self._ctrl_buf, owner=self, passive=True)
                 return
-            if not self._take_ctrl(req):
+            if not self._take_ctrl(self._check(req, "control receive")):
                 return
         # after the task this frame woke has run (the round-trip path): a frame arriving
         # meanwhile waits in UCX's unexpected queue and matches this receive in order
         self._w.soon(self._post_ctrl_recv)
 
-    def _take_ctrl(self, req: Any) -> bool:
-        """Handle the control frame ``req`` received; False if the channel is (now) shut."""
+    def _take_ctrl(self, err: BaseException | None) -> bool:
+        """Handle the control frame just received (or its receive's failure ``err``); False if
+        the channel is (now) shut."""
         if self.state is not ChannelState.OPEN:
             return False
-        err = self._check(req, "control receive")
         if err is not None:
             log.warning("closing ucx channel %s: %s", self.name, err)
             self._shutdown(ChannelState.BROKEN, err)
@@ -724,7 +787,12 @@ class UcxChannel(Channel):
 
     def _handle_frame(self) -> None:
         mv = self._ctrl_mv
-        t, flags, meta_len, payload_len, msg_id, arg, credit, slots = unpack_fields(mv)
+        # (``unpack_fields`` written out for a good frame, a call less per frame)
+        magic, ftype, flags, check, meta_len, payload_len, msg_id, arg, credit, slots = _UNPACK(mv)
+        t = _TYPE_OF.get(ftype)
+        if t is None or magic != MAGIC or check or flags & ~_FLAGS:
+            # not a good frame: unpack_fields raises the ProtocolError that says what is wrong
+            t, flags, meta_len, payload_len, msg_id, arg, credit, slots = unpack_fields(mv)
         if credit or slots:
             self._window.grant(credit, slots)
         if t is _MSG:
@@ -744,7 +812,7 @@ class UcxChannel(Channel):
                 raise ProtocolError(f"MSG frame carries {payload_len} inline bytes of a {nbytes}-byte message")
             if msg_id in self._waiting or msg_id in self._incoming:
                 raise ProtocolError(f"duplicate message id {msg_id}")
-            self._budget.admit(nbytes, eager=not rndv, tag=arg)
+            self._budget.admit(nbytes, not rndv, arg)
             protocol = "rendezvous" if rndv else "inline" if inline and nbytes else "eager"
             # a posted recv waits for it: straight into place; its slot and credit go back once that recv has taken it
             if inline and self.mailbox.deliver(

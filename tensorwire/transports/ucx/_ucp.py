@@ -49,6 +49,7 @@ _IO_ERROR = -3
 _SHMEM_SEGMENT = -17  # UCS_ERR_SHMEM_SEGMENT
 _ERR_LAST = -100
 _PTR_MAX = 1 << 64
+_PTR_ERRORS = _PTR_MAX + _ERR_LAST  # a status pointer at or above this is an error status
 
 _MEM_MAP_ADDRESS = 1 << 0
 _MEM_MAP_LENGTH = 1 << 1
@@ -58,6 +59,7 @@ _PROT_REMOTE_READ = 1 << 8
 _PROT_REMOTE_WRITE = 1 << 9
 _EP_ATTR_TRANSPORTS = 1 << 3
 _FAST_CMPL = 1 << 17  # UCP_OP_ATTR_FLAG_FAST_CMPL
+_FULL_MASK = (1 << 64) - 1  # a tag receive that matches one tag exactly
 # status codes that mean the peer or the link is gone
 
 
@@ -162,9 +164,15 @@ class Ucp:
         self.tag_send_raw = self._fn(f.ucp_tag_send_nbx, c_void_p, c_void_p, c_char_p, c_size_t, c_uint64, c_void_p)
         # payloads: any buffer by its address (f[...] is a function object of its own, with its own argtypes)
         self._tag_send_at = self._fn(f["ucp_tag_send_nbx"], c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p)
+        # control receives: (worker, buffer, length, tag, tag mask, param)
+        self._tag_recv = self._fn(
+            f.ucp_tag_recv_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_uint64, c_void_p
+        )
+        self._cancel = self._fn(f.ucp_request_cancel, None, c_void_p, c_void_p)
         self._check = self._fn(f.ucp_request_check_status, c_int8, c_void_p)
         self.request_status = self._check  # UCS_INPROGRESS until the request completes
         self._free = self._fn(f.ucp_request_free, None, c_void_p)
+        self.request_free = self._free  # ``request_release``'s C function itself (a frame's dispatch)
         self._ep_query = self._fn(f.ucp_ep_query, c_int8, c_void_p, POINTER(_EpAttr))
         self._version = self._fn(f.ucp_get_version, None, POINTER(c_uint), POINTER(c_uint), POINTER(c_uint))
         self._strerror = self._fn(ucs.ucs_status_string, c_char_p, c_int)
@@ -279,6 +287,20 @@ class Ucp:
         if ptr is None:  # UCS_OK, sent already (the usual case for a small frame)
             return None
         return self._submit(ptr, "ucp_tag_send_nbx")
+
+    def tag_recv(self, worker: int, address: int, nbytes: int, tag: int) -> int | None:
+        """``ucp_tag_recv_nbx`` of exactly ``tag`` into the ``nbytes`` at ``address`` (kept alive
+        by the caller until it completes): None if it completed at once (a message that was
+        waiting, received now), else the request to poll. Raises on error."""
+        ptr: int | None = self._tag_recv(worker, address, nbytes, tag, _FULL_MASK, self._param_ref)
+        if ptr is None or ptr < _PTR_ERRORS:  # (``_submit`` written out: one per control frame)
+            return ptr
+        raise self.error(ptr - _PTR_MAX, "ucp_tag_recv_nbx")
+
+    def cancel_raw(self, worker: int, req: int) -> None:
+        """``ucp_request_cancel`` of a raw receive: one that has not matched completes at once
+        (canceled); one whose message is arriving runs on to its end. Still to be freed."""
+        self._cancel(worker, req)
 
     def tag_send_at(self, ep: int, address: int, nbytes: int, tag: int) -> int | None:
         """``ucp_tag_send_nbx`` of the ``nbytes`` at ``address``, host or device memory (the

@@ -250,6 +250,7 @@ class Worker:
                 self.worker = self.lib.UCXWorker(self.context)
             self.worker.init_blocking_progress_mode()
             self.address = bytes(self.worker.address)
+            self.handle = int(self.worker.handle)  # the raw ucp_worker_h (raw receives)
         except Exception as exc:
             raise TransportUnavailable(f"ucx: could not start a UCX worker: {exc}") from exc
         self.options = dict(options)
@@ -258,6 +259,10 @@ class Worker:
         self._watch: dict[Any, _Watch] = {}
         # ucp request pointer -> (waiter, the memory UCX reads or writes, owner, what it is)
         self._raw: dict[int, tuple[asyncio.Future[None], object, object, str]] = {}
+        # raw receives (channels' control receives: see listen_raw), each with its callback; and
+        # those cancelled (their channel shut) while their message was arriving, with their memory
+        self._raw_recv: dict[int, _Watch] = {}
+        self._raw_recv_gone: dict[int, object] = {}
         self._ucp: Any = None
         self._graveyard: list[tuple[Any, object]] = []  # cancelled requests UCX may still hold
         # raw requests of closed channels (sends UCX cannot take back), with their memory: freed
@@ -300,6 +305,12 @@ class Worker:
         self.inline = False  # a recv's inline wait is progressing: dispatching what it found (see soon)
         self.loop.add_reader(self._fd, self._on_readable)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the worker has shut: its UCX worker is (being) destroyed, and nothing may be
+        posted on it, or on ``handle``, any more."""
+        return self._closed
+
     # -- requests --------------------------------------------------------------------------
     def watch(
         self,
@@ -340,6 +351,19 @@ class Worker:
         self._fresh = True
         self.kick()
         return fut
+
+    def listen_raw(
+        self, ucp: Any, request: int, callback: Callable[[int], None], *, keep: object, owner: object
+    ) -> None:
+        """Call ``callback(status)`` from the loop once the raw receive ``request`` (posted and
+        not yet completed) completes: UCS_OK, or its error. Passive, as a control receive: an
+        idle worker does not poll for it. The request is freed by the worker; ``keep`` (the
+        memory it receives into) stays referenced until UCX is done with it, and
+        ``abandon(owner)`` cancels it. Lighter than ucxx's ``tag_recv`` and ``watch``: no ucxx
+        request, no future, no ``completed`` property scan per dispatch."""
+        self._ucp = ucp
+        self._raw_recv[request] = _Watch(callback, keep, owner, True)
+        self.kick()
 
     def keep_raw(self, ucp: Any, request: int, keep: object, owner: object) -> None:
         """Take charge of a raw request whose caller waits for it later (``wait_raw``): it and
@@ -468,6 +492,9 @@ class Worker:
             self.cancel(r)
             if not r.completed:
                 self._graveyard.append((r, w.keep))
+        if self._raw_recv:
+            for ptr in [p for p, w in self._raw_recv.items() if w.owner is owner]:
+                self._cancel_raw_recv(ptr, self._raw_recv.pop(ptr).keep)
         if self._raw:
             for ptr in [p for p, entry in self._raw.items() if entry[2] is owner]:
                 _, keep, _, what = self._raw.pop(ptr)
@@ -478,6 +505,16 @@ class Worker:
         if self._raw_kept:
             self.drop_raw([p for p, entry in self._raw_kept.items() if entry[1] is owner])
         self.kick()
+
+    def _cancel_raw_recv(self, ptr: int, keep: object) -> None:
+        """Cancel a raw receive nobody waits for any more; freed at once if that ended it (it
+        had not matched), else once its message has landed (``keep`` held until then)."""
+        ucp = self._ucp
+        ucp.cancel_raw(self.handle, ptr)
+        if ucp.request_status(ptr) == UCS_INPROGRESS:
+            self._raw_recv_gone[ptr] = keep
+        else:
+            ucp.request_release(ptr)
 
     def hold(self, req: Any, keep: object) -> None:
         """Keep ``req`` and ``keep`` (the buffer UCX reads or writes through it) until UCX is done
@@ -551,6 +588,17 @@ class Worker:
                     w.callback(r)
                 except Exception:  # a bug in a callback must not stop progress for everyone
                     log.exception("ucx completion callback failed")
+        if self._raw_recv:
+            ucp = self._ucp
+            status_of = ucp.request_status
+            for ptr, status in [(p, s) for p in self._raw_recv if (s := status_of(p)) != UCS_INPROGRESS]:
+                w = self._raw_recv.pop(ptr)
+                ucp.request_free(ptr)
+                n += 1
+                try:
+                    w.callback(status)
+                except Exception:  # a bug in a callback must not stop progress for everyone
+                    log.exception("ucx completion callback failed")
         if self._raw:
             ucp = self._ucp
             status_of = ucp.request_status  # (the C function itself: this scan runs per dispatch)
@@ -571,6 +619,11 @@ class Worker:
             for ptr in [p for p in self._raw_graveyard if ucp.request_status(p) != UCS_INPROGRESS]:
                 del self._raw_graveyard[ptr]
                 self._payload_peers.pop(ptr, None)
+                ucp.request_release(ptr)
+        if self._raw_recv_gone:
+            ucp = self._ucp
+            for ptr in [p for p in self._raw_recv_gone if ucp.request_status(p) != UCS_INPROGRESS]:
+                del self._raw_recv_gone[ptr]
                 ucp.request_release(ptr)
         if self._awaited:
             awaited, self._awaited = self._awaited, []
@@ -947,6 +1000,10 @@ class Worker:
             if not fut.done():
                 fut.set_exception(ClosedResourceError(f"ucx transport closed while a {what} was in flight"))
                 fut.exception()
+        for ptr, w in self._raw_recv.items():  # (channels not shut yet: their control receives)
+            self._ucp.cancel_raw(self.handle, ptr)
+            self._raw_recv_gone[ptr] = w.keep
+        self._raw_recv.clear()
         try:
             self.worker.progress()
             self.worker.cancel_inflight_requests()
@@ -955,7 +1012,7 @@ class Worker:
         # every raw request goes back to UCX: one that has completed (the progress above may have
         # finished some) to its pool now, one still in flight when it completes. Dropped unfreed,
         # each stayed UCX's, and UCX warned of it as the worker was destroyed
-        for ptr in [*self._raw, *self._raw_kept, *self._raw_graveyard]:
+        for ptr in [*self._raw, *self._raw_kept, *self._raw_graveyard, *self._raw_recv_gone]:
             if not self._ucp.request_done(ptr):
                 self._stuck += 1
             self._ucp.request_release(ptr)
@@ -968,6 +1025,7 @@ class Worker:
         # worker is gone: the progress above may still have touched them, and a cuda transport's
         # copies may still be running until the worker is destroyed
         held = [*self._raw.values(), *self._raw_kept.values(), *self._raw_graveyard.values()]
+        held += self._raw_recv_gone.values()
         held += [*self._watch.values(), *self._graveyard]
         awaited, self._awaited = self._awaited, []
         for _, callback in awaited:  # UCX is done with their buffers: its requests are cancelled
@@ -978,6 +1036,7 @@ class Worker:
         self._raw.clear()
         self._raw_kept.clear()
         self._raw_graveyard.clear()
+        self._raw_recv_gone.clear()
         self._payload_peers.clear()
         self._ended.clear()
         self._aged.clear()
