@@ -1220,7 +1220,8 @@ async def check_receiver_closing_during_a_send_fails_it(a: Peer, b: Peer) -> Non
 @_check(Limits(recv_buffer_bytes=0))  # every message rendezvous: a send waits for its recv
 async def check_failed_channel_fails_its_pending_work_at_once(a: Peer, b: Peer) -> None:
     """``Channel.fail(exc)`` (what a lost lease or session calls) fails that side's pending
-    sends and recvs with ``exc`` at once, and the channel stays failed: later calls raise it too."""
+    sends and recvs with ``exc`` at once, and the channel stays failed: later calls raise it too
+    (each a copy of its own, of its class and message: a raised failure keeps its raisers' frames)."""
     send = asyncio.ensure_future(a.send(np.ones(MiB, np.uint8), tag="f"))  # its recv never comes
     recv = asyncio.ensure_future(a.recv(tag="g"))
     await asyncio.sleep(0.05)
@@ -1230,7 +1231,9 @@ async def check_failed_channel_fails_its_pending_work_at_once(a: Peer, b: Peer) 
     for what, fut in (("send", send), ("recv", recv)):
         async with asyncio.timeout(1):  # well under a lease, at whose end the peer's side would fail it too
             got = await _outcome(fut)
-        assert got is why, f"a pending {what} on a failed channel gave {got!r}, not the failure"
+        assert type(got) is type(why) and str(got) == str(why), (
+            f"a pending {what} on a failed channel gave {got!r}, not the failure"
+        )
     with _refused(PeerDisconnected, "a send on a failed channel did not fail"):
         await asyncio.wait_for(a.send(np.arange(3), tag="f"), 1)
     with _refused(PeerDisconnected, "a recv on a failed channel did not fail"):

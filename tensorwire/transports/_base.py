@@ -9,12 +9,13 @@ buffering and backpressure live in the shared ``Mailbox`` so that every transpor
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from .. import _metrics
 from .._checks import check_arguments, check_int, check_seconds
@@ -236,7 +237,7 @@ class Channel(ABC):
             fut = self._ended = asyncio.get_running_loop().create_future()
             if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
                 why = self.mailbox.failure or ClosedResourceError(f"{self.transport} channel is {self.state.value}")
-                _end(fut, why)
+                _end(fut, fresh(why))
         return fut
 
     def recv(
@@ -345,7 +346,7 @@ class Channel(ABC):
         if self.state is not ChannelState.OPEN:
             exc = self.mailbox.failure
             if exc is not None:
-                raise exc
+                raise fresh(exc)
             raise ClosedResourceError(f"{self.transport} channel is {self.state.value}")
 
     def add_close_callback(self, cb: Callable[[BaseException | None], Any]) -> None:
@@ -358,7 +359,7 @@ class Channel(ABC):
         self.state = state
         self.mailbox.fail(exc)
         if self._ended is not None:
-            _end(self._ended, exc)
+            _end(self._ended, fresh(exc))
         for cb in self._on_close:
             cb(exc)
 
@@ -367,6 +368,33 @@ class Channel(ABC):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def fresh(exc: _E, depth: int = 8) -> _E:
+    """A copy of ``exc`` (a channel's failure) to raise or to fail one operation with: its class,
+    message, attributes and causes (copied too, ``depth`` deep), and no traceback. A channel
+    raises its failure at every later call and fails every pending operation with it; raising
+    the one object each time would grow its traceback by each raiser's frames, and the failure
+    the channel keeps would keep their locals alive (a failed send's tensor, its memory
+    registration) after the caller let go; so would the traceback of the first failure's cause
+    (the socket error under a send's write). An exception that its arguments cannot rebuild as
+    it was is ``exc`` itself."""
+    try:
+        twin = copy.copy(exc)
+        if type(twin) is not type(exc) or twin.args != exc.args or str(twin) != str(exc):
+            return exc
+    except Exception:  # (rebuilding it raised, or comparing its arguments did: an array's)
+        return exc
+    cause = exc.__cause__
+    twin.__cause__ = fresh(cause, depth - 1) if cause is not None and depth > 0 else cause
+    twin.__suppress_context__ = exc.__suppress_context__
+    twin.__traceback__ = None
+    if hasattr(exc, "__notes__"):
+        twin.__notes__ = list(exc.__notes__)  # (notes added to one copy stay its own)
+    return twin
 
 
 def _end(fut: asyncio.Future[None], exc: BaseException) -> None:

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 
 from ..errors import ProtocolError
-from ._base import Limits
+from ._base import Limits, fresh
 from ._frames import PeerLimits
 
 __all__ = ["FLUSH_DELAY", "OWN_TAGS", "ReceiveBudget", "SendWindow", "own_slots", "own_tag"]
@@ -111,7 +111,7 @@ class SendWindow:
     def fail(self, exc: BaseException) -> None:
         for f in self._waiters:
             if not f.done():
-                f.set_exception(exc)
+                f.set_exception(fresh(exc))  # (each waiter a copy of its own: see ``fresh``)
                 f.exception()
         self._waiters.clear()
 

@@ -56,7 +56,7 @@ from ..tensors._device import (
     wanted_device,
 )
 from ..tensors._offload import copy_host, copy_host_soon
-from ._base import Receipt
+from ._base import Receipt, fresh
 
 if TYPE_CHECKING:
     from ..control._pb import wire_pb2
@@ -782,19 +782,21 @@ class Mailbox:
 
     def fail(self, exc: BaseException) -> None:
         """The channel is gone: fail every posted recv and every incomplete message."""
-        self.failure = exc
+        # each operation fails with a copy of its own, and the channel keeps one without the
+        # traceback ``exc`` has so far (``fresh``): a raised failure keeps its raisers' frames
+        self.failure = fresh(exc)
         for q in self._posted.values():
             for p in q:
-                _settle(p.future, exc)
+                _settle(p.future, fresh(exc))
         self._posted.clear()
         for tag, aq in list(self._arrived.items()):
             keep = deque(a for a in aq if a.done.done() and a.done.exception() is None)
             for a in aq:
                 if not a.done.done():
-                    a.fail(exc)
+                    a.fail(fresh(exc))
             self._arrived[tag] = keep
         for a in self._held:
-            a.fail(exc)  # a whole message delivered before the failure stays delivered
+            a.fail(fresh(exc))  # a whole message delivered before the failure stays delivered
 
     def _lands(self, targets: list[np.ndarray | DeviceTensor]) -> bool:
         """Can this channel write every target where it is (host, or device memory it knows)?"""
@@ -865,7 +867,7 @@ class Mailbox:
                 else:
                     if p is None:
                         if self.failure is not None:
-                            raise self.failure
+                            raise fresh(self.failure)
                         self.channel.check_open()
                         p = _Posted(out, want, streams, keep, seq)
                         self._line_up(tag, p)  # (behind every recv called before this one)

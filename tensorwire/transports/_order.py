@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ._base import fresh
+
 __all__ = ["SendOrder", "Turn"]
 
 
@@ -32,7 +34,7 @@ class Turn:
         shutdown stops. Our cancel never touches the send ahead."""
         order = self._order
         if order.failure is not None:
-            raise order.failure
+            raise fresh(order.failure)
         ahead = self._ahead
         if ahead is None or ahead.done():
             return
@@ -79,10 +81,10 @@ class SendOrder:
         """The channel is gone: every send waiting for its turn, and any that comes to wait
         later, raises ``exc`` (idempotent: the first failure stays)."""
         if self.failure is None:
-            self.failure = exc
+            self.failure = fresh(exc)  # (each raise a copy of its own: see ``fresh``)
         for fut in self.waiting:
             if not fut.done():
-                fut.set_exception(self.failure)
+                fut.set_exception(fresh(self.failure))
                 fut.exception()
         self.waiting.clear()
 

@@ -23,7 +23,7 @@ from collections import deque
 
 from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, ProtocolError, TransferError
 from ..tensors import Outgoing
-from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext
+from ._base import Capabilities, Channel, ChannelState, Receipt, Session, Transport, TransportContext, fresh
 from ._credit import own_slots, own_tag
 from ._frames import PeerLimits
 from ._mailbox import Arrival, SenderAborted, _settle
@@ -255,7 +255,8 @@ class InprocChannel(Channel):
             await _copy(source.segs, arrival, source)
         except BaseException as exc:
             # cancelled because the channel closed: the recv reports the closing, as elsewhere
-            why = self.mailbox.failure or TransferError(f"in-process copy failed: {exc!r}")
+            failure = self.mailbox.failure
+            why = fresh(failure) if failure is not None else TransferError(f"in-process copy failed: {exc!r}")
             arrival.fail(why)
             _settle(source.done, PeerDisconnected("in-process peer closed its channel"))
             raise
@@ -284,7 +285,7 @@ class InprocChannel(Channel):
         self._closed(state, exc)
         self._order.fail(exc)
         for f in self._slot_waiters:
-            _settle(f, exc)
+            _settle(f, fresh(exc))  # (each a copy of its own: see ``fresh``)
         self._slot_waiters.clear()
         for src in self._sources.values():
             _settle(src.done, PeerDisconnected("in-process peer closed its channel"))
@@ -304,7 +305,7 @@ class InprocChannel(Channel):
         if peer is None:
             return
         for src in peer._sources.values():
-            _settle(src.done, exc)
+            _settle(src.done, fresh(exc))
         if peer.state is ChannelState.OPEN:
             peer._fail(theirs, told)
 

@@ -42,7 +42,7 @@ from ...errors import (
 )
 from ...memory import CopyEngine, Event, StageIn, stage_out, wait_event
 from ...tensors import DeviceTensor, Outgoing, decode_header, decode_header_sized
-from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt
+from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import (
     CHECKSUM,
@@ -264,12 +264,15 @@ class TcpChannel(Channel):
             bufs.append(TRAILER.pack(crc))
         return bufs
 
-    def _broken_write(self, exc: PeerDisconnected) -> BaseException:
-        """Writing failed: break the channel; what to raise (closed by this side meanwhile? then
-        that, not what the socket saw)."""
-        self._shutdown(ChannelState.BROKEN, exc)
+    def _broken_write(self, exc: PeerDisconnected) -> BaseException | None:
+        """Writing failed: break the channel; what to raise in place of ``exc``, if anything
+        (closed by this side meanwhile? then that, not what the socket saw). None: ``exc``
+        itself, which broke the channel (the channel keeps a copy of it: ``fresh``)."""
         failure = self.mailbox.failure
-        return failure if failure is not None else exc
+        if self.state in (ChannelState.CLOSED, ChannelState.BROKEN) and failure is not None:
+            return fresh(failure)
+        self._shutdown(ChannelState.BROKEN, exc)
+        return None
 
     async def _write(
         self,
@@ -299,7 +302,7 @@ class TcpChannel(Channel):
                 raise
             except PeerDisconnected as exc:
                 failure = self._broken_write(exc)
-                if failure is exc:
+                if failure is None:
                     raise
                 raise failure from exc
             if sent is not None:
@@ -333,7 +336,7 @@ class TcpChannel(Channel):
                 rest = self._io.send_now(bufs)
             except PeerDisconnected as exc:
                 failure = self._broken_write(exc)
-                if failure is exc:
+                if failure is None:
                     raise
                 raise failure from exc
             if rest:
@@ -368,7 +371,7 @@ class TcpChannel(Channel):
                 await self._io.send_rest(rest)
             except PeerDisconnected as exc:
                 failure = self._broken_write(exc)
-                if failure is exc:
+                if failure is None:
                     raise
                 raise failure from exc
             finally:
@@ -957,12 +960,12 @@ class TcpChannel(Channel):
         self._budget.close()
         self._window.fail(exc)
         self._order.fail(exc)
-        for fut in self._cts.values():
+        for fut in self._cts.values():  # (each a copy of its own: see ``fresh``)
             if not fut.done():
-                fut.set_exception(exc)
+                fut.set_exception(fresh(exc))
                 fut.exception()
         for a in [*self._incoming.values(), *self._waiting.values()]:
-            a.fail(exc)
+            a.fail(fresh(exc))
         self._incoming.clear()
         self._waiting.clear()
         self._overflows.clear()  # (their chunks come back to the pool once their copies have run)

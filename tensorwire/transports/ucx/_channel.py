@@ -56,7 +56,7 @@ from ...errors import (
 )
 from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
-from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt
+from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import CHECKSUM, HEADER, MAGIC, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
 from .._mailbox import Arrival, _settle
@@ -347,7 +347,7 @@ class UcxChannel(Channel):
         text = f"ucx {what} failed: {exc}"
         low = str(exc).lower()
         if "cancel" in low and self.mailbox.failure is not None:
-            return self.mailbox.failure  # cancelled because the channel closed or failed
+            return fresh(self.mailbox.failure)  # cancelled because the channel closed or failed
         if any(w in low for w in ("reset", "connect", "timeout", "unreachable")):
             return PeerDisconnected(text)
         if "input/output" in low and _ucp.peer_gone_since(self._peer_failures):
