@@ -4,28 +4,55 @@ A message is a pytree (dict / list / tuple of tensors and plain scalars). ``prep
 into a header (the tree structure with scalars inline, and one TensorSpec per tensor leaf) and
 the tensors' bytes in C order. ``decode_header`` is the receiver's side and trusts nothing: every
 length and shape is checked against the limits before anything is allocated.
+
+Both ends do their work per leaf on the event loop, so a pytree of thousands of tensors must
+cost little per leaf: the tree is written and planned directly (``_tree``), and a tensor's spec
+is made once per description and kept, at either end (``_header``). A message of more than
+``ON_LOOP_LEAVES`` host tensors is flattened in a copy thread, its containers copied at the call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import re
 import struct
+import sys
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..control._pb import wire_pb2
-from ..errors import ProtocolError, ShapeMismatchError, UnsupportedTensorError
+from ..errors import ShapeMismatchError, UnsupportedTensorError
 from ._device import DeviceSource, DeviceTensor, Streams
 from ._dtypes import DTYPES, dtype_name
+from ._header import (
+    WIRE_DTYPES,
+    Spec,
+    decode_header,
+    decode_header_sized,
+    device_spec,
+    header_bytes,
+    host_spec,
+    host_specs,
+    plan_of,
+    spec_item,
+)
 from ._offload import off_loop, packs_in_a_thread
-from ._view import MAX_NDIM, TensorView, as_view, byte_view, empty, is_tensor, mark_written, to_framework
+from ._tree import MAX_BIG_INT_DIGITS, MAX_DEPTH, build, encode
+from ._view import (
+    TensorView,
+    as_view,
+    byte_view,
+    is_tensor,
+    mark_written,
+    plain_torch_array,
+    to_framework,
+)
 
 __all__ = [
+    "MAX_BIG_INT_DIGITS",
+    "MAX_DEPTH",
     "Outgoing",
     "Preparing",
     "Spec",
@@ -39,53 +66,73 @@ __all__ = [
     "with_scalars",
 ]
 
-# Each pytree level is two protobuf levels (TreeNode, then Sequence/Mapping), and protobuf's
-# decoder stops at 100: 32 levels keeps every message we send decodable on the other side.
-MAX_DEPTH = 32
-MAX_BIG_INT_DIGITS = 1000
-_BIG_INT = re.compile(rf"-?[0-9]{{1,{MAX_BIG_INT_DIGITS}}}")
-_BIG_INT_BITS = math.ceil(MAX_BIG_INT_DIGITS * math.log2(10))  # every int of that many digits has no more bits
-# the largest payload a header may describe, counting empty dimensions as 1: a receiver refuses
-# more (nothing it could allocate), so a sender must not send it
-_MAX_SHAPE_BYTES = 1 << 62
-_SCALAR_KINDS = frozenset({"none", "bool_value", "int_value", "float_value", "str_value", "bytes_value", "big_int"})
-_INT64 = 2**63
-_CUDA_DEVICE = re.compile(r"cuda(:[0-9]{1,6})?")
 
-
-@dataclass(frozen=True, slots=True)
-class Spec:
-    """One tensor of a message, as its header describes it."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    framework: str = "numpy"
-    device: str = "cpu"
-
-    def allocate(self) -> np.ndarray:
-        """A new host array for the tensor this spec describes."""
-        return empty(self.dtype, self.shape)
-
-
-@dataclass(slots=True)
 class Outgoing:
     """A message ready to send: its header, and the tensors' bytes in wire order.
 
     ``arrays`` holds host arrays and, for CUDA tensors, DeviceTensors (wire bytes in device
     memory, complete once their ``ready`` event is). ``memory`` is "cuda" if any tensor was in
     device memory; ``staged`` says the device bytes were already copied to host (``to_host``).
+    ``tree`` is the pytree as a TreeNode: a flattened message carries it encoded
+    (``tree_bytes``) and parses it only if asked.
     """
 
-    tree: wire_pb2.TreeNode
-    specs: list[Spec]
-    arrays: Sequence[np.ndarray | DeviceTensor]  # C-contiguous, over the caller's memory unless packed
-    packed: bool
-    nbytes: int
-    _header: bytes | None = field(default=None, repr=False)
-    on_device: bool = False
-    staged: bool = False
-    memory: str = "host"  # the device memory kind of the tensors ("cuda"), else "host"
+    __slots__ = (
+        "_header",
+        "_host_parts",
+        "_items",
+        "_tree",
+        "_tree_bytes",
+        "arrays",
+        "memory",
+        "nbytes",
+        "on_device",
+        "packed",
+        "specs",
+        "staged",
+    )
+
+    def __init__(
+        self,
+        tree: wire_pb2.TreeNode | None,
+        specs: list[Spec],
+        arrays: Sequence[np.ndarray | DeviceTensor],  # C-contiguous, over the caller's memory unless packed
+        packed: bool,
+        nbytes: int,
+        header: bytes | None = None,
+        *,
+        on_device: bool = False,
+        staged: bool = False,
+        memory: str = "host",  # the device memory kind of the tensors ("cuda"), else "host"
+        tree_bytes: bytes | None = None,
+        items: list[bytes] | None = None,  # each spec as the header frames it
+    ) -> None:
+        self._tree = tree
+        self._tree_bytes = tree_bytes
+        self._items = items
+        self._header = header
+        self._host_parts: list[memoryview] | None = None  # segments(), made ahead (off the loop)
+        self.specs = specs
+        self.arrays = arrays
+        self.packed = packed
+        self.nbytes = nbytes
+        self.on_device = on_device
+        self.staged = staged
+        self.memory = memory
+
+    def __repr__(self) -> str:
+        return (
+            f"Outgoing(tensors={len(self.specs)}, nbytes={self.nbytes}, packed={self.packed}, "
+            f"memory={self.memory!r}, staged={self.staged})"
+        )
+
+    @property
+    def tree(self) -> wire_pb2.TreeNode:
+        """The message's pytree as a TreeNode."""
+        if self._tree is None:
+            assert self._tree_bytes is not None
+            self._tree = wire_pb2.TreeNode.FromString(self._tree_bytes)
+        return self._tree
 
     @property
     def device_bytes(self) -> bool:
@@ -95,36 +142,27 @@ class Outgoing:
 
     @property
     def header(self) -> bytes:
-        """The message's wire header (its tree and tensor specs), encoded once."""
+        """The message's wire header (its tree and tensor specs), encoded once: a MessageHeader,
+        its specs (field 1) then its tree (field 2), as protobuf writes it."""
         if self._header is None:
-            msg = wire_pb2.MessageHeader(tree=self.tree)
-            for s, a in zip(self.specs, self.arrays, strict=True):
-                if isinstance(a, DeviceTensor):
-                    strides = _c_strides(a.shape)
-                else:
-                    strides = [st // a.itemsize for st in a.strides] if a.itemsize else []
-                msg.tensors.add(
-                    dtype=s.dtype,
-                    shape=s.shape,
-                    strides=strides,
-                    device=s.device,
-                    framework=s.framework,
-                    nbytes=s.nbytes,
-                )
-            try:
-                self._header = msg.SerializeToString()
-            except Exception as exc:  # protobuf's own limits (nesting, sizes)
-                raise UnsupportedTensorError(f"message header cannot be encoded: {exc}") from exc
+            if self._items is None:
+                self._items = [spec_item(s, a) for s, a in zip(self.specs, self.arrays, strict=True)]
+            tree = self._tree_bytes if self._tree_bytes is not None else self.tree.SerializeToString()
+            self._header = header_bytes(self._items, tree)
         return self._header
 
     def segments(self) -> list[memoryview]:
         """The payload as flat byte views of the wire arrays (empty tensors omitted); host only."""
         if self.on_device:
             raise UnsupportedTensorError("message holds device tensors: use parts(), or to_host() first")
+        if self._host_parts is not None:
+            return list(self._host_parts)
         return [byte_view(a) for a in self.arrays if isinstance(a, np.ndarray) and a.nbytes]
 
     def parts(self) -> list[memoryview | DeviceTensor]:
         """The payload in order: host byte views and device tensors (empty tensors omitted)."""
+        if self._host_parts is not None and not self.on_device:
+            return list(self._host_parts)
         return [a if isinstance(a, DeviceTensor) else byte_view(a) for a in self.arrays if a.nbytes]
 
     def items_from(self, start: int) -> Outgoing:
@@ -145,6 +183,7 @@ class Outgoing:
             sum(a.nbytes for a in arrays),
             on_device=self.on_device,
             memory=self.memory,
+            items=None if self._items is None else self._items[skipped:],
         )
 
     async def to_host(self, until: asyncio.Future[Any] | None = None) -> None:
@@ -190,77 +229,76 @@ def _renumber(dst: wire_pb2.TreeNode, src: wire_pb2.TreeNode, lower: int) -> Non
         node.tensor -= lower
 
 
-def _c_strides(shape: tuple[int, ...]) -> list[int]:
-    out = []
-    acc = 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return list(reversed(out))
+def _flatten(obj: object, views: list[TensorView]) -> bytes:
+    """``obj``'s tree, encoded, and its tensor leaves as views (appended to ``views``)."""
+
+    def leaf(tensor: object) -> int:
+        views.append(as_view(tensor))
+        return len(views) - 1
+
+    return encode(obj, leaf)
 
 
-def _flatten(obj: object, views: list[TensorView], depth: int) -> wire_pb2.TreeNode:
-    if depth > MAX_DEPTH:
-        raise UnsupportedTensorError(f"pytree is nested deeper than {MAX_DEPTH} levels")
-    node = wire_pb2.TreeNode()
-    if obj is None:
-        node.none = True
-    elif isinstance(obj, bool):
-        node.bool_value = obj
-    elif isinstance(obj, int) and not isinstance(obj, np.generic):
-        if -_INT64 <= obj < _INT64:
-            node.int_value = obj
+class _Leaves:
+    """A message's tensor leaves as flattening meets them, each as a record ``[wire array,
+    packed, view, spec entry]``. A plain numpy array or CPU torch tensor in C order, of a dtype
+    a message carries, is taken as it is: ``as_view`` would find the same array over the same
+    memory. With ``defer``, a host tensor whose packing copy is worth a thread is left unpacked
+    (wire and spec None) for ``_Packing``. With a ``budget``, meeting a tensor past that many
+    host ones raises _TooMany (a message for ``_Flattening``), unless a tensor of another kind
+    came first (device memory, a buffer: those are flattened at the call, whatever the size)."""
+
+    __slots__ = ("budget", "defer", "records")
+
+    def __init__(self, defer: bool, budget: int | None = None) -> None:
+        self.records: list[list[Any]] = []
+        self.defer = defer
+        self.budget = budget
+
+    def __call__(self, obj: object) -> int:
+        records = self.records
+        place = len(records)
+        arr: np.ndarray | None
+        if type(obj) is np.ndarray:
+            arr, framework = obj, "numpy"
         else:
-            # int's own digits: a subclass's str() may be anything ("E.BIG" for an (int, Enum)
-            # member), which the receiver refuses as a malformed header
-            text = int.__repr__(obj) if obj.bit_length() <= _BIG_INT_BITS else ""
-            if not text or len(text.lstrip("-")) > MAX_BIG_INT_DIGITS:
-                raise UnsupportedTensorError(f"integers beyond {MAX_BIG_INT_DIGITS} digits are not supported")
-            node.big_int = text
-    elif isinstance(obj, float) and not isinstance(obj, np.generic):
-        node.float_value = obj
-    elif isinstance(obj, str):
-        try:
-            node.str_value = obj
-        except UnicodeEncodeError as exc:  # lone surrogates ("\udcff", from os.fsdecode and the like)
-            shown = obj[max(0, exc.start - 20) : exc.end + 20].encode("utf-8", "backslashreplace").decode()
-            raise UnsupportedTensorError(
-                f"a string that cannot be encoded as UTF-8 ({exc.reason}) cannot be sent: ...{shown!r}..."
-            ) from None
-    elif isinstance(obj, bytes):
-        node.bytes_value = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            # a numpy number is a tensor, never a key (np.float64 is a float too: it left a tensor key
-            # that the receiver refused, breaking the channel)
-            if k is not None and (
-                not isinstance(k, _SCALARS) or (isinstance(k, np.generic) and not isinstance(k, (str, bytes)))
-            ):
-                raise UnsupportedTensorError(f"dict key of type {type(k).__name__} is not supported")
-            node.dict.keys.append(_flatten(k, views, depth + 1))
-            node.dict.values.append(_flatten(v, views, depth + 1))
-        if not obj:
-            node.dict.SetInParent()
-    elif isinstance(obj, (list, tuple)):
-        seq = node.tuple if isinstance(obj, tuple) else node.list
-        seq.SetInParent()
-        for item in obj:
-            seq.items.append(_flatten(item, views, depth + 1))
-    elif is_tensor(obj):
-        node.tensor = len(views)
-        views.append(as_view(obj))
-    else:
-        raise UnsupportedTensorError(
-            f"cannot send {type(obj).__name__}: a message is a tensor, or a dict/list/tuple of tensors "
-            "and plain scalars (None, bool, int, float, str, bytes)"
-        )
-    return node
+            torch = sys.modules.get("torch")
+            arr = plain_torch_array(obj) if torch is not None and isinstance(obj, torch.Tensor) else None
+            framework = "torch"
+        if arr is None and not isinstance(obj, np.generic):
+            self.budget = None
+        elif place == self.budget:
+            raise _TooMany
+        if arr is not None and arr.flags.c_contiguous:
+            hit = host_specs.get((arr.dtype, arr.shape, arr.strides, framework))
+            if hit is None and arr.dtype in WIRE_DTYPES:  # (else as_view says what is wrong)
+                hit = host_spec(arr, framework)
+            if hit is not None:
+                records.append([arr, False, None, hit])
+                return place
+        view = as_view(obj)
+        if self.defer and _packs_on_host(view):
+            records.append([None, True, view, None])
+        else:
+            records.append(_wired(view))
+        return place
+
+
+class _TooMany(Exception):
+    """(``_Leaves``'s budget ran out: the message is one to flatten in a thread.)"""
+
+
+def _wired(view: TensorView) -> list[Any]:
+    """A leaf's record: its wire array (packed if need be), whether packed, its view, its spec."""
+    wire, packed = view.wire_array()
+    if isinstance(wire, DeviceTensor):
+        return [wire, packed, view, device_spec(view, wire)]
+    return [wire, packed, view, host_spec(wire, view.framework)]
 
 
 _SINGLE_TREE = wire_pb2.TreeNode(tensor=0)
 _CACHE_LIMIT = 1024
 _single_cache: dict[tuple[np.dtype, tuple[int, ...]], tuple[list[Spec], bytes]] = {}
-_decode_cache: dict[bytes, tuple[wire_pb2.TreeNode, list[Spec], int]] = {}
 
 
 def _prepare_array(arr: np.ndarray) -> Outgoing:
@@ -303,13 +341,19 @@ def prepare_off_loop(obj: object) -> Preparing:
     now, at the call; awaiting the result makes the large copies and gives the message."""
     if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype.isnative:
         return _Ready(_prepare_array(obj))
-    views: list[TensorView] = []
-    tree = _flatten(obj, views, 0)
-    heavy = {i for i, v in enumerate(views) if _packs_on_host(v)}
-    wired = [None if i in heavy else v.wire_array() for i, v in enumerate(views)]
+    leaves = _Leaves(defer=True, budget=ON_LOOP_LEAVES)
+    try:
+        tree = encode(obj, leaves)
+    except _TooMany:
+        try:
+            return _Flattening(_copied(obj, 0))
+        except _Unplain:
+            leaves = _Leaves(defer=True)
+            tree = encode(obj, leaves)
+    heavy = [i for i, r in enumerate(leaves.records) if r[0] is None]
     if not heavy:
-        return _Ready(_assemble(tree, views, wired))  # type: ignore[arg-type]  # (no None in it)
-    return _Packing(tree, views, wired, sorted(heavy))
+        return _Ready(_assemble(tree, leaves.records))
+    return _Packing(tree, leaves.records, heavy)
 
 
 class _Ready:
@@ -332,28 +376,103 @@ class _Ready:
 class _Packing:
     """A message whose large strided host tensors are packed in a copy thread when awaited."""
 
-    __slots__ = ("heavy", "tree", "views", "wired")
+    __slots__ = ("heavy", "records", "tree")
     ready = None  # (packed when awaited)
 
-    def __init__(
-        self,
-        tree: wire_pb2.TreeNode,
-        views: list[TensorView],
-        wired: list[tuple[np.ndarray | DeviceTensor, bool] | None],
-        heavy: list[int],
-    ) -> None:
-        self.tree, self.views, self.wired, self.heavy = tree, views, wired, heavy
+    def __init__(self, tree: bytes, records: list[list[Any]], heavy: list[int]) -> None:
+        self.tree, self.records, self.heavy = tree, records, heavy
 
     def __await__(self) -> Generator[Any, None, Outgoing]:
         return self._finish().__await__()
 
     async def _finish(self) -> Outgoing:
-        views = self.views
-        done = await off_loop(lambda: [views[i].wire_array() for i in self.heavy])
-        wired = list(self.wired)
-        for i, w in zip(self.heavy, done, strict=True):
-            wired[i] = w
-        return _assemble(self.tree, views, wired)  # type: ignore[arg-type]  # (no None left)
+        views = [self.records[i][2] for i in self.heavy]
+        done = await off_loop(lambda: [v.wire_array() for v in views])
+        records = list(self.records)
+        for i, v, (wire, packed) in zip(self.heavy, views, done, strict=True):
+            records[i] = [wire, packed, v, host_spec(wire, v.framework)]
+        return _assemble(self.tree, records)
+
+
+# A message of more tensors than this, all host ones, is flattened in a copy thread: at a few
+# microseconds a tensor, flattening 10,000 of them on the loop held it for tens of ms.
+ON_LOOP_LEAVES = 512
+
+
+class _Flattening:
+    """A large message of host tensors whose containers were copied at the call, flattened in a
+    copy thread when awaited. The copy keeps ``prepare_off_loop``'s promise (what the caller
+    does to its dicts and lists afterwards is not sent) at a small part of flattening's cost,
+    the containers copied by C loops; the rest (each tensor's view, spec and packing, and the
+    header) runs in the thread, where the GIL lets the loop turn every few milliseconds."""
+
+    __slots__ = ("copy",)
+    ready = None  # (flattened when awaited)
+
+    def __init__(self, copy: object) -> None:
+        self.copy = copy
+
+    def __await__(self) -> Generator[Any, None, Outgoing]:
+        return off_loop(self._flatten).__await__()
+
+    def _flatten(self) -> Outgoing:
+        msg = _prepare_tree(self.copy)
+        msg.header  # noqa: B018 - encoded here too, off the loop, and the payload's byte views made
+        if not msg.on_device:  # (never: device tensors are flattened at the call)
+            msg._host_parts = msg.segments()
+        return msg
+
+
+class _Unplain(Exception):
+    """(``_copied`` met what only a flattening at the call may take.)"""
+
+
+_IMMUTABLE = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _copied(obj: object, depth: int, tensors: tuple[type, ...] = ()) -> object:
+    """A copy of a pytree's containers around leaves the caller cannot change: scalars, numpy
+    scalars, new views of numpy arrays (``a.shape = ...`` on the caller's array leaves them as
+    they were), CPU torch tensors as they are (their memory, and so their shape, is the
+    caller's to leave alone until the send returns, as always). _Unplain for any other leaf
+    (device tensors are wired at the call; a bytearray may be resized) or anything flattening
+    refuses (it says why), and for a mapping whose items are not a dict's. ``tensors``: the
+    torch tensor types taken (found at the top, once)."""
+    if depth > MAX_DEPTH:
+        raise _Unplain
+    if not depth:
+        torch = sys.modules.get("torch")
+        tensors = () if torch is None else (torch.Tensor, torch.nn.Parameter)
+    cls = type(obj)
+    if cls in _IMMUTABLE:
+        return obj
+    if cls is np.ndarray:
+        return obj.view()  # type: ignore[attr-defined]
+    if cls in tensors:
+        if obj.is_cpu:  # type: ignore[attr-defined]
+            return obj
+        raise _Unplain
+    if isinstance(obj, dict):
+        copy = {}
+        count = 0
+        for k, v in obj.items():
+            kind = type(v)
+            if kind is np.ndarray:
+                copy[k] = v.view()
+            elif kind in tensors and v.is_cpu:
+                copy[k] = v
+            else:
+                copy[k] = _copied(v, depth + 1, tensors)
+            count += 1
+        if count != len(copy):  # (a subclass whose items repeat a key)
+            raise _Unplain
+        return copy
+    if isinstance(obj, (list, tuple)):
+        items = [v.view() if type(v) is np.ndarray else _copied(v, depth + 1, tensors) for v in obj]
+        return tuple(items) if isinstance(obj, tuple) else items
+    if isinstance(obj, (np.generic, str, bytes, int, float)):
+        return obj  # (numpy scalars, and subclasses of scalars: np.str_, an IntEnum member, ...)
+    raise _Unplain
 
 
 def _packs_on_host(v: TensorView) -> bool:
@@ -362,144 +481,48 @@ def _packs_on_host(v: TensorView) -> bool:
 
 
 def _prepare_tree(obj: object) -> Outgoing:
-    views: list[TensorView] = []
-    tree = _flatten(obj, views, 0)
-    return _assemble(tree, views, [v.wire_array() for v in views])
+    leaves = _Leaves(defer=False)
+    tree = encode(obj, leaves)
+    return _assemble(tree, leaves.records)
 
 
-def _assemble(
-    tree: wire_pb2.TreeNode, views: list[TensorView], wired: list[tuple[np.ndarray | DeviceTensor, bool]]
-) -> Outgoing:
-    """The message of ``views`` whose wire arrays (and whether each was packed) are ``wired``."""
+def _assemble(tree: bytes, records: list[list[Any]]) -> Outgoing:
+    """The message of the encoded ``tree`` and its leaves' records (every one wired)."""
     arrays: list[np.ndarray | DeviceTensor] = []
     specs: list[Spec] = []
+    items: list[bytes] = []
     packed = False
-    on_device = False
+    memory = "host"
     total = 0
-    for v, (arr, was_packed) in zip(views, wired, strict=True):
-        packed |= was_packed
+    for arr, was_packed, _, (spec, item) in records:
         arrays.append(arr)
-        if isinstance(arr, DeviceTensor):
-            on_device = True
-            device = "cuda" if arr.engine.kind == "cuda" else "cpu"
-        else:
-            device = "cpu"
-        nbytes = int(arr.nbytes)
-        if not nbytes and _impossible(v.shape, DTYPES[v.dtype].itemsize):  # (empty: no bytes bound its shape)
-            raise UnsupportedTensorError(
-                f"a {v.dtype} tensor of shape {list(v.shape)[:8]} cannot be sent: its dimensions (empty ones "
-                "counted as 1) describe 2**62 bytes or more, which no receiver accepts"
-            )
-        specs.append(Spec(v.dtype, v.shape, nbytes, v.framework, device))
-        total += nbytes
-    memory = next((a.engine.kind for a in arrays if isinstance(a, DeviceTensor)), "host")
-    return Outgoing(tree, specs, arrays, packed, total, on_device=on_device, memory=memory)
-
-
-def decode_header(
-    data: bytes | bytearray | memoryview, *, max_message_bytes: int
-) -> tuple[wire_pb2.TreeNode, list[Spec]]:
-    """Parse and validate a received header. Raises ProtocolError for anything inconsistent.
-
-    Validated results are cached by the header's bytes (small headers only), so a stream of
-    same-shaped messages is parsed once.
-    """
-    tree, specs, _ = decode_header_sized(data, max_message_bytes=max_message_bytes)
-    return tree, specs
-
-
-def decode_header_sized(
-    data: bytes | bytearray | memoryview, *, max_message_bytes: int
-) -> tuple[wire_pb2.TreeNode, list[Spec], int]:
-    """``decode_header``, and the payload's total size (the sum of the specs' ``nbytes``)."""
-    small = len(data) <= 512
-    if small:
-        key = data if type(data) is bytes else bytes(data)
-        hit = _decode_cache.get(key)
-        if hit is not None and hit[2] <= max_message_bytes:
-            return hit
-    tree, specs = _decode_header(data, max_message_bytes)
-    result = (tree, specs, sum(s.nbytes for s in specs))
-    if small:
-        if len(_decode_cache) >= _CACHE_LIMIT:
-            _decode_cache.clear()
-        _decode_cache[key] = result
-    return result
-
-
-def _decode_header(
-    data: bytes | bytearray | memoryview, max_message_bytes: int
-) -> tuple[wire_pb2.TreeNode, list[Spec]]:
-    try:
-        msg = wire_pb2.MessageHeader.FromString(bytes(data))
-    except Exception as exc:  # protobuf raises DecodeError and friends
-        raise ProtocolError(f"undecodable message header ({len(data)} bytes)") from exc
-    specs: list[Spec] = []
-    total = 0
-    for t in msg.tensors:
-        dt = DTYPES.get(t.dtype)
-        if dt is None:
-            raise ProtocolError(f"header names unknown dtype {t.dtype[:32]!r}")
-        if len(t.shape) > MAX_NDIM:
-            raise ProtocolError(f"header claims {len(t.shape)} dimensions (limit {MAX_NDIM})")
-        shape = tuple(int(d) for d in t.shape)
-        if any(d < 0 for d in shape):
-            raise ProtocolError(f"header claims a negative dimension in shape {shape}")
-        if _impossible(shape, dt.itemsize):
-            raise ProtocolError(f"header claims an impossible shape {list(shape)[:8]}")
-        n = math.prod(shape) * dt.itemsize
-        if n != t.nbytes:
-            raise ProtocolError(f"header claims {t.nbytes} bytes for {t.dtype}{list(shape)} ({n} bytes)")
-        total += n
-        if total > max_message_bytes:
-            raise ProtocolError(f"message claims more than the {max_message_bytes}-byte limit")
-        if t.device in ("", "cpu"):
-            device = "cpu"
-        elif _CUDA_DEVICE.fullmatch(t.device):
-            device = "cuda"
-        else:
-            raise ProtocolError(f"header claims device {t.device[:32]!r}, which this build cannot receive")
-        specs.append(Spec(t.dtype, shape, n, t.framework or "numpy", device))
-    _check_tree(msg.tree, len(specs), 0)
-    return msg.tree, specs
-
-
-def _impossible(shape: tuple[int, ...], itemsize: int) -> bool:
-    """Whether a shape (empty dimensions counted as 1) describes more bytes than a header may."""
-    return math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_SHAPE_BYTES
-
-
-def _check_tree(node: wire_pb2.TreeNode, ntensors: int, depth: int) -> None:
-    """Everything ``rebuild`` will do must succeed for a tree that passes here."""
-    if depth > MAX_DEPTH:
-        raise ProtocolError(f"pytree deeper than {MAX_DEPTH} levels")
-    kind = node.WhichOneof("kind")
-    if kind == "tensor":
-        if node.tensor >= ntensors:
-            raise ProtocolError(f"tree refers to tensor {node.tensor} of {ntensors}")
-    elif kind in ("list", "tuple"):
-        for item in getattr(node, kind).items:
-            _check_tree(item, ntensors, depth + 1)
-    elif kind == "dict":
-        if len(node.dict.keys) != len(node.dict.values):
-            raise ProtocolError("dict node with unequal keys and values")
-        for k in node.dict.keys:
-            if k.WhichOneof("kind") not in _SCALAR_KINDS:
-                raise ProtocolError("dict key must be a scalar")
-            _check_tree(k, ntensors, depth + 1)
-        for v in node.dict.values:
-            _check_tree(v, ntensors, depth + 1)
-    elif kind == "big_int":
-        if not _BIG_INT.fullmatch(node.big_int):
-            raise ProtocolError("big_int is not a decimal integer of at most 1000 digits")
-    elif kind is None:
-        raise ProtocolError("empty tree node")
+        specs.append(spec)
+        items.append(item)
+        packed |= was_packed
+        total += spec.nbytes
+        if memory == "host" and type(arr) is not np.ndarray and isinstance(arr, DeviceTensor):
+            memory = arr.engine.kind
+    return Outgoing(
+        None,
+        specs,
+        arrays,
+        packed,
+        total,
+        on_device=memory != "host",
+        memory=memory,
+        tree_bytes=tree,
+        items=items,
+    )
 
 
 def rebuild(tree: wire_pb2.TreeNode, specs: list[Spec], arrays: list[Any]) -> Any:
     """The received pytree, tensors in the sender's framework where this process has it loaded."""
-    leaves = [to_framework(a, s.framework) for a, s in zip(arrays, specs, strict=True)]
-    return _unflatten(tree, leaves)
+    leaves = [
+        a if type(a) is np.ndarray and s.framework == "numpy" else to_framework(a, s.framework)
+        for a, s in zip(arrays, specs, strict=True)
+    ]
+    p = plan_of(tree)
+    return _unflatten(tree, leaves) if p is None else build(p, leaves)
 
 
 def _unflatten(node: wire_pb2.TreeNode, leaves: list[Any]) -> Any:
@@ -533,7 +556,7 @@ def match_out(
             return [out]
     views: list[TensorView] = []
     if tree is None:
-        _flatten(out, views, 0)
+        _flatten(out, views)
     else:
         try:
             _views_along(out, tree, views)
@@ -563,7 +586,7 @@ def check_out(out: object, views: list[TensorView] | None = None) -> None:
         return
     if views is None:
         views = []
-        _flatten(out, views, 0)  # (as_view refuses a dtype no message carries: big-endian, object)
+        _flatten(out, views)  # (as_view refuses a dtype no message carries: big-endian, object)
     _check_leaves(views)
 
 

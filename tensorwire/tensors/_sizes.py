@@ -42,10 +42,10 @@ def item_bytes(obj: object) -> int:
     """The bytes ``obj`` (scalars and containers of them, no tensors) takes in a header as one
     item of a list; the nodes that hold the list grow by up to ``HOLDER_GROWTH`` bytes each."""
     views: list[TensorView] = []
-    node = _flatten(obj, views, 0)
+    node = _flatten(obj, views)
     if views:
         raise UnsupportedTensorError("item_bytes sizes scalars and containers, not tensors")
-    return _framed(node.ByteSize())
+    return _framed(len(node))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -181,6 +181,47 @@ def _from_torch(t: Any) -> TensorView:
     return TensorView(arr, "torch", readonly=readonly, copied=copied, tensor=t)
 
 
+def plain_torch_array(t: Any) -> np.ndarray | None:
+    """The numpy array over a plain CPU torch tensor's memory (a ``torch.Tensor`` or an
+    ``nn.Parameter`` itself, dense, without torch's conj or neg bit, of a dtype a message
+    carries): what ``as_view`` would find, for a send's cheap path, which checks only what
+    decides that. None for any other tensor (``as_view`` looks at it closer)."""
+    torch = _torch()
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return None
+    if not t.is_cpu or t.layout is not torch.strided or t.is_nested or t.dim() > MAX_NDIM or t.is_neg():
+        return None
+    carrier = _torch_carriers[t.dtype]
+    if carrier is None or t.is_conj():
+        return None
+    if t.requires_grad:
+        t = t.detach()
+    try:
+        if carrier is t.dtype:
+            return t.numpy()  # type: ignore[no-any-return]
+        return t.view(carrier).numpy().view(DTYPES[str(t.dtype).removeprefix("torch.")])  # type: ignore[no-any-return]
+    except (TypeError, RuntimeError, ValueError):
+        return None  # (as_view says why)
+
+
+class _TorchCarriers(dict[Any, Any]):
+    """torch dtype -> the torch dtype whose numpy view carries it (itself, or the same-width
+    integer of ``_TORCH_REVIEW``), None for one no message carries; filled on first use (torch's
+    dtypes exist only once torch is imported)."""
+
+    def __missing__(self, dtype: Any) -> Any:
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            carrier = None
+        else:
+            carrier = getattr(_torch(), _TORCH_REVIEW[name]) if name in _TORCH_REVIEW else dtype
+        self[dtype] = carrier
+        return carrier
+
+
+_torch_carriers = _TorchCarriers()
+
+
 def as_view(obj: object) -> TensorView:
     """Adapt a tensor-like object; raises UnsupportedTensorError with the reason otherwise."""
     readonly = ""
@@ -284,7 +325,11 @@ def to_framework(arr: np.ndarray | DeviceTensor, framework: str) -> Any:
 def byte_view(arr: np.ndarray) -> memoryview:
     """A flat, writable-if-possible byte view of a C-contiguous array (no copy). Read through
     the plain ndarray: a subclass's reshape may keep dimensions (np.matrix stays 2-D), and a 2-D
-    memoryview is one row long to a socket and cannot be assigned to."""
+    memoryview is one row long to a socket and cannot be assigned to. numpy's own dtypes go
+    through the buffer protocol instead, a quarter of the cost (a message of many small tensors
+    takes a view of each at either end); ml_dtypes' cannot be a buffer, nor an empty array cast."""
+    if arr.dtype.isbuiltin == 1 and arr.nbytes and arr.flags.c_contiguous:
+        return memoryview(arr).cast("B")  # type: ignore[arg-type, unused-ignore]  # (numpy < 2.5 stubs)
     return np.asarray(arr).reshape(-1).view(np.uint8).data
 
 
