@@ -69,6 +69,8 @@ class Limits:
 
     recv_buffer_bytes: bytes of messages that arrived before their recv that one peer may
         have buffered here; past it the sender waits for the recv (rendezvous), never the heap.
+        Over tcp it also bounds the page-locked chunks a message into CUDA memory may take past
+        the staging ring while its consumer's stream is busy, so the reader goes on.
     max_unexpected: messages (headers) one peer may have waiting here for a recv; tensorwire's
         own messages (calls, one-sided requests) have as many again (``_credit.own_slots``).
     max_message_bytes: the largest message accepted from a peer.
