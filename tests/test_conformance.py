@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 
 import pytest
+from _lines import counting_lines
 
 from tensorwire.testing import CHECKS, connected_pair
 
@@ -147,42 +148,21 @@ async def test_a_message_of_many_tensors_takes_work_linear_in_them(variant: str)
     the lines. Finding the tensor that holds a payload offset scanned every tensor
     (``Arrival.view``), so 8,000 one-element arrays took 26 s on inproc and 10,000 took 4.6 s on
     tcp, with the event loop blocked long enough for leases to lapse."""
-    import os
-    import sys
-    from types import FrameType
-    from typing import Any
-
     import numpy as np
 
     import tensorwire
-
-    package = os.path.dirname(tensorwire.__file__) + os.sep
 
     async def lines(a: tensorwire.Peer, b: tensorwire.Peer, n: int) -> int:
         # 512 bytes each: every size here goes the same way (past tcp's one-frame fast path and
         # ucx's inline bytes), so that only the number of tensors changes the work
         msg = [np.full(128, i, np.int32) for i in range(n)]
-        count = 0
-
-        def local(frame: FrameType, event: str, arg: Any) -> Any:
-            nonlocal count
-            count += event == "line"
-            return local
-
-        def trace(frame: FrameType, event: str, arg: Any) -> Any:
-            return local if frame.f_code.co_filename.startswith(package) else None
-
         recv = asyncio.ensure_future(b.recv(tag="many"))
         await asyncio.sleep(0.01)
-        before = sys.gettrace()
-        sys.settrace(trace)
-        try:
+        with counting_lines() as ran:
             await asyncio.wait_for(a.send(msg, tag="many"), 30)
             got = await asyncio.wait_for(recv, 30)
-        finally:
-            sys.settrace(before)
         assert all(np.array_equal(x, y) for x, y in zip(got, msg, strict=True)), "the tensors arrived wrong"
-        return count
+        return ran.count
 
     with _options(variant):
         async with connected_pair(VARIANTS[variant][0]) as (a, b):

@@ -9,15 +9,14 @@ import collections
 import enum
 import importlib.util
 import math
-import os
 import random
 import sys
-from types import FrameType
 from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
 import pytest
+from _lines import counting_lines
 
 import tensorwire
 from tensorwire.control._pb import wire_pb2
@@ -161,29 +160,15 @@ def test_a_message_of_many_tensors_runs_few_lines_of_tensorwire_per_tensor(kind:
         make: Any = lambda: torch.ones(4, 4)
     else:
         make = lambda: np.ones((4, 4), np.float32)
-    package = os.path.dirname(tensorwire.__file__) + os.sep
 
     def lines(n: int) -> int:
         obj = {f"{n}.layer{i}.weight": make() for i in range(n)}  # (keys new to every cache)
-        count = 0
-
-        def local(frame: FrameType, event: str, arg: Any) -> Any:
-            nonlocal count
-            count += event == "line"
-            return local
-
-        def trace(frame: FrameType, event: str, arg: Any) -> Any:
-            return local if frame.f_code.co_filename.startswith(package) else None
-
-        sys.settrace(trace)
-        try:
+        with counting_lines() as ran:
             msg = prepare(obj)
             tree, specs = decode_header(msg.header, max_message_bytes=1 << 40)
             got = rebuild(tree, specs, [s.allocate() for s in specs])
-        finally:
-            sys.settrace(None)
         assert list(got) == list(obj)
-        return count
+        return ran.count
 
     lines(10)  # (the specs of (4, 4) tensors made)
     per_tensor = (lines(2000) - lines(1000)) / 1000
