@@ -466,10 +466,7 @@ class UcxChannel(Channel):
         window.credit -= nbytes
         msg_id = self._next_id
         self._next_id += 1
-        # (``_send_inline_frame`` written out: a call less per message)
-        credit, slots = self._budget.take_returns()
-        frame = pack(_MSG, 0, n, nbytes, msg_id, tag, credit, slots)
-        self._send_frame(b"".join([frame, header, *map(_wire_bytes, msg.arrays)]))  # type: ignore[arg-type, list-item, unused-ignore]  # host arrays; numpy < 2.5
+        self._send_inline_frame(tag, msg_id, header, msg.arrays, nbytes)  # type: ignore[arg-type]  # host
         return self._send_receipt(msg, "inline" if nbytes else "eager", t0, tag)  # as the receiver names it
 
     def _send_inline_frame(
