@@ -64,6 +64,9 @@ async def count():
 async def race():
     while not importing.is_set():
         await asyncio.sleep(0.001)
+    # (the loop turns a while first: this import blocks it until the start's import ends, and
+    # had it come before the counter's next turn, the turns counted above stayed 0)
+    await asyncio.sleep(0.05)
     module = importlib.import_module(slow)  # on the loop's thread, while the start imports it
     return [name for name in ("TcpTransport", "UcxTransport") if hasattr(module, name)]
 
