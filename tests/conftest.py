@@ -14,6 +14,8 @@ from typing import TextIO
 
 import pytest
 
+pytest_plugins = ["_watchdog"]  # (a test hung past its timeout ends the run, with every stack)
+
 _BACKGROUND = pytest.StashKey[list[ModuleType]]()
 _LEAKS = pytest.StashKey[list[warnings.WarningMessage]]()
 _PACKAGE = str(Path(__file__).resolve().parents[1] / "tensorwire") + os.sep
