@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,6 +97,45 @@ async def test_a_send_waiting_for_its_producer_stream_ends_with_its_channel(
             if posted is not None:
                 with pytest.raises((PeerDisconnected, ClosedResourceError)):
                     await posted
+
+
+@pytest.mark.parametrize(("transport", "by_pointer"), _PATHS)
+async def test_sends_cut_short_by_their_channel_let_go_of_their_tensors(
+    engine: HostEngine, transport: str, by_pointer: bool
+) -> None:
+    """Sends of device memory whose producer stream stays busy, cut short by the peer's abort, let
+    go of their tensors once their callers do (and the stream has run what was queued from them).
+    Before, each wait raised the one exception its channel's ``ended`` holds: its traceback grew
+    by every raiser's frames, and the channel kept the tensors alive for as long as it lived."""
+    limits = Limits(recv_buffer_bytes=1 << 20)
+    with busy_stream(engine) as (stream, gate):
+        async with connected_pair(transport, limits=limits) as (a, b):
+            if by_pointer:
+                host_engine_by_pointer(a, b)
+            datas = [_data(CHUNK + 5), _data(CHUNK + 7)]
+            gone = [weakref.ref(d) for d in datas]
+            sends = [
+                asyncio.ensure_future(a.send(EngineArray(engine, d, stream=stream), tag=f"x{i}"))
+                for i, d in enumerate(datas)
+            ]
+            await eventually(lambda: engine.max_queued >= 1 or _holds(b, "x0"))
+            await asyncio.sleep(0.05)
+            assert not any(s.done() for s in sends), "a send moved device memory before its producer stream's work"
+            b.abort()
+            for s in sends:
+                with pytest.raises(PeerDisconnected):
+                    async with asyncio.timeout(10):  # the stream stays busy all the while
+                        await s
+            del datas, sends, s
+            gate.set()
+            await wait_event(engine, engine.record_on(stream))
+
+            def freed() -> bool:
+                gc.collect()
+                return all(g() is None for g in gone)
+
+            await eventually(freed)
+            assert a.channel.ended.done()  # (the channel, and its failure, still live)
 
 
 _STAGED = [p for p in _PATHS if not p.values[1]]  # the paths whose sends take staging chunks

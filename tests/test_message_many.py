@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 import importlib.util
 import math
 import random
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -20,7 +23,7 @@ from _lines import counting_lines
 
 import tensorwire
 from tensorwire.control._pb import wire_pb2
-from tensorwire.tensors import _message, byte_view, decode_header, prepare, prepare_off_loop, rebuild
+from tensorwire.tensors import _message, _offload, byte_view, decode_header, prepare, prepare_off_loop, rebuild
 from tensorwire.testing import connected_pair
 
 pytestmark = pytest.mark.timeout(60)
@@ -265,6 +268,66 @@ async def test_a_message_arrives_as_it_was_at_the_call(transport: str, n: int) -
         await sending
         got = await recv
         assert _same(got, want)
+
+
+@contextlib.contextmanager
+def _copy_threads_held() -> Iterator[None]:
+    """Every copy thread of the process busy until the block ends: what is handed to one (a
+    large message to flatten) waits for the block's end."""
+    gate, running = threading.Event(), threading.Semaphore(0)
+
+    def hold() -> None:
+        running.release()
+        gate.wait(30)
+
+    held = [_offload._executor().submit(hold) for _ in range(_offload._WORKERS)]
+    try:
+        for _ in held:
+            assert running.acquire(timeout=10), "a copy thread did not start"
+        yield
+    finally:
+        gate.set()
+        for f in held:
+            f.result(10)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("change", ["resize_", "set_", ".data ="])
+@pytest.mark.parametrize("n", [20, LARGE])
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_torch_tensor_changed_in_place_after_the_call_travels_as_it_was(
+    transport: str, n: int, change: str
+) -> None:
+    """A CPU torch tensor given a new shape, memory or dtype in place (``resize_``, ``set_``,
+    ``.data =``) once the send has started arrives as it was at the call, large message or not.
+    A message of more than ``ON_LOOP_LEAVES`` tensors kept its torch tensors themselves for the
+    copy thread that flattens it: a change made before that thread met the tensor (here, the
+    copy threads held busy meanwhile) travelled: (7,) with four bytes of whatever followed,
+    (5,) zeros, (2,) float64."""
+    import torch
+
+    obj = {f"t{i}": torch.full((3,), float(i)) for i in range(n)}
+    async with connected_pair(transport) as (a, b), asyncio.timeout(30):
+        recv = asyncio.ensure_future(b.recv(tag="m"))
+        with _copy_threads_held():
+            sending = asyncio.ensure_future(a.send(obj, tag="m"))
+            await asyncio.sleep(0)  # (the send was called: the message is its own now)
+            t = obj[f"t{n - 1}"]  # (past the leaves met at the call, as the thread's copy)
+            if change == "resize_":
+                # torch refuses where numpy shares the memory: a tensor of a message flattened at the call
+                with contextlib.suppress(RuntimeError) if n <= _message.ON_LOOP_LEAVES else contextlib.nullcontext():
+                    t.resize_(7)
+            elif change == "set_":
+                t.set_(torch.zeros(5))
+            else:
+                t.data = torch.zeros(2, dtype=torch.float64)
+        await sending
+        got = await recv
+    assert len(got) == n
+    for i in (0, n - 1):
+        g = got[f"t{i}"]
+        assert isinstance(g, torch.Tensor) and g.dtype is torch.float32 and tuple(g.shape) == (3,), (i, g)
+        assert torch.equal(g, torch.full((3,), float(i))), (i, g)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])

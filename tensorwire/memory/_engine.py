@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ClosedResourceError, TransferError
+from ..transports._base import fresh
 
 log = logging.getLogger(__name__)
 
@@ -303,10 +304,12 @@ async def wait_event(engine: CopyEngine, event: Event, until: asyncio.Future[Any
 
 
 def _cut_short(until: asyncio.Future[Any]) -> None:
-    """Raise what ended ``until`` (a wait's ``until``, done)."""
+    """Raise what ended ``until`` (a wait's ``until``, done), a copy of its own to each wait
+    (``fresh``): every wait on a channel's ``ended`` raises its one failure, whose traceback
+    would grow by each raiser's frames, and the channel would keep their tensors alive."""
     exc = None if until.cancelled() else until.exception()
     if exc is not None:
-        raise exc
+        raise fresh(exc)
     raise ClosedResourceError("the wait for a device event was cut short: its channel closed")
 
 

@@ -358,11 +358,17 @@ class StageIn:
                 return None
             await wait_event(self.engine, behind[0], until)
 
+    def behind_consumer(self) -> bool:
+        """Whether the copies queued on the lane still wait for a consumer's stream
+        (``Lane.waits``), which may stay busy for long: a chunk given back after them now is
+        parked (``_give_back``; tcp's overflow chunks too). Asked with no lane, it makes the
+        one the next copy would take (ordered after the consumer and what was queued before)."""
+        return not all(e.query() for e in self.lane.waits)
+
     def _give_back(self, chunk: HostChunk, after: Event) -> None:
-        """``chunk``, whose last copy up is ``after``, back to the pool: parked while the lane
-        still waits for a consumer's stream (``Lane.waits``), which may stay busy for long."""
-        lane = self._lane
-        if lane is not None and not all(e.query() for e in lane.waits):
+        """``chunk``, whose last copy up is ``after`` (queued on the lane), back to the pool:
+        parked while the lane still waits for a consumer's stream (``behind_consumer``)."""
+        if self.behind_consumer():
             self.pool.park(chunk, after)
             self._behind.append(after)
         else:

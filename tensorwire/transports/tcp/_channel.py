@@ -156,12 +156,6 @@ def _redirect(arrival: Arrival, pos: int, chunk: memoryview) -> bool:
     return True
 
 
-def _behind_stream(stage: StageIn) -> bool:
-    """Whether ``stage``'s copies up still wait for a consumer's stream (``Lane.waits``): a
-    chunk it gives back now is parked until they have run (``StageIn._give_back``)."""
-    return not all(e.query() for e in stage.lane.waits)
-
-
 class _Overflow:
     """A message landing in device memory whose consumer stream stays busy.
 
@@ -200,7 +194,7 @@ class _Overflow:
     def due(self, stage: StageIn) -> bool:
         """Whether the message should go on through overflow chunks now: its next staging
         chunk would wait for the consumer's stream."""
-        return not self.refused and self.parked >= stage.pool.depth and _behind_stream(stage)
+        return not self.refused and self.parked >= stage.pool.depth and stage.behind_consumer()
 
     def takes(self, d: DeviceTensor) -> bool:
         """Whether more bytes for ``d`` go through overflow chunks."""
@@ -830,7 +824,7 @@ class TcpChannel(Channel):
         except _Redirected:
             return sums[0]  # that chunk went to the host; the rest follows it there
         over = self._overflows.get(arrival.msg_id)
-        if _behind_stream(stage):  # its chunk was parked behind the consumer's stream
+        if stage.behind_consumer():  # its chunk was parked behind the consumer's stream
             if over is None:
                 over = self._overflows[arrival.msg_id] = _Overflow()
             over.parked += 1
@@ -871,7 +865,7 @@ class TcpChannel(Channel):
             raise
         over.last = stage.mark()
         assert over.last is not None
-        if _behind_stream(stage):
+        if stage.behind_consumer():  # (as ``StageIn._give_back``, out of the ring's count: ``_Overflow``)
             pool.park(chunk, over.last)
         else:
             pool.release(chunk, after=over.last)
