@@ -26,7 +26,7 @@ from ._peer import RESERVED_TAGS, Peer
 from ._ratelog import RateLimitedLog
 from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, TLSConfig, check_require
 from .control._convert import offer_from_pb, offer_to_pb
-from .control._negotiate import MAX_TRANSPORTS
+from .control._negotiate import MAX_TRANSPORTS, shortfall
 from .control._pb import control_pb2
 from .control._server import MAX_NAME_CHARS, SECRET_BYTES
 from .errors import (
@@ -250,14 +250,21 @@ class _Answer:
 
 
 def _checked_answer(
-    resp: control_pb2.HandshakeResponse, address: str, preference: tuple[str, ...], offers: Mapping[str, Offer]
+    resp: control_pb2.HandshakeResponse,
+    address: str,
+    preference: tuple[str, ...],
+    offers: Mapping[str, Offer],
+    require: str = "any",
+    transports: Mapping[str, Transport] | None = None,
 ) -> _Answer:
     """The handshake answer of the server at ``address``, checked as that server checks a
     client's request: a broken or hostile server must not make this node misbehave. Each field
     is one an honest server of this protocol sends; anything else is a NegotiationError naming
     the field. (Taken as they came, a lease of 1 ms had this node renew every 0.3 ms and break
     the peer within a second; a server node id of 3 MB was kept, and printed, for the peer's
-    life; another protocol version, or another version of the chosen transport, went unnoticed.)
+    life; another protocol version, or another version of the chosen transport, went unnoticed;
+    so did a chosen transport short of ``require``, which a server that ignores it picks.)
+    ``transports``: this node's, to ask which lanes the chosen one would use (``endpoint_lanes``).
     The passed-over reasons only inform, and are clipped, never refused."""
     said = f"{address} answered the handshake with"
     broken = "no node of this protocol answers so: the server is broken or hostile (check what serves there)"
@@ -277,6 +284,17 @@ def _checked_answer(
             f"{address} chose {name} version {resp.chosen.version}, and this node's {name} is version {mine}: "
             f"their data connections would not understand each other (negotiation passes over a transport whose "
             f"versions differ); {broken}"
+        )
+    chosen = offer_from_pb(resp.chosen)
+    transport = (transports or {}).get(name)
+    used = transport.endpoint_lanes(chosen.address) if transport is not None and require != "any" else ()
+    short = shortfall(require, offers[name].capabilities, chosen.capabilities, used, "this node", address)
+    if short is not None:
+        raise NegotiationError(
+            f"{said} chosen transport {name}, which does not satisfy require={require!r}: {name} "
+            f"{_clipped(short, _MAX_PASSED_OVER_CHARS)}. A server of this protocol refuses a connect it cannot "
+            f"meet: this one ignored require= (it is broken or hostile, or no tensorwire node of this release; "
+            f"check what serves there)"
         )
     lo, hi = NodeConfig.MIN_LEASE_SECONDS, NodeConfig.MAX_LEASE_SECONDS
     lease = resp.lease_ms / 1000 if resp.lease_ms else _UNSET_LEASE_SECONDS
@@ -304,7 +322,7 @@ def _checked_answer(
         (_clipped(p.name, MAX_NAME_CHARS), _clipped(p.reason, _MAX_PASSED_OVER_CHARS))
         for p in resp.passed_over[:MAX_TRANSPORTS]
     )
-    return _Answer(offer_from_pb(resp.chosen), lease, passed_over)
+    return _Answer(chosen, lease, passed_over)
 
 
 class Node:
@@ -697,7 +715,7 @@ class Node:
         try:
             async with asyncio.timeout(timeout):
                 resp = await client.handshake(request, timeout)
-                answer = _checked_answer(resp, address, preference, self.offers)
+                answer = _checked_answer(resp, address, preference, self.offers, require, self.transports)
                 chosen = answer.chosen
                 transport = self.transports[chosen.name]
                 session = Session(

@@ -276,15 +276,20 @@ async def test_handshakes_that_never_open_a_data_connection_cannot_fill_the_log(
 
 
 @contextlib.asynccontextmanager
-async def _answering(server: tensorwire.Node, change: Callable[[Any], None]) -> AsyncIterator[str]:
+async def _answering(
+    server: tensorwire.Node, change: Callable[[Any], None], asking: Callable[[Any], None] | None = None
+) -> AsyncIterator[str]:
     """The address of a control plane that passes every handshake (and lease renewal) on to
     ``server`` and hands the server's answer through ``change`` on its way back: a broken or
-    hostile server whose sessions are real, so that a connect that takes its answer succeeds."""
+    hostile server whose sessions are real, so that a connect that takes its answer succeeds.
+    ``asking`` changes each handshake request on its way in (what such a server ignores)."""
     async with grpc.aio.insecure_channel(server.address) as ch:
         stub = control_pb2_grpc.ControlStub(ch)
 
         class Changing(control_pb2_grpc.ControlServicer):
             async def Handshake(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+                if asking is not None:
+                    asking(request)
                 resp = await stub.Handshake(request, timeout=5)
                 change(resp)
                 return resp
@@ -403,3 +408,52 @@ async def test_a_protocol_version_mismatch_names_both_versions_either_way(monkey
                 match=rf"{address} speaks control protocol version {older}, and this node version {PROTOCOL_VERSION}",
             ):
                 await client.connect(address)
+
+
+def _ignoring_require(request: Any) -> None:
+    request.require = ""  # (what a server that ignores require= sees: any transport will do)
+
+
+def _ignoring_require_and_order(request: Any) -> None:
+    _ignoring_require(request)
+    request.preference[:] = ["tcp"]  # (and one that puts tcp first, whatever the client's order)
+
+
+# how a server that ignores require= asks itself, and what the refusal says of the transport it chose
+_SHORT_OF_REQUIRE: dict[str, tuple[Callable[[Any], None], str]] = {
+    # inproc: only the client's side says it moves bytes by RDMA
+    "inproc": (_ignoring_require, r"inproc, .*: inproc has no RDMA lane on 127\.0\.0\.1:\d+ \(in-process copy\)"),
+    # tcp: RDMA on neither side
+    "tcp": (_ignoring_require_and_order, r"tcp, .*: tcp has no RDMA lane on this node \(tcp\)"),
+}
+
+
+@pytest.mark.parametrize("chosen", list(_SHORT_OF_REQUIRE))
+async def test_a_handshake_answer_short_of_require_is_refused(chosen: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server applies ``require=``; the client took whatever transport the answer named. A
+    server that ignores it (broken, hostile, or faked) had a connect with require="rdma" go
+    over a path with no RDMA: the connect succeeded. Now the client judges the chosen transport
+    by both sides' capabilities, as the server does, and refuses it with a NegotiationError
+    naming the field and the policy; an honest server refuses the same connect itself, and the
+    answer is taken without require=. (This machine has no RDMA NIC: the client's inproc says
+    it has one, so that require="rdma" gets past the client's own check before asking.)"""
+    asking, message = _SHORT_OF_REQUIRE[chosen]
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as server,
+        tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as client,
+    ):
+        inproc = client.offers["inproc"]
+        rdma = Capabilities(rdma=True, lanes=("rc_mlx5/mlx5_0:1",))
+        monkeypatch.setitem(client.offers, "inproc", Offer("inproc", inproc.version, inproc.address, rdma))
+        async with _answering(server, lambda resp: None, asking) as address:
+            with pytest.raises(
+                tensorwire.NegotiationError, match=rf"handshake with chosen transport {message}"
+            ) as info:
+                await client.connect(address, require="rdma")
+            assert "does not satisfy require='rdma'" in str(info.value) and "ignored require=" in str(info.value)
+            assert len(str(info.value)) < 500
+            assert not client.peers
+            peer = await client.connect(address)  # require="any": any transport will do
+            assert peer.path.transport == chosen
+        with pytest.raises(tensorwire.NegotiationError, match="no transport satisfies require='rdma'"):
+            await client.connect(server.address, require="rdma")  # an honest server refuses it itself

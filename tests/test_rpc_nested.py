@@ -12,9 +12,10 @@ import importlib.util
 import pytest
 from _polling import eventually
 
-from tensorwire.rpc import CallLimits
+from tensorwire.rpc import CallLimits, _client
 from tensorwire.rpc._server import server_of
 from tensorwire.testing import connected_pair
+from tensorwire.transports import Limits
 
 TRANSPORTS = [
     "tcp",
@@ -139,3 +140,78 @@ async def test_a_method_goes_on_after_its_call_without_waiting_for_its_slot() ->
 
         assert sorted(await asyncio.gather(a.call("count"), a.call("count"))) == [1, 1]
         assert slots.used == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_more_calls_back_than_outstanding_calls_each_way_complete(transport: str) -> None:
+    """A node keeps at most 256 calls outstanding on one peer. With 300 calls each way between two
+    nodes whose methods all call back, each node's 256 places were taken by calls whose methods
+    on the other node waited for a place to call back, behind the 44 calls still waiting: all
+    600 ran out of their deadlines (250 each way passed). A call back to the caller of the method
+    making it now goes in the room that caller keeps for its call, and all 600 are answered; the
+    counts come back to 0."""
+    async with connected_pair(transport) as (a, b):
+        budgets = [_client._budget(p) for p in (a, b)]
+        assert [x.max_calls for x in budgets] == [256, 256]
+
+        @a.node.method()
+        async def back_on_a(i: int) -> int:
+            return i
+
+        @b.node.method()
+        async def back_on_b(i: int) -> int:
+            return -i
+
+        @b.node.method()
+        async def on_b(i: int) -> int:
+            return 1 + await b.call("back_on_a", i)
+
+        @a.node.method()
+        async def on_a(i: int) -> int:
+            return 1 + await a.call("back_on_b", i)
+
+        n = 300
+        there = [a.call("on_b", i, _deadline=10) for i in range(n)]
+        back = [b.call("on_a", i, _deadline=10) for i in range(n)]
+        got = await asyncio.gather(*there, *back, return_exceptions=True)
+        failed = [g for g in got if isinstance(g, BaseException)]
+        assert not failed, f"{len(failed)} of {2 * n} failed, the first: {failed[0]!r}"
+        assert got == [1 + i for i in range(n)] + [1 - i for i in range(n)]
+        for budget in budgets:
+            await eventually(lambda x=budget: x.calls == 0 and x.units == 0 and not x._waiters)  # type: ignore[misc]
+
+
+async def test_one_call_back_at_a_time_rides_on_the_callers_room() -> None:
+    """The room a caller keeps for its call fits one call back to it while the method runs: it
+    goes in even when its node's outstanding calls are all taken (here 2: a quarter of the
+    peer's 8 message slots), and a second at the same time waits for a place as any call does.
+    The count passes max_calls only by such a call back, and comes back to 0."""
+    async with connected_pair("tcp", limits=Limits(max_unexpected=8)) as (a, b):
+        budget = _client._budget(b)
+        assert budget.max_calls == 2
+        hold = asyncio.Event()
+        seen: list[tuple[int, int]] = []
+
+        @a.node.method()
+        async def slow() -> int:
+            async with asyncio.timeout(5):
+                await hold.wait()
+            return 1
+
+        @b.node.method()
+        async def twice() -> int:
+            one = asyncio.ensure_future(b.call("slow", _deadline=10))
+            await eventually(lambda: budget.calls == 3)  # it rode, past the 2 that were taken
+            two = asyncio.ensure_future(b.call("slow", _deadline=10))
+            await eventually(lambda: len(budget._waiters) == 2)  # it waits, behind the call made below
+            seen.append((budget.calls, len(budget._waiters)))
+            hold.set()
+            return await one + await two
+
+        taken = [asyncio.ensure_future(b.call("slow", _deadline=10)) for _ in range(2)]
+        waiting = asyncio.ensure_future(b.call("slow", _deadline=10))  # no place left: it waits
+        await eventually(lambda: budget.calls == 2 and len(budget._waiters) == 1)
+        assert await a.call("twice", _deadline=10) == 2
+        assert seen == [(3, 2)]
+        assert await asyncio.gather(*taken, waiting) == [1, 1, 1]
+        await eventually(lambda: budget.calls == 0 and budget.units == 0 and not budget._waiters)

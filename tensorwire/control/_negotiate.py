@@ -9,7 +9,16 @@ from dataclasses import dataclass
 from ..errors import ConfigurationError, NegotiationError
 from ..transports import Capabilities, Transport
 
-__all__ = ["MAX_TRANSPORTS", "REQUIRE", "Choice", "Offer", "as_accepted", "check_require", "choose"]
+__all__ = [
+    "MAX_TRANSPORTS",
+    "REQUIRE",
+    "Choice",
+    "Offer",
+    "as_accepted",
+    "check_require",
+    "choose",
+    "shortfall",
+]
 
 REQUIRE = ("any", "rdma", "gpudirect")
 MAX_TRANSPORTS = 32  # names in a preference order, offers or reasons in one handshake
@@ -42,6 +51,22 @@ def _meets(require: str, caps: Capabilities, side: str) -> str | None:
     if require == "gpudirect" and not caps.gpudirect:
         return f"cannot move GPU memory directly to the NIC on {side} (no GPUDirect)"
     return None
+
+
+def shortfall(
+    require: str, mine: Capabilities, theirs: Capabilities, used: tuple[str, ...], local_name: str, remote_name: str
+) -> str | None:
+    """Why a transport whose capabilities are ``mine`` here (``local_name``) and ``theirs`` at the
+    other end falls short of ``require`` (None: it does not); ``used``: the lanes its endpoint
+    between the two would really use (``()``: not known). The server judges its choice so, and
+    the client the server's answer: a server that ignores ``require=`` (an older or faked one)
+    must not hand it a slower path than it asked for."""
+    why = _meets(require, mine, local_name) or _meets(require, theirs, remote_name)
+    if why is None and require != "any" and used and not rdma_lane(used):
+        # both sides list RDMA, but the endpoint between them has none (one machine: shared
+        # memory), and the path would say rdma=False: not what was required
+        why = f"has no RDMA lane between {local_name} and {remote_name} ({', '.join(used)})"
+    return why
 
 
 def _lanes_text(lanes: tuple[str, ...], most: int = 8, chars: int = 40) -> str:
@@ -161,11 +186,7 @@ def choose(
             )
             passed.append((name, reason))
             continue
-        why = _meets(require, mine.capabilities, local_name) or _meets(require, theirs.capabilities, remote_name)
-        if why is None and require != "any" and used and not rdma_lane(used):
-            # both sides list RDMA, but the endpoint between them has none (one machine: shared
-            # memory), and the path would say rdma=False: not what was required
-            why = f"has no RDMA lane between {local_name} and {remote_name} ({', '.join(used)})"
+        why = shortfall(require, mine.capabilities, theirs.capabilities, used, local_name, remote_name)
         if why is not None:
             passed.append((name, f"require={require!r}: {name} {why}"))
             continue

@@ -12,7 +12,8 @@ whether they then ride in the request or go apart. What calls may have
 outstanding on one peer stays within both sides' message slots (``_Budget``), so that no mix
 of calls and unread streams can stop the replies, cancellations or credit of the others; the
 deadline covers the wait for that room. A call made by a method this node serves lends that
-method's slot while it waits (``_registry.lending``).
+method's slot while it waits (``_registry.lending``), and one back to the caller of that method
+takes the room that caller keeps for it instead of waiting (``_registry.CallerRoom``).
 The channel's receipt of every message a call sends or takes is passed along; only
 ``peer.call_with_receipt`` (``want_receipt``) has them made into a ``CallReceipt``.
 """
@@ -42,6 +43,7 @@ from ..tensors import Outgoing, as_view, is_tensor, prepare
 from ..tensors._message import MAX_DEPTH, check_out
 from ..tensors._view import TensorView
 from ..transports import Channel, ChannelState, Receipt
+from ..transports._base import fresh
 from ..transports._mailbox import Arrival
 from ._codec import encode, encode_off_loop
 from ._deadline import effective_deadline
@@ -61,7 +63,7 @@ from ._protocol import (
     reply_tag,
 )
 from ._receipt import CallReceipt
-from ._registry import FifoAdmission, PerChannel, lending
+from ._registry import CallerRoom, FifoAdmission, PerChannel, call_back_room, lending
 from ._server import DRAIN_SECONDS
 
 if TYPE_CHECKING:
@@ -104,9 +106,12 @@ class _Budget(FifoAdmission):
         self.failure: BaseException | None = None  # the channel closed: no call will get room
 
     def fail(self, exc: BaseException | None) -> None:
-        """The channel closed: calls waiting for room fail with its error, and so do later ones."""
-        failure = self.failure = exc if exc is not None else ClosedResourceError("the channel closed")
-        self._fail_waiters(lambda _n: failure)
+        """The channel closed: calls waiting for room fail with its error, and so do later ones,
+        each with a copy of its own (``_fail_waiters``, ``acquire``): raised itself, the one
+        error would take each failing call's frames into its traceback, and their arguments
+        with them, for as long as it is kept."""
+        self.failure = exc if exc is not None else ClosedResourceError("the channel closed")
+        self._fail_waiters(lambda _n: self.failure)
 
     def _fits(self, units: int) -> bool:
         return self.calls < self.max_calls and self.units + units <= self.max_units
@@ -122,8 +127,16 @@ class _Budget(FifoAdmission):
     async def acquire(self, units: int) -> None:
         """Room for one more call that may leave ``units`` replies unread here."""
         if self.failure is not None:
-            raise self.failure
+            raise fresh(self.failure)
         await self._admit(units)
+
+    def take_now(self, units: int) -> None:
+        """Room for a call back that rides on the call it serves (``CallerRoom``), at once:
+        the counts may pass ``max_calls`` and ``max_units`` for a while, which only holds up the
+        calls that wait. (Released as any call's, with ``release``.)"""
+        if self.failure is not None:
+            raise fresh(self.failure)
+        self._take(units)
 
     def take_extra(self, want: int) -> int:
         """Up to ``want`` more units for a stream's window, if they are free now; never waits."""
@@ -392,7 +405,17 @@ async def call(
             async with tm:
                 # packing the arguments (a large strided tensor: in a copy thread) is part of the call
                 arguments = await _arguments(name, args, kwargs)
-                await budget.acquire(1)  # one reply at a time may wait here unread
+                room = call_back_room(channel)
+                try:
+                    if room is None:
+                        await budget.acquire(1)  # one reply at a time may wait here unread
+                    else:
+                        budget.take_now(1)  # a call back, in the room its caller keeps for it
+                except BaseException:
+                    if room is not None:
+                        room.give()
+                    raise
+                release = _releasing(budget, room)
                 try:
                     request, payload = _request(call_id, name, Kind.UNARY, tm.when(), arguments)
                     sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
@@ -409,11 +432,24 @@ async def call(
                         return value, None
                     return value, CallReceipt(sent, sent_args, came, time.perf_counter() - t0)
                 finally:
-                    _finish(peer, call_id, progress, lambda: budget.release(1))
+                    _finish(peer, call_id, progress, release)
     except TimeoutError as exc:
         if left is not None and tm.expired():
             raise _expired(name, left) from exc
         raise
+
+
+def _releasing(budget: _Budget, room: CallerRoom | None) -> Callable[[], None]:
+    """What gives a unary call's room back: its place in ``budget``, and the caller's ``room``
+    it rode on, if any, once nothing more comes for it (``_finish``)."""
+    if room is None:
+        return lambda: budget.release(1)
+
+    def release() -> None:
+        budget.release(1)
+        room.give()
+
+    return release
 
 
 def _check_out(out: Any) -> list[TensorView]:

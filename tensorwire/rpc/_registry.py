@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .._checks import check_arguments, check_int
 from ..errors import ConfigurationError
+from ..transports._base import fresh
 from ._protocol import safe_text
 
 if TYPE_CHECKING:
@@ -25,12 +26,14 @@ __all__ = [
     "RESERVED_KWARGS",
     "ByteBudget",
     "CallLimits",
+    "CallerRoom",
     "FifoAdmission",
     "Method",
     "MethodRegistry",
     "PerChannel",
     "SlotLoan",
     "Slots",
+    "call_back_room",
     "lending",
     "methods_of",
     "serving",
@@ -95,7 +98,10 @@ class PerChannel(Generic[A]):
     with the channel's error when it closes (``A.fail``), then forgotten. For a peer whose
     channel is closed already, a failed one that nothing keeps. Only open peers' are kept: a
     failed one holds its error, whose traceback may hold the peer, and a WeakKeyDictionary's
-    value that refers to its key keeps that key alive for ever."""
+    value that refers to its key keeps that key alive for ever. Each admission fails with a
+    copy of the channel's error (``fresh``), never the one the channel keeps: an admission
+    that raised that one made every raiser's frames (a call's arguments) part of the channel's
+    failure for as long as the peer lived."""
 
     def __init__(self, make: Callable[[Peer], A]) -> None:
         self._make = make
@@ -109,14 +115,15 @@ class PerChannel(Generic[A]):
             return admission
         admission = self._make(peer)
         if peer.channel.state is not ChannelState.OPEN:
-            admission.fail(peer.channel.mailbox.failure)  # for this use alone: nothing keeps it
+            failure = peer.channel.mailbox.failure
+            admission.fail(None if failure is None else fresh(failure))  # for this use alone: nothing keeps it
             return admission
         self._of[peer] = admission
         ref = weakref.ref(peer)
         of = self._of
 
         def closed(exc: BaseException | None) -> None:
-            admission.fail(exc)
+            admission.fail(None if exc is None else fresh(exc))
             gone = ref()
             if gone is not None:
                 of.pop(gone, None)
@@ -169,11 +176,12 @@ class FifoAdmission:
         self._wake()
 
     def _fail_waiters(self, error: Callable[[int], BaseException | None]) -> None:
-        """Fail each waiter for which ``error(n)`` gives an exception."""
+        """Fail each waiter for which ``error(n)`` gives an exception, with a copy of its own
+        (``fresh``): waiters handed one object each added their frames to its traceback."""
         for n, fut in self._waiters:
             exc = error(n)
             if exc is not None and not fut.done():
-                fut.set_exception(exc)
+                fut.set_exception(fresh(exc))
 
     def _wake(self) -> None:
         while self._waiters:
@@ -281,17 +289,65 @@ class SlotLoan:
         return self.lent == 0
 
 
+class CallerRoom:
+    """The room a served unary call's caller keeps for it, lent to one call back at a time.
+
+    A caller keeps what its calls to one peer may leave unread within bounds (``_client._Budget``:
+    at most 256 outstanding, a request each that may wait unread at the peer, a reply each that
+    may wait unread here). Nodes whose methods all call back filled those: past 256 calls in
+    flight each way, every method waited for room to call back behind calls that waited for
+    those methods, and all ran out of their deadlines (260 each way: all 520). But a call being
+    served has room kept for it at both ends that it does not use while its method runs: its
+    request has been read here, and its reply, which the caller has room for, is not sent yet.
+    A call back to that caller made meanwhile fits there (its request where the reply will go,
+    its reply where the request was), so it takes its place in this node's count at once,
+    without waiting (``_Budget.take_now``): what stays unread on the channel is still bounded by
+    the callers' budgets, and the count may pass its limit only by such calls back, which hold
+    up the next calls that wait. One call back at a time, while the method runs: a stream's
+    method, or a second call back at once, waits for room as any call does."""
+
+    __slots__ = ("busy", "channel", "open")
+
+    def __init__(self, channel: object) -> None:
+        self.channel = channel  # the caller's: only a call back to it fits the room
+        self.busy = False
+        self.open = True  # its method runs: the reply is not sent yet
+
+    def take(self, channel: object) -> bool:
+        """Whether a call to ``channel`` made now rides on this room (then held until ``give``)."""
+        if self.busy or not self.open or channel is not self.channel:
+            return False
+        self.busy = True
+        return True
+
+    def give(self) -> None:
+        self.busy = False
+
+
 _LOAN: contextvars.ContextVar[SlotLoan | None] = contextvars.ContextVar("tensorwire_rpc_loan", default=None)
+_ROOM: contextvars.ContextVar[CallerRoom | None] = contextvars.ContextVar("tensorwire_rpc_room", default=None)
 
 
 @contextlib.contextmanager
-def serving(loan: SlotLoan | None) -> Iterator[None]:
-    """Run a served method in the block: the calls it makes lend ``loan`` (None: nothing to lend)."""
+def serving(loan: SlotLoan | None, room: CallerRoom | None = None) -> Iterator[None]:
+    """Run a served method in the block: the calls it makes lend ``loan`` (None: nothing to
+    lend), and one at a time to its caller rides on ``room`` until the method ends (None: none)."""
     token = _LOAN.set(loan)
+    kept = _ROOM.set(room)
     try:
         yield
     finally:
+        _ROOM.reset(kept)
         _LOAN.reset(token)
+        if room is not None:
+            room.open = False  # (tasks the method started keep the context, not the room)
+
+
+def call_back_room(channel: object) -> CallerRoom | None:
+    """The room of the call being served here, taken for a call to ``channel`` made now, if it
+    fits there (``CallerRoom``); else None."""
+    room = _ROOM.get()
+    return room if room is not None and room.take(channel) else None
 
 
 @contextlib.contextmanager

@@ -11,7 +11,9 @@ arrived in. Argument bytes count against ``CallLimits.max_inflight_bytes`` befor
 A call's deadline counts from when its request arrived, however long it then waited unread.
 A request its caller cancelled before it was admitted is answered at once, without a slot.
 A method that waits for calls it made lends its slot meanwhile (``_registry.SlotLoan``), so
-that nodes whose methods call each other back cannot fill each other's slots with waiters.
+that nodes whose methods call each other back cannot fill each other's slots with waiters; a
+unary method's call back to its caller goes in the room that caller keeps for the call
+(``_registry.CallerRoom``), so neither can they fill each other's outstanding calls.
 
 Every request ends with a terminal reply, whatever the method did: an error whose text cannot
 be encoded is escaped, and a reply that does not fit the caller's limits becomes a brief error
@@ -64,7 +66,7 @@ from ._protocol import (
     split_args,
     unsent_reply,
 )
-from ._registry import Method, MethodRegistry, SlotLoan, Slots, serving
+from ._registry import CallerRoom, Method, MethodRegistry, SlotLoan, Slots, serving
 
 if TYPE_CHECKING:
     from .._peer import Peer
@@ -378,7 +380,9 @@ class PeerServer:
             async with tm:
                 if deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at:
                     raise TimeoutError
-                with served_under(deadline_at), serving(loan):
+                # a unary call's caller keeps room for it that one call back to it may use
+                room = None if method.streaming else CallerRoom(self.peer.channel)
+                with served_under(deadline_at), serving(loan, room):
                     started = start_method(method, args, kwargs)
                     call.in_method = True
                     if method.streaming:
