@@ -8,10 +8,12 @@ the environment.
 import asyncio
 import contextlib
 import importlib.util
+from typing import Any
 
 import pytest
 from _lines import counting_lines
 
+from tensorwire.memory import HostEngine
 from tensorwire.testing import CHECKS, connected_pair
 
 _NO_UCXX = importlib.util.find_spec("ucxx") is None
@@ -168,3 +170,80 @@ async def test_a_message_of_many_tensors_takes_work_linear_in_them(variant: str)
         async with connected_pair(VARIANTS[variant][0]) as (a, b):
             small, large = await lines(a, b, 250), await lines(a, b, 1000)
     assert large < 6 * small, f"250 tensors ran {small} lines of tensorwire, 1000 ran {large}"
+
+
+@pytest.mark.parametrize("variant", TRANSPORTS)
+async def test_a_peers_abort_breaks_the_channel_and_its_close_closes_it(variant: str) -> None:
+    """A channel's abort is a failure to its peer: the peer's channel breaks (BROKEN) and its
+    pending recv fails with PeerDisconnected, as when a tcp connection drops; an orderly close
+    leaves the peer's channel closed (CLOSED). ucx's abort said BYE as a close does, and left
+    the peer's channel closed."""
+    import tensorwire
+    from tensorwire.transports import ChannelState
+
+    async def ended(ours: tensorwire.Peer, theirs: tensorwire.Peer, how: str) -> ChannelState:
+        recv = asyncio.ensure_future(theirs.recv(tag="r"))
+        await asyncio.sleep(0.01)
+        assert not recv.done()
+        if how == "abort":
+            ours.channel.abort()
+        else:
+            await ours.channel.aclose()
+        with pytest.raises(tensorwire.PeerDisconnected):
+            async with asyncio.timeout(5):  # (a lease is longer: the peer is told, not timed out)
+                await recv
+        return theirs.channel.state
+
+    with _options(variant):
+        async with connected_pair(VARIANTS[variant][0]) as (a, b):
+            assert await ended(a, b, "abort") is ChannelState.BROKEN
+        async with connected_pair(VARIANTS[variant][0]) as (a, b):
+            assert await ended(b, a, "close") is ChannelState.CLOSED
+
+
+class _RefusingCopiesOut(HostEngine):
+    """A host engine (standing in for a GPU) whose copies out of device memory fail as they are
+    queued, as a GPU's do after a CUDA error."""
+
+    def _new_lane(self) -> Any:
+        lane = super()._new_lane()
+
+        def to_host(*args: object) -> None:
+            raise RuntimeError("device error: a copy to host failed")
+
+        lane.to_host = to_host
+        return lane
+
+
+@pytest.mark.parametrize("variant", TRANSPORTS)
+async def test_a_send_whose_copy_out_of_device_memory_fails_raises_a_transfer_error(variant: str) -> None:
+    """A send of device memory whose copies out of it fail raises TransferError with the device's
+    error as its cause, delivers nothing (the recv posted for it takes the next message on its
+    tag) and leaves the channel open; an owner-assisted read of such a tensor is answered with
+    the error. Over inproc and ucx, which copy device memory through host memory of theirs before
+    anything goes, the send raised the device's RuntimeError bare, and a read of it waited for
+    good (the owner answers TensorWireErrors only)."""
+    import numpy as np
+
+    import tensorwire
+    from tensorwire.tensors import EngineArray
+    from tensorwire.transports import ChannelState
+
+    engine = _RefusingCopiesOut()
+    data = np.arange(200_000, dtype=np.uint8)
+    try:
+        with _options(variant):
+            async with connected_pair(VARIANTS[variant][0]) as (a, b):
+                recv = asyncio.ensure_future(b.recv(tag="x"))
+                async with asyncio.timeout(10):
+                    with pytest.raises(tensorwire.TransferError) as failed:
+                        await a.send(EngineArray(engine, data), tag="x")
+                    assert isinstance(failed.value.__cause__, RuntimeError), repr(failed.value)
+                    await a.send(np.arange(7), tag="x")
+                    assert np.array_equal(await recv, np.arange(7)), "the failed send delivered something"
+                    a.node.expose(EngineArray(engine, data), name="t")
+                    with pytest.raises(tensorwire.TransferError):
+                        await b.read(await b.lookup("t"), out=np.zeros_like(data))
+                assert a.channel.state is ChannelState.OPEN and b.channel.state is ChannelState.OPEN
+    finally:
+        engine.close()

@@ -1069,3 +1069,39 @@ async def test_a_cancelled_send_the_program_keeps_does_not_keep_closed_nodes_ucx
     gc.collect()
     assert len(kept) == 3, kept
     assert _ucx_footprint() == first, "(listening sockets, descriptors, /dev/shm mappings) after 1 and 3 pairs"
+
+
+async def test_each_send_failed_by_a_ucx_channels_end_gets_a_failure_of_its_own() -> None:
+    """Two sends wait for their receiver's go-ahead when the peer aborts; each fails with a
+    PeerDisconnected of its own (``transports._base.fresh``). The channel's shutdown handed its
+    one exception to both, so a caller that kept its send's failure (to log it, say) kept the
+    other send's frames with it, through the traceback the other raise gave that object, and so
+    the other send's 64 MiB array after its caller had let go of it."""
+    from tensorwire.transports import ChannelState
+
+    # (recv_buffer_bytes=0: a send waits for its receiver's go-ahead, before UCX holds any of it;
+    # a payload UCX was given is kept until UCX is done with it, see Worker.sweep)
+    async with connected_pair("ucx", limits=tensorwire.Limits(recv_buffer_bytes=0)) as (a, b):
+        mine = asyncio.ensure_future(a.send(np.ones(64 * MiB, np.uint8), tag="mine"))
+        x = np.ones(64 * MiB, np.uint8)
+        gone = weakref.ref(x)
+        theirs = asyncio.ensure_future(a.send(x, tag="theirs"))
+        for _ in range(3):  # (they start: their frames hold their arrays)
+            await asyncio.sleep(0)
+        b.abort()
+        await eventually(lambda: a.channel.state is not ChannelState.OPEN)
+        errors = []
+        for send in (mine, theirs):
+            with pytest.raises(tensorwire.PeerDisconnected) as caught:
+                await send
+            errors.append(caught.value)
+        kept = errors[0]  # the first caller keeps its failure
+        assert kept is not errors[1], "both sends failed with one exception object"
+        del x, theirs, send, caught, errors
+
+        def freed() -> bool:
+            gc.collect()
+            return gone() is None
+
+        await eventually(freed)
+        assert isinstance(kept, tensorwire.PeerDisconnected)

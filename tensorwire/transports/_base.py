@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from .. import _metrics
 from .._checks import check_arguments, check_int, check_seconds
-from ..errors import ClosedResourceError, ProtocolError
+from ..errors import ClosedResourceError, ProtocolError, TensorWireError, TransferError
 
 if TYPE_CHECKING:
     from ..tensors._device import Streams
@@ -222,9 +222,21 @@ class Channel(ABC):
     async def stage_device(self, msg: Any) -> None:
         """Before a send: device tensors of a memory kind this channel does not move itself
         (``device_kinds``) go to host memory of ours first (``Outgoing.to_host``), once their
-        producers' streams are done; a wait the channel's end cuts short (``ended``)."""
+        producers' streams are done; a wait the channel's end cuts short (``ended``). A copy
+        that fails (a device error) raises TransferError with the device's error as its cause:
+        nothing of the message was sent, and the channel goes on, as when a tcp send's copy
+        down fails. (The device's error came out bare, and an owner serving a read answers
+        TensorWireErrors only: the read waited for good.)"""
         if msg.on_device and msg.memory not in self.device_kinds:
-            await msg.to_host(self.ended)
+            try:
+                await msg.to_host(self.ended)
+            except TensorWireError:  # (the channel's end cut the wait short: its failure)
+                raise
+            except Exception as exc:
+                raise TransferError(
+                    f"the message could not be copied out of device memory ({exc!r}); nothing of it was "
+                    "sent, and the channel goes on"
+                ) from exc
 
     @property
     def ended(self) -> asyncio.Future[None]:

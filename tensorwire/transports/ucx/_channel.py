@@ -89,6 +89,11 @@ _LAND_INLINE = 256 * 1024  # an answer's payload up to this size is also waited 
 # one that has matched runs on until its transfer ends) before its recv is told anyway, with a
 # warning that its buffer may still be written (a transfer from a peer that stopped mid-way)
 _LANDING_GRACE = 2.0
+# A BYE's arg: the peer aborted or failed its channel (abort, fail), and this side's channel
+# breaks (PeerDisconnected), as a tcp channel does when its peer's connection drops; a BYE
+# without it is an orderly close, which closes this side too. (A node that does not know it
+# reads any BYE as a close.)
+_BYE_FAILED = 1
 
 
 def _wire_bytes(part: np.ndarray | memoryview) -> np.ndarray | memoryview:
@@ -185,7 +190,7 @@ def _late(exc: BaseException, text: str) -> BaseException:
         late = type(exc)(text)
     except Exception:
         late = TransferError(text)
-    late.__cause__ = exc
+    late.__cause__ = fresh(exc)  # (the failure is told to many: each its own copy, see ``fresh``)
     return late
 
 
@@ -868,25 +873,29 @@ class UcxChannel(Channel):
         elif t is FrameType.CREDIT:
             pass
         elif t is FrameType.BYE:
-            self._peer_closed()
+            self._peer_closed(failed=arg == _BYE_FAILED)
         else:
             raise ProtocolError(f"unexpected {t.name} frame on an open channel")
 
-    def _peer_closed(self) -> None:
-        """The peer said BYE. UCX may carry a payload on another lane than the control frames,
+    def _peer_closed(self, *, failed: bool = False) -> None:
+        """The peer said BYE (``failed``: it aborted or failed its channel, and this one breaks;
+        else this one closes). UCX may carry a payload on another lane than the control frames,
         and the BYE can overtake the end of a transfer that had finished at the peer's end
         (over tcp, 8-64 MiB: a message failed here with "peer closed the channel" after its
         sender's send had returned; a send failed so after its receiver had got the message
         and closed). Payload receives and sends in flight therefore end first (receives land
         their messages, which stay deliverable), then the channel shuts; within
         ``BYE_GRACE``."""
-        exc = PeerDisconnected("peer closed the channel")
+        if failed:
+            state, exc = ChannelState.BROKEN, PeerDisconnected("peer aborted the channel")
+        else:
+            state, exc = ChannelState.CLOSED, PeerDisconnected("peer closed the channel")
         self._peer_said_bye = True
         reqs = [r for t in self._incoming.values() for r in t.reqs]
         if not reqs and not self._futs:
-            self._shutdown(ChannelState.CLOSED, exc)
+            self._shutdown(state, exc)
             return
-        self._w.track(self._loop.create_task(self._shut_when_landed(reqs, exc)))
+        self._w.track(self._loop.create_task(self._shut_when_landed(reqs, state, exc)))
 
     async def _sends_done(self) -> None:
         """Until no payload send is in flight. A send waits for its segments one by one: its
@@ -894,7 +903,7 @@ class UcxChannel(Channel):
         while sends := [f for f in self._futs if not f.done()]:
             await asyncio.wait(sends)
 
-    async def _shut_when_landed(self, reqs: list[Any], exc: BaseException) -> None:
+    async def _shut_when_landed(self, reqs: list[Any], state: ChannelState, exc: BaseException) -> None:
         landed: asyncio.Future[None] = self._loop.create_future()
         token = self._w.when_done(reqs, lambda: None if landed.done() else landed.set_result(None))
         try:
@@ -905,7 +914,7 @@ class UcxChannel(Channel):
             pass
         finally:
             self._w.forget_wait(token)
-            self._shutdown(ChannelState.CLOSED, exc)
+            self._shutdown(state, exc)
 
     def _check_pulled(self, arrival: Arrival) -> None:
         """An eager message matched a recv with out=, whose task should have pulled it by now.
@@ -1219,9 +1228,9 @@ class UcxChannel(Channel):
         self._budget.close()
         self._window.fail(exc)
         self._order.fail(exc)
-        for fut in [*self._cts.values(), *self._futs]:
+        for fut in [*self._cts.values(), *self._futs]:  # (each a copy of its own: see ``fresh``)
             if not fut.done():
-                fut.set_exception(exc)
+                fut.set_exception(fresh(exc))
                 fut.exception()
         if self._rma_futs:
             # a get or put in flight cannot be taken back, and a get may still write into the
@@ -1230,9 +1239,9 @@ class UcxChannel(Channel):
             self._rma_shut.update(self._rma_futs)
             self._loop.call_later(_LANDING_GRACE, self._fail_one_sided, list(self._rma_futs), exc)
         for a, _ in self._waiting.values():
-            a.fail(exc)
+            a.fail(fresh(exc))
         for t in self._incoming.values():
-            t.arrival.fail(exc)
+            t.arrival.fail(fresh(exc))
             if all(r.completed for r in t.reqs):
                 t.reqs = []  # (see _payload_done; ones still landing are dropped once landed)
         self._waiting.clear()
@@ -1290,7 +1299,7 @@ class UcxChannel(Channel):
                 # awaited): post it without waiting, as abort() does; without it the peer learnt
                 # only when its lease of this node ran out
                 if bye is None:
-                    self._goodbye()
+                    self._goodbye(failed=False)  # (a close all the same: the peer's closes too)
                 raise
             finally:
                 sent = None  # (a cancelled close's traceback: see _send_payload)
@@ -1321,14 +1330,15 @@ class UcxChannel(Channel):
         req = self._ep.tag_send(self._lib_array(bye), self._ctrl_tag)
         return None if req.completed else self._w.future(req, keep=bye, owner=self)
 
-    def _goodbye(self) -> None:
+    def _goodbye(self, *, failed: bool = True) -> None:
         """Post a BYE and wait for nothing: a failed or aborted channel (a lost lease or session,
-        a connect given up) tells its peer, whose pending work then fails at once
-        (PeerDisconnected) instead of when its own lease of this node runs out, as a shut socket
-        tells a tcp peer. Best effort: a peer
-        that is gone never gets it. The endpoint's close flushes it out; the frame is kept (the
-        worker's graveyard, once the shutdown abandons the request) until UCX is done with it."""
+        a connect given up) tells its peer, whose channel then breaks (``failed``; a close cut
+        short says a plain BYE, and the peer's channel closes) and whose pending work fails at
+        once (PeerDisconnected) instead of when its own lease of this node runs out, as a shut
+        socket tells a tcp peer. Best effort: a peer that is gone never gets it. The endpoint's
+        close flushes it out; the frame is kept (the worker's graveyard, once the shutdown
+        abandons the request) until UCX is done with it."""
         try:
-            self._post_bye(pack(FrameType.BYE))
+            self._post_bye(pack(FrameType.BYE, arg=_BYE_FAILED if failed else 0))
         except Exception as exc:  # the peer may be gone already; failing goes on
             log.debug("ucx channel %s: goodbye not sent: %s", self.name, exc)
