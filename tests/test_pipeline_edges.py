@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import warnings
 from typing import Any
 
 import numpy as np
@@ -197,6 +198,38 @@ async def test_a_batch_past_a_stages_call_limits_fails_at_once_and_breaks_nothin
             with pytest.raises(tensorwire.InvalidArguments, match="carry 2048 tensor bytes; the limit here is 1024"):
                 async with asyncio.timeout(3):
                     await pipe.step(x[:8], y[:8], microbatches=2)
+
+
+@pytest.mark.timeout(60)
+async def test_a_torch_batch_of_another_layout_is_refused_before_any_stage_runs() -> None:
+    # a sparse batch raised torch's NotImplementedError ("Could not run 'aten::as_strided' ...",
+    # then a hundred dispatch keys), a CSR one "RuntimeError: Sparse CSR tensors do not have
+    # strides", a nested one in a tuple "RuntimeError: Internal error: NestedTensorImpl doesn't
+    # support sizes": none from tensorwire's error tree, none saying what a batch may be
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with warnings.catch_warnings():  # torch calls CSR and nested tensors beta, prototype
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(5, 4)])
+        cases = [
+            (x.to_sparse(), "a Tensor of layout torch.sparse_coo cannot be cut along its first dimension"),
+            (x.to_sparse_csr(), "a Tensor of layout torch.sparse_csr cannot be cut along its first dimension"),
+            ((nested, x), "element 0 of the batch: a nested Tensor cannot be cut along its first dimension"),
+        ]
+    parts = [pipeline.TorchPart(nn.Linear(4, 4)), pipeline.TorchPart(nn.Linear(4, 2), loss=nn.functional.mse_loss)]
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            for batch, text in cases:
+                for run in (
+                    lambda b=batch: pipe.step(b, y, microbatches=2),
+                    lambda b=batch: pipe.forward(b, microbatches=2),
+                    lambda b=batch: pipe.evaluate(x, b, microbatches=2),
+                ):
+                    with pytest.raises(tensorwire.UnsupportedTensorError, match="give a dense tensor") as err:
+                        await run()
+                    assert text in str(err.value), err.value
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0  # refused before any stage ran
 
 
 @pytest.mark.timeout(60)

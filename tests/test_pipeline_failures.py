@@ -786,6 +786,40 @@ async def test_a_closed_pipeline_says_so() -> None:
             await pipe.state()
 
 
+@pytest.mark.timeout(60)
+async def test_a_pipeline_closed_during_a_step_says_so_from_every_stage(caplog: pytest.LogCaptureFixture) -> None:
+    """aclose() while a step runs: every stage's account says its driver closed the pipeline,
+    and a new driver trains on as if the step never happened. The release's bare cancel gave
+    "CancelledError: " as every stage's account, and each stage logged, as stage -1, that its
+    caller had cancelled the step."""
+    ls, reference = layers(), layers()
+    x, y = batch()
+    async with stages(parts(ls), offload=True) as (addresses, driver):
+        pipe = await pipeline.Pipeline.connect(driver, addresses)
+        ls[2].delay = 0.3
+        step = asyncio.ensure_future(pipe.step(x, y, microbatches=4))
+        await asyncio.sleep(0.1)
+        await pipe.aclose()
+        with pytest.raises(tensorwire.ClosedResourceError, match="closed while its step ran") as err:
+            async with asyncio.timeout(20):
+                await step
+        notes = "\n".join(err.value.__notes__)
+        for s in range(4):
+            account = (
+                f"ClosedResourceError: stage {s}: its driver closed the pipeline (Pipeline.aclose) while step 0 ran"
+            )
+            assert account in notes, notes
+        assert "CancelledError" not in notes, notes
+        assert "cancelled by its caller" not in caplog.text and "stage -1" not in caplog.text, caplog.text
+        ls[2].delay = 0.0
+        async with await pipeline.Pipeline.connect(driver, addresses) as again:
+            got = await again.step(x, y, microbatches=4)
+            states = await again.state()
+    assert got.loss == pytest.approx(one_process_step(reference, x, y), rel=1e-5)
+    for s in range(4):
+        np.testing.assert_allclose(states[s]["w"], reference[s].inner.w, rtol=1e-5, atol=1e-6)
+
+
 # -- the message limit ---------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 async def test_a_schedule_the_message_limit_would_deadlock_is_refused_before_it_runs() -> None:

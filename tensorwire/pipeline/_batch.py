@@ -73,7 +73,7 @@ def num_samples(batch: Any) -> int | None:
         return None
     try:
         return len(batch)
-    except TypeError:
+    except Exception:  # TypeError: no length; a nested torch tensor's RuntimeError (split names it)
         return None
 
 
@@ -99,11 +99,32 @@ def split(batch: Any, microbatches: int) -> list[Any]:
         raise ShapeMismatchError(
             f"a 0-d tensor ({type(batch).__name__}) has no first dimension to split into microbatches"
         ) from None
+    except Exception as exc:
+        raise _uncuttable(batch, exc) from exc
     if n < microbatches:
         raise ShapeMismatchError(f"a batch of {n} cannot be split into {microbatches} microbatches")
     base, extra = divmod(n, microbatches)
     bounds = list(itertools.accumulate([base + (i < extra) for i in range(microbatches)], initial=0))
-    return [batch[a:b] for a, b in itertools.pairwise(bounds)]
+    try:
+        return [batch[a:b] for a, b in itertools.pairwise(bounds)]
+    except Exception as exc:
+        raise _uncuttable(batch, exc) from exc
+
+
+def _uncuttable(batch: Any, exc: Exception) -> UnsupportedTensorError:
+    """A batch with ``__getitem__`` whose length or slices its own code refuses: a torch tensor of
+    another layout (a sparse one raised NotImplementedError from the driver's step, a CSR or
+    nested one RuntimeError)."""
+    layout, what = getattr(batch, "layout", None), type(batch).__name__
+    if getattr(batch, "is_nested", False) is True:
+        what = f"nested {what}"
+    elif layout is not None:
+        what += f" of layout {layout}"
+    why = str(exc).strip().partition("\n")[0].partition(". ")[0][:200]
+    return UnsupportedTensorError(
+        f"a {what} cannot be cut along its first dimension into microbatches ({type(exc).__name__}: {why}): "
+        "give a dense tensor, a list of samples, or a tuple or dict of those"
+    )
 
 
 def _split_structured(batch: tuple[Any, ...] | dict[Any, Any], microbatches: int) -> list[Any]:

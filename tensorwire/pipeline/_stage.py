@@ -950,6 +950,14 @@ class Stage:
         then with ``close=True``, which drops them. A later driver configures them again."""
         self._check_generation(generation)
         if self._task is not None:
+            if not self._task.done() and self._broken is None:
+                # what the step's caller is told. A bare cancel read "CancelledError" in every
+                # stage's account, and each stage logged, as stage -1, that its caller had
+                # cancelled the step and aborted its neighbours, which are being released too
+                self._broken = ClosedResourceError(
+                    f"stage {self.rank}: its driver closed the pipeline (Pipeline.aclose) "
+                    f"while step {self._running} ran"
+                )
             self._task.cancel()
         self.rank, self._pending, self._plan = -1, None, None
         for link in self.links:
