@@ -41,6 +41,9 @@ an ``asyncio.timeout`` around a data-plane call raises the built-in ``TimeoutErr
 
 from __future__ import annotations
 
+import copy
+from typing import TypeVar
+
 __all__ = [
     "ArgumentError",
     "AuthenticationError",
@@ -218,3 +221,30 @@ class BrokenResourceError(ResourceError):
 
 class BusyResourceError(ResourceError):
     """The resource is already in use by another task."""
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def fresh(exc: _E, depth: int = 8) -> _E:
+    """A copy of ``exc`` (a channel's failure) to raise or to fail one operation with: its class,
+    message, attributes and causes (copied too, ``depth`` deep), and no traceback. A channel
+    raises its failure at every later call and fails every pending operation with it; raising
+    the one object each time would grow its traceback by each raiser's frames, and the failure
+    the channel keeps would keep their locals alive (a failed send's tensor, its memory
+    registration) after the caller let go; so would the traceback of the first failure's cause
+    (the socket error under a send's write). An exception that its arguments cannot rebuild as
+    it was is ``exc`` itself."""
+    try:
+        twin = copy.copy(exc)
+        if type(twin) is not type(exc) or twin.args != exc.args or str(twin) != str(exc):
+            return exc
+    except Exception:  # (rebuilding it raised, or comparing its arguments did: an array's)
+        return exc
+    cause = exc.__cause__
+    twin.__cause__ = fresh(cause, depth - 1) if cause is not None and depth > 0 else cause
+    twin.__suppress_context__ = exc.__suppress_context__
+    twin.__traceback__ = None
+    if hasattr(exc, "__notes__"):
+        twin.__notes__ = list(exc.__notes__)  # (notes added to one copy stay its own)
+    return twin

@@ -31,8 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ClosedResourceError, TransferError
-from ..transports._base import fresh
+from ..errors import ClosedResourceError, TransferError, fresh
 
 log = logging.getLogger(__name__)
 

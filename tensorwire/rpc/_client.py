@@ -38,12 +38,12 @@ from ..errors import (
     ShapeMismatchError,
     TensorWireError,
     TransferError,
+    fresh,
 )
 from ..tensors import Outgoing, as_view, is_tensor, prepare
 from ..tensors._message import MAX_DEPTH, check_out
 from ..tensors._view import TensorView
 from ..transports import Channel, ChannelState, Receipt
-from ..transports._base import fresh
 from ..transports._mailbox import Arrival
 from ._codec import encode, encode_off_loop
 from ._deadline import effective_deadline

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .._checks import check_arguments, check_int
-from ..errors import ConfigurationError
-from ..transports._base import fresh
+from ..errors import ConfigurationError, fresh
 from ._protocol import safe_text
 
 if TYPE_CHECKING:

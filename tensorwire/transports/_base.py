@@ -9,17 +9,16 @@ buffering and backpressure live in the shared ``Mailbox`` so that every transpor
 from __future__ import annotations
 
 import asyncio
-import copy
 import enum
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import _metrics
 from .._checks import check_arguments, check_int, check_seconds
-from ..errors import ClosedResourceError, ProtocolError, TensorWireError, TransferError
+from ..errors import ClosedResourceError, ProtocolError, TensorWireError, TransferError, fresh
 
 if TYPE_CHECKING:
     from ..tensors._device import Streams
@@ -36,6 +35,7 @@ __all__ = [
     "Session",
     "Transport",
     "TransportContext",
+    "fresh",  # (tensorwire.errors.fresh, which every transport uses)
 ]
 
 MiB = 1 << 20
@@ -382,33 +382,6 @@ class Channel(ABC):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-_E = TypeVar("_E", bound=BaseException)
-
-
-def fresh(exc: _E, depth: int = 8) -> _E:
-    """A copy of ``exc`` (a channel's failure) to raise or to fail one operation with: its class,
-    message, attributes and causes (copied too, ``depth`` deep), and no traceback. A channel
-    raises its failure at every later call and fails every pending operation with it; raising
-    the one object each time would grow its traceback by each raiser's frames, and the failure
-    the channel keeps would keep their locals alive (a failed send's tensor, its memory
-    registration) after the caller let go; so would the traceback of the first failure's cause
-    (the socket error under a send's write). An exception that its arguments cannot rebuild as
-    it was is ``exc`` itself."""
-    try:
-        twin = copy.copy(exc)
-        if type(twin) is not type(exc) or twin.args != exc.args or str(twin) != str(exc):
-            return exc
-    except Exception:  # (rebuilding it raised, or comparing its arguments did: an array's)
-        return exc
-    cause = exc.__cause__
-    twin.__cause__ = fresh(cause, depth - 1) if cause is not None and depth > 0 else cause
-    twin.__suppress_context__ = exc.__suppress_context__
-    twin.__traceback__ = None
-    if hasattr(exc, "__notes__"):
-        twin.__notes__ = list(exc.__notes__)  # (notes added to one copy stay its own)
-    return twin
 
 
 def _end(fut: asyncio.Future[None], exc: BaseException) -> None:
