@@ -277,6 +277,57 @@ async def test_two_drivers_connecting_at_once_one_wins() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["forward", "evaluate", "step"])
+async def test_a_refused_takeover_leaves_the_running_driver_alone(call: str) -> None:
+    """A second driver connected while the first one's forward (or evaluation) was still on
+    the slow last stage: the last stage refused it (BusyResourceError), but its configure had
+    already taken stage 0, which had finished its part, and dropped stage 0's links. The first
+    driver's forward then failed ("stage 2: its link to stage 1 ... broke", PeerDisconnected)
+    and its next step was refused ("has not been configured by a driver")."""
+    ls = layers(3)
+    ls[2].delay = 0.3  # seconds per microbatch on the last stage
+    in_last = threading.Event()
+    forward = ls[2].forward
+
+    def watched(x: np.ndarray) -> tuple[Any, Any]:
+        in_last.set()
+        return forward(x)
+
+    ls[2].forward = watched  # type: ignore[method-assign]
+    x, y = batch()
+    want_out = x
+    for layer in ls:
+        want_out = layer.inner.forward(want_out)[0]
+    want_loss = mse(want_out, y)[0]
+    async with nodes(5) as ns, contextlib.AsyncExitStack() as stack:
+        ss = [await stack.enter_async_context(pipeline.Stage(n, part)) for n, part in zip(ns, parts(ls), strict=False)]
+        addresses, d1, d2 = [n.address for n in ns[:3]], ns[3], ns[4]
+        async with await pipeline.Pipeline.connect(d1, addresses) as first, asyncio.timeout(30):
+            run = {
+                "forward": lambda: first.forward(x, microbatches=2),
+                "evaluate": lambda: first.evaluate(x, y, microbatches=2),
+                "step": lambda: first.step(x, y, microbatches=2),
+            }[call]
+            running = asyncio.ensure_future(run())
+            await asyncio.to_thread(in_last.wait, 10)
+            if call != "step":  # stages 0 and 1 have done their part of it; stage 2 has not
+                await eventually(lambda: ss[0]._task is None and ss[1]._task is None, seconds=10)
+            assert not running.done()
+            with pytest.raises(tensorwire.RemoteError) as refused:
+                await pipeline.Pipeline.connect(d2, addresses)
+            assert refused.value.remote_type == "BusyResourceError", refused.value
+            got = await running
+            if call == "forward":
+                np.testing.assert_allclose(got, want_out, rtol=1e-5)
+            elif call == "evaluate":
+                assert got.loss == pytest.approx(want_loss, rel=1e-5)
+            ls[2].delay = 0.0
+            assert (await first.step(x, y, microbatches=2)).loss > 0  # the first driver runs on
+        async with await pipeline.Pipeline.connect(d2, addresses) as second, asyncio.timeout(20):
+            assert (await second.step(x, y, microbatches=2)).loss > 0  # and once it is done, the second takes over
+
+
+@pytest.mark.timeout(60)
 async def test_a_connect_its_caller_cancels_leaves_no_stage_linked() -> None:
     # stage 0 builds its part slowly, so stage 1 has linked to stage 2 and waits for stage 0's
     # hello when the driver's caller gives up. The old stage 1 kept its link to stage 2 (and

@@ -173,7 +173,9 @@ class Pipeline:
         Each stage is a node of its own: an address given twice, or two addresses of one node,
         is a ConfigurationError. The stages take this driver's configuration over any earlier
         one's (whose later calls they refuse); of two drivers that connect at once, one gets
-        every stage and the other is refused (BrokenResourceError)."""
+        every stage and the other is refused (BrokenResourceError). While another driver's
+        step, forward or evaluation runs on any stage, this is refused (BusyResourceError)
+        before any stage is taken, and that driver runs on undisturbed."""
         if isinstance(addresses, str) or not isinstance(addresses, Iterable):  # a str: a stage per character
             raise ConfigurationError(
                 f"the stage addresses are a list of 'host:port' strings in pipeline order, not {addresses!r}"

@@ -2,8 +2,9 @@
 
 How stages find each other (the control plane does the introductions): every stage is a node
 that serves the RPC methods in ``METHODS``. A driver that knows the stages' addresses, in
-pipeline order, asks each for its generation, takes a newer one for itself (the highest it was
-told plus one, and a random token that breaks ties between drivers), and calls ``configure`` on
+pipeline order, asks each for its generation (a stage running a step refuses then, before the
+driver has taken any stage), takes a newer one for itself (the highest it was told plus one,
+and a random token that breaks ties between drivers), and calls ``configure`` on
 each with its rank, the address of the next stage, the node id of the previous one and that
 generation. Configure takes the stage for that driver and builds its part (``build=``), for as
 long as the build takes: loading a large model's weights may take minutes, and no deadline of
@@ -267,8 +268,19 @@ class Stage:
 
     # -- configure ------------------------------------------------------------------------------
     async def _generation(self) -> int:
-        """The newest generation a driver has configured (or begun to configure) this stage with."""
+        """The newest generation a driver has configured (or begun to configure) this stage with.
+
+        A connecting driver asks every stage this before it configures any, so a stage running
+        a step refuses here: its configure would be refused too, but only once the driver's
+        configures had taken the stages that were not busy and dropped their links. In a
+        forward (or evaluation) the upstream stages finish their part while the downstream ones
+        still run it, so such a takeover broke the running driver's call although it failed."""
         self._check_open()
+        if self._task is not None:
+            raise BusyResourceError(
+                f"stage {self.rank} at {self.node.address} is running step {self._running} of its driver: "
+                "no other driver can take the stages over until that has finished (connect again then)"
+            )
         return self._newest[0]
 
     async def _configure(
