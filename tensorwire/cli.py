@@ -533,7 +533,7 @@ def _doctor(as_json: bool, address: str | None = None, token: str | None = None)
 _METRICS_HELP = "serve Prometheus metrics at http://HOST:PORT/metrics (needs prometheus-client; port 0 picks one)"
 
 
-def _address(text: str) -> str:
+def _address(text: str, lowest_port: int = 0) -> str:
     """An argparse type: HOST:PORT, checked by the library's own rule (``split_address``), so
     that a bad one is a usage error that names its flag (``argument --metrics: address
     'foo:bar': ...``) before anything starts; the library's later error named no flag, and
@@ -541,10 +541,17 @@ def _address(text: str) -> str:
     from ._checks import split_address
 
     try:
-        split_address(text)
+        split_address(text, lowest_port=lowest_port)
     except ConfigurationError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _node_address(text: str) -> str:
+    """An argparse type: the HOST:PORT of a node to connect to, whose port is 1 or more (as
+    ``connect`` requires): port 0 was refused only once a node had started here, and by the
+    doctor after its whole report."""
+    return _address(text, lowest_port=1)
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -653,7 +660,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics", type=_address, default=None, metavar="HOST:PORT", help=_METRICS_HELP)
     p = command("bench", "tensorwire's throughput to a node, against plain TCP in the same run")
     p.add_argument(
-        "address", nargs="?", type=_address, metavar="ADDRESS",
+        "address", nargs="?", type=_node_address, metavar="ADDRESS",
         help="a node started with `tensorwire serve --bench` (default: start one here, measure over loopback)",
     )  # fmt: skip
     p.add_argument(
@@ -678,7 +685,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = command("doctor", "what this machine offers and which path a connect would take")
     p.add_argument("--json", action="store_true", help="print only the report, as one JSON object, on stdout")
     p.add_argument(
-        "address", nargs="?", type=_address, metavar="ADDRESS",
+        "address", nargs="?", type=_node_address, metavar="ADDRESS",
         help="also connect to the node at ADDRESS and show the path it negotiates",
     )  # fmt: skip
     p.add_argument("--token", type=_token, help="auth token for ADDRESS (default: $TENSORWIRE_TOKEN)")

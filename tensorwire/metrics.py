@@ -32,7 +32,9 @@ The metrics (counters end in ``_total``):
   is mostly its wait for the sender (tensorwire's own listening loops wait as long as they serve).
 - ``tensorwire_peers_opened_total`` {transport, side, passed_over}: side "connect" or "accept";
   passed_over names the transports preferred over the one taken ("" when none was; "other"
-  for a name tensorwire does not know, which a peer of another build may send).
+  for a name tensorwire does not know, which a peer of another build may send), except inproc
+  for a peer in another process, which it never carries: that is no fallback (the peer's path
+  still names it).
 - ``tensorwire_peers_open`` {transport}: peers open now, over the nodes of this process.
 - ``tensorwire_connect_failures_total`` {error}: ``Node.connect`` calls that raised, by error.
 - ``tensorwire_refusals_total`` {kind}: requests this process refused or connections it

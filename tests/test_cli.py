@@ -637,6 +637,10 @@ def test_no_command_names_the_commands(capsys: pytest.CaptureFixture[str]) -> No
         (["stage", "--part", "m:f", "--metrics", "foo"], "argument --metrics: address 'foo' is not host:port"),
         (["serve", "--address", "a b:1"], "argument --address: address 'a b:1' holds a control character or a space"),
         (["bench", "::1:5000"], "argument ADDRESS: address '::1:5000': write an IPv6 host in brackets"),
+        # an address to connect to has a port from 1: port 0 was taken, and the connect's
+        # ConfigurationError came after a node started (doctor: after its whole report, exit 1)
+        (["bench", "127.0.0.1:0"], "argument ADDRESS: address '127.0.0.1:0': the port must be a number from 1 to"),
+        (["doctor", "127.0.0.1:0"], "argument ADDRESS: address '127.0.0.1:0': the port must be a number from 1 to"),
     ],
 )
 def test_a_bad_address_is_a_usage_error_that_names_its_flag(

@@ -376,6 +376,41 @@ def test_serve_metrics_flag_serves_them_beside_the_node() -> None:
     assert _value(body, "tensorwire_peers_opened_total", side="accept") == 1, body
 
 
+def test_inproc_passed_over_for_a_peer_in_another_process_is_no_fallback() -> None:
+    """inproc comes first in the default order and never carries a peer in another process:
+    the path says it was passed over, but the count does not call that a fallback, whether the
+    client offered inproc or not. Every peer between two processes was counted with
+    ``passed_over="inproc"``, so the dashboard's ``passed_over!=""`` (peers that fell back)
+    matched all of them. Between two nodes of one process it still counts."""
+    with _started(["serve", "--transports", "inproc", "tcp"]) as (url, node_address):
+
+        async def connect() -> tuple[list[tensorwire.Path], dict[tuple[str, str, str], int]]:
+            before = metrics.snapshot().peers_opened
+            paths = []
+            for offered in (("inproc", "tcp"), ("tcp",)):
+                async with tensorwire.start("127.0.0.1:0", transports=offered) as node:
+                    peer = await node.connect(node_address)
+                    paths.append(peer.path)
+                    await peer.aclose()
+            # two nodes of this process: inproc passed over there is a choice, and counts
+            async with (
+                tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+                tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as server,
+            ):
+                await client.connect(server.address)
+                paths.append((await server.accept()).path)
+            after = metrics.snapshot().peers_opened
+            return paths, {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
+
+        paths, grown = asyncio.run(connect())
+        body = _get(url)
+    assert [p.transport for p in paths] == ["tcp"] * 3
+    # the paths still say so; the first: "peer is in another process"
+    assert [[name for name, _ in p.passed_over] for p in paths] == [["inproc"], [], ["inproc"]], paths
+    assert grown == {("tcp", "connect", ""): 3, ("tcp", "accept", "inproc"): 1}, grown
+    assert _value(body, "tensorwire_peers_opened_total", side="accept", passed_over="") == 2, body
+
+
 def test_stage_metrics_flag_serves_them_beside_the_stage(tmp_path: Path) -> None:
     (tmp_path / "part.py").write_text(_PART)
     with _started(["stage", "--part", f"{tmp_path / 'part.py'}:build", "--transports", "tcp"]) as (url, _):
