@@ -247,3 +247,31 @@ async def test_a_send_whose_copy_out_of_device_memory_fails_raises_a_transfer_er
                 assert a.channel.state is ChannelState.OPEN and b.channel.state is ChannelState.OPEN
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("variant", TRANSPORTS)
+async def test_a_peers_in_flight_counts_the_users_operations_alone(variant: str) -> None:
+    """``repr(peer)`` says how many of the user's operations are in flight: 0 for an idle peer
+    whose node has served calls and one-sided reads, 1 with a recv waiting. It said 3 for an
+    idle peer: tensorwire's own standing recvs (its RPC and one-sided services) were counted."""
+    import numpy as np
+    from _polling import eventually
+
+    with _options(variant):
+        async with connected_pair(VARIANTS[variant][0]) as (a, b):
+
+            @b.node.method()
+            async def one() -> int:
+                return 1
+
+            assert await a.call("one") == 1
+            b.node.expose(np.arange(4), name="x")
+            assert np.array_equal(await a.read(await a.lookup("x")), np.arange(4))
+            await eventually(lambda: a.channel.in_flight == 0 and b.channel.in_flight == 0)
+            assert "in_flight=0>" in repr(a) and "in_flight=0>" in repr(b), (repr(a), repr(b))
+            waiting = asyncio.ensure_future(b.recv(tag="t"))
+            await eventually(lambda: b.channel.in_flight == 1)
+            assert "in_flight=1>" in repr(b), repr(b)
+            await a.send(np.arange(3), tag="t")
+            assert np.array_equal(await waiting, np.arange(3))
+            await eventually(lambda: b.channel.in_flight == 0)

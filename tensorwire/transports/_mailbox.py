@@ -57,6 +57,7 @@ from ..tensors._device import (
 )
 from ..tensors._offload import copy_host, copy_host_soon
 from ._base import Receipt, fresh
+from ._credit import own_tag
 
 if TYPE_CHECKING:
     from ..control._pb import wire_pb2
@@ -630,7 +631,7 @@ class Mailbox:
         self._held: dict[Arrival, _Posted] = {}
         self._seq = 0  # recvs called so far: each recv's place in its tag's line
         self.failure: BaseException | None = None
-        self.in_flight = 0
+        self.in_flight = 0  # the user's recvs waiting or under way (not tensorwire's own tags)
 
     # -- transport side -------------------------------------------------------------------
     def deliver(
@@ -845,7 +846,10 @@ class Mailbox:
         want = None if device is None else wanted_device(device, out is not None)
         if streams is None:
             streams = capture_streams(want)
-        self.in_flight += 1
+        # the user's recvs alone: tensorwire's standing ones (its RPC and one-sided services)
+        # showed as 3 operations in flight in an idle peer's repr
+        counted = not own_tag(tag)
+        self.in_flight += counted
         seq = self._seq
         self._seq += 1
         # where this recv waits in its tag's line: posted now, or posted again in its old place
@@ -913,7 +917,7 @@ class Mailbox:
                     if self._held.get(arrival) is holder:
                         del self._held[arrival]
         finally:
-            self.in_flight -= 1
+            self.in_flight -= counted
 
     async def _give_up(self, p: _Posted, tag: int, out: object | None, keep: bool) -> None:
         """The recv posted as ``p`` is cancelled: out of its tag's line, or, if a message was
