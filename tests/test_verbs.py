@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import os
 import random
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -17,9 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
-from tensorwire.errors import BrokenResourceError, ProtocolError
+from tensorwire.errors import BrokenResourceError, PeerDisconnected, ProtocolError
 from tensorwire.tensors import prepare
 from tensorwire.transports import ChannelState, Limits, probe_all
 from tensorwire.transports._frames import PeerLimits
@@ -453,6 +456,40 @@ async def test_a_get_cancelled_while_the_channel_closes_waits_for_its_reads(monk
     assert qp.closed and b.state is ChannelState.CLOSED
     assert qp.rdma_posted == 32, "RDMA READs posted after the channel began to close"
     await closing
+
+
+async def test_each_operation_a_broken_channel_fails_gets_a_failure_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two gets are in flight when the channel breaks. Before, both failed with the one object
+    _shutdown was given: the second raise put that get's frames (and its buffer) in the
+    traceback of the exception the first caller kept, so its 8 MiB stayed alive after its own
+    caller let go, and each caller's traceback showed the other's frames."""
+    _, b = _channels(monkeypatch)
+    _qp(b).hold = True  # no READ completes
+
+    def get(out: np.ndarray) -> asyncio.Future[None]:
+        items = [(out.ctypes.data, out.nbytes, out.ctypes.data, RemoteKey(2), out)]
+        return asyncio.ensure_future(b.rma_many("get", items))
+
+    out1, out2 = np.zeros(8 << 20, np.uint8), np.zeros(8 << 20, np.uint8)
+    gone = weakref.ref(out2)
+    first, second = get(out1), get(out2)
+    await asyncio.sleep(0)
+    posted = _qp(b).rdma_posted
+    b.fail(PeerDisconnected("the peer's connection ended"))
+    assert posted > 0, "the gets were not under way"
+    with pytest.raises(PeerDisconnected) as kept:  # the first caller keeps its failure
+        await first
+    with pytest.raises(PeerDisconnected) as other:
+        await second
+    assert kept.value is not other.value and "connection ended" in str(other.value)
+    del out2, second, other
+
+    def freed() -> bool:
+        gc.collect()
+        return gone() is None
+
+    await eventually(freed, seconds=5)
+    assert isinstance(kept.value, PeerDisconnected)
 
 
 def test_a_queue_pair_that_cannot_be_created_is_a_connect_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,7 +51,7 @@ from ...errors import (
     TransferError,
 )
 from ...tensors import Outgoing, decode_header
-from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt
+from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
 from .._credit import FLUSH_DELAY, ReceiveBudget, SendWindow
 from .._frames import PeerLimits
 from .._mailbox import Arrival
@@ -272,7 +272,7 @@ class VerbsChannel(Channel):
         what = "send" if wr_id & _SEND_BIT else "RDMA operation" if wr_id & _RDMA_BIT else "receive"
         text = f"verbs {what} failed: {wc_status_name(status)}"
         if status == WC_FLUSH and self.mailbox.failure is not None:
-            return self.mailbox.failure
+            return fresh(self.mailbox.failure)  # (a copy of its own for each: see ``fresh``)
         if status in (WC_RETRY_EXC, WC_RNR_RETRY_EXC):
             return PeerDisconnected(text)
         return TransferError(text)
@@ -659,11 +659,11 @@ class VerbsChannel(Channel):
         """A worker thread faulting in ``arrays``, memory for RDMA to write into, where
         registering them would fault it in on the loop (large, not registered yet): its future;
         None where registering them now is cheap. It never fails."""
-        fresh = [a for a in arrays if a.nbytes >= FAULT_IN_BYTES and not self._mem.cached(a, self._write_access)]
-        if not fresh:
+        untouched = [a for a in arrays if a.nbytes >= FAULT_IN_BYTES and not self._mem.cached(a, self._write_access)]
+        if not untouched:
             return None
         try:
-            return self._loop.run_in_executor(None, fault_in, fresh)
+            return self._loop.run_in_executor(None, fault_in, untouched)
         except RuntimeError:  # (no worker threads any more: the interpreter is exiting)
             return None
 
@@ -932,9 +932,12 @@ class VerbsChannel(Channel):
             self._report_timer.cancel()
             self._report_timer = None
         self._order.fail(exc)
+        # each operation fails with a copy of its own (``fresh``): raised by many callers, the
+        # one object would gather their frames, and one caller keeping it would keep the
+        # others' tensors and registrations alive
         for fut in [*self._fins.values(), *self._futs]:
             if not fut.done():
-                fut.set_exception(exc)
+                fut.set_exception(fresh(exc))
                 fut.exception()
         callbacks = [*self._rdma_cbs.values(), *(q[-1] for q in self._rdma_q), *self._send_cbs.values()]
         self._rdma_cbs.clear()
@@ -942,12 +945,12 @@ class VerbsChannel(Channel):
         self._send_cbs.clear()
         for cb in callbacks:
             try:
-                cb(exc)
+                cb(fresh(exc))
             except Exception:
                 log.exception("verbs completion callback failed during shutdown")
         for entry in [*self._waiting.values(), *self._incoming.values()]:
             self._release_regions(entry)
-            entry.arrival.fail(exc)
+            entry.arrival.fail(fresh(exc))
         self._waiting.clear()
         self._incoming.clear()
         self._outq.clear()

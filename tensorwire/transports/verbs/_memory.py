@@ -15,7 +15,9 @@ ENOMEM evicts every idle entry and tries once more before it fails with Registra
 
 Registering memory that RDMA writes into faults in every page of it that was never written
 (a recv's new buffer, an ``out=`` fresh from ``np.empty``), and ``ibv_reg_mr`` does that while
-holding the GIL. ``fault_in`` does it first, in a worker thread, without changing a byte.
+holding the GIL. ``fault_in`` does it first, in a worker thread, without changing a byte
+(``present`` says whether a range needs it; ``may_pin`` whether registering it now would fail
+at once for the memlock limit).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import resource
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -33,7 +36,17 @@ from ._verbs import errno_of, pv, registration_error
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FAULT_IN_BYTES", "MemoryCache", "Region", "fault_in", "owner_of", "ring_buffer"]
+__all__ = [
+    "FAULT_IN_BYTES",
+    "MemoryCache",
+    "Region",
+    "fault_in",
+    "fault_in_span",
+    "may_pin",
+    "owner_of",
+    "present",
+    "ring_buffer",
+]
 
 _MAX_ENTRIES = 512
 _MAX_BYTES = 8 << 30
@@ -53,20 +66,64 @@ def fault_in(arrays: list[np.ndarray]) -> None:
     all of it on the event loop, and 21 ms once faulted in. Never raises: where the kernel
     refuses (older than 5.14, memory it cannot populate), the registration faults the pages in
     itself, as it would have."""
-    global _libc
+    for a in arrays:
+        fault_in_span(int(a.__array_interface__["data"][0]), a.nbytes)
+
+
+def fault_in_span(address: int, length: int, keep: object = None) -> None:
+    """``fault_in`` for the ``length`` bytes at ``address``; ``keep`` (what owns them) stays
+    referenced meanwhile, so that the memory is not freed under the call."""
     try:
-        if _libc is None:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise.restype = ctypes.c_int
-            _libc = libc
-        for a in arrays:
-            address = int(a.__array_interface__["data"][0])
-            start = address & ~(mmap.PAGESIZE - 1)
-            if _libc.madvise(start, address + a.nbytes - start, _MADV_POPULATE_WRITE) != 0:
-                log.debug("could not fault in %d bytes at %#x: errno %d", a.nbytes, address, ctypes.get_errno())
+        start = address & ~(mmap.PAGESIZE - 1)
+        if _c().madvise(start, address + length - start, _MADV_POPULATE_WRITE) != 0:
+            log.debug("could not fault in %d bytes at %#x: errno %d", length, address, ctypes.get_errno())
     except Exception as exc:  # (no libc to be found by ctypes, say)
         log.debug("could not fault memory in before registering it: %s", exc)
+    del keep
+
+
+def present(address: int, length: int) -> bool:
+    """Whether every page of the ``length`` bytes at ``address`` is in memory (``mincore``): then
+    registering them faults nothing in. False where that cannot be told."""
+    page = mmap.PAGESIZE
+    start = address & ~(page - 1)
+    vec = np.zeros((address + length - start + page - 1) // page, np.uint8)
+    try:
+        if _c().mincore(start, address + length - start, vec.ctypes.data) != 0:
+            return False
+    except Exception:  # (no libc to be found by ctypes, say)
+        return False
+    return bool(np.all(vec & 1))
+
+
+def may_pin(length: int) -> bool:
+    """Whether pinning ``length`` bytes more stays within RLIMIT_MEMLOCK, counting what this
+    process pins already (``VmPin``), as ``ibv_reg_mr`` checks before it pins a page; True where
+    the limit does not apply (unlimited, or CAP_IPC_LOCK) or cannot be read."""
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    if soft == resource.RLIM_INFINITY:
+        return True
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        if int(fields["CapEff"].strip(), 16) >> 14 & 1:  # CAP_IPC_LOCK
+            return True
+        pinned = int(fields.get("VmPin", "0 kB").split()[0]) << 10
+    except (OSError, KeyError, ValueError):
+        return True
+    return pinned + length + mmap.PAGESIZE <= soft
+
+
+def _c() -> Any:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.mincore.restype = ctypes.c_int
+        _libc = libc
+    return _libc
 
 
 def owner_of(arr: np.ndarray) -> Any:

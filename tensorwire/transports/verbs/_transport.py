@@ -20,7 +20,9 @@ import hmac
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..._ratelog import RateLimitedLog
@@ -29,15 +31,16 @@ from ...errors import (
     ConnectError,
     PeerDisconnected,
     ProtocolError,
+    TensorWireError,
     TransportError,
     TransportUnavailable,
 )
-from .._base import Capabilities, Channel, Session, Transport, TransportContext
+from .._base import Capabilities, Channel, Session, Transport, TransportContext, fresh
 from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
-from .._remote import Hold, RegistrationCache
+from .._remote import Hold, Registration, RegistrationCache, pack_remote_key
 from ..tcp._transport import _WILDCARDS
 from ._channel import VerbsChannel
-from ._memory import MemoryCache
+from ._memory import FAULT_IN_BYTES, MemoryCache, fault_in_span, may_pin, present
 from ._queue import QueuePair
 from ._verbs import Port, choose_port, claim_event_fds, find_spec, pv, registration_error, unclaim
 from ._wire import QP_INFO, Offer, QpInfo
@@ -117,6 +120,7 @@ class VerbsTransport(Transport):
         self._event_fds: set[int] = set()
         self.memory: MemoryCache | None = None
         self.registrations = RegistrationCache(self.name, self._map)
+        self._later: dict[tuple[int, int, bool], _Later] = {}  # exposures registered once faulted in
         # host memory only: exposing CUDA memory would register it as a dma-buf (_dmabuf.py),
         # which is not wired here yet; such tensors are served through their owner instead
         self.region_kinds = frozenset({"host"})
@@ -357,10 +361,55 @@ class VerbsTransport(Transport):
 
     def register_region(self, address: int, length: int, *, writable: bool, owner: Any = None) -> Hold:
         """Register ``[address, address + length)`` for peers' RDMA READ (and WRITE if
-        ``writable``), through the registration cache."""
+        ``writable``), through the registration cache.
+
+        Memory of ``FAULT_IN_BYTES`` or more not all in memory yet (never written: ``np.empty``)
+        is registered later, on the loop, once a worker thread has faulted it in
+        (``fault_in_span``): ``ibv_reg_mr`` faults it in itself holding the GIL, and ``expose``
+        is called on the loop, which stood still meanwhile (in the emulated guest 0.6-1.4 s for
+        64 MiB, 3.5-4.5 s for 256 MiB). A peer's lookup before that registers it then
+        (``_LateHold.remote_key``), faulting in what is left on the loop, as before. Memory the
+        memlock limit will not let this process pin is registered now, and fails now."""
         if length <= 0:
             raise ConfigurationError("cannot register an empty region")
+        key = (address, length, writable)
+        later = self._later.get(key)
+        if later is not None:  # (exposed again while it is faulted in)
+            hold = self.registrations.acquire(address, length, writable, owner)
+            return _LateHold(hold.registration, self.registrations, later=later)
+        if key not in self.registrations.regions and self._fresh(address, length):
+            try:
+                return self._register_later(address, length, writable, owner)
+            except RuntimeError:  # (no worker threads any more: the interpreter is exiting)
+                pass
         return self.registrations.acquire(address, length, writable, owner)
+
+    def _fresh(self, address: int, length: int) -> bool:
+        """Whether registering these bytes now would fault them in on the loop, and waiting
+        will not hide a failure the registration can tell at once."""
+        if length < FAULT_IN_BYTES or self._closed:
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # (no loop to free: register now)
+            return False
+        return may_pin(length) and not present(address, length)
+
+    def _register_later(self, address: int, length: int, writable: bool, owner: Any) -> Hold:
+        """A hold on a registration of these bytes made once a worker thread faulted them in."""
+        loop = asyncio.get_running_loop()
+        key = (address, length, writable)
+        reg = Registration(self.name, address, length, writable, b"", b"", lambda: None, owner=owner)
+        later = _Later(reg, self._map, lambda: self._later.pop(key, None) if self._later.get(key) is later else None)
+        faulting = loop.run_in_executor(None, fault_in_span, address, length, owner)
+        faulting.add_done_callback(lambda _: later.settle())
+        reg._unregister = later.cancel  # (released before it is registered: it never will be)
+        cache = self.registrations
+        cache.regions[key] = reg
+        cache.registrations += 1
+        reg.refs += 1
+        self._later[key] = later
+        return _LateHold(reg, cache, later=later)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def aclose(self) -> None:
@@ -394,6 +443,61 @@ class VerbsTransport(Transport):
         self._pd = self._ctx = None
         unclaim(self._event_fds)
         self._event_fds = set()
+
+
+class _Later:
+    """An exposure's registration, made once its memory is faulted in (or a peer needs its key
+    first); ``cancel`` is its unregister until then."""
+
+    def __init__(
+        self,
+        registration: Registration,
+        register: Callable[[int, int, bool], tuple[bytes, Callable[[], None]]],
+        forget: Callable[[], object],
+    ) -> None:
+        self.registration = registration
+        self.error: TensorWireError | None = None
+        self._register = register
+        self._forget = forget
+        self._done = False
+
+    def settle(self) -> None:
+        """Register it now, if not done yet (nor cancelled)."""
+        if self._done:
+            return
+        self._done = True
+        reg = self.registration
+        t0 = time.perf_counter()
+        try:
+            key, unregister = self._register(reg.address, reg.length, reg.writable)
+        except TensorWireError as exc:  # the lookups tell the peer (RegistrationError)
+            log.warning("verbs: could not register exposed memory: %s", exc)
+            self.error = exc  # (and it stays findable, so exposing it again says so too)
+            return
+        self._forget()
+        reg.key = key
+        reg.remote_key = pack_remote_key(reg.transport, reg.address, reg.length, key)
+        reg._unregister = unregister
+        reg.seconds = time.perf_counter() - t0
+
+    def cancel(self) -> None:
+        self._done = True
+        self._forget()
+
+
+@dataclass(eq=False)
+class _LateHold(Hold):
+    """A hold on a registration ``_Later`` makes: its key registers the memory if not done yet."""
+
+    later: _Later | None = None
+
+    @property
+    def remote_key(self) -> bytes:
+        if self.later is not None:
+            self.later.settle()
+            if self.later.error is not None:
+                raise fresh(self.later.error)
+        return self.registration.remote_key
 
 
 def _listdir(path: str) -> list[str]:
