@@ -221,7 +221,7 @@ class UcxTransport(Transport):
     async def listen(self) -> bytes:
         self.worker = Worker(self.options)
         try:
-            self.ucp = load_ucp()
+            self.ucp = self.worker.bind(load_ucp())  # (its requests then tell the worker they completed)
         except TransportUnavailable as exc:
             log.warning("ucx one-sided bindings unavailable: %s", exc)
         self._post_hello()
