@@ -14,3 +14,15 @@ async def eventually(pred: Callable[[], bool], seconds: float = 5.0, pause: floa
     while not pred():
         assert time.monotonic() < give_up, f"not true after {seconds} s: {pred}"
         await asyncio.sleep(pause)
+
+
+async def collected(*refs: Callable[[], object], seconds: float = 5.0) -> None:
+    """Until the objects of the weak references ``refs`` are gone (the garbage collected at each
+    look): what a test of a leak waits for once the code under test should have let go."""
+    import gc
+
+    def gone() -> bool:
+        gc.collect()
+        return all(ref() is None for ref in refs)
+
+    await eventually(gone, seconds)

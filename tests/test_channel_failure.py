@@ -5,13 +5,12 @@ failed recv's ``out=``) gets its memory back, on real nodes over tcp and inproc 
 from __future__ import annotations
 
 import asyncio
-import gc
 import weakref
 from collections.abc import Awaitable
 
 import numpy as np
 import pytest
-from _polling import eventually
+from _polling import collected, eventually
 
 import tensorwire
 from tensorwire.testing import connected_pair
@@ -48,11 +47,7 @@ async def test_a_failed_operations_memory_is_freed_once_its_caller_lets_go(trans
             await failing
         del x, pending, failing
 
-        def freed() -> bool:
-            gc.collect()
-            return gone() is None
-
-        await eventually(freed)
+        await collected(gone)
         with pytest.raises(tensorwire.PeerDisconnected):  # the failure is still told, as before
             await a.send(np.ones(4), tag="t")
 

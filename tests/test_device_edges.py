@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import importlib.util
 import types
 import weakref
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _device_paths import CHUNK, DEPTH, PATHS, UCX, small_rings
-from _polling import eventually
+from _polling import collected, eventually
 
 from tensorwire.errors import ClosedResourceError, PeerDisconnected, TransferError
 from tensorwire.memory import HostEngine, wait_event
@@ -130,11 +129,7 @@ async def test_sends_cut_short_by_their_channel_let_go_of_their_tensors(
             gate.set()
             await wait_event(engine, engine.record_on(stream))
 
-            def freed() -> bool:
-                gc.collect()
-                return all(g() is None for g in gone)
-
-            await eventually(freed)
+            await collected(*gone)
             assert a.channel.ended.done()  # (the channel, and its failure, still live)
 
 

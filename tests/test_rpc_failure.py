@@ -5,13 +5,12 @@ call's argument gets its memory back, on real nodes over tcp and inproc on loopb
 from __future__ import annotations
 
 import asyncio
-import gc
 import weakref
 from collections.abc import Awaitable
 
 import numpy as np
 import pytest
-from _polling import eventually
+from _polling import collected, eventually
 
 import tensorwire
 from tensorwire.rpc import _client
@@ -61,10 +60,6 @@ async def test_a_failed_calls_arguments_are_freed_once_its_caller_lets_go(transp
                 await held
         del x, pending, failing
 
-        def freed() -> bool:
-            gc.collect()
-            return gone() is None
-
-        await eventually(freed)
+        await collected(gone)
         with pytest.raises(tensorwire.PeerDisconnected):  # the failure is still told, as before
             await a.call("take", np.ones(4), _deadline=30)

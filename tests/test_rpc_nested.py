@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 from _polling import eventually
 
+import tensorwire
 from tensorwire.rpc import CallLimits, _client
 from tensorwire.rpc._server import server_of
 from tensorwire.testing import connected_pair
@@ -27,6 +28,28 @@ TRANSPORTS = [
 pytestmark = pytest.mark.timeout(60)
 
 
+def _calling_back(a: tensorwire.Peer, b: tensorwire.Peer) -> None:
+    """Methods on both nodes that call the other back: ``on_b(i)`` (on b) is ``1 + back_on_a(i)``
+    (on a), and ``on_a(i)`` is ``1 + back_on_b(i)``, where ``back_on_a(i) == i`` and
+    ``back_on_b(i) == -i``."""
+
+    @a.node.method()
+    async def back_on_a(i: int) -> int:
+        return i
+
+    @b.node.method()
+    async def back_on_b(i: int) -> int:
+        return -i
+
+    @b.node.method()
+    async def on_b(i: int) -> int:
+        return 1 + await b.call("back_on_a", i)
+
+    @a.node.method()
+    async def on_a(i: int) -> int:
+        return 1 + await a.call("back_on_b", i)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_nodes_whose_methods_call_each_other_back_do_not_deadlock(transport: str) -> None:
     """A's method calls B, and B's method calls A back, while B does the same the other way. Each
@@ -38,21 +61,7 @@ async def test_nodes_whose_methods_call_each_other_back_do_not_deadlock(transpor
         for node in (a.node, b.node):
             node.methods.limits = CallLimits(max_concurrent=4)
 
-        @a.node.method()
-        async def back_on_a(i: int) -> int:
-            return i
-
-        @b.node.method()
-        async def back_on_b(i: int) -> int:
-            return -i
-
-        @b.node.method()
-        async def on_b(i: int) -> int:
-            return 1 + await b.call("back_on_a", i)
-
-        @a.node.method()
-        async def on_a(i: int) -> int:
-            return 1 + await a.call("back_on_b", i)
+        _calling_back(a, b)
 
         there = [a.call("on_b", i, _deadline=10) for i in range(8)]
         back = [b.call("on_a", i, _deadline=10) for i in range(8)]
@@ -154,21 +163,7 @@ async def test_more_calls_back_than_outstanding_calls_each_way_complete(transpor
         budgets = [_client._budget(p) for p in (a, b)]
         assert [x.max_calls for x in budgets] == [256, 256]
 
-        @a.node.method()
-        async def back_on_a(i: int) -> int:
-            return i
-
-        @b.node.method()
-        async def back_on_b(i: int) -> int:
-            return -i
-
-        @b.node.method()
-        async def on_b(i: int) -> int:
-            return 1 + await b.call("back_on_a", i)
-
-        @a.node.method()
-        async def on_a(i: int) -> int:
-            return 1 + await a.call("back_on_b", i)
+        _calling_back(a, b)
 
         n = 300
         there = [a.call("on_b", i, _deadline=10) for i in range(n)]

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _polling import eventually
+from _polling import collected, eventually
 from _procfs import listening_ports
 
 import tensorwire
@@ -1099,9 +1099,5 @@ async def test_each_send_failed_by_a_ucx_channels_end_gets_a_failure_of_its_own(
         assert kept is not errors[1], "both sends failed with one exception object"
         del x, theirs, send, caught, errors
 
-        def freed() -> bool:
-            gc.collect()
-            return gone() is None
-
-        await eventually(freed)
+        await collected(gone)
         assert isinstance(kept, tensorwire.PeerDisconnected)

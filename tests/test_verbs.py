@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import os
 import random
 import weakref
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _polling import eventually
+from _polling import collected
 
 import tensorwire
 from tensorwire.errors import BrokenResourceError, PeerDisconnected, ProtocolError
@@ -484,11 +483,7 @@ async def test_each_operation_a_broken_channel_fails_gets_a_failure_of_its_own(m
     assert kept.value is not other.value and "connection ended" in str(other.value)
     del out2, second, other
 
-    def freed() -> bool:
-        gc.collect()
-        return gone() is None
-
-    await eventually(freed, seconds=5)
+    await collected(gone)
     assert isinstance(kept.value, PeerDisconnected)
 
 
