@@ -172,35 +172,6 @@ async def test_a_message_of_many_tensors_takes_work_linear_in_them(variant: str)
     assert large < 6 * small, f"250 tensors ran {small} lines of tensorwire, 1000 ran {large}"
 
 
-@pytest.mark.parametrize("variant", TRANSPORTS)
-async def test_a_peers_abort_breaks_the_channel_and_its_close_closes_it(variant: str) -> None:
-    """A channel's abort is a failure to its peer: the peer's channel breaks (BROKEN) and its
-    pending recv fails with PeerDisconnected, as when a tcp connection drops; an orderly close
-    leaves the peer's channel closed (CLOSED). ucx's abort said BYE as a close does, and left
-    the peer's channel closed."""
-    import tensorwire
-    from tensorwire.transports import ChannelState
-
-    async def ended(ours: tensorwire.Peer, theirs: tensorwire.Peer, how: str) -> ChannelState:
-        recv = asyncio.ensure_future(theirs.recv(tag="r"))
-        await asyncio.sleep(0.01)
-        assert not recv.done()
-        if how == "abort":
-            ours.channel.abort()
-        else:
-            await ours.channel.aclose()
-        with pytest.raises(tensorwire.PeerDisconnected):
-            async with asyncio.timeout(5):  # (a lease is longer: the peer is told, not timed out)
-                await recv
-        return theirs.channel.state
-
-    with _options(variant):
-        async with connected_pair(VARIANTS[variant][0]) as (a, b):
-            assert await ended(a, b, "abort") is ChannelState.BROKEN
-        async with connected_pair(VARIANTS[variant][0]) as (a, b):
-            assert await ended(b, a, "close") is ChannelState.CLOSED
-
-
 class _RefusingCopiesOut(HostEngine):
     """A host engine (standing in for a GPU) whose copies out of device memory fail as they are
     queued, as a GPU's do after a CUDA error."""

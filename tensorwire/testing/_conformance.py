@@ -1114,6 +1114,21 @@ async def check_close_fails_pending(a: Peer, b: Peer) -> None:
 
 
 @_check()
+async def check_a_peers_abort_breaks_the_channel(a: Peer, b: Peer) -> None:
+    """After one side's ``abort()`` the other side's channel is broken, as after a dropped
+    connection, and its pending recv raises PeerDisconnected at once (ucx's abort said goodbye
+    as a close does, and the other side's channel said "closed")."""
+    await a.send(np.arange(3), tag="c")
+    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="c"), 5))
+    pending = asyncio.ensure_future(b.recv(tag="never"))
+    await asyncio.sleep(0.01)
+    a.abort()
+    with _refused(PeerDisconnected, "a pending recv did not fail when the peer aborted"):
+        await asyncio.wait_for(pending, 5)  # (the peer is told: no lease runs out first)
+    assert b.channel.state is ChannelState.BROKEN, f"after the other side's abort(): {b!r}"
+
+
+@_check()
 async def check_a_clean_close_leaves_the_other_side_closed_not_broken(a: Peer, b: Peer) -> None:
     """After one side's ``aclose()`` the other side's channel is closed, as its goodbye says, not
     broken as after a failure (inproc's said "broken" where tcp's and ucx's said "closed")."""
