@@ -992,13 +992,16 @@ class UcxChannel(Channel):
         tag = self._lib.UCXXTag(make_tag(self._rx_key, DATA, arrival.msg_id))
         recv = self._w.worker.tag_recv
         self._incoming[arrival.msg_id] = transfer
-        for a in arrival.dest:
-            if not a.nbytes:
-                continue
-            req = recv(self._lib_array(_payload(a)), tag)
-            transfer.reqs.append(req)
-            transfer.pending += 1
-            self._w.watch(req, functools.partial(self._payload_done, transfer), keep=a, owner=self)
+        keeps: list[object] = []
+        try:
+            for a in arrival.dest:
+                if not a.nbytes:
+                    continue
+                transfer.reqs.append(recv(self._lib_array(_payload(a)), tag))
+                keeps.append(a)
+                transfer.pending += 1
+        finally:  # (watched as one group: see Worker.watch_each; those posted, should one fail)
+            self._w.watch_each(transfer.reqs, functools.partial(self._payload_done, transfer), keeps=keeps, owner=self)
         if not transfer.pending:
             self._incoming.pop(arrival.msg_id, None)
             _landed(arrival)

@@ -238,6 +238,33 @@ class _Watch:
         self.passive = passive
 
 
+class _Group:
+    """Requests watched together (``Worker.watch_each``): a dispatch looks at the first one not
+    yet reported (``at``) and, where it has completed, reports it and those after it that have,
+    in order; never at the others. ``reqs`` and ``keeps`` drop each one reported, as ``_watch``
+    drops its entry."""
+
+    __slots__ = ("at", "callback", "keeps", "owner", "reqs")
+
+    def __init__(self, reqs: list[Any], keeps: list[object], callback: Callable[[Any], None], owner: object) -> None:
+        self.reqs = reqs
+        self.keeps = keeps  # the buffers UCX writes through each request until it completes
+        self.callback = callback
+        self.owner = owner
+        self.at = 0
+
+
+class _Wait:
+    """A ``when_done`` wait: ``reqs[:at]`` have completed (a request never goes back)."""
+
+    __slots__ = ("at", "callback", "reqs")
+
+    def __init__(self, reqs: list[Any], callback: Callable[[], None]) -> None:
+        self.reqs = reqs
+        self.callback = callback
+        self.at = 0
+
+
 class Worker:
     """A node's UCX context and worker, and the loop integration that progresses them."""
 
@@ -257,6 +284,8 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self._fd = self.worker.epoll_file_descriptor
         self._watch: dict[Any, _Watch] = {}
+        # requests watched as groups (a message's payload receives: see watch_each), in order
+        self._groups: dict[_Group, None] = {}
         # ucp request pointer -> (waiter, the memory UCX reads or writes, owner, what it is)
         self._raw: dict[int, tuple[asyncio.Future[None], object, object, str]] = {}
         # raw receives (channels' control receives: see listen_raw), each with its callback; and
@@ -293,7 +322,7 @@ class Worker:
         # their memory and owner; not polled until then
         self._raw_kept: dict[int, tuple[object, object]] = {}
         # callbacks due once every one of their requests has completed (see when_done)
-        self._awaited: list[tuple[list[Any], Callable[[], None]]] = []
+        self._awaited: list[_Wait] = []
         # remote keys of closed channels, each destroyed once the raw requests that may use it
         # (those in flight when its channel closed) have completed: UCX forbids destroying an
         # rkey that outstanding operations use
@@ -348,6 +377,27 @@ class Worker:
         """Call ``callback(req)`` from the loop once ``req`` completes (successfully or not)."""
         self._watch[req] = _Watch(callback, keep, owner, passive)
         self._fresh = True  # it may have completed when posted: the next run dispatches
+        self.kick()
+
+    def watch_each(
+        self, reqs: list[Any], callback: Callable[[Any], None], *, keeps: list[object], owner: object = None
+    ) -> None:
+        """Call ``callback(req)`` from the loop for each of ``reqs`` once it completes, in their
+        order: as ``watch`` of each (``keeps[i]`` kept for ``reqs[i]``), but a dispatch looks
+        only at the first request not yet reported, so that its work does not grow with the
+        number of requests. Watched one by one, the n payload receives of a message of n
+        tensors were each looked at in every dispatch: receiving 250 -> 4,000 tensors of 512
+        bytes over shared memory ran 39,710 -> 1,558,422 lines of tensorwire (quadratic; 31,383
+        -> 529,121 now), and sending and receiving 4,000 took 0.27-0.32 s (0.10 s now).
+
+        A request that completes before one ahead of it is reported once that one has. For the
+        receives of one message that changes nothing: its callbacks count them down, and the
+        message lands with the last one either way; a failure behind a receive still in flight
+        is told once that one ends, or cancelled as its channel shuts (``abandon``)."""
+        if not reqs:
+            return
+        self._groups[_Group(list(reqs), list(keeps), callback, owner)] = None
+        self._fresh = True  # (some may have completed when posted: the next run dispatches)
         self.kick()
 
     def future(self, req: Any, *, keep: object = None, owner: object = None) -> asyncio.Future[Any]:
@@ -521,6 +571,13 @@ class Worker:
             self.cancel(r)
             if not r.completed:
                 self._graveyard.append((r, w.keep))
+        for g in [g for g in self._groups if g.owner is owner]:
+            del self._groups[g]
+            for r, keep in zip(g.reqs[g.at :], g.keeps[g.at :], strict=True):
+                self.cancel(r)
+                if not r.completed:
+                    self._graveyard.append((r, keep))
+            g.reqs, g.keeps = [], []
         if self._raw_recv:
             for ptr in [p for p, w in self._raw_recv.items() if w.owner is owner]:
                 self._cancel_raw_recv(ptr, self._raw_recv.pop(ptr).keep)
@@ -556,7 +613,7 @@ class Worker:
         failed or cancelled), whether watched or abandoned: from then on UCX writes no more into
         their buffers. A token for ``forget_wait``. The worker polls while any such wait is
         registered (a cancelled receive that had matched ends when its transfer does)."""
-        entry = (list(reqs), callback)
+        entry = _Wait(list(reqs), callback)
         self._awaited.append(entry)
         self._fresh = True
         self.kick()
@@ -617,6 +674,8 @@ class Worker:
                     w.callback(r)
                 except Exception:  # a bug in a callback must not stop progress for everyone
                     log.exception("ucx completion callback failed")
+        if self._groups:
+            n += self._dispatch_groups()
         if self._polled or self._done:
             status_of = self._ucp.request_status
             found = [p for p in self._polled if status_of(p) != UCS_INPROGRESS]
@@ -628,14 +687,41 @@ class Worker:
         if self._awaited:
             awaited, self._awaited = self._awaited, []
             for entry in awaited:
-                if not all(r.completed for r in entry[0]):
+                # (from where the last dispatch stopped: asking about every request again,
+                # a wait on a message's n receives took work quadratic in n)
+                reqs, at = entry.reqs, entry.at
+                while at < len(reqs) and reqs[at].completed:
+                    at += 1
+                entry.at = at
+                if at < len(reqs):
                     self._awaited.append(entry)
                     continue
                 n += 1
                 try:
-                    entry[1]()
+                    entry.callback()
                 except Exception:
                     log.exception("ucx completion callback failed")
+        return n
+
+    def _dispatch_groups(self) -> int:
+        """Report the requests of ``watch_each`` that have completed, each group's in order from
+        its first not yet reported, up to the first still in flight."""
+        n = 0
+        for g in list(self._groups):
+            reqs, keeps = g.reqs, g.keeps
+            while g.at < len(reqs) and g in self._groups:  # (a callback may abandon its owner's)
+                r = reqs[g.at]
+                if not r.completed:
+                    break
+                reqs[g.at] = keeps[g.at] = None  # (UCX is done with them: nothing here holds them)
+                g.at += 1
+                n += 1
+                try:
+                    g.callback(r)
+                except Exception:  # a bug in a callback must not stop progress for everyone
+                    log.exception("ucx completion callback failed")
+            if g.at >= len(reqs):
+                self._groups.pop(g, None)
         return n
 
     def _dispatch_raw(self, done: list[int]) -> int:
@@ -748,7 +834,7 @@ class Worker:
                 self._stall(now)
                 self._fallback = self.loop.call_later(_FALLBACK, self._progress)
             return
-        if self._raw or self._awaited or any(not w.passive for w in self._watch.values()):
+        if self._raw or self._awaited or self._groups or any(not w.passive for w in self._watch.values()):
             self._fallback = self.loop.call_later(_FALLBACK, self.kick)
 
     def _stall(self, now: float) -> None:
@@ -1082,11 +1168,11 @@ class Worker:
         # copies may still be running until the worker is destroyed
         held = [*self._raw.values(), *self._raw_kept.values(), *self._raw_graveyard.values()]
         held += self._raw_recv_gone.values()
-        held += [*self._watch.values(), *self._graveyard]
+        held += [*self._watch.values(), *self._graveyard, *(g.keeps for g in self._groups)]
         awaited, self._awaited = self._awaited, []
-        for _, callback in awaited:  # UCX is done with their buffers: its requests are cancelled
+        for entry in awaited:  # UCX is done with their buffers: its requests are cancelled
             try:
-                callback()
+                entry.callback()
             except Exception:
                 log.exception("ucx completion callback failed")
         self._raw.clear()
@@ -1098,6 +1184,7 @@ class Worker:
         self._ended.clear()
         self._aged.clear()
         self._watch.clear()
+        self._groups.clear()
         self._graveyard.clear()
         self._soon.clear()
         for _, keys in self._retired:  # before the worker they belong to
