@@ -11,7 +11,7 @@ import importlib.util
 from typing import Any
 
 import pytest
-from _lines import counting_lines
+from _lines import lines_of_a_message
 
 from tensorwire.memory import HostEngine
 from tensorwire.testing import CHECKS, connected_pair
@@ -150,25 +150,9 @@ async def test_a_message_of_many_tensors_takes_work_linear_in_them(variant: str)
     the lines. Finding the tensor that holds a payload offset scanned every tensor
     (``Arrival.view``), so 8,000 one-element arrays took 26 s on inproc and 10,000 took 4.6 s on
     tcp, with the event loop blocked long enough for leases to lapse."""
-    import numpy as np
-
-    import tensorwire
-
-    async def lines(a: tensorwire.Peer, b: tensorwire.Peer, n: int) -> int:
-        # 512 bytes each: every size here goes the same way (past tcp's one-frame fast path and
-        # ucx's inline bytes), so that only the number of tensors changes the work
-        msg = [np.full(128, i, np.int32) for i in range(n)]
-        recv = asyncio.ensure_future(b.recv(tag="many"))
-        await asyncio.sleep(0.01)
-        with counting_lines() as ran:
-            await asyncio.wait_for(a.send(msg, tag="many"), 30)
-            got = await asyncio.wait_for(recv, 30)
-        assert all(np.array_equal(x, y) for x, y in zip(got, msg, strict=True)), "the tensors arrived wrong"
-        return ran.count
-
     with _options(variant):
         async with connected_pair(VARIANTS[variant][0]) as (a, b):
-            small, large = await lines(a, b, 250), await lines(a, b, 1000)
+            small, large = await lines_of_a_message(a, b, 250), await lines_of_a_message(a, b, 1000)
     assert large < 6 * small, f"250 tensors ran {small} lines of tensorwire, 1000 ran {large}"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _lines import counting_lines
+from _lines import lines_of_a_message
 
 import tensorwire
 from tensorwire.testing import connected_pair, idle_cpu_percent
@@ -1056,20 +1056,10 @@ async def test_receiving_a_message_of_many_tensors_takes_work_linear_in_them() -
     lines (7.4 times). Both sizes are flattened off the loop (``ON_LOOP_LEAVES``), so only the
     number of tensors differs. Counted in lines, never seconds."""
 
-    async def lines(a: tensorwire.Peer, b: tensorwire.Peer, n: int) -> int:
-        msg = [np.full(128, i, np.int32) for i in range(n)]  # (512 bytes: past ucx's inline bytes)
-        recv = asyncio.ensure_future(b.recv(tag="many"))
-        await asyncio.sleep(0.01)
-        with counting_lines() as ran:
-            await asyncio.wait_for(a.send(msg, tag="many"), 60)
-            got = await asyncio.wait_for(recv, 60)
-        assert all(np.array_equal(x, y) for x, y in zip(got, msg, strict=True)), "the tensors arrived wrong"
-        return ran.count
-
     with _ucx_config(TLS="sm,self"):
         async with connected_pair("ucx") as (a, b):
-            await lines(a, b, 1000)  # (the specs and buffers of these shapes made)
-            mid, large = await lines(a, b, 1000), await lines(a, b, 4000)
+            await lines_of_a_message(a, b, 1000, 60)  # (the specs and buffers of these shapes made)
+            mid, large = await lines_of_a_message(a, b, 1000, 60), await lines_of_a_message(a, b, 4000, 60)
             assert large < 5 * mid, f"1,000 tensors ran {mid} lines of tensorwire, 4,000 ran {large}"
             worker: Any = b.channel._w  # type: ignore[attr-defined]
             assert not worker._groups and not worker._awaited, "the worker still watches a landed message"
