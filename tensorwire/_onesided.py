@@ -8,8 +8,10 @@ single get/put or owner-assisted request at an offset).
 
 Direct (transports whose Capabilities say ``one_sided``: ucx): ``expose`` registers the memory
 with each such transport (through its registration cache); Lookup hands the session peer a
-remote-key blob (``transports/_remote.py``) for the transport its channel uses; the reader
-unpacks the key once per (peer, handle generation) and moves the bytes with get/put + flush.
+remote-key blob (``transports/_remote.py``) for the transport its channel uses (none where the
+transport could not register it after all, ``Hold.remote_key``: the owner serves that peer, as
+below); the reader unpacks the key once per (peer, handle generation) and moves the bytes with
+get/put + flush.
 No code of the owner's runs per operation. Receipts say ``protocol="one-sided"`` where the
 channel reaches the owner's memory without the owner's CPU (a cma or RDMA lane), and
 ``"one-sided-emulated"`` where UCX emulates get/put over its other lanes (tcp, sysv/posix

@@ -211,10 +211,12 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             memory=h.memory,
         )
         # a one-sided key for the transport this peer's channel uses, if it registered the tensor
+        # (none where it could not after all: the peer is served by this node, owner-assisted)
         hold = entry.holds.get(peer.channel.transport)
-        if hold is not None:
+        key = hold.remote_key if hold is not None else b""
+        if key:
             resp.transport = peer.channel.transport
-            resp.remote_key = hold.remote_key
+            resp.remote_key = key
             entry.given.add(request.session_id)  # unexpose waits for this peer to acknowledge
         return resp
 

@@ -100,6 +100,9 @@ class Hold:
 
     @property
     def remote_key(self) -> bytes:
+        """The blob a peer's Lookup gets; empty where the transport found it could not register
+        the memory after all (verbs registers fresh memory after ``expose`` returned): Lookup
+        then hands out no key, and peers read and write the tensor through its owner."""
         return self.registration.remote_key
 
     def release(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ipaddress
+import json
 import mmap
 import os
 import shutil
@@ -663,7 +664,9 @@ def _readable_copy_of_the_package() -> Path:
     return pkg
 
 
-async def test_registration_enomem_names_the_memlock_limit() -> None:
+async def _as_nobody(script: str) -> str:
+    """What ``script`` printed (stdout and stderr) run by a Python child that makes itself
+    nobody first (root ignores RLIMIT_MEMLOCK); skips where nobody cannot use the device."""
     if os.stat("/dev/infiniband/uverbs0").st_mode & 0o6 != 0o6:
         pytest.skip("the uverbs device is not usable by an unprivileged user here")
     # the child runs as nobody: give it a copy of the package it can read (the checkout may
@@ -672,16 +675,109 @@ async def test_registration_enomem_names_the_memlock_limit() -> None:
     try:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), os.environ.get("PYTHONPATH", "")]), HOME="/tmp")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _ENOMEM, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd="/tmp"
+            sys.executable, "-c", script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd="/tmp"
         )
-        async with asyncio.timeout(120):
-            out, _ = await proc.communicate()
+        try:
+            async with asyncio.timeout(150):
+                out, _ = await proc.communicate()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
     finally:
         shutil.rmtree(pkg, ignore_errors=True)
-    text = out.decode(errors="replace")
+    return out.decode(errors="replace")
+
+
+async def test_registration_enomem_names_the_memlock_limit() -> None:
+    text = await _as_nobody(_ENOMEM)
     assert "ERROR" in text and "NO ERROR" not in text, text
     assert "ENOMEM" in text and "RLIMIT_MEMLOCK" in text and "64 KiB" in text, text
     assert RegistrationError.__name__  # the class the child caught
+
+
+_LATE_FAILURE = """
+import asyncio, json, logging, mmap, os, resource
+os.setgid(65534); os.setuid(65534)  # root ignores RLIMIT_MEMLOCK (CAP_IPC_LOCK)
+HARD = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (256 << 20, HARD))
+import numpy as np
+from tensorwire.testing import connected_pair
+
+MiB, n = 1 << 20, 8 << 20
+warned, seen = [], {}
+
+class Warned(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING and "register" in record.getMessage():
+            warned.append(record.getMessage())
+
+logging.getLogger("tensorwire").addHandler(Warned())
+
+async def main():
+    async with connected_pair("verbs", lease_seconds=30.0, connect_timeout=60.0) as (a, b):
+        t = a.node.transports["verbs"]
+        x = np.frombuffer(mmap.mmap(-1, n), np.uint8)  # never written: registered after expose returns
+        a.node.expose(x, name="x")
+        seen["later"] = len(t._later)
+        # expose returned; the registration, on the loop once the memory is faulted in, meets
+        # a limit it does not fit in (ENOMEM from ibv_reg_mr)
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, HARD))
+        for _ in range(600):
+            if warned:
+                break
+            await asyncio.sleep(0.1)
+        # room again (memory pinned meanwhile freed): an owner-assisted read pins what it sends
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (256 << 20, HARD))
+        x[-MiB:] = 7
+        try:
+            h = await b.lookup("x")
+            seen["direct"], seen["transport"] = h.direct, h.transport
+            got = np.zeros(MiB, np.uint8)
+            _, r = await b.read_with_receipt(h[n - MiB :], out=got)
+            seen["read"] = [r.protocol, bool((got == 7).all())]
+            whole, r = await b.read_with_receipt(h)
+            seen["whole"] = [r.protocol, bool((whole[-MiB:] == 7).all()), bool((whole[: n - MiB] == 0).all())]
+            w = await b.write(h[:MiB], np.full(MiB, 9, np.uint8))
+            seen["write"] = [w.protocol, bool((x[:MiB] == 9).all())]
+            seen["served"] = a.node.exposures.served
+            async with asyncio.timeout(30):
+                await a.node.unexpose("x")
+            seen["left"] = [len(t.registrations.regions), len(t._later)]
+            a.node.expose(x, name="x")  # in memory now: registered at once, and peers reach it directly
+            h = await b.lookup("x")
+            _, r = await b.read_with_receipt(h[:MiB], out=got)
+            seen["again"] = [h.direct, r.protocol, bool((got == 9).all())]
+        except Exception as exc:
+            seen["error"] = f"{type(exc).__name__}: {exc}"
+        seen["warned"] = warned
+
+asyncio.run(main())
+print("SEEN", json.dumps(seen), flush=True)
+"""
+
+
+async def test_an_exposure_whose_late_registration_fails_is_served_by_its_owner() -> None:
+    """Fresh memory ``expose`` registers once a worker thread has faulted it in: where that
+    registration fails (here the memlock limit, lowered after ``expose`` returned; ENOMEM from
+    ibv_reg_mr), the exposure stays and peers reach it through the owner, as one no one-sided
+    transport registered. Before, the failure was logged and every peer's lookup of it failed
+    with it (the exposure was lost to them until unexposed)."""
+    text = await _as_nobody(_LATE_FAILURE)
+    lines = [line for line in text.splitlines() if line.startswith("SEEN ")]
+    assert lines, text
+    seen = json.loads(lines[-1][5:])
+    assert seen["later"] == 1, seen  # (the late path was taken)
+    assert "error" not in seen, seen
+    assert len(seen["warned"]) == 1 and "owner-assisted" in seen["warned"][0], seen["warned"]
+    assert "RLIMIT_MEMLOCK" in seen["warned"][0], seen["warned"]
+    assert seen["direct"] is False and seen["transport"] == "", seen
+    assert seen["read"] == ["owner-assisted", True], seen
+    assert seen["whole"] == ["owner-assisted", True, True], seen
+    assert seen["write"] == ["owner-assisted", True], seen
+    assert seen["served"] >= 3, seen  # (the owner answered each)
+    assert seen["left"] == [0, 0], seen  # unexposed: nothing registered, nothing pending
+    assert seen["again"] == [True, "one-sided", True], seen
 
 
 def test_gpu_memory_through_dmabuf() -> None:

@@ -35,7 +35,7 @@ from ...errors import (
     TransportError,
     TransportUnavailable,
 )
-from .._base import Capabilities, Channel, Session, Transport, TransportContext, fresh
+from .._base import Capabilities, Channel, Session, Transport, TransportContext
 from .._frames import LIMITS, MAX_SESSION_ID, NONCE_BYTES, PeerLimits, proof
 from .._remote import Hold, Registration, RegistrationCache, pack_remote_key
 from ..tcp._transport import _WILDCARDS
@@ -369,7 +369,10 @@ class VerbsTransport(Transport):
         is called on the loop, which stood still meanwhile (in the emulated guest 0.6-1.4 s for
         64 MiB, 3.5-4.5 s for 256 MiB). A peer's lookup before that registers it then
         (``_LateHold.remote_key``), faulting in what is left on the loop, as before. Memory the
-        memlock limit will not let this process pin is registered now, and fails now."""
+        memlock limit will not let this process pin is registered now, and fails now. Where the
+        later registration fails all the same (the limit lowered, or memory pinned meanwhile),
+        ``expose`` has returned: the exposure stays, without a key, and its peers' reads and
+        writes are served by this node (``_Later.settle``)."""
         if length <= 0:
             raise ConfigurationError("cannot register an empty region")
         key = (address, length, writable)
@@ -470,9 +473,21 @@ class _Later:
         t0 = time.perf_counter()
         try:
             key, unregister = self._register(reg.address, reg.length, reg.writable)
-        except TensorWireError as exc:  # the lookups tell the peer (RegistrationError)
-            log.warning("verbs: could not register exposed memory: %s", exc)
-            self.error = exc  # (and it stays findable, so exposing it again says so too)
+        except TensorWireError as exc:
+            # ``expose`` returned long ago, so nobody is left to raise this to: the exposure
+            # degrades as one no one-sided transport registered does. Lookups hand out no key
+            # (``_LateHold.remote_key``), so peers read and write it through this node
+            # (owner-assisted, their receipts say so); raising from the lookup instead lost the
+            # exposure to every peer. Logged once, here (settle runs once per registration).
+            log.warning(
+                "verbs: could not register %d bytes of exposed memory at %#x after expose returned; "
+                "peers' reads and writes of it are served by this node (owner-assisted) until it is "
+                "unexposed: %s",
+                reg.length,
+                reg.address,
+                exc,
+            )
+            self.error = exc  # (it stays findable, so exposing it again is served the same way)
             return
         self._forget()
         reg.key = key
@@ -487,7 +502,8 @@ class _Later:
 
 @dataclass(eq=False)
 class _LateHold(Hold):
-    """A hold on a registration ``_Later`` makes: its key registers the memory if not done yet."""
+    """A hold on a registration ``_Later`` makes: its key registers the memory if not done yet,
+    and is empty where that failed (``Hold.remote_key``: peers go through the owner)."""
 
     later: _Later | None = None
 
@@ -496,7 +512,7 @@ class _LateHold(Hold):
         if self.later is not None:
             self.later.settle()
             if self.later.error is not None:
-                raise fresh(self.later.error)
+                return b""
         return self.registration.remote_key
 
 
