@@ -7,7 +7,10 @@ Every wait here has a bound of its own, so a regression fails with a message ins
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import pytest
 from _polling import eventually
@@ -179,8 +182,8 @@ async def test_more_calls_back_than_outstanding_calls_each_way_complete(transpor
 async def test_one_call_back_at_a_time_rides_on_the_callers_room() -> None:
     """The room a caller keeps for its call fits one call back to it while the method runs: it
     goes in even when its node's outstanding calls are all taken (here 2: a quarter of the
-    peer's 8 message slots), and a second at the same time waits for a place as any call does.
-    The count passes max_calls only by such a call back, and comes back to 0."""
+    peer's 8 message slots), and a second at the same time waits in line for a place (and for
+    that room). The count passes max_calls only by such a call back, and comes back to 0."""
     async with connected_pair("tcp", limits=Limits(max_unexpected=8)) as (a, b):
         budget = _client._budget(b)
         assert budget.max_calls == 2
@@ -210,3 +213,187 @@ async def test_one_call_back_at_a_time_rides_on_the_callers_room() -> None:
         assert seen == [(3, 2)]
         assert await asyncio.gather(*taken, waiting) == [1, 1, 1]
         await eventually(lambda: budget.calls == 0 and budget.units == 0 and not budget._waiters)
+
+
+async def _all(items: AsyncIterator[int]) -> list[int]:
+    return [x async for x in items]
+
+
+def _nesting(a: tensorwire.Peer, b: tensorwire.Peer, case: str) -> None:
+    """``f(i)`` on both nodes, which calls its caller back: twice at once (``"two at once"``),
+    from a streaming method (``"from a stream"``: it yields ``1 + leaf(i)``), or through a
+    stream (``"a stream back"``: ``1 + sum(gen_leaf(i))``); ``leaf(i) == i``, and ``gen_leaf(i)``
+    yields ``i``. Called (or streamed) with ``i``, ``f`` answers ``1 + i``."""
+    for me in (a, b):
+
+        def register(me: tensorwire.Peer = me) -> None:
+            node = me.node
+
+            @node.method()
+            async def leaf(i: int) -> int:
+                return i
+
+            @node.method()
+            async def gen_leaf(i: int) -> AsyncIterator[int]:
+                yield i
+
+            if case == "two at once":
+
+                @node.method("f")
+                async def f(i: int) -> int:
+                    x, y = await asyncio.gather(me.call("leaf", i), me.call("leaf", i))
+                    return 1 + x + y - i
+
+            elif case == "from a stream":
+
+                @node.method("f")
+                async def f_streaming(i: int) -> AsyncIterator[int]:
+                    yield 1 + await me.call("leaf", i)
+
+            else:
+
+                @node.method("f")
+                async def f_stream_back(i: int) -> int:
+                    return 1 + sum(await _all(me.stream("gen_leaf", i)))
+
+        register()
+
+
+def _f(peer: tensorwire.Peer, case: str, i: int) -> Awaitable[Any]:
+    if case == "from a stream":
+        return _all(peer.stream("f", i, _deadline=10))
+    return peer.call("f", i, _deadline=10)
+
+
+def _settled(budget: _client._Budget) -> bool:
+    counts = (budget.calls, budget.units, budget.extra, budget.riding, budget.outliving)
+    return counts == (0, 0, 0, 0, 0) and not budget._waiters
+
+
+NESTING = ["two at once", "from a stream", "a stream back"]
+
+
+@pytest.mark.parametrize("case", NESTING)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_calls_back_at_once_from_streams_and_as_streams_complete_past_256_each_way(
+    transport: str, case: str
+) -> None:
+    """Two nodes whose methods all call back, 300 calls each way (a node keeps 256 outstanding on
+    one peer), with methods that make two calls back at once, streaming methods that call back,
+    or methods that call back through a stream. Only one call back at a time, and only from a
+    unary method, rode on the room its caller keeps for its call: the rest waited for a place
+    among the 256, all taken by calls whose methods waited the same way, and all 600 ran out of
+    their deadlines (streams: 250 each way too, their units full). A stream's method has that
+    room too (its final reply has a place of its own), a stream back rides there (its item in
+    this node's room for replies), and a second call back made at once waits for the room as
+    well as for a place: all 600 are answered, and the counts come back to 0."""
+    async with connected_pair(transport) as (a, b):
+        budgets = [_client._budget(p) for p in (a, b)]
+        assert [x.max_calls for x in budgets] == [256, 256]
+        _nesting(a, b, case)
+        n = 300
+        got = await asyncio.gather(*(_f(p, case, i) for p in (a, b) for i in range(n)), return_exceptions=True)
+        failed = [g for g in got if isinstance(g, BaseException)]
+        assert not failed, f"{len(failed)} of {2 * n} failed, the first: {failed[0]!r}"
+        want = [1 + i for i in range(n)] * 2
+        assert got == ([[x] for x in want] if case == "from a stream" else want)
+        for budget in budgets:
+            await eventually(lambda x=budget: _settled(x))  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("case", NESTING)
+async def test_calls_back_ride_one_at_a_time_when_every_place_is_taken(case: str) -> None:
+    """b's places on a (2: a quarter of a's 8 message slots) are taken by calls held until the
+    end. A method called by a then calls a back as in ``_nesting``: before, only a unary
+    method's one call back at a time went in (the room a keeps for its call), and the second at
+    once, the call back of a stream's method and a stream back all waited for those places
+    until their deadlines. Now each rides on that room, one at a time: b never has more than one
+    call past its 2 outstanding on a."""
+    async with connected_pair("tcp", limits=Limits(max_unexpected=8)) as (a, b):
+        budget = _client._budget(b)
+        assert budget.max_calls == 2
+        hold = asyncio.Event()
+        most: list[int] = []
+
+        @a.node.method()
+        async def held() -> int:
+            async with asyncio.timeout(15):
+                await hold.wait()
+            return 0
+
+        _nesting(a, b, case)
+
+        for name in ("leaf", "gen_leaf"):  # (replaced: b's calls back count what b has outstanding)
+            a.node.methods.unregister(name)
+
+        @a.node.method("leaf")
+        async def counting_leaf(i: int) -> int:
+            most.append(budget.calls)
+            await asyncio.sleep(0.01)  # (two at once: the second waits for the first)
+            return i
+
+        @a.node.method("gen_leaf")
+        async def counting_gen_leaf(i: int) -> AsyncIterator[int]:
+            most.append(budget.calls)
+            yield i
+
+        taken = [asyncio.ensure_future(b.call("held", _deadline=20)) for _ in range(2)]
+        await eventually(lambda: budget.calls == 2)
+        got = await _f(a, case, 5)
+        assert got == ([6] if case == "from a stream" else 6)
+        assert most and max(most) == 3 and budget.riding == 0, most
+        hold.set()
+        assert await asyncio.gather(*taken) == [0, 0]
+        await eventually(lambda: _settled(budget))
+
+
+async def test_calls_back_that_outlive_their_methods_never_pile_up() -> None:
+    """b's places on a (2: a quarter of a's 8 message slots) are taken. A method whose call back
+    runs out of its deadline leaves it behind: its request reached the caller, and its room is
+    kept until the answer comes (the method there takes no notice of its cancellation, so none
+    comes until told). Each new call being served had a room of its own for the next such call
+    back: 5 calls left 5 outstanding past those 2, and ever more calls would leave ever more.
+    Now none rides while one that rode outlives its room, and a call back waiting then rides
+    as soon as that one has ended: b never has more than one call outstanding past its 2."""
+    async with connected_pair("tcp", limits=Limits(max_unexpected=8)) as (a, b):
+        budget = _client._budget(b)
+        assert budget.max_calls == 2
+        told = {k: asyncio.Event() for k in range(7)}
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 20
+
+        @a.node.method()
+        async def deaf(k: int) -> int:
+            while not told[k].is_set() and loop.time() < give_up:
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):  # (no notice of its cancellation)
+                    await asyncio.wait_for(told[k].wait(), 1)
+            return k
+
+        @a.node.method()
+        async def leaf() -> int:
+            return 1
+
+        @b.node.method()
+        async def abandon(k: int) -> None:
+            with contextlib.suppress(tensorwire.DeadlineExceeded):
+                await b.call("deaf", k, _deadline=0.1)
+
+        @b.node.method()
+        async def once() -> int:
+            return await b.call("leaf", _deadline=10)
+
+        held = [asyncio.ensure_future(b.call("deaf", k, _deadline=30)) for k in (0, 1)]
+        await eventually(lambda: budget.calls == 2)
+        for k in range(2, 7):
+            await a.call("abandon", k, _deadline=10)
+            assert budget.calls <= budget.max_calls + 1, f"{budget.calls} calls outstanding"
+        assert (budget.riding, budget.outliving) == (1, 1)  # deaf(2) rode, and outlives abandon
+        waiting = asyncio.ensure_future(a.call("once", _deadline=10))
+        await eventually(lambda: len(budget._waiters) == 1)  # its call back waits
+        told[2].set()
+        assert await waiting == 1  # it rode once deaf(2) had ended, the 2 places still taken
+        assert not any(h.done() for h in held)
+        for event in told.values():
+            event.set()
+        assert await asyncio.gather(*held) == [0, 1]
+        await eventually(lambda: _settled(budget))

@@ -13,7 +13,9 @@ outstanding on one peer stays within both sides' message slots (``_Budget``), so
 of calls and unread streams can stop the replies, cancellations or credit of the others; the
 deadline covers the wait for that room. A call made by a method this node serves lends that
 method's slot while it waits (``_registry.lending``), and one back to the caller of that method
-takes the room that caller keeps for it instead of waiting (``_registry.CallerRoom``).
+(a call or a stream, from a unary or a streaming method) takes the room that caller keeps for
+it, at once or as soon as an earlier call back has left it, unless a place comes first
+(``_room``, ``_registry.CallerRoom``).
 The channel's receipt of every message a call sends or takes is passed along; only
 ``peer.call_with_receipt`` (``want_receipt``) has them made into a ``CallReceipt``.
 """
@@ -103,6 +105,9 @@ class _Budget(FifoAdmission):
         self.calls = 0
         self.units = 0
         self.extra = 0
+        self.riding = 0  # calls back in their callers' rooms (``ride``), counted in calls and units too
+        self.outliving = 0  # of those, calls whose room closed before they ended (``CallerRoom.close``)
+        self._riding_again: list[asyncio.Future[None]] = []  # calls back waiting for outliving to be 0
         self.failure: BaseException | None = None  # the channel closed: no call will get room
 
     def fail(self, exc: BaseException | None) -> None:
@@ -130,13 +135,49 @@ class _Budget(FifoAdmission):
             raise fresh(self.failure)
         await self._admit(units)
 
-    def take_now(self, units: int) -> None:
-        """Room for a call back that rides on the call it serves (``CallerRoom``), at once:
-        the counts may pass ``max_calls`` and ``max_units`` for a while, which only holds up the
-        calls that wait. (Released as any call's, with ``release``.)"""
+    def ride(self, room: CallerRoom, channel: Channel, units: int) -> bool:
+        """Room for a call back that rides on the call it serves (``CallerRoom``), at once, if
+        ``room`` is free: the counts may pass ``max_calls`` and ``max_units`` for a while, which
+        only holds up the calls that wait. The room keeps one place for a reply here; a stream's
+        second (``units`` 2: an item and its final reply) must fit the places for replies not
+        taken by such rides. (Released with ``release(..., rode=True)`` and ``room.give``.)
+
+        No call rides while one that rode outlives its room (``outliving``): it holds places
+        nothing keeps for it any more (its request may wait unread at the peer, where the room's
+        final reply now goes too) until it ends, and were calls to ride on meanwhile, the rooms
+        of ever new calls could leave ever more such behind. So what rides past ``max_calls`` is
+        at most one call per call of the peer being served here (its own ``max_calls`` of them),
+        backed by their rooms, or left behind by them at most once before the next call waits."""
         if self.failure is not None:
             raise fresh(self.failure)
+        if self.outliving or self.units - self.riding + units - 1 > self.max_units or not room.take(channel):
+            return False
         self._take(units)
+        self.riding += 1
+        room.outlived = self._outlived
+        return True
+
+    def _outlived(self) -> None:
+        self.outliving += 1
+
+    def riding_again(self) -> asyncio.Future[None]:
+        """Done once no call that rode outlives its room (``ride``): calls back may ride again."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._riding_again.append(fut)
+        return fut
+
+    def ended_outliving(self) -> None:
+        """A call that outlived its room has ended."""
+        self.outliving -= 1
+        if not self.outliving:
+            waiters, self._riding_again = self._riding_again, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def free_now(self, units: int) -> bool:
+        """Would ``acquire(units)`` go in at once?"""
+        return self.failure is None and not self._waiters and self._fits(units)
 
     def take_extra(self, want: int) -> int:
         """Up to ``want`` more units for a stream's window, if they are free now; never waits."""
@@ -149,8 +190,9 @@ class _Budget(FifoAdmission):
         self.extra += n
         return n
 
-    def release(self, units: int, extra: int = 0) -> None:
+    def release(self, units: int, extra: int = 0, *, rode: bool = False) -> None:
         self.extra -= extra
+        self.riding -= rode
         self._release(units + extra)
 
 
@@ -281,6 +323,47 @@ def _nothing() -> None:
     pass
 
 
+async def _room(budget: _Budget, channel: Channel, units: int) -> CallerRoom | None:
+    """Room for a call on ``channel`` that may leave ``units`` replies unread here: a place in
+    ``budget`` (None), or, for a call back to the caller of the method this node serves, the
+    room that caller keeps for its call (returned, taken), whichever comes first. A method's
+    first call back rides at once; one made while another rides waits in line for a place and,
+    meanwhile, for that room to be given back (``CallerRoom``), so that calls back never wait
+    only behind calls that wait for their own methods' calls back. While a call that rode
+    outlives its room none rides (``_Budget.ride``), and a call back waits for that to end
+    instead of for its room."""
+    room = call_back_room(channel)
+    if room is None or (room.busy and budget.free_now(units)):
+        await budget.acquire(units)  # (a place free now: at once)
+        return None
+    if budget.ride(room, channel, units):
+        return room
+    place = asyncio.ensure_future(budget.acquire(units))
+    try:
+        while room.open:
+            freed = room.freed() if not budget.outliving else budget.riding_again()
+            try:
+                await asyncio.wait((freed, place), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                freed.cancel()
+            if place.done():
+                break
+            if budget.ride(room, channel, units):
+                if not place.cancel() and _granted(place):  # (granted as it is cancelled, it gives it back)
+                    budget.release(units)
+                return room
+        await place  # the place (or the channel's failure)
+    except BaseException:
+        if not place.cancel() and _granted(place):
+            budget.release(units)
+        raise
+    return None
+
+
+def _granted(place: asyncio.Future[None]) -> bool:
+    return place.done() and not place.cancelled() and place.exception() is None
+
+
 # an out= that no RPC reply (always a tuple) fits: a recv with it takes nothing, it raises
 # ShapeMismatchError once a message waits on its tag (leaving it there)
 _NO_REPLY = np.empty(0, np.uint8)
@@ -405,17 +488,8 @@ async def call(
             async with tm:
                 # packing the arguments (a large strided tensor: in a copy thread) is part of the call
                 arguments = await _arguments(name, args, kwargs)
-                room = call_back_room(channel)
-                try:
-                    if room is None:
-                        await budget.acquire(1)  # one reply at a time may wait here unread
-                    else:
-                        budget.take_now(1)  # a call back, in the room its caller keeps for it
-                except BaseException:
-                    if room is not None:
-                        room.give()
-                    raise
-                release = _releasing(budget, room)
+                room = await _room(budget, channel, 1)  # one reply at a time may wait here unread
+                release = _releasing(budget, room, 1)
                 try:
                     request, payload = _request(call_id, name, Kind.UNARY, tm.when(), arguments)
                     sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
@@ -439,14 +513,19 @@ async def call(
         raise
 
 
-def _releasing(budget: _Budget, room: CallerRoom | None) -> Callable[[], None]:
-    """What gives a unary call's room back: its place in ``budget``, and the caller's ``room``
-    it rode on, if any, once nothing more comes for it (``_finish``)."""
+def _releasing(
+    budget: _Budget, room: CallerRoom | None, units: int, extra: Callable[[], int] = int
+) -> Callable[[], None]:
+    """What gives a call's room back: its place in ``budget`` (``units``, and a stream's
+    ``extra()`` units past them), and the caller's ``room`` it rode on, if any, once nothing
+    more comes for it (``_finish``)."""
     if room is None:
-        return lambda: budget.release(1)
+        return lambda: budget.release(units, extra())
 
     def release() -> None:
-        budget.release(1)
+        if not room.open:  # (it outlived its room, CallerRoom.close)
+            budget.ended_outliving()
+        budget.release(units, extra(), rode=True)
         room.give()
 
     return release
@@ -552,7 +631,7 @@ async def stream(
         with lending():
             async with tm:
                 arguments = await _arguments(name, args, kwargs)  # (its packing counts, as in call)
-                await budget.acquire(2)  # one item, and the final reply
+                room = await _room(budget, channel, 2)  # one item, and the final reply
         try:
             extra = budget.take_extra(STREAM_WINDOW - 1)
             window = 1 + extra
@@ -587,7 +666,7 @@ async def stream(
                     taken = 0
                 yield (msg[1], came) if receipts else msg[1]
         finally:
-            _finish(peer, call_id, progress, lambda: budget.release(2, extra))
+            _finish(peer, call_id, progress, _releasing(budget, room, 2, lambda: extra))
     except TimeoutError as exc:
         if left is not None and tm.expired():
             raise _expired(name, left, "the stream ended") from exc

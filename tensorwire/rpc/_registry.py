@@ -289,7 +289,7 @@ class SlotLoan:
 
 
 class CallerRoom:
-    """The room a served unary call's caller keeps for it, lent to one call back at a time.
+    """The room a served call's caller keeps for it, lent to one call back at a time.
 
     A caller keeps what its calls to one peer may leave unread within bounds (``_client._Budget``:
     at most 256 outstanding, a request each that may wait unread at the peer, a reply each that
@@ -297,20 +297,33 @@ class CallerRoom:
     flight each way, every method waited for room to call back behind calls that waited for
     those methods, and all ran out of their deadlines (260 each way: all 520). But a call being
     served has room kept for it at both ends that it does not use while its method runs: its
-    request has been read here, and its reply, which the caller has room for, is not sent yet.
-    A call back to that caller made meanwhile fits there (its request where the reply will go,
-    its reply where the request was), so it takes its place in this node's count at once,
-    without waiting (``_Budget.take_now``): what stays unread on the channel is still bounded by
-    the callers' budgets, and the count may pass its limit only by such calls back, which hold
-    up the next calls that wait. One call back at a time, while the method runs: a stream's
-    method, or a second call back at once, waits for room as any call does."""
+    request has been read here, and its final reply (a unary call's result, or the end of a
+    stream, which comes after the last item and has a place of its own), which the caller has
+    room for, is not sent yet. So one message each way fits there: the request of a call back to
+    that caller (and its arguments after GO) where the final reply will go, and its reply where
+    the request was. Such a call takes its place in this node's count at once, without waiting
+    (``_Budget.ride``): what stays unread on the channel is still bounded by the callers'
+    budgets, and the count may pass its limit only by such calls back, which hold up the next
+    calls that wait. A stream back needs one place more here, for its final reply after an
+    item: it rides only if that fits this node's own room for replies.
 
-    __slots__ = ("busy", "channel", "open")
+    One call back at a time: a second made meanwhile (by the method or a task it started) would
+    be a second message each way, which nothing keeps room for, so it waits for whichever comes
+    first, this room (``freed``, once the first has ended and nothing more comes for it) or a
+    place among the 256. The method's calls back to its caller are then never held up by calls
+    waiting for their own methods' calls back; only calls back that must run at the same time
+    to end (one waits for what another does) still wait for a place. A call to another node has
+    no room kept for it anywhere on its way (the request slot it needs at that node is held by
+    no call of its chain), and waits as any call does."""
+
+    __slots__ = ("_waiters", "busy", "channel", "open", "outlived")
 
     def __init__(self, channel: object) -> None:
         self.channel = channel  # the caller's: only a call back to it fits the room
         self.busy = False
-        self.open = True  # its method runs: the reply is not sent yet
+        self.open = True  # its method runs: the final reply is not sent yet
+        self.outlived: Callable[[], None] | None = None  # told if the call riding here outlives the method
+        self._waiters: list[asyncio.Future[None]] = []
 
     def take(self, channel: object) -> bool:
         """Whether a call to ``channel`` made now rides on this room (then held until ``give``)."""
@@ -320,7 +333,34 @@ class CallerRoom:
         return True
 
     def give(self) -> None:
+        """The call that rode has ended and nothing more comes for it: the next may ride."""
         self.busy = False
+        self._wake()
+
+    def close(self) -> None:
+        """The method ended (its final reply goes next): nothing more rides, and calls waiting
+        for the room wait for a place alone. (Tasks the method started keep the context, not
+        the room.) A call riding here still (cancelled, its answer being drained; a stream back
+        left open; one made by a task that outlives the method) has lost the room it rode on,
+        and ``outlived`` is told (``_client._Budget.ride``)."""
+        self.open = False
+        if self.busy and self.outlived is not None:
+            self.outlived()
+        self._wake()
+
+    def freed(self) -> asyncio.Future[None]:
+        """Done when the room may be free (given back, or closed); try ``take`` again then.
+        Every waiter is woken, and all but one wait again: a room has few (the calls back
+        one method makes at once), and none is then missed."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        return fut
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
 
 _LOAN: contextvars.ContextVar[SlotLoan | None] = contextvars.ContextVar("tensorwire_rpc_loan", default=None)
@@ -339,14 +379,14 @@ def serving(loan: SlotLoan | None, room: CallerRoom | None = None) -> Iterator[N
         _ROOM.reset(kept)
         _LOAN.reset(token)
         if room is not None:
-            room.open = False  # (tasks the method started keep the context, not the room)
+            room.close()
 
 
 def call_back_room(channel: object) -> CallerRoom | None:
-    """The room of the call being served here, taken for a call to ``channel`` made now, if it
-    fits there (``CallerRoom``); else None."""
+    """The room of the call being served here, if a call to ``channel`` made now is a call back
+    to its caller made while its method runs (``CallerRoom``); else None. (Not taken yet.)"""
     room = _ROOM.get()
-    return room if room is not None and room.take(channel) else None
+    return room if room is not None and room.open and room.channel is channel else None
 
 
 @contextlib.contextmanager

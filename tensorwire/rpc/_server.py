@@ -12,8 +12,9 @@ A call's deadline counts from when its request arrived, however long it then wai
 A request its caller cancelled before it was admitted is answered at once, without a slot.
 A method that waits for calls it made lends its slot meanwhile (``_registry.SlotLoan``), so
 that nodes whose methods call each other back cannot fill each other's slots with waiters; a
-unary method's call back to its caller goes in the room that caller keeps for the call
-(``_registry.CallerRoom``), so neither can they fill each other's outstanding calls.
+method's call back to its caller (a call or a stream, one at a time) goes in the room that
+caller keeps for the call (``_registry.CallerRoom``), so neither can they fill each other's
+outstanding calls.
 
 Every request ends with a terminal reply, whatever the method did: an error whose text cannot
 be encoded is escaped, and a reply that does not fit the caller's limits becomes a brief error
@@ -380,8 +381,10 @@ class PeerServer:
             async with tm:
                 if deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at:
                     raise TimeoutError
-                # a unary call's caller keeps room for it that one call back to it may use
-                room = None if method.streaming else CallerRoom(self.peer.channel)
+                # the caller keeps room for the final reply, unused until the method ends, that
+                # one call back to it at a time may use (a stream's too: that reply has a place
+                # of its own at the caller, apart from the window of items)
+                room = CallerRoom(self.peer.channel)
                 with served_under(deadline_at), serving(loan, room):
                     started = start_method(method, args, kwargs)
                     call.in_method = True
