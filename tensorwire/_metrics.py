@@ -191,7 +191,10 @@ def peer_opened(side: str, path: Path, remote_node: str) -> None:
 
 
 def connect_failed(exc: BaseException) -> None:
-    name = type(exc).__name__
+    """Count a failed connect by the class of ``tensorwire.errors`` it is (a private subclass, such
+    as the control client's NodeClosing, by the public class above it), else by its own name."""
+    public = next((c for c in type(exc).__mro__ if c.__module__ == "tensorwire.errors"), type(exc))
+    name = public.__name__
     with _lock:
         _connect_failures[name] = _connect_failures.get(name, 0) + 1
 

@@ -262,9 +262,20 @@ class _Exposed:
                 log.warning("unregistering %r failed: %s", self.handle.name, exc)
 
 
-def check_utf8_name(name: str) -> None:
-    """A handle name must travel: one with a lone surrogate has no UTF-8 form, so no peer could
-    ever look it up (``expose`` and ``lookup`` both refuse it)."""
+MAX_HANDLE_NAME_CHARS = 256
+
+
+def check_handle_name(name: str) -> None:
+    """A name ``expose`` takes, and so the only kind ``lookup`` can find: non-empty, at most
+    MAX_HANDLE_NAME_CHARS characters, and with a UTF-8 form (a lone surrogate has none, so no
+    peer could ever look it up). ``lookup`` checks it before its round trip: a name longer than
+    any exposed one went to the owner all the same, and one of 5 MB came back as gRPC's
+    RESOURCE_EXHAUSTED in a ControlPlaneError."""
+    if not name or len(name) > MAX_HANDLE_NAME_CHARS:
+        raise ConfigurationError(
+            f"a handle name is a non-empty string of at most {MAX_HANDLE_NAME_CHARS} characters"
+            + (f", not one of {len(name)}" if name else "")
+        )
     try:
         name.encode()
     except UnicodeEncodeError as exc:
@@ -282,9 +293,12 @@ class ExposureTable:
     def expose(self, tensor: Any, name: str, transports: Mapping[str, Transport] | None = None) -> Handle:
         """Publish ``tensor``; register it with every one-sided transport in ``transports`` that
         registers its kind of memory (``region_kinds``: host, and CUDA where UCX has cuda lanes)."""
-        if not isinstance(name, str) or not name or len(name) > 256:
-            raise ConfigurationError("a handle name is a non-empty string of at most 256 characters")
-        check_utf8_name(name)
+        if not isinstance(name, str):
+            raise ConfigurationError(
+                f"a handle name is a non-empty string of at most {MAX_HANDLE_NAME_CHARS} characters, "
+                f"not {type(name).__name__}"
+            )
+        check_handle_name(name)
         if name in self._by_name:
             raise ConfigurationError(f"{name!r} is already exposed; unexpose it first")
         view = as_view(tensor)

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import _onesided
 from ._loops import check_home, elsewhere, running_loop
-from ._onesided import RemoteHandle, check_utf8_name
+from ._onesided import RemoteHandle, check_handle_name
 from .control._auth import heartbeat_proof, lookup_proof
-from .control._client import ControlClient, SessionLost
+from .control._client import ControlClient, NodeClosing, SessionLost
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -405,7 +405,7 @@ class Peer:
             check_home(self._home, "peer.lookup")
         if not isinstance(name, str):
             raise ConfigurationError(f"lookup takes the name a tensor was exposed under, not {type(name).__name__}")
-        check_utf8_name(name)
+        check_handle_name(name)
         if self.session is None:
             raise ConfigurationError("this peer has no session to authenticate a lookup")
         if self._closed:  # (and a control connection opened now would never be closed)
@@ -427,6 +427,11 @@ class Peer:
             # the control connection with it, or the node there cancelled the call as it closed:
             # the peer went away, as every pending operation says, not "closed by this side".
             self.channel.check_open()
+            if isinstance(exc, NodeClosing):
+                # that node closed its peers before its control plane stopped: this channel has
+                # not read its close yet (it fails on its own once it does; failing it here could
+                # drop messages still on their way)
+                raise PeerDisconnected(f"{self.remote_address} went away during the lookup: {exc}") from exc
             raise
         handle = RemoteHandle(
             resp.name,

@@ -95,6 +95,25 @@ async def test_a_name_utf8_cannot_carry_is_refused_by_expose_and_lookup() -> Non
         assert np.array_equal(await peer.read(handle), np.arange(4.0))
 
 
+@pytest.mark.timeout(60)
+async def test_a_lookup_of_a_name_expose_refuses_is_refused_before_the_round_trip() -> None:
+    """expose() takes names of 1 to 256 characters, but lookup() sent any name to the owner: one
+    of 300 came back HandleNotFound, one of 5 MB as gRPC's RESOURCE_EXHAUSTED in a
+    ControlPlaneError after sending it. Both, and the empty name, are the caller's mistake."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as owner,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as reader,
+    ):
+        peer = await reader.connect(owner.address)
+        for name in ("", "x" * 257, "x" * 5_000_000):
+            with pytest.raises(ConfigurationError, match="at most 256 characters"):
+                owner.expose(np.zeros(2), name=name)
+            with pytest.raises(ConfigurationError, match="at most 256 characters"):
+                await peer.lookup(name)
+        owner.expose(np.arange(3.0), name="x" * 256)  # the longest name still travels
+        assert np.array_equal(await peer.read(await peer.lookup("x" * 256)), np.arange(3.0))
+
+
 def test_require_refusals_say_which_side_falls_short() -> None:
     """A client whose ucx has an RDMA lane asked a server whose ucx has shared memory only for
     require="rdma": the refusal said ucx "moves bytes through the kernel's TCP stack", which

@@ -202,6 +202,20 @@ async def test_failed_connects_and_refused_handshakes_are_counted() -> None:
     assert after.refusals.get("control", 0) - before.refusals.get("control", 0) == 1, after.refusals
 
 
+def test_a_connect_failure_is_counted_by_its_public_error_class() -> None:
+    """A connect to a node cancelling its calls as it closes raises the control client's private
+    NodeClosing, a ControlPlaneError: counted by that name, it made a label value that names
+    no class a user can catch."""
+    from tensorwire import _metrics
+    from tensorwire.control._client import NodeClosing
+
+    before = metrics.snapshot().connect_failures
+    _metrics.connect_failed(NodeClosing("the tensorwire node at 127.0.0.1:5000 cancelled the call"))
+    after = metrics.snapshot().connect_failures
+    assert after.get("ControlPlaneError", 0) - before.get("ControlPlaneError", 0) == 1, after
+    assert "NodeClosing" not in after
+
+
 async def test_a_cancelled_connect_is_not_a_failure() -> None:
     async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
         with socket.socket() as s:  # accepts TCP and never answers: the handshake hangs

@@ -22,13 +22,18 @@ from ..errors import (
 from ._pb import control_pb2, control_pb2_grpc
 from ._tls import TLSConfig
 
-__all__ = ["ControlClient", "SessionLost", "WhyClosed", "map_rpc_error"]
+__all__ = ["ControlClient", "NodeClosing", "SessionLost", "WhyClosed", "map_rpc_error"]
 
 _R = TypeVar("_R")
 
 
 class SessionLost(ControlPlaneError):
     """The server dropped the session (it restarted, or the lease ran out)."""
+
+
+class NodeClosing(ControlPlaneError):
+    """The server cancelled the call before answering: gRPC does that to the calls a server still
+    holds as it stops, and a node stops its server as it closes, once its peers are closed."""
 
 
 # trailing metadata of a Lookup refused because the server does not know the session at all
@@ -128,6 +133,19 @@ def _plaintext_answer(detail: str) -> bool:
     return "wrong_version_number" in detail.lower()
 
 
+def _cancelled_all(detail: str) -> bool:
+    """What gRPC says (UNAVAILABLE) of the calls a server held as its stop's grace ran out."""
+    return "cancelling all calls" in detail.lower()
+
+
+def _cut(detail: str) -> bool:
+    """A connection the server closed or reset before answering. Under TLS, a server that
+    refuses our certificate does that (gRPC says "Socket closed"), and so does one that dies or
+    closes as we connect ("Handshake read failed (recvmsg:Connection reset by peer)")."""
+    low = detail.lower()
+    return any(w in low for w in ("socket closed", "connection reset", "broken pipe"))
+
+
 def _closed_plaintext(detail: str) -> bool:
     """A plaintext connection the server closed before answering: what a TLS server does to
     plaintext, and what a closing node may do. (One that said GOAWAY spoke plaintext HTTP/2.)"""
@@ -148,7 +166,9 @@ def map_rpc_error(
     answered our TLS hello as plaintext is a node started without tls= where ``plaintext`` (see
     ``probe_plaintext``) found one, and not a tensorwire node at all where it found something
     else. Without TLS, ``closed`` says why the server closed the connection before answering,
-    when it did (see ``probe_closed``)."""
+    when it did (see ``probe_closed``); with TLS, CLOSED or CLOSING says that the server, after it
+    cut the TLS setup (``_cut``), refused or dropped a fresh one: a node that died or is closing,
+    not one that refused our certificate."""
     code, detail = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{target} refused the handshake: {detail}")
@@ -156,6 +176,14 @@ def map_rpc_error(
         return NegotiationError(f"{target}: {detail}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ConnectTimeout(f"{target} did not answer in time ({detail})")
+    if code == grpc.StatusCode.CANCELLED or (code == grpc.StatusCode.UNAVAILABLE and _cancelled_all(detail)):
+        # Our own cancellations and closes reach the caller as asyncio.CancelledError (see
+        # _unary), so this is the server's: gRPC cancels the calls it holds unanswered as the
+        # node closes (its server stops, or its event loop shuts down)
+        return NodeClosing(
+            f"the tensorwire node at {target} cancelled the call before answering ({detail}): it is "
+            "most likely closing; connect again once it serves again"
+        )
     if code == grpc.StatusCode.UNIMPLEMENTED or _not_http2(detail):
         # another gRPC service ("Method not found!"), an HTTP/2 server or proxy ("status: 404"),
         # or an HTTP/1 one: the address or port is most likely not that of a tensorwire node
@@ -164,6 +192,10 @@ def map_rpc_error(
             f"{code.name}: {detail}); check the address and port"
         )
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN) and tls:
+        if closed in (WhyClosed.CLOSED, WhyClosed.CLOSING):
+            # the server cut the TLS setup and no longer completes one: it died or is closing
+            # under the connect, which says nothing of our certificate
+            return ControlPlaneError(f"cannot reach a tensorwire node at {target}: {detail}{_CLOSED_HINTS[closed]}")
         low = detail.lower()
         if any(w in low for w in _TLS_FAILURE):
             hint = ""
@@ -195,14 +227,6 @@ def map_rpc_error(
                 )
             hint = _CLOSED_HINTS[why]
         return ControlPlaneError(f"cannot reach a tensorwire node at {target}: {detail}{hint}")
-    if code == grpc.StatusCode.CANCELLED:
-        # Our own cancellations and closes reach the caller as asyncio.CancelledError (see
-        # _unary), so this status is the server's: gRPC cancels the calls it holds unanswered as
-        # the node closes (its server stops, or its event loop shuts down)
-        return ControlPlaneError(
-            f"the tensorwire node at {target} cancelled the call before answering ({detail}): it is "
-            "most likely closing; connect again once it serves again"
-        )
     return ControlPlaneError(f"control call to {target} failed: {code.name}: {detail}")
 
 
@@ -255,6 +279,18 @@ class ControlClient:
                 # a TLS node closes plaintext at once, and so may a node that is closing: ask
                 # which, unless this server has answered us in plaintext already
                 closed = WhyClosed.CLOSING if self._answered else await probe_closed(self.target, min(deadline, 2.0))
+            elif (
+                self._tls
+                and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
+                and _cut(exc.details() or "")
+            ):
+                # a TLS setup cut short: a refused certificate, or a node that died or is closing
+                # under us (a SIGKILLed one read as "TLS handshake failed", as if it had refused
+                # our certificate). A live TLS server completes a fresh TLS handshake (or answers
+                # it with an alert); a gone or closing one refuses or drops it
+                why = await probe_closed(self.target, min(deadline, 2.0))
+                if why in (WhyClosed.CLOSED, WhyClosed.CLOSING):
+                    closed = why
             plaintext = None
             if self._tls and _plaintext_answer(exc.details() or ""):
                 # a node without tls=, or no node at all: ask in plaintext which

@@ -62,7 +62,10 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         node = self.node
         peer = context.peer()
         if node._closed:  # (its server stops after its peers have closed) a session now would only be dropped
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node is closing")
+            # (the client shows this after the server's address: "this node" read as the client's own)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the node there is closing; connect again once a node serves there"
+            )
         if request.protocol_version != PROTOCOL_VERSION:
             self._refusals.warn("handshake from %s refused: protocol version %d", peer, request.protocol_version)
             # (the client shows this after the server's address: "this node" read as the client's own)
