@@ -173,9 +173,12 @@ class Pipeline:
         Each stage is a node of its own: an address given twice, or two addresses of one node,
         is a ConfigurationError. The stages take this driver's configuration over any earlier
         one's (whose later calls they refuse); of two drivers that connect at once, one gets
-        every stage and the other is refused (BrokenResourceError). While another driver's
-        step, forward or evaluation runs on any stage, this is refused (BusyResourceError)
-        before any stage is taken, and that driver runs on undisturbed."""
+        every stage and the other is refused (BrokenResourceError). The stages are first
+        reserved, every one, and only then taken: while another driver's step, forward or
+        evaluation runs on any stage, this is refused (BusyResourceError) before any stage is
+        taken, and that driver runs on undisturbed; a call of that driver that starts once
+        every stage is reserved is refused on every stage (BrokenResourceError, "another driver
+        took the stages over"), so one of the two wins whole."""
         if isinstance(addresses, str) or not isinstance(addresses, Iterable):  # a str: a stage per character
             raise ConfigurationError(
                 f"the stage addresses are a list of 'host:port' strings in pipeline order, not {addresses!r}"
@@ -194,6 +197,8 @@ class Pipeline:
         if build_timeout is not None:
             build_timeout = check_seconds("build_timeout", build_timeout)
         peers: list[Peer] = []
+        token = uuid.uuid4().hex
+        reserving = False
         try:
             for address in addresses:
                 peers.append(await node.connect(address, transports=tuple(transports) if transports else None))
@@ -205,12 +210,18 @@ class Pipeline:
                         f"({peer.remote_node[:12]}): each stage is a node of its own"
                     )
                 seen[peer.remote_node] = address
-            # newer than any configuration the stages have seen; the token orders drivers that
-            # pick the same number at once (the stages refuse the older of the two)
-            generation = 1 + max(await asyncio.gather(*[_generation(peer, s) for s, peer in enumerate(peers)]))
-            token = uuid.uuid4().hex
-            p = len(peers)
             loop = asyncio.get_running_loop()
+            # every stage is reserved before any is taken (configure): a stage running a call of
+            # its driver refuses, and a reserved one holds that driver's next call back until it is
+            # taken, so of a call and this connect that race, one wins whole (taken one by one, some
+            # stages went to the connect and others to the call, and both failed). The generation
+            # is newer than any configuration the stages have seen; the token orders drivers that
+            # pick the same number at once (the stages refuse the older of the two)
+            reserving = True
+            generation = 1 + max(
+                await _all_or_none([loop.create_task(_reserve(peer, s, token)) for s, peer in enumerate(peers)])
+            )
+            p = len(peers)
             # first every stage builds its part, for as long as it takes (or build_timeout) ...
             reports = await _all_or_none(
                 [
@@ -247,6 +258,8 @@ class Pipeline:
             links = [{**report, **path} for report, path in zip(reports, paths, strict=True)]
             await _settle(peers, links, ticket_key(generation, token))
         except BaseException:
+            if reserving:
+                await _unreserve(peers, token)
             for peer in peers:
                 await peer.aclose()
             raise
@@ -692,17 +705,33 @@ def _error(task: asyncio.Task[Any]) -> BaseException | None:
     return None if task.cancelled() else task.exception()
 
 
-async def _generation(peer: Peer, s: int) -> int:
-    """The newest configuration stage ``s`` has seen; a node that serves no stage is named as
-    such (the bare MethodNotFound said only that 'tw.pipeline.generation' was not offered)."""
+async def _reserve(peer: Peer, s: int, token: str) -> int:
+    """Reserve stage ``s`` for the driver ``token`` (the stage's ``_reserve``); the newest
+    configuration it has seen. A node that serves no stage is named as such (the bare
+    MethodNotFound said only that the method was not offered)."""
+    session = peer.session.id if peer.session is not None else None
     try:
-        generation: int = await peer.call("tw.pipeline.generation")
+        generation: int = await peer.call("tw.pipeline.reserve", token, session)
     except MethodNotFound as exc:
         raise ConfigurationError(
             f"stage {s} ({peer.remote_address}) is a tensorwire node but not a pipeline stage: serve one there "
-            "with `tensorwire stage --part FILE.py:FUNCTION` or pipeline.Stage(node, ...), or check the address"
+            "with `tensorwire stage --part FILE.py:FUNCTION` or pipeline.Stage(node, ...), or check the address "
+            "(a stage of a tensorwire older than this driver's, without tw.pipeline.reserve, is refused too: "
+            "run the same version on both)"
         ) from exc
     return generation
+
+
+async def _unreserve(peers: list[Peer], token: str) -> None:
+    """A connect that failed lets go of the stages it reserved at once, so that the running
+    driver's call waiting on them starts (a stage lets go of one by itself after a while, or
+    when this connection drops). A stage never reserved, or already taken, ignores this."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(2):
+            await asyncio.gather(
+                *[peer.call("tw.pipeline.unreserve", token) for peer in peers if not peer.closed],
+                return_exceptions=True,
+            )
 
 
 async def _configure(peer: Peer, s: int, build_timeout: float | None, *args: Any, **kwargs: Any) -> dict[str, Any]:

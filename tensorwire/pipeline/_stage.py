@@ -2,9 +2,11 @@
 
 How stages find each other (the control plane does the introductions): every stage is a node
 that serves the RPC methods in ``METHODS``. A driver that knows the stages' addresses, in
-pipeline order, asks each for its generation (a stage running a step refuses then, before the
-driver has taken any stage), takes a newer one for itself (the highest it was told plus one,
-and a random token that breaks ties between drivers), and calls ``configure`` on
+pipeline order, reserves each (``reserve``, which answers the stage's generation; a stage
+running a call of its driver refuses, and the driver then lets go of the others before it has
+taken any; a call of that driver waits to start on a reserved stage until the reservation is
+taken, and is then refused, or let go), takes a newer generation for itself (the highest it was
+told plus one, and a random token that breaks ties between drivers), and calls ``configure`` on
 each with its rank, the address of the next stage, the node id of the previous one and that
 generation. Configure takes the stage for that driver and builds its part (``build=``), for as
 long as the build takes: loading a large model's weights may take minutes, and no deadline of
@@ -105,6 +107,8 @@ HELLO_TAG = _BASE - 2  # {"generation", "key"}: the first message on a link, fro
 _metrics.traffic_tags(range(HELLO_TAG, _BASE), "pipeline")
 METHODS = (
     "tw.pipeline.generation",
+    "tw.pipeline.reserve",
+    "tw.pipeline.unreserve",
     "tw.pipeline.configure",
     "tw.pipeline.link",
     "tw.pipeline.step",
@@ -115,6 +119,10 @@ METHODS = (
 )
 _ABORT_SEND_SECONDS = 2.0
 _COMMIT_GRACE = 2.0  # how long a new configure waits for the old driver's commit of a finished step
+# how long a reservation holds without its driver's configure: the driver sends that configure as
+# soon as every stage has answered its reservation, so this only frees a stage whose driver
+# hung between the two (one whose connection dropped frees it at once)
+_RESERVE_SECONDS = 5.0
 
 _Ticket = tuple[int, str]  # (generation, driver token): which driver's configure, ordered
 
@@ -233,6 +241,12 @@ class Stage:
         except RuntimeError:
             self._loop = None
         self._config_lock = asyncio.Lock()
+        # drivers' reservations (by token) not yet taken by their configure, each with the timer
+        # that lets it lapse: a call of the current driver waits to start while any is held
+        self._reservations: dict[str, asyncio.TimerHandle | None] = {}
+        self._unreserved = asyncio.Event()  # set while no reservation is held
+        self._unreserved.set()
+        self._starting = 0  # calls of the current driver waiting for the reservations to go
         self._running: int | None = None  # the step that self._task runs
         self._failed_at: Action | None = None  # the action whose part code raised in this step
         self._settled = asyncio.Event()  # no finished step waits for its commit (see _pending)
@@ -249,6 +263,8 @@ class Stage:
         if any(name in registry for name in METHODS):
             raise BusyResourceError(f"node {node.address} already serves a pipeline stage")
         node.method("tw.pipeline.generation")(self._generation)
+        node.method("tw.pipeline.reserve")(self._reserve)
+        node.method("tw.pipeline.unreserve")(self._unreserve)
         node.method("tw.pipeline.configure")(self._configure)
         node.method("tw.pipeline.link")(self._link_call)
         node.method("tw.pipeline.step")(self._step)
@@ -269,19 +285,77 @@ class Stage:
     # -- configure ------------------------------------------------------------------------------
     async def _generation(self) -> int:
         """The newest generation a driver has configured (or begun to configure) this stage with.
+        A connecting driver asks ``_reserve`` instead, which answers the same; this stays for
+        drivers that ask without reserving. A stage running a step refuses here too, as there."""
+        self._check_busy()
+        return self._newest[0]
 
-        A connecting driver asks every stage this before it configures any, so a stage running
-        a step refuses here: its configure would be refused too, but only once the driver's
-        configures had taken the stages that were not busy and dropped their links. In a
-        forward (or evaluation) the upstream stages finish their part while the downstream ones
-        still run it, so such a takeover broke the running driver's call although it failed."""
+    def _check_busy(self) -> None:
+        """Refuse a driver that would take this stage while a call of its driver runs here (or
+        waits to start). In a forward (or evaluation) the upstream stages finish their part
+        while the downstream ones still run it, so the connecting driver asks every stage this
+        before it takes any: taken, those upstream stages had dropped their links, which broke
+        the running call although the takeover failed."""
         self._check_open()
-        if self._task is not None:
+        if self._task is not None or self._starting:
+            what = f"running step {self._running}" if self._task is not None else "starting a call"
             raise BusyResourceError(
-                f"stage {self.rank} at {self.node.address} is running step {self._running} of its driver: "
+                f"stage {self.rank} at {self.node.address} is {what} of its driver: "
                 "no other driver can take the stages over until that has finished (connect again then)"
             )
-        return self._newest[0]
+
+    async def _reserve(self, token: str, driver_session: str | None = None) -> int:
+        """The first half of a driver's takeover: hold this stage for the driver ``token``
+        until its configure takes it; the newest generation configured here (as
+        ``_generation``).
+
+        A driver takes the stages only once every one has granted its reservation, and a call
+        of the stages' current driver (a step, forward or evaluation) waits to start on a
+        reserved stage until the reservation is taken (the call is then refused) or let go.
+        A stage where such a call runs, or waits to start, refuses. So of a connect and a call
+        that race, exactly one wins: the connect reserved every stage before the call reached
+        any, or the call reached one first and the connect is refused before it takes any
+        stage. (A connect that asked only for the generations took the stages one by one, and
+        a call that started in between reached some stages before the configure and others
+        after: both failed, and the stages stayed broken.) Reservations of several connecting
+        drivers do not exclude each other: their configures settle which one wins, by
+        generation, as before. A reservation lapses after ``_RESERVE_SECONDS`` without its
+        configure, or when its driver's connection drops, so a driver that went away between
+        the two halves holds no call up for long."""
+        self._check_busy()
+        loop = asyncio.get_running_loop()
+        old = self._reservations.get(token)
+        if old is not None:
+            old.cancel()
+        self._reservations[token] = loop.call_later(_RESERVE_SECONDS, self._let_go, token)
+        self._unreserved.clear()
+        newest = self._newest[0]  # (as granted, before the wait below)
+        driver = await self.node._session_peer_soon(driver_session) if driver_session is not None else None
+        if driver is not None:
+            driver.channel.add_close_callback(lambda _exc: self._let_go(token))
+            if driver.closed:
+                self._let_go(token)
+        return newest
+
+    async def _unreserve(self, token: str) -> None:
+        """The driver ``token`` gives up its takeover (another stage refused it): its waiting
+        calls may start. A reservation already taken or lapsed is no matter."""
+        self._let_go(token)
+
+    def _let_go(self, token: str) -> None:
+        timer = self._reservations.pop(token, None)
+        if timer is not None:
+            timer.cancel()
+        if not self._reservations:
+            self._unreserved.set()
+
+    def _hold_for_configure(self, token: str) -> None:
+        """The driver's configure has come: its reservation no longer lapses by time. It holds
+        until that configure takes the stage or is refused (``_let_go``)."""
+        timer = self._reservations.get(token)
+        if timer is not None:
+            timer.cancel()
+            self._reservations[token] = None
 
     async def _configure(
         self,
@@ -307,45 +381,54 @@ class Stage:
                 "the driver named this node twice in a row"
             )
         ticket = (generation, token)
-        self._refuse_older(ticket)
-        self._newest = ticket
-        if self._configuring is not None:  # an older driver's configure, still linking: it loses
-            self._configuring.cancel()
-        async with self._config_lock:  # one configure at a time; a newer one may have come meanwhile
-            self._check_open()
-            self._refuse_older(ticket, waited=True)
-            if self._task is not None:
-                raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
-            if self._pending is not None:
-                # a finished step waits for its driver's commit, which comes at once from a live
-                # driver: give it that long, so that a step is never applied on some stages only
-                await self._wait_for_commit()
+        self._hold_for_configure(token)  # (a driver that reserved this stage; older ones did not)
+        try:
+            self._refuse_older(ticket)
+            self._newest = ticket
+            if self._configuring is not None:  # an older driver's configure, still linking: it loses
+                self._configuring.cancel()
+            async with self._config_lock:  # one configure at a time; a newer one may have come meanwhile
                 self._check_open()
                 self._refuse_older(ticket, waited=True)
                 if self._task is not None:
                     raise BusyResourceError(f"stage {self.rank} is running a step; a driver cannot reconfigure it now")
-            if self._applying is not None and not self._applying.done():
-                # a commit that landed is recorded as applied only once its optimizer step ends:
-                # report it as applied, or the new driver drops that step on the other stages
-                await asyncio.wait([self._applying])
-                self._check_open()
-                self._refuse_older(ticket, waited=True)
-                if self._task is not None or self._pending is not None:
-                    raise BusyResourceError(
-                        f"stage {self.rank} is running a step or waits for its commit; "
-                        "a driver cannot reconfigure it now"
-                    )
-            # from here the old driver's calls are refused (nothing awaits before this)
-            if self._pending is not None:
-                # never committed here; perhaps on other stages, before that driver went away.
-                # A part built afresh (build=) drops it; one that lives on keeps it to be settled
-                self._orphan = None if self._build is not None else (ticket_key(*self._ticket), self._pending)
-            elif self._build is not None:
-                self._orphan = None
-            self._ticket = ticket
-            plan = _Plan(ticket, prev_node, next_address, transports, connect_seconds, prev_address)
-            task = asyncio.get_running_loop().create_task(self._prepare(plan, rank, num_stages, driver_session))
-            return await self._configure_by(task, rank)
+                if self._pending is not None:
+                    # a finished step waits for its driver's commit, which comes at once from a live
+                    # driver: give it that long, so that a step is never applied on some stages only
+                    await self._wait_for_commit()
+                    self._check_open()
+                    self._refuse_older(ticket, waited=True)
+                    if self._task is not None:
+                        raise BusyResourceError(
+                            f"stage {self.rank} is running a step; a driver cannot reconfigure it now"
+                        )
+                if self._applying is not None and not self._applying.done():
+                    # a commit that landed is recorded as applied only once its optimizer step ends:
+                    # report it as applied, or the new driver drops that step on the other stages
+                    await asyncio.wait([self._applying])
+                    self._check_open()
+                    self._refuse_older(ticket, waited=True)
+                    if self._task is not None or self._pending is not None:
+                        raise BusyResourceError(
+                            f"stage {self.rank} is running a step or waits for its commit; "
+                            "a driver cannot reconfigure it now"
+                        )
+                # from here the old driver's calls are refused (nothing awaits before this)
+                if self._pending is not None:
+                    # never committed here; perhaps on other stages, before that driver went away.
+                    # A part built afresh (build=) drops it; one that lives on keeps it to be settled
+                    self._orphan = None if self._build is not None else (ticket_key(*self._ticket), self._pending)
+                elif self._build is not None:
+                    self._orphan = None
+                self._ticket = ticket
+                # taken: a call of the old driver waiting for this reservation is refused now, not
+                # once the build is done
+                self._let_go(token)
+                plan = _Plan(ticket, prev_node, next_address, transports, connect_seconds, prev_address)
+                task = asyncio.get_running_loop().create_task(self._prepare(plan, rank, num_stages, driver_session))
+                return await self._configure_by(task, rank)
+        finally:
+            self._let_go(token)  # refused (one that took the stage let go of it above)
 
     async def _link_call(self, *, generation: int, token: str) -> dict[str, Any]:
         """The second half of a driver's configure, once every stage has built its part: link
@@ -650,6 +733,8 @@ class Stage:
         if self.rank < 0 or self.part is None:
             raise ClosedResourceError(f"stage at {self.node.address} has not been configured by a driver")
         self._check_generation(generation)
+        if self._reservations:
+            await self._wait_unreserved(generation)
         if self._task is not None:
             if self._running is None or step <= self._running:
                 raise BusyResourceError(f"stage {self.rank} is already running a step")
@@ -687,6 +772,26 @@ class Stage:
             self._task = self._running = None
             for t in list(self._sends):
                 t.cancel()
+
+    async def _wait_unreserved(self, generation: str) -> None:
+        """A connecting driver has reserved this stage (``_reserve``): wait until its configure
+        takes the stage, which refuses this call, or the reservation goes (that driver was
+        refused elsewhere, or went away), and the call starts as if nothing had happened."""
+        self._starting += 1
+        try:
+            while self._reservations and not self._closed:
+                await self._unreserved.wait()
+        finally:
+            self._starting -= 1
+        self._check_open()
+        if generation != ticket_key(*self._ticket):
+            raise BrokenResourceError(
+                f"stage at {self.node.address}: another driver took the stages over as this call reached "
+                "the stage (its Pipeline.connect had reserved them first): this pipeline's stages now serve "
+                "that driver; Pipeline.connect again to use them"
+            )
+        if self.rank < 0 or self.part is None:
+            raise ClosedResourceError(f"stage at {self.node.address} has not been configured by a driver")
 
     def _name_the_microbatch(self, exc: Exception, step: int) -> str:
         """Where in ``step`` the part's code raised ``exc`` ("step 3, at F2: the forward of
@@ -1016,6 +1121,8 @@ class Stage:
 
     def _begin_close(self, loop: asyncio.AbstractEventLoop) -> None:
         self._closed = True
+        for token in list(self._reservations):
+            self._let_go(token)  # a call waiting for one is refused: the stage is closed
         if self._task is not None:
             if not self._task.done() and self._broken is None:
                 # what the step's caller is told (it said "raised CancelledError")
