@@ -185,7 +185,7 @@ class RemoteHandle:
         rows, rest = self.shape[0], self.shape[1:]
         row_bytes = dtype_from_name(self.dtype).itemsize * math.prod(rest)
         if isinstance(index, slice):
-            if index.step not in (None, 1):
+            if not (index.step is None or _index_of(index.step) == 1):
                 raise ShapeMismatchError(
                     f"{self.name!r}: a slice of rows has step 1 (got {index.step!r}), else it is not contiguous"
                 )
@@ -197,11 +197,13 @@ class RemoteHandle:
             shape: tuple[int, ...] = (stop - start, *rest)
             nbytes = (stop - start) * row_bytes
         else:
-            if isinstance(index, bool) or not hasattr(type(index), "__index__"):
+            start_or_none = None if isinstance(index, bool) else _index_of(index)
+            if start_or_none is None:
                 raise ShapeMismatchError(
                     f"a handle is indexed by an int or a slice of rows, not {type(index).__name__}"
+                    + (" (an array of indices: read_many([h[i] for i in ids]))" if getattr(index, "ndim", 0) else "")
                 )
-            start = operator.index(index)
+            start = start_or_none
             if not -rows <= start < rows:
                 raise ShapeMismatchError(f"row {start} is out of range for {self.name!r} with {rows} rows")
             start %= rows
@@ -211,6 +213,16 @@ class RemoteHandle:
             self.name, self.dtype, shape, nbytes, self.generation, self.owner, self.transport, self.remote_key,
             self.writable, self.offset + start * row_bytes, self.memory, self.session,
         )  # fmt: skip
+
+
+def _index_of(value: Any) -> int | None:
+    """``value`` as an int, as an index takes it, or None where it is none: the types that
+    define ``__index__`` (numpy arrays, torch tensors) raise TypeError for any but a single
+    integer, and the test ``step not in (None, 1)`` raised numpy's ValueError for an array."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 @dataclass(slots=True)
@@ -477,7 +489,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
     regions, entries, error = _regions(table, req.get("regions"), writing=op == "write")
     for entry in entries:  # an unexpose now waits for this operation (``retire``)
         entry.enter()
-    failed = False
+    failed = mismatch = False
     try:
         if op == "read":
             if error is None:
@@ -501,7 +513,9 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     _, landed = await peer._recv_own_with_receipt(tag=data_tag, out=regions)
                     await _landed(regions)
                 except ShapeMismatchError as exc:  # refused before the message was taken
-                    error = str(exc)
+                    # the writer checked its sources against its handle: that handle is not this
+                    # tensor's dtype (changed by hand), which its writer raises as such (``_owner_error``)
+                    error, mismatch = f"the tensor there is not what the handle says (changed by hand?): {exc}", True
                     await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
                 except TensorWireError as exc:
                     if peer.channel.state is not ChannelState.OPEN:
@@ -511,7 +525,8 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     stray = True
             else:
                 await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
-            await peer._send_own({"error": error, "failed": failed} if error else _written(landed), tag=reply)
+            answer = {"error": error, "failed": failed, "mismatch": mismatch} if error else _written(landed)
+            await peer._send_own(answer, tag=reply)
             if stray:  # in this task, so that ``serve_ops`` counts it
                 await _drain_within(peer, data_tag, _DRAIN_SECONDS)
     except TensorWireError:
@@ -641,11 +656,12 @@ async def _room(peer: Peer) -> _Room:
 class _Direct:
     """A peer's registered tensor as this side reaches it: the key, unpacked once."""
 
-    __slots__ = ("blob", "idle", "inflight", "name", "revoked", "rkey", "writable")
+    __slots__ = ("blob", "dtype", "idle", "inflight", "name", "revoked", "rkey", "writable")
 
-    def __init__(self, blob: RemoteKeyBlob | None, name: str = "", writable: bool = False) -> None:
+    def __init__(self, blob: RemoteKeyBlob | None, name: str = "", writable: bool = False, dtype: str = "") -> None:
         self.blob = blob
         self.name = name
+        self.dtype = dtype  # as the lookup said: indexing keeps it, only a change by hand does not
         # what the lookup said: a handle's own ``writable`` is the caller's to change
         # (dataclasses.replace), and no owner code looks at a put to refuse it
         self.writable = writable
@@ -693,7 +709,7 @@ def remember(peer: Peer, handle: RemoteHandle) -> None:
     blob = unpack_remote_key(handle.remote_key)
     if blob.transport != handle.transport or blob.length < handle.nbytes:
         raise TransferError(f"lookup of {handle.name!r} returned a key that does not cover the tensor")
-    states[key] = _Direct(blob, handle.name, handle.writable)
+    states[key] = _Direct(blob, handle.name, handle.writable, handle.dtype)
 
 
 def _mark_revoked(peer: Peer, name: str, generation: int) -> None:
@@ -752,6 +768,8 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
             f"{handle.name!r} (generation {handle.generation}) was revoked by its owner "
             "(unexposed or exposed again); look it up anew"
         )
+    if state.dtype and handle.dtype != state.dtype:
+        raise _retyped(handle, state.dtype)
     if handle.transport != peer.channel.transport:
         raise ConfigurationError(
             f"{handle.name!r} has a {handle.transport} key, but this peer uses {peer.path.transport}"
@@ -803,6 +821,16 @@ async def _move(
             state.inflight -= 1
             if not state.inflight and state.idle is not None:
                 state.idle.set()
+
+
+def _retyped(handle: RemoteHandle, dtype: str) -> ShapeMismatchError:
+    """A handle whose dtype was changed by hand to one of the same size: its bytes are the
+    owner's, but read or written as another type (over ucx they were; through the owner the
+    answer did not fit and was called "unexpected", or the owner's refusal HandleNotFound)."""
+    return ShapeMismatchError(
+        f"{handle.name!r} is {dtype} at its owner, but the handle says {handle.dtype} (changed by hand?): "
+        "nothing moved; look it up anew, and view what you read as another dtype yourself"
+    )
 
 
 def _revoked_midway(state: _Direct, op: str) -> str:
@@ -1482,6 +1510,11 @@ async def _assisted_read(
                 answer = await peer._recv_own(tag=reply)  # not the tensors: the owner's error
                 if isinstance(answer, dict) and answer.get("error"):
                     raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}{before}") from None
+                if isinstance(answer, list):  # the owner's tensors, of another dtype than the handles say
+                    raise ShapeMismatchError(
+                        f"read of {_names(handles)}: the owner's tensors are not the handles' dtypes (one changed "
+                        f"by hand?): nothing was read into their outs; look them up anew{before}"
+                    ) from None
                 raise TransferError(f"read of {_names(handles)}: unexpected answer from the owner") from None
             except TensorWireError:
                 if peer.channel.state is ChannelState.OPEN:
@@ -1588,7 +1621,11 @@ async def _request(sending: asyncio.Task[Receipt], undo: Callable[[_Room], None]
 
 def _owner_error(answer: Any) -> type[TensorWireError]:
     """What an owner's error answer is raised as: it refused the request (a name, generation or
-    range it does not have: HandleNotFound), or it failed to move bytes it has (TransferError)."""
+    range it does not have: HandleNotFound), the bytes did not fit its tensor (a handle whose
+    dtype was changed by hand: ShapeMismatchError), or it failed to move bytes it has
+    (TransferError)."""
+    if isinstance(answer, dict) and answer.get("mismatch"):
+        return ShapeMismatchError
     return TransferError if isinstance(answer, dict) and answer.get("failed") else HandleNotFound
 
 
@@ -1654,7 +1691,13 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
     # the owner-served parts' messages now, at the call: device sources record their producer
     # stream's event here, not after the awaits below (by then another stream may be current)
     parts = _parts(peer, handles, assisted, "write")
-    preparing = [prepare_off_loop([srcs[i] for i in part]) for part in parts]
+    # each sends what was checked: the host array ``as_view`` made of its source (a ``bytes``
+    # is a tensor of uint8 to it but a scalar to a message, which the owner then refused with
+    # "a tensor where the message has a scalar", as a HandleNotFound; over ucx it was put), or
+    # a device source as given (its message records its producer stream's event)
+    preparing = [
+        prepare_off_loop([a if isinstance(a := arrays[i], np.ndarray) else srcs[i] for i in part]) for part in parts
+    ]
     packed = any(packs)
     # device sources: their bytes in C order, after an event on the producer's stream, now, at
     # the call (before the awaits below: the work the caller queues on that stream meanwhile is

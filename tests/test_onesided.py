@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import importlib.util
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,6 +19,8 @@ from tensorwire.memory import HostEngine
 from tensorwire.tensors._device import EngineArray
 from tensorwire.testing import connected_pair
 from tensorwire.transports._credit import own_slots
+
+EVERY_TRANSPORT = ["tcp", "inproc"] + (["ucx"] if importlib.util.find_spec("ucxx") is not None else [])
 
 
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
@@ -98,6 +102,69 @@ async def test_bad_input_gets_clear_errors() -> None:
         with pytest.raises(tensorwire.HandleNotFound, match="read-only"):
             await b.write(h, np.zeros(4, np.int64))
         assert np.array_equal(ro, np.arange(4))
+
+
+@pytest.mark.timeout(30)
+async def test_a_handle_indexed_by_an_array_or_tensor_says_so_with_a_tensorwire_error() -> None:
+    """Arrays and tensors define ``__index__`` but raise TypeError from it unless they hold a
+    single integer: ``h[np.array([1, 2])]`` and ``h[torch.tensor(1.5)]`` raised that TypeError,
+    and a slice step that is an array (``h[1:4:np.array([1, 1])]``) numpy's ValueError, where
+    every other bad index is a ShapeMismatchError. One that holds a single integer indexes as
+    numpy does."""
+    torch = pytest.importorskip("torch")
+    async with connected_pair("tcp") as (a, b):
+        kv = np.arange(30, dtype=np.float32).reshape(10, 3)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        bad = [np.array([1, 2]), np.array(1.5), torch.tensor([1, 2]), torch.tensor(1.5), np.float64(1)]
+        for index in bad:
+            with pytest.raises(tensorwire.ShapeMismatchError, match="indexed by an int or a slice"):
+                h[index]
+        for step in (np.array([1, 1]), torch.tensor([1, 1]), 1.0, 2, -1):
+            with pytest.raises(tensorwire.ShapeMismatchError, match="step 1"):
+                h[1:4:step]
+        for index in (np.array(2), np.int64(-3), torch.tensor(7)):
+            assert np.array_equal(await b.read(h[index]), kv[index])
+        assert np.array_equal(await b.read(h[1 : 4 : np.array(1)]), kv[1:4])
+        assert np.array_equal(await b.read(h[torch.tensor(2) : np.int32(5)]), kv[2:5])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_write_from_bytes_lands_through_the_owner_as_it_does_one_sided(transport: str) -> None:
+    """A write's source is checked as ``as_view`` sees it (``bytes`` is a uint8 tensor there, and
+    over ucx it is put as one), but the owner-served write sent the source object itself, in which
+    ``bytes`` is a scalar: the owner refused it, and the writer got HandleNotFound "out=[0] is a
+    tensor where the message has a scalar", with nothing written."""
+    async with connected_pair(transport) as (a, b):
+        x = np.zeros(16, np.uint8)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        receipt = await b.write(h[2:6], b"abcd")
+        assert receipt.protocol == "owner-assisted" and receipt.nbytes == 4
+        await b.write_many([h[8:10], h[12:16]], [b"xy", bytearray(b"wxyz")])
+        assert x.tobytes() == b"\0\0abcd\0\0xy\0\0wxyz"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", EVERY_TRANSPORT)
+async def test_a_handle_whose_dtype_was_changed_by_hand_is_a_shape_mismatch_on_every_transport(transport: str) -> None:
+    """A handle retyped to a dtype of the same size (``dataclasses.replace``) names the same
+    bytes, so the span check let it through: over ucx it read and wrote the owner's float32 as
+    int32 without a word; through the owner a read failed with TransferError "unexpected answer
+    from the owner" and a write with HandleNotFound, of a tensor that was there."""
+    async with connected_pair(transport) as (a, b):
+        x = np.arange(8, dtype=np.float32)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        retyped = dataclasses.replace(h, dtype="int32")
+        for op in (lambda: b.read(retyped), lambda: b.write(retyped, np.zeros(8, np.int32))):
+            with pytest.raises(tensorwire.ShapeMismatchError, match="changed by hand"):
+                await op()
+        with pytest.raises(tensorwire.ShapeMismatchError, match="changed by hand"):
+            await b.read_many([h[0], retyped[2:4]])
+        assert np.array_equal(x, np.arange(8, dtype=np.float32))
+        assert np.array_equal(await b.read(h), x)  # the peer goes on
 
 
 @pytest.mark.parametrize("bit", ["conj", "neg"])
