@@ -55,7 +55,7 @@ from ..tensors._device import (
     cuda_usable,
     wanted_device,
 )
-from ..tensors._offload import copy_host, copy_host_soon
+from ..tensors._offload import copy_host, copy_host_soon, worth_a_thread
 from ._base import Receipt, fresh
 from ._credit import own_tag
 
@@ -77,6 +77,14 @@ def _settle(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
         fut.exception()
+
+
+def _woken_by(wake: asyncio.Future[None]) -> Callable[[asyncio.Future[None]], None]:
+    def woken(_: asyncio.Future[None]) -> None:
+        if not wake.done():
+            wake.set_result(None)
+
+    return woken
 
 
 def _caused(lost: TransferError, cause: BaseException) -> TransferError:
@@ -113,6 +121,7 @@ class Arrival:
         "staged",
         "tag",
         "tree",
+        "wake",
         "written",
     )
 
@@ -157,6 +166,9 @@ class Arrival:
         # under way in a copy thread: nothing reads ``dest`` before it ends
         self.moving: asyncio.Future[None] | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # the future of the recv waiting for ``done`` (``Mailbox._complete``), woken as ``done``
+        # is settled here: a loop turn sooner than through done's callbacks
+        self.wake: asyncio.Future[None] | None = None
         self._flat: list[tuple[int, int, int, memoryview | None]] | None = None
         self._starts: list[int] = []  # the first byte of each _flat entry
         self.landing: Landing | None = None  # device copies queued for this message
@@ -495,6 +507,7 @@ class Arrival:
             self.fail(self.lost)
             return
         self.done.set_result(None)
+        self._wake()
 
     def settle(self) -> None:
         """Give its slot and credit back to the sender, once (``settled``)."""
@@ -504,6 +517,30 @@ class Arrival:
 
     def fail(self, exc: BaseException) -> None:
         _settle(self.done, exc)
+        self._wake()
+
+    def _wake(self) -> None:
+        wake = self.wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def completed(self) -> None:
+        """Wait until ``done`` is settled, without taking its outcome; a cancelled wait leaves
+        ``done`` alone. ``asyncio.shield(done)``, a loop turn sooner where ``complete`` or
+        ``fail`` settles it: they wake the recv directly, where done's callbacks would run in
+        the next turn and wake it only in the one after (a transport that settles ``done``
+        itself still wakes it that way)."""
+        wake = self.wake = asyncio.get_running_loop().create_future()
+        woken = _woken_by(wake)
+        self.done.add_done_callback(woken)
+        try:
+            await wake
+        except BaseException:
+            self.done.remove_done_callback(woken)
+            raise
+        finally:
+            if self.wake is wake:
+                self.wake = None
 
     def let_go(self) -> None:
         """The message failed part way (its sender withdrew it, or the channel broke): the device
@@ -865,6 +902,10 @@ class Mailbox:
                     q.popleft()
                     if not q:
                         del self._arrived[tag]  # tags may be unique per operation: keep no empties
+                    if want is None and _whole_on_host(arrival, out, targets):
+                        value, receipt = self._take_whole(arrival, out, targets, t0)
+                        _metrics.transferred("recv", receipt, tag)
+                        return value, receipt
                     holder = self._held[arrival] = _Posted(out, want, streams, keep, seq)
                     if out is None and not keep:
                         arrival.let_rest_go()
@@ -919,6 +960,47 @@ class Mailbox:
         finally:
             self.in_flight -= counted
 
+    def _take_whole(
+        self, arrival: Arrival, out: object | None, targets: list[np.ndarray | DeviceTensor] | None, t0: float
+    ) -> tuple[Any, Receipt]:
+        """``_complete`` for a message that came whole into host buffers of ours and goes to the
+        host (``_whole_on_host``), done at once: nothing in that path waits for anything, and
+        its three coroutines, the holder and its future, cost more than the copy of a small
+        message (a stream of 4 KiB messages reaches its recvs this way). The message is taken,
+        whatever happens: its slot and credit go back once its bytes have left our buffers."""
+        arrival.consumed = True
+        try:
+            dest = arrival.dest
+            assert dest is not None
+            staged = arrival.staged
+            if targets is None:
+                value = _rebuild(arrival.tree, arrival.specs, dest)
+            else:
+                for src, dst in zip(dest, targets, strict=True):
+                    np.copyto(dst, src)  # type: ignore[arg-type]  # (host arrays: _whole_on_host)
+                    staged = staged or bool(src.nbytes)
+                try:
+                    value = with_scalars(out, arrival.tree)
+                except TensorWireError:
+                    raise
+                except Exception as exc:  # (as in _hand_over)
+                    raise TransferError(f"received message could not be rebuilt: {exc!r}") from exc
+        finally:
+            arrival.settle()
+        ch = self.channel
+        receipt = Receipt(
+            ch.transport,
+            ch.lanes,
+            arrival.nbytes,
+            time.perf_counter() - t0,
+            arrival.protocol,
+            not staged and not arrival.copied,
+            staged,
+            False,
+            "host",
+        )
+        return value, receipt
+
     async def _give_up(self, p: _Posted, tag: int, out: object | None, keep: bool) -> None:
         """The recv posted as ``p`` is cancelled: out of its tag's line, or, if a message was
         handed to it, that message back (``_requeue``); if its sender has withdrawn it, the
@@ -972,7 +1054,8 @@ class Mailbox:
             arrival.pulling = True
             await self.channel.pull(arrival)
         elif not arrival.done.done():
-            await asyncio.shield(arrival.done)
+            await arrival.completed()
+            arrival.done.result()  # raises if it failed (SenderAborted: as above)
         await arrival.moved()  # given back by a cancelled recv: what landed in its out= is ours
         if arrival.done.done():
             arrival.done.result()  # raises if what landed could not be kept (``Arrival._lose``)
@@ -1057,6 +1140,31 @@ class Mailbox:
             memory=memory,
         )
         return value, receipt
+
+
+def _whole_on_host(arrival: Arrival, out: object | None, targets: list[np.ndarray | DeviceTensor] | None) -> bool:
+    """Whether a recv that takes ``arrival`` from the queue can finish it at once
+    (``Mailbox._take_whole``): its bytes all landed in host arrays of ours, no copy out of a
+    cancelled recv's out= runs, the copies to make are small enough for the loop, and every
+    tensor goes to the host (the caller's host arrays; no out=: ours, for host tensors only)."""
+    done = arrival.done
+    if not done.done() or done.cancelled() or done.exception() is not None:
+        return False
+    dest = arrival.dest
+    if (
+        dest is None
+        or arrival.rendezvous
+        or arrival.direct
+        or arrival.moving is not None
+        or arrival.landing is not None
+        or worth_a_thread(arrival.nbytes)
+    ):
+        return False
+    if not all(type(d) is np.ndarray for d in dest):
+        return False
+    if targets is None:
+        return out is None and all(s.device != "cuda" for s in arrival.specs)
+    return all(type(t) is np.ndarray for t in targets)
 
 
 def _express_dest(p: _Posted, tree: wire_pb2.TreeNode, specs: list[Spec]) -> list[np.ndarray] | None:
