@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from . import _metrics
 from ._checks import check_arguments, check_bool, check_options, check_seconds, split_address
+from ._leases import Renewals
 from ._loops import check_home, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
@@ -28,7 +29,7 @@ from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Off
 from .control._convert import offer_from_pb, offer_to_pb
 from .control._negotiate import MAX_TRANSPORTS, shortfall
 from .control._pb import control_pb2
-from .control._server import MAX_NAME_CHARS, SECRET_BYTES
+from .control._server import MAX_INSTANCE_ID_CHARS, MAX_NAME_CHARS, SECRET_BYTES
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -78,6 +79,8 @@ class NodeConfig:
     tls: certificates for the control plane (TLSConfig): TLS, or mutual TLS with
         require_client_cert. The session secret then never crosses the network in the clear.
     node_id: this node's name, at most MAX_NODE_ID_CHARS (256) characters; a random one by default.
+        A name for people (logs, errors, ``peer.remote_node``): several nodes may share one (a
+        hostname, in containers). What tells running nodes apart is ``Node.instance_id``.
     ucx_options: UCX configuration for this node's ucx transport, names without the ``UCX_``
         prefix: ``{"TLS": "sm,self"}``, ``{"RNDV_THRESH": "64k"}``. Passed to the UCX context,
         never through the environment; they win over ``ucx_config()`` and ``UCX_*`` variables.
@@ -308,6 +311,11 @@ def _checked_answer(
             f"{said} a node id of {len(resp.server_node_id)} characters; a node id is at most "
             f"{NodeConfig.MAX_NODE_ID_CHARS} (NodeConfig.node_id), and {broken}"
         )
+    if not 0 < len(resp.server_instance_id) <= MAX_INSTANCE_ID_CHARS:
+        raise NegotiationError(
+            f"{said} an instance id of {len(resp.server_instance_id)} characters; one is 1 to "
+            f"{MAX_INSTANCE_ID_CHARS} (what tells running nodes apart), and {broken}"
+        )
     sid = len(resp.session_id.encode())
     if not 0 < sid <= MAX_SESSION_ID:
         raise NegotiationError(
@@ -339,6 +347,10 @@ class Node:
     def __init__(self, address: str, config: NodeConfig) -> None:
         self.config = config
         self.node_id = config.node_id or uuid.uuid4().hex
+        # new at each start, whatever node_id says: node ids may repeat (a hostname, in
+        # containers), and a node reached at two addresses has one instance id. Peers learn it
+        # in the handshake (peer.remote_instance)
+        self.instance_id = uuid.uuid4().hex
         self._host, self._port = split_address(address)
         self.address = ""
         self.transports: dict[str, Transport] = {}
@@ -355,6 +367,8 @@ class Node:
         self._waiting: set[asyncio.Task[None]] = set()
         self.peers: list[Peer] = []
         self._leases: dict[str, tuple[float, Peer]] = {}
+        # the renewals of the leases of the sessions we opened, by (address, lease): _leases.renewals_for
+        self._renewals: dict[tuple[str, float], Renewals] = {}
         self._sessions: dict[str, Peer] = {}
         self._opening: dict[str, asyncio.Task[None]] = {}  # handshaken sessions whose data path is opening
         # (a client that only handshakes, in a loop, cannot fill the log with these)
@@ -561,6 +575,7 @@ class Node:
         *,
         remote_addr: str,
         control_address: str = "",
+        remote_instance: str,
     ) -> None:
         session = Session(session_id, secret, self.node_id, remote_node, self.config.limits)
         pending = self.transports[choice.name].expect(session)
@@ -583,6 +598,7 @@ class Node:
                 self,
                 channel,
                 remote_node=remote_node,
+                remote_instance=remote_instance,
                 remote_address=remote_addr,
                 path=self._path(choice, channel),
                 session=session,
@@ -699,6 +715,7 @@ class Node:
             self._precheck(require, preference)
         request = control_pb2.HandshakeRequest(
             node_id=self.node_id,
+            instance_id=self.instance_id,
             protocol_version=PROTOCOL_VERSION,
             auth_token=self.config.auth_token or "",
             preference=list(preference),
@@ -750,6 +767,7 @@ class Node:
             self,
             channel,
             remote_node=resp.server_node_id,
+            remote_instance=resp.server_instance_id,
             remote_address=address,
             path=self._path(choice, channel),
             control=client,

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _onesided
+from ._leases import Renewals, renewals_for
 from ._loops import check_home, elsewhere, running_loop
 from ._onesided import RemoteHandle, check_handle_name
 from .control._auth import heartbeat_proof, lookup_proof
@@ -104,7 +105,10 @@ class Peer:
     """A connected remote node. Either side may send and recv; messages match per tag, FIFO.
 
     Use it as an async context manager, or call ``aclose()``. ``path`` says which transport
-    carries the bytes and why faster ones were not used.
+    carries the bytes and why faster ones were not used. ``remote_node`` is the other node's
+    ``node_id``, a name for people that other nodes may share (a hostname, in containers);
+    ``remote_instance`` is its ``Node.instance_id``, which tells running nodes apart: the same
+    for every peer of one node, whatever address reached it, and new when the node restarts.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class Peer:
         channel: Channel,
         *,
         remote_node: str,
+        remote_instance: str,
         remote_address: str,
         path: Path,
         control: ControlClient | None = None,
@@ -123,12 +128,13 @@ class Peer:
         self._home = node._loop  # every call but abort() must come from there (check_home)
         self.channel = channel
         self.remote_node = remote_node
+        self.remote_instance = remote_instance
         self.remote_address = remote_address
         self.path = path
         self._control = control
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
-        self._heartbeat: asyncio.Task[None] | None = None
+        self._renewals: Renewals | None = None  # (we connected) what renews our session's lease
         self.session = session
         self._control_address = control_address  # the remote's control plane, for lookups
         self._tasks: set[asyncio.Task[None]] = set()
@@ -289,41 +295,16 @@ class Peer:
         return _rpc.stream(self, name, args, kwargs, _deadline, receipts=True)
 
     def _start_heartbeat(self, session_id: str, lease: float, since: float) -> None:
-        """``since``: when the handshake was sent, which is before the server's lease began."""
+        """``since``: when the handshake was sent, which is before the server's lease began. The
+        lease is renewed with those of the node's other sessions with that server (_leases)."""
+        assert self.session is not None and self.session.id == session_id
         self._lease, self._confirmed = lease, since
-        self._heartbeat = asyncio.get_running_loop().create_task(
-            self._renew_lease(session_id, lease), name=f"tensorwire-heartbeat {self.remote_address}"
-        )
+        self._renewals = renewals_for(self.node, self.remote_address, lease)
+        self._renewals.add(self)
 
-    async def _renew_lease(self, session_id: str, lease: float) -> None:
-        """Renew our lease on the server every third of it, counted from the last renewal sent
-        (one held up by a stall of our own loop goes out at once, not a third of a lease later);
-        declare the server dead when renewals keep failing for a lease. Time our own loop was
-        stalled is not the server's silence: in a sleep, or past a failed renewal's deadline
-        (its failure could not be read sooner; both ends in one process stall together)."""
-        assert self._control is not None
-        interval = lease / 3
-        last_ok = sent = time.monotonic()
-        while not self.closed:
-            wait = max(0.0, sent + interval - time.monotonic())
-            before = time.monotonic()
-            await asyncio.sleep(wait)
-            lag = time.monotonic() - before - wait
-            if lag > interval:
-                last_ok += lag  # our own loop stalled: that time is not the peer's silence
-            sent = time.monotonic()
-            try:
-                await self._renew_once(session_id, interval)
-                last_ok = time.monotonic()
-            except PeerDisconnected:  # the server no longer knows the session: the channel failed
-                return
-            except TensorWireError as exc:
-                last_ok += max(0.0, time.monotonic() - sent - interval)  # read late: our stall
-                if time.monotonic() - last_ok > lease:
-                    self.channel.fail(
-                        PeerDisconnected(f"{self.remote_address} did not answer lease renewals for {lease} s ({exc})")
-                    )
-                    return
+    def _stop_renewing(self) -> None:
+        if self._renewals is not None:
+            self._renewals.discard(self)
 
     async def _renew_once(self, session_id: str, deadline: float) -> None:
         """One lease renewal (we connected); a renewal the server answered proves the session
@@ -366,7 +347,7 @@ class Peer:
             return
         lease = self._lease
         assert lease is not None
-        if self._heartbeat is not None and self._control is not None and self.session is not None:
+        if self._renewals is not None and self._control is not None and self.session is not None:
             try:
                 await self._renew_once(self.session.id, lease / 3)
             except PeerDisconnected:
@@ -535,8 +516,7 @@ class Peer:
         while True:
             if self._closing is None or (self._closing.cancelled() and not self._closing.get_loop().is_closed()):
                 self._closed = True
-                if self._heartbeat is not None:
-                    self._heartbeat.cancel()
+                self._stop_renewing()
                 for task in list(self._tasks):
                     task.cancel()
                 self._closing = asyncio.get_running_loop().create_task(
@@ -563,8 +543,7 @@ class Peer:
     def _wind_down(self) -> asyncio.Task[None] | None:
         """The channel closed: stop renewing the lease and close the control connection (a
         later ``aclose`` still closes the rest). Returns the closing task, if any."""
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        self._stop_renewing()
         if self._control is None:
             return None
         return asyncio.get_running_loop().create_task(self._control.aclose())

@@ -179,8 +179,7 @@ async def test_a_missed_lease_is_logged_as_it_was_given(caplog: pytest.LogCaptur
     ):
         peer = await client.connect(server.address)
         await server.accept()
-        assert peer._heartbeat is not None
-        peer._heartbeat.cancel()  # silent from now on: the server reaps it by the lease
+        peer._stop_renewing()  # silent from now on: the server reaps it by the lease
         await eventually(lambda: not server._leases, seconds=10)
     (line,) = [r.getMessage() for r in caplog.records if "missed its lease" in r.getMessage()]
     assert "missed its lease (0.05 s)" in line, line
@@ -290,6 +289,30 @@ async def test_health_reflection_and_node_info_with_stock_grpc() -> None:
             assert all(not o.address for o in info.offers)
             assert offered | {u.name for u in info.unavailable} == {"inproc", "ucx", "verbs", "tcp"}
             assert all(u.reason for u in info.unavailable)
+
+
+@pytest.mark.timeout(60)
+async def test_nodes_that_share_a_node_id_are_told_apart_by_their_instance_ids() -> None:
+    """A node id is a name that other nodes may share (the hostname, in containers); each start
+    picks an instance id, which both ends of a handshake learn: one for every address of a node,
+    another for each node, whatever their names."""
+    opts = {"transports": ("tcp",), "node_id": "gpu-host"}
+    async with (
+        tensorwire.start("127.0.0.1:0", **opts) as a,
+        tensorwire.start("127.0.0.1:0", **opts) as b,
+        tensorwire.start("127.0.0.1:0", **opts) as client,
+    ):
+        port = a.address.rsplit(":", 1)[1]
+        to_a, to_a_again, to_b = [await client.connect(x) for x in (a.address, f"localhost:{port}", b.address)]
+        assert to_a.remote_node == to_b.remote_node == "gpu-host"
+        assert to_a.remote_instance == to_a_again.remote_instance == a.instance_id
+        assert to_b.remote_instance == b.instance_id
+        assert len({a.instance_id, b.instance_id, client.instance_id}) == 3
+        assert all(0 < len(n.instance_id) <= 64 for n in (a, b, client))
+        # and the server learns the client's
+        async with asyncio.timeout(10):
+            assert (await a.accept()).remote_instance == client.instance_id
+            assert (await b.accept()).remote_instance == client.instance_id
 
 
 async def test_handshake_rejects_other_protocol_version() -> None:

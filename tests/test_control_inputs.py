@@ -205,15 +205,15 @@ async def test_a_handshake_cannot_make_the_node_hold_megabytes() -> None:
     """A handshake's node id and control address were taken at any length, up to gRPC's 4 MB
     message: the session waiting for its data connection keeps both, and the address is where
     lookups dial back (and what their errors quote). 150 handshakes with 1.9 MB of each took
-    this node from 58 to 662 MiB. Refused now beyond what an honest client sends, and a client
-    with the longest node id it may have still connects."""
+    this node from 58 to 662 MiB. Refused now beyond what an honest client sends (an instance id
+    past 64 characters too), and a client with the longest node id it may have still connects."""
     async with (
         tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node,
         tensorwire.start("127.0.0.1:0", transports=("tcp",), node_id="n" * NodeConfig.MAX_NODE_ID_CHARS) as client,
     ):
         async with grpc.aio.insecure_channel(node.address) as ch:
             stub = control_pb2_grpc.ControlStub(ch)
-            for field in ("node_id", "control_address"):
+            for field in ("node_id", "control_address", "instance_id"):
                 req = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, **{field: "x" * 100_000})
                 req.offers.add(name="tcp", version=node.offers["tcp"].version, address=node.offers["tcp"].address)
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -348,6 +348,8 @@ _UNANSWERABLE: dict[str, tuple[Callable[[Any], None], str]] = {
     "lease-1ms": (_setting(lease_ms=1), "a lease of 1 ms; a node's lease is 50 ms to 4294967000 ms"),
     "lease-49-days": (_setting(lease_ms=(1 << 32) - 1), "a lease of 4294967295 ms"),
     "node-id-3MB": (_setting(server_node_id="n" * 3_000_000), "a node id of 3000000 characters; .* at most 256"),
+    "instance-id-empty": (_setting(server_instance_id=""), "an instance id of 0 characters; one is 1 to 64"),
+    "instance-id-3MB": (_setting(server_instance_id="i" * 3_000_000), "an instance id of 3000000 characters"),
     "protocol-version": (_setting(protocol_version=PROTOCOL_VERSION + 1), rf"version {PROTOCOL_VERSION + 1}, .*"),
     "tcp-version": (_choosing("tcp", 99), "chose tcp version 99, and this node's tcp is version 1"),
     "not-in-the-order": (_choosing("inproc"), r"chose 'inproc', not in this connect's order \('tcp',\)"),

@@ -113,8 +113,8 @@ async def test_a_peer_declared_dead_is_let_go() -> None:
 
 def _renewing(peer: tensorwire.Peer) -> bool:
     """The peer's lease renewal is a control call in flight (its coroutine waits in _unary)."""
-    assert peer._heartbeat is not None
-    coro: object = peer._heartbeat.get_coro()
+    assert peer._renewals is not None
+    coro: object = peer._renewals.task.get_coro()
     while coro is not None:
         frame = getattr(coro, "cr_frame", None)
         if frame is not None and frame.f_code.co_name == "_unary":

@@ -855,7 +855,7 @@ async def test_a_stage_named_twice_is_refused() -> None:
         # the stage itself refuses to be its own neighbour, whoever asks
         peer = await driver.connect(a)
         try:
-            own = peer.remote_node
+            own = peer.remote_instance
             generation = await peer.call("tw.pipeline.generation") + 1
             with pytest.raises(tensorwire.RemoteError, match="its own previous") as err:
                 await peer.call("tw.pipeline.configure", 1, 3, own, None, generation=generation, token="t")
@@ -871,6 +871,49 @@ async def test_a_stage_named_twice_is_refused() -> None:
         async with await pipeline.Pipeline.connect(driver, [a, b]) as pipe:  # and still serves
             x, y = batch()
             assert (await pipe.step(x, y, microbatches=2)).loss > 0
+
+
+@pytest.mark.timeout(60)
+async def test_stages_that_share_a_node_id_are_stages_of_their_own() -> None:
+    """Stages named alike (node_id= the hostname, which containers repeat) are distinct nodes:
+    the driver compared node ids, and refused them as "stage addresses 127.0.0.1:38401 and
+    127.0.0.1:36995 reach the same node (gpu-host)". One node by two addresses is still refused,
+    by its name."""
+    reference = layers(3)
+    async with stages(parts(layers(3)), node_id="gpu-host") as (addresses, driver):
+        assert driver.node_id == "gpu-host"  # the driver too
+        x, y = batch()
+        async with asyncio.timeout(30), await pipeline.Pipeline.connect(driver, addresses, connect_timeout=5) as pipe:
+            got = await pipe.step(x, y, microbatches=2)
+            states = await pipe.state()
+        assert got.loss == pytest.approx(one_process_step(reference, x, y), rel=1e-5)
+        for s in range(3):
+            np.testing.assert_allclose(states[s]["w"], reference[s].inner.w, rtol=1e-5, atol=1e-6)
+        a, port = addresses[0], addresses[0].rsplit(":", 1)[1]
+        with pytest.raises(tensorwire.ConfigurationError, match=r"reach the same node \(gpu-host\)"):
+            await pipeline.Pipeline.connect(driver, [a, f"localhost:{port}"], connect_timeout=5)
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_links_to_a_namesake_neighbour() -> None:
+    """A stage's own checks, asked directly: told that a distinct node of its name is its
+    previous stage, it refused ("stage 1 ... would be its own previous stage"), and linking to
+    one as its next stage too ("... would be its own next stage"). Both link now."""
+    async with stages(parts(layers(2)), node_id="gpu-host") as ([a, b], driver):
+        first, second = await driver.connect(a), await driver.connect(b)
+        try:
+            generation = await second.call("tw.pipeline.generation") + 1
+            await second.call(
+                "tw.pipeline.configure", 1, 2, first.remote_instance, None, generation=generation, token="t"
+            )
+            generation = await first.call("tw.pipeline.generation") + 1
+            await first.call("tw.pipeline.configure", 0, 2, None, b, generation=generation, token="t")
+            async with asyncio.timeout(20):
+                paths = await first.call("tw.pipeline.link", generation=generation, token="t")
+            assert paths["next_path"] is not None and paths["prev_path"] is None
+        finally:
+            await first.aclose()
+            await second.aclose()
 
 
 @pytest.mark.timeout(60)

@@ -54,8 +54,7 @@ async def _visit(server: Node, transport: str, *, leave: str) -> None:
         if leave == "close":
             await peer.aclose()
             return
-        assert peer._heartbeat is not None
-        peer._heartbeat.cancel()  # silent from now on; the channel stays up until the server reaps it
+        peer._stop_renewing()  # silent from now on; the channel stays up until the server reaps it
         await eventually(lambda: not server._leases, seconds=10)
     finally:
         client.abort()

@@ -840,7 +840,11 @@ async def test_a_server_answering_with_a_bad_ucx_address_gets_a_clean_error() ->
     class Hostile(control_pb2_grpc.ControlServicer):
         async def Handshake(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
             resp = control_pb2.HandshakeResponse(
-                session_id="s" * 32, session_secret=bytes(32), server_node_id="h", protocol_version=PROTOCOL_VERSION
+                session_id="s" * 32,
+                session_secret=bytes(32),
+                server_node_id="h",
+                server_instance_id="i" * 32,
+                protocol_version=PROTOCOL_VERSION,
             )
             resp.chosen.name, resp.chosen.version, resp.chosen.address = "ucx", version, b"TWU1\x44"
             return resp

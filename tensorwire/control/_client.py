@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -343,6 +343,16 @@ class ControlClient:
             deadline,
             {grpc.StatusCode.NOT_FOUND: self._session_lost},
         )
+
+    async def renew_leases(self, renewals: Sequence[tuple[str, bytes]], deadline: float) -> tuple[set[str], set[str]]:
+        """Renew the leases of many sessions, given as (session id, heartbeat proof), in one
+        call. Returns the sessions the server does not know and those whose proof it refused
+        (each other one was renewed)."""
+        request = control_pb2.RenewLeasesRequest(
+            renewals=[control_pb2.HeartbeatRequest(session_id=sid, proof=proof) for sid, proof in renewals]
+        )
+        response = await self._unary(self._stub.RenewLeases, request, deadline)
+        return set(response.lost), set(response.refused)
 
     def _session_lost(self, exc: grpc.aio.AioRpcError) -> SessionLost:
         return SessionLost(f"{self.target} no longer knows this session: {exc.details()}")

@@ -34,12 +34,17 @@ __all__ = ["PROTOCOL_VERSION", "ControlServer"]
 
 # 2: RPC requests carry a stream's first window; 3: checksummed tcp frames carry a header check;
 # 4: a heartbeat proves the session secret; 5: tensorwire's own messages have slots of their own
-# (transports/_credit.own_slots)
-PROTOCOL_VERSION = 6  # 6: an owner serves at most 128 of a peer's one-sided requests at once (_onesided.serve_ops)
+# (transports/_credit.own_slots); 6: an owner serves at most 128 of a peer's one-sided requests at
+# once (_onesided.serve_ops)
+# 7: a handshake carries each node's instance id (node ids may repeat), and a node renews the leases
+# of all its sessions with another in one call (RenewLeases, _leases.py)
+PROTOCOL_VERSION = 7
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 MAX_NAME_CHARS = 64  # a transport name or require= in a handshake (they are short words)
 MAX_REASON_CHARS = 300  # a client's reason for a transport it cannot use, as this node repeats it
 MAX_ADDRESS_CHARS = 512  # a client's control address: a DNS name (253 at most) or an IP, and a port
+MAX_INSTANCE_ID_CHARS = 64  # a node's instance id (Node.instance_id: 32 hex digits)
+MAX_RENEWALS = 2048  # sessions in one RenewLeases call (each costs this node an HMAC)
 SECRET_BYTES = 32  # a session secret (a client refuses a handshake answer with any other length)
 _NO_SESSION = "no such session (closed, expired or never opened: a node restarted at this address)"
 
@@ -106,17 +111,23 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         # control address becomes the target (and the error text) of lookups back to the client:
         # 150 handshakes with 1.9 MB of each held 600 MB of this node's memory for 10 s
         max_id = node.config.MAX_NODE_ID_CHARS
-        if len(request.node_id) > max_id or len(request.control_address) > MAX_ADDRESS_CHARS:
+        if (
+            len(request.node_id) > max_id
+            or len(request.control_address) > MAX_ADDRESS_CHARS
+            or len(request.instance_id) > MAX_INSTANCE_ID_CHARS
+        ):
             self._refusals.warn(
-                "handshake from %s refused: a node id of %d chars, a control address of %d",
+                "handshake from %s refused: a node id of %d chars, a control address of %d, an instance id of %d",
                 peer,
                 len(request.node_id),
                 len(request.control_address),
+                len(request.instance_id),
             )
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"a node id is at most {max_id} characters and a control address at most {MAX_ADDRESS_CHARS} "
-                f"(got {len(request.node_id)} and {len(request.control_address)})",
+                f"a node id is at most {max_id} characters, a control address at most {MAX_ADDRESS_CHARS} and an "
+                f"instance id at most {MAX_INSTANCE_ID_CHARS} (got {len(request.node_id)}, "
+                f"{len(request.control_address)} and {len(request.instance_id)})",
             )
         remote = {o.name: offer_from_pb(o) for o in request.offers}
         remote_unusable = {u.name: _clip(u.reason) for u in request.unavailable}
@@ -154,12 +165,19 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             remote_name=there_name,
         )
         node._expect_peer(
-            here, session_id, secret, request.node_id, remote_addr=peer, control_address=request.control_address
+            here,
+            session_id,
+            secret,
+            request.node_id,
+            remote_addr=peer,
+            control_address=request.control_address,
+            remote_instance=request.instance_id,
         )
         resp = control_pb2.HandshakeResponse(
             session_id=session_id,
             session_secret=secret,
             server_node_id=node.node_id,
+            server_instance_id=node.instance_id,
             protocol_version=PROTOCOL_VERSION,
             chosen=offer_to_pb(node.offers[choice.name]),
             lease_ms=int(node.config.lease_seconds * 1000),
@@ -181,6 +199,30 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lease renewals need the session's proof")
         self.node._renew(request.session_id)
         return control_pb2.HeartbeatResponse(lease_ms=int(self.node.config.lease_seconds * 1000))
+
+    async def RenewLeases(  # noqa: N802 - gRPC method name
+        self, request: control_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.RenewLeasesResponse:
+        """Heartbeat for many sessions at once; a session this node does not know, or whose
+        proof is wrong, is said so in the answer and does not stop the others' renewal."""
+        if len(request.renewals) > MAX_RENEWALS:
+            self._refusals.warn("lease renewal from %s refused: %d sessions", context.peer(), len(request.renewals))
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"one call renews at most {MAX_RENEWALS} sessions (got {len(request.renewals)})",
+            )
+        node = self.node
+        response = control_pb2.RenewLeasesResponse()
+        for renewal in request.renewals:
+            secret = node._lease_secret(renewal.session_id)
+            if secret is None:
+                response.lost.append(renewal.session_id)
+            elif not hmac.compare_digest(renewal.proof, heartbeat_proof(secret, renewal.session_id)):
+                self._refusals.warn("lease renewal from %s refused: bad proof", context.peer())
+                response.refused.append(renewal.session_id)
+            else:
+                node._renew(renewal.session_id)
+        return response
 
     async def Lookup(  # noqa: N802 - gRPC method name
         self, request: control_pb2.LookupRequest, context: grpc.aio.ServicerContext

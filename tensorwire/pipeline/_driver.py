@@ -202,14 +202,16 @@ class Pipeline:
         try:
             for address in addresses:
                 peers.append(await node.connect(address, transports=tuple(transports) if transports else None))
+            # one node is one instance id, whatever its addresses: node ids may repeat (stages
+            # named after the hostname, in containers), and two such stages are two nodes
             seen: dict[str, str] = {}
             for address, peer in zip(addresses, peers, strict=True):
-                if peer.remote_node in seen:
+                if peer.remote_instance in seen:
                     raise ConfigurationError(
-                        f"stage addresses {seen[peer.remote_node]} and {address} reach the same node "
+                        f"stage addresses {seen[peer.remote_instance]} and {address} reach the same node "
                         f"({peer.remote_node[:12]}): each stage is a node of its own"
                     )
-                seen[peer.remote_node] = address
+                seen[peer.remote_instance] = address
             loop = asyncio.get_running_loop()
             # every stage is reserved before any is taken (configure): a stage running a call of
             # its driver refuses, and a reserved one holds that driver's next call back until it is
@@ -231,7 +233,7 @@ class Pipeline:
                             s,
                             build_timeout,
                             p,
-                            peers[s - 1].remote_node if s > 0 else None,
+                            peers[s - 1].remote_instance if s > 0 else None,
                             addresses[s + 1] if s + 1 < p else None,
                             list(transports) if transports else None,
                             wait,

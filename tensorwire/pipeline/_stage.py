@@ -175,7 +175,7 @@ class _Plan:
     """What a driver's configure told the stage to link to, kept for that driver's ``link``."""
 
     ticket: _Ticket
-    prev_node: str | None
+    prev_instance: str | None  # the previous stage's Node.instance_id (node ids may repeat)
     next_address: str | None
     transports: list[str] | None
     connect_seconds: float
@@ -361,7 +361,7 @@ class Stage:
         self,
         rank: int,
         num_stages: int,
-        prev_node: str | None,
+        prev_instance: str | None,
         next_address: str | None,
         transports: list[str] | None = None,
         connect_seconds: float = 10.0,
@@ -375,7 +375,7 @@ class Stage:
         self._loop = asyncio.get_running_loop()
         if not 0 <= rank < num_stages:
             raise ConfigurationError(f"rank {rank} is not in 0..{num_stages - 1}")
-        if prev_node is not None and prev_node == self.node.node_id:
+        if prev_instance is not None and prev_instance == self.node.instance_id:  # (node ids may repeat)
             raise ConfigurationError(
                 f"stage {rank} at {self.node.address} would be its own previous stage: "
                 "the driver named this node twice in a row"
@@ -424,7 +424,7 @@ class Stage:
                 # taken: a call of the old driver waiting for this reservation is refused now, not
                 # once the build is done
                 self._let_go(token)
-                plan = _Plan(ticket, prev_node, next_address, transports, connect_seconds, prev_address)
+                plan = _Plan(ticket, prev_instance, next_address, transports, connect_seconds, prev_address)
                 task = asyncio.get_running_loop().create_task(self._prepare(plan, rank, num_stages, driver_session))
                 return await self._configure_by(task, rank)
         finally:
@@ -557,14 +557,14 @@ class Stage:
     async def _link(self, plan: _Plan) -> dict[str, Any]:
         """Link to both neighbours for this generation, within ``plan.connect_seconds``; the
         links' paths."""
-        rank, next_address, prev_node = self.rank, plan.next_address, plan.prev_node
+        rank, next_address, prev_instance = self.rank, plan.next_address, plan.prev_instance
         transports, connect_seconds, ticket = plan.transports, plan.connect_seconds, plan.ticket
         key = ticket_key(*ticket)
         try:
             async with asyncio.timeout(connect_seconds):
                 if next_address is not None:
                     peer = await self.node.connect(next_address, transports=tuple(transports) if transports else None)
-                    if peer.remote_node == self.node.node_id:
+                    if peer.remote_instance == self.node.instance_id:  # (node ids may repeat)
                         await peer.aclose()
                         raise ConfigurationError(
                             f"stage {rank} at {self.node.address} would be its own next stage "
@@ -572,8 +572,8 @@ class Stage:
                         )
                     self.next = _Link(rank + 1, peer, next_address)
                     await peer._send_own({"generation": ticket[0], "key": key}, tag=HELLO_TAG)
-                if prev_node is not None:
-                    peer = await self._wait_for(prev_node, key)
+                if prev_instance is not None:
+                    peer = await self._wait_for(prev_instance, key)
                     self.prev = _Link(rank - 1, peer, plan.prev_address or peer.remote_address)
         except BaseException as exc:
             waiting = (
@@ -596,16 +596,17 @@ class Stage:
             "next_path": str(self.next.peer.path) if self.next else None,
         }
 
-    async def _wait_for(self, node_id: str, key: str) -> Peer:
-        """The peer on which the previous stage, configured by the same driver (``key``), said
-        hello (it connects; this side accepts). Other peers from that node never say this hello:
-        a driver on the same node says none, an older configure's link one with another key."""
+    async def _wait_for(self, instance: str, key: str) -> Peer:
+        """The peer on which the previous stage (its ``Node.instance_id``), configured by the same
+        driver (``key``), said hello (it connects; this side accepts). Other peers from that node
+        never say this hello: a driver on the same node says none, an older configure's link one
+        with another key."""
         loop = asyncio.get_running_loop()
         hellos: dict[Peer, asyncio.Task[Any]] = {}
         try:
             while True:
                 for peer in self.node.peers:
-                    if peer.remote_node == node_id and not peer.closed and peer not in hellos:
+                    if peer.remote_instance == instance and not peer.closed and peer not in hellos:
                         hellos[peer] = loop.create_task(peer._recv_own(tag=HELLO_TAG))
                 for peer, task in list(hellos.items()):
                     if task.done() and not task.cancelled() and task.exception() is None:

@@ -44,7 +44,7 @@ class Unavailable(_message.Message):
     def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "auth_token", "offers", "unavailable", "preference", "require", "control_address")
+    __slots__ = ("node_id", "protocol_version", "auth_token", "offers", "unavailable", "preference", "require", "control_address", "instance_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class HandshakeRequest(_message.Message):
     PREFERENCE_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     auth_token: str
@@ -61,10 +62,11 @@ class HandshakeRequest(_message.Message):
     preference: _containers.RepeatedScalarFieldContainer[str]
     require: str
     control_address: str
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., auth_token: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., unavailable: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., preference: _Optional[_Iterable[str]] = ..., require: _Optional[str] = ..., control_address: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., auth_token: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., unavailable: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., preference: _Optional[_Iterable[str]] = ..., require: _Optional[str] = ..., control_address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("session_id", "session_secret", "server_node_id", "protocol_version", "chosen", "passed_over", "lease_ms")
+    __slots__ = ("session_id", "session_secret", "server_node_id", "protocol_version", "chosen", "passed_over", "lease_ms", "server_instance_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     SERVER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +74,7 @@ class HandshakeResponse(_message.Message):
     CHOSEN_FIELD_NUMBER: _ClassVar[int]
     PASSED_OVER_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_secret: bytes
     server_node_id: str
@@ -79,7 +82,8 @@ class HandshakeResponse(_message.Message):
     chosen: TransportOffer
     passed_over: _containers.RepeatedCompositeFieldContainer[Unavailable]
     lease_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., server_node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., chosen: _Optional[_Union[TransportOffer, _Mapping]] = ..., passed_over: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    server_instance_id: str
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., server_node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., chosen: _Optional[_Union[TransportOffer, _Mapping]] = ..., passed_over: _Optional[_Iterable[_Union[Unavailable, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., server_instance_id: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "name", "proof")
@@ -126,6 +130,20 @@ class HeartbeatResponse(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     lease_ms: int
     def __init__(self, lease_ms: _Optional[int] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("renewals",)
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    renewals: _containers.RepeatedCompositeFieldContainer[HeartbeatRequest]
+    def __init__(self, renewals: _Optional[_Iterable[_Union[HeartbeatRequest, _Mapping]]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("lost", "refused")
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    refused: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lost: _Optional[_Iterable[str]] = ..., refused: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
     __slots__ = ()

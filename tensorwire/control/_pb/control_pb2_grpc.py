@@ -50,6 +50,11 @@ class ControlStub:
                 request_serializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/tensorwire.v1.Control/RenewLeases',
+                request_serializer=tensorwire_dot_v1_dot_control__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_control__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/tensorwire.v1.Control/Lookup',
                 request_serializer=tensorwire_dot_v1_dot_control__pb2.LookupRequest.SerializeToString,
@@ -88,6 +93,15 @@ class ControlServicer:
         """Renew the lease of a session. A session whose lease runs out is declared dead on the
         server, and a client whose renewals keep failing declares the server dead: liveness comes
         from here and from the data plane's own errors, so no transport gives up speed for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLeases(self, request, context):
+        """Renew the leases of many sessions in one call: a node renews every session it opened with
+        another node this way, one call per lease period rather than one per session (hundreds of
+        peers at a short lease were thousands of calls a second, and late ones killed live peers).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +151,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.FromString,
                     response_serializer=tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=tensorwire_dot_v1_dot_control__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_control__pb2.RenewLeasesResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -235,6 +254,33 @@ class Control:
             '/tensorwire.v1.Control/Heartbeat',
             tensorwire_dot_v1_dot_control__pb2.HeartbeatRequest.SerializeToString,
             tensorwire_dot_v1_dot_control__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorwire.v1.Control/RenewLeases',
+            tensorwire_dot_v1_dot_control__pb2.RenewLeasesRequest.SerializeToString,
+            tensorwire_dot_v1_dot_control__pb2.RenewLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,147 @@
+"""Renewing the leases of the sessions a node opened: one control call per lease period for all
+the sessions with one node (RenewLeases), however many peers share it.
+
+Renewed one call per session, hundreds of peers at a short lease were thousands of gRPC calls
+a second; the calls queued behind each other, came back past their deadlines, and live peers
+were declared dead (150 peers at a 0.5 s lease in one process: 35 to 121 of 150 within 6 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from .control._auth import heartbeat_proof
+from .control._client import SessionLost
+from .control._server import MAX_RENEWALS
+from .errors import ClosedResourceError, PeerDisconnected, TensorWireError
+
+if TYPE_CHECKING:
+    from ._node import Node
+    from ._peer import Peer
+
+__all__ = ["MAX_BATCH", "Renewals", "renewals_for"]
+
+# Sessions per RenewLeases call (the most a node takes in one); more go in further calls at
+# the same time.
+MAX_BATCH = MAX_RENEWALS
+
+
+def renewals_for(node: Node, target: str, lease: float) -> Renewals:
+    """The renewals of ``node``'s sessions with the node at ``target`` (the address its peers
+    connected to) whose lease is ``lease``; made at the first such session."""
+    key = (target, lease)
+    renewals = node._renewals.get(key)
+    if renewals is None:
+        renewals = node._renewals[key] = Renewals(node, target, lease)
+    return renewals
+
+
+class Renewals:
+    """Renews every third of ``lease``, counted from the last renewal sent (one held up by a
+    stall of our own loop goes out at once), the lease of each member peer's session, and
+    declares the server dead for a peer whose renewals keep failing for a lease. Time our own
+    loop was stalled is not the server's silence: in a sleep, or past a failed call's deadline
+    (its failure could not be read sooner; both ends in one process stall together). Ends,
+    and leaves its node, when its last member leaves."""
+
+    def __init__(self, node: Node, target: str, lease: float) -> None:
+        self.node = node
+        self.target = target
+        self.lease = lease
+        # member -> when a renewal of its session was last answered (or it joined)
+        self._members: dict[Peer, float] = {}
+        self.calls = 0  # RenewLeases calls made (each renews up to MAX_BATCH sessions)
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"tensorwire-leases {target}")
+
+    def add(self, peer: Peer) -> None:
+        """Renew ``peer``'s session from now on, at the next renewal of the others (within a
+        third of a lease)."""
+        self._members[peer] = time.monotonic()
+
+    def discard(self, peer: Peer) -> None:
+        """Stop renewing ``peer``'s session (it closed, or its channel failed)."""
+        if self._members.pop(peer, None) is not None and not self._members:
+            self._end()
+
+    def _end(self) -> None:
+        if self.node._renewals.get((self.target, self.lease)) is self:
+            del self.node._renewals[(self.target, self.lease)]
+        self.task.cancel()
+
+    async def _run(self) -> None:
+        interval = self.lease / 3
+        sent = time.monotonic()
+        while self._members:
+            wait = max(0.0, sent + interval - time.monotonic())
+            before = time.monotonic()
+            await asyncio.sleep(wait)
+            lag = time.monotonic() - before - wait
+            if lag > interval:  # our own loop stalled: that time is not the server's silence
+                for peer in self._members:
+                    self._members[peer] += lag
+            sent = time.monotonic()
+            batch = [peer for peer in self._members if not peer.closed]
+            chunks = [batch[i : i + MAX_BATCH] for i in range(0, len(batch), MAX_BATCH)]
+            if len(chunks) == 1:
+                await self._renew(chunks[0], sent, interval)
+            else:
+                await asyncio.gather(*(self._renew(chunk, sent, interval) for chunk in chunks))
+
+    async def _renew(self, batch: list[Peer], sent: float, interval: float) -> None:
+        """One RenewLeases call for ``batch``; a renewal the server answered proves its session
+        alive as of when it was sent."""
+        try:
+            lost, refused = await self._call(batch, interval)
+        except TensorWireError as exc:
+            late = max(0.0, time.monotonic() - sent - interval)  # read late: our own stall
+            self._failed(batch, late, str(exc))
+            return
+        now = time.monotonic()
+        unrenewed = []
+        for peer in batch:
+            assert peer.session is not None
+            sid = peer.session.id
+            if sid in lost:  # the server no longer knows the session: the peer is gone
+                self.discard(peer)
+                peer._session_lost(SessionLost(f"{self.target} no longer knows this session"))
+            elif sid in refused:
+                unrenewed.append(peer)
+            elif peer in self._members:
+                self._members[peer] = now
+                peer._confirmed = max(peer._confirmed, sent)
+        if unrenewed:
+            self._failed(unrenewed, 0.0, "it refused the session's proof")
+
+    async def _call(self, batch: list[Peer], deadline: float) -> tuple[set[str], set[str]]:
+        """The call goes over the control connection of a member still open; one that closed
+        under the call (its peer closed) hands it to another."""
+        renewals = []
+        for peer in batch:
+            assert peer.session is not None
+            renewals.append((peer.session.id, heartbeat_proof(peer.session.secret, peer.session.id)))
+        while True:
+            via = next((p for p in self._members if not p.closed and p._control is not None), None)
+            if via is None or via._control is None:
+                raise ClosedResourceError(f"no open control connection to {self.target} is left")
+            self.calls += 1
+            try:
+                return await via._control.renew_leases(renewals, deadline)
+            except ClosedResourceError:
+                if not via.closed:
+                    raise
+
+    def _failed(self, batch: list[Peer], late: float, why: str) -> None:
+        """Renewals of ``batch`` failed: declare the server dead for those unanswered for a lease."""
+        now = time.monotonic()
+        for peer in batch:
+            last_ok = self._members.get(peer)
+            if last_ok is None:
+                continue
+            last_ok = self._members[peer] = last_ok + late
+            if now - last_ok > self.lease:
+                self.discard(peer)
+                peer.channel.fail(
+                    PeerDisconnected(f"{self.target} did not answer lease renewals for {self.lease} s ({why})")
+                )

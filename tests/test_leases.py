@@ -1,0 +1,146 @@
+"""Lease renewal at scale: a node renews all its sessions with another node in one control call
+per renewal period (RenewLeases), so many peers at a short lease stay alive."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from _polling import eventually
+
+import tensorwire
+from tensorwire._node import Node
+from tensorwire.control._auth import heartbeat_proof
+from tensorwire.control._client import ControlClient
+from tensorwire.control._server import MAX_RENEWALS, _Servicer
+
+PEERS = 200
+LEASE = 1.0
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, calls: collections.Counter[str]) -> None:
+    """Count the lease renewal calls every node of this process serves (set before it starts:
+    gRPC takes the servicer's methods then)."""
+    for name in ("Heartbeat", "RenewLeases"):
+        method = getattr(_Servicer, name, None)
+        if method is None:
+            continue
+
+        def counting(orig: Callable[..., Awaitable[Any]], name: str) -> Callable[..., Awaitable[Any]]:
+            async def serve(self: _Servicer, request: Any, context: Any) -> Any:
+                calls[name] += 1
+                return await orig(self, request, context)
+
+            return serve
+
+        monkeypatch.setattr(_Servicer, name, counting(method, name))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_many_peers_at_a_short_lease_stay_alive_on_a_few_calls(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """200 peers of one node with another at a 1 s lease: each renewal period is one call for
+    all of them, and none is declared dead. (One call per session each third of a lease, 600
+    calls a second, came back late and killed live peers: 150 at 0.5 s, 35 to 121 of them.)"""
+    calls: collections.Counter[str] = collections.Counter()
+    _count_calls(monkeypatch, calls)
+    renewed: collections.Counter[str] = collections.Counter()
+    renew = Node._renew
+
+    def counting_renew(self: Node, session_id: str) -> bool:
+        renewed[session_id] += 1
+        return renew(self, session_id)
+
+    monkeypatch.setattr(Node, "_renew", counting_renew)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,), lease_seconds=LEASE) as server,
+        tensorwire.start("127.0.0.1:0", transports=(transport,), lease_seconds=LEASE) as client,
+    ):
+        peers: list[tensorwire.Peer] = []
+        for _ in range(0, PEERS, 25):
+            peers += await asyncio.gather(*(client.connect(server.address) for _ in range(25)))
+        accepted = [await server.accept() for _ in range(PEERS)]
+        calls.clear()
+        renewed.clear()
+        sessions = [p.session.id for p in peers if p.session is not None]
+        # six renewals of every session: two whole leases
+        await eventually(lambda: all(renewed[s] >= 6 for s in sessions) or any(p.closed for p in peers), seconds=60)
+        dead = [p for p in peers + accepted if p.closed]
+        assert not dead, f"{len(dead)} live peers declared dead: {dead[0].channel.mailbox.failure}"
+        # about 6 calls renewed them all (a few more: renewals of the last ones to connect)
+        assert sum(calls.values()) < PEERS, calls
+        for p in peers:
+            await p.send(b"x")
+        for a in accepted:
+            assert await a.recv() == b"x"
+
+
+async def test_renew_leases_answers_for_each_session() -> None:
+    """A session the server does not know, or whose proof is wrong, is said so in the answer
+    and does not stop the renewal of the others in the same call."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        good = await client.connect(server.address)
+        other = await client.connect(server.address)
+        await server.accept()
+        await server.accept()
+        assert good.session is not None and other.session is not None
+        before = server._leases[good.session.id][0]
+        control = ControlClient(server.address)
+        try:
+            await asyncio.sleep(0.05)
+            lost, refused = await control.renew_leases(
+                [
+                    (good.session.id, heartbeat_proof(good.session.secret, good.session.id)),
+                    (other.session.id, b"not the proof"),
+                    ("no-such-session", b"x"),
+                ],
+                deadline=10,
+            )
+        finally:
+            await control.aclose()
+        assert lost == {"no-such-session"}
+        assert refused == {other.session.id}
+        assert server._leases[good.session.id][0] > before
+
+
+async def test_a_session_the_server_forgot_fails_alone() -> None:
+    """One session of a batch the server no longer knows (it declared it dead) fails its peer
+    with PeerDisconnected; the others renewed in the same call stay open."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=0.3) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peers = [await client.connect(server.address) for _ in range(3)]
+        for _ in peers:
+            await server.accept()
+        victim = peers[1]
+        assert victim.session is not None
+        del server._leases[victim.session.id]  # as when its lease ran out there
+        with pytest.raises(tensorwire.PeerDisconnected, match="no longer knows"):
+            await asyncio.wait_for(victim.recv(tag="never"), 10)
+        renewals = peers[0]._renewals
+        assert renewals is not None
+        calls = renewals.calls
+        await eventually(lambda: renewals.calls >= calls + 3, seconds=10)
+        assert not peers[0].closed and not peers[2].closed
+
+
+async def test_renew_leases_refuses_a_call_too_large() -> None:
+    """Each renewal costs the server an HMAC: one call may not ask for more than MAX_RENEWALS
+    (a node splits its own renewals into calls of that many)."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server:
+        control = ControlClient(server.address)
+        try:
+            with pytest.raises(tensorwire.ControlPlaneError, match="INVALID_ARGUMENT"):
+                await control.renew_leases([("s", b"p")] * (MAX_RENEWALS + 1), deadline=10)
+            assert await control.renew_leases([("s", b"p")] * MAX_RENEWALS, deadline=10) == ({"s"}, set())
+        finally:
+            await control.aclose()
