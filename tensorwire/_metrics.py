@@ -169,19 +169,20 @@ def node_started(node: Node) -> None:
         _nodes.add(node)
 
 
-def peer_opened(side: str, path: Path, remote_node: str) -> None:
+def peer_opened(side: str, path: Path, remote_instance: str) -> None:
     """A peer's data path opened; ``side`` is "connect" or "accept". The transports preferred
     over the one taken are part of the count: a fallback is visible at a glance. Not inproc for
-    a peer whose node (``remote_node``) is not one of this process's: inproc never carries such
-    a peer, and, first in the default order, it was named for every peer between two
-    processes, so that each of them looked like a fallback. Names come from the other side too
+    a peer whose node (``remote_instance``, its ``Node.instance_id``: node ids may repeat
+    across processes) is not one of this process's: inproc never carries such a peer, and,
+    first in the default order, it was named for every peer between two processes, so that
+    each of them looked like a fallback. Names come from the other side too
     (a client's preference order, a server's reply: up to 32 of any 64 characters), so a name
     tensorwire does not know counts as "other": a peer that made up a new one at each connect
     made a new label value, kept for ever, each time."""
     from .transports import KNOWN  # (imported here: the transports import this module)
 
     with _lock:
-        here = any(node.node_id == remote_node for node in _nodes)
+        here = any(node.instance_id == remote_instance for node in _nodes)
     passed = dict.fromkeys(
         name if name in KNOWN else "other" for name, _ in path.passed_over if here or name != "inproc"
     )

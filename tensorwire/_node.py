@@ -447,7 +447,7 @@ class Node:
         """A new peer, ``side`` "connect" or "accept": track it, count it and serve its
         one-sided requests."""
         self.peers.append(peer)
-        _metrics.peer_opened(side, peer.path, peer.remote_node)
+        _metrics.peer_opened(side, peer.path, peer.remote_instance)
         transport = peer.path.transport
         carrier = self.transports.get(transport)
         unchecked = carrier is not None and not carrier.checks_payloads

@@ -425,6 +425,30 @@ def test_inproc_passed_over_for_a_peer_in_another_process_is_no_fallback() -> No
     assert _value(body, "tensorwire_peers_opened_total", side="accept", passed_over="") == 2, body
 
 
+def test_a_peer_in_another_process_named_like_a_node_of_this_one_is_no_fallback() -> None:
+    """Whether inproc passed over counts is decided by the remote node's instance id: by its
+    node id, a peer in another process whose node shares the name of a node of this one (both
+    named after their host, in containers) was counted as an inproc fallback."""
+    with _started(["serve", "--transports", "inproc", "tcp"]) as (_, node_address):
+
+        async def connect() -> dict[tuple[str, str, str], int]:
+            async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as probe:
+                name = (await probe.connect(node_address)).remote_node
+            before = metrics.snapshot().peers_opened
+            async with (
+                tensorwire.start("127.0.0.1:0", transports=("tcp",), node_id=name),  # (a namesake here)
+                tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as client,
+            ):
+                peer = await client.connect(node_address)
+                assert [n for n, _ in peer.path.passed_over] == ["inproc"], peer.path
+                await peer.aclose()
+            after = metrics.snapshot().peers_opened
+            return {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
+
+        grown = asyncio.run(connect())
+    assert grown == {("tcp", "connect", ""): 1}, grown
+
+
 def test_stage_metrics_flag_serves_them_beside_the_stage(tmp_path: Path) -> None:
     (tmp_path / "part.py").write_text(_PART)
     with _started(["stage", "--part", f"{tmp_path / 'part.py'}:build", "--transports", "tcp"]) as (url, _):
