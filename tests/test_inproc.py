@@ -155,3 +155,31 @@ async def test_a_copy_into_slow_memory_lets_the_loop_run_part_way(
         assert np.array_equal(out, src)
         # before: 0 (the message was copied in one piece, the loop held throughout)
         assert part_copied >= 4, part_copied
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("protocol", ["eager", "rendezvous"])
+@pytest.mark.parametrize("layout", ["swapped", "shifted"])
+async def test_an_out_that_is_the_memory_being_sent_gets_the_values_sent(protocol: str, layout: str) -> None:
+    """In one process a recv's out= may be the very memory a send reads: the payload is copied
+    tensor by tensor and in 512 KiB pieces, so bytes were read after earlier ones had landed
+    over them (swapped: out=[y, x] of [x, y] gave x's values to both, 10 elements or 100,000;
+    shifted by one element, 2,000,000 float64: 30 wrong, one per piece boundary)."""
+    n = 400_000  # 3.2 MB a tensor: several pieces
+    limits = tensorwire.Limits(recv_buffer_bytes=64 * MiB if protocol == "eager" else MiB)
+    async with connected_pair("inproc", limits=limits) as (a, b), asyncio.timeout(30):
+        x, y = np.arange(n, dtype=np.float64), -np.arange(n, dtype=np.float64)
+        if layout == "swapped":
+            src, out = [x, y], [y, x]
+            want = [x.copy(), y.copy()]
+        else:
+            buf = np.arange(n + 1, dtype=np.float64)
+            src, out = [buf[:-1]], [buf[1:]]
+            want = [buf[:-1].copy()]
+        recv = asyncio.ensure_future(b.recv_with_receipt(tag="t", out=out))
+        await asyncio.sleep(0.01)  # posted: the payload is copied straight into out=
+        sent = await a.send(src, tag="t")
+        got, receipt = await recv
+        assert got is out and sent.protocol == receipt.protocol == protocol
+        for landed, expected in zip(out, want, strict=True):
+            np.testing.assert_array_equal(landed, expected)

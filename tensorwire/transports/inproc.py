@@ -19,7 +19,11 @@ import os
 import time
 import uuid
 import weakref
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
 
 from ..errors import ClosedResourceError, ConnectError, PeerDisconnected, ProtocolError, TransferError
 from ..tensors import Outgoing
@@ -59,6 +63,7 @@ async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None
     ``_CHUNK`` bytes or ``_YIELD_SECONDS``. Stops once the arrival is done before its copy is: it
     failed (a channel closed or failed under it; the recv has returned, and its out= is the
     caller's again) or its sender gave up."""
+    segs = _apart(segs, arrival.dest)
     pos = 0
     unyielded = 0
     turn = time.perf_counter()
@@ -81,6 +86,30 @@ async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None
                 unyielded = 0
                 turn = time.perf_counter()
         pos += len(seg)
+
+
+def _apart(segs: list[memoryview], dest: Sequence[object] | None) -> list[memoryview]:
+    """``segs``, each one whose bytes a host tensor of ``dest`` shares replaced by a copy. In
+    one process a recv's out= may be memory that is being sent to it (``recv(out=[y, x])`` of
+    ``send([x, y])``, ``out=buf[1:]`` of ``buf[:-1]``): copied piece by piece, tensor by
+    tensor, later bytes would be read after earlier ones had overwritten them. The tensors of
+    ``dest`` share no memory with each other (out= is checked, the rest are ours), so each
+    segment is looked up among them by address."""
+    if not dest:
+        return segs
+    spans = sorted((a.__array_interface__["data"][0], a.nbytes) for a in dest if type(a) is np.ndarray and a.nbytes)
+    if not spans:
+        return segs
+    starts = [start for start, _ in spans]
+    out = segs
+    for i, seg in enumerate(segs):
+        low = np.frombuffer(seg, np.uint8).__array_interface__["data"][0]
+        k = bisect_left(starts, low + len(seg)) - 1  # the last destination starting before seg ends
+        if k >= 0 and starts[k] + spans[k][1] > low:
+            if out is segs:
+                out = list(segs)
+            out[i] = memoryview(bytes(seg))
+    return out
 
 
 def _failure(fut: asyncio.Future[None]) -> BaseException | None:
