@@ -274,6 +274,10 @@ def _terminal(msg: tuple[Any, ...], progress: _Progress, method: str, where: str
     raise ProtocolError(f"malformed RPC reply for {method}")
 
 
+def _nothing() -> None:
+    pass
+
+
 async def _send_request(
     channel: Channel,
     call_id: int,
@@ -282,9 +286,14 @@ async def _send_request(
     progress: _Progress,
     name: str,
     where: str,
+    before_reply: Callable[[], None] = _nothing,
 ) -> tuple[Receipt, Receipt | None]:
-    """Send the request, and the arguments apart once the server says GO; their receipts."""
+    """Send the request, and the arguments apart once the server says GO; their receipts.
+    ``before_reply`` is called once nothing but the reply comes on the call's tag any more
+    (before the request goes, or after GO), to post its recv before the reply can come."""
     progress.sent = True
+    if payload is None:
+        before_reply()
     try:
         sent = await channel.send(REQUEST_TAG, request)
     except MessageRefused:
@@ -297,6 +306,7 @@ async def _send_request(
     if msg[0] != Reply.GO:
         _terminal(msg, progress, name, where)
         raise ProtocolError(f"{name}: the server answered before it received the arguments")
+    before_reply()
     progress.args = ArgsState.INTERRUPTED  # until the send returns
     sent_args = await channel.send(args_tag(call_id), payload)
     progress.args = ArgsState.SENT
@@ -317,10 +327,6 @@ def _finish(peer: Peer, call_id: int, progress: _Progress, release: Callable[[],
         release()
         release = _nothing
     peer._spawn(_cancel_and_drain(peer.channel, call_id, progress.args, release, owed=progress.whole))
-
-
-def _nothing() -> None:
-    pass
 
 
 async def _room(budget: _Budget, channel: Channel, units: int) -> CallerRoom | None:
@@ -492,10 +498,12 @@ async def call(
                 release = _releasing(budget, room, 1)
                 try:
                     request, payload = _request(call_id, name, Kind.UNARY, tm.when(), arguments)
-                    sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
                     if out is not None:
-                        value, came = await _reply_into(channel, reply_tag(call_id), out, progress, name, where)
+                        value, sent, sent_args, came = await _call_into(
+                            channel, call_id, request, payload, out, progress, name, where
+                        )
                     else:
+                        sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where)
                         try:
                             msg, came = await _next_reply(channel, reply_tag(call_id))
                         except TransferError:
@@ -561,6 +569,38 @@ def _out_tensors(obj: Any, depth: int, views: list[TensorView]) -> None:
         raise ConfigurationError(f"_out= is nested deeper than {MAX_DEPTH} levels")
     for x in items:
         _out_tensors(x, depth + 1, views)
+
+
+async def _call_into(
+    channel: Channel,
+    call_id: int,
+    request: Outgoing,
+    payload: Outgoing | None,
+    out: Any,
+    progress: _Progress,
+    name: str,
+    where: str,
+) -> tuple[Any, Receipt, Receipt | None, Receipt]:
+    """A unary call whose result lands in ``out``: its recv is posted before the request (or
+    the arguments apart) goes, so that the result lands there directly however soon it comes
+    (posted once the send had returned, a large result over ucx came first, into a buffer of
+    ours, and was copied: staged). The result, and the receipts of request, arguments, result."""
+    reply: asyncio.Task[tuple[Any, Receipt]] | None = None
+
+    def post() -> None:
+        nonlocal reply
+        reply = asyncio.ensure_future(_reply_into(channel, reply_tag(call_id), out, progress, name, where))
+
+    try:
+        sent, sent_args = await _send_request(channel, call_id, request, payload, progress, name, where, post)
+        assert reply is not None
+        value, came = await reply
+    except BaseException:
+        if reply is not None and not reply.done():
+            reply.cancel()  # (its recv is given up: nothing lands in out= after this returns)
+            await asyncio.wait((reply,))
+        raise
+    return value, sent, sent_args, came
 
 
 async def _reply_into(
