@@ -314,7 +314,9 @@ class ExposureTable:
         if name in self._by_name:
             raise ConfigurationError(f"{name!r} is already exposed; unexpose it first")
         view = as_view(tensor)
-        if view.copied:  # peers would read and write a copy, never the caller's tensor
+        # peers would read and write a copy, never the caller's tensor (a numpy scalar, immutable,
+        # is all its copy: exposed read-only)
+        if view.copied and not isinstance(tensor, np.generic):
             raise UnsupportedTensorError(
                 f"{name!r} cannot be exposed: it is {view.copied}, whose values no memory holds, so "
                 "peers would reach a copy and never the tensor; expose x.resolve_conj() (or "

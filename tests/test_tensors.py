@@ -250,6 +250,24 @@ def test_a_torch_view_with_the_conj_or_neg_bit_is_sent_from_a_copy_and_says_pack
     assert not copied and np.shares_memory(arr, plain.numpy()) and not prepare(plain).packed
 
 
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_numpy_scalar_is_sent_from_a_copy_and_says_packed(transport: str) -> None:
+    """A numpy scalar has no memory of the caller's to send from: ``as_view`` makes a 0-d copy,
+    so its send's receipt says packed and not direct (it said direct=True, packed=False). A 0-d
+    array is still direct. (It may still be exposed, read-only: test_onesided.)"""
+    from tensorwire.testing import connected_pair
+
+    arr, copied = as_view(np.float32(2.5)).wire_array()
+    assert copied and arr.shape == ()
+    async with connected_pair(transport) as (a, b):
+        said = await a.send(np.float32(2.5), tag=1)
+        assert await b.recv(tag=1) == np.float32(2.5)
+        assert said.packed and not said.direct, said
+        said = await a.send(np.array(2.5, np.float32), tag=1)
+        assert float(await b.recv(tag=1)) == 2.5
+        assert said.direct and not said.packed, said
+
+
 class _FailingProtocol:
     """An object whose DLPack or CUDA array interface property fails when looked at."""
 

@@ -224,7 +224,7 @@ _torch_carriers = _TorchCarriers()
 
 def as_view(obj: object) -> TensorView:
     """Adapt a tensor-like object; raises UnsupportedTensorError with the reason otherwise."""
-    readonly = ""
+    readonly = copied = ""
     if isinstance(obj, np.ndarray):
         ma = sys.modules.get("numpy.ma")  # none can exist before numpy.ma is imported
         if ma is not None and isinstance(obj, ma.MaskedArray):
@@ -240,6 +240,8 @@ def as_view(obj: object) -> TensorView:
         arr = np.asarray(obj)  # a copy: numpy scalars are immutable
         arr.flags.writeable = False
         readonly = f"a numpy scalar ({type(obj).__name__}) is immutable; receive into a 0-d array, np.empty((), dtype)"
+        # what is sent is that copy, not the caller's memory: a send's receipt says so (direct=False)
+        copied = f"a numpy scalar ({type(obj).__name__})"
         framework = "numpy"
     else:
         torch = _torch()
@@ -282,7 +284,7 @@ def as_view(obj: object) -> TensorView:
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder not in "=|" and not arr.dtype.isnative):
         raise UnsupportedTensorError(f"big-endian dtype {arr.dtype} is not supported; convert to native order")
     dtype_name(arr.dtype)
-    return TensorView(arr, framework, readonly=readonly)
+    return TensorView(arr, framework, readonly=readonly, copied=copied)
 
 
 def mark_written(views: Iterable[TensorView]) -> None:
