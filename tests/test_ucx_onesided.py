@@ -721,3 +721,40 @@ async def test_requests_past_the_polled_few_are_reported_by_ucx(tls: str, monkey
         worker: Any = b.channel._w  # type: ignore[attr-defined]
         assert worker._ucp.polled_at_most == 1
     assert calls[0] > 0, "no request was reported by a completion callback"
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_a_small_read_is_not_queued_behind_all_of_a_large_transfer(op: str) -> None:
+    """UCX serves one endpoint's gets and puts in the order they were posted, each to its end:
+    a 4 KiB read issued while a 128 MiB read (or write) of the same peer was under way came
+    back only after the last byte of the large one had landed (0.2-0.7 s behind 1 GiB). The
+    large one now goes in pieces, a few posted at a time, and the small read passes between
+    them: it returns while the large one's last bytes have not moved yet. (Over cma; UCX's tcp
+    lanes still take a get or put whole: the owner serves each piece, which is not measured.)"""
+    async with _pair() as (a, b):
+        pool = np.zeros(128 * MiB, np.uint8)
+        small = np.arange(4096, dtype=np.uint8)
+        a.node.expose(pool, name="pool")
+        a.node.expose(small, name="small")
+        hp, hs = await b.lookup("pool"), await b.lookup("small")
+        mine = np.zeros_like(pool)
+        out = np.zeros_like(small)
+        await b.read(hs, out=out)  # (the remote keys unpacked, the lanes up)
+        if op == "read":
+            pool[:] = 9
+            large = asyncio.ensure_future(b.read(hp, out=mine))
+            landing, last = mine, mine[-1:]
+        else:
+            mine[:] = 9
+            large = asyncio.ensure_future(b.write(hp, mine))
+            landing, last = pool, pool[-1:]
+        async with asyncio.timeout(10):
+            while not landing[0] and not large.done():  # noqa: ASYNC110 - the landing is the point
+                await asyncio.sleep(0)
+        assert not large.done(), f"the {op} of 128 MiB ended before the small read was issued"
+        await b.read(hs, out=out)
+        last_landed = bool(last[0])
+        await large
+        assert np.array_equal(out, small)
+        assert not last_landed, f"the small read waited for the whole {op} of 128 MiB"
+        assert np.all(landing == 9)

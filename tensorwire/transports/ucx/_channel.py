@@ -89,6 +89,15 @@ _LAND_INLINE = 256 * 1024  # an answer's payload up to this size is also waited 
 # one that has matched runs on until its transfer ends) before its recv is told anyway, with a
 # warning that its buffer may still be written (a transfer from a peer that stopped mid-way)
 _LANDING_GRACE = 2.0
+# A get or put larger than _RMA_PIECE goes to UCX as pieces of that size, _RMA_AHEAD of them
+# posted at a time, where the endpoint moves them without the owner (cma, RDMA). UCX serves an
+# endpoint's one-sided operations in the order they were posted (over cma one 512 KiB segment
+# per progress round, the next operation only when the one before has ended), so a small read
+# posted behind a whole 256 MiB get waited for all of it (40 ms; 0.2-0.7 s behind 1 GiB); behind
+# pieces it waits for the two posted ahead of it (docs/benchmarks.md, ucx_hol.py). Over emulated
+# lanes (tcp) each piece waits on the owner's loop as well, and that trade is not measured yet.
+_RMA_PIECE = 16 << 20
+_RMA_AHEAD = 2
 # A BYE's arg: the peer aborted or failed its channel (abort, fail), and this side's channel
 # breaks (PeerDisconnected), as a tcp channel does when its peer's connection drops; a BYE
 # without it is an orderly close, which closes this side too. (A node that does not know it
@@ -204,6 +213,18 @@ def _landed(arrival: Arrival) -> None:
 
 def _on_device(arrival: Arrival) -> bool:
     return arrival.dest is not None and any(isinstance(d, DeviceTensor) for d in arrival.dest)
+
+
+async def _settled(fut: asyncio.Future[None]) -> bool:
+    """Wait until ``fut`` is done, also when cancelled meanwhile (UCX cannot take back a get or
+    put); True if a cancellation came."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait((fut,))
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
 
 
 class _Transfer:
@@ -1153,7 +1174,9 @@ class UcxChannel(Channel):
     async def rma_many(self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]) -> None:
         """``rma`` for a batch of ``(ptr, n, remote_addr, rkey, keep)``: every operation posted at
         once, each given its few inline progress rounds, those still going waited for together
-        (and, for puts, one flush); returns once all completed.
+        (and, for puts, one flush); returns once all completed. Over a direct lane an operation
+        larger than ``_RMA_PIECE`` goes in pieces, a few posted at a time (``_rma_pieces``),
+        after the rest.
         UCX cannot take back what it was given, so a failure or a cancellation still waits for
         everything posted before it is raised."""
         self.check_open()
@@ -1161,9 +1184,14 @@ class UcxChannel(Channel):
         w, ep = self._w, self.endpoint_handle
         post = ucp.put if op == "put" else ucp.get
         posted: list[tuple[int, object]] = []
+        large: list[tuple[int, int, int, RemoteKey, object]] = []
         error: BaseException | None = None
-        for ptr, n, remote_addr, rkey, keep in items:
+        for item in items:
+            ptr, n, remote_addr, rkey, keep = item
             if n == 0:
+                continue
+            if n > _RMA_PIECE and self.one_sided_direct:
+                large.append(item)
                 continue
             if rkey.handle is None:
                 error = ClosedResourceError("remote key is closed")
@@ -1186,12 +1214,73 @@ class UcxChannel(Channel):
             await self._raw_wait(*waiting)
         if error is not None:
             raise error
+        if large:
+            await self._rma_pieces(ucp, post, large)
         if op == "put":
             req = ucp.flush(ep)
             if req is not None and not w.finish_inline(ucp, req):
                 await self._raw_wait((req, None))
         if w.inline_streak >= _INLINE_STREAK:
             await asyncio.sleep(0)
+
+    async def _rma_pieces(
+        self, ucp: Ucp, post: Callable[..., int | None], items: list[tuple[int, int, int, RemoteKey, object]]
+    ) -> None:
+        """Get or put each of ``items`` as pieces of ``_RMA_PIECE`` bytes, at most ``_RMA_AHEAD``
+        of them posted and not completed: an operation posted meanwhile on this endpoint (a
+        small read of another task) waits for those, not for all that is left.
+
+        A cancellation posts the rest all the same and is raised once everything completed, as
+        for an operation posted whole (a cancelled write lands whole, a cancelled read returns
+        only once nothing more can be written). A failure, or the channel shutting, posts no
+        more pieces; the first failure is raised once those posted have completed."""
+        pieces = [
+            (ptr + at, min(_RMA_PIECE, n - at), remote_addr + at, rkey, keep)
+            for ptr, n, remote_addr, rkey, keep in items
+            for at in range(0, n, _RMA_PIECE)
+        ]
+        ep = self.endpoint_handle
+        futs: list[asyncio.Future[None]] = []
+        ahead: list[asyncio.Future[None]] = []
+        error: BaseException | None = None
+        cancelled = False
+        try:
+            for ptr, n, remote_addr, rkey, keep in pieces:
+                if len(ahead) >= _RMA_AHEAD:
+                    oldest = ahead.pop(0)
+                    cancelled = await _settled(oldest) or cancelled
+                    if oldest.cancelled() or oldest.exception() is not None:
+                        break  # (raised below, once the pieces posted have completed)
+                try:
+                    self.check_open()
+                    if rkey.handle is None:
+                        raise ClosedResourceError("remote key is closed")
+                    req = post(ep, ptr, n, remote_addr, rkey.handle)
+                except TensorWireError as exc:
+                    error = exc
+                    break
+                if req is not None:
+                    fut = self._w.watch_raw(ucp, req, keep)
+                    self._rma_futs.add(fut)
+                    futs.append(fut)
+                    ahead.append(fut)
+            for fut in ahead:
+                cancelled = await _settled(fut) or cancelled
+            shut = bool(self._rma_shut.intersection(futs))
+        finally:
+            self._rma_futs.difference_update(futs)
+            self._rma_shut.difference_update(futs)
+        if cancelled:
+            for fut in futs:  # (the failure is not what the caller asked about)
+                if not fut.cancelled():
+                    fut.exception()
+            raise asyncio.CancelledError
+        for fut in futs:
+            fut.result()
+        if error is not None:
+            raise error
+        if shut:  # they ended, but the channel shut meanwhile
+            self.check_open()
 
     async def _raw_wait(self, *requests: tuple[int, object]) -> None:
         """Wait for raw requests (with the memory each keeps) until every one completed; the
