@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -34,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _against import in_turns, print_table, trees
+from _two_process import stop_child
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,21 +156,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, float]:
             res["call bulk us"] = statistics.median(calls) * 1e6
             res["call bulk max us"] = max(calls) * 1e6
     finally:
-        try:
-            await asyncio.wait_for(child.wait(), 30)
-        except TimeoutError:
-            child.kill()
-            await child.wait()
+        await stop_child(child)
     return res
-
-
-def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, str(HERE), "--one", "--big-mib", str(args.big_mib), "--pings", str(args.pings)]
-    cmd += ["--bulk-sends", str(args.bulk_sends), "--chunk-kib", str(args.chunk_kib)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tree).stdout
-    row: dict[str, float] = json.loads(out.strip().splitlines()[-1])
-    return row
 
 
 def main() -> int:
@@ -190,33 +177,11 @@ def main() -> int:
     if args.one:
         print(json.dumps(asyncio.run(_measure(args))), flush=True)
         return 0
-    trees = {"this": ROOT}
-    if args.against is not None:
-        trees = {"other": args.against.resolve(), "this": ROOT}
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
-    for r in range(args.rounds):
-        for name, tree in trees.items():
-            runs[name].append(_run_tree(tree, args))
-            print(f"round {r + 1} {name}: {json.dumps(runs[name][-1])}", file=sys.stderr, flush=True)
-    keys = list(runs["this"][0])
+    argv = ["--big-mib", str(args.big_mib), "--pings", str(args.pings)]
+    argv += ["--bulk-sends", str(args.bulk_sends), "--chunk-kib", str(args.chunk_kib)]
+    runs = in_turns(HERE, trees(args.against), argv, args.rounds)
     print(f"tcp loopback, {args.big_mib} MiB bulk sends, {args.pings} round trips a row, {args.rounds} rounds")
-    head = f"{'':>18} |"
-    for name in trees:
-        head += f" {name + ' median':>14} | {name + ' range':>19} |"
-    if "other" in trees:
-        head += f" {'this/other':>10}"
-    print(head)
-    print("-" * len(head))
-    for k in keys:
-        line = f"{k:>18} |"
-        meds = {}
-        for name in trees:
-            vals = [run[k] for run in runs[name]]
-            meds[name] = statistics.median(vals)
-            line += f" {meds[name]:>14.2f} | {min(vals):>8.2f} - {max(vals):>8.2f} |"
-        if "other" in trees:
-            line += f" {meds['this'] / meds['other']:>9.2f}x"
-        print(line)
+    print_table(runs, width=18)
     return 0
 
 

@@ -25,19 +25,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _against import in_turns, print_table, trees
+from _two_process import stop_child
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
 
 
 def _tls(tls: str) -> dict[str, str]:
@@ -130,21 +129,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, float]:
                     res[f"{size} B per bulk"] = len(busy) / max(1, count[0] - b0)
                 await peer.send(None, tag="done")
     finally:
-        try:
-            await asyncio.wait_for(child.wait(), 30)
-        except TimeoutError:
-            child.kill()
-            await child.wait()
+        await stop_child(child)
     return res
-
-
-def _run_tree(tree: Path, args: argparse.Namespace, tls: str, op: str) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, str(HERE), "--one", "--tls", tls, "--op", op, "--big-mib", str(args.big_mib)]
-    cmd += ["--reads", str(args.reads), "--bulks", str(args.bulks), "--small", *map(str, args.small)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tree).stdout
-    row: dict[str, float] = json.loads(out.strip().splitlines()[-1])
-    return row
 
 
 def main() -> int:
@@ -167,37 +153,17 @@ def main() -> int:
         else:
             print(json.dumps(asyncio.run(_measure(args))), flush=True)
         return 0
-    trees = {"this": ROOT}
-    if args.against is not None:
-        trees = {"other": args.against.resolve(), "this": ROOT}
+    checkouts = trees(args.against)
     for tls in args.tls:
         for op in args.op:
-            runs: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
-            for r in range(args.rounds):
-                for name, tree in trees.items():
-                    runs[name].append(_run_tree(tree, args, tls, op))
-                    print(f"{tls} {op} round {r + 1} {name}: {json.dumps(runs[name][-1])}", file=sys.stderr, flush=True)
+            argv = ["--tls", tls, "--op", op, "--big-mib", str(args.big_mib), "--reads", str(args.reads)]
+            argv += ["--bulks", str(args.bulks), "--small", *map(str, args.small)]
+            runs = in_turns(HERE, checkouts, argv, args.rounds, label=f"{tls} {op} ")
             print(
                 f"\nUCX_TLS={tls}, bulk {op}s of {args.big_mib} MiB, {args.reads} small reads a row, "
                 f"{args.rounds} rounds"
             )
-            head = f"{'':>22} |"
-            for name in trees:
-                head += f" {name + ' median':>13} | {name + ' range':>21} |"
-            if "other" in trees:
-                head += f" {'this/other':>10}"
-            print(head)
-            print("-" * len(head))
-            for k in runs["this"][0]:
-                line = f"{k:>22} |"
-                meds = {}
-                for name in trees:
-                    vals = [run[k] for run in runs[name]]
-                    meds[name] = statistics.median(vals)
-                    line += f" {meds[name]:>13.2f} | {min(vals):>9.2f} - {max(vals):>9.2f} |"
-                if "other" in trees:
-                    line += f" {meds['this'] / meds['other']:>9.2f}x" if meds["other"] else f" {'-':>10}"
-                print(line)
+            print_table(runs)
     return 0
 
 
