@@ -840,6 +840,31 @@ async def test_empty_device_tensors_are_not_staged(engine: HostEngine, transport
         assert sent.direct == (sent.protocol != "inline"), sent  # (inline bytes are copied into the frame)
 
 
+@pytest.mark.parametrize("nbytes", [1000, CHUNK * 3 + 5], ids=["small", "eager"])
+@pytest.mark.parametrize(
+    "transport",
+    ["tcp", "inproc", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed"))],
+)
+async def test_an_empty_device_out_lets_the_host_bytes_beside_it_land_in_place(
+    engine: HostEngine, transport: str, nbytes: int
+) -> None:
+    """A recv whose out= holds an empty device tensor beside a host one: the host bytes land in
+    their out= as they do with a host out= alone, and the receipt says so. Before, inproc took
+    the whole message into buffers of ours for want of a way to write the empty tensor (ucx a
+    small, inline one), and copied the host bytes out of them: the receipt said staged and not
+    direct, where tcp landed them in place."""
+    host = _bytes(nbytes, 9)
+    async with connected_pair(transport) as (a, b):
+        src = {"d": _arr(engine, np.zeros((0, 3), np.float32)), "h": host}
+        out = {"d": _arr(engine, np.zeros((0, 3), np.float32)), "h": np.zeros_like(host)}
+        got, _, receipt = await exchange(a, b, src, out, "recv-first")
+        assert got["h"] is out["h"] and np.array_equal(out["h"], host)
+        plain = {"d": np.zeros((0, 3), np.float32), "h": np.zeros_like(host)}
+        _, _, alone = await exchange(a, b, src, plain, "recv-first", tag="plain")  # a host out= alone
+        assert not receipt.staged, receipt
+        assert receipt.direct == alone.direct, (receipt, alone)
+
+
 @pytest.mark.parametrize(
     "transport",
     ["inproc", pytest.param("ucx", marks=pytest.mark.skipif(_NO_UCXX, reason="ucxx is not installed"))],

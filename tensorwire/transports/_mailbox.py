@@ -837,9 +837,11 @@ class Mailbox:
             a.fail(fresh(exc))  # a whole message delivered before the failure stays delivered
 
     def _lands(self, targets: list[np.ndarray | DeviceTensor]) -> bool:
-        """Can this channel write every target where it is (host, or device memory it knows)?"""
+        """Can this channel write every target where it is (host, or device memory it knows)?
+        An empty device tensor takes no byte: it never keeps the rest from landing in place
+        (it sent a message's host bytes through buffers of ours, and its receipt said staged)."""
         kinds = self.channel.device_kinds
-        return all(not isinstance(t, DeviceTensor) or t.engine.kind in kinds for t in targets)
+        return all(not isinstance(t, DeviceTensor) or not t.nbytes or t.engine.kind in kinds for t in targets)
 
     def _place(self, arrival: Arrival, want: Device | None, streams: Streams | None) -> None:
         """A recv without out= is posted: allocate device tensors where they are to end up, so

@@ -212,7 +212,8 @@ def _landed(arrival: Arrival) -> None:
 
 
 def _on_device(arrival: Arrival) -> bool:
-    return arrival.dest is not None and any(isinstance(d, DeviceTensor) for d in arrival.dest)
+    """Whether ``arrival`` lands bytes in device memory (an empty device tensor takes none)."""
+    return arrival.dest is not None and any(isinstance(d, DeviceTensor) and d.nbytes for d in arrival.dest)
 
 
 async def _settled(fut: asyncio.Future[None]) -> bool:
