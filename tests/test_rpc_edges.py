@@ -1127,3 +1127,38 @@ async def test_a_request_is_the_message_it_always_was() -> None:
         assert got.header == want.header
         assert got.nbytes == want.nbytes
         assert [bytes(s) for s in got.segments()] == [bytes(s) for s in want.segments()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_call_with_out_cancelled_twice_while_its_result_lands_writes_no_more_after(transport: str) -> None:
+    """A call whose result lands in ``_out=`` and that is cancelled while it lands returns only
+    once nothing more is written there, also when a second cancellation comes while it waits for
+    that: the second skipped the wait, and the result went on landing in the caller's ``_out=``
+    after the cancelled call had returned."""
+    n = 256 << 20
+    async with connected_pair(transport) as (a, b):
+        big = np.full(n, 7, np.uint8)
+
+        @b.node.method("big")
+        async def send_big() -> np.ndarray:
+            return big
+
+        out = np.zeros(n, np.uint8)
+        call = asyncio.ensure_future(a.call("big", _out=out))
+        await eventually(lambda: bool(out[0] == 7), 30, pause=0)  # the result began to land
+        call.cancel()
+        await asyncio.sleep(0)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        seen = out.copy()
+        await asyncio.sleep(0.5)
+        changed = int(np.count_nonzero(out != seen))
+        assert not changed, f"{changed} bytes of _out= changed after the call returned"
+
+        @b.node.method("ping")
+        async def ping() -> int:
+            return 1
+
+        assert await a.call("ping", _deadline=30) == 1  # (and the peer still serves calls)

@@ -23,6 +23,7 @@ The channel's receipt of every message a call sends or takes is passed along; on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -596,9 +597,13 @@ async def _call_into(
         assert reply is not None
         value, came = await reply
     except BaseException:
-        if reply is not None and not reply.done():
+        if reply is not None:
             reply.cancel()  # (its recv is given up: nothing lands in out= after this returns)
-            await asyncio.wait((reply,))
+            while not reply.done():  # (also through a second cancellation: it joins the first)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait((reply,))
+            if not reply.cancelled():
+                reply.exception()  # (taken: the call's own failure is what is raised)
         raise
     return value, sent, sent_args, came
 
@@ -672,6 +677,10 @@ async def stream(
             async with tm:
                 arguments = await _arguments(name, args, kwargs)  # (its packing counts, as in call)
                 room = await _room(budget, channel, 2)  # one item, and the final reply
+        # Nothing from here to the try can raise, so the room is never lost on the way: the
+        # timeout's exit raises only when its block did, and a deadline or cancellation that
+        # comes while _room waits is raised inside it, where the room is given back (even one
+        # granted just then). Nothing that waits or raises may go between them.
         try:
             extra = budget.take_extra(STREAM_WINDOW - 1)
             window = 1 + extra
