@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -1067,3 +1068,43 @@ async def test_receiving_a_message_of_many_tensors_takes_work_linear_in_them() -
             assert large < 5 * mid, f"1,000 tensors ran {mid} lines of tensorwire, 4,000 ran {large}"
             worker: Any = b.channel._w  # type: ignore[attr-defined]
             assert not worker._groups and not worker._awaited, "the worker still watches a landed message"
+
+
+async def test_requests_held_for_ucx_cost_a_dispatch_the_same_however_many() -> None:
+    """Requests given up while UCX may still write into their memory (a channel cut in the
+    middle of a message: its matched receives, ``Worker.hold``) wait in the worker's graveyard
+    until UCX completes them. A dispatch asks UCX about one of them still in flight, and about
+    each completed one once; asking about each in every dispatch ran 120 -> 4,020 lines of
+    tensorwire per dispatch with 100 -> 4,000 held. Their memory still goes only once UCX is
+    done with it, and then all of it. Counted in lines, never seconds."""
+    from _lines import counting_lines
+    from _polling import eventually
+    from ucxx._lib.arr import Array
+
+    from tensorwire.transports.ucx._channel import make_tag
+
+    async def per_dispatch(worker: Any, n: int) -> int:
+        bufs = [np.empty(64, np.uint8) for _ in range(n)]
+        refs = [weakref.ref(buf) for buf in bufs]
+        # receives nobody sends to: UCX may write into their memory until they are cancelled
+        tag = worker.lib.UCXXTag
+        reqs = [worker.worker.tag_recv(Array(buf), tag(make_tag(0x7777, 3, i))) for i, buf in enumerate(bufs)]
+        for req, buf in zip(reqs, bufs, strict=True):
+            worker.hold(req, buf)
+        del bufs, buf
+        with counting_lines() as ran:
+            for _ in range(50):
+                worker._dispatch()
+        assert all(ref() is not None for ref in refs), "memory UCX may still write into was let go"
+        for req in reqs:
+            worker.cancel(req)
+        worker.kick()  # (as abandon() does after its cancels)
+        await eventually(lambda: not worker._graveyard)
+        assert all(ref() is None for ref in refs), "memory of requests UCX completed is still held"
+        return ran.count
+
+    with _ucx_config(TLS="sm,self"):
+        async with connected_pair("ucx") as (_, b):
+            worker: Any = b.channel._w  # type: ignore[attr-defined]
+            small, large = await per_dispatch(worker, 100), await per_dispatch(worker, 4000)
+    assert large < 2 * small, f"50 dispatches ran {small} lines with 100 requests held, {large} with 4,000"

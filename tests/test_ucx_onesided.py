@@ -711,9 +711,9 @@ async def test_a_few_requests_in_flight_are_polled_not_called_back(tls: str) -> 
 
 @pytest.mark.parametrize("tls", ["sm,self", "tcp"])
 async def test_requests_past_the_polled_few_are_reported_by_ucx(tls: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With room for one polled request per worker (a channel's control receive takes it),
-    every other request is posted with a completion callback; frames, payloads, reads and
-    writes all complete through it, and channels close cleanly."""
+    """With room for one polled request per worker besides its receives, every other request
+    is posted with a completion callback; frames, payloads, reads and writes all complete
+    through it, and channels close cleanly."""
     monkeypatch.setattr(_ucp, "POLLED_AT_MOST", 1)
     async with _pair(tls) as (a, b):
         with _counting_completion_callbacks() as calls:
@@ -758,3 +758,34 @@ async def test_a_small_read_is_not_queued_behind_all_of_a_large_transfer(op: str
         assert np.array_equal(out, small)
         assert not last_landed, f"the small read waited for the whole {op} of 128 MiB"
         assert np.all(landing == 9)
+
+
+async def test_a_node_with_many_peers_still_polls_its_small_reads() -> None:
+    """A node with more peers than the worker has polled places (a hub) keeps its small gets
+    and puts polled: the channels' standing control receives, one per peer, have places of
+    their own. Counted against the same 24, they took them all on a node of 24 peers or more,
+    and every small read or write there was called back (1.00 call from C into Python per
+    32-byte read with 40 peers, 0 with one)."""
+    opts: dict[str, Any] = {"transports": ("ucx",), "ucx_options": {"TLS": "sm,self"}}
+    async with contextlib.AsyncExitStack() as stack:
+        hub = await stack.enter_async_context(tensorwire.start("127.0.0.1:0", **opts))
+        owner = await stack.enter_async_context(tensorwire.start("127.0.0.1:0", **opts))
+        b = await hub.connect(owner.address)
+        await owner.accept()
+        for _ in range(_ucp.POLLED_AT_MOST + 6):
+            other = await stack.enter_async_context(tensorwire.start("127.0.0.1:0", **opts))
+            await hub.connect(other.address)
+            await other.accept()
+        kv = np.arange(64 * 1024, dtype=np.uint8)
+        owner.expose(kv, name="kv/hub")
+        h = await b.lookup("kv/hub")
+        out = np.empty(32, np.uint8)
+        await b.read(h[:32], out=out)  # (the remote key unpacked, the lanes up)
+        worker: Any = b.channel._w  # type: ignore[attr-defined]
+        assert len(worker._raw_recv) > _ucp.POLLED_AT_MOST, "fewer control receives than polled places"
+        with _counting_completion_callbacks() as calls:
+            for i in range(20):
+                await b.read(h[i * 64 : i * 64 + 32], out=out)
+                assert np.array_equal(out, kv[i * 64 : i * 64 + 32])
+                await b.write(h[i * 64 : i * 64 + 8], np.full(8, i, np.uint8))
+    assert calls[0] == 0, f"UCX called back into Python {calls[0]} times for 40 small reads and writes"

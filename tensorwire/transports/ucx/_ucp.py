@@ -42,7 +42,16 @@ from ...errors import PeerDisconnected, TransferError, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["POLLED_AT_MOST", "CompletingUcp", "MemoryRegion", "RemoteKey", "Ucp", "load", "loaded_library"]
+__all__ = [
+    "POLLED_AT_MOST",
+    "RECVS_POLLED_AT_MOST",
+    "CompletingUcp",
+    "MemoryRegion",
+    "RemoteKey",
+    "Ucp",
+    "load",
+    "loaded_library",
+]
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
@@ -64,8 +73,12 @@ _FIELD_USER_DATA = 1 << 2  # UCP_OP_ATTR_FIELD_USER_DATA
 _FAST_CMPL = 1 << 17  # UCP_OP_ATTR_FLAG_FAST_CMPL
 _FULL_MASK = (1 << 64) - 1  # a tag receive that matches one tag exactly
 # A worker's requests polled at once, at most (see Ucp.completing_into): each progress round
-# that moved then asks UCX about this many at most (a ctypes call each)
+# that moved then asks UCX about this many at most (a ctypes call each). Receives (the channels'
+# standing control receives, one per channel) have places of their own: counted with the rest,
+# a node with 24 peers or more had every place taken by them, and each of its gets and puts,
+# however small, was called back (a call from C into Python per completion)
 POLLED_AT_MOST = 24
+RECVS_POLLED_AT_MOST = 8
 # status codes that mean the peer or the link is gone
 
 
@@ -241,14 +254,20 @@ class Ucp:
         request may have been freed since, and its memory given to another one, so the worker
         looks an entry up among the requests it holds and asks UCX its status before it acts.
         ``release_completions`` stops the appending (the worker is closing). ``polled_at_most``
-        is ``POLLED_AT_MOST`` unless given.
+        is ``POLLED_AT_MOST`` unless given. Receives have places of their own
+        (``RECVS_POLLED_AT_MOST``, in ``recvs`` as well as ``polled``): a channel's control
+        receive stands until a frame comes, and with one per peer they took every place on a
+        node of 24 peers or more, so that each get, put and send there, however small, was
+        called back.
 
         Either way alone cost dearly. Polled, every request in flight was asked about after
         each progress round: a batch of 4,000 gets took 5.5 s, quadratic in its size (0.40 s
         with callbacks). Called back, each completion that UCX does not report at once costs a
         call from C into Python (the GIL taken again, the arguments converted): a 4 KiB read
         went from 0.32 to 0.21 GB/s, and an 8-byte round trip took 3 us more."""
-        return CompletingUcp(self, done, POLLED_AT_MOST if polled_at_most is None else polled_at_most)
+        return CompletingUcp(
+            self, done, POLLED_AT_MOST if polled_at_most is None else polled_at_most, RECVS_POLLED_AT_MOST
+        )
 
     @staticmethod
     def _fn(fn: Any, restype: Any, *argtypes: Any) -> Any:
@@ -427,11 +446,14 @@ class CompletingUcp(Ucp):
     """One worker's bindings (``Ucp.completing_into``): each request they post is either polled
     (in ``polled`` until freed) or reported through ``done`` as it completes."""
 
-    def __init__(self, base: Ucp, done: list[int], polled_at_most: int) -> None:
+    def __init__(self, base: Ucp, done: list[int], polled_at_most: int, recvs_polled_at_most: int) -> None:
         self.__dict__.update(base.__dict__)  # (the functions base bound: the same library)
         self.polled: set[int] = set()  # requests posted without a callback, not freed yet
+        self.recvs: set[int] = set()  # the receives among them (places of their own)
         self.polled_at_most = polled_at_most
-        self.polling = True  # the parameters in use carry no callback
+        self.recvs_polled_at_most = recvs_polled_at_most
+        self.polling = True  # the parameters in use for sends, gets, puts, flushes carry no callback
+        self.polling_recvs = True  # and those for receives
         self.completion_key = key = _next_key()
         _completions[key] = done
         self._plain = self._param_ref, self._frame_param_ref, self._recv_param_ref
@@ -446,17 +468,33 @@ class CompletingUcp(Ucp):
         if req is not None and self.polling:  # (posted with the parameters in use now)
             polled = self.polled
             polled.add(req)
-            if len(polled) >= self.polled_at_most:
+            if len(polled) - len(self.recvs) >= self.polled_at_most:
                 self.polling = False
-                self._param_ref, self._frame_param_ref, self._recv_param_ref = self._called
+                self._param_ref, self._frame_param_ref = self._called[:2]
+        return req
+
+    def _posted_recv(self, req: int | None) -> int | None:
+        if req is not None and self.polling_recvs:
+            recvs = self.recvs
+            recvs.add(req)
+            self.polled.add(req)
+            if len(recvs) >= self.recvs_polled_at_most:
+                self.polling_recvs = False
+                self._recv_param_ref = self._called[2]
         return req
 
     def request_release(self, req: int) -> None:
         self._free(req)
-        self.polled.discard(req)
-        if not self.polling and len(self.polled) < self.polled_at_most:
+        polled = self.polled
+        polled.discard(req)
+        if req in self.recvs:
+            self.recvs.discard(req)
+            if not self.polling_recvs and len(self.recvs) < self.recvs_polled_at_most:
+                self.polling_recvs = True
+                self._recv_param_ref = self._plain[2]
+        elif not self.polling and len(polled) - len(self.recvs) < self.polled_at_most:
             self.polling = True
-            self._param_ref, self._frame_param_ref, self._recv_param_ref = self._plain
+            self._param_ref, self._frame_param_ref = self._plain[:2]
 
     def request_finish(self, req: int) -> int:
         status = int(self._check(req))
@@ -468,6 +506,7 @@ class CompletingUcp(Ucp):
         request it holds, or hands it back to UCX)."""
         _completions.pop(self.completion_key, None)
         self.polled.clear()
+        self.recvs.clear()
 
     # (the posting methods of Ucp, each with _posted: written out, one call less per request)
     def put(self, ep: int, buf: int, nbytes: int, remote_addr: int, rkey: int) -> int | None:
@@ -489,7 +528,7 @@ class CompletingUcp(Ucp):
     def tag_recv(self, worker: int, address: int, nbytes: int, tag: int) -> int | None:
         ptr: int | None = self._tag_recv(worker, address, nbytes, tag, _FULL_MASK, self._recv_param_ref)
         if ptr is None or ptr < _PTR_ERRORS:
-            return self._posted(ptr)
+            return self._posted_recv(ptr)
         raise self.error(ptr - _PTR_MAX, "ucp_tag_recv_nbx")
 
     def tag_send_at(self, ep: int, address: int, nbytes: int, tag: int) -> int | None:

@@ -28,6 +28,7 @@ import re
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -302,7 +303,8 @@ class Worker:
         # this module (quadratic; 90 per get now)
         self._done: list[int] = []
         self._polled: set[int] = set()
-        self._graveyard: list[tuple[Any, object]] = []  # cancelled requests UCX may still hold
+        # cancelled requests UCX may still hold, with the memory it may still write (see _release_buried)
+        self._graveyard: deque[tuple[Any, object]] = deque()
         # raw requests of closed channels (sends UCX cannot take back), with their memory: freed
         # once UCX completes them, or with the worker; a send's memory also once its peer's
         # process has certainly ended (see sweep). Not polled for: to a peer that died, a
@@ -663,7 +665,7 @@ class Worker:
         self._fresh = False
         n = 0
         if self._graveyard:
-            self._graveyard = [(r, k) for r, k in self._graveyard if not r.completed]
+            self._release_buried()
         if self._watch:
             done = [(r, w) for r, w in self._watch.items() if r.completed]
             for r, w in done:
@@ -702,6 +704,21 @@ class Worker:
                 except Exception:
                     log.exception("ucx completion callback failed")
         return n
+
+    def _release_buried(self) -> None:
+        """Let go of the graveyard's requests that UCX has completed, with their memory: those
+        at its head, after which the first one still in flight moves to the back. A dispatch thus
+        asks UCX about one request in flight, and about each completed one once. Rescanned whole
+        in every dispatch, 4,000 held requests (a channel cut in the middle of a message of
+        4,000 tensors) ran 4,020 lines per dispatch until UCX was done with them (23 now). A
+        request goes only once UCX says it has completed, never before: at most as many
+        dispatches later as the graveyard holds requests, and in the next one once all have
+        completed (the head is then completed all the way down)."""
+        graveyard = self._graveyard
+        while graveyard and graveyard[0][0].completed:
+            graveyard.popleft()
+        if graveyard:
+            graveyard.rotate(-1)
 
     def _dispatch_groups(self) -> int:
         """Report the requests of ``watch_each`` that have completed, each group's in order from
