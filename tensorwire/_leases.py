@@ -21,11 +21,7 @@ if TYPE_CHECKING:
     from ._node import Node
     from ._peer import Peer
 
-__all__ = ["MAX_BATCH", "Renewals", "renewals_for"]
-
-# Sessions per RenewLeases call (the most a node takes in one); more go in further calls at
-# the same time.
-MAX_BATCH = MAX_RENEWALS
+__all__ = ["Renewals", "renewals_for"]
 
 
 def renewals_for(node: Node, target: str, lease: float) -> Renewals:
@@ -52,7 +48,7 @@ class Renewals:
         self.lease = lease
         # member -> when a renewal of its session was last answered (or it joined)
         self._members: dict[Peer, float] = {}
-        self.calls = 0  # RenewLeases calls made (each renews up to MAX_BATCH sessions)
+        self.calls = 0  # RenewLeases calls made (each renews up to MAX_RENEWALS sessions)
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"tensorwire-leases {target}")
 
     def add(self, peer: Peer) -> None:
@@ -83,7 +79,7 @@ class Renewals:
                     self._members[peer] += lag
             sent = time.monotonic()
             batch = [peer for peer in self._members if not peer.closed]
-            chunks = [batch[i : i + MAX_BATCH] for i in range(0, len(batch), MAX_BATCH)]
+            chunks = [batch[i : i + MAX_RENEWALS] for i in range(0, len(batch), MAX_RENEWALS)]
             if len(chunks) == 1:
                 await self._renew(chunks[0], sent, interval)
             else:

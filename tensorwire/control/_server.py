@@ -46,6 +46,7 @@ MAX_ADDRESS_CHARS = 512  # a client's control address: a DNS name (253 at most) 
 MAX_INSTANCE_ID_CHARS = 64  # a node's instance id (Node.instance_id: 32 hex digits)
 MAX_RENEWALS = 2048  # sessions in one RenewLeases call (each costs this node an HMAC)
 SECRET_BYTES = 32  # a session secret (a client refuses a handshake answer with any other length)
+_LOST, _REFUSED = object(), object()  # (_Servicer._renewal: a session not known here, a wrong proof)
 _NO_SESSION = "no such session (closed, expired or never opened: a node restarted at this address)"
 
 
@@ -189,16 +190,25 @@ class _Servicer(control_pb2_grpc.ControlServicer):
     async def Heartbeat(  # noqa: N802 - gRPC method name
         self, request: control_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.HeartbeatResponse:
+        renewed = self._renewal(request, "heartbeat", context)
+        if renewed is _LOST:
+            await context.abort(grpc.StatusCode.NOT_FOUND, _NO_SESSION)
+        if renewed is _REFUSED:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lease renewals need the session's proof")
+        return control_pb2.HeartbeatResponse(lease_ms=int(self.node.config.lease_seconds * 1000))
+
+    def _renewal(self, request: control_pb2.HeartbeatRequest, what: str, context: grpc.aio.ServicerContext) -> object:
+        """Renew the lease of ``request``'s session if its proof is right: None, else ``_LOST``
+        (no such session here) or ``_REFUSED`` (a wrong proof: knowing a session's id, which
+        travels in the clear, must not keep a dead peer alive)."""
         secret = self.node._lease_secret(request.session_id)
         if secret is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, _NO_SESSION)
-            raise AssertionError("unreachable: abort raises")
+            return _LOST
         if not hmac.compare_digest(request.proof, heartbeat_proof(secret, request.session_id)):
-            # knowing a session's id (it travels in the clear) must not keep a dead peer alive
-            self._refusals.warn("heartbeat from %s refused: bad proof", context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lease renewals need the session's proof")
+            self._refusals.warn("%s from %s refused: bad proof", what, context.peer())
+            return _REFUSED
         self.node._renew(request.session_id)
-        return control_pb2.HeartbeatResponse(lease_ms=int(self.node.config.lease_seconds * 1000))
+        return None
 
     async def RenewLeases(  # noqa: N802 - gRPC method name
         self, request: control_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
@@ -211,17 +221,13 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"one call renews at most {MAX_RENEWALS} sessions (got {len(request.renewals)})",
             )
-        node = self.node
         response = control_pb2.RenewLeasesResponse()
         for renewal in request.renewals:
-            secret = node._lease_secret(renewal.session_id)
-            if secret is None:
+            renewed = self._renewal(renewal, "lease renewal", context)
+            if renewed is _LOST:
                 response.lost.append(renewal.session_id)
-            elif not hmac.compare_digest(renewal.proof, heartbeat_proof(secret, renewal.session_id)):
-                self._refusals.warn("lease renewal from %s refused: bad proof", context.peer())
+            elif renewed is _REFUSED:
                 response.refused.append(renewal.session_id)
-            else:
-                node._renew(renewal.session_id)
         return response
 
     async def Lookup(  # noqa: N802 - gRPC method name

@@ -717,9 +717,7 @@ async def _reserve(peer: Peer, s: int, token: str) -> int:
     except MethodNotFound as exc:
         raise ConfigurationError(
             f"stage {s} ({peer.remote_address}) is a tensorwire node but not a pipeline stage: serve one there "
-            "with `tensorwire stage --part FILE.py:FUNCTION` or pipeline.Stage(node, ...), or check the address "
-            "(a stage of a tensorwire older than this driver's, without tw.pipeline.reserve, is refused too: "
-            "run the same version on both)"
+            "with `tensorwire stage --part FILE.py:FUNCTION` or pipeline.Stage(node, ...), or check the address"
         ) from exc
     return generation
 

@@ -989,19 +989,7 @@ class Mailbox:
                     raise TransferError(f"received message could not be rebuilt: {exc!r}") from exc
         finally:
             arrival.settle()
-        ch = self.channel
-        receipt = Receipt(
-            ch.transport,
-            ch.lanes,
-            arrival.nbytes,
-            time.perf_counter() - t0,
-            arrival.protocol,
-            not staged and not arrival.copied,
-            staged,
-            False,
-            "host",
-        )
-        return value, receipt
+        return value, self._receipt(arrival, t0, staged)
 
     async def _give_up(self, p: _Posted, tag: int, out: object | None, keep: bool) -> None:
         """The recv posted as ``p`` is cancelled: out of its tag's line, or, if a message was
@@ -1129,8 +1117,13 @@ class Mailbox:
             raise
         except Exception as exc:  # validated headers make this unreachable; never jam the tag
             raise TransferError(f"received message could not be rebuilt: {exc!r}") from exc
+        return value, self._receipt(arrival, t0, staged, memory)
+
+    def _receipt(self, arrival: Arrival, t0: float, staged: bool, memory: str = "host") -> Receipt:
+        """How ``arrival`` came to the recv that began at ``t0`` (``staged``: through buffers of
+        ours; direct where it landed in the recv's own memory, not from a copy the sender made)."""
         ch = self.channel
-        receipt = Receipt(
+        return Receipt(
             transport=ch.transport,
             lanes=ch.lanes,
             nbytes=arrival.nbytes,
@@ -1141,7 +1134,6 @@ class Mailbox:
             packed=False,
             memory=memory,
         )
-        return value, receipt
 
 
 def _whole_on_host(arrival: Arrival, out: object | None, targets: list[np.ndarray | DeviceTensor] | None) -> bool:

@@ -63,7 +63,8 @@ async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None
     ``_CHUNK`` bytes or ``_YIELD_SECONDS``. Stops once the arrival is done before its copy is: it
     failed (a channel closed or failed under it; the recv has returned, and its out= is the
     caller's again) or its sender gave up."""
-    segs = _apart(segs, arrival.dest)
+    if arrival.direct:  # (only the caller's out= can be memory being sent: the rest is ours)
+        segs = _apart(segs, arrival.dest)
     pos = 0
     unyielded = 0
     turn = time.perf_counter()
@@ -92,9 +93,9 @@ def _apart(segs: list[memoryview], dest: Sequence[object] | None) -> list[memory
     """``segs``, each one whose bytes a host tensor of ``dest`` shares replaced by a copy. In
     one process a recv's out= may be memory that is being sent to it (``recv(out=[y, x])`` of
     ``send([x, y])``, ``out=buf[1:]`` of ``buf[:-1]``): copied piece by piece, tensor by
-    tensor, later bytes would be read after earlier ones had overwritten them. The tensors of
-    ``dest`` share no memory with each other (out= is checked, the rest are ours), so each
-    segment is looked up among them by address."""
+    tensor, later bytes would be read after earlier ones had overwritten them. ``dest`` is that
+    out= (``Arrival.direct``), whose tensors share no memory with each other (out= is checked),
+    so each segment is looked up among them by address."""
     if not dest:
         return segs
     spans = sorted((a.__array_interface__["data"][0], a.nbytes) for a in dest if type(a) is np.ndarray and a.nbytes)
