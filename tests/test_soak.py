@@ -35,6 +35,13 @@ def _count(report: str, label: str) -> int:
 @pytest.mark.parametrize("transport", _TRANSPORTS)
 def test_soak_into_out_loses_nothing_and_cancelled_recvs_leave_out_alone(transport: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if transport == "ucx":
+        # The soak SIGKILLs workers while they send. One killed in the middle of a send over UCX's
+        # shared-memory FIFOs (posix, sysv) blocks the hub's receive FIFO for good, a UCX limitation
+        # (docs/ucx.md): the next worker's data connection never opens. A CI run met it once in
+        # about 40 (restart rate 0.1: 2 of 5 runs). This test is about out= and cancelled recvs, so
+        # it runs as docs/ucx.md advises where processes may be killed: cma and tcp, no FIFOs.
+        env["UCX_TLS"] = "^posix,sysv"
     run = subprocess.run(
         [sys.executable, "benchmarks/soak.py", "--into", "--transport", transport, "--duration", "5",
          "--peers", "2", "--max-mib", "16", "--seed", "7"],
