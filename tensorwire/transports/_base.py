@@ -155,6 +155,16 @@ class Receipt:
         ways, some one-sided and some served by their owner (``protocol="mixed"``): one receipt
         per way, the one-sided part first, each with its handles' bytes and flags (which handle
         went which way is its ``direct``). Empty for every other transfer.
+    lanes: the lanes the transfer could take: those of the channel's endpoint, or, where
+        ``route`` is set, the ones the transport below says the payload took.
+    route: the transport below tensorwire's own name for how it moved the payload, where it says:
+        over ucx, for a send whose payload segments are each 4 MiB or more, the protocol UCX
+        selected for them ("rendezvous zero-copy read from remote" over cma, "rendezvous
+        zero-copy fenced write to remote" over tcp), and ``lanes`` are then the lanes that
+        protocol used ("cma/memory"; "tcp/lo", "tcp/eth0"). Empty elsewhere: tcp and inproc
+        (their protocol says it all), a ucx recv (UCX keeps no protocol on a receive in its
+        release builds), a smaller ucx payload (asking costs UCX 5-8 us a request), and one UCX
+        sent within the call that posted it.
 
     Not frozen: one is built per message, and a frozen dataclass's ``__init__`` costs about
     four times as much (every field through ``object.__setattr__``). Treat it as read-only.
@@ -170,6 +180,7 @@ class Receipt:
     packed: bool
     memory: str = "host"
     parts: tuple[Receipt, ...] = ()
+    route: str = ""
 
     @property
     def gbps(self) -> float:

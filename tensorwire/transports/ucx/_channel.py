@@ -85,6 +85,11 @@ _ANSWER_WINDOW = 200e-6  # a recv this soon after our last frame may wait inline
 _WAIT_INLINE = 50e-6  # for at most this long
 _WAIT_BACKOFF = 1024  # recvs without an inline wait after repeated failures, at most
 _LAND_INLINE = 256 * 1024  # an answer's payload up to this size is also waited for inline (once)
+# a payload segment at least this large is asked which protocol UCX selected for it
+# (``Ucp.request_route``): UCX writes its answer out as text, 5-8 us a request on a 2-core VM
+# under load (8.5-10.6 us read back), under 2% of a 4 MiB send over cma there but 4-5% of a
+# 64 KiB round trip, so smaller ones keep the endpoint's lanes (docs/ucx.md)
+_ROUTE_FROM = 4 << 20
 # how long a failed message waits for the UCX receives still landing its payload (cancelled, but
 # one that has matched runs on until its transfer ends) before its recv is told anyway, with a
 # warning that its buffer may still be written (a transfer from a peer that stopped mid-way)
@@ -528,6 +533,7 @@ class UcxChannel(Channel):
             msg_id = self._next_id
             self._next_id += 1
             segs: list[memoryview | DeviceTensor] = msg.parts() if msg.on_device else list(msg.segments())
+            route: tuple[str, tuple[str, ...]] | None = None
             inline = (
                 not msg.on_device
                 and eager
@@ -541,7 +547,7 @@ class UcxChannel(Channel):
             elif eager:
                 self._send_frame(self._frame(FrameType.MSG, meta_len=len(header), msg_id=msg_id, arg=tag) + header)
                 turn.passed()
-                await self._send_payload(msg_id, segs)
+                route = await self._send_payload(msg_id, segs)
                 protocol = "eager"
             else:
                 cts = self._loop.create_future()
@@ -559,14 +565,20 @@ class UcxChannel(Channel):
                     raise
                 finally:
                     self._cts.pop(msg_id, None)
-                await self._send_payload(msg_id, segs)
+                route = await self._send_payload(msg_id, segs)
                 protocol = "rendezvous"
         finally:
             self._sending -= 1
-        return self._send_receipt(msg, protocol, t0, tag)
+        receipt = self._send_receipt(msg, protocol, t0, tag)
+        if route is not None:
+            receipt.route, receipt.lanes = route
+        return receipt
 
-    async def _send_payload(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> None:
-        """Hand every segment to UCX, then wait for all of them. UCX cannot recall a send, so a
+    async def _send_payload(
+        self, msg_id: int, segs: list[memoryview | DeviceTensor]
+    ) -> tuple[str, tuple[str, ...]] | None:
+        """Hand every segment to UCX, then wait for all of them; the protocol UCX says it selected
+        and its lanes (``Receipt.route``; None where it does not say). UCX cannot recall a send, so a
         cancellation waits for the payload to finish moving and then takes effect. Device
         segments are posted once their producers' events have completed. Cancelled (or failed)
         while it waits for those, it has posted nothing: its receiver, which has the header, is
@@ -583,7 +595,7 @@ class UcxChannel(Channel):
         self.check_open()
         if self._ucp is None:
             await self._send_payload_ucxx(msg_id, segs)
-            return
+            return None
         # straight to ucp_tag_send_nbx, as control frames go: the worker keeps each request and
         # its segment until UCX completes it, or until the worker is destroyed. A ucxx request
         # is kept by its endpoint and keeps the endpoint in turn: a send to a peer that died
@@ -593,11 +605,21 @@ class UcxChannel(Channel):
         tag = make_tag(self._tx_key, DATA, msg_id)
         array = _array()
         reqs: list[int] = []  # those UCX did not complete at once, to wait for in order
+        routes: list[tuple[str, tuple[str, ...]]] | None = []  # None: a segment's is not known
         cancelled = False
         try:
             for s in segs:
                 a = array(_payload(s))  # (its address, as ucxx would post it; host or device)
                 req = ucp.tag_send_at(ep, a.ptr, a.nbytes, tag)
+                if routes is not None and a.nbytes:
+                    # asked before anything can free the request: what UCX selected for this
+                    # segment. Not known for a small one (not asked), nor for one UCX sent
+                    # within the call (no request): the message then claims no route
+                    route = ucp.request_route(req) if req is not None and a.nbytes >= _ROUTE_FROM else None
+                    if route is None:
+                        routes = None
+                    elif route not in routes:
+                        routes.append(route)
                 if req is not None:
                     w.keep_raw(ucp, req, s, self)
                     reqs.append(req)
@@ -622,6 +644,12 @@ class UcxChannel(Channel):
             raise
         if cancelled:
             raise asyncio.CancelledError
+        if not routes:
+            return None
+        if len(routes) == 1:
+            return routes[0]
+        lanes = dict.fromkeys(lane for _, ls in routes for lane in ls)
+        return "; ".join(dict.fromkeys(r for r, _ in routes)), tuple(lanes)
 
     async def _send_payload_ucxx(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> None:
         """``_send_payload``'s sends through ucxx, where the libucp bindings did not load."""

@@ -68,6 +68,8 @@ _PROT_LOCAL = (1 << 0) | (1 << 1)  # local read and write
 _PROT_REMOTE_READ = 1 << 8
 _PROT_REMOTE_WRITE = 1 << 9
 _EP_ATTR_TRANSPORTS = 1 << 3
+_REQUEST_ATTR_INFO = (1 << 0) | (1 << 1)  # UCP_REQUEST_ATTR_FIELD_INFO_STRING and _INFO_STRING_SIZE
+_INFO_BYTES = 512  # UCX's own bound for the string (UCP_WORKER_ATTR_FIELD_MAX_INFO_STRING) is 1 KiB
 _FIELD_CALLBACK = 1 << 1  # UCP_OP_ATTR_FIELD_CALLBACK
 _FIELD_USER_DATA = 1 << 2  # UCP_OP_ATTR_FIELD_USER_DATA
 _FAST_CMPL = 1 << 17  # UCP_OP_ATTR_FLAG_FAST_CMPL
@@ -122,6 +124,16 @@ class _Transports(Structure):
     _fields_ = [("entries", POINTER(_TransportEntry)), ("num_entries", c_uint), ("entry_size", c_size_t)]
 
 
+class _RequestAttr(Structure):
+    _fields_ = [
+        ("field_mask", c_uint64),
+        ("debug_string", c_void_p),
+        ("debug_string_size", c_size_t),
+        ("status", c_int),
+        ("mem_type", c_int),
+    ]
+
+
 class _SockaddrStorage(Structure):
     _fields_ = [("data", c_uint64 * 16)]  # 128 bytes, 8-aligned like struct sockaddr_storage
 
@@ -135,6 +147,47 @@ class _EpAttr(Structure):
         ("transports", _Transports),
         ("user_data", c_void_p),
     ]
+
+
+_ROUTES: dict[bytes, tuple[str, tuple[str, ...]] | None] = {}
+
+
+def _route(info: bytes) -> tuple[str, tuple[str, ...]] | None:
+    """``Ucp.request_route`` of one info string, which UCX 1.21 (``ucp_proto_config_info_str``)
+    writes as ``{flags} <operation> from <memory> length <n> <protocol> <lanes> <rate> MB/s
+    <time> us``, the lanes as ``cma/memory`` or ``52% on tcp/lo and 48% on tcp/eth0``. Those
+    of one endpoint's protocols are few: each is read once, then found by its text without
+    the length and the estimates."""
+    flags, _, body = info.partition(b"} ")
+    _, sep, rest = body.partition(b" length ")
+    if b"proto" not in flags or not sep:
+        return None  # (a receive, or a send of UCX's old protocols: no protocol named)
+    key = rest.partition(b" ")[2]
+    if key.endswith(b" us"):
+        key = key.rsplit(b" ", 4)[0]  # (the estimated rate and time)
+    elif key.endswith(b" - not available"):
+        key = key[: -len(b" - not available")]
+    try:
+        return _ROUTES[key]
+    except KeyError:
+        pass
+    words: list[str] = []  # the protocol's, up to its first lane or lane's share ("52% on ...")
+    lanes: dict[str, None] = {}
+    named = False
+    for w in key.decode(errors="replace").split():
+        lane = w.rstrip(",;")
+        t, slash, d = lane.partition("/")
+        if slash and d and t[:1].isalpha() and t.replace("_", "").isalnum():
+            lanes[lane] = None
+            named = True
+        elif w.endswith("%"):
+            named = True
+        elif not named:
+            words.append(w)
+    route = (" ".join(words), tuple(lanes)) if lanes and words else None
+    if len(_ROUTES) < 256:
+        _ROUTES[key] = route
+    return route
 
 
 def loaded_library(name: str = "libucp.so") -> str | None:
@@ -228,6 +281,10 @@ class Ucp:
         self._free = self._fn(f.ucp_request_free, None, c_void_p)
         self.request_free = self._free  # ``request_release``'s C function itself (a frame's dispatch)
         self._ep_query = self._fn(f.ucp_ep_query, c_int8, c_void_p, POINTER(_EpAttr))
+        # (UCX 1.11 on; a protocol in its answer from 1.12, where UCX_PROTO_ENABLE is on)
+        query = getattr(f, "ucp_request_query", None)
+        self._request_query = None if query is None else self._fn(query, c_int8, c_void_p, POINTER(_RequestAttr))
+        self._new_info_buffer()
         self._version = self._fn(f.ucp_get_version, None, POINTER(c_uint), POINTER(c_uint), POINTER(c_uint))
         self._strerror = self._fn(ucs.ucs_status_string, c_char_p, c_int)
         self._param = _RequestParam()  # no callback: requests are polled, then freed
@@ -426,6 +483,21 @@ class Ucp:
     def rkey_destroy(self, rkey: int) -> None:
         self._rkey_destroy(rkey)
 
+    def _new_info_buffer(self) -> None:
+        self._info = ctypes.create_string_buffer(_INFO_BYTES)
+        self._info_attr = _RequestAttr(_REQUEST_ATTR_INFO, ctypes.addressof(self._info), _INFO_BYTES)
+        self._info_ref = byref(self._info_attr)
+
+    def request_route(self, req: int) -> tuple[str, tuple[str, ...]] | None:
+        """The protocol UCX selected for a send, get or put it has not released, and the lanes
+        that protocol uses (``ucp_request_query``'s info string, e.g. ``"rendezvous zero-copy read
+        from remote"`` over ``("cma/memory",)``). None where UCX does not say: a receive (a
+        release build keeps no protocol on one), or a string this cannot read."""
+        query = self._request_query
+        if query is None or query(req, self._info_ref) != UCS_OK:
+            return None
+        return _route(self._info.value)
+
     # -- endpoints -------------------------------------------------------------------------
     def ep_transports(self, ep: int) -> list[tuple[str, str]]:
         """(transport, device) for each lane the endpoint uses, e.g. ("posix", "memory")."""
@@ -463,6 +535,7 @@ class CompletingUcp(Ucp):
             byref(_callback_param(_recv_callback, key)),
         )
         self.request_free = self.request_release  # (base's is the C function: a freed request leaves polled)
+        self._new_info_buffer()  # (one per worker: base's may be in use on another worker's loop)
 
     def _posted(self, req: int | None) -> int | None:
         if req is not None and self.polling:  # (posted with the parameters in use now)
