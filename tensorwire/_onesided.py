@@ -790,12 +790,13 @@ async def _move(
     op: str,
     moves: Sequence[tuple[_Direct, np.ndarray | DeviceBuffer, int]],
     within: np.ndarray | None = None,
-) -> None:
+) -> _Route | None:
     """Get into (``op="get"``) or put from each buffer (a host array, or device memory the
     channel takes by pointer), at its handle's registered address plus the offset, one-sided;
-    returns once all of them are in place. The transport posts a batch at once and waits for
-    it as a whole (``OneSidedChannel.rma_many``). ``within``: one host array that holds every
-    buffer (a staging chunk), registered as a whole."""
+    returns once all of them are in place, with how the transport below says it moved them
+    (``Receipt.route``; None where it does not say). The transport posts a batch at once and
+    waits for it as a whole (``OneSidedChannel.rma_many``). ``within``: one host array that
+    holds every buffer (a staging chunk), registered as a whole."""
     await peer._lease_fence()  # then nothing awaits before the operations are posted
     # The handles were checked before the caller's first await, but the revocation may have come
     # since (while this fence, a stream's event or an earlier chunk of the same transfer was
@@ -817,12 +818,13 @@ async def _move(
     for state, _, _ in moves:
         state.inflight += 1
     try:
-        await channel.rma_many(op, items)
+        route: _Route | None = await channel.rma_many(op, items)
     finally:
         for state, _, _ in moves:
             state.inflight -= 1
             if not state.inflight and state.idle is not None:
                 state.idle.set()
+    return route
 
 
 def _retyped(handle: RemoteHandle, dtype: str) -> ShapeMismatchError:
@@ -861,11 +863,13 @@ def _receipt(
     *,
     counted: bool = True,
     ways: tuple[Receipt, ...] = (),
+    route: _Route | None = None,
 ) -> Receipt:
     """A one-sided operation's receipt, and its count in the metrics unless it moved nothing
     (``counted=False``: a batch of no handles); ``moved``: the channel's own, for an
-    owner-assisted one. ``ways``: a batch that moved both ways (``_ways``), counted as them."""
-    receipt = _described(peer, protocol, nbytes, time.perf_counter() - t0, packed, moved, memory, staged, ways)
+    owner-assisted one. ``ways``: a batch that moved both ways (``_ways``), counted as them.
+    ``route``: what the transport below said of every get or put of it (``_move``)."""
+    receipt = _described(peer, protocol, nbytes, time.perf_counter() - t0, packed, moved, memory, staged, ways, route)
     if counted:
         for r in ways or (receipt,):
             _metrics.transferred(op, r)
@@ -882,6 +886,7 @@ def _described(
     memory: str,
     staged: bool,
     ways: tuple[Receipt, ...] = (),
+    route: _Route | None = None,
 ) -> Receipt:
     ch = peer.channel
     if moved is not None:
@@ -901,7 +906,7 @@ def _described(
         )
     return Receipt(
         transport=ch.transport,
-        lanes=ch.lanes,
+        lanes=ch.lanes if route is None else route[1],
         nbytes=nbytes,
         seconds=seconds,
         protocol=protocol,
@@ -910,6 +915,7 @@ def _described(
         packed=packed,
         memory=memory,
         parts=ways,
+        route="" if route is None else route[0],
     )
 
 
@@ -947,15 +953,18 @@ def _protocol(peer: Peer, direct: list[Any], assisted: list[int]) -> str:
 
 # what ``_described`` takes of one way of a batch: nbytes, seconds, packed, moved, memory, staged
 _Way = tuple[int, float, bool, Receipt | None, str, bool]
+# how the transport below says it moved a one-sided operation's bytes, and over which lanes
+# (``Receipt.route``, ``OneSidedChannel.rma_many``)
+_Route = tuple[str, tuple[str, ...]]
 
 
-def _ways(peer: Peer, one_sided: _Way, assisted: _Way) -> tuple[Receipt, Receipt]:
+def _ways(peer: Peer, one_sided: _Way, assisted: _Way, route: _Route | None = None) -> tuple[Receipt, Receipt]:
     """A mixed batch's receipts, one for each way its handles moved: one-sided (the handles
-    whose lookup gave a key, ``h.direct``) and through the owner (the others), each with its
-    handles' bytes and its own time. (The batch's one receipt said "owner-assisted" alone, as
-    if the owner's CPU had served the one-sided part too.)"""
+    whose lookup gave a key, ``h.direct``; with their ``route``) and through the owner (the
+    others), each with its handles' bytes and its own time. (The batch's one receipt said
+    "owner-assisted" alone, as if the owner's CPU had served the one-sided part too.)"""
     return (
-        _described(peer, _one_sided(peer), *one_sided),
+        _described(peer, _one_sided(peer), *one_sided, route=route),
         _described(peer, "owner-assisted", *assisted),
     )
 
@@ -1162,7 +1171,7 @@ async def read(
         _check_against(handle, out, "out=")
         state = _direct_state(peer, handle)
         if state is not None:
-            await _move(peer, "get", [(state, out, handle.offset)])
+            route = await _move(peer, "get", [(state, out, handle.offset)])
             if not want_receipt:  # counted all the same, without building a receipt
                 ch = peer.channel
                 _metrics.moved(
@@ -1177,7 +1186,7 @@ async def read(
                     time.perf_counter() - t0,
                 )
                 return out, None
-            return out, _receipt("read", peer, _one_sided(peer), out.nbytes, t0, False, None)
+            return out, _receipt("read", peer, _one_sided(peer), out.nbytes, t0, False, None, route=route)
     results, receipt = await read_many(peer, [handle], [out], device=device, want_receipt=want_receipt)
     return results[0], receipt
 
@@ -1190,8 +1199,8 @@ async def write(peer: Peer, handle: RemoteHandle, src: Any) -> Receipt:
         _check_against(handle, src, "the source")
         state = _direct_state(peer, handle)
         if state is not None and state.writable:  # (else write_many says it is read-only)
-            await _move(peer, "put", [(state, src, handle.offset)])
-            return _receipt("write", peer, _one_sided(peer), src.nbytes, t0, False, None)
+            route = await _move(peer, "put", [(state, src, handle.offset)])
+            return _receipt("write", peer, _one_sided(peer), src.nbytes, t0, False, None, route=route)
     return await write_many(peer, [handle], [src])
 
 
@@ -1332,11 +1341,12 @@ async def read_many(
     parts = _parts(peer, handles, assisted, "read")
     moved = None
     memory, staged = "host", False
+    route = None
     if direct:
         if on_device:
-            memory, staged = await _get_device(peer, handles, dests, direct, streams)
+            memory, staged, route = await _get_device(peer, handles, dests, direct, streams)
         else:
-            await _move(peer, "get", [(state, dests[i].host(), handles[i].offset) for i, state in direct])
+            route = await _move(peer, "get", [(state, dests[i].host(), handles[i].offset) for i, state in direct])
     t1 = time.perf_counter()  # the one-sided part's end (a mixed batch's receipt times each part)
     done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
     try:
@@ -1379,11 +1389,11 @@ async def read_many(
             return sum(d.nbytes for d in ds), seconds, packed, moved, memory, staged
 
         gotten = [i for i, _ in direct]
-        ways = _ways(peer, way(gotten, t1 - t0, None, staged), way(assisted, t2 - t1, moved, served_staged))
+        ways = _ways(peer, way(gotten, t1 - t0, None, staged), way(assisted, t2 - t1, moved, served_staged), route)
     protocol = _protocol(peer, direct, assisted)
     staged = staged or served_staged
     receipt = _receipt(
-        "read", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles), ways=ways
+        "read", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles), ways=ways, route=route
     )
     return [d.value for d in dests], receipt if want_receipt else None
 
@@ -1409,12 +1419,13 @@ def _kind(d: _Dest) -> str:
 
 async def _get_device(
     peer: Peer, handles: list[RemoteHandle], dests: list[_Dest], direct: list[tuple[int, _Direct]], streams: Any
-) -> tuple[str, bool]:
+) -> tuple[str, bool, _Route | None]:
     """The one-sided gets of a batch with device destinations. Memory of a kind the channel
     takes by pointer (ucx with cuda lanes) is posted once the consumer stream's earlier work on
     it is done; other device memory gets its bytes in staging chunks, each chunk copied up while
     the next ones are got (``StageIn.gather``). Strided destinations are unpacked on a lane.
-    Returns the memory kind and whether it was staged."""
+    Returns the memory kind, whether it was staged, and the gets' route (``_move``; None where
+    some went through staging chunks, whose gets are not asked)."""
     landing = Landing()
     waits: list[tuple[CopyEngine, Event]] = []
     moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
@@ -1438,8 +1449,7 @@ async def _get_device(
     # cuts short (nothing is posted yet; the stream may stay busy for as long as its work runs)
     for engine, event in waits:
         await wait_event(engine, event, peer.channel.ended)
-    if moves:
-        await _move(peer, "get", moves)
+    route = await _move(peer, "get", moves) if moves else None
     targets = [t for i, _ in direct if (t := dests[i].tensor) is not None]
     try:
         for jobs in staged.values():
@@ -1448,7 +1458,7 @@ async def _get_device(
     except BaseException:  # cancelled or failed: the copies queued so far come before the consumer's work
         landing.finish_now(targets)
         raise
-    return memory, bool(staged)
+    return memory, bool(staged), None if staged else route
 
 
 async def _gather(peer: Peer, landing: Landing, jobs: list[tuple[_Direct, DeviceTensor, int]]) -> None:
@@ -1708,6 +1718,7 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
     outgoing = [await p for p in preparing]  # (large strided host sources packed in a copy thread)
     moved = None
     memory, staged = "host", False
+    route = None
     if direct:
         moves: list[tuple[_Direct, np.ndarray | DeviceBuffer, int]] = []
         down: dict[CopyEngine, list[tuple[_Direct, DeviceTensor, int]]] = {}
@@ -1734,10 +1745,12 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
             else:
                 down.setdefault(t.engine, []).append((state, t, handles[i].offset))
         if moves:
-            await _move(peer, "put", moves)
+            route = await _move(peer, "put", moves)
         for jobs in down.values():
             await _scatter(peer, jobs)
         staged = bool(down)
+        if staged:  # (the puts from staging chunks are not asked)
+            route = None
     t1 = time.perf_counter()  # the one-sided part's end (a mixed batch's receipt times each part)
     done = [i for i, _ in direct]  # the handles whose bytes are in place: an error names them
     for part, msg in zip(parts, outgoing, strict=True):
@@ -1754,11 +1767,25 @@ async def write_many(peer: Peer, handles: list[RemoteHandle], srcs: list[Any]) -
 
         put = [i for i, _ in direct]
         ways = _ways(
-            peer, way(put, t1 - t0, None, memory, staged), way(assisted, time.perf_counter() - t1, moved, "host", False)
+            peer,
+            way(put, t1 - t0, None, memory, staged),
+            way(assisted, time.perf_counter() - t1, moved, "host", False),
+            route,
         )
     protocol = _protocol(peer, direct, assisted)
     return _receipt(
-        "write", peer, protocol, nbytes, t0, packed, moved, memory, staged, counted=bool(handles), ways=ways
+        "write",
+        peer,
+        protocol,
+        nbytes,
+        t0,
+        packed,
+        moved,
+        memory,
+        staged,
+        counted=bool(handles),
+        ways=ways,
+        route=route,
     )
 
 

@@ -55,7 +55,8 @@ async def test_read_and_write_are_one_sided(tls: str) -> None:
         # it and the owner's worker serves it (no tensorwire code of the owner's, though)
         protocol = "one-sided" if tls == "sm,self" else "one-sided-emulated"
         assert receipt.protocol == protocol and receipt.direct and not receipt.staged
-        assert receipt.transport == "ucx" and receipt.lanes == b.path.lanes
+        # 4 MiB: UCX is asked which lanes its protocol took (test_ucx_route), among the path's
+        assert receipt.transport == "ucx" and receipt.route and set(receipt.lanes) <= set(b.path.lanes)
         if tls == "tcp":
             assert all(lane.startswith("tcp/") for lane in receipt.lanes), receipt.lanes
         new = np.full_like(kv, 7.0)

@@ -93,3 +93,57 @@ async def test_what_ucx_is_not_asked_keeps_the_endpoint_lanes(pair: tuple[tensor
         sent, _ = await _exchange(a, b, src, out)
         assert all(np.array_equal(o, s) for o, s in zip(out, src, strict=True))
         assert sent.route == "" and sent.lanes == endpoint, sent
+
+
+async def test_a_large_read_and_write_name_the_protocol_and_lanes_ucx_used(
+    pair: tuple[tensorwire.Peer, tensorwire.Peer],
+) -> None:
+    """A get or put of 4 MiB or more asks UCX too: a read, a write, a batch of two, and a read
+    of 40 MiB (over cma in 16 MiB pieces, each asked) say the protocol and the lanes UCX used.
+    What UCX says agrees with tensorwire's own label: a get UCX emulates (over tcp lanes:
+    "software emulation") is "one-sided-emulated", one over cma ("zero-copy") is "one-sided"."""
+    a, b = pair
+    endpoint = b.channel.lanes
+    x = np.random.default_rng(2).integers(0, 256, 6 * LARGE, dtype=np.uint8)
+    a.node.expose(x, name="x")
+    h = await b.lookup("x")
+    assert h.direct
+    said = {}
+    got, said["read"] = await b.read_with_receipt(h[:LARGE])
+    assert np.array_equal(got, x[:LARGE])
+    _, said["batch"] = await b.read_many_with_receipt([h[LARGE : 2 * LARGE], h[2 * LARGE : 3 * LARGE]])
+    got, said["pieces"] = await b.read_with_receipt(h[LARGE:])
+    assert np.array_equal(got, x[LARGE:])
+    said["write"] = await b.write(h[:LARGE], np.full(LARGE, 7, np.uint8))
+    said["write batch"] = await b.write_many(
+        [h[LARGE : 2 * LARGE], h[2 * LARGE : 3 * LARGE]], [np.full(LARGE, 8, np.uint8)] * 2
+    )
+    assert (x[:LARGE] == 7).all() and (x[LARGE : 3 * LARGE] == 8).all()
+    for what, r in said.items():
+        assert r.protocol in ("one-sided", "one-sided-emulated"), (what, r)
+        assert r.route and r.lanes and set(r.lanes) <= set(endpoint), (what, r, endpoint)
+        if all(lane.startswith("tcp/") for lane in endpoint):
+            assert all(lane.startswith("tcp/") for lane in r.lanes), (what, r)
+        elif "cma/memory" in endpoint:
+            assert r.lanes == ("cma/memory",) and r.route == "zero-copy", (what, r)
+        if what.startswith("read") or what in ("batch", "pieces"):
+            # (a put over tcp lanes is UCX's "zero-copy" put of its tcp transport, which the
+            # owner's worker still writes into memory: "one-sided-emulated" all the same)
+            assert ("emulation" in r.route) == (r.protocol == "one-sided-emulated"), (what, r)
+
+
+async def test_a_small_one_sided_operation_keeps_the_endpoint_lanes(
+    pair: tuple[tensorwire.Peer, tensorwire.Peer],
+) -> None:
+    """A get or put under 4 MiB is not asked (what asking costs), nor is a batch that has one
+    beside a large one: no route, the endpoint's lanes, as before."""
+    a, b = pair
+    endpoint = b.channel.lanes
+    x = np.ones(LARGE + (64 << 10), np.uint8)
+    a.node.expose(x, name="x")
+    h = await b.lookup("x")
+    _, small = await b.read_with_receipt(h[: 64 << 10])
+    wrote = await b.write(h[: 64 << 10], np.zeros(64 << 10, np.uint8))
+    _, mixed = await b.read_many_with_receipt([h[: 64 << 10], h[64 << 10 :]])
+    for r in (small, wrote, mixed):
+        assert r.route == "" and r.lanes == endpoint, r

@@ -160,11 +160,15 @@ class Receipt:
     route: the transport below tensorwire's own name for how it moved the payload, where it says:
         over ucx, for a send whose payload segments are each 4 MiB or more, the protocol UCX
         selected for them ("rendezvous zero-copy read from remote" over cma, "rendezvous
-        zero-copy fenced write to remote" over tcp), and ``lanes`` are then the lanes that
-        protocol used ("cma/memory"; "tcp/lo", "tcp/eth0"). Empty elsewhere: tcp and inproc
-        (their protocol says it all), a ucx recv (UCX keeps no protocol on a receive in its
-        release builds), a smaller ucx payload (asking costs UCX 5-8 us a request), and one UCX
-        sent within the call that posted it.
+        zero-copy fenced write to remote" over tcp), and for a read or write (a batch too)
+        whose gets or puts are each 4 MiB or more, the one it selected for those ("zero-copy"
+        over cma; over tcp "software emulation" for a get, "zero-copy" for the tcp transport's
+        put, which the owner's worker serves all the same: "one-sided-emulated"); a mixed
+        batch says it in its one-sided part. ``lanes`` are then the lanes that protocol used
+        ("cma/memory"; "tcp/lo", "tcp/eth0"). Empty elsewhere: tcp and inproc (their protocol
+        says it all), a ucx recv (UCX keeps no protocol on a receive in its release builds), a
+        smaller ucx payload, get or put (asking costs UCX 5-8 us a request), one UCX completed
+        within the call that posted it, and device memory moved through staging chunks.
 
     Not frozen: one is built per message, and a frozen dataclass's ``__init__`` costs about
     four times as much (every field through ``object.__setattr__``). Treat it as read-only.

@@ -200,10 +200,14 @@ class OneSidedChannel(Protocol):
         """Write ``src`` at ``remote_addr``; returns once the bytes are in the peer's memory."""
         ...
 
-    async def rma_many(self, op: str, items: list[tuple[int, int, int, Any, object]]) -> None:
+    async def rma_many(
+        self, op: str, items: list[tuple[int, int, int, Any, object]]
+    ) -> tuple[str, tuple[str, ...]] | None:
         """Gets (``op="get"``) or puts of ``(local pointer, n, remote_addr, rkey, keep)``, all
         posted at once; returns once every one has completed, and so does a failure or a
         cancellation (what was posted cannot be taken back) unless the channel is closing.
+        Returns how the transport below says it moved them (``Receipt.route``, and the lanes
+        that took them) where it said so for all of them, else None.
         ``keep``: the object that holds the local bytes (for a host-memory transport, a numpy
         array containing them, which it registers); device memory where ``rma_device``."""
         ...

@@ -85,10 +85,10 @@ _ANSWER_WINDOW = 200e-6  # a recv this soon after our last frame may wait inline
 _WAIT_INLINE = 50e-6  # for at most this long
 _WAIT_BACKOFF = 1024  # recvs without an inline wait after repeated failures, at most
 _LAND_INLINE = 256 * 1024  # an answer's payload up to this size is also waited for inline (once)
-# a payload segment at least this large is asked which protocol UCX selected for it
-# (``Ucp.request_route``): UCX writes its answer out as text, 5-8 us a request on a 2-core VM
-# under load (8.5-10.6 us read back), under 2% of a 4 MiB send over cma there but 4-5% of a
-# 64 KiB round trip, so smaller ones keep the endpoint's lanes (docs/ucx.md)
+# a payload segment at least this large (and a get or put) is asked which protocol UCX
+# selected for it (``Ucp.request_route``): UCX writes its answer out as text, 5-8 us a request
+# on a 2-core VM under load (8.5-10.6 us read back), under 2% of a 4 MiB send over cma there but
+# 4-5% of a 64 KiB round trip, so smaller ones keep the endpoint's lanes (docs/ucx.md)
 _ROUTE_FROM = 4 << 20
 # how long a failed message waits for the UCX receives still landing its payload (cancelled, but
 # one that has matched runs on until its transfer ends) before its recv is told anyway, with a
@@ -231,6 +231,18 @@ async def _settled(fut: asyncio.Future[None]) -> bool:
         except asyncio.CancelledError:
             cancelled = True
     return cancelled
+
+
+def _joined(routes: list[tuple[str, tuple[str, ...]]] | None) -> tuple[str, tuple[str, ...]] | None:
+    """One transfer's route (``Receipt.route``) from those UCX said for its parts: their
+    protocols and their lanes, each once; None where a part's is not known (``routes`` is None)
+    or nothing was asked."""
+    if not routes:
+        return None
+    if len(routes) == 1:
+        return routes[0]
+    lanes = dict.fromkeys(lane for _, ls in routes for lane in ls)
+    return "; ".join(dict.fromkeys(r for r, _ in routes)), tuple(lanes)
 
 
 class _Transfer:
@@ -644,12 +656,7 @@ class UcxChannel(Channel):
             raise
         if cancelled:
             raise asyncio.CancelledError
-        if not routes:
-            return None
-        if len(routes) == 1:
-            return routes[0]
-        lanes = dict.fromkeys(lane for _, ls in routes for lane in ls)
-        return "; ".join(dict.fromkeys(r for r, _ in routes)), tuple(lanes)
+        return _joined(routes)
 
     async def _send_payload_ucxx(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> None:
         """``_send_payload``'s sends through ucxx, where the libucp bindings did not load."""
@@ -1200,10 +1207,14 @@ class UcxChannel(Channel):
         ``ptr`` and flush; ``keep`` holds the local memory until UCX is done with it."""
         await self.rma_many(op, [(ptr, n, remote_addr, rkey, keep)])
 
-    async def rma_many(self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]) -> None:
+    async def rma_many(
+        self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]
+    ) -> tuple[str, tuple[str, ...]] | None:
         """``rma`` for a batch of ``(ptr, n, remote_addr, rkey, keep)``: every operation posted at
         once, each given its few inline progress rounds, those still going waited for together
-        (and, for puts, one flush); returns once all completed. Over a direct lane an operation
+        (and, for puts, one flush); returns once all completed, with the protocol UCX says it
+        selected and its lanes (``Receipt.route``) where it said so for every operation that
+        moved bytes (each ``_ROUTE_FROM`` or more), else None. Over a direct lane an operation
         larger than ``_RMA_PIECE`` goes in pieces, a few posted at a time (``_rma_pieces``),
         after the rest.
         UCX cannot take back what it was given, so a failure or a cancellation still waits for
@@ -1213,6 +1224,7 @@ class UcxChannel(Channel):
         w, ep = self._w, self.endpoint_handle
         post = ucp.put if op == "put" else ucp.get
         posted: list[tuple[int, object]] = []
+        routes: list[tuple[str, tuple[str, ...]]] | None = []  # None: an operation's is not known
         large: list[tuple[int, int, int, RemoteKey, object]] = []
         error: BaseException | None = None
         for item in items:
@@ -1230,6 +1242,15 @@ class UcxChannel(Channel):
             except TensorWireError as exc:
                 error = exc
                 break
+            if routes is not None:
+                # asked before anything can free the request (as a send's payload is); a small
+                # operation is not asked, and one UCX completed within the call has no request:
+                # the batch then claims no route
+                route = ucp.request_route(req) if req is not None and n >= _ROUTE_FROM else None
+                if route is None:
+                    routes = None
+                elif route not in routes:
+                    routes.append(route)
             if req is not None:
                 posted.append((req, keep))
         waiting = []
@@ -1244,20 +1265,24 @@ class UcxChannel(Channel):
         if error is not None:
             raise error
         if large:
-            await self._rma_pieces(ucp, post, large)
+            pieces = await self._rma_pieces(ucp, post, large)
+            routes = None if routes is None or pieces is None else routes + [r for r in pieces if r not in routes]
         if op == "put":
             req = ucp.flush(ep)
             if req is not None and not w.finish_inline(ucp, req):
                 await self._raw_wait((req, None))
         if w.inline_streak >= _INLINE_STREAK:
             await asyncio.sleep(0)
+        return _joined(routes)
 
     async def _rma_pieces(
         self, ucp: Ucp, post: Callable[..., int | None], items: list[tuple[int, int, int, RemoteKey, object]]
-    ) -> None:
+    ) -> list[tuple[str, tuple[str, ...]]] | None:
         """Get or put each of ``items`` as pieces of ``_RMA_PIECE`` bytes, at most ``_RMA_AHEAD``
         of them posted and not completed: an operation posted meanwhile on this endpoint (a
-        small read of another task) waits for those, not for all that is left.
+        small read of another task) waits for those, not for all that is left. Returns what UCX
+        said it selected for the pieces (parts of operations larger than ``_ROUTE_FROM``, each
+        asked, the last, shorter one too), or None where it did not say for one.
 
         A cancellation posts the rest all the same and is raised once everything completed, as
         for an operation posted whole (a cancelled write lands whole, a cancelled read returns
@@ -1271,6 +1296,7 @@ class UcxChannel(Channel):
         ep = self.endpoint_handle
         futs: list[asyncio.Future[None]] = []
         ahead: list[asyncio.Future[None]] = []
+        routes: list[tuple[str, tuple[str, ...]]] | None = []
         error: BaseException | None = None
         cancelled = False
         try:
@@ -1288,6 +1314,12 @@ class UcxChannel(Channel):
                 except TensorWireError as exc:
                     error = exc
                     break
+                if routes is not None:
+                    route = None if req is None else ucp.request_route(req)  # (before watch_raw can free it)
+                    if route is None:
+                        routes = None
+                    elif route not in routes:
+                        routes.append(route)
                 if req is not None:
                     fut = self._w.watch_raw(ucp, req, keep)
                     self._rma_futs.add(fut)
@@ -1310,6 +1342,7 @@ class UcxChannel(Channel):
             raise error
         if shut:  # they ended, but the channel shut meanwhile
             self.check_open()
+        return routes
 
     async def _raw_wait(self, *requests: tuple[int, object]) -> None:
         """Wait for raw requests (with the memory each keeps) until every one completed; the

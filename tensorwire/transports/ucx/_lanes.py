@@ -8,8 +8,10 @@ shows it); what the lanes settle is what is possible at all:
 - get/put reach the owner's memory without the owner's CPU only over a lane that can: cma,
   knem or xpmem (the reader's process copies, one copy) or an RDMA transport. Without one, UCX
   emulates get/put with its own active messages over the other lanes (sysv/posix shared-memory
-  FIFOs, tcp), and the owner's UCX worker serves them: its event loop must run (measured: with
-  ``TLS="^cma"`` a read from a SIGSTOPped owner never completes; over cma it does).
+  FIFOs, tcp; a put over tcp lanes alone is the tcp transport's own "zero-copy" put, whose
+  bytes the owner's worker receives into the memory), and the owner's UCX worker serves them:
+  its event loop must run (measured: with ``TLS="^cma"`` a read from a SIGSTOPped owner never
+  completes, nor with ``TLS="tcp"`` an 8 MiB write within 1.5 s; over cma both do).
 """
 
 from __future__ import annotations
