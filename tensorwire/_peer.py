@@ -146,11 +146,15 @@ class Peer:
         # per tag, the last send still packing (or behind one that is): a later send on the tag
         # waits until it has entered the channel (``_send_in_order``)
         self._packing: dict[int, asyncio.Future[None]] = {}
+        self._sends = 0  # the user's sends called and not returned yet (``send``), for ``repr``
 
     def __repr__(self) -> str:
+        # the user's recvs and sends under way, apart: one in_flight count summed the user's
+        # recvs with every send the channel was moving, tensorwire's own among them (an owner's
+        # answers to reads, RPC requests and replies), and left out sends still packing
         return (
             f"<Peer {self.remote_node[:12]} at {self.remote_address} via {self.path.transport} "
-            f"{self.channel.state.value} in_flight={self.channel.in_flight}>"
+            f"{self.channel.state.value} recvs={self.channel.mailbox.in_flight} sends={self._sends}>"
         )
 
     @property
@@ -171,9 +175,13 @@ class Peer:
             check_home(self._home, "peer.send")
         preparing = prepare_off_loop(obj)
         msg = preparing.ready
-        if msg is not None and wire not in self._packing:
-            return await self.channel.send(wire, msg)
-        return await self._send_in_order(wire, preparing)
+        self._sends += 1
+        try:
+            if msg is not None and wire not in self._packing:
+                return await self.channel.send(wire, msg)
+            return await self._send_in_order(wire, preparing)
+        finally:
+            self._sends -= 1
 
     async def _send_own(self, obj: Any, *, tag: int) -> Receipt:
         """``send`` on a wire tag as it is: tensorwire's own messages, on the reserved tags the

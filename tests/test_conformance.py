@@ -205,15 +205,23 @@ async def test_a_send_whose_copy_out_of_device_memory_fails_raises_a_transfer_er
 
 
 @pytest.mark.parametrize("variant", TRANSPORTS)
-async def test_a_peers_in_flight_counts_the_users_operations_alone(variant: str) -> None:
-    """``repr(peer)`` says how many of the user's operations are in flight: 0 for an idle peer
-    whose node has served calls and one-sided reads, 1 with a recv waiting. It said 3 for an
-    idle peer: tensorwire's own standing recvs (its RPC and one-sided services) were counted."""
+async def test_a_peers_repr_counts_the_users_recvs_and_sends_apart(variant: str) -> None:
+    """``repr(peer)`` says how many of the user's recvs and sends are under way, apart: none for
+    an idle peer whose node has served calls and one-sided reads, a recv waiting on the side
+    that waits, a send waiting for its recv (every message waits for its recv here) on the side
+    that sends. It said 3 for an idle peer (tensorwire's own standing recvs were counted), and
+    then one ``in_flight`` that summed the user's recvs with every send the channel moved,
+    tensorwire's own among them (an owner's answers to reads, RPC requests and replies)."""
     import numpy as np
     from _polling import eventually
 
+    from tensorwire.transports import Limits
+
+    def counts(peer: Any) -> str:
+        return " ".join(repr(peer).split()[-2:])
+
     with _options(variant):
-        async with connected_pair(VARIANTS[variant][0]) as (a, b):
+        async with connected_pair(VARIANTS[variant][0], limits=Limits(recv_buffer_bytes=0)) as (a, b):
 
             @b.node.method()
             async def one() -> int:
@@ -222,11 +230,16 @@ async def test_a_peers_in_flight_counts_the_users_operations_alone(variant: str)
             assert await a.call("one") == 1
             b.node.expose(np.arange(4), name="x")
             assert np.array_equal(await a.read(await a.lookup("x")), np.arange(4))
-            await eventually(lambda: a.channel.in_flight == 0 and b.channel.in_flight == 0)
-            assert "in_flight=0>" in repr(a) and "in_flight=0>" in repr(b), (repr(a), repr(b))
+            await eventually(lambda: counts(a) == counts(b) == "recvs=0 sends=0>")
             waiting = asyncio.ensure_future(b.recv(tag="t"))
-            await eventually(lambda: b.channel.in_flight == 1)
-            assert "in_flight=1>" in repr(b), repr(b)
+            await eventually(lambda: counts(b) == "recvs=1 sends=0>")
+            assert counts(a) == "recvs=0 sends=0>", repr(a)
             await a.send(np.arange(3), tag="t")
             assert np.array_equal(await waiting, np.arange(3))
-            await eventually(lambda: b.channel.in_flight == 0)
+            await eventually(lambda: counts(b) == "recvs=0 sends=0>")
+            sending = asyncio.ensure_future(a.send(np.arange(5), tag="u"))  # (waits for its recv)
+            await eventually(lambda: counts(a) == "recvs=0 sends=1>")
+            assert not sending.done() and counts(b) == "recvs=0 sends=0>", repr(b)
+            assert np.array_equal(await b.recv(tag="u"), np.arange(5))
+            await sending
+            assert counts(a) == "recvs=0 sends=0>", repr(a)
