@@ -4,6 +4,7 @@ a peer killed mid-rendezvous, resources after many cycles. Real UCX on loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import hashlib
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import textwrap
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -758,6 +759,119 @@ def test_a_peer_process_is_gone_only_once_it_has_certainly_ended() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+# An echo peer for the CPU-sharing tests below, in a process of its own pinned to CPU argv[2]:
+# connects a ucx node (tcp lanes: the answer needs this process to run) to argv[1], then answers
+# each 8-byte "ping" with a "pong"
+_ECHO = r"""
+import asyncio, os, sys, numpy as np, tensorwire
+os.sched_setaffinity(0, {int(sys.argv[2])})
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options={"TLS": "tcp"}) as n:
+        p = await n.connect(sys.argv[1])
+        buf = np.zeros(8, np.uint8)
+        try:
+            while True:
+                await p.recv(tag="ping", out=buf)
+                await p.send(buf, tag="pong")
+        except tensorwire.TensorWireError:
+            pass
+asyncio.run(main())
+"""
+
+
+@contextlib.contextmanager
+def _pinned(cpu: int) -> Iterator[None]:
+    """This thread (the loop's) runs on ``cpu`` alone for a while."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _yields(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts this process's ``os.sched_yield`` calls (each still gives the CPU up)."""
+    calls = [0]
+    real = os.sched_yield
+
+    def counted() -> None:
+        calls[0] += 1
+        real()
+
+    monkeypatch.setattr(os, "sched_yield", counted)
+    return calls
+
+
+def _process_of(pid: int) -> Any:
+    """The ProcessId of ``pid``, as its handshake would describe it."""
+    from tensorwire.transports.ucx._process import ProcessId, me
+
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        start = int(f.read().rsplit(b")", 1)[1].split()[19]) & 0xFFFFFFFF
+    return ProcessId(pid, start, me().host)
+
+
+async def _ping_pong(cpu: int, peer_cpu: int, rounds: int) -> None:
+    """``rounds`` 8-byte round trips over tcp lanes with an echo process pinned to ``peer_cpu``,
+    this thread pinned to ``cpu``."""
+    with _pinned(cpu):
+        async with tensorwire.start("127.0.0.1:0", transports=("ucx",), ucx_options={"TLS": "tcp"}) as node:
+            child = await asyncio.create_subprocess_exec(sys.executable, "-c", _ECHO, node.address, str(peer_cpu))
+            try:
+                async with asyncio.timeout(20):
+                    peer = await node.accept()
+                    x, back = np.arange(8, dtype=np.uint8), np.zeros(8, np.uint8)
+                    for _ in range(rounds):
+                        await peer.send(x, tag="ping")
+                        await peer.recv(tag="pong", out=back)
+                    assert np.array_equal(back, x)
+                    await peer.aclose()
+                    await child.wait()
+            finally:
+                if child.returncode is None:
+                    child.kill()
+                    await child.wait()
+
+
+@pytest.mark.multiprocess
+async def test_a_ucx_node_gives_its_cpu_up_to_a_peer_process_waiting_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes that talk over ucx pinned to one CPU: the one spinning for an answer holds
+    the CPU the answer has to be computed on, and the other ran only when the spinner was
+    preempted (about 4 ms every round trip, read and call). The spinning loop looks whether the
+    peer's process waits for its CPU and gives the CPU up to it (it never did: 0 yields)."""
+    calls = _yields(monkeypatch)
+    await _ping_pong(cpu := min(os.sched_getaffinity(0)), cpu, 200)
+    assert calls[0] > 0
+
+
+@pytest.mark.multiprocess
+async def test_a_ucx_node_keeps_its_cpu_from_a_busy_process_that_is_not_its_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same spinning loop with an unrelated busy process waiting for its CPU and the peer on
+    another CPU: it never gives the CPU up (a yield to any process that wanted the CPU made each
+    such call cost about 4 ms)."""
+    from tensorwire.transports.ucx._process import this_cpu, waiting_on
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    code = f"import os; os.sched_setaffinity(0, {{{cpus[0]}}})\nwhile True: pass"
+    busy = await asyncio.create_subprocess_exec(sys.executable, "-c", code)
+    try:
+        other = _process_of(busy.pid)
+        with _pinned(cpus[0]):
+            # (what the worker would see of it, were it a peer: it waits for this CPU)
+            await eventually(lambda: waiting_on(other, this_cpu()), pause=0)
+        calls = _yields(monkeypatch)
+        await _ping_pong(cpus[0], cpus[1], 200)
+        assert calls[0] == 0
+    finally:
+        busy.kill()
+        await busy.wait()
 
 
 # A receiver for the hub tests below, in a process of its own: connects a ucx node to argv[1] and

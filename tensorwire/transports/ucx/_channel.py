@@ -358,6 +358,11 @@ class UcxChannel(Channel):
         # (a progress run that found nothing to do, after the end was seen), and nothing comes
         # from the peer after that (and one this process can see: see _process.visible)
         self.payload_peer = visible(peer_process) if kernel_copy(self.lanes) else None
+        # the peer's process where it runs on this machine, over any lanes: the worker gives the
+        # CPU up to it when it waits for the CPU the worker spins on (see _worker._YIELD_AFTER)
+        self._neighbour = visible(peer_process)
+        if self._neighbour is not None:
+            worker.neighbour(self._neighbour)
         # posted from the loop, once the transport has taken the channel (its close callbacks): a
         # frame already waiting completes the receive at once and is handled then (a BYE would
         # shut a channel nobody had registered with yet)
@@ -1379,6 +1384,8 @@ class UcxChannel(Channel):
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
             return
         self._closed(state, exc)
+        if self._neighbour is not None:
+            self._w.forget_neighbour(self._neighbour)
         self._budget.close()
         self._window.fail(exc)
         self._order.fail(exc)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ClosedResourceError, ConfigurationError, TensorWireError, TransportUnavailable
-from ._process import ProcessId, gone
+from ._process import ProcessId, cpus_of, gone, this_cpu, waiting_on
 from ._ucp import UCS_INPROGRESS, CompletingUcp, Ucp, load, quiet
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,18 @@ _OPTIONS: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.Cont
 )
 _SPIN_ACTIVE = 0.002  # keep progressing this long after UCX last made progress
 _SPIN_IDLE = 250e-6  # and this long after an operation was posted or completed (latency)
+# Spinning with nothing to do, the loop looks this often whether the process of a peer on this
+# machine waits for this very CPU (at most _LOOK_PEERS of them a look, ~8 us each), and gives the
+# CPU up to it (sched_yield) if so: two processes that share a CPU otherwise answer each other
+# only when the spinner is preempted (every operation took about 4 ms; see docs/ucx.md). Only for
+# a peer's process: a yield to any other process that wants the CPU made a busy neighbour cost
+# every call 4 ms. Not before _YIELD_AFTER of idle spinning (a quick answer from another CPU
+# pays no look), and never while UCX moves anything. A peer whose affinity leaves this CPU out
+# (read again every _AFFINITY_AGE) is not looked at: processes pinned apart pay no /proc reads.
+_YIELD_AFTER = 50e-6
+_LOOK_EVERY = 200e-6
+_LOOK_PEERS = 4
+_AFFINITY_AGE = 1.0
 _FALLBACK = 0.001  # poll period while armed with work in flight (a missed wake-up costs at most this)
 _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
 # and at most this long: a round of a cma transfer copies 512 KiB (UCX's CMA_SEG_SIZE), 0.1 ms
@@ -335,6 +347,14 @@ class Worker:
         self._last = time.monotonic()  # UCX last made progress
         self.stalled = False  # see _STALL
         self._last_event = 0.0  # an operation was last posted or completed
+        # the processes of this node's peers on this machine, each with its count of channels,
+        # looked at while the loop spins idle (see _YIELD_AFTER); when each one's affinity was
+        # read, and the CPUs it allows; where the next look starts, and when
+        self._neighbours: dict[ProcessId, int] = {}
+        self._affinity: dict[ProcessId, tuple[float, frozenset[int] | None]] = {}
+        self._look_at = 0
+        self._next_look = 0.0
+        self.yields = 0  # times the loop gave the CPU up to a peer's process
         self._closed = False
         self._stuck = 0  # raw requests still in flight when the worker shut (see _release)
         # one-sided operations and recvs finished inline since the last progress run (the loop
@@ -648,6 +668,18 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def neighbour(self, process: ProcessId) -> None:
+        """A channel's peer runs in ``process``, on this machine (``_process.visible``)."""
+        self._neighbours[process] = self._neighbours.get(process, 0) + 1
+
+    def forget_neighbour(self, process: ProcessId) -> None:
+        """That channel has shut."""
+        left = self._neighbours.pop(process, 0) - 1
+        if left > 0:
+            self._neighbours[process] = left
+        else:
+            self._affinity.pop(process, None)
+
     # -- progress --------------------------------------------------------------------------
     def kick(self) -> None:
         """Progress soon (after posting an operation); an answer is likely, so spin a little."""
@@ -845,6 +877,13 @@ class Worker:
             return
         if spin or not worker.arm():
             self._scheduled = True
+            if (
+                spin
+                and self._neighbours
+                and now >= self._next_look
+                and now - max(self._last, self._last_event) >= _YIELD_AFTER
+            ):
+                self._make_way(now)
             if spin or now - self._last < _STALL:
                 self.loop.call_soon(self._progress)
             else:  # busy, yet nothing has moved for seconds: poll instead of spinning
@@ -853,6 +892,28 @@ class Worker:
             return
         if self._raw or self._awaited or self._groups or any(not w.passive for w in self._watch.values()):
             self._fallback = self.loop.call_later(_FALLBACK, self.kick)
+
+    def _make_way(self, now: float) -> None:
+        """Give this CPU up (``sched_yield``) if a peer's process waits to run on it: the answer
+        this loop spins for can come only from it. A few peers a look, taking turns."""
+        self._next_look = now + _LOOK_EVERY
+        cpu = this_cpu()
+        if cpu < 0:
+            return
+        peers = list(self._neighbours)
+        at = self._look_at % len(peers)
+        self._look_at = at + _LOOK_PEERS
+        for process in (peers[at:] + peers[:at])[:_LOOK_PEERS]:
+            read, cpus = self._affinity.get(process, (-_AFFINITY_AGE, None))
+            if now - read >= _AFFINITY_AGE:
+                cpus = cpus_of(process)
+                self._affinity[process] = (now, cpus)
+            if cpus is not None and cpu not in cpus:
+                continue
+            if waiting_on(process, cpu):
+                os.sched_yield()
+                self.yields += 1
+                return
 
     def _stall(self, now: float) -> None:
         if self.stalled:
