@@ -144,6 +144,12 @@ class NodeConfig:
                 raise ConfigurationError(
                     f"ucx_options maps names to strings (e.g. {{'RNDV_THRESH': '64k'}}), not {key!r}: {value!r}"
                 )
+            if key.startswith("UCX_"):  # (the ucx_config() error it met said "pass TLS='...' as a string")
+                raise ConfigurationError(
+                    f"ucx_options names UCX settings without the UCX_ prefix: {{{key[4:]!r}: {value!r}}}, not {key!r}"
+                )
+            if "\0" in key or "\0" in value:  # UCX reads C strings: it would take "tcp\0x" for "tcp"
+                raise ConfigurationError(f"ucx_options holds a NUL character in {key!r}: {value!r}; UCX cannot take it")
         set_(self, "ucx_options", dict(opts))
 
 
@@ -151,12 +157,13 @@ def _check_transports(names: object) -> tuple[str, ...]:
     """A non-empty sequence of known transport names, in preference order (a repeat counts once)."""
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
         raise ConfigurationError(f"transports must be a sequence of names, e.g. ('tcp',), not {names!r}")
-    order = tuple(dict.fromkeys(names))
-    if not order:
-        raise ConfigurationError(f"transports is empty; name at least one of: {', '.join(KNOWN)}")
-    for name in order:
+    given = tuple(names)
+    for name in given:  # (before the repeats are dropped: a list among them cannot be hashed)
         if not isinstance(name, str) or name not in KNOWN:
             raise ConfigurationError(f"unknown transport {name!r} in transports; known: {', '.join(KNOWN)}")
+    order = tuple(dict.fromkeys(given))
+    if not order:
+        raise ConfigurationError(f"transports is empty; name at least one of: {', '.join(KNOWN)}")
     return order
 
 
@@ -547,6 +554,7 @@ class Node:
         """The RPC methods this node offers, by name, and their ``limits`` (CallLimits)."""
         return methods_of(self)
 
+    @check_arguments
     def unexpose(self, name: str) -> Revocation:
         """Revoke ``name``: lookups and reads and writes through old handles fail
         (HandleNotFound). Peers holding a one-sided key (ucx) are told; their direct
@@ -557,6 +565,8 @@ class Node:
         On a closed (or closing) node, ClosedResourceError, as for ``expose``: closing the node
         unexposed everything."""
         self._check_open("node.unexpose")
+        if not isinstance(name, str):  # (it was "HandleNotFound: None is not exposed")
+            raise ConfigurationError(f"unexpose takes the name a tensor was exposed under, not {type(name).__name__}")
         entry = self.exposures.unexpose(name)
         if not entry.given and not entry.busy:
             entry.release()

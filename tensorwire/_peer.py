@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _onesided
+from ._checks import check_arguments
 from ._leases import Renewals, renewals_for
 from ._loops import check_home, elsewhere, running_loop
 from ._onesided import RemoteHandle, check_handle_name
@@ -245,6 +246,7 @@ class Peer:
         value, _ = await self.channel.recv(tag, out, device)
         return value
 
+    @check_arguments
     async def recv_with_receipt(
         self, *, tag: int | str = 0, out: Any = None, device: Any = None
     ) -> tuple[Any, Receipt]:
@@ -381,6 +383,7 @@ class Peer:
             )
 
     # -- one-sided ---------------------------------------------------------------------------
+    @check_arguments
     async def lookup(self, name: str) -> RemoteHandle:
         """Resolve a tensor the peer exposed under ``name`` (HandleNotFound if it has none).
 
@@ -450,6 +453,7 @@ class Peer:
         value, _ = await _onesided.read(self, handle, out, device=device, want_receipt=False)
         return value
 
+    @check_arguments
     async def read_with_receipt(
         self, handle: RemoteHandle, *, out: Any = None, device: Any = None
     ) -> tuple[Any, Receipt]:
@@ -470,6 +474,7 @@ class Peer:
             check_home(self._home, "peer.write")
         return await _onesided.write(self, handle, src)
 
+    @check_arguments
     async def read_many(
         self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None, device: Any = None
     ) -> list[Any]:
@@ -488,6 +493,7 @@ class Peer:
         )
         return values
 
+    @check_arguments
     async def read_many_with_receipt(
         self, handles: Sequence[RemoteHandle], *, outs: Sequence[Any] | None = None, device: Any = None
     ) -> tuple[list[Any], Receipt]:
@@ -500,6 +506,7 @@ class Peer:
         assert receipt is not None
         return values, receipt
 
+    @check_arguments
     async def write_many(self, handles: Sequence[RemoteHandle], srcs: Sequence[Any]) -> Receipt:
         """Write ``srcs[i]`` into ``handles[i]`` for all of them as one batch (puts then one
         flush, one-sided); returns once every byte is in the owner's memory."""

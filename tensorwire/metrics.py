@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _metrics
-from ._checks import check_arguments, split_address
+from ._checks import check_arguments, check_bool, split_address
 from .errors import ConfigurationError
 
 __all__ = ["MetricsServer", "Snapshot", "collector", "count_transfers", "register", "serve", "snapshot", "text"]
@@ -80,14 +80,35 @@ class Snapshot:
     refusals: dict[str, int] = field(default_factory=dict)
     stranded: dict[str, tuple[int, int]] = field(default_factory=dict)
 
+    @check_arguments
     def bytes(self, op: str, transport: str | None = None, traffic: str | None = None) -> int:
         """Bytes of ``op`` ("send", "recv", "read", "write"), over one transport or all, of one
         kind of traffic ("messages", "rpc", "one-sided", "pipeline", "bench") or all."""
+        _check_query(op, transport, traffic)
         return sum(n for k, (_, n) in self.transfers.items() if _matches(k, op, transport, traffic))
 
+    @check_arguments
     def count(self, op: str, transport: str | None = None, traffic: str | None = None) -> int:
         """Transfers of ``op``, over one transport or all, of one kind of traffic or all."""
+        _check_query(op, transport, traffic)
         return sum(c for k, (c, _) in self.transfers.items() if _matches(k, op, transport, traffic))
+
+
+_OPS = ("send", "recv", "read", "write")
+_TRAFFIC = ("messages", "rpc", "one-sided", "pipeline", "bench")
+
+
+def _check_query(op: object, transport: object, traffic: object) -> None:
+    """A misspelt op or traffic kind matches nothing, and its count stays 0 however much moves
+    (``bytes("sned")``): refuse it. A transport is any string (one of another build counts too)."""
+    if op not in _OPS:
+        raise ConfigurationError(f"op must be one of {', '.join(_OPS)}, not {op!r}")
+    if transport is not None and not isinstance(transport, str):
+        raise ConfigurationError(
+            f"transport must be a transport's name, e.g. 'tcp', or None for all, not {transport!r}"
+        )
+    if traffic is not None and traffic not in _TRAFFIC:
+        raise ConfigurationError(f"traffic must be one of {', '.join(_TRAFFIC)}, or None for all, not {traffic!r}")
 
 
 def _matches(key: tuple[Any, ...], op: str, transport: str | None, traffic: str | None) -> bool:
@@ -116,7 +137,7 @@ def count_transfers(on: bool = True) -> None:
     95 us inproc round trip, 1.07x; 11 us of a 166 us tcp one, 1.07x; 3.4 us of a 234 us ucx
     one, 1.02x). The counts so far stay;
     peers, failed connects and refusals are counted either way."""
-    _metrics.count_transfers(on)
+    _metrics.count_transfers(check_bool("count_transfers(on)", on))  # ("no" or None: not a switch)
 
 
 def _prometheus() -> Any:
@@ -218,13 +239,23 @@ def register(registry: Any = None) -> None:
     second call for a registry that has them does nothing. ConfigurationError if the registry
     holds other metrics of the same names."""
     prometheus = _prometheus()
-    registry = prometheus.REGISTRY if registry is None else registry
+    registry = prometheus.REGISTRY if registry is None else _registry(registry)
     try:
         registry.register(_COLLECTOR)
     except ValueError as exc:
         if _COLLECTOR in getattr(registry, "_collector_to_names", {}):
             return  # registered already
         raise ConfigurationError(f"cannot register tensorwire's metrics: {exc}") from exc
+
+
+def _registry(registry: object) -> Any:
+    """A registry to register in or serve from: anything else failed in prometheus_client (an
+    AttributeError at ``register``; at ``serve``, every scrape, in the server's thread)."""
+    if not (callable(getattr(registry, "register", None)) and callable(getattr(registry, "collect", None))):
+        raise ConfigurationError(
+            f"registry must be a prometheus_client.CollectorRegistry, or None for the default one, not {registry!r}"
+        )
+    return registry
 
 
 def text() -> str:
@@ -282,6 +313,8 @@ def serve(address: str = "127.0.0.1:0", *, registry: Any = None) -> MetricsServe
     if registry is None:
         register()
         registry = prometheus.REGISTRY
+    else:
+        registry = _registry(registry)
     try:
         httpd, thread = prometheus.start_http_server(port, addr=host, registry=registry)
     except OSError as exc:

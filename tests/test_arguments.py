@@ -150,6 +150,32 @@ async def test_the_pipeline_refuses_values_of_the_wrong_kind_where_they_are_give
                 assert np.array_equal(out, np.ones((4, 2)))
 
 
+async def test_the_peers_lookup_and_batch_verbs_and_unexpose_say_what_they_take() -> None:
+    """These raised Python's bare TypeError ("got an unexpected keyword argument"), and
+    ``node.unexpose(None)`` a HandleNotFound ("None is not exposed")."""
+    async with connected_pair("tcp") as (a, b):
+        b.node.expose(np.zeros((4, 2)), name="t")
+        h = await a.lookup("t")
+        misfits: list[tuple[str, Callable[[], Any]]] = [
+            (r"Peer.lookup\(\) has no option 'nmae' \(did you mean 'name'\?\)", lambda: a.lookup(nmae="t")),
+            (r"Peer.read_many\(\) has no option 'out' \(did you mean 'outs'\?\)", lambda: a.read_many([h], out=[])),
+            (r"Peer.read_many_with_receipt\(\): too many positional", lambda: a.read_many_with_receipt([h], None)),
+            (r"Peer.write_many\(\): missing a required argument: 'srcs'", lambda: a.write_many([h])),
+            (r"Peer.read_with_receipt\(\) has no option 'devcie'", lambda: a.read_with_receipt(h, devcie="cpu")),
+            (r"Peer.recv_with_receipt\(\) has no option 'tga' \(did you mean", lambda: a.recv_with_receipt(tga=1)),
+        ]  # fmt: skip
+        for said, call in misfits:
+            with pytest.raises(ArgumentError, match=said):
+                await call()
+        with pytest.raises(ArgumentError, match=r"Node.unexpose\(\) has no option 'nmae'"):
+            b.node.unexpose(nmae="t")  # type: ignore[call-arg]
+        for name in (None, 5, b"t"):
+            with pytest.raises(ConfigurationError, match="unexpose takes the name a tensor was exposed under, not "):
+                b.node.unexpose(name)  # type: ignore[arg-type]
+        assert np.array_equal(await a.read(h), np.zeros((4, 2)))  # nothing was unexposed
+        await b.node.unexpose("t")
+
+
 def test_a_type_error_from_inside_a_call_that_fits_passes_unchanged() -> None:
     """Only a call whose arguments do not fit becomes an ArgumentError: a TypeError the body
     raises is the body's (a bug, or a deliberate one) and reaches the caller as it was."""

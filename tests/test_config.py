@@ -135,12 +135,17 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("transports", {"transports": ["TCP"]}),
     ("transports", {"transports": ("tcp", "nosuch")}),
     ("transports", {"transports": 5}),
+    ("transports", {"transports": [["tcp"]]}),  # a bare TypeError: unhashable type: 'list'
+    ("transports", {"transports": ("tcp", {"ucx"})}),
     ("tls", {"tls": "cert.pem"}),
     ("limits", {"limits": {"max_unexpected": 5}}),
     ("limits", {"limits": None}),
     ("ucx_options", {"ucx_options": ["TLS"]}),
     ("ucx_options", {"ucx_options": {"RNDV_THRESH": 5}}),
     ("ucx_options", {"ucx_options": {5: "x"}}),
+    ("ucx_options", {"ucx_options": {"UCX_TLS": "tcp"}}),  # start(): "ucx_config: pass TLS='...' as a string"
+    ("ucx_options", {"ucx_options": {"TLS": "tcp\0,cma"}}),  # UCX took "tcp" alone
+    ("ucx_options", {"ucx_options": {"TL\0S": "tcp"}}),
     ("auth_token", {"auth_token": 123}),
     ("auth_token", {"auth_token": b"token"}),
     ("auth_token", {"auth_token": ""}),  # would "require" a token every client has
@@ -201,6 +206,21 @@ async def test_checksum_takes_numpy_bools() -> None:
     assert NodeConfig(checksum=np.False_).checksum is False  # type: ignore[arg-type]
 
 
+def test_a_ucx_option_named_with_its_prefix_is_told_to_drop_it() -> None:
+    from tensorwire.transports.ucx import ucx_config
+
+    with pytest.raises(ConfigurationError, match=r"without the UCX_ prefix: \{'TLS': 'tcp'\}, not 'UCX_TLS'"):
+        NodeConfig(ucx_options={"UCX_TLS": "tcp"})
+    prefixed = r"ucx_config takes names without the UCX_ prefix: TLS='tcp', not UCX_TLS"  # was "pass TLS as a string"
+    with pytest.raises(ConfigurationError, match=prefixed), ucx_config(UCX_TLS="tcp"):
+        pass
+    with (
+        pytest.raises(ConfigurationError, match=r"pass TLS='...' as a string \(without NUL\)"),
+        ucx_config(TLS="tcp\0"),
+    ):
+        pass
+
+
 def test_node_config_normalizes() -> None:
     cfg = NodeConfig(transports=["tcp"], connect_timeout=np.float32(2), ucx_options={"TLS": "tcp"})  # type: ignore[arg-type]
     assert cfg.transports == ("tcp",)
@@ -245,6 +265,9 @@ async def test_connect_rejects_bad_addresses_and_timeouts() -> None:
         for timeout in ("5", 0, -1, math.nan, math.inf, True):
             with pytest.raises(ConfigurationError, match="connect_timeout"):
                 await node.connect("127.0.0.1:1", connect_timeout=timeout)  # type: ignore[arg-type]
+        for transports in ([["tcp"]], ["tcp", None]):  # the first was a bare TypeError (unhashable)
+            with pytest.raises(ConfigurationError, match=r"unknown transport .* in transports; known: inproc"):
+                await node.connect("127.0.0.1:1", transports=transports)  # type: ignore[arg-type]
         assert node.peers == []
 
 

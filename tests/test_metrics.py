@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -513,3 +515,48 @@ async def test_counting_transfers_can_be_switched_off_and_on() -> None:
         await b.recv(tag=1)
         after = metrics.snapshot()
     assert after.bytes("send", "tcp", "messages") - before.bytes("send", "tcp", "messages") == 80
+
+
+BAD_QUERIES = [
+    (("sned",), "op must be one of send, recv, read, write, not 'sned'"),  # was 0 however much moved
+    ((None,), "op must be one of"),
+    (("send", 5), "transport must be a transport's name"),
+    (("send", "tcp", "message"), "traffic must be one of messages, rpc, one-sided, pipeline, bench"),
+]
+
+
+@pytest.mark.parametrize(("args", "said"), BAD_QUERIES, ids=[repr(a) for a, _ in BAD_QUERIES])
+def test_a_snapshot_query_that_could_match_nothing_is_refused(args: tuple[Any, ...], said: str) -> None:
+    snap = metrics.snapshot()
+    for query in (snap.bytes, snap.count):
+        with pytest.raises(tensorwire.ConfigurationError, match=re.escape(said)):
+            query(*args)
+    with pytest.raises(tensorwire.ArgumentError, match=r"Snapshot.bytes\(\): missing a required argument: 'op'"):
+        snap.bytes()  # type: ignore[call-arg]
+
+
+def test_every_kind_of_traffic_a_layer_counts_can_be_asked_for() -> None:
+    # each layer names its traffic as it loads
+    import tensorwire._bench
+    import tensorwire.pipeline  # noqa: F401
+
+    assert {name for _, name in _metrics._traffic} | {"messages"} == set(metrics._TRAFFIC)
+    assert metrics.snapshot().bytes("read", "tcp", "one-sided") >= 0
+
+
+@pytest.mark.parametrize("switch", ["no", None, 0, 1])
+def test_count_transfers_takes_true_or_false_only(switch: object) -> None:
+    """``count_transfers("no")`` switched counting on, ``count_transfers(None)`` off."""
+    with pytest.raises(tensorwire.ConfigurationError, match=r"count_transfers\(on\) must be True or False"):
+        metrics.count_transfers(switch)  # type: ignore[arg-type]
+    assert _metrics.moved is not _metrics._not_counted  # still counting
+
+
+@pytest.mark.parametrize("registry", [5, "default", object()])
+def test_what_is_no_registry_is_refused_where_it_is_given(registry: object) -> None:
+    """``register(5)`` was an AttributeError; ``serve(registry=5)`` served, and every scrape
+    failed in the server's thread."""
+    with pytest.raises(tensorwire.ConfigurationError, match=r"registry must be a prometheus_client\.CollectorRegistry"):
+        metrics.register(registry)
+    with pytest.raises(tensorwire.ConfigurationError, match=r"registry must be a prometheus_client\.CollectorRegistry"):
+        metrics.serve("127.0.0.1:0", registry=registry)

@@ -195,8 +195,10 @@ def ucx_config(**options: str) -> Iterator[None]:
     variables the user set (``UCX_TLS=...``) still apply where no option overrides them.
     """
     for k, v in options.items():
-        if not isinstance(v, str) or k.startswith("UCX_"):
-            raise ConfigurationError(f"ucx_config: pass {k.removeprefix('UCX_')}='...' as a string")
+        if k.startswith("UCX_"):  # (this said "pass TLS='...' as a string" of a string)
+            raise ConfigurationError(f"ucx_config takes names without the UCX_ prefix: {k[4:]}={v!r}, not {k}")
+        if not isinstance(v, str) or "\0" in v:
+            raise ConfigurationError(f"ucx_config: pass {k}='...' as a string (without NUL), not {v!r}")
     token = _OPTIONS.set(tuple(sorted({**dict(_OPTIONS.get()), **options}.items())))
     try:
         yield
