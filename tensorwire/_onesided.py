@@ -1569,7 +1569,8 @@ async def _reply(peer: Peer, receiving: asyncio.Future[tuple[Any, Receipt]]) -> 
     operation on the owner's memory, and ends with its channel on every transport. Copies
     already queued behind the stream still run: out= may hold part of the bytes, as after any
     read that failed part way. (Over tcp the reader, landing the reply, waits for the stream
-    before it can read the owner's close behind it: the channel ends at the lease then.)"""
+    before it can read the owner's close behind it: ``ended`` fails once the socket hangs up,
+    ``TcpChannel._peer_hung_up``, before the channel shuts.)"""
     ended = peer.channel.ended
 
     def cut(_: asyncio.Future[None]) -> None:

@@ -280,8 +280,9 @@ async def test_a_one_sided_operation_waiting_for_its_stream_ends_with_its_channe
     the consumer's stream (a read of more than the staging ring). An owner-assisted read (its
     answer more than the staging ring) waited for the stream over inproc and ucx whoever
     closed, and then returned the answer whole; over tcp, our own close ended it. Over tcp with
-    no room for overflow memory the owner's close is seen at the lease (3 s): the reader,
-    landing the answer, waits for the stream before it can read the close behind it."""
+    no room for overflow memory the owner's close was seen at the lease (3 s): the reader,
+    landing the answer, waits for the stream before it can read the close behind it (it
+    watches the socket's hang-up meanwhile now: tests/test_tcp_device.py)."""
     n = CHUNK * DEPTH * 2 + 5
     served = op == "served-read"
     with busy_stream(engine) as (stream, gate):

@@ -305,3 +305,46 @@ async def test_a_recv_cancelled_as_its_message_lands_in_overflow_memory_loses_no
     finally:
         sender.close()
         engine.close()
+
+
+@pytest.mark.parametrize("memory", ["device", "none"])
+@pytest.mark.parametrize("closer", ["peer", "peer-node"])
+async def test_a_read_landing_behind_a_busy_stream_ends_at_its_owners_close(closer: str, memory: str) -> None:
+    """An owner-assisted read whose answer (no overflow allowance: ``recv_buffer_bytes=0``)
+    lands into device memory whose consumer stream stays busy, its owner closing meanwhile,
+    the rest of the answer and the close in the socket buffers: the read raises
+    PeerDisconnected for the owner's close while the stream is still busy, with device memory
+    for buffers of ours or none, and once the stream frees the channel ends and every staging
+    chunk is back in the pool. Before, the reader, waiting for the stream, read nothing, and
+    the close behind the answer was learnt at the lease (30 s here); with no device memory the
+    read's end waited for the stream, to copy down bytes nobody wanted (60 s, the test's limit).
+    The rest of the answer past the ring is half a chunk, more than the reader's read-ahead and
+    less than a new connection's receive window: with a whole ring's worth (192 KiB) the
+    owner's kernel kept 68 KiB and its FIN in 1 run of 6 (FIN-WAIT-1: the reader's socket
+    held 111 KB, its buffer not grown yet), and the read ended at the lease."""
+    n = CHUNK * DEPTH + CHUNK // 2 + 5
+    engine = _rings(HostEngine() if memory == "device" else _Full())
+    owner = _rings(HostEngine())  # (its copies out are not counted in ``engine.max_queued``)
+    try:
+        with busy_stream(engine) as (stream, gate):
+            async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=0), lease_seconds=30) as (a, b):
+                a.node.expose(EngineArray(owner, _data(n)), name="t")
+                h = await b.lookup("t")
+                out = EngineArray(engine, np.zeros(n, np.uint8), stream=stream)
+                read = asyncio.ensure_future(b.read(h, out=out))
+                await eventually(lambda: engine.max_queued >= DEPTH)  # the ring is behind the stream
+                assert not read.done()
+                await {"peer": a.aclose, "peer-node": a.node.aclose}[closer]()
+                # (a hang guard, not cancelling the read: the lease would take 30 s)
+                await asyncio.wait([read], timeout=5)
+                assert read.done(), "the read waited for the stream"
+                with pytest.raises(PeerDisconnected) as failed:
+                    await read
+                assert "lease" not in str(failed.value), failed.value
+                assert not gate.query(), "the stream was let go early"
+                gate.set()
+                await eventually(lambda: b.channel.state is not ChannelState.OPEN)
+                await eventually(lambda: engine.pool("in").free == DEPTH and b.channel._overflowing == 0)
+    finally:
+        owner.close()
+        engine.close()

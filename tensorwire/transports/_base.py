@@ -381,6 +381,11 @@ class Channel(ABC):
     def add_close_callback(self, cb: Callable[[BaseException | None], Any]) -> None:
         self._on_close.append(cb)
 
+    def _ending(self, exc: BaseException) -> None:
+        """Fail ``ended`` before the channel shuts: the peer's close is known while bytes it sent
+        before it are still unread (tcp's reader waiting for a consumer's stream)."""
+        _end(self.ended, exc)
+
     def _closed(self, state: ChannelState, exc: BaseException) -> None:
         """Mark the channel closed or broken and fail everything pending with ``exc``."""
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):

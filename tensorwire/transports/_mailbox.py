@@ -236,9 +236,37 @@ class Arrival:
 
     def let_rest_go(self) -> None:
         """Nobody wants the payload's bytes (``Mailbox.recv``'s ``keep=False``): ``drop`` them,
-        where the transport allows it (``droppable``)."""
-        if self.droppable():
+        where the transport allows it (``droppable``), or where it lands them in device memory
+        through staging chunks, in order (tcp), once the copies queued so far are handed to
+        their targets' streams (``_let_landing_go``)."""
+        if self.droppable() or (
+            not self.done.done()
+            and self.lost is None
+            and self.landed is not None
+            and not self.pinned
+            and self._let_landing_go()
+        ):
             self.drop(TransferError(f"a {self.nbytes}-byte message on this tag was dropped: nobody wanted its bytes"))
+
+    def _let_landing_go(self) -> bool:
+        """``let_rest_go`` for a payload landing in device tensors: each one's stream waits for
+        the copies into it queued so far, which still run (out= may hold part of the bytes, as
+        after a one-sided read that failed part way), and the landing's lanes go back; nothing
+        waits for those copies here. A cancelled read of an owner's answer landing behind a busy
+        consumer stream, with no device memory for buffers of ours, waited for that stream to
+        copy what landed down to the host (``_to_host``), for good were it stuck, though nobody
+        wanted the bytes. False where an engine has no streams to order: the message is kept,
+        and a cancelled recv waits for those copies (``detach``)."""
+        landing = self.landing
+        if landing is not None:
+            for d in self.dest or ():
+                if isinstance(d, DeviceTensor):
+                    after = landing.flush(d)
+                    if after is not None and not d.engine.stream_wait(d.stream, after):
+                        return False
+            landing.finish_now([])
+            self.landing = None
+        return True
 
     def drop(self, lost: TransferError) -> None:
         """Land the rest of the payload in a small scratch buffer, reused for every piece, and

@@ -783,6 +783,11 @@ class TcpChannel(Channel):
                 arrival.staged = True
                 try:
                     stage = arrival.land().stage(d)
+                    if stage.behind_consumer():
+                        # the landing may wait for the consumer's stream from here, with
+                        # nothing read meanwhile: the peer's close is watched for apart (from
+                        # now till the socket closes: one epoll_ctl, not two a frame)
+                        io.watch_hangup(self._peer_hung_up)
                     over = self._overflows.get(arrival.msg_id)
                     if over is not None and over.due(stage):
                         self._overflow(over, arrival, pos, d)
@@ -913,6 +918,19 @@ class TcpChannel(Channel):
             log.warning("overflow copies on %s failed: %r", self.lanes[0], exc)
         finally:
             self._overflowing -= over.size
+
+    def _peer_hung_up(self) -> None:
+        """The peer closed the connection (watched for since the reader first had to wait for a
+        consumer's stream to land what it read, ``_land``): the close may come after bytes the
+        reader cannot read yet, which it would learn of only once the stream frees (at the
+        lease, were that later). What ends with the channel ends now (``ended``): a one-sided
+        read landing the owner's answer (``_onesided._reply``), a send waiting for its
+        producer's stream. The reader goes on when the stream frees, delivering the messages
+        that came whole before the close, and shuts the channel at the close itself. A close
+        the peer's kernel still holds behind bytes this side has not taken (more than the
+        socket buffers hold) is not seen here: the lease tells then."""
+        if self.state is ChannelState.OPEN:
+            self._ending(PeerDisconnected("peer closed the channel"))
 
     def _device_failed(self, arrival: Arrival, exc: Exception) -> None:
         """Landing ``arrival`` in device memory failed (a copy the device refused, or no

@@ -14,6 +14,7 @@ readable callback: a small message then reaches its recv without a trip through 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,8 @@ _HEADER_FILL = 16 * 1024
 # 8 MiB took 100-150 ms in a VM, where 1 GiB held the loop 1-4 s when counted per frame)
 _YIELD_EVERY = 8 << 20
 _YIELD_SECONDS = 0.005
+# epoll's "the peer closed its end" event (Linux): seen while unread bytes are still queued
+_RDHUP: int | None = getattr(select, "EPOLLRDHUP", None)
 # ... and after this many bytes of frames taken on the header path: each costs Python work (a
 # peer sending empty CREDIT frames, or ABORTs of unknown messages, would hold the loop for good)
 _YIELD_FRAMES = 64 << 10
@@ -92,6 +95,39 @@ class SockIO:
         # (buffer, start, end): handles the whole frames it can at ``start`` and returns
         # (new start, whether the reader task must handle what follows)
         self.on_frames: Callable[[bytearray, int, int], tuple[int, bool]] | None = None
+        self._hangups: select.epoll | None = None  # the socket's hang-up alone (``watch_hangup``)
+        self._on_hangup: Callable[[], None] | None = None
+
+    # -- the peer's close, while nobody reads ------------------------------------------------
+    def watch_hangup(self, on_hangup: Callable[[], None]) -> None:
+        """Call ``on_hangup`` once, from the loop, when the peer closes or drops the connection
+        (until ``unwatch_hangup`` or ``close``): for a reader that may stop reading for long (it
+        waits for room to land what it read) and would learn of the close only once it reads up
+        to it. The bytes queued before the close stay readable. A socket read sees the close
+        only after every byte queued before it, so this asks epoll, on a descriptor of its own,
+        for the hang-up alone (EPOLLRDHUP; EPOLLHUP and EPOLLERR for a reset): a new byte does
+        not wake it. Not watched where epoll is missing (then the control plane's lease tells)."""
+        if self._closed or self._on_hangup is not None or _RDHUP is None:
+            return
+        ep = self._hangups
+        if ep is None:
+            ep = self._hangups = select.epoll(1)
+            ep.register(self.fd, _RDHUP)
+        self._on_hangup = on_hangup
+        self.loop.add_reader(ep.fileno(), self._hung_up)
+
+    def unwatch_hangup(self) -> None:
+        if self._on_hangup is not None:
+            self._on_hangup = None
+            if self._hangups is not None:
+                self.loop.remove_reader(self._hangups.fileno())
+
+    def _hung_up(self) -> None:
+        on_hangup = self._on_hangup
+        if self._hangups is None or on_hangup is None or not self._hangups.poll(0):
+            return
+        self.unwatch_hangup()  # (level-triggered: it would fire at every loop turn)
+        on_hangup()
 
     # -- waiting ----------------------------------------------------------------------------
     async def _wait(self, add: Callable[..., None], remove: Callable[[int], bool]) -> None:
@@ -322,6 +358,9 @@ class SockIO:
 
     def close(self) -> None:
         self._closed = True
+        self.unwatch_hangup()
+        if self._hangups is not None:
+            self._hangups.close()
         for t in list(self._tasks):
             t.cancel()
         self._watching = False
