@@ -115,8 +115,9 @@ async def test_an_output_that_cannot_be_sent_fails_the_step_on_every_stage(outpu
             if isinstance(output, NotIterable):  # the foreign error is kept as the cause
                 assert "RuntimeError: this mapping cannot be iterated" in err.value.remote_traceback
             ls[1].output = None
-            with pytest.raises(tensorwire.RemoteError, match="broken by an earlier failure"):
+            with pytest.raises(tensorwire.RemoteError, match="broken by an earlier failure") as err:
                 await pipe.step(x, y, microbatches=4)
+            assert "Pipeline.connect again" in err.value.remote_message  # what to do, not only what happened
             after = await pipe.state()
     for s in range(4):  # and the failed step changed nothing
         np.testing.assert_array_equal(after[s]["w"], before[s]["w"], err_msg=f"stage {s}")
@@ -977,6 +978,42 @@ async def test_a_cancelled_step_breaks_the_stages_and_updates_none() -> None:
     assert got.loss == pytest.approx(want, rel=1e-5)
     for s in range(4):
         np.testing.assert_allclose(states[s]["w"], reference[s].inner.w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+async def test_commits_carry_none_of_the_callers_rpc_deadline() -> None:
+    """A ``tensorwire.rpc.deadline`` around a step that runs out while the commits go out
+    leaves them to land on every stage, as an ``asyncio.timeout`` does. The commits took the
+    caller's deadline with them: one made just after it passed was never sent (or its stage
+    refused it unrun), so the stages the others reached applied the step, the rest dropped it
+    at the next step, and the caller heard only TimeoutError. (Here the driver stalls as it
+    makes the commit to stage 2, until the deadline has passed; in a sweep of deadlines over
+    three stages in one loop with ``offload=False``, 1 step in 32 ended so without a stall.)"""
+    ls, reference = layers(3), layers(3)
+    x, y = batch()
+    async with stages(parts(ls), offload=True) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            loop = asyncio.get_running_loop()
+            peer = pipe.peers[2]
+            call = peer.call
+            expires = loop.time() + 1.0
+
+            async def stalled(name: str, *args: Any, **kwargs: Any) -> Any:
+                if name == "tw.pipeline.commit":  # the loop is held (GIL, a slow send) past the deadline
+                    time.sleep(max(0.0, expires - loop.time()) + 0.05)  # noqa: ASYNC251 - the stall under test
+                return await call(name, *args, **kwargs)
+
+            peer.call = stalled  # type: ignore[method-assign]
+            stage_2 = ls[2].inner.w.copy()
+            with pytest.raises(TimeoutError):
+                async with tensorwire.rpc.deadline(expires - loop.time()):
+                    await pipe.step(x, y, microbatches=2)
+            peer.call = call  # type: ignore[method-assign]
+            await eventually(lambda: not np.array_equal(ls[2].inner.w, stage_2), seconds=5)
+            states = await pipe.state()
+    one_process_step(reference, x, y)
+    for s in range(3):  # every stage applied the step, stage 2 too
+        np.testing.assert_allclose(states[s]["w"], reference[s].inner.w, rtol=1e-5, atol=1e-6, err_msg=f"stage {s}")
 
 
 @pytest.mark.timeout(60)

@@ -51,6 +51,7 @@ from ..errors import (
     UnsupportedTensorError,
 )
 from ..rpc import current_deadline
+from ..rpc._deadline import served_under
 from ..tensors import as_view, is_tensor, prepare
 from ._batch import join, num_samples, split
 from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, _check_sizes, make_schedule
@@ -366,8 +367,11 @@ class Pipeline:
         t0 = loop.time()
         stats = await self._run(step, sched, xs, ys, weights, ok="finished, update not applied")
         # every stage finished: now every one applies its update, even if our caller gives up
-        # meanwhile (the commits are on their way; half of them would be a half-updated model)
-        commits = [loop.create_task(peer.call("tw.pipeline.commit", self._generation, step)) for peer in self.peers]
+        # meanwhile (the commits are on their way; half of them would be a half-updated model).
+        # They carry none of the caller's tensorwire.rpc.deadline: with it, one made just after
+        # it ran out was never sent, or its stage refused it unrun, while the others landed
+        with served_under(None):
+            commits = [loop.create_task(peer.call("tw.pipeline.commit", self._generation, step)) for peer in self.peers]
         applied = await asyncio.shield(asyncio.gather(*commits, return_exceptions=True))
         seconds = loop.time() - t0
         if any(isinstance(o, BaseException) for o in applied):

@@ -744,7 +744,10 @@ class Stage:
             error = BrokenResourceError(f"stage {self.rank}: step {self._running} was cancelled by its caller")
             self._fail(error, self.rank, str(error), step=self._running)
         if self._broken is not None:
-            raise BrokenResourceError(f"stage {self.rank} is broken by an earlier failure: {self._broken}")
+            raise BrokenResourceError(
+                f"stage {self.rank} is broken by an earlier failure (Pipeline.connect again to configure the "
+                f"stages afresh): {self._broken}"
+            )
         plan = [Action.parse(tok) for tok in actions.split()]
         self._failed_at = None
         task = asyncio.get_running_loop().create_task(self._run(step, plan, inputs, targets, weights))
