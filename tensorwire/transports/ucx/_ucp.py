@@ -153,11 +153,21 @@ _ROUTES: dict[bytes, tuple[str, tuple[str, ...]] | None] = {}
 
 
 def _route(info: bytes) -> tuple[str, tuple[str, ...]] | None:
-    """``Ucp.request_route`` of one info string, which UCX 1.21 (``ucp_proto_config_info_str``)
-    writes as ``{flags} <operation> from <memory> length <n> <protocol> <lanes> <rate> MB/s
-    <time> us``, the lanes as ``cma/memory`` or ``52% on tcp/lo and 48% on tcp/eth0``. Those
-    of one endpoint's protocols are few: each is read once, then found by its text without
-    the length and the estimates."""
+    """``Ucp.request_route`` of one info string, which UCX 1.21 writes as ``{flags} <operation>
+    from <memory> length <n> <protocol> <lanes> <rate> MB/s <time> us`` (``ucp_request_str``,
+    then ``ucp_proto_config_info_str`` in src/ucp/proto/proto_debug.c). The memory is ``host
+    memory`` or ``cuda/GPU0`` (``ucp_proto_debug_mem_info_str``; a get says ``into``). The
+    protocol is its query's description: ``zero-copy``, ``rendezvous zero-copy read from
+    remote`` (``ucp_proto_rndv_rts_query`` puts ``rendezvous`` before the receiver's), and,
+    where UCX stages device memory itself, ``rendezvous read from remote, cuda_copy, frag
+    host`` (``ucp_proto_rndv_mtype_query_desc``). The lanes are ``<transport>/<device>``
+    (``ucp_proto_common_lane_priv_str``), one (``cuda_ipc/cuda``) or shares of several
+    (``ucp_proto_multi_query_config``: ``52% on tcp/lo and 48% on tcp/eth0``); on a device
+    with several network paths (an RDMA NIC's) UCX adds the path, ``rc_mlx5/mlx5_0:1/path0``,
+    or names the lane once and the shares by path, ``rc_mlx5/mlx5_0:1 50% on path0 and 50% on
+    path1``. A lane is given as ``ucp_ep_query`` names it, without the path. Those of one
+    endpoint's protocols are few: each is read once, then found by its text without the length
+    and the estimates."""
     flags, _, body = info.partition(b"} ")
     _, sep, rest = body.partition(b" length ")
     if b"proto" not in flags or not sep:
@@ -178,7 +188,8 @@ def _route(info: bytes) -> tuple[str, tuple[str, ...]] | None:
         lane = w.rstrip(",;")
         t, slash, d = lane.partition("/")
         if slash and d and t[:1].isalpha() and t.replace("_", "").isalnum():
-            lanes[lane] = None
+            # (a "/path<n>" after the device is not part of the endpoint's lane name)
+            lanes[f"{t}/{d.partition('/')[0]}"] = None
             named = True
         elif w.endswith("%"):
             named = True
