@@ -754,13 +754,16 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
     import tensorwire.transports.verbs._memory as verbs_memory
     import tensorwire.transports.verbs._queue as verbs_queue
     import tensorwire.transports.verbs._transport as verbs
-    from tensorwire import _checks, _onesided
+    from tensorwire import _checks, _onesided, _peer
+    from tensorwire.control import PROTOCOL_VERSION, _negotiate
+    from tensorwire.control import _server as control_server
     from tensorwire.memory import _engine, _pinned
     from tensorwire.pipeline import _stage
     from tensorwire.rpc import _client, _protocol
     from tensorwire.tensors import _offload
     from tensorwire.transports import DEFAULT_PREFERENCE, _credit, _frames
     from tensorwire.transports.tcp import _channel as tcp_channel
+    from tensorwire.transports.tcp._sockio import SMALL_READ
 
     config, limits, calls = tensorwire.NodeConfig(), tensorwire.Limits(), tensorwire.rpc.CallLimits()
     us = 1e6
@@ -796,6 +799,25 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
             f"{_frames.HEADER.size}-byte frame headers",
             f"Payloads move in {_size(limits.chunk_bytes)} frames",
             f"one request carries up to {_onesided._MAX_REGIONS} regions",
+            f"at the same control protocol version ({PROTOCOL_VERSION} now)",
+            f"Host copies of {_size(_offload.OFF_LOOP_BYTES)} or more",
+            f"run in one of {_offload._WORKERS} `tensorwire-copy` threads",
+            f"-0x{-_peer.RESERVED_TAGS[0]:_X} to -0x{-_peer.RESERVED_TAGS[-1]:_X} are tensorwire's own",
+            f"nor for a tcp payload under {_size(SMALL_READ)} at the receiver",
+            f"a ucx send whose payload segments are {_size(ucx_channel._ROUTE_FROM)} or more",
+            f"or puts, are each {_size(ucx_channel._ROUTE_FROM)} or more says in its receipt's `route`",
+            f"keeps the latest {tensorwire.Node.MAX_DEPARTED} such peers (`Node.MAX_DEPARTED`)",
+            f"A handshake names at most {_negotiate.MAX_TRANSPORTS} transports, each name (and `require`) at "
+            f"most {control_server.MAX_NAME_CHARS} characters, its node id at most "
+            f"{tensorwire.NodeConfig.MAX_NODE_ID_CHARS}, its instance id at most "
+            f"{control_server.MAX_INSTANCE_ID_CHARS} and its control address at most "
+            f"{control_server.MAX_ADDRESS_CHARS},",
+            f"cut to {control_server.MAX_REASON_CHARS} characters",
+            f"`node_id` at most {tensorwire.NodeConfig.MAX_NODE_ID_CHARS} characters",
+            f"`auth_token` at most {tensorwire.NodeConfig.MAX_AUTH_TOKEN_CHARS} printable ASCII characters",
+            f"A name is a non-empty string of at most {_onesided.MAX_HANDLE_NAME_CHARS} characters",
+            f"a node keeps at most {_onesided._MAX_ASKED} of them",
+            f"an owner serves at most {_onesided._MAX_SERVED} of one peer's at once",
         ],
         ROOT / "docs" / "pipeline.md": [
             f"`Limits.max_unexpected` unreceived messages from one peer ({limits.max_unexpected} by default)",
@@ -1015,6 +1037,54 @@ def test_every_call_in_the_snippets_fits_its_signature() -> None:
     assert not wrong, "calls the API does not take:\n" + "\n".join(wrong)
 
 
+def test_the_metric_names_and_labels_the_pages_and_docstring_name_are_served() -> None:
+    """Every ``tensorwire_*`` metric the pages name (a query's selector labels too) is one the
+    collector serves, and the ``tensorwire.metrics`` docstring, where the README sends its
+    reader for the list, names every metric with exactly the labels it has."""
+    pytest.importorskip("prometheus_client")
+    import tensorwire.metrics
+
+    served: dict[str, set[str]] = {}
+    for family in tensorwire.metrics.collector().collect():
+        labels = set(family._labelnames)
+        suffixes = {"counter": ["_total"], "histogram": ["", "_bucket", "_sum", "_count"]}.get(family.type, [""])
+        served |= {family.name + suffix: labels for suffix in suffixes}
+    wrong = []
+    for page in PAGES:
+        for name, selector in re.findall(r"\b(tensorwire_\w+)(\{[^}]*\})?", prose(page)):
+            if name not in served:
+                wrong.append(f"{page.name}: {name}")
+            for label in re.findall(r"(\w+)\s*[!=]~?", selector):
+                if label not in served.get(name, set()):
+                    wrong.append(f"{page.name}: {name} has no label {label!r}")
+    assert not wrong, "metrics the pages name that are not served: " + ", ".join(wrong)
+    doc = " ".join((tensorwire.metrics.__doc__ or "").split())
+    listed: dict[str, set[str]] = {}
+    for names, labels in re.findall(r"- ((?:``tensorwire_\w+``(?: and )?)+) \{([^}]*)\}", doc):
+        for name in re.findall(r"``(tensorwire_\w+)``", names):
+            listed[name] = {label.strip() for label in labels.split(",")}
+    families = {n: ls for n, ls in served.items() if not n.endswith(("_bucket", "_sum", "_count"))}
+    assert listed == families, "tensorwire.metrics' docstring lists other metrics or labels than it serves"
+
+
+def test_the_idle_cpu_checks_the_readme_names_are_the_tests_there_are() -> None:
+    """The README says which transports' tests hold two idle nodes under 5% of a core: it said
+    every transport's did, where only tcp's and ucx's call ``idle_cpu_percent``."""
+    from tensorwire.transports import KNOWN
+
+    called = {
+        name
+        for path in (ROOT / "tests").rglob("test_*.py")
+        for name in re.findall(r"idle_cpu_percent\(\s*[\"'](\w+)[\"']", path.read_text())
+    }
+    assert called, "no test calls idle_cpu_percent any more"
+    tested, untested = sorted(called), sorted(set(KNOWN) - called)
+    phrase = f"the {' and '.join(tested)} tests assert under 5% of a core"
+    if untested:
+        phrase += f"; {' and '.join(untested)} have no such test"
+    assert phrase in prose(README), f"README should say {phrase!r}"
+
+
 def test_benchmark_flags_the_pages_use_exist() -> None:
     used: dict[str, set[str]] = {}
     for page in PAGES:
@@ -1067,16 +1137,24 @@ def _usage_entries() -> dict[str, str]:
 
 def test_readme_command_line_block_is_the_parsers(capsys: pytest.CaptureFixture[str]) -> None:
     entries = _usage_entries()
+    checked = 0
     commands = re.search(r"\{([\w,-]+)\}", _help(capsys))
     assert commands is not None
     assert sorted(entries) == sorted(c for c in commands[1].split(",") if not c.startswith("_"))
     for command, entry in entries.items():
         text = _help(capsys, command)
         assert _flags(entry) == _flags(text), f"README's `tensorwire {command}` vs its --help"
-        for flag, default in re.findall(r"\[(--[\w-]+) (\d+)\]", entry):  # "[--size-mib 256]"
-            assert re.search(rf"{flag} \S+\s+[^\n]*\(default {default}\)", text), f"{command} {flag} {default}"
+        # "[--size-mib 256]", "[--sizes 4K,1M,64M]", "[--device cpu]" (not a metavar: "[--token T]")
+        quoted = re.findall(r"\[(--[\w-]+) ([a-z0-9][^\s\]]*)\]", entry)
+        options = {o.split()[0].rstrip(","): " ".join(o.split()) for o in re.split(r"\n  (?=-)", text)}
+        for flag, default in quoted:
+            assert f"(default {default})" in options.get(flag, ""), (
+                f"README's `tensorwire {command}` gives {flag} the default {default}; its --help: {options.get(flag)}"
+            )
+        checked += len(quoted)
         if "[ADDRESS]" in entry:
             assert re.search(r"\[ADDRESS\]", text), f"{command}: no optional ADDRESS"
+    assert checked >= 6, "the README's command-line block quotes fewer defaults than it did"
 
 
 def test_command_lines_in_the_pages_use_real_flags(capsys: pytest.CaptureFixture[str]) -> None:
