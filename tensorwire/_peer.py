@@ -246,7 +246,6 @@ class Peer:
         value, _ = await self.channel.recv(tag, out, device)
         return value
 
-    @check_arguments
     async def recv_with_receipt(
         self, *, tag: int | str = 0, out: Any = None, device: Any = None
     ) -> tuple[Any, Receipt]:
@@ -453,7 +452,6 @@ class Peer:
         value, _ = await _onesided.read(self, handle, out, device=device, want_receipt=False)
         return value
 
-    @check_arguments
     async def read_with_receipt(
         self, handle: RemoteHandle, *, out: Any = None, device: Any = None
     ) -> tuple[Any, Receipt]:

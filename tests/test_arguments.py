@@ -152,7 +152,10 @@ async def test_the_pipeline_refuses_values_of_the_wrong_kind_where_they_are_give
 
 async def test_the_peers_lookup_and_batch_verbs_and_unexpose_say_what_they_take() -> None:
     """These raised Python's bare TypeError ("got an unexpected keyword argument"), and
-    ``node.unexpose(None)`` a HandleNotFound ("None is not exposed")."""
+    ``node.unexpose(None)`` a HandleNotFound ("None is not exposed"). (send, recv, read, write
+    and their ``*_with_receipt`` twins are left as they are: the check's coroutine frame costs
+    about 0.6 us a call, 3.1% of an 8-byte inproc round trip, 1.9% over tcp, 2.2% of a direct
+    ucx read and write; a misspelt option there is Python's TypeError.)"""
     async with connected_pair("tcp") as (a, b):
         b.node.expose(np.zeros((4, 2)), name="t")
         h = await a.lookup("t")
@@ -161,8 +164,6 @@ async def test_the_peers_lookup_and_batch_verbs_and_unexpose_say_what_they_take(
             (r"Peer.read_many\(\) has no option 'out' \(did you mean 'outs'\?\)", lambda: a.read_many([h], out=[])),
             (r"Peer.read_many_with_receipt\(\): too many positional", lambda: a.read_many_with_receipt([h], None)),
             (r"Peer.write_many\(\): missing a required argument: 'srcs'", lambda: a.write_many([h])),
-            (r"Peer.read_with_receipt\(\) has no option 'devcie'", lambda: a.read_with_receipt(h, devcie="cpu")),
-            (r"Peer.recv_with_receipt\(\) has no option 'tga' \(did you mean", lambda: a.recv_with_receipt(tga=1)),
         ]  # fmt: skip
         for said, call in misfits:
             with pytest.raises(ArgumentError, match=said):
