@@ -22,25 +22,33 @@ if TYPE_CHECKING:
 #: upper bounds (seconds) of the transfer-time histogram's buckets
 BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
-_lock = threading.Lock()  # for what is shared between threads (not the transfers' tallies)
+# Taken by the threads that change what is shared between threads, never by a scrape: a scrape
+# copies what it reads whole, with dict() and list() of builtin containers, which run no Python
+# code. (A scrape that held it while it built its copies could let go of the interpreter lock
+# meanwhile, and an event loop counting a peer then waited for every other thread's turn: in 20 s
+# of back-to-back scrapes from three threads, 307 waits of 1-36 ms, 1.75 s in all.)
+_lock = threading.Lock()
 # Transfers are tallied per thread, so that counting one takes no lock: each thread that counts
 # (an event loop's) has its own dict, listed in _tallies, which a snapshot sums. Key: (op,
 # traffic, transport, protocol, direct, staged, memory); value: [transfers, bytes, sum of
 # seconds, then the count of each BUCKETS' bucket and of the one above them (not cumulative)].
 _Tally = dict[tuple[str, str, str, str, bool, bool, str], list[Any]]
 _local = threading.local()
-_tallies: list[_Tally] = []
-# the tallies of threads that have ended, added up: a thread's tally leaves _tallies as it
-# ends (a program that runs each job on a new thread with a loop of its own kept a tally for
-# every thread it ever ran, and summed them all at each scrape)
-_retired: _Tally = {}
+# First, the tallies of the threads that have ended, added up: a thread's tally leaves the list
+# as it ends (a program that runs each job on a new thread with a loop of its own kept a tally
+# for every thread it ever ran, and summed them all at each scrape). The list, and that sum, are
+# replaced, never changed, so that a scrape reads both at one moment without a lock: a tally is
+# in the sum or in the list.
+_tallies: list[_Tally] = [{}]
 # (transport, side, passed_over) -> peers opened
 _peers: dict[tuple[str, str, str], int] = {}
 # error class name -> failed connects
 _connect_failures: dict[str, int] = {}
 # what was refused or dropped ("control", "tcp", ...) -> how many
 _refusals: dict[str, int] = {}
-_nodes: weakref.WeakSet[Node] = weakref.WeakSet()
+# the nodes started here: weak references, which leave the set as their nodes go (a set, not a
+# WeakSet, whose iteration is Python code: list() of a set is taken whole)
+_nodes: set[weakref.ref[Node]] = set()
 _EMPTY = [0, 0, 0.0] + [0] * (len(BUCKETS) + 1)
 # tensorwire's own tag ranges and what travels on them, narrowest first ("messages": the rest)
 _traffic: list[tuple[range, str]] = []
@@ -50,10 +58,14 @@ _reserved = range(0)  # from the lowest to the highest of them: anything outside
 def traffic_tags(tags: range, name: str) -> None:
     """Say that messages on ``tags`` are ``name``'s traffic (called by the layers that own
     reserved tags as they load: "rpc", "one-sided", "pipeline", "bench")."""
-    global _reserved
-    _traffic.append((tags, name))
-    _traffic.sort(key=lambda entry: len(entry[0]))
-    _reserved = range(min(r.start for r, _ in _traffic), max(r.stop for r, _ in _traffic))
+    global _traffic, _reserved
+    with _lock:
+        # a new list, not this one sorted in place: a loop in another thread may be counting a
+        # message meanwhile, and a list being sorted is empty until the sort ends (an rpc
+        # request counted then was the user's message)
+        traffic = sorted([*_traffic, (tags, name)], key=lambda entry: len(entry[0]))
+        _traffic = traffic
+        _reserved = range(min(r.start for r, _ in traffic), max(r.stop for r, _ in traffic))
 
 
 def traffic_of(tag: int) -> str:
@@ -75,28 +87,29 @@ class _Owner:
 
 def _mine() -> _Tally:
     """This thread's tally (made, and listed for snapshots, at its first count)."""
+    global _tallies
     try:
         mine: _Tally = _local.tally
     except AttributeError:
         mine = _local.tally = {}
         _local.owner = owner = _Owner()
         with _lock:
-            _tallies.append(mine)
+            _tallies = [*_tallies, mine]
         weakref.finalize(owner, _retire, mine).atexit = False  # (at exit nobody reads them)
     return mine
 
 
 def _retire(tally: _Tally) -> None:
-    """A thread has ended: add its tally, which nothing counts into any more, to ``_retired``."""
+    """A thread has ended: add its tally, which nothing counts into any more, to the sum of
+    the ended threads'."""
+    global _tallies
     with _lock:
-        _tallies[:] = [t for t in _tallies if t is not tally]
+        retired = {key: list(counts) for key, counts in _tallies[0].items()}
         for key, counts in tally.items():
-            total = _retired.get(key)
-            if total is None:
-                _retired[key] = list(counts)
-            else:
-                for i, n in enumerate(counts):
-                    total[i] += n
+            total = retired.setdefault(key, [0] * len(counts))
+            for i, n in enumerate(counts):
+                total[i] += n
+        _tallies = [retired, *(t for t in _tallies[1:] if t is not tally)]
 
 
 def moved(
@@ -118,11 +131,17 @@ def moved(
     tally = mine.get(key)
     if tally is None:
         tally = mine[key] = _EMPTY.copy()
-    tally[0] += 1
-    tally[1] += nbytes
-    if op != "recv":
+    if op == "recv":
+        tally[0] += 1
+        tally[1] += nbytes
+    else:
+        # the bucket first: between the additions no other thread takes its turn (they call
+        # nothing), so that a scrape sees all of a transfer or none of it
+        bucket = 3 + bisect.bisect_left(BUCKETS, seconds)
+        tally[0] += 1
+        tally[1] += nbytes
         tally[2] += seconds
-        tally[3 + bisect.bisect_left(BUCKETS, seconds)] += 1
+        tally[bucket] += 1
 
 
 def transferred(op: str, r: Receipt, tag: int | None = None) -> None:
@@ -143,12 +162,16 @@ def transferred(op: str, r: Receipt, tag: int | None = None) -> None:
     tally = mine.get(key)
     if tally is None:
         tally = mine[key] = _EMPTY.copy()
-    tally[0] += 1
-    tally[1] += r.nbytes
-    if op != "recv":
+    if op == "recv":
+        tally[0] += 1
+        tally[1] += r.nbytes
+    else:
         seconds = r.seconds
+        bucket = 3 + bisect.bisect_left(BUCKETS, seconds)  # (first: see moved)
+        tally[0] += 1
+        tally[1] += r.nbytes
         tally[2] += seconds
-        tally[3 + bisect.bisect_left(BUCKETS, seconds)] += 1
+        tally[bucket] += 1
 
 
 _counting = (moved, transferred)
@@ -165,8 +188,11 @@ def count_transfers(on: bool) -> None:
 
 
 def node_started(node: Node) -> None:
-    with _lock:  # a scrape may be reading the set from another thread
-        _nodes.add(node)
+    _nodes.add(weakref.ref(node, _nodes.discard))
+
+
+def _live_nodes() -> list[Node]:
+    return [node for ref in list(_nodes) if (node := ref()) is not None]
 
 
 def peer_opened(side: str, path: Path, remote_instance: str) -> None:
@@ -181,8 +207,7 @@ def peer_opened(side: str, path: Path, remote_instance: str) -> None:
     made a new label value, kept for ever, each time."""
     from .transports import KNOWN  # (imported here: the transports import this module)
 
-    with _lock:
-        here = any(node.instance_id == remote_instance for node in _nodes)
+    here = any(node.instance_id == remote_instance for node in _live_nodes())
     passed = dict.fromkeys(
         name if name in KNOWN else "other" for name, _ in path.passed_over if here or name != "inproc"
     )
@@ -207,28 +232,26 @@ def refused(kind: str) -> None:
 
 def snapshot() -> dict[str, Any]:
     """A consistent copy of every count (see ``tensorwire.metrics.snapshot``)."""
-    with _lock:
-        nodes = list(_nodes)
-        # a transport's gauge says 0 once its last peer closed, rather than vanishing
-        open_peers = {transport: 0 for transport, _, _ in _peers}
+    tallies = _tallies  # (see _lock)
+    peers, failures, refusals = dict(_peers), dict(_connect_failures), dict(_refusals)
+    # a transport's gauge says 0 once its last peer closed, rather than vanishing
+    open_peers = {transport: 0 for transport, _, _ in peers}
     stranded: dict[str, tuple[int, int]] = {}
-    for node in nodes:
+    for node in _live_nodes():
         for peer in list(node.peers):
             if not peer.closed:
                 open_peers[peer.path.transport] = open_peers.get(peer.path.transport, 0) + 1
-        for name, transport in list(node.transports.items()):
+        for name, transport in dict(node.transports).items():  # (it grows as the node starts)
             sends, nbytes = transport.stranded()
             had = stranded.get(name, (0, 0))
             stranded[name] = (had[0] + sends, had[1] + nbytes)
-    with _lock:
-        # the ended threads' counts with the list of the others: a tally is in one or the other
-        tallies = [{key: list(counts) for key, counts in _retired.items()}, *_tallies]
-        peers, failures, refusals = dict(_peers), dict(_connect_failures), dict(_refusals)
     transfers: _Tally = {}
     for mine in tallies:
-        # list() of a dict's items, and of a tally, is taken whole while its thread may be
-        # counting (the interpreter lock is held throughout): a count is in it or not yet
-        for key, tally in list(mine.items()):
+        # a copy of a dict, and of a tally, is taken whole while its thread may be counting: a
+        # count is in it or not yet. (Not list(mine.items()): on Python 3.11 the tuples it makes
+        # can start a garbage collection, whose finalizers are Python code that lets the
+        # counting thread in, and a key it added then failed the scrape.)
+        for key, tally in mine.copy().items():
             counts = list(tally)
             total = transfers.get(key)
             if total is None:

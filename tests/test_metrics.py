@@ -337,6 +337,97 @@ def test_threads_that_ended_leave_their_counts_and_nothing_else() -> None:
         assert after.bytes(op, "inproc", "messages") - before.bytes(op, "inproc", "messages") == 600
 
 
+async def test_a_scrape_takes_no_lock_a_counting_loop_waits_on() -> None:
+    """A loop that counts a peer, a failed connect or a refusal takes the metrics' lock; a
+    scrape, in a thread of its own, copies what it reads without it. (One that held it while it
+    built its copies could lose the interpreter lock meanwhile, and the loop then waited for every
+    other thread's turn: 307 waits of 1-36 ms in 20 s of back-to-back scrapes.) Here the lock is
+    held as a loop holds it, and scrapes of every kind still finish."""
+    async with connected_pair("tcp"):
+        with _metrics._lock:
+            scrapes = [asyncio.create_task(asyncio.to_thread(scrape)) for scrape in (metrics.snapshot, metrics.text)]
+            done, _ = await asyncio.wait(scrapes, timeout=20)
+            assert len(done) == 2, "a scrape waited for the lock the counting threads take"
+        await asyncio.gather(*scrapes)
+        assert metrics.snapshot().peers_open["tcp"] >= 2
+
+
+def test_a_scrape_copies_a_tally_whole_while_its_thread_adds_to_it() -> None:
+    """On Python 3.11 a garbage collection starts at an allocation, and runs Python code (the
+    finalizers and weak references' callbacks of what it collects), where another thread may
+    take its turn: one inside ``list(tally.items())``, whose tuples are such allocations, let
+    the counting thread add a key, and the scrape failed with RuntimeError (dictionary changed
+    size during iteration). Here each collection inside a scrape adds a key to a large tally,
+    as that thread would. (Python 3.12 collects only between instructions: it passes there.)"""
+    import gc
+
+    ready, finish = threading.Event(), threading.Event()
+    tally: dict[Any, list[Any]] = {}
+
+    def counting() -> None:  # a thread that counts, and then waits while the scrape runs
+        _metrics.moved("send", "messages", "gc-test", "eager", True, False, "host", 1, 1e-4)
+        # keys past the free list of tuples, so that a copy of their items allocates
+        tally.update({("send", "messages", f"gc-{i}", "eager", True, False, "host"): [0] * 17 for i in range(3000)})
+        _metrics._local.tally.update(tally)
+        ready.set()
+        finish.wait(30)
+
+    thread = threading.Thread(target=counting)
+    thread.start()
+    assert ready.wait(30)
+    mine = next(t for t in _metrics._tallies if next(iter(tally)) in t)
+    added = []
+
+    def during_scrape(phase: str, _: object) -> None:
+        frame = sys._getframe(1)
+        if phase == "start" and frame.f_code is _metrics.snapshot.__code__:
+            key = ("send", "messages", f"gc-added-{len(added)}", "eager", True, False, "host")
+            mine[key] = [0] * 17
+            added.append(key)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(during_scrape)
+    gc.set_threshold(1)
+    try:
+        s = _metrics.snapshot()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(during_scrape)
+        for key in [*tally, *added]:  # (no label values of this test's left behind)
+            mine.pop(key, None)
+        finish.set()
+        thread.join()
+    assert s["transfers"][("send", "messages", "gc-test", "eager", True, False, "host")][0] >= 1
+
+
+def test_a_scrape_sees_all_of_a_transfer_or_none_of_it() -> None:
+    """A scrape may take its turn wherever the counting thread calls something. Where counting
+    a send called for its bucket after adding its count, bytes and seconds, a scrape there saw a
+    send counted, a histogram without it and a seconds sum with it (0 observations summing to
+    more than 0 s). Here a scrape runs at every call the counting makes."""
+    key = ("send", "messages", "torn-test", "eager", True, False, "host")
+    seen: list[tuple[int, int, int, float]] = []
+
+    def scrape(frame: Any, event: str, _: object) -> None:
+        if event in ("call", "c_call") and frame.f_code is _metrics.moved.__code__:
+            sys.setprofile(None)  # (the scrape's own calls are not the counting's)
+            s = _metrics.snapshot()
+            count, nbytes = s["transfers"].get(key, (0, 0))
+            hist = s["seconds"].get(("send", "torn-test"), [0] * (len(_metrics.BUCKETS) + 1) + [0.0])
+            seen.append((count, nbytes, int(sum(hist[:-1])), hist[-1]))
+            sys.setprofile(scrape)
+
+    for _ in range(2):
+        sys.setprofile(scrape)
+        try:
+            _metrics.moved(*key, 5, 0.25)
+        finally:
+            sys.setprofile(None)
+    assert seen, "no call inside the counting to scrape at"
+    for count, nbytes, observed, total in seen:
+        assert (nbytes, observed, total) == (5 * count, count, 0.25 * count), seen
+
+
 _PART = """
 from tensorwire.pipeline import FunctionPart
 
@@ -533,6 +624,34 @@ def test_a_snapshot_query_that_could_match_nothing_is_refused(args: tuple[Any, .
             query(*args)
     with pytest.raises(tensorwire.ArgumentError, match=r"Snapshot.bytes\(\): missing a required argument: 'op'"):
         snap.bytes()  # type: ignore[call-arg]
+
+
+def test_a_layer_that_loads_while_messages_are_counted_leaves_the_others_traffic_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer says which tags are its traffic as it loads, which may be while a loop in another
+    thread counts messages: that loop may take its turn at any call in it. Where the list was
+    sorted in place, it was empty meanwhile, and an rpc request counted then was "messages"."""
+    from tensorwire._peer import RESERVED_TAGS
+    from tensorwire.rpc._protocol import REQUEST_TAG
+
+    monkeypatch.setattr(_metrics, "_traffic", list(_metrics._traffic))
+    monkeypatch.setattr(_metrics, "_reserved", _metrics._reserved)
+    seen: list[str] = []
+
+    def count(frame: Any, event: str, _: object) -> None:
+        if event in ("call", "c_call"):
+            sys.setprofile(None)
+            seen.append(_metrics.traffic_of(REQUEST_TAG))
+            sys.setprofile(count)
+
+    sys.setprofile(count)
+    try:
+        _metrics.traffic_tags(range(RESERVED_TAGS.start, RESERVED_TAGS.start + 1), "late")
+    finally:
+        sys.setprofile(None)
+    assert seen and set(seen) == {"rpc"}, seen
+    assert _metrics.traffic_of(RESERVED_TAGS.start) == "late"
 
 
 def test_every_kind_of_traffic_a_layer_counts_can_be_asked_for() -> None:
