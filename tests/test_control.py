@@ -242,6 +242,54 @@ async def test_a_handshake_to_a_node_that_stopped_listening_fails_fast() -> None
         listener.close()
 
 
+async def test_a_handshake_that_fails_while_the_listener_is_probed_leaves_no_unretrieved_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same node, its held connection dropped while the handshake looks whether anything
+    still listens: the handshake's call fails meanwhile, the connect says the node closed, and
+    the call's own error was left unretrieved ("Task exception was never retrieved", logged at
+    garbage collection; 3 times in a 30 s stress of connects to nodes going away)."""
+    from tensorwire.control import _client
+
+    held: list[asyncio.StreamWriter] = []
+    accepted = asyncio.Event()
+    probe = _client.nothing_listens
+
+    async def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        accepted.set()
+
+    async def dropped_first(target: str, seconds: float) -> bool:
+        for writer in held:
+            writer.transport.abort()  # (the handshake's call fails now, while this probe runs)
+        await asyncio.sleep(0.5)
+        return await probe(target, seconds)
+
+    monkeypatch.setattr(_client, "nothing_listens", dropped_first)
+    loop = asyncio.get_running_loop()
+    unretrieved: list[str] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context["message"]))
+    listener = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+            connecting = asyncio.ensure_future(client.connect(f"127.0.0.1:{port}", connect_timeout=10))
+            await asyncio.wait_for(accepted.wait(), 10)
+            listener.close()
+            with pytest.raises(tensorwire.TensorWireError):
+                await asyncio.wait_for(connecting, 15)
+            del connecting
+            gc.collect()
+            await asyncio.sleep(0)
+        assert not unretrieved, unretrieved
+    finally:
+        loop.set_exception_handler(handler)
+        for writer in held:
+            writer.transport.abort()
+        listener.close()
+
+
 async def test_unreachable_and_closed() -> None:
     async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as a:
         with pytest.raises(tensorwire.TensorWireError):

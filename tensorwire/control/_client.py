@@ -329,8 +329,10 @@ class ControlClient:
             if not call.done():
                 call.cancel()
                 await asyncio.wait([call])
-                if not call.cancelled():
-                    call.exception()  # (retrieved: an error it raised meanwhile is not ours to report)
+            if not call.cancelled():
+                # retrieved: an error it raised meanwhile (while the probe ran, or as it was
+                # cancelled) is not ours to report
+                call.exception()
 
     async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
         return await self._unary(self._stub.GetNodeInfo, control_pb2.NodeInfoRequest(), deadline)
