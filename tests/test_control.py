@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import weakref
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -218,6 +219,22 @@ async def test_a_handshake_to_a_node_that_stopped_listening_fails_fast() -> None
     later) waited the whole connect_timeout on a channel gRPC called READY, and said 'nothing
     answered the handshake'. Here a listener takes the connection, never answers, and stops
     listening: the connect fails within seconds and says the node closed."""
+    async with _silent_listener() as (listener, _, accepted):
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+            port = listener.sockets[0].getsockname()[1]
+            connecting = asyncio.ensure_future(client.connect(f"127.0.0.1:{port}", connect_timeout=10))
+            await asyncio.wait_for(accepted.wait(), 10)
+            listener.close()  # stops listening; the connection it took stays open, unanswered
+            with pytest.raises(tensorwire.ControlPlaneError, match="stopped listening") as info:
+                await asyncio.wait_for(connecting, 15)
+            assert not isinstance(info.value, tensorwire.ConnectTimeout)
+            assert "the node closed during the connect" in str(info.value)
+
+
+@contextlib.asynccontextmanager
+async def _silent_listener() -> AsyncIterator[tuple[asyncio.Server, list[asyncio.StreamWriter], asyncio.Event]]:
+    """A listener that takes connections and never answers: it, the connections it took, and
+    an event set at the first."""
     held: list[asyncio.StreamWriter] = []
     accepted = asyncio.Event()
 
@@ -226,16 +243,8 @@ async def test_a_handshake_to_a_node_that_stopped_listening_fails_fast() -> None
         accepted.set()
 
     listener = await asyncio.start_server(hold, "127.0.0.1", 0)
-    port = listener.sockets[0].getsockname()[1]
     try:
-        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
-            connecting = asyncio.ensure_future(client.connect(f"127.0.0.1:{port}", connect_timeout=10))
-            await asyncio.wait_for(accepted.wait(), 10)
-            listener.close()  # stops listening; the connection it took stays open, unanswered
-            with pytest.raises(tensorwire.ControlPlaneError, match="stopped listening") as info:
-                await asyncio.wait_for(connecting, 15)
-            assert not isinstance(info.value, tensorwire.ConnectTimeout)
-            assert "the node closed during the connect" in str(info.value)
+        yield listener, held, accepted
     finally:
         for writer in held:
             writer.transport.abort()
@@ -251,43 +260,34 @@ async def test_a_handshake_that_fails_while_the_listener_is_probed_leaves_no_unr
     garbage collection; 3 times in a 30 s stress of connects to nodes going away)."""
     from tensorwire.control import _client
 
-    held: list[asyncio.StreamWriter] = []
-    accepted = asyncio.Event()
     probe = _client.nothing_listens
-
-    async def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-        accepted.set()
-
-    async def dropped_first(target: str, seconds: float) -> bool:
-        for writer in held:
-            writer.transport.abort()  # (the handshake's call fails now, while this probe runs)
-        await asyncio.sleep(0.5)
-        return await probe(target, seconds)
-
-    monkeypatch.setattr(_client, "nothing_listens", dropped_first)
     loop = asyncio.get_running_loop()
     unretrieved: list[str] = []
     handler = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: unretrieved.append(context["message"]))
-    listener = await asyncio.start_server(hold, "127.0.0.1", 0)
-    port = listener.sockets[0].getsockname()[1]
     try:
-        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
-            connecting = asyncio.ensure_future(client.connect(f"127.0.0.1:{port}", connect_timeout=10))
-            await asyncio.wait_for(accepted.wait(), 10)
-            listener.close()
-            with pytest.raises(tensorwire.TensorWireError):
-                await asyncio.wait_for(connecting, 15)
-            del connecting
-            gc.collect()
-            await asyncio.sleep(0)
+        async with _silent_listener() as (listener, held, accepted):
+
+            async def dropped_first(target: str, seconds: float) -> bool:
+                for writer in held:
+                    writer.transport.abort()  # (the handshake's call fails now, while this probe runs)
+                await asyncio.sleep(0.5)
+                return await probe(target, seconds)
+
+            monkeypatch.setattr(_client, "nothing_listens", dropped_first)
+            async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+                port = listener.sockets[0].getsockname()[1]
+                connecting = asyncio.ensure_future(client.connect(f"127.0.0.1:{port}", connect_timeout=10))
+                await asyncio.wait_for(accepted.wait(), 10)
+                listener.close()
+                with pytest.raises(tensorwire.TensorWireError):
+                    await asyncio.wait_for(connecting, 15)
+                del connecting
+                gc.collect()
+                await asyncio.sleep(0)
         assert not unretrieved, unretrieved
     finally:
         loop.set_exception_handler(handler)
-        for writer in held:
-            writer.transport.abort()
-        listener.close()
 
 
 async def test_unreachable_and_closed() -> None:

@@ -27,6 +27,25 @@ def cupy_with_a_device(what: str) -> Any:
     return cp
 
 
+def ucx_with_cuda() -> Any:
+    """ucx's capabilities here, for a test module that moves CUDA memory over it; skips the
+    module with the reason where ucxx is missing, ucx cannot run, or its libucx has no cuda
+    transports."""
+    import importlib.util
+
+    if importlib.util.find_spec("ucxx") is None:
+        why = "ucxx is not installed here (docs/gpu.md: scripts/gpu_wheels.sh carries it)"
+        pytest.skip(why, allow_module_level=True)
+    from tensorwire.transports.ucx import UcxTransport
+
+    caps = UcxTransport.probe()
+    if caps is None:
+        pytest.skip(f"ucx cannot run here: {UcxTransport.unavailable_reason()}", allow_module_level=True)
+    if "cuda" not in caps.memory_kinds:
+        pytest.skip(f"this libucx has no cuda transports (lanes: {', '.join(caps.lanes)})", allow_module_level=True)
+    return caps
+
+
 @contextlib.contextmanager
 def most_of_the_device() -> Iterator[None]:
     """Held while a test takes most of the GPU's memory (all but 2 GiB, or 40 GiB of it):

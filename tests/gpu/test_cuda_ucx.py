@@ -12,27 +12,18 @@ without CuPy, a CUDA device, torch, ucxx, or a libucx with cuda transports.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import textwrap
 from typing import Any
 
 import pytest
-from _gpu_skip import cupy_with_a_device
+from _gpu_skip import cupy_with_a_device, ucx_with_cuda
 
 cp = cupy_with_a_device("the CUDA transfer tests")
-if importlib.util.find_spec("ucxx") is None:
-    pytest.skip("ucxx is not installed here (docs/gpu.md: scripts/gpu_wheels.sh carries it)", allow_module_level=True)
+ucx_with_cuda()
 
 import tensorwire  # noqa: E402
 from tensorwire.testing import cancel_recv_at_every_step, connected_pair, exchange  # noqa: E402
 from tensorwire.transports import Limits  # noqa: E402
-from tensorwire.transports.ucx import UcxTransport  # noqa: E402
-
-_CAPS = UcxTransport.probe()
-if _CAPS is None:
-    pytest.skip(f"ucx cannot run here: {UcxTransport.unavailable_reason()}", allow_module_level=True)
-if "cuda" not in _CAPS.memory_kinds:
-    pytest.skip(f"this libucx has no cuda transports (lanes: {', '.join(_CAPS.lanes)})", allow_module_level=True)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(90)]
 MiB = 1 << 20

@@ -14,25 +14,16 @@ the endpoint has no cuda_ipc lane, saying which lanes it has.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import textwrap
 from typing import Any
 
 import pytest
-from _gpu_skip import cupy_with_a_device
+from _gpu_skip import cupy_with_a_device, ucx_with_cuda
 
 cp = cupy_with_a_device("the CUDA route tests")
-if importlib.util.find_spec("ucxx") is None:
-    pytest.skip("ucxx is not installed here (docs/gpu.md: scripts/gpu_wheels.sh carries it)", allow_module_level=True)
+ucx_with_cuda()
 
 import tensorwire  # noqa: E402
-from tensorwire.transports.ucx import UcxTransport  # noqa: E402
-
-_CAPS = UcxTransport.probe()
-if _CAPS is None:
-    pytest.skip(f"ucx cannot run here: {UcxTransport.unavailable_reason()}", allow_module_level=True)
-if "cuda" not in _CAPS.memory_kinds:
-    pytest.skip(f"this libucx has no cuda transports (lanes: {', '.join(_CAPS.lanes)})", allow_module_level=True)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 MiB = 1 << 20
