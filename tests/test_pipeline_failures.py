@@ -646,6 +646,73 @@ async def test_build_timeout_bounds_the_builds_and_names_the_stage() -> None:
             assert (await pipe.step(x, y, microbatches=2)).loss > 0
 
 
+class Stuck(Wrapped):
+    """A layer whose forward, once ``stuck`` is set, blocks until ``release`` (``started`` is
+    set then): a layer that does not return, as far as a test can tell."""
+
+    def __init__(self, inner: NumpyLinear) -> None:
+        super().__init__(inner)
+        self.stuck = False
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def forward(self, x: np.ndarray) -> tuple[Any, Any]:
+        if self.stuck:
+            self.started.set()
+            self.release.wait(30)  # never past the test: released in its finally
+        return super().forward(x)
+
+
+@pytest.mark.timeout(60)
+async def test_a_connect_behind_a_cancelled_steps_layer_ends_by_its_deadline_and_names_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A step cancelled while a layer computes leaves that layer running in its stage's compute
+    thread, and the next connect's rebuild waits behind it. The old connect waited silently: an
+    8 s forward cancelled at 1 s made the reconnect take 7 s, and one that never returned held a
+    connect without build_timeout for good; under the caller's deadline it ended only with the
+    driver's own "tw.pipeline.configure: its 2 s deadline ran out" (or a bare TimeoutError).
+    Now the stage logs the layer it waits for and answers just before the deadline with a
+    DeadlineExceeded that names the stage and the layer; once the layer returns, a connect
+    builds and steps as before."""
+    ls = layers(3)
+    stuck = Stuck(ls[1].inner)
+    ls[1] = stuck
+    builds = Builds(ls)
+    x, y = batch()
+    held_up = (
+        r"stage 1 \(.*\) was not configured.*a cancelled step's layer \(step 0, at F0: the forward of microbatch 0"
+    )
+    async with built_stages(builds) as (ns, _):
+        try:
+            addresses = [n.address for n in ns[:3]]
+            async with asyncio.timeout(30), await pipeline.Pipeline.connect(ns[3], addresses) as pipe:
+                stuck.stuck = True
+                step = asyncio.ensure_future(pipe.step(x, y, microbatches=2))
+                await eventually(stuck.started.is_set, seconds=10)
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, tensorwire.TensorWireError):
+                    await step
+            with pytest.raises(tensorwire.DeadlineExceeded, match=held_up):
+                async with tensorwire.rpc.deadline(2):
+                    await pipeline.Pipeline.connect(ns[3], addresses)
+            with pytest.raises(tensorwire.DeadlineExceeded, match=r"within build_timeout=1 s: .*still running"):
+                async with asyncio.timeout(10):
+                    await pipeline.Pipeline.connect(ns[3], addresses, build_timeout=1)
+            # without a deadline the connect waits for the layer, and the stage's log says why;
+            # once the layer returns, the connect builds, and the stages step as before
+            caplog.clear()
+            connecting = asyncio.ensure_future(pipeline.Pipeline.connect(ns[3], addresses))
+            await eventually(lambda: "stage 1: a cancelled step's layer (step 0, at F0" in caplog.text, seconds=10)
+            assert not connecting.done()
+            stuck.stuck = False
+            stuck.release.set()
+            async with asyncio.timeout(30), await connecting as pipe:
+                assert (await pipe.step(x, y, microbatches=2)).loss > 0
+        finally:
+            stuck.release.set()
+
+
 @pytest.mark.timeout(60)
 async def test_a_stage_that_dies_while_building_fails_the_connect() -> None:
     """No deadline covers a build, so a stage that dies during its build must still end the

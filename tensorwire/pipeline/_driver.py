@@ -742,13 +742,22 @@ async def _configure(peer: Peer, s: int, build_timeout: float | None, *args: Any
     """Stage ``s``'s ``tw.pipeline.configure`` (its build), within ``build_timeout`` if given."""
     left = current_deadline()  # an enclosing tensorwire.rpc.deadline() is the caller's own
     ours = build_timeout is not None and (left is None or build_timeout <= left)
+    within = f" within build_timeout={build_timeout:g} s" if ours else ""
     try:
         report: dict[str, Any] = await peer.call("tw.pipeline.configure", s, *args, _deadline=build_timeout, **kwargs)
+    except RemoteError as exc:
+        if exc.remote_type != "DeadlineExceeded":
+            raise
+        # the stage answered before the deadline ran out, saying what held its build up (a
+        # cancelled step's layer still running there): that goes to the caller, naming the stage
+        raise DeadlineExceeded(
+            f"stage {s} ({peer.remote_address}) was not configured{within}: {exc.remote_message}"
+        ) from exc
     except DeadlineExceeded as exc:
         if not ours:
             raise
         raise DeadlineExceeded(
-            f"stage {s} ({peer.remote_address}) was not configured within build_timeout={build_timeout:g} s: "
+            f"stage {s} ({peer.remote_address}) was not configured{within}: "
             "building its part (Stage build=) took longer; give Pipeline.connect a larger build_timeout, or "
             "None to wait as long as the build takes"
         ) from exc

@@ -81,11 +81,13 @@ from ..errors import (
     ClosedResourceError,
     ConfigurationError,
     ConnectTimeout,
+    DeadlineExceeded,
     PeerDisconnected,
     RemoteError,
     TensorWireError,
     UnsupportedTensorError,
 )
+from ..rpc import current_deadline
 from ..rpc._protocol import describe
 from ..tensors._device import Device, parse_device
 from ._part import Part, as_part, check_loss
@@ -123,6 +125,12 @@ _COMMIT_GRACE = 2.0  # how long a new configure waits for the old driver's commi
 # soon as every stage has answered its reservation, so this only frees a stage whose driver
 # hung between the two (one whose connection dropped frees it at once)
 _RESERVE_SECONDS = 5.0
+# a configure whose build waits behind a cancelled step's layer still running in the compute
+# thread says so in the log every this many seconds; under a deadline it answers this long
+# before the deadline (at most a quarter of what is left), so that its word, which names the
+# layer, reaches the driver before the driver's own timer cuts the call short
+_LEFTOVER_NOTICE_SECONDS = 10.0
+_LEFTOVER_ANSWER_MARGIN = 0.2
 
 _Ticket = tuple[int, str]  # (generation, driver token): which driver's configure, ordered
 
@@ -259,6 +267,9 @@ class Stage:
         # one thread runs all of this stage's code (build included; the loop's own thread when not
         # offloading), so thread-local settings such as torch.set_num_threads hold for all of it
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tw-stage")
+        # what that thread runs now, and since when (time.monotonic()): a cancelled step leaves
+        # its layer running there, and whatever is queued next (a rebuild) waits behind it
+        self._in_thread: tuple[str, float] | None = None
         registry = node.methods
         if any(name in registry for name in METHODS):
             raise BusyResourceError(f"node {node.address} already serves a pipeline stage")
@@ -527,7 +538,8 @@ class Stage:
             # the old part goes before the new one is built: a rebuilt model's two copies (its
             # weights, its optimizer state) would otherwise be in memory together
             self.part = None
-            built, _ = await self._compute(self._build, rank, num_stages)
+            await self._wait_for_leftover(rank)
+            built, _ = await self._compute(self._build, rank, num_stages, label="its build")
             self.part = as_part(built, **self._options)
         assert self.part is not None
         # from here the stage waits for this driver's link: a driver that goes away meanwhile
@@ -553,6 +565,40 @@ class Stage:
             "orphan": list(self._orphan) if self._orphan is not None else None,
             "committed": list(self._last_commit) if self._last_commit is not None else None,
         }
+
+    async def _wait_for_leftover(self, rank: int) -> None:
+        """Until the compute thread is free. A step cancelled while its layer computed (its
+        caller gave up, a neighbour failed) leaves that layer running in the thread, which no
+        one can stop, and the build waits behind it. That wait is never silent: the log names
+        the layer now and then, and under the configure's deadline (build_timeout, the
+        caller's ``tensorwire.rpc.deadline``) the stage answers just before it runs out with a
+        DeadlineExceeded that names the layer, rather than leaving the driver a bare timeout."""
+        if self._in_thread is None:
+            return
+        loop = asyncio.get_running_loop()
+        left = current_deadline()
+        give_up = None if left is None else loop.time() + left - min(_LEFTOVER_ANSWER_MARGIN, left / 4)
+        notice = 0.0
+        while (busy := self._in_thread) is not None:
+            what, since = busy
+            ran = time.monotonic() - since
+            if give_up is not None and loop.time() >= give_up:
+                raise DeadlineExceeded(
+                    f"its build could not start within this configure's deadline: a cancelled step's layer "
+                    f"({what}) is still running in the stage's compute thread (for {ran:.1f} s), and the build "
+                    "waits for it. Connect again once that layer has returned, with a longer deadline, or "
+                    "restart the stage if it never returns"
+                )
+            if ran >= notice:
+                log.warning(
+                    "stage %d: a cancelled step's layer (%s) is still running (for %.1f s); "
+                    "the build of this configure waits for it",
+                    rank,
+                    what,
+                    ran,
+                )
+                notice = ran + _LEFTOVER_NOTICE_SECONDS
+            await asyncio.sleep(0.02)
 
     async def _link(self, plan: _Plan) -> dict[str, Any]:
         """Link to both neighbours for this generation, within ``plan.connect_seconds``; the
@@ -811,20 +857,30 @@ class Stage:
     async def _part_code(self, action: Action, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         """The part's code for ``action`` (``_compute``); an error it raises names the action."""
         try:
-            return await self._compute(fn, *args)
+            return await self._compute(fn, *args, label=self._layer(action))
         except Exception:
             self._failed_at = action
             raise
 
-    async def _compute(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    def _layer(self, action: Action) -> str:
+        """The part's code for ``action`` of the running step, in words."""
+        what = "forward" if action.kind is Kind.FORWARD else "backward"
+        return f"step {self._running}, at {action}: the {what} of microbatch {action.microbatch}"
+
+    async def _compute(self, fn: Callable[..., Any], *args: Any, label: str | None = None) -> tuple[Any, float]:
         """Run ``fn`` (in a worker thread when offloading); (its result, wall seconds). The CPU
-        seconds of the thread go to ``self._cpu``."""
+        seconds of the thread go to ``self._cpu``. ``label`` says what ``fn`` is, for as long as
+        it runs (``_in_thread``)."""
 
         def timed() -> tuple[Any, float]:
-            c0, t0 = time.thread_time(), time.perf_counter()
-            out = fn(*args)
-            self._cpu += time.thread_time() - c0
-            return out, time.perf_counter() - t0
+            self._in_thread = (label or str(getattr(fn, "__name__", "the part's code")), time.monotonic())
+            try:
+                c0, t0 = time.thread_time(), time.perf_counter()
+                out = fn(*args)
+                self._cpu += time.thread_time() - c0
+                return out, time.perf_counter() - t0
+            finally:
+                self._in_thread = None
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, timed) if self.offload else timed()
 
