@@ -127,6 +127,42 @@ def test_a_local_bench_whose_node_prints_before_it_serves_still_runs() -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (pip install 'tensorwire[ucx]')"
+)
+def test_a_ucx_bench_says_the_route_ucx_named_for_large_messages_and_none_for_small() -> None:
+    # ucx receipts name the protocol UCX selected for a payload of 4 MiB or more and the lanes it
+    # used (Receipt.route), where the bench said only the path's lanes (all three over shared
+    # memory) and tensorwire's protocol ("eager" for a send UCX moved by rendezvous zero-copy)
+    sizes = ("--sizes", "4K,8M", "--seconds", "0.1", "--transports", "ucx")
+    out = _bench_cli(*sizes, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    _check_report(report, [4096, 8 << 20], transport="ucx")
+    small, large = report["rows"]
+    assert small["routes"] == [], small  # a 4 KiB send: UCX is not asked, nothing is made up
+    assert large["routes"], large
+    assert sum(r["sends"] for r in large["routes"]) <= large["count"], large
+    endpoint = report["path"]["lanes"]
+    for r in large["routes"]:
+        assert r["transport"] == "ucx" and r["route"] and r["sends"] > 0, r
+        assert r["lanes"] and set(r["lanes"]) <= set(endpoint), (r, endpoint)
+        if "cma/memory" in endpoint:  # processes may read each other's memory here
+            assert r["lanes"] == ["cma/memory"] and "zero-copy" in r["route"], r
+    # the table: a line under the 8 MiB row, aligned with its protocol; none under 4 KiB's
+    out = _bench_cli(*sizes)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    head = lines.index(_client.Report.table_head())
+    assert lines[head + 1].split()[:2] == ["4", "KiB"] and lines[head + 2].split()[:2] == ["8", "MiB"], out.stdout
+    column = lines[head].index("protocol")
+    said = re.fullmatch(r"( *)ucx route(?: \(\S+ of sends\))?: (.+) over (\S.*)", lines[head + 3])
+    assert said and len(said[1]) == column, out.stdout
+    assert set(said[3].split(", ")) <= set(endpoint), out.stdout
+    assert "route" not in "\n".join(lines[: head + 3]), out.stdout
+
+
+@pytest.mark.timeout(90)
 def test_bench_against_serve_bench_started_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
     with _serve("--bench", "--token", "s3cret") as address:
         code, stdout, stderr = _bench_here(capsys, address, "--sizes", "1K", "--seconds", "0.1", "--token", "s3cret",

@@ -562,6 +562,31 @@ def test_a_part_that_fails_while_it_loads_is_a_configuration_error_naming_where(
     assert "raised RuntimeError: no GPU for this part" in out.stderr, out.stderr
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (pip install 'tensorwire[ucx]')"
+)
+@pytest.mark.parametrize("size_mib", [8, 1])
+def test_the_demo_says_the_route_ucx_named_for_its_large_tensor(size_mib: int) -> None:
+    # a ucx send of 4 MiB or more says in its receipt the protocol UCX selected and the lanes
+    # it used (Receipt.route); the demo's timed sends of its tensor said only the path's lanes
+    out = subprocess.run([*CLI, "demo", "--size-mib", str(size_mib), "--repeat", "2"],
+                         capture_output=True, text=True, timeout=90)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    path = next(line for line in out.stdout.splitlines() if line.startswith("path: "))
+    assert path.startswith("path: ucx ["), out.stdout  # the demo picks ucx where it is installed
+    routes = [line for line in out.stdout.splitlines() if "route" in line]
+    if size_mib < 4:  # UCX is not asked: nothing is made up
+        assert routes == [], out.stdout
+        return
+    endpoint = path.removeprefix("path: ucx [").split("]")[0].split(", ")
+    assert len(routes) >= 1, out.stdout
+    for line in routes:
+        said = re.fullmatch(r"ucx route of the 8 MiB tensor(?: \(\d of 2 sends\))?: (.+) over (\S.*)", line)
+        assert said and set(said[2].split(", ")) <= set(endpoint), out.stdout
+        if "cma/memory" in endpoint:  # processes may read each other's memory here
+            assert said[2] == "cma/memory" and "zero-copy" in said[1], out.stdout
+
+
 def test_a_demo_whose_stdout_closes_ends_quietly_and_stops_its_second_process() -> None:
     # `tensorwire demo | head -1`: the next print raised BrokenPipeError, a traceback on stderr
     demo = subprocess.Popen([*CLI, "demo", "--size-mib", "1", "--repeat", "1"], stdout=subprocess.PIPE,

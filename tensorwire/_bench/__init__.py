@@ -34,8 +34,18 @@ message of every batch, its first and last 8 bytes get a fresh stamp, so the crc
 answers with matches the sender's only if that very message landed whole.
 """
 
-from ._client import Report, Row, run_bench
+from ._client import Report, Route, Row, run_bench
 from ._server import offer_bench, serve_bench
 from ._wire import bench_device, fmt_size, parse_sizes
 
-__all__ = ["Report", "Row", "bench_device", "fmt_size", "parse_sizes", "offer_bench", "run_bench", "serve_bench"]
+__all__ = [
+    "Report",
+    "Route",
+    "Row",
+    "bench_device",
+    "fmt_size",
+    "parse_sizes",
+    "offer_bench",
+    "run_bench",
+    "serve_bench",
+]

@@ -51,10 +51,24 @@ from ._wire import (
 if TYPE_CHECKING:
     from .._path import Path
     from .._peer import Peer
+    from ..transports._base import Receipt
 
-__all__ = ["Report", "Row", "run_bench"]
+__all__ = ["Report", "Route", "Row", "run_bench"]
 
 _FIRST_ANSWER_S = 10.0  # a node that serves bench requests answers the first at once
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How some of a batch's sends went, as the transport below named it (``Receipt.route``)."""
+
+    transport: str
+    route: str
+    lanes: tuple[str, ...]
+    sends: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"transport": self.transport, "route": self.route, "lanes": list(self.lanes), "sends": self.sends}
 
 
 @dataclasses.dataclass
@@ -72,6 +86,10 @@ class Row:
     # how the node's receives of that batch landed, by their receipts (``_server._receive``):
     # recvs "direct", "staged" and "copied"; None from a node that does not say
     landed: dict[str, int] | None = None
+    # what the transport below said it did with the batch's sends (``Receipt.route``), each
+    # route and its lanes with how many sends said it; empty where none said (tcp, inproc, a
+    # ucx payload under 4 MiB)
+    routes: list[Route] = dataclasses.field(default_factory=list)
 
     @property
     def gbps(self) -> float:
@@ -99,6 +117,7 @@ class Row:
             "staged": self.staged,
             "crc32c": f"{self.crc32c:#010x}",
             "node_recvs": self.landed,
+            "routes": [r.to_json() for r in self.routes],
         }
 
 
@@ -166,7 +185,10 @@ class Report:
             # its recv was copied out of a buffer of tensorwire's there (staged)
             shares = [(n, how) for how, n in row.landed.items() if n]
             proto += "; node: " + ", ".join(f"{_share(n, row.count)} {how}" for n, how in shares)
-        return f"{fmt_size(row.size):>9}  {row.gbps:15.3f}  {row.raw_gbps:12.3f}  {row.ratio:5.2f}x  {proto}"
+        line = f"{fmt_size(row.size):>9}  {row.gbps:15.3f}  {row.raw_gbps:12.3f}  {row.ratio:5.2f}x  {proto}"
+        # a line of its own under the row, aligned with the protocol: UCX's names are long
+        indent = " " * (len(line) - len(proto))
+        return "\n".join([line, *(indent + _route_text(r, row.count) for r in row.routes)])
 
     @staticmethod
     def foot_text() -> str:
@@ -378,15 +400,24 @@ async def _one_size(
     receipts: list[Any] = [None]
     crcs: list[int] = [0]
     landed: list[dict[str, int] | None] = [None]
+    # the last batch's routes (Receipt.route): (transport, route, lanes) -> how many sends said it
+    routes: dict[tuple[str, str, tuple[str, ...]], int] = {}
+
+    def note(receipt: Receipt) -> Receipt:
+        if receipt.route:
+            key = (receipt.transport, receipt.route, receipt.lanes)
+            routes[key] = routes.get(key, 0) + 1
+        return receipt
 
     async def tensorwire(count: int) -> float:
         await _request(peer, {"op": "sink", "size": size, "count": count, "device": str(device), "landed": True})
+        routes.clear()
         mark = nonce()
         t0 = time.perf_counter()
         for _ in range(count - 1):
-            await peer._send_own(data, tag=DATA_TAG)
+            note(await peer._send_own(data, tag=DATA_TAG))
         stamp(data, mark)
-        receipts[0] = await peer._send_own(data, tag=DATA_TAG)
+        receipts[0] = note(await peer._send_own(data, tag=DATA_TAG))
         got, landed[0] = _landed(await _answer(peer), count)
         dt = time.perf_counter() - t0
         want = await crc_of(data, device)
@@ -411,7 +442,17 @@ async def _one_size(
     count, dt = await _calibrated(tensorwire, budget)
     raw_count, raw_dt = await _calibrated(baseline, budget)
     receipt = receipts[0]
-    return Row(size, count, dt, raw_count, raw_dt, receipt.protocol, receipt.staged, crcs[0], landed[0])
+    said = [Route(t, r, lanes, n) for (t, r, lanes), n in sorted(routes.items(), key=lambda kv: -kv[1])]
+    return Row(size, count, dt, raw_count, raw_dt, receipt.protocol, receipt.staged, crcs[0], landed[0], said)
+
+
+def _route_text(route: Route, count: int) -> str:
+    """``ucx route: rendezvous zero-copy read from remote over cma/memory``, with the share of
+    the batch's sends that said it where that is not all of them (UCX names no protocol for a
+    send it completed within the call that posted it)."""
+    lanes = ", ".join(route.lanes)
+    share = "" if route.sends == count else f" ({_share(route.sends, count)} of sends)"
+    return f"{route.transport} route{share}: {route.route} over {lanes}"
 
 
 def _share(n: int, count: int) -> str:
