@@ -44,6 +44,18 @@ async def wait_out(fut: asyncio.Future[Any]) -> None:
         raise interrupted
 
 
+async def call_off(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended (it may write into the caller's buffers until
+    then), a cancellation of ours meanwhile raised once it has (``wait_out``); its outcome is
+    dropped."""
+    task.cancel()
+    try:
+        await wait_out(task)
+    finally:
+        if not task.cancelled():
+            task.exception()
+
+
 # (C; None where no loop runs) hot paths test ``running_loop() is not home`` inline, before they
 # call check_home: a call of a Python function would double the cost of the comparison
 running_loop = asyncio._get_running_loop

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _metrics
-from ._loops import wait_out
+from ._loops import call_off
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -1513,7 +1513,7 @@ async def _assisted_read(
         try:
             await _request(sending, lambda held: _drain_later(peer, reply, owed=True, room=held), room)
         except BaseException:
-            await _call_off(receiving)  # a reply it had taken goes back to its tag, for the drain
+            await call_off(receiving)  # a reply it had taken goes back to its tag, for the drain
             raise
         try:
             try:
@@ -1588,17 +1588,6 @@ async def _reply(peer: Peer, receiving: asyncio.Future[tuple[Any, Receipt]]) -> 
         raise
     finally:
         ended.remove_done_callback(cut)
-
-
-async def _call_off(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it has ended (it may write into the caller's buffers until
-    then), a cancellation of ours meanwhile raised once it has; its outcome is dropped."""
-    task.cancel()
-    try:
-        await wait_out(task)
-    finally:
-        if not task.cancelled():
-            task.exception()
 
 
 def _sending(peer: Peer, req: dict[str, Any]) -> asyncio.Task[Receipt]:

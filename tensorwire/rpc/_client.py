@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._loops import call_off
 from ..errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -598,12 +599,10 @@ async def _call_into(
         value, came = await reply
     except BaseException:
         if reply is not None:
-            reply.cancel()  # (its recv is given up: nothing lands in out= after this returns)
-            while not reply.done():  # (also through a second cancellation: it joins the first)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait((reply,))
-            if not reply.cancelled():
-                reply.exception()  # (taken: the call's own failure is what is raised)
+            # its recv is given up: nothing lands in out= after this returns, also through a
+            # second cancellation (it joins the first); the call's own failure is what is raised
+            with contextlib.suppress(asyncio.CancelledError):
+                await call_off(reply)
         raise
     return value, sent, sent_args, came
 

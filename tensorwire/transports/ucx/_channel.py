@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._loops import wait_out
 from ...errors import (
     BrokenResourceError,
     ClosedResourceError,
@@ -224,16 +225,31 @@ def _on_device(arrival: Arrival) -> bool:
 async def _settled(fut: asyncio.Future[None]) -> bool:
     """Wait until ``fut`` is done, also when cancelled meanwhile (UCX cannot take back a get or
     put); True if a cancellation came."""
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.wait((fut,))
-        except asyncio.CancelledError:
-            cancelled = True
-    return cancelled
+    try:
+        await wait_out(fut)
+    except asyncio.CancelledError:
+        return True
+    return False
 
 
-def _joined(routes: list[tuple[str, tuple[str, ...]]] | None) -> tuple[str, tuple[str, ...]] | None:
+_Route = tuple[str, tuple[str, ...]]  # a protocol UCX selected and its lanes (Receipt.route)
+
+
+def _asked(routes: list[_Route] | None, ucp: Ucp, req: int | None, ask: bool) -> list[_Route] | None:
+    """``routes`` with what UCX selected for ``req`` added (``Ucp.request_route``: asked before
+    anything can free the request); None once one part's is not known: not asked (``ask``
+    false: a small one), no request (UCX finished it within the call), or no answer."""
+    if routes is None:
+        return None
+    route = ucp.request_route(req) if req is not None and ask else None
+    if route is None:
+        return None
+    if route not in routes:
+        routes.append(route)
+    return routes
+
+
+def _joined(routes: list[_Route] | None) -> _Route | None:
     """One transfer's route (``Receipt.route``) from those UCX said for its parts: their
     protocols and their lanes, each once; None where a part's is not known (``routes`` is None)
     or nothing was asked."""
@@ -348,6 +364,9 @@ class UcxChannel(Channel):
         # whether a get/put reaches the peer's memory without its CPU (a cma or RDMA lane), or
         # UCX emulates it and the peer's worker serves it (the receipts say which)
         self.one_sided_direct = one_sided_direct(self.lanes)
+        # the peer's process where it runs on this machine, over any lanes: the worker gives the
+        # CPU up to it when it waits for the CPU the worker spins on (see _worker._YIELD_AFTER)
+        self._neighbour = visible(peer_process)
         # the peer's process, whose certain end lets the worker free the payloads of this
         # channel's sends that UCX never completes (Worker.sweep). Only over a lane that copies
         # in the kernel (cma, knem): there a rendezvous payload is copied by the receiver, or by
@@ -357,10 +376,7 @@ class UcxChannel(Channel):
         # request still queued here when the peer died is taken before the sweep lets go
         # (a progress run that found nothing to do, after the end was seen), and nothing comes
         # from the peer after that (and one this process can see: see _process.visible)
-        self.payload_peer = visible(peer_process) if kernel_copy(self.lanes) else None
-        # the peer's process where it runs on this machine, over any lanes: the worker gives the
-        # CPU up to it when it waits for the CPU the worker spins on (see _worker._YIELD_AFTER)
-        self._neighbour = visible(peer_process)
+        self.payload_peer = self._neighbour if kernel_copy(self.lanes) else None
         if self._neighbour is not None:
             worker.neighbour(self._neighbour)
         # posted from the loop, once the transport has taken the channel (its close callbacks): a
@@ -550,7 +566,7 @@ class UcxChannel(Channel):
             msg_id = self._next_id
             self._next_id += 1
             segs: list[memoryview | DeviceTensor] = msg.parts() if msg.on_device else list(msg.segments())
-            route: tuple[str, tuple[str, ...]] | None = None
+            route: _Route | None = None
             inline = (
                 not msg.on_device
                 and eager
@@ -591,9 +607,7 @@ class UcxChannel(Channel):
             receipt.route, receipt.lanes = route
         return receipt
 
-    async def _send_payload(
-        self, msg_id: int, segs: list[memoryview | DeviceTensor]
-    ) -> tuple[str, tuple[str, ...]] | None:
+    async def _send_payload(self, msg_id: int, segs: list[memoryview | DeviceTensor]) -> _Route | None:
         """Hand every segment to UCX, then wait for all of them; the protocol UCX says it selected
         and its lanes (``Receipt.route``; None where it does not say). UCX cannot recall a send, so a
         cancellation waits for the payload to finish moving and then takes effect. Device
@@ -622,21 +636,14 @@ class UcxChannel(Channel):
         tag = make_tag(self._tx_key, DATA, msg_id)
         array = _array()
         reqs: list[int] = []  # those UCX did not complete at once, to wait for in order
-        routes: list[tuple[str, tuple[str, ...]]] | None = []  # None: a segment's is not known
+        routes: list[_Route] | None = []  # None: a segment's is not known
         cancelled = False
         try:
             for s in segs:
                 a = array(_payload(s))  # (its address, as ucxx would post it; host or device)
                 req = ucp.tag_send_at(ep, a.ptr, a.nbytes, tag)
-                if routes is not None and a.nbytes:
-                    # asked before anything can free the request: what UCX selected for this
-                    # segment. Not known for a small one (not asked), nor for one UCX sent
-                    # within the call (no request): the message then claims no route
-                    route = ucp.request_route(req) if req is not None and a.nbytes >= _ROUTE_FROM else None
-                    if route is None:
-                        routes = None
-                    elif route not in routes:
-                        routes.append(route)
+                if a.nbytes:  # (a small segment, or one UCX sent within the call: no route)
+                    routes = _asked(routes, ucp, req, a.nbytes >= _ROUTE_FROM)
                 if req is not None:
                     w.keep_raw(ucp, req, s, self)
                     reqs.append(req)
@@ -1212,9 +1219,7 @@ class UcxChannel(Channel):
         ``ptr`` and flush; ``keep`` holds the local memory until UCX is done with it."""
         await self.rma_many(op, [(ptr, n, remote_addr, rkey, keep)])
 
-    async def rma_many(
-        self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]
-    ) -> tuple[str, tuple[str, ...]] | None:
+    async def rma_many(self, op: str, items: list[tuple[int, int, int, RemoteKey, object]]) -> _Route | None:
         """``rma`` for a batch of ``(ptr, n, remote_addr, rkey, keep)``: every operation posted at
         once, each given its few inline progress rounds, those still going waited for together
         (and, for puts, one flush); returns once all completed, with the protocol UCX says it
@@ -1229,7 +1234,7 @@ class UcxChannel(Channel):
         w, ep = self._w, self.endpoint_handle
         post = ucp.put if op == "put" else ucp.get
         posted: list[tuple[int, object]] = []
-        routes: list[tuple[str, tuple[str, ...]]] | None = []  # None: an operation's is not known
+        routes: list[_Route] | None = []  # None: an operation's is not known
         large: list[tuple[int, int, int, RemoteKey, object]] = []
         error: BaseException | None = None
         for item in items:
@@ -1247,15 +1252,7 @@ class UcxChannel(Channel):
             except TensorWireError as exc:
                 error = exc
                 break
-            if routes is not None:
-                # asked before anything can free the request (as a send's payload is); a small
-                # operation is not asked, and one UCX completed within the call has no request:
-                # the batch then claims no route
-                route = ucp.request_route(req) if req is not None and n >= _ROUTE_FROM else None
-                if route is None:
-                    routes = None
-                elif route not in routes:
-                    routes.append(route)
+            routes = _asked(routes, ucp, req, n >= _ROUTE_FROM)  # (a small one: the batch claims none)
             if req is not None:
                 posted.append((req, keep))
         waiting = []
@@ -1282,7 +1279,7 @@ class UcxChannel(Channel):
 
     async def _rma_pieces(
         self, ucp: Ucp, post: Callable[..., int | None], items: list[tuple[int, int, int, RemoteKey, object]]
-    ) -> list[tuple[str, tuple[str, ...]]] | None:
+    ) -> list[_Route] | None:
         """Get or put each of ``items`` as pieces of ``_RMA_PIECE`` bytes, at most ``_RMA_AHEAD``
         of them posted and not completed: an operation posted meanwhile on this endpoint (a
         small read of another task) waits for those, not for all that is left. Returns what UCX
@@ -1301,7 +1298,7 @@ class UcxChannel(Channel):
         ep = self.endpoint_handle
         futs: list[asyncio.Future[None]] = []
         ahead: list[asyncio.Future[None]] = []
-        routes: list[tuple[str, tuple[str, ...]]] | None = []
+        routes: list[_Route] | None = []
         error: BaseException | None = None
         cancelled = False
         try:
@@ -1319,12 +1316,7 @@ class UcxChannel(Channel):
                 except TensorWireError as exc:
                     error = exc
                     break
-                if routes is not None:
-                    route = None if req is None else ucp.request_route(req)  # (before watch_raw can free it)
-                    if route is None:
-                        routes = None
-                    elif route not in routes:
-                        routes.append(route)
+                routes = _asked(routes, ucp, req, True)  # (every piece, the last shorter one too)
                 if req is not None:
                     fut = self._w.watch_raw(ucp, req, keep)
                     self._rma_futs.add(fut)
