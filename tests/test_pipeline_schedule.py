@@ -167,6 +167,25 @@ def test_names_parsing_and_sizes() -> None:
             Action.parse(bad)
     with pytest.raises(ScheduleError, match="expected 'stage 1:'"):
         Schedule.parse("stage 0: F0 B0\nstage 2: F0 B0")
+
+
+@pytest.mark.parametrize("bad", ["F00", "F03", "B010", "F\u0661", "F\uff11", "B1\u0663", "F\u00b2", "F+1", "F 1"])
+def test_action_parse_refuses_all_but_the_printed_spelling(bad: str) -> None:
+    # str(action) is the one spelling (ASCII digits, no leading zero) and what the driver sends
+    # each stage: another spelling of the same microbatch is refused when it is read, naming it
+    with pytest.raises(ScheduleError, match="is not an action") as info:
+        Action.parse(bad)
+    assert repr(bad) in str(info.value)
+    with pytest.raises(ScheduleError, match="is not an action"):
+        Schedule.parse(f"stage 0: F0 {bad}")
+    with pytest.raises(ScheduleError, match="is not an action"):
+        Schedule.from_actions([["F0", bad]], 2)
+
+
+@given(st.sampled_from(Kind), st.integers(min_value=0, max_value=10**6))
+def test_action_round_trips_through_its_text(kind: Kind, microbatch: int) -> None:
+    action = Action(kind, microbatch)
+    assert Action.parse(str(action)) == action and str(Action.parse(str(action))) == str(action)
     for p, m in [(0, 4), (4, 0), (True, 3), (2, 1.5)]:
         with pytest.raises(ScheduleError):
             gpipe(p, m)  # type: ignore[arg-type]

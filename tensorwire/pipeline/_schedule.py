@@ -36,7 +36,10 @@ class Kind(enum.Enum):
     BACKWARD = "B"
 
 
-_ACTION = re.compile(r"([FB])(\d+)")
+#: the one spelling of an action, the one ``str(action)`` writes and the driver sends each stage:
+#: ASCII digits and no leading zero (``F0``, ``B12``), so that ``F03`` or a fullwidth or Arabic-Indic digit
+#: cannot name the same action as ``F3`` or ``F1`` in a schedule someone reads
+_ACTION = re.compile(r"([FB])(0|[1-9][0-9]*)", re.ASCII)
 
 
 def _count(value: object) -> int | None:
@@ -75,7 +78,10 @@ class Action:
             raise ScheduleError(f"an action is a string such as 'F0' or 'B3', not {text!r}")
         match = _ACTION.fullmatch(text.strip())
         if match is None:
-            raise ScheduleError(f"{text!r} is not an action: write F<microbatch> or B<microbatch>, e.g. F0, B3")
+            raise ScheduleError(
+                f"{text!r} is not an action: write F<microbatch> or B<microbatch> in ASCII digits with no "
+                "leading zero, e.g. F0, B3, B12"
+            )
         return cls(Kind(match[1]), int(match[2]))
 
 
