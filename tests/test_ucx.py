@@ -1108,3 +1108,48 @@ async def test_requests_held_for_ucx_cost_a_dispatch_the_same_however_many() -> 
             worker: Any = b.channel._w  # type: ignore[attr-defined]
             small, large = await per_dispatch(worker, 100), await per_dispatch(worker, 4000)
     assert large < 2 * small, f"50 dispatches ran {small} lines with 100 requests held, {large} with 4,000"
+
+
+async def test_ucxx_requests_held_for_ucx_count_as_stranded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the libucp bindings did not load, a channel sends its payloads through ucxx, and a
+    send its channel gave up waits in the worker's graveyard of ucxx requests with its payload
+    until UCX completes it: a rendezvous whose receiver never took it, never. ``stranded()`` (the
+    metrics' ``tensorwire_stranded_*``) counted only the graveyard of raw requests: such a send
+    and its memory went unreported. A held request that UCX completes stops counting."""
+    from _polling import eventually
+    from ucxx._lib.arr import Array
+
+    from tensorwire.errors import TransportUnavailable
+    from tensorwire.transports.ucx import _transport
+    from tensorwire.transports.ucx._channel import make_tag
+
+    def unavailable() -> Any:
+        raise TransportUnavailable("the test's: no libucp bindings")
+
+    monkeypatch.setattr(_transport, "load_ucp", unavailable)
+    payload, scratch = np.full(4 * MiB, 7, np.uint8), np.empty(MiB, np.uint8)
+    with _ucx_config(TLS="sm,self"):
+        async with connected_pair("ucx") as (a, _):
+            channel: Any = a.channel
+            transport = a.node.transports["ucx"]
+            assert channel._ucp is None, "the channel went through the libucp bindings"
+            # a payload send as _send_payload_ucxx posts it, to a tag nobody receives
+            req = channel._ep.tag_send(Array(payload), channel._lib.UCXXTag(make_tag(0x7777, 3, 1)))
+            wait = asyncio.ensure_future(channel._wait(req, payload, "payload send"))
+            await eventually(lambda: bool(channel._futs))
+            assert transport.stranded() == (0, 0)  # (its channel is open: in flight, not stranded)
+            await a.aclose()
+            (closed,) = await asyncio.gather(wait, return_exceptions=True)
+            assert isinstance(closed, tensorwire.ClosedResourceError), closed
+            assert not req.completed
+            assert transport.stranded() == (1, 4 * MiB)
+            assert tensorwire.metrics.snapshot().stranded["ucx"] == (1, 4 * MiB)
+            # a receive given up (Worker.hold) counts while UCX may write into its memory
+            worker: Any = transport.worker  # type: ignore[attr-defined]
+            recv = worker.worker.tag_recv(Array(scratch), worker.lib.UCXXTag(make_tag(0x7777, 3, 2)))
+            worker.hold(recv, scratch)
+            assert transport.stranded() == (2, 5 * MiB)
+            worker.cancel(recv)
+            worker.kick()
+            await eventually(lambda: transport.stranded() == (1, 4 * MiB))
+            del req, recv, wait

@@ -933,10 +933,17 @@ class Worker:
     # -- sends UCX never completes ----------------------------------------------------------
     def stranded(self) -> tuple[int, int]:
         """Requests of closed channels (sends, mostly; or given up by their callers) that UCX
-        has not completed, and the bytes of the memory this node keeps for them (see ``sweep``)."""
+        has not completed, and the bytes of the memory this node keeps for them (see ``sweep``):
+        the raw requests' graveyard, and that of ucxx requests (``hold``, ``abandon``: the sends
+        of a node whose libucp bindings did not load, handshake replies, matched receives cut
+        off), less those UCX has completed that the next dispatches let go."""
         n = size = 0
         for keep in list(self._raw_graveyard.values()):  # (a metrics scrape may call from a thread)
             if keep is not None:
+                n += 1
+                size += _nbytes(keep)
+        for req, keep in list(self._graveyard):
+            if keep is not None and not req.completed:
                 n += 1
                 size += _nbytes(keep)
         return n, size
