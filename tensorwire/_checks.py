@@ -12,7 +12,7 @@ import numbers
 import operator
 import re
 from collections.abc import Callable, Collection, Coroutine, Iterable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -25,7 +25,9 @@ __all__ = [
     "check_int",
     "check_options",
     "check_seconds",
+    "hide_misspelt",
     "portless",
+    "refuse_misspelt",
     "split_address",
 ]
 
@@ -138,6 +140,39 @@ def _misfit(what: str, signature: inspect.Signature, args: tuple[Any, ...], kwar
         raise ArgumentError(f"{what}: {exc}; it takes {what.removesuffix('()')}{plain}") from None
 
 
+def _as_called(fn: Callable[..., Any]) -> tuple[inspect.Signature, bool]:
+    """``fn``'s signature as its caller sees it, and whether it takes self (or cls): the caller
+    does not give that, so it is left out of what is checked and shown."""
+    signature = inspect.signature(fn)
+    bound = next(iter(signature.parameters), None) in ("self", "cls")
+    if bound:
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return signature, bound
+
+
+def hide_misspelt(fn: C) -> C:
+    """``fn`` (as it is: no wrapper) showing a signature without its ``**_misspelt``.
+
+    A per-message verb (``peer.send``, ``recv``, ``read``, ...) cannot afford check_arguments'
+    frame, so it takes ``**_misspelt: Never`` (mypy flags a misspelt option at the call) and
+    begins ``if _misspelt: refuse_misspelt(Peer.verb, _misspelt)``: about 40 ns a call, one
+    empty dict. ``help()`` and ``inspect.signature`` then show the options it really has."""
+    signature = inspect.signature(fn)
+    kept = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    if len(kept) != len(signature.parameters) - 1 or "_misspelt" not in signature.parameters:
+        raise TypeError(f"{fn.__qualname__} takes no **_misspelt to hide")
+    fn.__signature__ = signature.replace(parameters=kept)  # type: ignore[attr-defined]
+    return fn
+
+
+def refuse_misspelt(fn: Callable[..., Any], misspelt: Iterable[str]) -> NoReturn:
+    """The ArgumentError check_arguments raises for options ``fn`` does not take (the options a
+    verb under ``hide_misspelt`` caught in its ``**_misspelt``): the nearest one, and them all."""
+    signature, _ = _as_called(fn)
+    _misfit(f"{fn.__qualname__}()", signature, (), dict.fromkeys(misspelt))
+    raise AssertionError(f"{fn.__qualname__} takes {list(misspelt)}")  # (_misfit raised: none is an option)
+
+
 def check_arguments(target: C) -> C:
     """Make a call of ``target`` (a class, a function, a coroutine function) with arguments it
     does not take raise ArgumentError, which says what it takes, instead of Python's bare
@@ -147,10 +182,7 @@ def check_arguments(target: C) -> C:
     cls = target if isinstance(target, type) else None
     fn: Callable[..., Any] = getattr(target, "__init__") if cls is not None else target  # noqa: B009
     what = f"{cls.__name__}()" if cls is not None else f"{fn.__qualname__}()"
-    signature = inspect.signature(fn)
-    bound = next(iter(signature.parameters), None) in ("self", "cls")
-    if bound:  # the caller does not give self (or cls): leave it out of what is checked and shown
-        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    signature, bound = _as_called(fn)
 
     def refit(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _misfit(what, signature, args[1:] if bound else args, kwargs)
