@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from . import _metrics
 from ._checks import check_arguments, check_bool, check_options, check_seconds, split_address
-from ._leases import Renewals
+from ._leases import Renewals, say_goodbye
 from ._loops import check_home, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
@@ -671,6 +671,16 @@ class Node:
                 )
                 peer.channel.fail(PeerDisconnected(f"peer {peer.remote_address} stopped renewing its {lease} s lease"))
 
+    def _peer_left(self, peer: Peer) -> None:
+        """The node of ``peer``'s session said goodbye (it is closing, ``Leave``): what ends with
+        the channel (``ended``: one-sided operations under way, sends waiting for a producer's
+        stream) fails now with PeerDisconnected, as at the lease's end, where the close on the
+        data connection may be held up behind bytes not read yet (a reader parked behind a busy
+        consumer stream). Messages that came whole stay deliverable, and so do those still on
+        their way: the reader goes on and shuts the channel at the close (or the lease ends it)."""
+        log.info("peer %s at %s said goodbye: it is closing", peer.remote_node[:8], peer.remote_address)
+        peer.channel._ending(PeerDisconnected(f"peer {peer.remote_address} closed (it said goodbye)"))
+
     # -- public API -----------------------------------------------------------------------------
     @check_arguments
     async def connect(
@@ -930,6 +940,7 @@ class Node:
         self._incoming_ready.set()  # wake every accept(): the node is closed
         if self._watchdog is not None:
             self._watchdog.cancel()
+        await say_goodbye(self, list(self.peers))  # (bounded: a dead node never delays the close for long)
         await asyncio.gather(*[p.aclose() for p in list(self.peers)], return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace=0.2)

@@ -75,7 +75,7 @@ async def _handshake_spam(address: str, stop: float) -> int:
         stub = control_pb2_grpc.ControlStub(ch)
         while time.monotonic() < stop:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await stub.Handshake(control_pb2.HandshakeRequest(protocol_version=7), timeout=2)
+                await stub.Handshake(control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION), timeout=2)
             n += 1
             await asyncio.sleep(0.01)
     return n

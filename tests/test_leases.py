@@ -12,10 +12,12 @@ import pytest
 from _polling import eventually
 
 import tensorwire
+from tensorwire._leases import GOODBYE_SECONDS
 from tensorwire._node import Node
 from tensorwire.control._auth import heartbeat_proof
 from tensorwire.control._client import ControlClient
 from tensorwire.control._server import MAX_RENEWALS, _Servicer
+from tensorwire.errors import PeerDisconnected
 
 PEERS = 200
 LEASE = 1.0
@@ -144,3 +146,66 @@ async def test_renew_leases_refuses_a_call_too_large() -> None:
             assert await control.renew_leases([("s", b"p")] * MAX_RENEWALS, deadline=10) == ({"s"}, set())
         finally:
             await control.aclose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("closer", ["client", "server"])
+async def test_a_closing_node_says_goodbye_once_per_node(closer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that closes tells the node of its sessions in one Leave call for all of them
+    (whichever side connected), and each of those sessions ends there for that reason before
+    the data connection's own close arrives. A session named with a heartbeat's proof (which
+    travels on the wire) is not ended."""
+    calls: collections.Counter[str] = collections.Counter()
+    _count_calls(monkeypatch, calls)
+    monkeypatch.setattr(_Servicer, "Leave", _counted(_Servicer.Leave, calls, "Leave"))
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as client,
+    ):
+        connected = [await client.connect(server.address) for _ in range(3)]
+        accepted = [await server.accept() for _ in range(3)]
+        control = ControlClient(server.address)
+        try:
+            first = connected[0]
+            assert first.session is not None
+            sid, secret = first.session.id, first.session.secret
+            assert await control.leave([(sid, heartbeat_proof(secret, sid))], deadline=5) == 0
+        finally:
+            await control.aclose()
+        assert not any(p.channel.ended.done() for p in accepted)
+        leaving, staying = (client, accepted) if closer == "client" else (server, connected)
+        await leaving.aclose()
+        assert calls["Leave"] == 2  # (the refused one above, and the goodbye)
+        for peer in staying:
+            await eventually(peer.channel.ended.done)
+            with pytest.raises(PeerDisconnected, match="said goodbye"):
+                peer.channel.ended.result()
+
+
+@pytest.mark.timeout(60)
+async def test_a_goodbye_nobody_answers_delays_the_close_a_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose goodbye is never answered (the other node is stuck) still closes: the
+    goodbye gives up after GOODBYE_SECONDS, and the other side learns as before."""
+
+    async def stuck(self: _Servicer, request: Any, context: Any) -> Any:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(_Servicer, "Leave", stuck)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        await client.connect(server.address)
+        await server.accept()
+        async with asyncio.timeout(10 * GOODBYE_SECONDS):  # (a hang guard)
+            await client.aclose()
+
+
+def _counted(
+    orig: Callable[..., Awaitable[Any]], calls: collections.Counter[str], name: str
+) -> Callable[..., Awaitable[Any]]:
+    async def serve(self: _Servicer, request: Any, context: Any) -> Any:
+        calls[name] += 1
+        return await orig(self, request, context)
+
+    return serve

@@ -348,3 +348,42 @@ async def test_a_read_landing_behind_a_busy_stream_ends_at_its_owners_close(clos
     finally:
         owner.close()
         engine.close()
+
+
+@pytest.mark.parametrize("owner", ["client", "server"])
+async def test_a_read_parked_behind_more_than_the_socket_buffers_ends_at_its_owners_goodbye(owner: str) -> None:
+    """As above, but the rest of the answer is far more than the socket buffers hold (16 MiB):
+    the owner's close stays in its kernel behind bytes the reader, parked behind the busy
+    stream, does not take, so the socket never hangs up here. The owner's node says goodbye on
+    the control plane as it closes (Leave; from the node that connected over its control
+    connection, from the one that accepted over a new one to the address the other gave), and
+    the read raises PeerDisconnected naming the close within seconds, not the lease (20 s
+    here). Once the stream frees, the reader reads on to the close and the channel ends. Before,
+    the read waited for the lease (the 5 s wait below ran out)."""
+    n = CHUNK * DEPTH + (16 << 20)
+    engine = _rings(HostEngine())
+    owner_engine = _rings(HostEngine())
+    try:
+        with busy_stream(engine) as (stream, gate):
+            async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=0), lease_seconds=20) as (a, b):
+                holder, reader = (a, b) if owner == "client" else (b, a)
+                holder.node.expose(EngineArray(owner_engine, _data(n)), name="t")
+                h = await reader.lookup("t")
+                out = EngineArray(engine, np.zeros(n, np.uint8), stream=stream)
+                read = asyncio.ensure_future(reader.read(h, out=out))
+                await eventually(lambda: engine.max_queued >= DEPTH)  # the ring is behind the stream
+                assert not read.done()
+                await holder.node.aclose()
+                # (a hang guard, not cancelling the read: the lease would take 20 s)
+                await asyncio.wait([read], timeout=5)
+                assert read.done(), "the read waited for the lease"
+                with pytest.raises(PeerDisconnected, match="said goodbye") as failed:
+                    await read
+                assert "lease" not in str(failed.value), failed.value
+                assert not gate.query(), "the stream was let go early"
+                gate.set()
+                await eventually(lambda: reader.channel.state is not ChannelState.OPEN, seconds=15)
+                await eventually(lambda: engine.pool("in").free == DEPTH and reader.channel._overflowing == 0)
+    finally:
+        owner_engine.close()
+        engine.close()

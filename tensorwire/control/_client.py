@@ -356,6 +356,15 @@ class ControlClient:
         response = await self._unary(self._stub.RenewLeases, request, deadline)
         return set(response.lost), set(response.refused)
 
+    async def leave(self, sessions: Sequence[tuple[str, bytes]], deadline: float) -> int:
+        """Say goodbye for sessions given as (session id, leave proof): the server ends each it
+        knows (``Leave``). Returns how many it ended."""
+        request = control_pb2.LeaveRequest(
+            sessions=[control_pb2.HeartbeatRequest(session_id=sid, proof=proof) for sid, proof in sessions]
+        )
+        response = await self._unary(self._stub.Leave, request, deadline)
+        return int(response.ended)
+
     def _session_lost(self, exc: grpc.aio.AioRpcError) -> SessionLost:
         return SessionLost(f"{self.target} no longer knows this session: {exc.details()}")
 

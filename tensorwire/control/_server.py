@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .._ratelog import RateLimitedLog
 from ..errors import ConfigurationError, NegotiationError
-from ._auth import heartbeat_proof, lookup_proof
+from ._auth import heartbeat_proof, leave_proof, lookup_proof
 from ._client import SESSION_LOST_METADATA
 from ._convert import offer_from_pb, offer_to_pb
 from ._negotiate import MAX_TRANSPORTS, as_accepted, choose
@@ -38,7 +38,8 @@ __all__ = ["PROTOCOL_VERSION", "ControlServer"]
 # once (_onesided.serve_ops)
 # 7: a handshake carries each node's instance id (node ids may repeat), and a node renews the leases
 # of all its sessions with another in one call (RenewLeases, _leases.py)
-PROTOCOL_VERSION = 7
+# 8: a closing node says goodbye to the nodes of its sessions (Leave, _leases.say_goodbye)
+PROTOCOL_VERSION = 8
 SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 MAX_NAME_CHARS = 64  # a transport name or require= in a handshake (they are short words)
 MAX_REASON_CHARS = 300  # a client's reason for a transport it cannot use, as this node repeats it
@@ -229,6 +230,29 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             elif renewed is _REFUSED:
                 response.refused.append(renewal.session_id)
         return response
+
+    async def Leave(  # noqa: N802 - gRPC method name
+        self, request: control_pb2.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> control_pb2.LeaveResponse:
+        """A node closing says goodbye: each session named, known here and proved, ends as at
+        its lease's end, without the wait (``Node._peer_left``); the others are passed over."""
+        if len(request.sessions) > MAX_RENEWALS:
+            self._refusals.warn("goodbye from %s refused: %d sessions", context.peer(), len(request.sessions))
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"one call ends at most {MAX_RENEWALS} sessions (got {len(request.sessions)})",
+            )
+        ended = 0
+        for leaving in request.sessions:
+            peer = self.node._session_peer(leaving.session_id)
+            if peer is None or peer.session is None:
+                continue
+            if not hmac.compare_digest(leaving.proof, leave_proof(peer.session.secret, leaving.session_id)):
+                self._refusals.warn("goodbye from %s refused: bad proof", context.peer())
+                continue
+            self.node._peer_left(peer)
+            ended += 1
+        return control_pb2.LeaveResponse(ended=ended)
 
     async def Lookup(  # noqa: N802 - gRPC method name
         self, request: control_pb2.LookupRequest, context: grpc.aio.ServicerContext

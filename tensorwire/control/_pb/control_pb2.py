@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorwire/v1/control.proto\x12\rtensorwire.v1\"y\n\x0c\x43\x61pabilities\x12\x14\n\x0cmemory_kinds\x18\x01 \x03(\t\x12\x11\n\tone_sided\x18\x02 \x01(\x08\x12\x0c\n\x04rdma\x18\x03 \x01(\x08\x12\x11\n\tgpudirect\x18\x04 \x01(\x08\x12\r\n\x05lanes\x18\x05 \x03(\t\x12\x10\n\x08tcp_only\x18\x06 \x01(\x08\"s\n\x0eTransportOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x0c\x12\x31\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x1b.tensorwire.v1.Capabilities\"+\n\x0bUnavailable\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x84\x02\n\x10HandshakeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12-\n\x06offers\x18\x04 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x05 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x06 \x03(\t\x12\x0f\n\x07require\x18\x07 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x08 \x01(\t\x12\x13\n\x0binstance_id\x18\t \x01(\t\"\xff\x01\n\x11HandshakeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\x0c\x12\x16\n\x0eserver_node_id\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12-\n\x06\x63hosen\x18\x05 \x01(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bpassed_over\x18\x06 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\x12\x1a\n\x12server_instance_id\x18\x08 \x01(\t\"@\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\"\xa9\x01\n\x0eLookupResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nremote_key\x18\x07 \x01(\x0c\x12\x10\n\x08writable\x18\x08 \x01(\x08\x12\x0e\n\x06memory\x18\t \x01(\t\"5\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"G\n\x12RenewLeasesRequest\x12\x31\n\x08renewals\x18\x01 \x03(\x0b\x32\x1f.tensorwire.v1.HeartbeatRequest\"4\n\x13RenewLeasesResponse\x12\x0c\n\x04lost\x18\x01 \x03(\t\x12\x0f\n\x07refused\x18\x02 \x03(\t\"\x11\n\x0fNodeInfoRequest\"\xc0\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12-\n\x06offers\x18\x03 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x04 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x05 \x03(\t\x12\x15\n\rauth_required\x18\x06 \x01(\x08\"\x14\n\x12ListMethodsRequest\"d\n\nMethodInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x11\n\tstreaming\x18\x03 \x01(\x08\x12\x0b\n\x03\x64oc\x18\x04 \x01(\t\x12\x15\n\rmax_arg_bytes\x18\x05 \x01(\x04\"A\n\x13ListMethodsResponse\x12*\n\x07methods\x18\x01 \x03(\x0b\x32\x19.tensorwire.v1.MethodInfo\"\xdb\x01\n\x05Value\x12\x14\n\nbool_value\x18\x01 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x02 \x01(\x12H\x00\x12\x15\n\x0b\x66loat_value\x18\x03 \x01(\x01H\x00\x12\x13\n\tstr_value\x18\x04 \x01(\tH\x00\x12\x15\n\x0b\x62ytes_value\x18\x05 \x01(\x0cH\x00\x12.\n\nlist_value\x18\x06 \x01(\x0b\x32\x18.tensorwire.v1.ValueListH\x00\x12,\n\tmap_value\x18\x07 \x01(\x0b\x32\x17.tensorwire.v1.ValueMapH\x00\x42\x06\n\x04kind\"0\n\tValueList\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.tensorwire.v1.Value\"\x87\x01\n\x08ValueMap\x12\x35\n\x07\x65ntries\x18\x01 \x03(\x0b\x32$.tensorwire.v1.ValueMap.EntriesEntry\x1a\x44\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tensorwire.v1.Value:\x02\x38\x01\"\xc2\x01\n\rInvokeRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\"\n\x04\x61rgs\x18\x02 \x03(\x0b\x32\x14.tensorwire.v1.Value\x12\x38\n\x06kwargs\x18\x03 \x03(\x0b\x32(.tensorwire.v1.InvokeRequest.KwargsEntry\x1a\x43\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tensorwire.v1.Value:\x02\x38\x01\"6\n\x0eInvokeResponse\x12$\n\x06result\x18\x01 \x01(\x0b\x32\x14.tensorwire.v1.Value2\xab\x04\n\x07\x43ontrol\x12N\n\tHandshake\x12\x1f.tensorwire.v1.HandshakeRequest\x1a .tensorwire.v1.HandshakeResponse\x12\x46\n\x0bGetNodeInfo\x12\x1e.tensorwire.v1.NodeInfoRequest\x1a\x17.tensorwire.v1.NodeInfo\x12N\n\tHeartbeat\x12\x1f.tensorwire.v1.HeartbeatRequest\x1a .tensorwire.v1.HeartbeatResponse\x12T\n\x0bRenewLeases\x12!.tensorwire.v1.RenewLeasesRequest\x1a\".tensorwire.v1.RenewLeasesResponse\x12\x45\n\x06Lookup\x12\x1c.tensorwire.v1.LookupRequest\x1a\x1d.tensorwire.v1.LookupResponse\x12T\n\x0bListMethods\x12!.tensorwire.v1.ListMethodsRequest\x1a\".tensorwire.v1.ListMethodsResponse\x12\x45\n\x06Invoke\x12\x1c.tensorwire.v1.InvokeRequest\x1a\x1d.tensorwire.v1.InvokeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorwire/v1/control.proto\x12\rtensorwire.v1\"y\n\x0c\x43\x61pabilities\x12\x14\n\x0cmemory_kinds\x18\x01 \x03(\t\x12\x11\n\tone_sided\x18\x02 \x01(\x08\x12\x0c\n\x04rdma\x18\x03 \x01(\x08\x12\x11\n\tgpudirect\x18\x04 \x01(\x08\x12\r\n\x05lanes\x18\x05 \x03(\t\x12\x10\n\x08tcp_only\x18\x06 \x01(\x08\"s\n\x0eTransportOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x0c\x12\x31\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x1b.tensorwire.v1.Capabilities\"+\n\x0bUnavailable\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x84\x02\n\x10HandshakeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\nauth_token\x18\x03 \x01(\t\x12-\n\x06offers\x18\x04 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x05 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x06 \x03(\t\x12\x0f\n\x07require\x18\x07 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x08 \x01(\t\x12\x13\n\x0binstance_id\x18\t \x01(\t\"\xff\x01\n\x11HandshakeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\x0c\x12\x16\n\x0eserver_node_id\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x12-\n\x06\x63hosen\x18\x05 \x01(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bpassed_over\x18\x06 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\x12\x1a\n\x12server_instance_id\x18\x08 \x01(\t\"@\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\"\xa9\x01\n\x0eLookupResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nremote_key\x18\x07 \x01(\x0c\x12\x10\n\x08writable\x18\x08 \x01(\x08\x12\x0e\n\x06memory\x18\t \x01(\t\"5\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"G\n\x12RenewLeasesRequest\x12\x31\n\x08renewals\x18\x01 \x03(\x0b\x32\x1f.tensorwire.v1.HeartbeatRequest\"4\n\x13RenewLeasesResponse\x12\x0c\n\x04lost\x18\x01 \x03(\t\x12\x0f\n\x07refused\x18\x02 \x03(\t\"A\n\x0cLeaveRequest\x12\x31\n\x08sessions\x18\x01 \x03(\x0b\x32\x1f.tensorwire.v1.HeartbeatRequest\"\x1e\n\rLeaveResponse\x12\r\n\x05\x65nded\x18\x01 \x01(\r\"\x11\n\x0fNodeInfoRequest\"\xc0\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12-\n\x06offers\x18\x03 \x03(\x0b\x32\x1d.tensorwire.v1.TransportOffer\x12/\n\x0bunavailable\x18\x04 \x03(\x0b\x32\x1a.tensorwire.v1.Unavailable\x12\x12\n\npreference\x18\x05 \x03(\t\x12\x15\n\rauth_required\x18\x06 \x01(\x08\"\x14\n\x12ListMethodsRequest\"d\n\nMethodInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x11\n\tstreaming\x18\x03 \x01(\x08\x12\x0b\n\x03\x64oc\x18\x04 \x01(\t\x12\x15\n\rmax_arg_bytes\x18\x05 \x01(\x04\"A\n\x13ListMethodsResponse\x12*\n\x07methods\x18\x01 \x03(\x0b\x32\x19.tensorwire.v1.MethodInfo\"\xdb\x01\n\x05Value\x12\x14\n\nbool_value\x18\x01 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x02 \x01(\x12H\x00\x12\x15\n\x0b\x66loat_value\x18\x03 \x01(\x01H\x00\x12\x13\n\tstr_value\x18\x04 \x01(\tH\x00\x12\x15\n\x0b\x62ytes_value\x18\x05 \x01(\x0cH\x00\x12.\n\nlist_value\x18\x06 \x01(\x0b\x32\x18.tensorwire.v1.ValueListH\x00\x12,\n\tmap_value\x18\x07 \x01(\x0b\x32\x17.tensorwire.v1.ValueMapH\x00\x42\x06\n\x04kind\"0\n\tValueList\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.tensorwire.v1.Value\"\x87\x01\n\x08ValueMap\x12\x35\n\x07\x65ntries\x18\x01 \x03(\x0b\x32$.tensorwire.v1.ValueMap.EntriesEntry\x1a\x44\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tensorwire.v1.Value:\x02\x38\x01\"\xc2\x01\n\rInvokeRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\"\n\x04\x61rgs\x18\x02 \x03(\x0b\x32\x14.tensorwire.v1.Value\x12\x38\n\x06kwargs\x18\x03 \x03(\x0b\x32(.tensorwire.v1.InvokeRequest.KwargsEntry\x1a\x43\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tensorwire.v1.Value:\x02\x38\x01\"6\n\x0eInvokeResponse\x12$\n\x06result\x18\x01 \x01(\x0b\x32\x14.tensorwire.v1.Value2\xef\x04\n\x07\x43ontrol\x12N\n\tHandshake\x12\x1f.tensorwire.v1.HandshakeRequest\x1a .tensorwire.v1.HandshakeResponse\x12\x46\n\x0bGetNodeInfo\x12\x1e.tensorwire.v1.NodeInfoRequest\x1a\x17.tensorwire.v1.NodeInfo\x12N\n\tHeartbeat\x12\x1f.tensorwire.v1.HeartbeatRequest\x1a .tensorwire.v1.HeartbeatResponse\x12T\n\x0bRenewLeases\x12!.tensorwire.v1.RenewLeasesRequest\x1a\".tensorwire.v1.RenewLeasesResponse\x12\x42\n\x05Leave\x12\x1b.tensorwire.v1.LeaveRequest\x1a\x1c.tensorwire.v1.LeaveResponse\x12\x45\n\x06Lookup\x12\x1c.tensorwire.v1.LookupRequest\x1a\x1d.tensorwire.v1.LookupResponse\x12T\n\x0bListMethods\x12!.tensorwire.v1.ListMethodsRequest\x1a\".tensorwire.v1.ListMethodsResponse\x12\x45\n\x06Invoke\x12\x1c.tensorwire.v1.InvokeRequest\x1a\x1d.tensorwire.v1.InvokeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -58,30 +58,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENEWLEASESREQUEST']._serialized_end=1255
   _globals['_RENEWLEASESRESPONSE']._serialized_start=1257
   _globals['_RENEWLEASESRESPONSE']._serialized_end=1309
-  _globals['_NODEINFOREQUEST']._serialized_start=1311
-  _globals['_NODEINFOREQUEST']._serialized_end=1328
-  _globals['_NODEINFO']._serialized_start=1331
-  _globals['_NODEINFO']._serialized_end=1523
-  _globals['_LISTMETHODSREQUEST']._serialized_start=1525
-  _globals['_LISTMETHODSREQUEST']._serialized_end=1545
-  _globals['_METHODINFO']._serialized_start=1547
-  _globals['_METHODINFO']._serialized_end=1647
-  _globals['_LISTMETHODSRESPONSE']._serialized_start=1649
-  _globals['_LISTMETHODSRESPONSE']._serialized_end=1714
-  _globals['_VALUE']._serialized_start=1717
-  _globals['_VALUE']._serialized_end=1936
-  _globals['_VALUELIST']._serialized_start=1938
-  _globals['_VALUELIST']._serialized_end=1986
-  _globals['_VALUEMAP']._serialized_start=1989
-  _globals['_VALUEMAP']._serialized_end=2124
-  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_start=2056
-  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_end=2124
-  _globals['_INVOKEREQUEST']._serialized_start=2127
-  _globals['_INVOKEREQUEST']._serialized_end=2321
-  _globals['_INVOKEREQUEST_KWARGSENTRY']._serialized_start=2254
-  _globals['_INVOKEREQUEST_KWARGSENTRY']._serialized_end=2321
-  _globals['_INVOKERESPONSE']._serialized_start=2323
-  _globals['_INVOKERESPONSE']._serialized_end=2377
-  _globals['_CONTROL']._serialized_start=2380
-  _globals['_CONTROL']._serialized_end=2935
+  _globals['_LEAVEREQUEST']._serialized_start=1311
+  _globals['_LEAVEREQUEST']._serialized_end=1376
+  _globals['_LEAVERESPONSE']._serialized_start=1378
+  _globals['_LEAVERESPONSE']._serialized_end=1408
+  _globals['_NODEINFOREQUEST']._serialized_start=1410
+  _globals['_NODEINFOREQUEST']._serialized_end=1427
+  _globals['_NODEINFO']._serialized_start=1430
+  _globals['_NODEINFO']._serialized_end=1622
+  _globals['_LISTMETHODSREQUEST']._serialized_start=1624
+  _globals['_LISTMETHODSREQUEST']._serialized_end=1644
+  _globals['_METHODINFO']._serialized_start=1646
+  _globals['_METHODINFO']._serialized_end=1746
+  _globals['_LISTMETHODSRESPONSE']._serialized_start=1748
+  _globals['_LISTMETHODSRESPONSE']._serialized_end=1813
+  _globals['_VALUE']._serialized_start=1816
+  _globals['_VALUE']._serialized_end=2035
+  _globals['_VALUELIST']._serialized_start=2037
+  _globals['_VALUELIST']._serialized_end=2085
+  _globals['_VALUEMAP']._serialized_start=2088
+  _globals['_VALUEMAP']._serialized_end=2223
+  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_start=2155
+  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_end=2223
+  _globals['_INVOKEREQUEST']._serialized_start=2226
+  _globals['_INVOKEREQUEST']._serialized_end=2420
+  _globals['_INVOKEREQUEST_KWARGSENTRY']._serialized_start=2353
+  _globals['_INVOKEREQUEST_KWARGSENTRY']._serialized_end=2420
+  _globals['_INVOKERESPONSE']._serialized_start=2422
+  _globals['_INVOKERESPONSE']._serialized_end=2476
+  _globals['_CONTROL']._serialized_start=2479
+  _globals['_CONTROL']._serialized_end=3102
 # @@protoc_insertion_point(module_scope)

@@ -145,6 +145,18 @@ class RenewLeasesResponse(_message.Message):
     refused: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, lost: _Optional[_Iterable[str]] = ..., refused: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[HeartbeatRequest]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[HeartbeatRequest, _Mapping]]] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("ended",)
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    ended: int
+    def __init__(self, ended: _Optional[int] = ...) -> None: ...
+
 class NodeInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

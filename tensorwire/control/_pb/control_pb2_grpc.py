@@ -55,6 +55,11 @@ class ControlStub:
                 request_serializer=tensorwire_dot_v1_dot_control__pb2.RenewLeasesRequest.SerializeToString,
                 response_deserializer=tensorwire_dot_v1_dot_control__pb2.RenewLeasesResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/tensorwire.v1.Control/Leave',
+                request_serializer=tensorwire_dot_v1_dot_control__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=tensorwire_dot_v1_dot_control__pb2.LeaveResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/tensorwire.v1.Control/Lookup',
                 request_serializer=tensorwire_dot_v1_dot_control__pb2.LookupRequest.SerializeToString,
@@ -102,6 +107,17 @@ class ControlServicer:
         """Renew the leases of many sessions in one call: a node renews every session it opened with
         another node this way, one call per lease period rather than one per session (hundreds of
         peers at a short lease were thousands of calls a second, and late ones killed live peers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """A node that closes says goodbye to the nodes of its sessions: each session named (with
+        its proof, "leave|" + session id) ends there as a lease running out would, without the
+        wait. What the closing node's data connection carried before stays deliverable; a close
+        its kernel still holds behind bytes the peer has not read (a reader parked behind a busy
+        consumer stream) is known at once. Best effort: the closer bounds it by a short deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +172,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.RenewLeases,
                     request_deserializer=tensorwire_dot_v1_dot_control__pb2.RenewLeasesRequest.FromString,
                     response_serializer=tensorwire_dot_v1_dot_control__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=tensorwire_dot_v1_dot_control__pb2.LeaveRequest.FromString,
+                    response_serializer=tensorwire_dot_v1_dot_control__pb2.LeaveResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -281,6 +302,33 @@ class Control:
             '/tensorwire.v1.Control/RenewLeases',
             tensorwire_dot_v1_dot_control__pb2.RenewLeasesRequest.SerializeToString,
             tensorwire_dot_v1_dot_control__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorwire.v1.Control/Leave',
+            tensorwire_dot_v1_dot_control__pb2.LeaveRequest.SerializeToString,
+            tensorwire_dot_v1_dot_control__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
