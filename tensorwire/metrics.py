@@ -41,9 +41,11 @@ The metrics (counters end in ``_total``):
   dropped ("control" for the control plane, else the data transport's name).
 - ``tensorwire_stranded_requests`` and ``tensorwire_stranded_bytes`` {transport}: requests of
   closed channels the transport could not finish, over the nodes of this process, and the bytes
-  of memory kept for them now (ucx: rendezvous sends to peers that died, which UCX without peer
-  error handling never completes; they go once the peer's process is known to have ended, see
-  docs/ucx.md). A number that keeps growing on a long-lived node is memory it will not get back.
+  of memory kept for them now (ucx: requests UCX has not completed, mostly rendezvous sends to
+  peers that died, which UCX without peer error handling never completes and which go once the
+  peer's process is known to have ended where that can be known, see docs/ucx.md; and receives
+  cut off while their message was landing). A number that keeps growing on a long-lived node is
+  memory it will not get back.
 """
 
 from __future__ import annotations

@@ -1153,3 +1153,89 @@ async def test_ucxx_requests_held_for_ucx_count_as_stranded(monkeypatch: pytest.
             worker.kick()
             await eventually(lambda: transport.stranded() == (1, 4 * MiB))
             del req, recv, wait
+
+
+async def test_ucxx_payload_sends_held_for_ucx_count_once_and_are_warned_of(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A payload send through ucxx (no libucp bindings) that its channel's close cut off: the
+    close's ``abandon`` put it in the graveyard, then ``_send_payload_ucxx`` held it again with
+    the others, and ``stranded()`` counted it twice (2, 8 MiB for one 4 MiB send). And the worker
+    swept only raw requests: such a send, never completed by UCX, was never warned of."""
+    from _polling import eventually
+
+    from tensorwire.errors import TransportUnavailable
+    from tensorwire.transports.ucx import _transport, _worker
+
+    def unavailable() -> Any:
+        raise TransportUnavailable("the test's: no libucp bindings")
+
+    caplog.set_level(logging.WARNING, logger="tensorwire.transports.ucx._worker")
+    monkeypatch.setattr(_transport, "load_ucp", unavailable)
+    monkeypatch.setattr(_worker, "_SWEEP", 0.05)
+    payload = np.full(4 * MiB, 7, np.uint8)
+    with _ucx_config(TLS="sm,self"):
+        async with connected_pair("ucx") as (a, _):
+            channel: Any = a.channel
+            transport = a.node.transports["ucx"]
+            assert channel._ucp is None, "the channel went through the libucp bindings"
+            # a payload whose header never went: its receiver never takes it
+            send = asyncio.ensure_future(channel._send_payload_ucxx(0x7777, [memoryview(payload)]))
+            await eventually(lambda: bool(channel._futs))
+            await a.aclose()
+            (closed,) = await asyncio.gather(send, return_exceptions=True)
+            assert isinstance(closed, tensorwire.ClosedResourceError), closed
+            del send, closed
+            assert transport.stranded() == (1, 4 * MiB)
+            await eventually(lambda: "never completed by UCX" in caplog.text, seconds=10, pause=0.05)
+            assert "1 sends" in caplog.text and "4.0 MiB" in caplog.text, caplog.text
+
+
+async def test_raw_receives_cut_off_while_landing_count_as_stranded() -> None:
+    """A raw receive cancelled while its message was landing (its channel shut: ``abandon``)
+    keeps its buffer until UCX has written the rest (``Worker._raw_recv_gone``): memory the node
+    keeps for UCX, which ``stranded()`` did not count. Here the sender's worker stops
+    progressing in the middle of a 32 MiB eager message over tcp (a cancel ends a receive that
+    has not matched yet, or a rendezvous one that has; not this one, which needs the sender to
+    send the rest); once it runs again the receive lands and stops counting."""
+    from _polling import eventually
+
+    from tensorwire.transports.ucx._channel import make_tag
+
+    with _ucx_config(TLS="tcp", RNDV_THRESH="inf"):
+        async with connected_pair("ucx") as (a, b):
+            sender: Any = a.node.transports["ucx"].worker  # type: ignore[attr-defined]
+            receiver: Any = b.node.transports["ucx"].worker  # type: ignore[attr-defined]
+            transport = b.node.transports["ucx"]
+            assert receiver._ucp is not None, "no libucp bindings"
+            tag = make_tag(0x7777, 3, 9)
+            buf, data = np.zeros(32 * MiB, np.uint8), np.full(32 * MiB, 5, np.uint8)
+            owner, landed = object(), []
+            ptr = receiver._ucp.tag_recv(receiver.handle, buf.ctypes.data, buf.nbytes, tag)
+            assert ptr is not None
+            receiver.listen_raw(receiver._ucp, ptr, landed.append, keep=buf, owner=owner)
+            ucp, progress = sender._ucp, sender._progress
+
+            def paused() -> None:  # (the sender's worker stops progressing)
+                sender._scheduled = False
+
+            sender._progress = paused
+            try:
+                sent = ucp.tag_send_at(a.channel.endpoint_handle, data.ctypes.data, data.nbytes, tag)  # type: ignore[attr-defined]
+                assert sent is not None
+                sender.keep_raw(ucp, sent, data, owner=a.channel)
+                for _ in range(100):  # its first fragments out (a socket's worth), and no more
+                    sender.worker.progress_once()
+                await asyncio.sleep(0.2)  # (the receiver matched it, and waits for the rest)
+                assert not landed and not ucp.request_done(sent)
+                receiver.abandon(owner)
+                assert ptr in receiver._raw_recv_gone, "the receive ended as it was cancelled"
+                assert transport.stranded() == (1, 32 * MiB)
+            finally:
+                sender._progress = progress
+                sender.kick()
+            waited = sender.wait_raw(sent, "the test's send")
+            if waited is not None:
+                await asyncio.wait_for(waited, 30)
+            await eventually(lambda: transport.stranded() == (0, 0), seconds=10)
+            assert np.array_equal(buf, data)

@@ -494,7 +494,8 @@ class Transport(ABC):
 
     def stranded(self) -> tuple[int, int]:
         """Requests of closed channels that this transport could not finish and still keeps
-        memory for (ucx: rendezvous sends to peers that died, which UCX never completes), and
+        memory for (ucx: those UCX has not completed, mostly rendezvous sends to peers that
+        died, which it never completes; receives cut off while their message was landing), and
         those bytes: the metrics' ``tensorwire_stranded_requests`` and ``_bytes``."""
         return 0, 0
 

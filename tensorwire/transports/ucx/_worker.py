@@ -317,8 +317,11 @@ class Worker:
         # this module (quadratic; 90 per get now)
         self._done: list[int] = []
         self._polled: set[int] = set()
-        # cancelled requests UCX may still hold, with the memory it may still write (see _release_buried)
+        # cancelled requests UCX may still hold, with the memory it may still write (see
+        # _release_buried), each there once (_buried). Never let go with their peer's process, as
+        # raw sends are (see sweep)
         self._graveyard: deque[tuple[Any, object]] = deque()
+        self._buried: set[Any] = set()
         # raw requests of closed channels (sends UCX cannot take back), with their memory: freed
         # once UCX completes them, or with the worker; a send's memory also once its peer's
         # process has certainly ended (see sweep). Not polled for: to a peer that died, a
@@ -331,7 +334,7 @@ class Worker:
         self._ended: dict[ProcessId, int] = {}
         self._runs = 0  # progress runs so far that ended with UCX finding nothing more to do
         self._sweeper: asyncio.TimerHandle | None = None
-        self._aged: set[int] = set()  # graveyard requests with memory at the last sweep
+        self._aged: set[Any] = set()  # graveyard requests with memory at the last sweep
         self._warned = (0, 0, 0.0)  # requests and bytes held at the last warning, and its time
         self.released = (0, 0)  # sends let go with their peer's process, and their bytes
         # raw requests taken in charge (keep_raw) that their caller will wait for one by one, with
@@ -508,6 +511,9 @@ class Worker:
         peer = getattr(owner, "payload_peer", None)
         if isinstance(peer, ProcessId) and isinstance(keep, (memoryview, bytes, bytearray)):
             self._payload_peers[request] = peer
+        self._sweep_soon()
+
+    def _sweep_soon(self) -> None:
         if self._sweeper is None and not self._closed:
             self._sweeper = self.loop.call_later(_SWEEP, self.sweep)
 
@@ -593,14 +599,12 @@ class Worker:
         for r in [r for r, w in self._watch.items() if w.owner is owner]:
             w = self._watch.pop(r)
             self.cancel(r)
-            if not r.completed:
-                self._graveyard.append((r, w.keep))
+            self.hold(r, w.keep)
         for g in [g for g in self._groups if g.owner is owner]:
             del self._groups[g]
             for r, keep in zip(g.reqs[g.at :], g.keeps[g.at :], strict=True):
                 self.cancel(r)
-                if not r.completed:
-                    self._graveyard.append((r, keep))
+                self.hold(r, keep)
             g.reqs, g.keeps = [], []
         if self._raw_recv:
             for ptr in [p for p, w in self._raw_recv.items() if w.owner is owner]:
@@ -628,9 +632,15 @@ class Worker:
 
     def hold(self, req: Any, keep: object) -> None:
         """Keep ``req`` and ``keep`` (the buffer UCX reads or writes through it) until UCX is done
-        with them, or the worker closes: a request whose caller has stopped waiting for it."""
-        if not req.completed:
-            self._graveyard.append((req, keep))
+        with them, or the worker closes: a request whose caller has stopped waiting for it. Once,
+        however often it is held (a payload send that ``abandon`` took from its wait, which the
+        channel's ``_send_payload_ucxx`` then holds with the others)."""
+        if req.completed or req in self._buried:
+            return
+        self._buried.add(req)
+        self._graveyard.append((req, keep))
+        if keep is not None:
+            self._sweep_soon()  # (the warning of those held too long)
 
     def when_done(self, reqs: list[Any], callback: Callable[[], None]) -> object:
         """Call ``callback()`` from the loop once every one of ``reqs`` has completed (finished,
@@ -750,7 +760,7 @@ class Worker:
         completed (the head is then completed all the way down)."""
         graveyard = self._graveyard
         while graveyard and graveyard[0][0].completed:
-            graveyard.popleft()
+            self._buried.discard(graveyard.popleft()[0])
         if graveyard:
             graveyard.rotate(-1)
 
@@ -934,11 +944,14 @@ class Worker:
     def stranded(self) -> tuple[int, int]:
         """Requests of closed channels (sends, mostly; or given up by their callers) that UCX
         has not completed, and the bytes of the memory this node keeps for them (see ``sweep``):
-        the raw requests' graveyard, and that of ucxx requests (``hold``, ``abandon``: the sends
-        of a node whose libucp bindings did not load, handshake replies, matched receives cut
-        off), less those UCX has completed that the next dispatches let go."""
+        the raw requests' graveyard, the raw control receives cut off while their message was
+        landing (UCX writes into their buffers until it has), and the graveyard of ucxx requests
+        (``hold``, ``abandon``: the sends of a node whose libucp bindings did not load, handshake
+        replies, matched receives cut off), less those UCX has completed that the next
+        dispatches let go."""
         n = size = 0
-        for keep in list(self._raw_graveyard.values()):  # (a metrics scrape may call from a thread)
+        # (a metrics scrape may call from a thread: copies)
+        for keep in [*self._raw_graveyard.values(), *self._raw_recv_gone.values()]:
             if keep is not None:
                 n += 1
                 size += _nbytes(keep)
@@ -949,9 +962,9 @@ class Worker:
         return n, size
 
     def sweep(self) -> None:
-        """Let go of the sends in the graveyard whose peer's process has certainly ended, and
-        warn (rate limited) of those that stay longer than a sweep; again in ``_SWEEP`` seconds
-        while any send is there.
+        """Let go of the raw sends in the graveyard whose peer's process has certainly ended,
+        and warn (rate limited) of the requests held (raw, or ucxx: ``hold``) that stay longer
+        than a sweep; again in ``_SWEEP`` seconds while any is there.
 
         To a peer that died, a rendezvous send never completes, and UCX 1.21 gives no way to
         end it on an endpoint without peer error handling: it refuses the forced close that
@@ -968,7 +981,14 @@ class Worker:
         should it ever complete (an answer the peer sent before it died) and otherwise with the
         worker. A progress run that found nothing left to do lies between seeing the end and
         letting go (``_runs``), so that whatever the peer sent before it died (a request for the
-        data, which over tcp would have UCX copy from the payload by hand) has been taken first."""
+        data, which over tcp would have UCX copy from the payload by hand) has been taken first.
+
+        Not a ucxx send (``_send_payload_ucxx``): those are posted only where the libucp bindings
+        did not load, and without them the lanes of its endpoint cannot be asked
+        (``ucp_ep_query``: ``UcxChannel.lanes`` is ``("ucx",)``), so no kernel-copy lane is known
+        (``payload_peer`` is None), and UCX may still copy from the payload by hand. ucxx's
+        cancel (``ucp_request_cancel``) takes back no send either. They stay until UCX completes
+        them or the worker closes, and are warned of."""
         self._sweeper = None
         if self._closed:
             return
@@ -993,7 +1013,9 @@ class Worker:
                 )
             left = set(self._payload_peers.values())
             self._ended = {p: n for p, n in self._ended.items() if p in left}
-        held = {p for p, keep in self._raw_graveyard.items() if keep is not None}
+        held: set[Any] = {p for p, keep in self._raw_graveyard.items() if keep is not None}
+        held.update(p for p, keep in self._raw_recv_gone.items() if keep is not None)
+        held.update(r for r, keep in self._graveyard if keep is not None and not r.completed)
         aged = held & self._aged
         self._aged = held
         if aged:
@@ -1001,7 +1023,7 @@ class Worker:
         if held:
             self._sweeper = self.loop.call_later(_SWEEP, self.sweep)
 
-    def _warn_held(self, aged: set[int]) -> None:
+    def _warn_held(self, aged: set[Any]) -> None:
         """Warn of the requests held over a whole sweep: once they have grown since the last
         warning, at most every ``_WARN_EVERY`` seconds."""
         n, size = self.stranded()
@@ -1013,10 +1035,11 @@ class Worker:
         self._warned = (n, size, now)
         running = sum(1 for p in aged if p in self._payload_peers)
         log.warning(
-            "ucx: %d sends (or one-sided operations) of closed channels were never completed by UCX, and "
-            "this node keeps their memory (%s) until UCX completes them or the node closes. %d of them go "
-            "once their peer's process ends (it still runs: stopped, or slow); the others' peers run on "
-            "another machine, in another pid namespace or without a cma lane, and are never known gone. "
+            "ucx: %d sends (or one-sided operations, receives cut off) of closed channels were never "
+            "completed by UCX, and this node keeps their memory (%s) until UCX completes them or the node "
+            "closes. %d of them go once their peer's process ends (it still runs: stopped, or slow); the "
+            "others' peers run on another machine, in another pid namespace or without a cma lane (or the "
+            "libucp bindings did not load: sends through ucxx), and are never known gone. "
             "Without peer error handling UCX cannot fail them (docs/ucx.md, 'Sends to a peer that died')",
             n,
             _size(size),
@@ -1273,6 +1296,7 @@ class Worker:
         self._watch.clear()
         self._groups.clear()
         self._graveyard.clear()
+        self._buried.clear()
         self._soon.clear()
         for _, keys in self._retired:  # before the worker they belong to
             for key in keys:
