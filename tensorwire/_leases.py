@@ -163,8 +163,8 @@ async def say_goodbye(node: Node, peers: list[Peer]) -> None:
     calls: dict[str, tuple[ControlClient | None, list[tuple[str, bytes]]]] = {}
     for peer in peers:
         session = peer.session
-        if peer.closed or session is None:
-            continue
+        if peer.closed or session is None or peer.path.transport == "inproc":
+            continue  # (an inproc channel's close ends the other side at once: nothing to tell first)
         control = peer._control if peer._control is not None and not peer._control._closed else None
         target = control.target if control is not None else peer._control_address
         if not target:
