@@ -407,7 +407,7 @@ class Node:
         return ucx_config(**self.config.ucx_options)
 
     async def _start(self) -> Node:
-        await _load_transports(self.config.transports)
+        await _load_transports(self.config.transports, checksum=self.config.checksum)
         self._loop = asyncio.get_running_loop()  # where it lives (abort() from another thread)
         _metrics.node_started(self)
         with self._transport_options():  # probe and construct under this node's UCX options
@@ -977,15 +977,16 @@ class Node:
         await self.aclose()
 
 
-async def _load_transports(names: tuple[str, ...]) -> None:
-    """Import the transports' modules (ucx's: the UCX libraries and ucxx too) in a worker thread,
-    so that the loop goes on meanwhile; the probes that follow on the loop find them imported.
+async def _load_transports(names: tuple[str, ...], *, checksum: bool = False) -> None:
+    """Import the transports' modules (ucx's: the UCX libraries and ucxx too; crc32c where the
+    node asks for checksums) in a worker thread, so that the loop goes on meanwhile; the probes
+    that follow on the loop find them imported.
     Nothing to do on a later start. Never raises: where no worker thread can be had (the loop's
     default executor shut down), what is left imports in the probes, on the loop, as it did."""
-    if transport_registry.loaded(names):
+    if transport_registry.loaded(names, checksum=checksum):
         return
     try:
-        await asyncio.to_thread(transport_registry.load, names)
+        await asyncio.to_thread(transport_registry.load, names, checksum=checksum)
     except RuntimeError as exc:  # ("cannot schedule new futures after shutdown")
         log.debug("loading the transports on the loop: %r", exc)
 

@@ -133,3 +133,37 @@ asyncio.run(main())
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split("\n")[-2] == str(list(transports)), proc.stdout
+
+
+def test_crc32c_loads_only_where_checksums_are_asked_for() -> None:
+    """The crc32c package's import reads its installed metadata (importlib.metadata, email,
+    argparse, zipfile: ~50 modules, ~30 ms at a first start); a tcp node without checksums
+    starts, connects and moves a tensor without it. A node with checksum=True has it loaded by
+    its start (in the worker thread, before any channel), and its frames carry checksums."""
+    code = """
+import asyncio, json, sys
+import numpy as np
+import tensorwire
+start = tensorwire.start
+seen = {}
+async def main():
+    async with start("127.0.0.1:0", transports=("tcp",)) as a, start("127.0.0.1:0", transports=("tcp",)) as b:
+        p = await a.connect(b.address)
+        q = await b.accept()
+        await p.send(np.arange(10))
+        assert np.array_equal(await q.recv(), np.arange(10))
+        seen["plain"] = "crc32c" in sys.modules
+    async with start("127.0.0.1:0", transports=("tcp",), checksum=True) as c:
+        seen["started"] = "crc32c" in sys.modules
+        async with start("127.0.0.1:0", transports=("tcp",)) as d:
+            p = await d.connect(c.address)
+            q = await c.accept()
+            await p.send(np.arange(10))
+            assert np.array_equal(await q.recv(), np.arange(10))
+            seen["checked"] = p.channel.checksum and q.channel.checksum
+asyncio.run(main())
+print(json.dumps(seen))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"plain": False, "started": True, "checked": True}

@@ -33,14 +33,14 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
-
-import crc32c
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import IntegrityError, MessageRefused, ProtocolError
 from ._base import Limits
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._base import TransportContext
 
 __all__ = ["HEADER", "MAGIC", "FrameHeader", "FrameType", "PeerLimits", "proof"]
@@ -55,6 +55,20 @@ FLAG_CHECKSUM = 1  # PeerLimits.flags: this side wants crc32c on every payload f
 NONCE_BYTES = 32
 MAX_SESSION_ID = 128
 LIMITS = struct.Struct("<QIQII")  # recv_buffer_bytes, max_unexpected, max_message_bytes, max_header_bytes, flags
+
+
+def _first_crc32c(data: Any, value: int = 0, /) -> int:
+    """``crc32c.crc32c``, imported on its first call, which then puts it in its own place: the
+    package's import reads its installed metadata (importlib.metadata, email, argparse: ~30 ms
+    and ~50 modules at a node's first start) that a node without checksums never needs."""
+    global crc32c
+    from crc32c import crc32c as impl
+
+    crc32c = impl
+    return impl(data, value)
+
+
+crc32c: Callable[..., int] = _first_crc32c  # (data, value=0) -> int: call through the module
 
 
 class FrameType(enum.IntEnum):
@@ -102,7 +116,7 @@ def pack(
     raw = HEADER.pack(MAGIC, ftype, flags, 0, meta_len, payload_len, msg_id, arg, credit, slots)
     if not checked:
         return raw
-    return raw[:6] + _CHECK.pack(crc32c.crc32c(raw) & 0xFFFF) + raw[8:]
+    return raw[:6] + _CHECK.pack(crc32c(raw) & 0xFFFF) + raw[8:]
 
 
 _CHECK = struct.Struct("<H")
@@ -111,7 +125,7 @@ _ZERO_CHECK = bytes(2)
 
 def _header_check(data: bytes | bytearray | memoryview, offset: int) -> int:
     view = memoryview(data)[offset : offset + HEADER.size]
-    return crc32c.crc32c(view[8:], crc32c.crc32c(_ZERO_CHECK, crc32c.crc32c(view[:6]))) & 0xFFFF
+    return crc32c(view[8:], crc32c(_ZERO_CHECK, crc32c(view[:6]))) & 0xFFFF
 
 
 def unpack(data: bytes | bytearray | memoryview, *, checked: bool = False) -> FrameHeader:

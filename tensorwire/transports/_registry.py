@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterable
 
 from ..errors import TransportUnavailable
+from . import _frames
 from ._base import Capabilities, Transport
 
 __all__ = ["DEFAULT_PREFERENCE", "KNOWN", "get_transport", "load", "loaded", "probe_all"]
@@ -55,9 +56,11 @@ def get_transport(name: str) -> type[Transport]:
 _loading = threading.Lock()  # one load at a time: a second node starting meanwhile waits for the first's
 
 
-def loaded(names: Iterable[str]) -> bool:
+def loaded(names: Iterable[str], *, checksum: bool = False) -> bool:
     """Whether ``load(names)`` has nothing left to import (a node's second start skips it)."""
     if _loading.locked():  # another node's load is under way: what it imports may be half made
+        return False
+    if checksum and "crc32c" not in sys.modules:
         return False
     for name in names:
         target = KNOWN.get(name, (None,))[0]
@@ -68,13 +71,13 @@ def loaded(names: Iterable[str]) -> bool:
     return True
 
 
-def load(names: Iterable[str]) -> None:
+def load(names: Iterable[str], *, checksum: bool = False) -> None:
     """Import the named transports' modules, and what ucx's probe imports (the UCX libraries,
-    then ucxx), in the calling thread. A node runs this in a worker thread before it probes on
-    its loop: imported there, the same modules stopped the loop for as long as they took (the
-    longest loop gap at a fresh ucx node's start was 50-80 ms here, ~17 ms with this); a
-    pure-Python import in a thread lets the loop run at every switch of the GIL. The probes
-    then find them imported.
+    then ucxx), in the calling thread; with ``checksum``, crc32c too (tcp loads it on first use).
+    A node runs this in a worker thread before it probes on its loop: imported there, the same
+    modules stopped the loop for as long as they took (the longest loop gap at a fresh ucx
+    node's start was 50-80 ms here, ~17 ms with this); a pure-Python import in a thread lets
+    the loop run at every switch of the GIL. The probes then find them imported.
 
     Never raises: what fails here fails again in the probe, which says why. (An import the loop
     thread begins meanwhile waits for this one's module and gets it whole; two threads could
@@ -85,6 +88,11 @@ def load(names: Iterable[str]) -> None:
                 _load(name)
             except Exception as exc:
                 log.debug("loading the %s transport ahead of its probe failed: %r", name, exc)
+        if checksum:
+            try:
+                _frames.crc32c(b"")
+            except Exception as exc:
+                log.debug("loading crc32c ahead of its first use failed: %r", exc)
 
 
 def _load(name: str) -> None:

@@ -28,8 +28,6 @@ from collections import deque
 from contextlib import suppress
 from typing import Any
 
-import crc32c
-
 from ... import _metrics
 from ...errors import (
     BrokenResourceError,
@@ -42,6 +40,7 @@ from ...errors import (
 )
 from ...memory import CopyEngine, Event, StageIn, stage_out, wait_event
 from ...tensors import DeviceTensor, Outgoing, decode_header, decode_header_sized
+from .. import _frames
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
 from .._credit import ReceiveBudget, SendWindow
 from .._frames import (
@@ -259,7 +258,7 @@ class TcpChannel(Channel):
         if summed:
             crc = 0
             for b in bufs:
-                crc = crc32c.crc32c(b, crc)
+                crc = _frames.crc32c(b, crc)
             bufs.append(TRAILER.pack(crc))
         return bufs
 
@@ -555,7 +554,7 @@ class TcpChannel(Channel):
                         raise ProtocolError(f"duplicate message id {hdr.msg_id}")
                     self._budget.admit(arrival.nbytes, eager=not rndv, tag=hdr.arg)
                     self._check_summed(hdr.flags)
-                    crc = crc32c.crc32c(meta, crc32c.crc32c(io.last_header)) if self.checksum else 0
+                    crc = _frames.crc32c(meta, _frames.crc32c(io.last_header)) if self.checksum else 0
                     if rndv:
                         # whole (trailer checked) and pullable before a recv can see it: the
                         # trailer may come later than the header, and a recv matched meanwhile
@@ -598,7 +597,7 @@ class TcpChannel(Channel):
                             f"DATA at offset {hdr.arg}+{hdr.payload_len} does not continue message {hdr.msg_id}"
                         )
                     self._check_summed(hdr.flags)
-                    crc = crc32c.crc32c(io.last_header) if self.checksum else 0
+                    crc = _frames.crc32c(io.last_header) if self.checksum else 0
                     await self._read_data(target, hdr.payload_len, crc)
                     continue
                 if hdr.payload_len:
@@ -678,7 +677,7 @@ class TcpChannel(Channel):
                     if self.checksum:
                         frame_end = meta_end + payload_len
                         (want,) = TRAILER.unpack_from(buf, frame_end)
-                        if crc32c.crc32c(memoryview(buf)[start:frame_end]) != want:
+                        if _frames.crc32c(memoryview(buf)[start:frame_end]) != want:
                             return start, True
                     dest = None
                     if mailbox.has_posted(arg):
@@ -739,7 +738,7 @@ class TcpChannel(Channel):
         end = start + n
         while start < end:
             view = arrival.view(start, end - start)
-            crc = crc32c.crc32c(view, crc)
+            crc = _frames.crc32c(view, crc)
             start += len(view)
         (want,) = TRAILER.unpack(await self._io.read_exact(TRAILER.size))
         if want != crc:
@@ -806,7 +805,7 @@ class TcpChannel(Channel):
                 p = pos
                 while p < pos + k:
                     view = arrival.view(p, pos + k - p)
-                    crc = crc32c.crc32c(view, crc)
+                    crc = _frames.crc32c(view, crc)
                     p += len(view)
             pos += k
         return crc
@@ -820,7 +819,7 @@ class TcpChannel(Channel):
         async def fill(view: memoryview, at: int) -> None:
             await io.read_into(lambda o, m: view[o : o + m], 0, len(view))
             if summed:
-                sums[0] = crc32c.crc32c(view, sums[0])
+                sums[0] = _frames.crc32c(view, sums[0])
             if arrival.dest is not dest and _redirect(arrival, pos + at, view):
                 raise _Redirected
             arrival.mark(pos + at + len(view))  # (queued before the loop runs again)
@@ -859,7 +858,7 @@ class TcpChannel(Channel):
             raise
         over.room -= n
         if self.checksum:
-            crc = crc32c.crc32c(view, crc)
+            crc = _frames.crc32c(view, crc)
         if _redirect(arrival, pos, view):  # a cancelled recv moved the message to the host meanwhile
             pool.release(chunk)
             return crc
