@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -32,6 +33,7 @@ from tensorwire.transports._frames import (
     unpack,
 )
 from tensorwire.transports.tcp import TcpTransport, _sockio
+from tensorwire.transports.tcp import _channel as _channel_mod
 from tensorwire.transports.tcp._channel import TcpChannel
 from tensorwire.transports.tcp._sockio import SockIO
 
@@ -410,6 +412,52 @@ async def test_a_large_message_lets_the_loop_run_between_its_data_frames(monkeyp
         # before: 0 turns and the small message's recv returned after the large one was whole
         assert part_received >= 4, part_received
         assert whole_when_small_came == [False]
+
+
+async def test_a_small_message_beside_a_large_one_shortens_the_large_ones_next_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frame goes out whole, so a small message sent while a large one goes out waits for the
+    large one's frame in progress: ``chunk_bytes`` (4 MiB, ~5 ms on a 2-core loopback; 1 ms behind
+    512 KiB, docs/benchmarks.md). Once a small message went out beside a large one, the large
+    one's next frames are ``QUICK_CHUNK`` at most (for ``QUICK_SECONDS``, lengthened here so that
+    nothing hangs on the clock); a large message alone keeps ``chunk_bytes`` frames. Counted on
+    the wire: the frames the peer reads, in order. Before, every frame was ``chunk_bytes``."""
+    monkeypatch.setattr(_channel_mod, "QUICK_SECONDS", 600.0, raising=False)
+    remote = PeerLimits(256 * MiB, 1024, 1 << 40, MiB)  # room for both large ones eager
+    async with _channel(remote=remote) as (ch, peer):
+        chunk = Limits().chunk_bytes
+        big = np.full(12 * chunk, 3, np.uint8)  # more than the socket holds: its frames wait for reads
+
+        async def frames(want: int) -> list[tuple[FrameType, int, int, int]]:
+            """(type, msg id, offset or tag, payload bytes) of each frame until ``want`` payload bytes came."""
+            seen, got = [], 0
+            while got < want:
+                hdr, _ = await _read_frame(peer)
+                seen.append((hdr.type, hdr.msg_id, hdr.arg, hdr.payload_len))
+                got += hdr.payload_len
+            return seen
+
+        async with asyncio.timeout(15):
+            alone = asyncio.ensure_future(ch.send(1, prepare(big)))
+            sizes = [n for _, _, _, n in await frames(big.nbytes)]
+            await alone
+            assert sizes == [chunk] * 12  # the MSG frame's inline part, then 11 DATA frames
+
+            large = asyncio.ensure_future(ch.send(1, prepare(big)))
+            await asyncio.sleep(0.05)  # its frames fill the socket; the writer waits for reads
+            assert not large.done()
+            small = asyncio.ensure_future(ch.send(2, prepare(np.arange(2.0))))
+            seen = await frames(big.nbytes + 16)
+            await large
+            await small
+        at = next(i for i, f in enumerate(seen) if f[0] is FrameType.MSG and f[2] == 2)
+        data = [f for f in seen if f[1] == seen[0][1]]  # the large one's frames, in order
+        offsets = [f[2] for f in data[1:]]
+        assert offsets == list(itertools.accumulate(f[3] for f in data[:-1]))  # contiguous
+        before, after = seen[:at], [f[3] for f in seen[at + 1 :]]
+        assert after and all(n <= 512 << 10 for n in after), (len(before), after[:4])  # QUICK_CHUNK
+        assert all(f[3] == chunk for f in before)
 
 
 async def test_a_send_cancelled_before_its_frame_went_out_hands_its_slot_to_a_waiting_send() -> None:

@@ -4,7 +4,9 @@ A message smaller than the credit the receiver granted goes *eager*: header and 
 away, landing in the posted recv's buffer or in a bounded buffer here. A larger one goes
 *rendezvous*: the header goes first and the payload follows when the receiver's recv is posted
 (CTS), straight into the recv's ``out=``. Payloads move in ``chunk_bytes`` frames so that
-concurrent messages interleave. Credit and message slots come back piggybacked on any frame, or
+concurrent messages interleave; while small messages go out beside a large host payload (one
+within ``QUICK_SECONDS``), its frames shrink to ``QUICK_CHUNK``, so the next small one waits
+behind less. Credit and message slots come back piggybacked on any frame, or
 in a CREDIT frame when no traffic flows the other way.
 
 CUDA tensors are staged (``tensorwire.memory``): on the way out, chunks are copied from the
@@ -25,6 +27,7 @@ import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
@@ -59,6 +62,15 @@ from .._order import SendOrder, Turn
 from ._sockio import SMALL_READ, Buffer, SockIO
 
 log = logging.getLogger(__name__)
+
+# A small message (an eager MSG of QUICK_BYTES or less) written while a larger host payload is
+# being sent makes the host payload frames written in the next QUICK_SECONDS QUICK_CHUNK long at
+# most: the next small one then waits behind at most that much (a whole chunk_bytes frame otherwise,
+# 4.7 ms behind 4 MiB on a 2-core loopback, ~1 ms behind 512 KiB). Bulk alone keeps chunk_bytes
+# frames (smaller ones cost it ~8% of the loopback rate). docs/benchmarks.md, tcp_hol.py.
+QUICK_BYTES = 64 << 10
+QUICK_CHUNK = 512 << 10
+QUICK_SECONDS = 0.1
 
 __all__ = ["TcpChannel"]
 
@@ -223,6 +235,8 @@ class TcpChannel(Channel):
         self._cts: dict[int, asyncio.Future[None]] = {}
         self._order = SendOrder()  # FIFO per tag, however long a send waits for a slot
         self._sending = 0
+        self._data_out = 0  # sends of host payloads over QUICK_BYTES under way
+        self._quick_until = 0.0  # (loop time) till then those frames are QUICK_CHUNK at most
         self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._aux: set[asyncio.Task[None]] = set()
         self._incoming: dict[int, Arrival] = {}  # payload being received
@@ -247,6 +261,8 @@ class TcpChannel(Channel):
         """The buffers of one frame, returned credit piggybacked; to be written at once."""
         credit, slots = self._budget.take_returns()
         plen = sum(len(p) for p in payload) if payload else 0
+        if self._data_out and ftype is FrameType.MSG and not flags & RENDEZVOUS and plen <= QUICK_BYTES:
+            self._quick_until = self._loop.time() + QUICK_SECONDS  # a small message beside bulk
         summed = self.checksum and (ftype is FrameType.MSG or ftype is FrameType.DATA)
         if summed:
             flags |= CHECKSUM
@@ -278,17 +294,20 @@ class TcpChannel(Channel):
         *,
         flags: int = 0,
         meta: bytes = b"",
-        payload: list[memoryview] | None = None,
+        payload: list[memoryview] | Callable[[], list[memoryview]] | None = None,
         msg_id: int = 0,
         arg: int = 0,
         sent: list[bool] | None = None,
     ) -> None:
         """Write one whole frame. ``sent`` gets True appended once the frame is on the wire, also
         when a cancellation arrives while it is being finished (send_all completes a frame it
-        started before re-raising), so a caller can tell 'never sent' from 'sent, then cancelled'."""
+        started before re-raising), so a caller can tell 'never sent' from 'sent, then cancelled'.
+        ``payload`` may be a function, called once the turn is ours."""
         await self._turn.take()
         try:
             self.check_open()
+            if callable(payload):
+                payload = payload()
             bufs = self._frame(ftype, flags, meta, payload, msg_id, arg)
             try:
                 rest = self._io.send_now(bufs)
@@ -384,6 +403,8 @@ class TcpChannel(Channel):
 
     async def _send(self, tag: int, msg: Outgoing, t0: float, turn: Turn) -> Receipt:
         self._sending += 1
+        bulk = msg.nbytes > QUICK_BYTES and not msg.on_device
+        self._data_out += bulk
         try:
             await turn.wait()
             await self._window.take_slot(tag, self.check_open)
@@ -395,7 +416,7 @@ class TcpChannel(Channel):
             header = msg.header
             try:
                 if eager:
-                    inline = 0 if msg.on_device else min(msg.nbytes, self._limits.chunk_bytes)
+                    inline = 0 if msg.on_device else min(msg.nbytes, self._frame_bytes())
                     await self._write(
                         FrameType.MSG,
                         meta=header,
@@ -437,6 +458,7 @@ class TcpChannel(Channel):
                 raise
         finally:
             self._sending -= 1
+            self._data_out -= bulk
         staged = msg.staged or msg.device_bytes  # (device bytes go through pinned chunks of ours)
         receipt = Receipt(
             transport=self.transport,
@@ -456,11 +478,25 @@ class TcpChannel(Channel):
         if any(isinstance(s, DeviceTensor) for s in segs):
             await self._send_parts(msg_id, segs, start, end)
             return
-        chunk = self._limits.chunk_bytes
-        for off in range(start, end, chunk):
+        off = start
+        while off < end:
             if off > start:
                 await asyncio.sleep(0)  # a socket that never blocks must not starve the loop
-            await self._write(FrameType.DATA, payload=_slices(segs, off, min(off + chunk, end)), msg_id=msg_id, arg=off)  # type: ignore[arg-type]
+            cut = [end]
+
+            def piece(off: int = off, cut: list[int] = cut) -> list[memoryview]:
+                # sized once the turn is ours: a small message that went just before counts
+                cut[0] = min(off + self._frame_bytes(), end)
+                return _slices(segs, off, cut[0])  # type: ignore[arg-type]
+
+            await self._write(FrameType.DATA, payload=piece, msg_id=msg_id, arg=off)
+            off = cut[0]
+
+    def _frame_bytes(self) -> int:
+        """How much of a host payload the next frame carries: ``chunk_bytes``, or
+        ``QUICK_CHUNK`` while small messages go out beside large ones (``QUICK_SECONDS``)."""
+        chunk = self._limits.chunk_bytes
+        return min(chunk, QUICK_CHUNK) if self._loop.time() < self._quick_until else chunk
 
     async def _send_parts(self, msg_id: int, parts: list[memoryview | DeviceTensor], start: int, end: int) -> None:
         """DATA frames for a message with device tensors: host parts in ``chunk_bytes`` frames,
