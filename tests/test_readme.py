@@ -763,7 +763,7 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
     from tensorwire.tensors import _offload
     from tensorwire.transports import DEFAULT_PREFERENCE, _credit, _frames
     from tensorwire.transports.tcp import _channel as tcp_channel
-    from tensorwire.transports.tcp._sockio import SMALL_READ
+    from tensorwire.transports.tcp._sockio import _HEADER_FILL, SMALL_READ
 
     config, limits, calls = tensorwire.NodeConfig(), tensorwire.Limits(), tensorwire.rpc.CallLimits()
     us = 1e6
@@ -803,7 +803,8 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
             f"Host copies of {_size(_offload.OFF_LOOP_BYTES)} or more",
             f"run in one of {_offload._WORKERS} `tensorwire-copy` threads",
             f"-0x{-_peer.RESERVED_TAGS[0]:_X} to -0x{-_peer.RESERVED_TAGS[-1]:_X} are tensorwire's own",
-            f"nor for a tcp payload under {_size(SMALL_READ)} at the receiver",
+            f"the header read takes up to {_size(_HEADER_FILL)} of payload along, and a rest\n  under "
+            f"{_size(SMALL_READ)} is read through that buffer too",
             f"a ucx send whose payload segments are {_size(ucx_channel._ROUTE_FROM)} or more",
             f"or puts, are each {_size(ucx_channel._ROUTE_FROM)} or more says in its receipt's `route`",
             f"keeps the latest {tensorwire.Node.MAX_DEPARTED} such peers (`Node.MAX_DEPARTED`)",

@@ -143,9 +143,12 @@ class Receipt:
         recv was posted, straight into its buffer) or "inline".
     direct: bytes went between the caller's buffer and the wire with no copy by tensorwire
         (never "inline": those bytes are copied into the header's frame, and out of it; nor a
-        tcp payload under 64 KiB at the receiver, read through the channel's read-ahead buffer;
-        a larger one lands mostly in place, apart from what that buffer already held: 17% of
-        96 KiB, 6% of 256 KiB, 1.5% of 1 MiB measured).
+        tcp message most of whose payload the receiver copied out of the channel's read-ahead
+        buffer: it counts the bytes each message took from there, not read straight into the
+        recv's memory, and labels the message by where most went. The header read takes up to
+        16 KiB of payload along and a rest under 64 KiB goes through that buffer too: up to
+        about 80 KiB none lands in place; above, the copied head is 17% of 96 KiB, 6% of
+        256 KiB, 1.5% of 1 MiB).
     staged: bytes passed through a tensorwire buffer (received before the recv was posted).
     packed: the bytes went from a copy tensorwire made: a non-contiguous tensor packed into C
         order, or a torch view with the conj or neg bit resolved (never ``direct`` then).

@@ -103,6 +103,7 @@ class Arrival:
         "channel",
         "consumed",
         "copied",
+        "copied_bytes",
         "dest",
         "direct",
         "done",
@@ -174,8 +175,9 @@ class Arrival:
         self.landing: Landing | None = None  # device copies queued for this message
         self.staged = False  # device bytes went through host staging chunks
         # the transport copied the payload out of a buffer of its own on its way to ``dest``:
-        # bytes that rode with the header ("inline"), a small tcp payload read ahead with it
+        # bytes that rode with the header ("inline"), a tcp payload mostly taken from its read-ahead
         self.copied = protocol == "inline"
+        self.copied_bytes = 0  # (tcp) payload bytes copied out of the read-ahead buffer so far
         # why the payload lands in scratch memory and is dropped (no memory for it here): the
         # message fails as it completes (``complete``), and its recv raises this
         self.lost: TransferError | None = None

@@ -59,7 +59,7 @@ from .._frames import (
 )
 from .._mailbox import Arrival
 from .._order import SendOrder, Turn
-from ._sockio import SMALL_READ, Buffer, SockIO
+from ._sockio import Buffer, SockIO
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,16 @@ class _Turn:
                 fut.set_result(None)
                 return
         self.busy = False
+
+
+def _read_ahead(arrival: Arrival, copied: int) -> None:
+    """Count ``copied`` payload bytes that ``read_into`` took out of the read-ahead buffer rather
+    than reading them straight into ``arrival.dest``. The message is "copied", not direct, once
+    most of its payload went that way (a message whose head alone came in with the header read
+    is direct: 16 KiB at most per frame); a message on its way to device memory is staged anyway."""
+    if copied:
+        arrival.copied_bytes += copied
+        arrival.copied = 2 * arrival.copied_bytes > arrival.nbytes
 
 
 def _on_device(arrival: Arrival) -> bool:
@@ -579,9 +589,6 @@ class TcpChannel(Channel):
                         protocol="rendezvous" if rndv else "eager",
                     )
                     arrival.landed = 0  # host payloads land in order, marked as they do (read_into)
-                    # a payload this small is read through SockIO's read-ahead buffer and copied
-                    # out of it (a larger one mostly straight into place): not direct
-                    arrival.copied = 0 < arrival.nbytes < SMALL_READ
                     if hdr.payload_len > arrival.nbytes or (rndv and hdr.payload_len):
                         raise ProtocolError(
                             f"MSG frame carries {hdr.payload_len} payload bytes for a {arrival.nbytes}-byte message"
@@ -608,7 +615,7 @@ class TcpChannel(Channel):
                         await self._check_trailer(crc, arrival)
                     else:
                         if hdr.payload_len:
-                            await io.read_into(arrival.view, 0, hdr.payload_len, arrival.mark)
+                            _read_ahead(arrival, await io.read_into(arrival.view, 0, hdr.payload_len, arrival.mark))
                         await self._verify(crc, arrival, 0, hdr.payload_len)
                     arrival.written = hdr.payload_len
                     if arrival.written == arrival.nbytes:
@@ -836,7 +843,7 @@ class TcpChannel(Channel):
                     self._device_failed(arrival, exc)
                 pos = arrival.landed  # type: ignore[assignment]  # (marked as they land)
                 continue
-            await io.read_into(arrival.view, pos, k, arrival.mark)
+            _read_ahead(arrival, await io.read_into(arrival.view, pos, k, arrival.mark))
             if summed:
                 p = pos
                 while p < pos + k:
@@ -994,7 +1001,7 @@ class TcpChannel(Channel):
             crc = await self._land(arrival, start, n, crc)
             await self._check_trailer(crc, arrival)
         else:
-            await self._io.read_into(arrival.view, start, n, arrival.mark)
+            _read_ahead(arrival, await self._io.read_into(arrival.view, start, n, arrival.mark))
             await self._verify(crc, arrival, start, n)
         arrival.written = start + n
         if arrival.written == arrival.nbytes:

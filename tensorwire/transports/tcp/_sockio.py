@@ -273,10 +273,13 @@ class SockIO:
         offset: int,
         n: int,
         landed: Callable[[int], None] | None = None,
-    ) -> None:
+    ) -> int:
         """Read ``n`` bytes into ``view(offset, k)``, asking for the view anew before each write,
-        and telling ``landed`` the offset reached after each (before anything else runs)."""
+        and telling ``landed`` the offset reached after each (before anything else runs). Returns
+        how many of them were copied out of the read-ahead buffer (the rest went straight in by
+        ``recv_into``): what came in with an earlier read, and any tail under ``_SMALL``."""
         end = offset + n
+        copied = 0
         while offset < end:
             if self._unyielded_payload and (  # data keeps coming: let the rest of the loop run too
                 self._unyielded_payload >= _YIELD_EVERY or time.perf_counter() - self._ran_others >= _YIELD_SECONDS
@@ -292,6 +295,7 @@ class SockIO:
                 dst[:] = memoryview(self._buf)[self._start : self._start + k]
                 self._start += k
                 offset += k
+                copied += k
                 self._unyielded_payload += k
                 if landed is not None:
                     landed(offset)
@@ -313,6 +317,7 @@ class SockIO:
             self._unyielded_payload += k
             if landed is not None:
                 landed(offset)
+        return copied
 
     # -- writing ----------------------------------------------------------------------------
     def send_now(self, bufs: list[Buffer]) -> list[Buffer]:
