@@ -28,6 +28,14 @@ MiB = 1 << 20
 pytestmark = pytest.mark.timeout(90)
 
 _N = 2 * OFF_LOOP_BYTES  # its copy into out= runs in a copy thread, and it fills the whole credit
+
+
+def _filled_by(n: int) -> int:
+    """The credit that an n-byte message fills (goes eager into, leaving less than n): tcp keeps
+    the last eighth of the credit for small messages (``SendWindow.keep``)."""
+    return -(-8 * n // 7)
+
+
 _TRANSPORTS = [
     "tcp",
     "inproc",
@@ -49,7 +57,7 @@ async def test_a_message_given_back_by_a_recv_cancelled_mid_copy_still_holds_its
     rendezvous. Before, the message's slot and credit went back to the sender as the copy began,
     and stayed given when the cancelled recv requeued it: the second send went eager and both
     messages sat in the receiver's memory, twice the recv_buffer_bytes it grants."""
-    limits = tensorwire.Limits(recv_buffer_bytes=_N)
+    limits = tensorwire.Limits(recv_buffer_bytes=_filled_by(_N))
     mid_copy = 0
     async with connected_pair(transport, limits=limits) as (a, b):
         mailbox = b.channel.mailbox
@@ -106,7 +114,7 @@ async def test_a_message_delivered_to_a_recv_cancelled_before_it_resumed_still_h
     gave an express delivery's slot and credit back as it landed (``Mailbox.deliver``), and
     the given-back message held none: the next one came eager on top of it. (inproc delivers
     no message express; there the same window is the general path's.)"""
-    limits = tensorwire.Limits(recv_buffer_bytes=_SMALL)
+    limits = tensorwire.Limits(recv_buffer_bytes=_filled_by(_SMALL))
     hits = express = 0
     async with connected_pair(transport, limits=limits) as (a, b):
         mailbox = b.channel.mailbox

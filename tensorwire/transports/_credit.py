@@ -52,10 +52,20 @@ def own_tag(tag: int) -> bool:
 
 
 class SendWindow:
-    """What this side may still send to a peer."""
+    """What this side may still send to a peer.
 
-    def __init__(self, remote: PeerLimits) -> None:
+    With ``keep_for_small`` (tcp), a message over ``small`` bytes goes eager only if it leaves
+    ``keep`` of the credit (an eighth of the grant) free: those last bytes are for messages of
+    ``small`` bytes (a sixteenth of ``keep``) or less, so that a ping sent beside large eager
+    sends the receiver has not taken yet still goes eager, and does not wait for its CTS behind
+    them (credit head-of-line blocking). A policy of the sender's alone: the receiver checks
+    only the grant.
+    """
+
+    def __init__(self, remote: PeerLimits, *, keep_for_small: bool = False) -> None:
         self._max_credit = remote.recv_buffer_bytes
+        self.keep = remote.recv_buffer_bytes // 8 if keep_for_small else 0
+        self.small = self.keep // 16
         self.kept = own_slots(remote.max_unexpected)  # the last free slots: tensorwire's own messages only
         self._max_slots = remote.max_unexpected + self.kept
         self.credit = remote.recv_buffer_bytes
@@ -78,7 +88,7 @@ class SendWindow:
 
     def reserve(self, nbytes: int) -> bool:
         """Spend credit for an eager message if it fits; False means it must go rendezvous."""
-        if nbytes <= self.credit:
+        if nbytes <= self.credit - (self.keep if nbytes > self.small else 0):
             self.credit -= nbytes
             return True
         return False
