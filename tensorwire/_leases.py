@@ -160,7 +160,10 @@ async def say_goodbye(node: Node, peers: list[Peer]) -> None:
     socket buffers hold, while their reader is parked (a busy consumer stream) or stopped, it
     stays here until they read again, and the lease told. Best effort: a node that does not
     answer in time learns of the close as before."""
-    calls: dict[str, tuple[ControlClient | None, list[tuple[str, bytes]]]] = {}
+    # by node (its instance), not by address: one reached by two names ("localhost:5000" and
+    # "127.0.0.1:5000"), or connected to by us and to us (giving its address as it spelt it), is
+    # one call, over the control connection one of its peers has where any has one
+    calls: dict[str, tuple[str, ControlClient | None, list[tuple[str, bytes]]]] = {}
     for peer in peers:
         session = peer.session
         if peer.closed or session is None or peer.path.transport == "inproc":
@@ -169,8 +172,12 @@ async def say_goodbye(node: Node, peers: list[Peer]) -> None:
         target = control.target if control is not None else peer._control_address
         if not target:
             continue
-        via, sessions = calls.get(target, (None, []))
-        calls[target] = (via or control, [*sessions, (session.id, leave_proof(session.secret, session.id))])
+        key = peer.remote_instance or target
+        first, via, sessions = calls.get(key, (target, None, []))
+        if via is None and control is not None:
+            first, via = target, control
+        sessions.append((session.id, leave_proof(session.secret, session.id)))
+        calls[key] = (first, via, sessions)
     if not calls:
         return
 
@@ -187,6 +194,6 @@ async def say_goodbye(node: Node, peers: list[Peer]) -> None:
 
     try:
         async with asyncio.timeout(GOODBYE_SECONDS * 2):  # (the calls' deadlines, and the closes)
-            await asyncio.gather(*(leave(t, via, sessions) for t, (via, sessions) in calls.items()))
+            await asyncio.gather(*(leave(t, via, sessions) for t, via, sessions in calls.values()))
     except TimeoutError:
         log.debug("goodbyes to %d nodes took over %s s", len(calls), GOODBYE_SECONDS * 2)

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import pytest
 from _polling import eventually
 
 import tensorwire
 from tensorwire._leases import GOODBYE_SECONDS
 from tensorwire._node import Node
-from tensorwire.control._auth import heartbeat_proof
+from tensorwire.control._auth import heartbeat_proof, leave_proof
 from tensorwire.control._client import ControlClient
 from tensorwire.control._server import MAX_RENEWALS, _Servicer
 from tensorwire.errors import PeerDisconnected
+from tensorwire.transports._base import ChannelState
 
 PEERS = 200
 LEASE = 1.0
@@ -199,6 +204,97 @@ async def test_a_goodbye_nobody_answers_delays_the_close_a_moment(monkeypatch: p
         await server.accept()
         async with asyncio.timeout(10 * GOODBYE_SECONDS):  # (a hang guard)
             await client.aclose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["both ways", "two names"])
+async def test_a_goodbye_is_one_call_per_node_whatever_its_address(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node of the sessions, not the address that reached it, gets one Leave call, over a
+    control connection the closing node already has to it: one connected to by one name
+    ("localhost:port") that connected back giving another (its address, "127.0.0.1:port"), or
+    connected to by two names. Grouped by address, each name was a call of its own, and the
+    peers we accepted opened a new control connection for theirs (old: 2 calls, 1 opened)."""
+    calls: collections.Counter[str] = collections.Counter()
+    monkeypatch.setattr(_Servicer, "Leave", _counted(_Servicer.Leave, calls, "Leave"))
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as staying,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as leaving,
+    ):
+        port = staying.address.rpartition(":")[2]
+        await leaving.connect(f"localhost:{port}")
+        await staying.accept()
+        if how == "both ways":
+            await staying.connect(leaving.address)
+            await leaving.accept()
+        else:
+            await leaving.connect(staying.address)
+            await staying.accept()
+        ends = [p.channel.ended for p in staying.peers]
+        opened = 0
+        init = ControlClient.__init__
+
+        def counting_init(self: ControlClient, *args: Any, **kwargs: Any) -> None:
+            nonlocal opened
+            opened += 1
+            init(self, *args, **kwargs)
+
+        monkeypatch.setattr(ControlClient, "__init__", counting_init)
+        await leaving.aclose()
+        assert (calls["Leave"], opened) == (1, 0)
+        for ended in ends:
+            await eventually(ended.done)
+            with pytest.raises(PeerDisconnected, match="said goodbye"):
+                ended.result()
+
+
+@pytest.mark.timeout(60)
+async def test_a_goodbye_leaves_a_channel_this_side_is_closing_to_its_own_close() -> None:
+    """A goodbye that comes while this side's own close of the channel is under way (its
+    goodbye frame waits behind a send the other node, stopped, does not take) leaves the
+    channel to that close: what ends with it says ClosedResourceError, as for any close of our
+    own, not that the peer closed. (It said "peer ... closed (it said goodbye)".)"""
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", _SERVE_ONE, stdout=asyncio.subprocess.PIPE)
+    assert child.stdout is not None
+    try:
+        address = (await asyncio.wait_for(child.stdout.readline(), 30)).decode().strip()
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as node:
+            peer = await node.connect(address)
+            assert peer.session is not None
+            os.kill(child.pid, signal.SIGSTOP)  # (it reads nothing from now on)
+            send = asyncio.ensure_future(peer.send(np.zeros(32 << 20, np.uint8)))  # (more than the buffers hold)
+            closing = asyncio.ensure_future(peer.aclose())
+            await eventually(lambda: peer.channel.state is ChannelState.CLOSING)
+            ended = peer.channel.ended
+            control = ControlClient(node.address)
+            try:
+                sid, secret = peer.session.id, peer.session.secret
+                await control.leave([(sid, leave_proof(secret, sid))], deadline=5)
+            finally:
+                await control.aclose()
+            os.kill(child.pid, signal.SIGCONT)
+            await closing
+            await asyncio.gather(send, return_exceptions=True)
+            with pytest.raises(tensorwire.ClosedResourceError):
+                ended.result()
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
+
+
+# a node that serves one peer until it is killed
+_SERVE_ONE = """
+import asyncio
+import tensorwire
+
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as node:
+        print(node.address, flush=True)
+        await node.accept()
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
 
 
 def _counted(
