@@ -1,8 +1,10 @@
-"""Latency of a small message behind a bulk send on the same tcp channel (head-of-line blocking).
+"""Latency of a small message behind a bulk send on the same channel (head-of-line blocking).
 
     python benchmarks/tcp_hol.py [--big-mib 256] [--pings 200] [--rounds 3] [--chunk-kib N] [--against DIR]
+                                 [--transport tcp|ucx] [--tls default|tcp|...]
 
-Two processes on loopback over tcp. The child serves an ``echo`` method, answers 8-byte pings
+Two processes on loopback over tcp (or ucx, with ``--tls`` for UCX_TLS: ``default`` is UCX's
+own choice of lanes). The child serves an ``echo`` method, answers 8-byte pings
 on one tag and takes bulk tensors on another (``recv(out=)``). The parent measures:
 
   bulk          --big-mib sends alone, back to back: GB/s of delivered bytes, and the CPU
@@ -10,6 +12,9 @@ on one tag and takes bulk tensors on another (``recv(out=)``). The parent measur
                 loopback the kernel's work moves between the two with the send queue's length)
   ping idle     8 bytes out on one tag and back on another, nothing else on the channel
   ping bulk     the same while bulk sends run on the channel without pause
+  ping bulk rndv
+                the share of those pings whose send went rendezvous (their receipts): a ping
+                that finds the credit spent by the bulk waits for its CTS
   call bulk     ``peer.call("echo", x)`` with an 8-byte tensor while bulk sends run
 
 Latencies are medians (and maxima) of --pings round trips. With ``--against DIR`` (a checkout
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -43,7 +49,19 @@ HERE = Path(__file__).resolve()
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     import tensorwire
 
-    return {"limits": tensorwire.Limits(chunk_bytes=args.chunk_kib << 10)} if args.chunk_kib else {}
+    opts: dict[str, Any] = {"transports": (args.transport,)}
+    if args.chunk_kib:
+        opts["limits"] = tensorwire.Limits(chunk_bytes=args.chunk_kib << 10)
+    return opts
+
+
+def _config(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """UCX_TLS for a ucx run (``default``: UCX's own choice); nothing for tcp."""
+    if args.transport != "ucx" or args.tls == "default":
+        return contextlib.nullcontext()
+    from tensorwire.transports.ucx import ucx_config
+
+    return ucx_config(TLS=args.tls)
 
 
 def _cpu(pid: int) -> float:
@@ -56,9 +74,14 @@ def _cpu(pid: int) -> float:
 
 
 async def _child(args: argparse.Namespace) -> None:
+    with _config(args):
+        await _serve(args)
+
+
+async def _serve(args: argparse.Namespace) -> None:
     import tensorwire
 
-    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), **_options(args)) as node:
+    async with tensorwire.start("127.0.0.1:0", **_options(args)) as node:
 
         @node.method("echo")
         async def echo(x: np.ndarray) -> np.ndarray:
@@ -84,79 +107,89 @@ async def _child(args: argparse.Namespace) -> None:
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, float]:
-    import tensorwire
-
     cmd = [sys.executable, str(HERE), "--child", "--big-mib", str(args.big_mib), "--chunk-kib", str(args.chunk_kib)]
+    cmd += ["--transport", args.transport, "--tls", args.tls]
     child = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
     assert child.stdout is not None
     addr = json.loads(await child.stdout.readline())["node"]
+    try:
+        with _config(args):
+            return await _run(args, child.pid, addr)
+    finally:
+        await stop_child(child)
+
+
+async def _run(args: argparse.Namespace, child_pid: int, addr: str) -> dict[str, float]:
+    import tensorwire
+
     big = np.full(args.big_mib * MiB, 7, dtype=np.uint8)
     small = np.arange(1, dtype=np.float64)
     pong = np.empty_like(small)
     res: dict[str, float] = {}
-    try:
-        async with tensorwire.start("127.0.0.1:0", transports=("tcp",), **_options(args)) as node:
-            peer = await node.connect(addr)
+    protocols: list[str] = []  # the pings' receipts behind bulk
+    async with tensorwire.start("127.0.0.1:0", **_options(args)) as node:
+        peer = await node.connect(addr)
 
-            async def send_big() -> None:
-                await peer.send(big, tag="bulk")
-                await peer.recv(tag="bulk-ack")
+        async def send_big() -> None:
+            await peer.send(big, tag="bulk")
+            await peer.recv(tag="bulk-ack")
 
-            async def ping() -> None:
-                await peer.send(small, tag="ping")
-                await peer.recv(tag="pong", out=pong)
-                if pong[0] != small[0]:
-                    raise RuntimeError("ping came back wrong")
+        async def ping() -> None:
+            protocols.append((await peer.send(small, tag="ping")).protocol)
+            await peer.recv(tag="pong", out=pong)
+            if pong[0] != small[0]:
+                raise RuntimeError("ping came back wrong")
 
-            async def call() -> None:
-                y = await peer.call("echo", small)
-                if y.shape != small.shape:
-                    raise RuntimeError("echo came back wrong")
+        async def call() -> None:
+            y = await peer.call("echo", small)
+            if y.shape != small.shape:
+                raise RuntimeError("echo came back wrong")
 
-            async def times(fn: Callable[[], Awaitable[None]], n: int) -> list[float]:
-                ts = []
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    await fn()
-                    ts.append(time.perf_counter() - t0)
-                    await asyncio.sleep(0.001)  # spread over the bulk sends, not one burst
-                return ts
+        async def times(fn: Callable[[], Awaitable[None]], n: int) -> list[float]:
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await fn()
+                ts.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.001)  # spread over the bulk sends, not one burst
+            return ts
 
-            await send_big()  # warm-up: both sides' memory touched
-            for _ in range(20):
-                await ping()
-                await call()
-            t0, c0, k0 = time.perf_counter(), time.process_time(), _cpu(child.pid)
-            for _ in range(args.bulk_sends):
+        await send_big()  # warm-up: both sides' memory touched
+        for _ in range(20):
+            await ping()
+            await call()
+        t0, c0, k0 = time.perf_counter(), time.process_time(), _cpu(child_pid)
+        for _ in range(args.bulk_sends):
+            await send_big()
+        gb = args.bulk_sends * big.nbytes / 1e9
+        res["bulk GB/s"] = gb / (time.perf_counter() - t0)
+        sender = time.process_time() - c0
+        res["sender cpu ms/GB"] = sender / gb * 1e3
+        res["both cpu ms/GB"] = (sender + _cpu(child_pid) - k0) / gb * 1e3
+        idle = await times(ping, args.pings)
+        res["ping idle us"] = statistics.median(idle) * 1e6
+
+        stop = asyncio.Event()
+
+        async def flood() -> None:
+            while not stop.is_set():
                 await send_big()
-            gb = args.bulk_sends * big.nbytes / 1e9
-            res["bulk GB/s"] = gb / (time.perf_counter() - t0)
-            sender = time.process_time() - c0
-            res["sender cpu ms/GB"] = sender / gb * 1e3
-            res["both cpu ms/GB"] = (sender + _cpu(child.pid) - k0) / gb * 1e3
-            idle = await times(ping, args.pings)
-            res["ping idle us"] = statistics.median(idle) * 1e6
 
-            stop = asyncio.Event()
-
-            async def flood() -> None:
-                while not stop.is_set():
-                    await send_big()
-
-            task = asyncio.create_task(flood())
-            await asyncio.sleep(0.05)
-            try:
-                busy = await times(ping, args.pings)
-                calls = await times(call, args.pings)
-            finally:
-                stop.set()
-                await task
-            res["ping bulk us"] = statistics.median(busy) * 1e6
-            res["ping bulk max us"] = max(busy) * 1e6
-            res["call bulk us"] = statistics.median(calls) * 1e6
-            res["call bulk max us"] = max(calls) * 1e6
-    finally:
-        await stop_child(child)
+        task = asyncio.create_task(flood())
+        await asyncio.sleep(0.05)
+        try:
+            protocols.clear()
+            busy = await times(ping, args.pings)
+            rndv = protocols.count("rendezvous") / len(protocols)
+            calls = await times(call, args.pings)
+        finally:
+            stop.set()
+            await task
+        res["ping bulk us"] = statistics.median(busy) * 1e6
+        res["ping bulk max us"] = max(busy) * 1e6
+        res["ping bulk rndv"] = rndv
+        res["call bulk us"] = statistics.median(calls) * 1e6
+        res["call bulk max us"] = max(calls) * 1e6
     return res
 
 
@@ -165,6 +198,8 @@ def main() -> int:
     parser.add_argument("--big-mib", type=int, default=256, help="bulk message size, MiB")
     parser.add_argument("--bulk-sends", type=int, default=8, help="bulk sends timed alone")
     parser.add_argument("--pings", type=int, default=200, help="round trips per latency row")
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx"], help="the channel's transport")
+    parser.add_argument("--tls", default="default", help="UCX_TLS for ucx ('default': UCX's choice)")
     parser.add_argument("--chunk-kib", type=int, default=0, help="Limits.chunk_bytes, KiB (0: the default)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each tree, in turns")
     parser.add_argument("--against", type=Path, help="another checkout of tensorwire to compare with")
@@ -179,8 +214,11 @@ def main() -> int:
         return 0
     argv = ["--big-mib", str(args.big_mib), "--pings", str(args.pings)]
     argv += ["--bulk-sends", str(args.bulk_sends), "--chunk-kib", str(args.chunk_kib)]
+    argv += ["--transport", args.transport, "--tls", args.tls]
     runs = in_turns(HERE, trees(args.against), argv, args.rounds)
-    print(f"tcp loopback, {args.big_mib} MiB bulk sends, {args.pings} round trips a row, {args.rounds} rounds")
+    lanes = f" (UCX_TLS={args.tls})" if args.transport == "ucx" else ""
+    print(f"{args.transport}{lanes} loopback, {args.big_mib} MiB bulk sends, ", end="")
+    print(f"{args.pings} round trips a row, {args.rounds} rounds")
     print_table(runs, width=18)
     return 0
 

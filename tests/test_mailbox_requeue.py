@@ -31,7 +31,7 @@ _N = 2 * OFF_LOOP_BYTES  # its copy into out= runs in a copy thread, and it fill
 
 
 def _filled_by(n: int) -> int:
-    """The credit that an n-byte message fills (goes eager into, leaving less than n): tcp keeps
+    """The credit that an n-byte message fills (goes eager into, leaving less than n): tcp and ucx keep
     the last eighth of the credit for small messages (``SendWindow.keep``)."""
     return -(-8 * n // 7)
 

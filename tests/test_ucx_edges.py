@@ -568,13 +568,14 @@ def test_a_node_whose_peer_was_killed_mid_operation_closes_without_ucx_warnings(
     assert report["after"] == report["before"], f"(listening sockets, /dev/shm mappings): {report}"
 
 
-# A hub that sends 64 MiB to a peer which never takes it (stopped, then SIGKILLed) and closes
+# A hub that sends 56 MiB to a peer which never takes it (stopped, then SIGKILLed) and closes
 # once the peer's lease ran out, in a process of its own (UCX prints on that process's stdout).
 # argv: the hub's UCX options (JSON), the tests folder, "warm" (a rendezvous each way first) or
-# "first" (the 64 MiB is the first rendezvous to the peer), and how the hub's node ends (see
+# "first" (the 56 MiB is the first rendezvous to the peer), and how the hub's node ends (see
 # ENDINGS). Prints one JSON line: the hub's listening sockets, descriptors and /dev/shm mappings
 # before the node and after it closed, whether the payload was with UCX when the peer was
-# stopped, and what became of the send.
+# stopped, and what became of the send. (56 MiB: the most that goes eager, its payload straight
+# to UCX, within the default 64 MiB of credit, whose last eighth is kept for small messages.)
 _KILLED_RECEIVER_HUB = r"""
 import asyncio, faulthandler, gc, json, os, signal, subprocess, sys
 import numpy as np
@@ -639,7 +640,7 @@ async def main():
             await peer.send(np.ones(4 << 20, np.uint8), tag="warm")
         await peer.recv(tag="ready")
         os.kill(worker.pid, signal.SIGSTOP)  # nothing it is sent is taken from here on
-        send = asyncio.ensure_future(peer.send(np.ones(64 << 20, np.uint8), tag="big"))
+        send = asyncio.ensure_future(peer.send(np.ones(56 << 20, np.uint8), tag="big"))
         channel = peer.channel
         await eventually(lambda: bool(channel._futs) or send.done(), pause=0)  # its payload is with UCX
         report["posted"] = not send.done()
@@ -692,14 +693,14 @@ print(json.dumps(report), flush=True)
 def test_a_node_whose_peer_died_with_a_large_send_to_it_in_flight_frees_its_ucx_worker(
     options: dict[str, str], rendezvous: str
 ) -> None:
-    """A hub's 64 MiB send is with UCX (rendezvous: it completes once the receiver has read it)
+    """A hub's 56 MiB send is with UCX (rendezvous: it completes once the receiver has read it)
     when its receiver is SIGKILLed; the peer's lease runs out and the hub closes. Its UCX worker
     must be freed, and nothing of UCX's own printed. The payload went through ucxx's tag_send,
     whose request its endpoint keeps until it completes, and which keeps that endpoint (and so
     the worker): to a dead peer, never. Every such node kept its 2 listening sockets, 16-20
     descriptors and (shared memory) 3 /dev/shm mappings after its close.
 
-    "first": the 64 MiB is the first rendezvous to that peer, so UCX has yet to learn the peer's
+    "first": the 56 MiB is the first rendezvous to that peer, so UCX has yet to learn the peer's
     endpoint id, which only the dead peer's answer brings. The send, the BYE posted behind it
     and the endpoint's closing flush all waited for that answer for good; ucxx's BYE request and
     close request held the endpoint and it held them, and the worker with them: [2, 29, 3]
@@ -1045,8 +1046,9 @@ async def test_a_hub_keeps_a_send_to_a_stopped_peer_until_it_reads_it(caplog: py
 
 
 # A hub whose receiver is SIGKILLed once it has posted a recv (its grant with the hub), then sent
-# 64 MiB, in a process of its own (UCX prints on that process's stdout). argv: the hub's UCX
-# options (JSON), the tests folder, "engine" (HostEngine device memory, staged) or "host".
+# 56 MiB (eager: see _KILLED_RECEIVER_HUB), in a process of its own (UCX prints on that process's
+# stdout). argv: the hub's UCX options (JSON), the tests folder, "engine" (HostEngine device
+# memory, staged) or "host".
 # Prints one JSON line: what became of the send, and the peer segments found missing.
 _DEAD_RECEIVER_HUB = r"""
 import asyncio, json, subprocess, sys
@@ -1083,7 +1085,7 @@ async def main():
         finally:
             worker.kill()
             worker.wait()
-        data = np.full(64 << 20, 3, np.uint8)
+        data = np.full(56 << 20, 3, np.uint8)
         try:
             async with asyncio.timeout(20):
                 await peer.send(EngineArray(engine, data) if sys.argv[3] == "engine" else data, tag="big")
@@ -1178,7 +1180,8 @@ async def test_a_cancelled_send_the_program_keeps_does_not_keep_closed_nodes_ucx
         ):
             peer = await a.connect(b.address)
             await b.accept()  # (the message lands there, never received)
-            send = asyncio.ensure_future(peer.send(np.ones(64 * MiB, np.uint8), tag="x"))
+            # (56 MiB: eager, its payload with UCX at once; see _KILLED_RECEIVER_HUB)
+            send = asyncio.ensure_future(peer.send(np.ones(56 * MiB, np.uint8), tag="x"))
             channel: Any = peer.channel
             await eventually(lambda: bool(channel._futs), pause=0)  # its payload is with UCX
             send.cancel()

@@ -54,7 +54,7 @@ def own_tag(tag: int) -> bool:
 class SendWindow:
     """What this side may still send to a peer.
 
-    With ``keep_for_small`` (tcp), a message over ``small`` bytes goes eager only if it leaves
+    With ``keep_for_small`` (tcp, ucx), a message over ``small`` bytes goes eager only if it leaves
     ``keep`` of the credit (an eighth of the grant) free: those last bytes are for messages of
     ``small`` bytes (a sixteenth of ``keep``) or less, so that a ping sent beside large eager
     sends the receiver has not taken yet still goes eager, and does not wait for its CTS behind
@@ -86,9 +86,14 @@ class SendWindow:
         check_open()
         self.slots -= 1
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether an ``nbytes`` message may go eager now: within the credit, and leaving the kept
+        part of it free unless the message is small."""
+        return nbytes <= self.credit - (self.keep if nbytes > self.small else 0)
+
     def reserve(self, nbytes: int) -> bool:
         """Spend credit for an eager message if it fits; False means it must go rendezvous."""
-        if nbytes <= self.credit - (self.keep if nbytes > self.small else 0):
+        if self.fits(nbytes):
             self.credit -= nbytes
             return True
         return False

@@ -350,7 +350,7 @@ class TcpChannel(Channel):
             not self._turn.busy
             and not self._order.busy(tag)  # an earlier send on the tag waits for a slot: it goes first
             and window.has_slot(tag)
-            and nbytes <= window.credit - (window.keep if nbytes > window.small else 0)
+            and window.fits(nbytes)
             and nbytes <= self._limits.chunk_bytes
             and not msg.on_device
         ):

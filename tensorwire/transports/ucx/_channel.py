@@ -346,7 +346,9 @@ class UcxChannel(Channel):
         self._last_send = 0.0  # when this side last sent a frame (an answer may be due)
         self._wait_penalty = 0  # recvs to skip inline waits for after the next failed one
         self._wait_skip = 0  # recvs that still skip it
-        self._window = SendWindow(remote)  # what we may still send: the receiver's grants
+        # what we may still send: the receiver's grants, the last eighth of the credit kept for
+        # small messages (a ping beside 64 MiB eager sends went rendezvous: see SendWindow)
+        self._window = SendWindow(remote, keep_for_small=True)
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
         self._order = SendOrder()  # FIFO per tag, however long a send waits to post
@@ -521,7 +523,7 @@ class UcxChannel(Channel):
         n = len(header)
         if (
             not window.has_slot(tag)
-            or nbytes > window.credit
+            or not window.fits(nbytes)
             or n > self._remote.max_header_bytes
             or n + nbytes > self._remote_room
             or nbytes > self._remote.max_message_bytes
