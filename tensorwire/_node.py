@@ -674,10 +674,11 @@ class Node:
     def _peer_left(self, peer: Peer) -> None:
         """The node of ``peer``'s session said goodbye (it is closing, ``Leave``): what ends with
         the channel (``ended``: one-sided operations under way, sends waiting for a producer's
-        stream) fails now with PeerDisconnected, as at the lease's end, where the close on the
-        data connection may be held up behind bytes not read yet (a reader parked behind a busy
-        consumer stream). Messages that came whole stay deliverable, and so do those still on
-        their way: the reader goes on and shuts the channel at the close (or the lease ends it)."""
+        stream, for a message slot or for a rendezvous CTS) fails now with PeerDisconnected, as
+        at the lease's end, where the close on the data connection may be held up behind bytes
+        not read yet (a reader parked behind a busy consumer stream). Messages that came whole
+        stay deliverable, and so do those still on their way: the reader goes on and shuts the
+        channel at the close (or the lease ends it)."""
         log.info("peer %s at %s said goodbye: it is closing", peer.remote_node[:8], peer.remote_address)
         peer.channel._ending(PeerDisconnected(f"peer {peer.remote_address} closed (it said goodbye)"))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.util
 import os
 import signal
 import sys
@@ -16,12 +17,14 @@ import pytest
 from _polling import eventually
 
 import tensorwire
-from tensorwire._leases import GOODBYE_SECONDS
+from tensorwire._leases import GOODBYE_SECONDS, say_goodbye
 from tensorwire._node import Node
 from tensorwire.control._auth import heartbeat_proof, leave_proof
 from tensorwire.control._client import ControlClient
 from tensorwire.control._server import MAX_RENEWALS, _Servicer
 from tensorwire.errors import PeerDisconnected
+from tensorwire.testing import connected_pair
+from tensorwire.transports import Limits
 from tensorwire.transports._base import ChannelState
 
 PEERS = 200
@@ -305,3 +308,37 @@ def _counted(
         return await orig(self, request, context)
 
     return serve
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "tcp",
+        pytest.param(
+            "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+        ),
+    ],
+)
+async def test_sends_waiting_for_the_receiver_end_at_its_goodbye(transport: str) -> None:
+    """A send waiting on the other node (a rendezvous message's go-ahead, CTS, that its recv
+    sends; a message slot it gives back) ends when that node says goodbye, with the goodbye's
+    PeerDisconnected, as one-sided operations do; a send begun after it raises it at once. It
+    waited for the data connection's close before, which a reader parked behind a busy stream
+    may not see until the lease (here the node says goodbye and keeps the connection open)."""
+    # everything rendezvous (no credit), one message slot for the user's messages
+    limits = Limits(recv_buffer_bytes=0, max_unexpected=1)
+    async with connected_pair(transport, limits=limits, lease_seconds=20) as (a, b):
+        cts = asyncio.ensure_future(a.send(np.ones(1 << 20, np.uint8), tag="big"))  # takes the slot, waits for CTS
+        await eventually(lambda: bool(a.channel._cts))  # type: ignore[attr-defined]
+        slot = asyncio.ensure_future(a.send(np.ones(8, np.uint8), tag="small"))  # waits for a slot
+        await asyncio.sleep(0.05)
+        assert not cts.done() and not slot.done()
+        await say_goodbye(b.node, [b])  # (the Leave call a closing node makes; b stays open)
+        await asyncio.wait([cts, slot], timeout=5)
+        for send in (cts, slot):
+            assert send.done(), "a send waiting on the peer outlived its goodbye"
+            with pytest.raises(PeerDisconnected, match="said goodbye"):
+                send.result()
+        with pytest.raises(PeerDisconnected, match="said goodbye"):
+            await asyncio.wait_for(a.send(np.ones(1 << 20, np.uint8), tag="later"), 5)

@@ -389,6 +389,15 @@ class Channel(ABC):
         before it are still unread (tcp's reader waiting for a consumer's stream)."""
         _end(self.ended, exc)
 
+    def _check_going(self) -> None:
+        """``check_open`` for a send about to wait on the peer (a slot, a CTS): it raises also once
+        ``ended`` failed while the channel is still open (the peer said goodbye), as that wait
+        would never end (the transports fail the waits already under way in ``_ending``)."""
+        self.check_open()
+        ended = self._ended
+        if ended is not None and ended.done() and (exc := ended.exception()) is not None:
+            raise fresh(exc)
+
     def _closed(self, state: ChannelState, exc: BaseException) -> None:
         """Mark the channel closed or broken and fail everything pending with ``exc``."""
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..errors import ProtocolError
 from ._base import Limits, fresh
@@ -220,3 +220,14 @@ class ReceiveBudget:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def fail_waiting_sends(window: SendWindow, cts: Mapping[int, asyncio.Future[None]], exc: BaseException) -> None:
+    """Fail the sends waiting on the peer with (a copy of) ``exc``: for a message slot or credit
+    (``window``), or for the CTS of a rendezvous message (``cts``): the peer said goodbye, or hung
+    up behind bytes not read yet, so that CTS will not come, or its payload would go nowhere."""
+    window.fail(exc)
+    for fut in cts.values():  # (each a copy of its own: see ``fresh``)
+        if not fut.done():
+            fut.set_exception(fresh(exc))
+            fut.exception()

@@ -45,7 +45,7 @@ from ...memory import CopyEngine, Event, StageIn, stage_out, wait_event
 from ...tensors import DeviceTensor, Outgoing, decode_header, decode_header_sized
 from .. import _frames
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
-from .._credit import ReceiveBudget, SendWindow
+from .._credit import ReceiveBudget, SendWindow, fail_waiting_sends
 from .._frames import (
     CHECKSUM,
     FLAG_CHECKSUM,
@@ -419,7 +419,7 @@ class TcpChannel(Channel):
         self._data_out += bulk
         try:
             await turn.wait()
-            await self._window.take_slot(tag, self.check_open)
+            await self._window.take_slot(tag, self._check_going)
             eager = self._window.reserve(msg.nbytes)
             msg_id = self._next_id
             self._next_id += 1
@@ -975,6 +975,15 @@ class TcpChannel(Channel):
         socket buffers hold) is not seen here: the lease tells then."""
         if self.state is ChannelState.OPEN:
             self._ending(PeerDisconnected("peer closed the channel"))
+
+    def _ending(self, exc: BaseException) -> None:
+        """Fail ``ended`` (``Channel._ending``), and the sends waiting on the peer with it: for a
+        slot, or for the CTS of a rendezvous message (the peer said goodbye, or hung up behind
+        bytes not read yet: that CTS will not come, or its payload would go nowhere). Sends that
+        begin later raise it before they wait (``_check_going``)."""
+        super()._ending(exc)
+        if self.state is ChannelState.OPEN:  # (our own close fails them with its own error)
+            fail_waiting_sends(self._window, self._cts, exc)
 
     def _device_failed(self, arrival: Arrival, exc: Exception) -> None:
         """Landing ``arrival`` in device memory failed (a copy the device refused, or no

@@ -58,7 +58,7 @@ from ...errors import (
 from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
-from .._credit import ReceiveBudget, SendWindow
+from .._credit import ReceiveBudget, SendWindow, fail_waiting_sends
 from .._frames import CHECKSUM, HEADER, MAGIC, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
 from .._mailbox import Arrival, _settle
 from .._order import SendOrder, Turn
@@ -562,7 +562,7 @@ class UcxChannel(Channel):
         self._sending += 1
         try:
             await turn.wait()
-            await self._window.take_slot(tag, self.check_open)
+            await self._window.take_slot(tag, self._check_going)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
             msg_id = self._next_id
@@ -1373,6 +1373,14 @@ class UcxChannel(Channel):
     def _cancel(self, reqs: list[Any]) -> None:
         for r in reqs:
             self._w.cancel(r)
+
+    def _ending(self, exc: BaseException) -> None:
+        """Fail ``ended`` (``Channel._ending``), and the sends waiting on the peer with it (the
+        peer said goodbye): for a slot, or for the CTS of a rendezvous message. Sends that begin
+        later raise it before they wait (``_check_going``)."""
+        super()._ending(exc)
+        if self.state is ChannelState.OPEN:  # (our own close fails them with its own error)
+            fail_waiting_sends(self._window, self._cts, exc)
 
     def _shutdown(self, state: ChannelState, exc: BaseException) -> None:
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
