@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GOODBYE_SECONDS", "Renewals", "renewals_for", "say_goodbye"]
+__all__ = ["GOODBYE_SECONDS", "Goodbye", "Renewals", "plan_goodbye", "renewals_for", "say_goodbye", "send_goodbye"]
 
 # the most a closing node waits for the nodes of its sessions to hear its goodbye: a dead or
 # unreachable one delays the close this long at most, and then learns of it at the lease
@@ -151,23 +151,26 @@ class Renewals:
                 )
 
 
-async def say_goodbye(node: Node, peers: list[Peer]) -> None:
-    """Tell the nodes of ``peers`` that their sessions with ``node`` end (it is closing): one
-    Leave call per node, all at once, over the control connection a peer has to it (else a new
-    one to the control address it gave), within ``GOODBYE_SECONDS`` in all. They end those
-    sessions' channels then (``Node._peer_left``), where they would otherwise wait for the close
-    on the data connection, which their kernel may not see for long: behind more bytes than the
-    socket buffers hold, while their reader is parked (a busy consumer stream) or stopped, it
-    stays here until they read again, and the lease told. Best effort: a node that does not
-    answer in time learns of the close as before."""
-    # by node (its instance), not by address: one reached by two names ("localhost:5000" and
-    # "127.0.0.1:5000"), or connected to by us and to us (giving its address as it spelt it), is
-    # one call, over the control connection one of its peers has where any has one
-    calls: dict[str, tuple[str, ControlClient | None, list[tuple[str, bytes]]]] = {}
+# one Leave call to one node: the address called, the control connection to call it over (None:
+# a new one to that address, closed after it), and the sessions named with their proofs
+Goodbye = tuple[str, ControlClient | None, list[tuple[str, bytes]]]
+
+
+def plan_goodbye(peers: list[Peer]) -> list[Goodbye]:
+    """The calls that tell the nodes of ``peers`` their sessions end (``send_goodbye`` makes
+    them): one per node, not per address (one reached by two names, "localhost:5000" and
+    "127.0.0.1:5000", or connected to by us and to us, is one call), over the control connection
+    one of its peers has where any has one. Synchronous, so a close plans it before its channel
+    closes (after, the peer is closed and its control connection winding down). Each peer is
+    planned once (``Peer._said_goodbye``): a node's close names all its peers in one call per
+    node, and their closes after it pass them over; a peer closed alone names its own session.
+    Not inproc peers: an inproc channel's close ends the other side at once, nothing to tell."""
+    calls: dict[str, Goodbye] = {}
     for peer in peers:
         session = peer.session
-        if peer.closed or session is None or peer.path.transport == "inproc":
-            continue  # (an inproc channel's close ends the other side at once: nothing to tell first)
+        if peer._said_goodbye or peer.closed or session is None or peer.path.transport == "inproc":
+            continue
+        peer._said_goodbye = True
         control = peer._control if peer._control is not None and not peer._control._closed else None
         target = control.target if control is not None else peer._control_address
         if not target:
@@ -178,6 +181,19 @@ async def say_goodbye(node: Node, peers: list[Peer]) -> None:
             first, via = target, control
         sessions.append((session.id, leave_proof(session.secret, session.id)))
         calls[key] = (first, via, sessions)
+    return list(calls.values())
+
+
+async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
+    """Make the Leave calls ``plan_goodbye`` planned, all at once, within ``GOODBYE_SECONDS``
+    each (twice that in all, with closing the connections opened for them). The nodes called
+    end those sessions' channels then (``Node._peer_left``), where they would otherwise wait
+    for the close on the data connection, which their kernel may not see for long: behind more
+    bytes than the socket buffers hold, while their reader is parked (a busy consumer stream)
+    or stopped, it stays here until they read again, and the lease told. Best effort, never
+    raises (but CancelledError): a node that does not answer in time learns of the close as
+    before. A control connection named in a call must stay open until this returns (the peer
+    that owns it waits: ``Peer._close_control``)."""
     if not calls:
         return
 
@@ -194,6 +210,12 @@ async def say_goodbye(node: Node, peers: list[Peer]) -> None:
 
     try:
         async with asyncio.timeout(GOODBYE_SECONDS * 2):  # (the calls' deadlines, and the closes)
-            await asyncio.gather(*(leave(t, via, sessions) for t, via, sessions in calls.values()))
+            await asyncio.gather(*(leave(t, via, sessions) for t, via, sessions in calls))
     except TimeoutError:
         log.debug("goodbyes to %d nodes took over %s s", len(calls), GOODBYE_SECONDS * 2)
+
+
+async def say_goodbye(node: Node, peers: list[Peer]) -> None:
+    """Tell the nodes of ``peers`` that their sessions with ``node`` end (it is closing): one
+    Leave call per node (``plan_goodbye``), made and awaited (``send_goodbye``)."""
+    await send_goodbye(node, plan_goodbye(peers))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Never
 
 from . import _onesided
 from ._checks import check_arguments, hide_misspelt, refuse_misspelt
-from ._leases import Renewals, renewals_for
+from ._leases import Renewals, plan_goodbye, renewals_for, send_goodbye
 from ._loops import check_home, elsewhere, running_loop
 from ._onesided import RemoteHandle, check_handle_name
 from .control._auth import heartbeat_proof, lookup_proof
@@ -136,6 +136,8 @@ class Peer:
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
         self._renewals: Renewals | None = None  # (we connected) what renews our session's lease
+        self._said_goodbye = False  # (its node was told this session ends, or is being: plan_goodbye)
+        self._goodbye: asyncio.Future[None] | None = None  # (that call, where this peer's close makes it)
         self.session = session
         self._control_address = control_address  # the remote's control plane, for lookups
         self._tasks: set[asyncio.Task[None]] = set()
@@ -536,13 +538,17 @@ class Peer:
         task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
-        """Close the data channel and the control connection; idempotent. The closing runs to
-        its end even if the caller is cancelled meanwhile, and every call waits for it. A
-        closing that was itself cancelled part way runs again at the next call (each of its
-        steps may run twice): ``asyncio.run`` ending cancels every task, a peer's closing under
-        way too, and then the node's close calls this for the peers it still has (before, that
-        call, and every later one, raised the closing's CancelledError, and the peer was left to
-        its transport's close). Once that loop has closed, nothing can run there any more."""
+        """Close the data channel and the control connection; idempotent. The other node hears
+        of it on the control plane too (``Leave``, beside the channel's close, given up after
+        ``GOODBYE_SECONDS``), so its one-sided operations under way end at once where the close
+        on the data connection may be held up; not again where this peer's node said it for all
+        its peers as it closes. The closing runs to its end even if the caller is cancelled
+        meanwhile, and every call waits for it. A closing that was itself cancelled part way
+        runs again at the next call (each of its steps may run twice): ``asyncio.run`` ending
+        cancels every task, a peer's closing under way too, and then the node's close calls
+        this for the peers it still has (before, that call, and every later one, raised the
+        closing's CancelledError, and the peer was left to its transport's close). Once that
+        loop has closed, nothing can run there any more."""
         check_home(self._home, "peer.aclose", closing=True)
         while True:
             if self._closing is None or (self._closing.cancelled() and not self._closing.get_loop().is_closed()):
@@ -564,24 +570,43 @@ class Peer:
                     raise  # the caller is cancelled
 
     async def _close(self) -> None:
+        # tell the other node (Leave) while the channel closes: its one-sided operations, and
+        # its sends waiting on us, end at once where this close would sit behind more than the
+        # socket buffers. Planned before the channel closes (then the peer is closed, and its
+        # control connection winding down), made beside it: this side's operations end at the
+        # call, as they did, not a control round trip later. None where this node's close
+        # told already, for all its peers, or a close before this one (cancelled) planned it
+        calls = plan_goodbye([self])
+        if calls:
+            self._goodbye = asyncio.ensure_future(send_goodbye(self.node, calls))
         try:
             await self.channel.aclose()
         finally:
-            if self._control is not None:
-                await self._control.aclose()
+            await self._close_control(self._control)
             self.node._forget(self)
 
+    async def _close_control(self, control: ControlClient | None) -> None:
+        """Close ``control`` once the goodbye under way (``_close``), which may be calling over
+        it, is answered or given up (``send_goodbye``: ``GOODBYE_SECONDS`` each call)."""
+        if self._goodbye is not None:
+            await asyncio.wait([self._goodbye])  # (never raises)
+        if control is not None:
+            await control.aclose()
+
     def _wind_down(self) -> asyncio.Task[None] | None:
-        """The channel closed: stop renewing the lease and close the control connection (a
-        later ``aclose`` still closes the rest). Returns the closing task, if any."""
+        """The channel closed: stop renewing the lease and close the control connection, after
+        the goodbye this peer's close is saying over it, if any (a later ``aclose`` still closes
+        the rest). Returns the closing task, if any."""
         self._stop_renewing()
         if self._control is None:
             return None
-        return asyncio.get_running_loop().create_task(self._control.aclose())
+        return asyncio.get_running_loop().create_task(self._close_control(self._control))
 
     def abort(self) -> None:
         """Drop the connection at once; pending operations fail. Safe from any thread: called
-        where the peer's loop is not running, it drops the connection on that loop's next turn."""
+        where the peer's loop is not running, it drops the connection on that loop's next turn.
+        No goodbye on the control plane (``aclose`` says one): nothing here waits for the
+        network, so the other node may learn of it from its lease."""
         if elsewhere(self.node._loop, self.abort):
             return
         self.channel.abort()

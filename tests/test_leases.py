@@ -19,6 +19,7 @@ from _polling import eventually
 import tensorwire
 from tensorwire._leases import GOODBYE_SECONDS, say_goodbye
 from tensorwire._node import Node
+from tensorwire._peer import tag_id
 from tensorwire.control._auth import heartbeat_proof, leave_proof
 from tensorwire.control._client import ControlClient
 from tensorwire.control._server import MAX_RENEWALS, _Servicer
@@ -191,9 +192,13 @@ async def test_a_closing_node_says_goodbye_once_per_node(closer: str, monkeypatc
 
 
 @pytest.mark.timeout(60)
-async def test_a_goodbye_nobody_answers_delays_the_close_a_moment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A node whose goodbye is never answered (the other node is stuck) still closes: the
-    goodbye gives up after GOODBYE_SECONDS, and the other side learns as before."""
+@pytest.mark.parametrize("closing", ["node", "connected peer", "accepted peer"])
+async def test_a_goodbye_nobody_answers_delays_the_close_a_moment(
+    closing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node, or a peer closed alone, whose goodbye is never answered (the other node is
+    stuck) still closes: the goodbye gives up after GOODBYE_SECONDS, and the other side learns
+    as before. The peer's own operations end at the call, not after the goodbye."""
 
     async def stuck(self: _Servicer, request: Any, context: Any) -> Any:
         await asyncio.Event().wait()
@@ -203,10 +208,23 @@ async def test_a_goodbye_nobody_answers_delays_the_close_a_moment(monkeypatch: p
         tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
         tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
     ):
-        await client.connect(server.address)
-        await server.accept()
+        connected = await client.connect(server.address)
+        accepted = await server.accept()
+        peer = accepted if closing == "accepted peer" else connected
+        recv = asyncio.ensure_future(peer.recv(tag="never"))
+        await asyncio.sleep(0.05)
+        ended: list[str] = []
+        recv.add_done_callback(lambda _: ended.append("recv"))
+        close = asyncio.ensure_future(client.aclose() if closing == "node" else peer.aclose())
+        close.add_done_callback(lambda _: ended.append("close"))
         async with asyncio.timeout(10 * GOODBYE_SECONDS):  # (a hang guard)
-            await client.aclose()
+            await close
+        if closing != "node":  # (the recv at the channel's close, the close after the goodbye gave up)
+            assert ended == ["recv", "close"]
+            with pytest.raises(tensorwire.ClosedResourceError):
+                await recv
+        recv.cancel()
+        await asyncio.gather(recv, return_exceptions=True)
 
 
 @pytest.mark.timeout(60)
@@ -342,3 +360,66 @@ async def test_sends_waiting_for_the_receiver_end_at_its_goodbye(transport: str)
                 send.result()
         with pytest.raises(PeerDisconnected, match="said goodbye"):
             await asyncio.wait_for(a.send(np.ones(1 << 20, np.uint8), tag="later"), 5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "tcp",
+        pytest.param(
+            "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+        ),
+    ],
+)
+async def test_a_small_send_after_the_goodbye_raises_and_what_came_before_is_received(transport: str) -> None:
+    """After the other node said goodbye, a small eager send (the one-frame fast path, which
+    waits for nothing) raises the goodbye's PeerDisconnected, where it returned a receipt for
+    bytes the closing node would drop; a message that came before it is still received."""
+    async with connected_pair(transport, lease_seconds=20) as (a, b):
+        await b.send(np.arange(4, dtype=np.int64), tag="before")
+        await eventually(lambda: a.channel.mailbox.oldest(tag_id("before")) is not None)
+        await say_goodbye(b.node, [b])  # (the Leave call a closing node makes; b stays open)
+        await eventually(lambda: a.channel.ended.done())
+        for _ in range(2):  # (the first might have been the one to notice)
+            with pytest.raises(PeerDisconnected, match="said goodbye"):
+                await asyncio.wait_for(a.send(np.ones(8, np.uint8), tag="after"), 5)
+        got = await asyncio.wait_for(a.recv(tag="before"), 5)
+        np.testing.assert_array_equal(got, np.arange(4, dtype=np.int64))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("closer", ["client", "server"])
+async def test_a_peer_closed_alone_says_goodbye_for_its_session_only(
+    closer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer closed on its own (not its node) says goodbye for its one session (one Leave
+    call, whichever side connected): that session ends there for that reason, the others with
+    that node stay open (here the close on the data connection is not held up, and may get
+    there first: which of the two ends it is a race). The node's close then says goodbye for the two left in one call,
+    neither naming the closed one again nor making a call of its own for each peer it closes
+    (3 peers to one node: 1 call, then 1 more). Before, a peer closed alone made no call."""
+    calls: collections.Counter[str] = collections.Counter()
+    monkeypatch.setattr(_Servicer, "Leave", _counted(_Servicer.Leave, calls, "Leave"))
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as client,
+    ):
+        connected = [await client.connect(server.address) for _ in range(3)]
+        accepted = [await server.accept() for _ in range(3)]
+        by_session = {p.session.id: p for p in accepted if p.session is not None}
+        pairs = [(c, by_session[c.session.id]) for c in connected if c.session is not None]
+        assert len(pairs) == 3
+        leaving_node, closing = (client, pairs[0][0]) if closer == "client" else (server, pairs[0][1])
+        others = [s if closer == "client" else c for c, s in pairs]
+        await closing.aclose()
+        assert calls["Leave"] == 1, "a peer closed alone did not say goodbye"
+        await eventually(others[0].channel.ended.done)
+        with pytest.raises(PeerDisconnected):  # (its goodbye, or the close on the data connection before it)
+            others[0].channel.ended.result()
+        assert not any(p.channel.ended.done() for p in others[1:])
+        assert not any(c.closed or s.closed for c, s in pairs[1:])
+        await leaving_node.aclose()
+        assert calls["Leave"] == 2  # (one for the peer alone, one for the node's two left)
+        for peer in others:
+            await eventually(peer.channel.ended.done)

@@ -17,6 +17,7 @@ on the next frame or flushed in a CREDIT frame shortly after.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -54,7 +55,7 @@ def own_tag(tag: int) -> bool:
 class SendWindow:
     """What this side may still send to a peer.
 
-    With ``keep_for_small`` (tcp, ucx), a message over ``small`` bytes goes eager only if it leaves
+    With ``keep_for_small`` (tcp, ucx, verbs), a message over ``small`` bytes goes eager only if it leaves
     ``keep`` of the credit (an eighth of the grant) free: those last bytes are for messages of
     ``small`` bytes (a sixteenth of ``keep``) or less, so that a ping sent beside large eager
     sends the receiver has not taken yet still goes eager, and does not wait for its CTS behind
@@ -90,6 +91,13 @@ class SendWindow:
         """Whether an ``nbytes`` message may go eager now: within the credit, and leaving the kept
         part of it free unless the message is small."""
         return nbytes <= self.credit - (self.keep if nbytes > self.small else 0)
+
+    def end(self) -> None:
+        """No message goes eager from now on: ``fits`` is False whatever the size (the peer said
+        goodbye or hung up). The fast paths, which test ``fits`` already, fall through to the
+        slow path, which raises (``Channel._check_going``): they pay nothing for this."""
+        self.small = -1  # every message is "large" ...
+        self.keep = sys.maxsize  # ... and must leave more than any credit free
 
     def reserve(self, nbytes: int) -> bool:
         """Spend credit for an eager message if it fits; False means it must go rendezvous."""
@@ -225,8 +233,10 @@ class ReceiveBudget:
 def fail_waiting_sends(window: SendWindow, cts: Mapping[int, asyncio.Future[None]], exc: BaseException) -> None:
     """Fail the sends waiting on the peer with (a copy of) ``exc``: for a message slot or credit
     (``window``), or for the CTS of a rendezvous message (``cts``): the peer said goodbye, or hung
-    up behind bytes not read yet, so that CTS will not come, or its payload would go nowhere."""
+    up behind bytes not read yet, so that CTS will not come, or its payload would go nowhere. No
+    message goes eager after it either (``SendWindow.end``): the peer would drop it."""
     window.fail(exc)
+    window.end()  # and a send begun later, the fast path's too, raises it (``SendWindow.end``)
     for fut in cts.values():  # (each a copy of its own: see ``fresh``)
         if not fut.done():
             fut.set_exception(fresh(exc))

@@ -980,7 +980,7 @@ class TcpChannel(Channel):
         """Fail ``ended`` (``Channel._ending``), and the sends waiting on the peer with it: for a
         slot, or for the CTS of a rendezvous message (the peer said goodbye, or hung up behind
         bytes not read yet: that CTS will not come, or its payload would go nowhere). Sends that
-        begin later raise it before they wait (``_check_going``)."""
+        begin later raise it, before they wait or send (the fast path falls through: ``SendWindow.end``)."""
         super()._ending(exc)
         if self.state is ChannelState.OPEN:  # (our own close fails them with its own error)
             fail_waiting_sends(self._window, self._cts, exc)

@@ -1377,7 +1377,7 @@ class UcxChannel(Channel):
     def _ending(self, exc: BaseException) -> None:
         """Fail ``ended`` (``Channel._ending``), and the sends waiting on the peer with it (the
         peer said goodbye): for a slot, or for the CTS of a rendezvous message. Sends that begin
-        later raise it before they wait (``_check_going``)."""
+        later raise it, before they wait or send (the fast path falls through: ``SendWindow.end``)."""
         super()._ending(exc)
         if self.state is ChannelState.OPEN:  # (our own close fails them with its own error)
             fail_waiting_sends(self._window, self._cts, exc)
