@@ -57,5 +57,5 @@ def test_the_kept_credit_is_for_small_messages_only() -> None:
     assert w.reserve(56 * MiB) and w.credit == 8 * MiB
     assert not w.reserve(1 * MiB)  # not small: the kept bytes are not for it
     assert all(w.reserve(512 << 10) for _ in range(16)) and w.credit == 0
-    plain = SendWindow(remote)  # verbs: the whole credit for any message
+    plain = SendWindow(remote)  # without keep_for_small: the whole credit for any message
     assert plain.reserve(64 * MiB)

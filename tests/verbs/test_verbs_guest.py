@@ -593,6 +593,25 @@ asyncio.run(main())
 """
 
 
+async def test_a_small_message_goes_eager_beside_an_unreceived_message_the_size_of_the_credit() -> None:
+    """Credit head-of-line blocking, as tests/test_credit_keep.py checks over tcp and ucx: a
+    message as large as the credit waits for its recv (rendezvous) instead of taking all of it
+    eager, so a small one on another tag, with no recv posted either, still goes eager and its
+    send returns before anything is received (it went rendezvous before, and waited for its
+    recv: its RDMA READ would queue behind the bulk's)."""
+    async with connected_pair("verbs", limits=Limits(recv_buffer_bytes=MiB), **EMULATED) as (a, b):
+        big = np.arange(MiB, dtype=np.uint8)
+        bulk = asyncio.ensure_future(a.send(big, tag="bulk"))  # nobody receives it yet
+        await asyncio.sleep(0.5)
+        small = await asyncio.wait_for(a.send(np.ones(8), tag="ping"), 30)
+        assert small.protocol in ("eager", "inline")  # (a payload within inline_bytes rides in its frame)
+        assert not bulk.done()  # rendezvous: it waits for its recv
+        np.testing.assert_array_equal(await asyncio.wait_for(b.recv(tag="ping"), 30), np.ones(8))
+        got = await asyncio.wait_for(b.recv(tag="bulk"), 30)
+        assert (await asyncio.wait_for(bulk, 30)).protocol == "rendezvous"
+        np.testing.assert_array_equal(got, big)
+
+
 async def test_an_eager_message_without_memory_for_it_waits_unread_for_a_recv_with_out() -> None:
     """The receiver cannot allocate an eager message that came before its recv: it waits unread
     in the sender's memory, as a rendezvous message does, until a recv(out=) reads it whole (the

@@ -192,7 +192,9 @@ class VerbsChannel(Channel):
         self._rdma_cbs: dict[int, Callable[[BaseException | None], None]] = {}
         self._rdma_ids = 0
         # mailbox credit
-        self._window = SendWindow(remote)
+        # the last eighth of the credit kept for small messages (``SendWindow``): a ping beside large
+        # eager sends the peer has not taken yet still goes eager, not behind their reads
+        self._window = SendWindow(remote, keep_for_small=True)
         self._budget = ReceiveBudget(limits, self._want_credit)
         self._next_id = 1
         self._fins: dict[int, asyncio.Future[int]] = {}
