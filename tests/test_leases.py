@@ -28,6 +28,13 @@ from tensorwire.testing import connected_pair
 from tensorwire.transports import Limits
 from tensorwire.transports._base import ChannelState
 
+# the transports whose sends wait on the peer for a slot or a go-ahead (CTS) that a goodbye ends
+_TCP_AND_UCX = [
+    "tcp",
+    pytest.param(
+        "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+    ),
+]
 PEERS = 200
 LEASE = 1.0
 
@@ -329,15 +336,7 @@ def _counted(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "transport",
-    [
-        "tcp",
-        pytest.param(
-            "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
-        ),
-    ],
-)
+@pytest.mark.parametrize("transport", _TCP_AND_UCX)
 async def test_sends_waiting_for_the_receiver_end_at_its_goodbye(transport: str) -> None:
     """A send waiting on the other node (a rendezvous message's go-ahead, CTS, that its recv
     sends; a message slot it gives back) ends when that node says goodbye, with the goodbye's
@@ -363,15 +362,7 @@ async def test_sends_waiting_for_the_receiver_end_at_its_goodbye(transport: str)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "transport",
-    [
-        "tcp",
-        pytest.param(
-            "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
-        ),
-    ],
-)
+@pytest.mark.parametrize("transport", _TCP_AND_UCX)
 async def test_a_small_send_after_the_goodbye_raises_and_what_came_before_is_received(transport: str) -> None:
     """After the other node said goodbye, a small eager send (the one-frame fast path, which
     waits for nothing) raises the goodbye's PeerDisconnected, where it returned a receipt for

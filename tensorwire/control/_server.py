@@ -211,17 +211,21 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         self.node._renew(request.session_id)
         return None
 
+    async def _at_most_sessions(self, n: int, what: str, verb: str, context: grpc.aio.ServicerContext) -> None:
+        """Refuse (INVALID_ARGUMENT) a call naming more than MAX_RENEWALS sessions: each costs
+        this node an HMAC."""
+        if n > MAX_RENEWALS:
+            self._refusals.warn("%s from %s refused: %d sessions", what, context.peer(), n)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"one call {verb} at most {MAX_RENEWALS} sessions (got {n})"
+            )
+
     async def RenewLeases(  # noqa: N802 - gRPC method name
         self, request: control_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
     ) -> control_pb2.RenewLeasesResponse:
         """Heartbeat for many sessions at once; a session this node does not know, or whose
         proof is wrong, is said so in the answer and does not stop the others' renewal."""
-        if len(request.renewals) > MAX_RENEWALS:
-            self._refusals.warn("lease renewal from %s refused: %d sessions", context.peer(), len(request.renewals))
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"one call renews at most {MAX_RENEWALS} sessions (got {len(request.renewals)})",
-            )
+        await self._at_most_sessions(len(request.renewals), "lease renewal", "renews", context)
         response = control_pb2.RenewLeasesResponse()
         for renewal in request.renewals:
             renewed = self._renewal(renewal, "lease renewal", context)
@@ -236,12 +240,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.LeaveResponse:
         """A node closing says goodbye: each session named, known here and proved, ends as at
         its lease's end, without the wait (``Node._peer_left``); the others are passed over."""
-        if len(request.sessions) > MAX_RENEWALS:
-            self._refusals.warn("goodbye from %s refused: %d sessions", context.peer(), len(request.sessions))
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"one call ends at most {MAX_RENEWALS} sessions (got {len(request.sessions)})",
-            )
+        await self._at_most_sessions(len(request.sessions), "goodbye", "ends", context)
         ended = 0
         for leaving in request.sessions:
             peer = self.node._session_peer(leaving.session_id)
