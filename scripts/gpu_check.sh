@@ -208,13 +208,16 @@ step_p2p() { bench "$1" tensorwire-gpu-p2p.log gpu_p2p.py ${P2P_ARGS:-}; }
 # most of the device's memory take turns: tests/gpu/_gpu_skip.py's lock). The cache (last-failed)
 # lives in /tmp, so that LF=1 on a warm machine reruns only what failed, and FF=1 all of them,
 # what failed first: after a step that ran out of time, --lf would skip every test the step never
-# reached or finished (pytest counts only the failed ones). torch's warning that a
+# reached or finished (pytest counts only the failed ones). pytest-benchmark, where the machine
+# has it (the H200 image does), is kept out: with xdist it warns at configure time, which
+# pyproject's filterwarnings=error made an INTERNALERROR before any test ran (the first H200
+# run); no test here uses its fixture. torch's warning that a
 # thread had no current CUDA context (a fresh thread on cuda:0, its first cuBLAS call: torch sets
 # the context itself and says so once) is shown, not an error, as the deprecations are.
 step_tests() {
     # shellcheck disable=SC2206
     local args=(-m gpu ${TESTS:-tests/} -v -ra -o cache_dir=/tmp/tensorwire-pytest-cache --continue-on-collection-errors
-        --durations=10)
+        --durations=10 -p no:benchmark)
     "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout="${T_TEST:-60}")
     [ "${STRICT_WARNINGS:-0}" = 1 ] || args+=(-W default::DeprecationWarning -W default::FutureWarning
         -W "default:Attempting to run cuBLAS:UserWarning")

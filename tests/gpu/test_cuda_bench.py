@@ -40,9 +40,10 @@ async def test_bench_moves_cuda_tensors_and_checks_them_on_the_device(monkeypatc
 
             receive = _server._receive
 
-            async def tail_lost(p: Any, out: Any, count: int) -> None:
-                await receive(p, out, count)
+            async def tail_lost(p: Any, out: Any, count: int) -> dict[str, int]:
+                landed = await receive(p, out, count)
                 out[-1:] = out[-1:] ^ 0xFF  # on the device
+                return landed
 
             monkeypatch.setattr(_server, "_receive", tail_lost)
             with pytest.raises(tensorwire.IntegrityError, match="did not land whole"):

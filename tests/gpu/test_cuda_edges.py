@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator
@@ -94,7 +95,13 @@ def held_stream() -> Iterator[tuple[Any, Callable[[], None]]]:
     stays busy until the test calls the function yielded with it: a kernel of one thread spins
     on a flag in page-locked host memory, which the device reads through its mapping (unified
     addressing). Let go on the way out in any case, and by the kernel itself after HOLD_SECONDS,
-    so that a failing test never leaves the GPU spinning."""
+    so that a failing test never leaves the GPU spinning.
+
+    Every kernel the test queues while the stream is held must have run once in this process
+    before: CUDA loads a module at its kernel's first launch (lazy loading, the default since
+    CUDA 12.2), and that load may wait for the whole context, the spinning kernel
+    included, so the host would block until the hold gives up by itself (HOLD_SECONDS) and the
+    stream would be free before the operation under test began."""
     if not _hold_kernel:
         _hold_kernel.append(cp.RawKernel(_HOLD_SOURCE, "hold"))
     rt = cp.cuda.runtime
@@ -114,6 +121,16 @@ def held_stream() -> Iterator[tuple[Any, Callable[[], None]]]:
         gate.value = 1
         stream.synchronize()
         rt.freeHost(ptr)
+
+
+def _still_held(stream: Any) -> None:
+    """Fail, saying why, where the held stream let go before the test did: the host waited for
+    it (a kernel loaded at its first launch while the stream spun, see ``held_stream``), and
+    what follows would test nothing."""
+    assert not stream.done, (
+        "the held stream ran out before the operation began: the host waited for it (a kernel "
+        "first launched while it was held? CUDA's lazy loading may wait for the whole context)"
+    )
 
 
 # -- a send waiting for its producer stream -------------------------------------------------------
@@ -137,7 +154,9 @@ async def test_a_cuda_send_waiting_for_its_producer_stream_ends_with_its_channel
     out = cp.zeros(n, cp.uint8)
     async with connected_pair(transport, limits=limits) as (a, b):
         # the same transfer first: the staging chunks and copy lanes exist before the stream is
-        # held (a page-locked allocation while it spins could wait for it)
+        # held (a page-locked allocation while it spins could wait for it); and the producer's
+        # fill kernel is loaded before (``held_stream``: its first launch could wait for the hold)
+        x.fill(7)
         recv = asyncio.ensure_future(b.recv(tag="w", out=out))
         await a.send(x, tag="w")
         await recv
@@ -149,6 +168,7 @@ async def test_a_cuda_send_waiting_for_its_producer_stream_ends_with_its_channel
                 await eventually(lambda: b.channel.mailbox.has_posted(_tid("x")))
             with stream:
                 x.fill(7)  # the producer's last write, queued behind its held work
+                _still_held(stream)
                 send = asyncio.ensure_future(a.send(x, tag="x"))
                 await asyncio.sleep(0)  # the send takes its event while the held stream is current
             await asyncio.sleep(0.2)
@@ -199,6 +219,7 @@ async def test_a_one_sided_cuda_operation_waiting_for_its_stream_ends_with_its_c
             h = await b.lookup("t")
             assert h.direct, h
             dev = cp.zeros(n, cp.uint8)
+            dev.fill(7)  # its kernel loaded before the stream is held (``held_stream``)
             # the same operations first: staging chunks and lanes exist before the stream is held
             await b.read(h, out=dev)
             await b.write(h, dev)
@@ -206,6 +227,7 @@ async def test_a_one_sided_cuda_operation_waiting_for_its_stream_ends_with_its_c
             with held_stream() as (stream, release):
                 with stream:
                     dev.fill(7)  # a write's source, or the read's consumer's earlier work on out=
+                    _still_held(stream)
                     task = asyncio.ensure_future(b.read(h, out=dev) if op == "read" else b.write(h, dev))
                     await asyncio.sleep(0)  # it takes the held stream now
                 await asyncio.sleep(0.2)
@@ -231,17 +253,21 @@ async def test_a_one_sided_cuda_operation_waiting_for_its_stream_ends_with_its_c
 # -- no device memory for a received tensor -------------------------------------------------------
 @contextlib.contextmanager
 def _cupy_pool_limited(headroom: int) -> Iterator[Any]:
-    """CuPy's default memory pool allowed ``headroom`` bytes more than it holds now: an
-    allocation beyond that is refused with CuPy's OutOfMemoryError, in this process alone
-    (the GPU's other test processes are not starved)."""
-    pool = cp.get_default_memory_pool()
-    before = pool.get_limit()
-    pool.free_all_blocks()
-    pool.set_limit(size=pool.total_bytes() + headroom)
+    """CuPy allocations on this thread (the event loop's, where tensorwire allocates a received
+    array) from a new CuPy memory pool of its own, limited to ``headroom`` bytes: an allocation
+    beyond that is refused with CuPy's OutOfMemoryError, in this process alone (the GPU's other
+    test processes are not starved). Not the default pool under a limit just above what it
+    holds: arrays of earlier tests kept by reference cycles (a ``pytest.raises`` block's
+    traceback holds the test's frame, its arrays with it) go back to that pool whenever the
+    garbage collector runs, during the recv too, and a received array can take one of those
+    blocks without a new allocation for the limit to refuse."""
+    pool = cp.cuda.MemoryPool()
+    pool.set_limit(size=headroom)
     try:
-        yield pool
+        with cp.cuda.using_allocator(pool.malloc):
+            yield pool
     finally:
-        pool.set_limit(size=before)
+        pool.free_all_blocks()
 
 
 _CUPY_CASES = [
@@ -253,11 +279,11 @@ _CUPY_CASES = [
 
 @pytest.mark.parametrize(("transport", "when"), _CUPY_CASES)
 async def test_cupy_out_of_memory_for_a_received_tensor_keeps_the_message(transport: str, when: str) -> None:
-    """A recv with device="cuda:0" whose CuPy array CuPy's pool refuses (its limit, set just
-    above what it holds), posted before the message ("posted": tcp places device tensors as the
-    header arrives), after it ("queued"), or for a rendezvous message: TransferError "out of
-    memory" from CuPy's own OutOfMemoryError, the message stays for a recv with out=, which gets
-    it whole, and the channel goes on."""
+    """A recv with device="cuda:0" whose CuPy array CuPy's pool refuses (a pool of this test's
+    own, limited to half the array: ``_cupy_pool_limited``), posted before the message
+    ("posted": tcp places device tensors as the header arrives), after it ("queued"), or for a
+    rendezvous message: TransferError "out of memory" from CuPy's own OutOfMemoryError, the
+    message stays for a recv with out=, which gets it whole, and the channel goes on."""
     if transport == "ucx":
         _ucx()
     n = 64 * MiB
@@ -371,6 +397,7 @@ async def test_a_recv_finding_the_device_full_keeps_the_message() -> None:
     one of them free so much that 4 GiB fit after all, the test skips, saying so."""
     n = 4 * GiB
     rt = cp.cuda.runtime
+    gc.collect()  # earlier tests' arrays kept by reference cycles: back to CuPy's pool, then freed
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     torch = sys.modules.get("torch")
@@ -401,9 +428,11 @@ async def test_a_recv_finding_the_device_full_keeps_the_message() -> None:
         assert type(pooled_cause).__name__ == "OutOfMemoryError", repr(pooled_cause)
         # CuPy's Memory without its pool: runtime.malloc's CUDARuntimeError, cudaErrorMemoryAllocation
         assert type(raw_cause).__name__ == "CUDARuntimeError" and raw_cause.status == 2, repr(raw_cause)
-        out = cp.empty(n, cp.uint8)
+        out = cp.empty(src.shape, cp.uint32)  # as the message: 2**30 uint32, 4 GiB
         async with asyncio.timeout(60):
             assert await b.recv(tag="big", out=out) is out
             await send
-        want = cp.arange(n // 4, dtype=cp.uint32)
-        assert bool(cp.array_equal(out.view(cp.uint32), want)), "the message kept for recv(out=) came in wrong"
+        # compared on the device (a copy of 4 GiB to the host would hold the loop for seconds):
+        # src is arange, so each element is its own index
+        want = cp.arange(src.size, dtype=cp.uint32)
+        assert bool(cp.array_equal(out, want)), "the message kept for recv(out=) came in wrong"

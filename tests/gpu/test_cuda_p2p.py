@@ -18,10 +18,12 @@ from _gpu_skip import cupy_with_a_device
 
 cp = cupy_with_a_device("the CUDA transfer tests")
 
+from tensorwire._peer import tag_id  # noqa: E402
 from tensorwire.errors import UnsupportedTensorError  # noqa: E402
 from tensorwire.memory import StageIn, download  # noqa: E402
 from tensorwire.memory._cuda import CudaEngine, cuda_device_count  # noqa: E402
 from tensorwire.testing import connected_pair  # noqa: E402
+from tensorwire.testing._conformance import _until  # noqa: E402
 from tensorwire.transports import Limits  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -425,6 +427,10 @@ async def test_other_transports_move_cuda_tensors(transport: str) -> None:
     x = _rand_torch(torch, (3 * MiB,), torch.float32, 8)
     async with connected_pair(transport) as (a, b):
         recv = asyncio.ensure_future(b.recv_with_receipt(tag="u"))
+        # posted before the send begins: a task only scheduled is not, and over ucx the
+        # receiver's worker, still progressing from the handshake, took the MSG frame before
+        # the recv's first step ran (an eager message before its recv: staged, said so)
+        assert await _until(lambda: b.channel.mailbox.has_posted(tag_id("u"))), "the recv was never posted"
         sent = await a.send(x, tag="u")
         y, receipt = await recv
         assert y.is_cuda and torch.equal(y, x)
@@ -437,6 +443,13 @@ async def test_other_transports_move_cuda_tensors(transport: str) -> None:
             if "cuda" in caps.memory_kinds:  # this libucx has cuda_copy/cuda_ipc: zero-copy, said so
                 assert "cuda" in b.channel.device_kinds, caps.lanes
                 assert not sent.staged and not receipt.staged, "ucx with cuda transports moves device memory itself"
+                assert receipt.direct, receipt
+                # sent before its recv: the eager payload waits in a host buffer of ours and the
+                # recv copies it up, and says so (docs/ucx.md, "Mailbox mapping")
+                sent = await a.send(x, tag="w")
+                y, receipt = await b.recv_with_receipt(tag="w")
+                assert y.is_cuda and torch.equal(y, x) and receipt.memory == "cuda"
+                assert receipt.protocol == "eager" and receipt.staged and not receipt.direct, receipt
                 assert any("cuda" in lane for lane in caps.lanes), caps.lanes
             else:  # a libucx without cuda transports: staged through host memory, and the receipt says so
                 assert sent.staged and receipt.staged, caps.lanes
