@@ -28,6 +28,7 @@ Speed is never asserted: the script prints PASS/MISS and exits 0 unless a transf
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import json
@@ -121,6 +122,16 @@ async def child(args: argparse.Namespace) -> None:
 
 
 # -- the sending parent -----------------------------------------------------------------------------
+def _source(torch: Any, n: int) -> tuple[Any, int]:
+    """``n`` random bytes on the GPU, and their sum (run in a thread: it waits for the device)."""
+    x = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    return x, int(x.sum(dtype=torch.int64))
+
+
+def _to_host(x: Any) -> np.ndarray:
+    return x.cpu().numpy()
+
+
 def d2d_seconds(torch: Any, x: Any, count: int) -> float:
     y = torch.empty_like(x)
     y.copy_(x)
@@ -153,7 +164,8 @@ async def parent(args: argparse.Namespace) -> int:
     # the child's UCX reports the protocols it really used (UCX_PROTO_INFO=used) as it ends: the
     # lanes a path names are what UCX may use, this is what it did (cuda_ipc, or a fallback)
     env = {"UCX_PROTO_INFO": "used", **os.environ} if ucx else None
-    proc, addresses = await start_child(__file__, args, *(["--ucx"] if ucx else []), env=env)
+    extra = (["--ucx"] if ucx else []) + (["--profile", args.profile] if args.profile else [])
+    proc, addresses = await start_child(__file__, args, *extra, env=env)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     name = torch.cuda.get_device_name(0)
     print(
@@ -167,18 +179,29 @@ async def parent(args: argparse.Namespace) -> int:
     how: dict[str, str] = {}  # per row: the path the last transfer's receipt names
     try:
         for t, address in zip(["tcp", "ucx"], addresses, strict=False):
+            if t == "tcp" and args.no_tcp and ucx:  # (the child listens with tcp all the same)
+                async with tensorwire.start("127.0.0.1:0", transports=(t,)) as node:
+                    peer = await node.connect(address)
+                    await peer.send("next", tag="cmd")
+                    await peer.aclose()
+                continue
             async with tensorwire.start("127.0.0.1:0", transports=(t,)) as node:
                 peer = await node.connect(address)
                 lanes[t] = str(peer.path)
                 for n in sizes:
-                    x = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
-                    want = int(x.sum(dtype=torch.int64))
                     window, batches = plan(n, args.window)
+                    # off the loop: at 4 GiB the copy to (pageable, untouched) host memory took
+                    # seconds, and the child took this node for dead (its lease) on the first run
+                    x, want = await asyncio.to_thread(_source, torch, n)
                     if t == "tcp":
-                        rows[n]["d2d copy"] = n / d2d_seconds(torch, x, max(window * batches, 5)) / 1e9
-                        host = x.cpu().numpy()
+                        d2d = await asyncio.to_thread(d2d_seconds, torch, x, max(window * batches, 5))
+                        rows[n]["d2d copy"] = n / d2d / 1e9
+                        host = await asyncio.to_thread(_to_host, x)
                         kinds = [("tcp host", "host", host), ("tcp cuda", "cuda", x)]
                     else:
+                        if "d2d copy" not in rows[n]:  # (--no-tcp)
+                            d2d = await asyncio.to_thread(d2d_seconds, torch, x, max(window * batches, 5))
+                            rows[n]["d2d copy"] = n / d2d / 1e9
                         kinds = [("ucx cuda", "cuda", x)]
                     for label, kind, obj in kinds:
                         try:
@@ -261,13 +284,28 @@ def main() -> int:
         "--window", type=int, help="transfers per timed batch (default: 5, 4 or 2 by size; 1: each transfer answered)"
     )
     parser.add_argument("--no-ucx", action="store_true", help="skip the ucx rows even where ucxx is installed")
+    parser.add_argument("--no-tcp", action="store_true", help="skip the tcp rows (and the d2d copy's)")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="cProfile both processes into DIR (parent.prof, child.prof): where a transfer's time goes",
+    )
     parser.add_argument("--ucx", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     why = "" if args.child else _no_gpu()
     if why:
         print(f"gpu_p2p: {why}", file=sys.stderr)
         return 2
-    return run(args, child, parent)
+    if not args.profile:
+        return run(args, child, parent)
+    import cProfile
+
+    Path(args.profile).mkdir(parents=True, exist_ok=True)
+    with cProfile.Profile() as prof:
+        try:
+            return run(args, child, parent)
+        finally:
+            prof.dump_stats(str(Path(args.profile) / ("child.prof" if args.child else "parent.prof")))
 
 
 if __name__ == "__main__":
