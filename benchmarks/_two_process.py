@@ -72,12 +72,13 @@ async def stop_child(proc: asyncio.subprocess.Process) -> str:
 
 async def send_batches(
     peer: Any, kind: str, x: Any, nbytes: int, schedule: list[int], want: int
-) -> tuple[list[float], Any]:
+) -> tuple[list[float], Any, dict[str, int]]:
     """The parent's side: tell the child to expect ``kind`` tensors of ``nbytes`` in batches of
     ``schedule[i]`` back-to-back transfers (the first batch a warm-up), send ``x`` so, and wait
-    for the child's one answer per batch. Returns the time per transfer of each timed batch and
-    the last send's receipt (which path the bytes took). After the last batch, untimed, the child
-    says the byte sum it holds, which must be ``want``: summing a large tensor takes longer than
+    for the child's one answer per batch. Returns the time per transfer of each timed batch,
+    the last send's receipt (which path the bytes took) and how the child's timed receives
+    landed (``receive_batches``). After the last batch, untimed, the child says the byte sum it
+    holds, which must be ``want``: summing a large tensor takes longer than
     sending it, so it stays out of every batch's time."""
     await peer.send((kind, nbytes, schedule), tag="cmd")
     if await peer.recv(tag="ack") != "ready":
@@ -92,10 +93,10 @@ async def send_batches(
         dt = time.perf_counter() - t0
         if b:
             times.append(dt / count)
-    total = await peer.recv(tag="sum")
+    total, landed = await peer.recv(tag="sum")
     if total != want:
         raise RuntimeError(f"{kind} {fmt_size(nbytes)}: receiver holds byte sum {total}, sent {want}")
-    return times, receipt
+    return times, receipt, landed
 
 
 async def receive_batches(
@@ -107,15 +108,20 @@ async def receive_batches(
 ) -> None:
     """The child's side of :func:`send_batches`: say ready, then receive each batch into ``out``
     (``await landed()`` after each transfer, if given) and answer it once; after the last, say
-    ``await total()`` (the byte sum it holds)."""
+    ``await total()`` (the byte sum it holds) and how the timed transfers landed, by their
+    receipts: ``direct`` into ``out``, ``staged`` through a buffer of tensorwire's (the message
+    came before its recv, or device memory through host staging), ``copied`` on its way."""
     await peer.send("ready", tag="ack")
-    for window in schedule:
+    how = {"direct": 0, "staged": 0, "copied": 0}
+    for b, window in enumerate(schedule):
         for _ in range(window):
-            await peer.recv(tag="data", out=out)
+            _, receipt = await peer.recv_with_receipt(tag="data", out=out)
+            if b:  # (the first batch is the warm-up)
+                how["direct" if receipt.direct else "staged" if receipt.staged else "copied"] += 1
             if landed is not None:
                 await landed()
         await peer.send(True, tag="ack")
-    await peer.send(await total(), tag="sum")
+    await peer.send((await total(), how), tag="sum")
 
 
 async def host_byte_sum(arr: Any) -> int:
@@ -124,8 +130,10 @@ async def host_byte_sum(arr: Any) -> int:
     return await asyncio.to_thread(lambda: int(arr.sum(dtype="int64")))
 
 
-def receipt_text(receipt: Any) -> str:
+def receipt_text(receipt: Any, landed: dict[str, int] | None = None) -> str:
+    """The sender's last receipt, and how the receiver's timed transfers landed."""
     return (
         f"{receipt.transport} memory={receipt.memory} staged={receipt.staged} "
         f"direct={receipt.direct} lanes={', '.join(receipt.lanes) or '-'}"
+        + (f"; the receiver's: {', '.join(f'{k} {v}' for k, v in landed.items() if v)}" if landed else "")
     )

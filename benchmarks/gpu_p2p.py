@@ -206,9 +206,11 @@ async def parent(args: argparse.Namespace) -> int:
                     for label, kind, obj in kinds:
                         try:
                             # one warm-up transfer, then the timed batches
-                            times, receipt = await send_batches(peer, kind, obj, n, [1] + [window] * batches, want)
+                            times, receipt, landed = await send_batches(
+                                peer, kind, obj, n, [1] + [window] * batches, want
+                            )
                             rows[n][label] = n / statistics.median(times) / 1e9
-                            how[label] = receipt_text(receipt)
+                            how[label] = receipt_text(receipt, landed)
                         except Exception as exc:  # report and go on with the other rows
                             print(f"{label} {fmt_size(n)}: FAILED {exc!r}", flush=True)
                             broke = True

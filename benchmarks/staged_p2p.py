@@ -129,7 +129,7 @@ async def parent(args: argparse.Namespace) -> int:
                 for turn in range(args.turns):
                     for kind in ROWS if turn % 2 == 0 else ROWS[::-1]:
                         try:
-                            got, receipt = await send_batches(
+                            got, receipt, landed = await send_batches(
                                 peer, kind, wrap(engine, kind, data), n, [1] * (repeats(n) + 1), want
                             )
                         except Exception as exc:  # report and go on with the other cells
@@ -137,7 +137,7 @@ async def parent(args: argparse.Namespace) -> int:
                             broke = True
                             continue
                         times[n, kind] += got
-                        how[kind] = receipt_text(receipt)
+                        how[kind] = receipt_text(receipt, landed)
                 print(
                     f"  {fmt_size(n)}: "
                     + ", ".join(

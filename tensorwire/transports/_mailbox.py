@@ -184,22 +184,31 @@ class Arrival:
         if self.nbytes == 0 and not rendezvous:
             self.done.set_result(None)
 
-    def allocate(self) -> None:
-        """Give the payload a buffer of tensorwire's own."""
-        self.dest = [s.allocate() for s in self.specs]
+    def allocate(self, device: int | None = None) -> None:
+        """Give the payload a buffer of tensorwire's own: host memory, or, given a CUDA
+        ``device`` (a transport that moves device memory by pointer), memory on that device for
+        the message's CUDA tensors, where it has the memory (else host memory for all)."""
+        dest = None
+        if device is not None and any(s.device == "cuda" for s in self.specs):
+            with contextlib.suppress(TransferError):
+                dest = [
+                    allocate_device(s.dtype, s.shape, s.framework, device) if s.device == "cuda" else s.allocate()
+                    for s in self.specs
+                ]
+        self.dest = dest if dest is not None else [s.allocate() for s in self.specs]
         self.direct = False
         self._flat = None
 
-    def adopt(self) -> bool:
+    def adopt(self, device: int | None = None) -> bool:
         """Take an eager payload that no recv has pulled into memory of our own now (or into the
-        device tensors a recv placed for it): allocate a buffer if it has none, or only the
-        caller's out= (a recv may be cancelled and give it back), and mark it as no longer
-        waiting to be pulled. False, and nothing changed, if the memory cannot be had: it stays
-        with its sender, as a rendezvous message does, for a recv to pull it (into out=, or
-        into memory found then)."""
+        device tensors a recv placed for it): allocate a buffer if it has none (its CUDA tensors
+        on ``device``, where given: see ``allocate``), or only the caller's out= (a recv may be
+        cancelled and give it back), and mark it as no longer waiting to be pulled. False, and
+        nothing changed, if the memory cannot be had: it stays with its sender, as a rendezvous
+        message does, for a recv to pull it (into out=, or into memory found then)."""
         if self.dest is None or self.direct:
             try:
-                self.allocate()
+                self.allocate(device)
             except TransferError:
                 return False
         self.rendezvous = False

@@ -22,6 +22,7 @@ from tensorwire._peer import tag_id  # noqa: E402
 from tensorwire.errors import UnsupportedTensorError  # noqa: E402
 from tensorwire.memory import StageIn, download  # noqa: E402
 from tensorwire.memory._cuda import CudaEngine, cuda_device_count  # noqa: E402
+from tensorwire.tensors import DeviceTensor  # noqa: E402
 from tensorwire.testing import connected_pair  # noqa: E402
 from tensorwire.testing._conformance import _until  # noqa: E402
 from tensorwire.transports import Limits  # noqa: E402
@@ -444,12 +445,24 @@ async def test_other_transports_move_cuda_tensors(transport: str) -> None:
                 assert "cuda" in b.channel.device_kinds, caps.lanes
                 assert not sent.staged and not receipt.staged, "ucx with cuda transports moves device memory itself"
                 assert receipt.direct, receipt
-                # sent before its recv: the eager payload waits in a host buffer of ours and the
-                # recv copies it up, and says so (docs/ucx.md, "Mailbox mapping")
+                # sent before its recv: the eager payload waits in device memory of ours (UCX
+                # moved it device to device; through host memory before), and a recv without
+                # out= is handed that tensor, no copy made (direct, as a host message's buffer
+                # is handed over; the first H200 run saw this receipt: direct, not staged)
                 sent = await a.send(x, tag="w")
+                (waiting,) = b.channel.mailbox._arrived[tag_id("w")]
+                assert await _until(lambda: waiting.done.done()), "the early payload never landed"
+                assert waiting.dest is not None and all(isinstance(d, DeviceTensor) for d in waiting.dest), waiting.dest
                 y, receipt = await b.recv_with_receipt(tag="w")
                 assert y.is_cuda and torch.equal(y, x) and receipt.memory == "cuda"
-                assert receipt.protocol == "eager" and receipt.staged and not receipt.direct, receipt
+                assert receipt.protocol == "eager" and receipt.direct and not receipt.staged, receipt
+                # into an out= of the caller's: copied there on the device, through a buffer of ours
+                out = torch.empty_like(x)
+                await a.send(x, tag="w")
+                assert await _until(lambda: bool(b.channel.mailbox._arrived.get(tag_id("w"))))
+                got, receipt = await b.recv_with_receipt(tag="w", out=out)
+                assert got is out and torch.equal(out, x)
+                assert receipt.staged and not receipt.direct and receipt.memory == "cuda", receipt
                 assert any("cuda" in lane for lane in caps.lanes), caps.lanes
             else:  # a libucx without cuda transports: staged through host memory, and the receipt says so
                 assert sent.staged and receipt.staged, caps.lanes
