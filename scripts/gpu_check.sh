@@ -4,12 +4,13 @@
 #   bash scripts/gpu_check.sh            # from anywhere; runs in the repository root
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #   BUDGET=390 bash scripts/gpu_check.sh                   # seconds for the whole check (default)
-#   STEPS="p2p tests kv pack" bash scripts/gpu_check.sh    # which steps, in this order (default)
+#   STEPS="p2p raw tests kv pack" bash scripts/gpu_check.sh   # which steps, in this order (default)
 #   STEPS=tests LF=1 bash scripts/gpu_check.sh             # a warm rerun of the tests that failed
 #   STEPS=tests FF=1 bash scripts/gpu_check.sh             # ... of all of them, those that failed first
 #   XDIST=1 bash scripts/gpu_check.sh                      # the tests in one process (default 4)
 #   STEPS=tests TESTS=tests/gpu/test_cuda_ucx.py bash scripts/gpu_check.sh   # some tests only
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
+#   RAW_ARGS="--sizes 1G" bash scripts/gpu_check.sh        # benchmarks/gpu_ucx_raw.py's
 #   KV_ARGS="--block-kib 16" bash scripts/gpu_check.sh     # benchmarks/kv_rows.py's (with --memory cuda)
 #   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh;
@@ -158,15 +159,17 @@ fi
 # The lent machine gives a task 15 minutes of device time in all, its start (a minute or two) and
 # any rerun included, so the check runs under one time budget (BUDGET, from the script's start)
 # and its steps go in order of what the issue needs most: the two-process benchmark (its table is
-# the issue's goals), then every GPU test, then the one-sided KV benchmark, then the pack kernels'
+# the issue's goals), then raw ucxx between the same two processes' GPU (the wire under its ucx
+# column), then every GPU test, then the one-sided KV benchmark, then the pack kernels'
 # benchmark (measured on an H100 before; docs/gpu.md). A step gets its own limit or what the
 # budget has left, whichever is less, and is not started with under 45 s left: the summary then
 # says which steps did not run and the line that reruns them (a warm machine keeps the installed
 # wheels and the tests' last-failed list). STEPS picks and orders the steps. Each step's limit
 # plus 10 s of kill grace stays inside the budget, with 5 s for the summary.
 BUDGET=${BUDGET:-390}
-STEPS=${STEPS:-p2p tests kv pack}
+STEPS=${STEPS:-p2p raw tests kv pack}
 T_P2P=${T_P2P:-150}
+T_RAW=${T_RAW:-45}
 T_TESTS=${T_TESTS:-150}
 T_KV=${T_KV:-45}
 T_PACK=${T_PACK:-45}
@@ -194,6 +197,8 @@ bench() {
 
 # shellcheck disable=SC2086
 step_p2p() { bench "$1" tensorwire-gpu-p2p.log gpu_p2p.py ${P2P_ARGS:-}; }
+# shellcheck disable=SC2086
+step_raw() { bench "$1" tensorwire-gpu-raw.log gpu_ucx_raw.py ${RAW_ARGS:-}; }
 
 # -ra: the short summary names every failure and error, and every skip with its reason (-rs
 # alone drops the FAILED lines); a limit per test (T_TEST), so that one hang cannot eat the
@@ -242,7 +247,7 @@ step_pack() { bench "$1" tensorwire-gpu-bench.log gpu_pack.py ${BENCH_ARGS:---gi
 
 for step in $STEPS; do
     if ! declare -F "step_$step" >/dev/null; then
-        echo "== unknown step '$step' (steps: p2p tests kv pack)"
+        echo "== unknown step '$step' (steps: p2p raw tests kv pack)"
         RC[$step]=unknown
         continue
     fi
@@ -287,6 +292,10 @@ if ran p2p; then
     # the table, or, when the step ran out before it, each size's numbers as they were measured
     grep -E '^(\||  (tcp|ucx) [0-9]|tcp path|ucx path|ucx used: |.* receipt: |note: |ucx cuda: skipped|.*FAILED)' \
         "$LOGS/tensorwire-gpu-p2p.log"
+fi
+if ran raw; then
+    echo "gpu_ucx_raw: $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-raw.log" || echo 'no device line') ($(result raw))"
+    grep -E '^(\||ucx used: |.*FAILED|.*Error)' "$LOGS/tensorwire-gpu-raw.log"
 fi
 if ran tests; then
     echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/tensorwire-gpu-tests.log" | tail -1 | sed 's/^=* *//; s/ *=*$//') ($(result tests))"
