@@ -12,7 +12,7 @@ import numbers
 import operator
 import re
 from collections.abc import Callable, Collection, Coroutine, Iterable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from .errors import ArgumentError, ConfigurationError
 
 __all__ = [
     "MAX_SECONDS",
+    "MISSING",
     "check_arguments",
     "check_bool",
     "check_int",
@@ -34,6 +35,15 @@ __all__ = [
 C = TypeVar("C", bound=Callable[..., Any])
 
 MAX_SECONDS = 1e9  # ~31 years; a gRPC deadline overflows past ~9e9 s
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Final[object] = _Missing()
+"""What a verb under ``hide_misspelt`` finds in a required parameter its caller did not give."""
 
 
 def check_int(what: str, value: object, lo: int, hi: int | None = None) -> int:
@@ -151,26 +161,41 @@ def _as_called(fn: Callable[..., Any]) -> tuple[inspect.Signature, bool]:
 
 
 def hide_misspelt(fn: C) -> C:
-    """``fn`` (as it is: no wrapper) showing a signature without its ``**_misspelt``.
+    """``fn`` (as it is: no wrapper) showing a signature without its ``**_misspelt``, and taking
+    ``MISSING`` for each required parameter its caller leaves out.
 
     A per-message verb (``peer.send``, ``recv``, ``read``, ...) cannot afford check_arguments'
     frame, so it takes ``**_misspelt: Never`` (mypy flags a misspelt option at the call) and
-    begins ``if _misspelt: refuse_misspelt(Peer.verb, _misspelt)``: about 40 ns a call, one
-    empty dict. ``help()`` and ``inspect.signature`` then show the options it really has."""
+    begins ``if _misspelt or obj is MISSING: refuse_misspelt(Peer.verb, _misspelt, obj=obj)``:
+    about 40 ns a call, one empty dict and an identity check per required parameter. Python
+    checks required parameters before anything else, so without the ``MISSING`` defaults (set
+    here, at run time: mypy still sees them required) a misspelt required name (``scr=`` for
+    ``src``) was its bare "missing 1 required positional argument". ``help()`` and
+    ``inspect.signature`` show the parameters as written, the required ones required."""
     signature = inspect.signature(fn)
     kept = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
     if len(kept) != len(signature.parameters) - 1 or "_misspelt" not in signature.parameters:
         raise TypeError(f"{fn.__qualname__} takes no **_misspelt to hide")
     fn.__signature__ = signature.replace(parameters=kept)  # type: ignore[attr-defined]
+    positional = [p for p in kept[1:] if p.kind is p.POSITIONAL_OR_KEYWORD]  # (after self)
+    required = [p for p in positional if p.default is p.empty]
+    if required:
+        fn.__defaults__ = (MISSING,) * len(required) + (fn.__defaults__ or ())
+    keyword = {p.name: MISSING for p in kept if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    if keyword:
+        fn.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **keyword}
     return fn
 
 
-def refuse_misspelt(fn: Callable[..., Any], misspelt: Iterable[str]) -> NoReturn:
-    """The ArgumentError check_arguments raises for options ``fn`` does not take (the options a
-    verb under ``hide_misspelt`` caught in its ``**_misspelt``): the nearest one, and them all."""
+def refuse_misspelt(fn: Callable[..., Any], misspelt: Iterable[str], **required: Any) -> NoReturn:
+    """The ArgumentError check_arguments raises for a call of ``fn`` that does not fit, for a
+    verb under ``hide_misspelt``: the options it caught in its ``**_misspelt`` (the nearest
+    real one to each, and them all), or else the ``required`` parameters (name=value) that
+    came as ``MISSING``."""
     signature, _ = _as_called(fn)
-    _misfit(f"{fn.__qualname__}()", signature, (), dict.fromkeys(misspelt))
-    raise AssertionError(f"{fn.__qualname__} takes {list(misspelt)}")  # (_misfit raised: none is an option)
+    given = {name: value for name, value in required.items() if value is not MISSING}
+    _misfit(f"{fn.__qualname__}()", signature, (), {**given, **dict.fromkeys(misspelt)})
+    raise AssertionError(f"{fn.__qualname__} takes {list(misspelt)} and {given}")  # (_misfit raised: they fit)
 
 
 def check_arguments(target: C) -> C:

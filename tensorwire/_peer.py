@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Never
 
 from . import _onesided
-from ._checks import check_arguments, hide_misspelt, refuse_misspelt
+from ._checks import MISSING, check_arguments, hide_misspelt, refuse_misspelt
 from ._leases import Renewals, plan_goodbye, renewals_for, send_goodbye
 from ._loops import check_home, elsewhere, running_loop
 from ._onesided import RemoteHandle, check_handle_name
@@ -173,8 +173,8 @@ class Peer:
         Returns once the bytes have left the caller's buffers, which may then be reused. Waits
         (backpressure) when the peer holds more unreceived messages than its limits allow.
         """
-        if _misspelt:  # (check_arguments' frame costs 2-3% of a small round trip: see hide_misspelt)
-            refuse_misspelt(Peer.send, _misspelt)
+        if _misspelt or obj is MISSING:  # (check_arguments' frame costs 2-3% of a small round trip: see hide_misspelt)
+            refuse_misspelt(Peer.send, _misspelt, obj=obj)
         wire = tag_id(tag)
         # (``_send_own`` written out: a coroutine less per message)
         if running_loop() is not self._home:
@@ -459,8 +459,8 @@ class Peer:
         ready for use on the stream current at the call. Without ``out`` it is allocated on
         ``device`` ("cpu", "cuda:N", as recv), by default where the owner's tensor lives
         (``handle.memory``) if this process can hold it there. HandleNotFound once revoked."""
-        if _misspelt:
-            refuse_misspelt(Peer.read, _misspelt)
+        if _misspelt or handle is MISSING:
+            refuse_misspelt(Peer.read, _misspelt, handle=handle)
         if running_loop() is not self._home:
             check_home(self._home, "peer.read")
         value, _ = await _onesided.read(self, handle, out, device=device, want_receipt=False)
@@ -472,8 +472,8 @@ class Peer:
     ) -> tuple[Any, Receipt]:
         """Like ``read``, and also say how the bytes came ("one-sided", "one-sided-emulated" where
         the transport emulates get/put and the owner's progress serves it, or "owner-assisted")."""
-        if _misspelt:
-            refuse_misspelt(Peer.read_with_receipt, _misspelt)
+        if _misspelt or handle is MISSING:
+            refuse_misspelt(Peer.read_with_receipt, _misspelt, handle=handle)
         if running_loop() is not self._home:
             check_home(self._home, "peer.read_with_receipt")
         value, receipt = await _onesided.read(self, handle, out, device=device)
@@ -486,8 +486,8 @@ class Peer:
         CUDA tensor of the handle's dtype and shape; a CUDA one is read after the work queued on
         its stream before the call). Returns once the bytes are in the owner's memory. A
         cancelled write may leave the target partly written."""
-        if _misspelt:
-            refuse_misspelt(Peer.write, _misspelt)
+        if _misspelt or handle is MISSING or src is MISSING:
+            refuse_misspelt(Peer.write, _misspelt, handle=handle, src=src)
         if running_loop() is not self._home:
             check_home(self._home, "peer.write")
         return await _onesided.write(self, handle, src)

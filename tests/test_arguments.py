@@ -184,7 +184,9 @@ async def test_the_per_message_verbs_refuse_a_misspelt_option_before_anything_mo
     for a misspelt option (check_arguments' frame was too dear there): they catch it in a
     hidden ``**_misspelt`` and raise check_arguments' ArgumentError before anything is sent,
     queued, read or written, so the calls after it go as if it had not been made; their
-    signatures (``help``, ``inspect.signature``) show only the options they take."""
+    signatures (``help``, ``inspect.signature``) show only the options they take. So do a
+    misspelt required argument (``scr=`` for ``src``) and a missing one, which were still the
+    bare TypeError: Python refused the call before the body could look at ``**_misspelt``."""
     ones = np.ones((4, 2))
     async with connected_pair(transport) as (a, b):
         b.node.expose(np.zeros((4, 2)), name="t")
@@ -199,6 +201,22 @@ async def test_the_per_message_verbs_refuse_a_misspelt_option_before_anything_mo
             (r"read_with_receipt\(\) has no option 'tag'; its options are: handle, out, device",
              lambda: a.read_with_receipt(h, tag=1)),
             (r"write\(\) has no option 'sync'; its options are: handle, src", lambda: a.write(h, ones, sync=True)),
+            # a misspelt or missing required argument: Python's "missing 1 required positional
+            # argument" came before the body could look at ``**_misspelt``
+            (r"send\(\) has no option 'ojb' \(did you mean 'obj'\?\)", lambda: a.send(ojb=ones, tag=1)),
+            (r"send\(\): missing a required argument: 'obj'; it takes Peer.send\(obj, \*, tag=0\)$",
+             lambda: a.send(tag=1)),
+            (r"read\(\) has no option 'hadnle' \(did you mean 'handle'\?\)", lambda: a.read(hadnle=h)),
+            (r"read\(\): missing a required argument: 'handle'", lambda: a.read(out=np.empty((4, 2)))),
+            (r"read_with_receipt\(\) has no option 'handel' \(did you mean 'handle'\?\)",
+             lambda: a.read_with_receipt(handel=h)),
+            (r"read_with_receipt\(\): missing a required argument: 'handle'", lambda: a.read_with_receipt()),
+            (r"write\(\) has no option 'scr' \(did you mean 'src'\?\); its options are: handle, src$",
+             lambda: a.write(h, scr=ones)),
+            (r"write\(\) has no option 'hnadle' \(did you mean 'handle'\?\)", lambda: a.write(hnadle=h, src=ones)),
+            (r"write\(\): missing a required argument: 'src'; it takes Peer.write\(handle, src\)$",
+             lambda: a.write(h)),
+            (r"write\(\): missing a required argument: 'handle'", lambda: a.write(src=ones)),
         ]  # fmt: skip
         for said, call in misfits:
             with pytest.raises(ArgumentError, match=rf"^Peer\.{said}"):
@@ -211,6 +229,8 @@ async def test_the_per_message_verbs_refuse_a_misspelt_option_before_anything_mo
             assert "_misspelt" not in str(inspect.signature(verb)), verb
         assert list(inspect.signature(a.send).parameters) == ["obj", "tag"]
         assert list(inspect.signature(tensorwire.Peer.write).parameters) == ["self", "handle", "src"]
+        assert str(inspect.signature(a.write)).startswith("(handle: 'RemoteHandle', src: 'Any')")  # still required
+        assert str(inspect.signature(a.read)).startswith("(handle: 'RemoteHandle', *, out: 'Any' = None")
         with pytest.raises(TypeError, match="positional"):  # (Python's, as before: not an option)
             await a.send(ones, 1)  # type: ignore[call-arg]
 
