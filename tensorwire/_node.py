@@ -680,6 +680,7 @@ class Node:
         stay deliverable, and so do those still on their way: the reader goes on and shuts the
         channel at the close (or the lease ends it)."""
         log.info("peer %s at %s said goodbye: it is closing", peer.remote_node[:8], peer.remote_address)
+        peer._remote_closing = True  # (what ``peer.remote_closing`` and ``repr(peer)`` say)
         peer.channel._ending(PeerDisconnected(f"peer {peer.remote_address} closed (it said goodbye)"))
 
     # -- public API -----------------------------------------------------------------------------

@@ -138,6 +138,7 @@ class Peer:
         self._renewals: Renewals | None = None  # (we connected) what renews our session's lease
         self._said_goodbye = False  # (its node was told this session ends, or is being: plan_goodbye)
         self._goodbye: asyncio.Future[None] | None = None  # (that call, where this peer's close makes it)
+        self._remote_closing = False  # (its node said goodbye to us: Node._peer_left)
         self.session = session
         self._control_address = control_address  # the remote's control plane, for lookups
         self._tasks: set[asyncio.Task[None]] = set()
@@ -155,16 +156,28 @@ class Peer:
         # the user's recvs and sends under way, apart: one in_flight count summed the user's
         # recvs with every send the channel was moving, tensorwire's own among them (an owner's
         # answers to reads, RPC requests and replies), and left out sends still packing
+        state = self.channel.state
+        said = " (it said goodbye)" if self._remote_closing and state is ChannelState.OPEN else ""
         return (
             f"<Peer {self.remote_node[:12]} at {self.remote_address} via {self.path.transport} "
-            f"{self.channel.state.value} recvs={self.channel.mailbox.in_flight} sends={self._sends}>"
+            f"{'closing' if said else state.value}{said} recvs={self.channel.mailbox.in_flight} sends={self._sends}>"
         )
 
     @property
     def closed(self) -> bool:
         """True once the channel to this peer is no longer open (closed by either side, broken,
-        or the lease ran out)."""
+        or the lease ran out). Still False after the other node said goodbye (``remote_closing``)
+        until its close reaches the data connection: messages that came before it are received."""
         return self.channel.state is not ChannelState.OPEN
+
+    @property
+    def remote_closing(self) -> bool:
+        """True once the other node said goodbye to this peer (its node, or the peer alone, began
+        to close, and told this node on the control plane), even while ``closed`` is still False:
+        a send begun then raises PeerDisconnected, and messages that came before it can still be
+        received until the channel closes. False for a peer that went without a goodbye (an
+        ``abort()``, a dead process: ``closed`` tells)."""
+        return self._remote_closing
 
     @hide_misspelt
     async def send(self, obj: Any, *, tag: int | str = 0, **_misspelt: Never) -> Receipt:

@@ -380,6 +380,27 @@ async def test_a_small_send_after_the_goodbye_raises_and_what_came_before_is_rec
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", _TCP_AND_UCX)
+async def test_a_peer_whose_node_said_goodbye_says_it_is_closing(transport: str) -> None:
+    """Once the other node said goodbye, the peer says so (``remote_closing``, and "closing (it
+    said goodbye)" in its repr) while its channel is still open (``closed`` False): a message
+    that came before is still received. Its node's close then closes it. Before, the peer said
+    "open" until the data connection closed, while a send begun then raised PeerDisconnected."""
+    async with connected_pair(transport, lease_seconds=20) as (a, b):
+        await b.send(np.arange(4, dtype=np.int64), tag="before")
+        await eventually(lambda: a.channel.mailbox.oldest(tag_id("before")) is not None)
+        assert " open " in repr(a), repr(a)
+        await say_goodbye(b.node, [b])  # (the Leave call a closing node makes, answered: b stays open)
+        assert not a.closed and " closing (it said goodbye) " in repr(a), repr(a)
+        assert a.remote_closing and not b.remote_closing  # (b said it, and heard none)
+        got = await asyncio.wait_for(a.recv(tag="before"), 5)
+        np.testing.assert_array_equal(got, np.arange(4, dtype=np.int64))
+        await b.node.aclose()  # (its goodbye is said: the close on the data connection alone)
+        await eventually(lambda: a.closed)
+        assert a.remote_closing and " closed " in repr(a), repr(a)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("closer", ["client", "server"])
 async def test_a_peer_closed_alone_says_goodbye_for_its_session_only(
     closer: str, monkeypatch: pytest.MonkeyPatch
