@@ -15,6 +15,10 @@ contexts get (``MEMTYPE_CACHE=n``). Two rows per size:
   window  the batch's sends and receives (into separate arrays) all posted at once, as osu_bw
           and ucx_perftest's tag_bw do: what pipelining could reach
 
+Then one-sided: this process registers an array (``ucp_mem_map``, ``ucp_rkey_pack``, as
+``node.expose`` does) and the child, its CUDA in use by then, reads it with ``ucp_get_nbx`` at
+1, 16 and 64 MiB: on the first H200 run tensorwire's one-sided reads of CUDA memory went UCX's
+"software emulation" (docs/gpu.md), and this says whether raw UCX does the same.
 The child's UCX names the protocols it used (UCX_PROTO_INFO=used), as gpu_p2p prints them.
 ``--memory host`` runs the same over host memory (numpy; on a machine without a GPU, this
 checks the script itself). Speed is never asserted: exit 0 unless a transfer broke.
@@ -38,7 +42,8 @@ from _sizes import GiB, MiB, fmt_size, parse_size
 
 from tensorwire.transports.ucx import used_protocols
 
-HELLO, DATA, ACK, SUM = 1, 2, 3, 4
+HELLO, DATA, ACK, SUM, KEY, GOT = 1, 2, 3, 4, 5, 6
+GET_SIZES = (1 << 20, 16 << 20, 64 << 20)  # one-sided: small enough for an emulated get (~0.5 GB/s)
 
 
 def plan(n: int) -> tuple[int, int]:
@@ -57,7 +62,7 @@ class _Raw:
         feats = self.lib.Feature
         # the options every tensorwire UCX context gets (_worker._BASE_OPTIONS)
         self.ctx = self.lib.UCXContext(
-            {"WARN_UNUSED_ENV_VARS": "n", "MEMTYPE_CACHE": "n"}, feature_flags=(feats.TAG, feats.WAKEUP)
+            {"WARN_UNUSED_ENV_VARS": "n", "MEMTYPE_CACHE": "n"}, feature_flags=(feats.TAG, feats.RMA, feats.WAKEUP)
         )
         self.worker = self.lib.UCXWorker(self.ctx)
         self.ep: Any = None
@@ -79,6 +84,12 @@ class _Raw:
 
     def recv(self, buf: Any, tag: int) -> Any:
         return self.worker.tag_recv(self.Array(buf), self.lib.UCXXTag(tag))
+
+    def wait_raw(self, ucp: Any, req: int | None) -> None:
+        while req is not None and not ucp.request_done(req):
+            self.worker.progress()
+        if req is not None and (status := ucp.request_finish(req)):
+            raise RuntimeError(ucp.status_string(status))
 
     def close(self) -> None:
         req = self.ep.close()
@@ -123,6 +134,28 @@ def child(address: str, memory: str, sizes: list[int]) -> None:
         total[0] += sum(_sum(xp, o) for o in outs)
         r.wait(r.send(total, SUM))
         del out, outs
+    # one-sided: the parent's array, registered there, read (ucp_get) into one of ours, each get
+    # waited for before the next; the times go back to the parent
+    from tensorwire.transports.ucx._ucp import load
+
+    ucp = load()
+    info = np.zeros(4096, np.uint8)
+    r.wait(r.recv(info, KEY))
+    addr, klen = int.from_bytes(info[:8].tobytes(), "little"), int.from_bytes(info[8:12].tobytes(), "little")
+    rkey = ucp.rkey_unpack(r.ep.handle, info[12 : 12 + klen].tobytes())
+    times = np.zeros(len(GET_SIZES), np.float64)
+    for i, n in enumerate(GET_SIZES):
+        out = xp.empty(n, xp.uint8)
+        ptr = int(out.data.ptr) if xp is not np else out.ctypes.data
+        took = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            r.wait_raw(ucp, ucp.get(r.ep.handle, ptr, n, addr, rkey))
+            took.append(time.perf_counter() - t0)
+        times[i] = statistics.median(took[1:])
+        del out
+    ucp.rkey_destroy(rkey)
+    r.wait(r.send(times, GOT))
     # the parent closes its endpoint first and then says so on stdin; meanwhile keep progressing
     import select
 
@@ -214,6 +247,21 @@ def parent(args: argparse.Namespace) -> int:
         row["raw window"] = n / statistics.median(win) / 1e9
         print(f"  {fmt_size(n)}: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in row.items()), flush=True)
         del x
+    # one-sided: an array of ours registered (ucp_mem_map, as node.expose does), its key to the
+    # child, which reads it (ucp_get) at each of GET_SIZES
+    from tensorwire.transports.ucx._ucp import load
+
+    ucp = load()
+    region = xp.asarray(np.random.default_rng(0).integers(0, 256, max(GET_SIZES), dtype=np.uint8))
+    ptr = int(region.data.ptr) if xp is not np else region.ctypes.data
+    memh = ucp.mem_map(r.ctx.handle, ptr, region.nbytes)
+    key = ucp.rkey_pack(r.ctx.handle, memh)
+    r.wait(r.send(np.frombuffer(ptr.to_bytes(8, "little") + len(key).to_bytes(4, "little") + key, np.uint8), KEY))
+    got = np.zeros(len(GET_SIZES), np.float64)
+    r.wait(r.recv(got, GOT))
+    ucp.mem_unmap(r.ctx.handle, memh)
+    gets = {n: n / t / 1e9 for n, t in zip(GET_SIZES, got, strict=True)}
+    print("  one-sided get: " + ", ".join(f"{fmt_size(n)} {v:.2f} GB/s" for n, v in gets.items()), flush=True)
     r.close()
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write("closed\n")
@@ -240,6 +288,11 @@ def parent(args: argparse.Namespace) -> int:
     print(
         "\nGB/s: the array's bytes once per transfer, median over batches after a warm-up; seq: each "
         "transfer completed before the next (as peer.send/peer.recv in gpu_p2p); window: a batch in flight at once."
+    )
+    print(
+        "one-sided get: the child reads this process's registered array (ucp_mem_map, ucp_rkey_pack; "
+        "ucp_get_nbx), each get waited for, median of 5 after one; the 'ucx used' lines say over which lane "
+        "(software emulation: no lane for it; docs/gpu.md)"
     )
     return 1 if broke or proc.returncode not in (0, None) else 0
 

@@ -295,7 +295,7 @@ if ran p2p; then
 fi
 if ran raw; then
     echo "gpu_ucx_raw: $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-raw.log" || echo 'no device line') ($(result raw))"
-    grep -E '^(\||ucx used: |.*FAILED|.*Error)' "$LOGS/tensorwire-gpu-raw.log"
+    grep -E '^(\||ucx used: |  one-sided get: |.*FAILED|.*Error)' "$LOGS/tensorwire-gpu-raw.log"
 fi
 if ran tests; then
     echo "tests:     $(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/tensorwire-gpu-tests.log" | tail -1 | sed 's/^=* *//; s/ *=*$//') ($(result tests))"
