@@ -1270,6 +1270,63 @@ async def test_an_abort_reaches_a_neighbour_whose_share_of_unreceived_messages_i
     assert "DeadlineExceeded" not in notes, notes
 
 
+@pytest.mark.timeout(60)
+async def test_a_neighbour_that_closes_cleanly_under_a_waiting_send_is_a_broken_link() -> None:
+    # stage 1 computes its F0 while stage 0's F1 and F2 wait for it unreceived (max_unexpected=2):
+    # stage 0's send of F3 waits for a slot. Then stage 1's node closes cleanly: it says goodbye
+    # first (Leave), which fails that send with PeerDisconnected while stage 0's link is still
+    # open (its data connection closes a moment later). The old code took the open link for a
+    # message at fault: "stage 0 cannot send its activation of microbatch 3 to stage 1", this
+    # stage's own failure, where the neighbour had gone
+    rng = np.random.default_rng(0)
+    layers = [Gated(rng, 8), Gated(rng, 8, at=1), Gated(rng, 2)]
+    x, y = batch(8)
+    limits = tensorwire.Limits(max_unexpected=2)
+    async with nodes(4, limits=limits) as ns, contextlib.AsyncExitStack() as stack:
+        st = [
+            await stack.enter_async_context(pipeline.Stage(n, layer, loss=mse if s == 2 else None, offload=True))
+            for s, (n, layer) in enumerate(zip(ns, layers, strict=False))
+        ]
+        stack.callback(layers[1].gate.set)  # (stage 1's thread, left waiting, ends before its stage closes)
+        pipe = await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]])
+        step = asyncio.create_task(pipe.step(x, y, microbatches=4, schedule="gpipe"))
+        closing: asyncio.Task[None] | None = None
+        try:
+            assert st[1].prev is not None
+            mailbox = st[1].prev.peer.channel.mailbox
+
+            def waiting() -> tuple[list[bool], int, int, int]:
+                held = [bool(mailbox.oldest(tag_id(message_tag(0, "f", i)))) for i in (1, 2, 3)]
+                return held, layers[0].forwards, len(st[0]._sends), layers[1].forwards
+
+            # stage 0 has sent its forwards while stage 1 computes F0: the share of 2 messages it
+            # may hold unreceived lets at most F1 and F2 in, so a send of stage 0's waits for a slot
+            try:
+                await eventually(lambda: waiting()[1:] == (4, 1, 1) and any(waiting()[0]), 20)
+            except AssertionError:
+                raise AssertionError(
+                    f"(held, stage 0's forwards, its sends, stage 1's forwards): {waiting()}"
+                ) from None
+            assert not step.done()
+            closing = asyncio.create_task(ns[1].aclose())  # its goodbye, then its connections close
+            with pytest.raises(tensorwire.PeerDisconnected) as err:
+                async with asyncio.timeout(30):
+                    await step
+        finally:
+            layers[1].gate.set()
+            step.cancel()
+            if closing is not None:
+                await closing
+            with contextlib.suppress(tensorwire.TensorWireError):
+                await pipe.aclose()
+    notes = "\n".join(err.value.__notes__)
+    assert f"stage 1 ({ns[1].address}) is gone" in str(err.value), err.value
+    mine = next(line for line in notes.splitlines() if line.startswith(f"  stage 0 ({ns[0].address}):"))
+    # the neighbour went away: a broken link, as a receive from it reports it, not stage 0's own failure
+    assert "PeerDisconnected: stage 0: its link to stage 1" in mine and "broke: PeerDisconnected" in mine, mine
+    assert "cannot send" not in mine, mine
+
+
 # -- a gradient that is None ---------------------------------------------------------------------
 class NoInputGrad:
     """A last stage whose input takes no gradient (integer ids, say): its backward returns None."""

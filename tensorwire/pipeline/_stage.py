@@ -899,10 +899,13 @@ class Stage:
     def _send_later(self, link: _Link | None, obj: Any, tag: str, what: str) -> None:
         """Send without waiting, so the next microbatch computes while this one moves. A send
         that fails fails the step at once: as a broken link when the link failed, as this
-        stage's own error (and every neighbour told) when the message cannot be sent. Only the
-        link's state tells the two apart: a transport error can leave the link open (the
-        neighbour's limits refused the message: MessageRefused), and then that neighbour, which
-        waits for this message, must be told too."""
+        stage's own error (and every neighbour told) when the message cannot be sent. The link
+        failed where it is closed, where the neighbour's node said goodbye (``remote_closing``:
+        its close reaches the data connection later, and a send to it raises PeerDisconnected
+        meanwhile), or where the send says the peer is gone (PeerDisconnected), as ``_recv``
+        takes it. Any other error can leave the link open (the neighbour's limits refused the
+        message: MessageRefused), and then that neighbour, which waits for this message, must
+        be told too."""
         if link is None:
             raise BrokenResourceError(f"stage {self.rank}: its links were dropped (a driver is configuring it)")
 
@@ -910,7 +913,7 @@ class Stage:
             try:
                 await link.peer.send(obj, tag=tag)
             except Exception as exc:
-                if link.peer.closed:
+                if link.peer.closed or link.peer.remote_closing or isinstance(exc, PeerDisconnected):
                     broke = self._link_broke(link, exc)
                     self._fail(broke, self.rank, str(broke), skip=link)
                 else:
