@@ -47,6 +47,34 @@ async def test_sends_waiting_for_a_message_slot_keep_their_order_on_the_tag() ->
         assert got == list(range(n)), f"{sum(g != i for i, g in enumerate(got))} messages out of order"
 
 
+async def test_a_send_begun_as_a_slot_comes_back_does_not_take_it_from_a_send_on_another_tag_that_waits() -> None:
+    """The peer's one message slot comes back (it took "f0") while "f1" waits for it, and a send
+    on "f2", begun just before the credit frame is read, runs before the woken "f1" does: the
+    slot is "f1"'s, which waited first. Before, "f2" took it (the send fast path) and "f1" waited
+    on; a receiver that takes them in order (a pipeline stage, whose schedule check counts on
+    that) held "f2" unreceived and waited for "f1" for good (seen as an activation missing from
+    a pipeline test's stage 1, F3 held where F2 was due)."""
+    async with connected_pair("tcp", limits=tensorwire.Limits(max_unexpected=1)) as (a, b):
+        window = a.channel._window
+        await a.send(np.zeros(4), tag="f0")  # takes the one slot, held at b unreceived
+        waiting = asyncio.ensure_future(a.send(np.ones(4), tag="f1"))
+        await eventually(lambda: bool(window._waiters), 5, pause=0)
+        later: list[asyncio.Future[object]] = []
+        grant = window.grant
+
+        def grant_after_a_send_begins(credit: int, slots: int) -> None:
+            if slots and not later:  # the next microbatch's send, begun a moment before
+                later.append(asyncio.ensure_future(a.send(np.full(4, 2.0), tag="f2")))
+            grant(credit, slots)
+
+        window.grant = grant_after_a_send_begins  # type: ignore[method-assign]
+        assert (await asyncio.wait_for(b.recv(tag="f0"), 5))[0] == 0
+        np.testing.assert_array_equal(await asyncio.wait_for(b.recv(tag="f1"), 5), np.ones(4))
+        np.testing.assert_array_equal(await asyncio.wait_for(b.recv(tag="f2"), 5), np.full(4, 2.0))
+        await asyncio.wait_for(asyncio.gather(waiting, *later), 5)
+        assert later
+
+
 _SIZES = (0, 8, 1000, 20_000, 300_000, 2_000_000)  # empty, small, eager, rendezvous past the 1 MiB credit
 
 

@@ -71,21 +71,42 @@ class SendWindow:
         self._max_slots = remote.max_unexpected + self.kept
         self.credit = remote.recv_buffer_bytes
         self.slots = self._max_slots  # free at the receiver
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[asyncio.Future[None], int]] = deque()  # (future, tag), in the order they came
 
     def has_slot(self, tag: int) -> bool:
         """Whether a message on ``tag`` may take a slot now: the user's leave the kept ones."""
         return self.slots > self.kept or (self.slots > 0 and _OWN_FIRST <= tag <= _OWN_LAST)
 
     async def take_slot(self, tag: int, check_open: Callable[[], None]) -> None:
-        """Wait for a message slot (backpressure); ``check_open`` raises once the channel is gone."""
-        while not self.has_slot(tag):
-            check_open()
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            await fut
+        """Wait for a message slot (backpressure); ``check_open`` raises once the channel is gone.
+
+        Waiters are handed the slots that come back in the order they began to wait, whatever
+        their tags (``_hand``): a send begun while a woken one had not run yet took its slot
+        before, so a later message on another tag (a pipeline's F3) overtook an earlier one
+        (F2), against the order the sender sent them in (and that ``pipeline``'s schedule
+        check counts on: with one slot, the receiver waited for F2 behind F3 for good)."""
         check_open()
-        self.slots -= 1
+        if self.has_slot(tag):  # (a waiter left is one no slot now fits: it goes on waiting)
+            self.slots -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (fut, tag)
+        self._waiters.append(entry)
+        try:
+            await fut  # done: the slot is ours (``_hand``)
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.slots += 1  # handed to us as we were cancelled: the next waiter's
+                self._hand()
+            elif entry in self._waiters:
+                self._waiters.remove(entry)
+            raise
+        try:
+            check_open()
+        except BaseException:
+            self.slots += 1  # (the next waiter's, should one still wait)
+            self._hand()
+            raise
 
     def fits(self, nbytes: int) -> bool:
         """Whether an ``nbytes`` message may go eager now: within the credit, and leaving the kept
@@ -112,7 +133,7 @@ class SendWindow:
         self.slots += 1
         if eager:
             self.credit += nbytes
-        self._wake()
+        self._hand()
 
     def grant(self, credit: int, slots: int) -> None:
         """The peer returned credit and slots; wake senders waiting for a slot."""
@@ -123,16 +144,28 @@ class SendWindow:
         if self.credit > self._max_credit or self.slots > self._max_slots:
             raise ProtocolError("peer returned more credit than it granted")
         if self._waiters:
-            self._wake()
+            self._hand()
 
-    def _wake(self) -> None:
-        while self._waiters:
-            f = self._waiters.popleft()
-            if not f.done():
-                f.set_result(None)
+    def _hand(self) -> None:
+        """Give free slots to the senders waiting for one, oldest first, now: a send begun
+        before their tasks run finds them taken. A user's message that no slot fits waits on,
+        and so do the user's behind it (none fits them either); tensorwire's own may still
+        take the kept slots."""
+        if not self._waiters:
+            return
+        left: deque[tuple[asyncio.Future[None], int]] = deque()
+        for fut, tag in self._waiters:
+            if fut.done():
+                continue
+            if self.has_slot(tag):
+                self.slots -= 1
+                fut.set_result(None)
+            else:
+                left.append((fut, tag))
+        self._waiters = left
 
     def fail(self, exc: BaseException) -> None:
-        for f in self._waiters:
+        for f, _ in self._waiters:
             if not f.done():
                 f.set_exception(fresh(exc))  # (each waiter a copy of its own: see ``fresh``)
                 f.exception()
