@@ -19,7 +19,10 @@ for ever (``_on_frame``, docs/verbs.md).
 
 Cancellation: a recv cancelled while RDMA READs write into its ``out=`` lets them finish first
 (then the message is requeued whole); a send cancelled before its MSG frame left is withdrawn;
-one cancelled later sends ABORT and waits for the receiver's FIN: dropped, or read whole.
+one cancelled later sends ABORT and waits for the receiver's FIN: dropped, or read whole. The
+peer's goodbye (``_ending``) ends the sends waiting on it the same way: one waiting for a slot
+fails, one whose MSG frame has not left is withdrawn, one whose MSG left is asked back (ABORT)
+and fails once the peer dropped it, or returns if the peer had read it whole.
 
 Completion errors become tensorwire errors: retries exhausted (the peer's port or host is gone)
 -> PeerDisconnected, anything else -> TransferError; either breaks the channel (an RC queue
@@ -52,7 +55,7 @@ from ...errors import (
 )
 from ...tensors import Outgoing, decode_header
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
-from .._credit import FLUSH_DELAY, ReceiveBudget, SendWindow
+from .._credit import FLUSH_DELAY, ReceiveBudget, SendWindow, fail_waiting_sends
 from .._frames import PeerLimits
 from .._mailbox import Arrival
 from .._order import SendOrder, Turn
@@ -198,6 +201,10 @@ class VerbsChannel(Channel):
         self._budget = ReceiveBudget(limits, self._want_credit)
         self._next_id = 1
         self._fins: dict[int, asyncio.Future[int]] = {}
+        # each send waiting for its FIN: its frames, bytes and whether it went eager (``_ending``)
+        self._described: dict[int, tuple[list[_Out], int, bool]] = {}
+        # the sends asked back (ABORT) at the peer's goodbye: a FIN saying dropped fails them with it
+        self._asked_back: dict[int, BaseException] = {}
         self._frags: dict[int, list[bytes]] = {}
         self._waiting: dict[int, _Incoming] = {}
         self._incoming: dict[int, _Incoming] = {}
@@ -408,7 +415,9 @@ class VerbsChannel(Channel):
         self._sending += 1
         try:
             await turn.wait()
-            await self._window.take_slot(tag, self.check_open)
+            # (``_check_going``: after the peer's goodbye a send raises, a small inline one too,
+            # where it returned for a message the closing peer would drop)
+            await self._window.take_slot(tag, self._check_going)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
             msg_id = self._next_id
@@ -468,16 +477,18 @@ class VerbsChannel(Channel):
             tag=tag,
             nbytes=msg.nbytes,
         )
+        self._described[msg_id] = (outs, msg.nbytes, eager)
         turn.passed()
         try:
             try:
                 flags = await asyncio.shield(fin)  # a cancellation must not cancel fin itself
             except asyncio.CancelledError:
                 if not any(o.posted for o in outs):  # nothing went out: withdraw the message
-                    for o in outs:
-                        if o in self._outq:
-                            self._outq.remove(o)
-                    self._window.unspend(msg.nbytes, eager)
+                    if not fin.done():  # (else the peer's goodbye withdrew it: _ending)
+                        for o in outs:
+                            if o in self._outq:
+                                self._outq.remove(o)
+                        self._window.unspend(msg.nbytes, eager)
                     raise
                 if self.state in (ChannelState.OPEN, ChannelState.CLOSING):
                     self._enqueue(_Out(Kind.ABORT, msg_id=msg_id))
@@ -492,10 +503,14 @@ class VerbsChannel(Channel):
                 raise
         finally:
             self._fins.pop(msg_id, None)
+            self._described.pop(msg_id, None)
+            goodbye = self._asked_back.pop(msg_id, None)
             for r in regions:
                 self._mem.release(r)
         if flags & Flag.FAILED:
             raise TransferError("the peer could not read the message's payload")
+        if goodbye is not None and flags & Flag.DROPPED:  # (asked back at its goodbye: _ending)
+            raise fresh(goodbye)
 
     # -- frames in ----------------------------------------------------------------------------------
     def _on_frame(self, slot: int, nbytes: int) -> None:
@@ -910,6 +925,37 @@ class VerbsChannel(Channel):
         await self.rma("put", arr.__array_interface__["data"][0], arr.nbytes, remote_addr, rkey, arr)
 
     # -- lifecycle ----------------------------------------------------------------------------------
+    def _ending(self, exc: BaseException) -> None:
+        """Fail ``ended`` (``Channel._ending``), and end the sends waiting on the peer (it said
+        goodbye), as tcp and ucx do, without giving back memory the peer may be reading. A send
+        waiting for a message slot fails (nothing of it went out). One waiting for its FIN: if
+        none of its frames left, it is withdrawn and fails (as a cancelled one is); if its MSG
+        frame left, the peer may be RDMA-reading its payload now (or a recv of its may begin to,
+        until its channel closes), which this side cannot see and cannot stop: it is asked back
+        with ABORT, as a cancelled send is, and ends at the peer's FIN: dropped (not being read:
+        it fails with ``exc``) or read whole (delivered: it returns). Its memory stays
+        registered, and the send unreturned (its caller may not reuse the buffer), until then.
+        Sends that begin later raise ``exc`` before they wait or send (``_check_going``; no
+        message goes eager: ``SendWindow.end``)."""
+        super()._ending(exc)
+        if self.state is not ChannelState.OPEN:  # (our own close fails them with its own error)
+            return
+        fail_waiting_sends(self._window, {}, exc)
+        for msg_id, (outs, nbytes, eager) in list(self._described.items()):
+            fin = self._fins.get(msg_id)
+            if fin is None or fin.done() or msg_id in self._asked_back:
+                continue
+            if not any(o.posted for o in outs):  # nothing went out: withdraw it
+                for o in outs:
+                    if o in self._outq:
+                        self._outq.remove(o)
+                self._window.unspend(nbytes, eager)
+                fin.set_exception(fresh(exc))  # (each a copy of its own: see ``fresh``)
+                fin.exception()
+            else:
+                self._asked_back[msg_id] = exc
+                self._enqueue(_Out(Kind.ABORT, msg_id=msg_id))
+
     def peer_gone(self) -> None:
         """The bootstrap connection ended: take what completed, then fail what is pending."""
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
