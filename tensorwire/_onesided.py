@@ -1132,6 +1132,55 @@ async def _drain_within(peer: Peer, tag: int, seconds: float | None, room: _Room
             room.release()
 
 
+# Per peer: the cancelled owner-assisted writes whose payload may still land in the owner's memory
+# (``_settle_later``); a value holds no reference to its peer.
+_unsettled: weakref.WeakKeyDictionary[Peer, set[asyncio.Future[None]]] = weakref.WeakKeyDictionary()
+
+
+def _settle_later(peer: Peer, work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work``, a cancelled owner-assisted write's end (the drain of its answer, or the note
+    that its payload will not come), in the background, and until it ends hold back this side's
+    next owner-assisted operations on ``peer`` (``_settled``). Such a write's payload may have
+    reached the owner whole before the owner's service posted its receive: the owner keeps it and
+    copies it into the tensor later, after the cancel has returned. A read after it then saw the
+    tensor as before the write (or parts of both), and the tensor changed under the read that had
+    returned; a write after it could be overwritten by it. The owner answers once the bytes are
+    in place (or dropped), and that answer ends ``work``."""
+    settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    _unsettled.setdefault(peer, set()).add(settled)
+
+    async def settle() -> None:
+        try:
+            await work
+        finally:
+            pending = _unsettled.get(peer)
+            if pending is not None:
+                pending.discard(settled)
+                if not pending:
+                    del _unsettled[peer]
+            if not settled.done():
+                settled.set_result(None)
+
+    peer._spawn(settle())
+
+
+async def _settled(peer: Peer) -> None:
+    """Wait until this side's cancelled owner-assisted writes to ``peer`` (those so far) have
+    landed at the owner or were dropped there (``_settle_later``), or the channel has ended (the
+    operation then fails as it would have). Nothing to wait for (the usual case) costs a lookup.
+    Bounded as those drains are: the owner answers every write it read, and a closed channel
+    ends them all. Direct (one-sided) writes need none of it: a cancelled one has ended its
+    transfer before its cancel returns (docs/ucx.md)."""
+    pending = _unsettled.get(peer)
+    if not pending:
+        return
+    ended = peer.channel.ended
+    waiting = set(pending)
+    while waiting and not ended.done():
+        await asyncio.wait({*waiting, ended}, return_when=asyncio.FIRST_COMPLETED)
+        waiting = {f for f in waiting if not f.done()}
+
+
 def _split(peer: Peer, handles: list[RemoteHandle]) -> tuple[list[tuple[int, _Direct]], list[int]]:
     """Which handles go one-sided (index, state) and which through the owner (index); all are
     checked before anything moves."""
@@ -1500,6 +1549,7 @@ async def _assisted_read(
     current while the request was on its way). ``before``: what the batch moved before this
     part, for the owner's refusal to say (``_before``)."""
     reply, _ = _tags()
+    await _settled(peer)  # a cancelled write that may still land is in place first
     room = await _room(peer)
     try:
         sending = _sending(peer, _asking("read", handles, reply, 0))
@@ -1809,6 +1859,7 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
     """Send the owner a write request and then the sources, ``msg`` (prepared at the write's
     call); returns once the owner has the bytes in place. ``before``: as ``_assisted_read``."""
     reply, data = _tags()
+    await _settled(peer)  # a cancelled write that may still land cannot overwrite this one
     room = await _room(peer)
     try:
         await _request(
@@ -1823,12 +1874,14 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
             # the owner's limits, but a transport may hold headers to a tighter bound of its
             # own): the owner read the request and waits for the payload, holding the tensor busy
             # (its unexpose waited for good); tell it none comes
-            peer._spawn(_cancel_write(peer, data, reply, room.pass_on()))
+            # (the payload may have reached it whole all the same, to land later: ``_settle_later``)
+            _settle_later(peer, _cancel_write(peer, data, reply, room.pass_on()))
             raise
         try:
             answer = await peer._recv_own(tag=reply)
         except asyncio.CancelledError:
-            _drain_later(peer, reply, owed=True, room=room.pass_on())
+            # its answer is owed, as ``_drain_later``'s; the payload may land before it (``_settle_later``)
+            _settle_later(peer, _drain_within(peer, reply, None, room.pass_on()))
             raise
     finally:
         room.release()

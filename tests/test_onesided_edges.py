@@ -67,6 +67,58 @@ async def test_an_answer_that_comes_after_the_drain_gave_up_is_still_taken(
         assert np.array_equal(await b.read(await b.lookup("y")), dst)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("then", ["read", "write"])
+async def test_a_cancelled_write_the_owner_holds_lands_before_the_next_operation(
+    then: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tcp write cancelled once its payload was whole at the owner, before the owner's service
+    posted its receive: the owner keeps the payload (its read-ahead) and copies it into the
+    tensor later, after the cancel returned. The next read was served first and saw the tensor
+    as before the write (then the tensor changed under it); the next write was overwritten by
+    it. Both now wait until the cancelled write has landed (or was dropped)."""
+    real = _onesided._serve_one
+    release, entered = asyncio.Event(), asyncio.Event()
+    data_tags: list[int] = []
+
+    async def held(peer: Any, table: Any, req: dict[str, Any]) -> None:
+        if req.get("op") == "write" and not data_tags:  # the first write's service waits
+            data_tags.append(req["data"])
+            entered.set()
+            await release.wait()
+        await real(peer, table, req)
+
+    monkeypatch.setattr(_onesided, "_serve_one", held)
+    async with connected_pair("tcp") as (a, b):
+        n = 1 << 16
+        region = np.zeros(n, np.uint8)
+        a.node.expose(region, name="x")
+        h = await b.lookup("x")
+        task = asyncio.ensure_future(b.write(h, np.ones(n, np.uint8)))
+        async with asyncio.timeout(10):
+            await entered.wait()
+        mailbox = a.channel.mailbox
+        await eventually(lambda: bool(q := mailbox._arrived.get(data_tags[0])) and q[0].done.done())
+        task.cancel()  # the payload is whole in the owner's read-ahead, its write not yet served
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+        after = asyncio.ensure_future(b.read(h) if then == "read" else b.write(h, np.full(n, 2, np.uint8)))
+        await asyncio.wait({after}, timeout=0.5)  # old code: served (and done) here, before the write landed
+        release.set()
+        async with asyncio.timeout(10):
+            result = await after
+        snap = region.copy()
+        await eventually(lambda: a.node.exposures.served >= 2 and not mailbox._arrived)
+        await asyncio.sleep(0.1)  # anything still to land at the owner would have landed
+        if then == "read":
+            assert result.all(), "the read ran before the cancelled write (whole at the owner) landed"
+            assert np.array_equal(region, result), "the tensor changed after the read returned"
+        else:
+            assert (region == 2).all(), "the cancelled write landed over the write after it"
+        assert np.array_equal(region, snap)
+
+
 class _CopiesUpFail(HostEngine):
     """A device whose copies to it fail as they are queued (on a GPU: a CUDA error)."""
 
