@@ -51,51 +51,12 @@ def plan(n: int) -> tuple[int, int]:
     return (5, 5) if n <= 16 * MiB else (4, 3) if n <= GiB else (2, 3)
 
 
-class _Raw:
-    def __init__(self) -> None:
-        from tensorwire.transports.ucx._worker import import_ucxx
+def _raw() -> Any:
+    """ucx_p2p.py's raw ucxx (busy-loop progress) with the UCX options every tensorwire context gets
+    (_worker._BASE_OPTIONS)."""
+    from ucx_p2p import _Raw
 
-        self.lib = import_ucxx()
-        from ucxx._lib.arr import Array
-
-        self.Array = Array
-        feats = self.lib.Feature
-        # the options every tensorwire UCX context gets (_worker._BASE_OPTIONS)
-        self.ctx = self.lib.UCXContext(
-            {"WARN_UNUSED_ENV_VARS": "n", "MEMTYPE_CACHE": "n"}, feature_flags=(feats.TAG, feats.RMA, feats.WAKEUP)
-        )
-        self.worker = self.lib.UCXWorker(self.ctx)
-        self.ep: Any = None
-
-    def connect(self, address: bytes) -> None:
-        self.ep = self.worker.create_endpoint_from_worker_address(
-            self.lib.UCXAddress.create_from_buffer(address), False
-        )
-
-    def wait(self, *reqs: Any) -> None:
-        w = self.worker
-        while not all(r.completed for r in reqs):
-            w.progress()
-        for r in reqs:
-            r.check_error()
-
-    def send(self, buf: Any, tag: int) -> Any:
-        return self.ep.tag_send(self.Array(buf), self.lib.UCXXTag(tag))
-
-    def recv(self, buf: Any, tag: int) -> Any:
-        return self.worker.tag_recv(self.Array(buf), self.lib.UCXXTag(tag))
-
-    def wait_raw(self, ucp: Any, req: int | None) -> None:
-        while req is not None and not ucp.request_done(req):
-            self.worker.progress()
-        if req is not None and (status := ucp.request_finish(req)):
-            raise RuntimeError(ucp.status_string(status))
-
-    def close(self) -> None:
-        req = self.ep.close()
-        if req is not None:
-            self.wait(req)
-        self.ep = None
+    return _Raw("default", {"MEMTYPE_CACHE": "n"})
 
 
 def _xp(memory: str) -> Any:
@@ -112,7 +73,7 @@ def _sum(xp: Any, a: Any) -> int:
 
 def child(address: str, memory: str, sizes: list[int]) -> None:
     xp = _xp(memory)
-    r = _Raw()
+    r = _raw()
     r.connect(bytes.fromhex(address))
     mine = bytes(r.worker.address)
     r.wait(r.send(np.frombuffer(len(mine).to_bytes(4, "little") + mine, np.uint8), HELLO))
@@ -188,7 +149,7 @@ def d2d_seconds(xp: Any, x: Any, count: int) -> float:
 def parent(args: argparse.Namespace) -> int:
     xp = _xp(args.memory)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    r = _Raw()
+    r = _raw()
     env = {**os.environ, "UCX_PROTO_INFO": "used"}
     proc = subprocess.Popen(
         [

@@ -71,7 +71,10 @@ def _options(tls: str) -> dict[str, str]:
 
 # -- raw ucxx -------------------------------------------------------------------------------
 class _Raw:
-    def __init__(self, tls: str) -> None:
+    """A raw ucxx context, worker and endpoint, progressed by busy loops (``options``: more UCX
+    options for the context; benchmarks/gpu_ucx_raw.py uses this too)."""
+
+    def __init__(self, tls: str, options: dict[str, str] | None = None) -> None:
         from tensorwire.transports.ucx._worker import import_ucxx
 
         self.lib = import_ucxx()
@@ -80,7 +83,8 @@ class _Raw:
         self.Array = Array
         feats = self.lib.Feature
         self.ctx = self.lib.UCXContext(
-            {"WARN_UNUSED_ENV_VARS": "n", **_options(tls)}, feature_flags=(feats.TAG, feats.RMA, feats.WAKEUP)
+            {"WARN_UNUSED_ENV_VARS": "n", **_options(tls), **(options or {})},
+            feature_flags=(feats.TAG, feats.RMA, feats.WAKEUP),
         )
         self.worker = self.lib.UCXWorker(self.ctx)
         self.ep: Any = None
