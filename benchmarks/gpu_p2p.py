@@ -99,9 +99,10 @@ async def child(args: argparse.Namespace) -> None:
 
     _configure(args.chunk, args.depth)
     async with contextlib.AsyncExitStack() as stack:
-        started = [await stack.enter_async_context(tensorwire.start("127.0.0.1:0", transports=("tcp",)))]
-        if args.ucx:
-            started.append(await stack.enter_async_context(tensorwire.start("127.0.0.1:0", transports=("ucx",))))
+        transports = ([] if args.no_tcp else ["tcp"]) + (["ucx"] if args.ucx else [])
+        started = [
+            await stack.enter_async_context(tensorwire.start("127.0.0.1:0", transports=(t,))) for t in transports
+        ]
         print(json.dumps([n.address for n in started]), flush=True)
         for node in started:
             peer = await node.accept()
@@ -128,7 +129,7 @@ def _source(torch: Any, n: int) -> tuple[Any, int]:
     return x, int(x.sum(dtype=torch.int64))
 
 
-def _to_host(x: Any) -> np.ndarray:
+def _to_host(x: Any) -> Any:
     return x.cpu().numpy()
 
 
@@ -164,7 +165,15 @@ async def parent(args: argparse.Namespace) -> int:
     # the child's UCX reports the protocols it really used (UCX_PROTO_INFO=used) as it ends: the
     # lanes a path names are what UCX may use, this is what it did (cuda_ipc, or a fallback)
     env = {"UCX_PROTO_INFO": "used", **os.environ} if ucx else None
-    extra = (["--ucx"] if ucx else []) + (["--profile", args.profile] if args.profile else [])
+    transports = ([] if args.no_tcp else ["tcp"]) + (["ucx"] if ucx else [])
+    if not transports:
+        print(f"gpu_p2p: --no-tcp and no ucx ({why_no_ucx}): nothing to measure", file=sys.stderr)
+        return 2
+    extra = (
+        (["--ucx"] if ucx else [])
+        + (["--no-tcp"] if args.no_tcp else [])
+        + (["--profile", args.profile] if args.profile else [])
+    )
     proc, addresses = await start_child(__file__, args, *extra, env=env)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     name = torch.cuda.get_device_name(0)
@@ -178,13 +187,7 @@ async def parent(args: argparse.Namespace) -> int:
     lanes: dict[str, str] = {}
     how: dict[str, str] = {}  # per row: the path the last transfer's receipt names
     try:
-        for t, address in zip(["tcp", "ucx"], addresses, strict=False):
-            if t == "tcp" and args.no_tcp and ucx:  # (the child listens with tcp all the same)
-                async with tensorwire.start("127.0.0.1:0", transports=(t,)) as node:
-                    peer = await node.connect(address)
-                    await peer.send("next", tag="cmd")
-                    await peer.aclose()
-                continue
+        for t, address in zip(transports, addresses, strict=True):
             async with tensorwire.start("127.0.0.1:0", transports=(t,)) as node:
                 peer = await node.connect(address)
                 lanes[t] = str(peer.path)
@@ -193,15 +196,13 @@ async def parent(args: argparse.Namespace) -> int:
                     # off the loop: at 4 GiB the copy to (pageable, untouched) host memory took
                     # seconds, and the child took this node for dead (its lease) on the first run
                     x, want = await asyncio.to_thread(_source, torch, n)
-                    if t == "tcp":
+                    if "d2d copy" not in rows[n]:  # (once per size: the first transport's turn)
                         d2d = await asyncio.to_thread(d2d_seconds, torch, x, max(window * batches, 5))
                         rows[n]["d2d copy"] = n / d2d / 1e9
+                    if t == "tcp":
                         host = await asyncio.to_thread(_to_host, x)
                         kinds = [("tcp host", "host", host), ("tcp cuda", "cuda", x)]
                     else:
-                        if "d2d copy" not in rows[n]:  # (--no-tcp)
-                            d2d = await asyncio.to_thread(d2d_seconds, torch, x, max(window * batches, 5))
-                            rows[n]["d2d copy"] = n / d2d / 1e9
                         kinds = [("ucx cuda", "cuda", x)]
                     for label, kind, obj in kinds:
                         try:
@@ -286,7 +287,7 @@ def main() -> int:
         "--window", type=int, help="transfers per timed batch (default: 5, 4 or 2 by size; 1: each transfer answered)"
     )
     parser.add_argument("--no-ucx", action="store_true", help="skip the ucx rows even where ucxx is installed")
-    parser.add_argument("--no-tcp", action="store_true", help="skip the tcp rows (and the d2d copy's)")
+    parser.add_argument("--no-tcp", action="store_true", help="skip the tcp rows")
     parser.add_argument(
         "--profile",
         metavar="DIR",

@@ -184,31 +184,34 @@ class Arrival:
         if self.nbytes == 0 and not rendezvous:
             self.done.set_result(None)
 
-    def allocate(self, device: int | None = None) -> None:
-        """Give the payload a buffer of tensorwire's own: host memory, or, given a CUDA
-        ``device`` (a transport that moves device memory by pointer), memory on that device for
-        the message's CUDA tensors, where it has the memory (else host memory for all)."""
+    def allocate(self, on_device: bool = False) -> None:
+        """Give the payload a buffer of tensorwire's own: host memory, or, ``on_device`` (a
+        transport that moves device memory by pointer), memory on the device a recv without
+        ``device=`` would hand its CUDA tensors on (``_placement``), where it has the memory
+        (else host memory for all)."""
         dest = None
-        if device is not None and any(s.device == "cuda" for s in self.specs):
+        if on_device and any(s.device == "cuda" for s in self.specs):
             with contextlib.suppress(TransferError):
                 dest = [
-                    allocate_device(s.dtype, s.shape, s.framework, device) if s.device == "cuda" else s.allocate()
+                    s.allocate()
+                    if (w := _placement(s, None, None)) is None
+                    else allocate_device(s.dtype, s.shape, s.framework, w)
                     for s in self.specs
                 ]
         self.dest = dest if dest is not None else [s.allocate() for s in self.specs]
         self.direct = False
         self._flat = None
 
-    def adopt(self, device: int | None = None) -> bool:
+    def adopt(self, on_device: bool = False) -> bool:
         """Take an eager payload that no recv has pulled into memory of our own now (or into the
         device tensors a recv placed for it): allocate a buffer if it has none (its CUDA tensors
-        on ``device``, where given: see ``allocate``), or only the caller's out= (a recv may be
+        on the device, ``on_device``: see ``allocate``), or only the caller's out= (a recv may be
         cancelled and give it back), and mark it as no longer waiting to be pulled. False, and
         nothing changed, if the memory cannot be had: it stays with its sender, as a rendezvous
         message does, for a recv to pull it (into out=, or into memory found then)."""
         if self.dest is None or self.direct:
             try:
-                self.allocate(device)
+                self.allocate(on_device)
             except TransferError:
                 return False
         self.rendezvous = False

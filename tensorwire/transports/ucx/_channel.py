@@ -57,7 +57,6 @@ from ...errors import (
 )
 from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
-from ...tensors._device import check_cuda, cuda_usable
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
 from .._credit import ReceiveBudget, SendWindow, fail_waiting_sends
 from .._frames import CHECKSUM, HEADER, MAGIC, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
@@ -1022,9 +1021,8 @@ class UcxChannel(Channel):
         device to device, and the recv hands them over or copies them on the device: through
         host memory, a CUDA message sent before its recv (a pipeline's next activation, as a
         rule) went down and up again, at a few GB/s (the first H200 run: 1 MiB in ~0.5 ms)."""
-        cuda = "cuda" in self.device_kinds and any(s.device == "cuda" for s in arrival.specs) and cuda_usable()
-        device = check_cuda(None) if cuda else None
-        if not arrival.adopt(device):  # no memory for it here now: it waits unposted (UCX holds it)
+        # (no memory for it here now: it waits unposted, UCX holds it)
+        if not arrival.adopt("cuda" in self.device_kinds):
             self._waiting[arrival.msg_id] = (arrival, False)
             return
         if _on_device(arrival):
