@@ -1,7 +1,7 @@
 """Raw ucxx between two processes on one GPU: what UCX itself moves CUDA memory at (cuda_ipc on
 one node), with no tensorwire in the way, beside the device's own copy.
 
-    python benchmarks/gpu_ucx_raw.py [--sizes 1M,16M,256M,1G] [--memory cuda|host]
+    python benchmarks/gpu_ucx_raw.py [--sizes 1M,16M,256M,1G] [--memory cuda|host] [--json rows.json]
 
 The wire under ``benchmarks/gpu_p2p.py``'s "ucx cuda" rows: the same sizes, the same pattern
 (a batch of transfers answered by one 8-byte message, median over batches after a warm-up),
@@ -27,6 +27,7 @@ checks the script itself). Speed is never asserted: exit 0 unless a transfer bro
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -255,6 +256,8 @@ def parent(args: argparse.Namespace) -> int:
         "ucp_get_nbx), each get waited for, median of 5 after one; the 'ucx used' lines say over which lane "
         "(software emulation: no lane for it; docs/gpu.md)"
     )
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(n): row for n, row in rows.items()}))
     return 1 if broke or proc.returncode not in (0, None) else 0
 
 
@@ -262,6 +265,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1M,16M,256M,1G", help="comma-separated sizes, e.g. 1M,1G")
     parser.add_argument("--memory", choices=("cuda", "host"), default="cuda")
+    parser.add_argument("--json", help="also write the rows (GB/s per size) to this file")
     parser.add_argument("--child", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:

@@ -213,9 +213,28 @@ class CudaEngine(CopyEngine):
         return DeviceBuffer(self, int(arr.data.ptr), nbytes, self.device, arr)
 
     def record_on(self, stream: int | None) -> Event:
-        if stream is None:
+        if stream is None or self._idle(stream):
             return DONE
         return CudaEvent(self.cp, self.device).record(stream)
+
+    def _idle(self, stream: int) -> bool:
+        """Whether ``stream`` has nothing queued that has yet to run (``cudaStreamQuery``): then
+        nothing needs an event to wait for its work so far. An event recorded on such a stream
+        and asked at once may not have been reached by the device yet, and its waiter would
+        poll (a loop turn or more, or the event poller) for work that was all done; and the
+        event costs a create and a record. Any other answer (busy, or a stream under graph
+        capture) is left to the event."""
+        rt = self.cp.cuda.runtime
+        # with the device current: a default stream's handle (0, 2) names the current device's
+        with self.cp.cuda.Device(self.device):
+            status = int(rt.streamQuery(stream))
+        if status == 0:
+            return True
+        # not ready (or not askable): cleared, so that torch's next launch check does not read
+        # it as a failure (as CudaEvent.query does)
+        with contextlib.suppress(rt.CUDARuntimeError):
+            rt.check_status(status)
+        return False
 
     def stream_wait(self, stream: int | None, event: Event) -> bool:
         if stream is None:

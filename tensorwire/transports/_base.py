@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import _metrics
 from .._checks import check_arguments, check_int, check_seconds
+from .._loops import wait_out
 from ..errors import ClosedResourceError, ProtocolError, TensorWireError, TransferError, fresh
 
 if TYPE_CHECKING:
@@ -355,15 +356,14 @@ class Channel(ABC):
         memory; a shutdown resolves each once it no longer can (verbs destroys the queue pair
         first and fails them; ucx lets UCX complete them, bounded by a grace after which the
         failure says the memory may still be written). Raising a cancel at once after the
-        shutdown would return while the operation may still write."""
+        shutdown would return while the operation may still write. One at a time (``wait_out``:
+        a ``Pledge`` is awaited directly, a loop turn sooner than through ``asyncio.wait``)."""
         cancelled = False
-        pending = set(futs)
-        while pending:
+        for fut in futs:
             try:
-                _, pending = await asyncio.wait(pending)
+                await wait_out(fut)
             except asyncio.CancelledError:
                 cancelled = True
-                pending = {f for f in pending if not f.done()}
         if cancelled:
             for fut in futs:  # the failure (a shutdown's, mostly) is not what the caller asked about
                 if not fut.cancelled():

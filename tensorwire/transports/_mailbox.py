@@ -1267,7 +1267,7 @@ async def _finished(arrival: Arrival) -> bool:
     bytes all landed."""
     while not arrival.done.done():
         with contextlib.suppress(BaseException):
-            await asyncio.shield(arrival.done)
+            await arrival.completed()
     return arrival.done.exception() is None
 
 

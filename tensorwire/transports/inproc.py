@@ -278,7 +278,9 @@ class InprocChannel(Channel):
         task = asyncio.get_running_loop().create_task(self._pull(source, arrival))
         self._pulls.add(task)
         task.add_done_callback(self._pulls.discard)
-        await asyncio.shield(arrival.done)
+        if not arrival.done.done():
+            await arrival.completed()  # (woken by complete/fail: a loop turn sooner than a shield)
+        arrival.done.result()
 
     async def _pull(self, source: _Source, arrival: Arrival) -> None:
         try:

@@ -63,6 +63,31 @@ def test_a_busy_event_query_leaves_no_error_for_the_next_torch_launch() -> None:
     event.synchronize()
 
 
+def test_an_idle_stream_needs_no_event_and_a_busy_one_gets_one_that_ends_with_its_work() -> None:
+    """``record_on`` asks the stream first (cudaStreamQuery): with nothing queued there is no
+    work to wait for, and no event (one recorded and asked at once may not have been reached by
+    the device yet, and its waiter polled for work all done). A stream with work queued gets an
+    event that completes with that work, and the stream's "not ready" is not left behind as
+    the thread's last CUDA error for torch's next launch check."""
+    from tensorwire.memory._engine import DONE
+
+    torch = _torch()
+    engine = CudaEngine.get(0)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    assert engine.record_on(int(side.cuda_stream)) is DONE
+    assert engine.record_on(int(torch.cuda.current_stream().cuda_stream)) is DONE
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SPIN)
+    event = engine.record_on(int(side.cuda_stream))
+    assert event is not DONE and not event.query(), "a busy stream was taken for idle"
+    x = torch.full((4,), 2.0, device="cuda") * 3  # launches on the current stream, checked by torch
+    assert float(x.sum()) == 24.0
+    side.synchronize()
+    assert event.query()
+    assert engine.record_on(int(side.cuda_stream)) is DONE
+
+
 async def test_cuda_engine_pipeline_roundtrip() -> None:
     engine = CudaEngine.get(0)
     src = cp.asarray(np.random.default_rng(1).integers(0, 256, 9 * MiB + 123, dtype=np.uint8))

@@ -544,7 +544,9 @@ class TcpChannel(Channel):
         # once the message is ours the CTS must go out even if this recv is cancelled: the
         # payload then lands in a buffer of our own and the message is requeued, not lost
         await asyncio.shield(self._write(FrameType.CTS, msg_id=arrival.msg_id))
-        await asyncio.shield(arrival.done)
+        if not arrival.done.done():
+            await arrival.completed()  # (woken by complete/fail: a loop turn sooner than a shield)
+        arrival.done.result()
 
     def release(self, arrival: Arrival) -> None:
         self._budget.release(

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._loops import wait_out
+from ..._loops import Pledge, wait_out
 from ...errors import (
     BrokenResourceError,
     ClosedResourceError,
@@ -163,9 +163,15 @@ class _CudaBytes:
 
 async def _until_done(fut: asyncio.Future[None]) -> None:
     """Wait for ``fut`` without cancelling it; a cancelled ``fut`` ends the wait (its result
-    says so)."""
-    if not fut.done():
-        await asyncio.shield(fut)
+    says so). A ``Pledge`` is awaited directly: a loop turn sooner, and a cancellation of the
+    caller comes once it is done."""
+    if fut.done():
+        return
+    if isinstance(fut, Pledge):
+        with contextlib.suppress(Exception):  # (its outcome is the caller's: ``fut.result()``)
+            await fut
+        return
+    await asyncio.shield(fut)
 
 
 def _payload(part: memoryview | DeviceTensor | np.ndarray) -> Any:
@@ -176,23 +182,30 @@ def _payload(part: memoryview | DeviceTensor | np.ndarray) -> Any:
     return part
 
 
-async def _targets_ready(arrival: Arrival) -> None:
-    """Wait (on the host, without blocking the loop) for the consumer streams' work on the
-    device destinations of ``arrival``: UCX writes outside every stream. Cut short when
-    ``arrival`` fails meanwhile (its channel closed or broke: the streams may stay busy for long,
-    and nobody waits for them any more), raising that failure."""
-
-    # each stream's event recorded now, and asked once: a consumer stream with nothing queued
-    # (the common case) is done by then, and the receive is posted without a turn of the loop.
-    # The task below costs a few turns: on the first H200 run, 173 us (median) of every CUDA
-    # receive's time between its message and its UCX receive, for event waits of 4 us
-    pending = [
+def _busy_streams(arrival: Arrival) -> list[tuple[Any, Any]]:
+    """The consumer streams of ``arrival``'s device destinations that still have work queued
+    (UCX writes outside every stream), as (engine, event recorded on it now); each event asked
+    once. A stream with nothing queued (the common case) is done by then: [] then, and the
+    payload receive may be posted at once."""
+    return [
         (t.engine, event)
         for t in arrival.dest or ()
         if isinstance(t, DeviceTensor) and t.stream is not None
         for event in (t.engine.record_on(t.stream),)
         if not event.query()
     ]
+
+
+async def _targets_ready(arrival: Arrival) -> None:
+    """Wait (on the host, without blocking the loop) for the consumer streams' work on the
+    device destinations of ``arrival``: UCX writes outside every stream. Cut short when
+    ``arrival`` fails meanwhile (its channel closed or broke: the streams may stay busy for long,
+    and nobody waits for them any more), raising that failure."""
+
+    # without a turn of the loop where the streams are idle (``_busy_streams``): the task below
+    # costs a few turns, on the first H200 run 173 us (median) of every CUDA receive's time
+    # between its message and its UCX receive, for event waits of 4 us
+    pending = _busy_streams(arrival)
     if not pending:
         return
 
@@ -926,14 +939,17 @@ class UcxChannel(Channel):
                     arrival.fill(mv[end : end + nbytes])
                 arrival.complete()
             elif rndv:
+                # the recv's task asks for it (pull): a recv cancelled before then gives it back
+                # with nothing landed, whatever its size, and no copy of it
                 self._waiting[msg_id] = (arrival, True)
-            elif arrival.dest is None:
-                self._adopt(arrival)  # nobody waits: buffer it here, within the credit
-            elif not _on_device(arrival):
-                # a recv with out= (host memory) matched: receive straight into it now, one
-                # loop turn before its task would; a cancel of that recv waits for the write
+            elif arrival.dest is not None and not (_on_device(arrival) and _busy_streams(arrival)):
+                # a recv matched (its out=, or device tensors placed for it) and its device
+                # destinations' streams are idle: receive straight into place now, a loop turn
+                # before the recv's task would (pull); a cancel of that recv waits for the write
                 arrival.pinned = True
                 self._post_payload(arrival)
+            elif arrival.dest is None:
+                self._adopt(arrival)  # nobody waits: buffer it here, within the credit
             else:
                 # device memory must be ready first: the recv's task posts the receives (pull)
                 self._waiting[msg_id] = (arrival, False)
@@ -1186,11 +1202,9 @@ class UcxChannel(Channel):
         cancelled = False
         while not arrival.done.done():
             try:
-                await asyncio.shield(arrival.done)
+                await arrival.completed()  # (woken by complete/fail: a turn sooner than a shield)
             except asyncio.CancelledError:
                 cancelled = True
-            except Exception:
-                break
         if cancelled:
             raise asyncio.CancelledError
         arrival.done.result()
@@ -1338,7 +1352,7 @@ class UcxChannel(Channel):
                     break
                 routes = _asked(routes, ucp, req, True)  # (every piece, the last shorter one too)
                 if req is not None:
-                    fut = self._w.watch_raw(ucp, req, keep)
+                    fut = self._w.watch_raw(ucp, req, keep, pledge=True)  # (waited out: ``_settled``)
                     self._rma_futs.add(fut)
                     futs.append(fut)
                     ahead.append(fut)
@@ -1366,7 +1380,7 @@ class UcxChannel(Channel):
         first failure is raised then. A cancellation waits too (UCX cannot take back a put or
         get), and is raised after, unless the channel is closing."""
         ucp = self._require_ucp()
-        futs = [self._w.watch_raw(ucp, req, keep) for req, keep in requests]
+        futs = [self._w.watch_raw(ucp, req, keep, pledge=True) for req, keep in requests]
         self._rma_futs.update(futs)
         try:
             await self._finish_posted(futs)

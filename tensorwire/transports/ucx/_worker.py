@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..._loops import Pledge
 from ...errors import ClosedResourceError, ConfigurationError, TensorWireError, TransportUnavailable
 from ._process import ProcessId, cpus_of, gone, this_cpu, waiting_on
 from ._ucp import UCS_INPROGRESS, CompletingUcp, Ucp, load, quiet
@@ -439,15 +440,25 @@ class Worker:
         return fut
 
     def watch_raw(
-        self, ucp: Any, request: int, keep: object = None, *, owner: object = None, what: str = "one-sided operation"
+        self,
+        ucp: Any,
+        request: int,
+        keep: object = None,
+        *,
+        owner: object = None,
+        what: str = "one-sided operation",
+        pledge: bool = False,
     ) -> asyncio.Future[None]:
         """A future for a raw ``ucp_*_nbx`` request pointer (one-sided operations, control frames,
         payload sends), which fails with the request's error status, ``what`` naming it. ``keep``
         (the memory UCX reads or writes) stays referenced until the request has completed, or the
         worker is destroyed; ``abandon(owner)`` stops the wait but keeps the request and ``keep``
-        so. The request is freed by the worker, never by the caller."""
+        so. The request is freed by the worker, never by the caller. ``pledge``: the future is a
+        ``Pledge`` (its cancel refused), for a caller that waits it out whatever cancellations
+        come (a payload send, a get or put): awaited directly, it wakes that caller a loop turn
+        sooner than a shielded future."""
         assert ucp is self._ucp, "a raw request posted through bindings not bound to this worker"
-        fut: asyncio.Future[None] = self.loop.create_future()
+        fut: asyncio.Future[None] = Pledge(loop=self.loop) if pledge else self.loop.create_future()
         self._raw[request] = (fut, keep, owner, what)
         self._fresh = True
         self.kick()
@@ -477,14 +488,14 @@ class Worker:
 
     def wait_raw(self, request: int, what: str) -> asyncio.Future[None] | None:
         """For a request of ``keep_raw``: None if it has completed (it is freed, its failure
-        raised), else a future as of ``watch_raw``."""
+        raised), else a ``Pledge`` as of ``watch_raw``."""
         entry = self._raw_kept.pop(request, None)
         if entry is None:  # (given up: its owner was abandoned, or the worker closed)
             raise ClosedResourceError(f"{what}: the ucx channel or transport closed")
         ucp = self._ucp
         status = ucp.request_status(request)
         if status == UCS_INPROGRESS:
-            return self.watch_raw(ucp, request, entry[0], owner=entry[1], what=what)
+            return self.watch_raw(ucp, request, entry[0], owner=entry[1], what=what, pledge=True)
         ucp.request_release(request)
         if status:
             raise ucp.error(status, what)

@@ -765,11 +765,9 @@ class VerbsChannel(Channel):
         cancelled = False
         while not arrival.done.done():
             try:
-                await asyncio.shield(arrival.done)
+                await arrival.completed()  # (woken by complete/fail: a loop turn sooner than a shield)
             except asyncio.CancelledError:
                 cancelled = True
-            except Exception:
-                break
         if entry is not None and entry.pulled and arrival.done.done() and arrival.done.exception() is None:
             # the sender's send returns on FIN: let this recv return (and its caller post the
             # next one) first, so that a sender going back to back finds the next recv waiting
