@@ -146,18 +146,18 @@ async def parent(args: argparse.Namespace) -> int:
             flush=True,
         )
     print(f"\ntensorwire's last receipt: {how}\n")
-    head = "| size     | raw ucxx us | tensorwire us | added us | tensorwire/raw |"
+    head = "| size     | raw ucxx us | tensorwire us | added us | bandwidth of raw |"
     print(head)
     print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
     for n in sizes:
         print(
             f"| {fmt_size(n):8} | {raw[n] * 1e6:11.1f} | {tw[n] * 1e6:13.1f} | {(tw[n] - raw[n]) * 1e6:8.1f} "
-            f"| {raw[n] / tw[n]:13.2f}x |"
+            f"| {raw[n] / tw[n]:15.2f}x |"
         )
     print(
         f"\nus: microseconds per transfer ({args.memory} memory), median over batches of back-to-back "
         f"transfers each answered once, best of {args.repeat} turns; added: tensorwire's cost per "
-        "transfer over raw ucxx's; tensorwire/raw: bandwidth, tensorwire over raw."
+        "transfer over raw ucxx's; bandwidth of raw: tensorwire's bandwidth over raw's."
     )
     if args.json:
         args.result = {str(n): {"raw_s": raw[n], "tensorwire_s": tw[n]} for n in sizes}

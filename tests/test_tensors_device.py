@@ -231,6 +231,15 @@ class _FakeCudaRuntime:
     def __init__(self) -> None:
         self.current = 0
         self.calls: list[tuple[str, int, int]] = []  # (call, stream, current device)
+        self.idle = False  # what cudaStreamQuery says of every stream (busy: events are recorded)
+
+    def streamQuery(self, stream: int) -> int:  # noqa: N802
+        self.calls.append(("query", stream, self.current))
+        return 0 if self.idle else 600  # cudaSuccess, or cudaErrorNotReady
+
+    def check_status(self, status: int) -> None:
+        if status:
+            raise self.CUDARuntimeError(f"status {status}")
 
     def eventCreateWithFlags(self, flags: int) -> int:  # noqa: N802
         return 0x1000 + len(self.calls)
@@ -336,8 +345,42 @@ def test_cuda_events_are_recorded_and_waited_for_with_their_device_current(monke
     engine = _cuda.CudaEngine(1)
     event = engine.record_on(0)
     assert engine.stream_wait(0, event)
-    assert rt.calls == [("record", 0, 1), ("wait", 0, 1)]
+    assert rt.calls == [("query", 0, 1), ("record", 0, 1), ("wait", 0, 1)]
     assert rt.current == 0  # and the caller's device is current again
+
+
+def test_an_idle_cuda_stream_gets_no_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``record_on`` asks the stream first (cudaStreamQuery, its device current): one with nothing
+    queued needs no event (DONE), and none is created or recorded. An event recorded there and
+    asked at once may not have been reached by the device yet, and its waiter polled (a loop turn
+    or the poller thread) for work all done; a stream with work queued gets its event."""
+    import types
+
+    from tensorwire.memory import _cuda
+    from tensorwire.memory._engine import DONE
+
+    rt = _FakeCudaRuntime()
+
+    @contextlib.contextmanager
+    def device(n: int) -> Any:
+        before, rt.current = rt.current, n
+        try:
+            yield
+        finally:
+            rt.current = before
+
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt, Device=device))
+    monkeypatch.setattr(_cuda, "cupy_module", lambda: cp)
+    engine = _cuda.CudaEngine(1)
+    rt.idle = True
+    assert engine.record_on(7) is DONE
+    assert rt.calls == [("query", 7, 1)]
+    assert engine.record_on(None) is DONE  # (no stream: nothing asked)
+    assert rt.calls == [("query", 7, 1)]
+    rt.idle = False
+    event = engine.record_on(7)
+    assert event is not DONE
+    assert rt.calls[1:] == [("query", 7, 1), ("record", 7, 1)]
 
 
 async def test_the_cuda_engines_poller_thread_makes_its_device_current_before_it_queries(
