@@ -321,11 +321,9 @@ def test_cuda_refusing_to_queue_work_is_a_transfer_error(monkeypatch: pytest.Mon
         work()
 
 
-def test_cuda_events_are_recorded_and_waited_for_with_their_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tensor on cuda:1 while cuda:0 is current, on its device's default stream (handle 0, as
-    torch.cuda.current_stream(1).cuda_stream gives it): the event must be recorded, and the
-    stream made to wait, with cuda:1 current, else handle 0 is cuda:0's stream (CUDA refuses an
-    event of device 1 there, or a wait orders the wrong device's work)."""
+def _engine_on_device_1(monkeypatch: pytest.MonkeyPatch) -> tuple[_FakeCudaRuntime, Any]:
+    """A CUDA engine of device 1 over the stand-in runtime, whose ``cupy.cuda.Device`` makes a
+    device current the way CuPy's does (and back after): the runtime and the engine."""
     import types
 
     from tensorwire.memory import _cuda
@@ -342,7 +340,15 @@ def test_cuda_events_are_recorded_and_waited_for_with_their_device_current(monke
 
     cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt, Device=device))
     monkeypatch.setattr(_cuda, "cupy_module", lambda: cp)
-    engine = _cuda.CudaEngine(1)
+    return rt, _cuda.CudaEngine(1)
+
+
+def test_cuda_events_are_recorded_and_waited_for_with_their_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor on cuda:1 while cuda:0 is current, on its device's default stream (handle 0, as
+    torch.cuda.current_stream(1).cuda_stream gives it): the event must be recorded, and the
+    stream made to wait, with cuda:1 current, else handle 0 is cuda:0's stream (CUDA refuses an
+    event of device 1 there, or a wait orders the wrong device's work)."""
+    rt, engine = _engine_on_device_1(monkeypatch)
     event = engine.record_on(0)
     assert engine.stream_wait(0, event)
     assert rt.calls == [("query", 0, 1), ("record", 0, 1), ("wait", 0, 1)]
@@ -354,24 +360,9 @@ def test_an_idle_cuda_stream_gets_no_event(monkeypatch: pytest.MonkeyPatch) -> N
     queued needs no event (DONE), and none is created or recorded. An event recorded there and
     asked at once may not have been reached by the device yet, and its waiter polled (a loop turn
     or the poller thread) for work all done; a stream with work queued gets its event."""
-    import types
-
-    from tensorwire.memory import _cuda
     from tensorwire.memory._engine import DONE
 
-    rt = _FakeCudaRuntime()
-
-    @contextlib.contextmanager
-    def device(n: int) -> Any:
-        before, rt.current = rt.current, n
-        try:
-            yield
-        finally:
-            rt.current = before
-
-    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt, Device=device))
-    monkeypatch.setattr(_cuda, "cupy_module", lambda: cp)
-    engine = _cuda.CudaEngine(1)
+    rt, engine = _engine_on_device_1(monkeypatch)
     rt.idle = True
     assert engine.record_on(7) is DONE
     assert rt.calls == [("query", 7, 1)]
