@@ -21,7 +21,7 @@ def trees(against: Path | None) -> dict[str, Path]:
 
 def run_tree(script: Path, tree: Path, argv: list[str]) -> dict[str, float]:
     """``script --one ARGV`` with ``tree`` first on the path: the JSON row it printed last."""
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    env = dict(os.environ, PYTHONPATH=str(tree), TENSORWIRE_TREE=str(tree))  # (for scripts that put their own first)
     cmd = [sys.executable, str(script), "--one", *argv]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tree).stdout
     row: dict[str, float] = json.loads(out.strip().splitlines()[-1])

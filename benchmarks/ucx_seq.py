@@ -1,6 +1,7 @@
 """The fixed cost of a ucx transfer: tensorwire against raw ucxx, one transfer after another.
 
     python benchmarks/ucx_seq.py [--sizes 64K,1M,16M] [--memory host|cuda] [--repeat 3] [--json out.json]
+    python benchmarks/ucx_seq.py --against OLD_CHECKOUT [--rounds 5] [--sizes ...]
 
 Issue #8's goal for CUDA tensors over cuda_ipc (0.7x of the device's own copy at 1 GiB) was
 missed on the first H200 run (0.31-0.46x) where raw ucxx reached 0.90x: each tensorwire
@@ -16,7 +17,11 @@ gpu_p2p).
 Per size: microseconds per transfer, raw and tensorwire; their difference (what tensorwire
 adds to every transfer); and tensorwire's bandwidth over raw's. Raw and tensorwire take turns
 (``--repeat``) and each cell keeps its best: the 2-core machines this runs on move a cell by
-2x between minutes. Speed is never asserted: exit 0 unless a transfer broke.
+2x between minutes. ``--against DIR`` compares this checkout with another (the old code, say):
+each runs a turn of raw and one of tensorwire in a process of its own, the checkouts in turns
+(``--rounds``), and the table gives each one's median and range of the added microseconds and of
+tensorwire's time over raw's in that same turn (which takes the machine's swings out), and
+this/other. Speed is never asserted: exit 0 unless a transfer broke.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tensorwire
+# this checkout's tensorwire, or the one ``--against`` runs (``_against.run_tree`` names it)
+sys.path.insert(0, os.environ.get("TENSORWIRE_TREE") or str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
+from _against import in_turns, print_table, trees
 from _sizes import fmt_size, parse_size
 from _two_process import host_byte_sum, make_parser, receive_batches, run, send_batches, start_child, stop_child
 from gpu_ucx_raw import plan
@@ -129,6 +136,19 @@ async def tensorwire_turn(args: argparse.Namespace, sizes: list[int]) -> tuple[d
     return seconds, how
 
 
+async def one_turn(args: argparse.Namespace) -> dict[str, float]:
+    """One turn of raw and of tensorwire, as a row for ``--against``: per size, the microseconds
+    tensorwire added and its time over raw's (that same turn's: the machine's swings fall on both)."""
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    raw = await asyncio.to_thread(raw_turn, args)
+    tw, _ = await tensorwire_turn(args, sizes)
+    row: dict[str, float] = {}
+    for n in sizes:
+        row[f"{fmt_size(n)} added us"] = (tw[n] - raw[n]) * 1e6
+        row[f"{fmt_size(n)} time over raw"] = tw[n] / raw[n]
+    return row
+
+
 async def parent(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     raw: dict[int, float] = {}
@@ -168,6 +188,9 @@ def main() -> int:
     parser = make_parser(__doc__, "64K,1M,16M")
     parser.add_argument("--memory", choices=("host", "cuda"), default="host")
     parser.add_argument("--repeat", type=int, default=3, help="turns of raw and tensorwire; each cell keeps its best")
+    parser.add_argument("--against", type=Path, help="another checkout of tensorwire to compare with, in turns")
+    parser.add_argument("--rounds", type=int, default=5, help="with --against: runs of each checkout, in turns")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
         import ucxx  # noqa: F401
@@ -180,6 +203,15 @@ def main() -> int:
         if cuda_device_count() == 0:
             print("ucx_seq: --memory cuda needs a CUDA GPU and CuPy", file=sys.stderr)
             return 2
+    if args.one:
+        print(json.dumps(asyncio.run(one_turn(args))), flush=True)
+        return 0
+    if args.against is not None and not args.child:
+        argv = ["--sizes", args.sizes, "--memory", args.memory]
+        runs = in_turns(Path(__file__).resolve(), trees(args.against), argv, args.rounds)
+        print(f"\n{args.memory} memory, {args.rounds} rounds of each checkout in turns (raw, then tensorwire)")
+        print_table(runs, width=26)
+        return 0
     with contextlib.suppress(KeyboardInterrupt):
         return run(args, child, parent)
     return 130
