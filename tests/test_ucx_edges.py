@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -319,9 +320,17 @@ async def test_a_server_dying_before_it_takes_the_hello_fails_the_connect_at_onc
                 await child.wait()
                 with pytest.raises(tensorwire.ConnectError, match="the server went away during the connect") as failed:
                     await connect
-        gc.collect()
-        kept = _ucx_footprint()
         assert failed.value is not None
+        # (collected and counted again for a few seconds: once in about five runs of the whole
+        # suite the count right after the close still found the worker, while 16 runs of this
+        # test alone and 3 of its module did not; a worker the error kept stays for good)
+        give_up = time.monotonic() + 5
+        while True:
+            gc.collect()
+            kept = _ucx_footprint()
+            if (kept[0], kept[2]) == (before[0], before[2]) or time.monotonic() > give_up:
+                break
+            await asyncio.sleep(0.05)
         assert (kept[0], kept[2]) == (before[0], before[2]), "(listening sockets, /dev/shm mappings) before and after"
     finally:
         if child.returncode is None:
