@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._loops import Pledge, wait_out
+from ..._loops import wait_out
 from ...errors import (
     BrokenResourceError,
     ClosedResourceError,
@@ -159,19 +159,6 @@ class _CudaBytes:
             "strides": None,
             "stream": None,
         }
-
-
-async def _until_done(fut: asyncio.Future[None]) -> None:
-    """Wait for ``fut`` without cancelling it; a cancelled ``fut`` ends the wait (its result
-    says so). A ``Pledge`` is awaited directly: a loop turn sooner, and a cancellation of the
-    caller comes once it is done."""
-    if fut.done():
-        return
-    if isinstance(fut, Pledge):
-        with contextlib.suppress(Exception):  # (its outcome is the caller's: ``fut.result()``)
-            await fut
-        return
-    await asyncio.shield(fut)
 
 
 def _payload(part: memoryview | DeviceTensor | np.ndarray) -> Any:
@@ -684,9 +671,15 @@ class UcxChannel(Channel):
                     continue
                 self._futs.add(fut)
                 try:
-                    # (the channel's shutdown fails it: raised)
-                    cancelled |= await self._despite_cancels(functools.partial(_until_done, fut))
-                    fut.result()
+                    # a Pledge: a cancel comes once UCX is done with the segment (``wait_out``),
+                    # and goes on to the next one while the channel is open (``_despite_cancels``)
+                    try:
+                        await wait_out(fut)
+                    except asyncio.CancelledError:
+                        if self.state is not ChannelState.OPEN:
+                            raise
+                        cancelled = True
+                    fut.result()  # (the channel's shutdown fails it: raised)
                 finally:
                     self._futs.discard(fut)
         except BaseException:

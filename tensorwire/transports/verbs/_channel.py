@@ -485,10 +485,7 @@ class VerbsChannel(Channel):
             except asyncio.CancelledError:
                 if not any(o.posted for o in outs):  # nothing went out: withdraw the message
                     if not fin.done():  # (else the peer's goodbye withdrew it: _ending)
-                        for o in outs:
-                            if o in self._outq:
-                                self._outq.remove(o)
-                        self._window.unspend(msg.nbytes, eager)
+                        self._withdraw(outs, msg.nbytes, eager)
                     raise
                 if self.state in (ChannelState.OPEN, ChannelState.CLOSING):
                     self._enqueue(_Out(Kind.ABORT, msg_id=msg_id))
@@ -511,6 +508,14 @@ class VerbsChannel(Channel):
             raise TransferError("the peer could not read the message's payload")
         if goodbye is not None and flags & Flag.DROPPED:  # (asked back at its goodbye: _ending)
             raise fresh(goodbye)
+
+    def _withdraw(self, outs: list[_Out], nbytes: int, eager: bool) -> None:
+        """Take a message none of whose frames has left out of the send queue, and give back the
+        credit it spent (a send cancelled, or ended by the peer's goodbye, before then)."""
+        for o in outs:
+            if o in self._outq:
+                self._outq.remove(o)
+        self._window.unspend(nbytes, eager)
 
     # -- frames in ----------------------------------------------------------------------------------
     def _on_frame(self, slot: int, nbytes: int) -> None:
@@ -944,10 +949,7 @@ class VerbsChannel(Channel):
             if fin is None or fin.done() or msg_id in self._asked_back:
                 continue
             if not any(o.posted for o in outs):  # nothing went out: withdraw it
-                for o in outs:
-                    if o in self._outq:
-                        self._outq.remove(o)
-                self._window.unspend(nbytes, eager)
+                self._withdraw(outs, nbytes, eager)
                 fin.set_exception(fresh(exc))  # (each a copy of its own: see ``fresh``)
                 fin.exception()
             else:
