@@ -42,6 +42,7 @@ from typing import Any
 # this checkout's tensorwire, or the one ``--against`` runs (``_against.run_tree`` names it)
 sys.path.insert(0, os.environ.get("TENSORWIRE_TREE") or str(Path(__file__).resolve().parent.parent))
 
+import _timeline
 import numpy as np
 from _against import in_turns, print_table, trees
 from _sizes import fmt_size, parse_size
@@ -82,6 +83,8 @@ async def _sum(xp: Any, out: Any) -> int:
 # -- the receiving child ----------------------------------------------------------------------------
 async def child(args: argparse.Namespace) -> None:
     xp = _xp(args.memory)
+    if args.timeline_dir:
+        _timeline.install("receiver")
     async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as node:
         print(json.dumps([node.address]), flush=True)
         peer = await node.accept()
@@ -94,6 +97,8 @@ async def child(args: argparse.Namespace) -> None:
             landed = _stream_done if xp is not np else None
             await receive_batches(peer, out, schedule, functools.partial(_sum, xp, out), landed)
             del out
+    if args.timeline_dir:
+        _timeline.save(Path(args.timeline_dir) / "receiver.json")
 
 
 # -- the sending parent -----------------------------------------------------------------------------
@@ -109,11 +114,11 @@ def raw_turn(args: argparse.Namespace) -> dict[int, float]:
         return {int(n): int(n) / (row["raw seq"] * 1e9) for n, row in json.loads(rows.read_text()).items()}
 
 
-async def tensorwire_turn(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, float], str]:
+async def tensorwire_turn(args: argparse.Namespace, sizes: list[int], *child_args: str) -> tuple[dict[int, float], str]:
     """One turn of tensorwire's: seconds per transfer (median over the batches), per size, and
     the last receipt (which path the bytes took)."""
     xp = _xp(args.memory)
-    proc, (address,) = await start_child(__file__, args, "--memory", args.memory)
+    proc, (address,) = await start_child(__file__, args, "--memory", args.memory, *child_args)
     seconds: dict[int, float] = {}
     how = ""
     try:
@@ -181,7 +186,32 @@ async def parent(args: argparse.Namespace) -> int:
     )
     if args.json:
         args.result = {str(n): {"raw_s": raw[n], "tensorwire_s": tw[n]} for n in sizes}
+    if args.timeline:
+        await timeline_turn(args, sizes)
     return 0
+
+
+async def timeline_turn(args: argparse.Namespace, sizes: list[int]) -> None:
+    """One more turn of tensorwire's with both processes marking where each transfer's time goes
+    (``_timeline.py``), last: the marks stay installed in this process. A table per size."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _timeline.install("sender")
+        got, _ = await tensorwire_turn(args, sizes, "--timeline-dir", tmp)
+        _timeline.save(Path(tmp) / "sender.json")
+        sender, receiver = (_timeline.load(Path(tmp) / f"{r}.json") for r in ("sender", "receiver"))
+    rows, counts = _timeline.phases(sender, receiver)
+    print(f"\ntimeline turn (marks on: each costs about a microsecond), {args.memory} memory:")
+    at = 0
+    for n in sizes:
+        window, batches = plan(n)
+        count = 1 + window * batches
+        mine = rows[at : at + count]
+        at += count
+        if len(mine) != count:
+            raise RuntimeError(f"timeline: {len(mine)} transfers of {fmt_size(n)} marked, {count} sent")
+        mine[-1].pop("next recv>", None)  # (the next size's first recv, after the commands between)
+        _timeline.print_phases(f"{fmt_size(n)} ({got[n] * 1e6:.0f} us a transfer in this turn)", mine)
+    _timeline.print_counts(counts)
 
 
 def main() -> int:
@@ -191,6 +221,10 @@ def main() -> int:
     parser.add_argument("--against", type=Path, help="another checkout of tensorwire to compare with, in turns")
     parser.add_argument("--rounds", type=int, default=5, help="with --against: runs of each checkout, in turns")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--timeline", action="store_true", help="then one turn more, timed phase by phase in both processes"
+    )
+    parser.add_argument("--timeline-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
         import ucxx  # noqa: F401

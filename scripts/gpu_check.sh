@@ -4,13 +4,14 @@
 #   bash scripts/gpu_check.sh            # from anywhere; runs in the repository root
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #   BUDGET=390 bash scripts/gpu_check.sh                   # seconds for the whole check (default)
-#   STEPS="p2p raw tests kv pack" bash scripts/gpu_check.sh   # which steps, in this order (default)
+#   STEPS="p2p raw tests seq kv pack" bash scripts/gpu_check.sh   # which steps, in this order (default)
 #   STEPS=tests LF=1 bash scripts/gpu_check.sh             # a warm rerun of the tests that failed
 #   STEPS=tests FF=1 bash scripts/gpu_check.sh             # ... of all of them, those that failed first
 #   XDIST=1 bash scripts/gpu_check.sh                      # the tests in one process (default 4)
 #   STEPS=tests TESTS=tests/gpu/test_cuda_ucx.py bash scripts/gpu_check.sh   # some tests only
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
 #   RAW_ARGS="--sizes 1G" bash scripts/gpu_check.sh        # benchmarks/gpu_ucx_raw.py's
+#   SEQ_ARGS="--sizes 1M --repeat 2" bash scripts/gpu_check.sh   # benchmarks/ucx_seq.py's (--memory cuda)
 #   KV_ARGS="--block-kib 16" bash scripts/gpu_check.sh     # benchmarks/kv_rows.py's (with --memory cuda)
 #   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh;
@@ -160,17 +161,19 @@ fi
 # any rerun included, so the check runs under one time budget (BUDGET, from the script's start)
 # and its steps go in order of what the issue needs most: the two-process benchmark (its table is
 # the issue's goals), then raw ucxx between the same two processes' GPU (the wire under its ucx
-# column), then every GPU test, then the one-sided KV benchmark, then the pack kernels'
-# benchmark (measured on an H100 before; docs/gpu.md). A step gets its own limit or what the
+# column), then every GPU test, then what tensorwire adds to each ucx transfer of CUDA memory over
+# raw ucxx, phase by phase in both processes (ucx_seq.py --timeline), then the one-sided KV
+# benchmark, then the pack kernels' benchmark (measured on an H100 before; docs/gpu.md). A step gets its own limit or what the
 # budget has left, whichever is less, and is not started with under 45 s left: the summary then
 # says which steps did not run and the line that reruns them (a warm machine keeps the installed
 # wheels and the tests' last-failed list). STEPS picks and orders the steps. Each step's limit
 # plus 10 s of kill grace stays inside the budget, with 5 s for the summary.
 BUDGET=${BUDGET:-390}
-STEPS=${STEPS:-p2p raw tests kv pack}
+STEPS=${STEPS:-p2p raw tests seq kv pack}
 T_P2P=${T_P2P:-150}
 T_RAW=${T_RAW:-45}
 T_TESTS=${T_TESTS:-150}
+T_SEQ=${T_SEQ:-60}
 T_KV=${T_KV:-45}
 T_PACK=${T_PACK:-45}
 MIN_STEP=${MIN_STEP:-30}  # the least limit a step is started with (tests/test_gpu_check.py lowers it)
@@ -235,6 +238,13 @@ step_tests() {
     return "${PIPESTATUS[0]}"
 }
 
+# tensorwire against raw ucxx, CUDA memory, one transfer after another, then a turn timed phase by
+# phase in both processes: where the time that tensorwire adds to each transfer goes
+# shellcheck disable=SC2086
+step_seq() {
+    bench "$1" tensorwire-gpu-seq.log ucx_seq.py --memory cuda ${SEQ_ARGS:---sizes 1M,1G --repeat 1} --timeline
+}
+
 # one-sided reads of scattered KV-cache blocks, GPU memory to GPU memory (ucx: cuda_ipc gets; tcp:
 # the owner stages them); a small run: two block sizes, 8 in flight and batches
 # shellcheck disable=SC2086
@@ -247,7 +257,7 @@ step_pack() { bench "$1" tensorwire-gpu-bench.log gpu_pack.py ${BENCH_ARGS:---gi
 
 for step in $STEPS; do
     if ! declare -F "step_$step" >/dev/null; then
-        echo "== unknown step '$step' (steps: p2p raw tests kv pack)"
+        echo "== unknown step '$step' (steps: p2p raw tests seq kv pack)"
         RC[$step]=unknown
         continue
     fi
@@ -306,6 +316,11 @@ if ran tests; then
     case "${RC[tests]}" in
         124 | 137) echo "tests ran out of time in: $(unfinished "$LOGS/tensorwire-gpu-tests.log")" ;;
     esac
+fi
+if ran seq; then
+    echo "ucx_seq:   ($(result seq))"
+    grep -E '^(\||tensorwire.s last receipt|timeline turn|[0-9.]+ [KMG]iB \(|.*counters over|.*FAILED|.*Error)' \
+        "$LOGS/tensorwire-gpu-seq.log"
 fi
 if ran kv; then
     echo "kv_rows:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-kv.log" || echo 'no device line') ($(result kv))"

@@ -89,7 +89,7 @@ def test_gpu_check_runs_the_steps_named_in_their_order_and_fails_without_a_gpu(t
     assert re.search(r"^step pack: exit 2, \d+ s$", out, re.M), out  # the benchmark's own "no GPU here"
     assert re.search(r"^step kv: exit 2, \d+ s$", out, re.M), out  # not 1: the shadow's ImportError
     assert "not the tensorwire of this checkout" not in out
-    assert "== unknown step 'bogus' (steps: p2p raw tests kv pack)" in out and "step bogus: no such step" in out
+    assert "== unknown step 'bogus' (steps: p2p raw tests seq kv pack)" in out and "step bogus: no such step" in out
     assert out.rstrip().endswith(
         "GPU CHECK: FAIL: CuPy finds no CUDA GPU here, so the GPU tests skip and the benchmarks cannot run"
     ), "all skipped is no pass of the GPU check"

@@ -832,7 +832,7 @@ def test_the_defaults_and_numbers_the_pages_quote_are_the_codes() -> None:
             f"host copies of {_size(_offload.OFF_LOOP_BYTES)} or more",
             f"`BUDGET={check['BUDGET']}` seconds",
             f"(`T_P2P={check['T_P2P']}`, `T_RAW={check['T_RAW']}`, `T_TESTS={check['T_TESTS']}`, "
-            f"`T_KV={check['T_KV']}`, "
+            f"`T_SEQ={check['T_SEQ']}`, `T_KV={check['T_KV']}`, "
             f"`T_PACK={check['T_PACK']}` seconds)",
             f"a step is not started with under {int(check['MIN_STEP']) + 15} s left",
             f"a {check['T_TEST']} s limit per test (`T_TEST`",
