@@ -4,14 +4,17 @@
 ``Peer``'s, the device-event waits, the loop's epoll) so that each records the moment it ran, by
 message where it knows one, and ``save`` writes them out. ``phases`` pairs the sender's marks
 with the receiver's by message id (the sender's, which the receiver's ``Arrival`` carries) and
-gives, per transfer, the spans between them; ``print_phases`` prints their medians. Both
+gives, per transfer, the spans between them; ``print_cells`` prints their medians per cell of
+the benchmark (a row's size and kind). Both
 processes run on one machine, whose ``time.perf_counter`` (CLOCK_MONOTONIC) they share, so
 marks of the two can be subtracted.
 
-This is a diagnostic of ``ucx_seq.py --timeline`` (the gpu_p2p pattern between two processes),
-not an API: it wraps private functions by name, and ``install`` fails loudly where one is gone,
-so that a rename breaks the test that runs it (tests/test_bench_cli.py) rather than leaving
-spans empty. A mark costs about a microsecond, which the spans include.
+This is a diagnostic of the two-process benchmarks' ``--timeline`` (``ucx_seq.py``,
+``gpu_p2p.py``, ``staged_p2p.py``), not an API: it wraps private functions by name, and
+``install`` fails loudly where one is gone, so that a rename breaks the test that runs it
+(tests/test_bench_timeline.py) rather than leaving spans empty. A mark costs a microsecond or a
+few, which the spans include: a marked turn runs 10-50% slower than an unmarked one on a 2-core
+machine.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import functools
 import json
 import selectors
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -105,9 +109,12 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 def install(role: str) -> None:
     """Wrap what marks a transfer, in this process (``role``: "sender" or "receiver")."""
-    from tensorwire import _peer
-    from tensorwire.memory import _engine
+    from tensorwire import _peer, memory
+    from tensorwire.memory import _engine, _pinned, _pipeline
+    from tensorwire.tensors import _device
+    from tensorwire.transports import _mailbox
     from tensorwire.transports._frames import FrameType
+    from tensorwire.transports.tcp import _channel as tcp_ch
     from tensorwire.transports.ucx import _channel as ch
     from tensorwire.transports.ucx import _worker
 
@@ -139,9 +146,21 @@ def install(role: str) -> None:
     _timed(ucx, "_handle_frame", "control handler runs")
     _timed(ucx, "_post_payload", "payload receive posts")
     _wrap(ch, "_landed", lambda arrival: _mark("landed", arrival.msg_id))
-    # waits: device events (the producer's before a send, the consumer's before a receive)
-    _timed(ch, "wait_event", "event waits (ucx channel)")
-    _timed(ch, "_targets_ready", "consumer-stream waits")
+    # waits for device events, counted by who waited: the ucx channel (a producer's stream before
+    # a send), the tcp channel, the staging pipeline (its copies down, on the sender) and pool
+    # (chunks whose copies still run), the mailbox and device landing (copies up), and the
+    # benchmark's own stream waits after each CUDA receive (through ``tensorwire.memory``)
+    for module, who in (
+        (ch, "ucx channel"),
+        (tcp_ch, "tcp channel"),
+        (_pipeline, "staging pipeline"),
+        (_pinned, "staging pool"),
+        (_mailbox, "mailbox"),
+        (_device, "device landing"),
+        (memory, "benchmark"),
+    ):
+        _timed(module, "wait_event", f"event waits ({who})")
+    _timed(ch, "_targets_ready", "ucx consumer-stream waits")
     _wrap(_engine._Poller, "watch", lambda *a, **k: _COUNT.__setitem__("poller watches", _COUNT["poller watches"] + 1))
     _wrap(_worker.Worker, "_progress", lambda *a, **k: _COUNT.__setitem__("progress runs", _COUNT["progress runs"] + 1))
 
@@ -178,6 +197,8 @@ def _asleep(slept: list[list[float]], t0: float, t1: float) -> float:
 # the spans of a transfer: (name, from mark, to mark); the sender's marks are send>, msg, payload>,
 # payload< and send<, the receiver's recv>, arrived, posted, landed, recv< and next recv>
 SPANS = [
+    ("send (all of it)", "send>", "send<"),
+    ("recv (all of it)", "recv>", "recv<"),
     ("send -> its MSG frame", "send>", "msg"),
     ("MSG frame -> receiver has it", "msg", "arrived"),
     ("recv -> payload receive posted", "recv>", "posted"),
@@ -194,50 +215,63 @@ SPANS = [
 
 
 def phases(sender: dict[str, Any], receiver: dict[str, Any]) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """Per data transfer, the moment of each mark (sender's and receiver's, by message id; the
-    application's ``send``/``recv`` paired in order), and the two processes' counters."""
-    per: dict[int, dict[str, float]] = defaultdict(dict)
-    sends: list[float] = []
-    send_ends: list[float] = []
-    order: list[int] = []
+    """Per data transfer, in order, the moment of each mark: the k-th ``send`` with the k-th
+    ``recv``, and (ucx) the channel's marks of that send's message, by its id (the MSG frame
+    built inside the send); and the two processes' counters."""
+    rows: list[dict[str, float]] = []
+    by_msg: dict[int, dict[str, float]] = {}
+    current: dict[str, float] | None = None  # the send under way
     for t, what, msg in sender["marks"]:
         if what == "send>":
-            sends.append(t)
+            current = {"send>": t}
+            rows.append(current)
         elif what == "send<":
-            send_ends.append(t)
-        elif what == "msg" and len(sends) > len(order):  # the first MSG frame after a data send
-            order.append(msg)
-            per[msg]["send>"] = sends[-1]
-            per[msg]["msg"] = t
-        elif msg in per and what in ("payload>", "payload<"):
-            per[msg][what] = t
-    for msg, end in zip(order, send_ends, strict=False):
-        per[msg]["send<"] = end
+            if current is not None:
+                current["send<"] = t
+            current = None
+        elif what == "msg" and current is not None and "msg" not in current:
+            current["msg"] = t
+            by_msg[msg] = current
+        elif what in ("payload>", "payload<") and msg in by_msg:
+            by_msg[msg].setdefault(what, t)
     recvs = [t for t, what, _ in receiver["marks"] if what == "recv>"]
     recv_ends = [t for t, what, _ in receiver["marks"] if what == "recv<"]
     for t, what, msg in receiver["marks"]:
-        if msg in per and what in ("arrived", "posted", "landed"):
-            per[msg].setdefault(what, t)
-    rows = []
-    for k, msg in enumerate(order):
-        row = per[msg]
+        if what in ("arrived", "posted", "landed") and msg in by_msg:
+            by_msg[msg].setdefault(what, t)
+    for k, row in enumerate(rows):
         if k < len(recvs):
             row["recv>"] = recvs[k]
         if k < len(recv_ends):
             row["recv<"] = recv_ends[k]
-        if k + 1 < len(recvs) and k + 1 < len(order):  # (the benchmark's own: a CUDA one waits for its stream)
+        if k + 1 < len(recvs) and k + 1 < len(rows):  # (the benchmark's own: a CUDA one waits for its stream)
             row["next recv>"] = recvs[k + 1]
         if "send>" in row and "recv<" in row:
             row["sender asleep"] = _asleep(sender["slept"], row["send>"], row["recv<"])
             row["receiver asleep"] = _asleep(receiver["slept"], row["send>"], row["recv<"])
-        rows.append(row)
     counts = {"sender": sender["counts"], "receiver": receiver["counts"]}
     return rows, counts
 
 
-def print_phases(title: str, rows: list[dict[str, float]], skip: int = 1) -> None:
-    """Medians of each span over the transfers (after ``skip`` warm-up ones), in microseconds."""
-    rows = rows[skip:]
+def print_cells(rows: list[dict[str, float]], cells: list[tuple[str, int]]) -> None:
+    """``rows`` (``phases``, in order) cut into the benchmark's cells, ``(title, transfers)`` in the
+    order they ran; a table per title (cells of one title, turns of a row say, put together), the
+    first transfer of each cell (its warm-up) left out."""
+    if sum(n for _, n in cells) != len(rows):
+        raise RuntimeError(f"timeline: {len(rows)} transfers marked, {sum(n for _, n in cells)} sent")
+    tables: dict[str, list[dict[str, float]]] = {}
+    at = 0
+    for title, n in cells:
+        mine = rows[at : at + n]
+        at += n
+        mine[-1].pop("next recv>", None)  # (the next cell's first recv, after the commands between)
+        tables.setdefault(title, []).extend(mine[1:])
+    for title, mine in tables.items():
+        print_phases(title, mine)
+
+
+def print_phases(title: str, rows: list[dict[str, float]]) -> None:
+    """Medians of each span over the transfers, in microseconds."""
     print(f"\n{title}: {len(rows)} transfers, microseconds (median, p10-p90)")
     head = "| span                                      | median |     p10-p90 |   n |"
     print(head)
@@ -249,15 +283,58 @@ def print_phases(title: str, rows: list[dict[str, float]], skip: int = 1) -> Non
         else:
             vals = [(r[b] - r[a]) * 1e6 for r in rows if a in r and b in r]
         if not vals:
-            print(f"| {name:41} |      - |           - |   0 |")
-            continue
+            continue  # (a span of the ucx channel's marks, in a row over another transport)
         q = statistics.quantiles(vals, n=10) if len(vals) > 1 else [vals[0]] * 9
         print(f"| {name:41} | {statistics.median(vals):6.1f} | {q[0]:5.0f}-{q[-1]:<5.0f} | {len(vals):3} |")
 
 
 def print_counts(counts: dict[str, Any]) -> None:
-    """Each process's counters over the whole turn (event waits, poller, progress runs, epoll)."""
+    """Each process's counters over the marked run (event waits, poller, progress runs, epoll)."""
     for side in ("sender", "receiver"):
         c = counts[side]
         said = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
-        print(f"{side}'s counters over the whole turn: {said or 'none'}")
+        print(f"{side}'s counters over the marked run: {said or 'none'}")
+
+
+class Marked:
+    """A benchmark's parent side of ``--timeline``: ``Marked(on)`` marks this process (the sender)
+    when ``on``; ``child_args`` marks the receiving child (``child_begins``/``child_ends`` there);
+    ``report(cells)``, once the child has ended, prints the tables of ``print_cells`` and the
+    counters."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.child_args: list[str] = []
+        if on:
+            self._dir = tempfile.TemporaryDirectory(prefix="tensorwire-timeline-")
+            self.child_args = ["--timeline-dir", self._dir.name]
+            install("sender")
+
+    def report(self, title: str, cells: list[tuple[str, int]]) -> None:
+        if self._dir is None:
+            return
+        path = Path(self._dir.name)
+        try:
+            save(path / "sender.json")
+            rows, counts = phases(load(path / "sender.json"), load(path / "receiver.json"))
+        finally:
+            self._dir.cleanup()
+            self._dir = None
+        print(f"\n{title} (marked: a few microseconds more a transfer)")
+        try:
+            print_cells(rows, cells)
+        except RuntimeError as exc:  # (a row that failed part way: its transfers are not all there)
+            print(exc)
+        print_counts(counts)
+
+
+def child_begins(args: Any) -> None:
+    """The receiving child's side: marked where the parent asked (``--timeline-dir``)."""
+    if getattr(args, "timeline_dir", None):
+        install("receiver")
+
+
+def child_ends(args: Any) -> None:
+    if getattr(args, "timeline_dir", None):
+        save(Path(args.timeline_dir) / "receiver.json")

@@ -17,13 +17,20 @@ from _sizes import MiB, fmt_size, parse_size
 
 
 def make_parser(doc: str | None, sizes: str) -> argparse.ArgumentParser:
-    """--sizes, --chunk, --depth, --json, and the hidden --child that the receiving child gets."""
+    """--sizes, --chunk, --depth, --json, --timeline (``_timeline.py``), and the hidden --child
+    (and --timeline-dir) that the receiving child gets."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=sizes, help="comma-separated sizes, e.g. 1M,16M,1G")
     parser.add_argument("--chunk", type=parse_size, default=4 * MiB, help="staging chunk size")
     parser.add_argument("--depth", type=int, default=8, help="staging chunks per direction")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="mark both processes and print where each transfer's time went, span by span (slower)",
+    )
+    parser.add_argument("--timeline-dir", help=argparse.SUPPRESS)  # (the child's: where its marks go)
     return parser
 
 

@@ -23,6 +23,9 @@ Rows, all from one run:
 GB/s counts the tensor's bytes once (1 GB = 1e9 bytes), median over the batches after one
 warm-up transfer. Goals from issue #8: tcp cuda >= 0.8x tcp host; ucx cuda >= 0.7x the d2d copy at 1 GiB.
 Speed is never asserted: the script prints PASS/MISS and exits 0 unless a transfer broke.
+``--timeline`` marks both processes (``_timeline.py``) and prints, per row and size, where each
+transfer's time went (the send, the recv, the receiver's stream wait, device-event waits and
+sleeps in epoll); the marks slow every row a little, so its table is not the one to quote.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tensorwire
 
+import _timeline
 import numpy as np
 from _sizes import GiB, MiB, fmt_size, parse_size
 from _two_process import (
@@ -97,6 +101,7 @@ async def _stream_done() -> None:
 async def child(args: argparse.Namespace) -> None:
     import torch
 
+    _timeline.child_begins(args)
     _configure(args.chunk, args.depth)
     async with contextlib.AsyncExitStack() as stack:
         transports = ([] if args.no_tcp else ["tcp"]) + (["ucx"] if args.ucx else [])
@@ -120,6 +125,7 @@ async def child(args: argparse.Namespace) -> None:
                 await receive_batches(peer, out, schedule, functools.partial(_byte_sum, out), landed)
                 del out
                 torch.cuda.empty_cache()
+    _timeline.child_ends(args)
 
 
 # -- the sending parent -----------------------------------------------------------------------------
@@ -174,7 +180,9 @@ async def parent(args: argparse.Namespace) -> int:
         + (["--no-tcp"] if args.no_tcp else [])
         + (["--profile", args.profile] if args.profile else [])
     )
-    proc, addresses = await start_child(__file__, args, *extra, env=env)
+    marked = _timeline.Marked(args.timeline)
+    cells: list[tuple[str, int]] = []  # (the timeline's: what ran, in order)
+    proc, addresses = await start_child(__file__, args, *extra, *marked.child_args, env=env)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     name = torch.cuda.get_device_name(0)
     print(
@@ -205,6 +213,7 @@ async def parent(args: argparse.Namespace) -> int:
                     else:
                         kinds = [("ucx cuda", "cuda", x)]
                     for label, kind, obj in kinds:
+                        cells.append((f"{label} {fmt_size(n)}", 1 + window * batches))
                         try:
                             # one warm-up transfer, then the timed batches
                             times, receipt, landed = await send_batches(
@@ -225,6 +234,7 @@ async def parent(args: argparse.Namespace) -> int:
                 await peer.aclose()
     finally:
         report = await stop_child(proc)
+    marked.report("timeline", cells)
     print()
     for t, path in lanes.items():
         print(f"{t} path: {path}")

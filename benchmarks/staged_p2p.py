@@ -42,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tensorwire
 
+import _timeline
 import numpy as np
 from _sizes import MiB, fmt_size, parse_size
 from _two_process import (
@@ -92,6 +93,7 @@ def wrap(engine: HostEngine, kind: str, arr: np.ndarray) -> Any:
 
 # -- the receiving child ----------------------------------------------------------------------------
 async def child(args: argparse.Namespace) -> None:
+    _timeline.child_begins(args)
     engine = make_engine(args)
     async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
         print(json.dumps(node.address), flush=True)
@@ -103,12 +105,15 @@ async def child(args: argparse.Namespace) -> None:
             del arr
         await peer.aclose()
     engine.close()
+    _timeline.child_ends(args)
 
 
 # -- the sending parent -----------------------------------------------------------------------------
 async def parent(args: argparse.Namespace) -> int:
     engine = make_engine(args)
-    proc, address = await start_child(__file__, args)
+    marked = _timeline.Marked(args.timeline)
+    proc, address = await start_child(__file__, args, *marked.child_args)
+    cells: list[tuple[str, int]] = []  # (the timeline's: what ran, in order)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     print(
         f"staging {args.depth} x {fmt_size(args.chunk)} chunks each way, host copy engine "
@@ -128,6 +133,7 @@ async def parent(args: argparse.Namespace) -> int:
                 want = await host_byte_sum(data)
                 for turn in range(args.turns):
                     for kind in ROWS if turn % 2 == 0 else ROWS[::-1]:
+                        cells.append((f"{kind} {fmt_size(n)}", repeats(n) + 1))
                         try:
                             got, receipt, landed = await send_batches(
                                 peer, kind, wrap(engine, kind, data), n, [1] * (repeats(n) + 1), want
@@ -151,6 +157,7 @@ async def parent(args: argparse.Namespace) -> int:
     finally:
         await stop_child(proc)
         engine.close()
+    marked.report("timeline, every turn", cells)
     print(f"\npath: {path}")
     for kind, text in how.items():
         print(f"{kind} receipt: {text}")

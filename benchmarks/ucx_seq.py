@@ -83,8 +83,7 @@ async def _sum(xp: Any, out: Any) -> int:
 # -- the receiving child ----------------------------------------------------------------------------
 async def child(args: argparse.Namespace) -> None:
     xp = _xp(args.memory)
-    if args.timeline_dir:
-        _timeline.install("receiver")
+    _timeline.child_begins(args)
     async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as node:
         print(json.dumps([node.address]), flush=True)
         peer = await node.accept()
@@ -97,8 +96,7 @@ async def child(args: argparse.Namespace) -> None:
             landed = _stream_done if xp is not np else None
             await receive_batches(peer, out, schedule, functools.partial(_sum, xp, out), landed)
             del out
-    if args.timeline_dir:
-        _timeline.save(Path(args.timeline_dir) / "receiver.json")
+    _timeline.child_ends(args)
 
 
 # -- the sending parent -----------------------------------------------------------------------------
@@ -192,26 +190,15 @@ async def parent(args: argparse.Namespace) -> int:
 
 
 async def timeline_turn(args: argparse.Namespace, sizes: list[int]) -> None:
-    """One more turn of tensorwire's with both processes marking where each transfer's time goes
-    (``_timeline.py``), last: the marks stay installed in this process. A table per size."""
-    with tempfile.TemporaryDirectory() as tmp:
-        _timeline.install("sender")
-        got, _ = await tensorwire_turn(args, sizes, "--timeline-dir", tmp)
-        _timeline.save(Path(tmp) / "sender.json")
-        sender, receiver = (_timeline.load(Path(tmp) / f"{r}.json") for r in ("sender", "receiver"))
-    rows, counts = _timeline.phases(sender, receiver)
-    print(f"\ntimeline turn (marks on: each costs about a microsecond), {args.memory} memory:")
-    at = 0
+    """One turn more of tensorwire's with both processes marked (``_timeline.py``), last: the
+    marks stay installed in this process. A table per size."""
+    marked = _timeline.Marked(True)
+    got, _ = await tensorwire_turn(args, sizes, *marked.child_args)
+    cells = []
     for n in sizes:
         window, batches = plan(n)
-        count = 1 + window * batches
-        mine = rows[at : at + count]
-        at += count
-        if len(mine) != count:
-            raise RuntimeError(f"timeline: {len(mine)} transfers of {fmt_size(n)} marked, {count} sent")
-        mine[-1].pop("next recv>", None)  # (the next size's first recv, after the commands between)
-        _timeline.print_phases(f"{fmt_size(n)} ({got[n] * 1e6:.0f} us a transfer in this turn)", mine)
-    _timeline.print_counts(counts)
+        cells.append((f"{fmt_size(n)} ({got[n] * 1e6:.0f} us a transfer in this turn)", 1 + window * batches))
+    marked.report(f"timeline turn, {args.memory} memory", cells)
 
 
 def main() -> int:
@@ -221,10 +208,6 @@ def main() -> int:
     parser.add_argument("--against", type=Path, help="another checkout of tensorwire to compare with, in turns")
     parser.add_argument("--rounds", type=int, default=5, help="with --against: runs of each checkout, in turns")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--timeline", action="store_true", help="then one turn more, timed phase by phase in both processes"
-    )
-    parser.add_argument("--timeline-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
         import ucxx  # noqa: F401

@@ -12,6 +12,7 @@
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
 #   RAW_ARGS="--sizes 1G" bash scripts/gpu_check.sh        # benchmarks/gpu_ucx_raw.py's
 #   SEQ_ARGS="--sizes 1M --repeat 2" bash scripts/gpu_check.sh   # benchmarks/ucx_seq.py's (--memory cuda)
+#   STAGED_ARGS="--sizes 1M,16M" bash scripts/gpu_check.sh  # the seq step's gpu_p2p.py --no-ucx --timeline
 #   KV_ARGS="--block-kib 16" bash scripts/gpu_check.sh     # benchmarks/kv_rows.py's (with --memory cuda)
 #   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh;
@@ -173,7 +174,7 @@ STEPS=${STEPS:-p2p raw tests seq kv pack}
 T_P2P=${T_P2P:-150}
 T_RAW=${T_RAW:-45}
 T_TESTS=${T_TESTS:-150}
-T_SEQ=${T_SEQ:-60}
+T_SEQ=${T_SEQ:-90}
 T_KV=${T_KV:-45}
 T_PACK=${T_PACK:-45}
 MIN_STEP=${MIN_STEP:-30}  # the least limit a step is started with (tests/test_gpu_check.py lowers it)
@@ -241,8 +242,21 @@ step_tests() {
 # tensorwire against raw ucxx, CUDA memory, one transfer after another, then a turn timed phase by
 # phase in both processes: where the time that tensorwire adds to each transfer goes
 # shellcheck disable=SC2086
+# and staged tcp's rows of gpu_p2p.py at 1 MiB (the size whose goal the first run missed), marked
+# the same way
 step_seq() {
+    local began=$SECONDS
+    rm -f "$LOGS/tensorwire-gpu-staged-timeline.log"  # (a warm machine's, from a call before)
     bench "$1" tensorwire-gpu-seq.log ucx_seq.py --memory cuda ${SEQ_ARGS:---sizes 1M,1G --repeat 1} --timeline
+    local rc=$? left=$(($1 - (SECONDS - began)))
+    if [ "$left" -lt 10 ]; then
+        echo "== gpu_p2p.py --timeline: not started, ${left} s of the step left"
+        return "$rc"
+    fi
+    bench "$left" tensorwire-gpu-staged-timeline.log gpu_p2p.py --no-ucx ${STAGED_ARGS:---sizes 1M} --timeline
+    local rc2=$?
+    [ "$rc" -ne 0 ] && return "$rc"
+    return "$rc2"
 }
 
 # one-sided reads of scattered KV-cache blocks, GPU memory to GPU memory (ucx: cuda_ipc gets; tcp:
@@ -321,6 +335,9 @@ if ran seq; then
     echo "ucx_seq:   ($(result seq))"
     grep -E '^(\||tensorwire.s last receipt|timeline turn|[0-9.]+ [KMG]iB \(|.*counters over|.*FAILED|.*Error)' \
         "$LOGS/tensorwire-gpu-seq.log"
+    # staged tcp, marked: the spans of each row and who waited for device events
+    [ -f "$LOGS/tensorwire-gpu-staged-timeline.log" ] && sed -n '/^timeline/,$p' \
+        "$LOGS/tensorwire-gpu-staged-timeline.log" | grep -E '^(\||timeline|tcp (host|cuda) |.*counters over)'
 fi
 if ran kv; then
     echo "kv_rows:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-kv.log" || echo 'no device line') ($(result kv))"

@@ -58,7 +58,33 @@ def test_the_timeline_turn_marks_every_phase_of_every_transfer_in_both_processes
         for (whole, _), (median, _) in zip(wholes, spans[part], strict=True):
             assert whole > median, f"{part}\n{out}"
     for side in ("sender", "receiver"):
-        said = re.search(rf"^{side}'s counters over the whole turn: (.*)$", out, re.M)
+        said = re.search(rf"^{side}'s counters over the marked run: (.*)$", out, re.M)
         assert said and "progress runs" in said[1], out
-    said = re.search(r"^receiver's counters over the whole turn: (.*)$", out, re.M)
+    said = re.search(r"^receiver's counters over the marked run: (.*)$", out, re.M)
     assert said and re.search(r"control handler runs \d+", said[1]) and re.search(r"payload receive posts \d+", said[1])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_staged_tcp_timeline_gives_each_row_its_spans_and_says_who_waited_for_copies() -> None:
+    """staged_p2p.py --timeline (the CPU stand-in of gpu_p2p.py's tcp rows, which take the same
+    flag on a GPU): a table per row, and the copy engine's waits counted on each side."""
+    cmd = [sys.executable, "benchmarks/staged_p2p.py", "--sizes", "1M", "--turns", "2", "--timeline"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    # two turns of 12 timed transfers and a warm-up each, per row
+    tables = re.findall(r"^(tcp host|tcp staged) 1 MiB: (\d+) transfers", out, re.M)
+    assert tables == [("tcp host", "24"), ("tcp staged", "24")], out
+    rows = re.findall(r"^\| ([^|]+?) +\| +([-\d.]+) \| +[-\d ]+\| +(\d+) \|$", out, re.M)
+    names = [name for name, _, _ in rows]
+    for name in ("send (all of it)", "recv (all of it)", "send -> recv returns (one transfer)"):
+        assert names.count(name) == 2, out
+    assert "MSG frame -> receiver has it" not in names, "a ucx span in a tcp row"
+    sender = re.search(r"^sender's counters over the marked run: (.*)$", out, re.M)
+    receiver = re.search(r"^receiver's counters over the marked run: (.*)$", out, re.M)
+    # the sender waits for each chunk's copy down; the stand-in's receiver (an engine without
+    # streams) waits for its copies up on the host, at the landing
+    assert sender and re.search(r"event waits \(staging pipeline\) (\d+)", sender[1]), out
+    assert receiver and re.search(r"event waits \(device landing\) (\d+)", receiver[1]), out
