@@ -1,13 +1,13 @@
-"""Where a ucx transfer's time goes: marks in both processes, merged per message.
+"""Where a transfer's time goes: marks in both processes of a benchmark, paired per transfer.
 
-``install(role)`` wraps a few of tensorwire's own functions (the ucx channel's, the mailbox's,
-``Peer``'s, the device-event waits, the loop's epoll) so that each records the moment it ran, by
-message where it knows one, and ``save`` writes them out. ``phases`` pairs the sender's marks
-with the receiver's by message id (the sender's, which the receiver's ``Arrival`` carries) and
-gives, per transfer, the spans between them; ``print_cells`` prints their medians per cell of
-the benchmark (a row's size and kind). Both
-processes run on one machine, whose ``time.perf_counter`` (CLOCK_MONOTONIC) they share, so
-marks of the two can be subtracted.
+``install(role)`` wraps a few of tensorwire's own functions (``Peer``'s send and recv, the ucx
+channel's, the device-event waits, the loop's epoll) so that each records the moment it ran, by
+message where it knows one, or counts its calls and their time; ``save`` writes them out.
+``phases`` pairs the sender's k-th data send with the receiver's k-th data recv, and the ucx
+channel's marks by message id (the sender's, which the receiver's ``Arrival`` carries), and gives
+per transfer the spans between them; ``print_cells`` prints their medians per cell of the
+benchmark (a row's size and kind). Both processes run on one machine, whose
+``time.perf_counter`` (CLOCK_MONOTONIC) they share, so marks of the two can be subtracted.
 
 This is a diagnostic of the two-process benchmarks' ``--timeline`` (``ucx_seq.py``,
 ``gpu_p2p.py``, ``staged_p2p.py``), not an API: it wraps private functions by name, and
@@ -303,7 +303,6 @@ class Marked:
     counters."""
 
     def __init__(self, on: bool) -> None:
-        self.on = on
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.child_args: list[str] = []
         if on:
@@ -315,13 +314,16 @@ class Marked:
         if self._dir is None:
             return
         path = Path(self._dir.name)
+        print(f"\n{title} (marked: a few microseconds more a transfer)")
         try:
             save(path / "sender.json")
             rows, counts = phases(load(path / "sender.json"), load(path / "receiver.json"))
+        except (OSError, ValueError) as exc:  # (the child died before it wrote its marks)
+            print(f"timeline: no marks of the receiver's: {exc}")
+            return
         finally:
             self._dir.cleanup()
             self._dir = None
-        print(f"\n{title} (marked: a few microseconds more a transfer)")
         try:
             print_cells(rows, cells)
         except RuntimeError as exc:  # (a row that failed part way: its transfers are not all there)
