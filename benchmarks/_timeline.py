@@ -110,7 +110,7 @@ def _timed(owner: Any, name: str, label: str) -> None:
 def install(role: str) -> None:
     """Wrap what marks a transfer, in this process (``role``: "sender" or "receiver")."""
     from tensorwire import _peer, memory
-    from tensorwire.memory import _engine, _pinned, _pipeline
+    from tensorwire.memory import _cuda, _engine, _pinned, _pipeline
     from tensorwire.tensors import _device
     from tensorwire.transports import _mailbox
     from tensorwire.transports._frames import FrameType
@@ -161,6 +161,10 @@ def install(role: str) -> None:
     ):
         _timed(module, "wait_event", f"event waits ({who})")
     _timed(ch, "_targets_ready", "ucx consumer-stream waits")
+    # CUDA's own bookkeeping per message: reading torch's or CuPy's current stream, and asking a
+    # stream for an event (``record_on``: none where the stream is idle)
+    _timed(_device, "_stream", "framework stream reads")
+    _timed(_cuda.CudaEngine, "record_on", "CUDA record_on calls")
     _wrap(_engine._Poller, "watch", lambda *a, **k: _COUNT.__setitem__("poller watches", _COUNT["poller watches"] + 1))
     _wrap(_worker.Worker, "_progress", lambda *a, **k: _COUNT.__setitem__("progress runs", _COUNT["progress runs"] + 1))
 
