@@ -164,8 +164,8 @@ fi
 # the issue's goals), then raw ucxx between the same two processes' GPU (the wire under its ucx
 # column), then every GPU test, then what tensorwire adds to each ucx transfer of CUDA memory over
 # raw ucxx, phase by phase in both processes (ucx_seq.py --timeline), then the one-sided KV
-# benchmark, then the pack kernels' benchmark (measured on an H100 before; docs/gpu.md). A step gets its own limit or what the
-# budget has left, whichever is less, and is not started with under 45 s left: the summary then
+# benchmark, then the pack kernels' benchmark (measured on an H100 before; docs/gpu.md). A step
+# gets its own limit or what the budget has left, whichever is less, and is not started with under 45 s left: the summary then
 # says which steps did not run and the line that reruns them (a warm machine keeps the installed
 # wheels and the tests' last-failed list). STEPS picks and orders the steps. Each step's limit
 # plus 10 s of kill grace stays inside the budget, with 5 s for the summary.
@@ -240,10 +240,9 @@ step_tests() {
 }
 
 # tensorwire against raw ucxx, CUDA memory, one transfer after another, then a turn timed phase by
-# phase in both processes: where the time that tensorwire adds to each transfer goes
+# phase in both processes: where the time that tensorwire adds to each transfer goes; and staged
+# tcp's rows of gpu_p2p.py at 1 MiB (the size whose goal the first run missed), marked the same way
 # shellcheck disable=SC2086
-# and staged tcp's rows of gpu_p2p.py at 1 MiB (the size whose goal the first run missed), marked
-# the same way
 step_seq() {
     local began=$SECONDS
     rm -f "$LOGS/tensorwire-gpu-staged-timeline.log"  # (a warm machine's, from a call before)
