@@ -328,7 +328,7 @@ async def test_a_server_dying_before_it_takes_the_hello_fails_the_connect_at_onc
         assert failed.value is not None
         # (collected and counted again for a while: about once in five runs of the whole suite
         # the worker was still there after the close, and again 5 s later, while 16 runs of this
-        # test alone, 15 beside a CPU hog, 4 of its module and 4 of the ucx modules together
+        # test alone, 15 beside two CPU hogs, 4 of its module and 4 of the ucx modules together
         # did not; a worker the error kept stays for good)
         give_up = time.monotonic() + 10
         while True:
