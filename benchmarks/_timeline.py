@@ -1,6 +1,6 @@
 """Where a transfer's time goes: marks in both processes of a benchmark, paired per transfer.
 
-``install(role)`` wraps a few of tensorwire's own functions (``Peer``'s send and recv, the ucx
+``install()`` wraps a few of tensorwire's own functions (``Peer``'s send and recv, the ucx
 channel's, the device-event waits, the loop's epoll) so that each records the moment it ran, by
 message where it knows one, or counts its calls and their time; ``save`` writes them out.
 ``phases`` pairs the sender's k-th data send with the receiver's k-th data recv, and the ucx
@@ -20,6 +20,7 @@ machine.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import selectors
 import statistics
@@ -39,76 +40,53 @@ def _mark(what: str, msg: int = -1) -> None:
     MARKS.append((_pc(), what, msg))
 
 
+def _count(label: str, n: int = 1) -> None:
+    _COUNT[label] += n
+
+
 def _wrap(owner: Any, name: str, before: Any = None, after: Any = None) -> None:
-    """Replace ``owner.name`` (a function or method, sync or async) by one that calls ``before(*args)``
-    first and ``after(result, *args)`` once it returned."""
+    """Replace ``owner.name`` (a function or method, sync or async) by one that calls
+    ``before(*args)`` first and ``after(token, *args)`` once it has ended (returned or raised),
+    ``token`` being what ``before`` returned."""
     orig = getattr(owner, name)  # (AttributeError: a wrapped function is gone; see the docstring)
-    if _is_async(orig):
+    if inspect.iscoroutinefunction(orig):
 
         @functools.wraps(orig)
         async def wrapped_async(*a: Any, **k: Any) -> Any:
-            if before is not None:
-                before(*a, **k)
-            r = await orig(*a, **k)
-            if after is not None:
-                after(r, *a, **k)
-            return r
-
-        setattr(owner, name, wrapped_async)
-    else:
-
-        @functools.wraps(orig)
-        def wrapped(*a: Any, **k: Any) -> Any:
-            if before is not None:
-                before(*a, **k)
-            r = orig(*a, **k)
-            if after is not None:
-                after(r, *a, **k)
-            return r
-
-        setattr(owner, name, wrapped)
-
-
-def _is_async(fn: Any) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(fn)
-
-
-def _timed(owner: Any, name: str, label: str) -> None:
-    """Count ``owner.name`` (sync or async) and sum the time its calls took, under ``label``."""
-    orig = getattr(owner, name)
-
-    def count(t0: float) -> None:
-        _COUNT[label] += 1
-        _COUNT[label + " us"] += round((_pc() - t0) * 1e6)
-
-    if _is_async(orig):
-
-        @functools.wraps(orig)
-        async def wrapped_async(*a: Any, **k: Any) -> Any:
-            t0 = _pc()
+            token = None if before is None else before(*a, **k)
             try:
                 return await orig(*a, **k)
             finally:
-                count(t0)
+                if after is not None:
+                    after(token, *a, **k)
 
         setattr(owner, name, wrapped_async)
     else:
 
         @functools.wraps(orig)
         def wrapped(*a: Any, **k: Any) -> Any:
-            t0 = _pc()
+            token = None if before is None else before(*a, **k)
             try:
                 return orig(*a, **k)
             finally:
-                count(t0)
+                if after is not None:
+                    after(token, *a, **k)
 
         setattr(owner, name, wrapped)
 
 
-def install(role: str) -> None:
-    """Wrap what marks a transfer, in this process (``role``: "sender" or "receiver")."""
+def _timed(owner: Any, name: str, label: str) -> None:
+    """Count ``owner.name``'s calls and sum the time they took, under ``label``."""
+
+    def done(t0: float, *a: Any, **k: Any) -> None:
+        _count(label)
+        _count(label + " us", round((_pc() - t0) * 1e6))
+
+    _wrap(owner, name, lambda *a, **k: _pc(), done)
+
+
+def install() -> None:
+    """Wrap what marks a transfer, in this process (the sender or the receiver)."""
     from tensorwire import _peer, memory
     from tensorwire.memory import _cuda, _engine, _pinned, _pipeline
     from tensorwire.tensors import _device
@@ -124,12 +102,12 @@ def install(role: str) -> None:
         return k.get("tag") == "data"
 
     # the application's calls (the benchmark's data messages only)
-    _wrap(peer, "send", lambda *a, **k: data(**k) and _mark("send>"), lambda r, *a, **k: data(**k) and _mark("send<"))
+    _wrap(peer, "send", lambda *a, **k: data(**k) and _mark("send>"), lambda t, *a, **k: data(**k) and _mark("send<"))
     _wrap(
         peer,
         "recv_with_receipt",
         lambda *a, **k: data(**k) and _mark("recv>"),
-        lambda r, *a, **k: data(**k) and _mark("recv<"),
+        lambda t, *a, **k: data(**k) and _mark("recv<"),
     )
     # the sender: its MSG frame, its payload
     _wrap(ucx, "_frame", lambda self, ftype, **k: ftype == FrameType.MSG and _mark("msg", k.get("msg_id", 0)))
@@ -137,11 +115,11 @@ def install(role: str) -> None:
         ucx,
         "_send_payload",
         lambda self, msg_id, segs: _mark("payload>", msg_id),
-        lambda r, self, msg_id, segs: _mark("payload<", msg_id),
+        lambda t, self, msg_id, segs: _mark("payload<", msg_id),
     )
     # the receiver: the message seen, its payload receive posted, landed
-    _wrap(ch._Arrival, "__init__", after=lambda r, self, *a, **k: _mark("arrived", self.msg_id))
-    _wrap(ucx, "_post_payload", after=lambda r, self, arrival: _mark("posted", arrival.msg_id))
+    _wrap(ch._Arrival, "__init__", after=lambda t, self, *a, **k: _mark("arrived", k.get("msg_id", -1)))
+    _wrap(ucx, "_post_payload", after=lambda t, self, arrival: _mark("posted", arrival.msg_id))
     # what the control handler and the payload post take, in all
     _timed(ucx, "_handle_frame", "control handler runs")
     _timed(ucx, "_post_payload", "payload receive posts")
@@ -165,8 +143,8 @@ def install(role: str) -> None:
     # stream for an event (``record_on``: none where the stream is idle)
     _timed(_device, "_stream", "framework stream reads")
     _timed(_cuda.CudaEngine, "record_on", "CUDA record_on calls")
-    _wrap(_engine._Poller, "watch", lambda *a, **k: _COUNT.__setitem__("poller watches", _COUNT["poller watches"] + 1))
-    _wrap(_worker.Worker, "_progress", lambda *a, **k: _COUNT.__setitem__("progress runs", _COUNT["progress runs"] + 1))
+    _wrap(_engine._Poller, "watch", lambda *a, **k: _count("poller watches"))
+    _wrap(_worker.Worker, "_progress", lambda *a, **k: _count("progress runs"))
 
     orig_select = selectors.EpollSelector.select
 
@@ -177,12 +155,10 @@ def install(role: str) -> None:
         got = orig_select(self, timeout)
         _SLEPT.append((t0, _pc()))
         if not got and timeout is not None and timeout > 0:
-            _COUNT["epoll timeouts"] += 1
+            _count("epoll timeouts")
         return got
 
     selectors.EpollSelector.select = select  # type: ignore[method-assign]
-    MARKS.clear()
-    _mark(f"role:{role}")
 
 
 def save(path: Path) -> None:
@@ -312,7 +288,7 @@ class Marked:
         if on:
             self._dir = tempfile.TemporaryDirectory(prefix="tensorwire-timeline-")
             self.child_args = ["--timeline-dir", self._dir.name]
-            install("sender")
+            install()
 
     def report(self, title: str, cells: list[tuple[str, int]]) -> None:
         if self._dir is None:
@@ -338,7 +314,7 @@ class Marked:
 def child_begins(args: Any) -> None:
     """The receiving child's side: marked where the parent asked (``--timeline-dir``)."""
     if getattr(args, "timeline_dir", None):
-        install("receiver")
+        install()
 
 
 def child_ends(args: Any) -> None:

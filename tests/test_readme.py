@@ -1096,6 +1096,7 @@ def test_benchmark_flags_the_pages_use_exist() -> None:
                     if (ROOT / "benchmarks" / f"{name}.py").exists():
                         used.setdefault(name, set()).update(re.findall(r"(?<!\S)(--[a-z][\w-]*)", args))
     assert used.get("soak_ops") and used.get("pipeline"), used
+
     def source(name: str) -> str:
         """The script's text, and that of the shared parser where it builds its own on it."""
         text = (ROOT / "benchmarks" / f"{name}.py").read_text()
