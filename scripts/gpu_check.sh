@@ -13,6 +13,7 @@
 #   RAW_ARGS="--sizes 1G" bash scripts/gpu_check.sh        # benchmarks/gpu_ucx_raw.py's
 #   SEQ_ARGS="--sizes 1M --repeat 2" bash scripts/gpu_check.sh   # benchmarks/ucx_seq.py's (--memory cuda)
 #   STAGED_ARGS="--sizes 1M,16M" bash scripts/gpu_check.sh  # the seq step's gpu_p2p.py --no-ucx --timeline
+#   SMALL_CHUNK=128K bash scripts/gpu_check.sh   # ... and its second run's staging chunk (default 256K)
 #   KV_ARGS="--block-kib 16" bash scripts/gpu_check.sh     # benchmarks/kv_rows.py's (with --memory cuda)
 #   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh;
@@ -241,21 +242,33 @@ step_tests() {
 
 # tensorwire against raw ucxx, CUDA memory, one transfer after another, then a turn timed phase by
 # phase in both processes: where the time that tensorwire adds to each transfer goes; and staged
-# tcp's rows of gpu_p2p.py at 1 MiB (the size whose goal the first run missed), marked the same way
+# tcp's rows of gpu_p2p.py at 1 MiB (the size whose goal the first run missed), marked the same way,
+# twice: with the default 4 MiB staging chunks (a 1 MiB message is one chunk: its copy down, its
+# send and its copy up one after the other) and with SMALL_CHUNK ones (256 KiB: four chunks, the
+# copies of each overlapping the sends of the others), which says whether splitting small
+# messages would win back that size's miss before any code splits them
 # shellcheck disable=SC2086
 step_seq() {
-    local began=$SECONDS
-    rm -f "$LOGS/tensorwire-gpu-staged-timeline.log"  # (a warm machine's, from a call before)
+    local began=$SECONDS rc=0 left run
+    rm -f "$LOGS"/tensorwire-gpu-staged-*.log  # (a warm machine's, from a call before)
     bench "$1" tensorwire-gpu-seq.log ucx_seq.py --memory cuda ${SEQ_ARGS:---sizes 1M,1G --repeat 1} --timeline
-    local rc=$? left=$(($1 - (SECONDS - began)))
-    if [ "$left" -lt 10 ]; then
-        echo "== gpu_p2p.py --timeline: not started, ${left} s of the step left"
-        return "$rc"
-    fi
-    bench "$left" tensorwire-gpu-staged-timeline.log gpu_p2p.py --no-ucx ${STAGED_ARGS:---sizes 1M} --timeline
-    local rc2=$?
-    [ "$rc" -ne 0 ] && return "$rc"
-    return "$rc2"
+    rc=$?
+    for run in timeline small; do
+        left=$(($1 - (SECONDS - began)))
+        if [ "$left" -lt 10 ]; then
+            echo "== gpu_p2p.py --timeline ($run): not started, ${left} s of the step left"
+            break
+        fi
+        if [ "$run" = timeline ]; then
+            bench "$left" tensorwire-gpu-staged-timeline.log gpu_p2p.py --no-ucx ${STAGED_ARGS:---sizes 1M} --timeline
+        else
+            bench "$left" tensorwire-gpu-staged-small.log gpu_p2p.py --no-ucx ${STAGED_ARGS:---sizes 1M} \
+                --chunk "${SMALL_CHUNK:-256K}" --timeline
+        fi
+        local got=$?
+        [ "$rc" -eq 0 ] && rc=$got
+    done
+    return "$rc"
 }
 
 # one-sided reads of scattered KV-cache blocks, GPU memory to GPU memory (ucx: cuda_ipc gets; tcp:
@@ -334,9 +347,14 @@ if ran seq; then
     echo "ucx_seq:   ($(result seq))"
     grep -E '^(\||tensorwire.s last receipt|timeline turn|[0-9.]+ [KMG]iB \(|.*counters over|.*FAILED|.*Error)' \
         "$LOGS/tensorwire-gpu-seq.log"
-    # staged tcp, marked: the spans of each row and who waited for device events
-    [ -f "$LOGS/tensorwire-gpu-staged-timeline.log" ] && sed -n '/^timeline/,$p' \
-        "$LOGS/tensorwire-gpu-staged-timeline.log" | grep -E '^(\||timeline|tcp (host|cuda) |.*counters over)'
+    # staged tcp, marked: its table (cuda/host), the spans of each row and who waited for device
+    # events, with the default staging chunks and then with small ones
+    for run in timeline small; do
+        log="$LOGS/tensorwire-gpu-staged-$run.log"
+        [ -f "$log" ] || continue
+        echo "staged tcp ($run): $(grep -m1 -o 'staging [0-9]* x [0-9.]* [KMG]iB pinned chunks' "$log" || echo 'no staging line')"
+        grep -E '^(\||timeline|tcp (host|cuda) |.*counters over|.*FAILED|Traceback|.*Error)' "$log"
+    done
 fi
 if ran kv; then
     echo "kv_rows:   $(grep -m1 '^device:' "$LOGS/tensorwire-gpu-kv.log" || echo 'no device line') ($(result kv))"
