@@ -1,6 +1,6 @@
 """The fixed cost of a ucx transfer: tensorwire against raw ucxx, one transfer after another.
 
-    python benchmarks/ucx_seq.py [--sizes 64K,1M,16M] [--memory host|cuda] [--repeat 3] [--json out.json]
+    python benchmarks/ucx_seq.py [--sizes 64K,1M,16M] [--memory host|cuda] [--repeat 3] [--credit 2G] [--json out.json]
     python benchmarks/ucx_seq.py --against OLD_CHECKOUT [--rounds 5] [--sizes ...]
 
 Issue #8's goal for CUDA tensors over cuda_ipc (0.7x of the device's own copy at 1 GiB) was
@@ -12,7 +12,10 @@ This measures that cost on any machine with ucxx, host memory by default: the pa
 processes, against ``gpu_ucx_raw.py``'s "raw seq" row (the same batches over raw ucxx, each
 worker progressed by a busy loop), which runs first in each turn of the same run. ``--memory
 cuda`` sends CuPy arrays on a GPU (the receiver waits for its current stream after each, as in
-gpu_p2p).
+gpu_p2p). ``--credit`` sets the receiver's ``recv_buffer_bytes`` (64 MiB by default): a message
+over 7/8 of it goes rendezvous (MSG, then the receiver's CTS, then the payload), one within it
+eager (MSG and payload back to back), so the same sizes with and without a credit above them say
+what tensorwire's CTS round trip costs.
 
 Per size: microseconds per transfer, raw and tensorwire; their difference (what tensorwire
 adds to every transfer); and tensorwire's bandwidth over raw's. Raw and tensorwire take turns
@@ -84,7 +87,8 @@ async def _sum(xp: Any, out: Any) -> int:
 async def child(args: argparse.Namespace) -> None:
     xp = _xp(args.memory)
     _timeline.child_begins(args)
-    async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as node:
+    limits = tensorwire.Limits(recv_buffer_bytes=args.credit) if args.credit else tensorwire.Limits()
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), limits=limits) as node:
         print(json.dumps([node.address]), flush=True)
         peer = await node.accept()
         while True:
@@ -116,7 +120,8 @@ async def tensorwire_turn(args: argparse.Namespace, sizes: list[int], *child_arg
     """One turn of tensorwire's: seconds per transfer (median over the batches), per size, and
     the last receipt (which path the bytes took)."""
     xp = _xp(args.memory)
-    proc, (address,) = await start_child(__file__, args, "--memory", args.memory, *child_args)
+    credit = ["--credit", str(args.credit)] if args.credit else []
+    proc, (address,) = await start_child(__file__, args, "--memory", args.memory, *credit, *child_args)
     seconds: dict[int, float] = {}
     how = ""
     try:
@@ -207,6 +212,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="turns of raw and tensorwire; each cell keeps its best")
     parser.add_argument("--against", type=Path, help="another checkout of tensorwire to compare with, in turns")
     parser.add_argument("--rounds", type=int, default=5, help="with --against: runs of each checkout, in turns")
+    parser.add_argument(
+        "--credit",
+        type=parse_size,
+        help="the receiver's recv_buffer_bytes (default: Limits'); a message over 7/8 of it goes rendezvous",
+    )
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:

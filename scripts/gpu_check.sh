@@ -14,6 +14,7 @@
 #   SEQ_ARGS="--sizes 1M --repeat 2" bash scripts/gpu_check.sh   # benchmarks/ucx_seq.py's (--memory cuda)
 #   STAGED_ARGS="--sizes 1M,16M" bash scripts/gpu_check.sh  # the seq step's gpu_p2p.py --no-ucx --timeline
 #   SMALL_CHUNK=128K bash scripts/gpu_check.sh   # ... and its second run's staging chunk (default 256K)
+#   EAGER_CREDIT=2G bash scripts/gpu_check.sh    # the seq step's ucx_seq.py --credit at 1 GiB (default 4G)
 #   KV_ARGS="--block-kib 16" bash scripts/gpu_check.sh     # benchmarks/kv_rows.py's (with --memory cuda)
 #   BENCH_ARGS="--gib 0.25" bash scripts/gpu_check.sh      # benchmarks/gpu_pack.py's arguments
 #   bash scripts/gpu_check.sh --install-only   # only install carried wheels (scripts/gpu_wheels.sh;
@@ -175,7 +176,7 @@ STEPS=${STEPS:-p2p raw tests seq kv pack}
 T_P2P=${T_P2P:-150}
 T_RAW=${T_RAW:-45}
 T_TESTS=${T_TESTS:-150}
-T_SEQ=${T_SEQ:-90}
+T_SEQ=${T_SEQ:-120}
 T_KV=${T_KV:-45}
 T_PACK=${T_PACK:-45}
 MIN_STEP=${MIN_STEP:-30}  # the least limit a step is started with (tests/test_gpu_check.py lowers it)
@@ -241,31 +242,35 @@ step_tests() {
 }
 
 # tensorwire against raw ucxx, CUDA memory, one transfer after another, then a turn timed phase by
-# phase in both processes: where the time that tensorwire adds to each transfer goes; and staged
-# tcp's rows of gpu_p2p.py at 1 MiB (the size whose goal the first run missed), marked the same way,
-# twice: with the default 4 MiB staging chunks (a 1 MiB message is one chunk: its copy down, its
-# send and its copy up one after the other) and with SMALL_CHUNK ones (256 KiB: four chunks, the
-# copies of each overlapping the sends of the others), which says whether splitting small
-# messages would win back that size's miss before any code splits them
+# phase in both processes: where the time that tensorwire adds to each transfer goes. Then two
+# A/Bs, each a change measured before any code makes it (docs/gpu.md item 29): ucx at 1 GiB with
+# the receiver's credit above it (EAGER_CREDIT, 4 GiB), so that the message goes eager, without
+# tensorwire's MSG -> CTS round trip before the payload; and staged tcp's rows of gpu_p2p.py at
+# 1 MiB (the size whose goal the first run missed), marked the same way, with the default 4 MiB
+# staging chunks (one chunk: its copy down, its send and its copy up one after the other) and with
+# SMALL_CHUNK ones (256 KiB: four chunks, the copies of each overlapping the sends of the others)
 # shellcheck disable=SC2086
+seq_run() { # seq_run LIMIT RUN: one of the step's runs
+    case $2 in
+        seq) bench "$1" tensorwire-gpu-seq.log ucx_seq.py --memory cuda ${SEQ_ARGS:---sizes 1M,1G --repeat 1} --timeline ;;
+        eager) bench "$1" tensorwire-gpu-seq-eager.log ucx_seq.py --memory cuda --sizes 1G --repeat 1 \
+            --credit "${EAGER_CREDIT:-4G}" ;;
+        timeline) bench "$1" tensorwire-gpu-staged-timeline.log gpu_p2p.py --no-ucx ${STAGED_ARGS:---sizes 1M} --timeline ;;
+        small) bench "$1" tensorwire-gpu-staged-small.log gpu_p2p.py --no-ucx ${STAGED_ARGS:---sizes 1M} \
+            --chunk "${SMALL_CHUNK:-256K}" --timeline ;;
+    esac
+}
 step_seq() {
-    local began=$SECONDS rc=0 left run
-    rm -f "$LOGS"/tensorwire-gpu-staged-*.log  # (a warm machine's, from a call before)
-    bench "$1" tensorwire-gpu-seq.log ucx_seq.py --memory cuda ${SEQ_ARGS:---sizes 1M,1G --repeat 1} --timeline
-    rc=$?
-    for run in timeline small; do
+    local began=$SECONDS rc=0 left run got
+    rm -f "$LOGS"/tensorwire-gpu-staged-*.log "$LOGS/tensorwire-gpu-seq-eager.log"  # (a warm machine's)
+    for run in seq eager timeline small; do
         left=$(($1 - (SECONDS - began)))
         if [ "$left" -lt 10 ]; then
-            echo "== gpu_p2p.py --timeline ($run): not started, ${left} s of the step left"
+            echo "== seq step, run $run: not started, ${left} s of the step left"
             break
         fi
-        if [ "$run" = timeline ]; then
-            bench "$left" tensorwire-gpu-staged-timeline.log gpu_p2p.py --no-ucx ${STAGED_ARGS:---sizes 1M} --timeline
-        else
-            bench "$left" tensorwire-gpu-staged-small.log gpu_p2p.py --no-ucx ${STAGED_ARGS:---sizes 1M} \
-                --chunk "${SMALL_CHUNK:-256K}" --timeline
-        fi
-        local got=$?
+        seq_run "$left" "$run"
+        got=$?
         [ "$rc" -eq 0 ] && rc=$got
     done
     return "$rc"
@@ -347,6 +352,12 @@ if ran seq; then
     echo "ucx_seq:   ($(result seq))"
     grep -E '^(\||tensorwire.s last receipt|timeline turn|[0-9.]+ [KMG]iB \(|.*counters over|.*FAILED|.*Error)' \
         "$LOGS/tensorwire-gpu-seq.log"
+    # ucx at 1 GiB going eager (the receiver's credit above it)
+    log="$LOGS/tensorwire-gpu-seq-eager.log"
+    if [ -f "$log" ]; then
+        echo "ucx_seq eager (credit ${EAGER_CREDIT:-4G}):"
+        grep -E '^(\||tensorwire.s last receipt|.*FAILED|Traceback|.*Error)' "$log"
+    fi
     # staged tcp, marked: its table (cuda/host), the spans of each row and who waited for device
     # events, with the default staging chunks and then with small ones
     for run in timeline small; do

@@ -110,20 +110,26 @@ def test_gpu_check_starts_no_step_the_budget_cannot_hold_and_says_how_to_rerun(t
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="p2p tests" bash scripts/gpu_check.sh'), out
 
 
-def test_the_seq_step_runs_ucx_seq_then_staged_tcp_with_default_and_small_chunks(tmp_path: Path) -> None:
+def test_the_seq_step_runs_ucx_seq_its_eager_ab_then_staged_tcp_with_default_and_small_chunks(tmp_path: Path) -> None:
     # with the stand-in every benchmark fails at once; what is checked is what the step starts, in
-    # which order, and that the summary names both staged runs (the A/B of the staging chunk at
-    # 1 MiB, where the first H200 run missed staged tcp's goal)
-    proc = _check(tmp_path, one_gpu=True, STEPS="seq", SMALL_CHUNK="128K")
+    # which order, and that the summary names each A/B run (ucx at 1 GiB eager; the staging chunk
+    # at 1 MiB, where the first H200 run missed staged tcp's goal)
+    proc = _check(tmp_path, one_gpu=True, STEPS="seq", SMALL_CHUNK="128K", EAGER_CREDIT="3G")
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
     runs = re.findall(r"^== GPU benchmark: \S+ benchmarks/(.*) \(limit \d+s\)$", out, re.M)
     assert runs == [
         "ucx_seq.py --memory cuda --sizes 1M,1G --repeat 1 --timeline",
+        "ucx_seq.py --memory cuda --sizes 1G --repeat 1 --credit 3G",
         "gpu_p2p.py --no-ucx --sizes 1M --timeline",
         "gpu_p2p.py --no-ucx --sizes 1M --chunk 128K --timeline",
     ], out
-    assert out.index("staged tcp (timeline): ") < out.index("staged tcp (small): "), out
+    summary = out[out.index("== summary") :]
+    said = [
+        summary.index(s)
+        for s in ("ucx_seq: ", "ucx_seq eager (credit 3G):", "staged tcp (timeline): ", "staged tcp (small): ")
+    ]
+    assert said == sorted(said), summary
     assert re.search(r"^step seq: exit 1, \d+ s$", out, re.M), out
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="seq" bash scripts/gpu_check.sh'), out
 
