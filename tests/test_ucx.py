@@ -317,7 +317,10 @@ async def test_busy_ucx_that_moves_nothing_is_polled_not_spun_and_said(
         real = w.worker
 
         class Wedged:
-            def __init__(self) -> None:
+            # (the real worker is the instance's, not a closure of the class's: a class is freed
+            # only by the cycle collector, and the node's UCX worker with it, some tests later)
+            def __init__(self, real: Any) -> None:
+                self.real = real
                 self.calls = 0
                 self.moves = 0  # progress_once reports this many moves, one per call
 
@@ -335,9 +338,9 @@ async def test_busy_ucx_that_moves_nothing_is_polled_not_spun_and_said(
                 return False
 
             def __getattr__(self, name: str) -> object:
-                return getattr(real, name)
+                return getattr(self.real, name)
 
-        wedged = Wedged()
+        wedged = Wedged(real)
         w.worker = wedged
         try:
             with caplog.at_level(logging.WARNING, logger="tensorwire.transports.ucx._worker"):
