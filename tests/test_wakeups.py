@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -199,11 +200,18 @@ async def test_a_large_ucx_receive_is_not_looked_at_after_every_round_ucx_moves(
             return int(dispatch())
 
         class _Counted:
+            # (the real worker and its counted progress are the instance's, not closures of the
+            # class's: a class is freed only by the cycle collector, and the node's UCX worker
+            # with it, some tests later)
+            def __init__(self, real: Any, progress_once: Callable[[], Any]) -> None:
+                self.real = real
+                self.progress_once = progress_once
+
             def __getattr__(self, name: str) -> Any:
-                return counted_progress if name == "progress_once" else getattr(w_worker, name)
+                return getattr(self.real, name)
 
         w_worker = w.worker
-        w.worker, w._dispatch = _Counted(), counted_dispatch
+        w.worker, w._dispatch = _Counted(w_worker, counted_progress), counted_dispatch
         try:
             out = np.zeros_like(x)
             recv = asyncio.ensure_future(b.recv(tag="t", out=out))
