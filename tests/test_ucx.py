@@ -970,6 +970,19 @@ def _post_raw_frame(sender: Any, frame: bytes) -> None:
         channel._w.watch_raw(channel._ucp, req, frame, owner=channel, what="test frame")
 
 
+async def recv_after_raw_frame(sender: Any, receiver: Any, frame: bytes, then: Any = None) -> object:
+    """What a recv waiting at ``receiver`` (tag "x") ends with once ``sender`` posted ``frame``
+    raw on its control tag (and then sent ``then`` on that tag, if given): a result or an error."""
+    waiting = asyncio.ensure_future(receiver.recv(tag="x"))
+    await asyncio.sleep(0.01)
+    _post_raw_frame(sender, frame)
+    if then is not None:
+        await sender.send(then, tag="x")
+    async with asyncio.timeout(5):
+        (got,) = await asyncio.gather(waiting, return_exceptions=True)
+    return got
+
+
 @pytest.mark.parametrize(
     ("fields", "said"),
     [
@@ -994,12 +1007,7 @@ async def test_a_control_frame_that_is_not_one_breaks_the_channel_saying_why(
     async with connected_pair("ucx") as (a, b):
         await a.send(np.arange(3), tag="before")
         assert np.array_equal(await b.recv(tag="before"), np.arange(3))
-        waiting = asyncio.ensure_future(b.recv(tag="x"))
-        await asyncio.sleep(0.01)
-        _post_raw_frame(a, frame)
-        await a.send(np.arange(4), tag="x")
-        async with asyncio.timeout(5):
-            (got,) = await asyncio.gather(waiting, return_exceptions=True)
+        got = await recv_after_raw_frame(a, b, frame, then=np.arange(4))
         assert isinstance(got, tensorwire.ProtocolError), repr(got)
         assert said in str(got), got
         assert b.channel.state is tensorwire.transports.ChannelState.BROKEN
@@ -1015,11 +1023,7 @@ async def test_a_control_frame_larger_than_the_receive_buffer_breaks_the_channel
 
     async with connected_pair("ucx") as (a, b):
         frame = pack(FrameType.CREDIT) + bytes(ctrl_bytes(b.channel._limits))  # one frame's bytes too many
-        waiting = asyncio.ensure_future(b.recv(tag="x"))
-        await asyncio.sleep(0.01)
-        _post_raw_frame(a, frame)
-        async with asyncio.timeout(5):
-            (got,) = await asyncio.gather(waiting, return_exceptions=True)
+        got = await recv_after_raw_frame(a, b, frame)
         assert isinstance(got, tensorwire.TransferError), repr(got)
         assert "ucx control receive failed" in str(got) and "truncated" in str(got).lower(), got
         assert b.channel.state is tensorwire.transports.ChannelState.BROKEN

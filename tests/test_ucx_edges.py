@@ -479,7 +479,7 @@ async def test_an_error_kept_from_inside_ucx_progress_does_not_keep_the_closed_n
     mappings, after the node closed. Without the program keeping it, the error's own reference
     cycle kept them until Python's cycle collector ran, some tests later (which is what made
     the dying-server test below count fewer sockets after than before, once in five runs)."""
-    from test_ucx import _post_raw_frame
+    from test_ucx import recv_after_raw_frame
 
     from tensorwire.transports._frames import HEADER, FrameType
 
@@ -487,11 +487,7 @@ async def test_an_error_kept_from_inside_ucx_progress_does_not_keep_the_closed_n
     gc.collect()
     before = _ucx_footprint()
     async with connected_pair("ucx") as (a, b):
-        waiting = asyncio.ensure_future(b.recv(tag="x"))
-        await asyncio.sleep(0.01)
-        _post_raw_frame(a, frame)
-        async with asyncio.timeout(5):
-            (kept,) = await asyncio.gather(waiting, return_exceptions=True)
+        kept = await recv_after_raw_frame(a, b, frame)
     assert isinstance(kept, tensorwire.ProtocolError), repr(kept)
     gc.collect()
     after = _ucx_footprint()
