@@ -87,7 +87,7 @@ async def _sum(xp: Any, out: Any) -> int:
 async def child(args: argparse.Namespace) -> None:
     xp = _xp(args.memory)
     _timeline.child_begins(args)
-    limits = tensorwire.Limits(recv_buffer_bytes=args.credit) if args.credit else tensorwire.Limits()
+    limits = tensorwire.Limits(recv_buffer_bytes=args.credit) if args.credit is not None else tensorwire.Limits()
     async with tensorwire.start("127.0.0.1:0", transports=("ucx",), limits=limits) as node:
         print(json.dumps([node.address]), flush=True)
         peer = await node.accept()
@@ -120,7 +120,7 @@ async def tensorwire_turn(args: argparse.Namespace, sizes: list[int], *child_arg
     """One turn of tensorwire's: seconds per transfer (median over the batches), per size, and
     the last receipt (which path the bytes took)."""
     xp = _xp(args.memory)
-    credit = ["--credit", str(args.credit)] if args.credit else []
+    credit = ["--credit", str(args.credit)] if args.credit is not None else []
     proc, (address,) = await start_child(__file__, args, "--memory", args.memory, *credit, *child_args)
     seconds: dict[int, float] = {}
     how = ""

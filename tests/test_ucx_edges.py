@@ -472,13 +472,13 @@ async def test_closed_ucx_nodes_leave_no_listeners_descriptors_or_shared_memory_
 @pytest.mark.usefixtures("grpc_kept")
 async def test_an_error_kept_from_inside_ucx_progress_does_not_keep_the_closed_nodes_ucx_worker() -> None:
     """An error found while the worker progressed (a bad control frame, here, which breaks the
-    channel; a bad HELLO; a failed receive) is raised inside a completion callback, and its
+    channel; a bad HELLO) is raised inside a completion callback, and its
     traceback holds the frames that ran it: the callback's, the dispatch's and the progress
     run's. A program that keeps the error (a retry loop's last one) kept those frames, and the
     progress run's held the node's UCX worker, its 2 listening sockets and 2 shared-memory
     mappings, after the node closed. Without the program keeping it, the error's own reference
     cycle kept them until Python's cycle collector ran, some tests later (which is what made
-    the dying-server test below count fewer sockets after than before, once in five runs)."""
+    the dying-server test above count fewer sockets after than before, once in five runs)."""
     from test_ucx import recv_after_raw_frame
 
     from tensorwire.transports._frames import HEADER, FrameType
