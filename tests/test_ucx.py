@@ -963,8 +963,15 @@ async def test_a_cancelled_ucx_connect_leaves_the_node_open_to_ucx_peers() -> No
 
 
 def _post_raw_frame(sender: Any, frame: bytes) -> None:
-    """Post ``frame`` on the control tag of ``sender``'s channel, as its own frames go."""
+    """Post ``frame`` on the control tag of ``sender``'s channel, as its own frames go (through
+    ucxx where the channel has no libucp bindings)."""
     channel = sender.channel
+    if channel._ucp is None:
+        from ucxx._lib.arr import Array
+
+        data = np.frombuffer(frame, np.uint8).copy()
+        channel._w.watch(channel._ep.tag_send(Array(data), channel._ctrl_tag), lambda _: None, keep=data, owner=channel)
+        return
     req = channel._ucp.tag_send(channel._ep_handle, frame, channel._ctrl_tag_value)
     if req is not None:  # (kept until UCX is done with it)
         channel._w.watch_raw(channel._ucp, req, frame, owner=channel, what="test frame")

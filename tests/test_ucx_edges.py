@@ -331,9 +331,8 @@ async def test_a_server_dying_before_it_takes_the_hello_fails_the_connect_at_onc
         # (collected and counted again for a while. About once in five runs of the whole suite
         # this failed with fewer sockets and mappings after than before, (0, 6) against (2, 8):
         # the UCX worker of an earlier test, kept by a reference cycle, was freed by the first
-        # collection here. Hence the collection before counting; and two such cycles are gone:
-        # an error raised inside UCX progress kept the progress run's frame, which held the
-        # worker, and test_ucx's wedged-worker test kept its real worker in a class's closure)
+        # collection here: test_ucx's wedged-worker test kept its real worker in the closure of
+        # a class (gone; as in test_wakeups). Hence also the collection before counting)
         def released() -> bool:
             gc.collect()
             kept = _ucx_footprint()
@@ -470,30 +469,50 @@ async def test_closed_ucx_nodes_leave_no_listeners_descriptors_or_shared_memory_
 
 
 @pytest.mark.usefixtures("grpc_kept")
-async def test_an_error_kept_from_inside_ucx_progress_does_not_keep_the_closed_nodes_ucx_worker() -> None:
-    """An error found while the worker progressed (a bad control frame, here, which breaks the
-    channel; a bad HELLO) is raised inside a completion callback, and its
-    traceback holds the frames that ran it: the callback's, the dispatch's and the progress
-    run's. A program that keeps the error (a retry loop's last one) kept those frames, and the
-    progress run's held the node's UCX worker, its 2 listening sockets and 2 shared-memory
-    mappings, after the node closed. Without the program keeping it, the error's own reference
-    cycle kept them until Python's cycle collector ran, some tests later (which is what made
-    the dying-server test above count fewer sockets after than before, once in five runs)."""
+@pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
+async def test_the_error_of_a_bad_control_frame_kept_in_a_log_does_not_keep_the_closed_nodes_ucx_worker(
+    bindings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad control frame's ProtocolError is raised inside a UCX completion callback, and its
+    traceback holds the frames that ran that callback: the dispatch's, with the request that
+    completed (through ucxx: the control receive itself) and the progress run's, with the
+    worker. The channel logged and kept that very error, so a log handler that keeps its records
+    (logging's MemoryHandler, a queue; pytest's own capture) kept the node's UCX worker, its 2
+    listening sockets and 2 shared-memory mappings, after the node closed. It is logged and
+    told as a copy without the traceback now (``fresh``), as the channel tells its failure."""
     from test_ucx import recv_after_raw_frame
 
     from tensorwire.transports._frames import HEADER, FrameType
 
+    if bindings == "ucxx":  # the control receive through ucxx
+        from tensorwire.errors import TransportUnavailable
+        from tensorwire.transports.ucx import _transport
+
+        def unavailable() -> Any:
+            raise TransportUnavailable("the test's: no libucp bindings")
+
+        monkeypatch.setattr(_transport, "load_ucp", unavailable)
+    kept: list[logging.LogRecord] = []
+    keeper = logging.Handler()
+    keeper.emit = kept.append  # type: ignore[method-assign]
+    logger = logging.getLogger("tensorwire.transports.ucx")
     frame = HEADER.pack(b"EVIL", int(FrameType.CREDIT), 0, 0, 0, 0, 0, 0, 0, 0)
     gc.collect()
     before = _ucx_footprint()
-    async with connected_pair("ucx") as (a, b):
-        kept = await recv_after_raw_frame(a, b, frame)
-    assert isinstance(kept, tensorwire.ProtocolError), repr(kept)
-    gc.collect()
-    after = _ucx_footprint()
-    assert (after[0], after[2]) == (before[0], before[2]), (
-        f"(listening sockets, /dev/shm mappings) before and after, the error kept; {_what_keeps_ucx_workers()}"
-    )
+    logger.addHandler(keeper)
+    try:
+        async with connected_pair("ucx") as (a, b):
+            assert (b.channel._ucp is None) == (bindings == "ucxx")
+            failed = await recv_after_raw_frame(a, b, frame)
+        assert isinstance(failed, tensorwire.ProtocolError), repr(failed)
+        assert any("closing ucx channel" in r.getMessage() for r in kept), [r.getMessage() for r in kept]
+        gc.collect()
+        after = _ucx_footprint()
+        assert (after[0], after[2]) == (before[0], before[2]), (
+            f"(listening sockets, /dev/shm mappings) before and after, the log kept; {_what_keeps_ucx_workers()}"
+        )
+    finally:
+        logger.removeHandler(keeper)
 
 
 async def test_a_ucx_close_cancelled_while_it_waits_for_endpoint_closes_still_frees_the_worker() -> None:

@@ -868,8 +868,12 @@ class UcxChannel(Channel):
         try:
             self._handle_frame()
         except ProtocolError as exc:
-            log.warning("closing ucx channel %s: %s", self.name, exc)
-            self._shutdown(ChannelState.BROKEN, exc)
+            # told without its traceback (``fresh``): that holds the frames that ran this
+            # handler, a completion callback's and the dispatch's, and with them the UCX request
+            # that completed and its worker, for as long as anyone keeps the error or its log line
+            failure = fresh(exc)
+            log.warning("closing ucx channel %s: %s", self.name, failure)
+            self._shutdown(ChannelState.BROKEN, failure)
             return False
         except Exception as exc:  # a bug must not leave recvs hanging
             log.exception("ucx control handler failed")

@@ -864,12 +864,11 @@ class Worker:
         if self._fallback is not None:
             self._fallback.cancel()
             self._fallback = None
-        # (no local names the ucxx worker: an error raised in a callback dispatched here keeps
-        # this frame in its traceback, and a program may keep the error after the node closed)
+        worker = self.worker
         looked = time.monotonic()
         until = looked + _BURST
         for _ in range(_ROUNDS):
-            moved = self.worker.progress_once()
+            moved = worker.progress_once()
             if moved and not (self._fresh or self._done):
                 now = time.monotonic()
                 if now - looked < _LOOK_MOVING and not self.stalled:  # bytes move, nothing ended: look later
@@ -896,15 +895,13 @@ class Worker:
                 break
             if self._last >= until:
                 break
-        if self._closed:  # a callback closed the worker (its completions are dispatched)
-            return
         # ucxx's own bookkeeping (the cancellations it scheduled), which its progress() also
         # does; what that completed is dispatched now, or the wake-up for it would be gone. Not
         # progress() itself: it progresses until nothing moves, and a cma transfer moves 512 KiB
         # a round, so a 256 MiB payload ran to its end inside one call, the loop blocked 0.05 s
         # (1.2 s into pages never touched: a node missed its lease renewals, and a 2 GiB tensor
         # lost its session). The rounds above move at most _ROUNDS of them per loop turn.
-        self.worker.cancel_inflight_requests()
+        worker.cancel_inflight_requests()
         if self._dispatch():
             self._last = self._last_event = time.monotonic()
         if self._soon:  # (after this run's dispatches: what they post is dispatched by the next run)
@@ -918,9 +915,7 @@ class Worker:
         spin = now - self._last < _SPIN_ACTIVE or now - self._last_event < _SPIN_IDLE
         if self._scheduled:  # a completion callback posted work and kicked: that run comes next
             return
-        if self._closed:
-            return
-        if spin or not self.worker.arm():
+        if spin or not worker.arm():
             self._scheduled = True
             if (
                 spin
