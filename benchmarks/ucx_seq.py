@@ -235,6 +235,8 @@ def main() -> int:
         return 0
     if args.against is not None and not args.child:
         argv = ["--sizes", args.sizes, "--memory", args.memory]
+        if args.credit is not None:
+            argv += ["--credit", str(args.credit)]
         runs = in_turns(Path(__file__).resolve(), trees(args.against), argv, args.rounds)
         print(f"\n{args.memory} memory, {args.rounds} rounds of each checkout in turns (raw, then tensorwire)")
         print_table(runs, width=26)

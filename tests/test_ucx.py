@@ -962,27 +962,13 @@ async def test_a_cancelled_ucx_connect_leaves_the_node_open_to_ucx_peers() -> No
             assert peer.path.transport == "ucx", peer.path
 
 
-def _post_raw_frame(sender: Any, frame: bytes) -> None:
-    """Post ``frame`` on the control tag of ``sender``'s channel, as its own frames go (through
-    ucxx where the channel has no libucp bindings)."""
-    channel = sender.channel
-    if channel._ucp is None:
-        from ucxx._lib.arr import Array
-
-        data = np.frombuffer(frame, np.uint8).copy()
-        channel._w.watch(channel._ep.tag_send(Array(data), channel._ctrl_tag), lambda _: None, keep=data, owner=channel)
-        return
-    req = channel._ucp.tag_send(channel._ep_handle, frame, channel._ctrl_tag_value)
-    if req is not None:  # (kept until UCX is done with it)
-        channel._w.watch_raw(channel._ucp, req, frame, owner=channel, what="test frame")
-
-
 async def recv_after_raw_frame(sender: Any, receiver: Any, frame: bytes, then: Any = None) -> object:
     """What a recv waiting at ``receiver`` (tag "x") ends with once ``sender`` posted ``frame``
-    raw on its control tag (and then sent ``then`` on that tag, if given): a result or an error."""
+    raw on its control tag, as its channel posts its own frames (and then sent ``then`` on that
+    tag, if given): a result or an error."""
     waiting = asyncio.ensure_future(receiver.recv(tag="x"))
     await asyncio.sleep(0.01)
-    _post_raw_frame(sender, frame)
+    sender.channel._send_frame(frame)
     if then is not None:
         await sender.send(then, tag="x")
     async with asyncio.timeout(5):
