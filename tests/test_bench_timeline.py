@@ -22,15 +22,19 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_the_timeline_turn_marks_every_phase_of_every_transfer_in_both_processes() -> None:
+    from tensorwire.transports.ucx._channel import _INLINE_MAX
+
+    # (128 KiB: above what rides in the MSG frame, so its payload is a UCX message of its own)
+    assert _INLINE_MAX < 128 << 10
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("UCX_TLS", None)
-    cmd = [sys.executable, "benchmarks/ucx_seq.py", "--sizes", "64K,1M", "--repeat", "1", "--timeline"]
+    cmd = [sys.executable, "benchmarks/ucx_seq.py", "--sizes", "128K,1M", "--repeat", "1", "--timeline"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, env=env)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
-    tables = re.findall(r"^(64 KiB|1 MiB) \(\d+ us a transfer in this turn\): (\d+) transfers", out, re.M)
+    tables = re.findall(r"^(128 KiB|1 MiB) \(\d+ us a transfer in this turn\): (\d+) transfers", out, re.M)
     # 1 warm-up transfer and 5 batches of 5 (gpu_ucx_raw.plan), the warm-up left out of the medians
-    assert tables == [("64 KiB", "25"), ("1 MiB", "25")], out
+    assert tables == [("128 KiB", "25"), ("1 MiB", "25")], out
     rows = re.findall(r"^\| ([^|]+?) +\| +([-\d.]+) \| +[-\d ]+\| +(\d+) \|$", out, re.M)
     spans = {}
     for name, median, n in rows:

@@ -93,10 +93,11 @@ async def test_wait_out_of_a_pledge_leaves_its_failure_to_the_caller() -> None:
 
 @needs_ucx
 async def test_a_ucx_recv_into_out_returns_the_turn_after_its_payload_landed() -> None:
-    """A 64 KiB message (its payload a UCX message of its own) into a posted recv's out=: the
-    recv returns in the loop turn after the payload receive completed. Awaiting a shield of the
-    arrival's ``done`` took two (its callbacks run in one turn, the recv's task in the next)."""
-    x = np.arange(64 * 1024, dtype=np.uint8)
+    """A 128 KiB message (over the 64 KiB that ride in the MSG frame: its payload a UCX message
+    of its own) into a posted recv's out=: the recv returns in the loop turn after the payload
+    receive completed. Awaiting a shield of the arrival's ``done`` took two (its callbacks run
+    in one turn, the recv's task in the next)."""
+    x = np.arange(128 * 1024, dtype=np.uint8)
     async with connected_pair("ucx") as (a, b):
         await a.send(x, tag="warm")
         await b.recv(tag="warm")
@@ -137,7 +138,7 @@ async def test_a_ucx_recv_into_out_returns_the_turn_after_its_payload_landed() -
 async def test_a_ucx_send_returns_the_turn_after_ucx_completed_its_payload() -> None:
     """The payload send's completion (dispatched by the worker) wakes ``send`` in the next
     turn: its wait is a ``Pledge`` awaited directly, where a shield of a plain future took two."""
-    x = np.arange(64 * 1024, dtype=np.uint8)
+    x = np.arange(128 * 1024, dtype=np.uint8)
     async with connected_pair("ucx") as (a, b):
         await a.send(x, tag="warm")
         await b.recv(tag="warm")
