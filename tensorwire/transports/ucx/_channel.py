@@ -79,8 +79,8 @@ _SEQ = (1 << 28) - 1
 # messages about 100 us more a transfer here than the <= 8 KiB ones (the old bound) took.
 # Control frames go with fast completion, eager up to 256 KiB-1 (UCX_PROTO_INFO): a frame stays
 # eager. Above 64 KiB the frame's two extra copies cost a stream of messages more than they save
-# (128 KiB: 0.85-0.9x of eager's GB/s in `tensorwire bench`; 64 KiB: 1.3-1.6x of it). See
-# docs/benchmarks.md, "ucx_seq.py".
+# (128 KiB: 0.84-0.90x of eager's GB/s in `tensorwire bench`; 64 KiB: 1.0-1.7x of it, four runs).
+# See docs/benchmarks.md, "ucx_seq.py".
 _INLINE_MAX = 64 * 1024
 _HEADER = HEADER.size  # (module constants: the per-message paths look them up once per frame)
 _MSG = FrameType.MSG
