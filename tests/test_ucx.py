@@ -985,6 +985,18 @@ async def test_a_cancelled_ucx_connect_leaves_the_node_open_to_ucx_peers() -> No
             assert peer.path.transport == "ucx", peer.path
 
 
+def without_libucp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes started from here on find no libucp bindings: their channels post every request
+    through ucxx (the path where the bindings fail to load)."""
+    from tensorwire.errors import TransportUnavailable
+    from tensorwire.transports.ucx import _transport
+
+    def unavailable() -> Any:
+        raise TransportUnavailable("the test's: no libucp bindings")
+
+    monkeypatch.setattr(_transport, "load_ucp", unavailable)
+
+
 async def recv_after_raw_frame(sender: Any, receiver: Any, frame: bytes, then: Any = None) -> object:
     """What a recv waiting at ``receiver`` (tag "x") ends with once ``sender`` posted ``frame``
     raw on its control tag, as its channel posts its own frames (and then sent ``then`` on that
@@ -1142,14 +1154,9 @@ async def test_ucxx_requests_held_for_ucx_count_as_stranded(monkeypatch: pytest.
     from _polling import eventually
     from ucxx._lib.arr import Array
 
-    from tensorwire.errors import TransportUnavailable
-    from tensorwire.transports.ucx import _transport
     from tensorwire.transports.ucx._channel import make_tag
 
-    def unavailable() -> Any:
-        raise TransportUnavailable("the test's: no libucp bindings")
-
-    monkeypatch.setattr(_transport, "load_ucp", unavailable)
+    without_libucp(monkeypatch)
     payload, scratch = np.full(4 * MiB, 7, np.uint8), np.empty(MiB, np.uint8)
     with _ucx_config(TLS="sm,self"):
         async with connected_pair("ucx") as (a, _):
@@ -1187,14 +1194,10 @@ async def test_ucxx_payload_sends_held_for_ucx_count_once_and_are_warned_of(
     swept only raw requests: such a send, never completed by UCX, was never warned of."""
     from _polling import eventually
 
-    from tensorwire.errors import TransportUnavailable
-    from tensorwire.transports.ucx import _transport, _worker
-
-    def unavailable() -> Any:
-        raise TransportUnavailable("the test's: no libucp bindings")
+    from tensorwire.transports.ucx import _worker
 
     caplog.set_level(logging.WARNING, logger="tensorwire.transports.ucx._worker")
-    monkeypatch.setattr(_transport, "load_ucp", unavailable)
+    without_libucp(monkeypatch)
     monkeypatch.setattr(_worker, "_SWEEP", 0.05)
     payload = np.full(4 * MiB, 7, np.uint8)
     with _ucx_config(TLS="sm,self"):

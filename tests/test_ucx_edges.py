@@ -481,18 +481,12 @@ async def test_the_error_of_a_bad_control_frame_kept_in_a_log_does_not_keep_the_
     (logging's MemoryHandler, a queue; pytest's own capture) kept the node's UCX worker, its 2
     listening sockets and 2 shared-memory mappings, after the node closed. It is logged and
     told as a copy without the traceback now (``fresh``), as the channel tells its failure."""
-    from test_ucx import recv_after_raw_frame
+    from test_ucx import recv_after_raw_frame, without_libucp
 
     from tensorwire.transports._frames import HEADER, FrameType
 
     if bindings == "ucxx":  # the control receive through ucxx
-        from tensorwire.errors import TransportUnavailable
-        from tensorwire.transports.ucx import _transport
-
-        def unavailable() -> Any:
-            raise TransportUnavailable("the test's: no libucp bindings")
-
-        monkeypatch.setattr(_transport, "load_ucp", unavailable)
+        without_libucp(monkeypatch)
     keeper = logging.handlers.BufferingHandler(10_000)  # (keeps every record: never flushed here)
     kept = keeper.buffer
     logger = logging.getLogger("tensorwire.transports.ucx")
