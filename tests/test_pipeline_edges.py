@@ -341,3 +341,52 @@ async def test_a_stage_receives_on_its_parts_device(transport: str, rank: int, s
     text = str(err.value)
     assert f"stage {rank} cannot receive from stage {sender}" in text, text
     assert "cuda:0" in text, text
+
+
+_ROW = 196_608  # float32 values: 0.75 MiB a row, so a microbatch of two rows is past OFF_LOOP_BYTES
+
+
+class _FortranScale:
+    """y = w * x, returned in Fortran order: a microbatch of two rows is a strided array of
+    1.5 MiB (packed in a copy thread when sent), one of a single row is contiguous (sent at once)."""
+
+    def __init__(self) -> None:
+        self.w = np.float32(1.5)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self.gw = np.float32(0.0)
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        return np.asfortranarray(x * self.w), x
+
+    def backward(self, ctx: Any, grad: np.ndarray) -> np.ndarray:
+        self.gw += np.float32((ctx * grad).sum())
+        return np.ascontiguousarray(grad * self.w)
+
+    def step(self) -> None:
+        self.w -= np.float32(0.1) * self.gw
+
+    def state(self) -> dict[str, Any]:
+        return {"w": np.array(self.w)}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_schedule_validated_under_max_unexpected_runs_when_an_activation_is_packed_in_a_thread(
+    transport: str,
+) -> None:
+    # GPipe receives in the order it sends, so Schedule.validate accepts it under any
+    # Limits.max_unexpected. Microbatch 0's activation (strided, 1.5 MiB) is packed in a copy
+    # thread; microbatch 1's (contiguous) went straight into the channel and took stage 1's one
+    # message slot: stage 1 waited for F0 behind F1 for good (the step hung)
+    limits = tensorwire.Limits(max_unexpected=1)
+    parts = [pipeline.FunctionPart(_FortranScale()), pipeline.FunctionPart(_FortranScale(), loss=mse)]
+    x = np.ones((3, _ROW), np.float32)
+    y = np.zeros((3, _ROW), np.float32)
+    async with stages(parts, transport, only={0: {"limits": limits}, 1: {"limits": limits}}) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            assert pipe.max_unexpected == [1, 1]
+            async with asyncio.timeout(20):
+                r = await pipe.step(x, y, microbatches=2, schedule="gpipe")
+    assert np.isfinite(r.loss)

@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _metrics
 from .._checks import check_arguments, check_bool
 from .._loops import elsewhere
+from .._peer import tag_id
 from ..errors import (
     BrokenResourceError,
     BusyResourceError,
@@ -173,6 +174,9 @@ class _Link:
     peer: Peer
     address: str  # the neighbour's node, as the driver knows it
     watcher: asyncio.Task[None] | None = None
+    # the last send to this neighbour: (done once it has called Peer.send, its tag); the next send
+    # enters the channel only after it (_send_later)
+    last_send: tuple[asyncio.Future[None], str] | None = None
 
     def __str__(self) -> str:
         return f"stage {self.rank} ({self.address})"
@@ -909,7 +913,26 @@ class Stage:
         if link is None:
             raise BrokenResourceError(f"stage {self.rank}: its links were dropped (a driver is configuring it)")
 
+        loop = asyncio.get_running_loop()
+        ahead, called = link.last_send, loop.create_future()
+        link.last_send = (called, tag)
+
         async def send() -> None:
+            # messages enter the link in the order the stage sends them, as Schedule.validate
+            # counts the receiver's message slots. A peer keeps that order per tag only: a
+            # message packed in a copy thread (a large strided array) was overtaken by the next
+            # microbatch's, which took the receiver's last slot while it waited for this one, for
+            # good. Each send waits until the one before it has entered the channel (not until
+            # its bytes have gone: a receiver may take a later message first)
+            try:
+                if ahead is not None:
+                    await ahead[0]
+                    packing = link.peer._packing.get(tag_id(ahead[1]))
+                    if packing is not None:  # still packing: it enters the channel when done
+                        await asyncio.wait([packing])
+            finally:
+                if not called.done():
+                    called.set_result(None)  # (Peer.send takes its place before it first awaits)
             try:
                 await link.peer.send(obj, tag=tag)
             except Exception as exc:
@@ -920,7 +943,12 @@ class Stage:
                     error = self._unsendable(f"{what} to {link}", exc)
                     self._fail(error, self.rank, str(error))
 
-        task = asyncio.get_running_loop().create_task(send())
+        def ended(_: asyncio.Task[None]) -> None:
+            if not called.done():  # (cancelled before it ran, it never ran its finally)
+                called.set_result(None)
+
+        task = loop.create_task(send())
+        task.add_done_callback(ended)
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
 
