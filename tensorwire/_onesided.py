@@ -92,6 +92,7 @@ from .tensors._device import (
     cuda_usable,
     wanted_device,
 )
+from .tensors._header import impossible_shape
 from .tensors._message import refuse_shared
 from .tensors._offload import copy_host, off_loop, packs_in_a_thread
 from .tensors._sizes import HOLDER_GROWTH, WIDEST, item_bytes, tensor_item_bytes
@@ -189,6 +190,8 @@ class RemoteHandle:
                 raise ShapeMismatchError(
                     f"{self.name!r}: a slice of rows has step 1 (got {index.step!r}), else it is not contiguous"
                 )
+            if rows < 0:  # (a shape no tensor has: changed by hand, or a broken owner's lookup answer)
+                raise ShapeMismatchError(f"{self.name!r} has the shape {list(self.shape)[:8]}, which no tensor has")
             try:
                 start, stop, _ = index.indices(rows)
             except TypeError:
@@ -462,11 +465,14 @@ async def serve_ops(peer: Peer, table: ExposureTable) -> None:
             if not isinstance(req, dict) or not isinstance(req.get("reply"), int):
                 log.warning("malformed one-sided request from %s dropped", peer.remote_address)
                 continue
-            if req.get("op") == "drop":  # a cancelled write's note, sent after the payload arrived
+            op = req.get("op")
+            if not isinstance(op, str):  # (compared below: an array's == answers with an array)
+                req["op"] = op = ""  # (``_serve_one`` answers that it is no operation)
+            if op == "drop":  # a cancelled write's note, sent after the payload arrived
                 if isinstance(req.get("data"), int):
                     start(_drain_within(peer, req["data"], _DRAIN_SECONDS))
                 continue
-            if req.get("op") == "revoke":
+            if op == "revoke":
                 # mark it now, before any task sees a later message from the owner
                 name, gen = req.get("name"), req.get("generation")
                 if not isinstance(name, str) or not isinstance(gen, int):
@@ -493,7 +499,9 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
         entry.enter()
     failed = mismatch = False
     try:
-        if op == "read":
+        if op not in ("read", "write"):
+            await peer._send_own({"error": f"no such operation: {op!r}", "failed": False}, tag=reply)
+        elif op == "read":
             if error is None:
                 try:
                     await peer._send_own(regions, tag=reply)
@@ -568,7 +576,8 @@ def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[A
         entry = table.get(name) if isinstance(name, str) else None
         if entry is None:
             return [], [], f"{name!r} is not exposed (revoked or never exposed)"
-        if item.get("generation") != entry.handle.generation:
+        generation = item.get("generation")
+        if type(generation) is not int or generation != entry.handle.generation:
             return [], [], f"{name!r} was exposed again since it was looked up; look it up anew"
         if writing and not entry.handle.writable:
             return [], [], f"{name!r} is exposed read-only"
@@ -585,6 +594,8 @@ def _regions(table: ExposureTable, items: Any, *, writing: bool) -> tuple[list[A
         if offset < 0 or offset % itemsize or end > h.nbytes:
             why = f"bytes {offset}..{end} of shape {shape} are not within {name!r} ({h.nbytes} bytes of {h.dtype})"
             return [], [], why
+        if impossible_shape(tuple(shape), itemsize):  # (no bytes, but no array has it: [0, 2**62])
+            return [], [], f"malformed region of {name!r}: no tensor has the shape {shape[:8]}"
         out.append(entry.region(offset, tuple(shape)))
         entries.append(entry)
     return out, entries, None
@@ -1570,8 +1581,8 @@ async def _assisted_read(
                 _, receipt = await _reply(peer, receiving)
             except ShapeMismatchError:
                 answer = await peer._recv_own(tag=reply)  # not the tensors: the owner's error
-                if isinstance(answer, dict) and answer.get("error"):
-                    raise _owner_error(answer)(f"read of {_names(handles)}: {answer['error']}{before}") from None
+                if isinstance(answer, dict) and (error := _error_of(answer)):
+                    raise _owner_error(answer)(f"read of {_names(handles)}: {error}{before}") from None
                 if isinstance(answer, list):  # the owner's tensors, of another dtype than the handles say
                     raise ShapeMismatchError(
                         f"read of {_names(handles)}: the owner's tensors are not the handles' dtypes (one changed "
@@ -1676,9 +1687,21 @@ def _owner_error(answer: Any) -> type[TensorWireError]:
     range it does not have: HandleNotFound), the bytes did not fit its tensor (a handle whose
     dtype was changed by hand: ShapeMismatchError), or it failed to move bytes it has
     (TransferError)."""
-    if isinstance(answer, dict) and answer.get("mismatch"):
+    if isinstance(answer, dict) and answer.get("mismatch") is True:
         return ShapeMismatchError
-    return TransferError if isinstance(answer, dict) and answer.get("failed") else HandleNotFound
+    return TransferError if isinstance(answer, dict) and answer.get("failed") is True else HandleNotFound
+
+
+def _error_of(answer: Any) -> str | None:
+    """The error an owner's answer says (None: it says none). Its fields are read by type, not
+    by truth: a broken or hostile owner may send anything, tensors too, whose truth numpy
+    refuses; an answer that is not a dict, or whose error is not a string, is "unexpected"."""
+    if not isinstance(answer, dict):
+        return "unexpected answer"
+    error = answer.get("error")
+    if error is None or error is False or (isinstance(error, str) and not error):
+        return None
+    return error if isinstance(error, str) else f"unexpected answer (an error of type {type(error).__name__})"
 
 
 def _before(op: str, done: list[int], total: int) -> str:
@@ -1885,8 +1908,7 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
             raise
     finally:
         room.release()
-    if not isinstance(answer, dict) or answer.get("error"):
-        error = answer.get("error") if isinstance(answer, dict) else "unexpected answer"
+    if error := _error_of(answer):
         raise _owner_error(answer)(f"write of {_names(handles)}: {error}{before}")
     # the owner's side of the payload, as it says (an owner of an earlier release says nothing):
     # read through its channel's read-ahead (a small tcp payload), copied in from a buffer of its
@@ -1907,7 +1929,7 @@ async def _cancel_write(peer: Peer, data: int, reply: int, room: _Room) -> None:
     try:
         await peer._send_own(None, tag=data)
         answer = await peer._recv_own(tag=reply)
-        if isinstance(answer, dict) and answer.get("ok"):
+        if isinstance(answer, dict) and answer.get("ok") is True:
             await peer._send_own({"op": "drop", "data": data, "reply": reply}, tag=_OPS_TAG)
     except (TensorWireError, TimeoutError, ClosedResourceError):
         pass

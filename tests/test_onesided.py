@@ -194,7 +194,8 @@ async def test_row_requests_the_handle_could_not_make_get_an_error_answer() -> N
         a.node.expose(kv, name="kv")
         h = await b.lookup("kv")
         bad = [(4, [10, 4]), (2, [1, 4]), (-16, [1, 4]), (160, [1]), ("0", [1, 4]), (0, [1, -4]),
-               (0, "4"), (0, [1.0, 4]), (None, None), (0, [1] * 65)]  # fmt: skip
+               (0, "4"), (0, [1.0, 4]), (None, None), (0, [1] * 65),
+               (0, [0, 2**62])]  # no bytes, but numpy has no array of it ("array is too big")  # fmt: skip
         good = {"name": "kv", "generation": h.generation, "offset": 0, "shape": [1, 4]}
         for op in ("read", "write"):
             for offset, shape in bad:
@@ -215,6 +216,71 @@ async def test_row_requests_the_handle_could_not_make_get_an_error_answer() -> N
         assert np.array_equal(await b.read(h[9]), kv[9])  # the service still answers
         await asyncio.sleep(0.05)
         assert list(b.channel.mailbox._arrived) == [] and list(a.channel.mailbox._arrived) == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_request_whose_fields_are_not_what_the_owner_sends_gets_an_error_answer(transport: str) -> None:
+    """A peer may send anything where the owner expects an operation's name or a generation,
+    tensors too. Compared with ``==``, an array answers with an array, whose truth numpy refuses:
+    an array for the generation killed the task serving the request (never answered), and one
+    for the op killed the owner's service of the whole channel (every later owner-assisted
+    read or write on it, and every revocation notice, waited for good). An op it does not know
+    was never answered either."""
+    async with connected_pair(transport) as (a, b):
+        a.node.expose(np.arange(8.0), name="x")
+        h = await b.lookup("x")
+        good = {"name": "x", "generation": h.generation, "offset": 0, "shape": [8]}
+        for req in (
+            {"op": "read", "regions": [{**good, "generation": np.array([h.generation, h.generation])}]},
+            {"op": "read", "regions": [{**good, "generation": float(h.generation)}]},
+            {"op": np.array([1, 2]), "regions": [good]},
+            {"op": "frobnicate", "regions": [good]},
+        ):
+            reply, _ = _tags()
+            await b._send_own({**req, "reply": reply}, tag=_OPS_TAG)
+            answer = await asyncio.wait_for(b._recv_own(tag=reply), 5)
+            assert isinstance(answer, dict) and isinstance(answer["error"], str) and answer["error"], (req, answer)
+        async with asyncio.timeout(5):
+            assert np.array_equal(await b.read(h[1:3]), [1.0, 2.0])  # the service still answers
+
+
+def test_an_owners_answer_is_read_by_the_types_of_its_fields() -> None:
+    """The other way round: an owner's answer whose fields are tensors (a broken or hostile
+    owner) raised numpy's ValueError in the requester, where truth was asked of them."""
+    from tensorwire._onesided import _error_of, _owner_error
+
+    assert _error_of({"ok": True}) is None and _error_of({"error": ""}) is None
+    assert _error_of({"error": "gone"}) == "gone"
+    assert _error_of(["a", "list"]) == "unexpected answer"
+    assert "unexpected answer" in str(_error_of({"error": np.array([1, 2])}))
+    assert (
+        _owner_error({"error": "x", "mismatch": np.array([1, 2]), "failed": np.array([1, 2])})
+        is tensorwire.HandleNotFound
+    )
+    assert _owner_error({"error": "x", "failed": True}) is tensorwire.TransferError
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", EVERY_TRANSPORT)
+@pytest.mark.parametrize("shape", [(0, 2**62), (-2, 8)], ids=["empty-too-big", "negative"])
+async def test_a_handle_given_a_shape_no_array_has_is_a_tensorwire_error(
+    transport: str, shape: tuple[int, ...]
+) -> None:
+    """A handle changed by hand (or one a broken owner's lookup answer gave) to a shape no array
+    can have, its ``nbytes`` agreeing: a read allocated its result with np.empty, and indexing
+    its rows called ``slice.indices``; numpy's and Python's ValueError escaped."""
+    async with connected_pair(transport) as (a, b):
+        a.node.expose(np.arange(16, dtype=np.float64), name="x")
+        h = await b.lookup("x")
+        bad = dataclasses.replace(h, shape=shape, nbytes=8 * int(np.prod(shape, dtype=object)))
+        with pytest.raises(tensorwire.TensorWireError):
+            async with asyncio.timeout(5):
+                await b.read(bad)
+        if shape[0] < 0:
+            with pytest.raises(tensorwire.ShapeMismatchError):
+                bad[0:1]
+        assert np.array_equal(await b.read(h[2:4]), [2.0, 3.0])
 
 
 async def test_read_only_and_strided_out_buffers() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "header_bytes",
     "host_spec",
     "host_specs",
+    "impossible_shape",
     "plan_of",
     "spec_item",
 ]
@@ -317,6 +318,9 @@ def _received_spec(t: wire_pb2.TensorSpec) -> Spec:
 def _impossible(shape: tuple[int, ...], itemsize: int) -> bool:
     """Whether a shape (empty dimensions counted as 1) describes more bytes than a header may."""
     return math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_SHAPE_BYTES
+
+
+impossible_shape = _impossible  # (for the owner's check of the regions a peer names)
 
 
 def header_bytes(items: list[bytes], tree: bytes) -> bytes:

@@ -340,6 +340,10 @@ def empty(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     gets a TransferError (nothing moved yet), never numpy's MemoryError."""
     try:
         return np.empty(shape, dtype=dtype_from_name(dtype))
+    except ValueError as exc:  # negative, or past what numpy can index (an empty one too: (0, 2**62))
+        raise UnsupportedTensorError(
+            f"no array can have the shape {list(shape)[:8]} of {dtype} (changed by hand?): {exc}; nothing moved"
+        ) from exc
     except MemoryError as exc:
         nbytes = int(np.prod(shape, dtype=object)) * dtype_from_name(dtype).itemsize
         raise TransferError(
