@@ -597,3 +597,156 @@ async def test_no_memory_for_a_message_left_in_device_memory_loses_nothing(steps
             assert "out of memory" in got[step]["text"], got[step]
     assert got["recv_out"].get("value") == int(_pattern(n).sum(dtype=np.uint64)), got["recv_out"]
     assert got["send"].get("value") == 21, got["send"]
+
+
+# tensor RPC on a serving node that has no memory for what a call sends it (the child serves)
+_SERVER = """
+addr, nbytes, transport = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        @node.method("size")
+        async def size(x):
+            return int(x.nbytes)
+
+        @node.method("ping")
+        async def ping():
+            return 1
+
+        peer = await node.connect(addr)
+        await peer.send(np.arange(3), tag="hello")
+        cap(nbytes // 3)
+        report("capped")
+        await asyncio.sleep(60)  # serving, until the parent is done with us
+
+asyncio.run(main())
+"""
+
+
+async def _capped_server(node: Any, nbytes: int, transport: str = "tcp") -> tuple[asyncio.subprocess.Process, Any]:
+    """A child serving "size" and "ping" to ``node``, its memory capped below ``nbytes`` / 3 more."""
+    proc = await _child(_SERVER, node.address, str(nbytes), transport)
+    try:
+        peer = await asyncio.wait_for(node.accept(), 60)
+        await asyncio.wait_for(peer.recv(tag="hello"), 30)
+        steps = _steps(proc)
+        assert (await anext(steps))["step"] == "capped"
+        assert await peer.call("ping", _deadline=10) == 1
+    except BaseException:
+        await _kill(proc)
+        raise
+    return proc, peer
+
+
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+@pytest.mark.parametrize("nbytes", [BIG, EAGER], ids=["rendezvous", "eager"])
+async def test_call_arguments_the_server_has_no_memory_for_fail_the_call_and_the_node_serves_on(
+    nbytes: int, transport: str
+) -> None:
+    """A call whose arguments the serving node cannot allocate (tcp). Before: rendezvous
+    arguments (256 MiB) failed their receive (TransferError, the message left queued for a recv
+    with memory), and the server's ``_receive_args`` took them again at once, and again, for
+    ever, never yielding to the event loop: the whole serving process froze (no call, lease
+    renewal or close got through; the caller saw its lease run out). Eager arguments (48 MiB),
+    dropped as they came, left the call waiting 60 s (ARGS_SECONDS) for arguments that would
+    never come. Now the call fails at once, saying why, and the node serves the next call."""
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        proc, peer = await _capped_server(node, nbytes, transport)
+        try:
+            big = np.zeros(nbytes, np.uint8)  # (calloc: pages of zeros, none of them resident)
+            with pytest.raises(tensorwire.RemoteError) as info:
+                async with asyncio.timeout(15):  # (the call's own deadline is longer: not what ends it)
+                    await peer.call("size", big, _deadline=60)
+            assert info.value.remote_type == "TransferError", info.value
+            assert "could not be received here" in str(info.value) and "memory" in str(info.value), info.value
+            assert await peer.call("ping", _deadline=10) == 1
+            assert await peer.call("size", np.zeros(16, np.uint8), _deadline=10) == 16
+        finally:
+            await _kill(proc)
+
+
+@pytest.mark.parametrize("transport", ["tcp", _UCX])
+async def test_a_request_the_server_has_no_memory_for_is_dropped_and_the_node_serves_on(transport: str) -> None:
+    """A message on the RPC request tag that the serving node cannot allocate (a broken or
+    hostile peer's 256 MiB "request", rendezvous over tcp): its receive fails with the channel
+    still open. Before, the request reader took that for the channel's end: it stopped reading
+    this peer's requests for good (every later call waited unread until its deadline) and
+    cancelled the peer's calls then running. Now the message is dropped (its bytes go nowhere,
+    its sender's send completes), and the node serves the peer's next calls."""
+    from tensorwire.rpc._protocol import REQUEST_TAG
+
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
+        proc, peer = await _capped_server(node, BIG, transport)
+        bogus = asyncio.ensure_future(peer._send_own(np.zeros(BIG, np.uint8), tag=REQUEST_TAG))
+        try:
+            await asyncio.sleep(0.5)
+            assert await peer.call("ping", _deadline=10) == 1
+            await asyncio.wait_for(bogus, 10)  # let go there: nothing waits on it
+        finally:
+            bogus.cancel()
+            await _kill(proc)
+
+
+_STREAM_CALLER = """
+from tensorwire.transports import Limits
+
+addr, nbytes = sys.argv[1], int(sys.argv[2])
+
+async def main():
+    # room for several items to come eager (the stream's window grows as it is read)
+    limits = Limits(recv_buffer_bytes=6 * nbytes)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), limits=limits) as node:
+        peer = await node.connect(addr)
+        got = 0
+        try:
+            async for x in peer.stream("gen", 40):
+                got += 1
+                if got == 4:  # the window is open: the next items come while this one is held
+                    cap(nbytes // 3)
+                    await asyncio.sleep(0.5)
+        except tensorwire.TensorWireError as exc:
+            report("stream", error=type(exc).__name__, got=got)
+        mailbox = peer.channel.mailbox
+        for _ in range(300):  # the drain takes what the call still gets, up to its terminal reply
+            left = sum(len(q) for q in mailbox._arrived.values())
+            if not left:
+                break
+            await asyncio.sleep(0.02)
+        report("left", unread=left)
+        report("ping", value=await peer.call("ping", _deadline=10))
+
+asyncio.run(main())
+"""
+
+
+async def test_stream_items_dropped_for_want_of_memory_leave_nothing_unread() -> None:
+    """A stream whose caller runs out of memory part way (tcp): items that come eager (48 MiB,
+    several in flight) are dropped as they come, and the stream fails with TransferError. The
+    drain its end starts took the next dropped item (TransferError) for the end of the drain
+    and stopped: the items after it and the call's terminal reply (11 messages) stayed unread
+    on the call's reply tag for good, each holding one of the caller's message slots. Now the
+    drain goes on past dropped replies up to the terminal one, and nothing is left."""
+    src = np.ones(EAGER, np.uint8)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+
+        @node.method("gen")
+        async def gen(n: int) -> AsyncIterator[np.ndarray]:
+            for _ in range(n):
+                yield src
+
+        @node.method("ping")
+        async def ping() -> int:
+            return 1
+
+        proc = await _child(_STREAM_CALLER, node.address, str(EAGER))
+        try:
+            got = {}
+            async for step in _steps(proc):
+                got[step["step"]] = step
+                if step["step"] == "ping":
+                    break
+        finally:
+            await _kill(proc)
+    assert got["stream"]["error"] == "TransferError", got
+    assert got["left"]["unread"] == 0, got
+    assert got["ping"]["value"] == 1, got

@@ -418,7 +418,23 @@ async def _cancel_and_drain(
                         pass
                     waiting = _unpulled(channel, tag)
                 if waiting is None:
-                    msg, _ = await channel.recv(tag, None)  # whole, or on its way: it needs no go-ahead
+                    head = channel.mailbox.oldest(tag)
+                    try:
+                        msg, _ = await channel.recv(tag, None)  # whole, or on its way: it needs no go-ahead
+                    except TransferError:
+                        # dropped as it came, for want of memory here (tcp): gone, and no more
+                        # the end of the drain than a reply taken whole, unless it was the
+                        # terminal one (what comes after it must still be taken, or it stays
+                        # unread for good, holding its slots)
+                        if (
+                            channel.state is not ChannelState.OPEN
+                            or head is None
+                            or channel.mailbox.oldest(tag) is head
+                        ):
+                            raise
+                        if _reply_kind(head) in TERMINAL:
+                            return
+                        continue
                     if isinstance(msg, tuple) and msg and msg[0] in TERMINAL:
                         return
                     continue

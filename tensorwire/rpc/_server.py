@@ -45,7 +45,7 @@ from ..errors import (
     TransferError,
 )
 from ..tensors import prepare
-from ..transports import ChannelState
+from ..transports import Channel, ChannelState, Receipt
 from ._codec import encode_off_loop
 from ._deadline import served_under
 from ._protocol import (
@@ -180,6 +180,23 @@ class _Call:
             self.wake.set_result(None)
 
 
+async def _let_go(channel: Channel, tag: int) -> tuple[Any, Receipt] | bool:
+    """Let go of the oldest message on ``tag``, one that could not be received here (no memory
+    for it): dropped unread where the transport can (``Channel.discard``: its payload lands
+    nowhere, its sender's send completes), else taken with its bytes let go (``keep=False``;
+    returned if it came whole after all). True: it is gone (or none was left: dropped as it
+    came); False: it stays at the head of its tag's line."""
+    head = channel.mailbox.oldest(tag)
+    if head is None:
+        return True
+    if head.rendezvous and not head.pulling and not head.done.done() and channel.discard(head):
+        return True
+    try:
+        return await channel.recv(tag, None, keep=False)
+    except TensorWireError:
+        return channel.state is ChannelState.OPEN and channel.mailbox.oldest(tag) is not head
+
+
 class PeerServer:
     """Serves one peer's calls against one node's registry."""
 
@@ -210,11 +227,11 @@ class PeerServer:
             # here already: the deadline counts from its arrival, not from its reading
             waited = channel.mailbox.waited(REQUEST_TAG)
             arrived = loop.time() - waited if waited else None
-            try:
-                env, receipt = await channel.recv(REQUEST_TAG, None)
-            except TensorWireError:
+            got = await self._take(REQUEST_TAG, "RPC request")
+            if got is None:
                 self._stop()  # the channel is gone: callers see that themselves
                 return
+            env, receipt = got
             req = parse_request(env)
             if req is None:
                 self._warn("malformed RPC request")
@@ -244,17 +261,36 @@ class PeerServer:
         self.peer._spawn(self.serve_requests())
         await self._run(call, None if call.cancel_requested else slots)
 
+    async def _take(self, tag: int, what: str) -> tuple[Any, Receipt] | None:
+        """The next message on a service tag; None once the channel is gone. A message that
+        cannot be received while the channel stays open (no memory for it here) is not the
+        channel's end: it is let go (``_let_go``) and the next one taken. (Before, the loop
+        stopped for good on it: the peer's later requests waited unread, and its calls were
+        cancelled.) Only a message that cannot even be let go ends the loop."""
+        channel = self.peer.channel
+        while True:
+            try:
+                return await channel.recv(tag, None)
+            except TensorWireError:
+                if channel.state is not ChannelState.OPEN:
+                    return None
+            gone = await _let_go(channel, tag)
+            if isinstance(gone, tuple):
+                return gone
+            if not gone:
+                return None
+            self._warn(f"{what} that could not be received here (no memory for it)")
+
     def _stop(self) -> None:
         for call in self.calls.values():
             call.task.cancel()
 
     async def serve_control(self) -> None:
-        channel = self.peer.channel
         while True:
-            try:
-                msg, _ = await channel.recv(CONTROL_TAG, None)
-            except TensorWireError:
+            got = await self._take(CONTROL_TAG, "RPC control message")
+            if got is None:
                 return
+            msg = got[0]
             if not (isinstance(msg, tuple) and len(msg) == 3 and all(isinstance(x, int) for x in msg)):
                 self._warn("malformed RPC control message")
                 continue
@@ -430,10 +466,19 @@ class PeerServer:
                                 raise
                             # not a cancellation of ours: a transport reporting the caller's aborted
                             # send that way (inproc does); what the caller sends next is still coming
-                        except TransferError:
+                        except TransferError as exc:
                             if channel.state is not ChannelState.OPEN:
                                 raise
-                            # "no longer pending": the caller aborted it before we pulled; same again
+                            # (a withdrawn message the recv skips itself: SenderAborted.) What is
+                            # left is a message that cannot be taken here, for want of memory:
+                            # dropped as it came (nothing else comes), or still queued, where a
+                            # recv taken again fails the same way at once, for ever, and never
+                            # lets the loop run: the call fails, and those bytes go nowhere
+                            await self._refuse_args(call, tag)
+                            raise TransferError(
+                                f"the {req.nbytes}-byte arguments of {req.method[:256]!r} could not be received "
+                                f"here: {exc}"
+                            ) from exc
                 finally:
                     watchdog.cancel()
         except TimeoutError:
@@ -457,6 +502,12 @@ class PeerServer:
         if not (isinstance(payload, tuple) and len(payload) == 2):
             raise InvalidArguments("malformed call arguments: expected (args, kwargs)")
         return split_args(*payload)
+
+    async def _refuse_args(self, call: _Call, tag: int) -> None:
+        """The arguments that came on ``tag`` cannot be taken (no memory for them): they are let
+        go (``_let_go``), and the call's arguments taken as done with."""
+        call.args_done = True
+        await _let_go(self.peer.channel, tag)
 
     async def _stream(self, call: _Call, agen: AsyncGenerator[Any, None]) -> tuple[Any, ...] | None:
         """Send the items ``agen`` yields; the call's error reply if one of them could not be

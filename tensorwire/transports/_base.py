@@ -298,10 +298,11 @@ class Channel(ABC):
         """Drop a message its receiver will never take, one that waits unread because there was
         no memory for it here (``Arrival.adopt`` failed) though its sender has already handed its
         payload over and cannot take it back (eager): its payload lands nowhere, its sender's send
-        completes, and it leaves its tag's queue, failed (TransferError). False, and nothing
-        changed, where only its sender can take it back (rendezvous: ``pull`` or the sender's
-        abort) or the transport never keeps such a message (it drops it as it arrives). Default:
-        False."""
+        completes, and it leaves its tag's queue, failed (TransferError). A rendezvous message
+        not yet pulled goes the same way where the transport can let its payload land nowhere
+        (ucx: UCX truncates it into a byte of scratch). False, and nothing changed, where only
+        its sender can take it back (rendezvous elsewhere: ``pull`` or the sender's abort) or
+        the transport never keeps such a message (it drops it as it arrives). Default: False."""
         return False
 
     def unread(self, arrival: Any) -> bool:

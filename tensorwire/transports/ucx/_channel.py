@@ -376,6 +376,9 @@ class UcxChannel(Channel):
         self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._waiting: dict[int, tuple[Arrival, bool]] = {}  # msg id -> (arrival, needs CTS)
         self._incoming: dict[int, _Transfer] = {}
+        # msg id -> the scratch receives of a rendezvous message discarded (``discard``) whose
+        # payload may yet come (its sender's ABORT, crossing our CTS, cancels them)
+        self._discarding: dict[int, list[Any]] = {}
         self._eager: set[Arrival] = set()  # arrivals that spent buffer credit
         self._futs: set[asyncio.Future[Any]] = set()
         self._rma_futs: set[asyncio.Future[None]] = set()  # one-sided requests waited for
@@ -971,6 +974,9 @@ class UcxChannel(Channel):
             gone = entry[0] if entry else transfer.arrival if transfer else None
             if transfer is not None:
                 self._cancel(transfer.reqs)  # never matched: the sender sent no payload
+            dropping = self._discarding.pop(msg_id, None)
+            if dropping:
+                self._cancel(dropping)  # (discarded: its sender gave it up before our CTS came)
             if gone is not None:
                 self.mailbox.abort(gone)
                 self.release(gone)
@@ -1055,19 +1061,27 @@ class UcxChannel(Channel):
         """Drop an eager message kept unposted for want of memory (``_adopt``): its sender's UCX
         sends wait for our receives, and would hold its send (an RPC server's call, its slot)
         until the channel closes. Each tensor's receive is posted into one byte of scratch: UCX
-        truncates it (a rendezvous one moves none of its bytes) and completes the send."""
+        truncates it (a rendezvous one moves none of its bytes) and completes the send. A
+        rendezvous message not yet pulled goes the same way, its CTS sent after the receives:
+        nothing needs memory here (an RPC server with none for a call's arguments)."""
         entry = self._waiting.get(arrival.msg_id)
-        if entry is None or entry[0] is not arrival or entry[1] or arrival.pulling:
-            return False  # (not kept unposted here, or a rendezvous one: its sender can abort it)
+        if entry is None or entry[0] is not arrival or arrival.pulling:
+            return False  # (not kept unposted here, or pulled already)
         if self.state is not ChannelState.OPEN:
             return False
         del self._waiting[arrival.msg_id]
         tag = self._lib.UCXXTag(make_tag(self._rx_key, DATA, arrival.msg_id))
+        reqs: list[Any] = []
         for spec in arrival.specs:
             if spec.nbytes:
                 scratch = np.empty(1, np.uint8)
                 req = self._w.worker.tag_recv(self._lib_array(scratch), tag)
-                self._w.watch(req, self._discarded, keep=scratch, owner=self)
+                self._w.watch(req, functools.partial(self._discarded, arrival.msg_id), keep=scratch, owner=self)
+                reqs.append(req)
+        if entry[1]:
+            if reqs:
+                self._discarding[arrival.msg_id] = reqs
+            self._send_frame(self._frame(FrameType.CTS, msg_id=arrival.msg_id))
         gone = TransferError(f"a {arrival.nbytes}-byte message on this tag was dropped unread: its receiver gave it up")
         self.mailbox.remove(arrival, gone)
         if not arrival.settled:
@@ -1075,9 +1089,14 @@ class UcxChannel(Channel):
             self.release(arrival)
         return True
 
-    def _discarded(self, req: Any) -> None:
+    def _discarded(self, msg_id: int, req: Any) -> None:
         """A receive of a discarded message ended: truncated, as it was meant to be (or whole,
         for a tensor of one byte); anything else is the channel's failure, told elsewhere."""
+        reqs = self._discarding.get(msg_id)
+        if reqs is not None:
+            reqs[:] = [r for r in reqs if r is not req]
+            if not reqs:
+                del self._discarding[msg_id]
         try:
             req.check_error()
         except Exception as exc:
