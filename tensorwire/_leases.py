@@ -198,14 +198,16 @@ async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
         return
 
     async def leave(target: str, via: ControlClient | None, sessions: list[tuple[str, bytes]]) -> None:
-        client = via if via is not None else ControlClient(target, node.config.tls)
+        client = via
         try:
+            if client is None:  # (in the try: a TLS node reads its files here, which may have gone)
+                client = ControlClient(target, node.config.tls)
             for i in range(0, len(sessions), MAX_RENEWALS):  # (as the renewals: a server takes that many a call)
                 await client.leave(sessions[i : i + MAX_RENEWALS], GOODBYE_SECONDS)
         except Exception as exc:  # (it is gone, or closing too: it learns as before)
             log.debug("goodbye to %s (%d sessions) failed: %r", target, len(sessions), exc)
         finally:
-            if via is None:
+            if via is None and client is not None:
                 await client.aclose()
 
     try:

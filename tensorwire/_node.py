@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import ipaddress
 import logging
 import time
@@ -378,6 +379,7 @@ class Node:
         self._renewals: dict[tuple[str, float], Renewals] = {}
         self._sessions: dict[str, Peer] = {}
         self._opening: dict[str, asyncio.Task[None]] = {}  # handshaken sessions whose data path is opening
+        self._opening_secrets: dict[str, bytes] = {}  # their secrets (``_session_taken``)
         # (a client that only handshakes, in a loop, cannot fill the log with these)
         self._unopened = RateLimitedLog(
             log, per_window=20, window=10.0, what="handshakes whose data connection never opened", kind="control"
@@ -495,9 +497,13 @@ class Node:
                 if len(self._departed) > self.MAX_DEPARTED and not self._accepts:
                     self._drop_departed(next(iter(self._departed)))
         if peer.session is not None:
-            self._sessions.pop(peer.session.id, None)
-            self._leases.pop(peer.session.id, None)
-            self.exposures.forget(peer.session.id)
+            sid = peer.session.id
+            if self._sessions.get(sid) is peer:  # (not another peer's entry of the same id: a node connected to itself)
+                del self._sessions[sid]
+            lease = self._leases.get(sid)
+            if lease is not None and lease[1] is peer:
+                del self._leases[sid]
+            self.exposures.forget(sid)
         self._forget(peer)
         task = peer._wind_down()
         if task is not None:
@@ -520,6 +526,19 @@ class Node:
         task = asyncio.get_running_loop().create_task(peer.aclose())
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+
+    def _session_taken(self, session_id: str, secret: bytes) -> bool:
+        """Whether ``session_id``, which a server chose for a session of ours, already names
+        another session of this node (one it accepted, or opened to another node) under another
+        secret. A hostile server that saw that id on the wire (a data connection's hello carries
+        it in the clear) would take the other session's place in this node's tables, and its
+        peer's close would end that session's lease here. The same secret is the same session:
+        a node connected to itself, whose own server side holds it too."""
+        holders = [self._sessions.get(session_id), self._leases.get(session_id, (0.0, None))[1]]
+        known = [p.session.secret for p in holders if p is not None and p.session is not None]
+        if session_id in self._opening_secrets:
+            known.append(self._opening_secrets[session_id])
+        return any(not hmac.compare_digest(s, secret) for s in known)
 
     def _session_peer(self, session_id: str) -> Peer | None:
         return self._sessions.get(session_id)
@@ -624,8 +643,10 @@ class Node:
         task = asyncio.get_running_loop().create_task(wait())
         self._waiting.add(task)
         self._opening[session_id] = task
+        self._opening_secrets[session_id] = secret
         task.add_done_callback(self._waiting.discard)
         task.add_done_callback(lambda _t: self._opening.pop(session_id, None))
+        task.add_done_callback(lambda _t: self._opening_secrets.pop(session_id, None))
 
     def _lease_secret(self, session_id: str) -> bytes | None:
         """The secret of a session whose lease this node keeps (None: no such session)."""
@@ -784,6 +805,14 @@ class Node:
             channel.abort()
             await client.aclose()
             raise ClosedResourceError("node is closed")
+        if self._session_taken(resp.session_id, resp.session_secret):  # (checked here: no await until adopted)
+            channel.abort()
+            await client.aclose()
+            raise NegotiationError(
+                f"{address} answered the handshake with a session id that names another session of this node "
+                "(no honest server does: it chooses a new random one): the server is broken or hostile "
+                "(check what serves there)"
+            )
         choice = Choice(chosen.name, answer.passed_over)
         peer = Peer(
             self,

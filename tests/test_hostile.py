@@ -19,6 +19,7 @@ import logging
 import random
 import struct
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import numpy as np
 import pytest
 
 import tensorwire
-from tensorwire.control import PROTOCOL_VERSION
+from tensorwire.control import PROTOCOL_VERSION, _server
 from tensorwire.control._pb import control_pb2, control_pb2_grpc, wire_pb2
 from tensorwire.errors import ProtocolError, TensorWireError
 from tensorwire.testing import peak_allocation
@@ -912,3 +913,48 @@ async def test_rendezvous_header_with_unallocatable_empty_tensor_is_a_protocol_e
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     await _violate(caplog, _header_msg(wire_pb2.TreeNode(tensor=0), _ZERO_BUT_HUGE, flags=RENDEZVOUS), "")
+
+
+def _next_session_id(monkeypatch: pytest.MonkeyPatch, sid: str) -> None:
+    """Every node of this process hands out ``sid`` as the session id of its next handshake (once):
+    a hostile server that chose the id of a session it saw on the wire (a data connection's hello
+    carries it in the clear)."""
+    ids = [sid]
+
+    def uuid4() -> object:
+        return types.SimpleNamespace(hex=ids.pop()) if ids else uuid.uuid4()
+
+    monkeypatch.setattr(_server, "uuid", types.SimpleNamespace(uuid4=uuid4))
+
+
+@pytest.mark.timeout(60)
+async def test_a_server_answer_with_another_peers_session_id_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node ``a`` accepted an honest client ``c`` (session X). ``a`` then connected to a hostile
+    server ``h`` that answered the handshake with session id X (and a secret of its own). ``a``
+    took it: its table of sessions then named h's peer for X, so c's lookups were refused as bad
+    proofs, and once h's peer went, ``a`` dropped X's session and lease with it: c's next renewal
+    was answered "no such session" and c's healthy peer died with PeerDisconnected. A session id
+    this node already knows for another session is a NegotiationError now, and c lives on."""
+    lease = 0.3
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=lease) as a,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=lease) as c,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=lease) as h,
+    ):
+        a.expose(np.arange(4.0), name="w")
+        to_a = await c.connect(a.address)
+        assert to_a.session is not None
+        victim = to_a.session.id
+        _next_session_id(monkeypatch, victim)
+
+        async def connect_and_leave() -> None:
+            hostile = await a.connect(h.address)
+            await hostile.aclose()  # (taken: h's peer goes, and took c's session with it)
+
+        with pytest.raises(tensorwire.NegotiationError, match="a session id that names another session"):
+            await connect_and_leave()
+        assert not a.peers[1:] and a.peers[0].session is not None and a.peers[0].session.id == victim
+        await asyncio.sleep(4 * lease)  # renewals of c's lease come every lease / 3
+        assert not to_a.closed
+        handle = await to_a.lookup("w")
+        np.testing.assert_array_equal(await to_a.read(handle), np.arange(4.0))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import os
+import shutil
 import socket
 import struct
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _polling import eventually
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -276,3 +279,29 @@ def test_tls_config_refuses_values_that_are_not_what_they_seem(bad: dict[str, ob
 def test_tls_config_takes_paths(tmp_path: Path) -> None:
     config = TLSConfig(cert_file=tmp_path / "c.pem", key_file=tmp_path / "k.pem")  # type: ignore[arg-type]
     assert config.cert_file == str(tmp_path / "c.pem") and config.require_client_cert is False
+
+
+@pytest.mark.timeout(60)
+async def test_a_tls_node_closes_whole_when_its_certificate_files_are_gone(pki, tmp_path: Path) -> None:
+    """A TLS node that accepted a peer says goodbye to that peer's node as it closes, over a
+    control connection it opens for that, whose credentials are read from the TLSConfig's files
+    then. Where those files had gone (a temporary directory cleaned up, certificates rotated
+    away), that ConfigurationError escaped the goodbye ("best effort"), and ``aclose()`` raised
+    it half way: the node's peers stayed open, its gRPC server kept serving and its ports stayed
+    bound. The goodbye is given up instead, and the node closes."""
+    cert, key = (shutil.copy(f, tmp_path) for f in pki["server"])  # (the module's files stay)
+    server = await tensorwire.start(
+        "127.0.0.1:0", tls=TLSConfig(cert_file=cert, key_file=key, ca_file=pki["ca"][0]), transports=("tcp",)
+    )
+    try:
+        async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "client"), transports=("tcp",)) as client:
+            peer = await client.connect(server.address)
+            accepted = await server.accept()
+            os.remove(key)
+            await server.aclose()
+            assert accepted.closed
+            await eventually(lambda: peer.closed)
+            with socket.socket() as sock:  # the control port is free again
+                sock.bind(("127.0.0.1", int(server.address.rpartition(":")[2])))
+    finally:
+        server.abort()
