@@ -750,3 +750,144 @@ async def test_stream_items_dropped_for_want_of_memory_leave_nothing_unread() ->
     assert got["stream"]["error"] == "TransferError", got
     assert got["left"]["unread"] == 0, got
     assert got["ping"]["value"] == 1, got
+
+
+_UNPULLED = """
+from tensorwire._peer import tag_id
+addr, nbytes, behind = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "behind"
+
+async def main():
+    out = np.zeros(nbytes, np.uint8)
+    out2 = np.zeros(nbytes, np.uint8)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        peer = await node.connect(addr)
+        await peer.send(np.arange(3), tag="hello")
+        await peer.recv(tag="hello")
+        mailbox, tid = peer.channel.mailbox, tag_id("big")
+        cap(nbytes // 2)  # room for anything but a buffer of the message's size
+        recv = asyncio.ensure_future(peer.recv(tag="big", out=out))
+        while not mailbox.has_posted(tid):
+            await asyncio.sleep(0)
+        # "behind": a second recv(out=) waits behind it, and takes the message it gives back
+        second = asyncio.ensure_future(peer.recv(tag="big", out=out2)) if behind else None
+        await asyncio.sleep(0)
+        report("posted")
+        while len(mailbox._posted.get(tid, ())) > (1 if behind else 0):  # matched: its task has yet to run (and pull)
+            await asyncio.sleep(0)
+        recv.cancel()
+        outcome = (await asyncio.gather(recv, return_exceptions=True))[0]
+        report("cancelled", cancelled=isinstance(outcome, asyncio.CancelledError))
+        try:
+            got = await asyncio.wait_for(second or peer.recv(tag="big", out=out), 30)
+        except Exception as exc:
+            report("recv", error=type(exc).__name__, text=str(exc))
+        else:
+            report("recv", value=int(np.asarray(got).sum(dtype=np.uint64)), same=got is (out2 if behind else out))
+        await peer.send(np.arange(5), tag="back")
+        report("done")
+        await asyncio.sleep(30)  # until the parent is done with us
+
+asyncio.run(main())
+"""
+
+
+_WITHDRAWN = """
+from tensorwire._peer import tag_id
+from tensorwire.testing import connected_pair
+nbytes = int(sys.argv[1])
+
+async def main():
+    first = np.ones(nbytes, np.uint8)
+    second = (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+    out = np.zeros(nbytes, np.uint8)
+    limits = tensorwire.Limits(recv_buffer_bytes=1 << 20, chunk_bytes=64 << 10)
+    async with connected_pair("tcp", limits=limits) as (a, b):
+        await a.send(np.arange(3), tag="warm")
+        await b.recv(tag="warm")
+        mailbox, tid, channel = b.channel.mailbox, tag_id("k"), b.channel
+        cap(nbytes // 2)  # room for anything but a buffer of a message's size
+        recv = asyncio.ensure_future(b.recv(tag="k", out=out))
+        while not mailbox.has_posted(tid):
+            await asyncio.sleep(0)
+        send1 = asyncio.ensure_future(a.send(first, tag="k"))
+        send2 = asyncio.ensure_future(a.send(second, tag="k"))
+        # the first lands in out= (pulled), the second's header waits in the queue for its go-ahead
+        while not (any(x.written for x in channel._incoming.values()) and mailbox._arrived.get(tid)):
+            await asyncio.sleep(0)
+        send1.cancel()  # withdrawn part way: the recv keeps its place, and takes the second
+        try:
+            got = await asyncio.wait_for(recv, 30)
+        except Exception as exc:
+            report("recv", error=type(exc).__name__, text=str(exc))
+        else:
+            step = 1 << 20  # (compared piece by piece: a whole comparison would allocate its size)
+            equal = all(np.array_equal(out[i : i + step], second[i : i + step]) for i in range(0, nbytes, step))
+            report("recv", same=got is out, equal=equal)
+        await asyncio.gather(send1, return_exceptions=True)
+        try:
+            await asyncio.wait_for(send2, 10)
+        except Exception as exc:
+            report("send2", error=type(exc).__name__, text=str(exc))
+        report("done")
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("next_recv", ["later", "behind"])
+async def test_a_recv_cancelled_before_it_pulled_its_rendezvous_message_leaves_it_whole_without_memory(
+    next_recv: str,
+) -> None:
+    """A tcp recv(out=) cancelled after its rendezvous message matched it, before its task asked
+    for the payload: no CTS went out, not a byte came, its sender still holds it. Nothing needs
+    keeping, and the next recv(out=) pulls it whole into its out=. Before, tcp (which did not
+    say such a message is ``unread``) took the cancel for one mid-payload and allocated a buffer
+    of the whole message's size to keep what had "landed" (nothing); with no memory for that,
+    the message was dropped (the next recv raised "... dropped ... no memory here to keep
+    them"), though its sender's send then completed. A recv(out=) posted behind the cancelled one
+    ("behind") took the message given back into a buffer of ours of its size, not its out=
+    (and failed with "out of memory" though it brought its own memory)."""
+    src = _pattern(BIG)
+    send: asyncio.Future[Any] | None = None
+
+    def on_step(step: str) -> None:
+        nonlocal send
+        if step == "posted":
+            send = asyncio.ensure_future(peer.send(src, tag="big"))
+
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        proc = await _child(_UNPULLED, node.address, str(BIG), next_recv)
+        try:
+            peer = await asyncio.wait_for(node.accept(), 60)
+            await peer.recv(tag="hello")
+            await peer.send(np.arange(3), tag="hello")
+            got = {}
+            async for step in _steps(proc, on_step):
+                got[step["step"]] = step
+                if step["step"] == "done":
+                    break
+            assert np.array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), np.arange(5))
+            assert send is not None
+            assert (await asyncio.wait_for(send, 10)).protocol == "rendezvous"
+        finally:
+            if send is not None:
+                send.cancel()
+            await _kill(proc)
+    assert got["cancelled"]["cancelled"], "the recv completed before its cancel (the test missed its moment)"
+    assert got["recv"].get("value") == int(src.sum(dtype=np.uint64)) and got["recv"].get("same"), got["recv"]
+
+
+async def test_a_recv_whose_message_was_withdrawn_takes_the_next_rendezvous_one_into_its_out() -> None:
+    """A recv(out=) whose message its sender withdrew part way keeps its place and takes the
+    tag's next message, a rendezvous one whose header waited for its go-ahead (nothing of it had
+    come): its payload lands straight in that recv's out=. Before, the recv took it as one given
+    back by a cancelled recv and allocated a buffer of ours of the message's size to land it in
+    (then copied it into out=, past Limits.recv_buffer_bytes); with no memory for that, it failed
+    with "out of memory ... receive into a buffer of your own (out=)", though it had brought one."""
+    proc = await _child(_WITHDRAWN, str(BIG))
+    try:
+        got = {step["step"]: step async for step in _steps(proc)}
+    finally:
+        await _kill(proc)
+    assert got["recv"].get("same") and got["recv"].get("equal"), got["recv"]
+    assert "send2" not in got, got["send2"]

@@ -836,7 +836,9 @@ class Mailbox:
             head = q.popleft()
             if not q:
                 del self._arrived[tag]
-            if not self._to_posted(head, place=False):  # (its out= cannot take it: it stays first)
+            # (one yet to land, that waited for its go-ahead, is placed as a new message is)
+            unlanded = head.dest is None and not head.done.done()
+            if not self._to_posted(head, place=unlanded):  # (its out= cannot take it: it stays first)
                 self._arrived.setdefault(tag, deque()).appendleft(head)
 
     def _line_up(self, tag: int, p: _Posted) -> None:
@@ -909,7 +911,9 @@ class Mailbox:
         if not keep:
             arrival.let_rest_go()
         moving = arrival.detach()
-        if not self._to_posted(arrival, place=False):
+        # nothing of it landed, nor will before a recv asks (``detach`` left it no buffer): it is
+        # placed as a new message is, in the out= of the recv that takes it, not in ours
+        if not self._to_posted(arrival, place=arrival.dest is None and not arrival.done.done()):
             self._arrived.setdefault(arrival.tag, deque()).appendleft(arrival)
         if moving is not None:
             await wait_out(moving)  # the copy reads the caller's out=: it ends before the cancel does

@@ -548,6 +548,11 @@ class TcpChannel(Channel):
             await arrival.completed()  # (woken by complete/fail: a loop turn sooner than a shield)
         arrival.done.result()
 
+    def unread(self, arrival: Arrival) -> bool:
+        # a rendezvous message matched but not pulled: no CTS went out, so not a byte of its
+        # payload comes (into any dest) before a recv pulls it (``pull`` takes it from _waiting)
+        return arrival.rendezvous and not arrival.pulling and self._waiting.get(arrival.msg_id) is arrival
+
     def release(self, arrival: Arrival) -> None:
         self._budget.release(
             arrival.nbytes, not arrival.rendezvous, arrival.tag, schedule=self.state is ChannelState.OPEN
