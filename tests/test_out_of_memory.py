@@ -891,3 +891,52 @@ async def test_a_recv_whose_message_was_withdrawn_takes_the_next_rendezvous_one_
         await _kill(proc)
     assert got["recv"].get("same") and got["recv"].get("equal"), got["recv"]
     assert "send2" not in got, got["send2"]
+
+
+_INPROC_UNPULLED = """
+from tensorwire._peer import tag_id
+from tensorwire.testing import connected_pair
+nbytes = int(sys.argv[1])
+
+async def main():
+    src = (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+    out = np.zeros(nbytes, np.uint8)
+    async with connected_pair("inproc") as (a, b):
+        await a.send(np.arange(3), tag="warm")
+        await b.recv(tag="warm")
+        mailbox, tid = b.channel.mailbox, tag_id("big")
+        cap(nbytes // 2)  # room for anything but a buffer of the message's size
+        recv = asyncio.ensure_future(b.recv(tag="big", out=out))
+        while not mailbox.has_posted(tid):
+            await asyncio.sleep(0)
+        send = asyncio.ensure_future(a.send(src, tag="big"))
+        while mailbox.has_posted(tid):  # matched: its task has yet to run (and pull)
+            await asyncio.sleep(0)
+        recv.cancel()
+        outcome = (await asyncio.gather(recv, return_exceptions=True))[0]
+        report("cancelled", cancelled=isinstance(outcome, asyncio.CancelledError))
+        await attempt("recv", b.recv(tag="big", out=out), lambda v: [digest(v), v is out])
+        await attempt("send", send, lambda r: r.protocol)
+        report("done")
+
+asyncio.run(main())
+"""
+
+
+async def test_inproc_recv_cancelled_before_it_pulled_its_rendezvous_message_loses_nothing() -> None:
+    """inproc: a recv(out=) cancelled after its rendezvous message matched it, before its task
+    pulled it (not a byte copied: the bytes are still the sender's). The next recv(out=) takes
+    it whole. Before, the cancel allocated a buffer of the whole message's size to keep what had
+    "landed" (nothing); with no memory for that, the message was dropped (the next recv raised
+    "... dropped ... no memory here to keep them", its payload copied into scratch), and its
+    sender's send returned a receipt all the same: lost, with both ends none the wiser but one."""
+    n = 256 << 20
+    proc = await _child(_INPROC_UNPULLED, str(n))
+    try:
+        got = {step["step"]: step async for step in _steps(proc)}
+    finally:
+        await _kill(proc)
+    assert got["cancelled"]["cancelled"], "the recv completed before its cancel (the test missed its moment)"
+    assert got["recv"].get("value") == [int(_pattern(n).sum(dtype=np.uint64)), True], got["recv"]
+    assert got["send"].get("value") == "rendezvous", got["send"]
+    assert "done" in got

@@ -282,6 +282,11 @@ class InprocChannel(Channel):
             await arrival.completed()  # (woken by complete/fail: a loop turn sooner than a shield)
         arrival.done.result()
 
+    def unread(self, arrival: Arrival) -> bool:
+        # a rendezvous message matched but not pulled: its bytes are still the sender's, and
+        # nothing copies them (into any dest) before a recv pulls it (``pull`` starts the copy)
+        return arrival.rendezvous and not arrival.pulling and self._sources.get(arrival.msg_id) is not None
+
     async def _pull(self, source: _Source, arrival: Arrival) -> None:
         try:
             await _copy(source.segs, arrival, source)
