@@ -1063,6 +1063,49 @@ async def check_recv_cancelled_just_as_its_message_matched_gives_it_back_whole(a
         assert got is out and np.array_equal(out, src), "the message of a recv cancelled as it matched was lost"
 
 
+@_check(Limits(recv_buffer_bytes=1 * MiB))
+async def check_recv_cancelled_before_it_pulled_its_rendezvous_message_keeps_no_copy(a: Peer, b: Peer) -> None:
+    """A rendezvous message matches a waiting recv(out=), which is cancelled before its task
+    pulled it: not a byte has moved (its sender still holds it; the transport says it is
+    ``unread``), so nothing is kept here. The next recv(out=), posted after the cancel or
+    already waiting behind it, pulls it straight into its out= (direct, not staged). tcp and
+    inproc did not say so: the cancel allocated a buffer of the message's size to keep what had
+    "landed" (nothing), and where memory was short, dropped the message its sender was told had
+    gone."""
+    from .._peer import tag_id
+
+    n = 8 * MiB
+    src = (np.arange(n, dtype=np.uint32) % 251 + 1).astype(np.uint8)
+    tag = tag_id("cp")
+    mailbox = b.channel.mailbox
+    for behind in (False, True, False, True):
+        recv = asyncio.ensure_future(b.recv(tag="cp", out=np.zeros_like(src)))
+        while not mailbox.has_posted(tag):  # noqa: ASYNC110 - the recv is posted
+            await asyncio.sleep(0)
+        out = np.zeros_like(src)
+        second = asyncio.ensure_future(b.recv_with_receipt(tag="cp", out=out)) if behind else None
+        await asyncio.sleep(0)
+        send = asyncio.ensure_future(a.send(src, tag="cp"))
+        while len(mailbox._posted.get(tag, ())) > behind:  # noqa: ASYNC110 - matched: its task has yet to run
+            await asyncio.sleep(0)
+        with peak_allocation() as peak:
+            recv.cancel()
+            outcome: tuple[Any, ...] = await asyncio.gather(recv, return_exceptions=True)
+        if not isinstance(outcome[0], asyncio.CancelledError):  # it ran before its cancel: it has it
+            assert _same(outcome[0], src), "a recv that completed got other bytes"
+            if second is not None:
+                second.cancel()
+                await asyncio.gather(second, return_exceptions=True)
+            await asyncio.wait_for(send, 10)
+            continue
+        assert peak["peak"] < MiB, f"a cancel kept {peak['peak']} bytes of a message that had not moved"
+        got, receipt = await asyncio.wait_for(second or b.recv_with_receipt(tag="cp", out=out), 10)
+        sent = await asyncio.wait_for(send, 10)
+        assert got is out and np.array_equal(out, src), "the message of a recv cancelled before it pulled was lost"
+        assert sent.protocol == receipt.protocol == "rendezvous", (sent, receipt)
+        assert receipt.direct and not receipt.staged, receipt
+
+
 @_check()
 async def check_random_send_cancellations_lose_nothing(a: Peer, b: Peer) -> None:
     """Sends cancelled at random moments arrive whole or not at all, and never stall the tag."""
