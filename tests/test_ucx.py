@@ -281,11 +281,11 @@ async def test_answers_taken_inline_schedule_nothing_and_the_loop_still_turns() 
                 finally:
                     state["inline"] = False
 
-            def on_ctrl(self: UcxChannel, req: Any) -> None:
+            def on_ctrl(self: UcxChannel, *args: Any) -> None:
                 state["frame"] = state["inline"]
                 state["frames"] += state["inline"]
                 try:
-                    real_on_ctrl(self, req)
+                    real_on_ctrl(self, *args)
                 finally:
                     state["frame"] = False
 

@@ -371,6 +371,7 @@ class UcxChannel(Channel):
         self._window = SendWindow(remote, keep_for_small=True)
         self._next_id = 1
         self._cts: dict[int, asyncio.Future[None]] = {}
+        self._seqs: set[int] = set()  # DATA tag sequences of the payloads of ours not sent yet
         self._order = SendOrder()  # FIFO per tag, however long a send waits to post
         self._sending = 0
         self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
@@ -469,9 +470,11 @@ class UcxChannel(Channel):
         if err is not None:
             raise err
 
-    def _send_frame(self, frame: bytes | np.ndarray) -> None:
+    def _send_frame(self, frame: bytes | np.ndarray) -> bool:
         """Post one control frame; frames go out in the order they are posted (one endpoint:
-        UCX keeps the order of its tag sends, whichever API posted them)."""
+        UCX keeps the order of its tag sends, whichever API posted them). False if UCX refused
+        it at once (a peer whose shared memory has gone): the channel is broken then, and the
+        frame never left."""
         self._last_send = time.perf_counter()
         if self._ucp is not None:
             # straight to ucp_tag_send_nbx: a small frame is usually sent when the call
@@ -481,18 +484,20 @@ class UcxChannel(Channel):
                 req = self._ucp.tag_send(self._ep_handle, data, self._ctrl_tag_value)
             except TensorWireError as exc:
                 self._shutdown(ChannelState.BROKEN, exc)
-                return
+                return False
             if req is not None:
                 fut = self._w.watch_raw(self._ucp, req, data, owner=self, what="ucx control send")
                 fut.add_done_callback(self._ctrl_sent_raw)
-            return
+            return True
         req = self._ep.tag_send(self._lib_array(frame), self._ctrl_tag)
         if req.completed:
             err = self._check(req, "control send")
             if err is not None:
                 self._shutdown(ChannelState.BROKEN, err)
-            return
+                return False
+            return True
         self._w.watch(req, self._ctrl_sent, keep=frame, owner=self)
+        return True
 
     def _ctrl_sent(self, req: Any) -> None:
         err = self._check(req, "control send")
@@ -556,17 +561,18 @@ class UcxChannel(Channel):
         window.credit -= nbytes
         msg_id = self._next_id
         self._next_id += 1
-        self._send_inline_frame(tag, msg_id, header, msg.arrays, nbytes)  # type: ignore[arg-type]  # host
+        if not self._send_inline_frame(tag, msg_id, header, msg.arrays, nbytes):  # type: ignore[arg-type]  # host
+            self.check_open()  # (UCX refused the frame: the channel broke, and says why)
         return self._send_receipt(msg, "inline" if nbytes else "eager", t0, tag)  # as the receiver names it
 
     def _send_inline_frame(
         self, tag: int, msg_id: int, header: bytes, parts: list[np.ndarray] | list[memoryview], nbytes: int
-    ) -> None:
+    ) -> bool:
         """One MSG frame carrying the header and the payload: host arrays or byte views, whose
-        bytes are copied once, into the frame."""
+        bytes are copied once, into the frame. False if UCX refused it (``_send_frame``)."""
         credit, slots = self._budget.take_returns()
         frame = pack(_MSG, 0, len(header), nbytes, msg_id, tag, credit, slots)
-        self._send_frame(b"".join([frame, header, *map(_wire_bytes, parts)]))  # type: ignore[list-item, unused-ignore]  # numpy < 2.5
+        return self._send_frame(b"".join([frame, header, *map(_wire_bytes, parts)]))  # type: ignore[list-item, unused-ignore]  # numpy < 2.5
 
     async def _send(self, tag: int, msg: Outgoing) -> Receipt:
         # its turn now, before any await (staging device memory, a slot): FIFO per tag
@@ -583,13 +589,12 @@ class UcxChannel(Channel):
         t0 = time.perf_counter()
         await self.stage_device(msg)  # no cuda transports in this UCX: through host memory
         self._sending += 1
+        seq: int | None = None  # the DATA tag's sequence this message's payload holds
         try:
             await turn.wait()
             await self._window.take_slot(tag, self._check_going)
             nbytes = msg.nbytes
             eager = self._window.reserve(nbytes)
-            msg_id = self._next_id
-            self._next_id += 1
             segs: list[memoryview | DeviceTensor] = msg.parts() if msg.on_device else list(msg.segments())
             route: _Route | None = None
             inline = (
@@ -598,9 +603,22 @@ class UcxChannel(Channel):
                 and nbytes <= self._inline
                 and HEADER.size + len(header) + nbytes <= self._remote_ctrl
             )
+            msg_id = self._next_id
+            if not inline:
+                # its payload goes on the DATA tag of the id's low 28 bits (``make_tag``): not one
+                # a payload of ours still holds (a rendezvous message waiting for its CTS, for
+                # as long as its tag is not read), which 2**28 messages later a namesake's would
+                # share: UCX matched that one's payload to the receive posted for the other
+                while (msg_id & _SEQ) in self._seqs:
+                    msg_id += 1
+                seq = msg_id & _SEQ
+                self._seqs.add(seq)
+            self._next_id = msg_id + 1
             if inline:
-                self._send_inline_frame(tag, msg_id, header, segs, nbytes)  # type: ignore[arg-type]
+                posted = self._send_inline_frame(tag, msg_id, header, segs, nbytes)  # type: ignore[arg-type]
                 turn.passed()
+                if not posted:
+                    self.check_open()  # (UCX refused the frame: the channel broke, and says why)
                 protocol = "inline" if nbytes else "eager"  # as the receiver names it
             elif eager:
                 self._send_frame(self._frame(FrameType.MSG, meta_len=len(header), msg_id=msg_id, arg=tag) + header)
@@ -627,6 +645,8 @@ class UcxChannel(Channel):
                 protocol = "rendezvous"
         finally:
             self._sending -= 1
+            if seq is not None:
+                self._seqs.discard(seq)
         receipt = self._send_receipt(msg, protocol, t0, tag)
         if route is not None:
             receipt.route, receipt.lanes = route
@@ -810,15 +830,19 @@ class UcxChannel(Channel):
                 w.listen_raw(ucp, req, self._on_ctrl, keep=self._ctrl_buf, owner=self)  # type: ignore[arg-type]  # (a request)
                 return
             if req is not None:
+                length = ucp.recv_length(req) if status == 0 else 0
                 ucp.request_release(req)
-            if not self._take_ctrl(None if status == 0 else self._status_error(status, "control receive")):
+            else:
+                length = ucp.received()
+            if not self._take_ctrl(None if status == 0 else self._status_error(status, "control receive"), length):
                 return
         w.soon(self._post_ctrl_recv)
 
-    def _on_ctrl(self, status: int) -> None:
-        """The posted control receive completed (``status``: UCS_OK or its error)."""
+    def _on_ctrl(self, status: int, length: int) -> None:
+        """The posted control receive completed (``status``: UCS_OK or its error; ``length``
+        bytes came)."""
         self._ctrl_posted = False
-        if not self._take_ctrl(None if status == 0 else self._status_error(status, "control receive")):
+        if not self._take_ctrl(None if status == 0 else self._status_error(status, "control receive"), length):
             return
         w = self._w
         if not w.inline and w.worker.tag_probe(self._rx_ctrl_tag).matched:
@@ -866,9 +890,9 @@ class UcxChannel(Channel):
         # meanwhile waits in UCX's unexpected queue and matches this receive in order
         self._w.soon(self._post_ctrl_recv)
 
-    def _take_ctrl(self, err: BaseException | None) -> bool:
-        """Handle the control frame just received (or its receive's failure ``err``); False if
-        the channel is (now) shut."""
+    def _take_ctrl(self, err: BaseException | None, length: int | None = None) -> bool:
+        """Handle the control frame just received, ``length`` bytes (None: not known, through
+        ucxx), or its receive's failure ``err``; False if the channel is (now) shut."""
         if self.state is not ChannelState.OPEN:
             return False
         if err is not None:
@@ -876,7 +900,7 @@ class UcxChannel(Channel):
             self._shutdown(ChannelState.BROKEN, err)
             return False
         try:
-            self._handle_frame()
+            self._handle_frame(length)
         except ProtocolError as exc:
             # told without its traceback (``fresh``): that holds the frames that ran this
             # handler, a completion callback's and the dispatch's, and with them the UCX request
@@ -889,16 +913,25 @@ class UcxChannel(Channel):
             log.exception("ucx control handler failed")
             self._shutdown(ChannelState.BROKEN, BrokenResourceError(f"ucx control handler failed: {exc!r}"))
             return False
-        return True
+        # (a BYE shuts the channel here: no control receive may be posted for it any more, which
+        # would stay with the worker, and keep this channel, until the node closed)
+        return self.state is ChannelState.OPEN
 
-    def _handle_frame(self) -> None:
+    def _handle_frame(self, length: int | None = None) -> None:
         mv = self._ctrl_mv
+        if length is not None and length < _HEADER:
+            # (what the buffer holds past the bytes that came is the previous frame's)
+            raise ProtocolError(f"control frame of {length} bytes, shorter than a frame header")
         # (``unpack_fields`` written out for a good frame, a call less per frame)
         magic, ftype, flags, check, meta_len, payload_len, msg_id, arg, credit, slots = _UNPACK(mv)
         t = _TYPE_OF.get(ftype)
         if t is None or magic != MAGIC or check or flags & ~_FLAGS:
             # not a good frame: unpack_fields raises the ProtocolError that says what is wrong
             t, flags, meta_len, payload_len, msg_id, arg, credit, slots = unpack_fields(mv)
+        if length is not None and length != _HEADER + meta_len + payload_len:
+            # one UCX message per frame: a frame must be exactly what its fields say (else the
+            # bytes past those that came are the previous frame's: its message again)
+            raise ProtocolError(f"{t.name} frame of {length} bytes declares {_HEADER}+{meta_len}+{payload_len}")
         if credit or slots:
             self._window.grant(credit, slots)
         if t is _MSG:
@@ -1005,6 +1038,10 @@ class UcxChannel(Channel):
         if not reqs and not self._futs:
             self._shutdown(state, exc)
             return
+        # meanwhile no new message goes (the peer will take none: a small send begun now went
+        # inline and returned its receipt, its message lost), and those waiting on the peer (a
+        # slot, a CTS) fail now, as when the peer says goodbye over the control plane
+        self._ending(fresh(exc))
         self._w.track(self._loop.create_task(self._shut_when_landed(reqs, state, exc)))
 
     async def _sends_done(self) -> None:

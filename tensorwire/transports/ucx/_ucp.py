@@ -72,6 +72,7 @@ _REQUEST_ATTR_INFO = (1 << 0) | (1 << 1)  # UCP_REQUEST_ATTR_FIELD_INFO_STRING a
 _INFO_BYTES = 512  # UCX's own bound for the string (UCP_WORKER_ATTR_FIELD_MAX_INFO_STRING) is 1 KiB
 _FIELD_CALLBACK = 1 << 1  # UCP_OP_ATTR_FIELD_CALLBACK
 _FIELD_USER_DATA = 1 << 2  # UCP_OP_ATTR_FIELD_USER_DATA
+_FIELD_RECV_INFO = 1 << 7  # UCP_OP_ATTR_FIELD_RECV_INFO
 _FAST_CMPL = 1 << 17  # UCP_OP_ATTR_FLAG_FAST_CMPL
 _FULL_MASK = (1 << 64) - 1  # a tag receive that matches one tag exactly
 # A worker's requests polled at once, at most (see Ucp.completing_into): each progress round
@@ -114,6 +115,10 @@ class _MemMapParams(Structure):
         ("memory_type", c_int),
         ("exported_memh_buffer", c_void_p),
     ]
+
+
+class _TagRecvInfo(Structure):  # ucp_tag_recv_info_t
+    _fields_ = [("sender_tag", c_uint64), ("length", c_size_t)]
 
 
 class _TransportEntry(Structure):
@@ -241,11 +246,12 @@ _send_callback = _SEND_CALLBACK(_on_send_complete)
 _recv_callback = _RECV_CALLBACK(_on_recv_complete)
 
 
-def _callback_param(callback: Any, key: int, flags: int = 0) -> _RequestParam:
+def _callback_param(callback: Any, key: int, flags: int = 0, recv_info: Any = None) -> _RequestParam:
     return _RequestParam(
-        op_attr_mask=_FIELD_CALLBACK | _FIELD_USER_DATA | flags,
+        op_attr_mask=_FIELD_CALLBACK | _FIELD_USER_DATA | flags | (_FIELD_RECV_INFO if recv_info is not None else 0),
         cb=ctypes.cast(callback, c_void_p).value,
         user_data=key,
+        recv_info=None if recv_info is None else ctypes.addressof(recv_info),
     )
 
 
@@ -286,6 +292,7 @@ class Ucp:
         self._tag_recv = self._fn(
             f.ucp_tag_recv_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_uint64, c_void_p
         )
+        self._recv_test = self._fn(f.ucp_tag_recv_request_test, c_int8, c_void_p, POINTER(_TagRecvInfo))
         self._cancel = self._fn(f.ucp_request_cancel, None, c_void_p, c_void_p)
         self._check = self._fn(f.ucp_request_check_status, c_int8, c_void_p)
         self.request_status = self._check  # UCS_INPROGRESS until the request completes
@@ -308,7 +315,9 @@ class Ucp:
         # returned to mpool ucp_requests", "rcache.c ... destroying inuse region"), per frame
         self._frame_param = _RequestParam(op_attr_mask=_FAST_CMPL)
         self._frame_param_ref = byref(self._frame_param)
-        self._recv_param_ref = self._param_ref
+        # receives: where UCX completes one within the call, it says how many bytes came here
+        # (``received``); one completed later is asked (``recv_length``)
+        self._new_recv_info()
         self._ucxx_cancel = _ucxx_cancel()
         self._segment_failures_taken = peer_segment_attach_failures  # see _peer_segment_missing
 
@@ -494,6 +503,22 @@ class Ucp:
     def rkey_destroy(self, rkey: int) -> None:
         self._rkey_destroy(rkey)
 
+    def _new_recv_info(self) -> None:
+        self._recv_info = _TagRecvInfo()
+        self._recv_param = _RequestParam(op_attr_mask=_FIELD_RECV_INFO, recv_info=ctypes.addressof(self._recv_info))
+        self._recv_param_ref = byref(self._recv_param)
+        self._test_info = _TagRecvInfo()
+        self._test_info_ref = byref(self._test_info)
+
+    def received(self) -> int:
+        """The bytes that came into the receive ``tag_recv`` completed within the call (None)."""
+        return int(self._recv_info.length)
+
+    def recv_length(self, req: int) -> int:
+        """The bytes that came into the completed tag receive ``req`` (not freed yet)."""
+        self._recv_test(req, self._test_info_ref)
+        return int(self._test_info.length)
+
     def _new_info_buffer(self) -> None:
         self._info = ctypes.create_string_buffer(_INFO_BYTES)
         self._info_attr = _RequestAttr(_REQUEST_ATTR_INFO, ctypes.addressof(self._info), _INFO_BYTES)
@@ -539,11 +564,13 @@ class CompletingUcp(Ucp):
         self.polling_recvs = True  # and those for receives
         self.completion_key = key = _next_key()
         _completions[key] = done
+        self._new_recv_info()  # (one per worker, as the info buffer below)
         self._plain = self._param_ref, self._frame_param_ref, self._recv_param_ref
+        self._called_recv = _callback_param(_recv_callback, key, recv_info=self._recv_info)
         self._called = (
             byref(_callback_param(_send_callback, key)),
             byref(_callback_param(_send_callback, key, _FAST_CMPL)),
-            byref(_callback_param(_recv_callback, key)),
+            byref(self._called_recv),
         )
         self.request_free = self.request_release  # (base's is the C function: a freed request leaves polled)
         self._new_info_buffer()  # (one per worker: base's may be in use on another worker's loop)

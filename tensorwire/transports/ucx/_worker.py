@@ -255,7 +255,7 @@ def context_cuda_support(options: tuple[tuple[str, str], ...]) -> bool:
 class _Watch:
     __slots__ = ("callback", "keep", "owner", "passive")
 
-    def __init__(self, callback: Callable[[Any], None], keep: object, owner: object, passive: bool) -> None:
+    def __init__(self, callback: Callable[..., None], keep: object, owner: object, passive: bool) -> None:
         self.callback = callback
         self.keep = keep  # buffers UCX reads or writes until the request completes
         self.owner = owner
@@ -473,13 +473,13 @@ class Worker:
         return fut
 
     def listen_raw(
-        self, ucp: Any, request: int, callback: Callable[[int], None], *, keep: object, owner: object
+        self, ucp: Any, request: int, callback: Callable[[int, int], None], *, keep: object, owner: object
     ) -> None:
-        """Call ``callback(status)`` from the loop once the raw receive ``request`` (posted and
-        not yet completed) completes: UCS_OK, or its error. Passive, as a control receive: an
-        idle worker does not poll for it. The request is freed by the worker; ``keep`` (the
-        memory it receives into) stays referenced until UCX is done with it, and
-        ``abandon(owner)`` cancels it. Lighter than ucxx's ``tag_recv`` and ``watch``: no ucxx
+        """Call ``callback(status, length)`` from the loop once the raw receive ``request`` (posted
+        and not yet completed) completes: UCS_OK and the bytes received, or its error (and 0).
+        Passive, as a control receive: an idle worker does not poll for it. The request is freed
+        by the worker; ``keep`` (the memory it receives into) stays referenced until UCX is done
+        with it, and ``abandon(owner)`` cancels it. Lighter than ucxx's ``tag_recv`` and ``watch``: no ucxx
         request, no future, no ``completed`` property scan per dispatch."""
         assert ucp is self._ucp, "a raw request posted through bindings not bound to this worker"
         self._raw_recv[request] = _Watch(callback, keep, owner, True)
@@ -837,10 +837,11 @@ class Worker:
                 if status == UCS_INPROGRESS:
                     continue
                 w = self._raw_recv.pop(ptr)
+                length = ucp.recv_length(ptr) if status == 0 else 0  # (asked before it is freed)
                 ucp.request_free(ptr)
                 n += 1
                 try:
-                    w.callback(status)
+                    w.callback(status, length)
                 except Exception:  # a bug in a callback must not stop progress for everyone
                     log.exception("ucx completion callback failed")
             elif ptr in self._raw_graveyard:
