@@ -17,12 +17,18 @@ of the depth until that copy has run: given back as any other, it held every tra
 process that needed a chunk for as long as that stream was busy (once a closed channel's send
 left them all so, every device send on every channel; a recv on a busy stream, every device
 recv). A pipeline that parks bounds itself (``StageIn``: its own depth's worth at most).
+
+A pool is the process's (an engine's: ``CudaEngine.get`` hands every thread the same), so nodes
+on event loops of their own, in threads of their own, share it: its state is kept under a lock,
+and a chunk given back on one loop wakes a waiter of another loop's in that loop
+(``call_soon_threadsafe``), as the engine's poller completes each wait in its own loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -54,6 +60,8 @@ class PinnedPool:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._parked: list[tuple[HostChunk, Event]] = []  # out of the depth until their copies ran (``park``)
         self.retired = 0  # chunks given up on (``retire``)
+        # every loop's (thread's) use of the state above: the pool is the process's
+        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         return f"<PinnedPool {self.engine.name} {self.depth}x{self.chunk_bytes} free={self.free}>"
@@ -66,15 +74,16 @@ class PinnedPool:
         """Change the chunk size and depth (frees every idle chunk; for benchmarks and tests)."""
         if chunk_bytes <= 0 or depth <= 0:
             raise ValueError("chunk_bytes and depth must be positive")
-        while self._free:
-            chunk, _ = self._free.popleft()
-            self._allocated -= 1
-            self.engine.free_chunk(chunk)
-        self.chunk_bytes, self.depth = chunk_bytes, depth
+        with self._lock:
+            while self._free:
+                chunk, _ = self._free.popleft()
+                self._allocated -= 1
+                self.engine.free_chunk(chunk)
+            self.chunk_bytes, self.depth = chunk_bytes, depth
 
     def _take(self) -> tuple[HostChunk, Event | None] | None:
         """A chunk whose last copy has finished if there is one, else a new one while under the
-        depth, else the one given back first (its copy finishes soonest)."""
+        depth, else the one given back first (its copy finishes soonest). Called holding the lock."""
         if self._parked:
             self._unpark()
         for i, (chunk, event) in enumerate(self._free):
@@ -101,8 +110,9 @@ class PinnedPool:
             try:
                 await wait_event(self.engine, event, until)
             except BaseException:
-                self._free.appendleft(entry)  # still owned by its copy; the next taker waits
-                self._wake()
+                with self._lock:
+                    self._free.appendleft(entry)  # still owned by its copy; the next taker waits
+                    self._wake()
                 raise
         scrub = getattr(self.engine, "scrub", None)
         if scrub is not None:
@@ -114,12 +124,15 @@ class PinnedPool:
         ``until`` cuts short the wait for a chunk's last copy (``wait_event``): one queued after
         a stream that may stay busy; and the wait for a chunk to come back, which may be held
         by a transfer (of any channel) waiting for such a stream."""
+        loop = asyncio.get_running_loop()
         while True:
-            entry = self._take()
+            with self._lock:  # (taking and queueing at once: a chunk given back meanwhile wakes us)
+                entry = self._take()
+                if entry is None:
+                    fut = loop.create_future()
+                    self._waiters.append(fut)
             if entry is not None:
                 return await self._ready(entry, until)
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
             try:
                 if until is None:
                     await fut
@@ -128,24 +141,29 @@ class PinnedPool:
                     if not fut.done():
                         _cut_short(until)
             except BaseException:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
-                elif fut.done() and not fut.cancelled():
-                    self._wake()  # woken for a chunk, then cancelled before taking it: pass it on
+                with self._lock:
+                    if fut in self._waiters:
+                        self._waiters.remove(fut)
+                    elif not fut.done():  # a wake on its way from another loop: ``_woken`` passes it on
+                        fut.cancel()
+                    elif not fut.cancelled():
+                        self._wake()  # woken for a chunk, then cancelled before taking it: pass it on
                 raise
 
     async def try_acquire(self, until: asyncio.Future[Any] | None = None) -> HostChunk | None:
         """A chunk if one is free now (its last copy perhaps still to finish), else None
         (``until``: as for ``acquire``)."""
-        entry = self._take()
+        with self._lock:
+            entry = self._take()
         if entry is None:
             return None
         return await self._ready(entry, until)
 
     def release(self, chunk: HostChunk, after: Event | None = None) -> None:
         """Give ``chunk`` back; it is reused once ``after`` (its last copy) has completed."""
-        self._free.append((chunk, after))
-        self._wake()
+        with self._lock:
+            self._free.append((chunk, after))
+            self._wake()
 
     def park(self, chunk: HostChunk, after: Event) -> None:
         """Give ``chunk`` back, its last copy (``after``) queued behind a stream that may stay
@@ -153,9 +171,10 @@ class PinnedPool:
         chunks meanwhile, and it is kept (never freed while that copy may write it) until the
         copy has run. Then it comes back to the pool, even past the depth (until ``configure``):
         freeing page-locked memory may wait for the whole device, and the loop must not."""
-        self._allocated -= 1
-        self._parked.append((chunk, after))
-        self._wake()
+        with self._lock:
+            self._allocated -= 1
+            self._parked.append((chunk, after))
+            self._wake()
 
     def _unpark(self) -> None:
         parked, self._parked = self._parked, []
@@ -173,18 +192,42 @@ class PinnedPool:
         (a one-sided operation a closing channel gave up waiting for). Its memory is freed once
         nothing holds its ``array`` any more (the transport keeps it while its operation may
         run); the pool may allocate a new chunk in its place."""
-        self._allocated -= 1
-        self.retired += 1
+        with self._lock:
+            self._allocated -= 1
+            self.retired += 1
+            self._wake()
         fin = weakref.finalize(chunk.array, _free, self.engine, chunk.ptr)
         fin.atexit = False  # at exit the process's memory goes anyway (and CUDA may be gone)
-        self._wake()
 
     def _wake(self) -> None:
+        """Wake the first waiter (called holding the lock). One of another loop's is woken in
+        its loop: a future's result set from here would not wake that loop, which slept on
+        until something else did (for good, were nothing to)."""
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         while self._waiters:
             fut = self._waiters.popleft()
-            if not fut.done():
+            if fut.done():
+                continue
+            loop = fut.get_loop()
+            if loop is here:
                 fut.set_result(None)
                 return
+            try:
+                loop.call_soon_threadsafe(self._woken, fut)
+            except RuntimeError:  # its loop is closed: nobody waits there any more
+                continue
+            return
+
+    def _woken(self, fut: asyncio.Future[None]) -> None:
+        """``_wake`` from another loop, in ``fut``'s: a waiter cancelled meanwhile passes it on."""
+        with self._lock:
+            if not fut.done():
+                fut.set_result(None)
+            else:
+                self._wake()
 
 
 def _free(engine: CopyEngine, ptr: int) -> None:
