@@ -752,45 +752,6 @@ async def test_stream_items_dropped_for_want_of_memory_leave_nothing_unread() ->
     assert got["ping"]["value"] == 1, got
 
 
-_UNPULLED = """
-from tensorwire._peer import tag_id
-addr, nbytes, behind = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "behind"
-
-async def main():
-    out = np.zeros(nbytes, np.uint8)
-    out2 = np.zeros(nbytes, np.uint8)
-    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
-        peer = await node.connect(addr)
-        await peer.send(np.arange(3), tag="hello")
-        await peer.recv(tag="hello")
-        mailbox, tid = peer.channel.mailbox, tag_id("big")
-        cap(nbytes // 2)  # room for anything but a buffer of the message's size
-        recv = asyncio.ensure_future(peer.recv(tag="big", out=out))
-        while not mailbox.has_posted(tid):
-            await asyncio.sleep(0)
-        # "behind": a second recv(out=) waits behind it, and takes the message it gives back
-        second = asyncio.ensure_future(peer.recv(tag="big", out=out2)) if behind else None
-        await asyncio.sleep(0)
-        report("posted")
-        while len(mailbox._posted.get(tid, ())) > (1 if behind else 0):  # matched: its task has yet to run (and pull)
-            await asyncio.sleep(0)
-        recv.cancel()
-        outcome = (await asyncio.gather(recv, return_exceptions=True))[0]
-        report("cancelled", cancelled=isinstance(outcome, asyncio.CancelledError))
-        try:
-            got = await asyncio.wait_for(second or peer.recv(tag="big", out=out), 30)
-        except Exception as exc:
-            report("recv", error=type(exc).__name__, text=str(exc))
-        else:
-            report("recv", value=int(np.asarray(got).sum(dtype=np.uint64)), same=got is (out2 if behind else out))
-        await peer.send(np.arange(5), tag="back")
-        report("done")
-        await asyncio.sleep(30)  # until the parent is done with us
-
-asyncio.run(main())
-"""
-
-
 _WITHDRAWN = """
 from tensorwire._peer import tag_id
 from tensorwire.testing import connected_pair
@@ -834,49 +795,6 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("next_recv", ["later", "behind"])
-async def test_a_recv_cancelled_before_it_pulled_its_rendezvous_message_leaves_it_whole_without_memory(
-    next_recv: str,
-) -> None:
-    """A tcp recv(out=) cancelled after its rendezvous message matched it, before its task asked
-    for the payload: no CTS went out, not a byte came, its sender still holds it. Nothing needs
-    keeping, and the next recv(out=) pulls it whole into its out=. Before, tcp (which did not
-    say such a message is ``unread``) took the cancel for one mid-payload and allocated a buffer
-    of the whole message's size to keep what had "landed" (nothing); with no memory for that,
-    the message was dropped (the next recv raised "... dropped ... no memory here to keep
-    them"), though its sender's send then completed. A recv(out=) posted behind the cancelled one
-    ("behind") took the message given back into a buffer of ours of its size, not its out=
-    (and failed with "out of memory" though it brought its own memory)."""
-    src = _pattern(BIG)
-    send: asyncio.Future[Any] | None = None
-
-    def on_step(step: str) -> None:
-        nonlocal send
-        if step == "posted":
-            send = asyncio.ensure_future(peer.send(src, tag="big"))
-
-    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
-        proc = await _child(_UNPULLED, node.address, str(BIG), next_recv)
-        try:
-            peer = await asyncio.wait_for(node.accept(), 60)
-            await peer.recv(tag="hello")
-            await peer.send(np.arange(3), tag="hello")
-            got = {}
-            async for step in _steps(proc, on_step):
-                got[step["step"]] = step
-                if step["step"] == "done":
-                    break
-            assert np.array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), np.arange(5))
-            assert send is not None
-            assert (await asyncio.wait_for(send, 10)).protocol == "rendezvous"
-        finally:
-            if send is not None:
-                send.cancel()
-            await _kill(proc)
-    assert got["cancelled"]["cancelled"], "the recv completed before its cancel (the test missed its moment)"
-    assert got["recv"].get("value") == int(src.sum(dtype=np.uint64)) and got["recv"].get("same"), got["recv"]
-
-
 async def test_a_recv_whose_message_was_withdrawn_takes_the_next_rendezvous_one_into_its_out() -> None:
     """A recv(out=) whose message its sender withdrew part way keeps its place and takes the
     tag's next message, a rendezvous one whose header waited for its go-ahead (nothing of it had
@@ -893,15 +811,15 @@ async def test_a_recv_whose_message_was_withdrawn_takes_the_next_rendezvous_one_
     assert "send2" not in got, got["send2"]
 
 
-_INPROC_UNPULLED = """
+_UNPULLED = """
 from tensorwire._peer import tag_id
 from tensorwire.testing import connected_pair
-nbytes = int(sys.argv[1])
+transport, nbytes, behind = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "behind"
 
 async def main():
     src = (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
-    out = np.zeros(nbytes, np.uint8)
-    async with connected_pair("inproc") as (a, b):
+    out, out2 = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    async with connected_pair(transport) as (a, b):
         await a.send(np.arange(3), tag="warm")
         await b.recv(tag="warm")
         mailbox, tid = b.channel.mailbox, tag_id("big")
@@ -909,13 +827,17 @@ async def main():
         recv = asyncio.ensure_future(b.recv(tag="big", out=out))
         while not mailbox.has_posted(tid):
             await asyncio.sleep(0)
+        # "behind": a second recv(out=) waits behind it, and takes the message it gives back
+        second = asyncio.ensure_future(b.recv(tag="big", out=out2)) if behind else None
+        await asyncio.sleep(0)
         send = asyncio.ensure_future(a.send(src, tag="big"))
-        while mailbox.has_posted(tid):  # matched: its task has yet to run (and pull)
+        while len(mailbox._posted.get(tid, ())) > behind:  # matched: its task has yet to run (and pull)
             await asyncio.sleep(0)
         recv.cancel()
         outcome = (await asyncio.gather(recv, return_exceptions=True))[0]
         report("cancelled", cancelled=isinstance(outcome, asyncio.CancelledError))
-        await attempt("recv", b.recv(tag="big", out=out), lambda v: [digest(v), v is out])
+        mine = out2 if behind else out
+        await attempt("recv", second or b.recv(tag="big", out=out), lambda v: [digest(v), v is mine])
         await attempt("send", send, lambda r: r.protocol)
         report("done")
 
@@ -923,20 +845,26 @@ asyncio.run(main())
 """
 
 
-async def test_inproc_recv_cancelled_before_it_pulled_its_rendezvous_message_loses_nothing() -> None:
-    """inproc: a recv(out=) cancelled after its rendezvous message matched it, before its task
-    pulled it (not a byte copied: the bytes are still the sender's). The next recv(out=) takes
-    it whole. Before, the cancel allocated a buffer of the whole message's size to keep what had
-    "landed" (nothing); with no memory for that, the message was dropped (the next recv raised
-    "... dropped ... no memory here to keep them", its payload copied into scratch), and its
-    sender's send returned a receipt all the same: lost, with both ends none the wiser but one."""
-    n = 256 << 20
-    proc = await _child(_INPROC_UNPULLED, str(n))
+@pytest.mark.parametrize("next_recv", ["later", "behind"])
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_recv_cancelled_before_it_pulled_its_rendezvous_message_loses_nothing_without_memory(
+    transport: str, next_recv: str
+) -> None:
+    """A recv(out=) cancelled after its rendezvous message matched it, before its task pulled
+    it: no CTS went out (tcp) or nothing was copied (inproc), its sender still holds the bytes.
+    Nothing needs keeping, and the next recv(out=), posted after the cancel ("later") or waiting
+    behind it ("behind"), takes the message whole into its out=. Before, neither transport said
+    such a message is ``unread``: the cancel allocated a buffer of the whole message's size to
+    keep what had "landed" (nothing), and with no memory for that the message was dropped (the
+    next recv raised "... dropped ... no memory here to keep them") while its sender's send
+    returned a receipt; a recv waiting behind was handed it in a buffer of ours, not its out=
+    (and failed "out of memory" though it brought its own memory)."""
+    proc = await _child(_UNPULLED, transport, str(BIG), next_recv)
     try:
         got = {step["step"]: step async for step in _steps(proc)}
     finally:
         await _kill(proc)
     assert got["cancelled"]["cancelled"], "the recv completed before its cancel (the test missed its moment)"
-    assert got["recv"].get("value") == [int(_pattern(n).sum(dtype=np.uint64)), True], got["recv"]
+    assert got["recv"].get("value") == [int(_pattern(BIG).sum(dtype=np.uint64)), True], got["recv"]
     assert got["send"].get("value") == "rendezvous", got["send"]
     assert "done" in got
