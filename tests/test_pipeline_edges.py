@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 import warnings
 from typing import Any
 
@@ -390,3 +391,84 @@ async def test_a_schedule_validated_under_max_unexpected_runs_when_an_activation
             async with asyncio.timeout(20):
                 r = await pipe.step(x, y, microbatches=2, schedule="gpipe")
     assert np.isfinite(r.loss)
+
+
+@pytest.mark.timeout(60)
+async def test_an_evaluate_refused_by_the_last_stages_node_after_stage_0_finished_leaves_no_call_to_hang() -> None:
+    # The last stage's node refuses its call (InvalidArguments: its CallLimits lowered since
+    # connect) only once stage 0 has finished its forwards and sent its activations, which stay
+    # unreceived at the last stage. Neither stage failed on its own, so neither was broken: the
+    # driver raised InvalidArguments and ran the next call, with those activations holding both
+    # of the last stage's message slots (max_unexpected=2). Stage 0's first send then waited for
+    # a slot for good, and the last stage for that activation: the call hung.
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 8, 8, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 8, 2, tanh=False), loss=mse),
+    ]
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    y = np.zeros((4, 2), np.float32)
+    async with nodes(3, only={1: {"limits": tensorwire.Limits(max_unexpected=2)}}) as ns:
+        async with pipeline.Stage(ns[0], parts[0]), pipeline.Stage(ns[1], parts[1]):
+            release = asyncio.Event()
+
+            @ns[1].method()
+            async def hold() -> None:  # holds the last stage's node's only slot for a while
+                await release.wait()
+
+            async with await pipeline.Pipeline.connect(ns[2], [ns[0].address, ns[1].address]) as pipe:
+                other = await ns[2].connect(ns[1].address)
+                ns[1].methods.limits = CallLimits(max_concurrent=1, max_arg_bytes=0)
+                holding = asyncio.create_task(other.call("hold"))
+                await asyncio.sleep(0.1)
+                run = asyncio.create_task(pipe.evaluate(x, y, microbatches=2))
+                await asyncio.sleep(0.5)  # stage 0 finishes its forwards meanwhile
+                release.set()
+                with pytest.raises(tensorwire.InvalidArguments, match="the limit here is 0"):
+                    async with asyncio.timeout(10):
+                        await run
+                await holding
+                await other.aclose()
+                ns[1].methods.limits = CallLimits()
+                # the next call ends at once: refused, as the stages are broken until the next connect
+                try:
+                    async with asyncio.timeout(10):
+                        with pytest.raises(tensorwire.BrokenResourceError, match=r"until the next Pipeline\.connect"):
+                            await pipe.evaluate(x, y, microbatches=2)
+                except TimeoutError:
+                    pytest.fail("the evaluate after the refused one hung")
+            async with await pipeline.Pipeline.connect(ns[2], [ns[0].address, ns[1].address]) as again:
+                assert (await again.evaluate(x, y, microbatches=2)).loss > 0
+
+
+class _SlowState(NumpyLinear):
+    """A layer whose state() takes a while between its tensors (copying a large model)."""
+
+    def state(self) -> dict[str, np.ndarray]:
+        w = self.w.copy()
+        time.sleep(0.3)
+        return {"w": w, "b": self.b.copy()}
+
+
+@pytest.mark.timeout(60)
+async def test_state_of_a_stage_that_computes_on_the_loop_is_never_torn_by_a_step() -> None:
+    # With offload=False a stage runs its part's code on the loop, but state() ran in the worker
+    # thread all the same, beside a step's optimizer update on the loop: pipe.state() called
+    # during a step returned stage 0's w from before the update and its b from after, a set of
+    # parameters the model never had.
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(_SlowState(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    y = rng.standard_normal((8, 2)).astype(np.float32)
+    async with stages(parts, offload=False) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            before = (await pipe.state())[0]
+            _, during = await asyncio.gather(pipe.step(x, y, microbatches=2), pipe.state())
+            after = (await pipe.state())[0]
+            assert not np.array_equal(before["b"], after["b"]) and not np.array_equal(before["w"], after["w"])
+            snapshot = during[0]
+            whole = [all(np.array_equal(snapshot[k], ref[k]) for k in ("w", "b")) for ref in (before, after)]
+            assert any(whole), {k: [np.array_equal(snapshot[k], r[k]) for r in (before, after)] for k in ("w", "b")}

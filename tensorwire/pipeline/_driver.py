@@ -126,6 +126,10 @@ class Pipeline:
         self._max_arg_bytes = [info.get("max_arg_bytes") for info in links]
         self._steps = itertools.count()
         self._stepping = False
+        # a call that failed at the driver (or was refused by its stage's node) while the other
+        # stages ran theirs: what they sent stays unreceived on their links, so this pipeline
+        # runs nothing more (``_run``); Pipeline.connect links the stages afresh
+        self._broken: BrokenResourceError | None = None
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()  # where the peers live (abort from another thread)
@@ -340,6 +344,8 @@ class Pipeline:
             self._check_open()
             if self._stepping:
                 raise BusyResourceError("this pipeline is already running a step; steps run one at a time")
+            if self._broken is not None:
+                raise BrokenResourceError(str(self._broken))
         except BaseException:
             run.close()
             raise
@@ -513,6 +519,15 @@ class Pipeline:
             else:
                 exc = task.exception()
                 outcomes.append(exc if exc is not None else task.result())
+        if local is not None:
+            # the other stages ran (or began) this call without that stage: a stage that finished
+            # its part left its activations unreceived on its link, holding the next stage's
+            # message slots, and no stage aborted it. A next call on these links could wait for
+            # those slots for good, so none runs: they are dropped by the next Pipeline.connect
+            self._broken = BrokenResourceError(
+                f"pipeline step {step} failed at the driver, or was refused by stage {local}'s node, while the "
+                "other stages ran it: the stages are broken until the next Pipeline.connect"
+            )
         if any(isinstance(o, BaseException) for o in outcomes):
             error = self._failure(step, outcomes, ok, order=[calls.index(t) for t in ended], cut=cut)
             if local is not None and cut:

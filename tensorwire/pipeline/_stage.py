@@ -1146,6 +1146,11 @@ class Stage:
         self._check_open()
         if self.part is None:
             raise ClosedResourceError("this stage has no part yet: a driver has not configured it")
+        if not self.offload:
+            # the part's code runs on the loop (``_compute``), and so does this: in the worker
+            # thread it ran beside a step's optimizer update on the loop, and read some of the
+            # parameters from before that update and the rest from after
+            return self.part.state()
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.part.state)
 
     def _check_generation(self, generation: str) -> None:
