@@ -388,6 +388,8 @@ class Node:
         self._unchecked: set[str] = set()  # transports whose lack of checksums this node has warned of
         self.exposures = ExposureTable()
         self._retiring: set[asyncio.Task[None]] = set()  # unexposed tensors waiting for peers' acks
+        # gone peers whose channel may still serve their gets and puts (``_forget_exposures``)
+        self._settling: dict[Peer, str] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
@@ -503,7 +505,7 @@ class Node:
             lease = self._leases.get(sid)
             if lease is not None and lease[1] is peer:
                 del self._leases[sid]
-            self.exposures.forget(sid)
+            self._forget_exposures(peer, sid)
         self._forget(peer)
         task = peer._wind_down()
         if task is not None:
@@ -542,6 +544,41 @@ class Node:
 
     def _session_peer(self, session_id: str) -> Peer | None:
         return self._sessions.get(session_id)
+
+    def _forget_exposures(self, peer: Peer, session_id: str) -> None:
+        """The exposures stop waiting for the session's acknowledgements once its channel has
+        settled (``UcxChannel.settled``): until then its peer's gets and puts may still be served
+        from and into their memory (emulated by this node's UCX worker), so an unexpose meanwhile
+        waits for that too (``_session_ends`` hands it the peer)."""
+        settled = getattr(peer.channel, "settled", None)
+        if settled is None:
+            self.exposures.forget(session_id)
+            return
+        self._settling[peer] = session_id
+
+        async def then() -> None:
+            try:
+                await settled()
+            finally:
+                self._settling.pop(peer, None)
+                self.exposures.forget(session_id)
+
+        task = asyncio.get_running_loop().create_task(then())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def _session_ends(self, session_id: str) -> list[Peer]:
+        """This node's peers of the session: one, or, for a node connected to itself, both of
+        its ends (``_sessions`` holds one of them under the id they share). A lookup names only
+        the session, so a revocation goes to each end: the one the reader's notice must reach
+        may be either."""
+        settling = [p for p, sid in self._settling.items() if sid == session_id]
+        peer = self._sessions.get(session_id)
+        if peer is None:
+            return settling
+        if peer.remote_node != self.node_id:
+            return [peer, *settling]
+        return [p for p in self.peers if p.session is not None and p.session.id == session_id] + settling
 
     async def _session_peer_soon(self, session_id: str) -> Peer | None:
         """The session's peer; for a session whose data connection is still being adopted (a
@@ -590,7 +627,7 @@ class Node:
         if not entry.given and not entry.busy:
             entry.release()
             return Revocation(None)
-        task = asyncio.get_running_loop().create_task(retire(entry, self._session_peer))
+        task = asyncio.get_running_loop().create_task(retire(entry, self._session_ends))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
         return Revocation(task)

@@ -396,30 +396,51 @@ class Revocation:
             yield from asyncio.shield(self._task).__await__()
 
 
-async def retire(entry: _Exposed, session_peer: Callable[[str], Peer | None]) -> None:
+async def retire(entry: _Exposed, session_peers: Callable[[str], list[Peer]]) -> None:
     """Revoke an unexposed tensor's direct handles and let the owner-assisted operations under
     way end (a write still being received lands in the tensor), then unregister it (module
     docstring)."""
     try:
-        peers = [p for p in map(session_peer, sorted(entry.given)) if p is not None and not p.closed]
+        # (each session's peers: both ends of a node's connection to itself, whose notice must
+        # reach the end that looked the name up, and only the session id says who that was)
+        # (closed ones too: their channel may still be shutting, see ``_revoke``)
+        peers = [p for sid in sorted(entry.given) for p in session_peers(sid)]
         await asyncio.gather(*[_revoke(p, entry.handle) for p in peers], entry.quiet(), return_exceptions=True)
     finally:
         entry.release()
 
 
 async def _revoke(peer: Peer, h: Handle) -> None:
+    """Until the peer acknowledged the revocation, or its channel has gone so far that nothing
+    of the peer's can reach the memory through it any more (``_gone_for_good``)."""
     reply, _ = _tags()
+    if peer.closed:
+        await _gone_for_good(peer)
+        return
     try:
         room = await _room(peer)  # the peer serves a notice as it does a request (``serve_ops``)
     except TensorWireError:
+        await _gone_for_good(peer)
         return
     try:
         await peer._send_own({"op": "revoke", "name": h.name, "generation": h.generation, "reply": reply}, tag=_OPS_TAG)
         await peer._recv_own(tag=reply)  # until the peer acknowledges or its channel closes
-    except TensorWireError:
         return
+    except TensorWireError:
+        pass
     finally:
         room.release()
+    await _gone_for_good(peer)
+
+
+async def _gone_for_good(peer: Peer) -> None:
+    """A key holder that went (closed, said goodbye, declared dead) without acknowledging: wait
+    until its channel has shut and the transport serves it nothing more (``UcxChannel.settled``:
+    over lanes that emulate gets and puts this node's worker serves them from and into the
+    memory, and answered a get under way after the goodbye; a transport without it needs none)."""
+    settled = getattr(peer.channel, "settled", None)
+    if settled is not None:
+        await settled()
 
 
 # -- the owner's side ---------------------------------------------------------------------------

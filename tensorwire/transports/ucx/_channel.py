@@ -386,6 +386,7 @@ class UcxChannel(Channel):
         self._rma_shut: set[asyncio.Future[None]] = set()  # those the channel's shutdown caught
         self._rkeys: set[RemoteKey] = set()
         self._closed_ev = asyncio.Event()
+        self._ep_closing: asyncio.Task[None] | None = None  # the endpoint's close (``settled``)
         self.lanes = self._query_lanes()
         # whether a get/put reaches the peer's memory without its CPU (a cma or RDMA lane), or
         # UCX emulates it and the peer's worker serves it (the receipts say which)
@@ -1292,7 +1293,7 @@ class UcxChannel(Channel):
         """Unpack a peer's packed rkey (``MemoryRegion.rkey``) for use on this channel."""
         self.check_open()
         ucp = self._require_ucp()
-        key = RemoteKey(ucp.rkey_unpack(self.endpoint_handle, packed), ucp)
+        key = RemoteKey(ucp.rkey_unpack(self.endpoint_handle, packed), ucp, self._rkeys)
         self._rkeys.add(key)
         return key
 
@@ -1512,6 +1513,21 @@ class UcxChannel(Channel):
         ep, self._ep = self._ep, None
         task = self._loop.create_task(self._w.close_endpoint(ep))
         self._w.track(task)
+        self._ep_closing = task
+
+    async def settled(self) -> None:
+        """Once the channel has shut and its endpoint is closed: from then on UCX serves none of
+        the peer's gets and puts of this node's memory. Over lanes that emulate them (tcp, and
+        shared memory without cma) this node's worker reads and writes the memory for the peer,
+        and a get under way when the peer closed or said goodbye was still being answered from
+        it after that: an owner that let an unexposed tensor go then (its revocation done, as
+        the peer had gone) crashed (SIGSEGV) or sent the peer memory it had reused. Bounded: a
+        peer that said goodbye and stays silent is declared dead at its lease, and the close
+        gives a flush ``close_endpoint``'s grace."""
+        await self._closed_ev.wait()
+        task = self._ep_closing
+        if task is not None:
+            await asyncio.wait([task])
 
     def _fail_one_sided(self, futs: list[asyncio.Future[None]], exc: BaseException) -> None:
         """One-sided requests that UCX had not completed ``_LANDING_GRACE`` after the channel
@@ -1539,6 +1555,12 @@ class UcxChannel(Channel):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout_at(deadline):
                         await self._sends_done()
+                        # and this side's gets and puts: over lanes that emulate them the peer's
+                        # worker serves each from or into its memory, and one still under way
+                        # when the channel shut was served on there past the peer's revocation
+                        # (its endpoint's flush, stuck on a reader gone, gave up after a second)
+                        while rma := [f for f in self._rma_futs if not f.done()]:
+                            await asyncio.wait(rma)
                 # the frame stays referenced until UCX is done with it: over a busy tcp lane
                 # UCX queues the send and copies the bytes only when the lane frees up (a
                 # temporary freed before that reached the peer as garbage: "bad frame magic")

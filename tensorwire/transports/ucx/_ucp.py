@@ -35,7 +35,7 @@ from ctypes import (
     c_uint64,
     c_void_p,
 )
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import PeerDisconnected, TransferError, TransportUnavailable
@@ -826,8 +826,14 @@ class RemoteKey:
 
     handle: int | None
     _ucp: Ucp
+    # the channel's set of its keys, destroyed with it if still open: a key closed before that
+    # (a revoked handle's) leaves it, else every generation a long-lived channel ever read kept
+    # its key object there until the channel closed
+    _held: set[RemoteKey] | None = field(default=None, repr=False)
 
     def close(self) -> None:
+        if self._held is not None:
+            self._held.discard(self)
         if self.handle is not None:
             h, self.handle = self.handle, None
             self._ucp.rkey_destroy(h)

@@ -1,0 +1,119 @@
+"""Lifecycle of direct (rkey) handles over ucx: revocation reaching the end that holds the key.
+Real UCX on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+
+import tensorwire
+from tensorwire.testing import connected_pair
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed (pip install 'tensorwire[ucx]')"
+    ),
+    pytest.mark.timeout(20),
+]
+
+
+async def test_unexpose_revokes_the_handle_of_a_node_connected_to_itself() -> None:
+    """Both ends of a node's connection to itself share one session id, and ``_sessions`` holds
+    one of them: the revocation went through the reader's own end to the other, which marked
+    and acknowledged a handle it never held. ``await unexpose`` returned, the memory was
+    unregistered, and the reader still got and put through its old rkey (a use after free once
+    the owner lets the tensor go)."""
+    async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as node:
+        p = await node.connect(node.address)
+        x = np.arange(1000, dtype=np.int64)
+        node.expose(x, name="x")
+        h = await p.lookup("x")
+        assert h.direct
+        assert np.array_equal(await p.read(h), x)
+        await node.unexpose("x")  # every holder of the key acknowledged: nothing reaches x now
+        with pytest.raises(tensorwire.HandleNotFound):
+            await p.read(h)
+        with pytest.raises(tensorwire.HandleNotFound):
+            await p.write(h, np.zeros_like(x))
+        assert np.array_equal(x, np.arange(1000))
+        await p.aclose()
+
+
+async def test_a_revoked_key_leaves_its_channel() -> None:
+    """The reader destroys a revoked handle's rkey when it acknowledges; the channel's set of
+    keys (those it destroys when it closes) kept the closed key object all the same, one more
+    for every generation a long-lived channel ever read (a name exposed again and again)."""
+    async with connected_pair("ucx", ucx_options={"TLS": "sm,self"}) as (a, b):
+        x = np.arange(10, dtype=np.int64)
+        for _ in range(50):
+            a.node.expose(x, name="x")
+            h = await b.lookup("x")
+            assert h.direct and np.array_equal(await b.read(h), x)
+            await a.node.unexpose("x")
+        keys = b.channel._rkeys  # type: ignore[attr-defined]
+        assert len(keys) == 0, f"{len(keys)} closed rkeys still held by the channel"
+
+
+_OWNER = """
+import asyncio, gc, sys, time, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as n:
+        x = np.ones(512 << 20, np.uint8)
+        n.expose(x, name="x")
+        print(n.address, flush=True)
+        p = await n.accept()
+        await p.recv(tag="closing")
+        if sys.argv[1] == "after-close":
+            async with asyncio.timeout(10):
+                while not p.closed:
+                    await asyncio.sleep(0.001)
+        await n.unexpose("x")  # no peer's operation reaches x from now on
+        del x
+        gc.collect()  # (512 MiB: numpy's memory goes back to the system, unmapped)
+        reused = [np.full(64 << 20, 2, np.uint8) for _ in range(4)]
+        await asyncio.sleep(1.5)
+        print("alive", len(reused), flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["before-close", "after-close"])
+async def test_an_owner_lets_go_of_an_unexposed_tensor_a_closed_readers_get_was_reading(when: str) -> None:
+    """Over UCX's tcp lanes a get is served by the owner's worker, from the owner's memory. The
+    reader closes (saying goodbye) while a large get is under way; the owner unexposes the
+    tensor (before or after its channel to the reader shut), awaits it and frees the memory.
+    The revocation took the reader's goodbye, or the session's end, for the end of its access,
+    while the owner's worker went on answering the get from the tensor: the owner died of
+    SIGSEGV (or sent the reader memory it had reused)."""
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", _OWNER, when, stdout=asyncio.subprocess.PIPE)
+    assert child.stdout is not None
+    try:
+        async with asyncio.timeout(15):
+            address = (await child.stdout.readline()).decode().strip()
+        async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as node:
+            peer = await node.connect(address)
+            h = await peer.lookup("x")
+            assert h.direct
+            out = np.zeros(512 << 20, np.uint8)
+            read = asyncio.ensure_future(peer.read(h, out=out))
+            async with asyncio.timeout(10):
+                while not out[0] and not read.done():  # noqa: ASYNC110 - the landing is the point
+                    await asyncio.sleep(0)
+            assert not read.done(), "the get ended before the reader closed"
+            await peer.send(None, tag="closing")
+            await peer.aclose()
+            await asyncio.gather(read, return_exceptions=True)
+        async with asyncio.timeout(20):
+            said = (await child.stdout.read()).decode()
+            code = await child.wait()
+        assert code == 0 and "alive" in said, f"the owner exited with {code} after it let the tensor go"
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
