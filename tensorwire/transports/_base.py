@@ -300,9 +300,10 @@ class Channel(ABC):
         payload over and cannot take it back (eager): its payload lands nowhere, its sender's send
         completes, and it leaves its tag's queue, failed (TransferError). A rendezvous message
         not yet pulled goes the same way where the transport can let its payload land nowhere
-        (ucx: UCX truncates it into a byte of scratch). False, and nothing changed, where only
-        its sender can take it back (rendezvous elsewhere: ``pull`` or the sender's abort) or
-        the transport never keeps such a message (it drops it as it arrives). Default: False."""
+        (ucx: UCX truncates it into a byte of scratch; verbs: answered as an ABORT, nothing
+        read). False, and nothing changed, where only its sender can take it back (tcp: ``pull``
+        or the sender's abort) or the transport never keeps such a message (it drops it as it
+        arrives). Default: False."""
         return False
 
     def unread(self, arrival: Any) -> bool:

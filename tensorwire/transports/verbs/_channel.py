@@ -424,7 +424,7 @@ class VerbsChannel(Channel):
             self._next_id += 1
             if eager and nbytes <= self._inline:
                 body = b"".join([header, *msg.segments()]) if nbytes else header
-                self._send_body(
+                outs = self._send_body(
                     Kind.MSG,
                     body,
                     flags=Flag.INLINE,
@@ -434,6 +434,10 @@ class VerbsChannel(Channel):
                     tag=tag,
                     nbytes=nbytes,
                 )
+                if not outs[-1].posted and self.state is not ChannelState.OPEN:
+                    # its post failed at once (``_post``: the channel broke, the queue dropped):
+                    # the message never left, so no receipt (the channel was open before it)
+                    self.check_open()
                 turn.passed()
                 protocol = "inline" if nbytes else "eager"  # as the receiver names it
             else:
@@ -782,13 +786,16 @@ class VerbsChannel(Channel):
         arrival.done.result()
 
     def discard(self, arrival: Arrival) -> bool:
-        """Drop an eager message kept unread for want of memory here (``_adopt``): its payload
-        waits in the sender's memory and its sender's send for our FIN, which would hold it (an
-        RPC server's call, its slot) until the channel closes. It is answered as an ABORT is:
-        FIN dropped, nothing read; the send completes and the message fails here."""
+        """Drop a message kept unread here: an eager one there was no memory for (``_adopt``), or
+        a rendezvous one not pulled yet. Its payload waits in the sender's memory and its
+        sender's send for our FIN, which would hold it (an RPC server's call, its slot) until
+        the channel closes. It is answered as an ABORT is: FIN dropped, nothing read; the send
+        completes and the message fails here. (A rendezvous one was refused, its sender being
+        able to abort it: an RPC server with no memory for a rendezvous request could neither
+        drop nor take it, and its request reader stopped for good.)"""
         entry = self._waiting.get(arrival.msg_id)
-        if entry is None or entry.arrival is not arrival or entry.rendezvous or entry.pulled or arrival.pulling:
-            return False  # (not kept unread here, or a rendezvous one: its sender can abort it)
+        if entry is None or entry.arrival is not arrival or entry.pulled or arrival.pulling:
+            return False  # (not kept unread here: being read, or read)
         if self.state is not ChannelState.OPEN:
             return False
         del self._waiting[arrival.msg_id]
@@ -843,7 +850,8 @@ class VerbsChannel(Channel):
             try:
                 qp.post_rdma(wr_id, read, laddr, lkey, n, raddr, rkey)
             except (pv().pyverbs_error.PyverbsError, BrokenResourceError) as exc:
-                self._rdma_cbs.pop(wr_id, None)
+                # its callback stays in _rdma_cbs: the shutdown fails it with the rest (taken out
+                # first, it was never called, and a get or put of one chunk waited for good)
                 self._shutdown(ChannelState.BROKEN, TransferError(f"verbs post_send failed: {exc}"))
                 return
 
