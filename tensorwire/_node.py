@@ -547,18 +547,18 @@ class Node:
 
     def _forget_exposures(self, peer: Peer, session_id: str) -> None:
         """The exposures stop waiting for the session's acknowledgements once its channel has
-        settled (``UcxChannel.settled``): until then its peer's gets and puts may still be served
+        settled (``Channel.settled``; ucx): until then its peer's gets and puts may still be served
         from and into their memory (emulated by this node's UCX worker), so an unexpose meanwhile
         waits for that too (``_session_ends`` hands it the peer)."""
-        settled = getattr(peer.channel, "settled", None)
-        if settled is None:
+        settling = peer.channel.settled()
+        if settling is None:
             self.exposures.forget(session_id)
             return
         self._settling[peer] = session_id
 
         async def then() -> None:
             try:
-                await settled()
+                await settling
             finally:
                 self._settling.pop(peer, None)
                 self.exposures.forget(session_id)

@@ -435,12 +435,12 @@ async def _revoke(peer: Peer, h: Handle) -> None:
 
 async def _gone_for_good(peer: Peer) -> None:
     """A key holder that went (closed, said goodbye, declared dead) without acknowledging: wait
-    until its channel has shut and the transport serves it nothing more (``UcxChannel.settled``:
-    over lanes that emulate gets and puts this node's worker serves them from and into the
-    memory, and answered a get under way after the goodbye; a transport without it needs none)."""
-    settled = getattr(peer.channel, "settled", None)
-    if settled is not None:
-        await settled()
+    until its channel has shut and the transport serves it nothing more (``Channel.settled``:
+    over ucx lanes that emulate gets and puts this node's worker serves them from and into the
+    memory, and answered a get under way after the goodbye)."""
+    settling = peer.channel.settled()
+    if settling is not None:
+        await settling
 
 
 # -- the owner's side ---------------------------------------------------------------------------

@@ -189,7 +189,7 @@ async def _let_go(channel: Channel, tag: int) -> tuple[Any, Receipt] | bool:
     head = channel.mailbox.oldest(tag)
     if head is None:
         return True
-    if head.rendezvous and not head.pulling and not head.done.done() and channel.discard(head):
+    if channel.discard(head):  # (one not kept unread, or pulled already: False)
         return True
     try:
         return await channel.recv(tag, None, keep=False)

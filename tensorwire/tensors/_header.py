@@ -95,7 +95,7 @@ def host_spec(wire: np.ndarray, framework: str) -> SpecEntry:
         name = dtype_name(wire.dtype)
         shape = tuple(wire.shape)
         nbytes = int(wire.nbytes)
-        if not nbytes and _impossible(shape, wire.itemsize):  # (empty: no bytes bound its shape)
+        if not nbytes and impossible_shape(shape, wire.itemsize):  # (empty: no bytes bound its shape)
             raise _unsendable(name, shape)
         spec = Spec(name, shape, nbytes, framework, "cpu")
         strides = [st // wire.itemsize for st in wire.strides]
@@ -109,7 +109,7 @@ def host_spec(wire: np.ndarray, framework: str) -> SpecEntry:
 def device_spec(view: TensorView, wire: DeviceTensor) -> SpecEntry:
     device = "cuda" if wire.engine.kind == "cuda" else "cpu"
     nbytes = int(wire.nbytes)
-    if not nbytes and _impossible(view.shape, DTYPES[view.dtype].itemsize):
+    if not nbytes and impossible_shape(view.shape, DTYPES[view.dtype].itemsize):
         raise _unsendable(view.dtype, view.shape)
     spec = Spec(view.dtype, view.shape, nbytes, view.framework, device)
     return spec, _framed_spec(spec, c_strides(wire.shape))
@@ -302,7 +302,7 @@ def _received_spec(t: wire_pb2.TensorSpec) -> Spec:
     if shape and min(shape) < 0:
         raise ProtocolError(f"header claims a negative dimension in shape {shape}")
     n = math.prod(shape) * dt.itemsize
-    if n >= _MAX_SHAPE_BYTES or (not n and _impossible(shape, dt.itemsize)):  # (no empty dimension: n says)
+    if n >= _MAX_SHAPE_BYTES or (not n and impossible_shape(shape, dt.itemsize)):  # (no empty dimension: n says)
         raise ProtocolError(f"header claims an impossible shape {list(shape)[:8]}")
     if n != t.nbytes:
         raise ProtocolError(f"header claims {t.nbytes} bytes for {t.dtype}{list(shape)} ({n} bytes)")
@@ -315,12 +315,9 @@ def _received_spec(t: wire_pb2.TensorSpec) -> Spec:
     return Spec(t.dtype, shape, n, t.framework or "numpy", device)
 
 
-def _impossible(shape: tuple[int, ...], itemsize: int) -> bool:
+def impossible_shape(shape: tuple[int, ...], itemsize: int) -> bool:
     """Whether a shape (empty dimensions counted as 1) describes more bytes than a header may."""
     return math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_SHAPE_BYTES
-
-
-impossible_shape = _impossible  # (for the owner's check of the regions a peer names)
 
 
 def header_bytes(items: list[bytes], tree: bytes) -> bytes:

@@ -314,6 +314,14 @@ class Channel(ABC):
         (the transport writes as the bytes come, and says how far in ``Arrival.landed``)."""
         return False
 
+    def settled(self) -> Awaitable[None] | None:
+        """What to wait for, once the peer has gone (closed, said goodbye, declared dead), until
+        nothing of the peer's reaches this node's memory through the channel any more: an owner
+        lets an unexposed tensor go only then. None: nothing (the default: the transport serves
+        none of the peer's operations once the channel has shut). ucx: until the channel has
+        shut and its endpoint closed (``UcxChannel.settled``)."""
+        return None
+
     @abstractmethod
     def release(self, arrival: Any) -> None:
         """The recv consumed ``arrival``: give its buffer credit and slot back to the sender."""

@@ -697,6 +697,13 @@ class _Posted:
         self.again: _Posted | None = None
 
 
+def _unlanded(arrival: Arrival) -> bool:
+    """Nothing of ``arrival`` has landed, nor will before a recv asks for it (no buffer: a
+    rendezvous message, or one given back unread): it is placed in the out= of the recv that
+    takes it, as a new message is (``Mailbox._to_posted``'s ``place``), not in a buffer of ours."""
+    return arrival.dest is None and not arrival.done.done()
+
+
 class Mailbox:
     """Per-channel queues of arrived messages and posted recvs, matched per tag."""
 
@@ -837,8 +844,7 @@ class Mailbox:
             if not q:
                 del self._arrived[tag]
             # (one yet to land, that waited for its go-ahead, is placed as a new message is)
-            unlanded = head.dest is None and not head.done.done()
-            if not self._to_posted(head, place=unlanded):  # (its out= cannot take it: it stays first)
+            if not self._to_posted(head, place=_unlanded(head)):  # (its out= cannot take it: it stays first)
                 self._arrived.setdefault(tag, deque()).appendleft(head)
 
     def _line_up(self, tag: int, p: _Posted) -> None:
@@ -913,7 +919,7 @@ class Mailbox:
         moving = arrival.detach()
         # nothing of it landed, nor will before a recv asks (``detach`` left it no buffer): it is
         # placed as a new message is, in the out= of the recv that takes it, not in ours
-        if not self._to_posted(arrival, place=arrival.dest is None and not arrival.done.done()):
+        if not self._to_posted(arrival, place=_unlanded(arrival)):
             self._arrived.setdefault(arrival.tag, deque()).appendleft(arrival)
         if moving is not None:
             await wait_out(moving)  # the copy reads the caller's out=: it ends before the cancel does

@@ -1515,7 +1515,10 @@ class UcxChannel(Channel):
         self._w.track(task)
         self._ep_closing = task
 
-    async def settled(self) -> None:
+    def settled(self) -> Awaitable[None]:
+        return self._settled()
+
+    async def _settled(self) -> None:
         """Once the channel has shut and its endpoint is closed: from then on UCX serves none of
         the peer's gets and puts of this node's memory. Over lanes that emulate them (tcp, and
         shared memory without cma) this node's worker reads and writes the memory for the peer,
