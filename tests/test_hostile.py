@@ -729,6 +729,11 @@ except Exception:  # any protobuf error: it really is undecodable
 else:
     raise AssertionError("the undecodable header decodes")
 
+_TWICE = wire_pb2.MessageHeader(
+    tensors=[wire_pb2.TensorSpec(dtype="int8", shape=[4], device="cpu", framework="numpy", nbytes=4)] * 2,
+    tree=wire_pb2.TreeNode(list=wire_pb2.Sequence(items=[wire_pb2.TreeNode(tensor=0)] * 2)),
+).SerializeToString()
+
 # name: (what to send on the authenticated connection, what the warning must say)
 VIOLATIONS: dict[str, tuple[Callable[[Session], bytes], str]] = {
     "msg-claims-past-max-message-bytes": (_msg(_HUGE), "more than the 67108864-byte limit"),
@@ -790,6 +795,12 @@ VIOLATIONS: dict[str, tuple[Callable[[Session], bytes], str]] = {
     "header-tree-refers-to-missing-tensor": (
         _msg(wire_pb2.MessageHeader(tree=wire_pb2.TreeNode(tensor=5)).SerializeToString()),
         "tree refers to tensor 5 of 0",
+    ),
+    # two int8[4] and their 8 bytes, the tree naming the first twice: the recv returned one
+    # array twice and the second tensor's bytes went unseen
+    "header-tree-places-a-tensor-twice": (
+        lambda s: _msg(_TWICE, payload_len=8)(s) + bytes(range(8)),
+        "tree refers to tensor 0 twice",
     ),
     "header-without-a-tree": (_msg(b""), ""),
 }

@@ -144,9 +144,12 @@ def test_a_header_protobuf_writes_otherwise_is_read_as_protobuf_reads_it() -> No
     want = decode_header(header, max_message_bytes=1 << 20)
     for other in (b"\x12" + bytes([len(tree)]) + tree + specs, header + b"\x18\x05"):
         assert decode_header(other, max_message_bytes=1 << 20) == want
-    twice = header + b"\x12\x02\x08\x00"  # (a second tree, merged into the first: a tensor now)
+    one = prepare({"a": np.zeros(3)}).header
+    twice = one + b"\x12\x02\x08\x00"  # (a second tree, merged into the first: a tensor now)
     merged, _ = decode_header(twice, max_message_bytes=1 << 20)
     assert merged == wire_pb2.MessageHeader.FromString(twice).tree and merged.HasField("tensor")
+    with pytest.raises(tensorwire.ProtocolError, match="places 1 of its 2 tensors"):  # (the other's bytes unseen)
+        decode_header(header + b"\x12\x02\x08\x00", max_message_bytes=1 << 20)
     with pytest.raises(tensorwire.ProtocolError, match="tree refers to tensor 7 of 2"):
         decode_header(specs + b"\x12\x02\x08\x07", max_message_bytes=1 << 20)
     with pytest.raises(tensorwire.ProtocolError, match="undecodable"):

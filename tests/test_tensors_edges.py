@@ -108,6 +108,33 @@ def test_integers_of_up_to_1000_digits_travel_as_their_digits() -> None:
         prepare(10**1000)
 
 
+def _list_of_tensors(places: list[int]) -> bytes:
+    """The header of ``[x, y]`` (two float64[3]) with its tree's tensor places replaced."""
+    from tensorwire.control._pb import wire_pb2
+
+    header = wire_pb2.MessageHeader.FromString(prepare([np.arange(3.0), np.ones(3)]).header)
+    del header.tree.list.items[:]
+    for place in places:
+        header.tree.list.items.add(tensor=place)
+    return header.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("places", "match"),
+    [([0, 0], "tensor 0 twice"), ([1, 0], "tensor 1 where tensor 0 comes next"), ([0], "1 of its 2")],
+    ids=["one-tensor-twice", "out-of-order", "one-left-out"],
+)
+def test_a_header_whose_tree_does_not_place_each_tensor_once_in_order_is_refused(places: list[int], match: str) -> None:
+    """A sender writes tensor i as the i-th tensor leaf it meets, each once. A header from a
+    broken or hostile peer whose tree names tensor 0 twice passed: the recv returned one array
+    twice (``got[0] is got[1]``) and tensor 1's bytes were dropped unseen; one that places the
+    tensors out of order filled ``out=`` by wire order but a plain recv by place, two answers."""
+    with pytest.raises(tensorwire.ProtocolError, match=match):
+        decode_header(_list_of_tensors(places), max_message_bytes=1 << 20)
+    _, specs = decode_header(_list_of_tensors([0, 1]), max_message_bytes=1 << 20)  # (as we write it)
+    assert len(specs) == 2
+
+
 @pytest.mark.parametrize("make", ["numpy", "torch"])
 async def test_a_broadcast_view_too_large_to_pack_fails_the_send_with_a_transfer_error(make: str) -> None:
     """A stride-0 view (np.broadcast_to, torch's expand) is packed into C order before it is sent;

@@ -221,14 +221,26 @@ _P_DICT_OF_TENSORS = 7  # (_, keys, places)
 Plan = tuple[Any, ...]
 
 
-def plan(node: wire_pb2.TreeNode, ntensors: int, depth: int = 0) -> Plan:
+def plan(node: wire_pb2.TreeNode, ntensors: int) -> Plan:
     """The plan of a received tree, which must hold ``ntensors`` tensors; ProtocolError for
-    anything ``build`` could not make (every node checked, in the order of its fields)."""
+    anything ``build`` could not make (every node checked, in the order of its fields), and
+    for a tree that does not place each tensor once, in wire order, as every sender writes it
+    (``encode``): one placed twice would come back as one array twice, the other's bytes
+    unseen, and one out of order would land in ``out=`` by wire order but in a plain recv by
+    place."""
+    placed = [0]  # the tensors placed so far: the next one's place
+    p = _plan(node, ntensors, 0, placed)
+    if placed[0] != ntensors:
+        raise ProtocolError(f"tree places {placed[0]} of its {ntensors} tensors")
+    return p
+
+
+def _plan(node: wire_pb2.TreeNode, ntensors: int, depth: int, placed: list[int]) -> Plan:
     if depth > MAX_DEPTH:
         raise ProtocolError(f"pytree deeper than {MAX_DEPTH} levels")
     kind = node.WhichOneof("kind")
     if kind == "tensor":
-        return (_P_TENSOR, _place(node, ntensors))
+        return (_P_TENSOR, _place(node.tensor, ntensors, placed))
     if kind == "dict":
         mapping = node.dict
         if len(mapping.keys) != len(mapping.values):
@@ -242,12 +254,12 @@ def plan(node: wire_pb2.TreeNode, ntensors: int, depth: int = 0) -> Plan:
             if deep:
                 raise ProtocolError(f"pytree deeper than {MAX_DEPTH} levels")
             keys.append(k.str_value if key_kind == "str_value" else _scalar(k, key_kind))
-        places, plans = _children(mapping.values, ntensors, depth)
+        places, plans = _children(mapping.values, ntensors, depth, placed)
         if places is not None:
             return (_P_DICT_OF_TENSORS, tuple(keys), places)
         return (_P_DICT, tuple(keys), plans)
     if kind == "list" or kind == "tuple":
-        places, plans = _children(getattr(node, kind).items, ntensors, depth)
+        places, plans = _children(getattr(node, kind).items, ntensors, depth, placed)
         if places is not None:
             return (_P_LIST_OF_TENSORS if kind == "list" else _P_TUPLE_OF_TENSORS, places)
         return (_P_LIST if kind == "list" else _P_TUPLE, plans)
@@ -256,7 +268,9 @@ def plan(node: wire_pb2.TreeNode, ntensors: int, depth: int = 0) -> Plan:
     return (_P_SCALAR, _scalar(node, kind))
 
 
-def _children(nodes: Any, ntensors: int, depth: int) -> tuple[tuple[int, ...] | None, tuple[Plan, ...]]:
+def _children(
+    nodes: Any, ntensors: int, depth: int, placed: list[int]
+) -> tuple[tuple[int, ...] | None, tuple[Plan, ...]]:
     """The places of a container's items if every one is a tensor (the common case, checked
     without a call per item), else None and their plans."""
     deep = depth + 1 > MAX_DEPTH
@@ -264,20 +278,21 @@ def _children(nodes: Any, ntensors: int, depth: int) -> tuple[tuple[int, ...] | 
     for i, child in enumerate(nodes):
         if child.WhichOneof("kind") != "tensor":
             done = [(_P_TENSOR, p) for p in places]
-            return None, (*done, *(plan(c, ntensors, depth + 1) for c in nodes[i:]))
+            return None, (*done, *(_plan(c, ntensors, depth + 1, placed) for c in nodes[i:]))
         if deep:
             raise ProtocolError(f"pytree deeper than {MAX_DEPTH} levels")
-        place = child.tensor
-        if place >= ntensors:
-            raise ProtocolError(f"tree refers to tensor {place} of {ntensors}")
-        places.append(place)
+        places.append(_place(child.tensor, ntensors, placed))
     return tuple(places), ()
 
 
-def _place(node: wire_pb2.TreeNode, ntensors: int) -> int:
-    place = node.tensor
+def _place(place: int, ntensors: int, placed: list[int]) -> int:
+    """A tensor leaf's place, checked: a tensor of the message, the next one in wire order."""
     if place >= ntensors:
         raise ProtocolError(f"tree refers to tensor {place} of {ntensors}")
+    if place != placed[0]:
+        again = " twice" if place < placed[0] else ""
+        raise ProtocolError(f"tree refers to tensor {place}{again} where tensor {placed[0]} comes next")
+    placed[0] += 1
     return place
 
 
