@@ -38,10 +38,12 @@ from ._header import (
     plan_of,
     spec_item,
 )
-from ._offload import off_loop, packs_in_a_thread
+from ._offload import off_loop, packs_in_a_thread, worth_a_thread
 from ._tree import MAX_BIG_INT_DIGITS, MAX_DEPTH, build, encode
 from ._view import (
+    MAX_NDIM,
     TensorView,
+    _torch_carriers,
     as_view,
     byte_view,
     is_tensor,
@@ -276,6 +278,11 @@ class _Leaves:
             if hit is not None:
                 records.append([arr, False, None, hit])
                 return place
+        if self.defer:
+            unresolved = _resolves_on_host(obj)
+            if unresolved is not None:
+                records.append([None, True, _Resolving(unresolved), None])
+                return place
         view = as_view(obj)
         if self.defer and _packs_on_host(view):
             records.append([None, True, view, None])
@@ -481,6 +488,34 @@ def _copied(obj: object, depth: int, tensors: tuple[type, ...] = ()) -> object:
 def _packs_on_host(v: TensorView) -> bool:
     """Whether ``v`` is a host tensor that needs a packing copy large enough for a thread."""
     return v.dev is None and packs_in_a_thread(v.array)
+
+
+def _resolves_on_host(obj: object) -> Any:
+    """``obj`` detached (its shape and memory as at the call), if it is a CPU torch view with
+    the conj or neg bit that ``as_view`` takes, whose resolving copy (such a view has no memory
+    holding its values) is large enough for a thread; else None (``as_view`` at the call)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor) or not obj.is_cpu or obj.layout is not torch.strided:
+        return None
+    if obj.is_nested or not (obj.is_conj() or obj.is_neg()) or obj.dim() > MAX_NDIM:
+        return None
+    if _torch_carriers[obj.dtype] is None or not worth_a_thread(obj.nbytes):
+        return None
+    return obj.detach()
+
+
+class _Resolving:
+    """A heavy leaf of ``_Packing`` that is a torch view with the conj or neg bit: looked at
+    (``as_view``, which resolves the bits into a copy) in the copy thread, and packed there."""
+
+    __slots__ = ("tensor",)
+    framework = "torch"
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def wire_array(self) -> tuple[np.ndarray | DeviceTensor, bool]:
+        return as_view(self.tensor).wire_array()  # (a copy: packed)
 
 
 def _prepare_tree(obj: object) -> Outgoing:
