@@ -135,6 +135,24 @@ def test_a_header_whose_tree_does_not_place_each_tensor_once_in_order_is_refused
     assert len(specs) == 2
 
 
+@pytest.mark.parametrize("second", ["a", 1, True], ids=repr)
+def test_a_header_whose_dict_repeats_a_key_is_refused(second: object) -> None:
+    """A sender's dict holds each key once. A header from a broken or hostile peer repeating
+    one ({"a": x, "a": y}, or {1: x, True: y}: one key in Python) passed: the recv returned
+    one entry, the other tensor's bytes dropped unseen. Two NaN keys are two keys, and pass."""
+    from tensorwire.control._pb import wire_pb2
+
+    first = "a" if second == "a" else 1
+    header = wire_pb2.MessageHeader.FromString(prepare({first: np.arange(3.0), "b": np.ones(3)}).header)
+    header.tree.dict.keys[1].CopyFrom(wire_pb2.MessageHeader.FromString(prepare({second: 0}).header).tree.dict.keys[0])
+    with pytest.raises(tensorwire.ProtocolError, match="repeats a key"):
+        decode_header(header.SerializeToString(), max_message_bytes=1 << 20)
+    tree, specs = decode_header(
+        prepare({float("nan"): np.ones(2), float("nan"): np.zeros(2)}).header, max_message_bytes=1 << 20
+    )
+    assert len(rebuild(tree, specs, [np.ones(2), np.zeros(2)])) == 2
+
+
 @pytest.mark.parametrize("make", ["numpy", "torch"])
 async def test_a_broadcast_view_too_large_to_pack_fails_the_send_with_a_transfer_error(make: str) -> None:
     """A stride-0 view (np.broadcast_to, torch's expand) is packed into C order before it is sent;

@@ -254,6 +254,8 @@ def _plan(node: wire_pb2.TreeNode, ntensors: int, depth: int, placed: list[int])
             if deep:
                 raise ProtocolError(f"pytree deeper than {MAX_DEPTH} levels")
             keys.append(k.str_value if key_kind == "str_value" else _scalar(k, key_kind))
+        if len(set(keys)) != len(keys):  # (``build`` would keep the last value of each: the others lost)
+            raise ProtocolError("dict node repeats a key (1, 1.0 and True are one key)")
         places, plans = _children(mapping.values, ntensors, depth, placed)
         if places is not None:
             return (_P_DICT_OF_TENSORS, tuple(keys), places)
