@@ -623,6 +623,29 @@ async def test_a_node_on_localhost_benches_a_client_over_either_loopback() -> No
                     await task
 
 
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_a_bench_to_localhost_reaches_the_baseline_of_a_node_on_the_ipv6_loopback() -> None:
+    """gRPC dials "localhost" on both loopbacks, whatever /etc/hosts says, so `bench
+    localhost:P` reached a node serving at [::1]:P; but the baseline dialled the name through
+    the system resolver, which may give 127.0.0.1 alone (this machine's /etc/hosts): 'the raw
+    TCP baseline could not connect to localhost:Q ... is that port blocked between the
+    machines?', exit 1, while tensorwire itself had connected."""
+    async with (
+        tensorwire.start("[::1]:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(f"localhost:{server.address.rpartition(':')[2]}")
+        task = asyncio.ensure_future(_server.serve_bench(await server.accept(), enabled=True))
+        try:
+            report = await _bench.run_bench(peer, [1024], seconds=0.05)
+            assert report.baseline.startswith("one plain TCP socket between the same two processes, to localhost:")
+            assert report.rows[0].raw_count >= 2
+        finally:
+            await peer.aclose()
+            async with asyncio.timeout(10):
+                await task
+
+
 @pytest.mark.timeout(90)
 def test_the_installed_command_runs_a_bench_and_exits_cleanly() -> None:
     """What the ``tensorwire`` script runs (``tensorwire._entry:main``, pyproject.toml), not

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..control._server import bind_targets
 from ..errors import (
     ConnectError,
     DeadlineExceeded,
@@ -210,14 +211,22 @@ class _RawClient:
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
         def dial() -> socket.socket:
-            sock = socket.create_connection((host, port), timeout=STALL_S)
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(secret)
-            except BaseException:
-                sock.close()
-                raise
-            return sock
+            failed: OSError | None = None
+            for target in _dialled(host):
+                try:
+                    sock = socket.create_connection((target, port), timeout=STALL_S)
+                except OSError as exc:
+                    failed = exc
+                    continue
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.sendall(secret)
+                except BaseException:
+                    sock.close()
+                    raise
+                return sock
+            assert failed is not None
+            raise failed
 
         try:
             return cls(await asyncio.to_thread(dial), where)
@@ -271,6 +280,17 @@ class _RawClient:
                 raise ConnectionError("the node closed the connection")
             times.append(time.perf_counter() - t0)
         return times
+
+
+def _dialled(host: str) -> list[str]:
+    """Where the baseline dials the node at ``host``: where the control plane reached it.
+    gRPC dials "localhost" on both loopbacks whatever /etc/hosts says (control's
+    bind_targets), so a node serving on [::1] alone was reached as localhost while the
+    baseline, resolved by the system (127.0.0.1 alone where /etc/hosts says so), was refused.
+    Any other name as it is (``create_connection`` tries each address it resolves to)."""
+    if host.lower() == "localhost":
+        return [address for _, address in bind_targets(host) or ()]
+    return [host]
 
 
 async def _answer(peer: Peer, *, first: bool = False) -> Any:
