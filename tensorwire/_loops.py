@@ -100,3 +100,13 @@ def check_home(home: asyncio.AbstractEventLoop | None, what: str, *, closing: bo
         "on. Call it there; from another thread, hand the coroutine to that loop with "
         "asyncio.run_coroutine_threadsafe(coro, node_loop) (abort() alone may be called from any thread)"
     )
+
+
+def closed_by_hand(home: asyncio.AbstractEventLoop | None, closing: asyncio.Future[None] | None) -> bool:
+    """Whether a node's (or a peer's) loop ``home`` has closed before its ``closing`` ran to its
+    end there: a loop closed by hand, without ``shutdown_asyncgens`` (README, Lifecycle). Its
+    objects (tasks, gRPC's server, sockets' callbacks) belong to that loop, so nothing of the
+    closing can run any more, on it or on another: the node went with its loop, and holds its
+    ports until the process exits. An ``aclose()`` then returns, as for a node closed already
+    (it raised asyncio's RuntimeError('Event loop is closed') at every call)."""
+    return home is not None and home.is_closed() and (closing is None or not closing.done())

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from . import _metrics
 from ._checks import check_arguments, check_bool, check_options, check_seconds, split_address
 from ._leases import Renewals, say_goodbye
-from ._loops import check_home, elsewhere
+from ._loops import check_home, closed_by_hand, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
 from ._peer import RESERVED_TAGS, Peer
@@ -954,6 +954,9 @@ class Node:
         its end even if the caller is cancelled meanwhile (say, an RPC method of this node that
         closes it: closing the peers cancels the method), and every call waits for it."""
         check_home(self._loop, "node.aclose", closing=True)
+        if closed_by_hand(self._loop, self._closing):
+            self._closed = True  # (the node went with its loop: see closed_by_hand)
+            return
         if self._closing is None:
             self._closed = True
             self._closing = asyncio.get_running_loop().create_task(self._close(), name="tensorwire-node-close")

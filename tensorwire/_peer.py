@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Never
 from . import _onesided
 from ._checks import MISSING, check_arguments, hide_misspelt, refuse_misspelt
 from ._leases import Renewals, plan_goodbye, renewals_for, send_goodbye
-from ._loops import check_home, elsewhere, running_loop
+from ._loops import check_home, closed_by_hand, elsewhere, running_loop
 from ._onesided import RemoteHandle, check_handle_name
 from .control._auth import heartbeat_proof, lookup_proof
 from .control._client import ControlClient, NodeClosing, SessionLost
@@ -563,6 +563,9 @@ class Peer:
         closing's CancelledError, and the peer was left to its transport's close). Once that
         loop has closed, nothing can run there any more."""
         check_home(self._home, "peer.aclose", closing=True)
+        if closed_by_hand(self._home, self._closing):
+            self._closed = True
+            return
         while True:
             if self._closing is None or (self._closing.cancelled() and not self._closing.get_loop().is_closed()):
                 self._closed = True

@@ -4,6 +4,9 @@ loop (another thread's) is refused at once, and abort() alone may come from anyw
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -122,3 +125,58 @@ async def test_a_call_handed_to_the_nodes_loop_from_another_thread_works() -> No
         assert await asyncio.to_thread(_on_another_loop, from_another_loop) is None
         np.testing.assert_array_equal(await b.recv(tag="t"), x)
         np.testing.assert_array_equal(await b.recv(tag="u"), x)
+
+
+# A node and a peer left open on a loop closed by hand (``run_until_complete``, then
+# ``close()``, no ``shutdown_asyncgens``), in a process of its own (gRPC keeps such a node, its
+# ports bound, until the process exits): what their aclose() and abort() do later, from
+# another loop, twice. Prints one JSON line.
+_CLOSED_BY_HAND = r"""
+import asyncio, json, sys
+import numpy as np
+import tensorwire
+
+loop = asyncio.new_event_loop()
+start = lambda: tensorwire.start("127.0.0.1:0", transports=(sys.argv[1],))
+node = loop.run_until_complete(start())
+other = loop.run_until_complete(start())
+peer = loop.run_until_complete(other.connect(node.address))
+loop.close()
+
+
+def outcome(make):
+    try:
+        asyncio.run(asyncio.wait_for(make(), 10))
+        return "ok"
+    except BaseException as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+report = {}
+for what, make in [("peer.aclose", peer.aclose), ("other.aclose", other.aclose), ("node.aclose", node.aclose)]:
+    report[what] = [outcome(make), outcome(make)]
+peer.abort()
+node.abort()
+report["send"] = outcome(lambda: peer.send(np.ones(3), tag="t"))
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.timeout(60)
+def test_aclose_after_the_nodes_loop_was_closed_by_hand_is_no_runtime_error(transport: str) -> None:
+    """Such a node holds its ports until the process exits (README, Lifecycle: its closing never
+    ran), and its other methods are refused as closed; but aclose(), of the node or of a peer,
+    raised asyncio's RuntimeError('Event loop is closed'), at every call, from outside the
+    error tree (cancelling the lease task, or the lease watchdog, on that loop). Now it returns,
+    as for an object closed already: it went with its loop."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLOSED_BY_HAND, transport], capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == 0, f"the child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(proc.stdout.splitlines()[-1])
+    for what in ("peer.aclose", "other.aclose", "node.aclose"):
+        assert report[what] == ["ok", "ok"], report
+    refused = "ClosedResourceError: peer.send: the event loop this node was started on has closed"
+    assert report["send"].startswith(refused), report
