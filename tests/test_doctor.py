@@ -109,6 +109,23 @@ def test_peermem_loaded_makes_gpudirect_ready(fake_machine: tuple[Path, Path]) -
     assert gd["peermem"] and gd["ready"] and gd["why_not"] == []
 
 
+def test_dma_buf_readiness_is_judged_by_the_recorded_machines_kernel(fake_machine: tuple[Path, Path]) -> None:
+    """With TENSORWIRE_PROCFS naming a recorded copy of another machine's /proc, the doctor
+    read its driver there but judged dma-buf by this machine's kernel (platform.release()): a
+    recorded 5.4 box with NVIDIA's open modules was 'GPUDirect RDMA: ready (dmabuf=True)'
+    wherever the doctor ran on 5.12 or later, and the reverse. The kernel's own release is in
+    the tree (sys/kernel/osrelease), as it is in /proc."""
+    _, proc = fake_machine
+    _write(proc / "driver" / "nvidia" / "version", "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.1")
+    _write(proc / "sys" / "kernel" / "osrelease", "5.4.0-150-generic")
+    gd = _doctor.gpudirect()
+    assert not gd["dmabuf"] and not gd["ready"], gd
+    assert "dma-buf needs Linux >= 5.12 (this is 5.4.0-150-generic)" in gd["why_not"], gd
+    _write(proc / "sys" / "kernel" / "osrelease", "6.8.0-49-generic")
+    gd = _doctor.gpudirect()
+    assert gd["dmabuf"] and gd["ready"] and gd["why_not"] == [], gd
+
+
 def test_this_machine_has_no_rdma_and_says_so() -> None:
     rep = _doctor.report()
     if rep["rdma_devices"]:

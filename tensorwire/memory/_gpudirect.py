@@ -19,8 +19,9 @@ def gpudirect_status(sys_root: Path = SYS, proc_root: Path = PROC) -> dict[str, 
     driver = read_text(proc_root / "driver" / "nvidia" / "version")
     peermem = (sys_root / "module" / "nvidia_peermem").is_dir() or (sys_root / "module" / "nv_peer_mem").is_dir()
     # dma-buf export of GPU memory needs the open kernel modules (the "Open" flavour in the
-    # version string) and a kernel with dma-buf support in the RDMA core (5.12+).
-    release = platform.release()
+    # version string) and a kernel with dma-buf support in the RDMA core (5.12+): the kernel
+    # whose /proc this is (a recorded copy of another machine's too), as its driver is
+    release = read_text(proc_root / "sys" / "kernel" / "osrelease") or platform.release()
     try:
         major, minor = (int(x) for x in release.split(".")[:2])
         kernel_ok = (major, minor) >= (5, 12)
