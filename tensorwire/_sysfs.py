@@ -10,8 +10,10 @@ from pathlib import Path
 
 __all__ = ["PROC", "SYS", "read_text"]
 
-SYS = Path(os.environ.get("TENSORWIRE_SYSFS", "/sys"))
-PROC = Path(os.environ.get("TENSORWIRE_PROCFS", "/proc"))
+# (set but empty is unset: Path("") is the current directory, whose trees, or none, would be
+# taken for this machine's)
+SYS = Path(os.environ.get("TENSORWIRE_SYSFS") or "/sys")
+PROC = Path(os.environ.get("TENSORWIRE_PROCFS") or "/proc")
 _CHUNK = 1 << 16
 
 

@@ -126,6 +126,27 @@ def test_dma_buf_readiness_is_judged_by_the_recorded_machines_kernel(fake_machin
     assert gd["dmabuf"] and gd["ready"] and gd["why_not"] == [], gd
 
 
+def test_an_empty_tensorwire_sysfs_or_procfs_reads_the_real_trees(tmp_path: Path) -> None:
+    """``TENSORWIRE_SYSFS=`` (set, empty: an env file's or a chart's unset value) was the path
+    '', the current directory: the doctor listed whatever RDMA devices and NVIDIA driver a
+    tree under it held (or none where the machine has them), and so did the GPUDirect check
+    behind a ucx path's ``gpudirect``. Empty is unset: /sys and /proc."""
+    _write(tmp_path / "class" / "infiniband" / "mlx5_9" / "ports" / "1" / "state", "4: ACTIVE")
+    _write(tmp_path / "driver" / "nvidia" / "version", "NVRM version: NVIDIA UNIX Open Kernel Module  580.1")
+    env = {**os.environ, "TENSORWIRE_SYSFS": "", "TENSORWIRE_PROCFS": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "tensorwire.cli", "doctor", "--json"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    real = json.loads(subprocess.run(
+        [sys.executable, "-m", "tensorwire.cli", "doctor", "--json"], capture_output=True, text=True, timeout=60,
+    ).stdout)  # fmt: skip
+    assert [d["name"] for d in rep["rdma_devices"]] == [d["name"] for d in real["rdma_devices"]], rep["rdma_devices"]
+    assert rep["gpudirect"] == real["gpudirect"], rep["gpudirect"]
+
+
 def test_this_machine_has_no_rdma_and_says_so() -> None:
     rep = _doctor.report()
     if rep["rdma_devices"]:
