@@ -545,6 +545,17 @@ class Node:
     def _session_peer(self, session_id: str) -> Peer | None:
         return self._sessions.get(session_id)
 
+    def _leaving_peer(self, session_id: str) -> Peer | None:
+        """The peer a goodbye for ``session_id`` ends (``Leave``): the session's peer here. A node
+        connected to itself holds both ends under the id they share (``_sessions`` one of them):
+        where that one said the goodbye, it is for the other end (the one saying it is closing
+        on this side)."""
+        peer = self._sessions.get(session_id)
+        if peer is None or not peer._said_goodbye or peer.remote_instance != self.instance_id:
+            return peer
+        ends = (p for p in self.peers if p is not peer and p.session is not None and p.session.id == session_id)
+        return next((p for p in ends if not p._said_goodbye), None)
+
     def _forget_exposures(self, peer: Peer, session_id: str) -> None:
         """The exposures stop waiting for the session's acknowledgements once its channel has
         settled (``Channel.settled``; ucx): until then its peer's gets and puts may still be served

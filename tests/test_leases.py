@@ -435,3 +435,26 @@ async def test_a_peer_closed_alone_says_goodbye_for_its_session_only(
         assert calls["Leave"] == 2  # (one for the peer alone, one for the node's two left)
         for peer in others:
             await eventually(peer.channel.ended.done)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sayer", ["connected", "accepted"])
+async def test_a_goodbye_on_a_node_connected_to_itself_reaches_the_other_end(sayer: str) -> None:
+    """A node connected to itself holds both ends of one session, under one id. A goodbye said
+    for one end (the Leave call a closing peer makes) ends the other end, as between two nodes:
+    that one says it is closing and its sends raise the goodbye's PeerDisconnected; the end that
+    said it does not. The server looked the session up by id alone and took whichever end was
+    adopted last: as often as not the one saying goodbye, which then raised "peer ... closed (it
+    said goodbye)" on its own sends while the other end heard nothing."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as node:
+        connected = await node.connect(node.address)
+        accepted = await node.accept()
+        assert connected.session is not None and accepted.session is not None
+        assert connected.session.id == accepted.session.id
+        saying, other = (connected, accepted) if sayer == "connected" else (accepted, connected)
+        await say_goodbye(node, [saying])  # (the Leave call a closing peer makes; it stays open)
+        assert other.remote_closing, "the other end did not hear the goodbye"
+        assert not saying.remote_closing, "the end that said goodbye was told it"
+        await saying.send(np.ones(8, np.uint8), tag="x")  # (its own sends go on)
+        with pytest.raises(PeerDisconnected, match="said goodbye"):
+            await asyncio.wait_for(other.send(np.ones(8, np.uint8), tag="y"), 5)

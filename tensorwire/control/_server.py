@@ -243,7 +243,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         await self._at_most_sessions(len(request.sessions), "goodbye", "ends", context)
         ended = 0
         for leaving in request.sessions:
-            peer = self.node._session_peer(leaving.session_id)
+            peer = self.node._leaving_peer(leaving.session_id)
             if peer is None or peer.session is None or peer.closed:
                 continue  # (a channel this node is closing ends with its own ClosedResourceError)
             if not hmac.compare_digest(leaving.proof, leave_proof(peer.session.secret, leaving.session_id)):
