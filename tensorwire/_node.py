@@ -391,6 +391,9 @@ class Node:
         # gone peers whose channel may still serve their gets and puts (``_forget_exposures``)
         self._settling: dict[Peer, str] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        # its goodbye as it closes (say_goodbye), which may call over its peers' control
+        # connections: a peer closing meanwhile keeps its own open until it ends (Peer._close_control)
+        self._goodbye: asyncio.Task[None] | None = None
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set when it starts
@@ -1022,7 +1025,9 @@ class Node:
         self._incoming_ready.set()  # wake every accept(): the node is closed
         if self._watchdog is not None:
             self._watchdog.cancel()
-        await say_goodbye(self, list(self.peers))  # (bounded: a dead node never delays the close for long)
+        # (bounded: a dead node never delays the close for long)
+        self._goodbye = asyncio.get_running_loop().create_task(say_goodbye(self, list(self.peers)))
+        await self._goodbye
         await asyncio.gather(*[p.aclose() for p in list(self.peers)], return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace=0.2)

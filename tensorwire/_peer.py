@@ -602,10 +602,13 @@ class Peer:
             self.node._forget(self)
 
     async def _close_control(self, control: ControlClient | None) -> None:
-        """Close ``control`` once the goodbye under way (``_close``), which may be calling over
-        it, is answered or given up (``send_goodbye``: ``GOODBYE_SECONDS`` each call)."""
-        if self._goodbye is not None:
-            await asyncio.wait([self._goodbye])  # (never raises)
+        """Close ``control`` once the goodbyes under way, which may be calling over it, are
+        answered or given up (``send_goodbye``: ``GOODBYE_SECONDS`` each call): this peer's own
+        (``_close``), and its node's as the node closes (``Node._close``: it calls over one of
+        its peers' connections for all the sessions with that node)."""
+        goodbyes = [g for g in (self._goodbye, self.node._goodbye) if g is not None]
+        if goodbyes:
+            await asyncio.wait(goodbyes)  # (never raises)
         if control is not None:
             await control.aclose()
 

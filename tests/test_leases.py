@@ -199,6 +199,45 @@ async def test_a_closing_node_says_goodbye_once_per_node(closer: str, monkeypatc
 
 
 @pytest.mark.timeout(60)
+async def test_a_closing_nodes_goodbye_outlives_the_close_of_the_peer_it_rides_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A closing node says goodbye over the control connection of one of its peers of that node.
+    That peer, closed alone meanwhile (by the user, or as its channel ended), closed its control
+    connection under the call: the goodbye was cancelled, and the node's other sessions there
+    never heard it (remote_closing False; a send waiting on them would have waited for the data
+    connection's close). The peer's close now waits for the node's goodbye, as for its own."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+    leave = _Servicer.Leave
+
+    async def held(self: _Servicer, request: Any, context: Any) -> Any:
+        entered.set()
+        await gate.wait()
+        return await leave(self, request, context)
+
+    monkeypatch.setattr(_Servicer, "Leave", held)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as client,
+    ):
+        connected = [await client.connect(server.address) for _ in range(2)]
+        accepted = {p.session.id: p for p in [await server.accept() for _ in range(2)] if p.session is not None}
+        staying = [accepted[p.session.id] for p in connected[1:] if p.session is not None]
+        closing = asyncio.ensure_future(client.aclose())
+        await asyncio.wait_for(entered.wait(), 5)  # (its goodbye is under way, over the first peer's connection)
+        alone = asyncio.ensure_future(connected[0].aclose())
+        await eventually(lambda: connected[0].closed)
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(closing, alone), 10)
+        for peer in staying:
+            assert peer.remote_closing, "the node's goodbye was lost"
+            await eventually(peer.channel.ended.done)
+            with pytest.raises(PeerDisconnected, match="said goodbye"):
+                peer.channel.ended.result()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("closing", ["node", "connected peer", "accepted peer"])
 async def test_a_goodbye_nobody_answers_delays_the_close_a_moment(
     closing: str, monkeypatch: pytest.MonkeyPatch
