@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager, contextmanager
 import crc32c
 import numpy as np
 import pytest
+from _polling import eventually
 
 import tensorwire
 from tensorwire.tensors import prepare
@@ -514,6 +515,49 @@ async def test_aclose_returns_when_the_peer_stopped_reading() -> None:
             peer.close()  # an aclose still writing the BYE fails now, and ends
             await asyncio.wait_for(closing, 5)
         assert ch.state is ChannelState.CLOSED
+
+
+async def test_what_was_sent_before_aclose_reaches_a_peer_that_sends_while_it_closes() -> None:
+    """Messages whose sends returned before aclose, and its BYE, reach a peer that reads them at
+    its own pace and sends a frame of its own (credit back for what it took) as the channel
+    closes. Before, the socket was closed at once with those bytes still queued in the kernel:
+    the peer's frame then reached a closed socket, whose kernel answered with a reset and
+    dropped what it still held for the peer: of 4 messages none or one came, and no BYE (the
+    peer's read failed with ConnectionResetError). Two channels meet it as a recv that raises
+    PeerDisconnected ("Connection reset by peer") where messages sent before the close were due."""
+    loop = asyncio.get_running_loop()
+    async with _channel() as (ch, peer):
+        n = 4
+        kinds: list[FrameType] = []
+
+        async def read_at_its_pace() -> None:  # 64 KiB a millisecond, frame by frame
+            data = bytearray()
+            while FrameType.BYE not in kinds:
+                got = await loop.sock_recv(peer, 64 << 10)
+                assert got, f"the channel closed the connection after {kinds}"
+                data += got
+                while len(data) >= HEADER.size:
+                    hdr = unpack(bytes(data[: HEADER.size]))
+                    end = HEADER.size + hdr.meta_len + hdr.payload_len
+                    if len(data) < end:
+                        break
+                    del data[:end]
+                    kinds.append(hdr.type)
+                await asyncio.sleep(0.001)
+
+        reading = asyncio.ensure_future(read_at_its_pace())
+        for i in range(n):
+            await asyncio.wait_for(ch.send(1, prepare(np.full(MiB, i, np.uint8))), 5)
+        closing = asyncio.ensure_future(ch.aclose())
+        await eventually(lambda: ch.state is ChannelState.CLOSED, 5, pause=0)
+        peer.send(pack(FrameType.CREDIT))  # what a peer sends at any time
+        try:
+            await asyncio.wait_for(reading, 5)
+        except ConnectionResetError:
+            pytest.fail(f"the connection was reset after {kinds.count(FrameType.MSG)} of {n} messages")
+        assert kinds == [FrameType.MSG] * n + [FrameType.BYE]
+        peer.shutdown(socket.SHUT_WR)  # the peer's close, as a channel closes at the BYE
+        await asyncio.wait_for(closing, 5)
 
 
 @pytest.mark.parametrize(

@@ -1030,7 +1030,9 @@ class TcpChannel(Channel):
             await _let_recvs_repost(arrival)
 
     # -- lifecycle --------------------------------------------------------------------------
-    def _shutdown(self, state: ChannelState, exc: BaseException) -> None:
+    def _shutdown(self, state: ChannelState, exc: BaseException, *, close: bool = True) -> None:
+        """Fail what is pending with ``exc``, stop reading, and close the socket (unless not
+        ``close``: ``aclose`` lingers on it after its BYE, ``SockIO.linger``)."""
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
             return
         self._closed(state, exc)
@@ -1050,27 +1052,34 @@ class TcpChannel(Channel):
             self._reader.cancel()
         for t in list(self._aux):
             t.cancel()
-        self._io.close()
+        if close:
+            self._io.close()
 
     async def aclose(self) -> None:
         if self.state is ChannelState.OPEN:
             self.state = ChannelState.CLOSING
+            until = self._loop.time() + BYE_GRACE
+            said_bye = False
             try:
-                async with asyncio.timeout(BYE_GRACE):  # (the frames ahead of it on the stream first)
+                async with asyncio.timeout_at(until):  # (the frames ahead of it on the stream first)
                     await self._turn.take()
                     try:
                         await self._io.send_last([pack(FrameType.BYE, checked=self.checksum)])
+                        said_bye = True
                     finally:
                         self._turn.give()
             except Exception:  # the peer may already be gone; closing goes on
                 pass
             finally:
-                self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
+                self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"), close=not said_bye)
+            if said_bye:  # what is queued for the peer, the BYE last, reaches it (within the grace)
+                await self._io.linger(until - self._loop.time())
         if asyncio.current_task() is not self._reader:
             await asyncio.gather(self._reader, return_exceptions=True)
 
     def abort(self) -> None:
         self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
+        self._io.close()  # (an aclose lingering after its BYE: at once)
 
     def fail(self, exc: BaseException) -> None:
         self._shutdown(ChannelState.BROKEN, exc)

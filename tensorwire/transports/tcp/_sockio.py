@@ -361,7 +361,38 @@ class SockIO:
         if rest:
             await self._send_rest(rest)
 
+    async def linger(self, seconds: float) -> None:
+        """Close after the last frame (BYE) without resetting the connection: say that nothing
+        more comes (FIN, behind every byte queued), then read and drop what the peer still sends
+        until it closes too, ``seconds`` at most, and close. A socket closed with bytes from the
+        peer unread, or that bytes reach after its close (a peer's credit frame, say), is reset
+        by the kernel, which then drops what it still held for the peer: frames of messages
+        whose sends had returned, and the BYE."""
+        try:
+            if self._closed:
+                return
+            self.on_frames = None
+            if self._watching:  # (the reader's: it is gone)
+                self._watching = False
+                self.loop.remove_reader(self.fd)
+            self.sock.shutdown(socket.SHUT_WR)
+            async with asyncio.timeout(max(seconds, 0)):
+                while True:
+                    try:
+                        if not self.sock.recv_into(self._buf):
+                            return  # the peer closed too
+                    except (BlockingIOError, InterruptedError):
+                        await self._wait(self.loop.add_reader, self.loop.remove_reader)
+                        continue
+                    await asyncio.sleep(0)  # a peer that keeps sending must not hold the loop
+        except (OSError, TimeoutError):
+            pass  # reset, or the peer kept its end open: closed all the same
+        finally:
+            self.close()
+
     def close(self) -> None:
+        if self._closed:  # (its descriptor's number may be another socket's by now)
+            return
         self._closed = True
         self.unwatch_hangup()
         if self._hangups is not None:
