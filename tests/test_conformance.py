@@ -72,6 +72,21 @@ async def test_the_cancel_checks_size_their_message_by_how_long_its_landing_last
 
 
 @pytest.mark.parametrize("variant", TRANSPORTS)
+async def test_the_cancelled_recv_check_holds_where_its_messages_go_rendezvous(variant: str) -> None:
+    """The check that a cancelled recv loses nothing waits for its message's send before the recv
+    that takes the message; a message that goes rendezvous (past the receiver's credit, or with
+    the credit of the check's earlier messages not back yet: seen over tcp with checksums, one
+    run of test_integrity.py in 6-12) is sent only once a recv takes it. Before, it waited for
+    that send first, for good."""
+    import tensorwire
+
+    name = "cancelled_recv_loses_nothing"
+    with _options(variant):
+        async with connected_pair(VARIANTS[variant][0], limits=tensorwire.Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+            await asyncio.wait_for(CHECKS[name](a, b), 30)
+
+
+@pytest.mark.parametrize("variant", TRANSPORTS)
 async def test_the_withdrawal_check_withdraws_messages_while_a_recv_waits_behind(variant: str) -> None:
     """The check that a recv whose message was withdrawn keeps its place tests something only
     where some of its withdrawals reach the receiver while the recv posted after it still waits
