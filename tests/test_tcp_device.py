@@ -6,7 +6,7 @@ stream stays busy while other messages follow it on the stream. Real nodes on lo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -172,6 +172,72 @@ async def test_a_copy_into_device_memory_that_fails_drops_that_message_alone(
                 await wait_event(engine, engine.record_on(stream))
                 await eventually(lambda: b.channel._overflowing == 0)
         assert engine.pool("in").free == DEPTH
+    finally:
+        engine.close()
+
+
+class _RefusingARecord(HostEngine):
+    """A host engine whose lanes refuse to record one event, the first asked for once ``when()``
+    holds (on a GPU: cudaEventRecord failing after the copy before it was queued)."""
+
+    def __init__(self, when: Callable[[], bool]) -> None:
+        super().__init__()
+        self.when, self.refused = when, 0
+
+    def _new_lane(self) -> Any:
+        lane = super()._new_lane()
+        record = lane.record
+
+        def refusing() -> Any:
+            if not self.refused and self.when():
+                self.refused += 1
+                raise RuntimeError("device error: an event could not be recorded")
+            return record()
+
+        lane.record = refusing  # type: ignore[method-assign]
+        return lane
+
+
+async def test_an_overflow_chunk_whose_copy_up_cannot_be_followed_by_an_event_is_not_lost() -> None:
+    """A recv into device memory behind a busy consumer stream, its message going on past the
+    staging ring through overflow chunks; the event after the first overflow chunk's copy up
+    cannot be recorded: that message is dropped alone (TransferError with the cause), and the
+    chunk, whose copy was queued and may still read it, is retired from the pool, so the pool
+    has its depth again once the stream frees (a new chunk takes its place). Before, the chunk
+    was neither given back nor retired: the pool counted it in use for good (``free`` 0 after
+    the depth's worth of such failures) and never freed it (page-locked memory, on a GPU)."""
+    b_channel: list[Any] = []
+
+    def overflowing() -> bool:
+        return bool(b_channel) and any(o.size for o in b_channel[0]._overflows.values())
+
+    engine = _rings(_RefusingARecord(overflowing))
+    data = _data(CHUNK * DEPTH * 2 + 5)
+    try:
+        async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
+            b_channel.append(b.channel)
+            for _ in range(DEPTH):  # (one lost chunk each, before)
+                engine.refused = 0
+                with busy_stream(engine) as (stream, gate):
+                    out = EngineArray(engine, np.zeros_like(data), stream=stream)
+                    recv = asyncio.ensure_future(b.recv(tag="x", out=out))
+                    await eventually(lambda: b.channel.mailbox.has_posted(_tid("x")))
+                    async with asyncio.timeout(10):  # (the stream stays busy all the while)
+                        await a.send(data, tag="x")
+                        with pytest.raises(TransferError, match="could not be copied into device memory") as failed:
+                            await recv
+                        assert "could not be recorded" in str(failed.value.__cause__)
+                    assert engine.refused == 1
+                    gate.set()
+                    await wait_event(engine, engine.record_on(stream))
+                    await eventually(lambda: b.channel._overflowing == 0)
+            async with asyncio.timeout(10):  # the channel and the pool go on
+                nxt = _data(CHUNK * DEPTH + 3)
+                got = EngineArray(engine, np.zeros_like(nxt))
+                await asyncio.gather(a.send(nxt, tag="x"), b.recv(tag="x", out=got))
+                assert np.array_equal(got.array, nxt)
+        pool = engine.pool("in")
+        assert (pool.free, pool.retired) == (DEPTH, DEPTH), pool
     finally:
         engine.close()
 

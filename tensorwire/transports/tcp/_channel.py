@@ -918,18 +918,27 @@ class TcpChannel(Channel):
         assert arrival.dest is not None
         d = arrival.dest[i]
         assert isinstance(d, DeviceTensor)  # (the caller's, or one of ours that took its place)
-        stage = arrival.land().stage(d)
+        queued = False
         try:
+            stage = arrival.land().stage(d)
             stage.lane.to_device(d.buf, off, chunk, 0, n)
+            queued = True
+            last = stage.mark()
+            assert last is not None
+            behind = stage.behind_consumer()
         except BaseException:
-            pool.release(chunk)  # (nothing was queued on it)
+            # as ``StageIn.write``: a chunk whose copy was queued may still be read by it, and is
+            # retired; one with nothing queued on it goes back
+            if queued:
+                pool.retire(chunk)
+            else:
+                pool.release(chunk)
             raise
-        over.last = stage.mark()
-        assert over.last is not None
-        if stage.behind_consumer():  # (as ``StageIn._give_back``, out of the ring's count: ``_Overflow``)
-            pool.park(chunk, over.last)
+        over.last = last
+        if behind:  # (as ``StageIn._give_back``, out of the ring's count: ``_Overflow``)
+            pool.park(chunk, last)
         else:
-            pool.release(chunk, after=over.last)
+            pool.release(chunk, after=last)
         return crc
 
     def _overflow(self, over: _Overflow, arrival: Arrival, pos: int, d: DeviceTensor) -> None:
