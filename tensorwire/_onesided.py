@@ -539,6 +539,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                 return
             landed: Receipt | None = None
             stray = False  # the writer's note that no payload comes may yet arrive (after its abort)
+            took = False  # the drain below took the payload: a cancelled writer's note may follow it
             if error is None:
                 try:
                     _, landed = await peer._recv_own_with_receipt(tag=data_tag, out=regions)
@@ -547,7 +548,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     # the writer checked its sources against its handle: that handle is not this
                     # tensor's dtype (changed by hand), which its writer raises as such (``_owner_error``)
                     error, mismatch = f"the tensor there is not what the handle says (changed by hand?): {exc}", True
-                    await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
+                    took = await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
                 except TensorWireError as exc:
                     if peer.channel.state is not ChannelState.OPEN:
                         return
@@ -555,8 +556,10 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     log.warning("one-sided write from %s failed at the owner: %s", peer.remote_address, exc)
                     stray = True
             else:
-                await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
-            answer = {"error": error, "failed": failed, "mismatch": mismatch} if error else _written(landed)
+                took = await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
+            answer = (
+                {"error": error, "failed": failed, "mismatch": mismatch, "took": took} if error else _written(landed)
+            )
             await peer._send_own(answer, tag=reply)
             if stray:  # in this task, so that ``serve_ops`` counts it
                 await _drain_within(peer, data_tag, _DRAIN_SECONDS)
@@ -1130,16 +1133,18 @@ def _check_against(handle: RemoteHandle, x: np.ndarray | DeviceSource, what: str
         )
 
 
-async def _drain(peer: Peer, tag: int) -> None:
+async def _drain(peer: Peer, tag: int) -> bool:
     """Take the next message on ``tag`` and let its bytes go: where the transport lands a
     payload in order (tcp, inproc), what is yet to land goes to a small scratch buffer, never to
-    a buffer of the message's size (the answer of a cancelled 256 MiB read took 256 MiB to drain)."""
+    a buffer of the message's size (the answer of a cancelled 256 MiB read took 256 MiB to drain).
+    Whether it was a message of tensors, not a note of none (a cancelled writer's ``None``)."""
     try:
-        await peer.channel.recv(tag, None, keep=False)
+        value, _ = await peer.channel.recv(tag, None, keep=False)
     except TransferError:
         if peer.channel.state is not ChannelState.OPEN:
             raise
-        # dropped as asked (or failed on its way: gone all the same)
+        return True  # dropped as asked part way (or failed on its way: gone all the same)
+    return value is not None
 
 
 def _drain_later(peer: Peer, tag: int, *, owed: bool = False, room: _Room | None = None) -> None:
@@ -1944,13 +1949,15 @@ async def _assisted_write(peer: Peer, handles: list[RemoteHandle], msg: Outgoing
 async def _cancel_write(peer: Peer, data: int, reply: int, room: _Room) -> None:
     """Tell the owner the payload will not come (a tensorless message it cannot take as one).
     A send cancelled late may have delivered the payload whole all the same: the owner then
-    answers ``ok`` and our note is left over on its data tag, so we ask it to drop the note.
+    answers ``ok``, or refuses the write having drained that payload (``took``), and our note is
+    left over on its data tag, so we ask it to drop the note (left there, each held one of our
+    message slots at the owner for good).
     The owner answers every write request, however late (``_drain_later``'s ``owed``). The
     write's ``room`` is given back at the end: the owner's drain of the note needs nothing more."""
     try:
         await peer._send_own(None, tag=data)
         answer = await peer._recv_own(tag=reply)
-        if isinstance(answer, dict) and answer.get("ok") is True:
+        if isinstance(answer, dict) and (answer.get("ok") is True or answer.get("took") is True):
             await peer._send_own({"op": "drop", "data": data, "reply": reply}, tag=_OPS_TAG)
     except (TensorWireError, TimeoutError, ClosedResourceError):
         pass

@@ -252,3 +252,44 @@ async def test_a_cancelled_read_lets_its_answer_go_without_a_buffer_of_its_size(
         a.node.expose(np.full(n, 2, np.uint8), name="y")
         got = await asyncio.wait_for(b.read(await b.lookup("y")), 10)
         assert (got == 2).all()
+
+
+@pytest.mark.timeout(60)
+async def test_a_cancelled_write_the_owner_refused_leaves_no_note_behind() -> None:
+    """An owner-assisted write the owner refuses (the name unexposed, or exposed again since
+    the lookup) whose writer is cancelled while its payload is going out: tcp finishes the
+    frame, so the payload reaches the owner whole, and the writer then sends its note that no
+    payload comes. The owner's refusal had drained one message of the write (the payload) and
+    the note stayed on the owner's data tag for good, each holding one of the writer's message
+    slots there (with Limits(max_unexpected=4), eight such writes and every owner-assisted
+    read or write to that owner waited for good). A refusal that took the payload now says so,
+    and the writer asks the owner to drop the note, as after a write that landed."""
+    import socket
+
+    async with connected_pair("tcp", limits=tensorwire.Limits(max_unexpected=4)) as (a, b):
+        n = 4 << 20
+        # small socket buffers: the payload's one frame goes out over many loop turns
+        b.channel._io.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        a.channel._io.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        cancelled = 0
+        for r in range(3):
+            a.node.expose(np.zeros(n, np.uint8), name=f"x{r}")
+            h = await b.lookup(f"x{r}")
+            await a.node.unexpose(f"x{r}")  # the owner refuses the write from now on
+            served = a.node.exposures.served
+            task = asyncio.ensure_future(b.write(h, np.ones(n, np.uint8)))
+            # the owner has refused the request; the payload is on its way
+            await eventually(lambda: a.node.exposures.served > served or task.done(), 10, pause=0)  # noqa: B023
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                cancelled += 1
+            except tensorwire.HandleNotFound:
+                pass  # (it went out whole and was answered before the cancel)
+        assert cancelled, "no write was cancelled while its payload went out (the test's premise)"
+        # old code: a note per cancelled write, left unread at the owner for good
+        await eventually(lambda: not a.channel.mailbox._arrived, 10)
+        a.node.expose(np.arange(10), name="y")
+        async with asyncio.timeout(10):
+            assert np.array_equal(await b.read(await b.lookup("y")), np.arange(10))
