@@ -218,10 +218,10 @@ async def test_a_send_cancelled_while_its_one_frame_is_part_written_keeps_the_st
         io = a.channel._io  # type: ignore[attr-defined]
         real, finished = io.send_rest, 0
 
-        async def counted(rest: list[object]) -> None:
+        async def counted(rest: list[object], *more: object) -> None:
             nonlocal finished
             finished += 1
-            await real(rest)
+            await real(rest, *more)
 
         io.send_rest = counted
         for spins in range(6):

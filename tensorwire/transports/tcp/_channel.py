@@ -59,7 +59,7 @@ from .._frames import (
 )
 from .._mailbox import Arrival
 from .._order import SendOrder, Turn
-from ._sockio import Buffer, SockIO
+from ._sockio import Buffer, Sent, SockIO, advance
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,38 @@ async def _let_recvs_repost(arrival: Arrival) -> None:
             await asyncio.sleep(0)
             if mailbox.has_posted(arrival.tag):
                 break
+
+
+def _crc_of(bufs: list[Buffer], n: int, crc: int = 0) -> int:
+    """The crc32c of the first ``n`` bytes of ``bufs``, going on from ``crc``."""
+    for b in bufs:
+        if n <= 0:
+            break
+        k = min(n, len(b))
+        crc = _frames.crc32c(b if k == len(b) else memoryview(b)[:k], crc)
+        n -= k
+    return crc
+
+
+class _Summed:
+    """The rest of a checksummed frame that the socket took only part of at once, written with
+    its crc32c taken over its bytes as the socket takes them (``SockIO.send_now``'s ``sent``:
+    right after each write, with no loop turn between), and its trailer once they all went."""
+
+    __slots__ = ("crc", "trailed")
+
+    def __init__(self, crc: int) -> None:
+        self.crc = crc
+        self.trailed = False
+
+    def __call__(self, bufs: list[Buffer], n: int) -> list[Buffer]:
+        if not self.trailed:
+            self.crc = _crc_of(bufs, n, self.crc)
+        rest = advance(bufs, n)
+        if not rest and not self.trailed:
+            self.trailed = True
+            return [TRAILER.pack(self.crc)]
+        return rest
 
 
 class _Turn:
@@ -290,6 +322,21 @@ class TcpChannel(Channel):
             bufs.append(TRAILER.pack(crc))
         return bufs
 
+    def _rest(self, ftype: FrameType, bufs: list[Buffer], rest: list[Buffer]) -> tuple[list[Buffer], Sent | None]:
+        """What is left of the frame ``bufs`` after the socket took part of it at once, and how
+        to write it (``SockIO.send_rest``). A checksummed frame's crc32c was taken as the frame
+        was built, and the part written at once went right then; the rest goes over later loop
+        turns, from memory that may change meanwhile: an exposed tensor that answers a peer's
+        read while another write lands in it (reads and writes of the same bytes are not
+        ordered). Its crc32c is then taken again over the bytes as they go, its trailer last:
+        taken at the build, it made the reader see a mismatch the wire had not made, and the
+        channel broke (IntegrityError). (Once only the trailer is left, every byte went at once.)"""
+        summed = self.checksum and (ftype is FrameType.MSG or ftype is FrameType.DATA)
+        if not summed or len(rest) < 2 or rest[-1] is not bufs[-1]:
+            return rest, None
+        taken = sum(len(b) for b in bufs) - sum(len(b) for b in rest)
+        return rest[:-1], _Summed(_crc_of(bufs, taken))
+
     def _broken_write(self, exc: PeerDisconnected) -> BaseException | None:
         """Writing failed: break the channel; what to raise in place of ``exc``, if anything
         (closed by this side meanwhile? then that, not what the socket saw). None: ``exc``
@@ -324,7 +371,7 @@ class TcpChannel(Channel):
             try:
                 rest = self._io.send_now(bufs)
                 if rest:
-                    await self._io.send_rest(rest)
+                    await self._io.send_rest(*self._rest(ftype, bufs, rest))
             except asyncio.CancelledError:
                 if sent is not None:
                     sent.append(True)
@@ -369,7 +416,7 @@ class TcpChannel(Channel):
                     raise
                 raise failure from exc
             if rest:
-                await self._finish_frame(rest, msg_id)
+                await self._finish_frame(*self._rest(FrameType.MSG, bufs, rest), msg_id)
             receipt = Receipt(
                 self.transport,
                 self.lanes,
@@ -390,14 +437,14 @@ class TcpChannel(Channel):
         finally:
             turn.passed()  # (a no-op once passed)
 
-    async def _finish_frame(self, rest: list[Buffer], msg_id: int) -> None:
+    async def _finish_frame(self, rest: list[Buffer], sent: Sent | None, msg_id: int) -> None:
         """The socket took part of a message's one frame: write the rest before any other frame
         (the turn is ours), even if cancelled; a cancelled sender then withdraws the message."""
         self._turn.busy = True  # it was free, and nothing ran since
         self._sending += 1
         try:
             try:
-                await self._io.send_rest(rest)
+                await self._io.send_rest(rest, sent)
             except PeerDisconnected as exc:
                 failure = self._broken_write(exc)
                 if failure is None:

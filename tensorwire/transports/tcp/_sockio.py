@@ -23,7 +23,7 @@ from ..._loops import wait_out
 from ...errors import PeerDisconnected
 from .._frames import HEADER, FrameHeader, unpack
 
-__all__ = ["SMALL_READ", "SockIO", "finish_uncancelled"]
+__all__ = ["SMALL_READ", "Sent", "SockIO", "advance", "finish_uncancelled"]
 
 IOV_MAX = 512
 _BUFSIZE = 256 * 1024
@@ -44,13 +44,16 @@ _RDHUP: int | None = getattr(select, "EPOLLRDHUP", None)
 _YIELD_FRAMES = 64 << 10
 
 Buffer = bytes | bytearray | memoryview
+# what a write took of the buffers it was given -> what is left to write (``SockIO.send_now``)
+Sent = Callable[[list[Buffer], int], list[Buffer]]
 
 
 class PeerEOF(PeerDisconnected):
     """The peer closed its end of the connection."""
 
 
-def _advance(bufs: list[Buffer], n: int) -> list[Buffer]:
+def advance(bufs: list[Buffer], n: int) -> list[Buffer]:
+    """``bufs`` without their first ``n`` bytes."""
     i = 0
     while i < len(bufs) and n >= len(bufs[i]):
         n -= len(bufs[i])
@@ -320,9 +323,11 @@ class SockIO:
         return copied
 
     # -- writing ----------------------------------------------------------------------------
-    def send_now(self, bufs: list[Buffer]) -> list[Buffer]:
+    def send_now(self, bufs: list[Buffer], sent: Sent | None = None) -> list[Buffer]:
         """Write what the socket takes now of ``bufs`` (non-empty buffers); return the rest,
-        which the caller must finish (``send_rest``) before anything else is written."""
+        which the caller must finish (``send_rest``) before anything else is written. ``sent``:
+        told what each write took, right after it, and gives what is left to write (the rest,
+        or more: ``TcpChannel``'s crc32c over the bytes as they go, then its trailer)."""
         while bufs:
             try:
                 n = self.sock.sendmsg(bufs if len(bufs) <= IOV_MAX else bufs[:IOV_MAX])
@@ -330,13 +335,13 @@ class SockIO:
                 return bufs
             except OSError as exc:
                 raise PeerEOF(f"connection failed: {exc}") from exc
-            bufs = _advance(bufs, n)
+            bufs = advance(bufs, n) if sent is None else sent(bufs, n)
         return bufs
 
-    async def _send_rest(self, bufs: list[Buffer]) -> None:
+    async def _send_rest(self, bufs: list[Buffer], sent: Sent | None = None) -> None:
         while bufs:
             await self._writable()  # type: ignore[misc]
-            bufs = self.send_now(bufs)
+            bufs = self.send_now(bufs, sent)
 
     async def send_all(self, bufs: Sequence[Buffer]) -> None:
         """Write a whole frame. Once started it is finished even if the caller is cancelled,
@@ -345,10 +350,10 @@ class SockIO:
         if rest:
             await self.send_rest(rest)
 
-    async def send_rest(self, rest: list[Buffer]) -> None:
+    async def send_rest(self, rest: list[Buffer], sent: Sent | None = None) -> None:
         """Finish a frame that ``send_now`` started, even if the caller is cancelled meanwhile
         (the cancellation is re-raised afterwards)."""
-        task = self.loop.create_task(self._send_rest(rest))
+        task = self.loop.create_task(self._send_rest(rest, sent))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         await finish_uncancelled(task)
