@@ -335,3 +335,36 @@ async def test_a_read_beside_a_write_of_the_same_rows_keeps_a_checksummed_channe
             written = await writing
         assert written > 1, "no write went beside the reads (the test's premise)"
         assert b.channel.state is ChannelState.OPEN and a.channel.state is ChannelState.OPEN
+
+
+@pytest.mark.timeout(60)
+async def test_two_peers_writing_the_same_rows_keep_their_checksummed_channels_open() -> None:
+    """Two peers writing the same rows at once leave rows holding parts of both, checksums or
+    not. With checksum=True the owner summed each payload frame once it had landed, reading it
+    back from the exposed tensor, where the other peer's write had landed meanwhile: a crc32c
+    mismatch in bytes the wire had not changed broke the owner's channel to that writer
+    (IntegrityError), and the write failed with PeerDisconnected. The owner now sums the bytes
+    as they land."""
+    import socket
+
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), checksum=True) as owner,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), checksum=True) as first,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), checksum=True) as second,
+    ):
+        n = 16 << 20
+        region = np.zeros(n, np.uint8)
+        owner.expose(region, name="x")
+        writers = [await first.connect(owner.address), await second.connect(owner.address)]
+        for p in owner.peers:  # small socket buffers: each frame lands over many loop turns
+            p.channel._io.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        handles = [await w.lookup("x") for w in writers]
+
+        async def writes(w: tensorwire.Peer, h: Any, value: int) -> None:
+            for _ in range(6):
+                await w.write(h, np.full(n, value, np.uint8))
+
+        async with asyncio.timeout(30):
+            await asyncio.gather(*[writes(w, h, v) for w, h, v in zip(writers, handles, (1, 2), strict=True)])
+        assert set(np.unique(region)) <= {1, 2}
+        assert all(p.channel.state is ChannelState.OPEN for p in [*writers, *owner.peers])

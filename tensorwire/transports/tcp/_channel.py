@@ -141,6 +141,31 @@ class _Summed:
         return rest
 
 
+class _Landed:
+    """``SockIO.read_into``'s ``landed`` for a checksummed frame's host payload: marks how far it
+    has landed (``Arrival.mark``) and sums the bytes written since, right after each write, from
+    where they were written. Summed once the frame had landed, they were read back from the
+    destination, where another write may have landed meanwhile (an exposed tensor that two
+    peers write at once: reads and writes of the same bytes are not ordered), and the channel
+    broke on a crc32c mismatch the wire had not made."""
+
+    __slots__ = ("arrival", "crc", "pos")
+
+    def __init__(self, arrival: Arrival, pos: int, crc: int) -> None:
+        self.arrival = arrival
+        self.pos = pos
+        self.crc = crc
+
+    def __call__(self, end: int) -> None:
+        arrival, pos, crc = self.arrival, self.pos, self.crc
+        while pos < end:
+            view = arrival.view(pos, end - pos)
+            crc = _frames.crc32c(view, crc)
+            pos += len(view)
+        self.pos, self.crc = pos, crc
+        arrival.mark(end)
+
+
 class _Turn:
     """Whose turn it is to write a frame on the stream, in FIFO order. The turn passes straight
     from one writer to the next (``busy`` stays True), so a writer that finds it free may write
@@ -658,7 +683,7 @@ class TcpChannel(Channel):
                         # whole (trailer checked) and pullable before a recv can see it: the
                         # trailer may come later than the header, and a recv matched meanwhile
                         # would pull a message that is not waiting yet
-                        await self._verify(crc, arrival, 0, 0)
+                        await self._check_trailer(crc, arrival)
                         self._waiting[hdr.msg_id] = arrival
                         self.mailbox.arrive(arrival)
                         continue
@@ -671,8 +696,8 @@ class TcpChannel(Channel):
                         await self._check_trailer(crc, arrival)
                     else:
                         if hdr.payload_len:
-                            _read_ahead(arrival, await io.read_into(arrival.view, 0, hdr.payload_len, arrival.mark))
-                        await self._verify(crc, arrival, 0, hdr.payload_len)
+                            crc = await self._read_host(arrival, 0, hdr.payload_len, crc)
+                        await self._check_trailer(crc, arrival)
                     arrival.written = hdr.payload_len
                     if arrival.written == arrival.nbytes:
                         del self._incoming[hdr.msg_id]
@@ -822,36 +847,25 @@ class TcpChannel(Channel):
         if bool(flags & CHECKSUM) != self.checksum:
             raise ProtocolError("frame checksum flag does not match what the channel negotiated")
 
-    async def _verify(self, crc: int, arrival: Arrival, start: int, n: int) -> None:
-        """Check a frame's crc32c trailer against what landed; IntegrityError if it differs."""
+    async def _read_host(self, arrival: Arrival, pos: int, n: int, crc: int) -> int:
+        """Read ``n`` payload bytes at ``pos`` into the arrival's host memory (``read_into``);
+        the running crc32c over them as they landed (``_Landed``), where the channel checksums."""
         if not self.checksum:
-            return
-        if arrival.lost is not None:
-            # its bytes went to scratch, each piece over the last (and those that landed before
-            # in a recv's out= were not kept): nothing of it is delivered, nothing to check
-            await self._io.read_exact(TRAILER.size)
-            return
-        # a recv cancelled part way moved the message out of its out= (detach): the bytes of this
-        # frame that landed there are read from ours once copied over
-        await arrival.moved()
-        end = start + n
-        while start < end:
-            view = arrival.view(start, end - start)
-            crc = _frames.crc32c(view, crc)
-            start += len(view)
-        (want,) = TRAILER.unpack(await self._io.read_exact(TRAILER.size))
-        if want != crc:
-            where = "its out= buffer may hold corrupted bytes" if arrival.direct else "nothing was delivered"
-            raise IntegrityError(f"crc32c mismatch in message {arrival.msg_id} on {self.lanes[0]}; {where}")
+            _read_ahead(arrival, await self._io.read_into(arrival.view, pos, n, arrival.mark))
+            return crc
+        landed = _Landed(arrival, pos, crc)
+        _read_ahead(arrival, await self._io.read_into(arrival.view, pos, n, landed))
+        return landed.crc
 
     async def _check_trailer(self, crc: int, arrival: Arrival) -> None:
-        """``_verify`` for a frame landed through ``_land``, which summed it as it was read."""
+        """Check a frame's crc32c trailer against ``crc``, its bytes summed as they landed
+        (``_read_host``, ``_land``); IntegrityError if it differs."""
         if not self.checksum:
             return
         if arrival.lost is not None:
             # dropped while the frame was read (a cancelled recv's message with no memory to keep
             # it, ``Arrival._lose``): the rest went to scratch, each piece over the last, and the
-            # sum over it means nothing; nothing of it is delivered (as in ``_verify``)
+            # sum over it means nothing; nothing of it is delivered
             await self._io.read_exact(TRAILER.size)
             return
         (want,) = TRAILER.unpack(await self._io.read_exact(TRAILER.size))
@@ -868,7 +882,7 @@ class TcpChannel(Channel):
         meanwhile may move the message to host memory (``Arrival.detach``, with no device
         memory for it), and a chunk read then goes there instead, as does the rest. A copy to
         the device that fails drops this message alone (``_device_failed``)."""
-        io, summed = self._io, self.checksum
+        io = self._io
         pos, end = start, start + n
         arrival.mark(pos)
         while pos < end:
@@ -899,13 +913,7 @@ class TcpChannel(Channel):
                     self._device_failed(arrival, exc)
                 pos = arrival.landed  # type: ignore[assignment]  # (marked as they land)
                 continue
-            _read_ahead(arrival, await io.read_into(arrival.view, pos, k, arrival.mark))
-            if summed:
-                p = pos
-                while p < pos + k:
-                    view = arrival.view(p, pos + k - p)
-                    crc = _frames.crc32c(view, crc)
-                    p += len(view)
+            crc = await self._read_host(arrival, pos, k, crc)
             pos += k
         return crc
 
@@ -1075,8 +1083,8 @@ class TcpChannel(Channel):
             crc = await self._land(arrival, start, n, crc)
             await self._check_trailer(crc, arrival)
         else:
-            _read_ahead(arrival, await self._io.read_into(arrival.view, start, n, arrival.mark))
-            await self._verify(crc, arrival, start, n)
+            crc = await self._read_host(arrival, start, n, crc)
+            await self._check_trailer(crc, arrival)
         arrival.written = start + n
         if arrival.written == arrival.nbytes:
             del self._incoming[arrival.msg_id]
