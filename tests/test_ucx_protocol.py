@@ -97,19 +97,14 @@ async def test_an_inline_send_whose_frame_ucx_refuses_raises_instead_of_returnin
         assert isinstance(got, tensorwire.PeerDisconnected), f"the send to a dead peer gave {got!r}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: payload receives go through ucxx's tag_recv, whose request does not say how many "
-    "bytes came (posting them with ucp_tag_recv_nbx, as control receives are, would)",
-)
 @pytest.mark.parametrize("out", [False, True], ids=["new-array", "out"])
 async def test_a_payload_shorter_than_its_header_says_is_not_delivered(out: bool) -> None:
     """An eager message whose header announces a 100 000-byte tensor, and whose payload (one UCX
     message on the message's DATA tag) carries 10 bytes: UCX completes the receive with those
     10 bytes and says nothing (only a longer one is truncated, an error). The recv returned
     the tensor whole, its other 99 990 bytes whatever the buffer held (an np.empty of ours:
-    memory of this process's; or the caller's out= as it was). It must fail (ProtocolError /
-    TransferError), not deliver the message."""
+    memory of this process's; or the caller's out= as it was). It must fail with a
+    ProtocolError and break the channel, as a bad control frame does, not deliver the message."""
     from tensorwire._peer import tag_id
     from tensorwire.tensors import prepare
     from tensorwire.transports._frames import FrameType
@@ -137,6 +132,8 @@ async def test_a_payload_shorter_than_its_header_says_is_not_delivered(out: bool
             f"a 10-byte payload of a {n}-byte message was delivered: "
             f"{np.count_nonzero(np.asarray(got) == 1)} bytes of ones, the rest {np.unique(np.asarray(got)[10:])[:8]}"
         )
+        assert isinstance(got, tensorwire.ProtocolError), f"a short payload gave {got!r}"
+        assert b.channel.state is tensorwire.transports.ChannelState.BROKEN
 
 
 async def test_a_channel_shut_by_a_bye_taken_in_a_burst_leaves_no_control_receive_behind() -> None:

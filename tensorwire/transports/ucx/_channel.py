@@ -66,7 +66,7 @@ from . import _ucp
 from ._lanes import kernel_copy, one_sided_direct
 from ._process import ProcessId, visible
 from ._ucp import UCS_INPROGRESS, RemoteKey, Ucp
-from ._worker import Worker
+from ._worker import RawRecv, Worker
 
 log = logging.getLogger(__name__)
 
@@ -1155,15 +1155,14 @@ class UcxChannel(Channel):
         transfer = _Transfer(arrival)
         if isinstance(arrival, _Arrival):
             arrival.transfer = transfer
-        tag = self._lib.UCXXTag(make_tag(self._rx_key, DATA, arrival.msg_id))
-        recv = self._w.worker.tag_recv
         self._incoming[arrival.msg_id] = transfer
         keeps: list[object] = []
+        post = self._payload_recv(arrival.msg_id)
         try:
             for a in arrival.dest:
                 if not a.nbytes:
                     continue
-                transfer.reqs.append(recv(self._lib_array(_payload(a)), tag))
+                transfer.reqs.append(post(a))
                 keeps.append(a)
                 transfer.pending += 1
         finally:  # (watched as one group: see Worker.watch_each; those posted, should one fail)
@@ -1173,11 +1172,36 @@ class UcxChannel(Channel):
             _landed(arrival)
         return transfer
 
+    def _payload_recv(self, msg_id: int) -> Callable[[Any], Any]:
+        """A function that posts the receive of one tensor of message ``msg_id``'s payload into
+        its destination (host or device memory) and returns the request. Straight to ucp_tag_recv_nbx, as control
+        frames are received: UCX then says how many bytes came (``RawRecv.length``), and a
+        payload shorter than its tensor, which UCX completes without error, breaks the channel
+        (``_payload_error``). Through ucxx's tag_recv where the libucp bindings did not load."""
+        ucp = self._ucp
+        if ucp is None:
+            recv, lib_tag = self._w.worker.tag_recv, self._lib.UCXXTag(make_tag(self._rx_key, DATA, msg_id))
+            return lambda a: recv(self._lib_array(_payload(a)), lib_tag)
+        w, array, tag = self._w, _array(), make_tag(self._rx_key, DATA, msg_id)
+
+        def post(a: Any) -> RawRecv:
+            buf = array(_payload(a))  # (its address, as ucxx would post it; host or device)
+            return w.payload_recv(ucp, buf.ptr, buf.nbytes, tag)
+
+        return post
+
     def _payload_done(self, transfer: _Transfer, req: Any) -> None:
         arrival = transfer.arrival
         transfer.pending -= 1
-        err = self._check(req, "payload receive")
-        if err is not None and not arrival.done.done():
+        err = self._payload_error(req)
+        if isinstance(err, ProtocolError):
+            if self.state is ChannelState.OPEN:
+                # the peer broke the protocol, as with a bad control frame: the channel breaks, and
+                # this message (and every other) fails, once its other receives have ended
+                log.warning("closing ucx channel %s: %s", self.name, err)
+                self._shutdown(ChannelState.BROKEN, err)
+            arrival.fail(err)
+        elif err is not None and not arrival.done.done():
             if self.state is ChannelState.OPEN and "cancel" not in str(err).lower():
                 if self._peer_said_bye:
                     # a payload its sender gave up as it closed (a send cut short, its process
@@ -1200,6 +1224,18 @@ class UcxChannel(Channel):
             if not arrival.done.done() and transfer.failure is None:  # (a failure is told by now)
                 arrival.written = arrival.nbytes
                 _landed(arrival)
+
+    def _payload_error(self, req: Any) -> BaseException | None:
+        """What went wrong with a payload receive that has completed, if anything: its error, or
+        (a raw receive) a payload of another length than its tensor's. UCX fails a longer one
+        (truncated) but completes a shorter one without error, the rest of the buffer as it was."""
+        if type(req) is not RawRecv:
+            return self._check(req, "payload receive")  # (through ucxx: the length is not known)
+        if req.status:
+            return self._status_error(req.status, "payload receive")
+        if req.length != req.nbytes:
+            return ProtocolError(f"a payload of {req.length} bytes came for a tensor of {req.nbytes} bytes")
+        return None
 
     def _payload_failed(self, err: BaseException) -> None:
         if self.state is ChannelState.OPEN and not self._peer_said_bye:

@@ -288,7 +288,7 @@ class Ucp:
         self.tag_send_raw = self._fn(f.ucp_tag_send_nbx, c_void_p, c_void_p, c_char_p, c_size_t, c_uint64, c_void_p)
         # payloads: any buffer by its address (f[...] is a function object of its own, with its own argtypes)
         self._tag_send_at = self._fn(f["ucp_tag_send_nbx"], c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_void_p)
-        # control receives: (worker, buffer, length, tag, tag mask, param)
+        # control and payload receives: (worker, buffer, length, tag, tag mask, param)
         self._tag_recv = self._fn(
             f.ucp_tag_recv_nbx, c_void_p, c_void_p, c_void_p, c_size_t, c_uint64, c_uint64, c_void_p
         )
@@ -298,6 +298,7 @@ class Ucp:
         self.request_status = self._check  # UCS_INPROGRESS until the request completes
         self._free = self._fn(f.ucp_request_free, None, c_void_p)
         self.request_free = self._free  # ``request_release``'s C function itself (a frame's dispatch)
+        self.free_unpolled = self._free  # (a request never among ``CompletingUcp.polled``: a payload receive)
         self._ep_query = self._fn(f.ucp_ep_query, c_int8, c_void_p, POINTER(_EpAttr))
         # (UCX 1.11 on; a protocol in its answer from 1.12, where UCX_PROTO_ENABLE is on)
         query = getattr(f, "ucp_request_query", None)
@@ -454,6 +455,19 @@ class Ucp:
             return ptr
         raise self.error(ptr - _PTR_MAX, "ucp_tag_recv_nbx")
 
+    def payload_recv(self, worker: int, address: int, nbytes: int, tag: int) -> tuple[int | None, int]:
+        """``tag_recv`` for a message's payload (``Worker.payload_recv``), posted as ucxx posts
+        its tag receives (a contiguous byte datatype, no memory-type hint: UCX finds the memory's
+        type itself) and never called back: its owner asks UCX about it. (None, UCS_OK): it
+        completed at once, ``received`` bytes; (request, UCS_INPROGRESS): a request to poll (and
+        free), ``recv_length`` once it has completed; (None, status): it failed at once."""
+        ptr: int | None = self._tag_recv(worker, address, nbytes, tag, _FULL_MASK, self._plain_recv_ref)
+        if ptr is None:
+            return None, UCS_OK
+        if ptr < _PTR_ERRORS:
+            return ptr, UCS_INPROGRESS
+        return None, ptr - _PTR_MAX
+
     def cancel_raw(self, worker: int, req: int) -> None:
         """``ucp_request_cancel`` of a raw receive: one that has not matched completes at once
         (canceled); one whose message is arriving runs on to its end. Still to be freed."""
@@ -507,16 +521,28 @@ class Ucp:
         self._recv_info = _TagRecvInfo()
         self._recv_param = _RequestParam(op_attr_mask=_FIELD_RECV_INFO, recv_info=ctypes.addressof(self._recv_info))
         self._recv_param_ref = byref(self._recv_param)
+        self._plain_recv_ref = self._recv_param_ref  # (payload receives: never with a callback)
         self._test_info = _TagRecvInfo()
         self._test_info_ref = byref(self._test_info)
 
     def received(self) -> int:
-        """The bytes that came into the receive ``tag_recv`` completed within the call (None)."""
+        """The bytes that came into the receive ``tag_recv`` or ``payload_recv`` completed within
+        the call (no request)."""
         return int(self._recv_info.length)
 
     def recv_length(self, req: int) -> int:
         """The bytes that came into the completed tag receive ``req`` (not freed yet)."""
         self._recv_test(req, self._test_info_ref)
+        return int(self._test_info.length)
+
+    def recv_test(self, req: int) -> int:
+        """``ucp_tag_recv_request_test`` of the tag receive ``req`` (not freed yet): UCS_INPROGRESS,
+        or the status it completed with, the bytes that came then in ``tested_length``. One
+        call where ``request_status`` and ``recv_length`` are two."""
+        return int(self._recv_test(req, self._test_info_ref))
+
+    def tested_length(self) -> int:
+        """The bytes that came into the receive ``recv_test`` last found completed."""
         return int(self._test_info.length)
 
     def _new_info_buffer(self) -> None:

@@ -36,11 +36,11 @@ from typing import Any
 from ..._loops import Pledge
 from ...errors import ClosedResourceError, ConfigurationError, TensorWireError, TransportUnavailable
 from ._process import ProcessId, cpus_of, gone, this_cpu, waiting_on
-from ._ucp import UCS_INPROGRESS, CompletingUcp, Ucp, load, quiet
+from ._ucp import UCS_INPROGRESS, UCS_OK, CompletingUcp, Ucp, load, quiet
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Worker", "context_cuda_support", "context_resources", "import_ucxx", "ucx_config", "ucx_options"]
+__all__ = ["RawRecv", "Worker", "context_cuda_support", "context_resources", "import_ucxx", "ucx_config", "ucx_options"]
 
 # Options every tensorwire UCX context gets, unless the caller says otherwise: ucx_config() or a
 # node's ucx_options, or a UCX_* environment variable of the same name.
@@ -77,8 +77,8 @@ _ROUNDS = 64  # progress rounds per loop callback before yielding to the loop
 # of the loop between runs costs tens of microseconds, 1% of this
 _BURST = 0.005
 # While UCX moves bytes round after round and nothing has reported a completion (a raw request's
-# callback, an operation just posted), the requests that can only be asked (ucxx's: a message's
-# payload receives, among others) are looked at once per this long, not after every round: a
+# callback, an operation just posted), the requests that can only be asked (a message's payload
+# receives, ucxx's requests) are looked at once per this long, not after every round: a
 # look (``_dispatch``) took 5 us here, and a cma transfer's 512 KiB rounds ~60 us, so looking
 # after each cost 12% of a 16 MiB receive (240 us of 2.2 ms). A transfer's own end is seen at
 # once all the same (the round after its last moves nothing, and is looked at); another request
@@ -102,6 +102,7 @@ _SENDS = frozenset({"ucx payload send", "ucx control send", "ucx goodbye"})
 _CLOSING_FLUSH = frozenset({b"flush.c"})
 _DESTROY_LEAKS = frozenset({b"mpool.c", b"rcache.c"})
 _ALREADY_CLOSED = frozenset({b"ucp_ep.c"})
+_CANCELED = -16  # UCS_ERR_CANCELED: a payload receive the worker's shutdown took back
 
 _import_lock = threading.RLock()
 # What importing ucxx puts into os.environ where the variable is unset (ucxx/__init__.py, 0.4x-0.52;
@@ -289,6 +290,58 @@ class _Wait:
         self.at = 0
 
 
+class RawRecv:
+    """A payload's tag receive posted through the libucp bindings (``Worker.payload_recv``): to
+    the worker's watches (``watch_each``, ``when_done``, ``hold``, ``cancel``) a request as
+    ucxx's are, and it says how many bytes came (``length``), which a ucxx request does not: a
+    message shorter than the buffer completes a tag receive without error (UCX fails only a
+    longer one, truncated).
+
+    ``completed`` asks UCX, on the loop's thread, until the receive has completed; then it reads
+    its status and length and frees the request. From then on (and once the worker has shut,
+    which takes back every receive still posted) it answers from those, asking nothing."""
+
+    __slots__ = ("_ptr", "_worker", "length", "nbytes", "status")
+
+    def __init__(self, worker: Worker, ptr: int | None, nbytes: int, status: int, length: int = 0) -> None:
+        self._worker = worker
+        self._ptr = ptr  # the request, until its completion has been seen (None: no request)
+        self.nbytes = nbytes  # the buffer's size
+        self.status = status  # UCS_INPROGRESS until completed; then UCS_OK or its error
+        self.length = length  # the bytes that came (once completed with UCS_OK)
+
+    @property
+    def completed(self) -> bool:
+        ptr = self._ptr
+        if ptr is None:
+            return True
+        w = self._worker
+        ucp = w._ucp
+        status = ucp.recv_test(ptr)
+        if status == UCS_INPROGRESS:
+            return False
+        if status == UCS_OK:
+            self.length = ucp.tested_length()
+        self.status = status
+        self._ptr = None
+        del w._payload_recvs[ptr]
+        ucp.free_unpolled(ptr)
+        return True
+
+    @property
+    def ended(self) -> bool:
+        """Whether its completion has been seen, without asking UCX (from any thread)."""
+        return self._ptr is None
+
+    def cancel(self) -> None:
+        """``ucp_request_cancel``: one that has not matched completes as cancelled at once; one
+        whose message is arriving runs on to its end (and one that has completed stays as it
+        is: UCX leaves a completed request alone)."""
+        if self._ptr is not None:
+            w = self._worker
+            w._ucp.cancel_raw(w.handle, self._ptr)
+
+
 class Worker:
     """A node's UCX context and worker, and the loop integration that progresses them."""
 
@@ -316,6 +369,9 @@ class Worker:
         # those cancelled (their channel shut) while their message was arriving, with their memory
         self._raw_recv: dict[int, _Watch] = {}
         self._raw_recv_gone: dict[int, object] = {}
+        # payload receives posted raw (payload_recv) whose completion has not been seen yet: the
+        # worker's shutdown takes them back (their memory is kept by their watches, or ``hold``)
+        self._payload_recvs: dict[int, RawRecv] = {}
         self._ucp: Any = None  # the libucp bindings bound to this worker (see bind)
         # How a dispatch finds the raw requests that have completed (Ucp.completing_into): it
         # asks UCX about those the bindings posted to be polled (a few: _polled), and looks at
@@ -485,6 +541,22 @@ class Worker:
         self._raw_recv[request] = _Watch(callback, keep, owner, True)
         self.kick()
 
+    def payload_recv(self, ucp: Any, address: int, nbytes: int, tag: int) -> RawRecv:
+        """A tag receive of exactly ``tag`` into the ``nbytes`` at ``address`` (host or device
+        memory, kept alive by the caller until it has completed), posted raw
+        (``ucp_tag_recv_nbx``), as ucxx posts its receives. Watched and cancelled as a ucxx
+        request is (``watch_each``, ``cancel``, ``hold``); unlike one it says how many bytes came
+        (``RawRecv.length``). One that failed at once, or was posted on a shut worker, is
+        completed with its error."""
+        assert ucp is self._ucp, "a raw request posted through bindings not bound to this worker"
+        if self._closed:  # (a raw call on a destroyed worker would crash the process)
+            return RawRecv(self, None, nbytes, _CANCELED)
+        ptr, status = ucp.payload_recv(self.handle, address, nbytes, tag)
+        if ptr is None:
+            return RawRecv(self, None, nbytes, status, ucp.received() if status == UCS_OK else 0)
+        recv = self._payload_recvs[ptr] = RawRecv(self, ptr, nbytes, status)
+        return recv
+
     def keep_raw(self, ucp: Any, request: int, keep: object, owner: object) -> None:
         """Take charge of a raw request whose caller waits for it later (``wait_raw``): it and
         ``keep`` are kept until it completes or the worker is destroyed, as ``watch_raw`` keeps
@@ -604,6 +676,9 @@ class Worker:
     def cancel(self, req: Any) -> None:
         """Ask UCX to cancel ``req`` (a receive that has not matched completes as cancelled at
         once; one that has matched, or a send, runs to completion)."""
+        if type(req) is RawRecv:
+            req.cancel()
+            return
         if req.completed:
             return
         try:
@@ -985,7 +1060,7 @@ class Worker:
                 n += 1
                 size += _nbytes(keep)
         for req, keep in list(self._graveyard):
-            if keep is not None and not req.completed:
+            if keep is not None and not (req.ended if type(req) is RawRecv else req.completed):
                 n += 1
                 size += _nbytes(keep)
         return n, size
@@ -1283,6 +1358,11 @@ class Worker:
             self._ucp.cancel_raw(self.handle, ptr)
             self._raw_recv_gone[ptr] = w.keep
         self._raw_recv.clear()
+        payload_recvs = list(self._payload_recvs)  # (their buffers are kept below: watched or held)
+        for ptr, recv in self._payload_recvs.items():
+            self._ucp.cancel_raw(self.handle, ptr)
+            recv._ptr, recv.status = None, _CANCELED
+        self._payload_recvs.clear()
         if self._ucp is not None:  # (every raw request is released below: no more dispatches)
             self._ucp.release_completions()
         try:
@@ -1293,7 +1373,7 @@ class Worker:
         # every raw request goes back to UCX: one that has completed (the progress above may have
         # finished some) to its pool now, one still in flight when it completes. Dropped unfreed,
         # each stayed UCX's, and UCX warned of it as the worker was destroyed
-        for ptr in [*self._raw, *self._raw_kept, *self._raw_graveyard, *self._raw_recv_gone]:
+        for ptr in [*self._raw, *self._raw_kept, *self._raw_graveyard, *self._raw_recv_gone, *payload_recvs]:
             if not self._ucp.request_done(ptr):
                 self._stuck += 1
             self._ucp.request_release(ptr)
