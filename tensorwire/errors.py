@@ -195,7 +195,9 @@ class MethodNotFound(RemoteError):
 
 
 class InvalidArguments(RemoteError):
-    """The arguments do not fit the method's signature, or a tensor breaks a declared limit."""
+    """The arguments do not fit the method's signature, a tensor breaks a declared limit, or the
+    serving node could not receive them (no memory for them; ``remote_type`` "TransferError"):
+    the node refused the call before its method ran."""
 
 
 class DeadlineExceeded(TensorWireError, TimeoutError):

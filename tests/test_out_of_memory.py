@@ -687,6 +687,83 @@ async def test_a_request_the_server_has_no_memory_for_is_dropped_and_the_node_se
             await _kill(proc)
 
 
+# a pipeline stage whose node has no memory for what the driver's call brings it (the child is
+# the last stage; stage 0 and the driver are this process)
+_LAST_STAGE = """
+from tensorwire import pipeline
+from tensorwire.transports import Limits
+
+nbytes, slots = int(sys.argv[1]), int(sys.argv[2])
+
+class Layer:
+    def __init__(self):
+        self.w = np.eye(4, dtype=np.float32)
+    def forward(self, x):
+        return x @ self.w, x
+    def backward(self, ctx, grad):
+        return grad @ self.w.T
+
+def mse(y, target):
+    d = y - target
+    return float(np.mean(d * d)), 2 * d / d.size
+
+async def main():
+    limits = Limits(max_unexpected=slots)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), limits=limits) as node:
+        async with pipeline.Stage(node, pipeline.FunctionPart(Layer(), loss=mse)) as stage:
+            report("serving", address=node.address)
+            while stage.prev is None:  # linked by the driver's connect
+                await asyncio.sleep(0.01)
+            cap(nbytes // 3)
+            report("capped")
+            await asyncio.sleep(120)  # serving, until the parent is done with us
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("call", ["evaluate", "step"])
+async def test_a_stage_whose_node_has_no_memory_for_its_call_is_a_refusal_before_it_ran(call: str) -> None:
+    """The last stage's node cannot allocate the targets a call brings it (256 MiB over tcp):
+    its node fails the call before the stage runs it ("could not be received here"), as it
+    refuses one past its CallLimits. docs/pipeline.md: the driver then cancels the other stages'
+    calls at once and refuses this pipeline's later calls until the next Pipeline.connect.
+    Before, that refusal came back as a plain RemoteError, which the driver took for the
+    stage's own error: a step waited abort_grace (6 s) for stage 0, which waited for gradients
+    that would never come; an evaluation's stage 0 finished and left its 4 activations
+    unreceived on the link, holding the last stage's 4 message slots, and the next evaluation
+    waited for good."""
+    from _pipeline_fixtures import NumpyLinear, nodes
+
+    from tensorwire import pipeline
+
+    m = 4
+    proc = await _child(_LAST_STAGE, str(BIG), str(m))
+    try:
+        steps = _steps(proc)
+        serving = await anext(steps)
+        rng = np.random.default_rng(0)
+        async with nodes(2) as (first, driver), pipeline.Stage(first, NumpyLinear(rng, 4, 4, tanh=True)):
+            async with await pipeline.Pipeline.connect(driver, [first.address, serving["address"]]) as pipe:
+                assert (await anext(steps))["step"] == "capped"
+                x = np.ones((2 * m, 4), np.float32)
+                run = pipe.evaluate if call == "evaluate" else pipe.step
+                big = np.zeros((2 * m, BIG // (8 * m)), np.float32)  # 256 MiB of targets (calloc)
+                began = asyncio.get_running_loop().time()
+                with pytest.raises(tensorwire.RemoteError) as info:
+                    async with asyncio.timeout(30):
+                        await run(x, big, microbatches=m, schedule="gpipe")
+                took = asyncio.get_running_loop().time() - began
+                assert info.value.remote_type == "TransferError", info.value
+                assert "could not be received here" in str(info.value), info.value
+                assert took < pipe.abort_grace, f"{took:.1f} s: the driver waited for stage 0"
+                with pytest.raises(tensorwire.BrokenResourceError, match=r"until the next Pipeline\.connect"):
+                    async with asyncio.timeout(15):
+                        await run(x, np.zeros((2 * m, 4), np.float32), microbatches=m, schedule="gpipe")
+    finally:
+        await _kill(proc)
+
+
 _STREAM_CALLER = """
 from tensorwire.transports import Limits
 

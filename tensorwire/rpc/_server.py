@@ -112,7 +112,11 @@ def _code(exc: BaseException) -> Code:
     the deadline); once the method runs, what it raises is its own (``_Call.in_method``)."""
     if isinstance(exc, MethodNotFound):
         return Code.NOT_FOUND
-    if isinstance(exc, InvalidArguments):
+    if isinstance(exc, (InvalidArguments, TransferError)):
+        # (TransferError: the arguments could not be received here, or never came.) The node
+        # refused the call before its method ran, as for arguments past its limits: the caller
+        # gets InvalidArguments (its remote_type still says TransferError), never taken for an
+        # error the method raised (a pipeline driver then waited for the other stages)
         return Code.INVALID
     if isinstance(exc, DeadlineExceeded):
         return Code.DEADLINE
