@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fractions
 import importlib.util
 import math
@@ -193,6 +194,52 @@ async def test_an_exception_whose_str_raises_a_base_exception_is_answered(
                 await stub.Invoke(control_pb2.InvokeRequest(method="bad_str"), timeout=5)
         assert failed.value.code() == grpc.StatusCode.UNKNOWN
         assert failed.value.details() == f"{error.__name__}: <{error.__name__} whose str() raised {raised}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen(LookupError):
+    """An exception that is a frozen dataclass: nothing may set its attributes, __traceback__
+    among them (contextlib's generator context managers do, as an exception leaves them)."""
+
+    key: str
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_methods_frozen_dataclass_exception_comes_back_as_itself(transport: str) -> None:
+    # the server ran the method inside two generator context managers (its deadline, its slot
+    # loan), whose __exit__ sets the leaving exception's __traceback__: for a frozen dataclass
+    # that raised FrozenInstanceError, which replaced the method's error at the caller ("raised
+    # FrozenInstanceError: cannot assign to field '__traceback__'"), in a call, a stream and
+    # Invoke alike; a frozen exception raised inside tensorwire.rpc.deadline() became one too
+    async with _nodes(transport) as (a, b):
+        _register(b.node)
+
+        @b.node.method()
+        async def lookup() -> None:
+            raise _Frozen("w")
+
+        @b.node.method()
+        async def lookups() -> AsyncIterator[int]:
+            yield 1
+            raise _Frozen("b")
+
+        with pytest.raises(tensorwire.RemoteError) as info:
+            await _within(5, "a call", a.call("lookup", _deadline=5))
+        assert (info.value.remote_type, info.value.remote_message) == ("_Frozen", "w"), info.value
+        with pytest.raises(tensorwire.RemoteError) as info:
+            await _within(5, "a stream", _collect(a.stream("lookups")))
+        assert (info.value.remote_type, info.value.remote_message) == ("_Frozen", "b"), info.value
+        async with grpc.aio.insecure_channel(b.node.address) as channel:
+            stub = control_pb2_grpc.ControlStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await stub.Invoke(control_pb2.InvokeRequest(method="lookup"), timeout=5)
+        assert failed.value.code() == grpc.StatusCode.NOT_FOUND  # a LookupError
+        assert failed.value.details() == "_Frozen: w"
+        with pytest.raises(_Frozen):
+            async with deadline(5):
+                raise _Frozen("d")
+        assert await _within(5, "a call afterwards", a.call("add", 1, 2)) == 3
+        await _settled(a, b)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
