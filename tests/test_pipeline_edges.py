@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import time
 import warnings
 from typing import Any
@@ -100,6 +101,52 @@ async def test_a_part_error_whose_str_raises_still_aborts_every_stage() -> None:
     assert err.value.remote_type == "_BadStr"
     notes = "\n".join(err.value.__notes__)
     assert notes.count("aborted because stage 1 raised _BadStr in step 0, at F0") == 2, notes
+    assert "DeadlineExceeded" not in notes, notes
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenError(FloatingPointError):
+    """An exception that is a frozen dataclass: add_note() cannot set its __notes__."""
+
+    code: int
+
+
+class _TupleNotes(FloatingPointError):
+    __notes__ = ("a library's own note, in a tuple",)  # type: ignore[assignment]
+
+
+class _RaisesUnnoted(NumpyLinear):
+    error: BaseException
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        raise self.error
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("error", [_FrozenError(7), _TupleNotes("overflow")], ids=["frozen", "tuple-notes"])
+async def test_a_part_error_that_takes_no_note_still_aborts_every_stage(error: BaseException) -> None:
+    # the stage names the microbatch in a note on the part's error; an error that refuses
+    # add_note (a frozen dataclass raises FrozenInstanceError, __notes__ that is not a list a
+    # TypeError) raised that instead, from the stage's except clause: no abort was sent, the
+    # other stages waited for the driver to cancel them abort_grace (6 s) later, their accounts
+    # said DeadlineExceeded, and the step reported the add_note failure, not the part's error
+    rng = np.random.default_rng(0)
+    raising = _RaisesUnnoted(rng, 4, 4, tanh=True)
+    raising.error = error
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(raising),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(20):
+                    await pipe.step(x, np.zeros((8, 2), np.float32), microbatches=2)
+    assert err.value.remote_type == type(error).__name__, err.value
+    notes = "\n".join(err.value.__notes__)
+    assert notes.count(f"aborted because stage 1 raised {type(error).__name__} in step 0, at F0") == 2, notes
     assert "DeadlineExceeded" not in notes, notes
 
 

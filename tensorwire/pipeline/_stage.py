@@ -855,7 +855,10 @@ class Stage:
             return f"step {step}"
         what = "forward" if at.kind is Kind.FORWARD else "backward"
         where = f"step {step}, at {at}: the {what} of microbatch {at.microbatch}"
-        exc.add_note(f"pipeline stage {self.rank} raised this in {where}")
+        # an error that takes no note (a frozen dataclass; __notes__ that is not a list) raised
+        # here, in _step's except clause, instead of the part's error: no abort was sent
+        with contextlib.suppress(Exception):
+            exc.add_note(f"pipeline stage {self.rank} raised this in {where}")
         return where
 
     async def _part_code(self, action: Action, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
