@@ -150,6 +150,40 @@ async def test_a_part_error_that_takes_no_note_still_aborts_every_stage(error: B
     assert "DeadlineExceeded" not in notes, notes
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["forward", "evaluate"])
+async def test_a_torch_modules_frozen_dataclass_error_in_eval_mode_comes_back_as_itself(call: str) -> None:
+    # TorchPart ran forward-only microbatches inside a generator context manager (eval mode,
+    # no_grad), whose __exit__ sets the leaving exception's __traceback__: the module's frozen
+    # dataclass error became FrozenInstanceError ("cannot assign to field '__traceback__'")
+    torch = pytest.importorskip("torch")
+
+    class Refuses(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 2)
+
+        def forward(self, x: Any) -> Any:
+            if not self.training:
+                raise _FrozenError(3)
+            return self.inner(x)
+
+    last = Refuses()
+    parts = [
+        pipeline.TorchPart(torch.nn.Linear(4, 4)),
+        pipeline.TorchPart(last, loss=torch.nn.functional.mse_loss),
+    ]
+    x, y = torch.ones(4, 4), torch.zeros(4, 2)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            run = pipe.forward(x, microbatches=2) if call == "forward" else pipe.evaluate(x, y, microbatches=2)
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(20):
+                    await run
+    assert err.value.remote_type == "_FrozenError", err.value
+    assert last.training and last.inner.training  # back in the mode it was in
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("call", ["step", "evaluate", "forward"])
 async def test_a_microbatch_count_no_batch_fits_is_refused_before_a_schedule_is_made(call: str) -> None:
