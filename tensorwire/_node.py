@@ -419,14 +419,17 @@ class Node:
         _metrics.node_started(self)
         with self._transport_options():  # probe and construct under this node's UCX options
             usable, self.unusable = probe_all(self.config.transports)
-            if self.config.ucx_options and "ucx" in self.unusable:
+            if "ucx" in self.unusable:
                 from .transports.ucx._transport import CONTEXT_REFUSED
 
                 if self.unusable["ucx"].startswith(CONTEXT_REFUSED):
-                    # options set on purpose that UCX refuses: say so, rather than a quiet tcp path
-                    raise ConfigurationError(
-                        f"ucx_options {dict(self.config.ucx_options)} were refused: {self.unusable['ucx']}"
-                    )
+                    from .transports.ucx._worker import chosen_options
+
+                    # options set on purpose (the node's, or a ucx_config block's) that UCX
+                    # refuses: say so, rather than a quiet tcp path
+                    if chosen := chosen_options():
+                        where = "ucx_options" if self.config.ucx_options else "ucx_config options"
+                        raise ConfigurationError(f"{where} {chosen} were refused: {self.unusable['ucx']}")
             if not usable:
                 raise TransportUnavailable(f"no usable transport among {self.config.transports}: {self.unusable}")
             ctx = TransportContext(self.node_id, self._host, self.config.limits, checksum=self.config.checksum)

@@ -811,6 +811,22 @@ async def test_ucx_options_ucx_refuses_are_a_configuration_error(options: dict[s
         assert "ucx" in node.offers
 
 
+@pytest.mark.parametrize("options", [{"BOGUS_OPT": "1"}, {"RNDV_THRESH": "notanumber"}])
+async def test_ucx_config_options_ucx_refuses_are_a_configuration_error_too(options: dict[str, str]) -> None:
+    """README and docs/ucx.md give ucx_config(...) as the other way to pass UCX options: ones
+    UCX refused there left ucx unusable without a word, every node of the block quietly on tcp."""
+    from tensorwire.transports.ucx import ucx_config
+
+    with ucx_config(**options), pytest.raises(tensorwire.ConfigurationError, match="were refused"):
+        await tensorwire.start("127.0.0.1:0")
+    with ucx_config(TLS="tcp"):
+        async with tensorwire.start("127.0.0.1:0") as node:
+            assert "ucx" in node.offers
+    with ucx_config(**options):  # a node that does not ask for ucx is none of its business
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+            assert list(node.offers) == ["tcp"]
+
+
 async def test_ucx_options_that_leave_only_cma_say_so_in_the_path() -> None:
     """With TLS="cma" ucx was offered, and every connect, either way, fell back to tcp with UCX's
     bare 'Destination is unreachable': cma only copies, and carries no messages to connect over.

@@ -216,6 +216,12 @@ def ucx_config(**options: str) -> Iterator[None]:
         _OPTIONS.reset(token)
 
 
+def chosen_options() -> dict[str, str]:
+    """The UCX options set on purpose here and now: the node's ``ucx_options`` and enclosing
+    :func:`ucx_config` blocks (not tensorwire's defaults, nor ``UCX_*`` variables)."""
+    return dict(_OPTIONS.get())
+
+
 def ucx_options() -> dict[str, str]:
     """The UCX options a context created here and now would get (on top of UCX_* variables)."""
     env = set(os.environ).difference(_leftovers_now())
