@@ -620,6 +620,7 @@ class Node:
         """Register an async function (or async generator, for ``peer.stream``) as an RPC method:
         ``@node.method("forward")``; the name defaults to the function's. ``max_arg_bytes``
         declares the most tensor bytes one call's arguments may carry."""
+        check_home(self._loop, "node.method")  # (the registry is what the loop serves calls from)
         return methods_of(self).decorator(name, max_arg_bytes=max_arg_bytes)
 
     @property

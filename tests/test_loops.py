@@ -107,6 +107,30 @@ async def test_a_node_and_its_peers_refuse_calls_from_another_loop(transport: st
 
 
 @pytest.mark.timeout(60)
+async def test_registering_a_method_from_another_thread_is_refused_too() -> None:
+    """README (Lifecycle): every method but abort() belongs to the node's loop and raises
+    ConfigurationError at once elsewhere. node.method registered from a worker thread went
+    through, into the registry the node's loop reads as it serves calls and ListMethods."""
+    async with connected_pair("tcp") as (a, b):
+
+        async def late(x: Any) -> Any:
+            return x
+
+        with pytest.raises(tensorwire.ConfigurationError, match=r"node\.method was called where no event loop runs"):
+            await asyncio.to_thread(lambda: b.node.method("late")(late))
+        err = await asyncio.to_thread(_on_another_loop, lambda: _register_on(b.node, late))
+        assert isinstance(err, tensorwire.ConfigurationError), err
+        assert "node.method was called on an event loop that is not the node's" in str(err), err
+        assert "late" not in b.node.methods
+        b.node.method("late")(late)  # on its own loop, as ever
+        assert await a.call("late", 3) == 3
+
+
+async def _register_on(node: Any, fn: Any) -> None:
+    node.method("late")(fn)
+
+
+@pytest.mark.timeout(60)
 async def test_a_call_handed_to_the_nodes_loop_from_another_thread_works() -> None:
     """What the refusal tells users to do: ``asyncio.run_coroutine_threadsafe`` onto the node's
     loop, from a thread that runs a loop of its own or none."""
