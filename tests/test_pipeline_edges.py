@@ -553,3 +553,53 @@ async def test_state_of_a_stage_that_computes_on_the_loop_is_never_torn_by_a_ste
             snapshot = during[0]
             whole = [all(np.array_equal(snapshot[k], ref[k]) for k in ("w", "b")) for ref in (before, after)]
             assert any(whole), {k: [np.array_equal(snapshot[k], r[k]) for r in (before, after)] for k in ("w", "b")}
+
+
+def _on_another_loop(make: Any) -> BaseException | None:
+    """Run ``make()`` on a loop of its own (in a worker thread): what it raised, if anything."""
+
+    async def run() -> None:
+        async with asyncio.timeout(10):
+            await make()
+
+    try:
+        asyncio.run(run())
+    except BaseException as exc:
+        return exc
+    return None
+
+
+@pytest.mark.timeout(60)
+async def test_a_pipeline_and_its_stages_refuse_calls_from_another_loop_and_serve_on() -> None:
+    """README (Lifecycle): pipelines and stages, as nodes and peers, belong to their loop; a
+    call from another loop raises ConfigurationError at once. pipe.step from another thread's
+    loop got that error only from the first stage call it made, after the other stages had
+    begun the step: the pipeline was broken (BrokenResourceError) for every later step on its
+    own loop, until a new Pipeline.connect; and pipe.aclose (or a stage's) from another loop
+    closed it on that loop, whose tasks then belonged to nobody."""
+    rng = np.random.default_rng(5)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    y = rng.standard_normal((8, 2)).astype(np.float32)
+    async with nodes(3) as ns:
+        async with pipeline.Stage(ns[0], parts[0]) as first, pipeline.Stage(ns[1], parts[1]):
+            async with await pipeline.Pipeline.connect(ns[2], [ns[0].address, ns[1].address]) as pipe:
+                calls = {
+                    "pipeline.step": lambda: pipe.step(x, y, microbatches=2),
+                    "pipeline.forward": lambda: pipe.forward(x, microbatches=2),
+                    "pipeline.evaluate": lambda: pipe.evaluate(x, y, microbatches=2),
+                    "pipeline.state": pipe.state,
+                    "pipeline.aclose": pipe.aclose,
+                    "stage.aclose": first.aclose,
+                }
+                for what, make in calls.items():
+                    err = await asyncio.to_thread(_on_another_loop, make)
+                    # the pipeline serves on, on its own loop (it was broken, or closed)
+                    result = await asyncio.wait_for(pipe.step(x, y, microbatches=2), 20)
+                    assert np.isfinite(result.loss)
+                    assert isinstance(err, tensorwire.ConfigurationError), (what, err)
+                    assert f"{what} was called on an event loop that is not the node's" in str(err), err
+                assert len(await pipe.forward(x, microbatches=2)) == len(x)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._checks import check_arguments, check_seconds
-from .._loops import elsewhere
+from .._loops import check_home, elsewhere
 from ..errors import (
     BrokenResourceError,
     BusyResourceError,
@@ -292,7 +292,9 @@ class Pipeline:
         when the pipeline closes raises ClosedResourceError. A pipeline whose last stage has no
         loss serves ``forward`` only: ``step`` (and ``evaluate``) raise ConfigurationError before
         any stage runs."""
-        result: StepResult = await self._one_at_a_time(self._step(inputs, targets, microbatches, schedule))
+        result: StepResult = await self._one_at_a_time(
+            "pipeline.step", self._step(inputs, targets, microbatches, schedule)
+        )
         return result
 
     @check_arguments
@@ -311,7 +313,7 @@ class Pipeline:
         A stage that fails fails the call on every stage, as a ``step`` does (this raises the
         first stage's error with every stage's account as a note), and the stages stay broken
         until the next ``Pipeline.connect``. Runs one at a time with ``step``."""
-        return await self._one_at_a_time(self._forward(inputs, microbatches, schedule))
+        return await self._one_at_a_time("pipeline.forward", self._forward(inputs, microbatches, schedule))
 
     @check_arguments
     async def evaluate(
@@ -336,12 +338,14 @@ class Pipeline:
         has no loss raises ConfigurationError then. A stage that fails fails the call on every
         stage, as a ``step`` does, and the stages stay broken until the next
         ``Pipeline.connect``. Runs one at a time with ``step`` and ``forward``."""
-        result: EvalResult = await self._one_at_a_time(self._evaluate(inputs, targets, microbatches, schedule))
+        result: EvalResult = await self._one_at_a_time(
+            "pipeline.evaluate", self._evaluate(inputs, targets, microbatches, schedule)
+        )
         return result
 
-    async def _one_at_a_time(self, run: Coroutine[Any, Any, Any]) -> Any:
+    async def _one_at_a_time(self, what: str, run: Coroutine[Any, Any, Any]) -> Any:
         try:
-            self._check_open()
+            self._check_open(what)
             if self._stepping:
                 raise BusyResourceError("this pipeline is already running a step; steps run one at a time")
             if self._broken is not None:
@@ -618,10 +622,14 @@ class Pipeline:
 
     async def state(self) -> list[dict[str, Any]]:
         """Every stage's parameters, by name, in stage order."""
-        self._check_open()
+        self._check_open("pipeline.state")
         return list(await asyncio.gather(*[peer.call("tw.pipeline.state") for peer in self.peers]))
 
-    def _check_open(self) -> None:
+    def _check_open(self, what: str) -> None:
+        """Refused on a closed pipeline, and anywhere but its loop: a call from another loop
+        failed only at its first stage call, after the other stages had begun, which broke the
+        pipeline for its own loop's later calls."""
+        check_home(self._loop, what)
         if self._closed:
             raise ClosedResourceError("this pipeline is closed (Pipeline.connect again to use its stages)")
 
@@ -629,6 +637,7 @@ class Pipeline:
         """Tell the stages this driver is done (they drop their links), then disconnect;
         idempotent. The closing runs to its end even if the caller is cancelled meanwhile (the
         peers are closed all the same), and every call waits for it."""
+        check_home(self._loop, "pipeline.aclose", closing=True)
         self._leak.detach()
         if self._closing is None:
             self._closed = True

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _metrics
 from .._checks import check_arguments, check_bool
-from .._loops import elsewhere
+from .._loops import check_home, elsewhere
 from .._peer import tag_id
 from ..errors import (
     BrokenResourceError,
@@ -1193,6 +1193,7 @@ class Stage:
         """Stop serving: cancel a running step, close the links; idempotent. The node stays open.
         The closing runs to its end even if the caller is cancelled meanwhile, and every call
         waits for it."""
+        check_home(self.node._loop, "stage.aclose", closing=True)
         if self._closing is None:
             self._begin_close(asyncio.get_running_loop())
         assert self._closing is not None
