@@ -6,7 +6,7 @@ import asyncio
 import functools
 import hashlib
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Never
 
 from . import _onesided
@@ -100,6 +100,32 @@ def _cancelling() -> bool:
     """Whether the running task has been asked to cancel (and has not taken it back)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+class _OnItsLoop(AsyncIterator[Any]):
+    """A stream (``peer.stream``), read only on its peer's loop, as every other call: its
+    generator runs on whichever loop reads it, and read from another one it used the channel
+    from there, and that loop's end (``asyncio.run`` closing its async generators) closed the
+    stream under its own loop, the items left lost. Refused there at once, it goes on here."""
+
+    __slots__ = ("_home", "_items", "_what")
+
+    def __init__(self, items: AsyncGenerator[Any, None], home: asyncio.AbstractEventLoop | None, what: str) -> None:
+        self._items, self._home, self._what = items, home, what
+
+    def __aiter__(self) -> _OnItsLoop:
+        return self
+
+    def __anext__(self) -> Awaitable[Any]:
+        if running_loop() is not self._home:
+            check_home(self._home, self._what)
+        return self._items.__anext__()
+
+    def aclose(self) -> Awaitable[None]:
+        """Leave the stream early: the method is cancelled on the server (as ``break`` does)."""
+        if running_loop() is not self._home:
+            check_home(self._home, self._what, closing=True)
+        return self._items.aclose()
 
 
 class Peer:
@@ -317,7 +343,7 @@ class Peer:
         early cancels the method. There is no ``_out=`` (ConfigurationError)."""
         if running_loop() is not self._home:
             check_home(self._home, "peer.stream")
-        return _rpc.stream(self, name, args, kwargs, _deadline)
+        return _OnItsLoop(_rpc.stream(self, name, args, kwargs, _deadline), self._home, "peer.stream")
 
     def stream_with_receipts(
         self, name: str, /, *args: Any, _deadline: float | None = None, **kwargs: Any
@@ -325,7 +351,8 @@ class Peer:
         """Like ``stream``, each item as ``(item, Receipt)``: how the message that carried it came."""
         if running_loop() is not self._home:
             check_home(self._home, "peer.stream_with_receipts")
-        return _rpc.stream(self, name, args, kwargs, _deadline, receipts=True)
+        items = _rpc.stream(self, name, args, kwargs, _deadline, receipts=True)
+        return _OnItsLoop(items, self._home, "peer.stream_with_receipts")
 
     def _start_heartbeat(self, session_id: str, lease: float, since: float) -> None:
         """``since``: when the handshake was sent, which is before the server's lease began. The

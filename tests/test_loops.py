@@ -107,6 +107,38 @@ async def test_a_node_and_its_peers_refuse_calls_from_another_loop(transport: st
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("verb", ["stream", "stream_with_receipts"])
+async def test_a_stream_made_on_the_nodes_loop_refuses_to_be_read_on_another(verb: str) -> None:
+    """A stream made on the node's loop and read from another loop ran there, on the peer's
+    channel, unchecked; its first item read there sent the request from that loop, whose end
+    (asyncio.run closing its async generators) then closed the stream: the node's own loop
+    read nothing more, the other items lost without a word. Each read (and aclose) from
+    another loop is now refused at once, and the stream goes on on its own loop."""
+    async with connected_pair("tcp") as (a, b):
+
+        @b.node.method("count")
+        async def count(n: int) -> Any:
+            for i in range(n):
+                yield i
+
+        def items(got: list[Any]) -> list[Any]:
+            return [g[0] for g in got] if verb == "stream_with_receipts" else got
+
+        fresh, begun = getattr(a, verb)("count", 3), getattr(a, verb)("count", 3)
+        first = await anext(begun)
+        errors = [
+            await asyncio.to_thread(_on_another_loop, make)
+            for stream in (fresh, begun)
+            for make in (lambda s=stream: anext(s), lambda s=stream: s.aclose())
+        ]
+        assert items([g async for g in fresh]) == [0, 1, 2]
+        assert items([first, *[g async for g in begun]]) == [0, 1, 2]
+        for err in errors:
+            assert isinstance(err, tensorwire.ConfigurationError), err
+            assert f"peer.{verb} was called on an event loop that is not the node's" in str(err), err
+
+
+@pytest.mark.timeout(60)
 async def test_registering_a_method_from_another_thread_is_refused_too() -> None:
     """README (Lifecycle): every method but abort() belongs to the node's loop and raises
     ConfigurationError at once elsewhere. node.method registered from a worker thread went

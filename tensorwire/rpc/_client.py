@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -668,7 +668,7 @@ async def stream(
     deadline: float | None,
     *,
     receipts: bool = False,
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """``peer.stream``: the items a streaming method yields, as they come (with ``receipts``,
     each as ``(item, Receipt)``: how the message that carried it came). Leaving the loop early
     (break, an exception, aclose) cancels the method on the server. ``_deadline`` covers the
