@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import gc
 import hashlib
 import importlib.util
@@ -187,6 +188,34 @@ async def test_closing_while_a_send_moves_its_payload_tells_the_send_what_happen
             if not arrived:
                 assert isinstance(got, tensorwire.errors.TensorWireError), got
             assert isinstance(sent, tensorwire.Receipt) == arrived, f"send said {sent!r}, recv got {got!r}"
+
+
+def _segment_ended(send: asyncio.Future[Any], futs: set[asyncio.Future[Any]]) -> bool:
+    return send.done() or any(f.done() for f in futs)
+
+
+@pytest.mark.parametrize("credit", [None, 16 * MiB])
+async def test_closing_between_two_segments_of_a_send_tells_the_send_what_happened(credit: int | None) -> None:
+    """The same, for a message of many tensors, the close coming as UCX has finished one
+    segment's send and the send is about to wait for the next (eager, and rendezvous: a
+    receiver whose credit is below the message). The close found no payload send in flight
+    (the one that had ended was not waited for again) and went on: the send failed with
+    ClosedResourceError("channel closed") at its next segment, whose payload UCX had taken
+    with the others, and the receiver got the message whole."""
+    src = [np.full(MiB, i + 1, np.uint8) for i in range(24)]
+    limits = None if credit is None else tensorwire.Limits(recv_buffer_bytes=credit)
+    for _ in range(3):
+        async with connected_pair("ucx", limits=limits) as (a, b):
+            got = asyncio.ensure_future(asyncio.wait_for(b.recv(tag="t"), 10))
+            send = asyncio.ensure_future(a.send(src, tag="t"))
+            # a payload send's wait stays in _futs until its send has gone on from it
+            await eventually(functools.partial(_segment_ended, send, a.channel._futs), pause=0)
+            close = asyncio.ensure_future(a.aclose())
+            sent, value, _ = await asyncio.gather(asyncio.wait_for(send, 10), got, close, return_exceptions=True)
+            arrived = isinstance(value, list) and all(np.array_equal(x, y) for x, y in zip(value, src, strict=True))
+            if not arrived:
+                assert isinstance(value, tensorwire.errors.TensorWireError), value
+            assert isinstance(sent, tensorwire.Receipt) == arrived, f"send said {sent!r}, recv got {type(value)}"
 
 
 @pytest.mark.multiprocess

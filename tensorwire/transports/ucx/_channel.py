@@ -694,8 +694,9 @@ class UcxChannel(Channel):
                     w.keep_raw(ucp, req, s, self)
                     reqs.append(req)
             for i, req in enumerate(reqs):
-                if self.state is not ChannelState.OPEN:
-                    self.check_open()  # (it shut while this waited for the one before)
+                if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+                    self.check_open()  # (it shut while this waited for the one before; a close
+                    # under way waits for this send: UCX has taken every segment)
                 fut = w.wait_raw(req, "ucx payload send")
                 reqs[i] = 0  # (the worker's now, or freed)
                 if fut is None:
@@ -1046,10 +1047,13 @@ class UcxChannel(Channel):
         self._w.track(self._loop.create_task(self._shut_when_landed(reqs, state, exc)))
 
     async def _sends_done(self) -> None:
-        """Until no payload send is in flight. A send waits for its segments one by one: its
-        next wait starts before this looks again (its wake-up was queued first)."""
-        while sends := [f for f in self._futs if not f.done()]:
-            await asyncio.wait(sends)
+        """Until no payload send is in flight. A send waits for its segments one by one, each
+        wait in ``_futs`` until the send has gone on from it (to the wait for its next segment,
+        added at once): one that has ended but is still there is a send yet to wake, whose next
+        segments UCX may have taken (looking only at those not done, a close that came then
+        went on, and failed a send whose message arrived whole)."""
+        while self._futs:
+            await asyncio.wait(list(self._futs))
 
     async def _shut_when_landed(self, reqs: list[Any], state: ChannelState, exc: BaseException) -> None:
         landed: asyncio.Future[None] = self._loop.create_future()
