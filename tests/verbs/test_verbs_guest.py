@@ -420,6 +420,28 @@ async def test_closing_while_the_peer_reads_a_send_lets_the_send_finish() -> Non
         assert isinstance(sent, tensorwire.Receipt) and arrived, f"send said {sent!r}, recv got {got!r}"
 
 
+async def test_closing_while_its_recv_reads_a_message_lets_the_sender_know_it_arrived() -> None:
+    """b closes its channel while its recv's RDMA READs of a's 16 MiB message are in flight.
+    The READs cannot be recalled: they finish and the recv returns the message, so a's send must
+    return too. b's BYE went out behind the READs and ahead of the FIN (which the recv queues as
+    it returns, after the close had shut the channel): a's send failed with PeerDisconnected
+    though b had the message, and a caller that sent it again delivered it twice."""
+    src = (np.arange(16 * MiB) % 251).astype(np.uint8)
+    async with _pair() as (a, b):
+        cb = b.channel
+        assert isinstance(cb, VerbsChannel)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        out = np.zeros_like(src)
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        await eventually(lambda: bool(cb._rdma_cbs), seconds=30, pause=0)  # its READs are posted
+        close = asyncio.ensure_future(cb.aclose())
+        sent, got, _ = await asyncio.gather(
+            asyncio.wait_for(send, 30), asyncio.wait_for(recv, 30), close, return_exceptions=True
+        )
+        assert isinstance(got, np.ndarray) and np.array_equal(out, src), f"the recv's READs were cut off: {got!r}"
+        assert isinstance(sent, tensorwire.Receipt), f"a's send said {sent!r} though b got its message"
+
+
 def _resident(address: int, length: int) -> float:
     """The share of the pages of ``[address, address + length)`` in memory now (``mincore``)."""
     libc = ctypes.CDLL(None, use_errno=True)

@@ -747,7 +747,9 @@ class VerbsChannel(Channel):
         self._incoming.pop(arrival.msg_id, None)
         arrival.written = arrival.nbytes
         arrival.complete()
-        if not entry.pulled:
+        if not entry.pulled or self.state is ChannelState.CLOSING:
+            # (closing: the FIN goes now, ahead of the BYE, not once the recv has returned)
+            entry.pulled = False
             self._fin(arrival.msg_id)
 
     def _fin(self, msg_id: int) -> None:
@@ -1047,8 +1049,12 @@ class VerbsChannel(Channel):
             self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
 
     async def _owed_sent(self) -> None:
-        """Until the queue is empty, no send waits for its FIN, and BYE has a send slot and a
-        ring slot (or the channel shut meanwhile)."""
+        """Until the queue is empty, no send waits for its FIN, no RDMA operation posted is
+        under way, and BYE has a send slot and a ring slot (or the channel shut meanwhile).
+
+        Posted RDMA READs of a peer's message cannot be recalled: they finish, and its recv
+        returns it, so its FIN must go before the BYE (``_read_done``); a BYE posted behind
+        them reached the peer ahead of the FIN, and its send failed though the message arrived."""
         # a recv that returned before this close schedules its message's FIN (pull, call_soon):
         # let it be queued first
         await asyncio.sleep(0)
@@ -1056,7 +1062,7 @@ class VerbsChannel(Channel):
             fins = [f for f in self._fins.values() if not f.done()]
             if fins:
                 await asyncio.wait(fins)
-            elif self._outq or not self._send_free or self._ring_free() <= 0:
+            elif self._rdma_cbs or self._outq or not self._send_free or self._ring_free() <= 0:
                 self._progress = self._loop.create_future()
                 await self._progress  # the next completion batch (or the shutdown)
             else:
