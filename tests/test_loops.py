@@ -12,25 +12,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _elsewhere import on_another_loop
 
 import tensorwire
 from tensorwire._peer import RESERVED_TAGS
 from tensorwire.testing import connected_pair
-
-
-def _on_another_loop(make: Callable[[], Awaitable[Any]]) -> BaseException | None:
-    """Run ``make()`` on a loop of its own (this runs in a worker thread): what it raised, if
-    anything. The timeout only keeps a hang of the old code from hanging the test."""
-
-    async def run() -> None:
-        async with asyncio.timeout(5):
-            await make()
-
-    try:
-        asyncio.run(run())
-    except BaseException as exc:
-        return exc
-    return None
 
 
 async def _drain(it: Any) -> None:
@@ -81,7 +67,7 @@ async def test_a_node_and_its_peers_refuse_calls_from_another_loop(transport: st
             "node.aclose": na.aclose,
         }
         for what, make in calls.items():
-            err = await asyncio.to_thread(_on_another_loop, make)
+            err = await asyncio.to_thread(on_another_loop, make)
             assert isinstance(err, tensorwire.ConfigurationError), (what, err)
             assert f"{what} was called on an event loop that is not the node's" in str(err), err
             assert "asyncio.run_coroutine_threadsafe(coro, node_loop)" in str(err), err
@@ -127,7 +113,7 @@ async def test_a_stream_made_on_the_nodes_loop_refuses_to_be_read_on_another(ver
         fresh, begun = getattr(a, verb)("count", 3), getattr(a, verb)("count", 3)
         first = await anext(begun)
         errors = [
-            await asyncio.to_thread(_on_another_loop, make)
+            await asyncio.to_thread(on_another_loop, make)
             for stream in (fresh, begun)
             for make in (lambda s=stream: anext(s), lambda s=stream: s.aclose())
         ]
@@ -150,7 +136,7 @@ async def test_registering_a_method_from_another_thread_is_refused_too() -> None
 
         with pytest.raises(tensorwire.ConfigurationError, match=r"node\.method was called where no event loop runs"):
             await asyncio.to_thread(lambda: b.node.method("late")(late))
-        err = await asyncio.to_thread(_on_another_loop, lambda: _register_on(b.node, late))
+        err = await asyncio.to_thread(on_another_loop, lambda: _register_on(b.node, late))
         assert isinstance(err, tensorwire.ConfigurationError), err
         assert "node.method was called on an event loop that is not the node's" in str(err), err
         assert "late" not in b.node.methods
@@ -178,7 +164,7 @@ async def test_a_call_handed_to_the_nodes_loop_from_another_thread_works() -> No
 
         receipt = await asyncio.to_thread(from_a_thread)
         assert receipt.nbytes == x.nbytes
-        assert await asyncio.to_thread(_on_another_loop, from_another_loop) is None
+        assert await asyncio.to_thread(on_another_loop, from_another_loop) is None
         np.testing.assert_array_equal(await b.recv(tag="t"), x)
         np.testing.assert_array_equal(await b.recv(tag="u"), x)
 

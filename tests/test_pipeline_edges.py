@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _elsewhere import on_another_loop
 from _pipeline_fixtures import NumpyLinear, nodes, stages
 from _pipeline_reference import mse
 
@@ -75,35 +76,6 @@ class _BadStr(FloatingPointError):
         raise RuntimeError("no str for you")
 
 
-class _RaisesBadStr(NumpyLinear):
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        raise _BadStr
-
-
-@pytest.mark.timeout(60)
-async def test_a_part_error_whose_str_raises_still_aborts_every_stage() -> None:
-    # the old stage put the part's error into its abort reason with an f-string: the str() that
-    # raised there replaced the part's error and no abort was sent, so the other stages waited
-    # for the driver to cancel them abort_grace later (their accounts said DeadlineExceeded) and
-    # the step reported the RuntimeError of the str() instead of the part's error
-    rng = np.random.default_rng(0)
-    parts = [
-        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
-        pipeline.FunctionPart(_RaisesBadStr(rng, 4, 4, tanh=True)),
-        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
-    ]
-    x = rng.standard_normal((8, 4)).astype(np.float32)
-    async with stages(parts) as (addresses, driver):
-        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
-            with pytest.raises(tensorwire.RemoteError) as err:
-                async with asyncio.timeout(20):
-                    await pipe.step(x, np.zeros((8, 2), np.float32), microbatches=2)
-    assert err.value.remote_type == "_BadStr"
-    notes = "\n".join(err.value.__notes__)
-    assert notes.count("aborted because stage 1 raised _BadStr in step 0, at F0") == 2, notes
-    assert "DeadlineExceeded" not in notes, notes
-
-
 @dataclasses.dataclass(frozen=True)
 class _FrozenError(FloatingPointError):
     """An exception that is a frozen dataclass: add_note() cannot set its __notes__."""
@@ -115,7 +87,7 @@ class _TupleNotes(FloatingPointError):
     __notes__ = ("a library's own note, in a tuple",)  # type: ignore[assignment]
 
 
-class _RaisesUnnoted(NumpyLinear):
+class _RaisesAwkward(NumpyLinear):
     error: BaseException
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
@@ -123,15 +95,19 @@ class _RaisesUnnoted(NumpyLinear):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("error", [_FrozenError(7), _TupleNotes("overflow")], ids=["frozen", "tuple-notes"])
-async def test_a_part_error_that_takes_no_note_still_aborts_every_stage(error: BaseException) -> None:
-    # the stage names the microbatch in a note on the part's error; an error that refuses
-    # add_note (a frozen dataclass raises FrozenInstanceError, __notes__ that is not a list a
-    # TypeError) raised that instead, from the stage's except clause: no abort was sent, the
+@pytest.mark.parametrize(
+    "error", [_BadStr(), _FrozenError(7), _TupleNotes("overflow")], ids=["str-raises", "frozen", "tuple-notes"]
+)
+async def test_a_part_error_that_takes_no_str_or_no_note_still_aborts_every_stage(error: BaseException) -> None:
+    # str-raises: the old stage put the part's error into its abort reason with an f-string,
+    # and the str() that raised there replaced the part's error. frozen, tuple-notes: the stage
+    # names the microbatch in a note on the part's error; an error that refuses add_note (a
+    # frozen dataclass raises FrozenInstanceError, __notes__ that is not a list a TypeError)
+    # raised that instead, from the stage's except clause. Either way no abort was sent, the
     # other stages waited for the driver to cancel them abort_grace (6 s) later, their accounts
-    # said DeadlineExceeded, and the step reported the add_note failure, not the part's error
+    # said DeadlineExceeded, and the step reported the str() or add_note failure, not the part's error
     rng = np.random.default_rng(0)
-    raising = _RaisesUnnoted(rng, 4, 4, tanh=True)
+    raising = _RaisesAwkward(rng, 4, 4, tanh=True)
     raising.error = error
     parts = [
         pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
@@ -555,20 +531,6 @@ async def test_state_of_a_stage_that_computes_on_the_loop_is_never_torn_by_a_ste
             assert any(whole), {k: [np.array_equal(snapshot[k], r[k]) for r in (before, after)] for k in ("w", "b")}
 
 
-def _on_another_loop(make: Any) -> BaseException | None:
-    """Run ``make()`` on a loop of its own (in a worker thread): what it raised, if anything."""
-
-    async def run() -> None:
-        async with asyncio.timeout(10):
-            await make()
-
-    try:
-        asyncio.run(run())
-    except BaseException as exc:
-        return exc
-    return None
-
-
 @pytest.mark.timeout(60)
 async def test_a_pipeline_and_its_stages_refuse_calls_from_another_loop_and_serve_on() -> None:
     """README (Lifecycle): pipelines and stages, as nodes and peers, belong to their loop; a
@@ -596,7 +558,7 @@ async def test_a_pipeline_and_its_stages_refuse_calls_from_another_loop_and_serv
                     "stage.aclose": first.aclose,
                 }
                 for what, make in calls.items():
-                    err = await asyncio.to_thread(_on_another_loop, make)
+                    err = await asyncio.to_thread(on_another_loop, make)
                     # the pipeline serves on, on its own loop (it was broken, or closed)
                     result = await asyncio.wait_for(pipe.step(x, y, microbatches=2), 20)
                     assert np.isfinite(result.loss)
