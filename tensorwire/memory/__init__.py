@@ -3,7 +3,7 @@ and the staging pipelines that move device memory through host chunks."""
 
 from ._engine import CopyEngine, DeviceBuffer, Event, HostChunk, HostEngine, Lane, wait_event
 from ._pinned import CHUNK_BYTES, DEPTH, PinnedPool
-from ._pipeline import Move, Piece, StageIn, download, scatter, stage_out
+from ._pipeline import Move, Piece, StageIn, download, hand_back, scatter, stage_out
 
 __all__ = [
     "CHUNK_BYTES",
@@ -19,6 +19,7 @@ __all__ = [
     "Piece",
     "StageIn",
     "download",
+    "hand_back",
     "scatter",
     "stage_out",
     "wait_event",

@@ -30,7 +30,7 @@ from ._engine import CopyEngine, DeviceBuffer, Event, HostChunk, Lane, wait_even
 if TYPE_CHECKING:
     from ._pinned import PinnedPool
 
-__all__ = ["Move", "Piece", "StageIn", "download", "scatter", "stage_out"]
+__all__ = ["Move", "Piece", "StageIn", "download", "hand_back", "scatter", "stage_out"]
 
 Fill = Callable[[memoryview, int], Awaitable[None] | None]
 # (tensor index, byte offset in the tensor, byte offset in the chunk, length)
@@ -61,11 +61,11 @@ async def _alone(
     try:
         await move
     except BaseException:
-        _hand_back(pool, chunk, event, touched=spoiled())
+        hand_back(pool, chunk, event, touched=spoiled())
         raise
 
 
-def _hand_back(pool: PinnedPool, chunk: HostChunk, event: Event | None, *, touched: bool) -> None:
+def hand_back(pool: PinnedPool, chunk: HostChunk, event: Event | None, *, touched: bool) -> None:
     """A chunk whose move ended: back to the pool after ``event``, or retired where the move
     may still touch it (``touched``: it failed or was stopped, and its channel is closing)."""
     if touched:
@@ -95,7 +95,7 @@ async def _settle(pool: PinnedPool, inflight: deque[_Flight], spoiled: Callable[
     doubt = spoiled()
     for chunk, _, event, task in inflight:
         clean = not task.cancelled() and task.exception() is None  # also marks it retrieved
-        _hand_back(pool, chunk, event, touched=doubt and not clean)
+        hand_back(pool, chunk, event, touched=doubt and not clean)
     inflight.clear()
     if cancelled:
         raise asyncio.CancelledError
@@ -136,7 +136,7 @@ async def stage_out(
                     queued = True
                     event = lane.record()
                 except BaseException:
-                    _hand_back(pool, chunk, None, touched=queued)  # a queued copy may still write it
+                    hand_back(pool, chunk, None, touched=queued)  # a queued copy may still write it
                     raise
                 pending.append((chunk, pos, n, event))
                 pos += n
@@ -260,7 +260,7 @@ async def scatter(
                 queued = True
             event = lane.record()
         except BaseException:
-            _hand_back(pool, chunk, None, touched=queued)  # a queued copy may still write it
+            hand_back(pool, chunk, None, touched=queued)  # a queued copy may still write it
             raise
         return event, copied_then(event, chunk, pieces)
 
@@ -338,7 +338,7 @@ class StageIn:
                 queued = True
                 self._last = lane.record()
             except BaseException:
-                _hand_back(self.pool, chunk, None, touched=queued)  # a queued copy may still read it
+                hand_back(self.pool, chunk, None, touched=queued)  # a queued copy may still read it
                 raise
             self._give_back(chunk, self._last)
             pos += k

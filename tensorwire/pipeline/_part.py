@@ -18,11 +18,12 @@ from __future__ import annotations
 import importlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._blocks import block
 from .._checks import check_arguments
 from ..errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
 from ._batch import no_gradient, tree_leaves, tree_map
@@ -330,11 +331,27 @@ class TorchPart(Part):
     def _detached(self, v: Any) -> Any:
         return v.detach() if isinstance(v, self._torch.Tensor) else v
 
-    def _evaluating(self) -> _Evaluating:
+    @block
+    def _evaluating(self) -> Iterator[None]:
         """Under ``torch.no_grad()``, the module (and each submodule) in eval mode (dropout off,
         batch norm on its running statistics; ``.eval()``, so a module that overrides
         ``train()`` is told), then back in the mode it was in (each submodule in its own)."""
-        return _Evaluating(self.module, self._torch.no_grad())
+        module = self.module
+        modules = list(module.modules()) if hasattr(module, "modules") else []
+        modes = [(m, m.training) for m in modules if isinstance(getattr(m, "training", None), bool)]
+        switch = bool(modes) and callable(getattr(module, "train", None))
+        try:
+            if switch:
+                module.eval()  # eval() is train(False), which a module may override
+            for m, _ in modes:  # and every submodule off, whatever an override did
+                m.training = False
+            with self._torch.no_grad():
+                yield
+        finally:
+            if switch:
+                module.train(modes[0][1])
+            for m, mode in modes:
+                m.training = mode
 
     def infer(self, x: Any) -> Any:
         """Forward only: the module's output for ``x``, computed in eval mode under
@@ -412,41 +429,6 @@ class TorchPart(Part):
         if hasattr(self.module, "state_dict"):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         return {}
-
-
-class _Evaluating:
-    """``TorchPart._evaluating``'s block. A class, not a ``contextlib.contextmanager``: those set
-    the ``__traceback__`` of the exception that leaves their block, which an exception that is a
-    frozen dataclass refuses, and the module's own error became FrozenInstanceError."""
-
-    def __init__(self, module: Any, no_grad: Any) -> None:
-        self.module, self.no_grad = module, no_grad
-        modules = list(module.modules()) if hasattr(module, "modules") else []
-        self.modes = [(m, m.training) for m in modules if isinstance(getattr(m, "training", None), bool)]
-        self.switch = bool(self.modes) and callable(getattr(module, "train", None))
-
-    def __enter__(self) -> None:
-        try:
-            if self.switch:
-                self.module.eval()  # eval() is train(False), which a module may override
-            for m, _ in self.modes:  # and every submodule off, whatever an override did
-                m.training = False
-            self.no_grad.__enter__()
-        except BaseException:
-            self._restore()
-            raise
-
-    def __exit__(self, *exc_info: Any) -> None:
-        try:
-            self.no_grad.__exit__(*exc_info)
-        finally:
-            self._restore()
-
-    def _restore(self) -> None:
-        if self.switch:
-            self.module.train(self.modes[0][1])
-        for m, mode in self.modes:
-            m.training = mode
 
 
 def _matched(out: Any, grad: Any) -> tuple[list[Any], list[Any]]:

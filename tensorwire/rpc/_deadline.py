@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import contextvars
 import math
-from types import TracebackType
+from collections.abc import AsyncIterator, Iterator
 
+from .._blocks import async_block, block
 from .._checks import as_real
 from ..errors import ConfigurationError
 from ._protocol import MAX_DEADLINE
@@ -60,76 +61,35 @@ def _check_seconds(seconds: object, what: str) -> float:
     return value
 
 
-class _Scoped:
-    """Run the block under the deadline ``when``, a scope that closes as the block ends.
-
-    A class, not a ``contextlib.contextmanager``: those set the ``__traceback__`` of an exception
-    that leaves their block, and an exception that is a frozen dataclass refuses that: a served
-    method's own error (or one raised in a ``deadline()`` block) became FrozenInstanceError."""
-
-    __slots__ = ("_scope", "_token")
-
-    def __init__(self, when: float | None, outer: _Scope | None) -> None:
-        self._scope = _Scope(when, outer)
-        self._token: contextvars.Token[_Scope | None] | None = None
-
-    def __enter__(self) -> None:
-        self._token = _DEADLINE.set(self._scope)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._scope.open = False
-        if self._token is not None:
-            _DEADLINE.reset(self._token)
+@block
+def _scoped(when: float | None, outer: _Scope | None) -> Iterator[None]:
+    """Run the block under the deadline ``when``, a scope that closes as the block ends (a
+    ``block``: a served method's own error leaves it as it is)."""
+    scope = _Scope(when, outer)
+    token = _DEADLINE.set(scope)
+    try:
+        yield
+    finally:
+        scope.open = False
+        _DEADLINE.reset(token)
 
 
-def _scoped(when: float | None, outer: _Scope | None) -> _Scoped:
-    return _Scoped(when, outer)
-
-
-class _Deadline:
-    """``deadline(seconds)``: ``asyncio.timeout_at`` inside a scope that calls can see (a class,
-    as ``_Scoped`` is, so that the block's exceptions leave it untouched)."""
-
-    __slots__ = ("_scope", "_seconds", "_timeout")
-
-    def __init__(self, seconds: float) -> None:
-        self._seconds = seconds
-        self._scope: _Scoped | None = None
-        self._timeout: asyncio.Timeout | None = None
-
-    async def __aenter__(self) -> None:
-        seconds = _check_seconds(self._seconds, "deadline")
-        loop = asyncio.get_running_loop()
-        when: float | None = None if seconds > MAX_DEADLINE else loop.time() + seconds
-        outer = _when()
-        if outer is not None:
-            when = outer if when is None else min(when, outer)
-        self._scope = _Scoped(when, _DEADLINE.get())
-        self._scope.__enter__()
-        self._timeout = asyncio.timeout_at(when)
-        try:
-            await self._timeout.__aenter__()
-        except BaseException:
-            self._scope.__exit__(None, None, None)
-            raise
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        assert self._scope is not None and self._timeout is not None
-        try:
-            await self._timeout.__aexit__(exc_type, exc, tb)
-        finally:
-            self._scope.__exit__(None, None, None)
-
-
-def deadline(seconds: float) -> contextlib.AbstractAsyncContextManager[None]:
+@async_block
+async def deadline(seconds: float) -> AsyncIterator[None]:
     """An ``asyncio.timeout(seconds)`` whose remaining time travels with the calls made inside.
 
     Expiry raises the built-in ``TimeoutError`` here, like ``asyncio.timeout``; servers cancel
     the calls that were running for it. Nested deadlines keep the earlier one.
     """
-    return _Deadline(seconds)
+    seconds = _check_seconds(seconds, "deadline")
+    loop = asyncio.get_running_loop()
+    when: float | None = None if seconds > MAX_DEADLINE else loop.time() + seconds
+    outer = _when()
+    if outer is not None:
+        when = outer if when is None else min(when, outer)
+    with _scoped(when, _DEADLINE.get()):
+        async with asyncio.timeout_at(when):
+            yield
 
 
 def current_deadline() -> float | None:

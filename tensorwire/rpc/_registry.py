@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from .._blocks import block
 from .._checks import check_arguments, check_int
 from ..errors import ConfigurationError, fresh
 from ._protocol import safe_text
@@ -367,31 +368,19 @@ _LOAN: contextvars.ContextVar[SlotLoan | None] = contextvars.ContextVar("tensorw
 _ROOM: contextvars.ContextVar[CallerRoom | None] = contextvars.ContextVar("tensorwire_rpc_room", default=None)
 
 
-def serving(loan: SlotLoan | None, room: CallerRoom | None = None) -> _Serving:
+@block
+def serving(loan: SlotLoan | None, room: CallerRoom | None = None) -> Iterator[None]:
     """Run a served method in the block: the calls it makes lend ``loan`` (None: nothing to
     lend), and one at a time to its caller rides on ``room`` until the method ends (None: none)."""
-    return _Serving(loan, room)
-
-
-class _Serving:
-    """``serving``'s block. A class, not a ``contextlib.contextmanager`` (nor is ``_Lending``):
-    those set the ``__traceback__`` of the exception that leaves their block, which an exception
-    that is a frozen dataclass refuses, and the method's own error became FrozenInstanceError."""
-
-    __slots__ = ("_kept", "_loan", "_room", "_token")
-
-    def __init__(self, loan: SlotLoan | None, room: CallerRoom | None = None) -> None:
-        self._loan, self._room = loan, room
-
-    def __enter__(self) -> None:
-        self._token = _LOAN.set(self._loan)
-        self._kept = _ROOM.set(self._room)
-
-    def __exit__(self, *exc_info: object) -> None:
-        _ROOM.reset(self._kept)
-        _LOAN.reset(self._token)
-        if self._room is not None:
-            self._room.close()
+    token = _LOAN.set(loan)
+    kept = _ROOM.set(room)
+    try:
+        yield
+    finally:
+        _ROOM.reset(kept)
+        _LOAN.reset(token)
+        if room is not None:
+            room.close()
 
 
 def call_back_room(channel: object) -> CallerRoom | None:
@@ -401,31 +390,20 @@ def call_back_room(channel: object) -> CallerRoom | None:
     return room if room is not None and room.open and room.channel is channel else None
 
 
-def lending() -> _Lending:
+@block
+def lending() -> Iterator[None]:
     """Around a call made here: if a method being served made it, that method's slot is lent
     until the call ends (``SlotLoan``). Anywhere else, nothing happens."""
-    return _Lending()
-
-
-class _Lending:
-    """``lending``'s block (a class, as ``_Serving`` is, so that the exceptions that leave it
-    are left as they are)."""
-
-    __slots__ = ("_loan",)
-
-    def __enter__(self) -> None:
-        loan = _LOAN.get()
-        self._loan = loan if loan is not None and loan.open else None
-        if self._loan is None:
-            return
-        if self._loan.lent == 0:
-            self._loan.slots.release()
-        self._loan.lent += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        loan = self._loan
-        if loan is None:
-            return
+    loan = _LOAN.get()
+    if loan is None or not loan.open:
+        yield
+        return
+    if loan.lent == 0:
+        loan.slots.release()
+    loan.lent += 1
+    try:
+        yield
+    finally:
         loan.lent -= 1
         if loan.lent == 0 and loan.open:
             loan.slots.take_back()

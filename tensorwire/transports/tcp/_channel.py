@@ -41,7 +41,7 @@ from ...errors import (
     TensorWireError,
     TransferError,
 )
-from ...memory import CopyEngine, Event, StageIn, stage_out, wait_event
+from ...memory import CopyEngine, Event, StageIn, hand_back, stage_out, wait_event
 from ...tensors import DeviceTensor, Outgoing, decode_header, decode_header_sized
 from .. import _frames
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
@@ -982,12 +982,7 @@ class TcpChannel(Channel):
             assert last is not None
             behind = stage.behind_consumer()
         except BaseException:
-            # as ``StageIn.write``: a chunk whose copy was queued may still be read by it, and is
-            # retired; one with nothing queued on it goes back
-            if queued:
-                pool.retire(chunk)
-            else:
-                pool.release(chunk)
+            hand_back(pool, chunk, None, touched=queued)  # a queued copy may still read it (retired)
             raise
         over.last = last
         if behind:  # (as ``StageIn._give_back``, out of the ring's count: ``_Overflow``)
