@@ -309,3 +309,30 @@ async def test_values_arrive_as_their_plain_types_as_the_readme_says(transport: 
                 assert all(np.array_equal(x, y) for x, y in zip(got, obj, strict=True))
             else:
                 assert bool((got == obj).all())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_long_distinct_dict_keys_are_not_kept_after_their_sends(transport: str) -> None:
+    """The sender keeps each str key's encoding for the next message with the same keys (a
+    state dict's names), up to 65,536 keys whatever their length: a dict keyed by a distinct
+    512 KiB text per send kept every key and its encoding, 100 sends 100 MiB, never let go."""
+    import gc
+    import tracemalloc
+    import uuid
+
+    prefix = uuid.uuid4().hex
+    async with connected_pair(transport) as (a, b), asyncio.timeout(20):
+        await a.send({"warm": np.ones(1)}, tag="k")
+        await b.recv(tag="k")
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(100):
+                await a.send({f"{prefix}{i}" + "x" * (512 << 10): np.ones(1)}, tag="k")
+                await b.recv(tag="k")
+            gc.collect()
+            kept = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    assert kept < 16 << 20, f"{kept / 2**20:.0f} MiB kept after the sends"

@@ -61,6 +61,9 @@ _TENSOR_ITEMS = [_ITEM + _ONE_BYTE[2] + _TENSOR + _ONE_BYTE[i] for i in range(12
 _TENSOR_VALUES = [_VALUE + _ONE_BYTE[2] + _TENSOR + _ONE_BYTE[i] for i in range(128)]
 
 _KEY_CACHE_LIMIT = 1 << 16
+# a key longer than this is framed anew each time: a distinct text per send (a prompt as a key)
+# would keep every one, and its encoding, until the cache filled; names are far shorter
+_KEY_CACHE_CHARS = 256
 _key_items: dict[str, bytes] = {}  # a str key's framed node (state-dict keys repeat send after send)
 
 
@@ -181,9 +184,10 @@ def _dict(obj: dict[Any, Any], leaf: Leaf, depth: int) -> bytes:
             item = cached.get(k)
             if item is None:
                 item = _framed(_ITEM, _framed(_STR, _utf8(k)))
-                if len(cached) >= _KEY_CACHE_LIMIT:
-                    cached.clear()
-                cached[k] = item
+                if len(k) <= _KEY_CACHE_CHARS:
+                    if len(cached) >= _KEY_CACHE_LIMIT:
+                        cached.clear()
+                    cached[k] = item
             keys.append(item)
         else:
             keys.append(_framed(_ITEM, _key(k, depth)))
