@@ -334,6 +334,27 @@ async def test_a_torch_tensor_changed_in_place_after_the_call_travels_as_it_was(
 
 
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_strided_array_packed_in_a_thread_travels_with_its_shape_at_the_call(transport: str) -> None:
+    """A strided numpy array of ``OFF_LOOP_BYTES`` or more is packed in a copy thread once the
+    send awaits that copy. The thread packed the caller's own array object, so an array the
+    caller reshaped in place meanwhile (``x.shape = ...``, which numpy allows where no copy is
+    needed) travelled with its new shape: (1024, 2, 512) where the send was called with
+    (2048, 512). The other leaves of such a message were already kept as they were."""
+    base = np.arange(2048 * 1024, dtype=np.float64).reshape(2048, 1024)
+    x = base[:, ::2]  # 4 MiB, strided: packed in a thread
+    want = x.copy()
+    async with connected_pair(transport) as (a, b), asyncio.timeout(30):
+        recv = asyncio.ensure_future(b.recv(tag="m"))
+        with _copy_threads_held():
+            sending = asyncio.ensure_future(a.send({"x": x, "flat": np.ones(2)}, tag="m"))
+            await asyncio.sleep(0)  # (the send was called: the message is its own now)
+            x.shape = (1024, 2, 512)
+        await sending
+        got = await recv
+    assert got["x"].shape == want.shape and np.array_equal(got["x"], want)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
 async def test_a_large_message_with_a_key_no_message_has_fails_its_send_alone(transport: str) -> None:
     """Found in the copy thread, a bad dict key fails that send only: the channel goes on, and
     a send made after it on the same tag still arrives."""

@@ -14,6 +14,7 @@ is made once per description and kept, at either end (``_header``). A message of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import struct
 import sys
@@ -285,6 +286,9 @@ class _Leaves:
                 return place
         view = as_view(obj)
         if self.defer and _packs_on_host(view):
+            if type(obj) is np.ndarray and view.host is obj:  # (the caller's own array, packed
+                # later: a view of it, so that ``obj.shape = ...`` meanwhile is not what travels)
+                view = dataclasses.replace(view, host=obj.view())
             records.append([None, True, view, None])
         else:
             records.append(_wired(view))
