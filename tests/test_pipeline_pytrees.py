@@ -476,3 +476,55 @@ async def test_a_dict_gradient_in_another_key_order_reaches_the_right_leaves() -
     assert got.loss == pytest.approx(float(want.detach()), rel=RTOL)
     for (name, p), q in zip(reference.named_parameters(), module.parameters(), strict=True):
         torch.testing.assert_close(q.detach(), p.detach(), rtol=RTOL, atol=1e-6, msg=name)
+
+
+class _Unwrapping(NumpyLinear):
+    """A numpy layer that takes its input wrapped in tuples and dicts (their first item)."""
+
+    def forward(self, x: Any) -> tuple[Any, Any]:
+        while isinstance(x, (tuple, dict)):
+            x = next(iter(x.values())) if isinstance(x, dict) else x[0]
+        return super().forward(x)
+
+    def backward(self, ctx: Any, grad: Any) -> Any:
+        return None
+
+
+@pytest.mark.timeout(60)
+async def test_a_batch_no_call_could_carry_is_refused_before_any_stage_runs() -> None:
+    """The driver checks the microbatches before any stage starts a step: a stage's call that
+    fails at the driver while the other stages run the step breaks every stage until the next
+    ``Pipeline.connect``. It checked a dict's keys as the items of a list, and a microbatch as
+    a message of its own, not three levels deep in its stage's call: a dict batch keyed by a
+    tuple or a numpy number, or one nested 30 deep, failed at the driver (UnsupportedTensorError)
+    and every later step raised BrokenResourceError. Now each is refused up front, and the
+    pipeline goes on; 29 deep still travels."""
+    from tensorwire.tensors._tree import MAX_DEPTH
+
+    rng = np.random.default_rng(3)
+    parts = [
+        pipeline.FunctionPart(_Unwrapping(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    y = rng.standard_normal((6, 2)).astype(np.float32)
+
+    def nested(levels: int) -> Any:
+        batch: Any = x
+        for _ in range(levels):
+            batch = (batch,)
+        return batch
+
+    refused = [
+        ({(0, 1): x}, "dict key of type tuple"),
+        ({np.float64(0.5): x}, "dict key of type float64"),
+        (nested(MAX_DEPTH - 2), "pytree is nested deeper"),
+    ]
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            for batch, why in refused:
+                refusal = f"microbatch 0 cannot be sent to stage 0: {why}"
+                with pytest.raises(tensorwire.UnsupportedTensorError, match=refusal):
+                    await pipe.step(batch, y, microbatches=2)
+                assert (await pipe.step(x, y, microbatches=2)).loss > 0
+            assert (await pipe.step(nested(MAX_DEPTH - 3), y, microbatches=2)).loss > 0

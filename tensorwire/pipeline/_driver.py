@@ -52,7 +52,7 @@ from ..errors import (
 )
 from ..rpc import current_deadline
 from ..rpc._deadline import served_under
-from ..tensors import as_view, is_tensor, prepare
+from ..tensors import wire_nbytes
 from ._batch import join, num_samples, split
 from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, _check_sizes, make_schedule
 from ._stage import ticket_key
@@ -706,18 +706,16 @@ def _dropped_unclosed(shown: str, loop: asyncio.AbstractEventLoop, peers: tuple[
     warnings.warn(f"unclosed {shown}: use 'async with' or aclose()", ResourceWarning, stacklevel=1)
 
 
+# a microbatch's depth in its stage's call: the call's message (meta, name, args, kwargs), its
+# args, and their list of microbatches hold it
+_MICROBATCH_DEPTH = 3
+
+
 def _nbytes(obj: Any) -> int:
-    """The tensor bytes a microbatch puts on the wire, every leaf of a tuple or dict counted: a
-    tensor by its view (no copy, no device work), anything else (a list of labels) as the wire
-    would carry it."""
-    if is_tensor(obj):
-        return as_view(obj).nbytes
-    if isinstance(obj, tuple):
-        return sum(_nbytes(v) for v in obj)
-    if isinstance(obj, dict):
-        prepare(list(obj))  # the keys must be ones the wire carries
-        return sum(_nbytes(v) for v in obj.values())
-    return prepare(obj).nbytes
+    """The tensor bytes a microbatch puts on the wire, every leaf counted by its view (no copy,
+    no device work), checked as its stage's call will flatten it: its dict keys as keys, and
+    its depth in that call."""
+    return wire_nbytes(obj, _MICROBATCH_DEPTH)
 
 
 def _never_ran(error: BaseException | None) -> bool:

@@ -11,6 +11,7 @@ from ._message import (
     prepare,
     prepare_off_loop,
     rebuild,
+    wire_nbytes,
     with_scalars,
 )
 from ._view import TensorView, as_view, byte_view, is_tensor
@@ -31,6 +32,7 @@ __all__ = [
     "dtype_name",
     "is_tensor",
     "match_out",
+    "wire_nbytes",
     "with_scalars",
     "parse_device",
     "prepare",

@@ -66,6 +66,7 @@ __all__ = [
     "prepare",
     "prepare_off_loop",
     "rebuild",
+    "wire_nbytes",
     "with_scalars",
 ]
 
@@ -232,14 +233,24 @@ def _renumber(dst: wire_pb2.TreeNode, src: wire_pb2.TreeNode, lower: int) -> Non
         node.tensor -= lower
 
 
-def _flatten(obj: object, views: list[TensorView]) -> bytes:
-    """``obj``'s tree, encoded, and its tensor leaves as views (appended to ``views``)."""
+def _flatten(obj: object, views: list[TensorView], depth: int = 0) -> bytes:
+    """``obj``'s tree, encoded (as ``depth`` levels deep in a message), and its tensor leaves as
+    views (appended to ``views``)."""
 
     def leaf(tensor: object) -> int:
         views.append(as_view(tensor))
         return len(views) - 1
 
-    return encode(obj, leaf)
+    return encode(obj, leaf, depth)
+
+
+def wire_nbytes(obj: object, depth: int = 0) -> int:
+    """The tensor bytes ``obj`` puts on the wire as a part of a message, ``depth`` levels deep
+    in it (an item of a call's arguments), checked as flattening that message checks it (its
+    dict keys, scalars and depth: UnsupportedTensorError), with nothing packed or copied."""
+    views: list[TensorView] = []
+    _flatten(obj, views, depth)
+    return sum(v.nbytes for v in views)
 
 
 class _Leaves:
