@@ -336,3 +336,33 @@ async def test_long_distinct_dict_keys_are_not_kept_after_their_sends(transport:
         finally:
             tracemalloc.stop()
     assert kept < 16 << 20, f"{kept / 2**20:.0f} MiB kept after the sends"
+
+
+def test_long_specs_a_peer_sends_are_not_kept_after_their_messages() -> None:
+    """A receiver keeps each spec it checked, by its bytes, for the next header that repeats it
+    (8,192 of them), whatever their length: a peer naming a distinct long framework in each
+    message's spec (the receiver takes any name) made it keep every spec twice over (its bytes
+    and its Spec), 96 messages of a 256 KiB name 48 MiB, never let go."""
+    import gc
+    import tracemalloc
+    import uuid
+
+    from tensorwire.control._pb import wire_pb2
+
+    prefix = uuid.uuid4().hex
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(96):
+            header = wire_pb2.MessageHeader()
+            header.tensors.add(dtype="float32", shape=[1], nbytes=4, framework=f"{prefix}{i}" + "x" * (256 << 10))
+            header.tree.tensor = 0
+            _, specs = decode_header(header.SerializeToString(), max_message_bytes=1 << 20)
+            assert specs[0].shape == (1,)
+            del header, specs
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 16 << 20, f"{kept / 2**20:.0f} MiB kept after the messages"

@@ -189,7 +189,11 @@ _DECODED_BYTES = 4 << 20
 _decode_cache: dict[bytes, tuple[wire_pb2.TreeNode, list[Spec], int]] = {}
 _decoded_held = 0
 _plans: dict[int, tuple[wire_pb2.TreeNode, Plan]] = {}
-# A received spec's bytes -> its Spec, checked (a spec is its own bytes wherever it is).
+# A received spec's bytes -> its Spec, checked (a spec is its own bytes wherever it is). Only
+# specs of at most _KEPT_SPEC_BYTES are kept: every spec we write is shorter (64 dimensions of
+# 10-byte shapes and strides, and short names), while a peer may name any framework, a new long
+# one in each message, which kept 8,192 of them would hold gigabytes.
+_KEPT_SPEC_BYTES = 2048
 _received_specs: dict[bytes, Spec] = {}
 
 
@@ -238,10 +242,12 @@ def _decode_header(data: bytes, max_message_bytes: int) -> tuple[wire_pb2.TreeNo
         elif parts is None:
             spec = _received_spec(t)  # type: ignore[arg-type]  # (a TensorSpec)
         else:  # checked once per description, like a header's specs are kept once
-            spec = known.get(parts[0][i]) or _received_spec(t)  # type: ignore[arg-type]
-            if len(known) >= _SPEC_LIMIT:
-                known.clear()
-            known[parts[0][i]] = spec
+            item = parts[0][i]
+            spec = known.get(item) or _received_spec(t)  # type: ignore[arg-type]
+            if len(item) <= _KEPT_SPEC_BYTES:  # (a longer one, a peer's long name, is never kept)
+                if len(known) >= _SPEC_LIMIT:
+                    known.clear()
+                known[item] = spec
         total += spec.nbytes
         if total > max_message_bytes:
             raise ProtocolError(f"message claims more than the {max_message_bytes}-byte limit")
