@@ -366,3 +366,27 @@ def test_long_specs_a_peer_sends_are_not_kept_after_their_messages() -> None:
     finally:
         tracemalloc.stop()
     assert kept < 16 << 20, f"{kept / 2**20:.0f} MiB kept after the messages"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_result_that_does_not_fit_out_is_named_by_the_places_of_the_callers_out(transport: str) -> None:
+    """A call's result lands in ``_out`` through a recv into ``(RESULT, _out)``, and the misfit
+    was named by the place in that wrapper: ``_out=[x]`` for a dict result said "out=[1] is a
+    list where the message has a dict", a place the caller's ``_out`` does not have."""
+    async with connected_pair(transport) as (a, b), asyncio.timeout(20):
+
+        @b.node.method("kv")
+        async def kv() -> dict[str, Any]:
+            return {"k": np.ones(2), "v": np.zeros(2)}
+
+        misfits = [
+            ([np.empty(2)], "_out= is a list where the message has a dict"),
+            ({"v": np.empty(2), "k": np.empty(2)}, "_out= has the keys ['v', 'k'] where the message has ['k', 'v']"),
+            ({"k": np.empty(2), "v": [np.empty(2)]}, "_out=['v'] is a list where the message has a tensor"),
+        ]
+        for out, said in misfits:
+            with pytest.raises(tensorwire.ShapeMismatchError) as info:
+                await a.call("kv", _out=out)
+            assert f"(it was dropped): {said}" in str(info.value), str(info.value)
+        got = await a.call("kv", _out={"k": np.empty(2), "v": np.empty(2)})
+        assert np.array_equal(got["k"], np.ones(2))

@@ -643,12 +643,22 @@ async def _reply_into(
             _gone(channel, tag, progress)
             raise ShapeMismatchError(
                 f"{name}'s result does not fit _out= (it was dropped: there was no memory here to take it "
-                f"without _out= either): {exc}"
+                f"without _out= either): {_misfit(exc)}"
             ) from lost
         _terminal(msg, progress, name, where)
-        raise ShapeMismatchError(f"{name}'s result does not fit _out= (it was dropped): {exc}") from None
+        raise ShapeMismatchError(f"{name}'s result does not fit _out= (it was dropped): {_misfit(exc)}") from None
     progress.finished = True
     return out, came
+
+
+_IN_REPLY = "out=[1]"  # (where the recv's out= ``(RESULT, out)`` holds the caller's _out)
+
+
+def _misfit(exc: ShapeMismatchError) -> str:
+    """The recv's account of a result that does not fit, with its places named as the caller's
+    ``_out`` has them, not as the ``(RESULT, _out)`` the reply was received into."""
+    text = str(exc)
+    return "_out=" + text[len(_IN_REPLY) :] if text.startswith(_IN_REPLY) else text
 
 
 def _gone(channel: Channel, tag: int, progress: _Progress) -> None:
