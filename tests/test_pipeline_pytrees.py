@@ -517,7 +517,7 @@ async def test_a_batch_no_call_could_carry_is_refused_before_any_stage_runs() ->
 
     refused = [
         ({(0, 1): x}, "dict key of type tuple"),
-        ({np.float64(0.5): x}, "dict key of type float64"),
+        ({np.float64(0.5): x}, "dict key of type numpy.float64"),
         (nested(MAX_DEPTH - 2), "pytree is nested deeper"),
     ]
     async with stages(parts) as (addresses, driver):

@@ -390,3 +390,14 @@ async def test_a_result_that_does_not_fit_out_is_named_by_the_places_of_the_call
             assert f"(it was dropped): {said}" in str(info.value), str(info.value)
         got = await a.call("kv", _out={"k": np.empty(2), "v": np.empty(2)})
         assert np.array_equal(got["k"], np.ones(2))
+
+
+def test_a_numpy_bool_key_is_refused_as_numpys_not_as_bool() -> None:
+    """A numpy scalar as a dict key is refused (it travels as a tensor), by its type's name:
+    np.True_'s is "bool", so the refusal read "dict key of type bool is not supported", where
+    Python's bools are keys a message carries."""
+    with pytest.raises(tensorwire.UnsupportedTensorError) as info:
+        prepare({np.True_: 1})
+    said = str(info.value)
+    assert "numpy.bool" in said and "bool(k)" in said and "None, bool, int, float, str or bytes" in said, said
+    assert prepare({True: 1}).specs == []

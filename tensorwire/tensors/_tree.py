@@ -205,7 +205,12 @@ def _key(k: object, depth: int) -> bytes:
     if k is not None and (
         not isinstance(k, _SCALARS) or (isinstance(k, np.generic) and not isinstance(k, (str, bytes)))
     ):
-        raise UnsupportedTensorError(f"dict key of type {type(k).__name__} is not supported")
+        numpy = isinstance(k, np.generic)  # (np.True_'s type is named "bool": "numpy.bool" says whose)
+        raise UnsupportedTensorError(
+            f"dict key of type {'numpy.' * numpy}{type(k).__name__} is not supported: a key is None, bool, int, "
+            "float, str or bytes"
+            + (" (a numpy scalar travels as a 0-d tensor: key by int(k), float(k) or bool(k))" if numpy else "")
+        )
     return encode(k, _no_tensor, depth + 1)
 
 
