@@ -15,7 +15,7 @@ from ._leases import Renewals, plan_goodbye, renewals_for, send_goodbye
 from ._loops import check_home, closed_by_hand, elsewhere, running_loop
 from ._onesided import RemoteHandle, check_handle_name
 from .control._auth import heartbeat_proof, lookup_proof
-from .control._client import ControlClient, NodeClosing, SessionLost
+from .control._client import ControlClient, NodeClosing, SessionLost, nothing_listens
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -474,6 +474,13 @@ class Peer:
                 # not read its close yet (it fails on its own once it does; failing it here could
                 # drop messages still on their way)
                 raise PeerDisconnected(f"{self.remote_address} went away during the lookup: {exc}") from exc
+            if type(exc) is ControlPlaneError and await nothing_listens(self._control_address, 1.0):
+                # nothing listens where its control plane did: its node is gone (a process
+                # killed, whose channel has not noticed yet: over ucx only the lease tells)
+                raise PeerDisconnected(
+                    f"{self.remote_address} went away: nothing listens at its control plane "
+                    f"({self._control_address}) any more"
+                ) from exc
             raise
         handle = RemoteHandle(
             resp.name,

@@ -117,3 +117,42 @@ async def test_an_owner_lets_go_of_an_unexposed_tensor_a_closed_readers_get_was_
         if child.returncode is None:
             child.kill()
             await child.wait()
+
+
+_EXPOSER = """
+import asyncio, sys, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start(transports=("ucx",)) as n:
+        x = np.arange(1000.0)
+        n.expose(x, name="x")
+        await n.connect(sys.argv[1])
+        await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(30)
+async def test_a_lookup_on_a_killed_ucx_peer_is_peer_disconnected() -> None:
+    """Over ucx a SIGKILLed peer's channel stays open until the lease runs out (UCX runs without
+    its peer error handling), and its reads and sends already fail with PeerDisconnected. A
+    lookup went to the dead node's control plane, was refused, and raised a bare
+    ControlPlaneError ("cannot reach a tensorwire node"), as if the peer lived and only its
+    control plane were unreachable."""
+    async with tensorwire.start(transports=("ucx",)) as node:
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", _EXPOSER, node.address)
+        try:
+            async with asyncio.timeout(15):
+                peer = await node.accept()
+            h = await peer.lookup("x")
+            child.kill()
+            await child.wait()
+            assert not peer.closed  # the lease has not run out yet: the channel knows nothing
+            with pytest.raises(tensorwire.PeerDisconnected):
+                await peer.lookup("x")
+            with pytest.raises(tensorwire.PeerDisconnected):
+                await peer.read(h)
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
