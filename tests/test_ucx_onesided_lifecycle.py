@@ -156,3 +156,35 @@ async def test_a_lookup_on_a_killed_ucx_peer_is_peer_disconnected() -> None:
             if child.returncode is None:
                 child.kill()
                 await child.wait()
+
+
+@pytest.mark.timeout(40)
+async def test_an_emulated_read_under_way_when_its_owner_closes_ends_with_the_goodbye() -> None:
+    """Over UCX's tcp lanes a get is served by the owner's worker. The owner's node closes while
+    a large read from it is under way: it says goodbye (Leave), its BYE on the data connection
+    waits behind the get's answer and is dropped with the endpoint, and its worker is destroyed,
+    so the get never completes. The goodbye ended nothing over ucx: the read waited for the whole
+    lease (here 20 s) and then its landing grace, and failed with "did not answer lease
+    renewals". Now a read left unserved after the goodbye fails with it, within the grace."""
+    options = {"transports": ("ucx",), "ucx_options": {"TLS": "tcp"}, "lease_seconds": 20.0}
+    async with tensorwire.start(**options) as owner:  # type: ignore[arg-type]
+        reader = await tensorwire.start(**options)  # type: ignore[arg-type]
+        try:
+            peer = await reader.connect(owner.address)
+            await owner.accept()
+            x = np.ones(512 << 20, np.uint8)
+            owner.expose(x, name="x")
+            h = await peer.lookup("x")
+            assert h.direct and not peer.channel.one_sided_direct  # type: ignore[attr-defined]
+            out = np.zeros(512 << 20, np.uint8)  # (pages never touched: the get lands slowest)
+            read = asyncio.ensure_future(peer.read(h, out=out))
+            await asyncio.sleep(0.1)
+            if read.done():
+                pytest.skip("the read ended before the owner closed")
+            await owner.aclose()
+            async with asyncio.timeout(10):  # half the lease
+                (got,) = await asyncio.gather(read, return_exceptions=True)
+            assert isinstance(got, tensorwire.PeerDisconnected), repr(got)
+            assert "lease" not in str(got), got
+        finally:
+            await reader.aclose()

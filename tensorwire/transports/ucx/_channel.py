@@ -1514,6 +1514,12 @@ class UcxChannel(Channel):
         super()._ending(exc)
         if self.state is ChannelState.OPEN:  # (our own close fails them with its own error)
             fail_waiting_sends(self._window, self._cts, exc)
+            if self._rma_futs and not self.one_sided_direct:
+                # over lanes that emulate gets and puts the peer's worker serves them, and it is
+                # going with its node; its BYE may wait behind a get's answer and be dropped
+                # with its endpoint. Those it has not served within the grace fail as at a
+                # shutdown, saying the memory may still be written (they waited for the lease)
+                self._loop.call_later(_LANDING_GRACE, self._fail_one_sided, list(self._rma_futs), exc)
 
     def _shutdown(self, state: ChannelState, exc: BaseException) -> None:
         if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
