@@ -186,6 +186,30 @@ async def test_a_microbatch_count_no_batch_fits_is_refused_before_a_schedule_is_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["step", "evaluate"])
+async def test_targets_of_another_sample_count_are_named_whatever_the_microbatch_count(call: str) -> None:
+    # the old driver split the targets before it compared the counts: 6 inputs and 2 targets in
+    # 3 microbatches said "a batch of 2 cannot be split into 3 microbatches" (the batch is 6),
+    # and in 2 microbatches "inputs have 6 samples but targets 2"
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x, y = rng.standard_normal((6, 4)).astype(np.float32), np.zeros((6, 2), np.float32)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            run = getattr(pipe, call)
+            cases = [(x, y[:2], 6, 2), (x[:2], y, 2, 6), (x, (y[:2], y[:2]), 6, 2), ((x[:2],), {"y": y}, 2, 6)]
+            for inputs, targets, n_in, n_targets in cases:
+                for m in (2, 3):
+                    with pytest.raises(tensorwire.ShapeMismatchError) as err:
+                        await run(inputs, targets, microbatches=m)
+                    assert f"inputs have {n_in} samples but targets {n_targets}" in str(err.value), (m, err.value)
+            await pipe.step(x, y, microbatches=3)  # refused before any stage ran: nothing broke
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 async def test_no_gradient_through_a_stage_leaves_the_earlier_ones_untouched(schedule: str) -> None:
     # In one process stage 0's parameters get no gradient (None), so SGD with weight decay and

@@ -420,6 +420,11 @@ class Pipeline:
         # could be split into (10**6 for 64 samples, say) would hold the loop for minutes
         _check_sizes(self.num_stages, microbatches)  # a count that is no count: ScheduleError, as ever
         self._check_keywords(inputs)
+        # the counts before the split: split first, 6 inputs and 2 targets in 3 microbatches said
+        # only "a batch of 2 cannot be split into 3 microbatches"
+        n_inputs, n_targets = num_samples(inputs), num_samples(targets)
+        if n_inputs is not None and n_targets is not None and n_inputs != n_targets:
+            raise ShapeMismatchError(f"inputs have {n_inputs} samples but targets {n_targets}")
         xs, ys = split(inputs, microbatches), split(targets, microbatches)
         sizes = [num_samples(x) or 0 for x in xs]
         if sizes != [num_samples(y) or 0 for y in ys]:
