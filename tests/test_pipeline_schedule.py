@@ -275,6 +275,25 @@ def test_numpy_integers_are_counts() -> None:
         gpipe(2, np.bool_(True))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "needle"),
+    [
+        (gpipe(2, 2), "2", 2, "num_stages must be a positive int, not '2'"),
+        (gpipe(2, 2), 2, 2.0, "num_microbatches must be a positive int, not 2.0"),
+        (gpipe(1, 1), True, 1, "num_stages must be a positive int, not True"),
+        ([["F0", "B0"], ["F0", "B0"]], 2.0, 1, "num_stages must be a positive int, not 2.0"),
+    ],
+    ids=["Schedule-p-str", "Schedule-m-float", "Schedule-p-bool", "lists-p-float"],
+)
+def test_make_schedule_checks_the_sizes_it_is_given_with_a_schedule(schedule: Any, p: Any, m: Any, needle: str) -> None:
+    # with a Schedule or per-stage lists, the old make_schedule only compared the sizes: p="2"
+    # said "schedule 'gpipe' is for p=2, m=2; this step has p=2, m=2", and True or 2.0 passed
+    # (True == 1, 2.0 == 2), as a name's generator refuses them
+    with pytest.raises(ScheduleError) as err:
+        make_schedule(schedule, p, m)
+    assert needle in str(err.value), err.value
+
+
 def _valid(sched: Schedule, max_unexpected: int) -> bool:
     try:
         sched.validate(max_unexpected=max_unexpected)

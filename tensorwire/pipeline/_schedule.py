@@ -489,6 +489,9 @@ def make_schedule(
     one list of actions per stage (``max_unexpected``: as in ``Schedule.validate``).
     ``forward_only``: for a step without backwards, which runs the schedule's forwards alone;
     otherwise a forward-only schedule is refused (a training step needs its backwards)."""
+    # the sizes first, whatever the schedule: a Schedule's were only compared with them, so
+    # p="2" was "for p=2 ...; this step has p=2" and True or 2.0 passed for 1 or 2
+    num_stages, num_microbatches = _check_sizes(num_stages, num_microbatches)
     if isinstance(schedule, str):
         sched = get_schedule(schedule)(num_stages, num_microbatches)
     elif isinstance(schedule, Schedule):
