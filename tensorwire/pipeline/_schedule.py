@@ -231,6 +231,9 @@ class Schedule:
         pos = [0] * p
         rows: list[list[Action | None]] = []
         links = _Links(_limits(max_unexpected, p), {}, {}, {})
+        # each stage's actions as a set: whether a stage runs an action at all is asked at every
+        # step a stage waits, and a scan of its row made the play quadratic in m
+        runs = [frozenset(acts) for acts in self.stages]
         while True:
             row: list[Action | None] = [None] * p
             stuck: dict[int, str] = {}
@@ -238,7 +241,7 @@ class Schedule:
                 if pos[s] >= len(self.stages[s]):
                     continue
                 action = self.stages[s][pos[s]]
-                why = self._blocked(s, action, done, pos, links)
+                why = self._blocked(s, action, done, pos, links, runs)
                 if why is None:
                     row[s] = action
                 else:
@@ -261,8 +264,10 @@ class Schedule:
                     missing[s] = lack
         return _Play(rows, stuck, missing)
 
-    def _blocked(self, s: int, a: Action, done: dict[_Key, int], pos: list[int], links: _Links) -> str | None:
-        """Why stage ``s`` cannot run ``a`` now (None: it can)."""
+    def _blocked(
+        self, s: int, a: Action, done: dict[_Key, int], pos: list[int], links: _Links, runs: list[frozenset[Action]]
+    ) -> str | None:
+        """Why stage ``s`` cannot run ``a`` now (None: it can); ``runs``: each stage's actions."""
         p, m, i = self.num_stages, self.num_microbatches, a.microbatch
         if i >= m:
             return f"{a} names microbatch {i}, but the schedule has {m} (0..{m - 1})"
@@ -271,7 +276,8 @@ class Schedule:
         if a.kind is Kind.BACKWARD and self.forward_only:
             return f"{a} is a backward, and this schedule is forward-only"
         if a.kind is Kind.BACKWARD and (s, Kind.FORWARD, i) not in done:
-            later = F(i) in self.stages[s][pos[s] :]
+            # every action before pos[s] has run, so an F(i) that did not run is still to come, if any
+            later = F(i) in runs[s]
             return f"{a} comes before F{i} on stage {s}" if later else f"{a} but stage {s} never runs F{i}"
         n = s - 1 if a.kind is Kind.FORWARD else s + 1
         need = "activation" if a.kind is Kind.FORWARD else "gradient"
@@ -287,7 +293,7 @@ class Schedule:
                 f"unreceived messages from a neighbour (Limits.max_unexpected)"
             )
         there = pos[n] < len(self.stages[n])
-        if a not in self.stages[n]:
+        if a not in runs[n]:
             state = "which it never runs"
         elif there:
             state = f"which is stuck at {self.stages[n][pos[n]]}"
