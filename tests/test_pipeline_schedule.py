@@ -261,6 +261,18 @@ def test_one_string_per_stage_is_explained() -> None:
     assert "Schedule.parse" in str(err.value)
 
 
+@pytest.mark.parametrize("text", [str(gpipe(2, 2)), "F0 F1 B0 B1", "stage 0: F0 B0"])
+def test_a_schedule_written_out_as_text_is_pointed_to_schedule_parse(text: str) -> None:
+    # the old error took the text for a misspelt name: "no schedule named 'stage 0: F0 F1 B0 B1\nstage 1:
+    # ...'; known: gpipe, 1f1b", though it is what str(schedule) prints and Schedule.parse reads
+    with pytest.raises(ScheduleError) as err:
+        make_schedule(text, 2, 2)
+    assert "Schedule.parse" in str(err.value), err.value
+    with pytest.raises(ScheduleError) as err:
+        make_schedule("interleaved", 2, 2)  # a name is still only a name
+    assert "Schedule.parse" not in str(err.value) and "known: gpipe, 1f1b" in str(err.value)
+
+
 def test_numpy_integers_are_counts() -> None:
     # from a numpy config array, say: np.int64 is an integer like any other (bools are not)
     p, m = np.int64(2), np.int64(4)

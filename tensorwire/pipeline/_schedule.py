@@ -479,7 +479,11 @@ def get_schedule(name: str) -> Callable[[int, int], Schedule]:
     try:
         return SCHEDULES[key]
     except (KeyError, TypeError):
-        raise ScheduleError(f"no schedule named {name!r}; known: {', '.join(SCHEDULES)}") from None
+        hint = ""
+        if isinstance(name, str) and any(_ACTION.fullmatch(tok) for tok in name.replace(":", " ").split()):
+            # actions written out, as str(schedule) prints them: not a name misspelt
+            hint = " (a schedule written out as text, one line of actions per stage, is read by Schedule.parse(text))"
+        raise ScheduleError(f"no schedule named {name!r}; known: {', '.join(SCHEDULES)}{hint}") from None
 
 
 @check_arguments
