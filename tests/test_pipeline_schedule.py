@@ -273,6 +273,26 @@ def test_a_schedule_written_out_as_text_is_pointed_to_schedule_parse(text: str) 
     assert "Schedule.parse" not in str(err.value) and "known: gpipe, 1f1b" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("schedule", "needle"),
+    [
+        (b"1f1b", "a schedule is a name (gpipe, 1f1b), a Schedule, or one list of actions per stage, not b'1f1b'"),
+        (bytearray(b"gpipe"), "not bytearray(b'gpipe')"),
+        ([b"F0 B0", b"F0 B0"], "stage 0's actions must be a list of actions such as 'F0', not b'F0 B0'"),
+    ],
+    ids=["bytes", "bytearray", "bytes-per-stage"],
+)
+def test_a_schedule_in_bytes_is_named_as_given(schedule: Any, needle: str) -> None:
+    # bytes were iterated as ints: "stage 0's actions must be a list of actions such as 'F0', not 49"
+    # for b"1f1b", "an action is a string such as 'F0' or 'B3', not 70" for [b"F0 B0", ...]
+    with pytest.raises(ScheduleError) as err:
+        make_schedule(schedule, 2, 1)
+    assert needle in str(err.value), err.value
+    with pytest.raises(ScheduleError) as err:
+        Schedule("x", 1, schedule)  # "stage 0's actions must be ..., not 49" (or 70)
+    assert repr(schedule[0] if isinstance(schedule, list) else schedule) in str(err.value), err.value
+
+
 def test_numpy_integers_are_counts() -> None:
     # from a numpy config array, say: np.int64 is an integer like any other (bools are not)
     p, m = np.int64(2), np.int64(4)

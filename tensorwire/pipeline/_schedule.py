@@ -143,11 +143,11 @@ class Schedule:
         if m is None:
             raise ScheduleError(f"num_microbatches must be an int, not {self.num_microbatches!r}")
         object.__setattr__(self, "num_microbatches", m)
-        if isinstance(self.stages, str) or not isinstance(self.stages, Iterable):
+        if isinstance(self.stages, (str, bytes, bytearray)) or not isinstance(self.stages, Iterable):
             raise ScheduleError(f"a Schedule's stages are one tuple of Actions per stage, not {self.stages!r}")
         stages = []
         for s, acts in enumerate(self.stages):
-            if isinstance(acts, str) or not isinstance(acts, Iterable):
+            if isinstance(acts, (str, bytes, bytearray)) or not isinstance(acts, Iterable):
                 raise ScheduleError(f"stage {s}'s actions must be a tuple of Actions, not {acts!r}")
             row = tuple(acts)
             bad = next((a for a in row if not isinstance(a, Action)), None)
@@ -207,7 +207,8 @@ class Schedule:
         cls, stages: Iterable[Iterable[Action | str]], num_microbatches: int, name: str = "custom"
     ) -> Schedule:
         """One list of actions (``Action`` or ``"F0"``) per stage, in stage order."""
-        if isinstance(stages, str) or not isinstance(stages, Iterable):
+        # (bytes are iterable too, as ints: b"1f1b" read as stage 0's actions 49, 102, ...)
+        if isinstance(stages, (str, bytes, bytearray)) or not isinstance(stages, Iterable):
             raise ScheduleError(
                 f"a schedule is a name ({', '.join(SCHEDULES)}), a Schedule, or one list of actions per "
                 f"stage, not {stages!r}"
@@ -219,7 +220,7 @@ class Schedule:
                     f"stage {s}'s actions are one string, {acts!r}: give a list per stage "
                     f"({acts.split()!r}), or pass the one-line-per-stage text to Schedule.parse"
                 )
-            if not isinstance(acts, Iterable):
+            if isinstance(acts, (bytes, bytearray)) or not isinstance(acts, Iterable):
                 raise ScheduleError(f"stage {s}'s actions must be a list of actions such as 'F0', not {acts!r}")
             rows.append(tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts))
         return cls(name, num_microbatches, tuple(rows))
