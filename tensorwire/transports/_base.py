@@ -149,7 +149,8 @@ class Receipt:
         recv's memory, and labels the message by where most went. The header read takes up to
         16 KiB of payload along and a rest under 64 KiB goes through that buffer too: up to
         about 80 KiB none lands in place; above, the copied head is 17% of 96 KiB, 6% of
-        256 KiB, 1.5% of 1 MiB).
+        256 KiB, 1.5% of 1 MiB; nor a message that a recv cancelled after most of its payload
+        had landed in its out= gave back: those bytes were copied from there into ours).
     staged: bytes passed through a tensorwire buffer (received before the recv was posted).
     packed: the bytes went from a copy tensorwire made: a non-contiguous tensor packed into C
         order, or a torch view with the conj or neg bit resolved (never ``direct`` then).

@@ -174,10 +174,13 @@ class Arrival:
         self._starts: list[int] = []  # the first byte of each _flat entry
         self.landing: Landing | None = None  # device copies queued for this message
         self.staged = False  # device bytes went through host staging chunks
-        # the transport copied the payload out of a buffer of its own on its way to ``dest``:
-        # bytes that rode with the header ("inline"), a tcp payload mostly taken from its read-ahead
+        # the payload was copied on its way to ``dest``: bytes that rode with the header
+        # ("inline"), a tcp payload mostly taken from its read-ahead, or mostly out of the out= of
+        # a recv cancelled as they landed there
         self.copied = protocol == "inline"
-        self.copied_bytes = 0  # (tcp) payload bytes copied out of the read-ahead buffer so far
+        # payload bytes copied so far out of tcp's read-ahead buffer, or out of the out= of a recv
+        # cancelled as they landed there (``detach``)
+        self.copied_bytes = 0
         # why the payload lands in scratch memory and is dropped (no memory for it here): the
         # message fails as it completes (``complete``), and its recv raises this
         self.lost: TransferError | None = None
@@ -313,6 +316,8 @@ class Arrival:
             self._flat = None
             return None
         landed = self.nbytes if self.done.done() else self.landed
+        # what landed there reaches the recv that takes the message through a copy of ours
+        self._copied_aside(self.written if landed is None else landed)
         if landed is not None and all(isinstance(d, np.ndarray) for d in self.dest):
             return self._move(landed)
         old = self.dest
@@ -354,6 +359,14 @@ class Arrival:
         self.direct = False
         self._flat = None
         return None
+
+    def _copied_aside(self, n: int) -> None:
+        """``n`` payload bytes that had landed in a cancelled recv's out= go to the recv that
+        takes the message through a copy into buffers of ours: counted as copied (``copied``,
+        not direct, once most of the payload went that way, as tcp counts its read-ahead)."""
+        if n:
+            self.copied_bytes += n
+            self.copied = self.copied or 2 * self.copied_bytes > self.nbytes
 
     def _to_host(self, landed: int) -> asyncio.Future[None] | None:
         """``detach`` where the device has no memory for buffers of ours: the message is kept in
