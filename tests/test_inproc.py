@@ -11,8 +11,10 @@ import pytest
 import tensorwire
 from tensorwire.errors import PeerDisconnected
 from tensorwire.memory import HostEngine
+from tensorwire.metrics import snapshot
 from tensorwire.tensors import EngineArray
 from tensorwire.testing import busy_stream, connected_pair
+from tensorwire.testing._conformance import _counted, _labels
 from tensorwire.transports import inproc
 
 MiB = 1 << 20
@@ -183,3 +185,39 @@ async def test_an_out_that_is_the_memory_being_sent_gets_the_values_sent(protoco
         assert got is out and sent.protocol == receipt.protocol == protocol
         for landed, expected in zip(out, want, strict=True):
             np.testing.assert_array_equal(landed, expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("protocol", ["eager", "rendezvous"])
+@pytest.mark.parametrize("layout", ["swapped", "shifted"])
+async def test_receipts_of_a_payload_copied_aside_from_its_out_do_not_say_direct(protocol: str, layout: str) -> None:
+    """The payload of a send whose recv's out= is the memory being sent is copied aside first
+    (above), and lands from that copy of tensorwire's: neither end's receipt, nor the metrics,
+    may say ``direct`` (no copy of tensorwire's between the tensor and the wire). Both said
+    direct, as for a payload copied straight from the sent tensor into out=."""
+    n = 400_000
+    limits = tensorwire.Limits(recv_buffer_bytes=64 * MiB if protocol == "eager" else MiB)
+    async with connected_pair("inproc", limits=limits) as (a, b), asyncio.timeout(30):
+        x, y = np.arange(n, dtype=np.float64), -np.arange(n, dtype=np.float64)
+        if layout == "swapped":
+            src, out = [x, y], [y, x]
+        else:
+            buf = np.arange(n + 1, dtype=np.float64)
+            src, out = [buf[:-1]], [buf[1:]]
+        recv = asyncio.ensure_future(b.recv_with_receipt(tag="t", out=out))
+        await asyncio.sleep(0.01)  # posted: the payload is copied straight into out=
+        before = snapshot()
+        sent = await a.send(src, tag="t")
+        _, received = await recv
+        after = snapshot()
+    assert sent.protocol == received.protocol == protocol
+    assert not sent.direct and not received.direct, (sent, received)
+    for op, r in (("send", sent), ("recv", received)):
+        assert _counted(before, after, op) == {_labels(r, "messages"): (1, r.nbytes)}, op
+    # a send to an out= of other memory stays direct at both ends
+    async with connected_pair("inproc", limits=limits) as (a, b), asyncio.timeout(30):
+        recv = asyncio.ensure_future(b.recv_with_receipt(tag="t", out=[np.empty(n), np.empty(n)]))
+        await asyncio.sleep(0.01)
+        sent = await a.send([np.ones(n), np.ones(n)], tag="t")
+        _, received = await recv
+    assert sent.direct and received.direct, (sent, received)

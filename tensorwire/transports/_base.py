@@ -345,12 +345,13 @@ class Channel(ABC):
     def in_flight(self) -> int:
         return self.mailbox.in_flight
 
-    def _send_receipt(self, msg: Any, protocol: str, t0: float, tag: int) -> Receipt:
+    def _send_receipt(self, msg: Any, protocol: str, t0: float, tag: int, *, copied: bool = False) -> Receipt:
         """The receipt of a send of ``msg`` (tensors.Outgoing) on ``tag`` that began at ``t0``,
-        counted in the metrics (a transport that builds its own calls ``_metrics.transferred``)."""
+        counted in the metrics (a transport that builds its own calls ``_metrics.transferred``).
+        ``copied``: most of the payload went from a copy the transport made of it (not direct)."""
         seconds = time.perf_counter() - t0
         packed, staged = msg.packed, msg.staged
-        direct = not packed and protocol != "inline" and not staged
+        direct = not packed and protocol != "inline" and not staged and not copied
         # (positional: half the cost of keywords, per message) transport, lanes, nbytes, seconds,
         # protocol, direct, staged, packed, memory
         receipt = Receipt(self.transport, self.lanes, msg.nbytes, seconds, protocol, direct, staged, packed, msg.memory)

@@ -175,12 +175,9 @@ class Arrival:
         self.landing: Landing | None = None  # device copies queued for this message
         self.staged = False  # device bytes went through host staging chunks
         # the payload was copied on its way to ``dest``: bytes that rode with the header
-        # ("inline"), a tcp payload mostly taken from its read-ahead, or mostly out of the out= of
-        # a recv cancelled as they landed there
+        # ("inline"), or most of them came through another copy of ours (``count_copied``)
         self.copied = protocol == "inline"
-        # payload bytes copied so far out of tcp's read-ahead buffer, or out of the out= of a recv
-        # cancelled as they landed there (``detach``)
-        self.copied_bytes = 0
+        self.copied_bytes = 0  # payload bytes that came through a copy of ours so far (``count_copied``)
         # why the payload lands in scratch memory and is dropped (no memory for it here): the
         # message fails as it completes (``complete``), and its recv raises this
         self.lost: TransferError | None = None
@@ -317,7 +314,7 @@ class Arrival:
             return None
         landed = self.nbytes if self.done.done() else self.landed
         # what landed there reaches the recv that takes the message through a copy of ours
-        self._copied_aside(self.written if landed is None else landed)
+        self.count_copied(self.written if landed is None else landed)
         if landed is not None and all(isinstance(d, np.ndarray) for d in self.dest):
             return self._move(landed)
         old = self.dest
@@ -360,10 +357,11 @@ class Arrival:
         self._flat = None
         return None
 
-    def _copied_aside(self, n: int) -> None:
-        """``n`` payload bytes that had landed in a cancelled recv's out= go to the recv that
-        takes the message through a copy into buffers of ours: counted as copied (``copied``,
-        not direct, once most of the payload went that way, as tcp counts its read-ahead)."""
+    def count_copied(self, n: int) -> None:
+        """``n`` more payload bytes reach the recv that takes the message through a copy of
+        tensorwire's (out of tcp's read-ahead buffer, out of a cancelled recv's out=, aside from
+        the memory being sent): the message is ``copied``, not direct, once most of its payload
+        went that way."""
         if n:
             self.copied_bytes += n
             self.copied = self.copied or 2 * self.copied_bytes > self.nbytes

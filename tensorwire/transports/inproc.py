@@ -50,21 +50,27 @@ _LISTENERS: weakref.WeakValueDictionary[str, InprocTransport] = weakref.WeakValu
 class _Source:
     """A rendezvous payload still in the sender's memory."""
 
-    __slots__ = ("aborted", "done", "segs")
+    __slots__ = ("aborted", "aside", "done", "segs")
 
     def __init__(self, segs: list[memoryview]) -> None:
         self.segs = segs
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.aborted = False
+        self.aside = 0  # the bytes its copy copied aside first (``_copy``)
 
 
-async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None = None) -> None:
+async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None = None) -> int:
     """Copy the sender's bytes into the arrival's current destination, yielding to the loop every
     ``_CHUNK`` bytes or ``_YIELD_SECONDS``. Stops once the arrival is done before its copy is: it
     failed (a channel closed or failed under it; the recv has returned, and its out= is the
-    caller's again) or its sender gave up."""
+    caller's again) or its sender gave up. Returns how many bytes it copied aside first
+    (``_apart``): they land from that copy of ours, and neither end's receipt says direct."""
+    aside = 0
     if arrival.direct:  # (only the caller's out= can be memory being sent: the rest is ours)
-        segs = _apart(segs, arrival.dest)
+        apart = _apart(segs, arrival.dest)
+        aside = sum(len(new) for new, old in zip(apart, segs, strict=True) if new is not old)
+        arrival.count_copied(aside)
+        segs = apart
     pos = 0
     unyielded = 0
     turn = time.perf_counter()
@@ -72,7 +78,7 @@ async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None
         off = 0
         while off < len(seg):
             if arrival.done.done() or (source is not None and source.aborted):
-                return
+                return aside
             # (within the segment: a payload dropped to scratch lands in pieces that span segments)
             dst = arrival.view(pos + off, min(_PIECE, len(seg) - off))
             dst[:] = seg[off : off + len(dst)]
@@ -87,6 +93,7 @@ async def _copy(segs: list[memoryview], arrival: Arrival, source: _Source | None
                 unyielded = 0
                 turn = time.perf_counter()
         pos += len(seg)
+    return aside
 
 
 def _apart(segs: list[memoryview], dest: Sequence[object] | None) -> list[memoryview]:
@@ -243,7 +250,7 @@ class InprocChannel(Channel):
                             raise TransferError(
                                 f"the in-process receiver could not keep the message, nothing was delivered: {exc}"
                             ) from exc
-                    await _copy(segs, arrival)
+                    aside = await _copy(segs, arrival)
                     failure = _failure(arrival.done)
                     if failure is not None:
                         # a channel closed or failed under the copy, which stopped: the message
@@ -254,6 +261,7 @@ class InprocChannel(Channel):
                 else:
                     assert source is not None
                     await asyncio.shield(source.done)
+                    aside = source.aside
             except asyncio.CancelledError:
                 if source is not None:
                     source.aborted = True
@@ -264,7 +272,7 @@ class InprocChannel(Channel):
                 raise
         finally:
             self._sending -= 1
-        return self._send_receipt(msg, arrival.protocol, t0, tag)
+        return self._send_receipt(msg, arrival.protocol, t0, tag, copied=2 * aside > msg.nbytes)
 
     async def pull(self, arrival: Arrival) -> None:
         # the source stays in our sources until its copy has ended, so that a channel closing
@@ -289,7 +297,7 @@ class InprocChannel(Channel):
 
     async def _pull(self, source: _Source, arrival: Arrival) -> None:
         try:
-            await _copy(source.segs, arrival, source)
+            source.aside = await _copy(source.segs, arrival, source)
         except BaseException as exc:
             # cancelled because the channel closed: the recv reports the closing, as elsewhere
             failure = self.mailbox.failure

@@ -207,9 +207,7 @@ def _read_ahead(arrival: Arrival, copied: int) -> None:
     than reading them straight into ``arrival.dest``. The message is "copied", not direct, once
     most of its payload went that way (a message whose head alone came in with the header read
     is direct: 16 KiB at most per frame); a message on its way to device memory is staged anyway."""
-    if copied:
-        arrival.copied_bytes += copied
-        arrival.copied = 2 * arrival.copied_bytes > arrival.nbytes
+    arrival.count_copied(copied)
 
 
 def _on_device(arrival: Arrival) -> bool:
