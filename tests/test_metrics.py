@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _polling import eventually
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -679,3 +680,23 @@ def test_what_is_no_registry_is_refused_where_it_is_given(registry: object) -> N
         metrics.register(registry)
     with pytest.raises(tensorwire.ConfigurationError, match=r"registry must be a prometheus_client\.CollectorRegistry"):
         metrics.serve("127.0.0.1:0", registry=registry)
+
+
+async def test_a_gone_peer_dropped_unaccepted_counts_under_a_documented_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that never called accept() drops the oldest gone peer of its accept queue past
+    ``Node.MAX_DEPARTED``, with its messages, and counts it in ``tensorwire_refusals_total``
+    as kind "accept"; the metrics' docs said a kind is "control" or a data transport's name,
+    so a dashboard written from them never looked for the messages dropped that way."""
+    monkeypatch.setattr(tensorwire.Node, "MAX_DEPARTED", 0)
+    before = metrics.snapshot().refusals
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        peer = await client.connect(server.address)
+        await peer.send(np.ones(4), tag="left")
+        await peer.aclose()
+        await eventually(lambda: metrics.snapshot().refusals.get("accept", 0) > before.get("accept", 0))
+    doc = metrics.__doc__ or ""
+    refusals = doc[doc.index("tensorwire_refusals_total") :].split("\n- ", 1)[0]
+    assert '"accept"' in refusals, refusals
