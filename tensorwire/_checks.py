@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import ipaddress
 import math
 import numbers
 import operator
@@ -93,6 +94,24 @@ def check_bool(what: str, value: object) -> bool:
 
 
 _PORT = re.compile(r"[0-9]{1,5}")
+# a DNS name or an IPv4 address. gRPC reads its target as a URI, so a host with other characters
+# is not the one it dials: "h?:5000" and "h#:5000" dialled h at port 443 (the rest a query or a
+# fragment), "%31" is an escape for "1", "u@h" a user, "h/x" a path
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_HOSTS = (
+    "the host must be a DNS name (ASCII letters, digits, '-', '_' and '.'; an international name in "
+    "its xn-- form), an IPv4 address, or an IPv6 address in brackets ('[::1]:5000')"
+)
+
+
+def _is_ipv6(host: str) -> bool:
+    """Whether ``host`` is an IPv6 address, with a zone (``fe80::1%eth0``) of name characters."""
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    _, _, zone = host.partition("%")
+    return not zone or _NAME.fullmatch(zone) is not None
 
 
 def portless(address: str) -> str | None:
@@ -116,10 +135,14 @@ def split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host:
         raise ConfigurationError(f"address {address!r} is not host:port")
-    if host.startswith("[") and host.endswith("]") and len(host) > 2:
+    if "[" in host or "]" in host:
+        if not (host.startswith("[") and host.endswith("]") and _is_ipv6(host[1:-1])):
+            raise ConfigurationError(f"address {address!r}: {_HOSTS}, not {host!r}")
         host = host[1:-1]
-    elif ":" in host or "[" in host or "]" in host:
+    elif ":" in host:
         raise ConfigurationError(f"address {address!r}: write an IPv6 host in brackets, as in '[::1]:5000'")
+    elif not _NAME.fullmatch(host):
+        raise ConfigurationError(f"address {address!r}: {_HOSTS}, not {host!r}")
     if not _PORT.fullmatch(port) or not lowest_port <= int(port) <= 65535:
         raise ConfigurationError(f"address {address!r}: the port must be a number from {lowest_port} to 65535")
     return host, int(port)

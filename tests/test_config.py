@@ -374,6 +374,30 @@ async def test_an_ipv6_address_without_a_port_is_said_to_lack_it(address: str) -
             await node.connect(address)
 
 
+# hosts gRPC reads as something else: a URI's query or fragment ("?", "#": it dialled the host
+# at port 443, whatever port was written), a path or user ("/", "@"), percent-escapes ("%"), a
+# list (","), or an IPv4 address or a name in brackets (a late "Unparsable name")
+MISREAD_HOSTS = ["127.0.0.1?", "localhost#x", "127.0.0.1/x", "user@127.0.0.1", "%31%32%37.0.0.1", "a,b",
+                 "[127.0.0.1]", "[localhost]", "[]", "[::1]x", "élan"]  # fmt: skip
+
+
+@pytest.mark.parametrize("host", MISREAD_HOSTS)
+async def test_an_address_whose_host_grpc_would_misread_is_refused(host: str) -> None:
+    with pytest.raises(ConfigurationError, match="the host must be"):
+        tensorwire.start(f"{host}:0")
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), connect_timeout=5) as node:
+        port = node.address.rpartition(":")[2]
+        with pytest.raises(ConfigurationError, match="the host must be"):
+            await node.connect(f"{host}:{port}")
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST.", "127.0.0.1", "[::1]", "[::1%lo]", "my_host-1.local"])
+def test_hosts_that_are_names_or_addresses_are_taken(host: str) -> None:
+    from tensorwire._checks import split_address
+
+    assert split_address(f"{host}:5000") == (host.removeprefix("[").removesuffix("]"), 5000)
+
+
 @pytest.mark.parametrize("address", ["a\x00b:5000", "127.0.0.1\x00evil:5000", "host name:5000", "a\tb:5000", "x\x7f:1"])
 async def test_an_address_with_a_control_character_or_a_space_is_refused(address: str) -> None:
     # gRPC cut a host at its NUL byte: connect("a\x00b:5000") dialled host "a"
