@@ -13,6 +13,7 @@ import time
 import urllib.parse
 import uuid
 import warnings
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any, ClassVar
 
 from . import _metrics
 from ._checks import check_arguments, check_bool, check_options, check_seconds, split_address
-from ._leases import Renewals, say_goodbye
+from ._leases import GOODBYE_SECONDS, Renewals, say_goodbye
 from ._loops import check_home, closed_by_hand, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
@@ -378,6 +379,10 @@ class Node:
         # the renewals of the leases of the sessions we opened, by (address, lease): _leases.renewals_for
         self._renewals: dict[tuple[str, float], Renewals] = {}
         self._sessions: dict[str, Peer] = {}
+        # sessions whose channel the other side closed, for GOODBYE_SECONDS: a peer closed alone
+        # says goodbye beside its close, and the goodbye may come after it (``_leaving_peer``).
+        # Weakly: a peer nobody holds any more has nobody to tell, and is freed at once
+        self._left: weakref.WeakValueDictionary[str, Peer] = weakref.WeakValueDictionary()
         self._opening: dict[str, asyncio.Task[None]] = {}  # handshaken sessions whose data path is opening
         self._opening_secrets: dict[str, bytes] = {}  # their secrets (``_session_taken``)
         # (a client that only handshakes, in a loop, cannot fill the log with these)
@@ -508,6 +513,9 @@ class Node:
             sid = peer.session.id
             if self._sessions.get(sid) is peer:  # (not another peer's entry of the same id: a node connected to itself)
                 del self._sessions[sid]
+            if not peer._closed and self._loop is not None:  # (the other side closed it, or went)
+                self._left[sid] = peer
+                self._loop.call_later(GOODBYE_SECONDS, self._left.pop, sid, None)
             lease = self._leases.get(sid)
             if lease is not None and lease[1] is peer:
                 del self._leases[sid]
@@ -552,15 +560,16 @@ class Node:
         return self._sessions.get(session_id)
 
     def _leaving_peer(self, session_id: str) -> Peer | None:
-        """The peer a goodbye for ``session_id`` ends (``Leave``): the session's peer here. A node
-        connected to itself holds both ends under the id they share (``_sessions`` one of them):
-        where that one said the goodbye, it is for the other end (the one saying it is closing
-        on this side)."""
+        """The peer a goodbye for ``session_id`` ends (``Leave``): the session's peer here, or
+        the one whose channel its close on the data connection, which overtook the goodbye, has
+        just closed (``_left``). A node connected to itself holds both ends under the id they
+        share (``_sessions`` one of them): where that one said the goodbye, it is for the other
+        end (the one saying it is closing on this side)."""
         peer = self._sessions.get(session_id)
-        if peer is None or not peer._said_goodbye or peer.remote_instance != self.instance_id:
-            return peer
-        ends = (p for p in self.peers if p is not peer and p.session is not None and p.session.id == session_id)
-        return next((p for p in ends if not p._said_goodbye), None)
+        if peer is not None and peer._said_goodbye and peer.remote_instance == self.instance_id:
+            ends = (p for p in self.peers if p is not peer and p.session is not None and p.session.id == session_id)
+            peer = next((p for p in ends if not p._said_goodbye), None)
+        return peer if peer is not None else self._left.get(session_id)
 
     def _forget_exposures(self, peer: Peer, session_id: str) -> None:
         """The exposures stop waiting for the session's acknowledgements once its channel has
@@ -756,6 +765,7 @@ class Node:
         stay deliverable, and so do those still on their way: the reader goes on and shuts the
         channel at the close (or the lease ends it)."""
         log.info("peer %s at %s said goodbye: it is closing", peer.remote_node[:8], peer.remote_address)
+        # (also where its close on the data connection got here first: the peer went with a goodbye)
         peer._remote_closing = True  # (what ``peer.remote_closing`` and ``repr(peer)`` say)
         peer.channel._ending(PeerDisconnected(f"peer {peer.remote_address} closed (it said goodbye)"))
 

@@ -440,6 +440,27 @@ async def test_a_peer_whose_node_said_goodbye_says_it_is_closing(transport: str)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", _TCP_AND_UCX)
+@pytest.mark.parametrize("closer", ["connected", "accepted"])
+async def test_the_other_end_of_a_peer_closed_alone_says_it_said_goodbye(transport: str, closer: str) -> None:
+    """A peer closed alone says goodbye, and its ``aclose()`` returns once the other node has
+    answered: by then the other end says so (``remote_closing``), whichever of the goodbye and
+    the close on the data connection got there first. Before, the close on the data connection
+    came first (tcp: every time here), the node forgot the session, and the goodbye that came
+    after it was passed over: ``remote_closing`` stayed False, as for a peer gone without one."""
+    async with connected_pair(transport, lease_seconds=20) as (a, b):
+        closing, other = (a, b) if closer == "connected" else (b, a)
+        pending = asyncio.ensure_future(other.recv(tag="never"))
+        await eventually(lambda: other.channel.mailbox.in_flight == 1)
+        await closing.aclose()
+        await eventually(lambda: other.closed)
+        assert other.remote_closing, repr(other)
+        with pytest.raises(PeerDisconnected):
+            await asyncio.wait_for(pending, 5)
+        assert not closing.remote_closing
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("closer", ["client", "server"])
 async def test_a_peer_closed_alone_says_goodbye_for_its_session_only(
     closer: str, monkeypatch: pytest.MonkeyPatch

@@ -244,13 +244,13 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         ended = 0
         for leaving in request.sessions:
             peer = self.node._leaving_peer(leaving.session_id)
-            if peer is None or peer.session is None or peer.closed:
-                continue  # (a channel this node is closing ends with its own ClosedResourceError)
+            if peer is None or peer.session is None or peer._closed:
+                continue  # (a peer this node closes ends with its own ClosedResourceError)
             if not hmac.compare_digest(leaving.proof, leave_proof(peer.session.secret, leaving.session_id)):
                 self._refusals.warn("goodbye from %s refused: bad proof", context.peer())
                 continue
+            ended += not peer.closed  # (one whose close on the data connection came first ended already)
             self.node._peer_left(peer)
-            ended += 1
         return control_pb2.LeaveResponse(ended=ended)
 
     async def Lookup(  # noqa: N802 - gRPC method name
