@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 from _polling import eventually
+from _procfs import connections_to
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -170,6 +171,32 @@ async def test_auth_token() -> None:
         other = await server.accept()
         await peer.send(b"hello")
         assert await other.recv() == b"hello"
+
+
+@pytest.mark.parametrize("token", [None, "a-guess"])
+async def test_a_refused_handshake_leaves_no_control_connection_open(token: str | None) -> None:
+    """A connect the server refuses closes its control connection, even while the caller keeps
+    the error (to log or count it). Before, the error held gRPC's call object (through its
+    cause's traceback, and a cycle through the task that made the call), which kept the closed
+    channel's connection open until the garbage collector freed them: 10 refused connects left
+    up to 10 connections open at the server."""
+    async with (
+        tensorwire.start("127.0.0.1:0", auth_token="s3cret", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", auth_token=token, transports=("tcp",)) as client,
+    ):
+        port = int(server.address.rpartition(":")[2])
+        errors = []
+        gc.disable()  # (what the collector frees, and when, is not for the test to depend on)
+        try:
+            for _ in range(10):
+                with pytest.raises(tensorwire.AuthenticationError) as info:
+                    await client.connect(server.address)
+                errors.append(info.value)
+            with contextlib.suppress(AssertionError):
+                await eventually(lambda: connections_to(port) == 0, seconds=5)
+            assert connections_to(port) == 0, f"{connections_to(port)} of 10 refused connections still open"
+        finally:
+            gc.enable()
 
 
 async def test_a_missed_lease_is_logged_as_it_was_given(caplog: pytest.LogCaptureFixture) -> None:

@@ -270,6 +270,11 @@ class ControlClient:
             self._answered = True
             return response
         except grpc.aio.AioRpcError as exc:
+            # its traceback holds gRPC's call object (the frames of the call's await), and the
+            # call its channel's connection: chained to the error the caller keeps, that stayed
+            # open after aclose() until the error was freed (a refused connect's, by the garbage
+            # collector: it was in a cycle). Its code and details are all it says to a caller
+            exc.with_traceback(None)
             make = special.get(exc.code()) if special is not None else None
             error = make(exc) if make is not None else None
             if error is not None:
@@ -333,6 +338,7 @@ class ControlClient:
                 # retrieved: an error it raised meanwhile (while the probe ran, or as it was
                 # cancelled) is not ours to report
                 call.exception()
+            del call  # (its error, raised from here, holds this frame: no cycle through the task)
 
     async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
         return await self._unary(self._stub.GetNodeInfo, control_pb2.NodeInfoRequest(), deadline)
