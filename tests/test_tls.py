@@ -156,6 +156,36 @@ async def test_certificates_that_do_not_load_are_named(pki, tmp_path: Path) -> N
         assert "bind" not in str(info.value)
 
 
+@pytest.fixture
+def encrypted_key(pki, tmp_path: Path) -> str:
+    """The server's private key, encrypted with a passphrase (PKCS#8, as ``openssl genpkey
+    -aes256`` writes one)."""
+    key = serialization.load_pem_private_key(Path(pki["server"][1]).read_bytes(), None)
+    path = tmp_path / "encrypted.key"
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"a passphrase"),
+        )
+    )
+    return str(path)
+
+
+async def test_an_encrypted_private_key_is_named_not_prompted_for(pki, encrypted_key: str) -> None:
+    """gRPC takes no passphrase, so a key that needs one cannot serve. Loading it to check it,
+    OpenSSL asked for the passphrase on the terminal ("Enter PEM pass phrase:"): start() blocked
+    the event loop on that prompt for good, and with no terminal to ask on a bare OSError (EINVAL)
+    escaped the error tree. It is a ConfigurationError naming the key, serving or connecting."""
+    cert = pki["server"][0]
+    tls = TLSConfig(cert_file=cert, key_file=encrypted_key, ca_file=pki["ca"][0])
+    with pytest.raises(tensorwire.ConfigurationError, match="encrypted") as info:
+        await tensorwire.start("127.0.0.1:0", tls=tls)
+    assert encrypted_key in str(info.value)
+    with pytest.raises(tensorwire.ConfigurationError, match="encrypted"):
+        tls.channel_credentials()
+
+
 async def test_a_server_certificate_for_another_name_is_an_authentication_error(pki) -> None:
     """It used to be 'cannot reach a tensorwire node' (ControlPlaneError)."""
     async with tensorwire.start("127.0.0.1:0", tls=_tls(pki, "server")) as server:

@@ -29,13 +29,30 @@ def _read(path: str | None, what: str) -> bytes | None:
         raise ConfigurationError(f"cannot read the {what} {path!r}: {exc.strerror}") from exc
 
 
+class _Encrypted(Exception):
+    """OpenSSL asked for the private key's passphrase."""
+
+
+def _no_passphrase() -> bytes:
+    # (given no callback, OpenSSL prompts on the terminal, blocking the event loop until someone
+    # types; with no terminal its prompt failed with a bare OSError)
+    raise _Encrypted
+
+
 def _check_pem(cert_file: str | None, key_file: str | None, ca_file: str | None) -> None:
-    """Load the files as TLS would, so that a garbage certificate, a key of another certificate
-    or a garbage CA bundle is named now, not reported by gRPC as a failure to bind."""
+    """Load the files as TLS would, so that a garbage certificate, a key of another certificate,
+    a key that needs a passphrase (gRPC takes none) or a garbage CA bundle is named now, not
+    reported by gRPC as a failure to bind."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if cert_file is not None and key_file is not None:
         try:
-            ctx.load_cert_chain(cert_file, key_file)
+            ctx.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+        except _Encrypted:
+            raise ConfigurationError(
+                f"the TLS private key {key_file!r} is encrypted (it needs a passphrase), and gRPC takes keys "
+                f"without one: decrypt it (openssl pkey -in {key_file} -out plain.key) and give that file, "
+                "readable by this node's user alone"
+            ) from None
         except ssl.SSLError as exc:
             raise ConfigurationError(
                 f"the TLS certificate {cert_file!r} with the private key {key_file!r} does not load "
