@@ -17,7 +17,7 @@ import pytest
 from _polling import eventually
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import dsa, ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2_grpc
 
@@ -154,6 +154,19 @@ async def test_certificates_that_do_not_load_are_named(pki, tmp_path: Path) -> N
         with pytest.raises(tensorwire.ConfigurationError, match=what) as info:
             await tensorwire.start("127.0.0.1:0", tls=tls)
         assert "bind" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["secp256k1", "dsa"])
+async def test_a_key_grpc_cannot_serve_with_is_named_not_called_a_bind_failure(kind: str, tmp_path: Path) -> None:
+    """Python's OpenSSL loads a secp256k1 or DSA key and its certificate, which gRPC's TLS library
+    (BoringSSL) refuses ("Invalid cert chain file"): the node said "cannot bind the control
+    plane to 127.0.0.1:0: Failed to bind to address", of a port 0 anyone can bind."""
+    key = ec.generate_private_key(ec.SECP256K1()) if kind == "secp256k1" else dsa.generate_private_key(2048)
+    cert, key_file = _write(tmp_path / kind, _cert(kind, key, kind, key), key)
+    tls = TLSConfig(cert_file=cert, key_file=key_file, ca_file=cert)
+    with pytest.raises(tensorwire.ConfigurationError, match="gRPC's TLS") as info:
+        await tensorwire.start("127.0.0.1:0", tls=tls, transports=("tcp",))
+    assert "bind" not in str(info.value) and cert in str(info.value), info.value
 
 
 @pytest.fixture

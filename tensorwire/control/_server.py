@@ -428,6 +428,14 @@ class ControlServer:
         except RuntimeError as exc:
             # grpc says only "Failed to bind" (and where to read more): ask the OS why
             why = await asyncio.to_thread(_why_unbindable, host, port)
+            if why is None and tls is not None:
+                # the OS would bind it: what gRPC refused is the TLS material, which Python's
+                # OpenSSL loaded (TLSConfig checks that) and gRPC's BoringSSL does not take
+                raise ConfigurationError(
+                    f"cannot serve the control plane over TLS with the certificate {tls.cert_file!r} and the key "
+                    f"{tls.key_file!r}: gRPC's TLS library (BoringSSL) refused them, most likely for their key type "
+                    "(it serves with RSA keys, and ECDSA keys on P-256 or P-384)"
+                ) from exc
             raise ConfigurationError(f"cannot bind the control plane to {target}: {why or exc}") from exc
         # grpc's start, cancelled half-way, leaves a server that can never stop (its serving task
         # dies with InvalidStateError, which stop() then raises): let it finish, then cancel
