@@ -52,7 +52,10 @@ def check_int(what: str, value: object, lo: int, hi: int | None = None) -> int:
     allowed = f"an int of at least {lo}" if hi is None else f"an int from {lo} to {_bound(hi)}"
     if isinstance(value, (bool, np.bool_)) or not hasattr(type(value), "__index__"):
         raise ConfigurationError(f"{what} must be {allowed}, not {value!r}")
-    n = operator.index(value)  # type: ignore[arg-type]
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:  # (an __index__ that refuses: numpy's, of an array that is not one integer)
+        raise ConfigurationError(f"{what} must be {allowed}, not {value!r}") from None
     if n < lo or (hi is not None and n > hi):
         raise ConfigurationError(f"{what} must be {allowed}, not {value!r}")
     return n

@@ -40,6 +40,8 @@ BAD_LIMITS = [
     ("max_unexpected", -1),
     ("max_unexpected", U32),  # a uint32 in the wire's limits record
     ("max_unexpected", "4"),
+    ("max_unexpected", np.array([64, 64])),  # a bare TypeError from operator.index
+    ("max_unexpected", np.array(64.0)),  # (a 0-d float array: TypeError too)
     ("max_message_bytes", -1),
     ("max_message_bytes", U64),
     ("max_message_bytes", 1e6),
@@ -330,6 +332,7 @@ BAD_CALL_LIMITS = [
     ("max_concurrent", 1.5),
     ("max_concurrent", "4"),  # TypeError later
     ("max_concurrent", True),
+    ("max_concurrent", np.array([4])),  # a bare TypeError from operator.index
     ("max_inflight_bytes", math.nan),
     ("max_inflight_bytes", math.inf),
     ("max_inflight_bytes", U64),  # reported in a uint64 field (GetMethods)
