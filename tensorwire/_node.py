@@ -972,9 +972,15 @@ class Node:
 
     def _check_open(self, what: str) -> None:
         """Every public call but abort() and aclose() passes here (connect, accept, expose,
-        unexpose): refused on a closed node, and anywhere but the node's loop."""
+        unexpose): refused on a closed node, on one never started, and anywhere but the node's
+        loop."""
         if self._closed:
             raise ClosedResourceError("node is closed")
+        if self._loop is None:  # (made by hand: it has no transports, and nobody serves its port)
+            raise ConfigurationError(
+                f"{what}: this node is not started; make nodes with tensorwire.start(address, ...), which "
+                "starts them (await it, or use it in 'async with')"
+            )
         check_home(self._loop, what)
 
     async def aclose(self) -> None:

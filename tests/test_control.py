@@ -199,6 +199,22 @@ async def test_a_refused_handshake_leaves_no_control_connection_open(token: str 
             gc.enable()
 
 
+async def test_a_node_made_by_hand_and_never_started_says_so() -> None:
+    """A Node is made by tensorwire.start, which starts it. One made by hand and never started:
+    accept() waited forever, connect() reached the other node only to fail its negotiation with
+    "tcp: on client ...: not enabled", and expose() took the tensor."""
+    node = tensorwire.Node("127.0.0.1:0", tensorwire.NodeConfig(transports=("tcp",)))
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server:
+        with pytest.raises(tensorwire.ConfigurationError, match=r"not started.*tensorwire\.start"):
+            await node.connect(server.address)
+        with pytest.raises(tensorwire.ConfigurationError, match="not started"):
+            await asyncio.wait_for(node.accept(), 5)
+        with pytest.raises(tensorwire.ConfigurationError, match="not started"):
+            node.expose(np.ones(4), name="x")
+        assert not server.peers
+    await node.aclose()
+
+
 async def test_a_missed_lease_is_logged_as_it_was_given(caplog: pytest.LogCaptureFixture) -> None:
     """The warning printed the lease with one decimal: lease_seconds=0.05 said '(0.1 s)'."""
     async with (
