@@ -528,3 +528,75 @@ async def test_a_batch_no_call_could_carry_is_refused_before_any_stage_runs() ->
                     await pipe.step(batch, y, microbatches=2)
                 assert (await pipe.step(x, y, microbatches=2)).loss > 0
             assert (await pipe.step(nested(MAX_DEPTH - 3), y, microbatches=2)).loss > 0
+
+
+
+@pytest.mark.timeout(60)
+async def test_a_batch_nested_thousands_deep_is_refused_as_the_wire_refuses_it() -> None:
+    """The batch walks (split, join, num_samples, tree_map, tree_leaves) had no depth limit: a
+    batch nested 3,000 tuples deep raised Python's RecursionError out of ``pipeline.split``,
+    ``Pipeline.forward`` and ``Pipeline.step``. Each is now the wire's own refusal of a pytree
+    past its depth (UnsupportedTensorError), and the pipeline goes on."""
+    from tensorwire.pipeline._batch import no_gradient, num_samples, tree_leaves, tree_map
+    from tensorwire.tensors._tree import MAX_DEPTH
+
+    too_deep = f"pytree is nested deeper than {MAX_DEPTH} levels"
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    y = rng.standard_normal((6, 2)).astype(np.float32)
+    deep: Any = x
+    for i in range(3000):
+        deep = (deep,) if i % 2 else {"k": deep}
+    for walk in (
+        lambda: pipeline.split(deep, 2),
+        lambda: pipeline.join([deep, deep]),
+        lambda: num_samples(deep),
+        lambda: tree_map(lambda v: v, deep),
+        lambda: tree_leaves(deep),
+        lambda: no_gradient([deep]),
+    ):
+        with pytest.raises(tensorwire.UnsupportedTensorError, match=too_deep):
+            walk()
+    shallow: Any = x
+    for _ in range(MAX_DEPTH - 3):
+        shallow = (shallow,)
+    assert len(pipeline.split(shallow, 2)) == 2
+
+    parts = [
+        pipeline.FunctionPart(_Unwrapping(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe, asyncio.timeout(30):
+            with pytest.raises(tensorwire.UnsupportedTensorError, match=too_deep):
+                await pipe.forward(deep, microbatches=2)
+            with pytest.raises(tensorwire.UnsupportedTensorError, match=too_deep):
+                await pipe.step(deep, y, microbatches=2)
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0
+
+
+
+@pytest.mark.timeout(60)
+async def test_a_torch_stage_output_nested_thousands_deep_fails_as_the_wire_refuses_it() -> None:
+    """A TorchPart whose module returned an output 3,000 tuples deep failed its stage with
+    "raised RecursionError" (its output's tree walks); now it is the wire's refusal of a pytree
+    past its depth."""
+    torch = pytest.importorskip("torch")
+    from tensorwire.tensors._tree import MAX_DEPTH
+
+    class Burying(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: Any) -> Any:
+            y = self.lin(x)
+            for _ in range(3000):
+                y = (y,)
+            return y
+
+    async with stages([pipeline.TorchPart(Burying())]) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe, asyncio.timeout(30):
+            refusal = f"raised UnsupportedTensorError: pytree is nested deeper than {MAX_DEPTH} levels"
+            with pytest.raises(tensorwire.RemoteError, match=refusal):
+                await pipe.forward(torch.zeros(4, 4), microbatches=2)

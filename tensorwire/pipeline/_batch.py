@@ -5,6 +5,9 @@ A batch is a tensor (numpy, torch, ...), a list of samples (label rows, say), or
 of those (several inputs: ids and an attention mask), cut element by element along the first
 dimension; plain scalars (None, bool, int, float, str) in a tuple or dict go to every
 microbatch as they are. ``join`` undoes ``split``.
+
+Every walk stops where the wire would: a tree nested past ``MAX_DEPTH`` levels is the wire's
+UnsupportedTensorError, not Python's RecursionError some thousand levels down.
 """
 
 from __future__ import annotations
@@ -19,30 +22,50 @@ import numpy as np
 
 from .._checks import check_arguments
 from ..errors import ConfigurationError, ShapeMismatchError, UnsupportedTensorError
+from ..tensors._tree import MAX_DEPTH
 
 __all__ = ["join", "num_samples", "split", "tree_leaves", "tree_map", "no_gradient"]
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
+def _check_depth(depth: int) -> None:
+    """Refuse, as the wire does, a container ``depth`` levels deep whose items would be deeper
+    than ``MAX_DEPTH``."""
+    if depth >= MAX_DEPTH:
+        raise UnsupportedTensorError(f"pytree is nested deeper than {MAX_DEPTH} levels")
+
+
 def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
     """``obj`` with ``fn`` applied to every leaf of its tuples, lists and dicts (lists and dicts
     stay lists and dicts; a tuple subclass becomes a tuple, as on the wire)."""
+    return _tree_map(fn, obj, 0)
+
+
+def _tree_map(fn: Callable[[Any], Any], obj: Any, depth: int) -> Any:
+    if isinstance(obj, (tuple, list, dict)) and obj:
+        _check_depth(depth)
     if isinstance(obj, tuple):
-        return tuple(tree_map(fn, v) for v in obj)
+        return tuple(_tree_map(fn, v, depth + 1) for v in obj)
     if isinstance(obj, list):
-        return [tree_map(fn, v) for v in obj]
+        return [_tree_map(fn, v, depth + 1) for v in obj]
     if isinstance(obj, dict):
-        return {k: tree_map(fn, v) for k, v in obj.items()}
+        return {k: _tree_map(fn, v, depth + 1) for k, v in obj.items()}
     return fn(obj)
 
 
 def tree_leaves(obj: Any) -> list[Any]:
     """The leaves of ``obj`` in the order the wire carries them (dicts in insertion order)."""
+    return _tree_leaves(obj, 0)
+
+
+def _tree_leaves(obj: Any, depth: int) -> list[Any]:
+    if isinstance(obj, (tuple, list, dict)) and obj:
+        _check_depth(depth)
     if isinstance(obj, (tuple, list)):
-        return [leaf for v in obj for leaf in tree_leaves(v)]
+        return [leaf for v in obj for leaf in _tree_leaves(v, depth + 1)]
     if isinstance(obj, dict):
-        return [leaf for v in obj.values() for leaf in tree_leaves(v)]
+        return [leaf for v in obj.values() for leaf in _tree_leaves(v, depth + 1)]
     return [obj]
 
 
@@ -63,9 +86,15 @@ def _scalar(obj: Any) -> bool:
 def num_samples(batch: Any) -> int | None:
     """How many samples ``batch`` (or one microbatch of it) holds: its first dimension, or that
     of the first element of a tuple or dict that has one (None: no element has one)."""
+    return _num_samples(batch, 0)
+
+
+def _num_samples(batch: Any, depth: int) -> int | None:
     if _structured(batch):
+        if batch:
+            _check_depth(depth)
         for v in batch.values() if isinstance(batch, dict) else batch:
-            n = num_samples(v)
+            n = _num_samples(v, depth + 1)
             if n is not None:
                 return n
         return None
@@ -85,7 +114,22 @@ def split(batch: Any, microbatches: int) -> list[Any]:
     to every part), each part a tuple or dict of the same keys."""
     if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral) or microbatches < 1:
         raise ConfigurationError(f"microbatches must be a positive int, not {microbatches!r}")
-    microbatches = int(microbatches)
+    _check_nesting(batch)  # here, once: a refusal deep down would be wrapped by every level above
+    return _split(batch, int(microbatches))
+
+
+def _check_nesting(batch: Any) -> None:
+    """Refuse a batch whose tuples and dicts (what ``_split`` descends into) nest past the wire's
+    depth."""
+    level, depth = [batch], 0
+    while level:
+        level = [v for b in level if _structured(b) for v in (b.values() if isinstance(b, dict) else b)]
+        if level:
+            _check_depth(depth)
+        depth += 1
+
+
+def _split(batch: Any, microbatches: int) -> list[Any]:
     if _structured(batch):
         return _split_structured(batch, microbatches)
     if isinstance(batch, (str, bytes)) or not hasattr(batch, "__getitem__"):
@@ -146,7 +190,7 @@ def _split_structured(batch: tuple[Any, ...] | dict[Any, Any], microbatches: int
                 "every element of a tuple or dict batch is split along the same first dimension"
             )
         try:
-            columns.append(split(value, microbatches))
+            columns.append(_split(value, microbatches))
         except (ShapeMismatchError, UnsupportedTensorError) as exc:
             raise type(exc)(f"element {key!r} of the batch: {exc}") from exc
         if n is not None and first is None:
@@ -175,10 +219,10 @@ def join(parts: list[Any]) -> Any:
         )
     if not parts:
         raise ShapeMismatchError("there are no microbatch outputs to join")
-    return _join(parts, "the output")
+    return _join(parts, "the output", 0)
 
 
-def _join(parts: list[Any], where: str) -> Any:
+def _join(parts: list[Any], where: str, depth: int) -> Any:
     head = parts[0]
     for i, part in enumerate(parts):
         if type(part) is not type(head) and not (isinstance(part, tuple) and isinstance(head, tuple)):
@@ -189,11 +233,15 @@ def _join(parts: list[Any], where: str) -> Any:
     if isinstance(head, tuple):
         if any(len(p) != len(head) for p in parts):
             raise ShapeMismatchError(f"{where} is a tuple of different lengths in different microbatches")
-        return tuple(_join([p[k] for p in parts], f"{where}[{k}]") for k in range(len(head)))
+        if head:
+            _check_depth(depth)
+        return tuple(_join([p[k] for p in parts], f"{where}[{k}]", depth + 1) for k in range(len(head)))
     if isinstance(head, dict):
         if any(p.keys() != head.keys() for p in parts):
             raise ShapeMismatchError(f"{where} is a dict with different keys in different microbatches")
-        return {k: _join([p[k] for p in parts], f"{where}[{k!r}]") for k in head}
+        if head:
+            _check_depth(depth)
+        return {k: _join([p[k] for p in parts], f"{where}[{k!r}]", depth + 1) for k in head}
     if isinstance(head, list):  # a list of samples, as split cuts one
         return [sample for p in parts for sample in p]
     flat = [_scalar(p) or getattr(p, "ndim", 0) == 0 for p in parts]
