@@ -279,3 +279,40 @@ def test_join_refuses_what_it_cannot_join_the_same_way_whatever_the_order() -> N
     with pytest.raises(tensorwire.ShapeMismatchError, match=r"\[1\] is float32 in microbatch 0 and int64"):
         join([(np.zeros(1), np.zeros(1, np.float32)), (np.zeros(1), np.zeros(1, np.int64))])
     assert join([torch.tensor(1.0), torch.tensor(2.0)]) == [torch.tensor(1.0), torch.tensor(2.0)]
+
+
+# -- an invalid training schedule is invalid for every call ---------------------------------------
+@pytest.mark.timeout(60)
+async def test_forward_and_evaluate_refuse_the_training_schedules_step_refuses() -> None:
+    """``pipe.forward`` and ``pipe.evaluate`` took a training schedule's forwards and dropped the
+    rest unchecked, so a schedule ``pipe.step`` refuses (a B before its F, a B that never comes,
+    a B listed twice) ran its forwards there. Each call now refuses it with the same
+    ScheduleError, before any stage runs; per-stage lists of forwards alone still run."""
+    rng = np.random.default_rng(4)
+    layers = [CountingLinear(rng, 6, 6, tanh=True), CountingLinear(rng, 6, 2, tanh=False)]
+    parts = [pipeline.FunctionPart(layers[0]), pipeline.FunctionPart(layers[1], loss=mse)]
+    x = rng.standard_normal((8, 6)).astype(np.float32)
+    y = rng.standard_normal((8, 2)).astype(np.float32)
+    fine = ["F0", "F1", "B0", "B1"]
+    bad = [
+        ([["B0", "F0", "F1", "B1"], fine], "stage 0: B0 comes before F0 on stage 0"),
+        ([fine, ["F0", "F1", "B0"]], "B1 from stage 1, which it never runs"),
+        ([fine, ["F0", "F1", "B0", "B1", "B1"]], "B1 runs a second time on stage 1"),
+    ]
+    for schedule, why in bad:
+        with pytest.raises(tensorwire.ScheduleError, match=why):
+            make_schedule(schedule, 2, 2, forward_only=True)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe, asyncio.timeout(30):
+            for schedule, why in bad:
+                CountingLinear.forwards = 0
+                with pytest.raises(tensorwire.ScheduleError, match=why) as refused:
+                    await pipe.step(x, y, microbatches=2, schedule=schedule)
+                with pytest.raises(tensorwire.ScheduleError) as forward:
+                    await pipe.forward(x, microbatches=2, schedule=schedule)
+                with pytest.raises(tensorwire.ScheduleError) as evaluate:
+                    await pipe.evaluate(x, y, microbatches=2, schedule=schedule)
+                assert str(forward.value) == str(evaluate.value) == str(refused.value)
+                assert CountingLinear.forwards == 0  # refused at the driver: no stage ran
+            assert (await pipe.forward(x, microbatches=2, schedule=[["F1", "F0"]] * 2)).shape == (8, 2)
+            assert (await pipe.evaluate(x, y, microbatches=2, schedule=[fine, fine])).loss > 0

@@ -98,6 +98,7 @@ _Link = tuple[int, Kind]  # the messages that ``stage`` receives of ``kind``: (s
 
 #: unreceived messages a receiver holds from one peer unless told otherwise (``Limits``' default)
 DEFAULT_MAX_UNEXPECTED = Limits().max_unexpected
+_UNLIMITED = 2**63 - 1  # a max_unexpected no link reaches: a schedule's order alone is judged
 
 
 @dataclass(slots=True)
@@ -498,8 +499,10 @@ def make_schedule(
 ) -> Schedule:
     """A validated schedule for ``num_stages`` and ``num_microbatches`` from a name, a Schedule or
     one list of actions per stage (``max_unexpected``: as in ``Schedule.validate``).
-    ``forward_only``: for a step without backwards, which runs the schedule's forwards alone;
-    otherwise a forward-only schedule is refused (a training step needs its backwards)."""
+    ``forward_only``: for a step without backwards, which runs the schedule's forwards alone (a
+    training schedule, one with backwards, must still be one a training step runs: an invalid
+    schedule is refused whichever call uses it); otherwise a forward-only schedule is refused (a
+    training step needs its backwards)."""
     # the sizes first, whatever the schedule: a Schedule's were only compared with them, so
     # p="2" was "for p=2 ...; this step has p=2" and True or 2.0 passed for 1 or 2
     num_stages, num_microbatches = _check_sizes(num_stages, num_microbatches)
@@ -509,9 +512,7 @@ def make_schedule(
         sched = schedule
     else:
         sched = Schedule.from_actions(schedule, num_microbatches)
-    if forward_only:
-        sched = sched.forwards()
-    elif sched.forward_only:
+    if sched.forward_only and not forward_only:
         raise ScheduleError(
             f"schedule {sched.name!r} is forward-only: a training step runs each microbatch's forward and "
             "backward on every stage (Pipeline.forward runs forward-only schedules)"
@@ -521,4 +522,10 @@ def make_schedule(
             f"schedule {sched.name!r} is for p={sched.num_stages}, m={sched.num_microbatches}; "
             f"this step has p={num_stages}, m={num_microbatches}"
         )
+    if forward_only:
+        if any(a.kind is Kind.BACKWARD for acts in sched.stages for a in acts):
+            # its order as a training step: the backwards do not run here, so the links' limits
+            # are judged on the forwards alone, below
+            sched.validate(max_unexpected=_UNLIMITED)
+        sched = sched.forwards()
     return sched.validate(max_unexpected=max_unexpected)
