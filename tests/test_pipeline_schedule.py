@@ -150,6 +150,42 @@ def test_each_kind_of_mistake_is_explained(text: str, m: int, needle: str) -> No
     assert needle in str(err.value)
 
 
+def test_a_bad_schedule_of_many_microbatches_gets_an_error_a_user_can_read() -> None:
+    """The error drew every step of the grid and listed every missing action: one B listed twice
+    at the end of GPipe on 4 stages x 1000 microbatches was 2,009 lines (70 KB), and 500
+    backwards missing on every stage a line of 3 KB a stage. It now draws the steps just before
+    where the schedule got stuck, says how many it left out (``grid()`` draws them all), and
+    lists the first missing actions and how many more."""
+    stages = list(gpipe(4, 1000).stages)
+    stages[0], stages[3] = stages[0][:-1], (*stages[3], stages[3][-1])
+    with pytest.raises(ScheduleError) as err:
+        Schedule("custom", 1000, tuple(stages)).validate()
+    message = str(err.value)
+    lines = message.splitlines()
+    assert len(lines) < 40 and len(message) < 3000, f"{len(lines)} lines, {len(message)} bytes"
+    assert lines[0] == (
+        "schedule 'custom' (p=4, m=1000) cannot run: stage 3: B999 runs a second time on stage 3 (first at step 2002)"
+    )
+    assert lines[1] == "step  stage 0 stage 1 stage 2 stage 3"
+    assert "steps 0..1984 left out (Schedule.grid() draws them all)" in lines[2]
+    assert lines[3].startswith("1985  ") and "2002  B996    B997    B998    B999" in lines
+    assert lines[-2:] == [
+        "stuck                         >B999<",
+        "  stage 3: B999 runs a second time on stage 3 (first at step 2002)",
+    ]
+
+    missing = tuple(
+        tuple(a for a in acts if not (a.kind is Kind.BACKWARD and a.microbatch >= 500))
+        for acts in gpipe(4, 1000).stages
+    )
+    with pytest.raises(ScheduleError) as err:
+        Schedule("custom", 1000, missing).validate()
+    message = str(err.value)
+    assert len(message) < 3000, f"{len(message)} bytes"
+    assert "cannot run: stage 0 never runs B500, B501, B502, B503, B504, B505, B506, B507, ... (492 more)" in message
+    assert "  stage 3 never runs B500, B501, B502, B503, B504, B505, B506, B507, ... (492 more)" in message
+
+
 def test_a_valid_grid() -> None:
     assert one_f_one_b(2, 2).grid() == (
         "step  stage 0 stage 1\n   0  F0      .\n   1  F1      F0\n   2  .       B0\n"

@@ -98,6 +98,8 @@ _Link = tuple[int, Kind]  # the messages that ``stage`` receives of ``kind``: (s
 
 #: unreceived messages a receiver holds from one peer unless told otherwise (``Limits``' default)
 DEFAULT_MAX_UNEXPECTED = Limits().max_unexpected
+# how much of a bad schedule its error shows: the steps before it stopped, the first missing actions
+_SHOWN_STEPS, _SHOWN_ACTIONS = 20, 8
 _UNLIMITED = 2**63 - 1  # a max_unexpected no link reaches: a schedule's order alone is judged
 
 
@@ -366,12 +368,17 @@ class Schedule:
         with the stuck actions marked ``>F3<`` in a last row."""
         return self._draw(self._play(max_unexpected))
 
-    def _draw(self, play: _Play) -> str:
+    def _draw(self, play: _Play, steps: int | None = None) -> str:
+        """``play``'s grid; with ``steps``, only its last that many steps (where it stopped) and
+        a line that says which it left out."""
         p = self.num_stages
         width = max([len(f">{a}<") for acts in self.stages for a in acts] + [len(f"stage {p - 1}")])
         head = "step  " + " ".join(f"{'stage ' + str(s):<{width}}" for s in range(p))
         lines = [head.rstrip()]
-        for step, row in enumerate(play.rows):
+        skipped = 0 if steps is None or len(play.rows) <= steps + 1 else len(play.rows) - steps
+        if skipped:
+            lines.append(f"{'...':>4}  steps 0..{skipped - 1} left out (Schedule.grid() draws them all)")
+        for step, row in enumerate(play.rows[skipped:], start=skipped):
             cells = " ".join(f"{str(a) if a is not None else '.':<{width}}" for a in row)
             lines.append(f"{step:>4}  {cells}".rstrip())
         if play.stuck:
@@ -390,11 +397,18 @@ class Schedule:
                 what = f"deadlock: stages {', '.join(map(str, sorted(play.stuck)))} wait on each other"
         else:
             first = min(play.missing)
-            what = f"stage {first} never runs {', '.join(map(str, play.missing[first]))}"
-        lines = [f"schedule {self.name!r} (p={p}, m={m}) cannot run: {what}", self._draw(play)]
+            what = f"stage {first} never runs {_some(play.missing[first])}"
+        lines = [f"schedule {self.name!r} (p={p}, m={m}) cannot run: {what}", self._draw(play, _SHOWN_STEPS)]
         lines += [f"  stage {s}: {why}" for s, why in sorted(play.stuck.items())]
-        lines += [f"  stage {s} never runs {', '.join(map(str, acts))}" for s, acts in sorted(play.missing.items())]
+        lines += [f"  stage {s} never runs {_some(acts)}" for s, acts in sorted(play.missing.items())]
         return "\n".join(lines)
+
+
+def _some(actions: list[Action]) -> str:
+    """The first ``_SHOWN_ACTIONS`` of ``actions``, and how many more there are."""
+    shown = ", ".join(map(str, actions[:_SHOWN_ACTIONS]))
+    more = len(actions) - _SHOWN_ACTIONS
+    return f"{shown}, ... ({more} more)" if more > 0 else shown
 
 
 def _limits(max_unexpected: int | Sequence[int] | None, p: int) -> tuple[int, ...]:
