@@ -82,6 +82,25 @@ def test_an_empty_tensor_whose_shape_a_receiver_refuses_is_refused_at_the_sender
     assert specs[0].shape == fits.shape
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])
+def test_an_empty_torch_tensor_past_what_numpy_can_index_gets_the_impossible_shape_refusal(dtype: str) -> None:
+    """torch makes an empty tensor of shape (0, 2**61) of any dtype, which numpy cannot view (its
+    dimensions count past what it indexes): float64's was refused with numpy's own "array is too
+    big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size" as "no numpy
+    view", not as the impossible shape it is (int8's, which numpy views, was)."""
+    torch = pytest.importorskip("torch")
+    t = torch.empty((0, 2**61), dtype=getattr(torch, dtype))
+    with pytest.raises(tensorwire.UnsupportedTensorError) as err:
+        prepare({"x": t})
+    assert str(err.value) == (
+        f"a {dtype} tensor of shape [0, {2**61}] cannot be sent: its dimensions (empty ones counted as 1) "
+        "describe 2**62 bytes or more, which no receiver accepts"
+    )
+    fits = torch.empty((0, 2**59), dtype=torch.float32)  # 2**61 bytes: it still travels
+    _, specs = decode_header(prepare(fits).header, max_message_bytes=1)
+    assert specs[0].shape == (0, 2**59)
+
+
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
 async def test_an_impossible_empty_shape_fails_the_send_alone(transport: str) -> None:
     async with connected_pair(transport) as (a, b), asyncio.timeout(20):

@@ -23,7 +23,7 @@ from ..errors import ProtocolError, UnsupportedTensorError
 from ._device import DeviceTensor
 from ._dtypes import DTYPES, dtype_name
 from ._tree import Plan, plan, varint
-from ._view import MAX_NDIM, TensorView, empty
+from ._view import _MAX_SHAPE_BYTES, MAX_NDIM, TensorView, empty, impossible_shape, unsendable
 
 __all__ = [
     "WIRE_DTYPES",
@@ -43,9 +43,6 @@ __all__ = [
 
 _CACHE_LIMIT = 1024
 
-# the largest payload a header may describe, counting empty dimensions as 1: a receiver refuses
-# more (nothing it could allocate), so a sender must not send it
-_MAX_SHAPE_BYTES = 1 << 62
 _CUDA_DEVICE = re.compile(r"cuda(:[0-9]{1,6})?")
 MAX_HEADER_BYTES = 2**31 - 1  # protobuf's limit on an encoded message: no receiver could parse more
 
@@ -96,7 +93,7 @@ def host_spec(wire: np.ndarray, framework: str) -> SpecEntry:
         shape = tuple(wire.shape)
         nbytes = int(wire.nbytes)
         if not nbytes and impossible_shape(shape, wire.itemsize):  # (empty: no bytes bound its shape)
-            raise _unsendable(name, shape)
+            raise unsendable(name, shape)
         spec = Spec(name, shape, nbytes, framework, "cpu")
         strides = [st // wire.itemsize for st in wire.strides]
         hit = (spec, _framed_spec(spec, strides))
@@ -110,16 +107,9 @@ def device_spec(view: TensorView, wire: DeviceTensor) -> SpecEntry:
     device = "cuda" if wire.engine.kind == "cuda" else "cpu"
     nbytes = int(wire.nbytes)
     if not nbytes and impossible_shape(view.shape, DTYPES[view.dtype].itemsize):
-        raise _unsendable(view.dtype, view.shape)
+        raise unsendable(view.dtype, view.shape)
     spec = Spec(view.dtype, view.shape, nbytes, view.framework, device)
     return spec, _framed_spec(spec, c_strides(wire.shape))
-
-
-def _unsendable(dtype: str, shape: tuple[int, ...]) -> UnsupportedTensorError:
-    return UnsupportedTensorError(
-        f"a {dtype} tensor of shape {list(shape)[:8]} cannot be sent: its dimensions (empty ones "
-        "counted as 1) describe 2**62 bytes or more, which no receiver accepts"
-    )
 
 
 def _framed_spec(s: Spec, strides: list[int]) -> bytes:
@@ -319,11 +309,6 @@ def _received_spec(t: wire_pb2.TensorSpec) -> Spec:
     else:
         raise ProtocolError(f"header claims device {t.device[:32]!r}, which this build cannot receive")
     return Spec(t.dtype, shape, n, t.framework or "numpy", device)
-
-
-def impossible_shape(shape: tuple[int, ...], itemsize: int) -> bool:
-    """Whether a shape (empty dimensions counted as 1) describes more bytes than a header may."""
-    return math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_SHAPE_BYTES
 
 
 def header_bytes(items: list[bytes], tree: bytes) -> bytes:

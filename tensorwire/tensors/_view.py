@@ -10,6 +10,7 @@ tensorwire never imports either just to check a type.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,14 +39,20 @@ __all__ = [
     "as_view",
     "byte_view",
     "empty",
+    "impossible_shape",
     "is_tensor",
     "mark_written",
     "overlaps_itself",
     "to_framework",
+    "unsendable",
 ]
 
 # numpy's own limit (NPY_MAXDIMS), and so the most dimensions a header may claim
 MAX_NDIM = 64
+
+# the largest payload a header may describe, counting empty dimensions as 1: a receiver refuses
+# more (nothing it could allocate), so a sender must not send it
+_MAX_SHAPE_BYTES = 1 << 62
 
 # torch dtypes that numpy cannot hold natively; moved as same-width integers and re-viewed.
 _TORCH_REVIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
@@ -165,6 +172,8 @@ def _from_torch(t: Any) -> TensorView:
         return TensorView(None, "torch", dev.device, dev, copied=dev.copied)
     t, readonly, copied = resolve_torch_bits(t)  # a conj/neg view: a copy, never written into
     name = str(t.dtype).removeprefix("torch.")
+    if name in DTYPES and not t.numel() and impossible_shape(tuple(t.shape), t.element_size()):
+        raise unsendable(name, tuple(t.shape))  # (numpy views none past what it indexes: (0, 2**61) of float64)
     try:
         if name in _TORCH_REVIEW:
             carrier = getattr(torch, _TORCH_REVIEW[name])
@@ -220,6 +229,19 @@ class _TorchCarriers(dict[Any, Any]):
 
 
 _torch_carriers = _TorchCarriers()
+
+
+def impossible_shape(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether a shape (empty dimensions counted as 1) describes more bytes than a header may."""
+    return math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_SHAPE_BYTES
+
+
+def unsendable(dtype: str, shape: tuple[int, ...]) -> UnsupportedTensorError:
+    """The refusal of an empty tensor whose shape is ``impossible_shape``."""
+    return UnsupportedTensorError(
+        f"a {dtype} tensor of shape {list(shape)[:8]} cannot be sent: its dimensions (empty ones "
+        "counted as 1) describe 2**62 bytes or more, which no receiver accepts"
+    )
 
 
 def as_view(obj: object) -> TensorView:
