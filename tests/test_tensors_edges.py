@@ -101,6 +101,24 @@ def test_an_empty_torch_tensor_past_what_numpy_can_index_gets_the_impossible_sha
     assert specs[0].shape == (0, 2**59)
 
 
+def test_a_byte_swapped_bfloat16_array_is_refused_by_its_name() -> None:
+    """A big-endian bfloat16 (or float8) array was refused as "big-endian dtype >V2", a plain
+    void type to the reader: ml_dtypes' types have no str of their own."""
+    import ml_dtypes
+
+    from tensorwire.tensors import as_view, dtype_name
+
+    for dt, name in [(ml_dtypes.bfloat16, "bfloat16"), (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"), ("f4", "float32")]:
+        swapped = np.zeros(3, dt).view(np.dtype(dt).newbyteorder(">"))
+        refusal = f"big-endian dtype {name} ({swapped.dtype.str}) is not supported; convert to native order"
+        with pytest.raises(tensorwire.UnsupportedTensorError) as err:
+            as_view(swapped)
+        assert str(err.value) == refusal
+        with pytest.raises(tensorwire.UnsupportedTensorError) as err:
+            dtype_name(swapped.dtype)
+        assert str(err.value) == refusal
+
+
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
 async def test_an_impossible_empty_shape_fails_the_send_alone(transport: str) -> None:
     async with connected_pair(transport) as (a, b), asyncio.timeout(20):

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import UnsupportedTensorError
 
-__all__ = ["DTYPES", "dtype_from_name", "dtype_name"]
+__all__ = ["DTYPES", "big_endian", "dtype_from_name", "dtype_name"]
 
 DTYPES: dict[str, np.dtype] = {
     "bool": np.dtype(np.bool_),
@@ -42,9 +42,17 @@ def dtype_name(dtype: np.dtype) -> str:
     name = _NAMES.get(dt)
     if name is None:
         if dt.byteorder == ">" or (dt.byteorder == "=" and np.little_endian is False):
-            raise UnsupportedTensorError(f"big-endian dtype {dt!s} is not supported; convert to native order")
+            raise big_endian(dt)
         raise UnsupportedTensorError(f"dtype {dt!s} is not supported; supported: {', '.join(DTYPES)}")
     return name
+
+
+def big_endian(dtype: np.dtype) -> UnsupportedTensorError:
+    """The refusal of a big-endian dtype, named by the wire name of its native twin as well: a
+    byte-swapped bfloat16 is ``>V2`` to numpy, a plain void type to the reader."""
+    name = _NAMES.get(dtype.newbyteorder("="))
+    shown = f"{name} ({dtype.str})" if name is not None else str(dtype)
+    return UnsupportedTensorError(f"big-endian dtype {shown} is not supported; convert to native order")
 
 
 def dtype_from_name(name: str) -> np.dtype:

@@ -31,7 +31,7 @@ from ._device import (
     overlapping,
     resolve_torch_bits,
 )
-from ._dtypes import DTYPES, dtype_from_name, dtype_name
+from ._dtypes import DTYPES, big_endian, dtype_from_name, dtype_name
 
 __all__ = [
     "MAX_NDIM",
@@ -304,7 +304,7 @@ def as_view(obj: object) -> TensorView:
                 raise UnsupportedTensorError(f"{type(obj).__name__}'s buffer cannot be read: {exc}") from exc
             framework = "numpy"
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder not in "=|" and not arr.dtype.isnative):
-        raise UnsupportedTensorError(f"big-endian dtype {arr.dtype} is not supported; convert to native order")
+        raise big_endian(arr.dtype)
     dtype_name(arr.dtype)
     return TensorView(arr, framework, readonly=readonly, copied=copied)
 
