@@ -25,7 +25,7 @@ from tensorwire.errors import ProtocolError, TransferError, UnsupportedTensorErr
 from tensorwire.tensors import DTYPES, Spec, decode_header, prepare, rebuild
 from tensorwire.tensors._message import MAX_DEPTH
 from tensorwire.transports import Limits, TransportContext
-from tensorwire.transports._frames import FrameHeader, FrameType, PeerLimits, pack, unpack
+from tensorwire.transports._frames import FrameHeader, FrameType, PeerLimits, pack, unpack, unpack_fields
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LAYOUT = struct.Struct("<4sBBHIQQqQI")  # the documented 48-byte header, independent of _frames
@@ -93,6 +93,28 @@ def test_pack_unpack_round_trip(
     assert len(data) == 48
     assert LAYOUT.unpack(data) == (MAGIC, ftype, flags, 0, meta_len, payload_len, msg_id, arg, credit, slots)
     assert unpack(data) == FrameHeader(ftype, flags, meta_len, payload_len, msg_id, arg, credit, slots)
+
+
+@pytest.mark.parametrize("size", [0, 1, 47])
+def test_unpack_of_a_short_header_raises_protocol_error(size: int) -> None:
+    """Fewer than 48 bytes raised struct.error ("unpack_from requires a buffer of at least 48
+    bytes"), not the ProtocolError this module promises (no caller passes fewer today); the 48
+    bytes at an offset past the end likewise."""
+    data = pack(FrameType.DATA)
+    for form in (data[:size], bytearray(data[:size]), memoryview(data)[:size]):
+        with pytest.raises(ProtocolError, match="48"):
+            unpack(form)
+    with pytest.raises(ProtocolError, match="48"):
+        unpack_fields(data + data, 49)
+
+
+@pytest.mark.parametrize("size", [0, 1, 27, 29])
+def test_peer_limits_of_the_wrong_size_raise_protocol_error(size: int) -> None:
+    """Limits of any size but 28 bytes raised struct.error ("unpack requires a buffer of 28
+    bytes"), not ProtocolError (no caller passes another size today)."""
+    data = (PeerLimits(64 << 20, 1024, 1 << 40, 1 << 20).pack() + bytes(8))[:size]
+    with pytest.raises(ProtocolError, match="28"):
+        PeerLimits.unpack(data)
 
 
 # == the limits a peer promises ======================================================================

@@ -130,8 +130,8 @@ def _header_check(data: bytes | bytearray | memoryview, offset: int) -> int:
 
 def unpack(data: bytes | bytearray | memoryview, *, checked: bool = False) -> FrameHeader:
     """Decode the frame header at the start of ``data`` (a receive buffer may hold more);
-    ProtocolError on bad magic, unknown type or reserved bits, IntegrityError when ``checked``
-    and its header check does not match."""
+    ProtocolError on too few bytes, bad magic, unknown type or reserved bits, IntegrityError
+    when ``checked`` and its header check does not match."""
     return FrameHeader(*unpack_fields(data, checked=checked))
 
 
@@ -140,7 +140,10 @@ def unpack_fields(
 ) -> tuple[FrameType, int, int, int, int, int, int, int]:
     """``unpack`` as a plain tuple in FrameHeader's order, of the header at ``offset`` (no
     NamedTuple built: the per-message paths of the transports call this)."""
-    magic, ftype, flags, check, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(data, offset)
+    try:
+        magic, ftype, flags, check, meta_len, payload_len, msg_id, arg, credit, slots = HEADER.unpack_from(data, offset)
+    except struct.error as exc:  # (no transport passes fewer bytes)
+        raise ProtocolError(f"a frame header is {HEADER.size} bytes: {exc}") from exc
     if checked and check != _header_check(data, offset):
         raise IntegrityError("a frame header does not match its check: the stream was corrupted")
     if magic != MAGIC:
@@ -170,11 +173,14 @@ class PeerLimits:
 
     @classmethod
     def unpack(cls, data: bytes) -> PeerLimits:
-        """The limits a peer sent in its handshake; ProtocolError for limits no channel can
-        keep: no message slot (every send would wait for one forever), a header bound below
-        ``Limits.MIN_HEADER_BYTES`` (not even a short error reply would fit), or flags this
-        version does not know."""
-        limits = cls(*LIMITS.unpack(data))
+        """The limits a peer sent in its handshake; ProtocolError for bytes of another size, or
+        limits no channel can keep: no message slot (every send would wait for one forever), a
+        header bound below ``Limits.MIN_HEADER_BYTES`` (not even a short error reply would fit),
+        or flags this version does not know."""
+        try:
+            limits = cls(*LIMITS.unpack(data))
+        except struct.error as exc:  # (no transport passes another size)
+            raise ProtocolError(f"peer limits are {LIMITS.size} bytes, not {len(data)}") from exc
         if limits.max_unexpected < 1:
             raise ProtocolError("peer limits allow no message in flight (max_unexpected 0)")
         if limits.max_header_bytes < Limits.MIN_HEADER_BYTES:
