@@ -182,6 +182,36 @@ async def test_out_buffer_registered_once() -> None:
         assert smem.registrations - before <= 1
 
 
+async def test_memory_its_owner_moved_is_not_sent_from_a_stale_registration() -> None:
+    """A registration pins the pages behind its range when it is made. An mmap (or an
+    array.array) that a numpy array is built over (``np.ndarray(buffer=...)``, ``np.memmap``) is
+    that array's owner, and it can give its pages back and take new ones at the same addresses
+    while it lives (``resize``), once no array is left over it. The cache kept the registration
+    for as long as the owner lived, so the second send below went out of the old pages: the
+    receiver got the first send's bytes in the tail. Only owners that cannot do that are cached
+    (a numpy array that owns its memory: numpy refuses to resize one with a weak reference; a
+    memoryview: its exporter cannot resize while it lives)."""
+    size = MiB
+    async with _pair() as (a, b):
+        # (private: a shared anonymous mapping keeps its pages in its shmem object when it shrinks)
+        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = np.ndarray((size,), np.uint8, buffer=mm)
+        view[:] = 1
+        await a.send(view, tag="m")
+        assert np.all(await b.recv(tag="m") == 1)
+        address = view.ctypes.data
+        del view
+        mm.resize(size // 2)  # the tail's pages go back to the kernel
+        mm.resize(size)  # and new ones come at the same addresses (mremap grows it in place)
+        view = np.ndarray((size,), np.uint8, buffer=mm)
+        assert view.ctypes.data == address, "the mapping moved: this run cannot show a stale registration"
+        assert np.all(view[size // 2 :] == 0)
+        view[:] = 2
+        await a.send(view, tag="m")
+        got = await b.recv(tag="m")
+        assert np.all(got == 2), f"{np.count_nonzero(got != 2)} bytes came from the pages the mmap gave back"
+
+
 async def test_staged_device_memory_registers_each_staging_chunk_once() -> None:
     """Reads into device memory (host-engine memory, staged as CUDA memory is on verbs) get
     into the staging chunks themselves, and writes put from them: the chunks are registered the

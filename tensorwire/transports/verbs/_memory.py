@@ -8,10 +8,16 @@ serves any later use inside that range with no more than those rights.
 A registration pins the *physical* pages behind a virtual range. If the memory were freed and
 the range reused, a cached registration would still point at the old pages, so every cached
 entry is tied to the object that owns the memory (the root of a numpy array's ``base`` chain)
-through a weak reference: when the owner dies, its entries are deregistered. Memory whose owner
-cannot be weakly referenced is registered for one use only. The cache is bounded (entries and
-pinned bytes); the least recently used idle entries go first, and a registration refused with
-ENOMEM evicts every idle entry and tries once more before it fails with RegistrationError.
+through a weak reference: when the owner dies, its entries are deregistered. That holds only
+for owners whose memory stays where it is for as long as they live (``_keeps_memory``): a
+numpy array that owns its memory (numpy refuses to resize one that is weakly referenced) and a
+memoryview (its exporter cannot resize while it lives). Any other owner (an ``mmap``, an
+``array.array``: ``np.ndarray(buffer=...)``, ``np.memmap``) can give its pages back and take new
+ones at the same addresses once no array is left over it, and memory whose owner cannot be
+weakly referenced has no end to watch: both are registered for one use only. The cache is
+bounded (entries and pinned bytes); the least recently used idle entries go first, and a
+registration refused with ENOMEM evicts every idle entry and tries once more before it fails
+with RegistrationError.
 
 Registering memory that RDMA writes into faults in every page of it that was never written
 (a recv's new buffer, an ``out=`` fresh from ``np.empty``), and ``ibv_reg_mr`` does that while
@@ -134,6 +140,17 @@ def owner_of(arr: np.ndarray) -> Any:
     return obj
 
 
+def _keeps_memory(owner: object) -> bool:
+    """Whether ``owner``'s memory stays at the same pages for as long as it lives, so that a
+    registration of it may be cached until it dies (module docstring). An mmap resized to half
+    and back while no array was over it kept its address and took new pages for the tail, and a
+    cached registration went on sending the old ones (``tests/verbs``:
+    ``test_memory_its_owner_moved_is_not_sent_from_a_stale_registration``)."""
+    if isinstance(owner, np.ndarray):
+        return bool(owner.flags.owndata)  # (one that does not own its memory cannot say when it goes)
+    return isinstance(owner, memoryview)
+
+
 class Region:
     """One memory registration (an ``ibv_mr``) and who is using it."""
 
@@ -204,8 +221,8 @@ class MemoryCache:
                 region.uses += 1
                 self._lru.move_to_end(region)
                 return region
-        cached = True
-        if root not in self._finalizers:
+        cached = _keeps_memory(owner)  # (else its pages may change under a registration: this use only)
+        if cached and root not in self._finalizers:
             try:
                 self._finalizers[root] = weakref.finalize(owner, self._owner_died, root)
             except TypeError:
