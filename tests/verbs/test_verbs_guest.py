@@ -212,6 +212,35 @@ async def test_memory_its_owner_moved_is_not_sent_from_a_stale_registration() ->
         assert np.all(got == 2), f"{np.count_nonzero(got != 2)} bytes came from the pages the mmap gave back"
 
 
+async def test_channel_get_and_put_into_a_numpy_array_register_it_once() -> None:
+    """The channel's own get and put (``OneSidedChannel``) took each buffer through a new
+    memoryview, the owner the registration cache tied its registration to: it was registered
+    and deregistered again on every call. And a buffer that is not C-contiguous raised
+    memoryview's TypeError, not an error of tensorwire's."""
+    async with _pair() as (a, b):
+        kv = np.arange(MiB // 4, dtype=np.int32)
+        a.node.expose(kv, name="kv")
+        h = await b.lookup("kv")
+        addr = unpack_remote_key(h.remote_key).address
+        channel = b.channel
+        assert isinstance(channel, VerbsChannel)
+        key = channel.remote_key(unpack_remote_key(h.remote_key).key)
+        mem = _transport(b).memory
+        assert mem is not None
+        dest = np.zeros_like(kv)
+        src = kv + 5
+        await channel.get(addr, key, dest)
+        await channel.put(src, addr, key)
+        before = mem.registrations
+        for _ in range(3):
+            await channel.get(addr, key, dest)
+            await channel.put(src, addr, key)
+        assert np.array_equal(dest, kv) and np.array_equal(kv, src)
+        assert mem.registrations == before, f"{mem.registrations - before} registrations for 6 more gets and puts"
+        with pytest.raises(TransferError, match="contiguous"):
+            await channel.get(addr, key, np.zeros((256, 2), np.int32)[:, 0])
+
+
 async def test_staged_device_memory_registers_each_staging_chunk_once() -> None:
     """Reads into device memory (host-engine memory, staged as CUDA memory is on verbs) get
     into the staging chunks themselves, and writes put from them: the chunks are registered the

@@ -930,11 +930,11 @@ class VerbsChannel(Channel):
                 self._mem.release(region)
 
     async def get(self, remote_addr: int, rkey: RemoteKey, dest: Any) -> None:
-        arr = np.frombuffer(memoryview(dest).cast("B"), np.uint8)
+        arr = _bytes_of(dest)
         await self.rma("get", arr.__array_interface__["data"][0], arr.nbytes, remote_addr, rkey, arr)
 
     async def put(self, src: Any, remote_addr: int, rkey: RemoteKey) -> None:
-        arr = np.frombuffer(memoryview(src).cast("B"), np.uint8)
+        arr = _bytes_of(src)
         await self.rma("put", arr.__array_interface__["data"][0], arr.nbytes, remote_addr, rkey, arr)
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -1073,6 +1073,22 @@ class VerbsChannel(Channel):
 
     def fail(self, exc: BaseException) -> None:
         self._shutdown(ChannelState.BROKEN, exc)
+
+
+def _bytes_of(buf: Any) -> np.ndarray:
+    """The bytes of ``buf`` (a numpy array or any buffer, C-contiguous) as a flat uint8 array.
+    A numpy array's own bytes keep its ``base`` chain, so that the registration cache finds
+    them again by their owner; one taken through a new memoryview had that memoryview for its
+    owner, and was registered and deregistered on every get and put."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise TransferError("verbs get and put take C-contiguous memory")
+        return buf.reshape(-1).view(np.uint8)
+    try:
+        view = memoryview(buf).cast("B")
+    except (TypeError, ValueError) as exc:  # not a buffer, or not a C-contiguous one
+        raise TransferError(f"verbs get and put take C-contiguous memory: {exc}") from exc
+    return np.frombuffer(view, np.uint8)
 
 
 def _holds(arr: np.ndarray, ptr: int, n: int) -> bool:
