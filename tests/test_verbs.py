@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import os
 import random
 import weakref
@@ -25,7 +26,15 @@ from tensorwire.errors import BrokenResourceError, PeerDisconnected, ProtocolErr
 from tensorwire.tensors import prepare
 from tensorwire.transports import ChannelState, Limits, probe_all
 from tensorwire.transports._frames import PeerLimits
-from tensorwire.transports.verbs import RemoteKey, VerbsChannel, VerbsTransport, _channel, choose_gid, choose_port
+from tensorwire.transports.verbs import (
+    RemoteKey,
+    VerbsChannel,
+    VerbsTransport,
+    _channel,
+    _memory,
+    choose_gid,
+    choose_port,
+)
 from tensorwire.transports.verbs._wire import Kind, Offer, QpInfo
 
 pytestmark = pytest.mark.timeout(30)
@@ -528,3 +537,42 @@ def test_a_queue_pair_that_cannot_be_created_is_a_connect_error(monkeypatch: pyt
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_torch_tensor_sent_again_is_registered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch tensor's numpy view (``t.numpy()``) has a new alias tensor of its own for its
+    ``base`` each time, which the registration cache took for the memory's owner: each send of
+    the same tensor found no registration, registered it again and deregistered it once the
+    message was gone (an ``ibv_reg_mr`` on the loop per send, where docs/verbs.md promised one per
+    tensor). Its owner is the tensor's storage, which is the same object for as long as it
+    lives, and which cannot be resized once numpy has a view of it. (The registrations here are
+    stand-ins that count: registering needs an RDMA device, the guest has no torch.)"""
+    torch = pytest.importorskip("torch")
+    live: list[object] = []
+
+    class MR:
+        def __init__(self, pd: object, length: int, access: int, address: int) -> None:
+            self.lkey = self.rkey = 1
+            live.append(self)
+
+        def close(self) -> None:
+            live.remove(self)
+
+    monkeypatch.setattr(
+        _memory, "pv", lambda: SimpleNamespace(mr=SimpleNamespace(MR=MR), pyverbs_error=_PV.pyverbs_error)
+    )
+    cache = _memory.MemoryCache(None)
+    t = torch.arange(1 << 18, dtype=torch.int32)
+    for _ in range(3):
+        msg = prepare(t)
+        cache.release(cache.acquire(msg.arrays[0], 4))
+        del msg
+        gc.collect()
+    assert (cache.registrations, cache.hits) == (1, 2), (cache.registrations, cache.hits)
+    assert len(live) == 1 and len(cache) == 1
+    row = prepare(t[1024:2048])  # a view of it: the same storage, inside the same registration
+    cache.release(cache.acquire(row.arrays[0], 4))
+    assert cache.registrations == 1
+    del row, t
+    gc.collect()
+    assert not live and not len(cache), "the tensor is gone, and its registration stayed"

@@ -11,7 +11,8 @@ entry is tied to the object that owns the memory (the root of a numpy array's ``
 through a weak reference: when the owner dies, its entries are deregistered. That holds only
 for owners whose memory stays where it is for as long as they live (``_keeps_memory``): a
 numpy array that owns its memory (numpy refuses to resize one that is weakly referenced) and a
-memoryview (its exporter cannot resize while it lives). Any other owner (an ``mmap``, an
+memoryview (its exporter cannot resize while it lives); a torch tensor's owner is its storage,
+which torch makes unresizable once numpy has a view of it. Any other owner (an ``mmap``, an
 ``array.array``: ``np.ndarray(buffer=...)``, ``np.memmap``) can give its pages back and take new
 ones at the same addresses once no array is left over it, and memory whose owner cannot be
 weakly referenced has no end to watch: both are registered for one use only. The cache is
@@ -32,6 +33,7 @@ import ctypes
 import logging
 import mmap
 import resource
+import sys
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -133,10 +135,16 @@ def _c() -> Any:
 
 
 def owner_of(arr: np.ndarray) -> Any:
-    """The object that owns ``arr``'s memory: the end of its ``base`` chain."""
+    """The object that owns ``arr``'s memory: the end of its ``base`` chain, or, where that is a
+    torch tensor, its storage. (``t.numpy()`` makes a new alias tensor for its ``base`` each
+    time: taken for the owner, it died with each message, and a tensor sent again was
+    registered again, every time.)"""
     obj: Any = arr
     while isinstance(obj, np.ndarray) and obj.base is not None:
         obj = obj.base
+    torch = sys.modules.get("torch")  # (none can be the base before torch is imported)
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return obj.untyped_storage()  # the same object for as long as the storage lives
     return obj
 
 
@@ -148,6 +156,9 @@ def _keeps_memory(owner: object) -> bool:
     ``test_memory_its_owner_moved_is_not_sent_from_a_stale_registration``)."""
     if isinstance(owner, np.ndarray):
         return bool(owner.flags.owndata)  # (one that does not own its memory cannot say when it goes)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(owner, torch.UntypedStorage):
+        return not owner.resizable()  # (torch makes it so once numpy has a view of it)
     return isinstance(owner, memoryview)
 
 
