@@ -501,6 +501,35 @@ async def test_closing_while_its_recv_reads_a_message_lets_the_sender_know_it_ar
         assert isinstance(sent, tensorwire.Receipt), f"a's send said {sent!r} though b got its message"
 
 
+async def test_a_close_whose_grace_ends_amid_its_recv_reads_delivers_nothing_the_sender_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """b closes while its recv reads a's message, and the goodbye grace ends first (a loaded
+    host; here a grace of 0): the BYE went ahead of the message's FIN, which the recv queues for
+    the loop turn after it returns, and a's send failed with PeerDisconnected while b's recv
+    returned the message (so a caller that sent it again delivered it twice; seen under load in
+    test_closing_while_its_recv_reads_a_message_lets_the_sender_know_it_arrived). Now a
+    returned message's FIN goes before the BYE, and a recv whose READs are still under way as
+    the BYE goes fails (its sender fails), though its READs finish."""
+    from tensorwire.transports.verbs import _channel
+
+    monkeypatch.setattr(_channel, "BYE_GRACE", 0.0)
+    src = (np.arange(MiB) % 251).astype(np.uint8)
+    async with _pair() as (a, b):
+        cb = b.channel
+        assert isinstance(cb, VerbsChannel)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        out = np.zeros_like(src)
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        await eventually(lambda: bool(cb._rdma_cbs), seconds=30, pause=0)  # its READs are posted
+        close = asyncio.ensure_future(cb.aclose())
+        sent, got, _ = await asyncio.gather(
+            asyncio.wait_for(send, 30), asyncio.wait_for(recv, 30), close, return_exceptions=True
+        )
+        delivered = isinstance(got, np.ndarray)
+        assert delivered == isinstance(sent, tensorwire.Receipt), f"a's send said {sent!r}, b's recv {got!r}"
+
+
 def _resident(address: int, length: int) -> float:
     """The share of the pages of ``[address, address + length)`` in memory now (``mincore``)."""
     libc = ctypes.CDLL(None, use_errno=True)

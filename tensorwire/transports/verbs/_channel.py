@@ -128,7 +128,7 @@ class _Out:
 class _Incoming:
     """A message whose payload is (or will be) read from the sender's memory."""
 
-    __slots__ = ("arrival", "pending", "pulled", "regions", "rendezvous", "segs")
+    __slots__ = ("arrival", "cut", "pending", "pulled", "regions", "rendezvous", "segs")
 
     def __init__(self, arrival: Arrival, segs: list[tuple[int, int, int]], rendezvous: bool) -> None:
         self.arrival = arrival
@@ -137,6 +137,7 @@ class _Incoming:
         self.pulled = False  # a recv reads it (and sends the FIN once it has returned)
         self.pending = 0
         self.regions: list[Region] = []
+        self.cut = False  # our BYE went before its FIN could: its sender fails it (``aclose``)
 
 
 class VerbsChannel(Channel):
@@ -201,6 +202,7 @@ class VerbsChannel(Channel):
         self._budget = ReceiveBudget(limits, self._want_credit)
         self._next_id = 1
         self._fins: dict[int, asyncio.Future[int]] = {}
+        self._fins_due: set[int] = set()  # FINs of messages recvs returned, to go next loop turn (pull)
         # each send waiting for its FIN: its frames, bytes and whether it went eager (``_ending``)
         self._described: dict[int, tuple[list[_Out], int, bool]] = {}
         # the sends asked back (ABORT) at the peer's goodbye: a FIN saying dropped fails them with it
@@ -743,6 +745,12 @@ class VerbsChannel(Channel):
         if entry.pending:
             return
         arrival = entry.arrival
+        if entry.cut:  # its sender took our BYE for "not read": it must not arrive here either
+            self._release_regions(entry)
+            self._incoming.pop(arrival.msg_id, None)
+            arrival.fail(ClosedResourceError("channel closed before the message was read whole"))
+            self.release(arrival)
+            return
         self._release_regions(entry)
         self._incoming.pop(arrival.msg_id, None)
         arrival.written = arrival.nbytes
@@ -751,6 +759,12 @@ class VerbsChannel(Channel):
             # (closing: the FIN goes now, ahead of the BYE, not once the recv has returned)
             entry.pulled = False
             self._fin(arrival.msg_id)
+
+    def _fin_due(self, msg_id: int) -> None:
+        """The FIN of a message a recv has returned (``pull``), if not sent yet (``aclose``)."""
+        if msg_id in self._fins_due:
+            self._fins_due.discard(msg_id)
+            self._fin(msg_id)
 
     def _fin(self, msg_id: int) -> None:
         # also while closing: the message is read whole (a recv may have returned it), and its
@@ -782,7 +796,8 @@ class VerbsChannel(Channel):
         if entry is not None and entry.pulled and arrival.done.done() and arrival.done.exception() is None:
             # the sender's send returns on FIN: let this recv return (and its caller post the
             # next one) first, so that a sender going back to back finds the next recv waiting
-            self._loop.call_soon(self._fin, arrival.msg_id)
+            self._fins_due.add(arrival.msg_id)
+            self._loop.call_soon(self._fin_due, arrival.msg_id)
         if cancelled:
             raise asyncio.CancelledError
         arrival.done.result()
@@ -1040,6 +1055,17 @@ class VerbsChannel(Channel):
                     if not sent.done():
                         sent.set_result(None)
 
+                # READs still under way (the grace ran out): the BYE reaches the peer before
+                # their FINs, and it fails their sends, so their recvs fail too, though the READs
+                # finish before the queue pair goes (the BYE's completion waits for them); a recv
+                # that returned the message left its send failed, and a caller that sent it again
+                # delivered it twice
+                # and a message a recv has returned gets its FIN now, ahead of the BYE (``pull``
+                # queues it for the next loop turn, which the grace may not have left)
+                for entry in self._incoming.values():
+                    entry.cut = True
+                for msg_id in sorted(self._fins_due):
+                    self._fin_due(msg_id)
                 self._post(_Out(Kind.BYE, ctrl=True), done)
                 async with asyncio.timeout_at(max(deadline, self._loop.time() + 0.1)):
                     await sent  # the peer's ring took it
