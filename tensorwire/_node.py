@@ -1051,9 +1051,14 @@ class Node:
         await asyncio.gather(*[p.aclose() for p in list(self.peers)], return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace=0.2)
+        # the transports first: a ucx worker may still serve a closed peer's gets and puts from
+        # and into exposed memory (UCX's emulated one-sided operations over tcp: its endpoint's
+        # close goes on for as long as they do), and only its shutdown ends that for certain.
+        # Unexposed tensors waiting for it (``UcxChannel.settled``) are let go after it, and
+        # the exposed ones too: let go before, a get still served crashed the process (SIGSEGV)
+        await asyncio.gather(*[t.aclose() for t in self.transports.values()], return_exceptions=True)
         await asyncio.gather(*self._retiring, return_exceptions=True)  # their peers are closed
         self.exposures.clear()  # no peer can reach them now: unregister, let the tensors go
-        await asyncio.gather(*[t.aclose() for t in self.transports.values()], return_exceptions=True)
         await asyncio.gather(*self._waiting, return_exceptions=True)
         loop_end, self._loop_end = self._loop_end, None
         if loop_end is not None:

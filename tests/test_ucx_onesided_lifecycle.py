@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -112,6 +113,53 @@ async def test_an_owner_lets_go_of_an_unexposed_tensor_a_closed_readers_get_was_
         async with asyncio.timeout(20):
             said = (await child.stdout.read()).decode()
             code = await child.wait()
+        assert code == 0 and "alive" in said, f"the owner exited with {code} after it let the tensor go"
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+async def test_an_owner_lets_go_of_an_unexposed_tensor_only_once_a_slow_closed_readers_get_was_answered() -> None:
+    """As above, with a reader that takes the get's answer slowly (its loop stalls now and then)
+    and stays up: the owner's endpoint close gave up on its flush after 1 s while UCX went on
+    answering the get from the tensor, ``await unexpose`` returned, and the owner freed it and
+    died of SIGSEGV as the reader took more. Now unexpose waits for UCX's close to end."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _OWNER, "after-close", stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    try:
+        async with asyncio.timeout(15):
+            address = (await child.stdout.readline()).decode().strip()
+        async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as node:
+            peer = await node.connect(address)
+            h = await peer.lookup("x")
+            assert h.direct
+            out = np.zeros(512 << 20, np.uint8)
+            read = asyncio.ensure_future(peer.read(h, out=out))
+            async with asyncio.timeout(10):
+                while not out[0] and not read.done():  # noqa: ASYNC110 - the landing is the point
+                    await asyncio.sleep(0)
+            assert not read.done(), "the get ended before the reader closed"
+
+            async def stall() -> None:
+                while True:
+                    time.sleep(0.1)  # noqa: ASYNC251 - a slow reader is the point
+                    await asyncio.sleep(0.001)
+
+            staller = asyncio.ensure_future(stall())
+            try:
+                await peer.send(None, tag="closing")
+                await peer.aclose()
+                async with asyncio.timeout(40):
+                    said = (await child.stdout.read()).decode()
+                    code = await child.wait()
+            finally:
+                staller.cancel()
+            await asyncio.gather(read, staller, return_exceptions=True)
         assert code == 0 and "alive" in said, f"the owner exited with {code} after it let the tensor go"
     finally:
         if child.returncode is None:

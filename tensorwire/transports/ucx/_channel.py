@@ -386,7 +386,8 @@ class UcxChannel(Channel):
         self._rma_shut: set[asyncio.Future[None]] = set()  # those the channel's shutdown caught
         self._rkeys: set[RemoteKey] = set()
         self._closed_ev = asyncio.Event()
-        self._ep_closing: asyncio.Task[None] | None = None  # the endpoint's close (``settled``)
+        # resolved once UCX has let go of the endpoint (``settled``, ``Worker.close_endpoint``)
+        self._ep_released: asyncio.Future[None] | None = None
         self.lanes = self._query_lanes()
         # whether a get/put reaches the peer's memory without its CPU (a cma or RDMA lane), or
         # UCX emulates it and the peer's worker serves it (the receipts say which)
@@ -1557,26 +1558,28 @@ class UcxChannel(Channel):
         # the endpoint goes with the channel: a ucxx endpoint holds its worker, and a closed
         # channel that its peer still referenced kept the node's closed UCX worker alive
         ep, self._ep = self._ep, None
-        task = self._loop.create_task(self._w.close_endpoint(ep))
-        self._w.track(task)
-        self._ep_closing = task
+        self._ep_released = self._loop.create_future()
+        self._w.track(self._loop.create_task(self._w.close_endpoint(ep, released=self._ep_released)))
 
     def settled(self) -> Awaitable[None]:
         return self._settled()
 
     async def _settled(self) -> None:
-        """Once the channel has shut and its endpoint is closed: from then on UCX serves none of
-        the peer's gets and puts of this node's memory. Over lanes that emulate them (tcp, and
-        shared memory without cma) this node's worker reads and writes the memory for the peer,
-        and a get under way when the peer closed or said goodbye was still being answered from
-        it after that: an owner that let an unexposed tensor go then (its revocation done, as
-        the peer had gone) crashed (SIGSEGV) or sent the peer memory it had reused. Bounded: a
-        peer that said goodbye and stays silent is declared dead at its lease, and the close
-        gives a flush ``close_endpoint``'s grace."""
+        """Once the channel has shut and UCX has let go of its endpoint (its close completed, or
+        the worker shut): from then on UCX serves none of the peer's gets and puts of this node's
+        memory. Over lanes that emulate them (tcp, and shared memory without cma) this node's
+        worker reads and writes the memory for the peer, and a get under way when the peer
+        closed or said goodbye was still being answered from it after that: an owner that let an
+        unexposed tensor go then (its revocation done, as the peer had gone) crashed (SIGSEGV)
+        or sent the peer memory it had reused. The endpoint's close waits for those gets and
+        puts; ``close_endpoint`` stops waiting after its grace (1 s, and a loaded machine served
+        a 512 MiB get for longer), UCX does not: this waits for UCX. Bounded by the peer (a
+        process that ends fails its lanes, and the close with them) and by this node's close
+        (which shuts the worker)."""
         await self._closed_ev.wait()
-        task = self._ep_closing
-        if task is not None:
-            await asyncio.wait([task])
+        released = self._ep_released
+        if released is not None:
+            await asyncio.wait([released])
 
     def _fail_one_sided(self, futs: list[asyncio.Future[None]], exc: BaseException) -> None:
         """One-sided requests that UCX had not completed ``_LANDING_GRACE`` after the channel

@@ -418,6 +418,12 @@ class Worker:
         # rkey that outstanding operations use
         self._retired: list[tuple[set[int], list[Any]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        # endpoint closes UCX has not finished, each resolved once it has, or the worker shut
+        # (``close_endpoint``'s ``released``)
+        self._releasing: set[asyncio.Future[None]] = set()
+        # raw endpoint closes in the graveyard (not polled: one to a peer that died never ends),
+        # each with the wait resolved once UCX completes it
+        self._closes: dict[int, asyncio.Future[None]] = {}
         self._scheduled = False
         self._fallback: asyncio.TimerHandle | None = None
         self._last = time.monotonic()  # UCX last made progress
@@ -928,6 +934,8 @@ class Worker:
             elif ptr in self._raw_graveyard:
                 if status_of(ptr) != UCS_INPROGRESS:
                     del self._raw_graveyard[ptr]
+                    if (closed := self._closes.pop(ptr, None)) is not None:
+                        closed.set_result(None)
                     self._payload_peers.pop(ptr, None)
                     ucp.request_release(ptr)
             elif ptr in self._raw_recv_gone:
@@ -1157,8 +1165,15 @@ class Worker:
         )
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def close_endpoint(self, ep: Any, grace: float = 1.0) -> None:
+    async def close_endpoint(self, ep: Any, grace: float = 1.0, released: asyncio.Future[None] | None = None) -> None:
         """Close a UCX endpoint without ever blocking the loop (a dead peer's flush times out).
+
+        ``released`` is resolved once UCX has let go of the endpoint: its close has completed (and
+        the flush in it: every get of this node's memory it was answering and put it was landing
+        has ended), or failed, or the worker has shut (nothing progresses it any more). That may
+        be long after this returns: a close that gave up waiting (``grace``) goes on in UCX, and
+        over lanes that emulate gets and puts the worker still served a peer's get from memory
+        through it, and landed its puts (the owner that let the memory go then died of SIGSEGV).
 
         Where UCX has found the peer gone (a tcp lane reset) the endpoint's lanes have failed, and
         its closing flush fails on each, at once: UCX logs "error during flush" per lane (twice
@@ -1177,34 +1192,54 @@ class Worker:
         shut worker held the endpoint and the worker (2 listening sockets, 3 mappings)."""
         deadline = self.loop.time() + grace
         try:
-            flushed = await self._flushed(ep, deadline)
+            flushed = await self._flushed(ep, deadline, released)
         except BaseException:  # (cancelled: nothing may wait now, and nothing may be left to ucxx)
-            self._close_stuck(ep)
+            self._close_stuck(ep, released)
             raise
         if not flushed:
             return
+        fut = None
         try:
-            with quiet(_CLOSING_FLUSH, "closing an endpoint whose peer is gone"):
-                req = ep.close()
-        except Exception as exc:
-            log.debug("ucx endpoint close failed: %s", exc)
-            return
-        if req is None:
-            return
-        fut = self.future(req)
-        try:
+            try:
+                with quiet(_CLOSING_FLUSH, "closing an endpoint whose peer is gone"):
+                    req = ep.close()
+            except Exception as exc:
+                log.debug("ucx endpoint close failed: %s", exc)
+                return
+            if req is None:
+                return
+            fut = self.future(req)
             async with asyncio.timeout_at(max(deadline, self.loop.time() + 0.1)):
-                await fut
-        except TimeoutError:
+                await asyncio.shield(fut)
+        except TimeoutError:  # (still watched: ``released`` waits for it)
             log.debug("ucx endpoint close did not finish in %.1f s (peer gone?)", grace)
-            self.forget_request(req)
+        finally:
+            self._released_with(released, fut)
 
-    async def _flushed(self, ep: Any, deadline: float) -> bool:
+    def _released_with(self, released: asyncio.Future[None] | None, end: asyncio.Future[Any] | None) -> None:
+        """Resolve ``released`` once ``end`` (the wait for an endpoint's close request) is done,
+        or the worker shuts; at once where ``end`` is None (nothing of the close left in UCX)."""
+        if released is None or released.done():
+            return
+        if end is None or end.done() or self._closed:
+            released.set_result(None)
+            return
+        self._releasing.add(released)
+
+        def done(_end: object) -> None:
+            self._releasing.discard(released)
+            if not released.done():
+                released.set_result(None)
+
+        end.add_done_callback(done)
+
+    async def _flushed(self, ep: Any, deadline: float, released: asyncio.Future[None] | None = None) -> bool:
         """Flush ``ep`` (raw ``ucp_ep_flush_nbx``) until ``deadline``. True: it ended, or failed,
         and ucxx's close follows. False: it had not ended (or the worker shut meanwhile: nothing
-        would progress it), and the endpoint has been closed here (``_close_stuck``)."""
+        would progress it), and the endpoint has been closed here (``_close_stuck``, which sees
+        to ``released``)."""
         if self._closed:
-            self._close_stuck(ep)
+            self._close_stuck(ep, released)
             return False
         try:
             ucp = self.bindings()
@@ -1229,10 +1264,10 @@ class Worker:
         finally:
             if req in self._raw:  # (still in flight: freed once UCX completes it, or with the worker)
                 self._raw_graveyard[req] = self._raw.pop(req)[1]
-        self._close_stuck(ep)
+        self._close_stuck(ep, released)
         return False
 
-    def _close_stuck(self, ep: Any) -> None:
+    def _close_stuck(self, ep: Any, released: asyncio.Future[None] | None = None) -> None:
         """Close ``ep``, whose flush has not ended, here and now, so that nothing of it keeps
         this worker.
 
@@ -1265,7 +1300,13 @@ class Worker:
         ends at once too. Should the raw close end at once all the same (not seen, and not
         possible by the source), ucxx's close is skipped and its endpoint object is kept for
         good: its destructor would close the endpoint again. That keeps this worker (a leak, said
-        in a warning) rather than touch freed memory."""
+        in a warning) rather than touch freed memory.
+
+        The close goes on in UCX, and its flush with it: ``released`` waits for the raw close's
+        request (or, without one, for the worker's shutdown)."""
+        # the wait for the close's end; None: nothing of it is left in UCX (without bindings
+        # ucxx's close is not watched: only the worker's shutdown ends it)
+        end: asyncio.Future[Any] | None = self.loop.create_future()
         try:
             ucp = self.bindings()
         except TensorWireError as exc:  # (no binding: ucxx's close alone)
@@ -1273,26 +1314,36 @@ class Worker:
             closed = False
         else:
             closed = self._flush_pending(ucp, ep) and self._flush_pending(ucp, ep)
-        if closed:
-            try:
-                req = ucp.ep_close(ep.handle)
-            except TensorWireError as exc:
-                log.debug("ucx endpoint close failed: %s", exc)
-                req = None
-            if req is None:
-                _keep_for_good(ep)
-                return
-            self._raw_graveyard[req] = None
-            self._release_if_shut(ucp, req)
-            log.debug("ucx: an endpoint's flush had not ended (its peer gone?); closed it raw")
+            if not closed:  # (a flush ended at once: so does ucxx's close below)
+                end = None
         try:
-            with quiet(_ALREADY_CLOSED if closed else _CLOSING_FLUSH, "ucxx closing an endpoint"):
-                ucxx_req = ep.close()
-        except Exception as exc:
-            log.debug("ucx endpoint close failed: %s", exc)
-            return
-        if ucxx_req is not None and not ucxx_req.completed:  # (not expected)
-            self.hold(ucxx_req, None)
+            if closed:
+                try:
+                    req = ucp.ep_close(ep.handle)
+                except TensorWireError as exc:
+                    log.debug("ucx endpoint close failed: %s", exc)
+                    req = None
+                if req is None:
+                    _keep_for_good(ep)
+                    end = None
+                    return
+                self._raw_graveyard[req] = None
+                if self._closed:
+                    self._release_if_shut(ucp, req)
+                    end = None
+                else:
+                    self._closes[req] = end = self.loop.create_future()
+                log.debug("ucx: an endpoint's flush had not ended (its peer gone?); closed it raw")
+            try:
+                with quiet(_ALREADY_CLOSED if closed else _CLOSING_FLUSH, "ucxx closing an endpoint"):
+                    ucxx_req = ep.close()
+            except Exception as exc:
+                log.debug("ucx endpoint close failed: %s", exc)
+                return
+            if ucxx_req is not None and not ucxx_req.completed:  # (not expected)
+                self.hold(ucxx_req, None)
+        finally:
+            self._released_with(released, end)
 
     def _flush_pending(self, ucp: Ucp, ep: Any) -> bool:
         """Post a flush of ``ep``: True if it has not ended (its request is freed once it does,
@@ -1413,6 +1464,13 @@ class Worker:
         self._graveyard.clear()
         self._buried.clear()
         self._soon.clear()
+        # nothing progresses the worker's endpoints any more: UCX reads and writes no memory
+        # through them (see close_endpoint)
+        self._closes.clear()
+        releasing, self._releasing = self._releasing, set()
+        for released in releasing:
+            if not released.done():
+                released.set_result(None)
         for _, keys in self._retired:  # before the worker they belong to
             for key in keys:
                 key.close()
