@@ -4,9 +4,12 @@ Real UCX on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import sys
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,16 +85,11 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("when", ["before-close", "after-close"])
-async def test_an_owner_lets_go_of_an_unexposed_tensor_a_closed_readers_get_was_reading(when: str) -> None:
-    """Over UCX's tcp lanes a get is served by the owner's worker, from the owner's memory. The
-    reader closes (saying goodbye) while a large get is under way; the owner unexposes the
-    tensor (before or after its channel to the reader shut), awaits it and frees the memory.
-    The revocation took the reader's goodbye, or the session's end, for the end of its access,
-    while the owner's worker went on answering the get from the tensor: the owner died of
-    SIGSEGV (or sent the reader memory it had reused)."""
+@contextlib.asynccontextmanager
+async def _reading_from_an_owner(when: str) -> AsyncIterator[tuple[tensorwire.Peer, asyncio.Future[object], Any]]:
+    """An owner child (``_OWNER``, unexposing ``when``) and this process's ucx peer of it, with a
+    512 MiB get of its tensor under way (some of it landed): (peer, the read, the child). The
+    child is killed on the way out if it is still running."""
     child = await asyncio.create_subprocess_exec(sys.executable, "-c", _OWNER, when, stdout=asyncio.subprocess.PIPE)
     assert child.stdout is not None
     try:
@@ -107,17 +105,32 @@ async def test_an_owner_lets_go_of_an_unexposed_tensor_a_closed_readers_get_was_
                 while not out[0] and not read.done():  # noqa: ASYNC110 - the landing is the point
                     await asyncio.sleep(0)
             assert not read.done(), "the get ended before the reader closed"
-            await peer.send(None, tag="closing")
-            await peer.aclose()
-            await asyncio.gather(read, return_exceptions=True)
-        async with asyncio.timeout(20):
-            said = (await child.stdout.read()).decode()
-            code = await child.wait()
-        assert code == 0 and "alive" in said, f"the owner exited with {code} after it let the tensor go"
+            yield peer, read, child
     finally:
         if child.returncode is None:
             child.kill()
             await child.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["before-close", "after-close"])
+async def test_an_owner_lets_go_of_an_unexposed_tensor_a_closed_readers_get_was_reading(when: str) -> None:
+    """Over UCX's tcp lanes a get is served by the owner's worker, from the owner's memory. The
+    reader closes (saying goodbye) while a large get is under way; the owner unexposes the
+    tensor (before or after its channel to the reader shut), awaits it and frees the memory.
+    The revocation took the reader's goodbye, or the session's end, for the end of its access,
+    while the owner's worker went on answering the get from the tensor: the owner died of
+    SIGSEGV (or sent the reader memory it had reused)."""
+    async with _reading_from_an_owner(when) as (peer, read, child):
+        await peer.send(None, tag="closing")
+        await peer.aclose()
+        await asyncio.gather(read, return_exceptions=True)
+        assert child.stdout is not None
+        async with asyncio.timeout(20):
+            said = (await child.stdout.read()).decode()
+            code = await child.wait()
+    assert code == 0 and "alive" in said, f"the owner exited with {code} after it let the tensor go"
 
 
 @pytest.mark.multiprocess
@@ -127,44 +140,25 @@ async def test_an_owner_lets_go_of_an_unexposed_tensor_only_once_a_slow_closed_r
     and stays up: the owner's endpoint close gave up on its flush after 1 s while UCX went on
     answering the get from the tensor, ``await unexpose`` returned, and the owner freed it and
     died of SIGSEGV as the reader took more. Now unexpose waits for UCX's close to end."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _OWNER, "after-close", stdout=asyncio.subprocess.PIPE
-    )
-    assert child.stdout is not None
-    try:
-        async with asyncio.timeout(15):
-            address = (await child.stdout.readline()).decode().strip()
-        async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as node:
-            peer = await node.connect(address)
-            h = await peer.lookup("x")
-            assert h.direct
-            out = np.zeros(512 << 20, np.uint8)
-            read = asyncio.ensure_future(peer.read(h, out=out))
-            async with asyncio.timeout(10):
-                while not out[0] and not read.done():  # noqa: ASYNC110 - the landing is the point
-                    await asyncio.sleep(0)
-            assert not read.done(), "the get ended before the reader closed"
+    async with _reading_from_an_owner("after-close") as (peer, read, child):
 
-            async def stall() -> None:
-                while True:
-                    time.sleep(0.1)  # noqa: ASYNC251 - a slow reader is the point
-                    await asyncio.sleep(0.001)
+        async def stall() -> None:
+            while True:
+                time.sleep(0.1)  # noqa: ASYNC251 - a slow reader is the point
+                await asyncio.sleep(0.001)
 
-            staller = asyncio.ensure_future(stall())
-            try:
-                await peer.send(None, tag="closing")
-                await peer.aclose()
-                async with asyncio.timeout(40):
-                    said = (await child.stdout.read()).decode()
-                    code = await child.wait()
-            finally:
-                staller.cancel()
-            await asyncio.gather(read, staller, return_exceptions=True)
-        assert code == 0 and "alive" in said, f"the owner exited with {code} after it let the tensor go"
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
+        staller = asyncio.ensure_future(stall())
+        try:
+            await peer.send(None, tag="closing")
+            await peer.aclose()
+            assert child.stdout is not None
+            async with asyncio.timeout(40):
+                said = (await child.stdout.read()).decode()
+                code = await child.wait()
+        finally:
+            staller.cancel()
+        await asyncio.gather(read, staller, return_exceptions=True)
+    assert code == 0 and "alive" in said, f"the owner exited with {code} after it let the tensor go"
 
 
 _EXPOSER = """
