@@ -217,7 +217,7 @@ async def test_an_emulated_read_under_way_when_its_owner_closes_ends_with_the_go
             x = np.ones(512 << 20, np.uint8)
             owner.expose(x, name="x")
             h = await peer.lookup("x")
-            assert h.direct and not peer.channel.one_sided_direct  # type: ignore[attr-defined]
+            assert h.direct and not peer.channel.one_sided_direct
             out = np.zeros(512 << 20, np.uint8)  # (pages never touched: the get lands slowest)
             read = asyncio.ensure_future(peer.read(h, out=out))
             await asyncio.sleep(0.1)
@@ -225,7 +225,7 @@ async def test_an_emulated_read_under_way_when_its_owner_closes_ends_with_the_go
                 pytest.skip("the read ended before the owner closed")
             await owner.aclose()
             async with asyncio.timeout(10):  # half the lease
-                (got,) = await asyncio.gather(read, return_exceptions=True)
+                got: object = (await asyncio.gather(read, return_exceptions=True))[0]
             assert isinstance(got, tensorwire.PeerDisconnected), repr(got)
             assert "lease" not in str(got), got
         finally:
