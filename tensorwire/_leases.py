@@ -10,10 +10,13 @@ were declared dead (150 peers at a 0.5 s lease in one process: 35 to 121 of 150 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
+from ._loops import elsewhere
 from .control._auth import heartbeat_proof, leave_proof
 from .control._client import ControlClient, SessionLost
 from .control._server import MAX_RENEWALS
@@ -25,11 +28,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GOODBYE_SECONDS", "Goodbye", "Renewals", "plan_goodbye", "renewals_for", "say_goodbye", "send_goodbye"]
+__all__ = [
+    "GOODBYE_SECONDS",
+    "NODES_HERE",
+    "Goodbye",
+    "Renewals",
+    "plan_goodbye",
+    "renewals_for",
+    "say_goodbye",
+    "send_goodbye",
+]
 
 # the most a closing node waits for the nodes of its sessions to hear its goodbye: a dead or
 # unreachable one delays the close this long at most, and then learns of it at the lease
 GOODBYE_SECONDS = 0.5
+
+# the nodes of this process by instance id (each adds itself as it is made): an inproc peer's
+# goodbye reaches the node of its other end through it, with no call (``plan_goodbye``)
+NODES_HERE: weakref.WeakValueDictionary[str, Node] = weakref.WeakValueDictionary()
 
 
 def renewals_for(node: Node, target: str, lease: float) -> Renewals:
@@ -164,13 +180,17 @@ def plan_goodbye(peers: list[Peer]) -> list[Goodbye]:
     closes (after, the peer is closed and its control connection winding down). Each peer is
     planned once (``Peer._said_goodbye``): a node's close names all its peers in one call per
     node, and their closes after it pass them over; a peer closed alone names its own session.
-    Not inproc peers: an inproc channel's close ends the other side at once, nothing to tell."""
+    An inproc peer's goodbye is no call: its other end is in this process, and is told here, at
+    once (``_say_in_process``), before the channel closes and before any call to another node."""
     calls: dict[str, Goodbye] = {}
     for peer in peers:
         session = peer.session
-        if peer._said_goodbye or peer.closed or session is None or peer.path.transport == "inproc":
+        if peer._said_goodbye or peer.closed or session is None:
             continue
         peer._said_goodbye = True
+        if peer.path.transport == "inproc":
+            _say_in_process(peer)
+            continue
         control = peer._control if peer._control is not None and not peer._control._closed else None
         target = control.target if control is not None else peer._control_address
         if not target:
@@ -182,6 +202,27 @@ def plan_goodbye(peers: list[Peer]) -> list[Goodbye]:
         sessions.append((session.id, leave_proof(session.secret, session.id)))
         calls[key] = (first, via, sessions)
     return list(calls.values())
+
+
+def _say_in_process(peer: Peer) -> None:
+    """Tell the other end of inproc ``peer`` that its session ends, as the Leave call a peer over
+    another transport makes (``Node._peer_left`` there): its node is in this process, found by
+    its instance id, and the session's secret, which both ends hold, stands for the call's proof.
+    On the other node's own loop (a node of another thread hears it on its next turn)."""
+    node = NODES_HERE.get(peer.remote_instance)
+    session = peer.session
+    if node is None or session is None:
+        return
+
+    def tell() -> None:
+        other = node._leaving_peer(session.id)
+        if other is None or other._closed or other.session is None:
+            return  # (a peer that node closes ends with its own ClosedResourceError)
+        if hmac.compare_digest(other.session.secret, session.secret):
+            node._peer_left(other)
+
+    if not elsewhere(node._loop, tell):
+        tell()
 
 
 async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from . import _metrics
 from ._checks import check_arguments, check_bool, check_options, check_seconds, split_address
-from ._leases import GOODBYE_SECONDS, Renewals, say_goodbye
+from ._leases import GOODBYE_SECONDS, NODES_HERE, Renewals, say_goodbye
 from ._loops import check_home, closed_by_hand, elsewhere
 from ._onesided import ExposureTable, Handle, Revocation, retire, serve_ops
 from ._path import Path
@@ -360,6 +360,7 @@ class Node:
         # containers), and a node reached at two addresses has one instance id. Peers learn it
         # in the handshake (peer.remote_instance)
         self.instance_id = uuid.uuid4().hex
+        NODES_HERE[self.instance_id] = self  # (the goodbyes of inproc peers find it there)
         self._host, self._port = split_address(address)
         self.address = ""
         self.transports: dict[str, Transport] = {}

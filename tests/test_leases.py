@@ -28,8 +28,10 @@ from tensorwire.testing import connected_pair
 from tensorwire.transports import Limits
 from tensorwire.transports._base import ChannelState
 
-# the transports whose sends wait on the peer for a slot or a go-ahead (CTS) that a goodbye ends
-_TCP_AND_UCX = [
+# the transports whose sends wait on the peer for a slot or a go-ahead (CTS, inproc: the pull)
+# that a goodbye ends, and whose other end hears it: all of them (inproc's, said with no call)
+_EVERY_TRANSPORT = [
+    "inproc",
     "tcp",
     pytest.param(
         "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
@@ -274,6 +276,40 @@ async def test_a_goodbye_nobody_answers_delays_the_close_a_moment(
 
 
 @pytest.mark.timeout(60)
+async def test_a_closing_nodes_inproc_peers_hear_its_goodbye_before_its_calls_to_other_nodes_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A closing node tells its inproc peers' other ends at once (no call: that node is in this
+    process), not after its Leave calls to other nodes, here one that is never answered (held
+    for GOODBYE_SECONDS). Before, inproc peers were told nothing: the other end's sends went on,
+    delivered to a node that was closing, until that call gave up and the close reached the
+    channel, and it then said closed with ``remote_closing`` False, as for a crash."""
+
+    async def stuck(self: _Servicer, request: Any, context: Any) -> Any:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(_Servicer, "Leave", stuck)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp"), lease_seconds=20) as leaving,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as silent,
+        tensorwire.start("127.0.0.1:0", transports=("inproc",), lease_seconds=20) as near,
+    ):
+        await leaving.connect(silent.address)
+        await silent.accept()
+        inproc = await near.connect(leaving.address)
+        await leaving.accept()
+        assert inproc.path.transport == "inproc", inproc.path
+        closing = asyncio.ensure_future(leaving.aclose())
+        await eventually(lambda: inproc.remote_closing or closing.done())
+        assert not closing.done(), "the inproc peer heard no goodbye while the node's call to another one waited"
+        assert " closing (it said goodbye) " in repr(inproc), repr(inproc)
+        with pytest.raises(PeerDisconnected, match="said goodbye"):
+            await asyncio.wait_for(inproc.send(np.ones(8, np.uint8), tag="late"), 5)
+        await asyncio.wait_for(closing, 10)
+        assert inproc.closed and inproc.remote_closing, repr(inproc)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["both ways", "two names"])
 async def test_a_goodbye_is_one_call_per_node_whatever_its_address(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The node of the sessions, not the address that reached it, gets one Leave call, over a
@@ -375,7 +411,7 @@ def _counted(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", _TCP_AND_UCX)
+@pytest.mark.parametrize("transport", _EVERY_TRANSPORT)
 async def test_sends_waiting_for_the_receiver_end_at_its_goodbye(transport: str) -> None:
     """A send waiting on the other node (a rendezvous message's go-ahead, CTS, that its recv
     sends; a message slot it gives back) ends when that node says goodbye, with the goodbye's
@@ -386,7 +422,7 @@ async def test_sends_waiting_for_the_receiver_end_at_its_goodbye(transport: str)
     limits = Limits(recv_buffer_bytes=0, max_unexpected=1)
     async with connected_pair(transport, limits=limits, lease_seconds=20) as (a, b):
         cts = asyncio.ensure_future(a.send(np.ones(1 << 20, np.uint8), tag="big"))  # takes the slot, waits for CTS
-        await eventually(lambda: bool(a.channel._cts))  # type: ignore[attr-defined]
+        await eventually(lambda: b.channel.mailbox.oldest(tag_id("big")) is not None)  # (its header came)
         slot = asyncio.ensure_future(a.send(np.ones(8, np.uint8), tag="small"))  # waits for a slot
         await asyncio.sleep(0.05)
         assert not cts.done() and not slot.done()
@@ -401,7 +437,7 @@ async def test_sends_waiting_for_the_receiver_end_at_its_goodbye(transport: str)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", _TCP_AND_UCX)
+@pytest.mark.parametrize("transport", _EVERY_TRANSPORT)
 async def test_a_small_send_after_the_goodbye_raises_and_what_came_before_is_received(transport: str) -> None:
     """After the other node said goodbye, a small eager send (the one-frame fast path, which
     waits for nothing) raises the goodbye's PeerDisconnected, where it returned a receipt for
@@ -419,7 +455,7 @@ async def test_a_small_send_after_the_goodbye_raises_and_what_came_before_is_rec
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", _TCP_AND_UCX)
+@pytest.mark.parametrize("transport", _EVERY_TRANSPORT)
 async def test_a_peer_whose_node_said_goodbye_says_it_is_closing(transport: str) -> None:
     """Once the other node said goodbye, the peer says so (``remote_closing``, and "closing (it
     said goodbye)" in its repr) while its channel is still open (``closed`` False): a message
@@ -440,7 +476,7 @@ async def test_a_peer_whose_node_said_goodbye_says_it_is_closing(transport: str)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", _TCP_AND_UCX)
+@pytest.mark.parametrize("transport", _EVERY_TRANSPORT)
 @pytest.mark.parametrize("closer", ["connected", "accepted"])
 async def test_the_other_end_of_a_peer_closed_alone_says_it_said_goodbye(transport: str, closer: str) -> None:
     """A peer closed alone says goodbye, and its ``aclose()`` returns once the other node has
@@ -498,17 +534,19 @@ async def test_a_peer_closed_alone_says_goodbye_for_its_session_only(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
 @pytest.mark.parametrize("sayer", ["connected", "accepted"])
-async def test_a_goodbye_on_a_node_connected_to_itself_reaches_the_other_end(sayer: str) -> None:
+async def test_a_goodbye_on_a_node_connected_to_itself_reaches_the_other_end(sayer: str, transport: str) -> None:
     """A node connected to itself holds both ends of one session, under one id. A goodbye said
     for one end (the Leave call a closing peer makes) ends the other end, as between two nodes:
     that one says it is closing and its sends raise the goodbye's PeerDisconnected; the end that
     said it does not. The server looked the session up by id alone and took whichever end was
     adopted last: as often as not the one saying goodbye, which then raised "peer ... closed (it
     said goodbye)" on its own sends while the other end heard nothing."""
-    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), lease_seconds=20) as node:
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,), lease_seconds=20) as node:
         connected = await node.connect(node.address)
         accepted = await node.accept()
+        assert connected.path.transport == transport, connected.path
         assert connected.session is not None and accepted.session is not None
         assert connected.session.id == accepted.session.id
         saying, other = (connected, accepted) if sayer == "connected" else (accepted, connected)

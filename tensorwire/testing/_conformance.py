@@ -1187,6 +1187,22 @@ async def check_a_clean_close_leaves_the_other_side_closed_not_broken(a: Peer, b
 
 
 @_check()
+async def check_the_other_end_of_a_peer_closed_alone_hears_its_goodbye(a: Peer, b: Peer) -> None:
+    """One side's ``aclose()`` is a goodbye the other side hears by the time it returns: that end
+    says so (``remote_closing``, which stays False only for a peer gone without one, an abort or
+    a crash), its pending recv raises PeerDisconnected, and the closing end heard none (inproc
+    said no goodbye: its other end looked crashed)."""
+    pending = asyncio.ensure_future(a.recv(tag="never"))
+    await _until(lambda: a.channel.mailbox.in_flight == 1, 5)
+    await b.aclose()
+    assert await _until(lambda: a.closed, 5), "the other side's channel stayed open after the close"
+    assert a.remote_closing, f"the other end of a peer closed alone heard no goodbye: {a!r}"
+    assert not b.remote_closing, f"the end that said goodbye was told it: {b!r}"
+    with _refused(PeerDisconnected, "a pending recv did not fail when the peer closed"):
+        await asyncio.wait_for(pending, 5)
+
+
+@_check()
 async def check_close_mid_transfer(a: Peer, b: Peer) -> None:
     x = np.ones(128 * MiB, np.uint8)
     recv = asyncio.ensure_future(b.recv(tag="big"))

@@ -50,10 +50,11 @@ _LISTENERS: weakref.WeakValueDictionary[str, InprocTransport] = weakref.WeakValu
 class _Source:
     """A rendezvous payload still in the sender's memory."""
 
-    __slots__ = ("aborted", "aside", "done", "segs")
+    __slots__ = ("aborted", "arrival", "aside", "done", "segs")
 
-    def __init__(self, segs: list[memoryview]) -> None:
+    def __init__(self, segs: list[memoryview], arrival: Arrival) -> None:
         self.segs = segs
+        self.arrival = arrival  # (its header, in the receiver's mailbox)
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.aborted = False
         self.aside = 0  # the bytes its copy copied aside first (``_copy``)
@@ -183,7 +184,7 @@ class InprocChannel(Channel):
         self._send_slots = self._remote.max_unexpected + self._kept_slots
 
     def _other(self) -> InprocChannel:
-        self.check_open()
+        self._check_going()  # (after the peer's goodbye too: its node would drop the message)
         assert self.peer is not None
         if self.peer.state is not ChannelState.OPEN:
             raise PeerDisconnected("in-process peer closed its channel")
@@ -210,6 +211,7 @@ class InprocChannel(Channel):
                     for _ in range(3):
                         await asyncio.sleep(0)
                 while self._send_slots <= (0 if own else self._kept_slots):
+                    self._check_going()
                     fut = asyncio.get_running_loop().create_future()
                     self._slot_waiters.append(fut)
                     await fut
@@ -231,7 +233,7 @@ class InprocChannel(Channel):
                 )
                 arrival.landed = 0  # _copy lands the payload in order, and marks it as it goes
                 segs = msg.segments()
-                source = None if eager else _Source(segs)
+                source = None if eager else _Source(segs, arrival)
                 if source is not None:
                     peer._sources[msg_id] = source
                 peer.mailbox.arrive(arrival)
@@ -325,6 +327,31 @@ class InprocChannel(Channel):
             f = sender._slot_waiters.popleft()
             if not f.done():
                 f.set_result(None)
+
+    def _ending(self, exc: BaseException) -> None:
+        """The peer said goodbye (``Channel._ending``): the sends waiting on it fail with ``exc``,
+        as over tcp and ucx: for a message slot, or for their rendezvous message's pull (which
+        would never come, or copy into a node that drops it), those messages withdrawn from the
+        peer's mailbox; sends that begin later raise it (``_other``). A payload the peer is
+        pulling already lands, and its send returns."""
+        super()._ending(exc)
+        if self.state is not ChannelState.OPEN:  # (our own close fails them with its own error)
+            return
+        for f in self._slot_waiters:
+            _settle(f, fresh(exc))
+        self._slot_waiters.clear()
+        peer = self.peer
+        if peer is None:
+            return
+        for msg_id, src in list(peer._sources.items()):  # (ours: the messages we sent it)
+            if src.arrival.pulling or src.aborted:
+                continue
+            src.aborted = True
+            del peer._sources[msg_id]
+            if not src.arrival.done.done():
+                peer.mailbox.abort(src.arrival)
+                peer.release(src.arrival)
+            _settle(src.done, fresh(exc))
 
     def _fail(self, state: ChannelState, exc: BaseException) -> None:
         self._closed(state, exc)
