@@ -16,7 +16,6 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from ._loops import elsewhere
 from .control._auth import heartbeat_proof, leave_proof
 from .control._client import ControlClient, SessionLost
 from .control._server import MAX_RENEWALS
@@ -208,21 +207,16 @@ def _say_in_process(peer: Peer) -> None:
     """Tell the other end of inproc ``peer`` that its session ends, as the Leave call a peer over
     another transport makes (``Node._peer_left`` there): its node is in this process, found by
     its instance id, and the session's secret, which both ends hold, stands for the call's proof.
-    On the other node's own loop (a node of another thread hears it on its next turn)."""
+    (Both nodes run on this loop: inproc joins no others, ``InprocTransport.accepts``.)"""
     node = NODES_HERE.get(peer.remote_instance)
     session = peer.session
     if node is None or session is None:
         return
-
-    def tell() -> None:
-        other = node._leaving_peer(session.id)
-        if other is None or other._closed or other.session is None:
-            return  # (a peer that node closes ends with its own ClosedResourceError)
-        if hmac.compare_digest(other.session.secret, session.secret):
-            node._peer_left(other)
-
-    if not elsewhere(node._loop, tell):
-        tell()
+    other = node._leaving_peer(session.id)
+    if other is None or other._closed or other.session is None:
+        return  # (a peer that node closes ends with its own ClosedResourceError)
+    if hmac.compare_digest(other.session.secret, session.secret):
+        node._peer_left(other)
 
 
 async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:

@@ -221,3 +221,49 @@ async def test_receipts_of_a_payload_copied_aside_from_its_out_do_not_say_direct
         sent = await a.send([np.ones(n), np.ones(n)], tag="t")
         _, received = await recv
     assert sent.direct and received.direct, (sent, received)
+
+
+async def test_nodes_on_two_event_loops_of_one_process_are_not_joined_in_process() -> None:
+    """Two nodes of one process whose event loops differ (one in a thread of its own) cannot
+    share inproc channels, whose futures and mailboxes belong to one loop: they connect over the
+    next transport they share, and the path says why not inproc. Before, they were joined in
+    process: each side set the other loop's futures from its own thread (in asyncio's debug mode
+    connect raised RuntimeError "Non-thread-safe operation"; without it, wake-ups were lost: a
+    100 MiB message took about 1 s instead of tens of ms)."""
+    import threading
+
+    ready, stop = threading.Event(), threading.Event()
+    address: list[str] = []
+    failure: list[BaseException] = []
+
+    async def serve() -> None:
+        async with tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as node:
+            address.append(node.address)
+            ready.set()
+            peer = await node.accept()
+            got = await asyncio.wait_for(peer.recv(tag="x"), 10)
+            await peer.send(got, tag="back")
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+
+    def run() -> None:
+        try:
+            asyncio.run(serve(), debug=True)  # (debug: a call from another thread raises)
+        except BaseException as exc:
+            failure.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 10) and address, failure
+        async with tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as node:
+            peer = await node.connect(address[0])
+            assert peer.path.transport == "tcp", peer.path
+            assert "another event loop" in str(peer.path), peer.path
+            x = np.arange(MiB, dtype=np.uint8)
+            await peer.send(x, tag="x")
+            np.testing.assert_array_equal(await asyncio.wait_for(peer.recv(tag="back"), 10), x)
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 10)
+    assert not failure, failure

@@ -420,8 +420,10 @@ class InprocTransport(Transport):
         super().__init__(ctx, capabilities)
         self._token = f"{os.getpid()}/{uuid.uuid4().hex}"
         self._channels: set[InprocChannel] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # its node's (``listen``)
 
     async def listen(self) -> bytes:
+        self._loop = asyncio.get_running_loop()
         _LISTENERS[self._token] = self
         return self._token.encode()
 
@@ -429,14 +431,20 @@ class InprocTransport(Transport):
         token = address.decode("utf-8", "replace")
         if token.split("/", 1)[0] != str(os.getpid()):
             return "peer is in another process"
-        if token not in _LISTENERS:
+        listener = _LISTENERS.get(token)
+        if listener is None:
             return "peer's in-process listener is closed"
+        if listener._loop is not self._loop:
+            # both ends of a channel run on one loop: its futures and mailboxes are that loop's
+            return "peer's node runs on another event loop of this process"
         return None
 
     async def connect(self, address: bytes, session: Session) -> Channel:
         server = _LISTENERS.get(address.decode("utf-8", "replace"))
         if server is None:
             raise ConnectError("in-process peer is not listening (another process, or closed)")
+        if server._loop is not asyncio.get_running_loop():
+            raise ConnectError("in-process peer's node runs on another event loop of this process")
         try:
             _, fut = server.sessions.admit(session.id, lambda s: hmac.compare_digest(s.secret, session.secret))
         except ProtocolError as exc:
