@@ -530,7 +530,6 @@ async def test_a_batch_no_call_could_carry_is_refused_before_any_stage_runs() ->
             assert (await pipe.step(nested(MAX_DEPTH - 3), y, microbatches=2)).loss > 0
 
 
-
 @pytest.mark.timeout(60)
 async def test_a_batch_nested_thousands_deep_is_refused_as_the_wire_refuses_it() -> None:
     """The batch walks (split, join, num_samples, tree_map, tree_leaves) had no depth limit: a
@@ -573,7 +572,6 @@ async def test_a_batch_nested_thousands_deep_is_refused_as_the_wire_refuses_it()
             with pytest.raises(tensorwire.UnsupportedTensorError, match=too_deep):
                 await pipe.step(deep, y, microbatches=2)
             assert (await pipe.step(x, y, microbatches=2)).loss > 0
-
 
 
 @pytest.mark.timeout(60)
