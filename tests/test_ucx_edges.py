@@ -1345,3 +1345,50 @@ async def test_each_send_failed_by_a_ucx_channels_end_gets_a_failure_of_its_own(
 
         await collected(gone)
         assert isinstance(kept, tensorwire.PeerDisconnected)
+
+
+_STOPPING_SENDER = """
+import asyncio, sys, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as n:
+        print(n.address, flush=True)
+        p = await n.accept()
+        await p.recv(tag="go")
+        await p.send(np.ones(256 << 20, np.uint8), tag="big")
+        await asyncio.sleep(30)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+async def test_a_recv_cancelled_while_a_stopped_sender_holds_its_payload_says_its_out_may_still_be_written() -> None:
+    """Over UCX's tcp lanes the sender of a 256 MiB message is frozen (SIGSTOP) while its
+    payload lands in the recv's out=; UCX cannot take back a receive that has matched. The recv,
+    under a 0.5 s deadline, ends only once the lease declares the sender dead and the landing
+    grace has passed, and UCX may still write into out= then. It raised a plain TimeoutError
+    (the failure that said so went to a log line only), as if out= were the caller's again; now
+    it raises that failure."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _STOPPING_SENDER, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    try:
+        async with asyncio.timeout(15):
+            address = (await child.stdout.readline()).decode().strip()
+        async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}, lease_seconds=1.5) as node:
+            peer = await node.connect(address)
+            out = np.zeros(256 << 20, np.uint8)
+            await peer.send(None, tag="go")
+            recv = asyncio.ensure_future(peer.recv(tag="big", out=out))
+            await eventually(lambda: out[0] == 1 or recv.done(), pause=0)  # the payload is landing
+            os.kill(child.pid, signal.SIGSTOP)
+            assert not recv.done(), recv  # (256 MiB over tcp lanes: 0.1 s or more here)
+            with pytest.raises(PeerDisconnected, match="may still be written"):
+                async with asyncio.timeout(0.5):
+                    await recv
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        async with asyncio.timeout(10):
+            await child.wait()

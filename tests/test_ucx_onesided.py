@@ -790,3 +790,29 @@ async def test_a_node_with_many_peers_still_polls_its_small_reads() -> None:
                 assert np.array_equal(out, kv[i * 64 : i * 64 + 32])
                 await b.write(h[i * 64 : i * 64 + 8], np.full(8, i, np.uint8))
     assert calls[0] == 0, f"UCX called back into Python {calls[0]} times for 40 small reads and writes"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(30)
+async def test_a_read_cancelled_while_a_stopped_owner_holds_its_get_says_its_out_may_still_be_written() -> None:
+    """Over UCX's tcp lanes a get needs the owner's worker, and UCX cannot take one back: with
+    the owner frozen (SIGSTOP) a read under a 0.5 s deadline ends only once the lease declares
+    the owner dead and the grace after it has passed, while UCX may still write into ``out``.
+    It raised a plain TimeoutError then (the failure that said so went to a log line only), as
+    if ``out`` were the caller's again; now it raises that failure."""
+    child, address = await _spawn_owner("np.ones(16 << 20, np.uint8)", "await asyncio.sleep(30)", tls="tcp")
+    try:
+        async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}, lease_seconds=1.5) as node:
+            peer = await node.connect(address)
+            h = await peer.lookup("x")
+            out = np.zeros(16 << 20, np.uint8)
+            os.kill(child.pid, signal.SIGSTOP)
+            with pytest.raises(tensorwire.PeerDisconnected, match="may still be written"):
+                async with asyncio.timeout(0.5):
+                    await peer.read(h, out=out)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        async with asyncio.timeout(10):
+            await child.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ __all__ = [
     "Transport",
     "TransportContext",
     "fresh",  # (tensorwire.errors.fresh, which every transport uses)
+    "still_writing",
+    "unsettled",
 ]
 
 MiB = 1 << 20
@@ -44,6 +47,26 @@ MiB = 1 << 20
 # or the peer's RDMA READs are moving, frames queued) goes first, and a goodbye received lets
 # the transfers in flight end first, this long at most in all
 BYE_GRACE = 1.0
+
+# failures told to an operation whose native request may still write into its buffers (a UCX
+# receive or get the hardware cannot take back, outlasting its grace): ``still_writing``
+_STILL_WRITING: weakref.WeakSet[BaseException] = weakref.WeakSet()
+
+
+def still_writing(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as a failure after which the operation's memory may still be written;
+    returns it. A cancellation of that operation raises it in place of ``CancelledError``
+    (``unsettled``): its caller must not take the buffer back as its own."""
+    _STILL_WRITING.add(exc)
+    return exc
+
+
+def unsettled(failures: Collection[BaseException | None]) -> BaseException | None:
+    """The first of ``failures`` marked by ``still_writing``, or None. A cancelled operation
+    raises it rather than ``CancelledError``: a plain cancel (an ``asyncio.timeout``'s
+    TimeoutError) would say that the operation is over and its buffer the caller's again, while
+    the native request may still write into it."""
+    return next((exc for exc in failures if exc is not None and exc in _STILL_WRITING), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +384,8 @@ class Channel(ABC):
     async def _finish_posted(self, futs: Collection[asyncio.Future[None]]) -> None:
         """Wait until every one of ``futs`` (operations the hardware cannot take back: UCX
         requests, RDMA work requests) has completed, then raise the first failure. A
-        cancellation waits too and is raised after, in place of any failure.
+        cancellation waits too and is raised after, in place of any failure but one that says
+        the memory may still be written (``still_writing``), which is raised instead.
 
         Whatever the channel's state: while CLOSING its ``aclose`` is still trading goodbyes
         (for a second at most) and its operations may still be writing into the caller's
@@ -377,9 +401,11 @@ class Channel(ABC):
             except asyncio.CancelledError:
                 cancelled = True
         if cancelled:
-            for fut in futs:  # the failure (a shutdown's, mostly) is not what the caller asked about
-                if not fut.cancelled():
-                    fut.exception()
+            # the failure (a shutdown's, mostly) is not what the caller asked about, unless it
+            # says that the memory may still be written
+            late = unsettled([None if fut.cancelled() else fut.exception() for fut in futs])
+            if late is not None:
+                raise late
             raise asyncio.CancelledError
         for fut in futs:
             fut.result()

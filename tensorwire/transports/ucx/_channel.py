@@ -57,7 +57,7 @@ from ...errors import (
 )
 from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
-from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh
+from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh, still_writing, unsettled
 from .._credit import ReceiveBudget, SendWindow, fail_waiting_sends
 from .._frames import CHECKSUM, HEADER, MAGIC, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
 from .._mailbox import Arrival, _settle
@@ -226,7 +226,7 @@ def _late(exc: BaseException, text: str) -> BaseException:
     except Exception:
         late = TransferError(text)
     late.__cause__ = fresh(exc)  # (the failure is told to many: each its own copy, see ``fresh``)
-    return late
+    return still_writing(late)  # (a cancelled operation raises it: its buffer is not the caller's yet)
 
 
 def _landed(arrival: Arrival) -> None:
@@ -1308,6 +1308,9 @@ class UcxChannel(Channel):
             except asyncio.CancelledError:
                 cancelled = True
         if cancelled:
+            late = unsettled([None if arrival.done.cancelled() else arrival.done.exception()])
+            if late is not None:  # (UCX may still write into the recv's out=: not the caller's yet)
+                raise late
             raise asyncio.CancelledError
         arrival.done.result()
 
@@ -1465,9 +1468,11 @@ class UcxChannel(Channel):
             self._rma_futs.difference_update(futs)
             self._rma_shut.difference_update(futs)
         if cancelled:
-            for fut in futs:  # (the failure is not what the caller asked about)
-                if not fut.cancelled():
-                    fut.exception()
+            # (the failure is not what the caller asked about, unless it says the memory may
+            # still be written: see ``unsettled``)
+            late = unsettled([None if fut.cancelled() else fut.exception() for fut in futs])
+            if late is not None:
+                raise late
             raise asyncio.CancelledError
         for fut in futs:
             fut.result()
