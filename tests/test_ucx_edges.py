@@ -1368,9 +1368,7 @@ async def test_a_recv_cancelled_while_a_stopped_sender_holds_its_payload_says_it
     grace has passed, and UCX may still write into out= then. It raised a plain TimeoutError
     (the failure that said so went to a log line only), as if out= were the caller's again; now
     it raises that failure."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _STOPPING_SENDER, stdout=asyncio.subprocess.PIPE
-    )
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", _STOPPING_SENDER, stdout=asyncio.subprocess.PIPE)
     assert child.stdout is not None
     try:
         async with asyncio.timeout(15):
@@ -1391,4 +1389,26 @@ async def test_a_recv_cancelled_while_a_stopped_sender_holds_its_payload_says_it
             os.kill(child.pid, signal.SIGCONT)
             child.kill()
         async with asyncio.timeout(10):
+            await child.wait()
+
+
+@pytest.mark.multiprocess
+async def test_a_send_cancelled_while_a_stopped_receiver_holds_its_payload_says_it_may_still_be_read() -> None:
+    """A 16 MiB send (within the receiver's credit: its payload goes to UCX at once) to a
+    receiver frozen (SIGSTOP), under a 0.3 s deadline: UCX cannot take the send back, so it ends
+    only when the lease declares the receiver dead, and the receiver, if it only stopped, may
+    still read the payload from the sender's memory when it runs again (docs/ucx.md, "Sends to
+    a peer that died"). It raised a plain TimeoutError then, as if the tensor were the caller's
+    to change again; now the failure says that the peer may still read it."""
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), lease_seconds=1.0) as hub:
+        child, peer = await _receiver(hub, "warm")
+        try:
+            await _stop_when_ready(peer)
+            with pytest.raises(PeerDisconnected, match="may still read"):
+                async with asyncio.timeout(0.3):
+                    await peer.send(np.ones(16 * MiB, np.uint8), tag="big")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGCONT)
+                child.kill()
             await child.wait()

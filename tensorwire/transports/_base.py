@@ -54,7 +54,8 @@ _STILL_WRITING: weakref.WeakSet[BaseException] = weakref.WeakSet()
 
 
 def still_writing(exc: BaseException) -> BaseException:
-    """Mark ``exc`` as a failure after which the operation's memory may still be written;
+    """Mark ``exc`` as a failure after which the operation's memory may still be written (or,
+    for a send, read by a peer that only stopped);
     returns it. A cancellation of that operation raises it in place of ``CancelledError``
     (``unsettled``): its caller must not take the buffer back as its own."""
     _STILL_WRITING.add(exc)

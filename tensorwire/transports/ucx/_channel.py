@@ -710,6 +710,9 @@ class UcxChannel(Channel):
                         await wait_out(fut)
                     except asyncio.CancelledError:
                         if self.state is not ChannelState.OPEN:
+                            late = unsettled([None if fut.cancelled() else fut.exception()])
+                            if late is not None:  # (the peer may still read the payload: say so)
+                                raise late from late.__cause__  # (its own cause: the channel's failure)
                             raise
                         cancelled = True
                     fut.result()  # (the channel's shutdown fails it: raised)
@@ -1536,9 +1539,20 @@ class UcxChannel(Channel):
         self._budget.close()
         self._window.fail(exc)
         self._order.fail(exc)
-        for fut in [*self._cts.values(), *self._futs]:  # (each a copy of its own: see ``fresh``)
+        for fut in self._cts.values():  # (each a copy of its own: see ``fresh``)
             if not fut.done():
                 fut.set_exception(fresh(exc))
+                fut.exception()
+        # payload sends UCX has not completed: it cannot take them back, and a peer that only
+        # stopped may still read the payload from the sender's memory when it runs again
+        # (docs/ucx.md, "Sends to a peer that died"): their sends say so, even when cancelled
+        unsent = (
+            f"{exc} (UCX had not finished sending the message: the peer, if it only stopped, may "
+            "still read its tensors from this process's memory and receive them, so do not change them)"
+        )
+        for fut in self._futs:
+            if not fut.done():
+                fut.set_exception(_late(exc, unsent))
                 fut.exception()
         if self._rma_futs:
             # a get or put in flight cannot be taken back, and a get may still write into the
