@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _children import end_child
 from _polling import collected, eventually
 from _procfs import listening_ports
 
@@ -1385,11 +1386,7 @@ async def test_a_recv_cancelled_while_a_stopped_sender_holds_its_payload_says_it
                 async with asyncio.timeout(0.5):
                     await recv
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-        async with asyncio.timeout(10):
-            await child.wait()
+        await end_child(child)
 
 
 @pytest.mark.multiprocess
@@ -1408,7 +1405,4 @@ async def test_a_send_cancelled_while_a_stopped_receiver_holds_its_payload_says_
                 async with asyncio.timeout(0.3):
                     await peer.send(np.ones(16 * MiB, np.uint8), tag="big")
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signal.SIGCONT)
-                child.kill()
-            await child.wait()
+            await end_child(child)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _children import end_child
 from _lines import counting_lines
 from _polling import eventually
 
@@ -166,11 +167,7 @@ async def test_a_read_stuck_on_a_stopped_owner_fails_with_a_tensorwire_error_whe
             (got,) = await asyncio.gather(read, return_exceptions=True)
         assert isinstance(got, tensorwire.ClosedResourceError), repr(got)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-        async with asyncio.timeout(10):
-            await child.wait()
+        await end_child(child)
 
 
 @pytest.mark.multiprocess
@@ -811,8 +808,4 @@ async def test_a_read_cancelled_while_a_stopped_owner_holds_its_get_says_its_out
                 async with asyncio.timeout(0.5):
                     await peer.read(h, out=out)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-        async with asyncio.timeout(10):
-            await child.wait()
+        await end_child(child)
