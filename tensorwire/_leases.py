@@ -236,7 +236,7 @@ async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
         client = via
         try:
             if client is None:  # (in the try: a TLS node reads its files here, which may have gone)
-                client = ControlClient(target, node.config.tls)
+                client = ControlClient(target, node.config.tls, GOODBYE_SECONDS)
             for i in range(0, len(sessions), MAX_RENEWALS):  # (as the renewals: a server takes that many a call)
                 await client.leave(sessions[i : i + MAX_RENEWALS], GOODBYE_SECONDS)
         except Exception as exc:  # (it is gone, or closing too: it learns as before)

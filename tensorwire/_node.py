@@ -835,7 +835,7 @@ class Node:
             request.offers.append(offer_to_pb(offer))
         for name, reason in self.unusable.items():
             request.unavailable.add(name=name, reason=reason)
-        client = ControlClient(address, self.config.tls)
+        client = ControlClient(address, self.config.tls, timeout)
         since = time.monotonic()  # the server's lease on this session begins after this
         opening = ""  # once the handshake is done: the data connection under way, for the error
         try:

@@ -456,7 +456,7 @@ class Peer:
         if self._control is None:
             if not self._control_address:
                 raise ControlPlaneError(f"{self.remote_address} did not say where its control plane listens")
-            self._control = ControlClient(self._control_address, self.node.config.tls)
+            self._control = ControlClient(self._control_address, self.node.config.tls, self.node.config.connect_timeout)
         try:
             proof = lookup_proof(self.session.secret, name)
             resp = await self._control.lookup(self.session.id, name, proof, deadline=self.node.config.connect_timeout)

@@ -294,6 +294,42 @@ async def _silent_listener() -> AsyncIterator[tuple[asyncio.Server, list[asyncio
         listener.close()
 
 
+async def test_a_connect_that_timed_out_leaves_no_control_connection_open() -> None:
+    """A node that takes the connection and never answers (frozen: a SIGSTOPped process is one).
+    The connect's ConnectTimeout came on time, but gRPC went on with the connection it was making
+    for its own 20 s handshake timeout, and the call the timeout cancelled (held by the error's
+    traceback, in a cycle, until the garbage collector ran) kept the closed channel dialling
+    again every 20 s: the connection now ends with the connect's deadline, and none follows."""
+    async with _silent_listener() as (listener, held, accepted):
+        port = listener.sockets[0].getsockname()[1]
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+            gc.disable()  # (the error is kept, as a caller may; the collector is not for the test to depend on)
+            try:
+                with pytest.raises(tensorwire.ConnectTimeout) as info:
+                    await client.connect(f"127.0.0.1:{port}", connect_timeout=0.8)
+                assert accepted.is_set()
+                with contextlib.suppress(AssertionError):
+                    await eventually(lambda: connections_to(port) == 0, seconds=5)
+                assert connections_to(port) == 0, "the timed-out connect's control connection is still open"
+                dialled = len(held)
+                await asyncio.sleep(3)  # (a closed channel's call kept alive dialled again after 1 s or so)
+                assert (len(held), connections_to(port)) == (dialled, 0), "the closed channel dialled again"
+                del info
+            finally:
+                gc.enable()
+
+
+async def test_a_connect_timeout_of_years_is_taken() -> None:
+    """connect_timeout goes to gRPC as milliseconds in a C int: the longest one a node takes
+    (check_seconds: 1e9 s) must not overflow it."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",), connect_timeout=1e9) as client,
+    ):
+        await client.connect(server.address)
+        await client.connect(server.address, connect_timeout=3e6)
+
+
 async def test_a_handshake_that_fails_while_the_listener_is_probed_leaves_no_unretrieved_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -230,8 +230,21 @@ def map_rpc_error(
     return ControlPlaneError(f"control call to {target} failed: {code.name}: {detail}")
 
 
+# gRPC's floor for the time a connection attempt may take (its min_reconnect_backoff_ms), and
+# the most it takes (a C int of milliseconds: a longer connect_timeout raised OverflowError)
+_MIN_CONNECTING_SECONDS = 0.1
+_MAX_CONNECTING_MS = 2**31 - 1
+
+
 class ControlClient:
-    def __init__(self, target: str, tls: TLSConfig | None = None) -> None:
+    """The control connection to the node at ``target``. ``connect_timeout``: the longest one
+    connection attempt (TCP, then HTTP/2 and TLS setup) may take. gRPC gives each 20 s by
+    default, and goes on with it after the channel closes: against a node that took the
+    connection and never answered (frozen, SIGSTOPped) a connect that timed out left its
+    connection open 20 s after its deadline. (It cannot end sooner than this, whatever a
+    caller's own deadline says: gRPC has no call that stops an attempt under way.)"""
+
+    def __init__(self, target: str, tls: TLSConfig | None = None, connect_timeout: float | None = None) -> None:
         self.target = target
         self._tls = tls is not None
         self._closed = False
@@ -241,6 +254,10 @@ class ControlClient:
         # against a dead node (an old peer's renewals or lookups), so a connect() to the node
         # restarted there failed fast with that stale 'Connection refused' for up to the backoff.
         options: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
+        if connect_timeout is not None:
+            # (gRPC's name for how long an attempt may take before it counts as failed)
+            connecting_ms = min(int(max(connect_timeout, _MIN_CONNECTING_SECONDS) * 1000), _MAX_CONNECTING_MS)
+            options.append(("grpc.min_reconnect_backoff_ms", connecting_ms))
         # "host:port" with the scheme written out: gRPC reads a host named like one of its
         # schemes as that scheme ("unix:5000" dialled the socket file "5000" in the working
         # directory, "ipv4:5000" failed as an invalid target) rather than as a host to resolve
@@ -301,10 +318,16 @@ class ControlClient:
                 # a node without tls=, or no node at all: ask in plaintext which
                 plaintext = await probe_plaintext(self.target, min(deadline, 2.0))
             raise map_rpc_error(exc, self.target, tls=self._tls, closed=closed, plaintext=plaintext) from exc
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
                 raise self._closed_error() from None
+            # its traceback holds gRPC's call (the frames of its await), which holds the channel's
+            # machinery: a connect's deadline, chained to the ConnectTimeout a caller keeps (and
+            # in a cycle through the connect's task until the collector ran), kept the closed
+            # channel dialling again every 20 s to a node that took the connection and never
+            # answered. From here up it says all there is to say
+            exc.with_traceback(None)
             raise
         except grpc.aio.UsageError as exc:  # the channel closed between our check and the call
             raise self._closed_error() from exc
