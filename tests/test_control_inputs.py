@@ -226,6 +226,29 @@ async def test_a_handshake_cannot_make_the_node_hold_megabytes() -> None:
         await peer.send(1, tag="t")
 
 
+@pytest.mark.parametrize(
+    "address", ["nonsense", "node-b", "node-b:0", "node-b:70000", "unix:/tmp/s:1", "[zz::1]:7", "a b:7"]
+)
+async def test_a_handshake_whose_control_address_cannot_be_dialled_is_refused(address: str) -> None:
+    """The control address a client gives is where the accepting node dials back (its lookups,
+    its goodbye as it closes). One that is no 'host:port' was taken, and the session opened:
+    the first lookup then failed late, in gRPC's words ('errors resolving unix:/tmp/s:1: ...'),
+    and the goodbye quietly. Refused at the handshake now, naming the address; a client that
+    gives none (no lookups back to it) still connects."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            req = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, node_id="x", control_address=address)
+            req.offers.add(name="tcp", version=node.offers["tcp"].version, address=node.offers["tcp"].address)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(req, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"control address {address!r}" in (info.value.details() or "")
+            assert not node._opening, "a refused handshake left a session waiting"
+            req.control_address = ""
+            assert (await stub.Handshake(req, timeout=5)).session_id
+
+
 @contextlib.asynccontextmanager
 async def _session_and_stub() -> AsyncIterator[tuple[tensorwire.Node, tensorwire.Peer, Any]]:
     """A server node, a client's peer with a session there, and a raw Control stub to the

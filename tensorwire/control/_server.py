@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .._checks import split_address
 from .._ratelog import RateLimitedLog
 from ..errors import ConfigurationError, NegotiationError
 from ._auth import heartbeat_proof, leave_proof, lookup_proof
@@ -131,6 +132,20 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 f"instance id at most {MAX_INSTANCE_ID_CHARS} (got {len(request.node_id)}, "
                 f"{len(request.control_address)} and {len(request.instance_id)})",
             )
+        if request.control_address:
+            # where this node dials back (lookups, its goodbye): one that is no host:port made
+            # the session, and the first lookup failed late, in gRPC's words. (A host other than
+            # the caller's is taken as it is: a node with several interfaces may serve on one and
+            # call from another. None given: nothing is looked up back there.)
+            try:
+                split_address(request.control_address, lowest_port=1)
+            except ConfigurationError as exc:
+                self._refusals.warn("handshake from %s refused: control address %r", peer, request.control_address)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"control address {request.control_address!r} (where the accepting node would call the client "
+                    f"back) cannot be dialled: {exc}",
+                )
         remote = {o.name: offer_from_pb(o) for o in request.offers}
         remote_unusable = {u.name: _clip(u.reason) for u in request.unavailable}
         preference = list(request.preference) or list(node.config.transports)
