@@ -38,7 +38,8 @@ The metrics (counters end in ``_total``):
 - ``tensorwire_peers_open`` {transport}: peers open now, over the nodes of this process.
 - ``tensorwire_connect_failures_total`` {error}: ``Node.connect`` calls that raised, by error.
 - ``tensorwire_refusals_total`` {kind}: requests this process refused or connections it
-  dropped ("control" for the control plane, else the data transport's name), and "accept":
+  dropped ("control" for the control plane, a handshake refused for ``require=`` or for no
+  shared transport among them; else the data transport's name), and "accept":
   peers that left before anyone accepted them, dropped with the messages they left by a node
   that has never called ``accept()`` once it holds more than ``Node.MAX_DEPARTED`` of them.
 - ``tensorwire_stranded_requests`` and ``tensorwire_stranded_bytes`` {transport}: requests of

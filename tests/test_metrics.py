@@ -205,6 +205,32 @@ async def test_failed_connects_and_refused_handshakes_are_counted() -> None:
     assert after.refusals.get("control", 0) - before.refusals.get("control", 0) == 1, after.refusals
 
 
+async def test_a_handshake_refused_for_require_is_counted_as_a_refusal() -> None:
+    """A handshake the server refuses because it cannot meet the client's ``require=`` (or it
+    and the client share no transport) is a refused request like a wrong token: it was only
+    logged, at info, and ``tensorwire_refusals_total{kind="control"}`` did not move."""
+    import grpc
+
+    from tensorwire.control import PROTOCOL_VERSION
+    from tensorwire.control._pb import control_pb2, control_pb2_grpc
+
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        if node.offers["tcp"].capabilities.rdma:
+            pytest.skip("this node's tcp meets require='rdma'")
+        before = metrics.snapshot().refusals.get("control", 0)
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            for require, offered in (("rdma", "tcp"), ("any", "made-up")):
+                req = control_pb2.HandshakeRequest(
+                    protocol_version=PROTOCOL_VERSION, node_id="x", require=require, preference=[offered]
+                )
+                req.offers.add(name=offered, version=node.offers["tcp"].version, address=node.offers["tcp"].address)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Handshake(req, timeout=5)
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value
+        assert metrics.snapshot().refusals.get("control", 0) - before == 2
+
+
 def test_a_connect_failure_is_counted_by_its_public_error_class() -> None:
     """A connect to a node cancelling its calls as it closes raises the control client's private
     NodeClosing, a ControlPlaneError: counted by that name, it made a label value that names

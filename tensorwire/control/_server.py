@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .. import _metrics
 from .._checks import split_address
 from .._ratelog import RateLimitedLog
 from ..errors import ConfigurationError, NegotiationError
@@ -164,6 +165,9 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 transports=node.transports,
             )
         except (NegotiationError, ConfigurationError) as exc:
+            # a refused request like any other here (tensorwire_refusals_total), logged at info
+            # only: an honest client whose require= this node cannot meet is no attack
+            _metrics.refused("control")
             log.info("handshake from %s: %s", peer, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         session_id = uuid.uuid4().hex
