@@ -204,14 +204,13 @@ def peer_opened(side: str, path: Path, remote_instance: str) -> None:
     each of them looked like a fallback. Names come from the other side too
     (a client's preference order, a server's reply: up to 32 of any 64 characters), so a name
     tensorwire does not know counts as "other": a peer that made up a new one at each connect
-    made a new label value, kept for ever, each time."""
+    made a new label value, kept for ever, each time. The names are sorted: one set, one value."""
     from .transports import KNOWN  # (imported here: the transports import this module)
 
     here = any(node.instance_id == remote_instance for node in _live_nodes())
-    passed = dict.fromkeys(
-        name if name in KNOWN else "other" for name, _ in path.passed_over if here or name != "inproc"
-    )
-    key = (path.transport, side, ",".join(passed))
+    passed = {name if name in KNOWN else "other" for name, _ in path.passed_over if here or name != "inproc"}
+    # sorted: in the order of the connect's preference, one set made a label value per order
+    key = (path.transport, side, ",".join(sorted(passed)))
     with _lock:
         _peers[key] = _peers.get(key, 0) + 1
 

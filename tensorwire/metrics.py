@@ -31,7 +31,8 @@ The metrics (counters end in ``_total``):
   write took, as its receipt says. Recvs are not timed: a recv's time runs from its call, so it
   is mostly its wait for the sender (tensorwire's own listening loops wait as long as they serve).
 - ``tensorwire_peers_opened_total`` {transport, side, passed_over}: side "connect" or "accept";
-  passed_over names the transports preferred over the one taken ("" when none was; "other"
+  passed_over names the transports preferred over the one taken, sorted and comma-separated
+  ("inproc,verbs"; "" when none was; "other"
   for a name tensorwire does not know, which a peer of another build may send), except inproc
   for a peer in another process, which it never carries: that is no fallback (the peer's path
   still names it).

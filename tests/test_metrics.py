@@ -231,6 +231,26 @@ async def test_a_handshake_refused_for_require_is_counted_as_a_refusal() -> None
         assert metrics.snapshot().refusals.get("control", 0) - before == 2
 
 
+async def test_one_set_of_transports_passed_over_is_one_label_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``passed_over`` joined the names in the order of the connect's preference, so the same
+    fallback counted under two label values ("inproc,other" and "other,inproc") by the order a
+    client happened to give: a query for one missed the other, and orders multiply the series a
+    client can make. The names are sorted now."""
+    monkeypatch.setattr("tensorwire._node._check_transports", lambda names: tuple(names))
+    before = metrics.snapshot().peers_opened
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("inproc", "tcp")) as client,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+    ):
+        for order in (("inproc", "made-up", "tcp"), ("made-up", "inproc", "tcp")):
+            peer = await client.connect(server.address, transports=order)
+            assert [name for name, _ in peer.path.passed_over] == list(order[:2])
+            await peer.aclose()
+    after = metrics.snapshot().peers_opened
+    grown = {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
+    assert grown == {("tcp", "connect", "inproc,other"): 2, ("tcp", "accept", "inproc,other"): 2}, grown
+
+
 def test_a_connect_failure_is_counted_by_its_public_error_class() -> None:
     """A connect to a node cancelling its calls as it closes raises the control client's private
     NodeClosing, a ControlPlaneError: counted by that name, it made a label value that names
