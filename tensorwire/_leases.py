@@ -166,9 +166,11 @@ class Renewals:
                 )
 
 
-# one Leave call to one node: the address called, the control connection to call it over (None:
-# a new one to that address, closed after it), and the sessions named with their proofs
-Goodbye = tuple[str, ControlClient | None, list[tuple[str, bytes]]]
+# one Leave call to one node: the address called, the name its TLS certificate must carry where a
+# new connection checks another than TLSConfig.server_name (Peer._control_name), the control
+# connection to call it over (None: a new one to that address, closed after it), and the sessions
+# named with their proofs
+Goodbye = tuple[str, str | None, ControlClient | None, list[tuple[str, bytes]]]
 
 
 def plan_goodbye(peers: list[Peer]) -> list[Goodbye]:
@@ -195,11 +197,11 @@ def plan_goodbye(peers: list[Peer]) -> list[Goodbye]:
         if not target:
             continue
         key = peer.remote_instance or target
-        first, via, sessions = calls.get(key, (target, None, []))
+        first, name, via, sessions = calls.get(key, (target, peer._control_name, None, []))
         if via is None and control is not None:
             first, via = target, control
         sessions.append((session.id, leave_proof(session.secret, session.id)))
-        calls[key] = (first, via, sessions)
+        calls[key] = (first, name, via, sessions)
     return list(calls.values())
 
 
@@ -232,11 +234,13 @@ async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
     if not calls:
         return
 
-    async def leave(target: str, via: ControlClient | None, sessions: list[tuple[str, bytes]]) -> None:
+    async def leave(
+        target: str, name: str | None, via: ControlClient | None, sessions: list[tuple[str, bytes]]
+    ) -> None:
         client = via
         try:
             if client is None:  # (in the try: a TLS node reads its files here, which may have gone)
-                client = ControlClient(target, node.config.tls, GOODBYE_SECONDS)
+                client = ControlClient(target, node.config.tls, GOODBYE_SECONDS, name)
             for i in range(0, len(sessions), MAX_RENEWALS):  # (as the renewals: a server takes that many a call)
                 await client.leave(sessions[i : i + MAX_RENEWALS], GOODBYE_SECONDS)
         except Exception as exc:  # (it is gone, or closing too: it learns as before)
@@ -247,7 +251,7 @@ async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
 
     try:
         async with asyncio.timeout(GOODBYE_SECONDS * 2):  # (the calls' deadlines, and the closes)
-            await asyncio.gather(*(leave(t, via, sessions) for t, via, sessions in calls))
+            await asyncio.gather(*(leave(t, name, via, sessions) for t, name, via, sessions in calls))
     except TimeoutError:
         log.debug("goodbyes to %d nodes took over %s s", len(calls), GOODBYE_SECONDS * 2)
 

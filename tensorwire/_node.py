@@ -15,7 +15,7 @@ import uuid
 import warnings
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,6 +32,7 @@ from .control._convert import offer_from_pb, offer_to_pb
 from .control._negotiate import MAX_TRANSPORTS, shortfall
 from .control._pb import control_pb2
 from .control._server import MAX_INSTANCE_ID_CHARS, MAX_NAME_CHARS, SECRET_BYTES
+from .control._tls import callback_name
 from .errors import (
     ClosedResourceError,
     ConfigurationError,
@@ -670,7 +671,13 @@ class Node:
         remote_addr: str,
         control_address: str = "",
         remote_instance: str,
+        proven: Mapping[str, Sequence[bytes]] | None = None,
     ) -> None:
+        """``proven``: the auth context of a mutual-TLS handshake (its client's certificate)."""
+        control_address = _dialable(control_address, remote_addr)
+        control_name = None
+        if proven is not None and control_address:
+            control_name = callback_name(proven, split_address(control_address)[0])
         session = Session(session_id, secret, self.node_id, remote_node, self.config.limits)
         pending = self.transports[choice.name].expect(session)
 
@@ -696,7 +703,8 @@ class Node:
                 remote_address=remote_addr,
                 path=self._path(choice, channel),
                 session=session,
-                control_address=_dialable(control_address, remote_addr),
+                control_address=control_address,
+                control_name=control_name,
             )
             peer._lease = self.config.lease_seconds
             self._leases[session_id] = (time.monotonic() + self.config.lease_seconds, peer)  # _gone drops it

@@ -150,6 +150,7 @@ class Peer:
         control: ControlClient | None = None,
         session: Session | None = None,
         control_address: str = "",
+        control_name: str | None = None,
     ) -> None:
         self.node = node
         self._home = node._loop  # every call but abort() must come from there (check_home)
@@ -167,6 +168,7 @@ class Peer:
         self._remote_closing = False  # (its node said goodbye to us: Node._peer_left)
         self.session = session
         self._control_address = control_address  # the remote's control plane, for lookups
+        self._control_name = control_name  # (TLS) the name its certificate there must carry (callback_name)
         self._tasks: set[asyncio.Task[None]] = set()
         # the session's lease, and when the other side last proved it alive: our own renewal
         # was sent (we connected), or its renewal reached us (it connected). See _lease_fence.
@@ -456,7 +458,9 @@ class Peer:
         if self._control is None:
             if not self._control_address:
                 raise ControlPlaneError(f"{self.remote_address} did not say where its control plane listens")
-            self._control = ControlClient(self._control_address, self.node.config.tls, self.node.config.connect_timeout)
+            self._control = ControlClient(
+                self._control_address, self.node.config.tls, self.node.config.connect_timeout, self._control_name
+            )
         try:
             proof = lookup_proof(self.session.secret, name)
             resp = await self._control.lookup(self.session.id, name, proof, deadline=self.node.config.connect_timeout)

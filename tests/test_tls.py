@@ -10,6 +10,7 @@ import shutil
 import socket
 import struct
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -207,6 +208,82 @@ async def test_a_server_certificate_for_another_name_is_an_authentication_error(
         async with tensorwire.start("127.0.0.1:0", tls=other) as client:
             with pytest.raises(tensorwire.AuthenticationError):
                 await client.connect(server.address, connect_timeout=5)
+
+
+def _named(pki, tmp_path: Path, name: str, *, server_name: str | None = None) -> TLSConfig:
+    """Mutual TLS with a certificate, signed by the test CA, that carries ``name`` alone (no
+    address): a node's own certificate, as a PKI per host issues them."""
+    ca_cert = x509.load_pem_x509_certificate(Path(pki["ca"][0]).read_bytes())
+    ca_key = serialization.load_pem_private_key(Path(pki["ca"][1]).read_bytes(), password=None)
+    key = _key()
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    cert_file, key_file = _write(tmp_path / name, cert, key)
+    return TLSConfig(
+        cert_file=cert_file, key_file=key_file, ca_file=pki["ca"][0], require_client_cert=True, server_name=server_name
+    )
+
+
+async def test_calls_back_to_clients_verify_each_against_the_name_its_certificate_proved(
+    pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each node with a certificate of its own name (node-a, node-b, node-c), at addresses
+    those carry not. A client reaches the server by server_name="node-b"; the server calls
+    each client back (lookups, goodbyes) at the control address it gave, and checked the
+    certificate there against its own server_name (one name for every call: it cannot be both
+    node-a and node-c) or the address: every lookup failed, "TLS handshake ... failed". Under
+    mutual TLS the client proved its certificate in the handshake: the call back checks for
+    the name that certificate carries."""
+    from tensorwire.control._server import _Servicer
+
+    goodbyes: list[int] = []
+    leave = _Servicer.Leave
+
+    async def counted(self: _Servicer, request: Any, context: Any) -> Any:
+        goodbyes.append(len(request.sessions))
+        return await leave(self, request, context)
+
+    monkeypatch.setattr(_Servicer, "Leave", counted)
+    monkeypatch.setattr("tensorwire._leases.GOODBYE_SECONDS", 10.0)  # (time enough for a TLS setup, loaded or not)
+    async with (
+        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-b"), transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-a", server_name="node-b")) as a,
+        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-c", server_name="node-b")) as c,
+    ):
+        for client, value in ((a, 1), (c, 2)):
+            client.expose(np.full(4, value), name="w")
+            await client.connect(server.address)
+            peer = await server.accept()
+            handle = await asyncio.wait_for(peer.lookup("w"), 10)
+            assert np.array_equal(await peer.read(handle), np.full(4, value))
+        # a peer that looked nothing up says its goodbye over a control connection of its own
+        await a.connect(server.address)
+        await (await server.accept()).aclose()
+        assert goodbyes == [1], "the goodbye did not reach the client"
+
+
+def test_the_name_a_call_back_checks_is_one_the_proved_certificate_carries() -> None:
+    from tensorwire.control._tls import callback_name
+
+    cert = {"peer_dns": [b"*.pool", b"node-a", b"node-a.lan"], "peer_ip": [b"10.0.0.7"], "x509_common_name": [b"a"]}
+    assert callback_name(cert, "node-a.lan") == "node-a.lan"  # (the host called, where it carries it)
+    assert callback_name(cert, "NODE-A") == "NODE-A"
+    assert callback_name(cert, "10.0.0.7") == "10.0.0.7"
+    assert callback_name(cert, "10.0.0.8") == "node-a"  # (its first name that is no wildcard)
+    assert callback_name({"peer_dns": [b"*.pool"], "x509_common_name": [b"a"]}, "10.0.0.8") is None
+    assert callback_name({"x509_common_name": [b"a"]}, "10.0.0.8") == "a"  # (no DNS name: its common name)
+    assert callback_name({"transport_security_type": [b"ssl"]}, "10.0.0.8") is None  # (none proved)
 
 
 @pytest.mark.timeout(60)

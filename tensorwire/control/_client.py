@@ -242,9 +242,17 @@ class ControlClient:
     default, and goes on with it after the channel closes: against a node that took the
     connection and never answered (frozen, SIGSTOPped) a connect that timed out left its
     connection open 20 s after its deadline. (It cannot end sooner than this, whatever a
-    caller's own deadline says: gRPC has no call that stops an attempt under way.)"""
+    caller's own deadline says: gRPC has no call that stops an attempt under way.)
+    ``server_name``: with TLS, the name to check the server's certificate against, in place of
+    ``tls.server_name`` (see ``callback_name``)."""
 
-    def __init__(self, target: str, tls: TLSConfig | None = None, connect_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        tls: TLSConfig | None = None,
+        connect_timeout: float | None = None,
+        server_name: str | None = None,
+    ) -> None:
         self.target = target
         self._tls = tls is not None
         self._closed = False
@@ -265,7 +273,7 @@ class ControlClient:
         if tls is None:
             self._channel = grpc.aio.insecure_channel(uri, options=options)
         else:
-            options += tls.channel_options()
+            options += tls.channel_options(server_name)
             self._channel = grpc.aio.secure_channel(uri, tls.channel_credentials(), options=options)
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
 

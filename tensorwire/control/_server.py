@@ -193,6 +193,10 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             remote_addr=peer,
             control_address=request.control_address,
             remote_instance=request.instance_id,
+            # (under mutual TLS: the certificate the client proved, whose name calls back check)
+            proven=context.auth_context()
+            if node.config.tls is not None and node.config.tls.require_client_cert
+            else None,
         )
         resp = control_pb2.HandshakeResponse(
             session_id=session_id,

@@ -7,8 +7,10 @@ plaintext for speed. Rejected TLS handshakes are logged by gRPC core (GRPC_VERBO
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import ssl
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import grpc
 from .._checks import check_arguments, check_bool
 from ..errors import ConfigurationError
 
-__all__ = ["TLSConfig"]
+__all__ = ["TLSConfig", "callback_name"]
 
 
 def _read(path: str | None, what: str) -> bytes | None:
@@ -75,7 +77,9 @@ class TLSConfig:
     ca_file: the CA bundle that verifies the other side (PEM); None uses the system roots.
     require_client_cert: serving, refuse clients without a certificate signed by ``ca_file``.
     server_name: connecting, the name the server certificate must carry when it differs from the
-        host in the address (e.g. a certificate for "node-a" served at 10.0.0.5).
+        host in the address (e.g. a certificate for "node-a" served at 10.0.0.5): one name for every
+        node this one connects to. Calls back to a client that proved its certificate (mutual
+        TLS) check a name of that certificate instead (``callback_name``).
     """
 
     cert_file: str | None = None
@@ -122,6 +126,34 @@ class TLSConfig:
         _check_pem(self.cert_file, self.key_file, self.ca_file)
         return creds
 
-    def channel_options(self) -> list[tuple[str, str]]:
-        """gRPC channel options: the host name to check the server's certificate against, if set."""
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+    def channel_options(self, server_name: str | None = None) -> list[tuple[str, str]]:
+        """gRPC channel options: the host name to check the server's certificate against, if
+        set (``server_name``, else ``self.server_name``)."""
+        name = server_name or self.server_name
+        return [("grpc.ssl_target_name_override", name)] if name else []
+
+
+def _same_host(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
+
+
+def callback_name(auth: Mapping[str, Sequence[bytes]], host: str) -> str | None:
+    """The name to check a client's control-plane certificate against when this node calls it
+    back (its lookups, its goodbye) at ``host``, from the certificate that client proved in a
+    mutual-TLS handshake (``auth``: that call's auth context): ``host`` where the certificate
+    carries it (the check a call makes anyway), else its first DNS name that is no wildcard,
+    else (a certificate without DNS names) its common name. None where it proved none.
+    (``TLSConfig.server_name`` is one name for all the nodes this one connects to: per-node
+    certificates, each of its own name, failed every call back to a client at its address.)"""
+    dns = [name.decode(errors="replace") for name in auth.get("peer_dns", ())]
+    ips = [ip.decode(errors="replace") for ip in auth.get("peer_ip", ())]
+    common = [name.decode(errors="replace") for name in auth.get("x509_common_name", ())]
+    if any(_same_host(host, name) for name in (*dns, *ips)):
+        return host
+    plain = [name for name in dns if "*" not in name]
+    if plain:
+        return plain[0]
+    return common[0] if common and not dns else None
