@@ -55,6 +55,10 @@ The metrics (counters end in ``_total``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import socket
+import socketserver
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,6 +69,12 @@ from ._checks import check_arguments, check_bool, split_address
 from .errors import ConfigurationError
 
 __all__ = ["MetricsServer", "Snapshot", "collector", "count_transfers", "register", "serve", "snapshot", "text"]
+
+log = logging.getLogger(__name__)
+
+#: seconds the metrics endpoint waits on a connection for a request (or a client's read) before
+#: it drops the connection: each one is served on a thread of its own while it lasts
+IDLE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -272,6 +282,63 @@ def text() -> str:
     return str(prometheus.generate_latest(registry).decode())
 
 
+def _http_server(host: str, port: int, registry: Any) -> tuple[Any, threading.Thread]:
+    """prometheus_client's HTTP endpoint (``start_http_server``), but one whose connections do
+    not outlive it: it served each on a thread of its own for as long as the client kept it,
+    idle or not, and its close left them open, with their threads, until their clients let go.
+    Here an idle connection is dropped after ``IDLE_SECONDS`` (quietly: a timeout is no error
+    to print), and the server drops those left as it closes (``_Server.drop_connections``)."""
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    family, _, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class Handler(WSGIRequestHandler):
+        def setup(self) -> None:
+            self.request.settimeout(IDLE_SECONDS)  # (read at each connection)
+            super().setup()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Log no request."""
+
+    class Server(socketserver.ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = family
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._open: set[socket.socket] = set()
+            self._open_lock = threading.Lock()
+            super().__init__(*args, **kwargs)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            with self._open_lock:
+                self._open.add(request)
+            super().process_request(request, client_address)
+
+        def shutdown_request(self, request: Any) -> None:
+            with self._open_lock:
+                self._open.discard(request)
+            super().shutdown_request(request)
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            # a client that timed out, reset or went (socketserver printed each to stderr)
+            log.debug("metrics request from %s failed", client_address, exc_info=True)
+
+        def drop_connections(self) -> None:
+            """End the connections still served: their threads' reads return, and they close."""
+            with self._open_lock:
+                connections = list(self._open)
+            for connection in connections:
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+
+    httpd = make_server(str(where[0]), port, make_wsgi_app(registry), Server, handler_class=Handler)
+    thread = threading.Thread(target=httpd.serve_forever, name="tensorwire-metrics", daemon=True)
+    thread.start()
+    return httpd, thread
+
+
 class MetricsServer:
     """An HTTP endpoint serving ``/metrics`` from a thread of its own; close it with
     ``aclose()`` (or ``close()`` outside an event loop), or use it as an async context manager."""
@@ -293,6 +360,7 @@ class MetricsServer:
                 return
             self._httpd.shutdown()
             self._httpd.server_close()
+            self._httpd.drop_connections()
             self._thread.join()
             self._closed = True
 
@@ -322,7 +390,7 @@ def serve(address: str = "127.0.0.1:0", *, registry: Any = None) -> MetricsServe
     else:
         registry = _registry(registry)
     try:
-        httpd, thread = prometheus.start_http_server(port, addr=host, registry=registry)
+        httpd, thread = _http_server(host, port, registry)
     except OSError as exc:
         raise ConfigurationError(f"cannot serve metrics at {address}: {exc.strerror or exc}") from exc
     bound = httpd.server_address[1]

@@ -328,6 +328,52 @@ async def test_metrics_served_over_http_and_closed_once() -> None:
         s.bind((host, int(port)))
 
 
+def _server_side(port: int) -> int:
+    """This process's connections accepted at ``port`` (its local end there), any state but LISTEN."""
+    from _procfs import _our_sockets, _port
+
+    return sum(1 for cols in _our_sockets() if cols[3] != "0A" and _port(cols[1]) == port)
+
+
+def test_connections_that_never_ask_are_dropped_and_none_outlives_the_server(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The endpoint served each connection on a thread of its own for as long as the client
+    kept it, whether it asked for anything or not: 5 idle connections held 5 threads, and all 5
+    stayed open, with their threads, after ``close()`` (until their clients let go). An idle
+    connection is dropped after ``IDLE_SECONDS`` now, quietly, and ``close()`` ends those left."""
+    monkeypatch.setattr(metrics, "IDLE_SECONDS", 1.0)
+    server = metrics.serve("127.0.0.1:0", registry=CollectorRegistry())
+    port = int(server.address.rpartition(":")[2])
+    try:
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+        with idle:
+            assert idle.recv(1) == b"", "the idle connection was not dropped"
+        monkeypatch.setattr(metrics, "IDLE_SECONDS", 60.0)
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(5)]
+        try:
+            for _ in range(500):
+                if _server_side(port) == 5:
+                    break
+                threading.Event().wait(0.01)
+            assert _server_side(port) == 5
+            assert "tensorwire_" not in _get(f"http://{server.address}/metrics")  # (it still serves)
+            server.close()
+            for _ in range(500):
+                if _server_side(port) == 0:
+                    break
+                threading.Event().wait(0.01)
+            assert _server_side(port) == 0, f"{_server_side(port)} of 5 connections outlived the server"
+            for sock in held:
+                assert sock.recv(1) == b""
+        finally:
+            for sock in held:
+                sock.close()
+    finally:
+        server.close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("address", ["nohost", "127.0.0.1:99999", "[::1]", 5])
 def test_a_bad_metrics_address_is_a_configuration_error(address: object) -> None:
     with pytest.raises(tensorwire.ConfigurationError):
