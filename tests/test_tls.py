@@ -396,6 +396,18 @@ def test_tls_config_refuses_values_that_are_not_what_they_seem(bad: dict[str, ob
         TLSConfig(**bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name", [" node-a", "node a", "https://node-a", "node-a/", "node-a\n", "node-a:http"])
+def test_a_server_name_no_host_has_is_refused_not_blamed_on_the_certificate(name: str) -> None:
+    """A server_name with a space, a scheme or a path was taken, and every connect then failed
+    as a refused certificate ("TLS handshake ... failed: ... Hostname Verification Check
+    failed", AuthenticationError). Names a host may have (and an address, with or without its
+    port, which gRPC checks by its host) are still taken."""
+    with pytest.raises(tensorwire.ConfigurationError, match=r"TLSConfig\.server_name"):
+        TLSConfig(server_name=name)
+    for good in ("node-a", "node-a.lan.", "xn--bcher-kva.example", "10.0.0.5", "::1", "[::1]", "localhost:5000"):
+        assert TLSConfig(server_name=good).server_name == good
+
+
 def test_tls_config_takes_paths(tmp_path: Path) -> None:
     config = TLSConfig(cert_file=tmp_path / "c.pem", key_file=tmp_path / "k.pem")  # type: ignore[arg-type]
     assert config.cert_file == str(tmp_path / "c.pem") and config.require_client_cert is False

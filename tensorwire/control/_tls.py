@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from .._checks import check_arguments, check_bool
+from .._checks import check_arguments, check_bool, split_address
 from ..errors import ConfigurationError
 
 __all__ = ["TLSConfig", "callback_name"]
@@ -99,8 +99,13 @@ class TLSConfig:
         # a truthy stand-in ("no" from a config file) must not switch mutual TLS on
         require = check_bool("TLSConfig.require_client_cert", self.require_client_cert)
         object.__setattr__(self, "require_client_cert", require)
-        if self.server_name is not None and (not isinstance(self.server_name, str) or not self.server_name):
-            raise ConfigurationError(f"TLSConfig.server_name is a host name, not {self.server_name!r}")
+        if self.server_name is not None and (not isinstance(self.server_name, str) or not _host_like(self.server_name)):
+            # (one with a space, a scheme or a path was taken, and every connect failed as if
+            # the server's certificate had been refused)
+            raise ConfigurationError(
+                f"TLSConfig.server_name is the host name the servers' certificates carry (e.g. 'node-a'), not "
+                f"{self.server_name!r}"
+            )
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """The credentials a node serves its control plane with (ConfigurationError where the
@@ -131,6 +136,18 @@ class TLSConfig:
         set (``server_name``, else ``self.server_name``)."""
         name = server_name or self.server_name
         return [("grpc.ssl_target_name_override", name)] if name else []
+
+
+def _host_like(name: str) -> bool:
+    """A name a host may have (a DNS name, an IPv4 or IPv6 address, in brackets or not), or an
+    address with its port (gRPC checks its host)."""
+    for candidate in (name, f"{name}:1", f"[{name}]:1"):
+        try:
+            split_address(candidate)
+        except ConfigurationError:
+            continue
+        return True
+    return False
 
 
 def _same_host(a: str, b: str) -> bool:
