@@ -273,6 +273,21 @@ async def test_calls_back_to_clients_verify_each_against_the_name_its_certificat
         assert goodbyes == [1], "the goodbye did not reach the client"
 
 
+async def test_a_certificate_without_the_name_checked_says_which_name_and_what_to_set(pki, tmp_path: Path) -> None:
+    """A server whose certificate lacks the name the client checks (the address's host, or
+    server_name) failed with gRPC's words alone ("... Hostname Verification Check failed"),
+    which name neither the name nor the setting that chooses it."""
+    async with tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-b"), transports=("tcp",)) as server:
+        for server_name, checked in ((None, "127.0.0.1"), ("not-node-b", "not-node-b")):
+            tls = _named(pki, tmp_path, "node-a", server_name=server_name)
+            async with tensorwire.start("127.0.0.1:0", tls=tls, transports=("tcp",)) as client:
+                with pytest.raises(tensorwire.AuthenticationError) as info:
+                    await client.connect(server.address, connect_timeout=5)
+                message = str(info.value)
+                assert f"certificate does not carry the name {checked!r}" in message, message
+                assert "TLSConfig.server_name" in message, message
+
+
 def test_the_name_a_call_back_checks_is_one_the_proved_certificate_carries() -> None:
     from tensorwire.control._tls import callback_name
 

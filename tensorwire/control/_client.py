@@ -14,6 +14,7 @@ from .._checks import split_address
 from ..errors import (
     AuthenticationError,
     ClosedResourceError,
+    ConfigurationError,
     ConnectTimeout,
     ControlPlaneError,
     HandleNotFound,
@@ -113,6 +114,13 @@ async def probe_plaintext(target: str, seconds: float) -> bool | None:
         await channel.close()
 
 
+def _host(target: str) -> str | None:
+    try:
+        return split_address(target)[0]
+    except ConfigurationError:
+        return None
+
+
 def _not_http2(detail: str) -> bool:
     """What gRPC says of a server whose first bytes are not HTTP/2 (an HTTP/1 server, garbage)."""
     return "failed parsing http/2" in detail.lower()
@@ -160,6 +168,7 @@ def map_rpc_error(
     tls: bool = False,
     closed: WhyClosed = WhyClosed.UNKNOWN,
     plaintext: bool | None = None,
+    checked_name: str | None = None,
 ) -> Exception:
     """A control-plane failure as an error from the tree. With TLS on, a server that closes the
     connection during setup has most likely rejected our certificate, and we say so; one that
@@ -168,7 +177,8 @@ def map_rpc_error(
     else. Without TLS, ``closed`` says why the server closed the connection before answering,
     when it did (see ``probe_closed``); with TLS, CLOSED or CLOSING says that the server, after it
     cut the TLS setup (``_cut``), refused or dropped a fresh one: a node that died or is closing,
-    not one that refused our certificate."""
+    not one that refused our certificate. ``checked_name``: the name a TLS client checks the
+    server's certificate for, said where it lacks it."""
     code, detail = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{target} refused the handshake: {detail}")
@@ -199,6 +209,11 @@ def map_rpc_error(
         low = detail.lower()
         if any(w in low for w in _TLS_FAILURE):
             hint = ""
+            if "hostname verification" in low and checked_name is not None:
+                hint = (
+                    f" (the server's certificate does not carry the name {checked_name!r}: connect at a name it "
+                    "carries, or give that name as TLSConfig.server_name)"
+                )
             if _plaintext_answer(low):  # what a plaintext server answers a TLS hello with
                 if plaintext is False:
                     return ControlPlaneError(
@@ -255,6 +270,8 @@ class ControlClient:
     ) -> None:
         self.target = target
         self._tls = tls is not None
+        # the name the server's certificate is checked for (said where it lacks it)
+        self._checked_name = None if tls is None else server_name or tls.server_name or _host(target)
         self._closed = False
         self._answered = False  # a call got the server's answer: it spoke plaintext (or TLS) to us
         # A subchannel (the connection) of our own: by default grpc shares one per target among
@@ -325,7 +342,9 @@ class ControlClient:
             if self._tls and _plaintext_answer(exc.details() or ""):
                 # a node without tls=, or no node at all: ask in plaintext which
                 plaintext = await probe_plaintext(self.target, min(deadline, 2.0))
-            raise map_rpc_error(exc, self.target, tls=self._tls, closed=closed, plaintext=plaintext) from exc
+            raise map_rpc_error(
+                exc, self.target, tls=self._tls, closed=closed, plaintext=plaintext, checked_name=self._checked_name
+            ) from exc
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
