@@ -15,10 +15,14 @@ __all__ = ["RateLimitedLog"]
 class RateLimitedLog:
     """Warn about the first ``per_window`` events in each ``window`` seconds, then count the
     rest: hostile connections or requests cannot fill the log. ``what`` names the events in the
-    line that says how many were not logged."""
+    line that says how many were not logged; ``level``: that of every line (a warning unless
+    said)."""
 
-    def __init__(self, logger: logging.Logger, per_window: int, window: float, what: str, kind: str) -> None:
+    def __init__(
+        self, logger: logging.Logger, per_window: int, window: float, what: str, kind: str, level: int = logging.WARNING
+    ) -> None:
         self._log, self._per, self._window, self._what = logger, per_window, window, what
+        self._level = level
         self._kind = kind  # its label in the metrics' count of refusals (tensorwire_refusals_total)
         self._start = 0.0
         self._count = 0
@@ -28,8 +32,10 @@ class RateLimitedLog:
         now = time.monotonic()
         if now - self._start > self._window:
             if self._count > self._per:
-                self._log.warning("... and %d more %s in %.0f s", self._count - self._per, self._what, self._window)
+                self._log.log(
+                    self._level, "... and %d more %s in %.0f s", self._count - self._per, self._what, self._window
+                )
             self._start, self._count = now, 0
         self._count += 1
         if self._count <= self._per:
-            self._log.warning(msg, *args)
+            self._log.log(self._level, msg, *args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -295,6 +296,25 @@ async def test_a_client_that_keeps_sending_bad_proofs_cannot_fill_the_log(caplog
                 await stub.Lookup(control_pb2.LookupRequest(session_id=peer.session.id, name="x"), timeout=5)
     refusals = [r for r in caplog.records if "bad proof" in r.getMessage()]
     assert 1 <= len(refusals) <= 20, len(refusals)
+
+
+async def test_handshakes_refused_for_require_cannot_fill_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A handshake the node cannot meet (require=, no shared transport) was logged at info once
+    per handshake, unlimited, each with the client's reasons (up to 32 of 300 characters): the
+    only control-plane refusal not held to 20 lines in 10 s. Now it is, and each is counted."""
+    caplog.set_level(logging.INFO, logger="tensorwire.control._server")
+    before = metrics.snapshot().refusals.get("control", 0)
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            req = control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, node_id="f", preference=["verbs"])
+            for _ in range(60):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.Handshake(req, timeout=5)
+    lines = [r for r in caplog.records if "no transport satisfies" in r.getMessage()]
+    assert 1 <= len(lines) <= 20, len(lines)
+    assert all(r.levelno == logging.INFO for r in lines)
+    assert metrics.snapshot().refusals.get("control", 0) - before == 60
 
 
 async def test_handshakes_that_never_open_a_data_connection_cannot_fill_the_log(

@@ -17,7 +17,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .. import _metrics
 from .._checks import split_address
 from .._ratelog import RateLimitedLog
 from ..errors import ConfigurationError, NegotiationError
@@ -63,6 +62,11 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         # refusals are logged, but a client that keeps sending bad ones cannot fill the log
         self._refusals = RateLimitedLog(
             log, per_window=20, window=10.0, what="refused control-plane requests", kind="control"
+        )
+        # handshakes this node cannot meet (require=, no shared transport): at info, an honest
+        # client's among them is no attack; held to as few lines, each with the client's reasons
+        self._unmet = RateLimitedLog(
+            log, per_window=20, window=10.0, what="unmet handshakes", kind="control", level=logging.INFO
         )
 
     async def Handshake(  # noqa: N802 - gRPC method name
@@ -165,10 +169,7 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 transports=node.transports,
             )
         except (NegotiationError, ConfigurationError) as exc:
-            # a refused request like any other here (tensorwire_refusals_total), logged at info
-            # only: an honest client whose require= this node cannot meet is no attack
-            _metrics.refused("control")
-            log.info("handshake from %s: %s", peer, exc)
+            self._unmet.warn("handshake from %s: %s", peer, exc)  # (counted in tensorwire_refusals_total)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         session_id = uuid.uuid4().hex
         secret = os.urandom(SECRET_BYTES)
