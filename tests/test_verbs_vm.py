@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from concurrent.futures import Future
 from importlib import metadata
@@ -41,9 +42,11 @@ PYPI_SCRIPT = ROOT / "scripts" / "pyverbs-pypi.sh"
 PYPI_PREFIX = "/opt/rdma-core-59"
 GUEST_TESTS = "tests/verbs"
 PYTEST = "python3 -m pytest -p no:cacheprovider -q -rA --timeout=300"
-DEBIAN_CMD = f"timeout 1200 {PYTEST} {GUEST_TESTS}"
+# SIGINT at the limit, not SIGTERM: pytest then stops as at ^C and still prints its failures and
+# -rA summary (a CI run whose guest suite ran out of time under load showed two F and no names)
+DEBIAN_CMD = f"timeout -s INT -k 60 1200 {PYTEST} {GUEST_TESTS}"
 PYPI_CMD = (
-    f"timeout 900 {PYTEST} {GUEST_TESTS}/test_conformance_verbs.py "
+    f"timeout -s INT -k 60 900 {PYTEST} {GUEST_TESTS}/test_conformance_verbs.py "
     f"{GUEST_TESTS}/test_verbs_guest.py::test_the_verbs_stack_in_use"
 )
 _SPLIT = "== tensorwire: Debian pyverbs run exited with"
@@ -68,8 +71,13 @@ GUEST_DEPS = (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 
 
+# the guests' whole output, kept for a failure whose tail is not enough
+GUEST_LOG = Path(tempfile.gettempdir()) / f"tensorwire-guest-{os.getpid()}.log"
+
+
 def _tail(text: str, n: int = 15) -> str:
-    return "\n".join(text.strip().splitlines()[-n:])
+    kept = f"\n(the guests' whole output: {GUEST_LOG})" if GUEST_LOG.exists() else ""
+    return "\n".join(text.strip().splitlines()[-n:]) + kept
 
 
 def _failures(output: str, limit: int = 400) -> str:
@@ -233,6 +241,7 @@ class GuestRuns:
         first = f'{PAIR_CMD} a; echo "{_PAIR_SPLIT} $?"; {suite_cmd}'
         args = ["bash", str(vm), "run2", str(ROOT), "--", first, "--", f"{PAIR_CMD} b"]
         rc, out, err = self._run(args, 2500, env)
+        GUEST_LOG.write_text(out + err)
         lines = (out + err).splitlines()
         # run2 prints the first guest's output ("[a] ..."), then the second's ("[b] ..."); the first
         # guest's lines up to the split are its side of the exchange, the rest the suite's
