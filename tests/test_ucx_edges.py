@@ -35,6 +35,7 @@ import tensorwire
 from tensorwire._peer import tag_id
 from tensorwire.errors import PeerDisconnected, TransferError
 from tensorwire.testing import connected_pair
+from tensorwire.transports import ChannelState
 from tensorwire.transports.ucx import _ucp
 
 pytestmark = [
@@ -1322,8 +1323,6 @@ async def test_each_send_failed_by_a_ucx_channels_end_gets_a_failure_of_its_own(
     one exception to both, so a caller that kept its send's failure (to log it, say) kept the
     other send's frames with it, through the traceback the other raise gave that object, and so
     the other send's 64 MiB array after its caller had let go of it."""
-    from tensorwire.transports import ChannelState
-
     # (recv_buffer_bytes=0: a send waits for its receiver's go-ahead, before UCX holds any of it;
     # a payload UCX was given is kept until UCX is done with it, see Worker.sweep)
     async with connected_pair("ucx", limits=tensorwire.Limits(recv_buffer_bytes=0)) as (a, b):
@@ -1406,3 +1405,71 @@ async def test_a_send_cancelled_while_a_stopped_receiver_holds_its_payload_says_
                     await peer.send(np.ones(16 * MiB, np.uint8), tag="big")
         finally:
             await end_child(child)
+
+
+_FROZEN_RENDEZVOUS_SENDER = """
+import asyncio, sys, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}, lease_seconds=30) as n:
+        print(n.address, flush=True)
+        p = await n.accept()
+        # (its receiver grants no credit: rendezvous)
+        await p.send((np.arange(1 << 20, dtype=np.uint32), np.full(1 << 16, 7, np.uint8)), tag="big")
+        await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)  # (the old code's recv ended at the 30 s lease)
+@pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
+async def test_a_recv_whose_sender_froze_before_its_payload_moved_ends_at_its_deadline(
+    bindings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rendezvous message's header is here and its sender is frozen (SIGSTOP) before it got the
+    CTS: the recv posts its payload receives, which nothing matches, and sends its CTS. Under a
+    1.5 s deadline that recv waited for the whole 30 s lease (a cancel waited for UCX to land a
+    payload that had not begun to move), then raised TimeoutError. A receive that has not matched
+    can be taken back: the recv ends near its deadline, out= untouched, and the message stays
+    queued; once the sender runs again a later recv gets it whole (no second CTS: the first
+    one's payload is what it receives)."""
+    from test_ucx import without_libucp
+
+    if bindings == "ucxx":  # the payload receives through ucxx
+        without_libucp(monkeypatch)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _FROZEN_RENDEZVOUS_SENDER, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    limits = tensorwire.Limits(recv_buffer_bytes=0)  # every message waits for its recv (rendezvous)
+    try:
+        async with asyncio.timeout(15):
+            address = (await child.stdout.readline()).decode().strip()
+        async with tensorwire.start(
+            transports=("ucx",), ucx_options={"TLS": "tcp"}, lease_seconds=30, limits=limits
+        ) as node:
+            peer = await node.connect(address)
+            assert (peer.channel._ucp is None) == (bindings == "ucxx")  # type: ignore[attr-defined]
+            mailbox = peer.channel.mailbox  # type: ignore[attr-defined]
+            await eventually(lambda: mailbox.oldest(tag_id("big")) is not None, 10)  # its header came
+            os.kill(child.pid, signal.SIGSTOP)
+            out = (np.zeros(1 << 20, np.uint32), np.zeros(1 << 16, np.uint8))
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1.5):
+                    await peer.recv(tag="big", out=out)
+            took = loop.time() - t0
+            assert took < 10, f"a 1.5 s deadline ended the recv after {took:.1f} s"
+            assert not any(o.any() for o in out)  # nothing landed in it
+            os.kill(child.pid, signal.SIGCONT)
+            again = (np.zeros(1 << 20, np.uint32), np.zeros(1 << 16, np.uint8))
+            async with asyncio.timeout(10):
+                got, receipt = await peer.recv_with_receipt(tag="big", out=again)
+            assert got is again
+            np.testing.assert_array_equal(again[0], np.arange(1 << 20, dtype=np.uint32))
+            assert (again[1] == 7).all()
+            assert not any(o.any() for o in out)  # the message went to its second recv's out=, not the first's
+            assert receipt.protocol == "rendezvous" and receipt.direct, receipt
+    finally:
+        await end_child(child)

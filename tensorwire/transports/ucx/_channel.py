@@ -284,13 +284,14 @@ def _joined(routes: list[_Route] | None) -> _Route | None:
 class _Transfer:
     """Payload receives posted for one message; completes its arrival when all have landed."""
 
-    __slots__ = ("arrival", "failure", "pending", "reqs")
+    __slots__ = ("arrival", "failure", "pending", "reqs", "taken_back")
 
     def __init__(self, arrival: Arrival) -> None:
         self.arrival = arrival
         self.failure: BaseException | None = None  # its arrival failed: told once UCX is done
         self.pending = 0
         self.reqs: list[Any] = []
+        self.taken_back = False  # its receives were cancelled unmatched (``_take_back``): not its message's end
 
 
 class _Arrival(Arrival):
@@ -1079,6 +1080,8 @@ class UcxChannel(Channel):
         entry = self._waiting.get(arrival.msg_id)
         if entry is None or entry[0] is not arrival or self.state is not ChannelState.OPEN:
             return
+        if arrival.protocol == "rendezvous":
+            return  # (beyond our credit: it waits with its sender for a recv; taken back, ``_take_back``)
         if arrival.direct and not arrival.pulling:
             self._loop.call_soon(self._check_pulled, arrival)
             return
@@ -1199,6 +1202,8 @@ class UcxChannel(Channel):
         return post
 
     def _payload_done(self, transfer: _Transfer, req: Any) -> None:
+        if transfer.taken_back:
+            return  # (cancelled before anything matched: the message waits for its next recv)
         arrival = transfer.arrival
         transfer.pending -= 1
         err = self._payload_error(req)
@@ -1309,6 +1314,8 @@ class UcxChannel(Channel):
             try:
                 await arrival.completed()  # (woken by complete/fail: a turn sooner than a shield)
             except asyncio.CancelledError:
+                if not cancelled and self._take_back(arrival):
+                    raise  # nothing of it moved: it goes back unread (``Mailbox._requeue``)
                 cancelled = True
         if cancelled:
             late = unsettled([None if arrival.done.cancelled() else arrival.done.exception()])
@@ -1316,6 +1323,56 @@ class UcxChannel(Channel):
                 raise late
             raise asyncio.CancelledError
         arrival.done.result()
+
+    def _take_back(self, arrival: Arrival) -> bool:
+        """The recv pulling ``arrival`` was cancelled: take its payload receives back if none has
+        matched yet (its sender has not sent the payload: a stopped process, or one slow to
+        take our CTS), so that the cancel ends now, not when the lease declares that sender dead
+        (a 1.5 s deadline ended such a recv after the whole 30 s lease). The first receive is
+        cancelled, and only if it had not matched (UCX completes it as cancelled at once; it
+        matches a tag's messages in the order they were sent, so none behind it has either) are
+        the rest. True then: nothing landed in ``dest``, nor will, and the message waits unread
+        for the next recv, as before it was pulled (a rendezvous one's CTS went already: the
+        payload its sender sends waits in UCX for that recv's receives)."""
+        transfer = self._incoming.get(arrival.msg_id)
+        if (
+            self.state is not ChannelState.OPEN
+            or transfer is None
+            or transfer.arrival is not arrival
+            or transfer.failure is not None
+            or not transfer.reqs
+            or arrival.done.done()
+        ):
+            return False
+        first = transfer.reqs[0]
+        if first.completed:
+            return False  # (its tensor landed: the rest is on its way)
+        self._w.cancel(first)
+        if not self._cancelled(first):
+            return False  # matched: its bytes are coming, and the cancel waits for them
+        for r in transfer.reqs[1:]:
+            self._w.cancel(r)
+        if not all(self._cancelled(r) for r in transfer.reqs[1:]):  # (never: see above)
+            return False  # those cancelled fail the message (``_payload_done``) once the rest have landed
+        transfer.taken_back = True
+        transfer.reqs = []  # (the worker reports them to nobody: see _payload_done)
+        del self._incoming[arrival.msg_id]
+        assert isinstance(arrival, _Arrival)
+        arrival.transfer = None  # unread again (``unread``): its recv gives it back without a buffer
+        arrival.pinned = arrival.pulling = False
+        self._waiting[arrival.msg_id] = (arrival, False)  # (a CTS went already, if it needed one)
+        if arrival.protocol != "rendezvous":
+            # eager: its payload is received into a buffer of ours unless a recv pulls it first
+            self._loop.call_soon(self._check_pulled, arrival)
+        return True
+
+    def _cancelled(self, req: Any) -> bool:
+        """Whether ``req``, a payload receive just cancelled, completed as cancelled (it had not
+        matched)."""
+        if not req.completed:
+            return False
+        err = self._payload_error(req)
+        return err is not None and "cancel" in str(err).lower()
 
     def unread(self, arrival: Arrival) -> bool:
         # no payload receive posted yet (a rendezvous message matched but not pulled, a device
