@@ -1473,3 +1473,36 @@ async def test_a_recv_whose_sender_froze_before_its_payload_moved_ends_at_its_de
             assert receipt.protocol == "rendezvous" and receipt.direct, receipt
     finally:
         await end_child(child)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
+async def test_a_send_cancelled_while_its_channel_closes_says_its_stopped_receiver_may_still_read_it(
+    bindings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 16 MiB send to a stopped receiver (SIGSTOP) is with UCX when its channel begins to close
+    (aclose waits BYE_GRACE for the sends UCX has taken), and the send is cancelled then. UCX
+    cannot take a send back: the send ends when the close has shut the channel, with the error
+    that says the peer may still read its tensor. Through ucxx (no libucp bindings) the cancel was
+    raised at once, bare, while UCX still held the payload (and the close no longer waited for it)."""
+    from test_ucx import without_libucp
+
+    if bindings == "ucxx":  # the payload sends through ucxx
+        without_libucp(monkeypatch)
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), lease_seconds=30) as hub:
+        child, peer = await _receiver(hub, "warm")
+        try:
+            channel = peer.channel
+            assert (channel._ucp is None) == (bindings == "ucxx")
+            await _stop_when_ready(peer)
+            send = await _send_to_stopped(peer, np.ones(16 * MiB, np.uint8))
+            closing = asyncio.ensure_future(channel.aclose())
+            await eventually(lambda: channel.state is ChannelState.CLOSING, pause=0)
+            send.cancel()
+            (result,) = await asyncio.gather(send, return_exceptions=True)
+            assert channel.state is not ChannelState.CLOSING, "the send ended before its channel's close shut it"
+            assert isinstance(result, tensorwire.TensorWireError), repr(result)
+            assert "may still read" in str(result), result
+            await closing
+        finally:
+            await end_child(child)

@@ -456,23 +456,6 @@ class UcxChannel(Channel):
             return self._error(exc, what)
         return None
 
-    async def _wait(self, req: Any, keep: object, what: str) -> None:
-        """Wait for one request; the channel failing ends the wait with its error."""
-        fut: asyncio.Future[Any] | None = None
-        try:
-            if not req.completed:
-                fut = self._w.future(req, keep=keep, owner=self)
-                self._futs.add(fut)
-                try:
-                    await fut
-                finally:
-                    self._futs.discard(fut)
-            err = self._check(req, what)
-        finally:
-            req = fut = None  # (the future's result is the request; see _send_payload)
-        if err is not None:
-            raise err
-
     def _send_frame(self, frame: bytes | np.ndarray) -> bool:
         """Post one control frame; frames go out in the order they are posted (one endpoint:
         UCX keeps the order of its tag sends, whichever API posted them). False if UCX refused
@@ -706,7 +689,7 @@ class UcxChannel(Channel):
                 self._futs.add(fut)
                 try:
                     # a Pledge: a cancel comes once UCX is done with the segment (``wait_out``),
-                    # and goes on to the next one while the channel is open (``_despite_cancels``)
+                    # and goes on to the next one while the channel is open
                     try:
                         await wait_out(fut)
                     except asyncio.CancelledError:
@@ -736,7 +719,7 @@ class UcxChannel(Channel):
         req: Any = None
         try:
             for req, seg in reqs:
-                cancelled |= await self._despite_cancels(functools.partial(self._wait, req, seg, "payload send"))
+                cancelled |= await self._wait(req, seg, "payload send")
         except BaseException:
             # the sends not waited for yet go on all the same: they and their segments stay
             # with the worker until UCX is done with them (or the worker closes)
@@ -753,22 +736,39 @@ class UcxChannel(Channel):
         if cancelled:
             raise asyncio.CancelledError
 
-    async def _despite_cancels(self, wait: Callable[[], Awaitable[None]]) -> bool:
-        """Await ``wait()`` to its end, again after each cancel while the channel is open: a
-        payload UCX has taken goes on (it cannot take it back), and its send says what became
-        of its message before it raises the cancel. True if it was cancelled meanwhile."""
+    async def _wait(self, req: Any, keep: object, what: str) -> bool:
+        """Wait for one request UCX cannot take back (a payload send) to end, whatever
+        cancellations come meanwhile, as ``_send_payload`` waits for its segments; True if one
+        came while the channel was open. Its failure is raised (the channel's shutdown fails the
+        wait with its error). A cancel that comes while the channel closes or has shut is raised
+        once the wait has ended: as the failure the shutdown gave it, where that says the peer
+        may still read the payload (``unsettled``), else as the cancel. (It was raised at once,
+        bare, with the payload still with UCX, and a close under way no longer waited for it.)"""
+        fut: asyncio.Future[Any] | None = None
         cancelled = False
         try:
-            while True:
+            if not req.completed:
+                fut = self._w.future(req, keep=keep, owner=self)
+                self._futs.add(fut)
                 try:
-                    await wait()
-                    return cancelled
-                except asyncio.CancelledError:
-                    cancelled = True
-                    if self.state is not ChannelState.OPEN:
-                        raise
+                    try:
+                        await wait_out(fut)
+                    except asyncio.CancelledError:
+                        if self.state is not ChannelState.OPEN:
+                            late = unsettled([None if fut.cancelled() else fut.exception()])
+                            if late is not None:  # (the peer may still read the payload: say so)
+                                raise late from late.__cause__
+                            raise
+                        cancelled = True
+                    fut.result()  # (the channel's shutdown fails it: raised)
+                finally:
+                    self._futs.discard(fut)
+            err = self._check(req, what)
         finally:
-            del wait  # (a failure's traceback keeps this frame: not the request ``wait`` holds)
+            req = fut = None  # (the future's result is the request; see _send_payload)
+        if err is not None:
+            raise err
+        return cancelled
 
     # -- receiving ----------------------------------------------------------------------------
     def wait_briefly(self, fut: Any) -> None:
