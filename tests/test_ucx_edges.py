@@ -1506,3 +1506,60 @@ async def test_a_send_cancelled_while_its_channel_closes_says_its_stopped_receiv
             await closing
         finally:
             await end_child(child)
+
+
+_STOPPING_EAGER_SENDER = """
+import asyncio, sys, numpy as np, tensorwire
+async def main():
+    async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as n:
+        print(n.address, flush=True)
+        p = await n.accept()
+        await p.recv(tag="go")
+        await p.send(np.ones(256 << 20, np.uint8), tag="big")  # (within its receiver's credit: eager)
+        await asyncio.sleep(30)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+async def test_a_recv_cancelled_as_its_message_matched_while_a_stopped_sender_holds_it_says_out_may_be_written() -> (
+    None
+):
+    """A 256 MiB eager message matches a waiting recv(out=), whose payload the control handler
+    receives straight into that out=; the recv is cancelled before its task ran, and its sender
+    is frozen (SIGSTOP) while the payload lands. The cancel waits for UCX's write, which ends
+    only once the lease declares the sender dead and the landing grace has passed, and UCX may
+    still write into out= then. The recv raised a plain CancelledError (the failure that said so
+    went to a log line only), as if out= were the caller's again; now it raises that failure, as
+    a recv cancelled once its task ran does."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _STOPPING_EAGER_SENDER, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    limits = tensorwire.Limits(recv_buffer_bytes=1 << 30)  # (256 MiB goes eager)
+    tag = tag_id("big")
+    try:
+        async with asyncio.timeout(15):
+            address = (await child.stdout.readline()).decode().strip()
+        async with tensorwire.start(
+            transports=("ucx",), ucx_options={"TLS": "tcp"}, lease_seconds=1.5, limits=limits
+        ) as node:
+            peer = await node.connect(address)
+            mailbox = peer.channel.mailbox  # type: ignore[attr-defined]
+            out = np.zeros(256 << 20, np.uint8)
+            recv = asyncio.ensure_future(peer.recv(tag="big", out=out))
+            await eventually(lambda: mailbox.has_posted(tag), 10, pause=0)
+            await peer.send(None, tag="go")
+            async with asyncio.timeout(10):
+                while mailbox.has_posted(tag):  # noqa: ASYNC110 - matched: its task has yet to run
+                    await asyncio.sleep(0)
+            recv.cancel()
+            await eventually(lambda: out[0] == 1 or recv.done(), 10, pause=0)  # the payload is landing
+            os.kill(child.pid, signal.SIGSTOP)
+            assert not recv.done() and not out[-1], recv  # (256 MiB over tcp lanes: 0.1 s or more here)
+            async with asyncio.timeout(15):
+                (result,) = await asyncio.gather(recv, return_exceptions=True)
+            assert isinstance(result, PeerDisconnected), repr(result)
+            assert "may still be written" in str(result), result
+    finally:
+        await end_child(child)

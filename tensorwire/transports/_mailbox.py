@@ -56,7 +56,7 @@ from ..tensors._device import (
     wanted_device,
 )
 from ..tensors._offload import copy_host, copy_host_soon, worth_a_thread
-from ._base import Receipt, fresh
+from ._base import Receipt, fresh, unsettled
 from ._credit import own_tag
 
 if TYPE_CHECKING:
@@ -1080,7 +1080,14 @@ class Mailbox:
                 await self._give_up(again, tag, out, keep)
             return
         if got.pinned and not await _finished(got):
-            return  # it failed: nothing to give back
+            # it failed: nothing to give back. Where its transport says the landing may go on
+            # in out= (a UCX receive that outlived its grace: a sender stopped mid-payload), the
+            # recv raises that, not the cancel, as a recv cancelled in its pull does: a bare
+            # cancel would say out= is the caller's again
+            late = unsettled([None if got.done.cancelled() else got.done.exception()])
+            if late is not None:
+                raise late
+            return
         await self._requeue(got, keep)
 
     async def _complete(
