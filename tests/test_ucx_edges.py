@@ -1546,6 +1546,10 @@ async def test_a_recv_cancelled_as_its_message_matched_while_a_stopped_sender_ho
         ) as node:
             peer = await node.connect(address)
             mailbox = peer.channel.mailbox  # type: ignore[attr-defined]
+            # as when its payload receive has matched at the cancel (UCX's rendezvous request
+            # came with the header, or before): whether it has is a matter of timing here, and
+            # one that has not is taken back (see the next test)
+            peer.channel.take_back = lambda arrival: False  # type: ignore[attr-defined]
             out = np.zeros(256 << 20, np.uint8)
             recv = asyncio.ensure_future(peer.recv(tag="big", out=out))
             await eventually(lambda: mailbox.has_posted(tag), 10, pause=0)
@@ -1563,3 +1567,44 @@ async def test_a_recv_cancelled_as_its_message_matched_while_a_stopped_sender_ho
             assert "may still be written" in str(result), result
     finally:
         await end_child(child)
+
+
+@pytest.mark.parametrize("tls", ["sm,self", "tcp"])
+async def test_a_recv_cancelled_as_its_message_matched_before_its_payload_moved_ends_at_once(tls: str) -> None:
+    """An eager message matches a waiting recv(out=), whose payload receive the control handler
+    posts straight into that out=; its sender has not sent the payload yet (held here, as a
+    stopped process holds it), and the recv is cancelled before its task ran. The cancel waited
+    for that payload to land (a stopped sender: its whole lease). A receive that has not matched
+    can be taken back: the cancel ends at once, out= untouched, and the message, once its payload
+    comes, goes to the next recv whole."""
+    src = (np.arange(1 * MiB) % 251 + 1).astype(np.uint8)  # (past the inline size: eager)
+    tag = tag_id("t")
+    async with connected_pair("ucx", ucx_options={"TLS": tls}) as (a, b):
+        gate = asyncio.Event()
+        send_payload = a.channel._send_payload
+
+        async def held(*args: Any) -> Any:
+            await gate.wait()  # the sender's payload waits here, its header gone
+            return await send_payload(*args)
+
+        a.channel._send_payload = held
+        mailbox = b.channel.mailbox
+        out = np.zeros_like(src)
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        while not mailbox.has_posted(tag):  # noqa: ASYNC110 - the posted recv is the point
+            await asyncio.sleep(0)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        while mailbox.has_posted(tag):  # noqa: ASYNC110 - matched: its task has yet to run
+            await asyncio.sleep(0)
+        recv.cancel()
+        done, _ = await asyncio.wait([recv], timeout=5)
+        gate.set()
+        assert done, "the cancelled recv waited for a payload that had not begun to move"
+        (first,) = await asyncio.gather(recv, return_exceptions=True)
+        assert isinstance(first, asyncio.CancelledError), repr(first)
+        assert not out.any()
+        await asyncio.wait_for(send, 5)
+        again = np.zeros_like(src)
+        got = await asyncio.wait_for(b.recv(tag="t", out=again), 5)
+        assert got is again and np.array_equal(again, src)
+        assert not out.any()

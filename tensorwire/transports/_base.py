@@ -331,6 +331,16 @@ class Channel(ABC):
         arrives). Default: False."""
         return False
 
+    def take_back(self, arrival: Any) -> bool:
+        """The recv that ``arrival`` is landing for (its payload being written into ``dest``,
+        perhaps that recv's out=) was cancelled: if none of the payload has begun to land there,
+        stop it from landing there at all and return True; the message is then unread again
+        (``unread``), as before its recv took it, and goes back to its tag's queue. False, and
+        nothing changed, where some of it may be landing (the recv waits for that). ucx: its
+        payload receives are cancelled if none has matched (a sender that has not sent the
+        payload yet, or stopped first). Default: False."""
+        return False
+
     def unread(self, arrival: Any) -> bool:
         """Whether nothing of ``arrival``'s payload has been, or will be, written into its
         ``dest`` until a recv pulls it: a rendezvous message matched but not pulled, an eager

@@ -1079,7 +1079,9 @@ class Mailbox:
                 again, p.again = p.again, None
                 await self._give_up(again, tag, out, keep)
             return
-        if got.pinned and not await _finished(got):
+        if got.pinned and self.channel.take_back(got):
+            got.pinned = False  # nothing of it moved, nor will: it goes back unread
+        elif got.pinned and not await _finished(got):
             # it failed: nothing to give back. Where its transport says the landing may go on
             # in out= (a UCX receive that outlived its grace: a sender stopped mid-payload), the
             # recv raises that, not the cancel, as a recv cancelled in its pull does: a bare

@@ -291,7 +291,7 @@ class _Transfer:
         self.failure: BaseException | None = None  # its arrival failed: told once UCX is done
         self.pending = 0
         self.reqs: list[Any] = []
-        self.taken_back = False  # its receives were cancelled unmatched (``_take_back``): not its message's end
+        self.taken_back = False  # its receives were cancelled unmatched (``take_back``): not its message's end
 
 
 class _Arrival(Arrival):
@@ -1081,7 +1081,7 @@ class UcxChannel(Channel):
         if entry is None or entry[0] is not arrival or self.state is not ChannelState.OPEN:
             return
         if arrival.protocol == "rendezvous":
-            return  # (beyond our credit: it waits with its sender for a recv; taken back, ``_take_back``)
+            return  # (beyond our credit: it waits with its sender for a recv; taken back, ``take_back``)
         if arrival.direct and not arrival.pulling:
             self._loop.call_soon(self._check_pulled, arrival)
             return
@@ -1314,7 +1314,7 @@ class UcxChannel(Channel):
             try:
                 await arrival.completed()  # (woken by complete/fail: a turn sooner than a shield)
             except asyncio.CancelledError:
-                if not cancelled and self._take_back(arrival):
+                if not cancelled and self.take_back(arrival):
                     raise  # nothing of it moved: it goes back unread (``Mailbox._requeue``)
                 cancelled = True
         if cancelled:
@@ -1324,8 +1324,9 @@ class UcxChannel(Channel):
             raise asyncio.CancelledError
         arrival.done.result()
 
-    def _take_back(self, arrival: Arrival) -> bool:
-        """The recv pulling ``arrival`` was cancelled: take its payload receives back if none has
+    def take_back(self, arrival: Arrival) -> bool:
+        """The recv ``arrival`` lands for was cancelled (in its pull, or in the turn the control
+        handler posted its receives into its out=): take its payload receives back if none has
         matched yet (its sender has not sent the payload: a stopped process, or one slow to
         take our CTS), so that the cancel ends now, not when the lease declares that sender dead
         (a 1.5 s deadline ended such a recv after the whole 30 s lease). The first receive is
