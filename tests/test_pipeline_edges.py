@@ -126,6 +126,55 @@ async def test_a_part_error_that_takes_no_str_or_no_note_still_aborts_every_stag
     assert "DeadlineExceeded" not in notes, notes
 
 
+class _Halt(BaseException):
+    """What a part's code may raise that is no Exception (pytest.fail's, a BaseExceptionGroup)."""
+
+
+class _RaisesHalt(NumpyLinear):
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        raise _Halt("stop right there")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["step", "forward"])
+async def test_a_part_error_that_is_no_exception_aborts_every_stage_and_breaks_its_own(call: str) -> None:
+    # A part that raised a BaseException that is no Exception (not a CancelledError) passed the
+    # stage's except clauses: no abort was sent and the stage was not broken. The other stages
+    # waited for the driver to cancel them abort_grace (6 s) later (their accounts said
+    # DeadlineExceeded), and the next call ran on that stage alone, which waited for an
+    # activation from a stage that had refused the call: another 6 s, then DeadlineExceeded again
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(_RaisesHalt(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x, y = rng.standard_normal((8, 4)).astype(np.float32), np.zeros((8, 2), np.float32)
+    async with stages(parts) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            run = (
+                (lambda: pipe.step(x, y, microbatches=2))
+                if call == "step"
+                else (lambda: pipe.forward(x, microbatches=2))
+            )
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(20):
+                    await run()
+            assert err.value.remote_type == "_Halt", err.value
+            notes = "\n".join(err.value.__notes__)
+            # (in a forward stage 0 may have finished before the abort reached it)
+            for s in (0, 2) if call == "step" else (2,):
+                assert f"stage {s}: aborted because stage 1 raised _Halt in step 0, at F0" in notes, notes
+            assert "DeadlineExceeded" not in notes, notes
+            with pytest.raises(tensorwire.RemoteError) as again:
+                async with asyncio.timeout(20):
+                    await run()
+            notes = "\n".join(again.value.__notes__)
+            for s in (1, 2):  # stage 1 too
+                assert f"stage {s} is broken by an earlier failure" in notes, notes
+            assert "DeadlineExceeded" not in notes, notes
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("call", ["forward", "evaluate"])
 async def test_a_torch_modules_frozen_dataclass_error_in_eval_mode_comes_back_as_itself(call: str) -> None:

@@ -816,8 +816,12 @@ class Stage:
             self._name_the_microbatch(exc, step)
             self._fail(exc, self.rank, str(exc), step=step)
             raise
-        except Exception as exc:
-            # the part's own exception: its str() may raise, which must not stop the abort below
+        except GeneratorExit:
+            raise  # this coroutine closed unfinished (its loop gone): nothing to abort, no loop to do it
+        except BaseException as exc:
+            # the part's own exception, an Exception or not (a BaseException of its own, which
+            # sent no abort and left this stage unbroken); its str() may raise, which must not
+            # stop the abort below
             where = self._name_the_microbatch(exc, step)
             reason = f"stage {self.rank} raised {type(exc).__name__} in {where}: {describe(exc)}"
             self._fail(BrokenResourceError(reason), self.rank, reason, step=step)
@@ -847,7 +851,7 @@ class Stage:
         if self.rank < 0 or self.part is None:
             raise ClosedResourceError(f"stage at {self.node.address} has not been configured by a driver")
 
-    def _name_the_microbatch(self, exc: Exception, step: int) -> str:
+    def _name_the_microbatch(self, exc: BaseException, step: int) -> str:
         """Where in ``step`` the part's code raised ``exc`` ("step 3, at F2: the forward of
         microbatch 2"); said in a note too, which travels with the error's traceback."""
         at = self._failed_at
@@ -865,7 +869,9 @@ class Stage:
         """The part's code for ``action`` (``_compute``); an error it raises names the action."""
         try:
             return await self._compute(fn, *args, label=self._layer(action))
-        except Exception:
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except BaseException:
             self._failed_at = action
             raise
 
@@ -1116,7 +1122,9 @@ class Stage:
         cpu = self._cpu
         try:
             _, dt = await self._compute(self.part.step)
-        except Exception as exc:
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except BaseException as exc:  # (one that is no Exception too: the stage must not step on)
             reason = f"stage {self.rank} raised {type(exc).__name__} applying step {step}: {describe(exc)}"
             self._fail(BrokenResourceError(reason), self.rank, reason)
             raise
