@@ -288,6 +288,24 @@ def test_bad_arguments_raise_tensorwire_errors(call: Callable[[], Any], error: t
     assert needle in str(err.value), err.value
 
 
+@pytest.mark.parametrize(
+    "limit",
+    [np.array(4), b"\x04\x04", bytearray(b"\x04\x04"), {4: "a", 5: "b"}, {4, 5}],
+    ids=["0-d-array", "bytes", "bytearray", "dict", "set"],
+)
+def test_max_unexpected_is_one_int_or_a_sequence_of_one_per_stage(limit: Any) -> None:
+    # a 0-d numpy array raised numpy's TypeError ("iteration over a 0-d array") from _limits;
+    # bytes were taken as the ints they iterate to (b"\x04\x04": limits 4 and 4), a dict as its
+    # keys and a set in whatever order it iterates
+    sched = gpipe(2, 2)
+    with pytest.raises(ScheduleError, match=r"max_unexpected must be a positive int or one per stage \(2\)"):
+        sched.validate(max_unexpected=limit)
+    with pytest.raises(ScheduleError, match="max_unexpected must be"):
+        make_schedule("gpipe", 2, 2, max_unexpected=limit, forward_only=True)
+    for fine in (4, np.int64(4), [4, 4], (4, np.int64(4)), np.array([4, 4]), iter([4, 4])):
+        assert sched.validate(max_unexpected=fine) is sched
+
+
 def test_one_string_per_stage_is_explained() -> None:
     with pytest.raises(ScheduleError) as err:
         make_schedule(["F0 F1 B0 B1", "F0 F1 B0 B1"], 2, 2)  # not "'F' is not an action"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import numbers
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from .._checks import check_arguments
@@ -411,16 +411,24 @@ def _some(actions: list[Action]) -> str:
     return f"{shown}, ... ({more} more)" if more > 0 else shown
 
 
+#: iterables that are no sequence of per-stage limits
+_NOT_PER_STAGE = (str, bytes, bytearray, memoryview, Mapping, Set)
+
+
 def _limits(max_unexpected: int | Sequence[int] | None, p: int) -> tuple[int, ...]:
     if max_unexpected is None:
         return (DEFAULT_MAX_UNEXPECTED,) * p
     bad = ScheduleError(f"max_unexpected must be a positive int or one per stage ({p}), not {max_unexpected!r}")
     if isinstance(max_unexpected, numbers.Integral):
         given: tuple[object, ...] = (max_unexpected,) * p
-    elif isinstance(max_unexpected, Iterable) and not isinstance(max_unexpected, str):
-        given = tuple(max_unexpected)
-    else:
+    elif isinstance(max_unexpected, _NOT_PER_STAGE) or not isinstance(max_unexpected, Iterable):
+        # text and bytes iterate to characters or ints, a dict to its keys, a set in no order;
+        # a 0-d numpy array (a count from a config array) iterates not at all (numpy's TypeError)
         raise bad
+    elif getattr(max_unexpected, "ndim", 1) != 1:
+        raise bad
+    else:
+        given = tuple(max_unexpected)
     limits = tuple(_count(n) for n in given)
     if len(limits) != p or any(n is None or n < 1 for n in limits):
         raise bad
