@@ -1146,6 +1146,35 @@ async def test_a_closed_pipeline_says_so() -> None:
 
 
 @pytest.mark.timeout(60)
+async def test_a_stage_closed_between_calls_is_named_as_closed() -> None:
+    """A Stage closed while its node serves on (``Stage.aclose`` between two calls): the next
+    step, forward and evaluate raise ClosedResourceError naming that stage. They raised the
+    node's MethodNotFound, "127.0.0.1:P: no method named 'tw.pipeline.step'; this node offers:
+    none", which named no stage and said nothing of a close."""
+    x, y = batch()
+    async with nodes(4) as ns:
+        ss = [pipeline.Stage(n, part, offload=False) for n, part in zip(ns, parts(layers(3)), strict=False)]
+        try:
+            async with await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]) as pipe:
+                assert (await pipe.step(x, y, microbatches=2)).loss > 0
+                await ss[1].aclose()
+                runs = [
+                    lambda: pipe.step(x, y, microbatches=2),
+                    lambda: pipe.forward(x, microbatches=2),
+                    lambda: pipe.evaluate(x, y, microbatches=2),
+                ]
+                for run in runs:
+                    with pytest.raises(tensorwire.ClosedResourceError) as err:
+                        async with asyncio.timeout(20):
+                            await run()
+                    assert f"stage 1 ({ns[1].address}) serves no pipeline stage any more" in str(err.value), err.value
+                    assert isinstance(err.value.__cause__, tensorwire.MethodNotFound)
+        finally:
+            for stage in ss:
+                await stage.aclose()
+
+
+@pytest.mark.timeout(60)
 async def test_a_pipeline_closed_during_a_step_says_so_from_every_stage(caplog: pytest.LogCaptureFixture) -> None:
     """aclose() while a step runs: every stage's account says its driver closed the pipeline,
     and a new driver trains on as if the step never happened. The release's bare cancel gave

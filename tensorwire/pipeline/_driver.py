@@ -616,6 +616,15 @@ class Pipeline:
             elif isinstance(o, PeerDisconnected):  # the driver lost this stage itself: it is gone
                 o = PeerDisconnected(f"pipeline step {step}: {where} is gone: {o}")
                 rank = 0
+            elif isinstance(o, MethodNotFound):
+                # the node serves on, its Stage does not (closed): the node's own word named no
+                # stage ("no method named 'tw.pipeline.step'; this node offers: none")
+                closed = ClosedResourceError(
+                    f"pipeline step {step}: {where} serves no pipeline stage any more (its Stage was closed): "
+                    "Pipeline.connect again to stages that serve"
+                )
+                closed.__cause__ = o
+                o, rank = closed, 1
             elif isinstance(o, RemoteError) and o.remote_type == "BrokenResourceError":
                 rank = 2
             else:
