@@ -763,6 +763,33 @@ async def test_a_newer_driver_waits_for_the_older_ones_commits() -> None:
             assert (await second.step(x, y, microbatches=4)).loss > 0
 
 
+@pytest.mark.timeout(60)
+async def test_a_replaced_drivers_state_is_refused_not_another_drivers_model() -> None:
+    """Once a newer driver has taken the stages over, the older pipeline's calls are refused
+    (BrokenResourceError), state() as well: it read the stages' parameters as the newer driver
+    had trained them (or a model the newer driver built, in another order) and returned them as
+    this pipeline's, without a word."""
+    ls = layers(3)
+    async with stages(parts(ls)) as (addresses, d1), nodes(1) as (d2,):
+        x, y = batch()
+        first = await pipeline.Pipeline.connect(d1, addresses)
+        try:
+            assert (await first.step(x, y, microbatches=2)).loss > 0
+            assert len(await first.state()) == 3  # its own, while it runs the stages
+            async with await pipeline.Pipeline.connect(d2, addresses) as second, asyncio.timeout(20):
+                assert (await second.step(x, y, microbatches=2)).loss > 0
+                with pytest.raises(tensorwire.RemoteError) as refused:
+                    await first.step(x, y, microbatches=2)
+                assert refused.value.remote_type == "BrokenResourceError"
+                with pytest.raises(tensorwire.RemoteError) as err:
+                    await first.state()
+                assert err.value.remote_type == "BrokenResourceError", err.value
+                assert "configured by another driver since" in str(err.value), err.value
+                assert len(await second.state()) == 3
+        finally:
+            await first.aclose()
+
+
 @pytest.fixture
 def short_commit_grace(monkeypatch: pytest.MonkeyPatch) -> None:
     """A configure waits up to _COMMIT_GRACE (2 s) for the old driver's commit of a finished

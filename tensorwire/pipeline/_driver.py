@@ -635,9 +635,10 @@ class Pipeline:
         return root
 
     async def state(self) -> list[dict[str, Any]]:
-        """Every stage's parameters, by name, in stage order."""
+        """Every stage's parameters, by name, in stage order. Refused (BrokenResourceError) by a
+        stage another driver has configured since: what it holds is that driver's model."""
         self._check_open("pipeline.state")
-        return list(await asyncio.gather(*[peer.call("tw.pipeline.state") for peer in self.peers]))
+        return list(await asyncio.gather(*[peer.call("tw.pipeline.state", self._generation) for peer in self.peers]))
 
     def _check_open(self, what: str) -> None:
         """Refused on a closed pipeline, and anywhere but its loop: a call from another loop

@@ -1153,8 +1153,12 @@ class Stage:
         return True
 
     # -- the rest -------------------------------------------------------------------------------
-    async def _state(self) -> dict[str, Any]:
+    async def _state(self, generation: str | None = None) -> dict[str, Any]:
+        """The part's parameters. ``generation``: the asking driver's configuration; a driver
+        replaced since is refused, as its other calls are (it read the newer driver's model)."""
         self._check_open()
+        if generation is not None:
+            self._check_generation(generation)
         if self.part is None:
             raise ClosedResourceError("this stage has no part yet: a driver has not configured it")
         if not self.offload:
