@@ -1196,6 +1196,9 @@ async def test_a_stage_closed_between_calls_is_named_as_closed() -> None:
                             await run()
                     assert f"stage 1 ({ns[1].address}) serves no pipeline stage any more" in str(err.value), err.value
                     assert isinstance(err.value.__cause__, tensorwire.MethodNotFound)
+                with pytest.raises(tensorwire.ClosedResourceError) as err:  # (state() too)
+                    await pipe.state()
+                assert f"pipeline.state: stage 1 ({ns[1].address}) serves no pipeline stage" in str(err.value)
         finally:
             for stage in ss:
                 await stage.aclose()

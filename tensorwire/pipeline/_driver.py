@@ -617,14 +617,7 @@ class Pipeline:
                 o = PeerDisconnected(f"pipeline step {step}: {where} is gone: {o}")
                 rank = 0
             elif isinstance(o, MethodNotFound):
-                # the node serves on, its Stage does not (closed): the node's own word named no
-                # stage ("no method named 'tw.pipeline.step'; this node offers: none")
-                closed = ClosedResourceError(
-                    f"pipeline step {step}: {where} serves no pipeline stage any more (its Stage was closed): "
-                    "Pipeline.connect again to stages that serve"
-                )
-                closed.__cause__ = o
-                o, rank = closed, 1
+                o, rank = self._no_stage(s, o, f"pipeline step {step}"), 1
             elif isinstance(o, RemoteError) and o.remote_type == "BrokenResourceError":
                 rank = 2
             else:
@@ -638,7 +631,27 @@ class Pipeline:
         """Every stage's parameters, by name, in stage order. Refused (BrokenResourceError) by a
         stage another driver has configured since: what it holds is that driver's model."""
         self._check_open("pipeline.state")
-        return list(await asyncio.gather(*[peer.call("tw.pipeline.state", self._generation) for peer in self.peers]))
+        got = await asyncio.gather(
+            *[peer.call("tw.pipeline.state", self._generation) for peer in self.peers], return_exceptions=True
+        )
+        states: list[dict[str, Any]] = []
+        for s, o in enumerate(got):
+            if isinstance(o, MethodNotFound):
+                raise self._no_stage(s, o, "pipeline.state") from o
+            if isinstance(o, BaseException):
+                raise o
+            states.append(o)
+        return states
+
+    def _no_stage(self, s: int, error: MethodNotFound, what: str) -> ClosedResourceError:
+        """Stage ``s``'s node serves on, its Stage does not (closed): the node's own word,
+        ``error``, named no stage ("no method named 'tw.pipeline.step'; this node offers: none")."""
+        closed = ClosedResourceError(
+            f"{what}: stage {s} ({self.peers[s].remote_address}) serves no pipeline stage any more (its Stage "
+            "was closed): Pipeline.connect again to stages that serve"
+        )
+        closed.__cause__ = error
+        return closed
 
     def _check_open(self, what: str) -> None:
         """Refused on a closed pipeline, and anywhere but its loop: a call from another loop
