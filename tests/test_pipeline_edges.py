@@ -175,6 +175,37 @@ async def test_a_part_error_that_is_no_exception_aborts_every_stage_and_breaks_i
             assert "DeadlineExceeded" not in notes, notes
 
 
+class _RaisesLong(NumpyLinear):
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        raise ValueError("no good: " + "é" * 6000 + " (the end)")
+
+
+@pytest.mark.timeout(60)
+async def test_a_part_error_longer_than_a_neighbours_header_limit_still_aborts_every_stage() -> None:
+    # The abort a stage sends its neighbours carried the part's error message whole. One longer
+    # than a neighbour's Limits.max_header_bytes (here 6000 two-byte characters against 4 KiB; by
+    # default any message past 1 MiB) made that send fail with MessageRefused, which the abort
+    # send swallows: no neighbour heard, each waited for the driver to cancel it abort_grace
+    # (6 s) later, and its account said DeadlineExceeded
+    rng = np.random.default_rng(0)
+    parts = [
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(_RaisesLong(rng, 4, 4, tanh=True)),
+        pipeline.FunctionPart(NumpyLinear(rng, 4, 2, tanh=False), loss=mse),
+    ]
+    x, y = rng.standard_normal((8, 4)).astype(np.float32), np.zeros((8, 2), np.float32)
+    async with stages(parts, limits=tensorwire.Limits(max_header_bytes=4096)) as (addresses, driver):
+        async with await pipeline.Pipeline.connect(driver, addresses) as pipe:
+            with pytest.raises(tensorwire.RemoteError) as err:
+                async with asyncio.timeout(20):
+                    await pipe.step(x, y, microbatches=2)
+    assert err.value.remote_type == "ValueError", err.value
+    notes = "\n".join(err.value.__notes__)
+    for s in (0, 2):
+        assert f"stage {s}: aborted because stage 1 raised ValueError in step 0, at F0: the forward of" in notes, notes
+    assert "DeadlineExceeded" not in notes, notes
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("call", ["forward", "evaluate"])
 async def test_a_torch_modules_frozen_dataclass_error_in_eval_mode_comes_back_as_itself(call: str) -> None:

@@ -121,6 +121,7 @@ METHODS = (
     "tw.pipeline.settle",
 )
 _ABORT_SEND_SECONDS = 2.0
+_ABORT_REASON_BYTES = 16 * 1024  # the most of a failure's text an abort carries (``_abort_reason``)
 _COMMIT_GRACE = 2.0  # how long a new configure waits for the old driver's commit of a finished step
 # how long a reservation holds without its driver's configure: the driver sends that configure as
 # soon as every stage has answered its reservation, so this only frees a stage whose driver
@@ -149,6 +150,20 @@ def ticket_key(generation: int, token: str) -> str:
 def _loss_of(part: Part, x: Any, target: Any) -> float:
     """``part.infer_loss`` as a float (a Part of one's own may return a numpy or torch scalar)."""
     return float(part.infer_loss(x, target))
+
+
+def _abort_reason(reason: str, max_header_bytes: int) -> str:
+    """``reason`` as an abort carries it to a neighbour that takes headers of at most
+    ``max_header_bytes``: as it is where it fits with room to spare, else its start and its end
+    in ASCII, within that room. (A part's error message went whole: one past the neighbour's
+    limit failed the abort's send, which nobody heard, and the neighbours waited for the
+    driver's abort_grace.)"""
+    room = max(256, min(_ABORT_REASON_BYTES, max_header_bytes // 2 - 256))  # the rest: the abort's own
+    if len(reason.encode("utf-8", "surrogatepass")) <= room:
+        return reason
+    text = reason.encode("ascii", "backslashreplace").decode("ascii")
+    half = (room - 64) // 2
+    return f"{text[:half]} ... ({len(reason)} characters in all) ... {text[-half:]}"
 
 
 def _receive_on(part: Part | None) -> Device | None:
@@ -761,6 +776,7 @@ class Stage:
         return error
 
     async def _send_abort(self, link: _Link, origin: int, reason: str, step: int | None) -> None:
+        reason = _abort_reason(reason, link.peer.channel.remote_limits.max_header_bytes)
         with contextlib.suppress(TensorWireError, TimeoutError):
             async with asyncio.timeout(_ABORT_SEND_SECONDS):
                 await link.peer._send_own({"origin": origin, "reason": reason, "step": step}, tag=ABORT_TAG)
