@@ -528,7 +528,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     await peer._send_own(regions, tag=reply)
                     return
                 except TensorWireError as exc:
-                    if peer.channel.state is not ChannelState.OPEN:
+                    if _gone(peer):
                         return  # the channel went away: the requester sees that itself
                     error, failed = f"the owner could not send the regions: {exc}", True
                     log.warning("one-sided read from %s failed at the owner: %s", peer.remote_address, exc)
@@ -550,7 +550,7 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
                     error, mismatch = f"the tensor there is not what the handle says (changed by hand?): {exc}", True
                     took = await _drain(peer, data_tag)  # what the writer sent, so nothing lingers
                 except TensorWireError as exc:
-                    if peer.channel.state is not ChannelState.OPEN:
+                    if _gone(peer):
                         return
                     error, failed = f"the owner could not take the bytes: {exc}", True
                     log.warning("one-sided write from %s failed at the owner: %s", peer.remote_address, exc)
@@ -568,6 +568,13 @@ async def _serve_one(peer: Peer, table: ExposureTable, req: dict[str, Any]) -> N
     finally:
         for entry in entries:
             entry.leave()
+
+
+def _gone(peer: Peer) -> bool:
+    """The requester went away: its channel is no longer open, or its node said goodbye (the
+    channel then stays open a while, and a send to it raises PeerDisconnected). Nothing failed
+    at the owner then, and no answer can reach the requester."""
+    return peer.channel.state is not ChannelState.OPEN or peer.remote_closing
 
 
 def _written(landed: Receipt | None) -> dict[str, Any]:

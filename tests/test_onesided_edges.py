@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import logging
 import tracemalloc
 from typing import Any
 
@@ -368,3 +369,28 @@ async def test_two_peers_writing_the_same_rows_keep_their_checksummed_channels_o
             await asyncio.gather(*[writes(w, h, v) for w, h, v in zip(writers, handles, (1, 2), strict=True)])
         assert set(np.unique(region)) <= {1, 2}
         assert all(p.channel.state is ChannelState.OPEN for p in [*writers, *owner.peers])
+
+
+async def test_a_reader_whose_node_closes_under_its_read_is_no_failure_at_the_owner(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reader's node that closes while the owner serves its read (inproc: its goodbye is heard
+    at once, before the channel closes) went away, as the owner's channel says: the owner's
+    service ends quietly. It logged a warning that the read "failed at the owner" (5 of 5 such
+    closes, found by tests/test_model_onesided.py) and tried to send that peer an error answer."""
+    async with tensorwire.start("127.0.0.1:0", transports=("inproc",)) as owner:
+        node = await tensorwire.start("127.0.0.1:0", transports=("inproc",))
+        try:
+            reader = await node.connect(owner.address)
+            await owner.accept()
+            owner.expose(np.arange(1 << 20, dtype=np.float32), name="x")
+            h = await reader.lookup("x")
+            reading = asyncio.ensure_future(reader.read(h))
+            await asyncio.sleep(0)  # the request is on its way
+        finally:
+            await node.aclose()
+        with pytest.raises(tensorwire.ClosedResourceError):
+            await reading
+        await asyncio.sleep(0.05)  # (the owner's service of the read has ended)
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not failures, failures
