@@ -796,11 +796,19 @@ def _direct_state(peer: Peer, handle: RemoteHandle) -> _Direct | None:
     # what moves is a buffer of the handle's dtype and shape, not ``nbytes``: a handle whose
     # fields disagree (one changed with dataclasses.replace) would get or put past its range,
     # into the owner's memory around the exposed tensor, where no check below looks
-    span = dtype_from_name(handle.dtype).itemsize * math.prod(handle.shape)
+    itemsize = dtype_from_name(handle.dtype).itemsize
+    span = itemsize * math.prod(handle.shape)
     if span != handle.nbytes:
         raise ShapeMismatchError(
             f"{handle.name!r}: the handle's {handle.dtype}{list(handle.shape)} is {span} bytes but it names "
             f"{handle.nbytes} (changed by hand?); index the handle for rows: handle[a:b]"
+        )
+    # and it starts on an element: bytes that straddle two were read and written over ucx (the
+    # range check below let them through), and through the owner refused as "not within" it
+    if handle.offset % itemsize:
+        raise ShapeMismatchError(
+            f"{handle.name!r}: the handle's offset {handle.offset} is not on an element of its "
+            f"{itemsize}-byte {handle.dtype} (changed by hand?); nothing moved. Index the handle for rows: handle[a:b]"
         )
     if not handle.direct:
         return None

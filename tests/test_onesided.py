@@ -167,6 +167,34 @@ async def test_a_handle_whose_dtype_was_changed_by_hand_is_a_shape_mismatch_on_e
         assert np.array_equal(await b.read(h), x)  # the peer goes on
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", EVERY_TRANSPORT)
+async def test_a_handle_whose_offset_was_moved_off_its_elements_is_a_shape_mismatch_on_every_transport(
+    transport: str,
+) -> None:
+    """A handle whose offset was changed by hand to one inside the tensor but not on an element
+    (``dataclasses.replace(h[0], offset=3)``) names bytes that straddle two elements. Over ucx
+    the range check let it through: the read returned [2**40, 2**41, ...] for rows of 0..7, and a
+    write put its bytes across the owner's elements; through the owner it was refused as "not
+    within" a tensor it is within (HandleNotFound). Found by a probe of hand-changed handles
+    written beside tests/test_model_onesided.py."""
+    async with connected_pair(transport) as (a, b):
+        x = np.arange(32, dtype=np.int64).reshape(8, 4)
+        a.node.expose(x, name="x")
+        h = await b.lookup("x")
+        for offset in (3, 32 + 4):
+            moved = dataclasses.replace(h[0], offset=offset)
+            with pytest.raises(tensorwire.ShapeMismatchError, match="not on an element"):
+                await b.read(moved)
+            with pytest.raises(tensorwire.ShapeMismatchError, match="not on an element"):
+                await b.write(moved, np.full(4, -1, np.int64))
+            with pytest.raises(tensorwire.ShapeMismatchError, match="not on an element"):
+                await b.read_many([h[1], moved])
+        assert np.array_equal(x, np.arange(32, dtype=np.int64).reshape(8, 4)), "a write landed"
+        on = dataclasses.replace(h[0], offset=8)  # on an element: elements 1..4, as h[0] is 0..3
+        assert np.array_equal(await b.read(on), [1, 2, 3, 4])
+
+
 @pytest.mark.parametrize("bit", ["conj", "neg"])
 async def test_a_torch_view_with_the_conj_or_neg_bit_is_not_exposed(bit: str) -> None:
     """Its values live in no memory: exposing one exposed a resolved copy that peers read as a
