@@ -80,13 +80,16 @@ async def call_off(task: asyncio.Future[Any]) -> None:
 running_loop = asyncio._get_running_loop
 
 
-def check_home(home: asyncio.AbstractEventLoop | None, what: str, *, closing: bool = False) -> None:
+def check_home(
+    home: asyncio.AbstractEventLoop | None, what: str, *, closing: bool = False, done: str = "called"
+) -> None:
     """Refuse a call made outside ``home``, the loop a node and its peers were started on: their
     futures, sockets and callbacks belong to that loop, and a call from another thread's loop
     races them unseen (one peer used from two loops hung one loop's recvs for 40 s, then broke
     the channel; a lone call "worked" by luck). ``abort()`` is the one method made for any thread (``elsewhere``).
     Once ``home`` has closed nothing can run there: the object is refused as closed, but an
-    ``aclose()`` (``closing``) goes on, to find what the loop's end left of the closing."""
+    ``aclose()`` (``closing``) goes on, to find what the loop's end left of the closing. ``done``
+    says what was done with ``what``: a method is called, a setting set."""
     running = running_loop()
     if running is home or home is None:
         return
@@ -96,7 +99,7 @@ def check_home(home: asyncio.AbstractEventLoop | None, what: str, *, closing: bo
         raise ClosedResourceError(f"{what}: the event loop this node was started on has closed, and with it the node")
     where = "on an event loop that is not the node's" if running is not None else "where no event loop runs"
     raise ConfigurationError(
-        f"{what} was called {where}: a node and its peers belong to the event loop the node was started "
+        f"{what} was {done} {where}: a node and its peers belong to the event loop the node was started "
         "on. Call it there; from another thread, hand the coroutine to that loop with "
         "asyncio.run_coroutine_threadsafe(coro, node_loop) (abort() alone may be called from any thread)"
     )

@@ -423,6 +423,7 @@ class Node:
     async def _start(self) -> Node:
         await _load_transports(self.config.transports, checksum=self.config.checksum)
         self._loop = asyncio.get_running_loop()  # where it lives (abort() from another thread)
+        methods_of(self).home = self._loop  # (its limits are set there too)
         _metrics.node_started(self)
         with self._transport_options():  # probe and construct under this node's UCX options
             usable, self.unusable = probe_all(self.config.transports)

@@ -149,6 +149,52 @@ async def _register_on(node: Any, fn: Any) -> None:
 
 
 @pytest.mark.timeout(60)
+async def test_setting_call_limits_from_another_thread_is_refused() -> None:
+    """README (Lifecycle, Tensor RPC): ``node.methods.limits = CallLimits(...)`` belongs to the
+    node's loop like every method but abort(). Set from a worker thread it went through: it
+    resized the slots the loop admits calls by from that thread, waking a call waiting for a
+    slot with a future set off its loop (under PYTHONASYNCIODEBUG a RuntimeError, outside the
+    error tree, with the new limits half applied and the waiting call never let in; without
+    it the loop took the wake-up only at its next timer, 1.0 s later here)."""
+    async with connected_pair("tcp") as (a, b):
+        gate, second = asyncio.Event(), asyncio.Event()
+
+        async def hold(i: int) -> int:
+            if i == 2:
+                second.set()
+            await gate.wait()
+            return i
+
+        b.node.method("hold")(hold)
+        b.node.methods.limits = tensorwire.rpc.CallLimits(max_concurrent=1)
+        calls = [asyncio.create_task(a.call("hold", i)) for i in (1, 2)]
+        try:
+            wider = tensorwire.rpc.CallLimits(max_concurrent=2)
+
+            def set_limits() -> None:
+                b.node.methods.limits = wider
+
+            refused = r"node\.methods\.limits was set where no event loop runs"
+            with pytest.raises(tensorwire.ConfigurationError, match=refused):
+                await asyncio.to_thread(set_limits)
+
+            async def set_on_another_loop() -> None:
+                set_limits()
+
+            err = await asyncio.to_thread(on_another_loop, set_on_another_loop)
+            assert isinstance(err, tensorwire.ConfigurationError), err
+            assert "node.methods.limits was set on an event loop that is not the node's" in str(err), err
+            assert b.node.methods.limits.max_concurrent == 1
+            assert not second.is_set()
+            set_limits()  # on its own loop, as ever: the waiting call goes in
+            async with asyncio.timeout(10):
+                await second.wait()
+        finally:
+            gate.set()
+        assert [await c for c in calls] == [1, 2]
+
+
+@pytest.mark.timeout(60)
 async def test_a_call_handed_to_the_nodes_loop_from_another_thread_works() -> None:
     """What the refusal tells users to do: ``asyncio.run_coroutine_threadsafe`` onto the node's
     loop, from a thread that runs a loop of its own or none."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .._blocks import block
 from .._checks import check_arguments, check_int
+from .._loops import check_home
 from ..errors import ConfigurationError, fresh
 from ._protocol import safe_text
 
@@ -438,6 +439,7 @@ class MethodRegistry(Mapping[str, Method]):
 
     def __init__(self) -> None:
         self._methods: dict[str, Method] = {}
+        self.home: asyncio.AbstractEventLoop | None = None  # the node's loop, once it has started
         self._limits = CallLimits()
         self.slots = Slots(self._limits.max_concurrent)
         self.budget = ByteBudget(self._limits.max_inflight_bytes)
@@ -464,6 +466,8 @@ class MethodRegistry(Mapping[str, Method]):
     def limits(self, limits: CallLimits) -> None:
         """New limits apply at once: calls running now count against them, and requests waiting
         for a slot or for bytes go in as soon as the new limits leave room."""
+        # (its slots and byte budget wake the calls waiting in them with futures of that loop)
+        check_home(self.home, "node.methods.limits", done="set")
         if not isinstance(limits, CallLimits):
             raise ConfigurationError("limits must be a tensorwire.rpc.CallLimits")
         self._limits = limits
