@@ -261,3 +261,30 @@ def test_the_checked_api_keeps_its_signatures_and_kinds() -> None:
     assert inspect.iscoroutinefunction(pipeline.Pipeline.connect)
     assert inspect.iscoroutinefunction(pipeline.Pipeline.step)
     assert NodeConfig(lease_seconds=2.0).lease_seconds == 2.0 and Limits(8192).recv_buffer_bytes == 8192
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_tags_past_64_bits_and_a_name_exposed_now_are_refused_as_the_readme_says(transport: str) -> None:
+    """README (Tags, One-sided): an int tag is 64 bits, -2**63 to 2**63 - 1, and any other is
+    a ConfigurationError before anything moves (the README named ints and strings only); a
+    name is exposed again only after ``unexpose`` (``expose`` of a name exposed now is a
+    ConfigurationError), which is what invalidates the old handles."""
+    async with connected_pair(transport) as (a, b):
+        for tag in (-(2**63), 2**63 - 1):
+            await a.send(np.arange(2), tag=tag)
+            np.testing.assert_array_equal(await b.recv(tag=tag), np.arange(2))
+        for tag in (-(2**63) - 1, 2**63):
+            with pytest.raises(ConfigurationError, match="does not fit in 64 bits"):
+                await a.send(np.arange(2), tag=tag)
+            with pytest.raises(ConfigurationError, match="does not fit in 64 bits"):
+                await b.recv(tag=tag)
+        kv = np.zeros(4)
+        b.node.expose(kv, name="kv")
+        old = await a.lookup("kv")
+        with pytest.raises(ConfigurationError, match="already exposed; unexpose it first"):
+            b.node.expose(kv, name="kv")
+        await b.node.unexpose("kv")
+        b.node.expose(kv, name="kv")
+        with pytest.raises(tensorwire.HandleNotFound):
+            await a.read(old)
+        np.testing.assert_array_equal(await a.read(await a.lookup("kv")), kv)
