@@ -1608,3 +1608,55 @@ async def test_a_recv_cancelled_as_its_message_matched_before_its_payload_moved_
         got = await asyncio.wait_for(b.recv(tag="t", out=again), 5)
         assert got is again and np.array_equal(again, src)
         assert not out.any()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+async def test_a_send_through_ucxx_whose_channel_shut_between_two_segments_ends_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A two-tensor send through ucxx (no libucp bindings) to a stopped receiver (SIGSTOP): its
+    first, small segment has gone, and the channel is aborted before the send waits for the
+    second, 8 MiB one, which UCX holds for the stopped peer. The libucp path looks at the
+    channel before each wait and raises its failure; through ucxx the send registered a wait
+    for a request the shutdown had already let go of, and hung until the node closed. Now it
+    ends at once with the channel's failure, saying that the peer may still read the payload."""
+    from test_ucx import without_libucp
+
+    without_libucp(monkeypatch)
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), lease_seconds=30) as hub:
+        child, peer = await _receiver(hub, "warm")
+        try:
+            channel = peer.channel
+            assert channel._ucp is None
+            await _stop_when_ready(peer)
+            gate = asyncio.Event()
+            at_second = asyncio.Event()
+            wait = channel._wait
+            calls = 0
+
+            async def gated(req: Any, keep: object, what: str) -> bool:
+                nonlocal calls
+                calls += 1
+                cancelled = await wait(req, keep, what)
+                if calls == 1:  # between the two segments: the first one's wait has ended
+                    at_second.set()
+                    await gate.wait()
+                return cancelled
+
+            channel._wait = gated
+            send = asyncio.ensure_future(peer.send((np.ones(4 * KiB, np.uint8), np.ones(8 * MiB, np.uint8)), tag="big"))
+            async with asyncio.timeout(10):
+                await at_second.wait()
+            channel.abort()
+            gate.set()
+            done, _ = await asyncio.wait([send], timeout=5)
+            if not done:  # (let the send go, and the hub close: nothing else ends that wait)
+                for fut in channel._futs:
+                    fut.cancel()
+            assert done, "the send waited on a request its channel's shutdown had let go of"
+            (result,) = await asyncio.gather(send, return_exceptions=True)
+            assert isinstance(result, tensorwire.TensorWireError), repr(result)
+            assert "may still read" in str(result), result
+        finally:
+            await end_child(child)

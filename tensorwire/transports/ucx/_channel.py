@@ -229,6 +229,16 @@ def _late(exc: BaseException, text: str) -> BaseException:
     return still_writing(late)  # (a cancelled operation raises it: its buffer is not the caller's yet)
 
 
+def _unsent(exc: BaseException) -> BaseException:
+    """``exc`` (a channel's failure) told to a send whose payload UCX had not finished sending:
+    UCX cannot take it back, and a peer that only stopped may still read it (``_late``)."""
+    return _late(
+        exc,
+        f"{exc} (UCX had not finished sending the message: the peer, if it only stopped, may "
+        "still read its tensors from this process's memory and receive them, so do not change them)",
+    )
+
+
 def _landed(arrival: Arrival) -> None:
     """``arrival``'s payload is whole in its ``dest``: nothing is left for a recv to pull. (A recv
     cancelled after the message was received into its out= gives the message back in a buffer
@@ -718,7 +728,15 @@ class UcxChannel(Channel):
         cancelled = False
         req: Any = None
         try:
-            for req, seg in reqs:
+            for i, (req, seg) in enumerate(reqs):
+                if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
+                    # it shut while this waited for the segment before (as ``_send_payload``
+                    # looks): a wait registered now would be on a request the shutdown had let
+                    # go of (``Worker.abandon``), which nothing resolves (a stopped peer's: for
+                    # good). A close under way waits for this send: UCX has taken every segment
+                    if all(r.completed for r, _ in reqs[i:]):
+                        self.check_open()
+                    raise _unsent(self.mailbox.failure or ClosedResourceError(f"ucx channel is {self.state.value}"))
                 cancelled |= await self._wait(req, seg, "payload send")
         except BaseException:
             # the sends not waited for yet go on all the same: they and their segments stay
@@ -1604,13 +1622,9 @@ class UcxChannel(Channel):
         # payload sends UCX has not completed: it cannot take them back, and a peer that only
         # stopped may still read the payload from the sender's memory when it runs again
         # (docs/ucx.md, "Sends to a peer that died"): their sends say so, even when cancelled
-        unsent = (
-            f"{exc} (UCX had not finished sending the message: the peer, if it only stopped, may "
-            "still read its tensors from this process's memory and receive them, so do not change them)"
-        )
         for fut in self._futs:
             if not fut.done():
-                fut.set_exception(_late(exc, unsent))
+                fut.set_exception(_unsent(exc))
                 fut.exception()
         if self._rma_futs:
             # a get or put in flight cannot be taken back, and a get may still write into the
