@@ -1660,3 +1660,56 @@ async def test_a_send_through_ucxx_whose_channel_shut_between_two_segments_ends_
             assert "may still read" in str(result), result
         finally:
             await end_child(child)
+
+
+def _discard_receives(channel: Any) -> int:
+    """The scratch receives of messages ``channel`` dropped unread (``discard``) still posted."""
+    worker = channel._w
+    return sum(1 for w in worker._watch.values() if getattr(w.callback, "func", None) == channel._discarded)
+
+
+async def test_a_message_taken_back_then_dropped_unread_then_aborted_leaves_no_receive_posted() -> None:
+    """A rendezvous message is pulled (its payload receives posted, its CTS sent) and its recv
+    cancelled at once: the receives are taken back (``take_back``), the message unread again. It
+    is then dropped unread (``discard``: no memory for it), which posts a receive of one byte of
+    scratch per tensor for the payload the CTS asked for, and its sender, cancelled as that CTS
+    came, sends ABORT instead of the payload. The ABORT cancels the scratch receives of a
+    message discarded before its CTS went, but these were recorded only when ``discard`` sent
+    the CTS itself: they stayed posted, with their watches, until the channel closed."""
+    from tensorwire.transports._frames import FrameType, unpack_fields
+
+    src = (np.ones(64 * KiB, np.uint8), np.full(128 * KiB, 2, np.uint8))
+    limits = tensorwire.Limits(recv_buffer_bytes=0)  # every message waits for its recv (rendezvous)
+    tag = tag_id("t")
+    async with connected_pair("ucx", limits=limits) as (a, b):
+        mailbox = b.channel.mailbox
+        out = tuple(np.zeros_like(s) for s in src)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        await eventually(lambda: mailbox.oldest(tag) is not None, pause=0)  # its header came
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        dropped: list[bool] = []
+        handle, send_frame = a.channel._handle_frame, a.channel._send_frame
+
+        def on_frame(length: int | None = None) -> None:
+            cts = unpack_fields(a.channel._ctrl_mv)[0] is FrameType.CTS
+            if cts:
+                recv.cancel()  # (its task runs first: it takes its receives back)
+            handle(length)
+            if cts:
+                send.cancel()  # (as the CTS came: the send sends ABORT, not its payload)
+
+        def on_send(frame: Any) -> bool:
+            if unpack_fields(memoryview(frame))[0] is FrameType.ABORT and not dropped:
+                # the recv was cancelled, its message unread again: no memory for it here
+                dropped.append(b.channel.discard(mailbox.oldest(tag)))
+            return send_frame(frame)
+
+        a.channel._handle_frame = on_frame
+        a.channel._send_frame = on_send
+        for op in (recv, send):
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(op, 5)
+        assert dropped == [True]
+        assert not any(o.any() for o in out)
+        await eventually(lambda: _discard_receives(b.channel) == 0, 5)
+        assert not b.channel._discarding

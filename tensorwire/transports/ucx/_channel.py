@@ -388,8 +388,8 @@ class UcxChannel(Channel):
         self._budget = ReceiveBudget(limits, self._flush_credit)  # what the peer holds of our grants
         self._waiting: dict[int, tuple[Arrival, bool]] = {}  # msg id -> (arrival, needs CTS)
         self._incoming: dict[int, _Transfer] = {}
-        # msg id -> the scratch receives of a rendezvous message discarded (``discard``) whose
-        # payload may yet come (its sender's ABORT, crossing our CTS, cancels them)
+        # msg id -> the scratch receives of a message discarded (``discard``) whose payload may
+        # yet come (its sender's ABORT, crossing our CTS, cancels them)
         self._discarding: dict[int, list[Any]] = {}
         self._eager: set[Arrival] = set()  # arrivals that spent buffer credit
         self._futs: set[asyncio.Future[Any]] = set()
@@ -1145,9 +1145,12 @@ class UcxChannel(Channel):
                 req = self._w.worker.tag_recv(self._lib_array(scratch), tag)
                 self._w.watch(req, functools.partial(self._discarded, arrival.msg_id), keep=scratch, owner=self)
                 reqs.append(req)
+        if reqs:
+            # (also where the CTS went before: a message taken back (``take_back``) after its
+            # pull, whose sender may yet send ABORT instead of the payload; those receives were
+            # left posted until the channel closed)
+            self._discarding[arrival.msg_id] = reqs
         if entry[1]:
-            if reqs:
-                self._discarding[arrival.msg_id] = reqs
             self._send_frame(self._frame(FrameType.CTS, msg_id=arrival.msg_id))
         gone = TransferError(f"a {arrival.nbytes}-byte message on this tag was dropped unread: its receiver gave it up")
         self.mailbox.remove(arrival, gone)
