@@ -1713,3 +1713,56 @@ async def test_a_message_taken_back_then_dropped_unread_then_aborted_leaves_no_r
         assert not any(o.any() for o in out)
         await eventually(lambda: _discard_receives(b.channel) == 0, 5)
         assert not b.channel._discarding
+
+
+@pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
+@pytest.mark.parametrize("tls", ["sm,self", "tcp"])
+@pytest.mark.parametrize("credit", [None, 0], ids=["eager", "rendezvous"])
+async def test_a_recv_cancelled_after_its_first_tensor_landed_before_the_rest_moved_ends_at_once(
+    tls: str, credit: int | None, bindings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A two-tensor message: its first tensor has landed in the recv's out=, and its sender holds
+    the second back (a gate between its segments, as a process stopped between them, or whose
+    UCX still queues the later sends, holds them), when the recv is cancelled. The second
+    tensor's receive has not matched, but the first's has completed, so nothing was taken back:
+    the cancel waited for the second payload (a stopped sender: its whole lease). Now the later
+    receives are taken back, what landed is copied to a buffer of ours, the rest is received
+    there, and the cancel ends at once: out= is not written after it, and once the sender goes
+    on the next recv gets the message whole."""
+    from test_ucx import without_libucp
+
+    if bindings == "ucxx":  # the payload receives through ucxx
+        without_libucp(monkeypatch)
+    src = (np.arange(1 * MiB, dtype=np.uint8) | 1, np.full(1 * MiB, 7, np.uint8))  # (past the inline size)
+    limits = None if credit is None else tensorwire.Limits(recv_buffer_bytes=credit)
+    async with connected_pair("ucx", ucx_options={"TLS": tls}, limits=limits) as (a, b):
+        assert (b.channel._ucp is None) == (bindings == "ucxx")
+        gate = asyncio.Event()
+        send_payload = a.channel._send_payload
+
+        async def held(msg_id: int, segs: list[Any]) -> Any:
+            await send_payload(msg_id, segs[:1])
+            await gate.wait()  # the second segment waits here, the first one sent
+            return await send_payload(msg_id, segs[1:])
+
+        a.channel._send_payload = held
+        out = tuple(np.zeros_like(s) for s in src)
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        try:
+            await eventually(lambda: bool(out[0][-1]) or recv.done(), 10, pause=0)  # the first one landed
+            assert not recv.done(), recv
+            recv.cancel()
+            done, _ = await asyncio.wait([recv], timeout=5)
+        finally:
+            gate.set()
+        assert done, "the cancelled recv waited for a tensor whose payload had not begun to move"
+        (first,) = await asyncio.gather(recv, return_exceptions=True)
+        assert isinstance(first, asyncio.CancelledError), repr(first)
+        await asyncio.wait_for(send, 5)
+        again = tuple(np.zeros_like(s) for s in src)
+        got = await asyncio.wait_for(b.recv(tag="t", out=again), 5)
+        assert got is again
+        for g, s in zip(again, src, strict=True):
+            np.testing.assert_array_equal(g, s)
+        assert not out[1].any()  # the rest went to the next recv, not into the cancelled one's out=

@@ -1182,7 +1182,9 @@ class UcxChannel(Channel):
         if self.state is ChannelState.OPEN:
             self._post_payload(arrival)
 
-    def _post_payload(self, arrival: Arrival) -> _Transfer:
+    def _post_payload(self, arrival: Arrival, landed: int = 0) -> _Transfer:
+        """Post the receives of ``arrival``'s payload into its ``dest``, but for its first
+        ``landed`` tensors that take bytes (they are there: ``take_back``)."""
         assert arrival.dest is not None
         transfer = _Transfer(arrival)
         if isinstance(arrival, _Arrival):
@@ -1193,6 +1195,9 @@ class UcxChannel(Channel):
         try:
             for a in arrival.dest:
                 if not a.nbytes:
+                    continue
+                if landed:
+                    landed -= 1
                     continue
                 transfer.reqs.append(post(a))
                 keeps.append(a)
@@ -1355,7 +1360,8 @@ class UcxChannel(Channel):
         matches a tag's messages in the order they were sent, so none behind it has either) are
         the rest. True then: nothing landed in ``dest``, nor will, and the message waits unread
         for the next recv, as before it was pulled (a rendezvous one's CTS went already: the
-        payload its sender sends waits in UCX for that recv's receives)."""
+        payload its sender sends waits in UCX for that recv's receives). Where its first
+        tensors have landed, the rest is taken back the same way (``_take_back_rest``)."""
         transfer = self._incoming.get(arrival.msg_id)
         if (
             self.state is not ChannelState.OPEN
@@ -1366,9 +1372,14 @@ class UcxChannel(Channel):
             or arrival.done.done()
         ):
             return False
-        first = transfer.reqs[0]
-        if first.completed:
-            return False  # (its tensor landed: the rest is on its way)
+        reqs = transfer.reqs
+        at = next((i for i, r in enumerate(reqs) if not r.completed), None)
+        if at is None:
+            return False  # (every tensor landed: the message is whole, or about to be told so)
+        assert isinstance(arrival, _Arrival)
+        if at:
+            return self._take_back_rest(arrival, transfer, at)
+        first = reqs[0]
         self._w.cancel(first)
         if not self._cancelled(first):
             return False  # matched: its bytes are coming, and the cancel waits for them
@@ -1379,13 +1390,52 @@ class UcxChannel(Channel):
         transfer.taken_back = True
         transfer.reqs = []  # (the worker reports them to nobody: see _payload_done)
         del self._incoming[arrival.msg_id]
-        assert isinstance(arrival, _Arrival)
         arrival.transfer = None  # unread again (``unread``): its recv gives it back without a buffer
         arrival.pinned = arrival.pulling = False
         self._waiting[arrival.msg_id] = (arrival, False)  # (a CTS went already, if it needed one)
         if arrival.protocol != "rendezvous":
             # eager: its payload is received into a buffer of ours unless a recv pulls it first
             self._loop.call_soon(self._check_pulled, arrival)
+        return True
+
+    def _take_back_rest(self, arrival: _Arrival, transfer: _Transfer, at: int) -> bool:
+        """``take_back`` for a message whose first ``at`` tensors have landed in the recv's out=
+        (host memory) and whose next receive has not matched (its sender stopped between two
+        tensors, or UCX still queues its later sends there): those receives are cancelled, what
+        landed is copied to a buffer of ours and the rest is received there, so that the cancel
+        ends now and out= is not written after it. (The cancel waited for the rest to land: a
+        stopped sender's, its whole lease.) False, nothing changed, where the next receive has
+        matched, a landed one failed, the memory cannot be had, or ``dest`` is device memory."""
+        reqs = transfer.reqs
+        dest = [d for d in arrival.dest or () if type(d) is np.ndarray]
+        if arrival.dest is None or len(dest) != len(arrival.dest):
+            return False  # (device memory: the cancel waits for the receives, as before)
+        if any(self._payload_error(r) is not None for r in reqs[:at]):
+            return False  # (told by its completion: the message fails)
+        try:
+            own = [s.allocate() for s in arrival.specs]
+        except TransferError:
+            return False
+        self._w.cancel(reqs[at])
+        if not self._cancelled(reqs[at]):
+            return False  # matched: its bytes are coming, and the cancel waits for them
+        for r in reqs[at + 1 :]:
+            self._w.cancel(r)  # (none has matched: UCX matches a tag's messages in the order sent)
+        if not all(self._cancelled(r) for r in reqs[at + 1 :]):  # (never: see above)
+            return False  # those cancelled fail the message (``_payload_done``) once the rest have landed
+        copied = 0
+        for mine, theirs in [(m, d) for m, d in zip(own, dest, strict=True) if d.nbytes][:at]:
+            np.copyto(mine, theirs)  # (complete: UCX writes into it no more)
+            copied += theirs.nbytes
+        transfer.taken_back = True
+        transfer.reqs = []  # (the worker reports them to nobody: see _payload_done)
+        arrival.dest = own  # type: ignore[assignment]  # (list invariance)
+        arrival.direct = False
+        arrival._flat = None
+        arrival.count_copied(copied)
+        arrival.pinned = arrival.pulling = False
+        arrival.rendezvous = False  # its payload is landing here: the next recv copies it, pulls nothing
+        self._post_payload(arrival, at)
         return True
 
     def _cancelled(self, req: Any) -> bool:
