@@ -1766,3 +1766,55 @@ async def test_a_recv_cancelled_after_its_first_tensor_landed_before_the_rest_mo
         for g, s in zip(again, src, strict=True):
             np.testing.assert_array_equal(g, s)
         assert not out[1].any()  # the rest went to the next recv, not into the cancelled one's out=
+
+
+@pytest.mark.usefixtures("grpc_kept")
+async def test_a_channel_shut_with_a_dropped_messages_receives_posted_does_not_keep_closed_nodes_ucx_workers() -> None:
+    """A rendezvous message dropped unread (``discard``: a receive of one byte of scratch per
+    tensor posted, and its CTS sent) whose sender aborted its channel as the CTS came: the
+    payload never comes, and the receiving channel shuts on the sender's goodbye. Its shutdown
+    cancelled those receives but kept them listed (``_discarding``), and each ucxx request holds
+    the node's UCX worker: a program that kept the peer after the nodes closed kept that
+    worker's listening sockets, descriptors and shared-memory mappings."""
+    from tensorwire.transports._frames import FrameType, unpack_fields
+
+    held: list[object] = []
+    limits = tensorwire.Limits(recv_buffer_bytes=0)  # (rendezvous: the message waits for its recv)
+    tag = tag_id("t")
+
+    async def pair_with_a_dropped_message() -> None:
+        async with (
+            tensorwire.start("127.0.0.1:0", transports=("ucx",), limits=limits) as a,
+            tensorwire.start("127.0.0.1:0", transports=("ucx",), limits=limits) as b,
+        ):
+            peer = await a.connect(b.address)
+            other = await b.accept()
+            channel = peer.channel
+            handle = channel._handle_frame
+
+            def on_frame(length: int | None = None) -> None:
+                if unpack_fields(channel._ctrl_mv)[0] is FrameType.CTS:
+                    channel.abort()  # (its payload never goes)
+                    return
+                handle(length)
+
+            channel._handle_frame = on_frame
+            send = asyncio.ensure_future(peer.send((np.ones(MiB, np.uint8), np.ones(MiB, np.uint8)), tag="t"))
+            mailbox = other.channel.mailbox
+            await eventually(lambda: mailbox.oldest(tag) is not None)
+            assert other.channel.discard(mailbox.oldest(tag))
+            await eventually(lambda: other.channel.state is not ChannelState.OPEN)
+            (result,) = await asyncio.gather(send, return_exceptions=True)
+            assert isinstance(result, tensorwire.TensorWireError), repr(result)
+        held.extend((a, b, peer, other))
+
+    await pair_with_a_dropped_message()  # (the first also starts what stays for the process)
+    gc.collect()
+    first = _ucx_footprint()
+    for _ in range(2):
+        await pair_with_a_dropped_message()
+    gc.collect()
+    after = _ucx_footprint()
+    assert (after[0], after[2]) == (first[0], first[2]), (
+        f"(listening sockets, /dev/shm mappings) after 1 and 3 pairs; {_what_keeps_ucx_workers()}"
+    )

@@ -1693,6 +1693,7 @@ class UcxChannel(Channel):
                 t.reqs = []  # (see _payload_done; ones still landing are dropped once landed)
         self._waiting.clear()
         self._incoming.clear()
+        self._discarding.clear()  # (cancelled by ``abandon`` below)
         # one-sided requests may still be in flight (their waits were just failed): their keys
         # are destroyed once UCX has finished them
         self._w.retire(list(self._rkeys))
