@@ -1818,3 +1818,52 @@ async def test_a_channel_shut_with_a_dropped_messages_receives_posted_does_not_k
     assert (after[0], after[2]) == (first[0], first[2]), (
         f"(listening sockets, /dev/shm mappings) after 1 and 3 pairs; {_what_keeps_ucx_workers()}"
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+async def test_a_send_whose_channel_shut_between_two_segments_says_its_stopped_receiver_may_still_read_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A two-segment send (4 MiB + 256 MiB, rendezvous: beyond the receiver's credit) through the
+    libucp bindings: the receiver has read the first segment and is then stopped (SIGSTOP), and
+    the channel is aborted before the send waits for the second, which UCX still holds for it.
+    The send raised the channel's plain failure ("channel aborted"), as if its tensors were the
+    caller's to change again, while the stopped peer may still read the second one when it runs
+    again; now the failure says so, as it does for a send the shutdown caught in its wait."""
+    from tensorwire.transports.ucx import _channel
+
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), lease_seconds=30) as hub:
+        child, peer = await _receiver(hub, "first")
+        try:
+            channel = peer.channel
+            assert channel._ucp is not None
+            pid, _ = (int(v) for v in await peer.recv(tag="ready"))
+            gate = asyncio.Event()
+            at_second = asyncio.Event()
+            wait_out = _channel.wait_out
+            calls = 0
+
+            async def gated(fut: Any) -> Any:
+                nonlocal calls
+                calls += 1
+                result = await wait_out(fut)
+                if calls == 1:  # between the two segments: the first one's wait has ended
+                    at_second.set()
+                    await gate.wait()
+                return result
+
+            monkeypatch.setattr(_channel, "wait_out", gated)
+            big = (np.ones(4 * MiB, np.uint8), np.ones(256 * MiB, np.uint8))
+            send = asyncio.ensure_future(peer.send(big, tag="big"))
+            async with asyncio.timeout(20):
+                await at_second.wait()
+            os.kill(pid, signal.SIGSTOP)
+            channel.abort()
+            gate.set()
+            async with asyncio.timeout(10):
+                (result,) = await asyncio.gather(send, return_exceptions=True)
+            assert isinstance(result, tensorwire.TensorWireError), repr(result)
+            assert "may still read" in str(result), result
+        finally:
+            await end_child(child)

@@ -690,8 +690,13 @@ class UcxChannel(Channel):
                     reqs.append(req)
             for i, req in enumerate(reqs):
                 if self.state in (ChannelState.CLOSED, ChannelState.BROKEN):
-                    self.check_open()  # (it shut while this waited for the one before; a close
-                    # under way waits for this send: UCX has taken every segment)
+                    # it shut while this waited for the one before (a close under way waits for
+                    # this send: UCX has taken every segment). This one and those after it were
+                    # with UCX then (the shutdown let go of them: not to be asked about any
+                    # more): the peer, if it only stopped, may still read them, and the failure
+                    # says so, as for a send the shutdown caught in its wait (it said "channel
+                    # aborted", as if the tensors were the caller's to change again)
+                    raise _unsent(self.mailbox.failure or ClosedResourceError(f"ucx channel is {self.state.value}"))
                 fut = w.wait_raw(req, "ucx payload send")
                 reqs[i] = 0  # (the worker's now, or freed)
                 if fut is None:
