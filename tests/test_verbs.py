@@ -132,6 +132,8 @@ def test_a_wildcard_bootstrap_host_is_dialled_at_the_host_whose_control_plane_an
     named = Offer(1, True, 1, 0, 3, gid, "10.0.2.16", 40001).pack()
     assert transport.dial_address(named, "10.0.2.15") == named
     assert transport.dial_address(b"garbage", "10.0.2.15") == b"garbage"  # connect says what is wrong
+    wild = Offer(1, True, 1, 0, 3, gid, "0.0.0.0", 40001).pack()
+    assert transport.dial_address(wild, "a" * 300) == wild  # (no host an offer can carry)
 
 
 def test_offer_and_qp_info_round_trip_and_reject_garbage() -> None:
@@ -147,6 +149,41 @@ def test_offer_and_qp_info_round_trip_and_reject_garbage() -> None:
         QpInfo.unpack(QpInfo(0, 1, 1, 0, 3, 1, 64, 16384, gid).pack())  # qpn 0
     with pytest.raises(ProtocolError):
         QpInfo.unpack(QpInfo(5, 1, 1, 0, 3, 1, 1, 16384, gid).pack())  # a ring of one slot
+
+
+def test_an_offer_host_that_is_not_ascii_is_a_protocol_error_and_a_name_is_sent_as_idna() -> None:
+    """The host in a peer's offer was decoded as UTF-8 with errors replaced: a byte that is no
+    UTF-8 (0xff) came through as the host "\ufffd", which connect then passed to the resolver
+    (a bare UnicodeError), and a multi-byte host was called "truncated". Names travel as ASCII
+    (an internationalised name as its IDNA form); one the offer cannot carry is a
+    ConfigurationError where the node makes it, not a struct.error."""
+    from tensorwire.errors import ConfigurationError
+
+    gid = bytes(16)
+    head = Offer(1, True, 1, 0, 3, gid, "x", 40001).pack()[:-2]  # up to the host's length
+    for host in (b"\xff", b"h\xc3\xa9", b"a\x00b", b"\x80" * 4):
+        with pytest.raises(ProtocolError, match="host"):
+            Offer.unpack(head + bytes([len(host)]) + host)
+    named = Offer(1, True, 1, 0, 3, gid, "bücher.example", 40001)
+    assert Offer.unpack(named.pack()).host == "xn--bcher-kva.example"
+    for host in ("a" * 300, "a\udcffb"):
+        with pytest.raises(ConfigurationError, match="verbs"):
+            Offer(1, True, 1, 0, 3, gid, host, 40001).pack()
+
+
+async def test_an_offer_host_the_resolver_cannot_encode_is_a_connect_error() -> None:
+    """An offer's host that unpacks (ASCII) but that the resolver refuses (an empty label:
+    "a..b") raised a bare UnicodeError out of connect; the tcp transport says ConnectError."""
+    from tensorwire.errors import ConnectError
+    from tensorwire.transports import Capabilities, TransportContext
+    from tensorwire.transports._base import Session
+
+    transport = VerbsTransport(TransportContext("n", "127.0.0.1", Limits()), Capabilities())
+    transport.port = SimpleNamespace(roce=True)  # type: ignore[assignment]  # (accepts() asks only this)
+    address = Offer(1, True, 1, 0, 3, bytes(16), "a..b", 40001).pack()
+    session = Session("sid", b"k" * 32, "n", "peer", Limits())
+    with pytest.raises(ConnectError, match=r"a\.\.b"):
+        await transport.connect(address, session)
 
 
 # -- the channel's protocol over a queue pair in memory -------------------------------------------

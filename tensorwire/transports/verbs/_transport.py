@@ -289,7 +289,10 @@ class VerbsTransport(Transport):
             return address  # connect says what is wrong with it
         if offer.host not in _WILDCARDS or not dialled_host:
             return address
-        return dataclasses.replace(offer, host=dialled_host.strip("[]")).pack()
+        try:
+            return dataclasses.replace(offer, host=dialled_host.strip("[]")).pack()
+        except ConfigurationError:  # (a host an offer cannot carry: connect says the wildcard failed)
+            return address
 
     async def connect(self, address: bytes, session: Session) -> Channel:
         try:
@@ -303,7 +306,10 @@ class VerbsTransport(Transport):
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(self.ctx.limits.handshake_seconds):
-                reader, writer = await asyncio.open_connection(offer.host, offer.bootstrap_port)
+                try:
+                    reader, writer = await asyncio.open_connection(offer.host, offer.bootstrap_port)
+                except ValueError as exc:  # UnicodeError too: a name the idna codec refuses ("a..b")
+                    raise OSError(f"cannot resolve {offer.host!r}: {exc}") from exc
                 challenge = await reader.readexactly(len(_CHALLENGE) + NONCE_BYTES)
                 if challenge[: len(_CHALLENGE)] != _CHALLENGE:
                     raise ProtocolError("expected a tensorwire verbs CHALLENGE")

@@ -43,7 +43,7 @@ import ipaddress
 import struct
 from dataclasses import dataclass
 
-from ...errors import ProtocolError
+from ...errors import ConfigurationError, ProtocolError
 
 __all__ = [
     "FRAME",
@@ -96,7 +96,7 @@ class Offer:
     bootstrap_port: int
 
     def pack(self) -> bytes:
-        host = self.host.encode()
+        host = _host_bytes(self.host)
         return (
             _OFFER.pack(
                 OFFER_MAGIC,
@@ -117,15 +117,29 @@ class Offer:
         if len(blob) < _OFFER.size or not blob.startswith(OFFER_MAGIC):
             raise ProtocolError(f"address blob is not a tensorwire verbs v1 address ({blob[:8]!r}...)")
         _, port, roce, gid_index, lid, mtu, gid, bport, hlen = _OFFER.unpack_from(blob, 0)
-        host = blob[_OFFER.size : _OFFER.size + hlen].decode("utf-8", "replace")
-        if len(host) != hlen or not bport:
+        raw = blob[_OFFER.size : _OFFER.size + hlen]
+        if len(raw) != hlen or not bport:
             raise ProtocolError("verbs address blob is truncated")
+        if not raw.isascii() or b"\0" in raw:  # (pack sends names as IDNA: no peer of ours sends these)
+            raise ProtocolError(f"verbs address blob's host is not an ASCII host name ({raw[:32]!r})")
+        host = raw.decode("ascii")
         try:
             ipaddress.ip_address(host)
         except ValueError:
             if not host or len(host) > 255:
                 raise ProtocolError("verbs address blob has no usable host") from None
         return cls(port, bool(roce), gid_index, lid, mtu, gid, host, bport)
+
+
+def _host_bytes(host: str) -> bytes:
+    """The offer's host as it travels: ASCII, an internationalised name in its IDNA form."""
+    try:
+        raw = host.encode("ascii") if host.isascii() else host.encode("idna")
+    except UnicodeError as exc:
+        raise ConfigurationError(f"verbs: the host {host!r} cannot be written in an address: {exc}") from exc
+    if not raw or len(raw) > 255 or b"\0" in raw:
+        raise ConfigurationError(f"verbs: the host {host[:64]!r} cannot be written in an address (1-255 bytes)")
+    return raw
 
 
 @dataclass(frozen=True, slots=True)
