@@ -613,3 +613,42 @@ def test_a_torch_tensor_sent_again_is_registered_once(monkeypatch: pytest.Monkey
     del row, t
     gc.collect()
     assert not live and not len(cache), "the tensor is gone, and its registration stayed"
+
+
+def test_an_owner_dying_while_the_cache_evicts_is_deregistered_and_counted_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cached registration's owner can die at any allocation (the garbage collector finds it
+    in a cycle), deregistering its entries from the finalizer (``_owner_died``) while the cache
+    is part way through evicting a list it copied, which held that owner's entry too: the
+    eviction then dropped it again and took its bytes off ``pinned`` a second time, so the cache
+    counted fewer pinned bytes than it held (120 held, 88 counted here) and pinned past its
+    bound before evicting. (Stand-in registrations; the collection runs inside deregistering.)"""
+    live: dict[object, int] = {}
+
+    class MR:
+        def __init__(self, pd: object, length: int, access: int, address: int) -> None:
+            self.lkey = self.rkey = 1
+            live[self] = length
+
+        def close(self) -> None:
+            live.pop(self, None)
+            gc.collect()  # (what any allocation in ibv_dereg_mr's wrapper may do)
+
+    monkeypatch.setattr(
+        _memory, "pv", lambda: SimpleNamespace(mr=SimpleNamespace(MR=MR), pyverbs_error=_PV.pyverbs_error)
+    )
+    cache = _memory.MemoryCache(None, max_bytes=100)
+    a, b, c = np.zeros(64, np.uint8), np.zeros(32, np.uint8), np.zeros(120, np.uint8)
+    cache.release(cache.acquire(a, 4))
+    cache.release(cache.acquire(b, 4))
+    cycle: list[Any] = [b]
+    cycle.append(cycle)  # b's owner is now garbage in a cycle: it dies at the next collection
+    gone = weakref.ref(b)
+    del b, cycle
+    held = cache.acquire(c, 4)  # over the bound: evicts a, whose deregistration collects b
+    assert gone() is None
+    assert cache.pinned == sum(live.values()) == 120, (cache.pinned, sorted(live.values()))
+    cache.release(held)
+    cache.close()
+    assert not live

@@ -63,6 +63,7 @@ _MAX_BYTES = 8 << 30
 FAULT_IN_BYTES = 1 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
 _libc: Any = None
+_GONE = object()
 
 
 def fault_in(arrays: list[np.ndarray]) -> None:
@@ -279,7 +280,10 @@ class MemoryCache:
                 self._drop(region)
 
     def _drop(self, region: Region) -> None:
-        self._lru.pop(region, None)
+        if self._lru.pop(region, _GONE) is _GONE:
+            # (its owner died since the caller listed it: ``_owner_died`` ran in a collection
+            # inside deregistering another, and dropped it and its bytes already)
+            return
         regions = self._by_root.get(region.root)
         if regions is not None and region in regions:
             regions.remove(region)
@@ -292,10 +296,12 @@ class MemoryCache:
         region.close()
 
     def _owner_died(self, root: int) -> None:
+        """The finalizer of a cached owner: it runs wherever the owner dies, which may be inside
+        this cache's own calls (a garbage collection in ``_evict``): each entry goes once."""
         self._finalizers.pop(root, None)
         for region in self._by_root.pop(root, []):
-            self._lru.pop(region, None)
-            self.pinned -= region.length
+            if self._lru.pop(region, _GONE) is not _GONE:
+                self.pinned -= region.length
             region.close()
 
     def close(self) -> None:
