@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _polling import collected
+from _polling import collected, eventually
 
 import tensorwire
 from tensorwire.errors import BrokenResourceError, PeerDisconnected, ProtocolError
@@ -652,3 +652,36 @@ def test_an_owner_dying_while_the_cache_evicts_is_deregistered_and_counted_once(
     cache.release(held)
     cache.close()
     assert not live
+
+
+async def test_a_get_cancelled_while_its_memory_is_faulted_in_returns_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get into memory not registered yet has a worker thread fault it in first, which changes
+    no byte and keeps the array alive meanwhile; nothing is posted until it ends. A get
+    cancelled meanwhile (its caller's deadline) waited for the whole fault-in all the same
+    (``wait_out``): 3.5 s for 256 MiB in the emulated guest, however short the deadline.
+    (The fault-in here blocks until the test lets it go.)"""
+    import threading
+
+    _, b = _channels(monkeypatch)
+    go = threading.Event()
+    started = threading.Event()
+
+    def slow_fault_in(arrays: list[np.ndarray]) -> None:
+        started.set()
+        go.wait(10)
+
+    monkeypatch.setattr(_channel, "fault_in", slow_fault_in)
+    monkeypatch.setattr(b._mem, "cached", lambda arr, access: False)  # (nothing registered yet)
+    src = np.full(2 << 20, 7, np.uint8)
+    out = np.zeros_like(src)
+    get = asyncio.ensure_future(b.rma_many("get", [(out.ctypes.data, out.nbytes, src.ctypes.data, RemoteKey(2), out)]))
+    try:
+        await eventually(started.is_set)
+        get.cancel()
+        done, _ = await asyncio.wait([get], timeout=2)
+        assert done, "a cancelled get waited for its memory to be faulted in"
+        assert get.cancelled() and _qp(b).rdma_posted == 0
+    finally:
+        go.set()
+        await asyncio.wait([get], timeout=5)
+    assert not out.any()

@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 
-from ..._loops import wait_out
 from ...errors import (
     BrokenResourceError,
     ClosedResourceError,
@@ -909,7 +908,10 @@ class VerbsChannel(Channel):
         if read:  # (its local memory is written: fault it in off the loop, as _read does)
             faulting = self._faulting_in(list({id(keep): keep for *_, keep in work}.values()))
             if faulting is not None:
-                await wait_out(faulting)
+                # a cancellation need not wait for it: faulting in changes no byte, and the
+                # worker holds the arrays until it is done (it waited out the whole fault-in:
+                # seconds for GiBs, past the caller's deadline)
+                await asyncio.shield(faulting)
                 self.check_open()
         regions = []
         fut: asyncio.Future[None] = self._loop.create_future()
