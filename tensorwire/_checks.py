@@ -31,6 +31,7 @@ __all__ = [
     "portless",
     "refuse_misspelt",
     "split_address",
+    "take_missing",
 ]
 
 C = TypeVar("C", bound=Callable[..., Any])
@@ -202,12 +203,23 @@ def hide_misspelt(fn: C) -> C:
     kept = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
     if len(kept) != len(signature.parameters) - 1 or "_misspelt" not in signature.parameters:
         raise TypeError(f"{fn.__qualname__} takes no **_misspelt to hide")
-    fn.__signature__ = signature.replace(parameters=kept)  # type: ignore[attr-defined]
-    positional = [p for p in kept[1:] if p.kind is p.POSITIONAL_OR_KEYWORD]  # (after self)
+    return take_missing(fn, signature.replace(parameters=kept))
+
+
+def take_missing(fn: C, signature: inspect.Signature | None = None) -> C:
+    """``fn`` (as it is: no wrapper) taking ``MISSING`` for each required parameter its caller
+    leaves out, and showing ``signature`` (its own where None), the required ones required: its
+    body checks ``if name is MISSING: refuse_misspelt(Cls.verb, (), name=name)``, for an
+    ArgumentError instead of Python's bare "missing 1 required positional argument" where
+    check_arguments' frame costs too much (``peer.call``, whose ``**kwargs`` are the method's)."""
+    shown = inspect.signature(fn) if signature is None else signature
+    fn.__signature__ = shown  # type: ignore[attr-defined]
+    params = list(shown.parameters.values())
+    positional = [p for p in params[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # (after self)
     required = [p for p in positional if p.default is p.empty]
     if required:
         fn.__defaults__ = (MISSING,) * len(required) + (fn.__defaults__ or ())
-    keyword = {p.name: MISSING for p in kept if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    keyword = {p.name: MISSING for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
     if keyword:
         fn.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **keyword}
     return fn

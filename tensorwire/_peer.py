@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine,
 from typing import TYPE_CHECKING, Any, Never
 
 from . import _onesided
-from ._checks import MISSING, check_arguments, hide_misspelt, refuse_misspelt
+from ._checks import MISSING, check_arguments, hide_misspelt, refuse_misspelt, take_missing
 from ._leases import Renewals, plan_goodbye, renewals_for, send_goodbye
 from ._loops import check_home, closed_by_hand, elsewhere, running_loop
 from ._onesided import RemoteHandle, check_handle_name
@@ -311,6 +311,7 @@ class Peer:
         return await self.channel.recv(tag, out, device)
 
     # -- tensor RPC ------------------------------------------------------------------------
+    @take_missing
     async def call(
         self, name: str, /, *args: Any, _deadline: float | None = None, _out: Any = None, **kwargs: Any
     ) -> Any:
@@ -321,11 +322,14 @@ class Peer:
         place and is returned. No method may take parameters of those names. Cancelling the
         caller cancels the method. The method's exception comes back as a RemoteError.
         """
+        if name is MISSING:
+            refuse_misspelt(Peer.call, (), name=name)
         if running_loop() is not self._home:
             check_home(self._home, "peer.call")
         value, _ = await _rpc.call(self, name, args, kwargs, _deadline, _out)
         return value
 
+    @take_missing
     async def call_with_receipt(
         self, name: str, /, *args: Any, _deadline: float | None = None, _out: Any = None, **kwargs: Any
     ) -> tuple[Any, CallReceipt]:
@@ -333,24 +337,32 @@ class Peer:
         Receipt of the request (arguments inline in it, or not), of the arguments sent apart
         when they were too large to ride inline, and of the result (direct into ``_out=`` or
         staged), and the call's wall time. A call that fails raises as ``call`` does."""
+        if name is MISSING:
+            refuse_misspelt(Peer.call_with_receipt, (), name=name)
         if running_loop() is not self._home:
             check_home(self._home, "peer.call_with_receipt")
         value, receipt = await _rpc.call(self, name, args, kwargs, _deadline, _out, want_receipt=True)
         assert receipt is not None
         return value, receipt
 
+    @take_missing
     def stream(self, name: str, /, *args: Any, _deadline: float | None = None, **kwargs: Any) -> AsyncIterator[Any]:
         """``async for item in peer.stream("name", ...)``: the items a streaming method yields.
         ``_deadline`` covers the whole stream (no item is handed out past it); leaving the loop
         early cancels the method. There is no ``_out=`` (ConfigurationError)."""
+        if name is MISSING:
+            refuse_misspelt(Peer.stream, (), name=name)
         if running_loop() is not self._home:
             check_home(self._home, "peer.stream")
         return _OnItsLoop(_rpc.stream(self, name, args, kwargs, _deadline), self._home, "peer.stream")
 
+    @take_missing
     def stream_with_receipts(
         self, name: str, /, *args: Any, _deadline: float | None = None, **kwargs: Any
     ) -> AsyncIterator[tuple[Any, Receipt]]:
         """Like ``stream``, each item as ``(item, Receipt)``: how the message that carried it came."""
+        if name is MISSING:
+            refuse_misspelt(Peer.stream_with_receipts, (), name=name)
         if running_loop() is not self._home:
             check_home(self._home, "peer.stream_with_receipts")
         items = _rpc.stream(self, name, args, kwargs, _deadline, receipts=True)

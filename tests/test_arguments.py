@@ -235,6 +235,33 @@ async def test_the_per_message_verbs_refuse_a_misspelt_option_before_anything_mo
             await a.send(ones, 1)  # type: ignore[call-arg]
 
 
+async def test_a_call_or_stream_without_a_method_name_is_an_argument_error() -> None:
+    """``peer.call()``, ``stream()`` and their receipt twins with no method name raised Python's
+    bare TypeError ("Peer.call() missing 1 required positional argument: 'name'"), not a
+    TensorWireError as everything tensorwire raises is; their signatures still show ``name``
+    required, and a call that names its method is served as before."""
+    async with connected_pair("tcp") as (a, b):
+
+        @b.node.method("echo")
+        async def echo(x: int) -> int:
+            return x
+
+        said = r"\(\): missing a required argument: 'name'; it takes Peer\."
+        with pytest.raises(ArgumentError, match=rf"^Peer\.call{said}call\(name, /, \*args, _deadline="):
+            await a.call()  # type: ignore[call-arg]
+        with pytest.raises(ArgumentError, match=rf"^Peer\.call_with_receipt{said}"):
+            await a.call_with_receipt(_deadline=5)  # type: ignore[call-arg]
+        with pytest.raises(ArgumentError, match=rf"^Peer\.stream{said}"):
+            a.stream()  # type: ignore[call-arg]
+        with pytest.raises(ArgumentError, match=rf"^Peer\.stream_with_receipts{said}"):
+            a.stream_with_receipts()  # type: ignore[call-arg]
+        for verb in ("call", "call_with_receipt", "stream", "stream_with_receipts"):
+            name = inspect.signature(getattr(tensorwire.Peer, verb)).parameters["name"]
+            assert name.default is inspect.Parameter.empty and name.kind is name.POSITIONAL_ONLY, verb
+        async with asyncio.timeout(10):
+            assert await a.call("echo", 3) == 3
+
+
 def test_a_type_error_from_inside_a_call_that_fits_passes_unchanged() -> None:
     """Only a call whose arguments do not fit becomes an ArgumentError: a TypeError the body
     raises is the body's (a bug, or a deliberate one) and reaches the caller as it was."""
