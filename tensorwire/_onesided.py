@@ -92,6 +92,7 @@ from .tensors._device import (
     cuda_usable,
     wanted_device,
 )
+from .tensors._dtypes import big_endian
 from .tensors._header import impossible_shape
 from .tensors._message import refuse_shared
 from .tensors._offload import copy_host, off_loop, packs_in_a_thread
@@ -1140,7 +1141,10 @@ def _tags() -> tuple[int, int]:
 
 
 def _check_against(handle: RemoteHandle, x: np.ndarray | DeviceSource, what: str) -> None:
-    """``x`` (a host array, or device memory) has the handle's dtype and shape."""
+    """``x`` (a host array, or device memory) has the handle's dtype and shape. A byte-swapped
+    host array is refused as send refuses it (UnsupportedTensorError), not as a mismatch."""
+    if isinstance(x, np.ndarray) and not x.dtype.isnative:
+        raise big_endian(x.dtype)
     same = x.dtype == dtype_from_name(handle.dtype) if isinstance(x, np.ndarray) else x.dtype == handle.dtype
     if not same or tuple(x.shape) != handle.shape:
         raise ShapeMismatchError(

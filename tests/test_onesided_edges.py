@@ -394,3 +394,29 @@ async def test_a_reader_whose_node_closes_under_its_read_is_no_failure_at_the_ow
         await asyncio.sleep(0.05)  # (the owner's service of the read has ended)
     failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not failures, failures
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_a_big_endian_source_or_out_is_refused_as_send_refuses_it(transport: str) -> None:
+    """A big-endian write source or read ``out=`` (of the handle's dtype and shape, byte-swapped)
+    was a ShapeMismatchError, "the source is >i4[5] but 'arr' is int32[5]", where send, call and
+    ``_out`` raise UnsupportedTensorError naming the byte order: one-sided now says the same, in
+    the batches too, and nothing is read or written."""
+    async with connected_pair(transport) as (a, b), asyncio.timeout(20):
+        b.node.expose(np.arange(5, dtype=np.int32), name="arr")
+        h = await a.lookup("arr")
+        swapped = np.full(5, 7, dtype=">i4")
+        with pytest.raises(tensorwire.UnsupportedTensorError) as sent:
+            await a.send(swapped, tag=1)
+        said = str(sent.value)
+        assert said == "big-endian dtype int32 (>i4) is not supported; convert to native order", said
+        for refused in (
+            lambda: a.write(h, swapped),
+            lambda: a.write_many([h], [swapped]),
+            lambda: a.read(h, out=np.empty(5, ">i4")),
+            lambda: a.read_many([h], outs=[np.empty(5, ">i4")]),
+        ):
+            with pytest.raises(tensorwire.UnsupportedTensorError) as info:
+                await refused()
+            assert str(info.value) == said
+        assert np.array_equal(await a.read(h), np.arange(5))  # nothing was written
