@@ -12,8 +12,9 @@ class Path:
     """The negotiated data path of one peer.
 
     transport: the transport that carries the bytes ("tcp", "inproc", "ucx", ...).
-    lanes: what carries them inside that transport ("tcp x1 stream 127.0.0.1:4242"; for ucx the
-        lanes of the endpoint to this peer, "cma/memory", "tcp/lo").
+    lanes: what carries them inside that transport ("tcp x1 stream 127.0.0.1:4242", an IPv6
+        peer in brackets: "tcp x1 stream [::1]:4242"; for ucx the lanes of the endpoint to this
+        peer, "cma/memory", "tcp/lo").
     rdma / gpudirect: whether bytes move by RDMA, and GPU memory by RDMA to and from the NIC
         with no host staging (GPUDirect RDMA; for ucx: only where the endpoint has an RDMA lane,
         not merely where this node lists one). GPU memory moved by CUDA IPC on one machine is

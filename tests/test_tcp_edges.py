@@ -9,6 +9,7 @@ import contextlib
 import os
 import pathlib
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -253,18 +254,21 @@ _NO_IPV6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no 
 async def test_a_node_on_every_ipv4_interface_takes_tcp_peers_over_ipv6_too() -> None:
     """At 0.0.0.0 the control plane takes IPv6 clients too (gRPC listens on '*'), but the tcp
     data listener took IPv4 only: a connect to [::1]:P failed with "tcp data connection to
-    ::1:Q failed". Both families now reach it, each at its own address."""
+    ::1:Q failed". Both families now reach it, each at its own address. Both sides' lane text
+    named an IPv6 peer without brackets ("tcp x1 stream ::1:41949"), which is no address one
+    can read the port from: it is "[::1]:41949", as the README writes addresses."""
     async with (
         tensorwire.start("0.0.0.0:0", transports=("tcp",)) as server,
         tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
     ):
         port = server.address.rsplit(":", 1)[1]
-        for address, host in ((f"[::1]:{port}", "::1"), (f"127.0.0.1:{port}", "127.0.0.1")):
+        for address, host in ((f"[::1]:{port}", "[::1]"), (f"127.0.0.1:{port}", "127.0.0.1")):
             async with asyncio.timeout(20):
                 peer = await client.connect(address)
                 there = await server.accept()
                 assert peer.path.transport == "tcp", peer.path
                 assert there.path.lanes[0].startswith(f"tcp x1 stream {host}:"), there.path
+                assert re.fullmatch(rf"tcp x1 stream {re.escape(host)}:[0-9]+", peer.path.lanes[0]), peer.path
                 await peer.send(np.arange(5.0), tag=1)
                 assert np.array_equal(await there.recv(tag=1), np.arange(5.0))
                 await peer.aclose()
@@ -332,7 +336,7 @@ async def test_a_node_on_every_interface_reached_by_an_ipv6_only_name_gets_a_tcp
             peer = await client.connect(f"{_IPV6_NAME}:{port}")
             there = await server.accept()
             assert peer.path.transport == "tcp", peer.path
-            assert there.path.lanes[0].startswith("tcp x1 stream ::1:"), there.path
+            assert there.path.lanes[0].startswith("tcp x1 stream [::1]:"), there.path
             await peer.send(np.arange(4.0), tag=1)
             assert np.array_equal(await there.recv(tag=1), np.arange(4.0))
             await there.send(np.arange(3), tag=2)

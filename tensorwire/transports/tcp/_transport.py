@@ -43,7 +43,12 @@ def _split(address: bytes) -> tuple[str, int]:
 
 def _join(host: str, port: int) -> bytes:
     """The address blob: ``host:port``, an IPv6 host in brackets (``_split`` reads it back)."""
-    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
+    return _shown(host, port).encode()
+
+
+def _shown(host: str, port: int) -> str:
+    """``host:port`` as the README writes an address: an IPv6 host in brackets (``[::1]:5000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _plain(host: str) -> str:
@@ -286,7 +291,7 @@ class TcpTransport(Transport):
         self._unstarted.discard(conn)
         _tune(conn)
         io = SockIO(conn)
-        who = f"{_plain(addr[0])}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        who = _shown(_plain(addr[0]), addr[1]) if isinstance(addr, tuple) else str(addr)
         try:
             async with asyncio.timeout(self.ctx.limits.handshake_seconds):
                 nonce = os.urandom(NONCE_BYTES)
@@ -312,7 +317,7 @@ class TcpTransport(Transport):
         except BaseException:
             io.close()
             raise
-        channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=f"{who}")
+        channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=who)
         self._track(channel)
         if fut.done():
             await channel.aclose()
@@ -381,14 +386,14 @@ class TcpTransport(Transport):
                     if tried
                     else f"{host} did not resolve within {seconds} s"
                 )
-            raise ConnectError(f"tcp data connection to {host}:{port} failed: {why}") from exc
+            raise ConnectError(f"tcp data connection to {_shown(host, port)} failed: {why}") from exc
         except BaseException:
             if io is not None:
                 io.close()
             elif sock is not None:
                 sock.close()
             raise
-        channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=f"{host}:{port}")
+        channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=_shown(host, port))
         self._track(channel)
         return channel
 
