@@ -289,3 +289,40 @@ def test_numpy_scalars_travel_to_grpc_clients_as_their_values() -> None:
         value_to_pb(np.complex64(1j))
     with pytest.raises(ValueError, match="ndarray cannot travel"):
         value_to_pb(np.array(1.0, np.float32))  # a 0-d array is a tensor, not a scalar
+
+
+async def test_a_result_grpc_cannot_carry_is_no_argument_error() -> None:
+    """A method whose result Invoke cannot carry (an int past 64 bits, a tensor) answered
+    FAILED_PRECONDITION typed "InvalidArguments: big's result: ...", which README keeps for
+    arguments that do not fit: the arguments were right and the method ran. It is typed as
+    ``peer.call`` types a result that cannot be sent, UnsupportedTensorError, "could not be sent"."""
+    import grpc
+
+    from tensorwire.control._pb import control_pb2, control_pb2_grpc
+
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        ran: list[str] = []
+
+        @node.method()
+        async def big() -> int:
+            ran.append("big")
+            return 2**70
+
+        @node.method()
+        async def tensor() -> np.ndarray:
+            ran.append("tensor")
+            return np.ones(3)
+
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            for name, why in (("big", "does not fit in 64 bits"), ("tensor", "ndarray cannot travel")):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Invoke(control_pb2.InvokeRequest(method=name), timeout=10)
+                err = info.value
+                trailing = dict(err.trailing_metadata() or ())
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+                assert trailing.get("tensorwire-remote-type") == "UnsupportedTensorError", trailing
+                details = err.details() or ""
+                assert details.startswith(f"UnsupportedTensorError: {name}'s result could not be sent"), details
+                assert why in details, details
+            assert ran == ["big", "tensor"]

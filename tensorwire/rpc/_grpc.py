@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from ..control._pb import control_pb2
-from ..errors import DeadlineExceeded, InvalidArguments, MethodNotFound, RemoteError
+from ..errors import DeadlineExceeded, InvalidArguments, MethodNotFound, RemoteError, UnsupportedTensorError
 from ._protocol import describe, safe_text, traceback_text
 from ._registry import methods_of
 from ._server import run_local
@@ -173,6 +173,7 @@ async def invoke(
         await _fail(context, grpc.StatusCode.UNKNOWN, exc)
     try:
         value = value_to_pb(result)
-    except ValueError as exc:
-        await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, InvalidArguments(f"{request.method}'s result: {exc}"))
+    except ValueError as exc:  # the method ran on right arguments: its result is what cannot go (as peer.call says)
+        unsent = UnsupportedTensorError(f"{request.method}'s result could not be sent over gRPC: {exc}")
+        await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, unsent)
     return control_pb2.InvokeResponse(result=value)
