@@ -149,6 +149,43 @@ async def _register_on(node: Any, fn: Any) -> None:
 
 
 @pytest.mark.timeout(60)
+async def test_registering_or_unregistering_through_node_methods_from_another_thread_is_refused() -> None:
+    """``node.methods.register(fn, name)`` and ``unregister(name)``, the registry's own verbs
+    under ``node.method``, went through from a worker thread or another loop unchecked (only
+    ``node.method`` and ``node.methods.limits`` were): they changed the dict the node's loop
+    serves calls and ListMethods from, off that loop."""
+    async with connected_pair("tcp") as (a, b):
+
+        async def late(x: Any) -> Any:
+            return x
+
+        async def kept(x: Any) -> Any:
+            return x
+
+        b.node.methods.register(kept, "kept")
+        verbs: list[tuple[str, Callable[[], Any]]] = [
+            ("node.methods.register", lambda: b.node.methods.register(late, "late")),
+            ("node.methods.unregister", lambda: b.node.methods.unregister("kept")),
+        ]
+        for what, verb in verbs:
+            with pytest.raises(tensorwire.ConfigurationError, match=rf"^{what} was called where no event loop runs"):
+                await asyncio.to_thread(verb)
+
+            async def on_theirs(verb: Callable[[], Any] = verb) -> None:
+                verb()
+
+            err = await asyncio.to_thread(on_another_loop, on_theirs)
+            assert isinstance(err, tensorwire.ConfigurationError), err
+            assert f"{what} was called on an event loop that is not the node's" in str(err), err
+        assert "late" not in b.node.methods and "kept" in b.node.methods
+        b.node.methods.register(late, "late")  # on its own loop, as ever
+        b.node.methods.unregister("kept")
+        assert await a.call("late", 3) == 3
+        with pytest.raises(tensorwire.MethodNotFound):
+            await a.call("kept", 3)
+
+
+@pytest.mark.timeout(60)
 async def test_setting_call_limits_from_another_thread_is_refused() -> None:
     """README (Lifecycle, Tensor RPC): ``node.methods.limits = CallLimits(...)`` belongs to the
     node's loop like every method but abort(). Set from a worker thread it went through: it

@@ -484,6 +484,8 @@ class MethodRegistry(Mapping[str, Method]):
         return limit
 
     def register(self, fn: Callable[..., Any], name: str | None = None, *, max_arg_bytes: int | None = None) -> Method:
+        """Offer ``fn`` as ``name`` (its ``__name__`` where None); ``node.method`` is the usual way."""
+        check_home(self.home, "node.methods.register")  # (the node's loop serves calls from the registry)
         inner = _unpartial(fn)
         runs = fn
         if not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)) and _callable_object(inner):
@@ -528,6 +530,7 @@ class MethodRegistry(Mapping[str, Method]):
 
     def unregister(self, name: str) -> None:
         """Stop offering ``name``; calls already running finish."""
+        check_home(self.home, "node.methods.unregister")
         if self._methods.pop(name, None) is None:
             raise ConfigurationError(f"no method named {name!r} is registered")
 
