@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -1766,6 +1767,81 @@ async def test_a_recv_cancelled_after_its_first_tensor_landed_before_the_rest_mo
         for g, s in zip(again, src, strict=True):
             np.testing.assert_array_equal(g, s)
         assert not out[1].any()  # the rest went to the next recv, not into the cancelled one's out=
+
+
+@pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
+@pytest.mark.parametrize("credit", [None, 0], ids=["eager", "rendezvous"])
+async def test_a_recv_cancelled_after_its_first_tensor_landed_copies_what_landed_off_the_loop(
+    credit: int | None, bindings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with a large first tensor: the cancel took the rest back and copied what had
+    landed in out= to a buffer of ours with ``np.copyto`` on the event loop, in one go (a 512 MiB
+    tensor stalls every channel of the process for the whole copy), where a recv cancelled as
+    its bytes land (``Arrival.detach``) hands such a copy to a copy thread. Every large copy made
+    while the cancel runs is watched: none may run on the loop's thread. The cancel still ends
+    only once the copy has (out= is the caller's again: garbage written into it then does not
+    reach the next recv), and nothing is lost: the copy thread is held, and the cancel may not
+    end before it is let go."""
+    from test_ucx import without_libucp
+
+    from tensorwire.tensors._offload import OFF_LOOP_BYTES
+
+    if bindings == "ucxx":
+        without_libucp(monkeypatch)
+    src = (np.arange(4 * MiB, dtype=np.uint8) | 1, np.full(1 * MiB, 7, np.uint8))
+    limits = None if credit is None else tensorwire.Limits(recv_buffer_bytes=credit)
+    async with connected_pair("ucx", ucx_options={"TLS": "sm,self"}, limits=limits) as (a, b):
+        gate = asyncio.Event()
+        send_payload = a.channel._send_payload
+
+        async def held(msg_id: int, segs: list[Any]) -> Any:
+            await send_payload(msg_id, segs[:1])
+            await gate.wait()  # the second segment waits here, the first one sent
+            return await send_payload(msg_id, segs[1:])
+
+        a.channel._send_payload = held
+        copies: list[tuple[int, int]] = []  # (thread, bytes) of each large copy while the cancel runs
+        copyto = np.copyto
+        loop = threading.get_ident()
+        started, released = threading.Event(), threading.Event()
+
+        def watched(dst: Any, src: Any, *args: Any, **kwargs: Any) -> None:
+            if np.asarray(dst).nbytes >= OFF_LOOP_BYTES:
+                copies.append((threading.get_ident(), np.asarray(dst).nbytes))
+                if threading.get_ident() != loop:
+                    started.set()
+                    released.wait(10)  # (held: the cancel must wait for it)
+            copyto(dst, src, *args, **kwargs)
+
+        out = tuple(np.zeros_like(s) for s in src)
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        try:
+            await eventually(lambda: bool(out[0][-1]) or recv.done(), 10, pause=0)  # the first one landed
+            assert not recv.done(), recv
+            monkeypatch.setattr(np, "copyto", watched)
+            recv.cancel()
+            await eventually(lambda: started.is_set() or recv.done(), 5, pause=0)
+            assert [n for t, n in copies if t == loop] == [], "what landed was copied on the event loop"
+            assert not recv.done(), "the cancelled recv ended while a copy still read its out="
+            released.set()
+            done, _ = await asyncio.wait([recv], timeout=5)
+            monkeypatch.setattr(np, "copyto", copyto)
+            assert done, "the cancelled recv waited for a tensor whose payload had not begun to move"
+            out[0][:] = 0  # (the caller's again)
+        finally:
+            released.set()
+            gate.set()
+        (first,) = await asyncio.gather(recv, return_exceptions=True)
+        assert isinstance(first, asyncio.CancelledError), repr(first)
+        assert copies == [(copies[0][0], 4 * MiB)]
+        await asyncio.wait_for(send, 5)
+        again = tuple(np.zeros_like(s) for s in src)
+        got = await asyncio.wait_for(b.recv(tag="t", out=again), 5)
+        assert got is again
+        for g, s in zip(again, src, strict=True):
+            np.testing.assert_array_equal(g, s)
+        assert not out[1].any()
 
 
 @pytest.mark.usefixtures("grpc_kept")

@@ -302,9 +302,11 @@ class Arrival:
 
         Returns the future of the copy of what landed (``moving``: a copy thread's, or the task
         that copies it down from device memory, ``_to_host``): the cancelled recv waits it out
-        before it returns, since it reads the caller's out=."""
+        before it returns, since it reads the caller's out=. Where the transport moved the
+        message out of out= already (ucx's ``take_back`` of a message whose first tensors had
+        landed), the copy it left running, if any."""
         if self.dest is None or not self.direct:
-            return None
+            return self.moving if self.moving is not None and not self.moving.done() else None
         if not self.done.done() and self.channel.unread(self):
             # nothing landed in the caller's buffer, nor will: the message goes back as it
             # came, and the next recv places it (copying out= whole took 3.7 s for 1 GiB)

@@ -57,6 +57,7 @@ from ...errors import (
 )
 from ...memory import wait_event
 from ...tensors import DeviceTensor, Outgoing, byte_view, decode_header_sized
+from ...tensors._offload import copy_host_soon
 from .._base import BYE_GRACE, Channel, ChannelState, Limits, Receipt, fresh, still_writing, unsettled
 from .._credit import ReceiveBudget, SendWindow, fail_waiting_sends
 from .._frames import CHECKSUM, HEADER, MAGIC, RENDEZVOUS, FrameType, PeerLimits, pack, unpack_fields
@@ -1428,10 +1429,12 @@ class UcxChannel(Channel):
             self._w.cancel(r)  # (none has matched: UCX matches a tag's messages in the order sent)
         if not all(self._cancelled(r) for r in reqs[at + 1 :]):  # (never: see above)
             return False  # those cancelled fail the message (``_payload_done``) once the rest have landed
-        copied = 0
-        for mine, theirs in [(m, d) for m, d in zip(own, dest, strict=True) if d.nbytes][:at]:
-            np.copyto(mine, theirs)  # (complete: UCX writes into it no more)
-            copied += theirs.nbytes
+        pairs = [(m, d) for m, d in zip(own, dest, strict=True) if d.nbytes][:at]  # (landed: UCX writes there no more)
+        # a large copy in a copy thread (on the loop it held every channel for the whole copy): the
+        # cancelled recv waits it out before it returns (``Mailbox._requeue``: it reads out=),
+        # and the recv that takes the message before it reads ``dest`` (``Arrival.moved``)
+        arrival.moving = copy_host_soon(pairs)
+        copied = sum(d.nbytes for _, d in pairs)
         transfer.taken_back = True
         transfer.reqs = []  # (the worker reports them to nobody: see _payload_done)
         arrival.dest = own  # type: ignore[assignment]  # (list invariance)
