@@ -702,22 +702,9 @@ class UcxChannel(Channel):
                 reqs[i] = 0  # (the worker's now, or freed)
                 if fut is None:
                     continue
-                self._futs.add(fut)
-                try:
-                    # a Pledge: a cancel comes once UCX is done with the segment (``wait_out``),
-                    # and goes on to the next one while the channel is open
-                    try:
-                        await wait_out(fut)
-                    except asyncio.CancelledError:
-                        if self.state is not ChannelState.OPEN:
-                            late = unsettled([None if fut.cancelled() else fut.exception()])
-                            if late is not None:  # (the peer may still read the payload: say so)
-                                raise late from late.__cause__  # (its own cause: the channel's failure)
-                            raise
-                        cancelled = True
-                    fut.result()  # (the channel's shutdown fails it: raised)
-                finally:
-                    self._futs.discard(fut)
+                # a Pledge: a cancel comes once UCX is done with the segment, and goes on to
+                # the next one while the channel is open
+                cancelled = await self._outlast(fut) or cancelled
         except BaseException:
             # the sends not waited for go on all the same: the worker keeps them and their
             # segments until UCX is done with them (or the worker closes)
@@ -760,6 +747,31 @@ class UcxChannel(Channel):
         if cancelled:
             raise asyncio.CancelledError
 
+    async def _outlast(self, fut: asyncio.Future[Any]) -> bool:
+        """Wait for ``fut``, a request UCX cannot take back, to end, whatever cancellations come
+        meanwhile (``wait_out``); True if one came while the channel was open (the caller raises
+        it once it is done). Its failure is raised (the channel's shutdown fails it with its
+        error). A cancel that comes while the channel closes or has shut is raised once the wait
+        has ended: as the failure the shutdown gave it, where that says the peer may still read
+        the payload (``unsettled``), else as the cancel."""
+        self._futs.add(fut)
+        cancelled = False
+        try:
+            try:
+                await wait_out(fut)
+            except asyncio.CancelledError:
+                if self.state is not ChannelState.OPEN:
+                    late = unsettled([None if fut.cancelled() else fut.exception()])
+                    if late is not None:  # (the peer may still read the payload: say so)
+                        raise late from late.__cause__  # (its own cause: the channel's failure)
+                    raise
+                cancelled = True
+            fut.result()  # (the channel's shutdown fails it: raised)
+        finally:
+            self._futs.discard(fut)
+            del fut  # (its result is the request, which keeps the worker: not in a kept traceback)
+        return cancelled
+
     async def _wait(self, req: Any, keep: object, what: str) -> bool:
         """Wait for one request UCX cannot take back (a payload send) to end, whatever
         cancellations come meanwhile, as ``_send_payload`` waits for its segments; True if one
@@ -773,20 +785,7 @@ class UcxChannel(Channel):
         try:
             if not req.completed:
                 fut = self._w.future(req, keep=keep, owner=self)
-                self._futs.add(fut)
-                try:
-                    try:
-                        await wait_out(fut)
-                    except asyncio.CancelledError:
-                        if self.state is not ChannelState.OPEN:
-                            late = unsettled([None if fut.cancelled() else fut.exception()])
-                            if late is not None:  # (the peer may still read the payload: say so)
-                                raise late from late.__cause__
-                            raise
-                        cancelled = True
-                    fut.result()  # (the channel's shutdown fails it: raised)
-                finally:
-                    self._futs.discard(fut)
+                cancelled = await self._outlast(fut)
             err = self._check(req, what)
         finally:
             req = fut = None  # (the future's result is the request; see _send_payload)
