@@ -930,3 +930,17 @@ async def test_model(transport: str, caplog: pytest.LogCaptureFixture) -> None:
         if r.levelno >= logging.WARNING and r.name.startswith(("tensorwire._onesided", "tensorwire.rpc"))
     ]
     assert not warned, warned
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("seed", [1002, 1010])
+async def test_a_long_ucx_run_leaves_no_reply_of_a_cancelled_call_unread(seed: int) -> None:
+    """Two longer runs over ucx (800 steps, seeds found by exploring). A call cancelled while
+    its recv of a rendezvous reply was pulling it, before the reply's payload moved, has that
+    recv's receives taken back (ucx ``take_back``, c7f2140) with its CTS already sent; the
+    call's drain then sent WITHDRAW, too late for a sender that had its go-ahead, and waited for
+    the reply to be taken back: it never was, and it stayed unread on its reply tag for good,
+    holding a message slot ("not idle after 10.0 s: a: messages left on tags {reply tag: 1}",
+    both seeds on main before the fix; 9059f7c passed them). Now such a reply says so
+    (``Arrival.go_ahead``) and the drain receives and drops it."""
+    await _model("ucx", seed, 800)

@@ -462,6 +462,11 @@ def _unpulled(channel: Channel, tag: int) -> Arrival | None:
     arrival = channel.mailbox.oldest(tag)
     if arrival is None or not arrival.rendezvous or arrival.pulling or arrival.done.done():
         return None
+    if arrival.go_ahead:
+        # its go-ahead went already (a recv of it was cancelled after it: ucx ``take_back``):
+        # a WITHDRAW comes too late and ``done`` waits for a pull, so it is received and dropped
+        # (before, it stayed unread for good, holding a message slot)
+        return None
     if arrival.protocol != "rendezvous" and not channel.discard(arrival):
         return None  # (its recv fails for want of memory, as any recv of it would)
     return arrival

@@ -107,6 +107,7 @@ class Arrival:
         "dest",
         "direct",
         "done",
+        "go_ahead",
         "landed",
         "landing",
         "lost",
@@ -148,6 +149,10 @@ class Arrival:
         self.rendezvous = rendezvous
         self.protocol = protocol
         self.pulling = False
+        # a rendezvous message whose go-ahead went to its sender already though no recv pulls it
+        # (ucx: taken back from a cancelled recv after its CTS, ``take_back``): its payload is
+        # coming, and its sender can no longer withdraw it; the next recv pulls it as any other
+        self.go_ahead = False
         # handed to a recv whole; not requeued, unless that recv is cancelled while it copies the
         # bytes out of our buffers, when the message goes back whole (and still holds its slot
         # and credit: they go back, ``settled``, once a recv has copied it out)

@@ -1397,6 +1397,7 @@ class UcxChannel(Channel):
         del self._incoming[arrival.msg_id]
         arrival.transfer = None  # unread again (``unread``): its recv gives it back without a buffer
         arrival.pinned = arrival.pulling = False
+        arrival.go_ahead = arrival.rendezvous  # (its sender cannot withdraw it any more)
         self._waiting[arrival.msg_id] = (arrival, False)  # (a CTS went already, if it needed one)
         if arrival.protocol != "rendezvous":
             # eager: its payload is received into a buffer of ours unless a recv pulls it first
