@@ -30,6 +30,7 @@ __all__ = [
     "hide_misspelt",
     "portless",
     "refuse_misspelt",
+    "join_address",
     "split_address",
     "take_missing",
 ]
@@ -125,6 +126,11 @@ def portless(address: str) -> str | None:
     if address.startswith("[") and address.endswith("]"):
         return f"has no port: write HOST:PORT, as in '{address}:5000'"
     return None
+
+
+def join_address(host: str, port: int) -> str:
+    """``host:port`` as ``split_address`` reads it back: an IPv6 host in brackets (``[::1]:5000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def split_address(address: object, *, lowest_port: int = 0) -> tuple[str, int]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._checks import join_address
 from ..control._server import bind_targets
 from ..errors import (
     ConnectError,
@@ -208,7 +209,7 @@ class _RawClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, secret: bytes) -> _RawClient:
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        where = join_address(host, port)
 
         def dial() -> socket.socket:
             failed: OSError | None = None

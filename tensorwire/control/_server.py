@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .._checks import split_address
+from .._checks import join_address, split_address
 from .._ratelog import RateLimitedLog
 from ..errors import ConfigurationError, NegotiationError
 from ._auth import heartbeat_proof, leave_proof, lookup_proof
@@ -436,7 +436,7 @@ class ControlServer:
         self._sweep_watch: _SweepWatch | None = None
 
     async def start(self, host: str, port: int) -> int:
-        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        target = join_address(host, port)
         tls = self._tls
         # gRPC logs its own lines to stderr when it cannot bind ("Failed to add port ..."): a
         # port that is plainly taken is refused before gRPC sees it, so that the error below is

@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Any
 
+from ..._checks import join_address
 from ..._ratelog import RateLimitedLog
 from ...errors import ConfigurationError, ConnectError, PeerDisconnected, ProtocolError
 from .._base import Capabilities, Channel, Session, Transport, TransportContext
@@ -43,12 +44,7 @@ def _split(address: bytes) -> tuple[str, int]:
 
 def _join(host: str, port: int) -> bytes:
     """The address blob: ``host:port``, an IPv6 host in brackets (``_split`` reads it back)."""
-    return _shown(host, port).encode()
-
-
-def _shown(host: str, port: int) -> str:
-    """``host:port`` as the README writes an address: an IPv6 host in brackets (``[::1]:5000``)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return join_address(host, port).encode()
 
 
 def _plain(host: str) -> str:
@@ -291,7 +287,7 @@ class TcpTransport(Transport):
         self._unstarted.discard(conn)
         _tune(conn)
         io = SockIO(conn)
-        who = _shown(_plain(addr[0]), addr[1]) if isinstance(addr, tuple) else str(addr)
+        who = join_address(_plain(addr[0]), addr[1]) if isinstance(addr, tuple) else str(addr)
         try:
             async with asyncio.timeout(self.ctx.limits.handshake_seconds):
                 nonce = os.urandom(NONCE_BYTES)
@@ -386,14 +382,14 @@ class TcpTransport(Transport):
                     if tried
                     else f"{host} did not resolve within {seconds} s"
                 )
-            raise ConnectError(f"tcp data connection to {_shown(host, port)} failed: {why}") from exc
+            raise ConnectError(f"tcp data connection to {join_address(host, port)} failed: {why}") from exc
         except BaseException:
             if io is not None:
                 io.close()
             elif sock is not None:
                 sock.close()
             raise
-        channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=_shown(host, port))
+        channel = TcpChannel(io, self.ctx.limits, remote, checksum=self.ctx.checksum, name=join_address(host, port))
         self._track(channel)
         return channel
 
