@@ -54,6 +54,7 @@ from hypothesis import strategies as st
 from tensorwire import Peer, Receipt
 from tensorwire.errors import ClosedResourceError, PeerDisconnected, ShapeMismatchError, TensorWireError
 from tensorwire.testing import connected_pair
+from tensorwire.testing._conformance import _same as same  # (bytewise, containers and their order)
 from tensorwire.transports import Limits
 
 MiB = 1 << 20
@@ -258,21 +259,6 @@ def out_for(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(out_for(v) for v in value)
     return value
-
-
-def same(x: Any, y: Any) -> bool:
-    if isinstance(x, np.ndarray):
-        return (
-            isinstance(y, np.ndarray)
-            and x.dtype == y.dtype
-            and x.shape == y.shape
-            and np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes()
-        )
-    if isinstance(x, dict):
-        return isinstance(y, dict) and list(x) == list(y) and all(same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return type(x) is type(y) and len(x) == len(y) and all(same(a, b) for a, b in zip(x, y, strict=True))
-    return type(x) is type(y) and x == y
 
 
 def fits(out: Any, value: Any) -> bool:

@@ -1716,6 +1716,21 @@ async def test_a_message_taken_back_then_dropped_unread_then_aborted_leaves_no_r
         assert not b.channel._discarding
 
 
+def _hold_after_first_segment(peer: Any) -> asyncio.Event:
+    """``peer``'s payload sends send their first segment, then wait for the event returned
+    before the rest (as a process stopped between two tensors)."""
+    gate = asyncio.Event()
+    send_payload = peer.channel._send_payload
+
+    async def held(msg_id: int, segs: list[Any]) -> Any:
+        await send_payload(msg_id, segs[:1])
+        await gate.wait()  # the second segment waits here, the first one sent
+        return await send_payload(msg_id, segs[1:])
+
+    peer.channel._send_payload = held
+    return gate
+
+
 @pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
 @pytest.mark.parametrize("tls", ["sm,self", "tcp"])
 @pytest.mark.parametrize("credit", [None, 0], ids=["eager", "rendezvous"])
@@ -1738,15 +1753,7 @@ async def test_a_recv_cancelled_after_its_first_tensor_landed_before_the_rest_mo
     limits = None if credit is None else tensorwire.Limits(recv_buffer_bytes=credit)
     async with connected_pair("ucx", ucx_options={"TLS": tls}, limits=limits) as (a, b):
         assert (b.channel._ucp is None) == (bindings == "ucxx")
-        gate = asyncio.Event()
-        send_payload = a.channel._send_payload
-
-        async def held(msg_id: int, segs: list[Any]) -> Any:
-            await send_payload(msg_id, segs[:1])
-            await gate.wait()  # the second segment waits here, the first one sent
-            return await send_payload(msg_id, segs[1:])
-
-        a.channel._send_payload = held
+        gate = _hold_after_first_segment(a)
         out = tuple(np.zeros_like(s) for s in src)
         recv = asyncio.ensure_future(b.recv(tag="t", out=out))
         send = asyncio.ensure_future(a.send(src, tag="t"))
@@ -1791,15 +1798,7 @@ async def test_a_recv_cancelled_after_its_first_tensor_landed_copies_what_landed
     src = (np.arange(4 * MiB, dtype=np.uint8) | 1, np.full(1 * MiB, 7, np.uint8))
     limits = None if credit is None else tensorwire.Limits(recv_buffer_bytes=credit)
     async with connected_pair("ucx", ucx_options={"TLS": "sm,self"}, limits=limits) as (a, b):
-        gate = asyncio.Event()
-        send_payload = a.channel._send_payload
-
-        async def held(msg_id: int, segs: list[Any]) -> Any:
-            await send_payload(msg_id, segs[:1])
-            await gate.wait()  # the second segment waits here, the first one sent
-            return await send_payload(msg_id, segs[1:])
-
-        a.channel._send_payload = held
+        gate = _hold_after_first_segment(a)
         copies: list[tuple[int, int]] = []  # (thread, bytes) of each large copy while the cancel runs
         copyto = np.copyto
         loop = threading.get_ident()
