@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -17,7 +18,11 @@ from _polling import eventually
 import tensorwire
 from tensorwire import ConfigurationError, Limits, NodeConfig, metrics
 from tensorwire.control import PROTOCOL_VERSION, Offer, choose
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tensorwire.control import _server
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
+from tensorwire.control._server import SERVICE
 from tensorwire.transports import Capabilities, Session
 
 SECRET = "hunter2-do-not-print"
@@ -168,6 +173,86 @@ async def test_a_taken_port_of_localhost_in_capitals_is_refused_before_grpc_trie
                 async with tensorwire.start(f"{host}:{port}", transports=("tcp",)):
                     pass
         assert "Failed to add port" not in capfd.readouterr().err
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+def _free_at(addr: str, port: int) -> bool:
+    """Whether a listener could bind (addr, port) now (as gRPC binds: SO_REUSEADDR)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((addr, port))
+        except OSError:
+            return False
+    return True
+
+
+async def _serves_control(addr: str, port: int) -> bool:
+    host = f"[{addr}]" if ":" in addr else addr
+    async with grpc.aio.insecure_channel(f"{host}:{port}") as ch:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_localhost_with_a_port_another_listener_holds_on_one_loopback_is_refused() -> None:
+    """gRPC binds "localhost:P" on 127.0.0.1 and on ::1 and is content with one: with [::1]:P
+    another listener's, the node started, served on 127.0.0.1 alone and called itself
+    localhost:P, and a client that dialled that name on ::1 reached the other listener. Each
+    loopback must be free; the refusal names the one that is not, and leaves nothing bound."""
+    for _ in range(20):  # a port free on 127.0.0.1 whose ::1 twin this test holds
+        other = socket.create_server(("::1", 0), family=socket.AF_INET6)
+        port = other.getsockname()[1]
+        if _free_at("127.0.0.1", port):
+            break
+        other.close()
+    else:
+        pytest.skip("no port free on 127.0.0.1 whose ::1 twin was free too")
+    with other:
+        with pytest.raises(ConfigurationError, match=rf"localhost:{port}: \[::1\]:{port}: .*in use"):
+            async with tensorwire.start(f"localhost:{port}", transports=("tcp",)):
+                pass
+        assert _free_at("127.0.0.1", port), "the refused start kept 127.0.0.1's port"
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_localhost_port_0_whose_port_is_taken_on_the_other_loopback_takes_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """"localhost:0": gRPC takes a port P on 127.0.0.1 and binds [::1]:P too if it can; where
+    another listener held [::1]:P the node served on one loopback under the name of both
+    (a CI run: a bench client reached another test's listener). Here another listener takes
+    [::1]:P just after the node took P on 127.0.0.1 (the kernel's choice of P cannot be steered
+    otherwise): the node gives P back and serves on both loopbacks at another port."""
+    why_unbindable = _server._why_unbindable
+    held: list[socket.socket] = []
+
+    def racing(host: str, port: int) -> str | None:
+        if host == "::1" and not held:
+            held.append(socket.create_server(("::1", port), family=socket.AF_INET6))
+        return why_unbindable(host, port)
+
+    monkeypatch.setattr(_server, "_why_unbindable", racing)
+    try:
+        async with tensorwire.start("localhost:0", transports=("tcp",)) as node:
+            port = int(node.address.rpartition(":")[2])
+            (other,) = held
+            taken = other.getsockname()[1]
+            assert port != taken
+            assert _free_at("127.0.0.1", taken), "the port given back is still bound on 127.0.0.1"
+            for addr in ("127.0.0.1", "::1"):
+                assert await _serves_control(addr, port), addr
+    finally:
+        for sock in held:
+            sock.close()
 
 
 async def test_a_handshake_cannot_make_the_node_repeat_megabytes(caplog: pytest.LogCaptureFixture) -> None:

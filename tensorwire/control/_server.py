@@ -396,6 +396,22 @@ def _why_unbindable(host: str, port: int) -> str | None:
     return why
 
 
+_LOOPBACK_TRIES = 8
+
+
+def _listenable(targets: list[tuple[socket.AddressFamily, str]]) -> list[tuple[socket.AddressFamily, str]]:
+    """Those of ``targets`` this host can listen on at some port (a host without IPv6 has no ::1)."""
+    usable = []
+    for family, addr in targets:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((addr, 0))
+        except OSError:
+            continue
+        usable.append((family, addr))
+    return usable
+
+
 async def _forever() -> None:
     await asyncio.get_running_loop().create_future()
 
@@ -422,20 +438,37 @@ class ControlServer:
     """A grpc.aio server with the Control service, health checking and reflection."""
 
     def __init__(self, node: Node) -> None:
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        control_pb2_grpc.add_ControlServicer_to_server(_Servicer(node), self._server)  # type: ignore[no-untyped-call]
-        self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server,
-        )
+        self._node = node
+        self._server, self._health = self._build()
         self.port = 0
         self._tls = node.config.tls
         self._stopping = False
         self._sweep_watch: _SweepWatch | None = None
 
+    def _build(self) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        control_pb2_grpc.add_ControlServicer_to_server(_Servicer(self._node), server)  # type: ignore[no-untyped-call]
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        return server, health_servicer
+
     async def start(self, host: str, port: int) -> int:
+        if host.lower() == "localhost":
+            self.port = await self._bind_loopbacks(host, port)
+        else:
+            self.port = await self._bind(host, port)
+        await self._start_server()
+        self._sweep_watch = _SweepWatch(self._begin_stop_now)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def _bind(self, host: str, port: int) -> int:
+        """Add a listening port at (host, port) to gRPC's server: the port it bound."""
         target = join_address(host, port)
         tls = self._tls
         # gRPC logs its own lines to stderr when it cannot bind ("Failed to add port ..."): a
@@ -446,9 +479,8 @@ class ControlServer:
             raise ConfigurationError(f"cannot bind the control plane to {target}: {why}")
         try:
             if tls is None:
-                self.port = self._server.add_insecure_port(target)
-            else:
-                self.port = self._server.add_secure_port(target, tls.server_credentials())
+                return self._server.add_insecure_port(target)
+            return self._server.add_secure_port(target, tls.server_credentials())
         except RuntimeError as exc:
             # grpc says only "Failed to bind" (and where to read more): ask the OS why
             why = await asyncio.to_thread(_why_unbindable, host, port)
@@ -461,6 +493,56 @@ class ControlServer:
                     "(it serves with RSA keys, and ECDSA keys on P-256 or P-384)"
                 ) from exc
             raise ConfigurationError(f"cannot bind the control plane to {target}: {why or exc}") from exc
+
+    async def _bind_loopbacks(self, host: str, port: int) -> int:
+        """Listen on every loopback this host has (127.0.0.1 and ::1) at one port, or refuse.
+
+        gRPC binds "localhost:P" on each loopback and is content with one: where another
+        listener held P on the other, the node served on half of its name, and a client that
+        resolved "localhost" to that other loopback reached that listener instead. Port 0 got
+        P from the first bind and could meet that on the second; such a port is given back and
+        another tried. A port asked for must be free on each loopback."""
+        target = join_address(host, port)
+        loopbacks = await asyncio.to_thread(_listenable, bind_targets("localhost") or [])
+        if not loopbacks:
+            raise ConfigurationError(f"cannot bind the control plane to {target}: this host has no loopback to listen on")
+        for _, addr in loopbacks if port != 0 else ():
+            if (why := await asyncio.to_thread(_why_unbindable, addr, port)) is not None:
+                raise ConfigurationError(f"cannot bind the control plane to {target}: {join_address(addr, port)}: {why}")
+        for _ in range(_LOOPBACK_TRIES):
+            bound = await self._bind(loopbacks[0][1], port)
+            taken = [
+                (addr, why)
+                for _, addr in loopbacks[1:]
+                if (why := await asyncio.to_thread(_why_unbindable, addr, bound)) is not None
+            ]
+            try:
+                if not taken:
+                    for _, addr in loopbacks[1:]:
+                        await self._bind(addr, bound)
+                    return bound
+                addr, why = taken[0]
+                refusal = ConfigurationError(
+                    f"cannot bind the control plane to {target}: {join_address(addr, bound)}: {why}"
+                )
+            except ConfigurationError as exc:  # (taken since it was checked)
+                refusal = exc
+            await self._give_back_ports()
+            if port != 0:
+                raise refusal
+            log.debug("the control plane tries another port: %s", refusal)
+        raise ConfigurationError(
+            f"cannot bind the control plane to {target}: in {_LOOPBACK_TRIES} tries no port was free on every loopback"
+        )
+
+    async def _give_back_ports(self) -> None:
+        """Free the ports gRPC's server (not started) has bound, and begin a new server: gRPC
+        frees them only once its server has started and stopped."""
+        await self._start_server()
+        await self._server.stop(None)
+        self._server, self._health = self._build()
+
+    async def _start_server(self) -> None:
         # grpc's start, cancelled half-way, leaves a server that can never stop (its serving task
         # dies with InvalidStateError, which stop() then raises): let it finish, then cancel
         starting = asyncio.ensure_future(self._server.start())
@@ -471,10 +553,6 @@ class ControlServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait({starting})
             raise
-        self._sweep_watch = _SweepWatch(self._begin_stop_now)
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        return self.port
 
     def _begin_stop_now(self) -> None:
         """Begin gRPC's stop at once, without awaiting: ``asyncio.run`` ending is about to cancel
