@@ -14,13 +14,11 @@ import grpc
 import numpy as np
 import pytest
 from _polling import eventually
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import tensorwire
 from tensorwire import ConfigurationError, Limits, NodeConfig, metrics
-from tensorwire.control import PROTOCOL_VERSION, Offer, choose
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from tensorwire.control import _server
+from tensorwire.control import PROTOCOL_VERSION, Offer, _server, choose
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
 from tensorwire.control._server import SERVICE
 from tensorwire.transports import Capabilities, Session
@@ -227,7 +225,7 @@ async def test_localhost_with_a_port_another_listener_holds_on_one_loopback_is_r
 async def test_localhost_port_0_whose_port_is_taken_on_the_other_loopback_takes_another(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """"localhost:0": gRPC takes a port P on 127.0.0.1 and binds [::1]:P too if it can; where
+    """ "localhost:0": gRPC takes a port P on 127.0.0.1 and binds [::1]:P too if it can; where
     another listener held [::1]:P the node served on one loopback under the name of both
     (a CI run: a bench client reached another test's listener). Here another listener takes
     [::1]:P just after the node took P on 127.0.0.1 (the kernel's choice of P cannot be steered

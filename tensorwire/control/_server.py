@@ -479,8 +479,8 @@ class ControlServer:
             raise ConfigurationError(f"cannot bind the control plane to {target}: {why}")
         try:
             if tls is None:
-                return self._server.add_insecure_port(target)
-            return self._server.add_secure_port(target, tls.server_credentials())
+                return int(self._server.add_insecure_port(target))
+            return int(self._server.add_secure_port(target, tls.server_credentials()))
         except RuntimeError as exc:
             # grpc says only "Failed to bind" (and where to read more): ask the OS why
             why = await asyncio.to_thread(_why_unbindable, host, port)
@@ -505,10 +505,11 @@ class ControlServer:
         target = join_address(host, port)
         loopbacks = await asyncio.to_thread(_listenable, bind_targets("localhost") or [])
         if not loopbacks:
-            raise ConfigurationError(f"cannot bind the control plane to {target}: this host has no loopback to listen on")
+            raise ConfigurationError(f"cannot bind the control plane to {target}: this host has no loopback to bind")
         for _, addr in loopbacks if port != 0 else ():
             if (why := await asyncio.to_thread(_why_unbindable, addr, port)) is not None:
-                raise ConfigurationError(f"cannot bind the control plane to {target}: {join_address(addr, port)}: {why}")
+                where = join_address(addr, port)
+                raise ConfigurationError(f"cannot bind the control plane to {target}: {where}: {why}")
         for _ in range(_LOOPBACK_TRIES):
             bound = await self._bind(loopbacks[0][1], port)
             taken = [

@@ -339,6 +339,12 @@ class RawRecv:
         """Whether its completion has been seen, without asking UCX (from any thread)."""
         return self._ptr is None
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether it completed as cancelled (UCS_ERR_CANCELED): taken back before it matched,
+        nothing written."""
+        return self.completed and self.status == _CANCELED
+
     def cancel(self) -> None:
         """``ucp_request_cancel``: one that has not matched completes as cancelled at once; one
         whose message is arriving runs on to its end (and one that has completed stays as it
