@@ -157,6 +157,36 @@ async def test_failed_channel_fails_the_peers_work_promptly(variant: str) -> Non
                         await fut
 
 
+@pytest.mark.parametrize("closer", ["peer", "node"])
+@pytest.mark.parametrize("variant", TRANSPORTS)
+async def test_work_pending_at_a_peer_that_closes_and_lives_on_ends_at_once(variant: str, closer: str) -> None:
+    """A peer closes gracefully (its ``Peer``, or its node) and its process lives on, with a
+    message it never received (eager: buffered there), one that waits for its recv (rendezvous)
+    and a recv of ours pending. The eager send has its receipt (its message was handed over,
+    then dropped unread with the channel); the rendezvous send and the recv fail with
+    PeerDisconnected saying that the peer closed, at once, not when our lease of it (30 s) runs
+    out. (Over ucx a rendezvous message whose CTS went before its recv was cancelled ends as the
+    eager one does: test_ucx_edges.py.)"""
+    import numpy as np
+
+    import tensorwire
+
+    limits = tensorwire.Limits(recv_buffer_bytes=1 << 20)
+    with _options(variant):
+        async with connected_pair(VARIANTS[variant][0], limits=limits, lease_seconds=30.0) as (a, b):
+            eager = await a.send(np.ones(256 << 10, np.uint8), tag="eager")  # (within the credit)
+            rendezvous = asyncio.ensure_future(a.send(np.ones(8 << 20, np.uint8), tag="rendezvous"))
+            recv = asyncio.ensure_future(a.recv(tag="back"))
+            await asyncio.sleep(0.05)
+            assert not rendezvous.done() and not recv.done()
+            await (b.aclose() if closer == "peer" else b.node.aclose())
+            for fut in (rendezvous, recv):
+                with pytest.raises(tensorwire.PeerDisconnected, match="closed"):
+                    async with asyncio.timeout(10):  # (the lease is 30 s)
+                        await fut
+            assert eager.nbytes == 256 << 10
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("variant", TRANSPORTS)
 async def test_a_message_of_many_tensors_takes_work_linear_in_them(variant: str) -> None:

@@ -1730,6 +1730,65 @@ async def test_a_message_taken_back_then_dropped_unread_then_aborted_leaves_no_r
         assert not b.channel._discarding
 
 
+@pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
+@pytest.mark.parametrize("closer", ["peer", "node"])
+@pytest.mark.parametrize("tls", ["sm,self", "tcp"])
+async def test_a_send_taken_back_after_its_cts_ends_at_once_when_its_receiver_closes(
+    tls: str, closer: str, bindings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rendezvous message is pulled (its CTS sent) and its recv cancelled before its sender's
+    payload came (held here, as a slow sender holds it): the receives are taken back, and the
+    payload the sender then hands to UCX waits in the receiver's UCX for a receive. The receiver
+    closes (its peer, or its node) and lives on. Its close posted no receive for that payload,
+    so the send ended only when its own channel shut a second after the BYE (``BYE_GRACE``),
+    with PeerDisconnected saying the receiver "may still read" the tensor, and the sender's
+    worker kept those 8 MiB, warning that UCX never completed the send, until its node closed.
+    Now the close receives the message into scratch (``_drop_unread``) and the send returns its
+    receipt, as one whose message was buffered there and dropped unread: its memory is the
+    caller's again, nothing of it kept."""
+    from test_ucx import without_libucp
+
+    if bindings == "ucxx":  # (the payload's send and receives through ucxx)
+        without_libucp(monkeypatch)
+    src = np.ones(8 * MiB, np.uint8)
+    options: dict[str, Any] = {
+        "transports": ("ucx",),
+        "limits": tensorwire.Limits(recv_buffer_bytes=0),  # (every message waits for its recv's CTS)
+        "lease_seconds": 30.0,
+        "ucx_options": {"TLS": tls},
+    }
+    async with (
+        tensorwire.start("127.0.0.1:0", **options) as na,
+        tensorwire.start("127.0.0.1:0", **options) as nb,
+    ):
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        gate = asyncio.Event()
+        send_payload = a.channel._send_payload
+
+        async def held(*args: Any) -> Any:
+            await gate.wait()  # the payload waits here, the CTS come
+            return await send_payload(*args)
+
+        a.channel._send_payload = held
+        recv = asyncio.ensure_future(b.recv(tag="t", out=np.zeros_like(src)))
+        await eventually(lambda: b.channel.mailbox.has_posted(tag_id("t")), pause=0)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        await eventually(lambda: bool(b.channel._incoming), pause=0)  # pulled: its CTS went
+        recv.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(recv, 5)
+        ((arrival, needs_cts),) = b.channel._waiting.values()  # taken back, unread
+        assert arrival.go_ahead and not needs_cts
+        gate.set()
+        await eventually(lambda: bool(a.channel._futs), pause=0)  # the payload is with UCX
+        await (b.aclose() if closer == "peer" else nb.aclose())
+        (result,) = await asyncio.gather(asyncio.wait_for(send, 10), return_exceptions=True)  # (a lease is 30 s)
+        assert isinstance(result, tensorwire.Receipt), repr(result)
+        assert result.nbytes == src.nbytes
+        assert _held(na) == (0, 0)
+
+
 def _hold_after_first_segment(peer: Any) -> asyncio.Event:
     """``peer``'s payload sends send their first segment, then wait for the event returned
     before the rest (as a process stopped between two tensors)."""

@@ -1752,6 +1752,7 @@ class UcxChannel(Channel):
 
     async def aclose(self) -> None:
         if self.state is ChannelState.OPEN:
+            self._drop_unread()
             self.state = ChannelState.CLOSING
             deadline = self._loop.time() + BYE_GRACE
             bye = sent = None
@@ -1762,6 +1763,7 @@ class UcxChannel(Channel):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout_at(deadline):
                         await self._sends_done()
+                        await self._discards_done()
                         # and this side's gets and puts: over lanes that emulate them the peer's
                         # worker serves each from or into its memory, and one still under way
                         # when the channel shut was served on there past the peer's revocation
@@ -1788,6 +1790,35 @@ class UcxChannel(Channel):
             finally:
                 sent = None  # (a cancelled close's traceback: see _send_payload)
                 self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
+
+    def _drop_unread(self) -> None:
+        """At a close: drop the unread messages whose payload the peer sends without waiting for
+        a CTS (a rendezvous one taken back from a cancelled recv after its CTS went, ``take_back``;
+        an eager one kept unposted for want of memory, ``_adopt``): ``discard`` receives each into
+        scratch, so that UCX completes the peer's send. No receive here would ever take it, and the
+        peer's send stayed in its UCX, unmatched: it ended only when the peer shut its channel on
+        our BYE, a second later (``BYE_GRACE``), saying that we "may still read" its tensors, and
+        the peer's worker kept them (``Worker.sweep``'s warning) until its node closed. Its sender
+        gets the send's receipt, as for a message that came before its recv and is dropped unread
+        with the channel (a tcp peer's send likewise ends once its payload is in the socket).
+        Rendezvous messages still waiting for a CTS are left to the BYE: it fails their sends
+        at once, their payload never sent. Those a recv holds (its out=) fail with the close."""
+        for arrival, needs_cts in list(self._waiting.values()):
+            if not needs_cts and not arrival.direct:
+                self.discard(arrival)
+
+    async def _discards_done(self) -> None:
+        """Until the scratch receives of the messages ``discard`` dropped have ended (a
+        rendezvous one's sender has its truncation, and its send ends; ``_drop_unread``)."""
+        reqs = [r for reqs in self._discarding.values() for r in reqs]
+        if not reqs:
+            return
+        ended: asyncio.Future[None] = self._loop.create_future()
+        token = self._w.when_done(reqs, lambda: None if ended.done() else ended.set_result(None))
+        try:
+            await ended
+        finally:
+            self._w.forget_wait(token)
 
     def abort(self) -> None:
         # the BYE waits for nothing: the peer learns at once, as a tcp peer does from the shut
