@@ -288,3 +288,21 @@ async def test_a_peers_repr_counts_the_users_recvs_and_sends_apart(variant: str)
             assert np.array_equal(await b.recv(tag="u"), np.arange(5))
             await sending
             assert counts(a) == "recvs=0 sends=0>", repr(a)
+
+
+def test_time_scale_lengthens_the_checks_bounds_and_nothing_else() -> None:
+    """``time_scale`` multiplies each bound of the checks' waits (nested scales multiply, and the
+    bound is back once it ends); it cannot shorten them."""
+    from tensorwire.testing import _conformance, time_scale
+
+    assert _conformance._s(10) == 10
+    with time_scale(3):
+        assert _conformance._s(10) == 30
+        with time_scale(2):
+            assert _conformance._s(10) == 60
+        assert _conformance._s(10) == 30
+    assert _conformance._s(10) == 10
+    for bad in (0.5, 0, float("nan")):
+        with pytest.raises(ValueError, match="factor of 1 or more"), time_scale(bad):
+            pass
+    assert _conformance._s(10) == 10

@@ -16,6 +16,7 @@ from ``a`` into ``b``'s ``recv(out=...)`` with the recv posted first or the send
 nothing is lost and no cancelled ``out=`` is written afterwards. ``busy_stream(engine)`` holds a
 host-engine stream busy until its gate is set (a framework's earlier work, for stream-order tests);
 ``slow_sends(peer)`` holds each of a peer's sends up for 50 ms, as backpressure does;
+``time_scale(factor)`` lets the checks' bounded waits take longer on an emulated transport;
 ``peak_allocation()`` measures the peak of traced host allocations in its body;
 ``idle_cpu_percent(transport)`` the CPU two idle nodes joined over it burn (in a process of their
 own); ``host_engine_by_pointer`` declares that channels (and a transport's registrations) take
@@ -35,6 +36,7 @@ from ._conformance import (
     host_engine_by_pointer,
     peak_allocation,
     slow_sends,
+    time_scale,
 )
 from ._idle import idle_cpu_percent
 from ._layouts import PACK_LAYOUTS
@@ -51,4 +53,5 @@ __all__ = [
     "idle_cpu_percent",
     "peak_allocation",
     "slow_sends",
+    "time_scale",
 ]

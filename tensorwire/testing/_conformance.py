@@ -47,6 +47,31 @@ __all__ = [
 ]
 
 Check = Callable[[Peer, Peer], Awaitable[None]]
+# How many times its usual bound each bounded wait of the checks may take (``time_scale``)
+_time_scale = 1.0
+
+
+def _s(seconds: float) -> float:
+    """A check's bound on a wait, ``seconds`` on a machine of its own, scaled by ``time_scale``."""
+    return seconds * _time_scale
+
+
+@contextlib.contextmanager
+def time_scale(factor: float) -> Iterator[None]:
+    """Let each bounded wait of the checks run in its body take ``factor`` times as long: those
+    bounds tell a hang from a slow step, and an emulated transport (verbs over Soft-RoCE in a
+    qemu guest without KVM, tens of times slower than hardware, slower still on a loaded host)
+    takes longer than they allow for steps that are not stuck. What a check asserts is unchanged."""
+    global _time_scale
+    if not factor >= 1:
+        raise ValueError(f"time_scale takes a factor of 1 or more, not {factor!r}")
+    before, _time_scale = _time_scale, _time_scale * factor
+    try:
+        yield
+    finally:
+        _time_scale = before
+
+
 CHECKS: dict[str, Check] = {}
 LIMITS: dict[str, Limits] = {}
 MiB = 1 << 20
@@ -183,7 +208,7 @@ async def _landing_size(
             await asyncio.sleep(0)
             spun += 1
         took = loop.time() - began
-        await asyncio.wait_for(send, 10)
+        await asyncio.wait_for(send, _s(10))
         assert _same(recv.result(), msg), "the probe message came back changed"
         if spun > 2 * turns and took > seconds:
             return size
@@ -214,7 +239,7 @@ async def cancel_recv_at_every_step(
             cancelled += 1
             snapshot = contents(out)
             second = new_out()
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(_s(10)):
                 await asyncio.gather(send, b.recv(tag=tag, out=second))
             for _ in range(20):
                 await asyncio.sleep(0)
@@ -222,7 +247,7 @@ async def cancel_recv_at_every_step(
             assert np.array_equal(contents(out), snapshot), f"out= written after its recv was cancelled ({spins})"
             assert np.array_equal(contents(second), want), f"message lost or corrupted after a cancel at {spins}"
         else:
-            await asyncio.wait_for(send, 10)
+            await asyncio.wait_for(send, _s(10))
             assert np.array_equal(contents(out), want)
     return cancelled
 
@@ -264,7 +289,7 @@ async def check_every_dtype(a: Peer, b: Peer) -> None:
         waiting = asyncio.ensure_future(b.recv(tag=name, out=out))
         await asyncio.sleep(0)
         await a.send(x, tag=name)
-        assert await asyncio.wait_for(waiting, 10) is out and _same(x, out), f"{name} changed in transit into out="
+        assert await asyncio.wait_for(waiting, _s(10)) is out and _same(x, out), f"{name} changed in transit into out="
         await a.send(x, tag=name)
         await asyncio.sleep(0.001)
         out = np.zeros_like(x)
@@ -469,7 +494,7 @@ async def check_back_to_back_messages_land_in_place(a: Peer, b: Peer) -> None:
     await asyncio.sleep(0.01)
     for _ in range(n):
         await a.send(x, tag="b2b")
-    staged = await asyncio.wait_for(task, 10)
+    staged = await asyncio.wait_for(task, _s(10))
     assert np.array_equal(out, x)
     assert sum(staged) <= 1, f"{sum(staged)} of {n} back-to-back messages were staged, not received in place"
 
@@ -488,7 +513,7 @@ async def check_out_mismatch_keeps_message(a: Peer, b: Peer) -> None:
     await asyncio.sleep(0.01)
     await a.send(x, tag="m")
     with _refused(ShapeMismatchError, "posted recv with a mismatched out= succeeded"):
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, _s(5))
     assert _same(x, await b.recv(tag="m"))
 
 
@@ -519,20 +544,20 @@ async def check_sends_started_in_order_arrive_in_order(a: Peer, b: Peer) -> None
     async def receive(until: int) -> list[int]:
         got: list[int] = []
         while not got or got[-1] != until:
-            m = await asyncio.wait_for(b.recv(tag="fifo"), 10)
+            m = await asyncio.wait_for(b.recv(tag="fifo"), _s(10))
             assert _same(m, message(m["i"])), f"message {m['i']} changed on its way"
             got.append(m["i"])
         return got
 
     sends = start_all(0)
     assert await receive(len(sizes) - 1) == list(range(len(sizes)))
-    await asyncio.wait_for(asyncio.gather(*sends), 10)
+    await asyncio.wait_for(asyncio.gather(*sends), _s(10))
     sends = start_all(len(sizes))
     await asyncio.sleep(0)  # every send has begun: the third waits behind those before it (or has gone)
     cancelled = len(sizes) + 2
     sends[2].cancel()
     got = await receive(2 * len(sizes) - 1)
-    await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 10)
+    await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), _s(10))
     want = list(range(len(sizes), 2 * len(sizes)))
     if cancelled not in got:  # (it may have gone before the cancel came)
         assert sends[2].cancelled(), "a send that completed was not received"
@@ -557,8 +582,8 @@ async def check_device_send_on_a_busy_stream_keeps_its_place(a: Peer, b: Peer) -
                 await asyncio.sleep(0.05)  # the host sends had every chance to overtake
                 assert not sends[0].done(), "a send moved device memory before its producer stream's work"
                 gate.set()
-                got = [await asyncio.wait_for(b.recv(tag=tag), 10) for _ in range(len(sends))]
-            await asyncio.wait_for(asyncio.gather(*sends), 10)
+                got = [await asyncio.wait_for(b.recv(tag=tag), _s(10)) for _ in range(len(sends))]
+            await asyncio.wait_for(asyncio.gather(*sends), _s(10))
             order = [int(m["i"]) for m in got]
             assert order == [0, 1, 2, 3], f"sends started in order [0, 1, 2, 3] arrived as {order} ({n=})"
             assert np.array_equal(got[0]["x"], x)
@@ -609,24 +634,24 @@ LIMITS["large_message_rendezvous"] = Limits(recv_buffer_bytes=16 * MiB)
 async def check_backpressure(a: Peer, b: Peer) -> None:
     small = np.arange(1000, dtype=np.uint8)
     for _ in range(4):
-        await asyncio.wait_for(a.send(small, tag="bp"), 5)
+        await asyncio.wait_for(a.send(small, tag="bp"), _s(5))
     blocked = asyncio.ensure_future(a.send(small, tag="bp"))
     await asyncio.sleep(0.05)
     assert not blocked.done(), "sender was not held back past max_unexpected"
     assert _same(small, await b.recv(tag="bp"))
-    await asyncio.wait_for(blocked, 5)  # one slot freed, the held-back send completes
+    await asyncio.wait_for(blocked, _s(5))  # one slot freed, the held-back send completes
     for _ in range(4):
         assert _same(small, await b.recv(tag="bp"))
     # bytes: eager messages fit the credit, past it the sender waits for the recv
     chunk = np.ones(400 * 1024, np.uint8)
     for _ in range(2):
-        r = await asyncio.wait_for(a.send(chunk, tag="bytes"), 5)
+        r = await asyncio.wait_for(a.send(chunk, tag="bytes"), _s(5))
         assert r.protocol == "eager"
     third = asyncio.ensure_future(a.send(chunk, tag="bytes"))
     await asyncio.sleep(0.05)
     assert not third.done(), "sender was not held back past recv_buffer_bytes"
     for _ in range(3):
-        assert _same(chunk, await asyncio.wait_for(b.recv(tag="bytes"), 5))
+        assert _same(chunk, await asyncio.wait_for(b.recv(tag="bytes"), _s(5)))
     assert (await third).protocol == "rendezvous"
 
 
@@ -653,13 +678,13 @@ async def check_tensorwire_messages_pass_the_users_unreceived_ones(a: Peer, b: P
         a.node.methods.register(echo)
         b.node.methods.register(echo)
         for i in range(4):  # the user's share of b's slots: b receives none of them yet
-            await asyncio.wait_for(a.send(np.full(3, i), tag="held"), 5)
+            await asyncio.wait_for(a.send(np.full(3, i), tag="held"), _s(5))
         blocked = asyncio.ensure_future(a.send(np.full(3, 4), tag="held"))
         await asyncio.sleep(0.05)
         assert not blocked.done(), "the user's fifth message went past max_unexpected=4"
         stuck = "{} waited for good behind the user's unreceived messages"
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(_s(10)):
                 for h in (hosted, dev):
                     assert np.array_equal(await b.read(h[0:8]), x[0:8]), h
                     await b.write(h[8:16], np.full(8, -1, np.int64))
@@ -667,7 +692,7 @@ async def check_tensorwire_messages_pass_the_users_unreceived_ones(a: Peer, b: P
         except TimeoutError:
             raise AssertionError(stuck.format("a one-sided read or write")) from None
         try:
-            async with asyncio.timeout(10):  # more requests than b has slots for them, replies likewise
+            async with asyncio.timeout(_s(10)):  # more requests than b has slots for them, replies likewise
                 ops = [b.read(dev[i : i + 1]) for i in range(24)]
                 ops += [b.write(dev[i : i + 1], np.full(1, i, np.int64)) for i in range(24, 48)]
                 await asyncio.gather(*ops)
@@ -675,20 +700,20 @@ async def check_tensorwire_messages_pass_the_users_unreceived_ones(a: Peer, b: P
             raise AssertionError(stuck.format("one of 48 concurrent owner-assisted operations")) from None
         for caller in (a, b):  # a's request to b, and b's request (whose reply goes from a to b)
             try:
-                async with asyncio.timeout(10):
+                async with asyncio.timeout(_s(10)):
                     assert np.array_equal(await caller.call("echo", x), x)
             except TimeoutError:
                 raise AssertionError(stuck.format(f"a call from {caller.node.address}")) from None
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(_s(10)):
                 await a.node.unexpose("dev")
                 await a.node.unexpose("host")
         except TimeoutError:
             raise AssertionError(stuck.format("an unexpose (its revocation)")) from None
         assert not blocked.done(), "the user's fifth message went past max_unexpected=4"
-        got = [int((await asyncio.wait_for(b.recv(tag="held"), 5))[0]) for _ in range(5)]
+        got = [int((await asyncio.wait_for(b.recv(tag="held"), _s(5)))[0]) for _ in range(5)]
         assert got == [0, 1, 2, 3, 4], got
-        await asyncio.wait_for(blocked, 5)
+        await asyncio.wait_for(blocked, _s(5))
     finally:
         if blocked is not None and not blocked.done():
             blocked.cancel()
@@ -703,14 +728,14 @@ async def check_send_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None:
     for big in (np.ones(MiB + 1, np.uint8), {"a": np.ones(MiB // 2, np.uint8), "b": np.ones(MiB // 2 + 8, np.uint8)}):
         refused: MessageRefused | None = None
         try:
-            await asyncio.wait_for(a.send(big, tag="lim"), 5)
+            await asyncio.wait_for(a.send(big, tag="lim"), _s(5))
         except MessageRefused as exc:
             refused = exc
         assert refused is not None, "a message past the peer's max_message_bytes was sent"
         assert f"exceeds the peer's {MiB}-byte limit (its Limits.max_message_bytes)" in str(refused), refused
     edge = np.arange(MiB, dtype=np.uint8)  # exactly at the limit: accepted
-    await asyncio.wait_for(a.send(edge, tag="lim"), 5)
-    assert _same(await asyncio.wait_for(recv, 5), edge)
+    await asyncio.wait_for(a.send(edge, tag="lim"), _s(5))
+    assert _same(await asyncio.wait_for(recv, _s(5)), edge)
 
 
 def _header_of(n: int, pad: int) -> dict[str, Any]:
@@ -734,16 +759,16 @@ async def check_header_past_the_peers_limit_is_refused(a: Peer, b: Peer) -> None
     for wide in (_header_of(100, 0), {**edge, "pad": edge["pad"] + "x"}):
         refused: MessageRefused | None = None
         try:
-            await asyncio.wait_for(a.send(wide, tag="h"), 5)
+            await asyncio.wait_for(a.send(wide, tag="h"), _s(5))
         except MessageRefused as exc:
             refused = exc
         assert refused is not None, f"a message with a {len(prepare(wide).header)}-byte header was sent"
         assert f"exceeds the peer's {limit}-byte limit (its Limits.max_header_bytes)" in str(refused), refused
-    await asyncio.wait_for(a.send(edge, tag="h"), 5)
-    assert _same(await asyncio.wait_for(recv, 5), edge), "the message at the header limit changed on the way"
+    await asyncio.wait_for(a.send(edge, tag="h"), _s(5))
+    assert _same(await asyncio.wait_for(recv, _s(5)), edge), "the message at the header limit changed on the way"
     narrow = _header_of(3, 0)
-    await asyncio.wait_for(a.send(narrow, tag="h"), 5)
-    assert _same(await asyncio.wait_for(b.recv(tag="h"), 5), narrow)
+    await asyncio.wait_for(a.send(narrow, tag="h"), _s(5))
+    assert _same(await asyncio.wait_for(b.recv(tag="h"), _s(5)), narrow)
 
 
 @_check()
@@ -754,17 +779,17 @@ async def check_a_slow_consumer_of_a_burst_can_still_answer(a: Peer, b: Peer) ->
     arrives, and both directions go on working."""
     n = 90
     for i in range(n):
-        await asyncio.wait_for(b.send(np.arange(4, dtype=np.int64) + i, tag="burst"), 10)
+        await asyncio.wait_for(b.send(np.arange(4, dtype=np.int64) + i, tag="burst"), _s(10))
     answer = asyncio.ensure_future(b.recv(tag="answer"))
     for i in range(n):
-        got = await asyncio.wait_for(a.recv(tag="burst"), 10)
+        got = await asyncio.wait_for(a.recv(tag="burst"), _s(10))
         assert got[0] == i, f"burst message {i} arrived as {got}"
         await asyncio.sleep(0.004)
-    await asyncio.wait_for(a.send(np.arange(3), tag="answer"), 10)
-    assert list(await asyncio.wait_for(answer, 10)) == [0, 1, 2], "the answer after a slowly consumed burst"
+    await asyncio.wait_for(a.send(np.arange(3), tag="answer"), _s(10))
+    assert list(await asyncio.wait_for(answer, _s(10))) == [0, 1, 2], "the answer after a slowly consumed burst"
     for x, y in ((a, b), (b, a)):
-        await asyncio.wait_for(x.send(np.arange(5), tag="after"), 10)
-        assert list(await asyncio.wait_for(y.recv(tag="after"), 10)) == list(range(5))
+        await asyncio.wait_for(x.send(np.arange(5), tag="after"), _s(10))
+        assert list(await asyncio.wait_for(y.recv(tag="after"), _s(10))) == list(range(5))
 
 
 @_check()
@@ -780,8 +805,8 @@ async def check_nodes_with_different_inline_limits_exchange_every_size(a: Peer, 
             for n in sizes:
                 x = np.arange(n, dtype=np.uint8)
                 for src, dst in ((ours, theirs), (theirs, ours)):
-                    await asyncio.wait_for(src.send(x, tag=n), 10)
-                    got = await asyncio.wait_for(dst.recv(tag=n), 10)
+                    await asyncio.wait_for(src.send(x, tag=n), _s(10))
+                    got = await asyncio.wait_for(dst.recv(tag=n), _s(10))
                     assert _same(got, x), f"{n} bytes, inline_bytes {inline} on one side: changed on the way"
             assert not ours.closed and not theirs.closed, f"a channel broke (inline_bytes {inline} on one side)"
             await ours.aclose()
@@ -810,13 +835,13 @@ async def check_cancelled_recv_loses_nothing(a: Peer, b: Peer) -> None:
             snapshot = out.copy()
             # the next recv first: a message gone rendezvous (past the credit, or with the
             # credit of the messages before not back yet) is sent only once a recv takes it
-            got = await asyncio.wait_for(b.recv(tag="c"), 10)
-            await asyncio.wait_for(send, 10)
+            got = await asyncio.wait_for(b.recv(tag="c"), _s(10))
+            await asyncio.wait_for(send, _s(10))
             await asyncio.sleep(0.02)
             assert np.array_equal(out, snapshot), "out= was written after its recv was cancelled"
             assert _same(x, got), "message lost or corrupted after cancel"
         else:  # the recv finished before the cancel reached it
-            await asyncio.wait_for(send, 10)
+            await asyncio.wait_for(send, _s(10))
             assert np.array_equal(out, x)
 
 
@@ -834,15 +859,15 @@ async def check_recv_into_out_cancelled_at_every_step_loses_nothing(a: Peer, b: 
         send = asyncio.ensure_future(a.send(x, tag="o"))
         if await _cancel_after(spins, recv):
             snapshot = out.copy()
-            await asyncio.wait_for(send, 10)
+            await asyncio.wait_for(send, _s(10))
             for _ in range(20):
                 await asyncio.sleep(0)
             await asyncio.sleep(0.01)
             assert np.array_equal(out, snapshot), f"out= was written after its recv was cancelled ({spins})"
-            got = await asyncio.wait_for(b.recv(tag="o"), 10)
+            got = await asyncio.wait_for(b.recv(tag="o"), _s(10))
             assert _same(x, got), f"message lost or corrupted after a cancel at {spins} iterations"
         else:
-            await asyncio.wait_for(send, 10)
+            await asyncio.wait_for(send, _s(10))
             assert np.array_equal(out, x)
 
 
@@ -859,13 +884,13 @@ async def check_small_recv_cancelled_at_every_step_loses_nothing(a: Peer, b: Pee
         send = asyncio.ensure_future(a.send(x, tag="s"))
         if await _cancel_after(spins, recv):
             snapshot = out.copy()
-            await asyncio.wait_for(send, 10)
+            await asyncio.wait_for(send, _s(10))
             await asyncio.sleep(0.01)
             assert np.array_equal(out, snapshot), f"out= was written after its recv was cancelled ({spins})"
-            got = await asyncio.wait_for(b.recv(tag="s"), 10)
+            got = await asyncio.wait_for(b.recv(tag="s"), _s(10))
             assert np.array_equal(got, x), f"small message lost or corrupted after a cancel at {spins} iterations"
         else:
-            await asyncio.wait_for(send, 10)
+            await asyncio.wait_for(send, _s(10))
             assert np.array_equal(out, x)
             _, receipt = recv.result()
             assert receipt.nbytes == x.nbytes and not receipt.staged
@@ -878,7 +903,7 @@ async def check_small_recv_cancelled_at_every_step_loses_nothing(a: Peer, b: Pee
     await asyncio.sleep(0)
     for i in range(3, 6):
         await a.send(np.array([i], np.int64), tag="q")
-    await asyncio.wait_for(asyncio.gather(*recvs), 10)
+    await asyncio.wait_for(asyncio.gather(*recvs), _s(10))
     assert [int(o[0]) for o in outs] == list(range(6)), "messages of one tag came out of order"
 
 
@@ -894,9 +919,9 @@ async def check_recv_cancelled_mid_payload_loses_nothing(a: Peer, b: Peer) -> No
     for spins in every:
         recv = asyncio.ensure_future(b.recv(tag="m"))
         send = asyncio.ensure_future(a.send(x, tag="m"))
-        got = await asyncio.wait_for(b.recv(tag="m"), 10) if await _cancel_after(spins, recv) else recv.result()
+        got = await asyncio.wait_for(b.recv(tag="m"), _s(10)) if await _cancel_after(spins, recv) else recv.result()
         assert _same(x, got), f"message lost or corrupted after a cancel at {spins} iterations"
-        await asyncio.wait_for(send, 10)
+        await asyncio.wait_for(send, _s(10))
 
 
 @_check()
@@ -910,10 +935,10 @@ async def check_cancelled_send(a: Peer, b: Peer) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await send
     await a.send(y, tag="s")
-    first = await asyncio.wait_for(recv, 10)
+    first = await asyncio.wait_for(recv, _s(10))
     # the cancelled message either arrived whole (cancel came too late) or not at all
     if _same(first, x):
-        first = await asyncio.wait_for(b.recv(tag="s"), 10)
+        first = await asyncio.wait_for(b.recv(tag="s"), _s(10))
     assert _same(first, y), "a cancelled send left a partial or corrupt message"
 
 
@@ -930,9 +955,9 @@ async def check_send_cancelled_at_every_step_with_its_recv_posted(a: Peer, b: Pe
         send = asyncio.ensure_future(a.send(x, tag="w"))
         whole = not await _cancel_after(spins, send)
         await a.send(y, tag="w")
-        first = await asyncio.wait_for(recv, 10)
+        first = await asyncio.wait_for(recv, _s(10))
         if _same(first, x):
-            first = await asyncio.wait_for(b.recv(tag="w"), 10)
+            first = await asyncio.wait_for(b.recv(tag="w"), _s(10))
         elif whole:
             raise AssertionError(f"a send that completed was not received (cancel after {spins} iterations)")
         assert _same(first, y), f"a cancelled send left a partial or corrupt message ({spins} iterations)"
@@ -1015,9 +1040,9 @@ async def _withdraw_in_front(a: Peer, b: Peer) -> int:
                 with contextlib.suppress(asyncio.CancelledError):
                     await send
                 for s in after:
-                    await asyncio.wait_for(s, 10)
+                    await asyncio.wait_for(s, _s(10))
                 order = [x, *ys]
-                got = [await asyncio.wait_for(first, 10), await asyncio.wait_for(second, 10)]
+                got = [await asyncio.wait_for(first, _s(10)), await asyncio.wait_for(second, _s(10))]
                 places = [next((i for i, m in enumerate(order) if _same(g, m)), -1) for g in got]
                 if places[0] == 0:
                     expected = [0, 1]  # the cancel came too late: x arrived whole
@@ -1033,7 +1058,7 @@ async def _withdraw_in_front(a: Peer, b: Peer) -> int:
                     f"a recv still waited as the withdrawal came: {seen})"
                 )
                 for i in sorted({1, 2} - set(places)):  # what is left of y1, y2
-                    assert _same(await asyncio.wait_for(b.recv(tag="wo"), 10), order[i])
+                    assert _same(await asyncio.wait_for(b.recv(tag="wo"), _s(10)), order[i])
     return in_front
 
 
@@ -1057,12 +1082,12 @@ async def check_recv_cancelled_just_as_its_message_matched_gives_it_back_whole(a
             await asyncio.sleep(0)
         recv.cancel()
         outcome: tuple[Any, ...] = await asyncio.gather(recv, return_exceptions=True)
-        await asyncio.wait_for(send, 10)
+        await asyncio.wait_for(send, _s(10))
         out = np.zeros_like(src)
         if not isinstance(outcome[0], asyncio.CancelledError):  # it ran before its cancel: it has it
             assert _same(outcome[0], src), "a recv that completed got other bytes"
             continue
-        got = await asyncio.wait_for(b.recv(tag="cm", out=out), 10)
+        got = await asyncio.wait_for(b.recv(tag="cm", out=out), _s(10))
         assert got is out and np.array_equal(out, src), "the message of a recv cancelled as it matched was lost"
 
 
@@ -1099,11 +1124,11 @@ async def check_recv_cancelled_before_it_pulled_its_rendezvous_message_keeps_no_
             if second is not None:
                 second.cancel()
                 await asyncio.gather(second, return_exceptions=True)
-            await asyncio.wait_for(send, 10)
+            await asyncio.wait_for(send, _s(10))
             continue
         assert peak["peak"] < MiB, f"a cancel kept {peak['peak']} bytes of a message that had not moved"
-        got, receipt = await asyncio.wait_for(second or b.recv_with_receipt(tag="cp", out=out), 10)
-        sent = await asyncio.wait_for(send, 10)
+        got, receipt = await asyncio.wait_for(second or b.recv_with_receipt(tag="cp", out=out), _s(10))
+        sent = await asyncio.wait_for(send, _s(10))
         assert got is out and np.array_equal(out, src), "the message of a recv cancelled before it pulled was lost"
         assert sent.protocol == receipt.protocol == "rendezvous", (sent, receipt)
         assert receipt.direct and not receipt.staged, receipt
@@ -1122,7 +1147,7 @@ async def check_random_send_cancellations_lose_nothing(a: Peer, b: Peer) -> None
         while True:
             # (a stalled tag waits for good; 60 s is for one message of up to 32 MiB over emulated
             # RDMA on a loaded machine: 10 s ran out once, in a CI run beside another guest and other work)
-            m = await asyncio.wait_for(b.recv(tag="rc"), 60)
+            m = await asyncio.wait_for(b.recv(tag="rc"), _s(60))
             if m["i"] == -1:
                 return got
             assert (m["x"] == m["i"] % 251).all(), f"message {m['i']} corrupted"
@@ -1151,7 +1176,7 @@ async def check_close_fails_pending(a: Peer, b: Peer) -> None:
     await b.aclose()
     await b.aclose()  # idempotent
     with _refused(PeerDisconnected, "pending recv did not fail when the peer closed"):
-        await asyncio.wait_for(pending, 5)
+        await asyncio.wait_for(pending, _s(5))
     with _refused(ClosedResourceError, "send on a closed peer succeeded"):
         await b.send(np.arange(3))
     with _refused(PeerDisconnected, "send to a closed peer did not say the peer had gone"):
@@ -1165,12 +1190,12 @@ async def check_a_peers_abort_breaks_the_channel(a: Peer, b: Peer) -> None:
     connection, and its pending recv raises PeerDisconnected at once (ucx's abort said goodbye
     as a close does, and the other side's channel said "closed")."""
     await a.send(np.arange(3), tag="c")
-    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="c"), 5))
+    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="c"), _s(5)))
     pending = asyncio.ensure_future(b.recv(tag="never"))
     await asyncio.sleep(0.01)
     a.abort()
     with _refused(PeerDisconnected, "a pending recv did not fail when the peer aborted"):
-        await asyncio.wait_for(pending, 5)  # (the peer is told: no lease runs out first)
+        await asyncio.wait_for(pending, _s(5))  # (the peer is told: no lease runs out first)
     assert b.channel.state is ChannelState.BROKEN, f"after the other side's abort(): {b!r}"
 
 
@@ -1179,7 +1204,7 @@ async def check_a_clean_close_leaves_the_other_side_closed_not_broken(a: Peer, b
     """After one side's ``aclose()`` the other side's channel is closed, as its goodbye says, not
     broken as after a failure (inproc's said "broken" where tcp's and ucx's said "closed")."""
     await a.send(np.arange(3), tag="c")
-    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="c"), 5))
+    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="c"), _s(5)))
     await b.aclose()
     assert await _until(lambda: a.closed, 5), "the other side's channel stayed open after the close"
     assert a.channel.state is ChannelState.CLOSED, f"after the other side's aclose(): {a!r}"
@@ -1199,7 +1224,7 @@ async def check_the_other_end_of_a_peer_closed_alone_hears_its_goodbye(a: Peer, 
     assert a.remote_closing, f"the other end of a peer closed alone heard no goodbye: {a!r}"
     assert not b.remote_closing, f"the end that said goodbye was told it: {b!r}"
     with _refused(PeerDisconnected, "a pending recv did not fail when the peer closed"):
-        await asyncio.wait_for(pending, 5)
+        await asyncio.wait_for(pending, _s(5))
 
 
 @_check()
@@ -1209,12 +1234,12 @@ async def check_close_mid_transfer(a: Peer, b: Peer) -> None:
     send = asyncio.ensure_future(a.send(x, tag="big"))
     await asyncio.sleep(0.01)
     await b.aclose()
-    results = await asyncio.wait_for(asyncio.gather(send, recv, return_exceptions=True), 10)
+    results = await asyncio.wait_for(asyncio.gather(send, recv, return_exceptions=True), _s(10))
     assert isinstance(results[1], (ClosedResourceError, np.ndarray)), results[1]
     assert isinstance(results[0], (Receipt, PeerDisconnected)), results[0]
     # after the close, nothing hangs and both sides report it
     with _refused(PeerDisconnected, "recv after the peer closed did not say the peer had gone"):
-        await asyncio.wait_for(a.recv(tag="x"), 5)
+        await asyncio.wait_for(a.recv(tag="x"), _s(5))
 
 
 @_check()
@@ -1227,7 +1252,7 @@ async def check_closing_side_pending_send_says_closed(a: Peer, b: Peer) -> None:
     assert not send.done(), "a send past the peer's credit completed with no recv posted"
     await a.aclose()
     with _refused(ClosedResourceError, "the closing side's own pending send did not say it was closed"):
-        await asyncio.wait_for(send, 10)
+        await asyncio.wait_for(send, _s(10))
 
 
 async def _outcome(fut: asyncio.Future[Any]) -> Any:
@@ -1258,14 +1283,14 @@ async def _close_during_a_send(a: Peer, b: Peer, closer: Peer) -> None:
     recv = asyncio.ensure_future(b.recv(tag="cs", out=out))
     await asyncio.sleep(0.01)  # posted: the bytes land straight in out= as they come
     send = asyncio.ensure_future(a.send(src, tag="cs"))
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(_s(10)):
         while not send.done() and not recv.done():
             if out[0]:
                 break  # the first bytes landed: close mid-payload
             await asyncio.sleep(0)
     under_way = not send.done()
     await closer.aclose()
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(_s(10)):
         received = await _outcome(recv)
         landed = out.copy()
         sent = await _outcome(send)
@@ -1308,15 +1333,15 @@ async def check_failed_channel_fails_its_pending_work_at_once(a: Peer, b: Peer) 
     why = PeerDisconnected("lease ran out")
     a.channel.fail(why)
     for what, fut in (("send", send), ("recv", recv)):
-        async with asyncio.timeout(1):  # well under a lease, at whose end the peer's side would fail it too
+        async with asyncio.timeout(_s(1)):  # well under a lease, at whose end the peer's side would fail it too
             got = await _outcome(fut)
         assert type(got) is type(why) and str(got) == str(why), (
             f"a pending {what} on a failed channel gave {got!r}, not the failure"
         )
     with _refused(PeerDisconnected, "a send on a failed channel did not fail"):
-        await asyncio.wait_for(a.send(np.arange(3), tag="f"), 1)
+        await asyncio.wait_for(a.send(np.arange(3), tag="f"), _s(1))
     with _refused(PeerDisconnected, "a recv on a failed channel did not fail"):
-        await asyncio.wait_for(a.recv(tag="g"), 1)
+        await asyncio.wait_for(a.recv(tag="g"), _s(1))
 
 
 @_check()
@@ -1327,9 +1352,9 @@ async def check_delivered_before_close_is_kept(a: Peer, b: Peer) -> None:
     await b.aclose()
     await asyncio.sleep(0.05)
     for i in range(3):
-        assert int((await asyncio.wait_for(a.recv(tag="k"), 5))[0]) == i
+        assert int((await asyncio.wait_for(a.recv(tag="k"), _s(5)))[0]) == i
     with _refused(PeerDisconnected, "recv after the buffered messages did not report the disconnect"):
-        await asyncio.wait_for(a.recv(tag="k"), 5)
+        await asyncio.wait_for(a.recv(tag="k"), _s(5))
 
 
 @_check()
@@ -1580,7 +1605,7 @@ async def check_device_send_cancelled_while_its_stream_is_busy(a: Peer, b: Peer)
                 await asyncio.wait([send], timeout=10)
                 assert send.done(), "a cancelled device send did not return"
             await a.send(EngineArray(engine, second), tag=tag)
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(_s(10)):
                 await recv
                 if np.array_equal(out.array, first):  # the cancelled one arrived, whole
                     await b.recv(tag=tag, out=out)
@@ -1605,7 +1630,7 @@ async def check_recv_cancelled_while_copying_a_buffered_message_to_the_device(a:
         await asyncio.sleep(0.05)  # buffered on b's side, no recv yet
         outs = [EngineArray(slow, np.zeros(chunk * 8, np.uint8)) for _ in data]
         recv = asyncio.ensure_future(b.recv(tag="buffered", out=outs))
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(_s(30)):
             while not outs[0].array.any():  # noqa: ASYNC110 - polling the bytes landing is the point
                 await asyncio.sleep(0.001)
         recv.cancel()
@@ -1617,7 +1642,7 @@ async def check_recv_cancelled_while_copying_a_buffered_message_to_the_device(a:
         for o, s in zip(outs, snapshot, strict=True):
             assert np.array_equal(o.array, s), "out= was written after its recv was cancelled"
         again = [EngineArray(slow, np.zeros(chunk * 8, np.uint8)) for _ in data]
-        await asyncio.wait_for(b.recv(tag="buffered", out=again), 10)
+        await asyncio.wait_for(b.recv(tag="buffered", out=again), _s(10))
         assert all(np.array_equal(o.array, d) for o, d in zip(again, data, strict=True)), "the message was lost"
     finally:
         slow.close()
@@ -1738,7 +1763,7 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
         await asyncio.sleep(0.05)
         assert not out.array.any(), "a read wrote into out= before its stream's earlier work was done"
         gate.set()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, _s(10))
         await wait_event(engine, engine.record_on(stream))
         assert np.array_equal(out.array, kv[20:24])
     # writes from device memory into both kinds
@@ -1760,7 +1785,7 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
         await asyncio.sleep(0.05)
         assert not (kv[30] == 12).any(), "a write read its source before the producer's stream wrote it"
         gate.set()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, _s(10))
         assert (kv[30] == 12).all(), "a write did not wait for its producer's stream"
     # ... and for that work only, though its request is held up (a slow send): work queued on
     # the producer's stream after the call (which may itself wait for the write) is not waited for
@@ -1771,7 +1796,7 @@ async def _device_round(a: Peer, b: Peer, engine: HostEngine, n: int, direct: bo
         await asyncio.sleep(0)  # the call
         with busy_stream(engine, stream):  # work queued after it
             try:
-                await asyncio.wait_for(task, 5)
+                await asyncio.wait_for(task, _s(5))
             except TimeoutError:
                 raise AssertionError("a write waited for its producer stream's work queued after the call") from None
     assert (kv[31] == 13).all(), "a write from a stream landed wrong"
@@ -1863,7 +1888,7 @@ async def check_device_memory_through_a_few_small_chunks(a: Peer, b: Peer) -> No
 async def _partly(array: np.ndarray, what: str) -> None:
     """Until some of ``array``'s bytes are set, but not all: a transfer into it under way
     (looked at every turn of the loop: inproc copies 4 MiB a turn)."""
-    async with asyncio.timeout(30):
+    async with asyncio.timeout(_s(30)):
         while not array.any():  # noqa: ASYNC110 - polling the bytes landing is the point
             await asyncio.sleep(0)
     assert not array.all(), f"{what} was over before it could be seen under way (a smaller chunk pool?)"
@@ -1887,11 +1912,11 @@ async def check_no_write_lands_after_unexpose_returned(a: Peer, b: Peer) -> None
         write = asyncio.ensure_future(b.write(h, EngineArray(engine, np.ones(n, np.uint8))))
         try:
             await _partly(dst, "the write")
-            async with asyncio.timeout(30):  # (not wait_for: its task would let the loop turn first)
+            async with asyncio.timeout(_s(30)):  # (not wait_for: its task would let the loop turn first)
                 await a.node.unexpose("wdst")
             landed = int(np.count_nonzero(dst))
             failed: HandleNotFound | None = None
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(_s(30)):
                 try:
                     await write
                 except HandleNotFound as exc:
@@ -1928,11 +1953,11 @@ async def check_no_read_reaches_the_tensor_after_unexpose_returned(a: Peer, b: P
         read = asyncio.ensure_future(b.read(h, out=out))
         try:
             await _partly(out.array, "the read")
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(_s(30)):
                 await a.node.unexpose("rsrc")
             src[:] = 7  # the owner's memory again
             failed: HandleNotFound | None = None
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(_s(30)):
                 try:
                     await read
                 except HandleNotFound as exc:
@@ -2006,16 +2031,16 @@ async def check_one_sided_requests_cancelled_on_their_way_leave_nothing_behind(a
             for i in range(10):
                 op = b.read(h[0:8]) if i % 2 else b.write(h[8:16], np.full(8, i, np.int64))
                 task = asyncio.ensure_future(op)
-                await asyncio.wait_for(waiting.wait(), 10)  # its request is on its way
+                await asyncio.wait_for(waiting.wait(), _s(10))  # its request is on its way
                 task.cancel()
                 for _ in range(10):
                     await asyncio.sleep(0)
                 late += not task.done()
                 gate.set()  # the request goes out whole
-                await asyncio.wait_for(asyncio.wait([task]), 10)
+                await asyncio.wait_for(asyncio.wait([task]), _s(10))
                 assert task.cancelled(), task
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(_s(10)):
                 await a.send(np.arange(3), tag="after")  # the owner can still send this peer messages
                 assert np.array_equal(await b.recv(tag="after"), np.arange(3))
                 assert np.array_equal(await b.read(h[0:4]), x[:4])
@@ -2048,19 +2073,19 @@ async def check_ndarray_subclasses_move_whole(a: Peer, b: Peer) -> None:
     channel (tcp, ucx) or raised NotImplementedError (inproc)."""
     x = _matrix(np.arange(6.0).reshape(2, 3))
     await a.send(x, tag="mx")
-    got = await asyncio.wait_for(b.recv(tag="mx"), 10)
+    got = await asyncio.wait_for(b.recv(tag="mx"), _s(10))
     assert _same(np.asarray(x), got), got
     for order in ("recv-first", "send-first"):
         out = _matrix(np.zeros((2, 3)))
-        got, _, _ = await asyncio.wait_for(exchange(a, b, x * 2, out, order, tag="mx"), 10)
+        got, _, _ = await asyncio.wait_for(exchange(a, b, x * 2, out, order, tag="mx"), _s(10))
         assert got is out and np.array_equal(np.asarray(out), np.asarray(x) * 2), f"{order}: {out}"
         tree = {"m": _matrix(np.zeros((2, 3))), "v": np.zeros(4)}
-        got, _, _ = await asyncio.wait_for(exchange(a, b, {"m": x, "v": np.ones(4)}, tree, order, tag="mt"), 10)
+        got, _, _ = await asyncio.wait_for(exchange(a, b, {"m": x, "v": np.ones(4)}, tree, order, tag="mt"), _s(10))
         assert got is tree and np.array_equal(np.asarray(tree["m"]), np.asarray(x)) and tree["v"].all(), order
     with _refused(UnsupportedTensorError, "a masked array was sent without its mask"):
         await a.send(np.ma.masked_array([1.0, 2.0], mask=[False, True]), tag="mx")
     await a.send(np.arange(3), tag="after")
-    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="after"), 10))
+    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="after"), _s(10)))
 
 
 @_check()
@@ -2081,14 +2106,14 @@ async def check_out_that_cannot_hold_the_message_keeps_it(a: Peer, b: Peer) -> N
         await a.send(src, tag="o")  # queued when the recv comes
         await asyncio.sleep(0.01)
         with _refused(error, f"out={out!r} was accepted"):
-            await asyncio.wait_for(b.recv(tag="o", out=out), 10)
-        assert _same(src, await asyncio.wait_for(b.recv(tag="o"), 10)), "the refused message was lost"
+            await asyncio.wait_for(b.recv(tag="o", out=out), _s(10))
+        assert _same(src, await asyncio.wait_for(b.recv(tag="o"), _s(10))), "the refused message was lost"
         waiting = asyncio.ensure_future(b.recv(tag="o", out=out))  # waiting when it comes
         await asyncio.sleep(0.01)
         await a.send(src, tag="o")
         with _refused(error, f"a waiting recv with out={out!r} succeeded"):
-            await asyncio.wait_for(waiting, 10)
-        assert _same(src, await asyncio.wait_for(b.recv(tag="o"), 10)), "the refused message was lost"
+            await asyncio.wait_for(waiting, _s(10))
+        assert _same(src, await asyncio.wait_for(b.recv(tag="o"), _s(10))), "the refused message was lost"
     assert not buf.any() and not span.any(), "a refused out= was written"
     await a.send(np.arange(3), tag="after")
-    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="after"), 10))
+    assert _same(np.arange(3), await asyncio.wait_for(b.recv(tag="after"), _s(10)))
