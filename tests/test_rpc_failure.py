@@ -63,3 +63,54 @@ async def test_a_failed_calls_arguments_are_freed_once_its_caller_lets_go(transp
         await collected(gone)
         with pytest.raises(tensorwire.PeerDisconnected):  # the failure is still told, as before
             await a.call("take", np.ones(4), _deadline=30)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("case", ["sleep cancelled", "timer left"])
+async def test_a_gone_callers_peer_is_let_go_whatever_its_served_methods_left_behind(transport: str, case: str) -> None:
+    """A served method runs in a context that holds its caller's room (``CallerRoom``), and what
+    copies that context outlives the call: a cancelled ``asyncio.sleep``'s timer handle stays in
+    the loop's heap until its time would have come, a timer or a task the method started lives
+    on. The room held the caller's channel, and through it its peer, its mailbox and what its
+    messages held, long after the peer was gone (found by SIGSTOPping a child whose call of a
+    sleeping method was pending: its peer, declared dead at the lease, was kept for 600 s).
+    Here the caller drops its connection while the method sleeps, or closes after a method left
+    a timer; the node that served them lets go of the peer."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as na,
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as nb,
+    ):
+        running = asyncio.Event()
+        timers: list[asyncio.TimerHandle] = []
+
+        @nb.method()
+        async def slow() -> None:
+            running.set()
+            await asyncio.sleep(600)
+
+        @nb.method()
+        async def later() -> None:
+            timers.append(asyncio.get_running_loop().call_later(600, print))
+
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        gone = weakref.ref(b)
+        try:
+            if case == "sleep cancelled":
+                call = asyncio.ensure_future(a.call("slow", _deadline=30))
+                async with asyncio.timeout(10):
+                    await running.wait()
+                a.abort()
+                with pytest.raises(tensorwire.TensorWireError):
+                    await call
+                del call
+            else:
+                await a.call("later", _deadline=30)
+                await a.aclose()
+            await eventually(lambda: not nb.peers)
+            assert b.closed
+            del a, b  # (an inproc channel holds its other end: the caller's peer goes too)
+            await collected(gone)
+        finally:
+            for timer in timers:
+                timer.cancel()

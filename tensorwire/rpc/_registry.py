@@ -321,7 +321,7 @@ class CallerRoom:
     __slots__ = ("_waiters", "busy", "channel", "open", "outlived")
 
     def __init__(self, channel: object) -> None:
-        self.channel = channel  # the caller's: only a call back to it fits the room
+        self.channel: object | None = channel  # the caller's: only a call back to it fits the room
         self.busy = False
         self.open = True  # its method runs: the final reply is not sent yet
         self.outlived: Callable[[], None] | None = None  # told if the call riding here outlives the method
@@ -348,6 +348,11 @@ class CallerRoom:
         self.open = False
         if self.busy and self.outlived is not None:
             self.outlived()
+        # Copies of the method's context outlive the call (a cancelled timer's handle holds
+        # one until its time comes, a task it started holds one): what they keep of the room
+        # must not keep the caller's channel, and its peer, after the peer is gone
+        self.channel = None
+        self.outlived = None
         self._wake()
 
     def freed(self) -> asyncio.Future[None]:
