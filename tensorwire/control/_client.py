@@ -44,6 +44,9 @@ SESSION_LOST_METADATA = (("tensorwire-session", "lost"),)
 _TLS_FAILURE = ("ssl", "handshake", "certificate", "hostname verification")
 # a handshake unanswered this long (seconds) is watched: is anything still listening there?
 _HANDSHAKE_WATCH_AFTER = 1.0
+# how long (seconds) ``nothing_listens`` waits on a connection it got for the server's first
+# word, or its drop (a dying listener's backlog goes within milliseconds)
+_UNANSWERED = 0.25
 
 
 class WhyClosed(enum.Enum):
@@ -57,17 +60,33 @@ class WhyClosed(enum.Enum):
 
 
 async def nothing_listens(target: str, seconds: float) -> bool:
-    """Whether a new TCP connection to ``target`` is refused: no server listens there any more.
-    (An answer in time, or none, or any other failure, says nothing of the sort.)"""
+    """Whether no server listens at ``target`` any more: a new TCP connection is refused, or is
+    dropped (reset, or closed) before the server said a word. A gRPC server speaks first (its
+    HTTP/2 settings, as it accepts), and the listener of a process being killed holds new
+    connections in its backlog unaccepted, then resets them as it goes: the kernel closes a
+    killed node's connections before its listener, so a probe made as the first of them
+    failed got in, and the peer, gone, was reported as unreachable (ControlPlaneError) rather
+    than disconnected. An answer, or none within ``_UNANSWERED`` (a TLS server waits for our
+    hello), or any other failure, says nothing of the sort."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + seconds
     try:
-        async with asyncio.timeout(seconds):
-            _, writer = await asyncio.open_connection(*split_address(target))
+        async with asyncio.timeout_at(until):
+            reader, writer = await asyncio.open_connection(*split_address(target))
     except ConnectionRefusedError:
         return True
     except (OSError, ValueError, TimeoutError):
         return False
-    writer.transport.abort()
-    return False
+    try:
+        async with asyncio.timeout_at(min(until, loop.time() + _UNANSWERED)):
+            said = await reader.read(1)
+    except ConnectionResetError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.transport.abort()
+    return not said
 
 
 async def probe_closed(target: str, seconds: float) -> WhyClosed:
