@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from _polling import eventually
+from _polling import collected, eventually
 from _procfs import connections_to
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -408,6 +408,38 @@ async def test_a_live_node_or_a_silent_listener_still_listens() -> None:
     async with _silent_listener() as (listener, _, _):
         port = listener.sockets[0].getsockname()[1]
         assert await _client.nothing_listens(f"127.0.0.1:{port}", 10) is False
+
+
+@pytest.mark.parametrize("refusal", ["not exposed", "bad proof"])
+async def test_a_refused_lookup_keeps_no_peer_after_it_went_away(refusal: str) -> None:
+    """gRPC keeps the last call its server served, with an abort's error and that error's
+    traceback, until the next call comes; the frame of a lookup refused (a name not exposed, a
+    wrong proof) held the session's peer. A peer that went away without a word after such a
+    lookup (killed, or declared dead at its lease) was kept, with its channel, for as long as
+    the node served no other control call (found by the session-60 exploration: a child
+    SIGSTOPped after a lookup of a name the parent had unexposed, over ucx)."""
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as na,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as nb,
+    ):
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        gone = weakref.ref(b)
+        if refusal == "not exposed":
+            with pytest.raises(tensorwire.HandleNotFound):
+                await a.lookup("nothing")
+        else:
+            assert a.session is not None
+            control = ControlClient(nb.address)
+            try:
+                with pytest.raises(tensorwire.TensorWireError):
+                    await control.lookup(a.session.id, "nothing", b"not the proof", deadline=10)
+            finally:
+                await control.aclose()
+        a.abort()  # (no goodbye: no control call comes to nb after the refusal)
+        await eventually(lambda: not nb.peers)
+        del a, b
+        await collected(gone)
 
 
 async def test_unreachable_and_closed() -> None:

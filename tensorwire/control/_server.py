@@ -289,12 +289,18 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             log.info("lookup of %r from %s: no such session", request.name[:64], context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_SESSION, SESSION_LOST_METADATA)
             raise AssertionError("unreachable: abort raises")
+        # gRPC keeps the last call it served, an abort's error with it, and through that error's
+        # traceback this frame, until its next call comes: an abort here must not hold the peer
+        # (a peer whose last lookup was refused was kept after it went away, with its channel,
+        # for as long as this node served no other control call)
         if not hmac.compare_digest(request.proof, lookup_proof(peer.session.secret, request.name)):
+            del peer
             self._refusals.warn("lookup of %r from %s refused: bad proof", request.name[:64], context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lookups need an open session and its proof")
             raise AssertionError("unreachable: abort raises")
         entry = node.exposures.get(request.name)
         if entry is None:
+            del peer
             name = request.name if len(request.name) <= 200 else request.name[:200] + "..."
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{name!r} is not exposed")
             raise AssertionError("unreachable: abort raises")
