@@ -685,3 +685,113 @@ async def test_a_get_cancelled_while_its_memory_is_faulted_in_returns_at_once(mo
         go.set()
         await asyncio.wait([get], timeout=5)
     assert not out.any()
+
+
+@pytest.mark.parametrize("protocol", ["eager", "rendezvous"])
+async def test_a_recv_cancelled_while_its_memory_is_faulted_in_gives_the_message_back_unread(
+    monkeypatch: pytest.MonkeyPatch, protocol: str
+) -> None:
+    """A recv into out= not registered yet has a worker thread fault it in before any RDMA READ
+    is posted. Cancelled meanwhile, it waited for the whole fault-in and the READs, and the
+    message was then copied out of out= (out= written after all). Now the message goes back
+    unread (``take_back``): the cancel ends with out= untouched, the next recv gets the message
+    whole into its own out=, and the send completes. The first fault-in, ending while the
+    message is read again (its memory faulted in: the next recv's out=, or, eager, a buffer of
+    ours), posts no READ into the cancelled recv's out=. (Each of the two fault-ins blocks
+    until the test lets it go.)"""
+    import threading
+
+    a, b = _channels(monkeypatch, (Limits(), Limits(recv_buffer_bytes=0 if protocol == "rendezvous" else 64 << 20)))
+    gates = [threading.Event(), threading.Event()]
+    calls: list[int] = []
+
+    def held_fault_in(arrays: list[np.ndarray]) -> None:
+        k = len(calls)
+        calls.append(k)
+        if k < len(gates):
+            gates[k].wait(10)
+
+    monkeypatch.setattr(_channel, "fault_in", held_fault_in)
+    monkeypatch.setattr(b._mem, "cached", lambda arr, access: False)  # (nothing registered yet)
+    post_reads = b._post_reads
+    ran: list[Any] = []
+
+    def watched(entry: Any, dests: list[np.ndarray]) -> None:
+        post_reads(entry, dests)
+        ran.append(entry)
+
+    monkeypatch.setattr(b, "_post_reads", watched)
+    qp = _qp(b)
+    src = (np.arange(2 << 20) % 251).astype(np.uint8)
+    out = np.zeros_like(src)
+    first = asyncio.ensure_future(b.recv(5, out))
+    await eventually(lambda: b.mailbox.has_posted(5))  # (an eager message then lands in out=)
+    send = asyncio.ensure_future(a.send(5, prepare(src)))
+    again = np.zeros_like(src)
+    try:
+        await eventually(lambda: len(calls) == 1)
+        (stale,) = b._incoming.values()
+        assert stale.arrival.protocol == protocol and qp.rdma_posted == 0
+        first.cancel()
+        done, _ = await asyncio.wait([first], timeout=5)
+        assert done, "a recv cancelled while its memory was faulted in waited for it"
+        assert first.cancelled() and not out.any() and not send.done() and qp.rdma_posted == 0
+        second = asyncio.ensure_future(b.recv(5, again))
+        await eventually(lambda: len(calls) == 2)  # the message is read again: its memory is faulted in
+        gates[0].set()
+        await eventually(lambda: stale in ran)  # the first fault-in has ended
+        assert qp.rdma_posted == 0, "READs posted into the cancelled recv's out="
+        gates[1].set()
+        async with asyncio.timeout(5):
+            await second
+            await send
+    finally:
+        for g in gates:
+            g.set()
+        if not send.done():  # (a cancelled send waits for its FIN: the channel's end ends it)
+            a.abort()
+            await asyncio.wait([send], timeout=5)
+    assert np.array_equal(again, src) and not out.any()
+    assert not b._incoming and not b._waiting and a.state is b.state is ChannelState.OPEN
+
+
+async def test_a_recv_cancelled_while_faulting_in_a_message_its_sender_asked_back_reads_it_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sender's ABORT for a message being read (its memory faulted in) is ignored: the read
+    goes on and its FIN ends the send. A recv of it cancelled then does not give it back
+    unread (``take_back``), which would leave the cancelled send waiting for a FIN only another
+    recv would send: it is read whole, as before, and delivered to the next recv."""
+    import threading
+
+    a, b = _channels(monkeypatch, (Limits(), Limits(recv_buffer_bytes=0)))
+    go = threading.Event()
+    monkeypatch.setattr(_channel, "fault_in", lambda arrays: go.wait(10))
+    monkeypatch.setattr(b._mem, "cached", lambda arr, access: False)  # (nothing registered yet)
+    src = (np.arange(2 << 20) % 251).astype(np.uint8)
+    out = np.zeros_like(src)
+    send = asyncio.ensure_future(a.send(5, prepare(src)))
+    first = asyncio.ensure_future(b.recv(5, out))
+    try:
+        await eventually(lambda: bool(b._incoming))
+        (entry,) = b._incoming.values()
+        send.cancel()
+        await eventually(lambda: entry.asked_back)
+        first.cancel()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not first.done(), "a message its sender asked back was given back unread"
+        go.set()
+        async with asyncio.timeout(5):
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            with pytest.raises(asyncio.CancelledError):
+                await send  # (read whole: its FIN came)
+            got, _ = await b.recv(5, None)
+    finally:
+        go.set()
+        if not send.done():  # (a cancelled send waits for its FIN: the channel's end ends it)
+            a.abort()
+            await asyncio.wait([send], timeout=5)
+    assert np.array_equal(got, src)
+    assert not b._incoming and not b._waiting and a.state is b.state is ChannelState.OPEN

@@ -32,7 +32,7 @@ from tensorwire.transports import ChannelState, Limits
 from tensorwire.transports._credit import OWN_TAGS
 from tensorwire.transports._remote import unpack_remote_key
 from tensorwire.transports.verbs import RemoteKey, VerbsChannel, VerbsTransport, choose_port, dmabuf_status
-from tensorwire.transports.verbs._channel import RESERVE, _Out
+from tensorwire.transports.verbs._channel import RESERVE, _Incoming, _Out
 from tensorwire.transports.verbs._wire import Flag, Kind
 
 MiB = 1 << 20
@@ -685,6 +685,67 @@ async def test_an_exposure_looked_up_or_unexposed_while_it_is_faulted_in(monkeyp
             assert all(r.address != y.ctypes.data for r in t.registrations.regions.values())
     finally:
         gate.set()
+
+
+async def test_a_recv_cancelled_while_its_memory_is_faulted_in_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recv into an out= never registered has a worker thread fault it in before any RDMA READ
+    is posted (``_faulting_in``). Cancelled meanwhile, it waited for the whole fault-in and the
+    READs (in this guest a fresh 64 MiB takes seconds), and the message was then copied out of
+    out=, written after all. Now the message goes back unread (``take_back``): the cancel ends
+    at once with out= untouched, the sender's send waits on, the next recv gets the message
+    whole and the send then returns; the first fault-in, ending after, posts no READ into the
+    cancelled recv's out=. (It is held until the test lets it go: that steers only timing.)"""
+    import threading
+
+    from tensorwire.transports.verbs import _channel
+
+    fault_in = _channel.fault_in
+    gate = threading.Event()
+    calls: list[int] = []
+
+    def held(arrays: list[np.ndarray]) -> None:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            gate.wait(120)
+        fault_in(arrays)
+
+    monkeypatch.setattr(_channel, "fault_in", held)
+    src = (np.arange(16 * MiB) % 251).astype(np.uint8)
+    # no buffer credit: the message waits for its recv (rendezvous), and its sender for the FIN
+    async with connected_pair("verbs", limits=Limits(recv_buffer_bytes=0), **EMULATED) as (a, b):
+        ch = b.channel
+        assert isinstance(ch, VerbsChannel)
+        post_reads = ch._post_reads
+        ran: list[_Incoming] = []
+
+        def watched(entry: _Incoming, dests: list[np.ndarray]) -> None:
+            post_reads(entry, dests)
+            ran.append(entry)
+
+        monkeypatch.setattr(ch, "_post_reads", watched)
+        out = _untouched(src.nbytes)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        recv = asyncio.ensure_future(b.recv(tag="t", out=out))
+        try:
+            await eventually(lambda: bool(calls), seconds=60)
+            (stale,) = ch._incoming.values()
+            posted = ch._rdma_ids
+            recv.cancel()
+            done, _ = await asyncio.wait([recv], timeout=30)
+            assert done, "a recv cancelled while its memory was faulted in waited for it"
+            assert recv.cancelled() and not send.done() and ch._rdma_ids == posted
+            assert not out.any(), "out= written by a recv cancelled before any READ"
+            again = _untouched(src.nbytes)
+            async with asyncio.timeout(120):
+                got = await b.recv(tag="t", out=again)
+                receipt = await send
+            assert got is again and np.array_equal(again, src)
+            assert isinstance(receipt, tensorwire.Receipt) and receipt.protocol == "rendezvous", receipt
+            posted = ch._rdma_ids
+        finally:
+            gate.set()
+        await eventually(lambda: stale in ran, seconds=60)  # the first fault-in has ended
+        assert ch._rdma_ids == posted and not out.any(), "READs posted into the cancelled recv's out="
 
 
 _CHILD = """

@@ -18,11 +18,13 @@ CREDIT frames are reported too, lazily, so that neither side starves nor do they
 for ever (``_on_frame``, docs/verbs.md).
 
 Cancellation: a recv cancelled while RDMA READs write into its ``out=`` lets them finish first
-(then the message is requeued whole); a send cancelled before its MSG frame left is withdrawn;
-one cancelled later sends ABORT and waits for the receiver's FIN: dropped, or read whole. The
-peer's goodbye (``_ending``) ends the sends waiting on it the same way: one waiting for a slot
-fails, one whose MSG frame has not left is withdrawn, one whose MSG left is asked back (ABORT)
-and fails once the peer dropped it, or returns if the peer had read it whole.
+(then the message is requeued whole); one cancelled before any was posted (its memory being
+faulted in) gives the message back unread at once (``take_back``); a send cancelled before its
+MSG frame left is withdrawn; one cancelled later sends ABORT and waits for the receiver's FIN:
+dropped, or read whole. The peer's goodbye (``_ending``) ends the sends waiting on it the same
+way: one waiting for a slot fails, one whose MSG frame has not left is withdrawn, one whose MSG
+left is asked back (ABORT) and fails once the peer dropped it, or returns if the peer had read
+it whole.
 
 Completion errors become tensorwire errors: retries exhausted (the peer's port or host is gone)
 -> PeerDisconnected, anything else -> TransferError; either breaks the channel (an RC queue
@@ -127,16 +129,20 @@ class _Out:
 class _Incoming:
     """A message whose payload is (or will be) read from the sender's memory."""
 
-    __slots__ = ("arrival", "cut", "pending", "pulled", "regions", "rendezvous", "segs")
+    __slots__ = ("arrival", "asked_back", "cut", "faulting", "pending", "pulled", "regions", "rendezvous", "segs")
 
     def __init__(self, arrival: Arrival, segs: list[tuple[int, int, int]], rendezvous: bool) -> None:
         self.arrival = arrival
         self.segs = segs
         self.rendezvous = rendezvous
         self.pulled = False  # a recv reads it (and sends the FIN once it has returned)
+        # the fault-in of the memory its READs are to land in, under way (``_read``): none of
+        # them is posted before it ends, so a recv cancelled meanwhile can give it back unread
+        self.faulting: asyncio.Future[None] | None = None
         self.pending = 0
         self.regions: list[Region] = []
         self.cut = False  # our BYE went before its FIN could: its sender fails it (``aclose``)
+        self.asked_back = False  # its sender's ABORT came while it was being read: it is read whole
 
 
 class VerbsChannel(Channel):
@@ -584,7 +590,10 @@ class VerbsChannel(Channel):
                 self.mailbox.abort(entry.arrival)
                 self.release(entry.arrival)
                 self._enqueue(_Out(Kind.FIN, flags=Flag.DROPPED, msg_id=msg_id))
-            # a message being read gets its FIN when the read is done
+            else:  # a message being read gets its FIN when the read is done
+                inc = self._incoming.get(msg_id)
+                if inc is not None:
+                    inc.asked_back = True  # (and is not given back unread: ``take_back``)
         elif kind is Kind.BYE:
             self._shutdown(ChannelState.CLOSED, PeerDisconnected("peer closed the channel"))
 
@@ -680,6 +689,7 @@ class VerbsChannel(Channel):
         if faulting is None:
             self._post_reads(entry, dests)
         else:
+            entry.faulting = faulting
             faulting.add_done_callback(lambda _: self._post_reads(entry, dests))
 
     def _faulting_in(self, arrays: list[np.ndarray]) -> asyncio.Future[None] | None:
@@ -697,7 +707,11 @@ class VerbsChannel(Channel):
     def _post_reads(self, entry: _Incoming, dests: list[np.ndarray]) -> None:
         arrival = entry.arrival
         if self._incoming.get(arrival.msg_id) is not entry or self.state is not ChannelState.OPEN:
-            return  # the channel shut while the memory was faulted in (and failed it), or is closing (it will)
+            # the channel shut while the memory was faulted in (and failed it), or is closing (it
+            # will); or the recv was cancelled meanwhile and gave the message back (``take_back``):
+            # ``dests`` is its out=, and a recv that pulls the message again reads it as a new entry
+            return
+        entry.faulting = None
         try:
             for a in dests:
                 entry.regions.append(self._mem.acquire(a, self._write_access))
@@ -791,6 +805,8 @@ class VerbsChannel(Channel):
             try:
                 await arrival.completed()  # (woken by complete/fail: a loop turn sooner than a shield)
             except asyncio.CancelledError:
+                if not cancelled and self.take_back(arrival):
+                    raise  # no READ posted: it goes back unread (``Mailbox._requeue``)
                 cancelled = True
         if entry is not None and entry.pulled and arrival.done.done() and arrival.done.exception() is None:
             # the sender's send returns on FIN: let this recv return (and its caller post the
@@ -800,6 +816,36 @@ class VerbsChannel(Channel):
         if cancelled:
             raise asyncio.CancelledError
         arrival.done.result()
+
+    def take_back(self, arrival: Arrival) -> bool:
+        """The recv that pulled ``arrival`` was cancelled while the memory its READs land in (its
+        out=, or a buffer of ours) is faulted in by a worker thread (``_read``): no READ has been
+        posted, so the message is given back unread, its sender still waiting for its FIN (or
+        free to withdraw it: ABORT), and the cancel ends now. (It waited for the whole fault-in
+        and the READs, and the message was then copied out of out= into a buffer of ours.) The
+        message waits in a new entry: the fault-in, when it ends, finds its own entry gone
+        (``_post_reads``) and posts no READ into the cancelled recv's memory, though a recv
+        pulls the message again meanwhile. False, nothing changed, once READs may be posted,
+        or where its sender has asked for it back (ABORT, ignored while it is being read: it
+        is read whole, and the FIN ends that send, rather than wait unread for a recv)."""
+        entry = self._incoming.get(arrival.msg_id)
+        if (
+            self.state is not ChannelState.OPEN
+            or entry is None
+            or entry.arrival is not arrival
+            or not entry.pulled
+            or entry.faulting is None
+            or entry.asked_back
+            or arrival.done.done()
+        ):
+            return False
+        del self._incoming[arrival.msg_id]
+        self._waiting[arrival.msg_id] = _Incoming(arrival, entry.segs, entry.rendezvous)
+        arrival.pulling = False  # (``unread`` now: its recv gives it back without its out=)
+        if not entry.rendezvous:
+            # eager: read into a buffer of ours unless a recv pulls it first (``_check_pulled``)
+            self._loop.call_soon(self._check_pulled, arrival)
+        return True
 
     def discard(self, arrival: Arrival) -> bool:
         """Drop a message kept unread here: an eager one there was no memory for (``_adopt``), or
