@@ -873,6 +873,9 @@ async def test_the_deadline_that_travels_is_what_is_left_after_the_wait_for_room
         held = asyncio.ensure_future(a.call("hold"))
         await asyncio.sleep(0.05)
         late = asyncio.ensure_future(a.call("left", _deadline=2.0))
+        # one turn: the call begins (its deadline runs from then) before the 0.5 s start; with the
+        # loop late to the call's first step (a loaded host) it waited less, and 1.503 s were left
+        await asyncio.sleep(0)
         await asyncio.sleep(0.5)  # the second call waits for the first's room all along
         assert not late.done()
         gate.set()
@@ -892,6 +895,7 @@ async def test_the_deadline_that_travels_is_what_is_left_after_the_wait_for_room
             yield current_deadline()
 
         late = asyncio.ensure_future(stream_left())
+        await asyncio.sleep(0)  # (the stream has begun, as above)
         await asyncio.sleep(0.5)
         gate.set()
         await _within(5, "the call that held the room", held)
