@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _loopbacks import has_ipv6_loopback
 from _polling import eventually
 
 import tensorwire
@@ -592,15 +593,7 @@ async def test_the_baseline_listener_works_past_1024_open_files_and_a_silent_con
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.create_server(("::1", 0), family=socket.AF_INET6):
-            return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here")
 async def test_a_node_on_localhost_benches_a_client_over_either_loopback() -> None:
     """`serve --bench --address localhost:0` listens on 127.0.0.1 and ::1 (gRPC binds both),
     but its baseline listener bound what the name resolves to (127.0.0.1 here): a bench to
@@ -623,7 +616,7 @@ async def test_a_node_on_localhost_benches_a_client_over_either_loopback() -> No
                     await task
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here")
 async def test_a_bench_to_localhost_reaches_the_baseline_of_a_node_on_the_ipv6_loopback() -> None:
     """gRPC dials "localhost" on both loopbacks, whatever /etc/hosts says, so `bench
     localhost:P` reached a node serving at [::1]:P; but the baseline dialled the name through

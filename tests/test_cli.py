@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _loopbacks import has_ipv6_loopback
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -406,10 +407,7 @@ def test_localhost_with_its_port_busy_on_one_loopback_is_refused() -> None:
     client that dialled that name on 127.0.0.1 reached the other server. Now a port must be free
     on every loopback (as asyncio's create_server binds a name), and the error names the one
     where it is not, alone on stderr."""
-    try:
-        with socket.socket(socket.AF_INET6) as six:
-            six.bind(("::1", 0))
-    except OSError:
+    if not has_ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
     with _busy_port() as busy:
         port = busy.getsockname()[1]

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from _loopbacks import has_ipv6_loopback
 from _polling import eventually
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -173,14 +174,6 @@ async def test_a_taken_port_of_localhost_in_capitals_is_refused_before_grpc_trie
         assert "Failed to add port" not in capfd.readouterr().err
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.create_server(("::1", 0), family=socket.AF_INET6):
-            return True
-    except OSError:
-        return False
-
-
 def _free_at(addr: str, port: int) -> bool:
     """Whether a listener could bind (addr, port) now (as gRPC binds: SO_REUSEADDR)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -200,7 +193,7 @@ async def _serves_control(addr: str, port: int) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here")
 async def test_localhost_with_a_port_another_listener_holds_on_one_loopback_is_refused() -> None:
     """gRPC binds "localhost:P" on 127.0.0.1 and on ::1 and is content with one: with [::1]:P
     another listener's, the node started, served on 127.0.0.1 alone and called itself
@@ -221,7 +214,7 @@ async def test_localhost_with_a_port_another_listener_holds_on_one_loopback_is_r
         assert _free_at("127.0.0.1", port), "the refused start kept 127.0.0.1's port"
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here")
 async def test_localhost_port_0_whose_port_is_taken_on_the_other_loopback_takes_another(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

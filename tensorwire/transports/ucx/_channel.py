@@ -1084,16 +1084,13 @@ class UcxChannel(Channel):
             await asyncio.wait(list(self._futs))
 
     async def _shut_when_landed(self, reqs: list[Any], state: ChannelState, exc: BaseException) -> None:
-        landed: asyncio.Future[None] = self._loop.create_future()
-        token = self._w.when_done(reqs, lambda: None if landed.done() else landed.set_result(None))
         try:
             async with asyncio.timeout(BYE_GRACE):
-                await landed  # (completions are dispatched before this wait's callback)
+                await self._w.all_done(reqs)  # (completions are dispatched before this wait's callback)
                 await self._sends_done()
         except TimeoutError:
             pass
         finally:
-            self._w.forget_wait(token)
             self._shutdown(state, exc)
 
     def _check_pulled(self, arrival: Arrival) -> None:
@@ -1810,15 +1807,7 @@ class UcxChannel(Channel):
     async def _discards_done(self) -> None:
         """Until the scratch receives of the messages ``discard`` dropped have ended (a
         rendezvous one's sender has its truncation, and its send ends; ``_drop_unread``)."""
-        reqs = [r for reqs in self._discarding.values() for r in reqs]
-        if not reqs:
-            return
-        ended: asyncio.Future[None] = self._loop.create_future()
-        token = self._w.when_done(reqs, lambda: None if ended.done() else ended.set_result(None))
-        try:
-            await ended
-        finally:
-            self._w.forget_wait(token)
+        await self._w.all_done([r for reqs in self._discarding.values() for r in reqs])
 
     def abort(self) -> None:
         # the BYE waits for nothing: the peer learns at once, as a tcp peer does from the shut

@@ -769,6 +769,18 @@ class Worker:
         """Drop a ``when_done`` wait (its caller gave up on it); its callback is not called."""
         self._awaited = [e for e in self._awaited if e is not token]
 
+    async def all_done(self, reqs: list[Any]) -> None:
+        """Until every one of ``reqs`` has completed (``when_done``, awaited; a cancelled wait
+        is forgotten)."""
+        if not reqs:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        token = self.when_done(reqs, lambda: None if done.done() else done.set_result(None))
+        try:
+            await done
+        finally:
+            self.forget_wait(token)
+
     def retire(self, keys: list[Any]) -> None:
         """Close ``keys`` (objects with ``close()``: remote keys) once none of the raw requests
         in flight now (those that may use them, and others') is any more; at once if none is."""
