@@ -1789,6 +1789,69 @@ async def test_a_send_taken_back_after_its_cts_ends_at_once_when_its_receiver_cl
         assert _held(na) == (0, 0)
 
 
+@pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
+@pytest.mark.parametrize("aborter", ["peer", "node", "failure"])
+@pytest.mark.parametrize("tls", ["sm,self", "tcp"])
+async def test_a_send_taken_back_after_its_cts_ends_at_once_when_its_receiver_aborts(
+    tls: str, aborter: str, bindings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``test_a_send_taken_back_after_its_cts_ends_at_once_when_its_receiver_closes``, but
+    the receiver aborts (its peer or its node) or its channel fails (a lost lease), and lives
+    on. Only a graceful close received the unread payload into scratch: the send ended a second
+    after the BYE (``BYE_GRACE``) with PeerDisconnected saying the receiver "may still read"
+    the tensor, and the sender's worker kept those 8 MiB until its node closed. Now the abort
+    drops it unread too (``_drop_unread``), and its endpoint's close waits for those receives
+    (over shared memory the RTS came after the endpoint had gone, and UCX cancelled the receive
+    without answering the sender): the send returns its receipt, nothing of it kept."""
+    from test_ucx import without_libucp
+
+    if bindings == "ucxx":  # (the payload's send and receives through ucxx)
+        without_libucp(monkeypatch)
+    src = np.ones(8 * MiB, np.uint8)
+    options: dict[str, Any] = {
+        "transports": ("ucx",),
+        "limits": tensorwire.Limits(recv_buffer_bytes=0),  # (every message waits for its recv's CTS)
+        "lease_seconds": 30.0,
+        "ucx_options": {"TLS": tls},
+    }
+    async with (
+        tensorwire.start("127.0.0.1:0", **options) as na,
+        tensorwire.start("127.0.0.1:0", **options) as nb,
+    ):
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        gate = asyncio.Event()
+        send_payload = a.channel._send_payload
+
+        async def held(*args: Any) -> Any:
+            await gate.wait()  # the payload waits here, the CTS come
+            return await send_payload(*args)
+
+        a.channel._send_payload = held
+        recv = asyncio.ensure_future(b.recv(tag="t", out=np.zeros_like(src)))
+        await eventually(lambda: b.channel.mailbox.has_posted(tag_id("t")), pause=0)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        await eventually(lambda: bool(b.channel._incoming), pause=0)  # pulled: its CTS went
+        recv.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(recv, 5)
+        ((arrival, needs_cts),) = b.channel._waiting.values()  # taken back, unread
+        assert arrival.go_ahead and not needs_cts
+        gate.set()
+        await eventually(lambda: bool(a.channel._futs), pause=0)  # the payload is with UCX
+        if aborter == "peer":
+            b.abort()
+        elif aborter == "node":
+            nb.abort()
+        else:
+            b.channel.fail(PeerDisconnected("lease lost"))
+        (result,) = await asyncio.gather(asyncio.wait_for(send, 10), return_exceptions=True)  # (a lease is 30 s)
+        assert isinstance(result, tensorwire.Receipt), repr(result)
+        assert result.nbytes == src.nbytes
+        assert _held(na) == (0, 0)
+        await eventually(lambda: _discard_receives(b.channel) == 0, 5)  # (none left posted)
+
+
 def _hold_after_first_segment(peer: Any) -> asyncio.Event:
     """``peer``'s payload sends send their first segment, then wait for the event returned
     before the rest (as a process stopped between two tensors)."""

@@ -392,6 +392,9 @@ class UcxChannel(Channel):
         # msg id -> the scratch receives of a message discarded (``discard``) whose payload may
         # yet come (its sender's ABORT, crossing our CTS, cancels them)
         self._discarding: dict[int, list[Any]] = {}
+        # their owner to the worker (``Worker.watch``): not the channel's, so that its shutdown
+        # (``abandon``) leaves them posted, and the endpoint's close waits for them first
+        self._discards = object()
         self._eager: set[Arrival] = set()  # arrivals that spent buffer credit
         self._futs: set[asyncio.Future[Any]] = set()
         self._rma_futs: set[asyncio.Future[None]] = set()  # one-sided requests waited for
@@ -1145,7 +1148,9 @@ class UcxChannel(Channel):
             if spec.nbytes:
                 scratch = np.empty(1, np.uint8)
                 req = self._w.worker.tag_recv(self._lib_array(scratch), tag)
-                self._w.watch(req, functools.partial(self._discarded, arrival.msg_id), keep=scratch, owner=self)
+                self._w.watch(
+                    req, functools.partial(self._discarded, arrival.msg_id), keep=scratch, owner=self._discards
+                )
                 reqs.append(req)
         if reqs:
             # (also where the CTS went before: a message taken back (``take_back``) after its
@@ -1700,7 +1705,12 @@ class UcxChannel(Channel):
                 t.reqs = []  # (see _payload_done; ones still landing are dropped once landed)
         self._waiting.clear()
         self._incoming.clear()
-        self._discarding.clear()  # (cancelled by ``abandon`` below)
+        # the scratch receives of messages dropped unread (``_drop_unread``) are left posted: a
+        # rendezvous payload whose RTS comes after the endpoint has gone is not received (UCX
+        # completes its receive as cancelled, "RTS on non-existing endpoint", and never answers
+        # the sender), so the endpoint's close waits for them first (``close_endpoint``'s first)
+        discards = [r for reqs in self._discarding.values() for r in reqs]
+        self._discarding.clear()
         # one-sided requests may still be in flight (their waits were just failed): their keys
         # are destroyed once UCX has finished them
         self._w.retire(list(self._rkeys))
@@ -1711,7 +1721,7 @@ class UcxChannel(Channel):
         # channel that its peer still referenced kept the node's closed UCX worker alive
         ep, self._ep = self._ep, None
         self._ep_released = self._loop.create_future()
-        self._w.track(self._loop.create_task(self._w.close_endpoint(ep, released=self._ep_released)))
+        self._w.track(self._loop.create_task(self._w.close_endpoint(ep, released=self._ep_released, first=discards)))
 
     def settled(self) -> Awaitable[None]:
         return self._settled()
@@ -1789,17 +1799,27 @@ class UcxChannel(Channel):
                 self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel closed"))
 
     def _drop_unread(self) -> None:
-        """At a close: drop the unread messages whose payload the peer sends without waiting for
-        a CTS (a rendezvous one taken back from a cancelled recv after its CTS went, ``take_back``;
-        an eager one kept unposted for want of memory, ``_adopt``): ``discard`` receives each into
-        scratch, so that UCX completes the peer's send. No receive here would ever take it, and the
-        peer's send stayed in its UCX, unmatched: it ended only when the peer shut its channel on
-        our BYE, a second later (``BYE_GRACE``), saying that we "may still read" its tensors, and
-        the peer's worker kept them (``Worker.sweep``'s warning) until its node closed. Its sender
-        gets the send's receipt, as for a message that came before its recv and is dropped unread
-        with the channel (a tcp peer's send likewise ends once its payload is in the socket).
-        Rendezvous messages still waiting for a CTS are left to the BYE: it fails their sends
-        at once, their payload never sent. Those a recv holds (its out=) fail with the close."""
+        """At a close (an abort, a failure): drop the unread messages whose payload the peer
+        sends without waiting for a CTS (a rendezvous one taken back from a cancelled recv after
+        its CTS went, ``take_back``; an eager one kept unposted for want of memory, ``_adopt``):
+        ``discard`` receives each into scratch, so that UCX completes the peer's send. No receive
+        here would ever take it, and the peer's send stayed in its UCX, unmatched: it ended only
+        when the peer shut its channel on our BYE, a second later (``BYE_GRACE``), saying that we
+        "may still read" its tensors, and the peer's worker kept them (``Worker.sweep``'s
+        warning) until its node closed. Its sender gets the send's receipt, as for a message
+        that came before its recv and is dropped unread with the channel (a tcp peer's send
+        likewise ends once its payload is in the socket). Rendezvous messages still waiting for
+        a CTS are left to the BYE: it fails their sends at once, their payload never sent. Those
+        a recv holds (its out=) fail with the close.
+
+        An abort (or a failure) waits for nothing, and shuts the channel at once: the scratch
+        receives outlast it, and the endpoint's close waits for them (``_shutdown``), within a
+        grace. Until 2026-12-02 only ``aclose`` did this: a peer's send to a receiver that
+        aborted (``peer.abort()``, ``node.abort()``, a lost lease) and lived on ended a second
+        after the BYE, with PeerDisconnected saying we "may still read" it, and the peer's
+        worker kept the payload until its node closed."""
+        if self._w.closed:
+            return  # (nothing may be posted on it: its receives went with it)
         for arrival, needs_cts in list(self._waiting.values()):
             if not needs_cts and not arrival.direct:
                 self.discard(arrival)
@@ -1813,11 +1833,13 @@ class UcxChannel(Channel):
         # the BYE waits for nothing: the peer learns at once, as a tcp peer does from the shut
         # socket (it kept a peer aborted after its connect, one nobody held, until its lease ran out)
         if self.state is ChannelState.OPEN:
+            self._drop_unread()
             self._goodbye()
         self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
 
     def fail(self, exc: BaseException) -> None:
         if self.state is ChannelState.OPEN:
+            self._drop_unread()
             self._goodbye()
         self._shutdown(ChannelState.BROKEN, exc)
 

@@ -1183,7 +1183,13 @@ class Worker:
         )
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def close_endpoint(self, ep: Any, grace: float = 1.0, released: asyncio.Future[None] | None = None) -> None:
+    async def close_endpoint(
+        self,
+        ep: Any,
+        grace: float = 1.0,
+        released: asyncio.Future[None] | None = None,
+        first: list[Any] | None = None,
+    ) -> None:
         """Close a UCX endpoint without ever blocking the loop (a dead peer's flush times out).
 
         ``released`` is resolved once UCX has let go of the endpoint: its close has completed (and
@@ -1207,9 +1213,25 @@ class Worker:
         endpoint at once the same way: ucxx's close left to its endpoint's destructor progressed
         the worker until the flush ended (for ever, to a peer that died during a first
         rendezvous send: the process hung as its loop shut down), and ucxx's close posted on a
-        shut worker held the endpoint and the worker (2 listening sockets, 3 mappings)."""
+        shut worker held the endpoint and the worker (2 listening sockets, 3 mappings).
+
+        ``first``: tag receives (a closed channel's, of messages it dropped unread) to wait for,
+        within ``grace``, before the flush: UCX answers the sender of a rendezvous message only
+        through the endpoint its RTS names, and one whose RTS comes once that endpoint has gone
+        completes its receive as cancelled and never answers (the sender's send stays in its
+        UCX). Those still posted then are cancelled (unmatched: their payload never came)."""
         deadline = self.loop.time() + grace
         try:
+            if first:
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout_at(deadline):
+                            await self.all_done(first)
+                finally:
+                    if not self._closed:  # (its shutdown cancelled them)
+                        for r in first:
+                            self.cancel(r)  # (not matched within the grace: its payload never came)
+                deadline = self.loop.time() + grace
             flushed = await self._flushed(ep, deadline, released)
         except BaseException:  # (cancelled: nothing may wait now, and nothing may be left to ucxx)
             self._close_stuck(ep, released)
