@@ -264,6 +264,78 @@ async def test_an_eager_message_without_memory_for_it_leaves_the_channel_open(tr
     check_eager_without_memory(await eager_without_memory(transport), kept=transport != "tcp")
 
 
+_EAGER_CLOSER = """
+addr, nbytes, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+async def main():
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), lease_seconds=30.0) as node:
+        peer = await node.connect(addr)
+        await peer.send(np.arange(3), tag="hello")
+        await peer.recv(tag="hello")
+        cap(nbytes // 3)
+        report("capped")
+        # the big message comes (eager) before any recv waits for it, and there is no memory
+        # to receive it into: it is kept unposted, its payload held by UCX
+        for _ in range(1000):
+            kept = [a.nbytes for a, needs_cts in peer.channel._waiting.values() if not needs_cts]
+            if kept:
+                break
+            await asyncio.sleep(0.01)
+        report("kept", value=kept)
+        if how == "close":
+            await peer.aclose()
+        else:
+            peer.abort()
+        report("closed")
+        await asyncio.sleep(30)  # lives on, until the parent is done with us
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+@pytest.mark.parametrize("how", ["close", "abort"])
+async def test_an_eager_message_kept_unposted_for_want_of_memory_is_dropped_when_its_receiver_closes(
+    how: str,
+) -> None:
+    """A 48 MiB message comes (eager: within the receiver's credit) before its recv, when the
+    receiver cannot allocate 48 MiB: ucx keeps it unposted (``_adopt``), its payload held by
+    UCX, for a recv(out=) to pull it. The receiver then closes its peer (or aborts it) and
+    lives on. Its close (``_drop_unread``) receives the payload into scratch, so the sender's
+    send ends at once with its receipt, as for a message buffered there and dropped unread,
+    and the sender keeps nothing of it. Without that, no receive ever took the payload: the
+    send ended only when the sender's channel shut, a second after the BYE, with
+    PeerDisconnected saying the receiver 'may still read' its tensors (so it did after an
+    abort until 2026-12-02: only a graceful close dropped it)."""
+    src = _pattern(EAGER)
+    async with tensorwire.start("127.0.0.1:0", transports=("ucx",), lease_seconds=30.0) as node:
+        proc = await _child(_EAGER_CLOSER, node.address, str(EAGER), how)
+        send: asyncio.Future[Any] | None = None
+        try:
+            peer = await asyncio.wait_for(node.accept(), 60)
+            await peer.recv(tag="hello")
+            await peer.send(np.arange(3), tag="hello")
+            got: dict[str, Any] = {}
+            async for step in _steps(proc):
+                got[step["step"]] = step
+                if step["step"] == "capped":
+                    send = asyncio.ensure_future(peer.send(src, tag="big"))
+                elif step["step"] == "closed":
+                    break
+            assert got["kept"]["value"] == [EAGER], got  # (else this checks nothing)
+            assert send is not None
+            (result,) = await asyncio.gather(asyncio.wait_for(send, 10), return_exceptions=True)
+            assert isinstance(result, tensorwire.Receipt), repr(result)
+            assert (result.nbytes, result.protocol) == (EAGER, "eager")
+            graveyard = node.transports["ucx"].worker._raw_graveyard  # type: ignore[attr-defined]
+            assert not [keep for keep in graveyard.values() if keep is not None]
+        finally:
+            if send is not None:
+                send.cancel()
+                await asyncio.gather(send, return_exceptions=True)
+            await _kill(proc)
+
+
 _INPROC = """
 nbytes = int(sys.argv[1])
 
