@@ -1,9 +1,11 @@
-"""Waiting in tests for a state that has no event of its own."""
+"""Waiting in tests for a state that has no event of its own, and looking for what is left."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import types
 from collections.abc import Callable
 
 
@@ -19,10 +21,20 @@ async def eventually(pred: Callable[[], bool], seconds: float = 5.0, pause: floa
 async def collected(*refs: Callable[[], object], seconds: float = 5.0) -> None:
     """Until the objects of the weak references ``refs`` are gone (the garbage collected at each
     look): what a test of a leak waits for once the code under test should have let go."""
-    import gc
 
     def gone() -> bool:
         gc.collect()
         return all(ref() is None for ref in refs)
 
     await eventually(gone, seconds)
+
+
+def live_frames(*names: str) -> list[types.FrameType]:
+    """The frames alive now (the garbage collected first) of tensorwire's functions named
+    ``names``: a call that ended keeps its frame, with its locals, while a traceback holds it."""
+    gc.collect()
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, types.FrameType) and o.f_code.co_name in names and "tensorwire" in o.f_code.co_filename
+    ]

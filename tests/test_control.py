@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from _polling import collected, eventually
+from _polling import collected, eventually, live_frames
 from _procfs import connections_to
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -440,6 +440,73 @@ async def test_a_refused_lookup_keeps_no_peer_after_it_went_away(refusal: str) -
         await eventually(lambda: not nb.peers)
         del a, b
         await collected(gone)
+
+
+_REFUSALS = {
+    # (the handler's call, the status it ends with, the functions whose frames it ran)
+    "handshake of another version": (
+        "Handshake",
+        control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION + 1),
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ),
+    "handshake with a control address that cannot be dialled": (
+        "Handshake",
+        control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, control_address="no port"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "handshake with no transport in common": (
+        "Handshake",
+        control_pb2.HandshakeRequest(protocol_version=PROTOCOL_VERSION, preference=["tcp"], require="rdma"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ),
+    "heartbeat of no session": (
+        "Heartbeat",
+        control_pb2.HeartbeatRequest(session_id="none"),
+        grpc.StatusCode.NOT_FOUND,
+    ),
+    "too many lease renewals": (
+        "RenewLeases",
+        control_pb2.RenewLeasesRequest(renewals=[control_pb2.HeartbeatRequest(session_id="x")] * 2049),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "goodbye to too many sessions": (
+        "Leave",
+        control_pb2.LeaveRequest(sessions=[control_pb2.HeartbeatRequest(session_id="x")] * 2049),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "lookup in no session": (
+        "Lookup",
+        control_pb2.LookupRequest(session_id="none", name="x"),
+        grpc.StatusCode.UNAUTHENTICATED,
+    ),
+    "method list without the token": ("ListMethods", control_pb2.ListMethodsRequest(), grpc.StatusCode.UNAUTHENTICATED),
+    "invoke without the token": ("Invoke", control_pb2.InvokeRequest(method="x"), grpc.StatusCode.UNAUTHENTICATED),
+}
+
+
+@pytest.mark.parametrize("refusal", list(_REFUSALS))
+async def test_a_refused_control_call_keeps_no_frame_of_its_handler(refusal: str) -> None:
+    """gRPC keeps the last call its server served, with its abort's error, until its next call
+    comes; each handler's frames (their locals: the request, what the handler made of it), and
+    where it aborted in an ``except`` block the exception it answered with its own traceback,
+    lived on through that error for as long as the node served no other control call (a
+    refused lookup held a peer that had gone away: test_a_refused_lookup_keeps_no_peer...)."""
+    rpc, request, code = _REFUSALS[refusal]
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",), auth_token="s3cret") as node:
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            call = getattr(control_pb2_grpc.ControlStub(ch), rpc)
+            metadata = (("authorization", "Bearer s3cret"),) if rpc not in ("ListMethods", "Invoke") else ()
+            if rpc == "Handshake":
+                request.auth_token = "s3cret"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(request, timeout=10, metadata=metadata)
+            assert info.value.code() == code, info.value
+            del info
+        # (no control call comes after it: gRPC still holds the refused one)
+        kept = live_frames(
+            rpc, "serve", "_at_most_sessions", "list_methods", "invoke", "_require_auth", "choose", "split_address"
+        )
+        assert not kept, [f"{f.f_code.co_name} {sorted(f.f_locals)}" for f in kept]
 
 
 async def test_unreachable_and_closed() -> None:

@@ -7,14 +7,18 @@ proto/tensorwire/v1/control.proto; it never imports tensorwire.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import shutil
 import sys
+import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _polling import live_frames
 
 import tensorwire
 
@@ -326,3 +330,57 @@ async def test_a_result_grpc_cannot_carry_is_no_argument_error() -> None:
                 assert details.startswith(f"UnsupportedTensorError: {name}'s result could not be sent"), details
                 assert why in details, details
             assert ran == ["big", "tensor"]
+
+
+def _kept(marker: str) -> list[Any]:
+    """The lists alive here whose first item is ``marker``, once the garbage is collected (a
+    list takes no weak reference: an argument list decoded on the server is found this way)."""
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is list and o and type(o[0]) is str and o[0] == marker]
+
+
+@pytest.mark.parametrize("failure", ["method raises", "bad arguments", "no such method", "result cannot travel"])
+async def test_a_failed_invoke_keeps_nothing_of_its_call(failure: str) -> None:
+    """gRPC keeps the last call its server served, with the error of its abort, until its next
+    call comes; that error's traceback held Invoke's frames (their locals: the request, the
+    decoded arguments) and its context the exception the call failed with (through its traceback
+    the method's own frames, and theirs). A failed Invoke with a large argument kept it, and
+    whatever its method had made, for as long as the node served no other control call."""
+    import grpc
+
+    from tensorwire.control._pb import control_pb2, control_pb2_grpc
+    from tensorwire.rpc._grpc import value_to_pb
+
+    marker = f"an argument of a failed call {uuid.uuid4().hex}"
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        made: list[weakref.ref[np.ndarray]] = []
+
+        @node.method()
+        async def refuse(items: list[Any]) -> None:
+            scratch = np.ones(len(items))  # (a local of the method's own frame)
+            made.append(weakref.ref(scratch))
+            raise ValueError(f"refused {len(items)} items")
+
+        @node.method()
+        async def tensor(items: list[Any]) -> np.ndarray:
+            result = np.ones(len(items))
+            made.append(weakref.ref(result))
+            return result
+
+        method, args, code = {
+            "method raises": ("refuse", 1, grpc.StatusCode.INVALID_ARGUMENT),
+            "bad arguments": ("refuse", 2, grpc.StatusCode.INVALID_ARGUMENT),
+            "no such method": ("nothing", 1, grpc.StatusCode.UNIMPLEMENTED),
+            "result cannot travel": ("tensor", 1, grpc.StatusCode.FAILED_PRECONDITION),
+        }[failure]
+        request = control_pb2.InvokeRequest(method=method, args=[value_to_pb([marker, *range(1000)])] * args)
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await control_pb2_grpc.ControlStub(ch).Invoke(request, timeout=10)
+            assert info.value.code() == code, info.value
+            del info
+        # (no control call comes after it: gRPC still holds the failed one)
+        assert not _kept(marker), "a failed Invoke's arguments are kept after it"
+        assert len(made) == (failure in ("method raises", "result cannot travel"))
+        assert all(ref() is None for ref in made), "what the method of a failed Invoke made is kept after it"
+        assert not live_frames("Invoke", "invoke", "_fail", "run_local"), "a failed Invoke's frames are kept after it"

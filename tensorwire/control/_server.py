@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import ipaddress
 import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -56,6 +57,41 @@ def _clip(reason: str) -> str:
     return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
 
 
+_Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+_S = TypeVar("_S", bound=type)
+
+
+def _forgetting_aborts(handler: _Handler) -> _Handler:
+    """``handler``, whose aborted calls keep nothing of its frames.
+
+    gRPC keeps the last call its server served, with its abort's AbortError, until its next
+    call comes. That error's traceback held the handler's frames, and with them their locals (a
+    refused lookup's peer with its channel; an Invoke's request and decoded arguments, or the
+    result it could not send), and its ``__context__`` the exception an abort in an ``except``
+    block answered (through its traceback the frames of the method Invoke ran, and their
+    locals): all of it lived on for as long as the node served no other control call. The
+    error goes back to gRPC without either, by way of gRPC's own path for an abort a handler
+    suppressed (``raise_for_termination`` raises it once the handler has returned)."""
+
+    @functools.wraps(handler)
+    async def serve(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError as exc:
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+            return None  # (gRPC raises the abort's error itself, without this frame either)
+
+    return serve
+
+
+def _aborts_keep_no_frames(cls: _S) -> _S:
+    """``cls`` with each handler of the Control service wrapped by ``_forgetting_aborts``."""
+    for method in control_pb2.DESCRIPTOR.services_by_name["Control"].methods:
+        setattr(cls, method.name, _forgetting_aborts(getattr(cls, method.name)))
+    return cls
+
+
+@_aborts_keep_no_frames
 class _Servicer(control_pb2_grpc.ControlServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -169,7 +205,9 @@ class _Servicer(control_pb2_grpc.ControlServicer):
                 transports=node.transports,
             )
         except (NegotiationError, ConfigurationError) as exc:
-            self._unmet.warn("handshake from %s: %s", peer, exc)  # (counted in tensorwire_refusals_total)
+            # (counted in tensorwire_refusals_total; its text, not the error: a log record a handler
+            # keeps would keep the error's traceback, and through it choose's frames)
+            self._unmet.warn("handshake from %s: %s", peer, str(exc))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         session_id = uuid.uuid4().hex
         secret = os.urandom(SECRET_BYTES)
@@ -289,18 +327,13 @@ class _Servicer(control_pb2_grpc.ControlServicer):
             log.info("lookup of %r from %s: no such session", request.name[:64], context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_SESSION, SESSION_LOST_METADATA)
             raise AssertionError("unreachable: abort raises")
-        # gRPC keeps the last call it served, an abort's error with it, and through that error's
-        # traceback this frame, until its next call comes: an abort here must not hold the peer
-        # (a peer whose last lookup was refused was kept after it went away, with its channel,
-        # for as long as this node served no other control call)
+        # (an abort here keeps nothing of this frame, its peer among it: _forgetting_aborts)
         if not hmac.compare_digest(request.proof, lookup_proof(peer.session.secret, request.name)):
-            del peer
             self._refusals.warn("lookup of %r from %s refused: bad proof", request.name[:64], context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "lookups need an open session and its proof")
             raise AssertionError("unreachable: abort raises")
         entry = node.exposures.get(request.name)
         if entry is None:
-            del peer
             name = request.name if len(request.name) <= 200 else request.name[:200] + "..."
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{name!r} is not exposed")
             raise AssertionError("unreachable: abort raises")
