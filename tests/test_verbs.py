@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _polling import collected, eventually
+from _verbs_reads import watch_post_reads
 
 import tensorwire
 from tensorwire.errors import BrokenResourceError, PeerDisconnected, ProtocolError
@@ -713,14 +714,7 @@ async def test_a_recv_cancelled_while_its_memory_is_faulted_in_gives_the_message
 
     monkeypatch.setattr(_channel, "fault_in", held_fault_in)
     monkeypatch.setattr(b._mem, "cached", lambda arr, access: False)  # (nothing registered yet)
-    post_reads = b._post_reads
-    ran: list[Any] = []
-
-    def watched(entry: Any, dests: list[np.ndarray]) -> None:
-        post_reads(entry, dests)
-        ran.append(entry)
-
-    monkeypatch.setattr(b, "_post_reads", watched)
+    ran = watch_post_reads(monkeypatch, b)
     qp = _qp(b)
     src = (np.arange(2 << 20) % 251).astype(np.uint8)
     out = np.zeros_like(src)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _polling import eventually
+from _verbs_reads import watch_post_reads
 
 import tensorwire
 from tensorwire.errors import PeerDisconnected, ProtocolError, RegistrationError, TensorWireError, TransferError
@@ -32,7 +33,7 @@ from tensorwire.transports import ChannelState, Limits
 from tensorwire.transports._credit import OWN_TAGS
 from tensorwire.transports._remote import unpack_remote_key
 from tensorwire.transports.verbs import RemoteKey, VerbsChannel, VerbsTransport, choose_port, dmabuf_status
-from tensorwire.transports.verbs._channel import RESERVE, _Incoming, _Out
+from tensorwire.transports.verbs._channel import RESERVE, _Out
 from tensorwire.transports.verbs._wire import Flag, Kind
 
 MiB = 1 << 20
@@ -715,14 +716,7 @@ async def test_a_recv_cancelled_while_its_memory_is_faulted_in_ends_at_once(monk
     async with connected_pair("verbs", limits=Limits(recv_buffer_bytes=0), **EMULATED) as (a, b):
         ch = b.channel
         assert isinstance(ch, VerbsChannel)
-        post_reads = ch._post_reads
-        ran: list[_Incoming] = []
-
-        def watched(entry: _Incoming, dests: list[np.ndarray]) -> None:
-            post_reads(entry, dests)
-            ran.append(entry)
-
-        monkeypatch.setattr(ch, "_post_reads", watched)
+        ran = watch_post_reads(monkeypatch, ch)
         out = _untouched(src.nbytes)
         send = asyncio.ensure_future(a.send(src, tag="t"))
         recv = asyncio.ensure_future(b.recv(tag="t", out=out))
