@@ -33,8 +33,10 @@ def live_frames(*names: str) -> list[types.FrameType]:
     """The frames alive now (the garbage collected first) of tensorwire's functions named
     ``names``: a call that ended keeps its frame, with its locals, while a traceback holds it."""
     gc.collect()
+    # (type(o), not isinstance: isinstance asks an object's __class__, which some modules' objects
+    # answer with a warning, e.g. torch.distributed's deprecated reduce_op once torch is imported)
     return [
         o
         for o in gc.get_objects()
-        if isinstance(o, types.FrameType) and o.f_code.co_name in names and "tensorwire" in o.f_code.co_filename
+        if type(o) is types.FrameType and o.f_code.co_name in names and "tensorwire" in o.f_code.co_filename
     ]
