@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import threading
 import time
 import warnings
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from _pipeline_fixtures import NumpyLinear, nodes, stages
 from _pipeline_reference import mse, one_process_step
-from _polling import eventually
+from _polling import collected, eventually
 
 import tensorwire
 from tensorwire import pipeline
@@ -1428,3 +1429,38 @@ async def test_a_none_gradient_passes_the_layer_by() -> None:
     part.backward(ctx, np.ones(2))
     [(ctx_seen, grad_seen)] = part.layer.seen  # type: ignore[attr-defined]
     assert ctx_seen == ("context", "of two") and np.array_equal(grad_seen, np.ones(2))  # the context whole
+
+
+# -- what a broken stage keeps ---------------------------------------------------------------------
+@pytest.mark.timeout(60)
+async def test_a_broken_stage_lets_go_of_its_gone_neighbour_and_driver(caplog: pytest.LogCaptureFixture) -> None:
+    """A stage broken by a failure keeps that failure (``_broken``) to refuse the calls that come
+    before the next configure, and raised it as it was: its traceback took in the frames of the
+    step that raised it, and through them the link's peer of the neighbour that went away and
+    the served call's peer of the driver (found by a hang exploration of stage processes: a
+    surviving stage kept both, with their channels, until another driver configured it, for
+    good if none did). Here stage 1's node aborts mid-step; once the driver closes, stage 0 lets
+    go of both peers."""
+    caplog.set_level(logging.WARNING, "tensorwire")  # (a captured record of the links' log line holds them)
+    rng = np.random.default_rng(0)
+    layers = [Gated(rng, 8), Gated(rng, 8, at=2), Gated(rng, 2)]
+    x, y = batch(8)
+    async with nodes(4) as ns, contextlib.AsyncExitStack() as stack:
+        st = [
+            await stack.enter_async_context(pipeline.Stage(n, layer, loss=mse if s == 2 else None, offload=True))
+            for s, (n, layer) in enumerate(zip(ns, layers, strict=False))
+        ]
+        stack.callback(layers[1].gate.set)  # (stage 1's thread, left waiting, ends before its stage closes)
+        pipe = await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]])
+        kept = [weakref.ref(peer) for peer in ns[0].peers]  # the driver's, and the link's to stage 1
+        assert len(kept) == 2
+        step = asyncio.create_task(pipe.step(x, y, microbatches=4, schedule="gpipe"))
+        await eventually(lambda: layers[1].forwards == 2, 20)
+        ns[1].abort()
+        with pytest.raises(tensorwire.PeerDisconnected):
+            async with asyncio.timeout(20):
+                await step
+        await pipe.aclose()
+        del step
+        await eventually(lambda: not ns[0].peers and "broken" in repr(st[0]))
+        await collected(*kept)

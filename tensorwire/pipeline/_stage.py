@@ -87,6 +87,7 @@ from ..errors import (
     RemoteError,
     TensorWireError,
     UnsupportedTensorError,
+    fresh,
 )
 from ..rpc import current_deadline
 from ..rpc._protocol import describe
@@ -749,7 +750,11 @@ class Stage:
             self._pending = None  # (even where this stage is broken already)
         if self._broken is not None:
             return
-        self._broken = error
+        # kept as a copy without a traceback, and raised as fresh copies of it: the error raised
+        # in place took the frames of each step that raised it into its traceback (and so did
+        # its cause's), and kept through them the peer of a neighbour or a driver that had gone,
+        # with its channel, until the next configure (for good if none came)
+        self._broken = fresh(error)
         log.warning("%s", error)
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -824,7 +829,8 @@ class Stage:
             me = asyncio.current_task()
             if self._broken is not None and (me is None or me.cancelling() == 0):
                 # an abort cancelled the step, not our caller
-                raise self._broken from self._broken.__cause__
+                broken = fresh(self._broken)
+                raise broken from broken.__cause__
             error = BrokenResourceError(f"stage {self.rank}: step {step} was cancelled by its caller")
             self._fail(error, self.rank, str(error), step=step)
             raise
@@ -1035,7 +1041,7 @@ class Stage:
         while self._sends:  # every byte of this step has left before the parameters change
             await asyncio.gather(*list(self._sends))
         if self._broken is not None:
-            raise self._broken
+            raise fresh(self._broken)
         send_wait = time.perf_counter() - t0
         self._pending = step  # the update waits until the driver knows every stage got this far
         return {
@@ -1105,7 +1111,7 @@ class Stage:
         while self._sends:
             await asyncio.gather(*list(self._sends))
         if self._broken is not None:
-            raise self._broken
+            raise fresh(self._broken)
         return {
             "rank": self.rank,
             "outputs": [outputs[i] for i in sorted(outputs)] if last and not evaluating else None,
