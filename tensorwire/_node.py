@@ -502,11 +502,12 @@ class Node:
         its session, and lets go of its control connection; messages that had fully arrived
         stay deliverable to whoever holds the Peer, until it is closed. One that accept() never
         handed out and that left nothing to receive leaves the accept queue too (a node that
-        only serves methods or exposures never accepts: each such peer was kept forever)."""
+        only serves methods or exposures never accepts: each such peer was kept forever), and
+        so does one that its holder closed (``aclose``: it let go of those messages)."""
         # (requests and replies of tensorwire's own services, rpc among them, count for nothing:
         # nobody serves them once the peer has gone)
         if peer in self._incoming:
-            if not peer.channel.mailbox.holds_messages(ignore=RESERVED_TAGS):
+            if peer._closed or not peer.channel.mailbox.holds_messages(ignore=RESERVED_TAGS):
                 self._incoming.remove(peer)
             else:
                 self._departed[peer] = None
@@ -976,9 +977,15 @@ class Node:
             except ClosedResourceError:
                 return
 
-    def _forget(self, peer: Peer) -> None:
+    def _forget(self, peer: Peer, *, closed: bool = False) -> None:
+        """``peer`` is gone; ``closed``: closed here (``Peer.aclose``), which lets go of its
+        messages, so it leaves the accept queue too (one that had gone with messages was kept
+        there for an accept(): a stage's link, taken without one, was kept with them)."""
         if peer in self.peers:
             self.peers.remove(peer)
+        if closed and peer in self._incoming:
+            self._incoming.remove(peer)
+            self._departed.pop(peer, None)
 
     def _check_open(self, what: str) -> None:
         """Every public call but abort() and aclose() passes here (connect, accept, expose,

@@ -649,7 +649,7 @@ class Peer:
             await self.channel.aclose()
         finally:
             await self._close_control(self._control)
-            self.node._forget(self)
+            self.node._forget(self, closed=True)
 
     async def _close_control(self, control: ControlClient | None) -> None:
         """Close ``control`` once the goodbyes under way, which may be calling over it, are

@@ -1074,6 +1074,47 @@ async def test_a_node_that_never_accepts_keeps_a_bounded_number_of_gone_peers_wi
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["tcp", "inproc"])
+@pytest.mark.parametrize("first", ["it left", "closed here"])
+async def test_an_unaccepted_peer_its_holder_closed_leaves_the_accept_queue(transport: str, first: str) -> None:
+    """A node that never accepts may still hold an accepted peer it found otherwise: a pipeline
+    stage takes its previous stage's connection as its link. A gone peer that left messages
+    stays in the accept queue for a later accept() (up to MAX_DEPARTED), but once its holder
+    has closed it (aclose) they are let go: the queue kept it, with its channel and its unread
+    messages, whether it left before that close or after (found by a hang exploration of stage
+    processes: each failed step left the previous stage's link, with the activations it had
+    sent unread, in the next stage's accept queue)."""
+    from tensorwire._peer import tag_id
+
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as server,
+        tensorwire.start("127.0.0.1:0", transports=(transport,)) as client,
+    ):
+
+        @server.method("ping")
+        async def ping(x: int) -> int:
+            return x
+
+        p = await client.connect(server.address)
+        assert await p.call("ping", 1) == 1  # (the server has adopted it)
+        await p.send(np.arange(4), tag="left-behind")
+        q = server.peers[0]  # taken as a stage takes its link, not accept()ed
+        await eventually(lambda box=q.channel.mailbox: box.oldest(tag_id("left-behind")) is not None)
+        if first == "it left":
+            await p.aclose()
+            await eventually(lambda: not server.peers)
+            assert q in server._incoming  # (kept for an accept(), as before)
+        await q.aclose()
+        if first == "closed here":
+            await p.aclose()
+        await eventually(lambda: not server.peers and not server._retiring)
+        assert not server._incoming and not server._departed
+        gone = weakref.ref(q)
+        del p, q  # (an inproc channel holds its other end: the client's peer goes too)
+        await collected(gone)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
 async def test_a_peer_that_left_before_it_was_adopted_leaves_the_node(transport: str) -> None:
     """An inproc client that closed right after connect() returned was adopted by the server
     with its channel closed already: the close callback never fired, and the broken peer
