@@ -12,6 +12,7 @@ import signal
 import sys
 import textwrap
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from _children import end_child
 from _lines import counting_lines
-from _polling import eventually
+from _polling import collected, eventually
 
 import tensorwire
 from tensorwire.memory import HostEngine
@@ -209,6 +210,39 @@ async def test_owner_killed_during_reads_fails_them_and_the_reader_lives() -> No
             child.kill()
         async with asyncio.timeout(10):
             await child.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(30)
+async def test_a_read_from_an_owner_killed_mid_get_lets_its_peer_go() -> None:
+    """Over UCX's tcp lanes a get needs the owner's worker: the owner is frozen (SIGSTOP) while
+    a read waits for it, then SIGKILLed. UCX never completes that get (without peer error
+    handling it cannot fail it), and the read fails after the lease and the landing grace,
+    saying its buffer may still be written. The worker keeps the get's request and buffer until
+    the node closes, as it must; it kept the read's wait too, whose failure's traceback held the
+    read's frames, and through them the dead peer, its channel and mailbox, until the node
+    closed (found by a hang exploration: child SIGKILLed at a random moment, 1 of 13 runs)."""
+    child, address = await _spawn_owner("np.ones(8 << 20, np.uint8)", "await asyncio.sleep(30)", tls="tcp")
+    try:
+        async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}, lease_seconds=1.0) as node:
+            peer = await node.connect(address)
+            h = await peer.lookup("x")
+            await peer.read(h)  # (the lanes for it are up)
+            os.kill(child.pid, signal.SIGSTOP)
+            read = asyncio.ensure_future(peer.read(h))
+            await asyncio.sleep(0.2)
+            assert not read.done(), "the read did not wait for the stopped owner"
+            child.kill()
+            async with asyncio.timeout(10):
+                (got,) = await asyncio.gather(read, return_exceptions=True)
+            assert isinstance(got, tensorwire.PeerDisconnected) and "may still be written" in str(got), repr(got)
+            worker = node.transports["ucx"].worker  # type: ignore[attr-defined]
+            assert worker._raw, "the get has completed: nothing to check"
+            gone = weakref.ref(peer)
+            del peer, h, read, got
+            await collected(gone)
+    finally:
+        await end_child(child)
 
 
 async def test_a_region_is_registered_once() -> None:

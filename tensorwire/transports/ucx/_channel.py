@@ -1756,6 +1756,10 @@ class UcxChannel(Channel):
         log.warning("ucx channel %s: %s", self.name, text)
         for fut in late:
             _settle(fut, _late(exc, text))
+        # (the worker keeps their requests until UCX completes them, for good from an owner that
+        # died over emulated lanes: not these waits, whose failure's traceback holds this
+        # channel and its peer once raised)
+        self._w.let_go(late)
 
     async def aclose(self) -> None:
         if self.state is ChannelState.OPEN:

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -375,8 +375,9 @@ class Worker:
         self._watch: dict[Any, _Watch] = {}
         # requests watched as groups (a message's payload receives: see watch_each), in order
         self._groups: dict[_Group, None] = {}
-        # ucp request pointer -> (waiter, the memory UCX reads or writes, owner, what it is)
-        self._raw: dict[int, tuple[asyncio.Future[None], object, object, str]] = {}
+        # ucp request pointer -> (waiter, the memory UCX reads or writes, owner, what it is); the
+        # waiter None once its caller has settled it (``let_go``)
+        self._raw: dict[int, tuple[asyncio.Future[None] | None, object, object, str]] = {}
         # raw receives (channels' control receives: see listen_raw), each with its callback; and
         # those cancelled (their channel shut) while their message was arriving, with their memory
         self._raw_recv: dict[int, _Watch] = {}
@@ -545,6 +546,21 @@ class Worker:
         self._fresh = True
         self.kick()
         return fut
+
+    def let_go(self, futs: Collection[asyncio.Future[None]]) -> None:
+        """Stop holding ``futs``, waits of ``watch_raw`` whose caller has settled them itself (a
+        channel's gets and puts that UCX had not completed a grace after it shut): their
+        requests and memory stay until UCX completes them, or the worker closes, as before; the
+        waits go. A failure raised from a wait keeps in its traceback the frames that awaited
+        it (a read's: its channel and peer), and a get from an owner that died over lanes that
+        emulate gets (tcp) never completes: the worker kept the gone peer, with its channel and
+        mailbox, until the node closed."""
+        gone = set(futs)
+        if not gone:
+            return
+        for ptr, (fut, keep, owner, what) in self._raw.items():
+            if fut is not None and fut in gone:
+                self._raw[ptr] = (None, keep, owner, what)
 
     def listen_raw(
         self, ucp: Any, request: int, callback: Callable[[int, int], None], *, keep: object, owner: object
@@ -931,7 +947,7 @@ class Worker:
                 raw = True
                 n += 1
                 ucp.request_free(ptr)
-                if not fut.done():
+                if fut is not None and not fut.done():
                     if status == 0:
                         fut.set_result(None)
                     else:
@@ -1448,7 +1464,7 @@ class Worker:
         # one-sided operations still in flight fail (a cancel would raise CancelledError in a
         # caller nobody cancelled: a get from an owner that stopped serving it, say)
         for fut, _, _, what in self._raw.values():
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.set_exception(ClosedResourceError(f"ucx transport closed while a {what} was in flight"))
                 fut.exception()
         for ptr, w in self._raw_recv.items():  # (channels not shut yet: their control receives)
