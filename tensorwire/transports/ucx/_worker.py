@@ -1246,7 +1246,13 @@ class Worker:
                 finally:
                     if not self._closed:  # (its shutdown cancelled them)
                         for r in first:
-                            self.cancel(r)  # (not matched within the grace: its payload never came)
+                            # not done within the grace: its payload never came (cancelled), or it
+                            # matched a message whose sender died inside it, which UCX never ends;
+                            # nobody is told of it now (its callback held the closed channel)
+                            w = self._watch.pop(r, None)
+                            self.cancel(r)
+                            if w is not None:
+                                self.hold(r, w.keep)
                 deadline = self.loop.time() + grace
             flushed = await self._flushed(ep, deadline, released)
         except BaseException:  # (cancelled: nothing may wait now, and nothing may be left to ucxx)
