@@ -1730,6 +1730,64 @@ async def test_a_message_taken_back_then_dropped_unread_then_aborted_leaves_no_r
         assert not b.channel._discarding
 
 
+async def _a_send_taken_back_after_its_cts(
+    tls: str,
+    bindings: str,
+    monkeypatch: pytest.MonkeyPatch,
+    end: Callable[[Any, Any], Awaitable[None] | None],
+    then: Callable[[Any], Awaitable[None]] | None = None,
+) -> None:
+    """A send whose receiver took back its 8 MiB message after the CTS went (its recv cancelled
+    before the payload came, the payload then handed to UCX), then ended (``end(nb, b)``: the
+    receiver's node and peer) and lived on: the send must return its receipt, the sender's
+    worker keep nothing of it; ``then(b)`` checks more while both nodes are still up."""
+    from test_ucx import without_libucp
+
+    if bindings == "ucxx":  # (the payload's send and receives through ucxx)
+        without_libucp(monkeypatch)
+    src = np.ones(8 * MiB, np.uint8)
+    options: dict[str, Any] = {
+        "transports": ("ucx",),
+        "limits": tensorwire.Limits(recv_buffer_bytes=0),  # (every message waits for its recv's CTS)
+        "lease_seconds": 30.0,
+        "ucx_options": {"TLS": tls},
+    }
+    async with (
+        tensorwire.start("127.0.0.1:0", **options) as na,
+        tensorwire.start("127.0.0.1:0", **options) as nb,
+    ):
+        a = await na.connect(nb.address)
+        b = await nb.accept()
+        gate = asyncio.Event()
+        send_payload = a.channel._send_payload
+
+        async def held(*args: Any) -> Any:
+            await gate.wait()  # the payload waits here, the CTS come
+            return await send_payload(*args)
+
+        a.channel._send_payload = held
+        recv = asyncio.ensure_future(b.recv(tag="t", out=np.zeros_like(src)))
+        await eventually(lambda: b.channel.mailbox.has_posted(tag_id("t")), pause=0)
+        send = asyncio.ensure_future(a.send(src, tag="t"))
+        await eventually(lambda: bool(b.channel._incoming), pause=0)  # pulled: its CTS went
+        recv.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(recv, 5)
+        ((arrival, needs_cts),) = b.channel._waiting.values()  # taken back, unread
+        assert arrival.go_ahead and not needs_cts
+        gate.set()
+        await eventually(lambda: bool(a.channel._futs), pause=0)  # the payload is with UCX
+        ending = end(nb, b)
+        if ending is not None:
+            await ending
+        (result,) = await asyncio.gather(asyncio.wait_for(send, 10), return_exceptions=True)  # (a lease is 30 s)
+        assert isinstance(result, tensorwire.Receipt), repr(result)
+        assert result.nbytes == src.nbytes
+        assert _held(na) == (0, 0)
+        if then is not None:
+            await then(b)
+
+
 @pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
 @pytest.mark.parametrize("closer", ["peer", "node"])
 @pytest.mark.parametrize("tls", ["sm,self", "tcp"])
@@ -1746,47 +1804,9 @@ async def test_a_send_taken_back_after_its_cts_ends_at_once_when_its_receiver_cl
     Now the close receives the message into scratch (``_drop_unread``) and the send returns its
     receipt, as one whose message was buffered there and dropped unread: its memory is the
     caller's again, nothing of it kept."""
-    from test_ucx import without_libucp
-
-    if bindings == "ucxx":  # (the payload's send and receives through ucxx)
-        without_libucp(monkeypatch)
-    src = np.ones(8 * MiB, np.uint8)
-    options: dict[str, Any] = {
-        "transports": ("ucx",),
-        "limits": tensorwire.Limits(recv_buffer_bytes=0),  # (every message waits for its recv's CTS)
-        "lease_seconds": 30.0,
-        "ucx_options": {"TLS": tls},
-    }
-    async with (
-        tensorwire.start("127.0.0.1:0", **options) as na,
-        tensorwire.start("127.0.0.1:0", **options) as nb,
-    ):
-        a = await na.connect(nb.address)
-        b = await nb.accept()
-        gate = asyncio.Event()
-        send_payload = a.channel._send_payload
-
-        async def held(*args: Any) -> Any:
-            await gate.wait()  # the payload waits here, the CTS come
-            return await send_payload(*args)
-
-        a.channel._send_payload = held
-        recv = asyncio.ensure_future(b.recv(tag="t", out=np.zeros_like(src)))
-        await eventually(lambda: b.channel.mailbox.has_posted(tag_id("t")), pause=0)
-        send = asyncio.ensure_future(a.send(src, tag="t"))
-        await eventually(lambda: bool(b.channel._incoming), pause=0)  # pulled: its CTS went
-        recv.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(recv, 5)
-        ((arrival, needs_cts),) = b.channel._waiting.values()  # taken back, unread
-        assert arrival.go_ahead and not needs_cts
-        gate.set()
-        await eventually(lambda: bool(a.channel._futs), pause=0)  # the payload is with UCX
-        await (b.aclose() if closer == "peer" else nb.aclose())
-        (result,) = await asyncio.gather(asyncio.wait_for(send, 10), return_exceptions=True)  # (a lease is 30 s)
-        assert isinstance(result, tensorwire.Receipt), repr(result)
-        assert result.nbytes == src.nbytes
-        assert _held(na) == (0, 0)
+    await _a_send_taken_back_after_its_cts(
+        tls, bindings, monkeypatch, lambda nb, b: b.aclose() if closer == "peer" else nb.aclose()
+    )
 
 
 @pytest.mark.parametrize("bindings", ["libucp", "ucxx"])
@@ -1803,53 +1823,19 @@ async def test_a_send_taken_back_after_its_cts_ends_at_once_when_its_receiver_ab
     drops it unread too (``_drop_unread``), and its endpoint's close waits for those receives
     (over shared memory the RTS came after the endpoint had gone, and UCX cancelled the receive
     without answering the sender): the send returns its receipt, nothing of it kept."""
-    from test_ucx import without_libucp
 
-    if bindings == "ucxx":  # (the payload's send and receives through ucxx)
-        without_libucp(monkeypatch)
-    src = np.ones(8 * MiB, np.uint8)
-    options: dict[str, Any] = {
-        "transports": ("ucx",),
-        "limits": tensorwire.Limits(recv_buffer_bytes=0),  # (every message waits for its recv's CTS)
-        "lease_seconds": 30.0,
-        "ucx_options": {"TLS": tls},
-    }
-    async with (
-        tensorwire.start("127.0.0.1:0", **options) as na,
-        tensorwire.start("127.0.0.1:0", **options) as nb,
-    ):
-        a = await na.connect(nb.address)
-        b = await nb.accept()
-        gate = asyncio.Event()
-        send_payload = a.channel._send_payload
-
-        async def held(*args: Any) -> Any:
-            await gate.wait()  # the payload waits here, the CTS come
-            return await send_payload(*args)
-
-        a.channel._send_payload = held
-        recv = asyncio.ensure_future(b.recv(tag="t", out=np.zeros_like(src)))
-        await eventually(lambda: b.channel.mailbox.has_posted(tag_id("t")), pause=0)
-        send = asyncio.ensure_future(a.send(src, tag="t"))
-        await eventually(lambda: bool(b.channel._incoming), pause=0)  # pulled: its CTS went
-        recv.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(recv, 5)
-        ((arrival, needs_cts),) = b.channel._waiting.values()  # taken back, unread
-        assert arrival.go_ahead and not needs_cts
-        gate.set()
-        await eventually(lambda: bool(a.channel._futs), pause=0)  # the payload is with UCX
+    def end(nb: Any, b: Any) -> None:
         if aborter == "peer":
             b.abort()
         elif aborter == "node":
             nb.abort()
         else:
             b.channel.fail(PeerDisconnected("lease lost"))
-        (result,) = await asyncio.gather(asyncio.wait_for(send, 10), return_exceptions=True)  # (a lease is 30 s)
-        assert isinstance(result, tensorwire.Receipt), repr(result)
-        assert result.nbytes == src.nbytes
-        assert _held(na) == (0, 0)
-        await eventually(lambda: _discard_receives(b.channel) == 0, 5)  # (none left posted)
+
+    async def none_left_posted(b: Any) -> None:
+        await eventually(lambda: _discard_receives(b.channel) == 0, 5)
+
+    await _a_send_taken_back_after_its_cts(tls, bindings, monkeypatch, end, none_left_posted)
 
 
 def _hold_after_first_segment(peer: Any) -> asyncio.Event:
