@@ -8,6 +8,8 @@
 #   STEPS=tests LF=1 bash scripts/gpu_check.sh             # a warm rerun of the tests that failed
 #   STEPS=tests FF=1 bash scripts/gpu_check.sh             # ... of all of them, those that failed first
 #   XDIST=1 bash scripts/gpu_check.sh                      # the tests in one process (default 4)
+#   REPORT=0 bash scripts/gpu_check.sh    # no machine, versions, packages or doctor report (default 1;
+#                                         # tests/test_gpu_check.py: ~5 s of python start-ups a run)
 #   STEPS=tests TESTS=tests/gpu/test_cuda_ucx.py bash scripts/gpu_check.sh   # some tests only
 #   P2P_ARGS="--sizes 1M,1G" bash scripts/gpu_check.sh     # benchmarks/gpu_p2p.py's arguments
 #   RAW_ARGS="--sizes 1G" bash scripts/gpu_check.sh        # benchmarks/gpu_ucx_raw.py's
@@ -55,12 +57,13 @@ INSTALL_ONLY=0
 # what an earlier call on this (warm) machine installed counts as installed
 [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
-echo "== machine"
-nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv,noheader 2>/dev/null \
-    || nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
-# what a failure needs to be read in one run: CuPy, its CUDA runtime, driver and NVRTC, each
-# device, and torch's CUDA build (each part says why where it cannot)
-timeout -k 5 30 "$PY" - <<'EOF' || echo "WARNING: the version report failed or ran out of time"
+if [ "${REPORT:-1}" != 0 ]; then  # the machine and its versions (REPORT=0: not)
+    echo "== machine"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv,noheader 2>/dev/null \
+        || nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
+    # what a failure needs to be read in one run: CuPy, its CUDA runtime, driver and NVRTC, each
+    # device, and torch's CUDA build (each part says why where it cannot)
+    timeout -k 5 30 "$PY" - <<'EOF' || echo "WARNING: the version report failed or ran out of time"
 import os
 import sys
 
@@ -93,9 +96,10 @@ except Exception as exc:
     print(f"torch: not usable here ({exc!r}); the torch GPU tests will skip")
 print("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=" + os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "(unset)"))
 EOF
-# memory from cudaMallocAsync pools or torch's expandable segments is not cuda_ipc-able in UCX 1.21
-# (UCX moves it another way, silently): say when the machine asks for either
-echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-(unset)}"
+    # memory from cudaMallocAsync pools or torch's expandable segments is not cuda_ipc-able in UCX 1.21
+    # (UCX moves it another way, silently): say when the machine asks for either
+    echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-(unset)}"
+fi
 
 deps() { "$PY" scripts/gpu_deps.py "$@"; }  # missing | wheels DIR...: what to install (see there)
 # (the name lookup has no time limit of its own: a DNS server that drops queries took 10-30 s)
@@ -141,19 +145,21 @@ if ! "$PY" -c 'import ucxx' 2>/dev/null; then
         export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     fi
 fi
-"$PY" -c 'import ucxx, importlib.metadata as m; print("ucxx", ucxx.__version__, "| UCX %d.%d.%d" % ucxx.get_ucx_version(), "| libucx", *[d.metadata["Name"] + " " + d.version for d in m.distributions() if d.metadata["Name"].startswith("libucx-")])' 2>/dev/null \
-    || echo "ucxx: not importable here; the ucx GPU rows and tests skip (scripts/gpu_wheels.sh fills .whl-ucx/ and .whl-libucx/)"
-# the carried (thinned) libucx has no ucx_info: the doctor below lists UCX's version and lanes
-command -v ucx_info >/dev/null && ucx_info -v
+if [ "${REPORT:-1}" != 0 ]; then  # ucxx, UCX, the packages and the doctor (REPORT=0: not)
+    "$PY" -c 'import ucxx, importlib.metadata as m; print("ucxx", ucxx.__version__, "| UCX %d.%d.%d" % ucxx.get_ucx_version(), "| libucx", *[d.metadata["Name"] + " " + d.version for d in m.distributions() if d.metadata["Name"].startswith("libucx-")])' 2>/dev/null \
+        || echo "ucxx: not importable here; the ucx GPU rows and tests skip (scripts/gpu_wheels.sh fills .whl-ucx/ and .whl-libucx/)"
+    # the carried (thinned) libucx has no ucx_info: the doctor below lists UCX's version and lanes
+    command -v ucx_info >/dev/null && ucx_info -v
 
-echo "== packages the GPU code calls"
-"$PY" -c 'import importlib.metadata as m, re
+    echo "== packages the GPU code calls"
+    "$PY" -c 'import importlib.metadata as m, re
 want = re.compile(r"(cupy|torch|numpy|ml.dtypes|ucxx|libucx|rmm|librmm|cuda|nvidia|pytest)", re.I)
 names = {(d.metadata["Name"] or "") + " " + d.version for d in m.distributions()}
 print(*sorted(n for n in names if want.match(n)), sep="\n")'
-echo "== tensorwire doctor (GPUs; UCX and its lanes: cuda_copy/cuda_ipc where UCX has CUDA)"
-timeout -k 5 30 "$PY" -c 'import sys; from tensorwire.cli import main; sys.exit(main(["doctor"]))' \
-    || echo "WARNING: tensorwire doctor failed or ran out of time"
+    echo "== tensorwire doctor (GPUs; UCX and its lanes: cuda_copy/cuda_ipc where UCX has CUDA)"
+    timeout -k 5 30 "$PY" -c 'import sys; from tensorwire.cli import main; sys.exit(main(["doctor"]))' \
+        || echo "WARNING: tensorwire doctor failed or ran out of time"
+fi
 
 if [ "$INSTALL_ONLY" -eq 1 ]; then
     echo "installed into $SITE; run the check in a later call on this machine"

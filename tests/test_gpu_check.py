@@ -44,7 +44,9 @@ class cuda:
 def _check(tmp_path: Path, *, one_gpu: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), **env}
+    # the machine and version report (python start-ups that import CuPy, torch, ucxx and tensorwire:
+    # ~5 s a run here) only where a test asks for it (REPORT="1")
+    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "REPORT": "0", **env}
     if one_gpu:
         fake = tmp_path / "stand-in"
         (fake / "cupy").mkdir(parents=True, exist_ok=True)
@@ -78,9 +80,20 @@ def test_gpu_check_runs_the_steps_named_in_their_order_and_fails_without_a_gpu(t
     shadow = tmp_path / "shadow" / "tensorwire"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("not the tensorwire of this checkout")\n')
-    proc = _check(tmp_path, STEPS="pack kv bogus", BUDGET="100", T_PACK="1000", PYTHONPATH=str(shadow.parent))
+    proc = _check(
+        tmp_path, STEPS="pack kv bogus", BUDGET="100", T_PACK="1000", PYTHONPATH=str(shadow.parent), REPORT="1"
+    )
     out = proc.stdout
     assert proc.returncode == 2, out + proc.stderr
+    # the report the other runs here leave out (REPORT=0), from this checkout's tensorwire too
+    for part in (
+        "== machine",
+        "python 3.",
+        "== packages the GPU code calls",
+        "tensorwire 0.",
+        "transports (preference",
+    ):
+        assert part in out, out
     pack, kv = out.index("benchmarks/gpu_pack.py --gib 0.5"), out.index("benchmarks/kv_rows.py --memory cuda")
     assert pack < kv, "the steps run in the order STEPS names them"
     limit = re.search(r"gpu_pack.py .*\(limit (\d+)s\)$", out, re.M)
