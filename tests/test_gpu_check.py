@@ -5,13 +5,15 @@ the check runs its steps in order under one budget (BUDGET), never starts a step
 45 s, and ends with the line that reruns what did not pass. Without a GPU it must say so and exit
 2, however its steps went. Where a test needs the check to see a GPU that is not here, a stand-in
 ``cupy`` that only counts one device goes first on PYTHONPATH: the check's steps then run (and
-fail) for real, which is what the rerun line is about.
+fail) for real, which is what the rerun line is about. Where a test checks only which benchmarks a
+step starts and what the summary makes of their output, a stand-in PYTHON answers for them.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +43,28 @@ class cuda:
 '''
 
 
-def _check(tmp_path: Path, *, one_gpu: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
+# the check's PYTHON where a test checks which benchmarks a step starts and what the summary says of
+# them, not the benchmarks: each one (python benchmarks/X.py ARGS) prints a row of its table, one
+# the summary shows, naming what it was asked to run, and fails at once (a real one, failing on the
+# stand-in CuPy, spent 3-4 s importing torch and tensorwire's benchmark helpers); all else is Python
+_BENCH_STAND_IN = """#!/usr/bin/env bash
+case "${1:-}" in
+    benchmarks/*) echo "| stand-in row: $*"; exit 1 ;;
+esac
+exec %s "$@"
+"""
+
+
+def _check(
+    tmp_path: Path, *, one_gpu: bool = False, stand_in_benchmarks: bool = False, **env: str
+) -> subprocess.CompletedProcess[str]:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
+    if stand_in_benchmarks:
+        python = tmp_path / "python"
+        python.write_text(_BENCH_STAND_IN % shlex.quote(sys.executable))
+        python.chmod(0o755)
+        env = {"PYTHON": str(python), **env}
     # the machine and version report (python start-ups that import CuPy, torch, ucxx and tensorwire:
     # ~5 s a run here) only where a test asks for it (REPORT="1")
     full = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "REPORT": "0", **env}
@@ -124,10 +145,10 @@ def test_gpu_check_starts_no_step_the_budget_cannot_hold_and_says_how_to_rerun(t
 
 
 def test_the_seq_step_runs_ucx_seq_its_eager_ab_then_staged_tcp_with_default_and_small_chunks(tmp_path: Path) -> None:
-    # with the stand-in every benchmark fails at once; what is checked is what the step starts, in
-    # which order, and that the summary names each A/B run (ucx at 1 GiB eager; the staging chunk
-    # at 1 MiB, where the first H200 run missed staged tcp's goal)
-    proc = _check(tmp_path, one_gpu=True, STEPS="seq", SMALL_CHUNK="128K", EAGER_CREDIT="3G")
+    # every benchmark is a stand-in that prints one row and fails; what is checked is what the step
+    # starts, in which order, and that the summary names each A/B run (ucx at 1 GiB eager; the
+    # staging chunk at 1 MiB, where the first H200 run missed staged tcp's goal) with its own rows
+    proc = _check(tmp_path, one_gpu=True, stand_in_benchmarks=True, STEPS="seq", SMALL_CHUNK="128K", EAGER_CREDIT="3G")
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
     runs = re.findall(r"^== GPU benchmark: \S+ benchmarks/(.*) \(limit \d+s\)$", out, re.M)
@@ -143,6 +164,13 @@ def test_the_seq_step_runs_ucx_seq_its_eager_ab_then_staged_tcp_with_default_and
         for s in ("ucx_seq: ", "ucx_seq eager (credit 3G):", "staged tcp (timeline): ", "staged tcp (small): ")
     ]
     assert said == sorted(said), summary
+    # each run's table under its own heading, from its own log
+    rows = [m.start() for m in re.finditer(r"^\| stand-in row: benchmarks/", summary, re.M)]
+    assert len(rows) == 4 and all(a < r < b for a, r, b in zip(said, rows, [*said[1:], len(summary)], strict=True)), (
+        summary
+    )
+    for run, row in zip(runs, rows, strict=True):
+        assert summary.startswith(f"| stand-in row: benchmarks/{run}\n", row), summary
     assert re.search(r"^step seq: exit 1, \d+ s$", out, re.M), out
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="seq" bash scripts/gpu_check.sh'), out
 
