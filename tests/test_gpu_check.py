@@ -175,35 +175,40 @@ def test_the_seq_step_runs_ucx_seq_its_eager_ab_then_staged_tcp_with_default_and
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="seq" bash scripts/gpu_check.sh'), out
 
 
-@pytest.mark.timeout(240)  # two runs of the check, each with a step of 20 s and its 10 s of grace
+@pytest.mark.timeout(120)  # two runs of the check, each with a step of 14 s and its 10 s of grace
 def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_them(tmp_path: Path) -> None:
-    # with the stand-in the pack tests see a device and fail; a test of ours sleeps past the step
-    hang = tmp_path / "test_hang.py"
+    # two GPU tests of ours: one fails at once, one sleeps past the step
+    (tmp_path / "conftest.py").write_text(
+        'def pytest_configure(config):\n    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")\n'
+    )
+    fails, hang = tmp_path / "test_fails.py", tmp_path / "test_hang.py"
+    fails.write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_fails_at_once():\n    assert 1 == 2\n")
     hang.write_text(
         "import time\n\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_sleeps_past_the_step():\n    time.sleep(300)\n"
     )
-    # one pack test, not all 231: pytest, its 2 workers and that failure take 5 s here (9 s with both
-    # cores busy), so a limit of 20 s holds them, and the sleeper runs out of it (a GPU machine's
-    # steps need at least 30 s, MIN_STEP)
-    tests = f"tests/gpu/test_pack.py::test_plan_choices_on_device_arrays {hang}"
-    proc = _check(tmp_path, one_gpu=True, STEPS="tests", TESTS=tests, XDIST="2", T_TESTS="20", MIN_STEP="20")
+    # not a real GPU test failing on the stand-in CuPy (tests/gpu/test_pack.py's took its step 6 s
+    # here, 11-13 s with two busy loops on the two cores): pytest, its 2 workers and this failure
+    # take 4 s (6-7 s with the busy loops), so a limit of 14 s holds them, and the sleeper runs out
+    # of it (a GPU machine's steps need at least 30 s, MIN_STEP)
+    tests = f"{fails} {hang}"
+    proc = _check(tmp_path, one_gpu=True, STEPS="tests", TESTS=tests, XDIST="2", T_TESTS="14", MIN_STEP="14")
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
-    head = re.search(r"^== GPU tests: .* -m gpu tests/gpu/test_pack.py::\S+ \S+ .*\(limit 20s\)$", out, re.M)
+    head = re.search(rf"^== GPU tests: .* -m gpu {re.escape(tests)} .*\(limit 14s\)$", out, re.M)
     assert head, out
     if "-n 2" not in head[0]:
         pytest.fail(f"pytest-xdist is a dev dependency: the tests should run in 2 processes\n{head[0]}")
     assert re.search(r"^step tests: ran out of its \d+ s \(exit 124\)$", out, re.M), out
     # pytest, interrupted at the step's limit, still summed up what had failed
-    assert re.search(r"^(\[gw\d\] )?FAILED tests/gpu/test_pack.py::test_plan_choices_on_device_arrays", out, re.M), out
+    assert re.search(r"^(\[gw\d\] )?FAILED \S*test_fails.py::test_fails_at_once", out, re.M), out
     running = re.search(r"^tests ran out of time in: (.*)$", out, re.M)
     assert running and running[1].endswith("::test_sleeps_past_the_step"), out
     assert "GPU CHECK: FAIL (steps not passed: tests)" in out
     # the step ran out of time: the rerun takes every test, those that failed first (LF=1, pytest's
     # --lf, left out each test the step had not finished, the sleeper here, for good)
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="tests" FF=1 bash scripts/gpu_check.sh'), out
-    again = _check(tmp_path, one_gpu=True, STEPS="tests", FF="1", TESTS=tests, XDIST="2", T_TESTS="20", MIN_STEP="20")
+    again = _check(tmp_path, one_gpu=True, STEPS="tests", FF="1", TESTS=tests, XDIST="2", T_TESTS="14", MIN_STEP="14")
     out = again.stdout
-    assert re.search(r"^== GPU tests: .* --ff .*\(limit 20s\)$", out, re.M), out
+    assert re.search(r"^== GPU tests: .* --ff .*\(limit 14s\)$", out, re.M), out
     running = re.search(r"^tests ran out of time in: (.*)$", out, re.M)
     assert running and running[1].endswith("::test_sleeps_past_the_step"), "the rerun left out the unfinished test"
