@@ -175,7 +175,7 @@ def test_the_seq_step_runs_ucx_seq_its_eager_ab_then_staged_tcp_with_default_and
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="seq" bash scripts/gpu_check.sh'), out
 
 
-@pytest.mark.timeout(120)  # two runs of the check, each with a step of 14 s and its 10 s of grace
+@pytest.mark.timeout(120)  # two runs of the check, the first out of its 14 s step (10 s of kill grace)
 def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_them(tmp_path: Path) -> None:
     # two GPU tests of ours: one fails at once, one sleeps past the step
     (tmp_path / "conftest.py").write_text(
@@ -183,8 +183,11 @@ def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_them(tmp
     )
     fails, hang = tmp_path / "test_fails.py", tmp_path / "test_hang.py"
     fails.write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_fails_at_once():\n    assert 1 == 2\n")
+    # it sleeps until the file "woken" is next to it: in the first run only
     hang.write_text(
-        "import time\n\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_sleeps_past_the_step():\n    time.sleep(300)\n"
+        "import time\nfrom pathlib import Path\n\nimport pytest\n\n\n@pytest.mark.gpu\n"
+        "def test_sleeps_past_the_step():\n"
+        "    while not Path(__file__).with_name('woken').exists():\n        time.sleep(0.1)\n"
     )
     # not a real GPU test failing on the stand-in CuPy (tests/gpu/test_pack.py's took its step 6 s
     # here, 11-13 s with two busy loops on the two cores): pytest, its 2 workers and this failure
@@ -207,8 +210,14 @@ def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_them(tmp
     # the step ran out of time: the rerun takes every test, those that failed first (LF=1, pytest's
     # --lf, left out each test the step had not finished, the sleeper here, for good)
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="tests" FF=1 bash scripts/gpu_check.sh'), out
+    # the rerun, the sleeper woken: it must run again (and now pass), so the step ends without
+    # waiting out its limit
+    (tmp_path / "woken").touch()
     again = _check(tmp_path, one_gpu=True, STEPS="tests", FF="1", TESTS=tests, XDIST="2", T_TESTS="14", MIN_STEP="14")
     out = again.stdout
+    assert again.returncode == 1, out + again.stderr
     assert re.search(r"^== GPU tests: .* --ff .*\(limit 14s\)$", out, re.M), out
-    running = re.search(r"^tests ran out of time in: (.*)$", out, re.M)
-    assert running and running[1].endswith("::test_sleeps_past_the_step"), "the rerun left out the unfinished test"
+    assert re.search(r"^tests: +1 failed, 1 passed in .*\(exit 1, \d+ s\)$", out, re.M), "the rerun left out a test"
+    log = (tmp_path / "out" / "tensorwire-gpu-tests.log").read_text()
+    assert re.search(r"PASSED +\S*::test_sleeps_past_the_step|::test_sleeps_past_the_step PASSED", log), log
+    assert out.rstrip().endswith('rerun on this warm machine: STEPS="tests" LF=1 bash scripts/gpu_check.sh'), out
