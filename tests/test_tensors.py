@@ -145,6 +145,43 @@ def test_bfloat16_via_ml_dtypes() -> None:
     assert msg.specs[0].dtype == "bfloat16" and got.dtype == x.dtype
 
 
+_FRESH_BF16 = """
+import sys
+import numpy as np
+import tensorwire
+from tensorwire.tensors import decode_header, prepare, rebuild
+assert "ml_dtypes" not in sys.modules, "import tensorwire imported ml_dtypes"
+header = bytes.fromhex(sys.argv[1])
+tree, specs = decode_header(header, max_message_bytes=1 << 20)
+(arr,) = [s.allocate() for s in specs]  # (as a receiver does)
+arr.view(np.uint8).reshape(-1)[:] = np.frombuffer(bytes.fromhex(sys.argv[2]), np.uint8)
+got = rebuild(tree, specs, [arr])
+print(got.dtype, got.astype(np.float32).tolist())
+msg = prepare(got)
+print(msg.specs[0].dtype)
+"""
+
+
+def test_a_process_that_never_imported_ml_dtypes_receives_and_sends_bfloat16() -> None:
+    """ml_dtypes (about 0.7 s to import) is imported on first need, not by ``import
+    tensorwire``: a fresh process still decodes a bfloat16 tensor, rebuilds it as ml_dtypes'
+    bfloat16, and names it again when it sends it on."""
+    import subprocess
+    import sys
+
+    x = np.array([1.5, -2.0, 3.25], dtype=ml_dtypes.bfloat16)
+    msg = prepare(x)
+    data = np.ascontiguousarray(msg.arrays[0]).view(np.uint8).tobytes()
+    out = subprocess.run(
+        [sys.executable, "-c", _FRESH_BF16, bytes(msg.header).hex(), data.hex()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["bfloat16 [1.5, -2.0, 3.25]", "bfloat16"]
+
+
 def test_torch_tensors_roundtrip() -> None:
     torch = pytest.importorskip("torch")
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64, torch.float16):

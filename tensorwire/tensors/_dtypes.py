@@ -1,19 +1,21 @@
 """The dtypes tensorwire moves, by wire name.
 
-bfloat16 and the float8 types come from ml_dtypes (a core dependency), so a numpy-only process
-can receive what a torch process sends.
+bfloat16 and the float8 types come from ml_dtypes (a core dependency, imported on first need),
+so a numpy-only process can receive what a torch process sends.
 """
 
 from __future__ import annotations
 
-import ml_dtypes
+import sys
+from collections.abc import Iterator, Mapping
+
 import numpy as np
 
 from ..errors import UnsupportedTensorError
 
-__all__ = ["DTYPES", "big_endian", "dtype_from_name", "dtype_name"]
+__all__ = ["DTYPES", "big_endian", "dtype_from_name", "dtype_name", "is_wire_dtype"]
 
-DTYPES: dict[str, np.dtype] = {
+_NUMPY: dict[str, np.dtype] = {
     "bool": np.dtype(np.bool_),
     "int8": np.dtype(np.int8),
     "int16": np.dtype(np.int16),
@@ -28,18 +30,70 @@ DTYPES: dict[str, np.dtype] = {
     "float64": np.dtype(np.float64),
     "complex64": np.dtype(np.complex64),
     "complex128": np.dtype(np.complex128),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
 }
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # (ml_dtypes' attribute names too)
 
-_NAMES: dict[np.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+_NAMES: dict[np.dtype, str] = {dt: name for name, dt in _NUMPY.items()}
+
+
+class _Dtypes(Mapping[str, np.dtype]):
+    """Wire name -> numpy dtype. ml_dtypes' three are looked up on first need: importing
+    ml_dtypes takes about 0.7 s (its extension's start), which every process that imported
+    tensorwire paid, CLI and test children included, most never moving a bfloat16. A process
+    that holds an ml_dtypes array has imported it already; one that receives one imports it
+    here."""
+
+    def __init__(self) -> None:
+        self._all: dict[str, np.dtype] | None = None
+
+    def _full(self) -> dict[str, np.dtype]:
+        if self._all is None:
+            import ml_dtypes
+
+            extra = {name: np.dtype(getattr(ml_dtypes, name)) for name in _ML_DTYPES}
+            _NAMES.update({dt: name for name, dt in extra.items()})
+            self._all = {**_NUMPY, **extra}
+        return self._all
+
+    def __getitem__(self, name: str) -> np.dtype:
+        dt = _NUMPY.get(name)
+        if dt is not None:
+            return dt
+        if name in _ML_DTYPES:
+            return self._full()[name]
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _NUMPY or name in _ML_DTYPES
+
+    def __iter__(self) -> Iterator[str]:
+        yield from _NUMPY
+        yield from _ML_DTYPES
+
+    def __len__(self) -> int:
+        return len(_NUMPY) + len(_ML_DTYPES)
+
+
+DTYPES: Mapping[str, np.dtype] = _Dtypes()
+
+
+def _name_of(dt: np.dtype) -> str | None:
+    name = _NAMES.get(dt)
+    if name is None and "ml_dtypes" in sys.modules:  # (an ml_dtypes dtype: its names were not looked up yet)
+        DTYPES._full()  # type: ignore[attr-defined]
+        name = _NAMES.get(dt)
+    return name
+
+
+def is_wire_dtype(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` (a numpy dtype) has a wire name."""
+    return _name_of(dtype) is not None
 
 
 def dtype_name(dtype: np.dtype) -> str:
     """The wire name of a numpy dtype; raises UnsupportedTensorError for others."""
     dt = np.dtype(dtype)
-    name = _NAMES.get(dt)
+    name = _name_of(dt)
     if name is None:
         if dt.byteorder == ">" or (dt.byteorder == "=" and np.little_endian is False):
             raise big_endian(dt)
@@ -50,7 +104,7 @@ def dtype_name(dtype: np.dtype) -> str:
 def big_endian(dtype: np.dtype) -> UnsupportedTensorError:
     """The refusal of a big-endian dtype, named by the wire name of its native twin as well: a
     byte-swapped bfloat16 is ``>V2`` to numpy, a plain void type to the reader."""
-    name = _NAMES.get(dtype.newbyteorder("="))
+    name = _name_of(dtype.newbyteorder("="))
     shown = f"{name} ({dtype.str})" if name is not None else str(dtype)
     return UnsupportedTensorError(f"big-endian dtype {shown} is not supported; convert to native order")
 

@@ -26,7 +26,6 @@ from ._tree import Plan, plan, varint
 from ._view import _MAX_SHAPE_BYTES, MAX_NDIM, TensorView, empty, impossible_shape, unsendable
 
 __all__ = [
-    "WIRE_DTYPES",
     "Spec",
     "SpecEntry",
     "c_strides",
@@ -79,7 +78,6 @@ def c_strides(shape: tuple[int, ...]) -> list[int]:
 # MessageHeader.tensors). Host wire arrays are found by (numpy dtype, shape, byte strides,
 # framework), which decide every field; numpy dtypes are equal only where native and alike.
 SpecEntry = tuple[Spec, bytes]
-WIRE_DTYPES = frozenset(DTYPES.values())
 _SPEC_LIMIT = 1 << 13
 host_specs: dict[tuple[np.dtype, tuple[int, ...], tuple[int, ...], str], SpecEntry] = {}
 

@@ -26,9 +26,8 @@ import numpy as np
 from ..control._pb import wire_pb2
 from ..errors import ShapeMismatchError, UnsupportedTensorError
 from ._device import DeviceSource, DeviceTensor, Streams
-from ._dtypes import DTYPES, dtype_name
+from ._dtypes import DTYPES, dtype_name, is_wire_dtype
 from ._header import (
-    WIRE_DTYPES,
     Spec,
     decode_header,
     decode_header_sized,
@@ -285,7 +284,7 @@ class _Leaves:
             raise _TooMany
         if arr is not None and arr.flags.c_contiguous:
             hit = host_specs.get((arr.dtype, arr.shape, arr.strides, framework))
-            if hit is None and arr.dtype in WIRE_DTYPES:  # (else as_view says what is wrong)
+            if hit is None and is_wire_dtype(arr.dtype):  # (else as_view says what is wrong)
                 hit = host_spec(arr, framework)
             if hit is not None:
                 records.append([arr, False, None, hit])
