@@ -945,12 +945,10 @@ async def test_an_aborted_node_drops_its_peers_and_takes_no_new_ones() -> None:
         await server.aclose()
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["tcp", "inproc"])
-async def test_peers_that_left_before_anyone_accepted_them_are_not_kept(transport: str) -> None:
-    """A node that only serves methods never calls accept(): every peer that called it and
-    left stayed in the accept queue for good (266 KiB each over tcp). One that left a
-    message to receive is still handed out."""
+@contextlib.asynccontextmanager
+async def _server_and_client(transport: str) -> AsyncIterator[tuple[tensorwire.Node, tensorwire.Node]]:
+    """Two nodes over ``transport``: a server that serves ``ping`` (its argument back) and never
+    accepts, and a client."""
     async with (
         tensorwire.start("127.0.0.1:0", transports=(transport,)) as server,
         tensorwire.start("127.0.0.1:0", transports=(transport,)) as client,
@@ -960,6 +958,16 @@ async def test_peers_that_left_before_anyone_accepted_them_are_not_kept(transpor
         async def ping(x: int) -> int:
             return x
 
+        yield server, client
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+async def test_peers_that_left_before_anyone_accepted_them_are_not_kept(transport: str) -> None:
+    """A node that only serves methods never calls accept(): every peer that called it and
+    left stayed in the accept queue for good (266 KiB each over tcp). One that left a
+    message to receive is still handed out."""
+    async with _server_and_client(transport) as (server, client):
         for i in range(20):
             async with await client.connect(server.address) as p:
                 assert await p.call("ping", i) == i
@@ -1029,15 +1037,7 @@ async def test_a_node_that_never_accepts_keeps_a_bounded_number_of_gone_peers_wi
     later accept(); older ones are closed and let go, with a warning. Once the node accepts,
     none is dropped: every message of its backlog reaches its accept loop."""
     cap, clients = tensorwire.Node.MAX_DEPARTED, 300
-    async with (
-        tensorwire.start("127.0.0.1:0", transports=(transport,)) as server,
-        tensorwire.start("127.0.0.1:0", transports=(transport,)) as client,
-    ):
-
-        @server.method("ping")
-        async def ping(x: int) -> int:
-            return x
-
+    async with _server_and_client(transport) as (server, client):
         first: weakref.ref[tensorwire.Peer] | None = None
         for i in range(clients):
             async with await client.connect(server.address) as p:
@@ -1085,15 +1085,7 @@ async def test_an_unaccepted_peer_its_holder_closed_leaves_the_accept_queue(tran
     sent unread, in the next stage's accept queue)."""
     from tensorwire._peer import tag_id
 
-    async with (
-        tensorwire.start("127.0.0.1:0", transports=(transport,)) as server,
-        tensorwire.start("127.0.0.1:0", transports=(transport,)) as client,
-    ):
-
-        @server.method("ping")
-        async def ping(x: int) -> int:
-            return x
-
+    async with _server_and_client(transport) as (server, client):
         p = await client.connect(server.address)
         assert await p.call("ping", 1) == 1  # (the server has adopted it)
         await p.send(np.arange(4), tag="left-behind")

@@ -74,13 +74,14 @@ class _Dtypes(Mapping[str, np.dtype]):
         return len(_NUMPY) + len(_ML_DTYPES)
 
 
-DTYPES: Mapping[str, np.dtype] = _Dtypes()
+_DTYPES = _Dtypes()
+DTYPES: Mapping[str, np.dtype] = _DTYPES
 
 
 def _name_of(dt: np.dtype) -> str | None:
     name = _NAMES.get(dt)
     if name is None and "ml_dtypes" in sys.modules:  # (an ml_dtypes dtype: its names were not looked up yet)
-        DTYPES._full()  # type: ignore[attr-defined]
+        _DTYPES._full()
         name = _NAMES.get(dt)
     return name
 

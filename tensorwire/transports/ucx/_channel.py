@@ -1834,18 +1834,20 @@ class UcxChannel(Channel):
         await self._w.all_done([r for reqs in self._discarding.values() for r in reqs])
 
     def abort(self) -> None:
-        # the BYE waits for nothing: the peer learns at once, as a tcp peer does from the shut
-        # socket (it kept a peer aborted after its connect, one nobody held, until its lease ran out)
-        if self.state is ChannelState.OPEN:
-            self._drop_unread()
-            self._goodbye()
-        self._shutdown(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
+        self._end_now(ChannelState.CLOSED, ClosedResourceError("channel aborted"))
 
     def fail(self, exc: BaseException) -> None:
+        self._end_now(ChannelState.BROKEN, exc)
+
+    def _end_now(self, state: ChannelState, exc: BaseException) -> None:
+        """Shut the channel as ``state`` with ``exc``, waiting for nothing (an abort, a failure).
+        The BYE waits for nothing either: the peer learns at once, as a tcp peer does from the
+        shut socket (it kept a peer aborted after its connect, one nobody held, until its lease
+        ran out); what it sent that nothing here will read is dropped first (``_drop_unread``)."""
         if self.state is ChannelState.OPEN:
             self._drop_unread()
             self._goodbye()
-        self._shutdown(ChannelState.BROKEN, exc)
+        self._shutdown(state, exc)
 
     def _post_bye(self, bye: bytes) -> asyncio.Future[Any] | None:
         """Post ``bye``: None if UCX is done with it, else a future for when it is. Raw

@@ -724,10 +724,7 @@ class Worker:
         """Cancel every request of ``owner`` and stop reporting them; their buffers stay
         referenced until UCX is done with them (or the worker closes). Its raw requests (sends:
         UCX cannot take one back) are left to finish, and their waits are not resolved."""
-        for r in [r for r, w in self._watch.items() if w.owner is owner]:
-            w = self._watch.pop(r)
-            self.cancel(r)
-            self.hold(r, w.keep)
+        self._forsake([r for r, w in self._watch.items() if w.owner is owner])
         for g in [g for g in self._groups if g.owner is owner]:
             del self._groups[g]
             for r, keep in zip(g.reqs[g.at :], g.keeps[g.at :], strict=True):
@@ -747,6 +744,15 @@ class Worker:
         if self._raw_kept:
             self.drop_raw([p for p, entry in self._raw_kept.items() if entry[1] is owner])
         self.kick()
+
+    def _forsake(self, reqs: list[Any]) -> None:
+        """Stop reporting the watched requests ``reqs`` and cancel them; each is held with its
+        buffer (``hold``) until UCX is done with it (one that has matched runs on to its end)."""
+        for r in reqs:
+            w = self._watch.pop(r, None)
+            self.cancel(r)
+            if w is not None:
+                self.hold(r, w.keep)
 
     def _cancel_raw_recv(self, ptr: int, keep: object) -> None:
         """Cancel a raw receive nobody waits for any more; freed at once if that ended it (it
@@ -1245,14 +1251,10 @@ class Worker:
                             await self.all_done(first)
                 finally:
                     if not self._closed:  # (its shutdown cancelled them)
-                        for r in first:
-                            # not done within the grace: its payload never came (cancelled), or it
-                            # matched a message whose sender died inside it, which UCX never ends;
-                            # nobody is told of it now (its callback held the closed channel)
-                            w = self._watch.pop(r, None)
-                            self.cancel(r)
-                            if w is not None:
-                                self.hold(r, w.keep)
+                        # not done within the grace: its payload never came (cancelled), or it
+                        # matched a message whose sender died inside it, which UCX never ends;
+                        # nobody is told of it now (its callback held the closed channel)
+                        self._forsake(first)
                 deadline = self.loop.time() + grace
             flushed = await self._flushed(ep, deadline, released)
         except BaseException:  # (cancelled: nothing may wait now, and nothing may be left to ucxx)
