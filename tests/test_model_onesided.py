@@ -905,11 +905,16 @@ async def _model(transport: str, seed: int, steps: int) -> Driver:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_model(transport: str, caplog: pytest.LogCaptureFixture) -> None:
-    await _model(transport, SEED, 3)  # (process-wide threads start: gRPC's poller, the loop's executor)
+    await _model(transport, SEED, 3)  # (the loop's executor starts)
     gc.collect()
     threads, fds = _threads(), _fds()
     d = await _model(transport, SEED, STEPS)
     print(f"{transport}: seed {SEED}, {STEPS} steps: {sorted(d.counts.items())}")
+    # The driver holds both closed nodes, and they their gRPC server and channels: gRPC's poller
+    # thread lives as long as any of its objects does (a test that ran before, holding one, had
+    # it started before `threads` was taken; run alone, or first in an xdist worker, this test
+    # failed on it). What must go is what the nodes' close lets go of, not the objects themselves.
+    del d
     # nothing of the nodes is left: threads and descriptors back where they were
     deadline = time.monotonic() + 10
     while True:
