@@ -238,7 +238,8 @@ step_tests() {
     "$PY" -c 'import pytest_timeout' 2>/dev/null && args+=(--timeout="${T_TEST:-60}")
     [ "${STRICT_WARNINGS:-0}" = 1 ] || args+=(-W default::DeprecationWarning -W default::FutureWarning
         -W "default:Attempting to run cuBLAS:UserWarning")
-    [ "${XDIST:-4}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null && args+=(-n "${XDIST:-4}")
+    # (--dist worksteal: test by test; without it tests/conftest.py hands the workers whole files)
+    [ "${XDIST:-4}" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null && args+=(-n "${XDIST:-4}" --dist worksteal)
     [ "${LF:-0}" = 1 ] && args+=(--lf)
     [ "${FF:-0}" = 1 ] && args+=(--ff)
     echo "== GPU tests: $PY -m pytest ${args[*]} (limit ${1}s)"
