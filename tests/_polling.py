@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 import types
@@ -16,6 +17,13 @@ async def eventually(pred: Callable[[], bool], seconds: float = 5.0, pause: floa
     while not pred():
         assert time.monotonic() < give_up, f"not true after {seconds} s: {pred}"
         await asyncio.sleep(pause)
+
+
+async def awhile(pred: Callable[[], bool], seconds: float = 5.0, pause: float = 0.01) -> None:
+    """Let the loop run until ``pred()`` holds or ``seconds`` pass, without failing: the caller
+    then asserts, with a message that says what was left."""
+    with contextlib.suppress(AssertionError):
+        await eventually(pred, seconds, pause)
 
 
 async def collected(*refs: Callable[[], object], seconds: float = 5.0) -> None:

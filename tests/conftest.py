@@ -204,7 +204,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     these tests and each booted guests of its own.)"""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    slow = [item for item in items if getattr(getattr(item, "module", None), "start_in_background", None)]
+    slow = [item for item in items if _with_background_work(item) is not None]
     if slow:
         chosen = set(map(id, slow))
         items[:] = slow + [item for item in items if id(item) not in chosen]
@@ -220,12 +220,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
         return
     for item in session.items:
-        module = getattr(item, "module", None)
-        start = getattr(module, "start_in_background", None)
-        if module is None or start is None or module in started or item.get_closest_marker("skip"):
+        module = _with_background_work(item)
+        if module is None or module in started or item.get_closest_marker("skip"):
             continue
-        start()
+        module.start_in_background()
         started.append(module)
+
+
+def _with_background_work(item: pytest.Item) -> ModuleType | None:
+    """The test's module where it has slow outside work to start (``start_in_background``)."""
+    module = getattr(item, "module", None)
+    return module if getattr(module, "start_in_background", None) is not None else None
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from _polling import collected, eventually, live_frames
+from _polling import awhile, collected, eventually, live_frames
 from _procfs import connections_to
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -193,8 +193,7 @@ async def test_a_refused_handshake_leaves_no_control_connection_open(token: str 
                 with pytest.raises(tensorwire.AuthenticationError) as info:
                     await client.connect(server.address)
                 errors.append(info.value)
-            with contextlib.suppress(AssertionError):
-                await eventually(lambda: connections_to(port) == 0, seconds=5)
+            await awhile(lambda: connections_to(port) == 0, seconds=5)
             assert connections_to(port) == 0, f"{connections_to(port)} of 10 refused connections still open"
         finally:
             gc.enable()
@@ -309,8 +308,7 @@ async def test_a_connect_that_timed_out_leaves_no_control_connection_open() -> N
                 with pytest.raises(tensorwire.ConnectTimeout) as info:
                     await client.connect(f"127.0.0.1:{port}", connect_timeout=0.8)
                 assert accepted.is_set()
-                with contextlib.suppress(AssertionError):
-                    await eventually(lambda: connections_to(port) == 0, seconds=5)
+                await awhile(lambda: connections_to(port) == 0, seconds=5)
                 assert connections_to(port) == 0, "the timed-out connect's control connection is still open"
                 dialled = len(held)
                 await asyncio.sleep(3)  # (a closed channel's call kept alive dialled again after 1 s or so)
@@ -515,8 +513,7 @@ async def test_a_refused_control_call_keeps_no_frame_of_its_handler(refusal: str
             "choose",
             "split_address",
         )
-        with contextlib.suppress(AssertionError):
-            await eventually(lambda: not live_frames(*names), 5, pause=0.05)
+        await awhile(lambda: not live_frames(*names), 5, pause=0.05)
         kept = live_frames(*names)
         assert not kept, [f"{f.f_code.co_name} {sorted(f.f_locals)}" for f in kept]
 
