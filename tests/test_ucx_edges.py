@@ -1511,11 +1511,14 @@ async def test_a_send_cancelled_while_its_channel_closes_says_its_stopped_receiv
 _STOPPING_EAGER_SENDER = """
 import asyncio, sys, numpy as np, tensorwire
 async def main():
+    # made before the session: its pages, first touched on the loop, took 3-7 s on a loaded
+    # machine here, and the 1.5 s lease of its receiver ran out meanwhile (nothing landed)
+    x = np.ones(256 << 20, np.uint8)
     async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as n:
         print(n.address, flush=True)
         p = await n.accept()
         await p.recv(tag="go")
-        await p.send(np.ones(256 << 20, np.uint8), tag="big")  # (within its receiver's credit: eager)
+        await p.send(x, tag="big")  # (within its receiver's credit: eager)
         await asyncio.sleep(30)
 asyncio.run(main())
 """
@@ -1549,6 +1552,8 @@ async def _cancel_a_matched_recv_and_stop_its_sender() -> bool:
     assert child.stdout is not None
     limits = tensorwire.Limits(recv_buffer_bytes=1 << 30)  # (256 MiB goes eager)
     tag = tag_id("big")
+    out = np.zeros(256 << 20, np.uint8)
+    out.fill(0)  # its pages touched before the session (as the sender's: slow on a loaded machine)
     try:
         async with asyncio.timeout(15):
             address = (await child.stdout.readline()).decode().strip()
@@ -1561,7 +1566,6 @@ async def _cancel_a_matched_recv_and_stop_its_sender() -> bool:
             # came with the header, or before): whether it has is a matter of timing here, and
             # one that has not is taken back (see the next test)
             peer.channel.take_back = lambda arrival: False  # type: ignore[attr-defined]
-            out = np.zeros(256 << 20, np.uint8)
             recv = asyncio.ensure_future(peer.recv(tag="big", out=out))
             await eventually(lambda: mailbox.has_posted(tag), 10, pause=0)
             await peer.send(None, tag="go")

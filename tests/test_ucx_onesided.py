@@ -118,6 +118,10 @@ async def test_read_and_write_while_the_owner_process_is_stopped() -> None:
         """,
     )
     try:
+        # the buffers' pages touched first: fresh memory took up to 3 s to fault in on a loaded
+        # machine here, which the 2 s below cannot hold (and the stopped owner's lease ran out)
+        got, src = np.zeros(64 << 20, np.uint8), np.full(64 << 20, 5, np.uint8)
+        got.fill(0)
         async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as node:
             peer = await node.connect(address)
             h = await peer.lookup("x")
@@ -127,8 +131,8 @@ async def test_read_and_write_while_the_owner_process_is_stopped() -> None:
             os.kill(child.pid, signal.SIGSTOP)
             try:
                 async with asyncio.timeout(2):  # well inside three quarters of the 3 s lease
-                    got, receipt = await peer.read_with_receipt(h)
-                    w = await peer.write(h, np.full(64 << 20, 5, np.uint8))
+                    _, receipt = await peer.read_with_receipt(h, out=got)
+                    w = await peer.write(h, src)
             finally:
                 os.kill(child.pid, signal.SIGCONT)
             assert np.array_equal(got, np.arange(64 << 20, dtype=np.uint8))
