@@ -2,11 +2,14 @@
 
     python benchmarks/rpc.py [--calls 3000] [--big-mib 64] [--repeat 5] [--concurrency 32]
 
-Two processes on loopback over tcp. A child process (started here) serves three things: a
-tensorwire node with an ``echo`` method, a ping-pong loop on two tags of the same peer, and a
-grpc.aio server whose ``Echo`` unary method returns its request bytes. This process measures,
-in the same run:
+Two processes on loopback over tcp. A child process (started here) serves four things: a
+tensorwire node with an ``echo`` method, a ping-pong loop on two tags of the same peer, a
+grpc.aio server whose ``Echo`` unary method returns its request bytes, and a plain asyncio
+Protocol that writes back what it reads. This process measures, in the same run:
 
+  raw asyncio 8 bytes out and back over a plain asyncio Protocol on its own socket: the floor
+              that two asyncio processes on this machine set (tensorwire's rows are read
+              against it, as ratios)
   send/recv   8 bytes out on one tag, back on another: the transport's own round trip
   tw call     await peer.call("echo", x) with an 8-byte tensor
   gRPC unary  the same 8 bytes as one protobuf-bytes message through grpc.aio
@@ -44,6 +47,46 @@ def _same(b: bytes) -> bytes:
     return b
 
 
+# -- the raw asyncio baseline ------------------------------------------------------------------
+class _Echo(asyncio.Protocol):
+    """The child's side of the raw baseline: writes back whatever it reads."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(data)
+
+
+class _Pinger(asyncio.Protocol):
+    """The parent's side: ``ping`` writes ``n`` bytes and returns once ``n`` came back."""
+
+    def __init__(self) -> None:
+        self.got = 0
+        self.want = 0
+        self.waiter: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.got += len(data)
+        if self.got >= self.want and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("raw echo connection lost"))
+
+    async def ping(self, data: bytes) -> None:
+        self.got, self.want = 0, len(data)
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(data)
+        await self.waiter
+
+
 # -- the serving child --------------------------------------------------------------------------
 async def _child() -> None:
     async def echo_bytes(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -59,19 +102,22 @@ async def _child() -> None:
     )
     gport = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    raw = await asyncio.get_running_loop().create_server(_Echo, "127.0.0.1", 0)
+    rport = raw.sockets[0].getsockname()[1]
     async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
 
         @node.method("echo")
         async def echo(x: np.ndarray) -> np.ndarray:
             return x
 
-        print(json.dumps({"node": node.address, "grpc": gport}), flush=True)
+        print(json.dumps({"node": node.address, "grpc": gport, "raw": rport}), flush=True)
         peer = await node.accept()
         try:
             while True:
                 await peer.send(await peer.recv(tag="ping"), tag="pong")
         except tensorwire.TensorWireError:
             pass
+    raw.close()
     await server.stop(None)
 
 
@@ -128,6 +174,10 @@ async def parent(args: argparse.Namespace) -> int:
             small = np.arange(1, dtype=np.float64)
             small_bytes = small.tobytes()
             pong = np.empty_like(small)
+            _, pinger = await asyncio.get_running_loop().create_connection(_Pinger, "127.0.0.1", addrs["raw"])
+
+            async def raw_small() -> None:
+                await pinger.ping(small_bytes)
 
             async def ping() -> None:
                 await peer.send(small, tag="ping")
@@ -143,6 +193,7 @@ async def parent(args: argparse.Namespace) -> int:
                     wrong.append("gRPC 8 B")
 
             lat = {
+                "raw asyncio": await _median(raw_small, args.calls),
                 "send/recv": await _median(ping, args.calls),
                 "tw call": await _median(call_small, args.calls),
                 "gRPC unary": await _median(grpc_small, min(args.calls, 2000)),
@@ -182,6 +233,7 @@ async def parent(args: argparse.Namespace) -> int:
                 "gRPC unary": nbytes / await _best(grpc_big, args.repeat, big_bytes.__eq__, wrong) / 1e9,
             }
             await peer.aclose()
+            pinger.transport.close()
     finally:
         if child.returncode is None:
             child.terminate()
@@ -204,7 +256,7 @@ def _report(args: argparse.Namespace, lat: dict[str, float], rate: dict[str, flo
     print(f"tensor RPC, two processes on loopback (tcp); the {args.big_mib} MiB echo counts bytes both ways")
     print(" | ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths, strict=True))))
     print("-" * (sum(widths) + 3 * (len(widths) - 1)))
-    for name in ("send/recv", "tw call", "tw call _out=", "gRPC unary"):
+    for name in ("raw asyncio", "send/recv", "tw call", "tw call _out=", "gRPC unary"):
         us = {k: v * 1e6 for k, v in lat.items()}
         per_s = {k: 1 / v for k, v in lat.items()}
         row = [
@@ -228,6 +280,11 @@ def _report(args: argparse.Namespace, lat: dict[str, float], rate: dict[str, flo
     ]
     for text, ok in goals:
         print(f"goal {text:<64} {'PASS' if ok else 'MISS'}")
+    raw = lat["raw asyncio"]
+    print(
+        f"8 B round trip over the raw asyncio one: send/recv {lat['send/recv'] / raw:.2f}x, "
+        f"tw call {lat['tw call'] / raw:.2f}x, gRPC unary {lat['gRPC unary'] / raw:.2f}x"
+    )
     print(
         f"x{args.concurrency} in flight: tw call {rate['tw call'] / rate['gRPC unary']:.1f}x the gRPC unary calls/s; "
         f"{args.big_mib} MiB echo at {gbps['tw call _out='] / gbps['send/recv']:.2f}x the send/recv echo"
