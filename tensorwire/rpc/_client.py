@@ -50,7 +50,7 @@ from ..tensors._view import TensorView
 from ..transports import Channel, ChannelState, Receipt
 from ..transports._mailbox import Arrival
 from ._codec import encode, encode_off_loop
-from ._deadline import effective_deadline
+from ._deadline import effective_deadline, timeout_at
 from ._protocol import (
     CONTROL_TAG,
     INLINE_BYTES,
@@ -511,7 +511,7 @@ async def call(
     where = peer.remote_address
     progress = _Progress()
     budget = _budget(peer)
-    tm = asyncio.timeout(left)
+    tm = asyncio.timeout(left) if left is not None else timeout_at(None)
     try:
         with lending():  # (outside the timeout: nothing in taking the slot back waits)
             async with tm:
@@ -701,7 +701,7 @@ async def stream(
     deadline_at = None if left is None else asyncio.get_running_loop().time() + left
     budget = _budget(peer)
     extra = 0  # units beyond the first item and the final reply: the window past 1
-    tm = asyncio.timeout_at(deadline_at)
+    tm = timeout_at(deadline_at)
     try:  # a timeout must never span a yield: each wait has one of its own (and so does a loan)
         with lending():
             async with tm:
@@ -715,7 +715,7 @@ async def stream(
             extra = budget.take_extra(STREAM_WINDOW - 1)
             window = 1 + extra
             request, payload = _request(call_id, name, Kind.STREAM, deadline_at, arguments, window)
-            tm = asyncio.timeout_at(deadline_at)
+            tm = timeout_at(deadline_at)
             with lending():
                 async with tm:
                     await _send_request(channel, call_id, request, payload, progress, name, where)
@@ -726,7 +726,7 @@ async def stream(
                     # items already here would come at once, past the deadline, a window of them
                     assert left is not None
                     raise _expired(name, left, "the stream ended")
-                tm = asyncio.timeout_at(deadline_at)
+                tm = timeout_at(deadline_at)
                 with lending():
                     async with tm:
                         msg, came = await _next_reply(channel, tag)
@@ -738,7 +738,7 @@ async def stream(
                     more = budget.take_extra(STREAM_WINDOW - window)  # a window that grows as it is read
                     window += more
                     extra += more
-                    tm = asyncio.timeout_at(deadline_at)
+                    tm = timeout_at(deadline_at)
                     with lending():
                         async with tm:
                             await channel.send(CONTROL_TAG, prepare((int(Control.CREDIT), call_id, taken + more)))

@@ -23,7 +23,37 @@ from .._checks import as_real
 from ..errors import ConfigurationError
 from ._protocol import MAX_DEADLINE
 
-__all__ = ["current_deadline", "deadline", "effective_deadline"]
+__all__ = ["Unbounded", "current_deadline", "deadline", "effective_deadline", "timeout_at"]
+
+
+class Unbounded:
+    """What ``asyncio.timeout_at(None)`` is, a block with no deadline, for the calls that have
+    none (most): it enters and leaves doing nothing, and never expires. ``asyncio.timeout(None)``
+    costs ~1.8 us a block (it looks its task up and keeps state for a ``reschedule`` that these
+    blocks never make), three of them a call; this, a tenth of that. Stateless: one is shared."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def when(self) -> float | None:
+        return None
+
+    def expired(self) -> bool:
+        return False
+
+
+_UNBOUNDED = Unbounded()
+
+
+def timeout_at(when: float | None) -> asyncio.Timeout | Unbounded:
+    """``asyncio.timeout_at(when)``, or a shared ``Unbounded`` where ``when`` is None (no deadline),
+    for blocks that are never rescheduled."""
+    return _UNBOUNDED if when is None else asyncio.timeout_at(when)
 
 
 class _Scope:

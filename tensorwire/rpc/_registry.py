@@ -109,11 +109,11 @@ class PerChannel(Generic[A]):
         self._of: weakref.WeakKeyDictionary[Peer, A] = weakref.WeakKeyDictionary()
 
     def __call__(self, peer: Peer) -> A:
-        from ..transports import ChannelState
-
         admission = self._of.get(peer)
         if admission is not None:
             return admission
+        from ..transports import ChannelState  # (here, not per call: an import statement costs ~1 us)
+
         admission = self._make(peer)
         if peer.channel.state is not ChannelState.OPEN:
             failure = peer.channel.mailbox.failure

@@ -47,7 +47,7 @@ from ..errors import (
 from ..tensors import prepare
 from ..transports import Channel, ChannelState, Receipt
 from ._codec import encode_off_loop
-from ._deadline import served_under
+from ._deadline import served_under, timeout_at
 from ._protocol import (
     CONTROL_TAG,
     REQUEST_TAG,
@@ -398,7 +398,7 @@ class PeerServer:
         deadline_at = None if req.deadline is None else call.received_at + req.deadline
         budget = reg.budget
         held = 0
-        tm = asyncio.timeout_at(deadline_at)
+        tm = timeout_at(deadline_at)
         try:
             if nbytes:
                 async with tm:
@@ -417,7 +417,7 @@ class PeerServer:
                     raise asyncio.CancelledError
             else:
                 args, kwargs = req.args, req.kwargs
-            tm = asyncio.timeout_at(deadline_at)
+            tm = timeout_at(deadline_at)
             async with tm:
                 if deadline_at is not None and asyncio.get_running_loop().time() >= deadline_at:
                     raise TimeoutError
