@@ -1,6 +1,7 @@
 """Tensor RPC against the transport's own round trip and against a plain grpc.aio unary call.
 
     python benchmarks/rpc.py [--calls 3000] [--big-mib 64] [--repeat 5] [--concurrency 32]
+    python benchmarks/rpc.py --against OLD_CHECKOUT [--rounds 3] [--calls 3000]
 
 Two processes on loopback over tcp. A child process (started here) serves four things: a
 tensorwire node with an ``echo`` method, a ping-pong loop on two tags of the same peer, a
@@ -18,6 +19,9 @@ and the same for a --big-mib tensor echoed back whole (GB/s counts both directio
 ``peer.call("echo", x, _out=buf)``, whose result lands in a buffer the caller keeps (as the
 send/recv row's does). Latency is the median of --calls round trips; calls/s is also measured
 with --concurrency calls in flight.
+With ``--against DIR`` (another checkout of tensorwire, the old code say) only the 8-byte rows
+are measured, each round in a fresh pair of processes for that tree and then this one, and the
+table gives each row's median and range over --rounds, with this tree's median over the other's.
 Every echo is checked. Speed is never asserted: the table ends with PASS/MISS against the
 issue's goals, and the script exits 0 unless something crashed or came back wrong.
 """
@@ -31,10 +35,12 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
 import numpy as np
+from _against import in_turns, print_table, trees
 
 import tensorwire
 
@@ -198,6 +204,13 @@ async def parent(args: argparse.Namespace) -> int:
                 "tw call": await _median(call_small, args.calls),
                 "gRPC unary": await _median(grpc_small, min(args.calls, 2000)),
             }
+            if args.one:  # (a round of --against: the 8-byte rows alone)
+                await peer.aclose()
+                pinger.transport.close()
+                row = {f"{k} us": v * 1e6 for k, v in lat.items()}
+                row |= {f"{k} / raw": v / lat["raw asyncio"] for k, v in lat.items() if k != "raw asyncio"}
+                print(json.dumps(row), flush=True)
+                return 1 if wrong else 0
             rate = {
                 "tw call": await _rate(call_small, args.calls * 2, args.concurrency),
                 "gRPC unary": await _rate(grpc_small, min(args.calls, 2000) * 2, args.concurrency),
@@ -300,7 +313,16 @@ def main() -> int:
     p.add_argument("--big-mib", type=int, default=64)
     p.add_argument("--repeat", type=int, default=5, help="large echoes per contender (best is kept)")
     p.add_argument("--concurrency", type=int, default=32)
-    return asyncio.run(parent(p.parse_args()))
+    p.add_argument("--against", type=Path, help="another checkout to compare the 8-byte rows with, in turns")
+    p.add_argument("--rounds", type=int, default=3, help="with --against: runs of each tree, in turns")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.against is None or args.one:
+        return asyncio.run(parent(args))
+    runs = in_turns(Path(__file__), trees(args.against), ["--calls", str(args.calls)], args.rounds)
+    print(f"8-byte round trips, two processes on loopback (tcp), median of {args.calls} each; {args.rounds} rounds")
+    print_table(runs, width=20)
+    return 0
 
 
 if __name__ == "__main__":
