@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from .._blocks import block
 from .._checks import check_arguments, check_int
 from .._loops import check_home
 from ..errors import ConfigurationError, fresh
@@ -374,19 +373,35 @@ _LOAN: contextvars.ContextVar[SlotLoan | None] = contextvars.ContextVar("tensorw
 _ROOM: contextvars.ContextVar[CallerRoom | None] = contextvars.ContextVar("tensorwire_rpc_room", default=None)
 
 
-@block
-def serving(loan: SlotLoan | None, room: CallerRoom | None = None) -> Iterator[None]:
+class _Serving:
+    """``serving``'s block. Classes, not generators (``_blocks.block``), for ``serving`` and
+    ``lending``: one of each runs per call made or served, and a generator's block costs ~0.5 us
+    more. Like a ``block``, they leave the block's exception as it is."""
+
+    __slots__ = ("_kept", "_loan", "_room", "_token")
+
+    def __init__(self, loan: SlotLoan | None, room: CallerRoom | None) -> None:
+        self._loan = loan
+        self._room = room
+        self._token: contextvars.Token[SlotLoan | None] | None = None
+        self._kept: contextvars.Token[CallerRoom | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _LOAN.set(self._loan)
+        self._kept = _ROOM.set(self._room)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None and self._kept is not None
+        _ROOM.reset(self._kept)
+        _LOAN.reset(self._token)
+        if self._room is not None:
+            self._room.close()
+
+
+def serving(loan: SlotLoan | None, room: CallerRoom | None = None) -> contextlib.AbstractContextManager[None]:
     """Run a served method in the block: the calls it makes lend ``loan`` (None: nothing to
     lend), and one at a time to its caller rides on ``room`` until the method ends (None: none)."""
-    token = _LOAN.set(loan)
-    kept = _ROOM.set(room)
-    try:
-        yield
-    finally:
-        _ROOM.reset(kept)
-        _LOAN.reset(token)
-        if room is not None:
-            room.close()
+    return _Serving(loan, room)
 
 
 def call_back_room(channel: object) -> CallerRoom | None:
@@ -396,23 +411,49 @@ def call_back_room(channel: object) -> CallerRoom | None:
     return room if room is not None and room.open and room.channel is channel else None
 
 
-@block
-def lending() -> Iterator[None]:
+class _NotLending:
+    """``lending``'s block where no served method's slot is there to lend: nothing (shared)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _Lending:
+    """``lending``'s block for a call made by a method being served (see ``_Serving``)."""
+
+    __slots__ = ("_loan",)
+
+    def __init__(self, loan: SlotLoan) -> None:
+        self._loan = loan
+
+    def __enter__(self) -> None:
+        loan = self._loan
+        if loan.lent == 0:
+            loan.slots.release()
+        loan.lent += 1
+
+    def __exit__(self, *exc: object) -> None:
+        loan = self._loan
+        loan.lent -= 1
+        if loan.lent == 0 and loan.open:
+            loan.slots.take_back()
+
+
+_NOT_LENDING = _NotLending()
+
+
+def lending() -> contextlib.AbstractContextManager[None]:
     """Around a call made here: if a method being served made it, that method's slot is lent
     until the call ends (``SlotLoan``). Anywhere else, nothing happens."""
     loan = _LOAN.get()
     if loan is None or not loan.open:
-        yield
-        return
-    if loan.lent == 0:
-        loan.slots.release()
-    loan.lent += 1
-    try:
-        yield
-    finally:
-        loan.lent -= 1
-        if loan.lent == 0 and loan.open:
-            loan.slots.take_back()
+        return _NOT_LENDING
+    return _Lending(loan)
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
