@@ -1350,11 +1350,14 @@ async def test_each_send_failed_by_a_ucx_channels_end_gets_a_failure_of_its_own(
 _STOPPING_SENDER = """
 import asyncio, sys, numpy as np, tensorwire
 async def main():
+    # made before the session, as _STOPPING_EAGER_SENDER's: its pages, first touched on the loop
+    # after "go", kept it from answering its receiver's renewals for 3 s on a loaded machine
+    x = np.ones(256 << 20, np.uint8)
     async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}) as n:
         print(n.address, flush=True)
         p = await n.accept()
         await p.recv(tag="go")
-        await p.send(np.ones(256 << 20, np.uint8), tag="big")
+        await p.send(x, tag="big")
         await asyncio.sleep(30)
 asyncio.run(main())
 """
@@ -1373,9 +1376,10 @@ async def test_a_recv_cancelled_while_a_stopped_sender_holds_its_payload_says_it
     try:
         async with asyncio.timeout(15):
             address = (await child.stdout.readline()).decode().strip()
+        out = np.zeros(256 << 20, np.uint8)
+        out.fill(0)  # its pages touched before the session (as the sender's: slow on a loaded machine)
         async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}, lease_seconds=1.5) as node:
             peer = await node.connect(address)
-            out = np.zeros(256 << 20, np.uint8)
             await peer.send(None, tag="go")
             recv = asyncio.ensure_future(peer.recv(tag="big", out=out))
             await eventually(lambda: out[0] == 1 or recv.done(), pause=0)  # the payload is landing
