@@ -1007,17 +1007,20 @@ async def test_a_ucx_node_keeps_its_cpu_from_a_busy_process_that_is_not_its_peer
 # sends its pid and whether it is "warm" on tag "ready"; warm, it then has a rendezvous each way
 # with the hub (UCX learns the peer's endpoint id, and the endpoint's closing flush ends), else
 # none ("first"). Then it receives on tag "big", printing a digest of each message, or the error
-# that ended it.
+# that ended it. Here, as in the hub tests, what is sent is made (its pages touched) before the
+# session: fresh memory faults in slowly on a loaded machine (4 MiB took over 0.3 s, 16 MiB
+# more), long enough for a 1 s lease's renewals to go unanswered.
 _RECEIVER = r"""
 import asyncio, hashlib, os, sys, numpy as np, tensorwire
 async def main():
+    warm_payload = np.ones(4 << 20, np.uint8)
     async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as n:
         p = await n.connect(sys.argv[1])
         warm = sys.argv[2] == "warm"
         await p.send(np.array([os.getpid(), warm]), tag="ready")
         if warm:
             await p.recv(tag="warm")
-            await p.send(np.ones(4 << 20, np.uint8), tag="warm")
+            await p.send(warm_payload, tag="warm")
         while True:
             try:
                 x = await p.recv(tag="big")
@@ -1043,12 +1046,15 @@ async def _receiver(hub: tensorwire.Node, rendezvous: str) -> tuple[asyncio.subp
         raise
 
 
+_WARM_PAYLOAD = np.ones(4 * MiB, np.uint8)  # (made once: see _RECEIVER)
+
+
 async def _stop_when_ready(peer: Any) -> int:
     """Stop ``peer``'s receiver (SIGSTOP) once it is ready; its pid. What it is sent from then on
     stays with UCX."""
     pid, warm = (int(v) for v in await peer.recv(tag="ready"))
     if warm:
-        await peer.send(np.ones(4 * MiB, np.uint8), tag="warm")
+        await peer.send(_WARM_PAYLOAD, tag="warm")
         await peer.recv(tag="warm")
     os.kill(pid, signal.SIGSTOP)
     return pid
@@ -1081,6 +1087,9 @@ async def test_a_hub_lets_go_of_sends_to_peers_killed_mid_send() -> None:
     peer's process has certainly ended its payloads go, and the metrics say so. Half the peers
     had a rendezvous with the hub before (the endpoint's closing flush ends), half not (it never
     does, and the endpoint is closed raw)."""
+    # made before the session (see _RECEIVER): np.full of 16 MiB on the hub's loop took over
+    # 0.3 s under load, and its receivers, waiting their turn, gave up on it (1 s lease)
+    payloads = [np.full(16 * MiB, i, np.uint8) for i in range(10)]
     async with tensorwire.start("127.0.0.1:0", transports=("ucx",), lease_seconds=1.0) as hub:
         children = []
         try:
@@ -1089,7 +1098,7 @@ async def test_a_hub_lets_go_of_sends_to_peers_killed_mid_send() -> None:
             sends = []
             for _, peer in pairs:
                 pid = await _stop_when_ready(peer)
-                sends.append(await _send_to_stopped(peer, np.full(16 * MiB, len(sends), np.uint8)))
+                sends.append(await _send_to_stopped(peer, payloads[len(sends)]))
                 os.kill(pid, signal.SIGKILL)
             results = await asyncio.gather(*sends, return_exceptions=True)
             assert all(isinstance(r, PeerDisconnected) for r in results), results  # (their leases ran out)
@@ -1400,13 +1409,14 @@ async def test_a_send_cancelled_while_a_stopped_receiver_holds_its_payload_says_
     still read the payload from the sender's memory when it runs again (docs/ucx.md, "Sends to
     a peer that died"). It raised a plain TimeoutError then, as if the tensor were the caller's
     to change again; now the failure says that the peer may still read it."""
+    payload = np.ones(16 * MiB, np.uint8)  # (made before the 0.3 s: fresh pages are slow under load)
     async with tensorwire.start("127.0.0.1:0", transports=("ucx",), lease_seconds=1.0) as hub:
         child, peer = await _receiver(hub, "warm")
         try:
             await _stop_when_ready(peer)
             with pytest.raises(PeerDisconnected, match="may still read"):
                 async with asyncio.timeout(0.3):
-                    await peer.send(np.ones(16 * MiB, np.uint8), tag="big")
+                    await peer.send(payload, tag="big")
         finally:
             await end_child(child)
 
