@@ -1046,7 +1046,10 @@ async def _receiver(hub: tensorwire.Node, rendezvous: str) -> tuple[asyncio.subp
         raise
 
 
-_WARM_PAYLOAD = np.ones(4 * MiB, np.uint8)  # (made once: see _RECEIVER)
+@functools.cache
+def _warm_payload() -> np.ndarray:
+    """The 4 MiB each warm receiver gets, made once, on the first test that sends it (see _RECEIVER)."""
+    return np.ones(4 * MiB, np.uint8)
 
 
 async def _stop_when_ready(peer: Any) -> int:
@@ -1054,7 +1057,7 @@ async def _stop_when_ready(peer: Any) -> int:
     stays with UCX."""
     pid, warm = (int(v) for v in await peer.recv(tag="ready"))
     if warm:
-        await peer.send(_WARM_PAYLOAD, tag="warm")
+        await peer.send(_warm_payload(), tag="warm")
         await peer.recv(tag="warm")
     os.kill(pid, signal.SIGSTOP)
     return pid
@@ -1385,8 +1388,7 @@ async def test_a_recv_cancelled_while_a_stopped_sender_holds_its_payload_says_it
     try:
         async with asyncio.timeout(15):
             address = (await child.stdout.readline()).decode().strip()
-        out = np.zeros(256 << 20, np.uint8)
-        out.fill(0)  # its pages touched before the session (as the sender's: slow on a loaded machine)
+        out = np.full(256 << 20, 0, np.uint8)  # its pages touched before the session (as the sender's)
         async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "tcp"}, lease_seconds=1.5) as node:
             peer = await node.connect(address)
             await peer.send(None, tag="go")
@@ -1566,8 +1568,7 @@ async def _cancel_a_matched_recv_and_stop_its_sender() -> bool:
     assert child.stdout is not None
     limits = tensorwire.Limits(recv_buffer_bytes=1 << 30)  # (256 MiB goes eager)
     tag = tag_id("big")
-    out = np.zeros(256 << 20, np.uint8)
-    out.fill(0)  # its pages touched before the session (as the sender's: slow on a loaded machine)
+    out = np.full(256 << 20, 0, np.uint8)  # its pages touched before the session (as the sender's)
     try:
         async with asyncio.timeout(15):
             address = (await child.stdout.readline()).decode().strip()

@@ -120,8 +120,7 @@ async def test_read_and_write_while_the_owner_process_is_stopped() -> None:
     try:
         # the buffers' pages touched first: fresh memory took up to 3 s to fault in on a loaded
         # machine here, which the 2 s below cannot hold (and the stopped owner's lease ran out)
-        got, src = np.zeros(64 << 20, np.uint8), np.full(64 << 20, 5, np.uint8)
-        got.fill(0)
+        got, src = np.full(64 << 20, 0, np.uint8), np.full(64 << 20, 5, np.uint8)
         async with tensorwire.start(transports=("ucx",), ucx_options={"TLS": "sm,self"}) as node:
             peer = await node.connect(address)
             h = await peer.lookup("x")

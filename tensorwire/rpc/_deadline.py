@@ -112,9 +112,6 @@ class _Scoped:
         _DEADLINE.reset(self._token)
 
 
-_scoped = _Scoped
-
-
 @async_block
 async def deadline(seconds: float) -> AsyncIterator[None]:
     """An ``asyncio.timeout(seconds)`` whose remaining time travels with the calls made inside.
@@ -128,7 +125,7 @@ async def deadline(seconds: float) -> AsyncIterator[None]:
     outer = _when()
     if outer is not None:
         when = outer if when is None else min(when, outer)
-    with _scoped(when, _DEADLINE.get()):
+    with _Scoped(when, _DEADLINE.get()):
         async with asyncio.timeout_at(when):
             yield
 
@@ -158,4 +155,4 @@ def served_under(when: float | None) -> contextlib.AbstractContextManager[None]:
     """Serve a call under its caller's absolute deadline ``when`` (None: none) for the block:
     what the method calls inherits what is left of it, and tasks it starts that outlive the
     call do not. The caller's deadline replaces whatever this task had (no outer scope)."""
-    return _scoped(when, None)
+    return _Scoped(when, None)
