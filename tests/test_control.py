@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import gc
+import json
 import select
 import socket
 import subprocess
@@ -1129,6 +1130,90 @@ async def test_a_peer_that_left_before_it_was_adopted_leaves_the_node(transport:
             await p.aclose()
         await asyncio.sleep(0.05)
         await eventually(lambda: not server.peers and not server._sessions)
+
+
+@pytest.mark.timeout(60)
+async def test_closed_nodes_and_peers_their_user_still_holds_let_go_of_grpc() -> None:
+    """A closed node kept its gRPC server, and a closed peer its gRPC channel (the one it
+    connected over, or the one an accepted peer opened for a lookup), for as long as its user
+    held it: with them the memory of gRPC's objects, and gRPC's poller thread, which lives as
+    long as any of them does (a process that makes and closes nodes, tests or a service that
+    reconnects, kept them all). Closed, they hold nothing of gRPC's, and what is called on them
+    says closed, as it did."""
+    a = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+    b = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+    try:
+        a.expose(np.arange(4.0), name="w")
+        p = await a.connect(b.address)
+        q = await b.accept()
+        await q.lookup("w")  # (an accepted peer opens a control connection of its own for it)
+        assert p._control is not None and q._control is not None
+        assert a._server is not None and b._server is not None
+        held = [a._server._server, b._server._server, p._control._channel, q._control._channel]
+        grpc_objects = [weakref.ref(o) for o in held]
+        del held
+    finally:
+        await asyncio.gather(p.aclose(), q.aclose())
+        await asyncio.gather(a.aclose(), b.aclose())
+    await collected(*grpc_objects)  # a, b, p and q are still held here
+
+    for control in (p._control, q._control):
+        with pytest.raises(tensorwire.ClosedResourceError, match=r"control connection .* is closed"):
+            await control.node_info(5)
+        watching = asyncio.ensure_future(control.until_lost())  # (closed by us: never "lost")
+        await asyncio.sleep(0.05)
+        assert not watching.done()
+        watching.cancel()
+        await control.aclose()  # idempotent
+    with pytest.raises(tensorwire.ClosedResourceError, match="is closed"):
+        await q.lookup("w")
+    with pytest.raises(tensorwire.ClosedResourceError, match="node is closed"):
+        await a._server.start("127.0.0.1", 0)
+    await a._server.stop(0)  # idempotent
+    await asyncio.gather(p.aclose(), q.aclose(), a.aclose(), b.aclose())  # idempotent
+
+
+# A child that makes two nodes and a peer, closes them and keeps them: prints the threads
+# alive (those gRPC's poller runs in) before and after the close.
+_HELD_AFTER_CLOSE = r"""
+import asyncio, gc, json, threading, time
+import tensorwire
+
+def pollers():
+    return [t.name for t in threading.enumerate() if "_poll_wrapper" in t.name]
+
+async def main():
+    a = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+    b = await tensorwire.start("127.0.0.1:0", transports=("tcp",))
+    p = await a.connect(b.address)
+    q = await b.accept()
+    during = pollers()
+    await p.aclose()
+    await q.aclose()
+    await a.aclose()
+    await b.aclose()
+    return during, (a, b, p, q)
+
+during, held = asyncio.run(main())
+give_up = time.monotonic() + 10
+while pollers() and time.monotonic() < give_up:
+    gc.collect()
+    time.sleep(0.05)
+print(json.dumps({"during": during, "after": pollers()}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_closed_nodes_their_user_still_holds_leave_no_grpc_poller_thread() -> None:
+    """gRPC's poller thread (``_poll_wrapper``) runs while any of gRPC's channels or servers
+    lives; closed nodes and peers that their user still held kept it running for good. In a
+    process of its own: in this one, other tests' gRPC objects may keep it."""
+    proc = subprocess.run([sys.executable, "-c", _HELD_AFTER_CLOSE], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, f"the child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["during"], report  # (gRPC names its thread after _poll_wrapper)
+    assert report["after"] == [], report
 
 
 @pytest.mark.timeout(60)

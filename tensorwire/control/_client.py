@@ -306,12 +306,22 @@ class ControlClient:
         # schemes as that scheme ("unix:5000" dialled the socket file "5000" in the working
         # directory, "ipv4:5000" failed as an invalid target) rather than as a host to resolve
         uri = f"dns:///{target}"
+        # (None once closed: a closed client that its peer still holds lets gRPC's channel go,
+        # and with the last of them gRPC's poller thread, which lives as long as any does)
+        self._channel: grpc.aio.Channel | None
         if tls is None:
             self._channel = grpc.aio.insecure_channel(uri, options=options)
         else:
             options += tls.channel_options(server_name)
             self._channel = grpc.aio.secure_channel(uri, tls.channel_credentials(), options=options)
+        self._stub: control_pb2_grpc.ControlStub | None
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def _rpc(self) -> control_pb2_grpc.ControlStub:
+        """The stub the calls are made with; ClosedResourceError once closed (it is let go then)."""
+        if self._closed or self._stub is None:
+            raise self._closed_error()
+        return self._stub
 
     async def _unary(
         self,
@@ -387,7 +397,7 @@ class ControlClient:
         channel READY), and the handshake waited out connect_timeout for an answer that could
         not come. Once nothing listens at the address any more, it fails at once."""
         call: asyncio.Future[control_pb2.HandshakeResponse]
-        call = asyncio.ensure_future(self._unary(self._stub.Handshake, request, deadline))
+        call = asyncio.ensure_future(self._unary(self._rpc().Handshake, request, deadline))
         try:
             while True:
                 await asyncio.wait([call], timeout=_HANDSHAKE_WATCH_AFTER)
@@ -410,12 +420,12 @@ class ControlClient:
             del call  # (its error, raised from here, holds this frame: no cycle through the task)
 
     async def node_info(self, deadline: float) -> control_pb2.NodeInfo:
-        return await self._unary(self._stub.GetNodeInfo, control_pb2.NodeInfoRequest(), deadline)
+        return await self._unary(self._rpc().GetNodeInfo, control_pb2.NodeInfoRequest(), deadline)
 
     async def heartbeat(self, session_id: str, proof: bytes, deadline: float) -> None:
         """Renew a lease. SessionLost means the server no longer knows the session."""
         await self._unary(
-            self._stub.Heartbeat,
+            self._rpc().Heartbeat,
             control_pb2.HeartbeatRequest(session_id=session_id, proof=proof),
             deadline,
             {grpc.StatusCode.NOT_FOUND: self._session_lost},
@@ -428,7 +438,7 @@ class ControlClient:
         request = control_pb2.RenewLeasesRequest(
             renewals=[control_pb2.HeartbeatRequest(session_id=sid, proof=proof) for sid, proof in renewals]
         )
-        response = await self._unary(self._stub.RenewLeases, request, deadline)
+        response = await self._unary(self._rpc().RenewLeases, request, deadline)
         return set(response.lost), set(response.refused)
 
     async def leave(self, sessions: Sequence[tuple[str, bytes]], deadline: float) -> int:
@@ -437,7 +447,7 @@ class ControlClient:
         request = control_pb2.LeaveRequest(
             sessions=[control_pb2.HeartbeatRequest(session_id=sid, proof=proof) for sid, proof in sessions]
         )
-        response = await self._unary(self._stub.Leave, request, deadline)
+        response = await self._unary(self._rpc().Leave, request, deadline)
         return int(response.ended)
 
     def _session_lost(self, exc: grpc.aio.AioRpcError) -> SessionLost:
@@ -447,7 +457,7 @@ class ControlClient:
         """Resolve an exposed name: HandleNotFound if there is none, SessionLost if the server no
         longer knows the session."""
         return await self._unary(
-            self._stub.Lookup,
+            self._rpc().Lookup,
             control_pb2.LookupRequest(session_id=session_id, name=name, proof=proof),
             deadline,
             {
@@ -466,18 +476,34 @@ class ControlClient:
         """Return once the connection to the server is lost and a new one cannot be made (the
         server's node closed, or died): gRPC sees its connection shut at once. One that drops
         and comes back (a server that lives on) does not count, nor does closing this client."""
+        if not await self._lost_or_closed():
+            await asyncio.Event().wait()  # closed by us: nothing more to watch
+
+    async def _lost_or_closed(self) -> bool:
+        """True once the connection is lost (``until_lost``), False once this client closes:
+        then the channel is not held any more (aclose lets it go)."""
         channel = self._channel
+        if channel is None:
+            return False
         state = channel.get_state(try_to_connect=False)
         while state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
             if state is grpc.ChannelConnectivity.SHUTDOWN:
-                await asyncio.Event().wait()  # closed by us: nothing more to watch
+                return False
             if state is grpc.ChannelConnectivity.IDLE:
                 # a connection that ended: only a new one says whether the server is still there
                 channel.get_state(try_to_connect=True)
             await channel.wait_for_state_change(state)
             state = channel.get_state(try_to_connect=False)
+        return True
 
     async def aclose(self) -> None:
-        """Close the channel; calls in flight and later ones fail with ClosedResourceError. Idempotent."""
+        """Close the channel; calls in flight and later ones fail with ClosedResourceError.
+        Idempotent. Once closed, the client holds nothing of gRPC's: a Peer (or anything) that
+        keeps it after its close kept gRPC's channel, and with it gRPC's poller thread."""
         self._closed = True
-        await self._channel.close()
+        channel = self._channel
+        if channel is None:
+            return
+        await channel.close()
+        # (only once closed: a close that was cancelled part way is finished by the next)
+        self._channel = self._stub = None

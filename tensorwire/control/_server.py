@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .._checks import join_address, split_address
 from .._ratelog import RateLimitedLog
-from ..errors import ConfigurationError, NegotiationError
+from ..errors import ClosedResourceError, ConfigurationError, NegotiationError
 from ._auth import heartbeat_proof, leave_proof, lookup_proof
 from ._client import SESSION_LOST_METADATA
 from ._convert import offer_from_pb, offer_to_pb
@@ -478,6 +478,10 @@ class ControlServer:
 
     def __init__(self, node: Node) -> None:
         self._node = node
+        # (None once stopped: a closed node that its user still holds lets gRPC's server go, and
+        # with the last of gRPC's objects gRPC's poller thread, which lives as long as any does)
+        self._server: grpc.aio.Server | None
+        self._health: health.aio.HealthServicer | None
         self._server, self._health = self._build()
         self.port = 0
         self._tls = node.config.tls
@@ -495,6 +499,12 @@ class ControlServer:
         )
         return server, health_servicer
 
+    def _serving(self) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+        """gRPC's server and its health servicer; ClosedResourceError once stopped."""
+        if self._server is None or self._health is None:
+            raise ClosedResourceError("node is closed")
+        return self._server, self._health
+
     async def start(self, host: str, port: int) -> int:
         if host.lower() == "localhost":
             self.port = await self._bind_loopbacks(host, port)
@@ -502,8 +512,9 @@ class ControlServer:
             self.port = await self._bind(host, port)
         await self._start_server()
         self._sweep_watch = _SweepWatch(self._begin_stop_now)
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        _, health_servicer = self._serving()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         return self.port
 
     async def _bind(self, host: str, port: int) -> int:
@@ -516,10 +527,11 @@ class ControlServer:
         certain = port != 0 and bind_targets(host) is not None
         if certain and (why := await asyncio.to_thread(_why_unbindable, host, port)) is not None:
             raise ConfigurationError(f"cannot bind the control plane to {target}: {why}")
+        server, _ = self._serving()
         try:
             if tls is None:
-                return int(self._server.add_insecure_port(target))
-            return int(self._server.add_secure_port(target, tls.server_credentials()))
+                return int(server.add_insecure_port(target))
+            return int(server.add_secure_port(target, tls.server_credentials()))
         except RuntimeError as exc:
             # grpc says only "Failed to bind" (and where to read more): ask the OS why
             why = await asyncio.to_thread(_why_unbindable, host, port)
@@ -579,13 +591,15 @@ class ControlServer:
         """Free the ports gRPC's server (not started) has bound, and begin a new server: gRPC
         frees them only once its server has started and stopped."""
         await self._start_server()
-        await self._server.stop(None)
+        await self._serving()[0].stop(None)
+        if self._stopping:  # (the node closed meanwhile: no new server for it to leave behind)
+            raise ClosedResourceError("node is closed")
         self._server, self._health = self._build()
 
     async def _start_server(self) -> None:
         # grpc's start, cancelled half-way, leaves a server that can never stop (its serving task
         # dies with InvalidStateError, which stop() then raises): let it finish, then cancel
-        starting = asyncio.ensure_future(self._server.start())
+        starting = asyncio.ensure_future(self._serving()[0].start())
         try:
             await asyncio.shield(starting)
         except BaseException:
@@ -603,7 +617,7 @@ class ControlServer:
         first step, up to its first wait, tells the core to shut down, which fails those calls
         while their fields are alive; the node's own close (at the loop's end, or any later
         stop) finishes it."""
-        if self._stopping:
+        if self._stopping or self._server is None:
             return
         stop = self._server.stop(None)
         try:
@@ -616,12 +630,17 @@ class ControlServer:
         stop.close()  # (leaves gRPC's server stopping: the next stop waits for the core and destroys it)
 
     async def stop(self, grace: float | None) -> None:
+        """Stop serving; idempotent. Once stopped, this holds nothing of gRPC's (a stop that was
+        cancelled part way is finished by the next)."""
         self._stopping = True
         if self._sweep_watch is not None:
             self._sweep_watch.cancel()
+        if self._server is None or self._health is None:
+            return
+        server = self._server
         await self._health.enter_graceful_shutdown()
         try:
-            await self._server.stop(grace)
+            await server.stop(grace)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or task.cancelling():
@@ -631,4 +650,5 @@ class ControlServer:
             # awaits that task, raised its CancelledError half way; a second stop finishes
             # (without it the core server was never destroyed, and gRPC's poller thread, which
             # waits for it, hung the next gc.collect() that freed the server)
-            await self._server.stop(grace)
+            await server.stop(grace)
+        self._server = self._health = None
