@@ -2,14 +2,14 @@
 
 This host's kernel has no RDMA, so ``scripts/rxe-vm.sh`` boots a Debian guest whose kernel does
 (Debian's pyverbs, rdma-core 44); the repository is mounted into it. Two guests on one L2 link
-run ``tests/verbs/two_node.py`` against each other; then the first of them runs ``tests/verbs``
-(the conformance suite over verbs and the verbs unit tests) once per session, while the second
-has powered off (one boot less than a guest of its own for the suite). The guest image
+run ``tests/verbs/two_node.py`` against each other; then each of them runs half of ``tests/verbs``
+(the conformance suite over verbs and the verbs unit tests; ``TW_GUEST_SHARD``, in
+``tests/verbs/conftest.py``) once per session, in the same boots. The guest image
 is built on first use (about 2-3 minutes, root and network to the Debian mirror and PyPI
 needed) and cached in ``~/.cache/tensorwire-rxe-vm``; where it cannot be built these tests skip
 and say why.
 
-The same guest boot then runs the conformance suite with PyPI's ``pyverbs`` 59.0 (the ``verbs``
+The first guest's boot then runs the conformance suite with PyPI's ``pyverbs`` 59.0 (the ``verbs``
 extra) and rdma-core 59's libraries instead of Debian's 44, built from the PyPI sdist by
 ``scripts/pyverbs-pypi.sh`` and cached in ``~/.cache/tensorwire-pyverbs-pypi``. That build takes
 about 6-7 minutes on two cores, so these tests use it where it is cached and build it only
@@ -81,14 +81,15 @@ def _tail(text: str, n: int = 15) -> str:
 
 
 def _failures(output: str, limit: int = 400) -> str:
-    """The guest pytest's FAILURES and ERRORS sections (the tracebacks), at most ``limit`` lines:
-    the tail alone is the -rA summary, which names a failed test but not why it failed."""
-    lines = output.splitlines()
-    start = next((i for i, line in enumerate(lines) if re.match(r"\[guest\] =+ (FAILURES|ERRORS) =+$", line)), None)
-    if start is None:
-        return ""
-    end = next((i for i in range(start, len(lines)) if "short test summary info" in lines[i]), len(lines))
-    return "\n".join(lines[start : min(end, start + limit)]) + "\n"
+    """The guest pytest's FAILURES and ERRORS sections (the tracebacks; each half of the suite
+    has its own), at most ``limit`` lines: the tail alone is the -rA summary, which names a
+    failed test but not why it failed."""
+    lines, kept = output.splitlines(), []
+    heading = re.compile(r"\[guest\] =+ (FAILURES|ERRORS) =+$")
+    for start in (i for i, line in enumerate(lines) if heading.match(line)):
+        end = next((i for i in range(start, len(lines)) if "short test summary info" in lines[i]), len(lines))
+        kept += lines[start:end]
+    return "\n".join(kept[:limit]) + "\n" if kept else ""
 
 
 def _env() -> dict[str, str]:
@@ -106,10 +107,10 @@ class _Skip(Exception):
 
 class GuestRuns:
     """The guests' work, in one thread of its own: the image (built if missing), PyPI's
-    pyverbs (where built), then two guests talking RDMA, the first of which runs ``tests/verbs``
+    pyverbs (where built), then two guests talking RDMA, which run half of ``tests/verbs`` each
     afterwards (``single`` and ``pair`` are the two parts of that one run).
 
-    The emulated guests take about 5 minutes of the suite, so ``tests/conftest.py`` starts
+    The emulated guests take 2.5 minutes and more (under load) of the suite, so ``tests/conftest.py`` starts
     this as soon as collection says these tests will run (``start``), and the tests, last in
     the suite, find the results ready. Where nothing started it early (this file run alone, an
     xdist worker), the first fixture that asks starts it. The guests run at the lowest priority
@@ -224,49 +225,71 @@ class GuestRuns:
 
     def _guests(self) -> dict[str, Any]:
         """Boot two guests on one L2 link once: both run tests/verbs/two_node.py against each
-        other; then the first runs tests/verbs on Debian's pyverbs 44 and, where PyPI's pyverbs is
-        built, the conformance suite and the stack report on it in a process of its own (one boot
-        for all of it saves half a minute of emulated guest each time). The second powers off
-        once its side of the exchange is done. {"single": stack -> (exit code, output), "pair":
-        (exit code, output)}."""
+        other, then each runs half of tests/verbs on Debian's pyverbs 44 (``TW_GUEST_SHARD``), and
+        the first, where PyPI's pyverbs is built, the conformance suite and the stack report on it
+        in a process of its own (one boot for all of it saves half a minute of emulated guest each
+        time; two halves at once use both of the host's cores once its own tests are done).
+        {"single": stack -> (exit code, output), "pair": (exit code, output)}."""
         vm = self._futures["image"].result()
         pypi_build = self._futures["pypi"].result()
-        # the first guest, which goes on to run the suite, gets the two CPUs the suite's own guest had
-        suite_cmd, env = DEBIAN_CMD, dict(_env(), RUN_TIMEOUT="2400", SMP_A="2")
+        env, pypi = dict(_env(), RUN_TIMEOUT="2400"), ""
         if not pypi_build:
             _, mount, _ = self._run(["bash", str(PYPI_SCRIPT), "mount"], 60)
             _, guest_env, _ = self._run(["bash", str(PYPI_SCRIPT), "env"], 60)
             env["EXTRA_MOUNT"] = mount.strip()
-            suite_cmd = f'{DEBIAN_CMD}; echo "{_SPLIT} $?"; ({guest_env.strip()}; {PYPI_CMD})'
-        first = f'{PAIR_CMD} a; echo "{_PAIR_SPLIT} $?"; {suite_cmd}'
-        args = ["bash", str(vm), "run2", str(ROOT), "--", first, "--", f"{PAIR_CMD} b"]
+            pypi = f"; ({guest_env.strip()}; {PYPI_CMD})"
+        args = ["bash", str(vm), "run2", str(ROOT), "--", _guest_cmd("a", pypi), "--", _guest_cmd("b")]
         rc, out, err = self._run(args, 2500, env)
         GUEST_LOG.write_text(out + err)
-        lines = (out + err).splitlines()
-        # run2 prints the first guest's output ("[a] ..."), then the second's ("[b] ..."); the first
-        # guest's lines up to the split are its side of the exchange, the rest the suite's
-        at = next((i for i, line in enumerate(lines) if line.startswith(f"[a] {_PAIR_SPLIT} ")), None)
-        if at is None:  # the first guest did not get past the exchange: nothing ran after it
-            return {"single": self._stacks(rc or 99, out + err, bool(pypi_build)), "pair": (rc or 99, out + err)}
-        b_rc = next((line.rsplit(" ", 1)[1] for line in lines if re.fullmatch(r"\[b\] exit code \d+", line)), "99")
-        pair_rc = int(lines[at].rsplit(" ", 1)[1]) or int(b_rc)
-        pair = "\n".join(line for i, line in enumerate(lines) if i <= at or not line.startswith("[a] "))
-        # as "[guest] ..." lines, as a guest of its own for the suite printed them
-        suite = [f"[guest] {line[4:]}" for line in lines[at + 1 :] if line.startswith("[a] ")]
-        # what the host adds after the guests' lines (a "(killed after N s)" note) is both runs'
-        suite += [line for line in lines[at + 1 :] if not line.startswith(("[a] ", "[b] "))]
-        suite_rc = next((int(line.rsplit(" ", 1)[1]) for line in suite if line.startswith("[guest] exit code ")), 99)
-        return {"single": self._stacks(suite_rc, "\n".join(suite), bool(pypi_build)), "pair": (pair_rc, pair)}
+        return parse_guests(rc, out + err, bool(pypi_build))
 
-    @staticmethod
-    def _stacks(rc: int, output: str, debian_only: bool) -> dict[str, tuple[int, str]]:
-        """The suite's output per verbs stack: stack -> (exit code, output)."""
-        if debian_only:
-            return {"debian": (rc, output)}
-        split = re.search(rf"^\[guest\] {_SPLIT} (\d+)$", output, re.M)
-        if split is None:  # the guest did not get that far: both runs failed
-            return {"debian": (rc or 99, output), "pypi": (rc or 99, output)}
-        return {"debian": (int(split.group(1)), output[: split.start()]), "pypi": (rc, output[split.end() :])}
+
+def _guest_cmd(role: str, after: str = "") -> str:
+    """What guest ``role`` runs: its side of the exchange, then its half of tests/verbs."""
+    shard = "ab".index(role)
+    return (
+        f'{PAIR_CMD} {role}; echo "{_PAIR_SPLIT} $?"; TW_GUEST_SHARD={shard}/2 {DEBIAN_CMD}; echo "{_SPLIT} $?"{after}'
+    )
+
+
+def _index(lines: list[str], prefix: str) -> int | None:
+    return next((i for i, line in enumerate(lines) if line.startswith(prefix)), None)
+
+
+def _code(line: str) -> int:
+    return int(line.rsplit(" ", 1)[1])
+
+
+def parse_guests(rc: int, output: str, debian_only: bool) -> dict[str, Any]:
+    """run2's output (the first guest's lines as "[a] ...", then the second's as "[b] ...", then
+    what the host added, such as "(killed after N s)") as the two-guest exchange's result and
+    the suite's per verbs stack: {"pair": (exit code, output), "single": stack -> (exit code,
+    output)}. The suite's output is both halves' lines as "[guest] ...", as one guest printed them."""
+    lines = output.splitlines()
+    host = [line for line in lines if not line.startswith(("[a] ", "[b] "))]
+    sides = {role: [line[4:] for line in lines if line.startswith(f"[{role}] ")] for role in "ab"}
+    a_at, b_at = (_index(sides[role], f"{_PAIR_SPLIT} ") for role in "ab")
+    if a_at is None or b_at is None:  # a guest did not get past the exchange: nothing ran after it
+        failed = (rc or 99, output)
+        return {"single": {"debian": failed} if debian_only else {"debian": failed, "pypi": failed}, "pair": failed}
+    at = {"a": a_at, "b": b_at}
+    pair_rc = _code(sides["a"][at["a"]]) or _code(sides["b"][at["b"]])
+    pair = [f"[{role}] {line}" for role in "ab" for line in sides[role][: at[role] + 1]]
+    debian: list[str] = []
+    debian_rc, pypi = 0, (rc or 99, output)
+    for role in "ab":
+        rest = sides[role][at[role] + 1 :]
+        split = _index(rest, f"{_SPLIT} ")
+        debian += [f"[guest] {line}" for line in (rest if split is None else rest[:split])]
+        debian_rc = debian_rc or (99 if split is None else _code(rest[split]))
+        if role == "a" and not debian_only and split is not None:
+            after = rest[split + 1 :]
+            pypi_rc = next((_code(line) for line in after if re.fullmatch(r"exit code \d+", line)), 99)
+            pypi = (pypi_rc, "\n".join([f"[guest] {line}" for line in after] + host))
+    single = {"debian": (debian_rc, "\n".join(debian + host))}
+    if not debian_only:
+        single["pypi"] = pypi
+    return {"single": single, "pair": (pair_rc, "\n".join(pair + host))}
 
 
 def _kill_session(proc: subprocess.Popen[str]) -> None:

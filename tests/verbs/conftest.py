@@ -1,6 +1,7 @@
 """Tests that need a real RDMA device: they run inside the Soft-RoCE guest
 (``tests/test_verbs_vm.py`` boots it) and skip, with the reason, anywhere verbs cannot run."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,27 @@ _HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _keep_shard(config, items)
     if VerbsTransport.probe() is not None:
         return
     skip = pytest.mark.skip(reason=f"verbs cannot run here: {VerbsTransport.unavailable_reason()}")
     for item in items:
         if _HERE in Path(str(item.fspath)).parents:
             item.add_marker(skip)
+
+
+def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """TW_GUEST_SHARD=K/N keeps the Kth of every N tests, counting from 0 (the two guests of
+    ``tests/test_verbs_vm.py`` run a half each); every test is in exactly one of the N shards."""
+    shard = os.environ.get("TW_GUEST_SHARD", "")
+    if not shard:
+        return
+    parts = shard.split("/")
+    if len(parts) != 2 or not all(part.isdigit() for part in parts) or not int(parts[0]) < int(parts[1]):
+        raise pytest.UsageError(f"TW_GUEST_SHARD must be K/N with 0 <= K < N, not {shard!r}")
+    k, n = int(parts[0]), int(parts[1])
+    # (this hook sees the session's every item, wherever its conftest is: only this folder's are split)
+    ours = [item for item in items if _HERE in Path(str(item.fspath)).parents]
+    dropped = {id(item) for i, item in enumerate(ours) if i % n != k}
+    config.hook.pytest_deselected(items=[item for item in ours if id(item) in dropped])
+    items[:] = [item for item in items if id(item) not in dropped]
