@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from test_verbs_vm import _PAIR_SPLIT, _SPLIT, _failures, _guest_cmd, _results, parse_guests
+from test_verbs_vm import _PAIR_SPLIT, _SPLIT, PYPI_CMD, _failures, _guest_cmd, _results, parse_guests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,9 +58,11 @@ def test_a_bad_shard_is_a_usage_error(shard: str) -> None:
 
 
 def test_each_guest_runs_its_side_of_the_exchange_then_its_half() -> None:
-    a, b = _guest_cmd("a", "; PYPI"), _guest_cmd("b")
-    assert "two_node a" in a and "TW_GUEST_SHARD=0/2 " in a and a.endswith("; PYPI")
+    a, b = _guest_cmd("a", "export PYPI=1"), _guest_cmd("b")
+    assert "two_node a" in a and "TW_GUEST_SHARD=0/2 " in a
+    assert a.endswith(f"; (export PYPI=1; TW_GUEST_SHARD=0/2 {PYPI_CMD})")
     assert "two_node b" in b and "TW_GUEST_SHARD=1/2 " in b and "PYPI" not in b
+    assert _guest_cmd("b", "export PYPI=1").endswith(f"; (export PYPI=1; TW_GUEST_SHARD=1/2 {PYPI_CMD})")
 
 
 def _side(role: str, pair_rc: int, suite: list[str], suite_rc: int, after: Sequence[str] = ()) -> list[str]:
@@ -97,12 +99,19 @@ def test_a_failed_half_fails_the_suite_and_its_tracebacks_are_kept() -> None:
     assert runs["single"]["debian"][0] == 1
 
 
-def test_the_pypi_run_after_the_first_half_is_a_stack_of_its_own() -> None:
-    a = _side("a", 0, ["PASSED tests/verbs/x.py::one"], 0, ["PASSED tests/verbs/x.py::pypi_one", "exit code 3"])
-    runs = parse_guests(3, _run2(a, _side("b", 0, ["PASSED tests/verbs/x.py::two"], 0)), debian_only=False)
-    assert runs["single"]["debian"][0] == 0 and "pypi_one" not in runs["single"]["debian"][1]
+def test_the_pypi_halves_after_the_debian_halves_are_a_stack_of_their_own() -> None:
+    a = _side("a", 0, ["PASSED tests/verbs/x.py::one"], 0, ["PASSED tests/verbs/x.py::pypi_one", "exit code 0"])
+    b = _side("b", 0, ["PASSED tests/verbs/x.py::two"], 0, ["FAILED tests/verbs/x.py::pypi_two", "exit code 3"])
+    runs = parse_guests(3, _run2(a, b), debian_only=False)
+    assert runs["single"]["debian"][0] == 0 and "pypi_" not in runs["single"]["debian"][1]
     rc, pypi = runs["single"]["pypi"]
-    assert rc == 3 and _results(pypi) == {"tests/verbs/x.py::pypi_one": "PASSED"}
+    assert rc == 3 and _results(pypi) == {
+        "tests/verbs/x.py::pypi_one": "PASSED",
+        "tests/verbs/x.py::pypi_two": "FAILED",
+    }
+    # a half that never got to its run on PyPI's pyverbs fails that run too
+    b = [f"[b] {line}" for line in ("TWO_NODE_OK", f"{_PAIR_SPLIT} 0", "PASSED tests/verbs/x.py::two")]
+    assert parse_guests(0, _run2(a, b), debian_only=False)["single"]["pypi"][0] == 99
 
 
 def test_a_guest_that_did_not_get_past_the_exchange_fails_everything() -> None:

@@ -9,7 +9,7 @@ is built on first use (about 2-3 minutes, root and network to the Debian mirror 
 needed) and cached in ``~/.cache/tensorwire-rxe-vm``; where it cannot be built these tests skip
 and say why.
 
-The first guest's boot then runs the conformance suite with PyPI's ``pyverbs`` 59.0 (the ``verbs``
+The same boots then run the conformance suite with PyPI's ``pyverbs`` 59.0 (the ``verbs``
 extra) and rdma-core 59's libraries instead of Debian's 44, built from the PyPI sdist by
 ``scripts/pyverbs-pypi.sh`` and cached in ``~/.cache/tensorwire-pyverbs-pypi``. That build takes
 about 6-7 minutes on two cores, so these tests use it where it is cached and build it only
@@ -108,15 +108,16 @@ class _Skip(Exception):
 class GuestRuns:
     """The guests' work, in one thread of its own: the image (built if missing), PyPI's
     pyverbs (where built), then two guests talking RDMA, which run half of ``tests/verbs`` each
-    afterwards (``single`` and ``pair`` are the two parts of that one run).
+    afterwards, and half of the run on PyPI's pyverbs where it is built (``single`` and ``pair``
+    are the two parts of that one run).
 
-    The emulated guests take 2.5 minutes and more (under load) of the suite, so ``tests/conftest.py`` starts
-    this as soon as collection says these tests will run (``start``), and the tests, last in
-    the suite, find the results ready. Where nothing started it early (this file run alone, an
-    xdist worker), the first fixture that asks starts it. The guests run at the lowest priority
-    (nice 19, their session's scheduling group too), so they take only the CPU the host's own
-    tests leave. Each run is a session of its own, all of it killed when it outlives its limit
-    or the pytest session ends first (``stop``)."""
+    The emulated guests take 2.5 minutes and more (under load) of the suite, so
+    ``tests/conftest.py`` starts this as soon as collection says these tests will run
+    (``start``), and the tests, last in the suite, find the results ready. Where nothing started
+    it early (this file run alone, an xdist worker), the first fixture that asks starts it. The
+    guests run at the lowest priority (nice 19, their session's scheduling group too), so they
+    take only the CPU the host's own tests leave. Each run is a session of its own, all of it
+    killed when it outlives its limit or the pytest session ends first (``stop``)."""
 
     STEPS = ("image", "pypi", "guests")
 
@@ -225,31 +226,32 @@ class GuestRuns:
 
     def _guests(self) -> dict[str, Any]:
         """Boot two guests on one L2 link once: both run tests/verbs/two_node.py against each
-        other, then each runs half of tests/verbs on Debian's pyverbs 44 (``TW_GUEST_SHARD``), and
-        the first, where PyPI's pyverbs is built, the conformance suite and the stack report on it
+        other, then each runs half of tests/verbs on Debian's pyverbs 44 (``TW_GUEST_SHARD``) and,
+        where PyPI's pyverbs is built, half of the conformance suite and the stack report on it
         in a process of its own (one boot for all of it saves half a minute of emulated guest each
         time; two halves at once use both of the host's cores once its own tests are done).
         {"single": stack -> (exit code, output), "pair": (exit code, output)}."""
         vm = self._futures["image"].result()
         pypi_build = self._futures["pypi"].result()
-        env, pypi = dict(_env(), RUN_TIMEOUT="2400"), ""
+        env, pypi_env = dict(_env(), RUN_TIMEOUT="2400"), None
         if not pypi_build:
             _, mount, _ = self._run(["bash", str(PYPI_SCRIPT), "mount"], 60)
             _, guest_env, _ = self._run(["bash", str(PYPI_SCRIPT), "env"], 60)
-            env["EXTRA_MOUNT"] = mount.strip()
-            pypi = f"; ({guest_env.strip()}; {PYPI_CMD})"
-        args = ["bash", str(vm), "run2", str(ROOT), "--", _guest_cmd("a", pypi), "--", _guest_cmd("b")]
+            env["EXTRA_MOUNT"] = mount.strip()  # (both guests mount it)
+            pypi_env = guest_env.strip()
+        args = ["bash", str(vm), "run2", str(ROOT), "--", _guest_cmd("a", pypi_env), "--", _guest_cmd("b", pypi_env)]
         rc, out, err = self._run(args, 2500, env)
         GUEST_LOG.write_text(out + err)
         return parse_guests(rc, out + err, bool(pypi_build))
 
 
-def _guest_cmd(role: str, after: str = "") -> str:
-    """What guest ``role`` runs: its side of the exchange, then its half of tests/verbs."""
-    shard = "ab".index(role)
-    return (
-        f'{PAIR_CMD} {role}; echo "{_PAIR_SPLIT} $?"; TW_GUEST_SHARD={shard}/2 {DEBIAN_CMD}; echo "{_SPLIT} $?"{after}'
-    )
+def _guest_cmd(role: str, pypi_env: str | None = None) -> str:
+    """What guest ``role`` runs: its side of the exchange, then its half of tests/verbs, then,
+    where ``pypi_env`` (the shell lines that put PyPI's pyverbs in use) is given, its half of
+    the run on PyPI's pyverbs."""
+    shard = f"TW_GUEST_SHARD={'ab'.index(role)}/2"
+    pypi = "" if pypi_env is None else f"; ({pypi_env}; {shard} {PYPI_CMD})"
+    return f'{PAIR_CMD} {role}; echo "{_PAIR_SPLIT} $?"; {shard} {DEBIAN_CMD}; echo "{_SPLIT} $?"{pypi}'
 
 
 def _index(lines: list[str], prefix: str) -> int | None:
@@ -276,19 +278,21 @@ def parse_guests(rc: int, output: str, debian_only: bool) -> dict[str, Any]:
     pair_rc = _code(sides["a"][at["a"]]) or _code(sides["b"][at["b"]])
     pair = [f"[{role}] {line}" for role in "ab" for line in sides[role][: at[role] + 1]]
     debian: list[str] = []
-    debian_rc, pypi = 0, (rc or 99, output)
+    pypi: list[str] = []
+    debian_rc = pypi_rc = 0
     for role in "ab":
         rest = sides[role][at[role] + 1 :]
         split = _index(rest, f"{_SPLIT} ")
         debian += [f"[guest] {line}" for line in (rest if split is None else rest[:split])]
         debian_rc = debian_rc or (99 if split is None else _code(rest[split]))
-        if role == "a" and not debian_only and split is not None:
-            after = rest[split + 1 :]
-            pypi_rc = next((_code(line) for line in after if re.fullmatch(r"exit code \d+", line)), 99)
-            pypi = (pypi_rc, "\n".join([f"[guest] {line}" for line in after] + host))
+        # each half on PyPI's pyverbs comes after the guest's half on Debian's; its exit code is
+        # the guest's (the last command it ran), which run2 prints last
+        after = [] if split is None else rest[split + 1 :]
+        pypi += [f"[guest] {line}" for line in after]
+        pypi_rc = pypi_rc or next((_code(line) for line in after if re.fullmatch(r"exit code \d+", line)), 99)
     single = {"debian": (debian_rc, "\n".join(debian + host))}
     if not debian_only:
-        single["pypi"] = pypi
+        single["pypi"] = (pypi_rc, "\n".join(pypi + host))
     return {"single": single, "pair": (pair_rc, "\n".join(pair + host))}
 
 
