@@ -23,6 +23,14 @@ def test_ruff() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_ruff_format() -> None:
+    """The whole tree is as ``ruff format`` leaves it (the docs' Markdown excepted: pyproject)."""
+    proc = subprocess.run(
+        [_tool("ruff"), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 @pytest.mark.timeout(300)
 def test_mypy_strict() -> None:
     proc = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True, timeout=280)
