@@ -45,7 +45,7 @@ from ..errors import (
     fresh,
 )
 from ..tensors import Outgoing, as_view, is_tensor, prepare
-from ..tensors._message import MAX_DEPTH, check_out
+from ..tensors._message import MAX_DEPTH, Preparing, check_out
 from ..tensors._view import TensorView
 from ..transports import Channel, ChannelState, Receipt
 from ..transports._mailbox import Arrival
@@ -62,6 +62,7 @@ from ._protocol import (
     Kind,
     Reply,
     args_tag,
+    fill_meta,
     meta,
     raise_error,
     reply_tag,
@@ -224,14 +225,15 @@ class _Progress:
 _META_LEN = 5  # the request's int64 envelope (``meta``)
 
 
-async def _arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outgoing:
+def _arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Preparing:
     """The call's message as it travels with the arguments inline, ``(meta, name, args, kwargs)``,
     its meta tensor not yet filled in (``_request`` does): the arguments are flattened (and any
     packed) once per call, whichever way they go. An argument tensorwire cannot move fails here,
-    locally, before the call waits for anything."""
+    locally, before the call waits for anything. Flattened at the call; awaited, it packs what
+    needs a copy thread (its ``ready`` is the message where nothing does: no await, no frame)."""
     if not isinstance(name, str):
         raise ConfigurationError(f"a method name is a string, not {type(name).__name__}")
-    return await encode_off_loop((np.empty(_META_LEN, np.int64), name, args, kwargs))
+    return encode_off_loop((np.empty(_META_LEN, np.int64), name, args, kwargs))
 
 
 def _request(
@@ -246,7 +248,7 @@ def _request(
     assert isinstance(head, np.ndarray)  # the meta tensor _arguments put first
     nbytes = whole.nbytes - head.nbytes
     if nbytes <= INLINE_BYTES:
-        head[:] = meta(call_id, left, kind, -1, window)
+        fill_meta(head, call_id, left, kind, -1, window)
         return whole, None
     # the arguments alone, (args, kwargs): the same message as flattening them again would make
     return encode((meta(call_id, left, kind, nbytes, window), name)), whole.items_from(2)
@@ -516,8 +518,16 @@ async def call(
         with lending():  # (outside the timeout: nothing in taking the slot back waits)
             async with tm:
                 # packing the arguments (a large strided tensor: in a copy thread) is part of the call
-                arguments = await _arguments(name, args, kwargs)
-                room = await _room(budget, channel, 1)  # one reply at a time may wait here unread
+                preparing = _arguments(name, args, kwargs)
+                arguments = preparing.ready
+                if arguments is None:
+                    arguments = await preparing
+                # one reply at a time may wait here unread: a place free now, and no caller's
+                # room to ride (not a call back), is taken at once (``_room``'s first case, unawaited)
+                if call_back_room(channel) is None and budget.failure is None and budget.admit_now(1):
+                    room = None
+                else:
+                    room = await _room(budget, channel, 1)
                 release = _releasing(budget, room, 1)
                 try:
                     request, payload = _request(call_id, name, Kind.UNARY, tm.when(), arguments)

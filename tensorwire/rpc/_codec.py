@@ -19,6 +19,7 @@ import numpy as np
 
 from ..control._pb import wire_pb2
 from ..tensors import Outgoing, Spec, prepare, prepare_off_loop
+from ..tensors._message import Preparing, Ready
 
 __all__ = ["encode"]
 
@@ -89,14 +90,16 @@ def encode(obj: Any) -> Outgoing:
     return _cached(obj, key, arrays)
 
 
-async def encode_off_loop(obj: Any) -> Outgoing:
+def encode_off_loop(obj: Any) -> Preparing:
     """``encode``, with large strided tensors packed in a copy thread (``prepare_off_loop``);
-    what the cache takes (contiguous tensors only) needs no packing."""
+    what the cache takes (contiguous tensors only) needs no packing. Flattened now; awaiting
+    the result gives the message, and its ``ready`` is the message at once where nothing is
+    left to pack (no coroutine per call: RPC requests and replies take this path)."""
     arrays: list[np.ndarray] = []
     key = _walk(obj, arrays, 0)
     if key is _NO:
-        return await prepare_off_loop(obj)
-    return _cached(obj, key, arrays)
+        return prepare_off_loop(obj)
+    return Ready(_cached(obj, key, arrays))
 
 
 def _cached(obj: Any, key: Any, arrays: list[np.ndarray]) -> Outgoing:

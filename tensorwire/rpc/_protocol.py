@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 import traceback
 from typing import Any
 
@@ -136,13 +137,25 @@ class Code(enum.IntEnum):
     UNSENT = 4  # the method returned (or yielded) a value that could not be sent back
 
 
+def _deadline_ns(deadline: float | None) -> int:
+    """A deadline as the envelope carries it: nanoseconds, -1 for none (past MAX_DEADLINE, or not finite)."""
+    if deadline is None or math.isnan(deadline) or deadline > MAX_DEADLINE:
+        return -1
+    return 0 if deadline <= 0 else int(deadline * 1e9)
+
+
 def meta(call_id: int, deadline: float | None, kind: Kind, nbytes: int, window: int = 0) -> np.ndarray:
     """The request's int64 envelope; a deadline past MAX_DEADLINE (or not finite) travels as none."""
-    if deadline is None or math.isnan(deadline) or deadline > MAX_DEADLINE:
-        dl = -1
-    else:
-        dl = 0 if deadline <= 0 else int(deadline * 1e9)
-    return np.array((call_id, dl, int(kind), nbytes, window), np.int64)
+    return np.array((call_id, _deadline_ns(deadline), int(kind), nbytes, window), np.int64)
+
+
+_META = struct.Struct("=5q")  # (the envelope's five int64s, as a native int64 array holds them)
+
+
+def fill_meta(head: np.ndarray, call_id: int, deadline: float | None, kind: Kind, nbytes: int, window: int = 0) -> None:
+    """Write ``meta(...)`` into ``head``, a C-contiguous int64 array of five (a call's first
+    tensor): packed straight into its memory, without the array ``meta`` makes."""
+    _META.pack_into(head, 0, call_id, _deadline_ns(deadline), int(kind), nbytes, window)  # type: ignore[arg-type, unused-ignore]  # numpy < 2.5 stubs
 
 
 class Request:
@@ -172,23 +185,30 @@ class Request:
         self.error: InvalidArguments | None = None
 
 
+_INT64 = np.dtype(np.int64)
+_KINDS = {int(k): k for k in (Kind.UNARY, Kind.STREAM)}  # (what a request may ask for)
+
+
 def parse_request(env: object) -> Request | None:
     """Validate a received envelope; None if it is not one (hostile or broken peer)."""
     if not isinstance(env, tuple) or len(env) not in (2, 4):
         return None
     m, method = env[0], env[1]
-    if not (isinstance(m, np.ndarray) and m.dtype == np.int64 and m.shape == (5,) and isinstance(method, str)):
+    if not (isinstance(m, np.ndarray) and (m.dtype is _INT64 or m.dtype == _INT64) and m.shape == (5,)):
         return None
-    call_id, dl, kind, nbytes, window = m.tolist()
-    if not 0 < call_id < 1 << 60 or kind not in (Kind.UNARY, Kind.STREAM) or dl < -1:
+    if not isinstance(method, str):
+        return None
+    call_id, dl, k, nbytes, window = m.tolist()
+    kind = _KINDS.get(k)
+    if not 0 < call_id < 1 << 60 or kind is None or dl < -1:
         return None
     deadline = None if dl < 0 else dl / 1e9
     window = min(max(window, 1), STREAM_WINDOW)
     if len(env) == 2:
-        return Request(call_id, method, Kind(kind), deadline, nbytes, window) if nbytes >= 0 else None
+        return Request(call_id, method, kind, deadline, nbytes, window) if nbytes >= 0 else None
     if nbytes != -1:
         return None
-    req = Request(call_id, method, Kind(kind), deadline, -1, window)
+    req = Request(call_id, method, kind, deadline, -1, window)
     try:
         req.args, req.kwargs = split_args(env[2], env[3])
     except InvalidArguments as exc:

@@ -153,6 +153,14 @@ class FifoAdmission:
     def _give(self, n: int) -> None:
         raise NotImplementedError
 
+    def admit_now(self, n: int) -> bool:
+        """``_admit(n)`` where it goes in at once, without a coroutine: True, and taken; else
+        False, and nothing changed (``_admit`` then waits in line)."""
+        if not self._waiters and self._fits(n):
+            self._take(n)
+            return True
+        return False
+
     async def _admit(self, n: int) -> None:
         if not self._waiters and self._fits(n):
             self._take(n)
@@ -249,6 +257,10 @@ class Slots(FifoAdmission):
 
     async def acquire(self) -> None:
         await self._admit(1)
+
+    def acquire_now(self) -> bool:
+        """``acquire`` if a slot is free now (True), without awaiting; else False, nothing taken."""
+        return self.admit_now(1)
 
     def release(self) -> None:
         self._release(1)

@@ -252,7 +252,7 @@ class PeerServer:
         self.calls[req.call_id] = call  # a cancel for it now interrupts the wait for a slot
         slots = self.registry.slots
         try:
-            if not call.cancel_requested:
+            if not call.cancel_requested and not slots.acquire_now():
                 await slots.acquire()  # backpressure: no slot, no reading
         except asyncio.CancelledError:
             if not call.cancel_requested or task.cancelling() > 1:
@@ -559,7 +559,13 @@ class PeerServer:
         not fit the caller's limits. Other failures (the channel went away) raise."""
         try:
             # results and items repeat their structure (cached encoding); errors carry fresh text
-            msg = await encode_off_loop(reply) if reply[0] in (Reply.RESULT, Reply.ITEM) else prepare(reply)
+            if reply[0] in (Reply.RESULT, Reply.ITEM):
+                preparing = encode_off_loop(reply)
+                msg = preparing.ready
+                if msg is None:
+                    msg = await preparing
+            else:
+                msg = prepare(reply)
         except Exception as exc:  # UnsupportedTensorError, or whatever a strange object raised
             return exc
         try:

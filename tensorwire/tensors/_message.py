@@ -361,7 +361,7 @@ def prepare_off_loop(obj: object) -> Preparing:
     The message is flattened, and its device tensors wired (their producers' events recorded),
     now, at the call; awaiting the result makes the large copies and gives the message."""
     if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype.isnative:
-        return _Ready(_prepare_array(obj))
+        return Ready(_prepare_array(obj))
     leaves = _Leaves(defer=True, budget=ON_LOOP_LEAVES)
     try:
         tree = encode(obj, leaves)
@@ -373,24 +373,20 @@ def prepare_off_loop(obj: object) -> Preparing:
             tree = encode(obj, leaves)
     heavy = [i for i, r in enumerate(leaves.records) if r[0] is None]
     if not heavy:
-        return _Ready(_assemble(tree, leaves.records))
+        return Ready(_assemble(tree, leaves.records))
     return _Packing(tree, leaves.records, heavy)
 
 
-class _Ready:
+class Ready:
     """A message prepared at once, awaitable as one still packing is."""
 
-    __slots__ = ("msg",)
+    __slots__ = ("ready",)
 
     def __init__(self, msg: Outgoing) -> None:
-        self.msg = msg
-
-    @property
-    def ready(self) -> Outgoing:
-        return self.msg
+        self.ready = msg  # (an attribute, not a property: a sender reads it once per message)
 
     def __await__(self) -> Generator[Any, None, Outgoing]:
-        return self.msg
+        return self.ready
         yield  # (a generator that returns at once)
 
 
