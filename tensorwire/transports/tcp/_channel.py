@@ -323,20 +323,11 @@ class TcpChannel(Channel):
 
     # -- sending ----------------------------------------------------------------------------
     def _frame(
-        self,
-        ftype: FrameType,
-        flags: int,
-        meta: bytes,
-        payload: list[memoryview] | None,
-        msg_id: int,
-        arg: int,
-        plen: int = -1,
+        self, ftype: FrameType, flags: int, meta: bytes, payload: list[memoryview] | None, msg_id: int, arg: int
     ) -> list[Buffer]:
-        """The buffers of one frame, returned credit piggybacked; to be written at once.
-        ``plen``: the payload's length where the caller knows it (-1: summed here)."""
+        """The buffers of one frame, returned credit piggybacked; to be written at once."""
         credit, slots = self._budget.take_returns()
-        if plen < 0:
-            plen = sum(len(p) for p in payload) if payload else 0
+        plen = sum(len(p) for p in payload) if payload else 0
         if self._data_out and ftype is FrameType.MSG and not flags & RENDEZVOUS and plen <= QUICK_BYTES:
             self._quick_until = self._loop.time() + QUICK_SECONDS  # a small message beside bulk
         summed = self.checksum and (ftype is FrameType.MSG or ftype is FrameType.DATA)
@@ -439,7 +430,7 @@ class TcpChannel(Channel):
             window.credit -= nbytes
             msg_id = self._next_id
             self._next_id += 1
-            bufs = self._frame(FrameType.MSG, 0, header, msg.segments() if nbytes else None, msg_id, tag, nbytes)
+            bufs = self._frame(FrameType.MSG, 0, header, msg.segments() if nbytes else None, msg_id, tag)
             try:
                 rest = self._io.send_now(bufs)
             except PeerDisconnected as exc:
