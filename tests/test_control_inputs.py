@@ -246,6 +246,53 @@ async def test_localhost_port_0_whose_port_is_taken_on_the_other_loopback_takes_
             sock.close()
 
 
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.timeout(30)
+async def test_a_start_cancelled_during_its_bind_leaves_no_port_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose start was cancelled (or that closed) while it bound its control plane
+    closed a gRPC server that had bound a port and never started: gRPC's stop does nothing to
+    such a server, and the port stayed bound (listening, never accepting) for the process's
+    life, garbage collection or not. Its close now starts it first, so that its stop frees it."""
+    why_unbindable = _server._why_unbindable
+    bound: list[int] = []
+    checking = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow(host: str, port: int) -> str | None:
+        if host == "::1" and port != 0 and not bound:  # (127.0.0.1:port is bound by now)
+            bound.append(port)
+            loop.call_soon_threadsafe(checking.set)
+        return why_unbindable(host, port)
+
+    monkeypatch.setattr(_server, "_why_unbindable", slow)
+    starting = asyncio.ensure_future(tensorwire.start("localhost:0", transports=("tcp",)))
+    await asyncio.wait_for(checking.wait(), 10)
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    (port,) = bound
+    assert _free_at("127.0.0.1", port), "the cancelled start left 127.0.0.1's port bound"
+
+
+@pytest.mark.timeout(30)
+async def test_a_node_that_closes_while_its_control_plane_starts_leaves_nothing_running() -> None:
+    """The node's stop under its control plane's start (a node aborted, or its loop ending, as
+    it starts): the start says the node is closed, gRPC's server is stopped once its start has
+    finished, and no task of the control plane is left waiting (its sweep watch was made after
+    the stop, and waited uncancelled until the loop's end)."""
+    async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as node:
+        before = set(asyncio.all_tasks())
+        control = _server.ControlServer(node)
+        starting = asyncio.ensure_future(control.start("127.0.0.1", 0))
+        await asyncio.sleep(0)  # (bound, and waiting for gRPC's start)
+        await control.stop(0)
+        with pytest.raises(tensorwire.ClosedResourceError, match="node is closed"):
+            await starting
+        assert control.port and _free_at("127.0.0.1", control.port)
+        left = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+        assert not left, left
+
+
 async def test_a_handshake_cannot_make_the_node_repeat_megabytes(caplog: pytest.LogCaptureFixture) -> None:
     """Transport names and reasons in a handshake come back in refusals, in ``peer.path`` and in
     the node's log: 32 names of 100 KB made a 3 MB log line per handshake and a refusal too big

@@ -487,6 +487,8 @@ class ControlServer:
         self._tls = node.config.tls
         self._stopping = False
         self._sweep_watch: _SweepWatch | None = None
+        # gRPC's start of the current server, once begun (``_start_server``): a stop waits for it
+        self._starting: asyncio.Future[None] | None = None
 
     def _build(self) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -500,8 +502,10 @@ class ControlServer:
         return server, health_servicer
 
     def _serving(self) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-        """gRPC's server and its health servicer; ClosedResourceError once stopped."""
-        if self._server is None or self._health is None:
+        """gRPC's server and its health servicer; ClosedResourceError once stopping. (A port
+        added to gRPC's server while it stops, or once it has started, fails gRPC's check that
+        every listener was destroyed: the process aborts.)"""
+        if self._stopping or self._server is None or self._health is None:
             raise ClosedResourceError("node is closed")
         return self._server, self._health
 
@@ -510,7 +514,10 @@ class ControlServer:
             self.port = await self._bind_loopbacks(host, port)
         else:
             self.port = await self._bind(host, port)
-        await self._start_server()
+        await self._start_server(self._serving()[0])
+        if self._stopping:  # (the node closed meanwhile: its stop has stopped the server, and
+            # a sweep watch made now would wait, uncancelled, until the loop's end)
+            raise ClosedResourceError("node is closed")
         self._sweep_watch = _SweepWatch(self._begin_stop_now)
         _, health_servicer = self._serving()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -590,16 +597,19 @@ class ControlServer:
     async def _give_back_ports(self) -> None:
         """Free the ports gRPC's server (not started) has bound, and begin a new server: gRPC
         frees them only once its server has started and stopped."""
-        await self._start_server()
-        await self._serving()[0].stop(None)
+        await self._start_server(self._serving()[0])
+        await self._serving()[0].stop(None)  # (stopping meanwhile: the node's stop stops it)
         if self._stopping:  # (the node closed meanwhile: no new server for it to leave behind)
             raise ClosedResourceError("node is closed")
         self._server, self._health = self._build()
+        self._starting = None
 
-    async def _start_server(self) -> None:
+    async def _start_server(self, server: grpc.aio.Server) -> None:
         # grpc's start, cancelled half-way, leaves a server that can never stop (its serving task
         # dies with InvalidStateError, which stop() then raises): let it finish, then cancel
-        starting = asyncio.ensure_future(self._serving()[0].start())
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(server.start())
+        starting = self._starting
         try:
             await asyncio.shield(starting)
         except BaseException:
@@ -639,6 +649,13 @@ class ControlServer:
             return
         server = self._server
         await self._health.enter_graceful_shutdown()
+        if self._starting is None or not self._starting.done():
+            # gRPC frees a server's ports, and its core, only once it has started and stopped:
+            # its stop does nothing to one never started (a node closed during its bind held
+            # them for the process's life), so that one starts first; and a start under way
+            # finishes first (gRPC's start and stop are not meant to overlap)
+            with contextlib.suppress(Exception):  # (grpc.aio.UsageError: not startable, nor then stoppable)
+                await self._start_server(server)
         try:
             await server.stop(grace)
         except asyncio.CancelledError:
