@@ -51,7 +51,7 @@ def test_a_shard_leaves_tests_outside_tests_verbs_alone() -> None:
     assert set(alone) <= set(with_shard), out
 
 
-@pytest.mark.parametrize("shard", ["2/2", "1", "a/2", "-1/2", "0/0"])
+@pytest.mark.parametrize("shard", ["2/2", "1", "a/2", "-1/2", "0/0", "\u00b2/2", "0/2/2"])
 def test_a_bad_shard_is_a_usage_error(shard: str) -> None:
     rc, _, out = _collected(shard, "tests/verbs")
     assert rc == 4 and "TW_GUEST_SHARD must be K/N" in out, out

@@ -28,9 +28,12 @@ def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not shard:
         return
     parts = shard.split("/")
-    if len(parts) != 2 or not all(part.isdigit() for part in parts) or not int(parts[0]) < int(parts[1]):
+    try:
+        k, n = (int(part) for part in parts) if len(parts) == 2 and "-" not in shard else (-1, 0)
+    except ValueError:  # (not a number, or a digit int() does not read: "²")
+        k, n = -1, 0
+    if not 0 <= k < n:
         raise pytest.UsageError(f"TW_GUEST_SHARD must be K/N with 0 <= K < N, not {shard!r}")
-    k, n = int(parts[0]), int(parts[1])
     # (this hook sees the session's every item, wherever its conftest is: only this folder's are split)
     ours = [item for item in items if _HERE in Path(str(item.fspath)).parents]
     dropped = {id(item) for i, item in enumerate(ours) if i % n != k}
