@@ -515,11 +515,10 @@ class ControlServer:
         else:
             self.port = await self._bind(host, port)
         await self._start_server(self._serving()[0])
-        if self._stopping:  # (the node closed meanwhile: its stop has stopped the server, and
-            # a sweep watch made now would wait, uncancelled, until the loop's end)
-            raise ClosedResourceError("node is closed")
-        self._sweep_watch = _SweepWatch(self._begin_stop_now)
+        # (ClosedResourceError where the node closed meanwhile: its stop has stopped the server,
+        # and a sweep watch made now would wait, uncancelled, until the loop's end)
         _, health_servicer = self._serving()
+        self._sweep_watch = _SweepWatch(self._begin_stop_now)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         return self.port

@@ -182,6 +182,11 @@ class _Budget(FifoAdmission):
         """Would ``acquire(units)`` go in at once?"""
         return self.failure is None and not self._waiters and self._fits(units)
 
+    def acquire_now(self, units: int) -> bool:
+        """``acquire(units)`` where it goes in at once, without awaiting: True, and taken; else
+        False, nothing taken (a failed channel's included: ``acquire`` then raises its error)."""
+        return self.failure is None and self.admit_now(units)
+
     def take_extra(self, want: int) -> int:
         """Up to ``want`` more units for a stream's window, if they are free now; never waits."""
         if want <= 0 or self._waiters:
@@ -524,7 +529,7 @@ async def call(
                     arguments = await preparing
                 # one reply at a time may wait here unread: a place free now, and no caller's
                 # room to ride (not a call back), is taken at once (``_room``'s first case, unawaited)
-                if call_back_room(channel) is None and budget.failure is None and budget.admit_now(1):
+                if call_back_room(channel) is None and budget.acquire_now(1):
                     room = None
                 else:
                     room = await _room(budget, channel, 1)

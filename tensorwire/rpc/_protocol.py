@@ -194,7 +194,7 @@ def parse_request(env: object) -> Request | None:
     if not isinstance(env, tuple) or len(env) not in (2, 4):
         return None
     m, method = env[0], env[1]
-    if not (isinstance(m, np.ndarray) and (m.dtype is _INT64 or m.dtype == _INT64) and m.shape == (5,)):
+    if not (isinstance(m, np.ndarray) and m.dtype == _INT64 and m.shape == (5,)):
         return None
     if not isinstance(method, str):
         return None

@@ -162,8 +162,7 @@ class FifoAdmission:
         return False
 
     async def _admit(self, n: int) -> None:
-        if not self._waiters and self._fits(n):
-            self._take(n)
+        if self.admit_now(n):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (n, fut)

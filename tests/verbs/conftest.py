@@ -16,9 +16,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if VerbsTransport.probe() is not None:
         return
     skip = pytest.mark.skip(reason=f"verbs cannot run here: {VerbsTransport.unavailable_reason()}")
-    for item in items:
-        if _HERE in Path(str(item.fspath)).parents:
-            item.add_marker(skip)
+    for item in filter(_ours, items):
+        item.add_marker(skip)
+
+
+def _ours(item: pytest.Item) -> bool:
+    """Whether ``item`` is one of this folder's tests (this conftest's hooks see every item)."""
+    return _HERE in Path(str(item.fspath)).parents
 
 
 def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -27,15 +31,13 @@ def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
     shard = os.environ.get("TW_GUEST_SHARD", "")
     if not shard:
         return
-    parts = shard.split("/")
     try:
-        k, n = (int(part) for part in parts) if len(parts) == 2 and "-" not in shard else (-1, 0)
-    except ValueError:  # (not a number, or a digit int() does not read: "²")
+        k, n = map(int, shard.split("/"))
+    except ValueError:  # (not two numbers, or a digit int() does not read: "²")
         k, n = -1, 0
     if not 0 <= k < n:
         raise pytest.UsageError(f"TW_GUEST_SHARD must be K/N with 0 <= K < N, not {shard!r}")
-    # (this hook sees the session's every item, wherever its conftest is: only this folder's are split)
-    ours = [item for item in items if _HERE in Path(str(item.fspath)).parents]
+    ours = list(filter(_ours, items))
     dropped = {id(item) for i, item in enumerate(ours) if i % n != k}
     config.hook.pytest_deselected(items=[item for item in ours if id(item) in dropped])
     items[:] = [item for item in items if id(item) not in dropped]
