@@ -175,7 +175,7 @@ def test_the_seq_step_runs_ucx_seq_its_eager_ab_then_staged_tcp_with_default_and
     assert out.rstrip().endswith('rerun on this warm machine: STEPS="seq" bash scripts/gpu_check.sh'), out
 
 
-@pytest.mark.timeout(120)  # two runs of the check, the first out of its 14 s step (10 s of kill grace)
+@pytest.mark.timeout(120)  # two runs of the check, the first out of its 20 s step (10 s of kill grace)
 def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_them(tmp_path: Path) -> None:
     # two GPU tests of ours: one fails at once, one sleeps past the step
     (tmp_path / "conftest.py").write_text(
@@ -191,13 +191,14 @@ def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_them(tmp
     )
     # not a real GPU test failing on the stand-in CuPy (tests/gpu/test_pack.py's took its step 6 s
     # here, 11-13 s with two busy loops on the two cores): pytest, its 2 workers and this failure
-    # take 4 s (6-7 s with the busy loops), so a limit of 14 s holds them, and the sleeper runs out
-    # of it (a GPU machine's steps need at least 30 s, MIN_STEP)
+    # take 4 s (6-7 s with the busy loops; over 14 s once, the suite run with -n 8 on two cores),
+    # so a limit of 20 s holds them, and the sleeper runs out of it (a GPU machine's steps need at
+    # least 30 s, MIN_STEP)
     tests = f"{fails} {hang}"
-    proc = _check(tmp_path, one_gpu=True, STEPS="tests", TESTS=tests, XDIST="2", T_TESTS="14", MIN_STEP="14")
+    proc = _check(tmp_path, one_gpu=True, STEPS="tests", TESTS=tests, XDIST="2", T_TESTS="20", MIN_STEP="20")
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
-    head = re.search(rf"^== GPU tests: .* -m gpu {re.escape(tests)} .*\(limit 14s\)$", out, re.M)
+    head = re.search(rf"^== GPU tests: .* -m gpu {re.escape(tests)} .*\(limit 20s\)$", out, re.M)
     assert head, out
     if "-n 2" not in head[0]:
         pytest.fail(f"pytest-xdist is a dev dependency: the tests should run in 2 processes\n{head[0]}")
@@ -213,10 +214,10 @@ def test_gpu_check_names_the_failed_and_the_unfinished_tests_and_reruns_them(tmp
     # the rerun, the sleeper woken: it must run again (and now pass), so the step ends without
     # waiting out its limit
     (tmp_path / "woken").touch()
-    again = _check(tmp_path, one_gpu=True, STEPS="tests", FF="1", TESTS=tests, XDIST="2", T_TESTS="14", MIN_STEP="14")
+    again = _check(tmp_path, one_gpu=True, STEPS="tests", FF="1", TESTS=tests, XDIST="2", T_TESTS="20", MIN_STEP="20")
     out = again.stdout
     assert again.returncode == 1, out + again.stderr
-    assert re.search(r"^== GPU tests: .* --ff .*\(limit 14s\)$", out, re.M), out
+    assert re.search(r"^== GPU tests: .* --ff .*\(limit 20s\)$", out, re.M), out
     assert re.search(r"^tests: +1 failed, 1 passed in .*\(exit 1, \d+ s\)$", out, re.M), "the rerun left out a test"
     log = (tmp_path / "out" / "tensorwire-gpu-tests.log").read_text()
     assert re.search(r"PASSED +\S*::test_sleeps_past_the_step|::test_sleeps_past_the_step PASSED", log), log
