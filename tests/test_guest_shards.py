@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_verbs_vm import _PAIR_SPLIT, _SPLIT, PYPI_CMD, _failures, _guest_cmd, _results, parse_guests
+from verbs.conftest import shard_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,10 +52,22 @@ def test_a_shard_leaves_tests_outside_tests_verbs_alone() -> None:
     assert set(alone) <= set(with_shard), out
 
 
-@pytest.mark.parametrize("shard", ["2/2", "1", "a/2", "-1/2", "0/0", "\u00b2/2", "0/2/2"])
-def test_a_bad_shard_is_a_usage_error(shard: str) -> None:
-    rc, _, out = _collected(shard, "tests/verbs")
-    assert rc == 4 and "TW_GUEST_SHARD must be K/N" in out, out
+def test_a_bad_shard_is_a_usage_error() -> None:
+    rc, _, out = _collected("a/2", "tests/verbs")
+    assert rc == 4 and "TW_GUEST_SHARD must be K/N with 0 <= K < N, not 'a/2'" in out, out
+
+
+@pytest.mark.parametrize("shard", ["2/2", "1", "a/2", "-1/2", "0/0", "\u00b2/2", "0/2/2", "1/2/", ""])
+def test_a_shard_other_than_k_of_n_is_refused(shard: str) -> None:
+    with pytest.raises(
+        pytest.UsageError, match=re.escape(f"TW_GUEST_SHARD must be K/N with 0 <= K < N, not {shard!r}")
+    ):
+        shard_of(shard)
+
+
+@pytest.mark.parametrize(("shard", "k", "n"), [("0/2", 0, 2), ("1/2", 1, 2), ("2/3", 2, 3), ("0/1", 0, 1)])
+def test_a_shard_k_of_n_is_read_as_its_numbers(shard: str, k: int, n: int) -> None:
+    assert shard_of(shard) == (k, n)
 
 
 def test_each_guest_runs_its_side_of_the_exchange_then_its_half() -> None:

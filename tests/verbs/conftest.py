@@ -31,13 +31,19 @@ def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
     shard = os.environ.get("TW_GUEST_SHARD", "")
     if not shard:
         return
+    k, n = shard_of(shard)
+    ours = list(filter(_ours, items))
+    dropped = {id(item) for i, item in enumerate(ours) if i % n != k}
+    config.hook.pytest_deselected(items=[item for item in ours if id(item) in dropped])
+    items[:] = [item for item in items if id(item) not in dropped]
+
+
+def shard_of(shard: str) -> tuple[int, int]:
+    """``K/N`` read as the numbers (K, N); pytest's usage error for anything else."""
     try:
         k, n = map(int, shard.split("/"))
     except ValueError:  # (not two numbers, or a digit int() does not read: "²")
         k, n = -1, 0
     if not 0 <= k < n:
         raise pytest.UsageError(f"TW_GUEST_SHARD must be K/N with 0 <= K < N, not {shard!r}")
-    ours = list(filter(_ours, items))
-    dropped = {id(item) for i, item in enumerate(ours) if i % n != k}
-    config.hook.pytest_deselected(items=[item for item in ours if id(item) in dropped])
-    items[:] = [item for item in items if id(item) not in dropped]
+    return k, n
