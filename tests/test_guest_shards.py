@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from test_verbs_vm import _PAIR_SPLIT, _SPLIT, PYPI_CMD, _failures, _guest_cmd, _results, parse_guests
+from verbs import _weights
+from verbs._weights import seconds_in, shards
 from verbs.conftest import shard_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +44,40 @@ def test_the_two_guest_shards_split_tests_verbs_into_halves() -> None:
     assert all(rc == 0 for rc, _, _ in halves), halves
     first, second = (set(ids) for _, ids, _ in halves)
     assert first | second == set(everything) and not first & second
-    assert abs(len(first) - len(second)) <= 1
+    # about the same seconds in a guest: apart by no more than its longest test (every other
+    # test of the 89 in collection order, on 2026-12-03: 127.7 s and 101.7 s, 14.2 s the longest)
+    seconds = _weights.load()
+    assert set(everything) <= set(seconds), "tests/verbs/guest_seconds.json lacks tests: refresh it"
+    first_s, second_s = (sum(seconds[nodeid] for nodeid in half) for half in (first, second))
+    assert abs(first_s - second_s) <= max(seconds.values()), (first_s, second_s)
+
+
+def test_the_seconds_of_a_guest_run_are_read_from_its_durations_report() -> None:
+    log = """[a] ============================== slowest durations ===============================
+[a] 14.20s call     tests/verbs/test_verbs_guest.py::test_long[x y]
+[a] 0.50s setup    tests/verbs/test_verbs_guest.py::test_long[x y]
+[a] 0.02s teardown tests/verbs/test_verbs_guest.py::test_long[x y]
+[a] 1.00s call     tests/verbs/test_conformance_verbs.py::test_conformance[every_dtype]
+[a] 2.00s call     tests/test_config.py::test_not_a_guest_test
+[a] (31 durations < 0.005s hidden.  Use -vv to show these durations.)
+ 3.50s call     tests/verbs/test_goodbye_verbs.py::test_plain
+"""
+    assert seconds_in(log) == {
+        "tests/verbs/test_conformance_verbs.py::test_conformance[every_dtype]": 1.0,
+        "tests/verbs/test_goodbye_verbs.py::test_plain": 3.5,
+        "tests/verbs/test_verbs_guest.py::test_long[x y]": 14.72,
+    }
+
+
+def test_shards_take_the_longest_tests_first_and_weigh_an_unknown_one_the_median() -> None:
+    ids = ["a", "b", "c", "d", "e", "new"]
+    seconds = {"a": 10.0, "b": 6.0, "c": 5.0, "d": 4.0, "e": 1.0}  # median 5: "new" weighs 5
+    # a(10) -> 0; b(6) -> 1; c(5) -> 1 (11); new(5) -> 0 (15); d(4) -> 1 (15); e(1) -> 0 (a tie)
+    assert shards(ids, 2, seconds) == [[0, 4, 5], [1, 2, 3]]
+    assert shards(ids, 1, seconds) == [list(range(6))]
+    # no seconds at all: every test weighs the same, and the shards take turns
+    assert shards(ids, 2, {}) == [[0, 2, 4], [1, 3, 5]]
+    assert shards(ids, 4, {}) == [[0, 4], [1, 5], [2], [3]]
 
 
 def test_a_shard_leaves_tests_outside_tests_verbs_alone() -> None:

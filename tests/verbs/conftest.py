@@ -8,6 +8,8 @@ import pytest
 
 from tensorwire.transports.verbs import VerbsTransport
 
+from . import _weights
+
 _HERE = Path(__file__).parent
 
 
@@ -26,14 +28,16 @@ def _ours(item: pytest.Item) -> bool:
 
 
 def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """TW_GUEST_SHARD=K/N keeps the Kth of every N tests, counting from 0 (the two guests of
-    ``tests/test_verbs_vm.py`` run a half each); every test is in exactly one of the N shards."""
+    """TW_GUEST_SHARD=K/N keeps the Kth of N shards, counting from 0 (the two guests of
+    ``tests/test_verbs_vm.py`` run one each), of about the same seconds by the guest's times in
+    ``guest_seconds.json`` (``_weights.py``); every test is in exactly one of the N shards."""
     shard = os.environ.get("TW_GUEST_SHARD", "")
     if not shard:
         return
     k, n = shard_of(shard)
     ours = list(filter(_ours, items))
-    dropped = {id(item) for i, item in enumerate(ours) if i % n != k}
+    kept = set(_weights.shards([item.nodeid for item in ours], n, _weights.load())[k])
+    dropped = {id(item) for i, item in enumerate(ours) if i not in kept}
     config.hook.pytest_deselected(items=[item for item in ours if id(item) in dropped])
     items[:] = [item for item in items if id(item) not in dropped]
 
