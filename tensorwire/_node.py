@@ -28,6 +28,7 @@ from ._path import Path
 from ._peer import RESERVED_TAGS, Peer
 from ._ratelog import RateLimitedLog
 from .control import PROTOCOL_VERSION, Choice, ControlClient, ControlServer, Offer, TLSConfig, check_require
+from .control._auth import leave_proof
 from .control._convert import offer_from_pb, offer_to_pb
 from .control._negotiate import MAX_TRANSPORTS, shortfall
 from .control._pb import control_pb2
@@ -693,6 +694,10 @@ class Node:
                     pending.cancel()
                 return
             except asyncio.CancelledError:
+                # (its client gave up, _drop_opening, or this node closes) a data connection
+                # that came as it ended has nobody to take it: dropping it tells the client
+                if isinstance(pending, asyncio.Future):
+                    pending.add_done_callback(_drop_channel)
                 return
             if self._closed:  # the node began closing after this handshake
                 channel.abort()
@@ -848,9 +853,11 @@ class Node:
         client = ControlClient(address, self.config.tls, timeout)
         since = time.monotonic()  # the server's lease on this session begins after this
         opening = ""  # once the handshake is done: the data connection under way, for the error
+        answered: tuple[str, bytes] | None = None  # the session the server opened, once it answered
         try:
             async with asyncio.timeout(timeout):
                 resp = await client.handshake(request, timeout)
+                answered = (resp.session_id, resp.session_secret)
                 answer = _checked_answer(resp, address, preference, self.offers, require, self.transports)
                 chosen = answer.chosen
                 transport = self.transports[chosen.name]
@@ -864,7 +871,7 @@ class Node:
                 else:
                     channel = await self._open_data(client, transport.connect(dial, session), opening, address)
         except TimeoutError as exc:
-            await client.aclose()
+            await self._give_up(client, answered)
             # a handshake with no answer: what listens there is most likely no tensorwire node (a
             # port nobody listens on is refused at once), or its packets are dropped on the way
             where = (
@@ -875,7 +882,7 @@ class Node:
             )
             raise ConnectTimeout(f"connecting to {address} took longer than {timeout} s{where}") from exc
         except BaseException:
-            await client.aclose()
+            await self._give_up(client, answered)
             raise
         if self._closed:  # closed while we were connecting: nobody would ever close this peer
             channel.abort()
@@ -904,6 +911,29 @@ class Node:
         peer._start_heartbeat(resp.session_id, answer.lease, since)
         log.info("connected to %s: %s", address, peer.path)
         return peer
+
+    async def _give_up(self, client: ControlClient, answered: tuple[str, bytes] | None) -> None:
+        """A connect ends without a peer (cancelled, timed out, failed, its node closing): close
+        its control connection. Where the server had answered the handshake (``answered``: the
+        session id and secret), first tell it that the session ends (``Leave``), in the
+        background and within ``GOODBYE_SECONDS``, so as not to hold up the cancel: it waited for
+        the data connection that will never come for its whole connect_timeout (10 s), and then
+        warned that the peer never opened it. A data connection that did reach it ends too."""
+        if answered is None:
+            await client.aclose()
+            return
+        task = asyncio.get_running_loop().create_task(_leave_unopened(client, *answered))
+        self._retiring.add(task)  # (the node's close waits for it)
+        task.add_done_callback(self._retiring.discard)
+
+    def _drop_opening(self, session_id: str) -> bool:
+        """The client of ``session_id``, whose data connection is still awaited here, gave up its
+        connect (it said goodbye, proved): stop waiting for it. Whether one was waiting."""
+        task = self._opening.get(session_id)
+        if task is None or task.done():
+            return False
+        task.cancel()  # (a data connection that came meanwhile is dropped: see _expect_peer)
+        return True
 
     async def _open_data(
         self, client: ControlClient, opening: Coroutine[Any, Any, Channel], what: str, address: str
@@ -1125,6 +1155,18 @@ def _drop_channel(connect: asyncio.Future[Channel]) -> None:
     it tells the server, which would otherwise keep its peer until the lease ran out."""
     if not connect.cancelled() and connect.exception() is None:
         connect.result().abort()
+
+
+async def _leave_unopened(client: ControlClient, session_id: str, secret: bytes) -> None:
+    """Tell the server of a connect that gave up after the handshake that the session ends
+    (``Node._give_up``), then close the control connection. Best effort: a server that does not
+    answer in time forgets the session at its connect_timeout, as before."""
+    try:
+        await client.leave([(session_id, leave_proof(secret, session_id))], GOODBYE_SECONDS)
+    except Exception as exc:  # (it is gone, or closing)
+        log.debug("goodbye for the unopened session to %s failed: %r", client.target, exc)
+    finally:
+        await client.aclose()
 
 
 class _Starting:

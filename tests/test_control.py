@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import gc
+import importlib.util
 import json
 import select
 import socket
@@ -11,6 +12,7 @@ import sys
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 import numpy as np
@@ -1259,6 +1261,59 @@ async def test_closing_a_node_ends_its_connects_under_way(how: str) -> None:
         with pytest.raises(tensorwire.ClosedResourceError):
             connecting.result()
         assert node.peers == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "tcp",
+        "inproc",
+        pytest.param("ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="no ucxx")),
+    ],
+)
+@pytest.mark.parametrize("how", ["cancel", "timeout", "close"])
+async def test_a_connect_given_up_after_its_handshake_ends_the_session_on_the_server(
+    transport: str, how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A connect cancelled (a caller's ``asyncio.timeout``), timed out or ended by its node's
+    close once the server had answered the handshake, but before the data connection reached
+    it, left the server waiting for that connection for its whole connect_timeout (10 s), and
+    then warning that the peer "completed the handshake but never opened its data connection".
+    Found by cancelling connects, or closing their node, k loop turns or 0.05-1 ms steps in:
+    7-30% of those trials, on each transport. The client now says goodbye for the session, and the server ends it."""
+    stalled = asyncio.Event()
+
+    async def stalled_dial(address: bytes, session: object) -> NoReturn:
+        stalled.set()  # the handshake was answered; the data connection is not made yet
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as server:
+        client = await tensorwire.start("127.0.0.1:0", transports=(transport,))
+        try:
+            monkeypatch.setattr(client.transports[transport], "connect", stalled_dial)
+            timeout = 0.5 if how == "timeout" else 30
+            connecting = asyncio.ensure_future(client.connect(server.address, connect_timeout=timeout))
+            await asyncio.wait_for(stalled.wait(), 10)
+            assert server._opening, "the server holds the handshaken session"
+            if how == "cancel":
+                connecting.cancel()
+            elif how == "close":
+                await client.aclose()
+            expected = {"cancel": asyncio.CancelledError, "timeout": tensorwire.ConnectTimeout}
+            with pytest.raises(expected.get(how, tensorwire.ClosedResourceError)):
+                await asyncio.wait_for(connecting, 10)
+            monkeypatch.undo()
+            await eventually(lambda: not server._opening, seconds=2)  # (its connect_timeout: 10 s)
+            assert not server.transports[transport].sessions, "the transport still waits for the data connection"
+            assert not [r for r in caplog.records if "never opened its data connection" in r.getMessage()]
+            if how != "close":  # the same nodes connect again
+                peer = await client.connect(server.address)
+                await peer.send(np.arange(3), tag="t")
+                assert np.array_equal(await (await server.accept()).recv(tag="t"), np.arange(3))
+        finally:
+            await client.aclose()
 
 
 async def test_a_server_that_is_not_a_tensorwire_node_is_named_so() -> None:

@@ -306,7 +306,17 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         ended = 0
         for leaving in request.sessions:
             peer = self.node._leaving_peer(leaving.session_id)
-            if peer is None or peer.session is None or peer._closed:
+            if peer is None:
+                # a client that gave up its connect after the handshake, before its data
+                # connection came (Node._give_up): the session waits for it no longer
+                secret = self.node._opening_secrets.get(leaving.session_id)
+                if secret is not None:
+                    if hmac.compare_digest(leaving.proof, leave_proof(secret, leaving.session_id)):
+                        ended += self.node._drop_opening(leaving.session_id)
+                    else:
+                        self._refusals.warn("goodbye from %s refused: bad proof", context.peer())
+                continue
+            if peer.session is None or peer._closed:
                 continue  # (a peer this node closes ends with its own ClosedResourceError)
             if not hmac.compare_digest(leaving.proof, leave_proof(peer.session.secret, leaving.session_id)):
                 self._refusals.warn("goodbye from %s refused: bad proof", context.peer())
