@@ -853,11 +853,13 @@ class Node:
         client = ControlClient(address, self.config.tls, timeout)
         since = time.monotonic()  # the server's lease on this session begins after this
         opening = ""  # once the handshake is done: the data connection under way, for the error
-        answered: tuple[str, bytes] | None = None  # the session the server opened, once it answered
+        handshake: asyncio.Future[control_pb2.HandshakeResponse] | None = None
         try:
             async with asyncio.timeout(timeout):
-                resp = await client.handshake(request, timeout)
-                answered = (resp.session_id, resp.session_secret)
+                # (shielded: a connect given up while the answer was on its way still learns of
+                # the session the server opened, and ends it: _give_up)
+                handshake = asyncio.ensure_future(client.handshake(request, timeout))
+                resp = await asyncio.shield(handshake)
                 answer = _checked_answer(resp, address, preference, self.offers, require, self.transports)
                 chosen = answer.chosen
                 transport = self.transports[chosen.name]
@@ -871,7 +873,7 @@ class Node:
                 else:
                     channel = await self._open_data(client, transport.connect(dial, session), opening, address)
         except TimeoutError as exc:
-            await self._give_up(client, answered)
+            await self._give_up(client, handshake)
             # a handshake with no answer: what listens there is most likely no tensorwire node (a
             # port nobody listens on is refused at once), or its packets are dropped on the way
             where = (
@@ -882,7 +884,7 @@ class Node:
             )
             raise ConnectTimeout(f"connecting to {address} took longer than {timeout} s{where}") from exc
         except BaseException:
-            await self._give_up(client, answered)
+            await self._give_up(client, handshake)
             raise
         if self._closed:  # closed while we were connecting: nobody would ever close this peer
             channel.abort()
@@ -912,17 +914,20 @@ class Node:
         log.info("connected to %s: %s", address, peer.path)
         return peer
 
-    async def _give_up(self, client: ControlClient, answered: tuple[str, bytes] | None) -> None:
+    async def _give_up(
+        self, client: ControlClient, handshake: asyncio.Future[control_pb2.HandshakeResponse] | None
+    ) -> None:
         """A connect ends without a peer (cancelled, timed out, failed, its node closing): close
-        its control connection. Where the server had answered the handshake (``answered``: the
-        session id and secret), first tell it that the session ends (``Leave``), in the
-        background and within ``GOODBYE_SECONDS``, so as not to hold up the cancel: it waited for
-        the data connection that will never come for its whole connect_timeout (10 s), and then
-        warned that the peer never opened it. A data connection that did reach it ends too."""
-        if answered is None:
+        its control connection. Where the server answered the handshake, or may yet (its call is
+        under way: the answer may be on its way), first tell it that the session ends
+        (``Leave``), in the background and within ``GOODBYE_SECONDS`` for each step, so as not
+        to hold up the cancel: it waited for the data connection that will never come for its
+        whole connect_timeout (10 s), and then warned that the peer never opened it. A data
+        connection that did reach it ends too."""
+        if handshake is None or (handshake.done() and (handshake.cancelled() or handshake.exception() is not None)):
             await client.aclose()
             return
-        task = asyncio.get_running_loop().create_task(_leave_unopened(client, *answered))
+        task = asyncio.get_running_loop().create_task(_leave_unopened(client, handshake))
         self._retiring.add(task)  # (the node's close waits for it)
         task.add_done_callback(self._retiring.discard)
 
@@ -1157,15 +1162,21 @@ def _drop_channel(connect: asyncio.Future[Channel]) -> None:
         connect.result().abort()
 
 
-async def _leave_unopened(client: ControlClient, session_id: str, secret: bytes) -> None:
-    """Tell the server of a connect that gave up after the handshake that the session ends
-    (``Node._give_up``), then close the control connection. Best effort: a server that does not
-    answer in time forgets the session at its connect_timeout, as before."""
+async def _leave_unopened(client: ControlClient, handshake: asyncio.Future[control_pb2.HandshakeResponse]) -> None:
+    """Tell the server of a connect that gave up that the session its handshake opened ends
+    (``Node._give_up``), once the answer has come (within ``GOODBYE_SECONDS``: a server that has
+    not answered by then most likely never will), then close the control connection. Best
+    effort: a server not told forgets the session at its connect_timeout, as before."""
     try:
-        await client.leave([(session_id, leave_proof(secret, session_id))], GOODBYE_SECONDS)
+        if not handshake.done():
+            await asyncio.wait([handshake], timeout=GOODBYE_SECONDS)
+        if handshake.done() and not handshake.cancelled() and handshake.exception() is None:
+            resp = handshake.result()
+            await client.leave([(resp.session_id, leave_proof(resp.session_secret, resp.session_id))], GOODBYE_SECONDS)
     except Exception as exc:  # (it is gone, or closing)
         log.debug("goodbye for the unopened session to %s failed: %r", client.target, exc)
     finally:
+        handshake.cancel()  # (one not answered in time: nobody waits for it)
         await client.aclose()
 
 

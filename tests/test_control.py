@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tensorwire
-from tensorwire.control import PROTOCOL_VERSION, Offer, choose
+from tensorwire.control import PROTOCOL_VERSION, Offer, _server, choose
 from tensorwire.control._client import ControlClient, map_rpc_error
 from tensorwire.control._pb import control_pb2, control_pb2_grpc
 from tensorwire.testing import connected_pair
@@ -1314,6 +1314,40 @@ async def test_a_connect_given_up_after_its_handshake_ends_the_session_on_the_se
                 assert np.array_equal(await (await server.accept()).recv(tag="t"), np.arange(3))
         finally:
             await client.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_connect_given_up_while_the_handshake_answer_is_on_its_way_ends_the_session(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The other half of the case above: a connect cancelled after the server opened the session
+    but before its answer came back never learned the session, and the server waited out its
+    connect_timeout for it (most of what was left of those trials over ucx). The connect now
+    waits, in the background and for at most GOODBYE_SECONDS, for the answer under way, and
+    ends the session it names."""
+    answering = asyncio.Event()
+    handshake = _server._Servicer.Handshake
+
+    async def slow_to_answer(self: object, request: object, context: object) -> object:
+        answer = await handshake(self, request, context)  # type: ignore[arg-type]
+        answering.set()  # the session is open here; its answer is held up on the way
+        await asyncio.sleep(0.2)
+        return answer
+
+    monkeypatch.setattr(_server._Servicer, "Handshake", slow_to_answer)
+    async with (
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as server,
+        tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client,
+    ):
+        connecting = asyncio.ensure_future(client.connect(server.address))
+        await asyncio.wait_for(answering.wait(), 10)
+        assert server._opening
+        connecting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await connecting
+        await eventually(lambda: not server._opening, seconds=2)  # (its connect_timeout: 10 s)
+        assert not server.transports["tcp"].sessions
+        assert not [r for r in caplog.records if "never opened its data connection" in r.getMessage()]
 
 
 async def test_a_server_that_is_not_a_tensorwire_node_is_named_so() -> None:
