@@ -524,6 +524,48 @@ async def test_a_connect_its_caller_cancels_leaves_no_stage_linked() -> None:
                 assert (await pipe.step(x, y, microbatches=2)).loss > 0
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["step", "forward", "evaluate"])
+async def test_a_takeover_its_caller_cancels_leaves_the_replaced_driver_refused_as_replaced(call: str) -> None:
+    # a second driver's connect took the stages over (its configures ran) and its caller gave
+    # up before the link; the stages then wait for the next driver. The first driver's next
+    # call was refused as ClosedResourceError "stage at ... has not been configured by a
+    # driver", which is untrue (this driver configured them) and reads as a closed stage; a
+    # replaced driver is refused with BrokenResourceError (found by a cancel-at-every-point
+    # sweep of Pipeline.connect over a running pipeline: 15 of 38 cancel points over tcp)
+    ls = layers(3)
+    x, y = batch()
+    async with nodes(5) as ns, contextlib.AsyncExitStack() as stack:
+        st = [await stack.enter_async_context(pipeline.Stage(n, part)) for n, part in zip(ns, parts(ls), strict=False)]
+        addresses = [n.address for n in ns[:3]]
+        first = await pipeline.Pipeline.connect(ns[3], addresses)
+        try:
+            assert (await first.step(x, y, microbatches=2)).loss > 0
+            takeover = asyncio.create_task(pipeline.Pipeline.connect(ns[4], addresses))
+            old = first._generation
+            # every stage built for the new driver, which has yet to link them
+            await eventually(lambda: takeover.done() or all(s._plan and s._plan.ticket != old for s in st), 10, 0)
+            assert not takeover.done()
+            takeover.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await takeover
+            await eventually(lambda: all(s.rank < 0 for s in st))  # they wait for the next driver
+            calls = {
+                "step": lambda: first.step(x, y, microbatches=2),
+                "forward": lambda: first.forward(x, microbatches=2),
+                "evaluate": lambda: first.evaluate(x, y, microbatches=2),
+            }
+            with pytest.raises(tensorwire.RemoteError) as refused:
+                await asyncio.wait_for(calls[call](), 10)
+            assert refused.value.remote_type == "BrokenResourceError", refused.value
+            assert "configured by another driver since" in refused.value.remote_message, refused.value
+            assert "has not been configured" not in str(refused.value), refused.value
+        finally:
+            await first.aclose()
+        async with await pipeline.Pipeline.connect(ns[3], addresses) as again:
+            assert (await again.step(x, y, microbatches=2)).loss > 0
+
+
 # -- builds that take long, raise, or never end ---------------------------------------------------
 class Builds:
     """``build=`` for stages over ``ls``: stage s sleeps ``delays[s]`` s, or waits for ``release``

@@ -802,6 +802,12 @@ class Stage:
         weights: list[float] | None = None,
     ) -> dict[str, Any]:
         self._check_open()
+        if self._ticket[0] > 0:
+            # a driver another one has replaced is told so, before what the stage does now: a
+            # takeover whose connect was cut short after its configures leaves the stage waiting
+            # for the next driver (rank -1), and the replaced driver read ClosedResourceError
+            # "has not been configured by a driver", which it had been, by that driver
+            self._check_generation(generation)
         if self.rank < 0 or self.part is None:
             raise ClosedResourceError(f"stage at {self.node.address} has not been configured by a driver")
         self._check_generation(generation)
