@@ -650,6 +650,47 @@ async def test_a_build_slower_than_the_link_deadline_connects_and_steps() -> Non
 
 
 @pytest.mark.timeout(60)
+async def test_a_connect_cancelled_again_while_it_lets_go_still_closes_its_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connect cut short lets go of the stages it reserved, then closes its connections to
+    them. Cancelled again meanwhile (a second ``task.cancel()``, a TaskGroup's cancel beside an
+    ``asyncio.timeout``), it stopped there: its connections to every stage stayed open, and
+    those stages' reservations and configures with them, until the driver's node closed (a
+    cancel-at-every-point sweep over tcp: 4 of 123 cancel points with a second cancel 5 loop
+    turns after the first left 3 connections open)."""
+    from tensorwire.pipeline import _driver
+
+    letting_go = asyncio.Event()
+    real = _driver._unreserve
+
+    async def unreserve(*args: Any) -> None:
+        letting_go.set()
+        await real(*args)
+
+    monkeypatch.setattr(_driver, "_unreserve", unreserve)
+    builds = Builds(layers(3))
+    builds.blocked = {0}  # stage 0 builds until released: the connect waits there
+    async with built_stages(builds) as (ns, ss):
+        addresses = [n.address for n in ns[:3]]
+        connect = asyncio.create_task(pipeline.Pipeline.connect(ns[3], addresses))
+        assert await asyncio.to_thread(builds.started.wait, 10)
+        connect.cancel()
+        async with asyncio.timeout(10):
+            await letting_go.wait()
+        connect.cancel()  # again, while it lets go of the stages
+        with pytest.raises(asyncio.CancelledError):
+            await connect
+        await eventually(lambda: all(peer.closed for peer in ns[3].peers) and not ns[3].peers, 10)
+        assert unlinked(ss)
+        builds.release.set()
+        builds.blocked = set()
+        async with asyncio.timeout(30), await pipeline.Pipeline.connect(ns[3], addresses) as pipe:
+            x, y = batch()
+            assert (await pipe.step(x, y, microbatches=2)).loss > 0
+
+
+@pytest.mark.timeout(60)
 async def test_a_build_that_raises_fails_the_connect_at_once() -> None:
     """Builds have no deadline of their own, so one that raises must end the connect at once
     with its error, not wait for the other stages' builds; and the stages serve the next one."""

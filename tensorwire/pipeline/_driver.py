@@ -173,7 +173,8 @@ class Pipeline:
         its build included: past it, DeadlineExceeded names the stage. A build that raises fails
         the connect at once with its error, and a stage that dies meanwhile with
         PeerDisconnected. A connect cut short (a deadline, the caller's ``asyncio.timeout``)
-        leaves no stage linked or half-built for this driver.
+        leaves no stage linked or half-built for this driver, and closes every connection it
+        made, to the end even if its caller is cancelled again meanwhile.
 
         Each stage is a node of its own: an address given twice, or two addresses of one node,
         is a ConfigurationError. The stages take this driver's configuration over any earlier
@@ -265,10 +266,15 @@ class Pipeline:
             links = [{**report, **path} for report, path in zip(reports, paths, strict=True)]
             await _settle(peers, links, ticket_key(generation, token))
         except BaseException:
-            if reserving:
-                await _unreserve(peers, token)
-            for peer in peers:
-                await peer.aclose()
+            # let go of the stages and close every connection made, to the end even if the
+            # caller cancels again meanwhile: cut short there, the connections stayed open (and
+            # the stages reserved and configured for this driver) until the node closed
+            giving_up = asyncio.get_running_loop().create_task(
+                _give_up(peers, token if reserving else None), name="tensorwire-pipeline-connect-give-up"
+            )
+            _giving_up.add(giving_up)
+            giving_up.add_done_callback(_giving_up.discard)
+            await asyncio.shield(giving_up)
             raise
         return cls(node, peers, links, ticket_key(generation, token))
 
@@ -774,6 +780,20 @@ async def _reserve(peer: Peer, s: int, token: str) -> int:
             "with `tensorwire stage --part FILE.py:FUNCTION` or pipeline.Stage(node, ...), or check the address"
         ) from exc
     return generation
+
+
+# connects cut short, closing their connections (``_give_up``): held here until they end
+_giving_up: set[asyncio.Task[None]] = set()
+
+
+async def _give_up(peers: list[Peer], token: str | None) -> None:
+    """A connect that failed or was cut short: let go of the stages it reserved (``token``,
+    None if it reserved none), then close its connections, every one."""
+    try:
+        if token is not None:
+            await _unreserve(peers, token)
+    finally:
+        await asyncio.gather(*[peer.aclose() for peer in peers], return_exceptions=True)
 
 
 async def _unreserve(peers: list[Peer], token: str) -> None:
