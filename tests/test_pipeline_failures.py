@@ -1548,3 +1548,39 @@ async def test_a_broken_stage_lets_go_of_its_gone_neighbour_and_driver(caplog: p
         del step
         await eventually(lambda: not ns[0].peers and "broken" in repr(st[0]))
         await collected(*kept)
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_cancelled_while_it_drops_its_links_still_closes_every_one() -> None:
+    """A stage forgets its links at once and then closes their connections (a configure, a
+    failed link, its close). Closed one after the other and cancelled during the first (the
+    driver's configure call cut short), the second was never closed: its connection stayed open,
+    forgotten by the stage, until the stage's node closed."""
+    rng = np.random.default_rng(0)
+    layers = [NumpyLinear(rng, 8, 8, True), NumpyLinear(rng, 8, 8, True), NumpyLinear(rng, 8, 2, False)]
+    async with nodes(4) as ns, contextlib.AsyncExitStack() as stack:
+        st = [
+            await stack.enter_async_context(pipeline.Stage(n, layer, loss=mse if s == 2 else None))
+            for s, (n, layer) in enumerate(zip(ns, layers, strict=False))
+        ]
+        async with await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]):
+            middle = st[1]
+            assert middle.prev is not None and middle.next is not None
+            peers = [middle.prev.peer, middle.next.peer]
+            closing, release = asyncio.Event(), asyncio.Event()
+            real = peers[0].aclose
+
+            async def slow_aclose() -> None:  # the first link's close takes a while
+                closing.set()
+                await release.wait()
+                await real()
+
+            peers[0].aclose = slow_aclose  # type: ignore[method-assign]
+            dropping = asyncio.create_task(middle._drop_links())
+            async with asyncio.timeout(10):
+                await closing.wait()
+            dropping.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await dropping
+            release.set()
+            await eventually(lambda: all(peer.closed for peer in peers), 10)

@@ -55,7 +55,7 @@ from ..rpc._deadline import served_under
 from ..tensors import wire_nbytes
 from ._batch import join, num_samples, split
 from ._schedule import DEFAULT_MAX_UNEXPECTED, Schedule, _check_sizes, make_schedule
-from ._stage import ticket_key
+from ._stage import close_all, ticket_key
 
 if TYPE_CHECKING:
     from .._node import Node
@@ -793,7 +793,7 @@ async def _give_up(peers: list[Peer], token: str | None) -> None:
         if token is not None:
             await _unreserve(peers, token)
     finally:
-        await asyncio.gather(*[peer.aclose() for peer in peers], return_exceptions=True)
+        await close_all(peers)
 
 
 async def _unreserve(peers: list[Peer], token: str) -> None:

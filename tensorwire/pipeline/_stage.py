@@ -167,6 +167,15 @@ def _abort_reason(reason: str, max_header_bytes: int) -> str:
     return f"{text[:half]} ... ({len(reason)} characters in all) ... {text[-half:]}"
 
 
+# links being closed by a stage that let go of them (``Stage._drop_links``): held until closed
+_dropping: set[asyncio.Task[None]] = set()
+
+
+async def close_all(peers: list[Peer]) -> None:
+    """Close ``peers`` together; one that fails to close says so in its own log, not here."""
+    await asyncio.gather(*[peer.aclose() for peer in peers], return_exceptions=True)
+
+
 def _receive_on(part: Part | None) -> Device | None:
     """Where a stage receives its part's activations and gradients: on the part's CUDA device
     (``Part.device``). Without ``device=`` a recv allocates on the event loop thread's current
@@ -715,12 +724,20 @@ class Stage:
         await self._drop_links()
 
     async def _drop_links(self) -> None:
+        """Forget the links and close their connections, every one, to the end even if the
+        caller is cancelled meanwhile (a configure cut short): the links are forgotten at once,
+        so one left unclosed stayed open until the node closed."""
         links, self.prev, self.next = self.links, None, None
         for link in links:
             if link.watcher is not None:
                 link.watcher.cancel()
-        for link in links:
-            await link.peer.aclose()
+        if links:
+            closing = asyncio.get_running_loop().create_task(
+                close_all([link.peer for link in links]), name="tw.pipeline drop links"
+            )
+            _dropping.add(closing)
+            closing.add_done_callback(_dropping.discard)
+            await asyncio.shield(closing)
 
     # -- failure --------------------------------------------------------------------------------
     async def _watch(self, link: _Link) -> None:
