@@ -748,8 +748,9 @@ class Stuck(Wrapped):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("giving_up", ["quick", "slow"])
 async def test_a_connect_behind_a_cancelled_steps_layer_ends_by_its_deadline_and_names_it(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, giving_up: str
 ) -> None:
     """A step cancelled while a layer computes leaves that layer running in its stage's compute
     thread, and the next connect's rebuild waits behind it. The old connect waited silently: an
@@ -758,7 +759,20 @@ async def test_a_connect_behind_a_cancelled_steps_layer_ends_by_its_deadline_and
     driver's own "tw.pipeline.configure: its 2 s deadline ran out" (or a bare TimeoutError).
     Now the stage logs the layer it waits for and answers just before the deadline with a
     DeadlineExceeded that names the stage and the layer; once the layer returns, a connect
-    builds and steps as before."""
+    builds and steps as before. "slow": the connect's giving up (letting go of the stages,
+    closing its connections) outlasts the 0.2 s the stage left of the deadline, as it did once
+    under a CI run's load: the deadline fired meanwhile, and the caller got a bare TimeoutError
+    instead of the stage's DeadlineExceeded."""
+    if giving_up == "slow":
+        from tensorwire.pipeline import _driver
+
+        real = _driver._unreserve
+
+        async def unreserve(*args: Any) -> None:
+            await asyncio.sleep(1)
+            await real(*args)
+
+        monkeypatch.setattr(_driver, "_unreserve", unreserve)
     ls = layers(3)
     stuck = Stuck(ls[1].inner)
     ls[1] = stuck

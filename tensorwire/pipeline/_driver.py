@@ -265,7 +265,7 @@ class Pipeline:
             )
             links = [{**report, **path} for report, path in zip(reports, paths, strict=True)]
             await _settle(peers, links, ticket_key(generation, token))
-        except BaseException:
+        except BaseException as exc:
             # let go of the stages and close every connection made, to the end even if the
             # caller cancels again meanwhile: cut short there, the connections stayed open (and
             # the stages reserved and configured for this driver) until the node closed
@@ -274,7 +274,14 @@ class Pipeline:
             )
             _giving_up.add(giving_up)
             giving_up.add_done_callback(_giving_up.discard)
-            await asyncio.shield(giving_up)
+            left = current_deadline()
+            if left is None or isinstance(exc, asyncio.CancelledError):
+                await asyncio.shield(giving_up)
+            else:
+                # an error to hand the caller (a stage's DeadlineExceeded answered just before
+                # the deadline): the giving up goes on past the deadline rather than let it
+                # fire meanwhile, which replaced the error with a bare TimeoutError
+                await asyncio.wait([giving_up], timeout=max(0.0, left - _ERROR_MARGIN))
             raise
         return cls(node, peers, links, ticket_key(generation, token))
 
@@ -782,6 +789,8 @@ async def _reserve(peer: Peer, s: int, token: str) -> int:
     return generation
 
 
+# what of the caller's deadline a failed connect leaves for its error to reach the caller
+_ERROR_MARGIN = 0.05
 # connects cut short, closing their connections (``_give_up``): held here until they end
 _giving_up: set[asyncio.Task[None]] = set()
 
