@@ -544,9 +544,7 @@ class Node:
             peer.remote_node[:12],
             self.MAX_DEPARTED,
         )
-        task = asyncio.get_running_loop().create_task(peer.aclose())
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._retire(peer.aclose())
 
     def _session_taken(self, session_id: str, secret: bytes) -> bool:
         """Whether ``session_id``, which a server chose for a session of ours, already names
@@ -594,9 +592,7 @@ class Node:
                 self._settling.pop(peer, None)
                 self.exposures.forget(session_id)
 
-        task = asyncio.get_running_loop().create_task(then())
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._retire(then())
 
     def _session_ends(self, session_id: str) -> list[Peer]:
         """This node's peers of the session: one, or, for a node connected to itself, both of
@@ -659,10 +655,7 @@ class Node:
         if not entry.given and not entry.busy:
             entry.release()
             return Revocation(None)
-        task = asyncio.get_running_loop().create_task(retire(entry, self._session_ends))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-        return Revocation(task)
+        return Revocation(self._retire(retire(entry, self._session_ends)))
 
     def _expect_peer(
         self,
@@ -924,12 +917,18 @@ class Node:
         to hold up the cancel: it waited for the data connection that will never come for its
         whole connect_timeout (10 s), and then warned that the peer never opened it. A data
         connection that did reach it ends too."""
-        if handshake is None or (handshake.done() and (handshake.cancelled() or handshake.exception() is not None)):
+        if handshake is None or (handshake.done() and _answered(handshake) is None):
             await client.aclose()
             return
-        task = asyncio.get_running_loop().create_task(_leave_unopened(client, handshake))
-        self._retiring.add(task)  # (the node's close waits for it)
+        self._retire(_leave_unopened(client, handshake))
+
+    def _retire(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coro`` in a task of its own, held until it ends; the node's close waits for it
+        (``_retiring``: after its peers and transports have closed)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+        return task
 
     def _drop_opening(self, session_id: str) -> bool:
         """The client of ``session_id``, whose data connection is still awaited here, gave up its
@@ -1162,6 +1161,14 @@ def _drop_channel(connect: asyncio.Future[Channel]) -> None:
         connect.result().abort()
 
 
+def _answered(handshake: asyncio.Future[control_pb2.HandshakeResponse]) -> control_pb2.HandshakeResponse | None:
+    """The server's answer to a connect's handshake call; None while the call is under way, or
+    where it failed or was cancelled."""
+    if handshake.done() and not handshake.cancelled() and handshake.exception() is None:
+        return handshake.result()
+    return None
+
+
 async def _leave_unopened(client: ControlClient, handshake: asyncio.Future[control_pb2.HandshakeResponse]) -> None:
     """Tell the server of a connect that gave up that the session its handshake opened ends
     (``Node._give_up``), once the answer has come (within ``GOODBYE_SECONDS``: a server that has
@@ -1170,8 +1177,7 @@ async def _leave_unopened(client: ControlClient, handshake: asyncio.Future[contr
     try:
         if not handshake.done():
             await asyncio.wait([handshake], timeout=GOODBYE_SECONDS)
-        if handshake.done() and not handshake.cancelled() and handshake.exception() is None:
-            resp = handshake.result()
+        if (resp := _answered(handshake)) is not None:
             await client.leave([(resp.session_id, leave_proof(resp.session_secret, resp.session_id))], GOODBYE_SECONDS)
     except Exception as exc:  # (it is gone, or closing)
         log.debug("goodbye for the unopened session to %s failed: %r", client.target, exc)

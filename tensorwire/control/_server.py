@@ -306,23 +306,22 @@ class _Servicer(control_pb2_grpc.ControlServicer):
         ended = 0
         for leaving in request.sessions:
             peer = self.node._leaving_peer(leaving.session_id)
-            if peer is None:
-                # a client that gave up its connect after the handshake, before its data
-                # connection came (Node._give_up): the session waits for it no longer
-                secret = self.node._opening_secrets.get(leaving.session_id)
-                if secret is not None:
-                    if hmac.compare_digest(leaving.proof, leave_proof(secret, leaving.session_id)):
-                        ended += self.node._drop_opening(leaving.session_id)
-                    else:
-                        self._refusals.warn("goodbye from %s refused: bad proof", context.peer())
-                continue
-            if peer.session is None or peer._closed:
+            session = None if peer is None else peer.session
+            if peer is not None and (session is None or peer._closed):
                 continue  # (a peer this node closes ends with its own ClosedResourceError)
-            if not hmac.compare_digest(leaving.proof, leave_proof(peer.session.secret, leaving.session_id)):
+            # no peer: a client that gave up its connect after the handshake, before its data
+            # connection came (Node._give_up), whose session waits for it no longer
+            secret = self.node._opening_secrets.get(leaving.session_id) if session is None else session.secret
+            if secret is None:
+                continue
+            if not hmac.compare_digest(leaving.proof, leave_proof(secret, leaving.session_id)):
                 self._refusals.warn("goodbye from %s refused: bad proof", context.peer())
                 continue
-            ended += not peer.closed  # (one whose close on the data connection came first ended already)
-            self.node._peer_left(peer)
+            if peer is None:
+                ended += self.node._drop_opening(leaving.session_id)
+            else:
+                ended += not peer.closed  # (one whose close on the data connection came first ended already)
+                self.node._peer_left(peer)
         return control_pb2.LeaveResponse(ended=ended)
 
     async def Lookup(  # noqa: N802 - gRPC method name

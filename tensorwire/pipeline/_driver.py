@@ -269,11 +269,7 @@ class Pipeline:
             # let go of the stages and close every connection made, to the end even if the
             # caller cancels again meanwhile: cut short there, the connections stayed open (and
             # the stages reserved and configured for this driver) until the node closed
-            giving_up = asyncio.get_running_loop().create_task(
-                _give_up(peers, token if reserving else None), name="tensorwire-pipeline-connect-give-up"
-            )
-            _giving_up.add(giving_up)
-            giving_up.add_done_callback(_giving_up.discard)
+            giving_up = node._retire(_give_up(peers, token if reserving else None))
             left = current_deadline()
             if left is None or isinstance(exc, asyncio.CancelledError):
                 await asyncio.shield(giving_up)
@@ -791,8 +787,6 @@ async def _reserve(peer: Peer, s: int, token: str) -> int:
 
 # what of the caller's deadline a failed connect leaves for its error to reach the caller
 _ERROR_MARGIN = 0.05
-# connects cut short, closing their connections (``_give_up``): held here until they end
-_giving_up: set[asyncio.Task[None]] = set()
 
 
 async def _give_up(peers: list[Peer], token: str | None) -> None:

@@ -167,10 +167,6 @@ def _abort_reason(reason: str, max_header_bytes: int) -> str:
     return f"{text[:half]} ... ({len(reason)} characters in all) ... {text[-half:]}"
 
 
-# links being closed by a stage that let go of them (``Stage._drop_links``): held until closed
-_dropping: set[asyncio.Task[None]] = set()
-
-
 async def close_all(peers: list[Peer]) -> None:
     """Close ``peers`` together; one that fails to close says so in its own log, not here."""
     await asyncio.gather(*[peer.aclose() for peer in peers], return_exceptions=True)
@@ -732,12 +728,7 @@ class Stage:
             if link.watcher is not None:
                 link.watcher.cancel()
         if links:
-            closing = asyncio.get_running_loop().create_task(
-                close_all([link.peer for link in links]), name="tw.pipeline drop links"
-            )
-            _dropping.add(closing)
-            closing.add_done_callback(_dropping.discard)
-            await asyncio.shield(closing)
+            await asyncio.shield(self.node._retire(close_all([link.peer for link in links])))
 
     # -- failure --------------------------------------------------------------------------------
     async def _watch(self, link: _Link) -> None:
