@@ -29,6 +29,17 @@ def test_the_receivers_credit_decides_eager_or_rendezvous(credit: tuple[str, ...
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100, env=env)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
-    receipt = re.search(r"^tensorwire's last receipt: ucx (\S+) direct=True .*'direct': 25, ", out, re.M)
+    receipt = re.search(
+        r"^tensorwire's last receipt: ucx (\S+) direct=True .*'direct': (\d+), 'staged': (\d+), 'copied': (\d+)}",
+        out,
+        re.M,
+    )
     assert receipt and receipt[1] == protocol, out
+    # every timed transfer landed (25), none copied on its way; an eager message that came before
+    # its recv was posted lands staged (the receiver was slow to post: timing, under load), while
+    # a rendezvous one waits for the receiver's CTS and always lands direct
+    direct, staged, copied = map(int, receipt.groups()[1:])
+    assert (direct + staged, copied) == (25, 0), out
+    if protocol == "rendezvous":
+        assert staged == 0, out
     assert re.search(r"^\| 1 MiB +\| +[\d.]+ \| +[\d.]+ \| +-?[\d.]+ \| +[\d.]+x \|$", out, re.M), out
