@@ -38,8 +38,9 @@ __all__ = [
     "send_goodbye",
 ]
 
-# the most a closing node waits for the nodes of its sessions to hear its goodbye: a dead or
-# unreachable one delays the close this long at most, and then learns of it at the lease
+# the most a closing node waits for the nodes of its sessions to hear its goodbye, by default
+# (NodeConfig.goodbye_seconds): a dead or unreachable one delays the close this long at most
+# for each step, and then learns of it at the lease
 GOODBYE_SECONDS = 0.5
 
 # the nodes of this process by instance id (each adds itself as it is made): an inproc peer's
@@ -222,7 +223,7 @@ def _say_in_process(peer: Peer) -> None:
 
 
 async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
-    """Make the Leave calls ``plan_goodbye`` planned, all at once, within ``GOODBYE_SECONDS``
+    """Make the Leave calls ``plan_goodbye`` planned, all at once, within ``goodbye_seconds``
     each (twice that in all, with closing the connections opened for them). The nodes called
     end those sessions' channels then (``Node._peer_left``), where they would otherwise wait
     for the close on the data connection, which their kernel may not see for long: behind more
@@ -233,6 +234,7 @@ async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
     that owns it waits: ``Peer._close_control``)."""
     if not calls:
         return
+    seconds = node.config.goodbye_seconds
 
     async def leave(
         target: str, name: str | None, via: ControlClient | None, sessions: list[tuple[str, bytes]]
@@ -240,9 +242,9 @@ async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
         client = via
         try:
             if client is None:  # (in the try: a TLS node reads its files here, which may have gone)
-                client = ControlClient(target, node.config.tls, GOODBYE_SECONDS, name)
+                client = ControlClient(target, node.config.tls, seconds, name)
             for i in range(0, len(sessions), MAX_RENEWALS):  # (as the renewals: a server takes that many a call)
-                await client.leave(sessions[i : i + MAX_RENEWALS], GOODBYE_SECONDS)
+                await client.leave(sessions[i : i + MAX_RENEWALS], seconds)
         except Exception as exc:  # (it is gone, or closing too: it learns as before)
             log.debug("goodbye to %s (%d sessions) failed: %r", target, len(sessions), exc)
         finally:
@@ -250,10 +252,10 @@ async def send_goodbye(node: Node, calls: list[Goodbye]) -> None:
                 await client.aclose()
 
     try:
-        async with asyncio.timeout(GOODBYE_SECONDS * 2):  # (the calls' deadlines, and the closes)
+        async with asyncio.timeout(seconds * 2):  # (the calls' deadlines, and the closes)
             await asyncio.gather(*(leave(t, name, via, sessions) for t, name, via, sessions in calls))
     except TimeoutError:
-        log.debug("goodbyes to %d nodes took over %s s", len(calls), GOODBYE_SECONDS * 2)
+        log.debug("goodbyes to %d nodes took over %s s", len(calls), seconds * 2)
 
 
 async def say_goodbye(node: Node, peers: list[Peer]) -> None:

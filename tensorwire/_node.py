@@ -88,11 +88,18 @@ class NodeConfig:
     ucx_options: UCX configuration for this node's ucx transport, names without the ``UCX_``
         prefix: ``{"TLS": "sm,self"}``, ``{"RNDV_THRESH": "64k"}``. Passed to the UCX context,
         never through the environment; they win over ``ucx_config()`` and ``UCX_*`` variables.
+    goodbye_seconds: how long a closing peer (or node) gives its goodbye (``Leave``, made beside
+        the close on the data connection) to reach the other node, and how long this node keeps
+        a session whose data connection the other side closed, for a goodbye that comes after
+        that close. A goodbye not heard in time is no error: the other side then sees the peer
+        gone without one (``remote_closing`` False). Raise it where the control plane is slow
+        (an emulated or heavily loaded host, a long way between nodes).
 
     Every field is checked when the config is made (``start()`` makes one from its options): a
     wrong type or value is a ConfigurationError that says what is allowed. connect_timeout is a
     finite number of seconds > 0; lease_seconds one from MIN_LEASE_SECONDS up to what the
-    handshake's uint32 milliseconds carry (MAX_LEASE_SECONDS, about 49 days).
+    handshake's uint32 milliseconds carry (MAX_LEASE_SECONDS, about 49 days); goodbye_seconds
+    one > 0 up to MAX_GOODBYE_SECONDS (a close waits for it, so it stays short).
     """
 
     MIN_LEASE_SECONDS: ClassVar[float] = 0.05  # the watchdog wakes every lease / 4 (at most 0.5 s)
@@ -103,6 +110,7 @@ class NodeConfig:
     # (at random from there to 16 KiB, always beyond): half of that leaves the client's other
     # headers (about 0.5 KiB) and any metadata of its own room
     MAX_AUTH_TOKEN_CHARS: ClassVar[int] = 4096
+    MAX_GOODBYE_SECONDS: ClassVar[float] = 60.0
 
     transports: tuple[str, ...] = DEFAULT_PREFERENCE
     auth_token: str | None = field(default=None, repr=False)  # a secret: never printed
@@ -113,6 +121,7 @@ class NodeConfig:
     tls: TLSConfig | None = None
     node_id: str | None = None
     ucx_options: Mapping[str, str] = field(default_factory=dict)
+    goodbye_seconds: float = GOODBYE_SECONDS
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: store the checked values, normalized
@@ -128,6 +137,11 @@ class NodeConfig:
             self,
             "lease_seconds",
             check_seconds("lease_seconds", self.lease_seconds, self.MIN_LEASE_SECONDS, self.MAX_LEASE_SECONDS),
+        )
+        set_(
+            self,
+            "goodbye_seconds",
+            check_seconds("goodbye_seconds", self.goodbye_seconds, 0.0, self.MAX_GOODBYE_SECONDS),
         )
         set_(self, "checksum", check_bool("checksum", self.checksum))
         if self.tls is not None and not isinstance(self.tls, TLSConfig):
@@ -382,7 +396,7 @@ class Node:
         # the renewals of the leases of the sessions we opened, by (address, lease): _leases.renewals_for
         self._renewals: dict[tuple[str, float], Renewals] = {}
         self._sessions: dict[str, Peer] = {}
-        # sessions whose channel the other side closed, for GOODBYE_SECONDS: a peer closed alone
+        # sessions whose channel the other side closed, for goodbye_seconds: a peer closed alone
         # says goodbye beside its close, and the goodbye may come after it (``_leaving_peer``).
         # Weakly: a peer nobody holds any more has nobody to tell, and is freed at once
         self._left: weakref.WeakValueDictionary[str, Peer] = weakref.WeakValueDictionary()
@@ -520,7 +534,7 @@ class Node:
                 del self._sessions[sid]
             if not peer._closed and self._loop is not None:  # (the other side closed it, or went)
                 self._left[sid] = peer
-                self._loop.call_later(GOODBYE_SECONDS, self._left.pop, sid, None)
+                self._loop.call_later(self.config.goodbye_seconds, self._left.pop, sid, None)
             lease = self._leases.get(sid)
             if lease is not None and lease[1] is peer:
                 del self._leases[sid]
@@ -913,14 +927,14 @@ class Node:
         """A connect ends without a peer (cancelled, timed out, failed, its node closing): close
         its control connection. Where the server answered the handshake, or may yet (its call is
         under way: the answer may be on its way), first tell it that the session ends
-        (``Leave``), in the background and within ``GOODBYE_SECONDS`` for each step, so as not
+        (``Leave``), in the background and within ``goodbye_seconds`` for each step, so as not
         to hold up the cancel: it waited for the data connection that will never come for its
         whole connect_timeout (10 s), and then warned that the peer never opened it. A data
         connection that did reach it ends too."""
         if handshake is None or (handshake.done() and _answered(handshake) is None):
             await client.aclose()
             return
-        self._retire(_leave_unopened(client, handshake))
+        self._retire(_leave_unopened(client, handshake, self.config.goodbye_seconds))
 
     def _retire(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``coro`` in a task of its own, held until it ends; the node's close waits for it
@@ -1169,16 +1183,18 @@ def _answered(handshake: asyncio.Future[control_pb2.HandshakeResponse]) -> contr
     return None
 
 
-async def _leave_unopened(client: ControlClient, handshake: asyncio.Future[control_pb2.HandshakeResponse]) -> None:
+async def _leave_unopened(
+    client: ControlClient, handshake: asyncio.Future[control_pb2.HandshakeResponse], seconds: float
+) -> None:
     """Tell the server of a connect that gave up that the session its handshake opened ends
-    (``Node._give_up``), once the answer has come (within ``GOODBYE_SECONDS``: a server that has
+    (``Node._give_up``), once the answer has come (within ``seconds``, goodbye_seconds: a server that has
     not answered by then most likely never will), then close the control connection. Best
     effort: a server not told forgets the session at its connect_timeout, as before."""
     try:
         if not handshake.done():
-            await asyncio.wait([handshake], timeout=GOODBYE_SECONDS)
+            await asyncio.wait([handshake], timeout=seconds)
         if (resp := _answered(handshake)) is not None:
-            await client.leave([(resp.session_id, leave_proof(resp.session_secret, resp.session_id))], GOODBYE_SECONDS)
+            await client.leave([(resp.session_id, leave_proof(resp.session_secret, resp.session_id))], seconds)
     except Exception as exc:  # (it is gone, or closing)
         log.debug("goodbye for the unopened session to %s failed: %r", client.target, exc)
     finally:
@@ -1207,7 +1223,8 @@ def start(address: str = "127.0.0.1:0", *, config: NodeConfig | None = None, **o
     """Start a node serving at ``address`` (port 0 picks a free port; read ``node.address``).
 
     Options are NodeConfig fields: ``transports``, ``auth_token``, ``limits``,
-    ``connect_timeout``, ``lease_seconds``, ``checksum``, ``tls``, ``node_id``, ``ucx_options``.
+    ``connect_timeout``, ``lease_seconds``, ``checksum``, ``tls``, ``node_id``, ``ucx_options``,
+    ``goodbye_seconds``.
     A bad address, option or value raises ConfigurationError here, before anything starts.
     """
     if config is not None and not isinstance(config, NodeConfig):

@@ -603,7 +603,7 @@ class Peer:
     async def aclose(self) -> None:
         """Close the data channel and the control connection; idempotent. The other node hears
         of it on the control plane too (``Leave``, beside the channel's close, given up after
-        ``GOODBYE_SECONDS``), so its one-sided operations under way end at once where the close
+        ``goodbye_seconds``), so its one-sided operations under way end at once where the close
         on the data connection may be held up; not again where this peer's node said it for all
         its peers as it closes. The closing runs to its end even if the caller is cancelled
         meanwhile, and every call waits for it. A closing that was itself cancelled part way
@@ -653,7 +653,7 @@ class Peer:
 
     async def _close_control(self, control: ControlClient | None) -> None:
         """Close ``control`` once the goodbyes under way, which may be calling over it, are
-        answered or given up (``send_goodbye``: ``GOODBYE_SECONDS`` each call): this peer's own
+        answered or given up (``send_goodbye``: ``goodbye_seconds`` each call): this peer's own
         (``_close``), and its node's as the node closes (``Node._close``: it calls over one of
         its peers' connections for all the sessions with that node)."""
         goodbyes = [g for g in (self._goodbye, self.node._goodbye) if g is not None]

@@ -120,6 +120,11 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("lease_seconds", {"lease_seconds": MAX_LEASE + 1}),
     ("lease_seconds", {"lease_seconds": "3"}),
     ("lease_seconds", {"lease_seconds": True}),
+    ("goodbye_seconds", {"goodbye_seconds": 0}),
+    ("goodbye_seconds", {"goodbye_seconds": -1}),
+    ("goodbye_seconds", {"goodbye_seconds": math.nan}),
+    ("goodbye_seconds", {"goodbye_seconds": 61}),  # every close would wait it out for a stuck node
+    ("goodbye_seconds", {"goodbye_seconds": "1"}),
     ("connect_timeout", {"connect_timeout": 0}),  # a serving node could never accept a peer
     ("connect_timeout", {"connect_timeout": -1}),
     ("connect_timeout", {"connect_timeout": math.nan}),

@@ -276,6 +276,37 @@ async def test_a_goodbye_nobody_answers_delays_the_close_a_moment(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("closing", ["connected peer", "accepted peer"])
+@pytest.mark.parametrize("goodbye_seconds", [None, 6.0])
+async def test_a_slow_goodbye_is_heard_within_goodbye_seconds(
+    closing: str, goodbye_seconds: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A goodbye that takes 1.5 s to be answered (a slow control plane: an emulated guest on a
+    loaded host took over GOODBYE_SECONDS) is heard where both nodes give it
+    ``goodbye_seconds=6``: the other end says ``remote_closing``. With the default (0.5 s) the
+    closing end gave it up, and the other end, whose channel closed first, forgot the session
+    before the goodbye came: it looked gone without one, and so it still does by default."""
+    leave = _Servicer.Leave
+
+    async def slow(self: _Servicer, request: Any, context: Any) -> Any:
+        await asyncio.sleep(1.5)
+        return await leave(self, request, context)
+
+    monkeypatch.setattr(_Servicer, "Leave", slow)
+    opts: dict[str, Any] = {"transports": ("tcp",)}
+    if goodbye_seconds is not None:
+        opts["goodbye_seconds"] = goodbye_seconds
+    async with tensorwire.start("127.0.0.1:0", **opts) as server, tensorwire.start("127.0.0.1:0", **opts) as client:
+        connected = await client.connect(server.address)
+        accepted = await server.accept()
+        closed, other = (accepted, connected) if closing == "accepted peer" else (connected, accepted)
+        async with asyncio.timeout(20):  # (a hang guard)
+            await closed.aclose()
+        await eventually(lambda: other.closed, seconds=10)
+        assert other.remote_closing is (goodbye_seconds is not None), repr(other)
+
+
+@pytest.mark.timeout(60)
 async def test_a_closing_nodes_inproc_peers_hear_its_goodbye_before_its_calls_to_other_nodes_end(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -255,11 +255,11 @@ async def test_calls_back_to_clients_verify_each_against_the_name_its_certificat
         return await leave(self, request, context)
 
     monkeypatch.setattr(_Servicer, "Leave", counted)
-    monkeypatch.setattr("tensorwire._leases.GOODBYE_SECONDS", 10.0)  # (time enough for a TLS setup, loaded or not)
+    slow = {"goodbye_seconds": 10.0}  # (time enough for a TLS setup, loaded or not)
     async with (
-        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-b"), transports=("tcp",)) as server,
-        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-a", server_name="node-b")) as a,
-        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-c", server_name="node-b")) as c,
+        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-b"), transports=("tcp",), **slow) as server,
+        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-a", server_name="node-b"), **slow) as a,
+        tensorwire.start("127.0.0.1:0", tls=_named(pki, tmp_path, "node-c", server_name="node-b"), **slow) as c,
     ):
         for client, value in ((a, 1), (c, 2)):
             client.expose(np.full(4, value), name="w")

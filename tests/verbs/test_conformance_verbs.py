@@ -9,7 +9,7 @@ import pytest
 
 from tensorwire.testing import CHECKS, connected_pair, time_scale
 
-EMULATED = {"lease_seconds": 30.0, "connect_timeout": 60.0}
+EMULATED = {"lease_seconds": 30.0, "connect_timeout": 60.0, "goodbye_seconds": 5.0}
 EMULATED_WAITS = 4.0
 
 

@@ -21,7 +21,7 @@ from tensorwire.transports.verbs import VerbsChannel
 from tensorwire.transports.verbs._verbs import pv
 
 MiB = 1 << 20
-EMULATED = {"lease_seconds": 30.0, "connect_timeout": 60.0}
+EMULATED = {"lease_seconds": 30.0, "connect_timeout": 60.0, "goodbye_seconds": 5.0}
 pytestmark = pytest.mark.timeout(180)
 
 

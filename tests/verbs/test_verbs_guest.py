@@ -37,7 +37,7 @@ from tensorwire.transports.verbs._channel import RESERVE, _Out
 from tensorwire.transports.verbs._wire import Flag, Kind
 
 MiB = 1 << 20
-EMULATED = {"lease_seconds": 30.0, "connect_timeout": 60.0}
+EMULATED = {"lease_seconds": 30.0, "connect_timeout": 60.0, "goodbye_seconds": 5.0}
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
 
