@@ -10,6 +10,7 @@ while everything else goes on; the sending side is this process.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -56,6 +57,9 @@ def report(step, **kw):
 def digest(v):
     return int(np.asarray(v).sum(dtype=np.uint64))
 
+def pattern(n):  # 0, 1, ..., 250, 0, 1, ... (np.resize repeats it: 1/50 of the CPU of arange % 251)
+    return np.resize(np.arange(251, dtype=np.uint8), n)
+
 async def attempt(step, coro, check=digest):
     try:
         v = await asyncio.wait_for(coro, 30)
@@ -67,7 +71,16 @@ async def attempt(step, coro, check=digest):
 
 
 def _pattern(n: int) -> np.ndarray:
-    return (np.arange(n, dtype=np.uint32) % 251).astype(np.uint8)
+    """0, 1, ..., 250, 0, 1, ... (the children's ``pattern``): np.resize repeats the first 251,
+    where ``(np.arange(n, dtype=np.uint32) % 251).astype(np.uint8)``, the same bytes, took 1 GiB
+    and 2-5 CPU-seconds for each 256 MiB (a tenth of this file's CPU, in parent and children)."""
+    return np.resize(np.arange(251, dtype=np.uint8), n)
+
+
+@functools.cache
+def _pattern_digest(n: int) -> int:
+    """The children's ``digest`` of ``_pattern(n)``: what a recv of it whole reports."""
+    return int(_pattern(n).sum(dtype=np.uint64))
 
 
 async def _child(script: str, *args: str) -> asyncio.subprocess.Process:
@@ -171,7 +184,7 @@ async def test_no_memory_for_a_result_is_a_transfer_error_and_loses_nothing(tran
     that never came, holding the call's slot (max_concurrent=1 here: call_out waited for it)
     and its 256 MiB at the server."""
     src = _pattern(BIG)
-    want = int(src.sum(dtype=np.uint64))
+    want = _pattern_digest(len(src))
     async with tensorwire.start("127.0.0.1:0", transports=(transport,)) as node:
         node.expose(src, name="big")
         node.expose(src, name="big2")
@@ -236,7 +249,7 @@ async def eager_without_memory(transport: str, **options: Any) -> dict[str, Any]
             got = await _feed_when_capped(proc, peer, src)
         finally:
             await _kill(proc)
-    got["want"] = int(src.sum(dtype=np.uint64))
+    got["want"] = _pattern_digest(len(src))
     return got
 
 
@@ -340,7 +353,7 @@ _INPROC = """
 nbytes = int(sys.argv[1])
 
 async def main():
-    src = (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+    src = pattern(nbytes)
     small = np.ones(48 << 20, np.uint8)
     out = np.zeros(nbytes, np.uint8)
     async with tensorwire.start("127.0.0.1:0", transports=("inproc",)) as a, \\
@@ -377,7 +390,7 @@ async def test_inproc_without_memory_for_a_message() -> None:
     assert got["send_small"].get("value") == 0, got["send_small"]
     assert got["recv_small"].get("value") == 21, got["recv_small"]
     assert got["recv"].get("error") == "TransferError", got["recv"]
-    assert got["recv_out"].get("value") == int(_pattern(n).sum(dtype=np.uint64)), got["recv_out"]
+    assert got["recv_out"].get("value") == _pattern_digest(n), got["recv_out"]
     assert got["send_big"].get("value") == "rendezvous", got["send_big"]
     assert "done" in got
 
@@ -486,7 +499,7 @@ async def eager_reply_without_memory(transport: str, patience: float = 8.0, **op
     one call at a time; the caller's steps by name, and "want" (the verbs guest runs this too,
     with ``patience``: the seconds a call may take there)."""
     src = _pattern(EAGER)
-    want = int(src.sum(dtype=np.uint64))
+    want = _pattern_digest(len(src))
     async with tensorwire.start("127.0.0.1:0", transports=(transport,), **options) as node:
         node.methods.limits = CallLimits(max_concurrent=1)
 
@@ -616,7 +629,7 @@ def engine_of(device):
 
 async def main():
     engine, other = engine_of(0), engine_of(1)
-    src = EngineArray(engine, (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8))
+    src = EngineArray(engine, pattern(nbytes))
     out, out2, there = (EngineArray(e, np.zeros(nbytes, np.uint8)) for e in (engine, engine, other))
     async with connected_pair("tcp", limits=Limits(recv_buffer_bytes=1 << 20)) as (a, b):
         for o in (out, there):  # every path warmed up before the cap (lanes, staging chunks)
@@ -667,7 +680,7 @@ async def test_no_memory_for_a_message_left_in_device_memory_loses_nothing(steps
         if step in got:
             assert got[step].get("error") == "TransferError", got[step]
             assert "out of memory" in got[step]["text"], got[step]
-    assert got["recv_out"].get("value") == int(_pattern(n).sum(dtype=np.uint64)), got["recv_out"]
+    assert got["recv_out"].get("value") == _pattern_digest(n), got["recv_out"]
     assert got["send"].get("value") == 21, got["send"]
 
 
@@ -908,7 +921,7 @@ nbytes = int(sys.argv[1])
 
 async def main():
     first = np.ones(nbytes, np.uint8)
-    second = (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+    second = pattern(nbytes)
     out = np.zeros(nbytes, np.uint8)
     limits = tensorwire.Limits(recv_buffer_bytes=1 << 20, chunk_bytes=64 << 10)
     async with connected_pair("tcp", limits=limits) as (a, b):
@@ -966,7 +979,7 @@ from tensorwire.testing import connected_pair
 transport, nbytes, behind = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "behind"
 
 async def main():
-    src = (np.arange(nbytes, dtype=np.uint32) % 251).astype(np.uint8)
+    src = pattern(nbytes)
     out, out2 = np.zeros(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
     async with connected_pair(transport) as (a, b):
         await a.send(np.arange(3), tag="warm")
@@ -1014,6 +1027,6 @@ async def test_a_recv_cancelled_before_it_pulled_its_rendezvous_message_loses_no
     finally:
         await _kill(proc)
     assert got["cancelled"]["cancelled"], "the recv completed before its cancel (the test missed its moment)"
-    assert got["recv"].get("value") == [int(_pattern(BIG).sum(dtype=np.uint64)), True], got["recv"]
+    assert got["recv"].get("value") == [_pattern_digest(BIG), True], got["recv"]
     assert got["send"].get("value") == "rendezvous", got["send"]
     assert "done" in got
