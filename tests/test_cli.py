@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -77,11 +79,36 @@ def _kill(*pids: int) -> None:
         (["--size-mib", "many"], "argument --size-mib: not an integer: 'many'"),
     ],
 )
-def test_demo_rejects_bad_numbers_with_a_usage_error(args: list[str], complaint: str) -> None:
-    out = subprocess.run([*CLI, "demo", *args], capture_output=True, text=True, timeout=90)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert complaint in out.stderr
-    assert "Traceback" not in out.stderr and out.stdout == ""
+def test_demo_rejects_bad_numbers_with_a_usage_error(
+    args: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (in this process: the parser refuses them before anything runs; a process per case cost
+    # 0.3 CPU-s each, and the command line as a process is what the other tests here run)
+    out, err = _usage_error(["demo", *args], capsys)
+    assert complaint in err, err
+    assert out == "", out
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    """What ``tensorwire ARGV`` prints (stdout, stderr), run in this process, where it must end
+    as a usage error does (exit 2) before it runs anything. A command it would run instead fails
+    the test at once (it does not run here), as does anything else it raises (a traceback)."""
+    from tensorwire import cli
+
+    def ran(*args: object) -> NoReturn:
+        for arg in args:
+            if inspect.iscoroutine(arg):
+                arg.close()
+        raise AssertionError(f"tensorwire {' '.join(argv)} ran its command: no usage error")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "_run_until_signal", ran)
+        patch.setattr(cli, "_doctor", ran)
+        with pytest.raises(SystemExit) as done:
+            cli.main(argv)
+    out, err = capsys.readouterr()
+    assert done.value.code == 2, (done.value.code, out, err)
+    return out, err
 
 
 def test_demo_says_at_once_that_its_second_process_died() -> None:
@@ -244,13 +271,13 @@ def test_a_server_outlives_the_thread_that_started_it_but_not_its_parent() -> No
         assert _gone_within(server, 15), "the server outlived its parent"
 
 
-def test_parent_that_is_not_the_parent_is_refused() -> None:
+def test_parent_that_is_not_the_parent_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     out = subprocess.run([*CLI, "serve", "--parent", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "--parent 1: that process is not this one's parent" in out.stderr
     assert "Traceback" not in out.stderr
-    bad = subprocess.run([*CLI, "stage", "--part", "x:y", "--parent", "0"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "argument --parent: must be 1 or more, not 0" in bad.stderr, bad.stderr
+    _, err = _usage_error(["stage", "--part", "x:y", "--parent", "0"], capsys)
+    assert "argument --parent: must be 1 or more, not 0" in err, err
 
 
 def test_serve_closes_its_node_on_sigterm() -> None:
@@ -350,11 +377,12 @@ def test_an_echo_the_client_refuses_closes_that_client_instead_of_leaving_it_wai
 
 
 @pytest.mark.parametrize("command", ["serve", "stage --part m:f", "doctor 127.0.0.1:1", "bench 127.0.0.1:1"])
-def test_an_empty_token_from_the_environment_is_named(command: str) -> None:
-    env = {**os.environ, "TENSORWIRE_TOKEN": ""}
-    out = subprocess.run([*CLI, *command.split()], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 2 and "TENSORWIRE_TOKEN is empty" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
+def test_an_empty_token_from_the_environment_is_named(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TENSORWIRE_TOKEN", "")
+    _, err = _usage_error(command.split(), capsys)
+    assert "TENSORWIRE_TOKEN is empty" in err, err
 
 
 @pytest.mark.parametrize(
@@ -372,10 +400,12 @@ def test_an_empty_token_in_the_environment_does_not_stop_a_command_that_takes_no
 
 
 @pytest.mark.parametrize("command", ["doctor", "serve", "bench 127.0.0.1:1"])
-def test_an_empty_token_given_on_the_command_line_is_a_usage_error(command: str) -> None:
-    out = subprocess.run([*CLI, *command.split(), "--token", ""], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "argument --token: empty: give a token, or leave --token out" in out.stderr
-    assert out.stdout == ""
+def test_an_empty_token_given_on_the_command_line_is_a_usage_error(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, err = _usage_error([*command.split(), "--token", ""], capsys)
+    assert "argument --token: empty: give a token, or leave --token out" in err, err
+    assert out == ""
 
 
 def _busy_port() -> socket.socket:
@@ -437,12 +467,14 @@ def test_serve_reads_a_tag_of_digits_as_an_int_and_anything_else_as_a_string() -
         (str(-0x7477_424E_0000_0001), "is one of tensorwire's own"),  # the bench's request tag
     ],
 )
-def test_serve_refuses_an_echo_tag_no_peer_could_use_before_it_serves(tag: str, complaint: str) -> None:
+def test_serve_refuses_an_echo_tag_no_peer_could_use_before_it_serves(
+    tag: str, complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     # it served, then cut off every peer that connected (a tag past 64 bits), or its echo took
     # the bench's requests so that `tensorwire bench` waited 10 s and blamed the node
-    out = subprocess.run([*CLI, "serve", "--bench", f"--echo={tag}"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
-    assert f"error: argument --echo: tag {tag} {complaint}" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    out, err = _usage_error(["serve", "--bench", f"--echo={tag}"], capsys)
+    assert out == "", out
+    assert f"error: argument --echo: tag {tag} {complaint}" in err, err
 
 
 @pytest.mark.timeout(60)
