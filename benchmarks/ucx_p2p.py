@@ -138,6 +138,7 @@ def raw_server(tls: str, sizes: list[int]) -> dict[str, Any]:
             bytes(r.worker.address).hex(),
             json.dumps(sizes),
             json.dumps(OS_ARG),
+            str(RTT_ITERS),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -434,8 +435,9 @@ async def tw_server(tls: str, sizes: list[int]) -> dict[str, Any]:
     with ucx_config(**_options(tls)):
         async with tensorwire.start("127.0.0.1:0", transports=("ucx",)) as node:
             child = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "_tw-client", tls, node.address, json.dumps(sizes), json.dumps(OS_ARG)
-            )
+                sys.executable, __file__, "_tw-client", tls, node.address, json.dumps(sizes), json.dumps(OS_ARG),
+                str(RTT_ITERS),
+            )  # fmt: skip
             peer = await node.accept()
             out["path"] = str(peer.path)
             ack = np.zeros(1, np.uint8)
@@ -628,6 +630,7 @@ if __name__ == "__main__":
     if mode in ("_raw-client", "_tw-client"):
         SIZES_ARG = json.loads(sys.argv[4])
         OS_ARG = json.loads(sys.argv[5])
+        RTT_ITERS = int(sys.argv[6])  # (the server's: both sides count the same round trips)
         if mode == "_raw-client":
             raw_client(sys.argv[2], sys.argv[3])
         else:
