@@ -1598,3 +1598,40 @@ async def test_a_stage_cancelled_while_it_drops_its_links_still_closes_every_one
                 await dropping
             release.set()
             await eventually(lambda: all(peer.closed for peer in peers), 10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["tw.pipeline.configure", "tw.pipeline.link"])
+async def test_a_stage_closed_while_a_driver_connects_is_named_as_closed(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Stage closed while a driver's connect runs (after it reserved the stage, before its
+    configure or its link reaches it): the connect raises ClosedResourceError naming that stage,
+    as a step does. It raised the node's bare MethodNotFound, "127.0.0.1:P: no method named
+    'tw.pipeline.link'; this node offers: none", which named no stage and said nothing of a close
+    (found by cancelling Stage.aclose at every point of a connect). A new Stage there serves the
+    next connect."""
+    x, y = batch()
+    async with nodes(4) as ns:
+        ss = [pipeline.Stage(n, part, offload=False) for n, part in zip(ns, parts(layers(3)), strict=False)]
+        real_call = tensorwire.Peer.call
+
+        async def close_first(peer: tensorwire.Peer, name: str, /, *args: Any, **kw: Any) -> Any:
+            if name == method and peer.remote_instance == ns[1].instance_id:
+                await ss[1].aclose()
+            return await real_call(peer, name, *args, **kw)
+
+        try:
+            monkeypatch.setattr(tensorwire.Peer, "call", close_first)
+            with pytest.raises(tensorwire.ClosedResourceError) as err:
+                async with asyncio.timeout(20):
+                    await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]])
+            monkeypatch.setattr(tensorwire.Peer, "call", real_call)
+            assert f"stage 1 ({ns[1].address}) serves no pipeline stage any more" in str(err.value), err.value
+            assert isinstance(err.value.__cause__, tensorwire.MethodNotFound)
+            ss[1] = pipeline.Stage(ns[1], parts(layers(3))[1], offload=False)
+            async with asyncio.timeout(20), await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]) as pipe:
+                assert (await pipe.step(x, y, microbatches=2)).loss > 0
+        finally:
+            for stage in ss:
+                await stage.aclose()

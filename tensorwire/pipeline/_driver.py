@@ -257,10 +257,8 @@ class Pipeline:
             # for a neighbour that is still building
             paths = await _all_or_none(
                 [
-                    loop.create_task(
-                        peer.call("tw.pipeline.link", generation=generation, token=token, _deadline=wait + 5)
-                    )
-                    for peer in peers
+                    loop.create_task(_link(peer, s, wait, generation=generation, token=token))
+                    for s, peer in enumerate(peers)
                 ]
             )
             links = [{**report, **path} for report, path in zip(reports, paths, strict=True)]
@@ -626,7 +624,7 @@ class Pipeline:
                 o = PeerDisconnected(f"pipeline step {step}: {where} is gone: {o}")
                 rank = 0
             elif isinstance(o, MethodNotFound):
-                o, rank = self._no_stage(s, o, f"pipeline step {step}"), 1
+                o, rank = _no_stage(self.peers[s], s, o, f"pipeline step {step}"), 1
             elif isinstance(o, RemoteError) and o.remote_type == "BrokenResourceError":
                 rank = 2
             else:
@@ -646,21 +644,11 @@ class Pipeline:
         states: list[dict[str, Any]] = []
         for s, o in enumerate(got):
             if isinstance(o, MethodNotFound):
-                raise self._no_stage(s, o, "pipeline.state") from o
+                raise _no_stage(self.peers[s], s, o, "pipeline.state") from o
             if isinstance(o, BaseException):
                 raise o
             states.append(o)
         return states
-
-    def _no_stage(self, s: int, error: MethodNotFound, what: str) -> ClosedResourceError:
-        """Stage ``s``'s node serves on, its Stage does not (closed): the node's own word,
-        ``error``, named no stage ("no method named 'tw.pipeline.step'; this node offers: none")."""
-        closed = ClosedResourceError(
-            f"{what}: stage {s} ({self.peers[s].remote_address}) serves no pipeline stage any more (its Stage "
-            "was closed): Pipeline.connect again to stages that serve"
-        )
-        closed.__cause__ = error
-        return closed
 
     def _check_open(self, what: str) -> None:
         """Refused on a closed pipeline, and anywhere but its loop: a call from another loop
@@ -785,6 +773,27 @@ async def _reserve(peer: Peer, s: int, token: str) -> int:
     return generation
 
 
+def _no_stage(peer: Peer, s: int, error: MethodNotFound, what: str) -> ClosedResourceError:
+    """Stage ``s``'s node serves on, its Stage does not (closed): the node's own word,
+    ``error``, named no stage ("no method named 'tw.pipeline.step'; this node offers: none")."""
+    closed = ClosedResourceError(
+        f"{what}: stage {s} ({peer.remote_address}) serves no pipeline stage any more (its Stage "
+        "was closed): Pipeline.connect again to stages that serve"
+    )
+    closed.__cause__ = error
+    return closed
+
+
+async def _link(peer: Peer, s: int, wait: float, **kwargs: Any) -> dict[str, Any]:
+    """Stage ``s``'s ``tw.pipeline.link``: its links to its neighbours, within ``wait`` seconds
+    (and 5 s for the answer). A stage closed since it was configured is named as closed."""
+    try:
+        paths: dict[str, Any] = await peer.call("tw.pipeline.link", _deadline=wait + 5, **kwargs)
+    except MethodNotFound as exc:
+        raise _no_stage(peer, s, exc, "Pipeline.connect") from exc
+    return paths
+
+
 # what of the caller's deadline a failed connect leaves for its error to reach the caller
 _ERROR_MARGIN = 0.05
 
@@ -818,6 +827,8 @@ async def _configure(peer: Peer, s: int, build_timeout: float | None, *args: Any
     within = f" within build_timeout={build_timeout:g} s" if ours else ""
     try:
         report: dict[str, Any] = await peer.call("tw.pipeline.configure", s, *args, _deadline=build_timeout, **kwargs)
+    except MethodNotFound as exc:  # (reserved, then closed: the stage's node serves on)
+        raise _no_stage(peer, s, exc, "Pipeline.connect") from exc
     except RemoteError as exc:
         if exc.remote_type != "DeadlineExceeded":
             raise
