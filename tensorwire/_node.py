@@ -390,6 +390,9 @@ class Node:
             log, per_window=20, window=10.0, what="gone peers dropped with their messages", kind="accept"
         )
         self._incoming_ready = asyncio.Event()  # set when a peer joins _incoming, or the node closes
+        # called with each peer the node adopts (``_watch_adopted``): a peer may go before a poll
+        # of ``peers`` sees it (a pipeline stage's neighbour linked and closed at once)
+        self._adopted: set[Callable[[Peer], None]] = set()
         self._waiting: set[asyncio.Task[None]] = set()
         self.peers: list[Peer] = []
         self._leases: dict[str, tuple[float, Peer]] = {}
@@ -507,10 +510,22 @@ class Node:
         peer.channel.add_close_callback(lambda _exc: self._gone(peer))
         peer._spawn(serve_ops(peer, self.exposures))
         _serve_rpc(peer, methods_of(self))
+        for seen in list(self._adopted):
+            seen(peer)
         if peer.channel.state in (ChannelState.CLOSED, ChannelState.BROKEN):
             # the other side left before we got here (inproc: a close right after connect): the
             # callback will never fire, and the peer would stay in ``peers`` and its session here
             self._gone(peer)
+
+    @contextlib.contextmanager
+    def _watch_adopted(self, seen: Callable[[Peer], None]) -> Generator[None, None, None]:
+        """Within the block, ``seen(peer)`` for every peer this node adopts (connected or
+        accepted), as it is adopted: before it can go, which a poll of ``peers`` may miss."""
+        self._adopted.add(seen)
+        try:
+            yield
+        finally:
+            self._adopted.discard(seen)
 
     def _gone(self, peer: Peer) -> None:
         """A peer's channel closed (either side, or its lease ran out): it leaves ``peers`` and

@@ -674,19 +674,29 @@ class Stage:
         with another key."""
         loop = asyncio.get_running_loop()
         hellos: dict[Peer, asyncio.Task[Any]] = {}
+        # the peers from that node that came meanwhile, as they came: the previous stage may link
+        # and close before a poll of the node's peers sees it (its hello stays deliverable), and
+        # the stage waited out its connect_timeout for a hello that had come and gone
+        came: list[Peer] = []
         try:
-            while True:
-                for peer in self.node.peers:
-                    if peer.remote_instance == instance and not peer.closed and peer not in hellos:
-                        hellos[peer] = loop.create_task(peer._recv_own(tag=HELLO_TAG))
-                for peer, task in list(hellos.items()):
-                    if task.done() and not task.cancelled() and task.exception() is None:
-                        hello = task.result()
-                        if isinstance(hello, dict) and hello.get("key") == key:
-                            return peer
-                        if not peer.closed:  # an older configure's hello, left unread: listen on
+            with self.node._watch_adopted(came.append):
+                while True:
+                    for peer in [*(p for p in self.node.peers if not p.closed), *came]:
+                        if peer.remote_instance == instance and peer not in hellos:
                             hellos[peer] = loop.create_task(peer._recv_own(tag=HELLO_TAG))
-                await asyncio.sleep(0.005)
+                    for peer, task in list(hellos.items()):
+                        if task.done() and not task.cancelled() and task.exception() is None:
+                            hello = task.result()
+                            if isinstance(hello, dict) and hello.get("key") == key:
+                                if peer.closed:
+                                    raise PeerDisconnected(
+                                        f"stage {self.rank}: the previous stage ({peer.remote_address}) closed its "
+                                        "link as it was made"
+                                    )
+                                return peer
+                            if not peer.closed:  # an older configure's hello, left unread: listen on
+                                hellos[peer] = loop.create_task(peer._recv_own(tag=HELLO_TAG))
+                    await asyncio.sleep(0.005)
         finally:
             for task in hellos.values():
                 task.cancel()
