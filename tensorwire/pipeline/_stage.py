@@ -1248,7 +1248,8 @@ class Stage:
             raise ClosedResourceError("stage is closed")
 
     async def aclose(self) -> None:
-        """Stop serving: cancel a running step, close the links; idempotent. The node stays open.
+        """Stop serving: cancel a running step, let a commit under way land, close the links;
+        idempotent. The node stays open.
         The closing runs to its end even if the caller is cancelled meanwhile, and every call
         waits for it."""
         check_home(self.node._loop, "stage.aclose", closing=True)
@@ -1299,6 +1300,12 @@ class Stage:
     async def _close(self) -> None:
         try:
             await self._drop_links()
+            if self._applying is not None:
+                # a commit under way lands, as it does when the driver's connection drops (the
+                # driver sent it once every stage had finished the step): the executor's shutdown
+                # below cancelled its optimizer step still queued for the compute thread, and the
+                # step failed with a bare CancelledError, applied on the other stages only
+                await asyncio.wait([self._applying])
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
             registry = self.node.methods
