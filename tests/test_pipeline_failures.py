@@ -760,7 +760,7 @@ async def test_a_connect_behind_a_cancelled_steps_layer_ends_by_its_deadline_and
     Now the stage logs the layer it waits for and answers just before the deadline with a
     DeadlineExceeded that names the stage and the layer; once the layer returns, a connect
     builds and steps as before. "slow": the connect's giving up (letting go of the stages,
-    closing its connections) outlasts the 0.2 s the stage left of the deadline, as it did once
+    closing its connections) outlasts the 0.5 s the stage leaves of the deadline, as it did once
     under a CI run's load: the deadline fired meanwhile, and the caller got a bare TimeoutError
     instead of the stage's DeadlineExceeded."""
     if giving_up == "slow":

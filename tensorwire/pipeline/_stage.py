@@ -131,9 +131,10 @@ _RESERVE_SECONDS = 5.0
 # a configure whose build waits behind a cancelled step's layer still running in the compute
 # thread says so in the log every this many seconds; under a deadline it answers this long
 # before the deadline (at most a quarter of what is left), so that its word, which names the
-# layer, reaches the driver before the driver's own timer cuts the call short
+# layer, reaches the driver before the driver's own timer cuts the call short (0.2 s was too
+# little for the answer's way back on a loaded machine: the caller got a bare TimeoutError)
 _LEFTOVER_NOTICE_SECONDS = 10.0
-_LEFTOVER_ANSWER_MARGIN = 0.2
+_LEFTOVER_ANSWER_MARGIN = 0.5
 
 _Ticket = tuple[int, str]  # (generation, driver token): which driver's configure, ordered
 
