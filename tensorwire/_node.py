@@ -876,8 +876,10 @@ class Node:
         since = time.monotonic()  # the server's lease on this session begins after this
         opening = ""  # once the handshake is done: the data connection under way, for the error
         handshake: asyncio.Future[control_pb2.HandshakeResponse] | None = None
+        # (the handshake call's deadline too, which begins a little later: no answer comes after it)
+        until = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(until):
                 # (shielded: a connect given up while the answer was on its way still learns of
                 # the session the server opened, and ends it: _give_up)
                 handshake = asyncio.ensure_future(client.handshake(request, timeout))
@@ -895,7 +897,7 @@ class Node:
                 else:
                     channel = await self._open_data(client, transport.connect(dial, session), opening, address)
         except TimeoutError as exc:
-            await self._give_up(client, handshake)
+            await self._give_up(client, handshake, until)
             # a handshake with no answer: what listens there is most likely no tensorwire node (a
             # port nobody listens on is refused at once), or its packets are dropped on the way
             where = (
@@ -906,7 +908,7 @@ class Node:
             )
             raise ConnectTimeout(f"connecting to {address} took longer than {timeout} s{where}") from exc
         except BaseException:
-            await self._give_up(client, handshake)
+            await self._give_up(client, handshake, until)
             raise
         if self._closed:  # closed while we were connecting: nobody would ever close this peer
             channel.abort()
@@ -937,19 +939,26 @@ class Node:
         return peer
 
     async def _give_up(
-        self, client: ControlClient, handshake: asyncio.Future[control_pb2.HandshakeResponse] | None
+        self, client: ControlClient, handshake: asyncio.Future[control_pb2.HandshakeResponse] | None, until: float
     ) -> None:
         """A connect ends without a peer (cancelled, timed out, failed, its node closing): close
         its control connection. Where the server answered the handshake, or may yet (its call is
-        under way: the answer may be on its way), first tell it that the session ends
-        (``Leave``), in the background and within ``goodbye_seconds`` for each step, so as not
-        to hold up the cancel: it waited for the data connection that will never come for its
-        whole connect_timeout (10 s), and then warned that the peer never opened it. A data
-        connection that did reach it ends too."""
-        if handshake is None or (handshake.done() and _answered(handshake) is None):
+        under way and its deadline, ``until`` in loop time, has not passed: the answer may be on
+        its way), first tell it that the session ends (``Leave``), in the background and within
+        ``goodbye_seconds`` for each step, so as not to hold up the cancel: it waited for the
+        data connection that will never come for its whole connect_timeout (10 s), and then
+        warned that the peer never opened it. A data connection that did reach it ends too."""
+        if handshake is None:
             await client.aclose()
             return
-        self._retire(_leave_unopened(client, handshake, self.config.goodbye_seconds))
+        if _answered(handshake) is None and (handshake.done() or asyncio.get_running_loop().time() >= until):
+            # no answer, and none can come: close at once. Waiting for the call's end (gRPC's
+            # word of its deadline comes late on a loaded machine) kept the channel open past
+            # the end of gRPC's connection attempt, which then dialled again (_leave_unopened)
+            handshake.cancel()
+            await client.aclose()
+            return
+        self._retire(_leave_unopened(client, handshake, until, self.config.goodbye_seconds))
 
     def _retire(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``coro`` in a task of its own, held until it ends; the node's close waits for it
@@ -1199,15 +1208,26 @@ def _answered(handshake: asyncio.Future[control_pb2.HandshakeResponse]) -> contr
 
 
 async def _leave_unopened(
-    client: ControlClient, handshake: asyncio.Future[control_pb2.HandshakeResponse], seconds: float
+    client: ControlClient,
+    handshake: asyncio.Future[control_pb2.HandshakeResponse],
+    until: float,
+    seconds: float,
 ) -> None:
     """Tell the server of a connect that gave up that the session its handshake opened ends
     (``Node._give_up``), once the answer has come (within ``seconds``, goodbye_seconds: a server that has
     not answered by then most likely never will), then close the control connection. Best
-    effort: a server not told forgets the session at its connect_timeout, as before."""
+    effort: a server not told forgets the session at its connect_timeout, as before.
+
+    The wait ends at the handshake call's deadline (``until``, loop time) too: no answer comes
+    after it, and gRPC's connection attempt, which it bounds (``ControlClient``), may end then.
+    A channel still open when an attempt ends without a connection dials again, with an attempt
+    of its backoff (1.6 s, then 2.56 s, ...) that goes on after the channel closes: against a
+    node that takes connections and never answers, one left open seconds after the connect."""
     try:
         if not handshake.done():
-            await asyncio.wait([handshake], timeout=seconds)
+            wait = min(seconds, until - asyncio.get_running_loop().time())
+            if wait > 0:
+                await asyncio.wait([handshake], timeout=wait)
         if (resp := _answered(handshake)) is not None:
             await client.leave([(resp.session_id, leave_proof(resp.session_secret, resp.session_id))], seconds)
     except Exception as exc:  # (it is gone, or closing)

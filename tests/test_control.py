@@ -321,6 +321,42 @@ async def test_a_connect_that_timed_out_leaves_no_control_connection_open() -> N
                 gc.enable()
 
 
+@pytest.mark.timeout(30)
+async def test_a_connect_that_timed_out_closes_its_control_connection_before_grpc_dials_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same silent node, on a loaded machine: gRPC's word that the handshake call's deadline
+    passed reaches the loop late (here 1 s; 1-1.3 s seen under CPU starvation). The connect that
+    timed out waited for that call's end (up to GOODBYE_SECONDS) with its channel still open,
+    gRPC's connection attempt ended at its own deadline meanwhile, and gRPC dialled again: an
+    attempt of 1.6 s +-20 % (its backoff), which outlives the channel's close, and a third of
+    2.56 s where the wait was longer still (CI: open 5 s after the ConnectTimeout). No answer can
+    come after the connect's deadline, which is the call's: it closes at once, and dials once."""
+    from tensorwire.control import _client
+
+    handshake = _client.ControlClient.handshake
+
+    async def seen_late(
+        self: ControlClient, request: control_pb2.HandshakeRequest, deadline: float
+    ) -> control_pb2.HandshakeResponse:
+        try:
+            return await handshake(self, request, deadline)
+        finally:
+            await asyncio.sleep(1)  # (its end reaches the connect late, as under load)
+
+    monkeypatch.setattr(_client.ControlClient, "handshake", seen_late)
+    async with _silent_listener() as (listener, held, accepted):
+        port = listener.sockets[0].getsockname()[1]
+        async with tensorwire.start("127.0.0.1:0", transports=("tcp",)) as client:
+            with pytest.raises(tensorwire.ConnectTimeout):
+                await client.connect(f"127.0.0.1:{port}", connect_timeout=0.8)
+            assert accepted.is_set()
+            await awhile(lambda: connections_to(port) == 0, seconds=5)
+            assert connections_to(port) == 0, "the timed-out connect's control connection is still open"
+            await asyncio.sleep(0.5)  # (a dial under way is taken by now)
+            assert len(held) == 1, "gRPC dialled again before the timed-out connect closed its channel"
+
+
 async def test_a_connect_timeout_of_years_is_taken() -> None:
     """connect_timeout goes to gRPC as milliseconds in a C int: the longest one a node takes
     (check_seconds: 1e9 s) must not overflow it."""

@@ -268,15 +268,24 @@ def map_rpc_error(
 # the most it takes (a C int of milliseconds: a longer connect_timeout raised OverflowError)
 _MIN_CONNECTING_SECONDS = 0.1
 _MAX_CONNECTING_MS = 2**31 - 1
+# What an attempt is given past connect_timeout: time for a caller whose call's deadline (its
+# connect_timeout) passed to close the channel before the attempt ends. An attempt that ends
+# without a connection while the channel is still open (a call in it not yet cancelled, as a
+# closed channel's may still be for a few ms) is followed at once by another, of gRPC's backoff
+# (1.6 s, 2.56 s, ...), which goes on after the close: given connect_timeout alone, 1 connect in
+# 24 that timed out against a node that never answers dialled again although it had closed its
+# channel at its deadline (gRPC's call in it was cancelled 20 ms later); with this, 0 in 25
+_CLOSING_SECONDS = 1.0
 
 
 class ControlClient:
     """The control connection to the node at ``target``. ``connect_timeout``: the longest one
-    connection attempt (TCP, then HTTP/2 and TLS setup) may take. gRPC gives each 20 s by
-    default, and goes on with it after the channel closes: against a node that took the
-    connection and never answered (frozen, SIGSTOPped) a connect that timed out left its
-    connection open 20 s after its deadline. (It cannot end sooner than this, whatever a
-    caller's own deadline says: gRPC has no call that stops an attempt under way.)
+    connection attempt (TCP, then HTTP/2 and TLS setup) may take, with a second more for the
+    caller to close the channel once its call's deadline passed (``_CLOSING_SECONDS``). gRPC
+    gives each 20 s by default, and goes on with it after the channel closes: against a node
+    that took the connection and never answered (frozen, SIGSTOPped) a connect that timed out
+    left its connection open 20 s after its deadline. (It cannot end sooner than this, whatever
+    a caller's own deadline says: gRPC has no call that stops an attempt under way.)
     ``server_name``: with TLS, the name to check the server's certificate against, in place of
     ``tls.server_name`` (see ``callback_name``)."""
 
@@ -300,7 +309,8 @@ class ControlClient:
         options: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
         if connect_timeout is not None:
             # (gRPC's name for how long an attempt may take before it counts as failed)
-            connecting_ms = min(int(max(connect_timeout, _MIN_CONNECTING_SECONDS) * 1000), _MAX_CONNECTING_MS)
+            connecting = max(connect_timeout, _MIN_CONNECTING_SECONDS) + _CLOSING_SECONDS
+            connecting_ms = min(int(connecting * 1000), _MAX_CONNECTING_MS)
             options.append(("grpc.min_reconnect_backoff_ms", connecting_ms))
         # "host:port" with the scheme written out: gRPC reads a host named like one of its
         # schemes as that scheme ("unix:5000" dialled the socket file "5000" in the working
