@@ -74,6 +74,7 @@ def test_the_error_lists_every_valid_field() -> None:
         "tls",
         "node_id",
         "ucx_options",
+        "goodbye_seconds",
     ]
     with pytest.raises(ArgumentError, match=r"'bogus'; its options are: cert_file, key_file, ca_file, require"):
         TLSConfig(bogus=1)  # type: ignore[call-arg]
@@ -82,7 +83,7 @@ def test_the_error_lists_every_valid_field() -> None:
 
 
 TOO_MANY: list[tuple[str, Callable[[], object]]] = [
-    ("NodeConfig", lambda: NodeConfig(*range(10))),  # type: ignore[arg-type]
+    ("NodeConfig", lambda: NodeConfig(*range(11))),  # type: ignore[arg-type]
     ("Limits", lambda: Limits(*range(8))),  # type: ignore[arg-type]
     ("TLSConfig", lambda: TLSConfig(None, None, None, False, None, None)),  # type: ignore[call-arg]
     ("start", lambda: tensorwire.start("127.0.0.1:0", ("tcp",))),  # type: ignore[misc]
