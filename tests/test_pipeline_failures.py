@@ -1749,3 +1749,78 @@ async def test_a_commit_under_way_lands_when_its_stage_closes(monkeypatch: pytes
             hold.set()
             for stage in ss:
                 await stage.aclose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("short_commit_grace")
+@pytest.mark.parametrize("cut", ["stage-closed", "caller-gave-up"])
+async def test_a_settled_step_lands_when_its_settle_is_cut_short(cut: str) -> None:
+    """A driver died once its commit reached stage 0; the next driver's connect settles that
+    step on stages 1 and 2 (``tw.pipeline.settle``), and stage 1's optimizer step waits for the
+    compute thread. Settle ran the update in its own call, neither shielded nor known to the
+    close (as commit's had been before 944955b): closed then (``Stage.aclose``), the stage
+    cancelled the queued update, and the connect got RemoteError "tw.pipeline.settle ... raised
+    CancelledError"; cut short by its caller (a deadline, the driver's connection dropped), the
+    call cancelled it too. Either way stage 1 never applied the step while stages 0 and 2 had,
+    and the orphan was gone, so no later driver could settle it. It lands now, as a commit does."""
+    x, y = batch()
+    ls, reference = layers(3), layers(3)
+    one_process_step(reference, x, y)
+    async with nodes(5) as ns:
+        ss = [pipeline.Stage(n, part, offload=True) for n, part in zip(ns, parts(ls), strict=False)]
+        addresses = [n.address for n in ns[:3]]
+        real_call = tensorwire.Peer.call
+        hold = threading.Event()
+        try:
+            first = await pipeline.Pipeline.connect(ns[3], addresses)
+            dead = asyncio.Event()
+            _die_while_committing(first, dead, 1)
+            async with asyncio.timeout(30):
+                stepping = asyncio.ensure_future(first.step(x, y, microbatches=4))
+                await eventually(lambda: ss[0]._last_commit is not None)  # stage 0 applied it; 1 and 2 hold it
+                for peer in first.peers:
+                    peer.abort()  # the driver is gone: no more commits, no release
+                dead.set()
+                with pytest.raises(tensorwire.TensorWireError):
+                    await stepping
+                await first.aclose()
+
+            async def cut_short(peer: tensorwire.Peer, name: str, /, *args: Any, **kw: Any) -> Any:
+                if name != "tw.pipeline.settle" or peer.remote_instance != ns[1].instance_id:
+                    return await real_call(peer, name, *args, **kw)
+                ss[1]._executor.submit(hold.wait, 10)  # the thread is busy: the update waits in its queue
+                settling = asyncio.ensure_future(real_call(peer, name, *args, **kw))
+                await eventually(lambda: ss[1]._orphan is None)  # the stage took the settle
+                if cut == "stage-closed":
+                    closing = asyncio.ensure_future(ss[1].aclose())
+                    await asyncio.sleep(0.1)
+                    hold.set()
+                    try:
+                        return await settling
+                    finally:
+                        await closing
+                await eventually(lambda: ss[2]._orphan is None and ss[2]._last_commit == ss[0]._last_commit)
+                settling.cancel()  # the caller gives up; the cancel travels to the stage
+                await asyncio.gather(settling, return_exceptions=True)
+                await asyncio.sleep(0.2)
+                hold.set()
+                raise tensorwire.DeadlineExceeded("the caller gave up during the settle")
+
+            tensorwire.Peer.call = cut_short  # type: ignore[method-assign]
+            try:
+                async with asyncio.timeout(20):
+                    if cut == "stage-closed":
+                        async with await pipeline.Pipeline.connect(ns[4], addresses):
+                            pass
+                    else:
+                        with pytest.raises(tensorwire.DeadlineExceeded):
+                            await pipeline.Pipeline.connect(ns[4], addresses)
+            finally:
+                tensorwire.Peer.call = real_call  # type: ignore[method-assign]
+            for s in range(3):  # every stage applied the step, the one whose settle was cut short too
+                await eventually(lambda s=s: np.allclose(ls[s].state()["w"], reference[s].state()["w"], rtol=1e-5))
+            assert ss[1]._last_commit == ss[0]._last_commit
+        finally:
+            hold.set()
+            for stage in ss:
+                await stage.aclose()

@@ -1158,7 +1158,15 @@ class Stage:
         self._pending = None
         # the driver sent this commit once every stage had finished: it lands even if the call
         # is cut short meanwhile (the driver's connection dropped), and is recorded as applied
-        applying = asyncio.get_running_loop().create_task(self._apply(ticket_key(*self._ticket), step))
+        return await self._land(ticket_key(*self._ticket), step)
+
+    async def _land(self, key: str, step: int) -> dict[str, float]:
+        """Apply ``step`` of the driver ``key`` (``_apply``) as an update that lands whatever
+        happens to the call that asked for it: cut short (its caller gave up, its driver's
+        connection dropped), it runs on; a close (``_close``) and the next configure wait for
+        it (``_applying``), rather than cancel its optimizer step still queued for the compute
+        thread."""
+        applying = asyncio.get_running_loop().create_task(self._apply(key, step))
         applying.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._applying = applying
         return await asyncio.shield(applying)
@@ -1191,7 +1199,11 @@ class Stage:
         if not apply:
             log.warning("stage %d: dropped step %d of an earlier driver, which no stage applied", self.rank, step)
             return False
-        await self._apply(key, step)
+        # as a commit: another stage applied this step, so it lands here even if this call is cut
+        # short (the connect's deadline, its driver's connection dropped) or the stage closes
+        # meanwhile. Cancelled in the call, its optimizer step still queued for the compute
+        # thread was cancelled with it, and the orphan was gone: this stage stayed a step behind
+        await self._land(key, step)
         log.warning(
             "stage %d: applied step %d of an earlier driver, which had applied it on other stages before it went away",
             self.rank,
@@ -1302,7 +1314,7 @@ class Stage:
         try:
             await self._drop_links()
             if self._applying is not None:
-                # a commit under way lands, as it does when the driver's connection drops (the
+                # a commit (or settle) under way lands, as it does when the driver's connection drops (the
                 # driver sent it once every stage had finished the step): the executor's shutdown
                 # below cancelled its optimizer step still queued for the compute thread, and the
                 # step failed with a bare CancelledError, applied on the other stages only
