@@ -206,8 +206,11 @@ class Pipeline:
         token = uuid.uuid4().hex
         reserving = False
         try:
-            for address in addresses:
-                peers.append(await node.connect(address, transports=tuple(transports) if transports else None))
+            for s, address in enumerate(addresses):
+                try:
+                    peers.append(await node.connect(address, transports=tuple(transports) if transports else None))
+                except PeerDisconnected as exc:  # (it died as the driver connected: a bare PeerEOF)
+                    raise _gone(address, s, exc, "Pipeline.connect") from exc
             # one node is one instance id, whatever its addresses: node ids may repeat (stages
             # named after the hostname, in containers), and two such stages are two nodes
             seen: dict[str, str] = {}
@@ -227,11 +230,12 @@ class Pipeline:
             # pick the same number at once (the stages refuse the older of the two)
             reserving = True
             generation = 1 + max(
-                await _all_or_none([loop.create_task(_reserve(peer, s, token)) for s, peer in enumerate(peers)])
+                await _each_stage(peers, [loop.create_task(_reserve(peer, s, token)) for s, peer in enumerate(peers)])
             )
             p = len(peers)
             # first every stage builds its part, for as long as it takes (or build_timeout) ...
-            reports = await _all_or_none(
+            reports = await _each_stage(
+                peers,
                 [
                     loop.create_task(
                         _configure(
@@ -251,15 +255,16 @@ class Pipeline:
                         )
                     )
                     for s, peer in enumerate(peers)
-                ]
+                ],
             )
             # ... then they link, every one at once, so that none waits out its connect_timeout
             # for a neighbour that is still building
-            paths = await _all_or_none(
+            paths = await _each_stage(
+                peers,
                 [
                     loop.create_task(_link(peer, s, wait, generation=generation, token=token))
                     for s, peer in enumerate(peers)
-                ]
+                ],
             )
             links = [{**report, **path} for report, path in zip(reports, paths, strict=True)]
             await _settle(peers, links, ticket_key(generation, token))
@@ -610,6 +615,19 @@ class Pipeline:
         for s, o in enumerate(outcomes):
             where = f"stage {s} ({self.peers[s].remote_address})"
             if not isinstance(o, BaseException):
+                if self.peers[s].closed:
+                    # it answered, then the driver lost it (its process died): its neighbours
+                    # failed for that, and their RemoteError ("its link to stage s broke") was
+                    # the root, where a stage lost before it answered is PeerDisconnected
+                    lines.append(f"  {where}: {ok}, then its connection dropped")
+                    ranked.append(
+                        (
+                            0,
+                            when.get(s, len(outcomes) + s),
+                            _gone(self.peers[s].remote_address, s, None, f"pipeline step {step}"),
+                        )
+                    )
+                    continue
                 lines.append(f"  {where}: {ok}")
                 continue
             kind = o.remote_type if isinstance(o, RemoteError) else type(o).__name__
@@ -860,6 +878,35 @@ async def _settle(peers: list[Peer], links: list[dict[str, Any]], key: str) -> N
     await asyncio.gather(
         *[peers[s].call("tw.pipeline.settle", key, *orphan, orphan in applied) for s, orphan in orphans.items()]
     )
+
+
+def _gone(address: str, s: int, error: BaseException | None, what: str) -> PeerDisconnected:
+    """The driver lost stage ``s`` itself (its process died, its connection dropped): said
+    as a step says it, naming the stage (the transport's own error, a bare PeerEOF
+    "connection failed: [Errno 104] Connection reset by peer", named none)."""
+    why = f": {error}" if error is not None else ": its connection dropped"
+    gone = PeerDisconnected(f"{what}: stage {s} ({address}) is gone{why}")
+    gone.__cause__ = error
+    return gone
+
+
+async def _each_stage(peers: list[Peer], calls: list[asyncio.Task[Any]]) -> list[Any]:
+    """``_all_or_none`` over one call per stage of a connect: a stage the driver lost fails it
+    as that stage gone (PeerDisconnected naming it), even where a neighbour's error came first
+    (its link to the dead stage failed: a RemoteError that named only an address)."""
+    try:
+        return await _all_or_none(calls)
+    except TensorWireError as exc:
+        error: TensorWireError = exc
+        for s, task in enumerate(calls):
+            lost = None if task.cancelled() else task.exception()
+            if isinstance(lost, PeerDisconnected) or (lost is None and peers[s].closed):
+                error = _gone(peers[s].remote_address, s, lost, "Pipeline.connect")
+                break
+        if error is exc:
+            raise
+        error.add_note(f"the first error of the stages: {type(exc).__name__}: {exc}")
+        raise error from exc
 
 
 async def _all_or_none(calls: list[asyncio.Task[Any]]) -> list[Any]:
