@@ -1702,6 +1702,8 @@ async def test_a_stage_closed_right_after_it_linked_fails_the_connect_at_once(mo
                 assert isinstance(error, tensorwire.RemoteError), repr(error)
                 assert error.remote_type == "PeerDisconnected", error
                 assert "closed its link as it was made" in error.remote_message, error
+                # named by the address the driver gave, not the port its connection came from
+                assert f"the previous stage ({ns[0].address})" in error.remote_message, error
         finally:
             for stage in ss:
                 await stage.aclose()
@@ -1896,3 +1898,27 @@ async def test_a_stage_that_dies_during_a_connect_is_named(call: str) -> None:
             tensorwire.Peer.call = real_call  # type: ignore[method-assign]
             for stage in ss:
                 await stage.aclose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("error", [tensorwire.ConnectError, tensorwire.PeerDisconnected])
+async def test_a_stage_that_dies_as_the_driver_dials_it_is_named(
+    monkeypatch: pytest.MonkeyPatch, error: type[tensorwire.TensorWireError]
+) -> None:
+    """A stage process killed while the driver's node.connect to it ran failed Pipeline.connect
+    with "ConnectError: tcp data connection to 127.0.0.1:P failed: peer closed the connection"
+    (P the stage's data port, no stage named) or a bare PeerEOF (the kill sweep: tcp 1 of 21
+    connects). The error keeps its type and names the stage."""
+    async with stages(parts(layers(3))) as (addresses, driver):
+        real_connect = tensorwire.Node.connect
+
+        async def dial(node: tensorwire.Node, address: str, **kw: Any) -> Any:
+            if address == addresses[1]:
+                raise error("tcp data connection to 127.0.0.1:1 failed: peer closed the connection")
+            return await real_connect(node, address, **kw)
+
+        monkeypatch.setattr(tensorwire.Node, "connect", dial)
+        with pytest.raises(error) as err:
+            async with asyncio.timeout(20):
+                await pipeline.Pipeline.connect(driver, addresses)
+        assert f"stage 1 ({addresses[1]})" in str(err.value), err.value

@@ -39,6 +39,7 @@ from ..errors import (
     BusyResourceError,
     ClosedResourceError,
     ConfigurationError,
+    ConnectError,
     DeadlineExceeded,
     InvalidArguments,
     MessageRefused,
@@ -211,6 +212,8 @@ class Pipeline:
                     peers.append(await node.connect(address, transports=tuple(transports) if transports else None))
                 except PeerDisconnected as exc:  # (it died as the driver connected: a bare PeerEOF)
                     raise _gone(address, s, exc, "Pipeline.connect") from exc
+                except ConnectError as exc:  # ("tcp data connection to 127.0.0.1:P failed": its data port)
+                    raise ConnectError(f"Pipeline.connect: stage {s} ({address}): {exc}") from exc
             # one node is one instance id, whatever its addresses: node ids may repeat (stages
             # named after the hostname, in containers), and two such stages are two nodes
             seen: dict[str, str] = {}

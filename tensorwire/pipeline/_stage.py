@@ -645,7 +645,7 @@ class Stage:
                     self.next = _Link(rank + 1, peer, next_address)
                     await peer._send_own({"generation": ticket[0], "key": key}, tag=HELLO_TAG)
                 if prev_instance is not None:
-                    peer = await self._wait_for(prev_instance, key)
+                    peer = await self._wait_for(prev_instance, key, plan.prev_address)
                     self.prev = _Link(rank - 1, peer, plan.prev_address or peer.remote_address)
         except BaseException as exc:
             waiting = (
@@ -668,11 +668,12 @@ class Stage:
             "next_path": str(self.next.peer.path) if self.next else None,
         }
 
-    async def _wait_for(self, instance: str, key: str) -> Peer:
+    async def _wait_for(self, instance: str, key: str, address: str | None = None) -> Peer:
         """The peer on which the previous stage (its ``Node.instance_id``), configured by the same
         driver (``key``), said hello (it connects; this side accepts). Other peers from that node
         never say this hello: a driver on the same node says none, an older configure's link one
-        with another key."""
+        with another key. ``address``: that stage's, as the driver named it, for the errors (its
+        connection's own remote address is the port it dialled from)."""
         loop = asyncio.get_running_loop()
         hellos: dict[Peer, asyncio.Task[Any]] = {}
         # the peers from that node that came meanwhile, as they came: the previous stage may link
@@ -691,8 +692,8 @@ class Stage:
                             if isinstance(hello, dict) and hello.get("key") == key:
                                 if peer.closed:
                                     raise PeerDisconnected(
-                                        f"stage {self.rank}: the previous stage ({peer.remote_address}) closed its "
-                                        "link as it was made"
+                                        f"stage {self.rank}: the previous stage ({address or peer.remote_address}) "
+                                        "closed its link as it was made"
                                     )
                                 return peer
                             if not peer.closed:  # an older configure's hello, left unread: listen on
