@@ -42,6 +42,20 @@ class cuda:
     runtime = _Runtime
 '''
 
+_CPU_TORCH = '''"""A stand-in for a torch built without CUDA (tests/test_gpu_check.py)."""
+__version__ = "0+stand-in"
+
+
+class version:
+    cuda = None
+
+
+class cuda:
+    @staticmethod
+    def is_available():
+        return False
+'''
+
 
 # the check's PYTHON where a test checks which benchmarks a step starts and what the summary says of
 # them, not the benchmarks: each one (python benchmarks/X.py ARGS) prints a row of its table, one
@@ -67,7 +81,16 @@ def _check(
         env = {"PYTHON": str(python), **env}
     # the machine and version report (python start-ups that import CuPy, torch, ucxx and tensorwire:
     # ~5 s a run here) only where a test asks for it (REPORT="1")
-    full = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "REPORT": "0", **env}
+    # the tests step's pytest processes (three, with XDIST=2) without hypothesis's plugin: its import
+    # took 0.5 CPU-s of each one's 0.7 here, and no test the check runs here uses it
+    full = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OUT": str(out),
+        "REPORT": "0",
+        "PYTEST_ADDOPTS": "-p no:hypothesispytest",
+        **env,
+    }
     if one_gpu:
         fake = tmp_path / "stand-in"
         (fake / "cupy").mkdir(parents=True, exist_ok=True)
@@ -101,6 +124,10 @@ def test_gpu_check_runs_the_steps_named_in_their_order_and_fails_without_a_gpu(t
     shadow = tmp_path / "shadow" / "tensorwire"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text('raise ImportError("not the tensorwire of this checkout")\n')
+    # and a stand-in torch, built for no CUDA as the CPU one here is, for the report's torch line
+    # (importing the real one took 1.6 of this test's 6.5 CPU-s; no step here uses torch)
+    (shadow.parent / "torch").mkdir()
+    (shadow.parent / "torch" / "__init__.py").write_text(_CPU_TORCH)
     proc = _check(
         tmp_path, STEPS="pack kv bogus", BUDGET="100", T_PACK="1000", PYTHONPATH=str(shadow.parent), REPORT="1"
     )
@@ -113,6 +140,7 @@ def test_gpu_check_runs_the_steps_named_in_their_order_and_fails_without_a_gpu(t
         "== packages the GPU code calls",
         "tensorwire 0.",
         "transports (preference",
+        "torch 0+stand-in | built for CUDA None | cuda available False\n",
     ):
         assert part in out, out
     pack, kv = out.index("benchmarks/gpu_pack.py --gib 0.5"), out.index("benchmarks/kv_rows.py --memory cuda")
