@@ -26,8 +26,11 @@ def _collected(shard: str | None, *paths: str) -> tuple[int, list[str], str]:
     env = {k: v for k, v in os.environ.items() if k != "TW_GUEST_SHARD"}
     if shard is not None:
         env["TW_GUEST_SHARD"] = shard
+    # (without hypothesis's plugin, which no test collected here uses: it took 0.6 of each
+    # collection's 1.4 CPU-s)
+    plugins_off = ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:hypothesispytest"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "--collect-only", "-q", *paths],
+        [sys.executable, "-m", "pytest", *plugins_off, "--collect-only", "-q", *paths],
         cwd=ROOT,
         env=env,
         capture_output=True,
