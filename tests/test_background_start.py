@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+# (hypothesis's plugin took 0.5 of each child pytest's 0.75 CPU-s; nothing here uses it)
+PLUGINS_OFF = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 
 MODULE = """
 import os
@@ -49,7 +51,7 @@ def _run(tmp_path: Path, *args: str, **env: str) -> list[str]:
     child_env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     child_env.update(env, BG_LOG=str(log), PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q", *args, str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-p", "conftest", *PLUGINS_OFF, "-q", *args, str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
