@@ -948,14 +948,14 @@ class Node:
         ``goodbye_seconds`` for each step, so as not to hold up the cancel: it waited for the
         data connection that will never come for its whole connect_timeout (10 s), and then
         warned that the peer never opened it. A data connection that did reach it ends too."""
-        if handshake is None:
-            await client.aclose()
-            return
-        if _answered(handshake) is None and (handshake.done() or asyncio.get_running_loop().time() >= until):
+        if handshake is None or (
+            _answered(handshake) is None and (handshake.done() or asyncio.get_running_loop().time() >= until)
+        ):
             # no answer, and none can come: close at once. Waiting for the call's end (gRPC's
             # word of its deadline comes late on a loaded machine) kept the channel open past
             # the end of gRPC's connection attempt, which then dialled again (_leave_unopened)
-            handshake.cancel()
+            if handshake is not None:
+                handshake.cancel()
             await client.aclose()
             return
         self._retire(_leave_unopened(client, handshake, until, self.config.goodbye_seconds))
@@ -1225,9 +1225,8 @@ async def _leave_unopened(
     node that takes connections and never answers, one left open seconds after the connect."""
     try:
         if not handshake.done():
-            wait = min(seconds, until - asyncio.get_running_loop().time())
-            if wait > 0:
-                await asyncio.wait([handshake], timeout=wait)
+            # (a timeout already past returns at once)
+            await asyncio.wait([handshake], timeout=min(seconds, until - asyncio.get_running_loop().time()))
         if (resp := _answered(handshake)) is not None:
             await client.leave([(resp.session_id, leave_proof(resp.session_secret, resp.session_id))], seconds)
     except Exception as exc:  # (it is gone, or closing)

@@ -1709,6 +1709,18 @@ async def test_a_stage_closed_right_after_it_linked_fails_the_connect_at_once(mo
                 await stage.aclose()
 
 
+async def _close_while_it_waits(stage: pipeline.Stage, call: asyncio.Future[Any], hold: threading.Event) -> Any:
+    """Close ``stage`` while the update ``call`` started waits behind ``hold`` in its compute
+    thread, then let the thread go: the call's outcome, once the close has ended too."""
+    closing = asyncio.ensure_future(stage.aclose())
+    await asyncio.sleep(0.1)
+    hold.set()
+    try:
+        return await call
+    finally:
+        await closing
+
+
 @pytest.mark.timeout(60)
 async def test_a_commit_under_way_lands_when_its_stage_closes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Stage closed (aclose or abort) while its commit's optimizer step waits for the compute
@@ -1730,13 +1742,7 @@ async def test_a_commit_under_way_lands_when_its_stage_closes(monkeypatch: pytes
             ss[2]._executor.submit(hold.wait, 10)  # the thread is busy: the optimizer step waits in its queue
             commit = asyncio.ensure_future(real_call(peer, name, *args, **kw))
             await eventually(lambda: ss[2]._applying is not None)
-            closing = asyncio.ensure_future(ss[2].aclose())
-            await asyncio.sleep(0.1)
-            hold.set()
-            try:
-                return await commit
-            finally:
-                await closing
+            return await _close_while_it_waits(ss[2], commit, hold)
 
         try:
             async with asyncio.timeout(20), await pipeline.Pipeline.connect(ns[3], [n.address for n in ns[:3]]) as pipe:
@@ -1794,13 +1800,7 @@ async def test_a_settled_step_lands_when_its_settle_is_cut_short(cut: str) -> No
                 settling = asyncio.ensure_future(real_call(peer, name, *args, **kw))
                 await eventually(lambda: ss[1]._orphan is None)  # the stage took the settle
                 if cut == "stage-closed":
-                    closing = asyncio.ensure_future(ss[1].aclose())
-                    await asyncio.sleep(0.1)
-                    hold.set()
-                    try:
-                        return await settling
-                    finally:
-                        await closing
+                    return await _close_while_it_waits(ss[1], settling, hold)
                 await eventually(lambda: ss[2]._orphan is None and ss[2]._last_commit == ss[0]._last_commit)
                 settling.cancel()  # the caller gives up; the cancel travels to the stage
                 await asyncio.gather(settling, return_exceptions=True)
